@@ -1,0 +1,99 @@
+"""Costs derived from operator descriptions: compute, collectives, redistribution, memory.
+
+:func:`build_tables` lowers a graph on a machine to cost tables (one vector
+per operator, one matrix per edge) and from there to the solver-level
+:class:`~shardplan.search.problem.Problem`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from shardplan.configs import configurations
+from shardplan.cost.edge import edge_cost, edge_volumes
+from shardplan.cost.memory import operator_memory, strategy_memory
+from shardplan.cost.operator import OpCost, operator_cost
+from shardplan.errors import ShardplanError
+from shardplan.ir import Graph
+from shardplan.machine import Machine
+from shardplan.search.problem import Problem
+
+__all__ = ["CostTables", "build_tables", "operator_cost", "edge_cost", "edge_volumes", "OpCost"]
+
+
+@dataclass(frozen=True, eq=False)
+class CostTables:
+    """Every cost the search needs, for one graph on one machine.
+
+    Attributes:
+        graph, machine: what was costed.
+        configs: per operator, its configurations (K_v, n_dims).
+        op_costs: per operator, its :class:`OpCost` (arrays of K_v).
+        edge_costs: per graph edge (``graph.edges`` order), a (K_u, K_v) matrix in seconds.
+        memory: per operator, (weights, activations) bytes per configuration and device.
+    """
+
+    graph: Graph
+    machine: Machine
+    configs: tuple[np.ndarray, ...]
+    op_costs: tuple[OpCost, ...]
+    edge_costs: tuple[np.ndarray, ...]
+    memory: tuple[tuple[np.ndarray, np.ndarray], ...]
+    options: dict
+
+    def to_problem(self) -> Problem:
+        """The solver-level problem: vertex cost t_l, edge cost t_x (seconds)."""
+        g = self.graph
+        return Problem(
+            names=tuple(op.name for op in g.operators),
+            configs=tuple(tuple(tuple(int(x) for x in row) for row in c) for c in self.configs),
+            vertex_cost=tuple(c.total for c in self.op_costs),
+            edges=tuple((e.src, e.dst) for e in g.edges),
+            edge_cost=self.edge_costs,
+            dims=tuple(op.dim_names for op in g.operators),
+        )
+
+    def index_of(self, op_index: int, config: Sequence[int]) -> int:
+        """Row of ``config`` among operator ``op_index``'s configurations."""
+        rows = np.nonzero((self.configs[op_index] == np.asarray(config)[None, :]).all(axis=1))[0]
+        if not len(rows):
+            op = self.graph.operators[op_index]
+            raise ShardplanError(f"operator {op.name!r}: {tuple(config)} is not a valid configuration ({op.label})")
+        return int(rows[0])
+
+    def breakdown(self, assignment: Sequence[int]) -> dict[str, float]:
+        """Seconds of a strategy by kind: compute, each in-operator communication, redistribution."""
+        out = {"compute": 0.0, "forward_allreduce": 0.0, "grad_allreduce": 0.0, "halo": 0.0, "stats": 0.0,
+               "recurrence": 0.0}
+        for c, k in zip(self.op_costs, assignment):
+            for key, val in c.parts(int(k)).items():
+                out[key] += val
+        out["redistribution"] = float(sum(m[assignment[e.src], assignment[e.dst]]
+                                          for e, m in zip(self.graph.edges, self.edge_costs)))
+        out["total"] = sum(out.values())
+        return out
+
+    def memory_of(self, assignment: Sequence[int]) -> dict[str, float]:
+        return strategy_memory(list(self.memory), assignment)
+
+
+def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,
+                 divides_p: bool = False, optimizer_factor: float = 2.0,
+                 progress: Callable[[int, int], None] | None = None) -> CostTables:
+    """Configurations and costs of every operator and edge of ``graph`` on ``machine``."""
+    p = machine.num_devices
+    configs = tuple(configurations(op, p, cutoff, powers_of_two, divides_p) for op in graph.operators)
+    op_costs = tuple(operator_cost(op, c, machine) for op, c in zip(graph.operators, configs))
+    memory = tuple(operator_memory(op, c, machine, optimizer_factor) for op, c in zip(graph.operators, configs))
+    ops = graph.operators
+    edge_costs = []
+    for i, e in enumerate(graph.edges):
+        edge_costs.append(edge_cost(ops[e.src], configs[e.src], ops[e.dst], e.slot, configs[e.dst], machine))
+        if progress is not None:
+            progress(i + 1, len(graph.edges))
+    opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p,
+            "optimizer_factor": optimizer_factor}
+    return CostTables(graph, machine, configs, op_costs, tuple(edge_costs), memory, opts)

@@ -1,0 +1,497 @@
+"""Operators as iteration domains with tensor access maps, and the graph.
+
+An operator is described once, in the polyhedral style of seed 002:
+
+* an ordered set of named *iteration dimensions* with extents, e.g. a GEMM
+  ``{b:128, m:512, n:2048, k:512}``; the iteration domain is their product;
+* the *tensors* it touches (inputs, weights, one output), each with one
+  :class:`AxisMap` per tensor axis saying which iteration point reads or
+  writes which index along that axis;
+* the work per iteration point (2 FLOPs for a multiply-add) and which
+  tensors need gradients in the backward pass.
+
+Everything else is derived. The *reduction dimensions* of the operator are
+the dimensions that index no axis of the output; the reduction dimensions of
+the gradient of a tensor X are the dimensions that index no axis of X (the
+backward pass reuses the same domain with X in the role of the output).
+
+An axis map is affine with one optional window term (convolution, pooling):
+
+    index = stride * dim + dilation * window + offset      (clipped to the axis)
+
+A plain axis is ``AxisMap("n")``; a convolution input row is
+``AxisMap("h", window="r", stride=s, offset=-pad)``; the part of a
+concatenation's output that comes from its second input is
+``AxisMap("c", offset=-c1)`` on that input (indices outside the input's
+extent are not read). A *merged* axis (reshape, flatten) lists trailing
+dimensions in ``inner``: ``index = ((dim * E_inner1) + inner1) * E_inner2 + ...``;
+only the leading dimension of a merged axis may be split, so every
+per-device tile stays a box. An axis indexed by no dimension (a broadcast
+axis of extent 1, or a tensor read whole) has ``dim=None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import networkx as nx
+
+from shardplan.errors import ShardplanError
+
+__all__ = [
+    "AxisMap",
+    "Tensor",
+    "Recurrence",
+    "Operator",
+    "TensorRef",
+    "EdgeRef",
+    "Graph",
+    "GraphBuilder",
+]
+
+
+@dataclass(frozen=True)
+class AxisMap:
+    """How one tensor axis is indexed by the iteration domain.
+
+    ``index = stride * dim + dilation * window + offset`` for an affine axis;
+    for a merged axis (``inner`` non-empty) the index is the row-major ravel
+    of ``(dim, *inner)``. ``dim=None`` means the axis is not indexed by the
+    domain (it is read whole, or is a broadcast axis of extent 1).
+    """
+
+    dim: str | None
+    window: str | None = None
+    stride: int = 1
+    dilation: int = 1
+    offset: int = 0
+    inner: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.stride < 1 or self.dilation < 1:
+            raise ShardplanError(f"axis map {self}: stride and dilation must be >= 1")
+        if self.dim is None and (self.window or self.inner):
+            raise ShardplanError(f"axis map {self}: a window or merged axis needs a leading dimension")
+        if self.inner and (self.window or self.stride != 1 or self.offset != 0):
+            raise ShardplanError(f"axis map {self}: a merged axis cannot also be strided, windowed or offset")
+        object.__setattr__(self, "inner", tuple(self.inner))
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """Every iteration dimension this axis depends on."""
+        out: list[str] = []
+        if self.dim is not None:
+            out.append(self.dim)
+        if self.window is not None:
+            out.append(self.window)
+        out.extend(self.inner)
+        return tuple(out)
+
+    @property
+    def is_plain(self) -> bool:
+        """True when the axis is exactly one dimension, unstrided and unshifted."""
+        return self.dim is not None and not self.window and not self.inner and self.stride == 1 and self.offset == 0
+
+    def index_range(self, extents: Mapping[str, int]) -> tuple[int, int]:
+        """[lo, hi) of the indices the whole domain touches, before clipping."""
+        if self.dim is None:
+            return (0, 1)
+        if self.inner:
+            size = extents[self.dim]
+            for d in self.inner:
+                size *= extents[d]
+            return (0, size)
+        hi = self.stride * (extents[self.dim] - 1) + self.offset + 1
+        if self.window is not None:
+            hi += self.dilation * (extents[self.window] - 1)
+        return (self.offset, hi)
+
+
+def _am(a: AxisMap | str | None) -> AxisMap:
+    return a if isinstance(a, AxisMap) else AxisMap(a)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A tensor an operator touches: its shape, its axis maps and its role.
+
+    Attributes:
+        name: role inside the operator ("x", "w", "y", ...).
+        shape: extent of every axis.
+        axes: one :class:`AxisMap` per axis.
+        role: "input", "weight" or "output".
+        needs_grad: whether the backward pass produces a gradient for it
+            (inputs coming from other operators and trainable weights; not
+            integer ids or labels).
+        src: for an input, the name of the producing operator (None for a
+            graph input such as the images or the labels).
+        elem_factor: elements per indexed point; 1 for ordinary tensors, e.g. 8
+            for an LSTM weight that stores 4 gates x 2 matrices per (l, d, e).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    axes: tuple[AxisMap, ...]
+    role: str
+    needs_grad: bool = True
+    src: str | None = None
+    elem_factor: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "axes", tuple(_am(a) for a in self.axes))
+        if self.role not in ("input", "weight", "output"):
+            raise ShardplanError(f"tensor {self.name!r}: role must be input, weight or output, not {self.role!r}")
+        if len(self.shape) != len(self.axes):
+            raise ShardplanError(
+                f"tensor {self.name!r}: shape {self.shape} has {len(self.shape)} axes but {len(self.axes)} axis maps"
+            )
+        if any(s <= 0 for s in self.shape):
+            raise ShardplanError(f"tensor {self.name!r}: shape {self.shape} has a zero or negative extent")
+
+    @property
+    def dims(self) -> frozenset[str]:
+        """Iteration dimensions that index some axis of this tensor."""
+        return frozenset(d for a in self.axes for d in a.dims)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        n = self.elem_factor
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    """Marks an operator whose domain holds a sequential recurrence (an LSTM).
+
+    The layer and time dimensions are not data-parallel: splitting ``layer``
+    makes a pipeline of stages that hand hidden states to each other, and
+    splitting ``time`` makes chunks that must run one after another. These
+    dimensions are therefore excluded from the derived reduction dimensions;
+    their cost is the one hand-written term of the cost model
+    (:func:`shardplan.cost.operator.recurrence_cost`). ``state`` is the
+    hidden-state dimension the recurrent product contracts over.
+    """
+
+    layer: str
+    time: str
+    state: str
+    batch: str
+
+
+@dataclass(frozen=True, eq=False)
+class Operator:
+    """One vertex of the graph: an iteration domain with its tensor accesses.
+
+    Attributes:
+        name: unique name in the graph.
+        kind: what made it ("einsum", "conv2d", ...): for display only; the
+            cost model never branches on it.
+        dims: ordered (dimension name, extent) pairs; the order is the order
+            of configuration tuples and of the device numbering.
+        inputs: tensors read that come from other operators or graph inputs.
+        weights: trainable parameters.
+        output: the one tensor written.
+        flops_per_point: work per iteration point of the forward pass.
+        norm_dims: dimensions reduced *inside* the operator while the output
+            keeps them (softmax, normalisation): splitting them all-reduces
+            ``norm_stats`` statistics per point of the tile without them.
+        norm_stats: statistics per normalised row (2 for mean and variance).
+        recurrence: set for a recurrent operator (see :class:`Recurrence`).
+        fixed: dimensions that may not be split (inner dims of a merged axis).
+        label: dimension letters for reports (Table II style, e.g. "bchwnrs").
+    """
+
+    name: str
+    kind: str
+    dims: tuple[tuple[str, int], ...]
+    inputs: tuple[Tensor, ...]
+    output: Tensor
+    weights: tuple[Tensor, ...] = ()
+    flops_per_point: float = 2.0
+    norm_dims: tuple[str, ...] = ()
+    norm_stats: int = 2
+    recurrence: Recurrence | None = None
+    fixed: frozenset[str] = frozenset()
+    attrs: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        dims = tuple((str(d), int(e)) for d, e in self.dims)
+        object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "weights", tuple(self.weights))
+        object.__setattr__(self, "norm_dims", tuple(self.norm_dims))
+        object.__setattr__(self, "fixed", frozenset(self.fixed))
+        self._validate()
+
+    # -- validation -----------------------------------------------------
+    def _fail(self, msg: str) -> None:
+        raise ShardplanError(f"operator {self.name!r} ({self.kind}): {msg}")
+
+    def _validate(self) -> None:
+        if not self.name:
+            raise ShardplanError("an operator needs a non-empty name")
+        names = [d for d, _ in self.dims]
+        if len(set(names)) != len(names):
+            self._fail(f"duplicate dimension names in {names}")
+        for d, e in self.dims:
+            if e <= 0:
+                self._fail(f"dimension {d!r} has extent {e}; extents must be positive")
+        if self.output.role != "output":
+            self._fail("the output tensor must have role 'output'")
+        ext = self.extents
+        seen: set[str] = set()
+        for t in self.tensors:
+            if t.name in seen:
+                self._fail(f"two tensors are named {t.name!r}")
+            seen.add(t.name)
+            for i, (a, size) in enumerate(zip(t.axes, t.shape)):
+                for d in a.dims:
+                    if d not in ext:
+                        self._fail(f"tensor {t.name!r} axis {i} uses unknown dimension {d!r} (dims: {names})")
+                lo, hi = a.index_range(ext)
+                if a.dim is None:
+                    continue
+                if a.inner and hi != size:
+                    self._fail(f"tensor {t.name!r} axis {i}: merged dims {a.dims} cover {hi} indices, axis has {size}")
+                if a.is_plain and ext[a.dim] != size:
+                    self._fail(
+                        f"tensor {t.name!r} axis {i} has extent {size} but dimension {a.dim!r} has extent {ext[a.dim]}"
+                    )
+                if not a.is_plain and (hi <= 0 or lo >= size):
+                    self._fail(f"tensor {t.name!r} axis {i}: the access never falls inside the axis (0..{size})")
+        for t in self.output.axes:
+            if t.window is not None or t.offset != 0 or t.stride != 1:
+                self._fail("output axes must be plain or merged (no window, stride or offset)")
+        for d in self.norm_dims:
+            if d not in ext:
+                self._fail(f"normalised dimension {d!r} is not a dimension")
+        for d in self.fixed:
+            if d not in ext:
+                self._fail(f"fixed dimension {d!r} is not a dimension")
+        if self.recurrence is not None:
+            for d in (self.recurrence.layer, self.recurrence.time, self.recurrence.state, self.recurrence.batch):
+                if d not in ext:
+                    self._fail(f"recurrence dimension {d!r} is not a dimension")
+        for t in self.weights:
+            if t.role != "weight":
+                self._fail(f"weight {t.name!r} must have role 'weight'")
+        for t in self.inputs:
+            if t.role != "input":
+                self._fail(f"input {t.name!r} must have role 'input'")
+
+    # -- derived ----------------------------------------------------------
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return tuple(d for d, _ in self.dims)
+
+    @property
+    def extents(self) -> dict[str, int]:
+        return dict(self.dims)
+
+    @property
+    def label(self) -> str:
+        """The dimension letters, e.g. "bchwnrs" (names joined when longer)."""
+        names = self.dim_names
+        return "".join(names) if all(len(n) == 1 for n in names) else ",".join(names)
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.inputs + self.weights + (self.output,)
+
+    @property
+    def points(self) -> int:
+        """Size of the iteration domain."""
+        n = 1
+        for _, e in self.dims:
+            n *= e
+        return n
+
+    def _pipeline_dims(self) -> frozenset[str]:
+        r = self.recurrence
+        return frozenset() if r is None else frozenset((r.layer, r.time))
+
+    @property
+    def reduction_dims(self) -> tuple[str, ...]:
+        """Dimensions that index no axis of the output (summed over)."""
+        out = self.output.dims | self._pipeline_dims()
+        return tuple(d for d in self.dim_names if d not in out)
+
+    def grad_reduction_dims(self, tensor: Tensor) -> tuple[str, ...]:
+        """Dimensions the gradient of ``tensor`` sums over: those not indexing it."""
+        keep = tensor.dims | self._pipeline_dims()
+        return tuple(d for d in self.dim_names if d not in keep)
+
+    @property
+    def grad_tensors(self) -> tuple[Tensor, ...]:
+        """Inputs and weights whose gradient the backward pass computes."""
+        return tuple(t for t in self.inputs + self.weights if t.needs_grad)
+
+    @property
+    def out(self) -> "TensorRef":
+        """A reference to this operator's output, to feed other operators."""
+        return TensorRef(self.name, self.output.shape)
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{d}:{e}" for d, e in self.dims)
+        return f"Operator({self.name!r}, {self.kind}, {{{dims}}})"
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A value flowing in the graph: the producing operator (or graph input) and its shape."""
+
+    name: str
+    shape: tuple[int, ...]
+    is_input: bool = False
+    needs_grad: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+
+
+@dataclass(frozen=True)
+class EdgeRef:
+    """An edge: operator ``src`` produces the tensor that is input ``slot`` of ``dst``."""
+
+    src: int
+    dst: int
+    slot: int
+
+
+@dataclass(frozen=True, eq=False)
+class Graph:
+    """A validated DAG of operators.
+
+    Edges are derived from the operators' inputs (``Tensor.src``); graph
+    inputs (data, labels) are not vertices. Validation: unique names, known
+    producers, matching shapes along every edge, no cycles.
+    """
+
+    name: str
+    operators: tuple[Operator, ...]
+    graph_inputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    edges: tuple[EdgeRef, ...] = field(init=False)
+    index: Mapping[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        ops = tuple(self.operators)
+        object.__setattr__(self, "operators", ops)
+        object.__setattr__(self, "graph_inputs", dict(self.graph_inputs))
+        if not ops:
+            raise ShardplanError(f"graph {self.name!r} has no operators")
+        index: dict[str, int] = {}
+        for i, op in enumerate(ops):
+            if op.name in index:
+                raise ShardplanError(f"graph {self.name!r}: two operators are named {op.name!r}")
+            if op.name in self.graph_inputs:
+                raise ShardplanError(f"graph {self.name!r}: {op.name!r} is both an operator and a graph input")
+            index[op.name] = i
+        edges = []
+        for j, op in enumerate(ops):
+            for slot, t in enumerate(op.inputs):
+                if t.src is None:
+                    continue
+                if t.src in self.graph_inputs:
+                    want = tuple(self.graph_inputs[t.src])
+                    if want != t.shape:
+                        raise ShardplanError(
+                            f"operator {op.name!r} input {t.name!r} has shape {t.shape}, "
+                            f"graph input {t.src!r} has shape {want}"
+                        )
+                    continue
+                if t.src not in index:
+                    raise ShardplanError(f"operator {op.name!r} input {t.name!r} comes from unknown {t.src!r}")
+                src = ops[index[t.src]]
+                if src.output.shape != t.shape:
+                    raise ShardplanError(
+                        f"shape mismatch on edge {src.name!r} -> {op.name!r}: produces {src.output.shape}, "
+                        f"input {t.name!r} expects {t.shape}"
+                    )
+                edges.append(EdgeRef(index[t.src], j, slot))
+        object.__setattr__(self, "edges", tuple(edges))
+        object.__setattr__(self, "index", index)
+        g = self.to_networkx()
+        if not nx.is_directed_acyclic_graph(g):
+            cycle = nx.find_cycle(g)
+            path = " -> ".join(u for u, _ in cycle) + f" -> {cycle[0][0]}"
+            raise ShardplanError(f"graph {self.name!r} has a cycle: {path}")
+
+    def to_networkx(self) -> nx.MultiDiGraph:
+        """The operator graph as a networkx MultiDiGraph (nodes are operator names)."""
+        g = nx.MultiDiGraph(name=self.name)
+        for op in self.operators:
+            g.add_node(op.name, kind=op.kind)
+        for e in self.edges:
+            g.add_edge(self.operators[e.src].name, self.operators[e.dst].name, slot=e.slot)
+        return g
+
+    def __getitem__(self, name: str) -> Operator:
+        try:
+            return self.operators[self.index[name]]
+        except KeyError:
+            raise ShardplanError(f"graph {self.name!r} has no operator {name!r}") from None
+
+    def __len__(self) -> int:
+        return len(self.operators)
+
+    def __iter__(self):
+        return iter(self.operators)
+
+    def topological_order(self) -> list[int]:
+        g = nx.DiGraph()
+        g.add_nodes_from(range(len(self.operators)))
+        g.add_edges_from((e.src, e.dst) for e in self.edges)
+        return list(nx.lexicographical_topological_sort(g))
+
+
+class GraphBuilder:
+    """Collects operators in order and builds a validated :class:`Graph`.
+
+    >>> b = GraphBuilder("mlp")
+    >>> x = b.input("x", (64, 784))
+    >>> h = b.add(ops.dense("fc1", x, 512))            # doctest: +SKIP
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._ops: list[Operator] = []
+        self._names: set[str] = set()
+        self._inputs: dict[str, tuple[int, ...]] = {}
+
+    def input(self, name: str, shape: Sequence[int], needs_grad: bool = False) -> TensorRef:
+        """Declare a graph input (data, labels, token ids)."""
+        if name in self._names or name in self._inputs:
+            raise ShardplanError(f"graph {self.name!r}: name {name!r} is already used")
+        shape = tuple(int(s) for s in shape)
+        if any(s <= 0 for s in shape):
+            raise ShardplanError(f"graph input {name!r} has a zero or negative extent in {shape}")
+        self._inputs[name] = shape
+        return TensorRef(name, shape, is_input=True, needs_grad=needs_grad)
+
+    def unique(self, base: str) -> str:
+        """``base`` if unused, else ``base_2``, ``base_3``, ..."""
+        if base not in self._names and base not in self._inputs:
+            return base
+        i = 2
+        while f"{base}_{i}" in self._names or f"{base}_{i}" in self._inputs:
+            i += 1
+        return f"{base}_{i}"
+
+    def add(self, op: Operator) -> TensorRef:
+        """Append an operator; returns a reference to its output."""
+        if op.name in self._names or op.name in self._inputs:
+            raise ShardplanError(f"graph {self.name!r}: two operators are named {op.name!r}")
+        self._names.add(op.name)
+        self._ops.append(op)
+        return op.out
+
+    def extend(self, ops: Iterable[Operator]) -> list[TensorRef]:
+        return [self.add(op) for op in ops]
+
+    def build(self) -> Graph:
+        return Graph(self.name, tuple(self._ops), dict(self._inputs))

@@ -1,0 +1,162 @@
+"""The machine: devices, FLOP/s, links, latency, memory, element size.
+
+A machine is one immutable value passed to every cost function; nothing is
+cached anywhere else. Real clusters are hierarchical: ``node_size`` devices
+share fast links (NVLink), nodes share a slower network (InfiniBand). A
+collective whose group lies inside one node runs at ``bandwidth``; one that
+crosses nodes runs at ``inter_bandwidth`` (the ring's bottleneck link).
+Devices are numbered 0..p-1, node k holding devices k*node_size ...
+(k+1)*node_size - 1.
+
+Units: seconds, bytes, FLOP/s. The reference setting of the PaSE paper is
+10 TFLOP/s and 16 GB/s, one level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from shardplan.errors import ShardplanError
+
+__all__ = ["Machine", "PRESETS", "preset", "DTYPE_BYTES"]
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp64": 8}
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Machine:
+    """An immutable description of p identical devices.
+
+    Attributes:
+        num_devices: p.
+        peak_flops: FLOP/s of one device.
+        bandwidth: bytes/s of a link inside a node (the only level when
+            ``node_size`` is None).
+        latency: alpha, seconds per message step inside a node (0 reproduces
+            the reference model, which counts bandwidth only).
+        dtype_bytes: bytes per tensor element (4 for fp32, 2 for bf16).
+        memory_bytes: memory of one device, or None for unlimited.
+        node_size: devices per node; None means one level.
+        inter_bandwidth: bytes/s per device across nodes.
+        inter_latency: alpha across nodes.
+        name: a label for reports.
+    """
+
+    num_devices: int
+    peak_flops: float = 10e12
+    bandwidth: float = 16e9
+    latency: float = 0.0
+    dtype_bytes: int = 4
+    memory_bytes: float | None = None
+    node_size: int | None = None
+    inter_bandwidth: float | None = None
+    inter_latency: float | None = None
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_devices, int) or self.num_devices < 1:
+            raise ShardplanError(f"machine: number of devices must be a positive integer, got {self.num_devices!r}")
+        for field_name in ("peak_flops", "bandwidth"):
+            v = getattr(self, field_name)
+            if not v > 0:
+                raise ShardplanError(f"machine: {field_name} must be positive, got {v!r}")
+        if self.latency < 0:
+            raise ShardplanError(f"machine: latency must be >= 0, got {self.latency!r}")
+        if self.dtype_bytes not in (1, 2, 4, 8):
+            raise ShardplanError(f"machine: dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes!r}")
+        if self.memory_bytes is not None and not self.memory_bytes > 0:
+            raise ShardplanError(f"machine: memory_bytes must be positive, got {self.memory_bytes!r}")
+        if self.node_size is not None:
+            if self.node_size < 1:
+                raise ShardplanError(f"machine: node_size must be >= 1, got {self.node_size!r}")
+            if self.inter_bandwidth is None or not self.inter_bandwidth > 0:
+                raise ShardplanError("machine: a hierarchical machine (node_size set) needs a positive inter_bandwidth")
+        if self.inter_latency is not None and self.inter_latency < 0:
+            raise ShardplanError(f"machine: inter_latency must be >= 0, got {self.inter_latency!r}")
+
+    @property
+    def p(self) -> int:
+        return self.num_devices
+
+    @property
+    def hierarchical(self) -> bool:
+        """True when some groups of devices cross a node boundary."""
+        return self.node_size is not None and self.node_size < self.num_devices
+
+    @property
+    def balance(self) -> float:
+        """r = F / B: FLOPs one device does in the time one byte crosses a link (the paper's ratio)."""
+        return self.peak_flops / self.bandwidth
+
+    def link(self, inter: bool) -> tuple[float, float]:
+        """(bandwidth, latency) of the level: inside a node or across nodes."""
+        if inter and self.hierarchical:
+            lat = self.latency if self.inter_latency is None else self.inter_latency
+            return float(self.inter_bandwidth), float(lat)  # type: ignore[arg-type]
+        return float(self.bandwidth), float(self.latency)
+
+    def with_devices(self, p: int) -> "Machine":
+        """The same machine with p devices."""
+        return replace(self, num_devices=p)
+
+    def describe(self) -> str:
+        from shardplan.units import fmt_bytes, fmt_rate
+
+        s = f"{self.name}: {self.num_devices} devices x {fmt_rate(self.peak_flops, 'FLOP/s')}, "
+        s += f"links {fmt_rate(self.bandwidth, 'B/s')}"
+        if self.hierarchical:
+            s += f" inside nodes of {self.node_size}, {fmt_rate(self.inter_bandwidth or 0, 'B/s')} across"
+        if self.memory_bytes:
+            s += f", {fmt_bytes(self.memory_bytes)} per device"
+        s += f", {self.dtype_bytes}-byte elements"
+        return s
+
+
+def _paper(p: int) -> Machine:
+    return Machine(p, 10e12, 16e9, name="paper")
+
+
+def _paper_1080ti(p: int) -> Machine:
+    # Approximate: 11.3 TFLOP/s fp32; 8 GPUs per node over PCIe 3 x16 (~10 GB/s),
+    # 56 Gb/s-class InfiniBand (~7 GB/s) across nodes.
+    return Machine(p, 11.3e12, 10e9, node_size=8, inter_bandwidth=7e9, memory_bytes=11 * GiB, name="1080ti")
+
+
+def _paper_2080ti(p: int) -> Machine:
+    # Approximate: 13.4 TFLOP/s fp32 with a lower bandwidth-to-FLOP balance than the 1080 Ti nodes:
+    # PCIe shared by more GPUs inside (~6 GB/s), a slower network across (~2.5 GB/s).
+    return Machine(p, 13.4e12, 6e9, node_size=8, inter_bandwidth=2.5e9, memory_bytes=11 * GiB, name="2080ti")
+
+
+def _a100(p: int) -> Machine:
+    # A100 SXM 80 GB: 312 TFLOP/s bf16 dense; NVLink3 ~ 300 GB/s per direction per GPU;
+    # 8 x 200 Gb/s HDR IB per node = 25 GB/s per GPU across nodes.
+    return Machine(p, 312e12, 300e9, latency=5e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
+                   inter_bandwidth=25e9, inter_latency=10e-6, name="a100")
+
+
+def _h100(p: int) -> Machine:
+    # H100 SXM: 989 TFLOP/s bf16 dense; NVLink4 ~ 450 GB/s per direction per GPU;
+    # 8 x 400 Gb/s NDR IB per node = 50 GB/s per GPU across nodes.
+    return Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
+                   inter_bandwidth=50e9, inter_latency=8e-6, name="h100")
+
+
+PRESETS = {
+    "paper": _paper,
+    "1080ti": _paper_1080ti,
+    "2080ti": _paper_2080ti,
+    "a100": _a100,
+    "h100": _h100,
+}
+
+
+def preset(name: str, p: int) -> Machine:
+    """A named machine with p devices: one of :data:`PRESETS`."""
+    try:
+        make = PRESETS[name]
+    except KeyError:
+        raise ShardplanError(f"unknown machine preset {name!r}; choose from {', '.join(sorted(PRESETS))}") from None
+    return make(p)

@@ -1,0 +1,162 @@
+"""A plan: one configuration per operator, with its predicted cost, and the solve API."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from shardplan.cost import CostTables, build_tables
+from shardplan.errors import ShardplanError
+from shardplan.ir import Graph
+from shardplan.machine import Machine
+from shardplan.search.problem import Solution
+
+__all__ = ["Plan", "solve", "plan_from_configs"]
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A strategy on a costed graph.
+
+    Attributes:
+        tables: the cost tables it was chosen from (graph, machine, configurations, costs).
+        assignment: configuration index per operator (graph order).
+        solution: the solver's answer (None for a hand-made strategy such as a baseline).
+        name: what made it ("dp", "data-parallel", ...).
+        build_seconds: time spent building the cost tables.
+    """
+
+    tables: CostTables
+    assignment: tuple[int, ...]
+    solution: Solution | None = None
+    name: str = "plan"
+    build_seconds: float = 0.0
+    _breakdown: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def graph(self) -> Graph:
+        return self.tables.graph
+
+    @property
+    def machine(self) -> Machine:
+        return self.tables.machine
+
+    @property
+    def configs(self) -> dict[str, tuple[int, ...]]:
+        """Operator name -> configuration tuple (split per dimension, in the operator's dim order)."""
+        return {op.name: tuple(int(x) for x in self.tables.configs[i][k])
+                for i, (op, k) in enumerate(zip(self.graph.operators, self.assignment))}
+
+    def config(self, name: str) -> tuple[int, ...]:
+        i = self.graph.index.get(name)
+        if i is None:
+            raise ShardplanError(f"plan has no operator {name!r}")
+        return tuple(int(x) for x in self.tables.configs[i][self.assignment[i]])
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        """Predicted seconds per training step by kind (compute, each communication, redistribution, total)."""
+        if not self._breakdown:
+            self._breakdown.update(self.tables.breakdown(self.assignment))
+        return dict(self._breakdown)
+
+    @property
+    def cost(self) -> float:
+        """Predicted seconds of one training step (forward + backward)."""
+        return self.breakdown["total"]
+
+    @property
+    def memory(self) -> dict[str, float]:
+        """Peak bytes per device and its parts."""
+        return self.tables.memory_of(self.assignment)
+
+    @property
+    def solve_seconds(self) -> float:
+        return self.solution.solve_seconds if self.solution is not None else 0.0
+
+    def operators(self) -> list[dict[str, Any]]:
+        """Per operator: name, kind, dims, configuration, its own cost parts and incoming redistribution."""
+        incoming = np.zeros(len(self.graph))
+        for e, m in zip(self.graph.edges, self.tables.edge_costs):
+            incoming[e.dst] += m[self.assignment[e.src], self.assignment[e.dst]]
+        rows = []
+        for i, op in enumerate(self.graph.operators):
+            k = self.assignment[i]
+            parts = self.tables.op_costs[i].parts(k)
+            rows.append({
+                "name": op.name,
+                "kind": op.kind,
+                "dims": list(op.dim_names),
+                "label": op.label,
+                "config": [int(x) for x in self.tables.configs[i][k]],
+                "cost_seconds": float(self.tables.op_costs[i].total[k]),
+                "parts": parts,
+                "redistribution_in_seconds": float(incoming[i]),
+            })
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary."""
+        d: dict[str, Any] = {
+            "graph": self.graph.name,
+            "strategy": self.name,
+            "machine": {"name": self.machine.name, "devices": self.machine.num_devices,
+                        "peak_flops": self.machine.peak_flops, "bandwidth": self.machine.bandwidth},
+            "cost_seconds": self.cost,
+            "breakdown": self.breakdown,
+            "memory": self.memory,
+            "solve_seconds": self.solve_seconds,
+            "build_seconds": self.build_seconds,
+            "operators": self.operators(),
+        }
+        if self.solution is not None:
+            d["solver"] = self.solution.solver
+            d["optimal"] = self.solution.optimal
+            d["stats"] = _jsonable(self.solution.stats)
+        return d
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int]], name: str = "custom") -> Plan:
+    """A plan from explicit configuration tuples (every operator must be given)."""
+    g = tables.graph
+    missing = [op.name for op in g.operators if op.name not in configs]
+    if missing:
+        raise ShardplanError(f"strategy {name!r} gives no configuration for {missing[0]!r} ({len(missing)} missing)")
+    assignment = tuple(tables.index_of(i, configs[op.name]) for i, op in enumerate(g.operators))
+    return Plan(tables, assignment, None, name)
+
+
+def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: bool = False, divides_p: bool = False,
+          solver: str = "dp", tables: CostTables | None = None,
+          progress: Callable[[int, int], None] | None = None, **solver_options: Any) -> Plan:
+    """Find the strategy of minimum predicted step time for ``graph`` on ``machine``.
+
+    Builds the cost tables (configurations with at least ``cutoff`` points per
+    part), lowers them to a :class:`~shardplan.search.problem.Problem` and runs
+    ``solver`` (see :data:`shardplan.search.SOLVERS`); extra keyword
+    arguments go to the solver (e.g. ``ordering="generateseq"``).
+    """
+    from shardplan.search import SOLVERS
+
+    if solver not in SOLVERS:
+        raise ShardplanError(f"unknown solver {solver!r}; choose from {', '.join(sorted(SOLVERS))}")
+    t0 = time.perf_counter()
+    if tables is None:
+        tables = build_tables(graph, machine, cutoff=cutoff, powers_of_two=powers_of_two, divides_p=divides_p,
+                              progress=progress)
+    build_seconds = time.perf_counter() - t0
+    sol = SOLVERS[solver](tables.to_problem(), **solver_options)
+    return Plan(tables, tuple(int(a) for a in sol.assignment), sol, solver, build_seconds)
