@@ -90,7 +90,7 @@ def problem_from_dict(data: Any) -> Problem:
     names: list[str] = []
     configs: list[list[tuple[int, ...]]] = []
     costs: list[list[float]] = []
-    dims: list[tuple[str, ...]] = []
+    dims: list[tuple[str, ...]] = []  # () where a vertex gives none
     index: dict[str, int] = {}
     for i, rv in enumerate(raw_vertices):
         where = f"vertices[{i}]"
@@ -116,6 +116,8 @@ def problem_from_dict(data: Any) -> Problem:
             if not isinstance(d, list) or not all(isinstance(x, str) for x in d):
                 raise ShardplanError(f"{where}: dims must be a list of strings, got {d!r}")
             dims.append(tuple(d))
+        else:
+            dims.append(())
         index[name] = i
         names.append(name)
         configs.append(cfgs)
@@ -149,15 +151,13 @@ def problem_from_dict(data: Any) -> Problem:
             rows.append(_cost_vector(f"{where} row {r}", row, kd))
         edges.append((s, d))
         mats.append(np.array(rows, dtype=np.float64).reshape(ks, kd))
-    if dims and len(dims) != len(names):
-        raise ShardplanError("problem file: 'dims' must be given for every vertex or for none")
     return Problem(
         names=tuple(names),
         configs=tuple(tuple(c) for c in configs),
         vertex_cost=tuple(np.array(c) for c in costs),
         edges=tuple(edges),
         edge_cost=tuple(mats),
-        dims=tuple(dims) if dims else None,
+        dims=tuple(dims) if any(dims) else None,
     )
 
 
