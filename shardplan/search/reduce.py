@@ -124,6 +124,24 @@ def _collapse(unary: np.ndarray, blocks: list[np.ndarray], rng: np.random.Genera
     return np.sort(order[~drop])
 
 
+def _distinct_columns(block: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``block`` without exactly repeated columns (they add nothing to a dominance test).
+
+    Columns are grouped by a random projection and compared exactly with their
+    group's first member; only verified copies are dropped.
+    """
+    if block.shape[1] <= 1:
+        return block
+    h = rng.standard_normal(block.shape[0]) @ block
+    order = np.argsort(h, kind="stable")
+    hs = h[order]
+    new_group = np.ones(len(order), dtype=bool)
+    new_group[1:] = hs[1:] != hs[:-1]
+    rep = order[np.flatnonzero(new_group)][np.cumsum(new_group) - 1]
+    copy = np.all(block[:, order] == block[:, rep], axis=0) & (order != rep)
+    return block[:, np.sort(order[~copy])]
+
+
 def _undominated(unary: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
     """Positions of configurations not dominated by another (signatures assumed distinct).
 
@@ -174,7 +192,7 @@ def reduce_problem(problem: Problem, dominance: bool = True, max_passes: int = 5
             blocks = [pairs[key] if key[0] == v else pairs[key].T for key in inc[v]]
             pos = _collapse(unary[v], blocks, rng)
             if dominance and len(pos) > 1:
-                sub = _undominated(unary[v][pos], [b[pos] for b in blocks])
+                sub = _undominated(unary[v][pos], [_distinct_columns(b[pos], rng) for b in blocks])
                 pos = pos[sub]
             if len(pos) == len(keep[v]):
                 continue
