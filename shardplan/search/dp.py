@@ -101,17 +101,41 @@ class _Step:
     arg: np.ndarray
 
 
-def _compress(f: _Factor) -> _Factor:
+def _slice_classes(table: np.ndarray, ax: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Classes of identical slices of ``table`` along axis ``ax``.
+
+    Returns ``(inv, kept)``: slice i equals slice ``kept[inv[i]]``. Slices are
+    grouped by a random rank-1 projection over the other axes and then
+    compared exactly with their group's first member; a slice that differs
+    (a projection collision) simply stays in a class of its own.
+    """
+    n = table.shape[ax]
+    moved = np.moveaxis(table, ax, 0).reshape(n, -1)
+    h = moved @ rng.standard_normal(moved.shape[1])
+    order = np.argsort(h, kind="stable")
+    hs = h[order]
+    new_group = np.ones(n, dtype=bool)
+    new_group[1:] = hs[1:] != hs[:-1]
+    rep = order[np.flatnonzero(new_group)][np.cumsum(new_group) - 1]
+    same = np.all(moved[order] == moved[rep], axis=1)
+    own = np.where(same, rep, order)  # representative of each slice, in sorted position
+    rep_of = np.empty(n, dtype=np.int64)
+    rep_of[order] = own
+    kept, inv = np.unique(rep_of, return_inverse=True)
+    return inv.reshape(-1), kept
+
+
+def _compress(f: _Factor, rng: np.random.Generator) -> _Factor:
     """Merge identical slices along every axis of ``f.table`` (maps follow)."""
     table, maps = f.table, list(f.maps)
     for ax in range(table.ndim):
         if table.shape[ax] <= 1:
             continue
-        uniq, inv = np.unique(table, axis=ax, return_inverse=True)
-        if uniq.shape[ax] < table.shape[ax]:
-            table = uniq
-            maps[ax] = inv.reshape(-1)[maps[ax]]
-    return _Factor(f.scope, tuple(maps), table)
+        inv, kept = _slice_classes(table, ax, rng)
+        if len(kept) < table.shape[ax]:
+            table = np.take(table, kept, axis=ax)
+            maps[ax] = inv[maps[ax]]
+    return _Factor(f.scope, tuple(maps), table if table.flags.c_contiguous else table.copy())
 
 
 def _joint_classes(cols: list[np.ndarray], sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -155,7 +179,7 @@ def _aligned(f: _Factor, targets: list[int], col: dict[int, int], reps: dict[int
 
 
 def _eliminate(v: int, factors: list[_Factor], unary: np.ndarray, limit: int, name: str,
-               stats: dict) -> tuple[_Factor, _Step]:
+               stats: dict, rng: np.random.Generator) -> tuple[_Factor, _Step]:
     """Eliminate v: min over v of unary + Σ factors; returns RV over D and the argmin step."""
     dep = tuple(sorted({w for f in factors for w in f.scope} - {v}))
     targets = list(dep) + [v]
@@ -221,18 +245,18 @@ def _eliminate(v: int, factors: list[_Factor], unary: np.ndarray, limit: int, na
     arg_cfg = best_cfg[arg].astype(np.min_scalar_type(max(kv - 1, 0)))
     new = _Factor(dep, tuple(inv[w] for w in dep), best)
     if 0 < best.size <= _COMPRESS_MAX:
-        new = _compress(new)
+        new = _compress(new, rng)
     step = _Step(v, dep, tuple(inv[w] for w in dep), arg_cfg)
     return new, step
 
 
-def _initial_factors(p: Problem) -> list[_Factor]:
+def _initial_factors(p: Problem, rng: np.random.Generator) -> list[_Factor]:
     """One compressed factor per (merged) edge of ``p``."""
     out = []
     for (s, d), m in zip(p.edges, p.edge_cost):
         scope, maps, table = ((s, d), None, m) if s < d else ((d, s), None, m.T)
         f = _Factor(scope, (np.arange(table.shape[0]), np.arange(table.shape[1])), np.ascontiguousarray(table))
-        out.append(_compress(f))
+        out.append(_compress(f, rng))
     return out
 
 
@@ -271,9 +295,10 @@ def solve_dp(
         raise ShardplanError(f"ordering {oname!r} did not return a permutation of the {n} vertices")
     t2 = time.perf_counter()
 
+    rng = np.random.default_rng(0)  # only for hashing slices; results do not depend on it
     live: dict[int, _Factor] = {}
     touching: list[set[int]] = [set() for _ in range(n)]
-    for fid, f in enumerate(_initial_factors(p)):
+    for fid, f in enumerate(_initial_factors(p, rng)):
         live[fid] = f
         for w in f.scope:
             touching[w].add(fid)
@@ -283,7 +308,7 @@ def solve_dp(
     value = 0.0
     for i, v in enumerate(order):
         fids = sorted(touching[v])
-        new, step = _eliminate(v, [live[j] for j in fids], p.vertex_cost[v], limit, p.names[v], stats)
+        new, step = _eliminate(v, [live[j] for j in fids], p.vertex_cost[v], limit, p.names[v], stats, rng)
         for j in fids:
             for w in live[j].scope:
                 touching[w].discard(j)

@@ -37,10 +37,8 @@ from shardplan.search.problem import Problem
 
 __all__ = ["merge_pairs", "Reduction", "reduce_problem", "identity_reduction"]
 
-# Work budget (element comparisons) for the pairwise dominance test of one vertex.
-_DOMINANCE_BUDGET = 4 * 10**7
-# Element budget of one temporary boolean block in the dominance test.
-_BLOCK = 1 << 22
+# Most (dominator, dominated) pairs tried per vertex in the dominance test.
+_PAIR_BUDGET = 4 * 10**6
 
 
 def merge_pairs(problem: Problem) -> dict[tuple[int, int], np.ndarray]:
@@ -143,32 +141,38 @@ def _distinct_columns(block: np.ndarray, rng: np.random.Generator) -> np.ndarray
 
 
 def _undominated(unary: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
-    """Positions of configurations not dominated by another (signatures assumed distinct).
+    """Positions of configurations not dominated by another.
 
     b dominates a iff unary[b] <= unary[a] and sig(b) <= sig(a) elementwise, and
     either some entry is strictly smaller or (all equal and) b comes first: a
     strict partial order, so every dropped configuration has a kept dominator.
-    When all pairs would exceed the budget only the cheapest candidates (by
-    unary + row sums) are tried as dominators; dropping fewer is still exact.
+    Candidate pairs are filtered column block by column block, so the work is
+    dominated by the first few columns once most pairs fail. When all pairs
+    would exceed the budget only the cheapest candidates (by unary + row
+    sums) are tried as dominators; dropping fewer is still exact.
     """
     k = unary.shape[0]
     if k <= 1:
         return np.arange(k)
     sig = np.concatenate([unary[:, None]] + blocks, axis=1)
     length = sig.shape[1]
-    total = sig.sum(axis=1)
-    cand = np.argsort(total, kind="stable")
-    m = max(8, min(k, _DOMINANCE_BUDGET // max(1, k * length)))
-    cand = cand[:m]
+    cand = np.argsort(sig.sum(axis=1), kind="stable")[: max(8, min(k, _PAIR_BUDGET // k))]
+    b_idx, a_idx = np.nonzero(unary[cand][:, None] <= unary[None, :])
+    b_idx = cand[b_idx]
+    alive = b_idx != a_idx
+    b_idx, a_idx = b_idx[alive], a_idx[alive]
+    step = 8
+    for start in range(1, length, step):
+        if len(b_idx) == 0:
+            break
+        ok = np.all(sig[b_idx, start:start + step] <= sig[a_idx, start:start + step], axis=1)
+        b_idx, a_idx = b_idx[ok], a_idx[ok]
+        step = min(4 * step, 256)
+    if len(b_idx) == 0:
+        return np.arange(k)
+    strict = np.any(sig[b_idx] < sig[a_idx], axis=1) | (b_idx < a_idx)
     dominated = np.zeros(k, dtype=bool)
-    step = max(1, _BLOCK // max(1, k * length))
-    for start in range(0, len(cand), step):
-        c = cand[start:start + step]
-        sc = sig[c][:, None, :]
-        le = np.all(sc <= sig[None, :, :], axis=2)  # le[j, a]: sig(cand j) <= sig(a)
-        lt = np.any(sc < sig[None, :, :], axis=2)
-        # strict order: smaller somewhere, or equal and earlier position (keeps one of equals)
-        dominated |= np.any(le & (lt | (c[:, None] < np.arange(k)[None, :])), axis=0)
+    dominated[a_idx[strict]] = True
     return np.flatnonzero(~dominated)
 
 
