@@ -140,25 +140,41 @@ def inception_like(p: int = 64, batch: int = 128, seed: int = 0) -> Problem:
     hw, ch = 147, 32
     cur = add(_conv("stem0", batch, 3, 299 - 2, 32, 3))
     for j, (c_out, s) in enumerate([(32, 147), (64, 147), (64, 73), (80, 73), (192, 71), (192, 35)]):
+        cur = add(_elementwise(f"stem{j}_relu", batch, ch, hw), cur)
         cur = add(_conv(f"stem{j + 1}", batch, ch, s, c_out, 3 if j % 2 else 1), cur)
         ch, hw = c_out, s
-    # module plan: (count, spatial, channels, branch lengths)
-    plan = [(3, 35, 288, [1, 2, 3, 2]), (1, 17, 768, [1, 3]), (4, 17, 768, [1, 3, 5, 2]),
-            (1, 8, 1280, [2, 4]), (2, 8, 2048, [1, 3, 4, 2, 2])]
+    # module plan: (count, spatial, channels, branch lengths, fan-out at the branch end)
+    plan = [(3, 35, 288, [1, 2, 3, 2], False), (1, 17, 768, [1, 3, 2], False), (4, 17, 768, [1, 3, 5, 2], False),
+            (1, 8, 1280, [2, 4, 2], False), (2, 8, 2048, [1, 3, 4, 2], True)]
     m = 0
-    for count, hw, ch_out, branches in plan:
+    for count, hw, ch_out, branches, fan in plan:
         for _ in range(count):
             heads = []
             for bi, length in enumerate(branches):
                 prev = cur
                 for li in range(length):
-                    width = int(rng.choice([64, 96, 128, 192, 384])) if li < length - 1 else ch_out // len(branches) // 32 * 32 or 32
+                    last = li == length - 1
+                    width = ch_out // len(branches) // 32 * 32 if last else int(rng.choice([64, 96, 128, 192, 384]))
                     k = 1 if li == 0 else int(rng.choice([1, 3]))
+                    if last and fan and 0 < bi < 3:  # Inception-E: 1x3 and 3x1 side by side
+                        heads.append(add(_conv(f"m{m}b{bi}c{li}x", batch, ch, hw, width, 3), prev))
+                        heads.append(add(_conv(f"m{m}b{bi}c{li}y", batch, ch, hw, width, 3), prev))
+                        prev = None
+                        break
                     prev = add(_conv(f"m{m}b{bi}c{li}", batch, ch, hw, width, k), prev)
-                heads.append(prev)
+                    if not last:
+                        prev = add(_elementwise(f"m{m}b{bi}r{li}", batch, width, hw), prev)
+                if prev is not None:
+                    heads.append(prev)
             cur = add(_elementwise(f"m{m}concat", batch, ch_out, hw), *heads)
             ch = ch_out
             m += 1
+            if m == 7:  # auxiliary classifier after the fourth 17x17 module
+                aux = add(_elementwise("aux_pool", batch, ch, 5), cur)
+                aux = add(_conv("aux_conv0", batch, ch, 5, 128, 1), aux)
+                aux = add(_conv("aux_conv1", batch, 128, 5, 768, 5), aux)
+                add(Op("aux_fc", ("b", "n", "c"), (batch, 1000, 768), out=("b", "n"), inp=("b", "c"),
+                       weight=("n", "c")), aux)
     cur = add(Op("pool", ("b", "c", "h", "w"), (batch, ch, 8, 8), out=("b", "c"), inp=("b", "c", "h", "w")), cur)
     fc = Op("fc", ("b", "n", "c"), (batch, 1000, ch), out=("b", "n"), inp=("b", "c"), weight=("n", "c"))
     cur = add(fc, cur)

@@ -39,6 +39,8 @@ __all__ = ["merge_pairs", "Reduction", "reduce_problem", "identity_reduction"]
 
 # Most (dominator, dominated) pairs tried per vertex in the dominance test.
 _PAIR_BUDGET = 4 * 10**6
+# Most candidate dominators (the cheapest by unary + row sums) tried per vertex.
+_MAX_DOMINATORS = 64
 
 
 def merge_pairs(problem: Problem) -> dict[tuple[int, int], np.ndarray]:
@@ -156,7 +158,7 @@ def _undominated(unary: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
         return np.arange(k)
     sig = np.concatenate([unary[:, None]] + blocks, axis=1)
     length = sig.shape[1]
-    cand = np.argsort(sig.sum(axis=1), kind="stable")[: max(8, min(k, _PAIR_BUDGET // k))]
+    cand = np.argsort(sig.sum(axis=1), kind="stable")[: max(8, min(k, _MAX_DOMINATORS, _PAIR_BUDGET // k))]
     b_idx, a_idx = np.nonzero(unary[cand][:, None] <= unary[None, :])
     b_idx = cand[b_idx]
     alive = b_idx != a_idx
