@@ -45,6 +45,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 import scipy.sparse as sp
@@ -253,15 +254,28 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
         "nonzeros": int(a_mat.nnz),
         "edges_merged": reduced.merged,
         "edges_kept": len(reduced.edges),
-        "status": str(res.message),
-        "nodes": res.get("mip_node_count"),
     }
-    if res.x is None:
+    stats["nodes"] = res.get("mip_node_count")
+    return solution_from_result(problem, res, time_limit, elapsed, stats)
+
+
+def solution_from_result(problem: Problem, res: Mapping, time_limit: float, elapsed: float, stats: dict) -> Solution:
+    """Turn HiGHS's result into a :class:`Solution` (pure; separate so it can be tested).
+
+    ``res`` needs ``x``, ``status`` (scipy's: 0 optimal, 1 limit reached),
+    ``message`` and optionally ``mip_dual_bound``. The assignment is the
+    argmax of ``x`` per vertex, the cost ``problem.evaluate`` of it; the gap is
+    ``(cost - bound) / cost`` with ``bound = min(dual bound, cost)``.
+    """
+    stats = dict(stats)
+    stats["status"] = str(res["message"])
+    if res.get("x") is None:
+        why = "the time limit was too short" if res["status"] == 1 else "HiGHS failed"
         raise ShardplanError(
             f"ILP found no feasible assignment within time_limit={time_limit!r} s "
-            f"(HiGHS: {res.message}); the time limit was too short"
+            f"(HiGHS: {res['message']}); {why}"
         )
-    assignment = _round_assignment(np.asarray(res.x), problem.sizes)
+    assignment = _round_assignment(np.asarray(res["x"]), problem.sizes)
     cost = problem.evaluate(assignment)
     dual = res.get("mip_dual_bound")
     bound = None if dual is None or not np.isfinite(dual) else min(float(dual), cost)
@@ -270,7 +284,7 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
     else:
         gap = (cost - bound) / abs(cost) if cost != 0 else (0.0 if bound >= cost else float("inf"))
     stats["gap"] = gap
-    optimal = res.status == 0 and gap <= _OPTIMAL_RTOL
+    optimal = res["status"] == 0 and gap <= _OPTIMAL_RTOL
     if optimal:
         bound = cost
     return Solution(
