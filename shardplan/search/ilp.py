@@ -45,7 +45,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import scipy.sparse as sp
@@ -218,8 +218,9 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
     Returns:
         A :class:`Solution` with ``solver="ilp"``, ``cost = problem.evaluate(assignment)``,
         ``optimal`` True only when the relative gap between that cost and the
-        dual bound is below 1e-9, ``bound`` the dual bound (``None`` if HiGHS
-        gave none), and ``stats`` with ``variables``, ``constraints``,
+        dual bound is below 1e-9, ``bound`` the dual bound capped at the cost
+        (set to the cost when optimal; ``None`` if HiGHS gave none),
+        ``solve_seconds`` including model building, and ``stats`` with ``variables``, ``constraints``,
         ``status`` (HiGHS's message), ``gap`` and the edge counts after
         merging (``edges_merged``) and dropping (``edges_kept``).
 
@@ -232,7 +233,8 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
         raise ShardplanError(f"mip_rel_gap must be >= 0, got {mip_rel_gap!r}")
     start = time.perf_counter()
     if problem.num_vertices == 0:
-        return Solution(0.0, (), time.perf_counter() - start, "ilp", True, 0.0, {"variables": 0, "constraints": 0, "status": "empty problem", "gap": 0.0})
+        stats = {"variables": 0, "constraints": 0, "status": "empty problem", "gap": 0.0}
+        return Solution(0.0, (), time.perf_counter() - start, "ilp", True, 0.0, stats)
     reduced = reduce_problem(problem)
     c, a_mat, b, integrality, num_x = build_program(reduced)
     options = {"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "mip_abs_gap": 0.0}
