@@ -19,7 +19,7 @@ import numpy as np
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
 
-__all__ = ["split_choices", "configurations"]
+__all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES"]
 
 
 def split_choices(extent: int, p: int, cutoff: int, powers_of_two: bool = False) -> list[int]:
@@ -59,3 +59,46 @@ def configurations(op: Operator, p: int, cutoff: int = 4, powers_of_two: bool = 
         keep = p % prods == 0
         table, prods = table[keep], prods[keep]
     return table
+
+
+ORDER_MODES = ("row-major", "all")
+
+
+def dimension_orders(configs: np.ndarray, mode: str = "all", max_permuted: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """Expand configurations with the nesting order of their device grid.
+
+    A configuration's split factors fix the tile shapes; *which* device
+    gets which tile depends on how the grid's dimensions are nested in the
+    device numbering (as a device mesh may list its axes in any order).
+    Only the order of the split dims (c_d > 1) matters. Modes:
+
+    * ``"row-major"``: the operator's own dimension order only (K' = K);
+    * ``"all"``: every order of the split dims when there are at most
+      ``max_permuted`` of them, else the own order and its reverse.
+
+    Returns ``(configs', orders)``, both (K', n): ``orders[k]`` lists the
+    dims from most to least significant. Rows of one configuration are
+    adjacent and start with its own order, so the first row of a split
+    tuple is always the row-major one.
+    """
+    from itertools import permutations
+
+    if mode not in ORDER_MODES:
+        raise ShardplanError(f"unknown order mode {mode!r}; choose from {', '.join(ORDER_MODES)}")
+    configs = np.asarray(configs, dtype=np.int64)
+    k, n = configs.shape
+    ident = np.arange(n, dtype=np.int64)
+    if mode == "row-major" or n < 2:
+        return configs, np.broadcast_to(ident, (k, n)).copy()
+    rows, orders = [], []
+    for c in configs:
+        split = [j for j in range(n) if c[j] > 1]
+        rest = [j for j in range(n) if c[j] == 1]
+        if len(split) <= max_permuted:
+            perms = list(permutations(split))
+        else:
+            perms = [tuple(split), tuple(reversed(split))]
+        for perm in perms:
+            rows.append(c)
+            orders.append(list(perm) + rest)
+    return np.asarray(rows, dtype=np.int64).reshape(-1, n), np.asarray(orders, dtype=np.int64).reshape(-1, n)

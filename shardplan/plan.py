@@ -50,6 +50,12 @@ class Plan:
         return {op.name: tuple(int(x) for x in self.tables.configs[i][k])
                 for i, (op, k) in enumerate(zip(self.graph.operators, self.assignment))}
 
+    @property
+    def orders(self) -> dict[str, tuple[int, ...]]:
+        """Operator name -> device-grid nesting of its configuration (dim indices, most significant first)."""
+        return {op.name: tuple(int(x) for x in self.tables.orders[i][k])
+                for i, (op, k) in enumerate(zip(self.graph.operators, self.assignment))}
+
     def config(self, name: str) -> tuple[int, ...]:
         i = self.graph.index.get(name)
         if i is None:
@@ -92,6 +98,8 @@ class Plan:
                 "dims": list(op.dim_names),
                 "label": op.label,
                 "config": [int(x) for x in self.tables.configs[i][k]],
+                "order": [op.dim_names[int(j)] for j in self.tables.orders[i][k]
+                          if self.tables.configs[i][k][int(j)] > 1],
                 "cost_seconds": float(self.tables.op_costs[i].total[k]),
                 "parts": parts,
                 "redistribution_in_seconds": float(incoming[i]),
@@ -130,7 +138,7 @@ def _jsonable(x: Any) -> Any:
 
 
 def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int]], name: str = "custom") -> Plan:
-    """A plan from explicit configuration tuples (every operator must be given)."""
+    """A plan from explicit configuration tuples (every operator must be given), in row-major grid order."""
     g = tables.graph
     missing = [op.name for op in g.operators if op.name not in configs]
     if missing:
@@ -140,12 +148,13 @@ def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int]], 
 
 
 def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: bool = False, divides_p: bool = False,
-          solver: str = "dp", tables: CostTables | None = None,
+          orders: str = "all", solver: str = "dp", tables: CostTables | None = None,
           progress: Callable[[int, int], None] | None = None, **solver_options: Any) -> Plan:
     """Find the strategy of minimum predicted step time for ``graph`` on ``machine``.
 
     Builds the cost tables (configurations with at least ``cutoff`` points per
-    part), lowers them to a :class:`~shardplan.search.problem.Problem` and runs
+    part; each offered in every device-grid nesting unless ``orders="row-major"``),
+    lowers them to a :class:`~shardplan.search.problem.Problem` and runs
     ``solver`` (see :data:`shardplan.search.SOLVERS`); extra keyword
     arguments go to the solver (e.g. ``ordering="generateseq"``).
     """
@@ -156,7 +165,7 @@ def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: boo
     t0 = time.perf_counter()
     if tables is None:
         tables = build_tables(graph, machine, cutoff=cutoff, powers_of_two=powers_of_two, divides_p=divides_p,
-                              progress=progress)
+                              orders=orders, progress=progress)
     build_seconds = time.perf_counter() - t0
     sol = SOLVERS[solver](tables.to_problem(), **solver_options)
     return Plan(tables, tuple(int(a) for a in sol.assignment), sol, solver, build_seconds)

@@ -160,11 +160,29 @@ def test_edge_identical_layouts_cost_nothing():
     m = machine(4)
     t = build_tables(g, m, cutoff=1)
     cu, cv = t.configs
+    ou, ov = t.orders
     cost = t.edge_costs[0]
-    for i, row in enumerate(cu):
-        for j, col in enumerate(cv):
-            if tuple(row) == tuple(col):
+    same = 0
+    for i, (row, o1) in enumerate(zip(cu, ou)):
+        for j, (col, o2) in enumerate(zip(cv, ov)):
+            if tuple(row) == tuple(col) and tuple(o1) == tuple(o2):
                 assert cost[i, j] == 0.0
+                same += 1
+    assert same == len(cu)
+
+
+def test_grid_order_decides_which_device_gets_which_tile():
+    # fc1 (1,4,8) leaves y[b, n] split 4 ways on n, n-block = q // 8 (n outer, c inner).
+    # fc2 (1,8,4) reads x[b, c] split 4 ways on c: with c nested outside n (order c, n)
+    # the c-block is q // 8 as well, so nothing moves; in row-major order (n outside c) it is q % 4.
+    fc1 = ops.dense("fc1", x_ref((128, 4096)), 4096)
+    fc2 = ops.dense("fc2", fc1.out, 4096)
+    cu, ou = np.array([[1, 4, 8]]), np.array([[0, 1, 2]])
+    cv = np.array([[1, 8, 4], [1, 8, 4]])
+    ov = np.array([[0, 1, 2], [0, 2, 1]])
+    f, b = edge_volumes(fc1, cu, fc2, 0, cv, 32, ou, ov)
+    assert f[0, 1] == 0 and b[0, 1] == 0
+    assert f[0, 0] == 128 * 1024  # device 1 needs c-block 1 (q % 4) and holds n-block 0 (q // 8): all of it moves
 
 
 def test_edge_transpose_of_a_split():

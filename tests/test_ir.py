@@ -214,10 +214,12 @@ def test_edge_cost_zero_on_the_diagonal_of_identical_operators():
     t = build_tables(b.build(), Machine(8), cutoff=1)
     # configs of fc1 are (b, n, c); relu's are (b, n). A relu config equal to fc1's (b, n) with c = 1 moves nothing.
     cu, cv = t.configs
+    ou, ov = t.orders
     m = t.edge_costs[0]
-    for i, row in enumerate(cu):
+    for i, (row, o) in enumerate(zip(cu, ou)):
         if row[2] != 1:
             continue
-        j = [k for k, r in enumerate(cv) if tuple(r) == (row[0], row[1])]
-        assert m[i, j[0]] == 0.0
+        o_bn = [d for d in o if d != 2]
+        j = [k for k, (r, o2) in enumerate(zip(cv, ov)) if tuple(r) == (row[0], row[1]) and list(o2) == o_bn]
+        assert len(j) == 1 and m[i, j[0]] == 0.0
     assert math.isfinite(float(m.max()))

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from shardplan.configs import configurations
+from shardplan.configs import configurations, dimension_orders
 from shardplan.cost.edge import edge_cost, edge_volumes
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import OpCost, operator_cost
@@ -30,7 +30,9 @@ class CostTables:
 
     Attributes:
         graph, machine: what was costed.
-        configs: per operator, its configurations (K_v, n_dims).
+        configs: per operator, its configurations' split factors (K_v, n_dims).
+        orders: per operator, each configuration's device-grid nesting (K_v, n_dims), see
+            :func:`shardplan.configs.dimension_orders`.
         op_costs: per operator, its :class:`OpCost` (arrays of K_v).
         edge_costs: per graph edge (``graph.edges`` order), a (K_u, K_v) matrix in seconds.
         memory: per operator, (weights, activations) bytes per configuration and device.
@@ -39,6 +41,7 @@ class CostTables:
     graph: Graph
     machine: Machine
     configs: tuple[np.ndarray, ...]
+    orders: tuple[np.ndarray, ...]
     op_costs: tuple[OpCost, ...]
     edge_costs: tuple[np.ndarray, ...]
     memory: tuple[tuple[np.ndarray, np.ndarray], ...]
@@ -56,12 +59,16 @@ class CostTables:
             dims=tuple(op.dim_names for op in g.operators),
         )
 
-    def index_of(self, op_index: int, config: Sequence[int]) -> int:
-        """Row of ``config`` among operator ``op_index``'s configurations."""
-        rows = np.nonzero((self.configs[op_index] == np.asarray(config)[None, :]).all(axis=1))[0]
+    def index_of(self, op_index: int, config: Sequence[int], order: Sequence[int] | None = None) -> int:
+        """Row of ``config`` (with the row-major order unless ``order`` is given) among operator ``op_index``'s."""
+        match = (self.configs[op_index] == np.asarray(config)[None, :]).all(axis=1)
+        if order is not None:
+            match &= (self.orders[op_index] == np.asarray(order)[None, :]).all(axis=1)
+        rows = np.nonzero(match)[0]
         if not len(rows):
             op = self.graph.operators[op_index]
-            raise ShardplanError(f"operator {op.name!r}: {tuple(config)} is not a valid configuration ({op.label})")
+            what = f"{tuple(config)}" + (f" with order {tuple(order)}" if order is not None else "")
+            raise ShardplanError(f"operator {op.name!r}: {what} is not a valid configuration ({op.label})")
         return int(rows[0])
 
     def breakdown(self, assignment: Sequence[int]) -> dict[str, float]:
@@ -81,19 +88,27 @@ class CostTables:
 
 
 def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,
-                 divides_p: bool = False, optimizer_factor: float = 2.0,
+                 divides_p: bool = False, orders: str = "all", optimizer_factor: float = 2.0,
                  progress: Callable[[int, int], None] | None = None) -> CostTables:
-    """Configurations and costs of every operator and edge of ``graph`` on ``machine``."""
+    """Configurations and costs of every operator and edge of ``graph`` on ``machine``.
+
+    ``orders``: which device-grid nestings each configuration is offered in
+    ("all" or "row-major", see :func:`shardplan.configs.dimension_orders`).
+    """
     p = machine.num_devices
-    configs = tuple(configurations(op, p, cutoff, powers_of_two, divides_p) for op in graph.operators)
-    op_costs = tuple(operator_cost(op, c, machine) for op, c in zip(graph.operators, configs))
-    memory = tuple(operator_memory(op, c, machine, optimizer_factor) for op, c in zip(graph.operators, configs))
+    pairs = [dimension_orders(configurations(op, p, cutoff, powers_of_two, divides_p), orders)
+             for op in graph.operators]
+    configs = tuple(c for c, _ in pairs)
+    ords = tuple(o for _, o in pairs)
     ops = graph.operators
+    op_costs = tuple(operator_cost(op, c, machine, o) for op, c, o in zip(ops, configs, ords))
+    memory = tuple(operator_memory(op, c, machine, optimizer_factor, o) for op, c, o in zip(ops, configs, ords))
     edge_costs = []
     for i, e in enumerate(graph.edges):
-        edge_costs.append(edge_cost(ops[e.src], configs[e.src], ops[e.dst], e.slot, configs[e.dst], machine))
+        edge_costs.append(edge_cost(ops[e.src], configs[e.src], ops[e.dst], e.slot, configs[e.dst], machine,
+                                    ords[e.src], ords[e.dst]))
         if progress is not None:
             progress(i + 1, len(graph.edges))
-    opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p,
+    opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
             "optimizer_factor": optimizer_factor}
-    return CostTables(graph, machine, configs, op_costs, tuple(edge_costs), memory, opts)
+    return CostTables(graph, machine, configs, ords, op_costs, tuple(edge_costs), memory, opts)

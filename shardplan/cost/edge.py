@@ -52,12 +52,15 @@ def _overlap(lu: np.ndarray, hu: np.ndarray, lv: np.ndarray, hv: np.ndarray) -> 
     return out
 
 
-def edge_volumes(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.ndarray,
-                 p: int) -> tuple[np.ndarray, np.ndarray]:
-    """Elements moved per device (max over devices): forward and backward, each (K_u, K_v)."""
+def edge_volumes(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.ndarray, p: int,
+                 ou: np.ndarray | None = None, ov: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Elements moved per device (max over devices): forward and backward, each (K_u, K_v).
+
+    ``ou``/``ov``: optional dimension orders of the configurations (see :func:`device_grid`).
+    """
     t_in = v.inputs[slot]
-    uu = tensor_boxes(u, u.output, cu, p, core=True)
-    uv = tensor_boxes(v, t_in, cv, p, core=True)
+    uu = tensor_boxes(u, u.output, cu, p, core=True, orders=ou)
+    uv = tensor_boxes(v, t_in, cv, p, core=True, orders=ov)
     have = box_volumes(uu)  # (Uu, p)
     need = box_volumes(uv)  # (Uv, p)
     # (K, p, A, 2) -> per-axis bounds (A, K, p), int32 for speed
@@ -77,14 +80,15 @@ def edge_volumes(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.nda
     return f, b
 
 
-def edge_cost(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.ndarray, machine: Machine) -> np.ndarray:
+def edge_cost(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.ndarray, machine: Machine,
+              ou: np.ndarray | None = None, ov: np.ndarray | None = None) -> np.ndarray:
     """Seconds to redistribute the tensor of edge u -> v (input ``slot``), forward + backward: (K_u, K_v).
 
     On a hierarchical machine the transfer uses the inter-node link when
     either layout spans more than one node.
     """
     p = machine.num_devices
-    f, b = edge_volumes(u, cu, v, slot, cv, p)
+    f, b = edge_volumes(u, cu, v, slot, cv, p, ou, ov)
     nbytes = float(machine.dtype_bytes)
     if machine.hierarchical:
         ns = int(machine.node_size)  # type: ignore[arg-type]

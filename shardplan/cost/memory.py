@@ -22,15 +22,15 @@ __all__ = ["operator_memory", "strategy_memory"]
 
 
 def operator_memory(op: Operator, configs: np.ndarray, machine: Machine, optimizer_factor: float = 2.0,
-                    ) -> tuple[np.ndarray, np.ndarray]:
+                    orders: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(weight bytes, activation bytes) per configuration and device: two (K, p) arrays."""
     p = machine.num_devices
     nbytes = machine.dtype_bytes
     k = len(configs)
     w = np.zeros((k, p))
     for t in op.weights:
-        w += box_volumes(tensor_boxes(op, t, configs, p)) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
-    act = box_volumes(tensor_boxes(op, op.output, configs, p)).astype(np.float64) * nbytes
+        w += box_volumes(tensor_boxes(op, t, configs, p, orders=orders)) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
+    act = box_volumes(tensor_boxes(op, op.output, configs, p, orders=orders)).astype(np.float64) * nbytes
     return w, act
 
 

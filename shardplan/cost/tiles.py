@@ -4,7 +4,10 @@ Devices are numbered over a configuration's grid in row-major order: for a
 configuration c = (c_1..c_n) the device q < prod(c) has grid coordinates
 ``unravel(q, c)``; devices q >= prod(c) are idle and hold nothing. The same
 numbering is used for every operator, so the tiles of a producer and a
-consumer can be intersected exactly.
+consumer can be intersected exactly. A configuration may carry an *order*
+of its dimensions (which is the most significant in the numbering), as a
+device mesh may nest its axes either way; without one, the operator's own
+dimension order is used.
 
 Along a dimension d split c_d ways, coordinate i owns the block
 ``[i*E_d/c_d, (i+1)*E_d/c_d)`` (c_d divides E_d). A tensor axis maps these
@@ -29,18 +32,37 @@ import numpy as np
 
 from shardplan.ir import Operator, Tensor
 
-__all__ = ["device_grid", "tensor_boxes", "box_volumes"]
+__all__ = ["grid_strides", "device_grid", "tensor_boxes", "box_volumes"]
 
 
-def device_grid(configs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray]:
+def grid_strides(configs: np.ndarray, orders: np.ndarray | None = None) -> np.ndarray:
+    """Device-index stride of every dimension: (K, n).
+
+    Without ``orders`` the grid is row-major in the operator's dimension
+    order. ``orders[k]`` is a permutation listing the dims from the most to
+    the least significant (the nesting of a device mesh's axes): the stride
+    of dim ``orders[k, i]`` is the product of the splits of ``orders[k, i+1:]``.
+    """
+    configs = np.asarray(configs, dtype=np.int64)
+    k, n = configs.shape
+    if orders is None:
+        orders = np.broadcast_to(np.arange(n), (k, n))
+    ordered = np.take_along_axis(configs, orders, axis=1)
+    s = np.ones_like(ordered)
+    if n > 1:
+        s[:, :-1] = np.cumprod(ordered[:, :0:-1], axis=1)[:, ::-1]
+    strides = np.empty_like(s)
+    np.put_along_axis(strides, np.asarray(orders), s, axis=1)
+    return strides
+
+
+def device_grid(configs: np.ndarray, p: int, orders: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Grid coordinates (K, p, n) of every device under every configuration, and the active mask (K, p)."""
     configs = np.asarray(configs, dtype=np.int64)
     k, n = configs.shape
     if n == 0:
         return np.zeros((k, p, 0), dtype=np.int64), np.broadcast_to(np.arange(p) < 1, (k, p)).copy()
-    strides = np.ones_like(configs)
-    if n > 1:
-        strides[:, :-1] = np.cumprod(configs[:, :0:-1], axis=1)[:, ::-1]
+    strides = grid_strides(configs, orders)
     q = np.arange(p, dtype=np.int64)
     coords = (q[None, :, None] // strides[:, None, :]) % configs[:, None, :]
     active = q[None, :] < configs.prod(axis=1)[:, None]
@@ -56,7 +78,8 @@ def _block(op: Operator, configs: np.ndarray, coords: np.ndarray, dim: str) -> t
     return i * size, (i + 1) * size
 
 
-def tensor_boxes(op: Operator, tensor: Tensor, configs: np.ndarray, p: int, core: bool = True) -> np.ndarray:
+def tensor_boxes(op: Operator, tensor: Tensor, configs: np.ndarray, p: int, core: bool = True,
+                 orders: np.ndarray | None = None) -> np.ndarray:
     """[lo, hi) per axis of ``tensor`` on every device: int64 array (K, p, n_axes, 2).
 
     ``core=True`` gives the owned tile (what a layout holds; halos excluded);
@@ -64,7 +87,7 @@ def tensor_boxes(op: Operator, tensor: Tensor, configs: np.ndarray, p: int, core
     devices get empty boxes [0, 0).
     """
     configs = np.asarray(configs, dtype=np.int64)
-    coords, active = device_grid(configs, p)
+    coords, active = device_grid(configs, p, orders)
     k = configs.shape[0]
     ext = op.extents
     out = np.zeros((k, p, len(tensor.axes), 2), dtype=np.int64)
