@@ -258,9 +258,7 @@ class Operator:
                     continue
                 if a.inner and hi != size:
                     self._fail(f"tensor {t.name!r} axis {i}: merged dims {a.dims} cover {hi} indices, axis has {size}")
-                # An input axis may be a window onto a longer or shorter dimension: the first
-                # piece of a concatenation (offset 0) or a slice starting at 0 reads a part.
-                if a.is_plain and ext[a.dim] != size and t.role != "input":
+                if a.is_plain and ext[a.dim] != size:
                     self._fail(
                         f"tensor {t.name!r} axis {i} has extent {size} but dimension {a.dim!r} has extent {ext[a.dim]}"
                     )
