@@ -10,6 +10,7 @@ and heads can be split) and the expert strategy it is compared against
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -52,11 +53,12 @@ class ModelSpec:
 
     def build(self, batch: int | None = None, **sizes: Any) -> Graph:
         """The graph at ``batch`` (default: :attr:`batch`) with ``sizes`` overriding the defaults."""
+        allowed = [n for n in inspect.signature(self.builder).parameters if n != "batch"]
+        unknown = sorted(set(sizes) - set(allowed))
+        if unknown:
+            raise ShardplanError(f"model {self.name!r} has no size {unknown[0]!r}; sizes: {', '.join(allowed)}")
         kwargs = {**self.sizes, **sizes}
-        try:
-            return self.builder(batch=self.batch if batch is None else int(batch), **kwargs)
-        except TypeError as e:
-            raise ShardplanError(f"model {self.name!r}: bad size arguments {sorted(sizes)}: {e}") from None
+        return self.builder(batch=self.batch if batch is None else int(batch), **kwargs)
 
 
 MODELS: dict[str, ModelSpec] = {s.name: s for s in (
