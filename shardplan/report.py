@@ -13,7 +13,8 @@ configuration, and names each group compactly:
 * runs of three or more consecutive counters collapse into ranges:
   ``conv1, conv2, conv3, conv4`` -> ``conv1–4``, ``A, B, C, D`` -> ``A–D``,
   ``enc1 .. enc6`` -> ``enc1–6``; operators of modules that are not whole
-  are listed by layer (``enc1–6/q``).
+  are listed by layer (``enc1–6/q``, ``{E1, E2}/branch1x1``); the parts of
+  a title are separated by semicolons.
 
 Then the predicted step time and its breakdown, memory per device and the
 speedups over the baselines given.
@@ -169,10 +170,11 @@ def _title(members: Sequence[str], key: tuple[str, str], plan: Plan) -> str:
         for n in names:
             by_layer.setdefault((_family(m), _split(n)[1]), []).append(m)
     for (_, layer), mods in by_layer.items():
-        parts.append(f"{compress_names(mods)}/{layer}")
+        who = compress_names(mods)
+        parts.append(f"{{{who}}}/{layer}" if ", " in who else f"{who}/{layer}")
     if plain:
         parts.append(compress_names(plain))
-    return ", ".join(parts)
+    return "; ".join(parts)
 
 
 def group_operators(plan: Plan) -> list[Group]:

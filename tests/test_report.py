@@ -63,7 +63,7 @@ def test_report_groups_transformer_layers():
     t = build_tables(get_model("transformer", batch=4, layers=3, seq=16, vocab=100), preset("paper", 2), cutoff=1)
     plan = plan_from_configs(t, data_parallel(t))
     titles = [g.title for g in group_operators(plan)]
-    assert "enc1–3/ffn1, dec1–3/ffn1" in titles
+    assert "enc1–3/ffn1; dec1–3/ffn1" in titles
     assert "modules enc, dec" in titles
 
 
