@@ -1,0 +1,1 @@
+"""Exports of graphs and plans to other tools (Graphviz DOT, ...)."""

@@ -1,0 +1,57 @@
+"""Small composites shared by the model builders (no cost code: only operator constructors).
+
+ReLU is never a vertex of its own: it is fused into the operator before it
+(a convolution without batch norm, a batch norm, a residual add, the first
+feed-forward product). Its work (one FLOP per element) is negligible next
+to the layer it follows and it moves no data, so a separate vertex would
+only enlarge the search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from shardplan import ops
+from shardplan.errors import ShardplanError
+from shardplan.ir import GraphBuilder, TensorRef
+
+__all__ = ["conv_bn", "attention"]
+
+
+def conv_bn(b: GraphBuilder, name: str, x: TensorRef, out_channels: int, kernel: int | Sequence[int],
+            stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
+            bn_name: str | None = None) -> TensorRef:
+    """Convolution ``name`` followed by batch norm (+ fused ReLU) ``bn_name`` (default ``name + "_bn"``)."""
+    h = b.add(ops.conv2d(name, x, out_channels, kernel, stride, padding))
+    return b.add(ops.batch_norm(bn_name or f"{name}_bn", h))
+
+
+def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, heads: int,
+              tag: str = "") -> TensorRef:
+    """Multi-head attention of queries from ``x`` (b, s, d) over keys/values from ``memory`` (b, t, d).
+
+    Six vertices, all einsums over (b, s, h, k) so that heads are a
+    splittable dimension: ``{tag}q``, ``{tag}k``, ``{tag}v`` projections
+    (dims ``bshkd``), ``{tag}scores`` = softmax over t of q.k (dims
+    ``bhstk``; the softmax is fused: its max and sum are normalisation
+    statistics over ``t``, and its 5 FLOPs per score are added to the
+    contraction's work), ``{tag}context`` (dims ``bshkt``) and the output
+    projection ``{tag}out`` (dims ``bsdhk``). Returns the output (b, s, d).
+    Masking (causal self-attention) changes neither the work counted nor
+    the data moved, so it is not represented.
+    """
+    d = x.shape[-1]
+    if d % heads:
+        raise ShardplanError(f"{prefix}: d_model {d} is not divisible by {heads} heads")
+    kd = d // heads
+    p = f"{prefix}/{tag}"
+    w = (d, heads, kd)
+    q = b.add(ops.einsum(f"{p}q", "bsd,dhk->bshk", x, ops.Param(w), kind="attn_proj"))
+    k = b.add(ops.einsum(f"{p}k", "btd,dhk->bthk", memory, ops.Param(w), kind="attn_proj"))
+    v = b.add(ops.einsum(f"{p}v", "btd,dhk->bthk", memory, ops.Param(w), kind="attn_proj"))
+    scores = ops.einsum(f"{p}scores", "bshk,bthk->bhst", q, k, kind="attn_scores")
+    scores = dataclasses.replace(scores, norm_dims=("t",), norm_stats=2, flops_per_point=2.0 + 5.0 / kd)
+    s = b.add(scores)
+    ctx = b.add(ops.einsum(f"{p}context", "bhst,bthk->bshk", s, v, kind="attn_context"))
+    return b.add(ops.einsum(f"{p}out", "bshk,hkd->bsd", ctx, ops.Param((heads, kd, d)), kind="attn_out"))

@@ -1,0 +1,262 @@
+"""Text and JSON reports of a plan, in the style of the PaSE paper's Table II.
+
+The strategy table groups operators that share kind, dimension letters and
+configuration, and names each group compactly:
+
+* vertex names are ``module/layer`` (``A1/branch3x3dbl_2``) or plain
+  (``conv3``); a module's *family* is its name without the trailing counter
+  (``A1`` -> ``A``, ``res4.22`` -> ``res4``, ``enc3`` -> ``enc``);
+* a module is *whole* in a group when every operator of the group's kind
+  and dims in that module is in the group; when a group spans more than two
+  layer names, whole modules are listed by module, and a family all of whose
+  modules are whole by the family; otherwise operators are listed by layer;
+* runs of three or more consecutive counters collapse into ranges:
+  ``conv1, conv2, conv3, conv4`` -> ``conv1–4``, ``A, B, C, D`` -> ``A–D``,
+  ``enc1 .. enc6`` -> ``enc1–6``; operators of modules that are not whole
+  are listed by layer (``enc1–6/q``, ``{E1, E2}/branch1x1``); the parts of
+  a title are separated by semicolons.
+
+Then the predicted step time and its breakdown, memory per device and the
+speedups over the baselines given.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from shardplan.plan import Plan, _jsonable
+from shardplan.units import fmt_bytes, fmt_seconds
+
+__all__ = ["Group", "group_operators", "compress_names", "render_report", "render_strategy", "plan_to_json",
+           "BREAKDOWN_LABELS"]
+
+BREAKDOWN_LABELS: dict[str, str] = {
+    "compute": "compute",
+    "grad_allreduce": "gradient all-reduce",
+    "forward_allreduce": "forward partial-sum all-reduce",
+    "halo": "halo exchange",
+    "stats": "normalisation statistics",
+    "recurrence": "recurrence (pipeline, hidden-state gathers)",
+    "redistribution": "redistribution between operators",
+}
+
+
+@dataclass(frozen=True)
+class Group:
+    """Operators reported on one line: same kind, dims and configuration."""
+
+    title: str
+    kind: str
+    label: str
+    config: tuple[int, ...]
+    members: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+_COUNTER = re.compile(r"^(.*?)(\d+)$")
+_LETTER = re.compile(r"^(.*?)([A-Z])$")
+
+
+def _parse(token: str) -> tuple[str, str, int | None]:
+    """(prefix, counter type, counter): ``conv12`` -> ("conv", "n", 12), ``D`` -> ("", "a", 3)."""
+    m = _COUNTER.match(token)
+    if m:
+        return m.group(1), "n", int(m.group(2))
+    m = _LETTER.match(token)
+    if m:
+        return m.group(1), "a", ord(m.group(2)) - ord("A")
+    return token, "", None
+
+
+def compress_names(tokens: Sequence[str], min_run: int = 3) -> str:
+    """Join names, collapsing runs of ``min_run`` or more consecutive counters into ranges.
+
+    >>> compress_names(["conv1", "conv2", "conv3", "conv4", "fc1", "fc3"])
+    'conv1–4, fc1, fc3'
+    >>> compress_names(["A", "B", "C", "D"])
+    'A–D'
+    """
+    out: list[str] = []
+    run: list[str] = []
+    prev: tuple[str, str, int | None] | None = None
+
+    def flush() -> None:
+        if len(run) >= min_run:
+            pre, typ, _ = _parse(run[0])
+            last = _parse(run[-1])[2]
+            end = str(last) if typ == "n" else chr(ord("A") + int(last or 0))
+            out.append(f"{run[0]}–{end}")
+        else:
+            out.extend(run)
+        run.clear()
+
+    for t in tokens:
+        cur = _parse(t)
+        if (prev is not None and cur[2] is not None and prev[2] is not None and cur[:2] == prev[:2]
+                and cur[2] == prev[2] + 1):
+            run.append(t)
+        else:
+            flush()
+            run.append(t)
+        prev = cur
+    flush()
+    return ", ".join(out)
+
+
+def _split(name: str) -> tuple[str | None, str]:
+    if "/" in name:
+        mod, layer = name.split("/", 1)
+        return mod, layer
+    return None, name
+
+
+def _family(module: str) -> str:
+    m = re.match(r"^(.*?)(\d+)$", module)
+    if m and m.group(1):
+        return m.group(1).rstrip(".")
+    return module
+
+
+def _title(members: Sequence[str], key: tuple[str, str], plan: Plan) -> str:
+    """A compact name for ``members`` (all of one (kind, dims) ``key``)."""
+    g = plan.graph
+    by_module: dict[str, list[str]] = {}
+    plain: list[str] = []
+    for name in members:
+        mod, _ = _split(name)
+        if mod is None:
+            plain.append(name)
+        else:
+            by_module.setdefault(mod, []).append(name)
+    # operators of this (kind, dims) per module, and each family's modules in graph order
+    key_count: dict[str, int] = {}
+    modules_of_family: dict[str, list[str]] = {}
+    for op in g.operators:
+        mod, _ = _split(op.name)
+        if mod is None:
+            continue
+        fam = _family(mod)
+        if mod not in modules_of_family.setdefault(fam, []):
+            modules_of_family[fam].append(mod)
+        if (op.kind, op.label) == key:
+            key_count[mod] = key_count.get(mod, 0) + 1
+    layers = {_split(n)[1] for names in by_module.values() for n in names}
+    whole = [m for m, names in by_module.items() if len(names) == key_count.get(m, -1)] if len(layers) > 2 else []
+    whole_set = set(whole)
+    parts: list[str] = []
+    if whole:
+        tokens: list[str] = []
+        done: set[str] = set()
+        for m in whole:
+            fam = _family(m)
+            if fam in done:
+                continue
+            if all(x in whole_set for x in modules_of_family[fam]):
+                tokens.append(fam)
+                done.add(fam)
+            else:
+                tokens.append(m)
+        parts.append(("modules " if len(whole) > 1 else "module ") + compress_names(tokens))
+    # operators of modules that are not whole: by family and layer name
+    by_layer: dict[tuple[str, str], list[str]] = {}
+    for m, names in by_module.items():
+        if m in whole_set:
+            continue
+        for n in names:
+            by_layer.setdefault((_family(m), _split(n)[1]), []).append(m)
+    for (_, layer), mods in by_layer.items():
+        who = compress_names(mods)
+        parts.append(f"{{{who}}}/{layer}" if ", " in who else f"{who}/{layer}")
+    if plain:
+        parts.append(compress_names(plain))
+    return "; ".join(parts)
+
+
+def group_operators(plan: Plan) -> list[Group]:
+    """Operators grouped by (kind, dims, configuration), in order of first appearance."""
+    keyed: dict[tuple[str, str, tuple[int, ...]], list[str]] = {}
+    configs = plan.configs
+    for op in plan.graph.operators:
+        key = (op.kind, op.label, configs[op.name])
+        keyed.setdefault(key, []).append(op.name)
+    return [Group(_title(names, (kind, label), plan), kind, label, cfg, tuple(names))
+            for (kind, label, cfg), names in keyed.items()]
+
+
+def _table(rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def _cfg(c: Sequence[int]) -> str:
+    return "(" + ",".join(str(x) for x in c) + ")"
+
+
+def render_strategy(plan: Plan, max_title: int = 60) -> str:
+    """The Table II-style strategy table of ``plan`` (one line per group)."""
+    rows = [("layers", "kind", "dims", "configuration", "ops")]
+    for grp in group_operators(plan):
+        title = grp.title if len(grp.title) <= max_title else grp.title[: max_title - 1] + "…"
+        rows.append((title, grp.kind, grp.label, _cfg(grp.config), str(grp.size)))
+    lines = _table(rows, right=(4,))
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def render_report(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> str:
+    """The full text report: strategy table, step time with breakdown, memory, speedups over ``baselines``."""
+    m = plan.machine
+    out = [f"Strategy {plan.name!r} for {plan.graph.name} ({len(plan.graph)} operators, "
+           f"{len(plan.graph.edges)} edges) on {m.describe()}", ""]
+    out.append(render_strategy(plan))
+    out.append("")
+    bd = plan.breakdown
+    total = bd["total"]
+    out.append(f"Predicted step time: {fmt_seconds(total)}")
+    rows = []
+    for key, label in BREAKDOWN_LABELS.items():
+        v = bd.get(key, 0.0)
+        if v > 0 or key in ("compute", "redistribution"):
+            share = f"{100 * v / total:.1f}%" if total > 0 else "-"
+            rows.append(("  " + label, fmt_seconds(v), share))
+    out.extend(_table(rows, right=(1, 2)))
+    mem = plan.memory
+    out.append(f"Memory per device (peak): {fmt_bytes(mem['peak_bytes'])} = weights, gradients and optimizer state "
+               f"{fmt_bytes(mem['weights_bytes'])} + activations {fmt_bytes(mem['activations_bytes'])}")
+    if m.memory_bytes and mem["peak_bytes"] > m.memory_bytes:
+        out.append(f"  WARNING: exceeds the device memory of {fmt_bytes(m.memory_bytes)}")
+    if plan.solution is not None:
+        out.append(f"Search: {plan.solution.solver}, {fmt_seconds(plan.solve_seconds)} "
+                   f"(cost tables {fmt_seconds(plan.build_seconds)})")
+    if baselines:
+        out.append("")
+        rows = [("baseline", "step time", "speedup of this plan")]
+        for name, b in baselines.items():
+            speed = f"{b.cost / total:.2f}x" if total > 0 else "-"
+            rows.append((name, fmt_seconds(b.cost), speed))
+        out.extend(_table(rows, right=(1, 2)))
+    return "\n".join(out)
+
+
+def plan_to_json(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> dict[str, Any]:
+    """``plan.to_dict()`` plus the report's groups and each baseline's cost, breakdown and speedup."""
+    d = plan.to_dict()
+    d["groups"] = [{"title": g.title, "kind": g.kind, "dims": g.label, "config": list(g.config),
+                    "members": list(g.members)} for g in group_operators(plan)]
+    if baselines:
+        d["baselines"] = {
+            name: {"cost_seconds": b.cost, "breakdown": b.breakdown, "memory": b.memory,
+                   "speedup": (b.cost / plan.cost) if plan.cost > 0 else None,
+                   "configs": {k: list(v) for k, v in b.configs.items()}}
+            for name, b in baselines.items()
+        }
+    return _jsonable(d)

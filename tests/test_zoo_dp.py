@@ -1,0 +1,99 @@
+"""The exact DP on the model zoo: never worse than the baselines, and the paper's qualitative findings.
+
+Differences from the paper's Table II (p = 32), and why (see also the notes
+in the tests below):
+
+* AlexNet: the paper alternates the FC layers (1,4,8) -> (1,8,4) -> (1,4,8)
+  "so that no communication is needed between them". That holds when the
+  devices of the second layer may be renumbered freely. This project's cost
+  model uses one fixed row-major device numbering for every operator (dims
+  in the operator's order, ``bnc``), under which (1,4,8) -> (1,8,4) moves
+  the whole activation (each device holds n-block q // 8 and needs c-block
+  q % 4). The DP therefore picks other FC layouts; it still never costs more
+  than the Table II strategy, which lies in its search space.
+* RNNLM: the paper splits the embedding over the vocabulary (1,1,1,32). In
+  this cost model a vocabulary split makes the one-hot contraction's output
+  a partial sum that must be all-reduced (64 x 256 x 2048 floats), while a
+  split of the embedding width d leaves each device a column slice of the
+  table and moves nothing; the DP prefers the latter. The projection is
+  split over the vocabulary, as in the paper.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from shardplan.cost import build_tables
+from shardplan.cost.edge import edge_volumes
+from shardplan.machine import preset
+from shardplan.models import MODELS, get_model
+from shardplan.plan import plan_from_configs, solve
+from shardplan.baselines import baseline_plans
+
+# the AlexNet strategy of the paper's Table II (p = 32); pools and flatten follow their producers
+TABLE2_ALEXNET = {
+    "conv1": (32, 1, 1, 1, 1, 1, 1), "pool1": (32, 1, 1, 1, 1, 1), "conv2": (32, 1, 1, 1, 1, 1, 1),
+    "pool2": (32, 1, 1, 1, 1, 1), "conv3": (32, 1, 1, 1, 1, 1, 1), "conv4": (32, 1, 1, 1, 1, 1, 1),
+    "conv5": (16, 2, 1, 1, 1, 1, 1), "pool5": (32, 1, 1, 1, 1, 1), "flatten": (32, 1, 1, 1),
+    "fc1": (1, 4, 8), "fc2": (1, 8, 4), "fc3": (1, 4, 8), "softmax": (1, 4),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _solved(name: str, p: int):
+    spec = MODELS[name]
+    g = spec.build(**({"batch": 8, "layers": 2, "d_model": 256, "heads": 4, "seq": 128, "vocab": 8192}
+                      if name == "gpt" else {}))
+    tables = build_tables(g, preset("paper", p), cutoff=spec.cutoff)
+    return solve(g, preset("paper", p), cutoff=spec.cutoff, tables=tables)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_dp_no_worse_than_baselines(name):
+    plan = _solved(name, 4)
+    for bname, b in baseline_plans(name, plan.tables).items():
+        assert plan.cost <= b.cost * (1 + 1e-9), f"{name}: dp {plan.cost} > {bname} {b.cost}"
+
+
+def test_alexnet_p32_convs_data_parallel_fc_model_parallel():
+    plan = _solved("alexnet", 32)
+    cfg = plan.configs
+    # the early, activation-heavy convolutions stay data parallel
+    for n in ("conv1", "conv2"):
+        assert cfg[n] == (32, 1, 1, 1, 1, 1, 1)
+    # the weight-heavy FC layers give up the batch split for output/input-feature splits
+    for n in ("fc1", "fc2", "fc3"):
+        b, nn, c = cfg[n]
+        assert b == 1 and nn > 1 and c > 1
+    # never worse than the paper's strategy, which is in the search space
+    paper = plan_from_configs(plan.tables, TABLE2_ALEXNET, name="table2")
+    assert plan.cost <= paper.cost
+    bl = baseline_plans("alexnet", plan.tables)
+    assert paper.cost < bl["one_weird_trick"].cost < bl["data_parallel"].cost
+
+
+def test_fc_alternation_with_fixed_device_numbering():
+    """Output-split -> input-split of the next FC layer is free when the device blocks line up."""
+    g = get_model("alexnet")
+    import numpy as np
+
+    fwd, bwd = edge_volumes(g["fc1"], np.array([[1, 32, 1]]), g["fc2"], 0, np.array([[1, 1, 32]]), 32)
+    assert fwd[0, 0] == 0 and bwd[0, 0] == 0
+    # the paper's (1,4,8) -> (1,8,4) reshuffles under row-major numbering (see module docstring)
+    fwd, _ = edge_volumes(g["fc1"], np.array([[1, 4, 8]]), g["fc2"], 0, np.array([[1, 8, 4]]), 32)
+    assert fwd[0, 0] == 128 * 4096 // 4
+
+
+def test_rnnlm_p32_splits_vocabulary_of_projection():
+    plan = _solved("rnnlm", 32)
+    g = plan.graph
+    fc = dict(zip(g["fc"].dim_names, plan.config("fc")))
+    assert fc["v"] >= 8
+    loss = dict(zip(g["softmax"].dim_names, plan.config("softmax")))
+    assert loss["v"] == fc["v"]
+    emb = dict(zip(g["embedding"].dim_names, plan.config("embedding")))
+    assert emb["v"] * emb["d"] == 32  # the 100k x 2048 table is fully sharded, not replicated
+    bl = baseline_plans("rnnlm", plan.tables)
+    assert plan.cost < 0.5 * min(b.cost for b in bl.values())
