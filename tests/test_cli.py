@@ -1,0 +1,116 @@
+"""The command line: results on stdout, one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardplan.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_commands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("models", "ops", "solve", "export-problem", "bench", "compare"):
+        assert cmd in out
+
+
+def test_models_lists_the_zoo(capsys):
+    code, out, _ = run(capsys, "models")
+    assert code == 0
+    for name in ("alexnet", "inception_v3", "rnnlm", "transformer", "resnet101", "densenet121", "gpt"):
+        assert name in out
+
+
+def test_ops_lists_operators_and_config_counts(capsys):
+    code, out, _ = run(capsys, "ops", "--model", "alexnet", "-p", "8")
+    assert code == 0
+    assert "conv1" in out and "bchwnrs" in out and "fc3" in out
+
+
+def test_unknown_model_is_one_line_exit_2(capsys):
+    code, out, err = run(capsys, "solve", "--model", "lenet", "-p", "8")
+    assert code == 2
+    assert err.count("\n") == 1 and "lenet" in err and "alexnet" in err
+
+
+def test_bad_device_count_and_missing_args(capsys):
+    code, _, err = run(capsys, "solve", "--model", "alexnet", "-p", "0")
+    assert code == 2 and "devices" in err
+    code, _, err = run(capsys, "solve", "--model", "alexnet")
+    assert code == 2 and "-p" in err
+    code, _, err = run(capsys, "solve")
+    assert code == 2 and "--model" in err and "--problem" in err
+
+
+def test_solve_model_prints_plan_and_writes_json(capsys, tmp_path):
+    out_json = tmp_path / "plan.json"
+    dot = tmp_path / "plan.dot"
+    code, out, _ = run(capsys, "solve", "--model", "alexnet", "-p", "4", "--json", str(out_json), "--dot", str(dot))
+    assert code == 0
+    assert "step time" in out.lower() or "predicted" in out.lower()
+    data = json.loads(out_json.read_text())
+    assert data["cost_seconds"] > 0 and data["solve_seconds"] >= 0
+    names = [o["name"] for o in data["operators"]]
+    assert "conv1" in names and "fc3" in names
+    assert all("config" in o and "dims" in o for o in data["operators"])
+    assert dot.read_text().startswith("digraph")
+
+
+def test_export_and_solve_problem_round_trip(capsys, tmp_path):
+    path = tmp_path / "alex.json"
+    code, out, _ = run(capsys, "export-problem", "--model", "alexnet", "-p", "4", "-o", str(path))
+    assert code == 0 and path.exists()
+    sol_path = tmp_path / "sol.json"
+    code, out, _ = run(capsys, "solve", "--problem", str(path), "--json", str(sol_path))
+    assert code == 0
+    sol = json.loads(sol_path.read_text())
+    assert set(sol) >= {"cost", "assignment", "configs", "solve_seconds"}
+    # the same optimum as solving the model directly
+    model_json = tmp_path / "m.json"
+    run(capsys, "solve", "--model", "alexnet", "-p", "4", "--json", str(model_json), "--no-baselines")
+    assert sol["cost"] == pytest.approx(json.loads(model_json.read_text())["cost_seconds"], rel=1e-9)
+
+
+def test_malformed_problem_file(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "shardplan-problem/1", "vertices": [{"name": "a", "configs": [[1]], '
+                   '"cost": [1.0, 2.0]}], "edges": []}')
+    code, _, err = run(capsys, "solve", "--problem", str(bad))
+    assert code == 2 and err.count("\n") == 1 and "a" in err
+    code, _, err = run(capsys, "solve", "--problem", str(tmp_path / "missing.json"))
+    assert code == 2 and err.count("\n") == 1
+
+
+def test_solvers_agree_through_the_cli(capsys, tmp_path):
+    path = tmp_path / "alex.json"
+    run(capsys, "export-problem", "--model", "alexnet", "-p", "4", "-o", str(path), "--orders", "row-major")
+    costs = {}
+    for solver in ("dp", "ilp", "bfs-dp"):
+        out = tmp_path / f"{solver}.json"
+        code, _, _ = run(capsys, "solve", "--problem", str(path), "--solver", solver, "--json", str(out))
+        assert code == 0
+        costs[solver] = json.loads(out.read_text())["cost"]
+    assert costs["ilp"] == pytest.approx(costs["dp"], rel=1e-6)
+    assert costs["bfs-dp"] == pytest.approx(costs["dp"], rel=1e-9)
+    out = tmp_path / "mcmc.json"
+    run(capsys, "solve", "--problem", str(path), "--solver", "mcmc", "--json", str(out))
+    assert json.loads(out.read_text())["cost"] >= costs["dp"] * (1 - 1e-9)
+
+
+def test_console_script_entry_point_exits_2_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "shardplan.cli", "solve", "--model", "nope", "-p", "2"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
