@@ -3,14 +3,15 @@
 Differences from the paper's Table II (p = 32), and why (see also the notes
 in the tests below):
 
-* AlexNet: the paper alternates the FC layers (1,4,8) -> (1,8,4) -> (1,4,8)
-  "so that no communication is needed between them". That holds when the
-  devices of the second layer may be renumbered freely. This project's cost
-  model uses one fixed row-major device numbering for every operator (dims
-  in the operator's order, ``bnc``), under which (1,4,8) -> (1,8,4) moves
-  the whole activation (each device holds n-block q // 8 and needs c-block
-  q % 4). The DP therefore picks other FC layouts; it still never costs more
-  than the Table II strategy, which lies in its search space.
+* AlexNet: the DP finds the paper's FC alternation (1,4,8) -> (1,8,4) ->
+  (1,4,8) with no redistribution between the FC layers (configurations
+  carry a device-grid nesting order, so the second layer's devices line up
+  with the first's). It keeps conv1-2 data parallel, not conv1-4: conv3-5
+  go to (16,1,1,1,2,1,1) / (16,2,1,1,1,1,1), which in this model trade a
+  smaller weight-gradient all-reduce for a little redistribution (the
+  exact per-device intersection; the reference prototype's edge shortcut
+  charges such changes more). It never costs more than the Table II
+  strategy, which lies in its search space.
 * RNNLM: the paper splits the embedding over the vocabulary (1,1,1,32). In
   this cost model a vocabulary split makes the one-hot contraction's output
   a partial sum that must be all-reduced (64 x 256 x 2048 floats), while a
@@ -26,7 +27,6 @@ import functools
 import pytest
 
 from shardplan.cost import build_tables
-from shardplan.cost.edge import edge_volumes
 from shardplan.machine import preset
 from shardplan.models import MODELS, get_model
 from shardplan.plan import plan_from_configs, solve
@@ -57,33 +57,27 @@ def test_dp_no_worse_than_baselines(name):
         assert plan.cost <= b.cost * (1 + 1e-9), f"{name}: dp {plan.cost} > {bname} {b.cost}"
 
 
-def test_alexnet_p32_convs_data_parallel_fc_model_parallel():
+def test_alexnet_p32_matches_table2_where_the_model_agrees():
     plan = _solved("alexnet", 32)
     cfg = plan.configs
     # the early, activation-heavy convolutions stay data parallel
     for n in ("conv1", "conv2"):
         assert cfg[n] == (32, 1, 1, 1, 1, 1, 1)
-    # the weight-heavy FC layers give up the batch split for output/input-feature splits
-    for n in ("fc1", "fc2", "fc3"):
-        b, nn, c = cfg[n]
-        assert b == 1 and nn > 1 and c > 1
+    # the FC layers alternate their splits as in Table II ...
+    assert cfg["fc1"] == cfg["fc3"] == (1, 4, 8)
+    assert cfg["fc2"] == (1, 8, 4)
+    # ... so that nothing is redistributed between them
+    g = plan.graph
+    for e, m in zip(g.edges, plan.tables.edge_costs):
+        u, v = g.operators[e.src].name, g.operators[e.dst].name
+        if (u, v) in (("fc1", "fc2"), ("fc2", "fc3")):
+            assert m[plan.assignment[e.src], plan.assignment[e.dst]] == 0.0
+    assert plan.breakdown["redistribution"] < 0.05 * plan.cost
     # never worse than the paper's strategy, which is in the search space
     paper = plan_from_configs(plan.tables, TABLE2_ALEXNET, name="table2")
     assert plan.cost <= paper.cost
     bl = baseline_plans("alexnet", plan.tables)
     assert paper.cost < bl["one_weird_trick"].cost < bl["data_parallel"].cost
-
-
-def test_fc_alternation_with_fixed_device_numbering():
-    """Output-split -> input-split of the next FC layer is free when the device blocks line up."""
-    g = get_model("alexnet")
-    import numpy as np
-
-    fwd, bwd = edge_volumes(g["fc1"], np.array([[1, 32, 1]]), g["fc2"], 0, np.array([[1, 1, 32]]), 32)
-    assert fwd[0, 0] == 0 and bwd[0, 0] == 0
-    # the paper's (1,4,8) -> (1,8,4) reshuffles under row-major numbering (see module docstring)
-    fwd, _ = edge_volumes(g["fc1"], np.array([[1, 4, 8]]), g["fc2"], 0, np.array([[1, 8, 4]]), 32)
-    assert fwd[0, 0] == 128 * 4096 // 4
 
 
 def test_rnnlm_p32_splits_vocabulary_of_projection():
