@@ -300,7 +300,9 @@ class _GraphPass:
                  outvars: Sequence[Atom]):
         self.ops: dict[str, Operator] = {}  # insertion order = graph order
         self.env: dict[int, _Val] = {}
-        self.op_var: dict[str, int] = {}
+        self.op_var: dict[str, int] = {}  # the variable holding the operator's output now (fusion moves it)
+        self.identity_vars: dict[str, list[int]] = {}  # every variable that held it with its own shape
+        self.view_src: dict[int, Atom] = {}  # a view's variable -> the variable it views
         self.leaf_uses: dict[int, list[tuple[str, tuple[str | None, ...]]]] = {}
         self.inputs: dict[str, tuple[int, ...]] = {}
         self.input_leaf = dict(input_leaf)
@@ -313,6 +315,20 @@ class _GraphPass:
     def resolve(self, a: Atom) -> Atom:
         """The graph-view variable behind ``a`` (a custom call's result is its body's result)."""
         return self.alias.get(a, a) if isinstance(a, int) else a
+
+    def sole_chain(self, a: Atom, target: int | None) -> bool:
+        """True when ``a`` is ``target`` or a chain of views of it, each variable with one consumer."""
+        while isinstance(a, int):
+            if self.uses.get(a, 0) != 1:
+                return False
+            if a == target:
+                return True
+            a = self.resolve(self.view_src.get(a, -1))
+        return False
+
+    def set_view(self, eqn: FlatEqn, v: _Val) -> None:
+        self.env[eqn.outvars[0]] = v
+        self.view_src[eqn.outvars[0]] = self.resolve(eqn.invars[0])
 
     def unique(self, base: str) -> str:
         base = base or "op"
@@ -372,6 +388,7 @@ class _GraphPass:
                  ) -> _Val:
         self.ops[op.name] = op
         self.op_var[op.name] = var
+        self.identity_vars[op.name] = [var]
         for t in op.inputs:
             if t.src in self.inputs:
                 self._record_leaf(self.input_leaf[t.src], op, t)
@@ -469,12 +486,13 @@ def _elementwise(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     if len(live) == 1:
         a, v = live[0]
         a = g.resolve(a)
-        if (v.kind == "op" and v.is_identity and v.shape == out_shape and g.uses.get(a, 0) == 1
-                and g.op_var.get(v.key) == a):
+        if v.kind == "op" and _unit_view(v) and v.shape == out_shape and g.sole_chain(a, g.op_var.get(v.key)):
             op = g.ops[v.key]
             fused = dataclasses.replace(op, flops_per_point=op.flops_per_point + flops * math.prod(out_shape) / op.points)
             g.ops[op.name] = fused
             g.op_var[op.name] = eqn.outvars[0]
+            if v.is_identity:
+                g.identity_vars[op.name].append(eqn.outvars[0])
             g.env[eqn.outvars[0]] = dataclasses.replace(v, needs_grad=v.needs_grad and _is_float(eqn.out_dtypes[0]))
             return
     letters = _letters(len(out_shape))
@@ -486,21 +504,30 @@ def _elementwise(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     g.add(eqn, eqn.name, tuple(zip(letters, out_shape)), vals, accesses, letters, flops)
 
 
+def _unit_view(v: _Val) -> bool:
+    """True when the view only adds or drops extent-1 axes (no broadcast, no permutation)."""
+    if math.prod(v.shape) != math.prod(v.base_shape):
+        return False
+    order = [t for i, t in enumerate(v.to_view) if v.base_shape[i] != 1]
+    return order == sorted(order) and all(t is not None for t in order)
+
+
 def _identity(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
-    for o, v, dt in zip(eqn.outvars, vals, eqn.out_dtypes):
+    for o, a, v, dt in zip(eqn.outvars, eqn.invars, vals, eqn.out_dtypes):
         grad = v.needs_grad and _is_float(dt) and eqn.name != "stop_gradient"
         g.env[o] = dataclasses.replace(v, needs_grad=grad)
+        g.view_src[o] = g.resolve(a)
 
 
 def _broadcast_in_dim(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     bd = eqn.params["broadcast_dimensions"]
-    g.env[eqn.outvars[0]] = vals[0].retarget(eqn.out_shapes[0], lambda v: bd[v])
+    g.set_view(eqn, vals[0].retarget(eqn.out_shapes[0], lambda v: bd[v]))
 
 
 def _transpose(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     perm = eqn.params["permutation"]
     inv = {p: j for j, p in enumerate(perm)}
-    g.env[eqn.outvars[0]] = vals[0].retarget(eqn.out_shapes[0], lambda v: inv[v])
+    g.set_view(eqn, vals[0].retarget(eqn.out_shapes[0], lambda v: inv[v]))
 
 
 def _squeeze(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
@@ -508,7 +535,7 @@ def _squeeze(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     drop = {d % len(v.shape) for d in eqn.params["dimensions"]}
     keep = [i for i in range(len(v.shape)) if i not in drop]
     pos = {old: new for new, old in enumerate(keep)}
-    g.env[eqn.outvars[0]] = v.retarget(eqn.out_shapes[0], lambda a: pos.get(a))
+    g.set_view(eqn, v.retarget(eqn.out_shapes[0], lambda a: pos.get(a)))
 
 
 def _unit_reshape_map(old: Sequence[int], new: Sequence[int]) -> dict[int, int] | None:
@@ -527,7 +554,7 @@ def _reshape(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
         raise ShardplanError(f"jax frontend: reshape with dimensions= at {eqn.where} is not supported")
     m = _unit_reshape_map(v.shape, new)
     if m is not None:
-        g.env[eqn.outvars[0]] = v.retarget(new, lambda a: m.get(a))
+        g.set_view(eqn, v.retarget(new, lambda a: m.get(a)))
         return
     if v.kind == "param":
         # the reshaped parameter is a weight of its new shape; its leaf is no longer mapped
@@ -758,7 +785,7 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
     used_inputs = {t.src for op in gp.ops.values() for t in op.inputs}
     graph_inputs = {k: v for k, v in gp.inputs.items() if k in used_inputs}
     graph = Graph(name or getattr(fn, "__name__", "jax"), tuple(gp.ops.values()), graph_inputs)
-    op_vars = _op_run_vars(gp.op_var, gp.alias, _run_vars(flat.eqns, in_ids))
+    op_vars = _op_run_vars(gp.identity_vars, gp.alias, _run_vars(flat.eqns, in_ids))
     info = TraceInfo(tuple(flat.eqns), tuple(in_ids), tuple(outs), in_tree, out_tree, tuple(names), tuple(shapes),
                      frozenset(param_leaves), op_vars,
                      {k: tuple(v) for k, v in gp.leaf_uses.items()})
@@ -771,18 +798,22 @@ def _dtype(leaf: Any) -> Any:
     return getattr(leaf, "dtype", None) or np.result_type(leaf)
 
 
-def _op_run_vars(op_var: Mapping[str, int], alias: Mapping[int, int], run_vars: set[int]) -> dict[str, int]:
-    """Operator -> a variable that exists at evaluation time and holds its output (skipped if none)."""
+def _op_run_vars(identity_vars: Mapping[str, Sequence[int]], alias: Mapping[int, int], run_vars: set[int],
+                 ) -> dict[str, int]:
+    """Operator -> the first variable that exists at evaluation time and holds its output (skipped if none).
+
+    A variable inside a custom_jvp/vjp body stands for the call's result when it is the body's result.
+    """
     outer: dict[int, int] = {}
     for o, a in sorted(alias.items()):
         if o in run_vars:
             outer.setdefault(a, o)
     out = {}
-    for name, var in op_var.items():
-        if var in run_vars:
-            out[name] = var
-        elif var in outer:
-            out[name] = outer[var]
+    for name, vars_ in identity_vars.items():
+        for var in vars_:
+            if var in run_vars or var in outer:
+                out[name] = var if var in run_vars else outer[var]
+                break
     return out
 
 
