@@ -22,8 +22,9 @@ An axis map is affine with one optional window term (convolution, pooling):
 A plain axis is ``AxisMap("n")``; a convolution input row is
 ``AxisMap("h", window="r", stride=s, offset=-pad)``; the part of a
 concatenation's output that comes from its second input is
-``AxisMap("c", offset=-c1)`` on that input (indices outside the input's
-extent are not read). A *merged* axis (reshape, flatten) lists trailing
+``AxisMap("c", offset=-c1, partial=True)`` on that input (``partial``:
+the tensor covers only part of the dimension's range, indices outside the
+input's extent are not read). A *merged* axis (reshape, flatten) lists trailing
 dimensions in ``inner``: ``index = ((dim * E_inner1) + inner1) * E_inner2 + ...``;
 only the leading dimension of a merged axis may be split, so every
 per-device tile stays a box. An axis indexed by no dimension (a broadcast
@@ -67,6 +68,7 @@ class AxisMap:
     dilation: int = 1
     offset: int = 0
     inner: tuple[str, ...] = ()
+    partial: bool = False
 
     def __post_init__(self) -> None:
         if self.stride < 1 or self.dilation < 1:
@@ -91,7 +93,8 @@ class AxisMap:
     @property
     def is_plain(self) -> bool:
         """True when the axis is exactly one dimension, unstrided and unshifted."""
-        return self.dim is not None and not self.window and not self.inner and self.stride == 1 and self.offset == 0
+        return (self.dim is not None and not self.window and not self.inner and self.stride == 1
+                and self.offset == 0 and not self.partial)
 
     def index_range(self, extents: Mapping[str, int]) -> tuple[int, int]:
         """[lo, hi) of the indices the whole domain touches, before clipping."""
@@ -421,7 +424,7 @@ class Graph:
         g = self.to_networkx()
         if not nx.is_directed_acyclic_graph(g):
             cycle = nx.find_cycle(g)
-            path = " -> ".join(u for u, _ in cycle) + f" -> {cycle[0][0]}"
+            path = " -> ".join(str(e[0]) for e in cycle) + f" -> {cycle[0][0]}"
             raise ShardplanError(f"graph {self.name!r} has a cycle: {path}")
 
     def to_networkx(self) -> nx.MultiDiGraph:

@@ -349,7 +349,7 @@ def concat(name: str, inputs: Sequence[TensorRef], axis: int) -> Operator:
     shape[a] = sum(t.shape[a] for t in inputs)
     ins, start = [], 0
     for k, t in enumerate(inputs):
-        axes = [AxisMap(letters[i], offset=-start) if i == a else letters[i] for i in range(rank)]
+        axes = [AxisMap(letters[i], offset=-start, partial=True) if i == a else letters[i] for i in range(rank)]
         ins.append(_in(t, f"x{k}", axes))
         start += t.shape[a]
     return Operator(name, "concat", tuple(zip(letters, shape)), tuple(ins), _out(shape, tuple(letters)),
@@ -365,7 +365,7 @@ def slice_axis(name: str, x: TensorRef, axis: int, start: int, size: int) -> Ope
     letters = _batch_letters(rank, "")
     shape = list(x.shape)
     shape[a] = size
-    axes = [AxisMap(letters[i], offset=start) if i == a else letters[i] for i in range(rank)]
+    axes = [AxisMap(letters[i], offset=start, partial=True) if i == a else letters[i] for i in range(rank)]
     return Operator(name, "slice", tuple(zip(letters, shape)), (_in(x, "x", axes),), _out(shape, tuple(letters)),
                     flops_per_point=0.0)
 

@@ -14,10 +14,8 @@ intersect axis by axis. This is the paper's definition, computed exactly
 instead of the reference prototype's shortcut (zero overlap whenever v
 uses more devices than u).
 
-Vectorisation: configurations that give the same boxes on every device
-are merged first (``np.unique`` over the box arrays), the pairwise
-intersection is computed on the distinct layouts in chunks, and the
-result is expanded back to a (K_u, K_v) matrix.
+Vectorisation: the pairwise intersection is computed for all (K_u, K_v, p)
+at once in chunks of u configurations, one axis at a time.
 """
 
 from __future__ import annotations
@@ -31,42 +29,51 @@ from shardplan.machine import Machine
 
 __all__ = ["edge_volumes", "edge_cost"]
 
-_CHUNK_ELEMS = 1 << 24
+_CHUNK_ELEMS = 1 << 22
 
 
-def _distinct(boxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    flat = boxes.reshape(len(boxes), -1)
-    uniq, inv = np.unique(flat, axis=0, return_inverse=True)
-    return uniq.reshape((len(uniq),) + boxes.shape[1:]), inv.ravel()
+def _overlap(lu: np.ndarray, hu: np.ndarray, lv: np.ndarray, hv: np.ndarray) -> np.ndarray:
+    """Points in the intersection of every u box with every v box: (Ku, Kv, p).
+
+    Inputs are per-axis bounds of shape (A, K, p); the product over axes is
+    accumulated axis by axis (contiguous, no trailing small-axis reductions).
+    """
+    out = None
+    for a in range(lu.shape[0]):
+        ov = np.minimum(hu[a][:, None, :], hv[a][None, :, :])
+        ov -= np.maximum(lu[a][:, None, :], lv[a][None, :, :])
+        np.maximum(ov, 0, out=ov)
+        if out is None:
+            out = ov.astype(np.int64)
+        else:
+            out *= ov
+    if out is None:  # scalar tensors: one point, held wherever the device is active
+        out = np.ones((lu.shape[1], lv.shape[1], lu.shape[2]), dtype=np.int64)
+    return out
 
 
 def edge_volumes(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.ndarray,
                  p: int) -> tuple[np.ndarray, np.ndarray]:
     """Elements moved per device (max over devices): forward and backward, each (K_u, K_v)."""
     t_in = v.inputs[slot]
-    bu = tensor_boxes(u, u.output, cu, p, core=True)
-    bv = tensor_boxes(v, t_in, cv, p, core=True)
-    uu, inv_u = _distinct(bu)
-    uv, inv_v = _distinct(bv)
+    uu = tensor_boxes(u, u.output, cu, p, core=True)
+    uv = tensor_boxes(v, t_in, cv, p, core=True)
     have = box_volumes(uu)  # (Uu, p)
     need = box_volumes(uv)  # (Uv, p)
+    # (K, p, A, 2) -> per-axis bounds (A, K, p), int32 for speed
+    lu, hu = (np.ascontiguousarray(uu[..., i].transpose(2, 0, 1)).astype(np.int32) for i in (0, 1))
+    lv, hv = (np.ascontiguousarray(uv[..., i].transpose(2, 0, 1)).astype(np.int32) for i in (0, 1))
     n_u, n_v = len(uu), len(uv)
     fwd = np.empty((n_u, n_v), dtype=np.int64)
     bwd = np.empty((n_u, n_v), dtype=np.int64)
-    per_row = max(1, int(n_v * p * max(1, uu.shape[2])))
-    step = max(1, _CHUNK_ELEMS // per_row)
+    step = max(1, _CHUNK_ELEMS // max(1, n_v * p))
     for s in range(0, n_u, step):
-        a = uu[s:s + step, None]  # (c, 1, p, A, 2)
-        b = uv[None]  # (1, Uv, p, A, 2)
-        lo = np.maximum(a[..., 0], b[..., 0])
-        hi = np.minimum(a[..., 1], b[..., 1])
-        inter = np.prod(np.maximum(hi - lo, 0), axis=-1)  # (c, Uv, p)
-        fwd[s:s + step] = (need[None] - inter).max(axis=-1)
-        bwd[s:s + step] = (have[s:s + step, None] - inter).max(axis=-1)
-    f = fwd[inv_u][:, inv_v] * t_in.elem_factor
-    b = bwd[inv_u][:, inv_v] * t_in.elem_factor
-    if not t_in.needs_grad:
-        b = np.zeros_like(b)
+        sl = slice(s, s + step)
+        inter = _overlap(lu[:, sl], hu[:, sl], lv, hv)  # (c, Uv, p)
+        fwd[sl] = (need[None] - inter).max(axis=-1)
+        bwd[sl] = (have[sl, None] - inter).max(axis=-1)
+    f = fwd * t_in.elem_factor
+    b = bwd * t_in.elem_factor if t_in.needs_grad else np.zeros_like(bwd)
     return f, b
 
 

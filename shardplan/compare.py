@@ -1,0 +1,138 @@
+"""Reporting helpers for strategy comparisons: a speedup plot and a text table.
+
+Neither depends on the model zoo: they take plain records. matplotlib is an
+optional dependency (``shardplan[plot]``) and is imported only inside
+:func:`plot_speedups`, which draws on an Agg canvas of its own (no pyplot, no
+global backend switch), so importing :mod:`shardplan` never touches it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from shardplan.errors import ShardplanError
+
+__all__ = ["plot_speedups", "format_table"]
+
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _validate(results: Sequence[Mapping[str, Any]]) -> list[tuple[int, str, float]]:
+    """Check the records and return them as (p, strategy, speedup) tuples."""
+    if not results:
+        raise ShardplanError("plot_speedups: no results to plot")
+    out = []
+    for i, r in enumerate(results):
+        missing = {"p", "strategy", "speedup"} - set(r)
+        if missing:
+            raise ShardplanError(f"plot_speedups: result {i} ({dict(r)!r}) lacks {sorted(missing)}")
+        p, s, y = int(r["p"]), str(r["strategy"]), float(r["speedup"])
+        if p < 1:
+            raise ShardplanError(f"plot_speedups: result {i} has p = {p}, expected >= 1")
+        if not math.isfinite(y) or y <= 0:
+            raise ShardplanError(f"plot_speedups: result {i} has speedup {y!r}, expected a positive number")
+        out.append((p, s, y))
+    return out
+
+
+def plot_speedups(results: Sequence[Mapping[str, Any]], path: str | os.PathLike, title: str) -> None:
+    """Plot speedup over data parallelism against the number of devices (PaSE, Fig. 6 style).
+
+    Parameters:
+        results: records ``{"p": int, "strategy": str, "speedup": float}``,
+            where speedup = t(data parallel) / t(strategy) at ``p`` devices.
+            One line per strategy, in order of first appearance; points are
+            sorted by ``p``.
+        path: output file; the format follows the suffix (``.png``, ``.pdf``, ``.svg``).
+        title: the figure title (e.g. the model and machine).
+
+    The x axis is log2 with the distinct ``p`` values as ticks; a dashed line
+    at 1 marks data parallelism itself.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = _validate(results)
+    strategies = list(dict.fromkeys(s for _, s, _ in records))
+    ps = sorted({p for p, _, _ in records})
+
+    fig = Figure(figsize=(6.0, 4.0), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for i, name in enumerate(strategies):
+        pts = sorted((p, y) for p, s, y in records if s == name)
+        ax.plot(
+            [p for p, _ in pts],
+            [y for _, y in pts],
+            marker=_MARKERS[i % len(_MARKERS)],
+            linewidth=1.6,
+            markersize=5,
+            label=name,
+        )
+    ax.axhline(1.0, color="0.4", linestyle="--", linewidth=1.0, zorder=0)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ps)
+    ax.set_xticklabels([str(p) for p in ps])
+    ax.minorticks_off()
+    ax.set_xlabel("number of devices p")
+    ax.set_ylabel("speedup over data parallelism")
+    ax.set_title(title)
+    top = max(y for _, _, y in records)
+    ax.set_ylim(0.0, max(1.1, top * 1.12))
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(frameon=False, loc="best")
+    fig.tight_layout()
+    fig.savefig(os.fspath(path))
+
+
+def _cell(value: Any, float_format: str) -> str:
+    if isinstance(value, bool) or value is None:
+        return "" if value is None else str(value)
+    if isinstance(value, float):
+        return float_format.format(value)
+    return str(value)
+
+
+def format_table(
+    rows: Sequence[Mapping[str, Any] | Sequence[Any]],
+    columns: Sequence[str],
+    float_format: str = "{:.4g}",
+) -> str:
+    """Render rows as a plain-text table with aligned columns.
+
+    Parameters:
+        rows: each a mapping (read by column name; a missing key is blank) or
+            a sequence (read by position, one value per column).
+        columns: the column names, also the header.
+        float_format: format for float cells; other values use ``str``.
+
+    Numeric columns (every non-blank cell an int or float) are right-aligned,
+    others left-aligned; a rule of dashes separates the header.
+    """
+    cols = list(columns)
+    table: list[list[Any]] = []
+    for i, row in enumerate(rows):
+        if isinstance(row, Mapping):
+            table.append([row.get(c) for c in cols])
+        else:
+            vals = list(row)
+            if len(vals) != len(cols):
+                raise ShardplanError(f"format_table: row {i} has {len(vals)} values, expected {len(cols)} ({cols})")
+            table.append(vals)
+    numeric = [
+        all(isinstance(r[j], (int, float)) and not isinstance(r[j], bool) for r in table if r[j] is not None)
+        for j in range(len(cols))
+    ]
+    text = [[_cell(v, float_format) for v in r] for r in table]
+    widths = [max([len(c)] + [len(r[j]) for r in text]) for j, c in enumerate(cols)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [s.rjust(w) if num else s.ljust(w) for s, w, num in zip(cells, widths, numeric)]
+        return "  ".join(parts).rstrip()
+
+    out = [line(cols), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in text]
+    return "\n".join(out)

@@ -1,0 +1,300 @@
+"""An integer linear program for a :class:`Problem`, solved by HiGHS.
+
+This is an independent exact solver, used to cross-check the dynamic
+program: it shares no code with it beyond :class:`Problem`.
+
+Formulation (the *local-polytope* or *marginal* linearisation)
+-----------------------------------------------------------------
+Binary ``x[v,k]`` says vertex ``v`` takes configuration ``k``; for every
+(merged) edge ``e = (u, v)`` with cost matrix ``M_e`` a continuous
+``y[e,a,b] >= 0`` stands for the product ``x[u,a] * x[v,b]``::
+
+    minimise    sum_v sum_k c_v[k] x[v,k]  +  sum_e sum_(a,b) M_e[a,b] y[e,a,b]
+    subject to  sum_k x[v,k]      = 1        for every vertex v
+                sum_b y[e,a,b]    = x[u,a]   for every edge e = (u,v), a < K_u
+                sum_a y[e,a,b]    = x[v,b]   for every edge e = (u,v), b < K_v
+                x binary, y >= 0.
+
+With ``x`` integral the two marginal constraints leave exactly one feasible
+``y[e]``, the point mass at ``(x_u, x_v)``, so the program is exact. It has
+``K_u + K_v`` rows per edge instead of the ``3 K_u K_v`` rows of the textbook
+``y <= x_u, y <= x_v, y >= x_u + x_v - 1`` linearisation, and its LP
+relaxation is the local polytope of the pairwise graphical model, which is
+at least as tight (and is exact on trees).
+
+Preprocessing
+-------------
+* Parallel edges between the same pair are merged (matrices summed after
+  orienting them all from the lower to the higher vertex index).
+* Every matrix is *reparametrised* exactly as ``M[a,b] = r[a] + c[b] + R[a,b]``
+  with ``r = min_b M[a,b]``, ``c[b] = min_a (M[a,b] - r[a])`` and ``R >= 0``;
+  ``r`` and ``c`` move into the vertex costs of the two ends. This leaves the
+  objective of every assignment and the LP relaxation unchanged. When
+  ``max R <= 1e-12 * max |M|`` (an all-zero matrix, an edge to a vertex with
+  one configuration, or any ``r[a] + c[b]`` matrix) the edge is dropped. A
+  dropped residual is non-negative, so the program's optimum stays a valid
+  lower bound on the true optimum.
+
+The reported ``cost`` is always ``problem.evaluate(assignment)``, with the
+assignment read off ``x`` by an argmax per vertex; the LP objective is only
+used for the bound and gap.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from collections.abc import Mapping
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from shardplan.errors import ShardplanError
+from shardplan.search.problem import Problem, Solution
+
+__all__ = ["solve_ilp"]
+
+_DROP_RTOL = 1e-12  # an edge whose residual is below this times max|M| is dropped
+_OPTIMAL_RTOL = 1e-9  # a gap below this (relative) counts as proved optimal
+
+
+@dataclass(frozen=True)
+class _Reduced:
+    """The program's data after merging and reparametrising edges.
+
+    Attributes:
+        vertex_cost: per vertex, the cost vector with folded edge terms added.
+        edges: kept (u, v) pairs with u < v.
+        residual: per kept edge, its residual matrix R (K_u x K_v, >= 0).
+        dropped: number of merged edges dropped as r[a] + c[b].
+        merged: number of distinct vertex pairs joined by at least one edge.
+    """
+
+    vertex_cost: tuple[np.ndarray, ...]
+    edges: tuple[tuple[int, int], ...]
+    residual: tuple[np.ndarray, ...]
+    dropped: int
+    merged: int
+
+
+def merge_parallel_edges(problem: Problem) -> dict[tuple[int, int], np.ndarray]:
+    """Sum the matrices of all edges between the same pair of vertices.
+
+    Returns a dict keyed by ``(u, v)`` with ``u < v``; each matrix is indexed
+    ``[config of u, config of v]`` (edges stored as ``(v, u)`` are transposed).
+    """
+    merged: dict[tuple[int, int], np.ndarray] = {}
+    for (s, d), m in zip(problem.edges, problem.edge_cost):
+        key, mat = ((s, d), m) if s < d else ((d, s), m.T)
+        if key in merged:
+            merged[key] = merged[key] + mat
+        else:
+            merged[key] = np.array(mat, dtype=np.float64)
+    return merged
+
+
+def reparametrise(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split ``M`` exactly as ``M[a,b] = r[a] + c[b] + R[a,b]`` with ``R >= 0``.
+
+    ``r[a] = min_b M[a,b]``, ``c[b] = min_a (M[a,b] - r[a])``; every row and
+    every column of ``R`` then contains a zero.
+    """
+    r = matrix.min(axis=1)
+    rest = matrix - r[:, None]
+    c = rest.min(axis=0)
+    return r, c, rest - c[None, :]
+
+
+def reduce_problem(problem: Problem) -> _Reduced:
+    """Merge parallel edges and fold their separable parts into vertex costs."""
+    vcost = [np.array(c, dtype=np.float64) for c in problem.vertex_cost]
+    edges: list[tuple[int, int]] = []
+    residual: list[np.ndarray] = []
+    dropped = 0
+    merged = merge_parallel_edges(problem)
+    for (u, v), mat in merged.items():
+        r, c, res = reparametrise(mat)
+        vcost[u] += r
+        vcost[v] += c
+        scale = float(np.abs(mat).max()) if mat.size else 0.0
+        if res.size == 0 or float(res.max()) <= _DROP_RTOL * scale:
+            dropped += 1
+            continue
+        edges.append((u, v))
+        residual.append(res)
+    return _Reduced(tuple(vcost), tuple(edges), tuple(residual), dropped, len(merged))
+
+
+def _segment_local(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For segments of the given lengths: (segment id, offset in segment, start) per item.
+
+    ``start[i]`` is the first flat position of segment ``i`` (an exclusive cumsum).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    start = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1], out=start[1:])
+    seg = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    local = np.arange(int(lengths.sum()), dtype=np.int64) - start[seg]
+    return seg, local, start
+
+
+def build_program(reduced: _Reduced) -> tuple[np.ndarray, sp.csr_matrix, np.ndarray, np.ndarray, int]:
+    """Assemble the local-polytope program as arrays.
+
+    Returns ``(c, A, b, integrality, num_x)``: minimise ``c @ z`` subject to
+    ``A @ z == b``, ``z >= 0``, ``z[:num_x]`` binary. Variables are ordered as
+    all ``x[v,k]`` (vertex by vertex) followed by all ``y[e,a,b]`` (edge by
+    edge, row-major in ``(a, b)``). Rows are the ``n`` one-hot rows, then per
+    edge its ``K_u`` row marginals followed by its ``K_v`` column marginals.
+    """
+    n = len(reduced.vertex_cost)
+    kx = np.array([len(c) for c in reduced.vertex_cost], dtype=np.int64)
+    num_x = int(kx.sum())
+    xv, xk, xoff = _segment_local(kx)
+
+    eu = np.array([u for u, _ in reduced.edges], dtype=np.int64)
+    ev = np.array([v for _, v in reduced.edges], dtype=np.int64)
+    ku, kv = kx[eu], kx[ev]
+    ye, ylocal, yoff = _segment_local(ku * kv)
+    num_y = len(ye)
+    ya, yb = ylocal // kv[ye], ylocal % kv[ye]
+    # Row offsets: one-hot rows first, then K_u + K_v marginal rows per edge.
+    _, _, roff = _segment_local(ku + kv)
+    roff = roff + n
+
+    # One-hot rows: +1 on x[v, k].
+    rows = [xv]
+    cols = [np.arange(num_x, dtype=np.int64)]
+    vals = [np.ones(num_x)]
+    # Row marginals of edge e: +1 on y[e,a,b] in row roff[e] + a ...
+    rows.append(roff[ye] + ya)
+    cols.append(num_x + np.arange(num_y, dtype=np.int64))
+    vals.append(np.ones(num_y))
+    # ... and -1 on x[u,a] in the same row.
+    se, sa, _ = _segment_local(ku)
+    rows.append(roff[se] + sa)
+    cols.append(xoff[eu[se]] + sa)
+    vals.append(-np.ones(len(se)))
+    # Column marginals: +1 on y[e,a,b] in row roff[e] + K_u + b, -1 on x[v,b].
+    rows.append(roff[ye] + ku[ye] + yb)
+    cols.append(num_x + np.arange(num_y, dtype=np.int64))
+    vals.append(np.ones(num_y))
+    de, db, _ = _segment_local(kv)
+    rows.append(roff[de] + ku[de] + db)
+    cols.append(xoff[ev[de]] + db)
+    vals.append(-np.ones(len(de)))
+
+    num_rows = n + int((ku + kv).sum())
+    a_mat = sp.coo_matrix(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+        shape=(num_rows, num_x + num_y),
+    ).tocsr()
+    b = np.zeros(num_rows)
+    b[:n] = 1.0
+    c = np.concatenate([*reduced.vertex_cost, *(r.ravel() for r in reduced.residual), np.zeros(0)])
+    integrality = np.zeros(num_x + num_y)
+    integrality[:num_x] = 1.0
+    return c, a_mat, b, integrality, num_x
+
+
+def _round_assignment(z: np.ndarray, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Read the assignment off ``x`` by an argmax per vertex."""
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    return tuple(int(np.argmax(z[s : s + k])) for s, k in zip(starts, sizes))
+
+
+def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0.0) -> Solution:
+    """Minimise F exactly with a mixed-integer program (HiGHS via ``scipy.optimize.milp``).
+
+    Parameters:
+        problem: the problem to solve.
+        time_limit: seconds HiGHS may spend (model building not included).
+        mip_rel_gap: stop once ``(cost - bound) / cost`` is at most this;
+            0 asks for a proof of optimality (the absolute gap is also set to 0).
+
+    Returns:
+        A :class:`Solution` with ``solver="ilp"``, ``cost = problem.evaluate(assignment)``,
+        ``optimal`` True only when the relative gap between that cost and the
+        dual bound is below 1e-9, ``bound`` the dual bound capped at the cost
+        (set to the cost when optimal; ``None`` if HiGHS gave none),
+        ``solve_seconds`` including model building, and ``stats`` with ``variables``, ``constraints``,
+        ``status`` (HiGHS's message), ``gap`` and the edge counts after
+        merging (``edges_merged``) and dropping (``edges_kept``).
+
+    Raises:
+        ShardplanError: if the time limit ran out before any feasible point.
+    """
+    if time_limit <= 0:
+        raise ShardplanError(f"time_limit must be positive, got {time_limit!r}")
+    if mip_rel_gap < 0:
+        raise ShardplanError(f"mip_rel_gap must be >= 0, got {mip_rel_gap!r}")
+    start = time.perf_counter()
+    if problem.num_vertices == 0:
+        stats = {"variables": 0, "constraints": 0, "status": "empty problem", "gap": 0.0}
+        return Solution(0.0, (), time.perf_counter() - start, "ilp", True, 0.0, stats)
+    reduced = reduce_problem(problem)
+    c, a_mat, b, integrality, num_x = build_program(reduced)
+    options = {"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "mip_abs_gap": 0.0}
+    with warnings.catch_warnings():
+        # mip_abs_gap is passed to HiGHS verbatim; scipy warns that it does not know it.
+        warnings.filterwarnings("ignore", message="Unrecognized options", category=RuntimeWarning)
+        res = milp(
+            c=c,
+            constraints=LinearConstraint(a_mat, b, b),
+            integrality=integrality,
+            bounds=Bounds(0.0, np.where(integrality > 0, 1.0, np.inf)),
+            options=options,
+        )
+    elapsed = time.perf_counter() - start
+    stats = {
+        "variables": int(c.size),
+        "binaries": num_x,
+        "constraints": int(a_mat.shape[0]),
+        "nonzeros": int(a_mat.nnz),
+        "edges_merged": reduced.merged,
+        "edges_kept": len(reduced.edges),
+    }
+    stats["nodes"] = res.get("mip_node_count")
+    return solution_from_result(problem, res, time_limit, elapsed, stats)
+
+
+def solution_from_result(problem: Problem, res: Mapping, time_limit: float, elapsed: float, stats: dict) -> Solution:
+    """Turn HiGHS's result into a :class:`Solution` (pure; separate so it can be tested).
+
+    ``res`` needs ``x``, ``status`` (scipy's: 0 optimal, 1 limit reached),
+    ``message`` and optionally ``mip_dual_bound``. The assignment is the
+    argmax of ``x`` per vertex, the cost ``problem.evaluate`` of it; the gap is
+    ``(cost - bound) / cost`` with ``bound = min(dual bound, cost)``.
+    """
+    stats = dict(stats)
+    stats["status"] = str(res["message"])
+    if res.get("x") is None:
+        why = "the time limit was too short" if res["status"] == 1 else "HiGHS failed"
+        raise ShardplanError(
+            f"ILP found no feasible assignment within time_limit={time_limit!r} s "
+            f"(HiGHS: {res['message']}); {why}"
+        )
+    assignment = _round_assignment(np.asarray(res["x"]), problem.sizes)
+    cost = problem.evaluate(assignment)
+    dual = res.get("mip_dual_bound")
+    bound = None if dual is None or not np.isfinite(dual) else min(float(dual), cost)
+    if bound is None:
+        gap = float("inf")
+    else:
+        gap = (cost - bound) / abs(cost) if cost != 0 else (0.0 if bound >= cost else float("inf"))
+    stats["gap"] = gap
+    optimal = res["status"] == 0 and gap <= _OPTIMAL_RTOL
+    if optimal:
+        bound = cost
+    return Solution(
+        cost=cost,
+        assignment=assignment,
+        solve_seconds=elapsed,
+        solver="ilp",
+        optimal=bool(optimal),
+        bound=bound,
+        stats=stats,
+    )

@@ -1,0 +1,80 @@
+"""Random solver-level problems for tests (fixed seeds, small enough for brute force).
+
+``random_problem(seed)`` picks a shape (path, tree, DAG with skip connections,
+diamond, near-complete, disconnected pieces; sometimes parallel edges) and
+random costs that include ties and zeros, with K in 1..5 per vertex.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shardplan.search.problem import Problem
+
+SHAPES = ("path", "tree", "skipdag", "diamond", "complete", "disconnected")
+
+
+def _edges(shape: str, n: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    if shape == "path":
+        return [(i, i + 1) for i in range(n - 1)]
+    if shape == "tree":
+        return [(int(rng.integers(0, i)), i) for i in range(1, n)]
+    if shape == "skipdag":
+        e = [(i, i + 1) for i in range(n - 1)]
+        for _ in range(max(1, n // 3)):
+            a = int(rng.integers(0, n - 2)) if n > 2 else 0
+            b = int(rng.integers(a + 2, n)) if a + 2 < n else a + 1
+            if b < n and a != b:
+                e.append((a, b))
+        return e
+    if shape == "diamond":
+        e: list[tuple[int, int]] = []
+        cur = 0
+        nxt = 1
+        while nxt + 2 < n:  # cur -> (a, b) -> join
+            a, b, j = nxt, nxt + 1, nxt + 2
+            e += [(cur, a), (cur, b), (a, j), (b, j)]
+            cur, nxt = j, nxt + 3
+        while nxt < n:
+            e.append((cur, nxt))
+            cur, nxt = nxt, nxt + 1
+        return e
+    if shape == "complete":
+        return [(i, j) for i in range(n) for j in range(i + 1, n) if rng.random() < 0.8]
+    if shape == "disconnected":
+        cut = max(1, n // 2)
+        e = [(int(rng.integers(0, i)), i) for i in range(1, cut)]
+        e += [(i, i + 1) for i in range(cut, n - 1) if rng.random() < 0.7]
+        return e
+    raise ValueError(shape)
+
+
+def _costs(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    kind = rng.integers(0, 3)
+    if kind == 0:  # small integers: many ties and zeros
+        return rng.integers(0, 4, size=shape).astype(float)
+    if kind == 1:
+        return rng.random(shape) * 10
+    m = rng.random(shape)
+    m[rng.random(shape) < 0.4] = 0.0
+    return m
+
+
+def random_problem(seed: int, n_max: int = 8, k_max: int = 5, shape: str | None = None) -> Problem:
+    """A random problem with 1..n_max vertices and 1..k_max configurations each."""
+    rng = np.random.default_rng(seed)
+    shape = shape or SHAPES[seed % len(SHAPES)]
+    n = int(rng.integers(1, n_max + 1))
+    edges = _edges(shape, n, rng)
+    if edges and rng.random() < 0.3:  # parallel and antiparallel edges
+        s, d = edges[int(rng.integers(0, len(edges)))]
+        edges.append((s, d) if rng.random() < 0.5 else (d, s))
+    edges = [(s, d) if rng.random() < 0.7 else (d, s) for s, d in edges]
+    ks = [int(rng.integers(1, k_max + 1)) for _ in range(n)]
+    return Problem(
+        names=tuple(f"v{i}" for i in range(n)),
+        configs=tuple(tuple((j + 1,) for j in range(k)) for k in ks),
+        vertex_cost=tuple(_costs(rng, (k,)) for k in ks),
+        edges=tuple(edges),
+        edge_cost=tuple(_costs(rng, (ks[s], ks[d])) for s, d in edges),
+    )

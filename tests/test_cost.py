@@ -1,0 +1,269 @@
+"""Hand-computed checks of the derived cost model.
+
+Every expected number below is worked out by hand from the operator's
+shape, the configuration and the alpha-beta formulas (alpha = 0):
+all-reduce of n bytes among g devices = 2 (g-1)/g * n / B.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shardplan import ops
+from shardplan.cost import build_tables, edge_cost, edge_volumes, operator_cost
+from shardplan.cost.memory import operator_memory
+from shardplan.ir import GraphBuilder, TensorRef
+from shardplan.machine import Machine
+
+B = 1e9  # bytes/s
+F = 1e12  # FLOP/s
+
+
+def machine(p: int, **kw) -> Machine:
+    return Machine(p, peak_flops=F, bandwidth=B, **kw)
+
+
+def x_ref(shape, name="x", grad=True) -> TensorRef:
+    return TensorRef(name, shape, needs_grad=grad)
+
+
+def cost_of(op, config, m):
+    return operator_cost(op, np.asarray([config]), m)
+
+
+# --------------------------------------------------------------------------- GEMM
+GEMM = ops.dense("fc", x_ref((128, 512)), 256)  # dims b, n, c; y[b,n] = x[b,c] W[c,n]
+
+
+def test_gemm_dims_and_reductions():
+    assert GEMM.dim_names == ("b", "n", "c")
+    assert GEMM.reduction_dims == ("c",)
+    x, w = GEMM.inputs[0], GEMM.weights[0]
+    assert GEMM.grad_reduction_dims(x) == ("n",)
+    assert GEMM.grad_reduction_dims(w) == ("b",)
+
+
+def test_gemm_split_k_allreduces_output():
+    c = cost_of(GEMM, (1, 1, 2), machine(8))
+    out_bytes = 128 * 256 * 4
+    assert c.forward_allreduce[0] == pytest.approx(2 * 1 / 2 * out_bytes / B)
+    assert c.grad_allreduce[0] == 0.0
+    assert c.comm_bytes[0] == pytest.approx(out_bytes)  # 2 (g-1)/g n with g = 2
+
+
+def test_gemm_split_n_allreduces_input_gradient():
+    c = cost_of(GEMM, (1, 4, 1), machine(8))
+    x_bytes = 128 * 512 * 4
+    assert c.forward_allreduce[0] == 0.0
+    assert c.grad_allreduce[0] == pytest.approx(2 * 3 / 4 * x_bytes / B)
+
+
+def test_gemm_split_batch_allreduces_weight_gradient():
+    c = cost_of(GEMM, (8, 1, 1), machine(8))
+    w_bytes = 512 * 256 * 4
+    assert c.forward_allreduce[0] == 0.0
+    assert c.grad_allreduce[0] == pytest.approx(2 * 7 / 8 * w_bytes / B)
+
+
+def test_gemm_compute_forward_and_two_backward_products():
+    c = cost_of(GEMM, (2, 2, 2), machine(8))
+    assert c.compute[0] == pytest.approx(3 * 2 * 128 * 256 * 512 / 8 / F)
+
+
+def test_gemm_first_layer_without_input_gradient():
+    op = ops.dense("fc", x_ref((128, 512), grad=False), 256)
+    c = cost_of(op, (1, 4, 1), machine(8))
+    assert c.grad_allreduce[0] == 0.0  # nobody needs dx
+    assert c.compute[0] == pytest.approx(2 * 2 * 128 * 256 * 512 / 4 / F)
+
+
+def test_gemm_mixed_split_groups():
+    # b=2, c=4: forward all-reduce of the [64, 256] output tile among 4; weight gradient tile [128, 256] among 2.
+    c = cost_of(GEMM, (2, 1, 4), machine(8))
+    assert c.forward_allreduce[0] == pytest.approx(2 * 3 / 4 * 64 * 256 * 4 / B)
+    assert c.grad_allreduce[0] == pytest.approx(2 * 1 / 2 * 128 * 256 * 4 / B)
+
+
+def test_latency_term():
+    m = machine(8, latency=1e-6)
+    c = cost_of(GEMM, (8, 1, 1), m)
+    assert c.grad_allreduce[0] == pytest.approx(2 * 7 / 8 * 512 * 256 * 4 / B + 2 * 7 * 1e-6)
+
+
+# --------------------------------------------------------------------------- convolution
+CONV = ops.conv2d("conv", x_ref((8, 16, 32, 32)), 16, 3, stride=1, padding=1)
+
+
+def test_data_parallel_conv_is_gradient_allreduce_only():
+    c = cost_of(CONV, (4, 1, 1, 1, 1, 1, 1), machine(4))
+    w_bytes = 16 * 16 * 3 * 3 * 4
+    assert c.forward_allreduce[0] == 0.0
+    assert c.halo[0] == 0.0
+    assert c.stats[0] == 0.0
+    assert c.grad_allreduce[0] == pytest.approx(2 * 3 / 4 * w_bytes / B)
+    assert c.total[0] == pytest.approx(c.compute[0] + c.grad_allreduce[0])
+
+
+def test_halo_of_split_3x3_convolution():
+    # h split 4 ways: 8 output rows per device; an interior device reads rows 8i-1 .. 8i+8 (10 rows), owns 8.
+    c = cost_of(CONV, (1, 1, 4, 1, 1, 1, 1), machine(4))
+    halo_elems = 2 * 32 * 16 * 8  # 2 rows x width x channels x batch
+    assert c.halo[0] == pytest.approx(2 * halo_elems * 4 / B)  # forward + gradient back
+    # h is in every tensor but the weight: weight gradient all-reduced among 4
+    assert c.grad_allreduce[0] == pytest.approx(2 * 3 / 4 * 16 * 16 * 9 * 4 / B)
+
+
+def test_strided_conv_halo():
+    op = ops.conv2d("c", x_ref((2, 3, 16, 16)), 4, 3, stride=2, padding=1)  # out 8x8
+    # h split 2: block [0,4) reads rows -1..7 -> [0,8) after clipping, owns [0,8); block [4,8) reads 7..15, owns 8..16
+    c = cost_of(op, (1, 1, 2, 1, 1, 1, 1), machine(2))
+    assert c.halo[0] == pytest.approx(2 * (1 * 16 * 3 * 2) * 4 / B)
+
+
+def test_pooling_without_padding_has_halo_when_windows_overlap():
+    op = ops.pool2d("pool", x_ref((4, 8, 16, 16)), 3, 2)  # out 7x7; can only split b, c (7 prime < cutoff 4)
+    m = machine(4)
+    c = cost_of(op, (4, 1, 1, 1, 1, 1), m)
+    assert c.total[0] == pytest.approx(c.compute[0])
+
+
+# --------------------------------------------------------------------------- normalisation
+def test_softmax_split_normalised_axis_allreduces_statistics():
+    op = ops.softmax("sm", x_ref((64, 1000)))
+    c = cost_of(op, (1, 4), machine(4))
+    # 2 statistics per row, 64 rows, forward and backward
+    assert c.stats[0] == pytest.approx(2 * (2 * 3 / 4 * 64 * 2 * 4 / B))
+    c2 = cost_of(op, (4, 1), machine(4))
+    assert c2.stats[0] == 0.0 and c2.grad_allreduce[0] == 0.0
+
+
+def test_batch_norm_data_parallel_reduces_statistics_and_gamma():
+    op = ops.batch_norm("bn", x_ref((32, 16, 8, 8)))
+    c = cost_of(op, (4, 1, 1, 1), machine(4))
+    assert c.stats[0] == pytest.approx(2 * (2 * 3 / 4 * 16 * 2 * 4 / B))
+    assert c.grad_allreduce[0] == pytest.approx(2 * (2 * 3 / 4 * 16 * 4 / B))  # gamma and beta
+
+
+# --------------------------------------------------------------------------- edges
+def _chain(*builders):
+    b = GraphBuilder("g")
+    x = b.input("x", (64, 32), needs_grad=True)
+    out = x
+    for f in builders:
+        out = b.add(f(out))
+    return b.build()
+
+
+def test_edge_identical_layouts_cost_nothing():
+    g = _chain(lambda x: ops.elementwise("a", x), lambda x: ops.elementwise("b", x))
+    m = machine(4)
+    t = build_tables(g, m, cutoff=1)
+    cu, cv = t.configs
+    cost = t.edge_costs[0]
+    for i, row in enumerate(cu):
+        for j, col in enumerate(cv):
+            if tuple(row) == tuple(col):
+                assert cost[i, j] == 0.0
+
+
+def test_edge_transpose_of_a_split():
+    # producer holds x[64, 32] split 4 ways on axis 0; the consumer wants it split 4 ways on axis 1.
+    a = ops.elementwise("a", x_ref((64, 32)))
+    t = ops.transpose("t", a.out, (1, 0))  # dims = input axes (b, s)
+    m = machine(4)
+    f, b = edge_volumes(a, np.array([[4, 1]]), t, 0, np.array([[1, 4]]), 4)
+    # need a [64, 8] tile, hold [16, 32]: the overlap is [16, 8]
+    assert f[0, 0] == 64 * 8 - 16 * 8
+    assert b[0, 0] == 16 * 32 - 16 * 8
+    sec = edge_cost(a, np.array([[4, 1]]), t, 0, np.array([[1, 4]]), m)
+    assert sec[0, 0] == pytest.approx(((64 * 8 - 16 * 8) + (16 * 32 - 16 * 8)) * 4 / B)
+    # same split on the same axis: nothing moves
+    f, b = edge_volumes(a, np.array([[4, 1]]), t, 0, np.array([[4, 1]]), 4)
+    assert f[0, 0] == 0 and b[0, 0] == 0
+
+
+def test_edge_from_replicated_to_split_and_back():
+    a = ops.elementwise("a", x_ref((64, 32)))
+    c = ops.elementwise("c", a.out)
+    f, b = edge_volumes(a, np.array([[1, 1]]), c, 0, np.array([[4, 1]]), 4)
+    # device 0 holds everything; devices 1..3 hold nothing and need a [16, 32] tile each
+    assert f[0, 0] == 16 * 32
+    # backward: device 0 needs the whole gradient and has a quarter of it
+    assert b[0, 0] == 64 * 32 - 16 * 32
+
+
+def test_edge_into_a_graph_input_free_operator_without_gradient():
+    a = ops.elementwise("a", x_ref((64, 32)))
+    lab = ops.softmax_cross_entropy("loss", x_ref((64, 10), "logits"), x_ref((64,), "lab", grad=False))
+    assert lab.inputs[1].needs_grad is False
+    _ = a
+
+
+def test_reshape_edge_follows_leading_sub_axis():
+    conv = ops.conv2d("conv", x_ref((8, 16, 4, 4)), 16, 3, padding=1)
+    flat = ops.flatten("flat", conv.out)  # dims i0 (b), i1 (c), i2 (h), i3 (w); h, w fixed
+    assert flat.fixed == frozenset({"i2", "i3"})
+    cu = np.array([[1, 1, 1, 1, 4, 1, 1]])  # out-channels split 4 ways
+    same = np.array([[1, 4, 1, 1]])  # flatten split on c: the leading sub-axis of the merged axis
+    other = np.array([[4, 1, 1, 1]])  # flatten split on batch
+    f, b = edge_volumes(conv, cu, flat, 0, same, 4)
+    assert f[0, 0] == 0 and b[0, 0] == 0
+    f, b = edge_volumes(conv, cu, flat, 0, other, 4)
+    # need [2, 16, 4, 4], hold [8, 4, 4, 4]: overlap [2, 4, 4, 4]
+    assert f[0, 0] == 2 * 16 * 16 - 2 * 4 * 16
+    # and the merged output axis of flatten is split like its leading sub-axis
+    fc = ops.dense("fc", flat.out, 10)  # dims b, n, c ; c = 256 merged (16 x 4 x 4)
+    f, b = edge_volumes(flat, same, fc, 0, np.array([[1, 1, 4]]), 4)
+    assert f[0, 0] == 0 and b[0, 0] == 0
+
+
+def test_concat_edges_take_the_right_slice():
+    a = ops.elementwise("a", x_ref((8, 16)))
+    b_ = ops.elementwise("b", x_ref((8, 48)))
+    cat = ops.concat("cat", [a.out, b_.out], axis=1)  # (8, 64)
+    # concat split 4 ways on axis 1: blocks of 16 columns; block 0 is exactly a, blocks 1..3 are b.
+    cv = np.array([[1, 4]])
+    f, _ = edge_volumes(a, np.array([[1, 1]]), cat, 0, cv, 4)
+    assert f[0, 0] == 0  # device 0 holds all of a and needs all of a; others need nothing of a
+    f, _ = edge_volumes(b_, np.array([[1, 4]]), cat, 1, cv, 4)
+    # b split 4 ways: blocks of 12 columns; device 1 needs b[:, 0:16], holds b[:, 12:24] -> 12 missing
+    assert f[0, 0] == 8 * 16 - 8 * 4
+
+
+# --------------------------------------------------------------------------- hierarchy and memory
+def test_hierarchical_machine_uses_slow_link_across_nodes():
+    m = Machine(16, peak_flops=F, bandwidth=100e9, node_size=8, inter_bandwidth=10e9)
+    w_bytes = 512 * 256 * 4
+    inside = cost_of(GEMM, (8, 1, 1), m).grad_allreduce[0]
+    across = cost_of(GEMM, (16, 1, 1), m).grad_allreduce[0]
+    assert inside == pytest.approx(2 * 7 / 8 * w_bytes / 100e9)
+    assert across == pytest.approx(2 * 15 / 16 * w_bytes / 10e9)
+    # b=2 (outer), c=8 (inner): the c groups are devices {0..7} and {8..15}: inside nodes;
+    # the b groups {q, q+8} cross nodes. Output tile [64, 256]; weight tile [512/8, 256]; x tile not reduced.
+    c = cost_of(GEMM, (2, 1, 8), m)
+    assert c.forward_allreduce[0] == pytest.approx(2 * 7 / 8 * 64 * 256 * 4 / 100e9)
+    assert c.grad_allreduce[0] == pytest.approx(2 * 1 / 2 * 64 * 256 * 4 / 10e9)
+
+
+def test_memory_per_device():
+    m = machine(4)
+    w, act = operator_memory(GEMM, np.array([[1, 4, 1], [4, 1, 1]]), m, optimizer_factor=2.0)
+    assert w[0].max() == pytest.approx(512 * 64 * 4 * 4)  # weight split on n; value, grad, 2 Adam words
+    assert w[1].max() == pytest.approx(512 * 256 * 4 * 4)  # replicated
+    assert act[1].max() == pytest.approx(32 * 256 * 4)
+
+
+def test_lstm_recurrence_terms():
+    op = ops.lstm("lstm", x_ref((64, 32, 128), grad=False), hidden=128, layers=2)
+    m = machine(8)
+    base = cost_of(op, (1, 1, 1, 1, 1), m)
+    assert base.recurrence[0] == 0.0
+    assert op.reduction_dims == ("d",)
+    pipe = cost_of(op, (2, 1, 1, 1, 1), m)
+    # wavefront of S + 1 steps instead of S, plus hidden states handed over forward and back
+    work = 16 * op.points * 2 / F  # forward + weight gradient (no input gradient from a graph input)
+    handoff = 2 * 1 / 2 * 64 * 32 * 128 * 4 / B
+    assert pipe.recurrence[0] == pytest.approx(work / 2 * (33 / 32) - work / 2 + handoff)
+    seq = cost_of(op, (1, 1, 2, 1, 1), m)
+    assert seq.compute[0] + seq.recurrence[0] == pytest.approx(base.compute[0])  # time chunks do not help
