@@ -252,9 +252,6 @@ class Operator:
             if t.name in seen:
                 self._fail(f"two tensors are named {t.name!r}")
             seen.add(t.name)
-            # An input axis may be read in part or past its end (slice, concatenation):
-            # indices outside [0, size) are not read, so only outputs and weights
-            # must match their dimension's extent exactly.
             for i, (a, size) in enumerate(zip(t.axes, t.shape)):
                 for d in a.dims:
                     if d not in ext:
@@ -264,7 +261,7 @@ class Operator:
                     continue
                 if a.inner and hi != size:
                     self._fail(f"tensor {t.name!r} axis {i}: merged dims {a.dims} cover {hi} indices, axis has {size}")
-                if a.is_plain and ext[a.dim] != size and t.role != "input":
+                if a.is_plain and ext[a.dim] != size:
                     self._fail(
                         f"tensor {t.name!r} axis {i} has extent {size} but dimension {a.dim!r} has extent {ext[a.dim]}"
                     )
