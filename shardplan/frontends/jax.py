@@ -665,6 +665,20 @@ def _reduce_window(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     g.add(eqn, "pool", dims, vals[:1], [acc], letters, 1.0)
 
 
+def _partial(dim: str, offset: int, stride: int) -> AxisMap | None:
+    """Access ``stride * dim + offset`` of an input axis whose extent differs from ``dim``'s.
+
+    The IR requires a *plain* input axis (offset 0, stride 1) to have its
+    dimension's extent, so a part read from index 0 (a slice from the start,
+    the first operand of a concatenation) cannot be written exactly; it is
+    read whole instead (no dimension): exact when the axis is not split,
+    an over-estimate of the redistribution when it is.
+    """
+    if offset == 0 and stride == 1:
+        return None
+    return AxisMap(dim, stride=stride, offset=offset)
+
+
 def _concatenate(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     """Operand k is read at ``index - start_k`` along the concatenated axis."""
     ax = eqn.params["dimension"]
@@ -672,8 +686,8 @@ def _concatenate(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     letters = _letters(len(out))
     accesses, start = [], 0
     for v in vals:
-        acc: list[AxisMap | str] = [AxisMap(letters[i], offset=-start) if i == ax else letters[i]
-                                    for i in range(len(out))]
+        acc: list[AxisMap | str | None] = [letters[i] for i in range(len(out))]
+        acc[ax] = _partial(letters[ax], -start, 1)
         accesses.append(acc)
         start += v.shape[ax]
     g.add(eqn, "concat", tuple(zip(letters, out)), vals, accesses, letters, 0.0)
@@ -685,7 +699,8 @@ def _slice(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     out = eqn.out_shapes[0]
     strides = p.get("strides") or (1,) * len(out)
     letters = _letters(len(out))
-    acc = [AxisMap(letters[i], stride=int(s), offset=int(st)) for i, (st, s) in enumerate(zip(p["start_indices"], strides))]
+    acc = [letters[i] if (st == 0 and s == 1 and out[i] == vals[0].shape[i]) else _partial(letters[i], int(st), int(s))
+           for i, (st, s) in enumerate(zip(p["start_indices"], strides))]
     g.add(eqn, "slice", tuple(zip(letters, out)), vals[:1], [acc], letters, 0.0)
 
 
@@ -704,7 +719,8 @@ def _split(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     start = 0
     for k, out in enumerate(eqn.out_shapes):
         letters = _letters(len(out))
-        acc = [AxisMap(letters[i], offset=start) if i == ax else letters[i] for i in range(len(out))]
+        acc: list[AxisMap | str | None] = [letters[i] for i in range(len(out))]
+        acc[ax] = _partial(letters[ax], start, 1)
         g.add(eqn, "slice", tuple(zip(letters, out)), vals[:1], [acc], letters, 0.0, out_index=k)
         start += out[ax]
 
