@@ -22,7 +22,9 @@ sums, as the cost model charges.
 The step. The traced program is evaluated equation by equation
 (:func:`shardplan.frontends.jax.evaluate`) with
 :func:`jax.lax.with_sharding_constraint` on every variable holding an
-operator's output; parameters and inputs enter with the sharding their first
+operator's output, and on its cotangent in the backward pass (so the
+gradient of an operator's output keeps the output's tiling, as the cost
+model assumes); parameters and inputs enter with the sharding their first
 consumer asks for (``in_shardings``), and gradients leave with their
 parameter's sharding. ``jax.value_and_grad`` of that function, jitted, is the
 step; the backward pass is laid out by XLA's propagation from the constrained
@@ -150,11 +152,42 @@ def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanSh
     return PlanShardings(values, by_op, tuple(leaves))
 
 
+def _constrain_both_ways(sharding: Any) -> Callable[[Any], Any]:
+    """Identity that constrains a value to ``sharding`` and its cotangent in the backward pass too.
+
+    The cost model lays out the backward pass like the forward one (the
+    gradient of an operator's output has the output's tiling); without the
+    second constraint XLA may compute a transposed product with another
+    algorithm (e.g. all-gather a weight instead of all-reducing a tile).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def ident(x: Any) -> Any:
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def fwd(x: Any) -> tuple[Any, None]:
+        return ident(x), None
+
+    def bwd(_: None, g: Any) -> tuple[Any]:
+        return (jax.lax.with_sharding_constraint(g, sharding),)
+
+    ident.defvjp(fwd, bwd)
+
+    def apply(x: Any) -> Any:
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            return ident(x)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    return apply
+
+
 def constrained_fn(info: TraceInfo, shardings: PlanShardings) -> Callable[..., Any]:
     """The traced function re-run with a sharding constraint on every operator output."""
     import jax
 
-    hooks = {var: (lambda x, s=s: jax.lax.with_sharding_constraint(x, s)) for var, s in shardings.values.items()}
+    hooks = {var: _constrain_both_ways(s) for var, s in shardings.values.items()}
 
     def fn(*args: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten(args)

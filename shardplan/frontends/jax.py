@@ -196,7 +196,9 @@ class _Flattener:
         self.next_id += 1
         return self.next_id - 1
 
-    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Atom], scope: str, run: bool) -> list[Atom]:
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Atom], scope: str, run: bool,
+            where: str = "") -> list[Atom]:
+        """Append ``jaxpr``'s equations; ``where`` is the enclosing call's location (used when an inner one has none)."""
         from jax.extend.core import Literal
 
         env: dict[Any, Atom] = {}
@@ -212,11 +214,12 @@ class _Flattener:
             name = eqn.primitive.name
             ins = tuple(read(v) for v in eqn.invars)
             sc = _join(scope, _scope(eqn))
+            loc = _where(eqn).strip() or where
             if name in _INLINE:
                 sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
                 inner, cs = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, ())
                 sub_scope = _join(sc, str(eqn.params.get("name", "")))
-                outs = self.run(inner, cs, ins, sub_scope, run)
+                outs = self.run(inner, cs, ins, sub_scope, run, loc)
                 for v, a in zip(eqn.outvars, outs):
                     env[v] = a
                 continue
@@ -226,12 +229,12 @@ class _Flattener:
             if name in _CUSTOM:
                 sub = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
                 inner, cs = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, ())
-                body = self.run(inner, cs, ins, sc, run=False)
+                body = self.run(inner, cs, ins, sc, False, loc)
                 self.eqns.append(FlatEqn(eqn.primitive, dict(eqn.params), ins, outs_ids, shapes, dtypes,
-                                         _where(eqn), sc, run=run, graph=False, passthrough=tuple(body)))
+                                         loc, sc, run=run, graph=False, passthrough=tuple(body)))
             else:
                 self.eqns.append(FlatEqn(eqn.primitive, dict(eqn.params), ins, outs_ids, shapes, dtypes,
-                                         _where(eqn), sc, run=run, graph=True))
+                                         loc, sc, run=run, graph=True))
             for v, i in zip(eqn.outvars, outs_ids):
                 env[v] = i
         return [read(v) for v in jaxpr.outvars]
