@@ -56,8 +56,9 @@ def megatron_plan(tables: Any, info: Any, mod: Any, p: int = 8) -> Any:
     """Megatron-LM: Q/K/V and FFN-in split on their output (heads / hidden), output and FFN-out on their input.
 
     An operator that reads a weight named in ``mod.MEGATRON_WEIGHT_AXES`` splits the dimension indexing
-    that weight axis p ways; the attention core splits its head dimension (the one of extent HEADS);
-    everything else (layer norms, residuals, loss) is replicated.
+    that weight axis p ways; the attention core splits its head dimension (the one of extent HEADS), the
+    FFN activation its hidden dimension (extent FFN); everything else (layer norms, residuals, loss) is
+    replicated.
     """
     from shardplan.plan import plan_from_configs
 
@@ -75,10 +76,12 @@ def megatron_plan(tables: Any, info: Any, mod: Any, p: int = 8) -> Any:
         c = [1] * len(op.dims)
         if op.name in split_of:
             c[op.dim_names.index(split_of[op.name])] = p
-        elif "attn" in op.name and not op.weights:
-            heads = [d for d, e in op.dims if e == mod.HEADS]
-            if heads and op.output.shape and len(op.output.shape) == 4:
-                c[op.dim_names.index(heads[0])] = p
+        elif not op.weights:
+            # the attention core keeps heads split, the FFN activation keeps its hidden units split
+            want = mod.HEADS if "attn" in op.name else mod.FFN if "ffn" in op.name else None
+            dims = [d for d, e in op.dims if e == want]
+            if dims:
+                c[op.dim_names.index(dims[0])] = p
         cfg[op.name] = c
     return plan_from_configs(tables, cfg, "megatron")
 
