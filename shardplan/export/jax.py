@@ -1,0 +1,215 @@
+"""A plan becomes JAX shardings, and a traced function a sharded training step.
+
+Layout of one operator. A configuration ``c`` (one split factor per
+iteration dimension) is a device grid: device ``q < Π c`` has the row-major
+coordinates ``unravel(q, c)``, the numbering of :mod:`shardplan.cost.tiles`.
+It is expressed as a :class:`jax.sharding.Mesh` over *all* p devices of
+shape ``(p / Π c, c_d for every split d)`` with axis names ``("_rep", d...)``:
+the leading replica axis makes devices ``0 .. Π c - 1`` the first replica,
+with exactly the coordinates the cost model uses (the other replicas repeat
+the same work; the cost model leaves those devices idle, so the predicted
+time and bytes per device are the same). This needs ``Π c | p``; otherwise
+:class:`~shardplan.errors.ShardplanError` names the operator — solve with
+``divides_p=True`` to keep only expressible configurations.
+
+A tensor axis indexed by a split dimension d (plainly, or as the leading
+dimension of a merged axis) is sharded over mesh axis d: coordinate i holds
+the block ``[i E/c_d, (i+1) E/c_d)``, as in the cost model. Every other mesh
+axis replicates it; in particular the output of an operator whose reduction
+dimensions are split is replicated over them, so XLA all-reduces the partial
+sums, as the cost model charges.
+
+The step. The traced program is evaluated equation by equation
+(:func:`shardplan.frontends.jax.evaluate`) with
+:func:`jax.lax.with_sharding_constraint` on every variable holding an
+operator's output, and on its cotangent in the backward pass (so the
+gradient of an operator's output keeps the output's tiling, as the cost
+model assumes); parameters and inputs enter with the sharding their first
+consumer asks for (``in_shardings``), and gradients leave with their
+parameter's sharding. ``jax.value_and_grad`` of that function, jitted, is the
+step; the backward pass is laid out by XLA's propagation from the constrained
+forward values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from shardplan.errors import ShardplanError
+from shardplan.frontends.jax import TraceInfo, evaluate
+from shardplan.ir import Operator, Tensor
+
+__all__ = ["REPLICA_AXIS", "config_mesh", "tensor_spec", "operator_sharding", "PlanShardings", "plan_shardings",
+           "constrained_fn", "make_step", "check_expressible"]
+
+REPLICA_AXIS = "_rep"
+
+
+def check_expressible(op: Operator, config: Sequence[int], p: int) -> None:
+    """Raise unless ``Π config`` divides ``p`` (a mesh over all p devices can express it)."""
+    n = math.prod(int(c) for c in config)
+    if p % n:
+        dims = ", ".join(f"{d}={c}" for d, c in zip(op.dim_names, config))
+        raise ShardplanError(
+            f"operator {op.name!r}: configuration ({dims}) uses {n} devices, which does not divide p={p}; "
+            "a JAX mesh cannot express it (solve with divides_p=True)"
+        )
+
+
+def config_mesh(op: Operator, config: Sequence[int], devices: Sequence[Any]) -> Any:
+    """The mesh ``(p / Π c, c_d for split d)`` named ``("_rep", d...)`` over ``devices`` in order."""
+    from jax.sharding import Mesh
+
+    p = len(devices)
+    check_expressible(op, config, p)
+    split = [(d, int(c)) for d, c in zip(op.dim_names, config) if int(c) > 1]
+    shape = (p // math.prod(c for _, c in split),) + tuple(c for _, c in split)
+    arr = np.empty(len(devices), dtype=object)
+    arr[:] = list(devices)
+    return Mesh(arr.reshape(shape), (REPLICA_AXIS,) + tuple(d for d, _ in split))
+
+
+def _axis_dims(tensor: Tensor) -> list[str | None]:
+    """Per axis, the dimension that blocks it: a plain axis's dim or a merged axis's leading dim."""
+    out: list[str | None] = []
+    for a in tensor.axes:
+        out.append(a.dim if a.dim is not None and (a.is_plain or a.inner) else None)
+    return out
+
+
+def tensor_spec(axis_dims: Sequence[str | None], op: Operator, config: Sequence[int]) -> Any:
+    """PartitionSpec: axis i sharded over mesh axis ``axis_dims[i]`` when that dimension is split."""
+    from jax.sharding import PartitionSpec
+
+    split = {d for d, c in zip(op.dim_names, config) if int(c) > 1}
+    used: set[str] = set()
+    spec: list[str | None] = []
+    for d in axis_dims:
+        if d is not None and d in split and d not in used:
+            spec.append(d)
+            used.add(d)
+        else:
+            spec.append(None)
+    return PartitionSpec(*spec)
+
+
+def operator_sharding(op: Operator, config: Sequence[int], devices: Sequence[Any]) -> Any:
+    """The NamedSharding of ``op``'s output under ``config``."""
+    from jax.sharding import NamedSharding
+
+    return NamedSharding(config_mesh(op, config, devices), tensor_spec(_axis_dims(op.output), op, config))
+
+
+def _replicated(devices: Sequence[Any]) -> Any:
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    arr = np.empty(len(devices), dtype=object)
+    arr[:] = list(devices)
+    return NamedSharding(Mesh(arr, (REPLICA_AXIS,)), PartitionSpec())
+
+
+@dataclass(frozen=True)
+class PlanShardings:
+    """Shardings of a plan for one traced function.
+
+    Attributes:
+        values: jaxpr variable id -> NamedSharding of the operator output it holds.
+        by_operator: operator name -> NamedSharding of its output.
+        leaves: one NamedSharding per argument leaf (first consumer's layout, or replicated).
+    """
+
+    values: Mapping[int, Any]
+    by_operator: Mapping[str, Any]
+    leaves: tuple[Any, ...]
+
+
+def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanShardings:
+    """Every operator's output sharding and every argument leaf's sharding under ``plan``."""
+    g = plan.graph
+    p = len(devices)
+    if plan.machine.num_devices != p:
+        raise ShardplanError(f"plan is for {plan.machine.num_devices} devices, got {p} devices")
+    configs = plan.configs
+    for op in g.operators:
+        check_expressible(op, configs[op.name], p)
+    by_op = {op.name: operator_sharding(op, configs[op.name], devices) for op in g.operators}
+    values = {info.op_vars[name]: s for name, s in by_op.items() if name in info.op_vars}
+    leaves = []
+    for i in range(len(info.leaf_names)):
+        uses = info.leaf_uses.get(i, ())
+        if not uses:
+            leaves.append(_replicated(devices))
+            continue
+        name, dims = uses[0]
+        op = g[name]
+        from jax.sharding import NamedSharding
+
+        leaves.append(NamedSharding(config_mesh(op, configs[name], devices), tensor_spec(dims, op, configs[name])))
+    return PlanShardings(values, by_op, tuple(leaves))
+
+
+def _constrain_both_ways(sharding: Any) -> Callable[[Any], Any]:
+    """Identity that constrains a value to ``sharding`` and its cotangent in the backward pass too.
+
+    The cost model lays out the backward pass like the forward one (the
+    gradient of an operator's output has the output's tiling); without the
+    second constraint XLA may compute a transposed product with another
+    algorithm (e.g. all-gather a weight instead of all-reducing a tile).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def ident(x: Any) -> Any:
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def fwd(x: Any) -> tuple[Any, None]:
+        return ident(x), None
+
+    def bwd(_: None, g: Any) -> tuple[Any]:
+        return (jax.lax.with_sharding_constraint(g, sharding),)
+
+    ident.defvjp(fwd, bwd)
+
+    def apply(x: Any) -> Any:
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            return ident(x)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    return apply
+
+
+def constrained_fn(info: TraceInfo, shardings: PlanShardings) -> Callable[..., Any]:
+    """The traced function re-run with a sharding constraint on every operator output."""
+    import jax
+
+    hooks = {var: _constrain_both_ways(s) for var, s in shardings.values.items()}
+
+    def fn(*args: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if tree != info.in_tree:
+            raise ShardplanError(f"arguments have structure {tree}, the traced function had {info.in_tree}")
+        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, hooks))
+
+    return fn
+
+
+def make_step(plan: Any, info: TraceInfo, devices: Sequence[Any] | None = None, argnums: int = 0,
+              ) -> Callable[..., Any]:
+    """``step(*args) -> (loss, grads)``: jitted ``value_and_grad`` of the constrained function.
+
+    Arguments enter with their leaves' planned shardings; the gradients
+    leave with the shardings of the arguments they differentiate.
+    """
+    import jax
+
+    devices = list(devices) if devices is not None else list(jax.devices())[: plan.machine.num_devices]
+    sh = plan_shardings(plan, info, devices)
+    in_sh = jax.tree_util.tree_unflatten(info.in_tree, list(sh.leaves))
+    out_sh = (_replicated(devices), in_sh[argnums])
+    fn = jax.value_and_grad(constrained_fn(info, sh), argnums=argnums)
+    return jax.jit(fn, in_shardings=tuple(in_sh), out_shardings=out_sh)
