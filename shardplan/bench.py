@@ -34,7 +34,7 @@ def _format(rows: list[list[str]]) -> str:
                      for r in rows)
 
 
-def run_table1(models: Sequence[str], procs: Sequence[int], machine: str = "paper", orders: str = "all",
+def run_table1(models: Sequence[str], procs: Sequence[int], machine: str = "paper", orders: str = "auto",
                bfs: bool = True, bfs_memory: float = 2e9, log: TextIO | None = None) -> dict[str, Any]:
     """Time to find the optimal strategy per model and device count, DP and (optionally) breadth-first DP.
 
@@ -95,7 +95,7 @@ def run_table1(models: Sequence[str], procs: Sequence[int], machine: str = "pape
 
 
 def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch: int | None = None,
-                sizes: dict[str, Any] | None = None, cutoff: int | None = None, orders: str = "all",
+                sizes: dict[str, Any] | None = None, cutoff: int | None = None, orders: str = "auto",
                 mcmc_seed: int = 0, log: TextIO | None = None) -> dict[str, Any]:
     """Predicted step time of data parallel, the expert strategy, MCMC and the DP, per device count.
 

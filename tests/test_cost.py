@@ -205,10 +205,21 @@ def test_edge_from_replicated_to_split_and_back():
     a = ops.elementwise("a", x_ref((64, 32)))
     c = ops.elementwise("c", a.out)
     f, b = edge_volumes(a, np.array([[1, 1]]), c, 0, np.array([[4, 1]]), 4)
-    # device 0 holds everything; devices 1..3 hold nothing and need a [16, 32] tile each
-    assert f[0, 0] == 16 * 32
-    # backward: device 0 needs the whole gradient and has a quarter of it
+    # the unsplit layout is replicated on every device: each already holds the [16, 32] tile it needs
+    assert f[0, 0] == 0
+    # backward: every replica needs the whole gradient and has a quarter of it
     assert b[0, 0] == 64 * 32 - 16 * 32
+
+
+def test_partial_replication_and_idle_devices():
+    a = ops.elementwise("a", x_ref((64, 32)))
+    c = ops.elementwise("c", a.out)
+    # p = 6: a split 4 ways fits once (devices 4, 5 idle); c split 2 ways is replicated 3 times.
+    f, b = edge_volumes(a, np.array([[4, 1]]), c, 0, np.array([[2, 1]]), 6)
+    # device 4 (c's coordinate 0, needs rows 0..31) holds nothing under a
+    assert f[0, 0] == 32 * 32
+    # backward: a's device 1 needs gradient rows 16..31; c's device 1 (coordinate 1) holds rows 32..63
+    assert b[0, 0] == 16 * 32
 
 
 def test_edge_into_a_graph_input_free_operator_without_gradient():
