@@ -296,3 +296,23 @@ def test_lstm_recurrence_terms():
     assert pipe.recurrence[0] == pytest.approx(work / 2 * (33 / 32) - work / 2 + handoff)
     seq = cost_of(op, (1, 1, 2, 1, 1), m)
     assert seq.compute[0] + seq.recurrence[0] == pytest.approx(base.compute[0])  # time chunks do not help
+
+
+@pytest.mark.parametrize("name,p,sizes", [
+    ("alexnet", 6, {}), ("alexnet", 12, {"batch": 24}), ("inception_v3", 4, {"batch": 8}),
+    ("transformer", 4, {"batch": 4, "layers": 1}), ("rnnlm", 8, {"batch": 8}),
+])
+def test_fast_edge_volumes_equal_general_intersection(name, p, sizes):
+    """The block-match fast path and the box-intersection path agree on every edge and pair."""
+    from shardplan.configs import configurations, dimension_orders
+    from shardplan.models import model_spec
+
+    spec = model_spec(name)
+    g = spec.build(**sizes)
+    cf = [dimension_orders(configurations(op, p, spec.cutoff), "all") for op in g.operators]
+    for e in g.edges:
+        u, v = g.operators[e.src], g.operators[e.dst]
+        (cu, ou), (cv, ov) = cf[e.src], cf[e.dst]
+        f1, b1 = edge_volumes(u, cu, v, e.slot, cv, p, ou, ov)
+        f2, b2 = edge_volumes(u, cu, v, e.slot, cv, p, ou, ov, fast=False)
+        assert np.array_equal(f1, f2) and np.array_equal(b1, b2), (u.name, v.name)
