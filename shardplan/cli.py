@@ -105,6 +105,9 @@ def _solver_opts(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     if args.solver in ("dp",):
         opts["ordering"] = args.ordering
+        prog = _progress("eliminating vertices")
+        if prog is not None:
+            opts["progress"] = prog
         if args.table_memory is not None:
             opts["memory_limit_bytes"] = int(args.table_memory)
     if args.solver == "bfs-dp" and args.table_memory is not None:
