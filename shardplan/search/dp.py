@@ -53,6 +53,7 @@ from typing import Callable
 import numpy as np
 
 from shardplan.errors import ShardplanError
+from shardplan.search.bounds import bound_prune, compose
 from shardplan.search.ordering import ORDERINGS, Ordering
 from shardplan.search.problem import Problem, Solution
 from shardplan.search.reduce import Reduction, identity_reduction, reduce_problem
@@ -266,6 +267,8 @@ def solve_dp(
     memory_limit_bytes: int | None = None,
     prune: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    *,
+    bounds: bool = True,
 ) -> Solution:
     """Exact minimum of F by recurrence (4) (variable elimination).
 
@@ -277,6 +280,9 @@ def solve_dp(
             that would need more; default a quarter of available RAM.
         prune: apply the exact reductions (collapse, dominance) first.
         progress: called as progress(done, total) after each elimination.
+        bounds: first drop every configuration whose lower bound exceeds the
+            cost of a feasible assignment (:mod:`shardplan.search.bounds`;
+            exact: every optimal assignment survives).
 
     Returns:
         A :class:`Solution` with ``optimal=True``, the assignment in original
@@ -286,7 +292,13 @@ def solve_dp(
     t0 = time.perf_counter()
     limit = default_memory_limit() if memory_limit_bytes is None else int(memory_limit_bytes)
     oname, ofun = resolve_ordering(ordering)
-    red: Reduction = reduce_problem(problem) if prune else identity_reduction(problem)
+    bstats: dict = {"enabled": False}
+    if bounds and problem.num_vertices > 0:
+        base, bstats = bound_prune(problem)
+        bstats = {**{k: v for k, v in bstats.items() if k != "incumbent"}, "enabled": True}
+        red: Reduction = compose(base, reduce_problem(base.problem) if prune else identity_reduction(base.problem))
+    else:
+        red = reduce_problem(problem) if prune else identity_reduction(problem)
     t1 = time.perf_counter()
     p = red.problem
     n = p.num_vertices
@@ -336,6 +348,7 @@ def solve_dp(
         num_vertices=n,
         dp_value=value,
         pruning={**red.stats, "enabled": bool(prune)},
+        bounds=bstats,
         reduce_seconds=t1 - t0,
         order_seconds=t2 - t1,
         dp_seconds=t3 - t2,
