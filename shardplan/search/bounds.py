@@ -57,7 +57,7 @@ import numpy as np
 from shardplan.search.problem import Problem
 from shardplan.search.reduce import Reduction, _build, merge_pairs
 
-__all__ = ["BoundState", "apply_messages", "bound_prune", "compose", "forest_bounds", "icm", "trws_messages"]
+__all__ = ["BoundState", "bound_prune", "compose", "forest_bounds", "icm", "trws"]
 
 RTOL = 1e-9
 
@@ -68,17 +68,37 @@ def compose(first: Reduction, second: Reduction) -> Reduction:
     return Reduction(second.problem, keep, dict(second.stats))
 
 
+def _take2(m: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``m[np.ix_(rows, cols)]``, faster: whole rows first (skipped when all are kept), then columns."""
+    if len(rows) < m.shape[0]:
+        m = m.take(rows, axis=0)
+    if len(cols) < m.shape[1]:
+        m = m.take(cols, axis=1)
+    return np.ascontiguousarray(m)
+
+
 @dataclass
 class BoundState:
-    """A problem in working form: vertex costs and one matrix per adjacent pair (u < v)."""
+    """A problem in working form: vertex costs, one matrix per adjacent pair (u < v) and messages.
+
+    ``msg[(s, t)]`` (a vector over t's configurations, for both directions of
+    every edge) defines the exact reparametrisation
+    ``h_t += msg[(s, t)]``, ``M_st[a, b] -= msg[(s, t)][b] + msg[(t, s)][a]``
+    under which every assignment keeps its cost; it is never materialised.
+    """
 
     n: int
     unary: list[np.ndarray]
     pairs: dict[tuple[int, int], np.ndarray]
+    msg: dict[tuple[int, int], np.ndarray] | None = None
 
     @classmethod
     def from_problem(cls, p: Problem) -> "BoundState":
-        return cls(p.num_vertices, [np.asarray(c, dtype=np.float64) for c in p.vertex_cost], merge_pairs(p))
+        pairs: dict[tuple[int, int], np.ndarray] = {}
+        for (s, d), m in zip(p.edges, p.edge_cost):
+            key, mat = ((s, d), m) if s < d else ((d, s), m.T)
+            pairs[key] = pairs[key] + mat if key in pairs else mat  # no copy of single edges
+        return cls(p.num_vertices, [np.asarray(c, dtype=np.float64) for c in p.vertex_cost], pairs)
 
     def incident(self) -> list[list[tuple[int, int]]]:
         inc: list[list[tuple[int, int]]] = [[] for _ in range(self.n)]
@@ -92,30 +112,33 @@ class BoundState:
         return total + sum(float(m[a[u], a[w]]) for (u, w), m in self.pairs.items())
 
     def restrict(self, keep: list[np.ndarray]) -> None:
-        """Keep only positions ``keep[v]`` of each vertex (in place)."""
+        """Keep only positions ``keep[v]`` of each vertex (in place; messages follow)."""
         self.unary = [c[k] for c, k in zip(self.unary, keep)]
-        self.pairs = {(u, w): m[np.ix_(keep[u], keep[w])] for (u, w), m in self.pairs.items()}
+        self.pairs = {(u, w): _take2(m, keep[u], keep[w]) for (u, w), m in self.pairs.items()}
+        if self.msg is not None:
+            self.msg = {(s, t): x[keep[t]] for (s, t), x in self.msg.items()}
 
 
-def trws_messages(st: BoundState, order: list[int], iters: int) -> dict[tuple[int, int], np.ndarray]:
-    """Sequential tree-reweighted min-sum messages (TRW-S, Kolmogorov 2006) for ``iters`` sweeps.
+def trws(st: BoundState, order: list[int], iters: int) -> None:
+    """``iters`` sweeps of sequential tree-reweighted min-sum messages (TRW-S, Kolmogorov 2006).
 
-    Returns ``msg[(s, t)]``, a vector over t's configurations, for both
-    directions of every edge. Whatever their values, the messages define an
-    exact reparametrisation (see :func:`apply_messages`); TRW-S only makes
-    the forest bound of the reparametrised problem tighter, towards the
-    local-polytope (LP) bound.
+    Updates ``st.msg`` in place (starting from zeros, or from the messages
+    of an earlier call). Whatever their values, the messages define an exact
+    reparametrisation; TRW-S only makes the forest bound of the
+    reparametrised problem tighter, towards the local-polytope (LP) bound.
     """
     n = st.n
     nbrs: list[list[int]] = [[] for _ in range(n)]
     for u, w in st.pairs:
         nbrs[u].append(w)
         nbrs[w].append(u)
+    if st.msg is None:
+        st.msg = {}
+        for u, w in st.pairs:
+            st.msg[(u, w)] = np.zeros(len(st.unary[w]))
+            st.msg[(w, u)] = np.zeros(len(st.unary[u]))
+    msg = st.msg
     pos = {v: i for i, v in enumerate(order)}
-    msg = {}
-    for u, w in st.pairs:
-        msg[(u, w)] = np.zeros(len(st.unary[w]))
-        msg[(w, u)] = np.zeros(len(st.unary[u]))
     oriented = {}
     for (u, w), m in st.pairs.items():
         oriented[(u, w)] = m
@@ -139,36 +162,60 @@ def trws_messages(st: BoundState, order: list[int], iters: int) -> dict[tuple[in
                     m = ((hat - msg[(t, s)])[:, None] + oriented[(s, t)]).min(axis=0)
                     m -= m.min()
                     msg[(s, t)] = m
-    return msg
 
 
-def apply_messages(st: BoundState, msg: dict[tuple[int, int], np.ndarray]) -> BoundState:
-    """The reparametrised problem: h_t += msg[(s,t)], M_st[a,b] -= msg[(s,t)][b] + msg[(t,s)][a].
+def _fold(st: BoundState, key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split edge ``key`` (after the messages) as r[a] + c[b] + R[a, b]; returns (r, c, R)."""
+    u, w = key
+    m = st.pairs[key]
+    if st.msg is not None:
+        tmp = m - st.msg[(u, w)][None, :]
+        tmp -= st.msg[(w, u)][:, None]
+    else:
+        tmp = m.copy()
+    r = tmp.min(axis=1)
+    tmp -= r[:, None]
+    c = tmp.min(axis=0)
+    return r, c, tmp
 
-    Every assignment has the same cost in it (up to rounding); vertex and
-    edge terms may become negative.
+
+def _forest_pass(st: BoundState, exact_weights: bool = False) -> tuple[list[np.ndarray], np.ndarray, float]:
+    """The forest bound of ``st`` (reparametrised by its messages, if any).
+
+    Every edge E (after the messages) is split as r[a] + c[b] + R[a, b]; a
+    maximum spanning forest keeps its edges whole, every other edge keeps
+    r + c and drops R >= 0. The forest is chosen by max R (``exact_weights``)
+    or by the cheaper max E - min E. Returns the forest min-marginals (lower
+    bounds LB(v, k)), the forest optimum and the relaxed minimum.
     """
-    unary = [c.copy() for c in st.unary]
-    pairs = {}
-    for (u, w), m in st.pairs.items():
-        unary[w] += msg[(u, w)]
-        unary[u] += msg[(w, u)]
-        pairs[(u, w)] = m - msg[(u, w)][None, :] - msg[(w, u)][:, None]
-    return BoundState(st.n, unary, pairs)
-
-
-def _reparametrise(st: BoundState) -> tuple[list[np.ndarray], dict[tuple[int, int], np.ndarray]]:
-    """Vertex costs with the separable parts of every edge folded in, and the residuals R >= 0."""
-    h = [c.copy() for c in st.unary]
-    res = {}
-    for (u, w), m in st.pairs.items():
-        r = m.min(axis=1)
-        rest = m - r[:, None]
-        c = rest.min(axis=0)
+    msg = st.msg
+    weights = {}
+    folds = {}
+    for key, m in st.pairs.items():
+        if m.size == 0:
+            continue
+        if exact_weights:
+            r, c, tmp = _fold(st, key)
+            weights[key] = float((tmp.max(axis=0) - c).max())
+            folds[key] = (r, c)
+        elif msg is None:
+            weights[key] = float(m.max() - m.min())
+        else:
+            u, w = key
+            weights[key] = float(m.max() - m.min() + np.ptp(msg[(u, w)]) + np.ptp(msg[(w, u)]))
+    forest = _forest(st.n, weights)
+    in_forest = set(forest)
+    h = [x.copy() for x in st.unary]
+    for (u, w) in weights:
+        if (u, w) in in_forest:
+            continue  # kept whole, as the raw matrix (its messages cancel)
+        r, c = folds[(u, w)] if (u, w) in folds else _fold(st, (u, w))[:2]
         h[u] += r
         h[w] += c
-        res[(u, w)] = rest - c[None, :]
-    return h, res
+        if msg is not None:
+            h[u] += msg[(w, u)]
+            h[w] += msg[(u, w)]
+    return forest_bounds(h, st.pairs, forest)
 
 
 def _forest(n: int, weights: dict[tuple[int, int], float]) -> list[tuple[int, int]]:
@@ -192,7 +239,7 @@ def _forest(n: int, weights: dict[tuple[int, int], float]) -> list[tuple[int, in
 
 def forest_bounds(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
                   forest: list[tuple[int, int]]) -> tuple[list[np.ndarray], np.ndarray, float]:
-    """Min-marginals of sum_v h_v + sum_(forest) R_e, and the forest optimum.
+    """Min-marginals of sum_v h_v + sum_(e in forest) res_e, and the forest optimum.
 
     Returns ``(mm, assign, value)``: ``mm[v][k]`` is the minimum of the
     relaxed objective over assignments with v = k (exact, by two-pass
@@ -289,13 +336,6 @@ def icm(st: BoundState, a: np.ndarray, max_sweeps: int = 50) -> np.ndarray:
     return a
 
 
-def _forest_pass(st: BoundState) -> tuple[list[np.ndarray], np.ndarray, float]:
-    """Forest min-marginals of ``st`` (after folding row/column minima), forest optimum, relaxed value."""
-    h, res = _reparametrise(st)
-    weights = {key: float(r.max()) if r.size else 0.0 for key, r in res.items()}
-    return forest_bounds(h, res, _forest(st.n, weights))
-
-
 def _restricted_incumbent(st: BoundState, lbs: list[np.ndarray], ub: float, max_per_vertex: int,
                           max_entries: float) -> np.ndarray | None:
     """Exact optimum over the configurations whose bound is (nearly) the smallest; None if too big.
@@ -315,7 +355,7 @@ def _restricted_incumbent(st: BoundState, lbs: list[np.ndarray], ub: float, max_
             ok = ok[np.argsort(x[ok], kind="stable")[:max_per_vertex]]
         pos.append(np.sort(ok))
     sub = BoundState(st.n, [c[k] for c, k in zip(st.unary, pos)],
-                     {(u, w): m[np.ix_(pos[u], pos[w])] for (u, w), m in st.pairs.items()})
+                     {(u, w): _take2(m, pos[u], pos[w]) for (u, w), m in st.pairs.items()})
     keys = sorted(sub.pairs)
     p = Problem(names=tuple(str(v) for v in range(st.n)), configs=tuple(tuple((j,) for j in range(len(k))) for k in pos),
                 vertex_cost=tuple(sub.unary), edges=tuple(keys), edge_cost=tuple(sub.pairs[k] for k in keys))
@@ -326,16 +366,20 @@ def _restricted_incumbent(st: BoundState, lbs: list[np.ndarray], ub: float, max_
     return np.array([k[a] for k, a in zip(pos, sol.assignment)], dtype=np.int64)
 
 
-def bound_prune(problem: Problem, *, trws_iters: int = 5, max_rounds: int = 8,
+def bound_prune(problem: Problem, *, trws_iters: int = 3, max_rounds: int = 8,
                 incumbent: np.ndarray | None = None, rtol: float = RTOL,
-                restricted_max: int = 8, restricted_entries: float = 2e7) -> tuple[Reduction, dict]:
+                restricted_max: int = 8, restricted_entries: float = 2e7,
+                min_drop: float = 0.1, exact_weights: bool = False) -> tuple[Reduction, dict]:
     """Drop every configuration whose lower bound exceeds the incumbent (exact; see module doc).
 
     Round 0 uses the plain forest bound (cheap, on the full problem); every
     later round first runs ``trws_iters`` sweeps of TRW-S on the survivors,
     takes the forest bound of the reparametrised problem, and improves the
     incumbent by an exact solve restricted to the configurations of least
-    bound. Stops when a round drops nothing (or after ``max_rounds``).
+    bound. Stops when a round (after the first TRW-S round) drops at most
+    ``min_drop`` of the surviving configurations, or after ``max_rounds``.
+    The forest of a round is chosen by max R once messages exist
+    (``exact_weights`` also in round 0), else by the cheaper max E - min E.
 
     Returns the reduction (merged edges, surviving configurations, ``keep``
     maps to ``problem``'s indices) and stats: configs before/after, rounds,
@@ -357,11 +401,12 @@ def bound_prune(problem: Problem, *, trws_iters: int = 5, max_rounds: int = 8,
     rounds = 0
     while rounds < max_rounds:
         tr = time.perf_counter()
-        work = st if rounds == 0 or trws_iters <= 0 else apply_messages(st, trws_messages(st, order, trws_iters))
-        lbs, a, val = _forest_pass(work)
+        if rounds > 0 and trws_iters > 0:
+            trws(st, order, trws_iters)
+        lbs, a, val = _forest_pass(st, exact_weights or st.msg is not None)
         lb = max(lb, val)
         cands = [icm(st, a)]
-        if rounds > 0:
+        if rounds > 0 and not best_ub <= lb + rtol * abs(lb):  # else the incumbent is proven optimal
             r = _restricted_incumbent(st, lbs, best_ub, restricted_max, restricted_entries)
             if r is not None:
                 cands.append(r)
@@ -380,11 +425,12 @@ def bound_prune(problem: Problem, *, trws_iters: int = 5, max_rounds: int = 8,
         rounds += 1
         history.append({"upper_bound": float(best_ub), "lower_bound": float(lb), "dropped": int(dropped),
                         "seconds": time.perf_counter() - tr})
+        remaining = sum(len(k) for k in keep)
         if dropped:
             st.restrict(pos)
             keep = [k[x] for k, x in zip(keep, pos)]
-        elif rounds > 1:
-            break
+        if rounds > 1 and dropped <= min_drop * remaining:
+            break  # another round would cost more than it saves the DP
     after = int(sum(len(k) for k in keep))
     stats = {
         "configs_before": before,
