@@ -1,6 +1,15 @@
-"""shardplan: exact search for the fastest way to split a DNN training step."""
+"""shardplan: exact search for the fastest way to split a DNN training step.
 
+>>> from shardplan import solve, preset                     # doctest: +SKIP
+>>> from shardplan.models import get_model                  # doctest: +SKIP
+>>> plan = solve(get_model("alexnet"), preset("paper", 32))  # doctest: +SKIP
+"""
+
+from shardplan import ops
 from shardplan.errors import ShardplanError
+from shardplan.ir import Graph, GraphBuilder
+from shardplan.machine import Machine, preset
+from shardplan.plan import Plan, solve
 
-__all__ = ["ShardplanError"]
+__all__ = ["ShardplanError", "solve", "Plan", "Machine", "preset", "Graph", "GraphBuilder", "ops"]
 __version__ = "0.1.0"

@@ -34,7 +34,7 @@ def _format(rows: list[list[str]]) -> str:
                      for r in rows)
 
 
-def run_table1(models: Sequence[str], procs: Sequence[int], machine: str = "paper", orders: str = "all",
+def run_table1(models: Sequence[str], procs: Sequence[int], machine: str = "paper", orders: str = "auto",
                bfs: bool = True, bfs_memory: float = 2e9, log: TextIO | None = None) -> dict[str, Any]:
     """Time to find the optimal strategy per model and device count, DP and (optionally) breadth-first DP.
 
@@ -95,7 +95,7 @@ def run_table1(models: Sequence[str], procs: Sequence[int], machine: str = "pape
 
 
 def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch: int | None = None,
-                sizes: dict[str, Any] | None = None, cutoff: int | None = None, orders: str = "all",
+                sizes: dict[str, Any] | None = None, cutoff: int | None = None, orders: str = "auto",
                 mcmc_seed: int = 0, log: TextIO | None = None) -> dict[str, Any]:
     """Predicted step time of data parallel, the expert strategy, MCMC and the DP, per device count.
 
@@ -119,12 +119,12 @@ def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch
             tables = build_tables(g, m, cutoff=cut, orders=orders)
             base = baseline_plans(spec.name, tables)
             dp = solve(g, m, tables=tables)
-            expert_name = next((k for k in base if k != "data-parallel"), "data-parallel")
+            expert_name = next((k for k in base if k != "data_parallel"), "data_parallel")
             expert = base[expert_name]
             problem = tables.to_problem()
             mc = solve_mcmc(problem, init=list(expert.assignment), seed=mcmc_seed)
             mcmc = Plan(tables, tuple(int(a) for a in mc.assignment), mc, "mcmc")
-            dpar = base["data-parallel"]
+            dpar = base["data_parallel"]
             strategies = [("data parallel", dpar, 0.0), (expert_name, expert, 0.0),
                           ("mcmc", mcmc, mc.solve_seconds), ("shardplan (exact DP)", dp, dp.solve_seconds)]
             for label, plan, secs in strategies:
@@ -137,7 +137,7 @@ def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch
                 raise ShardplanError(f"MCMC found {mcmc.cost} below the DP optimum {dp.cost}: solver bug")
             _say(log, f"{mname} p={p}: data parallel {dpar.cost * 1e3:.3f} ms, {expert_name} "
                       f"{expert.cost * 1e3:.3f} ms, mcmc {mcmc.cost * 1e3:.3f} ms, DP {dp.cost * 1e3:.3f} ms")
-    table = [["machine", "p", "strategy", "step time", "speedup vs DP", "solve"]]
+    table = [["machine", "p", "strategy", "step time", "speedup vs data parallel", "solve"]]
     for r in rows:
         table.append([r["machine"], str(r["p"]), r["strategy"], f"{r['cost_seconds'] * 1e3:.3f} ms",
                       f"{r['speedup_vs_data_parallel']:.2f}x", _fmt_time(r["solve_seconds"])])

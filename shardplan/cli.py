@@ -132,12 +132,12 @@ def cmd_ops(args: argparse.Namespace) -> int:
     m = _machine(args, args.procs)
     cutoff = _cutoff(args, spec)
     print(f"{g.name}: {len(g.operators)} operators, {len(g.edges)} edges; p = {m.num_devices}, cutoff {cutoff}")
-    rows = [("operator", "kind", "dims", "extents", "configs", "x orders", "data-parallel t_l")]
+    rows = [("operator", "kind", "dims", "extents", "configs", "with orders", "data-parallel t_l")]
     from shardplan.cost import operator_cost
 
     for op in g.operators:
-        c = configurations(op, m.num_devices, cutoff)
-        c2, _ = dimension_orders(c, args.orders)
+        c = configurations(op, m.num_devices, cutoff, divides_p=not args.all_divisors)
+        c2, _ = dimension_orders(c, "all")
         bdim = next((i for i, d in enumerate(op.dim_names) if d in ("b", "i0")), None)
         dp_row = c[-1:] if bdim is None else c[[k for k in range(len(c)) if c[k].prod() == c[k][bdim]]][-1:]
         t = operator_cost(op, dp_row, m).total[0]
@@ -158,7 +158,7 @@ def _solve_model(args: argparse.Namespace) -> int:
     spec, g = _graph(args)
     m = _machine(args, args.procs)
     t0 = time.perf_counter()
-    tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders, divides_p=args.divides_p,
+    tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders, divides_p=not args.all_divisors,
                           progress=_progress("costing edges"))
     build = time.perf_counter() - t0
     plan = solve(g, m, solver=args.solver, tables=tables, **_solver_opts(args))
@@ -210,7 +210,7 @@ def cmd_export_problem(args: argparse.Namespace) -> int:
 
     spec, g = _graph(args)
     m = _machine(args, args.procs)
-    tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders,
+    tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders, divides_p=not args.all_divisors,
                           progress=_progress("costing edges"))
     problem = tables.to_problem()
     try:
@@ -269,8 +269,10 @@ def _add_model(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--batch", type=int, help="batch size (default: the model's)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model size, e.g. --set layers=12")
     p.add_argument("--cutoff", type=int, help="minimum points per part (default: the model's, 4 CNNs / 1 sequence)")
-    p.add_argument("--orders", default="all", choices=("all", "row-major"),
-                   help="device-grid nestings offered per configuration (default all)")
+    p.add_argument("--orders", default="auto", choices=("auto", "all", "row-major"),
+                   help="device-grid nestings offered per configuration (default auto: all while small)")
+    p.add_argument("--all-divisors", action="store_true",
+                   help="also allow configurations whose device count does not divide p (idle devices)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -299,7 +301,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table-memory", type=float, help="DP table memory limit in bytes (default 1/4 of RAM)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit, seconds (default 60)")
     p.add_argument("--seed", type=int, default=0, help="MCMC seed")
-    p.add_argument("--divides-p", action="store_true", help="keep only configurations whose product divides p")
     p.add_argument("--no-baselines", action="store_true", help="skip the baseline comparison")
     p.add_argument("--json", help="write the plan as JSON here")
     p.add_argument("--dot", help="write the plan as Graphviz DOT here")
@@ -316,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="alexnet,inception_v3,rnnlm,transformer,resnet101")
     p.add_argument("--procs", default="4,8,16,32,64")
     p.add_argument("--machine", default="paper")
-    p.add_argument("--orders", default="all", choices=("all", "row-major"))
+    p.add_argument("--orders", default="auto", choices=("auto", "all", "row-major"))
     p.add_argument("--no-bfs", action="store_true", help="skip the breadth-first-order DP column")
     p.add_argument("--bfs-memory", type=float, default=2e9, help="table memory limit of the BFS DP, bytes")
     p.add_argument("--out", help="write JSON here")
@@ -329,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int)
     p.add_argument("--set", action="append", metavar="KEY=VALUE")
     p.add_argument("--cutoff", type=int)
-    p.add_argument("--orders", default="all", choices=("all", "row-major"))
+    p.add_argument("--orders", default="auto", choices=("auto", "all", "row-major"))
     p.add_argument("--seed", type=int, default=0, help="MCMC seed")
     p.add_argument("--json", help="write JSON here")
     p.add_argument("--plot", help="write a PNG plot here")

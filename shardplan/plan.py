@@ -147,13 +147,14 @@ def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int]], 
     return Plan(tables, assignment, None, name)
 
 
-def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: bool = False, divides_p: bool = False,
-          orders: str = "all", solver: str = "dp", tables: CostTables | None = None,
+def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: bool = False, divides_p: bool = True,
+          orders: str = "auto", solver: str = "dp", tables: CostTables | None = None,
           progress: Callable[[int, int], None] | None = None, **solver_options: Any) -> Plan:
     """Find the strategy of minimum predicted step time for ``graph`` on ``machine``.
 
     Builds the cost tables (configurations with at least ``cutoff`` points per
-    part; each offered in every device-grid nesting unless ``orders="row-major"``),
+    part, device counts dividing p unless ``divides_p=False``, device-grid nestings
+    as ``orders`` says: see :func:`shardplan.cost.build_tables`),
     lowers them to a :class:`~shardplan.search.problem.Problem` and runs
     ``solver`` (see :data:`shardplan.search.SOLVERS`); extra keyword
     arguments go to the solver (e.g. ``ordering="generateseq"``).

@@ -77,7 +77,12 @@ def test_one_weird_trick_fallback_when_classes_do_not_divide():
     t = tables_for("alexnet", 32)
     s = one_weird_trick(t)
     assert s["fc1"] == (1, 32, 1)
-    assert s["fc3"] == (1, 25, 1)  # 1000 classes: the largest valid split <= 32 is 25
+    assert s["fc3"] == (1, 8, 1)  # 1000 classes: the largest split <= 32 that divides both 1000 and p is 8
+    assert s["softmax"] == (1, 8)
+    spec = MODELS["alexnet"]
+    t = build_tables(spec.build(), preset("paper", 32), cutoff=spec.cutoff, divides_p=False)
+    s = one_weird_trick(t)
+    assert s["fc3"] == (1, 25, 1)  # with idle devices allowed: 25 of the 32 devices
     assert s["softmax"] == (1, 25)
 
 
@@ -85,11 +90,13 @@ def test_nearest_valid():
     t = tables_for("alexnet", 32)
     i = t.graph.index["fc3"]
     op = t.graph["fc3"]
-    assert nearest_valid(op, t.configs[i], {"n": 32}) == (1, 25, 1)
+    assert nearest_valid(op, t.configs[i], {"n": 32}) == (1, 8, 1)  # 8 divides both 1000 and 32
     assert nearest_valid(op, t.configs[i], {"b": 32}) == (32, 1, 1)
     assert nearest_valid(op, t.configs[i], {"b": 4, "n": 8}) == (4, 8, 1)
-    # batch 12 on 8 devices: 8 does not divide 12, the largest valid split is 6
+    # batch 12 on 8 devices: 8 does not divide 12; the largest split dividing both is 4, or 6 with idle devices
     t12 = build_tables(get_model("alexnet", batch=12), preset("paper", 8), cutoff=1)
+    assert data_parallel(t12)["conv1"][0] == 4
+    t12 = build_tables(get_model("alexnet", batch=12), preset("paper", 8), cutoff=1, divides_p=False)
     assert data_parallel(t12)["conv1"][0] == 6
 
 

@@ -114,3 +114,27 @@ def test_console_script_entry_point_exits_2_without_traceback(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
+
+
+def test_compare_writes_table_json_and_png(capsys, tmp_path):
+    js, png = tmp_path / "c.json", tmp_path / "c.png"
+    code, out, _ = run(capsys, "compare", "--model", "alexnet", "--procs", "4,8", "--machine", "1080ti",
+                       "--machine", "2080ti", "--json", str(js), "--plot", str(png))
+    assert code == 0 and "shardplan (exact DP)" in out
+    data = json.loads(js.read_text())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for machine in ("1080ti", "2080ti"):
+        for p in (4, 8):
+            rows = {r["strategy"]: r for r in data["rows"] if r["machine"] == machine and r["p"] == p}
+            best = rows["shardplan (exact DP)"]["cost_seconds"]
+            assert all(r["cost_seconds"] >= best * (1 - 1e-9) for r in rows.values())
+            assert rows["data parallel"]["speedup_vs_data_parallel"] == pytest.approx(1.0)
+
+
+def test_bench_table1_small(capsys, tmp_path):
+    js = tmp_path / "t1.json"
+    code, out, _ = run(capsys, "bench", "--models", "alexnet,rnnlm", "--procs", "4,8", "--out", str(js))
+    assert code == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert len(rows) == 4
+    assert all(r["bfs_status"] == "ok" and r["dp_seconds"] >= 0 for r in rows)

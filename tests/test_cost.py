@@ -205,10 +205,21 @@ def test_edge_from_replicated_to_split_and_back():
     a = ops.elementwise("a", x_ref((64, 32)))
     c = ops.elementwise("c", a.out)
     f, b = edge_volumes(a, np.array([[1, 1]]), c, 0, np.array([[4, 1]]), 4)
-    # device 0 holds everything; devices 1..3 hold nothing and need a [16, 32] tile each
-    assert f[0, 0] == 16 * 32
-    # backward: device 0 needs the whole gradient and has a quarter of it
+    # the unsplit layout is replicated on every device: each already holds the [16, 32] tile it needs
+    assert f[0, 0] == 0
+    # backward: every replica needs the whole gradient and has a quarter of it
     assert b[0, 0] == 64 * 32 - 16 * 32
+
+
+def test_partial_replication_and_idle_devices():
+    a = ops.elementwise("a", x_ref((64, 32)))
+    c = ops.elementwise("c", a.out)
+    # p = 6: a split 4 ways fits once (devices 4, 5 idle); c split 2 ways is replicated 3 times.
+    f, b = edge_volumes(a, np.array([[4, 1]]), c, 0, np.array([[2, 1]]), 6)
+    # device 4 (c's coordinate 0, needs rows 0..31) holds nothing under a
+    assert f[0, 0] == 32 * 32
+    # backward: a's device 1 needs gradient rows 16..31; c's device 1 (coordinate 1) holds rows 32..63
+    assert b[0, 0] == 16 * 32
 
 
 def test_edge_into_a_graph_input_free_operator_without_gradient():
@@ -285,3 +296,23 @@ def test_lstm_recurrence_terms():
     assert pipe.recurrence[0] == pytest.approx(work / 2 * (33 / 32) - work / 2 + handoff)
     seq = cost_of(op, (1, 1, 2, 1, 1), m)
     assert seq.compute[0] + seq.recurrence[0] == pytest.approx(base.compute[0])  # time chunks do not help
+
+
+@pytest.mark.parametrize("name,p,sizes", [
+    ("alexnet", 6, {}), ("alexnet", 12, {"batch": 24}), ("inception_v3", 4, {"batch": 8}),
+    ("transformer", 4, {"batch": 4, "layers": 1}), ("rnnlm", 8, {"batch": 8}),
+])
+def test_fast_edge_volumes_equal_general_intersection(name, p, sizes):
+    """The block-match fast path and the box-intersection path agree on every edge and pair."""
+    from shardplan.configs import configurations, dimension_orders
+    from shardplan.models import model_spec
+
+    spec = model_spec(name)
+    g = spec.build(**sizes)
+    cf = [dimension_orders(configurations(op, p, spec.cutoff), "all") for op in g.operators]
+    for e in g.edges:
+        u, v = g.operators[e.src], g.operators[e.dst]
+        (cu, ou), (cv, ov) = cf[e.src], cf[e.dst]
+        f1, b1 = edge_volumes(u, cu, v, e.slot, cv, p, ou, ov)
+        f2, b2 = edge_volumes(u, cu, v, e.slot, cv, p, ou, ov, fast=False)
+        assert np.array_equal(f1, f2) and np.array_equal(b1, b2), (u.name, v.name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import networkx as nx
 import numpy as np
 
 from shardplan.configs import configurations, dimension_orders
@@ -87,17 +88,47 @@ class CostTables:
         return strategy_memory(list(self.memory), assignment)
 
 
+AUTO_ORDERS_EDGE_ENTRIES = 4_000_000
+AUTO_ORDERS_MAX_K = 300
+
+
+def choose_orders(graph: Graph, splits: Sequence[np.ndarray], orders: str) -> str:
+    """Resolve ``orders="auto"``: every nesting while the search stays small, else row-major.
+
+    Offering every nesting order multiplies the configurations of
+    operators with several split dims (up to 6x); the DP's work grows with
+    K^(|D|+1). "auto" picks "all" when, with every order, the edge tables
+    hold at most AUTO_ORDERS_EDGE_ENTRIES entries and either the graph is a
+    forest (then the DP's work is one min-plus product per edge) or no
+    operator has more than AUTO_ORDERS_MAX_K configurations; otherwise
+    "row-major".
+    """
+    if orders != "auto":
+        return orders
+    ks = [len(dimension_orders(c, "all")[0]) for c in splits]
+    entries = sum(ks[e.src] * ks[e.dst] for e in graph.edges)
+    pairs = {(min(e.src, e.dst), max(e.src, e.dst)) for e in graph.edges}
+    forest = nx.is_forest(nx.Graph(list(pairs))) if pairs else True
+    small = forest or max(ks) <= AUTO_ORDERS_MAX_K
+    return "all" if small and entries <= AUTO_ORDERS_EDGE_ENTRIES else "row-major"
+
+
 def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,
-                 divides_p: bool = False, orders: str = "all", optimizer_factor: float = 2.0,
+                 divides_p: bool = True, orders: str = "auto", optimizer_factor: float = 2.0,
                  progress: Callable[[int, int], None] | None = None) -> CostTables:
     """Configurations and costs of every operator and edge of ``graph`` on ``machine``.
 
-    ``orders``: which device-grid nestings each configuration is offered in
-    ("all" or "row-major", see :func:`shardplan.configs.dimension_orders`).
+    ``divides_p`` (default): keep configurations whose device count divides p,
+    so every device works (the grid is replicated p / prod(c) times) and the
+    layout is expressible as a device mesh; False also allows configurations
+    that leave devices idle. ``orders``: which device-grid nestings each
+    configuration is offered in: "all", "row-major" or "auto" (see
+    :func:`choose_orders` and :func:`shardplan.configs.dimension_orders`).
     """
     p = machine.num_devices
-    pairs = [dimension_orders(configurations(op, p, cutoff, powers_of_two, divides_p), orders)
-             for op in graph.operators]
+    splits = [configurations(op, p, cutoff, powers_of_two, divides_p) for op in graph.operators]
+    orders = choose_orders(graph, splits, orders)
+    pairs = [dimension_orders(c, orders) for c in splits]
     configs = tuple(c for c, _ in pairs)
     ords = tuple(o for _, o in pairs)
     ops = graph.operators

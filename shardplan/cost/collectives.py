@@ -56,8 +56,8 @@ def group_crosses_nodes(configs: np.ndarray, coords: np.ndarray, active: np.ndar
                         machine: Machine) -> np.ndarray:
     """Whether, under each configuration, some group spans more than one node.
 
-    A group is the set of devices whose grid coordinates agree on every
-    axis outside ``group_axes``. Returns a bool array (K,). On a one-level
+    A group is the set of devices of one replica whose grid coordinates
+    agree on every axis outside ``group_axes``. Returns a bool array (K,). On a one-level
     machine, always False.
     """
     k, p, n = coords.shape
@@ -66,11 +66,11 @@ def group_crosses_nodes(configs: np.ndarray, coords: np.ndarray, active: np.ndar
     node = np.arange(p, dtype=np.int64) // int(machine.node_size)  # type: ignore[arg-type]
     n_nodes = int(node[-1]) + 1
     other = [j for j in range(n) if j not in group_axes]
-    key = np.zeros((k, p), dtype=np.int64)
+    q = np.arange(p, dtype=np.int64)
+    key = q[None, :] // configs.prod(axis=1)[:, None]  # replica index: each replica has its own groups
     for j in other:
         key = key * (int(configs[:, j].max()) + 1) + coords[:, :, j]
     big = int(key.max(initial=0)) + 1
-    q = np.arange(p, dtype=np.int64)
     key = np.where(active, key, big + q)
     pair = key * n_nodes + np.where(active, node[None, :], 0)
 

@@ -1,8 +1,10 @@
 """Per-device tiles: which box of each tensor every device holds or needs.
 
 Devices are numbered over a configuration's grid in row-major order: for a
-configuration c = (c_1..c_n) the device q < prod(c) has grid coordinates
-``unravel(q, c)``; devices q >= prod(c) are idle and hold nothing. The same
+configuration c = (c_1..c_n) with n = prod(c) devices, the grid is
+replicated floor(p / n) times (as a device mesh with a leading replica
+axis): device q has grid coordinates ``unravel(q mod n, c)``, and the
+p mod n devices past the last replica are idle and hold nothing. The same
 numbering is used for every operator, so the tiles of a producer and a
 consumer can be intersected exactly. A configuration may carry an *order*
 of its dimensions (which is the most significant in the numbering), as a
@@ -32,7 +34,7 @@ import numpy as np
 
 from shardplan.ir import Operator, Tensor
 
-__all__ = ["grid_strides", "device_grid", "tensor_boxes", "box_volumes"]
+__all__ = ["grid_strides", "device_grid", "active_devices", "tensor_boxes", "box_volumes"]
 
 
 def grid_strides(configs: np.ndarray, orders: np.ndarray | None = None) -> np.ndarray:
@@ -64,9 +66,15 @@ def device_grid(configs: np.ndarray, p: int, orders: np.ndarray | None = None) -
         return np.zeros((k, p, 0), dtype=np.int64), np.broadcast_to(np.arange(p) < 1, (k, p)).copy()
     strides = grid_strides(configs, orders)
     q = np.arange(p, dtype=np.int64)
+    # (q // stride) % c == ((q % n) // stride) % c because stride * c divides n = prod(c)
     coords = (q[None, :, None] // strides[:, None, :]) % configs[:, None, :]
-    active = q[None, :] < configs.prod(axis=1)[:, None]
-    return coords, active
+    return coords, active_devices(configs, p)
+
+
+def active_devices(configs: np.ndarray, p: int) -> np.ndarray:
+    """(K, p) mask of devices that hold a tile: floor(p / prod(c)) replicas of the grid."""
+    n = np.asarray(configs, dtype=np.int64).prod(axis=1)
+    return np.arange(p, dtype=np.int64)[None, :] < ((p // n) * n)[:, None]
 
 
 def _block(op: Operator, configs: np.ndarray, coords: np.ndarray, dim: str) -> tuple[np.ndarray, np.ndarray]:

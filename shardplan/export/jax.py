@@ -60,13 +60,20 @@ def check_expressible(op: Operator, config: Sequence[int], p: int) -> None:
         )
 
 
-def config_mesh(op: Operator, config: Sequence[int], devices: Sequence[Any]) -> Any:
-    """The mesh ``(p / Π c, c_d for split d)`` named ``("_rep", d...)`` over ``devices`` in order."""
+def config_mesh(op: Operator, config: Sequence[int], devices: Sequence[Any],
+                order: Sequence[int] | None = None) -> Any:
+    """The mesh ``(p / Π c, c_d for split d)`` named ``("_rep", d...)`` over ``devices`` in order.
+
+    ``order`` (dimension indices, most significant first) is the grid nesting
+    of the configuration (see :func:`shardplan.cost.tiles.grid_strides`); the
+    split dims become mesh axes in that order. Default: the operator's own order.
+    """
     from jax.sharding import Mesh
 
     p = len(devices)
     check_expressible(op, config, p)
-    split = [(d, int(c)) for d, c in zip(op.dim_names, config) if int(c) > 1]
+    idx = range(len(op.dim_names)) if order is None else [int(j) for j in order]
+    split = [(op.dim_names[j], int(config[j])) for j in idx if int(config[j]) > 1]
     shape = (p // math.prod(c for _, c in split),) + tuple(c for _, c in split)
     arr = np.empty(len(devices), dtype=object)
     arr[:] = list(devices)
@@ -97,11 +104,12 @@ def tensor_spec(axis_dims: Sequence[str | None], op: Operator, config: Sequence[
     return PartitionSpec(*spec)
 
 
-def operator_sharding(op: Operator, config: Sequence[int], devices: Sequence[Any]) -> Any:
-    """The NamedSharding of ``op``'s output under ``config``."""
+def operator_sharding(op: Operator, config: Sequence[int], devices: Sequence[Any],
+                      order: Sequence[int] | None = None) -> Any:
+    """The NamedSharding of ``op``'s output under ``config`` (grid nested as ``order``)."""
     from jax.sharding import NamedSharding
 
-    return NamedSharding(config_mesh(op, config, devices), tensor_spec(_axis_dims(op.output), op, config))
+    return NamedSharding(config_mesh(op, config, devices, order), tensor_spec(_axis_dims(op.output), op, config))
 
 
 def _replicated(devices: Sequence[Any]) -> Any:
@@ -136,7 +144,8 @@ def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanSh
     configs = plan.configs
     for op in g.operators:
         check_expressible(op, configs[op.name], p)
-    by_op = {op.name: operator_sharding(op, configs[op.name], devices) for op in g.operators}
+    orders = plan.orders
+    by_op = {op.name: operator_sharding(op, configs[op.name], devices, orders[op.name]) for op in g.operators}
     values = {info.op_vars[name]: s for name, s in by_op.items() if name in info.op_vars}
     leaves = []
     for i in range(len(info.leaf_names)):
@@ -148,7 +157,7 @@ def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanSh
         op = g[name]
         from jax.sharding import NamedSharding
 
-        leaves.append(NamedSharding(config_mesh(op, configs[name], devices), tensor_spec(dims, op, configs[name])))
+        leaves.append(NamedSharding(config_mesh(op, configs[name], devices, orders[name]), tensor_spec(dims, op, configs[name])))
     return PlanShardings(values, by_op, tuple(leaves))
 
 
