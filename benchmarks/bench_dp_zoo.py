@@ -9,7 +9,7 @@ entries, largest table, configurations before/after bound pruning and after
 dominance, the bounds (UB, LB), peak traced memory of the solve and the
 subprocess's peak RSS (which includes building the tables).
 
-Run:  PYTHONPATH=. python benchmarks/bench_dp_zoo.py [--models a,b] [--procs 4,8] [--orders all]
+Run:  PYTHONPATH=. python benchmarks/bench_dp_zoo.py [--models a,b] [--procs 4,8] [--orders auto]
 Writes benchmarks/results/dp_zoo.json (merging with cases already there).
 """
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--procs", default=",".join(map(str, PROCS)))
-    ap.add_argument("--orders", default="all", choices=("all", "row-major"))
+    ap.add_argument("--orders", default="auto", choices=("auto", "all", "row-major"))
     ap.add_argument("--plain", action="store_true", help="also time the DP without bounds (slow at large p)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per case (build included)")
     ap.add_argument("--out", default=str(OUT))
