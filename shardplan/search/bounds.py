@@ -34,12 +34,24 @@ O(sum over forest edges of K_u K_w). Several forests (each preferring the
 edges the earlier ones dropped) give several bounds; their maximum is one
 too.
 
+Tighter: reparametrise first. Messages msg[(s, t)] (vectors over t's
+configurations) change the problem to h_t += msg[(s, t)],
+M_st[a, b] -= msg[(s, t)][b] + msg[(t, s)][a]: every assignment keeps its
+cost, whatever the messages, so the forest bound of the reparametrised
+problem is again valid. A few sweeps of TRW-S (sequential tree-reweighted
+message passing, Kolmogorov 2006) move the forest bound towards the
+local-polytope LP bound, which on the zoo models is tight (LB = OPT), so
+that only the configurations of optimal assignments survive.
+
 The incumbent: the forest optimum (decoded top-down), evaluated on the true
 problem and improved by iterated conditional modes (each vertex in turn
-moved to its best configuration given its neighbours, to a fixed point).
+moved to its best configuration given its neighbours, to a fixed point),
+and the exact optimum (by the DP) of the small problem restricted to each
+vertex's configurations of least bound -- the optimum itself when the
+relaxation is tight.
 
 After pruning, the row minima of the shrunken matrices can only grow, so
-the bounds tighten; the whole is repeated until nothing more is dropped.
+the bounds tighten; rounds repeat while they drop a worthwhile share.
 
 Floating point: every term of the reparametrised objective is >= 0 and its
 computed value is within a few ulps of the true one, so a computed LB
