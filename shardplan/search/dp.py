@@ -266,6 +266,30 @@ def _initial_factors(p: Problem, rng: np.random.Generator) -> list[_Factor]:
     return out
 
 
+def _fold_fixed(p: Problem) -> Problem:
+    """Fold every edge at a vertex with one configuration into the other end's vertex cost (exact).
+
+    Such an edge's cost depends on the other end only (or is a constant,
+    added to the lower end), so it needs no factor: the elimination graph
+    loses those edges and |D| counts only real choices.
+    """
+    sizes = p.sizes
+    if all(k > 1 for k in sizes) or not p.edges:
+        return p
+    unary = [c.copy() for c in p.vertex_cost]
+    edges, costs = [], []
+    for (s, d), m in zip(p.edges, p.edge_cost):
+        if sizes[s] == 1:
+            unary[d] += m[0, :]
+        elif sizes[d] == 1:
+            unary[s] += m[:, 0]
+        else:
+            edges.append((s, d))
+            costs.append(m)
+    return Problem(names=p.names, configs=p.configs, vertex_cost=tuple(unary), edges=tuple(edges),
+                   edge_cost=tuple(costs), dims=p.dims)
+
+
 def solve_dp(
     problem: Problem,
     ordering: str | Ordering = "min-table",
@@ -305,7 +329,7 @@ def solve_dp(
     else:
         red = reduce_problem(problem) if prune else identity_reduction(problem)
     t1 = time.perf_counter()
-    p = red.problem
+    p = _fold_fixed(red.problem)
     n = p.num_vertices
     order = [int(v) for v in ofun(p)]
     if sorted(order) != list(range(n)):
