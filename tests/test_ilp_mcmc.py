@@ -122,6 +122,15 @@ def test_ilp_equals_brute_force(cases):
             assert key in sol.stats
 
 
+def test_pruned_ilp_equals_brute_force(cases):
+    for seed, (problem, best) in zip(SEEDS, cases):
+        sol = solve_ilp(problem, prune=True)
+        assert _close(sol.cost, best), (seed, sol.cost, best)
+        assert sol.cost == problem.evaluate(sol.assignment)
+        assert sol.optimal and sol.bound == sol.cost
+        assert sol.stats["bounds"]["configs_after"] <= sol.stats["bounds"]["configs_before"]
+
+
 def test_generator_covers_every_shape():
     seen = {SHAPES[s % len(SHAPES)] for s in SEEDS}
     assert seen == set(SHAPES)

@@ -24,10 +24,10 @@ def test_dp_matches_bruteforce(seed: int) -> None:
     ref = solve_bruteforce(p)
     assert close(solve_bfs_dp(p).cost, ref.cost)
     for name in ORDERINGS:
-        for prune in (True, False):
-            s = solve_dp(p, ordering=name, prune=prune)
-            assert close(s.cost, ref.cost), (name, prune)
-            assert close(s.stats["dp_value"], ref.cost), (name, prune)
+        for prune, bounds in ((True, True), (False, True), (True, False), (False, False)):
+            s = solve_dp(p, ordering=name, prune=prune, bounds=bounds)
+            assert close(s.cost, ref.cost), (name, prune, bounds)
+            assert close(s.stats["dp_value"], ref.cost), (name, prune, bounds)
             assert s.cost == p.evaluate(s.assignment)
             assert len(s.assignment) == p.num_vertices
             assert s.optimal and s.solver == "dp"
@@ -38,6 +38,8 @@ def test_larger_graphs_orderings_agree(seed: int) -> None:
     p = random_problem(1000 + seed, n_max=16, k_max=4)
     costs = {name: solve_dp(p, ordering=name).cost for name in ORDERINGS}
     costs["unpruned"] = solve_dp(p, prune=False).cost
+    costs["unbounded"] = solve_dp(p, bounds=False).cost
+    costs["plain"] = solve_dp(p, prune=False, bounds=False).cost
     costs["bfs-dp"] = solve_bfs_dp(p).cost
     first = next(iter(costs.values()))
     assert all(close(c, first) for c in costs.values()), costs

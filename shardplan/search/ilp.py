@@ -206,7 +206,8 @@ def _round_assignment(z: np.ndarray, sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(np.argmax(z[s : s + k])) for s, k in zip(starts, sizes))
 
 
-def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0.0) -> Solution:
+def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0.0, *,
+              prune: bool = False) -> Solution:
     """Minimise F exactly with a mixed-integer program (HiGHS via ``scipy.optimize.milp``).
 
     Parameters:
@@ -214,6 +215,12 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
         time_limit: seconds HiGHS may spend (model building not included).
         mip_rel_gap: stop once ``(cost - bound) / cost`` is at most this;
             0 asks for a proof of optimality (the absolute gap is also set to 0).
+        prune: first drop every configuration whose lower bound exceeds an
+            incumbent's cost (:func:`shardplan.search.bounds.bound_prune`) and
+            solve the smaller program. Exact: every optimal assignment
+            survives, so the pruned optimum (and any dual bound of it) is the
+            original's. Off by default so that the ILP stays an independent
+            check of the DP (the pruning shares code with it).
 
     Returns:
         A :class:`Solution` with ``solver="ilp"``, ``cost = problem.evaluate(assignment)``,
@@ -235,6 +242,13 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
     if problem.num_vertices == 0:
         stats = {"variables": 0, "constraints": 0, "status": "empty problem", "gap": 0.0}
         return Solution(0.0, (), time.perf_counter() - start, "ilp", True, 0.0, stats)
+    red = None
+    if prune:
+        from shardplan.search.bounds import bound_prune
+
+        red, bstats = bound_prune(problem)
+        bstats.pop("incumbent", None)
+        original, problem = problem, red.problem
     reduced = reduce_problem(problem)
     c, a_mat, b, integrality, num_x = build_program(reduced)
     options = {"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "mip_abs_gap": 0.0}
@@ -258,7 +272,14 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
         "edges_kept": len(reduced.edges),
     }
     stats["nodes"] = res.get("mip_node_count")
-    return solution_from_result(problem, res, time_limit, elapsed, stats)
+    sol = solution_from_result(problem, res, time_limit, elapsed, stats)
+    if red is None:
+        return sol
+    assignment = red.lift(sol.assignment)
+    cost = original.evaluate(assignment)
+    stats = {**sol.stats, "bounds": bstats}
+    bound = cost if sol.optimal else (None if sol.bound is None else min(sol.bound, cost))
+    return Solution(cost, assignment, time.perf_counter() - start, "ilp", sol.optimal, bound, stats)
 
 
 def solution_from_result(problem: Problem, res: Mapping, time_limit: float, elapsed: float, stats: dict) -> Solution:

@@ -1,0 +1,91 @@
+"""Bound pruning (shardplan.search.bounds) is exact: valid bounds, every optimum survives."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from randgraphs import random_problem
+from shardplan.search import Problem, solve_bruteforce, solve_dp
+from shardplan.search.bounds import BoundState, _forest_pass, bound_prune, trws
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b))
+
+
+def all_costs(p: Problem) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    assigns = list(itertools.product(*(range(k) for k in p.sizes)))
+    return assigns, np.array([p.evaluate(a) for a in assigns])
+
+
+def tie_problem(seed: int) -> Problem:
+    """Small integer costs: many ties, so many optimal assignments."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 7))
+    edges = [(i, j) for i in range(n) for j in range(i + 1, n) if rng.random() < 0.6] or [(0, 1)]
+    ks = [int(rng.integers(1, 5)) for _ in range(n)]
+    return Problem(names=tuple(f"v{i}" for i in range(n)), configs=tuple(tuple((j,) for j in range(k)) for k in ks),
+                   vertex_cost=tuple(rng.integers(0, 3, size=k).astype(float) for k in ks), edges=tuple(edges),
+                   edge_cost=tuple(rng.integers(0, 3, size=(ks[s], ks[d])).astype(float) for s, d in edges))
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_bounds_are_valid_min_marginal_lower_bounds(seed: int) -> None:
+    p = random_problem(3000 + seed, n_max=7, k_max=4) if seed % 2 else tie_problem(seed)
+    assigns, costs = all_costs(p)
+    st = BoundState.from_problem(p)
+    for iters in (0, 1, 4):
+        if iters:
+            trws(st, list(range(p.num_vertices)), iters)
+        lbs, a, val = _forest_pass(st, exact_weights=bool(iters % 2))
+        assert val <= costs.min() + 1e-9 * max(1.0, costs.min())
+        for v in range(p.num_vertices):
+            for k in range(p.sizes[v]):
+                best = min(c for x, c in zip(assigns, costs) if x[v] == k)
+                assert lbs[v][k] <= best + 1e-9 * max(1.0, best), (iters, v, k)
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_bound_pruning_keeps_every_optimum(seed: int) -> None:
+    p = random_problem(4000 + seed, n_max=7, k_max=4) if seed % 2 else tie_problem(seed)
+    assigns, costs = all_costs(p)
+    red, stats = bound_prune(p)
+    opt = costs.min()
+    assert close(solve_bruteforce(red.problem).cost, opt)
+    kept = [set(int(x) for x in k) for k in red.keep]
+    for x, c in zip(assigns, costs):
+        if c <= opt:  # every optimal assignment survives, not just one
+            assert all(x[v] in kept[v] for v in range(p.num_vertices)), x
+    assert stats["lower_bound"] <= opt + 1e-9 * max(1.0, opt) and stats["upper_bound"] >= opt - 1e-9 * max(1.0, opt)
+    assert stats["configs_after"] == sum(red.problem.sizes) <= stats["configs_before"] == sum(p.sizes)
+    assert close(p.evaluate(stats["incumbent"]), stats["upper_bound"])
+    s = solve_dp(p)
+    assert close(s.cost, opt) and s.stats["bounds"]["enabled"]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_bounded_dp_on_larger_graphs(seed: int) -> None:
+    p = random_problem(5000 + seed, n_max=24, k_max=6)
+    plain = solve_dp(p, prune=False, bounds=False)
+    for prune in (True, False):
+        s = solve_dp(p, prune=prune, bounds=True)
+        assert close(s.cost, plain.cost)
+
+
+def test_bounded_dp_on_a_real_model() -> None:
+    from shardplan.cost import build_tables
+    from shardplan.machine import preset
+    from shardplan.models import model_spec
+
+    for name, p in (("alexnet", 8), ("inception_v3", 4)):
+        spec = model_spec(name)
+        problem = build_tables(spec.build(None), preset("paper", p), cutoff=spec.cutoff).to_problem()
+        plain = solve_dp(problem, bounds=False)
+        bounded = solve_dp(problem, bounds=True)
+        assert bounded.cost == pytest.approx(plain.cost, rel=1e-12, abs=0.0), name
+        b = bounded.stats["bounds"]
+        assert b["configs_after"] <= b["configs_before"] == sum(problem.sizes)
+        assert b["lower_bound"] <= bounded.cost * (1 + 1e-9) and b["upper_bound"] >= bounded.cost * (1 - 1e-9)
