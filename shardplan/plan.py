@@ -12,6 +12,7 @@ from shardplan.cost import CostTables, build_tables
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph
 from shardplan.machine import Machine
+from shardplan.search.io import jsonable
 from shardplan.search.problem import Solution
 
 __all__ = ["Plan", "solve", "plan_from_configs"]
@@ -123,18 +124,8 @@ class Plan:
         if self.solution is not None:
             d["solver"] = self.solution.solver
             d["optimal"] = self.solution.optimal
-            d["stats"] = _jsonable(self.solution.stats)
+            d["stats"] = jsonable(self.solution.stats)
         return d
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.generic):
-        return x.item()
-    return x
 
 
 def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int]], name: str = "custom") -> Plan:

@@ -26,7 +26,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from shardplan.plan import Plan, _jsonable
+from shardplan.plan import Plan
+from shardplan.search.io import jsonable
 from shardplan.units import fmt_bytes, fmt_seconds
 
 __all__ = ["Group", "group_operators", "compress_names", "render_report", "render_strategy", "plan_to_json",
@@ -259,4 +260,4 @@ def plan_to_json(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> dic
                    "configs": {k: list(v) for k, v in b.configs.items()}}
             for name, b in baselines.items()
         }
-    return _jsonable(d)
+    return jsonable(d)

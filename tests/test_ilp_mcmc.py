@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from shardplan.errors import ShardplanError
-from shardplan.search.ilp import build_program, merge_parallel_edges, reduce_problem, reparametrise, solve_ilp
+from shardplan.search.ilp import build_program, reduce_problem, reparametrise, solve_ilp
+from shardplan.search.reduce import merge_pairs
 from shardplan.search.mcmc import default_init, solve_mcmc
 from shardplan.search.problem import Problem
 
@@ -156,7 +157,7 @@ def test_merge_orients_parallel_edges():
         edges=((0, 1), (1, 0), (0, 1)),
         edge_cost=(np.arange(6.0).reshape(2, 3), np.ones((3, 2)) * 10, np.eye(2, 3)),
     )
-    merged = merge_parallel_edges(p)
+    merged = merge_pairs(p)
     assert list(merged) == [(0, 1)]
     np.testing.assert_array_equal(merged[(0, 1)], np.arange(6.0).reshape(2, 3) + 10 + np.eye(2, 3))
     assert solve_ilp(p).cost == brute_force(p)

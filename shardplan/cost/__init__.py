@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import networkx as nx
 import numpy as np
 
 from shardplan.configs import configurations, dimension_orders
@@ -89,28 +88,23 @@ class CostTables:
 
 
 AUTO_ORDERS_EDGE_ENTRIES = 4_000_000
-AUTO_ORDERS_MAX_K = 300
 
 
 def choose_orders(graph: Graph, splits: Sequence[np.ndarray], orders: str) -> str:
-    """Resolve ``orders="auto"``: every nesting while the search stays small, else row-major.
+    """Resolve ``orders="auto"``: every nesting while the edge tables stay small, else row-major.
 
-    Offering every nesting order multiplies the configurations of
-    operators with several split dims (up to 6x); the DP's work grows with
-    K^(|D|+1). "auto" picks "all" when, with every order, the edge tables
-    hold at most AUTO_ORDERS_EDGE_ENTRIES entries and either the graph is a
-    forest (then the DP's work is one min-plus product per edge) or no
-    operator has more than AUTO_ORDERS_MAX_K configurations; otherwise
+    Offering every nesting order multiplies the configurations of operators
+    with several split dims (up to 6x) and the edge tables by up to 36x;
+    building those tables is then the cost that dominates (the bounded DP
+    is fast either way). "auto" picks "all" when, with every order, the edge
+    tables hold at most AUTO_ORDERS_EDGE_ENTRIES entries (32 MB), otherwise
     "row-major".
     """
     if orders != "auto":
         return orders
     ks = [len(dimension_orders(c, "all")[0]) for c in splits]
     entries = sum(ks[e.src] * ks[e.dst] for e in graph.edges)
-    pairs = {(min(e.src, e.dst), max(e.src, e.dst)) for e in graph.edges}
-    forest = nx.is_forest(nx.Graph(list(pairs))) if pairs else True
-    small = forest or max(ks) <= AUTO_ORDERS_MAX_K
-    return "all" if small and entries <= AUTO_ORDERS_EDGE_ENTRIES else "row-major"
+    return "all" if entries <= AUTO_ORDERS_EDGE_ENTRIES else "row-major"
 
 
 def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,

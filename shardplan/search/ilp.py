@@ -53,6 +53,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from shardplan.errors import ShardplanError
 from shardplan.search.problem import Problem, Solution
+from shardplan.search.reduce import merge_pairs
 
 __all__ = ["solve_ilp"]
 
@@ -79,22 +80,6 @@ class _Reduced:
     merged: int
 
 
-def merge_parallel_edges(problem: Problem) -> dict[tuple[int, int], np.ndarray]:
-    """Sum the matrices of all edges between the same pair of vertices.
-
-    Returns a dict keyed by ``(u, v)`` with ``u < v``; each matrix is indexed
-    ``[config of u, config of v]`` (edges stored as ``(v, u)`` are transposed).
-    """
-    merged: dict[tuple[int, int], np.ndarray] = {}
-    for (s, d), m in zip(problem.edges, problem.edge_cost):
-        key, mat = ((s, d), m) if s < d else ((d, s), m.T)
-        if key in merged:
-            merged[key] = merged[key] + mat
-        else:
-            merged[key] = np.array(mat, dtype=np.float64)
-    return merged
-
-
 def reparametrise(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split ``M`` exactly as ``M[a,b] = r[a] + c[b] + R[a,b]`` with ``R >= 0``.
 
@@ -113,7 +98,7 @@ def reduce_problem(problem: Problem) -> _Reduced:
     edges: list[tuple[int, int]] = []
     residual: list[np.ndarray] = []
     dropped = 0
-    merged = merge_parallel_edges(problem)
+    merged = merge_pairs(problem)
     for (u, v), mat in merged.items():
         r, c, res = reparametrise(mat)
         vcost[u] += r

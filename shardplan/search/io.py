@@ -25,7 +25,8 @@ import numpy as np
 from shardplan.errors import ShardplanError
 from shardplan.search.problem import Problem, Solution
 
-__all__ = ["FORMAT", "load_problem", "save_problem", "problem_to_dict", "problem_from_dict", "solution_to_dict"]
+__all__ = ["FORMAT", "load_problem", "save_problem", "problem_to_dict", "problem_from_dict", "solution_to_dict",
+           "jsonable"]
 
 FORMAT = "shardplan-problem/1"
 
@@ -193,15 +194,16 @@ def solution_to_dict(problem: Problem, solution: Solution) -> dict:
         "solve_seconds": float(solution.solve_seconds),
         "solver": solution.solver,
         "optimal": bool(solution.optimal),
-        "stats": _jsonable(solution.stats),
+        "stats": jsonable(solution.stats),
     }
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
+    """``x`` with numpy scalars turned into Python numbers and tuples into lists, for ``json.dumps``."""
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, np.generic):
         return x.item()
     return x
