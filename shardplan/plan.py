@@ -84,6 +84,11 @@ class Plan:
     def solve_seconds(self) -> float:
         return self.solution.solve_seconds if self.solution is not None else 0.0
 
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Search statistics: ordering, max dependent-set size, table entries, largest table, pruning."""
+        return dict(self.solution.stats) if self.solution is not None else {}
+
     def operators(self) -> list[dict[str, Any]]:
         """Per operator: name, kind, dims, configuration, its own cost parts and incoming redistribution."""
         incoming = np.zeros(len(self.graph))

@@ -138,3 +138,18 @@ def test_bench_table1_small(capsys, tmp_path):
     rows = json.loads(js.read_text())["rows"]
     assert len(rows) == 4
     assert all(r["bfs_status"] == "ok" and r["dp_seconds"] >= 0 for r in rows)
+
+
+def test_python_solve_api_reports_plan_and_search_statistics():
+    from shardplan import preset, solve
+    from shardplan.models import get_model
+
+    plan = solve(get_model("alexnet"), preset("paper", 8))
+    assert set(plan.configs) == {op.name for op in plan.graph.operators}
+    parts = plan.breakdown
+    assert parts["total"] == pytest.approx(plan.cost)
+    assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+    assert plan.solution.optimal and plan.solve_seconds > 0
+    assert {"max_dependent_set", "largest_table", "total_table_entries", "ordering"} <= set(plan.stats)
+    rows = plan.operators()
+    assert sum(r["cost_seconds"] + r["redistribution_in_seconds"] for r in rows) == pytest.approx(plan.cost)
