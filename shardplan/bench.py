@@ -65,6 +65,7 @@ def run_table1(models: Sequence[str], procs: Sequence[int], machine: str = "pape
                 "max_dependent_set": sol.stats.get("max_dependent_set"),
                 "total_table_entries": sol.stats.get("total_table_entries"),
                 "largest_table": sol.stats.get("largest_table"),
+                "configs_after_bounds": (sol.stats.get("bounds") or {}).get("configs_after"),
             }
             if bfs:
                 try:
@@ -82,11 +83,12 @@ def run_table1(models: Sequence[str], procs: Sequence[int], machine: str = "pape
             _say(log, f"{spec.name:14s} p={p:3d}  build {build:7.3f} s  DP {sol.solve_seconds:7.3f} s"
                       + (f"  BFS {row['bfs_status'] if row.get('bfs_seconds') is None else _fmt_time(row['bfs_seconds'])}"
                          if bfs else ""))
-    table = [["model", "p", "DP solve", "cost tables", "max |D|", "table entries", "BFS-order DP"] if bfs else
-             ["model", "p", "DP solve", "cost tables", "max |D|", "table entries"]]
+    head = ["model", "p", "DP solve", "cost tables", "configs", "after bounds", "max |D|", "table entries"]
+    table = [head + ["BFS-order DP"] if bfs else head]
     for r in rows:
         line = [r["model"], str(r["p"]), _fmt_time(r["dp_seconds"]), _fmt_time(r["build_seconds"]),
-                str(r["max_dependent_set"]), f"{r['total_table_entries']:.3g}"]
+                str(r["configurations"]), str(r["configs_after_bounds"]), str(r["max_dependent_set"]),
+                f"{r['total_table_entries']:.3g}"]
         if bfs:
             line.append(_fmt_time(r["bfs_seconds"]) if r.get("bfs_seconds") is not None else r["bfs_status"])
         table.append(line)
