@@ -201,15 +201,14 @@ def edge_volumes(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.nda
     else:
         fwd = bwd = None
         exact = np.zeros((len(cu), len(cv)), dtype=bool)
-    if fwd is None:
+    if fwd is None or not exact.all():
         bu = tensor_boxes(u, u.output, cu, p, core=True, orders=ou)
         bv = tensor_boxes(v, t_in, cv, p, core=True, orders=ov)
-        fwd, bwd = _general(bu, bv)
-    elif not exact.all():
-        iu, iv = np.nonzero(~exact)
-        bu = tensor_boxes(u, u.output, cu, p, core=True, orders=ou)
-        bv = tensor_boxes(v, t_in, cv, p, core=True, orders=ov)
-        fwd[iu, iv], bwd[iu, iv] = _general_pairs(bu, bv, iu, iv)
+        if fwd is None:
+            fwd, bwd = _general(bu, bv)
+        else:
+            iu, iv = np.nonzero(~exact)
+            fwd[iu, iv], bwd[iu, iv] = _general_pairs(bu, bv, iu, iv)
     f = fwd * t_in.elem_factor
     b = bwd * t_in.elem_factor if t_in.needs_grad else np.zeros_like(bwd)
     return f, b

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardplan.cost.tiles import box_volumes, tensor_boxes
+from shardplan.cost.tiles import box_volumes, device_grid, tensor_boxes
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
@@ -27,10 +27,11 @@ def operator_memory(op: Operator, configs: np.ndarray, machine: Machine, optimiz
     p = machine.num_devices
     nbytes = machine.dtype_bytes
     k = len(configs)
+    grid = device_grid(np.asarray(configs, dtype=np.int64), p, orders)
     w = np.zeros((k, p))
     for t in op.weights:
-        w += box_volumes(tensor_boxes(op, t, configs, p, orders=orders)) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
-    act = box_volumes(tensor_boxes(op, op.output, configs, p, orders=orders)).astype(np.float64) * nbytes
+        w += box_volumes(tensor_boxes(op, t, configs, p, grid=grid)) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
+    act = box_volumes(tensor_boxes(op, op.output, configs, p, grid=grid)).astype(np.float64) * nbytes
     return w, act
 
 

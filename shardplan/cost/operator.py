@@ -72,9 +72,9 @@ class OpCost:
 
 
 def tile_volume(op: Operator, tensor, configs: np.ndarray, p: int, core: bool = True,
-                orders: np.ndarray | None = None) -> np.ndarray:
+                orders: np.ndarray | None = None, grid: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Largest per-device tile of ``tensor`` (elements), per configuration: (K,)."""
-    vol = box_volumes(tensor_boxes(op, tensor, configs, p, core=core, orders=orders)).max(axis=1)
+    vol = box_volumes(tensor_boxes(op, tensor, configs, p, core=core, orders=orders, grid=grid)).max(axis=1)
     return vol * tensor.elem_factor
 
 
@@ -94,7 +94,7 @@ def operator_cost(op: Operator, configs: np.ndarray, machine: Machine, orders: n
     k = len(configs)
     p = machine.num_devices
     ext = np.asarray([e for _, e in op.dims], dtype=np.float64)
-    coords, active = device_grid(configs, p, orders)
+    grid = coords, active = device_grid(configs, p, orders)
     nbytes = float(machine.dtype_bytes)
     zeros = np.zeros(k)
 
@@ -104,7 +104,7 @@ def operator_cost(op: Operator, configs: np.ndarray, machine: Machine, orders: n
 
     # forward partial sums
     g, idx = _group(op, configs, op.reduction_dims)
-    out_vol = tile_volume(op, op.output, configs, p, orders=orders)
+    out_vol = tile_volume(op, op.output, configs, p, grid=grid)
     inter = group_crosses_nodes(configs, coords, active, idx, machine)
     fwd_ar = allreduce_time(out_vol * nbytes, g, machine, inter)
     sent = np.where(g > 1, 2.0 * (g - 1) / g * out_vol * nbytes, 0.0)
@@ -113,7 +113,7 @@ def operator_cost(op: Operator, configs: np.ndarray, machine: Machine, orders: n
     grad_ar = zeros.copy()
     for t in op.grad_tensors:
         g, idx = _group(op, configs, op.grad_reduction_dims(t))
-        vol = tile_volume(op, t, configs, p, core=False, orders=orders)
+        vol = tile_volume(op, t, configs, p, core=False, grid=grid)
         inter = group_crosses_nodes(configs, coords, active, idx, machine)
         grad_ar = grad_ar + allreduce_time(vol * nbytes, g, machine, inter)
         sent = sent + np.where(g > 1, 2.0 * (g - 1) / g * vol * nbytes, 0.0)
@@ -124,8 +124,8 @@ def operator_cost(op: Operator, configs: np.ndarray, machine: Machine, orders: n
     for t in op.inputs:
         if not any(a.window is not None or a.stride != 1 for a in t.axes):
             continue
-        need = box_volumes(tensor_boxes(op, t, configs, p, core=False, orders=orders))
-        core = box_volumes(tensor_boxes(op, t, configs, p, core=True, orders=orders))
+        need = box_volumes(tensor_boxes(op, t, configs, p, core=False, grid=grid))
+        core = box_volumes(tensor_boxes(op, t, configs, p, core=True, grid=grid))
         extra = np.maximum(need - np.minimum(need, core), 0).max(axis=1) * t.elem_factor * nbytes
         times = 2 if t.needs_grad else 1
         halo = halo + times * p2p_time(extra, machine, spans_nodes)

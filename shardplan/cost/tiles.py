@@ -87,15 +87,17 @@ def _block(op: Operator, configs: np.ndarray, coords: np.ndarray, dim: str) -> t
 
 
 def tensor_boxes(op: Operator, tensor: Tensor, configs: np.ndarray, p: int, core: bool = True,
-                 orders: np.ndarray | None = None) -> np.ndarray:
+                 orders: np.ndarray | None = None,
+                 grid: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """[lo, hi) per axis of ``tensor`` on every device: int64 array (K, p, n_axes, 2).
 
     ``core=True`` gives the owned tile (what a layout holds; halos excluded);
     ``core=False`` the tile the operator reads (halos included). Idle
-    devices get empty boxes [0, 0).
+    devices get empty boxes [0, 0). ``grid``: the result of
+    :func:`device_grid` for these configurations, when the caller has it.
     """
     configs = np.asarray(configs, dtype=np.int64)
-    coords, active = device_grid(configs, p, orders)
+    coords, active = device_grid(configs, p, orders) if grid is None else grid
     k = configs.shape[0]
     ext = op.extents
     out = np.zeros((k, p, len(tensor.axes), 2), dtype=np.int64)
