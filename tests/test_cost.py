@@ -316,3 +316,23 @@ def test_fast_edge_volumes_equal_general_intersection(name, p, sizes):
         f1, b1 = edge_volumes(u, cu, v, e.slot, cv, p, ou, ov)
         f2, b2 = edge_volumes(u, cu, v, e.slot, cv, p, ou, ov, fast=False)
         assert np.array_equal(f1, f2) and np.array_equal(b1, b2), (u.name, v.name)
+
+
+def test_configurations_that_cannot_fit_in_memory_are_dropped():
+    from shardplan.errors import ShardplanError
+
+    b = GraphBuilder("big")
+    x = b.input("x", (64, 8192), needs_grad=True)
+    b.add(ops.dense("fc", x, 8192))  # 64M weights: 256 MiB fp32, x4 with gradient and Adam state = 1 GiB
+    g = b.build()
+    roomy = build_tables(g, Machine(8, peak_flops=F, bandwidth=B), cutoff=1)
+    tight = build_tables(g, Machine(8, peak_flops=F, bandwidth=B, memory_bytes=300 * 2**20), cutoff=1)
+    assert tight.options["dropped_for_memory"] > 0
+    assert len(tight.configs[0]) < len(roomy.configs[0])
+    # every survivor fits, and every configuration that fits survived
+    w, act = tight.memory[0]
+    assert ((w + act).max(axis=1) <= 300 * 2**20).all()
+    w0, a0 = roomy.memory[0]
+    assert int(((w0 + a0).max(axis=1) <= 300 * 2**20).sum()) == len(tight.configs[0])
+    with pytest.raises(ShardplanError, match=r"operator 'fc' needs at least .* per device"):
+        build_tables(g, Machine(8, peak_flops=F, bandwidth=B, memory_bytes=2**20), cutoff=1)

@@ -123,11 +123,18 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     splits = [configurations(op, p, cutoff, powers_of_two, divides_p) for op in graph.operators]
     orders = choose_orders(graph, splits, orders)
     pairs = [dimension_orders(c, orders) for c in splits]
+    ops = graph.operators
+    memory = [operator_memory(op, c, machine, optimizer_factor, o) for op, (c, o) in zip(ops, pairs)]
+    dropped = 0
+    if machine.memory_bytes is not None:
+        for i, (op, (c, o), (w, act)) in enumerate(zip(ops, pairs, memory)):
+            keep = fits_memory(op, w, act, machine.memory_bytes)
+            dropped += int((~keep).sum())
+            pairs[i] = (c[keep], o[keep])
+            memory[i] = (w[keep], act[keep])
     configs = tuple(c for c, _ in pairs)
     ords = tuple(o for _, o in pairs)
-    ops = graph.operators
     op_costs = tuple(operator_cost(op, c, machine, o) for op, c, o in zip(ops, configs, ords))
-    memory = tuple(operator_memory(op, c, machine, optimizer_factor, o) for op, c, o in zip(ops, configs, ords))
     edge_costs = []
     for i, e in enumerate(graph.edges):
         edge_costs.append(edge_cost(ops[e.src], configs[e.src], ops[e.dst], e.slot, configs[e.dst], machine,
@@ -135,5 +142,23 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         if progress is not None:
             progress(i + 1, len(graph.edges))
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
-            "optimizer_factor": optimizer_factor}
-    return CostTables(graph, machine, configs, ords, op_costs, tuple(edge_costs), memory, opts)
+            "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped}
+    return CostTables(graph, machine, configs, ords, op_costs, tuple(edge_costs), tuple(memory), opts)
+
+
+def fits_memory(op, weights: np.ndarray, activations: np.ndarray, limit: float) -> np.ndarray:
+    """Configurations whose own footprint fits in ``limit`` bytes on every device: bool (K,).
+
+    A strategy's memory on a device is the sum over operators, so an
+    operator configuration that alone exceeds the device memory can never be
+    part of a strategy that fits: dropping it is exact. (Whether the chosen
+    strategy fits as a whole is checked and reported on the plan.)
+    """
+    keep = (weights + activations).max(axis=1) <= limit
+    if not keep.any():
+        from shardplan.units import fmt_bytes
+
+        need = float((weights + activations).max(axis=1).min())
+        raise ShardplanError(f"operator {op.name!r} needs at least {fmt_bytes(need)} per device under every "
+                             f"configuration; the device has {fmt_bytes(limit)}")
+    return keep
