@@ -128,7 +128,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_ops(args: argparse.Namespace) -> int:
+    from shardplan.baselines import batch_dim, nearest_valid
     from shardplan.configs import configurations, dimension_orders
+    from shardplan.cost import operator_cost
     from shardplan.units import fmt_seconds
 
     spec, g = _graph(args)
@@ -136,14 +138,12 @@ def cmd_ops(args: argparse.Namespace) -> int:
     cutoff = _cutoff(args, spec)
     print(f"{g.name}: {len(g.operators)} operators, {len(g.edges)} edges; p = {m.num_devices}, cutoff {cutoff}")
     rows = [("operator", "kind", "dims", "extents", "configs", "with orders", "data-parallel t_l")]
-    from shardplan.cost import operator_cost
-
     for op in g.operators:
         c = configurations(op, m.num_devices, cutoff, divides_p=not args.all_divisors)
         c2, _ = dimension_orders(c, "all")
-        bdim = next((i for i, d in enumerate(op.dim_names) if d in ("b", "i0")), None)
-        dp_row = c[-1:] if bdim is None else c[[k for k in range(len(c)) if c[k].prod() == c[k][bdim]]][-1:]
-        t = operator_cost(op, dp_row, m).total[0]
+        b = batch_dim(op)
+        dp = nearest_valid(op, c, {b: m.num_devices} if b else {})
+        t = operator_cost(op, [dp], m).total[0]
         rows.append((op.name, op.kind, op.label, "x".join(str(e) for _, e in op.dims), str(len(c)), str(len(c2)),
                      fmt_seconds(float(t))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -355,6 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardplan: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` and closed early
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
