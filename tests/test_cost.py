@@ -336,3 +336,16 @@ def test_configurations_that_cannot_fit_in_memory_are_dropped():
     assert int(((w0 + a0).max(axis=1) <= 300 * 2**20).sum()) == len(tight.configs[0])
     with pytest.raises(ShardplanError, match=r"operator 'fc' needs at least .* per device"):
         build_tables(g, Machine(8, peak_flops=F, bandwidth=B, memory_bytes=2**20), cutoff=1)
+
+
+def test_hierarchical_redistribution_stays_inside_a_node_when_the_sender_fits_in_one():
+    m = Machine(16, peak_flops=F, bandwidth=100e9, node_size=8, inter_bandwidth=10e9)
+    a = ops.elementwise("a", x_ref((64, 32)))
+    c = ops.elementwise("c", a.out)
+    # a split 8 ways on rows: replicated on both nodes; c split 16 ways on rows.
+    f, b = edge_volumes(a, np.array([[8, 1]]), c, 0, np.array([[16, 1]]), 16)
+    sec = edge_cost(a, np.array([[8, 1]]), c, 0, np.array([[16, 1]]), m)
+    # forward: a node holds all of a, so what device q misses comes over NVLink; the gradient comes
+    # from c's 16-device layout, spread over both nodes: inter-node.
+    assert sec[0, 0] == pytest.approx(f[0, 0] * 4 / 100e9 + b[0, 0] * 4 / 10e9)
+    assert f[0, 0] > 0 and b[0, 0] > 0

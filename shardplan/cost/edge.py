@@ -214,21 +214,28 @@ def edge_volumes(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.nda
     return f, b
 
 
+def _replica_within_node(configs: np.ndarray, machine: Machine) -> np.ndarray:
+    """Whether every node holds a whole replica of the layout: prod(c) divides the node size. (K,)."""
+    n = np.asarray(configs, dtype=np.int64).prod(axis=1)
+    return (int(machine.node_size) % n) == 0  # type: ignore[arg-type]
+
+
 def edge_cost(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.ndarray, machine: Machine,
               ou: np.ndarray | None = None, ov: np.ndarray | None = None) -> np.ndarray:
     """Seconds to redistribute the tensor of edge u -> v (input ``slot``), forward + backward: (K_u, K_v).
 
-    On a hierarchical machine the transfer uses the inter-node link when
-    either layout spans more than one node.
+    On a hierarchical machine a device fetches what it misses from inside
+    its node when its node holds a whole replica of the sending layout
+    (prod(c) divides the node size; the grid is replicated over the nodes):
+    the forward tensor is sent by u's layout, the gradient by v's. Otherwise
+    the transfer runs at the inter-node bandwidth.
     """
     p = machine.num_devices
     f, b = edge_volumes(u, cu, v, slot, cv, p, ou, ov)
     nbytes = float(machine.dtype_bytes)
     if machine.hierarchical:
-        ns = int(machine.node_size)  # type: ignore[arg-type]
-        su = np.asarray(cu).prod(axis=1) > ns
-        sv = np.asarray(cv).prod(axis=1) > ns
-        inter = su[:, None] | sv[None, :]
+        fwd_inter = np.broadcast_to(~_replica_within_node(cu, machine)[:, None], f.shape)
+        bwd_inter = np.broadcast_to(~_replica_within_node(cv, machine)[None, :], f.shape)
     else:
-        inter = np.zeros(f.shape, dtype=bool)
-    return p2p_time(f * nbytes, machine, inter) + p2p_time(b * nbytes, machine, inter)
+        fwd_inter = bwd_inter = np.zeros(f.shape, dtype=bool)
+    return p2p_time(f * nbytes, machine, fwd_inter) + p2p_time(b * nbytes, machine, bwd_inter)
