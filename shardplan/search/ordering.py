@@ -82,13 +82,7 @@ def _greedy_elimination(problem: Problem, score: Callable[[int, list[set[int]]],
                 continue  # stale entry
             order.append(v)
             remaining.discard(v)
-            nv = d[v]
-            for w in nv:
-                d[w] |= nv
-                d[w].discard(w)
-                d[w].discard(v)
-            d[v] = set()
-            for w in nv:
+            for w in _eliminate(d, v):
                 cur[w] = (score(w, d), w)
                 heapq.heappush(heap, cur[w])
         return order
@@ -96,13 +90,19 @@ def _greedy_elimination(problem: Problem, score: Callable[[int, list[set[int]]],
         v = min(remaining, key=lambda u: (score(u, d), u))
         order.append(v)
         remaining.discard(v)
-        nv = d[v]
-        for w in nv:
-            d[w] |= nv
-            d[w].discard(w)
-            d[w].discard(v)
-        d[v] = set()
+        _eliminate(d, v)
     return order
+
+
+def _eliminate(d: list[set[int]], v: int) -> set[int]:
+    """Remove v from the elimination graph ``d``, joining its neighbours; returns them."""
+    nv = d[v]
+    for w in nv:
+        d[w] |= nv
+        d[w].discard(w)
+        d[w].discard(v)
+    d[v] = set()
+    return nv
 
 
 def generateseq(problem: Problem) -> list[int]:
