@@ -124,8 +124,11 @@ def _axis_blocks(op: Operator, tensor, configs: np.ndarray, orders: np.ndarray |
         elif (am.window is not None or am.stride != 1) and not am.partial:
             lengths[a] = size // c
             regular &= size % c == 0
-        else:  # offset or partial access: not a block partition of the axis
-            regular[:] = False
+        else:  # offset or partial access (concat piece, slice): regular only where unsplit and read whole
+            whole = am.offset <= 0 and ext[am.dim] + am.offset >= size
+            lengths[a] = size
+            splits[a] = 1
+            regular &= (c == 1) & whole
     return splits, strides, lengths, regular
 
 
@@ -207,8 +210,15 @@ def edge_volumes(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.nda
         if fwd is None:
             fwd, bwd = _general(bu, bv)
         else:
+            # whole columns (consumer configurations no pair of which the fast path covers) in one
+            # contiguous sweep, the scattered rest pair by pair
+            cols = np.nonzero(~exact.any(axis=0))[0]
+            if len(cols):
+                fwd[:, cols], bwd[:, cols] = _general(bu, bv[cols])
+                exact[:, cols] = True
             iu, iv = np.nonzero(~exact)
-            fwd[iu, iv], bwd[iu, iv] = _general_pairs(bu, bv, iu, iv)
+            if len(iu):
+                fwd[iu, iv], bwd[iu, iv] = _general_pairs(bu, bv, iu, iv)
     f = fwd * t_in.elem_factor
     b = bwd * t_in.elem_factor if t_in.needs_grad else np.zeros_like(bwd)
     return f, b
