@@ -355,6 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardplan: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        print("shardplan: out of memory (try fewer devices, a larger --cutoff or --orders row-major)",
+              file=sys.stderr)
+        return 1
     except BrokenPipeError:  # output piped into `head` and closed early
         import os
 

@@ -153,3 +153,8 @@ def test_python_solve_api_reports_plan_and_search_statistics():
     assert {"max_dependent_set", "largest_table", "total_table_entries", "ordering"} <= set(plan.stats)
     rows = plan.operators()
     assert sum(r["cost_seconds"] + r["redistribution_in_seconds"] for r in rows) == pytest.approx(plan.cost)
+
+
+def test_too_many_devices_is_a_clear_error(capsys):
+    code, _, err = run(capsys, "solve", "--model", "rnnlm", "-p", "1000000")
+    assert code == 2 and "at most 4096 devices" in err and err.count("\n") == 1

@@ -88,6 +88,7 @@ class CostTables:
 
 
 AUTO_ORDERS_EDGE_ENTRIES = 4_000_000
+MAX_DEVICES = 4096
 
 
 def choose_orders(graph: Graph, splits: Sequence[np.ndarray], orders: str) -> str:
@@ -120,6 +121,9 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     :func:`choose_orders` and :func:`shardplan.configs.dimension_orders`).
     """
     p = machine.num_devices
+    if p > MAX_DEVICES:
+        raise ShardplanError(f"{p} devices: the cost model keeps a tile per device and configuration, "
+                             f"so it supports at most {MAX_DEVICES} devices")
     splits = [configurations(op, p, cutoff, powers_of_two, divides_p) for op in graph.operators]
     orders = choose_orders(graph, splits, orders)
     pairs = [dimension_orders(c, orders) for c in splits]
