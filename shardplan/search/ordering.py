@@ -157,13 +157,7 @@ def dependent_sets(problem: Problem, order: list[int]) -> list[frozenset[int]]:
     d = adjacency(problem)
     out: list[frozenset[int]] = []
     for v in order:
-        nv = d[v]
-        out.append(frozenset(nv))
-        for w in nv:
-            d[w] |= nv
-            d[w].discard(w)
-            d[w].discard(v)
-        d[v] = set()
+        out.append(frozenset(_eliminate(d, v)))
     return out
 
 
