@@ -222,11 +222,13 @@ def test_partial_replication_and_idle_devices():
     assert b[0, 0] == 16 * 32
 
 
-def test_edge_into_a_graph_input_free_operator_without_gradient():
-    a = ops.elementwise("a", x_ref((64, 32)))
-    lab = ops.softmax_cross_entropy("loss", x_ref((64, 10), "logits"), x_ref((64,), "lab", grad=False))
-    assert lab.inputs[1].needs_grad is False
-    _ = a
+def test_edge_into_an_input_without_gradient_moves_nothing_backward():
+    ids = ops.elementwise("ids", x_ref((64,)))  # stands for an operator producing integer labels
+    loss = ops.softmax_cross_entropy("loss", x_ref((64, 10), "logits"), TensorRef("ids", (64,), needs_grad=False))
+    f, b = edge_volumes(ids, np.array([[1]]), loss, 1, np.array([[4, 1]]), 4)
+    assert f[0, 0] == 0  # replicated labels: every device already holds its rows
+    f, b = edge_volumes(ids, np.array([[4]]), loss, 1, np.array([[1, 1]]), 4)
+    assert f[0, 0] == 64 - 16 and b[0, 0] == 0  # forward gathers the labels; no gradient flows back
 
 
 def test_reshape_edge_follows_leading_sub_axis():
