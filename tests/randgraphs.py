@@ -2,7 +2,8 @@
 
 ``random_problem(seed)`` picks a shape (path, tree, DAG with skip connections,
 diamond, near-complete, disconnected pieces; sometimes parallel edges) and
-random costs that include ties and zeros, with K in 1..5 per vertex.
+random costs that include ties, zeros and separable edge matrices, with K in
+1..5 per vertex.
 """
 
 from __future__ import annotations
@@ -50,11 +51,15 @@ def _edges(shape: str, n: int, rng: np.random.Generator) -> list[tuple[int, int]
 
 
 def _costs(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    kind = rng.integers(0, 3)
+    kind = rng.integers(0, 5)
     if kind == 0:  # small integers: many ties and zeros
         return rng.integers(0, 4, size=shape).astype(float)
     if kind == 1:
         return rng.random(shape) * 10
+    if kind == 2 and len(shape) == 2:  # separable r[a] + c[b]: the ILP folds such edges into the vertices
+        return rng.random(shape[0])[:, None] + rng.random(shape[1])[None, :]
+    if kind == 3:
+        return np.zeros(shape)
     m = rng.random(shape)
     m[rng.random(shape) < 0.4] = 0.0
     return m

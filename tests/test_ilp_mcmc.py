@@ -12,70 +12,11 @@ from shardplan.search.ilp import build_program, reduce_problem, reparametrise, s
 from shardplan.search.reduce import merge_pairs
 from shardplan.search.mcmc import default_init, solve_mcmc
 from shardplan.search.problem import Problem
+from shardplan.search.reference import solve_bruteforce
 
-SHAPES = ("path", "tree", "skip_dag", "diamond", "disconnected", "parallel")
-MAX_SPACE = 3000  # brute force enumerates at most this many assignments
+from randgraphs import random_problem
 
-
-# ---------------------------------------------------------------- generators
-
-
-def _shape_edges(shape: str, n: int, rng: np.random.Generator) -> list[tuple[int, int]]:
-    """Edges (src, dst) of a graph of the given shape on vertices 0..n-1."""
-    if shape == "path":
-        return [(i, i + 1) for i in range(n - 1)]
-    if shape == "tree":
-        return [(int(rng.integers(0, v)), v) for v in range(1, n)]
-    if shape == "skip_dag":
-        edges = [(i, i + 1) for i in range(n - 1)]
-        edges += [(i, j) for i in range(n) for j in range(i + 2, n) if rng.random() < 0.3]
-        return edges
-    if shape == "diamond":
-        # 0 -> (1 .. n-2) -> n-1, plus a chord between two middle vertices.
-        edges = [(0, m) for m in range(1, n - 1)] + [(m, n - 1) for m in range(1, n - 1)]
-        if n >= 4:
-            edges.append((1, 2))
-        return edges
-    if shape == "disconnected":
-        cut = n // 2
-        edges = [(i, i + 1) for i in range(cut - 1)] + [(i, i + 1) for i in range(cut, n - 1)]
-        return edges  # two paths; the last vertex of each piece may also be isolated
-    if shape == "parallel":
-        edges = [(i, i + 1) for i in range(n - 1)]
-        edges += [(i + 1, i) for i in range(n - 1) if rng.random() < 0.5]  # reversed duplicates
-        edges += [(i, i + 1) for i in range(n - 1) if rng.random() < 0.5]  # same-direction duplicates
-        return edges
-    raise ValueError(shape)
-
-
-def _costs(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """Random non-negative costs, half the time small integers (ties), sometimes special."""
-    kind = rng.integers(0, 6)
-    if kind == 0:
-        return np.zeros(shape)
-    if kind <= 2:
-        return rng.integers(0, 4, size=shape).astype(float)
-    if kind == 3 and len(shape) == 2:  # separable r[a] + c[b]: the ILP folds it away
-        return rng.random(shape[0])[:, None] + rng.random(shape[1])[None, :]
-    return rng.random(shape) * 3.0
-
-
-def random_problem(seed: int, shape: str | None = None) -> Problem:
-    """A random problem of 2..7 vertices, K in 1..5, whose assignment space is <= MAX_SPACE."""
-    rng = np.random.default_rng(seed)
-    shape = shape or SHAPES[seed % len(SHAPES)]
-    n = int(rng.integers(2, 8))
-    ks = [int(rng.integers(1, 6)) for _ in range(n)]
-    while int(np.prod(ks)) > MAX_SPACE:
-        ks[int(np.argmax(ks))] -= 1
-    edges = _shape_edges(shape, n, rng)
-    return Problem(
-        names=tuple(f"v{i}" for i in range(n)),
-        configs=tuple(tuple((j,) for j in range(k)) for k in ks),
-        vertex_cost=tuple(_costs(rng, (k,)) for k in ks),
-        edges=tuple(edges),
-        edge_cost=tuple(_costs(rng, (ks[s], ks[d])) for s, d in edges),
-    )
+# ---------------------------------------------------------------- problems: tests/randgraphs.py
 
 
 def large_problem(n: int, k: int, seed: int) -> Problem:
@@ -93,7 +34,7 @@ def large_problem(n: int, k: int, seed: int) -> Problem:
 
 def brute_force(problem: Problem) -> float:
     """min F over all assignments, by enumeration."""
-    return min(problem.evaluate(a) for a in itertools.product(*(range(k) for k in problem.sizes)))
+    return solve_bruteforce(problem).cost
 
 
 def _close(a: float, b: float) -> bool:
@@ -105,7 +46,7 @@ SEEDS = range(120)
 
 @pytest.fixture(scope="module")
 def cases() -> list[tuple[Problem, float]]:
-    return [(p, brute_force(p)) for p in (random_problem(s) for s in SEEDS)]
+    return [(p, brute_force(p)) for p in (random_problem(s, n_max=7) for s in SEEDS)]
 
 
 # ---------------------------------------------------------------- ILP
@@ -130,14 +71,6 @@ def test_pruned_ilp_equals_brute_force(cases):
         assert sol.cost == problem.evaluate(sol.assignment)
         assert sol.optimal and sol.bound == sol.cost
         assert sol.stats["bounds"]["configs_after"] <= sol.stats["bounds"]["configs_before"]
-
-
-def test_generator_covers_every_shape():
-    seen = {SHAPES[s % len(SHAPES)] for s in SEEDS}
-    assert seen == set(SHAPES)
-    parallel = random_problem(5, "parallel")
-    pairs = [tuple(sorted(e)) for e in parallel.edges]
-    assert len(pairs) >= len(set(pairs))
 
 
 def test_reparametrise_is_exact():
@@ -181,7 +114,7 @@ def test_separable_and_zero_edges_are_dropped():
 
 
 def test_program_shape_counts():
-    p = random_problem(7, "path")
+    p = random_problem(7, shape="path")
     c, a_mat, b, integrality, num_x = build_program(reduce_problem(p))
     reduced = reduce_problem(p)
     ks = p.sizes
@@ -295,7 +228,7 @@ def test_solution_from_result_limit_with_incumbent():
     """The time-limit-with-incumbent path, on a hand-made HiGHS result (not timing-dependent)."""
     from shardplan.search.ilp import solution_from_result
 
-    p = random_problem(2, "path")
+    p = random_problem(2, shape="path")
     best = brute_force(p)
     worst = max(p.evaluate(a) for a in itertools.product(*(range(k) for k in p.sizes)))
     worst_a = next(a for a in itertools.product(*(range(k) for k in p.sizes)) if p.evaluate(a) == worst)
