@@ -1,0 +1,1 @@
+"""Pipeline stages: schedules and their cost, the exact search over stages, reports and timelines."""

@@ -1,0 +1,254 @@
+"""Step time and in-flight activations of pipeline schedules.
+
+A pipeline of S stages runs m micro-batches. Stage i (0-based) spends
+``f_i`` seconds on the forward and ``b_i`` on the backward of one
+micro-batch (compute and the stage's own collectives, from its intra-stage
+plan); ``t_i = f_i + b_i``. Between stages i and i+1 the activation of one
+micro-batch goes forward and its gradient comes back, ``c_i`` seconds each
+way (a point-to-point transfer over the links that join the two
+sub-meshes). ``g_i`` is the stage's once-per-step work (gradient
+synchronisation over the stage's replicas when it is not already charged
+per micro-batch). Links are full duplex and a link is its own resource, so
+a transfer is one more "machine" in the flow line.
+
+**GPipe** (Huang et al., NeurIPS 2019): all forwards, then all backwards.
+Each phase is a flow shop of m identical jobs over the stages and links,
+whose makespan is exactly the sum of the machines' times plus (m - 1) times
+the slowest::
+
+    T_gpipe = sum_i t_i + 2 sum_i c_i + (m - 1) (max(f_max, c_max) + max(b_max, c_max)) + max_i g_i
+
+Stage i holds the activations of all m micro-batches at the end of the
+forward phase.
+
+**1F1B** (PipeDream-Flush; Narayanan et al., SC'21 §2.2): after a warm-up of
+S - i - 1 forwards, stage i alternates one forward and one backward. With
+uniform stages its step is (m + S - 1) t: the bubble is (S - 1)/m of the
+ideal m t. The closed form used for non-uniform stages (as in DAPPLE and
+Alpa's stage DP) is the sum of the stage times plus (m - 1) times the
+slowest::
+
+    T_1f1b = sum_i t_i + 2 sum_i c_i + (m - 1) max(t_max, c_max) + max_i g_i
+
+It never exceeds GPipe's (``max(f+b) <= max f + max b``) and stage i holds at
+most ``min(S - i, m)`` micro-batches' activations, never more than GPipe's m:
+GPipe is dominated by 1F1B in time and memory for the same stages and m, so
+an optimum over schedules never needs it (it is reported for comparison).
+The closed form is exact for uniform stages; for non-uniform stages the
+event simulation :func:`simulate` gives the schedule's actual length (the
+report shows both).
+
+**Interleaved 1F1B** (Narayanan et al., SC'21 §2.2.2): each of the S device
+groups holds v model chunks (chunk j on group j mod S). The bubble shrinks
+to (S - 1)/(v m) of the ideal, at v times the stage-to-stage traffic; with
+``t_d`` a group's time per micro-batch over all its chunks::
+
+    T_int = m max_d t_d + (sum_d t_d - max_d t_d) / v + 2 sum_i c_i + (m - 1/v) max(0, v c_max - t_max) + max g
+
+(uniform: ``(m + (S - 1)/v) t``, the paper's bubble; v = 1 is 1F1B). Megatron
+requires m to be a multiple of S. Device group d holds, at its peak, the
+warm-up chunk micro-batches of Megatron-LM's interleaved schedule,
+``2 (S - d - 1) + (v - 1) S + 1`` chunks (capped at ``m v``), each 1/v of
+the group's per-micro-batch activations.
+
+Zero-bubble schedules (Qi et al., 2023: backward split into input-gradient
+and weight-gradient passes) are not modelled: the cost tables do not yet
+separate the two parts of an operator's backward time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from shardplan.errors import ShardplanError
+
+__all__ = ["SCHEDULES", "StageTimes", "step_time", "in_flight", "bubble_fraction", "simulate", "Event"]
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Per-micro-batch seconds of one stage (device group): forward, backward, once-per-step sync."""
+
+    forward: float
+    backward: float
+    sync: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+def _check(stages: Sequence[StageTimes], links: Sequence[float], m: int, schedule: str, v: int) -> None:
+    if schedule not in SCHEDULES:
+        raise ShardplanError(f"unknown pipeline schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+    if not stages:
+        raise ShardplanError("a pipeline needs at least one stage")
+    if len(links) != len(stages) - 1:
+        raise ShardplanError(f"{len(stages)} stages need {len(stages) - 1} link times, got {len(links)}")
+    if m < 1 or v < 1:
+        raise ShardplanError(f"micro-batches and chunks must be >= 1, got m={m}, v={v}")
+    if v > 1 and schedule != "interleaved":
+        raise ShardplanError(f"v={v} chunks per device needs the interleaved schedule, not {schedule!r}")
+
+
+def step_time(stages: Sequence[StageTimes], links: Sequence[float], m: int, schedule: str = "1f1b",
+              v: int = 1) -> float:
+    """Seconds of one training step under ``schedule`` (closed forms of the module docstring)."""
+    _check(stages, links, m, schedule, v)
+    t = [s.total for s in stages]
+    c_max = max(links, default=0.0)
+    ramp = sum(t) + 2.0 * sum(links)
+    sync = max(s.sync for s in stages)
+    if schedule == "gpipe":
+        f_max = max(s.forward for s in stages)
+        b_max = max(s.backward for s in stages)
+        return ramp + (m - 1) * (max(f_max, c_max) + max(b_max, c_max)) + sync
+    if schedule == "1f1b":
+        return ramp + (m - 1) * max(max(t), c_max) + sync
+    t_max = max(t)
+    return (m * t_max + (sum(t) - t_max) / v + 2.0 * sum(links) + (m - 1.0 / v) * max(0.0, v * c_max - t_max)
+            + sync)
+
+
+def in_flight(num_stages: int, m: int, schedule: str = "1f1b", v: int = 1) -> list[float]:
+    """Per stage: micro-batches whose saved activations are live at its peak (in units of the stage's
+    per-micro-batch activations; fractional for interleaved chunks)."""
+    if schedule == "gpipe":
+        return [float(m)] * num_stages
+    if schedule == "1f1b":
+        return [float(min(num_stages - i, m)) for i in range(num_stages)]
+    if schedule == "interleaved":
+        return [min(2 * (num_stages - d - 1) + (v - 1) * num_stages + 1, m * v) / v for d in range(num_stages)]
+    raise ShardplanError(f"unknown pipeline schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+
+
+def bubble_fraction(stages: Sequence[StageTimes], links: Sequence[float], m: int, schedule: str = "1f1b",
+                    v: int = 1) -> float:
+    """Idle share of the busiest stage's step: 1 - m t_max / T (uniform 1F1B: (S - 1)/(m + S - 1))."""
+    total = step_time(stages, links, m, schedule, v)
+    busy = m * max(s.total for s in stages) + max(s.sync for s in stages)
+    return max(0.0, 1.0 - busy / total) if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Event:
+    """One bar of the timeline: ``kind`` in forward, backward, send, sync; stage (row), micro-batch, chunk."""
+
+    stage: int
+    kind: str
+    micro_batch: int
+    start: float
+    end: float
+    chunk: int = 0
+
+
+def _order(s: int, num_stages: int, m: int, schedule: str, v: int) -> list[tuple[str, int, int]]:
+    """The sequence of (kind, micro-batch, chunk) stage ``s`` runs."""
+    if schedule == "gpipe":
+        return [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in range(m)]
+    if schedule == "1f1b":
+        warm = min(num_stages - s - 1, m)
+        seq = [("F", j, 0) for j in range(warm)]
+        f, b = warm, 0
+        while b < m:
+            if f < m:
+                seq.append(("F", f, 0))
+                f += 1
+            seq.append(("B", b, 0))
+            b += 1
+        return seq
+    # interleaved (Megatron-LM order): forward units k = 0 .. m v - 1 visit chunks in groups of S micro-batches
+    total = m * v
+
+    def fwd(k: int) -> tuple[str, int, int]:
+        group, r = divmod(k, num_stages * v)
+        return ("F", group * num_stages + r % num_stages, r // num_stages)
+
+    def bwd(k: int) -> tuple[str, int, int]:
+        group, r = divmod(k, num_stages * v)
+        return ("B", group * num_stages + r % num_stages, v - 1 - r // num_stages)
+
+    warm = min(2 * (num_stages - s - 1) + (v - 1) * num_stages, total)
+    seq = [fwd(k) for k in range(warm)]
+    f, b = warm, 0
+    while b < total:
+        if f < total:
+            seq.append(fwd(f))
+            f += 1
+        seq.append(bwd(b))
+        b += 1
+    return seq
+
+
+def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, schedule: str = "1f1b",
+             v: int = 1) -> list[Event]:
+    """Event-level timeline of the schedule: each stage runs its operations in the schedule's order,
+    each as soon as its input has arrived (forward from the previous chunk, backward from the next).
+
+    Interleaved needs m to be a multiple of S (as in Megatron-LM). Transfers take ``links[i]`` and
+    occupy no stage; the final gradient synchronisation runs after a stage's last backward."""
+    _check(stages, links, m, schedule, v)
+    n = len(stages)
+    if schedule == "interleaved" and m % n:
+        raise ShardplanError(f"the interleaved schedule needs micro-batches ({m}) to be a multiple of stages ({n})")
+    chunks = v if schedule == "interleaved" else 1
+    last_chunk = chunks - 1
+    done: dict[tuple[str, int, int, int], float] = {}  # (kind, micro-batch, chunk, stage) -> end time
+    orders = [_order(s, n, m, schedule, v) for s in range(n)]
+    pos = [0] * n
+    free = [0.0] * n
+    events: list[Event] = []
+
+    def link(a: int, b: int) -> float:
+        return links[min(a, b)] if a != b and abs(a - b) == 1 else (max(links, default=0.0) if a != b else 0.0)
+
+    def ready(s: int, kind: str, j: int, c: int) -> float | None:
+        if kind == "F":
+            if s == 0 and c == 0:
+                return 0.0
+            prev = (s - 1, c) if s > 0 else (n - 1, c - 1)
+            t = done.get(("F", j, prev[1], prev[0]))
+            return None if t is None else t + link(prev[0], s)
+        if s == n - 1 and c == last_chunk:
+            t = done.get(("F", j, c, s))
+            return t
+        nxt = (s + 1, c) if s < n - 1 else (0, c + 1)
+        t = done.get(("B", j, nxt[1], nxt[0]))
+        return None if t is None else t + link(nxt[0], s)
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(n):
+            while pos[s] < len(orders[s]):
+                kind, j, c = orders[s][pos[s]]
+                r = ready(s, kind, j, c)
+                if r is None:
+                    break
+                dur = (stages[s].forward if kind == "F" else stages[s].backward) / chunks
+                start = max(r, free[s])
+                free[s] = start + dur
+                done[(kind, j, c, s)] = free[s]
+                events.append(Event(s, "forward" if kind == "F" else "backward", j, start, free[s], c))
+                if kind == "F" and (s < n - 1 or c < last_chunk):
+                    dst = s + 1 if s < n - 1 else 0
+                    events.append(Event(s, "send", j, free[s], free[s] + link(s, dst), c))
+                elif kind == "B" and (s > 0 or c > 0):
+                    dst = s - 1 if s > 0 else n - 1
+                    events.append(Event(s, "send", j, free[s], free[s] + link(s, dst), c))
+                pos[s] += 1
+                progressed = True
+    if any(pos[s] < len(orders[s]) for s in range(n)):
+        raise ShardplanError(f"schedule {schedule!r} deadlocked in simulation (S={n}, m={m}, v={v})")
+    for s in range(n):
+        if stages[s].sync > 0:
+            events.append(Event(s, "sync", -1, free[s], free[s] + stages[s].sync))
+    return events
+
+
+def makespan(events: Sequence[Event]) -> float:
+    """End of the last event."""
+    return max((e.end for e in events), default=0.0)

@@ -1,0 +1,441 @@
+"""The exact search over stage cuts x sub-meshes x micro-batches x schedule.
+
+The model is cut into *units* (blocks, see :mod:`shardplan.pipeline.stages`),
+0 .. U-1 in a topological order; a stage is a contiguous run ``[a, b)`` of
+units on a *sub-mesh*: ``q`` consecutive devices starting at offset ``o``,
+either a power-of-two part of one node (``q < node_size``, ``o`` a
+multiple of ``q``) or whole nodes (``q`` a multiple of ``node_size``, ``o``
+on a node boundary). The stages tile the machine in order (stage i's
+devices precede stage i+1's), so whether a stage-to-stage transfer stays in
+a node follows from the offsets. A callback gives each candidate stage's
+intra-stage optimum (:class:`StageCost`: forward and backward seconds per
+micro-batch, weight/state bytes, activation bytes per micro-batch in
+flight); another gives the one-way transfer time across a cut.
+
+**Objective** (1F1B, :mod:`shardplan.pipeline.schedule`)::
+
+    T = sum_i t_i + 2 sum_i c_i + (m - 1) max(max_i t_i, max_i c_i)
+
+subject to ``weight_i + min(S - i, m) activation_i <= budget`` for every
+stage i.
+
+**The max term** (Alpa's enumeration, made exact). For a bound B let
+``D(B)`` be the least ``sum t + 2 sum c`` over pipelines whose every stage
+time and link time is at most B (a DP over suffixes: state = first unit,
+first device, stages left, first stage's size; the stages-left count fixes
+each stage's in-flight micro-batches, so the memory constraint is checked
+per stage). Then ``T* = min over B in C of D(B) + (m - 1) B`` where C is the
+set of all stage and link times that occur, because:
+
+* every term is achieved: the pipeline attaining D(B) has max <= B, so its
+  true cost is at most D(B) + (m - 1) B;
+* the optimum is among them: the optimal pipeline's max M is itself a stage
+  or link time, so M is in C, and it is feasible for D(M), so
+  D(M) + (m - 1) M <= T*.
+
+Candidates are visited in increasing order and the scan stops once
+``D(inf) + (m - 1) B`` (a lower bound of every later term, as D only
+decreases with B) reaches the best value found: nothing is lost.
+
+**Schedules.** GPipe is dominated by 1F1B for the same stages and m (time
+and in-flight memory both no larger, see the schedule module), so the
+optimum over {GPipe, 1F1B} is 1F1B's. Interleaved 1F1B (v > 1) is searched
+over uniform sub-meshes with the units dealt into S v contiguous chunks of
+equal size (Megatron-LM's layout, m a multiple of S); that part of the
+space is enumerated, not optimised over chunk boundaries.
+
+``S = 1`` is one stage on the whole machine with ``m`` micro-batches; with
+m = 1 it is today's single-program plan, so the optimum is never worse.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from shardplan.errors import ShardplanError
+from shardplan.pipeline.schedule import StageTimes, in_flight, step_time
+
+__all__ = ["StageCost", "PipelineSpace", "Stage", "PipelinePlan", "submesh_sizes", "search_pipeline",
+           "brute_force_pipeline", "evaluate_pipeline"]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """A stage's intra-stage optimum, per micro-batch.
+
+    Attributes:
+        forward, backward: seconds per micro-batch (compute and in-stage collectives).
+        weight_bytes: per-device bytes independent of micro-batches (weights, gradients, optimizer state).
+        activation_bytes: per-device bytes saved for the backward pass by one micro-batch.
+        detail: what produced it (e.g. the intra-stage :class:`~shardplan.plan.Plan`), for reports.
+    """
+
+    forward: float
+    backward: float
+    weight_bytes: float
+    activation_bytes: float
+    detail: Any = field(default=None, compare=False)
+
+    @property
+    def time(self) -> float:
+        return self.forward + self.backward
+
+    def memory(self, k: float) -> float:
+        """Peak bytes per device with ``k`` micro-batches in flight."""
+        return self.weight_bytes + k * self.activation_bytes
+
+
+StageFn = Callable[[int, int, int, int], "StageCost | None"]
+LinkFn = Callable[[int, int, int, int, bool], float]
+
+
+@dataclass(frozen=True)
+class PipelineSpace:
+    """What may be searched.
+
+    Attributes:
+        num_units: U, units in order.
+        num_devices: p.
+        node_size: devices per node (None: one level, any power-of-two part or the whole machine).
+        micro_batches: candidate m.
+        budget: bytes per device (None: unlimited).
+        max_stages: largest S (default: U).
+        uniform: only pipelines whose stages all have the same sub-mesh size.
+        interleave: chunk counts v > 1 to try with the interleaved schedule.
+        sizes: sub-mesh sizes allowed (default :func:`submesh_sizes`).
+    """
+
+    num_units: int
+    num_devices: int
+    node_size: int | None = None
+    micro_batches: tuple[int, ...] = (1,)
+    budget: float | None = None
+    max_stages: int | None = None
+    uniform: bool = False
+    interleave: tuple[int, ...] = ()
+    sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_units < 1 or self.num_devices < 1:
+            raise ShardplanError("a pipeline space needs at least one unit and one device")
+        if not self.micro_batches or min(self.micro_batches) < 1:
+            raise ShardplanError(f"micro-batch counts must be positive, got {self.micro_batches!r}")
+        if any(v < 2 for v in self.interleave):
+            raise ShardplanError(f"interleaved chunk counts must be >= 2, got {self.interleave!r}")
+
+    def allowed_sizes(self) -> tuple[int, ...]:
+        return self.sizes if self.sizes is not None else submesh_sizes(self.num_devices, self.node_size)
+
+
+def submesh_sizes(p: int, node_size: int | None) -> tuple[int, ...]:
+    """Sub-mesh sizes: powers of two below a node, and every whole number of nodes (p itself included)."""
+    ns = p if node_size is None or node_size >= p else node_size
+    part = [1 << k for k in range(ns.bit_length()) if (1 << k) < ns]
+    return tuple(part + [n * ns for n in range(1, p // ns + 1)])
+
+
+def _placeable(o: int, q: int, p: int, ns: int) -> bool:
+    if o + q > p:
+        return False
+    if q < ns:
+        return o % q == 0 and (o % ns) + q <= ns
+    return q % ns == 0 and o % ns == 0
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: units [first, end) on devices [offset, offset + devices)."""
+
+    first: int
+    end: int
+    offset: int
+    devices: int
+    cost: StageCost
+    in_flight: float
+
+    @property
+    def memory(self) -> float:
+        return self.cost.memory(self.in_flight)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The search's answer: stages, m, schedule (v chunks), links (one-way seconds per cut), predicted step."""
+
+    stages: tuple[Stage, ...]
+    micro_batches: int
+    schedule: str
+    chunks: int
+    links: tuple[float, ...]
+    step_time: float
+    budget: float | None
+    stats: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_times(self) -> list[StageTimes]:
+        if self.chunks > 1:
+            # interleaved: a group's chunks are stored as separate stages; fold them per group
+            groups = self.num_stages // self.chunks
+            f = [0.0] * groups
+            b = [0.0] * groups
+            for i, s in enumerate(self.stages):
+                f[i % groups] += s.cost.forward
+                b[i % groups] += s.cost.backward
+            return [StageTimes(x, y) for x, y in zip(f, b)]
+        return [StageTimes(s.cost.forward, s.cost.backward) for s in self.stages]
+
+    def group_links(self) -> list[float]:
+        if self.chunks > 1:
+            groups = self.num_stages // self.chunks
+            return list(self.links[:groups - 1])
+        return list(self.links)
+
+
+def _links_ok(a: float, bound: float) -> bool:
+    return a <= bound * (1 + 1e-12) + 1e-300
+
+
+def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
+                    schedules: Sequence[str] = ("1f1b", "interleaved")) -> PipelinePlan:
+    """The optimum of the module docstring's model over ``space`` (1F1B DP; interleaved enumerated)."""
+    t0 = time.perf_counter()
+    best: PipelinePlan | None = None
+    stats: dict[str, Any] = {"candidates": 0, "dp_states": 0, "stage_evaluations": 0}
+    for m in sorted(set(int(x) for x in space.micro_batches)):
+        if "1f1b" in schedules:
+            cand = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf)
+            if cand is not None and (best is None or cand.step_time < best.step_time):
+                best = cand
+        if "interleaved" in schedules:
+            for v in space.interleave:
+                cand = _search_interleaved(space, stage_fn, link_fn, m, v)
+                if cand is not None and (best is None or cand.step_time < best.step_time):
+                    best = cand
+    if best is None:
+        raise ShardplanError("no pipeline fits: every stage cut and sub-mesh exceeds the memory budget "
+                             "(or no stage can be costed)")
+    stats["solve_seconds"] = time.perf_counter() - t0
+    return PipelinePlan(best.stages, best.micro_batches, best.schedule, best.chunks, best.links, best.step_time,
+                        best.budget, {**best.stats, **stats})
+
+
+def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, stats: dict,
+                 incumbent: float) -> PipelinePlan | None:
+    U, p = space.num_units, space.num_devices
+    ns = p if space.node_size is None or space.node_size >= p else space.node_size
+    sizes = space.allowed_sizes()
+    s_max = min(space.max_stages or U, U, p)
+    budget = math.inf if space.budget is None else space.budget
+    costs: dict[tuple[int, int, int], StageCost | None] = {}
+
+    def cost(a: int, b: int, q: int) -> StageCost | None:
+        key = (a, b, q)
+        if key not in costs:
+            costs[key] = stage_fn(a, b, q, m)
+            stats["stage_evaluations"] += 1
+        return costs[key]
+
+    def link(u: int, o: int, q: int, q2: int) -> float:
+        inter = (o // ns) != ((o + q + q2 - 1) // ns)
+        return link_fn(u, q, q2, m, inter)
+
+    stage_counts = range(1, s_max + 1)
+    if space.uniform:
+        stage_counts = [s for s in stage_counts if p % s == 0 and p // s in sizes]
+
+    # candidate bottleneck values: every stage time and link time that can occur
+    cands: set[float] = set()
+    for a in range(U):
+        for b in range(a + 1, U + 1):
+            for q in sizes:
+                c = cost(a, b, q)
+                if c is not None:
+                    cands.add(c.time)
+    for u in range(1, U):
+        for q in sizes:
+            for q2 in sizes:
+                for inter in (False, True):
+                    cands.add(link_fn(u, q, q2, m, inter))
+    order = sorted(cands)
+
+    def solve_bound(bound: float, n_stages: int, q_fixed: int | None) -> tuple[float, list] | None:
+        memo: dict[tuple[int, int, int, int], tuple[float, tuple | None]] = {}
+        qs = [q_fixed] if q_fixed is not None else list(sizes)
+
+        def w(a: int, o: int, r: int, q: int) -> tuple[float, tuple | None]:
+            key = (a, o, r, q)
+            hit = memo.get(key)
+            if hit is not None:
+                return hit
+            stats["dp_states"] += 1
+            best_v, best_arg = math.inf, None
+            k = float(min(r, m))
+            if _placeable(o, q, p, ns) and (r > 1 or o + q == p):
+                b_range = [U] if r == 1 else range(a + 1, U - r + 2)
+                for b in b_range:
+                    c = cost(a, b, q)
+                    if c is None or c.time > bound * (1 + 1e-12) or c.memory(k) > budget:
+                        continue
+                    if r == 1:
+                        if c.time < best_v:
+                            best_v, best_arg = c.time, (b, None)
+                        continue
+                    for q2 in qs:
+                        lk = link(b, o, q, q2)
+                        if not _links_ok(lk, bound):
+                            continue
+                        rest, _ = w(b, o + q, r - 1, q2)
+                        v = c.time + 2 * lk + rest
+                        if v < best_v:
+                            best_v, best_arg = v, (b, q2)
+            memo[key] = (best_v, best_arg)
+            return memo[key]
+
+        best_v, best_start = math.inf, None
+        for q in qs:
+            v, _ = w(0, 0, n_stages, q)
+            if v < best_v:
+                best_v, best_start = v, q
+        if best_start is None:
+            return None
+        # walk the argmins
+        out = []
+        a, o, r, q = 0, 0, n_stages, best_start
+        while True:
+            _, arg = memo[(a, o, r, q)]
+            b, q2 = arg  # type: ignore[misc]
+            out.append((a, b, o, q))
+            if q2 is None:
+                break
+            a, o, r, q = b, o + q, r - 1, q2
+        return best_v, out
+
+    best: PipelinePlan | None = None
+    best_t = incumbent
+    for n_stages in stage_counts:
+        q_fixed = p // n_stages if space.uniform else None
+        unbounded = solve_bound(math.inf, n_stages, q_fixed)
+        if unbounded is None:
+            continue
+        floor = unbounded[0]
+        for bound in order:
+            stats["candidates"] += 1
+            if floor + (m - 1) * bound >= best_t:
+                break
+            got = solve_bound(bound, n_stages, q_fixed)
+            if got is None:
+                continue
+            total = got[0] + (m - 1) * bound
+            if total < best_t:
+                plan = _assemble(got[1], cost, link, m, space.budget)
+                if plan.step_time < best_t:
+                    best, best_t = plan, plan.step_time
+    return best
+
+
+def _assemble(segments: Sequence[tuple[int, int, int, int]], cost, link, m: int, budget: float | None) -> PipelinePlan:
+    n = len(segments)
+    k = in_flight(n, m, "1f1b")
+    stages = tuple(Stage(a, b, o, q, cost(a, b, q), k[i]) for i, (a, b, o, q) in enumerate(segments))
+    links = tuple(link(segments[i][1], segments[i][2], segments[i][3], segments[i + 1][3]) for i in range(n - 1))
+    times = [StageTimes(s.cost.forward, s.cost.backward) for s in stages]
+    return PipelinePlan(stages, m, "1f1b", 1, links, step_time(times, links, m, "1f1b"), budget)
+
+
+def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int,
+                        v: int) -> PipelinePlan | None:
+    U, p = space.num_units, space.num_devices
+    ns = p if space.node_size is None or space.node_size >= p else space.node_size
+    sizes = space.allowed_sizes()
+    budget = math.inf if space.budget is None else space.budget
+    best: PipelinePlan | None = None
+    for n in range(2, min(space.max_stages or U, p) + 1):
+        q = p // n
+        if p % n or q not in sizes or m % n or U < n * v:
+            continue
+        bounds = [round(j * U / (n * v)) for j in range(n * v + 1)]
+        chunks = [(bounds[j], bounds[j + 1]) for j in range(n * v)]
+        costs = [stage_fn(a, b, q, m) for a, b in chunks]
+        if any(c is None for c in costs):
+            continue
+        k = in_flight(n, m, "interleaved", v)
+        weights = [sum(costs[j].weight_bytes for j in range(d, n * v, n)) for d in range(n)]  # type: ignore[union-attr]
+        acts = [sum(costs[j].activation_bytes for j in range(d, n * v, n)) for d in range(n)]  # type: ignore[union-attr]
+        if any(weights[d] + k[d] * acts[d] > budget for d in range(n)):
+            continue
+        links = []
+        for j in range(n * v - 1):
+            d = j % n
+            o = d * q
+            o2 = ((j + 1) % n) * q
+            inter = (o // ns) != (o2 // ns)
+            links.append(link_fn(chunks[j][1], q, q, m, inter))
+        stages = tuple(Stage(a, b, (j % n) * q, q, costs[j], k[j % n]) for j, (a, b) in enumerate(chunks))  # type: ignore[arg-type]
+        times = [StageTimes(sum(costs[j].forward for j in range(d, n * v, n)),  # type: ignore[union-attr]
+                            sum(costs[j].backward for j in range(d, n * v, n))) for d in range(n)]  # type: ignore[union-attr]
+        t = step_time(times, [max(links[d::n]) for d in range(n - 1)], m, "interleaved", v)
+        if best is None or t < best.step_time:
+            best = PipelinePlan(stages, m, "interleaved", v, tuple(links), t, space.budget)
+    return best
+
+
+def evaluate_pipeline(segments: Sequence[tuple[int, int, int]], m: int, space: PipelineSpace, stage_fn: StageFn,
+                      link_fn: LinkFn) -> PipelinePlan | None:
+    """The 1F1B plan of given stages ``(first unit, end unit, devices)`` placed in order; None if it does not
+    fit or a stage cannot be costed. Raises on a malformed pipeline."""
+    p = space.num_devices
+    ns = p if space.node_size is None or space.node_size >= p else space.node_size
+    if segments[0][0] != 0 or segments[-1][1] != space.num_units or any(
+            segments[i][1] != segments[i + 1][0] or segments[i][0] >= segments[i][1] for i in range(len(segments) - 1)):
+        raise ShardplanError(f"stages {segments!r} do not cover units 0..{space.num_units} contiguously")
+    offs = [0]
+    for _, _, q in segments:
+        offs.append(offs[-1] + q)
+    if offs[-1] != p or not all(_placeable(o, q, p, ns) for o, (_, _, q) in zip(offs, segments)):
+        raise ShardplanError(f"sub-meshes {[q for *_, q in segments]} do not tile {p} devices on nodes of {ns}")
+    k = in_flight(len(segments), m, "1f1b")
+    stages = []
+    for i, ((a, b, q), o) in enumerate(zip(segments, offs)):
+        c = stage_fn(a, b, q, m)
+        if c is None or (space.budget is not None and c.memory(k[i]) > space.budget):
+            return None
+        stages.append(Stage(a, b, o, q, c, k[i]))
+    links = []
+    for i in range(len(segments) - 1):
+        o, q, q2 = offs[i], segments[i][2], segments[i + 1][2]
+        links.append(link_fn(segments[i][1], q, q2, m, (o // ns) != ((o + q + q2 - 1) // ns)))
+    times = [StageTimes(s.cost.forward, s.cost.backward) for s in stages]
+    return PipelinePlan(tuple(stages), m, "1f1b", 1, tuple(links), step_time(times, links, m), space.budget)
+
+
+def brute_force_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn) -> PipelinePlan:
+    """Every cut, every sub-mesh sequence, every m (1F1B): the reference for small instances."""
+    import itertools
+
+    U, p = space.num_units, space.num_devices
+    sizes = space.allowed_sizes()
+    s_max = min(space.max_stages or U, U, p)
+    best: PipelinePlan | None = None
+    for n in range(1, s_max + 1):
+        for cuts in itertools.combinations(range(1, U), n - 1):
+            bounds = (0, *cuts, U)
+            for qs in itertools.product(sizes, repeat=n):
+                if sum(qs) != p or (space.uniform and len(set(qs)) > 1):
+                    continue
+                segs = [(bounds[i], bounds[i + 1], qs[i]) for i in range(n)]
+                for m in space.micro_batches:
+                    try:
+                        plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn)
+                    except ShardplanError:
+                        continue
+                    if plan is not None and (best is None or plan.step_time < best.step_time):
+                        best = plan
+    if best is None:
+        raise ShardplanError("no pipeline fits")
+    return best

@@ -1,0 +1,118 @@
+"""Pipeline schedules (closed forms vs event simulation) and the exact stage search vs brute force."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shardplan.errors import ShardplanError
+from shardplan.pipeline.schedule import StageTimes, bubble_fraction, in_flight, makespan, simulate, step_time
+from shardplan.pipeline.search import (PipelineSpace, StageCost, brute_force_pipeline, evaluate_pipeline,
+                                       search_pipeline, submesh_sizes)
+
+
+@pytest.mark.parametrize("schedule,S,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 3, 1),
+                                            ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3), ("1f1b", 1, 5, 1)])
+def test_uniform_closed_form_equals_simulation(schedule, S, m, v):
+    st = [StageTimes(1.0, 2.0)] * S
+    assert step_time(st, [0.0] * (S - 1), m, schedule, v) == pytest.approx(
+        makespan(simulate(st, [0.0] * (S - 1), m, schedule, v)), rel=1e-12)
+
+
+def test_textbook_bubbles():
+    st = [StageTimes(1.0, 2.0)] * 4
+    # 1F1B: (m + S - 1) t ; interleaved: (m + (S - 1)/v) t
+    assert step_time(st, [0.0] * 3, 8, "1f1b") == 11 * 3.0
+    assert step_time(st, [0.0] * 3, 8, "interleaved", 2) == (8 + 3 / 2) * 3.0
+    assert bubble_fraction(st, [0.0] * 3, 8, "1f1b") == pytest.approx(3 / 11)
+    # GPipe with unbalanced f/b pays max f + max b per micro-batch, 1F1B max(f + b)
+    un = [StageTimes(2.0, 1.0), StageTimes(1.0, 2.0)]
+    assert step_time(un, [0.0], 4, "gpipe") == 6.0 + 3 * 4.0
+    assert step_time(un, [0.0], 4, "1f1b") == 6.0 + 3 * 3.0
+    # a slow link is one more machine in the flow line
+    assert step_time([StageTimes(1.0, 1.0)] * 2, [5.0], 3, "1f1b") == 4.0 + 10.0 + 2 * 5.0
+
+
+def test_in_flight():
+    assert in_flight(4, 8, "1f1b") == [4, 3, 2, 1]
+    assert in_flight(4, 2, "1f1b") == [2, 2, 2, 1]
+    assert in_flight(3, 6, "gpipe") == [6, 6, 6]
+    # Megatron's interleaved warm-up: 2 (S - d - 1) + (v - 1) S + 1 chunks of 1/v each
+    assert in_flight(4, 8, "interleaved", 2) == [(6 + 4 + 1) / 2, (4 + 4 + 1) / 2, (2 + 4 + 1) / 2, 5 / 2]
+
+
+def test_simulation_respects_dependencies():
+    st = [StageTimes(1.0, 2.5), StageTimes(0.5, 1.0), StageTimes(2.0, 3.0)]
+    ev = simulate(st, [0.25, 0.5], 4, "1f1b")
+    end = {(e.stage, e.kind, e.micro_batch): e.end for e in ev if e.kind in ("forward", "backward")}
+    start = {(e.stage, e.kind, e.micro_batch): e.start for e in ev if e.kind in ("forward", "backward")}
+    for j in range(4):
+        assert start[(1, "forward", j)] >= end[(0, "forward", j)] + 0.25
+        assert start[(2, "backward", j)] >= end[(2, "forward", j)]
+        assert start[(0, "backward", j)] >= end[(1, "backward", j)] + 0.25
+    for s in range(3):  # no stage runs two things at once
+        bars = sorted((e.start, e.end) for e in ev if e.stage == s and e.kind in ("forward", "backward"))
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(bars, bars[1:]))
+
+
+def test_bad_schedule():
+    with pytest.raises(ShardplanError, match="schedule"):
+        step_time([StageTimes(1, 1)], [], 2, "zigzag")
+    with pytest.raises(ShardplanError, match="multiple of stages"):
+        simulate([StageTimes(1, 1)] * 3, [0, 0], 4, "interleaved", 2)
+
+
+def test_submesh_sizes():
+    assert submesh_sizes(32, 8) == (1, 2, 4, 8, 16, 24, 32)
+    assert submesh_sizes(4, None) == (1, 2, 4)
+
+
+def _random_instance(seed: int, U: int, p: int, ns: int):
+    rng = random.Random(seed)
+    unit_w = [rng.uniform(0.5, 2.0) for _ in range(U)]
+    unit_mem = [rng.uniform(1.0, 3.0) for _ in range(U)]
+    cut_bytes = [rng.uniform(0.0, 0.3) for _ in range(U + 1)]
+    eff = {q: rng.uniform(0.6, 1.0) for q in range(1, p + 1)}
+
+    def stage_fn(a, b, q, m):
+        w = sum(unit_w[a:b])
+        t = w / (q * eff[q]) / m + 0.01 * (b - a)
+        if q == 3:
+            return None  # a stage that cannot be costed is skipped
+        return StageCost(t / 3, 2 * t / 3, sum(unit_mem[a:b]) / q, w / m / q)
+
+    def link_fn(u, q, q2, m, inter):
+        return cut_bytes[u] / m / min(q, q2) * (4.0 if inter else 1.0)
+
+    return stage_fn, link_fn
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_search_equals_brute_force(seed):
+    U, p, ns = 5, 8, 4
+    stage_fn, link_fn = _random_instance(seed, U, p, ns)
+    budget = [None, 6.0, 3.5][seed % 3]
+    space = PipelineSpace(U, p, ns, micro_batches=(1, 2, 4, 8), budget=budget, uniform=seed == 5)
+    want = brute_force_pipeline(space, stage_fn, link_fn)
+    got = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b",))
+    assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+    # the answer is a real pipeline whose cost re-evaluates to the same number
+    again = evaluate_pipeline([(s.first, s.end, s.devices) for s in got.stages], got.micro_batches, space,
+                              stage_fn, link_fn)
+    assert again is not None and again.step_time == pytest.approx(got.step_time, rel=1e-12)
+    if budget is not None:
+        assert all(s.memory <= budget for s in got.stages)
+
+
+def test_one_stage_is_the_single_program():
+    stage_fn, link_fn = _random_instance(0, 4, 4, 4)
+    space = PipelineSpace(4, 4, 4, micro_batches=(1,), max_stages=1)
+    got = search_pipeline(space, stage_fn, link_fn)
+    assert got.num_stages == 1 and got.step_time == stage_fn(0, 4, 4, 1).time
+
+
+def test_nothing_fits():
+    stage_fn, link_fn = _random_instance(0, 4, 4, 4)
+    with pytest.raises(ShardplanError, match="no pipeline fits"):
+        search_pipeline(PipelineSpace(4, 4, 4, budget=0.1), stage_fn, link_fn)
