@@ -30,8 +30,16 @@ set of all stage and link times that occur, because:
 * every term is achieved: the pipeline attaining D(B) has max <= B, so its
   true cost is at most D(B) + (m - 1) B;
 * the optimum is among them: the optimal pipeline's max M is itself a stage
-  or link time, so M is in C, and it is feasible for D(M), so
+  or link time (one the unbounded DP visits), so M is in C, and it is
+  feasible for D(M), so
   D(M) + (m - 1) M <= T*.
+
+Stage times are monotone in the stage's extent: an exact intra-stage
+optimum of units [a, b+1) costs at least that of [a, b), because
+restricting its assignment to [a, b) drops only non-negative vertex and
+edge costs. The DP therefore stops lengthening a stage at the first one
+over B (a callback must honour this; ``tests/test_pipeline.py`` uses
+monotone ones).
 
 Candidates are visited in increasing order and the scan stops once
 ``D(inf) + (m - 1) B`` (a lower bound of every later term, as D only
@@ -241,28 +249,17 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             stats["stage_evaluations"] += 1
         return costs[key]
 
+    seen_links: set[float] = set()
+
     def link(u: int, o: int, q: int, q2: int) -> float:
         inter = (o // ns) != ((o + q + q2 - 1) // ns)
-        return link_fn(u, q, q2, m, inter)
+        t = link_fn(u, q, q2, m, inter)
+        seen_links.add(t)
+        return t
 
     stage_counts = range(1, s_max + 1)
     if space.uniform:
         stage_counts = [s for s in stage_counts if p % s == 0 and p // s in sizes]
-
-    # candidate bottleneck values: every stage time and link time that can occur
-    cands: set[float] = set()
-    for a in range(U):
-        for b in range(a + 1, U + 1):
-            for q in sizes:
-                c = cost(a, b, q)
-                if c is not None:
-                    cands.add(c.time)
-    for u in range(1, U):
-        for q in sizes:
-            for q2 in sizes:
-                for inter in (False, True):
-                    cands.add(link_fn(u, q, q2, m, inter))
-    order = sorted(cands)
 
     def solve_bound(bound: float, n_stages: int, q_fixed: int | None) -> tuple[float, list] | None:
         memo: dict[tuple[int, int, int, int], tuple[float, tuple | None]] = {}
@@ -280,8 +277,10 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 b_range = [U] if r == 1 else range(a + 1, U - r + 2)
                 for b in b_range:
                     c = cost(a, b, q)
-                    if c is None or c.time > bound * (1 + 1e-12) or c.memory(k) > budget:
+                    if c is None or c.memory(k) > budget:
                         continue
+                    if c.time > bound * (1 + 1e-12):
+                        break  # stage times grow with b (monotone_stages): longer stages are slower still
                     if r == 1:
                         if c.time < best_v:
                             best_v, best_arg = c.time, (b, None)
@@ -316,14 +315,19 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             a, o, r, q = b, o + q, r - 1, q2
         return best_v, out
 
-    best: PipelinePlan | None = None
-    best_t = incumbent
+    # D(inf) per stage count; the stages and links it visits are every one that can occur, so their
+    # times are the candidate bottleneck values
+    floors = {}
     for n_stages in stage_counts:
         q_fixed = p // n_stages if space.uniform else None
         unbounded = solve_bound(math.inf, n_stages, q_fixed)
-        if unbounded is None:
-            continue
-        floor = unbounded[0]
+        if unbounded is not None:
+            floors[n_stages] = unbounded[0]
+    order = sorted({c.time for c in costs.values() if c is not None} | seen_links)
+    best: PipelinePlan | None = None
+    best_t = incumbent
+    for n_stages, floor in floors.items():
+        q_fixed = p // n_stages if space.uniform else None
         for bound in order:
             stats["candidates"] += 1
             if floor + (m - 1) * bound >= best_t:

@@ -1,0 +1,77 @@
+"""The pipeline search on a model: :func:`pipeline_solve`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from shardplan.errors import ShardplanError
+from shardplan.ir import Graph
+from shardplan.machine import Machine
+from shardplan.pipeline.schedule import simulate, step_time
+from shardplan.pipeline.search import PipelinePlan, PipelineSpace, search_pipeline
+from shardplan.pipeline.stages import ModelStages
+
+__all__ = ["PipelineResult", "pipeline_solve"]
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineResult:
+    """A pipeline plan on a model, with what is needed to show it."""
+
+    plan: PipelinePlan
+    stages: ModelStages
+    machine: Machine
+    seconds: float
+
+    @property
+    def step_time(self) -> float:
+        return self.plan.step_time
+
+    def unit_names(self) -> list[str]:
+        return self.stages.unit_names()
+
+    def simulated_step_time(self) -> float:
+        """Length of the event-level schedule (equals :attr:`step_time` for uniform stages)."""
+        ev = simulate(self.plan.stage_times(), self.plan.group_links(), self.plan.micro_batches, self.plan.schedule,
+                      self.plan.chunks)
+        return max(e.end for e in ev)
+
+    def gpipe_step_time(self) -> float | None:
+        """The same stages and m under GPipe (for comparison; None for interleaved plans)."""
+        if self.plan.chunks > 1:
+            return None
+        return step_time(self.plan.stage_times(), self.plan.group_links(), self.plan.micro_batches, "gpipe")
+
+    def flops_per_device(self, graph_flops: float) -> float:
+        """Achieved FLOP/s per device for a step of ``graph_flops`` (forward + backward) total FLOPs."""
+        return graph_flops / self.plan.step_time / self.machine.num_devices
+
+    def to_dict(self) -> dict[str, Any]:
+        from shardplan.pipeline.report import pipeline_to_json
+
+        return pipeline_to_json(self)
+
+
+def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, *,
+                   micro_batches: Sequence[int] = (1, 2, 4, 8), max_stages: int | None = None, uniform: bool = False,
+                   interleave: Sequence[int] = (), schedules: Sequence[str] = ("1f1b", "interleaved"),
+                   budget: float | None = None, periodic: bool = True, sizes: Sequence[int] | None = None,
+                   **solve_options: Any) -> PipelineResult:
+    """The optimal pipeline (stages, sub-meshes, m, schedule) of the model ``build(batch)`` on ``machine``.
+
+    ``budget`` defaults to the machine's memory per device; micro-batch counts that do not divide
+    ``batch`` are skipped. Other keyword arguments go to each intra-stage :func:`shardplan.solve`.
+    """
+    t0 = time.perf_counter()
+    ms = [int(m) for m in micro_batches if batch % int(m) == 0]
+    if not ms:
+        raise ShardplanError(f"no micro-batch count in {list(micro_batches)} divides the batch of {batch}")
+    stages = ModelStages(build, batch, machine, dict(solve_options), periodic=periodic)
+    space = PipelineSpace(stages.num_units, machine.num_devices, machine.node_size, tuple(ms),
+                          machine.memory_bytes if budget is None else budget, max_stages, uniform, tuple(interleave),
+                          None if sizes is None else tuple(int(q) for q in sizes))
+    plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules)
+    plan.stats["intra_stage_solves"] = stages.solves
+    return PipelineResult(plan, stages, machine, time.perf_counter() - t0)

@@ -1,0 +1,74 @@
+"""Stage costs from a model (units, sub-graphs, shared solves) and the search on them vs brute force."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardplan import GraphBuilder, ops, preset, solve
+from shardplan.baselines import megatron
+from shardplan.errors import ShardplanError
+from shardplan.models import get_model
+from shardplan.pipeline import ModelStages, PipelineSpace, pipeline_solve, units_of
+from shardplan.pipeline.search import brute_force_pipeline, search_pipeline
+
+
+def _gpt(layers: int):
+    return lambda b: get_model("gpt", b, layers=layers, d_model=64, heads=2, seq=16, vocab=256)
+
+
+MACHINE = dataclasses.replace(preset("a100", 4), node_size=2, inter_bandwidth=1e9)
+
+
+def test_units_and_cut_bytes():
+    st = ModelStages(_gpt(2), 8, MACHINE, {"cutoff": 1})
+    assert st.unit_names() == ["embed", "L1", "L2", "ln_f,fc,softmax"]
+    # the residual stream (batch 8/2, seq 16, d 64) crosses the cut between L1 and L2, in bf16
+    assert st.cut_bytes(2, 2) == 4 * 16 * 64 * 2
+    assert st.link_time(2, 2, 1, 2, True) == pytest.approx(10e-6 + 4 * 16 * 64 * 2 / 1e9)
+    sub = st.subgraph(1, 3, 1)
+    assert [op.name for op in sub.operators][0] == "L1/ln1" and "embed" in sub.graph_inputs
+
+
+def test_units_must_be_contiguous():
+    b = GraphBuilder("bad")
+    x = b.input("x", (8, 16))
+    y = b.add(ops.dense("A/fc1", x, 16))
+    y = b.add(ops.dense("B/fc1", y, 16))
+    b.add(ops.dense("A/fc2", y, 16))
+    with pytest.raises(ShardplanError, match="not contiguous"):
+        units_of(b.build())
+
+
+def test_one_stage_one_micro_batch_is_todays_plan():
+    r = pipeline_solve(_gpt(1), 8, MACHINE, micro_batches=(1,), max_stages=1, cutoff=1)
+    assert r.plan.num_stages == 1
+    assert r.step_time == pytest.approx(solve(_gpt(1)(8), MACHINE, cutoff=1).cost, rel=1e-12)
+
+
+def test_search_equals_brute_force_on_model_stages():
+    st = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1})
+    space = PipelineSpace(st.num_units, 4, 2, micro_batches=(1, 2), budget=None)
+    want = brute_force_pipeline(space, st.stage_cost, st.link_time)
+    got = search_pipeline(space, st.stage_cost, st.link_time, schedules=("1f1b",))
+    assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+    assert got.step_time <= st.stage_cost(0, st.num_units, 4, 1).time * (1 + 1e-12)
+    # identical segment descriptions share one solve: every (units, q, m) was costed at most once
+    assert st.solves <= 3 * 4 / 2 * 3 * 2
+
+
+def test_periodic_extension_equals_direct_solves():
+    direct = ModelStages(_gpt(5), 4, MACHINE, {"cutoff": 1})
+    periodic = ModelStages(_gpt(5), 4, MACHINE, {"cutoff": 1}, periodic=True)
+    for a, b in [(0, 7), (1, 6)]:
+        x, y = direct.stage_cost(a, b, 2, 1), periodic.stage_cost(a, b, 2, 1)
+        assert y.time == pytest.approx(x.time, rel=1e-9)
+        assert y.weight_bytes == pytest.approx(x.weight_bytes, rel=1e-9)
+        assert y.activation_bytes == pytest.approx(x.activation_bytes, rel=1e-9)
+
+
+def test_recipe_costs_no_less_than_the_optimum():
+    opt = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1})
+    rec = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1}, strategy=lambda t: megatron(t, 1))
+    assert rec.stage_cost(0, 3, 4, 2).time >= opt.stage_cost(0, 3, 4, 2).time
