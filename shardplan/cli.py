@@ -338,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write JSON here")
     p.add_argument("--plot", help="write a PNG plot here")
     p.set_defaults(func=cmd_compare)
+
+    from shardplan.pipeline.cli import add_parser as add_pipeline
+
+    add_pipeline(sub)
     return ap
 
 

@@ -51,7 +51,10 @@ def test_simulation_respects_dependencies():
         assert start[(1, "forward", j)] >= end[(0, "forward", j)] + 0.25
         assert start[(2, "backward", j)] >= end[(2, "forward", j)]
         assert start[(0, "backward", j)] >= end[(1, "backward", j)] + 0.25
-    for s in range(3):  # no stage runs two things at once
+    for s in range(3):  # no stage runs two things at once, no link direction carries two transfers at once
+        fwd = sorted((e.start, e.end) for e in ev if e.kind == "send" and e.stage == s
+                     and any(x.kind == "forward" and x.stage == s and x.end == e.start for x in ev))
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(fwd, fwd[1:]))
         bars = sorted((e.start, e.end) for e in ev if e.stage == s and e.kind in ("forward", "backward"))
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(bars, bars[1:]))
 

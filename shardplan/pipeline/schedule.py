@@ -188,8 +188,9 @@ def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, sched
     """Event-level timeline of the schedule: each stage runs its operations in the schedule's order,
     each as soon as its input has arrived (forward from the previous chunk, backward from the next).
 
-    Interleaved needs m to be a multiple of S (as in Megatron-LM). Transfers take ``links[i]`` and
-    occupy no stage; the final gradient synchronisation runs after a stage's last backward."""
+    Interleaved needs m to be a multiple of S (as in Megatron-LM). A transfer takes ``links[i]`` and
+    occupies its link in its direction (one transfer at a time per direction), not the stage; the final
+    gradient synchronisation runs after a stage's last backward."""
     _check(stages, links, m, schedule, v)
     n = len(stages)
     if schedule == "interleaved" and m % n:
@@ -197,27 +198,29 @@ def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, sched
     chunks = v if schedule == "interleaved" else 1
     last_chunk = chunks - 1
     done: dict[tuple[str, int, int, int], float] = {}  # (kind, micro-batch, chunk, stage) -> end time
+    arrive: dict[tuple[str, int, int, int], float] = {}  # input of (kind, micro-batch, chunk, stage) arrived
     orders = [_order(s, n, m, schedule, v) for s in range(n)]
     pos = [0] * n
     free = [0.0] * n
+    link_free: dict[tuple[int, int], float] = {}  # (from stage, to stage) -> when that direction is free
     events: list[Event] = []
 
     def link(a: int, b: int) -> float:
-        return links[min(a, b)] if a != b and abs(a - b) == 1 else (max(links, default=0.0) if a != b else 0.0)
+        return links[min(a, b)] if abs(a - b) == 1 else max(links, default=0.0)
 
     def ready(s: int, kind: str, j: int, c: int) -> float | None:
-        if kind == "F":
-            if s == 0 and c == 0:
-                return 0.0
-            prev = (s - 1, c) if s > 0 else (n - 1, c - 1)
-            t = done.get(("F", j, prev[1], prev[0]))
-            return None if t is None else t + link(prev[0], s)
-        if s == n - 1 and c == last_chunk:
-            t = done.get(("F", j, c, s))
-            return t
-        nxt = (s + 1, c) if s < n - 1 else (0, c + 1)
-        t = done.get(("B", j, nxt[1], nxt[0]))
-        return None if t is None else t + link(nxt[0], s)
+        if kind == "F" and s == 0 and c == 0:
+            return 0.0
+        if kind == "B" and s == n - 1 and c == last_chunk:
+            return done.get(("F", j, c, s))
+        return arrive.get((kind, j, c, s))
+
+    def send(s: int, dst: int, kind: str, j: int, c_src: int, c_dst: int, at: float) -> None:
+        t0 = max(at, link_free.get((s, dst), 0.0))
+        t1 = t0 + link(s, dst)
+        link_free[(s, dst)] = t1
+        arrive[(kind, j, c_dst, dst)] = t1
+        events.append(Event(s, "send", j, t0, t1, c_src))
 
     progressed = True
     while progressed:
@@ -234,11 +237,9 @@ def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, sched
                 done[(kind, j, c, s)] = free[s]
                 events.append(Event(s, "forward" if kind == "F" else "backward", j, start, free[s], c))
                 if kind == "F" and (s < n - 1 or c < last_chunk):
-                    dst = s + 1 if s < n - 1 else 0
-                    events.append(Event(s, "send", j, free[s], free[s] + link(s, dst), c))
+                    send(s, s + 1 if s < n - 1 else 0, "F", j, c, c if s < n - 1 else c + 1, free[s])
                 elif kind == "B" and (s > 0 or c > 0):
-                    dst = s - 1 if s > 0 else n - 1
-                    events.append(Event(s, "send", j, free[s], free[s] + link(s, dst), c))
+                    send(s, s - 1 if s > 0 else n - 1, "B", j, c, c if s > 0 else c - 1, free[s])
                 pos[s] += 1
                 progressed = True
     if any(pos[s] < len(orders[s]) for s in range(n)):

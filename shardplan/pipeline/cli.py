@@ -1,0 +1,73 @@
+"""``shardplan pipeline``: the stage search on a zoo model, its report, JSON and timeline picture."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from shardplan.errors import ShardplanError
+
+__all__ = ["add_parser", "cmd_pipeline"]
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ShardplanError(f"{flag} expects comma-separated integers, got {text!r}") from None
+    if any(x < 1 for x in out):
+        raise ShardplanError(f"{flag} needs positive integers, got {text!r}")
+    return out
+
+
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    from shardplan.cli import _cutoff, _machine, _parse_sizes, _write_json
+    from shardplan.models import model_spec
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.pipeline.report import draw_timeline, render_pipeline
+
+    spec = model_spec(args.model)
+    sizes = _parse_sizes(args.set)
+    batch = args.batch if args.batch is not None else spec.batch
+    machine = _machine(args, args.procs)
+    opts: dict[str, Any] = {"cutoff": _cutoff(args, spec), "orders": args.orders}
+    budget = None if args.memory is None else args.memory * 1024**3
+    result = pipeline_solve(lambda b: spec.build(b, **sizes), batch, machine,
+                            micro_batches=_ints(args.micro_batches, "--micro-batches"),
+                            max_stages=args.max_stages, uniform=args.uniform,
+                            interleave=_ints(args.interleave, "--interleave"), budget=budget,
+                            sizes=_ints(args.sizes, "--sizes") or None, **opts)
+    print(render_pipeline(result))
+    if args.json:
+        _write_json(args.json, result.to_dict())
+        print(f"json: {args.json}")
+    if args.timeline:
+        if not args.timeline.lower().endswith((".png", ".svg")):
+            raise ShardplanError(f"--timeline must end in .png or .svg, got {args.timeline!r}")
+        try:
+            draw_timeline(result, args.timeline)
+        except OSError as e:
+            raise ShardplanError(f"cannot write {args.timeline}: {e.strerror}") from None
+        print(f"timeline: {args.timeline}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``pipeline`` subcommand on the CLI's subparsers."""
+    from shardplan.cli import _add_machine, _add_model
+
+    p = sub.add_parser("pipeline", help="search pipeline stages x sub-meshes x micro-batches x schedule")
+    _add_model(p)
+    p.add_argument("-p", "--procs", type=int, required=True, help="number of devices")
+    _add_machine(p)
+    p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch counts searched (default 1,2,4,8)")
+    p.add_argument("--max-stages", type=int, help="largest number of stages (default: one per block)")
+    p.add_argument("--uniform", action="store_true", help="only stages of equal sub-mesh size")
+    p.add_argument("--interleave", help="chunk counts v to try with interleaved 1F1B, e.g. 2,4")
+    p.add_argument("--sizes", help="sub-mesh sizes allowed (default: powers of two in a node, whole nodes)")
+    p.add_argument("--memory", type=float, help="memory budget per device, GiB (default: the machine's)")
+    p.add_argument("--json", help="write the pipeline plan as JSON here")
+    p.add_argument("--timeline", help="draw the schedule's timeline here (.png or .svg)")
+    p.set_defaults(func=cmd_pipeline)

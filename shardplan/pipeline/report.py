@@ -1,0 +1,134 @@
+"""Seeing a pipeline plan: the stage map as text and JSON, and the schedule's timeline as a picture."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from shardplan.pipeline.schedule import bubble_fraction, simulate
+from shardplan.units import fmt_bytes, fmt_seconds
+
+if TYPE_CHECKING:
+    from shardplan.pipeline.api import PipelineResult
+
+__all__ = ["render_pipeline", "pipeline_to_json", "draw_timeline", "units_label"]
+
+
+def units_label(names: list[str], first: int, end: int) -> str:
+    """``L1..L12`` style label of units [first, end)."""
+    if end - first == 1:
+        return names[first]
+    return f"{names[first]} .. {names[end - 1]} ({end - first} units)"
+
+
+def _layout(plan) -> str:
+    """One line: the intra-stage plan's most common configuration per operator kind."""
+    if plan is None or not hasattr(plan, "operators"):
+        return "-"
+    seen: dict[str, str] = {}
+    for row in plan.operators():
+        if row["kind"] in seen:
+            continue
+        split = "".join(f"{d}{c}" for d, c in zip(row["dims"], row["config"]) if c > 1)
+        seen[row["kind"]] = f"{row['kind']}:{split or 'rep'}"
+    return " ".join(seen.values())
+
+
+def render_pipeline(result: "PipelineResult") -> str:
+    """Text report: stage map, m, schedule, per-stage time and memory against the budget, bubble."""
+    plan = result.plan
+    names = result.unit_names()
+    lines = [f"Pipeline on {result.machine.describe()}",
+             f"  {plan.num_stages // plan.chunks} stage(s), schedule {plan.schedule}"
+             + (f" (v={plan.chunks} chunks per device group)" if plan.chunks > 1 else "")
+             + f", {plan.micro_batches} micro-batch(es) of {result.stages.batch // plan.micro_batches}",
+             f"  predicted step: {fmt_seconds(plan.step_time)} (event simulation: "
+             f"{fmt_seconds(result.simulated_step_time())})"]
+    gp = result.gpipe_step_time()
+    if gp is not None:
+        lines.append(f"  same stages under GPipe: {fmt_seconds(gp)}")
+    times, links = plan.stage_times(), plan.group_links()
+    lines.append(f"  bubble fraction: {bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks):.1%}")
+    budget = plan.budget
+    head = ("stage", "units", "devices", "fwd/mb", "bwd/mb", "in flight", "memory", "budget", "layouts")
+    rows = [head]
+    for i, s in enumerate(plan.stages):
+        rows.append((str(i), units_label(names, s.first, s.end), f"{s.offset}..{s.offset + s.devices - 1}",
+                     fmt_seconds(s.cost.forward), fmt_seconds(s.cost.backward), f"{s.in_flight:g}",
+                     fmt_bytes(s.memory), "-" if budget is None else f"{s.memory / budget:.0%}",
+                     _layout(s.cost.detail)))
+    widths = [max(len(r[j]) for r in rows) for j in range(len(head))]
+    for r in rows:
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if plan.links:
+        lines.append("  transfer per micro-batch (one way): " + ", ".join(fmt_seconds(c) for c in plan.links))
+    st = plan.stats
+    lines.append(f"  search: {st.get('intra_stage_solves', 0)} intra-stage solves, {st.get('candidates', 0)} "
+                 f"bottleneck candidates, {st.get('dp_states', 0)} DP states, {fmt_seconds(result.seconds)} in all")
+    return "\n".join(lines)
+
+
+def pipeline_to_json(result: "PipelineResult") -> dict[str, Any]:
+    plan = result.plan
+    names = result.unit_names()
+    times, links = plan.stage_times(), plan.group_links()
+    return {
+        "schedule": plan.schedule,
+        "chunks": plan.chunks,
+        "micro_batches": plan.micro_batches,
+        "step_seconds": plan.step_time,
+        "simulated_step_seconds": result.simulated_step_time(),
+        "gpipe_step_seconds": result.gpipe_step_time(),
+        "bubble_fraction": bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks),
+        "budget_bytes": plan.budget,
+        "links_seconds": list(plan.links),
+        "stages": [{"units": [names[u] for u in range(s.first, s.end)], "first_device": s.offset,
+                    "devices": s.devices, "forward_seconds": s.cost.forward, "backward_seconds": s.cost.backward,
+                    "weight_bytes": s.cost.weight_bytes, "activation_bytes_per_micro_batch": s.cost.activation_bytes,
+                    "in_flight": s.in_flight, "memory_bytes": s.memory, "layouts": _layout(s.cost.detail)}
+                   for s in plan.stages],
+        "stats": {k: v for k, v in plan.stats.items() if isinstance(v, (int, float, str))},
+        "seconds": result.seconds,
+    }
+
+
+COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "send": "#55A868", "sync": "#8172B3"}
+
+
+def draw_timeline(result: "PipelineResult", path: str) -> str:
+    """Draw the schedule (one row per device group: forward, backward, transfers, idle as gaps) to ``path``
+    (.png or .svg). Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    plan = result.plan
+    times, links = plan.stage_times(), plan.group_links()
+    events = simulate(times, links, plan.micro_batches, plan.schedule, plan.chunks)
+    n = len(times)
+    end = max(e.end for e in events)
+    fig, ax = plt.subplots(figsize=(12, 0.6 * n + 1.4))
+    for e in events:
+        row = n - 1 - e.stage
+        if e.kind == "send":
+            ax.barh(row - 0.3, e.end - e.start, left=e.start, height=0.12, color=COLOURS["send"])
+            continue
+        ax.barh(row, e.end - e.start, left=e.start, height=0.6, color=COLOURS[e.kind], edgecolor="white",
+                linewidth=0.4)
+        if e.kind != "sync" and (e.end - e.start) > end / 60:
+            ax.text((e.start + e.end) / 2, row, str(e.micro_batch + 1), ha="center", va="center", fontsize=6,
+                    color="white")
+    ax.set_yticks(range(n))
+    ax.set_yticklabels([f"stage {n - 1 - r}" for r in range(n)])
+    ax.set_xlim(0, end)
+    ax.set_xlabel("seconds")
+    bubble = bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks)
+    ax.set_title(f"{plan.schedule}" + (f" v={plan.chunks}" if plan.chunks > 1 else "")
+                 + f", {n} stages, m={plan.micro_batches}, step {fmt_seconds(end)}, bubble {bubble:.0%}"
+                 + " (gaps are idle)")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right", fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

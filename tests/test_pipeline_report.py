@@ -1,0 +1,65 @@
+"""Pipeline report, JSON, timeline picture and CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from shardplan import preset
+from shardplan.cli import main
+from shardplan.models import get_model
+from shardplan.pipeline import pipeline_solve
+from shardplan.pipeline.report import draw_timeline, pipeline_to_json, render_pipeline
+
+TINY = ["--set", "layers=2", "--set", "d_model=64", "--set", "heads=2", "--set", "seq=16", "--set", "vocab=256"]
+
+
+@pytest.fixture(scope="module")
+def staged():
+    # the whole model's time-optimal plan (everything replicated, 1.55 MiB per device) exceeds a 1.1 MiB
+    # budget, so the optimum is a pipeline
+    machine = dataclasses.replace(preset("a100", 4), node_size=2, inter_bandwidth=1e8, memory_bytes=1.1 * 2**20)
+    build = lambda b: get_model("gpt", b, layers=2, d_model=64, heads=2, seq=16, vocab=256)  # noqa: E731
+    return pipeline_solve(build, 8, machine, micro_batches=(1, 2, 4), uniform=True, interleave=(2,),
+                          sizes=(2, 4), cutoff=1)
+
+
+def test_report_and_json(staged, tmp_path):
+    text = render_pipeline(staged)
+    d = pipeline_to_json(staged)
+    assert f"schedule {d['schedule']}" in text and "bubble fraction" in text
+    assert staged.plan.num_stages == 2 and d["schedule"] == "1f1b" and d["micro_batches"] == 4
+    assert all(s["memory_bytes"] <= 1.1 * 2**20 for s in d["stages"])
+    assert d["simulated_step_seconds"] == pytest.approx(d["step_seconds"], rel=0.02)
+    assert sum(s["devices"] for s in d["stages"][:len(d["stages"]) // d["chunks"]]) == 4
+    assert [u for s in d["stages"] for u in s["units"]] == ["embed", "L1", "L2", "ln_f,fc,softmax"] or d["chunks"] > 1
+    assert d["step_seconds"] == staged.step_time
+    assert 0.0 <= d["bubble_fraction"] < 1.0
+    json.dumps(d)
+
+
+def test_timeline_png(staged, tmp_path):
+    path = draw_timeline(staged, str(tmp_path / "t.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_pipeline(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    pic = tmp_path / "p.svg"
+    rc = main(["pipeline", "--model", "gpt", "--batch", "4", *TINY, "-p", "2", "--machine", "a100",
+               "--micro-batches", "1,2", "--max-stages", "2", "--json", str(out), "--timeline", str(pic)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Pipeline on a100" in text and "timeline:" in text
+    assert json.loads(out.read_text())["micro_batches"] in (1, 2)
+    assert pic.read_text().lstrip().startswith("<?xml")
+
+
+def test_cli_pipeline_bad_input(capsys):
+    assert main(["pipeline", "--model", "gpt", "-p", "2", "--micro-batches", "3,x"]) == 2
+    assert "--micro-batches" in capsys.readouterr().err
+    assert main(["pipeline", "--model", "gpt", "--batch", "4", *TINY, "-p", "2", "--micro-batches", "3"]) == 2
+    assert "divides the batch" in capsys.readouterr().err
