@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import shardplan
 from shardplan.errors import ShardplanError
@@ -254,6 +254,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parser
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr and exit status 2, like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _add_machine(p: argparse.ArgumentParser) -> None:
     from shardplan.machine import DTYPE_BYTES, PRESETS
 
@@ -284,9 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     from shardplan.search import SOLVERS
     from shardplan.search.ordering import ORDERINGS
 
-    ap = argparse.ArgumentParser(prog="shardplan",
-                                 description="Exact search for the fastest way to split a DNN training step "
-                                             "across devices (PaSE), with reports and problem files.")
+    ap = _Parser(prog="shardplan", description="Exact search for the fastest way to split a DNN training step "
+                                               "across devices (PaSE), with reports and problem files.")
     ap.add_argument("--version", action="version", version=f"shardplan {shardplan.__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 

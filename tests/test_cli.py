@@ -189,4 +189,9 @@ def test_version_and_choices_come_from_the_package(capsys):
         assert "{" + ",".join(names) + "}" in help_text
     with pytest.raises(SystemExit) as e:
         main(["solve", "--model", "alexnet", "-p", "4", "--ordering", "random"])
-    assert e.value.code == 2 and "invalid choice: 'random'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "invalid choice: 'random'" in err
+    with pytest.raises(SystemExit) as e:
+        main(["ops", "--model", "alexnet", "--machine", "tpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("shardplan ops: error: ") and err.count("\n") == 1
