@@ -5,7 +5,7 @@ they vary) returning a validated :class:`~shardplan.ir.Graph`. The registry
 :data:`MODELS` maps a name to its builder, default batch, the recommended
 cutoff (4 for CNNs as in the paper; 1 for the sequence models so that layers
 and heads can be split) and the expert strategy it is compared against
-(see :func:`shardplan.baselines.expert_baseline`).
+(a key of :data:`shardplan.baselines.BASELINES`).
 """
 
 from __future__ import annotations
