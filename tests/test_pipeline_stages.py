@@ -72,3 +72,23 @@ def test_recipe_costs_no_less_than_the_optimum():
     opt = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1})
     rec = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1}, strategy=lambda t: megatron(t, 1))
     assert rec.stage_cost(0, 3, 4, 2).time >= opt.stage_cost(0, 3, 4, 2).time
+
+
+def test_weight_sync_is_the_weight_gradient_allreduce():
+    import numpy as np
+
+    from shardplan.configs import configurations
+    from shardplan.pipeline.stages import weight_sync
+
+    b = GraphBuilder("one")
+    x = b.input("x", (8, 64))
+    b.add(ops.dense("fc", x, 32))
+    op = b.build().operators[0]
+    configs = configurations(op, 4, 1, False, True)
+    w = weight_sync(op, configs, None, MACHINE)
+    split_batch = configs[:, op.dim_names.index(op.dim_names[0])] > 1
+    assert (w[split_batch] > 0).all() and (w[~split_batch] == 0).all()
+    # amortised over m micro-batches: a data-parallel stage gets cheaper per micro-batch with m
+    st = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1})
+    c1, c4 = st.stage_cost(0, 3, 4, 1), st.stage_cost(0, 3, 4, 4)
+    assert c4.time < c1.time and np.isfinite(c4.time)

@@ -20,9 +20,12 @@ is 1/(1 + tensors with gradients) of its compute, forward partial-sum
 all-reduces, half of halo/statistics/redistribution) and backward (the
 rest). Memory: the plan's weight/state bytes and saved activation bytes at
 its peak device. The sub-plan's gradient synchronisation is charged per
-micro-batch (as the single-program plan charges it per step), so for
-m > 1 a replicated stage's gradient all-reduce is over-counted by up to a
-factor m: the pipeline's time is an upper bound there.
+micro-batch at 1/m of the weight-gradient all-reduce (gradients are
+accumulated over the m micro-batches and reduced once per step; the intra-stage
+DP optimises that amortised cost, so m = 1 is exactly today's problem).
+Amortising puts the step's reduction inside the 1F1B steady state, i.e. it
+is not overlapped with the bubble; the exact form would add the slowest
+stage's reduction once (a second max term).
 
 **Sharing.** Each unit gets a signature (its operators' descriptions, with
 producers named by relative position, not name); a segment of units is
@@ -47,7 +50,7 @@ scatter/gather of the stage output does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from shardplan.errors import ShardplanError
@@ -96,6 +99,24 @@ def _op_signature(op: Operator, where: dict[str, tuple[int, int]], unit: int) ->
             tensor(op.output, False))
 
 
+def weight_sync(op: Operator, configs, orders, machine: Machine):
+    """Seconds of the all-reduce of ``op``'s weight gradients per configuration: (K,).
+
+    The operator costed with and without gradients for its weights: the difference of the backward
+    all-reduce time is the weights' part (the cost model's own formula, not a copy of it).
+    """
+    import numpy as np
+
+    from shardplan.cost import operator_cost
+
+    if not any(w.needs_grad for w in op.weights):
+        return np.zeros(len(configs))
+    frozen = replace(op, weights=tuple(replace(w, needs_grad=False) for w in op.weights))
+    full = operator_cost(op, configs, machine, orders).grad_allreduce
+    without = operator_cost(frozen, configs, machine, orders).grad_allreduce
+    return np.maximum(full - without, 0.0)
+
+
 def _forward_backward(plan) -> tuple[float, float]:
     """Split a plan's predicted seconds into forward and backward (module docstring)."""
     fwd = bwd = 0.0
@@ -118,7 +139,7 @@ class ModelStages:
     Attributes:
         build: ``build(batch) -> Graph`` (e.g. ``lambda b: get_model("gpt", b, layers=4)``).
         batch: the global batch; m must divide it.
-        machine: the whole machine; a stage on q devices is solved on ``machine.with_devices(q)``.
+        machine: the whole machine; a stage on q devices is solved on ``replace(machine, num_devices=q)``.
         solve_options: passed to :func:`shardplan.solve` (cutoff, orders, ...).
         periodic: cost long runs of identical units by linear extension (module docstring).
         strategy: instead of the intra-stage optimum, a fixed rule ``strategy(tables) -> configs`` (e.g. a
@@ -171,23 +192,34 @@ class ModelStages:
         return Graph(f"{g.name}[{a}:{b}]", tuple(ops), inputs)
 
     def _solve(self, a: int, b: int, q: int, m: int) -> StageCost:
-        return self._cost_of_graph(self.subgraph(a, b, m), q)
+        return self._cost_of_graph(self.subgraph(a, b, m), q, m)
 
-    def _cost_of_graph(self, graph: Graph, q: int) -> StageCost:
-        from shardplan.plan import plan_from_configs, solve
+    def _cost_of_graph(self, graph: Graph, q: int, m: int) -> StageCost:
+        import numpy as np
+
+        from shardplan.cost import build_tables
+        from shardplan.plan import Plan, plan_from_configs
+        from shardplan.search import SOLVERS
 
         self.solves += 1
-        machine = self.machine.with_devices(q)
+        machine = replace(self.machine, num_devices=q)
+        opts = dict(self.solve_options)
+        table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders") if k in opts}
+        solver = opts.pop("solver", "dp")
+        tables = build_tables(graph, machine, **table_opts)
+        sync = [weight_sync(op, c, o, machine) for op, c, o in zip(graph.operators, tables.configs, tables.orders)]
         if self.strategy is None:
-            plan = solve(graph, machine, **self.solve_options)
+            # weight gradients are accumulated over the m micro-batches and synchronised once per step:
+            # the intra-stage problem charges 1/m of their all-reduce per micro-batch
+            problem = tables.to_problem()
+            adjusted = tuple(np.maximum(vc - (1.0 - 1.0 / m) * w, 0.0) for vc, w in zip(problem.vertex_cost, sync))
+            sol = SOLVERS[solver](replace(problem, vertex_cost=adjusted), **opts)
+            plan = Plan(tables, tuple(int(x) for x in sol.assignment), sol, solver)
         else:
-            from shardplan.cost import build_tables
-
-            opts = {k: v for k, v in self.solve_options.items()
-                    if k in ("cutoff", "powers_of_two", "divides_p", "orders")}
-            tables = build_tables(graph, machine, **opts)
             plan = plan_from_configs(tables, self.strategy(tables), name="recipe")
         fwd, bwd = _forward_backward(plan)
+        step_sync = float(sum(w[k] for w, k in zip(sync, plan.assignment)))
+        bwd -= (1.0 - 1.0 / m) * step_sync
         mem = plan.memory
         return StageCost(fwd, bwd, mem["weights_bytes"], mem["activations_bytes"], plan)
 
@@ -250,8 +282,6 @@ class ModelStages:
                         src_u = u - delta
                         if 0 <= src_u < len(units) and j < len(units[src_u]):
                             rename[g.operators[i].name] = g.operators[units[src_u][j]].name
-        from dataclasses import replace
-
         new_ops = []
         names = {op.name for op in ops}
         for op in ops:
@@ -263,7 +293,7 @@ class ModelStages:
                 if t.src is not None and t.src not in names:
                     inputs[t.src] = t.shape
         try:
-            cost = self._cost_of_graph(Graph(f"{g.name}[pieces]", tuple(new_ops), inputs), q)
+            cost = self._cost_of_graph(Graph(f"{g.name}[pieces]", tuple(new_ops), inputs), q, m)
         except ShardplanError as exc:
             if "per device under every configuration" not in str(exc):
                 raise
