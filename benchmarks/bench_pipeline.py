@@ -32,7 +32,7 @@ from shardplan.pipeline.stages import ModelStages
 CASES = {
     # name: (machine, p, batch, (layers, d_model, heads), recipe stages, search stage counts, search m)
     "small": ("a100", 64, 64, (24, 2048, 16), 2, (1, 2, 4, 8), (8, 16, 32)),
-    "megatron-39b": ("a100", 512, 1536, (48, 8192, 64), 2, (2, 4, 8), (48, 96)),
+    "megatron-39b": ("a100", 512, 1536, (48, 8192, 64), 2, (2, 4), (48,)),
     "megatron-76b": ("a100", 1024, 1792, (60, 10240, 80), 4, (4, 8), (56, 112)),
     "megatron-146b": ("a100", 1536, 2304, (80, 12288, 96), 8, (8, 16), (96, 192)),
     "gpt3-175b-h100": ("h100", 1024, 1536, (96, 12288, 96), 16, (8, 16, 32), (96, 192)),
