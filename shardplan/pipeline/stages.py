@@ -210,7 +210,9 @@ class ModelStages:
         table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders") if k in opts}
         solver = opts.pop("solver", "dp")
         tables = build_tables(graph, machine, **table_opts)
-        sync = [weight_sync(op, c, o, machine) for op, c, o in zip(graph.operators, tables.configs, tables.orders)]
+        arrays = getattr(tables, "arrays", None)  # layout arrays where the tables carry them, else splits + orders
+        spaces = [(a, None) for a in arrays] if arrays is not None else list(zip(tables.configs, tables.orders))
+        sync = [weight_sync(op, c, o, machine) for op, (c, o) in zip(graph.operators, spaces)]
         if self.strategy is None:
             # weight gradients are accumulated over the m micro-batches and synchronised once per step:
             # the intra-stage problem charges 1/m of their all-reduce per micro-batch
