@@ -42,6 +42,10 @@ class Machine:
         inter_bandwidth: bytes/s per device across nodes.
         inter_latency: alpha across nodes.
         name: a label for reports.
+        pod_nodes: nodes per pod (a third level), or None.
+        pod_bandwidth, pod_latency: bytes/s per device and alpha across pods.
+        hbm_bandwidth: bytes/s of a device's memory (HBM); None: compute is FLOPs only (the paper's model).
+        flops_efficiency: fraction of ``peak_flops`` a kernel achieves (1.0: the paper's model).
     """
 
     num_devices: int
@@ -54,6 +58,11 @@ class Machine:
     inter_bandwidth: float | None = None
     inter_latency: float | None = None
     name: str = "custom"
+    pod_nodes: int | None = None
+    pod_bandwidth: float | None = None
+    pod_latency: float | None = None
+    hbm_bandwidth: float | None = None
+    flops_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_devices, int) or self.num_devices < 1:
@@ -75,6 +84,22 @@ class Machine:
                 raise ShardplanError("machine: a hierarchical machine (node_size set) needs a positive inter_bandwidth")
         if self.inter_latency is not None and self.inter_latency < 0:
             raise ShardplanError(f"machine: inter_latency must be >= 0, got {self.inter_latency!r}")
+        if self.hierarchical and self.num_devices % int(self.node_size):  # type: ignore[arg-type]
+            raise ShardplanError(f"machine: {self.num_devices} devices do not fill whole nodes of {self.node_size}")
+        if self.pod_nodes is not None:
+            if self.node_size is None or self.pod_nodes < 1:
+                raise ShardplanError(f"machine: pod_nodes={self.pod_nodes!r} needs node_size and must be >= 1")
+            if self.pod_bandwidth is None or not self.pod_bandwidth > 0:
+                raise ShardplanError("machine: a machine with pods (pod_nodes set) needs a positive pod_bandwidth")
+            per_pod = int(self.node_size) * self.pod_nodes
+            if self.num_devices > per_pod and self.num_devices % per_pod:
+                raise ShardplanError(f"machine: {self.num_devices} devices do not fill whole pods of {per_pod}")
+        if self.pod_latency is not None and self.pod_latency < 0:
+            raise ShardplanError(f"machine: pod_latency must be >= 0, got {self.pod_latency!r}")
+        if self.hbm_bandwidth is not None and not self.hbm_bandwidth > 0:
+            raise ShardplanError(f"machine: hbm_bandwidth must be positive, got {self.hbm_bandwidth!r}")
+        if not 0 < self.flops_efficiency <= 1:
+            raise ShardplanError(f"machine: flops_efficiency must be in (0, 1], got {self.flops_efficiency!r}")
 
     @property
     def p(self) -> int:
@@ -89,6 +114,35 @@ class Machine:
     def balance(self) -> float:
         """r = F / B: FLOPs one device does in the time one byte crosses a link (the paper's ratio)."""
         return self.peak_flops / self.bandwidth
+
+    @property
+    def levels(self) -> tuple[int, ...]:
+        """Level sizes, innermost first (their product is p): ``(p,)`` on a one-level machine,
+        ``(node_size, nodes)`` on two levels, ``(node_size, pod_nodes, pods)`` on three."""
+        p = self.num_devices
+        if not self.hierarchical:
+            return (p,)
+        ns = int(self.node_size)  # type: ignore[arg-type]
+        nodes = p // ns
+        if self.pod_nodes is not None and nodes > self.pod_nodes:
+            return (ns, int(self.pod_nodes), nodes // int(self.pod_nodes))
+        return (ns, nodes)
+
+    @property
+    def level_links(self) -> tuple[tuple[float, float], ...]:
+        """(bandwidth bytes/s per device, latency s) of every level of :attr:`levels`, innermost first."""
+        out = [(float(self.bandwidth), float(self.latency))]
+        if len(self.levels) > 1:
+            out.append(self.link(True))
+        if len(self.levels) > 2:
+            lat = self.pod_latency if self.pod_latency is not None else out[-1][1]
+            out.append((float(self.pod_bandwidth), float(lat)))  # type: ignore[arg-type]
+        return tuple(out)
+
+    @property
+    def achievable_flops(self) -> float:
+        """FLOP/s a kernel reaches: peak times :attr:`flops_efficiency`."""
+        return self.peak_flops * self.flops_efficiency
 
     def link(self, inter: bool) -> tuple[float, float]:
         """(bandwidth, latency) of the level: inside a node or across nodes."""

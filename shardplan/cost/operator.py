@@ -22,7 +22,10 @@ configuration c (arrays over the K configurations):
 * recurrence: the one hand-written term, for operators whose domain holds a
   sequential recurrence (:func:`recurrence_cost`).
 
-Groups crossing node boundaries use the inter-node link.
+Every collective runs among the devices of a group that the layout spreads
+over the machine's levels (``g_l`` per level), with the hierarchical NCCL
+formulas of :mod:`shardplan.cost.collectives`; neighbour exchanges (halo,
+stage hand-off) use the links of the outermost level the layout splits.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardplan.cost.collectives import allgather_time, allreduce_time, group_crosses_nodes, p2p_time
-from shardplan.cost.tiles import box_volumes, device_grid, tensor_boxes
+from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
+from shardplan.cost.tiles import as_layouts, box_volumes, device_grid, tensor_boxes
+from shardplan.layout import LayoutArrays
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
@@ -71,30 +75,38 @@ class OpCost:
         }
 
 
-def tile_volume(op: Operator, tensor, configs: np.ndarray, p: int, core: bool = True,
+def tile_volume(op: Operator, tensor, configs, p: int, core: bool = True,
                 orders: np.ndarray | None = None, grid: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Largest per-device tile of ``tensor`` (elements), per configuration: (K,)."""
     vol = box_volumes(tensor_boxes(op, tensor, configs, p, core=core, orders=orders, grid=grid)).max(axis=1)
     return vol * tensor.elem_factor
 
 
-def _group(op: Operator, configs: np.ndarray, dims) -> tuple[np.ndarray, list[int]]:
+def _group(op: Operator, lay: LayoutArrays, dims) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Total group size (K,), group size per level (L, K) and the dims' indices."""
     idx = [op.dim_names.index(d) for d in dims]
-    g = np.prod(configs[:, idx], axis=1) if idx else np.ones(len(configs), dtype=np.int64)
-    return g, idx
+    per_level = lay.group_sizes(idx)
+    return per_level.prod(axis=0), per_level, idx
 
 
-def operator_cost(op: Operator, configs: np.ndarray, machine: Machine, orders: np.ndarray | None = None) -> OpCost:
-    """t_l for every configuration of ``op`` (see the module docstring for the derivation).
+def _ar_sent(nbytes: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Bytes one device sends in a ring all-reduce: 2 (g-1)/g n."""
+    return np.where(g > 1, 2.0 * (g - 1) / g * nbytes, 0.0)
 
-    ``orders`` (optional, (K, n)): the dimension nesting of each configuration's device grid; it
-    changes only which groups cross node boundaries.
+
+def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | None = None) -> OpCost:
+    """t_l for every layout of ``op`` (see the module docstring for the derivation).
+
+    ``configs``: :class:`~shardplan.layout.LayoutArrays`, or configuration rows
+    (K, n) with optional nesting ``orders`` (laid out on the machine's levels
+    as the flat device numbering, :meth:`~shardplan.layout.Layout.from_flat`).
     """
-    configs = np.asarray(configs, dtype=np.int64)
-    k = len(configs)
     p = machine.num_devices
+    lay = as_layouts(configs, p, orders, machine.levels)
+    configs = lay.splits
+    k = len(configs)
     ext = np.asarray([e for _, e in op.dims], dtype=np.float64)
-    grid = coords, active = device_grid(configs, p, orders)
+    grid = device_grid(lay, p)
     nbytes = float(machine.dtype_bytes)
     zeros = np.zeros(k)
 
@@ -103,55 +115,51 @@ def operator_cost(op: Operator, configs: np.ndarray, machine: Machine, orders: n
     compute = fwd * (1 + len(op.grad_tensors)) / machine.peak_flops
 
     # forward partial sums
-    g, idx = _group(op, configs, op.reduction_dims)
-    out_vol = tile_volume(op, op.output, configs, p, grid=grid)
-    inter = group_crosses_nodes(configs, coords, active, idx, machine)
-    fwd_ar = allreduce_time(out_vol * nbytes, g, machine, inter)
-    sent = np.where(g > 1, 2.0 * (g - 1) / g * out_vol * nbytes, 0.0)
+    g, gl, _ = _group(op, lay, op.reduction_dims)
+    out_vol = tile_volume(op, op.output, lay, p, grid=grid)
+    fwd_ar = allreduce_time(out_vol * nbytes, gl, machine)
+    sent = _ar_sent(out_vol * nbytes, g)
 
     # backward gradient all-reduces
     grad_ar = zeros.copy()
     for t in op.grad_tensors:
-        g, idx = _group(op, configs, op.grad_reduction_dims(t))
-        vol = tile_volume(op, t, configs, p, core=False, grid=grid)
-        inter = group_crosses_nodes(configs, coords, active, idx, machine)
-        grad_ar = grad_ar + allreduce_time(vol * nbytes, g, machine, inter)
-        sent = sent + np.where(g > 1, 2.0 * (g - 1) / g * vol * nbytes, 0.0)
+        g, gl, _ = _group(op, lay, op.grad_reduction_dims(t))
+        vol = tile_volume(op, t, lay, p, core=False, grid=grid)
+        grad_ar = grad_ar + allreduce_time(vol * nbytes, gl, machine)
+        sent = sent + _ar_sent(vol * nbytes, g)
 
     # halo exchange of windowed inputs
     halo = zeros.copy()
-    spans_nodes = machine.hierarchical & (configs.prod(axis=1) > (machine.node_size or p))
+    neighbour_level = outer_level(lay.level_splits.prod(axis=2))
     for t in op.inputs:
         if not any(a.window is not None or a.stride != 1 for a in t.axes):
             continue
-        need = box_volumes(tensor_boxes(op, t, configs, p, core=False, grid=grid))
-        core = box_volumes(tensor_boxes(op, t, configs, p, core=True, grid=grid))
+        need = box_volumes(tensor_boxes(op, t, lay, p, core=False, grid=grid))
+        core = box_volumes(tensor_boxes(op, t, lay, p, core=True, grid=grid))
         extra = np.maximum(need - np.minimum(need, core), 0).max(axis=1) * t.elem_factor * nbytes
         times = 2 if t.needs_grad else 1
-        halo = halo + times * p2p_time(extra, machine, spans_nodes)
+        halo = halo + times * p2p_time(extra, machine, neighbour_level)
         sent = sent + times * extra
 
     # statistics of normalised dims
     stats = zeros.copy()
     if op.norm_dims:
-        g, idx = _group(op, configs, op.norm_dims)
+        g, gl, idx = _group(op, lay, op.norm_dims)
         norm_ext = np.prod(ext[idx][None, :] / configs[:, idx], axis=1)
         vol = out_vol / norm_ext * op.norm_stats * nbytes
-        inter = group_crosses_nodes(configs, coords, active, idx, machine)
         passes = 2 if op.grad_tensors else 1
-        stats = passes * allreduce_time(vol, g, machine, inter)
-        sent = sent + passes * np.where(g > 1, 2.0 * (g - 1) / g * vol, 0.0)
+        stats = passes * allreduce_time(vol, gl, machine)
+        sent = sent + passes * _ar_sent(vol, g)
 
     rec = zeros.copy()
     if op.recurrence is not None:
-        rec, rec_bytes = recurrence_cost(op, configs, machine, coords, active)
+        rec, rec_bytes = recurrence_cost(op, lay, machine)
         sent = sent + rec_bytes
 
     return OpCost(compute, fwd_ar, grad_ar, halo, stats, rec, sent)
 
 
-def recurrence_cost(op: Operator, configs: np.ndarray, machine: Machine, coords: np.ndarray,
-                    active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def recurrence_cost(op: Operator, lay: LayoutArrays, machine: Machine) -> tuple[np.ndarray, np.ndarray]:
     """The hand-written part of a recurrent operator's cost (the only one).
 
     The polyhedral description cannot say that time steps depend on each
@@ -175,6 +183,7 @@ def recurrence_cost(op: Operator, configs: np.ndarray, machine: Machine, coords:
     """
     r = op.recurrence
     assert r is not None
+    configs = lay.splits
     names = op.dim_names
     ext = op.extents
     c = {d: configs[:, names.index(d)].astype(np.float64) for d in (r.layer, r.time, r.state, r.batch)}
@@ -183,16 +192,14 @@ def recurrence_cost(op: Operator, configs: np.ndarray, machine: Machine, coords:
     total = configs.prod(axis=1).astype(np.float64)
     work = op.flops_per_point * op.points * (1 + len(op.grad_tensors))
     extra_compute = (work / (total / c[r.time]) * (S + c[r.layer] - 1) / S - work / total) / machine.peak_flops
-    spans_nodes = np.asarray(machine.hierarchical & (total > (machine.node_size or machine.num_devices)))
+    neighbour_level = outer_level(lay.level_splits.prod(axis=2))
 
     handoff = np.where(c[r.layer] > 1, 2.0 * (c[r.layer] - 1) / c[r.layer] * (B / c[r.batch]) * S * (E / c[r.state])
                        * nbytes, 0.0)
-    handoff_t = p2p_time(handoff, machine, spans_nodes)
+    handoff_t = p2p_time(handoff, machine, neighbour_level)
 
     steps = S * L / c[r.layer]
     ag_bytes = (B / c[r.batch]) * E * nbytes
-    e_idx = [names.index(r.state)]
-    inter = group_crosses_nodes(configs, coords, active, e_idx, machine)
-    gather_t = 2.0 * steps * allgather_time(ag_bytes, c[r.state], machine, inter)
+    gather_t = 2.0 * steps * allgather_time(ag_bytes, lay.group_sizes([names.index(r.state)]), machine)
     gather_b = np.where(c[r.state] > 1, 2.0 * steps * (c[r.state] - 1) / c[r.state] * ag_bytes, 0.0)
     return extra_compute + handoff_t + gather_t, handoff + gather_b
