@@ -46,6 +46,10 @@ class Machine:
         pod_bandwidth, pod_latency: bytes/s per device and alpha across pods.
         hbm_bandwidth: bytes/s of a device's memory (HBM); None: compute is FLOPs only (the paper's model).
         flops_efficiency: fraction of ``peak_flops`` a kernel achieves (1.0: the paper's model).
+        grad_bucket_bytes: weight gradients are synchronised in fused buckets of this many bytes
+            (PyTorch DDP's default bucket is 25 MiB); None: one all-reduce per tensor (the paper's model).
+        overlap_grad: weight-gradient synchronisation overlaps the backward pass (DDP, FSDP);
+            see :mod:`shardplan.cost.operator` for the exact form.
     """
 
     num_devices: int
@@ -63,6 +67,8 @@ class Machine:
     pod_latency: float | None = None
     hbm_bandwidth: float | None = None
     flops_efficiency: float = 1.0
+    grad_bucket_bytes: float | None = None
+    overlap_grad: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_devices, int) or self.num_devices < 1:
@@ -98,6 +104,8 @@ class Machine:
             raise ShardplanError(f"machine: pod_latency must be >= 0, got {self.pod_latency!r}")
         if self.hbm_bandwidth is not None and not self.hbm_bandwidth > 0:
             raise ShardplanError(f"machine: hbm_bandwidth must be positive, got {self.hbm_bandwidth!r}")
+        if self.grad_bucket_bytes is not None and not self.grad_bucket_bytes > 0:
+            raise ShardplanError(f"machine: grad_bucket_bytes must be positive, got {self.grad_bucket_bytes!r}")
         if not 0 < self.flops_efficiency <= 1:
             raise ShardplanError(f"machine: flops_efficiency must be in (0, 1], got {self.flops_efficiency!r}")
 
@@ -184,18 +192,26 @@ def _paper_2080ti(p: int) -> Machine:
     return Machine(p, 13.4e12, 6e9, node_size=8, inter_bandwidth=2.5e9, memory_bytes=11 * GiB, name="2080ti")
 
 
+DDP_BUCKET = 25 * 2**20  # PyTorch DistributedDataParallel's default bucket_cap_mb = 25
+GPU_EFFICIENCY = 0.7  # assumption: large bf16 GEMMs reach about 70% of the dense peak on A100/H100
+
+
 def _a100(p: int) -> Machine:
-    # A100 SXM 80 GB: 312 TFLOP/s bf16 dense; NVLink3 ~ 300 GB/s per direction per GPU;
-    # 8 x 200 Gb/s HDR IB per node = 25 GB/s per GPU across nodes.
+    # A100 SXM 80 GB (NVIDIA A100 datasheet): 312 TFLOP/s bf16 dense, HBM2e 2,039 GB/s;
+    # NVLink3 600 GB/s total = 300 GB/s per direction per GPU; 8 x 200 Gb/s HDR IB per node = 25 GB/s
+    # per GPU across nodes. Latencies: a few microseconds per NCCL step (nccl-tests small-message times).
     return Machine(p, 312e12, 300e9, latency=5e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
-                   inter_bandwidth=25e9, inter_latency=10e-6, name="a100")
+                   inter_bandwidth=25e9, inter_latency=10e-6, name="a100", hbm_bandwidth=2.039e12,
+                   flops_efficiency=GPU_EFFICIENCY, grad_bucket_bytes=DDP_BUCKET, overlap_grad=True)
 
 
 def _h100(p: int) -> Machine:
-    # H100 SXM: 989 TFLOP/s bf16 dense; NVLink4 ~ 450 GB/s per direction per GPU;
-    # 8 x 400 Gb/s NDR IB per node = 50 GB/s per GPU across nodes.
+    # H100 SXM 80 GB (NVIDIA H100 datasheet): 989 TFLOP/s bf16 dense, HBM3 3.35 TB/s;
+    # NVLink4 900 GB/s total = 450 GB/s per direction per GPU; 8 x 400 Gb/s NDR IB per node = 50 GB/s
+    # per GPU across nodes.
     return Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
-                   inter_bandwidth=50e9, inter_latency=8e-6, name="h100")
+                   inter_bandwidth=50e9, inter_latency=8e-6, name="h100", hbm_bandwidth=3.35e12,
+                   flops_efficiency=GPU_EFFICIENCY, grad_bucket_bytes=DDP_BUCKET, overlap_grad=True)
 
 
 PRESETS = {

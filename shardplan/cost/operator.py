@@ -6,14 +6,34 @@ configuration c (arrays over the K configurations):
 
 * compute: ``f * prod_d E_d / c_d`` FLOPs forward (f = work per point), and
   the same again for every tensor whose gradient the backward pass
-  produces (input gradient and weight gradient of a GEMM: 2x), over peak
-  FLOP/s;
+  produces (input gradient and weight gradient of a GEMM: 2x). Each pass
+  is a roofline: ``max(FLOPs / (peak * efficiency), bytes / HBM bandwidth)``
+  where bytes = the tiles the pass reads and writes (inputs with halos,
+  weights, output) on one device; without an HBM bandwidth (the paper's
+  model) it is FLOPs / peak. Elementwise, normalisation and softmax
+  operators are thereby bound by memory bandwidth on a GPU;
 * forward partial sums: with G = reduction dims (index no output axis) and
   g = prod_{d in G} c_d > 1, the output tile is all-reduced among g devices;
 * backward: the gradient of a tensor X sums over the dims that do not index
   X; if they are split (g_X > 1), X's gradient tile is all-reduced among g_X
   devices (data-parallel weight synchronisation is the case X = weight,
   split batch);
+* weight-gradient synchronisation as DDP/FSDP run it (machine options
+  ``grad_bucket_bytes``, ``overlap_grad``; the GPU presets turn both on,
+  the paper's presets off): gradients are fused into buckets of B bytes,
+  and a weight's gradient tile of n < B bytes is charged ``n / B`` of the
+  all-reduce of a full bucket (so the latency is paid once per bucket, and
+  a bucket's tensors together cost exactly one bucket all-reduce; a tensor
+  of n >= B bytes is its own bucket). With overlap, the synchronisation runs
+  during the backward pass: the operator is charged
+  ``max(0, sync - its own backward compute)`` on top of its compute.
+  Approximations, so that the objective stays a sum of vertex and edge
+  terms and the search stays exact for it: buckets are taken as full, each
+  tensor is charged at its own group's rates, and a gradient's sync
+  overlaps its own operator's backward compute (in a real step it overlaps
+  the backward of the operators before it, which this per-operator max
+  neither credits nor checks). Activation gradients are on the critical
+  path and are never overlapped;
 * halo: a windowed access on a split dim reads ``need - core`` boundary
   elements from neighbours, forward, and returns their gradient backward;
 * statistics: splitting a dim the operator normalises over (softmax,
@@ -110,23 +130,43 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     nbytes = float(machine.dtype_bytes)
     zeros = np.zeros(k)
 
-    # compute
-    fwd = op.flops_per_point * np.prod(ext[None, :] / configs, axis=1)
-    compute = fwd * (1 + len(op.grad_tensors)) / machine.peak_flops
+    # compute: a roofline per pass (forward, and one backward product per gradient produced)
+    out_vol = tile_volume(op, op.output, lay, p, grid=grid)
+    passes = 1 + len(op.grad_tensors)
+    flops = op.flops_per_point * np.prod(ext[None, :] / configs, axis=1)
+    t_pass = flops / machine.achievable_flops
+    if machine.hbm_bandwidth is not None:
+        moved = out_vol + sum(tile_volume(op, t, lay, p, core=False, grid=grid) for t in op.inputs + op.weights)
+        t_pass = np.maximum(t_pass, moved * nbytes / machine.hbm_bandwidth)
+    compute = passes * t_pass
 
     # forward partial sums
     g, gl, _ = _group(op, lay, op.reduction_dims)
-    out_vol = tile_volume(op, op.output, lay, p, grid=grid)
     fwd_ar = allreduce_time(out_vol * nbytes, gl, machine)
     sent = _ar_sent(out_vol * nbytes, g)
 
-    # backward gradient all-reduces
+    # backward gradient all-reduces: activations' on the critical path, weights' as the framework syncs them
     grad_ar = zeros.copy()
+    weight_sync = zeros.copy()
+    bucket = machine.grad_bucket_bytes
     for t in op.grad_tensors:
         g, gl, _ = _group(op, lay, op.grad_reduction_dims(t))
         vol = tile_volume(op, t, lay, p, core=False, grid=grid)
-        grad_ar = grad_ar + allreduce_time(vol * nbytes, gl, machine)
+        if t.role == "weight" and bucket is not None:
+            # the tensor's share of a full bucket's all-reduce; a tensor larger than a bucket is its own
+            share = np.minimum(vol * nbytes / bucket, 1.0)
+            n_sync = np.maximum(vol * nbytes, bucket)
+            weight_sync = weight_sync + share * allreduce_time(n_sync, gl, machine)
+        elif t.role == "weight":
+            weight_sync = weight_sync + allreduce_time(vol * nbytes, gl, machine)
+        else:
+            grad_ar = grad_ar + allreduce_time(vol * nbytes, gl, machine)
         sent = sent + _ar_sent(vol * nbytes, g)
+    if machine.overlap_grad:
+        backward = compute - t_pass
+        grad_ar = grad_ar + np.maximum(weight_sync - backward, 0.0)
+    else:
+        grad_ar = grad_ar + weight_sync
 
     # halo exchange of windowed inputs
     halo = zeros.copy()
