@@ -56,7 +56,7 @@ import numpy as np
 
 from shardplan.errors import ShardplanError
 
-__all__ = ["Layout", "LayoutArrays", "LEVEL_NAMES", "level_names", "flat_layout_arrays"]
+__all__ = ["Layout", "LayoutArrays", "LEVEL_NAMES", "level_names", "flat_layout_arrays", "pattern_blocks"]
 
 LEVEL_NAMES = ("device", "node", "pod", "cluster")
 REPLICA_AXIS = "_rep"
@@ -412,15 +412,8 @@ class LayoutArrays:
 
     def block_index(self, j: int) -> np.ndarray:
         """(K, p): every device's tile coordinate along dim j (combined over levels; arbitrary where idle)."""
-        pos = self.level_positions()
-        out = np.zeros((len(self), self.p), dtype=np.int64)
-        mult = np.ones(len(self), dtype=np.int64)
-        for lvl in range(len(self.levels)):
-            c = self.level_splits[lvl, :, j]
-            s = self.level_strides[lvl, :, j]
-            out += ((pos[lvl][None, :] // s[:, None]) % c[:, None]) * mult[:, None]
-            mult = mult * c
-        return out
+        pats, inv = np.unique(self.patterns(j), axis=0, return_inverse=True)
+        return pattern_blocks(pats, self.levels)[inv.ravel()]
 
     def patterns(self, j: int) -> np.ndarray:
         """(K, 2L): the (split, stride) per level that fixes dim j's block vector over devices."""
@@ -440,6 +433,26 @@ class LayoutArrays:
         if not idx:
             return np.ones((len(self.levels), len(self)), dtype=np.int64)
         return self.level_splits[:, :, idx].prod(axis=2)
+
+
+def pattern_blocks(pats: np.ndarray, levels: Sequence[int]) -> np.ndarray:
+    """Tile coordinate of every device for block patterns (P, 2L) (split and stride per level): (P, p).
+
+    ``x(q) = Σ_l ((i_l(q) // σ_l) mod c_l) · Π_{l' < l} c_{l'}`` (see the module docstring).
+    """
+    levels = tuple(int(s) for s in levels)
+    n_lv = len(levels)
+    p = math.prod(levels)
+    q = np.arange(p, dtype=np.int64)
+    base = np.cumprod((1,) + levels[:-1])
+    out = np.zeros((len(pats), p), dtype=np.int64)
+    mult = np.ones(len(pats), dtype=np.int64)
+    for lvl in range(n_lv):
+        pos = (q // base[lvl]) % levels[lvl]
+        c, s = pats[:, lvl], pats[:, n_lv + lvl]
+        out += ((pos[None, :] // s[:, None]) % c[:, None]) * mult[:, None]
+        mult = mult * c
+    return out
 
 
 def flat_layout_arrays(configs: np.ndarray, p: int, orders: np.ndarray | None = None) -> LayoutArrays:

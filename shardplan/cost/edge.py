@@ -35,7 +35,7 @@ from shardplan.cost.collectives import outer_level, p2p_time
 from shardplan.cost.tiles import as_layouts, box_volumes, tensor_boxes
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
-from shardplan.layout import LayoutArrays
+from shardplan.layout import LayoutArrays, pattern_blocks
 from shardplan.machine import Machine
 
 __all__ = ["edge_volumes", "edge_cost", "sender_level"]
@@ -139,22 +139,6 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
     return splits, pats, lengths, regular
 
 
-def _block_vectors(pats: np.ndarray, levels: tuple[int, ...]) -> np.ndarray:
-    """Block index of every device for every distinct pattern (P, 2L) -> (P, p)."""
-    n_lv = len(levels)
-    p = int(np.prod(levels))
-    q = np.arange(p, dtype=np.int64)
-    base = np.cumprod((1,) + tuple(levels[:-1]))
-    out = np.zeros((len(pats), p), dtype=np.int64)
-    mult = np.ones(len(pats), dtype=np.int64)
-    for lvl in range(n_lv):
-        pos = (q // base[lvl]) % levels[lvl]
-        c, s = pats[:, lvl], pats[:, n_lv + lvl]
-        out += ((pos[None, :] // s[:, None]) % c[:, None]) * mult[:, None]
-        mult = mult * c
-    return out
-
-
 def _pattern_masks(cu: np.ndarray, pu_rows: np.ndarray, cv: np.ndarray, pv_rows: np.ndarray,
                    levels: tuple[int, ...], words: int):
     """For one axis: match bit-masks and nesting flags for every distinct block-pattern pair.
@@ -165,15 +149,16 @@ def _pattern_masks(cu: np.ndarray, pu_rows: np.ndarray, cv: np.ndarray, pv_rows:
     """
     pu, iu = np.unique(np.concatenate([cu[:, None], pu_rows], axis=1), axis=0, return_inverse=True)
     pv, iv = np.unique(np.concatenate([cv[:, None], pv_rows], axis=1), axis=0, return_inverse=True)
-    bu = _block_vectors(pu[:, 1:], levels)  # (Pu, p)
-    bv = _block_vectors(pv[:, 1:], levels)
+    small = np.int16 if int(max(pu[:, 0].max(), pv[:, 0].max())) < 2**15 else np.int64
+    bu = pattern_blocks(pu[:, 1:], levels).astype(small)  # (Pu, p)
+    bv = pattern_blocks(pv[:, 1:], levels).astype(small)
     c1, c2 = pu[:, 0][:, None], pv[:, 0][None, :]
     nested = (c1 % c2 == 0) | (c2 % c1 == 0)
-    ratio_uv = np.where(c2 % c1 == 0, c2 // c1, 1)  # u coarser: u block == v block // ratio
-    ratio_vu = np.where(c1 % c2 == 0, c1 // c2, 1)  # v coarser: v block == u block // ratio
-    u_coarse = (c2 % c1 == 0)[..., None]
-    match = np.where(u_coarse, bu[:, None, :] == bv[None, :, :] // ratio_uv[..., None],
-                     bv[None, :, :] == bu[:, None, :] // ratio_vu[..., None])
+    # nested blocks match iff both map to the same block of the coarser split
+    cmin = np.minimum(c1, c2)
+    ku = (c1 // cmin).astype(small)
+    kv = (c2 // cmin).astype(small)
+    match = (bu[:, None, :] // ku[..., None]) == (bv[None, :, :] // kv[..., None])
     return iu.ravel(), iv.ravel(), _pack(match, words), nested
 
 
@@ -187,24 +172,46 @@ def _pack(bits: np.ndarray, words: int) -> np.ndarray:
 
 
 def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int):
-    """Moved volumes via block-match masks; returns (fwd, bwd, exact) with ``exact`` False where not applicable."""
+    """Moved volumes via block-match masks; returns (fwd, bwd, exact) with ``exact`` False where not applicable.
+
+    Whether every device finds its block depends on a layout only through
+    its block pattern on each axis of the tensor and its active devices, so
+    the device masks are combined once per distinct (pattern tuple) of each
+    side and broadcast to the layouts that share it.
+    """
     spu, pau, lenu, regu = _axis_blocks(u, u.output, lu)
     spv, pav, lenv, regv = _axis_blocks(v, t_in, lv)
     words = (p + 63) // 64
-    act_u = _pack(lu.active(), words)  # (Ku, W)
-    act_v = _pack(lv.active(), words)
-    m = act_u[:, None, :] & act_v[None, :, :]  # (Ku, Kv, W)
-    exact = regu[:, None] & regv[None, :]
+    n_ax = len(t_in.axes)
+    ax_u, ax_v, masks, nests = [], [], [], []
+    for a in range(n_ax):
+        iu, iv, mk, nested = _pattern_masks(spu[a], pau[a], spv[a], pav[a], lu.levels, words)
+        ax_u.append(iu)
+        ax_v.append(iv)
+        masks.append(mk)
+        nests.append(nested)
+    prod_u = lu.level_splits.prod(axis=2)  # (L, K): fixes the active devices
+    prod_v = lv.level_splits.prod(axis=2)
+    key_u = np.concatenate([np.asarray(ax_u, dtype=np.int64).reshape(n_ax, len(lu)), prod_u], axis=0).T
+    key_v = np.concatenate([np.asarray(ax_v, dtype=np.int64).reshape(n_ax, len(lv)), prod_v], axis=0).T
+    gu, first_u, inv_u = np.unique(key_u, axis=0, return_index=True, return_inverse=True)
+    gv, first_v, inv_v = np.unique(key_v, axis=0, return_index=True, return_inverse=True)
+    inv_u, inv_v = inv_u.ravel(), inv_v.ravel()
+    act_u = _pack(lu.take(first_u).active(), words)  # (Gu, W)
+    act_v = _pack(lv.take(first_v).active(), words)
+    m = act_u[:, None, :] & act_v[None, :, :]  # (Gu, Gv, W)
+    nested_all = np.ones((len(gu), len(gv)), dtype=bool)
+    for a in range(n_ax):
+        m &= masks[a][gu[:, a][:, None], gv[:, a][None, :]]
+        nested_all &= nests[a][gu[:, a][:, None], gv[:, a][None, :]]
+    fwd_ok = (m == act_v[None, :, :]).all(axis=-1)[inv_u[:, None], inv_v[None, :]]
+    bwd_ok = (m == act_u[:, None, :]).all(axis=-1)[inv_u[:, None], inv_v[None, :]]
+    exact = regu[:, None] & regv[None, :] & nested_all[inv_u[:, None], inv_v[None, :]]
     overlap = np.ones((len(lu), len(lv)), dtype=np.int64)
-    for a in range(len(t_in.axes)):
-        iu, iv, masks, nested = _pattern_masks(spu[a], pau[a], spv[a], pav[a], lu.levels, words)
-        m &= masks[iu[:, None], iv[None, :]]
-        exact &= nested[iu[:, None], iv[None, :]]
+    for a in range(n_ax):
         overlap *= np.minimum(lenu[a][:, None], lenv[a][None, :])
     have = np.prod(lenu, axis=0)
     need = np.prod(lenv, axis=0)
-    fwd_ok = (m == act_v[None, :, :]).all(axis=-1)
-    bwd_ok = (m == act_u[:, None, :]).all(axis=-1)
     fwd = np.where(fwd_ok, need[None, :] - overlap, need[None, :])
     bwd = np.where(bwd_ok, have[:, None] - overlap, have[:, None])
     return fwd, bwd, exact

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardplan.cost.tiles import as_layouts, box_volumes, device_grid, tensor_boxes
+from shardplan.cost.tiles import as_layouts, tile_volumes
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
@@ -31,11 +31,10 @@ def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: f
     nbytes = machine.dtype_bytes
     lay = as_layouts(configs, p, orders, machine.levels)
     k = len(lay)
-    grid = device_grid(lay, p)
     w = np.zeros((k, p))
     for t in op.weights:
-        w += box_volumes(tensor_boxes(op, t, lay, p, grid=grid)) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
-    act = box_volumes(tensor_boxes(op, op.output, lay, p, grid=grid)).astype(np.float64) * nbytes
+        w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
+    act = tile_volumes(op, op.output, lay).astype(np.float64) * nbytes
     return w, act
 
 

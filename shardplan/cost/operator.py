@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
-from shardplan.cost.tiles import as_layouts, box_volumes, device_grid, tensor_boxes
+from shardplan.cost.tiles import as_layouts, box_volumes, device_grid, regular_tile_lengths, tensor_boxes
 from shardplan.layout import LayoutArrays
 from shardplan.ir import Operator
 from shardplan.machine import Machine
@@ -96,9 +96,18 @@ class OpCost:
 
 
 def tile_volume(op: Operator, tensor, configs, p: int, core: bool = True,
-                orders: np.ndarray | None = None, grid: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-    """Largest per-device tile of ``tensor`` (elements), per configuration: (K,)."""
-    vol = box_volumes(tensor_boxes(op, tensor, configs, p, core=core, orders=orders, grid=grid)).max(axis=1)
+                orders: np.ndarray | None = None, grid=None) -> np.ndarray:
+    """Largest per-device tile of ``tensor`` (elements), per configuration: (K,).
+
+    ``grid``: :func:`device_grid` of the layouts, or a function returning it (called only when needed).
+    """
+    lay = as_layouts(configs, p, orders)
+    lengths = regular_tile_lengths(op, tensor, lay.splits)
+    if lengths is not None:  # every active device holds the same tile
+        return lengths.prod(axis=1) * tensor.elem_factor
+    if callable(grid):
+        grid = grid()
+    vol = box_volumes(tensor_boxes(op, tensor, lay, p, core=core, grid=grid)).max(axis=1)
     return vol * tensor.elem_factor
 
 
@@ -126,7 +135,13 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     configs = lay.splits
     k = len(configs)
     ext = np.asarray([e for _, e in op.dims], dtype=np.float64)
-    grid = device_grid(lay, p)
+    cache: dict = {}
+
+    def grid() -> tuple[np.ndarray, np.ndarray]:  # per-device coordinates, only for irregular tensors
+        if not cache:
+            cache["g"] = device_grid(lay, p)
+        return cache["g"]
+
     nbytes = float(machine.dtype_bytes)
     zeros = np.zeros(k)
 
@@ -174,8 +189,8 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     for t in op.inputs:
         if not any(a.window is not None or a.stride != 1 for a in t.axes):
             continue
-        need = box_volumes(tensor_boxes(op, t, lay, p, core=False, grid=grid))
-        core = box_volumes(tensor_boxes(op, t, lay, p, core=True, grid=grid))
+        need = box_volumes(tensor_boxes(op, t, lay, p, core=False, grid=grid()))
+        core = box_volumes(tensor_boxes(op, t, lay, p, core=True, grid=grid()))
         extra = np.maximum(need - np.minimum(need, core), 0).max(axis=1) * t.elem_factor * nbytes
         times = 2 if t.needs_grad else 1
         halo = halo + times * p2p_time(extra, machine, neighbour_level)

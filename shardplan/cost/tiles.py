@@ -36,7 +36,8 @@ import numpy as np
 from shardplan.ir import Operator, Tensor
 from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays
 
-__all__ = ["as_layouts", "grid_strides", "device_grid", "active_devices", "tensor_boxes", "box_volumes"]
+__all__ = ["as_layouts", "grid_strides", "device_grid", "active_devices", "tensor_boxes", "box_volumes",
+           "tile_volumes", "regular_tile_lengths"]
 
 
 def as_layouts(configs, p: int, orders: np.ndarray | None = None, levels: tuple[int, ...] | None = None) -> LayoutArrays:
@@ -128,6 +129,46 @@ def tensor_boxes(op: Operator, tensor: Tensor, configs, p: int, core: bool = Tru
         out[:, :, a, 0] = np.where(active, lo, 0)
         out[:, :, a, 1] = np.where(active, hi, 0)
     return out
+
+
+def regular_tile_lengths(op: Operator, tensor: Tensor, splits: np.ndarray) -> np.ndarray | None:
+    """Per layout, the tile length of every axis when every device's tile is the same size: (K, n_axes).
+
+    True when each axis is unindexed (whole), merged (leading block times the
+    inner size) or plain over a dim whose extent fits the axis; None otherwise
+    (windows, offsets, partial pieces: use :func:`tensor_boxes`).
+    """
+    ext = op.extents
+    names = op.dim_names
+    out = np.empty((len(splits), len(tensor.axes)), dtype=np.int64)
+    for a, (am, size) in enumerate(zip(tensor.axes, tensor.shape)):
+        if am.dim is None:
+            out[:, a] = size
+        elif am.inner:
+            unit = 1
+            for d in am.inner:
+                unit *= ext[d]
+            out[:, a] = (ext[am.dim] // splits[:, names.index(am.dim)]) * unit
+        elif am.is_plain and size >= ext[am.dim]:
+            out[:, a] = ext[am.dim] // splits[:, names.index(am.dim)]
+        else:
+            return None
+    return out
+
+
+def tile_volumes(op: Operator, tensor: Tensor, lay: LayoutArrays, core: bool = True,
+                 grid: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Points of ``tensor`` on every device under every layout: (K, p) (0 on idle devices).
+
+    Equal to ``box_volumes(tensor_boxes(...))``; the regular case (see
+    :func:`regular_tile_lengths`) needs no per-device boxes.
+    """
+    lengths = regular_tile_lengths(op, tensor, lay.splits)
+    if lengths is None:
+        return box_volumes(tensor_boxes(op, tensor, lay, lay.p, core=core, grid=grid))
+    vol = lengths.prod(axis=1)
+    active = lay.active() if grid is None else grid[1]
+    return np.where(active, vol[:, None], 0)
 
 
 def box_volumes(boxes: np.ndarray) -> np.ndarray:
