@@ -51,6 +51,8 @@ class CostTables:
     memory: tuple[tuple[np.ndarray, np.ndarray], ...]
     options: dict
     arrays: tuple[LayoutArrays, ...] = field(default=(), repr=False)
+    _splits: tuple[np.ndarray, ...] = field(default=(), init=False, repr=False)
+    _index_cache: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.layouts) != len(self.graph.operators):
@@ -64,11 +66,16 @@ class CostTables:
                     cache[id(lays)] = LayoutArrays.stack(lays)
                 arrs.append(cache[id(lays)])
             object.__setattr__(self, "arrays", tuple(arrs))
+        splits: dict[int, np.ndarray] = {}
+        for a in self.arrays:
+            if id(a) not in splits:
+                splits[id(a)] = a.splits
+        object.__setattr__(self, "_splits", tuple(splits[id(a)] for a in self.arrays))
 
     @property
     def configs(self) -> tuple[np.ndarray, ...]:
         """Per operator, the total split factor of every layout: (K_v, n_dims) int64 (for vectorised code)."""
-        return tuple(a.splits for a in self.arrays)
+        return self._splits
 
     def to_problem(self) -> Problem:
         """The solver-level problem: vertex cost t_l, edge cost t_x (seconds)."""
@@ -105,6 +112,14 @@ class CostTables:
                     return k
             raise ShardplanError(f"operator {op.name!r}: layout {config.describe()} is not a candidate ({op.label})")
         want = tuple(int(x) for x in config)
+        ckey = (id(lays), want, None if order is None else tuple(int(j) for j in order))
+        if ckey in self._index_cache:
+            return self._index_cache[ckey]
+        k = self._find(op, lays, want, order)
+        self._index_cache[ckey] = k
+        return k
+
+    def _find(self, op, lays: tuple[Layout, ...], want: tuple[int, ...], order: Sequence[int] | None) -> int:
         try:
             target = Layout.from_flat(op.dim_names, want, self.machine.levels, order)
         except ShardplanError:
