@@ -204,12 +204,19 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
     for a in range(n_ax):
         m &= masks[a][gu[:, a][:, None], gv[:, a][None, :]]
         nested_all &= nests[a][gu[:, a][:, None], gv[:, a][None, :]]
-    fwd_ok = (m == act_v[None, :, :]).all(axis=-1)[inv_u[:, None], inv_v[None, :]]
-    bwd_ok = (m == act_u[:, None, :]).all(axis=-1)[inv_u[:, None], inv_v[None, :]]
-    exact = regu[:, None] & regv[None, :] & nested_all[inv_u[:, None], inv_v[None, :]]
-    overlap = np.ones((len(lu), len(lv)), dtype=np.int64)
-    for a in range(n_ax):
-        overlap *= np.minimum(lenu[a][:, None], lenv[a][None, :])
+    def expand(x: np.ndarray) -> np.ndarray:  # (Gu, Gv) -> (Ku, Kv)
+        return x.take(inv_u, axis=0).take(inv_v, axis=1)
+
+    fwd_ok = expand((m == act_v[None, :, :]).all(axis=-1))
+    bwd_ok = expand((m == act_u[:, None, :]).all(axis=-1))
+    exact = expand(nested_all)
+    exact &= regu[:, None]
+    exact &= regv[None, :]
+    # the overlap of nested equal blocks depends on the block lengths only: per distinct length pair
+    lu_u, inv_lu = np.unique(lenu.T, axis=0, return_inverse=True)
+    lv_u, inv_lv = np.unique(lenv.T, axis=0, return_inverse=True)
+    ov_small = np.minimum(lu_u[:, None, :], lv_u[None, :, :]).prod(axis=-1)
+    overlap = ov_small.take(inv_lu.ravel(), axis=0).take(inv_lv.ravel(), axis=1)
     have = np.prod(lenu, axis=0)
     need = np.prod(lenv, axis=0)
     fwd = np.where(fwd_ok, need[None, :] - overlap, need[None, :])
