@@ -344,7 +344,8 @@ class Layout:
         return tuple(seen) + tuple(j for j in range(len(self.dims)) if j not in seen)
 
     def describe(self) -> str:
-        """``(8,1,4)`` on one level; ``(b=16[2x8], h=4[4])``-style per-level splits (outer x inner) on several."""
+        """``(8,1,4)`` on one level; on several, the split dims with their split per level, outer first
+        (``(b=16[2x8], h=4[4x1])``), and ``copies=n`` when n devices hold each tile."""
         if len(self.levels) == 1:
             return "(" + ",".join(str(c) for c in self.split) + ")"
         parts = []
@@ -353,6 +354,8 @@ class Layout:
             if math.prod(per) == 1:
                 continue
             parts.append(f"{d}={math.prod(per)}[" + "x".join(str(c) for c in per) + "]")
+        if self.copies > 1:
+            parts.append(f"copies={self.copies}")
         return "(" + ", ".join(parts) + ")" if parts else "(replicated)"
 
 
