@@ -191,7 +191,9 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
     if len(levels) == 1:
         rows = configurations(op, p, cutoff, powers_of_two, divides_p)
         c2, o2 = dimension_orders(rows, orders, max_permuted)
-        return tuple(Layout.flat(names, c, p, o) for c, o in zip(c2.tolist(), o2.tolist()))
+        lv = (p,)
+        return tuple(Layout._unchecked(names, lv, (tuple(c),), (tuple(j for j in o if c[j] > 1),))
+                     for c, o in zip(c2.tolist(), o2.tolist()))
     own = list(range(n))
     out: list[Layout] = []
     seen: set[Layout] = set()
@@ -209,7 +211,7 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
                 continue
             per_level = [_level_orders(r, own, orders, max_permuted) for r in rows]
             for combo in product(*per_level):
-                lay = Layout(names, levels, rows, combo)
+                lay = Layout._unchecked(names, levels, rows, combo)
                 if lay not in seen:
                     seen.add(lay)
                     out.append(lay)

@@ -130,6 +130,19 @@ class Layout:
 
     # -- construction -------------------------------------------------------
     @classmethod
+    def _unchecked(cls, dims: tuple[str, ...], levels: tuple[int, ...], splits: tuple[tuple[int, ...], ...],
+                   orders: tuple[tuple[int, ...], ...]) -> "Layout":
+        """A layout from already-normalised values known to be valid (the enumerator's fast path)."""
+        lay = object.__new__(cls)
+        object.__setattr__(lay, "dims", dims)
+        object.__setattr__(lay, "levels", levels)
+        object.__setattr__(lay, "splits", splits)
+        object.__setattr__(lay, "orders", orders)
+        n = len(dims)
+        object.__setattr__(lay, "_strides", tuple(_row_major_strides(r, o, n) for r, o in zip(splits, orders)))
+        return lay
+
+    @classmethod
     def flat(cls, dims: Sequence[str], config: Sequence[int], p: int, order: Sequence[int] | None = None) -> "Layout":
         """The one-level layout of a configuration tuple on p devices (``order``: all dims, most significant first)."""
         n = len(dims)
