@@ -129,7 +129,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_ops(args: argparse.Namespace) -> int:
     from shardplan.baselines import batch_dim, nearest_valid
-    from shardplan.configs import configurations, dimension_orders
+    from shardplan.configs import configurations, dimension_orders, layouts
     from shardplan.cost import operator_cost
     from shardplan.units import fmt_seconds
 
@@ -137,10 +137,12 @@ def cmd_ops(args: argparse.Namespace) -> int:
     m = _machine(args, args.procs)
     cutoff = _cutoff(args, spec)
     print(f"{g.name}: {len(g.operators)} operators, {len(g.edges)} edges; p = {m.num_devices}, cutoff {cutoff}")
-    rows = [("operator", "kind", "dims", "extents", "configs", "with orders", "data-parallel t_l")]
+    hier = len(m.levels) > 1
+    rows = [("operator", "kind", "dims", "extents", "configs", "with orders" if not hier else "layouts",
+             "data-parallel t_l")]
     for op in g.operators:
         c = configurations(op, m.num_devices, cutoff, divides_p=not args.all_divisors)
-        c2, _ = dimension_orders(c, "all")
+        c2 = dimension_orders(c, "all")[0] if not hier else layouts(op, m.levels, cutoff)
         b = batch_dim(op)
         dp = nearest_valid(op, c, {b: m.num_devices} if b else {})
         t = operator_cost(op, [dp], m).total[0]
