@@ -10,6 +10,11 @@ keeps only c_i in {1, 2, 4, ...}; ``divides_p`` keeps only configurations
 whose product divides p (those a device mesh over all p devices can
 express, see the JAX export). The order is deterministic: lexicographic in
 (c_1, ..., c_n).
+
+:func:`layouts` turns them into the candidates of the search,
+:class:`~shardplan.layout.Layout` values: with their nesting orders on a
+one-level machine (the paper's space), and spread over the levels of a
+hierarchical machine with the pruning rules its docstring states.
 """
 
 from __future__ import annotations
