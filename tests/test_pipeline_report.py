@@ -16,22 +16,28 @@ from shardplan.pipeline.report import draw_timeline, pipeline_to_json, render_pi
 TINY = ["--set", "layers=2", "--set", "d_model=64", "--set", "heads=2", "--set", "seq=16", "--set", "vocab=256"]
 
 
+BUDGET = 0.75  # of the whole model's time-optimal single-stage footprint
+
+
 @pytest.fixture(scope="module")
 def staged():
-    # the whole model's time-optimal plan (everything replicated, 1.55 MiB per device) exceeds a 1.1 MiB
-    # budget, so the optimum is a pipeline
-    machine = dataclasses.replace(preset("a100", 4), node_size=2, inter_bandwidth=1e8, memory_bytes=1.1 * 2**20)
+    # a budget below the whole model's time-optimal single-program footprint forces a pipeline
+    from shardplan.pipeline import ModelStages
+
+    machine = dataclasses.replace(preset("a100", 4), node_size=2, inter_bandwidth=1e8)
     build = lambda b: get_model("gpt", b, layers=2, d_model=64, heads=2, seq=16, vocab=256)  # noqa: E731
+    whole = ModelStages(build, 8, machine, {"cutoff": 1})
+    budget = BUDGET * whole.stage_cost(0, whole.num_units, 4, 1).memory(1)
     return pipeline_solve(build, 8, machine, micro_batches=(1, 2, 4), uniform=True, interleave=(2,),
-                          sizes=(2, 4), cutoff=1)
+                          sizes=(2, 4), budget=budget, cutoff=1)
 
 
 def test_report_and_json(staged, tmp_path):
     text = render_pipeline(staged)
     d = pipeline_to_json(staged)
     assert f"schedule {d['schedule']}" in text and "bubble fraction" in text
-    assert staged.plan.num_stages == 2 and d["schedule"] == "1f1b" and d["micro_batches"] == 4
-    assert all(s["memory_bytes"] <= 1.1 * 2**20 for s in d["stages"])
+    assert staged.plan.num_stages // staged.plan.chunks >= 2
+    assert all(s["memory_bytes"] <= d["budget_bytes"] for s in d["stages"])
     assert d["simulated_step_seconds"] == pytest.approx(d["step_seconds"], rel=0.02)
     assert sum(s["devices"] for s in d["stages"][:len(d["stages"]) // d["chunks"]]) == 4
     assert [u for s in d["stages"] for u in s["units"]] == ["embed", "L1", "L2", "ln_f,fc,softmax"] or d["chunks"] > 1
