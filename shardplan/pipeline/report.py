@@ -127,8 +127,9 @@ def draw_timeline(result: "PipelineResult", path: str) -> str:
     ax.set_title(f"{plan.schedule}" + (f" v={plan.chunks}" if plan.chunks > 1 else "")
                  + f", {n} stages, m={plan.micro_batches}, step {fmt_seconds(end)}, bubble {bubble:.0%}"
                  + " (gaps are idle)")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right", fontsize=7, ncol=4)
-    fig.tight_layout()
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="lower center", fontsize=7, ncol=4,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path)
     plt.close(fig)
     return path
