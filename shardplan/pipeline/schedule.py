@@ -45,7 +45,9 @@ to (S - 1)/(v m) of the ideal, at v times the stage-to-stage traffic; with
 
     T_int = m max_d t_d + (sum_d t_d - max_d t_d) / v + 2 sum_i c_i + (m - 1/v) max(0, v c_max - t_max) + max g
 
-(uniform: ``(m + (S - 1)/v) t``, the paper's bubble; v = 1 is 1F1B). Megatron
+(uniform: ``(m + (S - 1)/v) t``, the paper's bubble; v = 1 is 1F1B; ``c_i`` is
+the slowest of the v transfers between groups i and i+1, and the transfer
+from the last group back to the first, between chunks, is not charged). Megatron
 requires m to be a multiple of S. Device group d holds, at its peak, the
 warm-up chunk micro-batches of Megatron-LM's interleaved schedule,
 ``2 (S - d - 1) + (v - 1) S + 1`` chunks (capped at ``m v``), each 1/v of
