@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shardplan.checks import integer, real
 from shardplan.errors import ShardplanError
 
 __all__ = ["Machine", "PRESETS", "preset", "DTYPE_BYTES"]
@@ -56,25 +57,29 @@ class Machine:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_devices, int) or self.num_devices < 1:
-            raise ShardplanError(f"machine: number of devices must be a positive integer, got {self.num_devices!r}")
-        for field_name in ("peak_flops", "bandwidth"):
-            v = getattr(self, field_name)
-            if not v > 0:
-                raise ShardplanError(f"machine: {field_name} must be positive, got {v!r}")
-        if self.latency < 0:
-            raise ShardplanError(f"machine: latency must be >= 0, got {self.latency!r}")
-        if self.dtype_bytes not in (1, 2, 4, 8):
-            raise ShardplanError(f"machine: dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes!r}")
-        if self.memory_bytes is not None and not self.memory_bytes > 0:
-            raise ShardplanError(f"machine: memory_bytes must be positive, got {self.memory_bytes!r}")
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        put("num_devices", integer("machine: num_devices", self.num_devices, minimum=1))
+        put("peak_flops", real("machine: peak_flops", self.peak_flops, positive=True, unit="FLOP/s"))
+        put("bandwidth", real("machine: bandwidth", self.bandwidth, positive=True, unit="B/s"))
+        put("latency", real("machine: latency", self.latency, minimum=0.0, unit="s"))
+        dtype_bytes = integer("machine: dtype_bytes", self.dtype_bytes)
+        if dtype_bytes not in (1, 2, 4, 8):
+            raise ShardplanError(f"machine: dtype_bytes must be 1, 2, 4 or 8, got {dtype_bytes!r}")
+        put("dtype_bytes", dtype_bytes)
+        if self.memory_bytes is not None:
+            put("memory_bytes", real("machine: memory_bytes", self.memory_bytes, positive=True, unit="B"))
         if self.node_size is not None:
-            if self.node_size < 1:
-                raise ShardplanError(f"machine: node_size must be >= 1, got {self.node_size!r}")
-            if self.inter_bandwidth is None or not self.inter_bandwidth > 0:
+            put("node_size", integer("machine: node_size", self.node_size, minimum=1))
+            if self.inter_bandwidth is None:
                 raise ShardplanError("machine: a hierarchical machine (node_size set) needs a positive inter_bandwidth")
-        if self.inter_latency is not None and self.inter_latency < 0:
-            raise ShardplanError(f"machine: inter_latency must be >= 0, got {self.inter_latency!r}")
+        if self.inter_bandwidth is not None:
+            put("inter_bandwidth", real("machine: inter_bandwidth", self.inter_bandwidth, positive=True, unit="B/s"))
+        if self.inter_latency is not None:
+            put("inter_latency", real("machine: inter_latency", self.inter_latency, minimum=0.0, unit="s"))
+        if not isinstance(self.name, str):
+            raise ShardplanError(f"machine: name must be a string, got {self.name!r}")
 
     @property
     def p(self) -> int:

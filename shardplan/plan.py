@@ -155,10 +155,28 @@ def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: boo
     ``solver`` (see :data:`shardplan.search.SOLVERS`); extra keyword
     arguments go to the solver (e.g. ``ordering="generateseq"``).
     """
+    from shardplan.checks import MAX_EXTENT, integer
     from shardplan.search import SOLVERS
 
-    if solver not in SOLVERS:
+    if not isinstance(graph, Graph):
+        raise ShardplanError(f"solve: graph must be a shardplan Graph (e.g. get_model('alexnet')), "
+                             f"got {type(graph).__name__}")
+    if not isinstance(machine, Machine):
+        raise ShardplanError(f"solve: machine must be a shardplan Machine (e.g. preset('paper', 8)), "
+                             f"got {type(machine).__name__}")
+    if not isinstance(solver, str) or solver not in SOLVERS:
         raise ShardplanError(f"unknown solver {solver!r}; choose from {', '.join(sorted(SOLVERS))}")
+    if tables is not None:
+        if not isinstance(tables, CostTables):
+            raise ShardplanError(f"solve: tables must be CostTables from build_tables, got {type(tables).__name__}")
+        if tables.graph is not graph or tables.machine != machine:
+            raise ShardplanError("solve: tables were built for another graph or machine")
+    else:
+        integer("solve: cutoff", cutoff, 1, MAX_EXTENT)
+        if orders not in ("auto", "all", "row-major"):
+            raise ShardplanError(f"solve: orders must be 'auto', 'all' or 'row-major', got {orders!r}")
+    if progress is not None and not callable(progress):
+        raise ShardplanError(f"solve: progress must be a callable progress(done, total), got {progress!r}")
     t0 = time.perf_counter()
     if tables is None:
         tables = build_tables(graph, machine, cutoff=cutoff, powers_of_two=powers_of_two, divides_p=divides_p,

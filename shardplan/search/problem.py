@@ -37,6 +37,26 @@ def _as_cost_vector(name: str, cost: Sequence[float] | np.ndarray, k: int) -> np
     return arr
 
 
+def _check_no_overflow(names: Sequence[str], costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int]],
+                       ecosts: Sequence[np.ndarray]) -> None:
+    """Refuse costs whose sums can overflow float64.
+
+    Every assignment costs at most U = sum_v max_k c_v(k) + sum_e max c_e, and
+    every partial sum a solver forms (a DP table entry, a bound, an ILP
+    objective) is at most U too; so if U is finite no sum overflows to inf, and
+    if it is not, some assignment's cost would print as ``inf``.
+    """
+    parts = [float(c.max()) for c in costs] + [float(m.max()) for m in ecosts if m.size]
+    with np.errstate(over="ignore"):
+        total = float(np.sum(np.array(parts, dtype=np.float64))) if parts else 0.0
+    if not np.isfinite(total):
+        big = int(np.argmax(parts))
+        where = (f"vertex {names[big]!r}" if big < len(costs)
+                 else f"edge {names[edges[big - len(costs)][0]]!r} -> {names[edges[big - len(costs)][1]]!r}")
+        raise ShardplanError(f"costs too large: the largest possible total cost overflows float64 (the largest "
+                             f"single cost is {parts[big]:.3g}, at {where}); rescale the costs to a smaller unit")
+
+
 @dataclass(frozen=True, eq=False)
 class Problem:
     """Vertices with configurations and costs; edges with cost matrices.
@@ -96,6 +116,7 @@ class Problem:
                 raise ShardplanError(f"edge {names[s]!r} -> {names[d]!r}: cost contains a negative value")
             edges.append((s, d))
             ecosts.append(arr)
+        _check_no_overflow(names, costs, edges, ecosts)
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "configs", configs)
         object.__setattr__(self, "vertex_cost", tuple(costs))
