@@ -119,6 +119,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     that leave devices idle. ``orders``: which device-grid nestings each
     configuration is offered in: "all", "row-major" or "auto" (see
     :func:`choose_orders` and :func:`shardplan.configs.dimension_orders`).
+    ``progress(done, total)`` is called after each operator's memory, each
+    operator's costs and each edge (total = 2 |V| + |E|).
     """
     p = machine.num_devices
     if p > MAX_DEVICES:
@@ -128,7 +130,16 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     orders = choose_orders(graph, splits, orders)
     pairs = [dimension_orders(c, orders) for c in splits]
     ops = graph.operators
-    memory = [operator_memory(op, c, machine, optimizer_factor, o) for op, (c, o) in zip(ops, pairs)]
+    steps = 2 * len(ops) + len(graph.edges)  # progress(done, steps): memory, then costs per operator, then edges
+
+    def step(done: int) -> None:
+        if progress is not None:
+            progress(done, steps)
+
+    memory = []
+    for i, (op, (c, o)) in enumerate(zip(ops, pairs)):
+        memory.append(operator_memory(op, c, machine, optimizer_factor, o))
+        step(i + 1)
     dropped = 0
     if machine.memory_bytes is not None:
         for i, (op, (c, o), (w, act)) in enumerate(zip(ops, pairs, memory)):
@@ -138,13 +149,16 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             memory[i] = (w[keep], act[keep])
     configs = tuple(c for c, _ in pairs)
     ords = tuple(o for _, o in pairs)
-    op_costs = tuple(operator_cost(op, c, machine, o) for op, c, o in zip(ops, configs, ords))
+    costs = []
+    for i, (op, c, o) in enumerate(zip(ops, configs, ords)):
+        costs.append(operator_cost(op, c, machine, o))
+        step(len(ops) + i + 1)
+    op_costs = tuple(costs)
     edge_costs = []
     for i, e in enumerate(graph.edges):
         edge_costs.append(edge_cost(ops[e.src], configs[e.src], ops[e.dst], e.slot, configs[e.dst], machine,
                                     ords[e.src], ords[e.dst]))
-        if progress is not None:
-            progress(i + 1, len(graph.edges))
+        step(2 * len(ops) + i + 1)
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
             "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped}
     return CostTables(graph, machine, configs, ords, op_costs, tuple(edge_costs), tuple(memory), opts)
