@@ -93,7 +93,7 @@ def problem_from_dict(data: Any) -> Problem:
         raise ShardplanError(f"problem file: top level must be a JSON object, got {type(data).__name__}")
     fmt = _require("problem file", data, "format")
     if fmt != FORMAT:
-        raise ShardplanError(f"problem file: format is {fmt!r}, expected {FORMAT!r}")
+        raise ShardplanError(f"problem file: format is {_short(fmt)}, expected {FORMAT!r}")
     raw_vertices = _require("problem file", data, "vertices")
     raw_edges = _require("problem file", data, "edges")
     if not isinstance(raw_vertices, list):
