@@ -1,0 +1,69 @@
+"""Memory guards: every memory-hungry phase estimates its peak before allocating, and the estimate holds.
+
+Peaks are measured in a fresh process (tests/memprobe.py: the kernel's
+peak-RSS counter reset before the phase), on cases of a few tens to a few
+hundred MB so that the interpreter's own noise is small next to them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import memprobe
+from shardplan.errors import ShardplanError
+from shardplan.search import solve_bfs_dp
+from shardplan.search.problem import Problem
+
+pytestmark = pytest.mark.skipif(not memprobe.available(), reason="needs Linux's /proc/self/clear_refs")
+
+SPIDER = '''
+import numpy as np
+from shardplan.search.problem import Problem
+
+def spider(legs, length, k=2, seed=0):
+    """A tree: one centre, ``legs`` paths of ``length`` vertices; breadth-first order keeps every leg open."""
+    rng = np.random.default_rng(seed)
+    n = 1 + legs * length
+    edges = []
+    for leg in range(legs):
+        prev = 0
+        for j in range(length):
+            v = 1 + leg * length + j
+            edges.append((prev, v))
+            prev = v
+    return Problem(tuple(f"v{i}" for i in range(n)), tuple(tuple((j,) for j in range(k)) for _ in range(n)),
+                   tuple(rng.random(k) for _ in range(n)), tuple(edges), tuple(rng.random((k, k)) for _ in edges))
+'''
+
+
+def _spider(legs: int, length: int) -> Problem:
+    scope: dict = {}
+    exec(SPIDER, scope)
+    return scope["spider"](legs, length)
+
+
+def test_bfs_dp_estimate_bounds_its_peak():
+    r = memprobe.measure(SPIDER + "from shardplan.search import solve_bfs_dp\np = spider(19, 2)",
+                         "solve_bfs_dp(p, memory_limit_bytes=10**10).stats")
+    assert r["error"] is None
+    est = r["result"]["memory_estimate_bytes"]
+    assert 10e6 < r["used"] <= est, (r["used"], est)
+
+
+def test_bfs_dp_counts_the_argmin_tables_it_keeps():
+    """The spider's largest single table fits the limit; with the kept argmin tables it does not."""
+    p = _spider(12, 2)
+    sol = solve_bfs_dp(p, memory_limit_bytes=10**10)
+    kept, peak = sol.stats["kept_bytes"], sol.stats["memory_estimate_bytes"]
+    assert kept > 0 and peak > kept
+    with pytest.raises(ShardplanError, match=r"argmin tables kept from earlier steps.*over the memory limit"):
+        solve_bfs_dp(p, memory_limit_bytes=peak - 1)
+    assert solve_bfs_dp(p, memory_limit_bytes=peak).cost == sol.cost
+
+
+def test_bfs_dp_refuses_before_allocating():
+    r = memprobe.measure(SPIDER + "from shardplan.search import solve_bfs_dp\np = spider(30, 2)",
+                         "solve_bfs_dp(p, memory_limit_bytes=10**9).stats")
+    assert "over the memory limit of 954 MiB" in r["error"]
+    assert r["used"] < 200e6
