@@ -193,7 +193,7 @@ def _write_json(path: str, data: Any) -> None:
 # Solver options of `solve` and the solvers they apply to; giving one to another solver is an error.
 SOLVER_OPTIONS = {
     "ordering": ("--ordering", ("dp",)),
-    "table_memory": ("--table-memory", ("dp", "bfs-dp")),
+    "table_memory": ("--table-memory", ("dp", "bfs-dp")),  # with --model it also limits the build
     "time_limit": ("--time-limit", ("ilp",)),
     "seed": ("--seed", ("mcmc",)),
 }
@@ -213,6 +213,8 @@ def _check_applicable(args: argparse.Namespace) -> None:
             raise ShardplanError(f"{given[0]} does not apply to --problem (a problem file already holds its costs); "
                                  "it needs --model")
     for key, (flag, solvers) in SOLVER_OPTIONS.items():
+        if key == "table_memory" and args.model is not None:
+            continue
         if getattr(args, key) is not None and args.solver not in solvers:
             raise ShardplanError(f"{flag} does not apply to --solver {args.solver} (only to {', '.join(solvers)})")
 
@@ -276,7 +278,8 @@ def _solve_model(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders or "auto",
                           divides_p=not args.all_divisors,
-                          progress=_progress("building cost tables", args.progress))
+                          progress=_progress("building cost tables", args.progress),
+                          memory_limit_bytes=None if args.table_memory is None else int(args.table_memory))
     build = time.perf_counter() - t0
     plan = solve(g, m, solver=args.solver, tables=tables, **_solver_opts(args))
     plan = replace(plan, build_seconds=build)
@@ -330,7 +333,8 @@ def cmd_export_problem(args: argparse.Namespace) -> int:
     m = _machine(args, args.procs)
     tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders or "auto",
                           divides_p=not args.all_divisors,
-                          progress=_progress("building cost tables", args.progress))
+                          progress=_progress("building cost tables", args.progress),
+                          memory_limit_bytes=None if args.table_memory is None else int(args.table_memory))
     problem = tables.to_problem()
     try:
         save_problem(problem, args.output)
@@ -440,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ordering", choices=("min-table", "generateseq", "min-fill", "bfs"),
                    help="DP vertex order (default min-table)")
     p.add_argument("--table-memory", type=memory,
-                   help="DP / BFS-DP table memory limit in bytes (default 1/4 of RAM)")
+                   help="memory limit in bytes for building the cost tables and for the DP, BFS-DP and ILP "
+                        "(default 1/4 of the available memory)")
     p.add_argument("--time-limit", type=_real_option(positive=True, maximum=1e7, unit="s"),
                    help="ILP time limit, seconds (default 60)")
     p.add_argument("--seed", type=_int_option(0, 2**63 - 1), help="MCMC seed (default 0)")
@@ -455,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--procs", type=_int_option(1), required=True, help="number of devices")
     p.add_argument("-o", "--output", required=True, help="output JSON path")
     _add_machine(p)
+    p.add_argument("--table-memory", type=memory,
+                   help="memory limit in bytes for building the cost tables (default 1/4 of the available memory)")
     _add_progress(p)
     p.set_defaults(func=cmd_export_problem)
 

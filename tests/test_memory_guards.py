@@ -67,3 +67,48 @@ def test_bfs_dp_refuses_before_allocating():
                          "solve_bfs_dp(p, memory_limit_bytes=10**9).stats")
     assert "over the memory limit of 954 MiB" in r["error"]
     assert r["used"] < 200e6
+
+
+BUILD = '''
+from shardplan.models import get_model
+from shardplan.machine import preset
+from shardplan.cost import build_tables, choose_orders
+from shardplan.cost.budget import estimate_build
+from shardplan.configs import configurations, dimension_orders
+g, m = get_model("rnnlm"), preset("h100", 32)
+splits = [configurations(op, m.p, 1, False, True) for op in g.operators]
+pairs = [dimension_orders(c, "all") for c in splits]
+est = estimate_build(g, [c for c, _ in pairs], [o for _, o in pairs], m.p)
+'''
+
+
+def test_cost_table_build_estimate_bounds_its_peak():
+    r = memprobe.measure(BUILD, "[est.peak_bytes, len(build_tables(g, m, cutoff=1, orders='all').edge_costs)]")
+    assert r["error"] is None
+    est = r["result"][0]
+    assert 10e6 < r["used"] <= est, (r["used"], est)
+
+
+def test_cost_table_build_is_refused_before_allocating_with_what_would_help():
+    from shardplan.cost import build_tables
+    from shardplan.machine import preset
+    from shardplan.models import get_model
+
+    g, m = get_model("rnnlm"), preset("h100", 32)
+    with pytest.raises(ShardplanError, match=r"operator 'fc': building the cost tables needs about .* at the edge "
+                                             r"lstm -> fc \(\d+ x \d+ configurations on 32 devices\), over the "
+                                             r"memory limit of 95.4 MiB; try --orders row-major, a larger"):
+        build_tables(g, m, cutoff=1, orders="all", memory_limit_bytes=10**8)
+
+
+def test_cli_refuses_a_huge_build_in_one_line(capsys, tmp_path):
+    """The issue's case: alexnet on 4096 devices with every divisor, cutoff 1 and every order (12 GiB and more)."""
+    from shardplan.cli import main
+
+    code = main(["export-problem", "--model", "alexnet", "-p", "4096", "--all-divisors", "--cutoff", "1",
+                 "--orders", "all", "-o", str(tmp_path / "p.json"), "--table-memory", "4e9"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "building the cost tables needs about" in err and "over the memory limit of 3.73 GiB" in err
+    assert "--orders row-major" in err and "not --all-divisors" in err
+    assert not (tmp_path / "p.json").exists()

@@ -110,7 +110,8 @@ def choose_orders(graph: Graph, splits: Sequence[np.ndarray], orders: str) -> st
 
 def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,
                  divides_p: bool = True, orders: str = "auto", optimizer_factor: float = 2.0,
-                 progress: Callable[[int, int], None] | None = None) -> CostTables:
+                 progress: Callable[[int, int], None] | None = None,
+                 memory_limit_bytes: int | None = None) -> CostTables:
     """Configurations and costs of every operator and edge of ``graph`` on ``machine``.
 
     ``divides_p`` (default): keep configurations whose device count divides p,
@@ -121,6 +122,12 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     :func:`choose_orders` and :func:`shardplan.configs.dimension_orders`).
     ``progress(done, total)`` is called after each operator's memory, each
     operator's costs and each edge (total = 2 |V| + |E|).
+
+    Before anything large is allocated the peak memory of the whole build is
+    estimated (:func:`shardplan.cost.budget.estimate_build`, an upper bound);
+    above ``memory_limit_bytes`` (default: a quarter of the available
+    memory) the build is refused with a :class:`ShardplanError` naming the
+    phase at the peak, its configuration count and the estimate.
     """
     p = machine.num_devices
     if p > MAX_DEVICES:
@@ -129,6 +136,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     splits = [configurations(op, p, cutoff, powers_of_two, divides_p) for op in graph.operators]
     orders = choose_orders(graph, splits, orders)
     pairs = [dimension_orders(c, orders) for c in splits]
+    check_build_memory(graph, pairs, p, memory_limit_bytes, orders=orders, divides_p=divides_p)
     ops = graph.operators
     steps = 2 * len(ops) + len(graph.edges)  # progress(done, steps): memory, then costs per operator, then edges
 
@@ -162,6 +170,25 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
             "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped}
     return CostTables(graph, machine, configs, ords, op_costs, tuple(edge_costs), tuple(memory), opts)
+
+
+def check_build_memory(graph: Graph, pairs: Sequence[tuple[np.ndarray, np.ndarray]], p: int,
+                       limit: int | None, orders: str, divides_p: bool) -> None:
+    """Refuse (ShardplanError) a build whose estimated peak exceeds ``limit`` bytes, saying what would help."""
+    from shardplan.cost.budget import estimate_build
+    from shardplan.search.dp import default_memory_limit
+    from shardplan.units import fmt_bytes
+
+    limit = default_memory_limit() if limit is None else int(limit)
+    est = estimate_build(graph, [c for c, _ in pairs], [o for _, o in pairs], p)
+    if est.peak_bytes <= limit:
+        return
+    helps = (["--orders row-major"] if orders == "all" else []) + (["not --all-divisors"] if not divides_p else [])
+    helps += ["a larger --cutoff", "fewer devices", "a higher --table-memory"]
+    raise ShardplanError(
+        f"operator {est.operator!r}: building the cost tables needs about {fmt_bytes(est.peak_bytes)} at the "
+        f"{est.phase} ({est.configurations} configurations on {p} devices), over the memory limit of "
+        f"{fmt_bytes(limit)}; try {', '.join(helps)}")
 
 
 def fits_memory(op, weights: np.ndarray, activations: np.ndarray, limit: float) -> np.ndarray:

@@ -1,0 +1,139 @@
+"""How many bytes building the cost tables needs, known before anything big is allocated.
+
+The build works on per-device arrays: for an operator with K configurations
+on p devices, the device grid is a (K, p, n_dims) int64 array and every tile
+a (K, p, n_axes, 2) int64 array; for an edge, the fast path ANDs (K_u, K_v,
+ceil(p/64)) words of device bit-masks and the general path intersects boxes
+in chunks. What the build *keeps* grows with it: per operator the (K, p)
+memory tables (weights, activations: 16 K p bytes) and the cost vectors, per
+edge its (K_u, K_v) float64 matrix. So the peak of the whole build is
+
+    max over phases i of ( kept before i + peak of phase i ) ,
+
+with phases in build order: every operator's memory tables, every
+operator's costs, every edge. The per-phase peaks below are upper bounds
+read off the code of :mod:`shardplan.cost.tiles`, :mod:`~shardplan.cost.memory`,
+:mod:`~shardplan.cost.operator` and :mod:`~shardplan.cost.edge` (each counts
+the arrays alive at once at the worst point, plus numpy's temporaries), and
+are checked against measured peak RSS in tests/test_memory_guards.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from shardplan.ir import Graph, Operator
+
+__all__ = ["BuildEstimate", "estimate_build", "operator_phase_bytes", "edge_phase_bytes"]
+
+# The general edge path works on chunks of about 2^22 (pair, device[, axis]) entries (edge._CHUNK_ELEMS):
+# int32 bounds and their temporaries, an int64 product and an int64 difference per entry.
+CHUNK_ENTRIES = 1 << 22
+CHUNK_BYTES_PER_ENTRY = 48
+_SMALL = 1 << 20  # small arrays (configurations, orders, per-configuration vectors) and allocator slack
+
+
+@dataclass(frozen=True)
+class BuildEstimate:
+    """Upper bound of the build's peak bytes and where it is reached.
+
+    Attributes:
+        peak_bytes: max over phases of kept + phase peak.
+        phase: the phase at the peak ("memory of conv1", "costs of fc1", "edge conv2 -> pool2").
+        operator: the operator of that phase (the consumer for an edge).
+        configurations: its configuration count (K_u x K_v for an edge, as "K_u x K_v").
+        kept_bytes: bytes the finished tables hold at the end of the build.
+    """
+
+    peak_bytes: int
+    phase: str
+    operator: str
+    configurations: str
+    kept_bytes: int
+
+
+def _axes(op: Operator) -> int:
+    return max([len(t.axes) for t in op.tensors] + [1])
+
+
+def operator_phase_bytes(op: Operator, k: int, p: int) -> int:
+    """Peak bytes of :func:`operator_memory` or :func:`operator_cost` for one operator (the larger).
+
+    Alive at the worst point, in units of one (K, p) int64 array (8 K p bytes):
+    the device grid (n, and n more while its modulo is taken), two tiles of
+    the widest tensor (2 x 2A: halo exchange keeps the needed and the owned
+    tile) with their volumes (A), up to 12 per-axis temporaries of
+    :func:`tensor_boxes` and of the node-crossing test, and the accumulated
+    results; plus the (K, p) bool activity mask.
+    """
+    n, a = len(op.dims), _axes(op)
+    return 8 * k * p * (2 * n + 5 * a + 16) + k * p + _SMALL
+
+
+def edge_phase_bytes(u: Operator, ku: int, v: Operator, kv: int, p: int, patterns: tuple[int, int] | None = None) -> int:
+    """Peak bytes of :func:`edge_cost` for an edge with K_u x K_v configuration pairs.
+
+    Fast path: the AND of device bit-masks (K_u, K_v, W) uint64 with W =
+    ceil(p / 64), the gathered masks of one axis (the same size), the equality
+    test (K_u, K_v, W) bool, per axis the pattern match (P_u, P_v, p) built from
+    int64 block indices (``patterns`` = (P_u, P_v), at most (K_u, K_v)), and about
+    twelve (K_u, K_v) int64 arrays (overlaps, flags, volumes, times). General
+    path: both ends' tiles with their int64 and int32 copies and temporaries,
+    and one chunk.
+    """
+    words = (p + 63) // 64
+    pairs = ku * kv
+    pu, pv = patterns if patterns is not None else (ku, kv)
+    fast = pairs * words * (8 + 8 + 1) + pu * pv * p * 26 + pairs * 8 * 12
+    au, av = len(u.output.axes), max(len(t.axes) for t in v.inputs)
+    nu, nv = len(u.dims), len(v.dims)
+    # tiles of both ends (with the grid and temporaries of the one being built), then their int32 copies
+    tiles = 8 * p * (ku * (3 * au + 2 * nu + 14) + kv * (3 * av + 2 * nv + 14))
+    chunk = min(pairs * p * max(au, av, 1), max(CHUNK_ENTRIES, kv * p)) * CHUNK_BYTES_PER_ENTRY
+    return fast + tiles + chunk + pairs * 8 * 4 + _SMALL
+
+
+def _patterns(op: Operator, tensor, configs: np.ndarray, orders: np.ndarray | None, p: int) -> int:
+    """The largest number of distinct (split, device stride) patterns over the tensor's axes."""
+    from shardplan.cost.edge import _axis_blocks
+
+    if not len(configs):
+        return 0
+    splits, strides, _, _ = _axis_blocks(op, tensor, configs, orders, p)
+    keys = np.sort(splits * (p + 1) + strides, axis=1)  # (A, K): one integer per (split, stride) pattern
+    return max(1, int((1 + (np.diff(keys, axis=1) != 0).sum(axis=1)).max()) if keys.shape[1] else 1)
+
+
+def estimate_build(graph: Graph, configs: Sequence[np.ndarray], orders: Sequence[np.ndarray], p: int) -> BuildEstimate:
+    """Upper bound of the peak bytes of :func:`~shardplan.cost.build_tables` for these configurations.
+
+    ``configs[i]`` / ``orders[i]``: operator i's configurations and their
+    device-grid orders as the build will cost them (before any are dropped
+    for device memory, so the bound holds either way).
+    """
+    ops = graph.operators
+    ks = [len(c) for c in configs]
+    kept = 0
+    best = (0, "", "", "")
+    for i, op in enumerate(ops):  # memory tables: two (K, p) float64 per operator, kept
+        need = kept + operator_phase_bytes(op, ks[i], p)
+        best = max(best, (need, f"memory of {op.name}", op.name, str(ks[i])))
+        kept += 16 * ks[i] * p
+    for i, op in enumerate(ops):  # costs: seven (K,) vectors per operator, kept
+        need = kept + operator_phase_bytes(op, ks[i], p)
+        best = max(best, (need, f"costs of {op.name}", op.name, str(ks[i])))
+        kept += 56 * ks[i]
+    out_patterns: dict[int, int] = {}
+    for e in graph.edges:
+        u, v = ops[e.src], ops[e.dst]
+        if e.src not in out_patterns:
+            out_patterns[e.src] = _patterns(u, u.output, configs[e.src], orders[e.src], p)
+        pu = out_patterns[e.src]
+        pv = _patterns(v, v.inputs[e.slot], configs[e.dst], orders[e.dst], p)
+        need = kept + edge_phase_bytes(u, ks[e.src], v, ks[e.dst], p, (pu, pv))
+        best = max(best, (need, f"edge {u.name} -> {v.name}", v.name, f"{ks[e.src]} x {ks[e.dst]}"))
+        kept += 8 * ks[e.src] * ks[e.dst]
+    return BuildEstimate(int(best[0]), best[1], best[2], best[3], int(kept))
