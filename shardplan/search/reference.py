@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import ShardplanError, TableMemoryError
 from shardplan.search.dp import default_memory_limit
 from shardplan.search.ordering import bfs
 from shardplan.search.problem import Problem, Solution
@@ -117,7 +117,7 @@ def solve_bfs_dp(problem: Problem, memory_limit_bytes: int | None = None) -> Sol
         if need > limit:
             from shardplan.units import fmt_bytes
 
-            raise ShardplanError(
+            raise TableMemoryError(
                 f"vertex {problem.names[v]!r}: the breadth-first DP needs about {fmt_bytes(need)} here (a table "
                 f"over {len(axes)} vertices of {full:.4g} entries, plus {fmt_bytes(kept)} of argmin tables kept "
                 f"from earlier steps), over the memory limit of {fmt_bytes(limit)}; raise the limit "
