@@ -305,13 +305,25 @@ def _solve_problem(args: argparse.Namespace) -> int:
     sol = SOLVERS[args.solver](problem, **_solver_opts(args))
     out = solution_to_dict(problem, sol)
     print(f"{args.problem}: {problem.num_vertices} vertices, {len(problem.edges)} edges; solver {sol.solver}")
-    print(f"cost {out['cost']:.9g}  ({'optimal' if sol.optimal else 'not proven optimal'}), "
-          f"solved in {fmt_seconds(sol.solve_seconds)}")
+    print(f"cost {out['cost']:.9g}  ({_optimality(sol)}), solved in {fmt_seconds(sol.solve_seconds)}")
     if args.json:
         _write_json(args.json, out)
     else:
         print(json.dumps(out["configs"]))
     return 0
+
+
+def _optimality(sol) -> str:
+    """How far the answer is proven: the checks of :func:`shardplan.search.problem.certify`, in words."""
+    cert = sol.stats.get("certificate") or {}
+    if sol.optimal:
+        if cert.get("rel_gap") is not None:
+            return (f"optimal: cost and the solver's value of the optimum agree to relative "
+                    f"{cert['rel_gap']:.2g} <= {cert['rtol']:g}; no single change improves it")
+        return "optimal"
+    if cert.get("failed"):
+        return f"NOT proven optimal: {cert['failed']}"
+    return "not proven optimal"
 
 
 def cmd_solve(args: argparse.Namespace) -> int:

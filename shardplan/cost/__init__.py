@@ -167,9 +167,23 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         edge_costs.append(edge_cost(ops[e.src], configs[e.src], ops[e.dst], e.slot, configs[e.dst], machine,
                                     ords[e.src], ords[e.dst]))
         step(2 * len(ops) + i + 1)
+    _check_finite(graph, machine, op_costs, edge_costs)
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
             "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped}
     return CostTables(graph, machine, configs, ords, op_costs, tuple(edge_costs), tuple(memory), opts)
+
+
+def _check_finite(graph: Graph, machine: Machine, op_costs: Sequence[OpCost], edge_costs: Sequence[np.ndarray]) -> None:
+    """Refuse costs that overflowed (inf) or are undefined (NaN), naming where and the machine that caused it."""
+    for op, c in zip(graph.operators, op_costs):
+        if not np.all(np.isfinite(c.total)):
+            raise ShardplanError(f"operator {op.name!r}: its cost is not finite on {machine.describe()} (a FLOP/s, "
+                                 "bandwidth or latency too extreme for float64 seconds)")
+    for e, m in zip(graph.edges, edge_costs):
+        if not np.all(np.isfinite(m)):
+            u, v = graph.operators[e.src].name, graph.operators[e.dst].name
+            raise ShardplanError(f"edge {u!r} -> {v!r}: its redistribution cost is not finite on "
+                                 f"{machine.describe()} (a bandwidth or latency too extreme for float64 seconds)")
 
 
 def check_build_memory(graph: Graph, pairs: Sequence[tuple[np.ndarray, np.ndarray]], p: int,

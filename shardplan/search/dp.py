@@ -61,7 +61,7 @@ from shardplan.errors import ShardplanError, TableMemoryError
 from shardplan.search.bounds import bound_prune
 from shardplan.search.ordering import ORDERINGS, Ordering
 from shardplan.search.pairs import identical_rows, merge_pairs
-from shardplan.search.problem import Problem, Solution
+from shardplan.search.problem import Problem, Solution, certify
 from shardplan.search.reduce import Reduction, identity_reduction, reduce_problem
 
 __all__ = ["solve_dp", "solve_small", "default_memory_limit", "resolve_ordering"]
@@ -380,5 +380,6 @@ def solve_dp(
         order_seconds=t2 - t1,
         dp_seconds=t3 - t2,
     )
-    return Solution(cost=cost, assignment=original, solve_seconds=time.perf_counter() - t0,
-                    solver="dp", optimal=True, bound=cost, stats=stats)
+    sol = Solution(cost=cost, assignment=original, solve_seconds=time.perf_counter() - t0,
+                   solver="dp", optimal=True, bound=cost, stats=stats)
+    return certify(problem, sol, value)

@@ -22,7 +22,7 @@ import numpy as np
 from shardplan.errors import ShardplanError, TableMemoryError
 from shardplan.search.dp import default_memory_limit
 from shardplan.search.ordering import bfs
-from shardplan.search.problem import Problem, Solution
+from shardplan.search.problem import Problem, Solution, certify
 
 __all__ = ["solve_bruteforce", "solve_bfs_dp"]
 
@@ -73,9 +73,10 @@ def solve_bruteforce(problem: Problem, max_combinations: int = 10**7) -> Solutio
         if cost[j] < best_cost:
             best_cost, best_flat = float(cost[j]), int(flat[j])
     assign = tuple(int(x) for x in np.unravel_index(best_flat, sizes)) if sizes else ()
-    return Solution(cost=problem.evaluate(assign), assignment=assign, solve_seconds=time.perf_counter() - t0,
-                    solver="bruteforce", optimal=True, bound=None,
-                    stats={"combinations": total, "num_vertices": problem.num_vertices})
+    sol = Solution(cost=problem.evaluate(assign), assignment=assign, solve_seconds=time.perf_counter() - t0,
+                   solver="bruteforce", optimal=True, bound=None,
+                   stats={"combinations": total, "num_vertices": problem.num_vertices})
+    return certify(problem, sol, float(best_cost) if sizes else None)
 
 
 def solve_bfs_dp(problem: Problem, memory_limit_bytes: int | None = None) -> Solution:
@@ -149,8 +150,9 @@ def solve_bfs_dp(problem: Problem, memory_limit_bytes: int | None = None) -> Sol
     assign = [0] * n
     for v, ax, arg in reversed(history):
         assign[v] = int(arg[tuple(assign[w] for w in ax)])
-    return Solution(cost=problem.evaluate(assign), assignment=tuple(assign),
-                    solve_seconds=time.perf_counter() - t0, solver="bfs-dp", optimal=True, bound=None,
-                    stats={"ordering": "bfs", "max_dependent_set": max_frontier, "largest_table": largest,
-                           "num_vertices": n, "dp_value": float(table), "memory_estimate_bytes": peak,
-                           "kept_bytes": kept})
+    sol = Solution(cost=problem.evaluate(assign), assignment=tuple(assign),
+                   solve_seconds=time.perf_counter() - t0, solver="bfs-dp", optimal=True, bound=None,
+                   stats={"ordering": "bfs", "max_dependent_set": max_frontier, "largest_table": largest,
+                          "num_vertices": n, "dp_value": float(table), "memory_estimate_bytes": peak,
+                          "kept_bytes": kept})
+    return certify(problem, sol, float(table))
