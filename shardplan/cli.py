@@ -193,7 +193,7 @@ def _write_json(path: str, data: Any) -> None:
 # Solver options of `solve` and the solvers they apply to; giving one to another solver is an error.
 SOLVER_OPTIONS = {
     "ordering": ("--ordering", ("dp",)),
-    "table_memory": ("--table-memory", ("dp", "bfs-dp")),  # with --model it also limits the build
+    "table_memory": ("--table-memory", ("dp", "bfs-dp", "ilp")),  # with --model it also limits the build
     "time_limit": ("--time-limit", ("ilp",)),
     "seed": ("--seed", ("mcmc",)),
 }
@@ -225,7 +225,7 @@ def _solver_opts(args: argparse.Namespace) -> dict[str, Any]:
         if args.ordering is not None:
             opts["ordering"] = args.ordering
         opts["progress"] = _progress("eliminating vertices", args.progress)
-    if args.solver in ("dp", "bfs-dp") and args.table_memory is not None:
+    if args.solver in ("dp", "bfs-dp", "ilp") and args.table_memory is not None:
         opts["memory_limit_bytes"] = int(args.table_memory)
     if args.solver == "ilp":
         opts["time_limit"] = 60.0 if args.time_limit is None else args.time_limit

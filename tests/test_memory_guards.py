@@ -112,3 +112,30 @@ def test_cli_refuses_a_huge_build_in_one_line(capsys, tmp_path):
     assert "building the cost tables needs about" in err and "over the memory limit of 3.73 GiB" in err
     assert "--orders row-major" in err and "not --all-divisors" in err
     assert not (tmp_path / "p.json").exists()
+
+
+ILP = '''
+import scipy.optimize  # imported before the phase: its import is not the solve
+from shardplan.cost import build_tables
+from shardplan.machine import preset
+from shardplan.models import get_model
+from shardplan.search import solve_ilp
+p = build_tables(get_model("rnnlm"), preset("paper", 8), cutoff=1).to_problem()
+'''
+
+
+def test_ilp_estimate_bounds_its_peak():
+    """RNNLM on 8 devices: the measured program with the most bytes per nonzero (HiGHS's presolve)."""
+    r = memprobe.measure(ILP, "solve_ilp(p).stats")
+    assert r["error"] is None and r["result"]["status"].startswith("Optimization terminated successfully")
+    assert 50e6 < r["used"] <= r["result"]["memory_estimate_bytes"], (r["used"], r["result"]["memory_estimate_bytes"])
+
+
+def test_ilp_refuses_a_program_over_the_limit():
+    from shardplan.errors import TableMemoryError
+    from shardplan.search import solve_ilp
+
+    p = _spider(12, 2)
+    with pytest.raises(TableMemoryError, match=r"ILP: a program of 146 variables and 338 nonzeros needs about "
+                                               r"256 MiB .* over the memory limit of 95.4 MiB"):
+        solve_ilp(p, memory_limit_bytes=10**8)
