@@ -139,3 +139,39 @@ def test_ilp_refuses_a_program_over_the_limit():
     with pytest.raises(TableMemoryError, match=r"ILP: a program of 146 variables and 338 nonzeros needs about "
                                                r"256 MiB .* over the memory limit of 95.4 MiB"):
         solve_ilp(p, memory_limit_bytes=10**8)
+
+
+COMPLETE = '''
+import numpy as np
+from shardplan.search.problem import Problem
+
+def complete(n, k, seed=0):
+    """Every pair joined: eliminating the first vertex builds a table over all the others."""
+    rng = np.random.default_rng(seed)
+    edges = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    return Problem(tuple(f"v{i}" for i in range(n)), tuple(tuple((j,) for j in range(k)) for _ in range(n)),
+                   tuple(rng.random(k) for _ in range(n)), tuple(edges), tuple(rng.random((k, k)) for _ in edges))
+'''
+
+
+def test_dp_estimate_bounds_its_peak():
+    r = memprobe.measure(COMPLETE + "from shardplan.search import solve_dp\np = complete(8, 8)",
+                         "solve_dp(p, memory_limit_bytes=10**10, prune=False, bounds=False).stats")
+    assert r["error"] is None
+    est = r["result"]["memory_estimate_bytes"]
+    assert 50e6 < r["used"] <= est, (r["used"], est)
+
+
+def test_dp_limit_counts_what_earlier_steps_keep():
+    from shardplan.search import solve_dp
+
+    scope: dict = {}
+    exec(COMPLETE, scope)
+    p = scope["complete"](6, 6)
+    sol = solve_dp(p, prune=False, bounds=False)
+    est, kept = sol.stats["memory_estimate_bytes"], sol.stats["kept_bytes"]
+    assert kept > 0
+    assert solve_dp(p, prune=False, bounds=False, memory_limit_bytes=est).cost == sol.cost
+    with pytest.raises(ShardplanError, match=r"needs about .* with the .* of tables kept from earlier steps, "
+                                             r"over the memory limit"):
+        solve_dp(p, prune=False, bounds=False, memory_limit_bytes=est - 1)

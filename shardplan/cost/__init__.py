@@ -16,7 +16,7 @@ from shardplan.configs import configurations, dimension_orders
 from shardplan.cost.edge import edge_cost, edge_volumes
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import OpCost, operator_cost
-from shardplan.errors import ShardplanError
+from shardplan.errors import ShardplanError, TableMemoryError
 from shardplan.ir import Graph
 from shardplan.machine import Machine
 from shardplan.search.problem import Problem
@@ -199,7 +199,7 @@ def check_build_memory(graph: Graph, pairs: Sequence[tuple[np.ndarray, np.ndarra
         return
     helps = (["--orders row-major"] if orders == "all" else []) + (["not --all-divisors"] if not divides_p else [])
     helps += ["a larger --cutoff", "fewer devices", "a higher --table-memory"]
-    raise ShardplanError(
+    raise TableMemoryError(
         f"operator {est.operator!r}: building the cost tables needs about {fmt_bytes(est.peak_bytes)} at the "
         f"{est.phase} ({est.configurations} configurations on {p} devices), over the memory limit of "
         f"{fmt_bytes(limit)}; try {', '.join(helps)}")
