@@ -12,8 +12,9 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
+import shardplan
 from shardplan.errors import ShardplanError
 
 __all__ = ["main"]
@@ -68,14 +69,19 @@ MEMORY_OPTION_RANGE = (1.0, 2.0**62)  # bytes, for --table-memory / --bfs-memory
 
 
 class _UsageError(ShardplanError):
-    """A command line argparse refused (unknown option, missing value, bad value)."""
+    """A command line argparse refused (unknown option, missing value, bad value); ``prog``: which command."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with errors raised (one line, exit 2 from :func:`main`), not printed as usage + message."""
+    """argparse whose usage errors are one line and exit status 2 (from :func:`main`), like every other error,
+    instead of the usage text and the message."""
 
-    def error(self, message: str):  # type: ignore[override]
-        raise _UsageError(f"{message} (see '{self.prog} --help')")
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self.prog, f"{message} (see '{self.prog} --help')")
 
 
 def _int_option(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
@@ -117,7 +123,7 @@ def _real_option(minimum: float | None = None, maximum: float | None = None, pos
 
 def _plot_path(text: str) -> str:
     """argparse type for --plot: a file name whose suffix is an image format matplotlib writes."""
-    from shardplan.compare import plot_formats
+    from shardplan.report.plot import plot_formats
 
     suffix = Path(text).suffix.lower().lstrip(".")
     formats = plot_formats()
@@ -246,13 +252,14 @@ def cmd_ops(args: argparse.Namespace) -> int:
     from shardplan.baselines import batch_dim, nearest_valid
     from shardplan.configs import configurations, dimension_orders
     from shardplan.cost import operator_cost
+    from shardplan.report import format_table
     from shardplan.units import fmt_seconds
 
     spec, g = _graph(args)
     m = _machine(args, args.procs)
     cutoff = _cutoff(args, spec)
     print(f"{g.name}: {len(g.operators)} operators, {len(g.edges)} edges; p = {m.num_devices}, cutoff {cutoff}")
-    rows = [("operator", "kind", "dims", "extents", "configs", "with orders", "data-parallel t_l")]
+    rows = []
     for op in g.operators:
         c = configurations(op, m.num_devices, cutoff, divides_p=not args.all_divisors)
         c2, _ = dimension_orders(c, "all")
@@ -261,17 +268,16 @@ def cmd_ops(args: argparse.Namespace) -> int:
         t = operator_cost(op, [dp], m).total[0]
         rows.append((op.name, op.kind, op.label, "x".join(str(e) for _, e in op.dims), str(len(c)), str(len(c2)),
                      fmt_seconds(float(t))))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
+    print(format_table(rows, ("operator", "kind", "dims", "extents", "configs", "with orders", "data-parallel t_l"),
+                       right=(), rule=False))
     return 0
 
 
 def _solve_model(args: argparse.Namespace) -> int:
     from shardplan.baselines import baseline_plans
     from shardplan.cost import build_tables
-    from shardplan.plan import solve
-    from shardplan.report import plan_to_json, render_report
+    from shardplan.plan import solve_tables
+    from shardplan.report import plan_to_dot, plan_to_json, render_report
 
     spec, g = _graph(args)
     m = _machine(args, args.procs)
@@ -281,15 +287,12 @@ def _solve_model(args: argparse.Namespace) -> int:
                           progress=_progress("building cost tables", args.progress),
                           memory_limit_bytes=None if args.table_memory is None else int(args.table_memory))
     build = time.perf_counter() - t0
-    plan = solve(g, m, solver=args.solver, tables=tables, **_solver_opts(args))
-    plan = replace(plan, build_seconds=build)
-    baselines = {} if args.no_baselines else baseline_plans(spec.name, tables)
+    plan = solve_tables(tables, solver=args.solver, build_seconds=build, **_solver_opts(args))
+    baselines = {} if args.no_baselines else baseline_plans(tables, spec.expert)
     print(render_report(plan, baselines))
     if args.json:
         _write_json(args.json, plan_to_json(plan, baselines))
     if args.dot:
-        from shardplan.export.dot import plan_to_dot
-
         try:
             Path(args.dot).write_text(plan_to_dot(plan))
         except OSError as e:
@@ -384,7 +387,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(args.json, result)
     if args.plot:
-        from shardplan.compare import plot_speedups
+        from shardplan.report import plot_speedups
 
         try:
             plot_speedups(result["points"], args.plot, result["title"])
@@ -396,21 +399,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- parser
 def _add_machine(p: argparse.ArgumentParser) -> None:
-    from shardplan.machine import DTYPE_BYTES
+    from shardplan.machine import DTYPE_BYTES, PRESETS
 
-    p.add_argument("--machine", default=None,
-                   help="machine preset: paper (10 TFLOP/s, 16 GB/s), 1080ti, 2080ti, a100, h100 (default paper)")
+    p.add_argument("--machine", default=None, choices=tuple(PRESETS),
+                   help="machine preset (default paper: 10 TFLOP/s, 16 GB/s)")
     p.add_argument("--flops", type=_real_option(*FLOPS_RANGE, unit="FLOP/s"),
                    help=f"override peak FLOP/s per device ({FLOPS_RANGE[0]:g} to {FLOPS_RANGE[1]:g})")
     p.add_argument("--bandwidth", type=_real_option(*BANDWIDTH_RANGE, unit="B/s"),
                    help=f"override link bandwidth, bytes/s ({BANDWIDTH_RANGE[0]:g} to {BANDWIDTH_RANGE[1]:g})")
     p.add_argument("--latency", type=_real_option(*LATENCY_RANGE, unit="s"),
                    help=f"override link latency, seconds ({LATENCY_RANGE[0]:g} to {LATENCY_RANGE[1]:g})")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="element type: fp32, bf16, fp16")
+    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="element type")
 
 
 def _add_model(p: argparse.ArgumentParser, required: bool = True, orders: bool = True) -> None:
     from shardplan.checks import MAX_EXTENT
+    from shardplan.cost import ORDERS
 
     p.add_argument("--model", required=required, help="zoo model name (see `shardplan models`)")
     p.add_argument("--batch", type=_int_option(1, MAX_EXTENT), help="batch size (default: the model's)")
@@ -418,7 +422,7 @@ def _add_model(p: argparse.ArgumentParser, required: bool = True, orders: bool =
     p.add_argument("--cutoff", type=_int_option(1, MAX_EXTENT),
                    help="minimum points per part (default: the model's, 4 CNNs / 1 sequence)")
     if orders:
-        p.add_argument("--orders", default=None, choices=("auto", "all", "row-major"),
+        p.add_argument("--orders", default=None, choices=ORDERS,
                        help="device-grid nestings offered per configuration (default auto: all while small)")
     p.add_argument("--all-divisors", action="store_true", default=None,
                    help="also allow configurations whose device count does not divide p (idle devices)")
@@ -431,11 +435,15 @@ def _add_progress(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shardplan.cost import ORDERS
+    from shardplan.machine import PRESETS
+    from shardplan.search import SOLVERS
+    from shardplan.search.ordering import ORDERINGS
+
     memory = _real_option(*MEMORY_OPTION_RANGE, unit="B")
-    ap = _Parser(prog="shardplan",
-                 description="Exact search for the fastest way to split a DNN training step "
-                             "across devices (PaSE), with reports and problem files.")
-    ap.add_argument("--version", action="version", version="shardplan 0.1.0")
+    ap = _Parser(prog="shardplan", description="Exact search for the fastest way to split a DNN training step "
+                                               "across devices (PaSE), with reports and problem files.")
+    ap.add_argument("--version", action="version", version=f"shardplan {shardplan.__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("models", help="list the model zoo")
@@ -452,9 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--problem", help="a shardplan-problem/1 JSON file instead of a model")
     p.add_argument("-p", "--procs", type=_int_option(1), help="number of devices")
     _add_machine(p)
-    p.add_argument("--solver", default="dp", choices=("dp", "ilp", "mcmc", "bruteforce", "bfs-dp"))
-    p.add_argument("--ordering", choices=("min-table", "generateseq", "min-fill", "bfs"),
-                   help="DP vertex order (default min-table)")
+    p.add_argument("--solver", default="dp", choices=tuple(SOLVERS))
+    p.add_argument("--ordering", choices=tuple(ORDERINGS), help="DP vertex order (default min-table)")
     p.add_argument("--table-memory", type=memory,
                    help="memory limit in bytes for building the cost tables and for the DP, BFS-DP and ILP "
                         "(default 1/4 of the available memory)")
@@ -480,8 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="the paper's Table I: solve time per model and device count")
     p.add_argument("--models", default="alexnet,inception_v3,rnnlm,transformer,resnet101")
     p.add_argument("--procs", default="4,8,16,32,64")
-    p.add_argument("--machine", default="paper")
-    p.add_argument("--orders", default="auto", choices=("auto", "all", "row-major"))
+    p.add_argument("--machine", default="paper", choices=tuple(PRESETS))
+    p.add_argument("--orders", default="auto", choices=ORDERS)
     p.add_argument("--no-bfs", action="store_true", help="skip the breadth-first-order DP column")
     p.add_argument("--bfs-memory", type=memory, help="table memory limit of the BFS DP, bytes (default 2e9)")
     p.add_argument("--out", help="write JSON here")
@@ -492,11 +499,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--model", required=True)
     p.add_argument("--procs", default="4,8,16,32,64")
-    p.add_argument("--machine", dest="machine_list", action="append", help="machine preset (repeat to compare)")
+    p.add_argument("--machine", dest="machine_list", action="append", choices=tuple(PRESETS),
+                   help="machine preset (repeat to compare; default paper)")
     p.add_argument("--batch", type=_int_option(1, MAX_EXTENT))
     p.add_argument("--set", action="append", metavar="KEY=VALUE")
     p.add_argument("--cutoff", type=_int_option(1, MAX_EXTENT))
-    p.add_argument("--orders", default="auto", choices=("auto", "all", "row-major"))
+    p.add_argument("--orders", default="auto", choices=ORDERS)
     p.add_argument("--seed", type=_int_option(0, 2**63 - 1), default=0, help="MCMC seed")
     p.add_argument("--json", help="write JSON here")
     p.add_argument("--plot", type=_plot_path, help="write a plot here (.png, .pdf, .svg, ...)")
@@ -512,6 +520,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 0
         return args.func(args)
+    except _UsageError as e:
+        print(f"{e.prog}: error: {_one_line(str(e))}", file=sys.stderr)
+        return 2
     except ShardplanError as e:
         print(f"shardplan: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
