@@ -73,7 +73,8 @@ def operator_phase_bytes(op: Operator, k: int, p: int) -> int:
     return 8 * k * p * (2 * n + 5 * a + 16) + k * p + _SMALL
 
 
-def edge_phase_bytes(u: Operator, ku: int, v: Operator, kv: int, p: int, patterns: tuple[int, int] | None = None) -> int:
+def edge_phase_bytes(u: Operator, ku: int, v: Operator, kv: int, p: int,
+                     patterns: tuple[int, int] | None = None) -> int:
     """Peak bytes of :func:`edge_cost` for an edge with K_u x K_v configuration pairs.
 
     Fast path: the AND of device bit-masks (K_u, K_v, W) uint64 with W =

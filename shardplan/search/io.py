@@ -25,7 +25,8 @@ import numpy as np
 from shardplan.errors import ShardplanError
 from shardplan.search.problem import Problem, Solution
 
-__all__ = ["FORMAT", "load_problem", "parse_problem_text", "save_problem", "problem_to_dict", "problem_from_dict", "solution_to_dict",
+__all__ = ["FORMAT", "load_problem", "parse_problem_text", "save_problem", "problem_to_dict", "problem_from_dict",
+           "solution_to_dict",
            "jsonable"]
 
 FORMAT = "shardplan-problem/1"
