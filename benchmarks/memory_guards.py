@@ -24,17 +24,11 @@ import memprobe  # noqa: E402
 BUILD = '''
 from shardplan.models import get_model
 from shardplan.machine import preset
-from shardplan.cost import build_tables, choose_orders
-from shardplan.cost.budget import estimate_build
-from shardplan.configs import configurations, dimension_orders
+from shardplan.cost import build_tables
 g, m = get_model("{model}"), preset("{machine}", {p})
-splits = [configurations(op, m.p, {cutoff}, False, {divides}) for op in g.operators]
-mode = choose_orders(g, splits, "{orders}")
-pairs = [dimension_orders(c, mode) for c in splits]
-est = estimate_build(g, [c for c, _ in pairs], [o for _, o in pairs], m.p)
 '''
-BUILD_PHASE = ("[est.peak_bytes, len(build_tables(g, m, cutoff={cutoff}, divides_p={divides}, orders='{orders}', "
-               "memory_limit_bytes=10**12).edge_costs)]")
+BUILD_PHASE = ("build_tables(g, m, cutoff={cutoff}, divides_p={divides}, orders='{orders}', "
+               "memory_limit_bytes=10**12).options")
 GRAPHS = '''
 import numpy as np
 from shardplan.search.problem import Problem
@@ -105,7 +99,7 @@ def main() -> None:
         if r["error"]:
             raise SystemExit(f"{phase} {name}: {r['error']}")
         res = r["result"]
-        est = res[0] if isinstance(res, list) else res["memory_estimate_bytes"]
+        est = res["memory_estimate_bytes"]
         row = {"phase": phase, "case": name, "estimate_bytes": int(est), "measured_peak_bytes": int(r["used"]),
                "ratio_measured_to_estimate": r["used"] / est, "seconds": time.perf_counter() - t0}
         rows.append(row)

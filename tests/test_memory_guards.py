@@ -72,20 +72,15 @@ def test_bfs_dp_refuses_before_allocating():
 BUILD = '''
 from shardplan.models import get_model
 from shardplan.machine import preset
-from shardplan.cost import build_tables, choose_orders
-from shardplan.cost.budget import estimate_build
-from shardplan.configs import configurations, dimension_orders
-g, m = get_model("rnnlm"), preset("h100", 32)
-splits = [configurations(op, m.p, 1, False, True) for op in g.operators]
-pairs = [dimension_orders(c, "all") for c in splits]
-est = estimate_build(g, [c for c, _ in pairs], [o for _, o in pairs], m.p)
+from shardplan.cost import build_tables
+g, m = get_model("alexnet"), preset("paper", 128)
 '''
 
 
 def test_cost_table_build_estimate_bounds_its_peak():
-    r = memprobe.measure(BUILD, "[est.peak_bytes, len(build_tables(g, m, cutoff=1, orders='all').edge_costs)]")
+    r = memprobe.measure(BUILD, "build_tables(g, m, divides_p=False, orders='row-major').options")
     assert r["error"] is None
-    est = r["result"][0]
+    est = r["result"]["memory_estimate_bytes"]
     assert 10e6 < r["used"] <= est, (r["used"], est)
 
 
@@ -94,11 +89,12 @@ def test_cost_table_build_is_refused_before_allocating_with_what_would_help():
     from shardplan.machine import preset
     from shardplan.models import get_model
 
-    g, m = get_model("rnnlm"), preset("h100", 32)
-    with pytest.raises(ShardplanError, match=r"operator 'fc': building the cost tables needs about .* at the edge "
-                                             r"lstm -> fc \(\d+ x \d+ configurations on 32 devices\), over the "
-                                             r"memory limit of 95.4 MiB; try --orders row-major, a larger"):
-        build_tables(g, m, cutoff=1, orders="all", memory_limit_bytes=10**8)
+    g, m = get_model("alexnet"), preset("paper", 128)
+    with pytest.raises(ShardplanError, match=r"operator '\w+': building the cost tables needs about .* at the "
+                                             r"(edge \w+ -> \w+|costs of \w+) \(\d+( x \d+)? configurations on 128 "
+                                             r"devices\), over the memory limit of 95.4 MiB; try not --all-divisors, "
+                                             r"a larger --cutoff"):
+        build_tables(g, m, divides_p=False, orders="row-major", memory_limit_bytes=10**8)
 
 
 def test_cli_refuses_a_huge_build_in_one_line(capsys, tmp_path):

@@ -10,8 +10,8 @@ edge its (K_u, K_v) float64 matrix. So the peak of the whole build is
 
     max over phases i of ( kept before i + peak of phase i ) ,
 
-with phases in build order: every operator's memory tables, every
-operator's costs, every edge. The per-phase peaks below are upper bounds
+with phases in build order: every distinct operator's memory tables and
+costs, every distinct edge. The per-phase peaks below are upper bounds
 read off the code of :mod:`shardplan.cost.tiles`, :mod:`~shardplan.cost.memory`,
 :mod:`~shardplan.cost.operator` and :mod:`~shardplan.cost.edge` (each counts
 the arrays alive at once at the worst point, plus numpy's temporaries), and
@@ -21,7 +21,7 @@ are checked against measured peak RSS in tests/test_memory_guards.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -33,6 +33,7 @@ __all__ = ["BuildEstimate", "estimate_build", "operator_phase_bytes", "edge_phas
 # int32 bounds and their temporaries, an int64 product and an int64 difference per entry.
 CHUNK_ENTRIES = 1 << 22
 CHUNK_BYTES_PER_ENTRY = 48
+PARTS_BOUND = range(12)  # per-configuration cost vectors an OpCost keeps (at most)
 _SMALL = 1 << 20  # small arrays (configurations, orders, per-configuration vectors) and allocator slack
 
 
@@ -97,44 +98,54 @@ def edge_phase_bytes(u: Operator, ku: int, v: Operator, kv: int, p: int,
     return fast + tiles + chunk + pairs * 8 * 4 + _SMALL
 
 
-def _patterns(op: Operator, tensor, configs: np.ndarray, orders: np.ndarray | None, p: int) -> int:
-    """The largest number of distinct (split, device stride) patterns over the tensor's axes."""
+def _patterns(op: Operator, tensor, arr) -> int:
+    """The largest number of distinct block patterns (split and per-level stride pattern) over the tensor's axes."""
     from shardplan.cost.edge import _axis_blocks
 
-    if not len(configs):
+    if not len(arr):
         return 0
-    splits, strides, _, _ = _axis_blocks(op, tensor, configs, orders, p)
-    keys = np.sort(splits * (p + 1) + strides, axis=1)  # (A, K): one integer per (split, stride) pattern
-    return max(1, int((1 + (np.diff(keys, axis=1) != 0).sum(axis=1)).max()) if keys.shape[1] else 1)
+    splits, pats, _, _ = _axis_blocks(op, tensor, arr)
+    best = 1
+    for ax in range(splits.shape[0]):
+        rows = np.concatenate([splits[ax][:, None], pats[ax]], axis=1)
+        best = max(best, len(np.unique(rows, axis=0)))
+    return best
 
 
-def estimate_build(graph: Graph, configs: Sequence[np.ndarray], orders: Sequence[np.ndarray], p: int) -> BuildEstimate:
-    """Upper bound of the peak bytes of :func:`~shardplan.cost.build_tables` for these configurations.
+def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, object], p: int) -> BuildEstimate:
+    """Upper bound of the peak bytes of :func:`~shardplan.cost.build_tables` for these candidate layouts.
 
-    ``configs[i]`` / ``orders[i]``: operator i's configurations and their
-    device-grid orders as the build will cost them (before any are dropped
-    for device memory, so the bound holds either way).
+    ``keys[i]``: operator i's key (identical operators share one, and the
+    build costs them once); ``arrays[key]``: that key's candidate layouts
+    (:class:`~shardplan.layout.LayoutArrays`), as the build will cost them
+    (before any are dropped for device memory, so the bound holds either way).
+    Identical edges (same keys at both ends, same input slot) are costed once.
     """
     ops = graph.operators
-    ks = [len(c) for c in configs]
+    first: dict[tuple, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    ks = {key: len(arrays[key]) for key in first}
     kept = 0
     best = (0, "", "", "")
-    for i, op in enumerate(ops):  # memory tables: two (K, p) float64 per operator, kept
-        need = kept + operator_phase_bytes(op, ks[i], p)
-        best = max(best, (need, f"memory of {op.name}", op.name, str(ks[i])))
-        kept += 16 * ks[i] * p
-    for i, op in enumerate(ops):  # costs: seven (K,) vectors per operator, kept
-        need = kept + operator_phase_bytes(op, ks[i], p)
-        best = max(best, (need, f"costs of {op.name}", op.name, str(ks[i])))
-        kept += 56 * ks[i]
-    out_patterns: dict[int, int] = {}
+    for key, i in first.items():  # per distinct operator: memory tables (two (K, p) float64) and cost vectors
+        op = ops[i]
+        need = kept + operator_phase_bytes(op, ks[key], p)
+        best = max(best, (need, f"costs of {op.name}", op.name, str(ks[key])))
+        kept += 16 * ks[key] * p + 8 * len(PARTS_BOUND) * ks[key]
+    out_patterns: dict[tuple, int] = {}
+    seen: set[tuple] = set()
     for e in graph.edges:
+        ku_key, kv_key = keys[e.src], keys[e.dst]
+        if (ku_key, kv_key, e.slot) in seen:
+            continue
+        seen.add((ku_key, kv_key, e.slot))
         u, v = ops[e.src], ops[e.dst]
-        if e.src not in out_patterns:
-            out_patterns[e.src] = _patterns(u, u.output, configs[e.src], orders[e.src], p)
-        pu = out_patterns[e.src]
-        pv = _patterns(v, v.inputs[e.slot], configs[e.dst], orders[e.dst], p)
-        need = kept + edge_phase_bytes(u, ks[e.src], v, ks[e.dst], p, (pu, pv))
-        best = max(best, (need, f"edge {u.name} -> {v.name}", v.name, f"{ks[e.src]} x {ks[e.dst]}"))
-        kept += 8 * ks[e.src] * ks[e.dst]
+        if ku_key not in out_patterns:
+            out_patterns[ku_key] = _patterns(u, u.output, arrays[ku_key])
+        pv = _patterns(v, v.inputs[e.slot], arrays[kv_key])
+        ku, kv = ks[ku_key], ks[kv_key]
+        need = kept + edge_phase_bytes(u, ku, v, kv, p, (out_patterns[ku_key], pv))
+        best = max(best, (need, f"edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
+        kept += 8 * ku * kv
     return BuildEstimate(int(best[0]), best[1], best[2], best[3], int(kept))
