@@ -32,7 +32,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     sizes = _parse_sizes(args.set)
     batch = args.batch if args.batch is not None else spec.batch
     machine = _machine(args, args.procs)
-    opts: dict[str, Any] = {"cutoff": _cutoff(args, spec), "orders": args.orders}
+    opts: dict[str, Any] = {"cutoff": _cutoff(args, spec), "orders": args.orders or "auto"}
     budget = None if args.memory is None else args.memory * 1024**3
     result = pipeline_solve(lambda b: spec.build(b, **sizes), batch, machine,
                             micro_batches=_ints(args.micro_batches, "--micro-batches"),
