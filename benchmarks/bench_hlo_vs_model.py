@@ -4,8 +4,8 @@ For each example model (MLP, two-layer transformer, CNN) and each strategy
 (the optimal plan, data parallel with the batch split 8 ways, and for the
 transformer the Megatron-LM layout), the traced loss is compiled as planned
 on 8 simulated CPU devices; the collectives of the compiled HLO give the
-bytes each device really sends (:func:`shardplan.export.hlo.hlo_bytes_per_device`),
-the cost model gives its prediction (:func:`shardplan.export.hlo.predicted_bytes`).
+bytes each device really sends (:func:`shardplan.jax.hlo.hlo_bytes_per_device`),
+the cost model gives its prediction (:func:`shardplan.jax.hlo.predicted_bytes`).
 
     PYTHONPATH=. python benchmarks/bench_hlo_vs_model.py
 
@@ -87,8 +87,8 @@ def megatron_plan(tables: Any, info: Any, mod: Any, p: int = 8) -> Any:
 
 
 def measure(plan: Any, info: Any, params: Any, batch: Any) -> dict[str, Any]:
-    from shardplan.export.hlo import by_kind, hlo_bytes_per_device, parse_collectives, predicted_bytes
-    from shardplan.export.jax import make_step
+    from shardplan.jax.hlo import hlo_bytes_per_device, parse_collectives, predicted_bytes
+    from shardplan.jax.run import make_step
 
     step = make_step(plan, info)
     loss, grads = step(params, batch)
@@ -112,7 +112,7 @@ def main() -> None:
     import jax
 
     from shardplan.cost import build_tables
-    from shardplan.frontends.jax import trace
+    from shardplan.jax.lower import trace
     from shardplan.machine import Machine
     from shardplan.plan import solve
 
