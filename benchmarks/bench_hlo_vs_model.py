@@ -37,53 +37,12 @@ def load_example(name: str) -> Any:
     return mod
 
 
-def data_parallel_plan(tables: Any, batch_size: int, p: int = 8) -> Any:
-    """Split each operator's batch dimension p ways: the dim indexing axis 0 of its output, else of its first input."""
-    from shardplan.plan import plan_from_configs
-
-    cfg = {}
-    for op in tables.graph.operators:
-        c = [1] * len(op.dims)
-        for t in (op.output,) + op.inputs:
-            if t.shape and t.shape[0] == batch_size and t.axes[0].dim is not None:
-                c[op.dim_names.index(t.axes[0].dim)] = p
-                break
-        cfg[op.name] = c
-    return plan_from_configs(tables, cfg, "data-parallel")
-
-
-def megatron_plan(tables: Any, info: Any, mod: Any, p: int = 8) -> Any:
-    """Megatron-LM: Q/K/V and FFN-in split on their output (heads / hidden), output and FFN-out on their input.
-
-    An operator that reads a weight named in ``mod.MEGATRON_WEIGHT_AXES`` splits the dimension indexing
-    that weight axis p ways; the attention core splits its head dimension (the one of extent HEADS), the
-    FFN activation its hidden dimension (extent FFN); everything else (layer norms, residuals, loss) is
-    replicated.
-    """
-    from shardplan.plan import plan_from_configs
-
-    split_of: dict[str, str] = {}
-    for leaf, uses in info.leaf_uses.items():
-        key = info.leaf_names[leaf].rsplit("[", 1)[-1].strip("']")
-        axis = mod.MEGATRON_WEIGHT_AXES.get(key)
-        if axis is None:
-            continue
-        for op_name, dims in uses:
-            if dims[axis] is not None:
-                split_of[op_name] = dims[axis]
-    cfg = {}
-    for op in tables.graph.operators:
-        c = [1] * len(op.dims)
-        if op.name in split_of:
-            c[op.dim_names.index(split_of[op.name])] = p
-        elif not op.weights:
-            # the attention core keeps heads split, the FFN activation keeps its hidden units split
-            want = mod.HEADS if "attn" in op.name else mod.FFN if "ffn" in op.name else None
-            dims = [d for d, e in op.dims if e == want]
-            if dims:
-                c[op.dim_names.index(dims[0])] = p
-        cfg[op.name] = c
-    return plan_from_configs(tables, cfg, "megatron")
+def by_kind(collectives: Any) -> dict[str, int]:
+    """How many collectives of each kind."""
+    out: dict[str, int] = {}
+    for c in collectives:
+        out[c.kind] = out.get(c.kind, 0) + 1
+    return out
 
 
 def measure(plan: Any, info: Any, params: Any, batch: Any) -> dict[str, Any]:
@@ -111,6 +70,7 @@ def measure(plan: Any, info: Any, params: Any, batch: Any) -> dict[str, Any]:
 def main() -> None:
     import jax
 
+    from shardplan.baselines import baseline_plan
     from shardplan.cost import build_tables
     from shardplan.jax.lower import trace
     from shardplan.machine import Machine
@@ -123,9 +83,9 @@ def main() -> None:
         params, batch = mod.init_params(jax.random.PRNGKey(0)), mod.make_batch(jax.random.PRNGKey(1))
         graph, info = trace(mod.loss_fn, params, batch)
         tables = build_tables(graph, machine, cutoff=1, divides_p=True)
-        plans = [solve(graph, machine, tables=tables), data_parallel_plan(tables, mod.BATCH)]
-        if hasattr(mod, "MEGATRON_WEIGHT_AXES"):
-            plans.append(megatron_plan(tables, info, mod))
+        plans = [solve(graph, machine, tables=tables), baseline_plan("data_parallel", tables)]
+        if hasattr(mod, "megatron_plan"):
+            plans.append(mod.megatron_plan(tables, info))
         for plan in plans:
             row = measure(plan, info, params, batch)
             row["model"] = name

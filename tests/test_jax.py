@@ -21,12 +21,13 @@ from shardplan.jax.lower import trace  # noqa: E402
 from shardplan.ir import TensorRef  # noqa: E402
 from shardplan.machine import Machine  # noqa: E402
 from shardplan.plan import plan_from_configs  # noqa: E402
-from benchmarks.bench_hlo_vs_model import data_parallel_plan, megatron_plan  # noqa: E402
+from shardplan.baselines import baseline_plan  # noqa: E402
+from conftest import require_8_devices  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
+DEVICES = require_8_devices()
 
 
 def _example(name: str):
@@ -135,7 +136,7 @@ def test_data_parallel_plan_is_compiled_as_planned():
     mod = _example("jax_mlp")
     params, batch = mod.init_params(jax.random.PRNGKey(0)), mod.make_batch(jax.random.PRNGKey(1))
     g, info = trace(mod.loss_fn, params, batch)
-    plan = data_parallel_plan(build_tables(g, TOY, cutoff=1, divides_p=True), mod.BATCH)
+    plan = baseline_plan("data_parallel", build_tables(g, TOY, cutoff=1, divides_p=True))
     step = make_step(plan, info)
     loss, grads = step(params, batch)
     assert _rel_err(grads, jax.grad(mod.loss_fn)(params, batch)) <= 1e-5
@@ -152,7 +153,7 @@ def test_megatron_transformer_layout():
     g, info = trace(mod.loss_fn, params, batch)
     tables = build_tables(g, TOY, cutoff=1, divides_p=True)
 
-    plan = megatron_plan(tables, info, mod)
+    plan = mod.megatron_plan(tables, info)
     step = make_step(plan, info)
     loss, grads = step(params, batch)
     assert _rel_err(grads, jax.grad(mod.loss_fn)(params, batch)) <= 1e-5

@@ -305,13 +305,14 @@ class _GraphPass:
 
     # -- adding operators -------------------------------------------------
     def adopt(self, eqn: FlatEqn, op: Operator, vals: Sequence[_Val], out_index: int = 0,
-              fixed: Sequence[str] = ()) -> _Val:
+              fixed: Sequence[str] = (), inserted_axis: int | None = None) -> _Val:
         """Register ``op``, built on ``self.ref`` stand-ins of ``vals`` (in order), with its operands re-based.
 
         Constants are dropped (free, replicated), parameters become weights,
         everything else inputs from their producing operator or graph input.
         The dimension indexing a batch-carrying operand axis is renamed ``b``;
-        the operator is named after the equation's scope.
+        the operator is named after the equation's scope. ``inserted_axis``:
+        the stand-ins have a unit axis there that the equation's operands lack.
         """
         if len(op.inputs) != len(vals) or op.weights:
             raise AssertionError(f"{op.name}: an adopted operator reads exactly its stand-ins")
@@ -326,8 +327,10 @@ class _GraphPass:
             vb = v.view_batch
             if batch_dim is None and vb is not None and same_rank and t.axes[vb].is_plain:
                 batch_dim = t.axes[vb].dim
-            reads.append((self.eqn_index, slot, tuple(_blocking_dim(a) for a in t.axes) if same_rank
-                          else (None,) * len(v.shape)))
+            read = [_blocking_dim(a) for a in t.axes] if same_rank else [None] * len(v.shape)
+            if inserted_axis is not None:
+                del read[inserted_axis]
+            reads.append((self.eqn_index, slot, tuple(read)))
             if v.kind == "param":
                 ws.append(self.tensor(v, f"w{len(ws)}", t.axes))
             else:
@@ -677,6 +680,18 @@ def _reduce_window(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
 def _concatenate(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     """``ops.concat``: operand k is read at ``index - start_k`` along the concatenated axis."""
     g.adopt(eqn, ops.concat("_", [g.ref(v, k) for k, v in enumerate(vals)], eqn.params["dimension"]), vals)
+
+
+@handles("stack")
+def _stack(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
+    """``stack`` is ``ops.concat`` of the operands seen with a unit axis inserted at ``axis``."""
+    ax = eqn.params["axis"]
+    views = []
+    for v in vals:
+        shape = list(v.shape)
+        shape.insert(ax, 1)
+        views.append(v.retarget(shape, lambda a: a + 1 if a >= ax else a))
+    g.adopt(eqn, ops.concat("_", [g.ref(v, k) for k, v in enumerate(views)], ax), views, inserted_axis=ax)
 
 
 def _slice_op(eqn: FlatEqn, v: _Val, starts: Sequence[int], strides: Sequence[int], out: Sequence[int]) -> Operator:
