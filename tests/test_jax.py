@@ -183,3 +183,50 @@ def test_hlo_group_forms_and_ring_bytes():
     assert sent[3] == pytest.approx(7 / 8 * 64 * 4)
     assert sent[4] == pytest.approx(20)
     assert sent[5] == pytest.approx(2 * 7 / 8 * 24)
+
+
+# -- your own training loop ------------------------------------------------------
+def test_planned_shardings_in_an_optax_training_step():
+    """Shardings as pytrees of NamedSharding, the constrained loss inside the user's own jit, an optax state."""
+    optax = pytest.importorskip("optax")
+    import shardplan.jax as sj
+
+    mod = _example("jax_mlp")
+    params, batch = mod.init_params(jax.random.PRNGKey(0)), mod.make_batch(jax.random.PRNGKey(1))
+    pl = sj.planned(mod.loss_fn, params, batch, devices=DEVICES, machine=TOY)
+    assert jax.tree.structure(pl.param_shardings) == jax.tree.structure(params)
+    assert jax.tree.structure(pl.batch_shardings) == jax.tree.structure(batch)
+    opt = optax.sgd(0.1, momentum=0.9)
+
+    def train_step(loss_fn, params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    sp, sb = jax.device_put(params, pl.param_shardings), jax.device_put(batch, pl.batch_shardings)
+    state = jax.jit(opt.init)(sp)
+    new, state, loss = jax.jit(lambda p, s, b: train_step(pl.loss_fn, p, s, b))(sp, state, sb)
+    ref, _, loss0 = jax.jit(lambda p, s, b: train_step(mod.loss_fn, p, s, b))(params, opt.init(params), batch)
+    assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
+    assert _rel_err(new, ref) <= 1e-5
+    split = [k for k, s in pl.param_shardings.items() if any(a is not None for a in s.spec)]
+    assert split, "the plan splits some parameter"
+    for k in split:  # the updated parameters and the momentum keep the planned layout
+        assert new[k].sharding.is_equivalent_to(pl.param_shardings[k], new[k].ndim)
+        assert state[0].trace[k].sharding.is_equivalent_to(pl.param_shardings[k], new[k].ndim)
+
+
+def test_has_aux_returns_the_aux_like_value_and_grad():
+    import shardplan.jax as sj
+
+    def f(p, x):
+        loss = jnp.sum(jnp.tanh(x @ p["w"]) ** 2)
+        return loss, {"twice": 2 * loss}
+
+    p, x = {"w": jnp.ones((16, 32)) * 0.1}, jnp.ones((8, 16))
+    _, step = sj.parallelize(f, p, x, devices=DEVICES, machine=TOY, has_aux=True)
+    (loss, aux), grads = step(p, x)
+    (loss0, aux0), grads0 = jax.value_and_grad(f, has_aux=True)(p, x)
+    assert float(aux["twice"]) == pytest.approx(float(aux0["twice"]), rel=1e-6)
+    assert float(loss) == pytest.approx(float(loss0), rel=1e-6)
+    assert _rel_err(grads, grads0) <= 1e-5
