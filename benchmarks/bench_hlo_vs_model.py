@@ -89,7 +89,7 @@ def main() -> None:
     from shardplan.cost import build_tables
     from shardplan.jax.lower import trace
     from shardplan.machine import Machine
-    from shardplan.plan import solve
+    from shardplan.plan import solve_tables
 
     machine = Machine(**TOY)
     out: dict[str, Any] = {"machine": TOY, "devices": 8, "results": []}
@@ -98,7 +98,7 @@ def main() -> None:
         params, batch = mod.init_params(jax.random.PRNGKey(0)), mod.make_batch(jax.random.PRNGKey(1))
         graph, info = trace(mod.loss_fn, params, batch)
         tables = build_tables(graph, machine, cutoff=1, divides_p=True)
-        plans = [solve(graph, machine, tables=tables), baseline_plan("data_parallel", tables)]
+        plans = [solve_tables(tables), baseline_plan("data_parallel", tables)]
         if hasattr(mod, "megatron_plan"):
             plans.append(mod.megatron_plan(tables, info))
         for plan in plans:
@@ -120,7 +120,7 @@ def main() -> None:
             print(f"{entry.name:<32} ERROR {type(e).__name__}: {e}", flush=True)
             continue
         tables = build_tables(graph, machine, cutoff=1, divides_p=True)
-        for plan in (solve(graph, machine, tables=tables), baseline_plan("data_parallel", tables)):
+        for plan in (solve_tables(tables), baseline_plan("data_parallel", tables)):
             row = measure(plan, info, params, batch)
             row.update(model=entry.name, library=entry.library)
             if not 0.9 <= row["ratio_hlo_over_model"] <= 1.1:

@@ -1,1 +1,0 @@
-"""Exports of graphs and plans to other tools (Graphviz DOT, ...)."""
