@@ -46,6 +46,13 @@ CAUSES = {
                  "where the plan splits its contraction and charges a partial-sum all-reduce of the 8x256 "
                  "output: the constraints fix the layouts around the dot, not the algorithm the SPMD "
                  "partitioner picks inside it.",
+    "scan_layers": "the stacked kernel (4x64x64) has one layout, its first consumer's (layer 0), but the unrolled "
+                   "scan plans each layer's slice on its own: XLA all-gathers the other layers' slices (and their "
+                   "gradients) into their planned layouts, a redistribution of a weight, which the model does not "
+                   "charge (weights are not edges of the graph).",
+    "lm_remat": "not verified; the likely cause is the tied embedding (nn.Embed used as lookup and as attend): "
+                "one table, two consumers with different layouts, the same uncharged weight redistribution as "
+                "scan_layers.",
 }
 
 
