@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -36,8 +36,8 @@ from shardplan.errors import ShardplanError
 from shardplan.jax.lower import TraceInfo
 from shardplan.ir import Operator, Tensor
 
-__all__ = ["REPLICA_AXIS", "config_mesh", "tensor_spec", "operator_sharding", "PlanShardings", "plan_shardings",
-           "check_expressible", "replicated"]
+__all__ = ["REPLICA_AXIS", "config_mesh", "tensor_spec", "operator_sharding", "layout_mesh", "layout_sharding",
+           "PlanShardings", "plan_shardings", "check_expressible", "replicated"]
 
 REPLICA_AXIS = "_rep"
 
@@ -105,6 +105,25 @@ def operator_sharding(op: Operator, config: Sequence[int], devices: Sequence[Any
     return NamedSharding(config_mesh(op, config, devices, order), tensor_spec(_axis_dims(op.output), op, config))
 
 
+def layout_mesh(layout: Any, devices: Sequence[Any]) -> Any:
+    """The :class:`jax.sharding.Mesh` of a :class:`~shardplan.layout.Layout` over ``devices`` in order
+    (shape and axis names from :meth:`~shardplan.layout.Layout.mesh_shape` / ``mesh_axes``)."""
+    from jax.sharding import Mesh
+
+    if len(devices) != layout.num_devices:
+        raise ShardplanError(f"layout is for {layout.num_devices} devices, got {len(devices)}")
+    arr = np.empty(len(devices), dtype=object)
+    arr[:] = list(devices)
+    return Mesh(arr.reshape(layout.mesh_shape()), layout.mesh_axes())
+
+
+def layout_sharding(layout: Any, axis_dims: Sequence[str | None], devices: Sequence[Any]) -> Any:
+    """NamedSharding of a tensor whose axes are blocked by ``axis_dims`` under ``layout``."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(layout_mesh(layout, devices), PartitionSpec(*layout.partition_spec(axis_dims)))
+
+
 def replicated(devices: Sequence[Any]) -> Any:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -139,13 +158,10 @@ def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanSh
     configs = plan.configs
     for op in g.operators:
         check_expressible(op, configs[op.name], p)
-    orders = plan.orders
-    by_op = {op.name: operator_sharding(op, configs[op.name], devices, orders[op.name]) for op in g.operators}
+    lays = plan.layouts
+    by_op = {op.name: layout_sharding(lays[op.name], _axis_dims(op.output), devices) for op in g.operators}
     values = {info.op_vars[name]: s for name, s in by_op.items() if name in info.op_vars}
-    from jax.sharding import NamedSharding
-
-    meshes = {op.name: config_mesh(op, configs[op.name], devices, orders[op.name]) for op in g.operators}
-    reads = {(k, slot): NamedSharding(meshes[name], tensor_spec(dims, g[name], configs[name]))
+    reads = {(k, slot): layout_sharding(lays[name], dims, devices)
              for name, rs in info.reads.items() if name in g.index for k, slot, dims in rs}
     leaves = []
     for i in range(len(info.leaf_names)):
@@ -154,5 +170,5 @@ def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanSh
             leaves.append(replicated(devices))
             continue
         name, dims = uses[0]
-        leaves.append(NamedSharding(meshes[name], tensor_spec(dims, g[name], configs[name])))
+        leaves.append(layout_sharding(lays[name], dims, devices))
     return PlanShardings(values, by_op, tuple(leaves), reads)
