@@ -52,17 +52,9 @@ def loss_fn(params: dict, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 
 def main() -> None:
-    import shardplan.jax as sj
-    from shardplan.machine import Machine
+    from _common import run_example
 
-    params, batch = init_params(jax.random.PRNGKey(0)), make_batch(jax.random.PRNGKey(1))
-    # The toy sizes make communication dominate on the reference machine (10 TFLOP/s, 16 GB/s);
-    # a machine with a lower FLOP-to-byte balance (2 FLOP per byte) makes splitting them pay.
-    machine = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
-    plan, step = sj.parallelize(loss_fn, params, batch, machine=machine)
-    loss, grads = step(params, batch)
-    print(sj.report(plan))
-    print(f"loss {float(loss):.6f} (unsharded {float(loss_fn(params, batch)):.6f})")
+    run_example(loss_fn, init_params, make_batch)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+from typing import Any  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -75,18 +77,42 @@ def loss_fn(params: list[dict], batch: tuple[jax.Array, jax.Array]) -> jax.Array
     return jnp.mean(jnp.square(x - target))
 
 
-def main() -> None:
-    import shardplan.jax as sj
-    from shardplan.machine import Machine
+def megatron_plan(tables: Any, info: Any, p: int = 8) -> Any:
+    """Megatron-LM: Q/K/V and FFN-in split on their output (heads / hidden), output and FFN-out on their input.
 
-    params, batch = init_params(jax.random.PRNGKey(0)), make_batch(jax.random.PRNGKey(1))
-    # The toy sizes make communication dominate on the reference machine (10 TFLOP/s, 16 GB/s);
-    # a machine with a lower FLOP-to-byte balance (2 FLOP per byte) makes splitting them pay.
-    machine = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
-    plan, step = sj.parallelize(loss_fn, params, batch, machine=machine)
-    loss, grads = step(params, batch)
-    print(sj.report(plan))
-    print(f"loss {float(loss):.6f} (unsharded {float(loss_fn(params, batch)):.6f})")
+    An operator that reads a weight named in ``MEGATRON_WEIGHT_AXES`` splits the dimension indexing that
+    weight axis p ways; the attention core splits its head dimension (the one of extent HEADS), the FFN
+    activation its hidden dimension (extent FFN); everything else (layer norms, residuals, loss) is replicated.
+    """
+    from shardplan.plan import plan_from_configs
+
+    split_of: dict[str, str] = {}
+    for leaf, uses in info.leaf_uses.items():
+        key = info.leaf_names[leaf].rsplit("[", 1)[-1].strip("']")
+        axis = MEGATRON_WEIGHT_AXES.get(key)
+        if axis is None:
+            continue
+        for op_name, dims in uses:
+            if dims[axis] is not None:
+                split_of[op_name] = dims[axis]
+    cfg = {}
+    for op in tables.graph.operators:
+        c = [1] * len(op.dims)
+        if op.name in split_of:
+            c[op.dim_names.index(split_of[op.name])] = p
+        elif not op.weights:
+            want = HEADS if "attn" in op.name else FFN if "ffn" in op.name else None
+            dims = [d for d, e in op.dims if e == want]
+            if dims:
+                c[op.dim_names.index(dims[0])] = p
+        cfg[op.name] = c
+    return plan_from_configs(tables, cfg, "megatron")
+
+
+def main() -> None:
+    from _common import run_example
+
+    run_example(loss_fn, init_params, make_batch)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ axis of extent 1, or a tensor read whole) has ``dim=None``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from shardplan.checks import MAX_EXTENT
 from shardplan.errors import ShardplanError
@@ -51,6 +51,7 @@ __all__ = [
     "EdgeRef",
     "Graph",
     "GraphBuilder",
+    "unique_name",
 ]
 
 
@@ -461,6 +462,17 @@ class Graph:
         return list(nx.lexicographical_topological_sort(g))
 
 
+def unique_name(base: str, taken: Callable[[str], bool]) -> str:
+    """``base`` if not ``taken``, else the first free one of ``base_2``, ``base_3``, ..."""
+    base = base or "op"
+    if not taken(base):
+        return base
+    i = 2
+    while taken(f"{base}_{i}"):
+        i += 1
+    return f"{base}_{i}"
+
+
 class GraphBuilder:
     """Collects operators in order and builds a validated :class:`Graph`.
 
@@ -489,13 +501,8 @@ class GraphBuilder:
         return TensorRef(name, shape, is_input=True, needs_grad=needs_grad)
 
     def unique(self, base: str) -> str:
-        """``base`` if unused, else ``base_2``, ``base_3``, ..."""
-        if base not in self._names and base not in self._inputs:
-            return base
-        i = 2
-        while f"{base}_{i}" in self._names or f"{base}_{i}" in self._inputs:
-            i += 1
-        return f"{base}_{i}"
+        """``base`` if unused, else ``base_2``, ``base_3``, ... (see :func:`unique_name`)."""
+        return unique_name(base, lambda n: n in self._names or n in self._inputs)
 
     def add(self, op: Operator) -> TensorRef:
         """Append an operator; returns a reference to its output."""

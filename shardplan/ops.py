@@ -21,6 +21,8 @@ from shardplan.errors import ShardplanError
 from shardplan.ir import AxisMap, Operator, Recurrence, Tensor, TensorRef
 
 __all__ = [
+    "LETTER_POOL",
+    "letters",
     "Param",
     "einsum",
     "dense",
@@ -40,6 +42,8 @@ __all__ = [
     "transpose",
     "reduce_mean",
     "lstm",
+    "gather",
+    "scatter",
 ]
 
 
@@ -130,9 +134,21 @@ def einsum(name: str, equation: str, *operands: TensorRef | Param, flops_per_poi
                     flops_per_point=flops_per_point)
 
 
+LETTER_POOL = "bsxyzuvw" + "".join(c for c in string.ascii_lowercase if c not in "bsxyzuvw")
+
+
+def letters(n: int, avoid: str | Sequence[str] = "") -> list[str]:
+    """``n`` distinct dimension names: single letters from :data:`LETTER_POOL` (batch-like first)
+    that are not in ``avoid``, then ``d0, d1, ...`` when the letters run out."""
+    pool = [c for c in LETTER_POOL if c not in avoid]
+    if n <= len(pool):
+        return pool[:n]
+    extra = [f"d{i}" for i in range(n) if f"d{i}" not in avoid]
+    return pool + extra[: n - len(pool)]
+
+
 def _batch_letters(n: int, reserved: str) -> str:
-    pool = [c for c in "bsxyzuvw" + string.ascii_lowercase if c not in reserved]
-    return "".join(pool[:n])
+    return "".join(letters(n, reserved))
 
 
 def dense(name: str, x: TensorRef, units: int, letters: str | None = None) -> Operator:
@@ -529,3 +545,125 @@ def lstm(name: str, x: TensorRef, hidden: int, layers: int) -> Operator:
     wt = _w("w", (layers, d, hidden), ("l", "d", "e"), elem_factor=8)
     return Operator(name, "lstm", dims, (_in(x, "x", ("b", "s", "d")),), _out((b, s, hidden), ("b", "s", "e")),
                     (wt,), flops_per_point=16.0, recurrence=Recurrence(layer="l", time="s", state="e", batch="b"))
+
+
+# ---------------------------------------------------------------------------
+# gather and scatter (XLA semantics, as jax.lax.gather / jax.lax.scatter*)
+# ---------------------------------------------------------------------------
+def _operand(t: TensorRef | Param, name: str, axes: Sequence[AxisMap | str | None]) -> Tensor:
+    if isinstance(t, Param):
+        return Tensor(name, t.shape, tuple(axes), "weight", needs_grad=t.trainable)
+    return _in(t, name, axes)
+
+
+def _no_grad(t: TensorRef, name: str, axes: Sequence[AxisMap | str | None]) -> Tensor:
+    if not isinstance(t, TensorRef):
+        raise ShardplanError(f"input {name!r} must be a TensorRef, got {t!r}")
+    return Tensor(name, t.shape, tuple(axes), "input", needs_grad=False, src=t.name)
+
+
+def gather(name: str, operand: TensorRef | Param, indices: TensorRef, out_shape: Sequence[int], *,
+           offset_dims: Sequence[int], collapsed_slice_dims: Sequence[int], start_index_map: Sequence[int],
+           slice_sizes: Sequence[int], operand_batching_dims: Sequence[int] = (),
+           start_indices_batching_dims: Sequence[int] = ()) -> Operator:
+    """``lax.gather`` (index vector on the last axis of ``indices``), described like :func:`embedding`.
+
+    The output axes are the *batch* axes (the index axes of ``indices``, in
+    order) and the *offset* axes (the operand's window). Each operand axis
+    that is looked up (in ``start_index_map`` with slice size 1) gets a
+    *lookup* dimension of the operand's extent, written as the one-hot
+    contraction ``y[.., d] = sum_v onehot(idx)[.., v] x[v, d]``: the lookup
+    dimension indexes no output axis, so it is a reduction dimension and a
+    split of it leaves each device a slice of the table and all-reduces the
+    output (partial sums), while a split of a window axis (the embedding
+    features) is free. Operand batching axes (``take_along_axis``) are
+    indexed by the output axis of their paired index axis. A window cut
+    shorter than its operand axis is read whole and its output dimension is
+    fixed. Work: one element moved per output element.
+    """
+    out_shape = tuple(int(s) for s in out_shape)
+    rank = len(operand.shape)
+    if len(slice_sizes) != rank or len(indices.shape) < 1:
+        raise ShardplanError(f"operator {name!r}: gather slice_sizes {list(slice_sizes)} do not match "
+                             f"operand {operand.shape} / indices {indices.shape}")
+    lookup = [a for a in start_index_map if a not in operand_batching_dims and int(slice_sizes[a]) == 1]
+    names = letters(len(out_shape) + len(lookup))
+    out_dims, lk_dims = names[:len(out_shape)], names[len(out_shape):]
+    batch_axes = [i for i in range(len(out_shape)) if i not in offset_dims]
+    idx_axes = list(range(len(indices.shape) - 1))
+    if len(batch_axes) != len(idx_axes):
+        raise ShardplanError(f"operator {name!r}: gather output {out_shape} does not match indices {indices.shape}")
+    dim_of_idx_axis = {ia: out_dims[oa] for ia, oa in zip(idx_axes, batch_axes)}
+    window = [a for a in range(rank) if a not in collapsed_slice_dims and a not in operand_batching_dims]
+    if len(window) != len(offset_dims):
+        raise ShardplanError(f"operator {name!r}: gather offset_dims {list(offset_dims)} do not match the window")
+    fixed: set[str] = set()
+    op_axes: list[AxisMap | str | None] = [None] * rank
+    for a, d in zip(lookup, lk_dims):
+        op_axes[a] = d
+    for a, ib in zip(operand_batching_dims, start_indices_batching_dims):
+        d = dim_of_idx_axis[int(ib)]
+        op_axes[a] = d if operand.shape[a] == indices.shape[int(ib)] else None
+    for a, oa in zip(window, offset_dims):
+        d = out_dims[oa]
+        if int(slice_sizes[a]) == operand.shape[a] and a not in start_index_map:
+            op_axes[a] = d
+        else:
+            fixed.add(d)
+    idx_t = _no_grad(indices, "indices", [dim_of_idx_axis[i] for i in idx_axes] + [None])
+    dims = tuple(zip(out_dims, out_shape)) + tuple((d, operand.shape[a]) for a, d in zip(lookup, lk_dims))
+    points = math.prod(e for _, e in dims)
+    ins, ws = _inputs_weights(_operand(operand, "x", op_axes), idx_t)
+    return Operator(name, "gather", dims, ins, _out(out_shape, tuple(out_dims)), ws,
+                    flops_per_point=math.prod(out_shape) / points, fixed=frozenset(fixed))
+
+
+def _inputs_weights(*ts: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    return tuple(t for t in ts if t.role == "input"), tuple(t for t in ts if t.role == "weight")
+
+
+def scatter(name: str, operand: TensorRef | Param, indices: TensorRef, updates: TensorRef, *,
+            update_window_dims: Sequence[int], inserted_window_dims: Sequence[int],
+            scatter_dims_to_operand_dims: Sequence[int], operand_batching_dims: Sequence[int] = (),
+            scatter_indices_batching_dims: Sequence[int] = (), kind: str = "scatter") -> Operator:
+    """``lax.scatter`` / ``scatter-add`` (index vector on the last axis of ``indices``): the transpose of :func:`gather`.
+
+    Dims: one per output (= operand) axis, then one *source* dimension per
+    scatter axis of ``updates`` (an update axis that is not a window axis):
+    source dimensions index no output axis, so they are reduction
+    dimensions (several updates may land on one element: a sum for
+    ``scatter-add``). The operand is read in place; an update window axis
+    covering its whole operand axis is indexed by that axis's dimension, a
+    shorter one is read whole; an update scatter axis paired with an operand
+    batching axis is indexed by that axis's dimension. A split of an output
+    axis that the indices address leaves every device all the updates (each
+    keeps those landing in its slice). Work: one element per update element.
+    """
+    rank = len(operand.shape)
+    out_dims = letters(rank)
+    scatter_axes = [i for i in range(len(updates.shape)) if i not in update_window_dims]
+    idx_axes = list(range(len(indices.shape) - 1))
+    if len(scatter_axes) != len(idx_axes):
+        raise ShardplanError(f"operator {name!r}: scatter updates {updates.shape} do not match indices {indices.shape}")
+    paired = {int(ib): int(a) for a, ib in zip(operand_batching_dims, scatter_indices_batching_dims)}
+    src_names = iter(letters(len(scatter_axes), avoid=out_dims))
+    upd_axes: list[AxisMap | str | None] = [None] * len(updates.shape)
+    idx_dims: list[str | None] = []
+    dims = list(zip(out_dims, operand.shape))
+    for ua, ia in zip(scatter_axes, idx_axes):
+        if ia in paired and operand.shape[paired[ia]] == updates.shape[ua]:
+            d = out_dims[paired[ia]]
+        else:
+            d = next(src_names)
+            dims.append((d, updates.shape[ua]))
+        upd_axes[ua] = d
+        idx_dims.append(d if indices.shape[ia] == updates.shape[ua] else None)
+    window = [a for a in range(rank) if a not in inserted_window_dims and a not in operand_batching_dims]
+    for a, ua in zip(window, update_window_dims):
+        if updates.shape[ua] == operand.shape[a] and a not in scatter_dims_to_operand_dims:
+            upd_axes[ua] = out_dims[a]
+    x = _operand(operand, "x", out_dims)
+    ins, ws = _inputs_weights(x, _no_grad(indices, "indices", idx_dims + [None]), _in(updates, "updates", upd_axes))
+    points = math.prod(e for _, e in dims)
+    return Operator(name, kind, tuple(dims), ins, _out(operand.shape, tuple(out_dims)), ws,
+                    flops_per_point=math.prod(updates.shape) / points)

@@ -1,8 +1,23 @@
 import os
 import sys
 
-# JAX tests run on 8 simulated CPU devices; the flag must be set before jax is first imported.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# JAX tests run on 8 simulated CPU devices. The flag must be set before jax is first imported,
+# which is why it is set here, when pytest loads this file, before any test module.
+_DEVICES = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES).strip()
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+
+def require_8_devices():
+    """The 8 simulated devices of the JAX tests; fails (never skips) when they cannot be had."""
+    import jax
+
+    devices = jax.devices()
+    if len(devices) < 8:
+        raise RuntimeError(
+            f"the JAX tests need 8 devices and jax sees {len(devices)} ({devices[0].platform}): jax was imported "
+            f"before tests/conftest.py could set XLA_FLAGS={_DEVICES}, or XLA_FLAGS sets another device count"
+        )
+    return devices[:8]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -131,7 +131,8 @@ def predicted_bytes(plan: Any) -> dict[str, float]:
     """Bytes each device sends per step according to the cost model, for ``plan``.
 
     ``operators``: Σ_v comm_bytes at v's configuration; ``edges``: Σ over
-    edges of (forward + backward) redistribution elements × dtype bytes.
+    edges of (forward + backward) redistribution elements × dtype bytes,
+    each configuration's device grid as the plan's layout lays it out (nesting and machine levels).
     """
     t = plan.tables
     g = plan.graph
@@ -146,11 +147,3 @@ def predicted_bytes(plan: Any) -> dict[str, float]:
         f, b = edge_volumes(u, lu, v, e.slot, lv, p)
         edge_bytes += float(f[0, 0] + b[0, 0]) * plan.machine.dtype_bytes
     return {"operators": ops_bytes, "edges": edge_bytes, "total": ops_bytes + edge_bytes}
-
-
-def by_kind(collectives: Iterable[Collective]) -> dict[str, int]:
-    """How many collectives of each kind."""
-    out: dict[str, int] = {}
-    for c in collectives:
-        out[c.kind] = out.get(c.kind, 0) + 1
-    return out

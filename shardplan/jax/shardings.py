@@ -1,4 +1,4 @@
-"""A plan becomes JAX shardings, and a traced function a sharded training step.
+"""A plan becomes JAX shardings: one per operator output, per operator read, per argument leaf.
 
 Layout of one operator. A configuration ``c`` (one split factor per
 iteration dimension) is a device grid: device ``q < Π c`` has the row-major
@@ -19,33 +19,25 @@ axis replicates it; in particular the output of an operator whose reduction
 dimensions are split is replicated over them, so XLA all-reduces the partial
 sums, as the cost model charges.
 
-The step. The traced program is evaluated equation by equation
-(:func:`shardplan.frontends.jax.evaluate`) with
-:func:`jax.lax.with_sharding_constraint` on every variable holding an
-operator's output, and on its cotangent in the backward pass (so the
-gradient of an operator's output keeps the output's tiling, as the cost
-model assumes); parameters and inputs enter with the sharding their first
-consumer asks for (``in_shardings``), and gradients leave with their
-parameter's sharding. ``jax.value_and_grad`` of that function, jitted, is the
-step; the backward pass is laid out by XLA's propagation from the constrained
-forward values.
+Reads. Each operand an operator's equation reads gets the sharding of the
+operator's input tensor under its configuration (the consumer side of the
+edge), so that :mod:`shardplan.jax.run` can constrain both sides.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from shardplan.errors import ShardplanError
-from shardplan.frontends.jax import TraceInfo, evaluate
+from shardplan.jax.lower import TraceInfo
 from shardplan.ir import Operator, Tensor
 
 __all__ = ["REPLICA_AXIS", "config_mesh", "tensor_spec", "operator_sharding", "layout_mesh", "layout_sharding",
-           "PlanShardings", "plan_shardings",
-           "constrained_fn", "make_step", "check_expressible"]
+           "PlanShardings", "plan_shardings", "check_expressible", "replicated"]
 
 REPLICA_AXIS = "_rep"
 
@@ -132,7 +124,7 @@ def layout_sharding(layout: Any, axis_dims: Sequence[str | None], devices: Seque
     return NamedSharding(layout_mesh(layout, devices), PartitionSpec(*layout.partition_spec(axis_dims)))
 
 
-def _replicated(devices: Sequence[Any]) -> Any:
+def replicated(devices: Sequence[Any]) -> Any:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     arr = np.empty(len(devices), dtype=object)
@@ -148,11 +140,13 @@ class PlanShardings:
         values: jaxpr variable id -> NamedSharding of the operator output it holds.
         by_operator: operator name -> NamedSharding of its output.
         leaves: one NamedSharding per argument leaf (first consumer's layout, or replicated).
+        reads: (equation index, operand slot) -> NamedSharding its operator reads that operand in.
     """
 
     values: Mapping[int, Any]
     by_operator: Mapping[str, Any]
     leaves: tuple[Any, ...]
+    reads: Mapping[tuple[int, int], Any]
 
 
 def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanShardings:
@@ -167,75 +161,14 @@ def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanSh
     lays = plan.layouts
     by_op = {op.name: layout_sharding(lays[op.name], _axis_dims(op.output), devices) for op in g.operators}
     values = {info.op_vars[name]: s for name, s in by_op.items() if name in info.op_vars}
+    reads = {(k, slot): layout_sharding(lays[name], dims, devices)
+             for name, rs in info.reads.items() if name in g.index for k, slot, dims in rs}
     leaves = []
     for i in range(len(info.leaf_names)):
         uses = info.leaf_uses.get(i, ())
         if not uses:
-            leaves.append(_replicated(devices))
+            leaves.append(replicated(devices))
             continue
         name, dims = uses[0]
         leaves.append(layout_sharding(lays[name], dims, devices))
-    return PlanShardings(values, by_op, tuple(leaves))
-
-
-def _constrain_both_ways(sharding: Any) -> Callable[[Any], Any]:
-    """Identity that constrains a value to ``sharding`` and its cotangent in the backward pass too.
-
-    The cost model lays out the backward pass like the forward one (the
-    gradient of an operator's output has the output's tiling); without the
-    second constraint XLA may compute a transposed product with another
-    algorithm (e.g. all-gather a weight instead of all-reducing a tile).
-    """
-    import jax
-    import jax.numpy as jnp
-
-    @jax.custom_vjp
-    def ident(x: Any) -> Any:
-        return jax.lax.with_sharding_constraint(x, sharding)
-
-    def fwd(x: Any) -> tuple[Any, None]:
-        return ident(x), None
-
-    def bwd(_: None, g: Any) -> tuple[Any]:
-        return (jax.lax.with_sharding_constraint(g, sharding),)
-
-    ident.defvjp(fwd, bwd)
-
-    def apply(x: Any) -> Any:
-        if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-            return ident(x)
-        return jax.lax.with_sharding_constraint(x, sharding)
-
-    return apply
-
-
-def constrained_fn(info: TraceInfo, shardings: PlanShardings) -> Callable[..., Any]:
-    """The traced function re-run with a sharding constraint on every operator output."""
-    import jax
-
-    hooks = {var: _constrain_both_ways(s) for var, s in shardings.values.items()}
-
-    def fn(*args: Any) -> Any:
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        if tree != info.in_tree:
-            raise ShardplanError(f"arguments have structure {tree}, the traced function had {info.in_tree}")
-        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, hooks))
-
-    return fn
-
-
-def make_step(plan: Any, info: TraceInfo, devices: Sequence[Any] | None = None, argnums: int = 0,
-              ) -> Callable[..., Any]:
-    """``step(*args) -> (loss, grads)``: jitted ``value_and_grad`` of the constrained function.
-
-    Arguments enter with their leaves' planned shardings; the gradients
-    leave with the shardings of the arguments they differentiate.
-    """
-    import jax
-
-    devices = list(devices) if devices is not None else list(jax.devices())[: plan.machine.num_devices]
-    sh = plan_shardings(plan, info, devices)
-    in_sh = jax.tree_util.tree_unflatten(info.in_tree, list(sh.leaves))
-    out_sh = (_replicated(devices), in_sh[argnums])
-    fn = jax.value_and_grad(constrained_fn(info, sh), argnums=argnums)
-    return jax.jit(fn, in_shardings=tuple(in_sh), out_shardings=out_sh)
+    return PlanShardings(values, by_op, tuple(leaves), reads)

@@ -1,0 +1,126 @@
+"""JAX: from a loss function to a planned, sharded training step.
+
+>>> import shardplan.jax as sj                                   # doctest: +SKIP
+>>> plan, step = sj.parallelize(loss_fn, params, batch)          # doctest: +SKIP
+>>> loss, grads = step(params, batch)                            # doctest: +SKIP
+>>> print(sj.report(plan))                                       # doctest: +SKIP
+
+In your own training loop (e.g. with optax)::
+
+    p = sj.planned(loss_fn, params, batch)
+    params = jax.device_put(params, p.param_shardings)
+    batch = jax.device_put(batch, p.batch_shardings)
+    opt_state = jax.jit(opt.init)(params)           # follows the parameters' shardings
+
+    @jax.jit
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(p.loss_fn)(params, batch)   # the planned constraints
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+The package: :mod:`~shardplan.jax.flatten` (the jaxpr as one flat program),
+:mod:`~shardplan.jax.lower` (the program as a shardplan graph),
+:mod:`~shardplan.jax.shardings` (a plan as NamedShardings),
+:mod:`~shardplan.jax.run` (the program re-run with the plan's constraints, the step),
+:mod:`~shardplan.jax.hlo` (what the compiled program really sends).
+JAX is an optional dependency: it is imported on use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from shardplan.errors import ShardplanError
+from shardplan.jax.lower import TraceInfo, supported_primitives, trace
+from shardplan.jax.run import constrained_fn, make_step
+from shardplan.jax.shardings import plan_shardings
+from shardplan.machine import Machine
+from shardplan.plan import Plan, solve
+
+__all__ = ["parallelize", "planned", "Planned", "trace", "make_step", "plan_shardings", "report", "TraceInfo",
+           "supported_primitives"]
+
+
+@dataclass(frozen=True, eq=False)
+class Planned:
+    """A plan for ``loss_fn(params, batch)`` and everything needed to run it.
+
+    Attributes:
+        plan: the solved plan.
+        info: what tracing found (the flat program, leaves, reads).
+        devices: the devices of the mesh.
+        param_shardings: a pytree of NamedSharding matching ``params``.
+        batch_shardings: a pytree of NamedSharding matching ``batch``.
+        loss_fn: ``loss_fn(params, batch)`` re-run with the planned sharding
+            constraints (on every operator's output and on what each operator
+            reads), to call inside your own ``jax.jit``.
+        step: ``jax.jit`` of ``value_and_grad(loss_fn)`` with the planned input shardings.
+    """
+
+    plan: Plan
+    info: TraceInfo
+    devices: tuple[Any, ...]
+    param_shardings: Any
+    batch_shardings: Any
+    loss_fn: Callable[..., Any]
+    step: Callable[..., Any]
+
+
+def planned(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
+            machine: Machine | None = None, cutoff: int = 1, has_aux: bool = False, **solve_opts: Any) -> Planned:
+    """Trace ``loss_fn(params, batch)``, plan it on ``devices`` and return a :class:`Planned`.
+
+    ``machine`` defaults to the reference machine (10 TFLOP/s, 16 GB/s) with
+    ``len(devices)`` devices; ``solve_opts`` go to :func:`shardplan.plan.solve`
+    (``divides_p`` defaults to True: only configurations whose device count
+    divides p can be expressed as a mesh). ``has_aux``: ``loss_fn`` returns
+    ``(loss, aux)``, as in ``jax.value_and_grad``.
+    """
+    import jax
+
+    devices = list(devices) if devices is not None else list(jax.devices())
+    p = len(devices)
+    if machine is None:
+        machine = Machine(p, name=f"{p} x {devices[0].platform}")
+    elif machine.num_devices != p:
+        raise ShardplanError(f"machine has {machine.num_devices} devices but {p} devices were given")
+    graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
+    solve_opts.setdefault("divides_p", True)
+    plan = solve(graph, machine, cutoff=cutoff, **solve_opts)
+    sh = plan_shardings(plan, info, devices)
+    tree = jax.tree_util.tree_unflatten(info.in_tree, list(sh.leaves))
+    return Planned(plan, info, tuple(devices), tree[0], tree[1], constrained_fn(info, sh),
+                   make_step(plan, info, devices, has_aux=has_aux))
+
+
+def parallelize(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
+                machine: Machine | None = None, cutoff: int = 1, has_aux: bool = False, **solve_opts: Any,
+                ) -> tuple[Plan, Callable[[Any, Any], Any]]:
+    """Plan ``loss_fn(params, batch)`` on ``devices`` and return ``(plan, step)``.
+
+    ``step(params, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with
+    ``has_aux``) is ``jax.value_and_grad`` of the function re-run with the
+    planned sharding constraints, jitted with the planned input shardings.
+    See :func:`planned` for the arguments.
+    """
+    pl = planned(loss_fn, params, batch, devices, machine, cutoff, has_aux, **solve_opts)
+    return pl.plan, pl.step
+
+
+def report(plan: Plan) -> str:
+    """A readable per-operator table: splits (``dim:extent/split``), predicted cost, the step's breakdown."""
+    from shardplan.report import format_table
+    from shardplan.units import fmt_seconds
+
+    lines = [f"{plan.graph.name}: {len(plan.graph)} operators on {plan.machine.num_devices} devices, "
+             f"predicted {fmt_seconds(plan.cost)} per step"]
+    rows = []
+    for row in plan.operators():
+        ext = plan.graph[row["name"]].extents
+        splits = " ".join(f"{d}:{ext[d]}/{c}" for d, c in zip(row["dims"], row["config"]) if c > 1) or "replicated"
+        rows.append((row["name"], row["kind"], splits, fmt_seconds(row["cost_seconds"])))
+    lines.extend("  " + line for line in format_table(rows, right=(3,)).splitlines())
+    parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in plan.breakdown.items() if v and k != "total")
+    lines.append(f"  breakdown: {parts}")
+    return "\n".join(lines)

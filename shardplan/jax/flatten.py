@@ -1,0 +1,241 @@
+"""A traced JAX function as one flat program: nested calls inlined, variables numbered globally.
+
+:func:`flatten` reads the jaxpr of ``jax.make_jaxpr`` and writes one
+:class:`FlatEqn` per primitive application, in program order:
+
+* ``jit``/``pjit``/``closed_call``/``custom_lin`` are inlined (their bodies
+  become ordinary equations);
+* ``remat2`` (``jax.checkpoint``, ``nn.remat``) is inlined *for planning* but
+  kept *for execution*: its body's equations carry the call's id in
+  ``parent``, and the call itself is one equation (``graph=False``) that
+  :func:`shardplan.jax.run.evaluate` re-runs under ``jax.checkpoint`` with
+  the same policy, so the step still rematerialises;
+* ``custom_jvp_call``/``custom_vjp_call`` bodies are read for the graph but
+  never evaluated (``parent=None``): the call is bound whole so its custom
+  derivative applies;
+* ``scan`` (``lax.scan``, ``nn.scan`` over layers, ``fori_loop`` with static
+  bounds) is unrolled: the body is inlined once per iteration, the
+  per-iteration slices of the scanned operands are static slices, the
+  stacked results a concatenation. Each iteration is therefore planned on
+  its own (an iteration's slice of a stacked parameter is a weight of that
+  iteration's operators) and the step runs the unrolled program, so every
+  iteration's constraints hold. The cost is a longer compilation for long
+  scans.
+
+Everything else (``cond``, ``while``, the primitives) stays one equation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+__all__ = ["Const", "Atom", "FlatEqn", "Program", "flatten", "join_scope"]
+
+_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_lin"})
+_REMAT = frozenset({"remat2", "remat", "checkpoint"})
+_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+TOP = -1  # parent of the equations evaluated at the top level
+
+
+@dataclass(frozen=True)
+class Const:
+    """A constant operand (a literal or a closed-over array)."""
+
+    value: Any
+
+
+Atom = int | Const
+
+
+@dataclass(frozen=True, eq=False)
+class FlatEqn:
+    """One equation of the inlined program.
+
+    Attributes:
+        primitive: the JAX primitive.
+        params: its parameters.
+        invars: operand variable ids (or :class:`Const`).
+        outvars: result variable ids (global numbering).
+        out_shapes, out_dtypes: of the results.
+        where: source location ("file:line (function)") for messages.
+        scope: name scope (jax.named_scope / flax module path / enclosing jit names).
+        parent: ``TOP`` when evaluated at the top level, the ``call_id`` of the
+            enclosing remat call when evaluated inside it, None when never
+            evaluated (inside a custom_jvp/vjp body).
+        graph: read when building the graph (False for kept calls).
+        passthrough: for a kept call, the body's result atoms (one per outvar).
+        call_id: for a kept remat call, the id its body equations carry as ``parent``.
+        body_in: for a kept remat call, the body's input variables (one per operand).
+    """
+
+    primitive: Any
+    params: Mapping[str, Any]
+    invars: tuple[Atom, ...]
+    outvars: tuple[int, ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    out_dtypes: tuple[Any, ...]
+    where: str
+    scope: str
+    parent: int | None = TOP
+    graph: bool = True
+    passthrough: tuple[Atom, ...] = ()
+    call_id: int | None = None
+    body_in: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """The flat program: equations in order, argument variables, results."""
+
+    eqns: tuple[FlatEqn, ...]
+    invars: tuple[int, ...]
+    outvars: tuple[Atom, ...]
+
+
+def _where(eqn: Any) -> str:
+    # no public API formats an equation's source location; source_info_util.summarize is
+    # what jax's own error messages use
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - private API moved
+        return "<unknown location>"
+
+
+def _scope(eqn: Any) -> str:
+    try:
+        return str(eqn.source_info.name_stack)
+    except Exception:  # pragma: no cover
+        return ""
+
+
+def join_scope(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+def _closed(sub: Any) -> tuple[Any, Sequence[Any]]:
+    return (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, ())
+
+
+class _Flattener:
+    """Inlines nested jaxprs into one list of :class:`FlatEqn` with global variable ids."""
+
+    def __init__(self) -> None:
+        self.eqns: list[FlatEqn] = []
+        self.next_id = 0
+        self.next_call = 0
+
+    def fresh(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Atom], scope: str, parent: int | None,
+            where: str = "") -> list[Atom]:
+        """Append ``jaxpr``'s equations; ``where`` is the enclosing call's location (used when an inner one has none)."""
+        from jax.extend.core import Literal
+
+        env: dict[Any, Atom] = {}
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = Const(c)
+        for v, a in zip(jaxpr.invars, args):
+            env[v] = a
+
+        def read(v: Any) -> Atom:
+            return Const(v.val) if isinstance(v, Literal) else env[v]
+
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            ins = tuple(read(v) for v in eqn.invars)
+            sc = join_scope(scope, _scope(eqn))
+            loc = _where(eqn).strip() or where
+            if name in _INLINE:
+                inner, cs = _closed(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")))
+                outs = self.run(inner, cs, ins, join_scope(sc, str(eqn.params.get("name", ""))), parent, loc)
+            elif name == "scan":
+                outs = self.scan(eqn, ins, sc, parent, loc)
+            elif name in _REMAT:
+                outs = self.remat(eqn, ins, sc, parent, loc)
+            else:
+                outs = self.emit(eqn, ins, sc, parent, loc)
+            for v, a in zip(eqn.outvars, outs):
+                env[v] = a
+        return [read(v) for v in jaxpr.outvars]
+
+    def _append(self, eqn: Any, ins: tuple[Atom, ...], scope: str, parent: int | None, where: str,
+                **extra: Any) -> tuple[int, ...]:
+        outs = tuple(self.fresh() for _ in eqn.outvars)
+        shapes = tuple(tuple(int(s) for s in v.aval.shape) for v in eqn.outvars)
+        dtypes = tuple(v.aval.dtype for v in eqn.outvars)
+        self.eqns.append(FlatEqn(eqn.primitive, dict(eqn.params), ins, outs, shapes, dtypes, where, scope,
+                                 parent=parent, **extra))
+        return outs
+
+    def emit(self, eqn: Any, ins: tuple[Atom, ...], scope: str, parent: int | None, where: str) -> list[Atom]:
+        if eqn.primitive.name in _CUSTOM:
+            inner, cs = _closed(eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr")))
+            body = self.run(inner, cs, ins, scope, None, where)
+            return list(self._append(eqn, ins, scope, parent, where, graph=False, passthrough=tuple(body)))
+        return list(self._append(eqn, ins, scope, parent, where))
+
+    def remat(self, eqn: Any, ins: tuple[Atom, ...], scope: str, parent: int | None, where: str) -> list[Atom]:
+        """The call first (so the graph pass meets its inputs), then its body, evaluated inside it."""
+        inner, cs = _closed(eqn.params["jaxpr"])
+        call_id = self.next_call
+        self.next_call += 1
+        body_in = tuple(self.fresh() for _ in ins)
+        k = len(self.eqns)
+        outs = self._append(eqn, ins, scope, parent, where, graph=False, call_id=call_id, body_in=body_in)
+        body = self.run(inner, cs, body_in, scope, call_id if parent is not None else None, where)
+        self.eqns[k] = dataclasses.replace(self.eqns[k], passthrough=tuple(body))
+        return list(outs)
+
+    def _sub(self, fn: Any, args: Sequence[Atom], avals: Sequence[Any], scope: str, parent: int | None,
+             where: str) -> list[Atom]:
+        """Inline the jaxpr of ``fn(*args)`` (a slice or a stack written with public lax calls)."""
+        import jax
+
+        closed = jax.make_jaxpr(fn)(*avals)
+        return self.run(closed.jaxpr, closed.consts, list(args), scope, parent, where)
+
+    def scan(self, eqn: Any, ins: tuple[Atom, ...], scope: str, parent: int | None, where: str) -> list[Atom]:
+        """Unroll ``scan``: ``carry, y_i = body(consts, carry, x_i)`` for i in order; ys stacked on axis 0."""
+        import jax
+
+        p = eqn.params
+        n_c, n_k, length = int(p["num_consts"]), int(p["num_carry"]), int(p["length"])
+        inner, cs = _closed(p["jaxpr"])
+        consts, carry, xs = list(ins[:n_c]), list(ins[n_c:n_c + n_k]), list(ins[n_c + n_k:])
+        x_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars[n_c + n_k:]]
+        ys: list[list[Atom]] = []
+        order = range(length - 1, -1, -1) if p.get("reverse") else range(length)
+        for i in order:
+            sc = join_scope(scope, f"scan{i}")
+            x_i = [self._sub(lambda a, i=i: jax.lax.index_in_dim(a, i, 0, keepdims=False), [x], [av], sc, parent,
+                             where)[0] for x, av in zip(xs, x_avals)]
+            outs = self.run(inner, cs, consts + carry + x_i, sc, parent, where)
+            carry, y = outs[:n_k], outs[n_k:]
+            ys.append(y)
+        if p.get("reverse"):
+            ys.reverse()
+        stacked: list[Atom] = []
+        for j, v in enumerate(eqn.outvars[n_k:]):
+            per = [y[j] for y in ys]
+            av = jax.ShapeDtypeStruct(v.aval.shape[1:], v.aval.dtype)
+            stacked.append(self._sub(lambda *a: jax.numpy.stack(a), per, [av] * length, scope, parent, where)[0])
+        return carry + stacked
+
+
+def flatten(closed_jaxpr: Any, num_args: int) -> Program:
+    """The flat program of a closed jaxpr whose ``num_args`` arguments get variables ``0 .. num_args-1``."""
+    f = _Flattener()
+    in_ids = tuple(f.fresh() for _ in range(num_args))
+    outs = f.run(closed_jaxpr.jaxpr, closed_jaxpr.consts, in_ids, "", TOP)
+    return Program(tuple(f.eqns), in_ids, tuple(outs))

@@ -1,0 +1,162 @@
+"""Execution: the traced program re-run with the plan's sharding constraints, and the training step.
+
+:func:`evaluate` runs the flat program equation by equation, binding each
+primitive as ``jax.core.eval_jaxpr`` does; kept ``remat`` calls re-run their
+body under ``jax.checkpoint`` with the traced policy, custom_jvp/vjp calls
+are bound whole. Two kinds of hooks apply the plan:
+
+* ``produce[var]``: applied to a variable when it is produced (an operator's
+  output, in the layout of the producer's configuration);
+* ``consume[(eqn, slot)]``: applied to operand ``slot`` of equation ``eqn``
+  just before the equation reads it (the layout the consumer's configuration
+  reads it in).
+
+Constraining both sides of every edge makes XLA execute the planned
+algorithm: the redistribution between the two layouts is the edge's, and
+each operator computes in the tiling the cost model charged (without the
+read-side constraint XLA's propagation may pick its own algorithm for the
+consumer, e.g. all-gather a weight instead of all-reducing partial sums).
+Each constraint also pins the cotangent in the backward pass
+(:func:`constrain_both_ways`), as the cost model lays out the backward pass
+like the forward one.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Mapping, Sequence
+
+from shardplan.errors import ShardplanError
+from shardplan.jax.flatten import TOP, Atom, Const
+from shardplan.jax.lower import TraceInfo
+from shardplan.jax.shardings import PlanShardings, plan_shardings, replicated
+
+__all__ = ["evaluate", "constrain_both_ways", "constrained_fn", "make_step"]
+
+Hook = Callable[[Any], Any]
+
+
+def evaluate(info: TraceInfo, leaves: Sequence[Any], produce: Mapping[int, Hook] | None = None,
+             consume: Mapping[tuple[int, int], Hook] | None = None) -> list[Any]:
+    """Run the flat program on argument leaves with the ``produce`` / ``consume`` hooks (see the module)."""
+    prog = info.program
+    produce = produce or {}
+    consume = consume or {}
+    by_parent: dict[int, list[int]] = defaultdict(list)
+    for k, e in enumerate(prog.eqns):
+        if e.parent is not None:
+            by_parent[e.parent].append(k)
+    env: dict[int, Any] = {}
+
+    def read(a: Atom) -> Any:
+        return a.value if isinstance(a, Const) else env[a]
+
+    def put(var: int, x: Any) -> None:
+        env[var] = produce[var](x) if var in produce else x
+
+    def run_block(parent: int) -> None:
+        for k in by_parent.get(parent, ()):
+            e = prog.eqns[k]
+            args = [read(a) for a in e.invars]
+            args = [consume[(k, s)](x) if (k, s) in consume else x for s, x in enumerate(args)]
+            if e.call_id is not None:
+                outs = _remat(e, args, env, put, run_block, read)
+            else:
+                params = e.primitive.get_bind_params(e.params)
+                if isinstance(params, tuple):  # (subfuns, params)
+                    subfuns, params = params
+                    ans = e.primitive.bind(*subfuns, *args, **params)
+                else:
+                    ans = e.primitive.bind(*args, **params)
+                outs = ans if e.primitive.multiple_results else [ans]
+            for var, x in zip(e.outvars, outs):
+                put(var, x)
+
+    for var, x in zip(prog.invars, leaves):
+        put(var, x)
+    run_block(TOP)
+    return [read(a) for a in prog.outvars]
+
+
+def _remat(e: Any, args: list[Any], env: dict[int, Any], put: Callable[[int, Any], None],
+           run_block: Callable[[int], None], read: Callable[[Atom], Any]) -> list[Any]:
+    """A kept remat call: its body (the equations whose parent is the call) under ``jax.checkpoint``."""
+    import jax
+
+    def body(*xs: Any) -> list[Any]:
+        for var, x in zip(e.body_in, xs):
+            put(var, x)
+        run_block(e.call_id)
+        return [read(a) for a in e.passthrough]
+
+    kw = {k: e.params[k] for k in ("prevent_cse", "policy") if k in e.params}
+    return list(jax.checkpoint(body, **kw)(*args))
+
+
+def constrain_both_ways(sharding: Any) -> Hook:
+    """Identity that constrains a value to ``sharding`` and its cotangent in the backward pass too."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def ident(x: Any) -> Any:
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def fwd(x: Any) -> tuple[Any, None]:
+        return ident(x), None
+
+    def bwd(_: None, g: Any) -> tuple[Any]:
+        return (jax.lax.with_sharding_constraint(g, sharding),)
+
+    ident.defvjp(fwd, bwd)
+
+    def apply(x: Any) -> Any:
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            return ident(x)
+        if jnp.issubdtype(jnp.result_type(x), jnp.integer) or jnp.result_type(x) == jnp.bool_:
+            return jax.lax.with_sharding_constraint(x, sharding)
+        return x  # PRNG keys and other extended dtypes are left alone
+
+    return apply
+
+
+def constrained_fn(info: TraceInfo, shardings: PlanShardings) -> Callable[..., Any]:
+    """The traced function re-run with the planned layout on both sides of every edge."""
+    import jax
+
+    produce = {var: constrain_both_ways(s) for var, s in shardings.values.items()}
+    consume = {key: constrain_both_ways(s) for key, s in shardings.reads.items()}
+
+    def fn(*args: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if tree != info.in_tree:
+            raise ShardplanError(f"arguments have structure {tree}, the traced function had {info.in_tree}")
+        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, produce, consume))
+
+    return fn
+
+
+def make_step(plan: Any, info: TraceInfo, devices: Sequence[Any] | None = None, argnums: int = 0,
+              has_aux: bool = False) -> Callable[..., Any]:
+    """``step(*args) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``), as ``jax.value_and_grad``.
+
+    Jitted; arguments enter with their leaves' planned shardings, the loss
+    leaves replicated and the gradients with the shardings of the arguments
+    they differentiate.
+    """
+    import jax
+
+    devices = list(devices) if devices is not None else list(jax.devices())[: plan.machine.num_devices]
+    sh = plan_shardings(plan, info, devices)
+    in_sh = jax.tree_util.tree_unflatten(info.in_tree, list(sh.leaves))
+    vg = jax.value_and_grad(constrained_fn(info, sh), argnums=argnums, has_aux=has_aux)
+    rep = replicated(devices)
+
+    def step(*args: Any) -> Any:
+        val, grads = vg(*args)
+        grads = jax.lax.with_sharding_constraint(grads, in_sh[argnums])
+        if has_aux:
+            return (jax.lax.with_sharding_constraint(val[0], rep), val[1]), grads
+        return jax.lax.with_sharding_constraint(val, rep), grads
+
+    return jax.jit(step, in_shardings=tuple(in_sh))

@@ -1,0 +1,274 @@
+"""Third-party JAX models, as their libraries define them, at tiny sizes: the corpus of the JAX tests.
+
+Each entry builds ``(loss_fn, params, batch)`` for ``loss_fn(params, batch) -> scalar`` with
+random weights. The model code is the library's own (flax linen and nnx layers, equinox and
+haiku's built-in networks, Hugging Face transformers' Flax models); only the loss around it is
+written here (optax's integer-label cross-entropy where the model is a classifier or a language
+model). Used by ``tests/test_jax_corpus.py`` and ``benchmarks/bench_hlo_vs_model.py``.
+
+Tried and left out: transformers' FlaxT5ForConditionalGeneration, whose own code calls
+``jnp.clip(a_max=...)``, an argument JAX 0.10 removed (it fails unsharded too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+BATCH, SEQ, VOCAB = 8, 16, 64
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One corpus model: its library, name and builder (``build() -> (loss_fn, params, batch)``)."""
+
+    library: str
+    name: str
+    build: Callable[[], tuple[Callable[..., Any], Any, Any]]
+
+
+def _xent(logits: Any, labels: Any) -> Any:
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _tokens(seed: int = 1) -> tuple[Any, Any]:
+    import jax
+
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return (jax.random.randint(k1, (BATCH, SEQ), 0, VOCAB), jax.random.randint(k2, (BATCH, SEQ), 0, VOCAB))
+
+
+# -- flax linen ------------------------------------------------------------------------------
+def linen_cnn() -> tuple[Callable[..., Any], Any, Any]:
+    """The MNIST CNN of the flax examples (conv 32, avg pool, conv 64, avg pool, dense 256, dense 10), 16x16 inputs."""
+    import flax.linen as nn
+    import jax
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.avg_pool(nn.relu(nn.Conv(32, (3, 3))(x)), (2, 2), (2, 2))
+            x = nn.avg_pool(nn.relu(nn.Conv(64, (3, 3))(x)), (2, 2), (2, 2))
+            x = nn.relu(nn.Dense(256)(x.reshape((x.shape[0], -1))))
+            return nn.Dense(10)(x)
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (BATCH, 16, 16, 1))
+    y = jax.random.randint(jax.random.PRNGKey(2), (BATCH,), 0, 10)
+    model = CNN()
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    return (lambda p, b: _xent(model.apply({"params": p}, b[0]), b[1])), params, (x, y)
+
+
+def linen_lm() -> tuple[Callable[..., Any], Any, Any]:
+    """A linen language model: nn.Embed, two remat'd (nn.remat) blocks of nn.SelfAttention + MLP with LayerNorm."""
+    import flax.linen as nn
+    import jax
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = x + nn.SelfAttention(num_heads=4, deterministic=True)(nn.LayerNorm()(x))
+            return x + nn.Dense(32)(nn.gelu(nn.Dense(128)(nn.LayerNorm()(x))))
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            emb = nn.Embed(VOCAB, 32)
+            x = emb(ids)
+            for _ in range(2):
+                x = nn.remat(Block)()(x)
+            return emb.attend(nn.LayerNorm()(x))
+
+    ids, labels = _tokens()
+    model = LM()
+    params = model.init(jax.random.PRNGKey(0), ids)["params"]
+    return (lambda p, b: _xent(model.apply({"params": p}, b[0]), b[1])), params, (ids, labels)
+
+
+def linen_scan() -> tuple[Callable[..., Any], Any, Any]:
+    """nn.scan over four identical Dense+tanh layers (parameters stacked on a layer axis)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return jnp.tanh(nn.Dense(64)(x)), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x, _ = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)()(x, None)
+            return nn.Dense(10)(x)
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (BATCH * 4, 64))
+    y = jax.random.randint(jax.random.PRNGKey(2), (BATCH * 4,), 0, 10)
+    model = Net()
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    return (lambda p, b: _xent(model.apply({"params": p}, b[0]), b[1])), params, (x, y)
+
+
+# -- flax nnx --------------------------------------------------------------------------------
+def nnx_mlp() -> tuple[Callable[..., Any], Any, Any]:
+    """An nnx model (nnx.Linear, nnx.BatchNorm in inference mode, nnx.Dropout off), split into its parameters
+    (differentiated) and the rest of its state (batch statistics, RNG counts; closed over)."""
+    import jax
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.l1 = nnx.Linear(32, 128, rngs=rngs)
+            self.bn = nnx.BatchNorm(128, use_running_average=True, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, deterministic=True, rngs=rngs)
+            self.l2 = nnx.Linear(128, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+    graphdef, state, rest = nnx.split(MLP(nnx.Rngs(0)), nnx.Param, ...)
+    x = jax.random.normal(jax.random.PRNGKey(1), (BATCH * 4, 32))
+    y = jax.random.randint(jax.random.PRNGKey(2), (BATCH * 4,), 0, 10)
+
+    def loss(p, b):
+        return _xent(nnx.merge(graphdef, p, rest)(b[0]), b[1])
+
+    return loss, nnx.to_pure_dict(state), (x, y)
+
+
+# -- equinox ---------------------------------------------------------------------------------
+def equinox_mlp() -> tuple[Callable[..., Any], Any, Any]:
+    """eqx.nn.MLP, vmapped over the batch, parameters from eqx.partition."""
+    import equinox as eqx
+    import jax
+
+    model = eqx.nn.MLP(32, 10, 128, 2, key=jax.random.PRNGKey(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    x = jax.random.normal(jax.random.PRNGKey(1), (BATCH * 4, 32))
+    y = jax.random.randint(jax.random.PRNGKey(2), (BATCH * 4,), 0, 10)
+
+    def loss(p, b):
+        return _xent(jax.vmap(eqx.combine(p, static))(b[0]), b[1])
+
+    return loss, params, (x, y)
+
+
+def equinox_attention() -> tuple[Callable[..., Any], Any, Any]:
+    """eqx.nn.Embedding + eqx.nn.MultiheadAttention + eqx.nn.LayerNorm + eqx.nn.Linear, vmapped."""
+    import equinox as eqx
+    import jax
+
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    model = (eqx.nn.Embedding(VOCAB, 32, key=k[0]), eqx.nn.MultiheadAttention(4, 32, key=k[1]),
+             eqx.nn.LayerNorm(32), eqx.nn.Linear(32, VOCAB, key=k[2]))
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def one(m, ids):
+        emb, att, ln, out = m
+        x = jax.vmap(emb)(ids)
+        x = x + att(x, x, x)
+        return jax.vmap(lambda t: out(ln(t)))(x)
+
+    def loss(p, b):
+        m = eqx.combine(p, static)
+        return _xent(jax.vmap(lambda ids: one(m, ids))(b[0]), b[1])
+
+    return loss, params, _tokens()
+
+
+# -- haiku -----------------------------------------------------------------------------------
+def haiku_mlp() -> tuple[Callable[..., Any], Any, Any]:
+    """hk.nets.MLP under hk.transform."""
+    import haiku as hk
+    import jax
+
+    net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([128, 128, 10])(x)))
+    x = jax.random.normal(jax.random.PRNGKey(1), (BATCH * 4, 32))
+    y = jax.random.randint(jax.random.PRNGKey(2), (BATCH * 4,), 0, 10)
+    params = net.init(jax.random.PRNGKey(0), x)
+    return (lambda p, b: _xent(net.apply(p, b[0]), b[1])), params, (x, y)
+
+
+# -- Hugging Face transformers (Flax) --------------------------------------------------------
+def _hf_lm(model_cls: str, config_cls: str, **cfg: Any) -> tuple[Callable[..., Any], Any, Any]:
+    import transformers
+
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**cfg), seed=0)
+    ids, labels = _tokens()
+    return (lambda p, b: _xent(model(b[0], params=p, train=False).logits, b[1])), model.params, (ids, labels)
+
+
+def hf_gpt2() -> tuple[Callable[..., Any], Any, Any]:
+    return _hf_lm("FlaxGPT2LMHeadModel", "GPT2Config", n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
+                  n_positions=SEQ)
+
+
+def hf_bert() -> tuple[Callable[..., Any], Any, Any]:
+    return _hf_lm("FlaxBertForMaskedLM", "BertConfig", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                  intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ)
+
+
+def hf_llama() -> tuple[Callable[..., Any], Any, Any]:
+    return _hf_lm("FlaxLlamaForCausalLM", "LlamaConfig", num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ)
+
+
+def hf_vit() -> tuple[Callable[..., Any], Any, Any]:
+    import jax
+    import transformers
+
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=64, num_labels=10)
+    model = transformers.FlaxViTForImageClassification(cfg, seed=0)
+    x = jax.random.normal(jax.random.PRNGKey(1), (BATCH, 3, 16, 16))
+    y = jax.random.randint(jax.random.PRNGKey(2), (BATCH,), 0, 10)
+    return (lambda p, b: _xent(model(b[0], params=p, train=False).logits, b[1])), model.params, (x, y)
+
+
+CORPUS: tuple[Entry, ...] = (
+    Entry("flax.linen", "mnist_cnn", linen_cnn),
+    Entry("flax.linen", "lm_remat", linen_lm),
+    Entry("flax.linen", "scan_layers", linen_scan),
+    Entry("flax.nnx", "mlp_bn_dropout", nnx_mlp),
+    Entry("equinox", "MLP", equinox_mlp),
+    Entry("equinox", "attention_lm", equinox_attention),
+    Entry("haiku", "nets.MLP", haiku_mlp),
+    Entry("transformers", "FlaxGPT2LMHeadModel", hf_gpt2),
+    Entry("transformers", "FlaxBertForMaskedLM", hf_bert),
+    Entry("transformers", "FlaxLlamaForCausalLM", hf_llama),
+    Entry("transformers", "FlaxViTForImageClassification", hf_vit),
+)
+
+
+def run_entry(entry: Entry, machine: Any, devices: Any) -> dict[str, Any]:
+    """Trace, solve, run one step; the loss and gradient errors against the unsharded step and the HLO bytes.
+
+    Returns ``loss_rel`` (|loss - loss0| / |loss0|), ``grad_rel`` (max |g - g0| over the largest
+    |g0| entry, over all leaves), ``hlo_bytes`` / ``model_bytes`` (bytes each device sends per step,
+    compiled vs predicted) and ``ratio``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import shardplan.jax as sj
+    from shardplan.jax.hlo import hlo_bytes_per_device, predicted_bytes
+
+    loss_fn, params, batch = entry.build()
+    pl = sj.planned(loss_fn, params, batch, devices=devices, machine=machine)
+    loss, grads = pl.step(params, batch)
+    loss0, grads0 = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads0))
+    grad_err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)))
+    hlo = pl.step.lower(params, batch).compile().as_text()
+    got, want = hlo_bytes_per_device(hlo)["total"], predicted_bytes(pl.plan)["total"]
+    return {
+        "library": entry.library, "model": entry.name, "operators": len(pl.plan.graph),
+        "split_operators": sum(1 for c in pl.plan.configs.values() if any(x > 1 for x in c)),
+        "loss_rel": abs(float(loss) - float(loss0)) / max(abs(float(loss0)), 1e-30),
+        "grad_rel": grad_err / max(scale, 1e-30),
+        "hlo_bytes": got, "model_bytes": want,
+        "ratio": got / want if want else (1.0 if got == 0 else float("inf")),
+        "plan": pl.plan,
+    }
