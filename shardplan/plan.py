@@ -36,6 +36,7 @@ class Plan:
     name: str = "plan"
     build_seconds: float = 0.0
     _breakdown: dict = field(default_factory=dict, repr=False)
+    memory_choices: Any = None  # shardplan.fit.MemoryChoices: ZeRO stages, recomputation, micro-batches
 
     @property
     def graph(self) -> Graph:
@@ -67,7 +68,10 @@ class Plan:
     def breakdown(self) -> dict[str, float]:
         """Predicted seconds per training step by kind (compute, each communication, redistribution, total)."""
         if not self._breakdown:
-            self._breakdown.update(self.tables.breakdown(self.assignment))
+            if self.memory_choices is not None:
+                self._breakdown.update(self.memory_choices.breakdown(self.tables, self.assignment))
+            else:
+                self._breakdown.update(self.tables.breakdown(self.assignment))
         return dict(self._breakdown)
 
     @property
@@ -78,6 +82,8 @@ class Plan:
     @property
     def memory(self) -> dict[str, float]:
         """Peak bytes per device and its parts."""
+        if self.memory_choices is not None:
+            return self.memory_choices.memory()
         return self.tables.memory_of(self.assignment)
 
     @property
@@ -98,6 +104,11 @@ class Plan:
         for i, op in enumerate(self.graph.operators):
             k = self.assignment[i]
             parts = self.tables.op_costs[i].parts(k)
+            extra: dict[str, Any] = {}
+            if self.memory_choices is not None:
+                mc = self.memory_choices
+                parts = mc.parts(i)
+                extra = {"state_stage": mc.stage(i), "recompute": mc.recompute(i)}
             rows.append({
                 "name": op.name,
                 "kind": op.kind,
@@ -106,9 +117,10 @@ class Plan:
                 "config": [int(x) for x in self.tables.configs[i][k]],
                 "order": [op.dim_names[int(j)] for j in self.tables.orders[i][k]
                           if self.tables.configs[i][k][int(j)] > 1],
-                "cost_seconds": float(self.tables.op_costs[i].total[k]),
+                "cost_seconds": float(sum(parts.values())),
                 "parts": parts,
                 "redistribution_in_seconds": float(incoming[i]),
+                **extra,
             })
         return rows
 
@@ -130,6 +142,9 @@ class Plan:
             d["solver"] = self.solution.solver
             d["optimal"] = self.solution.optimal
             d["stats"] = jsonable(self.solution.stats)
+            d["bound_seconds"] = self.solution.bound
+        if self.memory_choices is not None:
+            d["memory_choices"] = self.memory_choices.summary([op.name for op in self.graph.operators])
         return d
 
 

@@ -185,9 +185,15 @@ class _Ctx:
             self.best = pt
 
 
-def _lagrangian(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray]) -> _Point:
-    """Exact argmin over the allowed choices of F + lam * M (ties: least memory)."""
-    mp = ctx.mp
+def _lagrangian_problem(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndarray]
+                        ) -> tuple[Problem, list[np.ndarray], list[np.ndarray]]:
+    """The unconstrained problem of F + lam * M over the allowed choices, on their configurations.
+
+    Returns (problem, keeps, picks): ``keeps[v]`` the configuration indices
+    kept (the problem's configuration i is ``keeps[v][i]``) and ``picks[v][i]``
+    the choice of least ``cost + lam * memory`` (ties: least memory) among
+    the allowed ones using it.
+    """
     p = mp.problem
     keeps, picks, unary = [], [], []
     full = True
@@ -208,6 +214,13 @@ def _lagrangian(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray]) -> _Point:
         edge_cost = tuple(m[np.ix_(keeps[s], keeps[d])] for (s, d), m in zip(p.edges, p.edge_cost))
     sub = Problem(names=p.names, configs=tuple(tuple((int(k),) for k in ks) for ks in keeps),
                   vertex_cost=tuple(unary), edges=p.edges, edge_cost=edge_cost)
+    return sub, keeps, picks
+
+
+def _lagrangian(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray]) -> _Point:
+    """Exact argmin over the allowed choices of F + lam * M (ties: least memory)."""
+    mp = ctx.mp
+    sub, keeps, picks = _lagrangian_problem(mp, lam, allowed)
     t0 = time.perf_counter()
     sol = ctx.dp(sub)
     ctx.dp_seconds += time.perf_counter() - t0
@@ -240,7 +253,7 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
     """Lagrangian dual of a node by the hull iteration (see the module docstring)."""
     mp = ctx.mp
     B = mp.budget
-    if mp.least_memory(allowed) > B:
+    if not all(ok.any() for ok in allowed) or mp.least_memory(allowed) > B:
         return _Eval(np.inf, True)
     plus = _lagrangian(ctx, 0.0, allowed)
     if plus.m <= B:
@@ -271,6 +284,38 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
     return _Eval(bound, minus.m <= B and bound >= minus.f, plus, minus, lam, it)
 
 
+def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, iters: int) -> list[np.ndarray]:
+    """Reduced-cost fixing: drop the allowed choices that cannot lead below ``cutoff``.
+
+    For a feasible x using choice j of v (configuration k):
+    ``F(x) >= L(x) - lam B >= minmarg_L(v, k) - u_v[k] + (cost_j + lam memory_j) - lam B``,
+    where u_v[k] is the least Lagrangian vertex cost of k and minmarg_L the
+    min-marginal of the Lagrangian problem, bounded below by the forest bound
+    after TRW-S (:mod:`shardplan.search.bounds`). Choices whose bound reaches
+    the cutoff are dropped (exact: no assignment below the cutoff uses them).
+    """
+    from shardplan.search.bounds import BoundState, _forest_pass, trws
+
+    mp = ctx.mp
+    sub, keeps, _ = _lagrangian_problem(mp, lam, allowed)
+    unary = [c.copy() for c in sub.vertex_cost]
+    st = BoundState.from_problem(sub)
+    if iters and st.pairs:
+        trws(st, list(range(st.n)), iters)
+    lbs, _, _ = _forest_pass(st, True)
+    out = []
+    for v in range(sub.num_vertices):
+        pos = np.full(mp.problem.sizes[v], -1, dtype=np.int64)
+        pos[keeps[v]] = np.arange(len(keeps[v]))
+        idx = np.flatnonzero(allowed[v])
+        i = pos[mp.base[v][idx]]
+        lb = lbs[v][i] - unary[v][i] + mp.cost[v][idx] + lam * mp.memory[v][idx] - lam * mp.budget
+        new = np.array(allowed[v], dtype=bool)
+        new[idx[lb >= cutoff]] = False
+        out.append(new)
+    return out
+
+
 def _branch(mp: MemoryProblem, node: _Node, ev: _Eval) -> list[_Node]:
     plus, minus = ev.plus, ev.minus
     assert plus is not None and minus is not None
@@ -290,8 +335,8 @@ def _branch(mp: MemoryProblem, node: _Node, ev: _Eval) -> list[_Node]:
 
 
 def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int = 100_000, rtol: float = 1e-9,
-                 max_dual_iters: int = 60, dp: Callable[[Problem], Solution] | None = None,
-                 **dp_options: Any) -> Solution:
+                 max_dual_iters: int = 60, upper: float = np.inf, fix_iters: int = 5,
+                 dp: Callable[[Problem], Solution] | None = None, **dp_options: Any) -> Solution:
     """Minimum F subject to M <= budget (see the module docstring), exact unless stopped.
 
     Parameters:
@@ -301,6 +346,11 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
         rtol: relative tolerance for ties (a node is pruned when its bound is
             within ``rtol`` of the incumbent).
         max_dual_iters: hull iterations per node.
+        upper: a cost known to be reachable otherwise (e.g. by another
+            micro-batch count): nodes that cannot go below it are pruned, so the
+            answer is optimal only if it is below ``upper`` (``stats["beats_upper"]``).
+        fix_iters: TRW-S sweeps of the reduced-cost fixing at each branching node
+            (see :func:`_fix`); -1 turns fixing off.
         dp: the exact unconstrained solver (default :func:`~shardplan.search.dp.solve_dp`
             with ``dp_options``).
 
@@ -331,9 +381,13 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     counter, nodes = 1, 0
     root_stats: dict[str, Any] = {}
     stopped = ""
+    def incumbent() -> float:
+        return min(ctx.best.f if ctx.best is not None else np.inf, upper)
+
+    fixed = 0
     while heap:
         bound, _, node = heap[0]
-        inc = ctx.best.f if ctx.best is not None else np.inf
+        inc = incumbent()
         if bound >= inc - rtol * abs(inc):
             heap.clear()  # best-first: every open node is as bad
             break
@@ -352,22 +406,33 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
                 root_stats.update(unconstrained_cost=ev.plus.f, unconstrained_memory_bytes=ev.plus.m)
             elif ev.minus is not None:
                 root_stats.update(unconstrained_cost=ev.minus.f, unconstrained_memory_bytes=ev.minus.m)
-        inc = ctx.best.f if ctx.best is not None else np.inf
+        inc = incumbent()
         if ev.closed or ev.bound >= inc - rtol * abs(inc):
             continue
+        if fix_iters >= 0:
+            allowed = _fix(ctx, node.allowed, ev.lam, inc - rtol * abs(inc), fix_iters)
+            if not all(ok.any() for ok in allowed):
+                continue
+            dropped = sum(int(a.sum()) for a in node.allowed) - sum(int(a.sum()) for a in allowed)
+            if dropped:
+                fixed += dropped
+                heapq.heappush(heap, (max(ev.bound, node.bound), counter, _Node(allowed, ev.bound, node.depth)))
+                counter += 1
+                continue
         for child in _branch(mp, node, ev):
             heapq.heappush(heap, (max(ev.bound, node.bound), counter, child))
             counter += 1
     best = ctx.best
     assert best is not None  # the least-memory point of the root is feasible
-    lower = min([best.f] + [b for b, _, _ in heap])
-    optimal = not heap
+    lower = min([best.f, upper] + [b for b, _, _ in heap])
+    optimal = not heap and best.f <= upper
     if optimal:
         lower = best.f
     gap = 0.0 if optimal else ((best.f - lower) / abs(best.f) if best.f else float(lower < best.f))
     stats = {"memory_bytes": best.m, "budget_bytes": mp.budget, "least_memory_bytes": least,
              **root_stats, "gap": gap, "nodes": nodes, "open_nodes": len(heap), "dp_solves": ctx.solves,
-             "dp_seconds": ctx.dp_seconds, "status": "optimal" if optimal else f"stopped at the {stopped}"}
+             "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "beats_upper": best.f < upper, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
+                        else "proven: nothing below upper")}
     return Solution(cost=best.f, assignment=best.choices, solve_seconds=time.perf_counter() - t0,
                     solver="memory-bb", optimal=optimal, bound=float(lower), stats=stats)
 
