@@ -161,10 +161,20 @@ def _solve_model(args: argparse.Namespace) -> int:
     spec, g = _graph(args)
     m = _machine(args, args.procs)
     t0 = time.perf_counter()
-    tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders, divides_p=not args.all_divisors,
-                          progress=_progress("costing edges"))
+    fit = args.memory is not None or args.fit
+    if args.memory is not None:
+        if not args.memory > 0:
+            raise ShardplanError(f"--memory must be a positive number of GiB, got {args.memory!r}")
+        m = replace(m, memory_bytes=args.memory * 2**30)
+    # A fit search offers sharded state, so it must not drop configurations by their unsharded footprint.
+    tables = build_tables(g, replace(m, memory_bytes=None) if fit else m, cutoff=_cutoff(args, spec),
+                          orders=args.orders, divides_p=not args.all_divisors, progress=_progress("costing edges"))
+    tables = replace(tables, machine=m)
     build = time.perf_counter() - t0
-    plan = solve(g, m, solver=args.solver, tables=tables, **_solver_opts(args))
+    if args.memory is not None or args.fit:
+        plan = _solve_fit(args, g, m, tables)
+    else:
+        plan = solve(g, m, solver=args.solver, tables=tables, **_solver_opts(args))
     plan = replace(plan, build_seconds=build)
     baselines = {} if args.no_baselines else baseline_plans(spec.name, tables)
     print(render_report(plan, baselines))
@@ -178,6 +188,29 @@ def _solve_model(args: argparse.Namespace) -> int:
         except OSError as e:
             raise ShardplanError(f"cannot write {args.dot}: {e.strerror}") from None
     return 0
+
+
+def _int_list(text: str, flag: str, least: int) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ShardplanError(f"{flag} expects a comma-separated list of integers, got {text!r}") from None
+    if not out or min(out) < least:
+        raise ShardplanError(f"{flag} needs integers >= {least}, got {text!r}")
+    return out
+
+
+def _solve_fit(args: argparse.Namespace, g, m, tables):
+    from shardplan.fit import FitOptions, solve_fit
+
+    if args.solver != "dp":
+        raise ShardplanError(f"--memory/--fit search with the exact DP; --solver {args.solver} cannot be combined")
+    if m.memory_bytes is None:
+        raise ShardplanError(f"machine {m.name!r} has no memory size: give --memory GiB")
+    opts = FitOptions(stages=_int_list(args.zero, "--zero", 0), recompute=not args.no_recompute,
+                      micro_batches=_int_list(args.micro_batches, "--micro-batches", 1),
+                      time_limit=args.time_limit, reserve_bytes=args.reserve * 2**30)
+    return solve_fit(g, m, budget=m.memory_bytes, options=opts, tables=tables, ordering=args.ordering)
 
 
 def _solve_problem(args: argparse.Namespace) -> int:
@@ -307,6 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baselines", action="store_true", help="skip the baseline comparison")
     p.add_argument("--json", help="write the plan as JSON here")
     p.add_argument("--dot", help="write the plan as Graphviz DOT here")
+    p.add_argument("--memory", type=float, metavar="GiB",
+                   help="memory per device: search the fastest plan whose peak fits (overrides the preset's)")
+    p.add_argument("--fit", action="store_true", help="search the fastest plan that fits the preset's memory")
+    p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages offered with --memory/--fit (default 0,1,2,3)")
+    p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch counts searched (default 1,2,4,8)")
+    p.add_argument("--no-recompute", action="store_true", help="do not offer activation recomputation")
+    p.add_argument("--reserve", type=float, default=0.0, metavar="GiB",
+                   help="memory per device kept free for transients (default 0)")
     p.set_defaults(func=cmd_solve)
 
     p = sub.add_parser("export-problem", help="write a model's cost tables as a problem file")
