@@ -109,12 +109,12 @@ def latency_scaled(machine: Machine, factor: float) -> Machine:
 
 def choice_table(op: Operator, configs: np.ndarray, orders: np.ndarray, machine: Machine, micro_batches: int = 1,
                  stages: Sequence[int] = STAGES, recompute: bool = True,
-                 optimizer_factor: float = 2.0) -> ChoiceTable:
+                 optimizer_factor: float = 2.0, prune: bool = True) -> ChoiceTable:
     """Every (configuration, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
 
     See :mod:`shardplan.fit` for the model. Choices that another choice of the
     same configuration beats in both time and memory are dropped (exact for
-    the memory-constrained optimum).
+    the memory-constrained optimum) unless ``prune`` is False.
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time, group_crosses_nodes
     from shardplan.cost.operator import operator_cost, tile_volume
@@ -185,7 +185,7 @@ def choice_table(op: Operator, configs: np.ndarray, orders: np.ndarray, machine:
         state_bytes=np.concatenate([r[3] for r in rows]),
         activation_bytes=np.concatenate([r[4] for r in rows]),
     )
-    return table.take(_undominated(table.base, table.seconds, table.bytes))
+    return table.take(_undominated(table.base, table.seconds, table.bytes)) if prune else table
 
 
 def _undominated(base: np.ndarray, seconds: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
