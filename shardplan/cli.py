@@ -275,7 +275,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     machines = args.machine_list or ["paper"]
     result = run_compare(args.model, _procs(args.procs), machines, batch=args.batch, sizes=_parse_sizes(args.set),
-                         cutoff=args.cutoff, orders=args.orders, mcmc_seed=args.seed, log=sys.stderr)
+                         cutoff=args.cutoff, orders=args.orders, mcmc_seed=args.seed, log=sys.stderr,
+                         fit=args.fit, memory=None if args.memory is None else args.memory * 2**30)
     print(result["table"])
     if args.json:
         _write_json(args.json, result)
@@ -378,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="MCMC seed")
     p.add_argument("--json", help="write JSON here")
     p.add_argument("--plot", help="write a PNG plot here")
+    p.add_argument("--fit", action="store_true", help="add the fastest plan within the preset's memory")
+    p.add_argument("--memory", type=float, metavar="GiB", help="add the fastest plan within this memory per device")
     p.set_defaults(func=cmd_compare)
     return ap
 

@@ -213,6 +213,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     lower: list[float] = []  # a lower bound of each micro-batch count's optimum
     least_all = np.inf
     problems = []
+    totals = {"nodes": 0, "dp_solves": 0}
     for m in sorted({int(x) for x in options.micro_batches}):
         mp, cts = fit_problem(tables, budget, m, options)
         least = mp.least_memory()
@@ -222,6 +223,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             continue
         # the root alone: a feasible plan and the dual bound, to order the counts and share the incumbent
         root = solve_memory(mp, max_nodes=1, fix_iters=-1, **dp_options)
+        totals["nodes"] += root.stats["nodes"]
+        totals["dp_solves"] += root.stats["dp_solves"]
         problems.append((root.bound, root.cost, m, mp, cts))
         if best is None or root.cost < best[0].cost:
             best = (root, m, cts)
@@ -235,6 +238,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                         "lower_bound": root_bound, "cost": root_cost})
             continue
         sol = solve_memory(mp, time_limit=options.time_limit, upper=upper, **dp_options)
+        totals["nodes"] += sol.stats["nodes"]
+        totals["dp_solves"] += sol.stats["dp_solves"]
         lower.append(sol.bound if sol.bound is not None else 0.0)
         per.append({"micro_batches": m, "status": sol.stats["status"], "cost": sol.cost, "bound": sol.bound,
                     "memory_bytes": sol.stats["memory_bytes"], "nodes": sol.stats["nodes"],
@@ -246,7 +251,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     bound = min([sol.cost] + lower)
     optimal = bound >= sol.cost * (1 - 1e-9)
     gap = 0.0 if optimal else (sol.cost - bound) / sol.cost if sol.cost else 0.0
-    stats = {**sol.stats, "gap": gap, "micro_batches": m, "per_micro_batches": per,
+    stats = {**sol.stats, **totals, "gap": gap, "micro_batches": m, "per_micro_batches": per,
              "status": "optimal" if optimal else "stopped: see per_micro_batches"}
     choices = MemoryChoices(m, float(budget), options.reserve_bytes, cts, sol.assignment)
     base = tuple(int(t.base[j]) for t, j in zip(cts, sol.assignment))

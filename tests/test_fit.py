@@ -117,3 +117,42 @@ def test_fit_infeasible_names_least_memory():
     m = Machine(4, peak_flops=F, bandwidth=B, memory_bytes=1000.0)
     with pytest.raises(ShardplanError, match="least memory any plan needs"):
         solve_fit(g, m)
+
+
+TINY = ["--model", "gpt", "--set", "layers=1", "--set", "d_model=64", "--set", "heads=2", "--set", "seq=32",
+        "--set", "vocab=256", "--batch", "8", "-p", "4", "--machine", "a100", "--orders", "row-major"]
+
+
+def test_cli_solve_memory_reports_fit(capsys, tmp_path):
+    import json
+
+    from shardplan.cli import main
+
+    out_json = tmp_path / "plan.json"
+    # the unconstrained optimum needs 1.28 MiB per device
+    code = main(["solve", *TINY, "--memory", "0.001", "--no-baselines", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Memory budget: 1.02 MiB per device" in out and "proven optimal under the budget" in out
+    d = json.loads(out_json.read_text())
+    assert d["memory"]["peak_bytes"] <= 0.001 * 2**30
+    mc = d["memory_choices"]
+    assert d["optimal"] is True and (mc["micro_batches"] > 1 or mc["recompute"] or mc["state_sharding"])
+
+
+def test_cli_solve_memory_infeasible_is_one_line(capsys):
+    from shardplan.cli import main
+
+    code = main(["solve", *TINY, "--memory", "0.00001", "--no-baselines"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "least memory any plan needs" in err
+
+
+def test_cli_bad_fit_options(capsys):
+    from shardplan.cli import main
+
+    assert main(["solve", *TINY, "--memory", "1", "--zero", "0,5"]) == 2
+    assert "ZeRO stage 5" in capsys.readouterr().err
+    assert main(["solve", *TINY, "--memory", "-1"]) == 2
+    assert "--memory" in capsys.readouterr().err
