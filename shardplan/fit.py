@@ -71,7 +71,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from shardplan.cost import CostTables, build_tables
-from shardplan.cost.memory import STAGES, ChoiceTable, choice_table
+from shardplan.cost.memory import STAGES, ChoiceTable, choice_table, weight_groups
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph
 from shardplan.machine import Machine
@@ -159,21 +159,28 @@ class MemoryChoices:
                 "recompute": [n for i, n in enumerate(names) if self.recompute(i)]}
 
 
-def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1,
-                options: FitOptions = FitOptions()) -> tuple[MemoryProblem, tuple[ChoiceTable, ...]]:
+def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, options: FitOptions = FitOptions(),
+                cache: dict | None = None) -> tuple[MemoryProblem, tuple[ChoiceTable, ...]]:
     """The memory-constrained problem of ``tables`` with ``micro_batches``: choices as vertex alternatives.
 
     Choices that alone leave no room for the least memory of every other
-    operator are dropped (exact).
+    operator are dropped (exact). ``cache`` (a dict, empty at first) keeps what
+    does not depend on the micro-batch count between calls on the same tables.
     """
     g = tables.graph
+    cache = {} if cache is None else cache
     opt = float(tables.options.get("optimizer_factor", 2.0))
-    cts = [choice_table(op, c, o, tables.machine, micro_batches, options.stages, options.recompute, opt)
-           for op, c, o in zip(g.operators, tables.configs, tables.orders)]
+    if "groups" not in cache:
+        cache["groups"] = [weight_groups(op, c, o, tables.machine)
+                           for op, c, o in zip(g.operators, tables.configs, tables.orders)]
+        cache["problem"] = tables.to_problem()
+    cts = [choice_table(op, c, o, tables.machine, micro_batches, options.stages, options.recompute, opt,
+                        groups=wg, op_cost=oc if micro_batches == 1 else None)
+           for op, c, o, wg, oc in zip(g.operators, tables.configs, tables.orders, cache["groups"], tables.op_costs)]
     least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
     if least <= budget:
         cts = [t.take(np.flatnonzero(t.bytes + (least - t.bytes.min()) <= budget)) for t in cts]
-    problem = tables.to_problem()
+    problem = cache["problem"]
     mp = MemoryProblem(problem, tuple(t.base for t in cts), tuple(t.seconds for t in cts),
                        tuple(t.bytes for t in cts), budget, options.reserve_bytes)
     return mp, tuple(cts)
@@ -214,8 +221,9 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     least_all = np.inf
     problems = []
     totals = {"nodes": 0, "dp_solves": 0}
+    cache: dict = {}
     for m in sorted({int(x) for x in options.micro_batches}):
-        mp, cts = fit_problem(tables, budget, m, options)
+        mp, cts = fit_problem(tables, budget, m, options, cache)
         least = mp.least_memory()
         if least > budget:
             least_all = min(least_all, least)

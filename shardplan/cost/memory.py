@@ -21,7 +21,7 @@ from shardplan.cost.tiles import box_volumes, device_grid, tensor_boxes
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
-__all__ = ["operator_memory", "strategy_memory", "ChoiceTable", "choice_table", "latency_scaled", "STAGES"]
+__all__ = ["operator_memory", "strategy_memory", "ChoiceTable", "choice_table", "WeightGroups", "weight_groups", "latency_scaled", "STAGES"]
 
 
 def operator_memory(op: Operator, configs: np.ndarray, machine: Machine, optimizer_factor: float = 2.0,
@@ -107,50 +107,85 @@ def latency_scaled(machine: Machine, factor: float) -> Machine:
     return replace(machine, latency=machine.latency * factor, inter_latency=inter)
 
 
-def choice_table(op: Operator, configs: np.ndarray, orders: np.ndarray, machine: Machine, micro_batches: int = 1,
-                 stages: Sequence[int] = STAGES, recompute: bool = True,
-                 optimizer_factor: float = 2.0, prune: bool = True) -> ChoiceTable:
-    """Every (configuration, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
+@dataclass(frozen=True, eq=False)
+class WeightGroups:
+    """What the choices of one operator need that does not depend on the micro-batch count.
 
-    See :mod:`shardplan.fit` for the model. Choices that another choice of the
-    same configuration beats in both time and memory are dropped (exact for
-    the memory-constrained optimum) unless ``prune`` is False.
+    Attributes (arrays over configurations): ``state`` value bytes of the
+    weights per device; ``act`` output tile bytes; ``group`` the devices the
+    state is sharded over (largest over the operator's weights); ``weights``
+    per trainable weight (gradient tile bytes, reduction group g, whether it
+    crosses nodes, g times the replica factor, whether that crosses nodes).
     """
-    from shardplan.cost.collectives import allgather_time, allreduce_time, group_crosses_nodes
-    from shardplan.cost.operator import operator_cost, tile_volume
+
+    state: np.ndarray
+    act: np.ndarray
+    group: np.ndarray
+    weights: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]
+
+
+def weight_groups(op: Operator, configs: np.ndarray, orders: np.ndarray, machine: Machine) -> WeightGroups:
+    from shardplan.cost.collectives import group_crosses_nodes
+    from shardplan.cost.operator import tile_volume
 
     configs = np.asarray(configs, dtype=np.int64)
     k = len(configs)
     p = machine.num_devices
-    m = int(micro_batches)
     nbytes = float(machine.dtype_bytes)
     grid = coords, active = device_grid(configs, p, orders)
-    mm = latency_scaled(machine, m) if m > 1 else machine
-    oc = operator_cost(op, configs, mm, orders)
     replicas = p // configs.prod(axis=1)
     spans = bool(machine.hierarchical and p > (machine.node_size or p))
-
-    state = np.zeros(k)  # value bytes of the weights per device
-    sync0, rs, ag, wgrad_m = np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
-    group = np.ones(k)  # devices over which state is sharded (same tile): the weight's data-parallel group
-    weights = [t for t in op.weights if t.needs_grad]
+    state = np.zeros(k)
     for t in op.weights:
         state += tile_volume(op, t, configs, p, grid=grid) * nbytes
-    for t in weights:
-        dims = op.grad_reduction_dims(t)
-        idx = [op.dim_names.index(d) for d in dims]
+    group = np.ones(k)
+    rows = []
+    for t in op.weights:
+        if not t.needs_grad:
+            continue
+        idx = [op.dim_names.index(d) for d in op.grad_reduction_dims(t)]
         g = np.prod(configs[:, idx], axis=1) if idx else np.ones(k, dtype=np.int64)
         vol = tile_volume(op, t, configs, p, core=False, grid=grid) * nbytes
         inter = group_crosses_nodes(configs, coords, active, idx, machine)
         big = g * replicas
-        inter_big = inter | ((replicas > 1) & spans)
+        rows.append((vol, g, inter, big, inter | ((replicas > 1) & spans)))
+        group = np.maximum(group, big)  # weights of one operator share their data-parallel group
+    act = tile_volume(op, op.output, configs, p, grid=grid) * nbytes
+    return WeightGroups(state, act, group, tuple(rows))
+
+
+def choice_table(op: Operator, configs: np.ndarray, orders: np.ndarray, machine: Machine, micro_batches: int = 1,
+                 stages: Sequence[int] = STAGES, recompute: bool = True,
+                 optimizer_factor: float = 2.0, prune: bool = True, groups: WeightGroups | None = None,
+                 op_cost=None) -> ChoiceTable:
+    """Every (configuration, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
+
+    See :mod:`shardplan.fit` for the model. Choices that another choice of the
+    same configuration beats in both time and memory are dropped (exact for
+    the memory-constrained optimum) unless ``prune`` is False. ``groups``
+    (:func:`weight_groups`) and ``op_cost`` (the operator's cost on the machine
+    with its latency scaled by ``micro_batches``) may be passed to save their
+    computation.
+    """
+    from shardplan.cost.collectives import allgather_time, allreduce_time
+    from shardplan.cost.operator import operator_cost
+
+    configs = np.asarray(configs, dtype=np.int64)
+    k = len(configs)
+    m = int(micro_batches)
+    mm = latency_scaled(machine, m) if m > 1 else machine
+    oc = operator_cost(op, configs, mm, orders) if op_cost is None else op_cost
+    wg = weight_groups(op, configs, orders, machine) if groups is None else groups
+    state, group = wg.state, wg.group
+    sync0, rs, ag, wgrad_m = np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
+    weights = wg.weights
+    for vol, g, inter, big, inter_big in weights:
         sync0 += allreduce_time(vol, g, machine, inter)
         wgrad_m += allreduce_time(vol, g, mm, inter)
         rs += allgather_time(vol, g, machine, inter)
         ag += allgather_time(vol, big, machine, inter_big)
-        group = np.maximum(group, big)  # weights of one operator share their data-parallel group
     act_grad = np.maximum(oc.grad_allreduce - wgrad_m, 0.0)
-    act = tile_volume(op, op.output, configs, p, grid=grid) * nbytes / m
+    act = wg.act / m
 
     has_grad = bool(op.grad_tensors)
     fwd = (oc.compute / (1 + len(op.grad_tensors)) + oc.forward_allreduce
@@ -189,14 +224,22 @@ def choice_table(op: Operator, configs: np.ndarray, orders: np.ndarray, machine:
 
 
 def _undominated(base: np.ndarray, seconds: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-    """Indices of the choices no other choice of the same configuration beats (<= both, < one; ties: first)."""
+    """Indices of the choices no other choice of the same configuration beats (<= both, < one; ties: first).
+
+    In (configuration, seconds, bytes) order a choice survives when its bytes are below every earlier
+    choice's of its configuration: a running minimum over bytes ranks, shifted per configuration so that
+    earlier configurations never take part.
+    """
+    if len(base) == 0:
+        return np.zeros(0, dtype=np.int64)
     order = np.lexsort((np.arange(len(base)), nbytes, seconds, base))
-    keep = []
-    cur, best_mem = -1, np.inf
-    for i in order:
-        if base[i] != cur:
-            cur, best_mem = base[i], np.inf
-        if nbytes[i] < best_mem:
-            keep.append(i)
-            best_mem = nbytes[i]
-    return np.sort(np.asarray(keep, dtype=np.int64))
+    rank = np.unique(nbytes, return_inverse=True)[1].reshape(-1)[order].astype(np.int64)
+    b = base[order].astype(np.int64)
+    key = rank + (int(b.max()) - b) * (len(base) + 1)
+    prev = np.empty_like(key)
+    prev[0] = np.iinfo(np.int64).max
+    prev[1:] = np.minimum.accumulate(key)[:-1]
+    first = np.ones(len(b), dtype=bool)
+    first[1:] = b[1:] != b[:-1]
+    keep = first | (key < prev)
+    return np.sort(order[keep])

@@ -209,12 +209,27 @@ def _lagrangian_problem(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndar
         unary.append(val[order][first])
         full &= len(keeps[-1]) == p.sizes[v]
     if full:
-        edge_cost = p.edge_cost
+        edge_cost, configs = p.edge_cost, p.configs
     else:
         edge_cost = tuple(m[np.ix_(keeps[s], keeps[d])] for (s, d), m in zip(p.edges, p.edge_cost))
-    sub = Problem(names=p.names, configs=tuple(tuple((int(k),) for k in ks) for ks in keeps),
-                  vertex_cost=tuple(unary), edges=p.edges, edge_cost=edge_cost)
-    return sub, keeps, picks
+        configs = tuple(tuple(p.configs[v][int(k)] for k in ks) for v, ks in enumerate(keeps))
+    return _derived(p, configs, tuple(unary), edge_cost), keeps, picks
+
+
+def _derived(p: Problem, configs: tuple, vertex_cost: tuple[np.ndarray, ...], edge_cost: tuple[np.ndarray, ...]
+             ) -> Problem:
+    """``p`` with new vertex costs and (sub-)configurations, without re-validating its edge matrices.
+
+    Only for values built here: vertex costs are cost + lam * memory with
+    all three >= 0 and finite, edge matrices are slices of ``p``'s validated
+    ones; re-checking every matrix on every solve costs as much as a DP solve
+    on large models.
+    """
+    out = object.__new__(Problem)
+    for name, val in (("names", p.names), ("configs", configs), ("vertex_cost", vertex_cost), ("edges", p.edges),
+                      ("edge_cost", edge_cost), ("dims", p.dims), ("index", p.index)):
+        object.__setattr__(out, name, val)
+    return out
 
 
 def _lagrangian(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray]) -> _Point:
