@@ -18,8 +18,9 @@ Per device, for a plan with ``m`` micro-batches::
       stage 2: P (1 + (1+o)/G)  stage 3 (FSDP): P (2 + o) / G
 
 * ``saved_v``: v's output tile, kept for the backward pass, divided by ``m``
-  (one micro-batch's worth is live at a time: gradients are accumulated);
-  0 when v recomputes.
+  (one micro-batch's worth is live at a time: gradients are accumulated) and
+  times the micro-batches in flight (``FitOptions.in_flight``, 1 for one SPMD
+  program; a pipeline stage holds several); 0 when v recomputes.
 * ``reserve``: what the model does not track per operator, a fixed number of
   bytes (default 0): the weights a ZeRO-3 operator gathers while it runs, the
   activations of a recomputed segment while its backward runs, activation
@@ -91,6 +92,10 @@ class FitOptions:
         micro_batches: micro-batch counts searched.
         time_limit: seconds per micro-batch count for the branch-and-bound.
         reserve_bytes: memory per device kept free (see the module docstring).
+        in_flight: micro-batches whose saved activations are live at the peak
+            (1 for one SPMD program; a pipeline stage i of S under 1F1B holds
+            S - i, under GPipe all of them: the per-stage memory of issue 16 is
+            this model on the stage's operators and sub-mesh with that count).
     """
 
     stages: tuple[int, ...] = STAGES
@@ -98,6 +103,7 @@ class FitOptions:
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     time_limit: float = 60.0
     reserve_bytes: float = 0.0
+    in_flight: int = 1
 
     def __post_init__(self) -> None:
         bad = [s for s in self.stages if s not in STAGES]
@@ -105,6 +111,8 @@ class FitOptions:
             raise ShardplanError(f"ZeRO stage {bad[0]!r} does not exist; choose from 0, 1, 2, 3")
         if not self.micro_batches or any(int(m) < 1 for m in self.micro_batches):
             raise ShardplanError(f"micro-batch counts must be positive integers, got {self.micro_batches!r}")
+        if int(self.in_flight) < 1:
+            raise ShardplanError(f"in_flight must be a positive number of micro-batches, got {self.in_flight!r}")
         if self.reserve_bytes < 0:
             raise ShardplanError(f"reserve must be >= 0 bytes, got {self.reserve_bytes!r}")
 
@@ -175,7 +183,7 @@ def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, optio
                            for op, c, o in zip(g.operators, tables.configs, tables.orders)]
         cache["problem"] = tables.to_problem()
     cts = [choice_table(op, c, o, tables.machine, micro_batches, options.stages, options.recompute, opt,
-                        groups=wg, op_cost=oc if micro_batches == 1 else None)
+                        groups=wg, op_cost=oc if micro_batches == 1 else None, in_flight=options.in_flight)
            for op, c, o, wg, oc in zip(g.operators, tables.configs, tables.orders, cache["groups"], tables.op_costs)]
     least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
     if least <= budget:

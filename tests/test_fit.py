@@ -156,3 +156,15 @@ def test_cli_bad_fit_options(capsys):
     assert "ZeRO stage 5" in capsys.readouterr().err
     assert main(["solve", *TINY, "--memory", "-1"]) == 2
     assert "--memory" in capsys.readouterr().err
+
+
+def test_in_flight_micro_batches_multiply_saved_activations():
+    op = dense_op()
+    m = Machine(4, peak_flops=F, bandwidth=B)
+    cfg, order = np.array([[4, 1, 1]]), np.array([[0, 1, 2]])
+    one = choice_table(op, cfg, order, m, micro_batches=4, prune=False)
+    three = choice_table(op, cfg, order, m, micro_batches=4, prune=False, in_flight=3)
+    assert np.allclose(three.activation_bytes, 3 * one.activation_bytes)
+    assert np.allclose(three.state_bytes, one.state_bytes)
+    with pytest.raises(ShardplanError, match="in_flight"):
+        FitOptions(in_flight=0)

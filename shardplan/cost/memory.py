@@ -157,7 +157,7 @@ def weight_groups(op: Operator, configs: np.ndarray, orders: np.ndarray, machine
 def choice_table(op: Operator, configs: np.ndarray, orders: np.ndarray, machine: Machine, micro_batches: int = 1,
                  stages: Sequence[int] = STAGES, recompute: bool = True,
                  optimizer_factor: float = 2.0, prune: bool = True, groups: WeightGroups | None = None,
-                 op_cost=None) -> ChoiceTable:
+                 op_cost=None, in_flight: int = 1) -> ChoiceTable:
     """Every (configuration, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
 
     See :mod:`shardplan.fit` for the model. Choices that another choice of the
@@ -165,7 +165,8 @@ def choice_table(op: Operator, configs: np.ndarray, orders: np.ndarray, machine:
     the memory-constrained optimum) unless ``prune`` is False. ``groups``
     (:func:`weight_groups`) and ``op_cost`` (the operator's cost on the machine
     with its latency scaled by ``micro_batches``) may be passed to save their
-    computation.
+    computation. ``in_flight``: micro-batches whose saved activations are live
+    at once (1 here; a pipeline stage under 1F1B holds up to S - i of them).
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time
     from shardplan.cost.operator import operator_cost
@@ -185,7 +186,7 @@ def choice_table(op: Operator, configs: np.ndarray, orders: np.ndarray, machine:
         rs += allgather_time(vol, g, machine, inter)
         ag += allgather_time(vol, big, machine, inter_big)
     act_grad = np.maximum(oc.grad_allreduce - wgrad_m, 0.0)
-    act = wg.act / m
+    act = wg.act / m * int(in_flight)
 
     has_grad = bool(op.grad_tensors)
     fwd = (oc.compute / (1 + len(op.grad_tensors)) + oc.forward_allreduce
