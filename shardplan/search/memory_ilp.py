@@ -35,14 +35,14 @@ def solve_memory_ilp(mp: MemoryProblem, time_limit: float = 60.0) -> Solution:
     import scipy.sparse as sp
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    from shardplan.search.ilp import build_program, reduce_problem
+    from shardplan.search.ilp import build_program, program_data
 
     t0 = time.perf_counter()
     least = mp.least_memory()
     if least > mp.budget:
         raise ShardplanError(infeasible_message(least, mp.budget))
     problem = mp.expanded()
-    c, a_mat, b, integrality, num_x = build_program(reduce_problem(problem))
+    c, a_mat, b, integrality, num_x = build_program(program_data(problem))
     mem_row = np.zeros(c.size)
     mem_row[:num_x] = np.concatenate(mp.memory)
     scale = max(float(mem_row.max()), 1.0)  # rows in units of the largest entry keep HiGHS well scaled
