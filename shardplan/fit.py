@@ -41,7 +41,15 @@ Costs come from the same operator description as every other cost
   volume as an all-reduce when G = g); stage 2 keeps only its shard of the
   gradient, so it reduce-scatters after *every* micro-batch; stage 3 (FSDP)
   all-gathers the weights before the forward and again before the backward
-  and reduce-scatters the gradient, per micro-batch.
+  and reduce-scatters the gradient, per micro-batch. Every collective is the
+  hierarchical one of :mod:`shardplan.cost.collectives` over the group's
+  devices per machine level (G: the reduction group times the layout's
+  replicas on each level), in gradient buckets as the operator cost charges
+  them. When the machine overlaps gradient sync with the backward pass
+  (``overlap_grad``), the reduce-scatters (and stage 3's backward gathers)
+  are charged only beyond the operator's backward compute, stage 3's forward
+  gathers only beyond its forward compute (FSDP prefetching), the stage 1/2
+  gather of updated weights in full.
 * *recomputation* (per operator; a chain of recomputed operators is a segment
   recomputed once from its saved inputs, as ``jax.checkpoint`` around it does):
   the operator's forward (compute, forward all-reduces, the forward halves of
@@ -167,6 +175,18 @@ class MemoryChoices:
                 "recompute": [n for i, n in enumerate(names) if self.recompute(i)]}
 
 
+def _key(op) -> Any:
+    from shardplan.cost import operator_key
+
+    return operator_key(op)
+
+
+def _shared(store: dict, key: Any, make: Any) -> Any:
+    if key not in store:
+        store[key] = make()
+    return store[key]
+
+
 def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, options: FitOptions = FitOptions(),
                 cache: dict | None = None) -> tuple[MemoryProblem, tuple[ChoiceTable, ...]]:
     """The memory-constrained problem of ``tables`` with ``micro_batches``: choices as vertex alternatives.
@@ -179,12 +199,17 @@ def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, optio
     cache = {} if cache is None else cache
     opt = float(tables.options.get("optimizer_factor", 2.0))
     if "groups" not in cache:
-        cache["groups"] = [weight_groups(op, c, o, tables.machine)
-                           for op, c, o in zip(g.operators, tables.configs, tables.orders)]
+        shared: dict = {}  # identical operators share their layouts (and so these)
+        cache["groups"] = [_shared(shared, ("g", _key(op), id(lay)), lambda: weight_groups(op, lay, None, tables.machine))
+                           for op, lay in zip(g.operators, tables.arrays)]
         cache["problem"] = tables.to_problem()
-    cts = [choice_table(op, c, o, tables.machine, micro_batches, options.stages, options.recompute, opt,
-                        groups=wg, op_cost=oc if micro_batches == 1 else None, in_flight=options.in_flight)
-           for op, c, o, wg, oc in zip(g.operators, tables.configs, tables.orders, cache["groups"], tables.op_costs)]
+        cache["shared"] = shared
+    shared = cache["shared"]
+    cts = [_shared(shared, ("c", micro_batches, _key(op), id(lay)),
+                   lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages, options.recompute,
+                                        opt, groups=wg, op_cost=oc if micro_batches == 1 else None,
+                                        in_flight=options.in_flight))
+           for op, lay, wg, oc in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs)]
     least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
     if least <= budget:
         cts = [t.take(np.flatnonzero(t.bytes + (least - t.bytes.min()) <= budget)) for t in cts]

@@ -168,3 +168,22 @@ def test_in_flight_micro_batches_multiply_saved_activations():
     assert np.allclose(three.state_bytes, one.state_bytes)
     with pytest.raises(ShardplanError, match="in_flight"):
         FitOptions(in_flight=0)
+
+
+@pytest.mark.parametrize("preset_name", ["a100", "paper"])
+def test_stage0_without_recompute_costs_what_the_plain_plan_costs(preset_name):
+    from shardplan.machine import preset
+
+    g = _tiny_gpt()
+    m = preset(preset_name, 16)
+    tables = build_tables(g, replace_memory(m))
+    for i, op in enumerate(g.operators):
+        t = choice_table(op, tables.arrays[i], None, m, prune=False)
+        rows = np.flatnonzero((t.stage == 0) & ~t.recompute)
+        assert np.allclose(t.seconds[rows], tables.op_costs[i].total[t.base[rows]], rtol=1e-12, atol=0)
+
+
+def replace_memory(m):
+    from dataclasses import replace
+
+    return replace(m, memory_bytes=None)

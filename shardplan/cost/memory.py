@@ -17,24 +17,27 @@ from typing import Sequence
 
 import numpy as np
 
-from shardplan.cost.tiles import box_volumes, device_grid, tensor_boxes
+from shardplan.cost.tiles import as_layouts, tile_volumes
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
 __all__ = ["operator_memory", "strategy_memory", "ChoiceTable", "choice_table", "WeightGroups", "weight_groups", "latency_scaled", "STAGES"]
 
 
-def operator_memory(op: Operator, configs: np.ndarray, machine: Machine, optimizer_factor: float = 2.0,
+def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: float = 2.0,
                     orders: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(weight bytes, activation bytes) per configuration and device: two (K, p) arrays."""
+    """(weight bytes, activation bytes) per layout and device: two (K, p) arrays.
+
+    ``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows (with optional ``orders``).
+    """
     p = machine.num_devices
     nbytes = machine.dtype_bytes
-    k = len(configs)
-    grid = device_grid(np.asarray(configs, dtype=np.int64), p, orders)
+    lay = as_layouts(configs, p, orders, machine.levels)
+    k = len(lay)
     w = np.zeros((k, p))
     for t in op.weights:
-        w += box_volumes(tensor_boxes(op, t, configs, p, grid=grid)) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
-    act = box_volumes(tensor_boxes(op, op.output, configs, p, grid=grid)).astype(np.float64) * nbytes
+        w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
+    act = tile_volumes(op, op.output, lay).astype(np.float64) * nbytes
     return w, act
 
 
@@ -101,91 +104,111 @@ def latency_scaled(machine: Machine, factor: float) -> Machine:
     """The machine with every latency multiplied by ``factor``.
 
     k messages of n/k bytes cost, in the alpha-beta model, what one message of
-    n bytes costs with k times the latency: this is how micro-batches are costed.
+    n bytes costs with k times the latency (for ring and tree alike, so also
+    for the faster of the two): this is how micro-batches are costed.
     """
-    inter = None if machine.inter_latency is None else machine.inter_latency * factor
-    return replace(machine, latency=machine.latency * factor, inter_latency=inter)
+    def scaled(x: float | None) -> float | None:
+        return None if x is None else x * factor
+
+    return replace(machine, latency=machine.latency * factor, inter_latency=scaled(machine.inter_latency),
+                   pod_latency=scaled(machine.pod_latency))
 
 
 @dataclass(frozen=True, eq=False)
 class WeightGroups:
     """What the choices of one operator need that does not depend on the micro-batch count.
 
-    Attributes (arrays over configurations): ``state`` value bytes of the
-    weights per device; ``act`` output tile bytes; ``group`` the devices the
-    state is sharded over (largest over the operator's weights); ``weights``
-    per trainable weight (gradient tile bytes, reduction group g, whether it
-    crosses nodes, g times the replica factor, whether that crosses nodes).
+    Attributes (arrays over layouts): ``state`` value bytes of the weights per
+    device; ``act`` output tile bytes; ``group`` the devices the state is
+    sharded over (largest over the operator's weights); ``weights``, per
+    trainable weight: (gradient tile bytes, its reduction group per level
+    (L, K), that group times the layout's replicas per level (L, K): the
+    devices holding the same tile).
     """
 
     state: np.ndarray
     act: np.ndarray
     group: np.ndarray
-    weights: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]
+    weights: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]
 
 
-def weight_groups(op: Operator, configs: np.ndarray, orders: np.ndarray, machine: Machine) -> WeightGroups:
-    from shardplan.cost.collectives import group_crosses_nodes
+def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Machine) -> WeightGroups:
+    """``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows (with optional ``orders``)."""
     from shardplan.cost.operator import tile_volume
 
-    configs = np.asarray(configs, dtype=np.int64)
-    k = len(configs)
     p = machine.num_devices
+    lay = as_layouts(configs, p, orders, machine.levels)
+    k = len(lay)
     nbytes = float(machine.dtype_bytes)
-    grid = coords, active = device_grid(configs, p, orders)
-    replicas = p // configs.prod(axis=1)
-    spans = bool(machine.hierarchical and p > (machine.node_size or p))
+    # replicas per level: a level's devices not used by the layout's split there hold copies
+    reps = np.asarray(lay.levels, dtype=np.int64)[:, None] // lay.level_splits.prod(axis=2)
     state = np.zeros(k)
     for t in op.weights:
-        state += tile_volume(op, t, configs, p, grid=grid) * nbytes
+        state += tile_volume(op, t, lay, p) * nbytes
     group = np.ones(k)
     rows = []
     for t in op.weights:
         if not t.needs_grad:
             continue
-        idx = [op.dim_names.index(d) for d in op.grad_reduction_dims(t)]
-        g = np.prod(configs[:, idx], axis=1) if idx else np.ones(k, dtype=np.int64)
-        vol = tile_volume(op, t, configs, p, core=False, grid=grid) * nbytes
-        inter = group_crosses_nodes(configs, coords, active, idx, machine)
-        big = g * replicas
-        rows.append((vol, g, inter, big, inter | ((replicas > 1) & spans)))
-        group = np.maximum(group, big)  # weights of one operator share their data-parallel group
-    act = tile_volume(op, op.output, configs, p, grid=grid) * nbytes
+        gl = lay.group_sizes([op.dim_names.index(d) for d in op.grad_reduction_dims(t)])
+        vol = tile_volume(op, t, lay, p, core=False) * nbytes
+        big = gl * reps
+        rows.append((vol, gl, big))
+        group = np.maximum(group, big.prod(axis=0))  # weights of one operator share their data-parallel group
+    act = tile_volume(op, op.output, lay, p) * nbytes
     return WeightGroups(state, act, group, tuple(rows))
 
 
-def choice_table(op: Operator, configs: np.ndarray, orders: np.ndarray, machine: Machine, micro_batches: int = 1,
+def _bucketed(vol: np.ndarray, machine: Machine, collective) -> np.ndarray:
+    """A weight's share of its bucket's collective, as :mod:`shardplan.cost.operator` charges it."""
+    bucket = machine.grad_bucket_bytes
+    if bucket is None:
+        return collective(vol)
+    return np.minimum(vol / bucket, 1.0) * collective(np.maximum(vol, bucket))
+
+
+def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Machine, micro_batches: int = 1,
                  stages: Sequence[int] = STAGES, recompute: bool = True,
                  optimizer_factor: float = 2.0, prune: bool = True, groups: WeightGroups | None = None,
                  op_cost=None, in_flight: int = 1) -> ChoiceTable:
-    """Every (configuration, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
+    """Every (layout, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
 
-    See :mod:`shardplan.fit` for the model. Choices that another choice of the
-    same configuration beats in both time and memory are dropped (exact for
-    the memory-constrained optimum) unless ``prune`` is False. ``groups``
-    (:func:`weight_groups`) and ``op_cost`` (the operator's cost on the machine
-    with its latency scaled by ``micro_batches``) may be passed to save their
-    computation. ``in_flight``: micro-batches whose saved activations are live
-    at once (1 here; a pipeline stage under 1F1B holds up to S - i of them).
+    ``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows
+    (with optional ``orders``). See :mod:`shardplan.fit` for the model. Choices
+    that another choice of the same layout beats in both time and memory are
+    dropped (exact for the memory-constrained optimum) unless ``prune`` is
+    False. ``groups`` (:func:`weight_groups`) and ``op_cost`` (the operator's
+    cost on the machine with its latency scaled by ``micro_batches``) may be
+    passed to save their computation. ``in_flight``: micro-batches whose saved
+    activations are live at once (1 here; a pipeline stage under 1F1B holds up
+    to S - i of them).
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time
     from shardplan.cost.operator import operator_cost
 
-    configs = np.asarray(configs, dtype=np.int64)
-    k = len(configs)
+    lay = as_layouts(configs, machine.num_devices, orders, machine.levels)
+    k = len(lay)
     m = int(micro_batches)
     mm = latency_scaled(machine, m) if m > 1 else machine
-    oc = operator_cost(op, configs, mm, orders) if op_cost is None else op_cost
-    wg = weight_groups(op, configs, orders, machine) if groups is None else groups
+    oc = operator_cost(op, lay, mm) if op_cost is None else op_cost
+    wg = weight_groups(op, lay, None, machine) if groups is None else groups
     state, group = wg.state, wg.group
     sync0, rs, ag, wgrad_m = np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
     weights = wg.weights
-    for vol, g, inter, big, inter_big in weights:
-        sync0 += allreduce_time(vol, g, machine, inter)
-        wgrad_m += allreduce_time(vol, g, mm, inter)
-        rs += allgather_time(vol, g, machine, inter)
-        ag += allgather_time(vol, big, machine, inter_big)
-    act_grad = np.maximum(oc.grad_allreduce - wgrad_m, 0.0)
+    for vol, gl, big in weights:
+        sync0 += _bucketed(vol, machine, lambda n: allreduce_time(n, gl, machine))
+        wgrad_m += _bucketed(vol, mm, lambda n: allreduce_time(n, gl, mm))
+        rs += _bucketed(vol, machine, lambda n: allgather_time(n, gl, machine))
+        ag += _bucketed(vol, machine, lambda n: allgather_time(n, big, machine))
+    # what operator_cost charged for the weight gradients on top of compute (overlapped: beyond the backward)
+    passes = 1 + len(op.grad_tensors)
+    backward = oc.compute * (passes - 1) / passes
+    overlap = bool(getattr(machine, "overlap_grad", False))
+
+    def charged(sync: np.ndarray) -> np.ndarray:
+        return np.maximum(sync - backward, 0.0) if overlap else sync
+
+    act_grad = np.maximum(oc.grad_allreduce - charged(wgrad_m), 0.0)
     act = wg.act / m * int(in_flight)
 
     has_grad = bool(op.grad_tensors)
@@ -196,15 +219,17 @@ def choice_table(op: Operator, configs: np.ndarray, orders: np.ndarray, machine:
     if 0 not in stage_list:
         stage_list = [0] + stage_list
     rows = []
+    forward = oc.compute / passes
     for s in stage_list:
         if s == 0:
-            sync, mem = sync0, state * (2 + o)
+            sync, mem = charged(sync0), state * (2 + o)
         elif s == 1:
-            sync, mem = rs + ag, state * (2 + o / group)
+            sync, mem = charged(rs) + ag, state * (2 + o / group)
         elif s == 2:
-            sync, mem = m * rs + ag, state * (1 + (1 + o) / group)
-        else:
-            sync, mem = m * (rs + 2 * ag), state * (2 + o) / group
+            sync, mem = charged(m * rs) + ag, state * (1 + (1 + o) / group)
+        else:  # gathers prefetched during the operator's own forward / backward when overlapping
+            fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
+            sync, mem = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group
         for r in ([False, True] if recompute else [False]):
             rows.append((s, r, sync, mem, np.zeros(k) if r else act, fwd if r else np.zeros(k)))
     j = len(rows)
