@@ -28,7 +28,8 @@ def solve_memory_ilp(mp: MemoryProblem, time_limit: float = 60.0) -> Solution:
     """Minimise F subject to M <= budget with HiGHS (``scipy.optimize.milp``).
 
     Returns a :class:`Solution` over choice indices; ``optimal`` when HiGHS
-    proved it; ``stats["memory_bytes"]``. Raises ShardplanError when HiGHS
+    proved it (to its tolerances, relative to the objective scaled so that the
+    least-memory plan costs 1); ``stats["memory_bytes"]``. Raises ShardplanError when HiGHS
     proves the budget infeasible (naming the least memory) or finds nothing
     in time.
     """
@@ -43,6 +44,11 @@ def solve_memory_ilp(mp: MemoryProblem, time_limit: float = 60.0) -> Solution:
         raise ShardplanError(infeasible_message(least, mp.budget))
     problem = mp.expanded()
     c, a_mat, b, integrality, num_x = build_program(program_data(problem))
+    # HiGHS's tolerances are absolute (~1e-7 .. 1e-6): step times of microseconds would all look equal.
+    # The objective is scaled so that a feasible plan (least memory everywhere) costs 1.
+    least_choice = tuple(int(np.argmin(m)) for m in mp.memory)
+    scale_c = mp.evaluate(least_choice)[0] or 1.0
+    c = c / scale_c
     mem_row = np.zeros(c.size)
     mem_row[:num_x] = np.concatenate(mp.memory)
     scale = max(float(mem_row.max()), 1.0)  # rows in units of the largest entry keep HiGHS well scaled
@@ -60,7 +66,7 @@ def solve_memory_ilp(mp: MemoryProblem, time_limit: float = 60.0) -> Solution:
     cost, mem = mp.evaluate(choices)
     dual = getattr(res, "mip_dual_bound", None)
     optimal = res.status == 0
-    bound = cost if optimal else (None if dual is None or not np.isfinite(dual) else min(float(dual), cost))
+    bound = cost if optimal else (None if dual is None or not np.isfinite(dual) else min(float(dual) * scale_c, cost))
     return Solution(cost=cost, assignment=choices, solve_seconds=time.perf_counter() - t0, solver="memory-ilp",
                     optimal=bool(optimal), bound=bound,
                     stats={"memory_bytes": mem, "status": str(res.message), "variables": int(c.size)})
