@@ -187,3 +187,17 @@ def replace_memory(m):
     from dataclasses import replace
 
     return replace(m, memory_bytes=None)
+
+
+def test_compare_adds_the_plan_that_fits(capsys):
+    from shardplan.cli import main
+
+    code = main(["compare", "--model", "gpt", "--set", "layers=1", "--set", "d_model=64", "--set", "heads=2",
+                 "--set", "seq=32", "--set", "vocab=256", "--batch", "8", "--procs", "4", "--machine", "a100",
+                 "--memory", "0.0005"])
+    out = capsys.readouterr().out
+    assert code == 0
+    line = next(x for x in out.splitlines() if "shardplan fit <= 524 KiB" in x)
+    assert float(line.split()[-2]) <= 0.0005 * 2**20  # peak memory column, KiB
+    dp_line = next(x for x in out.splitlines() if "shardplan (exact DP)" in x)
+    assert float(dp_line.split()[-2]) > 0.0005 * 2**20
