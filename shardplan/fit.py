@@ -224,6 +224,12 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
               divides_p: bool = True, orders: str = "auto", **dp_options: Any):
     """The plan of least step time whose peak memory per device is within ``budget`` (default the machine's).
 
+    Given ``tables``, the search is exact over their layouts; build them on the
+    machine *without* a memory size (``replace(machine, memory_bytes=None)``), as
+    this function does itself, or :func:`~shardplan.cost.build_tables` drops
+    layouts whose unsharded footprint exceeds the device, some of which may fit
+    with sharded state.
+
     Returns a :class:`~shardplan.plan.Plan` with ``memory_choices`` set and a
     solution whose ``optimal``/``bound``/``stats["gap"]`` state what was
     proven; ``stats["per_micro_batches"]`` has each count's outcome.
