@@ -28,11 +28,14 @@ costs ``min_{j: base j = k} cost[v][j] + λ memory[v][j]`` on the *same*
 edges, solved exactly by :func:`~shardplan.search.dp.solve_dp`: the choices
 never enlarge the DP's tables. g is concave and piecewise linear; it is
 maximised by the hull (Dinkelbach-style) iteration: keep an infeasible point
-``a+`` (the unconstrained optimum) and a feasible one ``a-`` (the cheapest
-among the least-memory assignments), set ``λ = (F(a-) - F(a+)) / (M(a+) - M(a-))``
-(the slope between them), solve; if the new point lies on the line through
-them, λ maximises g; otherwise it replaces ``a+`` or ``a-`` by feasibility.
-Each step is one DP solve, and every feasible point seen is a candidate plan.
+``a+`` and a feasible one ``a-`` (at first the unconstrained optimum, and the
+Lagrangian optimum of the first of the multipliers ``λ0 4^k`` that fits, the
+infeasible ones before it replacing ``a+``; if none of 8 fits, the cheapest
+least-memory assignment), set ``λ = (F(a-) - F(a+)) / (M(a+) - M(a-))`` (the
+slope between them), solve; if the new point lies on the line through them,
+both are Lagrangian optima at λ, so λ maximises g; otherwise it replaces
+``a+`` or ``a-`` by feasibility. Each step is one DP solve, every λ tried
+gives a bound ``g(λ)``, and every feasible point seen is a candidate plan.
 
 *Branch-and-bound* closes the duality gap. A node restricts each vertex to a
 subset of its choices; its bound is its own Lagrangian dual (valid for every
@@ -264,7 +267,7 @@ class _Eval:
     iterations: int = 0
 
 
-def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: int) -> _Eval:
+def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: int, probes: int = 8) -> _Eval:
     """Lagrangian dual of a node by the hull iteration (see the module docstring)."""
     mp = ctx.mp
     B = mp.budget
@@ -276,13 +279,30 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
     bound = plus.f
     if bound >= cutoff:
         return _Eval(bound, True)
-    least = [ok & (m <= m[ok].min()) for m, ok in zip(mp.memory, allowed)]
-    minus = _lagrangian(ctx, 0.0, least)
+    # A feasible bracket: the Lagrangian optimum at growing multipliers (each infeasible one is a closer
+    # infeasible bracket and a bound), else the cheapest least-memory assignment. The least-memory problem
+    # itself is avoided when possible: its many ties (every layout of an FSDP operator holds 1/p of the
+    # state) make it the hardest DP of all.
+    minus = None
+    lam = plus.f / plus.m / 16 if plus.f > 0 else 1.0 / plus.m
+    for _ in range(probes):
+        pt = _lagrangian(ctx, lam, allowed)
+        bound = max(bound, pt.f + lam * (pt.m - B))
+        if pt.m <= B:
+            minus = pt
+            break
+        plus = pt
+        if bound >= cutoff:
+            return _Eval(bound, True)
+        lam *= 4
+    if minus is None:
+        least = [ok & (m <= m[ok].min()) for m, ok in zip(mp.memory, allowed)]
+        minus = _lagrangian(ctx, 0.0, least)
     lam, it = 0.0, 0
     while it < max_iters:
         it += 1
         lam = (minus.f - plus.f) / (plus.m - minus.m)
-        if lam <= 0:  # the cheapest plan also has least memory: a tie, minus is optimal
+        if lam <= 0:  # minus is as cheap as the unconstrained optimum (a tie): it is optimal
             bound = max(bound, minus.f)
             break
         pt = _lagrangian(ctx, lam, allowed)
