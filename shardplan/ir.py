@@ -221,7 +221,6 @@ class Operator:
     norm_stats: int = 2
     recurrence: Recurrence | None = None
     fixed: frozenset[str] = frozenset()
-    attrs: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         dims = tuple((str(d), int(e)) for d, e in self.dims)
