@@ -10,6 +10,11 @@ keeps only c_i in {1, 2, 4, ...}; ``divides_p`` keeps only configurations
 whose product divides p (those a device mesh over all p devices can
 express, see the JAX export). The order is deterministic: lexicographic in
 (c_1, ..., c_n).
+
+:func:`layouts` turns them into the candidates of the search,
+:class:`~shardplan.layout.Layout` values: with their nesting orders on a
+one-level machine (the paper's space), and spread over the levels of a
+hierarchical machine with the pruning rules its docstring states.
 """
 
 from __future__ import annotations
@@ -191,7 +196,9 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
     if len(levels) == 1:
         rows = configurations(op, p, cutoff, powers_of_two, divides_p)
         c2, o2 = dimension_orders(rows, orders, max_permuted)
-        return tuple(Layout.flat(names, c, p, o) for c, o in zip(c2.tolist(), o2.tolist()))
+        lv = (p,)
+        return tuple(Layout._unchecked(names, lv, (tuple(c),), (tuple(j for j in o if c[j] > 1),))
+                     for c, o in zip(c2.tolist(), o2.tolist()))
     own = list(range(n))
     out: list[Layout] = []
     seen: set[Layout] = set()
@@ -209,7 +216,7 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
                 continue
             per_level = [_level_orders(r, own, orders, max_permuted) for r in rows]
             for combo in product(*per_level):
-                lay = Layout(names, levels, rows, combo)
+                lay = Layout._unchecked(names, levels, rows, combo)
                 if lay not in seen:
                     seen.add(lay)
                     out.append(lay)

@@ -130,6 +130,19 @@ class Layout:
 
     # -- construction -------------------------------------------------------
     @classmethod
+    def _unchecked(cls, dims: tuple[str, ...], levels: tuple[int, ...], splits: tuple[tuple[int, ...], ...],
+                   orders: tuple[tuple[int, ...], ...]) -> "Layout":
+        """A layout from already-normalised values known to be valid (the enumerator's fast path)."""
+        lay = object.__new__(cls)
+        object.__setattr__(lay, "dims", dims)
+        object.__setattr__(lay, "levels", levels)
+        object.__setattr__(lay, "splits", splits)
+        object.__setattr__(lay, "orders", orders)
+        n = len(dims)
+        object.__setattr__(lay, "_strides", tuple(_row_major_strides(r, o, n) for r, o in zip(splits, orders)))
+        return lay
+
+    @classmethod
     def flat(cls, dims: Sequence[str], config: Sequence[int], p: int, order: Sequence[int] | None = None) -> "Layout":
         """The one-level layout of a configuration tuple on p devices (``order``: all dims, most significant first)."""
         n = len(dims)
@@ -344,7 +357,8 @@ class Layout:
         return tuple(seen) + tuple(j for j in range(len(self.dims)) if j not in seen)
 
     def describe(self) -> str:
-        """``(8,1,4)`` on one level; ``(b=16[2x8], h=4[4])``-style per-level splits (outer x inner) on several."""
+        """``(8,1,4)`` on one level; on several, the split dims with their split per level, outer first
+        (``(b=16[2x8], h=4[4x1])``), and ``copies=n`` when n devices hold each tile."""
         if len(self.levels) == 1:
             return "(" + ",".join(str(c) for c in self.split) + ")"
         parts = []
@@ -353,6 +367,8 @@ class Layout:
             if math.prod(per) == 1:
                 continue
             parts.append(f"{d}={math.prod(per)}[" + "x".join(str(c) for c in per) + "]")
+        if self.copies > 1:
+            parts.append(f"copies={self.copies}")
         return "(" + ", ".join(parts) + ")" if parts else "(replicated)"
 
 

@@ -162,10 +162,16 @@ class Machine:
     def describe(self) -> str:
         from shardplan.units import fmt_bytes, fmt_rate
 
-        s = f"{self.name}: {self.num_devices} devices x {fmt_rate(self.peak_flops, 'FLOP/s')}, "
-        s += f"links {fmt_rate(self.bandwidth, 'B/s')}"
+        s = f"{self.name}: {self.num_devices} devices x {fmt_rate(self.peak_flops, 'FLOP/s')}"
+        if self.flops_efficiency < 1:
+            s += f" ({self.flops_efficiency:.0%} achievable)"
+        if self.hbm_bandwidth is not None:
+            s += f", HBM {fmt_rate(self.hbm_bandwidth, 'B/s')}"
+        s += f", links {fmt_rate(self.bandwidth, 'B/s')}"
         if self.hierarchical:
             s += f" inside nodes of {self.node_size}, {fmt_rate(self.inter_bandwidth or 0, 'B/s')} across"
+            if len(self.levels) > 2:
+                s += f", {fmt_rate(self.pod_bandwidth or 0, 'B/s')} across pods of {self.pod_nodes} nodes"
         if self.memory_bytes:
             s += f", {fmt_bytes(self.memory_bytes)} per device"
         s += f", {self.dtype_bytes}-byte elements"

@@ -173,9 +173,22 @@ def choose_orders(graph: Graph, splits: Sequence[np.ndarray], orders: str) -> st
     """
     if orders != "auto":
         return orders
-    ks = [len(dimension_orders(c, "all")[0]) for c in splits]
+    counts: dict[int, int] = {}
+    for c in splits:  # identical operators share one array: count each once
+        if id(c) not in counts:
+            counts[id(c)] = order_count(c)
+    ks = [counts[id(c)] for c in splits]
     entries = sum(ks[e.src] * ks[e.dst] for e in graph.edges)
     return "all" if entries <= AUTO_ORDERS_EDGE_ENTRIES else "row-major"
+
+
+def order_count(configs: np.ndarray, max_permuted: int = 3) -> int:
+    """Rows :func:`~shardplan.configs.dimension_orders` gives ``configs`` in mode "all", without building them."""
+    from math import factorial
+
+    n_split = (np.asarray(configs) > 1).sum(axis=1)
+    per = np.where(n_split <= max_permuted, [factorial(int(k)) for k in n_split], 2)
+    return int(per.sum())
 
 
 def _tensor_key(t) -> tuple:

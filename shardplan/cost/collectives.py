@@ -153,6 +153,9 @@ def p2p_time(nbytes, machine: Machine, level=0) -> np.ndarray:
     """Point-to-point of ``nbytes`` per device over the links of ``level`` (array or scalar)."""
     nbytes = _f(nbytes)
     links = machine.level_links
+    if len(links) == 1:
+        bw, lat = links[0]
+        return np.where(nbytes > 0, nbytes / bw + lat, 0.0)
     lvl = np.minimum(np.asarray(level, dtype=np.int64), len(links) - 1)
     bw = np.asarray([b for b, _ in links])[lvl]
     lat = np.asarray([a for _, a in links])[lvl]

@@ -26,8 +26,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from shardplan.layout import Layout
 from shardplan.cost import BREAKDOWN
+from shardplan.layout import Layout
 from shardplan.plan import Plan
 from shardplan.report.table import format_table
 from shardplan.search.io import jsonable
