@@ -99,11 +99,17 @@ def run_table1(models: Sequence[str], procs: Sequence[int], machine: str = "pape
 
 def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch: int | None = None,
                 sizes: dict[str, Any] | None = None, cutoff: int | None = None, orders: str = "auto",
-                mcmc_seed: int = 0, log: TextIO | None = None) -> dict[str, Any]:
+                mcmc_seed: int = 0, log: TextIO | None = None, fit: bool = False,
+                memory: float | None = None) -> dict[str, Any]:
     """Predicted step time of data parallel, the expert strategy, MCMC and the DP, per device count.
 
-    MCMC starts from the expert strategy, as the paper ran FlexFlow.
+    MCMC starts from the expert strategy, as the paper ran FlexFlow. With
+    ``fit`` (or a ``memory`` budget in bytes, overriding the preset's) the
+    exact DP is the unconstrained optimum and a row is added for the fastest
+    plan within the budget (:func:`shardplan.fit.solve_fit`); every row
+    states its peak memory per device.
     """
+    from dataclasses import replace
     from shardplan.baselines import baseline_plans
     from shardplan.cost import build_tables
     from shardplan.machine import preset
@@ -119,7 +125,11 @@ def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch
     for mname in machines:
         for p in procs:
             m = preset(mname, p)
-            tables = build_tables(g, m, cutoff=cut, orders=orders)
+            fit_on = fit or memory is not None
+            if memory is not None:
+                m = replace(m, memory_bytes=float(memory))
+            tables = build_tables(g, replace(m, memory_bytes=None) if fit_on else m, cutoff=cut, orders=orders)
+            tables = replace(tables, machine=m)
             base = baseline_plans(tables, spec.expert)
             dp = solve_tables(tables)
             expert_name = spec.expert
@@ -130,21 +140,32 @@ def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch
             dpar = base["data_parallel"]
             strategies = [("data parallel", dpar, 0.0), (expert_name, expert, 0.0),
                           ("mcmc", mcmc, mc.solve_seconds), ("shardplan (exact DP)", dp, dp.solve_seconds)]
+            if fit_on:
+                from shardplan.fit import solve_fit
+                from shardplan.units import fmt_bytes
+
+                fp = solve_fit(g, m, tables=tables)
+                label = f"shardplan fit <= {fmt_bytes(m.memory_bytes or 0)}" + ("" if fp.solution.optimal else
+                                                                             " (not proven)")
+                strategies.append((label, fp, fp.solve_seconds))
             for label, plan, secs in strategies:
                 tag = label if len(machines) == 1 else f"{label} [{mname}]"
                 row = {"machine": mname, "p": p, "strategy": label, "cost_seconds": plan.cost,
-                       "speedup_vs_data_parallel": dpar.cost / plan.cost, "solve_seconds": secs}
+                       "speedup_vs_data_parallel": dpar.cost / plan.cost, "solve_seconds": secs,
+                       "peak_bytes": plan.memory["peak_bytes"]}
                 rows.append(row)
                 points.append({"p": p, "strategy": tag, "speedup": row["speedup_vs_data_parallel"]})
             if mcmc.cost < dp.cost * (1 - 1e-9):
                 raise ShardplanError(f"MCMC found {mcmc.cost} below the DP optimum {dp.cost}: solver bug")
             _say(log, f"{mname} p={p}: data parallel {dpar.cost * 1e3:.3f} ms, {expert_name} "
                       f"{expert.cost * 1e3:.3f} ms, mcmc {mcmc.cost * 1e3:.3f} ms, DP {dp.cost * 1e3:.3f} ms")
-    head = ["machine", "p", "strategy", "step time", "speedup vs data parallel", "solve"]
+    head = ["machine", "p", "strategy", "step time", "speedup vs data parallel", "solve", "peak memory"]
     table = []
+    from shardplan.units import fmt_bytes as _fb
+
     for r in rows:
         table.append([r["machine"], str(r["p"]), r["strategy"], f"{r['cost_seconds'] * 1e3:.3f} ms",
-                      f"{r['speedup_vs_data_parallel']:.2f}x", _fmt_time(r["solve_seconds"])])
+                      f"{r['speedup_vs_data_parallel']:.2f}x", _fmt_time(r["solve_seconds"]), _fb(r["peak_bytes"])])
     title = f"{spec.name}: predicted speedup over data parallelism"
     return {"model": spec.name, "machines": list(machines), "rows": rows, "points": points, "title": title,
             "table": _format(head, table)}

@@ -283,12 +283,22 @@ def _solve_model(args: argparse.Namespace) -> int:
     spec, g = _graph(args)
     m = _machine(args, args.procs)
     t0 = time.perf_counter()
-    tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders or "auto",
-                          divides_p=not args.all_divisors,
+    fit = args.memory is not None or args.fit
+    if args.memory is not None:
+        if not args.memory > 0:
+            raise ShardplanError(f"--memory must be a positive number of GiB, got {args.memory!r}")
+        m = replace(m, memory_bytes=args.memory * 2**30)
+    # A fit search offers sharded state, so it must not drop configurations by their unsharded footprint.
+    tables = build_tables(g, replace(m, memory_bytes=None) if fit else m, cutoff=_cutoff(args, spec),
+                          orders=args.orders or "auto", divides_p=not args.all_divisors,
                           progress=_progress("building cost tables", args.progress),
                           memory_limit_bytes=None if args.table_memory is None else int(args.table_memory))
+    tables = replace(tables, machine=m)
     build = time.perf_counter() - t0
-    plan = solve_tables(tables, solver=args.solver, build_seconds=build, **_solver_opts(args))
+    if args.memory is not None or args.fit:
+        plan = replace(_solve_fit(args, g, m, tables), build_seconds=build)
+    else:
+        plan = solve_tables(tables, solver=args.solver, build_seconds=build, **_solver_opts(args))
     baselines = {} if args.no_baselines else baseline_plans(tables, spec.expert)
     print(render_report(plan, baselines))
     if args.json:
@@ -299,6 +309,31 @@ def _solve_model(args: argparse.Namespace) -> int:
         except OSError as e:
             raise ShardplanError(f"cannot write {args.dot}: {e.strerror}") from None
     return 0
+
+
+def _int_list(text: str, flag: str, least: int) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ShardplanError(f"{flag} expects a comma-separated list of integers, got {text!r}") from None
+    if not out or min(out) < least:
+        raise ShardplanError(f"{flag} needs integers >= {least}, got {text!r}")
+    return out
+
+
+def _solve_fit(args: argparse.Namespace, g, m, tables):
+    from shardplan.fit import FitOptions, solve_fit
+
+    if args.solver != "dp":
+        raise ShardplanError(f"--memory/--fit search with the exact DP; --solver {args.solver} cannot be combined")
+    if m.memory_bytes is None:
+        raise ShardplanError(f"machine {m.name!r} has no memory size: give --memory GiB")
+    opts = FitOptions(stages=_int_list(args.zero, "--zero", 0), recompute=not args.no_recompute,
+                      micro_batches=_int_list(args.micro_batches, "--micro-batches", 1),
+                      time_limit=60.0 if args.time_limit is None else args.time_limit,
+                      reserve_bytes=args.reserve * 2**30)
+    return solve_fit(g, m, budget=m.memory_bytes, options=opts, tables=tables,
+                     ordering=args.ordering or "min-table")
 
 
 def _solve_problem(args: argparse.Namespace) -> int:
@@ -383,7 +418,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     machines = args.machine_list or ["paper"]
     result = run_compare(args.model, _procs(args.procs), machines, batch=args.batch, sizes=_parse_sizes(args.set),
-                         cutoff=args.cutoff, orders=args.orders, mcmc_seed=args.seed, log=sys.stderr)
+                         cutoff=args.cutoff, orders=args.orders, mcmc_seed=args.seed, log=sys.stderr,
+                         fit=args.fit, memory=None if args.memory is None else args.memory * 2**30)
     print(result["table"])
     if args.json:
         _write_json(args.json, result)
@@ -472,6 +508,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baselines", action="store_true", default=None, help="skip the baseline comparison")
     p.add_argument("--json", help="write the plan as JSON here")
     p.add_argument("--dot", help="write the plan as Graphviz DOT here")
+    p.add_argument("--memory", type=float, metavar="GiB",
+                   help="memory per device: search the fastest plan whose peak fits (overrides the preset's)")
+    p.add_argument("--fit", action="store_true", help="search the fastest plan that fits the preset's memory")
+    p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages offered with --memory/--fit (default 0,1,2,3)")
+    p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch counts searched (default 1,2,4,8)")
+    p.add_argument("--no-recompute", action="store_true", help="do not offer activation recomputation")
+    p.add_argument("--reserve", type=float, default=0.0, metavar="GiB",
+                   help="memory per device kept free for transients (default 0)")
     _add_progress(p)
     p.set_defaults(func=cmd_solve)
 
@@ -509,6 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int_option(0, 2**63 - 1), default=0, help="MCMC seed")
     p.add_argument("--json", help="write JSON here")
     p.add_argument("--plot", type=_plot_path, help="write a plot here (.png, .pdf, .svg, ...)")
+    p.add_argument("--fit", action="store_true", help="add the fastest plan within the preset's memory")
+    p.add_argument("--memory", type=float, metavar="GiB", help="add the fastest plan within this memory per device")
     p.set_defaults(func=cmd_compare)
 
     from shardplan.pipeline.cli import add_parser as add_pipeline

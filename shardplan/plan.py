@@ -39,6 +39,7 @@ class Plan:
     solution: Solution | None = None
     name: str = "plan"
     build_seconds: float | None = None
+    memory_choices: Any = None  # shardplan.fit.MemoryChoices: ZeRO stages, recomputation, micro-batches
     _breakdown: Mapping[str, float] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -47,7 +48,9 @@ class Plan:
             raise ShardplanError(f"plan {self.name!r} assigns {len(assignment)} configurations to "
                                  f"{len(self.tables.graph)} operators")
         object.__setattr__(self, "assignment", assignment)
-        object.__setattr__(self, "_breakdown", MappingProxyType(self.tables.breakdown(assignment)))
+        bd = (self.memory_choices.breakdown(self.tables, assignment) if self.memory_choices is not None
+              else self.tables.breakdown(assignment))
+        object.__setattr__(self, "_breakdown", MappingProxyType(bd))
 
     @property
     def graph(self) -> Graph:
@@ -85,7 +88,8 @@ class Plan:
 
     @property
     def breakdown(self) -> dict[str, float]:
-        """Predicted seconds per training step by part (see :data:`shardplan.cost.BREAKDOWN`) and ``total``."""
+        """Predicted seconds per training step by part (see :data:`shardplan.cost.BREAKDOWN`) and ``total``;
+        a plan with memory choices adds ``weight_sync`` and ``recompute`` (see :mod:`shardplan.fit`)."""
         return dict(self._breakdown)
 
     @property
@@ -96,6 +100,8 @@ class Plan:
     @property
     def memory(self) -> dict[str, float]:
         """Peak bytes per device and its parts."""
+        if self.memory_choices is not None:
+            return self.memory_choices.memory()
         return self.tables.memory_of(self.assignment)
 
     @property
@@ -117,6 +123,11 @@ class Plan:
             k = self.assignment[i]
             parts = self.tables.op_costs[i].parts(k)
             lay = self.tables.layouts[i][k]
+            extra: dict[str, Any] = {}
+            if self.memory_choices is not None:
+                mc = self.memory_choices
+                parts = mc.parts(i)
+                extra = {"state_stage": mc.stage(i), "recompute": mc.recompute(i)}
             rows.append({
                 "name": op.name,
                 "kind": op.kind,
@@ -126,9 +137,10 @@ class Plan:
                 "order": [op.dim_names[j] for j in lay.flat_order() if lay.split[j] > 1],
                 "level_splits": [list(r) for r in lay.splits],
                 "copies": lay.copies,
-                "cost_seconds": float(self.tables.op_costs[i].total[k]),
+                "cost_seconds": float(sum(parts.values())),
                 "parts": parts,
                 "redistribution_in_seconds": float(incoming[i]),
+                **extra,
             })
         return rows
 
@@ -151,6 +163,9 @@ class Plan:
             d["solver"] = self.solution.solver
             d["optimal"] = self.solution.optimal
             d["stats"] = jsonable(self.solution.stats)
+            d["bound_seconds"] = self.solution.bound
+        if self.memory_choices is not None:
+            d["memory_choices"] = self.memory_choices.summary([op.name for op in self.graph.operators])
         return d
 
 

@@ -12,13 +12,16 @@ needs the maximum over devices. This ranks nothing; it is a constraint.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Sequence
+
 import numpy as np
 
 from shardplan.cost.tiles import as_layouts, tile_volumes
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
-__all__ = ["operator_memory", "strategy_memory"]
+__all__ = ["operator_memory", "strategy_memory", "ChoiceTable", "choice_table", "WeightGroups", "weight_groups", "latency_scaled", "STAGES"]
 
 
 def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: float = 2.0,
@@ -46,3 +49,223 @@ def strategy_memory(per_op: list[tuple[np.ndarray, np.ndarray]], assignment) -> 
     q = int(np.argmax(tot))
     return {"peak_bytes": float(tot[q]), "weights_bytes": float(w[q]), "activations_bytes": float(act[q]),
             "device": q}
+
+
+# --------------------------------------------------------------------------------------------
+# Memory-saving choices: state sharding (ZeRO / FSDP), recomputation, micro-batches.
+# --------------------------------------------------------------------------------------------
+
+STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True, eq=False)
+class ChoiceTable:
+    """An operator's choices: a configuration with a state-sharding stage and a recomputation flag.
+
+    Attributes (arrays over the J choices):
+        base: index of the configuration (row of the cost tables) the choice uses.
+        stage: ZeRO stage 0..3 of the operator's weights (0 for an operator without weights).
+        recompute: whether the operator's forward is recomputed in the backward pass.
+        parts: seconds by kind: ``compute``, ``forward_allreduce``, ``grad_allreduce`` (activation
+            gradients only), ``halo``, ``stats``, ``recurrence``, ``weight_sync`` (weight-gradient
+            synchronisation and ZeRO gathers), ``recompute`` (the forward run again).
+        state_bytes: weights, gradients and optimizer state per device.
+        activation_bytes: activations kept for the backward pass, per device.
+    """
+
+    base: np.ndarray
+    stage: np.ndarray
+    recompute: np.ndarray
+    parts: dict[str, np.ndarray]
+    state_bytes: np.ndarray
+    activation_bytes: np.ndarray
+
+    @property
+    def seconds(self) -> np.ndarray:
+        return sum(self.parts.values())  # type: ignore[return-value]
+
+    @property
+    def bytes(self) -> np.ndarray:
+        return self.state_bytes + self.activation_bytes
+
+    def label(self, j: int) -> str:
+        out = [f"zero-{int(self.stage[j])}"] if self.stage[j] else []
+        if self.recompute[j]:
+            out.append("recompute")
+        return "+".join(out) or "-"
+
+    def take(self, keep: np.ndarray) -> "ChoiceTable":
+        return ChoiceTable(self.base[keep], self.stage[keep], self.recompute[keep],
+                           {k: v[keep] for k, v in self.parts.items()}, self.state_bytes[keep],
+                           self.activation_bytes[keep])
+
+
+def latency_scaled(machine: Machine, factor: float) -> Machine:
+    """The machine with every latency multiplied by ``factor``.
+
+    k messages of n/k bytes cost, in the alpha-beta model, what one message of
+    n bytes costs with k times the latency (for ring and tree alike, so also
+    for the faster of the two): this is how micro-batches are costed.
+    """
+    def scaled(x: float | None) -> float | None:
+        return None if x is None else x * factor
+
+    return replace(machine, latency=machine.latency * factor, inter_latency=scaled(machine.inter_latency),
+                   pod_latency=scaled(machine.pod_latency))
+
+
+@dataclass(frozen=True, eq=False)
+class WeightGroups:
+    """What the choices of one operator need that does not depend on the micro-batch count.
+
+    Attributes (arrays over layouts): ``state`` value bytes of the weights per
+    device; ``act`` output tile bytes; ``group`` the devices the state is
+    sharded over (largest over the operator's weights); ``weights``, per
+    trainable weight: (gradient tile bytes, its reduction group per level
+    (L, K), that group times the layout's replicas per level (L, K): the
+    devices holding the same tile).
+    """
+
+    state: np.ndarray
+    act: np.ndarray
+    group: np.ndarray
+    weights: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]
+
+
+def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Machine) -> WeightGroups:
+    """``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows (with optional ``orders``)."""
+    from shardplan.cost.operator import tile_volume
+
+    p = machine.num_devices
+    lay = as_layouts(configs, p, orders, machine.levels)
+    k = len(lay)
+    nbytes = float(machine.dtype_bytes)
+    # replicas per level: a level's devices not used by the layout's split there hold copies
+    reps = np.asarray(lay.levels, dtype=np.int64)[:, None] // lay.level_splits.prod(axis=2)
+    state = np.zeros(k)
+    for t in op.weights:
+        state += tile_volume(op, t, lay, p) * nbytes
+    group = np.ones(k)
+    rows = []
+    for t in op.weights:
+        if not t.needs_grad:
+            continue
+        gl = lay.group_sizes([op.dim_names.index(d) for d in op.grad_reduction_dims(t)])
+        vol = tile_volume(op, t, lay, p, core=False) * nbytes
+        big = gl * reps
+        rows.append((vol, gl, big))
+        group = np.maximum(group, big.prod(axis=0))  # weights of one operator share their data-parallel group
+    act = tile_volume(op, op.output, lay, p) * nbytes
+    return WeightGroups(state, act, group, tuple(rows))
+
+
+def _bucketed(vol: np.ndarray, machine: Machine, collective) -> np.ndarray:
+    """A weight's share of its bucket's collective, as :mod:`shardplan.cost.operator` charges it."""
+    bucket = machine.grad_bucket_bytes
+    if bucket is None:
+        return collective(vol)
+    return np.minimum(vol / bucket, 1.0) * collective(np.maximum(vol, bucket))
+
+
+def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Machine, micro_batches: int = 1,
+                 stages: Sequence[int] = STAGES, recompute: bool = True,
+                 optimizer_factor: float = 2.0, prune: bool = True, groups: WeightGroups | None = None,
+                 op_cost=None, in_flight: int = 1) -> ChoiceTable:
+    """Every (layout, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
+
+    ``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows
+    (with optional ``orders``). See :mod:`shardplan.fit` for the model. Choices
+    that another choice of the same layout beats in both time and memory are
+    dropped (exact for the memory-constrained optimum) unless ``prune`` is
+    False. ``groups`` (:func:`weight_groups`) and ``op_cost`` (the operator's
+    cost on the machine with its latency scaled by ``micro_batches``) may be
+    passed to save their computation. ``in_flight``: micro-batches whose saved
+    activations are live at once (1 here; a pipeline stage under 1F1B holds up
+    to S - i of them).
+    """
+    from shardplan.cost.collectives import allgather_time, allreduce_time
+    from shardplan.cost.operator import operator_cost
+
+    lay = as_layouts(configs, machine.num_devices, orders, machine.levels)
+    k = len(lay)
+    m = int(micro_batches)
+    mm = latency_scaled(machine, m) if m > 1 else machine
+    oc = operator_cost(op, lay, mm) if op_cost is None else op_cost
+    wg = weight_groups(op, lay, None, machine) if groups is None else groups
+    state, group = wg.state, wg.group
+    sync0, rs, ag, wgrad_m = np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
+    weights = wg.weights
+    for vol, gl, big in weights:
+        sync0 += _bucketed(vol, machine, lambda n: allreduce_time(n, gl, machine))
+        wgrad_m += _bucketed(vol, mm, lambda n: allreduce_time(n, gl, mm))
+        rs += _bucketed(vol, machine, lambda n: allgather_time(n, gl, machine))
+        ag += _bucketed(vol, machine, lambda n: allgather_time(n, big, machine))
+    # what operator_cost charged for the weight gradients on top of compute (overlapped: beyond the backward)
+    passes = 1 + len(op.grad_tensors)
+    backward = oc.compute * (passes - 1) / passes
+    overlap = bool(getattr(machine, "overlap_grad", False))
+
+    def charged(sync: np.ndarray) -> np.ndarray:
+        return np.maximum(sync - backward, 0.0) if overlap else sync
+
+    act_grad = np.maximum(oc.grad_allreduce - charged(wgrad_m), 0.0)
+    act = wg.act / m * int(in_flight)
+
+    has_grad = bool(op.grad_tensors)
+    fwd = (oc.compute / (1 + len(op.grad_tensors)) + oc.forward_allreduce
+           + (oc.stats / 2 + oc.halo / 2 + oc.recurrence / 2 if has_grad else oc.stats + oc.halo + oc.recurrence))
+    o = float(optimizer_factor)
+    stage_list = [s for s in stages if s in STAGES] if weights else [0]
+    if 0 not in stage_list:
+        stage_list = [0] + stage_list
+    rows = []
+    forward = oc.compute / passes
+    for s in stage_list:
+        if s == 0:
+            sync, mem = charged(sync0), state * (2 + o)
+        elif s == 1:
+            sync, mem = charged(rs) + ag, state * (2 + o / group)
+        elif s == 2:
+            sync, mem = charged(m * rs) + ag, state * (1 + (1 + o) / group)
+        else:  # gathers prefetched during the operator's own forward / backward when overlapping
+            fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
+            sync, mem = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group
+        for r in ([False, True] if recompute else [False]):
+            rows.append((s, r, sync, mem, np.zeros(k) if r else act, fwd if r else np.zeros(k)))
+    j = len(rows)
+    base = np.tile(np.arange(k), j)
+    table = ChoiceTable(
+        base=base,
+        stage=np.repeat([r[0] for r in rows], k).astype(np.int64),
+        recompute=np.repeat([r[1] for r in rows], k).astype(bool),
+        parts={"compute": np.tile(oc.compute, j), "forward_allreduce": np.tile(oc.forward_allreduce, j),
+               "grad_allreduce": np.tile(act_grad, j), "halo": np.tile(oc.halo, j),
+               "stats": np.tile(oc.stats, j), "recurrence": np.tile(oc.recurrence, j),
+               "weight_sync": np.concatenate([r[2] for r in rows]),
+               "recompute": np.concatenate([r[5] for r in rows])},
+        state_bytes=np.concatenate([r[3] for r in rows]),
+        activation_bytes=np.concatenate([r[4] for r in rows]),
+    )
+    return table.take(_undominated(table.base, table.seconds, table.bytes)) if prune else table
+
+
+def _undominated(base: np.ndarray, seconds: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Indices of the choices no other choice of the same configuration beats (<= both, < one; ties: first).
+
+    In (configuration, seconds, bytes) order a choice survives when its bytes are below every earlier
+    choice's of its configuration: a running minimum over bytes ranks, shifted per configuration so that
+    earlier configurations never take part.
+    """
+    if len(base) == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.lexsort((np.arange(len(base)), nbytes, seconds, base))
+    rank = np.unique(nbytes, return_inverse=True)[1].reshape(-1)[order].astype(np.int64)
+    b = base[order].astype(np.int64)
+    key = rank + (int(b.max()) - b) * (len(base) + 1)
+    prev = np.empty_like(key)
+    prev[0] = np.iinfo(np.int64).max
+    prev[1:] = np.minimum.accumulate(key)[:-1]
+    first = np.ones(len(b), dtype=bool)
+    first[1:] = b[1:] != b[:-1]
+    keep = first | (key < prev)
+    return np.sort(order[keep])

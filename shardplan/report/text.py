@@ -216,8 +216,12 @@ def render_report(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> st
     mem = plan.memory
     out.append(f"Memory per device (peak): {fmt_bytes(mem['peak_bytes'])} = weights, gradients and optimizer state "
                f"{fmt_bytes(mem['weights_bytes'])} + activations {fmt_bytes(mem['activations_bytes'])}")
-    if m.memory_bytes and mem["peak_bytes"] > m.memory_bytes:
-        out.append(f"  WARNING: exceeds the device memory of {fmt_bytes(m.memory_bytes)}")
+    if plan.memory_choices is not None:
+        from shardplan.fit import render_fit
+
+        out.extend(render_fit(plan))
+    elif m.memory_bytes and mem["peak_bytes"] > m.memory_bytes:
+        out.append(f"  WARNING: exceeds the device memory of {fmt_bytes(m.memory_bytes)} (search under it with --fit)")
     if plan.solution is not None:
         built = f" (cost tables {fmt_seconds(plan.build_seconds)})" if plan.build_seconds is not None else ""
         out.append(f"Search: {plan.solution.solver}, {fmt_seconds(plan.solve_seconds)}{built}")

@@ -1,0 +1,74 @@
+"""Plans that fit: the issue's three rows (zoo gpt on a100/h100 presets, 80 GiB), unconstrained vs. fit.
+
+Usage: python benchmarks/bench_fit.py [row ...]   (rows: gpt1.7b, llama8b, gpt3-175b; default all)
+Writes benchmarks/results/fit.json (one entry per row, merged with what is there).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+from shardplan.fit import FitOptions, solve_fit
+from shardplan.machine import preset
+from shardplan.models import get_model
+from shardplan.plan import Plan
+from shardplan.search.dp import solve_dp
+from shardplan.units import fmt_bytes, fmt_seconds
+
+ROWS = {
+    "gpt1.7b": dict(machine="a100", p=32, batch=512, sizes=dict(layers=24, d_model=2304, seq=2048)),
+    "llama8b": dict(machine="h100", p=64, batch=64, sizes=dict(layers=32, d_model=4096, seq=8192, vocab=128256)),
+    "gpt3-175b": dict(machine="h100", p=256, batch=None, sizes=dict(layers=96, d_model=12288, heads=96)),
+}
+OUT = Path(__file__).parent / "results" / "fit.json"
+
+
+def run(name: str, time_limit: float = 120.0) -> dict:
+    row = ROWS[name]
+    g = get_model("gpt", batch=row["batch"], **row["sizes"])
+    m = preset(row["machine"], row["p"])
+    t0 = time.perf_counter()
+    plan = solve_fit(g, m, options=FitOptions(time_limit=time_limit))
+    total = time.perf_counter() - t0
+    tables = plan.tables
+    free = solve_dp(tables.to_problem())
+    unconstrained = Plan(tables, free.assignment, free, "dp")
+    mem = plan.memory
+    sol = plan.solution
+    names = [op.name for op in g.operators]
+    res = {
+        "row": name, "model": "gpt", "batch": row["batch"], "sizes": row["sizes"], "machine": m.name,
+        "devices": m.num_devices, "budget_bytes": m.memory_bytes,
+        "unconstrained": {"cost_seconds": unconstrained.cost, "peak_bytes": unconstrained.memory["peak_bytes"],
+                          "weights_bytes": unconstrained.memory["weights_bytes"],
+                          "activations_bytes": unconstrained.memory["activations_bytes"]},
+        "fit": {"cost_seconds": plan.cost, "peak_bytes": mem["peak_bytes"], "weights_bytes": mem["weights_bytes"],
+                "activations_bytes": mem["activations_bytes"], "micro_batches": mem["micro_batches"],
+                "optimal": sol.optimal, "bound_seconds": sol.bound, "gap": sol.stats["gap"],
+                "choices": plan.memory_choices.summary(names),
+                "per_micro_batches": sol.stats["per_micro_batches"], "breakdown": plan.breakdown},
+        "build_seconds": plan.build_seconds, "search_seconds": sol.solve_seconds, "total_seconds": total,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    print(f"{name}: unconstrained {fmt_seconds(unconstrained.cost)} at {fmt_bytes(unconstrained.memory['peak_bytes'])}; "
+          f"fit {fmt_seconds(plan.cost)} at {fmt_bytes(mem['peak_bytes'])} (m={mem['micro_batches']}, "
+          f"optimal={sol.optimal}, gap={sol.stats['gap']:.2e}); build {plan.build_seconds:.1f} s, "
+          f"search {sol.solve_seconds:.1f} s", flush=True)
+    return res
+
+
+def main(argv: list[str]) -> None:
+    names = argv or list(ROWS)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(OUT.read_text()) if OUT.exists() else {}
+    for n in names:
+        data[n] = run(n)
+        OUT.write_text(json.dumps(data, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,348 @@
+"""Plans that fit: the minimum step time with peak memory per device within a budget.
+
+The memory model (what is live at the peak)
+-------------------------------------------
+The peak is taken at the start of the backward pass, when every activation
+saved by the forward pass is still held and the gradient buffers exist.
+Per device, for a plan with ``m`` micro-batches::
+
+    peak = reserve + sum_v state_v + sum_v saved_v
+
+* ``state_v``: operator v's weights W (value tile per device: ``P``), their
+  gradients and ``o`` words of optimizer state per element (``o = 2`` for Adam:
+  ``optimizer_factor``), sharded by its ZeRO stage over the weight's
+  data-parallel group ``G`` (the devices that hold the same tile: the
+  configuration's gradient-reduction group times its replica factor)::
+
+      stage 0: P (2 + o)        stage 1: P (2 + o/G)
+      stage 2: P (1 + (1+o)/G)  stage 3 (FSDP): P (2 + o) / G
+
+* ``saved_v``: v's output tile, kept for the backward pass, divided by ``m``
+  (one micro-batch's worth is live at a time: gradients are accumulated) and
+  times the micro-batches in flight (``FitOptions.in_flight``, 1 for one SPMD
+  program; a pipeline stage holds several); 0 when v recomputes.
+* ``reserve``: what the model does not track per operator, a fixed number of
+  bytes (default 0): the weights a ZeRO-3 operator gathers while it runs, the
+  activations of a recomputed segment while its backward runs, activation
+  gradients, workspaces. Set it (``FitOptions.reserve_bytes``, CLI
+  ``--reserve``) to keep that room free.
+
+Each operator's memory is its largest over devices, so the sum is an upper
+bound of the true per-device maximum (equal for balanced layouts).
+
+The time model of the choices
+-----------------------------
+Costs come from the same operator description as every other cost
+(:func:`shardplan.cost.memory.choice_table`):
+
+* *state sharding*: stage 0 all-reduces each weight's gradient over its
+  reduction group g once per step (as the plain plan); stages 1 and 2
+  reduce-scatter it over g and all-gather the updated weights over G (the same
+  volume as an all-reduce when G = g); stage 2 keeps only its shard of the
+  gradient, so it reduce-scatters after *every* micro-batch; stage 3 (FSDP)
+  all-gathers the weights before the forward and again before the backward
+  and reduce-scatters the gradient, per micro-batch. Every collective is the
+  hierarchical one of :mod:`shardplan.cost.collectives` over the group's
+  devices per machine level (G: the reduction group times the layout's
+  replicas on each level), in gradient buckets as the operator cost charges
+  them. When the machine overlaps gradient sync with the backward pass
+  (``overlap_grad``), the reduce-scatters (and stage 3's backward gathers)
+  are charged only beyond the operator's backward compute, stage 3's forward
+  gathers only beyond its forward compute (FSDP prefetching), the stage 1/2
+  gather of updated weights in full.
+* *recomputation* (per operator; a chain of recomputed operators is a segment
+  recomputed once from its saved inputs, as ``jax.checkpoint`` around it does):
+  the operator's forward (compute, forward all-reduces, the forward halves of
+  statistics and halo exchanges) runs again in the backward; its output is not
+  saved.
+* *micro-batches* (a global choice, searched over ``FitOptions.micro_batches``):
+  the same total compute and bandwidth, k times the messages of every
+  activation collective inside an operator (latency times k); weight
+  gradients are synchronised once per step except as stated for stages 2/3.
+  Redistribution between operators is charged as for one batch (its latency
+  term is undercounted by the factor k). The micro-batch count must divide the
+  per-device batch; the IR has no batch marker, so this is not checked.
+
+The search is exact for this model: for each micro-batch count it runs
+:func:`shardplan.search.constrained.solve_memory` (Lagrangian dual closed by
+branch-and-bound) on the configurations' edge costs with the choices as
+vertex alternatives, and returns the best over the counts; a count whose
+unconstrained optimum is already no better than the best plan found is
+skipped (its constrained optimum cannot be better).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from shardplan.cost import CostTables, build_tables
+from shardplan.cost.memory import STAGES, ChoiceTable, choice_table, weight_groups
+from shardplan.errors import ShardplanError
+from shardplan.ir import Graph
+from shardplan.machine import Machine
+from shardplan.search.constrained import MemoryProblem, infeasible_message, solve_memory
+from shardplan.search.problem import Solution
+
+__all__ = ["FitOptions", "MemoryChoices", "fit_problem", "solve_fit"]
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """Which memory-saving choices the search may use, and its limits.
+
+    Attributes:
+        stages: ZeRO stages offered to operators with weights (0 is always offered).
+        recompute: offer activation recomputation.
+        micro_batches: micro-batch counts searched.
+        time_limit: seconds per micro-batch count for the branch-and-bound.
+        reserve_bytes: memory per device kept free (see the module docstring).
+        in_flight: micro-batches whose saved activations are live at the peak
+            (1 for one SPMD program; a pipeline stage i of S under 1F1B holds
+            S - i, under GPipe all of them: the per-stage memory of issue 16 is
+            this model on the stage's operators and sub-mesh with that count).
+    """
+
+    stages: tuple[int, ...] = STAGES
+    recompute: bool = True
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    time_limit: float = 60.0
+    reserve_bytes: float = 0.0
+    in_flight: int = 1
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.stages if s not in STAGES]
+        if bad:
+            raise ShardplanError(f"ZeRO stage {bad[0]!r} does not exist; choose from 0, 1, 2, 3")
+        if not self.micro_batches or any(int(m) < 1 for m in self.micro_batches):
+            raise ShardplanError(f"micro-batch counts must be positive integers, got {self.micro_batches!r}")
+        if int(self.in_flight) < 1:
+            raise ShardplanError(f"in_flight must be a positive number of micro-batches, got {self.in_flight!r}")
+        if self.reserve_bytes < 0:
+            raise ShardplanError(f"reserve must be >= 0 bytes, got {self.reserve_bytes!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class MemoryChoices:
+    """A plan's memory-saving choices: micro-batches, and per operator its choice table and choice."""
+
+    micro_batches: int
+    budget_bytes: float
+    reserve_bytes: float
+    choice_tables: tuple[ChoiceTable, ...]
+    choices: tuple[int, ...]
+
+    def stage(self, i: int) -> int:
+        return int(self.choice_tables[i].stage[self.choices[i]])
+
+    def recompute(self, i: int) -> bool:
+        return bool(self.choice_tables[i].recompute[self.choices[i]])
+
+    def label(self, i: int) -> str:
+        return self.choice_tables[i].label(self.choices[i])
+
+    def parts(self, i: int) -> dict[str, float]:
+        return {k: float(v[self.choices[i]]) for k, v in self.choice_tables[i].parts.items()}
+
+    def breakdown(self, tables: CostTables, assignment: Sequence[int]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for i in range(len(self.choices)):
+            for key, val in self.parts(i).items():
+                out[key] = out.get(key, 0.0) + val
+        out["redistribution"] = float(sum(m[assignment[e.src], assignment[e.dst]]
+                                          for e, m in zip(tables.graph.edges, tables.edge_costs)))
+        out["total"] = sum(out.values())
+        return out
+
+    def memory(self) -> dict[str, float]:
+        state = float(sum(t.state_bytes[j] for t, j in zip(self.choice_tables, self.choices)))
+        act = float(sum(t.activation_bytes[j] for t, j in zip(self.choice_tables, self.choices)))
+        return {"peak_bytes": self.reserve_bytes + state + act, "weights_bytes": state, "activations_bytes": act,
+                "reserve_bytes": self.reserve_bytes, "budget_bytes": self.budget_bytes,
+                "micro_batches": self.micro_batches}
+
+    def summary(self, names: Sequence[str]) -> dict[str, Any]:
+        """JSON-ready: micro-batches, and which operators shard state (by stage) or recompute."""
+        stages: dict[str, list[str]] = {}
+        for i, n in enumerate(names):
+            if self.stage(i):
+                stages.setdefault(f"zero-{self.stage(i)}", []).append(n)
+        return {"micro_batches": self.micro_batches, "budget_bytes": self.budget_bytes,
+                "reserve_bytes": self.reserve_bytes, "state_sharding": stages,
+                "recompute": [n for i, n in enumerate(names) if self.recompute(i)]}
+
+
+def _key(op) -> Any:
+    from shardplan.cost import operator_key
+
+    return operator_key(op)
+
+
+def _shared(store: dict, key: Any, make: Any) -> Any:
+    if key not in store:
+        store[key] = make()
+    return store[key]
+
+
+def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, options: FitOptions = FitOptions(),
+                cache: dict | None = None) -> tuple[MemoryProblem, tuple[ChoiceTable, ...]]:
+    """The memory-constrained problem of ``tables`` with ``micro_batches``: choices as vertex alternatives.
+
+    Choices that alone leave no room for the least memory of every other
+    operator are dropped (exact). ``cache`` (a dict, empty at first) keeps what
+    does not depend on the micro-batch count between calls on the same tables.
+    """
+    g = tables.graph
+    cache = {} if cache is None else cache
+    opt = float(tables.options.get("optimizer_factor", 2.0))
+    if "groups" not in cache:
+        shared: dict = {}  # identical operators share their layouts (and so these)
+        cache["groups"] = [_shared(shared, ("g", _key(op), id(lay)), lambda: weight_groups(op, lay, None, tables.machine))
+                           for op, lay in zip(g.operators, tables.arrays)]
+        cache["problem"] = tables.to_problem()
+        cache["shared"] = shared
+    shared = cache["shared"]
+    cts = [_shared(shared, ("c", micro_batches, _key(op), id(lay)),
+                   lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages, options.recompute,
+                                        opt, groups=wg, op_cost=oc if micro_batches == 1 else None,
+                                        in_flight=options.in_flight))
+           for op, lay, wg, oc in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs)]
+    least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
+    if least <= budget:
+        cts = [t.take(np.flatnonzero(t.bytes + (least - t.bytes.min()) <= budget)) for t in cts]
+    problem = cache["problem"]
+    mp = MemoryProblem(problem, tuple(t.base for t in cts), tuple(t.seconds for t in cts),
+                       tuple(t.bytes for t in cts), budget, options.reserve_bytes)
+    return mp, tuple(cts)
+
+
+def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, options: FitOptions = FitOptions(),
+              tables: CostTables | None = None, cutoff: int = 4, powers_of_two: bool = False,
+              divides_p: bool = True, orders: str = "auto", **dp_options: Any):
+    """The plan of least step time whose peak memory per device is within ``budget`` (default the machine's).
+
+    Given ``tables``, the search is exact over their layouts; build them on the
+    machine *without* a memory size (``replace(machine, memory_bytes=None)``), as
+    this function does itself, or :func:`~shardplan.cost.build_tables` drops
+    layouts whose unsharded footprint exceeds the device, some of which may fit
+    with sharded state.
+
+    Returns a :class:`~shardplan.plan.Plan` with ``memory_choices`` set and a
+    solution whose ``optimal``/``bound``/``stats["gap"]`` state what was
+    proven; ``stats["per_micro_batches"]`` has each count's outcome.
+
+    Raises:
+        ShardplanError: no budget known, or no plan fits (naming the least memory any plan needs).
+    """
+    from shardplan.plan import Plan
+    from shardplan.search.dp import solve_dp
+
+    if budget is None:
+        budget = machine.memory_bytes
+    if budget is None:
+        raise ShardplanError("no memory budget: the machine has no memory size; give one (--memory GiB)")
+    if not budget > 0:
+        raise ShardplanError(f"memory budget must be positive, got {budget!r}")
+    t0 = time.perf_counter()
+    if tables is None:
+        # The per-configuration memory filter of build_tables assumes unsharded state: the fit search prunes itself.
+        tables = build_tables(graph, replace(machine, memory_bytes=None), cutoff=cutoff, powers_of_two=powers_of_two,
+                              divides_p=divides_p, orders=orders)
+        tables = replace(tables, machine=machine)
+    build_seconds = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    best: tuple[Solution, int, tuple[ChoiceTable, ...]] | None = None
+    per: list[dict[str, Any]] = []
+    lower: list[float] = []  # a lower bound of each micro-batch count's optimum
+    least_all = np.inf
+    problems = []
+    totals = {"nodes": 0, "dp_solves": 0}
+    cache: dict = {}
+    for m in sorted({int(x) for x in options.micro_batches}):
+        mp, cts = fit_problem(tables, budget, m, options, cache)
+        least = mp.least_memory()
+        if least > budget:
+            least_all = min(least_all, least)
+            per.append({"micro_batches": m, "status": "infeasible", "least_memory_bytes": least})
+            continue
+        # the root alone: a feasible plan and the dual bound, to order the counts and share the incumbent
+        root = solve_memory(mp, max_nodes=1, fix_iters=-1, **dp_options)
+        totals["nodes"] += root.stats["nodes"]
+        totals["dp_solves"] += root.stats["dp_solves"]
+        problems.append((root.bound, root.cost, m, mp, cts))
+        if best is None or root.cost < best[0].cost:
+            best = (root, m, cts)
+    if best is None:
+        raise ShardplanError(infeasible_message(least_all, budget))
+    for root_bound, root_cost, m, mp, cts in sorted(problems, key=lambda x: (x[0], x[1])):
+        upper = best[0].cost
+        if root_bound >= upper * (1 - 1e-9):
+            lower.append(root_bound)
+            per.append({"micro_batches": m, "status": "pruned: its dual bound reaches the best plan",
+                        "lower_bound": root_bound, "cost": root_cost})
+            continue
+        sol = solve_memory(mp, time_limit=options.time_limit, upper=upper, **dp_options)
+        totals["nodes"] += sol.stats["nodes"]
+        totals["dp_solves"] += sol.stats["dp_solves"]
+        lower.append(sol.bound if sol.bound is not None else 0.0)
+        per.append({"micro_batches": m, "status": sol.stats["status"], "cost": sol.cost, "bound": sol.bound,
+                    "memory_bytes": sol.stats["memory_bytes"], "nodes": sol.stats["nodes"],
+                    "dp_solves": sol.stats["dp_solves"], "fixed_choices": sol.stats["fixed_choices"],
+                    "seconds": sol.solve_seconds})
+        if sol.cost < best[0].cost:
+            best = (sol, m, cts)
+    sol, m, cts = best
+    bound = min([sol.cost] + lower)
+    optimal = bound >= sol.cost * (1 - 1e-9)
+    gap = 0.0 if optimal else (sol.cost - bound) / sol.cost if sol.cost else 0.0
+    stats = {**sol.stats, **totals, "gap": gap, "micro_batches": m, "per_micro_batches": per,
+             "status": "optimal" if optimal else "stopped: see per_micro_batches"}
+    choices = MemoryChoices(m, float(budget), options.reserve_bytes, cts, sol.assignment)
+    base = tuple(int(t.base[j]) for t, j in zip(cts, sol.assignment))
+    final = Solution(cost=sol.cost, assignment=base, solve_seconds=time.perf_counter() - t1, solver="memory-bb",
+                     optimal=optimal, bound=sol.cost if optimal else bound, stats=stats)
+    return Plan(tables, base, final, "fit", build_seconds, memory_choices=choices)
+
+
+FIT_LABELS = {"weight_sync": "weight-gradient sync (incl. ZeRO gathers)", "recompute": "recomputed forward"}
+
+
+def render_fit(plan) -> list[str]:
+    """Report lines of a fit plan: peak vs budget, the proof, micro-batches, who shards state or recomputes."""
+    from shardplan.report import compress_names
+    from shardplan.units import fmt_bytes, fmt_seconds
+
+    mc = plan.memory_choices
+    if mc is None:
+        return []
+    mem = plan.memory
+    sol = plan.solution
+    names = [op.name for op in plan.graph.operators]
+    out = [f"Memory budget: {fmt_bytes(mem['budget_bytes'])} per device; this plan's peak {fmt_bytes(mem['peak_bytes'])}"
+           f" ({100 * mem['peak_bytes'] / mem['budget_bytes']:.1f}%)"
+           + (f", of which reserve {fmt_bytes(mem['reserve_bytes'])}" if mem["reserve_bytes"] else "")]
+    for key, label in FIT_LABELS.items():
+        v = plan.breakdown.get(key, 0.0)
+        if v > 0:
+            out.append(f"  of the step time, {label}: {fmt_seconds(v)}")
+    if sol is not None:
+        st = sol.stats
+        proof = ("proven optimal under the budget" if sol.optimal else
+                 f"NOT proven: lower bound {fmt_seconds(sol.bound or 0.0)}, gap {100 * st.get('gap', 0.0):.3g}%")
+        out.append(f"Fit search: {proof}; {st.get('nodes', 0)} branch-and-bound nodes, "
+                   f"{st.get('dp_solves', 0)} DP solves, {fmt_seconds(sol.solve_seconds)}")
+        if "unconstrained_cost" in st:
+            out.append(f"  unconstrained optimum (m={mc.micro_batches}): {fmt_seconds(st['unconstrained_cost'])} at "
+                       f"{fmt_bytes(st['unconstrained_memory_bytes'])} per device")
+    out.append(f"Micro-batches: {mc.micro_batches}")
+    summ = mc.summary(names)
+    for stage, members in sorted(summ["state_sharding"].items()):
+        out.append(f"  {stage} state sharding ({len(members)} ops): {compress_names(members)}")
+    if summ["recompute"]:
+        out.append(f"  recompute ({len(summ['recompute'])} ops): {compress_names(summ['recompute'])}")
+    if not summ["state_sharding"] and not summ["recompute"]:
+        out.append("  no operator shards its state or recomputes")
+    return out

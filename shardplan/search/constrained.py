@@ -1,0 +1,498 @@
+"""Exact minimum cost under a memory budget: Lagrangian relaxation closed by branch-and-bound.
+
+The problem
+-----------
+A :class:`MemoryProblem` is a :class:`~shardplan.search.problem.Problem`
+(vertices, configurations, edge matrices) whose vertices have *choices*:
+choice ``j`` of vertex ``v`` uses configuration ``base[v][j]`` (which decides
+the edge costs), costs ``cost[v][j]`` seconds on its own and keeps
+``memory[v][j]`` bytes per device. Several choices may share a configuration
+(the same layout with state sharding, recomputation, ...: they differ only
+in their own time and memory). With ``a`` one choice per vertex::
+
+    F(a) = sum_v cost[v][a_v] + sum_(u,v) M_uv[base(a_u), base(a_v)]     (seconds)
+    M(a) = fixed + sum_v memory[v][a_v]                                   (bytes per device)
+
+    minimise F(a)  subject to  M(a) <= B.
+
+The memory model behind ``memory`` (what is live at the peak) belongs to
+whoever builds the problem; :mod:`shardplan.cost.memory` states the one used
+for DNN plans. Here only additivity matters.
+
+The algorithm
+-------------
+*Lagrangian dual.* For λ >= 0, ``g(λ) = min_a F(a) + λ (M(a) - B)`` is a lower
+bound on the constrained optimum (for a feasible ``a`` the added term is
+<= 0). Its inner minimum is an ordinary unconstrained problem with vertex
+costs ``min_{j: base j = k} cost[v][j] + λ memory[v][j]`` on the *same*
+edges, solved exactly by :func:`~shardplan.search.dp.solve_dp`: the choices
+never enlarge the DP's tables. g is concave and piecewise linear; it is
+maximised by the hull (Dinkelbach-style) iteration: keep an infeasible point
+``a+`` and a feasible one ``a-`` (at first the unconstrained optimum, and the
+Lagrangian optimum of the first of the multipliers ``λ0 4^k`` that fits, the
+infeasible ones before it replacing ``a+``; if none of 8 fits, the cheapest
+least-memory assignment), set ``λ = (F(a-) - F(a+)) / (M(a+) - M(a-))`` (the
+slope between them), solve; if the new point lies on the line through them,
+both are Lagrangian optima at λ, so λ maximises g; otherwise it replaces
+``a+`` or ``a-`` by feasibility. Each step is one DP solve, every λ tried
+gives a bound ``g(λ)``, and every feasible point seen is a candidate plan.
+
+*Branch-and-bound* closes the duality gap. A node restricts each vertex to a
+subset of its choices; its bound is its own Lagrangian dual (valid for every
+assignment of the subset). A node is closed when its unconstrained optimum
+fits (then that is the node's exact optimum), when its least memory exceeds
+B, or when its bound reaches the incumbent. Otherwise it branches on the
+vertex where ``a+`` and ``a-`` differ most in memory, with ``m* = memory of
+a+ there``: one child keeps the choices using less than ``m*``, the other the
+rest. Both are non-empty and smaller, so the search is finite; nodes are
+taken best bound first. The global lower bound is the least bound of the open
+nodes (the incumbent when none is left): when the search stops at its time
+or node limit, the answer carries that bound and the gap; with no open node
+it is the proven optimum.
+
+Exactness rests on the DP being exact on each Lagrangian problem; costs and
+memory are compared with a relative tolerance of ``rtol`` (1e-9) only to
+decide ties.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from shardplan.errors import ShardplanError
+from shardplan.search.problem import Problem, Solution
+
+__all__ = ["MemoryProblem", "solve_memory", "solve_memory_bruteforce", "infeasible_message"]
+
+
+@dataclass(frozen=True, eq=False)
+class MemoryProblem:
+    """A problem with per-choice cost and memory and a memory budget (see the module docstring).
+
+    Attributes:
+        problem: configurations and edge costs (its vertex costs are not used).
+        base: per vertex, the configuration index of each choice, int array (J_v,).
+        cost: per vertex, each choice's own seconds, float array (J_v,), finite, >= 0.
+        memory: per vertex, each choice's bytes per device, float array (J_v,), finite, >= 0.
+        budget: B, bytes per device.
+        fixed: bytes per device every plan needs besides the per-vertex terms.
+        labels: optional per vertex, a short description of each choice (for reports).
+    """
+
+    problem: Problem
+    base: tuple[np.ndarray, ...]
+    cost: tuple[np.ndarray, ...]
+    memory: tuple[np.ndarray, ...]
+    budget: float
+    fixed: float = 0.0
+    labels: tuple[tuple[str, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        p = self.problem
+        n = p.num_vertices
+        if not (len(self.base) == len(self.cost) == len(self.memory) == n):
+            raise ShardplanError("memory problem: base, cost and memory need one entry per vertex")
+        if not np.isfinite(self.budget) or self.budget < 0:
+            raise ShardplanError(f"memory budget must be a finite number of bytes >= 0, got {self.budget!r}")
+        base, cost, mem = [], [], []
+        for v in range(n):
+            b = np.asarray(self.base[v], dtype=np.int64)
+            c = np.asarray(self.cost[v], dtype=np.float64)
+            m = np.asarray(self.memory[v], dtype=np.float64)
+            name = p.names[v]
+            if b.ndim != 1 or len(b) == 0 or c.shape != b.shape or m.shape != b.shape:
+                raise ShardplanError(f"vertex {name!r}: base, cost and memory must be equal-length non-empty vectors")
+            if b.min() < 0 or b.max() >= p.sizes[v]:
+                raise ShardplanError(f"vertex {name!r}: a choice refers to a configuration outside 0..{p.sizes[v] - 1}")
+            if not (np.all(np.isfinite(c)) and np.all(np.isfinite(m))) or c.min() < 0 or m.min() < 0:
+                raise ShardplanError(f"vertex {name!r}: choice costs and memory must be finite and >= 0")
+            base.append(b)
+            cost.append(c)
+            mem.append(m)
+        object.__setattr__(self, "base", tuple(base))
+        object.__setattr__(self, "cost", tuple(cost))
+        object.__setattr__(self, "memory", tuple(mem))
+        object.__setattr__(self, "budget", float(self.budget))
+        object.__setattr__(self, "fixed", float(self.fixed))
+
+    @classmethod
+    def from_problem(cls, problem: Problem, memory: Sequence[Sequence[float]], budget: float,
+                     fixed: float = 0.0) -> "MemoryProblem":
+        """One choice per configuration, costing the problem's vertex cost and ``memory[v][k]`` bytes."""
+        return cls(problem, tuple(np.arange(k) for k in problem.sizes), problem.vertex_cost,
+                   tuple(np.asarray(m, dtype=np.float64) for m in memory), budget, fixed)
+
+    @property
+    def num_choices(self) -> tuple[int, ...]:
+        return tuple(len(b) for b in self.base)
+
+    def evaluate(self, choices: Sequence[int]) -> tuple[float, float]:
+        """(F, M) of a choice assignment."""
+        a = [int(x) for x in choices]
+        if len(a) != self.problem.num_vertices:
+            raise ShardplanError(f"assignment has {len(a)} entries, problem has {self.problem.num_vertices} vertices")
+        for v, j in enumerate(a):
+            if not 0 <= j < len(self.base[v]):
+                raise ShardplanError(f"choice of {self.problem.names[v]!r} is {j}, outside 0..{len(self.base[v]) - 1}")
+        configs = [int(self.base[v][j]) for v, j in enumerate(a)]
+        f = float(sum(float(m[configs[s], configs[d]]) for (s, d), m in zip(self.problem.edges, self.problem.edge_cost)))
+        f += float(sum(float(self.cost[v][j]) for v, j in enumerate(a)))
+        mem = self.fixed + float(sum(float(self.memory[v][j]) for v, j in enumerate(a)))
+        return f, mem
+
+    def least_memory(self, allowed: Sequence[np.ndarray] | None = None) -> float:
+        """min_a M(a) (over the allowed choices): the vertices' least memory add up."""
+        if allowed is None:
+            return self.fixed + float(sum(float(m.min()) for m in self.memory))
+        return self.fixed + float(sum(float(m[ok].min()) for m, ok in zip(self.memory, allowed)))
+
+    def expanded(self) -> Problem:
+        """The plain problem over choices (edge matrices repeated per choice): for the ILP and brute force."""
+        p = self.problem
+        return Problem(names=p.names,
+                       configs=tuple(tuple((int(b), j) for j, b in enumerate(bs)) for bs in self.base),
+                       vertex_cost=self.cost, edges=p.edges,
+                       edge_cost=tuple(m[np.ix_(self.base[s], self.base[d])] for (s, d), m in zip(p.edges, p.edge_cost)))
+
+
+def infeasible_message(least: float, budget: float) -> str:
+    from shardplan.units import fmt_bytes
+
+    return (f"no plan fits in {fmt_bytes(budget)} per device: the least memory any plan needs is "
+            f"{fmt_bytes(least)} ({least:.0f} bytes)")
+
+
+@dataclass
+class _Point:
+    f: float
+    m: float
+    choices: tuple[int, ...]
+
+
+@dataclass
+class _Ctx:
+    mp: MemoryProblem
+    dp: Callable[[Problem], Solution]
+    rtol: float
+    solves: int = 0
+    best: _Point | None = None
+    dp_seconds: float = 0.0
+
+    def offer(self, pt: _Point) -> None:
+        if pt.m <= self.mp.budget and (self.best is None or pt.f < self.best.f):
+            self.best = pt
+
+
+def _lagrangian_problem(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndarray]
+                        ) -> tuple[Problem, list[np.ndarray], list[np.ndarray]]:
+    """The unconstrained problem of F + lam * M over the allowed choices, on their configurations.
+
+    Returns (problem, keeps, picks): ``keeps[v]`` the configuration indices
+    kept (the problem's configuration i is ``keeps[v][i]``) and ``picks[v][i]``
+    the choice of least ``cost + lam * memory`` (ties: least memory) among
+    the allowed ones using it.
+    """
+    p = mp.problem
+    keeps, picks, unary = [], [], []
+    full = True
+    for v in range(p.num_vertices):
+        idx = np.flatnonzero(allowed[v])
+        val = mp.cost[v][idx] + lam * mp.memory[v][idx] if lam > 0 else mp.cost[v][idx]
+        order = np.lexsort((mp.memory[v][idx], val, mp.base[v][idx]))
+        b = mp.base[v][idx][order]
+        first = np.ones(len(b), dtype=bool)
+        first[1:] = b[1:] != b[:-1]
+        keeps.append(b[first])
+        picks.append(idx[order][first])
+        unary.append(val[order][first])
+        full &= len(keeps[-1]) == p.sizes[v]
+    if full:
+        edge_cost, configs = p.edge_cost, p.configs
+    else:
+        edge_cost = tuple(m[np.ix_(keeps[s], keeps[d])] for (s, d), m in zip(p.edges, p.edge_cost))
+        configs = tuple(tuple(p.configs[v][int(k)] for k in ks) for v, ks in enumerate(keeps))
+    return _derived(p, configs, tuple(unary), edge_cost), keeps, picks
+
+
+def _derived(p: Problem, configs: tuple, vertex_cost: tuple[np.ndarray, ...], edge_cost: tuple[np.ndarray, ...]
+             ) -> Problem:
+    """``p`` with new vertex costs and (sub-)configurations, without re-validating its edge matrices.
+
+    Only for values built here: vertex costs are cost + lam * memory with
+    all three >= 0 and finite, edge matrices are slices of ``p``'s validated
+    ones; re-checking every matrix on every solve costs as much as a DP solve
+    on large models.
+    """
+    out = object.__new__(Problem)
+    for name, val in (("names", p.names), ("configs", configs), ("vertex_cost", vertex_cost), ("edges", p.edges),
+                      ("edge_cost", edge_cost), ("dims", p.dims), ("index", p.index)):
+        object.__setattr__(out, name, val)
+    return out
+
+
+def _lagrangian(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray]) -> _Point:
+    """Exact argmin over the allowed choices of F + lam * M (ties: least memory)."""
+    mp = ctx.mp
+    sub, keeps, picks = _lagrangian_problem(mp, lam, allowed)
+    t0 = time.perf_counter()
+    sol = ctx.dp(sub)
+    ctx.dp_seconds += time.perf_counter() - t0
+    ctx.solves += 1
+    choices = tuple(int(pk[a]) for pk, a in zip(picks, sol.assignment))
+    f, m = mp.evaluate(choices)
+    pt = _Point(f, m, choices)
+    ctx.offer(pt)
+    return pt
+
+
+@dataclass
+class _Node:
+    allowed: list[np.ndarray]
+    bound: float  # the parent's bound until evaluated
+    depth: int = 0
+
+
+@dataclass
+class _Eval:
+    bound: float
+    closed: bool
+    plus: _Point | None = None
+    minus: _Point | None = None
+    lam: float = 0.0
+    iterations: int = 0
+
+
+def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: int, probes: int = 8) -> _Eval:
+    """Lagrangian dual of a node by the hull iteration (see the module docstring)."""
+    mp = ctx.mp
+    B = mp.budget
+    if not all(ok.any() for ok in allowed) or mp.least_memory(allowed) > B:
+        return _Eval(np.inf, True)
+    plus = _lagrangian(ctx, 0.0, allowed)
+    if plus.m <= B:
+        return _Eval(plus.f, True, None, plus)
+    bound = plus.f
+    if bound >= cutoff:
+        return _Eval(bound, True)
+    # A feasible bracket: the Lagrangian optimum at growing multipliers (each infeasible one is a closer
+    # infeasible bracket and a bound), else the cheapest least-memory assignment. The least-memory problem
+    # itself is avoided when possible: its many ties (every layout of an FSDP operator holds 1/p of the
+    # state) make it the hardest DP of all.
+    minus = None
+    lam = plus.f / plus.m / 16 if plus.f > 0 else 1.0 / plus.m
+    for _ in range(probes):
+        pt = _lagrangian(ctx, lam, allowed)
+        bound = max(bound, pt.f + lam * (pt.m - B))
+        if pt.m <= B:
+            minus = pt
+            break
+        plus = pt
+        if bound >= cutoff:
+            return _Eval(bound, True)
+        lam *= 4
+    if minus is None:
+        least = [ok & (m <= m[ok].min()) for m, ok in zip(mp.memory, allowed)]
+        minus = _lagrangian(ctx, 0.0, least)
+    lam, it = 0.0, 0
+    while it < max_iters:
+        it += 1
+        lam = (minus.f - plus.f) / (plus.m - minus.m)
+        if lam <= 0:  # minus is as cheap as the unconstrained optimum (a tie): it is optimal
+            bound = max(bound, minus.f)
+            break
+        pt = _lagrangian(ctx, lam, allowed)
+        value = pt.f + lam * pt.m
+        bound = max(bound, value - lam * B)
+        line = plus.f + lam * plus.m
+        if bound >= cutoff or value >= line - ctx.rtol * max(abs(line), 1e-300):
+            break
+        if pt.m > B:
+            plus = pt
+        else:
+            minus = pt
+    bound = min(bound, minus.f) if minus.m <= B else bound
+    return _Eval(bound, minus.m <= B and bound >= minus.f, plus, minus, lam, it)
+
+
+def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, iters: int) -> list[np.ndarray]:
+    """Reduced-cost fixing: drop the allowed choices that cannot lead below ``cutoff``.
+
+    For a feasible x using choice j of v (configuration k):
+    ``F(x) >= L(x) - lam B >= minmarg_L(v, k) - u_v[k] + (cost_j + lam memory_j) - lam B``,
+    where u_v[k] is the least Lagrangian vertex cost of k and minmarg_L the
+    min-marginal of the Lagrangian problem, bounded below by the forest bound
+    after TRW-S (:mod:`shardplan.search.bounds`). Choices whose bound reaches
+    the cutoff are dropped (exact: no assignment below the cutoff uses them).
+    """
+    from shardplan.search.bounds import BoundState, _forest_pass, trws
+
+    mp = ctx.mp
+    sub, keeps, _ = _lagrangian_problem(mp, lam, allowed)
+    unary = [c.copy() for c in sub.vertex_cost]
+    st = BoundState.from_problem(sub)
+    if iters and st.pairs:
+        trws(st, list(range(st.n)), iters)
+    lbs, _, _ = _forest_pass(st, True)
+    out = []
+    for v in range(sub.num_vertices):
+        pos = np.full(mp.problem.sizes[v], -1, dtype=np.int64)
+        pos[keeps[v]] = np.arange(len(keeps[v]))
+        idx = np.flatnonzero(allowed[v])
+        i = pos[mp.base[v][idx]]
+        lb = lbs[v][i] - unary[v][i] + mp.cost[v][idx] + lam * mp.memory[v][idx] - lam * mp.budget
+        new = np.array(allowed[v], dtype=bool)
+        new[idx[lb >= cutoff]] = False
+        out.append(new)
+    return out
+
+
+def _branch(mp: MemoryProblem, node: _Node, ev: _Eval) -> list[_Node]:
+    plus, minus = ev.plus, ev.minus
+    assert plus is not None and minus is not None
+    diff = [mp.memory[v][plus.choices[v]] - mp.memory[v][minus.choices[v]] for v in range(len(plus.choices))]
+    v = int(np.argmax(diff))
+    if diff[v] <= 0:  # cannot happen: M(plus) > B >= M(minus)
+        raise AssertionError("branching found no vertex where the infeasible point uses more memory")
+    cut = mp.memory[v][plus.choices[v]]
+    low = node.allowed[v] & (mp.memory[v] < cut)
+    high = node.allowed[v] & (mp.memory[v] >= cut)
+    out = []
+    for mask in (low, high):
+        allowed = list(node.allowed)
+        allowed[v] = mask
+        out.append(_Node(allowed, ev.bound, node.depth + 1))
+    return out
+
+
+def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int = 100_000, rtol: float = 1e-9,
+                 max_dual_iters: int = 60, upper: float = np.inf, fix_iters: int = 5,
+                 dp: Callable[[Problem], Solution] | None = None, **dp_options: Any) -> Solution:
+    """Minimum F subject to M <= budget (see the module docstring), exact unless stopped.
+
+    Parameters:
+        mp: the problem.
+        time_limit: seconds after which the branch-and-bound stops (the answer then carries its gap).
+        max_nodes: branch-and-bound nodes after which it stops.
+        rtol: relative tolerance for ties (a node is pruned when its bound is
+            within ``rtol`` of the incumbent).
+        max_dual_iters: hull iterations per node.
+        upper: a cost known to be reachable otherwise (e.g. by another
+            micro-batch count): nodes that cannot go below it are pruned, so the
+            answer is optimal only if it is below ``upper`` (``stats["beats_upper"]``).
+        fix_iters: TRW-S sweeps of the reduced-cost fixing at each branching node
+            (see :func:`_fix`); -1 turns fixing off.
+        dp: the exact unconstrained solver (default :func:`~shardplan.search.dp.solve_dp`
+            with ``dp_options``).
+
+    Returns:
+        A :class:`Solution` whose ``assignment`` holds *choice* indices, ``cost``
+        = F, ``optimal`` True when proven, ``bound`` the proven lower bound, and
+        stats: ``memory_bytes`` (M of the answer), ``budget_bytes``, ``least_memory_bytes``,
+        ``unconstrained_cost`` (the optimum without the budget, a lower bound),
+        ``unconstrained_memory_bytes``, ``gap`` (relative), ``nodes``, ``dp_solves``, ``lambda``
+        (the root's multiplier, seconds per byte), ``status``.
+
+    Raises:
+        ShardplanError: when no assignment fits: the message names the least
+            memory any assignment needs.
+    """
+    t0 = time.perf_counter()
+    if dp is None:
+        from shardplan.search.dp import solve_dp
+
+        def dp(p: Problem) -> Solution:
+            return solve_dp(p, **dp_options)
+    least = mp.least_memory()
+    if least > mp.budget:
+        raise ShardplanError(infeasible_message(least, mp.budget))
+    ctx = _Ctx(mp, dp, rtol)
+    root = _Node([np.ones(k, dtype=bool) for k in mp.num_choices], -np.inf)
+    heap: list[tuple[float, int, _Node]] = [(root.bound, 0, root)]
+    counter, nodes = 1, 0
+    root_stats: dict[str, Any] = {}
+    stopped = ""
+    def incumbent() -> float:
+        return min(ctx.best.f if ctx.best is not None else np.inf, upper)
+
+    fixed = 0
+    while heap:
+        bound, _, node = heap[0]
+        inc = incumbent()
+        if bound >= inc - rtol * abs(inc):
+            heap.clear()  # best-first: every open node is as bad
+            break
+        if nodes >= max_nodes:
+            stopped = f"node limit {max_nodes}"
+            break
+        if nodes and time.perf_counter() - t0 > time_limit:
+            stopped = f"time limit {time_limit:g} s"
+            break
+        heapq.heappop(heap)
+        nodes += 1
+        ev = _dual(ctx, node.allowed, inc - rtol * abs(inc) if np.isfinite(inc) else np.inf, max_dual_iters)
+        if not root_stats:
+            root_stats = {"root_bound": ev.bound, "lambda": ev.lam, "root_dual_iterations": ev.iterations}
+            if ev.plus is not None:
+                root_stats.update(unconstrained_cost=ev.plus.f, unconstrained_memory_bytes=ev.plus.m)
+            elif ev.minus is not None:
+                root_stats.update(unconstrained_cost=ev.minus.f, unconstrained_memory_bytes=ev.minus.m)
+        inc = incumbent()
+        if ev.closed or ev.bound >= inc - rtol * abs(inc):
+            continue
+        if fix_iters >= 0:
+            allowed = _fix(ctx, node.allowed, ev.lam, inc - rtol * abs(inc), fix_iters)
+            if not all(ok.any() for ok in allowed):
+                continue
+            dropped = sum(int(a.sum()) for a in node.allowed) - sum(int(a.sum()) for a in allowed)
+            if dropped:
+                fixed += dropped
+                heapq.heappush(heap, (max(ev.bound, node.bound), counter, _Node(allowed, ev.bound, node.depth)))
+                counter += 1
+                continue
+        for child in _branch(mp, node, ev):
+            heapq.heappush(heap, (max(ev.bound, node.bound), counter, child))
+            counter += 1
+    best = ctx.best
+    assert best is not None  # the least-memory point of the root is feasible
+    lower = min([best.f, upper] + [b for b, _, _ in heap])
+    optimal = not heap and best.f <= upper
+    if optimal:
+        lower = best.f
+    gap = 0.0 if optimal else ((best.f - lower) / abs(best.f) if best.f else float(lower < best.f))
+    stats = {"memory_bytes": best.m, "budget_bytes": mp.budget, "least_memory_bytes": least,
+             **root_stats, "gap": gap, "nodes": nodes, "open_nodes": len(heap), "dp_solves": ctx.solves,
+             "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "beats_upper": best.f < upper, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
+                        else "proven: nothing below upper")}
+    return Solution(cost=best.f, assignment=best.choices, solve_seconds=time.perf_counter() - t0,
+                    solver="memory-bb", optimal=optimal, bound=float(lower), stats=stats)
+
+
+def solve_memory_bruteforce(mp: MemoryProblem, max_combinations: int = 10**6) -> Solution:
+    """Reference: every choice assignment enumerated (refuses above ``max_combinations``)."""
+    t0 = time.perf_counter()
+    sizes = mp.num_choices
+    total = int(np.prod([float(k) for k in sizes])) if sizes else 1
+    if total > max_combinations:
+        raise ShardplanError(f"brute force needs {total} combinations, over the limit of {max_combinations}")
+    flat = np.arange(total)
+    digits = np.unravel_index(flat, sizes) if sizes else ()
+    f = np.zeros(total)
+    m = np.full(total, mp.fixed)
+    for v in range(len(sizes)):
+        f += mp.cost[v][digits[v]]
+        m += mp.memory[v][digits[v]]
+    for (s, d), mat in zip(mp.problem.edges, mp.problem.edge_cost):
+        f += mat[mp.base[s][digits[s]], mp.base[d][digits[d]]]
+    ok = m <= mp.budget
+    if not ok.any():
+        raise ShardplanError(infeasible_message(float(m.min()), mp.budget))
+    j = int(np.flatnonzero(ok)[np.argmin(f[ok])])
+    choices = tuple(int(x[j]) for x in digits) if sizes else ()
+    cost, mem = mp.evaluate(choices)
+    return Solution(cost=cost, assignment=choices, solve_seconds=time.perf_counter() - t0, solver="bruteforce",
+                    optimal=True, bound=cost, stats={"memory_bytes": mem, "combinations": total})

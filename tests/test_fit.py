@@ -1,0 +1,203 @@
+"""Memory-saving choices (ZeRO stages, recomputation, micro-batches) and the fit search on models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shardplan import ops
+from shardplan.cost import build_tables
+from shardplan.cost.memory import choice_table
+from shardplan.errors import ShardplanError
+from shardplan.fit import FitOptions, fit_problem, solve_fit
+from shardplan.ir import TensorRef
+from shardplan.machine import Machine
+from shardplan.search.constrained import solve_memory_bruteforce
+
+B = 1e9  # bytes/s
+F = 1e12  # FLOP/s
+
+
+def dense_op():
+    # y[b, n] = sum_c x[b, c] W[c, n]: b = 64, c = 32, n = 16; W has 512 elements = 2048 bytes (fp32)
+    return ops.dense("fc", TensorRef("x", (64, 32), needs_grad=True), 16)
+
+
+def row(table, stage, recompute):
+    j = np.flatnonzero((table.stage == stage) & (table.recompute == recompute))
+    assert len(j) == 1
+    return int(j[0])
+
+
+def test_choice_table_by_hand_batch_split_4():
+    op = dense_op()
+    m = Machine(4, peak_flops=F, bandwidth=B)
+    cfg = np.array([[4, 1, 1]])  # dims b, n, c: batch split 4 ways, weights replicated on all 4
+    t = choice_table(op, cfg, np.array([[0, 1, 2]]), m, micro_batches=1, prune=False)
+    w = 2048.0  # weight bytes
+    # stage 0: all-reduce 2 (g-1)/g n / B = 2 * 3/4 * 2048 / 1e9; memory w (value + grad + 2 Adam words)
+    j0 = row(t, 0, False)
+    assert t.parts["weight_sync"][j0] == pytest.approx(2 * 0.75 * w / B)
+    assert t.state_bytes[j0] == pytest.approx(4 * w)
+    # output tile 16 x 16 fp32 = 1024 bytes kept
+    assert t.activation_bytes[j0] == pytest.approx(16 * 16 * 4)
+    # stage 3: state / 4, reduce-scatter + 2 all-gathers of (g-1)/g n / B each
+    j3 = row(t, 3, False)
+    assert t.state_bytes[j3] == pytest.approx(w)
+    assert t.parts["weight_sync"][j3] == pytest.approx(3 * 0.75 * w / B)
+    # stage 2 at m = 1: grads and Adam state sharded, value whole: w (1 + 3/4)
+    j2 = row(t, 2, False)
+    assert t.state_bytes[j2] == pytest.approx(w * 1.75)
+    assert t.parts["weight_sync"][j2] == pytest.approx(2 * 0.75 * w / B)
+    # stages 0 and 1 cost what stage 2 costs at m = 1 and need more memory: dominated, dropped by default
+    assert t.parts["weight_sync"][row(t, 1, False)] == pytest.approx(2 * 0.75 * w / B)
+    pruned = choice_table(op, cfg, np.array([[0, 1, 2]]), m, micro_batches=1)
+    assert sorted(zip(pruned.stage.tolist(), pruned.recompute.tolist())) == [(2, False), (2, True), (3, False),
+                                                                            (3, True)]
+    # recompute: forward FLOPs again (2 * 16*16*32 per device / F), no saved output
+    jr = row(t, 0, True)
+    assert t.parts["recompute"][jr] == pytest.approx(2 * 16 * 16 * 32 / F)
+    assert t.activation_bytes[jr] == 0.0
+    assert t.parts["compute"][jr] == pytest.approx(3 * 2 * 16 * 16 * 32 / F)
+
+
+def test_choice_table_micro_batches():
+    op = dense_op()
+    m = Machine(4, peak_flops=F, bandwidth=B, latency=1e-6)
+    cfg = np.array([[4, 1, 1]])
+    t1 = choice_table(op, cfg, np.array([[0, 1, 2]]), m, micro_batches=1, prune=False)
+    t4 = choice_table(op, cfg, np.array([[0, 1, 2]]), m, micro_batches=4, prune=False)
+    w = 2048.0
+    # activations divided by the micro-batch count; stage-0 sync once per step
+    assert t4.activation_bytes[row(t4, 0, False)] == pytest.approx(1024 / 4)
+    assert t4.parts["weight_sync"][row(t4, 0, False)] == pytest.approx(t1.parts["weight_sync"][row(t1, 0, False)])
+    # stage 3 gathers and reduce-scatters once per micro-batch
+    rs = 0.75 * w / B + 3 * 1e-6
+    assert t4.parts["weight_sync"][row(t4, 3, False)] == pytest.approx(4 * 3 * rs)
+    # stage 1: once per step (reduce-scatter + all-gather), kept since cheaper than stage 2 at m = 4
+    assert t4.parts["weight_sync"][row(t4, 1, False)] == pytest.approx(2 * rs)
+    assert t4.parts["weight_sync"][row(t4, 2, False)] == pytest.approx(4 * rs + rs)
+
+
+def test_unsplit_weights_have_nothing_to_shard():
+    op = dense_op()
+    m = Machine(4, peak_flops=F, bandwidth=B)
+    t = choice_table(op, np.array([[1, 4, 1]]), np.array([[1, 0, 2]]), m)  # n split 4: each device its own W tile
+    assert set(t.stage.tolist()) == {0}
+
+
+def _tiny_gpt():
+    from shardplan.models import get_model
+
+    return get_model("gpt", batch=8, layers=1, d_model=64, heads=2, seq=32, vocab=256)
+
+
+def test_fit_plan_fits_and_agrees_with_ilp():
+    pytest.importorskip("scipy")
+    from shardplan.search.memory_ilp import solve_memory_ilp
+
+    g = _tiny_gpt()
+    m = Machine(4, peak_flops=F, bandwidth=B, latency=1e-6, memory_bytes=1e12)
+    tables = build_tables(g, m, orders="row-major")
+    free = solve_fit(g, m, tables=tables, options=FitOptions(micro_batches=(1,)))
+    budget = 0.6 * free.memory["peak_bytes"]
+    plan = solve_fit(g, m, budget=budget, tables=tables, options=FitOptions(micro_batches=(1,)))
+    assert plan.solution.optimal and plan.memory["peak_bytes"] <= budget
+    assert plan.cost > free.cost
+    mp, _ = fit_problem(tables, budget, 1)
+    ilp = solve_memory_ilp(mp, time_limit=60)
+    assert ilp.optimal and ilp.cost == pytest.approx(plan.cost, rel=1e-9)
+    d = plan.to_dict()
+    assert d["memory_choices"]["micro_batches"] == 1
+    assert any(op["recompute"] or op["state_stage"] for op in d["operators"])
+
+
+def test_fit_infeasible_names_least_memory():
+    g = _tiny_gpt()
+    m = Machine(4, peak_flops=F, bandwidth=B, memory_bytes=1000.0)
+    with pytest.raises(ShardplanError, match="least memory any plan needs"):
+        solve_fit(g, m)
+
+
+TINY = ["--model", "gpt", "--set", "layers=1", "--set", "d_model=64", "--set", "heads=2", "--set", "seq=32",
+        "--set", "vocab=256", "--batch", "8", "-p", "4", "--machine", "a100", "--orders", "row-major"]
+
+
+def test_cli_solve_memory_reports_fit(capsys, tmp_path):
+    import json
+
+    from shardplan.cli import main
+
+    out_json = tmp_path / "plan.json"
+    # the unconstrained optimum needs 1.28 MiB per device
+    code = main(["solve", *TINY, "--memory", "0.001", "--no-baselines", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Memory budget: 1.02 MiB per device" in out and "proven optimal under the budget" in out
+    d = json.loads(out_json.read_text())
+    assert d["memory"]["peak_bytes"] <= 0.001 * 2**30
+    mc = d["memory_choices"]
+    assert d["optimal"] is True and (mc["micro_batches"] > 1 or mc["recompute"] or mc["state_sharding"])
+
+
+def test_cli_solve_memory_infeasible_is_one_line(capsys):
+    from shardplan.cli import main
+
+    code = main(["solve", *TINY, "--memory", "0.00001", "--no-baselines"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "least memory any plan needs" in err
+
+
+def test_cli_bad_fit_options(capsys):
+    from shardplan.cli import main
+
+    assert main(["solve", *TINY, "--memory", "1", "--zero", "0,5"]) == 2
+    assert "ZeRO stage 5" in capsys.readouterr().err
+    assert main(["solve", *TINY, "--memory", "-1"]) == 2
+    assert "--memory" in capsys.readouterr().err
+
+
+def test_in_flight_micro_batches_multiply_saved_activations():
+    op = dense_op()
+    m = Machine(4, peak_flops=F, bandwidth=B)
+    cfg, order = np.array([[4, 1, 1]]), np.array([[0, 1, 2]])
+    one = choice_table(op, cfg, order, m, micro_batches=4, prune=False)
+    three = choice_table(op, cfg, order, m, micro_batches=4, prune=False, in_flight=3)
+    assert np.allclose(three.activation_bytes, 3 * one.activation_bytes)
+    assert np.allclose(three.state_bytes, one.state_bytes)
+    with pytest.raises(ShardplanError, match="in_flight"):
+        FitOptions(in_flight=0)
+
+
+@pytest.mark.parametrize("preset_name", ["a100", "paper"])
+def test_stage0_without_recompute_costs_what_the_plain_plan_costs(preset_name):
+    from shardplan.machine import preset
+
+    g = _tiny_gpt()
+    m = preset(preset_name, 16)
+    tables = build_tables(g, replace_memory(m))
+    for i, op in enumerate(g.operators):
+        t = choice_table(op, tables.arrays[i], None, m, prune=False)
+        rows = np.flatnonzero((t.stage == 0) & ~t.recompute)
+        assert np.allclose(t.seconds[rows], tables.op_costs[i].total[t.base[rows]], rtol=1e-12, atol=0)
+
+
+def replace_memory(m):
+    from dataclasses import replace
+
+    return replace(m, memory_bytes=None)
+
+
+def test_compare_adds_the_plan_that_fits(capsys):
+    from shardplan.cli import main
+
+    code = main(["compare", "--model", "gpt", "--set", "layers=1", "--set", "d_model=64", "--set", "heads=2",
+                 "--set", "seq=32", "--set", "vocab=256", "--batch", "8", "--procs", "4", "--machine", "a100",
+                 "--memory", "0.0005"])
+    out = capsys.readouterr().out
+    assert code == 0
+    line = next(x for x in out.splitlines() if "shardplan fit <= 524 KiB" in x)
+    assert float(line.split()[-2]) <= 0.0005 * 2**20  # peak memory column, KiB
+    dp_line = next(x for x in out.splitlines() if "shardplan (exact DP)" in x)
+    assert float(dp_line.split()[-2]) > 0.0005 * 2**20

@@ -1,0 +1,105 @@
+"""The memory-constrained search against brute force and the ILP with a memory row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from randgraphs import random_problem
+from shardplan.errors import ShardplanError
+from shardplan.search import solve_dp
+from shardplan.search.constrained import MemoryProblem, solve_memory, solve_memory_bruteforce
+
+
+def memory_problem(seed: int, tight: float) -> MemoryProblem:
+    """A random problem with 1-3 choices per configuration, integer memory, and a budget
+    ``tight`` of the way from the least memory to the unconstrained optimum's memory."""
+    p = random_problem(seed, n_max=7, k_max=4)
+    rng = np.random.default_rng(1000 + seed)
+    base, cost, mem = [], [], []
+    for v, k in enumerate(p.sizes):
+        reps = rng.integers(1, 4, size=k)
+        b = np.repeat(np.arange(k), reps)
+        base.append(b)
+        c = p.vertex_cost[v][b] + np.where(np.arange(len(b)) % 2 == 1, rng.integers(0, 3, len(b)), 0)
+        cost.append(c.astype(float))
+        mem.append(rng.integers(0, 10, size=len(b)).astype(float))
+    loose = MemoryProblem(p, tuple(base), tuple(cost), tuple(mem), budget=1e9, fixed=3.0)
+    top = loose.evaluate(solve_memory(loose).assignment)[1]
+    least = loose.least_memory()
+    budget = float(np.floor(least + tight * (top - least)))
+    return MemoryProblem(p, tuple(base), tuple(cost), tuple(mem), budget=budget, fixed=3.0)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_memory_search_matches_bruteforce(seed):
+    tight = (0.0, 0.3, 0.7, 0.95)[seed % 4]
+    mp = memory_problem(seed, tight)
+    ref = solve_memory_bruteforce(mp)
+    sol = solve_memory(mp)
+    f, m = mp.evaluate(sol.assignment)
+    assert sol.optimal and m <= mp.budget
+    assert f == pytest.approx(ref.cost, abs=1e-9)
+    assert sol.cost == f and sol.bound == pytest.approx(f)
+    assert sol.stats["memory_bytes"] == m
+
+
+def test_memory_search_with_one_choice_per_config_is_dp_when_budget_is_loose():
+    p = random_problem(7, n_max=8, k_max=5)
+    mem = [np.arange(k, dtype=float) for k in p.sizes]
+    mp = MemoryProblem.from_problem(p, mem, budget=1e12)
+    sol = solve_memory(mp)
+    assert sol.optimal and sol.stats["nodes"] == 1 and sol.stats["dp_solves"] == 1
+    assert sol.cost == pytest.approx(solve_dp(p).cost)
+
+
+def test_tight_budget_where_unconstrained_optimum_does_not_fit():
+    # Two vertices, edge rewards equal choices; the cheap plan uses the big memory.
+    from shardplan.search.problem import Problem
+
+    p = Problem(names=("a", "b"), configs=(((1,), (2,)), ((1,), (2,))), vertex_cost=(np.array([0.0, 5.0]),
+                np.array([0.0, 5.0])), edges=((0, 1),), edge_cost=(np.array([[0.0, 3.0], [3.0, 0.0]]),))
+    mp = MemoryProblem.from_problem(p, [np.array([10.0, 1.0]), np.array([10.0, 1.0])], budget=11.0)
+    sol = solve_memory(mp)
+    # (0,0) costs 0 but needs 20; (0,1) and (1,0) cost 8 with 11; (1,1) costs 10 with 2.
+    assert sol.optimal and sol.cost == 8.0 and sol.stats["memory_bytes"] == 11.0
+    assert sol.stats["unconstrained_cost"] == 0.0 and sol.stats["unconstrained_memory_bytes"] == 20.0
+
+
+def test_infeasible_budget_names_least_memory():
+    mp = memory_problem(3, 0.0)
+    least = mp.least_memory()
+    bad = MemoryProblem(mp.problem, mp.base, mp.cost, mp.memory, budget=least - 1, fixed=mp.fixed)
+    with pytest.raises(ShardplanError, match=f"least memory any plan needs is .*\\({least:.0f} bytes\\)"):
+        solve_memory(bad)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_stopped_search_reports_bound_and_gap(seed):
+    mp = memory_problem(seed, 0.5)
+    ref = solve_memory_bruteforce(mp)
+    sol = solve_memory(mp, max_nodes=1)
+    f, m = mp.evaluate(sol.assignment)
+    assert not sol.optimal and sol.stats["status"] == "stopped at the node limit 1"
+    assert m <= mp.budget and f > ref.cost and sol.bound < ref.cost
+    assert sol.stats["gap"] == pytest.approx((f - sol.bound) / f)
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 3))
+def test_memory_ilp_agrees(seed):
+    pytest.importorskip("scipy")
+    from shardplan.search.memory_ilp import solve_memory_ilp
+
+    mp = memory_problem(seed, (0.2, 0.6, 0.9)[seed % 3])
+    ilp = solve_memory_ilp(mp, time_limit=30)
+    sol = solve_memory(mp)
+    assert ilp.optimal and ilp.stats["memory_bytes"] <= mp.budget
+    assert ilp.cost == pytest.approx(sol.cost, abs=1e-7)
+
+
+def test_bad_memory_problem_input():
+    p = random_problem(2, n_max=3, k_max=3)
+    with pytest.raises(ShardplanError, match="finite and >= 0"):
+        MemoryProblem.from_problem(p, [np.full(k, -1.0) for k in p.sizes], budget=10)
+    with pytest.raises(ShardplanError, match="budget"):
+        MemoryProblem.from_problem(p, [np.zeros(k) for k in p.sizes], budget=float("nan"))
