@@ -34,6 +34,21 @@ class MLP(nn.Module):
         return F.cross_entropy(self.fc3(h), y)
 
 
+class Unsupported(nn.Module):
+    """An MLP with an operator no handler describes (logcumsumexp) inside a submodule."""
+
+    class Scan(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return torch.logcumsumexp(h, dim=-1)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.scan, self.fc2 = nn.Linear(32, 64), self.Scan(), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc2(self.scan(torch.relu(self.fc1(x)))), y)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, d: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -106,6 +121,11 @@ def make_mlp() -> tuple[nn.Module, tuple]:
     return MLP(), (torch.randn(BATCH * 2, 32, generator=g), torch.randint(0, 16, (BATCH * 2,), generator=g))
 
 
+def make_unsupported() -> tuple[nn.Module, tuple]:
+    g = torch.Generator().manual_seed(6)
+    return Unsupported(), (torch.randn(BATCH * 2, 32, generator=g), torch.randint(0, 16, (BATCH * 2,), generator=g))
+
+
 def make_llama_block() -> tuple[nn.Module, tuple]:
     return LlamaBlock(), _tokens(2)
 
@@ -134,7 +154,7 @@ def make_hf_llama() -> tuple[nn.Module, tuple]:
 
 CASES: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
     "mlp": make_mlp, "llama_block": make_llama_block, "cnn": make_cnn, "hf_gpt2": make_hf_gpt2,
-    "hf_llama": make_hf_llama,
+    "hf_llama": make_hf_llama, "unsupported": make_unsupported,
 }
 
 
@@ -180,15 +200,48 @@ def run_case(name: str, mesh: Any, p: int) -> dict[str, Any]:
         worst = max(worst, float((g - g0).abs().max()))
         scale = max(scale, float(g0.abs().max()))
     split_ops = sum(1 for c in plan.configs.values() if max(c) > 1)
+    tiles_ok = _tiles_match(plan, pm, model)
     return {
         "loss": float(loss), "loss0": float(loss0), "rel_loss": rel_loss, "grad_err": worst, "grad_scale": scale,
-        "rel_grad": worst / max(scale, 1e-30), "missing": missing, "grad_layouts_ok": bool(layouts_ok),
+        "rel_grad": worst / max(scale, 1e-30), "missing": missing, "grad_layouts_ok": bool(layouts_ok), "tiles_ok": tiles_ok,
         "operators": len(plan.graph), "split_ops": split_ops, "solve_seconds": plan.solve_seconds,
         "build_seconds": plan.build_seconds, "setup_seconds": setup, "step_seconds": step, "cost": plan.cost,
         "warnings": [str(w.message) for w in caught if issubclass(w.category, st.ShardplanWarning)],
         "report": st.report(plan),
         "param_placements": {n: [str(x) for x in pl] for n, pl in pm.param_placements.items()},
     }
+
+
+def _tiles_match(plan: Any, pm: Any, model: nn.Module) -> bool:
+    """Every rank's shard of every parameter is the tile the cost model gives that device (all ranks agree).
+
+    Checked for parameters whose first reader indexes them plainly (the layout
+    replicates axes read through an offset or a window).
+    """
+    import numpy as np
+    import torch.distributed as dist
+
+    from shardplan.cost.tiles import tensor_boxes
+
+    full = dict(model.named_parameters(remove_duplicate=False))
+    rank, p = dist.get_rank(), dist.get_world_size()
+    ok = True
+    for target, par in pm.named_dparameters().items():
+        uses = pm.info.param_uses.get(target)
+        if not uses:
+            continue
+        op = plan.graph[uses[0][0]]
+        t = next(x for x in op.tensors if x.name == uses[0][1])
+        if not all(a.dim is None or a.is_plain or a.inner for a in t.axes):
+            continue
+        cfg = np.asarray([plan.configs[op.name]])
+        order = np.asarray([plan.orders[op.name]])
+        box = tensor_boxes(op, t, cfg, p, orders=order)[0, rank]
+        want = full[target].detach()[tuple(slice(int(lo), int(hi)) for lo, hi in box)]
+        ok &= tuple(par.to_local().shape) == tuple(want.shape) and bool(torch.equal(par.to_local(), want))
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _clone(model: nn.Module) -> nn.Module:
@@ -252,7 +305,7 @@ if __name__ == "__main__":  # python tests/torch_cases.py 8 llama_block ...
             print(k, "ERROR\n", v["error"])
         else:
             print(k, {x: v[x] for x in ("rel_loss", "rel_grad", "grad_err", "operators", "split_ops", "solve_seconds",
-                                        "build_seconds", "setup_seconds", "step_seconds", "missing", "grad_layouts_ok")})
+                                        "build_seconds", "setup_seconds", "step_seconds", "missing", "grad_layouts_ok", "tiles_ok")})
             print(v["report"])
             for w in v["warnings"]:
                 print("  W:", w)
