@@ -158,3 +158,22 @@ def test_placements_shard_indexed_axes_and_replicate_reductions():
     assert tensor_placements(op.inputs[0], axes) == (Shard(0), Shard(1), Shard(1))
     assert tensor_placements(op.weights[0], axes) == (Replicate(), Shard(0), Shard(0))
     assert tensor_placements(op.output, axes) == (Shard(0), Replicate(), Replicate())
+
+
+def test_every_listed_operator_family_has_a_description():
+    import torch_cases
+
+    model, batch = torch_cases.make_ops_zoo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardplanWarning)
+        g, info = trace(model, batch)
+    kinds = {op.kind for op in g.operators}
+    assert {"linear", "slice", "bmm", "baddbmm", "softmax", "einsum", "matmul", "concat", "layer_norm",
+            "index_select", "mean", "cross_entropy", "transpose"} <= kinds
+    bmm = next(op for op in g.operators if op.kind == "bmm")
+    assert bmm.dims == (("b", 8), ("m", 8), ("n", 8), ("k", 16)) and bmm.reduction_dims == ("k",)
+    mm = next(op for op in g.operators if op.kind == "matmul")
+    assert [w.name for w in mm.weights] == ["w1"] and info.param_uses["mix"] == ((mm.name, "w1"),)
+    sel = next(op for op in g.operators if op.kind == "index_select")
+    assert sel.inputs[0].axes[1].dim is None  # the indexed axis is read whole
+    assert sel.inputs[1].name == "idx" and sel.inputs[1].axes[0].dim == sel.output.axes[1].dim

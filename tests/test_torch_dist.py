@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
 
 WORLD = 4
-MODELS = ["mlp", "llama_block", "cnn", "hf_gpt2", "hf_llama", "unsupported"]
+MODELS = ["mlp", "llama_block", "cnn", "hf_gpt2", "hf_llama", "unsupported", "ops_zoo"]
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,30 @@ class Unsupported(nn.Module):
         return F.cross_entropy(self.fc2(self.scan(torch.relu(self.fc1(x)))), y)
 
 
+class OpsZoo(nn.Module):
+    """bmm, baddbmm, einsum, matmul, chunk, cat, index_select, softmax, layer norm, dropout (p=0), permute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 32)
+        self.mix = nn.Parameter(torch.randn(16, 16) / 4)
+        self.norm = nn.LayerNorm(32)
+        self.drop = nn.Dropout(0.0)
+        self.out = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)                                         # (B, T, 32)
+        a, b = h.chunk(2, dim=-1)                                # (B, T, 16) each
+        s = torch.bmm(a, b.transpose(1, 2))                      # (B, T, T)
+        s = torch.baddbmm(s, a, b.permute(0, 2, 1), alpha=0.5)
+        p = torch.softmax(s, dim=-1)
+        c = torch.einsum("bts,bsd->btd", p, a)
+        c = torch.matmul(c, self.mix)
+        h = torch.cat([c, b], dim=-1)                            # (B, T, 32)
+        h = self.drop(self.norm(h)).index_select(1, idx)         # (B, T', 32)
+        return F.cross_entropy(self.out(h.mean(1)), y)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, d: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -126,6 +150,12 @@ def make_unsupported() -> tuple[nn.Module, tuple]:
     return Unsupported(), (torch.randn(BATCH * 2, 32, generator=g), torch.randint(0, 16, (BATCH * 2,), generator=g))
 
 
+def make_ops_zoo() -> tuple[nn.Module, tuple]:
+    g = torch.Generator().manual_seed(7)
+    return OpsZoo(), (torch.randn(BATCH, SEQ, 16, generator=g), torch.tensor([0, 2, 3, 7]),
+                      torch.randint(0, 10, (BATCH,), generator=g))
+
+
 def make_llama_block() -> tuple[nn.Module, tuple]:
     return LlamaBlock(), _tokens(2)
 
@@ -154,7 +184,7 @@ def make_hf_llama() -> tuple[nn.Module, tuple]:
 
 CASES: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
     "mlp": make_mlp, "llama_block": make_llama_block, "cnn": make_cnn, "hf_gpt2": make_hf_gpt2,
-    "hf_llama": make_hf_llama, "unsupported": make_unsupported,
+    "hf_llama": make_hf_llama, "unsupported": make_unsupported, "ops_zoo": make_ops_zoo,
 }
 
 

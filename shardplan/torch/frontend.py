@@ -254,6 +254,20 @@ class _Ctx:
         self.env[node.name] = val
         return val
 
+    def undo(self, node: Any) -> None:
+        """Forget the operator made for ``node`` (its handler described it wrongly)."""
+        name = self.node_op.pop(node.name, None)
+        if name is None:
+            return
+        self.ops.pop(name, None)
+        self.operands.pop(name, None)
+        self.paths.pop(name, None)
+        for uses in (self.param_uses, self.input_uses):
+            for k in list(uses):
+                uses[k] = [u for u in uses[k] if u[0] != name]
+                if not uses[k]:
+                    del uses[k]
+
     def conservative_op(self, node: Any, vals: list, reason: str) -> None:
         """Describe ``node`` as unsplittable: domain = output axes (all fixed), operands read whole."""
         target = str(node.target)
@@ -934,16 +948,16 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
             continue
         try:
             handler(ctx, node, vals)
-        except ShardplanError as e:
-            ctx.conservative_op(node, vals, str(e))
+        except (ShardplanError, IndexError, KeyError, TypeError, ValueError) as e:
+            ctx.undo(node)
+            ctx.conservative_op(node, vals, f"{type(e).__name__}: {e}")
             continue
-        got = env.get(node.name)
         want = _shape(node)
-        if got is not None and got.kind == "op" and want is not None and node.name in ctx.node_op:
-            op = ctx.ops[ctx.node_op[node.name]]
-            if tuple(op.output.shape) != want:
-                raise ShardplanError(f"torch frontend: internal: {target} described with output {op.output.shape}, "
-                                     f"torch gives {want}")
+        made = ctx.node_op.get(node.name)
+        if made is not None and want is not None and tuple(ctx.ops[made].output.shape) != want:
+            got = ctx.ops[made].output.shape
+            ctx.undo(node)
+            ctx.conservative_op(node, vals, f"handler described output {got}, torch gives {want}")
     if not ctx.ops:
         raise ShardplanError("torch frontend: the module does no work on its inputs and parameters (no operators)")
     used = {t.src for op in ctx.ops.values() for t in op.inputs}
