@@ -141,6 +141,16 @@ def test_mesh_is_the_prime_factors():
     assert mesh_factors(1) == (1,)
 
 
+def test_mesh_is_cut_only_where_a_configuration_needs_it():
+    from shardplan.torch import plan_mesh_shape
+
+    op = ops.einsum("mm", "bc,cn->bn", TensorRef("x", (8, 16)), ops.Param((16, 32)))  # dims b n c
+    assert plan_mesh_shape([op], [(8, 1, 1)], [(0, 1, 2)], 8) == (8,)
+    assert plan_mesh_shape([op, op], [(4, 1, 1), (4, 2, 1)], [(0, 1, 2), (1, 0, 2)], 8) == (2, 4)
+    assert plan_mesh_shape([op, op], [(2, 2, 2), (8, 1, 1)], [(0, 1, 2), (0, 1, 2)], 8) == (2, 2, 2)
+    assert plan_mesh_shape([op, op], [(2, 1, 1), (3, 1, 1)], [(0, 1, 2), (0, 1, 2)], 12) == (2, 2, 3)
+
+
 def test_mesh_axes_follow_replicas_then_the_nesting_order():
     op = ops.einsum("mm", "bc,cn->bn", TensorRef("x", (12, 12)), ops.Param((12, 12)))  # dims b n c
     assert mesh_dims(op, (2, 2, 1), (0, 1, 2), (2, 2, 2)) == (None, "b", "n")

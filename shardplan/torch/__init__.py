@@ -22,10 +22,10 @@ from shardplan.errors import ShardplanError
 from shardplan.machine import Machine
 from shardplan.plan import Plan, solve
 from shardplan.torch.frontend import HANDLERS, ShardplanWarning, TorchTrace, register, trace
-from shardplan.torch.layout import mesh_dims, mesh_factors, placement_names, tensor_placements
+from shardplan.torch.layout import mesh_dims, mesh_factors, placement_names, plan_mesh_shape, tensor_placements
 
 __all__ = ["parallelize", "trace", "report", "HANDLERS", "register", "ShardplanWarning", "TorchTrace",
-           "mesh_factors", "mesh_dims", "tensor_placements", "placement_names", "plan_placements"]
+           "mesh_factors", "plan_mesh_shape", "mesh_dims", "tensor_placements", "placement_names", "plan_placements"]
 
 
 def plan_placements(plan: Plan, info: TorchTrace) -> dict[str, Any]:
@@ -83,10 +83,12 @@ def report(plan: Plan, info: TorchTrace | None = None) -> str:
     from shardplan.units import fmt_seconds
 
     cons = set(info.conservative) if info is not None else set()
+    ops = plan.graph.operators
+    factors = plan_mesh_shape(ops, [plan.configs[o.name] for o in ops], [plan.orders[o.name] for o in ops],
+                              plan.machine.num_devices)
     lines = [f"{plan.graph.name}: {len(plan.graph)} operators on {plan.machine.num_devices} devices "
-             f"(mesh {'x'.join(map(str, mesh_factors(plan.machine.num_devices)))}), "
+             f"(mesh {'x'.join(map(str, factors))}), "
              f"predicted {fmt_seconds(plan.cost)} per step, solved in {fmt_seconds(plan.solve_seconds)}"]
-    factors = mesh_factors(plan.machine.num_devices)
     for row in plan.operators():
         op = plan.graph[row["name"]]
         splits = " ".join(f"{d}{c}" for d, c in zip(row["dims"], row["config"]) if c > 1) or "replicated"

@@ -2,9 +2,12 @@
 
 One mesh for every operator. DTensor runs an operation on one mesh, but a
 plan gives every operator its own grid: ``(b=2, n=4)`` for one matmul,
-``(b=8)`` for the next. All of them are expressed on a single mesh whose
-axes are the prime factors of p, in ascending order (p = 8: a ``(2, 2, 2)``
-mesh named ``m0 m1 m2``). A configuration with nesting order
+``(b=8)`` for the next. All of them are expressed on a single mesh over all
+p devices whose axes are cut wherever some configuration needs a cut
+(:func:`plan_mesh_shape`; at most the prime factors of p: p = 8 gives
+``(2, 2, 2)`` when a plan uses three two-way groups, ``(2, 4)`` for
+``(r=2, b=4)`` and ``(n=2, b=4)`` plans, ``(8,)`` for pure data
+parallelism), axes named ``m0 m1 ..``. A configuration with nesting order
 ``d_1 .. d_k`` (most significant first) and ``r = p / Π c`` replicas takes
 consecutive mesh axes from the left: first the axes whose sizes multiply to
 r (the replica axes, as in the cost model, whose devices ``0 .. Π c - 1`` are
@@ -39,7 +42,7 @@ from typing import Any, Sequence
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator, Tensor
 
-__all__ = ["mesh_factors", "mesh_dims", "tensor_placements", "placement_names"]
+__all__ = ["mesh_factors", "plan_mesh_shape", "mesh_dims", "tensor_placements", "placement_names"]
 
 
 def mesh_factors(p: int) -> tuple[int, ...]:
@@ -55,6 +58,38 @@ def mesh_factors(p: int) -> tuple[int, ...]:
     if n > 1:
         out.append(n)
     return tuple(out) or (1,)
+
+
+def _boundaries(op: Operator, config: Sequence[int], order: Sequence[int], p: int) -> list[int]:
+    """Device counts at which the configuration's groups (replicas, then splits in nesting order) end."""
+    n = math.prod(int(c) for c in config)
+    out, acc = [], p // n if n and p % n == 0 else 1
+    out.append(acc)
+    for j in order:
+        c = int(config[int(j)])
+        if c > 1:
+            acc *= c
+            out.append(acc)
+    return out
+
+
+def plan_mesh_shape(ops: Sequence[Operator], configs: Sequence[Sequence[int]], orders: Sequence[Sequence[int]],
+                    p: int) -> tuple[int, ...]:
+    """The coarsest mesh that expresses every configuration: its axes end at every group boundary used.
+
+    Fewer mesh axes mean fewer sequential collectives per redistribution and
+    a far cheaper DTensor sharding propagation (its strategies are expanded
+    over every mesh axis). When the boundaries do not form a divisor chain
+    (only possible when p has distinct prime factors) the prime factors are used.
+    """
+    cuts = {1, p}
+    for op, c, o in zip(ops, configs, orders):
+        cuts.update(_boundaries(op, c, o, p))
+    chain = sorted(cuts)
+    if any(b % a for a, b in zip(chain, chain[1:])):
+        return mesh_factors(p)
+    shape = tuple(b // a for a, b in zip(chain, chain[1:]))
+    return shape or (1,)
 
 
 def mesh_dims(op: Operator, config: Sequence[int], order: Sequence[int], factors: Sequence[int]) -> tuple[str | None, ...]:

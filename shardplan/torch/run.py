@@ -37,20 +37,20 @@ from typing import Any, Mapping, Sequence
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, Operator, Tensor
 from shardplan.torch.frontend import TorchTrace
-from shardplan.torch.layout import mesh_dims, mesh_factors, tensor_placements
+from shardplan.torch.layout import mesh_dims, mesh_factors, plan_mesh_shape, tensor_placements
 
 __all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts"]
 
 
-def factored_mesh(mesh: Any) -> Any:
-    """A DeviceMesh over the same devices as ``mesh`` (any shape), shaped as the prime factors of their count.
+def factored_mesh(mesh: Any, shape: Sequence[int] | None = None) -> Any:
+    """A DeviceMesh over the same devices as ``mesh`` (any shape) with the given shape (default: prime factors).
 
     Every rank must call it (it creates the process groups of each mesh axis).
     """
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = mesh.mesh.flatten()
-    shape = mesh_factors(len(ranks))
+    shape = tuple(shape) if shape is not None else mesh_factors(len(ranks))
     names = tuple(f"m{i}" for i in range(len(shape)))
     if tuple(mesh.mesh.shape) == shape and mesh.mesh_dim_names == names:
         return mesh
@@ -85,8 +85,10 @@ def plan_placements(plan: Any, info: TorchTrace, p: int) -> dict[str, Any]:
     """Readable layout of a plan: per operator its mesh axes' dimensions and output placements, per parameter its placements."""
     from shardplan.torch.layout import placement_names
 
-    lay = Layouts(plan.graph, plan.configs, plan.orders, mesh_factors(p))
-    out: dict[str, Any] = {"mesh": mesh_factors(p), "operators": {}, "parameters": {}}
+    ops = plan.graph.operators
+    shape = plan_mesh_shape(ops, [plan.configs[o.name] for o in ops], [plan.orders[o.name] for o in ops], p)
+    lay = Layouts(plan.graph, plan.configs, plan.orders, shape)
+    out: dict[str, Any] = {"mesh": shape, "operators": {}, "parameters": {}}
     for op in plan.graph.operators:
         out["operators"][op.name] = {"mesh_axes": lay.axes[op.name],
                                      "output": placement_names(lay.output(op.name))}
@@ -235,7 +237,10 @@ def _make_class() -> Any:
             super().__init__()
             self.info = info
             self.graph = graph
-            self.mesh = factored_mesh(mesh)
+            p = int(mesh.mesh.numel())
+            ops = graph.operators
+            shape = plan_mesh_shape(ops, [configs[o.name] for o in ops], [orders[o.name] for o in ops], p)
+            self.mesh = factored_mesh(mesh, shape)
             self.layouts = Layouts(graph, configs, orders, tuple(self.mesh.mesh.shape))
             ep = info.program
             self._ep = ep
