@@ -114,7 +114,7 @@ def main() -> None:
     from shardplan.cost import build_tables
     from shardplan.frontends.jax import trace
     from shardplan.machine import Machine
-    from shardplan.plan import solve
+    from shardplan.plan import solve_tables
 
     machine = Machine(**TOY)
     out: dict[str, Any] = {"machine": TOY, "devices": 8, "results": []}
@@ -123,7 +123,7 @@ def main() -> None:
         params, batch = mod.init_params(jax.random.PRNGKey(0)), mod.make_batch(jax.random.PRNGKey(1))
         graph, info = trace(mod.loss_fn, params, batch)
         tables = build_tables(graph, machine, cutoff=1, divides_p=True)
-        plans = [solve(graph, machine, tables=tables), data_parallel_plan(tables, mod.BATCH)]
+        plans = [solve_tables(tables), data_parallel_plan(tables, mod.BATCH)]
         if hasattr(mod, "MEGATRON_WEIGHT_AXES"):
             plans.append(megatron_plan(tables, info, mod))
         for plan in plans:

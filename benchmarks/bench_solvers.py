@@ -15,7 +15,7 @@ import platform
 import time
 from pathlib import Path
 
-from shardplan.baselines import expert_baseline
+from shardplan.baselines import baseline_plan
 from shardplan.cost import build_tables
 from shardplan.machine import preset
 from shardplan.models import model_spec
@@ -41,7 +41,7 @@ def run(models: list[str], procs: list[int], ilp_limit: float, ilp_max_vars: int
             row = {"model": name, "p": p, "vertices": problem.num_vertices, "configurations": sum(problem.sizes),
                    "orders": tables.options["orders"], "build_seconds": build,
                    "dp": {"seconds": dp.solve_seconds, "cost": dp.cost}}
-            expert = expert_baseline(spec.name, tables)
+            expert = baseline_plan(spec.expert, tables)
             mc = solve_mcmc(problem, init=list(expert.assignment), seed=0)
             row["mcmc"] = {"seconds": mc.solve_seconds, "cost": mc.cost, "gap_vs_dp": mc.cost / dp.cost - 1,
                            "proposals": mc.stats.get("proposals")}

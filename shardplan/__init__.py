@@ -12,4 +12,15 @@ from shardplan.machine import Machine, preset
 from shardplan.plan import Plan, solve
 
 __all__ = ["ShardplanError", "solve", "Plan", "Machine", "preset", "Graph", "GraphBuilder", "ops"]
-__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> str:
+    """``shardplan.__version__``: the installed distribution's version, read from its metadata on first use."""
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("shardplan")
+        except PackageNotFoundError:
+            return "unknown (not installed)"
+    raise AttributeError(f"module 'shardplan' has no attribute {name!r}")

@@ -44,7 +44,7 @@ from shardplan.ir import Operator
 from shardplan.plan import Plan, plan_from_configs
 
 __all__ = ["Strategy", "batch_dim", "data_parallel", "one_weird_trick", "megatron", "gnmt", "BASELINES",
-           "expert_baseline", "baseline_plan", "baseline_plans", "nearest_valid"]
+           "baseline_plan", "baseline_plans", "nearest_valid"]
 
 Strategy = dict[str, tuple[int, ...]]
 
@@ -183,18 +183,12 @@ def baseline_plan(name: str, tables: CostTables) -> Plan:
     return plan_from_configs(tables, rule(tables), name=name)
 
 
-def expert_baseline(model_name: str, tables: CostTables) -> Plan:
-    """The expert strategy the paper compares ``model_name`` against (see :data:`shardplan.models.MODELS`)."""
-    from shardplan.models import model_spec
+def baseline_plans(tables: CostTables, expert: str | None = None) -> dict[str, Plan]:
+    """Data parallelism and, if given, the ``expert`` baseline (a key of :data:`BASELINES`): {name: plan}.
 
-    return baseline_plan(model_spec(model_name).expert, tables)
-
-
-def baseline_plans(model_name: str | None, tables: CostTables) -> dict[str, Plan]:
-    """Data parallelism and, for a registered model, its expert strategy: {name: plan}."""
+    A registered model names its expert in :attr:`shardplan.models.ModelSpec.expert`.
+    """
     out = {"data_parallel": baseline_plan("data_parallel", tables)}
-    if model_name is not None:
-        expert = expert_baseline(model_name, tables)
-        out[expert.name] = expert
+    if expert is not None:
+        out[expert] = baseline_plan(expert, tables)
     return out
-

@@ -10,7 +10,8 @@ import platform
 import time
 from typing import Any, Sequence, TextIO
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import ShardplanError, TableMemoryError
+from shardplan.report.table import format_table
 
 __all__ = ["run_table1", "run_compare"]
 
@@ -28,10 +29,9 @@ def _fmt_time(t: float | None) -> str:
     return f"{int(m)}:{s:06.3f}"
 
 
-def _format(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths)))
-                     for r in rows)
+def _format(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Benchmark tables: the first column left-aligned, the others right-aligned, no rule."""
+    return format_table(rows, header, right=range(1, len(header)), rule=False)
 
 
 def run_table1(models: Sequence[str], procs: Sequence[int], machine: str = "paper", orders: str = "auto",
@@ -70,21 +70,22 @@ def run_table1(models: Sequence[str], procs: Sequence[int], machine: str = "pape
             if bfs:
                 try:
                     b = solve_bfs_dp(problem, memory_limit_bytes=int(bfs_memory))
+                except TableMemoryError:
+                    row["bfs_seconds"] = None
+                    row["bfs_status"] = "out of memory limit"
+                else:
                     row["bfs_seconds"] = b.solve_seconds
                     row["bfs_status"] = "ok"
                     if abs(b.cost - sol.cost) > 1e-9 * max(1.0, abs(sol.cost)):
                         raise ShardplanError(f"{name} p={p}: breadth-first DP cost {b.cost} != DP cost {sol.cost}")
-                except ShardplanError as e:
-                    if "memory" not in str(e):
-                        raise
-                    row["bfs_seconds"] = None
-                    row["bfs_status"] = "out of memory limit"
             rows.append(row)
             _say(log, f"{spec.name:14s} p={p:3d}  build {build:7.3f} s  DP {sol.solve_seconds:7.3f} s"
                       + (f"  BFS {row['bfs_status'] if row.get('bfs_seconds') is None else _fmt_time(row['bfs_seconds'])}"
                          if bfs else ""))
     head = ["model", "p", "DP solve", "cost tables", "configs", "after bounds", "max |D|", "table entries"]
-    table = [head + ["BFS-order DP"] if bfs else head]
+    if bfs:
+        head.append("BFS-order DP")
+    table = []
     for r in rows:
         line = [r["model"], str(r["p"]), _fmt_time(r["dp_seconds"]), _fmt_time(r["build_seconds"]),
                 str(r["configurations"]), str(r["configs_after_bounds"]), str(r["max_dependent_set"]),
@@ -93,7 +94,7 @@ def run_table1(models: Sequence[str], procs: Sequence[int], machine: str = "pape
             line.append(_fmt_time(r["bfs_seconds"]) if r.get("bfs_seconds") is not None else r["bfs_status"])
         table.append(line)
     return {"machine": machine, "orders": orders, "host": platform.node(), "python": platform.python_version(),
-            "rows": rows, "table": _format(table)}
+            "rows": rows, "table": _format(head, table)}
 
 
 def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch: int | None = None,
@@ -107,7 +108,7 @@ def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch
     from shardplan.cost import build_tables
     from shardplan.machine import preset
     from shardplan.models import model_spec
-    from shardplan.plan import Plan, solve
+    from shardplan.plan import Plan, solve_tables
     from shardplan.search import solve_mcmc
 
     spec = model_spec(model)
@@ -119,9 +120,9 @@ def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch
         for p in procs:
             m = preset(mname, p)
             tables = build_tables(g, m, cutoff=cut, orders=orders)
-            base = baseline_plans(spec.name, tables)
-            dp = solve(g, m, tables=tables)
-            expert_name = next((k for k in base if k != "data_parallel"), "data_parallel")
+            base = baseline_plans(tables, spec.expert)
+            dp = solve_tables(tables)
+            expert_name = spec.expert
             expert = base[expert_name]
             problem = tables.to_problem()
             mc = solve_mcmc(problem, init=list(expert.assignment), seed=mcmc_seed)
@@ -139,10 +140,11 @@ def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch
                 raise ShardplanError(f"MCMC found {mcmc.cost} below the DP optimum {dp.cost}: solver bug")
             _say(log, f"{mname} p={p}: data parallel {dpar.cost * 1e3:.3f} ms, {expert_name} "
                       f"{expert.cost * 1e3:.3f} ms, mcmc {mcmc.cost * 1e3:.3f} ms, DP {dp.cost * 1e3:.3f} ms")
-    table = [["machine", "p", "strategy", "step time", "speedup vs data parallel", "solve"]]
+    head = ["machine", "p", "strategy", "step time", "speedup vs data parallel", "solve"]
+    table = []
     for r in rows:
         table.append([r["machine"], str(r["p"]), r["strategy"], f"{r['cost_seconds'] * 1e3:.3f} ms",
                       f"{r['speedup_vs_data_parallel']:.2f}x", _fmt_time(r["solve_seconds"])])
     title = f"{spec.name}: predicted speedup over data parallelism"
     return {"model": spec.name, "machines": list(machines), "rows": rows, "points": points, "title": title,
-            "table": _format(table)}
+            "table": _format(head, table)}

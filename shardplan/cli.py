@@ -12,8 +12,9 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
+import shardplan
 from shardplan.errors import ShardplanError
 
 __all__ = ["main"]
@@ -76,8 +77,6 @@ def _machine(args: argparse.Namespace, p: int, preset_name: str | None = None):
     if getattr(args, "latency", None) is not None:
         over["latency"] = args.latency
     if getattr(args, "dtype", None) is not None:
-        if args.dtype not in DTYPE_BYTES:
-            raise ShardplanError(f"unknown dtype {args.dtype!r}; choose from {', '.join(sorted(DTYPE_BYTES))}")
         over["dtype_bytes"] = DTYPE_BYTES[args.dtype]
     return replace(m, **over) if over else m
 
@@ -131,13 +130,14 @@ def cmd_ops(args: argparse.Namespace) -> int:
     from shardplan.baselines import batch_dim, nearest_valid
     from shardplan.configs import configurations, dimension_orders
     from shardplan.cost import operator_cost
+    from shardplan.report import format_table
     from shardplan.units import fmt_seconds
 
     spec, g = _graph(args)
     m = _machine(args, args.procs)
     cutoff = _cutoff(args, spec)
     print(f"{g.name}: {len(g.operators)} operators, {len(g.edges)} edges; p = {m.num_devices}, cutoff {cutoff}")
-    rows = [("operator", "kind", "dims", "extents", "configs", "with orders", "data-parallel t_l")]
+    rows = []
     for op in g.operators:
         c = configurations(op, m.num_devices, cutoff, divides_p=not args.all_divisors)
         c2, _ = dimension_orders(c, "all")
@@ -146,17 +146,16 @@ def cmd_ops(args: argparse.Namespace) -> int:
         t = operator_cost(op, [dp], m).total[0]
         rows.append((op.name, op.kind, op.label, "x".join(str(e) for _, e in op.dims), str(len(c)), str(len(c2)),
                      fmt_seconds(float(t))))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
+    print(format_table(rows, ("operator", "kind", "dims", "extents", "configs", "with orders", "data-parallel t_l"),
+                       right=(), rule=False))
     return 0
 
 
 def _solve_model(args: argparse.Namespace) -> int:
     from shardplan.baselines import baseline_plans
     from shardplan.cost import build_tables
-    from shardplan.plan import solve
-    from shardplan.report import plan_to_json, render_report
+    from shardplan.plan import solve_tables
+    from shardplan.report import plan_to_dot, plan_to_json, render_report
 
     spec, g = _graph(args)
     m = _machine(args, args.procs)
@@ -164,15 +163,12 @@ def _solve_model(args: argparse.Namespace) -> int:
     tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders, divides_p=not args.all_divisors,
                           progress=_progress("costing edges"))
     build = time.perf_counter() - t0
-    plan = solve(g, m, solver=args.solver, tables=tables, **_solver_opts(args))
-    plan = replace(plan, build_seconds=build)
-    baselines = {} if args.no_baselines else baseline_plans(spec.name, tables)
+    plan = solve_tables(tables, solver=args.solver, build_seconds=build, **_solver_opts(args))
+    baselines = {} if args.no_baselines else baseline_plans(tables, spec.expert)
     print(render_report(plan, baselines))
     if args.json:
         _write_json(args.json, plan_to_json(plan, baselines))
     if args.dot:
-        from shardplan.export.dot import plan_to_dot
-
         try:
             Path(args.dot).write_text(plan_to_dot(plan))
         except OSError as e:
@@ -247,7 +243,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(args.json, result)
     if args.plot:
-        from shardplan.compare import plot_speedups
+        from shardplan.report import plot_speedups
 
         try:
             plot_speedups(result["points"], args.plot, result["title"])
@@ -258,31 +254,46 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parser
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr and exit status 2, like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _add_machine(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--machine", default="paper",
-                   help="machine preset: paper (10 TFLOP/s, 16 GB/s), 1080ti, 2080ti, a100, h100 (default paper)")
+    from shardplan.machine import DTYPE_BYTES, PRESETS
+
+    p.add_argument("--machine", default="paper", choices=tuple(PRESETS),
+                   help="machine preset (default paper: 10 TFLOP/s, 16 GB/s)")
     p.add_argument("--flops", type=float, help="override peak FLOP/s per device")
     p.add_argument("--bandwidth", type=float, help="override link bandwidth, bytes/s")
     p.add_argument("--latency", type=float, help="override link latency, seconds")
-    p.add_argument("--dtype", help="element type: fp32, bf16, fp16")
+    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="element type")
 
 
 def _add_model(p: argparse.ArgumentParser, required: bool = True) -> None:
+    from shardplan.cost import ORDERS
+
     p.add_argument("--model", required=required, help="zoo model name (see `shardplan models`)")
     p.add_argument("--batch", type=int, help="batch size (default: the model's)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model size, e.g. --set layers=12")
     p.add_argument("--cutoff", type=int, help="minimum points per part (default: the model's, 4 CNNs / 1 sequence)")
-    p.add_argument("--orders", default="auto", choices=("auto", "all", "row-major"),
+    p.add_argument("--orders", default="auto", choices=ORDERS,
                    help="device-grid nestings offered per configuration (default auto: all while small)")
     p.add_argument("--all-divisors", action="store_true",
                    help="also allow configurations whose device count does not divide p (idle devices)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="shardplan",
-                                 description="Exact search for the fastest way to split a DNN training step "
-                                             "across devices (PaSE), with reports and problem files.")
-    ap.add_argument("--version", action="version", version="shardplan 0.1.0")
+    from shardplan.cost import ORDERS
+    from shardplan.machine import PRESETS
+    from shardplan.search import SOLVERS
+    from shardplan.search.ordering import ORDERINGS
+
+    ap = _Parser(prog="shardplan", description="Exact search for the fastest way to split a DNN training step "
+                                               "across devices (PaSE), with reports and problem files.")
+    ap.add_argument("--version", action="version", version=f"shardplan {shardplan.__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("models", help="list the model zoo")
@@ -299,8 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--problem", help="a shardplan-problem/1 JSON file instead of a model")
     p.add_argument("-p", "--procs", type=int, help="number of devices")
     _add_machine(p)
-    p.add_argument("--solver", default="dp", choices=("dp", "ilp", "mcmc", "bruteforce", "bfs-dp"))
-    p.add_argument("--ordering", default="min-table", help="DP vertex order: min-table, generateseq, min-fill, bfs")
+    p.add_argument("--solver", default="dp", choices=tuple(SOLVERS))
+    p.add_argument("--ordering", default="min-table", choices=tuple(ORDERINGS), help="DP vertex order")
     p.add_argument("--table-memory", type=float, help="DP table memory limit in bytes (default 1/4 of RAM)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit, seconds (default 60)")
     p.add_argument("--seed", type=int, default=0, help="MCMC seed")
@@ -319,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="the paper's Table I: solve time per model and device count")
     p.add_argument("--models", default="alexnet,inception_v3,rnnlm,transformer,resnet101")
     p.add_argument("--procs", default="4,8,16,32,64")
-    p.add_argument("--machine", default="paper")
-    p.add_argument("--orders", default="auto", choices=("auto", "all", "row-major"))
+    p.add_argument("--machine", default="paper", choices=tuple(PRESETS))
+    p.add_argument("--orders", default="auto", choices=ORDERS)
     p.add_argument("--no-bfs", action="store_true", help="skip the breadth-first-order DP column")
     p.add_argument("--bfs-memory", type=float, default=2e9, help="table memory limit of the BFS DP, bytes")
     p.add_argument("--out", help="write JSON here")
@@ -329,11 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="data parallel vs expert vs MCMC vs DP across device counts, with a plot")
     p.add_argument("--model", required=True)
     p.add_argument("--procs", default="4,8,16,32,64")
-    p.add_argument("--machine", dest="machine_list", action="append", help="machine preset (repeat to compare)")
+    p.add_argument("--machine", dest="machine_list", action="append", choices=tuple(PRESETS),
+                   help="machine preset (repeat to compare; default paper)")
     p.add_argument("--batch", type=int)
     p.add_argument("--set", action="append", metavar="KEY=VALUE")
     p.add_argument("--cutoff", type=int)
-    p.add_argument("--orders", default="auto", choices=("auto", "all", "row-major"))
+    p.add_argument("--orders", default="auto", choices=ORDERS)
     p.add_argument("--seed", type=int, default=0, help="MCMC seed")
     p.add_argument("--json", help="write JSON here")
     p.add_argument("--plot", help="write a PNG plot here")

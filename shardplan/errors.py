@@ -1,4 +1,4 @@
-"""The one error type for bad input."""
+"""The error types: one for bad input, and its subclass for a table over the memory limit."""
 
 from __future__ import annotations
 
@@ -8,4 +8,13 @@ class ShardplanError(ValueError):
 
     The message names the offending object (operator, tensor, vertex, file
     entry) and the problem, so a CLI can print it as one line.
+    """
+
+
+class TableMemoryError(ShardplanError):
+    """An exact search refused to build a table larger than its memory limit.
+
+    Raised by the DP's and the breadth-first DP's table-size guards before
+    any allocation; callers that can live without that solver's answer
+    (benchmarks, bound pruning's sub-solves) catch this class.
     """

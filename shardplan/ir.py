@@ -34,11 +34,12 @@ axis of extent 1, or a tensor read whole) has ``dim=None``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
-
-import networkx as nx
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from shardplan.errors import ShardplanError
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 __all__ = [
     "AxisMap",
@@ -220,7 +221,6 @@ class Operator:
     norm_stats: int = 2
     recurrence: Recurrence | None = None
     fixed: frozenset[str] = frozenset()
-    attrs: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         dims = tuple((str(d), int(e)) for d, e in self.dims)
@@ -418,6 +418,8 @@ class Graph:
                 edges.append(EdgeRef(index[t.src], j, slot))
         object.__setattr__(self, "edges", tuple(edges))
         object.__setattr__(self, "index", index)
+        import networkx as nx  # a quarter of a second: not at ``import shardplan``
+
         g = self.to_networkx()
         if not nx.is_directed_acyclic_graph(g):
             cycle = nx.find_cycle(g)
@@ -426,6 +428,8 @@ class Graph:
 
     def to_networkx(self) -> nx.MultiDiGraph:
         """The operator graph as a networkx MultiDiGraph (nodes are operator names)."""
+        import networkx as nx
+
         g = nx.MultiDiGraph(name=self.name)
         for op in self.operators:
             g.add_node(op.name, kind=op.kind)
@@ -446,6 +450,8 @@ class Graph:
         return iter(self.operators)
 
     def topological_order(self) -> list[int]:
+        import networkx as nx
+
         g = nx.DiGraph()
         g.add_nodes_from(range(len(self.operators)))
         g.add_edges_from((e.src, e.dst) for e in self.edges)

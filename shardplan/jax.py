@@ -49,13 +49,16 @@ def parallelize(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: S
 
 def report(plan: Plan) -> str:
     """A readable per-operator table: splits, predicted cost, and the breakdown of the step."""
+    from shardplan.report import format_table
     from shardplan.units import fmt_seconds
 
     lines = [f"{plan.graph.name}: {len(plan.graph)} operators on {plan.machine.num_devices} devices, "
              f"predicted {fmt_seconds(plan.cost)} per step"]
+    rows = []
     for row in plan.operators():
         splits = " ".join(f"{d}{c}" for d, c in zip(row["dims"], row["config"]) if c > 1) or "replicated"
-        lines.append(f"  {row['name']:<48} {row['kind']:<12} {splits:<20} {fmt_seconds(row['cost_seconds'])}")
+        rows.append((row["name"], row["kind"], splits, fmt_seconds(row["cost_seconds"])))
+    lines.extend("  " + line for line in format_table(rows, right=(3,)).splitlines())
     parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in plan.breakdown.items() if v and k != "total")
     lines.append(f"  breakdown: {parts}")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ Units: seconds, bytes, FLOP/s. The reference setting of the PaSE paper is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from shardplan.errors import ShardplanError
 
@@ -96,10 +96,6 @@ class Machine:
             lat = self.latency if self.inter_latency is None else self.inter_latency
             return float(self.inter_bandwidth), float(lat)  # type: ignore[arg-type]
         return float(self.bandwidth), float(self.latency)
-
-    def with_devices(self, p: int) -> "Machine":
-        """The same machine with p devices."""
-        return replace(self, num_devices=p)
 
     def describe(self) -> str:
         from shardplan.units import fmt_bytes, fmt_rate

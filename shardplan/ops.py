@@ -186,8 +186,7 @@ def conv2d(name: str, x: TensorRef, out_channels: int, kernel: int | Sequence[in
     xin = _in(x, "x", ("b", "c", AxisMap("h", "r", sh, dh, -ph), AxisMap("w", "s", sw, dw, -pw)))
     wt = _w("w", (out_channels, cin, kr, ks), ("n", "c", "r", "s"))
     out = _out((bsz, out_channels, ho, wo), ("b", "n", "h", "w"))
-    return Operator(name, "conv2d", dims, (xin,), out, (wt,), flops_per_point=2.0,
-                    attrs={"stride": (sh, sw), "padding": (ph, pw), "dilation": (dh, dw)})
+    return Operator(name, "conv2d", dims, (xin,), out, (wt,), flops_per_point=2.0)
 
 
 def pool2d(name: str, x: TensorRef, kernel: int | Sequence[int], stride: int | Sequence[int] | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -15,7 +16,7 @@ from shardplan.machine import Machine
 from shardplan.search.io import jsonable
 from shardplan.search.problem import Solution
 
-__all__ = ["Plan", "solve", "plan_from_configs"]
+__all__ = ["Plan", "solve", "solve_tables", "plan_from_configs"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,15 +28,25 @@ class Plan:
         assignment: configuration index per operator (graph order).
         solution: the solver's answer (None for a hand-made strategy such as a baseline).
         name: what made it ("dp", "data-parallel", ...).
-        build_seconds: time spent building the cost tables.
+        build_seconds: time spent building the cost tables, when it was measured (None otherwise).
+
+    The breakdown of the predicted step time is computed once, at construction.
     """
 
     tables: CostTables
     assignment: tuple[int, ...]
     solution: Solution | None = None
     name: str = "plan"
-    build_seconds: float = 0.0
-    _breakdown: dict = field(default_factory=dict, repr=False)
+    build_seconds: float | None = None
+    _breakdown: Mapping[str, float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        assignment = tuple(int(a) for a in self.assignment)
+        if len(assignment) != len(self.tables.graph):
+            raise ShardplanError(f"plan {self.name!r} assigns {len(assignment)} configurations to "
+                                 f"{len(self.tables.graph)} operators")
+        object.__setattr__(self, "assignment", assignment)
+        object.__setattr__(self, "_breakdown", MappingProxyType(self.tables.breakdown(assignment)))
 
     @property
     def graph(self) -> Graph:
@@ -65,15 +76,13 @@ class Plan:
 
     @property
     def breakdown(self) -> dict[str, float]:
-        """Predicted seconds per training step by kind (compute, each communication, redistribution, total)."""
-        if not self._breakdown:
-            self._breakdown.update(self.tables.breakdown(self.assignment))
+        """Predicted seconds per training step by part (see :data:`shardplan.cost.BREAKDOWN`) and ``total``."""
         return dict(self._breakdown)
 
     @property
     def cost(self) -> float:
         """Predicted seconds of one training step (forward + backward)."""
-        return self.breakdown["total"]
+        return self._breakdown["total"]
 
     @property
     def memory(self) -> dict[str, float]:
@@ -144,25 +153,41 @@ def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int]], 
 
 
 def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: bool = False, divides_p: bool = True,
-          orders: str = "auto", solver: str = "dp", tables: CostTables | None = None,
-          progress: Callable[[int, int], None] | None = None, **solver_options: Any) -> Plan:
+          orders: str = "auto", solver: str = "dp", progress: Callable[[int, int], None] | None = None,
+          **solver_options: Any) -> Plan:
     """Find the strategy of minimum predicted step time for ``graph`` on ``machine``.
 
     Builds the cost tables (configurations with at least ``cutoff`` points per
     part, device counts dividing p unless ``divides_p=False``, device-grid nestings
-    as ``orders`` says: see :func:`shardplan.cost.build_tables`),
-    lowers them to a :class:`~shardplan.search.problem.Problem` and runs
-    ``solver`` (see :data:`shardplan.search.SOLVERS`); extra keyword
+    as ``orders`` says: see :func:`shardplan.cost.build_tables`), timing the
+    build, then searches them with :func:`solve_tables`; extra keyword
     arguments go to the solver (e.g. ``ordering="generateseq"``).
     """
+    _check_solver(solver)
+    t0 = time.perf_counter()
+    tables = build_tables(graph, machine, cutoff=cutoff, powers_of_two=powers_of_two, divides_p=divides_p,
+                          orders=orders, progress=progress)
+    return solve_tables(tables, solver=solver, build_seconds=time.perf_counter() - t0, **solver_options)
+
+
+def solve_tables(tables: CostTables, *, solver: str = "dp", build_seconds: float | None = None,
+                 **solver_options: Any) -> Plan:
+    """The strategy of minimum predicted step time among prebuilt cost ``tables``.
+
+    Lowers them to a :class:`~shardplan.search.problem.Problem` and runs
+    ``solver`` (a key of :data:`shardplan.search.SOLVERS`) with
+    ``solver_options``. ``build_seconds``: how long building ``tables`` took,
+    if the caller measured it; it is recorded on the plan as given.
+    """
+    from shardplan.search import SOLVERS
+
+    _check_solver(solver)
+    sol = SOLVERS[solver](tables.to_problem(), **solver_options)
+    return Plan(tables, tuple(int(a) for a in sol.assignment), sol, solver, build_seconds)
+
+
+def _check_solver(solver: str) -> None:
     from shardplan.search import SOLVERS
 
     if solver not in SOLVERS:
         raise ShardplanError(f"unknown solver {solver!r}; choose from {', '.join(sorted(SOLVERS))}")
-    t0 = time.perf_counter()
-    if tables is None:
-        tables = build_tables(graph, machine, cutoff=cutoff, powers_of_two=powers_of_two, divides_p=divides_p,
-                              orders=orders, progress=progress)
-    build_seconds = time.perf_counter() - t0
-    sol = SOLVERS[solver](tables.to_problem(), **solver_options)
-    return Plan(tables, tuple(int(a) for a in sol.assignment), sol, solver, build_seconds)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardplan.baselines import (BASELINES, baseline_plan, baseline_plans, batch_dim, data_parallel, expert_baseline,
-                                 gnmt, megatron, nearest_valid, one_weird_trick)
+from shardplan.baselines import (BASELINES, baseline_plan, baseline_plans, batch_dim, data_parallel, gnmt, megatron,
+                                 nearest_valid, one_weird_trick)
 from shardplan.cost import build_tables
+from shardplan.errors import ShardplanError
 from shardplan.machine import Machine, preset
 from shardplan.models import MODELS, get_model
 from shardplan.plan import plan_from_configs
@@ -29,7 +30,7 @@ def tables_for(name: str, p: int, **kw):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_baselines_give_valid_plans_on_every_model(name):
     t = tables_for(name, 2 if len(MODELS[name].build()) > 200 else 4)
-    plans = baseline_plans(name, t)
+    plans = baseline_plans(t, MODELS[name].expert)
     assert set(plans) == {"data_parallel", MODELS[name].expert}
     for plan in plans.values():
         assert set(plan.configs) == {op.name for op in t.graph}
@@ -40,11 +41,14 @@ def test_baselines_give_valid_plans_on_every_model(name):
 
 def test_data_parallel_splits_only_the_batch():
     t = tables_for("alexnet", 8)
-    strat = data_parallel(t)
-    for op in t.graph:
-        cfg = dict(zip(op.dim_names, strat[op.name]))
-        assert cfg[batch_dim(op)] == 8
-        assert all(c == 1 for d, c in cfg.items() if d != batch_dim(op))
+    conv, pool = (8, 1, 1, 1, 1, 1, 1), (8, 1, 1, 1, 1, 1)  # dims bchwnrs, bchwrs
+    expected = {"conv1": conv, "pool1": pool, "conv2": conv, "pool2": pool, "conv3": conv, "conv4": conv,
+                "conv5": conv, "pool5": pool,
+                "flatten": (8, 1, 1, 1),  # dims i0..i3, i0 indexing the batch
+                "fc1": (8, 1, 1), "fc2": (8, 1, 1), "fc3": (8, 1, 1),  # dims bnc
+                "softmax": (8, 1)}  # dims bn
+    assert data_parallel(t) == expected
+    assert [batch_dim(op) for op in t.graph] == ["b"] * 8 + ["i0"] + ["b"] * 4
 
 
 def test_data_parallel_conv_costs_only_compute_and_weight_allreduce():
@@ -124,9 +128,11 @@ def test_gnmt_puts_layers_on_their_own_devices():
     assert s["embedding"] == (4, 1, 1, 1) and s["fc"] == (4, 1, 1, 1)
 
 
-def test_expert_baseline_dispatch():
+def test_baseline_plans_dispatch():
     t = tables_for("rnnlm", 2)
-    assert expert_baseline("rnnlm", t).name == "gnmt"
+    plans = baseline_plans(t, MODELS["rnnlm"].expert)
+    assert list(plans) == ["data_parallel", "gnmt"] and plans["gnmt"].name == "gnmt"
+    assert list(baseline_plans(t)) == ["data_parallel"]
     assert set(BASELINES) == {"data_parallel", "one_weird_trick", "megatron", "gnmt"}
-    with pytest.raises(Exception, match="unknown baseline"):
+    with pytest.raises(ShardplanError, match="unknown baseline 'zero'"):
         baseline_plan("zero", t)

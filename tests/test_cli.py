@@ -36,7 +36,18 @@ def test_models_lists_the_zoo(capsys):
 def test_ops_lists_operators_and_config_counts(capsys):
     code, out, _ = run(capsys, "ops", "--model", "alexnet", "-p", "8")
     assert code == 0
-    assert "conv1" in out and "bchwnrs" in out and "fc3" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    assert list(rows) == ["conv1", "pool1", "conv2", "pool2", "conv3", "conv4", "conv5", "pool5", "flatten",
+                          "fc1", "fc2", "fc3", "softmax"]
+    # operator, kind, dims, extents, configurations (split tuples), with grid orders. By hand: on 8 devices with
+    # cutoff 4, conv1 can split only b and n (c = 3 < 4; h, w = 55 odd; r, s are windows): b*n in {1, 2, 4, 8}
+    # gives 10 tuples, and the 3 splitting both, (2,2), (4,2), (2,4), come in 2 nestings: 13. conv2 and fc1
+    # split three dims: 20 tuples (exponents of 2 summing to at most 3), 3 + 6 with two split dims (2 nestings
+    # each) and 1 with three (6 nestings): 20 + 3 + 6 + 5 = 34.
+    assert rows["conv1"][:6] == ["conv1", "conv2d", "bchwnrs", "128x3x55x55x64x11x11", "10", "13"]
+    assert rows["conv2"][4:6] == ["20", "34"]
+    assert rows["fc1"][:6] == ["fc1", "dense", "bnc", "128x4096x9216", "20", "34"]
+    assert rows["softmax"][4:6] == ["10", "13"]
 
 
 def test_unknown_model_is_one_line_exit_2(capsys):
@@ -158,3 +169,29 @@ def test_python_solve_api_reports_plan_and_search_statistics():
 def test_too_many_devices_is_a_clear_error(capsys):
     code, _, err = run(capsys, "solve", "--model", "rnnlm", "-p", "1000000")
     assert code == 2 and "at most 4096 devices" in err and err.count("\n") == 1
+
+
+def test_version_and_choices_come_from_the_package(capsys):
+    from importlib.metadata import version
+
+    from shardplan.cost import ORDERS
+    from shardplan.machine import PRESETS
+    from shardplan.search import SOLVERS
+    from shardplan.search.ordering import ORDERINGS
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"shardplan {version('shardplan')}\n"
+    with pytest.raises(SystemExit):
+        main(["solve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for names in (SOLVERS, ORDERINGS, PRESETS, ORDERS):
+        assert "{" + ",".join(names) + "}" in help_text
+    with pytest.raises(SystemExit) as e:
+        main(["solve", "--model", "alexnet", "-p", "4", "--ordering", "random"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "invalid choice: 'random'" in err
+    with pytest.raises(SystemExit) as e:
+        main(["ops", "--model", "alexnet", "--machine", "tpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("shardplan ops: error: ") and err.count("\n") == 1

@@ -122,10 +122,16 @@ def test_strided_conv_halo():
 
 
 def test_pooling_without_padding_has_halo_when_windows_overlap():
-    op = ops.pool2d("pool", x_ref((4, 8, 16, 16)), 3, 2)  # out 7x7; can only split b, c (7 prime < cutoff 4)
-    m = machine(4)
-    c = cost_of(op, (4, 1, 1, 1, 1, 1), m)
-    assert c.total[0] == pytest.approx(c.compute[0])
+    op = ops.pool2d("pool", x_ref((4, 8, 18, 18)), 3, 2)  # 3x3 windows, stride 2, no padding: out 8x8
+    # h split 2: block [0,4) reads input rows 0..8 = [0,9) and owns [0,9); block [4,8) reads rows 8..16 = [8,17)
+    # and owns [9,18): row 8 comes from its neighbour, 17 columns of it (windows read columns 0..16), 8 channels,
+    # batch 4; forward, and its gradient back
+    c = cost_of(op, (1, 1, 2, 1, 1, 1), machine(2))
+    assert c.halo[0] == pytest.approx(2 * (1 * 17 * 8 * 4) * 4 / B)
+    assert c.total[0] == pytest.approx(c.compute[0] + c.halo[0])
+    # the batch split reads only its own rows: no halo
+    c = cost_of(op, (2, 1, 1, 1, 1, 1), machine(2))
+    assert c.halo[0] == 0.0 and c.total[0] == pytest.approx(c.compute[0])
 
 
 # --------------------------------------------------------------------------- normalisation
@@ -351,3 +357,16 @@ def test_hierarchical_redistribution_stays_inside_a_node_when_the_sender_fits_in
     # from c's 16-device layout, spread over both nodes: inter-node.
     assert sec[0, 0] == pytest.approx(f[0, 0] * 4 / 100e9 + b[0, 0] * 4 / 10e9)
     assert f[0, 0] > 0 and b[0, 0] > 0
+
+
+# --------------------------------------------------------------------------- the breakdown's parts
+def test_one_list_of_breakdown_parts():
+    from dataclasses import fields
+
+    from shardplan.cost import BREAKDOWN, PARTS, OpCost
+
+    assert {f.name for f in fields(OpCost)} == {*PARTS, "comm_bytes"}
+    c = cost_of(CONV, (1, 1, 4, 1, 1, 1, 1), machine(4))
+    assert list(c.parts(0)) == list(PARTS)
+    assert sum(c.parts(0).values()) == pytest.approx(c.total[0])
+    assert list(BREAKDOWN) == [*PARTS, "redistribution"]

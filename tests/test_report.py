@@ -7,11 +7,12 @@ import json
 import pytest
 
 from shardplan.baselines import baseline_plans, data_parallel
-from shardplan.cost import build_tables
-from shardplan.export.dot import graph_to_dot, plan_to_dot
+from shardplan.cost import BREAKDOWN, build_tables
+from shardplan.errors import ShardplanError
+from shardplan.report import graph_to_dot, plan_to_dot
 from shardplan.machine import preset
 from shardplan.models import get_model
-from shardplan.plan import plan_from_configs
+from shardplan.plan import Plan, plan_from_configs, solve_tables
 from shardplan.report import compress_names, group_operators, plan_to_json, render_report, render_strategy
 
 # the AlexNet strategy of the paper's Table II (p = 32); pools and flatten follow their producers
@@ -68,7 +69,7 @@ def test_report_groups_transformer_layers():
 
 
 def test_render_report_sections(alexnet32):
-    plans = baseline_plans("alexnet", alexnet32)
+    plans = baseline_plans(alexnet32, "one_weird_trick")
     paper = plan_from_configs(alexnet32, TABLE2_ALEXNET, name="paper")
     text = render_report(paper, plans)
     assert "Predicted step time" in text
@@ -80,7 +81,7 @@ def test_render_report_sections(alexnet32):
 
 
 def test_plan_to_json(alexnet32):
-    plans = baseline_plans("alexnet", alexnet32)
+    plans = baseline_plans(alexnet32, "one_weird_trick")
     paper = plan_from_configs(alexnet32, TABLE2_ALEXNET, name="paper")
     d = plan_to_json(paper, plans)
     s = json.dumps(d)
@@ -100,3 +101,34 @@ def test_dot_export(alexnet32):
     assert '"conv3" -> "conv4";' in dot  # same data-parallel layout: nothing moves, plain edge
     g = graph_to_dot(paper.graph)
     assert g.count("->") == len(paper.graph.edges)
+
+
+def test_plan_breakdown_is_fixed_at_construction(alexnet32):
+    plan = plan_from_configs(alexnet32, TABLE2_ALEXNET, name="paper")
+    bd = plan.breakdown
+    assert bd == alexnet32.breakdown(plan.assignment) and list(bd) == [*BREAKDOWN, "total"]
+    bd["total"] = 0.0  # a copy: the plan is unchanged
+    assert plan.cost == alexnet32.breakdown(plan.assignment)["total"] > 0
+    with pytest.raises(ShardplanError, match="assigns 2 configurations to 13 operators"):
+        Plan(alexnet32, (0, 0))
+
+
+def test_solve_tables_records_the_build_time_it_is_given(alexnet32):
+    plan = solve_tables(alexnet32)
+    assert plan.build_seconds is None and "cost tables" not in render_report(plan)
+    timed = solve_tables(alexnet32, build_seconds=1.5)
+    assert timed.build_seconds == 1.5 and "(cost tables 1.5 s)" in render_report(timed)
+    assert timed.assignment == plan.assignment
+    with pytest.raises(ShardplanError, match="unknown solver 'fast'"):
+        solve_tables(alexnet32, solver="fast")
+
+
+def test_render_report_text(alexnet32):
+    plan = plan_from_configs(alexnet32, TABLE2_ALEXNET, name="paper")
+    lines = render_report(plan).splitlines()
+    assert lines[2].split() == ["layers", "kind", "dims", "configuration", "ops"]
+    assert lines[4].split() == ["conv1–4", "conv2d", "bchwnrs", "(32,1,1,1,1,1,1)", "4"]
+    labels = [BREAKDOWN[k] for k, v in plan.breakdown.items() if k != "total" and (v > 0 or k in
+                                                                                   ("compute", "redistribution"))]
+    start = next(i for i, line in enumerate(lines) if line.startswith("Predicted step time"))
+    assert [line[2:].split("  ")[0] for line in lines[start + 1:start + 1 + len(labels)]] == labels

@@ -10,6 +10,7 @@ import pytest
 from randgraphs import random_problem
 from shardplan.search import Problem, solve_bruteforce, solve_dp
 from shardplan.search.bounds import BoundState, _forest_pass, bound_prune, trws
+from shardplan.search.dp import solve_small
 
 
 def close(a: float, b: float) -> bool:
@@ -52,7 +53,7 @@ def test_bounds_are_valid_min_marginal_lower_bounds(seed: int) -> None:
 def test_bound_pruning_keeps_every_optimum(seed: int) -> None:
     p = random_problem(4000 + seed, n_max=7, k_max=4) if seed % 2 else tie_problem(seed)
     assigns, costs = all_costs(p)
-    red, stats = bound_prune(p)
+    red, stats = bound_prune(p, exact_solver=solve_small)
     opt = costs.min()
     assert close(solve_bruteforce(red.problem).cost, opt)
     kept = [set(int(x) for x in k) for k in red.keep]

@@ -12,16 +12,20 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from shardplan.configs import configurations, dimension_orders
+from shardplan.configs import ORDER_MODES, configurations, dimension_orders
 from shardplan.cost.edge import edge_cost, edge_volumes
 from shardplan.cost.memory import operator_memory, strategy_memory
-from shardplan.cost.operator import OpCost, operator_cost
+from shardplan.cost.operator import PARTS, OpCost, operator_cost
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph
 from shardplan.machine import Machine
 from shardplan.search.problem import Problem
 
-__all__ = ["CostTables", "build_tables", "operator_cost", "edge_cost", "edge_volumes", "OpCost"]
+__all__ = ["CostTables", "build_tables", "operator_cost", "edge_cost", "edge_volumes", "OpCost", "PARTS",
+           "BREAKDOWN", "ORDERS"]
+
+BREAKDOWN: dict[str, str] = {**PARTS, "redistribution": "redistribution between operators"}
+"""The parts of a strategy's step time (:meth:`CostTables.breakdown`): each operator part, then redistribution."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,9 +76,8 @@ class CostTables:
         return int(rows[0])
 
     def breakdown(self, assignment: Sequence[int]) -> dict[str, float]:
-        """Seconds of a strategy by kind: compute, each in-operator communication, redistribution."""
-        out = {"compute": 0.0, "forward_allreduce": 0.0, "grad_allreduce": 0.0, "halo": 0.0, "stats": 0.0,
-               "recurrence": 0.0}
+        """Seconds of a strategy by part (the keys of :data:`BREAKDOWN`) and their ``total``."""
+        out = dict.fromkeys(PARTS, 0.0)
         for c, k in zip(self.op_costs, assignment):
             for key, val in c.parts(int(k)).items():
                 out[key] += val
@@ -86,6 +89,9 @@ class CostTables:
     def memory_of(self, assignment: Sequence[int]) -> dict[str, float]:
         return strategy_memory(list(self.memory), assignment)
 
+
+ORDERS: tuple[str, ...] = ("auto", *ORDER_MODES)
+"""The values of :func:`build_tables`'s ``orders``: "auto" (see :func:`choose_orders`) or an order mode."""
 
 AUTO_ORDERS_EDGE_ENTRIES = 4_000_000
 MAX_DEVICES = 4096

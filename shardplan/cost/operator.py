@@ -14,8 +14,9 @@ configuration c (arrays over the K configurations):
   X; if they are split (g_X > 1), X's gradient tile is all-reduced among g_X
   devices (data-parallel weight synchronisation is the case X = weight,
   split batch);
-* halo: a windowed access on a split dim reads ``need - core`` boundary
-  elements from neighbours, forward, and returns their gradient backward;
+* halo: a windowed access on a split dim reads the elements of the tile it
+  needs that are outside the tile it owns (``|need| - |need ∩ core|``) from
+  neighbours, forward, and returns their gradient backward;
 * statistics: splitting a dim the operator normalises over (softmax,
   batch/layer norm) all-reduces ``norm_stats`` values per point of the
   output tile without those dims, forward and backward;
@@ -36,12 +37,27 @@ from shardplan.cost.tiles import box_volumes, device_grid, tensor_boxes
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
-__all__ = ["OpCost", "operator_cost", "recurrence_cost", "tile_volume"]
+__all__ = ["PARTS", "OpCost", "operator_cost", "recurrence_cost", "tile_volume"]
+
+
+PARTS: dict[str, str] = {
+    "compute": "compute",
+    "grad_allreduce": "gradient all-reduce",
+    "forward_allreduce": "forward partial-sum all-reduce",
+    "halo": "halo exchange",
+    "stats": "normalisation statistics",
+    "recurrence": "recurrence (pipeline, hidden-state gathers)",
+}
+"""The parts of an operator's cost: :class:`OpCost` field -> what it is (the report's label).
+
+Every consumer of the breakdown (:meth:`OpCost.parts`,
+:meth:`shardplan.cost.CostTables.breakdown`, the report) reads this one list.
+"""
 
 
 @dataclass(frozen=True, eq=False)
 class OpCost:
-    """Seconds per configuration (arrays of shape (K,)), by kind of work."""
+    """Seconds per configuration (arrays of shape (K,)), by kind of work: one field per key of :data:`PARTS`."""
 
     compute: np.ndarray
     forward_allreduce: np.ndarray
@@ -53,22 +69,16 @@ class OpCost:
 
     @property
     def communication(self) -> np.ndarray:
-        return self.forward_allreduce + self.grad_allreduce + self.halo + self.stats + self.recurrence
+        """Seconds of every part but compute."""
+        return sum((getattr(self, name) for name in PARTS if name != "compute"), np.zeros_like(self.compute))
 
     @property
     def total(self) -> np.ndarray:
         return self.compute + self.communication
 
     def parts(self, k: int) -> dict[str, float]:
-        """The breakdown of configuration k."""
-        return {
-            "compute": float(self.compute[k]),
-            "forward_allreduce": float(self.forward_allreduce[k]),
-            "grad_allreduce": float(self.grad_allreduce[k]),
-            "halo": float(self.halo[k]),
-            "stats": float(self.stats[k]),
-            "recurrence": float(self.recurrence[k]),
-        }
+        """The breakdown of configuration k: {part: seconds}, the keys of :data:`PARTS` in order."""
+        return {name: float(getattr(self, name)[k]) for name in PARTS}
 
 
 def tile_volume(op: Operator, tensor, configs: np.ndarray, p: int, core: bool = True,
@@ -124,9 +134,12 @@ def operator_cost(op: Operator, configs: np.ndarray, machine: Machine, orders: n
     for t in op.inputs:
         if not any(a.window is not None or a.stride != 1 for a in t.axes):
             continue
-        need = box_volumes(tensor_boxes(op, t, configs, p, core=False, grid=grid))
-        core = box_volumes(tensor_boxes(op, t, configs, p, core=True, grid=grid))
-        extra = np.maximum(need - np.minimum(need, core), 0).max(axis=1) * t.elem_factor * nbytes
+        need = tensor_boxes(op, t, configs, p, core=False, grid=grid)
+        core = tensor_boxes(op, t, configs, p, core=True, grid=grid)
+        # read but not owned: |need| - |need ∩ core| (a strided window's reads can be shifted off the owned rows)
+        both = np.stack([np.maximum(need[..., 0], core[..., 0]), np.minimum(need[..., 1], core[..., 1])], axis=-1)
+        both[..., 1] = np.maximum(both[..., 1], both[..., 0])
+        extra = (box_volumes(need) - box_volumes(both)).max(axis=1) * t.elem_factor * nbytes
         times = 2 if t.needs_grad else 1
         halo = halo + times * p2p_time(extra, machine, spans_nodes)
         sent = sent + times * extra

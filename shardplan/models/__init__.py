@@ -5,7 +5,7 @@ they vary) returning a validated :class:`~shardplan.ir.Graph`. The registry
 :data:`MODELS` maps a name to its builder, default batch, the recommended
 cutoff (4 for CNNs as in the paper; 1 for the sequence models so that layers
 and heads can be split) and the expert strategy it is compared against
-(see :func:`shardplan.baselines.expert_baseline`).
+(a key of :data:`shardplan.baselines.BASELINES`).
 """
 
 from __future__ import annotations
@@ -91,18 +91,10 @@ def get_model(name: str, batch: int | None = None, **sizes: Any) -> Graph:
 
 def models_table() -> str:
     """A text table of the registry: name, vertices, edges, default batch, cutoff, expert baseline."""
-    head = ("model", "vertices", "edges", "batch", "cutoff", "expert", "description")
+    from shardplan.report.table import format_table
+
     rows = []
     for spec in MODELS.values():
         g = spec.build()
-        rows.append((spec.name, str(len(g)), str(len(g.edges)), str(spec.batch), str(spec.cutoff), spec.expert,
-                     spec.description))
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    right = {1, 2, 3, 4}
-
-    def fmt(r: tuple[str, ...]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-
-    lines = [fmt(head), "  ".join("-" * w for w in widths)]
-    lines.extend(fmt(r) for r in rows)
-    return "\n".join(lines)
+        rows.append((spec.name, len(g), len(g.edges), spec.batch, spec.cutoff, spec.expert, spec.description))
+    return format_table(rows, ("model", "vertices", "edges", "batch", "cutoff", "expert", "description"))

@@ -63,21 +63,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
+from shardplan.errors import TableMemoryError
+from shardplan.search.pairs import Pairs, incident_pairs, merge_pairs, reparametrise
 from shardplan.search.problem import Problem
-from shardplan.search.reduce import Reduction, _build, merge_pairs
+from shardplan.search.reduce import Reduction, make_reduction
 
-__all__ = ["BoundState", "bound_prune", "compose", "forest_bounds", "icm", "trws"]
+__all__ = ["BoundState", "ExactSolver", "bound_prune", "forest_bounds", "icm", "trws"]
 
 RTOL = 1e-9
 
-
-def compose(first: Reduction, second: Reduction) -> Reduction:
-    """The reduction that applies ``first`` and then ``second`` (on ``first.problem``)."""
-    keep = tuple(k1[k2] for k1, k2 in zip(first.keep, second.keep))
-    return Reduction(second.problem, keep, dict(second.stats))
+ExactSolver = Callable[[Problem, int], tuple[int, ...]]
+"""``(problem, memory_limit_bytes) -> optimal assignment``; raises TableMemoryError when too large."""
 
 
 def _take2(m: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
@@ -101,23 +101,12 @@ class BoundState:
 
     n: int
     unary: list[np.ndarray]
-    pairs: dict[tuple[int, int], np.ndarray]
+    pairs: Pairs
     msg: dict[tuple[int, int], np.ndarray] | None = None
 
     @classmethod
     def from_problem(cls, p: Problem) -> "BoundState":
-        pairs: dict[tuple[int, int], np.ndarray] = {}
-        for (s, d), m in zip(p.edges, p.edge_cost):
-            key, mat = ((s, d), m) if s < d else ((d, s), m.T)
-            pairs[key] = pairs[key] + mat if key in pairs else mat  # no copy of single edges
-        return cls(p.num_vertices, [np.asarray(c, dtype=np.float64) for c in p.vertex_cost], pairs)
-
-    def incident(self) -> list[list[tuple[int, int]]]:
-        inc: list[list[tuple[int, int]]] = [[] for _ in range(self.n)]
-        for key in self.pairs:
-            inc[key[0]].append(key)
-            inc[key[1]].append(key)
-        return inc
+        return cls(p.num_vertices, [np.asarray(c, dtype=np.float64) for c in p.vertex_cost], merge_pairs(p))
 
     def evaluate(self, a: np.ndarray) -> float:
         total = sum(float(c[a[v]]) for v, c in enumerate(self.unary))
@@ -181,14 +170,9 @@ def _fold(st: BoundState, key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray,
     u, w = key
     m = st.pairs[key]
     if st.msg is not None:
-        tmp = m - st.msg[(u, w)][None, :]
-        tmp -= st.msg[(w, u)][:, None]
-    else:
-        tmp = m.copy()
-    r = tmp.min(axis=1)
-    tmp -= r[:, None]
-    c = tmp.min(axis=0)
-    return r, c, tmp
+        m = m - st.msg[(u, w)][None, :]
+        m -= st.msg[(w, u)][:, None]
+    return reparametrise(m)
 
 
 def _forest_pass(st: BoundState, exact_weights: bool = False) -> tuple[list[np.ndarray], np.ndarray, float]:
@@ -207,8 +191,8 @@ def _forest_pass(st: BoundState, exact_weights: bool = False) -> tuple[list[np.n
         if m.size == 0:
             continue
         if exact_weights:
-            r, c, tmp = _fold(st, key)
-            weights[key] = float((tmp.max(axis=0) - c).max())
+            r, c, res = _fold(st, key)
+            weights[key] = float(res.max())
             folds[key] = (r, c)
         elif msg is None:
             weights[key] = float(m.max() - m.min())
@@ -331,7 +315,7 @@ def forest_bounds(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
 def icm(st: BoundState, a: np.ndarray, max_sweeps: int = 50) -> np.ndarray:
     """Iterated conditional modes: move each vertex to its best configuration given its neighbours."""
     a = a.copy()
-    inc = st.incident()
+    inc = incident_pairs(st.n, st.pairs)
     for _ in range(max_sweeps):
         changed = False
         for v in range(st.n):
@@ -349,16 +333,15 @@ def icm(st: BoundState, a: np.ndarray, max_sweeps: int = 50) -> np.ndarray:
 
 
 def _restricted_incumbent(st: BoundState, lbs: list[np.ndarray], ub: float, max_per_vertex: int,
-                          max_entries: float) -> np.ndarray | None:
+                          max_entries: float, exact_solver: ExactSolver) -> np.ndarray | None:
     """Exact optimum over the configurations whose bound is (nearly) the smallest; None if too big.
 
     The candidates of v are those with LB(v, k) <= min_k LB(v, k) + rtol·|UB| (at most
     ``max_per_vertex``, smallest bounds first). When the relaxation is tight
     this small problem contains an optimum of the whole, so its optimum is
-    the best possible incumbent.
+    the best possible incumbent. ``exact_solver`` solves it under a memory
+    limit of ``8 * max_entries`` bytes.
     """
-    from shardplan.search.dp import solve_dp  # dp imports this module
-
     tol = RTOL * abs(ub) if np.isfinite(ub) else 0.0
     pos = []
     for x in lbs:
@@ -372,13 +355,13 @@ def _restricted_incumbent(st: BoundState, lbs: list[np.ndarray], ub: float, max_
     p = Problem(names=tuple(str(v) for v in range(st.n)), configs=tuple(tuple((j,) for j in range(len(k))) for k in pos),
                 vertex_cost=tuple(sub.unary), edges=tuple(keys), edge_cost=tuple(sub.pairs[k] for k in keys))
     try:
-        sol = solve_dp(p, prune=True, bounds=False, memory_limit_bytes=int(max_entries) * 8)
-    except Exception:  # noqa: BLE001 - too large: no incumbent from here
+        assignment = exact_solver(p, int(max_entries) * 8)
+    except TableMemoryError:  # too large: no incumbent from here
         return None
-    return np.array([k[a] for k, a in zip(pos, sol.assignment)], dtype=np.int64)
+    return np.array([k[a] for k, a in zip(pos, assignment)], dtype=np.int64)
 
 
-def bound_prune(problem: Problem, *, trws_iters: int = 3, max_rounds: int = 8,
+def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int = 3, max_rounds: int = 8,
                 incumbent: np.ndarray | None = None, rtol: float = RTOL,
                 restricted_max: int = 8, restricted_entries: float = 2e7,
                 min_drop: float = 0.1, exact_weights: bool = False) -> tuple[Reduction, dict]:
@@ -388,7 +371,8 @@ def bound_prune(problem: Problem, *, trws_iters: int = 3, max_rounds: int = 8,
     later round first runs ``trws_iters`` sweeps of TRW-S on the survivors,
     takes the forest bound of the reparametrised problem, and improves the
     incumbent by an exact solve restricted to the configurations of least
-    bound. Stops when a round (after the first TRW-S round) drops at most
+    bound (by ``exact_solver``, e.g. :func:`shardplan.search.dp.solve_small`,
+    passed in so that this module does not depend on the DP). Stops when a round (after the first TRW-S round) drops at most
     ``min_drop`` of the surviving configurations, or after ``max_rounds``.
     The forest of a round is chosen by max R once messages exist
     (``exact_weights`` also in round 0), else by the cheaper max E - min E.
@@ -419,7 +403,7 @@ def bound_prune(problem: Problem, *, trws_iters: int = 3, max_rounds: int = 8,
         lb = max(lb, val)
         cands = [icm(st, a)]
         if rounds > 0 and not best_ub <= lb + rtol * abs(lb):  # else the incumbent is proven optimal
-            r = _restricted_incumbent(st, lbs, best_ub, restricted_max, restricted_entries)
+            r = _restricted_incumbent(st, lbs, best_ub, restricted_max, restricted_entries, exact_solver)
             if r is not None:
                 cands.append(r)
         for a in cands:
@@ -453,6 +437,6 @@ def bound_prune(problem: Problem, *, trws_iters: int = 3, max_rounds: int = 8,
         "seconds": time.perf_counter() - t0,
         "history": history,
     }
-    red = _build(problem, keep, st.unary, st.pairs, stats)
+    red = make_reduction(problem, keep, st.unary, st.pairs, stats)
     stats["incumbent"] = None if best_a is None else tuple(int(x) for x in best_a)
     return red, stats

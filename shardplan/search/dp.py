@@ -57,13 +57,14 @@ from typing import Callable
 
 import numpy as np
 
-from shardplan.errors import ShardplanError
-from shardplan.search.bounds import bound_prune, compose
+from shardplan.errors import ShardplanError, TableMemoryError
+from shardplan.search.bounds import bound_prune
 from shardplan.search.ordering import ORDERINGS, Ordering
+from shardplan.search.pairs import identical_rows, merge_pairs
 from shardplan.search.problem import Problem, Solution
 from shardplan.search.reduce import Reduction, identity_reduction, reduce_problem
 
-__all__ = ["solve_dp", "default_memory_limit", "resolve_ordering"]
+__all__ = ["solve_dp", "solve_small", "default_memory_limit", "resolve_ordering"]
 
 # Entries of the float64 work buffer of one chunk of the minimum.
 _CHUNK_ENTRIES = 1 << 21
@@ -110,24 +111,12 @@ class _Step:
 def _slice_classes(table: np.ndarray, ax: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Classes of identical slices of ``table`` along axis ``ax``.
 
-    Returns ``(inv, kept)``: slice i equals slice ``kept[inv[i]]``. Slices are
-    grouped by a random rank-1 projection over the other axes and then
-    compared exactly with their group's first member; a slice that differs
-    (a projection collision) simply stays in a class of its own.
+    Returns ``(inv, kept)``: slice i equals slice ``kept[inv[i]]``
+    (:func:`~shardplan.search.pairs.identical_rows` on the flattened slices).
     """
     n = table.shape[ax]
-    moved = np.moveaxis(table, ax, 0).reshape(n, -1)
-    h = moved @ rng.standard_normal(moved.shape[1])
-    order = np.argsort(h, kind="stable")
-    hs = h[order]
-    new_group = np.ones(n, dtype=bool)
-    new_group[1:] = hs[1:] != hs[:-1]
-    rep = order[np.flatnonzero(new_group)][np.cumsum(new_group) - 1]
-    same = np.all(moved[order] == moved[rep], axis=1)
-    own = np.where(same, rep, order)  # representative of each slice, in sorted position
-    rep_of = np.empty(n, dtype=np.int64)
-    rep_of[order] = own
-    kept, inv = np.unique(rep_of, return_inverse=True)
+    rep = identical_rows([np.moveaxis(table, ax, 0).reshape(n, -1)], rng)
+    kept, inv = np.unique(rep, return_inverse=True)
     return inv.reshape(-1), kept
 
 
@@ -220,7 +209,7 @@ def _eliminate(v: int, factors: list[_Factor], unary: np.ndarray, limit: int, na
     chunk = int(max(1, min(nv, _CHUNK_ENTRIES // max(1, dsize))))
     need = dsize * (8 + 8 + 8) + dsize * chunk * 8 * 2
     if need > limit:
-        raise ShardplanError(
+        raise TableMemoryError(
             f"vertex {name!r}: dependent set of size {len(dep)}, table of {entries:.3g} entries "
             f"({dsize} x {nv} classes) needs about {need} bytes, over the memory limit of {limit} bytes"
         )
@@ -259,8 +248,7 @@ def _eliminate(v: int, factors: list[_Factor], unary: np.ndarray, limit: int, na
 def _initial_factors(p: Problem, rng: np.random.Generator) -> list[_Factor]:
     """One compressed factor per (merged) edge of ``p``."""
     out = []
-    for (s, d), m in zip(p.edges, p.edge_cost):
-        scope, maps, table = ((s, d), None, m) if s < d else ((d, s), None, m.T)
+    for scope, table in merge_pairs(p).items():
         f = _Factor(scope, (np.arange(table.shape[0]), np.arange(table.shape[1])), np.ascontiguousarray(table))
         out.append(_compress(f, rng))
     return out
@@ -290,6 +278,16 @@ def _fold_fixed(p: Problem) -> Problem:
                    edge_cost=tuple(costs), dims=p.dims)
 
 
+def solve_small(problem: Problem, memory_limit_bytes: int) -> tuple[int, ...]:
+    """An optimal assignment by the DP with reductions and without bound pruning.
+
+    The exact sub-solver that :func:`~shardplan.search.bounds.bound_prune`
+    runs on its small restricted problems; raises :class:`TableMemoryError`
+    above ``memory_limit_bytes``.
+    """
+    return solve_dp(problem, prune=True, bounds=False, memory_limit_bytes=memory_limit_bytes).assignment
+
+
 def solve_dp(
     problem: Problem,
     ordering: str | Ordering = "min-table",
@@ -305,7 +303,7 @@ def solve_dp(
         problem: the problem to solve.
         ordering: a name in :data:`ORDERINGS` or a function problem -> vertex order;
             it is applied to the reduced problem.
-        memory_limit_bytes: refuse (ShardplanError) before building a table
+        memory_limit_bytes: refuse (:class:`TableMemoryError`) before building a table
             that would need more; default a quarter of available RAM.
         prune: apply the exact reductions (collapse, dominance) first.
         progress: called as progress(done, total) after each elimination.
@@ -323,9 +321,9 @@ def solve_dp(
     oname, ofun = resolve_ordering(ordering)
     bstats: dict = {"enabled": False}
     if bounds and problem.num_vertices > 0:
-        base, bstats = bound_prune(problem)
+        base, bstats = bound_prune(problem, exact_solver=solve_small)
         bstats = {**{k: v for k, v in bstats.items() if k != "incumbent"}, "enabled": True}
-        red: Reduction = compose(base, reduce_problem(base.problem) if prune else identity_reduction(base.problem))
+        red: Reduction = base.then(reduce_problem(base.problem) if prune else identity_reduction(base.problem))
     else:
         red = reduce_problem(problem) if prune else identity_reduction(problem)
     t1 = time.perf_counter()

@@ -1,7 +1,12 @@
 """An integer linear program for a :class:`Problem`, solved by HiGHS.
 
 This is an independent exact solver, used to cross-check the dynamic
-program: it shares no code with it beyond :class:`Problem`.
+program: its default path shares no code with it beyond :class:`Problem`,
+:class:`Solution` and the error types. The edge merging and the
+reparametrisation below are written here again on purpose (the DP side's
+are in :mod:`shardplan.search.pairs`), so that a bug there cannot hide in
+both solvers at once. Only ``prune=True`` uses the DP side's bound pruning
+(imported when asked for); the cross-checks use the default.
 
 Formulation (the *local-polytope* or *marginal* linearisation)
 -----------------------------------------------------------------
@@ -44,16 +49,17 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import scipy.sparse as sp
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from shardplan.errors import ShardplanError
 from shardplan.search.problem import Problem, Solution
-from shardplan.search.reduce import merge_pairs
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
 
 __all__ = ["solve_ilp"]
 
@@ -62,7 +68,7 @@ _OPTIMAL_RTOL = 1e-9  # a gap below this (relative) counts as proved optimal
 
 
 @dataclass(frozen=True)
-class _Reduced:
+class _ProgramData:
     """The program's data after merging and reparametrising edges.
 
     Attributes:
@@ -80,27 +86,34 @@ class _Reduced:
     merged: int
 
 
-def reparametrise(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split ``M`` exactly as ``M[a,b] = r[a] + c[b] + R[a,b]`` with ``R >= 0``.
+def _summed_edges(problem: Problem) -> dict[tuple[int, int], np.ndarray]:
+    """Per unordered vertex pair {u, v} (u < v), the sum of its edges' matrices, indexed [a_u, a_v]."""
+    total: dict[tuple[int, int], np.ndarray] = {}
+    for (s, d), m in zip(problem.edges, problem.edge_cost):
+        u, v = min(s, d), max(s, d)
+        total[(u, v)] = total.get((u, v), 0.0) + (m if s == u else m.T)
+    return total
 
-    ``r[a] = min_b M[a,b]``, ``c[b] = min_a (M[a,b] - r[a])``; every row and
-    every column of ``R`` then contains a zero.
+
+def _separable_split(m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(r, c, R)`` with ``m[a,b] = r[a] + c[b] + R[a,b]``, ``r[a] = min_b m[a,b]``, ``c[b] = min_a (m[a,b] - r[a])``.
+
+    Then ``R >= 0`` and every row and every column of ``R`` contains a zero.
     """
-    r = matrix.min(axis=1)
-    rest = matrix - r[:, None]
-    c = rest.min(axis=0)
-    return r, c, rest - c[None, :]
+    r = m.min(axis=1)
+    c = (m - r[:, None]).min(axis=0)
+    return r, c, m - r[:, None] - c[None, :]
 
 
-def reduce_problem(problem: Problem) -> _Reduced:
+def program_data(problem: Problem) -> _ProgramData:
     """Merge parallel edges and fold their separable parts into vertex costs."""
     vcost = [np.array(c, dtype=np.float64) for c in problem.vertex_cost]
     edges: list[tuple[int, int]] = []
     residual: list[np.ndarray] = []
     dropped = 0
-    merged = merge_pairs(problem)
+    merged = _summed_edges(problem)
     for (u, v), mat in merged.items():
-        r, c, res = reparametrise(mat)
+        r, c, res = _separable_split(mat)
         vcost[u] += r
         vcost[v] += c
         scale = float(np.abs(mat).max()) if mat.size else 0.0
@@ -109,7 +122,7 @@ def reduce_problem(problem: Problem) -> _Reduced:
             continue
         edges.append((u, v))
         residual.append(res)
-    return _Reduced(tuple(vcost), tuple(edges), tuple(residual), dropped, len(merged))
+    return _ProgramData(tuple(vcost), tuple(edges), tuple(residual), dropped, len(merged))
 
 
 def _segment_local(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -126,7 +139,7 @@ def _segment_local(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     return seg, local, start
 
 
-def build_program(reduced: _Reduced) -> tuple[np.ndarray, sp.csr_matrix, np.ndarray, np.ndarray, int]:
+def build_program(reduced: _ProgramData) -> tuple[np.ndarray, sp.csr_matrix, np.ndarray, np.ndarray, int]:
     """Assemble the local-polytope program as arrays.
 
     Returns ``(c, A, b, integrality, num_x)``: minimise ``c @ z`` subject to
@@ -135,6 +148,8 @@ def build_program(reduced: _Reduced) -> tuple[np.ndarray, sp.csr_matrix, np.ndar
     edge, row-major in ``(a, b)``). Rows are the ``n`` one-hot rows, then per
     edge its ``K_u`` row marginals followed by its ``K_v`` column marginals.
     """
+    import scipy.sparse as sp  # heavy: only when a program is built
+
     n = len(reduced.vertex_cost)
     kx = np.array([len(c) for c in reduced.vertex_cost], dtype=np.int64)
     num_x = int(kx.sum())
@@ -201,11 +216,12 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
         mip_rel_gap: stop once ``(cost - bound) / cost`` is at most this;
             0 asks for a proof of optimality (the absolute gap is also set to 0).
         prune: first drop every configuration whose lower bound exceeds an
-            incumbent's cost (:func:`shardplan.search.bounds.bound_prune`) and
+            incumbent's cost (:func:`shardplan.search.bounds.bound_prune`, with
+            :func:`shardplan.search.dp.solve_small` for its sub-problems) and
             solve the smaller program. Exact: every optimal assignment
             survives, so the pruned optimum (and any dual bound of it) is the
             original's. Off by default so that the ILP stays an independent
-            check of the DP (the pruning shares code with it).
+            check of the DP (the pruning is the DP's own code).
 
     Returns:
         A :class:`Solution` with ``solver="ilp"``, ``cost = problem.evaluate(assignment)``,
@@ -227,14 +243,17 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
     if problem.num_vertices == 0:
         stats = {"variables": 0, "constraints": 0, "status": "empty problem", "gap": 0.0}
         return Solution(0.0, (), time.perf_counter() - start, "ilp", True, 0.0, stats)
-    red = None
-    if prune:
-        from shardplan.search.bounds import bound_prune
+    from scipy.optimize import Bounds, LinearConstraint, milp  # heavy: only when solving
 
-        red, bstats = bound_prune(problem)
+    red = None
+    if prune:  # the DP side's code, on request only (see the module doc)
+        from shardplan.search.bounds import bound_prune
+        from shardplan.search.dp import solve_small
+
+        red, bstats = bound_prune(problem, exact_solver=solve_small)
         bstats.pop("incumbent", None)
         original, problem = problem, red.problem
-    reduced = reduce_problem(problem)
+    reduced = program_data(problem)
     c, a_mat, b, integrality, num_x = build_program(reduced)
     options = {"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "mip_abs_gap": 0.0}
     with warnings.catch_warnings():

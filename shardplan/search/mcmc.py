@@ -45,6 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from shardplan.errors import ShardplanError
+from shardplan.search.pairs import merge_pairs
 from shardplan.search.problem import Problem, Solution
 
 __all__ = ["solve_mcmc"]
@@ -63,12 +64,8 @@ def oriented_neighbours(problem: Problem) -> Neighbours:
     every neighbour appears once. Matrices become nested Python lists of
     floats, which index faster than numpy arrays in a scalar loop.
     """
-    merged: dict[tuple[int, int], np.ndarray] = {}
-    for (s, d), m in zip(problem.edges, problem.edge_cost):
-        key, mat = ((s, d), m) if s < d else ((d, s), m.T)
-        merged[key] = merged[key] + mat if key in merged else np.array(mat, dtype=np.float64)
     nbrs: Neighbours = [[] for _ in range(problem.num_vertices)]
-    for (u, v), mat in merged.items():
+    for (u, v), mat in merge_pairs(problem).items():
         nbrs[u].append((v, mat.tolist()))
         nbrs[v].append((u, mat.T.tolist()))
     return nbrs

@@ -23,7 +23,8 @@ problem equals the optimum of the original; :meth:`Reduction.lift` maps a
 reduced assignment back to original configuration indices.
 
 Also: parallel and antiparallel edges are summed into one matrix per
-unordered pair {u, v} (u < v, indexed [config u, config v]).
+unordered pair {u, v} (u < v, indexed [config u, config v];
+:func:`shardplan.search.pairs.merge_pairs`).
 """
 
 from __future__ import annotations
@@ -33,26 +34,15 @@ from typing import Sequence
 
 import numpy as np
 
+from shardplan.search.pairs import Pairs, identical_rows, incident_pairs, merge_pairs
 from shardplan.search.problem import Problem
 
-__all__ = ["merge_pairs", "Reduction", "reduce_problem", "identity_reduction"]
+__all__ = ["Reduction", "make_reduction", "reduce_problem", "identity_reduction"]
 
 # Most (dominator, dominated) pairs tried per vertex in the dominance test.
 _PAIR_BUDGET = 4 * 10**6
 # Most candidate dominators (the cheapest by unary + row sums) tried per vertex.
 _MAX_DOMINATORS = 64
-
-
-def merge_pairs(problem: Problem) -> dict[tuple[int, int], np.ndarray]:
-    """Sum parallel and antiparallel edges: one matrix per pair (u, v), u < v, indexed [a_u, a_v]."""
-    pairs: dict[tuple[int, int], np.ndarray] = {}
-    for (s, d), m in zip(problem.edges, problem.edge_cost):
-        key, mat = ((s, d), m) if s < d else ((d, s), m.T)
-        if key in pairs:
-            pairs[key] = pairs[key] + mat
-        else:
-            pairs[key] = np.array(mat, dtype=np.float64)
-    return pairs
 
 
 @dataclass(frozen=True)
@@ -74,9 +64,15 @@ class Reduction:
         """Map a reduced assignment to original configuration indices."""
         return tuple(int(k[a]) for k, a in zip(self.keep, assignment))
 
+    def then(self, second: "Reduction") -> "Reduction":
+        """The reduction that applies this one and then ``second`` (a reduction of ``self.problem``)."""
+        keep = tuple(k1[k2] for k1, k2 in zip(self.keep, second.keep))
+        return Reduction(second.problem, keep, dict(second.stats))
 
-def _build(problem: Problem, keep: list[np.ndarray], unary: list[np.ndarray],
-           pairs: dict[tuple[int, int], np.ndarray], stats: dict) -> Reduction:
+
+def make_reduction(problem: Problem, keep: list[np.ndarray], unary: list[np.ndarray],
+                   pairs: Pairs, stats: dict) -> Reduction:
+    """The reduction of ``problem`` to configurations ``keep[v]``, with the given costs and merged pairs."""
     configs = tuple(tuple(problem.configs[v][int(i)] for i in keep[v]) for v in range(problem.num_vertices))
     keys = sorted(pairs)
     reduced = Problem(
@@ -94,52 +90,24 @@ def identity_reduction(problem: Problem) -> Reduction:
     """Only merge parallel edges; keep every configuration."""
     keep = [np.arange(k) for k in problem.sizes]
     k = sum(problem.sizes)
-    return _build(problem, keep, list(problem.vertex_cost), merge_pairs(problem),
+    return make_reduction(problem, keep, list(problem.vertex_cost), merge_pairs(problem),
                   {"configs_before": k, "configs_after": k, "passes": 0})
 
 
 def _collapse(unary: np.ndarray, blocks: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
-    """Positions to keep after collapsing identical signatures (cheapest, then lowest position).
-
-    Rows are grouped by a random projection of the signature and then checked
-    exactly against the group's representative, so a hash collision can only
-    fail to merge, never merge two different rows.
-    """
-    k = unary.shape[0]
+    """Positions to keep after collapsing identical signatures (cheapest, then lowest position)."""
     if not blocks:
         return np.array([int(np.argmin(unary))])  # isolated vertex: only the cheapest matters
-    h = np.zeros((k, 2))
-    for b in blocks:
-        h += b @ rng.standard_normal((b.shape[1], 2))
-    order = np.lexsort((np.arange(k), unary, h[:, 1], h[:, 0]))
-    hs = h[order]
-    new_group = np.ones(k, dtype=bool)
-    new_group[1:] = np.any(hs[1:] != hs[:-1], axis=1)
-    group = np.cumsum(new_group) - 1
-    rep = order[np.flatnonzero(new_group)][group]  # representative (cheapest) of each row's group
-    same = np.ones(k, dtype=bool)
-    for b in blocks:
-        same &= np.all(b[order] == b[rep], axis=1)
-    drop = same & (order != rep)
-    return np.sort(order[~drop])
+    rep = identical_rows(blocks, rng, priority=unary)
+    return np.flatnonzero(rep == np.arange(len(rep)))
 
 
 def _distinct_columns(block: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """``block`` without exactly repeated columns (they add nothing to a dominance test).
-
-    Columns are grouped by a random projection and compared exactly with their
-    group's first member; only verified copies are dropped.
-    """
+    """``block`` without exactly repeated columns (they add nothing to a dominance test)."""
     if block.shape[1] <= 1:
         return block
-    h = rng.standard_normal(block.shape[0]) @ block
-    order = np.argsort(h, kind="stable")
-    hs = h[order]
-    new_group = np.ones(len(order), dtype=bool)
-    new_group[1:] = hs[1:] != hs[:-1]
-    rep = order[np.flatnonzero(new_group)][np.cumsum(new_group) - 1]
-    copy = np.all(block[:, order] == block[:, rep], axis=0) & (order != rep)
-    return block[:, np.sort(order[~copy])]
+    rep = identical_rows([block.T], rng)
+    return block[:, rep == np.arange(len(rep))]
 
 
 def _undominated(unary: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
@@ -183,10 +151,7 @@ def reduce_problem(problem: Problem, dominance: bool = True, max_passes: int = 5
     rng = np.random.default_rng(seed)
     pairs = merge_pairs(problem)
     n = problem.num_vertices
-    inc: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    for key in pairs:
-        inc[key[0]].append(key)
-        inc[key[1]].append(key)
+    inc = incident_pairs(n, pairs)
     keep = [np.arange(k) for k in problem.sizes]
     unary = [np.array(c) for c in problem.vertex_cost]
     dirty = set(range(n))
@@ -213,4 +178,4 @@ def reduce_problem(problem: Problem, dominance: bool = True, max_passes: int = 5
         "passes": passes,
         "fixed_point": not dirty,
     }
-    return _build(problem, keep, unary, pairs, stats)
+    return make_reduction(problem, keep, unary, pairs, stats)

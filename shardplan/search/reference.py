@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import ShardplanError, TableMemoryError
 from shardplan.search.dp import default_memory_limit
 from shardplan.search.ordering import bfs
 from shardplan.search.problem import Problem, Solution
@@ -92,7 +92,7 @@ def solve_bfs_dp(problem: Problem, memory_limit_bytes: int | None = None) -> Sol
         for w in axes:
             full *= sizes[w]
         if full * 16 > limit:
-            raise ShardplanError(
+            raise TableMemoryError(
                 f"vertex {problem.names[v]!r}: breadth-first table over {len(axes)} vertices has "
                 f"{full} entries, over the memory limit of {limit} bytes"
             )

@@ -76,27 +76,28 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
 
 
 def report(plan: Plan, info: TorchTrace | None = None) -> str:
-    """Per operator: splits, mesh axes and predicted cost; and the step's breakdown.
+    """Per operator: splits, the mesh axis each split takes, predicted cost; and the step's breakdown.
 
     With ``info``, conservatively described operators are marked ``*``.
     """
+    from shardplan.report import format_table
     from shardplan.units import fmt_seconds
 
     cons = set(info.conservative) if info is not None else set()
     ops = plan.graph.operators
-    factors = plan_mesh_shape(ops, [plan.configs[o.name] for o in ops], [plan.orders[o.name] for o in ops],
-                              plan.machine.num_devices)
+    shape = plan_mesh_shape(ops, [plan.configs[o.name] for o in ops], [plan.orders[o.name] for o in ops],
+                            plan.machine.num_devices)
     lines = [f"{plan.graph.name}: {len(plan.graph)} operators on {plan.machine.num_devices} devices "
-             f"(mesh {'x'.join(map(str, factors))}), "
-             f"predicted {fmt_seconds(plan.cost)} per step, solved in {fmt_seconds(plan.solve_seconds)}"]
+             f"(mesh {'x'.join(map(str, shape))}), predicted {fmt_seconds(plan.cost)} per step, "
+             f"solved in {fmt_seconds(plan.solve_seconds)}"]
+    rows = []
     for row in plan.operators():
         op = plan.graph[row["name"]]
         splits = " ".join(f"{d}{c}" for d, c in zip(row["dims"], row["config"]) if c > 1) or "replicated"
-        axes = mesh_dims(op, row["config"], plan.orders[op.name], factors)
-        mesh = " ".join(d or "_" for d in axes)
-        mark = "*" if row["name"] in cons else " "
-        lines.append(f" {mark}{row['name']:<44} {row['kind']:<14} {splits:<14} [{mesh}] "
-                     f"{fmt_seconds(row['cost_seconds'])}")
+        axes = " ".join(d or "_" for d in mesh_dims(op, row["config"], plan.orders[op.name], shape))
+        mark = "*" if row["name"] in cons else ""
+        rows.append((mark + row["name"], row["kind"], splits, f"[{axes}]", fmt_seconds(row["cost_seconds"])))
+    lines.extend("  " + line for line in format_table(rows, right=(4,)).splitlines())
     parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in plan.breakdown.items() if v and k != "total")
     lines.append(f"  breakdown: {parts}")
     if cons:

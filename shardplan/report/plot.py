@@ -1,6 +1,6 @@
-"""Reporting helpers for strategy comparisons: a speedup plot and a text table.
+"""The speedup plot of a strategy comparison (``shardplan compare --plot``).
 
-Neither depends on the model zoo: they take plain records. matplotlib is an
+It takes plain records, not the model zoo. matplotlib is an
 optional dependency (``shardplan[plot]``) and is imported only inside
 :func:`plot_speedups`, which draws on an Agg canvas of its own (no pyplot, no
 global backend switch), so importing :mod:`shardplan` never touches it.
@@ -15,7 +15,7 @@ from typing import Any
 
 from shardplan.errors import ShardplanError
 
-__all__ = ["plot_speedups", "format_table"]
+__all__ = ["plot_speedups"]
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
@@ -86,53 +86,3 @@ def plot_speedups(results: Sequence[Mapping[str, Any]], path: str | os.PathLike,
     ax.legend(frameon=False, loc="best")
     fig.tight_layout()
     fig.savefig(os.fspath(path))
-
-
-def _cell(value: Any, float_format: str) -> str:
-    if isinstance(value, bool) or value is None:
-        return "" if value is None else str(value)
-    if isinstance(value, float):
-        return float_format.format(value)
-    return str(value)
-
-
-def format_table(
-    rows: Sequence[Mapping[str, Any] | Sequence[Any]],
-    columns: Sequence[str],
-    float_format: str = "{:.4g}",
-) -> str:
-    """Render rows as a plain-text table with aligned columns.
-
-    Parameters:
-        rows: each a mapping (read by column name; a missing key is blank) or
-            a sequence (read by position, one value per column).
-        columns: the column names, also the header.
-        float_format: format for float cells; other values use ``str``.
-
-    Numeric columns (every non-blank cell an int or float) are right-aligned,
-    others left-aligned; a rule of dashes separates the header.
-    """
-    cols = list(columns)
-    table: list[list[Any]] = []
-    for i, row in enumerate(rows):
-        if isinstance(row, Mapping):
-            table.append([row.get(c) for c in cols])
-        else:
-            vals = list(row)
-            if len(vals) != len(cols):
-                raise ShardplanError(f"format_table: row {i} has {len(vals)} values, expected {len(cols)} ({cols})")
-            table.append(vals)
-    numeric = [
-        all(isinstance(r[j], (int, float)) and not isinstance(r[j], bool) for r in table if r[j] is not None)
-        for j in range(len(cols))
-    ]
-    text = [[_cell(v, float_format) for v in r] for r in table]
-    widths = [max([len(c)] + [len(r[j]) for r in text]) for j, c in enumerate(cols)]
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [s.rjust(w) if num else s.ljust(w) for s, w, num in zip(cells, widths, numeric)]
-        return "  ".join(parts).rstrip()
-
-    out = [line(cols), "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in text]
-    return "\n".join(out)

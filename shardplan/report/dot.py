@@ -1,4 +1,4 @@
-"""Graphviz DOT export of a graph or a plan (plain text; render with ``dot -Tsvg``).
+"""Graphviz DOT of a graph or a plan (plain text; render with ``dot -Tsvg``).
 
 Nodes are operators, labelled with the name and, for a plan, the dimension
 letters and configuration; they are filled by operator kind (a fixed

@@ -26,22 +26,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from shardplan.cost import BREAKDOWN
 from shardplan.plan import Plan
+from shardplan.report.table import format_table
 from shardplan.search.io import jsonable
 from shardplan.units import fmt_bytes, fmt_seconds
 
-__all__ = ["Group", "group_operators", "compress_names", "render_report", "render_strategy", "plan_to_json",
-           "BREAKDOWN_LABELS"]
-
-BREAKDOWN_LABELS: dict[str, str] = {
-    "compute": "compute",
-    "grad_allreduce": "gradient all-reduce",
-    "forward_allreduce": "forward partial-sum all-reduce",
-    "halo": "halo exchange",
-    "stats": "normalisation statistics",
-    "recurrence": "recurrence (pipeline, hidden-state gathers)",
-    "redistribution": "redistribution between operators",
-}
+__all__ = ["Group", "group_operators", "compress_names", "render_report", "render_strategy", "plan_to_json"]
 
 
 @dataclass(frozen=True)
@@ -189,28 +180,17 @@ def group_operators(plan: Plan) -> list[Group]:
             for (kind, label, cfg), names in keyed.items()]
 
 
-def _table(rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for r in rows:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
-        out.append("  ".join(cells).rstrip())
-    return out
-
-
 def _cfg(c: Sequence[int]) -> str:
     return "(" + ",".join(str(x) for x in c) + ")"
 
 
 def render_strategy(plan: Plan, max_title: int = 60) -> str:
     """The Table II-style strategy table of ``plan`` (one line per group)."""
-    rows = [("layers", "kind", "dims", "configuration", "ops")]
+    rows = []
     for grp in group_operators(plan):
         title = grp.title if len(grp.title) <= max_title else grp.title[: max_title - 1] + "…"
-        rows.append((title, grp.kind, grp.label, _cfg(grp.config), str(grp.size)))
-    lines = _table(rows, right=(4,))
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+        rows.append((title, grp.kind, grp.label, _cfg(grp.config), grp.size))
+    return format_table(rows, ("layers", "kind", "dims", "configuration", "ops"))
 
 
 def render_report(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> str:
@@ -224,27 +204,27 @@ def render_report(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> st
     total = bd["total"]
     out.append(f"Predicted step time: {fmt_seconds(total)}")
     rows = []
-    for key, label in BREAKDOWN_LABELS.items():
+    for key, label in BREAKDOWN.items():
         v = bd.get(key, 0.0)
         if v > 0 or key in ("compute", "redistribution"):
             share = f"{100 * v / total:.1f}%" if total > 0 else "-"
             rows.append(("  " + label, fmt_seconds(v), share))
-    out.extend(_table(rows, right=(1, 2)))
+    out.append(format_table(rows, right=(1, 2)))
     mem = plan.memory
     out.append(f"Memory per device (peak): {fmt_bytes(mem['peak_bytes'])} = weights, gradients and optimizer state "
                f"{fmt_bytes(mem['weights_bytes'])} + activations {fmt_bytes(mem['activations_bytes'])}")
     if m.memory_bytes and mem["peak_bytes"] > m.memory_bytes:
         out.append(f"  WARNING: exceeds the device memory of {fmt_bytes(m.memory_bytes)}")
     if plan.solution is not None:
-        out.append(f"Search: {plan.solution.solver}, {fmt_seconds(plan.solve_seconds)} "
-                   f"(cost tables {fmt_seconds(plan.build_seconds)})")
+        built = f" (cost tables {fmt_seconds(plan.build_seconds)})" if plan.build_seconds is not None else ""
+        out.append(f"Search: {plan.solution.solver}, {fmt_seconds(plan.solve_seconds)}{built}")
     if baselines:
         out.append("")
-        rows = [("baseline", "step time", "speedup of this plan")]
+        rows = []
         for name, b in baselines.items():
             speed = f"{b.cost / total:.2f}x" if total > 0 else "-"
             rows.append((name, fmt_seconds(b.cost), speed))
-        out.extend(_table(rows, right=(1, 2)))
+        out.append(format_table(rows, ("baseline", "step time", "speedup of this plan"), right=(1, 2), rule=False))
     return "\n".join(out)
 
 
