@@ -223,7 +223,7 @@ def run_case(name: str, mesh: Any, p: int) -> dict[str, Any]:
     for n, g0 in grads0.items():
         par = named.get(n)
         if par is None or par.grad is None:
-            missing.append(n)
+            missing.append(n if par is None else n + " (no gradient)")
             continue
         layouts_ok &= tuple(par.grad.placements) == tuple(par.placements)
         g = par.grad.full_tensor()

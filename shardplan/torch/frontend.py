@@ -471,7 +471,7 @@ def _conv(ctx: _Ctx, node: Any, vals: list) -> None:
         ts.append(Tensor("bias", bias.shape, (grp("n"),), "input", needs_grad=bias.needs_grad, src=ctx.ref(bias).name))
         operands.append(((2,), bias, "bias"))
     op = Operator(name, "conv", tuple(dims), tuple(ts), Tensor("y", out, tuple(oa), "output"), flops_per_point=2.0,
-                  fixed=frozenset(fixed), attrs={"stride": tuple(stride), "padding": tuple(pad), "groups": groups})
+                  fixed=frozenset(fixed))
     ctx.emit(node, op, operands)
 
 
@@ -898,6 +898,7 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
     env: dict[str, Val] = {}
     ctx = _Ctx(env)
     params = dict(module.named_parameters(remove_duplicate=False))
+    canonical: dict[int, str] = {}
     for spec in ep.graph_signature.input_specs:
         pname = spec.arg.name if hasattr(spec.arg, "name") else None
         if pname is None:
@@ -905,8 +906,11 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
         node = next(n for n in ep.graph.nodes if n.name == pname)
         shape = _shape(node) or ()
         if spec.kind == InputKind.PARAMETER:
-            trainable = bool(params[spec.target].requires_grad) if spec.target in params else True
-            env[pname] = Val("param", spec.target, shape, trainable and _is_float(node))
+            src = params.get(spec.target)
+            trainable = bool(src.requires_grad) if src is not None else True
+            # tied parameters (one tensor, several names) are exported once per name: one key for all
+            key = canonical.setdefault(id(src), spec.target) if src is not None else spec.target
+            env[pname] = Val("param", key, shape, trainable and _is_float(node))
         elif spec.kind == InputKind.USER_INPUT:
             env[pname] = Val("input", pname, shape, False)
             ctx.inputs[pname] = shape

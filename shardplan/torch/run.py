@@ -251,10 +251,14 @@ def _make_class() -> Any:
             named = dict(module.named_parameters(remove_duplicate=False))
             buffers = dict(module.named_buffers(remove_duplicate=False))
             self._buffers_by_target = buffers
+            tied: dict[int, str] = {}
             for spec in ep.graph_signature.input_specs:
                 if spec.kind != InputKind.PARAMETER:
                     continue
                 target = spec.target
+                if id(named[target]) in tied:  # a tied parameter, exported once per name: one DTensor
+                    self._keys[target] = tied[id(named[target])]
+                    continue
                 src = named[target]
                 uses = info.param_uses.get(target, ())
                 if uses:
@@ -266,9 +270,15 @@ def _make_class() -> Any:
                 key = target.replace(".", "__")
                 self._params[key] = par
                 self._keys[target] = key
+                tied[id(src)] = key
                 self.param_placements[target] = pl
                 if src.requires_grad:
                     par.register_hook(self._grad_hook(pl))
+            # tied parameters: every name the module knows them by maps to the one DTensor
+            by_id = {id(named[t]): k for t, k in self._keys.items()}
+            for name, src in named.items():
+                if name not in self._keys and id(src) in by_id:
+                    self._keys[name] = by_id[id(src)]
 
         def _grad_hook(self, placements: tuple[Any, ...]) -> Any:
             def hook(g: Any) -> Any:
