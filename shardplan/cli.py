@@ -128,7 +128,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_ops(args: argparse.Namespace) -> int:
     from shardplan.baselines import batch_dim, nearest_valid
-    from shardplan.configs import configurations, dimension_orders
+    from shardplan.configs import configurations, dimension_orders, layouts
     from shardplan.cost import operator_cost
     from shardplan.report import format_table
     from shardplan.units import fmt_seconds
@@ -137,17 +137,18 @@ def cmd_ops(args: argparse.Namespace) -> int:
     m = _machine(args, args.procs)
     cutoff = _cutoff(args, spec)
     print(f"{g.name}: {len(g.operators)} operators, {len(g.edges)} edges; p = {m.num_devices}, cutoff {cutoff}")
+    hier = len(m.levels) > 1
     rows = []
     for op in g.operators:
         c = configurations(op, m.num_devices, cutoff, divides_p=not args.all_divisors)
-        c2, _ = dimension_orders(c, "all")
+        c2 = dimension_orders(c, "all")[0] if not hier else layouts(op, m.levels, cutoff)
         b = batch_dim(op)
         dp = nearest_valid(op, c, {b: m.num_devices} if b else {})
         t = operator_cost(op, [dp], m).total[0]
         rows.append((op.name, op.kind, op.label, "x".join(str(e) for _, e in op.dims), str(len(c)), str(len(c2)),
                      fmt_seconds(float(t))))
-    print(format_table(rows, ("operator", "kind", "dims", "extents", "configs", "with orders", "data-parallel t_l"),
-                       right=(), rule=False))
+    print(format_table(rows, ("operator", "kind", "dims", "extents", "configs",
+                              "layouts" if hier else "with orders", "data-parallel t_l"), right=(), rule=False))
     return 0
 
 

@@ -10,16 +10,26 @@ keeps only c_i in {1, 2, 4, ...}; ``divides_p`` keeps only configurations
 whose product divides p (those a device mesh over all p devices can
 express, see the JAX export). The order is deterministic: lexicographic in
 (c_1, ..., c_n).
+
+:func:`layouts` turns them into the candidates of the search,
+:class:`~shardplan.layout.Layout` values: with their nesting orders on a
+one-level machine (the paper's space), and spread over the levels of a
+hierarchical machine with the pruning rules its docstring states.
 """
 
 from __future__ import annotations
+
+import math
+from itertools import permutations, product
+from typing import Sequence
 
 import numpy as np
 
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
+from shardplan.layout import Layout
 
-__all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES"]
+__all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES", "layouts"]
 
 
 def split_choices(extent: int, p: int, cutoff: int, powers_of_two: bool = False) -> list[int]:
@@ -81,8 +91,6 @@ def dimension_orders(configs: np.ndarray, mode: str = "all", max_permuted: int =
     adjacent and start with its own order, so the first row of a split
     tuple is always the row-major one.
     """
-    from itertools import permutations
-
     if mode not in ORDER_MODES:
         raise ShardplanError(f"unknown order mode {mode!r}; choose from {', '.join(ORDER_MODES)}")
     configs = np.asarray(configs, dtype=np.int64)
@@ -102,3 +110,114 @@ def dimension_orders(configs: np.ndarray, mode: str = "all", max_permuted: int =
             rows.append(c)
             orders.append(list(perm) + rest)
     return np.asarray(rows, dtype=np.int64).reshape(-1, n), np.asarray(orders, dtype=np.int64).reshape(-1, n)
+
+
+def _factorisations(c: tuple[int, ...], products: tuple[int, ...]) -> list[tuple[tuple[int, ...], ...]]:
+    """Every way to write each c_d as Π_l c_{l,d} with Π_d c_{l,d} = products[l]: list of per-level rows."""
+    if len(products) == 1:
+        return [(tuple(c),)] if math.prod(c) == products[0] else []
+    target = products[0]
+    out: list[tuple[tuple[int, ...], ...]] = []
+
+    def rec(j: int, row: list[int], prod: int) -> None:
+        if j == len(c):
+            if prod == target:
+                rest = tuple(cd // e for cd, e in zip(c, row))
+                for tail in _factorisations(rest, products[1:]):
+                    out.append((tuple(row),) + tail)
+            return
+        for e in _divisors(c[j]):
+            if target % (prod * e) == 0:
+                rec(j + 1, row + [e], prod * e)
+
+    rec(0, [], 1)
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _level_products(n: int, levels: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Split product per level when n tiles fill the levels from the inside (None if impossible)."""
+    out = []
+    for s in levels:
+        if n % s == 0:
+            out.append(s)
+            n //= s
+        elif s % n == 0:
+            out.append(n)
+            n = 1
+        else:
+            return None
+    return tuple(out) if n == 1 else None
+
+
+def _level_orders(row: tuple[int, ...], own: Sequence[int], mode: str, max_permuted: int) -> list[tuple[int, ...]]:
+    split = [j for j in own if row[j] > 1]
+    if mode == "row-major" or len(split) < 2:
+        return [tuple(split)]
+    if len(split) <= max_permuted:
+        return [tuple(x) for x in permutations(split)]
+    return [tuple(split), tuple(reversed(split))]
+
+
+def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two: bool = False,
+            divides_p: bool = True, orders: str = "row-major", max_permuted: int = 3,
+            max_split_dims: int | None = 3, max_level_dims: int | None = 2,
+            partial_replicas: bool = False) -> tuple[Layout, ...]:
+    """All layouts of ``op`` on a machine with level sizes ``levels`` (innermost first).
+
+    One level (``levels == (p,)``): exactly the paper's space,
+    :func:`configurations` expanded by :func:`dimension_orders`, in the same
+    order (so flat results are unchanged).
+
+    Several levels: a layout's total split c (a valid configuration whose
+    product divides p) is spread over the levels *from the inside*
+    (pruning rule, documented in the docs: the outer level is used only
+    when the inner one is full):
+
+        Π_d c_{0,d} = min(Π c, s_0),  Π_d c_{1,d} = min(Π c / s_0, s_1), ...
+
+    so no device inside a node repeats another's work while the grid spans
+    several nodes; every factorisation c_d = Π_l c_{l,d} with those level
+    products is offered (which dims lie inside the node and which across is
+    the real choice), and within each level the split dims are nested in
+    the operator's order ("row-major") or in every order ("all", as
+    :func:`dimension_orders`). What is lost: layouts that replicate inside
+    a node while splitting across nodes (devices of one node repeating each
+    other's work although the layout spans nodes), and layouts whose split
+    product fills a level only partly while an outer level is split.
+    """
+    levels = tuple(int(s) for s in levels)
+    p = math.prod(levels)
+    names = op.dim_names
+    n = len(names)
+    if len(levels) == 1:
+        rows = configurations(op, p, cutoff, powers_of_two, divides_p)
+        c2, o2 = dimension_orders(rows, orders, max_permuted)
+        lv = (p,)
+        return tuple(Layout._unchecked(names, lv, (tuple(c),), (tuple(j for j in o if c[j] > 1),))
+                     for c, o in zip(c2.tolist(), o2.tolist()))
+    own = list(range(n))
+    out: list[Layout] = []
+    seen: set[Layout] = set()
+    for c in configurations(op, p, cutoff, powers_of_two, divides_p=True).tolist():
+        tiles = math.prod(c)
+        if max_split_dims is not None and sum(x > 1 for x in c) > max_split_dims:
+            continue
+        if not partial_replicas and levels[0] < tiles < p:
+            continue
+        prods = _level_products(tiles, levels)
+        if prods is None:
+            continue
+        for rows in _factorisations(tuple(c), prods):
+            if max_level_dims is not None and any(sum(x > 1 for x in r) > max_level_dims for r in rows):
+                continue
+            per_level = [_level_orders(r, own, orders, max_permuted) for r in rows]
+            for combo in product(*per_level):
+                lay = Layout._unchecked(names, levels, rows, combo)
+                if lay not in seen:
+                    seen.add(lay)
+                    out.append(lay)
+    return tuple(out)

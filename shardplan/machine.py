@@ -42,6 +42,14 @@ class Machine:
         inter_bandwidth: bytes/s per device across nodes.
         inter_latency: alpha across nodes.
         name: a label for reports.
+        pod_nodes: nodes per pod (a third level), or None.
+        pod_bandwidth, pod_latency: bytes/s per device and alpha across pods.
+        hbm_bandwidth: bytes/s of a device's memory (HBM); None: compute is FLOPs only (the paper's model).
+        flops_efficiency: fraction of ``peak_flops`` a kernel achieves (1.0: the paper's model).
+        grad_bucket_bytes: weight gradients are synchronised in fused buckets of this many bytes
+            (PyTorch DDP's default bucket is 25 MiB); None: one all-reduce per tensor (the paper's model).
+        overlap_grad: weight-gradient synchronisation overlaps the backward pass (DDP, FSDP);
+            see :mod:`shardplan.cost.operator` for the exact form.
     """
 
     num_devices: int
@@ -54,6 +62,13 @@ class Machine:
     inter_bandwidth: float | None = None
     inter_latency: float | None = None
     name: str = "custom"
+    pod_nodes: int | None = None
+    pod_bandwidth: float | None = None
+    pod_latency: float | None = None
+    hbm_bandwidth: float | None = None
+    flops_efficiency: float = 1.0
+    grad_bucket_bytes: float | None = None
+    overlap_grad: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_devices, int) or self.num_devices < 1:
@@ -75,6 +90,24 @@ class Machine:
                 raise ShardplanError("machine: a hierarchical machine (node_size set) needs a positive inter_bandwidth")
         if self.inter_latency is not None and self.inter_latency < 0:
             raise ShardplanError(f"machine: inter_latency must be >= 0, got {self.inter_latency!r}")
+        if self.hierarchical and self.num_devices % int(self.node_size):  # type: ignore[arg-type]
+            raise ShardplanError(f"machine: {self.num_devices} devices do not fill whole nodes of {self.node_size}")
+        if self.pod_nodes is not None:
+            if self.node_size is None or self.pod_nodes < 1:
+                raise ShardplanError(f"machine: pod_nodes={self.pod_nodes!r} needs node_size and must be >= 1")
+            if self.pod_bandwidth is None or not self.pod_bandwidth > 0:
+                raise ShardplanError("machine: a machine with pods (pod_nodes set) needs a positive pod_bandwidth")
+            per_pod = int(self.node_size) * self.pod_nodes
+            if self.num_devices > per_pod and self.num_devices % per_pod:
+                raise ShardplanError(f"machine: {self.num_devices} devices do not fill whole pods of {per_pod}")
+        if self.pod_latency is not None and self.pod_latency < 0:
+            raise ShardplanError(f"machine: pod_latency must be >= 0, got {self.pod_latency!r}")
+        if self.hbm_bandwidth is not None and not self.hbm_bandwidth > 0:
+            raise ShardplanError(f"machine: hbm_bandwidth must be positive, got {self.hbm_bandwidth!r}")
+        if self.grad_bucket_bytes is not None and not self.grad_bucket_bytes > 0:
+            raise ShardplanError(f"machine: grad_bucket_bytes must be positive, got {self.grad_bucket_bytes!r}")
+        if not 0 < self.flops_efficiency <= 1:
+            raise ShardplanError(f"machine: flops_efficiency must be in (0, 1], got {self.flops_efficiency!r}")
 
     @property
     def p(self) -> int:
@@ -90,6 +123,35 @@ class Machine:
         """r = F / B: FLOPs one device does in the time one byte crosses a link (the paper's ratio)."""
         return self.peak_flops / self.bandwidth
 
+    @property
+    def levels(self) -> tuple[int, ...]:
+        """Level sizes, innermost first (their product is p): ``(p,)`` on a one-level machine,
+        ``(node_size, nodes)`` on two levels, ``(node_size, pod_nodes, pods)`` on three."""
+        p = self.num_devices
+        if not self.hierarchical:
+            return (p,)
+        ns = int(self.node_size)  # type: ignore[arg-type]
+        nodes = p // ns
+        if self.pod_nodes is not None and nodes > self.pod_nodes:
+            return (ns, int(self.pod_nodes), nodes // int(self.pod_nodes))
+        return (ns, nodes)
+
+    @property
+    def level_links(self) -> tuple[tuple[float, float], ...]:
+        """(bandwidth bytes/s per device, latency s) of every level of :attr:`levels`, innermost first."""
+        out = [(float(self.bandwidth), float(self.latency))]
+        if len(self.levels) > 1:
+            out.append(self.link(True))
+        if len(self.levels) > 2:
+            lat = self.pod_latency if self.pod_latency is not None else out[-1][1]
+            out.append((float(self.pod_bandwidth), float(lat)))  # type: ignore[arg-type]
+        return tuple(out)
+
+    @property
+    def achievable_flops(self) -> float:
+        """FLOP/s a kernel reaches: peak times :attr:`flops_efficiency`."""
+        return self.peak_flops * self.flops_efficiency
+
     def link(self, inter: bool) -> tuple[float, float]:
         """(bandwidth, latency) of the level: inside a node or across nodes."""
         if inter and self.hierarchical:
@@ -100,10 +162,16 @@ class Machine:
     def describe(self) -> str:
         from shardplan.units import fmt_bytes, fmt_rate
 
-        s = f"{self.name}: {self.num_devices} devices x {fmt_rate(self.peak_flops, 'FLOP/s')}, "
-        s += f"links {fmt_rate(self.bandwidth, 'B/s')}"
+        s = f"{self.name}: {self.num_devices} devices x {fmt_rate(self.peak_flops, 'FLOP/s')}"
+        if self.flops_efficiency < 1:
+            s += f" ({self.flops_efficiency:.0%} achievable)"
+        if self.hbm_bandwidth is not None:
+            s += f", HBM {fmt_rate(self.hbm_bandwidth, 'B/s')}"
+        s += f", links {fmt_rate(self.bandwidth, 'B/s')}"
         if self.hierarchical:
             s += f" inside nodes of {self.node_size}, {fmt_rate(self.inter_bandwidth or 0, 'B/s')} across"
+            if len(self.levels) > 2:
+                s += f", {fmt_rate(self.pod_bandwidth or 0, 'B/s')} across pods of {self.pod_nodes} nodes"
         if self.memory_bytes:
             s += f", {fmt_bytes(self.memory_bytes)} per device"
         s += f", {self.dtype_bytes}-byte elements"
@@ -126,18 +194,26 @@ def _paper_2080ti(p: int) -> Machine:
     return Machine(p, 13.4e12, 6e9, node_size=8, inter_bandwidth=2.5e9, memory_bytes=11 * GiB, name="2080ti")
 
 
+DDP_BUCKET = 25 * 2**20  # PyTorch DistributedDataParallel's default bucket_cap_mb = 25
+GPU_EFFICIENCY = 0.7  # assumption: large bf16 GEMMs reach about 70% of the dense peak on A100/H100
+
+
 def _a100(p: int) -> Machine:
-    # A100 SXM 80 GB: 312 TFLOP/s bf16 dense; NVLink3 ~ 300 GB/s per direction per GPU;
-    # 8 x 200 Gb/s HDR IB per node = 25 GB/s per GPU across nodes.
+    # A100 SXM 80 GB (NVIDIA A100 datasheet): 312 TFLOP/s bf16 dense, HBM2e 2,039 GB/s;
+    # NVLink3 600 GB/s total = 300 GB/s per direction per GPU; 8 x 200 Gb/s HDR IB per node = 25 GB/s
+    # per GPU across nodes. Latencies: a few microseconds per NCCL step (nccl-tests small-message times).
     return Machine(p, 312e12, 300e9, latency=5e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
-                   inter_bandwidth=25e9, inter_latency=10e-6, name="a100")
+                   inter_bandwidth=25e9, inter_latency=10e-6, name="a100", hbm_bandwidth=2.039e12,
+                   flops_efficiency=GPU_EFFICIENCY, grad_bucket_bytes=DDP_BUCKET, overlap_grad=True)
 
 
 def _h100(p: int) -> Machine:
-    # H100 SXM: 989 TFLOP/s bf16 dense; NVLink4 ~ 450 GB/s per direction per GPU;
-    # 8 x 400 Gb/s NDR IB per node = 50 GB/s per GPU across nodes.
+    # H100 SXM 80 GB (NVIDIA H100 datasheet): 989 TFLOP/s bf16 dense, HBM3 3.35 TB/s;
+    # NVLink4 900 GB/s total = 450 GB/s per direction per GPU; 8 x 400 Gb/s NDR IB per node = 50 GB/s
+    # per GPU across nodes.
     return Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
-                   inter_bandwidth=50e9, inter_latency=8e-6, name="h100")
+                   inter_bandwidth=50e9, inter_latency=8e-6, name="h100", hbm_bandwidth=3.35e12,
+                   flops_efficiency=GPU_EFFICIENCY, grad_bucket_bytes=DDP_BUCKET, overlap_grad=True)
 
 
 PRESETS = {

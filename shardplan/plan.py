@@ -12,6 +12,7 @@ import numpy as np
 from shardplan.cost import CostTables, build_tables
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph
+from shardplan.layout import Layout
 from shardplan.machine import Machine
 from shardplan.search.io import jsonable
 from shardplan.search.problem import Solution
@@ -57,22 +58,30 @@ class Plan:
         return self.tables.machine
 
     @property
-    def configs(self) -> dict[str, tuple[int, ...]]:
-        """Operator name -> configuration tuple (split per dimension, in the operator's dim order)."""
-        return {op.name: tuple(int(x) for x in self.tables.configs[i][k])
-                for i, (op, k) in enumerate(zip(self.graph.operators, self.assignment))}
+    def layouts(self) -> dict[str, Layout]:
+        """Operator name -> its chosen :class:`~shardplan.layout.Layout` (splits per level, nesting)."""
+        return {op.name: self.tables.layouts[i][k] for i, (op, k) in enumerate(zip(self.graph.operators,
+                                                                                  self.assignment))}
 
-    @property
-    def orders(self) -> dict[str, tuple[int, ...]]:
-        """Operator name -> device-grid nesting of its configuration (dim indices, most significant first)."""
-        return {op.name: tuple(int(x) for x in self.tables.orders[i][k])
-                for i, (op, k) in enumerate(zip(self.graph.operators, self.assignment))}
-
-    def config(self, name: str) -> tuple[int, ...]:
+    def layout(self, name: str) -> Layout:
         i = self.graph.index.get(name)
         if i is None:
             raise ShardplanError(f"plan has no operator {name!r}")
-        return tuple(int(x) for x in self.tables.configs[i][self.assignment[i]])
+        return self.tables.layouts[i][self.assignment[i]]
+
+    @property
+    def configs(self) -> dict[str, tuple[int, ...]]:
+        """Operator name -> configuration tuple (total split per dimension, in the operator's dim order)."""
+        return {name: lay.split for name, lay in self.layouts.items()}
+
+    @property
+    def orders(self) -> dict[str, tuple[int, ...]]:
+        """Operator name -> nesting of its layout flattened over the levels (dim indices, most significant
+        first; see :meth:`~shardplan.layout.Layout.flat_order`)."""
+        return {name: lay.flat_order() for name, lay in self.layouts.items()}
+
+    def config(self, name: str) -> tuple[int, ...]:
+        return self.layout(name).split
 
     @property
     def breakdown(self) -> dict[str, float]:
@@ -107,14 +116,16 @@ class Plan:
         for i, op in enumerate(self.graph.operators):
             k = self.assignment[i]
             parts = self.tables.op_costs[i].parts(k)
+            lay = self.tables.layouts[i][k]
             rows.append({
                 "name": op.name,
                 "kind": op.kind,
                 "dims": list(op.dim_names),
                 "label": op.label,
-                "config": [int(x) for x in self.tables.configs[i][k]],
-                "order": [op.dim_names[int(j)] for j in self.tables.orders[i][k]
-                          if self.tables.configs[i][k][int(j)] > 1],
+                "config": list(lay.split),
+                "order": [op.dim_names[j] for j in lay.flat_order() if lay.split[j] > 1],
+                "level_splits": [list(r) for r in lay.splits],
+                "copies": lay.copies,
                 "cost_seconds": float(self.tables.op_costs[i].total[k]),
                 "parts": parts,
                 "redistribution_in_seconds": float(incoming[i]),
@@ -127,7 +138,8 @@ class Plan:
             "graph": self.graph.name,
             "strategy": self.name,
             "machine": {"name": self.machine.name, "devices": self.machine.num_devices,
-                        "peak_flops": self.machine.peak_flops, "bandwidth": self.machine.bandwidth},
+                        "peak_flops": self.machine.peak_flops, "bandwidth": self.machine.bandwidth,
+                        "levels": list(self.machine.levels)},
             "cost_seconds": self.cost,
             "breakdown": self.breakdown,
             "memory": self.memory,
@@ -142,8 +154,9 @@ class Plan:
         return d
 
 
-def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int]], name: str = "custom") -> Plan:
-    """A plan from explicit configuration tuples (every operator must be given), in row-major grid order."""
+def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int] | Layout], name: str = "custom") -> Plan:
+    """A plan from explicit layouts or configuration tuples (every operator must be given); a tuple means
+    its row-major flat numbering when that is a candidate (see :meth:`CostTables.index_of`)."""
     g = tables.graph
     missing = [op.name for op in g.operators if op.name not in configs]
     if missing:

@@ -214,7 +214,7 @@ def test_edge_cost_zero_on_the_diagonal_of_identical_operators():
     t = build_tables(b.build(), Machine(8), cutoff=1)
     # configs of fc1 are (b, n, c); relu's are (b, n). A relu config equal to fc1's (b, n) with c = 1 moves nothing.
     cu, cv = t.configs
-    ou, ov = t.orders
+    ou, ov = ([lay.flat_order() for lay in ls] for ls in t.layouts)
     m = t.edge_costs[0]
     for i, (row, o) in enumerate(zip(cu, ou)):
         if row[2] != 1:

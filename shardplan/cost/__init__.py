@@ -7,22 +7,23 @@ per operator, one matrix per edge) and from there to the solver-level
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
-from shardplan.configs import ORDER_MODES, configurations, dimension_orders
+from shardplan.configs import ORDER_MODES, configurations, dimension_orders, layouts
 from shardplan.cost.edge import edge_cost, edge_volumes
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph
+from shardplan.layout import Layout, LayoutArrays
 from shardplan.machine import Machine
 from shardplan.search.problem import Problem
 
 __all__ = ["CostTables", "build_tables", "operator_cost", "edge_cost", "edge_volumes", "OpCost", "PARTS",
-           "BREAKDOWN", "ORDERS"]
+           "BREAKDOWN", "ORDERS", "operator_key"]
 
 BREAKDOWN: dict[str, str] = {**PARTS, "redistribution": "redistribution between operators"}
 """The parts of a strategy's step time (:meth:`CostTables.breakdown`): each operator part, then redistribution."""
@@ -34,53 +35,116 @@ class CostTables:
 
     Attributes:
         graph, machine: what was costed.
-        configs: per operator, its configurations' split factors (K_v, n_dims).
-        orders: per operator, each configuration's device-grid nesting (K_v, n_dims), see
-            :func:`shardplan.configs.dimension_orders`.
+        layouts: per operator, its candidate :class:`~shardplan.layout.Layout` values (K_v of them);
+            a strategy picks one index per operator.
         op_costs: per operator, its :class:`OpCost` (arrays of K_v).
         edge_costs: per graph edge (``graph.edges`` order), a (K_u, K_v) matrix in seconds.
-        memory: per operator, (weights, activations) bytes per configuration and device.
+        memory: per operator, (weights, activations) bytes per layout and device.
+        options: how the tables were built (cutoff, orders, pruning, sharing counts).
+
+    Identical operators (same description, see :func:`operator_key`) share
+    their layouts, cost arrays and memory arrays (the same objects), and
+    identical edges their matrices.
     """
 
     graph: Graph
     machine: Machine
-    configs: tuple[np.ndarray, ...]
-    orders: tuple[np.ndarray, ...]
+    layouts: tuple[tuple[Layout, ...], ...]
     op_costs: tuple[OpCost, ...]
     edge_costs: tuple[np.ndarray, ...]
     memory: tuple[tuple[np.ndarray, np.ndarray], ...]
     options: dict
+    arrays: tuple[LayoutArrays, ...] = field(default=(), repr=False)
+    _splits: tuple[np.ndarray, ...] = field(default=(), init=False, repr=False)
+    _index_cache: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.layouts) != len(self.graph.operators):
+            raise ShardplanError(f"cost tables: {len(self.layouts)} layout lists for {len(self.graph.operators)} "
+                                 "operators")
+        if not self.arrays:
+            cache: dict[int, LayoutArrays] = {}
+            arrs = []
+            for lays in self.layouts:
+                if id(lays) not in cache:
+                    cache[id(lays)] = LayoutArrays.stack(lays)
+                arrs.append(cache[id(lays)])
+            object.__setattr__(self, "arrays", tuple(arrs))
+        splits: dict[int, np.ndarray] = {}
+        for a in self.arrays:
+            if id(a) not in splits:
+                splits[id(a)] = a.splits
+        object.__setattr__(self, "_splits", tuple(splits[id(a)] for a in self.arrays))
+
+    @property
+    def configs(self) -> tuple[np.ndarray, ...]:
+        """Per operator, the total split factor of every layout: (K_v, n_dims) int64 (for vectorised code)."""
+        return self._splits
 
     def to_problem(self) -> Problem:
         """The solver-level problem: vertex cost t_l, edge cost t_x (seconds)."""
         g = self.graph
+        seen: dict[int, tuple] = {}
+        configs = []
+        for lays in self.layouts:
+            if id(lays) not in seen:
+                seen[id(lays)] = tuple(lay.split for lay in lays)
+            configs.append(seen[id(lays)])
         return Problem(
             names=tuple(op.name for op in g.operators),
-            configs=tuple(tuple(tuple(int(x) for x in row) for row in c) for c in self.configs),
+            configs=tuple(configs),
             vertex_cost=tuple(c.total for c in self.op_costs),
             edges=tuple((e.src, e.dst) for e in g.edges),
             edge_cost=self.edge_costs,
             dims=tuple(op.dim_names for op in g.operators),
         )
 
-    def index_of(self, op_index: int, config: Sequence[int], order: Sequence[int] | None = None) -> int:
-        """Row of ``config`` (with the row-major order unless ``order`` is given) among operator ``op_index``'s."""
-        match = (self.configs[op_index] == np.asarray(config)[None, :]).all(axis=1)
-        if order is not None:
-            match &= (self.orders[op_index] == np.asarray(order)[None, :]).all(axis=1)
-        rows = np.nonzero(match)[0]
-        if not len(rows):
-            op = self.graph.operators[op_index]
-            what = f"{tuple(config)}" + (f" with order {tuple(order)}" if order is not None else "")
-            raise ShardplanError(f"operator {op.name!r}: {what} is not a valid configuration ({op.label})")
-        return int(rows[0])
+    def index_of(self, op_index: int, config: Sequence[int] | Layout, order: Sequence[int] | None = None) -> int:
+        """Row of a layout among operator ``op_index``'s.
+
+        ``config`` is a :class:`Layout`, or a configuration tuple (total split
+        per dim): then the layout whose device grid is the flat numbering of
+        the tuple in ``order`` (default: the operator's own order) if it is
+        a candidate, else the first candidate with that total split (only
+        without an explicit ``order``).
+        """
+        op = self.graph.operators[op_index]
+        lays = self.layouts[op_index]
+        if isinstance(config, Layout):
+            for k, lay in enumerate(lays):
+                if lay == config:
+                    return k
+            raise ShardplanError(f"operator {op.name!r}: layout {config.describe()} is not a candidate ({op.label})")
+        want = tuple(int(x) for x in config)
+        ckey = (id(lays), want, None if order is None else tuple(int(j) for j in order))
+        if ckey in self._index_cache:
+            return self._index_cache[ckey]
+        k = self._find(op, lays, want, order)
+        self._index_cache[ckey] = k
+        return k
+
+    def _find(self, op, lays: tuple[Layout, ...], want: tuple[int, ...], order: Sequence[int] | None) -> int:
+        try:
+            target = Layout.from_flat(op.dim_names, want, self.machine.levels, order)
+        except ShardplanError:
+            target = None
+        first = None
+        for k, lay in enumerate(lays):
+            if lay == target:
+                return k
+            if first is None and lay.split == want:
+                first = k
+        if first is not None and order is None:
+            return first
+        what = f"{want}" + (f" with order {tuple(order)}" if order is not None else "")
+        raise ShardplanError(f"operator {op.name!r}: {what} is not a valid configuration ({op.label})")
 
     def breakdown(self, assignment: Sequence[int]) -> dict[str, float]:
         """Seconds of a strategy by part (the keys of :data:`BREAKDOWN`) and their ``total``."""
         out = dict.fromkeys(PARTS, 0.0)
         for c, k in zip(self.op_costs, assignment):
             for key, val in c.parts(int(k)).items():
-                out[key] += val
+                out[key] = out.get(key, 0.0) + val
         out["redistribution"] = float(sum(m[assignment[e.src], assignment[e.dst]]
                                           for e, m in zip(self.graph.edges, self.edge_costs)))
         out["total"] = sum(out.values())
@@ -109,51 +173,103 @@ def choose_orders(graph: Graph, splits: Sequence[np.ndarray], orders: str) -> st
     """
     if orders != "auto":
         return orders
-    ks = [len(dimension_orders(c, "all")[0]) for c in splits]
+    counts: dict[int, int] = {}
+    for c in splits:  # identical operators share one array: count each once
+        if id(c) not in counts:
+            counts[id(c)] = order_count(c)
+    ks = [counts[id(c)] for c in splits]
     entries = sum(ks[e.src] * ks[e.dst] for e in graph.edges)
     return "all" if entries <= AUTO_ORDERS_EDGE_ENTRIES else "row-major"
+
+
+def order_count(configs: np.ndarray, max_permuted: int = 3) -> int:
+    """Rows :func:`~shardplan.configs.dimension_orders` gives ``configs`` in mode "all", without building them."""
+    from math import factorial
+
+    n_split = (np.asarray(configs) > 1).sum(axis=1)
+    per = np.where(n_split <= max_permuted, [factorial(int(k)) for k in n_split], 2)
+    return int(per.sum())
+
+
+def _tensor_key(t) -> tuple:
+    return (t.name, t.shape, t.axes, t.role, t.needs_grad, t.elem_factor)
+
+
+def operator_key(op) -> tuple:
+    """What an operator's costs depend on: its description without its name or its producers' names."""
+    return (op.kind, op.dims, tuple(_tensor_key(t) for t in op.inputs), _tensor_key(op.output),
+            tuple(_tensor_key(t) for t in op.weights), op.flops_per_point, op.norm_dims, op.norm_stats,
+            op.recurrence, tuple(sorted(op.fixed)))
 
 
 def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,
                  divides_p: bool = True, orders: str = "auto", optimizer_factor: float = 2.0,
                  progress: Callable[[int, int], None] | None = None) -> CostTables:
-    """Configurations and costs of every operator and edge of ``graph`` on ``machine``.
+    """Layouts and costs of every operator and edge of ``graph`` on ``machine``.
 
     ``divides_p`` (default): keep configurations whose device count divides p,
     so every device works (the grid is replicated p / prod(c) times) and the
     layout is expressible as a device mesh; False also allows configurations
-    that leave devices idle. ``orders``: which device-grid nestings each
-    configuration is offered in: "all", "row-major" or "auto" (see
-    :func:`choose_orders` and :func:`shardplan.configs.dimension_orders`).
+    that leave devices idle (one-level machines only). ``orders``: which
+    device-grid nestings each configuration is offered in: "all",
+    "row-major" or "auto" (see :func:`choose_orders` and
+    :func:`shardplan.configs.dimension_orders`; on a machine of several
+    levels "auto" is "row-major" inside every level). The candidate layouts
+    are :func:`shardplan.configs.layouts`.
+
+    Identical operators (:func:`operator_key`) are costed once and share
+    their arrays; identical edges (same producer and consumer descriptions,
+    same input slot) share one matrix: GPT-3's 96 identical layers cost one.
     """
     p = machine.num_devices
     if p > MAX_DEVICES:
         raise ShardplanError(f"{p} devices: the cost model keeps a tile per device and configuration, "
                              f"so it supports at most {MAX_DEVICES} devices")
-    splits = [configurations(op, p, cutoff, powers_of_two, divides_p) for op in graph.operators]
-    orders = choose_orders(graph, splits, orders)
-    pairs = [dimension_orders(c, orders) for c in splits]
+    levels = machine.levels
     ops = graph.operators
-    memory = [operator_memory(op, c, machine, optimizer_factor, o) for op, (c, o) in zip(ops, pairs)]
+    keys = [operator_key(op) for op in ops]
+    first: dict[tuple, int] = {}
+    count: dict[tuple, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+        count[key] = count.get(key, 0) + 1
+    if len(levels) == 1:
+        splits = {key: configurations(ops[i], p, cutoff, powers_of_two, divides_p) for key, i in first.items()}
+        orders = choose_orders(graph, [splits[key] for key in keys], orders)
+    else:
+        orders = "row-major" if orders == "auto" else orders
+    per_key: dict[tuple, tuple] = {}
     dropped = 0
-    if machine.memory_bytes is not None:
-        for i, (op, (c, o), (w, act)) in enumerate(zip(ops, pairs, memory)):
+    for key, i in first.items():
+        op = ops[i]
+        lays = layouts(op, levels, cutoff, powers_of_two, divides_p, orders)
+        arr = LayoutArrays.stack(lays)
+        w, act = operator_memory(op, arr, machine, optimizer_factor)
+        if machine.memory_bytes is not None:
             keep = fits_memory(op, w, act, machine.memory_bytes)
-            dropped += int((~keep).sum())
-            pairs[i] = (c[keep], o[keep])
-            memory[i] = (w[keep], act[keep])
-    configs = tuple(c for c, _ in pairs)
-    ords = tuple(o for _, o in pairs)
-    op_costs = tuple(operator_cost(op, c, machine, o) for op, c, o in zip(ops, configs, ords))
+            dropped += int((~keep).sum()) * count[key]
+            if not keep.all():
+                rows = np.nonzero(keep)[0]
+                lays = tuple(lays[r] for r in rows)
+                arr = arr.take(rows)
+                w, act = w[keep], act[keep]
+        per_key[key] = (lays, arr, operator_cost(op, arr, machine), (w, act))
     edge_costs = []
-    for i, e in enumerate(graph.edges):
-        edge_costs.append(edge_cost(ops[e.src], configs[e.src], ops[e.dst], e.slot, configs[e.dst], machine,
-                                    ords[e.src], ords[e.dst]))
+    edge_cache: dict[tuple, np.ndarray] = {}
+    for n_done, e in enumerate(graph.edges):
+        ekey = (keys[e.src], keys[e.dst], e.slot)
+        if ekey not in edge_cache:
+            ku, kv = per_key[keys[e.src]], per_key[keys[e.dst]]
+            edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine)
+        edge_costs.append(edge_cache[ekey])
         if progress is not None:
-            progress(i + 1, len(graph.edges))
+            progress(n_done + 1, len(graph.edges))
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
-            "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped}
-    return CostTables(graph, machine, configs, ords, op_costs, tuple(edge_costs), tuple(memory), opts)
+            "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped, "levels": levels,
+            "distinct_operators": len(first), "distinct_edges": len(edge_cache)}
+    return CostTables(graph, machine, tuple(per_key[k][0] for k in keys), tuple(per_key[k][2] for k in keys),
+                      tuple(edge_costs), tuple(per_key[k][3] for k in keys), opts,
+                      tuple(per_key[k][1] for k in keys))
 
 
 def fits_memory(op, weights: np.ndarray, activations: np.ndarray, limit: float) -> np.ndarray:

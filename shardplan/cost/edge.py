@@ -12,7 +12,9 @@ in elements; times bytes per element over the link bandwidth (+ alpha per
 direction that moves anything). The intersection is exact: boxes
 intersect axis by axis. This is the paper's definition, computed exactly
 instead of the reference prototype's shortcut (zero overlap whenever v
-uses more devices than u).
+uses more devices than u). Layouts may span several machine levels
+(:mod:`shardplan.layout`): the device numbering is the machine's, shared by
+both operators.
 
 Fast path: when every axis of both layouts is cut into equal blocks and,
 axis by axis, one split divides the other (nested blocks), a device's
@@ -29,12 +31,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardplan.cost.collectives import p2p_time
-from shardplan.cost.tiles import active_devices, box_volumes, grid_strides, tensor_boxes
+from shardplan.cost.collectives import outer_level, p2p_time
+from shardplan.cost.tiles import as_layouts, box_volumes, tensor_boxes
+from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
+from shardplan.layout import LayoutArrays, pattern_blocks
 from shardplan.machine import Machine
 
-__all__ = ["edge_volumes", "edge_cost"]
+__all__ = ["edge_volumes", "edge_cost", "sender_level"]
 
 _CHUNK_ELEMS = 1 << 22
 
@@ -95,21 +99,23 @@ def _general_pairs(bu: np.ndarray, bv: np.ndarray, iu: np.ndarray, iv: np.ndarra
     return fwd, bwd
 
 
-def _axis_blocks(op: Operator, tensor, configs: np.ndarray, orders: np.ndarray | None, p: int):
-    """Per axis: split count, device stride and block length per configuration, and which are even.
+def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
+    """Per axis: block pattern and block length per layout, and which layouts are even.
 
-    Returns (splits (A, K), strides (A, K), lengths (A, K), regular (K,)). An
-    axis is regular when its core tile on every device is block
-    ``(q // stride) % split`` of equal length (see :mod:`shardplan.cost.tiles`).
+    Returns (splits (A, K), patterns (A, K, 2L), lengths (A, K), regular (K,)).
+    An axis is regular when its core tile on every device is the block
+    ``x_d(q)`` (the device's tile coordinate along the axis's dim, which the
+    pattern fixes: see :meth:`~shardplan.layout.LayoutArrays.patterns`) of
+    equal length (see :mod:`shardplan.cost.tiles`).
     """
-    configs = np.asarray(configs, dtype=np.int64)
+    configs = lay.splits
     k = len(configs)
     names = op.dim_names
     ext = op.extents
-    st = grid_strides(configs, orders) if configs.shape[1] else np.ones((k, 0), dtype=np.int64)
+    n_lv = len(lay.levels)
     n_ax = len(tensor.axes)
     splits = np.ones((n_ax, k), dtype=np.int64)
-    strides = np.ones((n_ax, k), dtype=np.int64)
+    pats = np.ones((n_ax, k, 2 * n_lv), dtype=np.int64)
     lengths = np.zeros((n_ax, k), dtype=np.int64)
     regular = np.ones(k, dtype=bool)
     for a, (am, size) in enumerate(zip(tensor.axes, tensor.shape)):
@@ -118,7 +124,7 @@ def _axis_blocks(op: Operator, tensor, configs: np.ndarray, orders: np.ndarray |
             continue
         j = names.index(am.dim)
         c = configs[:, j]
-        splits[a], strides[a] = c, st[:, j]
+        splits[a], pats[a] = c, lay.patterns(j)
         if am.inner or am.is_plain:
             lengths[a] = size // c
         elif (am.window is not None or am.stride != 1) and not am.partial:
@@ -128,29 +134,31 @@ def _axis_blocks(op: Operator, tensor, configs: np.ndarray, orders: np.ndarray |
             whole = am.offset <= 0 and ext[am.dim] + am.offset >= size
             lengths[a] = size
             splits[a] = 1
+            pats[a] = 1
             regular &= (c == 1) & whole
-    return splits, strides, lengths, regular
+    return splits, pats, lengths, regular
 
 
-def _pattern_masks(cu: np.ndarray, su: np.ndarray, cv: np.ndarray, sv: np.ndarray, p: int, words: int):
-    """For one axis: match bit-masks and nesting flags for every distinct (split, stride) pattern pair.
+def _pattern_masks(cu: np.ndarray, pu_rows: np.ndarray, cv: np.ndarray, pv_rows: np.ndarray,
+                   levels: tuple[int, ...], words: int):
+    """For one axis: match bit-masks and nesting flags for every distinct block-pattern pair.
 
-    Device q holds block ``(q // s) % c``. With nested splits, block i of the
-    coarser layout contains block j of the finer one iff ``i == j // ratio``.
+    Device q holds block ``x(q)`` of the pattern. With nested splits, block i
+    of the coarser layout contains block j of the finer one iff ``i == j // ratio``.
     Returns (pattern index of u rows, of v rows, masks (Pu, Pv, words) uint64, nested (Pu, Pv)).
     """
-    pu, iu = np.unique(np.stack([cu, su], axis=1), axis=0, return_inverse=True)
-    pv, iv = np.unique(np.stack([cv, sv], axis=1), axis=0, return_inverse=True)
-    q = np.arange(p, dtype=np.int64)
-    bu = (q[None, :] // pu[:, 1:2]) % pu[:, 0:1]  # (Pu, p)
-    bv = (q[None, :] // pv[:, 1:2]) % pv[:, 0:1]
+    pu, iu = np.unique(np.concatenate([cu[:, None], pu_rows], axis=1), axis=0, return_inverse=True)
+    pv, iv = np.unique(np.concatenate([cv[:, None], pv_rows], axis=1), axis=0, return_inverse=True)
+    small = np.int16 if int(max(pu[:, 0].max(), pv[:, 0].max())) < 2**15 else np.int64
+    bu = pattern_blocks(pu[:, 1:], levels).astype(small)  # (Pu, p)
+    bv = pattern_blocks(pv[:, 1:], levels).astype(small)
     c1, c2 = pu[:, 0][:, None], pv[:, 0][None, :]
     nested = (c1 % c2 == 0) | (c2 % c1 == 0)
-    ratio_uv = np.where(c2 % c1 == 0, c2 // c1, 1)  # u coarser: u block == v block // ratio
-    ratio_vu = np.where(c1 % c2 == 0, c1 // c2, 1)  # v coarser: v block == u block // ratio
-    u_coarse = (c2 % c1 == 0)[..., None]
-    match = np.where(u_coarse, bu[:, None, :] == bv[None, :, :] // ratio_uv[..., None],
-                     bv[None, :, :] == bu[:, None, :] // ratio_vu[..., None])
+    # nested blocks match iff both map to the same block of the coarser split
+    cmin = np.minimum(c1, c2)
+    ku = (c1 // cmin).astype(small)
+    kv = (c2 // cmin).astype(small)
+    match = (bu[:, None, :] // ku[..., None]) == (bv[None, :, :] // kv[..., None])
     return iu.ravel(), iv.ravel(), _pack(match, words), nested
 
 
@@ -163,50 +171,83 @@ def _pack(bits: np.ndarray, words: int) -> np.ndarray:
     return packed.view(np.uint64).reshape(bits.shape[:-1] + (words,))
 
 
-def _fast(u: Operator, cu: np.ndarray, v: Operator, t_in, cv: np.ndarray, p: int, ou, ov):
-    """Moved volumes via block-match masks; returns (fwd, bwd, exact) with ``exact`` False where not applicable."""
-    spu, stu, lenu, regu = _axis_blocks(u, u.output, cu, ou, p)
-    spv, stv, lenv, regv = _axis_blocks(v, t_in, cv, ov, p)
+def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int):
+    """Moved volumes via block-match masks; returns (fwd, bwd, exact) with ``exact`` False where not applicable.
+
+    Whether every device finds its block depends on a layout only through
+    its block pattern on each axis of the tensor and its active devices, so
+    the device masks are combined once per distinct (pattern tuple) of each
+    side and broadcast to the layouts that share it.
+    """
+    spu, pau, lenu, regu = _axis_blocks(u, u.output, lu)
+    spv, pav, lenv, regv = _axis_blocks(v, t_in, lv)
     words = (p + 63) // 64
-    act_u = _pack(active_devices(cu, p), words)  # (Ku, W)
-    act_v = _pack(active_devices(cv, p), words)
-    m = act_u[:, None, :] & act_v[None, :, :]  # (Ku, Kv, W)
-    exact = regu[:, None] & regv[None, :]
-    overlap = np.ones((len(cu), len(cv)), dtype=np.int64)
-    for a in range(len(t_in.axes)):
-        iu, iv, masks, nested = _pattern_masks(spu[a], stu[a], spv[a], stv[a], p, words)
-        m &= masks[iu[:, None], iv[None, :]]
-        exact &= nested[iu[:, None], iv[None, :]]
-        overlap *= np.minimum(lenu[a][:, None], lenv[a][None, :])
+    n_ax = len(t_in.axes)
+    ax_u, ax_v, masks, nests = [], [], [], []
+    for a in range(n_ax):
+        iu, iv, mk, nested = _pattern_masks(spu[a], pau[a], spv[a], pav[a], lu.levels, words)
+        ax_u.append(iu)
+        ax_v.append(iv)
+        masks.append(mk)
+        nests.append(nested)
+    prod_u = lu.level_splits.prod(axis=2)  # (L, K): fixes the active devices
+    prod_v = lv.level_splits.prod(axis=2)
+    key_u = np.concatenate([np.asarray(ax_u, dtype=np.int64).reshape(n_ax, len(lu)), prod_u], axis=0).T
+    key_v = np.concatenate([np.asarray(ax_v, dtype=np.int64).reshape(n_ax, len(lv)), prod_v], axis=0).T
+    gu, first_u, inv_u = np.unique(key_u, axis=0, return_index=True, return_inverse=True)
+    gv, first_v, inv_v = np.unique(key_v, axis=0, return_index=True, return_inverse=True)
+    inv_u, inv_v = inv_u.ravel(), inv_v.ravel()
+    act_u = _pack(lu.take(first_u).active(), words)  # (Gu, W)
+    act_v = _pack(lv.take(first_v).active(), words)
+    m = act_u[:, None, :] & act_v[None, :, :]  # (Gu, Gv, W)
+    nested_all = np.ones((len(gu), len(gv)), dtype=bool)
+    for a in range(n_ax):
+        m &= masks[a][gu[:, a][:, None], gv[:, a][None, :]]
+        nested_all &= nests[a][gu[:, a][:, None], gv[:, a][None, :]]
+    def expand(x: np.ndarray) -> np.ndarray:  # (Gu, Gv) -> (Ku, Kv)
+        return x.take(inv_u, axis=0).take(inv_v, axis=1)
+
+    fwd_ok = expand((m == act_v[None, :, :]).all(axis=-1))
+    bwd_ok = expand((m == act_u[:, None, :]).all(axis=-1))
+    exact = expand(nested_all)
+    exact &= regu[:, None]
+    exact &= regv[None, :]
+    # the overlap of nested equal blocks depends on the block lengths only: per distinct length pair
+    lu_u, inv_lu = np.unique(lenu.T, axis=0, return_inverse=True)
+    lv_u, inv_lv = np.unique(lenv.T, axis=0, return_inverse=True)
+    ov_small = np.minimum(lu_u[:, None, :], lv_u[None, :, :]).prod(axis=-1)
+    overlap = ov_small.take(inv_lu.ravel(), axis=0).take(inv_lv.ravel(), axis=1)
     have = np.prod(lenu, axis=0)
     need = np.prod(lenv, axis=0)
-    fwd_ok = (m == act_v[None, :, :]).all(axis=-1)
-    bwd_ok = (m == act_u[:, None, :]).all(axis=-1)
     fwd = np.where(fwd_ok, need[None, :] - overlap, need[None, :])
     bwd = np.where(bwd_ok, have[:, None] - overlap, have[:, None])
     return fwd, bwd, exact
 
 
-def edge_volumes(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.ndarray, p: int,
+def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
                  ou: np.ndarray | None = None, ov: np.ndarray | None = None,
-                 fast: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                 fast: bool = True, levels: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Elements moved per device (max over devices): forward and backward, each (K_u, K_v).
 
-    ``ou``/``ov``: optional dimension orders of the configurations (see
-    :func:`~shardplan.cost.tiles.device_grid`). ``fast=False`` forces the
-    general path everywhere (for testing).
+    ``cu``/``cv``: :class:`~shardplan.layout.LayoutArrays` of the two
+    operators (same levels), or configuration rows with optional nesting
+    orders ``ou``/``ov`` (laid out on ``levels``, default one level of p).
+    ``fast=False`` forces the general path everywhere (for testing).
     """
     t_in = v.inputs[slot]
-    cu = np.asarray(cu, dtype=np.int64)
-    cv = np.asarray(cv, dtype=np.int64)
+    lu = as_layouts(cu, p, ou, levels)
+    lv = as_layouts(cv, p, ov, levels)
+    if lu.levels != lv.levels:
+        raise ShardplanError(f"edge {u.name!r} -> {v.name!r}: layouts on different machine levels "
+                             f"{lu.levels} and {lv.levels}")
     if fast:
-        fwd, bwd, exact = _fast(u, cu, v, t_in, cv, p, ou, ov)
+        fwd, bwd, exact = _fast(u, lu, v, t_in, lv, p)
     else:
         fwd = bwd = None
-        exact = np.zeros((len(cu), len(cv)), dtype=bool)
+        exact = np.zeros((len(lu), len(lv)), dtype=bool)
     if fwd is None or not exact.all():
-        bu = tensor_boxes(u, u.output, cu, p, core=True, orders=ou)
-        bv = tensor_boxes(v, t_in, cv, p, core=True, orders=ov)
+        bu = tensor_boxes(u, u.output, lu, p, core=True)
+        bv = tensor_boxes(v, t_in, lv, p, core=True)
         if fwd is None:
             fwd, bwd = _general(bu, bv)
         else:
@@ -224,28 +265,33 @@ def edge_volumes(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.nda
     return f, b
 
 
-def _replica_within_node(configs: np.ndarray, machine: Machine) -> np.ndarray:
-    """Whether every node holds a whole replica of the layout: prod(c) divides the node size. (K,)."""
-    n = np.asarray(configs, dtype=np.int64).prod(axis=1)
-    return (int(machine.node_size) % n) == 0  # type: ignore[arg-type]
+def sender_level(lay: LayoutArrays) -> np.ndarray:
+    """(K,) the level whose links a redistribution *from* each layout uses.
+
+    A device fetches what it misses from inside its node when its node
+    holds a whole copy of the sending layout (nothing split on the outer
+    levels): level 0. Otherwise the outermost level the layout splits
+    (every tile lives somewhere on it). On one level: 0.
+    """
+    return outer_level(lay.level_splits.prod(axis=2))
 
 
-def edge_cost(u: Operator, cu: np.ndarray, v: Operator, slot: int, cv: np.ndarray, machine: Machine,
-              ou: np.ndarray | None = None, ov: np.ndarray | None = None) -> np.ndarray:
+def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
+              ou: np.ndarray | None = None, ov: np.ndarray | None = None,
+              volumes: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Seconds to redistribute the tensor of edge u -> v (input ``slot``), forward + backward: (K_u, K_v).
 
-    On a hierarchical machine a device fetches what it misses from inside
-    its node when its node holds a whole replica of the sending layout
-    (prod(c) divides the node size; the grid is replicated over the nodes):
-    the forward tensor is sent by u's layout, the gradient by v's. Otherwise
-    the transfer runs at the inter-node bandwidth.
+    Volumes are exact per device (:func:`edge_volumes`); the forward tensor
+    is sent from u's layout, the gradient from v's, each over the links of
+    the sender's level (:func:`sender_level`): on a two-level machine inside
+    the node when the node holds a whole copy of the sender's layout, else
+    across nodes.
     """
     p = machine.num_devices
-    f, b = edge_volumes(u, cu, v, slot, cv, p, ou, ov)
+    lu = as_layouts(cu, p, ou, machine.levels)
+    lv = as_layouts(cv, p, ov, machine.levels)
+    f, b = edge_volumes(u, lu, v, slot, lv, p) if volumes is None else volumes
     nbytes = float(machine.dtype_bytes)
-    if machine.hierarchical:
-        fwd_inter = np.broadcast_to(~_replica_within_node(cu, machine)[:, None], f.shape)
-        bwd_inter = np.broadcast_to(~_replica_within_node(cv, machine)[None, :], f.shape)
-    else:
-        fwd_inter = bwd_inter = np.zeros(f.shape, dtype=bool)
-    return p2p_time(f * nbytes, machine, fwd_inter) + p2p_time(b * nbytes, machine, bwd_inter)
+    fwd_lv = np.broadcast_to(sender_level(lu)[:, None], f.shape)
+    bwd_lv = np.broadcast_to(sender_level(lv)[None, :], f.shape)
+    return p2p_time(f * nbytes, machine, fwd_lv) + p2p_time(b * nbytes, machine, bwd_lv)

@@ -14,24 +14,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardplan.cost.tiles import box_volumes, device_grid, tensor_boxes
+from shardplan.cost.tiles import as_layouts, tile_volumes
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
 __all__ = ["operator_memory", "strategy_memory"]
 
 
-def operator_memory(op: Operator, configs: np.ndarray, machine: Machine, optimizer_factor: float = 2.0,
+def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: float = 2.0,
                     orders: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(weight bytes, activation bytes) per configuration and device: two (K, p) arrays."""
+    """(weight bytes, activation bytes) per layout and device: two (K, p) arrays.
+
+    ``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows (with optional ``orders``).
+    """
     p = machine.num_devices
     nbytes = machine.dtype_bytes
-    k = len(configs)
-    grid = device_grid(np.asarray(configs, dtype=np.int64), p, orders)
+    lay = as_layouts(configs, p, orders, machine.levels)
+    k = len(lay)
     w = np.zeros((k, p))
     for t in op.weights:
-        w += box_volumes(tensor_boxes(op, t, configs, p, grid=grid)) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
-    act = box_volumes(tensor_boxes(op, op.output, configs, p, grid=grid)).astype(np.float64) * nbytes
+        w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
+    act = tile_volumes(op, op.output, lay).astype(np.float64) * nbytes
     return w, act
 
 

@@ -6,14 +6,34 @@ configuration c (arrays over the K configurations):
 
 * compute: ``f * prod_d E_d / c_d`` FLOPs forward (f = work per point), and
   the same again for every tensor whose gradient the backward pass
-  produces (input gradient and weight gradient of a GEMM: 2x), over peak
-  FLOP/s;
+  produces (input gradient and weight gradient of a GEMM: 2x). Each pass
+  is a roofline: ``max(FLOPs / (peak * efficiency), bytes / HBM bandwidth)``
+  where bytes = the tiles the pass reads and writes (inputs with halos,
+  weights, output) on one device; without an HBM bandwidth (the paper's
+  model) it is FLOPs / peak. Elementwise, normalisation and softmax
+  operators are thereby bound by memory bandwidth on a GPU;
 * forward partial sums: with G = reduction dims (index no output axis) and
   g = prod_{d in G} c_d > 1, the output tile is all-reduced among g devices;
 * backward: the gradient of a tensor X sums over the dims that do not index
   X; if they are split (g_X > 1), X's gradient tile is all-reduced among g_X
   devices (data-parallel weight synchronisation is the case X = weight,
   split batch);
+* weight-gradient synchronisation as DDP/FSDP run it (machine options
+  ``grad_bucket_bytes``, ``overlap_grad``; the GPU presets turn both on,
+  the paper's presets off): gradients are fused into buckets of B bytes,
+  and a weight's gradient tile of n < B bytes is charged ``n / B`` of the
+  all-reduce of a full bucket (so the latency is paid once per bucket, and
+  a bucket's tensors together cost exactly one bucket all-reduce; a tensor
+  of n >= B bytes is its own bucket). With overlap, the synchronisation runs
+  during the backward pass: the operator is charged
+  ``max(0, sync - its own backward compute)`` on top of its compute.
+  Approximations, so that the objective stays a sum of vertex and edge
+  terms and the search stays exact for it: buckets are taken as full, each
+  tensor is charged at its own group's rates, and a gradient's sync
+  overlaps its own operator's backward compute (in a real step it overlaps
+  the backward of the operators before it, which this per-operator max
+  neither credits nor checks). Activation gradients are on the critical
+  path and are never overlapped;
 * halo: a windowed access on a split dim reads the elements of the tile it
   needs that are outside the tile it owns (``|need| - |need ∩ core|``) from
   neighbours, forward, and returns their gradient backward;
@@ -23,7 +43,10 @@ configuration c (arrays over the K configurations):
 * recurrence: the one hand-written term, for operators whose domain holds a
   sequential recurrence (:func:`recurrence_cost`).
 
-Groups crossing node boundaries use the inter-node link.
+Every collective runs among the devices of a group that the layout spreads
+over the machine's levels (``g_l`` per level), with the hierarchical NCCL
+formulas of :mod:`shardplan.cost.collectives`; neighbour exchanges (halo,
+stage hand-off) use the links of the outermost level the layout splits.
 """
 
 from __future__ import annotations
@@ -32,8 +55,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardplan.cost.collectives import allgather_time, allreduce_time, group_crosses_nodes, p2p_time
-from shardplan.cost.tiles import box_volumes, device_grid, tensor_boxes
+from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
+from shardplan.cost.tiles import as_layouts, box_volumes, device_grid, regular_tile_lengths, tensor_boxes
+from shardplan.layout import LayoutArrays
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
@@ -81,90 +105,129 @@ class OpCost:
         return {name: float(getattr(self, name)[k]) for name in PARTS}
 
 
-def tile_volume(op: Operator, tensor, configs: np.ndarray, p: int, core: bool = True,
-                orders: np.ndarray | None = None, grid: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-    """Largest per-device tile of ``tensor`` (elements), per configuration: (K,)."""
-    vol = box_volumes(tensor_boxes(op, tensor, configs, p, core=core, orders=orders, grid=grid)).max(axis=1)
+def tile_volume(op: Operator, tensor, configs, p: int, core: bool = True,
+                orders: np.ndarray | None = None, grid=None) -> np.ndarray:
+    """Largest per-device tile of ``tensor`` (elements), per configuration: (K,).
+
+    ``grid``: :func:`device_grid` of the layouts, or a function returning it (called only when needed).
+    """
+    lay = as_layouts(configs, p, orders)
+    lengths = regular_tile_lengths(op, tensor, lay.splits)
+    if lengths is not None:  # every active device holds the same tile
+        return lengths.prod(axis=1) * tensor.elem_factor
+    if callable(grid):
+        grid = grid()
+    vol = box_volumes(tensor_boxes(op, tensor, lay, p, core=core, grid=grid)).max(axis=1)
     return vol * tensor.elem_factor
 
 
-def _group(op: Operator, configs: np.ndarray, dims) -> tuple[np.ndarray, list[int]]:
+def _group(op: Operator, lay: LayoutArrays, dims) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Total group size (K,), group size per level (L, K) and the dims' indices."""
     idx = [op.dim_names.index(d) for d in dims]
-    g = np.prod(configs[:, idx], axis=1) if idx else np.ones(len(configs), dtype=np.int64)
-    return g, idx
+    per_level = lay.group_sizes(idx)
+    return per_level.prod(axis=0), per_level, idx
 
 
-def operator_cost(op: Operator, configs: np.ndarray, machine: Machine, orders: np.ndarray | None = None) -> OpCost:
-    """t_l for every configuration of ``op`` (see the module docstring for the derivation).
+def _ar_sent(nbytes: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Bytes one device sends in a ring all-reduce: 2 (g-1)/g n."""
+    return np.where(g > 1, 2.0 * (g - 1) / g * nbytes, 0.0)
 
-    ``orders`` (optional, (K, n)): the dimension nesting of each configuration's device grid; it
-    changes only which groups cross node boundaries.
+
+def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | None = None) -> OpCost:
+    """t_l for every layout of ``op`` (see the module docstring for the derivation).
+
+    ``configs``: :class:`~shardplan.layout.LayoutArrays`, or configuration rows
+    (K, n) with optional nesting ``orders`` (laid out on the machine's levels
+    as the flat device numbering, :meth:`~shardplan.layout.Layout.from_flat`).
     """
-    configs = np.asarray(configs, dtype=np.int64)
-    k = len(configs)
     p = machine.num_devices
+    lay = as_layouts(configs, p, orders, machine.levels)
+    configs = lay.splits
+    k = len(configs)
     ext = np.asarray([e for _, e in op.dims], dtype=np.float64)
-    grid = coords, active = device_grid(configs, p, orders)
+    cache: dict = {}
+
+    def grid() -> tuple[np.ndarray, np.ndarray]:  # per-device coordinates, only for irregular tensors
+        if not cache:
+            cache["g"] = device_grid(lay, p)
+        return cache["g"]
+
     nbytes = float(machine.dtype_bytes)
     zeros = np.zeros(k)
 
-    # compute
-    fwd = op.flops_per_point * np.prod(ext[None, :] / configs, axis=1)
-    compute = fwd * (1 + len(op.grad_tensors)) / machine.peak_flops
+    # compute: a roofline per pass (forward, and one backward product per gradient produced)
+    out_vol = tile_volume(op, op.output, lay, p, grid=grid)
+    passes = 1 + len(op.grad_tensors)
+    flops = op.flops_per_point * np.prod(ext[None, :] / configs, axis=1)
+    t_pass = flops / machine.achievable_flops
+    if machine.hbm_bandwidth is not None:
+        moved = out_vol + sum(tile_volume(op, t, lay, p, core=False, grid=grid) for t in op.inputs + op.weights)
+        t_pass = np.maximum(t_pass, moved * nbytes / machine.hbm_bandwidth)
+    compute = passes * t_pass
 
     # forward partial sums
-    g, idx = _group(op, configs, op.reduction_dims)
-    out_vol = tile_volume(op, op.output, configs, p, grid=grid)
-    inter = group_crosses_nodes(configs, coords, active, idx, machine)
-    fwd_ar = allreduce_time(out_vol * nbytes, g, machine, inter)
-    sent = np.where(g > 1, 2.0 * (g - 1) / g * out_vol * nbytes, 0.0)
+    g, gl, _ = _group(op, lay, op.reduction_dims)
+    fwd_ar = allreduce_time(out_vol * nbytes, gl, machine)
+    sent = _ar_sent(out_vol * nbytes, g)
 
-    # backward gradient all-reduces
+    # backward gradient all-reduces: activations' on the critical path, weights' as the framework syncs them
     grad_ar = zeros.copy()
+    weight_sync = zeros.copy()
+    bucket = machine.grad_bucket_bytes
     for t in op.grad_tensors:
-        g, idx = _group(op, configs, op.grad_reduction_dims(t))
-        vol = tile_volume(op, t, configs, p, core=False, grid=grid)
-        inter = group_crosses_nodes(configs, coords, active, idx, machine)
-        grad_ar = grad_ar + allreduce_time(vol * nbytes, g, machine, inter)
-        sent = sent + np.where(g > 1, 2.0 * (g - 1) / g * vol * nbytes, 0.0)
+        g, gl, _ = _group(op, lay, op.grad_reduction_dims(t))
+        vol = tile_volume(op, t, lay, p, core=False, grid=grid)
+        if t.role == "weight" and bucket is not None:
+            # the tensor's share of a full bucket's all-reduce; a tensor larger than a bucket is its own
+            share = np.minimum(vol * nbytes / bucket, 1.0)
+            n_sync = np.maximum(vol * nbytes, bucket)
+            weight_sync = weight_sync + share * allreduce_time(n_sync, gl, machine)
+        elif t.role == "weight":
+            weight_sync = weight_sync + allreduce_time(vol * nbytes, gl, machine)
+        else:
+            grad_ar = grad_ar + allreduce_time(vol * nbytes, gl, machine)
+        sent = sent + _ar_sent(vol * nbytes, g)
+    if machine.overlap_grad:
+        backward = compute - t_pass
+        grad_ar = grad_ar + np.maximum(weight_sync - backward, 0.0)
+    else:
+        grad_ar = grad_ar + weight_sync
 
     # halo exchange of windowed inputs
     halo = zeros.copy()
-    spans_nodes = machine.hierarchical & (configs.prod(axis=1) > (machine.node_size or p))
+    neighbour_level = outer_level(lay.level_splits.prod(axis=2))
     for t in op.inputs:
         if not any(a.window is not None or a.stride != 1 for a in t.axes):
             continue
-        need = tensor_boxes(op, t, configs, p, core=False, grid=grid)
-        core = tensor_boxes(op, t, configs, p, core=True, grid=grid)
+        need = tensor_boxes(op, t, lay, p, core=False, grid=grid())
+        core = tensor_boxes(op, t, lay, p, core=True, grid=grid())
         # read but not owned: |need| - |need ∩ core| (a strided window's reads can be shifted off the owned rows)
         both = np.stack([np.maximum(need[..., 0], core[..., 0]), np.minimum(need[..., 1], core[..., 1])], axis=-1)
         both[..., 1] = np.maximum(both[..., 1], both[..., 0])
         extra = (box_volumes(need) - box_volumes(both)).max(axis=1) * t.elem_factor * nbytes
         times = 2 if t.needs_grad else 1
-        halo = halo + times * p2p_time(extra, machine, spans_nodes)
+        halo = halo + times * p2p_time(extra, machine, neighbour_level)
         sent = sent + times * extra
 
     # statistics of normalised dims
     stats = zeros.copy()
     if op.norm_dims:
-        g, idx = _group(op, configs, op.norm_dims)
+        g, gl, idx = _group(op, lay, op.norm_dims)
         norm_ext = np.prod(ext[idx][None, :] / configs[:, idx], axis=1)
         vol = out_vol / norm_ext * op.norm_stats * nbytes
-        inter = group_crosses_nodes(configs, coords, active, idx, machine)
         passes = 2 if op.grad_tensors else 1
-        stats = passes * allreduce_time(vol, g, machine, inter)
-        sent = sent + passes * np.where(g > 1, 2.0 * (g - 1) / g * vol, 0.0)
+        stats = passes * allreduce_time(vol, gl, machine)
+        sent = sent + passes * _ar_sent(vol, g)
 
     rec = zeros.copy()
     if op.recurrence is not None:
-        rec, rec_bytes = recurrence_cost(op, configs, machine, coords, active)
+        rec, rec_bytes = recurrence_cost(op, lay, machine)
         sent = sent + rec_bytes
 
     return OpCost(compute, fwd_ar, grad_ar, halo, stats, rec, sent)
 
 
-def recurrence_cost(op: Operator, configs: np.ndarray, machine: Machine, coords: np.ndarray,
-                    active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def recurrence_cost(op: Operator, lay: LayoutArrays, machine: Machine) -> tuple[np.ndarray, np.ndarray]:
     """The hand-written part of a recurrent operator's cost (the only one).
 
     The polyhedral description cannot say that time steps depend on each
@@ -188,6 +251,7 @@ def recurrence_cost(op: Operator, configs: np.ndarray, machine: Machine, coords:
     """
     r = op.recurrence
     assert r is not None
+    configs = lay.splits
     names = op.dim_names
     ext = op.extents
     c = {d: configs[:, names.index(d)].astype(np.float64) for d in (r.layer, r.time, r.state, r.batch)}
@@ -196,16 +260,14 @@ def recurrence_cost(op: Operator, configs: np.ndarray, machine: Machine, coords:
     total = configs.prod(axis=1).astype(np.float64)
     work = op.flops_per_point * op.points * (1 + len(op.grad_tensors))
     extra_compute = (work / (total / c[r.time]) * (S + c[r.layer] - 1) / S - work / total) / machine.peak_flops
-    spans_nodes = np.asarray(machine.hierarchical & (total > (machine.node_size or machine.num_devices)))
+    neighbour_level = outer_level(lay.level_splits.prod(axis=2))
 
     handoff = np.where(c[r.layer] > 1, 2.0 * (c[r.layer] - 1) / c[r.layer] * (B / c[r.batch]) * S * (E / c[r.state])
                        * nbytes, 0.0)
-    handoff_t = p2p_time(handoff, machine, spans_nodes)
+    handoff_t = p2p_time(handoff, machine, neighbour_level)
 
     steps = S * L / c[r.layer]
     ag_bytes = (B / c[r.batch]) * E * nbytes
-    e_idx = [names.index(r.state)]
-    inter = group_crosses_nodes(configs, coords, active, e_idx, machine)
-    gather_t = 2.0 * steps * allgather_time(ag_bytes, c[r.state], machine, inter)
+    gather_t = 2.0 * steps * allgather_time(ag_bytes, lay.group_sizes([names.index(r.state)]), machine)
     gather_b = np.where(c[r.state] > 1, 2.0 * steps * (c[r.state] - 1) / c[r.state] * ag_bytes, 0.0)
     return extra_compute + handoff_t + gather_t, handoff + gather_b

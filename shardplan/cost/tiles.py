@@ -1,15 +1,16 @@
 """Per-device tiles: which box of each tensor every device holds or needs.
 
-Devices are numbered over a configuration's grid in row-major order: for a
-configuration c = (c_1..c_n) with n = prod(c) devices, the grid is
-replicated floor(p / n) times (as a device mesh with a leading replica
-axis): device q has grid coordinates ``unravel(q mod n, c)``, and the
-p mod n devices past the last replica are idle and hold nothing. The same
-numbering is used for every operator, so the tiles of a producer and a
-consumer can be intersected exactly. A configuration may carry an *order*
-of its dimensions (which is the most significant in the numbering), as a
-device mesh may nest its axes either way; without one, the operator's own
-dimension order is used.
+Which device works on which tile is the operator's
+:class:`~shardplan.layout.Layout` (splits per machine level and nesting; its
+module docstring gives the numbering). On a one-level machine a
+configuration c = (c_1..c_n) with n = prod(c) is a row-major grid
+replicated floor(p / n) times (a device mesh with a leading replica axis):
+device q has grid coordinates ``unravel(q mod n, c)`` in the configuration's
+nesting order, and the p mod n devices past the last replica are idle and
+hold nothing. The same numbering of devices is used for every operator, so
+the tiles of a producer and a consumer can be intersected exactly.
+Functions here take :class:`~shardplan.layout.LayoutArrays`, or plain
+configuration rows (one level) with optional nesting orders.
 
 Along a dimension d split c_d ways, coordinate i owns the block
 ``[i*E_d/c_d, (i+1)*E_d/c_d)`` (c_d divides E_d). A tensor axis maps these
@@ -33,51 +34,48 @@ from __future__ import annotations
 import numpy as np
 
 from shardplan.ir import Operator, Tensor
+from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays
 
-__all__ = ["grid_strides", "device_grid", "active_devices", "tensor_boxes", "box_volumes"]
+__all__ = ["as_layouts", "grid_strides", "device_grid", "active_devices", "tensor_boxes", "box_volumes",
+           "tile_volumes", "regular_tile_lengths"]
+
+
+def as_layouts(configs, p: int, orders: np.ndarray | None = None, levels: tuple[int, ...] | None = None) -> LayoutArrays:
+    """Layouts as arrays: ``configs`` may already be :class:`LayoutArrays`; else configuration rows (K, n)
+    with optional full nesting orders, one level of p devices, or cut at ``levels`` (see
+    :meth:`shardplan.layout.Layout.from_flat`)."""
+    if isinstance(configs, LayoutArrays):
+        return configs
+    configs = np.asarray(configs, dtype=np.int64)
+    if levels is None or len(levels) == 1:
+        return flat_layout_arrays(configs, p, orders)
+    names = tuple(f"d{j}" for j in range(configs.shape[1]))
+    rows = [Layout.from_flat(names, c, levels, None if orders is None else orders[i]) for i, c in enumerate(configs)]
+    return LayoutArrays.stack(rows)
 
 
 def grid_strides(configs: np.ndarray, orders: np.ndarray | None = None) -> np.ndarray:
-    """Device-index stride of every dimension: (K, n).
-
-    Without ``orders`` the grid is row-major in the operator's dimension
-    order. ``orders[k]`` is a permutation listing the dims from the most to
-    the least significant (the nesting of a device mesh's axes): the stride
-    of dim ``orders[k, i]`` is the product of the splits of ``orders[k, i+1:]``.
-    """
+    """Device-index stride of every dimension of one-level configurations: (K, n) (see :mod:`shardplan.layout`)."""
     configs = np.asarray(configs, dtype=np.int64)
-    k, n = configs.shape
-    if orders is None:
-        orders = np.broadcast_to(np.arange(n), (k, n))
-    ordered = np.take_along_axis(configs, orders, axis=1)
-    s = np.ones_like(ordered)
-    if n > 1:
-        s[:, :-1] = np.cumprod(ordered[:, :0:-1], axis=1)[:, ::-1]
-    strides = np.empty_like(s)
-    np.put_along_axis(strides, np.asarray(orders), s, axis=1)
-    return strides
+    return flat_layout_arrays(configs, 1, orders).level_strides[0]
 
 
-def device_grid(configs: np.ndarray, p: int, orders: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Grid coordinates (K, p, n) of every device under every configuration, and the active mask (K, p)."""
-    configs = np.asarray(configs, dtype=np.int64)
-    k, n = configs.shape
-    if n == 0:
+def device_grid(configs, p: int, orders: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Grid coordinates (K, p, n) of every device under every layout, and the active mask (K, p)."""
+    lay = as_layouts(configs, p, orders)
+    if lay.level_splits.shape[2] == 0:
+        k = len(lay)
         return np.zeros((k, p, 0), dtype=np.int64), np.broadcast_to(np.arange(p) < 1, (k, p)).copy()
-    strides = grid_strides(configs, orders)
-    q = np.arange(p, dtype=np.int64)
-    # (q // stride) % c == ((q % n) // stride) % c because stride * c divides n = prod(c)
-    coords = (q[None, :, None] // strides[:, None, :]) % configs[:, None, :]
-    return coords, active_devices(configs, p)
+    return lay.grid()
 
 
-def active_devices(configs: np.ndarray, p: int) -> np.ndarray:
-    """(K, p) mask of devices that hold a tile: floor(p / prod(c)) replicas of the grid."""
-    n = np.asarray(configs, dtype=np.int64).prod(axis=1)
-    return np.arange(p, dtype=np.int64)[None, :] < ((p // n) * n)[:, None]
+def active_devices(configs, p: int) -> np.ndarray:
+    """(K, p) mask of devices that hold a tile."""
+    return as_layouts(configs, p).active()
 
 
 def _block(op: Operator, configs: np.ndarray, coords: np.ndarray, dim: str) -> tuple[np.ndarray, np.ndarray]:
+    """Block [lo, hi) of ``dim`` on every device: two (K, p) arrays; ``configs``: total splits (K, n)."""
     j = op.dim_names.index(dim)
     ext = op.extents[dim]
     c = configs[:, j][:, None]
@@ -86,7 +84,7 @@ def _block(op: Operator, configs: np.ndarray, coords: np.ndarray, dim: str) -> t
     return i * size, (i + 1) * size
 
 
-def tensor_boxes(op: Operator, tensor: Tensor, configs: np.ndarray, p: int, core: bool = True,
+def tensor_boxes(op: Operator, tensor: Tensor, configs, p: int, core: bool = True,
                  orders: np.ndarray | None = None,
                  grid: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """[lo, hi) per axis of ``tensor`` on every device: int64 array (K, p, n_axes, 2).
@@ -96,8 +94,9 @@ def tensor_boxes(op: Operator, tensor: Tensor, configs: np.ndarray, p: int, core
     devices get empty boxes [0, 0). ``grid``: the result of
     :func:`device_grid` for these configurations, when the caller has it.
     """
-    configs = np.asarray(configs, dtype=np.int64)
-    coords, active = device_grid(configs, p, orders) if grid is None else grid
+    lay = as_layouts(configs, p, orders)
+    configs = lay.splits
+    coords, active = device_grid(lay, p) if grid is None else grid
     k = configs.shape[0]
     ext = op.extents
     out = np.zeros((k, p, len(tensor.axes), 2), dtype=np.int64)
@@ -130,6 +129,46 @@ def tensor_boxes(op: Operator, tensor: Tensor, configs: np.ndarray, p: int, core
         out[:, :, a, 0] = np.where(active, lo, 0)
         out[:, :, a, 1] = np.where(active, hi, 0)
     return out
+
+
+def regular_tile_lengths(op: Operator, tensor: Tensor, splits: np.ndarray) -> np.ndarray | None:
+    """Per layout, the tile length of every axis when every device's tile is the same size: (K, n_axes).
+
+    True when each axis is unindexed (whole), merged (leading block times the
+    inner size) or plain over a dim whose extent fits the axis; None otherwise
+    (windows, offsets, partial pieces: use :func:`tensor_boxes`).
+    """
+    ext = op.extents
+    names = op.dim_names
+    out = np.empty((len(splits), len(tensor.axes)), dtype=np.int64)
+    for a, (am, size) in enumerate(zip(tensor.axes, tensor.shape)):
+        if am.dim is None:
+            out[:, a] = size
+        elif am.inner:
+            unit = 1
+            for d in am.inner:
+                unit *= ext[d]
+            out[:, a] = (ext[am.dim] // splits[:, names.index(am.dim)]) * unit
+        elif am.is_plain and size >= ext[am.dim]:
+            out[:, a] = ext[am.dim] // splits[:, names.index(am.dim)]
+        else:
+            return None
+    return out
+
+
+def tile_volumes(op: Operator, tensor: Tensor, lay: LayoutArrays, core: bool = True,
+                 grid: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Points of ``tensor`` on every device under every layout: (K, p) (0 on idle devices).
+
+    Equal to ``box_volumes(tensor_boxes(...))``; the regular case (see
+    :func:`regular_tile_lengths`) needs no per-device boxes.
+    """
+    lengths = regular_tile_lengths(op, tensor, lay.splits)
+    if lengths is None:
+        return box_volumes(tensor_boxes(op, tensor, lay, lay.p, core=core, grid=grid))
+    vol = lengths.prod(axis=1)
+    active = lay.active() if grid is None else grid[1]
+    return np.where(active, vol[:, None], 0)
 
 
 def box_volumes(boxes: np.ndarray) -> np.ndarray:

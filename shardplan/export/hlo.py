@@ -141,9 +141,9 @@ def predicted_bytes(plan: Any) -> dict[str, float]:
     edge_bytes = 0.0
     for e in g.edges:
         u, v = g.operators[e.src], g.operators[e.dst]
-        cu = np.asarray(t.configs[e.src][a[e.src]])[None, :]
-        cv = np.asarray(t.configs[e.dst][a[e.dst]])[None, :]
-        f, b = edge_volumes(u, cu, v, e.slot, cv, p)
+        lu = t.arrays[e.src].take(np.asarray([a[e.src]]))  # the chosen layouts, nesting and levels included
+        lv = t.arrays[e.dst].take(np.asarray([a[e.dst]]))
+        f, b = edge_volumes(u, lu, v, e.slot, lv, p)
         edge_bytes += float(f[0, 0] + b[0, 0]) * plan.machine.dtype_bytes
     return {"operators": ops_bytes, "edges": edge_bytes, "total": ops_bytes + edge_bytes}
 

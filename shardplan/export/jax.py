@@ -43,7 +43,8 @@ from shardplan.errors import ShardplanError
 from shardplan.frontends.jax import TraceInfo, evaluate
 from shardplan.ir import Operator, Tensor
 
-__all__ = ["REPLICA_AXIS", "config_mesh", "tensor_spec", "operator_sharding", "PlanShardings", "plan_shardings",
+__all__ = ["REPLICA_AXIS", "config_mesh", "tensor_spec", "operator_sharding", "layout_mesh", "layout_sharding",
+           "PlanShardings", "plan_shardings",
            "constrained_fn", "make_step", "check_expressible"]
 
 REPLICA_AXIS = "_rep"
@@ -112,6 +113,25 @@ def operator_sharding(op: Operator, config: Sequence[int], devices: Sequence[Any
     return NamedSharding(config_mesh(op, config, devices, order), tensor_spec(_axis_dims(op.output), op, config))
 
 
+def layout_mesh(layout: Any, devices: Sequence[Any]) -> Any:
+    """The :class:`jax.sharding.Mesh` of a :class:`~shardplan.layout.Layout` over ``devices`` in order
+    (shape and axis names from :meth:`~shardplan.layout.Layout.mesh_shape` / ``mesh_axes``)."""
+    from jax.sharding import Mesh
+
+    if len(devices) != layout.num_devices:
+        raise ShardplanError(f"layout is for {layout.num_devices} devices, got {len(devices)}")
+    arr = np.empty(len(devices), dtype=object)
+    arr[:] = list(devices)
+    return Mesh(arr.reshape(layout.mesh_shape()), layout.mesh_axes())
+
+
+def layout_sharding(layout: Any, axis_dims: Sequence[str | None], devices: Sequence[Any]) -> Any:
+    """NamedSharding of a tensor whose axes are blocked by ``axis_dims`` under ``layout``."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(layout_mesh(layout, devices), PartitionSpec(*layout.partition_spec(axis_dims)))
+
+
 def _replicated(devices: Sequence[Any]) -> Any:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -144,8 +164,8 @@ def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanSh
     configs = plan.configs
     for op in g.operators:
         check_expressible(op, configs[op.name], p)
-    orders = plan.orders
-    by_op = {op.name: operator_sharding(op, configs[op.name], devices, orders[op.name]) for op in g.operators}
+    lays = plan.layouts
+    by_op = {op.name: layout_sharding(lays[op.name], _axis_dims(op.output), devices) for op in g.operators}
     values = {info.op_vars[name]: s for name, s in by_op.items() if name in info.op_vars}
     leaves = []
     for i in range(len(info.leaf_names)):
@@ -154,10 +174,7 @@ def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanSh
             leaves.append(_replicated(devices))
             continue
         name, dims = uses[0]
-        op = g[name]
-        from jax.sharding import NamedSharding
-
-        leaves.append(NamedSharding(config_mesh(op, configs[name], devices, orders[name]), tensor_spec(dims, op, configs[name])))
+        leaves.append(layout_sharding(lays[name], dims, devices))
     return PlanShardings(values, by_op, tuple(leaves))
 
 

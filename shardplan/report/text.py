@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from shardplan.cost import BREAKDOWN
+from shardplan.layout import Layout
 from shardplan.plan import Plan
 from shardplan.report.table import format_table
 from shardplan.search.io import jsonable
@@ -44,6 +45,7 @@ class Group:
     label: str
     config: tuple[int, ...]
     members: tuple[str, ...]
+    layout: Layout | None = None
 
     @property
     def size(self) -> int:
@@ -170,14 +172,14 @@ def _title(members: Sequence[str], key: tuple[str, str], plan: Plan) -> str:
 
 
 def group_operators(plan: Plan) -> list[Group]:
-    """Operators grouped by (kind, dims, configuration), in order of first appearance."""
-    keyed: dict[tuple[str, str, tuple[int, ...]], list[str]] = {}
-    configs = plan.configs
+    """Operators grouped by (kind, dims, layout), in order of first appearance."""
+    keyed: dict[tuple[str, str, Layout], list[str]] = {}
+    lays = plan.layouts
     for op in plan.graph.operators:
-        key = (op.kind, op.label, configs[op.name])
+        key = (op.kind, op.label, lays[op.name])
         keyed.setdefault(key, []).append(op.name)
-    return [Group(_title(names, (kind, label), plan), kind, label, cfg, tuple(names))
-            for (kind, label, cfg), names in keyed.items()]
+    return [Group(_title(names, (kind, label), plan), kind, label, lay.split, tuple(names), lay)
+            for (kind, label, lay), names in keyed.items()]
 
 
 def _cfg(c: Sequence[int]) -> str:
@@ -189,7 +191,8 @@ def render_strategy(plan: Plan, max_title: int = 60) -> str:
     rows = []
     for grp in group_operators(plan):
         title = grp.title if len(grp.title) <= max_title else grp.title[: max_title - 1] + "…"
-        rows.append((title, grp.kind, grp.label, _cfg(grp.config), grp.size))
+        shown = grp.layout.describe() if grp.layout is not None else _cfg(grp.config)
+        rows.append((title, grp.kind, grp.label, shown, grp.size))
     return format_table(rows, ("layers", "kind", "dims", "configuration", "ops"))
 
 

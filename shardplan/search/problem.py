@@ -67,16 +67,26 @@ class Problem:
             raise ShardplanError(f"duplicate vertex name {dup!r}")
         if len(self.configs) != len(names) or len(self.vertex_cost) != len(names):
             raise ShardplanError("names, configs and vertex_cost must have one entry per vertex")
-        configs = tuple(tuple(tuple(int(x) for x in c) for c in cs) for cs in self.configs)
+        # vertices / edges that share one object (identical operators costed once) are checked once
+        conv: dict[int, tuple] = {}
+        for cs in self.configs:
+            if id(cs) not in conv:
+                conv[id(cs)] = tuple(tuple(int(x) for x in c) for c in cs)
+        configs = tuple(conv[id(cs)] for cs in self.configs)
         costs = []
+        checked: dict[tuple[int, int], np.ndarray] = {}
         for name, cs, cost in zip(names, configs, self.vertex_cost):
             if len(cs) == 0:
                 raise ShardplanError(f"vertex {name!r} has no configurations")
-            costs.append(_as_cost_vector(name, cost, len(cs)))
+            key = (id(cost), len(cs))
+            if key not in checked:
+                checked[key] = _as_cost_vector(name, cost, len(cs))
+            costs.append(checked[key])
         if len(self.edges) != len(self.edge_cost):
             raise ShardplanError("edges and edge_cost must have one entry per edge")
         edges = []
         ecosts = []
+        checked_edges: dict[int, np.ndarray] = {}  # keeps the checked arrays alive so ids stay unique
         n = len(names)
         for (s, d), m in zip(self.edges, self.edge_cost):
             s, d = int(s), int(d)
@@ -90,10 +100,12 @@ class Problem:
                 raise ShardplanError(
                     f"edge {names[s]!r} -> {names[d]!r}: cost matrix has shape {arr.shape}, expected {want}"
                 )
-            if not np.all(np.isfinite(arr)):
-                raise ShardplanError(f"edge {names[s]!r} -> {names[d]!r}: cost contains NaN or infinity")
-            if np.any(arr < 0):
-                raise ShardplanError(f"edge {names[s]!r} -> {names[d]!r}: cost contains a negative value")
+            if id(arr) not in checked_edges:
+                if not np.all(np.isfinite(arr)):
+                    raise ShardplanError(f"edge {names[s]!r} -> {names[d]!r}: cost contains NaN or infinity")
+                if np.any(arr < 0):
+                    raise ShardplanError(f"edge {names[s]!r} -> {names[d]!r}: cost contains a negative value")
+                checked_edges[id(arr)] = arr
             edges.append((s, d))
             ecosts.append(arr)
         object.__setattr__(self, "names", names)
