@@ -28,15 +28,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 def _plan_rows(plan: Any) -> list[dict[str, Any]]:
     from shardplan.torch import mesh_dims, plan_mesh_shape
 
-    ops = plan.graph.operators
-    shape = plan_mesh_shape(ops, [plan.configs[o.name] for o in ops], [plan.orders[o.name] for o in ops],
-                            plan.machine.num_devices)
+    shape = plan_mesh_shape(list(plan.layouts.values()), plan.machine.num_devices)
     out = []
     for row in plan.operators():
         op = plan.graph[row["name"]]
         out.append({"name": row["name"], "kind": row["kind"],
                     "splits": {d: c for d, c in zip(row["dims"], row["config"]) if c > 1},
-                    "mesh_axes": list(mesh_dims(op, row["config"], plan.orders[op.name], shape))})
+                    "mesh_axes": list(mesh_dims(plan.layout(op.name), shape, op.name))})
     return out
 
 

@@ -141,23 +141,37 @@ def test_mesh_is_the_prime_factors():
     assert mesh_factors(1) == (1,)
 
 
-def test_mesh_is_cut_only_where_a_configuration_needs_it():
+def _flat(config, p, order=(0, 1, 2)):
+    from shardplan.layout import Layout
+
+    return Layout.flat(("b", "n", "c"), config, p, order)
+
+
+def test_mesh_is_cut_only_where_a_layout_needs_it():
     from shardplan.torch import plan_mesh_shape
 
-    op = ops.einsum("mm", "bc,cn->bn", TensorRef("x", (8, 16)), ops.Param((16, 32)))  # dims b n c
-    assert plan_mesh_shape([op], [(8, 1, 1)], [(0, 1, 2)], 8) == (8,)
-    assert plan_mesh_shape([op, op], [(4, 1, 1), (4, 2, 1)], [(0, 1, 2), (1, 0, 2)], 8) == (2, 4)
-    assert plan_mesh_shape([op, op], [(2, 2, 2), (8, 1, 1)], [(0, 1, 2), (0, 1, 2)], 8) == (2, 2, 2)
-    assert plan_mesh_shape([op, op], [(2, 1, 1), (3, 1, 1)], [(0, 1, 2), (0, 1, 2)], 12) == (2, 2, 3)
+    assert plan_mesh_shape([_flat((8, 1, 1), 8)], 8) == (8,)
+    assert plan_mesh_shape([_flat((4, 1, 1), 8), _flat((4, 2, 1), 8, (1, 0, 2))], 8) == (2, 4)
+    assert plan_mesh_shape([_flat((2, 2, 2), 8), _flat((8, 1, 1), 8)], 8) == (2, 2, 2)
+    assert plan_mesh_shape([_flat((2, 1, 1), 12), _flat((3, 1, 1), 12)], 12) == (2, 2, 3)
 
 
 def test_mesh_axes_follow_replicas_then_the_nesting_order():
-    op = ops.einsum("mm", "bc,cn->bn", TensorRef("x", (12, 12)), ops.Param((12, 12)))  # dims b n c
-    assert mesh_dims(op, (2, 2, 1), (0, 1, 2), (2, 2, 2)) == (None, "b", "n")
-    assert mesh_dims(op, (2, 4, 1), (1, 0, 2), (2, 2, 2)) == ("n", "n", "b")
-    assert mesh_dims(op, (2, 2, 3), (0, 1, 2), (2, 2, 3)) == ("b", "n", "c")
+    assert mesh_dims(_flat((2, 2, 1), 8), (2, 2, 2)) == (None, "b", "n")
+    assert mesh_dims(_flat((2, 4, 1), 8, (1, 0, 2)), (2, 2, 2)) == ("n", "n", "b")
+    assert mesh_dims(_flat((2, 2, 3), 12), (2, 2, 3)) == ("b", "n", "c")
     with pytest.raises(ShardplanError, match="consecutive axes"):
-        mesh_dims(op, (3, 2, 1), (0, 1, 2), (2, 2, 3))
+        mesh_dims(_flat((3, 2, 1), 12), (2, 2, 3))
+
+
+def test_two_level_layout_takes_the_node_axes_first():
+    from shardplan.layout import Layout
+    from shardplan.torch import layout_groups
+
+    # 2 nodes x 4 devices: b split 2 across nodes and 2 inside, n split 2 inside
+    lay = Layout(("b", "n", "c"), (4, 2), ((2, 2, 1), (2, 1, 1)), ((1, 0), (0,)))
+    assert layout_groups(lay) == [("b", 2), ("n", 2), ("b", 2)]
+    assert mesh_dims(lay, (2, 2, 2)) == ("b", "n", "b")
 
 
 def test_placements_shard_indexed_axes_and_replicate_reductions():

@@ -22,10 +22,11 @@ from shardplan.errors import ShardplanError
 from shardplan.machine import Machine
 from shardplan.plan import Plan, solve
 from shardplan.torch.frontend import HANDLERS, ShardplanWarning, TorchTrace, register, trace
-from shardplan.torch.layout import mesh_dims, mesh_factors, placement_names, plan_mesh_shape, tensor_placements
+from shardplan.torch.layout import (layout_groups, mesh_dims, mesh_factors, placement_names, plan_mesh_shape,
+                                    tensor_placements)
 
 __all__ = ["parallelize", "trace", "report", "HANDLERS", "register", "ShardplanWarning", "TorchTrace",
-           "mesh_factors", "plan_mesh_shape", "mesh_dims", "tensor_placements", "placement_names", "plan_placements"]
+           "mesh_factors", "layout_groups", "plan_mesh_shape", "mesh_dims", "tensor_placements", "placement_names", "plan_placements"]
 
 
 def plan_placements(plan: Plan, info: TorchTrace) -> dict[str, Any]:
@@ -72,7 +73,7 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
         raise ShardplanError("parallelize needs divides_p=True: a DeviceMesh cannot leave devices idle")
     solve_opts["divides_p"] = True
     plan = solve(graph, machine, cutoff=cutoff, **solve_opts)
-    return plan, ParallelModule.create(module, info, graph, plan.configs, plan.orders, mesh)
+    return plan, ParallelModule.create(module, info, graph, plan.layouts, mesh)
 
 
 def report(plan: Plan, info: TorchTrace | None = None) -> str:
@@ -84,9 +85,7 @@ def report(plan: Plan, info: TorchTrace | None = None) -> str:
     from shardplan.units import fmt_seconds
 
     cons = set(info.conservative) if info is not None else set()
-    ops = plan.graph.operators
-    shape = plan_mesh_shape(ops, [plan.configs[o.name] for o in ops], [plan.orders[o.name] for o in ops],
-                            plan.machine.num_devices)
+    shape = plan_mesh_shape(list(plan.layouts.values()), plan.machine.num_devices)
     lines = [f"{plan.graph.name}: {len(plan.graph)} operators on {plan.machine.num_devices} devices "
              f"(mesh {'x'.join(map(str, shape))}), predicted {fmt_seconds(plan.cost)} per step, "
              f"solved in {fmt_seconds(plan.solve_seconds)}"]
@@ -94,7 +93,7 @@ def report(plan: Plan, info: TorchTrace | None = None) -> str:
     for row in plan.operators():
         op = plan.graph[row["name"]]
         splits = " ".join(f"{d}{c}" for d, c in zip(row["dims"], row["config"]) if c > 1) or "replicated"
-        axes = " ".join(d or "_" for d in mesh_dims(op, row["config"], plan.orders[op.name], shape))
+        axes = " ".join(d or "_" for d in mesh_dims(plan.layout(op.name), shape, op.name))
         mark = "*" if row["name"] in cons else ""
         rows.append((mark + row["name"], row["kind"], splits, f"[{axes}]", fmt_seconds(row["cost_seconds"])))
     lines.extend("  " + line for line in format_table(rows, right=(4,)).splitlines())

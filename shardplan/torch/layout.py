@@ -24,6 +24,11 @@ one of 2 under a replica factor of 2); :func:`mesh_dims` then raises
 :class:`~shardplan.errors.ShardplanError`. Any configuration on a power of two
 is expressible.
 
+Multi-level machines. A plan's :class:`~shardplan.layout.Layout` splits
+dims per machine level; its groups are read level by level, outer first
+(:func:`layout_groups`), so a dim split across nodes and inside them takes
+two mesh axes, the node one major, exactly as the Layout numbers devices.
+
 Placements of one tensor of an operator: on a mesh axis that belongs to
 dimension d, ``Shard(i)`` when tensor axis i is indexed plainly by d (or d
 leads a merged axis), else ``Replicate()``; replica axes are ``Replicate()``.
@@ -60,22 +65,36 @@ def mesh_factors(p: int) -> tuple[int, ...]:
     return tuple(out) or (1,)
 
 
-def _boundaries(op: Operator, config: Sequence[int], order: Sequence[int], p: int) -> list[int]:
-    """Device counts at which the configuration's groups (replicas, then splits in nesting order) end."""
-    n = math.prod(int(c) for c in config)
-    out, acc = [], p // n if n and p % n == 0 else 1
-    out.append(acc)
-    for j in order:
-        c = int(config[int(j)])
-        if c > 1:
-            acc *= c
-            out.append(acc)
+def layout_groups(layout: Any) -> list[tuple[str | None, int]]:
+    """The mesh groups of a :class:`~shardplan.layout.Layout`, major first: (dim or None for replicas, size).
+
+    Per machine level, outer first: the level's replica factor, then its split
+    dims in nesting order (the order of :meth:`Layout.mesh_shape`); groups of
+    size 1 are left out. A dim split on two levels appears twice, the outer
+    level first, as the Layout numbers devices.
+    """
+    out: list[tuple[str | None, int]] = []
+    for lvl in reversed(range(len(layout.levels))):
+        if layout.replicas[lvl] > 1:
+            out.append((None, int(layout.replicas[lvl])))
+        out.extend((layout.dims[j], int(layout.splits[lvl][j])) for j in layout.orders[lvl])
     return out
 
 
-def plan_mesh_shape(ops: Sequence[Operator], configs: Sequence[Sequence[int]], orders: Sequence[Sequence[int]],
-                    p: int) -> tuple[int, ...]:
-    """The coarsest mesh that expresses every configuration: its axes end at every group boundary used.
+def _boundaries(layout: Any) -> list[int]:
+    """Device counts at which the layout's groups end."""
+    if layout.active_devices != layout.num_devices:
+        raise ShardplanError(f"layout {layout.describe()} leaves devices idle; a DeviceMesh over all devices "
+                             "cannot express it")
+    out, acc = [1], 1
+    for _, size in layout_groups(layout):
+        acc *= size
+        out.append(acc)
+    return out
+
+
+def plan_mesh_shape(layouts: Sequence[Any], p: int) -> tuple[int, ...]:
+    """The coarsest mesh that expresses every layout: its axes end at every group boundary used.
 
     Fewer mesh axes mean fewer sequential collectives per redistribution and
     a far cheaper DTensor sharding propagation (its strategies are expanded
@@ -83,8 +102,8 @@ def plan_mesh_shape(ops: Sequence[Operator], configs: Sequence[Sequence[int]], o
     (only possible when p has distinct prime factors) the prime factors are used.
     """
     cuts = {1, p}
-    for op, c, o in zip(ops, configs, orders):
-        cuts.update(_boundaries(op, c, o, p))
+    for lay in layouts:
+        cuts.update(_boundaries(lay))
     chain = sorted(cuts)
     if any(b % a for a, b in zip(chain, chain[1:])):
         return mesh_factors(p)
@@ -92,31 +111,24 @@ def plan_mesh_shape(ops: Sequence[Operator], configs: Sequence[Sequence[int]], o
     return shape or (1,)
 
 
-def mesh_dims(op: Operator, config: Sequence[int], order: Sequence[int], factors: Sequence[int]) -> tuple[str | None, ...]:
-    """Per mesh axis, the dimension of ``op`` it splits (None: a replica axis).
-
-    ``order`` lists dimension indices, most significant first.
-    """
+def mesh_dims(layout: Any, factors: Sequence[int], name: str = "") -> tuple[str | None, ...]:
+    """Per axis of the mesh ``factors``, the dimension of the layout it splits (None: a replica axis)."""
     p = math.prod(factors)
-    n = math.prod(int(c) for c in config)
-    if p % n:
-        raise ShardplanError(f"operator {op.name!r}: configuration {tuple(config)} uses {n} devices, "
-                             f"which does not divide p={p}")
-    groups: list[tuple[str | None, int]] = [(None, p // n)]
-    groups += [(op.dim_names[int(j)], int(config[int(j)])) for j in order if int(config[int(j)]) > 1]
+    if layout.num_devices != p:
+        raise ShardplanError(f"operator {name!r}: layout for {layout.num_devices} devices on a mesh of {p}")
     out: list[str | None] = []
     k = 0
-    for d, size in groups:
+    for d, size in layout_groups(layout):
         prod = 1
         while prod < size:
             if k >= len(factors):
-                raise ShardplanError(f"operator {op.name!r}: internal: mesh {tuple(factors)} exhausted")
+                raise ShardplanError(f"operator {name!r}: internal: mesh {tuple(factors)} exhausted")
             prod *= factors[k]
             out.append(d)
             k += 1
         if prod != size:
             raise ShardplanError(
-                f"operator {op.name!r}: split {d or 'replica'}={size} does not fall on consecutive axes of the "
+                f"operator {name!r}: split {d or 'replica'}={size} does not fall on consecutive axes of the "
                 f"mesh {tuple(factors)}; use a power-of-two device count")
     out.extend([None] * (len(factors) - k))
     return tuple(out)

@@ -60,11 +60,10 @@ def factored_mesh(mesh: Any, shape: Sequence[int] | None = None) -> Any:
 class Layouts:
     """Per operator, which dimension each mesh axis splits; placements of its tensors on demand."""
 
-    def __init__(self, graph: Graph, configs: Mapping[str, Sequence[int]], orders: Mapping[str, Sequence[int]],
-                 factors: Sequence[int]) -> None:
+    def __init__(self, graph: Graph, layouts: Mapping[str, Any], factors: Sequence[int]) -> None:
         self.graph = graph
         self.axes: dict[str, tuple[str | None, ...]] = {
-            op.name: mesh_dims(op, configs[op.name], orders[op.name], factors) for op in graph.operators}
+            op.name: mesh_dims(layouts[op.name], factors, op.name) for op in graph.operators}
 
     def tensor(self, op_name: str, tensor_name: str) -> Tensor:
         op = self.graph[op_name]
@@ -85,9 +84,8 @@ def plan_placements(plan: Any, info: TorchTrace, p: int) -> dict[str, Any]:
     """Readable layout of a plan: per operator its mesh axes' dimensions and output placements, per parameter its placements."""
     from shardplan.torch.layout import placement_names
 
-    ops = plan.graph.operators
-    shape = plan_mesh_shape(ops, [plan.configs[o.name] for o in ops], [plan.orders[o.name] for o in ops], p)
-    lay = Layouts(plan.graph, plan.configs, plan.orders, shape)
+    shape = plan_mesh_shape(list(plan.layouts.values()), p)
+    lay = Layouts(plan.graph, plan.layouts, shape)
     out: dict[str, Any] = {"mesh": shape, "operators": {}, "parameters": {}}
     for op in plan.graph.operators:
         out["operators"][op.name] = {"mesh_axes": lay.axes[op.name],
@@ -219,9 +217,9 @@ class ParallelModule:
     """
 
     @staticmethod
-    def create(module: Any, info: TorchTrace, graph: Graph, configs: Mapping[str, Sequence[int]],
-               orders: Mapping[str, Sequence[int]], mesh: Any) -> Any:
-        return _make_class()(module, info, graph, configs, orders, mesh)
+    def create(module: Any, info: TorchTrace, graph: Graph, layouts: Mapping[str, Any], mesh: Any) -> Any:
+        """``layouts``: operator name -> :class:`~shardplan.layout.Layout` (``plan.layouts``)."""
+        return _make_class()(module, info, graph, layouts, mesh)
 
 
 def _make_class() -> Any:
@@ -232,16 +230,15 @@ def _make_class() -> Any:
     from torch.export.graph_signature import InputKind
 
     class _ParallelModule(nn.Module):
-        def __init__(self, module: Any, info: TorchTrace, graph: Graph, configs: Mapping[str, Sequence[int]],
-                     orders: Mapping[str, Sequence[int]], mesh: Any) -> None:
+        def __init__(self, module: Any, info: TorchTrace, graph: Graph, layouts: Mapping[str, Any],
+                     mesh: Any) -> None:
             super().__init__()
             self.info = info
             self.graph = graph
             p = int(mesh.mesh.numel())
-            ops = graph.operators
-            shape = plan_mesh_shape(ops, [configs[o.name] for o in ops], [orders[o.name] for o in ops], p)
+            shape = plan_mesh_shape([layouts[o.name] for o in graph.operators], p)
             self.mesh = factored_mesh(mesh, shape)
-            self.layouts = Layouts(graph, configs, orders, tuple(self.mesh.mesh.shape))
+            self.layouts = Layouts(graph, layouts, tuple(self.mesh.mesh.shape))
             ep = info.program
             self._ep = ep
             self._gm = ep.graph_module
