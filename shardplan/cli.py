@@ -21,20 +21,116 @@ __all__ = ["main"]
 
 
 # --------------------------------------------------------------------------- helpers
-def _progress(label: str) -> Callable[[int, int], None] | None:
-    """A stderr progress line for long steps (only on a terminal)."""
-    if not sys.stderr.isatty():
-        return None
-    start = time.perf_counter()
+PROGRESS_EVERY_TTY = 0.5  # seconds between updates of the one rewritten line on a terminal
+PROGRESS_EVERY_LOG = 5.0  # seconds between progress lines when stderr is a file or a pipe
+
+
+def _progress(label: str, every: float | None = None,
+              stream: Any = None, clock: Callable[[], float] = time.perf_counter) -> Callable[[int, int], None]:
+    """A progress reporter ``show(done, total)`` for long steps, writing to stderr.
+
+    On a terminal one line is rewritten in place (every 0.5 s); elsewhere (a
+    log file, a pipe, a batch job) a full line is written every
+    ``PROGRESS_EVERY_LOG`` seconds, so a long build is never silent.
+    ``every`` (the ``--progress SECONDS`` option) forces full lines at that
+    interval. Nothing is written for a step that ends within the first
+    interval; a step that showed progress ends with its final count.
+    """
+    out = stream if stream is not None else sys.stderr
+    tty = every is None and out.isatty()
+    interval = every if every is not None else (PROGRESS_EVERY_TTY if tty else PROGRESS_EVERY_LOG)
+    start = clock()
+    state = {"last": start, "shown": False}
 
     def show(i: int, n: int) -> None:
-        if time.perf_counter() - start < 0.5 and i < n:
+        now = clock()
+        done = i >= n
+        if done and not state["shown"]:
             return
-        end = "\n" if i >= n else ""
-        sys.stderr.write(f"\r{label} {i}/{n}{end}")
-        sys.stderr.flush()
+        if not done and now - state["last"] < interval:
+            return
+        state["last"], state["shown"] = now, True
+        if tty:
+            out.write(f"\r{label} {i}/{n}" + ("\n" if done else ""))
+        else:
+            out.write(f"{label} {i}/{n} ({now - start:.0f} s)\n")
+        out.flush()
 
     return show
+
+
+# --------------------------------------------------------------------------- option values
+# Plausible hardware: the bounds keep every cost finite and non-zero (a bandwidth of
+# 1e-300 B/s makes costs overflow to inf, an infinite FLOP/s makes compute free).
+FLOPS_RANGE = (1e3, 1e18)  # FLOP/s per device
+BANDWIDTH_RANGE = (1e3, 1e15)  # bytes/s per link
+LATENCY_RANGE = (0.0, 10.0)  # seconds per message step
+MEMORY_OPTION_RANGE = (1.0, 2.0**62)  # bytes, for --table-memory / --bfs-memory
+
+
+class _UsageError(ShardplanError):
+    """A command line argparse refused (unknown option, missing value, bad value); ``prog``: which command."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line and exit status 2 (from :func:`main`), like every other error,
+    instead of the usage text and the message."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self.prog, f"{message} (see '{self.prog} --help')")
+
+
+def _int_option(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
+    """argparse type: an integer in [minimum, maximum]; the message names the option (argparse adds it)."""
+    from shardplan.checks import integer
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects an integer, got {text!r}") from None
+        try:
+            return integer("", value, minimum, maximum)
+        except ShardplanError as e:
+            raise argparse.ArgumentTypeError(str(e).strip()) from None
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _real_option(minimum: float | None = None, maximum: float | None = None, positive: bool = False,
+                 unit: str = "") -> Callable[[str], float]:
+    """argparse type: a finite number in [minimum, maximum] (NaN, inf and overflowing literals refused)."""
+    from shardplan.checks import real
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects a number, got {text!r}") from None
+        try:
+            return real("", value, minimum, maximum, positive=positive, unit=unit)
+        except ShardplanError as e:
+            raise argparse.ArgumentTypeError(str(e).strip()) from None
+
+    parse.__name__ = "number"
+    return parse
+
+
+def _plot_path(text: str) -> str:
+    """argparse type for --plot: a file name whose suffix is an image format matplotlib writes."""
+    from shardplan.report.plot import plot_formats
+
+    suffix = Path(text).suffix.lower().lstrip(".")
+    formats = plot_formats()
+    if suffix not in formats:
+        what = f"format {suffix!r}" if suffix else "no format suffix"
+        raise argparse.ArgumentTypeError(f"{text!r} has {what}; use one of .{', .'.join(formats)}")
+    return text
 
 
 def _parse_sizes(items: Sequence[str] | None) -> dict[str, Any]:
@@ -68,7 +164,7 @@ def _machine(args: argparse.Namespace, p: int, preset_name: str | None = None):
 
     if p < 1:
         raise ShardplanError(f"number of devices must be at least 1, got {p}")
-    m = preset(preset_name or args.machine, p)
+    m = preset(preset_name or getattr(args, "machine", None) or "paper", p)
     over: dict[str, Any] = {}
     if getattr(args, "flops", None) is not None:
         over["peak_flops"] = args.flops
@@ -100,21 +196,47 @@ def _write_json(path: str, data: Any) -> None:
         raise ShardplanError(f"cannot write {path}: {e.strerror}") from None
 
 
+# Solver options of `solve` and the solvers they apply to; giving one to another solver is an error.
+SOLVER_OPTIONS = {
+    "ordering": ("--ordering", ("dp",)),
+    "table_memory": ("--table-memory", ("dp", "bfs-dp", "ilp")),  # with --model it also limits the build
+    "time_limit": ("--time-limit", ("ilp",)),
+    "seed": ("--seed", ("mcmc",)),
+}
+# Options of `solve` that describe a model (and its machine); a problem file already has its costs.
+MODEL_OPTIONS = {
+    "batch": "--batch", "set": "--set", "cutoff": "--cutoff", "orders": "--orders", "all_divisors": "--all-divisors",
+    "procs": "-p/--procs", "machine": "--machine", "flops": "--flops", "bandwidth": "--bandwidth",
+    "latency": "--latency", "dtype": "--dtype", "no_baselines": "--no-baselines", "dot": "--dot",
+}
+
+
+def _check_applicable(args: argparse.Namespace) -> None:
+    """Refuse options that would be silently ignored: model options with --problem, another solver's options."""
+    if args.problem is not None:
+        given = [flag for key, flag in MODEL_OPTIONS.items() if getattr(args, key, None) not in (None, False)]
+        if given:
+            raise ShardplanError(f"{given[0]} does not apply to --problem (a problem file already holds its costs); "
+                                 "it needs --model")
+    for key, (flag, solvers) in SOLVER_OPTIONS.items():
+        if key == "table_memory" and args.model is not None:
+            continue
+        if getattr(args, key) is not None and args.solver not in solvers:
+            raise ShardplanError(f"{flag} does not apply to --solver {args.solver} (only to {', '.join(solvers)})")
+
+
 def _solver_opts(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     if args.solver in ("dp",):
-        opts["ordering"] = args.ordering
-        prog = _progress("eliminating vertices")
-        if prog is not None:
-            opts["progress"] = prog
-        if args.table_memory is not None:
-            opts["memory_limit_bytes"] = int(args.table_memory)
-    if args.solver == "bfs-dp" and args.table_memory is not None:
+        if args.ordering is not None:
+            opts["ordering"] = args.ordering
+        opts["progress"] = _progress("eliminating vertices", args.progress)
+    if args.solver in ("dp", "bfs-dp", "ilp") and args.table_memory is not None:
         opts["memory_limit_bytes"] = int(args.table_memory)
     if args.solver == "ilp":
-        opts["time_limit"] = args.time_limit
+        opts["time_limit"] = 60.0 if args.time_limit is None else args.time_limit
     if args.solver == "mcmc":
-        opts["seed"] = args.seed
+        opts["seed"] = 0 if args.seed is None else args.seed
     return opts
 
 
@@ -161,8 +283,10 @@ def _solve_model(args: argparse.Namespace) -> int:
     spec, g = _graph(args)
     m = _machine(args, args.procs)
     t0 = time.perf_counter()
-    tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders, divides_p=not args.all_divisors,
-                          progress=_progress("costing edges"))
+    tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders or "auto",
+                          divides_p=not args.all_divisors,
+                          progress=_progress("building cost tables", args.progress),
+                          memory_limit_bytes=None if args.table_memory is None else int(args.table_memory))
     build = time.perf_counter() - t0
     plan = solve_tables(tables, solver=args.solver, build_seconds=build, **_solver_opts(args))
     baselines = {} if args.no_baselines else baseline_plans(tables, spec.expert)
@@ -185,8 +309,7 @@ def _solve_problem(args: argparse.Namespace) -> int:
     sol = SOLVERS[args.solver](problem, **_solver_opts(args))
     out = solution_to_dict(problem, sol)
     print(f"{args.problem}: {problem.num_vertices} vertices, {len(problem.edges)} edges; solver {sol.solver}")
-    print(f"cost {out['cost']:.9g}  ({'optimal' if sol.optimal else 'not proven optimal'}), "
-          f"solved in {fmt_seconds(sol.solve_seconds)}")
+    print(f"cost {out['cost']:.9g}  ({_optimality(sol)}), solved in {fmt_seconds(sol.solve_seconds)}")
     if args.json:
         _write_json(args.json, out)
     else:
@@ -194,9 +317,23 @@ def _solve_problem(args: argparse.Namespace) -> int:
     return 0
 
 
+def _optimality(sol) -> str:
+    """How far the answer is proven: the checks of :func:`shardplan.search.problem.certify`, in words."""
+    cert = sol.stats.get("certificate") or {}
+    if sol.optimal:
+        if cert.get("rel_gap") is not None:
+            return (f"optimal: cost and the solver's value of the optimum agree to relative "
+                    f"{cert['rel_gap']:.2g} <= {cert['rtol']:g}; no single change improves it")
+        return "optimal"
+    if cert.get("failed"):
+        return f"NOT proven optimal: {cert['failed']}"
+    return "not proven optimal"
+
+
 def cmd_solve(args: argparse.Namespace) -> int:
     if (args.model is None) == (args.problem is None):
         raise ShardplanError("solve needs exactly one of --model NAME or --problem FILE")
+    _check_applicable(args)
     if args.model is not None:
         if args.procs is None:
             raise ShardplanError("solve --model needs -p/--procs (number of devices)")
@@ -210,8 +347,10 @@ def cmd_export_problem(args: argparse.Namespace) -> int:
 
     spec, g = _graph(args)
     m = _machine(args, args.procs)
-    tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders, divides_p=not args.all_divisors,
-                          progress=_progress("costing edges"))
+    tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders or "auto",
+                          divides_p=not args.all_divisors,
+                          progress=_progress("building cost tables", args.progress),
+                          memory_limit_bytes=None if args.table_memory is None else int(args.table_memory))
     problem = tables.to_problem()
     try:
         save_problem(problem, args.output)
@@ -226,8 +365,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from shardplan.bench import run_table1
 
     models = [s.strip() for s in args.models.split(",") if s.strip()]
+    if not models:
+        raise ShardplanError(f"--models expects a comma-separated list of model names, got {args.models!r}")
+    if args.no_bfs and args.bfs_memory is not None:
+        raise ShardplanError("--bfs-memory does not apply with --no-bfs")
     result = run_table1(models, _procs(args.procs), machine=args.machine, orders=args.orders,
-                        bfs=not args.no_bfs, bfs_memory=args.bfs_memory, log=sys.stderr)
+                        bfs=not args.no_bfs,
+                        bfs_memory=2e9 if args.bfs_memory is None else args.bfs_memory, log=sys.stderr)
     print(result["table"])
     if args.out:
         _write_json(args.out, result)
@@ -255,35 +399,40 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parser
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line on stderr and exit status 2, like every other error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _add_machine(p: argparse.ArgumentParser) -> None:
     from shardplan.machine import DTYPE_BYTES, PRESETS
 
-    p.add_argument("--machine", default="paper", choices=tuple(PRESETS),
+    p.add_argument("--machine", default=None, choices=tuple(PRESETS),
                    help="machine preset (default paper: 10 TFLOP/s, 16 GB/s)")
-    p.add_argument("--flops", type=float, help="override peak FLOP/s per device")
-    p.add_argument("--bandwidth", type=float, help="override link bandwidth, bytes/s")
-    p.add_argument("--latency", type=float, help="override link latency, seconds")
+    p.add_argument("--flops", type=_real_option(*FLOPS_RANGE, unit="FLOP/s"),
+                   help=f"override peak FLOP/s per device ({FLOPS_RANGE[0]:g} to {FLOPS_RANGE[1]:g})")
+    p.add_argument("--bandwidth", type=_real_option(*BANDWIDTH_RANGE, unit="B/s"),
+                   help=f"override link bandwidth, bytes/s ({BANDWIDTH_RANGE[0]:g} to {BANDWIDTH_RANGE[1]:g})")
+    p.add_argument("--latency", type=_real_option(*LATENCY_RANGE, unit="s"),
+                   help=f"override link latency, seconds ({LATENCY_RANGE[0]:g} to {LATENCY_RANGE[1]:g})")
     p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="element type")
 
 
-def _add_model(p: argparse.ArgumentParser, required: bool = True) -> None:
+def _add_model(p: argparse.ArgumentParser, required: bool = True, orders: bool = True) -> None:
+    from shardplan.checks import MAX_EXTENT
     from shardplan.cost import ORDERS
 
     p.add_argument("--model", required=required, help="zoo model name (see `shardplan models`)")
-    p.add_argument("--batch", type=int, help="batch size (default: the model's)")
+    p.add_argument("--batch", type=_int_option(1, MAX_EXTENT), help="batch size (default: the model's)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model size, e.g. --set layers=12")
-    p.add_argument("--cutoff", type=int, help="minimum points per part (default: the model's, 4 CNNs / 1 sequence)")
-    p.add_argument("--orders", default="auto", choices=ORDERS,
-                   help="device-grid nestings offered per configuration (default auto: all while small)")
-    p.add_argument("--all-divisors", action="store_true",
+    p.add_argument("--cutoff", type=_int_option(1, MAX_EXTENT),
+                   help="minimum points per part (default: the model's, 4 CNNs / 1 sequence)")
+    if orders:
+        p.add_argument("--orders", default=None, choices=ORDERS,
+                       help="device-grid nestings offered per configuration (default auto: all while small)")
+    p.add_argument("--all-divisors", action="store_true", default=None,
                    help="also allow configurations whose device count does not divide p (idle devices)")
+
+
+def _add_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--progress", type=_real_option(0.0, 3600.0), metavar="SECONDS",
+                   help="write a progress line to stderr every SECONDS during long steps (default: a line "
+                        f"rewritten in place on a terminal, a line every {PROGRESS_EVERY_LOG:g} s otherwise)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     from shardplan.search import SOLVERS
     from shardplan.search.ordering import ORDERINGS
 
+    memory = _real_option(*MEMORY_OPTION_RANGE, unit="B")
     ap = _Parser(prog="shardplan", description="Exact search for the fastest way to split a DNN training step "
                                                "across devices (PaSE), with reports and problem files.")
     ap.add_argument("--version", action="version", version=f"shardplan {shardplan.__version__}")
@@ -301,31 +451,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("ops", help="list a model's operators, dimensions and configuration counts")
-    _add_model(p)
-    p.add_argument("-p", "--procs", type=int, default=8, help="number of devices (default 8)")
+    _add_model(p, orders=False)
+    p.add_argument("-p", "--procs", type=_int_option(1), default=8, help="number of devices (default 8)")
     _add_machine(p)
     p.set_defaults(func=cmd_ops)
 
     p = sub.add_parser("solve", help="find the optimal strategy of a model or a problem file")
     _add_model(p, required=False)
     p.add_argument("--problem", help="a shardplan-problem/1 JSON file instead of a model")
-    p.add_argument("-p", "--procs", type=int, help="number of devices")
+    p.add_argument("-p", "--procs", type=_int_option(1), help="number of devices")
     _add_machine(p)
     p.add_argument("--solver", default="dp", choices=tuple(SOLVERS))
-    p.add_argument("--ordering", default="min-table", choices=tuple(ORDERINGS), help="DP vertex order")
-    p.add_argument("--table-memory", type=float, help="DP table memory limit in bytes (default 1/4 of RAM)")
-    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit, seconds (default 60)")
-    p.add_argument("--seed", type=int, default=0, help="MCMC seed")
-    p.add_argument("--no-baselines", action="store_true", help="skip the baseline comparison")
+    p.add_argument("--ordering", choices=tuple(ORDERINGS), help="DP vertex order (default min-table)")
+    p.add_argument("--table-memory", type=memory,
+                   help="memory limit in bytes for building the cost tables and for the DP, BFS-DP and ILP "
+                        "(default 1/4 of the available memory)")
+    p.add_argument("--time-limit", type=_real_option(positive=True, maximum=1e7, unit="s"),
+                   help="ILP time limit, seconds (default 60)")
+    p.add_argument("--seed", type=_int_option(0, 2**63 - 1), help="MCMC seed (default 0)")
+    p.add_argument("--no-baselines", action="store_true", default=None, help="skip the baseline comparison")
     p.add_argument("--json", help="write the plan as JSON here")
     p.add_argument("--dot", help="write the plan as Graphviz DOT here")
+    _add_progress(p)
     p.set_defaults(func=cmd_solve)
 
     p = sub.add_parser("export-problem", help="write a model's cost tables as a problem file")
     _add_model(p)
-    p.add_argument("-p", "--procs", type=int, required=True, help="number of devices")
+    p.add_argument("-p", "--procs", type=_int_option(1), required=True, help="number of devices")
     p.add_argument("-o", "--output", required=True, help="output JSON path")
     _add_machine(p)
+    p.add_argument("--table-memory", type=memory,
+                   help="memory limit in bytes for building the cost tables (default 1/4 of the available memory)")
+    _add_progress(p)
     p.set_defaults(func=cmd_export_problem)
 
     p = sub.add_parser("bench", help="the paper's Table I: solve time per model and device count")
@@ -334,36 +491,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--machine", default="paper", choices=tuple(PRESETS))
     p.add_argument("--orders", default="auto", choices=ORDERS)
     p.add_argument("--no-bfs", action="store_true", help="skip the breadth-first-order DP column")
-    p.add_argument("--bfs-memory", type=float, default=2e9, help="table memory limit of the BFS DP, bytes")
+    p.add_argument("--bfs-memory", type=memory, help="table memory limit of the BFS DP, bytes (default 2e9)")
     p.add_argument("--out", help="write JSON here")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("compare", help="data parallel vs expert vs MCMC vs DP across device counts, with a plot")
+    from shardplan.checks import MAX_EXTENT
+
     p.add_argument("--model", required=True)
     p.add_argument("--procs", default="4,8,16,32,64")
     p.add_argument("--machine", dest="machine_list", action="append", choices=tuple(PRESETS),
                    help="machine preset (repeat to compare; default paper)")
-    p.add_argument("--batch", type=int)
+    p.add_argument("--batch", type=_int_option(1, MAX_EXTENT))
     p.add_argument("--set", action="append", metavar="KEY=VALUE")
-    p.add_argument("--cutoff", type=int)
+    p.add_argument("--cutoff", type=_int_option(1, MAX_EXTENT))
     p.add_argument("--orders", default="auto", choices=ORDERS)
-    p.add_argument("--seed", type=int, default=0, help="MCMC seed")
+    p.add_argument("--seed", type=_int_option(0, 2**63 - 1), default=0, help="MCMC seed")
     p.add_argument("--json", help="write JSON here")
-    p.add_argument("--plot", help="write a PNG plot here")
+    p.add_argument("--plot", type=_plot_path, help="write a plot here (.png, .pdf, .svg, ...)")
     p.set_defaults(func=cmd_compare)
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0
         return args.func(args)
+    except _UsageError as e:
+        print(f"{e.prog}: error: {_one_line(str(e))}", file=sys.stderr)
+        return 2
     except ShardplanError as e:
-        print(f"shardplan: error: {e}", file=sys.stderr)
+        print(f"shardplan: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("shardplan: interrupted", file=sys.stderr)
@@ -377,6 +539,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _one_line(message: str) -> str:
+    """``message`` on one line (a message quoting user text could hold a newline)."""
+    return " ".join(message.split())
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ class ShardplanError(ValueError):
 class TableMemoryError(ShardplanError):
     """An exact search refused to build a table larger than its memory limit.
 
-    Raised by the DP's and the breadth-first DP's table-size guards before
-    any allocation; callers that can live without that solver's answer
+    Raised by the memory guards before any allocation: the cost-table build,
+    the DP's and the breadth-first DP's tables, the ILP's program; callers that can live without that solver's answer
     (benchmarks, bound pruning's sub-solves) catch this class.
     """

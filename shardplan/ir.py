@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
+from shardplan.checks import MAX_EXTENT
 from shardplan.errors import ShardplanError
 
 if TYPE_CHECKING:
@@ -244,6 +245,8 @@ class Operator:
         for d, e in self.dims:
             if e <= 0:
                 self._fail(f"dimension {d!r} has extent {e}; extents must be positive")
+            if e > MAX_EXTENT:
+                self._fail(f"dimension {d!r} has extent {e}, more than the cost model supports ({MAX_EXTENT})")
         if self.output.role != "output":
             self._fail("the output tensor must have role 'output'")
         ext = self.extents
@@ -479,6 +482,9 @@ class GraphBuilder:
         shape = tuple(int(s) for s in shape)
         if any(s <= 0 for s in shape):
             raise ShardplanError(f"graph input {name!r} has a zero or negative extent in {shape}")
+        if any(s > MAX_EXTENT for s in shape):
+            raise ShardplanError(f"graph input {name!r}: shape {shape} has an extent above {MAX_EXTENT}, "
+                                 "more than the cost model supports")
         self._inputs[name] = shape
         return TensorRef(name, shape, is_input=True, needs_grad=needs_grad)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardplan.checks import integer, real
 from shardplan.errors import ShardplanError
 
 __all__ = ["Machine", "PRESETS", "preset", "DTYPE_BYTES"]
@@ -71,43 +72,53 @@ class Machine:
     overlap_grad: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_devices, int) or self.num_devices < 1:
-            raise ShardplanError(f"machine: number of devices must be a positive integer, got {self.num_devices!r}")
-        for field_name in ("peak_flops", "bandwidth"):
-            v = getattr(self, field_name)
-            if not v > 0:
-                raise ShardplanError(f"machine: {field_name} must be positive, got {v!r}")
-        if self.latency < 0:
-            raise ShardplanError(f"machine: latency must be >= 0, got {self.latency!r}")
-        if self.dtype_bytes not in (1, 2, 4, 8):
-            raise ShardplanError(f"machine: dtype_bytes must be 1, 2, 4 or 8, got {self.dtype_bytes!r}")
-        if self.memory_bytes is not None and not self.memory_bytes > 0:
-            raise ShardplanError(f"machine: memory_bytes must be positive, got {self.memory_bytes!r}")
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        put("num_devices", integer("machine: num_devices", self.num_devices, minimum=1))
+        put("peak_flops", real("machine: peak_flops", self.peak_flops, positive=True, unit="FLOP/s"))
+        put("bandwidth", real("machine: bandwidth", self.bandwidth, positive=True, unit="B/s"))
+        put("latency", real("machine: latency", self.latency, minimum=0.0, unit="s"))
+        dtype_bytes = integer("machine: dtype_bytes", self.dtype_bytes)
+        if dtype_bytes not in (1, 2, 4, 8):
+            raise ShardplanError(f"machine: dtype_bytes must be 1, 2, 4 or 8, got {dtype_bytes!r}")
+        put("dtype_bytes", dtype_bytes)
+        if self.memory_bytes is not None:
+            put("memory_bytes", real("machine: memory_bytes", self.memory_bytes, positive=True, unit="B"))
         if self.node_size is not None:
-            if self.node_size < 1:
-                raise ShardplanError(f"machine: node_size must be >= 1, got {self.node_size!r}")
-            if self.inter_bandwidth is None or not self.inter_bandwidth > 0:
+            put("node_size", integer("machine: node_size", self.node_size, minimum=1))
+            if self.inter_bandwidth is None:
                 raise ShardplanError("machine: a hierarchical machine (node_size set) needs a positive inter_bandwidth")
-        if self.inter_latency is not None and self.inter_latency < 0:
-            raise ShardplanError(f"machine: inter_latency must be >= 0, got {self.inter_latency!r}")
+        if self.inter_bandwidth is not None:
+            put("inter_bandwidth", real("machine: inter_bandwidth", self.inter_bandwidth, positive=True, unit="B/s"))
+        if self.inter_latency is not None:
+            put("inter_latency", real("machine: inter_latency", self.inter_latency, minimum=0.0, unit="s"))
+        if not isinstance(self.name, str):
+            raise ShardplanError(f"machine: name must be a string, got {self.name!r}")
         if self.hierarchical and self.num_devices % int(self.node_size):  # type: ignore[arg-type]
             raise ShardplanError(f"machine: {self.num_devices} devices do not fill whole nodes of {self.node_size}")
         if self.pod_nodes is not None:
-            if self.node_size is None or self.pod_nodes < 1:
-                raise ShardplanError(f"machine: pod_nodes={self.pod_nodes!r} needs node_size and must be >= 1")
-            if self.pod_bandwidth is None or not self.pod_bandwidth > 0:
+            put("pod_nodes", integer("machine: pod_nodes", self.pod_nodes, minimum=1))
+            if self.node_size is None:
+                raise ShardplanError(f"machine: pod_nodes={self.pod_nodes!r} needs node_size")
+            if self.pod_bandwidth is None:
                 raise ShardplanError("machine: a machine with pods (pod_nodes set) needs a positive pod_bandwidth")
             per_pod = int(self.node_size) * self.pod_nodes
             if self.num_devices > per_pod and self.num_devices % per_pod:
                 raise ShardplanError(f"machine: {self.num_devices} devices do not fill whole pods of {per_pod}")
-        if self.pod_latency is not None and self.pod_latency < 0:
-            raise ShardplanError(f"machine: pod_latency must be >= 0, got {self.pod_latency!r}")
-        if self.hbm_bandwidth is not None and not self.hbm_bandwidth > 0:
-            raise ShardplanError(f"machine: hbm_bandwidth must be positive, got {self.hbm_bandwidth!r}")
-        if self.grad_bucket_bytes is not None and not self.grad_bucket_bytes > 0:
-            raise ShardplanError(f"machine: grad_bucket_bytes must be positive, got {self.grad_bucket_bytes!r}")
-        if not 0 < self.flops_efficiency <= 1:
-            raise ShardplanError(f"machine: flops_efficiency must be in (0, 1], got {self.flops_efficiency!r}")
+        if self.pod_bandwidth is not None:
+            put("pod_bandwidth", real("machine: pod_bandwidth", self.pod_bandwidth, positive=True, unit="B/s"))
+        if self.pod_latency is not None:
+            put("pod_latency", real("machine: pod_latency", self.pod_latency, minimum=0.0, unit="s"))
+        if self.hbm_bandwidth is not None:
+            put("hbm_bandwidth", real("machine: hbm_bandwidth", self.hbm_bandwidth, positive=True, unit="B/s"))
+        if self.grad_bucket_bytes is not None:
+            put("grad_bucket_bytes", real("machine: grad_bucket_bytes", self.grad_bucket_bytes, positive=True,
+                                          unit="B"))
+        efficiency = real("machine: flops_efficiency", self.flops_efficiency, positive=True, maximum=1.0)
+        put("flops_efficiency", efficiency)
+        if not isinstance(self.overlap_grad, bool):
+            raise ShardplanError(f"machine: overlap_grad must be True or False, got {self.overlap_grad!r}")
 
     @property
     def p(self) -> int:

@@ -176,7 +176,20 @@ def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: boo
     build, then searches them with :func:`solve_tables`; extra keyword
     arguments go to the solver (e.g. ``ordering="generateseq"``).
     """
+    from shardplan.checks import MAX_EXTENT, integer
+
+    if not isinstance(graph, Graph):
+        raise ShardplanError(f"solve: graph must be a shardplan Graph (e.g. get_model('alexnet')), "
+                             f"got {type(graph).__name__}")
+    if not isinstance(machine, Machine):
+        raise ShardplanError(f"solve: machine must be a shardplan Machine (e.g. preset('paper', 8)), "
+                             f"got {type(machine).__name__}")
     _check_solver(solver)
+    integer("solve: cutoff", cutoff, 1, MAX_EXTENT)
+    if orders not in ("auto", "all", "row-major"):
+        raise ShardplanError(f"solve: orders must be 'auto', 'all' or 'row-major', got {orders!r}")
+    if progress is not None and not callable(progress):
+        raise ShardplanError(f"solve: progress must be a callable progress(done, total), got {progress!r}")
     t0 = time.perf_counter()
     tables = build_tables(graph, machine, cutoff=cutoff, powers_of_two=powers_of_two, divides_p=divides_p,
                           orders=orders, progress=progress)
@@ -194,6 +207,8 @@ def solve_tables(tables: CostTables, *, solver: str = "dp", build_seconds: float
     """
     from shardplan.search import SOLVERS
 
+    if not isinstance(tables, CostTables):
+        raise ShardplanError(f"solve_tables: tables must be CostTables from build_tables, got {type(tables).__name__}")
     _check_solver(solver)
     sol = SOLVERS[solver](tables.to_problem(), **solver_options)
     return Plan(tables, tuple(int(a) for a in sol.assignment), sol, solver, build_seconds)
@@ -202,5 +217,5 @@ def solve_tables(tables: CostTables, *, solver: str = "dp", build_seconds: float
 def _check_solver(solver: str) -> None:
     from shardplan.search import SOLVERS
 
-    if solver not in SOLVERS:
+    if not isinstance(solver, str) or solver not in SOLVERS:
         raise ShardplanError(f"unknown solver {solver!r}; choose from {', '.join(sorted(SOLVERS))}")

@@ -58,7 +58,7 @@ def test_unknown_model_is_one_line_exit_2(capsys):
 
 def test_bad_device_count_and_missing_args(capsys):
     code, _, err = run(capsys, "solve", "--model", "alexnet", "-p", "0")
-    assert code == 2 and "devices" in err
+    assert code == 2 and "-p/--procs" in err and err.count("\n") == 1
     code, _, err = run(capsys, "solve", "--model", "alexnet")
     assert code == 2 and "-p" in err
     code, _, err = run(capsys, "solve")
@@ -187,11 +187,9 @@ def test_version_and_choices_come_from_the_package(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     for names in (SOLVERS, ORDERINGS, PRESETS, ORDERS):
         assert "{" + ",".join(names) + "}" in help_text
-    with pytest.raises(SystemExit) as e:
-        main(["solve", "--model", "alexnet", "-p", "4", "--ordering", "random"])
+    code = main(["solve", "--model", "alexnet", "-p", "4", "--ordering", "random"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "invalid choice: 'random'" in err
-    with pytest.raises(SystemExit) as e:
-        main(["ops", "--model", "alexnet", "--machine", "tpu"])
+    assert code == 2 and err.count("\n") == 1 and "invalid choice: 'random'" in err
+    code = main(["ops", "--model", "alexnet", "--machine", "tpu"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith("shardplan ops: error: ") and err.count("\n") == 1
+    assert code == 2 and err.startswith("shardplan ops: error: ") and err.count("\n") == 1

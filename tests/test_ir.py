@@ -160,7 +160,7 @@ def test_fixed_dims_never_split():
 
 
 def test_machine_validation_and_presets():
-    with pytest.raises(ShardplanError, match="positive integer"):
+    with pytest.raises(ShardplanError, match="num_devices must be at least 1, got 0"):
         Machine(0)
     with pytest.raises(ShardplanError, match="inter_bandwidth"):
         Machine(16, node_size=8)

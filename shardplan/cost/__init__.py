@@ -16,7 +16,7 @@ from shardplan.configs import ORDER_MODES, configurations, dimension_orders, lay
 from shardplan.cost.edge import edge_cost, edge_volumes
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
-from shardplan.errors import ShardplanError
+from shardplan.errors import ShardplanError, TableMemoryError
 from shardplan.ir import Graph
 from shardplan.layout import Layout, LayoutArrays
 from shardplan.machine import Machine
@@ -204,7 +204,8 @@ def operator_key(op) -> tuple:
 
 def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,
                  divides_p: bool = True, orders: str = "auto", optimizer_factor: float = 2.0,
-                 progress: Callable[[int, int], None] | None = None) -> CostTables:
+                 progress: Callable[[int, int], None] | None = None,
+                 memory_limit_bytes: int | None = None) -> CostTables:
     """Layouts and costs of every operator and edge of ``graph`` on ``machine``.
 
     ``divides_p`` (default): keep configurations whose device count divides p,
@@ -220,6 +221,14 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     Identical operators (:func:`operator_key`) are costed once and share
     their arrays; identical edges (same producer and consumer descriptions,
     same input slot) share one matrix: GPT-3's 96 identical layers cost one.
+
+    Before anything large is allocated the peak memory of the whole build is
+    estimated (:func:`shardplan.cost.budget.estimate_build`, an upper bound);
+    above ``memory_limit_bytes`` (default: a quarter of the available
+    memory) the build is refused with a :class:`TableMemoryError` naming the
+    phase at the peak, its configuration count and the estimate.
+    ``progress(done, total)`` is called after each distinct operator and each
+    edge (total = distinct operators + |E|).
     """
     p = machine.num_devices
     if p > MAX_DEVICES:
@@ -238,12 +247,18 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         orders = choose_orders(graph, [splits[key] for key in keys], orders)
     else:
         orders = "row-major" if orders == "auto" else orders
+    candidates: dict[tuple, tuple] = {}
+    for key, i in first.items():
+        lays = layouts(ops[i], levels, cutoff, powers_of_two, divides_p, orders)
+        candidates[key] = (lays, LayoutArrays.stack(lays))
+    estimate = check_build_memory(graph, keys, {k: arr for k, (_, arr) in candidates.items()}, p,
+                                  memory_limit_bytes, orders=orders, divides_p=divides_p)
+    steps = len(first) + len(graph.edges)
     per_key: dict[tuple, tuple] = {}
     dropped = 0
-    for key, i in first.items():
+    for n_done, (key, i) in enumerate(first.items()):
         op = ops[i]
-        lays = layouts(op, levels, cutoff, powers_of_two, divides_p, orders)
-        arr = LayoutArrays.stack(lays)
+        lays, arr = candidates.pop(key)
         w, act = operator_memory(op, arr, machine, optimizer_factor)
         if machine.memory_bytes is not None:
             keep = fits_memory(op, w, act, machine.memory_bytes)
@@ -254,6 +269,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
                 arr = arr.take(rows)
                 w, act = w[keep], act[keep]
         per_key[key] = (lays, arr, operator_cost(op, arr, machine), (w, act))
+        if progress is not None:
+            progress(n_done + 1, steps)
     edge_costs = []
     edge_cache: dict[tuple, np.ndarray] = {}
     for n_done, e in enumerate(graph.edges):
@@ -263,13 +280,51 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine)
         edge_costs.append(edge_cache[ekey])
         if progress is not None:
-            progress(n_done + 1, len(graph.edges))
+            progress(len(first) + n_done + 1, steps)
+    _check_finite(graph, machine, [per_key[k][2] for k in keys], edge_costs)
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
             "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped, "levels": levels,
-            "distinct_operators": len(first), "distinct_edges": len(edge_cache)}
+            "distinct_operators": len(first), "distinct_edges": len(edge_cache), "memory_estimate_bytes": estimate}
     return CostTables(graph, machine, tuple(per_key[k][0] for k in keys), tuple(per_key[k][2] for k in keys),
                       tuple(edge_costs), tuple(per_key[k][3] for k in keys), opts,
                       tuple(per_key[k][1] for k in keys))
+
+
+def _check_finite(graph: Graph, machine: Machine, op_costs: Sequence[OpCost], edge_costs: Sequence[np.ndarray]) -> None:
+    """Refuse costs that overflowed (inf) or are undefined (NaN), naming where and the machine that caused it."""
+    for op, c in zip(graph.operators, op_costs):
+        if not np.all(np.isfinite(c.total)):
+            raise ShardplanError(f"operator {op.name!r}: its cost is not finite on {machine.describe()} (a FLOP/s, "
+                                 "bandwidth or latency too extreme for float64 seconds)")
+    for e, m in zip(graph.edges, edge_costs):
+        if not np.all(np.isfinite(m)):
+            u, v = graph.operators[e.src].name, graph.operators[e.dst].name
+            raise ShardplanError(f"edge {u!r} -> {v!r}: its redistribution cost is not finite on "
+                                 f"{machine.describe()} (a bandwidth or latency too extreme for float64 seconds)")
+
+
+def check_build_memory(graph: Graph, keys: Sequence[tuple], arrays: dict, p: int, limit: int | None,
+                       orders: str, divides_p: bool) -> int:
+    """Refuse (TableMemoryError) a build whose estimated peak exceeds ``limit`` bytes, saying what would help;
+    returns the estimate.
+
+    ``keys``: each operator's :func:`operator_key`; ``arrays``: the candidate
+    layouts (:class:`LayoutArrays`) of each distinct key.
+    """
+    from shardplan.cost.budget import estimate_build
+    from shardplan.search.dp import default_memory_limit
+    from shardplan.units import fmt_bytes
+
+    limit = default_memory_limit() if limit is None else int(limit)
+    est = estimate_build(graph, keys, arrays, p)
+    if est.peak_bytes <= limit:
+        return est.peak_bytes
+    helps = (["--orders row-major"] if orders == "all" else []) + (["not --all-divisors"] if not divides_p else [])
+    helps += ["a larger --cutoff", "fewer devices", "a higher --table-memory"]
+    raise TableMemoryError(
+        f"operator {est.operator!r}: building the cost tables needs about {fmt_bytes(est.peak_bytes)} at the "
+        f"{est.phase} ({est.configurations} configurations on {p} devices), over the memory limit of "
+        f"{fmt_bytes(limit)}; try {', '.join(helps)}")
 
 
 def fits_memory(op, weights: np.ndarray, activations: np.ndarray, limit: float) -> np.ndarray:

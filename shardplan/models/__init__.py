@@ -14,6 +14,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from shardplan.checks import MAX_EXTENT, integer
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph
 from shardplan.models.alexnet import alexnet
@@ -57,8 +58,30 @@ class ModelSpec:
         unknown = sorted(set(sizes) - set(allowed))
         if unknown:
             raise ShardplanError(f"model {self.name!r} has no size {unknown[0]!r}; sizes: {', '.join(allowed)}")
-        kwargs = {**self.sizes, **sizes}
-        return self.builder(batch=self.batch if batch is None else int(batch), **kwargs)
+        params = inspect.signature(self.builder).parameters
+        checked = {k: _check_size(self.name, k, v, params[k]) for k, v in sizes.items()}
+        kwargs = {**self.sizes, **checked}
+        b = self.batch if batch is None else integer(f"model {self.name!r}: batch", batch, 1, MAX_EXTENT)
+        return self.builder(batch=b, **kwargs)
+
+
+def _check_size(model: str, key: str, value: Any, param: inspect.Parameter) -> Any:
+    """A size override checked against the builder's parameter: integer sizes are 1 .. MAX_EXTENT.
+
+    The builders' defaults say the type: an ``int`` default (or ``None`` for an
+    optional integer such as ``d_ff``) takes a positive integer, a ``str``
+    default a string. A size of 0 or less makes no model (``layers=-1``
+    would silently build a model with no layers), so it is refused.
+    """
+    where = f"model {model!r}: size {key}"
+    default = param.default
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ShardplanError(f"{where} must be a string, got {value!r}")
+        return value
+    if isinstance(default, int) or (default is None and "int" in str(param.annotation)):
+        return integer(where, value, 1, MAX_EXTENT)
+    return value
 
 
 MODELS: dict[str, ModelSpec] = {s.name: s for s in (

@@ -16,7 +16,15 @@ from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import GraphBuilder, TensorRef
 
-__all__ = ["conv_bn", "attention"]
+__all__ = ["conv_bn", "attention", "check_stack"]
+
+
+def check_stack(model: str, layers: int, d_model: int | None = None, heads: int | None = None) -> None:
+    """Refuse sizes that make no model: ``layers`` < 1, ``heads`` not a positive divisor of ``d_model``."""
+    if layers < 1:
+        raise ShardplanError(f"model {model!r}: layers={layers} makes no model; it needs at least 1 layer")
+    if heads is not None and d_model is not None and (heads < 1 or d_model % heads):
+        raise ShardplanError(f"model {model!r}: heads={heads} must be a positive divisor of d_model={d_model}")
 
 
 def conv_bn(b: GraphBuilder, name: str, x: TensorRef, out_channels: int, kernel: int | Sequence[int],
@@ -42,8 +50,8 @@ def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, hea
     the data moved, so it is not represented.
     """
     d = x.shape[-1]
-    if d % heads:
-        raise ShardplanError(f"{prefix}: d_model {d} is not divisible by {heads} heads")
+    if heads < 1 or d % heads:
+        raise ShardplanError(f"{prefix}: heads={heads} must be a positive divisor of d_model={d}")
     kd = d // heads
     p = f"{prefix}/{tag}"
     w = (d, heads, kd)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from shardplan import ops
 from shardplan.ir import Graph, GraphBuilder
-from shardplan.models._blocks import attention
+from shardplan.models._blocks import attention, check_stack
 from shardplan.models.transformer import ffn
 
 __all__ = ["gpt", "GPT_SIZES"]
@@ -32,6 +32,7 @@ GPT_SIZES: dict[str, dict[str, int]] = {
 def gpt(batch: int = 64, layers: int = 24, d_model: int = 2048, heads: int = 16, seq: int = 2048,
         vocab: int = 50304, d_ff: int | None = None, name: str = "gpt") -> Graph:
     """Decoder-only Transformer; defaults are the "1.3b" setting (d_ff defaults to 4 d_model)."""
+    check_stack(name, layers, d_model, heads)
     d_ff = 4 * d_model if d_ff is None else d_ff
     b = GraphBuilder(name)
     ids = b.input("tokens", (batch, seq))

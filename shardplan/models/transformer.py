@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from shardplan import ops
 from shardplan.ir import Graph, GraphBuilder, TensorRef
-from shardplan.models._blocks import attention
+from shardplan.models._blocks import attention, check_stack
 
 __all__ = ["transformer", "transformer_big", "ffn"]
 
@@ -41,6 +41,7 @@ def _add_ln(b: GraphBuilder, prefix: str, i: int, x: TensorRef, y: TensorRef) ->
 def transformer(batch: int = 64, seq: int = 256, vocab: int = 50_000, d_model: int = 512, heads: int = 8,
                 d_ff: int = 2048, layers: int = 6, name: str = "transformer") -> Graph:
     """Encoder-decoder Transformer with ``layers`` encoder and ``layers`` decoder layers."""
+    check_stack(name, layers, d_model, heads)
     b = GraphBuilder(name)
     src = b.input("src_tokens", (batch, seq))
     tgt = b.input("tgt_tokens", (batch, seq))

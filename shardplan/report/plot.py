@@ -38,6 +38,15 @@ def _validate(results: Sequence[Mapping[str, Any]]) -> list[tuple[int, str, floa
     return out
 
 
+def plot_formats() -> tuple[str, ...]:
+    """File suffixes (without the dot) :func:`plot_speedups` can write: those of matplotlib's Agg canvas."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        raise ShardplanError("plots need matplotlib: pip install 'shardplan[plot]'") from None
+    return tuple(sorted(FigureCanvasAgg.get_supported_filetypes()))
+
+
 def plot_speedups(results: Sequence[Mapping[str, Any]], path: str | os.PathLike, title: str) -> None:
     """Plot speedup over data parallelism against the number of devices (PaSE, Fig. 6 style).
 
@@ -55,6 +64,10 @@ def plot_speedups(results: Sequence[Mapping[str, Any]], path: str | os.PathLike,
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    suffix = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    if suffix not in plot_formats():
+        raise ShardplanError(f"plot {os.fspath(path)!r}: unknown image format {suffix!r}; "
+                             f"use one of .{', .'.join(plot_formats())}")
     records = _validate(results)
     strategies = list(dict.fromkeys(s for _, s, _ in records))
     ps = sorted({p for p, _, _ in records})

@@ -61,7 +61,7 @@ from shardplan.errors import ShardplanError, TableMemoryError
 from shardplan.search.bounds import bound_prune
 from shardplan.search.ordering import ORDERINGS, Ordering
 from shardplan.search.pairs import identical_rows, merge_pairs
-from shardplan.search.problem import Problem, Solution
+from shardplan.search.problem import Problem, Solution, certify
 from shardplan.search.reduce import Reduction, identity_reduction, reduce_problem
 
 __all__ = ["solve_dp", "solve_small", "default_memory_limit", "resolve_ordering"]
@@ -173,9 +173,35 @@ def _aligned(f: _Factor, targets: list[int], col: dict[int, int], reps: dict[int
     return t.reshape(shape)
 
 
+def step_bytes(dsize: int, chunk: int) -> int:
+    """Upper bound of the bytes one elimination allocates, for a table over D of ``dsize`` class
+    combinations whose minimum over v is taken ``chunk`` classes of v at a time.
+
+    In units of 8 bytes per D entry: the work buffer and up to two re-indexed
+    copies of a factor added to it (3 chunk); the running minimum and argmin,
+    the chunk's minimum, argmin and their merge (7); the argmin mapped to
+    configurations, then narrowed (2); and merging identical slices of the new
+    table (its moved copy, the sorted copy and the representatives: 3); plus
+    bool masks, and 1 MiB for the per-vertex vectors and numpy's slack.
+    """
+    return 8 * dsize * (3 * chunk + 12) + 2 * dsize + (1 << 20)
+
+
+def _table_bytes(f: _Factor) -> int:
+    return int(f.table.nbytes + sum(m.nbytes for m in f.maps))
+
+
+def _step_kept_bytes(st: _Step) -> int:
+    return int(st.arg.nbytes + sum(m.nbytes for m in st.maps))
+
+
 def _eliminate(v: int, factors: list[_Factor], unary: np.ndarray, limit: int, name: str,
-               stats: dict, rng: np.random.Generator) -> tuple[_Factor, _Step]:
-    """Eliminate v: min over v of unary + Σ factors; returns RV over D and the argmin step."""
+               stats: dict, rng: np.random.Generator, kept: int = 0) -> tuple[_Factor, _Step]:
+    """Eliminate v: min over v of unary + Σ factors; returns RV over D and the argmin step.
+
+    ``kept``: bytes already held (live tables, earlier argmin tables); the step
+    is refused when ``kept`` plus its own :func:`step_bytes` exceeds ``limit``.
+    """
     dep = tuple(sorted({w for f in factors for w in f.scope} - {v}))
     targets = list(dep) + [v]
     col: dict[int, int] = {}
@@ -207,12 +233,16 @@ def _eliminate(v: int, factors: list[_Factor], unary: np.ndarray, limit: int, na
     dsize = int(np.prod(dshape, dtype=np.float64)) if dep else 1
     entries = float(dsize) * nv
     chunk = int(max(1, min(nv, _CHUNK_ENTRIES // max(1, dsize))))
-    need = dsize * (8 + 8 + 8) + dsize * chunk * 8 * 2
+    need = kept + step_bytes(dsize, chunk)
     if need > limit:
+        from shardplan.units import fmt_bytes
+
         raise TableMemoryError(
             f"vertex {name!r}: dependent set of size {len(dep)}, table of {entries:.3g} entries "
-            f"({dsize} x {nv} classes) needs about {need} bytes, over the memory limit of {limit} bytes"
+            f"({dsize} x {nv} classes) needs about {fmt_bytes(need)} with the {fmt_bytes(kept)} of tables kept "
+            f"from earlier steps, over the memory limit of {fmt_bytes(limit)}"
         )
+    stats["memory_estimate_bytes"] = max(stats.get("memory_estimate_bytes", 0), need)
     stats["total_table_entries"] += entries
     stats["largest_table"] = max(stats["largest_table"], entries)
     stats["max_dependent_set"] = max(stats["max_dependent_set"], len(dep))
@@ -345,14 +375,20 @@ def solve_dp(
     stats: dict = {"total_table_entries": 0.0, "largest_table": 0.0, "max_dependent_set": 0}
     steps: list[_Step] = []
     value = 0.0
+    live_bytes = sum(_table_bytes(f) for f in live.values())  # every table held: live factors ...
+    kept_bytes = 0  # ... and the argmin tables kept for back-substitution
     for i, v in enumerate(order):
         fids = sorted(touching[v])
-        new, step = _eliminate(v, [live[j] for j in fids], p.vertex_cost[v], limit, p.names[v], stats, rng)
+        new, step = _eliminate(v, [live[j] for j in fids], p.vertex_cost[v], limit, p.names[v], stats, rng,
+                               kept=live_bytes + kept_bytes)
         for j in fids:
             for w in live[j].scope:
                 touching[w].discard(j)
+            live_bytes -= _table_bytes(live[j])
             del live[j]
+        kept_bytes += _step_kept_bytes(step)
         if new.scope:
+            live_bytes += _table_bytes(new)
             live[next_id] = new
             for w in new.scope:
                 touching[w].add(next_id)
@@ -371,6 +407,7 @@ def solve_dp(
     original = red.lift(assign)
     cost = problem.evaluate(original)
     stats.update(
+        kept_bytes=kept_bytes,
         ordering=oname,
         num_vertices=n,
         dp_value=value,
@@ -380,5 +417,6 @@ def solve_dp(
         order_seconds=t2 - t1,
         dp_seconds=t3 - t2,
     )
-    return Solution(cost=cost, assignment=original, solve_seconds=time.perf_counter() - t0,
-                    solver="dp", optimal=True, bound=cost, stats=stats)
+    sol = Solution(cost=cost, assignment=original, solve_seconds=time.perf_counter() - t0,
+                   solver="dp", optimal=True, bound=cost, stats=stats)
+    return certify(problem, sol, value)

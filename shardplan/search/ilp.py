@@ -55,8 +55,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardplan.errors import ShardplanError
-from shardplan.search.problem import Problem, Solution
+from shardplan.errors import ShardplanError, TableMemoryError
+from shardplan.search.problem import Problem, Solution, certify
 
 if TYPE_CHECKING:
     import scipy.sparse as sp
@@ -206,8 +206,59 @@ def _round_assignment(z: np.ndarray, sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(np.argmax(z[s : s + k])) for s, k in zip(starts, sizes))
 
 
+_MAX_ROUNDS = 3  # HiGHS solves at most this many times, each in the unit of the previous answer
+_SCALE_SLACK = 2.0**-6  # solve again when the answer is below this fraction of the cost unit
+# The program as we build it takes about 100 bytes per nonzero (COO triplets, their concatenation, CSR);
+# HiGHS's MIP presolve dominates the rest and has no simple formula. Measured peaks of whole solves to
+# optimality (zoo problems of 3,000 to 826,000 nonzeros: 1.0 to 5.9 KB per nonzero, 7 to 846 MB) lie under
+# this envelope, 256 MiB + 1.5 KiB per nonzero (tests/test_memory_guards.py re-measures one); a long branch
+# and bound keeps growing its node queue, which only the time limit bounds.
+_BYTES_PER_NONZERO = 1536
+_BASE_BYTES = 256 << 20
+
+
+def _default_limit() -> int:
+    from shardplan.search.dp import default_memory_limit  # the same default as the DP (a plain function)
+
+    return default_memory_limit()
+
+
+def program_size(data: _ProgramData) -> dict[str, int]:
+    """Variables, rows, nonzeros of the program and an estimate of the bytes solving it takes."""
+    kx = np.array([len(c) for c in data.vertex_cost], dtype=np.int64)
+    ky = np.array([r.size for r in data.residual], dtype=np.int64)
+    kr = np.array([sum(r.shape) for r in data.residual], dtype=np.int64)
+    variables = int(kx.sum() + ky.sum())
+    nonzeros = int(kx.sum() + 2 * ky.sum() + kr.sum())
+    rows = int(len(kx) + kr.sum())
+    est = _BASE_BYTES + _BYTES_PER_NONZERO * nonzeros
+    return {"variables": variables, "rows": rows, "nonzeros": nonzeros, "estimate_bytes": int(est)}
+
+
+def _cost_scale(problem: Problem, data: _ProgramData) -> float:
+    """A unit for the program's costs: the cost of a good feasible assignment.
+
+    HiGHS's tolerances are absolute (1e-7 on reduced costs and feasibility,
+    1e-6 on integrality): on costs of 1e-8 s every configuration looks equally
+    good and the program's "optimum" is arbitrary. Dividing every cost by a
+    unit near the optimum makes the tolerances relative to it, and makes the
+    program HiGHS sees the same (to rounding) whatever unit the problem is
+    written in, so it takes the same path and breaks ties the same way. The
+    unit is the cost of the assignment that takes each vertex's cheapest
+    configuration after the edges' separable parts are folded in;
+    :func:`solve_ilp` solves again in the unit of the answer if that one is
+    much smaller.
+    """
+    greedy = [int(np.argmin(c)) for c in data.vertex_cost]
+    u = problem.evaluate(greedy)
+    if u > 0:
+        return u
+    top = max([float(np.max(np.abs(c))) for c in data.vertex_cost if c.size] + [0.0])
+    return top if top > 0 else 1.0
+
+
 def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0.0, *,
-              prune: bool = False) -> Solution:
+              prune: bool = False, memory_limit_bytes: int | None = None) -> Solution:
     """Minimise F exactly with a mixed-integer program (HiGHS via ``scipy.optimize.milp``).
 
     Parameters:
@@ -232,18 +283,26 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
         ``status`` (HiGHS's message), ``gap`` and the edge counts after
         merging (``edges_merged``) and dropping (``edges_kept``).
 
+        memory_limit_bytes: refuse (:class:`TableMemoryError`) a program whose estimated solve
+            (:func:`program_size`) needs more; default a quarter of the available memory.
+
+    HiGHS solves the program in a cost unit near the answer (see :func:`_cost_scale`), and
+    the answer is checked by :func:`~shardplan.search.problem.certify` (``stats["certificate"]``).
+
     Raises:
         ShardplanError: if the time limit ran out before any feasible point.
+        TableMemoryError: if the program is estimated to need more than ``memory_limit_bytes``.
     """
     if time_limit <= 0:
         raise ShardplanError(f"time_limit must be positive, got {time_limit!r}")
     if mip_rel_gap < 0:
         raise ShardplanError(f"mip_rel_gap must be >= 0, got {mip_rel_gap!r}")
-    start = time.perf_counter()
     if problem.num_vertices == 0:
         stats = {"variables": 0, "constraints": 0, "status": "empty problem", "gap": 0.0}
-        return Solution(0.0, (), time.perf_counter() - start, "ilp", True, 0.0, stats)
-    from scipy.optimize import Bounds, LinearConstraint, milp  # heavy: only when solving
+        return Solution(0.0, (), 0.0, "ilp", True, 0.0, stats)
+    from scipy.optimize import Bounds, LinearConstraint, milp  # heavy: only when solving (not timed)
+
+    start = time.perf_counter()
 
     red = None
     if prune:  # the DP side's code, on request only (see the module doc)
@@ -254,18 +313,39 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
         bstats.pop("incumbent", None)
         original, problem = problem, red.problem
     reduced = program_data(problem)
+    size = program_size(reduced)
+    limit = _default_limit() if memory_limit_bytes is None else int(memory_limit_bytes)
+    if size["estimate_bytes"] > limit:
+        from shardplan.units import fmt_bytes
+
+        raise TableMemoryError(
+            f"ILP: a program of {size['variables']:,} variables and {size['nonzeros']:,} nonzeros needs about "
+            f"{fmt_bytes(size['estimate_bytes'])} (the program and HiGHS's presolve), over the memory limit "
+            f"of {fmt_bytes(limit)}; use the DP (--solver dp) or raise --table-memory")
     c, a_mat, b, integrality, num_x = build_program(reduced)
+    scale = _cost_scale(problem, reduced)
     options = {"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "mip_abs_gap": 0.0}
-    with warnings.catch_warnings():
-        # mip_abs_gap is passed to HiGHS verbatim; scipy warns that it does not know it.
-        warnings.filterwarnings("ignore", message="Unrecognized options", category=RuntimeWarning)
-        res = milp(
-            c=c,
-            constraints=LinearConstraint(a_mat, b, b),
-            integrality=integrality,
-            bounds=Bounds(0.0, np.where(integrality > 0, 1.0, np.inf)),
-            options=options,
-        )
+    rounds = []
+    while True:
+        with warnings.catch_warnings():
+            # mip_abs_gap is passed to HiGHS verbatim; scipy warns that it does not know it.
+            warnings.filterwarnings("ignore", message="Unrecognized options", category=RuntimeWarning)
+            res = milp(
+                c=c / scale,
+                constraints=LinearConstraint(a_mat, b, b),
+                integrality=integrality,
+                bounds=Bounds(0.0, np.where(integrality > 0, 1.0, np.inf)),
+                options={**options, "time_limit": max(1e-3, float(time_limit) - (time.perf_counter() - start))},
+            )
+        rounds.append(scale)
+        if res.get("x") is None or len(rounds) >= _MAX_ROUNDS:
+            break
+        found = problem.evaluate(_round_assignment(np.asarray(res["x"]), problem.sizes))
+        if found == 0.0 or found >= scale * _SCALE_SLACK:
+            break
+        scale = found  # the answer is far below the unit: solve again in its own unit
+    dual = res.get("mip_dual_bound")
+    res = {**res, "mip_dual_bound": None if dual is None else float(dual) * scale}
     elapsed = time.perf_counter() - start
     stats = {
         "variables": int(c.size),
@@ -274,16 +354,21 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
         "nonzeros": int(a_mat.nnz),
         "edges_merged": reduced.merged,
         "edges_kept": len(reduced.edges),
+        "memory_estimate_bytes": size["estimate_bytes"],
+        "cost_scale": scale,
+        "scales_tried": rounds,
     }
     stats["nodes"] = res.get("mip_node_count")
     sol = solution_from_result(problem, res, time_limit, elapsed, stats)
+    dual = res["mip_dual_bound"]
     if red is None:
-        return sol
+        return certify(problem, sol, dual)
     assignment = red.lift(sol.assignment)
     cost = original.evaluate(assignment)
     stats = {**sol.stats, "bounds": bstats}
     bound = cost if sol.optimal else (None if sol.bound is None else min(sol.bound, cost))
-    return Solution(cost, assignment, time.perf_counter() - start, "ilp", sol.optimal, bound, stats)
+    return certify(original, Solution(cost, assignment, time.perf_counter() - start, "ilp", sol.optimal, bound,
+                                      stats), dual)
 
 
 def solution_from_result(problem: Problem, res: Mapping, time_limit: float, elapsed: float, stats: dict) -> Solution:

@@ -25,7 +25,8 @@ import numpy as np
 from shardplan.errors import ShardplanError
 from shardplan.search.problem import Problem, Solution
 
-__all__ = ["FORMAT", "load_problem", "save_problem", "problem_to_dict", "problem_from_dict", "solution_to_dict",
+__all__ = ["FORMAT", "load_problem", "parse_problem_text", "save_problem", "problem_to_dict", "problem_from_dict",
+           "solution_to_dict",
            "jsonable"]
 
 FORMAT = "shardplan-problem/1"
@@ -50,6 +51,15 @@ def problem_to_dict(problem: Problem) -> dict:
     return {"format": FORMAT, "vertices": vertices, "edges": edges}
 
 
+_FLOAT_MAX_INT = int(np.finfo(np.float64).max)
+MAX_INT_DIGITS = 400  # longer integer literals are refused while parsing (a float64 has at most 309 digits)
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -61,7 +71,10 @@ def _cost_vector(where: str, raw: Any, k: int) -> list[float]:
         raise ShardplanError(f"{where}: cost has {len(raw)} entries, expected {k} (one per config)")
     for j, x in enumerate(raw):
         if not _is_number(x):
-            raise ShardplanError(f"{where}: cost[{j}] is not a number ({x!r})")
+            raise ShardplanError(f"{where}: cost[{j}] is not a number ({_short(x)})")
+        if isinstance(x, int) and abs(x) > _FLOAT_MAX_INT:
+            raise ShardplanError(f"{where}: cost[{j}] is an integer of {len(str(abs(x)))} digits, "
+                                 "too large for a float64 cost")
         if math.isnan(x) or math.isinf(x):
             raise ShardplanError(f"{where}: cost[{j}] is {x!r}, costs must be finite")
         if x < 0:
@@ -81,7 +94,7 @@ def problem_from_dict(data: Any) -> Problem:
         raise ShardplanError(f"problem file: top level must be a JSON object, got {type(data).__name__}")
     fmt = _require("problem file", data, "format")
     if fmt != FORMAT:
-        raise ShardplanError(f"problem file: format is {fmt!r}, expected {FORMAT!r}")
+        raise ShardplanError(f"problem file: format is {_short(fmt)}, expected {FORMAT!r}")
     raw_vertices = _require("problem file", data, "vertices")
     raw_edges = _require("problem file", data, "edges")
     if not isinstance(raw_vertices, list):
@@ -99,7 +112,7 @@ def problem_from_dict(data: Any) -> Problem:
             raise ShardplanError(f"{where}: must be an object, got {type(rv).__name__}")
         name = _require(where, rv, "name")
         if not isinstance(name, str):
-            raise ShardplanError(f"{where}: name must be a string, got {name!r}")
+            raise ShardplanError(f"{where}: name must be a string, got {_short(name)}")
         where = f"vertices[{i}] ({name})"
         if name in index:
             raise ShardplanError(f"{where}: duplicate vertex name (also vertices[{index[name]}])")
@@ -109,13 +122,13 @@ def problem_from_dict(data: Any) -> Problem:
         cfgs = []
         for j, c in enumerate(raw_cfgs):
             if not isinstance(c, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in c):
-                raise ShardplanError(f"{where}: configs[{j}] must be a list of integers, got {c!r}")
+                raise ShardplanError(f"{where}: configs[{j}] must be a list of integers, got {_short(c)}")
             cfgs.append(tuple(c))
         cost = _cost_vector(where, _require(where, rv, "cost"), len(cfgs))
         if "dims" in rv:
             d = rv["dims"]
             if not isinstance(d, list) or not all(isinstance(x, str) for x in d):
-                raise ShardplanError(f"{where}: dims must be a list of strings, got {d!r}")
+                raise ShardplanError(f"{where}: dims must be a list of strings, got {_short(d)}")
             dims.append(tuple(d))
         else:
             dims.append(())
@@ -130,9 +143,12 @@ def problem_from_dict(data: Any) -> Problem:
         if not isinstance(re_, dict):
             raise ShardplanError(f"{where}: must be an object, got {type(re_).__name__}")
         src, dst = _require(where, re_, "src"), _require(where, re_, "dst")
+        for end in (src, dst):
+            if not isinstance(end, str):
+                raise ShardplanError(f"{where}: src and dst must be vertex names, got {_short(end)}")
         where = f"edges[{i}] ({src} -> {dst})"
         for end in (src, dst):
-            if not isinstance(end, str) or end not in index:
+            if end not in index:
                 raise ShardplanError(f"{where}: unknown vertex {end!r}")
         if src == dst:
             raise ShardplanError(f"{where}: edge from a vertex to itself")
@@ -162,20 +178,59 @@ def problem_from_dict(data: Any) -> Problem:
     )
 
 
-def load_problem(source: str | Path | IO[str]) -> Problem:
-    """Read a problem file from a path or an open text file."""
+def _decode(label: str, raw: bytes) -> str:
+    """The text of a problem file: UTF-8 (RFC 8259), a leading byte-order mark allowed."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ShardplanError(f"problem file {label}: UTF-16 or UTF-32 text (byte-order mark); problem files are "
+                             "UTF-8 JSON")
+    if b"\x00" in raw:
+        raise ShardplanError(f"problem file {label}: holds NUL bytes at offset {raw.index(0)} (a binary file, or "
+                             "UTF-16/UTF-32 text); problem files are UTF-8 JSON")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ShardplanError(f"problem file {label}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+                             f"{exc.start}); problem files are UTF-8 JSON") from None
+
+
+def _parse_int(text: str) -> int:
+    """json's integer hook: refuse absurdly long literals before Python converts them (quadratic time)."""
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ShardplanError(f"an integer of {digits} digits; numbers longer than {MAX_INT_DIGITS} digits "
+                             "cannot be costs or configurations")
+    return int(text)
+
+
+def parse_problem_text(text: str, label: str = "<text>") -> Problem:
+    """Parse and validate the JSON text of a problem file; ``label`` names it in error messages."""
+    try:
+        data = json.loads(text, parse_int=_parse_int)
+    except json.JSONDecodeError as exc:
+        raise ShardplanError(f"problem file {label}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise ShardplanError(f"problem file {label}: JSON nested too deeply (a problem file has at most "
+                             "5 levels)") from None
+    except ShardplanError as exc:
+        raise ShardplanError(f"problem file {label}: {exc}") from None
+    return problem_from_dict(data)
+
+
+def load_problem(source: str | Path | IO[str] | IO[bytes]) -> Problem:
+    """Read a problem file from a path or an open (text or binary) file."""
     label = getattr(source, "name", str(source))
     try:
         if hasattr(source, "read"):
-            data = json.load(source)  # type: ignore[arg-type]
+            content = source.read()  # type: ignore[union-attr]
         else:
-            with open(source, encoding="utf-8") as fh:
-                data = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ShardplanError(f"problem file {label}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            with open(source, "rb") as fh:
+                content = fh.read()
     except OSError as exc:
         raise ShardplanError(f"problem file {label}: cannot read ({exc.strerror})") from None
-    return problem_from_dict(data)
+    except UnicodeDecodeError as exc:  # a file opened in text mode holding something else
+        raise ShardplanError(f"problem file {label}: not valid text ({exc.reason})") from None
+    text = _decode(label, content) if isinstance(content, bytes) else content
+    return parse_problem_text(text, label)
 
 
 def save_problem(problem: Problem, path: str | Path) -> None:

@@ -59,38 +59,36 @@ def adjacency(problem: Problem) -> list[set[int]]:
 
 
 def _greedy_elimination(problem: Problem, score: Callable[[int, list[set[int]]], tuple],
-                        local: bool = False) -> list[int]:
+                        reach: int = 1) -> list[int]:
     """Eliminate greedily by ``score(v, d)`` (smallest first, then index).
 
     ``d`` is the current elimination graph: on eliminating v, every w in d[v]
-    gets d[w] = d[w] ∪ d[v] − {v, w}. O(|V|^2 · deg) which is ample for graphs
-    of a few thousand vertices. With ``local`` (the score of u depends only
-    on d[u]) scores are cached in a heap and only those of v's neighbours
-    are recomputed: the same order, O(|V| log |V| · deg).
+    gets d[w] = d[w] ∪ d[v] − {v, w}. Scores are cached in a heap; eliminating
+    v changes d only at v's neighbours, so only the scores that can see them are
+    recomputed: with ``reach`` 1 (the score of u depends on d[u] alone) those of
+    the neighbours, with ``reach`` 2 (it also reads d[w] for w in d[u], as the
+    fill-in does) those of the neighbours and their neighbours. The order is
+    the one a full rescan would give, in O(|V| log |V|) heap operations.
     """
     d = adjacency(problem)
     remaining = set(range(problem.num_vertices))
     order: list[int] = []
-    if local:
-        cur = {u: (score(u, d), u) for u in remaining}
-        heap = list(cur.values())
-        heapq.heapify(heap)
-        while heap:
-            key = heapq.heappop(heap)
-            v = key[1]
-            if v not in remaining or cur[v] != key:
-                continue  # stale entry
-            order.append(v)
-            remaining.discard(v)
-            for w in _eliminate(d, v):
-                cur[w] = (score(w, d), w)
-                heapq.heappush(heap, cur[w])
-        return order
-    while remaining:
-        v = min(remaining, key=lambda u: (score(u, d), u))
+    cur = {u: (score(u, d), u) for u in remaining}
+    heap = list(cur.values())
+    heapq.heapify(heap)
+    while heap:
+        key = heapq.heappop(heap)
+        v = key[1]
+        if v not in remaining or cur[v] != key:
+            continue  # stale entry
         order.append(v)
         remaining.discard(v)
-        _eliminate(d, v)
+        touched = _eliminate(d, v)
+        if reach >= 2:
+            touched = touched.union(*(d[w] for w in touched))
+        for w in touched:
+            cur[w] = (score(w, d), w)
+            heapq.heappush(heap, cur[w])
     return order
 
 
@@ -107,7 +105,7 @@ def _eliminate(d: list[set[int]], v: int) -> set[int]:
 
 def generateseq(problem: Problem) -> list[int]:
     """GENERATESEQ (PaSE, Alg. 1): repeatedly eliminate the vertex of minimum |v.d|."""
-    return _greedy_elimination(problem, lambda v, d: (len(d[v]),), local=True)
+    return _greedy_elimination(problem, lambda v, d: (len(d[v]),))
 
 
 def min_table(problem: Problem) -> list[int]:
@@ -117,7 +115,7 @@ def min_table(problem: Problem) -> list[int]:
     def score(v: int, d: list[set[int]]) -> tuple:
         return (round(logk[v] + sum(logk[w] for w in d[v]), 9), len(d[v]))
 
-    return _greedy_elimination(problem, score, local=True)
+    return _greedy_elimination(problem, score)
 
 
 def min_fill(problem: Problem) -> list[int]:
@@ -129,7 +127,7 @@ def min_fill(problem: Problem) -> list[int]:
         fill = sum(1 for i, a in enumerate(nb) for b in nb[i + 1 :] if b not in d[a])
         return (fill, round(logk[v] + sum(logk[w] for w in nb), 9))
 
-    return _greedy_elimination(problem, score)
+    return _greedy_elimination(problem, score, reach=2)
 
 
 def bfs(problem: Problem) -> list[int]:

@@ -23,7 +23,11 @@ import numpy as np
 
 from shardplan.errors import ShardplanError
 
-__all__ = ["Problem", "Solution"]
+__all__ = ["Problem", "Solution", "certify", "OPTIMALITY_RTOL"]
+
+# An answer is reported optimal only when the solver's own value of the optimum (DP table value, ILP dual
+# bound) agrees with the recomputed cost of its assignment to this relative tolerance.
+OPTIMALITY_RTOL = 1e-9
 
 
 def _as_cost_vector(name: str, cost: Sequence[float] | np.ndarray, k: int) -> np.ndarray:
@@ -35,6 +39,26 @@ def _as_cost_vector(name: str, cost: Sequence[float] | np.ndarray, k: int) -> np
     if np.any(arr < 0):
         raise ShardplanError(f"vertex {name!r}: cost contains a negative value ({arr.min()!r})")
     return arr
+
+
+def _check_no_overflow(names: Sequence[str], costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int]],
+                       ecosts: Sequence[np.ndarray]) -> None:
+    """Refuse costs whose sums can overflow float64.
+
+    Every assignment costs at most U = sum_v max_k c_v(k) + sum_e max c_e, and
+    every partial sum a solver forms (a DP table entry, a bound, an ILP
+    objective) is at most U too; so if U is finite no sum overflows to inf, and
+    if it is not, some assignment's cost would print as ``inf``.
+    """
+    parts = [float(c.max()) for c in costs] + [float(m.max()) for m in ecosts if m.size]
+    with np.errstate(over="ignore"):
+        total = float(np.sum(np.array(parts, dtype=np.float64))) if parts else 0.0
+    if not np.isfinite(total):
+        big = int(np.argmax(parts))
+        where = (f"vertex {names[big]!r}" if big < len(costs)
+                 else f"edge {names[edges[big - len(costs)][0]]!r} -> {names[edges[big - len(costs)][1]]!r}")
+        raise ShardplanError(f"costs too large: the largest possible total cost overflows float64 (the largest "
+                             f"single cost is {parts[big]:.3g}, at {where}); rescale the costs to a smaller unit")
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,6 +132,7 @@ class Problem:
                 checked_edges[id(arr)] = arr
             edges.append((s, d))
             ecosts.append(arr)
+        _check_no_overflow(names, costs, edges, ecosts)
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "configs", configs)
         object.__setattr__(self, "vertex_cost", tuple(costs))
@@ -161,3 +186,64 @@ class Solution:
     optimal: bool = True
     bound: float | None = None
     stats: dict = field(default_factory=dict)
+
+
+def _best_single_change(problem: Problem, a: Sequence[int]) -> tuple[float, int, int]:
+    """The most negative change of F from moving one vertex to another configuration: (delta, vertex, config).
+
+    delta_v(k) = c_v(k) - c_v(a_v) + sum over edges at v of M(.., k, ..) - M(.., a_v, ..),
+    computed per vertex as a vector over its configurations; (0.0, -1, -1) when no move lowers F.
+    """
+    delta = [c - c[k] for c, k in zip(problem.vertex_cost, a)]
+    for (s, d), m in zip(problem.edges, problem.edge_cost):
+        here = m[a[s], a[d]]
+        delta[s] = delta[s] + (m[:, a[d]] - here)
+        delta[d] = delta[d] + (m[a[s], :] - here)
+    best = (0.0, -1, -1)
+    for v, dv in enumerate(delta):
+        k = int(np.argmin(dv))
+        if dv[k] < best[0]:
+            best = (float(dv[k]), v, k)
+    return best
+
+
+def certify(problem: Problem, solution: Solution, value: float | None) -> Solution:
+    """Check an answer its solver claims optimal; withdraw the claim (``optimal=False``) if a check fails.
+
+    Three checks, recorded in ``stats["certificate"]``:
+
+    1. ``cost`` is F(assignment), recomputed here;
+    2. the solver's own value of the optimum (``value``: the DP's table minimum,
+       the ILP's dual bound), when it has one, agrees with that cost:
+       |cost - value| <= OPTIMALITY_RTOL * cost;
+    3. no single vertex moving to another configuration lowers the cost by
+       more than OPTIMALITY_RTOL * cost (every optimum passes; a solver
+       misled by rounding or tolerances usually does not).
+
+    A solution not claimed optimal is returned unchanged.
+    """
+    if not solution.optimal:
+        return solution
+    cost = problem.evaluate(solution.assignment)
+    tol = OPTIMALITY_RTOL * abs(cost)
+    cert: dict = {"rtol": OPTIMALITY_RTOL, "value": value}
+    failed = []
+    if not abs(cost - solution.cost) <= tol:
+        failed.append(f"reported cost {solution.cost!r} is not F(assignment) = {cost!r}")
+    if value is not None:
+        gap = abs(cost - value) / abs(cost) if cost else (0.0 if value == 0 else float("inf"))
+        cert["rel_gap"] = gap
+        if not gap <= OPTIMALITY_RTOL:
+            failed.append(f"the solver's value of the optimum {value!r} differs from the cost {cost!r} "
+                          f"by {gap:.3g} (relative)")
+    delta, v, k = _best_single_change(problem, solution.assignment) if problem.num_vertices else (0.0, -1, -1)
+    cert["best_single_change"] = delta
+    if delta < -tol:
+        failed.append(f"moving {problem.names[v]!r} to configuration {k} lowers the cost by {-delta!r}")
+    cert["passed"] = not failed
+    if failed:
+        cert["failed"] = "; ".join(failed)
+    stats = {**solution.stats, "certificate": cert}
+    return Solution(cost=cost, assignment=tuple(solution.assignment), solve_seconds=solution.solve_seconds,
+                    solver=solution.solver, optimal=not failed, bound=solution.bound if not failed else None,
+                    stats=stats)

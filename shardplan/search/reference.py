@@ -22,11 +22,30 @@ import numpy as np
 from shardplan.errors import ShardplanError, TableMemoryError
 from shardplan.search.dp import default_memory_limit
 from shardplan.search.ordering import bfs
-from shardplan.search.problem import Problem, Solution
+from shardplan.search.problem import Problem, Solution, certify
 
 __all__ = ["solve_bruteforce", "solve_bfs_dp"]
 
 _CHUNK = 1 << 16
+_CHUNK_INDICES = 1 << 22  # brute force: at most this many configuration indices (int64) per chunk
+
+
+def bfs_step_bytes(prev_entries: int, full_entries: int, k_v: int, kept_bytes: int) -> int:
+    """Upper bound of the bytes the breadth-first DP holds while eliminating one vertex.
+
+    With ``full`` = entries of the table over the frontier and v, and
+    ``out = full / K_v``: the previous running table (8 prev), the sum HV + BV
+    being built (two full float64 tables alive while one term is added),
+    the argmin over v (int64, then narrowed to the kept dtype) and the new
+    running table (8 out each), plus everything already kept for
+    back-substitution (``kept_bytes``: the argmin tables of earlier steps).
+    """
+    out = full_entries // max(1, k_v)
+    return kept_bytes + 8 * prev_entries + 16 * full_entries + (8 + 8 + _arg_itemsize(k_v)) * out
+
+
+def _arg_itemsize(k: int) -> int:
+    return int(np.dtype(np.min_scalar_type(max(k - 1, 0))).itemsize)
 
 
 def solve_bruteforce(problem: Problem, max_combinations: int = 10**7) -> Solution:
@@ -41,8 +60,9 @@ def solve_bruteforce(problem: Problem, max_combinations: int = 10**7) -> Solutio
             f"brute force needs {total} combinations, over the limit of {max_combinations}"
         )
     best_cost, best_flat = np.inf, 0
-    for start in range(0, total, _CHUNK):
-        flat = np.arange(start, min(total, start + _CHUNK))
+    chunk = max(1, min(_CHUNK, _CHUNK_INDICES // max(1, len(sizes))))  # one int64 index per vertex and row
+    for start in range(0, total, chunk):
+        flat = np.arange(start, min(total, start + chunk))
         digits = np.unravel_index(flat, sizes) if sizes else ()
         cost = np.zeros(len(flat))
         for v, c in enumerate(problem.vertex_cost):
@@ -53,9 +73,10 @@ def solve_bruteforce(problem: Problem, max_combinations: int = 10**7) -> Solutio
         if cost[j] < best_cost:
             best_cost, best_flat = float(cost[j]), int(flat[j])
     assign = tuple(int(x) for x in np.unravel_index(best_flat, sizes)) if sizes else ()
-    return Solution(cost=problem.evaluate(assign), assignment=assign, solve_seconds=time.perf_counter() - t0,
-                    solver="bruteforce", optimal=True, bound=None,
-                    stats={"combinations": total, "num_vertices": problem.num_vertices})
+    sol = Solution(cost=problem.evaluate(assign), assignment=assign, solve_seconds=time.perf_counter() - t0,
+                   solver="bruteforce", optimal=True, bound=None,
+                   stats={"combinations": total, "num_vertices": problem.num_vertices})
+    return certify(problem, sol, float(best_cost) if sizes else None)
 
 
 def solve_bfs_dp(problem: Problem, memory_limit_bytes: int | None = None) -> Solution:
@@ -77,6 +98,8 @@ def solve_bfs_dp(problem: Problem, memory_limit_bytes: int | None = None) -> Sol
     table = np.zeros(())
     history: list[tuple[int, list[int], np.ndarray]] = []
     max_frontier, largest = 0, 0
+    kept = 0  # bytes of the argmin tables kept for back-substitution
+    peak = 0  # the largest bfs_step_bytes over the steps
 
     def add_axis(w: int) -> None:
         nonlocal table
@@ -91,12 +114,18 @@ def solve_bfs_dp(problem: Problem, memory_limit_bytes: int | None = None) -> Sol
         full = 1
         for w in axes:
             full *= sizes[w]
-        if full * 16 > limit:
+        need = bfs_step_bytes(int(table.size), full, sizes[v], kept)
+        if need > limit:
+            from shardplan.units import fmt_bytes
+
             raise TableMemoryError(
-                f"vertex {problem.names[v]!r}: breadth-first table over {len(axes)} vertices has "
-                f"{full} entries, over the memory limit of {limit} bytes"
+                f"vertex {problem.names[v]!r}: the breadth-first DP needs about {fmt_bytes(need)} here (a table "
+                f"over {len(axes)} vertices of {full:.4g} entries, plus {fmt_bytes(kept)} of argmin tables kept "
+                f"from earlier steps), over the memory limit of {fmt_bytes(limit)}; raise the limit "
+                f"(--table-memory) or use the DP (--solver dp)"
             )
         largest = max(largest, full)
+        peak = max(peak, need)
 
         def along(w: int, vec: np.ndarray, at: list[int] = axes) -> np.ndarray:
             shape = [1] * len(at)
@@ -111,8 +140,9 @@ def solve_bfs_dp(problem: Problem, memory_limit_bytes: int | None = None) -> Sol
             h = h + (m if iv < iw else m.T).reshape(shape)
         h = np.broadcast_to(h, tuple(sizes[w] for w in axes))
         iv = axes.index(v)
-        arg = np.argmin(h, axis=iv)
+        arg = np.argmin(h, axis=iv).astype(np.min_scalar_type(max(sizes[v] - 1, 0)))
         table = np.min(h, axis=iv)
+        kept += arg.nbytes
         axes.remove(v)
         history.append((v, list(axes), arg))
         max_frontier = max(max_frontier, len(axes))
@@ -120,7 +150,9 @@ def solve_bfs_dp(problem: Problem, memory_limit_bytes: int | None = None) -> Sol
     assign = [0] * n
     for v, ax, arg in reversed(history):
         assign[v] = int(arg[tuple(assign[w] for w in ax)])
-    return Solution(cost=problem.evaluate(assign), assignment=tuple(assign),
-                    solve_seconds=time.perf_counter() - t0, solver="bfs-dp", optimal=True, bound=None,
-                    stats={"ordering": "bfs", "max_dependent_set": max_frontier, "largest_table": largest,
-                           "num_vertices": n, "dp_value": float(table)})
+    sol = Solution(cost=problem.evaluate(assign), assignment=tuple(assign),
+                   solve_seconds=time.perf_counter() - t0, solver="bfs-dp", optimal=True, bound=None,
+                   stats={"ordering": "bfs", "max_dependent_set": max_frontier, "largest_table": largest,
+                          "num_vertices": n, "dp_value": float(table), "memory_estimate_bytes": peak,
+                          "kept_bytes": kept})
+    return certify(problem, sol, float(table))

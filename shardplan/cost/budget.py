@@ -1,0 +1,151 @@
+"""How many bytes building the cost tables needs, known before anything big is allocated.
+
+The build works on per-device arrays: for an operator with K configurations
+on p devices, the device grid is a (K, p, n_dims) int64 array and every tile
+a (K, p, n_axes, 2) int64 array; for an edge, the fast path ANDs (K_u, K_v,
+ceil(p/64)) words of device bit-masks and the general path intersects boxes
+in chunks. What the build *keeps* grows with it: per operator the (K, p)
+memory tables (weights, activations: 16 K p bytes) and the cost vectors, per
+edge its (K_u, K_v) float64 matrix. So the peak of the whole build is
+
+    max over phases i of ( kept before i + peak of phase i ) ,
+
+with phases in build order: every distinct operator's memory tables and
+costs, every distinct edge. The per-phase peaks below are upper bounds
+read off the code of :mod:`shardplan.cost.tiles`, :mod:`~shardplan.cost.memory`,
+:mod:`~shardplan.cost.operator` and :mod:`~shardplan.cost.edge` (each counts
+the arrays alive at once at the worst point, plus numpy's temporaries), and
+are checked against measured peak RSS in tests/test_memory_guards.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from shardplan.ir import Graph, Operator
+
+__all__ = ["BuildEstimate", "estimate_build", "operator_phase_bytes", "edge_phase_bytes"]
+
+# The general edge path works on chunks of about 2^22 (pair, device[, axis]) entries (edge._CHUNK_ELEMS):
+# int32 bounds and their temporaries, an int64 product and an int64 difference per entry.
+CHUNK_ENTRIES = 1 << 22
+CHUNK_BYTES_PER_ENTRY = 48
+PARTS_BOUND = range(12)  # per-configuration cost vectors an OpCost keeps (at most)
+_SMALL = 1 << 20  # small arrays (configurations, orders, per-configuration vectors) and allocator slack
+
+
+@dataclass(frozen=True)
+class BuildEstimate:
+    """Upper bound of the build's peak bytes and where it is reached.
+
+    Attributes:
+        peak_bytes: max over phases of kept + phase peak.
+        phase: the phase at the peak ("memory of conv1", "costs of fc1", "edge conv2 -> pool2").
+        operator: the operator of that phase (the consumer for an edge).
+        configurations: its configuration count (K_u x K_v for an edge, as "K_u x K_v").
+        kept_bytes: bytes the finished tables hold at the end of the build.
+    """
+
+    peak_bytes: int
+    phase: str
+    operator: str
+    configurations: str
+    kept_bytes: int
+
+
+def _axes(op: Operator) -> int:
+    return max([len(t.axes) for t in op.tensors] + [1])
+
+
+def operator_phase_bytes(op: Operator, k: int, p: int) -> int:
+    """Peak bytes of :func:`operator_memory` or :func:`operator_cost` for one operator (the larger).
+
+    Alive at the worst point, in units of one (K, p) int64 array (8 K p bytes):
+    the device grid (n, and n more while its modulo is taken), two tiles of
+    the widest tensor (2 x 2A: halo exchange keeps the needed and the owned
+    tile) with their volumes (A), up to 12 per-axis temporaries of
+    :func:`tensor_boxes` and of the node-crossing test, and the accumulated
+    results; plus the (K, p) bool activity mask.
+    """
+    n, a = len(op.dims), _axes(op)
+    return 8 * k * p * (2 * n + 5 * a + 16) + k * p + _SMALL
+
+
+def edge_phase_bytes(u: Operator, ku: int, v: Operator, kv: int, p: int,
+                     patterns: tuple[int, int] | None = None) -> int:
+    """Peak bytes of :func:`edge_cost` for an edge with K_u x K_v configuration pairs.
+
+    Fast path: the AND of device bit-masks (K_u, K_v, W) uint64 with W =
+    ceil(p / 64), the gathered masks of one axis (the same size), the equality
+    test (K_u, K_v, W) bool, per axis the pattern match (P_u, P_v, p) built from
+    int64 block indices (``patterns`` = (P_u, P_v), at most (K_u, K_v)), and about
+    twelve (K_u, K_v) int64 arrays (overlaps, flags, volumes, times). General
+    path: both ends' tiles with their int64 and int32 copies and temporaries,
+    and one chunk.
+    """
+    words = (p + 63) // 64
+    pairs = ku * kv
+    pu, pv = patterns if patterns is not None else (ku, kv)
+    fast = pairs * words * (8 + 8 + 1) + pu * pv * p * 26 + pairs * 8 * 12
+    au, av = len(u.output.axes), max(len(t.axes) for t in v.inputs)
+    nu, nv = len(u.dims), len(v.dims)
+    # tiles of both ends (with the grid and temporaries of the one being built), then their int32 copies
+    tiles = 8 * p * (ku * (3 * au + 2 * nu + 14) + kv * (3 * av + 2 * nv + 14))
+    chunk = min(pairs * p * max(au, av, 1), max(CHUNK_ENTRIES, kv * p)) * CHUNK_BYTES_PER_ENTRY
+    return fast + tiles + chunk + pairs * 8 * 4 + _SMALL
+
+
+def _patterns(op: Operator, tensor, arr) -> int:
+    """The largest number of distinct block patterns (split and per-level stride pattern) over the tensor's axes."""
+    from shardplan.cost.edge import _axis_blocks
+
+    if not len(arr):
+        return 0
+    splits, pats, _, _ = _axis_blocks(op, tensor, arr)
+    best = 1
+    for ax in range(splits.shape[0]):
+        rows = np.concatenate([splits[ax][:, None], pats[ax]], axis=1)
+        best = max(best, len(np.unique(rows, axis=0)))
+    return best
+
+
+def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, object], p: int) -> BuildEstimate:
+    """Upper bound of the peak bytes of :func:`~shardplan.cost.build_tables` for these candidate layouts.
+
+    ``keys[i]``: operator i's key (identical operators share one, and the
+    build costs them once); ``arrays[key]``: that key's candidate layouts
+    (:class:`~shardplan.layout.LayoutArrays`), as the build will cost them
+    (before any are dropped for device memory, so the bound holds either way).
+    Identical edges (same keys at both ends, same input slot) are costed once.
+    """
+    ops = graph.operators
+    first: dict[tuple, int] = {}
+    for i, key in enumerate(keys):
+        first.setdefault(key, i)
+    ks = {key: len(arrays[key]) for key in first}
+    kept = 0
+    best = (0, "", "", "")
+    for key, i in first.items():  # per distinct operator: memory tables (two (K, p) float64) and cost vectors
+        op = ops[i]
+        need = kept + operator_phase_bytes(op, ks[key], p)
+        best = max(best, (need, f"costs of {op.name}", op.name, str(ks[key])))
+        kept += 16 * ks[key] * p + 8 * len(PARTS_BOUND) * ks[key]
+    out_patterns: dict[tuple, int] = {}
+    seen: set[tuple] = set()
+    for e in graph.edges:
+        ku_key, kv_key = keys[e.src], keys[e.dst]
+        if (ku_key, kv_key, e.slot) in seen:
+            continue
+        seen.add((ku_key, kv_key, e.slot))
+        u, v = ops[e.src], ops[e.dst]
+        if ku_key not in out_patterns:
+            out_patterns[ku_key] = _patterns(u, u.output, arrays[ku_key])
+        pv = _patterns(v, v.inputs[e.slot], arrays[kv_key])
+        ku, kv = ks[ku_key], ks[kv_key]
+        need = kept + edge_phase_bytes(u, ku, v, kv, p, (out_patterns[ku_key], pv))
+        best = max(best, (need, f"edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
+        kept += 8 * ku * kv
+    return BuildEstimate(int(best[0]), best[1], best[2], best[3], int(kept))

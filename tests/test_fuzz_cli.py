@@ -1,0 +1,185 @@
+"""Fuzzing the command line in-process: exit 0 with a consistent, checked answer, or exit 2 with one line.
+
+Two generators: random mutations of valid problem files (a value replaced by
+any JSON value, a key or an element deleted, an element added, the text cut
+short or a byte changed), solved by a random solver; and random option values
+(numbers at and beyond their ranges, NaN, inf, huge integers, text) given to
+`solve` on a tiny model and on a problem file. Nothing else may happen: no
+exception out of ``main``, no other exit status, no second line on stderr, and
+every answer printed is re-checked here (its cost is the sum of its chosen
+costs; an "optimal" one is the brute-force minimum).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import math
+import os
+import re
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from randgraphs import random_problem
+from shardplan.cli import main
+from shardplan.search import load_problem
+from shardplan.search.io import problem_to_dict
+
+SETTINGS = settings(max_examples=70, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+BASES = [problem_to_dict(random_problem(seed, n_max=5, k_max=4)) for seed in range(6)]
+
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _brute_force_minimum(problem) -> float | None:
+    """The exact minimum by enumeration, or None when there are too many assignments to enumerate."""
+    if math.prod(problem.sizes) > 5000:
+        return None
+    return min(problem.evaluate(a) for a in itertools.product(*(range(k) for k in problem.sizes)))
+
+
+def _check_outcome(code: int, out: str, err: str) -> None:
+    assert code in (0, 2), (code, out, err)
+    if code == 2:
+        assert err.count("\n") == 1 and re.match(r"shardplan( [a-z-]+)?: error: ", err), err
+        assert "Traceback" not in err
+
+
+def _check_solution(problem_path: str, solution_path: str) -> None:
+    """The answer written is consistent with the problem file it came from."""
+    problem = load_problem(problem_path)
+    sol = json.loads(open(solution_path).read())
+    assignment = [sol["assignment"][n] for n in problem.names]
+    cost = problem.evaluate(assignment)
+    assert sol["cost"] == pytest.approx(cost, rel=1e-9, abs=0.0)
+    for v, name in enumerate(problem.names):
+        assert sol["configs"][name] == list(problem.configs[v][assignment[v]])
+    best = _brute_force_minimum(problem)
+    if sol["optimal"] and best is not None:
+        assert cost <= best * (1 + 1e-6) + 1e-300, (cost, best, sol["solver"])
+
+
+# Costs at every scale, from subnormal to the edge of overflow: a solver must give the same answer at each.
+NUMBERS = st.floats(min_value=0.0, max_value=1e300) | st.integers(0, 10**30) | \
+    st.sampled_from([0, 1, 5e-324, 1e-300, 1e-12, 1e-6, 1e6, 1e12, 1e300, 1.7e308])
+
+
+def _paths(node, prefix=()):
+    """Every path into a decoded JSON value (the root excluded), each container before its items."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in items:
+        yield prefix + (key,)
+        yield from _paths(child, prefix + (key,))
+
+
+@st.composite
+def mutated_problem_text(draw) -> str:
+    data = json.loads(json.dumps(draw(st.sampled_from(BASES))))
+    kind = draw(st.sampled_from(["number", "number", "scale", "replace", "delete", "append", "truncate", "byte"]))
+    if kind in ("truncate", "byte"):
+        text = json.dumps(data)
+        i = draw(st.integers(0, len(text) - 1))
+        if kind == "truncate":
+            return text[:i]
+        return text[:i] + draw(st.characters(codec="utf-8")) + text[i + 1:]
+    if kind == "scale":  # every cost times one factor: the same optimum, at another scale
+        factor = draw(st.sampled_from([1e-300, 1e-12, 1e-9, 1e-6, 1e-3, 1e3, 1e6, 1e12, 1e290]))
+        for v in data["vertices"]:
+            v["cost"] = [c * factor for c in v["cost"]]
+        for e in data["edges"]:
+            e["cost"] = [[c * factor for c in row] for row in e["cost"]]
+        return json.dumps(data)
+    paths = list(_paths(data))
+    if kind == "number":
+        paths = [p for p in paths if "cost" in p and not isinstance(_get(data, p), list)] or paths
+    path = draw(st.sampled_from(paths))
+    parent, key = _get(data, path[:-1]), path[-1]
+    node = parent[key]
+    if kind == "number":
+        parent[key] = draw(NUMBERS)
+    elif kind == "append" and isinstance(node, list):
+        node.append(draw(JSON))
+    elif kind == "append" and isinstance(node, dict):
+        node[draw(st.text(max_size=6))] = draw(JSON)
+    elif kind == "delete":
+        del parent[key]
+    else:
+        parent[key] = draw(JSON)
+    return json.dumps(data)
+
+
+def _get(data, path):
+    for key in path:
+        data = data[key]
+    return data
+
+
+@SETTINGS
+@given(text=mutated_problem_text(), solver=st.sampled_from(["dp", "bfs-dp", "ilp", "bruteforce", "mcmc"]))
+def test_fuzz_problem_files(text: str, solver: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path, sol = os.path.join(tmp, "p.json"), os.path.join(tmp, "s.json")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        code, out, err = _run(["solve", "--problem", path, "--solver", solver, "--json", sol])
+        _check_outcome(code, out, err)
+        if code == 0:
+            _check_solution(path, sol)
+
+
+VALUES = st.sampled_from(["nan", "inf", "-inf", "-1", "0", "1", "2", "3", "4", "1.5", "1e-300", "1e300", "1e400",
+                          "abc", "", "100000000000000000000", "0x10", " 3", "1e9", "1e-6"]) | \
+    st.integers(-10, 10**6).map(str) | st.floats().map(repr) | st.text(max_size=6)
+MODEL_OPTIONS = ["-p", "--batch", "--cutoff", "--flops", "--bandwidth", "--latency", "--dtype", "--machine",
+                 "--orders", "--table-memory", "--seed", "--time-limit", "--ordering", "--progress"]
+SOLVERS = ["dp", "bfs-dp", "ilp", "bruteforce", "mcmc"]
+SIZES = ["seq", "vocab", "hidden", "layers", "depth"]
+
+
+@SETTINGS
+@given(options=st.lists(st.tuples(st.sampled_from(MODEL_OPTIONS), VALUES), max_size=3),
+       sizes=st.lists(st.tuples(st.sampled_from(SIZES), VALUES), max_size=2),
+       solver=st.sampled_from(SOLVERS) | VALUES, on_file=st.booleans())
+def test_fuzz_options(options, sizes, solver, on_file) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = os.path.join(tmp, "out.json")
+        if on_file:
+            path = os.path.join(tmp, "p.json")
+            with open(path, "w") as fh:
+                json.dump(BASES[0], fh)
+            argv = ["solve", "--problem", path, f"--solver={solver}"]
+        else:  # a tiny RNNLM: every build takes milliseconds
+            argv = ["solve", "--model", "rnnlm", "--set", "vocab=64", "--set", "hidden=16", "--set", "seq=8",
+                    "--batch", "8", "-p", "2", "--no-baselines", f"--solver={solver}"]
+            for key, value in sizes:
+                argv += ["--set", f"{key}={value}"]
+        for flag, value in options:
+            argv += [f"{flag}={value}"]
+        code, out, err = _run(argv + ["--json", out_json])
+        _check_outcome(code, out, err)
+        if code == 0 and on_file:
+            _check_solution(path, out_json)
+        elif code == 0:
+            plan = json.loads(open(out_json).read())
+            parts = plan["breakdown"]
+            assert math.isfinite(plan["cost_seconds"]) and plan["cost_seconds"] > 0
+            assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"), rel=1e-9)
+            ops_total = sum(o["cost_seconds"] + o["redistribution_in_seconds"] for o in plan["operators"])
+            assert plan["cost_seconds"] == pytest.approx(ops_total, rel=1e-9)
