@@ -1,0 +1,104 @@
+"""PyTorch: an ``nn.Module`` in, a plan and a DTensor-sharded module out.
+
+>>> import shardplan.torch as st                                    # doctest: +SKIP
+>>> mesh = init_device_mesh("cpu", (8,))                            # doctest: +SKIP
+>>> plan, pm = st.parallelize(model, (ids, labels), mesh)           # doctest: +SKIP
+>>> loss = pm(ids, labels); loss.backward()                         # doctest: +SKIP
+>>> print(st.report(plan))                                          # doctest: +SKIP
+
+* :mod:`shardplan.torch.frontend`: ``torch.export`` → IR graph (handlers per ATen op);
+* :mod:`shardplan.torch.layout`: configurations → DTensor placements on one mesh;
+* :mod:`shardplan.torch.run`: the sharded module.
+
+PyTorch is an optional dependency (``pip install -e '.[torch]'``): this
+package imports it only when a function is called.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from shardplan.errors import ShardplanError
+from shardplan.machine import Machine
+from shardplan.plan import Plan, solve
+from shardplan.torch.frontend import HANDLERS, ShardplanWarning, TorchTrace, register, trace
+from shardplan.torch.layout import (layout_groups, mesh_dims, mesh_factors, placement_names, plan_mesh_shape,
+                                    tensor_placements)
+
+__all__ = ["parallelize", "trace", "report", "HANDLERS", "register", "ShardplanWarning", "TorchTrace",
+           "mesh_factors", "layout_groups", "plan_mesh_shape", "mesh_dims", "tensor_placements", "placement_names", "plan_placements"]
+
+
+def plan_placements(plan: Plan, info: TorchTrace) -> dict[str, Any]:
+    """Per operator the dimension each mesh axis splits and its output placements; per parameter its placements."""
+    from shardplan.torch.run import plan_placements as _pp
+
+    return _pp(plan, info, plan.machine.num_devices)
+
+
+def _world(mesh: Any) -> int:
+    if mesh is None:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return int(mesh.mesh.numel())
+
+
+def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs: Mapping[str, Any] | None = None,
+                machine: Machine | None = None, cutoff: int = 1, **solve_opts: Any) -> tuple[Plan, Any]:
+    """Plan ``module(*example_inputs, **kwargs)`` on the devices of ``mesh`` and return ``(plan, sharded module)``.
+
+    ``mesh`` is a :class:`torch.distributed.device_mesh.DeviceMesh` over all
+    devices (any shape: its devices are re-laid as one mesh of prime-factor
+    axes, see :mod:`shardplan.torch.layout`). Every rank calls this with the
+    same module (same parameter values) and inputs; tracing and solving are
+    deterministic, so every rank finds the same plan. ``machine`` defaults to
+    the reference machine with ``mesh.size()`` devices; ``solve_opts`` go to
+    :func:`shardplan.plan.solve` (only configurations whose device count
+    divides p are kept, as a mesh needs).
+
+    The module returned runs the forward pass on DTensors laid out as planned
+    (call it as the module; DTensor outputs come back as full tensors); its
+    DTensor parameters are ``.parameters()`` and ``.named_dparameters()``.
+    """
+    from shardplan.torch.run import ParallelModule
+
+    p = _world(mesh)
+    if machine is None:
+        machine = Machine(p, name=f"{p} x {getattr(mesh, 'device_type', 'cpu')}")
+    elif machine.num_devices != p:
+        raise ShardplanError(f"machine has {machine.num_devices} devices but the mesh has {p}")
+    graph, info = trace(module, example_inputs, kwargs)
+    if solve_opts.get("divides_p", True) is not True:
+        raise ShardplanError("parallelize needs divides_p=True: a DeviceMesh cannot leave devices idle")
+    solve_opts["divides_p"] = True
+    plan = solve(graph, machine, cutoff=cutoff, **solve_opts)
+    return plan, ParallelModule.create(module, info, graph, plan.layouts, mesh)
+
+
+def report(plan: Plan, info: TorchTrace | None = None) -> str:
+    """Per operator: splits, the mesh axis each split takes, predicted cost; and the step's breakdown.
+
+    With ``info``, conservatively described operators are marked ``*``.
+    """
+    from shardplan.report import format_table
+    from shardplan.units import fmt_seconds
+
+    cons = set(info.conservative) if info is not None else set()
+    shape = plan_mesh_shape(list(plan.layouts.values()), plan.machine.num_devices)
+    lines = [f"{plan.graph.name}: {len(plan.graph)} operators on {plan.machine.num_devices} devices "
+             f"(mesh {'x'.join(map(str, shape))}), predicted {fmt_seconds(plan.cost)} per step, "
+             f"solved in {fmt_seconds(plan.solve_seconds)}"]
+    rows = []
+    for row in plan.operators():
+        op = plan.graph[row["name"]]
+        splits = " ".join(f"{d}{c}" for d, c in zip(row["dims"], row["config"]) if c > 1) or "replicated"
+        axes = " ".join(d or "_" for d in mesh_dims(plan.layout(op.name), shape, op.name))
+        mark = "*" if row["name"] in cons else ""
+        rows.append((mark + row["name"], row["kind"], splits, f"[{axes}]", fmt_seconds(row["cost_seconds"])))
+    lines.extend("  " + line for line in format_table(rows, right=(4,)).splitlines())
+    parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in plan.breakdown.items() if v and k != "total")
+    lines.append(f"  breakdown: {parts}")
+    if cons:
+        lines.append("  * described conservatively: " + ", ".join(sorted(set(info.conservative.values()))))
+    return "\n".join(lines)

@@ -1,0 +1,416 @@
+"""Run a traced module sharded as planned, on DTensors.
+
+:class:`ParallelModule` holds the parameters as DTensors (each laid out as
+its first reader's configuration asks) and runs the exported FX graph node
+by node (:func:`torch.export.export`'s training IR, the graph the plan was
+made for):
+
+* a node that is an operator gets each operand redistributed to the
+  placements its configuration gives that tensor, is dispatched on DTensors
+  (DTensor's own sharding propagation does the local work and returns the
+  output, possibly as partial sums), and its output is redistributed to the
+  planned placements (a split reduction dimension is all-reduced here);
+* constants (buffers, masks, position ids) run on plain tensors and enter
+  DTensor operations replicated (``implicit_replication``);
+* an ATen operator DTensor has no sharding strategy for runs replicated: its
+  operands are gathered, it runs on every device, its result is a replicated
+  DTensor (autograd flows through both conversions). The frontend describes
+  such operators conservatively, so the plan already expects this.
+  ``aten.scaled_dot_product_attention`` is routed to PyTorch's math kernel
+  (``_scaled_dot_product_attention_math``), whose matmuls and softmax DTensor
+  shards over batch, heads and queries (the fused CPU kernel has no DTensor
+  strategy).
+
+Gradients flow back through DTensor's autograd: the redistribution of a
+value in the forward pass is undone on its gradient in the backward pass,
+so the backward pass uses the forward layouts, as the cost model assumes.
+A hook on every parameter redistributes its gradient to the parameter's own
+placements, so ``param.grad`` is laid out like ``param`` and any
+``torch.optim`` optimizer updates the shards in place.
+"""
+
+from __future__ import annotations
+
+import operator as _pyop
+from typing import Any, Mapping, Sequence
+
+from shardplan.errors import ShardplanError
+from shardplan.ir import Graph, Operator, Tensor
+from shardplan.torch.frontend import TorchTrace
+from shardplan.torch.layout import mesh_dims, mesh_factors, plan_mesh_shape, tensor_placements
+
+__all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts"]
+
+
+def factored_mesh(mesh: Any, shape: Sequence[int] | None = None) -> Any:
+    """A DeviceMesh over the same devices as ``mesh`` (any shape) with the given shape (default: prime factors).
+
+    Every rank must call it (it creates the process groups of each mesh axis).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = mesh.mesh.flatten()
+    shape = tuple(shape) if shape is not None else mesh_factors(len(ranks))
+    names = tuple(f"m{i}" for i in range(len(shape)))
+    if tuple(mesh.mesh.shape) == shape and mesh.mesh_dim_names == names:
+        return mesh
+    return DeviceMesh(mesh.device_type, ranks.reshape(shape), mesh_dim_names=names)
+
+
+class Layouts:
+    """Per operator, which dimension each mesh axis splits; placements of its tensors on demand."""
+
+    def __init__(self, graph: Graph, layouts: Mapping[str, Any], factors: Sequence[int]) -> None:
+        self.graph = graph
+        self.axes: dict[str, tuple[str | None, ...]] = {
+            op.name: mesh_dims(layouts[op.name], factors, op.name) for op in graph.operators}
+
+    def tensor(self, op_name: str, tensor_name: str) -> Tensor:
+        op = self.graph[op_name]
+        for t in op.tensors:
+            if t.name == tensor_name:
+                return t
+        raise ShardplanError(f"operator {op_name!r} has no tensor {tensor_name!r}")
+
+    def placements(self, op_name: str, tensor_name: str, rank: int | None = None) -> tuple[Any, ...]:
+        return tensor_placements(self.tensor(op_name, tensor_name), self.axes[op_name], rank)
+
+    def output(self, op_name: str, rank: int | None = None) -> tuple[Any, ...]:
+        op: Operator = self.graph[op_name]
+        return tensor_placements(op.output, self.axes[op_name], rank)
+
+
+def plan_placements(plan: Any, info: TorchTrace, p: int) -> dict[str, Any]:
+    """Readable layout of a plan: per operator its mesh axes' dimensions and output placements, per parameter its placements."""
+    from shardplan.torch.layout import placement_names
+
+    shape = plan_mesh_shape(list(plan.layouts.values()), p)
+    lay = Layouts(plan.graph, plan.layouts, shape)
+    out: dict[str, Any] = {"mesh": shape, "operators": {}, "parameters": {}}
+    for op in plan.graph.operators:
+        out["operators"][op.name] = {"mesh_axes": lay.axes[op.name],
+                                     "output": placement_names(lay.output(op.name))}
+    for target, uses in info.param_uses.items():
+        opn, tn = uses[0]
+        out["parameters"][target] = placement_names(lay.placements(opn, tn))
+    return out
+
+
+def _get(args: list, kwargs: dict, path: tuple) -> Any:
+    if path[0] == "kw":
+        return kwargs[path[1]]
+    v = args[path[0]]
+    return v[path[1]] if len(path) > 1 else v
+
+
+def _set(args: list, kwargs: dict, path: tuple, value: Any) -> None:
+    if path[0] == "kw":
+        kwargs[path[1]] = value
+        return
+    if len(path) > 1:
+        seq = list(args[path[0]])
+        seq[path[1]] = value
+        args[path[0]] = seq
+    else:
+        args[path[0]] = value
+
+
+def _tree_map(fn: Any, x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return type(x)(_tree_map(fn, v) for v in x)
+    if isinstance(x, dict):
+        return {k: _tree_map(fn, v) for k, v in x.items()}
+    return fn(x)
+
+
+def _redistribute(x: Any, mesh: Any, placements: Sequence[Any]) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        if tuple(x.placements) == tuple(placements):
+            return x
+        return x.redistribute(mesh, placements)
+    return x
+
+
+def _sdpa_math(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+               scale: float | None = None, enable_gqa: bool = False) -> Any:
+    import torch
+
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # the math kernel takes an additive mask
+        attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(attn_mask.logical_not(), float("-inf"))
+    out = torch.ops.aten._scaled_dot_product_attention_math.default(
+        q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)
+    return out[0]
+
+
+def _has_dtensor(x: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_has_dtensor(v) for v in x)
+    if isinstance(x, dict):
+        return any(_has_dtensor(v) for v in x.values())
+    return False
+
+
+def _mean(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Any:
+    """``mean`` as ``sum / count``: on split dims DTensor then gives partial *sums*, whose gradients it supports."""
+    import math as _m
+
+    dims = list(range(x.dim())) if dim is None or (isinstance(dim, (list, tuple)) and not dim) else (
+        [dim] if isinstance(dim, int) else list(dim))
+    count = _m.prod(x.shape[d] for d in dims)
+    s = x.sum(dims, keepdim=keepdim, dtype=dtype) if dims else x
+    return s / count
+
+
+def _xent_terms(fn: Any, x: Any, target: Any, weight: Any, reduction: int, ignore_index: int, *rest: Any) -> Any:
+    """Mean cross-entropy / NLL as ``sum of per-example losses / count of non-ignored targets``.
+
+    Same value as reduction "mean" (without class weights); on a split batch
+    DTensor then all-reduces two partial sums instead of averaging averages.
+    """
+    if reduction != 1 or weight is not None:
+        return fn(x, target, weight, reduction, ignore_index, *rest)
+    per = fn(x, target, weight, 0, ignore_index, *rest)
+    count = (target != ignore_index).sum()
+    return per.sum() / count.to(per.dtype)
+
+
+def _cross_entropy(x: Any, target: Any, weight: Any = None, reduction: int = 1, ignore_index: int = -100,
+                   label_smoothing: float = 0.0) -> Any:
+    import torch
+
+    return _xent_terms(torch.ops.aten.cross_entropy_loss.default, x, target, weight, reduction, ignore_index,
+                       label_smoothing)
+
+
+def _nll(x: Any, target: Any, weight: Any = None, reduction: int = 1, ignore_index: int = -100) -> Any:
+    import torch
+
+    return _xent_terms(torch.ops.aten.nll_loss_nd.default, x, target, weight, reduction, ignore_index)
+
+
+_CONV = frozenset({"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default"})
+
+_REWRITES = {
+    "aten.scaled_dot_product_attention.default": _sdpa_math,
+    "aten.mean.dim": _mean,
+    "aten.mean.default": lambda x, dtype=None: _mean(x, None, False, dtype),
+    "aten.cross_entropy_loss.default": _cross_entropy,
+    "aten.nll_loss.default": _nll,
+    "aten.nll_loss_nd.default": _nll,
+}
+
+
+class ParallelModule:
+    """A module's forward pass, sharded as planned (constructed by :func:`shardplan.torch.parallelize`).
+
+    Call it like the module: ``out = pm(*args, **kwargs)``; DTensor results
+    come back as full tensors (differentiable), so ``out.backward()`` fills
+    ``param.grad`` of the DTensor parameters in :attr:`parameters`.
+    Subclasses nothing heavy at import time: :meth:`create` builds the
+    ``nn.Module`` subclass when torch is loaded.
+    """
+
+    @staticmethod
+    def create(module: Any, info: TorchTrace, graph: Graph, layouts: Mapping[str, Any], mesh: Any) -> Any:
+        """``layouts``: operator name -> :class:`~shardplan.layout.Layout` (``plan.layouts``)."""
+        return _make_class()(module, info, graph, layouts, mesh)
+
+
+def _make_class() -> Any:
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.export.graph_signature import InputKind
+
+    class _ParallelModule(nn.Module):
+        def __init__(self, module: Any, info: TorchTrace, graph: Graph, layouts: Mapping[str, Any],
+                     mesh: Any) -> None:
+            super().__init__()
+            self.info = info
+            self.graph = graph
+            p = int(mesh.mesh.numel())
+            shape = plan_mesh_shape([layouts[o.name] for o in graph.operators], p)
+            self.mesh = factored_mesh(mesh, shape)
+            self.layouts = Layouts(graph, layouts, tuple(self.mesh.mesh.shape))
+            ep = info.program
+            self._ep = ep
+            self._gm = ep.graph_module
+            self._params = nn.ParameterDict()
+            self._keys: dict[str, str] = {}
+            self.param_placements: dict[str, tuple[Any, ...]] = {}
+            named = dict(module.named_parameters(remove_duplicate=False))
+            buffers = dict(module.named_buffers(remove_duplicate=False))
+            self._buffers_by_target = buffers
+            tied: dict[int, str] = {}
+            for spec in ep.graph_signature.input_specs:
+                if spec.kind != InputKind.PARAMETER:
+                    continue
+                target = spec.target
+                if id(named[target]) in tied:  # a tied parameter, exported once per name: one DTensor
+                    self._keys[target] = tied[id(named[target])]
+                    continue
+                src = named[target]
+                uses = info.param_uses.get(target, ())
+                if uses:
+                    pl = self.layouts.placements(uses[0][0], uses[0][1], src.dim())
+                else:
+                    pl = tuple(Replicate() for _ in range(self.mesh.ndim))
+                dt = distribute_tensor(src.detach().clone(), self.mesh, list(pl), src_data_rank=None)
+                par = nn.Parameter(dt, requires_grad=src.requires_grad)
+                key = target.replace(".", "__")
+                self._params[key] = par
+                self._keys[target] = key
+                tied[id(src)] = key
+                self.param_placements[target] = pl
+                if src.requires_grad:
+                    par.register_hook(self._grad_hook(pl))
+            # tied parameters: every name the module knows them by maps to the one DTensor
+            by_id = {id(named[t]): k for t, k in self._keys.items()}
+            for name, src in named.items():
+                if name not in self._keys and id(src) in by_id:
+                    self._keys[name] = by_id[id(src)]
+
+        def _grad_hook(self, placements: tuple[Any, ...]) -> Any:
+            def hook(g: Any) -> Any:
+                if isinstance(g, DTensor) and tuple(g.placements) != tuple(placements):
+                    return g.redistribute(self.mesh, placements)
+                return g
+            return hook
+
+        def dparameter(self, target: str) -> Any:
+            """The DTensor parameter for ``target`` (the original module's parameter name)."""
+            return self._params[self._keys[target]]
+
+        def named_dparameters(self) -> dict[str, Any]:
+            """Original parameter name -> DTensor parameter."""
+            return {t: self._params[k] for t, k in self._keys.items()}
+
+        def _input_placements(self, name: str, rank: int) -> tuple[Any, ...] | None:
+            uses = self.info.input_uses.get(name, ())
+            if not uses:
+                return None
+            return self.layouts.placements(uses[0][0], uses[0][1], rank)
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.utils import _pytree as pytree
+
+            ep = self._ep
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            if spec != ep.call_spec.in_spec:
+                raise ShardplanError(f"arguments have structure {spec}, the traced module had {ep.call_spec.in_spec}")
+            env: dict[str, Any] = {}
+            user = iter(flat)
+            for s in ep.graph_signature.input_specs:
+                name = s.arg.name if hasattr(s.arg, "name") else None
+                if s.kind == InputKind.PARAMETER:
+                    env[name] = self.dparameter(s.target)
+                elif s.kind == InputKind.BUFFER:
+                    env[name] = self._buffers_by_target[s.target] if s.target in self._buffers_by_target \
+                        else ep.state_dict[s.target]
+                elif s.kind == InputKind.CONSTANT_TENSOR:
+                    env[name] = ep.constants[s.target]
+                elif s.kind == InputKind.USER_INPUT:
+                    x = next(user)
+                    if isinstance(x, torch.Tensor) and name is not None:
+                        pl = self._input_placements(name, x.dim())
+                        if pl is not None:
+                            x = distribute_tensor(x, self.mesh, list(pl), src_data_rank=None)
+                    if name is not None:
+                        env[name] = x
+                else:
+                    if name is not None:
+                        env[name] = None
+            result = None
+            for node in self._gm.graph.nodes:
+                if node.op == "placeholder":
+                    continue
+                if node.op == "get_attr":
+                    obj = self._gm
+                    for part in str(node.target).split("."):
+                        obj = getattr(obj, part)
+                    env[node.name] = obj
+                    continue
+                if node.op == "output":
+                    result = _tree_map(lambda a: env[a.name] if isinstance(a, torch.fx.Node) else a, node.args[0])
+                    break
+                env[node.name] = self._run_node(node, env)
+            outs = _tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, list(result))
+            return pytree.tree_unflatten(outs, ep.call_spec.out_spec)
+
+        def _run_node(self, node: Any, env: dict[str, Any]) -> Any:
+            read = lambda a: env[a.name] if isinstance(a, torch.fx.Node) else a  # noqa: E731
+            args = [_tree_map(read, a) for a in node.args]
+            kwargs = {k: _tree_map(read, v) for k, v in node.kwargs.items()}
+            fn = node.target
+            if node.name in self.info.const_nodes or fn is _pyop.getitem:
+                return fn(*args, **kwargs)
+            op_name = self.info.node_op.get(node.name)
+            if op_name is not None:
+                for path, tname in self.info.operands.get(op_name, ()):
+                    x = _get(args, kwargs, path)
+                    if isinstance(x, DTensor):
+                        _set(args, kwargs, path, _redistribute(x, self.mesh, self.layouts.placements(
+                            op_name, tname, x.dim())))
+            fn = _REWRITES.get(str(fn), fn)
+            if _has_dtensor(args) or _has_dtensor(kwargs):
+                rep = lambda x: self._replicate(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+                args = [_tree_map(rep, a) for a in args]
+                kwargs = {k: _tree_map(rep, v) for k, v in kwargs.items()}
+            try:
+                if str(fn) in _CONV and isinstance(args[0], DTensor):
+                    out = self._batch_local_call(fn, args, kwargs)
+                else:
+                    with implicit_replication():
+                        out = fn(*args, **kwargs)
+            except NotImplementedError as e:
+                if "sharding strategy" not in str(e) and "DTensor" not in str(e):
+                    raise
+                out = self._replicated_call(fn, args, kwargs)
+            if op_name is not None and isinstance(out, DTensor):
+                out = _redistribute(out, self.mesh, self.layouts.output(op_name, out.dim()))
+            return out
+
+        def _batch_local_call(self, fn: Any, args: list, kwargs: dict) -> Any:
+            """A convolution on a batch-split input: local convolution with replicated weights.
+
+            DTensor's convolution handler fails when the batch is split over
+            more than one mesh axis; this does the same computation directly.
+            The weights' gradients are partial sums over the axes splitting the batch.
+            """
+            from torch.distributed.tensor import Partial
+
+            x = args[0]
+            if any(pl.is_shard() and pl.dim != 0 or pl.is_partial() for pl in x.placements):
+                raise ShardplanError(f"{fn}: only a batch-split input can run locally, got {x.placements}")
+            grad_pl = [Partial() if pl.is_shard() else Replicate() for pl in x.placements]
+            local = [x.to_local()]
+            for a in args[1:]:
+                if isinstance(a, DTensor):
+                    a = a.redistribute(self.mesh, [Replicate()] * self.mesh.ndim).to_local(grad_placements=grad_pl)
+                local.append(a)
+            out = fn(*local, **kwargs)
+            return DTensor.from_local(out, self.mesh, list(x.placements), run_check=False)
+
+        def _replicate(self, x: Any) -> Any:
+            """A plain tensor (a constant) as a replicated DTensor, so that backward never mixes the two."""
+            if isinstance(x, DTensor):
+                return x
+            return DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+
+        def _replicated_call(self, fn: Any, args: list, kwargs: dict) -> Any:
+            """Run an operator DTensor cannot shard: gather the operands, compute everywhere, wrap replicated."""
+            full = lambda x: x.full_tensor() if isinstance(x, DTensor) else x  # noqa: E731
+            out = fn(*[_tree_map(full, a) for a in args], **{k: _tree_map(full, v) for k, v in kwargs.items()})
+            rep = [Replicate()] * self.mesh.ndim
+            wrap = lambda x: DTensor.from_local(x, self.mesh, rep, run_check=False) \
+                if isinstance(x, torch.Tensor) else x  # noqa: E731
+            return _tree_map(wrap, out)
+
+    return _ParallelModule

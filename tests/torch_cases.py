@@ -1,0 +1,341 @@
+"""Models and the distributed worker for tests/test_torch_dist.py (gloo on CPU, one process per device).
+
+Each case builds a tiny model and a batch deterministically (same on every
+rank), computes the single-process loss and gradients, then the sharded ones
+through :func:`shardplan.torch.parallelize`, and reports the differences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, SEQ, BATCH, D = 64, 8, 8, 32
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 64)
+        self.fc3 = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))
+        h = torch.tanh(self.fc2(h))
+        return F.cross_entropy(self.fc3(h), y)
+
+
+class Unsupported(nn.Module):
+    """An MLP with an operator no handler describes (logcumsumexp) inside a submodule."""
+
+    class Scan(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return torch.logcumsumexp(h, dim=-1)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.scan, self.fc2 = nn.Linear(32, 64), self.Scan(), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc2(self.scan(torch.relu(self.fc1(x)))), y)
+
+
+class OpsZoo(nn.Module):
+    """bmm, baddbmm, einsum, matmul, chunk, cat, index_select, softmax, layer norm, dropout (p=0), permute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 32)
+        self.mix = nn.Parameter(torch.randn(16, 16) / 4)
+        self.norm = nn.LayerNorm(32)
+        self.drop = nn.Dropout(0.0)
+        self.out = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)                                         # (B, T, 32)
+        a, b = h.chunk(2, dim=-1)                                # (B, T, 16) each
+        s = torch.bmm(a, b.transpose(1, 2))                      # (B, T, T)
+        s = torch.baddbmm(s, a, b.permute(0, 2, 1), alpha=0.5)
+        p = torch.softmax(s, dim=-1)
+        c = torch.einsum("bts,bsd->btd", p, a)
+        c = torch.matmul(c, self.mix)
+        h = torch.cat([c, b], dim=-1)                            # (B, T, 32)
+        h = self.drop(self.norm(h)).index_select(1, idx)         # (B, T', 32)
+        return F.cross_entropy(self.out(h.mean(1)), y)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block: RMSNorm, causal SDPA over heads, RMSNorm, SwiGLU; a vocabulary head for the loss."""
+
+    def __init__(self, d: int = D, heads: int = 4, ffn: int = 64, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, d)
+        self.norm1 = RMSNorm(d)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.norm2 = nn.RMSNorm(d)
+        self.gate, self.up = nn.Linear(d, ffn, bias=False), nn.Linear(d, ffn, bias=False)
+        self.down = nn.Linear(ffn, d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (w(h).view(b, s, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(a.transpose(1, 2).reshape(b, s, d))
+        h = self.norm2(x)
+        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        logits = self.head(x)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1, groups=2)
+        self.fc = nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.bn(self.conv1(x))), 2)
+        h = F.adaptive_avg_pool2d(F.relu(self.conv2(h)), 4)
+        return F.cross_entropy(self.fc(torch.flatten(h, 1)), y)
+
+
+class HFLoss(nn.Module):
+    """A transformers causal LM whose forward returns its loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=labels).loss
+
+
+def _tokens(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def make_mlp() -> tuple[nn.Module, tuple]:
+    g = torch.Generator().manual_seed(1)
+    return MLP(), (torch.randn(BATCH * 2, 32, generator=g), torch.randint(0, 16, (BATCH * 2,), generator=g))
+
+
+def make_unsupported() -> tuple[nn.Module, tuple]:
+    g = torch.Generator().manual_seed(6)
+    return Unsupported(), (torch.randn(BATCH * 2, 32, generator=g), torch.randint(0, 16, (BATCH * 2,), generator=g))
+
+
+def make_ops_zoo() -> tuple[nn.Module, tuple]:
+    g = torch.Generator().manual_seed(7)
+    return OpsZoo(), (torch.randn(BATCH, SEQ, 16, generator=g), torch.tensor([0, 2, 3, 7]),
+                      torch.randint(0, 10, (BATCH,), generator=g))
+
+
+def make_llama_block() -> tuple[nn.Module, tuple]:
+    return LlamaBlock(), _tokens(2)
+
+
+def make_cnn() -> tuple[nn.Module, tuple]:
+    g = torch.Generator().manual_seed(3)
+    return CNN(), (torch.randn(BATCH, 3, 8, 8, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+
+
+def make_hf_gpt2() -> tuple[nn.Module, tuple]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=D, n_layer=2, n_head=4, use_cache=False,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+    return HFLoss(GPT2LMHeadModel(cfg)), _tokens(4)
+
+
+def make_hf_llama() -> tuple[nn.Module, tuple]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False,
+                      attn_implementation="sdpa")
+    return HFLoss(LlamaForCausalLM(cfg)), _tokens(5)
+
+
+CASES: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
+    "mlp": make_mlp, "llama_block": make_llama_block, "cnn": make_cnn, "hf_gpt2": make_hf_gpt2,
+    "hf_llama": make_hf_llama, "unsupported": make_unsupported, "ops_zoo": make_ops_zoo,
+}
+
+
+def toy_machine(p: int) -> Any:
+    """A machine on which splitting tiny models pays (slow compute, fast links), as in tests/test_jax.py."""
+    from shardplan.machine import Machine
+
+    return Machine(p, peak_flops=32e9, bandwidth=16e9, latency=0.0, name="toy")
+
+
+def run_case(name: str, mesh: Any, p: int) -> dict[str, Any]:
+    """Single-process reference and sharded run of one case on this rank; the comparison."""
+    import shardplan.torch as st
+
+    torch.manual_seed(0)
+    model, batch = CASES[name]()
+    model.train()
+    ref_model = _clone(model)
+    loss0 = ref_model(*batch)
+    loss0.backward()
+    grads0 = {n: p_.grad.detach() for n, p_ in ref_model.named_parameters() if p_.grad is not None}
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan, pm = st.parallelize(_clone(model), batch, mesh, machine=toy_machine(p))
+    setup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loss = pm(*batch)
+    loss.backward()
+    step = time.perf_counter() - t0
+    named = pm.named_dparameters()
+    loss, loss0 = loss.detach(), loss0.detach()
+    rel_loss = abs(float(loss) - float(loss0)) / max(abs(float(loss0)), 1e-30)
+    worst, scale, missing = 0.0, 0.0, []
+    layouts_ok = True
+    for n, g0 in grads0.items():
+        par = named.get(n)
+        if par is None or par.grad is None:
+            missing.append(n if par is None else n + " (no gradient)")
+            continue
+        layouts_ok &= tuple(par.grad.placements) == tuple(par.placements)
+        g = par.grad.full_tensor()
+        worst = max(worst, float((g - g0).abs().max()))
+        scale = max(scale, float(g0.abs().max()))
+    split_ops = sum(1 for c in plan.configs.values() if max(c) > 1)
+    tiles_ok = _tiles_match(plan, pm, model)
+    return {
+        "loss": float(loss), "loss0": float(loss0), "rel_loss": rel_loss, "grad_err": worst, "grad_scale": scale,
+        "rel_grad": worst / max(scale, 1e-30), "missing": missing, "grad_layouts_ok": bool(layouts_ok), "tiles_ok": tiles_ok,
+        "operators": len(plan.graph), "split_ops": split_ops, "solve_seconds": plan.solve_seconds,
+        "build_seconds": plan.build_seconds, "setup_seconds": setup, "step_seconds": step, "cost": plan.cost,
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, st.ShardplanWarning)],
+        "report": st.report(plan),
+        "param_placements": {n: [str(x) for x in pl] for n, pl in pm.param_placements.items()},
+    }
+
+
+def _tiles_match(plan: Any, pm: Any, model: nn.Module) -> bool:
+    """Every rank's shard of every parameter is the tile the cost model gives that device (all ranks agree).
+
+    Checked for parameters whose first reader indexes them plainly (the layout
+    replicates axes read through an offset or a window).
+    """
+    import numpy as np
+    import torch.distributed as dist
+
+    from shardplan.cost.tiles import tensor_boxes
+
+    full = dict(model.named_parameters(remove_duplicate=False))
+    rank, p = dist.get_rank(), dist.get_world_size()
+    ok = True
+    for target, par in pm.named_dparameters().items():
+        uses = pm.info.param_uses.get(target)
+        if not uses:
+            continue
+        op = plan.graph[uses[0][0]]
+        t = next(x for x in op.tensors if x.name == uses[0][1])
+        if not all(a.dim is None or a.is_plain or a.inner for a in t.axes):
+            continue
+        cfg = np.asarray([plan.configs[op.name]])
+        order = np.asarray([plan.orders[op.name]])
+        box = tensor_boxes(op, t, cfg, p, orders=order)[0, rank]
+        want = full[target].detach()[tuple(slice(int(lo), int(hi)) for lo, hi in box)]
+        ok &= tuple(par.to_local().shape) == tuple(want.shape) and bool(torch.equal(par.to_local(), want))
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _clone(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def worker(rank: int, world: int, port: int, names: list[str], out_path: str) -> None:
+    """Entry point of one spawned process: run every case, rank 0 writes the results as JSON."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    import logging
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict[str, Any] = {}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for name in names:
+            try:
+                results[name] = run_case(name, mesh, world)
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+    finally:
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_distributed(names: list[str], world: int, out_path: str) -> dict[str, Any]:
+    """Spawn ``world`` gloo processes running ``names``; returns rank 0's results."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(world, free_port(), names, out_path), nprocs=world, join=True)
+    with open(out_path) as f:
+        return json.load(f)
+
+
+if __name__ == "__main__":  # python tests/torch_cases.py 8 llama_block ...
+    import sys
+
+    world = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+    names = sys.argv[2:] or list(CASES)
+    res = run_distributed(names, world, "/tmp/shardplan_torch_cases.json")
+    for k, v in res.items():
+        if "error" in v:
+            print(k, "ERROR\n", v["error"])
+        else:
+            print(k, {x: v[x] for x in ("rel_loss", "rel_grad", "grad_err", "operators", "split_ops", "solve_seconds",
+                                        "build_seconds", "setup_seconds", "step_seconds", "missing", "grad_layouts_ok", "tiles_ok")})
+            print(v["report"])
+            for w in v["warnings"]:
+                print("  W:", w)
