@@ -30,28 +30,8 @@ g, m = get_model("{model}"), preset("{machine}", {p})
 BUILD_PHASE = ("build_tables(g, m, cutoff={cutoff}, divides_p={divides}, orders='{orders}', "
                "memory_limit_bytes=10**12).options")
 GRAPHS = '''
-import numpy as np
-from shardplan.search.problem import Problem
 from shardplan.search import solve_dp, solve_bfs_dp
-
-def complete(n, k, seed=0):
-    rng = np.random.default_rng(seed)
-    edges = [(i, j) for i in range(n) for j in range(i + 1, n)]
-    return Problem(tuple(f"v{{i}}" for i in range(n)), tuple(tuple((j,) for j in range(k)) for _ in range(n)),
-                   tuple(rng.random(k) for _ in range(n)), tuple(edges), tuple(rng.random((k, k)) for _ in edges))
-
-def spider(legs, length, k=2, seed=0):
-    rng = np.random.default_rng(seed)
-    n = 1 + legs * length
-    edges = []
-    for leg in range(legs):
-        prev = 0
-        for j in range(length):
-            v = 1 + leg * length + j
-            edges.append((prev, v))
-            prev = v
-    return Problem(tuple(f"v{{i}}" for i in range(n)), tuple(tuple((j,) for j in range(k)) for _ in range(n)),
-                   tuple(rng.random(k) for _ in range(n)), tuple(edges), tuple(rng.random((k, k)) for _ in edges))
+from randgraphs import complete, spider
 
 p = {make}
 '''

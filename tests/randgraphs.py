@@ -83,3 +83,26 @@ def random_problem(seed: int, n_max: int = 8, k_max: int = 5, shape: str | None 
         edges=tuple(edges),
         edge_cost=tuple(_costs(rng, (ks[s], ks[d])) for s, d in edges),
     )
+
+
+def complete(n: int, k: int, seed: int = 0) -> Problem:
+    """Every pair joined: eliminating the first vertex builds a table over all the others."""
+    rng = np.random.default_rng(seed)
+    edges = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    return Problem(tuple(f"v{i}" for i in range(n)), tuple(tuple((j,) for j in range(k)) for _ in range(n)),
+                   tuple(rng.random(k) for _ in range(n)), tuple(edges), tuple(rng.random((k, k)) for _ in edges))
+
+
+def spider(legs: int, length: int, k: int = 2, seed: int = 0) -> Problem:
+    """A tree: one centre, ``legs`` paths of ``length`` vertices; breadth-first order keeps every leg open."""
+    rng = np.random.default_rng(seed)
+    n = 1 + legs * length
+    edges = []
+    for leg in range(legs):
+        prev = 0
+        for j in range(length):
+            v = 1 + leg * length + j
+            edges.append((prev, v))
+            prev = v
+    return Problem(tuple(f"v{i}" for i in range(n)), tuple(tuple((j,) for j in range(k)) for _ in range(n)),
+                   tuple(rng.random(k) for _ in range(n)), tuple(edges), tuple(rng.random((k, k)) for _ in edges))
