@@ -93,7 +93,6 @@ def _tiny_gpt():
 
 
 def test_fit_plan_fits_and_agrees_with_ilp():
-    pytest.importorskip("scipy")
     from shardplan.search.memory_ilp import solve_memory_ilp
 
     g = _tiny_gpt()

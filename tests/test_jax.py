@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
+import jax
+import jax.numpy as jnp
 
 from shardplan import ops  # noqa: E402
 from shardplan.cost import build_tables  # noqa: E402
@@ -188,7 +188,7 @@ def test_hlo_group_forms_and_ring_bytes():
 # -- your own training loop ------------------------------------------------------
 def test_planned_shardings_in_an_optax_training_step():
     """Shardings as pytrees of NamedSharding, the constrained loss inside the user's own jit, an optax state."""
-    optax = pytest.importorskip("optax")
+    import optax
     import shardplan.jax as sj
 
     mod = _example("jax_mlp")

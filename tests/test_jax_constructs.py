@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
+import jax
+import jax.numpy as jnp
 
 from conftest import require_8_devices  # noqa: E402
 from shardplan import ops  # noqa: E402

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("flax")  # the corpus libraries come with the test extra: `pip install -e .[test]`
+import flax  # noqa: F401  (the corpus libraries come with the test extra: `pip install -e .[test]`)
 
 from conftest import require_8_devices  # noqa: E402
 from jax_corpus import CORPUS, run_entry  # noqa: E402

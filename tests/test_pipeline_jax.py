@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
+import jax
 
 from shardplan.errors import ShardplanError  # noqa: E402
 from shardplan.pipeline.jax import pipeline_forward, stack_stages  # noqa: E402

@@ -87,7 +87,6 @@ def test_stopped_search_reports_bound_and_gap(seed):
 
 @pytest.mark.parametrize("seed", range(0, 40, 3))
 def test_memory_ilp_agrees(seed):
-    pytest.importorskip("scipy")
     from shardplan.search.memory_ilp import solve_memory_ilp
 
     mp = memory_problem(seed, (0.2, 0.6, 0.9)[seed % 3])

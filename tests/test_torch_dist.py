@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch  # noqa: F401
+import transformers  # noqa: F401
 
 import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
 
