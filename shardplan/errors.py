@@ -1,4 +1,4 @@
-"""The error types: one for bad input, and its subclass for a table over the memory limit."""
+"""The error types: one for bad input, and its subclasses for what does not fit in memory."""
 
 from __future__ import annotations
 
@@ -17,4 +17,13 @@ class TableMemoryError(ShardplanError):
     Raised by the memory guards before any allocation: the cost-table build,
     the DP's and the breadth-first DP's tables, the ILP's program; callers that can live without that solver's answer
     (benchmarks, bound pruning's sub-solves) catch this class.
+    """
+
+
+class OperatorMemoryError(ShardplanError):
+    """An operator needs more than the device's memory under every one of its configurations.
+
+    Raised by the cost-table build's memory filter; callers that try several
+    device counts (pipeline stages on sub-meshes) catch this class to drop a
+    sub-mesh that is too small.
     """

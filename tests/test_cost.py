@@ -329,7 +329,7 @@ def test_fast_edge_volumes_equal_general_intersection(name, p, sizes):
 
 
 def test_configurations_that_cannot_fit_in_memory_are_dropped():
-    from shardplan.errors import ShardplanError
+    from shardplan.errors import OperatorMemoryError
 
     b = GraphBuilder("big")
     x = b.input("x", (64, 8192), needs_grad=True)
@@ -344,7 +344,7 @@ def test_configurations_that_cannot_fit_in_memory_are_dropped():
     assert ((w + act).max(axis=1) <= 300 * 2**20).all()
     w0, a0 = roomy.memory[0]
     assert int(((w0 + a0).max(axis=1) <= 300 * 2**20).sum()) == len(tight.configs[0])
-    with pytest.raises(ShardplanError, match=r"operator 'fc' needs at least .* per device"):
+    with pytest.raises(OperatorMemoryError, match=r"operator 'fc' needs at least .* per device"):
         build_tables(g, Machine(8, peak_flops=F, bandwidth=B, memory_bytes=2**20), cutoff=1)
 
 

@@ -16,7 +16,7 @@ from shardplan.configs import ORDER_MODES, configurations, dimension_orders, lay
 from shardplan.cost.edge import edge_cost, edge_volumes
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
-from shardplan.errors import ShardplanError, TableMemoryError
+from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
 from shardplan.ir import Graph
 from shardplan.layout import Layout, LayoutArrays
 from shardplan.machine import Machine
@@ -340,6 +340,6 @@ def fits_memory(op, weights: np.ndarray, activations: np.ndarray, limit: float) 
         from shardplan.units import fmt_bytes
 
         need = float((weights + activations).max(axis=1).min())
-        raise ShardplanError(f"operator {op.name!r} needs at least {fmt_bytes(need)} per device under every "
+        raise OperatorMemoryError(f"operator {op.name!r} needs at least {fmt_bytes(need)} per device under every "
                              f"configuration; the device has {fmt_bytes(limit)}")
     return keep

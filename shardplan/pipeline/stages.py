@@ -56,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import OperatorMemoryError, ShardplanError
 from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
 from shardplan.pipeline.search import StageCost
@@ -248,9 +248,7 @@ class ModelStages:
         else:
             try:
                 cost = self._solve(a, b, q, m)
-            except ShardplanError as exc:
-                if "per device under every configuration" not in str(exc):
-                    raise
+            except OperatorMemoryError:
                 cost = None  # some operator cannot fit on this sub-mesh at all
         self._cache[key] = cost
         return cost
@@ -299,9 +297,7 @@ class ModelStages:
                     inputs[t.src] = t.shape
         try:
             cost = self._cost_of_graph(Graph(f"{g.name}[pieces]", tuple(new_ops), inputs), q, m)
-        except ShardplanError as exc:
-            if "per device under every configuration" not in str(exc):
-                raise
+        except OperatorMemoryError:
             cost = None
         self._cache[key] = cost
         return cost
