@@ -56,7 +56,7 @@ def _stages_line(plan, names) -> str:
     return "; ".join(f"[{names[s.first]}..{names[s.end - 1]}] on {s.devices} devs" for s in plan.stages)
 
 
-def run_case(name: str, solve_opts: dict) -> dict:
+def run_case(name: str, solve_opts: dict, recipe_only: bool = False) -> dict:
     mname, p, batch, (layers, d, heads), rec_s, search_s, search_m = CASES[name]
     machine = preset(mname, p)
     build = _build(layers, d, heads)
@@ -69,7 +69,7 @@ def run_case(name: str, solve_opts: dict) -> dict:
     q = p // rec_s
     dp = q // 8
     m = batch // dp
-    rec = ModelStages(build, batch, machine, dict(solve_opts), periodic=True,
+    rec = ModelStages(build, batch, machine, {**solve_opts, "node_replicas": True}, periodic=True,
                       strategy=lambda t: megatron(t, max(1, t.machine.num_devices // 8)))
     U = rec.num_units
     per = layers // rec_s
@@ -91,6 +91,8 @@ def run_case(name: str, solve_opts: dict) -> dict:
     print(f"{name}: recipe {rp.step_time:.3f} s/step, {row['recipe']['tflops_per_gpu']:.0f} TFLOP/s/GPU "
           f"({row['recipe']['seconds']:.0f} s)", flush=True)
 
+    if recipe_only:
+        return row
     # the search
     t0 = time.perf_counter()
     sizes = tuple(sorted({p // s for s in search_s if p % s == 0}))

@@ -34,6 +34,7 @@ become a 25-way split (:func:`nearest_valid`).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 import numpy as np
@@ -41,6 +42,7 @@ import numpy as np
 from shardplan.cost import CostTables
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
+from shardplan.layout import Layout
 from shardplan.plan import Plan, plan_from_configs
 
 __all__ = ["Strategy", "batch_dim", "data_parallel", "one_weird_trick", "megatron", "gnmt", "BASELINES",
@@ -124,27 +126,67 @@ def one_weird_trick(tables: CostTables) -> Strategy:
 _MODEL_DIMS = ("h", "e", "v")
 
 
+def _megatron_wishes_op(op: Operator, m: int, n: int) -> dict[str, int]:
+    w = _dp_wish(op, m)
+    names = op.dim_names
+    model = "h" if "h" in names else ("e" if op.kind == "ffn" and "e" in names else ("v" if "v" in names else None))
+    if model is not None and n > 1:
+        w[model] = n
+    return w
+
+
 def _megatron_wishes(tables: CostTables, m: int, n: int) -> dict[str, dict[str, int]]:
-    wishes = {}
-    for op in tables.graph.operators:
-        w = _dp_wish(op, m)
+    return {op.name: _megatron_wishes_op(op, m, n) for op in tables.graph.operators}
+
+
+def _megatron_layouts(tables: CostTables, m: int, n: int) -> Strategy | None:
+    """Megatron-LM's layouts when the tensor-parallel group is one node (n = s_0): the model dim n ways on the
+    device level, the batch m ways over the outer levels (filled from the inside); operators without a model
+    dim (norms, adds) replicated over the node. None when that is not the machine's shape or a layout is not
+    a candidate of the tables (then the configuration tuples of :func:`_megatron_wishes` are used)."""
+    from shardplan.configs import _level_products  # the enumerator's own fill rule
+
+    levels = tables.machine.levels
+    if len(levels) < 2 or n != levels[0]:
+        return None
+    outer = _level_products(m, levels[1:])
+    if outer is None:
+        return None
+    out: Strategy = {}
+    for i, op in enumerate(tables.graph.operators):
+        wish = _megatron_wishes_op(op, m, n)
         names = op.dim_names
-        model = "h" if "h" in names else ("e" if op.kind == "ffn" and "e" in names else ("v" if "v" in names else None))
-        if model is not None and n > 1:
-            w[model] = n
-        wishes[op.name] = w
-    return wishes
+        rows = [[1] * len(names) for _ in levels]
+        for d, ways in wish.items():
+            j = names.index(d)
+            if d == batch_dim(op) and ways == m:
+                fill = outer
+                for lvl, f in enumerate(fill, start=1):
+                    rows[lvl][j] *= f
+            else:
+                rows[0][j] *= ways
+        if any(op.dims[j][1] % math.prod(r[j] for r in rows) for j in range(len(names))):
+            return None
+        orders = tuple(tuple(j for j in range(len(names)) if r[j] > 1) for r in rows)
+        lay = Layout(names, levels, tuple(tuple(r) for r in rows), orders)
+        if lay not in tables.layouts[i]:
+            return None
+        out[op.name] = lay
+    return out
 
 
 def megatron(tables: CostTables, m: int | None = None) -> Strategy:
-    """Batch m ways, heads / feed-forward hidden / vocabulary n = p/m ways; m of least cost if not given."""
+    """Batch m ways, heads / feed-forward hidden / vocabulary n = p/m ways; m of least cost if not given.
+
+    On a machine of several levels with n equal to the node size, the layouts are Megatron-LM's exactly
+    (:func:`_megatron_layouts`; the tables need ``node_replicas=True`` for the norms' layouts)."""
     p = tables.machine.num_devices
     choices = [m] if m is not None else [d for d in range(1, p + 1) if p % d == 0]
     best: tuple[float, Strategy] | None = None
     for mm in choices:
         if p % mm:
             raise ShardplanError(f"megatron: batch split m={mm} does not divide p={p}")
-        strat = _resolve(tables, _megatron_wishes(tables, mm, p // mm))
+        strat = _megatron_layouts(tables, mm, p // mm) or _resolve(tables, _megatron_wishes(tables, mm, p // mm))
         cost = plan_from_configs(tables, strat).cost
         if best is None or cost < best[0]:
             best = (cost, strat)

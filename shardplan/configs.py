@@ -165,7 +165,7 @@ def _level_orders(row: tuple[int, ...], own: Sequence[int], mode: str, max_permu
 def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two: bool = False,
             divides_p: bool = True, orders: str = "row-major", max_permuted: int = 3,
             max_split_dims: int | None = 3, max_level_dims: int | None = 2,
-            partial_replicas: bool = False) -> tuple[Layout, ...]:
+            partial_replicas: bool = False, node_replicas: bool = False) -> tuple[Layout, ...]:
     """All layouts of ``op`` on a machine with level sizes ``levels`` (innermost first).
 
     One level (``levels == (p,)``): exactly the paper's space,
@@ -206,12 +206,15 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
         tiles = math.prod(c)
         if max_split_dims is not None and sum(x > 1 for x in c) > max_split_dims:
             continue
-        if not partial_replicas and levels[0] < tiles < p:
-            continue
-        prods = _level_products(tiles, levels)
-        if prods is None:
-            continue
-        for rows in _factorisations(tuple(c), prods):
+        fills = []
+        if partial_replicas or not levels[0] < tiles < p:
+            prods = _level_products(tiles, levels)
+            if prods is not None:
+                fills.append(prods)
+        outer = p // levels[0]
+        if node_replicas and tiles % outer == 0 and tiles // outer < levels[0] and levels[0] % (tiles // outer) == 0:
+            fills.append((tiles // outer,) + levels[1:])
+        for rows in (r for prods in fills for r in _factorisations(tuple(c), prods)):
             if max_level_dims is not None and any(sum(x > 1 for x in r) > max_level_dims for r in rows):
                 continue
             per_level = [_level_orders(r, own, orders, max_permuted) for r in rows]

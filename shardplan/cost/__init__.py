@@ -205,7 +205,7 @@ def operator_key(op) -> tuple:
 def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,
                  divides_p: bool = True, orders: str = "auto", optimizer_factor: float = 2.0,
                  progress: Callable[[int, int], None] | None = None,
-                 memory_limit_bytes: int | None = None) -> CostTables:
+                 memory_limit_bytes: int | None = None, node_replicas: bool = False) -> CostTables:
     """Layouts and costs of every operator and edge of ``graph`` on ``machine``.
 
     ``divides_p`` (default): keep configurations whose device count divides p,
@@ -216,7 +216,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     "row-major" or "auto" (see :func:`choose_orders` and
     :func:`shardplan.configs.dimension_orders`; on a machine of several
     levels "auto" is "row-major" inside every level). The candidate layouts
-    are :func:`shardplan.configs.layouts`.
+    are :func:`shardplan.configs.layouts` (``node_replicas``: also the layouts
+    replicated inside a node while every node works, e.g. Megatron-LM's norms).
 
     Identical operators (:func:`operator_key`) are costed once and share
     their arrays; identical edges (same producer and consumer descriptions,
@@ -249,7 +250,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         orders = "row-major" if orders == "auto" else orders
     candidates: dict[tuple, tuple] = {}
     for key, i in first.items():
-        lays = layouts(ops[i], levels, cutoff, powers_of_two, divides_p, orders)
+        lays = layouts(ops[i], levels, cutoff, powers_of_two, divides_p, orders, node_replicas=node_replicas)
         candidates[key] = (lays, LayoutArrays.stack(lays))
     estimate = check_build_memory(graph, keys, {k: arr for k, (_, arr) in candidates.items()}, p,
                                   memory_limit_bytes, orders=orders, divides_p=divides_p)
@@ -283,6 +284,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             progress(len(first) + n_done + 1, steps)
     _check_finite(graph, machine, [per_key[k][2] for k in keys], edge_costs)
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
+            "node_replicas": node_replicas,
             "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped, "levels": levels,
             "distinct_operators": len(first), "distinct_edges": len(edge_cache), "memory_estimate_bytes": estimate}
     return CostTables(graph, machine, tuple(per_key[k][0] for k in keys), tuple(per_key[k][2] for k in keys),

@@ -207,7 +207,7 @@ class ModelStages:
         self.solves += 1
         machine = replace(self.machine, num_devices=q)
         opts = dict(self.solve_options)
-        table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders") if k in opts}
+        table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas") if k in opts}
         solver = opts.pop("solver", "dp")
         tables = build_tables(graph, machine, **table_opts)
         arrays = getattr(tables, "arrays", None)  # layout arrays where the tables carry them, else splits + orders
