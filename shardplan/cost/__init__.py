@@ -205,7 +205,8 @@ def operator_key(op) -> tuple:
 def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,
                  divides_p: bool = True, orders: str = "auto", optimizer_factor: float = 2.0,
                  progress: Callable[[int, int], None] | None = None,
-                 memory_limit_bytes: int | None = None, node_replicas: bool = False) -> CostTables:
+                 memory_limit_bytes: int | None = None, node_replicas: bool = False,
+                 cache: dict | None = None) -> CostTables:
     """Layouts and costs of every operator and edge of ``graph`` on ``machine``.
 
     ``divides_p`` (default): keep configurations whose device count divides p,
@@ -230,6 +231,12 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     phase at the peak, its configuration count and the estimate.
     ``progress(done, total)`` is called after each distinct operator and each
     edge (total = distinct operators + |E|).
+
+    ``cache`` (a dict, empty at first) keeps every distinct operator's and
+    edge's arrays between builds *on the same machine with the same options*
+    (the caller's promise): a later graph made of the same operators (e.g. a
+    pipeline stage's blocks, at the same micro-batch size and sub-mesh) costs
+    only what is new (the memory estimate runs only when some operator is new).
     """
     p = machine.num_devices
     if p > MAX_DEVICES:
@@ -248,22 +255,33 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         orders = choose_orders(graph, [splits[key] for key in keys], orders)
     else:
         orders = "row-major" if orders == "auto" else orders
+    per_key: dict[tuple, tuple] = {} if cache is None else cache.setdefault("operators", {})
+    dropped_by_key: dict[tuple, int] = {} if cache is None else cache.setdefault("dropped", {})
     candidates: dict[tuple, tuple] = {}
     for key, i in first.items():
+        if key in per_key:
+            continue
         lays = layouts(ops[i], levels, cutoff, powers_of_two, divides_p, orders, node_replicas=node_replicas)
         candidates[key] = (lays, LayoutArrays.stack(lays))
-    estimate = check_build_memory(graph, keys, {k: arr for k, (_, arr) in candidates.items()}, p,
-                                  memory_limit_bytes, orders=orders, divides_p=divides_p)
+    estimate = 0
+    if candidates:  # nothing new: nothing is allocated but the edges' matrices between cached operators
+        arrays_by_key = {k: per_key[k][1] for k in first if k in per_key}
+        arrays_by_key.update({k: arr for k, (_, arr) in candidates.items()})
+        estimate = check_build_memory(graph, keys, arrays_by_key, p, memory_limit_bytes, orders=orders,
+                                      divides_p=divides_p)
     steps = len(first) + len(graph.edges)
-    per_key: dict[tuple, tuple] = {}
-    dropped = 0
     for n_done, (key, i) in enumerate(first.items()):
         op = ops[i]
+        if key in per_key:
+            if progress is not None:
+                progress(n_done + 1, steps)
+            continue
         lays, arr = candidates.pop(key)
         w, act = operator_memory(op, arr, machine, optimizer_factor)
+        dropped_by_key[key] = 0
         if machine.memory_bytes is not None:
             keep = fits_memory(op, w, act, machine.memory_bytes)
-            dropped += int((~keep).sum()) * count[key]
+            dropped_by_key[key] = int((~keep).sum())
             if not keep.all():
                 rows = np.nonzero(keep)[0]
                 lays = tuple(lays[r] for r in rows)
@@ -272,8 +290,9 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         per_key[key] = (lays, arr, operator_cost(op, arr, machine), (w, act))
         if progress is not None:
             progress(n_done + 1, steps)
+    dropped = sum(dropped_by_key[k] * count[k] for k in first)
     edge_costs = []
-    edge_cache: dict[tuple, np.ndarray] = {}
+    edge_cache: dict[tuple, np.ndarray] = {} if cache is None else cache.setdefault("edges", {})
     for n_done, e in enumerate(graph.edges):
         ekey = (keys[e.src], keys[e.dst], e.slot)
         if ekey not in edge_cache:
@@ -286,7 +305,9 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
             "node_replicas": node_replicas,
             "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped, "levels": levels,
-            "distinct_operators": len(first), "distinct_edges": len(edge_cache), "memory_estimate_bytes": estimate}
+            "distinct_operators": len(first),
+            "distinct_edges": len({(keys[e.src], keys[e.dst], e.slot) for e in graph.edges}),
+            "memory_estimate_bytes": estimate}
     return CostTables(graph, machine, tuple(per_key[k][0] for k in keys), tuple(per_key[k][2] for k in keys),
                       tuple(edge_costs), tuple(per_key[k][3] for k in keys), opts,
                       tuple(per_key[k][1] for k in keys))

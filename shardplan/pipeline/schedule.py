@@ -18,6 +18,10 @@ the slowest::
 
     T_gpipe = sum_i t_i + 2 sum_i c_i + (m - 1) (max(f_max, c_max) + max(b_max, c_max)) + max_i g_i
 
+(When the gradient's transfer time ``c'_i`` differs from the activation's,
+``2 sum c`` reads ``sum c + sum c'`` and the backward phase's ``c_max`` is
+``max c'``; in 1F1B and interleaved ``c_max`` is the largest of both.)
+
 Stage i holds the activations of all m micro-batches at the end of the
 forward phase.
 
@@ -83,13 +87,16 @@ class StageTimes:
         return self.forward + self.backward
 
 
-def _check(stages: Sequence[StageTimes], links: Sequence[float], m: int, schedule: str, v: int) -> None:
+def _check(stages: Sequence[StageTimes], links: Sequence[float], m: int, schedule: str, v: int,
+           back: Sequence[float] | None = None) -> None:
     if schedule not in SCHEDULES:
         raise ShardplanError(f"unknown pipeline schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
     if not stages:
         raise ShardplanError("a pipeline needs at least one stage")
     if len(links) != len(stages) - 1:
         raise ShardplanError(f"{len(stages)} stages need {len(stages) - 1} link times, got {len(links)}")
+    if back is not None and len(back) != len(links):
+        raise ShardplanError(f"{len(links)} forward link times but {len(back)} backward ones")
     if m < 1 or v < 1:
         raise ShardplanError(f"micro-batches and chunks must be >= 1, got m={m}, v={v}")
     if v > 1 and schedule != "interleaved":
@@ -97,21 +104,24 @@ def _check(stages: Sequence[StageTimes], links: Sequence[float], m: int, schedul
 
 
 def step_time(stages: Sequence[StageTimes], links: Sequence[float], m: int, schedule: str = "1f1b",
-              v: int = 1) -> float:
-    """Seconds of one training step under ``schedule`` (closed forms of the module docstring)."""
-    _check(stages, links, m, schedule, v)
+              v: int = 1, back: Sequence[float] | None = None) -> float:
+    """Seconds of one training step under ``schedule`` (closed forms of the module docstring).
+
+    ``links``: forward seconds per cut; ``back``: the gradient's seconds per cut (default: the same)."""
+    _check(stages, links, m, schedule, v, back)
+    back = links if back is None else back
     t = [s.total for s in stages]
-    c_max = max(links, default=0.0)
-    ramp = sum(t) + 2.0 * sum(links)
+    c_max = max(max(links, default=0.0), max(back, default=0.0))
+    ramp = sum(t) + sum(links) + sum(back)
     sync = max(s.sync for s in stages)
     if schedule == "gpipe":
         f_max = max(s.forward for s in stages)
         b_max = max(s.backward for s in stages)
-        return ramp + (m - 1) * (max(f_max, c_max) + max(b_max, c_max)) + sync
+        return ramp + (m - 1) * (max(f_max, max(links, default=0.0)) + max(b_max, max(back, default=0.0))) + sync
     if schedule == "1f1b":
         return ramp + (m - 1) * max(max(t), c_max) + sync
     t_max = max(t)
-    return (m * t_max + (sum(t) - t_max) / v + 2.0 * sum(links) + (m - 1.0 / v) * max(0.0, v * c_max - t_max)
+    return (m * t_max + (sum(t) - t_max) / v + sum(links) + sum(back) + (m - 1.0 / v) * max(0.0, v * c_max - t_max)
             + sync)
 
 
@@ -128,9 +138,9 @@ def in_flight(num_stages: int, m: int, schedule: str = "1f1b", v: int = 1) -> li
 
 
 def bubble_fraction(stages: Sequence[StageTimes], links: Sequence[float], m: int, schedule: str = "1f1b",
-                    v: int = 1) -> float:
+                    v: int = 1, back: Sequence[float] | None = None) -> float:
     """Idle share of the busiest stage's step: 1 - m t_max / T (uniform 1F1B: (S - 1)/(m + S - 1))."""
-    total = step_time(stages, links, m, schedule, v)
+    total = step_time(stages, links, m, schedule, v, back)
     busy = m * max(s.total for s in stages) + max(s.sync for s in stages)
     return max(0.0, 1.0 - busy / total) if total > 0 else 0.0
 
@@ -186,14 +196,16 @@ def _order(s: int, num_stages: int, m: int, schedule: str, v: int) -> list[tuple
 
 
 def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, schedule: str = "1f1b",
-             v: int = 1) -> list[Event]:
+             v: int = 1, back: Sequence[float] | None = None) -> list[Event]:
     """Event-level timeline of the schedule: each stage runs its operations in the schedule's order,
     each as soon as its input has arrived (forward from the previous chunk, backward from the next).
 
     Interleaved needs m to be a multiple of S (as in Megatron-LM). A transfer takes ``links[i]`` and
     occupies its link in its direction (one transfer at a time per direction), not the stage; the final
-    gradient synchronisation runs after a stage's last backward."""
-    _check(stages, links, m, schedule, v)
+    gradient synchronisation runs after a stage's last backward. ``back``: the gradients' link seconds
+    (default ``links``)."""
+    _check(stages, links, m, schedule, v, back)
+    back = links if back is None else back
     n = len(stages)
     if schedule == "interleaved" and m % n:
         raise ShardplanError(f"the interleaved schedule needs micro-batches ({m}) to be a multiple of stages ({n})")
@@ -207,8 +219,9 @@ def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, sched
     link_free: dict[tuple[int, int], float] = {}  # (from stage, to stage) -> when that direction is free
     events: list[Event] = []
 
-    def link(a: int, b: int) -> float:
-        return links[min(a, b)] if abs(a - b) == 1 else max(links, default=0.0)
+    def link(a: int, b: int, kind: str) -> float:
+        times = links if kind == "F" else back
+        return times[min(a, b)] if abs(a - b) == 1 else max(times, default=0.0)
 
     def ready(s: int, kind: str, j: int, c: int) -> float | None:
         if kind == "F" and s == 0 and c == 0:
@@ -219,7 +232,7 @@ def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, sched
 
     def send(s: int, dst: int, kind: str, j: int, c_src: int, c_dst: int, at: float) -> None:
         t0 = max(at, link_free.get((s, dst), 0.0))
-        t1 = t0 + link(s, dst)
+        t1 = t0 + link(s, dst, kind)
         link_free[(s, dst)] = t1
         arrive[(kind, j, c_dst, dst)] = t1
         events.append(Event(s, "send", j, t0, t1, c_src))

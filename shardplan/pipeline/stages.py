@@ -159,6 +159,8 @@ class ModelStages:
     solves: int = 0
     _graphs: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
+    _tables: dict = field(default_factory=dict, repr=False)
+    _cuts: dict = field(default_factory=dict, repr=False)
 
     def graph(self, m: int) -> tuple[Graph, tuple[tuple[int, ...], ...], tuple[int, ...]]:
         """(graph at micro-batch batch/m, its units, interned unit signatures)."""
@@ -200,7 +202,7 @@ class ModelStages:
     def _cost_of_graph(self, graph: Graph, q: int, m: int) -> StageCost:
         import numpy as np
 
-        from shardplan.cost import build_tables
+        from shardplan.cost import build_tables, operator_key
         from shardplan.plan import Plan, plan_from_configs
         from shardplan.search import SOLVERS
 
@@ -209,10 +211,17 @@ class ModelStages:
         opts = dict(self.solve_options)
         table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas") if k in opts}
         solver = opts.pop("solver", "dp")
-        tables = build_tables(graph, machine, **table_opts)
-        arrays = getattr(tables, "arrays", None)  # layout arrays where the tables carry them, else splits + orders
-        spaces = [(a, None) for a in arrays] if arrays is not None else list(zip(tables.configs, tables.orders))
-        sync = [weight_sync(op, c, o, machine) for op, (c, o) in zip(graph.operators, spaces)]
+        # one cache per sub-mesh size: operators and edges recur across segments (and micro-batch sizes differ
+        # in the operators' dims, hence in their keys)
+        cache = self._tables.setdefault(q, {})
+        tables = build_tables(graph, machine, cache=cache, **table_opts)
+        syncs = cache.setdefault("weight_sync", {})
+        sync = []
+        for op, arr in zip(graph.operators, tables.arrays):
+            key = operator_key(op)
+            if key not in syncs:
+                syncs[key] = weight_sync(op, arr, None, machine)
+            sync.append(syncs[key])
         if self.strategy is None:
             # weight gradients are accumulated over the m micro-batches and synchronised once per step:
             # the intra-stage problem charges 1/m of their all-reduce per micro-batch
@@ -304,6 +313,8 @@ class ModelStages:
 
     def cut_bytes(self, u: int, m: int) -> float:
         """Bytes of the tensors produced before unit u and consumed from unit u on, at micro-batch batch/m."""
+        if (u, m) in self._cuts:
+            return self._cuts[(u, m)]
         g, units, _ = self.graph(m)
         unit_of = {i: k for k, idx in enumerate(units) for i in idx}
         crossing: dict[str, int] = {}
@@ -311,7 +322,8 @@ class ModelStages:
             if unit_of[e.src] < u <= unit_of[e.dst]:
                 out = g.operators[e.src].output
                 crossing[g.operators[e.src].name] = out.size
-        return float(sum(crossing.values()) * self.machine.dtype_bytes)
+        self._cuts[(u, m)] = float(sum(crossing.values()) * self.machine.dtype_bytes)
+        return self._cuts[(u, m)]
 
     def link_time(self, u: int, q: int, q2: int, m: int, inter: bool) -> float:
         """One-way seconds of the activation across cut u between sub-meshes of q and q2 devices."""
