@@ -76,10 +76,10 @@ def run_case(name: str, solve_opts: dict, recipe_only: bool = False) -> dict:
     bounds = [0] + [1 + per * i for i in range(1, rec_s)] + [U]
     segs = [(bounds[i], bounds[i + 1], q) for i in range(rec_s)]
     space = PipelineSpace(U, p, machine.node_size, (m,), machine.memory_bytes)
-    rp = evaluate_pipeline(segs, m, space, rec.stage_cost, rec.link_time)
+    rp = evaluate_pipeline(segs, m, space, rec.stage_cost, rec.link_time, rec.exchange_time)
     if rp is None:  # over budget: cost it without the budget to report by how much
         rp = evaluate_pipeline(segs, m, PipelineSpace(U, p, machine.node_size, (m,), None), rec.stage_cost,
-                               rec.link_time)
+                               rec.link_time, rec.exchange_time)
         row["recipe_fits"] = False
     else:
         row["recipe_fits"] = True

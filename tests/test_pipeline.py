@@ -83,7 +83,10 @@ def _random_instance(seed: int, U: int, p: int, ns: int):
         t = w / (q * eff[q]) / m + 0.01 * (b - a)
         if q == 3:
             return None  # a stage that cannot be costed is skipped
-        return StageCost(t / 3, 2 * t / 3, sum(unit_mem[a:b]) / q, w / m / q)
+        # per-device transfer bytes depend on the stage's own layout (here: its size and extent)
+        recv = cut_bytes[a] / m / q * (1 + (b - a) % 2)
+        grad = cut_bytes[b] / m / q * (1 + (a + q) % 3)
+        return StageCost(t / 3, 2 * t / 3, sum(unit_mem[a:b]) / q, w / m / q, None, recv, grad)
 
     def link_fn(u, q, q2, m, inter):
         return cut_bytes[u] / m / min(q, q2) * (4.0 if inter else 1.0)
@@ -119,3 +122,48 @@ def test_nothing_fits():
     stage_fn, link_fn = _random_instance(0, 4, 4, 4)
     with pytest.raises(ShardplanError, match="no pipeline fits"):
         search_pipeline(PipelineSpace(4, 4, 4, budget=0.1), stage_fn, link_fn)
+
+
+def _exchange(nbytes, inter):
+    return (0.02 if inter else 0.005) + nbytes * (4.0 if inter else 1.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_transfers_search_equals_brute_force(seed):
+    """Transfers from the stages' own per-device bytes: the activation's into the receiving stage, the
+    gradient's into the sending one, each a different time per direction."""
+    U, p, ns = 5, 8, 4
+    stage_fn, link_fn = _random_instance(seed + 10, U, p, ns)
+    budget = [None, 6.0, 3.5][seed % 3]
+    space = PipelineSpace(U, p, ns, micro_batches=(1, 2, 4), budget=budget, uniform=seed == 5)
+    want = brute_force_pipeline(space, stage_fn, link_fn, exchange=_exchange)
+    got = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b",), exchange=_exchange)
+    assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+    again = evaluate_pipeline([(s.first, s.end, s.devices) for s in got.stages], got.micro_batches, space,
+                              stage_fn, link_fn, _exchange)
+    assert again is not None and again.step_time == pytest.approx(got.step_time, rel=1e-12)
+    for i in range(got.num_stages - 1):
+        prev, nxt = got.stages[i], got.stages[i + 1]
+        inter = nxt.offset % ns == 0
+        assert got.links[i] == _exchange(nxt.cost.recv_bytes, inter)
+        assert got.back_links[i] == _exchange(prev.cost.grad_bytes, inter)
+
+
+def test_separate_gradient_links_in_closed_form_and_simulation():
+    uni = [StageTimes(1.0, 2.0)] * 3
+    # sum t + sum c + sum c' + (m - 1) max(t, c, c')
+    assert step_time(uni, [0.5, 0.5], 6, "1f1b", back=[0.25, 0.25]) == 3 * 3.0 + 1.0 + 0.5 + 5 * 3.0
+    assert step_time(uni, [0.5, 0.5], 6, "1f1b", back=[4.0, 0.25]) == 3 * 3.0 + 1.0 + 4.25 + 5 * 4.0
+    # GPipe: the forward phase's links are the activations', the backward phase's the gradients'
+    assert step_time(uni, [0.5, 0.5], 6, "gpipe", back=[2.5, 0.25]) == 9.0 + 1.0 + 2.75 + 5 * (1.0 + 2.5)
+    # the simulation sends gradients over their own times: equal times reproduce the symmetric run,
+    # faster gradients never make the step longer, and each gradient send takes its link's time
+    sym = simulate(uni, [0.5, 0.5], 6, "1f1b")
+    assert makespan(simulate(uni, [0.5, 0.5], 6, "1f1b", back=[0.5, 0.5])) == makespan(sym)
+    fast = simulate(uni, [0.5, 0.5], 6, "1f1b", back=[0.25, 0.125])
+    assert makespan(fast) <= makespan(sym)
+    grads = [e for e in fast if e.kind == "send" and any(
+        x.kind == "backward" and x.stage == e.stage and x.end == e.start for x in fast)]
+    assert sorted({round(e.end - e.start, 12) for e in grads}) == [0.125, 0.25]
+    with pytest.raises(ShardplanError, match="backward ones"):
+        step_time(uni, [0.5, 0.5], 6, "1f1b", back=[0.25])

@@ -92,3 +92,29 @@ def test_weight_sync_is_the_weight_gradient_allreduce():
     st = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1})
     c1, c4 = st.stage_cost(0, 3, 4, 1), st.stage_cost(0, 3, 4, 4)
     assert c4.time < c1.time and np.isfinite(c4.time)
+
+
+def test_boundary_bytes_by_hand():
+    """Data parallel on 2 devices, batch 8: a device holds 4 x 16 x 64 of the residual stream. Into L1 it is
+    read by ln1 and add1 (two edges, each the device's whole tile, bf16); out of L1, L2's ln1 and add1 send
+    back the gradient of the device's whole output tile, twice. The embedding stage receives nothing."""
+    from shardplan.baselines import data_parallel
+
+    st = ModelStages(_gpt(2), 8, MACHINE, {"cutoff": 1}, strategy=data_parallel)
+    tile = 4 * 16 * 64 * 2
+    c = st.stage_cost(1, 2, 2, 1)
+    assert (c.recv_bytes, c.grad_bytes) == (2 * tile, 2 * tile)
+    assert st.stage_cost(0, 1, 2, 1).recv_bytes == 0
+    # the last layer's output is read only by ln_f: one edge back
+    assert st.stage_cost(2, 3, 2, 1).grad_bytes == tile
+    assert st.exchange_time(tile, True) == pytest.approx(10e-6 + tile / 1e9)
+
+
+def test_exact_transfers_in_the_model_search():
+    st = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1})
+    space = PipelineSpace(st.num_units, 4, 2, micro_batches=(1, 2), budget=None)
+    want = brute_force_pipeline(space, st.stage_cost, st.link_time, st.exchange_time)
+    got = search_pipeline(space, st.stage_cost, st.link_time, schedules=("1f1b",), exchange=st.exchange_time)
+    assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+    r = pipeline_solve(_gpt(1), 8, MACHINE, micro_batches=(1, 2), cutoff=1)
+    assert r.step_time == pytest.approx(got.step_time, rel=1e-12)

@@ -35,14 +35,15 @@ class PipelineResult:
     def simulated_step_time(self) -> float:
         """Length of the event-level schedule (equals :attr:`step_time` for uniform stages)."""
         ev = simulate(self.plan.stage_times(), self.plan.group_links(), self.plan.micro_batches, self.plan.schedule,
-                      self.plan.chunks)
+                      self.plan.chunks, back=self.plan.group_links(back=True))
         return max(e.end for e in ev)
 
     def gpipe_step_time(self) -> float | None:
         """The same stages and m under GPipe (for comparison; None for interleaved plans)."""
         if self.plan.chunks > 1:
             return None
-        return step_time(self.plan.stage_times(), self.plan.group_links(), self.plan.micro_batches, "gpipe")
+        return step_time(self.plan.stage_times(), self.plan.group_links(), self.plan.micro_batches, "gpipe",
+                         back=self.plan.group_links(back=True))
 
     def flops_per_device(self, graph_flops: float) -> float:
         """Achieved FLOP/s per device for a step of ``graph_flops`` (forward + backward) total FLOPs."""
@@ -72,6 +73,6 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     space = PipelineSpace(stages.num_units, machine.num_devices, machine.node_size, tuple(ms),
                           machine.memory_bytes if budget is None else budget, max_stages, uniform, tuple(interleave),
                           None if sizes is None else tuple(int(q) for q in sizes))
-    plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules)
+    plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules, exchange=stages.exchange_time)
     plan.stats["intra_stage_solves"] = stages.solves
     return PipelineResult(plan, stages, machine, time.perf_counter() - t0)

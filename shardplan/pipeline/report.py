@@ -46,8 +46,8 @@ def render_pipeline(result: "PipelineResult") -> str:
     gp = result.gpipe_step_time()
     if gp is not None:
         lines.append(f"  same stages under GPipe: {fmt_seconds(gp)}")
-    times, links = plan.stage_times(), plan.group_links()
-    lines.append(f"  bubble fraction: {bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks):.1%}")
+    times, links, back = plan.stage_times(), plan.group_links(), plan.group_links(back=True)
+    lines.append(f"  bubble fraction: {bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks, back):.1%}")
     budget = plan.budget
     head = ("stage", "units", "devices", "fwd/mb", "bwd/mb", "in flight", "memory", "budget", "layouts")
     rows = [head]
@@ -60,7 +60,9 @@ def render_pipeline(result: "PipelineResult") -> str:
     for r in rows:
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     if plan.links:
-        lines.append("  transfer per micro-batch (one way): " + ", ".join(fmt_seconds(c) for c in plan.links))
+        lines.append("  transfer per micro-batch, activation: " + ", ".join(fmt_seconds(c) for c in plan.links))
+        if plan.back_links is not None and plan.back_links != plan.links:
+            lines.append("  transfer per micro-batch, gradient: " + ", ".join(fmt_seconds(c) for c in plan.back_links))
     st = plan.stats
     lines.append(f"  search: {st.get('intra_stage_solves', 0)} intra-stage solves, {st.get('candidates', 0)} "
                  f"bottleneck candidates, {st.get('dp_states', 0)} DP states, {fmt_seconds(result.seconds)} in all")
@@ -70,7 +72,7 @@ def render_pipeline(result: "PipelineResult") -> str:
 def pipeline_to_json(result: "PipelineResult") -> dict[str, Any]:
     plan = result.plan
     names = result.unit_names()
-    times, links = plan.stage_times(), plan.group_links()
+    times, links, back = plan.stage_times(), plan.group_links(), plan.group_links(back=True)
     return {
         "schedule": plan.schedule,
         "chunks": plan.chunks,
@@ -78,9 +80,10 @@ def pipeline_to_json(result: "PipelineResult") -> dict[str, Any]:
         "step_seconds": plan.step_time,
         "simulated_step_seconds": result.simulated_step_time(),
         "gpipe_step_seconds": result.gpipe_step_time(),
-        "bubble_fraction": bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks),
+        "bubble_fraction": bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks, back),
         "budget_bytes": plan.budget,
         "links_seconds": list(plan.links),
+        "gradient_links_seconds": list(plan.back_links if plan.back_links is not None else plan.links),
         "stages": [{"units": [names[u] for u in range(s.first, s.end)], "first_device": s.offset,
                     "devices": s.devices, "forward_seconds": s.cost.forward, "backward_seconds": s.cost.backward,
                     "weight_bytes": s.cost.weight_bytes, "activation_bytes_per_micro_batch": s.cost.activation_bytes,
@@ -104,8 +107,8 @@ def draw_timeline(result: "PipelineResult", path: str) -> str:
     from matplotlib.patches import Patch
 
     plan = result.plan
-    times, links = plan.stage_times(), plan.group_links()
-    events = simulate(times, links, plan.micro_batches, plan.schedule, plan.chunks)
+    times, links, back = plan.stage_times(), plan.group_links(), plan.group_links(back=True)
+    events = simulate(times, links, plan.micro_batches, plan.schedule, plan.chunks, back=back)
     n = len(times)
     end = max(e.end for e in events)
     fig, ax = plt.subplots(figsize=(12, 0.6 * n + 1.4))
@@ -123,7 +126,7 @@ def draw_timeline(result: "PipelineResult", path: str) -> str:
     ax.set_yticklabels([f"stage {n - 1 - r}" for r in range(n)])
     ax.set_xlim(0, end)
     ax.set_xlabel("seconds")
-    bubble = bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks)
+    bubble = bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks, back)
     ax.set_title(f"{plan.schedule}" + (f" v={plan.chunks}" if plan.chunks > 1 else "")
                  + f", {n} stages, m={plan.micro_batches}, step {fmt_seconds(end)}, bubble {bubble:.0%}"
                  + " (gaps are idle)")

@@ -12,9 +12,27 @@ intra-stage optimum (:class:`StageCost`: forward and backward seconds per
 micro-batch, weight/state bytes, activation bytes per micro-batch in
 flight); another gives the one-way transfer time across a cut.
 
+**Transfers between stages.** With an ``exchange`` callback (bytes per
+device, inter-node?) -> seconds, a cut's transfer is the exact
+redistribution between the two stages' layouts over the links joining the
+two sub-meshes, per device as the edge cost computes it (need minus what the
+device already holds; the sub-meshes are disjoint, so nothing is held): the
+activation's forward transfer moves the largest input tile a device of the
+*receiving* stage needs (:attr:`StageCost.recv_bytes`), the gradient's
+backward transfer the largest output tile a device of the *sending* stage
+holds (:attr:`StageCost.grad_bytes`). Each is therefore a property of one
+stage's own plan and of whether the cut crosses a node (the receiving
+stage's offset is a node boundary), so the DP charges the forward transfer
+to the stage after the cut and the backward one to the stage before it:
+its state does not grow and it stays exact. Without it, ``link_fn`` gives
+one time for both directions from the cut and the sub-mesh sizes.
+
 **Objective** (1F1B, :mod:`shardplan.pipeline.schedule`)::
 
-    T = sum_i t_i + 2 sum_i c_i + (m - 1) max(max_i t_i, max_i c_i)
+    T = sum_i t_i + sum_i (c_i + c'_i) + (m - 1) max(max_i t_i, max_i c_i, max_i c'_i)
+
+(c_i the activation's transfer across cut i, c'_i the gradient's; equal
+without ``exchange``)
 
 subject to ``weight_i + min(S - i, m) activation_i <= budget`` for every
 stage i.
@@ -60,7 +78,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from shardplan.errors import ShardplanError
@@ -79,6 +97,10 @@ class StageCost:
         weight_bytes: per-device bytes independent of micro-batches (weights, gradients, optimizer state).
         activation_bytes: per-device bytes saved for the backward pass by one micro-batch.
         detail: what produced it (e.g. the intra-stage :class:`~shardplan.plan.Plan`), for reports.
+        recv_bytes: per micro-batch, the most bytes one of its devices needs of the tensors that earlier stages
+            produce (its input tiles under its plan): the forward transfer into the stage.
+        grad_bytes: per micro-batch, the most bytes of gradient one of its devices receives for the tensors
+            that later stages read (its output tiles): the backward transfer into the stage.
     """
 
     forward: float
@@ -86,6 +108,8 @@ class StageCost:
     weight_bytes: float
     activation_bytes: float
     detail: Any = field(default=None, compare=False)
+    recv_bytes: float | None = None
+    grad_bytes: float | None = None
 
     @property
     def time(self) -> float:
@@ -98,6 +122,23 @@ class StageCost:
 
 StageFn = Callable[[int, int, int, int], "StageCost | None"]
 LinkFn = Callable[[int, int, int, int, bool], float]
+ExchangeFn = Callable[[float, bool], float]
+
+
+def _exchanged(exchange: ExchangeFn, nbytes: float | None, inter: bool) -> float:
+    if nbytes is None:
+        raise ShardplanError("exact stage-to-stage transfers need every stage cost's recv_bytes and grad_bytes")
+    return exchange(nbytes, inter) if nbytes > 0 else 0.0
+
+
+def _cut_times(prev: StageCost, nxt: StageCost, o_next: int, ns: int, u: int, q: int, q2: int, m: int,
+               link_fn: LinkFn, exchange: ExchangeFn | None) -> tuple[float, float]:
+    """(activation, gradient) seconds across the cut before unit u, the next stage at offset o_next."""
+    inter = o_next % ns == 0
+    if exchange is None:
+        t = link_fn(u, q, q2, m, inter)
+        return t, t
+    return _exchanged(exchange, nxt.recv_bytes, inter), _exchanged(exchange, prev.grad_bytes, inter)
 
 
 @dataclass(frozen=True)
@@ -181,6 +222,7 @@ class PipelinePlan:
     step_time: float
     budget: float | None
     stats: dict = field(default_factory=dict, compare=False)
+    back_links: tuple[float, ...] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -198,13 +240,15 @@ class PipelinePlan:
             return [StageTimes(x, y) for x, y in zip(f, b)]
         return [StageTimes(s.cost.forward, s.cost.backward) for s in self.stages]
 
-    def group_links(self) -> list[float]:
+    def group_links(self, back: bool = False) -> list[float]:
+        """Per cut between device groups: the activation's seconds (``back``: the gradient's)."""
+        links = self.back_links if back and self.back_links is not None else self.links
         if self.chunks > 1:
             groups = self.num_stages // self.chunks
             # the slowest of the v transfers between neighbouring groups (the wrap-around from the last group
             # to the first, j % groups == groups - 1, is not charged: see the schedule module)
-            return [max(self.links[d::groups]) for d in range(groups - 1)]
-        return list(self.links)
+            return [max(links[d::groups]) for d in range(groups - 1)]
+        return list(links)
 
 
 def _links_ok(a: float, bound: float) -> bool:
@@ -212,31 +256,34 @@ def _links_ok(a: float, bound: float) -> bool:
 
 
 def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
-                    schedules: Sequence[str] = ("1f1b", "interleaved")) -> PipelinePlan:
-    """The optimum of the module docstring's model over ``space`` (1F1B DP; interleaved enumerated)."""
+                    schedules: Sequence[str] = ("1f1b", "interleaved"),
+                    exchange: ExchangeFn | None = None) -> PipelinePlan:
+    """The optimum of the module docstring's model over ``space`` (1F1B DP; interleaved enumerated).
+
+    ``exchange(bytes per device, inter-node) -> seconds``: exact stage-to-stage transfers from the stage costs'
+    ``recv_bytes``/``grad_bytes`` (module docstring); None: ``link_fn`` per cut."""
     t0 = time.perf_counter()
     best: PipelinePlan | None = None
     stats: dict[str, Any] = {"candidates": 0, "dp_states": 0, "stage_evaluations": 0}
     for m in sorted(set(int(x) for x in space.micro_batches)):
         if "1f1b" in schedules:
-            cand = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf)
+            cand = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf, exchange)
             if cand is not None and (best is None or cand.step_time < best.step_time):
                 best = cand
         if "interleaved" in schedules:
             for v in space.interleave:
-                cand = _search_interleaved(space, stage_fn, link_fn, m, v)
+                cand = _search_interleaved(space, stage_fn, link_fn, m, v, exchange)
                 if cand is not None and (best is None or cand.step_time < best.step_time):
                     best = cand
     if best is None:
         raise ShardplanError("no pipeline fits: every stage cut and sub-mesh exceeds the memory budget "
                              "(or no stage can be costed)")
     stats["solve_seconds"] = time.perf_counter() - t0
-    return PipelinePlan(best.stages, best.micro_batches, best.schedule, best.chunks, best.links, best.step_time,
-                        best.budget, {**best.stats, **stats})
+    return replace(best, stats={**best.stats, **stats})
 
 
 def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, stats: dict,
-                 incumbent: float) -> PipelinePlan | None:
+                 incumbent: float, exchange: ExchangeFn | None = None) -> PipelinePlan | None:
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     sizes = space.allowed_sizes()
@@ -254,10 +301,17 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     seen_links: set[float] = set()
 
     def link(u: int, o: int, q: int, q2: int) -> float:
-        inter = (o // ns) != ((o + q + q2 - 1) // ns)
-        t = link_fn(u, q, q2, m, inter)
+        t = link_fn(u, q, q2, m, (o + q) % ns == 0)
         seen_links.add(t)
         return t
+
+    def edges(c: StageCost, a: int, o: int, q: int, last: bool) -> tuple[float, float]:
+        """Exact transfers charged to a stage: its activation in (a > 0), the gradient of its output (not last)."""
+        fin = _exchanged(exchange, c.recv_bytes, o % ns == 0) if a > 0 else 0.0  # type: ignore[arg-type]
+        gout = 0.0 if last else _exchanged(exchange, c.grad_bytes, (o + q) % ns == 0)  # type: ignore[arg-type]
+        seen_links.add(fin)
+        seen_links.add(gout)
+        return fin, gout
 
     stage_counts = range(1, s_max + 1)
     if space.uniform:
@@ -283,16 +337,24 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                         continue
                     if c.time > bound * (1 + 1e-12):
                         break  # stage times grow with b (monotone_stages): longer stages are slower still
+                    here = c.time
+                    if exchange is not None:
+                        fin, gout = edges(c, a, o, q, r == 1)
+                        if not (_links_ok(fin, bound) and _links_ok(gout, bound)):
+                            continue
+                        here += fin + gout
                     if r == 1:
-                        if c.time < best_v:
-                            best_v, best_arg = c.time, (b, None)
+                        if here < best_v:
+                            best_v, best_arg = here, (b, None)
                         continue
                     for q2 in qs:
-                        lk = link(b, o, q, q2)
-                        if not _links_ok(lk, bound):
-                            continue
+                        lk = 0.0
+                        if exchange is None:
+                            lk = link(b, o, q, q2)
+                            if not _links_ok(lk, bound):
+                                continue
                         rest, _ = w(b, o + q, r - 1, q2)
-                        v = c.time + 2 * lk + rest
+                        v = here + 2 * lk + rest
                         if v < best_v:
                             best_v, best_arg = v, (b, q2)
             memo[key] = (best_v, best_arg)
@@ -339,23 +401,30 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 continue
             total = got[0] + (m - 1) * bound
             if total < best_t:
-                plan = _assemble(got[1], cost, link, m, space.budget)
+                plan = _assemble(got[1], cost, m, space, link_fn, exchange)
                 if plan.step_time < best_t:
                     best, best_t = plan, plan.step_time
     return best
 
 
-def _assemble(segments: Sequence[tuple[int, int, int, int]], cost, link, m: int, budget: float | None) -> PipelinePlan:
+def _assemble(segments: Sequence[tuple[int, int, int, int]], cost, m: int, space: PipelineSpace, link_fn: LinkFn,
+              exchange: ExchangeFn | None) -> PipelinePlan:
+    """The 1F1B plan of placed stages ``(first unit, end unit, offset, devices)`` whose costs are known."""
+    p = space.num_devices
+    ns = p if space.node_size is None or space.node_size >= p else space.node_size
     n = len(segments)
     k = in_flight(n, m, "1f1b")
     stages = tuple(Stage(a, b, o, q, cost(a, b, q), k[i]) for i, (a, b, o, q) in enumerate(segments))
-    links = tuple(link(segments[i][1], segments[i][2], segments[i][3], segments[i + 1][3]) for i in range(n - 1))
+    cuts = [_cut_times(stages[i].cost, stages[i + 1].cost, stages[i + 1].offset, ns, stages[i].end,
+                       stages[i].devices, stages[i + 1].devices, m, link_fn, exchange) for i in range(n - 1)]
+    links, back = tuple(c[0] for c in cuts), tuple(c[1] for c in cuts)
     times = [StageTimes(s.cost.forward, s.cost.backward) for s in stages]
-    return PipelinePlan(stages, m, "1f1b", 1, links, step_time(times, links, m, "1f1b"), budget)
+    return PipelinePlan(stages, m, "1f1b", 1, links, step_time(times, links, m, "1f1b", back=back), space.budget,
+                        back_links=back)
 
 
 def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int,
-                        v: int) -> PipelinePlan | None:
+                        v: int, exchange: ExchangeFn | None = None) -> PipelinePlan | None:
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     sizes = space.allowed_sizes()
@@ -367,32 +436,37 @@ def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn
             continue
         bounds = [round(j * U / (n * v)) for j in range(n * v + 1)]
         chunks = [(bounds[j], bounds[j + 1]) for j in range(n * v)]
-        costs = [stage_fn(a, b, q, m) for a, b in chunks]
-        if any(c is None for c in costs):
+        got = [stage_fn(a, b, q, m) for a, b in chunks]
+        if any(c is None for c in got):
             continue
+        costs: list[StageCost] = got  # type: ignore[assignment]
         k = in_flight(n, m, "interleaved", v)
-        weights = [sum(costs[j].weight_bytes for j in range(d, n * v, n)) for d in range(n)]  # type: ignore[union-attr]
-        acts = [sum(costs[j].activation_bytes for j in range(d, n * v, n)) for d in range(n)]  # type: ignore[union-attr]
+        weights = [sum(costs[j].weight_bytes for j in range(d, n * v, n)) for d in range(n)]
+        acts = [sum(costs[j].activation_bytes for j in range(d, n * v, n)) for d in range(n)]
         if any(weights[d] + k[d] * acts[d] > budget for d in range(n)):
             continue
-        links = []
+        links, back = [], []
         for j in range(n * v - 1):
-            d = j % n
-            o = d * q
-            o2 = ((j + 1) % n) * q
+            o, o2 = (j % n) * q, ((j + 1) % n) * q
             inter = (o // ns) != (o2 // ns)
-            links.append(link_fn(chunks[j][1], q, q, m, inter))
-        stages = tuple(Stage(a, b, (j % n) * q, q, costs[j], k[j % n]) for j, (a, b) in enumerate(chunks))  # type: ignore[arg-type]
-        times = [StageTimes(sum(costs[j].forward for j in range(d, n * v, n)),  # type: ignore[union-attr]
-                            sum(costs[j].backward for j in range(d, n * v, n))) for d in range(n)]  # type: ignore[union-attr]
-        t = step_time(times, [max(links[d::n]) for d in range(n - 1)], m, "interleaved", v)
+            if exchange is None:
+                links.append(link_fn(chunks[j][1], q, q, m, inter))
+                back.append(links[-1])
+            else:
+                links.append(_exchanged(exchange, costs[j + 1].recv_bytes, inter))
+                back.append(_exchanged(exchange, costs[j].grad_bytes, inter))
+        stages = tuple(Stage(a, b, (j % n) * q, q, costs[j], k[j % n]) for j, (a, b) in enumerate(chunks))
+        times = [StageTimes(sum(costs[j].forward for j in range(d, n * v, n)),
+                            sum(costs[j].backward for j in range(d, n * v, n))) for d in range(n)]
+        t = step_time(times, [max(links[d::n]) for d in range(n - 1)], m, "interleaved", v,
+                      back=[max(back[d::n]) for d in range(n - 1)])
         if best is None or t < best.step_time:
-            best = PipelinePlan(stages, m, "interleaved", v, tuple(links), t, space.budget)
+            best = PipelinePlan(stages, m, "interleaved", v, tuple(links), t, space.budget, back_links=tuple(back))
     return best
 
 
 def evaluate_pipeline(segments: Sequence[tuple[int, int, int]], m: int, space: PipelineSpace, stage_fn: StageFn,
-                      link_fn: LinkFn) -> PipelinePlan | None:
+                      link_fn: LinkFn, exchange: ExchangeFn | None = None) -> PipelinePlan | None:
     """The 1F1B plan of given stages ``(first unit, end unit, devices)`` placed in order; None if it does not
     fit or a stage cannot be costed. Raises on a malformed pipeline."""
     p = space.num_devices
@@ -406,21 +480,18 @@ def evaluate_pipeline(segments: Sequence[tuple[int, int, int]], m: int, space: P
     if offs[-1] != p or not all(_placeable(o, q, p, ns) for o, (_, _, q) in zip(offs, segments)):
         raise ShardplanError(f"sub-meshes {[q for *_, q in segments]} do not tile {p} devices on nodes of {ns}")
     k = in_flight(len(segments), m, "1f1b")
-    stages = []
+    costs = {}
     for i, ((a, b, q), o) in enumerate(zip(segments, offs)):
         c = stage_fn(a, b, q, m)
         if c is None or (space.budget is not None and c.memory(k[i]) > space.budget):
             return None
-        stages.append(Stage(a, b, o, q, c, k[i]))
-    links = []
-    for i in range(len(segments) - 1):
-        o, q, q2 = offs[i], segments[i][2], segments[i + 1][2]
-        links.append(link_fn(segments[i][1], q, q2, m, (o // ns) != ((o + q + q2 - 1) // ns)))
-    times = [StageTimes(s.cost.forward, s.cost.backward) for s in stages]
-    return PipelinePlan(tuple(stages), m, "1f1b", 1, tuple(links), step_time(times, links, m), space.budget)
+        costs[(a, b, q)] = c
+    placed = [(a, b, o, q) for (a, b, q), o in zip(segments, offs)]
+    return _assemble(placed, lambda a, b, q: costs[(a, b, q)], m, space, link_fn, exchange)
 
 
-def brute_force_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn) -> PipelinePlan:
+def brute_force_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
+                         exchange: ExchangeFn | None = None) -> PipelinePlan:
     """Every cut, every sub-mesh sequence, every m (1F1B): the reference for small instances."""
     import itertools
 
@@ -437,7 +508,7 @@ def brute_force_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkF
                 segs = [(bounds[i], bounds[i + 1], qs[i]) for i in range(n)]
                 for m in space.micro_batches:
                     try:
-                        plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn)
+                        plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn, exchange)
                     except ShardplanError:
                         continue
                     if plan is not None and (best is None or plan.step_time < best.step_time):

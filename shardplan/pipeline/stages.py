@@ -40,15 +40,20 @@ linear extension of the same segment with the run cut to 2 and 3 units
 for the zoo's GPT; ``tests/test_pipeline_stages.py`` checks it against
 direct solves).
 
-**Transfers.** The activation crossing a cut is every tensor produced
-before the cut and consumed after it (bytes at the micro-batch size). It
-moves over ``min(q, q')`` parallel device pairs between sub-meshes of q and
-q' devices, on the intra-node link when both stages lie in one node, else
-the inter-node link: ``alpha + bytes / (min(q, q') beta)``. This is not the
-per-device redistribution volume between the two stages' layouts (that
-would couple neighbouring stages' intra-stage plans); it assumes the
-receiving layout is spread like the sending one, as Megatron-LM's
-scatter/gather of the stage output does.
+**Transfers.** Exact (:meth:`ModelStages.boundary_bytes`, used by
+:func:`~shardplan.pipeline.api.pipeline_solve`): the activation crossing a
+cut is redistributed from the sending stage's layout to the receiving
+stage's over the links that join the two sub-meshes (inside a node when both
+lie in one, else across nodes), every device in parallel, with the edge
+cost's per-device volume: a receiving device needs its whole input tile
+(nothing of it is on its own sub-mesh), a sending device receives the
+gradient of its whole output tile; ``alpha + bytes / beta`` per direction.
+A stage's recv/grad bytes depend on the units next to it (which edges cross),
+so segments share a solve only when their neighbouring units match too;
+edges that skip a unit are not seen by that key (none in the zoo's blocks).
+The older estimate :meth:`ModelStages.link_time`, ``alpha + bytes /
+(min(q, q') beta)`` from the cut's total bytes, is kept for callers that
+pass ``link_fn`` only.
 """
 
 from __future__ import annotations
@@ -197,9 +202,52 @@ class ModelStages:
         return Graph(f"{g.name}[{a}:{b}]", tuple(ops), inputs)
 
     def _solve(self, a: int, b: int, q: int, m: int) -> StageCost:
-        return self._cost_of_graph(self.subgraph(a, b, m), q, m)
+        return self._cost_of_graph(self.subgraph(a, b, m), q, m, a, b - 1)
 
-    def _cost_of_graph(self, graph: Graph, q: int, m: int) -> StageCost:
+    def _boundary(self, m: int) -> tuple[dict[str, int], dict[str, list[tuple[int, int]]]]:
+        """Unit of every operator name, and every operator's consumers (operator index, slot), at batch/m."""
+        key = ("boundary", m)
+        if key not in self._cuts:
+            g, units, _ = self.graph(m)
+            unit = {g.operators[i].name: u for u, idx in enumerate(units) for i in idx}
+            users: dict[str, list[tuple[int, int]]] = {}
+            for e in g.edges:
+                users.setdefault(g.operators[e.src].name, []).append((e.dst, e.slot))
+            self._cuts[key] = (unit, users)
+        return self._cuts[key]
+
+    def boundary_bytes(self, plan, m: int, first: int, last: int) -> tuple[float, float]:
+        """(recv, grad) bytes per device of a stage whose units run from ``first`` to ``last``: per edge from an
+        earlier unit, the largest input tile one of its devices needs under ``plan``; per edge to a later unit
+        (whose input needs a gradient), the largest output tile one of its devices holds. Summed over edges,
+        as the edge cost charges each edge (:mod:`shardplan.cost.edge`, with nothing held on the other
+        sub-mesh)."""
+        from shardplan.cost.tiles import tile_volumes
+
+        g = self.graph(m)[0]
+        unit, users = self._boundary(m)
+        graph, tables = plan.graph, plan.tables
+        recv = grad = 0.0
+        for i, op in enumerate(graph.operators):
+            lay = tables.arrays[i].take([plan.assignment[i]])
+            for t in op.inputs:
+                if t.src is not None and unit.get(t.src, first) < first:
+                    recv += float(tile_volumes(op, t, lay).max()) * t.elem_factor
+            later = [(d, slot) for d, slot in users.get(op.name, ()) if unit[g.operators[d].name] > last]
+            for d, slot in later:
+                t_in = g.operators[d].inputs[slot]
+                if t_in.needs_grad:
+                    grad += float(tile_volumes(op, op.output, lay).max()) * t_in.elem_factor
+        nbytes = float(self.machine.dtype_bytes)
+        return recv * nbytes, grad * nbytes
+
+    def exchange_time(self, nbytes: float, inter: bool) -> float:
+        """Seconds for every device of a sub-mesh to receive ``nbytes`` from the neighbouring one, all in
+        parallel, over the inter-node links (``inter``) or those inside the node: ``alpha + bytes / beta``."""
+        bw, lat = self.machine.link(inter)
+        return lat + nbytes / bw
+
+    def _cost_of_graph(self, graph: Graph, q: int, m: int, first: int = 0, last: int = 0) -> StageCost:
         import numpy as np
 
         from shardplan.cost import build_tables, operator_key
@@ -235,14 +283,16 @@ class ModelStages:
         step_sync = float(sum(w[k] for w, k in zip(sync, plan.assignment)))
         bwd -= (1.0 - 1.0 / m) * step_sync
         mem = plan.memory
-        return StageCost(fwd, bwd, mem["weights_bytes"], mem["activations_bytes"], plan)
+        recv, grad = self.boundary_bytes(plan, m, first, last)
+        return StageCost(fwd, bwd, mem["weights_bytes"], mem["activations_bytes"], plan, recv, grad)
 
     def stage_cost(self, a: int, b: int, q: int, m: int) -> StageCost | None:
         """Intra-stage optimum of units [a, b) on q devices with m micro-batches (None if m does not divide)."""
         if self.batch % m:
             return None
         _, _, sigs = self.graph(m)
-        key = (sigs[a:b], q, m)
+        # the neighbouring units decide the transfers (boundary_bytes): part of what must match to share
+        key = (sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None, q, m)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -253,7 +303,8 @@ class ModelStages:
             k = e - s
             cost = StageCost(*(x2 + (k - 2) * (x3 - x2) for x2, x3 in (
                 (c2.forward, c3.forward), (c2.backward, c3.backward), (c2.weight_bytes, c3.weight_bytes),
-                (c2.activation_bytes, c3.activation_bytes))), detail=c3.detail)
+                (c2.activation_bytes, c3.activation_bytes))), detail=c3.detail, recv_bytes=c3.recv_bytes,
+                grad_bytes=c3.grad_bytes)
         else:
             try:
                 cost = self._solve(a, b, q, m)
@@ -305,7 +356,8 @@ class ModelStages:
                 if t.src is not None and t.src not in names:
                     inputs[t.src] = t.shape
         try:
-            cost = self._cost_of_graph(Graph(f"{g.name}[pieces]", tuple(new_ops), inputs), q, m)
+            cost = self._cost_of_graph(Graph(f"{g.name}[pieces]", tuple(new_ops), inputs), q, m, unit_ids[0],
+                                       unit_ids[-1])
         except OperatorMemoryError:
             cost = None
         self._cache[key] = cost
