@@ -167,3 +167,51 @@ def test_separate_gradient_links_in_closed_form_and_simulation():
     assert sorted({round(e.end - e.start, 12) for e in grads}) == [0.125, 0.25]
     with pytest.raises(ShardplanError, match="backward ones"):
         step_time(uni, [0.5, 0.5], 6, "1f1b", back=[0.25])
+
+
+@pytest.mark.parametrize("S,m,f,b,w", [(4, 8, 1.0, 1.0, 1.0), (4, 8, 1.0, 2.0, 1.0), (4, 8, 1.0, 1.0, 2.0),
+                                       (2, 5, 1.0, 1.0, 1.0), (4, 8, 2.0, 1.0, 0.5), (8, 16, 1.0, 1.0, 1.0),
+                                       (4, 4, 1.0, 1.0, 1.0), (1, 3, 1.0, 1.0, 1.0)])
+def test_zb_h1_closed_form_equals_simulation(S, m, f, b, w):
+    from shardplan.pipeline.schedule import zb_h1_uniform
+
+    st = [StageTimes(f, b + w, weight_grad=w)] * S
+    sim = makespan(simulate(st, [0.0] * (S - 1), m, "zb-h1"))
+    assert sim == pytest.approx(zb_h1_uniform(f, b + w, w, S, m), rel=1e-12)
+    assert step_time(st, [0.0] * (S - 1), m, "zb-h1") == sim
+    # the paper's bubble: (S - 1)(F + B - W) against 1F1B's (S - 1)(F + B + W) when W <= F, B
+    if w <= min(f, b):
+        assert sim == m * (f + b + w) + (S - 1) * (f + b - w)
+    assert sim <= step_time(st, [0.0] * (S - 1), m, "1f1b")
+
+
+def test_zb_h1_without_weight_gradients_is_1f1b_and_keeps_order():
+    st = [StageTimes(1.0, 2.0), StageTimes(1.5, 2.5), StageTimes(1.0, 2.0)]
+    assert step_time(st, [0.25, 0.5], 6, "zb-h1") == makespan(simulate(st, [0.25, 0.5], 6, "1f1b"))
+    split = [StageTimes(x.forward, x.backward, weight_grad=x.backward / 3) for x in st]
+    ev = simulate(split, [0.25, 0.5], 6, "zb-h1")
+    done = {(e.stage, e.kind, e.micro_batch): e for e in ev if e.kind in ("backward", "weight")}
+    for (s, kind, j), e in done.items():
+        if kind == "weight":  # W after its own B, and takes the stage's weight-gradient time
+            assert e.start >= done[(s, "backward", j)].end
+            assert e.end - e.start == pytest.approx(split[s].weight_grad)
+    assert in_flight(4, 8, "zb-h1") == [4, 4, 4, 4] and in_flight(4, 2, "zb-h1") == [2, 2, 2, 2]
+    with pytest.raises(ShardplanError, match="weight-gradient time"):
+        simulate([StageTimes(1.0, 1.0, weight_grad=2.0)], [], 2, "zb-h1")
+
+
+def test_zb_h1_search_option():
+    def stage_fn(a, b, q, m):
+        t = (b - a) / q / m
+        return StageCost(t / 3, 2 * t / 3, 1.0, 0.5, None, 0.0, 0.0, t / 3)
+
+    space = PipelineSpace(8, 8, 4, micro_batches=(8,), budget=None, uniform=True, sizes=(2, 4))
+    one = search_pipeline(space, stage_fn, lambda *a: 0.0, schedules=("1f1b",))
+    zb = search_pipeline(space, stage_fn, lambda *a: 0.0, schedules=("1f1b", "zb-h1"))
+    assert zb.schedule == "zb-h1" and zb.step_time < one.step_time
+    again = evaluate_pipeline([(s.first, s.end, s.devices) for s in zb.stages], 8, space, stage_fn,
+                              lambda *a: 0.0, schedule="zb-h1")
+    assert again.step_time == zb.step_time
+    # in flight: min(S, m) on every stage, so a budget that only 1F1B's last stages meet rules it out
+    tight = PipelineSpace(8, 8, 4, micro_batches=(8,), budget=1.0 + 0.5 * 2.5, uniform=True, sizes=(2, 4))
+    assert search_pipeline(tight, stage_fn, lambda *a: 0.0, schedules=("zb-h1",)).num_stages == 2

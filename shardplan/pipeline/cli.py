@@ -38,7 +38,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
                             micro_batches=_ints(args.micro_batches, "--micro-batches"),
                             max_stages=args.max_stages, uniform=args.uniform,
                             interleave=_ints(args.interleave, "--interleave"), budget=budget,
-                            sizes=_ints(args.sizes, "--sizes") or None, **opts)
+                            sizes=_ints(args.sizes, "--sizes") or None,
+                            schedules=("1f1b", "interleaved") + (("zb-h1",) if args.zero_bubble else ()), **opts)
     print(render_pipeline(result))
     if args.json:
         _write_json(args.json, result.to_dict())
@@ -66,6 +67,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-stages", type=int, help="largest number of stages (default: one per block)")
     p.add_argument("--uniform", action="store_true", help="only stages of equal sub-mesh size")
     p.add_argument("--interleave", help="chunk counts v to try with interleaved 1F1B, e.g. 2,4")
+    p.add_argument("--zero-bubble", action="store_true",
+                   help="also try ZB-H1 (backward split into input- and weight-gradient passes)")
     p.add_argument("--sizes", help="sub-mesh sizes allowed (default: powers of two in a node, whole nodes)")
     p.add_argument("--memory", type=float, help="memory budget per device, GiB (default: the machine's)")
     p.add_argument("--json", help="write the pipeline plan as JSON here")

@@ -94,7 +94,7 @@ def pipeline_to_json(result: "PipelineResult") -> dict[str, Any]:
     }
 
 
-COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "send": "#55A868", "sync": "#8172B3"}
+COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "weight": "#C44E52", "send": "#55A868", "sync": "#8172B3"}
 
 
 def draw_timeline(result: "PipelineResult", path: str) -> str:
@@ -119,7 +119,7 @@ def draw_timeline(result: "PipelineResult", path: str) -> str:
             continue
         ax.barh(row, e.end - e.start, left=e.start, height=0.6, color=COLOURS[e.kind], edgecolor="white",
                 linewidth=0.4)
-        if e.kind != "sync" and (e.end - e.start) > end / 60:
+        if e.kind not in ("sync",) and (e.end - e.start) > end / 60:
             ax.text((e.start + e.end) / 2, row, str(e.micro_batch + 1), ha="center", va="center", fontsize=6,
                     color="white")
     ax.set_yticks(range(n))

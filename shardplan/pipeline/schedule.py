@@ -57,9 +57,27 @@ warm-up chunk micro-batches of Megatron-LM's interleaved schedule,
 ``2 (S - d - 1) + (v - 1) S + 1`` chunks (capped at ``m v``), each 1/v of
 the group's per-micro-batch activations.
 
-Zero-bubble schedules (Qi et al., 2023: backward split into input-gradient
-and weight-gradient passes) are not modelled: the cost tables do not yet
-separate the two parts of an operator's backward time.
+**ZB-H1** (zero bubble, Qi et al., "Zero Bubble Pipeline Parallelism",
+ICLR 2024, §3): each backward is split into B, the input gradient (what the
+previous stage waits for), and W, the weight gradient (``w_i`` of ``b_i``:
+the weight-gradient GEMMs and their gradient reduction, which no other
+backward reads, so the split is clean for every operator of the IR). Stage i
+runs 1F1B's warm-up of S - i - 1 forwards, then F, B and the W of the
+micro-batch i places earlier; its last i W passes fill the cool-down bubble.
+The paper's bubble is (S - 1)(F + B - W) instead of 1F1B's (S - 1)(F + B + W);
+for uniform stages, no transfer time and m >= S::
+
+    T_zb = m (F + B + W) + (S - 1) (F + B - min(W, F, B))
+
+(:func:`zb_h1_uniform`; the min covers W longer than F or B, where W cannot
+fill a whole slot; tested against the simulation), i.e. 1F1B's closed form
+less ``(S - 1)(W + min(W, F, B))``. For other stages :func:`step_time` takes
+1F1B's closed form (with its transfers) less that saving with the smallest
+W, F and B over the stages, an estimate of the same kind as 1F1B's own
+(the report shows the event simulation next to it); for m < S it returns
+the simulation's length. Memory: deferring stage i's W passes by i keeps
+min(S, m) micro-batches' activations on every stage (1F1B's stage 0 peak, as
+the paper states for ZB-H1).
 """
 
 from __future__ import annotations
@@ -69,18 +87,21 @@ from typing import Sequence
 
 from shardplan.errors import ShardplanError
 
-__all__ = ["SCHEDULES", "StageTimes", "step_time", "in_flight", "bubble_fraction", "simulate", "Event"]
+__all__ = ["SCHEDULES", "StageTimes", "step_time", "in_flight", "bubble_fraction", "simulate", "Event",
+           "zb_h1_uniform", "makespan"]
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Per-micro-batch seconds of one stage (device group): forward, backward, once-per-step sync."""
+    """Per-micro-batch seconds of one stage (device group): forward, backward, once-per-step sync, and the
+    weight-gradient part of the backward (``weight_grad <= backward``; zero-bubble schedules run it apart)."""
 
     forward: float
     backward: float
     sync: float = 0.0
+    weight_grad: float = 0.0
 
     @property
     def total(self) -> float:
@@ -120,9 +141,26 @@ def step_time(stages: Sequence[StageTimes], links: Sequence[float], m: int, sche
         return ramp + (m - 1) * (max(f_max, max(links, default=0.0)) + max(b_max, max(back, default=0.0))) + sync
     if schedule == "1f1b":
         return ramp + (m - 1) * max(max(t), c_max) + sync
+    if schedule == "zb-h1":
+        n = len(stages)
+        if m < n:
+            return makespan(simulate(stages, links, m, schedule, v, back))
+        w = min(s.weight_grad for s in stages)
+        f = min(s.forward for s in stages)
+        b = min(s.backward - s.weight_grad for s in stages)
+        return ramp + (m - 1) * max(max(t), c_max) + sync - (n - 1) * (w + min(w, f, b))
     t_max = max(t)
     return (m * t_max + (sum(t) - t_max) / v + sum(links) + sum(back) + (m - 1.0 / v) * max(0.0, v * c_max - t_max)
             + sync)
+
+
+def zb_h1_uniform(forward: float, backward: float, weight_grad: float, num_stages: int, m: int) -> float:
+    """Step of ZB-H1 on S uniform stages without transfer time, m >= S (module docstring; Qi et al. 2024):
+    ``m (F + B + W) + (S - 1)(F + B - min(W, F, B))`` with B the input-gradient part ``backward - weight_grad``."""
+    if m < num_stages:
+        raise ShardplanError(f"the ZB-H1 closed form needs m >= S, got m={m}, S={num_stages}")
+    f, b, w = forward, backward - weight_grad, weight_grad
+    return m * (f + b + w) + (num_stages - 1) * (f + b - min(w, f, b))
 
 
 def in_flight(num_stages: int, m: int, schedule: str = "1f1b", v: int = 1) -> list[float]:
@@ -134,6 +172,8 @@ def in_flight(num_stages: int, m: int, schedule: str = "1f1b", v: int = 1) -> li
         return [float(min(num_stages - i, m)) for i in range(num_stages)]
     if schedule == "interleaved":
         return [min(2 * (num_stages - d - 1) + (v - 1) * num_stages + 1, m * v) / v for d in range(num_stages)]
+    if schedule == "zb-h1":
+        return [float(min(num_stages, m))] * num_stages
     raise ShardplanError(f"unknown pipeline schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
 
 
@@ -147,7 +187,8 @@ def bubble_fraction(stages: Sequence[StageTimes], links: Sequence[float], m: int
 
 @dataclass(frozen=True)
 class Event:
-    """One bar of the timeline: ``kind`` in forward, backward, send, sync; stage (row), micro-batch, chunk."""
+    """One bar of the timeline: ``kind`` in forward, backward (ZB-H1: its input-gradient part), weight (ZB-H1's
+    weight-gradient pass), send, sync; stage (row), micro-batch, chunk."""
 
     stage: int
     kind: str
@@ -172,6 +213,18 @@ def _order(s: int, num_stages: int, m: int, schedule: str, v: int) -> list[tuple
             seq.append(("B", b, 0))
             b += 1
         return seq
+    if schedule == "zb-h1":
+        warm = min(num_stages - s - 1, m)
+        seq = [("F", j, 0) for j in range(warm)]
+        f = warm
+        for j in range(m):
+            if f < m:
+                seq.append(("F", f, 0))
+                f += 1
+            seq.append(("B", j, 0))
+            if j >= s:
+                seq.append(("W", j - s, 0))
+        return seq + [("W", j, 0) for j in range(max(0, m - s), m)]
     # interleaved (Megatron-LM order): forward units k = 0 .. m v - 1 visit chunks in groups of S micro-batches
     total = m * v
 
@@ -210,6 +263,9 @@ def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, sched
     if schedule == "interleaved" and m % n:
         raise ShardplanError(f"the interleaved schedule needs micro-batches ({m}) to be a multiple of stages ({n})")
     chunks = v if schedule == "interleaved" else 1
+    split = schedule == "zb-h1"
+    if split and any(not 0.0 <= st.weight_grad <= st.backward for st in stages):
+        raise ShardplanError("ZB-H1 needs each stage's weight-gradient time within its backward time")
     last_chunk = chunks - 1
     done: dict[tuple[str, int, int, int], float] = {}  # (kind, micro-batch, chunk, stage) -> end time
     arrive: dict[tuple[str, int, int, int], float] = {}  # input of (kind, micro-batch, chunk, stage) arrived
@@ -224,6 +280,8 @@ def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, sched
         return times[min(a, b)] if abs(a - b) == 1 else max(times, default=0.0)
 
     def ready(s: int, kind: str, j: int, c: int) -> float | None:
+        if kind == "W":
+            return done.get(("B", j, c, s))
         if kind == "F" and s == 0 and c == 0:
             return 0.0
         if kind == "B" and s == n - 1 and c == last_chunk:
@@ -246,11 +304,16 @@ def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, sched
                 r = ready(s, kind, j, c)
                 if r is None:
                     break
-                dur = (stages[s].forward if kind == "F" else stages[s].backward) / chunks
+                if kind == "F":
+                    dur = stages[s].forward / chunks
+                elif kind == "W":
+                    dur = stages[s].weight_grad
+                else:  # a split schedule's B is the input-gradient part only
+                    dur = (stages[s].backward - (stages[s].weight_grad if split else 0.0)) / chunks
                 start = max(r, free[s])
                 free[s] = start + dur
                 done[(kind, j, c, s)] = free[s]
-                events.append(Event(s, "forward" if kind == "F" else "backward", j, start, free[s], c))
+                events.append(Event(s, {"F": "forward", "B": "backward", "W": "weight"}[kind], j, start, free[s], c))
                 if kind == "F" and (s < n - 1 or c < last_chunk):
                     send(s, s + 1 if s < n - 1 else 0, "F", j, c, c if s < n - 1 else c + 1, free[s])
                 elif kind == "B" and (s > 0 or c > 0):

@@ -68,7 +68,13 @@ and in-flight memory both no larger, see the schedule module), so the
 optimum over {GPipe, 1F1B} is 1F1B's. Interleaved 1F1B (v > 1) is searched
 over uniform sub-meshes with the units dealt into S v contiguous chunks of
 equal size (Megatron-LM's layout, m a multiple of S); that part of the
-space is enumerated, not optimised over chunk boundaries.
+space is enumerated, not optimised over chunk boundaries. ZB-H1 (opt-in,
+``"zb-h1"`` in ``schedules``) is enumerated likewise: for each uniform
+sub-mesh size the units dealt evenly, plus the stages of the best 1F1B plan
+at the same m, each costed by the event simulation (its exact length under
+the model); its in-flight memory is min(S, m) on every stage. It is not
+optimised over cuts: the optimum over it is exact only within those
+candidates.
 
 ``S = 1`` is one stage on the whole machine with ``m`` micro-batches; with
 m = 1 it is today's single-program plan, so the optimum is never worse.
@@ -101,6 +107,7 @@ class StageCost:
             produce (its input tiles under its plan): the forward transfer into the stage.
         grad_bytes: per micro-batch, the most bytes of gradient one of its devices receives for the tensors
             that later stages read (its output tiles): the backward transfer into the stage.
+        weight_grad: seconds of ``backward`` that compute and reduce weight gradients (ZB-H1's W pass).
     """
 
     forward: float
@@ -110,6 +117,7 @@ class StageCost:
     detail: Any = field(default=None, compare=False)
     recv_bytes: float | None = None
     grad_bytes: float | None = None
+    weight_grad: float = 0.0
 
     @property
     def time(self) -> float:
@@ -234,11 +242,13 @@ class PipelinePlan:
             groups = self.num_stages // self.chunks
             f = [0.0] * groups
             b = [0.0] * groups
+            w = [0.0] * groups
             for i, s in enumerate(self.stages):
                 f[i % groups] += s.cost.forward
                 b[i % groups] += s.cost.backward
-            return [StageTimes(x, y) for x, y in zip(f, b)]
-        return [StageTimes(s.cost.forward, s.cost.backward) for s in self.stages]
+                w[i % groups] += s.cost.weight_grad
+            return [StageTimes(x, y, weight_grad=z) for x, y, z in zip(f, b, w)]
+        return [StageTimes(s.cost.forward, s.cost.backward, weight_grad=s.cost.weight_grad) for s in self.stages]
 
     def group_links(self, back: bool = False) -> list[float]:
         """Per cut between device groups: the activation's seconds (``back``: the gradient's)."""
@@ -275,6 +285,12 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                 cand = _search_interleaved(space, stage_fn, link_fn, m, v, exchange)
                 if cand is not None and (best is None or cand.step_time < best.step_time):
                     best = cand
+        if "zb-h1" in schedules:
+            seeds = [[(s.first, s.end, s.devices) for s in best.stages]] if best is not None and best.chunks == 1 else []
+            cand = _search_zb_h1(space, stage_fn, link_fn, m, exchange, seeds)
+            # (a strict gain: with one stage or no weight gradients ZB-H1 is 1F1B up to rounding)
+            if cand is not None and (best is None or cand.step_time < best.step_time * (1 - 1e-12)):
+                best = cand
     if best is None:
         raise ShardplanError("no pipeline fits: every stage cut and sub-mesh exceeds the memory budget "
                              "(or no stage can be costed)")
@@ -408,18 +424,18 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
 
 
 def _assemble(segments: Sequence[tuple[int, int, int, int]], cost, m: int, space: PipelineSpace, link_fn: LinkFn,
-              exchange: ExchangeFn | None) -> PipelinePlan:
-    """The 1F1B plan of placed stages ``(first unit, end unit, offset, devices)`` whose costs are known."""
+              exchange: ExchangeFn | None, schedule: str = "1f1b") -> PipelinePlan:
+    """The plan of placed stages ``(first unit, end unit, offset, devices)`` whose costs are known."""
     p = space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     n = len(segments)
-    k = in_flight(n, m, "1f1b")
+    k = in_flight(n, m, schedule)
     stages = tuple(Stage(a, b, o, q, cost(a, b, q), k[i]) for i, (a, b, o, q) in enumerate(segments))
     cuts = [_cut_times(stages[i].cost, stages[i + 1].cost, stages[i + 1].offset, ns, stages[i].end,
                        stages[i].devices, stages[i + 1].devices, m, link_fn, exchange) for i in range(n - 1)]
     links, back = tuple(c[0] for c in cuts), tuple(c[1] for c in cuts)
-    times = [StageTimes(s.cost.forward, s.cost.backward) for s in stages]
-    return PipelinePlan(stages, m, "1f1b", 1, links, step_time(times, links, m, "1f1b", back=back), space.budget,
+    times = [StageTimes(s.cost.forward, s.cost.backward, weight_grad=s.cost.weight_grad) for s in stages]
+    return PipelinePlan(stages, m, schedule, 1, links, step_time(times, links, m, schedule, back=back), space.budget,
                         back_links=back)
 
 
@@ -465,10 +481,32 @@ def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn
     return best
 
 
+def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, exchange: ExchangeFn | None,
+                  seeds: Sequence[Sequence[tuple[int, int, int]]]) -> PipelinePlan | None:
+    """ZB-H1, enumerated: for every uniform sub-mesh size the units dealt evenly over the stages, plus the
+    stages of ``seeds`` (the best 1F1B plan found so far); each costed by the event simulation."""
+    U, p = space.num_units, space.num_devices
+    sizes = space.allowed_sizes()
+    cands = [list(seg) for seg in seeds]
+    for n in range(1, min(space.max_stages or U, U, p) + 1):
+        if p % n == 0 and p // n in sizes:
+            bounds = [round(j * U / n) for j in range(n + 1)]
+            cands.append([(bounds[j], bounds[j + 1], p // n) for j in range(n)])
+    best: PipelinePlan | None = None
+    for segs in cands:
+        try:
+            plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn, exchange, schedule="zb-h1")
+        except ShardplanError:
+            continue
+        if plan is not None and (best is None or plan.step_time < best.step_time):
+            best = plan
+    return best
+
+
 def evaluate_pipeline(segments: Sequence[tuple[int, int, int]], m: int, space: PipelineSpace, stage_fn: StageFn,
-                      link_fn: LinkFn, exchange: ExchangeFn | None = None) -> PipelinePlan | None:
-    """The 1F1B plan of given stages ``(first unit, end unit, devices)`` placed in order; None if it does not
-    fit or a stage cannot be costed. Raises on a malformed pipeline."""
+                      link_fn: LinkFn, exchange: ExchangeFn | None = None, schedule: str = "1f1b") -> PipelinePlan | None:
+    """The plan of given stages ``(first unit, end unit, devices)`` placed in order under ``schedule`` (1f1b,
+    gpipe or zb-h1); None if it does not fit or a stage cannot be costed. Raises on a malformed pipeline."""
     p = space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     if segments[0][0] != 0 or segments[-1][1] != space.num_units or any(
@@ -479,7 +517,9 @@ def evaluate_pipeline(segments: Sequence[tuple[int, int, int]], m: int, space: P
         offs.append(offs[-1] + q)
     if offs[-1] != p or not all(_placeable(o, q, p, ns) for o, (_, _, q) in zip(offs, segments)):
         raise ShardplanError(f"sub-meshes {[q for *_, q in segments]} do not tile {p} devices on nodes of {ns}")
-    k = in_flight(len(segments), m, "1f1b")
+    if schedule not in ("1f1b", "gpipe", "zb-h1"):
+        raise ShardplanError(f"evaluate_pipeline: schedule {schedule!r} is not one of 1f1b, gpipe, zb-h1")
+    k = in_flight(len(segments), m, schedule)
     costs = {}
     for i, ((a, b, q), o) in enumerate(zip(segments, offs)):
         c = stage_fn(a, b, q, m)
@@ -487,7 +527,7 @@ def evaluate_pipeline(segments: Sequence[tuple[int, int, int]], m: int, space: P
             return None
         costs[(a, b, q)] = c
     placed = [(a, b, o, q) for (a, b, q), o in zip(segments, offs)]
-    return _assemble(placed, lambda a, b, q: costs[(a, b, q)], m, space, link_fn, exchange)
+    return _assemble(placed, lambda a, b, q: costs[(a, b, q)], m, space, link_fn, exchange, schedule)
 
 
 def brute_force_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,

@@ -125,19 +125,22 @@ def weight_sync(op: Operator, configs, orders, machine: Machine):
     return np.maximum(full - without, 0.0)
 
 
-def _forward_backward(plan) -> tuple[float, float]:
-    """Split a plan's predicted seconds into forward and backward (module docstring)."""
-    fwd = bwd = 0.0
+def _forward_backward(plan) -> tuple[float, float, float]:
+    """Split a plan's predicted seconds into forward, backward and the backward's weight-gradient compute
+    (module docstring): a GEMM's backward computes one gradient per tensor that needs one, each costing its
+    forward, so the weights' share of the compute is (weights with gradients) / (1 + tensors with gradients)."""
+    fwd = bwd = wgrad = 0.0
     for i, op in enumerate(plan.graph.operators):
         parts = plan.tables.op_costs[i].parts(plan.assignment[i])
         share = 1.0 / (1 + len(op.grad_tensors))
         fwd += parts["compute"] * share + parts["forward_allreduce"]
         bwd += parts["compute"] * (1 - share) + parts["grad_allreduce"]
+        wgrad += parts["compute"] * share * sum(1 for w in op.weights if w.needs_grad)
         for key in ("halo", "stats", "recurrence"):
             fwd += parts[key] / 2
             bwd += parts[key] / 2
     red = plan.breakdown["redistribution"]
-    return fwd + red / 2, bwd + red / 2
+    return fwd + red / 2, bwd + red / 2, wgrad
 
 
 @dataclass
@@ -279,12 +282,14 @@ class ModelStages:
             plan = Plan(tables, tuple(int(x) for x in sol.assignment), sol, solver)
         else:
             plan = plan_from_configs(tables, self.strategy(tables), name="recipe")
-        fwd, bwd = _forward_backward(plan)
+        fwd, bwd, wgrad = _forward_backward(plan)
         step_sync = float(sum(w[k] for w, k in zip(sync, plan.assignment)))
         bwd -= (1.0 - 1.0 / m) * step_sync
         mem = plan.memory
         recv, grad = self.boundary_bytes(plan, m, first, last)
-        return StageCost(fwd, bwd, mem["weights_bytes"], mem["activations_bytes"], plan, recv, grad)
+        # ZB-H1's W pass: the weight-gradient GEMMs and their (amortised) reduction
+        w_pass = min(bwd, wgrad + step_sync / m)
+        return StageCost(fwd, bwd, mem["weights_bytes"], mem["activations_bytes"], plan, recv, grad, w_pass)
 
     def stage_cost(self, a: int, b: int, q: int, m: int) -> StageCost | None:
         """Intra-stage optimum of units [a, b) on q devices with m micro-batches (None if m does not divide)."""
@@ -304,7 +309,7 @@ class ModelStages:
             cost = StageCost(*(x2 + (k - 2) * (x3 - x2) for x2, x3 in (
                 (c2.forward, c3.forward), (c2.backward, c3.backward), (c2.weight_bytes, c3.weight_bytes),
                 (c2.activation_bytes, c3.activation_bytes))), detail=c3.detail, recv_bytes=c3.recv_bytes,
-                grad_bytes=c3.grad_bytes)
+                grad_bytes=c3.grad_bytes, weight_grad=c2.weight_grad + (k - 2) * (c3.weight_grad - c2.weight_grad))
         else:
             try:
                 cost = self._solve(a, b, q, m)
