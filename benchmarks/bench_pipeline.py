@@ -3,12 +3,14 @@
 Cases (issue 16): Megatron-LM's published configurations (Narayanan et al., SC'21, Table 1; tensor
 parallel 8 inside a node) on the ``a100`` preset, GPT-3 175B on 1,024 ``h100``, and a small case
 (GPT 1.3B on 64 a100) that finishes quickly. For each: the recipe (its stage count, layers split
-evenly with the embedding on the first stage and the head on the last, Megatron's intra-stage layout:
-heads / FFN hidden / vocabulary split 8 ways, batch over the rest, ``m`` = batch / data-parallel
-width, i.e. micro-batches of 1 sequence per replica) costed by the same model, and the search's
-optimum over the space given (uniform sub-meshes of the listed sizes, the listed micro-batch counts,
-1F1B and interleaved), with step time, model TFLOP/s per GPU (forward + backward FLOPs, no
-recomputation), memory per stage, solve time and peak RSS.
+evenly with the embedding on the first stage and the head on the last, Megatron-LM's intra-stage
+layouts exactly: heads / FFN hidden / vocabulary split 8 ways inside the node, batch over the nodes,
+norms and adds replicated over the 8 (the tables' ``node_replicas`` layouts), ``m`` = batch /
+data-parallel width, i.e. micro-batches of 1 sequence per replica, 1F1B) costed by the same model,
+and the search's optimum over the space given (uniform sub-meshes of the listed sizes, the listed
+micro-batch counts, 1F1B, interleaved v=2 and ZB-H1), both with exact stage-to-stage transfers, with
+step time, model TFLOP/s per GPU (forward + backward FLOPs, no recomputation), memory per stage,
+solve time (wall and CPU: the machine is shared) and peak RSS.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_pipeline.py --cases small [--out benchmarks/results/pipeline.json]``
 """
@@ -52,6 +54,11 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _stages_line(plan, names) -> str:
     return "; ".join(f"[{names[s.first]}..{names[s.end - 1]}] on {s.devices} devs" for s in plan.stages)
 
@@ -65,7 +72,7 @@ def run_case(name: str, solve_opts: dict, recipe_only: bool = False) -> dict:
                  "heads": heads, "model_flops_per_step": flops}
 
     # Megatron's recipe under the same model
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     q = p // rec_s
     dp = q // 8
     m = batch // dp
@@ -87,17 +94,17 @@ def run_case(name: str, solve_opts: dict, recipe_only: bool = False) -> dict:
                      "micro_batches": m, "step_seconds": rp.step_time,
                      "tflops_per_gpu": flops / rp.step_time / p / 1e12,
                      "memory_per_stage_gib": [s.memory / 2**30 for s in rp.stages],
-                     "seconds": time.perf_counter() - t0}
+                     "seconds": time.perf_counter() - t0, "cpu_seconds": _cpu() - c0}
     print(f"{name}: recipe {rp.step_time:.3f} s/step, {row['recipe']['tflops_per_gpu']:.0f} TFLOP/s/GPU "
           f"({row['recipe']['seconds']:.0f} s)", flush=True)
 
     if recipe_only:
         return row
     # the search
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     sizes = tuple(sorted({p // s for s in search_s if p % s == 0}))
     res = pipeline_solve(build, batch, machine, micro_batches=search_m, uniform=True, interleave=(2,),
-                         sizes=sizes, **solve_opts)
+                         sizes=sizes, schedules=("1f1b", "interleaved", "zb-h1"), **solve_opts)
     plan = res.plan
     names = res.unit_names()
     row["search"] = {"stages": plan.num_stages // plan.chunks, "schedule": plan.schedule, "chunks": plan.chunks,
@@ -110,7 +117,7 @@ def run_case(name: str, solve_opts: dict, recipe_only: bool = False) -> dict:
                                "interleave": [2]},
                      "intra_stage_solves": plan.stats.get("intra_stage_solves"),
                      "bottleneck_candidates": plan.stats.get("candidates"),
-                     "seconds": time.perf_counter() - t0}
+                     "seconds": time.perf_counter() - t0, "cpu_seconds": _cpu() - c0}
     row["peak_rss_gb"] = _rss_gb()
     print(f"{name}: search {plan.step_time:.3f} s/step, {row['search']['tflops_per_gpu']:.0f} TFLOP/s/GPU, "
           f"{row['search']['stage_map']}, m={plan.micro_batches} {plan.schedule} "

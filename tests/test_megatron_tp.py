@@ -81,3 +81,23 @@ def test_one_layer_tensor_parallel_traffic_by_hand():
             assert sync == pytest.approx(D * D // 8 * 2 / B1)
     assert fwd == pytest.approx(2 * ar)
     assert bwd == pytest.approx(4 * ar)
+
+
+def test_megatron_145b_shape_1536_devices_in_stages_of_192():
+    """1,536 = 192 nodes of 8 is not a power of two: 8 stages of 24 whole nodes are valid sub-meshes, and on
+    such a sub-mesh (levels 8 x 24) Megatron's layouts (batch over the 24 nodes) exist and move nothing."""
+    from shardplan.pipeline.search import PipelineSpace, StageCost, search_pipeline, submesh_sizes
+
+    sizes = submesh_sizes(1536, 8)
+    assert {8, 96, 192, 768, 1536} <= set(sizes) and all(q % 8 == 0 for q in sizes if q >= 8)
+    space = PipelineSpace(82, 1536, 8, micro_batches=(96,), uniform=True, sizes=(192,))
+    plan = search_pipeline(space, lambda a, b, q, m: StageCost((b - a) / q, 2 * (b - a) / q, 0.0, 0.0),
+                           lambda *a: 0.0, schedules=("1f1b",))
+    assert plan.num_stages == 8 and [s.offset for s in plan.stages] == [192 * i for i in range(8)]
+    sub = Machine(192, 1e12, B0, dtype_bytes=2, node_size=8, inter_bandwidth=B1)
+    assert sub.levels == (8, 24)
+    g = get_model("gpt", 24, layers=1, d_model=D, heads=H, seq=S, vocab=64)
+    tables = build_tables(g, sub, cutoff=1, orders="row-major", node_replicas=True)
+    plan = plan_from_configs(tables, megatron(tables, 24))
+    assert all(isinstance(lay, Layout) for lay in megatron(tables, 24).values())
+    assert plan.breakdown["redistribution"] == 0.0
