@@ -136,3 +136,25 @@ def test_weight_gradient_part_and_zero_bubble_on_the_model(tmp_path):
     assert zb.simulated_step_time() < one.simulated_step_time()
     assert all(s.in_flight == 2 for s in zb.plan.stages)
     assert draw_timeline(zb, str(tmp_path / "zb.png")).endswith("zb.png")
+
+
+def test_memory_choices_per_stage_search_equals_brute_force():
+    """A budget under what the time-optimal stages need with their in-flight micro-batches: the stages take
+    their memory-constrained optimum (ZeRO / recomputation, issue 10's fit), and the DP still equals brute force
+    (both over the same fitted costs, shared by the one ModelStages)."""
+    st = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1})
+    budget = 700_000.0
+    assert st.stage_cost(0, 3, 4, 2).memory(1) > budget
+    space = PipelineSpace(st.num_units, 4, 2, micro_batches=(2,), budget=budget, sizes=(2, 4))
+    want = brute_force_pipeline(space, st.stage_cost, st.link_time, st.exchange_time, fit_fn=st.fit_cost)
+    got = search_pipeline(space, st.stage_cost, st.link_time, ("1f1b",), exchange=st.exchange_time,
+                          fit_fn=st.fit_cost)
+    assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+    assert all(s.memory <= budget for s in got.stages)
+    assert any(s.cost.detail.memory_choices is not None for s in got.stages)
+    # without the choices only plans whose time-optimal stages fit remain: slower, or none at all
+    try:
+        plain = search_pipeline(space, st.stage_cost, st.link_time, ("1f1b",), exchange=st.exchange_time)
+    except ShardplanError:
+        plain = None
+    assert plain is None or plain.step_time > got.step_time

@@ -35,7 +35,11 @@ one time for both directions from the cut and the sub-mesh sizes.
 without ``exchange``)
 
 subject to ``weight_i + min(S - i, m) activation_i <= budget`` for every
-stage i.
+stage i. With ``fit_fn``, a stage whose time-optimal plan does not fit takes
+its memory-constrained optimum for its in-flight count instead (issue 10's
+ZeRO/FSDP and recomputation choices): the stage's least time under the
+budget, still monotone in its extent (restricting a plan that fits [a, b+1)
+to [a, b) fits too and is no slower), so the argument below holds.
 
 **The max term** (Alpa's enumeration, made exact). For a bound B let
 ``D(B)`` be the least ``sum t + 2 sum c`` over pipelines whose every stage
@@ -129,6 +133,7 @@ class StageCost:
 
 
 StageFn = Callable[[int, int, int, int], "StageCost | None"]
+FitFn = Callable[[int, int, int, int, int, float], "StageCost | None"]
 LinkFn = Callable[[int, int, int, int, bool], float]
 ExchangeFn = Callable[[float, bool], float]
 
@@ -267,17 +272,20 @@ def _links_ok(a: float, bound: float) -> bool:
 
 def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
-                    exchange: ExchangeFn | None = None) -> PipelinePlan:
+                    exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None) -> PipelinePlan:
     """The optimum of the module docstring's model over ``space`` (1F1B DP; interleaved enumerated).
 
     ``exchange(bytes per device, inter-node) -> seconds``: exact stage-to-stage transfers from the stage costs'
-    ``recv_bytes``/``grad_bytes`` (module docstring); None: ``link_fn`` per cut."""
+    ``recv_bytes``/``grad_bytes`` (module docstring); None: ``link_fn`` per cut. ``fit_fn(a, b, q, m, k,
+    budget)``: a stage's memory-constrained optimum with k micro-batches in flight, used (1F1B) where the
+    time-optimal one does not fit."""
     t0 = time.perf_counter()
     best: PipelinePlan | None = None
     stats: dict[str, Any] = {"candidates": 0, "dp_states": 0, "stage_evaluations": 0}
     for m in sorted(set(int(x) for x in space.micro_batches)):
         if "1f1b" in schedules:
-            cand = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf, exchange)
+            cand = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf, exchange,
+                                fit_fn)
             if cand is not None and (best is None or cand.step_time < best.step_time):
                 best = cand
         if "interleaved" in schedules:
@@ -299,7 +307,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 
 
 def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, stats: dict,
-                 incumbent: float, exchange: ExchangeFn | None = None) -> PipelinePlan | None:
+                 incumbent: float, exchange: ExchangeFn | None = None,
+                 fit_fn: FitFn | None = None) -> PipelinePlan | None:
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     sizes = space.allowed_sizes()
@@ -313,6 +322,22 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             costs[key] = stage_fn(a, b, q, m)
             stats["stage_evaluations"] += 1
         return costs[key]
+
+    fitted: dict[tuple[int, int, int, float], StageCost | None] = {}
+
+    def effective(a: int, b: int, q: int, k: float) -> StageCost | None:
+        """The stage's least time with k micro-batches in flight within the budget: the time-optimal plan if it
+        fits, else the memory-constrained one (fit_fn), else None."""
+        c = cost(a, b, q)
+        if c is None or c.memory(k) <= budget:
+            return c
+        if fit_fn is None:
+            return None
+        key = (a, b, q, k)
+        if key not in fitted:
+            fitted[key] = fit_fn(a, b, q, m, int(k), budget)
+            stats["fit_evaluations"] = stats.get("fit_evaluations", 0) + 1
+        return fitted[key]
 
     seen_links: set[float] = set()
 
@@ -348,8 +373,10 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             if _placeable(o, q, p, ns) and (r > 1 or o + q == p):
                 b_range = [U] if r == 1 else range(a + 1, U - r + 2)
                 for b in b_range:
-                    c = cost(a, b, q)
+                    c = effective(a, b, q, k)
                     if c is None or c.memory(k) > budget:
+                        if fit_fn is not None and cost(a, b, q) is not None:
+                            break  # nothing fits [a, b) with k in flight: a longer stage needs more still
                         continue
                     if c.time > bound * (1 + 1e-12):
                         break  # stage times grow with b (monotone_stages): longer stages are slower still
@@ -403,7 +430,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         unbounded = solve_bound(math.inf, n_stages, q_fixed)
         if unbounded is not None:
             floors[n_stages] = unbounded[0]
-    order = sorted({c.time for c in costs.values() if c is not None} | seen_links)
+    order = sorted({c.time for c in list(costs.values()) + list(fitted.values()) if c is not None} | seen_links)
     best: PipelinePlan | None = None
     best_t = incumbent
     for n_stages, floor in floors.items():
@@ -417,20 +444,29 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 continue
             total = got[0] + (m - 1) * bound
             if total < best_t:
-                plan = _assemble(got[1], cost, m, space, link_fn, exchange)
+                plan = _assemble(got[1], cost, m, space, link_fn, exchange, fitted=fitted)
                 if plan.step_time < best_t:
                     best, best_t = plan, plan.step_time
     return best
 
 
 def _assemble(segments: Sequence[tuple[int, int, int, int]], cost, m: int, space: PipelineSpace, link_fn: LinkFn,
-              exchange: ExchangeFn | None, schedule: str = "1f1b") -> PipelinePlan:
-    """The plan of placed stages ``(first unit, end unit, offset, devices)`` whose costs are known."""
+              exchange: ExchangeFn | None, schedule: str = "1f1b", fitted: dict | None = None) -> PipelinePlan:
+    """The plan of placed stages ``(first unit, end unit, offset, devices)`` whose costs are known (``fitted``:
+    memory-constrained costs by (a, b, q, in flight), used where the plain one does not fit)."""
     p = space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     n = len(segments)
     k = in_flight(n, m, schedule)
-    stages = tuple(Stage(a, b, o, q, cost(a, b, q), k[i]) for i, (a, b, o, q) in enumerate(segments))
+    budget = math.inf if space.budget is None else space.budget
+
+    def pick(i: int, a: int, b: int, q: int) -> StageCost:
+        c = cost(a, b, q)
+        if fitted is not None and (c is None or c.memory(k[i]) > budget) and fitted.get((a, b, q, k[i])):
+            return fitted[(a, b, q, k[i])]
+        return c
+
+    stages = tuple(Stage(a, b, o, q, pick(i, a, b, q), k[i]) for i, (a, b, o, q) in enumerate(segments))
     cuts = [_cut_times(stages[i].cost, stages[i + 1].cost, stages[i + 1].offset, ns, stages[i].end,
                        stages[i].devices, stages[i + 1].devices, m, link_fn, exchange) for i in range(n - 1)]
     links, back = tuple(c[0] for c in cuts), tuple(c[1] for c in cuts)
@@ -504,7 +540,8 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
 
 
 def evaluate_pipeline(segments: Sequence[tuple[int, int, int]], m: int, space: PipelineSpace, stage_fn: StageFn,
-                      link_fn: LinkFn, exchange: ExchangeFn | None = None, schedule: str = "1f1b") -> PipelinePlan | None:
+                      link_fn: LinkFn, exchange: ExchangeFn | None = None, schedule: str = "1f1b",
+                      fit_fn: FitFn | None = None) -> PipelinePlan | None:
     """The plan of given stages ``(first unit, end unit, devices)`` placed in order under ``schedule`` (1f1b,
     gpipe or zb-h1); None if it does not fit or a stage cannot be costed. Raises on a malformed pipeline."""
     p = space.num_devices
@@ -521,17 +558,22 @@ def evaluate_pipeline(segments: Sequence[tuple[int, int, int]], m: int, space: P
         raise ShardplanError(f"evaluate_pipeline: schedule {schedule!r} is not one of 1f1b, gpipe, zb-h1")
     k = in_flight(len(segments), m, schedule)
     costs = {}
+    fitted: dict = {}
     for i, ((a, b, q), o) in enumerate(zip(segments, offs)):
         c = stage_fn(a, b, q, m)
-        if c is None or (space.budget is not None and c.memory(k[i]) > space.budget):
+        if c is not None and space.budget is not None and c.memory(k[i]) > space.budget and fit_fn is not None:
+            fitted[(a, b, q, k[i])] = fit_fn(a, b, q, m, int(k[i]), space.budget)
+            if fitted[(a, b, q, k[i])] is None:
+                return None
+        elif c is None or (space.budget is not None and c.memory(k[i]) > space.budget):
             return None
         costs[(a, b, q)] = c
     placed = [(a, b, o, q) for (a, b, q), o in zip(segments, offs)]
-    return _assemble(placed, lambda a, b, q: costs[(a, b, q)], m, space, link_fn, exchange, schedule)
+    return _assemble(placed, lambda a, b, q: costs[(a, b, q)], m, space, link_fn, exchange, schedule, fitted)
 
 
 def brute_force_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
-                         exchange: ExchangeFn | None = None) -> PipelinePlan:
+                         exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None) -> PipelinePlan:
     """Every cut, every sub-mesh sequence, every m (1F1B): the reference for small instances."""
     import itertools
 
@@ -548,7 +590,7 @@ def brute_force_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkF
                 segs = [(bounds[i], bounds[i + 1], qs[i]) for i in range(n)]
                 for m in space.micro_batches:
                     try:
-                        plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn, exchange)
+                        plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn, exchange, fit_fn=fit_fn)
                     except ShardplanError:
                         continue
                     if plan is not None and (best is None or plan.step_time < best.step_time):

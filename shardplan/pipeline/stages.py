@@ -165,6 +165,7 @@ class ModelStages:
     periodic: bool = False
     strategy: Callable[[Any], Any] | None = None
     solves: int = 0
+    fit_time_limit: float = 60.0
     _graphs: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
     _tables: dict = field(default_factory=dict, repr=False)
@@ -315,6 +316,51 @@ class ModelStages:
                 cost = self._solve(a, b, q, m)
             except OperatorMemoryError:
                 cost = None  # some operator cannot fit on this sub-mesh at all
+        self._cache[key] = cost
+        return cost
+
+    def fit_cost(self, a: int, b: int, q: int, m: int, k: int, budget: float) -> StageCost | None:
+        """The memory-constrained intra-stage optimum of units [a, b) on q devices with ``k`` micro-batches in
+        flight under ``budget`` bytes per device: issue 10's choices (:func:`shardplan.fit.solve_fit`: ZeRO
+        stages 1-3 / FSDP per operator, recomputation) on the stage's sub-graph at micro-batch batch/m. None
+        if nothing fits. Its seconds are the fit plan's per micro-batch; the weight-gradient synchronisation is
+        charged in full on every micro-batch (not amortised over m as in :meth:`stage_cost`: the fit model
+        prices the ZeRO stages' collectives per step), so it is an upper bound of the stage's time under
+        these choices. Only the time-optimal plan's weight-gradient part is split off for ZB-H1."""
+        from shardplan.cost import build_tables
+        from shardplan.fit import FitOptions, solve_fit
+
+        if self.batch % m:
+            return None
+        _, _, sigs = self.graph(m)
+        key = (sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None, q, m, "fit", k,
+               budget)
+        if key in self._cache:
+            return self._cache[key]
+        graph = self.subgraph(a, b, m)
+        machine = replace(self.machine, num_devices=q, memory_bytes=budget)
+        opts = dict(self.solve_options)
+        table_opts = {x: opts.pop(x) for x in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas")
+                      if x in opts}
+        # the fit search prunes itself: tables without the per-layout memory filter (see solve_fit)
+        cache = self._tables.setdefault((q, "fit"), {})
+        tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
+                         machine=machine)
+        self.solves += 1
+        try:
+            plan = solve_fit(graph, machine, budget=budget, tables=tables,
+                             options=FitOptions(micro_batches=(1,), in_flight=int(k), time_limit=self.fit_time_limit))
+        except ShardplanError:
+            cost = None
+        else:
+            fwd, bwd, _ = _forward_backward(plan)
+            base = sum(c.total[j] for c, j in zip(plan.tables.op_costs, plan.assignment)) + \
+                plan.tables.breakdown(plan.assignment)["redistribution"]
+            bwd += max(plan.cost - base, 0.0)  # ZeRO collectives and recomputed forwards: in the backward
+            mem = plan.memory
+            recv, grad = self.boundary_bytes(plan, m, a, b - 1)
+            cost = StageCost(fwd, bwd, mem["weights_bytes"] + mem["reserve_bytes"], mem["activations_bytes"] / k,
+                             plan, recv, grad, 0.0)
         self._cache[key] = cost
         return cost
 
