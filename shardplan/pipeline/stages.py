@@ -34,11 +34,24 @@ stage's reduction once (a second max term).
 producers named by relative position, not name); a segment of units is
 described by its units' signatures, so identical blocks on identical
 sub-meshes at the same m share one solve. With ``periodic=True``, a
-segment holding a run of more than 3 identical units is costed as the
-linear extension of the same segment with the run cut to 2 and 3 units
-(exact when the intra-stage optimum repeats one layout per block, as it does
-for the zoo's GPT; ``tests/test_pipeline_stages.py`` checks it against
-direct solves).
+segment holding a run of more than 4 identical units is costed as the
+linear extension of the same segment with the run cut to 3 and 4 units,
+*checked*: the run cut to 2, 3 and 4 units must cost in arithmetic
+progression (times and bytes), else the segment is solved directly
+(counted in ``periodic_fallbacks``). Why this is the right check: the
+intra-stage optimum of a chain of k identical blocks is a min-plus product
+``u M^k v`` (M: one block's least cost between the layouts of the tensors
+it receives and passes on), and min-plus matrix powers are ultimately
+periodic, ``M^(k+c) = c lambda + M^k`` for k past a transient (the
+cyclicity theorem of max-plus algebra: Baccelli, Cohen, Olsder and Quadrat,
+*Synchronization and Linearity*, 1992, ch. 3; Butkovic, *Max-linear
+Systems*, 2010, ch. 8). The extension is exact when the transient is at
+most 3 blocks and the cyclicity 1; a cyclicity of 2 or a transient of 2 or
+3 breaks the progression at 2, 3, 4 and is caught. It is not a proof for
+longer transients (a segment whose optimum changes layout only after 4
+blocks); ``tests/test_pipeline_stages.py`` checks the extension against
+direct solves on the zoo's GPT, where the optimum repeats one layout per
+block from the first block on.
 
 **Transfers.** Exact (:meth:`ModelStages.boundary_bytes`, used by
 :func:`~shardplan.pipeline.api.pipeline_solve`): the activation crossing a
@@ -166,6 +179,7 @@ class ModelStages:
     strategy: Callable[[Any], Any] | None = None
     solves: int = 0
     fit_time_limit: float = 60.0
+    periodic_fallbacks: int = 0
     _graphs: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
     _tables: dict = field(default_factory=dict, repr=False)
@@ -220,12 +234,14 @@ class ModelStages:
             self._cuts[key] = (unit, users)
         return self._cuts[key]
 
-    def boundary_bytes(self, plan, m: int, first: int, last: int) -> tuple[float, float]:
+    def boundary_bytes(self, plan, m: int, first: int, last: int, rename: dict[str, str] | None = None
+                       ) -> tuple[float, float]:
         """(recv, grad) bytes per device of a stage whose units run from ``first`` to ``last``: per edge from an
         earlier unit, the largest input tile one of its devices needs under ``plan``; per edge to a later unit
         (whose input needs a gradient), the largest output tile one of its devices holds. Summed over edges,
         as the edge cost charges each edge (:mod:`shardplan.cost.edge`, with nothing held on the other
-        sub-mesh)."""
+        sub-mesh). ``rename``: plan operators standing for others of the model (an identical unit elsewhere),
+        whose consumers are the ones that count."""
         from shardplan.cost.tiles import tile_volumes
 
         g = self.graph(m)[0]
@@ -237,7 +253,8 @@ class ModelStages:
             for t in op.inputs:
                 if t.src is not None and unit.get(t.src, first) < first:
                     recv += float(tile_volumes(op, t, lay).max()) * t.elem_factor
-            later = [(d, slot) for d, slot in users.get(op.name, ()) if unit[g.operators[d].name] > last]
+            real = op.name if rename is None else rename.get(op.name, op.name)
+            later = [(d, slot) for d, slot in users.get(real, ()) if unit[g.operators[d].name] > last]
             for d, slot in later:
                 t_in = g.operators[d].inputs[slot]
                 if t_in.needs_grad:
@@ -303,15 +320,27 @@ class ModelStages:
         if hit is not None:
             return hit
         run = _longest_run(sigs, a, b)
-        if self.periodic and run is not None and run[1] - run[0] > 3:
+        cost = None
+        if self.periodic and run is not None and run[1] - run[0] > 4:
             s, e = run
-            c2, c3 = self.stage_cost_of_run(a, b, s, e, 2, q, m), self.stage_cost_of_run(a, b, s, e, 3, q, m)
-            k = e - s
-            cost = StageCost(*(x2 + (k - 2) * (x3 - x2) for x2, x3 in (
-                (c2.forward, c3.forward), (c2.backward, c3.backward), (c2.weight_bytes, c3.weight_bytes),
-                (c2.activation_bytes, c3.activation_bytes))), detail=c3.detail, recv_bytes=c3.recv_bytes,
-                grad_bytes=c3.grad_bytes, weight_grad=c2.weight_grad + (k - 2) * (c3.weight_grad - c2.weight_grad))
-        else:
+            c2, c3, c4 = (self.stage_cost_of_run(a, b, s, e, keep, q, m) for keep in (2, 3, 4))
+            if _linear(c2, c3, c4):
+                k = e - s
+                grad = c4.grad_bytes
+                if e == b and b < len(sigs) and c4.detail is not None:
+                    # the cut segment ends on a copy of the run's last unit: its consumers are the real last's
+                    _, units, _ = self.graph(m)
+                    g = self.graph(m)[0]
+                    shift = {g.operators[i].name: g.operators[j].name
+                             for i, j in zip(units[s + 3], units[b - 1])}
+                    grad = self.boundary_bytes(c4.detail, m, a, b - 1, shift)[1]
+                cost = StageCost(*(x3 + (k - 3) * (x4 - x3) for x3, x4 in (
+                    (c3.forward, c4.forward), (c3.backward, c4.backward), (c3.weight_bytes, c4.weight_bytes),
+                    (c3.activation_bytes, c4.activation_bytes))), detail=c4.detail, recv_bytes=c4.recv_bytes,
+                    grad_bytes=grad, weight_grad=c3.weight_grad + (k - 3) * (c4.weight_grad - c3.weight_grad))
+            else:
+                self.periodic_fallbacks += 1
+        if cost is None:
             try:
                 cost = self._solve(a, b, q, m)
             except OperatorMemoryError:
@@ -435,6 +464,16 @@ class ModelStages:
             return 0.0
         bw, lat = self.machine.link(inter)
         return lat + nbytes / (min(q, q2) * bw)
+
+
+def _linear(c2: StageCost, c3: StageCost, c4: StageCost, rtol: float = 1e-9) -> bool:
+    """Whether 2, 3 and 4 copies of the run cost in arithmetic progression (time, weight and activation bytes)."""
+    for x2, x3, x4 in ((c2.forward, c3.forward, c4.forward), (c2.backward, c3.backward, c4.backward),
+                       (c2.weight_bytes, c3.weight_bytes, c4.weight_bytes),
+                       (c2.activation_bytes, c3.activation_bytes, c4.activation_bytes)):
+        if abs((x4 - x3) - (x3 - x2)) > rtol * max(abs(x4), 1e-300):
+            return False
+    return True
 
 
 def _longest_run(sigs: tuple[int, ...], a: int, b: int) -> tuple[int, int] | None:
