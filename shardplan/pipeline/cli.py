@@ -39,7 +39,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
                             max_stages=args.max_stages, uniform=args.uniform,
                             interleave=_ints(args.interleave, "--interleave"), budget=budget,
                             sizes=_ints(args.sizes, "--sizes") or None,
-                            schedules=("1f1b", "interleaved") + (("zb-h1",) if args.zero_bubble else ()), **opts)
+                            schedules=("1f1b", "interleaved") + (("zb-h1",) if args.zero_bubble else ()),
+                            memory_choices=args.memory_choices, **opts)
     print(render_pipeline(result))
     if args.json:
         _write_json(args.json, result.to_dict())
@@ -69,6 +70,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--interleave", help="chunk counts v to try with interleaved 1F1B, e.g. 2,4")
     p.add_argument("--zero-bubble", action="store_true",
                    help="also try ZB-H1 (backward split into input- and weight-gradient passes)")
+    p.add_argument("--memory-choices", action="store_true",
+                   help="let a stage that does not fit shard its state (ZeRO/FSDP) or recompute")
     p.add_argument("--sizes", help="sub-mesh sizes allowed (default: powers of two in a node, whole nodes)")
     p.add_argument("--memory", type=float, help="memory budget per device, GiB (default: the machine's)")
     p.add_argument("--json", help="write the pipeline plan as JSON here")

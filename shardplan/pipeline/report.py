@@ -59,6 +59,12 @@ def render_pipeline(result: "PipelineResult") -> str:
     widths = [max(len(r[j]) for r in rows) for j in range(len(head))]
     for r in rows:
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    for i, s in enumerate(plan.stages):
+        mc = getattr(s.cost.detail, "memory_choices", None)
+        if mc is not None:
+            summ = mc.summary([op.name for op in s.cost.detail.graph.operators])
+            zero = ", ".join(f"{k}: {len(v)} ops" for k, v in sorted(summ["state_sharding"].items())) or "none"
+            lines.append(f"  stage {i} memory choices: state sharding {zero}; recompute {len(summ['recompute'])} ops")
     if plan.links:
         lines.append("  transfer per micro-batch, activation: " + ", ".join(fmt_seconds(c) for c in plan.links))
         if plan.back_links is not None and plan.back_links != plan.links:
