@@ -69,3 +69,11 @@ def test_cli_pipeline_bad_input(capsys):
     assert "--micro-batches" in capsys.readouterr().err
     assert main(["pipeline", "--model", "gpt", "--batch", "4", *TINY, "-p", "2", "--micro-batches", "3"]) == 2
     assert "divides the batch" in capsys.readouterr().err
+
+
+def test_cli_pipeline_zero_bubble(capsys):
+    # two stages of one device each (the only sub-mesh size allowed): ZB-H1 beats 1F1B there
+    rc = main(["pipeline", "--model", "gpt", "--batch", "4", *TINY, "-p", "2", "--machine", "a100",
+               "--micro-batches", "4", "--sizes", "1", "--zero-bubble"])
+    assert rc == 0
+    assert "2 stage(s), schedule zb-h1" in capsys.readouterr().out
