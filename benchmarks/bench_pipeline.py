@@ -8,7 +8,9 @@ layouts exactly: heads / FFN hidden / vocabulary split 8 ways inside the node, b
 norms and adds replicated over the 8 (the tables' ``node_replicas`` layouts), ``m`` = batch /
 data-parallel width, i.e. micro-batches of 1 sequence per replica, 1F1B) costed by the same model,
 and the search's optimum over the space given (uniform sub-meshes of the listed sizes, the listed
-micro-batch counts, 1F1B, interleaved v=2 and ZB-H1), both with exact stage-to-stage transfers, with
+micro-batch counts, 1F1B, interleaved v=2 and ZB-H1; a stage whose time-optimal plan does not fit its
+in-flight micro-batches takes Megatron's layouts when they fit: ``fallback``), both with exact
+stage-to-stage transfers, with
 step time, model TFLOP/s per GPU (forward + backward FLOPs, no recomputation), memory per stage,
 solve time (wall and CPU: the machine is shared) and peak RSS.
 
@@ -104,12 +106,14 @@ def run_case(name: str, solve_opts: dict, recipe_only: bool = False) -> dict:
     t0, c0 = time.perf_counter(), _cpu()
     sizes = tuple(sorted({p // s for s in search_s if p % s == 0}))
     res = pipeline_solve(build, batch, machine, micro_batches=search_m, uniform=True, interleave=(2,),
-                         sizes=sizes, schedules=("1f1b", "interleaved", "zb-h1"), **solve_opts)
+                         sizes=sizes, schedules=("1f1b", "interleaved", "zb-h1"),
+                         fallback=lambda t: megatron(t, max(1, t.machine.num_devices // 8)), **solve_opts)
     plan = res.plan
     names = res.unit_names()
     row["search"] = {"stages": plan.num_stages // plan.chunks, "schedule": plan.schedule, "chunks": plan.chunks,
                      "micro_batches": plan.micro_batches, "stage_map": _stages_line(plan, names),
                      "layouts": sorted({_layouts(s.cost.detail) for s in plan.stages}),
+                     "stages_on_fallback": sum(getattr(s.cost.detail, "name", "") == "recipe" for s in plan.stages),
                      "step_seconds": plan.step_time, "simulated_step_seconds": res.simulated_step_time(),
                      "tflops_per_gpu": flops / plan.step_time / p / 1e12,
                      "memory_per_stage_gib": [s.memory / 2**30 for s in plan.stages],

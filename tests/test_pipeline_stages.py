@@ -174,3 +174,28 @@ def test_memory_choices_per_stage_search_equals_brute_force():
     except ShardplanError:
         plain = None
     assert plain is None or plain.step_time > got.step_time
+
+
+def test_fallback_rule_where_the_optimum_does_not_fit():
+    """Budget 500 kB: no time-optimal stage holding L1 fits, Megatron's layouts do. The DP over "time-optimal
+    stage, else the rule's" equals brute force over the same, and uses the rule where it must."""
+    def rule_fn(t):
+        return megatron(t, max(1, t.machine.num_devices // 2))
+
+    budget = 500_000.0
+    got = pipeline_solve(_gpt(1), 8, MACHINE, micro_batches=(2,), budget=budget, cutoff=1, fallback=rule_fn,
+                         schedules=("1f1b",))
+    st = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1})
+    rule = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1, "node_replicas": True}, strategy=rule_fn)
+
+    def fit_fn(a, b, q, m, k, limit):
+        c = rule.stage_cost(a, b, q, m)
+        return c if c is not None and c.memory(k) <= limit else None
+
+    space = PipelineSpace(st.num_units, 4, 2, micro_batches=(2,), budget=budget)
+    want = brute_force_pipeline(space, st.stage_cost, st.link_time, st.exchange_time, fit_fn=fit_fn)
+    assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+    assert all(s.memory <= budget for s in got.plan.stages)
+    assert any(s.cost.detail.name == "recipe" for s in got.plan.stages)
+    with pytest.raises(ShardplanError, match="not both"):
+        pipeline_solve(_gpt(1), 8, MACHINE, micro_batches=(2,), cutoff=1, fallback=rule_fn, memory_choices=True)

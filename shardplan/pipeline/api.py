@@ -59,12 +59,17 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                    micro_batches: Sequence[int] = (1, 2, 4, 8), max_stages: int | None = None, uniform: bool = False,
                    interleave: Sequence[int] = (), schedules: Sequence[str] = ("1f1b", "interleaved"),
                    budget: float | None = None, periodic: bool = True, sizes: Sequence[int] | None = None,
-                   memory_choices: bool = False, **solve_options: Any) -> PipelineResult:
+                   memory_choices: bool = False, fallback: Callable[[Any], Any] | None = None,
+                   **solve_options: Any) -> PipelineResult:
     """The optimal pipeline (stages, sub-meshes, m, schedule) of the model ``build(batch)`` on ``machine``.
 
     ``budget`` defaults to the machine's memory per device; micro-batch counts that do not divide
     ``batch`` are skipped. ``memory_choices``: a stage whose time-optimal plan does not fit with its
-    in-flight micro-batches may shard state (ZeRO/FSDP) and recompute (:meth:`ModelStages.fit_cost`). Other keyword arguments go to each intra-stage :func:`shardplan.solve`.
+    in-flight micro-batches may shard state (ZeRO/FSDP) and recompute (:meth:`ModelStages.fit_cost`).
+    ``fallback``: instead, such a stage takes the fixed rule ``fallback(tables) -> configs`` (e.g. Megatron's
+    layouts, :func:`shardplan.baselines.megatron`, on tables with ``node_replicas``) when that fits: a
+    heuristic, fast stand-in for the memory-constrained optimum, so the search covers the rule's pipelines
+    but is exact only over "time-optimal stage, else the rule's". Other keyword arguments go to each intra-stage :func:`shardplan.solve`.
     """
     t0 = time.perf_counter()
     ms = [int(m) for m in micro_batches if batch % int(m) == 0]
@@ -74,7 +79,18 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     space = PipelineSpace(stages.num_units, machine.num_devices, machine.node_size, tuple(ms),
                           machine.memory_bytes if budget is None else budget, max_stages, uniform, tuple(interleave),
                           None if sizes is None else tuple(int(q) for q in sizes))
+    fit_fn = stages.fit_cost if memory_choices else None
+    if fallback is not None:
+        if memory_choices:
+            raise ShardplanError("pipeline_solve: give memory_choices or a fallback rule, not both")
+        rule = ModelStages(build, batch, machine, {**solve_options, "node_replicas": True}, periodic=periodic,
+                           strategy=fallback)
+
+        def fit_fn(a: int, b: int, q: int, m: int, k: int, limit: float):
+            c = rule.stage_cost(a, b, q, m)
+            return c if c is not None and c.memory(k) <= limit else None
+
     plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules, exchange=stages.exchange_time,
-                           fit_fn=stages.fit_cost if memory_choices else None)
+                           fit_fn=fit_fn)
     plan.stats["intra_stage_solves"] = stages.solves
     return PipelineResult(plan, stages, machine, time.perf_counter() - t0)
