@@ -19,10 +19,13 @@ sub-mesh's size. The plan's cost is split into forward (a GEMM's forward
 is 1/(1 + tensors with gradients) of its compute, forward partial-sum
 all-reduces, half of halo/statistics/redistribution) and backward (the
 rest). Memory: the plan's weight/state bytes and saved activation bytes at
-its peak device. A stage is feasible when its *time-optimal* intra-stage plan
-fits with its in-flight micro-batches; a slower intra-stage plan that would
-fit (state sharding, recomputation) is not yet offered: the stage search is
-exact over the intra-stage optima, not over memory-constrained ones. The sub-plan's gradient synchronisation is charged per
+its peak device. A stage whose *time-optimal* intra-stage plan does not fit
+with its in-flight micro-batches is, by default, infeasible; with
+``memory_choices`` (:meth:`ModelStages.fit_cost`) it takes its
+memory-constrained optimum for that in-flight count (ZeRO/FSDP,
+recomputation: :func:`shardplan.fit.solve_fit`; exact but slow, a
+branch-and-bound per stage), with a ``fallback`` rule it takes the rule's
+layouts when they fit (fast, not exact). The sub-plan's gradient synchronisation is charged per
 micro-batch at 1/m of the weight-gradient all-reduce (gradients are
 accumulated over the m micro-batches and reduced once per step; the intra-stage
 DP optimises that amortised cost, so m = 1 is exactly today's problem).
