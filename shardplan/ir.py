@@ -422,12 +422,10 @@ class Graph:
                 edges.append(EdgeRef(index[t.src], j, slot))
         object.__setattr__(self, "edges", tuple(edges))
         object.__setattr__(self, "index", index)
-        import networkx as nx  # a quarter of a second: not at ``import shardplan``
-
-        g = self.to_networkx()
-        if not nx.is_directed_acyclic_graph(g):
-            cycle = nx.find_cycle(g)
-            path = " -> ".join(str(e[0]) for e in cycle) + f" -> {cycle[0][0]}"
+        order = _kahn(len(ops), self.edges)
+        if len(order) < len(ops):
+            cycle = _find_cycle(len(ops), self.edges, set(order))
+            path = " -> ".join(ops[i].name for i in cycle) + f" -> {ops[cycle[0]].name}"
             raise ShardplanError(f"graph {self.name!r} has a cycle: {path}")
 
     def to_networkx(self) -> nx.MultiDiGraph:
@@ -454,12 +452,54 @@ class Graph:
         return iter(self.operators)
 
     def topological_order(self) -> list[int]:
-        import networkx as nx
+        """Operator indices in topological order, the smallest ready index first (lexicographic)."""
+        return _kahn(len(self.operators), self.edges)
 
-        g = nx.DiGraph()
-        g.add_nodes_from(range(len(self.operators)))
-        g.add_edges_from((e.src, e.dst) for e in self.edges)
-        return list(nx.lexicographical_topological_sort(g))
+
+def _kahn(n: int, edges: Sequence[EdgeRef]) -> list[int]:
+    """Kahn's algorithm over vertices 0..n-1, always taking the smallest ready vertex.
+
+    Returns the vertices it could order: all n exactly when the graph is acyclic.
+    """
+    import heapq
+
+    indeg = [0] * n
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for e in edges:
+        indeg[e.dst] += 1
+        succ[e.src].append(e.dst)
+    ready = [i for i in range(n) if indeg[i] == 0]
+    heapq.heapify(ready)
+    out: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        out.append(i)
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                heapq.heappush(ready, j)
+    return out
+
+
+def _find_cycle(n: int, edges: Sequence[EdgeRef], ordered: set[int]) -> list[int]:
+    """A directed cycle among the vertices Kahn's algorithm could not order, in edge direction.
+
+    Every such vertex has a predecessor that is also unordered, so walking
+    predecessors from any of them must revisit a vertex: the walk from that
+    vertex back to itself, reversed, is a cycle.
+    """
+    pred: dict[int, int] = {}
+    for e in edges:
+        if e.dst not in ordered and e.src not in ordered:
+            pred.setdefault(e.dst, e.src)
+    v = min(pred)
+    seen: dict[int, int] = {}
+    walk: list[int] = []
+    while v not in seen:
+        seen[v] = len(walk)
+        walk.append(v)
+        v = pred[v]
+    return walk[seen[v]:][::-1]
 
 
 def unique_name(base: str, taken: Callable[[str], bool]) -> str:

@@ -26,6 +26,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from shardplan.ir import Graph, Operator
+from shardplan.layout import unique_rows
 
 __all__ = ["BuildEstimate", "estimate_build", "operator_phase_bytes", "edge_phase_bytes"]
 
@@ -108,7 +109,7 @@ def _patterns(op: Operator, tensor, arr) -> int:
     best = 1
     for ax in range(splits.shape[0]):
         rows = np.concatenate([splits[ax][:, None], pats[ax]], axis=1)
-        best = max(best, len(np.unique(rows, axis=0)))
+        best = max(best, len(unique_rows(rows)[0]))
     return best
 
 

@@ -35,7 +35,7 @@ from shardplan.cost.collectives import outer_level, p2p_time
 from shardplan.cost.tiles import as_layouts, box_volumes, tensor_boxes
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
-from shardplan.layout import LayoutArrays, pattern_blocks
+from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
 __all__ = ["edge_volumes", "edge_cost", "sender_level"]
@@ -147,8 +147,8 @@ def _pattern_masks(cu: np.ndarray, pu_rows: np.ndarray, cv: np.ndarray, pv_rows:
     of the coarser layout contains block j of the finer one iff ``i == j // ratio``.
     Returns (pattern index of u rows, of v rows, masks (Pu, Pv, words) uint64, nested (Pu, Pv)).
     """
-    pu, iu = np.unique(np.concatenate([cu[:, None], pu_rows], axis=1), axis=0, return_inverse=True)
-    pv, iv = np.unique(np.concatenate([cv[:, None], pv_rows], axis=1), axis=0, return_inverse=True)
+    pu, _, iu = unique_rows(np.concatenate([cu[:, None], pu_rows], axis=1))
+    pv, _, iv = unique_rows(np.concatenate([cv[:, None], pv_rows], axis=1))
     small = np.int16 if int(max(pu[:, 0].max(), pv[:, 0].max())) < 2**15 else np.int64
     bu = pattern_blocks(pu[:, 1:], levels).astype(small)  # (Pu, p)
     bv = pattern_blocks(pv[:, 1:], levels).astype(small)
@@ -194,8 +194,8 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
     prod_v = lv.level_splits.prod(axis=2)
     key_u = np.concatenate([np.asarray(ax_u, dtype=np.int64).reshape(n_ax, len(lu)), prod_u], axis=0).T
     key_v = np.concatenate([np.asarray(ax_v, dtype=np.int64).reshape(n_ax, len(lv)), prod_v], axis=0).T
-    gu, first_u, inv_u = np.unique(key_u, axis=0, return_index=True, return_inverse=True)
-    gv, first_v, inv_v = np.unique(key_v, axis=0, return_index=True, return_inverse=True)
+    gu, first_u, inv_u = unique_rows(key_u)
+    gv, first_v, inv_v = unique_rows(key_v)
     inv_u, inv_v = inv_u.ravel(), inv_v.ravel()
     act_u = _pack(lu.take(first_u).active(), words)  # (Gu, W)
     act_v = _pack(lv.take(first_v).active(), words)
@@ -213,8 +213,8 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
     exact &= regu[:, None]
     exact &= regv[None, :]
     # the overlap of nested equal blocks depends on the block lengths only: per distinct length pair
-    lu_u, inv_lu = np.unique(lenu.T, axis=0, return_inverse=True)
-    lv_u, inv_lv = np.unique(lenv.T, axis=0, return_inverse=True)
+    lu_u, _, inv_lu = unique_rows(lenu.T)
+    lv_u, _, inv_lv = unique_rows(lenv.T)
     ov_small = np.minimum(lu_u[:, None, :], lv_u[None, :, :]).prod(axis=-1)
     overlap = ov_small.take(inv_lu.ravel(), axis=0).take(inv_lv.ravel(), axis=1)
     have = np.prod(lenu, axis=0)
