@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from shardplan.configs import ORDER_MODES, configurations, dimension_orders, layouts
-from shardplan.cost.edge import edge_cost, edge_volumes
+from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
@@ -119,23 +119,23 @@ class CostTables:
         ckey = (id(lays), want, None if order is None else tuple(int(j) for j in order))
         if ckey in self._index_cache:
             return self._index_cache[ckey]
-        k = self._find(op, lays, want, order)
+        k = self._find(op, lays, self._splits[op_index], want, order)
         self._index_cache[ckey] = k
         return k
 
-    def _find(self, op, lays: tuple[Layout, ...], want: tuple[int, ...], order: Sequence[int] | None) -> int:
+    def _find(self, op, lays: tuple[Layout, ...], splits: np.ndarray, want: tuple[int, ...],
+              order: Sequence[int] | None) -> int:
         try:
             target = Layout.from_flat(op.dim_names, want, self.machine.levels, order)
         except ShardplanError:
             target = None
-        first = None
-        for k, lay in enumerate(lays):
-            if lay == target:
+        rows = np.nonzero((splits == np.asarray(want, dtype=np.int64)[None, :]).all(axis=1))[0] \
+            if len(want) == splits.shape[1] else np.zeros(0, dtype=np.int64)
+        for k in rows.tolist():  # the target, if a candidate, has this total split
+            if lays[k] == target:
                 return k
-            if first is None and lay.split == want:
-                first = k
-        if first is not None and order is None:
-            return first
+        if len(rows) and order is None:
+            return int(rows[0])
         what = f"{want}" + (f" with order {tuple(order)}" if order is not None else "")
         raise ShardplanError(f"operator {op.name!r}: {what} is not a valid configuration ({op.label})")
 
@@ -273,11 +273,12 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             progress(n_done + 1, steps)
     edge_costs = []
     edge_cache: dict[tuple, np.ndarray] = {}
+    memo = EdgeMemo()  # fast-path summaries shared by the edges of this build
     for n_done, e in enumerate(graph.edges):
         ekey = (keys[e.src], keys[e.dst], e.slot)
         if ekey not in edge_cache:
             ku, kv = per_key[keys[e.src]], per_key[keys[e.dst]]
-            edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine)
+            edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine, memo=memo)
         edge_costs.append(edge_cache[ekey])
         if progress is not None:
             progress(len(first) + n_done + 1, steps)
@@ -306,7 +307,8 @@ def _check_finite(graph: Graph, machine: Machine, op_costs: Sequence[OpCost], ed
 def check_build_memory(graph: Graph, keys: Sequence[tuple], arrays: dict, p: int, limit: int | None,
                        orders: str, divides_p: bool) -> int:
     """Refuse (TableMemoryError) a build whose estimated peak exceeds ``limit`` bytes, saying what would help;
-    returns the estimate.
+    returns the estimate (the looser one of :func:`~shardplan.cost.budget.estimate_build` when that is
+    within the limit, so the decision is the tighter bound's).
 
     ``keys``: each operator's :func:`operator_key`; ``arrays``: the candidate
     layouts (:class:`LayoutArrays`) of each distinct key.
@@ -316,7 +318,10 @@ def check_build_memory(graph: Graph, keys: Sequence[tuple], arrays: dict, p: int
     from shardplan.units import fmt_bytes
 
     limit = default_memory_limit() if limit is None else int(limit)
-    est = estimate_build(graph, keys, arrays, p)
+    # the looser bound first (no pass over the layouts); the tighter one only when the looser is over the limit
+    est = estimate_build(graph, keys, arrays, p, count_patterns=False)
+    if est.peak_bytes > limit:
+        est = estimate_build(graph, keys, arrays, p)
     if est.peak_bytes <= limit:
         return est.peak_bytes
     helps = (["--orders row-major"] if orders == "all" else []) + (["not --all-divisors"] if not divides_p else [])

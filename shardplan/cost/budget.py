@@ -11,7 +11,8 @@ edge its (K_u, K_v) float64 matrix. So the peak of the whole build is
     max over phases i of ( kept before i + peak of phase i ) ,
 
 with phases in build order: every distinct operator's memory tables and
-costs, every distinct edge. The per-phase peaks below are upper bounds
+costs, every distinct edge (plus, during the edges, the fast-path summaries
+they share, at most ``EDGE_MEMO_BYTES``). The per-phase peaks below are upper bounds
 read off the code of :mod:`shardplan.cost.tiles`, :mod:`~shardplan.cost.memory`,
 :mod:`~shardplan.cost.operator` and :mod:`~shardplan.cost.edge` (each counts
 the arrays alive at once at the worst point, plus numpy's temporaries), and
@@ -25,6 +26,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from shardplan.cost.edge import EDGE_MEMO_BYTES
 from shardplan.ir import Graph, Operator
 from shardplan.layout import unique_rows
 
@@ -113,7 +115,8 @@ def _patterns(op: Operator, tensor, arr) -> int:
     return best
 
 
-def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, object], p: int) -> BuildEstimate:
+def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, object], p: int,
+                   count_patterns: bool = True) -> BuildEstimate:
     """Upper bound of the peak bytes of :func:`~shardplan.cost.build_tables` for these candidate layouts.
 
     ``keys[i]``: operator i's key (identical operators share one, and the
@@ -121,6 +124,9 @@ def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, o
     (:class:`~shardplan.layout.LayoutArrays`), as the build will cost them
     (before any are dropped for device memory, so the bound holds either way).
     Identical edges (same keys at both ends, same input slot) are costed once.
+    ``count_patterns=False`` takes every layout as its own block pattern
+    (P = K in :func:`edge_phase_bytes`): a looser bound that needs no pass
+    over the layouts.
     """
     ops = graph.operators
     first: dict[tuple, int] = {}
@@ -142,11 +148,15 @@ def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, o
             continue
         seen.add((ku_key, kv_key, e.slot))
         u, v = ops[e.src], ops[e.dst]
-        if ku_key not in out_patterns:
-            out_patterns[ku_key] = _patterns(u, u.output, arrays[ku_key])
-        pv = _patterns(v, v.inputs[e.slot], arrays[kv_key])
         ku, kv = ks[ku_key], ks[kv_key]
-        need = kept + edge_phase_bytes(u, ku, v, kv, p, (out_patterns[ku_key], pv))
+        if not count_patterns:
+            out_patterns[ku_key], pv = ku, kv
+        else:
+            if ku_key not in out_patterns:
+                out_patterns[ku_key] = _patterns(u, u.output, arrays[ku_key])
+            pv = _patterns(v, v.inputs[e.slot], arrays[kv_key])
+        # + the fast-path summaries the edges share (edge.EdgeMemo, at most EDGE_MEMO_BYTES)
+        need = kept + EDGE_MEMO_BYTES + edge_phase_bytes(u, ku, v, kv, p, (out_patterns[ku_key], pv))
         best = max(best, (need, f"edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
         kept += 8 * ku * kv
     return BuildEstimate(int(best[0]), best[1], best[2], best[3], int(kept))

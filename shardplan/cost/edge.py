@@ -29,6 +29,8 @@ give the same numbers where both apply (tested).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from shardplan.cost.collectives import outer_level, p2p_time
@@ -38,9 +40,10 @@ from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
-__all__ = ["edge_volumes", "edge_cost", "sender_level"]
+__all__ = ["edge_volumes", "edge_cost", "sender_level", "EdgeMemo", "EDGE_MEMO_BYTES"]
 
 _CHUNK_ELEMS = 1 << 22
+EDGE_MEMO_BYTES = 16 << 20  # fast-path summaries kept across the edges of one build (at most)
 
 
 def _overlap(lu: np.ndarray, hu: np.ndarray, lv: np.ndarray, hv: np.ndarray) -> np.ndarray:
@@ -139,19 +142,99 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
     return splits, pats, lengths, regular
 
 
-def _pattern_masks(cu: np.ndarray, pu_rows: np.ndarray, cv: np.ndarray, pv_rows: np.ndarray,
-                   levels: tuple[int, ...], words: int):
-    """For one axis: match bit-masks and nesting flags for every distinct block-pattern pair.
+@dataclass(frozen=True, eq=False)
+class _Side:
+    """One end of an edge (a tensor under K layouts), summarised for the fast path.
+
+    Per tensor axis a: the distinct block patterns ``pats[a]`` (P_a, 1 + 2L)
+    (split, then the per-level pattern), each layout's pattern ``pinv[a]``
+    (K,) and every device's block under each pattern ``blocks[a]`` (P_a, p).
+    Layouts with the same pattern on every axis and the same level products
+    (hence the same active devices) form one group: ``groups`` (G, A) their
+    pattern indices, ``first`` (G,) a layout of each, ``inv`` (K,) each
+    layout's group, ``act`` (G, W) the group's active devices as bit words.
+    ``lengths``/``len_inv``: the distinct per-axis block lengths and each
+    layout's; ``vol`` (K,) the block volume; ``regular`` (K,) whether every
+    axis is cut into equal blocks (see :func:`_axis_blocks`).
+    """
+
+    pats: tuple[np.ndarray, ...]
+    pinv: tuple[np.ndarray, ...]
+    blocks: tuple[np.ndarray, ...]
+    groups: np.ndarray
+    first: np.ndarray
+    inv: np.ndarray
+    act: np.ndarray
+    lengths: np.ndarray
+    len_inv: np.ndarray
+    vol: np.ndarray
+    regular: np.ndarray
+
+
+@dataclass
+class EdgeMemo:
+    """Fast-path summaries (:class:`_Side`) kept across the edges of one build, up to ``limit_bytes``.
+
+    A side depends on the layouts, the operator's dims and the tensor's
+    shape and access maps only, so a producer feeding several consumers is
+    summarised once. Entries hold their layouts, so an ``id`` is never reused
+    while its entry lives; past ``limit_bytes`` of device-block arrays new
+    sides are computed but not kept (the build's memory estimate counts the
+    limit, :mod:`shardplan.cost.budget`).
+    """
+
+    limit_bytes: int = EDGE_MEMO_BYTES
+    used_bytes: int = 0
+    entries: dict = field(default_factory=dict)
+
+    def get(self, key: tuple, lay: LayoutArrays) -> "_Side | None":
+        hit = self.entries.get(key)
+        return hit[1] if hit is not None and hit[0] is lay else None
+
+    def put(self, key: tuple, lay: LayoutArrays, side: "_Side") -> None:
+        size = sum(b.nbytes for b in side.blocks) + side.act.nbytes + side.inv.nbytes
+        if self.used_bytes + size <= self.limit_bytes:
+            self.entries[key] = (lay, side)
+            self.used_bytes += size
+
+
+def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | None) -> _Side:
+    """The :class:`_Side` of ``tensor`` (read or written by ``op``) under ``lay``, from ``memo`` when there."""
+    key = (id(lay), op.dims, tensor.shape, tensor.axes)
+    if memo is not None:
+        hit = memo.get(key, lay)
+        if hit is not None:
+            return hit
+    splits, pats, lengths, regular = _axis_blocks(op, tensor, lay)
+    n_ax = len(tensor.axes)
+    p_rows, p_inv, p_blocks = [], [], []
+    for a in range(n_ax):
+        rows, _, inv = unique_rows(np.concatenate([splits[a][:, None], pats[a]], axis=1))
+        p_rows.append(rows)
+        p_inv.append(inv)
+        p_blocks.append(pattern_blocks(rows[:, 1:], lay.levels))
+    prods = lay.level_splits.prod(axis=2)  # (L, K): fixes the active devices
+    key_rows = np.concatenate([np.asarray(p_inv, dtype=np.int64).reshape(n_ax, len(lay)), prods], axis=0).T
+    groups, first, inv = unique_rows(key_rows)
+    act = _pack(lay.take(first).active(), words)
+    uniq_len, _, len_inv = unique_rows(lengths.T)
+    out = _Side(tuple(p_rows), tuple(p_inv), tuple(p_blocks), groups[:, :n_ax], first, inv, act, uniq_len, len_inv,
+                np.prod(lengths, axis=0), regular)
+    if memo is not None:
+        memo.put(key, lay, out)
+    return out
+
+
+def _pattern_masks(su: _Side, sv: _Side, a: int, words: int) -> tuple[np.ndarray, np.ndarray]:
+    """For axis a: match bit-masks (Pu, Pv, words) uint64 and nesting flags (Pu, Pv) of every pattern pair.
 
     Device q holds block ``x(q)`` of the pattern. With nested splits, block i
     of the coarser layout contains block j of the finer one iff ``i == j // ratio``.
-    Returns (pattern index of u rows, of v rows, masks (Pu, Pv, words) uint64, nested (Pu, Pv)).
     """
-    pu, _, iu = unique_rows(np.concatenate([cu[:, None], pu_rows], axis=1))
-    pv, _, iv = unique_rows(np.concatenate([cv[:, None], pv_rows], axis=1))
+    pu, pv = su.pats[a], sv.pats[a]
     small = np.int16 if int(max(pu[:, 0].max(), pv[:, 0].max())) < 2**15 else np.int64
-    bu = pattern_blocks(pu[:, 1:], levels).astype(small)  # (Pu, p)
-    bv = pattern_blocks(pv[:, 1:], levels).astype(small)
+    bu = su.blocks[a].astype(small)  # (Pu, p)
+    bv = sv.blocks[a].astype(small)
     c1, c2 = pu[:, 0][:, None], pv[:, 0][None, :]
     nested = (c1 % c2 == 0) | (c2 % c1 == 0)
     # nested blocks match iff both map to the same block of the coarser split
@@ -159,7 +242,7 @@ def _pattern_masks(cu: np.ndarray, pu_rows: np.ndarray, cv: np.ndarray, pv_rows:
     ku = (c1 // cmin).astype(small)
     kv = (c2 // cmin).astype(small)
     match = (bu[:, None, :] // ku[..., None]) == (bv[None, :, :] // kv[..., None])
-    return iu.ravel(), iv.ravel(), _pack(match, words), nested
+    return _pack(match, words), nested
 
 
 def _pack(bits: np.ndarray, words: int) -> np.ndarray:
@@ -171,7 +254,8 @@ def _pack(bits: np.ndarray, words: int) -> np.ndarray:
     return packed.view(np.uint64).reshape(bits.shape[:-1] + (words,))
 
 
-def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int):
+def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int,
+          memo: EdgeMemo | None = None):
     """Moved volumes via block-match masks; returns (fwd, bwd, exact) with ``exact`` False where not applicable.
 
     Whether every device finds its block depends on a layout only through
@@ -179,60 +263,44 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
     the device masks are combined once per distinct (pattern tuple) of each
     side and broadcast to the layouts that share it.
     """
-    spu, pau, lenu, regu = _axis_blocks(u, u.output, lu)
-    spv, pav, lenv, regv = _axis_blocks(v, t_in, lv)
     words = (p + 63) // 64
-    n_ax = len(t_in.axes)
-    ax_u, ax_v, masks, nests = [], [], [], []
-    for a in range(n_ax):
-        iu, iv, mk, nested = _pattern_masks(spu[a], pau[a], spv[a], pav[a], lu.levels, words)
-        ax_u.append(iu)
-        ax_v.append(iv)
-        masks.append(mk)
-        nests.append(nested)
-    prod_u = lu.level_splits.prod(axis=2)  # (L, K): fixes the active devices
-    prod_v = lv.level_splits.prod(axis=2)
-    key_u = np.concatenate([np.asarray(ax_u, dtype=np.int64).reshape(n_ax, len(lu)), prod_u], axis=0).T
-    key_v = np.concatenate([np.asarray(ax_v, dtype=np.int64).reshape(n_ax, len(lv)), prod_v], axis=0).T
-    gu, first_u, inv_u = unique_rows(key_u)
-    gv, first_v, inv_v = unique_rows(key_v)
-    inv_u, inv_v = inv_u.ravel(), inv_v.ravel()
-    act_u = _pack(lu.take(first_u).active(), words)  # (Gu, W)
-    act_v = _pack(lv.take(first_v).active(), words)
-    m = act_u[:, None, :] & act_v[None, :, :]  # (Gu, Gv, W)
+    su = _side(u, u.output, lu, words, memo)
+    sv = _side(v, t_in, lv, words, memo)
+    gu, gv = su.groups, sv.groups
+    m = su.act[:, None, :] & sv.act[None, :, :]  # (Gu, Gv, W)
     nested_all = np.ones((len(gu), len(gv)), dtype=bool)
-    for a in range(n_ax):
-        m &= masks[a][gu[:, a][:, None], gv[:, a][None, :]]
-        nested_all &= nests[a][gu[:, a][:, None], gv[:, a][None, :]]
-    def expand(x: np.ndarray) -> np.ndarray:  # (Gu, Gv) -> (Ku, Kv)
-        return x.take(inv_u, axis=0).take(inv_v, axis=1)
+    for a in range(len(t_in.axes)):
+        masks, nests = _pattern_masks(su, sv, a, words)
+        m &= masks[gu[:, a][:, None], gv[:, a][None, :]]
+        nested_all &= nests[gu[:, a][:, None], gv[:, a][None, :]]
 
-    fwd_ok = expand((m == act_v[None, :, :]).all(axis=-1))
-    bwd_ok = expand((m == act_u[:, None, :]).all(axis=-1))
+    def expand(x: np.ndarray) -> np.ndarray:  # (Gu, Gv) -> (Ku, Kv)
+        return x.take(su.inv, axis=0).take(sv.inv, axis=1)
+
+    fwd_ok = expand((m == sv.act[None, :, :]).all(axis=-1))
+    bwd_ok = expand((m == su.act[:, None, :]).all(axis=-1))
     exact = expand(nested_all)
-    exact &= regu[:, None]
-    exact &= regv[None, :]
+    exact &= su.regular[:, None]
+    exact &= sv.regular[None, :]
     # the overlap of nested equal blocks depends on the block lengths only: per distinct length pair
-    lu_u, _, inv_lu = unique_rows(lenu.T)
-    lv_u, _, inv_lv = unique_rows(lenv.T)
-    ov_small = np.minimum(lu_u[:, None, :], lv_u[None, :, :]).prod(axis=-1)
-    overlap = ov_small.take(inv_lu.ravel(), axis=0).take(inv_lv.ravel(), axis=1)
-    have = np.prod(lenu, axis=0)
-    need = np.prod(lenv, axis=0)
-    fwd = np.where(fwd_ok, need[None, :] - overlap, need[None, :])
-    bwd = np.where(bwd_ok, have[:, None] - overlap, have[:, None])
+    ov_small = np.minimum(su.lengths[:, None, :], sv.lengths[None, :, :]).prod(axis=-1)
+    overlap = ov_small.take(su.len_inv, axis=0).take(sv.len_inv, axis=1)
+    fwd = np.where(fwd_ok, sv.vol[None, :] - overlap, sv.vol[None, :])
+    bwd = np.where(bwd_ok, su.vol[:, None] - overlap, su.vol[:, None])
     return fwd, bwd, exact
 
 
 def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
                  ou: np.ndarray | None = None, ov: np.ndarray | None = None,
-                 fast: bool = True, levels: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 fast: bool = True, levels: tuple[int, ...] | None = None,
+                 memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Elements moved per device (max over devices): forward and backward, each (K_u, K_v).
 
     ``cu``/``cv``: :class:`~shardplan.layout.LayoutArrays` of the two
     operators (same levels), or configuration rows with optional nesting
     orders ``ou``/``ov`` (laid out on ``levels``, default one level of p).
     ``fast=False`` forces the general path everywhere (for testing).
+    ``memo``: an :class:`EdgeMemo` kept across the edges of one build.
     """
     t_in = v.inputs[slot]
     lu = as_layouts(cu, p, ou, levels)
@@ -241,7 +309,7 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
         raise ShardplanError(f"edge {u.name!r} -> {v.name!r}: layouts on different machine levels "
                              f"{lu.levels} and {lv.levels}")
     if fast:
-        fwd, bwd, exact = _fast(u, lu, v, t_in, lv, p)
+        fwd, bwd, exact = _fast(u, lu, v, t_in, lv, p, memo)
     else:
         fwd = bwd = None
         exact = np.zeros((len(lu), len(lv)), dtype=bool)
@@ -278,7 +346,7 @@ def sender_level(lay: LayoutArrays) -> np.ndarray:
 
 def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
               ou: np.ndarray | None = None, ov: np.ndarray | None = None,
-              volumes: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+              volumes: tuple[np.ndarray, np.ndarray] | None = None, memo: EdgeMemo | None = None) -> np.ndarray:
     """Seconds to redistribute the tensor of edge u -> v (input ``slot``), forward + backward: (K_u, K_v).
 
     Volumes are exact per device (:func:`edge_volumes`); the forward tensor
@@ -290,7 +358,7 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     p = machine.num_devices
     lu = as_layouts(cu, p, ou, machine.levels)
     lv = as_layouts(cv, p, ov, machine.levels)
-    f, b = edge_volumes(u, lu, v, slot, lv, p) if volumes is None else volumes
+    f, b = edge_volumes(u, lu, v, slot, lv, p, memo=memo) if volumes is None else volumes
     nbytes = float(machine.dtype_bytes)
     fwd_lv = np.broadcast_to(sender_level(lu)[:, None], f.shape)
     bwd_lv = np.broadcast_to(sender_level(lv)[None, :], f.shape)
