@@ -34,6 +34,7 @@ axis of extent 1, or a tensor read whole) has ``dim=None``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from shardplan.checks import MAX_EXTENT
@@ -292,7 +293,7 @@ class Operator:
                 self._fail(f"input {t.name!r} must have role 'input'")
 
     # -- derived ----------------------------------------------------------
-    @property
+    @cached_property
     def dim_names(self) -> tuple[str, ...]:
         return tuple(d for d, _ in self.dims)
 
@@ -300,7 +301,7 @@ class Operator:
     def extents(self) -> dict[str, int]:
         return dict(self.dims)
 
-    @property
+    @cached_property
     def label(self) -> str:
         """The dimension letters, e.g. "bchwnrs" (names joined when longer)."""
         names = self.dim_names

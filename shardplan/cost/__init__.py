@@ -236,9 +236,11 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
                              f"so it supports at most {MAX_DEVICES} devices")
     levels = machine.levels
     ops = graph.operators
-    keys = [operator_key(op) for op in ops]
-    first: dict[tuple, int] = {}
-    count: dict[tuple, int] = {}
+    # identical operators share one small integer key (hashing the full descriptions once)
+    ids: dict[tuple, int] = {}
+    keys = [ids.setdefault(operator_key(op), len(ids)) for op in ops]
+    first: dict[int, int] = {}
+    count: dict[int, int] = {}
     for i, key in enumerate(keys):
         first.setdefault(key, i)
         count[key] = count.get(key, 0) + 1
@@ -247,14 +249,14 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         orders = choose_orders(graph, [splits[key] for key in keys], orders)
     else:
         orders = "row-major" if orders == "auto" else orders
-    candidates: dict[tuple, tuple] = {}
+    candidates: dict[int, tuple] = {}
     for key, i in first.items():
         lays = layouts(ops[i], levels, cutoff, powers_of_two, divides_p, orders)
         candidates[key] = (lays, LayoutArrays.stack(lays))
     estimate = check_build_memory(graph, keys, {k: arr for k, (_, arr) in candidates.items()}, p,
                                   memory_limit_bytes, orders=orders, divides_p=divides_p)
     steps = len(first) + len(graph.edges)
-    per_key: dict[tuple, tuple] = {}
+    per_key: dict[int, tuple] = {}
     dropped = 0
     for n_done, (key, i) in enumerate(first.items()):
         op = ops[i]
@@ -304,13 +306,13 @@ def _check_finite(graph: Graph, machine: Machine, op_costs: Sequence[OpCost], ed
                                  f"{machine.describe()} (a bandwidth or latency too extreme for float64 seconds)")
 
 
-def check_build_memory(graph: Graph, keys: Sequence[tuple], arrays: dict, p: int, limit: int | None,
+def check_build_memory(graph: Graph, keys: Sequence, arrays: dict, p: int, limit: int | None,
                        orders: str, divides_p: bool) -> int:
     """Refuse (TableMemoryError) a build whose estimated peak exceeds ``limit`` bytes, saying what would help;
     returns the estimate (the looser one of :func:`~shardplan.cost.budget.estimate_build` when that is
     within the limit, so the decision is the tighter bound's).
 
-    ``keys``: each operator's :func:`operator_key`; ``arrays``: the candidate
+    ``keys``: each operator's key (equal for identical operators, :func:`operator_key`); ``arrays``: the candidate
     layouts (:class:`LayoutArrays`) of each distinct key.
     """
     from shardplan.cost.budget import estimate_build

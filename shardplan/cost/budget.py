@@ -22,7 +22,7 @@ are checked against measured peak RSS in tests/test_memory_guards.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -115,7 +115,7 @@ def _patterns(op: Operator, tensor, arr) -> int:
     return best
 
 
-def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, object], p: int,
+def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hashable, object], p: int,
                    count_patterns: bool = True) -> BuildEstimate:
     """Upper bound of the peak bytes of :func:`~shardplan.cost.build_tables` for these candidate layouts.
 
@@ -129,7 +129,7 @@ def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, o
     over the layouts.
     """
     ops = graph.operators
-    first: dict[tuple, int] = {}
+    first: dict[Hashable, int] = {}
     for i, key in enumerate(keys):
         first.setdefault(key, i)
     ks = {key: len(arrays[key]) for key in first}
@@ -140,7 +140,7 @@ def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, o
         need = kept + operator_phase_bytes(op, ks[key], p)
         best = max(best, (need, f"costs of {op.name}", op.name, str(ks[key])))
         kept += 16 * ks[key] * p + 8 * len(PARTS_BOUND) * ks[key]
-    out_patterns: dict[tuple, int] = {}
+    out_patterns: dict[Hashable, int] = {}
     seen: set[tuple] = set()
     for e in graph.edges:
         ku_key, kv_key = keys[e.src], keys[e.dst]

@@ -149,6 +149,35 @@ def distinct_splits(op: Operator, tensor, configs: np.ndarray) -> tuple[np.ndarr
     return rows, inv
 
 
+class _CanonicalBoxes:
+    """One operator's per-device boxes on the canonical layouts of :func:`distinct_splits`, each built once.
+
+    ``boxes(t, core)``: the boxes (U, p, A, 2) of tensor t on the distinct
+    split rows, and each layout's row (K,); ``max_tile(t, core)``: the
+    largest tile of t per layout (K,), elements (what :func:`tile_volume` gives).
+    """
+
+    def __init__(self, op: Operator, configs: np.ndarray, p: int) -> None:
+        self.op, self.configs, self.p = op, configs, p
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._boxes: dict[tuple[int, bool], np.ndarray] = {}
+
+    def boxes(self, t, core: bool) -> tuple[np.ndarray, np.ndarray]:
+        if id(t) not in self._rows:
+            self._rows[id(t)] = distinct_splits(self.op, t, self.configs)
+        rows, inv = self._rows[id(t)]
+        if (id(t), core) not in self._boxes:
+            self._boxes[(id(t), core)] = tensor_boxes(self.op, t, flat_layout_arrays(rows, self.p), self.p, core=core)
+        return self._boxes[(id(t), core)], inv
+
+    def max_tile(self, t, core: bool = True) -> np.ndarray:
+        lengths = regular_tile_lengths(self.op, t, self.configs)
+        if lengths is not None:  # every active device holds the same tile
+            return lengths.prod(axis=1) * t.elem_factor
+        b, inv = self.boxes(t, core)
+        return box_volumes(b).max(axis=1)[inv] * t.elem_factor
+
+
 def _group(op: Operator, lay: LayoutArrays, dims) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """Total group size (K,), group size per level (L, K) and the dims' indices."""
     idx = [op.dim_names.index(d) for d in dims]
@@ -175,14 +204,16 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     ext = np.asarray([e for _, e in op.dims], dtype=np.float64)
     nbytes = float(machine.dtype_bytes)
     zeros = np.zeros(k)
+    canon = _CanonicalBoxes(op, configs, p)
+    max_tile = canon.max_tile
 
     # compute: a roofline per pass (forward, and one backward product per gradient produced)
-    out_vol = tile_volume(op, op.output, lay, p)
+    out_vol = max_tile(op.output)
     passes = 1 + len(op.grad_tensors)
     flops = op.flops_per_point * np.prod(ext[None, :] / configs, axis=1)
     t_pass = flops / machine.achievable_flops
     if machine.hbm_bandwidth is not None:
-        moved = out_vol + sum(tile_volume(op, t, lay, p, core=False) for t in op.inputs + op.weights)
+        moved = out_vol + sum(max_tile(t, core=False) for t in op.inputs + op.weights)
         t_pass = np.maximum(t_pass, moved * nbytes / machine.hbm_bandwidth)
     compute = passes * t_pass
 
@@ -197,7 +228,7 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     bucket = machine.grad_bucket_bytes
     for t in op.grad_tensors:
         g, gl, _ = _group(op, lay, op.grad_reduction_dims(t))
-        vol = tile_volume(op, t, lay, p, core=False)
+        vol = max_tile(t, core=False)
         if t.role == "weight" and bucket is not None:
             # the tensor's share of a full bucket's all-reduce; a tensor larger than a bucket is its own
             share = np.minimum(vol * nbytes / bucket, 1.0)
@@ -221,10 +252,8 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
         if not any(a.window is not None or a.stride != 1 for a in t.axes):
             continue
         # a maximum over devices: once per distinct split of the dims the tile reads (see distinct_splits)
-        rows, inv = distinct_splits(op, t, configs)
-        canon = flat_layout_arrays(rows, p)
-        need = tensor_boxes(op, t, canon, p, core=False)
-        core = tensor_boxes(op, t, canon, p, core=True)
+        need, inv = canon.boxes(t, core=False)
+        core, _ = canon.boxes(t, core=True)
         # read but not owned: |need| - |need ∩ core| (a strided window's reads can be shifted off the owned rows)
         both = np.stack([np.maximum(need[..., 0], core[..., 0]), np.minimum(need[..., 1], core[..., 1])], axis=-1)
         both[..., 1] = np.maximum(both[..., 1], both[..., 0])
