@@ -361,6 +361,41 @@ def test_hierarchical_redistribution_stays_inside_a_node_when_the_sender_fits_in
     assert f[0, 0] > 0 and b[0, 0] > 0
 
 
+def _two_level_edge(a_splits, a_orders, c_splits, c_orders):
+    """Seconds and volumes of a 4x4 elementwise edge a -> c on 2 nodes of 2 devices (100 B/s inside, 1 B/s across)."""
+    from shardplan.layout import Layout, LayoutArrays
+
+    m = Machine(4, peak_flops=F, bandwidth=100.0, node_size=2, inter_bandwidth=1.0)
+    a = ops.elementwise("a", x_ref((4, 4)))
+    c = ops.elementwise("c", a.out)
+    la = LayoutArrays.stack([Layout(("i", "j"), (2, 2), a_splits, a_orders)])
+    lc = LayoutArrays.stack([Layout(("i", "j"), (2, 2), c_splits, c_orders)])
+    return edge_cost(a, la, c, 0, lc, m)[0, 0], edge_volumes(a, la, c, 0, lc, 4)
+
+
+def test_redistribution_inside_nodes_uses_the_node_links_though_the_sender_spans_nodes():
+    # a: rows split across the 2 nodes, columns split inside each node; c: rows across nodes, columns whole.
+    # Device (position k in node n) holds a[2n:2n+2, 2k:2k+2] (4 elements) and needs c's c[2n:2n+2, :] (8):
+    # it misses the other column half, which its node partner holds: 4 elements = 16 bytes over the node's
+    # 100 B/s link. The gradient of a's tile lies inside c's tile: nothing moves back.
+    sec, (f, b) = _two_level_edge(((1, 2), (2, 1)), ((1,), (0,)), ((1, 1), (2, 1)), ((), (0,)))
+    assert (f[0, 0], b[0, 0]) == (4, 0)
+    assert sec == pytest.approx(16 / 100)
+
+
+def test_redistribution_that_crosses_nodes_pays_the_inter_node_link_for_what_crosses():
+    # a: rows split inside the node, columns across nodes: device (k, n) holds a[2k:2k+2, 2n:2n+2];
+    # the node n holds the column half 2n:2n+2. c as above: device (k, n) needs c[2n:2n+2, :].
+    # Forward: a device with k != n misses all 8 elements (V_-1 = 8); of those, c[2n:2n+2, 2n:2n+2] is in its
+    # node and c[2n:2n+2, other half] is not (V_0 = 4): max(8*4 B / 100 B/s, 4*4 B / 1 B/s) = 16 s.
+    # Backward: c's device (k, n) holds the gradient of rows 2n:2n+2, all columns; a's device (k, n) needs
+    # rows 2k:2k+2, columns 2n:2n+2: with k != n all 4 elements are missing (V_-1 = 4), and its node's c
+    # tiles are rows 2n:2n+2 only (V_0 = 4): max(16 B / 100 B/s, 16 B / 1 B/s) = 16 s.
+    sec, (f, b) = _two_level_edge(((2, 1), (1, 2)), ((0,), (1,)), ((1, 1), (2, 1)), ((), (0,)))
+    assert (f[0, 0], b[0, 0]) == (8, 4)
+    assert sec == pytest.approx(16.0 + 16.0)
+
+
 # --------------------------------------------------------------------------- the breakdown's parts
 def test_one_list_of_breakdown_parts():
     from dataclasses import fields

@@ -98,7 +98,8 @@ def edge_phase_bytes(u: Operator, ku: int, v: Operator, kv: int, p: int,
     # tiles of both ends (with the grid and temporaries of the one being built), then their int32 copies
     tiles = 8 * p * (ku * (3 * au + 2 * nu + 14) + kv * (3 * av + 2 * nv + 14))
     chunk = min(pairs * p * max(au, av, 1), max(CHUNK_ENTRIES, kv * p)) * CHUNK_BYTES_PER_ENTRY
-    return fast + tiles + chunk + pairs * 8 * 4 + _SMALL
+    # + the cost matrices of edge_cost: on several levels the per-level volumes and maxima of both directions
+    return fast + tiles + chunk + pairs * 8 * 10 + _SMALL
 
 
 def _patterns(op: Operator, tensor, arr) -> int:

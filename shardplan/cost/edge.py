@@ -14,7 +14,9 @@ intersect axis by axis. This is the paper's definition, computed exactly
 instead of the reference prototype's shortcut (zero overlap whenever v
 uses more devices than u). Layouts may span several machine levels
 (:mod:`shardplan.layout`): the device numbering is the machine's, shared by
-both operators.
+both operators. Which links an exchange uses is decided per level from the
+same exact volumes: what a device misses from everything its node (its
+level-l group) holds must cross the next level's links (:func:`edge_cost`).
 
 Fast path: when every axis of both layouts is cut into equal blocks and,
 axis by axis, one split divides the other (nested blocks), a device's
@@ -40,7 +42,7 @@ from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
-__all__ = ["edge_volumes", "edge_cost", "sender_level", "EdgeMemo", "EDGE_MEMO_BYTES"]
+__all__ = ["edge_volumes", "edge_cost", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES"]
 
 _CHUNK_ELEMS = 1 << 22
 EDGE_MEMO_BYTES = 16 << 20  # fast-path summaries kept across the edges of one build (at most)
@@ -186,6 +188,15 @@ class EdgeMemo:
     limit_bytes: int = EDGE_MEMO_BYTES
     used_bytes: int = 0
     entries: dict = field(default_factory=dict)
+    unions: dict = field(default_factory=dict)  # (id(layouts), level) -> (layouts, group_union(...)): small
+
+    def union(self, lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray]:
+        """:func:`group_union` of ``lay``, computed once per build (so its sides are memoised too)."""
+        hit = self.unions.get((id(lay), level))
+        if hit is None or hit[0] is not lay:
+            hit = (lay, group_union(lay, level))
+            self.unions[(id(lay), level)] = hit
+        return hit[1]
 
     def get(self, key: tuple, lay: LayoutArrays) -> "_Side | None":
         hit = self.entries.get(key)
@@ -334,14 +345,36 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
 
 
 def sender_level(lay: LayoutArrays) -> np.ndarray:
-    """(K,) the level whose links a redistribution *from* each layout uses.
+    """(K,) the outermost level each layout splits (0 if none): the links an exchange *from* it may need.
 
-    A device fetches what it misses from inside its node when its node
-    holds a whole copy of the sending layout (nothing split on the outer
-    levels): level 0. Otherwise the outermost level the layout splits
-    (every tile lives somewhere on it). On one level: 0.
+    An upper bound of the level :func:`edge_cost` charges: a device never
+    fetches from farther than the outermost level the sending layout splits,
+    since every group of devices on that level holds a whole copy.
     """
     return outer_level(lay.level_splits.prod(axis=2))
+
+
+def group_union(lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray]:
+    """Layouts whose every device holds what its whole level-``level`` group holds under ``lay``.
+
+    The group of device q on level l is the devices that share q's
+    positions on levels > l (its node for l = 0). They hold every
+    combination of the inner coordinates ``x_{l',d}``, l' <= l, so
+    (:mod:`shardplan.layout`) their boxes tile the coarse block
+    ``Σ_{l' > l} x_{l',d} Π_{l < l'' < l'} c_{l'',d}`` of split
+    ``Π_{l' > l} c_{l',d}`` on every dim: the layout with the splits of
+    levels <= l set to 1 (outer levels unchanged) gives every device
+    exactly that union. Returns the distinct such layouts and each input
+    layout's row (K,).
+    """
+    ls = lay.level_splits.copy()
+    st = lay.level_strides.copy()
+    ls[: level + 1] = 1
+    st[: level + 1] = 1
+    k = len(lay)
+    key = np.concatenate([ls.transpose(1, 0, 2).reshape(k, -1), st.transpose(1, 0, 2).reshape(k, -1)], axis=1)
+    _, first, inv = unique_rows(key)
+    return LayoutArrays(lay.levels, ls[:, first].copy(), st[:, first].copy()), inv
 
 
 def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
@@ -349,17 +382,41 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
               volumes: tuple[np.ndarray, np.ndarray] | None = None, memo: EdgeMemo | None = None) -> np.ndarray:
     """Seconds to redistribute the tensor of edge u -> v (input ``slot``), forward + backward: (K_u, K_v).
 
-    Volumes are exact per device (:func:`edge_volumes`); the forward tensor
-    is sent from u's layout, the gradient from v's, each over the links of
-    the sender's level (:func:`sender_level`): on a two-level machine inside
-    the node when the node holds a whole copy of the sender's layout, else
-    across nodes.
+    Volumes are exact per device (:func:`edge_volumes`): the forward tensor
+    moves from u's layout to v's, the gradient back. On a machine of L
+    levels, let ``V_{-1}`` be the elements a device misses (the exact
+    volume) and ``V_l`` those it misses from everything its level-l group
+    holds (:func:`group_union`; ``V_{L-1} = 0``): ``V_l`` elements must
+    come over level-(l+1) links, from outside the group, and at most
+    ``V_{-1}`` over the node's own links. Links of different levels run
+    at the same time (NVLink inside the node, the NIC across nodes), so
+    each direction costs
+
+        max_{l = 0 .. L-1, V_{l-1} > 0}  V_{l-1} · bytes / B_l + α_l       (0 if V_{-1} = 0).
+
+    An exchange whose every device finds what it misses inside its node
+    (``V_0 = 0``) is thereby charged at the node's links, whatever the
+    sender's layout spans; one that must cross nodes pays the inter-node
+    link for the part that crosses. On one level this is ``V / B + α``.
     """
     p = machine.num_devices
     lu = as_layouts(cu, p, ou, machine.levels)
     lv = as_layouts(cv, p, ov, machine.levels)
     f, b = edge_volumes(u, lu, v, slot, lv, p, memo=memo) if volumes is None else volumes
     nbytes = float(machine.dtype_bytes)
-    fwd_lv = np.broadcast_to(sender_level(lu)[:, None], f.shape)
-    bwd_lv = np.broadcast_to(sender_level(lv)[None, :], f.shape)
-    return p2p_time(f * nbytes, machine, fwd_lv) + p2p_time(b * nbytes, machine, bwd_lv)
+    memo = EdgeMemo() if memo is None else memo
+    fwd_t = p2p_time(f * nbytes, machine, 0)
+    bwd_t = p2p_time(b * nbytes, machine, 0)
+    more_f, more_b = bool(f.any()), bool(b.any())
+    for lvl in range(len(machine.levels) - 1):
+        if more_f:  # forward: what v's devices miss from the union of u's tiles in their group
+            gu, inv = memo.union(lu, lvl)
+            vol = edge_volumes(u, gu, v, slot, lv, p, memo=memo)[0]  # (distinct unions, K_v)
+            fwd_t = np.maximum(fwd_t, p2p_time(vol * nbytes, machine, lvl + 1).take(inv, axis=0))
+            more_f = bool(vol.any())
+        if more_b:  # backward: what u's devices miss from the union of v's gradient tiles in their group
+            gv, inv = memo.union(lv, lvl)
+            vol = edge_volumes(u, lu, v, slot, gv, p, memo=memo)[1]  # (K_u, distinct unions)
+            bwd_t = np.maximum(bwd_t, p2p_time(vol * nbytes, machine, lvl + 1).take(inv, axis=1))
+            more_b = bool(vol.any())
+    return fwd_t + bwd_t
