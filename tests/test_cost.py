@@ -285,6 +285,20 @@ def test_hierarchical_machine_uses_slow_link_across_nodes():
     assert c.grad_allreduce[0] == pytest.approx(2 * 1 / 2 * 64 * 256 * 4 / 10e9)
 
 
+def test_halo_stays_inside_the_node_when_only_other_dims_span_nodes():
+    from shardplan.layout import Layout, LayoutArrays
+
+    m = Machine(4, peak_flops=F, bandwidth=100e9, node_size=2, inter_bandwidth=10e9)
+    dims = CONV.dim_names  # b c h w n r s
+    # h split 2 inside each node, b split 2 across the nodes: a device's halo row comes from its node partner
+    # (same batch half, the other h half). 1 row x 32 columns x 16 channels x 4 images, forward and back.
+    inside = LayoutArrays.stack([Layout(dims, (2, 2), ((1, 1, 2, 1, 1, 1, 1), (2, 1, 1, 1, 1, 1, 1)), ((2,), (0,)))])
+    assert operator_cost(CONV, inside, m).halo[0] == pytest.approx(2 * (32 * 16 * 4) * 4 / 100e9)
+    # h split across the nodes instead: the halo row comes from the other node
+    across = LayoutArrays.stack([Layout(dims, (2, 2), ((2, 1, 1, 1, 1, 1, 1), (1, 1, 2, 1, 1, 1, 1)), ((0,), (2,)))])
+    assert operator_cost(CONV, across, m).halo[0] == pytest.approx(2 * (32 * 16 * 4) * 4 / 10e9)
+
+
 def test_memory_per_device():
     m = machine(4)
     w, act = operator_memory(GEMM, np.array([[1, 4, 1], [4, 1, 1]]), m, optimizer_factor=2.0)

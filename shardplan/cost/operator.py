@@ -46,7 +46,10 @@ configuration c (arrays over the K configurations):
 Every collective runs among the devices of a group that the layout spreads
 over the machine's levels (``g_l`` per level), with the hierarchical NCCL
 formulas of :mod:`shardplan.cost.collectives`; neighbour exchanges (halo,
-stage hand-off) use the links of the outermost level the layout splits.
+stage hand-off) use the links of the outermost level that splits a dim the
+exchange runs along (the windowed dims, the layer dim): the neighbours
+differ only in those coordinates, so with them split inside the node only,
+every neighbour is inside the node.
 """
 
 from __future__ import annotations
@@ -247,10 +250,14 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
 
     # halo exchange of windowed inputs
     halo = zeros.copy()
-    neighbour_level = outer_level(lay.level_splits.prod(axis=2))
     for t in op.inputs:
         if not any(a.window is not None or a.stride != 1 for a in t.axes):
             continue
+        # the rows a device reads but does not own lie along the windowed axes; every device of its node
+        # holds the same blocks of the other dims, so the neighbours are inside the node unless a dim of a
+        # windowed axis is split on an outer level: the outermost level that splits one
+        window_dims = {d for a in t.axes if a.window is not None or a.stride != 1 for d in (a.dim, a.window) if d}
+        neighbour_level = outer_level(lay.group_sizes([j for j, d in enumerate(op.dim_names) if d in window_dims]))
         # a maximum over devices: once per distinct split of the dims the tile reads (see distinct_splits)
         need, inv = canon.boxes(t, core=False)
         core, _ = canon.boxes(t, core=True)
@@ -313,7 +320,7 @@ def recurrence_cost(op: Operator, lay: LayoutArrays, machine: Machine) -> tuple[
     total = configs.prod(axis=1).astype(np.float64)
     work = op.flops_per_point * op.points * (1 + len(op.grad_tensors))
     extra_compute = (work / (total / c[r.time]) * (S + c[r.layer] - 1) / S - work / total) / machine.peak_flops
-    neighbour_level = outer_level(lay.level_splits.prod(axis=2))
+    neighbour_level = outer_level(lay.group_sizes([names.index(r.layer)]))  # stages along the layer dim
 
     handoff = np.where(c[r.layer] > 1, 2.0 * (c[r.layer] - 1) / c[r.layer] * (B / c[r.batch]) * S * (E / c[r.state])
                        * nbytes, 0.0)
