@@ -86,10 +86,10 @@ class CostTables:
         g = self.graph
         seen: dict[int, tuple] = {}
         configs = []
-        for lays in self.layouts:
-            if id(lays) not in seen:
-                seen[id(lays)] = tuple(lay.split for lay in lays)
-            configs.append(seen[id(lays)])
+        for splits in self._splits:  # total split per dim of every layout, from the arrays (shared by identical ops)
+            if id(splits) not in seen:
+                seen[id(splits)] = tuple(map(tuple, splits.tolist()))
+            configs.append(seen[id(splits)])
         return Problem(
             names=tuple(op.name for op in g.operators),
             configs=tuple(configs),
