@@ -107,8 +107,10 @@ def _general_pairs(bu: np.ndarray, bv: np.ndarray, iu: np.ndarray, iv: np.ndarra
 def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
     """Per axis: block pattern and block length per layout, and which layouts are even.
 
-    Returns (splits (A, K), patterns (A, K, 2L), lengths (A, K), regular (K,)).
-    An axis is regular when its core tile on every device is the block
+    Returns (splits (A, K), patterns (A, K, 2L), lengths (A, K), regular (K,),
+    blocked_by (A,)): ``blocked_by[a]`` is the index of the dim whose split and
+    pattern axis a has, or -1 where it is one block (unindexed, or an offset
+    or partial piece). An axis is regular when its core tile on every device is the block
     ``x_d(q)`` (the device's tile coordinate along the axis's dim, which the
     pattern fixes: see :meth:`~shardplan.layout.LayoutArrays.patterns`) of
     equal length (see :mod:`shardplan.cost.tiles`).
@@ -123,6 +125,7 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
     pats = np.ones((n_ax, k, 2 * n_lv), dtype=np.int64)
     lengths = np.zeros((n_ax, k), dtype=np.int64)
     regular = np.ones(k, dtype=bool)
+    blocked_by = [-1] * n_ax
     for a, (am, size) in enumerate(zip(tensor.axes, tensor.shape)):
         if am.dim is None:
             lengths[a] = size
@@ -130,6 +133,7 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
         j = names.index(am.dim)
         c = configs[:, j]
         splits[a], pats[a] = c, lay.patterns(j)
+        blocked_by[a] = j
         if am.inner or am.is_plain:
             lengths[a] = size // c
         elif (am.window is not None or am.stride != 1) and not am.partial:
@@ -140,8 +144,9 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
             lengths[a] = size
             splits[a] = 1
             pats[a] = 1
+            blocked_by[a] = -1
             regular &= (c == 1) & whole
-    return splits, pats, lengths, regular
+    return splits, pats, lengths, regular, blocked_by
 
 
 @dataclass(frozen=True, eq=False)
@@ -188,6 +193,7 @@ class EdgeMemo:
     limit_bytes: int = EDGE_MEMO_BYTES
     used_bytes: int = 0
     entries: dict = field(default_factory=dict)
+    dims: dict = field(default_factory=dict)  # (id(layouts), dim) -> (layouts, _dim_patterns(...))
     unions: dict = field(default_factory=dict)  # (id(layouts), level) -> (layouts, group_union(...)): small
 
     def union(self, lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray]:
@@ -203,10 +209,15 @@ class EdgeMemo:
         return hit[1] if hit is not None and hit[0] is lay else None
 
     def put(self, key: tuple, lay: LayoutArrays, side: "_Side") -> None:
-        size = sum(b.nbytes for b in side.blocks) + side.act.nbytes + side.inv.nbytes
-        if self.used_bytes + size <= self.limit_bytes:
+        if self.room(side.act.nbytes + side.inv.nbytes + side.first.nbytes):  # blocks are counted per dim
             self.entries[key] = (lay, side)
-            self.used_bytes += size
+
+    def room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more may be kept; if so they are counted as kept."""
+        if self.used_bytes + nbytes > self.limit_bytes:
+            return False
+        self.used_bytes += nbytes
+        return True
 
 
 def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | None) -> _Side:
@@ -216,14 +227,19 @@ def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | 
         hit = memo.get(key, lay)
         if hit is not None:
             return hit
-    splits, pats, lengths, regular = _axis_blocks(op, tensor, lay)
+    splits, pats, lengths, regular, blocked_by = _axis_blocks(op, tensor, lay)
     n_ax = len(tensor.axes)
     p_rows, p_inv, p_blocks = [], [], []
     for a in range(n_ax):
-        rows, _, inv = unique_rows(np.concatenate([splits[a][:, None], pats[a]], axis=1))
+        if blocked_by[a] >= 0:  # the dim's patterns: the same for every tensor the dim blocks
+            rows, inv, blocks = _dim_patterns(lay, blocked_by[a], memo)
+        else:  # one block
+            rows = np.concatenate([splits[a][:1, None], pats[a][:1]], axis=1)
+            inv = np.zeros(len(lay), dtype=np.int64)
+            blocks = pattern_blocks(rows[:, 1:], lay.levels)
         p_rows.append(rows)
         p_inv.append(inv)
-        p_blocks.append(pattern_blocks(rows[:, 1:], lay.levels))
+        p_blocks.append(blocks)
     prods = lay.level_splits.prod(axis=2)  # (L, K): fixes the active devices
     key_rows = np.concatenate([np.asarray(p_inv, dtype=np.int64).reshape(n_ax, len(lay)), prods], axis=0).T
     groups, first, inv = unique_rows(key_rows)
@@ -233,6 +249,19 @@ def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | 
                 np.prod(lengths, axis=0), regular)
     if memo is not None:
         memo.put(key, lay, out)
+    return out
+
+
+def _dim_patterns(lay: LayoutArrays, j: int, memo: EdgeMemo | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct (split, pattern) rows of dim j (P, 1 + 2L), each layout's row (K,), and the blocks (P, p)."""
+    if memo is not None:
+        hit = memo.dims.get((id(lay), j))
+        if hit is not None and hit[0] is lay:
+            return hit[1]
+    rows, _, inv = unique_rows(np.concatenate([lay.splits[:, j][:, None], lay.patterns(j)], axis=1))
+    out = (rows, inv, pattern_blocks(rows[:, 1:], lay.levels))
+    if memo is not None and memo.room(out[2].nbytes + inv.nbytes):
+        memo.dims[(id(lay), j)] = (lay, out)
     return out
 
 
