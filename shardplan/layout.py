@@ -135,13 +135,17 @@ class Layout:
     def _unchecked(cls, dims: tuple[str, ...], levels: tuple[int, ...], splits: tuple[tuple[int, ...], ...],
                    orders: tuple[tuple[int, ...], ...]) -> "Layout":
         """A layout from already-normalised values known to be valid (the enumerator's fast path)."""
-        lay = object.__new__(cls)
-        object.__setattr__(lay, "dims", dims)
-        object.__setattr__(lay, "levels", levels)
-        object.__setattr__(lay, "splits", splits)
-        object.__setattr__(lay, "orders", orders)
         n = len(dims)
-        object.__setattr__(lay, "_strides", tuple(_row_major_strides(r, o, n) for r, o in zip(splits, orders)))
+        return cls._with_strides(dims, levels, splits, orders,
+                                 tuple(_row_major_strides(r, o, n) for r, o in zip(splits, orders)))
+
+    @classmethod
+    def _with_strides(cls, dims: tuple[str, ...], levels: tuple[int, ...], splits: tuple[tuple[int, ...], ...],
+                      orders: tuple[tuple[int, ...], ...], strides: tuple[tuple[int, ...], ...]) -> "Layout":
+        """:meth:`_unchecked` with the per-level strides already known (from :class:`LayoutArrays`)."""
+        lay = object.__new__(cls)
+        d = lay.__dict__
+        d["dims"], d["levels"], d["splits"], d["orders"], d["_strides"] = dims, levels, splits, orders, strides
         return lay
 
     @classmethod
@@ -465,6 +469,8 @@ def pattern_blocks(pats: np.ndarray, levels: Sequence[int]) -> np.ndarray:
     n_lv = len(levels)
     p = math.prod(levels)
     q = np.arange(p, dtype=np.int64)
+    if n_lv == 1:  # i_0(q) = q
+        return (q[None, :] // pats[:, 1:2]) % pats[:, 0:1]
     base = np.cumprod((1,) + levels[:-1])
     out = np.zeros((len(pats), p), dtype=np.int64)
     mult = np.ones(len(pats), dtype=np.int64)

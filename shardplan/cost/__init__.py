@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from shardplan.configs import ORDER_MODES, configurations, dimension_orders, layouts
+from shardplan.configs import ORDER_MODES, configurations, dimension_orders, flat_layouts, layouts
 from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
@@ -251,8 +251,11 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         orders = "row-major" if orders == "auto" else orders
     candidates: dict[int, tuple] = {}
     for key, i in first.items():
-        lays = layouts(ops[i], levels, cutoff, powers_of_two, divides_p, orders)
-        candidates[key] = (lays, LayoutArrays.stack(lays))
+        if len(levels) == 1:
+            candidates[key] = flat_layouts(ops[i], p, cutoff, powers_of_two, divides_p, orders, rows=splits[key])
+        else:
+            lays = layouts(ops[i], levels, cutoff, powers_of_two, divides_p, orders)
+            candidates[key] = (lays, LayoutArrays.stack(lays))
     estimate = check_build_memory(graph, keys, {k: arr for k, (_, arr) in candidates.items()}, p,
                                   memory_limit_bytes, orders=orders, divides_p=divides_p)
     steps = len(first) + len(graph.edges)

@@ -141,9 +141,8 @@ def tensor_boxes(op: Operator, tensor: Tensor, configs, p: int, core: bool = Tru
                     rl, rh = np.zeros_like(xl), np.ones_like(xh)
                 lo = am.stride * xl + am.dilation * rl + am.offset
                 hi = am.stride * (xh - 1) + am.dilation * (rh - 1) + am.offset + 1
-            lo = np.clip(lo, 0, size)
-            hi = np.clip(hi, 0, size)
-            hi = np.maximum(hi, lo)
+            lo = np.minimum(np.maximum(lo, 0), size)  # clipped to the axis
+            hi = np.maximum(np.minimum(hi, size), lo)
         out[:, :, a, 0] = np.where(active, lo, 0)
         out[:, :, a, 1] = np.where(active, hi, 0)
     return out
