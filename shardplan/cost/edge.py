@@ -48,11 +48,12 @@ _CHUNK_ELEMS = 1 << 22
 EDGE_MEMO_BYTES = 16 << 20  # fast-path summaries kept across the edges of one build (at most)
 
 
-def _overlap(lu: np.ndarray, hu: np.ndarray, lv: np.ndarray, hv: np.ndarray) -> np.ndarray:
-    """Points in the intersection of every u box with every v box: (Ku, Kv, p).
+def _overlap(lu: np.ndarray, hu: np.ndarray, lv: np.ndarray, hv: np.ndarray, dtype=np.int64) -> np.ndarray:
+    """Points in the intersection of every u box with every v box: (Ku, Kv, p), of ``dtype``.
 
     Inputs are per-axis bounds of shape (A, K, p); the product over axes is
     accumulated axis by axis (contiguous, no trailing small-axis reductions).
+    ``dtype`` must hold the largest box volume (the product never exceeds it).
     """
     out = None
     for a in range(lu.shape[0]):
@@ -60,11 +61,11 @@ def _overlap(lu: np.ndarray, hu: np.ndarray, lv: np.ndarray, hv: np.ndarray) -> 
         ov -= np.maximum(lu[a][:, None, :], lv[a][None, :, :])
         np.maximum(ov, 0, out=ov)
         if out is None:
-            out = ov.astype(np.int64)
+            out = ov.astype(dtype, copy=False)
         else:
             out *= ov
     if out is None:  # scalar tensors: one point, held wherever the device is active
-        out = np.ones((lu.shape[1], lv.shape[1], lu.shape[2]), dtype=np.int64)
+        out = np.ones((lu.shape[1], lv.shape[1], lu.shape[2]), dtype=dtype)
     return out
 
 
@@ -77,10 +78,15 @@ def _general(bu: np.ndarray, bv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n_u, n_v, p = len(bu), len(bv), bu.shape[1]
     fwd = np.empty((n_u, n_v), dtype=np.int64)
     bwd = np.empty((n_u, n_v), dtype=np.int64)
+    # every intersection is at most the smaller box: int32 arithmetic when every box fits
+    small = max(int(have.max(initial=0)), int(need.max(initial=0))) < 2**31
+    dtype = np.int32 if small else np.int64
+    if small:
+        have, need = have.astype(np.int32), need.astype(np.int32)
     step = max(1, _CHUNK_ELEMS // max(1, n_v * p))
     for s in range(0, n_u, step):
         sl = slice(s, s + step)
-        inter = _overlap(lu[:, sl], hu[:, sl], lv, hv)  # (c, Kv, p)
+        inter = _overlap(lu[:, sl], hu[:, sl], lv, hv, dtype)  # (c, Kv, p)
         fwd[sl] = (need[None] - inter).max(axis=-1)
         bwd[sl] = (have[sl, None] - inter).max(axis=-1)
     return fwd, bwd
