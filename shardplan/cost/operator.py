@@ -55,6 +55,7 @@ every neighbour is inside the node.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -94,13 +95,14 @@ class OpCost:
     recurrence: np.ndarray
     comm_bytes: np.ndarray  # bytes each device sends inside the operator (fwd + bwd), for checking
 
-    @property
+    @cached_property
     def communication(self) -> np.ndarray:
         """Seconds of every part but compute."""
         return sum((getattr(self, name) for name in PARTS if name != "compute"), np.zeros_like(self.compute))
 
-    @property
+    @cached_property
     def total(self) -> np.ndarray:
+        """Seconds per configuration, all parts (computed once: identical operators share this array)."""
         return self.compute + self.communication
 
     def parts(self, k: int) -> dict[str, float]:
