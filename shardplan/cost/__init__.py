@@ -298,11 +298,18 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
 
 def _check_finite(graph: Graph, machine: Machine, op_costs: Sequence[OpCost], edge_costs: Sequence[np.ndarray]) -> None:
     """Refuse costs that overflowed (inf) or are undefined (NaN), naming where and the machine that caused it."""
+    seen: set[int] = set()  # identical operators and edges share their arrays: check each once
     for op, c in zip(graph.operators, op_costs):
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
         if not np.all(np.isfinite(c.total)):
             raise ShardplanError(f"operator {op.name!r}: its cost is not finite on {machine.describe()} (a FLOP/s, "
                                  "bandwidth or latency too extreme for float64 seconds)")
     for e, m in zip(graph.edges, edge_costs):
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
         if not np.all(np.isfinite(m)):
             u, v = graph.operators[e.src].name, graph.operators[e.dst].name
             raise ShardplanError(f"edge {u!r} -> {v!r}: its redistribution cost is not finite on "
