@@ -57,3 +57,26 @@ def test_ties_are_checked() -> None:
     p = Problem(("a", "b"), (((1,), (2,)), ((1,),)), (np.zeros(2), np.zeros(1)), (), ())
     with pytest.raises(ShardplanError, match="different configurations"):
         tie(p, [(0, 1)])
+
+
+def test_graph_ties_solve_as_one_variable_and_refuse_different_operators() -> None:
+    import dataclasses
+
+    from shardplan import ops
+    from shardplan.ir import GraphBuilder
+    from shardplan.machine import Machine
+    from shardplan.plan import solve
+
+    b = GraphBuilder("t")
+    x = b.input("x", (64, 32))
+    h1 = b.add(ops.dense("l1", x, 32))
+    h2 = b.add(ops.dense("l2", h1, 32))
+    b.add(ops.dense("l3", h2, 16))
+    g = b.build()
+    m = Machine(4, peak_flops=32e9, bandwidth=16e9)
+    tied = dataclasses.replace(g, ties=(("l1", "l2"),))
+    plan = solve(tied, m, cutoff=1)
+    assert plan.layouts["l1"] == plan.layouts["l2"]
+    assert plan.cost >= solve(g, m, cutoff=1).cost - 1e-15  # a tie only restricts
+    with pytest.raises(ShardplanError, match="different dimensions"):
+        dataclasses.replace(g, ties=(("l1", "l3"),))
