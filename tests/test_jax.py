@@ -208,7 +208,8 @@ def test_planned_shardings_in_an_optax_training_step():
 
     sp, sb = jax.device_put(params, pl.param_shardings), jax.device_put(batch, pl.batch_shardings)
     state = jax.jit(opt.init)(sp)
-    new, state, loss = jax.jit(lambda p, s, b: train_step(pl.loss_fn, p, s, b))(sp, state, sb)
+    new, state, loss = jax.jit(lambda p, s, b: train_step(pl.loss_fn, p, s, b),
+                               out_shardings=(pl.param_shardings, None, None))(sp, state, sb)
     ref, _, loss0 = jax.jit(lambda p, s, b: train_step(mod.loss_fn, p, s, b))(params, opt.init(params), batch)
     assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
     assert _rel_err(new, ref) <= 1e-5
