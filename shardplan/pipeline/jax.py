@@ -493,6 +493,8 @@ def pipeline(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequ
     from shardplan.machine import Machine
     from shardplan.pipeline.api import pipeline_solve
 
+    if reduction not in ("mean", "sum"):
+        raise ShardplanError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     devices = list(devices) if devices is not None else list(jax.devices())
     p = len(devices)
     if machine is None:
