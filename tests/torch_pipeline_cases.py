@@ -70,7 +70,7 @@ CASES: dict[str, dict[str, Any]] = {
 def run_case(name: str, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardplan.torch.pipeline import pipeline
+    from shardplan.pipeline.torch import pipeline
 
     model, batch = make_case()
     ref = __import__("copy").deepcopy(model)

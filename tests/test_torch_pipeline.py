@@ -1,0 +1,61 @@
+"""PyTorch pipelining driven by the searched plan: 4 gloo processes (CPU), one per stage, vs one process.
+
+One process group for the module: the fixture spawns 4 workers once (tests/torch_pipeline_cases.py)
+that run every case and report the differences and the plan they ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import torch  # noqa: F401
+
+import torch_pipeline_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
+
+WORLD = 4
+CASES = list(torch_pipeline_cases.CASES)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch_pipeline") / "results.json"
+    return torch_pipeline_cases.run_distributed(CASES, WORLD, str(out))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_pipelined_loss_and_grads_equal_single_process(results, name):
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    assert r["rel_loss"] <= 1e-5, (r["loss"], r["loss0"])
+    assert r["rel_grad"] <= 1e-4, (r["grad_err"], r["grad_scale"])
+    assert r["params_held"] == r["params_total"], "every parameter is held by exactly one stage"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_searched_plan_is_what_runs(results, name):
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    lay = r["layout"]
+    assert r["misplaced"] == 0, "a rank holds a parameter of a unit outside its stages"
+    assert all(q == 1 for *_, q in lay["stages"])
+    want = {"1f1b": ("1f1b", 1, "Schedule1F1B"), "gpipe": ("1f1b", 1, "ScheduleGPipe"),
+            "interleaved": ("interleaved", 2, "ScheduleInterleaved1F1B")}[name]
+    assert (lay["schedule"], lay["chunks"], r["schedule"]) == want
+    assert len(lay["stages"]) == WORLD * lay["chunks"]
+    assert [s[2] for s in lay["stages"]] == [j % WORLD for j in range(len(lay["stages"]))]
+    assert lay["micro_batches"] == (4 if name != "1f1b" else lay["micro_batches"])
+
+
+def test_values_are_carried_to_the_stages_that_read_them(results):
+    """The labels enter stage 0 and reach the loss in the last stage; the embedding, read again after the
+    last block, passes through the stages in between."""
+    r = results["1f1b"]
+    assert "error" not in r, r.get("error")
+    carried = r["carried"]
+    assert carried[0] == ["ids", "labels"]
+    assert all("labels" in ins for ins in carried[1:])
+    skip = r["layout"]["units"].index("mul,add_6")
+    reader = next(j for j, (a, b, *_) in enumerate(r["layout"]["stages"]) if a <= skip < b)
+    assert reader >= 2, "the skip connection should cross at least one stage"
+    assert all("embedding" in carried[j] for j in range(1, reader + 1))
+    assert all("embedding" not in carried[j] for j in range(reader + 1, len(carried)))
