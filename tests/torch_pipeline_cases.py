@@ -2,7 +2,7 @@
 
 Each case builds a tiny language model deterministically (same on every rank), computes the
 single-process loss and gradients, then runs one step of the searched pipeline
-(:func:`shardplan.torch.pipeline.pipeline`) and reports the differences and the plan.
+(:func:`shardplan.pipeline.torch.pipeline`) and reports the differences and the plan.
 """
 
 from __future__ import annotations
