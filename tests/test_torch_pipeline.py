@@ -1,4 +1,7 @@
-"""PyTorch pipelining driven by the searched plan: 4 gloo processes (CPU), one per stage, vs one process.
+"""PyTorch pipelining driven by the searched plan: 4 gloo processes (CPU) vs one process.
+
+Cases: 4 stages of one process under 1F1B, GPipe and interleaved 1F1B (2 chunks per process), and
+2 stages of 2 processes, each stage running its intra-stage layouts as DTensor placements.
 
 One process group for the module: the fixture spawns 4 workers once (tests/torch_pipeline_cases.py)
 that run every case and report the differences and the plan they ran.
@@ -37,13 +40,24 @@ def test_the_searched_plan_is_what_runs(results, name):
     assert "error" not in r, r.get("error")
     lay = r["layout"]
     assert r["misplaced"] == 0, "a rank holds a parameter of a unit outside its stages"
-    assert all(q == 1 for *_, q in lay["stages"])
+    q = 2 if name == "dtensor" else 1
+    assert all(d == q for *_, d in lay["stages"])
     want = {"1f1b": ("1f1b", 1, "Schedule1F1B"), "gpipe": ("1f1b", 1, "ScheduleGPipe"),
-            "interleaved": ("interleaved", 2, "ScheduleInterleaved1F1B")}[name]
+            "interleaved": ("interleaved", 2, "ScheduleInterleaved1F1B"), "dtensor": ("1f1b", 1, "Schedule1F1B")}[name]
     assert (lay["schedule"], lay["chunks"], r["schedule"]) == want
-    assert len(lay["stages"]) == WORLD * lay["chunks"]
-    assert [s[2] for s in lay["stages"]] == [j % WORLD for j in range(len(lay["stages"]))]
-    assert lay["micro_batches"] == (4 if name != "1f1b" else lay["micro_batches"])
+    groups = WORLD // q
+    assert len(lay["stages"]) == groups * lay["chunks"]
+    assert [s[2] for s in lay["stages"]] == [q * (j % groups) for j in range(len(lay["stages"]))]
+    if name in ("gpipe", "interleaved"):
+        assert lay["micro_batches"] == 4
+
+
+def test_stages_of_two_processes_run_their_layouts_as_dtensors(results):
+    r = results["dtensor"]
+    assert "error" not in r, r.get("error")
+    assert r["dtensor_params"] == 2 * r["params_total"], "each of a stage's 2 processes holds DTensor parameters"
+    assert r["split_params"] > 0, "the toy machine makes splitting pay: some parameter must be sharded"
+    assert r["dtensor_params"] == 0 or results["1f1b"]["dtensor_params"] == 0
 
 
 def test_values_are_carried_to_the_stages_that_read_them(results):

@@ -64,6 +64,8 @@ CASES: dict[str, dict[str, Any]] = {
     "1f1b": dict(micro_batches=(2, 4), schedules=("1f1b",)),
     "gpipe": dict(micro_batches=(4,), schedules=("1f1b",), schedule="gpipe"),
     "interleaved": dict(micro_batches=(4,), interleave=(2,), schedules=("interleaved",)),
+    # 2 stages of 2 processes each, the stage's layouts as DTensor placements on its sub-mesh
+    "dtensor": dict(micro_batches=(2, 4), schedules=("1f1b",), stage_devices=2),
 }
 
 
@@ -82,14 +84,16 @@ def run_case(name: str, world: int) -> dict[str, Any]:
     loss = pipe.step(*batch)
     worst = torch.zeros(())
     for target, g in pipe.named_grads().items():
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g
         worst = torch.maximum(worst, (g - grads0[target]).abs().max())
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    q = pipe.layout["stages"][0][3]
     held = torch.zeros(())
-    held += len(pipe.named_grads())
+    held += len(pipe.named_grads()) / q
     dist.all_reduce(held)
     # every parameter this rank holds belongs to a unit of one of its stages in the plan
     units = pipe.layout["units"]
-    mine = [units[a:b] for (a, b, o, q) in pipe.layout["stages"] if o == pipe.rank]
+    mine = [units[a:b] for (a, b, o, q) in pipe.layout["stages"] if o <= pipe.rank < o + q]
     misplaced = [t for t in pipe.named_parameters()
                  if not any(any(t.startswith(u + ".") for u in us) for us in mine)]
     bad = torch.tensor(float(len(misplaced)))
@@ -99,7 +103,19 @@ def run_case(name: str, world: int) -> dict[str, Any]:
             "grad_err": float(worst), "grad_scale": scale, "rel_grad": float(worst) / scale,
             "params_held": int(held), "params_total": len(grads0), "misplaced": int(bad),
             "layout": pipe.layout, "schedule": type(pipe.schedule).__name__,
-            "carried": [list(p.inputs) for p in pipe.parts]}
+            "carried": [list(p.inputs) for p in pipe.parts],
+            "dtensor_params": _total(sum(1 for p in pipe.named_parameters().values() if hasattr(p, "placements"))),
+            "split_params": _total(sum(1 for p in pipe.named_parameters().values()
+                                       if any(pl.is_shard() for pl in getattr(p, "placements", ()))))}
+
+
+def _total(x: int) -> int:
+    """Sum over the ranks."""
+    import torch.distributed as dist
+
+    t = torch.tensor(float(x))
+    dist.all_reduce(t)
+    return int(t)
 
 
 def worker(rank: int, world: int, port: int, names: list[str], out_path: str) -> None:

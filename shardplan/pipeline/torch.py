@@ -38,15 +38,27 @@ default, which divides the accumulated gradients by m) gives exactly the
 gradient of that mean; ``reduction="sum"`` sums the losses and turns the
 scaling off.
 
-**Devices.** Each stage runs on one process: the search is asked for
+**Devices.** ``stage_devices=1`` (default): the search is asked for
 sub-meshes of one device (``sizes=(1,)``), so S stages (or S device groups
-for interleaved plans) need S processes, the world of the process group.
-Stages on sub-meshes of several processes with their intra-stage layouts as
-DTensor placements (each stage a :class:`~shardplan.torch.run.ParallelModule`
-on its sub-mesh, the pipeline's point-to-point pairs between matching ranks
-of neighbouring sub-meshes) are not built: the stage modules here run plain
-tensors, and ``torch.distributed.pipelining`` pairs ranks one to one between
-neighbouring stages, which non-uniform sub-meshes do not allow.
+of v interleaved chunks) run on S processes, the world of the process group,
+on plain tensors (a one-device stage has no layout to apply).
+``stage_devices=2``: the search is asked for uniform sub-meshes of 2
+(``sizes=(2,)``), the world is split by a ``(pp, m0)`` DeviceMesh of shape
+``(world / 2, 2)``, and each stage runs as a
+:class:`~shardplan.torch.run.ParallelModule` on its sub-mesh ``m0`` with the
+*searched* intra-stage layouts as DTensor placements: the stage module is
+traced again, its operators are the plan's stage operators in the same
+order (checked: same iteration dimensions), and each takes its
+counterpart's layout. Activations cross stages as full (replicated) plain
+tensors: process k of stage i sends to process k of stage i + 1 (the
+``pp`` group of the mesh), so both processes of a stage send the same
+tensor, as Megatron-LM does without its scatter/gather optimisation; a
+stage input that needs a gradient enters the DTensor program through
+``DTensor.from_local`` (differentiable). Limits: sub-meshes of one or two
+processes, all stages the same size (``torch.distributed.pipelining`` pairs
+ranks one to one between neighbouring stages, and a stage of 4 processes
+could need a 2 x 2 mesh that only its own ranks would create); a parameter
+read by several stages needs one process per stage.
 
 A parameter read by several stages (tied embeddings) has a copy in each; the
 copies' gradients are summed over the processes after the step.
@@ -283,6 +295,60 @@ def _examples(ep: Any, module: Any, names: Sequence[str]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True, eq=False)
+class _Held:
+    """A stage's running module and how its parameters map to the original module's names."""
+
+    module: Any
+    targets: Mapping[str, str]  # key in the stage module -> parameter target in the original module
+    prefix: str  # where the keys live in ``module``'s parameter names ("" or "_params.")
+
+    def named_targets(self) -> dict[str, Any]:
+        params = dict(self.module.named_parameters())
+        if self.prefix:
+            return {t: params[self.prefix + "weights__" + k] for k, t in self.targets.items()}
+        return {t: params["weights." + k] for k, t in self.targets.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none=set_to_none)
+
+
+def _broadcast_stage_layouts(result: Any, rank: int) -> list[list[tuple[Any, Any]]]:
+    """Per stage, its intra-stage plan's ``(operator dims, Layout)`` in operator order (rank 0 -> all)."""
+    import torch.distributed as dist
+
+    from shardplan.pipeline.execute import stage_plan
+
+    box: list[Any] = [None]
+    if rank == 0:
+        box = [[[(op.dims, lay) for op, lay in zip(pl.graph.operators, (pl.layouts[o.name] for o in pl.graph.operators))]
+                for pl in (stage_plan(result, j) for j in range(result.plan.num_stages))]]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]  # type: ignore[return-value]
+
+
+def _dtensor_stage(mod: Any, examples: Sequence[Any], layouts: Sequence[tuple[Any, Any]], mesh: Any) -> Any:
+    """The stage module run on DTensors over ``mesh`` with the searched intra-stage layouts.
+
+    The stage module is traced again (:func:`shardplan.torch.trace`); its operators are the stage's
+    operators in the same order (the same FX nodes), each taking the layout the intra-stage plan gave
+    its counterpart; a mismatch raises.
+    """
+    from shardplan.torch.frontend import trace
+    from shardplan.torch.layout import plan_mesh_shape
+    from shardplan.torch.run import ParallelModule
+
+    graph, info = trace(mod, tuple(x.detach() for x in examples))
+    if len(graph.operators) != len(layouts) or any(op.dims != dims for op, (dims, _) in zip(graph.operators, layouts)):
+        raise ShardplanError("the stage module's operators differ from the stage the plan was made for")
+    lays = {op.name: lay for op, (_, lay) in zip(graph.operators, layouts)}
+    shape = plan_mesh_shape(list(lays.values()), int(mesh.mesh.numel()))
+    if tuple(shape) != tuple(mesh.mesh.shape):
+        raise ShardplanError(f"stage layouts need a mesh of shape {shape}; stages of {mesh.mesh.numel()} processes "
+                             "run on a one-axis mesh")
+    return ParallelModule.create(mod, info, graph, lays, mesh)
+
+
 @dataclass(eq=False)
 class TorchPipeline:
     """This process's part of a pipelined module: its stage module(s) and the schedule.
@@ -344,7 +410,7 @@ class TorchPipeline:
         return [self.parts[j] for j in self._indices()]
 
     def _indices(self) -> list[int]:
-        return [j for j, s in enumerate(self.layout["stages"]) if s[2] == self.rank]
+        return [j for j, (_, _, o, d) in enumerate(self.layout["stages"]) if o <= self.rank < o + d]
 
     def _sum_shared(self) -> None:
         """Sum the gradients of a parameter's copies in several stages (every rank takes part)."""
@@ -390,12 +456,14 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
              micro_batches: Sequence[int] = (1, 2, 4, 8), max_stages: int | None = None, uniform: bool = False,
              interleave: Sequence[int] = (), schedules: Sequence[str] = ("1f1b", "interleaved"),
              budget: float | None = None, periodic: bool = True, schedule: str | None = None,
-             reduction: str = "mean", cutoff: int = 1, group: Any = None, **solve_options: Any) -> TorchPipeline:
+             reduction: str = "mean", cutoff: int = 1, stage_devices: int = 1,
+             **solve_options: Any) -> TorchPipeline:
     """Search the pipeline of ``module(*example_inputs)`` (a loss) over the processes of the default group
     and build this rank's stages and schedule (call on every rank, with the same module and inputs).
 
-    ``machine`` defaults to the reference machine with one device per process; stages get one device each
-    (see the module docstring). ``micro_batches`` .. ``periodic`` go to
+    ``machine`` defaults to the reference machine with one device per process. ``stage_devices``: processes
+    per stage; 1 (default) runs each stage on one process with plain tensors; 2 searches uniform sub-meshes of
+    2 and runs each stage with its intra-stage layouts as DTensor placements (see the module docstring). ``micro_batches`` .. ``periodic`` go to
     :func:`shardplan.pipeline.api.pipeline_solve`; ``schedule="gpipe"`` runs a 1F1B plan with
     ``ScheduleGPipe``; ``solve_options`` go to each intra-stage solve.
     """
@@ -410,7 +478,10 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
         raise ShardplanError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if not dist.is_initialized():
         raise ShardplanError("torch pipelining needs an initialised process group (one process per stage)")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    q = int(stage_devices)
+    if q < 1 or world % q or world // q < 2:
+        raise ShardplanError(f"{world} processes cannot form pipeline stages of {q} processes (at least 2 stages)")
     if machine is None:
         machine = Machine(world, name=f"{world} x cpu")
     elif machine.num_devices != world:
@@ -421,8 +492,8 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
     if rank == 0:
         try:
             result = pipeline_solve(tracer, tracer.batch, machine, micro_batches=micro_batches, max_stages=max_stages,
-                                    uniform=uniform, interleave=interleave, schedules=schedules, budget=budget,
-                                    periodic=periodic, sizes=(1,), cutoff=cutoff, **solve_options)
+                                    uniform=uniform or q > 1, interleave=interleave, schedules=schedules, budget=budget,
+                                    periodic=periodic, sizes=(q,), cutoff=cutoff, **solve_options)
         except ShardplanError as e:
             error = [str(e)]
     dist.broadcast_object_list(error, src=0)
@@ -439,14 +510,23 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
     specs = [StageSpec(j, a, b, o, q, j % (n // v), j // (n // v)) for j, (a, b, o, q) in enumerate(layout["stages"])]
     parts = partition(info.program, info.node_op, rename, graph, specs)
     ep = info.program
-    mine = [j for j, s in enumerate(layout["stages"]) if s[2] == rank]
+    mine = [j for j, (_, _, o, d) in enumerate(layout["stages"]) if o <= rank < o + d]
+    group, sub = None, None
+    if q > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // q, q), mesh_dim_names=("pp", "m0"))
+        group, sub = mesh["pp"].get_group(), mesh["m0"]
+    stage_layouts = _broadcast_stage_layouts(result, rank) if q > 1 else None
     modules, stages = [], []
     for j in mine:
         mod = _stage_module(parts[j], ep, module)
+        ins = _examples(ep, module, parts[j].inputs)
         outs = _examples(ep, module, parts[j].outputs)
-        stages.append(pp.PipelineStage(mod, j, n, torch.device("cpu"), input_args=_examples(ep, module, parts[j].inputs),
+        run_mod = mod if sub is None else _dtensor_stage(mod, ins, stage_layouts[j], sub)  # type: ignore[index]
+        stages.append(pp.PipelineStage(run_mod, j, n, torch.device("cpu"), input_args=ins,
                                        output_args=outs[0] if len(outs) == 1 else outs, group=group))
-        modules.append(mod)
+        modules.append(_Held(run_mod, mod.targets, "" if sub is None else "_params."))
     cls = getattr(pp, SCHEDULE_CLASSES[run_schedule])
     kw = dict(n_microbatches=m, loss_fn=lambda out, _target: out, scale_grads=reduction == "mean")
     sched = cls(stages, **kw) if run_schedule == "interleaved" else cls(stages[0], **kw)
@@ -456,5 +536,8 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
             counts[t] = counts.get(t, 0) + 1
     named = dict(module.named_parameters(remove_duplicate=False))
     shared = {t: tuple(named[t].shape) for t in sorted(counts) if counts[t] > 1}
+    if shared and q > 1:
+        raise ShardplanError(f"parameters read by several stages ({', '.join(shared)}) are supported with one "
+                             "process per stage only")
     return TorchPipeline(result, layout, parts, modules, stages, sched, reduction, rank,
                          int(layout["stages"][-1][2]), shared)
