@@ -505,6 +505,10 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
     if run_schedule not in SCHEDULE_CLASSES or (v > 1) != (run_schedule == "interleaved"):
         raise ShardplanError(f"a plan with {v} chunk(s) per process cannot run the {run_schedule!r} schedule")
     m = int(layout["micro_batches"])
+    if run_schedule == "1f1b" and m < len(layout["stages"]):
+        raise ShardplanError(f"torch's Schedule1F1B needs at least as many micro-batches as stages; the plan has "
+                             f"m={m} for {len(layout['stages'])} stages: offer larger micro_batches or run "
+                             "schedule='gpipe'")
     graph, info, rename = tracer.traced(tracer.batch // m)
     n = len(layout["stages"])
     specs = [StageSpec(j, a, b, o, q, j % (n // v), j // (n // v)) for j, (a, b, o, q) in enumerate(layout["stages"])]
