@@ -16,13 +16,14 @@ import torch  # noqa: F401
 import torch_pipeline_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
 
 WORLD = 4
-CASES = list(torch_pipeline_cases.CASES)
+ALL = list(torch_pipeline_cases.CASES)
+CASES = [c for c in ALL if c != "too_few_micro_batches"]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_pipeline") / "results.json"
-    return torch_pipeline_cases.run_distributed(CASES, WORLD, str(out))
+    return torch_pipeline_cases.run_distributed(ALL, WORLD, str(out))
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -73,3 +74,8 @@ def test_values_are_carried_to_the_stages_that_read_them(results):
     assert reader >= 2, "the skip connection should cross at least one stage"
     assert all("embedding" in carried[j] for j in range(1, reader + 1))
     assert all("embedding" not in carried[j] for j in range(reader + 1, len(carried)))
+
+
+def test_a_1f1b_plan_with_fewer_micro_batches_than_stages_is_refused(results):
+    err = results["too_few_micro_batches"].get("error", "")
+    assert "ShardplanError" in err and "at least as many micro-batches as stages" in err

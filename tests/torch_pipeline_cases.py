@@ -66,6 +66,8 @@ CASES: dict[str, dict[str, Any]] = {
     "interleaved": dict(micro_batches=(4,), interleave=(2,), schedules=("interleaved",)),
     # 2 stages of 2 processes each, the stage's layouts as DTensor placements on its sub-mesh
     "dtensor": dict(micro_batches=(2, 4), schedules=("1f1b",), stage_devices=2),
+    # refused: torch's Schedule1F1B needs m >= S
+    "too_few_micro_batches": dict(micro_batches=(2,), schedules=("1f1b",)),
 }
 
 
