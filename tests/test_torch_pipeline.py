@@ -1,7 +1,8 @@
 """PyTorch pipelining driven by the searched plan: 4 gloo processes (CPU) vs one process.
 
-Cases: 4 stages of one process under 1F1B, GPipe and interleaved 1F1B (2 chunks per process), and
-2 stages of 2 processes, each stage running its intra-stage layouts as DTensor placements.
+Cases: 4 stages of one process under 1F1B, GPipe and interleaved 1F1B (2 chunks per process);
+2 stages of 2 processes, each stage running its intra-stage layouts as DTensor placements; a head
+tied to the embedding (a parameter of the first and the last stage, its gradients summed).
 
 One process group for the module: the fixture spawns 4 workers once (tests/torch_pipeline_cases.py)
 that run every case and report the differences and the plan they ran.
@@ -32,7 +33,9 @@ def test_pipelined_loss_and_grads_equal_single_process(results, name):
     assert "error" not in r, r.get("error")
     assert r["rel_loss"] <= 1e-5, (r["loss"], r["loss0"])
     assert r["rel_grad"] <= 1e-4, (r["grad_err"], r["grad_scale"])
-    assert r["params_held"] == r["params_total"], "every parameter is held by exactly one stage"
+    tied = 1 if name == "tied" else 0  # the tied embedding: a copy in the first and in the last stage
+    assert r["params_held"] == r["params_total"] + tied, "every parameter is held by exactly one stage"
+    assert r["shared"] == (["embed.weight"] if tied else [])
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -40,11 +43,12 @@ def test_the_searched_plan_is_what_runs(results, name):
     r = results[name]
     assert "error" not in r, r.get("error")
     lay = r["layout"]
-    assert r["misplaced"] == 0, "a rank holds a parameter of a unit outside its stages"
+    assert r["misplaced"] == (1 if name == "tied" else 0), "a rank holds a parameter of a unit outside its stages"
     q = 2 if name == "dtensor" else 1
     assert all(d == q for *_, d in lay["stages"])
     want = {"1f1b": ("1f1b", 1, "Schedule1F1B"), "gpipe": ("1f1b", 1, "ScheduleGPipe"),
-            "interleaved": ("interleaved", 2, "ScheduleInterleaved1F1B"), "dtensor": ("1f1b", 1, "Schedule1F1B")}[name]
+            "interleaved": ("interleaved", 2, "ScheduleInterleaved1F1B"), "dtensor": ("1f1b", 1, "Schedule1F1B"),
+            "tied": ("1f1b", 1, "Schedule1F1B")}[name]
     assert (lay["schedule"], lay["chunks"], r["schedule"]) == want
     groups = WORLD // q
     assert len(lay["stages"]) == groups * lay["chunks"]

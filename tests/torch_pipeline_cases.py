@@ -32,11 +32,13 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Embedding, ``layers`` blocks, a head reading the last block and (a long skip) the embedding; loss."""
 
-    def __init__(self, layers: int = 6) -> None:
+    def __init__(self, layers: int = 6, tied: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, D)
         self.layers = nn.ModuleList(Block() for _ in range(layers))
         self.head = nn.Linear(D, VOCAB)
+        if tied:
+            self.head.weight = self.embed.weight
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         e = self.embed(ids)
@@ -47,10 +49,10 @@ class TinyLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
-def make_case() -> tuple[nn.Module, tuple]:
+def make_case(tied: bool = False) -> tuple[nn.Module, tuple]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(3)
-    return TinyLM(), (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+    return TinyLM(tied=tied), (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
                       torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
 
 
@@ -66,6 +68,8 @@ CASES: dict[str, dict[str, Any]] = {
     "interleaved": dict(micro_batches=(4,), interleave=(2,), schedules=("interleaved",)),
     # 2 stages of 2 processes each, the stage's layouts as DTensor placements on its sub-mesh
     "dtensor": dict(micro_batches=(2, 4), schedules=("1f1b",), stage_devices=2),
+    # the head reuses the embedding's weight: a parameter of the first and the last stage
+    "tied": dict(micro_batches=(4,), schedules=("1f1b",), tied=True),
     # refused: torch's Schedule1F1B needs m >= S
     "too_few_micro_batches": dict(micro_batches=(2,), schedules=("1f1b",)),
 }
@@ -76,13 +80,14 @@ def run_case(name: str, world: int) -> dict[str, Any]:
 
     from shardplan.pipeline.torch import pipeline
 
-    model, batch = make_case()
+    opts = dict(CASES[name])
+    model, batch = make_case(opts.pop("tied", False))
     ref = __import__("copy").deepcopy(model)
     loss0 = ref(*batch)
     loss0.backward()
     loss0 = loss0.detach()
     grads0 = {n: p.grad.detach() for n, p in ref.named_parameters()}
-    pipe = pipeline(model, batch, toy_machine(world), **CASES[name])
+    pipe = pipeline(model, batch, toy_machine(world), **opts)
     loss = pipe.step(*batch)
     worst = torch.zeros(())
     for target, g in pipe.named_grads().items():
@@ -104,7 +109,7 @@ def run_case(name: str, world: int) -> dict[str, Any]:
     return {"loss": float(loss), "loss0": float(loss0), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
             "grad_err": float(worst), "grad_scale": scale, "rel_grad": float(worst) / scale,
             "params_held": int(held), "params_total": len(grads0), "misplaced": int(bad),
-            "layout": pipe.layout, "schedule": type(pipe.schedule).__name__,
+            "layout": pipe.layout, "shared": list(pipe.shared), "schedule": type(pipe.schedule).__name__,
             "carried": [list(p.inputs) for p in pipe.parts],
             "dtensor_params": _total(sum(1 for p in pipe.named_parameters().values() if hasattr(p, "placements"))),
             "split_params": _total(sum(1 for p in pipe.named_parameters().values()

@@ -60,8 +60,10 @@ ranks one to one between neighbouring stages, and a stage of 4 processes
 could need a 2 x 2 mesh that only its own ranks would create); a parameter
 read by several stages needs one process per stage.
 
-A parameter read by several stages (tied embeddings) has a copy in each; the
-copies' gradients are summed over the processes after the step.
+A parameter read by several stages (tied embeddings, known by several names:
+the first name ``named_parameters`` gives is used) has a copy in each; the
+copies' gradients are summed over the processes after the step, so each holds
+the parameter's full gradient.
 """
 
 from __future__ import annotations
@@ -512,7 +514,10 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
     graph, info, rename = tracer.traced(tracer.batch // m)
     n = len(layout["stages"])
     specs = [StageSpec(j, a, b, o, q, j % (n // v), j // (n // v)) for j, (a, b, o, q) in enumerate(layout["stages"])]
-    parts = partition(info.program, info.node_op, rename, graph, specs)
+    first_name: dict[int, str] = {}
+    canon = {t: first_name.setdefault(id(x), t) for t, x in module.named_parameters(remove_duplicate=False)}
+    parts = [dataclasses.replace(p, params={ph: canon.get(t, t) for ph, t in p.params.items()})
+             for p in partition(info.program, info.node_op, rename, graph, specs)]
     ep = info.program
     mine = [j for j, (_, _, o, d) in enumerate(layout["stages"]) if o <= rank < o + d]
     group, sub = None, None
