@@ -69,7 +69,7 @@ def test_uneven_stages_refused():
 V, D, L, B, T = 32, 16, 4, 16, 4
 
 
-def _gpt_params(seed: int = 0):
+def _gpt_params(seed: int = 0, tied: bool = False):
     import jax.numpy as jnp
 
     r = np.random.default_rng(seed)
@@ -77,7 +77,8 @@ def _gpt_params(seed: int = 0):
     def n(*s):
         return jnp.asarray(r.normal(size=s).astype(np.float32) / np.sqrt(s[0]))
 
-    return {"embed": n(V, D), "head": n(D, V),
+    head = {} if tied else {"head": n(D, V)}
+    return {"embed": n(V, D), **head,
             "blocks": [{"w1": n(D, 2 * D), "w2": n(2 * D, D), "g": jnp.asarray(1 + 0.1 * r.normal(size=D),
                                                                               dtype=jnp.float32)}
                        for _ in range(L)]}
@@ -95,7 +96,7 @@ def _gpt_loss(p, batch):
             z = h * blk["g"] / jnp.sqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)
             h = h + jnp.tanh(z @ blk["w1"]) @ blk["w2"]
     with jax.named_scope("head"):
-        lp = jax.nn.log_softmax(h @ p["head"])
+        lp = jax.nn.log_softmax(h @ (p["head"] if "head" in p else p["embed"].T))
         return -jnp.mean(jnp.take_along_axis(lp, y[..., None], -1))
 
 
@@ -162,17 +163,20 @@ def test_searched_1f1b_plan_runs_non_uniform_stages():
 
 
 def test_issue_order_is_the_schedules_per_stage_order():
+    """GPipe's order, and a head tied to the embedding (one parameter read in the first and the last stage)."""
     from shardplan.pipeline.jax import pipeline
     from shardplan.pipeline.schedule import _order
 
     require_8_devices()
-    params, batch = _gpt_params(), _tokens()
+    params, batch = _gpt_params(tied=True), _tokens()
     step = pipeline(_gpt_loss, params, batch, machine=_toy(), sizes=(4,), micro_batches=(4,), schedule="gpipe")
     n = step.plan.num_stages
     assert n == 2
     for s in range(n):
         mine = [(k, j) for k, i, j in step.order() if i == s]
         assert mine == [(k, j) for k, j, _ in _order(s, n, 4, "gpipe", 1)]
+    embed = len(jax.tree_util.tree_leaves(params["blocks"]))  # leaves in key order: blocks, then embed
+    assert [embed in st.params for st in step.stages] == [True, True]
     _assert_equal_to_unsharded(step, _gpt_loss, params, batch)
 
 
