@@ -62,3 +62,25 @@ def test_assign_nodes_puts_free_nodes_next_to_their_first_reader():
 def test_assign_nodes_refuses_a_backward_edge():
     with pytest.raises(ShardplanError, match="later stage"):
         assign_nodes(["a", "b"], {"b": ["a"]}, {"a": 1, "b": 0}, last=1)
+
+
+def test_stage_plan_is_the_stages_own_plan_even_when_costed_periodically():
+    """A stage of 4 or more identical blocks is costed by linear extension (its cost's plan covers fewer
+    blocks); stage_plan solves it directly, so every operator of the stage has a layout."""
+    from shardplan.machine import Machine
+    from shardplan.models import get_model
+    from shardplan.pipeline import pipeline_solve
+    from shardplan.pipeline.execute import stage_plan
+
+    def build(b):
+        return get_model("gpt", b, layers=8, d_model=64, heads=2, seq=16, vocab=256)
+
+    r = pipeline_solve(build, 8, Machine(4, name="m"), micro_batches=(2,), sizes=(2,), cutoff=1)
+    checked = 0
+    for j, stage in enumerate(r.plan.stages):
+        want = {op.name for op in r.stages.subgraph(stage.first, stage.end, 2).operators}
+        got = stage_plan(r, j)
+        assert {op.name for op in got.graph.operators} == want
+        assert got.machine.num_devices == stage.devices
+        checked += len(stage.cost.detail.graph.operators) < len(want)
+    assert checked > 0, "some stage should have been costed by linear extension"
