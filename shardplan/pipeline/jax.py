@@ -42,8 +42,11 @@ on axis 0 (other leaves are given whole to every micro-batch); a cut inside
 a ``jax.checkpoint`` region or a custom-derivative call is refused; the
 order in which XLA actually runs concurrent work on one device is the
 runtime's (the controller only fixes the issue order); the stage-to-stage
-transfers are synchronous copies issued by the controller, not overlapped
-sends. Interleaved plans keep every chunk's parameters on its group.
+transfers are ``device_put`` copies issued by the controller when the
+consumer's pass is issued, not sends scheduled to overlap the producer's
+next pass; a parameter read by several stages (a tied embedding) has a copy
+on each, and its gradient is the sum of the copies'. Interleaved plans keep
+every chunk's parameters on its group.
 
 **Uniform stages on a stage axis** (:func:`stack_stages`,
 :func:`pipeline_forward`; the approach of MaxText's and Praxis's
