@@ -160,6 +160,8 @@ def test_searched_1f1b_plan_runs_non_uniform_stages():
     assert [(s.offset, s.devices) for s in plan.stages] == [(0, 2), (2, 2), (4, 2), (6, 2)]
     _assert_stage_layouts(step)
     _assert_equal_to_unsharded(step, _gpt_loss, params, batch)
+    with pytest.raises(ShardplanError, match="micro-batches of"):
+        step(params, (batch[0][:8], batch[1][:8]))
 
 
 def test_issue_order_is_the_schedules_per_stage_order():

@@ -365,10 +365,14 @@ class StagedStep:
         import numpy as np
 
         leaves, tree = jax.tree_util.tree_flatten((params, batch))
-        if len(leaves) != len(self.info.leaf_shapes):
-            raise ShardplanError(f"arguments have {len(leaves)} leaves, the traced loss had {len(self.info.leaf_shapes)}")
+        if tree != self.info.in_tree:
+            raise ShardplanError(f"arguments have structure {tree}, the traced loss had {self.info.in_tree}")
         m = self.plan.micro_batches
         rows = self.info.leaf_shapes[min(self.info.batch_leaves)][0] if self.info.batch_leaves else 0
+        for i in self.info.batch_leaves:
+            if tuple(leaves[i].shape) != (rows * m,) + tuple(self.info.leaf_shapes[i][1:]):
+                raise ShardplanError(f"batch leaf {self.info.leaf_names[i]} has shape {tuple(leaves[i].shape)}; the "
+                                     f"plan is for {m} micro-batches of {self.info.leaf_shapes[i]}")
 
         def micro(i: int, j: int) -> Any:
             x = leaves[i]
