@@ -179,7 +179,8 @@ def scoped_trace(loss_fn: Callable[..., Any], params: Any, batch: Any) -> tuple[
     ops = tuple(dataclasses.replace(op, name=ren[op.name], inputs=tuple(
         dataclasses.replace(t, src=ren.get(t.src, t.src)) if t.src is not None else t for t in op.inputs))
         for op in graph.operators)
-    graph = Graph(graph.name, ops, dict(graph.graph_inputs))
+    graph = Graph(graph.name, ops, dict(graph.graph_inputs),
+                  ties=tuple(tuple(ren.get(n, n) for n in grp) for grp in graph.ties))
     info = dataclasses.replace(
         info, op_vars={ren.get(k, k): v for k, v in info.op_vars.items()},
         reads={ren.get(k, k): v for k, v in info.reads.items()},

@@ -122,7 +122,8 @@ def scoped_trace(module: Any, inputs: Sequence[Any]) -> tuple[Any, Any, dict[str
     ops = tuple(dataclasses.replace(op, name=ren[op.name], inputs=tuple(
         dataclasses.replace(t, src=ren.get(t.src, t.src)) if t.src is not None else t for t in op.inputs))
         for op in graph.operators)
-    return Graph(graph.name, ops, dict(graph.graph_inputs)), info, {v: k for k, v in ren.items()}
+    ties = tuple(tuple(ren.get(n, n) for n in grp) for grp in graph.ties)
+    return Graph(graph.name, ops, dict(graph.graph_inputs), ties=ties), info, {v: k for k, v in ren.items()}
 
 
 class _Tracer:
