@@ -391,7 +391,8 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
     incumbent by an exact solve restricted to the configurations of least
     bound (by ``exact_solver``, e.g. :func:`shardplan.search.dp.solve_small`,
     passed in so that this module does not depend on the DP). Stops when a round (after the first TRW-S round) drops at most
-    ``min_drop`` of the surviving configurations, or after ``max_rounds``.
+    ``min_drop`` of the surviving configurations, or proves its incumbent optimal (bound = incumbent), or
+    after ``max_rounds``.
     The forest of a round is chosen by max R once messages exist
     (``exact_weights`` also in round 0), else by the cheaper max E - min E.
     With ``symmetric``, vertices with equal costs and configurations
@@ -456,6 +457,8 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
             keep = [k[x] for k, x in zip(keep, pos)]
         if rounds > 1 and dropped <= min_drop * remaining:
             break  # another round would cost more than it saves the DP
+        if rounds > 1 and best_ub <= lb + rtol * abs(lb):
+            break  # the incumbent is proven optimal: what is left is what the bound cannot tell from it
     after = int(sum(len(k) for k in keep))
     stats = {
         "configs_before": before,

@@ -125,7 +125,7 @@ class Problem:
                 raise ShardplanError(f"edge ({s}, {d}) refers to a vertex index outside 0..{n - 1}")
             if s == d:
                 raise ShardplanError(f"edge from {names[s]!r} to itself")
-            arr = np.asarray(m, dtype=np.float64)
+            arr = m if isinstance(m, np.ndarray) and m.dtype == np.float64 else np.asarray(m, dtype=np.float64)
             want = (len(configs[s]), len(configs[d]))
             if arr.shape != want:
                 raise ShardplanError(
