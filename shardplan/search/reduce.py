@@ -157,7 +157,7 @@ def _undominated(unary: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
 def reduce_problem(problem: Problem, dominance: bool = True, max_passes: int = 50, seed: int = 0) -> Reduction:
     """Collapse identical and drop dominated configurations to a fixed point (exact).
 
-    When cost vectors repeat (shared arrays), the result for a vertex is
+    When cost vectors repeat (equal vectors: :func:`orbits`), the result for a vertex is
     cached under the digests of its cost vector and incident matrices
     (:func:`shardplan.search.memo.digest`) and reused only when those inputs
     are equal element by element, so equal vertices are reduced once; and a
@@ -173,7 +173,7 @@ def reduce_problem(problem: Problem, dominance: bool = True, max_passes: int = 5
     passes = 0
     # a vertex's result depends only on its cost vector and its incident matrices (as a multiset: the
     # order of the blocks changes neither test), so equal ones -- identical layers -- are reduced once
-    repeated = len(set(map(id, problem.vertex_cost))) < n
+    repeated = len(set(orbits(problem))) < n
     seen: dict[tuple, tuple[tuple[np.ndarray, ...], np.ndarray]] = {}  # key -> (inputs, kept positions)
     restricted: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # equal restrictions of a shared matrix, once
     dcache = DigestCache()
