@@ -377,11 +377,18 @@ class Graph:
     Edges are derived from the operators' inputs (``Tensor.src``); graph
     inputs (data, labels) are not vertices. Validation: unique names, known
     producers, matching shapes along every edge, no cycles.
+
+    ``ties``: groups of operators that must take one configuration (the
+    copies of an operator in the iterations of an unrolled ``scan``: the
+    stacked parameter they read has one layout). Members have the same
+    dimensions and extents; the search treats a group as one variable
+    (:mod:`shardplan.search.tie`).
     """
 
     name: str
     operators: tuple[Operator, ...]
     graph_inputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    ties: tuple[tuple[str, ...], ...] = ()
     edges: tuple[EdgeRef, ...] = field(init=False)
     index: Mapping[str, int] = field(init=False, repr=False)
 
@@ -422,6 +429,7 @@ class Graph:
                 edges.append(EdgeRef(index[t.src], j, slot))
         object.__setattr__(self, "edges", tuple(edges))
         object.__setattr__(self, "index", index)
+        self._check_ties()
         import networkx as nx  # a quarter of a second: not at ``import shardplan``
 
         g = self.to_networkx()
@@ -429,6 +437,20 @@ class Graph:
             cycle = nx.find_cycle(g)
             path = " -> ".join(str(e[0]) for e in cycle) + f" -> {cycle[0][0]}"
             raise ShardplanError(f"graph {self.name!r} has a cycle: {path}")
+
+    def _check_ties(self) -> None:
+        """Tie groups name known operators of one description (dims and extents), each in at most one group."""
+        from shardplan.search.tie import check_ties
+
+        ties = tuple(tuple(str(n) for n in grp) for grp in self.ties)
+        object.__setattr__(self, "ties", ties)
+        for grp in check_ties([op.name for op in self.operators], ties):
+            first = self.operators[grp[0]]
+            for i in grp[1:]:
+                op = self.operators[i]
+                if op.dims != first.dims or op.fixed != first.fixed:
+                    raise ShardplanError(f"graph {self.name!r}: tied operators {first.name!r} and {op.name!r} "
+                                         f"have different dimensions ({first.label} / {op.label})")
 
     def to_networkx(self) -> nx.MultiDiGraph:
         """The operator graph as a networkx MultiDiGraph (nodes are operator names)."""

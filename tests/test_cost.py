@@ -372,3 +372,23 @@ def test_one_list_of_breakdown_parts():
     assert list(c.parts(0)) == list(PARTS)
     assert sum(c.parts(0).values()) == pytest.approx(c.total[0])
     assert list(BREAKDOWN) == [*PARTS, "redistribution"]
+
+
+def test_a_slice_sends_back_only_the_gradient_of_what_it_read():
+    """A consumer reading columns 32..63 of a (8, 96) tensor, both sides split over the batch: nothing moves;
+    with the producer split over the columns 3 ways and the slice over the batch, the slice sends back
+    only the gradient of its own columns that the producer's device lacks."""
+    from shardplan.ir import TensorRef
+
+    x = TensorRef("x", (8, 16), is_input=True)
+    fc = ops.dense("fc", x, 96)  # dims b, n, c
+    sl = ops.slice_axis("sl", TensorRef("fc", (8, 96), needs_grad=True), 1, 32, 32)
+    f, b = edge_volumes(fc, np.array([[2, 1, 1]]), sl, 0, np.array([[2, 1]]), 2)
+    assert (f[0, 0], b[0, 0]) == (0, 0)
+    # producer: columns in 3 blocks of 32 on devices 0, 1, 2 (batch whole); the slice replicated
+    f, b = edge_volumes(fc, np.array([[1, 3, 1]]), sl, 0, np.array([[1, 1]]), 3)
+    # the slice is replicated on 3 devices, each reads all of columns 32..63: device 0 and 2 lack them
+    assert f[0, 0] == 8 * 32
+    # backward: device q's producer tile is columns [32q, 32q+32); the slice's gradient covers only 32..63,
+    # which device 1 holds itself: devices 0 and 2 receive nothing for the columns outside the slice
+    assert b[0, 0] == 0

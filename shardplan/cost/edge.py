@@ -6,7 +6,11 @@ index T) and A_v(q) the box v needs there (its core input tile; halos are
 part of v's own cost). Under the shared row-major device numbering:
 
     forward  = max_q |A_v(q)| - |A_v(q) ∩ A_u(q)|
-    backward = max_q |A_u(q)| - |A_u(q) ∩ A_v(q)|     (if T needs a gradient)
+    backward = max_q |A_u(q) ∩ R| - |A_u(q) ∩ A_v(q)|     (if T needs a gradient)
+
+with R the part of T that v reads at all (all of T, except for a slice or
+a piece of a split: the gradient of the rest of u's tile comes from u's
+other consumers, not over this edge; see :func:`_clip_to_read`)
 
 in elements; times bytes per element over the link bandwidth (+ alpha per
 direction that moves anything). The intersection is exact: boxes
@@ -97,6 +101,30 @@ def _general_pairs(bu: np.ndarray, bv: np.ndarray, iu: np.ndarray, iv: np.ndarra
         fwd[s:s + step] = (need[b] - inter).max(axis=-1)
         bwd[s:s + step] = (have[a] - inter).max(axis=-1)
     return fwd, bwd
+
+
+def _clip_to_read(bu: np.ndarray, bv: np.ndarray) -> np.ndarray:
+    """Producer boxes (K_u, p, A, 2) cut to R, the box of T the consumer reads at all (its boxes' hull).
+
+    Backward, the consumer sends the producer the gradient of the part of T it
+    read; the producer's gradient on the rest of its tile comes from its other
+    consumers (the other pieces of a split, of a slice) or is zero, not over
+    this edge. So the backward volume is ``|A_u(q) ∩ R| - |A_u(q) ∩ A_v(q)|``;
+    forward, ``A_v(q) ⊆ R`` and nothing changes. For a consumer that reads
+    all of T, R is T.
+    """
+    if bv.shape[2] == 0:
+        return bu
+    live = box_volumes(bv) > 0  # (K_v, p): idle devices hold empty boxes
+    if not live.any():
+        return bu
+    lo = bv[..., 0][live].min(axis=0)  # (A,)
+    hi = bv[..., 1][live].max(axis=0)
+    out = bu.copy()
+    out[..., 0] = np.clip(bu[..., 0], lo, hi)
+    out[..., 1] = np.clip(bu[..., 1], lo, hi)
+    out[..., 1] = np.maximum(out[..., 1], out[..., 0])
+    return out
 
 
 def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
@@ -246,8 +274,8 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
         fwd = bwd = None
         exact = np.zeros((len(lu), len(lv)), dtype=bool)
     if fwd is None or not exact.all():
-        bu = tensor_boxes(u, u.output, lu, p, core=True)
         bv = tensor_boxes(v, t_in, lv, p, core=True)
+        bu = _clip_to_read(tensor_boxes(u, u.output, lu, p, core=True), bv)
         if fwd is None:
             fwd, bwd = _general(bu, bv)
         else:
