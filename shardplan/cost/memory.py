@@ -3,6 +3,8 @@
 For each operator and configuration, per device q (bytes):
 
     weights:     sum_W |W tile(q)| * (1 + 1 + m)    (value, gradient, m words of optimizer state)
+                 over the weights the operator owns (a parameter read by several
+                 operators is counted once, at its owner: ``Tensor.grad_owner``)
     activations: |output tile(q)|                   (kept for the backward pass)
 
 (m = 2 for Adam, 0 for plain SGD.) A strategy's memory on device q is the
@@ -36,7 +38,8 @@ def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: f
     k = len(lay)
     w = np.zeros((k, p))
     for t in op.weights:
-        w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
+        if t.owned:  # a shared parameter is held (with its gradient and state) by its owner only
+            w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
     act = tile_volumes(op, op.output, lay).astype(np.float64) * nbytes
     return w, act
 
@@ -143,11 +146,12 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
     # replicas per level: a level's devices not used by the layout's split there hold copies
     reps = np.asarray(lay.levels, dtype=np.int64)[:, None] // lay.level_splits.prod(axis=2)
     state = np.zeros(k)
-    for t in op.weights:
+    owned = [t for t in op.weights if t.owned]  # a shared parameter's state and sync are its owner's
+    for t in owned:
         state += tile_volume(op, t, lay, p) * nbytes
     group = np.ones(k)
     rows = []
-    for t in op.weights:
+    for t in owned:
         if not t.needs_grad:
             continue
         gl = lay.group_sizes([op.dim_names.index(d) for d in op.grad_reduction_dims(t)])

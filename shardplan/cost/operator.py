@@ -34,6 +34,15 @@ configuration c (arrays over the K configurations):
   the backward of the operators before it, which this per-operator max
   neither credits nor checks). Activation gradients are on the critical
   path and are never overlapped;
+* shared parameters: a parameter read by several operators (a tied
+  embedding and LM head) has one gradient. Each reader computes its
+  partial gradient; the readers that do not own it (``Tensor.grad_owner``,
+  every reader after the first) add theirs into the owner's on the device,
+  and only the owner pays the weight-gradient synchronisation above, once,
+  at the owner's layout. Exact when the readers' layouts agree on the
+  parameter; when they differ, moving a non-owner's partial gradient into
+  the owner's layout (and the parameter into the non-owner's) is not
+  charged, like every other weight redistribution (weights are not edges);
 * halo: a windowed access on a split dim reads the elements of the tile it
   needs that are outside the tile it owns (``|need| - |need ∩ core|``) from
   neighbours, forward, and returns their gradient backward;
@@ -175,6 +184,8 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     weight_sync = zeros.copy()
     bucket = machine.grad_bucket_bytes
     for t in op.grad_tensors:
+        if t.role == "weight" and not t.owned:
+            continue  # a partial gradient added into the owner's on the device: the owner syncs the sum
         g, gl, _ = _group(op, lay, op.grad_reduction_dims(t))
         vol = tile_volume(op, t, lay, p, core=False, grid=grid)
         if t.role == "weight" and bucket is not None:

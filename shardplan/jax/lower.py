@@ -26,10 +26,12 @@ the elementwise result.
 
 Parameters. The pytree leaves of the arguments in ``params_argnums`` are
 parameters: an operator that reads one gets it as a *weight*. A parameter
-read by several operators (tied weights) is a weight of each, so every
-consumer pays its own gradient synchronisation (an over-count by the number
-of extra consumers); its leaf's layout is the one its first consumer asks
-for. A static slice of a parameter (one layer of a stacked parameter, as an
+read by several operators (tied weights) is a weight of each; its first
+reader owns it and the later ones name that owner
+(:attr:`~shardplan.ir.Tensor.grad_owner`), so the cost model charges one
+gradient synchronisation and one copy of its state (see
+:mod:`shardplan.cost.operator`); its leaf's layout is the one its first
+consumer asks for. A static slice of a parameter (one layer of a stacked parameter, as an
 unrolled ``scan`` reads it) is a weight of the slice's shape whose axes map
 to the leaf's. A parameter reshaped so that axes merge or split is a
 weight of the new shape and its leaf is left replicated.
@@ -159,6 +161,7 @@ class _Val:
     ``leaf_axes[i]`` (params): the leaf axis that base axis i is (None: a cut
     axis); ``leaf_axes`` None: the base is not an axis-wise part of the leaf.
     ``batch``: the base axis that carries the batch, if any.
+    ``part`` (params): which static slice of the leaf the base is (None: the whole leaf).
     """
 
     kind: str
@@ -169,6 +172,7 @@ class _Val:
     needs_grad: bool = False
     leaf_axes: tuple[int | None, ...] | None = None
     batch: int | None = None
+    part: Any = None
 
     @property
     def is_identity(self) -> bool:
@@ -244,6 +248,7 @@ class _GraphPass:
         self.view_src: dict[int, Atom] = {}  # a view's variable -> the variable it views
         self.leaf_uses: dict[int, list[tuple[str, tuple[str | None, ...]]]] = {}
         self.reads: dict[str, list[tuple[int, int, tuple[str | None, ...]]]] = {}
+        self.param_owner: dict[tuple[Any, Any], str] = {}  # (leaf, part) -> the operator that read it first
         self.inputs: dict[str, tuple[int, ...]] = {}
         self.input_leaf = dict(input_leaf)
         self.alias, self.uses = _count_uses(program)
@@ -319,6 +324,7 @@ class _GraphPass:
         ins: list[Tensor] = []
         ws: list[Tensor] = []
         reads: list[tuple[int, int, tuple[str | None, ...]]] = []
+        wkeys: list[tuple[Any, Any]] = []
         batch_dim = None
         for slot, (v, t) in enumerate(zip(vals, op.inputs)):
             if v.kind == "const":
@@ -333,9 +339,11 @@ class _GraphPass:
             reads.append((self.eqn_index, slot, tuple(read)))
             if v.kind == "param":
                 ws.append(self.tensor(v, f"w{len(ws)}", t.axes))
+                wkeys.append((v.key, v.part))
             else:
                 ins.append(self.tensor(v, f"x{len(ins)}", t.axes))
         name = self.unique(join_scope(eqn.scope, eqn.name))
+        ws = [self.owned(key, t, name) for key, t in zip(wkeys, ws)]
         op = dataclasses.replace(op, name=name, inputs=tuple(ins), weights=tuple(ws),
                                  fixed=op.fixed | frozenset(fixed))
         mapping: dict[str, str] = {}
@@ -352,6 +360,11 @@ class _GraphPass:
         if batch_dim is not None:
             out_batch = next((i for i, a in enumerate(op.output.axes) if a.is_plain and a.dim == "b"), None)
         return self.register(op, eqn.outvars[out_index], eqn.out_dtypes[out_index], vals, out_batch)
+
+    def owned(self, key: tuple[Any, Any], t: Tensor, reader: str) -> Tensor:
+        """``t`` (a parameter's tensor in operator ``reader``), naming the parameter's owner unless ``reader`` is it."""
+        owner = self.param_owner.setdefault(key, reader)
+        return t if owner == reader else dataclasses.replace(t, grad_owner=owner)
 
     def register(self, op: Operator, var: int, dtype: Any, vals: Sequence[_Val] = (),
                  out_batch: int | None = None) -> _Val:
@@ -388,7 +401,7 @@ class _GraphPass:
         name = self.unique(join_scope(eqn.scope, "copy"))
         t = self.tensor(v, "x0", letters)
         assert t is not None
-        ins, ws = ((t,), ()) if t.role == "input" else ((), (t,))
+        ins, ws = ((t,), ()) if t.role == "input" else ((), (self.owned((v.key, v.part), t, name),))
         op = Operator(name, "copy", tuple(zip(letters, v.shape)), ins, Tensor("y", v.shape, tuple(letters), "output"),
                       ws, flops_per_point=0.0)
         self.ops[name] = op
@@ -548,7 +561,7 @@ def _reshape(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
         return
     if v.kind == "param":
         # the reshaped parameter is a weight of its new shape; its leaf is no longer mapped
-        g.env[eqn.outvars[0]] = _base("param", v.key, new, v.needs_grad)
+        g.env[eqn.outvars[0]] = dataclasses.replace(_base("param", v.key, new, v.needs_grad), part=v.part)
         return
     base = g.materialize(v, eqn)
     g.adopt(eqn, ops.reshape("_", g.ref(base, 0), new), [base])
@@ -715,7 +728,9 @@ def _slice(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     strides = p.get("strides") or (1,) * len(out)
     if v.kind == "param" and v.is_identity and v.leaf_axes is not None:
         keep = tuple(la if out[i] == v.shape[i] else None for i, la in enumerate(v.leaf_axes))
-        g.env[eqn.outvars[0]] = _base("param", v.key, out, v.needs_grad, leaf_axes=keep)
+        part = (v.part, tuple(p["start_indices"]), tuple(out), tuple(strides))
+        g.env[eqn.outvars[0]] = dataclasses.replace(_base("param", v.key, out, v.needs_grad, leaf_axes=keep),
+                                                    part=part)
         return
     g.adopt(eqn, _slice_op(eqn, v, p["start_indices"], strides, out), vals[:1])
 

@@ -24,7 +24,9 @@ for its ATen target (:data:`HANDLERS`, see :func:`register`) from the
 :mod:`shardplan.ops` constructors. A parameter operand becomes a *weight*
 tensor of the operator (trainable when ``requires_grad``); a buffer is a
 constant. A parameter read by several operators (tied embeddings) is a weight
-of each, its layout at run time is the one its first reader asks for.
+of each; its first reader owns it and the later ones name that owner
+(:attr:`~shardplan.ir.Tensor.grad_owner`: one gradient synchronisation, one
+copy of its state); its layout at run time is the one its first reader asks for.
 
 Dimensions that DTensor cannot execute split are marked *fixed*
 (:attr:`~shardplan.ir.Operator.fixed`), so every plan found can run:
@@ -238,6 +240,7 @@ class _Ctx:
                 inputs.append(t)
         kept = {t.name for t in inputs} | {w.name for w in weights}
         by_name = {k: pv for k, pv in by_name.items() if k in kept}
+        weights = [self._owned(w, str(by_name[w.name][1].key), op.name) if w.name in by_name else w for w in weights]
         dims = op.dims or (("u", 1),)
         op = dataclasses.replace(op, kind=kind or op.kind, inputs=tuple(inputs), weights=tuple(weights), dims=dims)
         self.ops[op.name] = op
@@ -253,6 +256,12 @@ class _Ctx:
         val = out or Val("op", op.name, _shape(node) or (), grad)
         self.env[node.name] = val
         return val
+
+    def _owned(self, w: Tensor, param: str, reader: str) -> Tensor:
+        """``w``, naming the parameter's first reader as its owner when that is another operator."""
+        uses = self.param_uses.get(param)
+        owner = uses[0][0] if uses else reader
+        return w if owner == reader else dataclasses.replace(w, grad_owner=owner)
 
     def undo(self, node: Any) -> None:
         """Forget the operator made for ``node`` (its handler described it wrongly)."""
