@@ -226,7 +226,13 @@ class Operator:
         norm_stats: statistics per normalised row (2 for mean and variance).
         recurrence: set for a recurrent operator (see :class:`Recurrence`).
         fixed: dimensions that may not be split (inner dims of a merged axis).
-        label: dimension letters for reports (Table II style, e.g. "bchwnrs").
+        dim_labels: optional (dimension, readable name) pairs for reports,
+            e.g. ``(("b", "batch"), ("x", "out"), ("y", "in"))`` on a traced
+            dense layer: the tensor axis a dimension comes from, as a user
+            knows it. The dimension names stay the identifiers (short,
+            unique, what configurations are indexed by); labels are display
+            only and need not be unique. Dimensions without a label show
+            their name.
     """
 
     name: str
@@ -240,8 +246,11 @@ class Operator:
     norm_stats: int = 2
     recurrence: Recurrence | None = None
     fixed: frozenset[str] = frozenset()
+    dim_labels: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        labels = self.dim_labels.items() if isinstance(self.dim_labels, Mapping) else self.dim_labels
+        object.__setattr__(self, "dim_labels", tuple((str(d), str(n)) for d, n in labels))
         dims = tuple((str(d), int(e)) for d, e in self.dims)
         object.__setattr__(self, "dims", dims)
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -297,6 +306,9 @@ class Operator:
         for d in self.fixed:
             if d not in ext:
                 self._fail(f"fixed dimension {d!r} is not a dimension")
+        for d, _ in self.dim_labels:
+            if d not in ext:
+                self._fail(f"labelled dimension {d!r} is not a dimension")
         if self.recurrence is not None:
             for d in (self.recurrence.layer, self.recurrence.time, self.recurrence.state, self.recurrence.batch):
                 if d not in ext:
@@ -324,6 +336,18 @@ class Operator:
         """The dimension letters, e.g. "bchwnrs" (names joined when longer)."""
         names = self.dim_names
         return "".join(names) if all(len(n) == 1 for n in names) else ",".join(names)
+
+    def dim_label(self, d: str) -> str:
+        """The readable name of dimension ``d`` (its label, else the name itself)."""
+        return dict(self.dim_labels).get(d, d)
+
+    @property
+    def dims_text(self) -> str:
+        """The dimensions for a report: ``"batch:16 seq:128 out:2304 in:768"`` when labelled
+        (:attr:`dim_labels`), else the letters (:attr:`label`, Table II style)."""
+        if not self.dim_labels:
+            return self.label
+        return " ".join(f"{self.dim_label(d)}:{e}" for d, e in self.dims)
 
     @property
     def tensors(self) -> tuple[Tensor, ...]:

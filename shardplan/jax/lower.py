@@ -53,6 +53,13 @@ named ``b`` (and nothing else is), so data parallelism on a traced graph
 (:func:`shardplan.baselines.data_parallel`) splits the batch wherever it
 flows.
 
+Names. An operator is named after the equation's name scope (the flax
+module path, ``jax.named_scope``, enclosing ``jit`` names) and primitive,
+e.g. ``FlaxGPT2LMHeadModule/transformer/h/0/attn/c_attn/dot_general``; its
+dimensions carry readable labels (``batch``, ``seq``, ``in``, ``out``,
+``heads``, ...: :mod:`shardplan.jax.labels`) that reports show with their
+extents.
+
 An unsupported primitive raises :class:`~shardplan.errors.ShardplanError`
 naming it, the source line, and the registered primitives.
 """
@@ -68,6 +75,7 @@ from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import AxisMap, Graph, Operator, Tensor, TensorRef, unique_name
 from shardplan.jax.flatten import TOP, Atom, Const, FlatEqn, Program, flatten, join_scope
+from shardplan.jax.labels import input_axis_labels, label_dims, output_axis_labels
 
 __all__ = ["trace", "TraceInfo", "handles", "supported_primitives", "ELEMENTWISE_FLOPS"]
 
@@ -249,6 +257,7 @@ class _GraphPass:
         self.leaf_uses: dict[int, list[tuple[str, tuple[str | None, ...]]]] = {}
         self.reads: dict[str, list[tuple[int, int, tuple[str | None, ...]]]] = {}
         self.param_owner: dict[tuple[Any, Any], str] = {}  # (leaf, part) -> the operator that read it first
+        self.axis_labels: dict[str, tuple[str | None, ...]] = {}  # operator / graph input -> its axes' labels
         self.inputs: dict[str, tuple[int, ...]] = {}
         self.input_leaf = dict(input_leaf)
         self.alias, self.uses = _count_uses(program)
@@ -310,7 +319,8 @@ class _GraphPass:
 
     # -- adding operators -------------------------------------------------
     def adopt(self, eqn: FlatEqn, op: Operator, vals: Sequence[_Val], out_index: int = 0,
-              fixed: Sequence[str] = (), inserted_axis: int | None = None) -> _Val:
+              fixed: Sequence[str] = (), inserted_axis: int | None = None,
+              hints: Mapping[str, str] | None = None) -> _Val:
         """Register ``op``, built on ``self.ref`` stand-ins of ``vals`` (in order), with its operands re-based.
 
         Constants are dropped (free, replicated), parameters become weights,
@@ -318,6 +328,7 @@ class _GraphPass:
         The dimension indexing a batch-carrying operand axis is renamed ``b``;
         the operator is named after the equation's scope. ``inserted_axis``:
         the stand-ins have a unit axis there that the equation's operands lack.
+        ``hints``: labels the handler gives some dimensions (:mod:`shardplan.jax.labels`).
         """
         if len(op.inputs) != len(vals) or op.weights:
             raise AssertionError(f"{op.name}: an adopted operator reads exactly its stand-ins")
@@ -325,6 +336,7 @@ class _GraphPass:
         ws: list[Tensor] = []
         reads: list[tuple[int, int, tuple[str | None, ...]]] = []
         wkeys: list[tuple[Any, Any]] = []
+        tlabels: dict[str, tuple[str | None, ...]] = {}
         batch_dim = None
         for slot, (v, t) in enumerate(zip(vals, op.inputs)):
             if v.kind == "const":
@@ -342,6 +354,8 @@ class _GraphPass:
                 wkeys.append((v.key, v.part))
             else:
                 ins.append(self.tensor(v, f"x{len(ins)}", t.axes))
+                if v.key in self.axis_labels:
+                    tlabels[ins[-1].name] = self.axis_labels[v.key]
         name = self.unique(join_scope(eqn.scope, eqn.name))
         ws = [self.owned(key, t, name) for key, t in zip(wkeys, ws)]
         op = dataclasses.replace(op, name=name, inputs=tuple(ins), weights=tuple(ws),
@@ -354,6 +368,8 @@ class _GraphPass:
         elif batch_dim is None and "b" in op.extents:
             mapping = {"b": ops.letters(1, avoid=op.dim_names + ("b",))[0]}
         op = _rename(op, mapping)
+        hinted = {mapping.get(d, d): lab for d, lab in (hints or {}).items()}
+        op = dataclasses.replace(op, dim_labels=label_dims(op, tlabels, hinted, "b" if batch_dim else None))
         reads = [(k, s, tuple(mapping.get(d, d) if d else None for d in dims)) for k, s, dims in reads]
         self.reads[name] = reads
         out_batch = None
@@ -369,6 +385,7 @@ class _GraphPass:
     def register(self, op: Operator, var: int, dtype: Any, vals: Sequence[_Val] = (),
                  out_batch: int | None = None) -> _Val:
         self.ops[op.name] = op
+        self.axis_labels[op.name] = output_axis_labels(op)
         self.op_var[op.name] = var
         self.identity_vars[op.name] = [var]
         for t in op.inputs:
@@ -404,7 +421,10 @@ class _GraphPass:
         ins, ws = ((t,), ()) if t.role == "input" else ((), (self.owned((v.key, v.part), t, name),))
         op = Operator(name, "copy", tuple(zip(letters, v.shape)), ins, Tensor("y", v.shape, tuple(letters), "output"),
                       ws, flops_per_point=0.0)
+        base = self.axis_labels.get(v.key) if v.kind != "param" else None
+        op = dataclasses.replace(op, dim_labels=label_dims(op, {"x0": base} if base else {}, {}, None))
         self.ops[name] = op
+        self.axis_labels[name] = output_axis_labels(op)
         if v.kind == "param" and v.leaf_axes is not None:
             self._record_leaf(v.key, op, t, v.leaf_axes)
         elif v.kind == "input":
@@ -591,7 +611,21 @@ def _dot_general(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     for i, j in zip(lc, rc):
         la[i] = ra[j] = next(it)
     op = ops.einsum("_", f"{''.join(la)},{''.join(ra)}->{''.join(out)}", g.ref(vals[0], 0), g.ref(vals[1], 1))
-    g.adopt(eqn, op, vals)
+    g.adopt(eqn, op, vals, hints=_dot_hints(vals, la, ra, lc, rf, lb))
+
+
+def _dot_hints(vals: Sequence[_Val], la: Sequence[str], ra: Sequence[str], lc: Sequence[int], rf: Sequence[int],
+               lb: Sequence[int]) -> dict[str, str]:
+    """Labels a contraction fixes: with a parameter operand, contracted ``in`` and the parameter's free ``out``;
+    between activations (attention), the batch dimensions are the ``heads`` (the data batch is relabelled)."""
+    if vals[1].kind == "param" or vals[0].kind == "param":
+        hints = {la[i]: "in" for i in lc}
+        if vals[1].kind == "param":
+            hints.update({ra[j]: "out" for j in rf})
+        else:
+            hints.update({la[i]: "out" for i in range(len(la)) if i not in lc and i not in lb})
+        return hints
+    return {la[i]: "heads" for i in lb}
 
 
 @handles("conv_general_dilated")
@@ -646,7 +680,10 @@ def _conv(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     op = Operator("_", "conv", tuple(dims), (Tensor("x0", x.shape, tuple(xa), "input", src="_"),
                                               Tensor("x1", w.shape, tuple(wa), "input", src="_")),
                   Tensor("y", out, tuple(oa), "output"), flops_per_point=2.0, fixed=frozenset(fixed))
-    g.adopt(eqn, op, vals)
+    spatial = {1: ["length"], 2: ["height", "width"], 3: ["depth", "height", "width"]}[k]
+    window = {1: ["kernel"], 2: ["kh", "kw"], 3: ["kd", "kh", "kw"]}[k]
+    hints = {"b": "batch", "c": "in", "n": "out", "g": "groups", **dict(zip(sp, spatial)), **dict(zip(win, window))}
+    g.adopt(eqn, op, vals, hints=hints)
 
 
 @handles(*_REDUCE)
@@ -686,7 +723,7 @@ def _reduce_window(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
         acc.append(AxisMap(names[i], wn, int(st), int(dl), -int(lo)))
     op = Operator("_", "pool", tuple(dims), (Tensor("x0", v.shape, tuple(acc), "input", src="_"),),
                   Tensor("y", out, tuple(names), "output"), flops_per_point=1.0)
-    g.adopt(eqn, op, vals[:1])
+    g.adopt(eqn, op, vals[:1], hints={d: "window" for d, _ in dims[len(out):]})
 
 
 @handles("concatenate")
@@ -856,7 +893,11 @@ def _gather(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
                     start_index_map=_dn(dn, "start_index_map"), slice_sizes=tuple(eqn.params["slice_sizes"]),
                     operand_batching_dims=_dn(dn, "operand_batching_dims"),
                     start_indices_batching_dims=_dn(dn, "start_indices_batching_dims"))
-    g.adopt(eqn, op, vals)
+    n_out = len(eqn.out_shapes[0])
+    hints = {d: "vocab" for d in op.dim_names[n_out:]}
+    if vals[0].kind == "param":
+        hints.update({op.dim_names[a]: "embed" for a in _dn(dn, "offset_dims")})
+    g.adopt(eqn, op, vals, hints=hints)
 
 
 @handles("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
@@ -920,6 +961,9 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
             leaf_vals[var] = _base("input", nm, shp, False, batch=0 if i in batch_leaves else None)
             input_leaf[nm] = i
     gp = _GraphPass(program, leaf_vals, input_leaf)
+    for nm, i in input_leaf.items():
+        gp.axis_labels[nm] = input_axis_labels(shapes[i], i in batch_leaves,
+                                               not _is_float(_dtype(leaves_with_path[i][1])))
     gp.run(program)
     if not gp.ops:
         raise ShardplanError("jax frontend: the function does no work on its arguments (no operators)")
