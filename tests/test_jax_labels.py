@@ -13,7 +13,7 @@ from shardplan.cost import build_tables
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator, Tensor
 from shardplan.jax import trace
-from shardplan.jax.labels import input_axis_labels, label_dims
+from shardplan.labels import input_axis_labels, label_dims
 from shardplan.machine import Machine
 from shardplan.plan import plan_from_configs
 from shardplan.report import plan_to_json, render_strategy

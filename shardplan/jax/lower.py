@@ -57,7 +57,7 @@ Names. An operator is named after the equation's name scope (the flax
 module path, ``jax.named_scope``, enclosing ``jit`` names) and primitive,
 e.g. ``FlaxGPT2LMHeadModule/transformer/h/0/attn/c_attn/dot_general``; its
 dimensions carry readable labels (``batch``, ``seq``, ``in``, ``out``,
-``heads``, ...: :mod:`shardplan.jax.labels`) that reports show with their
+``heads``, ...: :mod:`shardplan.labels`) that reports show with their
 extents.
 
 An unsupported primitive raises :class:`~shardplan.errors.ShardplanError`
@@ -75,7 +75,7 @@ from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import AxisMap, Graph, Operator, Tensor, TensorRef, unique_name
 from shardplan.jax.flatten import TOP, Atom, Const, FlatEqn, Program, flatten, join_scope
-from shardplan.jax.labels import input_axis_labels, label_dims, output_axis_labels
+from shardplan.labels import input_axis_labels, label_dims, output_axis_labels
 
 __all__ = ["trace", "TraceInfo", "handles", "supported_primitives", "ELEMENTWISE_FLOPS"]
 
@@ -328,7 +328,7 @@ class _GraphPass:
         The dimension indexing a batch-carrying operand axis is renamed ``b``;
         the operator is named after the equation's scope. ``inserted_axis``:
         the stand-ins have a unit axis there that the equation's operands lack.
-        ``hints``: labels the handler gives some dimensions (:mod:`shardplan.jax.labels`).
+        ``hints``: labels the handler gives some dimensions (:mod:`shardplan.labels`).
         """
         if len(op.inputs) != len(vals) or op.weights:
             raise AssertionError(f"{op.name}: an adopted operator reads exactly its stand-ins")

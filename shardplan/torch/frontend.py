@@ -28,6 +28,11 @@ of each; its first reader owns it and the later ones name that owner
 (:attr:`~shardplan.ir.Tensor.grad_owner`: one gradient synchronisation, one
 copy of its state); its layout at run time is the one its first reader asks for.
 
+Names. An operator is named ``module path/node`` (``layers.0.fc/linear``);
+its dimensions carry readable labels (``batch``, ``seq``, ``in``, ``out``,
+``heads``: :func:`shardplan.labels.label_graph`), axis 0 of every user
+input being the batch.
+
 Dimensions that DTensor cannot execute split are marked *fixed*
 (:attr:`~shardplan.ir.Operator.fixed`), so every plan found can run:
 convolution and pooling windows and spatial axes (a halo exchange), the
@@ -54,6 +59,7 @@ from typing import Any, Callable, Mapping, Sequence
 from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import AxisMap, Graph, Operator, Tensor, TensorRef
+from shardplan.labels import input_axis_labels, label_graph
 
 __all__ = ["ShardplanWarning", "Val", "TorchTrace", "trace", "HANDLERS", "register", "ELEMENTWISE",
            "IDENTITY", "ArgPath"]
@@ -974,8 +980,10 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
     if not ctx.ops:
         raise ShardplanError("torch frontend: the module does no work on its inputs and parameters (no operators)")
     used = {t.src for op in ctx.ops.values() for t in op.inputs}
-    graph = Graph(name or type(module).__name__, tuple(ctx.ops.values()),
-                  {k: v for k, v in ctx.inputs.items() if k in used})
+    int_inputs = {n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name in ctx.inputs and not _is_float(n)}
+    labelled = label_graph(list(ctx.ops.values()), {k: input_axis_labels(v, True, k in int_inputs)
+                                                   for k, v in ctx.inputs.items()})
+    graph = Graph(name or type(module).__name__, tuple(labelled), {k: v for k, v in ctx.inputs.items() if k in used})
     info = TorchTrace(ep, dict(ctx.node_op), dict(ctx.operands), {k: tuple(v) for k, v in ctx.param_uses.items()},
                       {k: tuple(v) for k, v in ctx.input_uses.items()}, frozenset(const_nodes),
                       dict(ctx.conservative), dict(ctx.paths))

@@ -1,5 +1,10 @@
 """Readable dimension names for traced operators: ``batch:16 seq:128 out:2304 in:768``.
 
+Used by both frontends: the JAX lowering labels each operator as it builds
+it (:func:`label_dims`, with hints from its primitive handlers), the
+PyTorch frontend labels its finished graph (:func:`label_graph`, hints
+from the operators' descriptions).
+
 The lowering names iteration dimensions with letters (unique, short: what a
 configuration is indexed by). For reports each dimension also gets a
 *label*, the tensor axis it comes from as a user knows it, by these rules,
@@ -17,7 +22,8 @@ first match wins:
 3. otherwise a dimension inherits the label of the operand axis it indexes
    (an elementwise op, a reduction, a softmax keep their operands' names);
    the pieces of a split axis labelled L are ``L.0``, ``L.1``, ... (a
-   reshape of ``out:96`` into ``(3, 32)``);
+   reshape of ``out:96`` into ``(3, 32)``), or the parts of L when L was
+   merged from as many (``batch*seq`` split back into ``batch``, ``seq``);
 4. otherwise it shows its letter.
 
 The axes of the data arguments are labelled ``batch`` (axis 0 of a batch
@@ -30,11 +36,12 @@ graph. Labels of one operator that coincide get a suffix (``seq``,
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 from shardplan.ir import AxisMap, Operator
 
-__all__ = ["input_axis_labels", "label_dims", "output_axis_labels"]
+__all__ = ["input_axis_labels", "label_dims", "output_axis_labels", "description_hints", "label_graph"]
 
 Labels = tuple[str | None, ...]
 
@@ -59,7 +66,12 @@ def _from_axis(d: str, a: AxisMap, label: str | None) -> str | None:
     if a.dim == d and not a.inner:
         return label
     pieces = (a.dim, *a.inner)
-    return f"{label}.{pieces.index(d)}" if d in pieces else None
+    if d not in pieces:
+        return None
+    parts = label.split("*")
+    if len(parts) == len(pieces):  # a merged axis split back into its parts (flatten, then unflatten)
+        return parts[pieces.index(d)]
+    return f"{label}.{pieces.index(d)}"
 
 
 def label_dims(op: Operator, tensor_labels: Mapping[str, Labels], hints: Mapping[str, str],
@@ -106,3 +118,52 @@ def output_axis_labels(op: Operator) -> Labels:
         else:
             out.append("*".join(names.get(d, d) for d in (a.dim, *a.inner)))
     return tuple(out)
+
+
+_KIND_HINTS: Mapping[str, Mapping[str, str]] = {
+    "conv": {"b": "batch", "c": "in", "n": "out", "g": "groups", "h": "height", "w": "width", "z": "depth",
+             "r": "kh", "s": "kw", "t": "kd"},
+    "attention": {"h": "heads", "l": "seq", "s": "seq_kv", "e": "head_dim", "f": "head_dim_v"},
+}
+
+
+def description_hints(op: Operator) -> dict[str, str]:
+    """Labels that follow from an operator's description alone (no primitive at hand).
+
+    A convolution's and an attention's fixed letters (``bchwnrs``, ``bhlsef``); an operator with a
+    weight: a dimension of the weight that is summed over is ``in`` (``vocab`` for an embedding
+    lookup) and one that indexes the weight and the output but no input is ``out`` (``embed`` for a
+    lookup).
+    """
+    if op.kind in _KIND_HINTS:
+        return {d: lab for d, lab in _KIND_HINTS[op.kind].items() if d in op.extents}
+    hints: dict[str, str] = {}
+    lookup = op.kind in ("embedding", "gather")
+    in_inputs = {d for t in op.inputs for d in t.dims}
+    red = set(op.reduction_dims)
+    for t in op.weights:
+        for d in t.dims:
+            if d in red:
+                hints.setdefault(d, "vocab" if lookup else "in")
+            elif d in op.output.dims and d not in in_inputs:
+                hints.setdefault(d, "embed" if lookup else "out")
+    return hints
+
+
+def label_graph(ops: Sequence[Operator], input_labels: Mapping[str, Labels]) -> list[Operator]:
+    """Every operator of ``ops`` (in graph order) with :attr:`~shardplan.ir.Operator.dim_labels` set.
+
+    Labels flow from the graph inputs (``input_labels``: name -> axis labels) along the edges; the
+    dimension inheriting ``batch`` is the batch; :func:`description_hints` name the rest.
+    """
+    axis: dict[str, Labels] = dict(input_labels)
+    out = []
+    for op in ops:
+        tl = {t.name: axis[t.src] for t in op.inputs if t.src in axis}
+        first = label_dims(op, tl, {}, None)
+        batch = next((d for d, lab in first.items() if lab == "batch"), None)
+        hints = {d: lab for d, lab in description_hints(op).items() if d != batch}
+        labelled = replace(op, dim_labels=label_dims(op, tl, hints, batch))
+        axis[op.name] = output_axis_labels(labelled)
+        out.append(labelled)
+    return out
