@@ -12,7 +12,7 @@ from shardplan.baselines import batch_dim, data_parallel
 from shardplan.cost import build_tables
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator, Tensor
-from shardplan.jax import trace
+from shardplan.jax import report, trace
 from shardplan.labels import input_axis_labels, label_dims
 from shardplan.machine import Machine
 from shardplan.plan import plan_from_configs
@@ -76,6 +76,8 @@ def test_data_parallel_splits_the_batch_whatever_its_letter():
     row = next(r for r in js["operators"] if r["name"] == "_MLP/Dense_0/dot_general")
     assert row["dim_labels"] == ["batch", "out", "in"] and row["dims_text"] == "batch:12 out:24 in:16"
     assert any(grp["dims"] == "batch:12 out:24 in:16" for grp in js["groups"])
+    line = next(ln for ln in report(plan).splitlines() if "_MLP/Dense_0/dot_general" in ln)
+    assert "batch:12 out:24 in:16" in line and "batch:12/4" in line
 
 
 def test_convolution_and_attention_labels():
