@@ -134,15 +134,11 @@ class Tensor:
             graph input such as the images or the labels).
         elem_factor: elements per indexed point; 1 for ordinary tensors, e.g. 8
             for an LSTM weight that stores 4 gates x 2 matrices per (l, d, e).
-        grad_owner: for a weight, the name of the operator that *owns* the
-            parameter when this operator is not its first reader (a tied
-            embedding read again by the LM head, one parameter read by
-            several operators). A parameter has one gradient and one copy of
-            its state: each reader computes its partial gradient, the
-            non-owners' are added into the owner's on the device, and the
-            owner alone pays the one synchronisation of the sum and holds
-            the parameter, its gradient and its optimizer state. None (the
-            default): the operator owns the weight.
+        shared: for a weight, how many operators read the same parameter
+            (a tied embedding read again by the LM head: 2). A parameter has
+            one gradient and one copy of its state, so each reader is charged
+            ``1/shared`` of the gradient synchronisation and of the state its
+            own layout needs (see :mod:`shardplan.cost.operator`).
     """
 
     name: str
@@ -152,7 +148,7 @@ class Tensor:
     needs_grad: bool = True
     src: str | None = None
     elem_factor: int = 1
-    grad_owner: str | None = None
+    shared: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -165,13 +161,8 @@ class Tensor:
             )
         if any(s <= 0 for s in self.shape):
             raise ShardplanError(f"tensor {self.name!r}: shape {self.shape} has a zero or negative extent")
-        if self.grad_owner is not None and self.role != "weight":
-            raise ShardplanError(f"tensor {self.name!r}: only a weight can name the operator owning it (grad_owner)")
-
-    @property
-    def owned(self) -> bool:
-        """True for a weight whose reader owns it (pays its gradient sync and holds its state)."""
-        return self.role == "weight" and self.grad_owner is None
+        if self.shared < 1 or (self.shared > 1 and self.role != "weight"):
+            raise ShardplanError(f"tensor {self.name!r}: shared={self.shared}; only a weight is shared, by >= 1 readers")
 
     @property
     def dims(self) -> frozenset[str]:
@@ -316,8 +307,6 @@ class Operator:
         for t in self.weights:
             if t.role != "weight":
                 self._fail(f"weight {t.name!r} must have role 'weight'")
-            if t.grad_owner == self.name:
-                self._fail(f"weight {t.name!r} names its own operator as its owner (leave grad_owner None)")
         for t in self.inputs:
             if t.role != "input":
                 self._fail(f"input {t.name!r} must have role 'input'")

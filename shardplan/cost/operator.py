@@ -34,15 +34,19 @@ configuration c (arrays over the K configurations):
   the backward of the operators before it, which this per-operator max
   neither credits nor checks). Activation gradients are on the critical
   path and are never overlapped;
-* shared parameters: a parameter read by several operators (a tied
-  embedding and LM head) has one gradient. Each reader computes its
-  partial gradient; the readers that do not own it (``Tensor.grad_owner``,
-  every reader after the first) add theirs into the owner's on the device,
-  and only the owner pays the weight-gradient synchronisation above, once,
-  at the owner's layout. Exact when the readers' layouts agree on the
-  parameter; when they differ, moving a non-owner's partial gradient into
-  the owner's layout (and the parameter into the non-owner's) is not
-  charged, like every other weight redistribution (weights are not edges);
+* shared parameters: a parameter read by k operators (a tied embedding
+  and LM head; ``Tensor.shared`` = k) has one gradient: the readers'
+  partial gradients are summed on the device and the sum synchronised
+  once. Each reader is charged ``1/k`` of the synchronisation its own
+  layout needs, so the objective stays a sum of vertex terms. Exact when
+  the readers lay the parameter out alike (all data parallel: one
+  all-reduce in total); when they differ it is the mean of the readers'
+  synchronisations, and moving partial gradients between the layouts (and
+  the parameter into each reader's layout) is not charged, like every
+  other weight redistribution (weights are not edges of the graph). Unlike
+  charging one reader (an "owner") with the whole synchronisation, the
+  mean cannot be driven to zero by giving the owner a layout that needs
+  none while the other readers split the batch;
 * halo: a windowed access on a split dim reads the elements of the tile it
   needs that are outside the tile it owns (``|need| - |need ∩ core|``) from
   neighbours, forward, and returns their gradient backward;
@@ -184,20 +188,18 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     weight_sync = zeros.copy()
     bucket = machine.grad_bucket_bytes
     for t in op.grad_tensors:
-        if t.role == "weight" and not t.owned:
-            continue  # a partial gradient added into the owner's on the device: the owner syncs the sum
         g, gl, _ = _group(op, lay, op.grad_reduction_dims(t))
         vol = tile_volume(op, t, lay, p, core=False, grid=grid)
         if t.role == "weight" and bucket is not None:
             # the tensor's share of a full bucket's all-reduce; a tensor larger than a bucket is its own
             share = np.minimum(vol * nbytes / bucket, 1.0)
             n_sync = np.maximum(vol * nbytes, bucket)
-            weight_sync = weight_sync + share * allreduce_time(n_sync, gl, machine)
+            weight_sync = weight_sync + share * allreduce_time(n_sync, gl, machine) / t.shared
         elif t.role == "weight":
-            weight_sync = weight_sync + allreduce_time(vol * nbytes, gl, machine)
+            weight_sync = weight_sync + allreduce_time(vol * nbytes, gl, machine) / t.shared
         else:
             grad_ar = grad_ar + allreduce_time(vol * nbytes, gl, machine)
-        sent = sent + _ar_sent(vol * nbytes, g)
+        sent = sent + _ar_sent(vol * nbytes, g) / t.shared
     if machine.overlap_grad:
         backward = compute - t_pass
         grad_ar = grad_ar + np.maximum(weight_sync - backward, 0.0)

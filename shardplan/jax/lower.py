@@ -26,10 +26,10 @@ the elementwise result.
 
 Parameters. The pytree leaves of the arguments in ``params_argnums`` are
 parameters: an operator that reads one gets it as a *weight*. A parameter
-read by several operators (tied weights) is a weight of each; its first
-reader owns it and the later ones name that owner
-(:attr:`~shardplan.ir.Tensor.grad_owner`), so the cost model charges one
-gradient synchronisation and one copy of its state (see
+read by several operators (tied weights) is a weight of each, marked with
+the number of its readers (:attr:`~shardplan.ir.Tensor.shared`), so the
+cost model charges one gradient synchronisation and one copy of its state
+in all when the readers agree on its layout (see
 :mod:`shardplan.cost.operator`); its leaf's layout is the one its first
 consumer asks for. A static slice of a parameter (one layer of a stacked parameter, as an
 unrolled ``scan`` reads it) is a weight of the slice's shape whose axes map
@@ -256,7 +256,7 @@ class _GraphPass:
         self.view_src: dict[int, Atom] = {}  # a view's variable -> the variable it views
         self.leaf_uses: dict[int, list[tuple[str, tuple[str | None, ...]]]] = {}
         self.reads: dict[str, list[tuple[int, int, tuple[str | None, ...]]]] = {}
-        self.param_owner: dict[tuple[Any, Any], str] = {}  # (leaf, part) -> the operator that read it first
+        self.weight_keys: dict[str, list[tuple[Any, Any]]] = {}  # operator -> (leaf, part) of each of its weights
         self.axis_labels: dict[str, tuple[str | None, ...]] = {}  # operator / graph input -> its axes' labels
         self.inputs: dict[str, tuple[int, ...]] = {}
         self.input_leaf = dict(input_leaf)
@@ -357,7 +357,7 @@ class _GraphPass:
                 if v.key in self.axis_labels:
                     tlabels[ins[-1].name] = self.axis_labels[v.key]
         name = self.unique(join_scope(eqn.scope, eqn.name))
-        ws = [self.owned(key, t, name) for key, t in zip(wkeys, ws)]
+        self.weight_keys[name] = wkeys
         op = dataclasses.replace(op, name=name, inputs=tuple(ins), weights=tuple(ws),
                                  fixed=op.fixed | frozenset(fixed))
         mapping: dict[str, str] = {}
@@ -377,10 +377,18 @@ class _GraphPass:
             out_batch = next((i for i, a in enumerate(op.output.axes) if a.is_plain and a.dim == "b"), None)
         return self.register(op, eqn.outvars[out_index], eqn.out_dtypes[out_index], vals, out_batch)
 
-    def owned(self, key: tuple[Any, Any], t: Tensor, reader: str) -> Tensor:
-        """``t`` (a parameter's tensor in operator ``reader``), naming the parameter's owner unless ``reader`` is it."""
-        owner = self.param_owner.setdefault(key, reader)
-        return t if owner == reader else dataclasses.replace(t, grad_owner=owner)
+    def share_weights(self) -> None:
+        """Mark every weight with the number of operators reading its parameter (the same (leaf, part))."""
+        readers: dict[tuple[Any, Any], set[str]] = {}
+        for name, keys in self.weight_keys.items():
+            for key in keys:
+                readers.setdefault(key, set()).add(name)
+        for name, keys in self.weight_keys.items():
+            k = [len(readers[key]) for key in keys]
+            if name in self.ops and any(n > 1 for n in k):
+                op = self.ops[name]
+                self.ops[name] = dataclasses.replace(op, weights=tuple(
+                    dataclasses.replace(t, shared=n) for t, n in zip(op.weights, k)))
 
     def register(self, op: Operator, var: int, dtype: Any, vals: Sequence[_Val] = (),
                  out_batch: int | None = None) -> _Val:
@@ -418,7 +426,9 @@ class _GraphPass:
         name = self.unique(join_scope(eqn.scope, "copy"))
         t = self.tensor(v, "x0", letters)
         assert t is not None
-        ins, ws = ((t,), ()) if t.role == "input" else ((), (self.owned((v.key, v.part), t, name),))
+        ins, ws = ((t,), ()) if t.role == "input" else ((), (t,))
+        if ws:
+            self.weight_keys[name] = [(v.key, v.part)]
         op = Operator(name, "copy", tuple(zip(letters, v.shape)), ins, Tensor("y", v.shape, tuple(letters), "output"),
                       ws, flops_per_point=0.0)
         base = self.axis_labels.get(v.key) if v.kind != "param" else None
@@ -965,6 +975,7 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
         gp.axis_labels[nm] = input_axis_labels(shapes[i], i in batch_leaves,
                                                not _is_float(_dtype(leaves_with_path[i][1])))
     gp.run(program)
+    gp.share_weights()
     if not gp.ops:
         raise ShardplanError("jax frontend: the function does no work on its arguments (no operators)")
     used_inputs = {t.src for op in gp.ops.values() for t in op.inputs}

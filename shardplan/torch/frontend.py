@@ -24,9 +24,9 @@ for its ATen target (:data:`HANDLERS`, see :func:`register`) from the
 :mod:`shardplan.ops` constructors. A parameter operand becomes a *weight*
 tensor of the operator (trainable when ``requires_grad``); a buffer is a
 constant. A parameter read by several operators (tied embeddings) is a weight
-of each; its first reader owns it and the later ones name that owner
-(:attr:`~shardplan.ir.Tensor.grad_owner`: one gradient synchronisation, one
-copy of its state); its layout at run time is the one its first reader asks for.
+of each, marked with the number of its readers (:attr:`~shardplan.ir.Tensor.shared`:
+one gradient synchronisation and one copy of its state in all); its layout at
+run time is the one its first reader asks for.
 
 Names. An operator is named ``module path/node`` (``layers.0.fc/linear``);
 its dimensions carry readable labels (``batch``, ``seq``, ``in``, ``out``,
@@ -246,7 +246,6 @@ class _Ctx:
                 inputs.append(t)
         kept = {t.name for t in inputs} | {w.name for w in weights}
         by_name = {k: pv for k, pv in by_name.items() if k in kept}
-        weights = [self._owned(w, str(by_name[w.name][1].key), op.name) if w.name in by_name else w for w in weights]
         dims = op.dims or (("u", 1),)
         op = dataclasses.replace(op, kind=kind or op.kind, inputs=tuple(inputs), weights=tuple(weights), dims=dims)
         self.ops[op.name] = op
@@ -263,11 +262,17 @@ class _Ctx:
         self.env[node.name] = val
         return val
 
-    def _owned(self, w: Tensor, param: str, reader: str) -> Tensor:
-        """``w``, naming the parameter's first reader as its owner when that is another operator."""
-        uses = self.param_uses.get(param)
-        owner = uses[0][0] if uses else reader
-        return w if owner == reader else dataclasses.replace(w, grad_owner=owner)
+    def share_weights(self) -> None:
+        """Mark every weight with the number of operators reading its parameter."""
+        shared = {}
+        for uses in self.param_uses.values():
+            readers = {op for op, _ in uses}
+            for op, tname in uses:
+                shared[(op, tname)] = len(readers)
+        for name, op in list(self.ops.items()):
+            if any(shared.get((name, w.name), 1) > 1 for w in op.weights):
+                self.ops[name] = dataclasses.replace(op, weights=tuple(
+                    dataclasses.replace(w, shared=shared.get((name, w.name), 1)) for w in op.weights))
 
     def undo(self, node: Any) -> None:
         """Forget the operator made for ``node`` (its handler described it wrongly)."""
@@ -979,6 +984,7 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
             ctx.conservative_op(node, vals, f"handler described output {got}, torch gives {want}")
     if not ctx.ops:
         raise ShardplanError("torch frontend: the module does no work on its inputs and parameters (no operators)")
+    ctx.share_weights()
     used = {t.src for op in ctx.ops.values() for t in op.inputs}
     int_inputs = {n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name in ctx.inputs and not _is_float(n)}
     labelled = label_graph(list(ctx.ops.values()), {k: input_axis_labels(v, True, k in int_inputs)
