@@ -46,7 +46,12 @@ configuration c (arrays over the K configurations):
   other weight redistribution (weights are not edges of the graph). Unlike
   charging one reader (an "owner") with the whole synchronisation, the
   mean cannot be driven to zero by giving the owner a layout that needs
-  none while the other readers split the batch;
+  none while the other readers split the batch. Still, any charge that is
+  a sum of per-reader terms and exact when the readers agree under-counts
+  a disagreement, so the search may prefer readers that disagree (HF
+  BERT's tied word embedding: lookup split by batch and features, MLM
+  decoder by batch); charging it exactly needs a pairwise term between the
+  readers (a tie edge in the search), which is not built;
 * halo: a windowed access on a split dim reads the elements of the tile it
   needs that are outside the tile it owns (``|need| - |need ∩ core|``) from
   neighbours, forward, and returns their gradient backward;
