@@ -20,7 +20,8 @@ TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
 
 # HLO bytes / predicted bytes beyond +-10 %, as measured (benchmarks/results/hlo_vs_model.json); the
 # bound guards against regressions, the cause of each is in the README ("JAX corpus").
-OUTSIDE_10_PERCENT = {"mnist_cnn": 12.0, "scan_layers": 4.5, "lm_remat": 1.2, "FlaxViTForImageClassification": 1.3}
+OUTSIDE_10_PERCENT = {"mnist_cnn": 12.0, "scan_layers": 4.5, "lm_remat": 1.2, "FlaxViTForImageClassification": 1.3,
+                      "FlaxBertForMaskedLM": 1.45, "FlaxBartForConditionalGeneration": 1.45}
 
 
 @pytest.fixture(scope="module", params=CORPUS, ids=lambda e: f"{e.library}:{e.name}")
