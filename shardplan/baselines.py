@@ -52,7 +52,16 @@ Strategy = dict[str, tuple[int, ...]]
 
 
 def batch_dim(op: Operator) -> str | None:
-    """The operator's batch dimension: ``b`` if it has one, else the dim indexing its output's first axis."""
+    """The operator's batch dimension.
+
+    A labelled operator (a traced graph, :attr:`~shardplan.ir.Operator.dim_labels`): the dimension
+    labelled ``batch`` (the batch of the data arguments followed through the graph) or leading a
+    merged axis (``batch*seq``: the batch and sequence flattened together), or None (the operator
+    does not see the batch: it runs replicated). Otherwise ``b`` if it has one, else the dim
+    indexing its output's first axis.
+    """
+    if op.dim_labels:
+        return next((d for d, lab in op.dim_labels if lab == "batch" or lab.startswith("batch*")), None)
     if "b" in op.dim_names:
         return "b"
     axes = op.output.axes

@@ -135,6 +135,11 @@ class Tensor:
             graph input such as the images or the labels).
         elem_factor: elements per indexed point; 1 for ordinary tensors, e.g. 8
             for an LSTM weight that stores 4 gates x 2 matrices per (l, d, e).
+        shared: for a weight, how many operators read the same parameter
+            (a tied embedding read again by the LM head: 2). A parameter has
+            one gradient and one copy of its state, so each reader is charged
+            ``1/shared`` of the gradient synchronisation and of the state its
+            own layout needs (see :mod:`shardplan.cost.operator`).
     """
 
     name: str
@@ -144,6 +149,7 @@ class Tensor:
     needs_grad: bool = True
     src: str | None = None
     elem_factor: int = 1
+    shared: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -156,6 +162,8 @@ class Tensor:
             )
         if any(s <= 0 for s in self.shape):
             raise ShardplanError(f"tensor {self.name!r}: shape {self.shape} has a zero or negative extent")
+        if self.shared < 1 or (self.shared > 1 and self.role != "weight"):
+            raise ShardplanError(f"tensor {self.name!r}: shared={self.shared}; only a weight is shared, by >= 1 readers")
 
     @property
     def dims(self) -> frozenset[str]:
@@ -210,7 +218,13 @@ class Operator:
         norm_stats: statistics per normalised row (2 for mean and variance).
         recurrence: set for a recurrent operator (see :class:`Recurrence`).
         fixed: dimensions that may not be split (inner dims of a merged axis).
-        label: dimension letters for reports (Table II style, e.g. "bchwnrs").
+        dim_labels: optional (dimension, readable name) pairs for reports,
+            e.g. ``(("b", "batch"), ("x", "out"), ("y", "in"))`` on a traced
+            dense layer: the tensor axis a dimension comes from, as a user
+            knows it. The dimension names stay the identifiers (short,
+            unique, what configurations are indexed by); labels are display
+            only and need not be unique. Dimensions without a label show
+            their name.
     """
 
     name: str
@@ -224,8 +238,11 @@ class Operator:
     norm_stats: int = 2
     recurrence: Recurrence | None = None
     fixed: frozenset[str] = frozenset()
+    dim_labels: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        labels = self.dim_labels.items() if isinstance(self.dim_labels, Mapping) else self.dim_labels
+        object.__setattr__(self, "dim_labels", tuple((str(d), str(n)) for d, n in labels))
         dims = tuple((str(d), int(e)) for d, e in self.dims)
         object.__setattr__(self, "dims", dims)
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -281,6 +298,9 @@ class Operator:
         for d in self.fixed:
             if d not in ext:
                 self._fail(f"fixed dimension {d!r} is not a dimension")
+        for d, _ in self.dim_labels:
+            if d not in ext:
+                self._fail(f"labelled dimension {d!r} is not a dimension")
         if self.recurrence is not None:
             for d in (self.recurrence.layer, self.recurrence.time, self.recurrence.state, self.recurrence.batch):
                 if d not in ext:
@@ -306,6 +326,18 @@ class Operator:
         """The dimension letters, e.g. "bchwnrs" (names joined when longer)."""
         names = self.dim_names
         return "".join(names) if all(len(n) == 1 for n in names) else ",".join(names)
+
+    def dim_label(self, d: str) -> str:
+        """The readable name of dimension ``d`` (its label, else the name itself)."""
+        return dict(self.dim_labels).get(d, d)
+
+    @property
+    def dims_text(self) -> str:
+        """The dimensions for a report: ``"batch:16 seq:128 out:2304 in:768"`` when labelled
+        (:attr:`dim_labels`), else the letters (:attr:`label`, Table II style)."""
+        if not self.dim_labels:
+            return self.label
+        return " ".join(f"{self.dim_label(d)}:{e}" for d, e in self.dims)
 
     @property
     def tensors(self) -> tuple[Tensor, ...]:

@@ -133,6 +133,8 @@ class Plan:
                 "kind": op.kind,
                 "dims": list(op.dim_names),
                 "label": op.label,
+                "dim_labels": [op.dim_label(d) for d in op.dim_names],
+                "dims_text": op.dims_text,
                 "config": list(lay.split),
                 "order": [op.dim_names[j] for j in lay.flat_order() if lay.split[j] > 1],
                 "level_splits": [list(r) for r in lay.splits],

@@ -6,8 +6,10 @@ haiku's built-in networks, Hugging Face transformers' Flax models); only the los
 written here (optax's integer-label cross-entropy where the model is a classifier or a language
 model). Used by ``tests/test_jax_corpus.py`` and ``benchmarks/bench_hlo_vs_model.py``.
 
-Tried and left out: transformers' FlaxT5ForConditionalGeneration, whose own code calls
-``jnp.clip(a_max=...)``, an argument JAX 0.10 removed (it fails unsharded too).
+Tried and left out: transformers' FlaxT5ForConditionalGeneration, FlaxMT5ForConditionalGeneration and
+FlaxLongT5ForConditionalGeneration, whose own code calls ``jnp.clip(a_max=...)``, an argument JAX 0.10
+removed (they fail unsharded too); the encoder-decoder of the corpus is FlaxBartForConditionalGeneration.
+The README's corpus table lists every model tried and its result.
 """
 
 from __future__ import annotations
@@ -215,6 +217,24 @@ def hf_llama() -> tuple[Callable[..., Any], Any, Any]:
                   num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ)
 
 
+def hf_bart() -> tuple[Callable[..., Any], Any, Any]:
+    """BART (encoder-decoder, embeddings shared by encoder, decoder and LM head), one layer each side."""
+    import jax
+    import transformers
+
+    cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                  decoder_ffn_dim=64, max_position_embeddings=SEQ)
+    model = transformers.FlaxBartForConditionalGeneration(cfg, seed=0)
+    ids, labels = _tokens()
+    dec = jax.random.randint(jax.random.PRNGKey(5), ids.shape, 0, VOCAB)
+
+    def loss(p, b):
+        return _xent(model(b[0], decoder_input_ids=b[1], params=p, train=False).logits, b[2])
+
+    return loss, model.params, (ids, dec, labels)
+
+
 def hf_vit() -> tuple[Callable[..., Any], Any, Any]:
     import jax
     import transformers
@@ -239,6 +259,7 @@ CORPUS: tuple[Entry, ...] = (
     Entry("transformers", "FlaxBertForMaskedLM", hf_bert),
     Entry("transformers", "FlaxLlamaForCausalLM", hf_llama),
     Entry("transformers", "FlaxViTForImageClassification", hf_vit),
+    Entry("transformers", "FlaxBartForConditionalGeneration", hf_bart),
 )
 
 

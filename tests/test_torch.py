@@ -201,3 +201,28 @@ def test_every_listed_operator_family_has_a_description():
     sel = next(op for op in g.operators if op.kind == "index_select")
     assert sel.inputs[0].axes[1].dim is None  # the indexed axis is read whole
     assert sel.inputs[1].name == "idx" and sel.inputs[1].axes[0].dim == sel.output.axes[1].dim
+
+
+def test_dimensions_carry_readable_labels():
+    g, _ = trace(_Lin(), (torch.ones(8, 16),))
+    assert g["fc/linear"].dims_text == "batch:8 out:32 in:16"
+    assert g.operators[1].dims_text == "batch:8 out:32"  # the sum keeps its operand's names
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.fc = nn.Linear(4, 6)
+
+        def forward(self, ids):
+            h = self.fc(self.emb(ids).reshape(-1, 4))  # batch and sequence flattened, then split back
+            return h.reshape(ids.shape[0], ids.shape[1], 6).sum()
+
+    g, _ = trace(Flat(), (torch.zeros(3, 5, dtype=torch.long),))
+    texts = [op.dims_text for op in g.operators]
+    assert texts[0] == "batch:3 seq:5 embed:4 vocab:10"
+    assert "batch*seq:15 out:6 in:4" in texts and "batch:3 seq:5 out:6" in texts
+    from shardplan.baselines import batch_dim
+
+    fc = next(op for op in g.operators if op.kind == "linear")
+    assert fc.dim_label(batch_dim(fc)) == "batch*seq"  # data parallelism splits the flattened batch

@@ -192,7 +192,7 @@ def order_count(configs: np.ndarray, max_permuted: int = 3) -> int:
 
 
 def _tensor_key(t) -> tuple:
-    return (t.name, t.shape, t.axes, t.role, t.needs_grad, t.elem_factor)
+    return (t.name, t.shape, t.axes, t.role, t.needs_grad, t.elem_factor, t.shared)
 
 
 def operator_key(op) -> tuple:

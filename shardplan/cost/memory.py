@@ -3,6 +3,8 @@
 For each operator and configuration, per device q (bytes):
 
     weights:     sum_W |W tile(q)| * (1 + 1 + m)    (value, gradient, m words of optimizer state)
+                 (a parameter read by k operators, ``Tensor.shared`` = k, is
+                 charged 1/k to each reader: one copy when they lay it out alike)
     activations: |output tile(q)|                   (kept for the backward pass)
 
 (m = 2 for Adam, 0 for plain SGD.) A strategy's memory on device q is the
@@ -36,7 +38,7 @@ def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: f
     k = len(lay)
     w = np.zeros((k, p))
     for t in op.weights:
-        w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
+        w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor) / t.shared
     act = tile_volumes(op, op.output, lay).astype(np.float64) * nbytes
     return w, act
 
@@ -123,13 +125,14 @@ class WeightGroups:
     sharded over (largest over the operator's weights); ``weights``, per
     trainable weight: (gradient tile bytes, its reduction group per level
     (L, K), that group times the layout's replicas per level (L, K): the
-    devices holding the same tile).
+    devices holding the same tile, and 1/k for a parameter shared by k readers).
+    ``state`` counts a shared parameter's value 1/k too.
     """
 
     state: np.ndarray
     act: np.ndarray
     group: np.ndarray
-    weights: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]
+    weights: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, float], ...]
 
 
 def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Machine) -> WeightGroups:
@@ -143,8 +146,8 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
     # replicas per level: a level's devices not used by the layout's split there hold copies
     reps = np.asarray(lay.levels, dtype=np.int64)[:, None] // lay.level_splits.prod(axis=2)
     state = np.zeros(k)
-    for t in op.weights:
-        state += tile_volume(op, t, lay, p) * nbytes
+    for t in op.weights:  # a parameter shared by k readers: 1/k of its state and sync to each
+        state += tile_volume(op, t, lay, p) * nbytes / t.shared
     group = np.ones(k)
     rows = []
     for t in op.weights:
@@ -153,7 +156,7 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
         gl = lay.group_sizes([op.dim_names.index(d) for d in op.grad_reduction_dims(t)])
         vol = tile_volume(op, t, lay, p, core=False) * nbytes
         big = gl * reps
-        rows.append((vol, gl, big))
+        rows.append((vol, gl, big, 1.0 / t.shared))
         group = np.maximum(group, big.prod(axis=0))  # weights of one operator share their data-parallel group
     act = tile_volume(op, op.output, lay, p) * nbytes
     return WeightGroups(state, act, group, tuple(rows))
@@ -195,11 +198,11 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     state, group = wg.state, wg.group
     sync0, rs, ag, wgrad_m = np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
     weights = wg.weights
-    for vol, gl, big in weights:
-        sync0 += _bucketed(vol, machine, lambda n: allreduce_time(n, gl, machine))
-        wgrad_m += _bucketed(vol, mm, lambda n: allreduce_time(n, gl, mm))
-        rs += _bucketed(vol, machine, lambda n: allgather_time(n, gl, machine))
-        ag += _bucketed(vol, machine, lambda n: allgather_time(n, big, machine))
+    for vol, gl, big, part in weights:  # part: 1/k of a parameter shared by k readers
+        sync0 += part * _bucketed(vol, machine, lambda n: allreduce_time(n, gl, machine))
+        wgrad_m += part * _bucketed(vol, mm, lambda n: allreduce_time(n, gl, mm))
+        rs += part * _bucketed(vol, machine, lambda n: allgather_time(n, gl, machine))
+        ag += part * _bucketed(vol, machine, lambda n: allgather_time(n, big, machine))
     # what operator_cost charged for the weight gradients on top of compute (overlapped: beyond the backward)
     passes = 1 + len(op.grad_tensors)
     backward = oc.compute * (passes - 1) / passes

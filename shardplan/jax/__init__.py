@@ -119,7 +119,9 @@ def pipeline(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequ
 
 
 def report(plan: Plan) -> str:
-    """A readable per-operator table: splits (``dim:extent/split``), predicted cost, the step's breakdown."""
+    """A readable per-operator table: the source scope, the dimensions (``label:extent``, e.g.
+    ``batch:16 seq:128 out:2304 in:768``), the splits (``label:extent/split``), the predicted cost,
+    and the step's breakdown."""
     from shardplan.report import format_table
     from shardplan.units import fmt_seconds
 
@@ -127,10 +129,13 @@ def report(plan: Plan) -> str:
              f"predicted {fmt_seconds(plan.cost)} per step"]
     rows = []
     for row in plan.operators():
-        ext = plan.graph[row["name"]].extents
-        splits = " ".join(f"{d}:{ext[d]}/{c}" for d, c in zip(row["dims"], row["config"]) if c > 1) or "replicated"
-        rows.append((row["name"], row["kind"], splits, fmt_seconds(row["cost_seconds"])))
-    lines.extend("  " + line for line in format_table(rows, right=(3,)).splitlines())
+        op = plan.graph[row["name"]]
+        ext = op.extents
+        splits = " ".join(f"{op.dim_label(d)}:{ext[d]}/{c}" for d, c in zip(row["dims"], row["config"])
+                          if c > 1) or "replicated"
+        rows.append((row["name"], row["kind"], op.dims_text, splits, fmt_seconds(row["cost_seconds"])))
+    lines.extend("  " + line for line in format_table(rows, ("operator", "kind", "dims", "splits", "cost"),
+                                                      right=(4,)).splitlines())
     parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in plan.breakdown.items() if v and k != "total")
     lines.append(f"  breakdown: {parts}")
     return "\n".join(lines)

@@ -26,10 +26,12 @@ the elementwise result.
 
 Parameters. The pytree leaves of the arguments in ``params_argnums`` are
 parameters: an operator that reads one gets it as a *weight*. A parameter
-read by several operators (tied weights) is a weight of each, so every
-consumer pays its own gradient synchronisation (an over-count by the number
-of extra consumers); its leaf's layout is the one its first consumer asks
-for. A static slice of a parameter (one layer of a stacked parameter, as an
+read by several operators (tied weights) is a weight of each, marked with
+the number of its readers (:attr:`~shardplan.ir.Tensor.shared`), so the
+cost model charges one gradient synchronisation and one copy of its state
+in all when the readers agree on its layout (see
+:mod:`shardplan.cost.operator`); its leaf's layout is the one its first
+consumer asks for. A static slice of a parameter (one layer of a stacked parameter, as an
 unrolled ``scan`` reads it) is a weight of the slice's shape whose axes map
 to the leaf's. A parameter reshaped so that axes merge or split is a
 weight of the new shape and its leaf is left replicated.
@@ -51,6 +53,13 @@ named ``b`` (and nothing else is), so data parallelism on a traced graph
 (:func:`shardplan.baselines.data_parallel`) splits the batch wherever it
 flows.
 
+Names. An operator is named after the equation's name scope (the flax
+module path, ``jax.named_scope``, enclosing ``jit`` names) and primitive,
+e.g. ``FlaxGPT2LMHeadModule/transformer/h/0/attn/c_attn/dot_general``; its
+dimensions carry readable labels (``batch``, ``seq``, ``in``, ``out``,
+``heads``, ...: :mod:`shardplan.labels`) that reports show with their
+extents.
+
 An unsupported primitive raises :class:`~shardplan.errors.ShardplanError`
 naming it, the source line, and the registered primitives.
 """
@@ -66,6 +75,7 @@ from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import AxisMap, Graph, Operator, Tensor, TensorRef, unique_name
 from shardplan.jax.flatten import TOP, Atom, Const, FlatEqn, Program, flatten, join_scope
+from shardplan.labels import input_axis_labels, label_dims, output_axis_labels
 
 __all__ = ["trace", "TraceInfo", "handles", "supported_primitives", "ELEMENTWISE_FLOPS"]
 
@@ -159,6 +169,7 @@ class _Val:
     ``leaf_axes[i]`` (params): the leaf axis that base axis i is (None: a cut
     axis); ``leaf_axes`` None: the base is not an axis-wise part of the leaf.
     ``batch``: the base axis that carries the batch, if any.
+    ``part`` (params): which static slice of the leaf the base is (None: the whole leaf).
     """
 
     kind: str
@@ -169,6 +180,7 @@ class _Val:
     needs_grad: bool = False
     leaf_axes: tuple[int | None, ...] | None = None
     batch: int | None = None
+    part: Any = None
 
     @property
     def is_identity(self) -> bool:
@@ -245,6 +257,8 @@ class _GraphPass:
         self.op_eqn: dict[str, int] = {}  # operator -> the equation that made it (scan ties)
         self.leaf_uses: dict[int, list[tuple[str, tuple[str | None, ...]]]] = {}
         self.reads: dict[str, list[tuple[int, int, tuple[str | None, ...]]]] = {}
+        self.weight_keys: dict[str, list[tuple[Any, Any]]] = {}  # operator -> (leaf, part) of each of its weights
+        self.axis_labels: dict[str, tuple[str | None, ...]] = {}  # operator / graph input -> its axes' labels
         self.inputs: dict[str, tuple[int, ...]] = {}
         self.input_leaf = dict(input_leaf)
         self.alias, self.uses = _count_uses(program)
@@ -306,7 +320,8 @@ class _GraphPass:
 
     # -- adding operators -------------------------------------------------
     def adopt(self, eqn: FlatEqn, op: Operator, vals: Sequence[_Val], out_index: int = 0,
-              fixed: Sequence[str] = (), inserted_axis: int | None = None) -> _Val:
+              fixed: Sequence[str] = (), inserted_axis: int | None = None,
+              hints: Mapping[str, str] | None = None) -> _Val:
         """Register ``op``, built on ``self.ref`` stand-ins of ``vals`` (in order), with its operands re-based.
 
         Constants are dropped (free, replicated), parameters become weights,
@@ -314,12 +329,15 @@ class _GraphPass:
         The dimension indexing a batch-carrying operand axis is renamed ``b``;
         the operator is named after the equation's scope. ``inserted_axis``:
         the stand-ins have a unit axis there that the equation's operands lack.
+        ``hints``: labels the handler gives some dimensions (:mod:`shardplan.labels`).
         """
         if len(op.inputs) != len(vals) or op.weights:
             raise AssertionError(f"{op.name}: an adopted operator reads exactly its stand-ins")
         ins: list[Tensor] = []
         ws: list[Tensor] = []
         reads: list[tuple[int, int, tuple[str | None, ...]]] = []
+        wkeys: list[tuple[Any, Any]] = []
+        tlabels: dict[str, tuple[str | None, ...]] = {}
         batch_dim = None
         for slot, (v, t) in enumerate(zip(vals, op.inputs)):
             if v.kind == "const":
@@ -334,9 +352,13 @@ class _GraphPass:
             reads.append((self.eqn_index, slot, tuple(read)))
             if v.kind == "param":
                 ws.append(self.tensor(v, f"w{len(ws)}", t.axes))
+                wkeys.append((v.key, v.part))
             else:
                 ins.append(self.tensor(v, f"x{len(ins)}", t.axes))
+                if v.key in self.axis_labels:
+                    tlabels[ins[-1].name] = self.axis_labels[v.key]
         name = self.unique(join_scope(eqn.scope, eqn.name))
+        self.weight_keys[name] = wkeys
         op = dataclasses.replace(op, name=name, inputs=tuple(ins), weights=tuple(ws),
                                  fixed=op.fixed | frozenset(fixed))
         mapping: dict[str, str] = {}
@@ -347,6 +369,8 @@ class _GraphPass:
         elif batch_dim is None and "b" in op.extents:
             mapping = {"b": ops.letters(1, avoid=op.dim_names + ("b",))[0]}
         op = _rename(op, mapping)
+        hinted = {mapping.get(d, d): lab for d, lab in (hints or {}).items()}
+        op = dataclasses.replace(op, dim_labels=label_dims(op, tlabels, hinted, "b" if batch_dim else None))
         reads = [(k, s, tuple(mapping.get(d, d) if d else None for d in dims)) for k, s, dims in reads]
         self.reads[name] = reads
         out_batch = None
@@ -354,9 +378,23 @@ class _GraphPass:
             out_batch = next((i for i, a in enumerate(op.output.axes) if a.is_plain and a.dim == "b"), None)
         return self.register(op, eqn.outvars[out_index], eqn.out_dtypes[out_index], vals, out_batch)
 
+    def share_weights(self) -> None:
+        """Mark every weight with the number of operators reading its parameter (the same (leaf, part))."""
+        readers: dict[tuple[Any, Any], set[str]] = {}
+        for name, keys in self.weight_keys.items():
+            for key in keys:
+                readers.setdefault(key, set()).add(name)
+        for name, keys in self.weight_keys.items():
+            k = [len(readers[key]) for key in keys]
+            if name in self.ops and any(n > 1 for n in k):
+                op = self.ops[name]
+                self.ops[name] = dataclasses.replace(op, weights=tuple(
+                    dataclasses.replace(t, shared=n) for t, n in zip(op.weights, k)))
+
     def register(self, op: Operator, var: int, dtype: Any, vals: Sequence[_Val] = (),
                  out_batch: int | None = None) -> _Val:
         self.ops[op.name] = op
+        self.axis_labels[op.name] = output_axis_labels(op)
         self.op_eqn[op.name] = self.eqn_index
         self.op_var[op.name] = var
         self.identity_vars[op.name] = [var]
@@ -391,9 +429,14 @@ class _GraphPass:
         t = self.tensor(v, "x0", letters)
         assert t is not None
         ins, ws = ((t,), ()) if t.role == "input" else ((), (t,))
+        if ws:
+            self.weight_keys[name] = [(v.key, v.part)]
         op = Operator(name, "copy", tuple(zip(letters, v.shape)), ins, Tensor("y", v.shape, tuple(letters), "output"),
                       ws, flops_per_point=0.0)
+        base = self.axis_labels.get(v.key) if v.kind != "param" else None
+        op = dataclasses.replace(op, dim_labels=label_dims(op, {"x0": base} if base else {}, {}, None))
         self.ops[name] = op
+        self.axis_labels[name] = output_axis_labels(op)
         self.op_eqn[name] = self.eqn_index
         if v.kind == "param" and v.leaf_axes is not None:
             self._record_leaf(v.key, op, t, v.leaf_axes)
@@ -551,7 +594,7 @@ def _reshape(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
         return
     if v.kind == "param":
         # the reshaped parameter is a weight of its new shape; its leaf is no longer mapped
-        g.env[eqn.outvars[0]] = _base("param", v.key, new, v.needs_grad)
+        g.env[eqn.outvars[0]] = dataclasses.replace(_base("param", v.key, new, v.needs_grad), part=v.part)
         return
     base = g.materialize(v, eqn)
     g.adopt(eqn, ops.reshape("_", g.ref(base, 0), new), [base])
@@ -581,7 +624,21 @@ def _dot_general(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     for i, j in zip(lc, rc):
         la[i] = ra[j] = next(it)
     op = ops.einsum("_", f"{''.join(la)},{''.join(ra)}->{''.join(out)}", g.ref(vals[0], 0), g.ref(vals[1], 1))
-    g.adopt(eqn, op, vals)
+    g.adopt(eqn, op, vals, hints=_dot_hints(vals, la, ra, lc, rf, lb))
+
+
+def _dot_hints(vals: Sequence[_Val], la: Sequence[str], ra: Sequence[str], lc: Sequence[int], rf: Sequence[int],
+               lb: Sequence[int]) -> dict[str, str]:
+    """Labels a contraction fixes: with a parameter operand, contracted ``in`` and the parameter's free ``out``;
+    between activations (attention), the batch dimensions are the ``heads`` (the data batch is relabelled)."""
+    if vals[1].kind == "param" or vals[0].kind == "param":
+        hints = {la[i]: "in" for i in lc}
+        if vals[1].kind == "param":
+            hints.update({ra[j]: "out" for j in rf})
+        else:
+            hints.update({la[i]: "out" for i in range(len(la)) if i not in lc and i not in lb})
+        return hints
+    return {la[i]: "heads" for i in lb}
 
 
 @handles("conv_general_dilated")
@@ -636,7 +693,10 @@ def _conv(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     op = Operator("_", "conv", tuple(dims), (Tensor("x0", x.shape, tuple(xa), "input", src="_"),
                                               Tensor("x1", w.shape, tuple(wa), "input", src="_")),
                   Tensor("y", out, tuple(oa), "output"), flops_per_point=2.0, fixed=frozenset(fixed))
-    g.adopt(eqn, op, vals)
+    spatial = {1: ["length"], 2: ["height", "width"], 3: ["depth", "height", "width"]}[k]
+    window = {1: ["kernel"], 2: ["kh", "kw"], 3: ["kd", "kh", "kw"]}[k]
+    hints = {"b": "batch", "c": "in", "n": "out", "g": "groups", **dict(zip(sp, spatial)), **dict(zip(win, window))}
+    g.adopt(eqn, op, vals, hints=hints)
 
 
 @handles(*_REDUCE)
@@ -676,7 +736,7 @@ def _reduce_window(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
         acc.append(AxisMap(names[i], wn, int(st), int(dl), -int(lo)))
     op = Operator("_", "pool", tuple(dims), (Tensor("x0", v.shape, tuple(acc), "input", src="_"),),
                   Tensor("y", out, tuple(names), "output"), flops_per_point=1.0)
-    g.adopt(eqn, op, vals[:1])
+    g.adopt(eqn, op, vals[:1], hints={d: "window" for d, _ in dims[len(out):]})
 
 
 @handles("concatenate")
@@ -718,7 +778,9 @@ def _slice(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     strides = p.get("strides") or (1,) * len(out)
     if v.kind == "param" and v.is_identity and v.leaf_axes is not None:
         keep = tuple(la if out[i] == v.shape[i] else None for i, la in enumerate(v.leaf_axes))
-        g.env[eqn.outvars[0]] = _base("param", v.key, out, v.needs_grad, leaf_axes=keep)
+        part = (v.part, tuple(p["start_indices"]), tuple(out), tuple(strides))
+        g.env[eqn.outvars[0]] = dataclasses.replace(_base("param", v.key, out, v.needs_grad, leaf_axes=keep),
+                                                    part=part)
         return
     g.adopt(eqn, _slice_op(eqn, v, p["start_indices"], strides, out), vals[:1])
 
@@ -844,7 +906,11 @@ def _gather(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
                     start_index_map=_dn(dn, "start_index_map"), slice_sizes=tuple(eqn.params["slice_sizes"]),
                     operand_batching_dims=_dn(dn, "operand_batching_dims"),
                     start_indices_batching_dims=_dn(dn, "start_indices_batching_dims"))
-    g.adopt(eqn, op, vals)
+    n_out = len(eqn.out_shapes[0])
+    hints = {d: "vocab" for d in op.dim_names[n_out:]}
+    if vals[0].kind == "param":
+        hints.update({op.dim_names[a]: "embed" for a in _dn(dn, "offset_dims")})
+    g.adopt(eqn, op, vals, hints=hints)
 
 
 @handles("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
@@ -908,7 +974,11 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
             leaf_vals[var] = _base("input", nm, shp, False, batch=0 if i in batch_leaves else None)
             input_leaf[nm] = i
     gp = _GraphPass(program, leaf_vals, input_leaf)
+    for nm, i in input_leaf.items():
+        gp.axis_labels[nm] = input_axis_labels(shapes[i], i in batch_leaves,
+                                               not _is_float(_dtype(leaves_with_path[i][1])))
     gp.run(program)
+    gp.share_weights()
     if not gp.ops:
         raise ShardplanError("jax frontend: the function does no work on its arguments (no operators)")
     used_inputs = {t.src for op in gp.ops.values() for t in op.inputs}

@@ -1,7 +1,11 @@
 """Text and JSON reports of a plan, in the style of the PaSE paper's Table II.
 
-The strategy table groups operators that share kind, dimension letters and
-configuration, and names each group compactly:
+The strategy table groups operators that share kind, dimensions and
+configuration, and names each group compactly. Dimensions are shown as
+letters (``bchwnrs``) for hand-built graphs and, for traced graphs whose
+operators carry labels, as ``label:extent`` (``batch:16 seq:128 out:2304
+in:768``, :attr:`~shardplan.ir.Operator.dims_text`); a configuration lists
+the split of each dimension in that order.
 
 * vertex names are ``module/layer`` (``A1/branch3x3dbl_2``) or plain
   (``conv3``); a module's *family* is its name without the trailing counter
@@ -15,6 +19,13 @@ configuration, and names each group compactly:
   ``enc1 .. enc6`` -> ``enc1–6``; operators of modules that are not whole
   are listed by layer (``enc1–6/q``, ``{E1, E2}/branch1x1``); the parts of
   a title are separated by semicolons.
+
+Traced graphs have deep name scopes
+(``FlaxGPT2LMHeadModule/transformer/h/0/attn/c_attn/dot_general``): when
+an operator name has three or more ``/``-separated parts, a group is named
+by its members' scopes with the numeric parts that vary collapsed
+(``…/h/0–11/attn/c_attn/dot_general``), and a title too long for the table
+keeps its end (the layer) rather than its start.
 
 Then the predicted step time and its breakdown, memory per device and the
 speedups over the baselines given.
@@ -33,7 +44,7 @@ from shardplan.report.table import format_table
 from shardplan.search.io import jsonable
 from shardplan.units import fmt_bytes, fmt_seconds
 
-__all__ = ["Group", "group_operators", "compress_names", "render_report", "render_strategy", "plan_to_json"]
+__all__ = ["Group", "group_operators", "compress_names", "scope_title", "render_report", "render_strategy", "plan_to_json"]
 
 
 @dataclass(frozen=True)
@@ -137,7 +148,7 @@ def _title(members: Sequence[str], key: tuple[str, str], plan: Plan) -> str:
         fam = _family(mod)
         if mod not in modules_of_family.setdefault(fam, []):
             modules_of_family[fam].append(mod)
-        if (op.kind, op.label) == key:
+        if (op.kind, op.dims_text) == key:
             key_count[mod] = key_count.get(mod, 0) + 1
     layers = {_split(n)[1] for names in by_module.values() for n in names}
     whole = [m for m, names in by_module.items() if len(names) == key_count.get(m, -1)] if len(layers) > 2 else []
@@ -171,14 +182,48 @@ def _title(members: Sequence[str], key: tuple[str, str], plan: Plan) -> str:
     return "; ".join(parts)
 
 
+def _runs(values: Sequence[int]) -> str:
+    """``[0, 1, 2, 3]`` -> ``0–3``; ``[0, 2]`` -> ``{0, 2}``; ``[5]`` -> ``5``."""
+    vals = sorted(set(values))
+    if len(vals) == 1:
+        return str(vals[0])
+    if vals == list(range(vals[0], vals[-1] + 1)) and len(vals) >= 2:
+        return f"{vals[0]}–{vals[-1]}"
+    return "{" + ", ".join(str(v) for v in vals) + "}"
+
+
+def scope_title(members: Sequence[str]) -> str:
+    """Scoped names with the trailing counters of their parts collapsed (and unique-name suffixes dropped).
+
+    >>> scope_title(["m/h/0/attn/dot_general", "m/h/1/attn/dot_general", "m/lm_head/dot_general"])
+    'm/h/0–1/attn/dot_general; m/lm_head/dot_general'
+    >>> scope_title(["Net/scan0/Dense_0/add", "Net/scan1/Dense_0/add", "Net/scan3/Dense_0/add"])
+    'Net/scan{0, 1, 3}/Dense_0/add'
+    """
+    patterns: dict[tuple[str, ...], list[list[str]]] = {}
+    for name in members:
+        parts = name.split("/")
+        parts[-1] = re.sub(r"(?<=[^_\d])_\d+$", "", parts[-1])  # ``reshape_3`` (a unique-name suffix): ``reshape``
+        key = tuple(_COUNTER.sub(r"\1#", p) for p in parts)
+        patterns.setdefault(key, []).append(parts)
+    out = []
+    for key, names in patterns.items():
+        shown = [k[:-1] + _runs([int(_COUNTER.match(n[i]).group(2)) for n in names]) if k.endswith("#") else k
+                 for i, k in enumerate(key)]
+        out.append("/".join(shown))
+    return "; ".join(out)
+
+
 def group_operators(plan: Plan) -> list[Group]:
     """Operators grouped by (kind, dims, layout), in order of first appearance."""
     keyed: dict[tuple[str, str, Layout], list[str]] = {}
     lays = plan.layouts
+    deep = any(op.name.count("/") >= 2 for op in plan.graph.operators)
     for op in plan.graph.operators:
-        key = (op.kind, op.label, lays[op.name])
+        key = (op.kind, op.dims_text, lays[op.name])
         keyed.setdefault(key, []).append(op.name)
-    return [Group(_title(names, (kind, label), plan), kind, label, lay.split, tuple(names), lay)
+    return [Group(scope_title(names) if deep else _title(names, (kind, label), plan), kind, label, lay.split,
+                  tuple(names), lay)
             for (kind, label, lay), names in keyed.items()]
 
 
@@ -190,7 +235,7 @@ def render_strategy(plan: Plan, max_title: int = 60) -> str:
     """The Table II-style strategy table of ``plan`` (one line per group)."""
     rows = []
     for grp in group_operators(plan):
-        title = grp.title if len(grp.title) <= max_title else grp.title[: max_title - 1] + "…"
+        title = grp.title if len(grp.title) <= max_title else "…" + grp.title[-(max_title - 1):]
         shown = grp.layout.describe() if grp.layout is not None else _cfg(grp.config)
         rows.append((title, grp.kind, grp.label, shown, grp.size))
     return format_table(rows, ("layers", "kind", "dims", "configuration", "ops"))

@@ -24,7 +24,14 @@ for its ATen target (:data:`HANDLERS`, see :func:`register`) from the
 :mod:`shardplan.ops` constructors. A parameter operand becomes a *weight*
 tensor of the operator (trainable when ``requires_grad``); a buffer is a
 constant. A parameter read by several operators (tied embeddings) is a weight
-of each, its layout at run time is the one its first reader asks for.
+of each, marked with the number of its readers (:attr:`~shardplan.ir.Tensor.shared`:
+one gradient synchronisation and one copy of its state in all); its layout at
+run time is the one its first reader asks for.
+
+Names. An operator is named ``module path/node`` (``layers.0.fc/linear``);
+its dimensions carry readable labels (``batch``, ``seq``, ``in``, ``out``,
+``heads``: :func:`shardplan.labels.label_graph`), axis 0 of every user
+input being the batch.
 
 Dimensions that DTensor cannot execute split are marked *fixed*
 (:attr:`~shardplan.ir.Operator.fixed`), so every plan found can run:
@@ -52,6 +59,7 @@ from typing import Any, Callable, Mapping, Sequence
 from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import AxisMap, Graph, Operator, Tensor, TensorRef
+from shardplan.labels import input_axis_labels, label_graph
 
 __all__ = ["ShardplanWarning", "Val", "TorchTrace", "trace", "HANDLERS", "register", "ELEMENTWISE",
            "IDENTITY", "ArgPath"]
@@ -253,6 +261,18 @@ class _Ctx:
         val = out or Val("op", op.name, _shape(node) or (), grad)
         self.env[node.name] = val
         return val
+
+    def share_weights(self) -> None:
+        """Mark every weight with the number of operators reading its parameter."""
+        shared = {}
+        for uses in self.param_uses.values():
+            readers = {op for op, _ in uses}
+            for op, tname in uses:
+                shared[(op, tname)] = len(readers)
+        for name, op in list(self.ops.items()):
+            if any(shared.get((name, w.name), 1) > 1 for w in op.weights):
+                self.ops[name] = dataclasses.replace(op, weights=tuple(
+                    dataclasses.replace(w, shared=shared.get((name, w.name), 1)) for w in op.weights))
 
     def undo(self, node: Any) -> None:
         """Forget the operator made for ``node`` (its handler described it wrongly)."""
@@ -964,9 +984,12 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
             ctx.conservative_op(node, vals, f"handler described output {got}, torch gives {want}")
     if not ctx.ops:
         raise ShardplanError("torch frontend: the module does no work on its inputs and parameters (no operators)")
+    ctx.share_weights()
     used = {t.src for op in ctx.ops.values() for t in op.inputs}
-    graph = Graph(name or type(module).__name__, tuple(ctx.ops.values()),
-                  {k: v for k, v in ctx.inputs.items() if k in used})
+    int_inputs = {n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name in ctx.inputs and not _is_float(n)}
+    labelled = label_graph(list(ctx.ops.values()), {k: input_axis_labels(v, True, k in int_inputs)
+                                                   for k, v in ctx.inputs.items()})
+    graph = Graph(name or type(module).__name__, tuple(labelled), {k: v for k, v in ctx.inputs.items() if k in used})
     info = TorchTrace(ep, dict(ctx.node_op), dict(ctx.operands), {k: tuple(v) for k, v in ctx.param_uses.items()},
                       {k: tuple(v) for k, v in ctx.input_uses.items()}, frozenset(const_nodes),
                       dict(ctx.conservative), dict(ctx.paths))
