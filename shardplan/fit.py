@@ -87,7 +87,7 @@ from shardplan.machine import Machine
 from shardplan.search.constrained import MemoryProblem, infeasible_message, solve_memory
 from shardplan.search.problem import Solution
 
-__all__ = ["FitOptions", "MemoryChoices", "fit_problem", "solve_fit"]
+__all__ = ["FitOptions", "MemoryChoices", "fit_problem", "solve_fit", "plan_with_choices"]
 
 
 @dataclass(frozen=True)
@@ -346,3 +346,49 @@ def render_fit(plan) -> list[str]:
     if not summ["state_sharding"] and not summ["recompute"]:
         out.append("  no operator shards its state or recomputes")
     return out
+
+
+def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | Sequence[str] = False,
+                      micro_batches: int = 1, budget: float | None = None, name: str | None = None):
+    """``plan``'s layouts with the memory-saving choices given by hand (a fit plan the search did not choose).
+
+    ``stage``: one ZeRO stage for every operator with trainable weights, or
+    operator name -> stage (others 0); an operator without trainable weights
+    always has stage 0. ``recompute``: True for every operator, or the names
+    of the operators that recompute. Costs and memory are those of
+    :func:`~shardplan.cost.memory.choice_table` (the model of this module), so
+    data parallelism with FSDP, say, is ``plan_with_choices(dp_plan, 3)``.
+
+    Raises:
+        ShardplanError: an unknown stage or operator name, or a bad micro-batch count.
+    """
+    from shardplan.plan import Plan
+
+    tables = plan.tables
+    g = tables.graph
+    names = [op.name for op in g.operators]
+    stages = {n: int(stage) for n in names} if isinstance(stage, int) else {n: 0 for n in names} | dict(stage)
+    recs = set(names) if recompute is True else set() if recompute is False else set(recompute)
+    unknown = sorted((set(stages) | recs) - set(names))
+    if unknown:
+        raise ShardplanError(f"plan has no operator {unknown[0]!r}")
+    bad = sorted({s for s in stages.values() if s not in STAGES})
+    if bad:
+        raise ShardplanError(f"ZeRO stage {bad[0]!r} does not exist; choose from 0, 1, 2, 3")
+    m = int(micro_batches)
+    if m < 1:
+        raise ShardplanError(f"micro-batch count must be a positive integer, got {micro_batches!r}")
+    opt = float(tables.options.get("optimizer_factor", 2.0))
+    cts, choices = [], []
+    for i, (op, lay, oc) in enumerate(zip(g.operators, tables.arrays, tables.op_costs)):
+        ct = choice_table(op, lay, None, tables.machine, m, STAGES, True, opt, prune=False,
+                          op_cost=oc if m == 1 else None)
+        mine = (ct.base == plan.assignment[i]) & (ct.recompute == (op.name in recs))
+        j = np.flatnonzero(mine & (ct.stage == stages[op.name]))
+        if not len(j):  # an operator without trainable weights has stage 0 only
+            j = np.flatnonzero(mine & (ct.stage == 0))
+        cts.append(ct)
+        choices.append(int(j[0]))
+    budget = float(budget if budget is not None else (tables.machine.memory_bytes or np.inf))
+    mc = MemoryChoices(m, budget, 0.0, tuple(cts), tuple(choices))
+    return Plan(tables, plan.assignment, None, name or f"{plan.name}+memory", plan.build_seconds, memory_choices=mc)
