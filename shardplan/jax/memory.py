@@ -169,20 +169,82 @@ def _compose(first: Callable[[Any], Any] | None, then: Callable[[Any], Any]) -> 
     return then if first is None else (lambda x: then(first(x)))
 
 
-def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> tuple[Callable[..., Any], bool]:
-    """The traced function with the plan's constraints and, if any operator recomputes, its recomputation.
+_VIEWS = frozenset({"transpose", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type",
+                    "copy", "copy_p", "slice", "reduce_precision"})
 
-    Returns ``(fn, remat)``: ``remat`` is True when ``fn`` runs under ``jax.checkpoint``.
+
+def param_views(info: TraceInfo) -> dict[int, int]:
+    """Variable -> argument leaf, for the leaves themselves and the views of them (transposes, slices, casts...)."""
+    prog = info.program
+    out = {var: i for i, var in enumerate(prog.invars) if i in info.param_leaves}
+    for e in prog.eqns:
+        if e.name in _VIEWS and len(e.invars) == 1 and isinstance(e.invars[0], int) and e.invars[0] in out:
+            for var in e.outvars:
+                out[var] = out[e.invars[0]]
+    return out
+
+
+def constrain_forward(sharding: Any, cotangent: Any = None) -> Callable[[Any], Any]:
+    """Identity that constrains a value to ``sharding`` and its cotangent to ``cotangent`` (None: left free).
+
+    Used for a sharded parameter's reads: the gather before use is planned, the
+    gradient goes straight into the parameter's shards (a reduce-scatter of the
+    partial sums, when ``cotangent`` is the shards' sharding) instead of being
+    all-reduced to the reader's layout first.
     """
     import jax
 
+    @jax.custom_vjp
+    def ident(x: Any) -> Any:
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def fwd(x: Any) -> tuple[Any, None]:
+        return ident(x), None
+
+    def bwd(_: None, g: Any) -> tuple[Any]:
+        return (g if cotangent is None else jax.lax.with_sharding_constraint(g, cotangent),)
+
+    ident.defvjp(fwd, bwd)
+    return ident
+
+
+def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: Sequence[int] | None = None,
+                    shards: Sequence[Any] | None = None) -> tuple[Callable[..., Any], bool]:
+    """The traced function with the plan's constraints, recomputation and stage-3 gathers (see the module).
+
+    ``stages``: per argument leaf its ZeRO stage (default all 0); ``shards``:
+    per leaf the sharding of its sharded state. Reads of a leaf of stage >= 2
+    constrain the forward value to the reader's layout and the gradient to
+    the leaf's shards when the read is the leaf itself, leave it free when it
+    is a view of it (:func:`constrain_forward`).
+    When an operator recomputes or a leaf has stage 3 the function runs under
+    ``jax.checkpoint`` saving only what the operators that do not recompute
+    produce: a stage-3 weight's gather is then not saved but done again
+    before the backward pass. Returns ``(fn, remat)``: ``remat`` is True when
+    ``fn`` runs under ``jax.checkpoint``.
+    """
+    import jax
+
+    stages = list(stages) if stages is not None else [0] * len(info.leaf_names)
     sh = plan_shardings(plan, info, devices)
     produce: dict[int, Callable[[Any], Any]] = {var: constrain_both_ways(s) for var, s in sh.values.items()}
-    consume = {key: constrain_both_ways(s) for key, s in sh.reads.items()}
+    views = param_views(info)
+    eqns = info.program.eqns
+    consume = {}
+    for (k, slot), s in sh.reads.items():
+        a = eqns[k].invars[slot]
+        sharded = isinstance(a, int) and a in views and stages[views[a]] >= 2
+        if not sharded:
+            consume[(k, slot)] = constrain_both_ways(s)
+            continue
+        leaf = views[a]
+        whole = shards is not None and a == info.program.invars[leaf]
+        consume[(k, slot)] = constrain_forward(s, shards[leaf] if whole else None)
     mc = plan.memory_choices
     index = plan.graph.index
     recs = set() if mc is None else {n for n, i in index.items() if mc.recompute(i)}
-    if recs:
+    remat = bool(recs) or 3 in stages
+    if remat:
         name = _saved_name()
         for e, owner in zip(info.program.eqns, equation_owners(info)):
             if e.parent == TOP and owner not in recs:
@@ -195,10 +257,10 @@ def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> tuple
             raise ShardplanError(f"arguments have structure {tree}, the traced function had {info.in_tree}")
         return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, produce, consume))
 
-    if not recs:
+    if not remat:
         return fn, False
     policy = jax.checkpoint_policies.save_only_these_names(SAVED)
-    return jax.checkpoint(fn, policy=policy, prevent_cse=False), True
+    return jax.checkpoint(fn, policy=policy), True
 
 
 @dataclass(frozen=True, eq=False)
@@ -339,7 +401,7 @@ def fit_step(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, de
     if k > 1:
         g, micro_info = trace(loss_fn, params, _micro_structs(batch, info, n_params, k), params_argnums=(0,))
         _check_same_program(plan, g, k)
-    fn, remat = checkpointed_fn(plan, micro_info, devices)
+    fn, remat = checkpointed_fn(plan, micro_info, devices, [s.stage for s in states], [s.sharded for s in states])
     tree = info.in_tree
 
     def pick(attr: str) -> Any:
