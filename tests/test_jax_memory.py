@@ -87,7 +87,7 @@ def test_fit_step_matches_unsharded(setup, stage, recompute, k):
     grads = assert_matches_unsharded(fs, params, batch)
     prims = primitives(jax.make_jaxpr(fs.step)(params, batch).jaxpr)
     remats = [p for n, p in prims if n in ("remat2", "checkpoint", "remat")]
-    assert bool(remats) == bool(rec)
+    assert bool(remats) == (bool(rec) or stage == 3)  # stage 3 gathers the weights again for the backward
     scans = [p["length"] for n, p in prims if n == "scan"]
     assert scans == ([k] if k > 1 else [])
     # data parallel: every weight is replicated on all 8 devices, so its sharded state is cut 8 ways
@@ -96,6 +96,14 @@ def test_fit_step_matches_unsharded(setup, stage, recompute, k):
         shard = math.prod(grads[leaf].sharding.shard_shape(grads[leaf].shape))
         assert shard == (full // 8 if stage >= 2 else full)
     compiled = fs.step.lower(params, batch).compile()
+    assert ("while(" in compiled.as_text()) == (k > 1)  # the micro-batch loop survives compilation
+    if rec is True:  # every operator recomputes: the backward pass keeps no activation, only the arguments
+        from jax._src.ad_checkpoint import saved_residuals
+
+        micro = tuple(x[: B // k] for x in batch)
+        kept = [a for a, why in saved_residuals(fs.loss_fn, params, micro)
+                if not why.startswith("from the argument") and jnp.issubdtype(a.dtype, jnp.inexact)]
+        assert kept == []
     p_in = compiled.input_shardings[0][0]
     for leaf in ("w1", "w2"):
         shard = math.prod(p_in[leaf].shard_shape(params[leaf].shape))
@@ -167,10 +175,12 @@ def test_predicted_memory_against_xla_on_a_tiny_mlp(setup):
     """The memory benchmark's comparison on the tiny MLP, data parallel, Adam (benchmarks/bench_memory_vs_xla.py).
 
     Tolerances: parameters + optimizer state are modelled exactly (the only slack is Adam's 4-byte step
-    count); the saved activations are JAX's own residuals within 10 % (the model keeps every operator's
-    output, JAX the values the backward pass reads: for this MLP the same bytes but for the loss's small
-    tensors); the compiled total is never below the model's (XLA also holds the reserve: activation
-    gradients, the all-reduce's result beside its operand, workspace), so the model is a lower bound.
+    count). Saved activations: the model keeps every operator's output, JAX the values its backward pass
+    reads: of the model's four hidden-size tensors per row (x W1 before the bias, the tanh, its square, the
+    normalised h) JAX keeps three (nothing reads x W1 before the bias in the backward pass), so the ratio
+    is about 3/4 (the rest, one value per row and the 8-wide output, is under 10 %). The compiled total is
+    never below the model's: XLA also holds what the model leaves to the reserve (activation gradients,
+    the all-reduce's result beside its operand, workspace), so the model is a lower bound.
     """
     from benchmarks.bench_memory_vs_xla import measure
 
@@ -178,5 +188,5 @@ def test_predicted_memory_against_xla_on_a_tiny_mlp(setup):
     row = measure(plan_with_choices(dp, 0, False, 1, name="data_parallel"), loss_fn, params, batch, info)
     r = row["ratio_xla_over_model"]
     assert abs(row["xla_bytes"]["state"] - (row["model_bytes"]["weights"] + row["model_bytes"]["optimizer"])) <= 8
-    assert r["saved"] == pytest.approx(1.0, abs=0.10)
+    assert 0.65 <= r["saved"] <= 0.85
     assert r["total"] >= 1.0
