@@ -321,9 +321,12 @@ def render_fit(plan) -> list[str]:
     mem = plan.memory
     sol = plan.solution
     names = [op.name for op in plan.graph.operators]
-    out = [f"Memory budget: {fmt_bytes(mem['budget_bytes'])} per device; this plan's peak {fmt_bytes(mem['peak_bytes'])}"
-           f" ({100 * mem['peak_bytes'] / mem['budget_bytes']:.1f}%)"
-           + (f", of which reserve {fmt_bytes(mem['reserve_bytes'])}" if mem["reserve_bytes"] else "")]
+    if np.isfinite(mem["budget_bytes"]):
+        head = (f"Memory budget: {fmt_bytes(mem['budget_bytes'])} per device; this plan's peak "
+                f"{fmt_bytes(mem['peak_bytes'])} ({100 * mem['peak_bytes'] / mem['budget_bytes']:.1f}%)")
+    else:  # choices given by hand (plan_with_choices) on a machine without a memory size
+        head = f"Memory: no budget; this plan's peak {fmt_bytes(mem['peak_bytes'])} per device"
+    out = [head + (f", of which reserve {fmt_bytes(mem['reserve_bytes'])}" if mem["reserve_bytes"] else "")]
     for key, label in FIT_LABELS.items():
         v = plan.breakdown.get(key, 0.0)
         if v > 0:

@@ -166,6 +166,8 @@ def test_planned_with_a_budget_runs_the_fit_plan():
     pl = sj.planned(loss_fn, params, batch, devices=DEVICES, machine=TOY, budget=0.5 * peak)
     assert pl.plan.memory_choices is not None and pl.plan.memory["peak_bytes"] <= 0.5 * peak
     assert pl.fit is not None
+    text = sj.report(pl.plan)
+    assert "Memory budget" in text and "Micro-batches" in text
     loss0, _ = jax.value_and_grad(loss_fn)(params, batch)
     loss, _ = pl.step(params, batch)
     assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
@@ -190,3 +192,19 @@ def test_predicted_memory_against_xla_on_a_tiny_mlp(setup):
     assert abs(row["xla_bytes"]["state"] - (row["model_bytes"]["weights"] + row["model_bytes"]["optimizer"])) <= 8
     assert 0.65 <= r["saved"] <= 0.85
     assert r["total"] >= 1.0
+
+
+def test_plan_with_choices_reports_and_refuses_bad_input(setup):
+    import shardplan.jax as sj
+
+    _, _, _, dp = setup
+    fp = plan_with_choices(dp, {dp.graph.operators[0].name: 3}, [dp.graph.operators[1].name], 2)
+    text = sj.report(fp)
+    assert "no budget" in text and "zero-3 state sharding (1 ops)" in text and "recompute (1 ops)" in text
+    assert fp.memory["micro_batches"] == 2
+    with pytest.raises(ShardplanError, match="no operator 'nope'"):
+        plan_with_choices(dp, {"nope": 1})
+    with pytest.raises(ShardplanError, match="stage 5"):
+        plan_with_choices(dp, 5)
+    with pytest.raises(ShardplanError, match="micro-batch"):
+        plan_with_choices(dp, 0, False, 0)

@@ -143,4 +143,8 @@ def report(plan: Plan) -> str:
     lines.extend("  " + line for line in format_table(rows, right=(3,)).splitlines())
     parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in plan.breakdown.items() if v and k != "total")
     lines.append(f"  breakdown: {parts}")
+    if plan.memory_choices is not None:  # the fit plan's budget, proof, micro-batches, ZeRO stages, recomputation
+        from shardplan.fit import render_fit
+
+        lines.extend("  " + line for line in render_fit(plan))
     return "\n".join(lines)
