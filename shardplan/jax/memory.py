@@ -27,6 +27,11 @@ layout, a ZeRO stage, a recomputation flag, and one micro-batch count k.
   saved, forward run again". An equation belongs to the operator whose own
   equation (the one it was lowered from) is the last at or before it in
   program order: its fused elementwise tail and the views that follow it.
+  Views of parameters (transposes, a layer's slice of a stacked parameter)
+  are never saved: they are redone from the parameter. A stage-3 parameter
+  also puts the loss under ``jax.checkpoint`` (with nothing recomputing, only
+  the gathered copies are not saved): its gather is done again before the
+  backward pass, as the model charges.
 * **Micro-batches.** The loss is traced again at the micro-batch shape and
   planned with the same operator layouts (the two traces must give the same
   operators; :class:`~shardplan.errors.ShardplanError` otherwise). The step
@@ -249,7 +254,8 @@ def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: 
         for e, owner in zip(info.program.eqns, equation_owners(info)):
             if e.parent == TOP and owner not in recs:
                 for var in e.outvars:
-                    produce[var] = _compose(produce.get(var), name)
+                    if var not in views:  # a view of a parameter is redone from the parameter, never saved
+                        produce[var] = _compose(produce.get(var), name)
 
     def fn(*args: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten(args)
