@@ -17,9 +17,9 @@ parameters and optimizer state donated) and XLA's
 * ``xla_total`` = argument + output - alias + temp, an upper bound of XLA's
   peak per device; the model's ``peak_bytes``.
 
-    PYTHONPATH=. python benchmarks/bench_memory_vs_xla.py
+    PYTHONPATH=. python benchmarks/bench_memory_vs_xla.py [model ...]
 
-writes ``benchmarks/results/memory_vs_xla.json`` with every ratio (XLA /
+(naming models reruns only those, replacing their rows) writes ``benchmarks/results/memory_vs_xla.json`` with every ratio (XLA /
 model) and, for a total ratio outside ±10 %, its cause (:func:`explain`,
 from the parts measured). These are XLA's CPU backend figures: the CPU
 compiler fuses and schedules differently from the GPU one (no
@@ -290,24 +290,30 @@ def summarize(rows: list[dict[str, Any]], errors: int) -> dict[str, Any]:
             "findings": FINDINGS}
 
 
-def main() -> None:
+def main(only: set[str]) -> None:
+    """Run every model (or those named in ``only``, replacing their rows in the existing JSON)."""
     import jax
 
     from shardplan.machine import Machine
 
+    path = os.path.join(HERE, "results", "memory_vs_xla.json")
     machine = Machine(**TOY)
     out: dict[str, Any] = {
         "machine": TOY, "devices": 8, "backend": jax.devices()[0].platform, "optimizer": "optax.adam",
         "note": "XLA CPU backend figures (simulated devices); GPU fusion and scheduling differ, temporaries most",
         "results": []}
+    if only and os.path.exists(path):
+        with open(path) as f:
+            out["results"] = [r for r in json.load(f)["results"] if r.get("model") not in only]
     for name in ("jax_mlp", "jax_transformer", "jax_cnn"):
+        if only and name not in only:
+            continue
         mod = load_example(name)
         params, batch = mod.init_params(jax.random.PRNGKey(0)), mod.make_batch(jax.random.PRNGKey(1))
         out["results"].extend(run_model(name, "examples", mod.loss_fn, params, batch, machine))
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from jax_corpus import CORPUS
 
-    only = set(sys.argv[1:])
     for entry in CORPUS:
         if only and entry.name not in only:
             continue
@@ -319,11 +325,11 @@ def main() -> None:
             print(f"{entry.name:<30} ERROR {type(e).__name__}: {e}", flush=True)
     ok = [r for r in out["results"] if "xla_bytes" in r]
     out["summary"] = summarize(ok, len(out["results"]) - len(ok))
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "memory_vs_xla.json"), "w") as f:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(out, f, indent=1, default=float)
 
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    main()
+    main(set(sys.argv[1:]))
