@@ -27,8 +27,9 @@ layout, a ZeRO stage, a recomputation flag, and one micro-batch count k.
   saved, forward run again". An equation belongs to the operator whose own
   equation (the one it was lowered from) is the last at or before it in
   program order: its fused elementwise tail and the views that follow it.
-  Views of parameters (transposes, a layer's slice of a stacked parameter)
-  are never saved: they are redone from the parameter. A stage-3 parameter
+  Views of the arguments (transposes, a layer's slice of a stacked
+  parameter, a transposed image batch) are never saved: they are redone
+  from the argument. A stage-3 parameter
   also puts the loss under ``jax.checkpoint`` (with nothing recomputing, only
   the gathered copies are not saved): its gather is done again before the
   backward pass, as the model charges.
@@ -178,10 +179,13 @@ _VIEWS = frozenset({"transpose", "broadcast_in_dim", "reshape", "squeeze", "expa
                     "copy", "copy_p", "slice", "reduce_precision"})
 
 
-def param_views(info: TraceInfo) -> dict[int, int]:
-    """Variable -> argument leaf, for the leaves themselves and the views of them (transposes, slices, casts...)."""
+def param_views(info: TraceInfo, params_only: bool = True) -> dict[int, int]:
+    """Variable -> argument leaf, for the leaves themselves and the views of them (transposes, slices, casts...).
+
+    Parameter leaves only, unless ``params_only`` is False (then the data leaves too).
+    """
     prog = info.program
-    out = {var: i for i, var in enumerate(prog.invars) if i in info.param_leaves}
+    out = {var: i for i, var in enumerate(prog.invars) if i in info.param_leaves or not params_only}
     for e in prog.eqns:
         if e.name in _VIEWS and len(e.invars) == 1 and isinstance(e.invars[0], int) and e.invars[0] in out:
             for var in e.outvars:
@@ -251,10 +255,11 @@ def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: 
     remat = bool(recs) or 3 in stages
     if remat:
         name = _saved_name()
+        views = param_views(info, params_only=False)
         for e, owner in zip(info.program.eqns, equation_owners(info)):
             if e.parent == TOP and owner not in recs:
                 for var in e.outvars:
-                    if var not in views:  # a view of a parameter is redone from the parameter, never saved
+                    if var not in views:  # a view of an argument is redone from the argument, never saved
                         produce[var] = _compose(produce.get(var), name)
 
     def fn(*args: Any) -> Any:
