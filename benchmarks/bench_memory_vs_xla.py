@@ -311,6 +311,7 @@ def main(only: set[str]) -> None:
         mod = load_example(name)
         params, batch = mod.init_params(jax.random.PRNGKey(0)), mod.make_batch(jax.random.PRNGKey(1))
         out["results"].extend(run_model(name, "examples", mod.loss_fn, params, batch, machine))
+        write(out, path)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from jax_corpus import CORPUS
 
@@ -323,6 +324,11 @@ def main(only: set[str]) -> None:
         except Exception as e:  # a model that does not go through is a result too
             out["results"].append({"model": entry.name, "library": entry.library, "error": f"{type(e).__name__}: {e}"})
             print(f"{entry.name:<30} ERROR {type(e).__name__}: {e}", flush=True)
+        write(out, path)
+
+
+def write(out: dict[str, Any], path: str) -> None:
+    """The JSON with its summary (written after every model, so an interrupted run keeps what it measured)."""
     ok = [r for r in out["results"] if "xla_bytes" in r]
     out["summary"] = summarize(ok, len(out["results"]) - len(ok))
     os.makedirs(os.path.dirname(path), exist_ok=True)
