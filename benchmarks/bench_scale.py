@@ -12,7 +12,11 @@ paper's flat tuple x nesting-order space) and after (the candidate layouts
 the search sees, and those left after the search's bound pruning), summed
 over the distinct operators and as the largest; seconds to build the
 tables, to lower them and to search; process CPU seconds; wall seconds of
-the subprocess including imports; peak RSS; the predicted step time.
+the subprocess including imports; peak RSS; the predicted step time. For
+the paper models also the command itself, ``shardplan solve --model M -p 64``
+(baselines and report included), in fresh interpreters: its least CPU and
+wall seconds over three runs, next to the CPU seconds of starting Python and
+importing numpy alone.
 
 The machine this runs on has 2 cores shared with other jobs: wall times
 vary with the load; CPU seconds (user + system of the subprocess) are the
@@ -34,6 +38,7 @@ import time
 from pathlib import Path
 
 OUT = Path(__file__).parent / "results" / "scale.json"
+ROOT = Path(__file__).resolve().parent.parent
 
 GPT3 = {"layers": 96, "d_model": 12288, "heads": 96, "seq": 2048, "vocab": 50304}
 LLAMA3_8B = {"layers": 32, "d_model": 4096, "heads": 32, "seq": 8192, "vocab": 128256, "d_ff": 14336}
@@ -46,8 +51,32 @@ def cases() -> dict[str, dict]:
     out["llama3-8b-64"] = {"model": "gpt", "sizes": LLAMA3_8B, "machine": "h100", "p": 64, "name": "llama3-8b-like"}
     out["gpt1.3b-64"] = {"model": "gpt", "sizes": {}, "machine": "h100", "p": 64}
     for m in ("alexnet", "inception_v3", "rnnlm", "transformer"):
-        out[f"{m}-64"] = {"model": m, "sizes": {}, "machine": "paper", "p": 64}
+        out[f"{m}-64"] = {"model": m, "sizes": {}, "machine": "paper", "p": 64, "cli": True}
     return out
+
+
+def cli_run(spec: dict, repeats: int = 3) -> dict:
+    """``shardplan solve --model M -p P`` (default paper machine, baselines and report included) in a fresh
+    interpreter: the least CPU seconds (user + system, interpreter start-up and imports included) and wall
+    seconds of ``repeats`` runs, and the CPU seconds of ``python -c "import numpy"`` alone (the start-up floor)."""
+    import os
+
+    def child(cmd: list[str]) -> tuple[float, float]:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        w0 = time.perf_counter()
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # cached bytecode, as installed
+        subprocess.run(cmd, check=True, capture_output=True, env={**env, "PYTHONPATH": str(ROOT)})
+        wall = time.perf_counter() - w0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall
+
+    cmd = [sys.executable, "-m", "shardplan.cli", "solve", "--model", spec["model"], "-p", str(spec["p"]),
+           "--machine", spec["machine"]]
+    child(cmd)  # once to warm the file cache and write bytecode
+    runs = [child(cmd) for _ in range(repeats)]
+    floor = min(child([sys.executable, "-c", "import numpy"])[0] for _ in range(repeats))
+    return {"cli_cpu_s": round(min(c for c, _ in runs), 3), "cli_wall_s": round(min(w for _, w in runs), 3),
+            "python_numpy_startup_cpu_s": round(floor, 3), "cli_repeats": repeats}
 
 
 def _before_counts(graph, machine, cutoff: int, distinct: list[int]) -> dict:
@@ -132,6 +161,8 @@ def main() -> None:
             else:
                 row = json.loads(r.stdout.strip().splitlines()[-1])
                 row["subprocess_wall_s"] = round(time.perf_counter() - w0, 3)
+                if table[name].get("cli"):
+                    row.update(cli_run(table[name]))
         except subprocess.TimeoutExpired:
             row = {"case": name, "error": f"timeout {args.timeout} s"}
         rows[name] = row

@@ -77,8 +77,17 @@ def nearest_valid(op: Operator, configs: np.ndarray, desired: Mapping[str, int])
 
 
 def _resolve(tables: CostTables, desired: Mapping[str, Mapping[str, int]]) -> Strategy:
-    return {op.name: nearest_valid(op, tables.configs[i], desired[op.name])
-            for i, op in enumerate(tables.graph.operators)}
+    """Every operator's :func:`nearest_valid` configuration; computed once per distinct
+    (configuration array, dims, wish): identical operators share their arrays."""
+    seen: dict[tuple, tuple[int, ...]] = {}
+    out: Strategy = {}
+    for i, op in enumerate(tables.graph.operators):
+        configs = tables.configs[i]
+        key = (id(configs), op.dim_names, tuple(desired[op.name].items()))
+        if key not in seen:
+            seen[key] = nearest_valid(op, configs, desired[op.name])
+        out[op.name] = seen[key]
+    return out
 
 
 def _dp_wish(op: Operator, ways: int) -> dict[str, int]:

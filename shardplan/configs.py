@@ -27,9 +27,9 @@ import numpy as np
 
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
-from shardplan.layout import Layout
+from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays
 
-__all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES", "layouts"]
+__all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES", "layouts", "flat_layouts"]
 
 
 def split_choices(extent: int, p: int, cutoff: int, powers_of_two: bool = False) -> list[int]:
@@ -162,6 +162,25 @@ def _level_orders(row: tuple[int, ...], own: Sequence[int], mode: str, max_permu
     return [tuple(split), tuple(reversed(split))]
 
 
+def flat_layouts(op: Operator, p: int, cutoff: int = 4, powers_of_two: bool = False, divides_p: bool = True,
+                 orders: str = "row-major", max_permuted: int = 3,
+                 rows: np.ndarray | None = None) -> tuple[tuple[Layout, ...], LayoutArrays]:
+    """The one-level candidates of :func:`layouts` (levels ``(p,)``) and the same layouts as arrays.
+
+    ``rows``: :func:`configurations` of ``op`` with these arguments, when the caller has them.
+    The arrays come from :func:`~shardplan.layout.flat_layout_arrays` (equal to
+    ``LayoutArrays.stack`` of the layouts) and give the layouts their strides.
+    """
+    if rows is None:
+        rows = configurations(op, p, cutoff, powers_of_two, divides_p)
+    c2, o2 = dimension_orders(rows, orders, max_permuted)
+    arr = flat_layout_arrays(c2, p, o2)
+    names, lv = op.dim_names, (int(p),)
+    lays = tuple(Layout._with_strides(names, lv, (tuple(c),), (tuple(j for j in o if c[j] > 1),), (tuple(s),))
+                 for c, o, s in zip(c2.tolist(), o2.tolist(), arr.level_strides[0].tolist()))
+    return lays, arr
+
+
 def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two: bool = False,
             divides_p: bool = True, orders: str = "row-major", max_permuted: int = 3,
             max_split_dims: int | None = 3, max_level_dims: int | None = 2,
@@ -194,11 +213,7 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
     names = op.dim_names
     n = len(names)
     if len(levels) == 1:
-        rows = configurations(op, p, cutoff, powers_of_two, divides_p)
-        c2, o2 = dimension_orders(rows, orders, max_permuted)
-        lv = (p,)
-        return tuple(Layout._unchecked(names, lv, (tuple(c),), (tuple(j for j in o if c[j] > 1),))
-                     for c, o in zip(c2.tolist(), o2.tolist()))
+        return flat_layouts(op, p, cutoff, powers_of_two, divides_p, orders, max_permuted)[0]
     own = list(range(n))
     out: list[Layout] = []
     seen: set[Layout] = set()

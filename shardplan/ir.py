@@ -34,6 +34,7 @@ axis of extent 1, or a tensor read whole) has ``dim=None``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from shardplan.checks import MAX_EXTENT
@@ -292,7 +293,7 @@ class Operator:
                 self._fail(f"input {t.name!r} must have role 'input'")
 
     # -- derived ----------------------------------------------------------
-    @property
+    @cached_property
     def dim_names(self) -> tuple[str, ...]:
         return tuple(d for d, _ in self.dims)
 
@@ -300,7 +301,7 @@ class Operator:
     def extents(self) -> dict[str, int]:
         return dict(self.dims)
 
-    @property
+    @cached_property
     def label(self) -> str:
         """The dimension letters, e.g. "bchwnrs" (names joined when longer)."""
         names = self.dim_names
@@ -377,11 +378,18 @@ class Graph:
     Edges are derived from the operators' inputs (``Tensor.src``); graph
     inputs (data, labels) are not vertices. Validation: unique names, known
     producers, matching shapes along every edge, no cycles.
+
+    ``ties``: groups of operators that must take one configuration (the
+    copies of an operator in the iterations of an unrolled ``scan``: the
+    stacked parameter they read has one layout). Members have the same
+    dimensions and extents; the search treats a group as one variable
+    (:mod:`shardplan.search.tie`).
     """
 
     name: str
     operators: tuple[Operator, ...]
     graph_inputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    ties: tuple[tuple[str, ...], ...] = ()
     edges: tuple[EdgeRef, ...] = field(init=False)
     index: Mapping[str, int] = field(init=False, repr=False)
 
@@ -422,13 +430,26 @@ class Graph:
                 edges.append(EdgeRef(index[t.src], j, slot))
         object.__setattr__(self, "edges", tuple(edges))
         object.__setattr__(self, "index", index)
-        import networkx as nx  # a quarter of a second: not at ``import shardplan``
-
-        g = self.to_networkx()
-        if not nx.is_directed_acyclic_graph(g):
-            cycle = nx.find_cycle(g)
-            path = " -> ".join(str(e[0]) for e in cycle) + f" -> {cycle[0][0]}"
+        self._check_ties()
+        order = _kahn(len(ops), self.edges)
+        if len(order) < len(ops):
+            cycle = _find_cycle(len(ops), self.edges, set(order))
+            path = " -> ".join(ops[i].name for i in cycle) + f" -> {ops[cycle[0]].name}"
             raise ShardplanError(f"graph {self.name!r} has a cycle: {path}")
+
+    def _check_ties(self) -> None:
+        """Tie groups name known operators of one description (dims and extents), each in at most one group."""
+        from shardplan.search.tie import check_ties
+
+        ties = tuple(tuple(str(n) for n in grp) for grp in self.ties)
+        object.__setattr__(self, "ties", ties)
+        for grp in check_ties([op.name for op in self.operators], ties):
+            first = self.operators[grp[0]]
+            for i in grp[1:]:
+                op = self.operators[i]
+                if op.dims != first.dims or op.fixed != first.fixed:
+                    raise ShardplanError(f"graph {self.name!r}: tied operators {first.name!r} and {op.name!r} "
+                                         f"have different dimensions ({first.label} / {op.label})")
 
     def to_networkx(self) -> nx.MultiDiGraph:
         """The operator graph as a networkx MultiDiGraph (nodes are operator names)."""
@@ -454,12 +475,54 @@ class Graph:
         return iter(self.operators)
 
     def topological_order(self) -> list[int]:
-        import networkx as nx
+        """Operator indices in topological order, the smallest ready index first (lexicographic)."""
+        return _kahn(len(self.operators), self.edges)
 
-        g = nx.DiGraph()
-        g.add_nodes_from(range(len(self.operators)))
-        g.add_edges_from((e.src, e.dst) for e in self.edges)
-        return list(nx.lexicographical_topological_sort(g))
+
+def _kahn(n: int, edges: Sequence[EdgeRef]) -> list[int]:
+    """Kahn's algorithm over vertices 0..n-1, always taking the smallest ready vertex.
+
+    Returns the vertices it could order: all n exactly when the graph is acyclic.
+    """
+    import heapq
+
+    indeg = [0] * n
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for e in edges:
+        indeg[e.dst] += 1
+        succ[e.src].append(e.dst)
+    ready = [i for i in range(n) if indeg[i] == 0]
+    heapq.heapify(ready)
+    out: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        out.append(i)
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                heapq.heappush(ready, j)
+    return out
+
+
+def _find_cycle(n: int, edges: Sequence[EdgeRef], ordered: set[int]) -> list[int]:
+    """A directed cycle among the vertices Kahn's algorithm could not order, in edge direction.
+
+    Every such vertex has a predecessor that is also unordered, so walking
+    predecessors from any of them must revisit a vertex: the walk from that
+    vertex back to itself, reversed, is a cycle.
+    """
+    pred: dict[int, int] = {}
+    for e in edges:
+        if e.dst not in ordered and e.src not in ordered:
+            pred.setdefault(e.dst, e.src)
+    v = min(pred)
+    seen: dict[int, int] = {}
+    walk: list[int] = []
+    while v not in seen:
+        seen[v] = len(walk)
+        walk.append(v)
+        v = pred[v]
+    return walk[seen[v]:][::-1]
 
 
 def unique_name(base: str, taken: Callable[[str], bool]) -> str:

@@ -56,10 +56,12 @@ import numpy as np
 
 from shardplan.errors import ShardplanError
 
-__all__ = ["Layout", "LayoutArrays", "LEVEL_NAMES", "level_names", "flat_layout_arrays", "pattern_blocks"]
+__all__ = ["Layout", "LayoutArrays", "LEVEL_NAMES", "level_names", "flat_layout_arrays", "pattern_blocks",
+           "unique_rows"]
 
 LEVEL_NAMES = ("device", "node", "pod", "cluster")
 REPLICA_AXIS = "_rep"
+_DIRECT_ENTRIES = 1 << 14  # block_index computes up to this many (layout, device) entries without deduplicating
 
 
 def level_names(n_levels: int) -> tuple[str, ...]:
@@ -133,13 +135,17 @@ class Layout:
     def _unchecked(cls, dims: tuple[str, ...], levels: tuple[int, ...], splits: tuple[tuple[int, ...], ...],
                    orders: tuple[tuple[int, ...], ...]) -> "Layout":
         """A layout from already-normalised values known to be valid (the enumerator's fast path)."""
-        lay = object.__new__(cls)
-        object.__setattr__(lay, "dims", dims)
-        object.__setattr__(lay, "levels", levels)
-        object.__setattr__(lay, "splits", splits)
-        object.__setattr__(lay, "orders", orders)
         n = len(dims)
-        object.__setattr__(lay, "_strides", tuple(_row_major_strides(r, o, n) for r, o in zip(splits, orders)))
+        return cls._with_strides(dims, levels, splits, orders,
+                                 tuple(_row_major_strides(r, o, n) for r, o in zip(splits, orders)))
+
+    @classmethod
+    def _with_strides(cls, dims: tuple[str, ...], levels: tuple[int, ...], splits: tuple[tuple[int, ...], ...],
+                      orders: tuple[tuple[int, ...], ...], strides: tuple[tuple[int, ...], ...]) -> "Layout":
+        """:meth:`_unchecked` with the per-level strides already known (from :class:`LayoutArrays`)."""
+        lay = object.__new__(cls)
+        d = lay.__dict__
+        d["dims"], d["levels"], d["splits"], d["orders"], d["_strides"] = dims, levels, splits, orders, strides
         return lay
 
     @classmethod
@@ -428,8 +434,11 @@ class LayoutArrays:
 
     def block_index(self, j: int) -> np.ndarray:
         """(K, p): every device's tile coordinate along dim j (combined over levels; arbitrary where idle)."""
-        pats, inv = np.unique(self.patterns(j), axis=0, return_inverse=True)
-        return pattern_blocks(pats, self.levels)[inv.ravel()]
+        pats = self.patterns(j)
+        if len(pats) * self.p <= _DIRECT_ENTRIES:  # small: direct; large: once per distinct pattern
+            return pattern_blocks(pats, self.levels)
+        uniq, _, inv = unique_rows(pats)
+        return pattern_blocks(uniq, self.levels)[inv]
 
     def patterns(self, j: int) -> np.ndarray:
         """(K, 2L): the (split, stride) per level that fixes dim j's block vector over devices."""
@@ -460,6 +469,8 @@ def pattern_blocks(pats: np.ndarray, levels: Sequence[int]) -> np.ndarray:
     n_lv = len(levels)
     p = math.prod(levels)
     q = np.arange(p, dtype=np.int64)
+    if n_lv == 1:  # i_0(q) = q
+        return (q[None, :] // pats[:, 1:2]) % pats[:, 0:1]
     base = np.cumprod((1,) + levels[:-1])
     out = np.zeros((len(pats), p), dtype=np.int64)
     mult = np.ones(len(pats), dtype=np.int64)
@@ -485,3 +496,32 @@ def flat_layout_arrays(configs: np.ndarray, p: int, orders: np.ndarray | None = 
     np.put_along_axis(strides, np.asarray(orders), s, axis=1)
     strides = np.where(configs > 1, strides, 1)  # canonical, as in Layout: an unsplit dim's stride is irrelevant
     return LayoutArrays((int(p),), configs[None].copy(), strides[None].copy())
+
+
+def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct rows of an integer (K, m) array: ``(uniq (U, m), first (U,), inverse (K,))``.
+
+    The same values as ``np.unique(rows, axis=0, return_index=True,
+    return_inverse=True)`` (rows in lexicographic order, ``first`` the first
+    occurrence of each, ``rows == uniq[inverse]``), computed on one int64
+    code per row: with ``lo_j``/``span_j`` the minimum and range of column j,
+    ``code = Σ_j (x_j - lo_j) Π_{j' > j} span_j'`` is a mixed-radix number
+    whose order is the rows' lexicographic order. Falls back to
+    ``np.unique`` when the codes would not fit in 62 bits.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    k, m = rows.shape
+    if k == 0 or m == 0:
+        u, first, inv = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+        return u, first, inv.reshape(-1)
+    lo = rows.min(axis=0)
+    span = rows.max(axis=0) - lo + 1
+    weights = [1] * m
+    for j in range(m - 2, -1, -1):
+        weights[j] = weights[j + 1] * int(span[j + 1])
+    if weights[0] * int(span[0]) >= 1 << 62:
+        u, first, inv = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+        return u, first, inv.reshape(-1)
+    code = (rows - lo) @ np.asarray(weights, dtype=np.int64) if m > 1 else rows[:, 0] - lo[0]
+    _, first, inv = np.unique(code, return_index=True, return_inverse=True)
+    return rows[first], first, inv.reshape(-1)

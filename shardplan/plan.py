@@ -215,7 +215,8 @@ def solve_tables(tables: CostTables, *, solver: str = "dp", build_seconds: float
                  **solver_options: Any) -> Plan:
     """The strategy of minimum predicted step time among prebuilt cost ``tables``.
 
-    Lowers them to a :class:`~shardplan.search.problem.Problem` and runs
+    Lowers them to a :class:`~shardplan.search.problem.Problem` (each group
+    of the graph's ``ties`` contracted to one vertex) and runs
     ``solver`` (a key of :data:`shardplan.search.SOLVERS`) with
     ``solver_options``. ``build_seconds``: how long building ``tables`` took,
     if the caller measured it; it is recorded on the plan as given.
@@ -225,7 +226,19 @@ def solve_tables(tables: CostTables, *, solver: str = "dp", build_seconds: float
     if not isinstance(tables, CostTables):
         raise ShardplanError(f"solve_tables: tables must be CostTables from build_tables, got {type(tables).__name__}")
     _check_solver(solver)
-    sol = SOLVERS[solver](tables.to_problem(), **solver_options)
+    problem = tables.to_problem()
+    if not tables.graph.ties:
+        sol = SOLVERS[solver](problem, **solver_options)
+    else:  # tied operators: one variable per group (exact for the tied problem, see shardplan.search.tie)
+        from shardplan.search.tie import check_ties, tie, untie
+
+        groups = check_ties(problem.names, tables.graph.ties)
+        for grp in groups:
+            if any(tables.layouts[i] != tables.layouts[grp[0]] for i in grp[1:]):
+                raise ShardplanError(f"tied operator {tables.graph.operators[grp[0]].name!r}: its copies have "
+                                     "different candidate layouts")
+        tied, rep = tie(problem, groups)
+        sol = untie(SOLVERS[solver](tied, **solver_options), rep)
     return Plan(tables, tuple(int(a) for a in sol.assignment), sol, solver, build_seconds)
 
 

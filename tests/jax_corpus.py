@@ -246,7 +246,8 @@ def run_entry(entry: Entry, machine: Any, devices: Any) -> dict[str, Any]:
     """Trace, solve, run one step; the loss and gradient errors against the unsharded step and the HLO bytes.
 
     Returns ``loss_rel`` (|loss - loss0| / |loss0|), ``grad_rel`` (max |g - g0| over the largest
-    |g0| entry, over all leaves), ``hlo_bytes`` / ``model_bytes`` (bytes each device sends per step,
+    |g0| entry, over all leaves), ``grads_as_planned`` (every gradient in its parameter's planned
+    sharding), ``hlo_bytes`` / ``model_bytes`` (bytes each device sends per step,
     compiled vs predicted) and ``ratio``.
     """
     import jax
@@ -261,13 +262,15 @@ def run_entry(entry: Entry, machine: Any, devices: Any) -> dict[str, Any]:
     loss0, grads0 = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads0))
     grad_err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)))
+    as_planned = all(g.sharding.is_equivalent_to(s, g.ndim)
+                     for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(pl.param_shardings)))
     hlo = pl.step.lower(params, batch).compile().as_text()
     got, want = hlo_bytes_per_device(hlo)["total"], predicted_bytes(pl.plan)["total"]
     return {
         "library": entry.library, "model": entry.name, "operators": len(pl.plan.graph),
         "split_operators": sum(1 for c in pl.plan.configs.values() if any(x > 1 for x in c)),
         "loss_rel": abs(float(loss) - float(loss0)) / max(abs(float(loss0)), 1e-30),
-        "grad_rel": grad_err / max(scale, 1e-30),
+        "grad_rel": grad_err / max(scale, 1e-30), "grads_as_planned": as_planned,
         "hlo_bytes": got, "model_bytes": want,
         "ratio": got / want if want else (1.0 if got == 0 else float("inf")),
         "plan": pl.plan,

@@ -285,6 +285,20 @@ def test_hierarchical_machine_uses_slow_link_across_nodes():
     assert c.grad_allreduce[0] == pytest.approx(2 * 1 / 2 * 64 * 256 * 4 / 10e9)
 
 
+def test_halo_stays_inside_the_node_when_only_other_dims_span_nodes():
+    from shardplan.layout import Layout, LayoutArrays
+
+    m = Machine(4, peak_flops=F, bandwidth=100e9, node_size=2, inter_bandwidth=10e9)
+    dims = CONV.dim_names  # b c h w n r s
+    # h split 2 inside each node, b split 2 across the nodes: a device's halo row comes from its node partner
+    # (same batch half, the other h half). 1 row x 32 columns x 16 channels x 4 images, forward and back.
+    inside = LayoutArrays.stack([Layout(dims, (2, 2), ((1, 1, 2, 1, 1, 1, 1), (2, 1, 1, 1, 1, 1, 1)), ((2,), (0,)))])
+    assert operator_cost(CONV, inside, m).halo[0] == pytest.approx(2 * (32 * 16 * 4) * 4 / 100e9)
+    # h split across the nodes instead: the halo row comes from the other node
+    across = LayoutArrays.stack([Layout(dims, (2, 2), ((2, 1, 1, 1, 1, 1, 1), (1, 1, 2, 1, 1, 1, 1)), ((0,), (2,)))])
+    assert operator_cost(CONV, across, m).halo[0] == pytest.approx(2 * (32 * 16 * 4) * 4 / 10e9)
+
+
 def test_memory_per_device():
     m = machine(4)
     w, act = operator_memory(GEMM, np.array([[1, 4, 1], [4, 1, 1]]), m, optimizer_factor=2.0)
@@ -361,6 +375,41 @@ def test_hierarchical_redistribution_stays_inside_a_node_when_the_sender_fits_in
     assert f[0, 0] > 0 and b[0, 0] > 0
 
 
+def _two_level_edge(a_splits, a_orders, c_splits, c_orders):
+    """Seconds and volumes of a 4x4 elementwise edge a -> c on 2 nodes of 2 devices (100 B/s inside, 1 B/s across)."""
+    from shardplan.layout import Layout, LayoutArrays
+
+    m = Machine(4, peak_flops=F, bandwidth=100.0, node_size=2, inter_bandwidth=1.0)
+    a = ops.elementwise("a", x_ref((4, 4)))
+    c = ops.elementwise("c", a.out)
+    la = LayoutArrays.stack([Layout(("i", "j"), (2, 2), a_splits, a_orders)])
+    lc = LayoutArrays.stack([Layout(("i", "j"), (2, 2), c_splits, c_orders)])
+    return edge_cost(a, la, c, 0, lc, m)[0, 0], edge_volumes(a, la, c, 0, lc, 4)
+
+
+def test_redistribution_inside_nodes_uses_the_node_links_though_the_sender_spans_nodes():
+    # a: rows split across the 2 nodes, columns split inside each node; c: rows across nodes, columns whole.
+    # Device (position k in node n) holds a[2n:2n+2, 2k:2k+2] (4 elements) and needs c's c[2n:2n+2, :] (8):
+    # it misses the other column half, which its node partner holds: 4 elements = 16 bytes over the node's
+    # 100 B/s link. The gradient of a's tile lies inside c's tile: nothing moves back.
+    sec, (f, b) = _two_level_edge(((1, 2), (2, 1)), ((1,), (0,)), ((1, 1), (2, 1)), ((), (0,)))
+    assert (f[0, 0], b[0, 0]) == (4, 0)
+    assert sec == pytest.approx(16 / 100)
+
+
+def test_redistribution_that_crosses_nodes_pays_the_inter_node_link_for_what_crosses():
+    # a: rows split inside the node, columns across nodes: device (k, n) holds a[2k:2k+2, 2n:2n+2];
+    # the node n holds the column half 2n:2n+2. c as above: device (k, n) needs c[2n:2n+2, :].
+    # Forward: a device with k != n misses all 8 elements (V_-1 = 8); of those, c[2n:2n+2, 2n:2n+2] is in its
+    # node and c[2n:2n+2, other half] is not (V_0 = 4): max(8*4 B / 100 B/s, 4*4 B / 1 B/s) = 16 s.
+    # Backward: c's device (k, n) holds the gradient of rows 2n:2n+2, all columns; a's device (k, n) needs
+    # rows 2k:2k+2, columns 2n:2n+2: with k != n all 4 elements are missing (V_-1 = 4), and its node's c
+    # tiles are rows 2n:2n+2 only (V_0 = 4): max(16 B / 100 B/s, 16 B / 1 B/s) = 16 s.
+    sec, (f, b) = _two_level_edge(((2, 1), (1, 2)), ((0,), (1,)), ((1, 1), (2, 1)), ((), (0,)))
+    assert (f[0, 0], b[0, 0]) == (8, 4)
+    assert sec == pytest.approx(16.0 + 16.0)
+
+
 # --------------------------------------------------------------------------- the breakdown's parts
 def test_one_list_of_breakdown_parts():
     from dataclasses import fields
@@ -372,3 +421,23 @@ def test_one_list_of_breakdown_parts():
     assert list(c.parts(0)) == list(PARTS)
     assert sum(c.parts(0).values()) == pytest.approx(c.total[0])
     assert list(BREAKDOWN) == [*PARTS, "redistribution"]
+
+
+def test_a_slice_sends_back_only_the_gradient_of_what_it_read():
+    """A consumer reading columns 32..63 of a (8, 96) tensor, both sides split over the batch: nothing moves;
+    with the producer split over the columns 3 ways and the slice over the batch, the slice sends back
+    only the gradient of its own columns that the producer's device lacks."""
+    from shardplan.ir import TensorRef
+
+    x = TensorRef("x", (8, 16), is_input=True)
+    fc = ops.dense("fc", x, 96)  # dims b, n, c
+    sl = ops.slice_axis("sl", TensorRef("fc", (8, 96), needs_grad=True), 1, 32, 32)
+    f, b = edge_volumes(fc, np.array([[2, 1, 1]]), sl, 0, np.array([[2, 1]]), 2)
+    assert (f[0, 0], b[0, 0]) == (0, 0)
+    # producer: columns in 3 blocks of 32 on devices 0, 1, 2 (batch whole); the slice replicated
+    f, b = edge_volumes(fc, np.array([[1, 3, 1]]), sl, 0, np.array([[1, 1]]), 3)
+    # the slice is replicated on 3 devices, each reads all of columns 32..63: device 0 and 2 lack them
+    assert f[0, 0] == 8 * 32
+    # backward: device q's producer tile is columns [32q, 32q+32); the slice's gradient covers only 32..63,
+    # which device 1 holds itself: devices 0 and 2 receive nothing for the columns outside the slice
+    assert b[0, 0] == 0

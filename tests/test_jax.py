@@ -173,9 +173,11 @@ def test_hlo_group_forms_and_ring_bytes():
         "  %d = f32[8,8]{1,0} all-to-all(%w), replica_groups={}, dimensions={0}",
         "  %e = bf16[10]{0} collective-permute(%v), source_target_pairs={{0,1},{1,0}}",
         "  %f = (f32[4]{0}, f32[2]{0}) all-reduce(%p, %q), replica_groups=[1,8]<=[8], to_apply=%add",
+        "  %g = f32[1024,256]{1,0} all-gather(%u), replica_groups=mesh['axis_0'=4,'axis_1'=2], "
+        "device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}",
     ])
     cs = parse_collectives(text)
-    assert [c.group for c in cs] == [4, 2, 4, 8, 2, 8]
+    assert [c.group for c in cs] == [4, 2, 4, 8, 2, 8, 4]
     sent = [c.sent for c in cs]
     assert sent[0] == pytest.approx(2 * 3 / 4 * 16 * 32 * 4)
     assert sent[1] == pytest.approx(1 / 2 * 64 * 8 * 4)
@@ -183,6 +185,7 @@ def test_hlo_group_forms_and_ring_bytes():
     assert sent[3] == pytest.approx(7 / 8 * 64 * 4)
     assert sent[4] == pytest.approx(20)
     assert sent[5] == pytest.approx(2 * 7 / 8 * 24)
+    assert sent[6] == pytest.approx(3 / 4 * 1024 * 256 * 4)
 
 
 # -- your own training loop ------------------------------------------------------
@@ -205,7 +208,8 @@ def test_planned_shardings_in_an_optax_training_step():
 
     sp, sb = jax.device_put(params, pl.param_shardings), jax.device_put(batch, pl.batch_shardings)
     state = jax.jit(opt.init)(sp)
-    new, state, loss = jax.jit(lambda p, s, b: train_step(pl.loss_fn, p, s, b))(sp, state, sb)
+    new, state, loss = jax.jit(lambda p, s, b: train_step(pl.loss_fn, p, s, b),
+                               out_shardings=(pl.param_shardings, None, None))(sp, state, sb)
     ref, _, loss0 = jax.jit(lambda p, s, b: train_step(mod.loss_fn, p, s, b))(params, opt.init(params), batch)
     assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
     assert _rel_err(new, ref) <= 1e-5

@@ -137,3 +137,17 @@ def test_remat_is_kept_and_scan_unrolled():
     assert all(e.name != "scan" for e in info.program.eqns)
     ws = [i for i, n in enumerate(info.leaf_names) if n.endswith("['ws']")][0]
     assert len(info.leaf_uses[ws]) == 3  # each layer's slice is a weight of that layer's operator
+
+
+def test_scan_iterations_are_tied_to_one_configuration():
+    """The copies of a scanned body's operators form one tie group each; the plan gives them one configuration."""
+    from shardplan.plan import solve
+
+    g, _ = trace(scan_layers, P, B)
+    dots = tuple(op.name for op in g.operators if op.kind == "einsum")
+    assert dots in g.ties  # one group: the three iterations' matmuls, in iteration order
+    assert all(len(grp) == 3 for grp in g.ties)
+    plan = solve(g, TOY, cutoff=1)
+    for grp in g.ties:
+        assert len({plan.layouts[n] for n in grp}) == 1
+    assert plan.solution.stats["tied_vertices"] == sum(len(grp) - 1 for grp in g.ties)

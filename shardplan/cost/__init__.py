@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from shardplan.configs import ORDER_MODES, configurations, dimension_orders, layouts
-from shardplan.cost.edge import edge_cost, edge_volumes
+from shardplan.configs import ORDER_MODES, configurations, dimension_orders, flat_layouts, layouts
+from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
@@ -86,10 +86,10 @@ class CostTables:
         g = self.graph
         seen: dict[int, tuple] = {}
         configs = []
-        for lays in self.layouts:
-            if id(lays) not in seen:
-                seen[id(lays)] = tuple(lay.split for lay in lays)
-            configs.append(seen[id(lays)])
+        for splits in self._splits:  # total split per dim of every layout, from the arrays (shared by identical ops)
+            if id(splits) not in seen:
+                seen[id(splits)] = tuple(map(tuple, splits.tolist()))
+            configs.append(seen[id(splits)])
         return Problem(
             names=tuple(op.name for op in g.operators),
             configs=tuple(configs),
@@ -119,23 +119,23 @@ class CostTables:
         ckey = (id(lays), want, None if order is None else tuple(int(j) for j in order))
         if ckey in self._index_cache:
             return self._index_cache[ckey]
-        k = self._find(op, lays, want, order)
+        k = self._find(op, lays, self._splits[op_index], want, order)
         self._index_cache[ckey] = k
         return k
 
-    def _find(self, op, lays: tuple[Layout, ...], want: tuple[int, ...], order: Sequence[int] | None) -> int:
+    def _find(self, op, lays: tuple[Layout, ...], splits: np.ndarray, want: tuple[int, ...],
+              order: Sequence[int] | None) -> int:
         try:
             target = Layout.from_flat(op.dim_names, want, self.machine.levels, order)
         except ShardplanError:
             target = None
-        first = None
-        for k, lay in enumerate(lays):
-            if lay == target:
+        rows = np.nonzero((splits == np.asarray(want, dtype=np.int64)[None, :]).all(axis=1))[0] \
+            if len(want) == splits.shape[1] else np.zeros(0, dtype=np.int64)
+        for k in rows.tolist():  # the target, if a candidate, has this total split
+            if lays[k] == target:
                 return k
-            if first is None and lay.split == want:
-                first = k
-        if first is not None and order is None:
-            return first
+        if len(rows) and order is None:
+            return int(rows[0])
         what = f"{want}" + (f" with order {tuple(order)}" if order is not None else "")
         raise ShardplanError(f"operator {op.name!r}: {what} is not a valid configuration ({op.label})")
 
@@ -236,9 +236,11 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
                              f"so it supports at most {MAX_DEVICES} devices")
     levels = machine.levels
     ops = graph.operators
-    keys = [operator_key(op) for op in ops]
-    first: dict[tuple, int] = {}
-    count: dict[tuple, int] = {}
+    # identical operators share one small integer key (hashing the full descriptions once)
+    ids: dict[tuple, int] = {}
+    keys = [ids.setdefault(operator_key(op), len(ids)) for op in ops]
+    first: dict[int, int] = {}
+    count: dict[int, int] = {}
     for i, key in enumerate(keys):
         first.setdefault(key, i)
         count[key] = count.get(key, 0) + 1
@@ -247,14 +249,17 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         orders = choose_orders(graph, [splits[key] for key in keys], orders)
     else:
         orders = "row-major" if orders == "auto" else orders
-    candidates: dict[tuple, tuple] = {}
+    candidates: dict[int, tuple] = {}
     for key, i in first.items():
-        lays = layouts(ops[i], levels, cutoff, powers_of_two, divides_p, orders)
-        candidates[key] = (lays, LayoutArrays.stack(lays))
+        if len(levels) == 1:
+            candidates[key] = flat_layouts(ops[i], p, cutoff, powers_of_two, divides_p, orders, rows=splits[key])
+        else:
+            lays = layouts(ops[i], levels, cutoff, powers_of_two, divides_p, orders)
+            candidates[key] = (lays, LayoutArrays.stack(lays))
     estimate = check_build_memory(graph, keys, {k: arr for k, (_, arr) in candidates.items()}, p,
                                   memory_limit_bytes, orders=orders, divides_p=divides_p)
     steps = len(first) + len(graph.edges)
-    per_key: dict[tuple, tuple] = {}
+    per_key: dict[int, tuple] = {}
     dropped = 0
     for n_done, (key, i) in enumerate(first.items()):
         op = ops[i]
@@ -273,11 +278,12 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             progress(n_done + 1, steps)
     edge_costs = []
     edge_cache: dict[tuple, np.ndarray] = {}
+    memo = EdgeMemo()  # fast-path summaries shared by the edges of this build
     for n_done, e in enumerate(graph.edges):
         ekey = (keys[e.src], keys[e.dst], e.slot)
         if ekey not in edge_cache:
             ku, kv = per_key[keys[e.src]], per_key[keys[e.dst]]
-            edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine)
+            edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine, memo=memo)
         edge_costs.append(edge_cache[ekey])
         if progress is not None:
             progress(len(first) + n_done + 1, steps)
@@ -292,23 +298,31 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
 
 def _check_finite(graph: Graph, machine: Machine, op_costs: Sequence[OpCost], edge_costs: Sequence[np.ndarray]) -> None:
     """Refuse costs that overflowed (inf) or are undefined (NaN), naming where and the machine that caused it."""
+    seen: set[int] = set()  # identical operators and edges share their arrays: check each once
     for op, c in zip(graph.operators, op_costs):
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
         if not np.all(np.isfinite(c.total)):
             raise ShardplanError(f"operator {op.name!r}: its cost is not finite on {machine.describe()} (a FLOP/s, "
                                  "bandwidth or latency too extreme for float64 seconds)")
     for e, m in zip(graph.edges, edge_costs):
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
         if not np.all(np.isfinite(m)):
             u, v = graph.operators[e.src].name, graph.operators[e.dst].name
             raise ShardplanError(f"edge {u!r} -> {v!r}: its redistribution cost is not finite on "
                                  f"{machine.describe()} (a bandwidth or latency too extreme for float64 seconds)")
 
 
-def check_build_memory(graph: Graph, keys: Sequence[tuple], arrays: dict, p: int, limit: int | None,
+def check_build_memory(graph: Graph, keys: Sequence, arrays: dict, p: int, limit: int | None,
                        orders: str, divides_p: bool) -> int:
     """Refuse (TableMemoryError) a build whose estimated peak exceeds ``limit`` bytes, saying what would help;
-    returns the estimate.
+    returns the estimate (the looser one of :func:`~shardplan.cost.budget.estimate_build` when that is
+    within the limit, so the decision is the tighter bound's).
 
-    ``keys``: each operator's :func:`operator_key`; ``arrays``: the candidate
+    ``keys``: each operator's key (equal for identical operators, :func:`operator_key`); ``arrays``: the candidate
     layouts (:class:`LayoutArrays`) of each distinct key.
     """
     from shardplan.cost.budget import estimate_build
@@ -316,7 +330,10 @@ def check_build_memory(graph: Graph, keys: Sequence[tuple], arrays: dict, p: int
     from shardplan.units import fmt_bytes
 
     limit = default_memory_limit() if limit is None else int(limit)
-    est = estimate_build(graph, keys, arrays, p)
+    # the looser bound first (no pass over the layouts); the tighter one only when the looser is over the limit
+    est = estimate_build(graph, keys, arrays, p, count_patterns=False)
+    if est.peak_bytes > limit:
+        est = estimate_build(graph, keys, arrays, p)
     if est.peak_bytes <= limit:
         return est.peak_bytes
     helps = (["--orders row-major"] if orders == "all" else []) + (["not --all-divisors"] if not divides_p else [])

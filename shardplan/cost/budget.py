@@ -11,7 +11,8 @@ edge its (K_u, K_v) float64 matrix. So the peak of the whole build is
     max over phases i of ( kept before i + peak of phase i ) ,
 
 with phases in build order: every distinct operator's memory tables and
-costs, every distinct edge. The per-phase peaks below are upper bounds
+costs, every distinct edge (plus, during the edges, the fast-path summaries
+they share, at most ``EDGE_MEMO_BYTES``). The per-phase peaks below are upper bounds
 read off the code of :mod:`shardplan.cost.tiles`, :mod:`~shardplan.cost.memory`,
 :mod:`~shardplan.cost.operator` and :mod:`~shardplan.cost.edge` (each counts
 the arrays alive at once at the worst point, plus numpy's temporaries), and
@@ -21,11 +22,13 @@ are checked against measured peak RSS in tests/test_memory_guards.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
+from shardplan.cost.edge import EDGE_MEMO_BYTES
 from shardplan.ir import Graph, Operator
+from shardplan.layout import unique_rows
 
 __all__ = ["BuildEstimate", "estimate_build", "operator_phase_bytes", "edge_phase_bytes"]
 
@@ -95,7 +98,8 @@ def edge_phase_bytes(u: Operator, ku: int, v: Operator, kv: int, p: int,
     # tiles of both ends (with the grid and temporaries of the one being built), then their int32 copies
     tiles = 8 * p * (ku * (3 * au + 2 * nu + 14) + kv * (3 * av + 2 * nv + 14))
     chunk = min(pairs * p * max(au, av, 1), max(CHUNK_ENTRIES, kv * p)) * CHUNK_BYTES_PER_ENTRY
-    return fast + tiles + chunk + pairs * 8 * 4 + _SMALL
+    # + the cost matrices of edge_cost: on several levels the per-level volumes and maxima of both directions
+    return fast + tiles + chunk + pairs * 8 * 10 + _SMALL
 
 
 def _patterns(op: Operator, tensor, arr) -> int:
@@ -104,15 +108,16 @@ def _patterns(op: Operator, tensor, arr) -> int:
 
     if not len(arr):
         return 0
-    splits, pats, _, _ = _axis_blocks(op, tensor, arr)
+    splits, pats, _, _, _ = _axis_blocks(op, tensor, arr)
     best = 1
     for ax in range(splits.shape[0]):
         rows = np.concatenate([splits[ax][:, None], pats[ax]], axis=1)
-        best = max(best, len(np.unique(rows, axis=0)))
+        best = max(best, len(unique_rows(rows)[0]))
     return best
 
 
-def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, object], p: int) -> BuildEstimate:
+def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hashable, object], p: int,
+                   count_patterns: bool = True) -> BuildEstimate:
     """Upper bound of the peak bytes of :func:`~shardplan.cost.build_tables` for these candidate layouts.
 
     ``keys[i]``: operator i's key (identical operators share one, and the
@@ -120,9 +125,12 @@ def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, o
     (:class:`~shardplan.layout.LayoutArrays`), as the build will cost them
     (before any are dropped for device memory, so the bound holds either way).
     Identical edges (same keys at both ends, same input slot) are costed once.
+    ``count_patterns=False`` takes every layout as its own block pattern
+    (P = K in :func:`edge_phase_bytes`): a looser bound that needs no pass
+    over the layouts.
     """
     ops = graph.operators
-    first: dict[tuple, int] = {}
+    first: dict[Hashable, int] = {}
     for i, key in enumerate(keys):
         first.setdefault(key, i)
     ks = {key: len(arrays[key]) for key in first}
@@ -133,7 +141,7 @@ def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, o
         need = kept + operator_phase_bytes(op, ks[key], p)
         best = max(best, (need, f"costs of {op.name}", op.name, str(ks[key])))
         kept += 16 * ks[key] * p + 8 * len(PARTS_BOUND) * ks[key]
-    out_patterns: dict[tuple, int] = {}
+    out_patterns: dict[Hashable, int] = {}
     seen: set[tuple] = set()
     for e in graph.edges:
         ku_key, kv_key = keys[e.src], keys[e.dst]
@@ -141,11 +149,15 @@ def estimate_build(graph: Graph, keys: Sequence[tuple], arrays: Mapping[tuple, o
             continue
         seen.add((ku_key, kv_key, e.slot))
         u, v = ops[e.src], ops[e.dst]
-        if ku_key not in out_patterns:
-            out_patterns[ku_key] = _patterns(u, u.output, arrays[ku_key])
-        pv = _patterns(v, v.inputs[e.slot], arrays[kv_key])
         ku, kv = ks[ku_key], ks[kv_key]
-        need = kept + edge_phase_bytes(u, ku, v, kv, p, (out_patterns[ku_key], pv))
+        if not count_patterns:
+            out_patterns[ku_key], pv = ku, kv
+        else:
+            if ku_key not in out_patterns:
+                out_patterns[ku_key] = _patterns(u, u.output, arrays[ku_key])
+            pv = _patterns(v, v.inputs[e.slot], arrays[kv_key])
+        # + the fast-path summaries the edges share (edge.EdgeMemo, at most EDGE_MEMO_BYTES)
+        need = kept + EDGE_MEMO_BYTES + edge_phase_bytes(u, ku, v, kv, p, (out_patterns[ku_key], pv))
         best = max(best, (need, f"edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
         kept += 8 * ku * kv
     return BuildEstimate(int(best[0]), best[1], best[2], best[3], int(kept))

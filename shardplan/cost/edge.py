@@ -6,7 +6,11 @@ index T) and A_v(q) the box v needs there (its core input tile; halos are
 part of v's own cost). Under the shared row-major device numbering:
 
     forward  = max_q |A_v(q)| - |A_v(q) ∩ A_u(q)|
-    backward = max_q |A_u(q)| - |A_u(q) ∩ A_v(q)|     (if T needs a gradient)
+    backward = max_q |A_u(q) ∩ R| - |A_u(q) ∩ A_v(q)|     (if T needs a gradient)
+
+with R the part of T that v reads at all (all of T, except for a slice or
+a piece of a split: the gradient of the rest of u's tile comes from u's
+other consumers, not over this edge; see :func:`_clip_to_read`)
 
 in elements; times bytes per element over the link bandwidth (+ alpha per
 direction that moves anything). The intersection is exact: boxes
@@ -14,7 +18,9 @@ intersect axis by axis. This is the paper's definition, computed exactly
 instead of the reference prototype's shortcut (zero overlap whenever v
 uses more devices than u). Layouts may span several machine levels
 (:mod:`shardplan.layout`): the device numbering is the machine's, shared by
-both operators.
+both operators. Which links an exchange uses is decided per level from the
+same exact volumes: what a device misses from everything its node (its
+level-l group) holds must cross the next level's links (:func:`edge_cost`).
 
 Fast path: when every axis of both layouts is cut into equal blocks and,
 axis by axis, one split divides the other (nested blocks), a device's
@@ -29,25 +35,29 @@ give the same numbers where both apply (tested).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from shardplan.cost.collectives import outer_level, p2p_time
 from shardplan.cost.tiles import as_layouts, box_volumes, tensor_boxes
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
-from shardplan.layout import LayoutArrays, pattern_blocks
+from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
-__all__ = ["edge_volumes", "edge_cost", "sender_level"]
+__all__ = ["edge_volumes", "edge_cost", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES"]
 
 _CHUNK_ELEMS = 1 << 22
+EDGE_MEMO_BYTES = 16 << 20  # fast-path summaries kept across the edges of one build (at most)
 
 
-def _overlap(lu: np.ndarray, hu: np.ndarray, lv: np.ndarray, hv: np.ndarray) -> np.ndarray:
-    """Points in the intersection of every u box with every v box: (Ku, Kv, p).
+def _overlap(lu: np.ndarray, hu: np.ndarray, lv: np.ndarray, hv: np.ndarray, dtype=np.int64) -> np.ndarray:
+    """Points in the intersection of every u box with every v box: (Ku, Kv, p), of ``dtype``.
 
     Inputs are per-axis bounds of shape (A, K, p); the product over axes is
     accumulated axis by axis (contiguous, no trailing small-axis reductions).
+    ``dtype`` must hold the largest box volume (the product never exceeds it).
     """
     out = None
     for a in range(lu.shape[0]):
@@ -55,11 +65,11 @@ def _overlap(lu: np.ndarray, hu: np.ndarray, lv: np.ndarray, hv: np.ndarray) -> 
         ov -= np.maximum(lu[a][:, None, :], lv[a][None, :, :])
         np.maximum(ov, 0, out=ov)
         if out is None:
-            out = ov.astype(np.int64)
+            out = ov.astype(dtype, copy=False)
         else:
             out *= ov
     if out is None:  # scalar tensors: one point, held wherever the device is active
-        out = np.ones((lu.shape[1], lv.shape[1], lu.shape[2]), dtype=np.int64)
+        out = np.ones((lu.shape[1], lv.shape[1], lu.shape[2]), dtype=dtype)
     return out
 
 
@@ -72,10 +82,15 @@ def _general(bu: np.ndarray, bv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n_u, n_v, p = len(bu), len(bv), bu.shape[1]
     fwd = np.empty((n_u, n_v), dtype=np.int64)
     bwd = np.empty((n_u, n_v), dtype=np.int64)
+    # every intersection is at most the smaller box: int32 arithmetic when every box fits
+    small = max(int(have.max(initial=0)), int(need.max(initial=0))) < 2**31
+    dtype = np.int32 if small else np.int64
+    if small:
+        have, need = have.astype(np.int32), need.astype(np.int32)
     step = max(1, _CHUNK_ELEMS // max(1, n_v * p))
     for s in range(0, n_u, step):
         sl = slice(s, s + step)
-        inter = _overlap(lu[:, sl], hu[:, sl], lv, hv)  # (c, Kv, p)
+        inter = _overlap(lu[:, sl], hu[:, sl], lv, hv, dtype)  # (c, Kv, p)
         fwd[sl] = (need[None] - inter).max(axis=-1)
         bwd[sl] = (have[sl, None] - inter).max(axis=-1)
     return fwd, bwd
@@ -99,11 +114,37 @@ def _general_pairs(bu: np.ndarray, bv: np.ndarray, iu: np.ndarray, iv: np.ndarra
     return fwd, bwd
 
 
+def _clip_to_read(bu: np.ndarray, bv: np.ndarray) -> np.ndarray:
+    """Producer boxes (K_u, p, A, 2) cut to R, the box of T the consumer reads at all (its boxes' hull).
+
+    Backward, the consumer sends the producer the gradient of the part of T it
+    read; the producer's gradient on the rest of its tile comes from its other
+    consumers (the other pieces of a split, of a slice) or is zero, not over
+    this edge. So the backward volume is ``|A_u(q) ∩ R| - |A_u(q) ∩ A_v(q)|``;
+    forward, ``A_v(q) ⊆ R`` and nothing changes. For a consumer that reads
+    all of T, R is T.
+    """
+    if bv.shape[2] == 0:
+        return bu
+    live = box_volumes(bv) > 0  # (K_v, p): idle devices hold empty boxes
+    if not live.any():
+        return bu
+    lo = bv[..., 0][live].min(axis=0)  # (A,)
+    hi = bv[..., 1][live].max(axis=0)
+    out = bu.copy()
+    out[..., 0] = np.clip(bu[..., 0], lo, hi)
+    out[..., 1] = np.clip(bu[..., 1], lo, hi)
+    out[..., 1] = np.maximum(out[..., 1], out[..., 0])
+    return out
+
+
 def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
     """Per axis: block pattern and block length per layout, and which layouts are even.
 
-    Returns (splits (A, K), patterns (A, K, 2L), lengths (A, K), regular (K,)).
-    An axis is regular when its core tile on every device is the block
+    Returns (splits (A, K), patterns (A, K, 2L), lengths (A, K), regular (K,),
+    blocked_by (A,)): ``blocked_by[a]`` is the index of the dim whose split and
+    pattern axis a has, or -1 where it is one block (unindexed, or an offset
+    or partial piece). An axis is regular when its core tile on every device is the block
     ``x_d(q)`` (the device's tile coordinate along the axis's dim, which the
     pattern fixes: see :meth:`~shardplan.layout.LayoutArrays.patterns`) of
     equal length (see :mod:`shardplan.cost.tiles`).
@@ -118,6 +159,7 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
     pats = np.ones((n_ax, k, 2 * n_lv), dtype=np.int64)
     lengths = np.zeros((n_ax, k), dtype=np.int64)
     regular = np.ones(k, dtype=bool)
+    blocked_by = [-1] * n_ax
     for a, (am, size) in enumerate(zip(tensor.axes, tensor.shape)):
         if am.dim is None:
             lengths[a] = size
@@ -125,6 +167,7 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
         j = names.index(am.dim)
         c = configs[:, j]
         splits[a], pats[a] = c, lay.patterns(j)
+        blocked_by[a] = j
         if am.inner or am.is_plain:
             lengths[a] = size // c
         elif (am.window is not None or am.stride != 1) and not am.partial:
@@ -135,23 +178,137 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
             lengths[a] = size
             splits[a] = 1
             pats[a] = 1
+            blocked_by[a] = -1
             regular &= (c == 1) & whole
-    return splits, pats, lengths, regular
+    return splits, pats, lengths, regular, blocked_by
 
 
-def _pattern_masks(cu: np.ndarray, pu_rows: np.ndarray, cv: np.ndarray, pv_rows: np.ndarray,
-                   levels: tuple[int, ...], words: int):
-    """For one axis: match bit-masks and nesting flags for every distinct block-pattern pair.
+@dataclass(frozen=True, eq=False)
+class _Side:
+    """One end of an edge (a tensor under K layouts), summarised for the fast path.
+
+    Per tensor axis a: the distinct block patterns ``pats[a]`` (P_a, 1 + 2L)
+    (split, then the per-level pattern), each layout's pattern ``pinv[a]``
+    (K,) and every device's block under each pattern ``blocks[a]`` (P_a, p).
+    Layouts with the same pattern on every axis and the same level products
+    (hence the same active devices) form one group: ``groups`` (G, A) their
+    pattern indices, ``first`` (G,) a layout of each, ``inv`` (K,) each
+    layout's group, ``act`` (G, W) the group's active devices as bit words.
+    ``lengths``/``len_inv``: the distinct per-axis block lengths and each
+    layout's; ``vol`` (K,) the block volume; ``regular`` (K,) whether every
+    axis is cut into equal blocks (see :func:`_axis_blocks`).
+    """
+
+    pats: tuple[np.ndarray, ...]
+    pinv: tuple[np.ndarray, ...]
+    blocks: tuple[np.ndarray, ...]
+    groups: np.ndarray
+    first: np.ndarray
+    inv: np.ndarray
+    act: np.ndarray
+    lengths: np.ndarray
+    len_inv: np.ndarray
+    vol: np.ndarray
+    regular: np.ndarray
+
+
+@dataclass
+class EdgeMemo:
+    """Fast-path summaries (:class:`_Side`) kept across the edges of one build, up to ``limit_bytes``.
+
+    A side depends on the layouts, the operator's dims and the tensor's
+    shape and access maps only, so a producer feeding several consumers is
+    summarised once. Entries hold their layouts, so an ``id`` is never reused
+    while its entry lives; past ``limit_bytes`` of device-block arrays new
+    sides are computed but not kept (the build's memory estimate counts the
+    limit, :mod:`shardplan.cost.budget`).
+    """
+
+    limit_bytes: int = EDGE_MEMO_BYTES
+    used_bytes: int = 0
+    entries: dict = field(default_factory=dict)
+    dims: dict = field(default_factory=dict)  # (id(layouts), dim) -> (layouts, _dim_patterns(...))
+    unions: dict = field(default_factory=dict)  # (id(layouts), level) -> (layouts, group_union(...)): small
+
+    def union(self, lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray]:
+        """:func:`group_union` of ``lay``, computed once per build (so its sides are memoised too)."""
+        hit = self.unions.get((id(lay), level))
+        if hit is None or hit[0] is not lay:
+            hit = (lay, group_union(lay, level))
+            self.unions[(id(lay), level)] = hit
+        return hit[1]
+
+    def get(self, key: tuple, lay: LayoutArrays) -> "_Side | None":
+        hit = self.entries.get(key)
+        return hit[1] if hit is not None and hit[0] is lay else None
+
+    def put(self, key: tuple, lay: LayoutArrays, side: "_Side") -> None:
+        if self.room(side.act.nbytes + side.inv.nbytes + side.first.nbytes):  # blocks are counted per dim
+            self.entries[key] = (lay, side)
+
+    def room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more may be kept; if so they are counted as kept."""
+        if self.used_bytes + nbytes > self.limit_bytes:
+            return False
+        self.used_bytes += nbytes
+        return True
+
+
+def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | None) -> _Side:
+    """The :class:`_Side` of ``tensor`` (read or written by ``op``) under ``lay``, from ``memo`` when there."""
+    key = (id(lay), op.dims, tensor.shape, tensor.axes)
+    if memo is not None:
+        hit = memo.get(key, lay)
+        if hit is not None:
+            return hit
+    splits, pats, lengths, regular, blocked_by = _axis_blocks(op, tensor, lay)
+    n_ax = len(tensor.axes)
+    p_rows, p_inv, p_blocks = [], [], []
+    for a in range(n_ax):
+        if blocked_by[a] >= 0:  # the dim's patterns: the same for every tensor the dim blocks
+            rows, inv, blocks = _dim_patterns(lay, blocked_by[a], memo)
+        else:  # one block
+            rows = np.concatenate([splits[a][:1, None], pats[a][:1]], axis=1)
+            inv = np.zeros(len(lay), dtype=np.int64)
+            blocks = pattern_blocks(rows[:, 1:], lay.levels)
+        p_rows.append(rows)
+        p_inv.append(inv)
+        p_blocks.append(blocks)
+    prods = lay.level_splits.prod(axis=2)  # (L, K): fixes the active devices
+    key_rows = np.concatenate([np.asarray(p_inv, dtype=np.int64).reshape(n_ax, len(lay)), prods], axis=0).T
+    groups, first, inv = unique_rows(key_rows)
+    act = _pack(lay.take(first).active(), words)
+    uniq_len, _, len_inv = unique_rows(lengths.T)
+    out = _Side(tuple(p_rows), tuple(p_inv), tuple(p_blocks), groups[:, :n_ax], first, inv, act, uniq_len, len_inv,
+                np.prod(lengths, axis=0), regular)
+    if memo is not None:
+        memo.put(key, lay, out)
+    return out
+
+
+def _dim_patterns(lay: LayoutArrays, j: int, memo: EdgeMemo | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct (split, pattern) rows of dim j (P, 1 + 2L), each layout's row (K,), and the blocks (P, p)."""
+    if memo is not None:
+        hit = memo.dims.get((id(lay), j))
+        if hit is not None and hit[0] is lay:
+            return hit[1]
+    rows, _, inv = unique_rows(np.concatenate([lay.splits[:, j][:, None], lay.patterns(j)], axis=1))
+    out = (rows, inv, pattern_blocks(rows[:, 1:], lay.levels))
+    if memo is not None and memo.room(out[2].nbytes + inv.nbytes):
+        memo.dims[(id(lay), j)] = (lay, out)
+    return out
+
+
+def _pattern_masks(su: _Side, sv: _Side, a: int, words: int) -> tuple[np.ndarray, np.ndarray]:
+    """For axis a: match bit-masks (Pu, Pv, words) uint64 and nesting flags (Pu, Pv) of every pattern pair.
 
     Device q holds block ``x(q)`` of the pattern. With nested splits, block i
     of the coarser layout contains block j of the finer one iff ``i == j // ratio``.
-    Returns (pattern index of u rows, of v rows, masks (Pu, Pv, words) uint64, nested (Pu, Pv)).
     """
-    pu, iu = np.unique(np.concatenate([cu[:, None], pu_rows], axis=1), axis=0, return_inverse=True)
-    pv, iv = np.unique(np.concatenate([cv[:, None], pv_rows], axis=1), axis=0, return_inverse=True)
+    pu, pv = su.pats[a], sv.pats[a]
     small = np.int16 if int(max(pu[:, 0].max(), pv[:, 0].max())) < 2**15 else np.int64
-    bu = pattern_blocks(pu[:, 1:], levels).astype(small)  # (Pu, p)
-    bv = pattern_blocks(pv[:, 1:], levels).astype(small)
+    bu = su.blocks[a].astype(small)  # (Pu, p)
+    bv = sv.blocks[a].astype(small)
     c1, c2 = pu[:, 0][:, None], pv[:, 0][None, :]
     nested = (c1 % c2 == 0) | (c2 % c1 == 0)
     # nested blocks match iff both map to the same block of the coarser split
@@ -159,7 +316,7 @@ def _pattern_masks(cu: np.ndarray, pu_rows: np.ndarray, cv: np.ndarray, pv_rows:
     ku = (c1 // cmin).astype(small)
     kv = (c2 // cmin).astype(small)
     match = (bu[:, None, :] // ku[..., None]) == (bv[None, :, :] // kv[..., None])
-    return iu.ravel(), iv.ravel(), _pack(match, words), nested
+    return _pack(match, words), nested
 
 
 def _pack(bits: np.ndarray, words: int) -> np.ndarray:
@@ -171,7 +328,8 @@ def _pack(bits: np.ndarray, words: int) -> np.ndarray:
     return packed.view(np.uint64).reshape(bits.shape[:-1] + (words,))
 
 
-def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int):
+def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int,
+          memo: EdgeMemo | None = None):
     """Moved volumes via block-match masks; returns (fwd, bwd, exact) with ``exact`` False where not applicable.
 
     Whether every device finds its block depends on a layout only through
@@ -179,60 +337,44 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
     the device masks are combined once per distinct (pattern tuple) of each
     side and broadcast to the layouts that share it.
     """
-    spu, pau, lenu, regu = _axis_blocks(u, u.output, lu)
-    spv, pav, lenv, regv = _axis_blocks(v, t_in, lv)
     words = (p + 63) // 64
-    n_ax = len(t_in.axes)
-    ax_u, ax_v, masks, nests = [], [], [], []
-    for a in range(n_ax):
-        iu, iv, mk, nested = _pattern_masks(spu[a], pau[a], spv[a], pav[a], lu.levels, words)
-        ax_u.append(iu)
-        ax_v.append(iv)
-        masks.append(mk)
-        nests.append(nested)
-    prod_u = lu.level_splits.prod(axis=2)  # (L, K): fixes the active devices
-    prod_v = lv.level_splits.prod(axis=2)
-    key_u = np.concatenate([np.asarray(ax_u, dtype=np.int64).reshape(n_ax, len(lu)), prod_u], axis=0).T
-    key_v = np.concatenate([np.asarray(ax_v, dtype=np.int64).reshape(n_ax, len(lv)), prod_v], axis=0).T
-    gu, first_u, inv_u = np.unique(key_u, axis=0, return_index=True, return_inverse=True)
-    gv, first_v, inv_v = np.unique(key_v, axis=0, return_index=True, return_inverse=True)
-    inv_u, inv_v = inv_u.ravel(), inv_v.ravel()
-    act_u = _pack(lu.take(first_u).active(), words)  # (Gu, W)
-    act_v = _pack(lv.take(first_v).active(), words)
-    m = act_u[:, None, :] & act_v[None, :, :]  # (Gu, Gv, W)
+    su = _side(u, u.output, lu, words, memo)
+    sv = _side(v, t_in, lv, words, memo)
+    gu, gv = su.groups, sv.groups
+    m = su.act[:, None, :] & sv.act[None, :, :]  # (Gu, Gv, W)
     nested_all = np.ones((len(gu), len(gv)), dtype=bool)
-    for a in range(n_ax):
-        m &= masks[a][gu[:, a][:, None], gv[:, a][None, :]]
-        nested_all &= nests[a][gu[:, a][:, None], gv[:, a][None, :]]
-    def expand(x: np.ndarray) -> np.ndarray:  # (Gu, Gv) -> (Ku, Kv)
-        return x.take(inv_u, axis=0).take(inv_v, axis=1)
+    for a in range(len(t_in.axes)):
+        masks, nests = _pattern_masks(su, sv, a, words)
+        m &= masks[gu[:, a][:, None], gv[:, a][None, :]]
+        nested_all &= nests[gu[:, a][:, None], gv[:, a][None, :]]
 
-    fwd_ok = expand((m == act_v[None, :, :]).all(axis=-1))
-    bwd_ok = expand((m == act_u[:, None, :]).all(axis=-1))
+    def expand(x: np.ndarray) -> np.ndarray:  # (Gu, Gv) -> (Ku, Kv)
+        return x.take(su.inv, axis=0).take(sv.inv, axis=1)
+
+    fwd_ok = expand((m == sv.act[None, :, :]).all(axis=-1))
+    bwd_ok = expand((m == su.act[:, None, :]).all(axis=-1))
     exact = expand(nested_all)
-    exact &= regu[:, None]
-    exact &= regv[None, :]
+    exact &= su.regular[:, None]
+    exact &= sv.regular[None, :]
     # the overlap of nested equal blocks depends on the block lengths only: per distinct length pair
-    lu_u, inv_lu = np.unique(lenu.T, axis=0, return_inverse=True)
-    lv_u, inv_lv = np.unique(lenv.T, axis=0, return_inverse=True)
-    ov_small = np.minimum(lu_u[:, None, :], lv_u[None, :, :]).prod(axis=-1)
-    overlap = ov_small.take(inv_lu.ravel(), axis=0).take(inv_lv.ravel(), axis=1)
-    have = np.prod(lenu, axis=0)
-    need = np.prod(lenv, axis=0)
-    fwd = np.where(fwd_ok, need[None, :] - overlap, need[None, :])
-    bwd = np.where(bwd_ok, have[:, None] - overlap, have[:, None])
+    ov_small = np.minimum(su.lengths[:, None, :], sv.lengths[None, :, :]).prod(axis=-1)
+    overlap = ov_small.take(su.len_inv, axis=0).take(sv.len_inv, axis=1)
+    fwd = np.where(fwd_ok, sv.vol[None, :] - overlap, sv.vol[None, :])
+    bwd = np.where(bwd_ok, su.vol[:, None] - overlap, su.vol[:, None])
     return fwd, bwd, exact
 
 
 def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
                  ou: np.ndarray | None = None, ov: np.ndarray | None = None,
-                 fast: bool = True, levels: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 fast: bool = True, levels: tuple[int, ...] | None = None,
+                 memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Elements moved per device (max over devices): forward and backward, each (K_u, K_v).
 
     ``cu``/``cv``: :class:`~shardplan.layout.LayoutArrays` of the two
     operators (same levels), or configuration rows with optional nesting
     orders ``ou``/``ov`` (laid out on ``levels``, default one level of p).
     ``fast=False`` forces the general path everywhere (for testing).
+    ``memo``: an :class:`EdgeMemo` kept across the edges of one build.
     """
     t_in = v.inputs[slot]
     lu = as_layouts(cu, p, ou, levels)
@@ -241,13 +383,13 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
         raise ShardplanError(f"edge {u.name!r} -> {v.name!r}: layouts on different machine levels "
                              f"{lu.levels} and {lv.levels}")
     if fast:
-        fwd, bwd, exact = _fast(u, lu, v, t_in, lv, p)
+        fwd, bwd, exact = _fast(u, lu, v, t_in, lv, p, memo)
     else:
         fwd = bwd = None
         exact = np.zeros((len(lu), len(lv)), dtype=bool)
     if fwd is None or not exact.all():
-        bu = tensor_boxes(u, u.output, lu, p, core=True)
         bv = tensor_boxes(v, t_in, lv, p, core=True)
+        bu = _clip_to_read(tensor_boxes(u, u.output, lu, p, core=True), bv)
         if fwd is None:
             fwd, bwd = _general(bu, bv)
         else:
@@ -266,32 +408,78 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
 
 
 def sender_level(lay: LayoutArrays) -> np.ndarray:
-    """(K,) the level whose links a redistribution *from* each layout uses.
+    """(K,) the outermost level each layout splits (0 if none): the links an exchange *from* it may need.
 
-    A device fetches what it misses from inside its node when its node
-    holds a whole copy of the sending layout (nothing split on the outer
-    levels): level 0. Otherwise the outermost level the layout splits
-    (every tile lives somewhere on it). On one level: 0.
+    An upper bound of the level :func:`edge_cost` charges: a device never
+    fetches from farther than the outermost level the sending layout splits,
+    since every group of devices on that level holds a whole copy.
     """
     return outer_level(lay.level_splits.prod(axis=2))
 
 
+def group_union(lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray]:
+    """Layouts whose every device holds what its whole level-``level`` group holds under ``lay``.
+
+    The group of device q on level l is the devices that share q's
+    positions on levels > l (its node for l = 0). They hold every
+    combination of the inner coordinates ``x_{l',d}``, l' <= l, so
+    (:mod:`shardplan.layout`) their boxes tile the coarse block
+    ``Σ_{l' > l} x_{l',d} Π_{l < l'' < l'} c_{l'',d}`` of split
+    ``Π_{l' > l} c_{l',d}`` on every dim: the layout with the splits of
+    levels <= l set to 1 (outer levels unchanged) gives every device
+    exactly that union. Returns the distinct such layouts and each input
+    layout's row (K,).
+    """
+    ls = lay.level_splits.copy()
+    st = lay.level_strides.copy()
+    ls[: level + 1] = 1
+    st[: level + 1] = 1
+    k = len(lay)
+    key = np.concatenate([ls.transpose(1, 0, 2).reshape(k, -1), st.transpose(1, 0, 2).reshape(k, -1)], axis=1)
+    _, first, inv = unique_rows(key)
+    return LayoutArrays(lay.levels, ls[:, first].copy(), st[:, first].copy()), inv
+
+
 def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
               ou: np.ndarray | None = None, ov: np.ndarray | None = None,
-              volumes: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+              volumes: tuple[np.ndarray, np.ndarray] | None = None, memo: EdgeMemo | None = None) -> np.ndarray:
     """Seconds to redistribute the tensor of edge u -> v (input ``slot``), forward + backward: (K_u, K_v).
 
-    Volumes are exact per device (:func:`edge_volumes`); the forward tensor
-    is sent from u's layout, the gradient from v's, each over the links of
-    the sender's level (:func:`sender_level`): on a two-level machine inside
-    the node when the node holds a whole copy of the sender's layout, else
-    across nodes.
+    Volumes are exact per device (:func:`edge_volumes`): the forward tensor
+    moves from u's layout to v's, the gradient back. On a machine of L
+    levels, let ``V_{-1}`` be the elements a device misses (the exact
+    volume) and ``V_l`` those it misses from everything its level-l group
+    holds (:func:`group_union`; ``V_{L-1} = 0``): ``V_l`` elements must
+    come over level-(l+1) links, from outside the group, and at most
+    ``V_{-1}`` over the node's own links. Links of different levels run
+    at the same time (NVLink inside the node, the NIC across nodes), so
+    each direction costs
+
+        max_{l = 0 .. L-1, V_{l-1} > 0}  V_{l-1} · bytes / B_l + α_l       (0 if V_{-1} = 0).
+
+    An exchange whose every device finds what it misses inside its node
+    (``V_0 = 0``) is thereby charged at the node's links, whatever the
+    sender's layout spans; one that must cross nodes pays the inter-node
+    link for the part that crosses. On one level this is ``V / B + α``.
     """
     p = machine.num_devices
     lu = as_layouts(cu, p, ou, machine.levels)
     lv = as_layouts(cv, p, ov, machine.levels)
-    f, b = edge_volumes(u, lu, v, slot, lv, p) if volumes is None else volumes
+    f, b = edge_volumes(u, lu, v, slot, lv, p, memo=memo) if volumes is None else volumes
     nbytes = float(machine.dtype_bytes)
-    fwd_lv = np.broadcast_to(sender_level(lu)[:, None], f.shape)
-    bwd_lv = np.broadcast_to(sender_level(lv)[None, :], f.shape)
-    return p2p_time(f * nbytes, machine, fwd_lv) + p2p_time(b * nbytes, machine, bwd_lv)
+    memo = EdgeMemo() if memo is None else memo
+    fwd_t = p2p_time(f * nbytes, machine, 0)
+    bwd_t = p2p_time(b * nbytes, machine, 0)
+    more_f, more_b = bool(f.any()), bool(b.any())
+    for lvl in range(len(machine.levels) - 1):
+        if more_f:  # forward: what v's devices miss from the union of u's tiles in their group
+            gu, inv = memo.union(lu, lvl)
+            vol = edge_volumes(u, gu, v, slot, lv, p, memo=memo)[0]  # (distinct unions, K_v)
+            fwd_t = np.maximum(fwd_t, p2p_time(vol * nbytes, machine, lvl + 1).take(inv, axis=0))
+            more_f = bool(vol.any())
+        if more_b:  # backward: what u's devices miss from the union of v's gradient tiles in their group
+            gv, inv = memo.union(lv, lvl)
+            vol = edge_volumes(u, lu, v, slot, gv, p, memo=memo)[1]  # (K_u, distinct unions)
+            bwd_t = np.maximum(bwd_t, p2p_time(vol * nbytes, machine, lvl + 1).take(inv, axis=1))
+            more_b = bool(vol.any())
+    return fwd_t + bwd_t

@@ -46,22 +46,26 @@ configuration c (arrays over the K configurations):
 Every collective runs among the devices of a group that the layout spreads
 over the machine's levels (``g_l`` per level), with the hierarchical NCCL
 formulas of :mod:`shardplan.cost.collectives`; neighbour exchanges (halo,
-stage hand-off) use the links of the outermost level the layout splits.
+stage hand-off) use the links of the outermost level that splits a dim the
+exchange runs along (the windowed dims, the layer dim): the neighbours
+differ only in those coordinates, so with them split inside the node only,
+every neighbour is inside the node.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
-from shardplan.cost.tiles import as_layouts, box_volumes, device_grid, regular_tile_lengths, tensor_boxes
-from shardplan.layout import LayoutArrays
+from shardplan.cost.tiles import as_layouts, box_volumes, regular_tile_lengths, tensor_boxes
+from shardplan.layout import LayoutArrays, flat_layout_arrays, unique_rows
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
-__all__ = ["PARTS", "OpCost", "operator_cost", "recurrence_cost", "tile_volume"]
+__all__ = ["PARTS", "OpCost", "operator_cost", "recurrence_cost", "tile_volume", "distinct_splits"]
 
 
 PARTS: dict[str, str] = {
@@ -91,13 +95,14 @@ class OpCost:
     recurrence: np.ndarray
     comm_bytes: np.ndarray  # bytes each device sends inside the operator (fwd + bwd), for checking
 
-    @property
+    @cached_property
     def communication(self) -> np.ndarray:
         """Seconds of every part but compute."""
         return sum((getattr(self, name) for name in PARTS if name != "compute"), np.zeros_like(self.compute))
 
-    @property
+    @cached_property
     def total(self) -> np.ndarray:
+        """Seconds per configuration, all parts (computed once: identical operators share this array)."""
         return self.compute + self.communication
 
     def parts(self, k: int) -> dict[str, float]:
@@ -106,19 +111,76 @@ class OpCost:
 
 
 def tile_volume(op: Operator, tensor, configs, p: int, core: bool = True,
-                orders: np.ndarray | None = None, grid=None) -> np.ndarray:
+                orders: np.ndarray | None = None) -> np.ndarray:
     """Largest per-device tile of ``tensor`` (elements), per configuration: (K,).
 
-    ``grid``: :func:`device_grid` of the layouts, or a function returning it (called only when needed).
+    Irregular tiles (windows, offsets) are measured once per distinct total
+    split of the dims they read (:func:`distinct_splits`).
     """
     lay = as_layouts(configs, p, orders)
     lengths = regular_tile_lengths(op, tensor, lay.splits)
     if lengths is not None:  # every active device holds the same tile
         return lengths.prod(axis=1) * tensor.elem_factor
-    if callable(grid):
-        grid = grid()
-    vol = box_volumes(tensor_boxes(op, tensor, lay, p, core=core, grid=grid)).max(axis=1)
-    return vol * tensor.elem_factor
+    rows, inv = distinct_splits(op, tensor, lay.splits)
+    canon = flat_layout_arrays(rows, p)
+    vol = box_volumes(tensor_boxes(op, tensor, canon, p, core=core)).max(axis=1)
+    return vol[inv] * tensor.elem_factor
+
+
+def distinct_splits(op: Operator, tensor, configs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct total splits of the dims ``tensor``'s boxes read, and which one each layout has.
+
+    A quantity taken as the maximum over devices of a function of a
+    device's tile (its volume, its halo) depends on a layout only through
+    the total split c_d of the dims the tile's box reads (the dim of each
+    axis and its window dim; see :mod:`shardplan.cost.tiles`): the active
+    devices of any layout (on any number of levels, in any nesting) hold
+    every coordinate tuple ``x ∈ Π_d [0, c_d)``, each at least once, and
+    idle devices hold nothing. So it can be computed once per distinct row
+    of those splits (the other dims set to 1) on the one-level row-major
+    layout of that row: returns ``(rows (U, n), inverse (K,))``.
+    """
+    read = set()
+    for am in tensor.axes:
+        if am.dim is not None:
+            read.add(am.dim)
+        if am.window is not None:
+            read.add(am.window)
+    keep = np.asarray([d in read for d in op.dim_names], dtype=bool)
+    reduced = np.where(keep[None, :], np.asarray(configs, dtype=np.int64), 1)
+    if not keep.any():
+        return reduced[:1], np.zeros(len(reduced), dtype=np.int64)
+    rows, _, inv = unique_rows(reduced)
+    return rows, inv
+
+
+class _CanonicalBoxes:
+    """One operator's per-device boxes on the canonical layouts of :func:`distinct_splits`, each built once.
+
+    ``boxes(t, core)``: the boxes (U, p, A, 2) of tensor t on the distinct
+    split rows, and each layout's row (K,); ``max_tile(t, core)``: the
+    largest tile of t per layout (K,), elements (what :func:`tile_volume` gives).
+    """
+
+    def __init__(self, op: Operator, configs: np.ndarray, p: int) -> None:
+        self.op, self.configs, self.p = op, configs, p
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._boxes: dict[tuple[int, bool], np.ndarray] = {}
+
+    def boxes(self, t, core: bool) -> tuple[np.ndarray, np.ndarray]:
+        if id(t) not in self._rows:
+            self._rows[id(t)] = distinct_splits(self.op, t, self.configs)
+        rows, inv = self._rows[id(t)]
+        if (id(t), core) not in self._boxes:
+            self._boxes[(id(t), core)] = tensor_boxes(self.op, t, flat_layout_arrays(rows, self.p), self.p, core=core)
+        return self._boxes[(id(t), core)], inv
+
+    def max_tile(self, t, core: bool = True) -> np.ndarray:
+        lengths = regular_tile_lengths(self.op, t, self.configs)
+        if lengths is not None:  # every active device holds the same tile
+            return lengths.prod(axis=1) * t.elem_factor
+        b, inv = self.boxes(t, core)
+        return box_volumes(b).max(axis=1)[inv] * t.elem_factor
 
 
 def _group(op: Operator, lay: LayoutArrays, dims) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -145,23 +207,18 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     configs = lay.splits
     k = len(configs)
     ext = np.asarray([e for _, e in op.dims], dtype=np.float64)
-    cache: dict = {}
-
-    def grid() -> tuple[np.ndarray, np.ndarray]:  # per-device coordinates, only for irregular tensors
-        if not cache:
-            cache["g"] = device_grid(lay, p)
-        return cache["g"]
-
     nbytes = float(machine.dtype_bytes)
     zeros = np.zeros(k)
+    canon = _CanonicalBoxes(op, configs, p)
+    max_tile = canon.max_tile
 
     # compute: a roofline per pass (forward, and one backward product per gradient produced)
-    out_vol = tile_volume(op, op.output, lay, p, grid=grid)
+    out_vol = max_tile(op.output)
     passes = 1 + len(op.grad_tensors)
     flops = op.flops_per_point * np.prod(ext[None, :] / configs, axis=1)
     t_pass = flops / machine.achievable_flops
     if machine.hbm_bandwidth is not None:
-        moved = out_vol + sum(tile_volume(op, t, lay, p, core=False, grid=grid) for t in op.inputs + op.weights)
+        moved = out_vol + sum(max_tile(t, core=False) for t in op.inputs + op.weights)
         t_pass = np.maximum(t_pass, moved * nbytes / machine.hbm_bandwidth)
     compute = passes * t_pass
 
@@ -176,7 +233,7 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     bucket = machine.grad_bucket_bytes
     for t in op.grad_tensors:
         g, gl, _ = _group(op, lay, op.grad_reduction_dims(t))
-        vol = tile_volume(op, t, lay, p, core=False, grid=grid)
+        vol = max_tile(t, core=False)
         if t.role == "weight" and bucket is not None:
             # the tensor's share of a full bucket's all-reduce; a tensor larger than a bucket is its own
             share = np.minimum(vol * nbytes / bucket, 1.0)
@@ -195,16 +252,21 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
 
     # halo exchange of windowed inputs
     halo = zeros.copy()
-    neighbour_level = outer_level(lay.level_splits.prod(axis=2))
     for t in op.inputs:
         if not any(a.window is not None or a.stride != 1 for a in t.axes):
             continue
-        need = tensor_boxes(op, t, lay, p, core=False, grid=grid())
-        core = tensor_boxes(op, t, lay, p, core=True, grid=grid())
+        # the rows a device reads but does not own lie along the windowed axes; every device of its node
+        # holds the same blocks of the other dims, so the neighbours are inside the node unless a dim of a
+        # windowed axis is split on an outer level: the outermost level that splits one
+        window_dims = {d for a in t.axes if a.window is not None or a.stride != 1 for d in (a.dim, a.window) if d}
+        neighbour_level = outer_level(lay.group_sizes([j for j, d in enumerate(op.dim_names) if d in window_dims]))
+        # a maximum over devices: once per distinct split of the dims the tile reads (see distinct_splits)
+        need, inv = canon.boxes(t, core=False)
+        core, _ = canon.boxes(t, core=True)
         # read but not owned: |need| - |need ∩ core| (a strided window's reads can be shifted off the owned rows)
         both = np.stack([np.maximum(need[..., 0], core[..., 0]), np.minimum(need[..., 1], core[..., 1])], axis=-1)
         both[..., 1] = np.maximum(both[..., 1], both[..., 0])
-        extra = (box_volumes(need) - box_volumes(both)).max(axis=1) * t.elem_factor * nbytes
+        extra = (box_volumes(need) - box_volumes(both)).max(axis=1)[inv] * t.elem_factor * nbytes
         times = 2 if t.needs_grad else 1
         halo = halo + times * p2p_time(extra, machine, neighbour_level)
         sent = sent + times * extra
@@ -260,7 +322,7 @@ def recurrence_cost(op: Operator, lay: LayoutArrays, machine: Machine) -> tuple[
     total = configs.prod(axis=1).astype(np.float64)
     work = op.flops_per_point * op.points * (1 + len(op.grad_tensors))
     extra_compute = (work / (total / c[r.time]) * (S + c[r.layer] - 1) / S - work / total) / machine.peak_flops
-    neighbour_level = outer_level(lay.level_splits.prod(axis=2))
+    neighbour_level = outer_level(lay.group_sizes([names.index(r.layer)]))  # stages along the layer dim
 
     handoff = np.where(c[r.layer] > 1, 2.0 * (c[r.layer] - 1) / c[r.layer] * (B / c[r.batch]) * S * (E / c[r.state])
                        * nbytes, 0.0)

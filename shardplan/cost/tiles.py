@@ -74,12 +74,25 @@ def active_devices(configs, p: int) -> np.ndarray:
     return as_layouts(configs, p).active()
 
 
-def _block(op: Operator, configs: np.ndarray, coords: np.ndarray, dim: str) -> tuple[np.ndarray, np.ndarray]:
-    """Block [lo, hi) of ``dim`` on every device: two (K, p) arrays; ``configs``: total splits (K, n)."""
+def _lazy_index(lay: LayoutArrays):
+    """``index(j)``: every device's tile coordinate along dim j (K, p), computed once per dim on first use."""
+    cache: dict[int, np.ndarray] = {}
+
+    def index(j: int) -> np.ndarray:
+        if j not in cache:
+            cache[j] = lay.block_index(j)
+        return cache[j]
+
+    return index
+
+
+def _block(op: Operator, configs: np.ndarray, index, dim: str) -> tuple[np.ndarray, np.ndarray]:
+    """Block [lo, hi) of ``dim`` on every device: two (K, p) arrays; ``configs``: total splits (K, n);
+    ``index(j)``: the devices' coordinates along dim j (K, p)."""
     j = op.dim_names.index(dim)
     ext = op.extents[dim]
     c = configs[:, j][:, None]
-    i = coords[:, :, j]
+    i = index(j)
     size = ext // c
     return i * size, (i + 1) * size
 
@@ -96,7 +109,12 @@ def tensor_boxes(op: Operator, tensor: Tensor, configs, p: int, core: bool = Tru
     """
     lay = as_layouts(configs, p, orders)
     configs = lay.splits
-    coords, active = device_grid(lay, p) if grid is None else grid
+    if grid is not None:
+        coords, active = grid
+        index = lambda j: coords[:, :, j]  # noqa: E731
+    else:  # only the dims the tensor reads
+        active = lay.active()
+        index = _lazy_index(lay)
     k = configs.shape[0]
     ext = op.extents
     out = np.zeros((k, p, len(tensor.axes), 2), dtype=np.int64)
@@ -108,24 +126,23 @@ def tensor_boxes(op: Operator, tensor: Tensor, configs, p: int, core: bool = Tru
             unit = 1
             for d in am.inner:
                 unit *= ext[d]
-            blo, bhi = _block(op, configs, coords, am.dim)
+            blo, bhi = _block(op, configs, index, am.dim)
             lo, hi = blo * unit, bhi * unit
         else:
-            xl, xh = _block(op, configs, coords, am.dim)
+            xl, xh = _block(op, configs, index, am.dim)
             windowed = am.window is not None or am.stride != 1
             if core and windowed:
                 e = ext[am.dim]
                 lo, hi = (xl * size) // e, (xh * size) // e
             else:
                 if am.window is not None:
-                    rl, rh = _block(op, configs, coords, am.window)
+                    rl, rh = _block(op, configs, index, am.window)
                 else:
                     rl, rh = np.zeros_like(xl), np.ones_like(xh)
                 lo = am.stride * xl + am.dilation * rl + am.offset
                 hi = am.stride * (xh - 1) + am.dilation * (rh - 1) + am.offset + 1
-            lo = np.clip(lo, 0, size)
-            hi = np.clip(hi, 0, size)
-            hi = np.maximum(hi, lo)
+            lo = np.minimum(np.maximum(lo, 0), size)  # clipped to the axis
+            hi = np.maximum(np.minimum(hi, size), lo)
         out[:, :, a, 0] = np.where(active, lo, 0)
         out[:, :, a, 1] = np.where(active, hi, 0)
     return out

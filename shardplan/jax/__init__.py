@@ -5,14 +5,14 @@
 >>> loss, grads = step(params, batch)                            # doctest: +SKIP
 >>> print(sj.report(plan))                                       # doctest: +SKIP
 
-In your own training loop (e.g. with optax)::
+In your own training loop (e.g. with optax; ``partial`` is ``functools.partial``)::
 
     p = sj.planned(loss_fn, params, batch)
     params = jax.device_put(params, p.param_shardings)
     batch = jax.device_put(batch, p.batch_shardings)
     opt_state = jax.jit(opt.init)(params)           # follows the parameters' shardings
 
-    @jax.jit
+    @partial(jax.jit, out_shardings=(p.param_shardings, None, None))   # new params as planned
     def train_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(p.loss_fn)(params, batch)   # the planned constraints
         updates, opt_state = opt.update(grads, opt_state, params)

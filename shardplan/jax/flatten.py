@@ -16,11 +16,13 @@
 * ``scan`` (``lax.scan``, ``nn.scan`` over layers, ``fori_loop`` with static
   bounds) is unrolled: the body is inlined once per iteration, the
   per-iteration slices of the scanned operands are static slices, the
-  stacked results a concatenation. Each iteration is therefore planned on
-  its own (an iteration's slice of a stacked parameter is a weight of that
-  iteration's operators) and the step runs the unrolled program, so every
-  iteration's constraints hold. The cost is a longer compilation for long
-  scans.
+  stacked results a concatenation. Each equation of an iteration carries a
+  tie key (``FlatEqn.ties``), the same in every iteration: the lowering ties
+  the operators an equation makes in all iterations to one configuration
+  (:attr:`shardplan.ir.Graph.ties`), so a stacked parameter, which has one
+  layout, is read by every iteration in that layout. The step runs the
+  unrolled program, so every iteration's constraints hold. The cost is a
+  longer compilation for long scans.
 
 Everything else (``cond``, ``while``, the primitives) stays one equation.
 """
@@ -69,6 +71,8 @@ class FlatEqn:
         passthrough: for a kept call, the body's result atoms (one per outvar).
         call_id: for a kept remat call, the id its body equations carry as ``parent``.
         body_in: for a kept remat call, the body's input variables (one per operand).
+        ties: for an equation of an unrolled ``scan`` iteration, ``(scan id, position in the
+            iteration)`` per enclosing scan: the same key in every iteration of that scan.
     """
 
     primitive: Any
@@ -84,6 +88,7 @@ class FlatEqn:
     passthrough: tuple[Atom, ...] = ()
     call_id: int | None = None
     body_in: tuple[int, ...] = ()
+    ties: tuple[tuple[int, int], ...] = ()
 
     @property
     def name(self) -> str:
@@ -132,6 +137,7 @@ class _Flattener:
         self.eqns: list[FlatEqn] = []
         self.next_id = 0
         self.next_call = 0
+        self.next_scan = 0
 
     def fresh(self) -> int:
         self.next_id += 1
@@ -216,13 +222,19 @@ class _Flattener:
         x_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars[n_c + n_k:]]
         ys: list[list[Atom]] = []
         order = range(length - 1, -1, -1) if p.get("reverse") else range(length)
+        scan_id = self.next_scan
+        self.next_scan += 1
         for i in order:
             sc = join_scope(scope, f"scan{i}")
+            start = len(self.eqns)
             x_i = [self._sub(lambda a, i=i: jax.lax.index_in_dim(a, i, 0, keepdims=False), [x], [av], sc, parent,
                              where)[0] for x, av in zip(xs, x_avals)]
             outs = self.run(inner, cs, consts + carry + x_i, sc, parent, where)
             carry, y = outs[:n_k], outs[n_k:]
             ys.append(y)
+            for j in range(start, len(self.eqns)):  # iteration i's j-th equation is every iteration's j-th
+                e = self.eqns[j]
+                self.eqns[j] = dataclasses.replace(e, ties=e.ties + ((scan_id, j - start),))
         if p.get("reverse"):
             ys.reverse()
         stacked: list[Atom] = []

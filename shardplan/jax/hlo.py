@@ -4,7 +4,8 @@ Parsing. Every collective instruction of the compiled (SPMD-partitioned)
 HLO text is found with its result shape and replica groups; the group size
 g is read from any of the forms XLA prints: explicit lists
 ``{{0,1,2,3},{4,5,6,7}}``, iota lists ``[2,4]<=[8]`` (``[groups, g]``, with an
-optional transpose), mesh form ``mesh['a'=2,'b'=4] {'b'}`` (the product of
+optional transpose), mesh form ``mesh['a'=2,'b'=4] {'b'}`` or
+``mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}`` (the product of
 the named axes' sizes), or ``{}`` (all ``num_partitions`` devices).
 
 Bytes each device sends (ring algorithms), with n the bytes of the buffer:
@@ -66,7 +67,8 @@ def _shapes_bytes(text: str) -> list[float]:
 
 def _group_size(attrs: str, num_partitions: int) -> int:
     """g from the replica_groups attribute (see the module docstring for the forms)."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{([^}]*)\}",
+                  attrs)
     if m:
         sizes = {k.strip("'\" "): int(v) for k, v in (kv.split("=") for kv in m.group(1).split(",") if kv)}
         names = [n.strip("'\" ") for n in m.group(2).split(",") if n.strip()]

@@ -242,6 +242,7 @@ class _GraphPass:
         self.op_var: dict[str, int] = {}  # the variable holding the operator's output now (fusion moves it)
         self.identity_vars: dict[str, list[int]] = {}  # every variable that held it with its own shape
         self.view_src: dict[int, Atom] = {}  # a view's variable -> the variable it views
+        self.op_eqn: dict[str, int] = {}  # operator -> the equation that made it (scan ties)
         self.leaf_uses: dict[int, list[tuple[str, tuple[str | None, ...]]]] = {}
         self.reads: dict[str, list[tuple[int, int, tuple[str | None, ...]]]] = {}
         self.inputs: dict[str, tuple[int, ...]] = {}
@@ -356,6 +357,7 @@ class _GraphPass:
     def register(self, op: Operator, var: int, dtype: Any, vals: Sequence[_Val] = (),
                  out_batch: int | None = None) -> _Val:
         self.ops[op.name] = op
+        self.op_eqn[op.name] = self.eqn_index
         self.op_var[op.name] = var
         self.identity_vars[op.name] = [var]
         for t in op.inputs:
@@ -392,6 +394,7 @@ class _GraphPass:
         op = Operator(name, "copy", tuple(zip(letters, v.shape)), ins, Tensor("y", v.shape, tuple(letters), "output"),
                       ws, flops_per_point=0.0)
         self.ops[name] = op
+        self.op_eqn[name] = self.eqn_index
         if v.kind == "param" and v.leaf_axes is not None:
             self._record_leaf(v.key, op, t, v.leaf_axes)
         elif v.kind == "input":
@@ -910,12 +913,52 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
         raise ShardplanError("jax frontend: the function does no work on its arguments (no operators)")
     used_inputs = {t.src for op in gp.ops.values() for t in op.inputs}
     graph_inputs = {k: v for k, v in gp.inputs.items() if k in used_inputs}
-    graph = Graph(name or getattr(fn, "__name__", "jax"), tuple(gp.ops.values()), graph_inputs)
+    graph = Graph(name or getattr(fn, "__name__", "jax"), tuple(gp.ops.values()), graph_inputs,
+                  ties=scan_ties(program, gp.ops, gp.op_eqn))
     op_vars = _op_run_vars(gp.identity_vars, gp.alias, _run_vars(program))
     info = TraceInfo(program, in_tree, out_tree, tuple(names), tuple(shapes), frozenset(param_leaves), op_vars,
                      {k: tuple(v) for k, v in gp.leaf_uses.items()},
                      {k: tuple(v) for k, v in gp.reads.items()}, frozenset(batch_leaves))
     return graph, info
+
+
+def scan_ties(program: Program, operators: Mapping[str, Operator], op_eqn: Mapping[str, int],
+              ) -> tuple[tuple[str, ...], ...]:
+    """Tie groups of an unrolled ``scan``: the operators one body equation makes in every iteration.
+
+    Operator ``o`` is the ``n``-th operator made by equation ``op_eqn[o]``; for every tie key
+    ``t`` of that equation (one per enclosing scan, :attr:`FlatEqn.ties`), ``(t, n)`` names its
+    copies in the other iterations. Groups are the connected components of "shares a key" (nested
+    scans tie across both), split by description (kind, dimensions, fixed dimensions) so that
+    only copies of one operator are tied; groups of one are dropped.
+    """
+    parent: dict[str, str] = {}
+
+    def find(a: str) -> str:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    first: dict[tuple, str] = {}
+    made: dict[int, int] = {}
+    for name in operators:
+        k = op_eqn.get(name)
+        if k is None or k < 0 or not program.eqns[k].ties:
+            continue
+        n = made.get(k, 0)
+        made[k] = n + 1
+        parent[name] = name
+        for t in program.eqns[k].ties:
+            other = first.setdefault((t, n), name)
+            ra, rb = find(name), find(other)
+            if ra != rb:
+                parent[ra] = rb
+    groups: dict[tuple, list[str]] = {}
+    for name in parent:  # graph order
+        op = operators[name]
+        groups.setdefault((find(name), op.kind, op.dims, op.fixed), []).append(name)
+    return tuple(tuple(g) for g in groups.values() if len(g) > 1)
 
 
 def _dtype(leaf: Any) -> Any:
