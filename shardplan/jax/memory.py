@@ -455,7 +455,9 @@ def fit_step(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, de
             return (jax.lax.with_sharding_constraint(val[0], rep), val[1]), grads
         return jax.lax.with_sharding_constraint(val, rep), grads
 
-    jitted = jax.jit(step, in_shardings=(param_sh, batch_sh))
+    # results placed by out_shardings too: a constraint on a returned value alone may be left replicated
+    jitted = jax.jit(step, in_shardings=(param_sh, batch_sh),
+                     out_shardings=((rep, None) if has_aux else rep, grad_sh))
     return FitStep(plan, info, micro_info, tuple(devices), states, k, remat, param_sh, grad_sh, state_sh, batch_sh,
                    jitted, fn, value_and_grad)
 
