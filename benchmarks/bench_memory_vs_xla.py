@@ -194,7 +194,8 @@ def explain(row: dict[str, Any]) -> str:
                        "of a relu and its mask, a pool's input) are counted by the model once per operator")
     elif saved is not None and not m["activations"] and x["saved_residuals"]:
         out.append(f"every operator recomputes, yet JAX keeps {x['saved_residuals']:.0f} B of residuals per device "
-                   "(integer values and constants are not named, so they are saved as computed)")
+                   "(values computed before the first operator, from constants such as rotary tables, belong to no "
+                   "operator and are named saved)")
     extra = x["step"] - (m["gradients"] + m["activations"])
     if abs(r["step"] - 1) > TOLERANCE and not row["strategy"].startswith("dp+fsdp"):
         if extra > 0:
