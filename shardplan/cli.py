@@ -221,8 +221,11 @@ def _check_applicable(args: argparse.Namespace) -> None:
     for key, (flag, solvers) in SOLVER_OPTIONS.items():
         if key == "table_memory" and args.model is not None:
             continue
+        if key == "time_limit" and args.model is not None and (args.fit or args.memory is not None):
+            continue  # the fit search's branch-and-bound limit (per micro-batch count)
         if getattr(args, key) is not None and args.solver not in solvers:
-            raise ShardplanError(f"{flag} does not apply to --solver {args.solver} (only to {', '.join(solvers)})")
+            also = "; or to the fit search, with --fit/--memory" if key == "time_limit" else ""
+            raise ShardplanError(f"{flag} does not apply to --solver {args.solver} (only to {', '.join(solvers)}{also})")
 
 
 def _solver_opts(args: argparse.Namespace) -> dict[str, Any]:
@@ -503,7 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory limit in bytes for building the cost tables and for the DP, BFS-DP and ILP "
                         "(default 1/4 of the available memory)")
     p.add_argument("--time-limit", type=_real_option(positive=True, maximum=1e7, unit="s"),
-                   help="ILP time limit, seconds (default 60)")
+                   help="ILP time limit, seconds (default 60); with --fit/--memory, the fit search's "
+                        "branch-and-bound limit per micro-batch count (default 60): stopped early, the plan "
+                        "comes with its proven bound and gap")
     p.add_argument("--seed", type=_int_option(0, 2**63 - 1), help="MCMC seed (default 0)")
     p.add_argument("--no-baselines", action="store_true", default=None, help="skip the baseline comparison")
     p.add_argument("--json", help="write the plan as JSON here")

@@ -157,6 +157,27 @@ def test_cli_bad_fit_options(capsys):
     assert "--memory" in capsys.readouterr().err
 
 
+def test_cli_time_limit_sets_the_fit_search_limit(capsys, monkeypatch):
+    """--time-limit with --memory/--fit reaches FitOptions.time_limit; without them it is refused for the DP."""
+    import shardplan.fit as fit
+    from shardplan.cli import main
+
+    seen = []
+    real = fit.solve_fit
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["options"].time_limit)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fit, "solve_fit", spy)
+    assert main(["solve", *TINY, "--memory", "0.001", "--no-baselines", "--time-limit", "7.5"]) == 0
+    assert "proven optimal under the budget" in capsys.readouterr().out
+    assert main(["solve", *TINY, "--memory", "0.001", "--no-baselines"]) == 0
+    assert seen == [7.5, 60.0]
+    assert main(["solve", *TINY, "--no-baselines", "--time-limit", "7.5"]) == 2
+    assert "--time-limit does not apply to --solver dp" in capsys.readouterr().err
+
+
 def test_in_flight_micro_batches_multiply_saved_activations():
     op = dense_op()
     m = Machine(4, peak_flops=F, bandwidth=B)

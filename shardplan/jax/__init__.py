@@ -22,7 +22,8 @@ The package: :mod:`~shardplan.jax.flatten` (the jaxpr as one flat program),
 :mod:`~shardplan.jax.lower` (the program as a shardplan graph),
 :mod:`~shardplan.jax.shardings` (a plan as NamedShardings),
 :mod:`~shardplan.jax.run` (the program re-run with the plan's constraints, the step),
-:mod:`~shardplan.jax.hlo` (what the compiled program really sends).
+:mod:`~shardplan.jax.hlo` (what the compiled program really sends);
+:func:`pipeline` (:mod:`shardplan.pipeline.jax`): the searched pipeline, one jitted program per stage.
 JAX is an optional dependency: it is imported on use.
 """
 
@@ -38,7 +39,7 @@ from shardplan.jax.shardings import plan_shardings
 from shardplan.machine import Machine
 from shardplan.plan import Plan, solve
 
-__all__ = ["parallelize", "planned", "Planned", "trace", "make_step", "plan_shardings", "report", "TraceInfo",
+__all__ = ["parallelize", "planned", "pipeline", "Planned", "trace", "make_step", "plan_shardings", "report", "TraceInfo",
            "supported_primitives"]
 
 
@@ -126,6 +127,15 @@ def parallelize(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: S
     """
     pl = planned(loss_fn, params, batch, devices, machine, cutoff, has_aux, budget, fit, **solve_opts)
     return pl.plan, pl.step
+
+
+def pipeline(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
+             machine: Machine | None = None, **options: Any) -> Any:
+    """Search the pipeline of ``loss_fn(params, batch)`` on ``devices`` and return it runnable:
+    :func:`shardplan.pipeline.jax.pipeline` (``loss, grads = step(params, batch)``)."""
+    from shardplan.pipeline.jax import pipeline as _pipeline
+
+    return _pipeline(loss_fn, params, batch, devices, machine, **options)
 
 
 def report(plan: Plan) -> str:

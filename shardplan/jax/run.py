@@ -31,7 +31,7 @@ from shardplan.jax.flatten import TOP, Atom, Const
 from shardplan.jax.lower import TraceInfo
 from shardplan.jax.shardings import PlanShardings, plan_shardings, replicated
 
-__all__ = ["evaluate", "constrain_both_ways", "constrained_fn", "make_step"]
+__all__ = ["evaluate", "evaluate_eqns", "constrain_both_ways", "constrained_fn", "make_step"]
 
 Hook = Callable[[Any], Any]
 
@@ -40,13 +40,29 @@ def evaluate(info: TraceInfo, leaves: Sequence[Any], produce: Mapping[int, Hook]
              consume: Mapping[tuple[int, int], Hook] | None = None) -> list[Any]:
     """Run the flat program on argument leaves with the ``produce`` / ``consume`` hooks (see the module)."""
     prog = info.program
+    env: dict[int, Any] = dict(zip(prog.invars, leaves))
+    top = [k for k, e in enumerate(prog.eqns) if e.parent == TOP]
+    evaluate_eqns(info, top, env, produce, consume, hook_inputs=True)
+    return [a.value if isinstance(a, Const) else env[a] for a in prog.outvars]
+
+
+def evaluate_eqns(info: TraceInfo, eqns: Sequence[int], env: dict[int, Any],
+                  produce: Mapping[int, Hook] | None = None, consume: Mapping[tuple[int, int], Hook] | None = None,
+                  hook_inputs: bool = False) -> dict[int, Any]:
+    """Run the top-level equations ``eqns`` (indices, in order) on ``env`` (variable id -> value), which
+    must hold every variable they read; adds what they produce and returns ``env``. ``hook_inputs``:
+    apply the ``produce`` hooks to the values already in ``env`` first (the program's arguments)."""
+    prog = info.program
     produce = produce or {}
     consume = consume or {}
     by_parent: dict[int, list[int]] = defaultdict(list)
     for k, e in enumerate(prog.eqns):
-        if e.parent is not None:
+        if e.parent is not None and e.parent != TOP:
             by_parent[e.parent].append(k)
-    env: dict[int, Any] = {}
+    if hook_inputs:
+        for var in list(env):
+            if var in produce:
+                env[var] = produce[var](env[var])
 
     def read(a: Atom) -> Any:
         return a.value if isinstance(a, Const) else env[a]
@@ -54,13 +70,13 @@ def evaluate(info: TraceInfo, leaves: Sequence[Any], produce: Mapping[int, Hook]
     def put(var: int, x: Any) -> None:
         env[var] = produce[var](x) if var in produce else x
 
-    def run_block(parent: int) -> None:
-        for k in by_parent.get(parent, ()):
+    def run(ks: Sequence[int]) -> None:
+        for k in ks:
             e = prog.eqns[k]
             args = [read(a) for a in e.invars]
             args = [consume[(k, s)](x) if (k, s) in consume else x for s, x in enumerate(args)]
             if e.call_id is not None:
-                outs = _remat(e, args, env, put, run_block, read)
+                outs = _remat(e, args, env, put, lambda cid: run(by_parent.get(cid, ())), read)
             else:
                 params = e.primitive.get_bind_params(e.params)
                 if isinstance(params, tuple):  # (subfuns, params)
@@ -72,10 +88,11 @@ def evaluate(info: TraceInfo, leaves: Sequence[Any], produce: Mapping[int, Hook]
             for var, x in zip(e.outvars, outs):
                 put(var, x)
 
-    for var, x in zip(prog.invars, leaves):
-        put(var, x)
-    run_block(TOP)
-    return [read(a) for a in prog.outvars]
+    for k in eqns:
+        if prog.eqns[k].parent != TOP:
+            raise ShardplanError(f"equation {k} is not a top-level equation of the program")
+    run(list(eqns))
+    return env
 
 
 def _remat(e: Any, args: list[Any], env: dict[int, Any], put: Callable[[int, Any], None],

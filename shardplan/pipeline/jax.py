@@ -1,31 +1,83 @@
-"""Running a staged plan with JAX: a stage axis of the mesh, stacked layers, activations shifted by ppermute.
+"""Running a pipeline plan with JAX: one jitted program per stage on its sub-mesh (the searched plan), or a
+stage axis with ``ppermute`` (uniform stages).
 
-Mechanism (the approach of MaxText's and Praxis's pipelines): the S stages
-are uniform, each a stack of the same layer function; the per-stage
-parameters are stacked along a leading axis of length S and sharded over the
-mesh axis ``stage`` (optionally beside a ``data`` axis that splits each
-micro-batch). Inside :func:`jax.shard_map`, every stage runs the same
-program for ``m + S - 1`` ticks: at tick t stage 0 takes micro-batch t,
-every stage applies its layers to what it holds, and ``ppermute`` shifts the
-results one stage on; the last stage's output for micro-batch ``t - S + 1``
-is kept. The backward pass is JAX's transpose of that loop (ppermute
-transposes to the opposite shift), so forwards run in the fill-drain order of
-GPipe and the backward pass mirrors it; 1F1B's interleaving of forward and
-backward and its lower activation memory are not reproduced (XLA keeps the
-loop's residuals for all m micro-batches).
+**A searched plan** (:func:`pipeline`, :class:`StagedStep`). The loss
+``loss_fn(params, batch)`` is traced (:func:`shardplan.jax.trace`) at the
+micro-batch size and the pipeline search
+(:func:`shardplan.pipeline.api.pipeline_solve`) finds the stages, their
+sub-meshes, m and the schedule. Units are the operators' name scopes (the
+first component after the scope every operator shares: ``jax.named_scope``
+blocks, or a flax model's submodules, ``M/L0/...`` giving the unit ``L0``).
+Execution, for each stage (each chunk of an interleaved plan):
 
-Limits: uniform stages only (same layer function, same parameter shapes,
-layers per stage = L / S); the embedding and the head run outside the
-pipeline (replicated), and the micro-batch count must be at least 1. The
-numerics equal the unsharded program up to float reassociation
+* the program's equations are assigned to stages
+  (:func:`shardplan.pipeline.execute.assign_nodes`): an operator's to its
+  unit's stage, the rest next to their first reader;
+* the stage's equations run as one function, re-run with the sharding
+  constraints of the *stage's own intra-stage plan* on both sides of every
+  edge (:mod:`shardplan.jax.run`'s hooks), its meshes built over the stage's
+  sub-mesh, devices ``[offset, offset + q)``; its parameters live there,
+  sharded as the plan's first reader in the stage asks;
+* its forward pass is one ``jax.jit`` that returns the outputs and the
+  ``jax.vjp`` closure (residuals stay on the stage's devices); its backward
+  pass is a second ``jax.jit`` applying that closure to the cotangents;
+* the tensors crossing a cut go to the next stage with ``jax.device_put``
+  into the sharding its first reader's layout asks for (a redistribution
+  between the two stages' layouts), and their cotangents come back the
+  same way into the producer's layout; a value read by several later stages
+  is sent to each, and its cotangents summed;
+* one Python controller issues the m forward and backward passes of every
+  stage in the order of the plan's schedule
+  (:func:`shardplan.pipeline.execute.issue_order`: 1F1B, GPipe, or
+  interleaved 1F1B with v chunks per device group), the micro-batches being
+  consecutive slices of the batch's leading axis; gradients are accumulated
+  per stage; JAX's asynchronous dispatch lets stages on disjoint devices
+  overlap, each device running its passes in the order issued.
+
+Non-uniform stages (different blocks, different sub-mesh sizes) are fine.
+Limits: the loss must be the *mean* over the batch's leading axis (the step
+returns the mean of the m micro-batch losses and the gradient of that mean;
+``reduction="sum"`` for a summed loss); every batch leaf carries the batch
+on axis 0 (other leaves are given whole to every micro-batch); a cut inside
+a ``jax.checkpoint`` region or a custom-derivative call is refused; the
+order in which XLA actually runs concurrent work on one device is the
+runtime's (the controller only fixes the issue order); the stage-to-stage
+transfers are ``device_put`` copies issued by the controller when the
+consumer's pass is issued, not sends scheduled to overlap the producer's
+next pass; a parameter read by several stages (a tied embedding) has a copy
+on each, and its gradient is the sum of the copies'. Interleaved plans keep
+every chunk's parameters on its group.
+
+**Uniform stages on a stage axis** (:func:`stack_stages`,
+:func:`pipeline_forward`; the approach of MaxText's and Praxis's
+pipelines): the S stages are uniform, each a stack of the same layer
+function; the per-stage parameters are stacked along a leading axis of
+length S and sharded over the mesh axis ``stage`` (optionally beside a
+``data`` axis that splits each micro-batch). Inside :func:`jax.shard_map`,
+every stage runs the same program for ``m + S - 1`` ticks: at tick t stage 0
+takes micro-batch t, every stage applies its layers to what it holds, and
+``ppermute`` shifts the results one stage on; the last stage's output for
+micro-batch ``t - S + 1`` is kept. The backward pass is JAX's transpose of
+that loop (ppermute transposes to the opposite shift), so forwards run in
+the fill-drain order of GPipe and the backward pass mirrors it; 1F1B's
+interleaving of forward and backward and its lower activation memory are not
+reproduced (XLA keeps the loop's residuals for all m micro-batches). Limits:
+uniform stages only (same layer function, same parameter shapes, layers per
+stage = L / S); the embedding and the head run outside the pipeline
+(replicated).
+
+Both equal the unsharded program up to float reassociation
 (``tests/test_pipeline_jax.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["stack_stages", "pipeline_forward"]
+from shardplan.errors import ShardplanError
+
+__all__ = ["stack_stages", "pipeline_forward", "pipeline", "StagedStep", "scoped_trace"]
 
 
 def stack_stages(layer_params: list[Any], num_stages: int) -> Any:
@@ -86,3 +138,381 @@ def pipeline_forward(layer_fn: Callable[[Any, Any], Any], stacked: Any, xs: Any,
     x_spec = P(None, data_axis) if data_axis else P()
     param_spec = jax.tree_util.tree_map(lambda _: P(stage_axis), stacked)
     return jax.shard_map(stage_program, mesh=mesh, in_specs=(param_spec, x_spec), out_specs=x_spec)(stacked, xs)
+
+
+# ---------------------------------------------------------------------------
+# a searched plan: one jitted program per stage on its sub-mesh
+# ---------------------------------------------------------------------------
+def _unit_names(names: Sequence[str]) -> dict[str, str]:
+    """Operator names with the scope every operator shares removed (``M/L0/dot`` -> ``L0/dot``).
+
+    An operator directly in the shared scope (``M/add``) keeps its full path with ``.`` for ``/``
+    (``M.add``): unscoped, it joins its unscoped neighbours' unit.
+    """
+    scopes = [n.split("/")[:-1] for n in names if "/" in n]
+    d = 0
+    while scopes and all(len(s) > d for s in scopes) and len({s[d] for s in scopes}) == 1:
+        d += 1
+    if d == 0:
+        return {n: n for n in names}
+    out = {}
+    for n in names:
+        parts = n.split("/")
+        out[n] = n if "/" not in n else ("/".join(parts[d:]) if len(parts) - d >= 2 else ".".join(parts))
+    if len(set(out.values())) != len(out):
+        raise ShardplanError("operator names collide once their shared scope is removed")
+    return out
+
+
+def scoped_trace(loss_fn: Callable[..., Any], params: Any, batch: Any) -> tuple[Any, Any]:
+    """:func:`shardplan.jax.trace` of ``loss_fn(params, batch)`` with operators renamed by
+    :func:`_unit_names`, so that the units the pipeline search cuts between are the model's blocks."""
+    import dataclasses
+
+    from shardplan.ir import Graph
+    from shardplan.jax.lower import trace
+
+    graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
+    ren = _unit_names([op.name for op in graph.operators])
+    if all(k == v for k, v in ren.items()):
+        return graph, info
+    ops = tuple(dataclasses.replace(op, name=ren[op.name], inputs=tuple(
+        dataclasses.replace(t, src=ren.get(t.src, t.src)) if t.src is not None else t for t in op.inputs))
+        for op in graph.operators)
+    graph = Graph(graph.name, ops, dict(graph.graph_inputs),
+                  ties=tuple(tuple(ren.get(n, n) for n in grp) for grp in graph.ties))
+    info = dataclasses.replace(
+        info, op_vars={ren.get(k, k): v for k, v in info.op_vars.items()},
+        reads={ren.get(k, k): v for k, v in info.reads.items()},
+        leaf_uses={i: tuple((ren.get(n, n), d) for n, d in uses) for i, uses in info.leaf_uses.items()})
+    return graph, info
+
+
+def _batch_size(info: Any) -> int:
+    sizes = {info.leaf_shapes[i][0] for i in info.batch_leaves}
+    if len(sizes) != 1:
+        raise ShardplanError(f"the batch leaves must share their leading (batch) axis, got sizes {sorted(sizes)}")
+    return int(sizes.pop())
+
+
+def _shape_tree(tree: Any, batch_leaves: frozenset[int] | None = None, rows: int | None = None,
+                offset: int = 0) -> Any:
+    import jax
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out = []
+    for i, x in enumerate(leaves):
+        shape = tuple(jax.numpy.shape(x))
+        if rows is not None and batch_leaves is not None and i + offset in batch_leaves:
+            shape = (rows,) + shape[1:]
+        out.append(jax.ShapeDtypeStruct(shape, jax.numpy.result_type(x)))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+class _Tracer:
+    """``build(rows)`` for :class:`~shardplan.pipeline.stages.ModelStages`: the loss traced at ``rows`` examples."""
+
+    def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: Any) -> None:
+        import jax
+
+        self.loss_fn = loss_fn
+        self.params = _shape_tree(params)
+        self.batch = batch
+        _, self.full_info = scoped_trace(loss_fn, self.params, _shape_tree(batch))
+        self.offset = len(jax.tree_util.tree_leaves(params))
+        self.cache: dict[int, tuple[Any, Any]] = {}
+
+    def traced(self, rows: int) -> tuple[Any, Any]:
+        if rows not in self.cache:
+            b = _shape_tree(self.batch, self.full_info.batch_leaves, rows, self.offset)
+            self.cache[rows] = scoped_trace(self.loss_fn, self.params, b)
+        return self.cache[rows]
+
+    def __call__(self, rows: int) -> Any:
+        return self.traced(rows)[0]
+
+
+def _top_ancestor(prog: Any) -> Callable[[int], int]:
+    """Equation index -> the top-level equation that runs it (itself, its remat call, its custom call)."""
+    from shardplan.jax.flatten import TOP
+
+    call_eqn = {e.call_id: k for k, e in enumerate(prog.eqns) if e.call_id is not None}
+
+    def top(k: int) -> int:
+        while True:
+            e = prog.eqns[k]
+            if e.parent == TOP:
+                return k
+            if e.parent is None:  # a custom-derivative body: its call follows it
+                k += 1
+                while prog.eqns[k].parent is None:
+                    k += 1
+            else:
+                k = call_eqn[e.parent]
+
+    return top
+
+
+class _Stage:
+    """One stage's program on its sub-mesh: its equations, what crosses its cuts, shardings, two jits."""
+
+    def __init__(self, index: int, spec: Any, plan: Any, info: Any, eqns: list[int], devices: Sequence[Any],
+                 leaf_dtypes: Sequence[Any], readers: Mapping[int, set[int]], loss_var: int | None) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from shardplan.jax.run import constrain_both_ways, evaluate_eqns
+        from shardplan.jax.shardings import _axis_dims, layout_sharding, replicated
+
+        self.index, self.spec, self.plan, self.eqns = index, spec, plan, eqns
+        self.devices = tuple(devices)
+        prog = info.program
+        leaf_of = {v: i for i, v in enumerate(prog.invars)}
+        dtype_of: dict[int, Any] = {}
+        for e in prog.eqns:
+            for v, dt in zip(e.outvars, e.out_dtypes):
+                dtype_of[v] = dt
+        names = {op.name for op in plan.graph.operators}
+        lays = plan.layouts
+        out_sh = {info.op_vars[n]: layout_sharding(lays[n], _axis_dims(plan.graph[n].output), self.devices)
+                  for n in names if n in info.op_vars}
+        read_sh = {(k, s): layout_sharding(lays[n], dims, self.devices)
+                   for n in names for k, s, dims in info.reads.get(n, ())}
+        produce = {v: constrain_both_ways(s) for v, s in out_sh.items()}
+        consume = {key: constrain_both_ways(s) for key, s in read_sh.items()}
+        self.rep = replicated(self.devices)
+        own = {v for k in eqns for v in prog.eqns[k].outvars}
+        leaves: list[int] = []
+        ins: list[int] = []
+        in_sh: dict[int, Any] = {}
+        for k in eqns:
+            for slot, a in enumerate(prog.eqns[k].invars):
+                if not isinstance(a, int) or a in own:
+                    continue
+                if a in leaf_of:
+                    if leaf_of[a] not in leaves:
+                        leaves.append(leaf_of[a])
+                elif a not in in_sh:
+                    ins.append(a)
+                    in_sh[a] = read_sh.get((k, slot), self.rep)
+        self.in_sh = in_sh
+        self.leaf_sh = {}
+        for i in leaves:
+            uses = [(n, d) for n, d in info.leaf_uses.get(i, ()) if n in names]
+            self.leaf_sh[i] = layout_sharding(lays[uses[0][0]], uses[0][1], self.devices) if uses else self.rep
+        inexact = lambda dt: jnp.issubdtype(dt, jnp.inexact)  # noqa: E731
+        self.params = [i for i in leaves if i in info.param_leaves and inexact(leaf_dtypes[i])]
+        self.data = [i for i in leaves if i not in self.params]
+        self.fin = [v for v in ins if inexact(dtype_of[v])]
+        self.oin = [v for v in ins if v not in self.fin]
+        outs = sorted(v for v in own if readers.get(v, set()) - {index})
+        if loss_var is not None:
+            outs = [loss_var]
+        self.fout = [v for v in outs if inexact(dtype_of[v])]
+        self.oout = [v for v in outs if v not in self.fout]
+        self.out_sh = {v: out_sh.get(v, self.rep) for v in outs}
+        self.loss_dtype = dtype_of[loss_var] if loss_var is not None else None
+        fin, oin, data, params, fout, oout = self.fin, self.oin, self.data, self.params, self.fout, self.oout
+
+        def run(p: tuple, fi: tuple, oi: tuple, d: tuple) -> tuple[tuple, tuple]:
+            env: dict[int, Any] = {}
+            for i, x in zip(params, p):
+                env[prog.invars[i]] = x
+            for i, x in zip(data, d):
+                env[prog.invars[i]] = x
+            env.update(zip(fin, fi))
+            env.update(zip(oin, oi))
+            evaluate_eqns(info, eqns, env, produce, consume)
+            return tuple(env[v] for v in fout), tuple(env[v] for v in oout)
+
+        self.forward = jax.jit(lambda p, fi, oi, d: jax.vjp(lambda p_, fi_: run(p_, fi_, oi, d), p, fi, has_aux=True))
+        self.backward = jax.jit(lambda vjp, g: vjp(g))
+
+
+@dataclass(eq=False)
+class StagedStep:
+    """A searched pipeline plan for ``loss_fn(params, batch)``, runnable: ``loss, grads = step(params, batch)``.
+
+    Attributes:
+        result: the pipeline search's answer (:class:`~shardplan.pipeline.api.PipelineResult`).
+        graph, info: the loss traced at the micro-batch size (units renamed, :func:`scoped_trace`).
+        devices: all devices; stage i runs on ``devices[offset_i : offset_i + q_i]``.
+        schedule: the schedule the passes are issued in (the plan's, or GPipe for a 1F1B plan).
+        reduction: "mean" (the loss is a mean over the batch) or "sum".
+        stages: per stage (chunk) its program (:class:`_Stage`).
+    """
+
+    result: Any
+    graph: Any
+    info: Any
+    devices: tuple
+    schedule: str
+    reduction: str
+    stages: list
+
+    @property
+    def plan(self) -> Any:
+        return self.result.plan
+
+    def order(self) -> list[tuple[str, int, int]]:
+        """The passes in the order they are issued (:func:`shardplan.pipeline.execute.issue_order`)."""
+        from shardplan.pipeline.execute import issue_order
+
+        return issue_order(self.plan, self.schedule)
+
+    def __call__(self, params: Any, batch: Any) -> tuple[Any, Any]:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        leaves, tree = jax.tree_util.tree_flatten((params, batch))
+        if tree != self.info.in_tree:
+            raise ShardplanError(f"arguments have structure {tree}, the traced loss had {self.info.in_tree}")
+        m = self.plan.micro_batches
+        rows = self.info.leaf_shapes[min(self.info.batch_leaves)][0] if self.info.batch_leaves else 0
+        for i in self.info.batch_leaves:
+            if tuple(leaves[i].shape) != (rows * m,) + tuple(self.info.leaf_shapes[i][1:]):
+                raise ShardplanError(f"batch leaf {self.info.leaf_names[i]} has shape {tuple(leaves[i].shape)}; the "
+                                     f"plan is for {m} micro-batches of {self.info.leaf_shapes[i]}")
+
+        def micro(i: int, j: int) -> Any:
+            x = leaves[i]
+            return x[j * rows:(j + 1) * rows] if i in self.info.batch_leaves else x
+
+        scale = 1.0 / m if self.reduction == "mean" else 1.0
+        placed = [tuple(jax.device_put(leaves[i], st.leaf_sh[i]) for i in st.params) for st in self.stages]
+        producer = {v: st.index for st in self.stages for v in st.out_sh}
+        values: dict[tuple[int, int], Any] = {}
+        cot: dict[tuple[int, int], Any] = {}
+        vjps: dict[tuple[int, int], Any] = {}
+        grads: list[Any] = [None] * len(self.stages)
+        losses = []
+        last = len(self.stages) - 1
+        for kind, s, j in self.order():
+            st = self.stages[s]
+            if kind == "F":
+                fi = tuple(jax.device_put(values[(v, j)], st.in_sh[v]) for v in st.fin)
+                oi = tuple(jax.device_put(values[(v, j)], st.in_sh[v]) for v in st.oin)
+                d = tuple(jax.device_put(micro(i, j), st.leaf_sh[i]) for i in st.data)
+                fo, vjp, oo = st.forward(placed[s], fi, oi, d)
+                vjps[(s, j)] = vjp
+                for v, x in zip(st.fout + st.oout, fo + oo):
+                    values[(v, j)] = x
+                if s == last:
+                    losses.append(fo[0])
+                continue
+            if s == last:
+                g = (jax.device_put(np.asarray(scale, dtype=st.loss_dtype), st.rep),)
+            else:
+                g = tuple(cot.pop((v, j)) for v in st.fout)
+            gp, gfi = st.backward(vjps.pop((s, j)), g)
+            grads[s] = gp if grads[s] is None else jax.tree_util.tree_map(jnp.add, grads[s], gp)
+            for v, gv in zip(st.fin, gfi):
+                p = self.stages[producer[v]]
+                gv = jax.device_put(gv, p.out_sh[v])
+                cot[(v, j)] = gv if (v, j) not in cot else cot[(v, j)] + gv
+        loss = sum(losses[1:], losses[0]) * (1.0 / m if self.reduction == "mean" else 1.0)
+        out: list[Any] = [None] * len(leaves)
+        for st, g in zip(self.stages, grads):
+            for i, x in zip(st.params, g):
+                out[i] = x if out[i] is None else out[i] + jax.device_put(x, out[i].sharding)
+        n_params = len(jax.tree_util.tree_leaves(params))
+        full = [out[i] if out[i] is not None else jnp.zeros_like(leaves[i]) for i in range(n_params)]
+        return loss, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), full)
+
+
+def build_staged(result: Any, tracer: _Tracer, devices: Sequence[Any], schedule: str | None = None,
+                 reduction: str = "mean") -> StagedStep:
+    """The runnable form of a pipeline ``result`` whose model ``tracer`` traced (see :func:`pipeline`)."""
+    import jax
+
+    from shardplan.jax.flatten import TOP
+    from shardplan.pipeline.execute import assign_nodes, issue_order, ops_by_stage, stage_plan, stage_specs
+
+    if reduction not in ("mean", "sum"):
+        raise ShardplanError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    plan = result.plan
+    m = plan.micro_batches
+    graph, info = tracer.traced(result.stages.batch // m)
+    prog = info.program
+    specs = stage_specs(plan)
+    op_stage = ops_by_stage(graph, specs)
+    top = _top_ancestor(prog)
+    producer: dict[int, int] = {}
+    for k, e in enumerate(prog.eqns):
+        for v in e.outvars:
+            producer.setdefault(v, k)
+    fixed: dict[int, int] = {}
+    for name, s in op_stage.items():
+        ks = [k for k, _, _ in info.reads.get(name, ())]
+        if not ks and name in info.op_vars and info.op_vars[name] in producer:
+            ks = [producer[info.op_vars[name]]]
+        for k in {top(k) for k in ks}:
+            if fixed.setdefault(k, s) != s:
+                raise ShardplanError(f"equation {k} ({prog.eqns[k].name}, {prog.eqns[k].where}) holds operators of "
+                                     f"stages {fixed[k]} and {s}: a stage cut inside a checkpoint or "
+                                     "custom-derivative call cannot run")
+    order = [k for k, e in enumerate(prog.eqns) if e.parent == TOP]
+    top_producer = {v: k for k in order for v in prog.eqns[k].outvars}
+    inputs = {k: [top_producer[a] for a in prog.eqns[k].invars if isinstance(a, int) and a in top_producer]
+              for k in order}
+    if len(prog.outvars) != 1 or not isinstance(prog.outvars[0], int) or prog.outvars[0] not in top_producer:
+        raise ShardplanError("the pipelined loss must return one scalar computed from its arguments")
+    loss_var = prog.outvars[0]
+    last = len(specs) - 1
+    stage_of = assign_nodes(order, inputs, fixed, last, outputs=[top_producer[loss_var]])
+    if stage_of[top_producer[loss_var]] != last:
+        raise ShardplanError("the loss is computed before the last stage; the pipeline cannot return it")
+    readers: dict[int, set[int]] = {}
+    for k in order:
+        for a in prog.eqns[k].invars:
+            if isinstance(a, int) and a in top_producer:
+                readers.setdefault(a, set()).add(stage_of[k])
+    leaf_dtypes = [jax.numpy.result_type(x) for x in jax.tree_util.tree_leaves((tracer.params, tracer.batch))]
+    stages = []
+    for spec in specs:
+        eqns = [k for k in order if stage_of[k] == spec.index]
+        sub = list(devices)[spec.offset:spec.offset + spec.devices]
+        stages.append(_Stage(spec.index, spec, stage_plan(result, spec.index), info, eqns, sub, leaf_dtypes,
+                             readers, loss_var if spec.index == last else None))
+    step = StagedStep(result, graph, info, tuple(devices), schedule or plan.schedule, reduction, stages)
+    issue_order(plan, step.schedule)  # refuse an impossible schedule now
+    return step
+
+
+def pipeline(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
+             machine: Any = None, *, micro_batches: Sequence[int] = (1, 2, 4, 8), max_stages: int | None = None,
+             uniform: bool = False, interleave: Sequence[int] = (), schedules: Sequence[str] = ("1f1b", "interleaved"),
+             sizes: Sequence[int] | None = None, budget: float | None = None, periodic: bool = True,
+             schedule: str | None = None, reduction: str = "mean", cutoff: int = 1,
+             **solve_options: Any) -> StagedStep:
+    """Search the pipeline of ``loss_fn(params, batch)`` on ``devices`` and return it runnable.
+
+    ``loss, grads = pipeline(...)(params, batch)`` equals ``jax.value_and_grad(loss_fn)(params, batch)``
+    (the loss a mean over the batch, see the module docstring). ``machine`` defaults to the reference
+    machine with ``len(devices)`` devices; ``micro_batches`` .. ``periodic`` go to
+    :func:`shardplan.pipeline.api.pipeline_solve` (``sizes``: the sub-mesh sizes allowed, e.g. ``(2, 4)``
+    to force at least two stages on 8 devices); ``schedule="gpipe"`` issues a 1F1B plan's passes in GPipe's
+    order; ``solve_options`` go to each intra-stage solve (configurations dividing the sub-mesh only, so
+    every layout is a mesh).
+    """
+    import jax
+
+    from shardplan.machine import Machine
+    from shardplan.pipeline.api import pipeline_solve
+
+    if reduction not in ("mean", "sum"):
+        raise ShardplanError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    devices = list(devices) if devices is not None else list(jax.devices())
+    p = len(devices)
+    if machine is None:
+        machine = Machine(p, name=f"{p} x {devices[0].platform}")
+    elif machine.num_devices != p:
+        raise ShardplanError(f"machine has {machine.num_devices} devices but {p} devices were given")
+    tracer = _Tracer(loss_fn, params, batch)
+    rows = _batch_size(tracer.full_info)
+    solve_options.setdefault("divides_p", True)
+    result = pipeline_solve(tracer, rows, machine, micro_batches=micro_batches, max_stages=max_stages,
+                            uniform=uniform, interleave=interleave, schedules=schedules, budget=budget,
+                            periodic=periodic, sizes=sizes, cutoff=cutoff, **solve_options)
+    return build_staged(result, tracer, devices, schedule, reduction)

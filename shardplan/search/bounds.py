@@ -68,9 +68,9 @@ from typing import Callable
 import numpy as np
 
 from shardplan.errors import TableMemoryError
-from shardplan.search.pairs import Pairs, incident_pairs, merge_pairs, reparametrise
+from shardplan.search.pairs import Pairs, incident_pairs, merge_pairs, reparametrise, view_key
 from shardplan.search.problem import Problem
-from shardplan.search.reduce import Reduction, make_reduction
+from shardplan.search.reduce import Reduction, make_reduction, orbits
 
 __all__ = ["BoundState", "ExactSolver", "bound_prune", "forest_bounds", "icm", "trws"]
 
@@ -112,10 +112,27 @@ class BoundState:
         total = sum(float(c[a[v]]) for v, c in enumerate(self.unary))
         return total + sum(float(m[a[u], a[w]]) for (u, w), m in self.pairs.items())
 
-    def restrict(self, keep: list[np.ndarray]) -> None:
-        """Keep only positions ``keep[v]`` of each vertex (in place; messages follow)."""
-        self.unary = [c[k] for c, k in zip(self.unary, keep)]
-        self.pairs = {(u, w): _take2(m, keep[u], keep[w]) for (u, w), m in self.pairs.items()}
+    def restrict(self, keep: list[np.ndarray], orbit: list[int] | None = None) -> None:
+        """Keep only positions ``keep[v]`` of each vertex (in place; messages follow).
+
+        With ``orbit`` (members have equal costs and are given equal
+        ``keep``), each orbit's cost vector, and each matrix shared by edges
+        between the same two orbits, is restricted once and shared.
+        """
+        if orbit is None:
+            self.unary = [c[k] for c, k in zip(self.unary, keep)]
+            self.pairs = {(u, w): _take2(m, keep[u], keep[w]) for (u, w), m in self.pairs.items()}
+        else:
+            unary: dict[int, np.ndarray] = {}
+            self.unary = [unary.setdefault(orbit[v], c[k]) for v, (c, k) in enumerate(zip(self.unary, keep))]
+            done: dict[tuple, np.ndarray] = {}  # the sources stay held by the old self.pairs meanwhile
+            pairs = {}
+            for (u, w), m in self.pairs.items():
+                ck = (view_key(m), orbit[u], orbit[w])
+                if ck not in done:
+                    done[ck] = _take2(m, keep[u], keep[w])
+                pairs[(u, w)] = done[ck]
+            self.pairs = pairs
         if self.msg is not None:
             self.msg = {(s, t): x[keep[t]] for (s, t), x in self.msg.items()}
 
@@ -364,7 +381,8 @@ def _restricted_incumbent(st: BoundState, lbs: list[np.ndarray], ub: float, max_
 def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int = 3, max_rounds: int = 8,
                 incumbent: np.ndarray | None = None, rtol: float = RTOL,
                 restricted_max: int = 8, restricted_entries: float = 2e7,
-                min_drop: float = 0.1, exact_weights: bool = False) -> tuple[Reduction, dict]:
+                min_drop: float = 0.1, exact_weights: bool = False,
+                symmetric: bool = False) -> tuple[Reduction, dict]:
     """Drop every configuration whose lower bound exceeds the incumbent (exact; see module doc).
 
     Round 0 uses the plain forest bound (cheap, on the full problem); every
@@ -373,9 +391,14 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
     incumbent by an exact solve restricted to the configurations of least
     bound (by ``exact_solver``, e.g. :func:`shardplan.search.dp.solve_small`,
     passed in so that this module does not depend on the DP). Stops when a round (after the first TRW-S round) drops at most
-    ``min_drop`` of the surviving configurations, or after ``max_rounds``.
+    ``min_drop`` of the surviving configurations, or proves its incumbent optimal (bound = incumbent), or
+    after ``max_rounds``.
     The forest of a round is chosen by max R once messages exist
     (``exact_weights`` also in round 0), else by the cheaper max E - min E.
+    With ``symmetric``, vertices with equal costs and configurations
+    (:func:`shardplan.search.reduce.orbits`: the same operator in identical
+    layers) keep the union of their survivors, so the restricted problem
+    keeps equal parts equal and shares their matrices (exact: only more is kept).
 
     Returns the reduction (merged edges, surviving configurations, ``keep``
     maps to ``problem``'s indices) and stats: configs before/after, rounds,
@@ -385,6 +408,8 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
     """
     t0 = time.perf_counter()
     st = BoundState.from_problem(problem)
+    orb = orbits(problem) if symmetric else None
+    orbit = orb if orb is not None and len(set(orb)) < problem.num_vertices else None
     keep = [np.arange(k) for k in problem.sizes]
     before = int(sum(problem.sizes))
     best_ub, best_a = np.inf, None
@@ -417,16 +442,23 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
             if len(ok) == 0:  # impossible unless UB < OPT through rounding; keep the best bound
                 ok = np.array([int(np.argmin(lbs[v]))])
             pos.append(ok)
+        if orbit is not None:  # equal vertices keep the union of their survivors (a superset: exact)
+            union: dict[int, np.ndarray] = {}
+            for v, ok in enumerate(pos):
+                union[orbit[v]] = np.union1d(union[orbit[v]], ok) if orbit[v] in union else ok
+            pos = [union[orbit[v]] for v in range(st.n)]
         dropped = sum(len(k) for k in keep) - sum(len(x) for x in pos)
         rounds += 1
         history.append({"upper_bound": float(best_ub), "lower_bound": float(lb), "dropped": int(dropped),
                         "seconds": time.perf_counter() - tr})
         remaining = sum(len(k) for k in keep)
         if dropped:
-            st.restrict(pos)
+            st.restrict(pos, orbit)
             keep = [k[x] for k, x in zip(keep, pos)]
         if rounds > 1 and dropped <= min_drop * remaining:
             break  # another round would cost more than it saves the DP
+        if rounds > 1 and best_ub <= lb + rtol * abs(lb):
+            break  # the incumbent is proven optimal: what is left is what the bound cannot tell from it
     after = int(sum(len(k) for k in keep))
     stats = {
         "configs_before": before,

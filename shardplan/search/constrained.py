@@ -214,8 +214,19 @@ def _lagrangian_problem(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndar
     if full:
         edge_cost, configs = p.edge_cost, p.configs
     else:
-        edge_cost = tuple(m[np.ix_(keeps[s], keeps[d])] for (s, d), m in zip(p.edges, p.edge_cost))
-        configs = tuple(tuple(p.configs[v][int(k)] for k in ks) for v, ks in enumerate(keeps))
+        # equal restrictions of a shared matrix (identical layers) are made once and shared, which keeps
+        # them recognisably equal for the DP (and the memory to one copy); p holds the matrices, so ids stay unique
+        sub: dict[tuple, np.ndarray] = {}
+        cfg: dict[tuple, tuple] = {}
+        kb = [k.tobytes() for k in keeps]
+        for (s, d), m in zip(p.edges, p.edge_cost):
+            if (id(m), kb[s], kb[d]) not in sub:
+                sub[(id(m), kb[s], kb[d])] = m[np.ix_(keeps[s], keeps[d])]
+        for v, ks in enumerate(keeps):
+            if (id(p.configs[v]), kb[v]) not in cfg:
+                cfg[(id(p.configs[v]), kb[v])] = tuple(p.configs[v][int(k)] for k in ks)
+        edge_cost = tuple(sub[(id(m), kb[s], kb[d])] for (s, d), m in zip(p.edges, p.edge_cost))
+        configs = tuple(cfg[(id(p.configs[v]), kb[v])] for v in range(p.num_vertices))
     return _derived(p, configs, tuple(unary), edge_cost), keeps, picks
 
 

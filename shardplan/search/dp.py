@@ -59,10 +59,11 @@ import numpy as np
 
 from shardplan.errors import ShardplanError, TableMemoryError
 from shardplan.search.bounds import bound_prune
+from shardplan.search.memo import ArrayLedger, DigestCache, EliminationMemo, MemoEntry, digest
 from shardplan.search.ordering import ORDERINGS, Ordering
-from shardplan.search.pairs import identical_rows, merge_pairs
+from shardplan.search.pairs import identical_rows, merge_pairs, view_key
 from shardplan.search.problem import Problem, Solution, certify
-from shardplan.search.reduce import Reduction, identity_reduction, reduce_problem
+from shardplan.search.reduce import Reduction, identity_reduction, orbits, reduce_problem, symmetric_reduction
 
 __all__ = ["solve_dp", "solve_small", "default_memory_limit", "resolve_ordering"]
 
@@ -96,6 +97,16 @@ class _Factor:
     scope: tuple[int, ...]
     maps: tuple[np.ndarray, ...]
     table: np.ndarray
+    sig: tuple[bytes, ...] | None = None  # digests of table and maps, once computed (memo key)
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.table,) + self.maps
+
+    def signature(self) -> tuple[bytes, ...]:
+        """Digests of the table and the class maps (:func:`shardplan.search.memo.digest`), cached."""
+        if self.sig is None:
+            self.sig = (digest(self.table),) + tuple(digest(m) for m in self.maps)
+        return self.sig
 
 
 @dataclass
@@ -106,6 +117,9 @@ class _Step:
     dep: tuple[int, ...]
     maps: tuple[np.ndarray, ...]
     arg: np.ndarray
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.arg,) + self.maps
 
 
 def _slice_classes(table: np.ndarray, ax: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -185,14 +199,6 @@ def step_bytes(dsize: int, chunk: int) -> int:
     bool masks, and 1 MiB for the per-vertex vectors and numpy's slack.
     """
     return 8 * dsize * (3 * chunk + 12) + 2 * dsize + (1 << 20)
-
-
-def _table_bytes(f: _Factor) -> int:
-    return int(f.table.nbytes + sum(m.nbytes for m in f.maps))
-
-
-def _step_kept_bytes(st: _Step) -> int:
-    return int(st.arg.nbytes + sum(m.nbytes for m in st.maps))
 
 
 def _eliminate(v: int, factors: list[_Factor], unary: np.ndarray, limit: int, name: str,
@@ -275,12 +281,69 @@ def _eliminate(v: int, factors: list[_Factor], unary: np.ndarray, limit: int, na
     return new, step
 
 
+def _repeated_unaries(p: Problem, dcache: DigestCache) -> list[bool]:
+    """Per vertex: does another vertex have an equal cost vector (a candidate for a repeated elimination)?"""
+    keys = [dcache(c) for c in p.vertex_cost]
+    count: dict[bytes, int] = {}
+    for k in keys:
+        count[k] = count.get(k, 0) + 1
+    return [count[k] > 1 for k in keys]
+
+
+def _eliminate_memo(v: int, factors: list[_Factor], unary: np.ndarray, limit: int, name: str, stats: dict,
+                    rng: np.random.Generator, held: ArrayLedger,
+                    memo: EliminationMemo | None, dcache: DigestCache | None = None) -> tuple[_Factor, _Step]:
+    """:func:`_eliminate`, reusing an equal earlier elimination from ``memo`` when there is one.
+
+    The factors are put in a canonical order (by scope pattern and digests)
+    before the sum, so equal eliminations are keyed and computed alike. When
+    the step does not fit the limit with what the memo holds, the memo is
+    emptied and the step tried again: the memo never causes a refusal.
+    """
+    if memo is None:
+        return _eliminate(v, factors, unary, limit, name, stats, rng, kept=held.total)
+    dep = tuple(sorted({w for f in factors for w in f.scope} - {v}))
+    pos = {w: i for i, w in enumerate(dep + (v,))}
+    sigs = [(tuple(pos[w] for w in f.scope),) + f.signature() for f in factors]
+    order = sorted(range(len(factors)), key=lambda j: sigs[j])
+    factors = [factors[j] for j in order]
+    key = ((dcache or digest)(unary),) + tuple(sigs[j] for j in order)
+    inputs = (unary,) + tuple(a for f in factors for a in f.arrays())
+    hit = memo.get(key, inputs)
+    if hit is not None:
+        return (_Factor(dep, hit.table_maps, hit.table, sig=hit.sig),
+                _Step(v, dep, hit.step_maps, hit.arg))
+    try:
+        new, step = _eliminate(v, factors, unary, limit, name, stats, rng, kept=held.total)
+    except TableMemoryError:
+        if held.total == 0 or not len(memo):
+            raise
+        memo.clear()
+        new, step = _eliminate(v, factors, unary, limit, name, stats, rng, kept=held.total)
+    memo.put(key, MemoEntry(inputs=inputs, table=new.table, table_maps=new.maps, step_maps=step.maps,
+                            arg=step.arg, sig=new.signature()))
+    return new, step
+
+
 def _initial_factors(p: Problem, rng: np.random.Generator) -> list[_Factor]:
-    """One compressed factor per (merged) edge of ``p``."""
+    """One compressed factor per (merged) edge of ``p``.
+
+    Edges that share one matrix (identical operator pairs) share the
+    compressed table and maps too: the compression is done once.
+    """
     out = []
+    done: dict[tuple, tuple[np.ndarray, _Factor]] = {}
     for scope, table in merge_pairs(p).items():
-        f = _Factor(scope, (np.arange(table.shape[0]), np.arange(table.shape[1])), np.ascontiguousarray(table))
-        out.append(_compress(f, rng))
+        key = view_key(table)
+        got = done.get(key)  # the same memory in the same layout: the same matrix
+        if got is None:
+            f = _Factor(scope, (np.arange(table.shape[0]), np.arange(table.shape[1])), np.ascontiguousarray(table))
+            c = _compress(f, rng)
+            c.signature()  # digested once, shared by every copy below
+            got = (table, c)
+            done[key] = got  # holds ``table``: while it lives, no other memory has its address
+        c = got[1]
+        out.append(_Factor(scope, c.maps, c.table, sig=c.sig))
     return out
 
 
@@ -326,6 +389,7 @@ def solve_dp(
     progress: Callable[[int, int], None] | None = None,
     *,
     bounds: bool = True,
+    memo: bool = True,
 ) -> Solution:
     """Exact minimum of F by recurrence (4) (variable elimination).
 
@@ -340,6 +404,10 @@ def solve_dp(
         bounds: first drop every configuration whose lower bound exceeds the
             cost of a feasible assignment (:mod:`shardplan.search.bounds`;
             exact: every optimal assignment survives).
+        memo: compute each distinct elimination once (:mod:`shardplan.search.memo`;
+            exact: a stored result is reused only when its inputs are equal
+            element by element). Only vertices whose cost vector occurs more
+            than once (identical operators) are memoised.
 
     Returns:
         A :class:`Solution` with ``optimal=True``, the assignment in original
@@ -347,15 +415,26 @@ def solve_dp(
         total_table_entries, largest_table, num_vertices, pruning, timings).
     """
     t0 = time.perf_counter()
+    memo_enabled = memo
     limit = default_memory_limit() if memory_limit_bytes is None else int(memory_limit_bytes)
     oname, ofun = resolve_ordering(ordering)
     bstats: dict = {"enabled": False}
+    # identical operators (equal costs and configurations) keep equal configuration sets, so that equal
+    # layers stay equal for the memo (exact: each set only grows, see reduce.symmetric_reduction)
+    symmetric = memo and problem.num_vertices > len(set(orbits(problem)))
+
+    def sym(r: Reduction) -> Reduction:
+        return symmetric_reduction(problem, r.keep, r.stats) if symmetric else r
+
     if bounds and problem.num_vertices > 0:
-        base, bstats = bound_prune(problem, exact_solver=solve_small)
+        base, bstats = bound_prune(problem, exact_solver=solve_small, symmetric=symmetric)
         bstats = {**{k: v for k, v in bstats.items() if k != "incumbent"}, "enabled": True}
-        red: Reduction = base.then(reduce_problem(base.problem) if prune else identity_reduction(base.problem))
+        base = sym(base)
+        if symmetric:
+            bstats["configs_after_symmetric"] = int(sum(len(k) for k in base.keep))
+        red: Reduction = sym(base.then(reduce_problem(base.problem) if prune else identity_reduction(base.problem)))
     else:
-        red = reduce_problem(problem) if prune else identity_reduction(problem)
+        red = sym(reduce_problem(problem) if prune else identity_reduction(problem))
     t1 = time.perf_counter()
     p = _fold_fixed(red.problem)
     n = p.num_vertices
@@ -375,20 +454,25 @@ def solve_dp(
     stats: dict = {"total_table_entries": 0.0, "largest_table": 0.0, "max_dependent_set": 0}
     steps: list[_Step] = []
     value = 0.0
-    live_bytes = sum(_table_bytes(f) for f in live.values())  # every table held: live factors ...
-    kept_bytes = 0  # ... and the argmin tables kept for back-substitution
+    held = ArrayLedger()  # every array held: live factors, argmin tables kept for back-substitution, memo
+    for f in live.values():
+        held.add(f.arrays())
+    memo = EliminationMemo(limit // 4, held) if memo_enabled else None
+    dcache = DigestCache()
+    repeated = _repeated_unaries(p, dcache) if memo is not None else [False] * n
     for i, v in enumerate(order):
-        fids = sorted(touching[v])
-        new, step = _eliminate(v, [live[j] for j in fids], p.vertex_cost[v], limit, p.names[v], stats, rng,
-                               kept=live_bytes + kept_bytes)
-        for j in fids:
+        factors = [live[j] for j in sorted(touching[v])]
+        new, step = _eliminate_memo(v, factors, p.vertex_cost[v], limit, p.names[v], stats, rng, held,
+                                    memo if repeated[v] else None, dcache)
+        for f in factors:
+            held.remove(f.arrays())
+        for j in sorted(touching[v]):
             for w in live[j].scope:
                 touching[w].discard(j)
-            live_bytes -= _table_bytes(live[j])
             del live[j]
-        kept_bytes += _step_kept_bytes(step)
+        held.add(step.arrays())
         if new.scope:
-            live_bytes += _table_bytes(new)
+            held.add(new.arrays())
             live[next_id] = new
             for w in new.scope:
                 touching[w].add(next_id)
@@ -398,6 +482,13 @@ def solve_dp(
         steps.append(step)
         if progress is not None:
             progress(i + 1, n)
+    if memo is not None:
+        stats["memo"] = {"hits": memo.hits, "misses": memo.misses, "false_matches": memo.false_matches}
+        memo.clear()
+    kept_ledger = ArrayLedger()
+    for st in steps:
+        kept_ledger.add(st.arrays())
+    kept_bytes = kept_ledger.total
 
     assign = np.zeros(n, dtype=np.int64)
     for st in reversed(steps):

@@ -27,6 +27,19 @@ min_table
     Greedy minimum work: pick the vertex whose current d ∪ {v} has the
     smallest product of configuration counts (W(i) above), then merge as in
     GENERATESEQ. Differs from generateseq when K varies across vertices.
+    Two candidates are built: the plain greedy, and the same greedy with the
+    articulation points (cut vertices) last; the second is returned when its
+    total work is at most twice the plain one's and its largest table no
+    larger -- or, when some vertices have equal cost vectors (repeated
+    eliminations in it are then often computed once), at most max K times
+    larger. A vertex that is
+    not a cut vertex lies in exactly one biconnected component B, and all of
+    its current neighbours stay inside B while no cut vertex has been
+    eliminated; so the second order first reduces every component to one
+    table over its cut vertices (for a chain of identical Transformer layers:
+    the same layer-to-layer transfer table, layer after layer, which the DP's
+    memo (:mod:`shardplan.search.memo`) computes once), then eliminates
+    the cut vertices, from the leaves of the block-cut tree inwards.
 min_fill
     Minimum fill-in: pick the vertex whose elimination adds the fewest new
     edges among its current neighbours; ties by smaller table.
@@ -42,9 +55,10 @@ import math
 from collections import deque
 from typing import Callable
 
+from shardplan.search.memo import digest
 from shardplan.search.problem import Problem
 
-__all__ = ["adjacency", "generateseq", "min_table", "min_fill", "bfs", "ORDERINGS", "Ordering", "dependent_sets"]
+__all__ = ["adjacency", "articulation_points", "order_work", "generateseq", "min_table", "min_fill", "bfs", "ORDERINGS", "Ordering", "dependent_sets"]
 
 Ordering = Callable[[Problem], list]
 
@@ -108,14 +122,78 @@ def generateseq(problem: Problem) -> list[int]:
     return _greedy_elimination(problem, lambda v, d: (len(d[v]),))
 
 
+def articulation_points(adj: list[set[int]]) -> set[int]:
+    """Cut vertices of an undirected graph (Hopcroft-Tarjan low-link, iterative)."""
+    n = len(adj)
+    disc = [-1] * n
+    low = [0] * n
+    cut: set[int] = set()
+    t = 0
+    for root in range(n):
+        if disc[root] >= 0:
+            continue
+        disc[root] = low[root] = t
+        t += 1
+        root_children = 0
+        stack = [(root, -1, iter(sorted(adj[root])))]
+        while stack:
+            v, parent, it = stack[-1]
+            w = next(it, None)
+            if w is None:
+                stack.pop()
+                if parent >= 0:
+                    low[parent] = min(low[parent], low[v])
+                    if parent != root and low[v] >= disc[parent]:
+                        cut.add(parent)
+                continue
+            if disc[w] < 0:
+                disc[w] = low[w] = t
+                t += 1
+                if v == root:
+                    root_children += 1
+                stack.append((w, v, iter(sorted(adj[w]))))
+            elif w != parent:
+                low[v] = min(low[v], disc[w])
+        if root_children > 1:
+            cut.add(root)
+    return cut
+
+
+def order_work(problem: Problem, order: list[int]) -> tuple[float, float]:
+    """(largest W(i), sum of W(i)) of an elimination order, W(i) = prod over D(i) ∪ {v(i)} of K_w."""
+    sizes = problem.sizes
+    ws = [math.prod(float(sizes[w]) for w in dset) * sizes[v]
+          for v, dset in zip(order, dependent_sets(problem, order))]
+    return (max(ws), sum(ws)) if ws else (0.0, 0.0)
+
+
 def min_table(problem: Problem) -> list[int]:
-    """Greedy smallest table: minimise log prod_{w in d(v) ∪ {v}} K_w, then |d(v)|."""
+    """Greedy smallest table: minimise log prod_{w in d(v) ∪ {v}} K_w, then |d(v)|.
+
+    The greedy with the cut vertices last when its total work is at most
+    twice the plain greedy's and its largest table no larger (max K times
+    larger when cost vectors repeat), else the plain greedy (see the module doc).
+    """
     logk = [math.log(k) for k in problem.sizes]
 
     def score(v: int, d: list[set[int]]) -> tuple:
         return (round(logk[v] + sum(logk[w] for w in d[v]), 9), len(d[v]))
 
-    return _greedy_elimination(problem, score)
+    plain = _greedy_elimination(problem, score)
+    cut = articulation_points(adjacency(problem))
+    if not cut or len(cut) == problem.num_vertices:
+        return plain
+
+    def score_cuts_last(v: int, d: list[set[int]]) -> tuple:
+        return (v in cut,) + score(v, d)
+
+    blocks = _greedy_elimination(problem, score_cuts_last)
+    (bmax, bsum), (pmax, psum) = order_work(problem, blocks), order_work(problem, plain)
+    # with repeated cost vectors the DP's memo computes equal layers once, which this count does not see:
+    # then the largest table may grow by one vertex's configurations
+    repeats = len({digest(c) for c in problem.vertex_cost}) < problem.num_vertices
+    slack = max(problem.sizes) if repeats else 1
+    return blocks if bmax <= slack * pmax and bsum <= 2 * psum else plain
 
 
 def min_fill(problem: Problem) -> list[int]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from shardplan.search.problem import Problem
 
-__all__ = ["Pairs", "merge_pairs", "incident_pairs", "reparametrise", "identical_rows"]
+__all__ = ["Pairs", "merge_pairs", "incident_pairs", "reparametrise", "identical_rows", "view_key"]
 
 Pairs = dict[tuple[int, int], np.ndarray]
 """One matrix per adjacent pair (u, v), u < v, indexed [config of u, config of v]."""
@@ -39,6 +39,16 @@ def merge_pairs(problem: Problem) -> Pairs:
         key, mat = ((s, d), m) if s < d else ((d, s), m.T)
         pairs[key] = pairs[key] + mat if key in pairs else mat
     return pairs
+
+
+def view_key(a: np.ndarray) -> tuple:
+    """The memory an array views: (data pointer, shape, strides, dtype).
+
+    Two arrays with equal keys, alive at the same time, show the same numbers.
+    A cache keyed by it must hold the array it keyed (so that no other array
+    gets its address while the entry exists).
+    """
+    return (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str)
 
 
 def incident_pairs(num_vertices: int, pairs: Pairs) -> list[list[tuple[int, int]]]:

@@ -50,7 +50,14 @@ def _check_no_overflow(names: Sequence[str], costs: Sequence[np.ndarray], edges:
     objective) is at most U too; so if U is finite no sum overflows to inf, and
     if it is not, some assignment's cost would print as ``inf``.
     """
-    parts = [float(c.max()) for c in costs] + [float(m.max()) for m in ecosts if m.size]
+    seen: dict[int, float] = {}  # shared arrays (identical operators) are scanned once
+
+    def top(a: np.ndarray) -> float:
+        if id(a) not in seen:
+            seen[id(a)] = float(a.max())
+        return seen[id(a)]
+
+    parts = [top(c) for c in costs] + [top(m) for m in ecosts if m.size]
     with np.errstate(over="ignore"):
         total = float(np.sum(np.array(parts, dtype=np.float64))) if parts else 0.0
     if not np.isfinite(total):
@@ -118,7 +125,7 @@ class Problem:
                 raise ShardplanError(f"edge ({s}, {d}) refers to a vertex index outside 0..{n - 1}")
             if s == d:
                 raise ShardplanError(f"edge from {names[s]!r} to itself")
-            arr = np.asarray(m, dtype=np.float64)
+            arr = m if isinstance(m, np.ndarray) and m.dtype == np.float64 else np.asarray(m, dtype=np.float64)
             want = (len(configs[s]), len(configs[d]))
             if arr.shape != want:
                 raise ShardplanError(

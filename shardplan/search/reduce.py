@@ -34,10 +34,11 @@ from typing import Sequence
 
 import numpy as np
 
-from shardplan.search.pairs import Pairs, identical_rows, incident_pairs, merge_pairs
+from shardplan.search.memo import DigestCache
+from shardplan.search.pairs import Pairs, identical_rows, incident_pairs, merge_pairs, view_key
 from shardplan.search.problem import Problem
 
-__all__ = ["Reduction", "make_reduction", "reduce_problem", "identity_reduction"]
+__all__ = ["Reduction", "make_reduction", "reduce_problem", "identity_reduction", "orbits", "symmetric_reduction"]
 
 # Most (dominator, dominated) pairs tried per vertex in the dominance test.
 _PAIR_BUDGET = 4 * 10**6
@@ -73,7 +74,14 @@ class Reduction:
 def make_reduction(problem: Problem, keep: list[np.ndarray], unary: list[np.ndarray],
                    pairs: Pairs, stats: dict) -> Reduction:
     """The reduction of ``problem`` to configurations ``keep[v]``, with the given costs and merged pairs."""
-    configs = tuple(tuple(problem.configs[v][int(i)] for i in keep[v]) for v in range(problem.num_vertices))
+    shared: dict[tuple, tuple] = {}  # vertices with the same configurations, kept alike, share one tuple
+    configs_list = []
+    for v in range(problem.num_vertices):
+        ck = (id(problem.configs[v]), np.asarray(keep[v]).tobytes())
+        if ck not in shared:
+            shared[ck] = tuple(problem.configs[v][int(i)] for i in keep[v])
+        configs_list.append(shared[ck])
+    configs = tuple(configs_list)
     keys = sorted(pairs)
     reduced = Problem(
         names=problem.names,
@@ -147,7 +155,14 @@ def _undominated(unary: np.ndarray, blocks: list[np.ndarray]) -> np.ndarray:
 
 
 def reduce_problem(problem: Problem, dominance: bool = True, max_passes: int = 50, seed: int = 0) -> Reduction:
-    """Collapse identical and drop dominated configurations to a fixed point (exact)."""
+    """Collapse identical and drop dominated configurations to a fixed point (exact).
+
+    When cost vectors repeat (equal vectors: :func:`orbits`), the result for a vertex is
+    cached under the digests of its cost vector and incident matrices
+    (:func:`shardplan.search.memo.digest`) and reused only when those inputs
+    are equal element by element, so equal vertices are reduced once; and a
+    shared matrix restricted alike at several edges is restricted once.
+    """
     rng = np.random.default_rng(seed)
     pairs = merge_pairs(problem)
     n = problem.num_vertices
@@ -156,21 +171,46 @@ def reduce_problem(problem: Problem, dominance: bool = True, max_passes: int = 5
     unary = [np.array(c) for c in problem.vertex_cost]
     dirty = set(range(n))
     passes = 0
+    # a vertex's result depends only on its cost vector and its incident matrices (as a multiset: the
+    # order of the blocks changes neither test), so equal ones -- identical layers -- are reduced once
+    repeated = len(set(orbits(problem))) < n
+    seen: dict[tuple, tuple[tuple[np.ndarray, ...], np.ndarray]] = {}  # key -> (inputs, kept positions)
+    restricted: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # equal restrictions of a shared matrix, once
+    dcache = DigestCache()
     while dirty and passes < max_passes:
         passes += 1
         todo, dirty = sorted(dirty), set()
         for v in todo:
             blocks = [pairs[key] if key[0] == v else pairs[key].T for key in inc[v]]
-            pos = _collapse(unary[v], blocks, rng)
-            if dominance and len(pos) > 1:
-                sub = _undominated(unary[v][pos], [_distinct_columns(b[pos], rng) for b in blocks])
-                pos = pos[sub]
+            ck, ins = None, ()
+            if repeated:
+                dig = sorted(((dcache(b), i) for i, b in enumerate(blocks)), key=lambda x: x[0])
+                ck = (dcache(unary[v]),) + tuple(d for d, _ in dig)
+                ins = (unary[v],) + tuple(blocks[i] for _, i in dig)
+            hit = seen.get(ck) if ck is not None else None
+            if hit is not None and _all_equal(hit[0], ins):
+                pos = hit[1]
+            else:
+                pos = _collapse(unary[v], blocks, rng)
+                if dominance and len(pos) > 1:
+                    sub = _undominated(unary[v][pos], [_distinct_columns(b[pos], rng) for b in blocks])
+                    pos = pos[sub]
+                if ck is not None:
+                    seen[ck] = (ins, pos)
             if len(pos) == len(keep[v]):
                 continue
             keep[v] = keep[v][pos]
             unary[v] = unary[v][pos]
             for key in inc[v]:
-                pairs[key] = pairs[key][pos, :] if key[0] == v else pairs[key][:, pos]
+                m, rows = pairs[key], key[0] == v
+                rk = (view_key(m), rows, pos.tobytes()) if repeated else None
+                got = restricted.get(rk) if rk is not None else None
+                if got is not None and got[0] is m:  # the same source array: the same restriction
+                    pairs[key] = got[1]
+                else:
+                    pairs[key] = m[pos, :] if rows else m[:, pos]
+                    if rk is not None:
+                        restricted[rk] = (m, pairs[key])  # the source is held, so its address stays its own
                 dirty.add(key[1] if key[0] == v else key[0])
     stats = {
         "configs_before": int(sum(problem.sizes)),
@@ -179,3 +219,68 @@ def reduce_problem(problem: Problem, dominance: bool = True, max_passes: int = 5
         "fixed_point": not dirty,
     }
     return make_reduction(problem, keep, unary, pairs, stats)
+
+
+def _all_equal(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> bool:
+    return len(a) == len(b) and all(x is y or (x.shape == y.shape and np.array_equal(x, y)) for x, y in zip(a, b))
+
+
+def orbits(problem: Problem) -> list[int]:
+    """Per vertex, an orbit index: vertices with equal cost vectors and equal configurations share one.
+
+    Orbit members are interchangeable as far as their own choices go (the same
+    configurations at the same costs), e.g. the same operator in 96 identical
+    layers; :func:`symmetric_reduction` gives them one set of configurations.
+    """
+    by_configs: dict[int, int] = {}
+    canon: dict[tuple, int] = {}
+    dcache = DigestCache()
+    out = []
+    for cs, c in zip(problem.configs, problem.vertex_cost):
+        if id(cs) not in by_configs:
+            by_configs[id(cs)] = canon.setdefault(("configs", cs), len(canon))
+        out.append(canon.setdefault((by_configs[id(cs)], dcache(c)), len(canon)))
+    ids = {o: i for i, o in enumerate(dict.fromkeys(out))}
+    return [ids[o] for o in out]
+
+
+def symmetric_reduction(problem: Problem, keep: Sequence[np.ndarray], stats: dict) -> Reduction:
+    """``problem`` restricted to, per vertex, the union of ``keep`` over its orbit (:func:`orbits`).
+
+    Exact whenever ``keep`` is: a superset (per vertex) of a restriction that
+    contains an optimal assignment contains it too, and restricting never
+    lowers the optimum. Orbit members then get equal cost vectors, and two
+    edges with equal matrices between equal orbits get equal restricted
+    matrices; both are built once and shared (the same arrays), so equal
+    parts of the reduced problem stay recognisably equal for the DP's memo
+    and are validated once.
+    """
+    orb = orbits(problem)
+    union: dict[int, np.ndarray] = {}
+    for v, k in enumerate(keep):
+        union[orb[v]] = np.union1d(union[orb[v]], k) if orb[v] in union else np.asarray(k, dtype=np.int64)
+    unary_of: dict[int, np.ndarray] = {}
+    configs_of: dict[int, tuple] = {}
+    for v in range(problem.num_vertices):
+        o = orb[v]
+        if o not in unary_of:
+            unary_of[o] = np.ascontiguousarray(problem.vertex_cost[v][union[o]])
+            configs_of[o] = tuple(problem.configs[v][int(i)] for i in union[o])
+    cache: dict[tuple, np.ndarray] = {}
+    pairs: Pairs = {}
+    for (u, w), m in merge_pairs(problem).items():
+        ck = (view_key(m), orb[u], orb[w])
+        if ck not in cache:
+            cache[ck] = np.ascontiguousarray(m[np.ix_(union[orb[u]], union[orb[w]])])
+        pairs[(u, w)] = cache[ck]
+    keys = sorted(pairs)
+    reduced = Problem(
+        names=problem.names,
+        configs=tuple(configs_of[o] for o in orb),
+        vertex_cost=tuple(unary_of[o] for o in orb),
+        edges=tuple(keys),
+        edge_cost=tuple(pairs[k] for k in keys),
+        dims=problem.dims,
+    )
+    st = {**stats, "configs_after": int(sum(len(union[o]) for o in orb)), "orbits": len(union)}
+    return Reduction(reduced, tuple(union[o] for o in orb), st)

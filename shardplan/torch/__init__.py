@@ -8,7 +8,8 @@
 
 * :mod:`shardplan.torch.frontend`: ``torch.export`` → IR graph (handlers per ATen op);
 * :mod:`shardplan.torch.layout`: configurations → DTensor placements on one mesh;
-* :mod:`shardplan.torch.run`: the sharded module.
+* :mod:`shardplan.torch.run`: the sharded module;
+* :func:`pipeline` (:mod:`shardplan.pipeline.torch`): the searched pipeline on ``torch.distributed.pipelining``.
 
 PyTorch is an optional dependency (``pip install -e '.[torch]'``): this
 package imports it only when a function is called.
@@ -25,7 +26,7 @@ from shardplan.torch.frontend import HANDLERS, ShardplanWarning, TorchTrace, reg
 from shardplan.torch.layout import (layout_groups, mesh_dims, mesh_factors, placement_names, plan_mesh_shape,
                                     tensor_placements)
 
-__all__ = ["parallelize", "trace", "report", "HANDLERS", "register", "ShardplanWarning", "TorchTrace",
+__all__ = ["parallelize", "pipeline", "trace", "report", "HANDLERS", "register", "ShardplanWarning", "TorchTrace",
            "mesh_factors", "layout_groups", "plan_mesh_shape", "mesh_dims", "tensor_placements", "placement_names", "plan_placements"]
 
 
@@ -74,6 +75,17 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
     solve_opts["divides_p"] = True
     plan = solve(graph, machine, cutoff=cutoff, **solve_opts)
     return plan, ParallelModule.create(module, info, graph, plan.layouts, mesh)
+
+
+def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None = None, **options: Any) -> Any:
+    """Search the pipeline of ``module(*example_inputs)`` (a loss) over this process group and build this
+    rank's stages and ``torch.distributed.pipelining`` schedule: :func:`shardplan.pipeline.torch.pipeline`.
+
+    ``pipe = st.pipeline(model, (ids, labels)); loss = pipe.step(ids, labels)``.
+    """
+    from shardplan.pipeline.torch import pipeline as _pipeline
+
+    return _pipeline(module, example_inputs, machine, **options)
 
 
 def report(plan: Plan, info: TorchTrace | None = None) -> str:

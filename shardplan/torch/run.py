@@ -320,7 +320,10 @@ def _make_class() -> Any:
                     x = next(user)
                     if isinstance(x, torch.Tensor) and name is not None:
                         pl = self._input_placements(name, x.dim())
-                        if pl is not None:
+                        if pl is not None and x.requires_grad:  # a pipeline stage's input: differentiable
+                            x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim,
+                                                   run_check=False).redistribute(self.mesh, list(pl))
+                        elif pl is not None:
                             x = distribute_tensor(x, self.mesh, list(pl), src_data_rank=None)
                     if name is not None:
                         env[name] = x

@@ -1,0 +1,553 @@
+"""Running a searched pipeline plan with ``torch.distributed.pipelining``.
+
+:func:`pipeline` traces ``module(*inputs)`` (a module whose forward returns
+the loss) with :func:`shardplan.torch.trace` at the micro-batch size, runs
+the pipeline search (:func:`shardplan.pipeline.api.pipeline_solve`, on rank
+0; the decision is broadcast) and returns a :class:`TorchPipeline` whose
+:meth:`~TorchPipeline.step` runs one training step.
+
+**Units.** Operators are grouped by module path: blocks are the paths up to
+the first numeric component (``layers.3``, ``model.transformer.h.0``); other
+modules are cut at the same depth (``model.transformer.wte``,
+``model.lm_head``); operators of the top-level forward (the loss) join their
+unscoped neighbours.
+
+**Stages.** The exported FX graph (``torch.export``'s training IR, the graph
+the plan was made for) is split into one ``nn.Module`` per stage (per chunk
+for interleaved plans, chunk c of device group d being stage ``c S + d``):
+its operators' nodes go to their unit's stage, other nodes (views, constants)
+next to their first reader (:func:`shardplan.pipeline.execute.assign_nodes`).
+Each stage module holds copies of the parameters its nodes read and runs its
+nodes in order. ``torch.distributed.pipelining`` passes tensors only between
+neighbouring stages, so a value produced in stage i and read in stage k > i + 1
+is carried through the stages between (it is an output and an input of each);
+the user inputs all enter stage 0 (``schedule.step(*inputs)`` splits them
+into micro-batches on dimension 0) and are carried to the stages that read them
+(labels travel to the last stage). The stages are built in static mode: the
+example inputs and outputs that :class:`~torch.distributed.pipelining.PipelineStage`
+needs are the FX graph's own metadata (shapes, dtypes, whether a value
+depends on a trainable parameter), so integer tensors travel as well.
+
+**Schedule.** The plan's m and schedule map to ``Schedule1F1B``,
+``ScheduleGPipe`` (a 1F1B plan run in GPipe's order on request) and
+``ScheduleInterleaved1F1B`` (v chunks per rank). The last stage returns the
+micro-batch's loss; the schedule's ``loss_fn`` is that value. The loss is
+the *mean* over the batch (``reduction="mean"``): the step's loss is the
+mean of the m micro-batch losses, and ``scale_grads=True`` (torch's
+default, which divides the accumulated gradients by m) gives exactly the
+gradient of that mean; ``reduction="sum"`` sums the losses and turns the
+scaling off.
+
+**Devices.** ``stage_devices=1`` (default): the search is asked for
+sub-meshes of one device (``sizes=(1,)``), so S stages (or S device groups
+of v interleaved chunks) run on S processes, the world of the process group,
+on plain tensors (a one-device stage has no layout to apply).
+``stage_devices=2``: the search is asked for uniform sub-meshes of 2
+(``sizes=(2,)``), the world is split by a ``(pp, m0)`` DeviceMesh of shape
+``(world / 2, 2)``, and each stage runs as a
+:class:`~shardplan.torch.run.ParallelModule` on its sub-mesh ``m0`` with the
+*searched* intra-stage layouts as DTensor placements: the stage module is
+traced again, its operators are the plan's stage operators in the same
+order (checked: same iteration dimensions), and each takes its
+counterpart's layout. Activations cross stages as full (replicated) plain
+tensors: process k of stage i sends to process k of stage i + 1 (the
+``pp`` group of the mesh), so both processes of a stage send the same
+tensor, as Megatron-LM does without its scatter/gather optimisation; a
+stage input that needs a gradient enters the DTensor program through
+``DTensor.from_local`` (differentiable). Limits: sub-meshes of one or two
+processes, all stages the same size (``torch.distributed.pipelining`` pairs
+ranks one to one between neighbouring stages, and a stage of 4 processes
+could need a 2 x 2 mesh that only its own ranks would create); a parameter
+read by several stages needs one process per stage.
+
+A parameter read by several stages (tied embeddings, known by several names:
+the first name ``named_parameters`` gives is used) has a copy in each; the
+copies' gradients are summed over the processes after the step, so each holds
+the parameter's full gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from shardplan.errors import ShardplanError
+from shardplan.machine import Machine
+
+__all__ = ["unit_key", "unit_names", "scoped_trace", "StagePartition", "partition", "TorchPipeline", "pipeline",
+           "SCHEDULE_CLASSES"]
+
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+
+
+def unit_key(path: str, depth: int) -> str | None:
+    """The unit of a module path: its first ``depth + 1`` components (None for the top level)."""
+    if path in ("", "<top>"):
+        return None
+    return ".".join(path.split(".")[:depth + 1])
+
+
+def _block_depth(paths: Sequence[str]) -> int:
+    """Position of the first numeric path component (the index of a block list), else 0."""
+    depths = [next((i for i, c in enumerate(p.split(".")) if c.isdigit()), None) for p in paths]
+    found = [d for d in depths if d is not None]
+    return min(found) if found else 0
+
+
+def unit_names(module_paths: Mapping[str, str]) -> dict[str, str]:
+    """Operator name -> name whose scope (before the first ``/``) is its unit (see the module docstring)."""
+    depth = _block_depth([p for p in module_paths.values() if p != "<top>"])
+    out = {}
+    for name, path in module_paths.items():
+        key = unit_key(path, depth)
+        tail = name.split("/")[-1]
+        if key is None:
+            out[name] = tail
+            continue
+        rest = path[len(key) + 1:] if len(path) > len(key) else ""
+        out[name] = f"{key}/{rest}/{tail}" if rest else f"{key}/{tail}"
+    if len(set(out.values())) != len(out):
+        raise ShardplanError("operator names collide once grouped by unit")
+    return out
+
+
+def scoped_trace(module: Any, inputs: Sequence[Any]) -> tuple[Any, Any, dict[str, str]]:
+    """:func:`shardplan.torch.trace` with operators renamed by :func:`unit_names`: (graph, info, new -> old name)."""
+    from shardplan.ir import Graph
+    from shardplan.torch.frontend import trace
+
+    graph, info = trace(module, inputs)
+    ren = unit_names({op.name: info.module_paths.get(op.name, "<top>") for op in graph.operators})
+    ops = tuple(dataclasses.replace(op, name=ren[op.name], inputs=tuple(
+        dataclasses.replace(t, src=ren.get(t.src, t.src)) if t.src is not None else t for t in op.inputs))
+        for op in graph.operators)
+    ties = tuple(tuple(ren.get(n, n) for n in grp) for grp in graph.ties)
+    return Graph(graph.name, ops, dict(graph.graph_inputs), ties=ties), info, {v: k for k, v in ren.items()}
+
+
+class _Tracer:
+    """``build(rows)``: the module traced on the first ``rows`` examples of every input."""
+
+    def __init__(self, module: Any, inputs: Sequence[Any]) -> None:
+        import torch
+
+        self.module, self.inputs = module, tuple(inputs)
+        rows = {int(x.shape[0]) for x in self.inputs if isinstance(x, torch.Tensor) and x.dim() > 0}
+        if len(rows) != 1 or not all(isinstance(x, torch.Tensor) and x.dim() > 0 for x in self.inputs):
+            raise ShardplanError("every input of a pipelined module must be a tensor with the batch on dimension 0, "
+                                 f"all of one size; got {[tuple(getattr(x, 'shape', ())) for x in self.inputs]}")
+        self.batch = rows.pop()
+        self.cache: dict[int, tuple[Any, Any, dict[str, str]]] = {}
+
+    def traced(self, rows: int) -> tuple[Any, Any, dict[str, str]]:
+        if rows not in self.cache:
+            self.cache[rows] = scoped_trace(self.module, tuple(x[:rows] for x in self.inputs))
+        return self.cache[rows]
+
+    def __call__(self, rows: int) -> Any:
+        return self.traced(rows)[0]
+
+
+@dataclass(frozen=True)
+class StagePartition:
+    """One stage's part of the FX graph.
+
+    Attributes:
+        index: stage (chunk) index in pipeline order.
+        nodes: FX node names it runs, in graph order.
+        inputs: value names its forward takes (stage 0: the user inputs), in order.
+        outputs: value names it returns (the last stage: the loss).
+        params: parameter placeholder name -> parameter target (FQN in the module).
+        consts: buffer / constant placeholder name -> (kind, target).
+    """
+
+    index: int
+    nodes: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: Mapping[str, str]
+    consts: Mapping[str, tuple[str, str]]
+
+
+def partition(ep: Any, node_op: Mapping[str, str], rename: Mapping[str, str], graph: Any,
+              specs: Sequence[Any]) -> list[StagePartition]:
+    """Split the exported program ``ep`` into the stages ``specs`` (see the module docstring)."""
+    from torch.export.graph_signature import InputKind
+
+    from shardplan.pipeline.execute import assign_nodes, ops_by_stage
+
+    op_stage = ops_by_stage(graph, specs)
+    old_to_new = {v: k for k, v in rename.items()}
+    nodes = list(ep.graph.nodes)
+    kind: dict[str, tuple[Any, str | None]] = {}
+    user: list[str] = []
+    for s in ep.graph_signature.input_specs:
+        name = s.arg.name if hasattr(s.arg, "name") else None
+        if name is None:
+            continue
+        kind[name] = (s.kind, s.target)
+        if s.kind == InputKind.USER_INPUT:
+            user.append(name)
+    compute = [n.name for n in nodes if n.op not in ("placeholder", "output")]
+    by_name = {n.name: n for n in nodes}
+    inputs = {n: [a.name for a in by_name[n].all_input_nodes] for n in compute}
+    out_node = next(n for n in nodes if n.op == "output")
+    outs = [a for a in out_node.args[0]] if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
+    if len(outs) != 1 or getattr(outs[0], "op", None) in (None, "placeholder"):
+        raise ShardplanError("a pipelined module's forward must return one loss tensor computed from its inputs")
+    loss = outs[0].name
+    fixed = {n: op_stage[old_to_new[node_op[n]]] for n in compute if n in node_op}
+    last = len(specs) - 1
+    stage = assign_nodes(compute, inputs, fixed, last, outputs=[loss])
+    if stage[loss] != last:
+        raise ShardplanError("the loss is computed before the last stage")
+    home: dict[str, int] = {u: 0 for u in user}
+    home.update(stage)
+    reach: dict[str, int] = {}
+    for n in compute:
+        for a in inputs[n]:
+            if a in home:
+                reach[a] = max(reach.get(a, -1), stage[n])
+    order = user + compute
+
+    def carried_into(j: int) -> tuple[str, ...]:
+        return tuple(v for v in order if home[v] < j <= reach.get(v, -1))
+
+    parts = []
+    for j in range(len(specs)):
+        mine = tuple(n for n in compute if stage[n] == j)
+        read = {a for n in mine for a in inputs[n]}
+        params = {a: kind[a][1] for a in read if a in kind and kind[a][0] == InputKind.PARAMETER}
+        consts = {a: (kind[a][0].name, kind[a][1]) for a in read
+                  if a in kind and kind[a][0] not in (InputKind.PARAMETER, InputKind.USER_INPUT)}
+        ins = tuple(user) if j == 0 else carried_into(j)
+        outs_j = (loss,) if j == last else carried_into(j + 1)
+        parts.append(StagePartition(j, mine, ins, outs_j, params, consts))
+    return parts
+
+
+def _stage_module(part: StagePartition, ep: Any, module: Any) -> Any:
+    """An ``nn.Module`` running ``part``'s nodes on copies of the parameters it reads."""
+    import torch
+    from torch import nn
+
+    named = dict(module.named_parameters(remove_duplicate=False))
+    by_name = {n.name: n for n in ep.graph.nodes}
+    nodes = [by_name[n] for n in part.nodes]
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = nn.ParameterDict()
+            self.keys: dict[str, str] = {}  # placeholder -> key in self.weights
+            for ph, target in sorted(part.params.items()):
+                key = target.replace(".", "__")
+                if key not in self.weights:
+                    src = named[target]
+                    self.weights[key] = nn.Parameter(src.detach().clone(), requires_grad=src.requires_grad)
+                self.keys[ph] = key
+            self.targets = {self.keys[ph]: t for ph, t in part.params.items()}
+            self.consts: dict[str, Any] = {}
+            for ph, (k, target) in part.consts.items():
+                self.consts[ph] = ep.constants[target] if k == "CONSTANT_TENSOR" else ep.state_dict[target]
+
+        def forward(self, *args: Any) -> Any:
+            env: dict[str, Any] = dict(zip(part.inputs, args))
+            for ph, key in self.keys.items():
+                env[ph] = self.weights[key]
+            env.update(self.consts)
+            for node in nodes:
+                a = torch.fx.node.map_arg(node.args, lambda x: env[x.name])
+                kw = torch.fx.node.map_arg(node.kwargs, lambda x: env[x.name])
+                env[node.name] = node.target(*a, **kw)
+            outs = tuple(env[o] for o in part.outputs)
+            return outs[0] if len(outs) == 1 else outs
+
+        def named_targets(self) -> dict[str, Any]:
+            """Parameter target in the original module -> this stage's copy."""
+            return {t: self.weights[k] for k, t in self.targets.items()}
+
+    return Stage()
+
+
+def _examples(ep: Any, module: Any, names: Sequence[str]) -> tuple[Any, ...]:
+    """Example tensors of FX values: shape and dtype from the graph's metadata; ``requires_grad`` when the
+    value is floating point and depends on a trainable parameter."""
+    import torch
+    from torch.export.graph_signature import InputKind
+
+    named = dict(module.named_parameters(remove_duplicate=False))
+    grad: dict[str, bool] = {}
+    for s in ep.graph_signature.input_specs:
+        if hasattr(s.arg, "name"):
+            grad[s.arg.name] = s.kind == InputKind.PARAMETER and bool(named[s.target].requires_grad)
+    for n in ep.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        v = n.meta.get("val")
+        flt = isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+        grad[n.name] = flt and any(grad.get(a.name, False) for a in n.all_input_nodes) \
+            and str(n.target) != "aten.detach.default"
+    by_name = {n.name: n for n in ep.graph.nodes}
+    out = []
+    for name in names:
+        v = by_name[name].meta["val"]
+        t = torch.zeros(tuple(int(s) for s in v.shape), dtype=v.dtype)
+        out.append(t.requires_grad_(grad[name]))
+    return tuple(out)
+
+
+@dataclass(frozen=True, eq=False)
+class _Held:
+    """A stage's running module and how its parameters map to the original module's names."""
+
+    module: Any
+    targets: Mapping[str, str]  # key in the stage module -> parameter target in the original module
+    prefix: str  # where the keys live in ``module``'s parameter names ("" or "_params.")
+
+    def named_targets(self) -> dict[str, Any]:
+        params = dict(self.module.named_parameters())
+        if self.prefix:
+            return {t: params[self.prefix + "weights__" + k] for k, t in self.targets.items()}
+        return {t: params["weights." + k] for k, t in self.targets.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none=set_to_none)
+
+
+def _broadcast_stage_layouts(result: Any, rank: int) -> list[list[tuple[Any, Any]]]:
+    """Per stage, its intra-stage plan's ``(operator dims, Layout)`` in operator order (rank 0 -> all)."""
+    import torch.distributed as dist
+
+    from shardplan.pipeline.execute import stage_plan
+
+    box: list[Any] = [None]
+    if rank == 0:
+        box = [[[(op.dims, lay) for op, lay in zip(pl.graph.operators, (pl.layouts[o.name] for o in pl.graph.operators))]
+                for pl in (stage_plan(result, j) for j in range(result.plan.num_stages))]]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]  # type: ignore[return-value]
+
+
+def _dtensor_stage(mod: Any, examples: Sequence[Any], layouts: Sequence[tuple[Any, Any]], mesh: Any) -> Any:
+    """The stage module run on DTensors over ``mesh`` with the searched intra-stage layouts.
+
+    The stage module is traced again (:func:`shardplan.torch.trace`); its operators are the stage's
+    operators in the same order (the same FX nodes), each taking the layout the intra-stage plan gave
+    its counterpart; a mismatch raises.
+    """
+    from shardplan.torch.frontend import trace
+    from shardplan.torch.layout import plan_mesh_shape
+    from shardplan.torch.run import ParallelModule
+
+    graph, info = trace(mod, tuple(x.detach() for x in examples))
+    if len(graph.operators) != len(layouts) or any(op.dims != dims for op, (dims, _) in zip(graph.operators, layouts)):
+        raise ShardplanError("the stage module's operators differ from the stage the plan was made for")
+    lays = {op.name: lay for op, (_, lay) in zip(graph.operators, layouts)}
+    shape = plan_mesh_shape(list(lays.values()), int(mesh.mesh.numel()))
+    if tuple(shape) != tuple(mesh.mesh.shape):
+        raise ShardplanError(f"stage layouts need a mesh of shape {shape}; stages of {mesh.mesh.numel()} processes "
+                             "run on a one-axis mesh")
+    return ParallelModule.create(mod, info, graph, lays, mesh)
+
+
+@dataclass(eq=False)
+class TorchPipeline:
+    """This process's part of a pipelined module: its stage module(s) and the schedule.
+
+    Attributes:
+        result: the search's answer (on rank 0; None elsewhere).
+        layout: what every rank knows of the plan: ``{"stages": [(first, end, offset, devices), ...],
+            "micro_batches": m, "schedule": ..., "chunks": v, "units": [...]}``.
+        parts: every stage's :class:`StagePartition`.
+        modules: this rank's stage modules (one, or v for interleaved), in chunk order.
+        stages: their ``PipelineStage`` objects.
+        schedule: the ``torch.distributed.pipelining`` schedule.
+        reduction: "mean" or "sum".
+        rank, last_rank: this process's rank; the rank of the last stage.
+        shared: parameters read by several stages (target -> shape): their copies' gradients are summed.
+    """
+
+    result: Any
+    layout: dict
+    parts: list
+    modules: list
+    stages: list
+    schedule: Any
+    reduction: str
+    rank: int
+    last_rank: int
+    shared: Mapping[str, tuple[int, ...]]
+
+    @property
+    def micro_batches(self) -> int:
+        return int(self.layout["micro_batches"])
+
+    def step(self, *inputs: Any) -> Any:
+        """One forward and backward pass over the batch: the loss on every rank; gradients in the stage
+        modules' parameters (:meth:`named_grads`). Rank 0 passes the inputs, the others may pass them too."""
+        import torch
+        import torch.distributed as dist
+
+        for mod in self.modules:
+            mod.zero_grad(set_to_none=True)
+        m = self.micro_batches
+        first = any(p.index == 0 for p in self._mine())
+        last = any(p.index == len(self.parts) - 1 for p in self._mine())
+        losses: list[Any] = []
+        kw: dict[str, Any] = {"return_outputs": False}
+        if last:
+            kw.update(target=torch.zeros(m), losses=losses)
+        self.schedule.step(*(inputs if first else ()), **kw)
+        if last:
+            total = torch.stack([x.detach().reshape(()) for x in losses]).sum()
+            loss = total / m if self.reduction == "mean" else total
+        else:
+            loss = torch.zeros(())
+        dist.broadcast(loss, src=self.last_rank)
+        self._sum_shared()
+        return loss
+
+    def _mine(self) -> list[StagePartition]:
+        return [self.parts[j] for j in self._indices()]
+
+    def _indices(self) -> list[int]:
+        return [j for j, (_, _, o, d) in enumerate(self.layout["stages"]) if o <= self.rank < o + d]
+
+    def _sum_shared(self) -> None:
+        """Sum the gradients of a parameter's copies in several stages (every rank takes part)."""
+        import torch
+        import torch.distributed as dist
+
+        held = self.named_parameters()
+        for target in self.shared:
+            p = held.get(target)
+            g = p.grad.detach().clone() if p is not None and p.grad is not None else None
+            buf = g if g is not None else torch.zeros(self.shared[target])
+            dist.all_reduce(buf)
+            for mod in self.modules:
+                q = mod.named_targets().get(target)
+                if q is not None:
+                    q.grad = buf.clone()
+
+    def named_parameters(self) -> dict[str, Any]:
+        """Parameter target (name in the original module) -> this rank's copy."""
+        out: dict[str, Any] = {}
+        for mod in self.modules:
+            out.update(mod.named_targets())
+        return out
+
+    def named_grads(self) -> dict[str, Any]:
+        return {t: p.grad for t, p in self.named_parameters().items() if p.grad is not None}
+
+
+def _broadcast_layout(result: Any, rank: int) -> dict:
+    import torch.distributed as dist
+
+    box = [None]
+    if rank == 0:
+        plan = result.plan
+        box = [{"stages": [(s.first, s.end, s.offset, s.devices) for s in plan.stages],
+                "micro_batches": plan.micro_batches, "schedule": plan.schedule, "chunks": plan.chunks,
+                "units": result.unit_names(), "step_time": plan.step_time}]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]  # type: ignore[return-value]
+
+
+def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None = None, *,
+             micro_batches: Sequence[int] = (1, 2, 4, 8), max_stages: int | None = None, uniform: bool = False,
+             interleave: Sequence[int] = (), schedules: Sequence[str] = ("1f1b", "interleaved"),
+             budget: float | None = None, periodic: bool = True, schedule: str | None = None,
+             reduction: str = "mean", cutoff: int = 1, stage_devices: int = 1,
+             **solve_options: Any) -> TorchPipeline:
+    """Search the pipeline of ``module(*example_inputs)`` (a loss) over the processes of the default group
+    and build this rank's stages and schedule (call on every rank, with the same module and inputs).
+
+    ``machine`` defaults to the reference machine with one device per process. ``stage_devices``: processes
+    per stage; 1 (default) runs each stage on one process with plain tensors; 2 searches uniform sub-meshes of
+    2 and runs each stage with its intra-stage layouts as DTensor placements (see the module docstring). ``micro_batches`` .. ``periodic`` go to
+    :func:`shardplan.pipeline.api.pipeline_solve`; ``schedule="gpipe"`` runs a 1F1B plan with
+    ``ScheduleGPipe``; ``solve_options`` go to each intra-stage solve.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import pipelining as pp
+
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.pipeline.execute import StageSpec
+
+    if reduction not in ("mean", "sum"):
+        raise ShardplanError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if not dist.is_initialized():
+        raise ShardplanError("torch pipelining needs an initialised process group (one process per stage)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    q = int(stage_devices)
+    if q < 1 or world % q or world // q < 2:
+        raise ShardplanError(f"{world} processes cannot form pipeline stages of {q} processes (at least 2 stages)")
+    if machine is None:
+        machine = Machine(world, name=f"{world} x cpu")
+    elif machine.num_devices != world:
+        raise ShardplanError(f"machine has {machine.num_devices} devices but the process group has {world}")
+    tracer = _Tracer(module, example_inputs)
+    result = None
+    error: list[Any] = [None]
+    if rank == 0:
+        try:
+            result = pipeline_solve(tracer, tracer.batch, machine, micro_batches=micro_batches, max_stages=max_stages,
+                                    uniform=uniform or q > 1, interleave=interleave, schedules=schedules, budget=budget,
+                                    periodic=periodic, sizes=(q,), cutoff=cutoff, **solve_options)
+        except ShardplanError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise ShardplanError(error[0])
+    layout = _broadcast_layout(result, rank)
+    run_schedule = schedule or layout["schedule"]
+    v = int(layout["chunks"])
+    if run_schedule not in SCHEDULE_CLASSES or (v > 1) != (run_schedule == "interleaved"):
+        raise ShardplanError(f"a plan with {v} chunk(s) per process cannot run the {run_schedule!r} schedule")
+    m = int(layout["micro_batches"])
+    if run_schedule == "1f1b" and m < len(layout["stages"]):
+        raise ShardplanError(f"torch's Schedule1F1B needs at least as many micro-batches as stages; the plan has "
+                             f"m={m} for {len(layout['stages'])} stages: offer larger micro_batches or run "
+                             "schedule='gpipe'")
+    graph, info, rename = tracer.traced(tracer.batch // m)
+    n = len(layout["stages"])
+    specs = [StageSpec(j, a, b, o, q, j % (n // v), j // (n // v)) for j, (a, b, o, q) in enumerate(layout["stages"])]
+    first_name: dict[int, str] = {}
+    canon = {t: first_name.setdefault(id(x), t) for t, x in module.named_parameters(remove_duplicate=False)}
+    parts = [dataclasses.replace(p, params={ph: canon.get(t, t) for ph, t in p.params.items()})
+             for p in partition(info.program, info.node_op, rename, graph, specs)]
+    ep = info.program
+    mine = [j for j, (_, _, o, d) in enumerate(layout["stages"]) if o <= rank < o + d]
+    group, sub = None, None
+    if q > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // q, q), mesh_dim_names=("pp", "m0"))
+        group, sub = mesh["pp"].get_group(), mesh["m0"]
+    stage_layouts = _broadcast_stage_layouts(result, rank) if q > 1 else None
+    modules, stages = [], []
+    for j in mine:
+        mod = _stage_module(parts[j], ep, module)
+        ins = _examples(ep, module, parts[j].inputs)
+        outs = _examples(ep, module, parts[j].outputs)
+        run_mod = mod if sub is None else _dtensor_stage(mod, ins, stage_layouts[j], sub)  # type: ignore[index]
+        stages.append(pp.PipelineStage(run_mod, j, n, torch.device("cpu"), input_args=ins,
+                                       output_args=outs[0] if len(outs) == 1 else outs, group=group))
+        modules.append(_Held(run_mod, mod.targets, "" if sub is None else "_params."))
+    cls = getattr(pp, SCHEDULE_CLASSES[run_schedule])
+    kw = dict(n_microbatches=m, loss_fn=lambda out, _target: out, scale_grads=reduction == "mean")
+    sched = cls(stages, **kw) if run_schedule == "interleaved" else cls(stages[0], **kw)
+    counts: dict[str, int] = {}
+    for p in parts:
+        for t in set(p.params.values()):
+            counts[t] = counts.get(t, 0) + 1
+    named = dict(module.named_parameters(remove_duplicate=False))
+    shared = {t: tuple(named[t].shape) for t in sorted(counts) if counts[t] > 1}
+    if shared and q > 1:
+        raise ShardplanError(f"parameters read by several stages ({', '.join(shared)}) are supported with one "
+                             "process per stage only")
+    return TorchPipeline(result, layout, parts, modules, stages, sched, reduction, rank,
+                         int(layout["stages"][-1][2]), shared)
