@@ -57,6 +57,11 @@ class Planned:
             constraints (on every operator's output and on what each operator
             reads), to call inside your own ``jax.jit``.
         step: ``jax.jit`` of ``value_and_grad(loss_fn)`` with the planned input shardings.
+        fit: for a plan with memory choices (ZeRO stages, recomputation,
+            micro-batches), its :class:`~shardplan.jax.memory.FitStep`: then
+            ``step`` is the fit step, ``param_shardings`` hold stage-3 parameters
+            in shards, and ``fit.train_step(optimizer, params)`` runs a whole
+            update with the optimizer state sharded (None for a plain plan).
     """
 
     plan: Plan
@@ -66,11 +71,19 @@ class Planned:
     batch_shardings: Any
     loss_fn: Callable[..., Any]
     step: Callable[..., Any]
+    fit: Any = None
 
 
 def planned(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
-            machine: Machine | None = None, cutoff: int = 1, has_aux: bool = False, **solve_opts: Any) -> Planned:
+            machine: Machine | None = None, cutoff: int = 1, has_aux: bool = False, budget: float | None = None,
+            fit: Any = None, **solve_opts: Any) -> Planned:
     """Trace ``loss_fn(params, batch)``, plan it on ``devices`` and return a :class:`Planned`.
+
+    With ``budget`` (bytes per device) or ``fit`` (:class:`shardplan.fit.FitOptions`;
+    the budget is then the machine's memory) the plan is the fastest that fits
+    (:func:`shardplan.fit.solve_fit`), run with its memory choices
+    (:mod:`shardplan.jax.memory`; the loss must be a mean over the batch when
+    the plan uses micro-batches).
 
     ``machine`` defaults to the reference machine (10 TFLOP/s, 16 GB/s) with
     ``len(devices)`` devices; ``solve_opts`` go to :func:`shardplan.plan.solve`
@@ -88,6 +101,13 @@ def planned(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Seque
         raise ShardplanError(f"machine has {machine.num_devices} devices but {p} devices were given")
     graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
     solve_opts.setdefault("divides_p", True)
+    if budget is not None or fit is not None:
+        from shardplan.fit import FitOptions, solve_fit
+        from shardplan.jax.memory import fit_step
+
+        plan = solve_fit(graph, machine, budget=budget, options=fit or FitOptions(), cutoff=cutoff, **solve_opts)
+        fs = fit_step(plan, loss_fn, params, batch, devices, has_aux=has_aux, info=info)
+        return Planned(plan, info, tuple(devices), fs.param_shardings, fs.batch_shardings, fs.loss_fn, fs.step, fs)
     plan = solve(graph, machine, cutoff=cutoff, **solve_opts)
     sh = plan_shardings(plan, info, devices)
     tree = jax.tree_util.tree_unflatten(info.in_tree, list(sh.leaves))
@@ -96,8 +116,8 @@ def planned(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Seque
 
 
 def parallelize(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
-                machine: Machine | None = None, cutoff: int = 1, has_aux: bool = False, **solve_opts: Any,
-                ) -> tuple[Plan, Callable[[Any, Any], Any]]:
+                machine: Machine | None = None, cutoff: int = 1, has_aux: bool = False, budget: float | None = None,
+                fit: Any = None, **solve_opts: Any) -> tuple[Plan, Callable[[Any, Any], Any]]:
     """Plan ``loss_fn(params, batch)`` on ``devices`` and return ``(plan, step)``.
 
     ``step(params, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with
@@ -105,7 +125,7 @@ def parallelize(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: S
     planned sharding constraints, jitted with the planned input shardings.
     See :func:`planned` for the arguments.
     """
-    pl = planned(loss_fn, params, batch, devices, machine, cutoff, has_aux, **solve_opts)
+    pl = planned(loss_fn, params, batch, devices, machine, cutoff, has_aux, budget, fit, **solve_opts)
     return pl.plan, pl.step
 
 
@@ -138,4 +158,8 @@ def report(plan: Plan) -> str:
                                                       right=(4,)).splitlines())
     parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in plan.breakdown.items() if v and k != "total")
     lines.append(f"  breakdown: {parts}")
+    if plan.memory_choices is not None:  # the fit plan's budget, proof, micro-batches, ZeRO stages, recomputation
+        from shardplan.fit import render_fit
+
+        lines.extend("  " + line for line in render_fit(plan))
     return "\n".join(lines)
