@@ -65,7 +65,7 @@ def test_assign_nodes_refuses_a_backward_edge():
 
 
 def test_stage_plan_is_the_stages_own_plan_even_when_costed_periodically():
-    """A stage of 4 or more identical blocks is costed by linear extension (its cost's plan covers fewer
+    """A stage of 5 or more identical blocks is costed by linear extension (its cost's plan covers fewer
     blocks); stage_plan solves it directly, so every operator of the stage has a layout."""
     from shardplan.machine import Machine
     from shardplan.models import get_model
@@ -73,7 +73,7 @@ def test_stage_plan_is_the_stages_own_plan_even_when_costed_periodically():
     from shardplan.pipeline.execute import stage_plan
 
     def build(b):
-        return get_model("gpt", b, layers=8, d_model=64, heads=2, seq=16, vocab=256)
+        return get_model("gpt", b, layers=12, d_model=64, heads=2, seq=16, vocab=256)
 
     r = pipeline_solve(build, 8, Machine(4, name="m"), micro_batches=(2,), sizes=(2,), cutoff=1)
     checked = 0

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 from shardplan.errors import ShardplanError
 from shardplan.jax.lower import TraceInfo, supported_primitives, trace
 from shardplan.jax.run import constrained_fn, make_step
-from shardplan.jax.shardings import plan_shardings
+from shardplan.jax.shardings import devices_and_machine, plan_shardings
 from shardplan.machine import Machine
 from shardplan.plan import Plan, solve
 
@@ -93,12 +93,8 @@ def planned(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Seque
     """
     import jax
 
-    devices = list(devices) if devices is not None else list(jax.devices())
+    devices, machine = devices_and_machine(devices, machine)
     p = len(devices)
-    if machine is None:
-        machine = Machine(p, name=f"{p} x {devices[0].platform}")
-    elif machine.num_devices != p:
-        raise ShardplanError(f"machine has {machine.num_devices} devices but {p} devices were given")
     graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
     solve_opts.setdefault("divides_p", True)
     if budget is not None or fit is not None:

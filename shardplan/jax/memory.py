@@ -55,7 +55,7 @@ import numpy as np
 from shardplan.errors import ShardplanError
 from shardplan.jax.flatten import TOP
 from shardplan.jax.lower import TraceInfo, trace
-from shardplan.jax.run import constrain_both_ways, evaluate
+from shardplan.jax.run import constrain_both_ways, constrain_forward, evaluate
 from shardplan.jax.shardings import plan_shardings, replicated
 
 __all__ = ["SAVED", "LeafState", "shard_over_replicas", "leaf_states", "equation_owners", "checkpointed_fn",
@@ -191,30 +191,6 @@ def param_views(info: TraceInfo, params_only: bool = True) -> dict[int, int]:
             for var in e.outvars:
                 out[var] = out[e.invars[0]]
     return out
-
-
-def constrain_forward(sharding: Any, cotangent: Any = None) -> Callable[[Any], Any]:
-    """Identity that constrains a value to ``sharding`` and its cotangent to ``cotangent`` (None: left free).
-
-    Used for a sharded parameter's reads: the gather before use is planned, the
-    gradient goes straight into the parameter's shards (a reduce-scatter of the
-    partial sums, when ``cotangent`` is the shards' sharding) instead of being
-    all-reduced to the reader's layout first.
-    """
-    import jax
-
-    @jax.custom_vjp
-    def ident(x: Any) -> Any:
-        return jax.lax.with_sharding_constraint(x, sharding)
-
-    def fwd(x: Any) -> tuple[Any, None]:
-        return ident(x), None
-
-    def bwd(_: None, g: Any) -> tuple[Any]:
-        return (g if cotangent is None else jax.lax.with_sharding_constraint(g, cotangent),)
-
-    ident.defvjp(fwd, bwd)
-    return ident
 
 
 def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: Sequence[int] | None = None,

@@ -31,7 +31,7 @@ from shardplan.jax.flatten import TOP, Atom, Const
 from shardplan.jax.lower import TraceInfo
 from shardplan.jax.shardings import PlanShardings, plan_shardings, replicated
 
-__all__ = ["evaluate", "evaluate_eqns", "constrain_both_ways", "constrained_fn", "make_step"]
+__all__ = ["evaluate", "evaluate_eqns", "constrain_forward", "constrain_both_ways", "constrained_fn", "make_step"]
 
 Hook = Callable[[Any], Any]
 
@@ -110,10 +110,16 @@ def _remat(e: Any, args: list[Any], env: dict[int, Any], put: Callable[[int, Any
     return list(jax.checkpoint(body, **kw)(*args))
 
 
-def constrain_both_ways(sharding: Any) -> Hook:
-    """Identity that constrains a value to ``sharding`` and its cotangent in the backward pass too."""
+def constrain_forward(sharding: Any, cotangent: Any = None) -> Callable[[Any], Any]:
+    """Identity that constrains a value to ``sharding`` and its cotangent to ``cotangent`` (None: left free).
+
+    With ``cotangent=sharding`` the backward pass follows the same layout (what
+    the cost model assumes for every planned value); a sharded parameter's read
+    passes its shards' sharding instead, so the gradient goes straight into the
+    shards (a reduce-scatter of the partial sums) rather than being all-reduced
+    to the reader's layout first.
+    """
     import jax
-    import jax.numpy as jnp
 
     @jax.custom_vjp
     def ident(x: Any) -> Any:
@@ -123,9 +129,18 @@ def constrain_both_ways(sharding: Any) -> Hook:
         return ident(x), None
 
     def bwd(_: None, g: Any) -> tuple[Any]:
-        return (jax.lax.with_sharding_constraint(g, sharding),)
+        return (g if cotangent is None else jax.lax.with_sharding_constraint(g, cotangent),)
 
     ident.defvjp(fwd, bwd)
+    return ident
+
+
+def constrain_both_ways(sharding: Any) -> Hook:
+    """Identity that constrains a value to ``sharding`` and its cotangent in the backward pass too."""
+    import jax
+    import jax.numpy as jnp
+
+    ident = constrain_forward(sharding, sharding)
 
     def apply(x: Any) -> Any:
         if jnp.issubdtype(jnp.result_type(x), jnp.inexact):

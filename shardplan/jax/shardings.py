@@ -149,6 +149,25 @@ class PlanShardings:
     reads: Mapping[tuple[int, int], Any]
 
 
+def devices_and_machine(devices: Sequence[Any] | None, machine: Any) -> tuple[list[Any], Any]:
+    """The devices to run on (default: all of ``jax.devices()``) and the machine to plan for.
+
+    ``machine`` None: the reference machine with one device per JAX device;
+    otherwise its device count must equal the number of devices.
+    """
+    import jax
+
+    from shardplan.machine import Machine
+
+    devs = list(devices) if devices is not None else list(jax.devices())
+    p = len(devs)
+    if machine is None:
+        return devs, Machine(p, name=f"{p} x {devs[0].platform}")
+    if machine.num_devices != p:
+        raise ShardplanError(f"machine has {machine.num_devices} devices but {p} devices were given")
+    return devs, machine
+
+
 def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanShardings:
     """Every operator's output sharding and every argument leaf's sharding under ``plan``."""
     g = plan.graph

@@ -496,19 +496,13 @@ def pipeline(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequ
     order; ``solve_options`` go to each intra-stage solve (configurations dividing the sub-mesh only, so
     every layout is a mesh).
     """
-    import jax
-
-    from shardplan.machine import Machine
+    from shardplan.jax.shardings import devices_and_machine
     from shardplan.pipeline.api import pipeline_solve
 
     if reduction not in ("mean", "sum"):
         raise ShardplanError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    devices = list(devices) if devices is not None else list(jax.devices())
+    devices, machine = devices_and_machine(devices, machine)
     p = len(devices)
-    if machine is None:
-        machine = Machine(p, name=f"{p} x {devices[0].platform}")
-    elif machine.num_devices != p:
-        raise ShardplanError(f"machine has {machine.num_devices} devices but {p} devices were given")
     tracer = _Tracer(loss_fn, params, batch)
     rows = _batch_size(tracer.full_info)
     solve_options.setdefault("divides_p", True)
