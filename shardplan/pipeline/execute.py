@@ -90,11 +90,11 @@ def assign_nodes(order: Sequence[Hashable], inputs: Mapping[Hashable, Sequence[H
     for n in reversed(order):
         if n in fixed:
             stage[n] = int(fixed[n])
-        elif readers[n]:
-            stage[n] = min(stage[r] for r in readers[n])
+        elif any(r in stage for r in readers[n]):
+            stage[n] = min(stage[r] for r in readers[n] if r in stage)
         elif n in outs:
             stage[n] = last
-    for n in order:  # nodes read by none: after their latest input
+    for n in order:  # nodes whose result nothing placed reads: after their latest input
         if n not in stage:
             stage[n] = max((stage[a] for a in inputs.get(n, ()) if a in stage), default=0)
     for n in order:

@@ -97,13 +97,21 @@ def _block_depth(paths: Sequence[str]) -> int:
 
 def unit_names(module_paths: Mapping[str, str]) -> dict[str, str]:
     """Operator name -> name whose scope (before the first ``/``) is its unit (see the module docstring)."""
-    depth = _block_depth([p for p in module_paths.values() if p != "<top>"])
+    paths = [p for p in module_paths.values() if p != "<top>"]
+    depth = _block_depth(paths)
+    # containers of the block list (e.g. ``model.transformer`` above ``model.transformer.h.3``) run code
+    # before and after the blocks: their operators are glue between units, not a unit of their own
+    containers = {".".join(c[:k]) for c in (p.split(".") for p in paths)
+                  if len(c) > depth and c[depth].isdigit() for k in range(1, depth)}
     out = {}
     for name, path in module_paths.items():
         key = unit_key(path, depth)
         tail = name.split("/")[-1]
         if key is None:
             out[name] = tail
+            continue
+        if path in containers:
+            out[name] = name.replace("/", ".")
             continue
         rest = path[len(key) + 1:] if len(path) > len(key) else ""
         out[name] = f"{key}/{rest}/{tail}" if rest else f"{key}/{tail}"
