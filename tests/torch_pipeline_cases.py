@@ -56,6 +56,17 @@ def make_case(tied: bool = False) -> tuple[nn.Module, tuple]:
                       torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
 
 
+def make_hf_gpt2() -> tuple[nn.Module, tuple]:
+    """transformers' GPT2LMHeadModel (4 blocks, tied head), its loss from ``labels``."""
+    from torch_cases import HFLoss, _tokens
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=8, n_embd=32, n_layer=4, n_head=4, use_cache=False,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+    return HFLoss(GPT2LMHeadModel(cfg)), _tokens(4)
+
+
 def toy_machine(p: int) -> Any:
     from shardplan.machine import Machine
 
@@ -70,6 +81,8 @@ CASES: dict[str, dict[str, Any]] = {
     "dtensor": dict(micro_batches=(2, 4), schedules=("1f1b",), stage_devices=2),
     # the head reuses the embedding's weight: a parameter of the first and the last stage
     "tied": dict(micro_batches=(4,), schedules=("1f1b",), tied=True),
+    # Hugging Face GPT-2 as its authors wrote it (4 blocks, the LM head tied to the token embedding)
+    "hf_gpt2": dict(micro_batches=(4,), schedules=("1f1b",), model="hf_gpt2"),
     # refused: torch's Schedule1F1B needs m >= S
     "too_few_micro_batches": dict(micro_batches=(2,), schedules=("1f1b",)),
 }
@@ -81,7 +94,7 @@ def run_case(name: str, world: int) -> dict[str, Any]:
     from shardplan.pipeline.torch import pipeline
 
     opts = dict(CASES[name])
-    model, batch = make_case(opts.pop("tied", False))
+    model, batch = make_hf_gpt2() if opts.pop("model", None) == "hf_gpt2" else make_case(opts.pop("tied", False))
     ref = __import__("copy").deepcopy(model)
     loss0 = ref(*batch)
     loss0.backward()

@@ -69,6 +69,7 @@ the parameter's full gradient.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -268,7 +269,10 @@ def _stage_module(part: StagePartition, ep: Any, module: Any) -> Any:
             for node in nodes:
                 a = torch.fx.node.map_arg(node.args, lambda x: env[x.name])
                 kw = torch.fx.node.map_arg(node.kwargs, lambda x: env[x.name])
-                env[node.name] = node.target(*a, **kw)
+                if node.op == "get_attr":  # a sub-graph of a higher-order op (e.g. a vmapped mask)
+                    env[node.name] = operator.attrgetter(node.target)(ep.graph_module)
+                else:
+                    env[node.name] = node.target(*a, **kw)
             outs = tuple(env[o] for o in part.outputs)
             return outs[0] if len(outs) == 1 else outs
 
