@@ -162,8 +162,7 @@ class MemoryChoices:
         for i in range(len(self.choices)):
             for key, val in self.parts(i).items():
                 out[key] = out.get(key, 0.0) + val
-        out["redistribution"] = float(sum(m[assignment[e.src], assignment[e.dst]]
-                                          for e, m in zip(tables.graph.edges, tables.edge_costs)))
+        out["redistribution"] = float(sum(m[assignment[s], assignment[d]] for s, d, m in tables.all_edges()))
         out["total"] = sum(out.values())
         return out
 

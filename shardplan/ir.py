@@ -50,9 +50,11 @@ __all__ = [
     "Operator",
     "TensorRef",
     "EdgeRef",
+    "WeightEdge",
     "Graph",
     "GraphBuilder",
     "unique_name",
+    "renamed",
 ]
 
 
@@ -135,11 +137,17 @@ class Tensor:
             graph input such as the images or the labels).
         elem_factor: elements per indexed point; 1 for ordinary tensors, e.g. 8
             for an LSTM weight that stores 4 gates x 2 matrices per (l, d, e).
-        shared: for a weight, how many operators read the same parameter
-            (a tied embedding read again by the LM head: 2). A parameter has
-            one gradient and one copy of its state, so each reader is charged
-            ``1/shared`` of the gradient synchronisation and of the state its
-            own layout needs (see :mod:`shardplan.cost.operator`).
+        owner: for a weight whose parameter several operators read (a tied
+            embedding read again by the LM head), on every reader but one:
+            ``(operator, weight name)`` of the reader that owns the parameter.
+            A parameter has one copy, one gradient and one optimizer state,
+            held in its owner's layout: the owner is charged its gradient
+            synchronisation and state; a reader with an owner is charged
+            neither on its own, and the graph links it to its owner by a
+            *weight edge* (:attr:`Graph.weight_edges`) whose cost is zero when
+            the two lay the parameter out alike and otherwise moves the
+            parameter to the reader's layout and its gradient back
+            (:func:`shardplan.cost.edge.weight_edge_cost`).
     """
 
     name: str
@@ -149,7 +157,7 @@ class Tensor:
     needs_grad: bool = True
     src: str | None = None
     elem_factor: int = 1
-    shared: int = 1
+    owner: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -162,8 +170,14 @@ class Tensor:
             )
         if any(s <= 0 for s in self.shape):
             raise ShardplanError(f"tensor {self.name!r}: shape {self.shape} has a zero or negative extent")
-        if self.shared < 1 or (self.shared > 1 and self.role != "weight"):
-            raise ShardplanError(f"tensor {self.name!r}: shared={self.shared}; only a weight is shared, by >= 1 readers")
+        if self.owner is not None:
+            owner = tuple(self.owner)
+            if self.role != "weight":
+                raise ShardplanError(f"tensor {self.name!r}: owner={owner}; only a weight reads another "
+                                     "operator's parameter")
+            if len(owner) != 2 or not all(isinstance(x, str) and x for x in owner):
+                raise ShardplanError(f"tensor {self.name!r}: owner={owner} must be (operator name, weight name)")
+            object.__setattr__(self, "owner", (owner[0], owner[1]))
 
     @property
     def dims(self) -> frozenset[str]:
@@ -403,6 +417,19 @@ class EdgeRef:
     slot: int
 
 
+@dataclass(frozen=True)
+class WeightEdge:
+    """A weight edge: operator ``dst`` reads the parameter that ``src`` owns (:attr:`Tensor.owner`).
+
+    ``src_weight`` / ``dst_weight``: the parameter's position in ``src.weights`` / ``dst.weights``.
+    """
+
+    src: int
+    dst: int
+    src_weight: int
+    dst_weight: int
+
+
 @dataclass(frozen=True, eq=False)
 class Graph:
     """A validated DAG of operators.
@@ -416,6 +443,12 @@ class Graph:
     stacked parameter they read has one layout). Members have the same
     dimensions and extents; the search treats a group as one variable
     (:mod:`shardplan.search.tie`).
+
+    ``weight_edges``: one :class:`WeightEdge` per weight that reads a
+    parameter another operator owns (:attr:`Tensor.owner`), from the owner
+    to the reader; derived, not data flow (no ordering, not in ``edges``).
+    A reader whose owner is not in the graph (a pipeline stage's slice of
+    it) owns its own copy: the graph holds it with ``owner`` cleared.
     """
 
     name: str
@@ -423,6 +456,7 @@ class Graph:
     graph_inputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     ties: tuple[tuple[str, ...], ...] = ()
     edges: tuple[EdgeRef, ...] = field(init=False)
+    weight_edges: tuple[WeightEdge, ...] = field(init=False)
     index: Mapping[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -462,12 +496,49 @@ class Graph:
                 edges.append(EdgeRef(index[t.src], j, slot))
         object.__setattr__(self, "edges", tuple(edges))
         object.__setattr__(self, "index", index)
+        self._weight_edges()
         self._check_ties()
         order = _kahn(len(ops), self.edges)
         if len(order) < len(ops):
             cycle = _find_cycle(len(ops), self.edges, set(order))
             path = " -> ".join(ops[i].name for i in cycle) + f" -> {ops[cycle[0]].name}"
             raise ShardplanError(f"graph {self.name!r} has a cycle: {path}")
+
+    def _weight_edges(self) -> None:
+        """Derive :attr:`weight_edges`; clear the owner of a reader whose owner is not in the graph."""
+        import dataclasses
+
+        ops = list(self.operators)
+        for i, op in enumerate(ops):
+            if any(w.owner is not None and w.owner[0] not in self.index for w in op.weights):
+                ops[i] = dataclasses.replace(op, weights=tuple(
+                    dataclasses.replace(w, owner=None) if w.owner is not None and w.owner[0] not in self.index
+                    else w for w in op.weights))
+        object.__setattr__(self, "operators", tuple(ops))
+        out = []
+        for j, op in enumerate(ops):
+            for wj, w in enumerate(op.weights):
+                if w.owner is None:
+                    continue
+                oname, wname = w.owner
+                i = self.index[oname]
+                if i == j:
+                    raise ShardplanError(f"graph {self.name!r}: weight {w.name!r} of {op.name!r} names its own "
+                                         "operator as owner")
+                names = [t.name for t in ops[i].weights]
+                if wname not in names:
+                    raise ShardplanError(f"graph {self.name!r}: weight {w.name!r} of {op.name!r} is owned by "
+                                         f"{oname!r}'s weight {wname!r}, which {oname!r} does not have ({names})")
+                wi = names.index(wname)
+                t = ops[i].weights[wi]
+                if t.owner is not None:
+                    raise ShardplanError(f"graph {self.name!r}: {oname!r}'s weight {wname!r} owns {op.name!r}'s "
+                                         f"{w.name!r} but has an owner itself ({t.owner})")
+                if (t.shape, t.elem_factor) != (w.shape, w.elem_factor):
+                    raise ShardplanError(f"graph {self.name!r}: {op.name!r} reads {oname!r}'s weight {wname!r} "
+                                         f"as shape {w.shape}; it has shape {t.shape}")
+                out.append(WeightEdge(i, j, wi, wj))
+        object.__setattr__(self, "weight_edges", tuple(out))
 
     def _check_ties(self) -> None:
         """Tie groups name known operators of one description (dims and extents), each in at most one group."""
@@ -555,6 +626,19 @@ def _find_cycle(n: int, edges: Sequence[EdgeRef], ordered: set[int]) -> list[int
         walk.append(v)
         v = pred[v]
     return walk[seen[v]:][::-1]
+
+
+def renamed(op: Operator, ren: Mapping[str, str]) -> Operator:
+    """``op`` with its own name, its inputs' producers and its weights' owners renamed by ``ren``
+    (names not in ``ren`` kept)."""
+    import dataclasses
+
+    return dataclasses.replace(
+        op, name=ren.get(op.name, op.name),
+        inputs=tuple(dataclasses.replace(t, src=ren.get(t.src, t.src)) if t.src is not None else t
+                     for t in op.inputs),
+        weights=tuple(dataclasses.replace(t, owner=(ren.get(t.owner[0], t.owner[0]), t.owner[1]))
+                      if t.owner is not None else t for t in op.weights))
 
 
 def unique_name(base: str, taken: Callable[[str], bool]) -> str:

@@ -116,8 +116,8 @@ class Plan:
     def operators(self) -> list[dict[str, Any]]:
         """Per operator: name, kind, dims, configuration, its own cost parts and incoming redistribution."""
         incoming = np.zeros(len(self.graph))
-        for e, m in zip(self.graph.edges, self.tables.edge_costs):
-            incoming[e.dst] += m[self.assignment[e.src], self.assignment[e.dst]]
+        for src, dst, m in self.tables.all_edges():  # weight edges: charged to the reader
+            incoming[dst] += m[self.assignment[src], self.assignment[dst]]
         rows = []
         for i, op in enumerate(self.graph.operators):
             k = self.assignment[i]

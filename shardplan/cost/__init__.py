@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from shardplan.configs import ORDER_MODES, configurations, dimension_orders, flat_layouts, layouts
-from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes
+from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, weight_edge_cost
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
@@ -25,7 +25,7 @@ from shardplan.search.problem import Problem
 __all__ = ["CostTables", "build_tables", "operator_cost", "edge_cost", "edge_volumes", "OpCost", "PARTS",
            "BREAKDOWN", "ORDERS", "operator_key"]
 
-BREAKDOWN: dict[str, str] = {**PARTS, "redistribution": "redistribution between operators"}
+BREAKDOWN: dict[str, str] = {**PARTS, "redistribution": "redistribution between operators (shared weights included)"}
 """The parts of a strategy's step time (:meth:`CostTables.breakdown`): each operator part, then redistribution."""
 
 
@@ -41,6 +41,9 @@ class CostTables:
         edge_costs: per graph edge (``graph.edges`` order), a (K_u, K_v) matrix in seconds.
         memory: per operator, (weights, activations) bytes per layout and device.
         options: how the tables were built (cutoff, orders, pruning, sharing counts).
+        weight_edge_costs: per weight edge (``graph.weight_edges`` order: a reader of a parameter
+            another operator owns), a (K_owner, K_reader) matrix in seconds
+            (:func:`~shardplan.cost.edge.weight_edge_cost`); the problem's edges after the graph's.
 
     Identical operators (same description, see :func:`operator_key`) share
     their layouts, cost arrays and memory arrays (the same objects), and
@@ -55,6 +58,7 @@ class CostTables:
     memory: tuple[tuple[np.ndarray, np.ndarray], ...]
     options: dict
     arrays: tuple[LayoutArrays, ...] = field(default=(), repr=False)
+    weight_edge_costs: tuple[np.ndarray, ...] = ()
     _splits: tuple[np.ndarray, ...] = field(default=(), init=False, repr=False)
     _index_cache: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -62,6 +66,9 @@ class CostTables:
         if len(self.layouts) != len(self.graph.operators):
             raise ShardplanError(f"cost tables: {len(self.layouts)} layout lists for {len(self.graph.operators)} "
                                  "operators")
+        if len(self.weight_edge_costs) != len(self.graph.weight_edges):
+            raise ShardplanError(f"cost tables: {len(self.weight_edge_costs)} weight-edge matrices for "
+                                 f"{len(self.graph.weight_edges)} weight edges")
         if not self.arrays:
             cache: dict[int, LayoutArrays] = {}
             arrs = []
@@ -81,8 +88,14 @@ class CostTables:
         """Per operator, the total split factor of every layout: (K_v, n_dims) int64 (for vectorised code)."""
         return self._splits
 
+    def all_edges(self) -> list[tuple[int, int, np.ndarray]]:
+        """(src, dst, matrix) of every edge of the problem: the graph's, then the weight edges."""
+        g = self.graph
+        return ([(e.src, e.dst, m) for e, m in zip(g.edges, self.edge_costs)]
+                + [(e.src, e.dst, m) for e, m in zip(g.weight_edges, self.weight_edge_costs)])
+
     def to_problem(self) -> Problem:
-        """The solver-level problem: vertex cost t_l, edge cost t_x (seconds)."""
+        """The solver-level problem: vertex cost t_l, edge cost t_x (seconds); weight edges after the graph's."""
         g = self.graph
         seen: dict[int, tuple] = {}
         configs = []
@@ -94,8 +107,8 @@ class CostTables:
             names=tuple(op.name for op in g.operators),
             configs=tuple(configs),
             vertex_cost=tuple(c.total for c in self.op_costs),
-            edges=tuple((e.src, e.dst) for e in g.edges),
-            edge_cost=self.edge_costs,
+            edges=tuple((e.src, e.dst) for e in g.edges) + tuple((e.src, e.dst) for e in g.weight_edges),
+            edge_cost=tuple(self.edge_costs) + tuple(self.weight_edge_costs),
             dims=tuple(op.dim_names for op in g.operators),
         )
 
@@ -145,8 +158,7 @@ class CostTables:
         for c, k in zip(self.op_costs, assignment):
             for key, val in c.parts(int(k)).items():
                 out[key] = out.get(key, 0.0) + val
-        out["redistribution"] = float(sum(m[assignment[e.src], assignment[e.dst]]
-                                          for e, m in zip(self.graph.edges, self.edge_costs)))
+        out["redistribution"] = float(sum(m[assignment[s], assignment[d]] for s, d, m in self.all_edges()))
         out["total"] = sum(out.values())
         return out
 
@@ -192,7 +204,7 @@ def order_count(configs: np.ndarray, max_permuted: int = 3) -> int:
 
 
 def _tensor_key(t) -> tuple:
-    return (t.name, t.shape, t.axes, t.role, t.needs_grad, t.elem_factor, t.shared)
+    return (t.name, t.shape, t.axes, t.role, t.needs_grad, t.elem_factor, t.owner is not None)
 
 
 def operator_key(op) -> tuple:
@@ -319,7 +331,15 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         edge_costs.append(edge_cache[ekey])
         if progress is not None:
             progress(len(first) + n_done + 1, steps)
-    _check_finite(graph, machine, [per_key[k][2] for k in keys], edge_costs)
+    weight_costs = []
+    wcache: dict[tuple, np.ndarray] = store.setdefault("weight_edges", {})
+    for e in graph.weight_edges:
+        wkey = (keys[e.src], keys[e.dst], e.src_weight, e.dst_weight)
+        if wkey not in wcache:
+            wcache[wkey] = weight_edge_cost(ops[e.src], e.src_weight, per_key[keys[e.src]][1], ops[e.dst],
+                                            e.dst_weight, per_key[keys[e.dst]][1], machine, memo=memo)[0]
+        weight_costs.append(wcache[wkey])
+    _check_finite(graph, machine, [per_key[k][2] for k in keys], edge_costs + weight_costs)
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
             "node_replicas": node_replicas,
             "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped, "levels": levels,
@@ -328,7 +348,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             "memory_estimate_bytes": estimate}
     return CostTables(graph, machine, tuple(per_key[k][0] for k in keys), tuple(per_key[k][2] for k in keys),
                       tuple(edge_costs), tuple(per_key[k][3] for k in keys), opts,
-                      tuple(per_key[k][1] for k in keys))
+                      tuple(per_key[k][1] for k in keys), tuple(weight_costs))
 
 
 def _check_finite(graph: Graph, machine: Machine, op_costs: Sequence[OpCost], edge_costs: Sequence[np.ndarray]) -> None:

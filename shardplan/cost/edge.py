@@ -46,7 +46,8 @@ from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
-__all__ = ["edge_volumes", "edge_cost", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES"]
+__all__ = ["edge_volumes", "edge_cost", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES",
+           "weight_edge_cost", "weight_sync"]
 
 _CHUNK_ELEMS = 1 << 22
 EDGE_MEMO_BYTES = 16 << 20  # fast-path summaries kept across the edges of one build (at most)
@@ -483,3 +484,78 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
             bwd_t = np.maximum(bwd_t, p2p_time(vol * nbytes, machine, lvl + 1).take(inv, axis=1))
             more_b = bool(vol.any())
     return fwd_t + bwd_t
+
+
+def _weight_views(u: Operator, wu: int, v: Operator, wv: int) -> tuple[Operator, Operator]:
+    """The parameter of a weight edge as an ordinary edge: ``u`` writing it, ``v`` reading it (input 0).
+
+    Both keep their iteration domains, so a layout places the parameter's tiles exactly as the reader's
+    weight access places them.
+    """
+    from shardplan.ir import Tensor
+
+    tu, tv = u.weights[wu], v.weights[wv]
+    for op, t in ((u, tu), (v, tv)):
+        if any(a.window is not None or a.stride != 1 or a.offset != 0 for a in t.axes):
+            raise ShardplanError(f"operator {op.name!r}: shared weight {t.name!r} is read through a window, "
+                                 "stride or offset; a weight edge needs plain or merged axes")
+    src = Operator(u.name, "parameter", u.dims, inputs=(),
+                   output=Tensor("w", tu.shape, tu.axes, "output", elem_factor=tu.elem_factor))
+    dst = Operator(v.name, "parameter", v.dims,
+                   inputs=(Tensor("w", tv.shape, tv.axes, "input", needs_grad=tv.needs_grad, src=u.name,
+                                  elem_factor=tv.elem_factor),),
+                   output=Tensor("y", (1,), (None,), "output"))
+    return src, dst
+
+
+def weight_sync(op: Operator, w: int, configs, machine: Machine) -> tuple[np.ndarray, np.ndarray]:
+    """What owning weight ``w`` adds to ``op``'s cost: (seconds, bytes sent per device), each (K,).
+
+    The operator costed with the weight as its own parameter and with it owned elsewhere: the
+    difference is its gradient synchronisation as :mod:`shardplan.cost.operator` charges it (with the
+    machine's buckets and overlap), not a copy of that formula.
+    """
+    from dataclasses import replace
+
+    from shardplan.cost.operator import operator_cost
+
+    def with_owner(owner):
+        return replace(op, weights=tuple(replace(t, owner=owner) if i == w else t for i, t in enumerate(op.weights)))
+
+    own = operator_cost(with_owner(None), configs, machine)
+    lent = operator_cost(with_owner(("owner", "w")), configs, machine)  # any owner: synchronised there
+    return np.maximum(own.total - lent.total, 0.0), np.maximum(own.comm_bytes - lent.comm_bytes, 0.0)
+
+
+def weight_edge_cost(u: Operator, wu: int, cu, v: Operator, wv: int, cv, machine: Machine,
+                     memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds and bytes sent per device of a weight edge: ``v`` reads the parameter ``u`` owns; each (K_u, K_v).
+
+    The parameter is kept once, in the owner's layout (where its gradient is synchronised and its state
+    held: ``S_u``, charged on u). Reader v under layout b needs the parameter in its own layout:
+
+    * the two layouts agree (every device holds the same tile of it under both, :func:`edge_volumes`
+      moves nothing either way): v's partial gradient is added to u's on the device and synchronised
+      with it, so nothing more is charged, but ``max(0, S_v(b) - S_u(a))``, where u's layout needs no
+      synchronisation of the sum that v's needs (a replicated grid);
+    * they differ: the parameter moves from u's layout to v's forward and v's gradient back (the
+      redistribution of an edge u -> v carrying the parameter, :func:`edge_cost`), and v's gradient is
+      synchronised in v's layout before it is sent: ``S_v(b)``, what owning it would cost v.
+
+    ``S`` is :func:`weight_sync`. Every term depends on the two layouts only, so the objective stays a
+    sum of vertex and edge terms and every exact solver stays exact for it.
+    """
+    p = machine.num_devices
+    lu = as_layouts(cu, p, None, machine.levels)
+    lv = as_layouts(cv, p, None, machine.levels)
+    src, dst = _weight_views(u, wu, v, wv)
+    f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo)
+    moved = edge_cost(src, lu, dst, 0, lv, machine, volumes=(f, b), memo=memo)
+    su, bu = weight_sync(u, wu, lu, machine)
+    sv, bv = weight_sync(v, wv, lv, machine)
+    agree = (f == 0) & (b == 0)
+    secs = np.where(agree, np.maximum(sv[None, :] - su[:, None], 0.0), moved + sv[None, :])
+    nbytes = float(machine.dtype_bytes)
+    sent = np.where(agree, np.maximum(bv[None, :] - bu[:, None], 0.0), (f + b) * nbytes + bv[None, :])
+    return secs, sent
+

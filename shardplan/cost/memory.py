@@ -3,8 +3,8 @@
 For each operator and configuration, per device q (bytes):
 
     weights:     sum_W |W tile(q)| * (1 + 1 + m)    (value, gradient, m words of optimizer state)
-                 (a parameter read by k operators, ``Tensor.shared`` = k, is
-                 charged 1/k to each reader: one copy when they lay it out alike)
+                 (a parameter read by several operators is charged once, to
+                 its owner, in the owner's layout: ``Tensor.owner``)
     activations: |output tile(q)|                   (kept for the backward pass)
 
 (m = 2 for Adam, 0 for plain SGD.) A strategy's memory on device q is the
@@ -38,7 +38,8 @@ def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: f
     k = len(lay)
     w = np.zeros((k, p))
     for t in op.weights:
-        w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor) / t.shared
+        if t.owner is None:
+            w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
     act = tile_volumes(op, op.output, lay).astype(np.float64) * nbytes
     return w, act
 
@@ -125,8 +126,8 @@ class WeightGroups:
     sharded over (largest over the operator's weights); ``weights``, per
     trainable weight: (gradient tile bytes, its reduction group per level
     (L, K), that group times the layout's replicas per level (L, K): the
-    devices holding the same tile, and 1/k for a parameter shared by k readers).
-    ``state`` counts a shared parameter's value 1/k too.
+    devices holding the same tile, and 1, or 0 for a parameter another
+    operator owns). ``state`` counts a parameter only on its owner.
     """
 
     state: np.ndarray
@@ -146,8 +147,9 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
     # replicas per level: a level's devices not used by the layout's split there hold copies
     reps = np.asarray(lay.levels, dtype=np.int64)[:, None] // lay.level_splits.prod(axis=2)
     state = np.zeros(k)
-    for t in op.weights:  # a parameter shared by k readers: 1/k of its state and sync to each
-        state += tile_volume(op, t, lay, p) * nbytes / t.shared
+    for t in op.weights:  # a parameter read by several operators: its state and sync on its owner only
+        if t.owner is None:
+            state += tile_volume(op, t, lay, p) * nbytes
     group = np.ones(k)
     rows = []
     for t in op.weights:
@@ -156,7 +158,7 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
         gl = lay.group_sizes([op.dim_names.index(d) for d in op.grad_reduction_dims(t)])
         vol = tile_volume(op, t, lay, p, core=False) * nbytes
         big = gl * reps
-        rows.append((vol, gl, big, 1.0 / t.shared))
+        rows.append((vol, gl, big, 1.0 if t.owner is None else 0.0))
         group = np.maximum(group, big.prod(axis=0))  # weights of one operator share their data-parallel group
     act = tile_volume(op, op.output, lay, p) * nbytes
     return WeightGroups(state, act, group, tuple(rows))
@@ -198,7 +200,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     state, group = wg.state, wg.group
     sync0, rs, ag, wgrad_m = np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
     weights = wg.weights
-    for vol, gl, big, part in weights:  # part: 1/k of a parameter shared by k readers
+    for vol, gl, big, part in weights:  # part: 0 for a parameter another operator owns
         sync0 += part * _bucketed(vol, machine, lambda n: allreduce_time(n, gl, machine))
         wgrad_m += part * _bucketed(vol, mm, lambda n: allreduce_time(n, gl, mm))
         rs += part * _bucketed(vol, machine, lambda n: allgather_time(n, gl, machine))

@@ -34,24 +34,12 @@ configuration c (arrays over the K configurations):
   the backward of the operators before it, which this per-operator max
   neither credits nor checks). Activation gradients are on the critical
   path and are never overlapped;
-* shared parameters: a parameter read by k operators (a tied embedding
-  and LM head; ``Tensor.shared`` = k) has one gradient: the readers'
-  partial gradients are summed on the device and the sum synchronised
-  once. Each reader is charged ``1/k`` of the synchronisation its own
-  layout needs, so the objective stays a sum of vertex terms. Exact when
-  the readers lay the parameter out alike (all data parallel: one
-  all-reduce in total); when they differ it is the mean of the readers'
-  synchronisations, and moving partial gradients between the layouts (and
-  the parameter into each reader's layout) is not charged, like every
-  other weight redistribution (weights are not edges of the graph). Unlike
-  charging one reader (an "owner") with the whole synchronisation, the
-  mean cannot be driven to zero by giving the owner a layout that needs
-  none while the other readers split the batch. Still, any charge that is
-  a sum of per-reader terms and exact when the readers agree under-counts
-  a disagreement, so the search may prefer readers that disagree (HF
-  BERT's tied word embedding: lookup split by batch and features, MLM
-  decoder by batch); charging it exactly needs a pairwise term between the
-  readers (a tie edge in the search), which is not built;
+* shared parameters: a parameter read by several operators (a tied
+  embedding and LM head) has one copy, one gradient and one state, in the
+  layout of the reader that owns it; a reader with an owner
+  (``Tensor.owner``) is charged no synchronisation for it here. What it
+  costs depends on both layouts, so it is a pairwise term: the weight edge
+  from the owner (:func:`shardplan.cost.edge.weight_edge_cost`);
 * halo: a windowed access on a split dim reads the elements of the tile it
   needs that are outside the tile it owns (``|need| - |need ∩ core|``) from
   neighbours, forward, and returns their gradient backward;
@@ -250,18 +238,20 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     weight_sync = zeros.copy()
     bucket = machine.grad_bucket_bytes
     for t in op.grad_tensors:
+        if t.owner is not None:  # synchronised by its owner (and over the weight edge)
+            continue
         g, gl, _ = _group(op, lay, op.grad_reduction_dims(t))
         vol = max_tile(t, core=False)
         if t.role == "weight" and bucket is not None:
             # the tensor's share of a full bucket's all-reduce; a tensor larger than a bucket is its own
             share = np.minimum(vol * nbytes / bucket, 1.0)
             n_sync = np.maximum(vol * nbytes, bucket)
-            weight_sync = weight_sync + share * allreduce_time(n_sync, gl, machine) / t.shared
+            weight_sync = weight_sync + share * allreduce_time(n_sync, gl, machine)
         elif t.role == "weight":
-            weight_sync = weight_sync + allreduce_time(vol * nbytes, gl, machine) / t.shared
+            weight_sync = weight_sync + allreduce_time(vol * nbytes, gl, machine)
         else:
             grad_ar = grad_ar + allreduce_time(vol * nbytes, gl, machine)
-        sent = sent + _ar_sent(vol * nbytes, g) / t.shared
+        sent = sent + _ar_sent(vol * nbytes, g)
     if machine.overlap_grad:
         backward = compute - t_pass
         grad_ar = grad_ar + np.maximum(weight_sync - backward, 0.0)

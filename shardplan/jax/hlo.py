@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from shardplan.cost.edge import edge_volumes
+from shardplan.cost.edge import edge_volumes, weight_edge_cost
 
 __all__ = ["Collective", "parse_collectives", "hlo_bytes_per_device", "predicted_bytes", "DTYPE_BYTES_HLO"]
 
@@ -133,7 +133,8 @@ def predicted_bytes(plan: Any) -> dict[str, float]:
     """Bytes each device sends per step according to the cost model, for ``plan``.
 
     ``operators``: Σ_v comm_bytes at v's configuration; ``edges``: Σ over
-    edges of (forward + backward) redistribution elements × dtype bytes,
+    edges of (forward + backward) redistribution elements × dtype bytes
+    (and over weight edges, what :func:`~shardplan.cost.edge.weight_edge_cost` sends),
     each configuration's device grid as the plan's layout lays it out (nesting and machine levels).
     """
     t = plan.tables
@@ -148,4 +149,9 @@ def predicted_bytes(plan: Any) -> dict[str, float]:
         lv = t.arrays[e.dst].take(np.asarray([a[e.dst]]))
         f, b = edge_volumes(u, lu, v, e.slot, lv, p)
         edge_bytes += float(f[0, 0] + b[0, 0]) * plan.machine.dtype_bytes
+    for e in g.weight_edges:  # a shared parameter moved between its owner's layout and a reader's
+        lu = t.arrays[e.src].take(np.asarray([a[e.src]]))
+        lv = t.arrays[e.dst].take(np.asarray([a[e.dst]]))
+        edge_bytes += float(weight_edge_cost(g.operators[e.src], e.src_weight, lu, g.operators[e.dst],
+                                             e.dst_weight, lv, plan.machine)[1][0, 0])
     return {"operators": ops_bytes, "edges": edge_bytes, "total": ops_bytes + edge_bytes}

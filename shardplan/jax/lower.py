@@ -26,12 +26,12 @@ the elementwise result.
 
 Parameters. The pytree leaves of the arguments in ``params_argnums`` are
 parameters: an operator that reads one gets it as a *weight*. A parameter
-read by several operators (tied weights) is a weight of each, marked with
-the number of its readers (:attr:`~shardplan.ir.Tensor.shared`), so the
-cost model charges one gradient synchronisation and one copy of its state
-in all when the readers agree on its layout (see
-:mod:`shardplan.cost.operator`); its leaf's layout is the one its first
-consumer asks for. A static slice of a parameter (one layer of a stacked parameter, as an
+read by several operators (tied weights) is a weight of each; its first
+consumer owns it (its leaf's layout is the one that consumer asks for) and
+every other reader names the owner (:attr:`~shardplan.ir.Tensor.owner`), so
+the cost model charges one gradient synchronisation and one copy of its
+state, and a weight edge between owner and reader moves the parameter when
+their layouts differ (:func:`shardplan.cost.edge.weight_edge_cost`). A static slice of a parameter (one layer of a stacked parameter, as an
 unrolled ``scan`` reads it) is a weight of the slice's shape whose axes map
 to the leaf's. A parameter reshaped so that axes merge or split is a
 weight of the new shape and its leaf is left replicated.
@@ -258,6 +258,7 @@ class _GraphPass:
         self.leaf_uses: dict[int, list[tuple[str, tuple[str | None, ...]]]] = {}
         self.reads: dict[str, list[tuple[int, int, tuple[str | None, ...]]]] = {}
         self.weight_keys: dict[str, list[tuple[Any, Any]]] = {}  # operator -> (leaf, part) of each of its weights
+        self.weight_leaf_axes: dict[tuple[str, int], tuple | None] = {}  # (operator, weight index) -> leaf axes
         self.axis_labels: dict[str, tuple[str | None, ...]] = {}  # operator / graph input -> its axes' labels
         self.inputs: dict[str, tuple[int, ...]] = {}
         self.input_leaf = dict(input_leaf)
@@ -379,17 +380,34 @@ class _GraphPass:
         return self.register(op, eqn.outvars[out_index], eqn.out_dtypes[out_index], vals, out_batch)
 
     def share_weights(self) -> None:
-        """Mark every weight with the number of operators reading its parameter (the same (leaf, part))."""
-        readers: dict[tuple[Any, Any], set[str]] = {}
+        """Give every parameter read by several operators (the same (leaf, part)) one owner.
+
+        The owner is the reader whose layout the leaf takes (its first consumer, :attr:`leaf_uses`), else
+        the first reader made; every other reader of it in the same shape and axis order gets
+        :attr:`~shardplan.ir.Tensor.owner` (a reader that sees it reshaped or permuted keeps its own).
+        """
+        readers: dict[tuple[Any, Any], list[tuple[str, int]]] = {}
         for name, keys in self.weight_keys.items():
-            for key in keys:
-                readers.setdefault(key, set()).add(name)
-        for name, keys in self.weight_keys.items():
-            k = [len(readers[key]) for key in keys]
-            if name in self.ops and any(n > 1 for n in k):
+            if name not in self.ops:
+                continue
+            for i, key in enumerate(keys):
+                readers.setdefault(key, []).append((name, i))
+        for key, rs in readers.items():
+            if len({n for n, _ in rs}) < 2:
+                continue
+            first = [n for n, _ in self.leaf_uses.get(key[0], ())]
+            rs = sorted(rs, key=lambda r: first.index(r[0]) if r[0] in first else len(first))
+            oname, oi = rs[0]
+            owner = self.ops[oname].weights[oi]
+            for name, i in rs[1:]:
                 op = self.ops[name]
+                t = op.weights[i]
+                if name == oname or t.shape != owner.shape or \
+                        self.weight_leaf_axes.get((name, i)) != self.weight_leaf_axes.get((oname, oi)):
+                    continue
                 self.ops[name] = dataclasses.replace(op, weights=tuple(
-                    dataclasses.replace(t, shared=n) for t, n in zip(op.weights, k)))
+                    dataclasses.replace(w, owner=(oname, owner.name)) if j == i else w
+                    for j, w in enumerate(op.weights)))
 
     def register(self, op: Operator, var: int, dtype: Any, vals: Sequence[_Val] = (),
                  out_batch: int | None = None) -> _Val:
@@ -402,7 +420,8 @@ class _GraphPass:
             if t.src in self.inputs:
                 self._record_leaf(self.input_leaf[t.src], op, t, None)
         params = [v for v in vals if v.kind == "param"]
-        for v, t in zip(params, op.weights):
+        for i, (v, t) in enumerate(zip(params, op.weights)):
+            self.weight_leaf_axes[(op.name, i)] = None if v.leaf_axes is None else tuple(v.leaf_axes)
             if v.leaf_axes is not None:
                 self._record_leaf(v.key, op, t, v.leaf_axes)
         grad = _is_float(dtype) and any(t.needs_grad for t in op.inputs + op.weights)
@@ -431,6 +450,7 @@ class _GraphPass:
         ins, ws = ((t,), ()) if t.role == "input" else ((), (t,))
         if ws:
             self.weight_keys[name] = [(v.key, v.part)]
+            self.weight_leaf_axes[(name, 0)] = None if v.leaf_axes is None else tuple(v.leaf_axes)
         op = Operator(name, "copy", tuple(zip(letters, v.shape)), ins, Tensor("y", v.shape, tuple(letters), "output"),
                       ws, flops_per_point=0.0)
         base = self.axis_labels.get(v.key) if v.kind != "param" else None

@@ -116,7 +116,7 @@ def _op_signature(op: Operator, where: dict[str, tuple[int, int]], unit: int) ->
         if ref and t.src is not None:
             loc = where.get(t.src)
             src = ("input", t.src) if loc is None else (unit - loc[0], loc[1])
-        return (t.name, t.shape, t.axes, t.role, t.needs_grad, t.elem_factor, t.shared, src)
+        return (t.name, t.shape, t.axes, t.role, t.needs_grad, t.elem_factor, t.owner, src)
 
     return (op.kind, op.dims, op.flops_per_point, op.norm_dims, op.norm_stats, op.recurrence, op.fixed,
             tuple(tensor(t, True) for t in op.inputs), tuple(tensor(t, False) for t in op.weights),

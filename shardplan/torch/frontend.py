@@ -24,9 +24,10 @@ for its ATen target (:data:`HANDLERS`, see :func:`register`) from the
 :mod:`shardplan.ops` constructors. A parameter operand becomes a *weight*
 tensor of the operator (trainable when ``requires_grad``); a buffer is a
 constant. A parameter read by several operators (tied embeddings) is a weight
-of each, marked with the number of its readers (:attr:`~shardplan.ir.Tensor.shared`:
-one gradient synchronisation and one copy of its state in all); its layout at
-run time is the one its first reader asks for.
+of each; its first reader owns it (its layout at run time is the one that
+reader asks for) and the others name the owner (:attr:`~shardplan.ir.Tensor.owner`:
+one gradient synchronisation and one copy of its state in all, and a weight
+edge that moves it where the readers' layouts differ).
 
 Names. An operator is named ``module path/node`` (``layers.0.fc/linear``);
 its dimensions carry readable labels (``batch``, ``seq``, ``in``, ``out``,
@@ -263,16 +264,21 @@ class _Ctx:
         return val
 
     def share_weights(self) -> None:
-        """Mark every weight with the number of operators reading its parameter."""
-        shared = {}
+        """Give every parameter read by several operators one owner: its first reader (whose layout it
+        takes at run time); every other reader of it in the same shape names the owner
+        (:attr:`~shardplan.ir.Tensor.owner`)."""
         for uses in self.param_uses.values():
-            readers = {op for op, _ in uses}
-            for op, tname in uses:
-                shared[(op, tname)] = len(readers)
-        for name, op in list(self.ops.items()):
-            if any(shared.get((name, w.name), 1) > 1 for w in op.weights):
+            uses = [(op, tname) for op, tname in uses if op in self.ops]
+            if len({op for op, _ in uses}) < 2:
+                continue
+            oname, otname = uses[0]
+            shape = next(w.shape for w in self.ops[oname].weights if w.name == otname)
+            for name, tname in uses[1:]:
+                op = self.ops[name]
+                if name == oname or next(w.shape for w in op.weights if w.name == tname) != shape:
+                    continue
                 self.ops[name] = dataclasses.replace(op, weights=tuple(
-                    dataclasses.replace(w, shared=shared.get((name, w.name), 1)) for w in op.weights))
+                    dataclasses.replace(w, owner=(oname, otname)) if w.name == tname else w for w in op.weights))
 
     def undo(self, node: Any) -> None:
         """Forget the operator made for ``node`` (its handler described it wrongly)."""
