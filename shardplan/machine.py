@@ -51,6 +51,11 @@ class Machine:
             (PyTorch DDP's default bucket is 25 MiB); None: one all-reduce per tensor (the paper's model).
         overlap_grad: weight-gradient synchronisation overlaps the backward pass (DDP, FSDP);
             see :mod:`shardplan.cost.operator` for the exact form.
+        sum_shared_grads: the gradients of a parameter read by several operators (a tied embedding)
+            are summed on the device and the sum synchronised once, in the owner's layout (PyTorch
+            accumulating ``.grad`` before DDP's all-reduce). False (default): every reader's gradient
+            is synchronised in its own layout and the results added, as XLA's SPMD partitioner compiles
+            it (one all-reduce per reader in the HLO, even when the readers agree on the layout).
     """
 
     num_devices: int
@@ -70,6 +75,7 @@ class Machine:
     flops_efficiency: float = 1.0
     grad_bucket_bytes: float | None = None
     overlap_grad: bool = False
+    sum_shared_grads: bool = False
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -119,6 +125,8 @@ class Machine:
         put("flops_efficiency", efficiency)
         if not isinstance(self.overlap_grad, bool):
             raise ShardplanError(f"machine: overlap_grad must be True or False, got {self.overlap_grad!r}")
+        if not isinstance(self.sum_shared_grads, bool):
+            raise ShardplanError(f"machine: sum_shared_grads must be True or False, got {self.sum_shared_grads!r}")
 
     @property
     def p(self) -> int:

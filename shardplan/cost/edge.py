@@ -509,7 +509,8 @@ def _weight_views(u: Operator, wu: int, v: Operator, wv: int) -> tuple[Operator,
 
 
 def weight_sync(op: Operator, w: int, configs, machine: Machine) -> tuple[np.ndarray, np.ndarray]:
-    """What owning weight ``w`` adds to ``op``'s cost: (seconds, bytes sent per device), each (K,).
+    """What owning weight ``w`` adds to ``op``'s cost when the readers' gradients are summed before one
+    synchronisation (``machine.sum_shared_grads``): (seconds, bytes sent per device), each (K,).
 
     The operator costed with the weight as its own parameter and with it owned elsewhere: the
     difference is its gradient synchronisation as :mod:`shardplan.cost.operator` charges it (with the
@@ -522,8 +523,9 @@ def weight_sync(op: Operator, w: int, configs, machine: Machine) -> tuple[np.nda
     def with_owner(owner):
         return replace(op, weights=tuple(replace(t, owner=owner) if i == w else t for i, t in enumerate(op.weights)))
 
-    own = operator_cost(with_owner(None), configs, machine)
-    lent = operator_cost(with_owner(("owner", "w")), configs, machine)  # any owner: synchronised there
+    summing = replace(machine, sum_shared_grads=True)
+    own = operator_cost(with_owner(None), configs, summing)
+    lent = operator_cost(with_owner(("owner", "w")), configs, summing)  # any owner: synchronised there
     return np.maximum(own.total - lent.total, 0.0), np.maximum(own.comm_bytes - lent.comm_bytes, 0.0)
 
 
@@ -531,19 +533,23 @@ def weight_edge_cost(u: Operator, wu: int, cu, v: Operator, wv: int, cv, machine
                      memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Seconds and bytes sent per device of a weight edge: ``v`` reads the parameter ``u`` owns; each (K_u, K_v).
 
-    The parameter is kept once, in the owner's layout (where its gradient is synchronised and its state
-    held: ``S_u``, charged on u). Reader v under layout b needs the parameter in its own layout:
+    The parameter is kept once, in the owner's layout (its state is held there). Reader v under
+    layout b needs it in its own layout. If the two layouts agree (every device holds the same tile
+    of it under both: :func:`edge_volumes` moves nothing either way), nothing moves; otherwise the
+    parameter moves from u's layout to v's forward and v's gradient, synchronised in v's layout,
+    moves back (the redistribution of an edge u -> v carrying the parameter, :func:`edge_cost`).
 
-    * the two layouts agree (every device holds the same tile of it under both, :func:`edge_volumes`
-      moves nothing either way): v's partial gradient is added to u's on the device and synchronised
-      with it, so nothing more is charged, but ``max(0, S_v(b) - S_u(a))``, where u's layout needs no
-      synchronisation of the sum that v's needs (a replicated grid);
-    * they differ: the parameter moves from u's layout to v's forward and v's gradient back (the
-      redistribution of an edge u -> v carrying the parameter, :func:`edge_cost`), and v's gradient is
-      synchronised in v's layout before it is sent: ``S_v(b)``, what owning it would cost v.
+    The synchronisation of v's gradient: by default (XLA) every reader synchronises its own in its
+    own layout, charged on the reader's vertex; nothing more here. With ``machine.sum_shared_grads``
+    the readers' gradients are summed on the device and synchronised once, in u's layout (``S_u``,
+    charged on u, no reader charged on its vertex): where the layouts agree, v's partial gradient is
+    added to u's and costs nothing more but ``max(0, S_v(b) - S_u(a))`` (u's layout needs no
+    synchronisation of the sum that v's needs: a replicated grid); where they differ, v's gradient
+    is synchronised in v's layout before it is sent, ``S_v(b)``, what owning it would cost v
+    (:func:`weight_sync`).
 
-    ``S`` is :func:`weight_sync`. Every term depends on the two layouts only, so the objective stays a
-    sum of vertex and edge terms and every exact solver stays exact for it.
+    Every term depends on the two layouts only, so the objective stays a sum of vertex and edge terms
+    and every exact solver stays exact for it.
     """
     p = machine.num_devices
     lu = as_layouts(cu, p, None, machine.levels)
@@ -551,11 +557,12 @@ def weight_edge_cost(u: Operator, wu: int, cu, v: Operator, wv: int, cv, machine
     src, dst = _weight_views(u, wu, v, wv)
     f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo)
     moved = edge_cost(src, lu, dst, 0, lv, machine, volumes=(f, b), memo=memo)
+    agree = (f == 0) & (b == 0)
+    nbytes = float(machine.dtype_bytes)
+    if not machine.sum_shared_grads:
+        return np.where(agree, 0.0, moved), np.where(agree, 0.0, (f + b) * nbytes)
     su, bu = weight_sync(u, wu, lu, machine)
     sv, bv = weight_sync(v, wv, lv, machine)
-    agree = (f == 0) & (b == 0)
     secs = np.where(agree, np.maximum(sv[None, :] - su[:, None], 0.0), moved + sv[None, :])
-    nbytes = float(machine.dtype_bytes)
     sent = np.where(agree, np.maximum(bv[None, :] - bu[:, None], 0.0), (f + b) * nbytes + bv[None, :])
     return secs, sent
-

@@ -127,7 +127,8 @@ class WeightGroups:
     trainable weight: (gradient tile bytes, its reduction group per level
     (L, K), that group times the layout's replicas per level (L, K): the
     devices holding the same tile, and 1, or 0 for a parameter another
-    operator owns). ``state`` counts a parameter only on its owner.
+    operator owns whose gradient is summed into the owner's,
+    ``machine.sum_shared_grads``). ``state`` counts a parameter only on its owner.
     """
 
     state: np.ndarray
@@ -158,7 +159,7 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
         gl = lay.group_sizes([op.dim_names.index(d) for d in op.grad_reduction_dims(t)])
         vol = tile_volume(op, t, lay, p, core=False) * nbytes
         big = gl * reps
-        rows.append((vol, gl, big, 1.0 if t.owner is None else 0.0))
+        rows.append((vol, gl, big, 0.0 if t.owner is not None and machine.sum_shared_grads else 1.0))
         group = np.maximum(group, big.prod(axis=0))  # weights of one operator share their data-parallel group
     act = tile_volume(op, op.output, lay, p) * nbytes
     return WeightGroups(state, act, group, tuple(rows))
@@ -200,7 +201,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     state, group = wg.state, wg.group
     sync0, rs, ag, wgrad_m = np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
     weights = wg.weights
-    for vol, gl, big, part in weights:  # part: 0 for a parameter another operator owns
+    for vol, gl, big, part in weights:  # part: 0 for a gradient summed into its owner's
         sync0 += part * _bucketed(vol, machine, lambda n: allreduce_time(n, gl, machine))
         wgrad_m += part * _bucketed(vol, mm, lambda n: allreduce_time(n, gl, mm))
         rs += part * _bucketed(vol, machine, lambda n: allgather_time(n, gl, machine))

@@ -35,11 +35,16 @@ configuration c (arrays over the K configurations):
   neither credits nor checks). Activation gradients are on the critical
   path and are never overlapped;
 * shared parameters: a parameter read by several operators (a tied
-  embedding and LM head) has one copy, one gradient and one state, in the
-  layout of the reader that owns it; a reader with an owner
-  (``Tensor.owner``) is charged no synchronisation for it here. What it
-  costs depends on both layouts, so it is a pairwise term: the weight edge
-  from the owner (:func:`shardplan.cost.edge.weight_edge_cost`);
+  embedding and LM head) has one copy and one state, in the layout of the
+  reader that owns it. As XLA compiles it, every reader's gradient is
+  synchronised in that reader's layout and the results added (one
+  all-reduce per reader): each reader is charged its own synchronisation
+  here. With ``machine.sum_shared_grads`` (PyTorch accumulating ``.grad``)
+  the readers' gradients are summed first and synchronised once: a reader
+  with an owner (``Tensor.owner``) is charged none here. Moving the
+  parameter between the readers' layouts (and what the sum-first rule
+  charges when they differ) depends on both layouts: the weight edge from
+  the owner (:func:`shardplan.cost.edge.weight_edge_cost`);
 * halo: a windowed access on a split dim reads the elements of the tile it
   needs that are outside the tile it owns (``|need| - |need ∩ core|``) from
   neighbours, forward, and returns their gradient backward;
@@ -238,7 +243,7 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     weight_sync = zeros.copy()
     bucket = machine.grad_bucket_bytes
     for t in op.grad_tensors:
-        if t.owner is not None:  # synchronised by its owner (and over the weight edge)
+        if t.owner is not None and machine.sum_shared_grads:  # summed into the owner's gradient first
             continue
         g, gl, _ = _group(op, lay, op.grad_reduction_dims(t))
         vol = max_tile(t, core=False)
