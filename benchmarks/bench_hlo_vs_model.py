@@ -41,8 +41,6 @@ def load_example(name: str) -> Any:
     return mod
 
 
-TIED = ("a table shared by several readers (tied embedding: lookup and output head). Each of the k readers is charged 1/k of the gradient sync and state its own layout needs (cost/operator.py, Tensor.shared), which is exact when the readers agree on the table's layout. When they do not, XLA moves the table (or its gradient) between the readers' layouts, which the model does not charge; on BERT's HLO this is an all-gather of the word-embedding table between the lookup and the MLM decoder. ")
-
 # Why the compiled bytes differ from the prediction by more than 10 % (model -> cause), from reading the HLO.
 CAUSES = {
     "mnist_cnn": "one edge, the flatten after the second avg pool: the pool's output (8x4x4x64) is split over the "
@@ -54,20 +52,15 @@ CAUSES = {
                  "collective equals the model's figure (the all-reduces to the byte). XLA has no one-step "
                  "point-to-point redistribution for a change of split axes with a different device order; the "
                  "cost model charges the minimum volume.",
-    # the tied-embedding models (README, cause (5)); the fix is a pairwise term between a shared table's readers
-    "lm_remat": TIED + "Also, the nn.remat blocks re-send their forward all-gathers when recomputed.",
-    "FlaxGPT2LMHeadModel": TIED,
-    "FlaxBertForMaskedLM": TIED,
-    "FlaxBartForConditionalGeneration": TIED + "BART shares one table among encoder, decoder and LM head; its "
-                                        "data-parallel plan (1.148, two all-gathers) was not examined in the HLO.",
 }
 
 # Known gaps inside +-10 % (model -> cause), from reading the HLO.
 NOTES = {
     "lm_remat": "the tied embedding (nn.Embed used as lookup and as attend): one table, its leaf in the lookup's "
-                "layout; XLA all-gathers it for attend (6144 B, 'Involuntary full rematerialization') and "
-                "redistributes its gradient back (1024 B), a weight movement the model does not charge; and "
-                "the nn.remat blocks re-send their forward all-gathers when recomputed in the backward pass.",
+                "layout; the optimal plan lays it out differently for attend, and the weight edge between the two "
+                "readers charges the move (cost/edge.py weight_edge_cost). What remains was not re-examined in "
+                "the HLO; the earlier reading saw the nn.remat blocks re-send their forward all-gathers when "
+                "recomputed in the backward pass.",
 }
 
 

@@ -339,7 +339,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             wcache[wkey] = weight_edge_cost(ops[e.src], e.src_weight, per_key[keys[e.src]][1], ops[e.dst],
                                             e.dst_weight, per_key[keys[e.dst]][1], machine, memo=memo)[0]
         weight_costs.append(wcache[wkey])
-    _check_finite(graph, machine, [per_key[k][2] for k in keys], edge_costs + weight_costs)
+    _check_finite(graph, machine, [per_key[k][2] for k in keys], edge_costs, weight_costs)
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
             "node_replicas": node_replicas,
             "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped, "levels": levels,
@@ -351,7 +351,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
                       tuple(per_key[k][1] for k in keys), tuple(weight_costs))
 
 
-def _check_finite(graph: Graph, machine: Machine, op_costs: Sequence[OpCost], edge_costs: Sequence[np.ndarray]) -> None:
+def _check_finite(graph: Graph, machine: Machine, op_costs: Sequence[OpCost], edge_costs: Sequence[np.ndarray],
+                  weight_costs: Sequence[np.ndarray] = ()) -> None:
     """Refuse costs that overflowed (inf) or are undefined (NaN), naming where and the machine that caused it."""
     seen: set[int] = set()  # identical operators and edges share their arrays: check each once
     for op, c in zip(graph.operators, op_costs):
@@ -361,7 +362,7 @@ def _check_finite(graph: Graph, machine: Machine, op_costs: Sequence[OpCost], ed
         if not np.all(np.isfinite(c.total)):
             raise ShardplanError(f"operator {op.name!r}: its cost is not finite on {machine.describe()} (a FLOP/s, "
                                  "bandwidth or latency too extreme for float64 seconds)")
-    for e, m in zip(graph.edges, edge_costs):
+    for e, m in [*zip(graph.edges, edge_costs), *zip(graph.weight_edges, weight_costs)]:
         if id(m) in seen:
             continue
         seen.add(id(m))

@@ -26,7 +26,7 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
-from shardplan.cost.edge import EDGE_MEMO_BYTES
+from shardplan.cost.edge import EDGE_MEMO_BYTES, weight_views
 from shardplan.ir import Graph, Operator
 from shardplan.layout import unique_rows
 
@@ -159,5 +159,11 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
         # + the fast-path summaries the edges share (edge.EdgeMemo, at most EDGE_MEMO_BYTES)
         need = kept + EDGE_MEMO_BYTES + edge_phase_bytes(u, ku, v, kv, p, (out_patterns[ku_key], pv))
         best = max(best, (need, f"edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
+        kept += 8 * ku * kv
+    for w in graph.weight_edges:  # a weight edge is an edge carrying the parameter (its patterns at most K)
+        u, v = weight_views(ops[w.src], w.src_weight, ops[w.dst], w.dst_weight)
+        ku, kv = ks[keys[w.src]], ks[keys[w.dst]]
+        need = kept + EDGE_MEMO_BYTES + edge_phase_bytes(u, ku, v, kv, p)
+        best = max(best, (need, f"weight edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
         kept += 8 * ku * kv
     return BuildEstimate(int(best[0]), best[1], best[2], best[3], int(kept))

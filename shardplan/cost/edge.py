@@ -47,7 +47,7 @@ from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
 __all__ = ["edge_volumes", "edge_cost", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES",
-           "weight_edge_cost", "weight_sync"]
+           "weight_edge_cost", "weight_sync", "weight_views"]
 
 _CHUNK_ELEMS = 1 << 22
 EDGE_MEMO_BYTES = 16 << 20  # fast-path summaries kept across the edges of one build (at most)
@@ -486,7 +486,7 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     return fwd_t + bwd_t
 
 
-def _weight_views(u: Operator, wu: int, v: Operator, wv: int) -> tuple[Operator, Operator]:
+def weight_views(u: Operator, wu: int, v: Operator, wv: int) -> tuple[Operator, Operator]:
     """The parameter of a weight edge as an ordinary edge: ``u`` writing it, ``v`` reading it (input 0).
 
     Both keep their iteration domains, so a layout places the parameter's tiles exactly as the reader's
@@ -554,7 +554,7 @@ def weight_edge_cost(u: Operator, wu: int, cu, v: Operator, wv: int, cv, machine
     p = machine.num_devices
     lu = as_layouts(cu, p, None, machine.levels)
     lv = as_layouts(cv, p, None, machine.levels)
-    src, dst = _weight_views(u, wu, v, wv)
+    src, dst = weight_views(u, wu, v, wv)
     f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo)
     moved = edge_cost(src, lu, dst, 0, lv, machine, volumes=(f, b), memo=memo)
     agree = (f == 0) & (b == 0)
