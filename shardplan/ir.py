@@ -140,14 +140,15 @@ class Tensor:
         owner: for a weight whose parameter several operators read (a tied
             embedding read again by the LM head), on every reader but one:
             ``(operator, weight name)`` of the reader that owns the parameter.
-            A parameter has one copy, one gradient and one optimizer state,
-            held in its owner's layout: the owner is charged its gradient
-            synchronisation and state; a reader with an owner is charged
-            neither on its own, and the graph links it to its owner by a
-            *weight edge* (:attr:`Graph.weight_edges`) whose cost is zero when
-            the two lay the parameter out alike and otherwise moves the
-            parameter to the reader's layout and its gradient back
-            (:func:`shardplan.cost.edge.weight_edge_cost`).
+            A parameter has one copy and one optimizer state, held in its
+            owner's layout (a reader with an owner holds no state), and the
+            graph links every reader to its owner by a *weight edge*
+            (:attr:`Graph.weight_edges`) whose cost is zero when the two lay
+            the parameter out alike and otherwise moves the parameter to the
+            reader's layout and its gradient back
+            (:func:`shardplan.cost.edge.weight_edge_cost`). Each reader
+            synchronises its own gradient, as XLA compiles it, unless
+            ``Machine.sum_shared_grads`` (then the owner synchronises the sum).
     """
 
     name: str

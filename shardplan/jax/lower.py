@@ -29,9 +29,9 @@ parameters: an operator that reads one gets it as a *weight*. A parameter
 read by several operators (tied weights) is a weight of each; its first
 consumer owns it (its leaf's layout is the one that consumer asks for) and
 every other reader names the owner (:attr:`~shardplan.ir.Tensor.owner`), so
-the cost model charges one gradient synchronisation and one copy of its
-state, and a weight edge between owner and reader moves the parameter when
-their layouts differ (:func:`shardplan.cost.edge.weight_edge_cost`). A static slice of a parameter (one layer of a stacked parameter, as an
+the cost model charges one copy of its state, and a weight edge between
+owner and reader moves the parameter when their layouts differ
+(:func:`shardplan.cost.edge.weight_edge_cost`). A static slice of a parameter (one layer of a stacked parameter, as an
 unrolled ``scan`` reads it) is a weight of the slice's shape whose axes map
 to the leaf's. A parameter reshaped so that axes merge or split is a
 weight of the new shape and its leaf is left replicated.

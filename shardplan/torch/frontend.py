@@ -26,8 +26,8 @@ tensor of the operator (trainable when ``requires_grad``); a buffer is a
 constant. A parameter read by several operators (tied embeddings) is a weight
 of each; its first reader owns it (its layout at run time is the one that
 reader asks for) and the others name the owner (:attr:`~shardplan.ir.Tensor.owner`:
-one gradient synchronisation and one copy of its state in all, and a weight
-edge that moves it where the readers' layouts differ).
+one copy of its state in all, and a weight edge that moves it where the
+readers' layouts differ).
 
 Names. An operator is named ``module path/node`` (``layers.0.fc/linear``);
 its dimensions carry readable labels (``batch``, ``seq``, ``in``, ``out``,
