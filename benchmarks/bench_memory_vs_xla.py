@@ -170,10 +170,10 @@ def explain(row: dict[str, Any]) -> str:
     if abs(r["state"] - 1) > 0.01:
         pieces = [s for s in row["sharded_leaves"] if s["pieces"] < s["group"]]
         if r["state"] < 1:
-            why = ("a parameter read by several operators (a tied embedding, a stacked kernel sliced per layer) "
-                   "is counted by the model once per reader, each in its reader's layout, while XLA holds the "
-                   "leaf once, in its first reader's layout (one copy per shared weight: Tensor.grad_owner on "
-                   "branch jax-labels)")
+            why = ("a parameter read by several operators without one owner (a stacked kernel sliced per layer, "
+                   "a reader that sees it reshaped) is counted by the model once per reader, each in its "
+                   "reader's layout, while XLA holds the leaf once, in its first reader's layout (a tied "
+                   "embedding has one owner, Tensor.owner, and is counted once)")
         else:
             why = (f"{len(pieces)} sharded leaves have no axis their replica group divides, so their state is "
                    "cut into fewer pieces than the model's G" if pieces else "XLA keeps state the model does not count")
