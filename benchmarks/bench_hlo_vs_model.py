@@ -77,7 +77,9 @@ CAUSES = {
                                       "embedding (encoder lookup, decoder lookup, LM head) has its gradient "
                                       "all-reduced once per reader (3 x 14336 B) where the model charges one "
                                       "all-reduce split among the readers (README (5)); and 32 B, an all-gather of "
-                                      "16 int32 relative positions (a constant, which the model does not charge).",
+                                      "16 int32 relative positions (a constant, which the model does not charge). Its "
+                                      "data-parallel plan (1.132): the tied embedding only (28672 B; the position "
+                                      "bias's gradient all-gathers, 2 x 28672 B, equal the model's edge figure).",
 }
 
 # Known gaps inside +-10 % (model -> cause), from reading the HLO.
