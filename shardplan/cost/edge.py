@@ -345,8 +345,10 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
     nested_all = np.ones((len(gu), len(gv)), dtype=bool)
     for a in range(len(t_in.axes)):
         masks, nests = _pattern_masks(su, sv, a, words)
-        m &= masks[gu[:, a][:, None], gv[:, a][None, :]]
-        nested_all &= nests[gu[:, a][:, None], gv[:, a][None, :]]
+        # the pattern pair of every group pair, as one flat index into the (Pu, Pv) tables
+        pair = gu[:, a][:, None] * masks.shape[1] + gv[:, a][None, :]
+        m &= masks.reshape(-1, words).take(pair, axis=0)
+        nested_all &= nests.reshape(-1).take(pair)
 
     def expand(x: np.ndarray) -> np.ndarray:  # (Gu, Gv) -> (Ku, Kv)
         return x.take(su.inv, axis=0).take(sv.inv, axis=1)

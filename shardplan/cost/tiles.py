@@ -137,10 +137,11 @@ def tensor_boxes(op: Operator, tensor: Tensor, configs, p: int, core: bool = Tru
             else:
                 if am.window is not None:
                     rl, rh = _block(op, configs, index, am.window)
-                else:
-                    rl, rh = np.zeros_like(xl), np.ones_like(xh)
-                lo = am.stride * xl + am.dilation * rl + am.offset
-                hi = am.stride * (xh - 1) + am.dilation * (rh - 1) + am.offset + 1
+                    lo = am.stride * xl + am.dilation * rl + am.offset
+                    hi = am.stride * (xh - 1) + am.dilation * (rh - 1) + am.offset + 1
+                else:  # the same with the window's block [0, 1)
+                    lo = am.stride * xl + am.offset if am.stride != 1 else xl + am.offset
+                    hi = am.stride * (xh - 1) + am.offset + 1 if am.stride != 1 else xh + am.offset
             lo = np.minimum(np.maximum(lo, 0), size)  # clipped to the axis
             hi = np.maximum(np.minimum(hi, size), lo)
         out[:, :, a, 0] = np.where(active, lo, 0)

@@ -70,7 +70,7 @@ import numpy as np
 from shardplan.errors import TableMemoryError
 from shardplan.search.pairs import Pairs, incident_pairs, merge_pairs, reparametrise, view_key
 from shardplan.search.problem import Problem
-from shardplan.search.reduce import Reduction, make_reduction, orbits
+from shardplan.search.reduce import Reduction, make_reduction, orbits, sorted_union
 
 __all__ = ["BoundState", "ExactSolver", "bound_prune", "forest_bounds", "icm", "trws"]
 
@@ -445,7 +445,7 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
         if orbit is not None:  # equal vertices keep the union of their survivors (a superset: exact)
             union: dict[int, np.ndarray] = {}
             for v, ok in enumerate(pos):
-                union[orbit[v]] = np.union1d(union[orbit[v]], ok) if orbit[v] in union else ok
+                union[orbit[v]] = sorted_union(union[orbit[v]], ok) if orbit[v] in union else ok
             pos = [union[orbit[v]] for v in range(st.n)]
         dropped = sum(len(k) for k in keep) - sum(len(x) for x in pos)
         rounds += 1
