@@ -138,16 +138,45 @@ def _clip_to_read(bu: np.ndarray, bv: np.ndarray) -> np.ndarray:
     return out
 
 
+def _piece_blocks(ext: int, size: int, offset: int, c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """An offset axis ``index = x + offset`` (a concatenation piece) of ``size`` over a dim of extent ``ext``
+    split ``c`` ways (per layout or pattern): (even, split of the piece, shift, block length), each like ``c``.
+
+    Device block x covers ``[x b + offset, (x + 1) b + offset)`` with ``b = ext / c``, clipped to
+    ``[0, size)`` (:func:`~shardplan.cost.tiles.tensor_boxes`). With ``o = -offset`` the piece is
+    ``[o, o + size)`` of the dim. When ``b`` divides ``o`` and ``size``, device block x is block
+    ``y = x - o / b`` of the piece cut into ``size / b`` equal blocks if ``0 <= y < size / b``, and
+    nothing otherwise; when the piece lies inside one block ``x0 = o // b`` (unsplit, for instance), the
+    devices of block x0 hold all of it (``y = x - x0 = 0`` of a split of 1) and the others nothing.
+    Even: one of the two holds and the dim covers the whole piece (so the consumer's tiles read all of
+    it, and the backward region R of the module docstring is the tensor); the other values are
+    meaningless where not even.
+    """
+    whole = offset <= 0 and ext + offset >= size
+    o = -offset
+    b = np.maximum(ext // c, 1)
+    aligned = (ext % c == 0) & (o % b == 0) & (size % b == 0)
+    within = o // b == (o + size - 1) // b
+    even = (aligned | within) & whole
+    split = np.where(aligned, size // b, 1)
+    shift = -(o // b)
+    length = np.where(aligned, b, size)
+    return even, split, shift, length
+
+
 def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
     """Per axis: block pattern and block length per layout, and which layouts are even.
 
     Returns (splits (A, K), patterns (A, K, 2L), lengths (A, K), regular (K,),
-    blocked_by (A,)): ``blocked_by[a]`` is the index of the dim whose split and
-    pattern axis a has, or -1 where it is one block (unindexed, or an offset
-    or partial piece). An axis is regular when its core tile on every device is the block
+    blocked_by (A,), pieces (A,)): ``blocked_by[a]`` is the index of the dim whose split and
+    pattern axis a has, or -1 where it is one block (unindexed, or a windowed
+    partial piece). An axis is regular when its core tile on every device is the block
     ``x_d(q)`` (the device's tile coordinate along the axis's dim, which the
     pattern fixes: see :meth:`~shardplan.layout.LayoutArrays.patterns`) of
-    equal length (see :mod:`shardplan.cost.tiles`).
+    equal length (see :mod:`shardplan.cost.tiles`). ``pieces[a]`` is the offset of an
+    offset axis (a concatenation piece, a slice; None for the others): its
+    devices hold block ``x_d(q) + shift`` of the piece split (:func:`_piece_blocks`),
+    or nothing; ``lengths`` then holds the piece's block length.
     """
     configs = lay.splits
     k = len(configs)
@@ -160,6 +189,7 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
     lengths = np.zeros((n_ax, k), dtype=np.int64)
     regular = np.ones(k, dtype=bool)
     blocked_by = [-1] * n_ax
+    pieces: list[int | None] = [None] * n_ax
     for a, (am, size) in enumerate(zip(tensor.axes, tensor.shape)):
         if am.dim is None:
             lengths[a] = size
@@ -173,14 +203,18 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
         elif (am.window is not None or am.stride != 1) and not am.partial:
             lengths[a] = size // c
             regular &= size % c == 0
-        else:  # offset or partial access (concat piece, slice): regular only where unsplit and read whole
+        elif am.window is None and am.stride == 1:  # offset or partial access (concat piece, slice)
+            even, _, _, lengths[a] = _piece_blocks(ext[am.dim], size, am.offset, c)
+            regular &= even
+            pieces[a] = am.offset
+        else:  # a windowed partial piece: regular only where unsplit and read whole
             whole = am.offset <= 0 and ext[am.dim] + am.offset >= size
             lengths[a] = size
             splits[a] = 1
             pats[a] = 1
             blocked_by[a] = -1
             regular &= (c == 1) & whole
-    return splits, pats, lengths, regular, blocked_by
+    return splits, pats, lengths, regular, blocked_by, pieces
 
 
 @dataclass(frozen=True, eq=False)
@@ -242,8 +276,10 @@ class EdgeMemo:
         hit = self.entries.get(key)
         return hit[1] if hit is not None and hit[0] is lay else None
 
-    def put(self, key: tuple, lay: LayoutArrays, side: "_Side") -> None:
-        if self.room(side.act.nbytes + side.inv.nbytes + side.first.nbytes):  # blocks are counted per dim
+    def put(self, key: tuple, lay: LayoutArrays, side: "_Side", extra: int = 0) -> None:
+        """Keep ``side`` if there is room; ``extra``: bytes of its own block arrays (a dim's are counted once
+        per dim, a piece axis's shifted ones here)."""
+        if self.room(side.act.nbytes + side.inv.nbytes + side.first.nbytes + extra):
             self.entries[key] = (lay, side)
 
     def room(self, nbytes: int) -> bool:
@@ -261,12 +297,21 @@ def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | 
         hit = memo.get(key, lay)
         if hit is not None:
             return hit
-    splits, pats, lengths, regular, blocked_by = _axis_blocks(op, tensor, lay)
+    splits, pats, lengths, regular, blocked_by, pieces = _axis_blocks(op, tensor, lay)
     n_ax = len(tensor.axes)
     p_rows, p_inv, p_blocks = [], [], []
+    inside = []  # per piece axis: which devices hold a block of the piece (P, p), each layout's pattern (K,)
+    extra = 0
     for a in range(n_ax):
         if blocked_by[a] >= 0:  # the dim's patterns: the same for every tensor the dim blocks
             rows, inv, blocks = _dim_patterns(lay, blocked_by[a], memo)
+            if pieces[a] is not None:  # the block of the piece each device holds (-> its split), if any
+                am, size = tensor.axes[a], tensor.shape[a]
+                _, split, shift, _ = _piece_blocks(op.extents[am.dim], size, pieces[a], rows[:, 0])
+                blocks = blocks + shift[:, None]
+                inside.append(((blocks >= 0) & (blocks < split[:, None]), inv))  # (P, p), (K,)
+                rows = np.concatenate([split[:, None], rows[:, 1:]], axis=1)
+                extra += blocks.nbytes
         else:  # one block
             rows = np.concatenate([splits[a][:1, None], pats[a][:1]], axis=1)
             inv = np.zeros(len(lay), dtype=np.int64)
@@ -277,12 +322,15 @@ def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | 
     prods = lay.level_splits.prod(axis=2)  # (L, K): fixes the active devices
     key_rows = np.concatenate([np.asarray(p_inv, dtype=np.int64).reshape(n_ax, len(lay)), prods], axis=0).T
     groups, first, inv = unique_rows(key_rows)
-    act = _pack(lay.take(first).active(), words)
+    act = lay.take(first).active()
+    for held, pat in inside:  # a device outside the piece's blocks holds nothing of the tensor
+        act &= held[pat[first]]
+    act = _pack(act, words)
     uniq_len, _, len_inv = unique_rows(lengths.T)
     out = _Side(tuple(p_rows), tuple(p_inv), tuple(p_blocks), groups[:, :n_ax], first, inv, act, uniq_len, len_inv,
                 np.prod(lengths, axis=0), regular)
     if memo is not None:
-        memo.put(key, lay, out)
+        memo.put(key, lay, out, extra)
     return out
 
 
