@@ -230,7 +230,8 @@ class _Side:
     layout's group, ``act`` (G, W) the group's active devices as bit words.
     ``lengths``/``len_inv``: the distinct per-axis block lengths and each
     layout's; ``vol`` (K,) the block volume; ``regular`` (K,) whether every
-    axis is cut into equal blocks (see :func:`_axis_blocks`).
+    axis is cut into equal blocks (see :func:`_axis_blocks`). ``block_keys[a]``: what fixes
+    ``blocks[a]`` given the machine's levels (the pattern rows, and a piece's shifts), as bytes.
     """
 
     pats: tuple[np.ndarray, ...]
@@ -244,6 +245,7 @@ class _Side:
     len_inv: np.ndarray
     vol: np.ndarray
     regular: np.ndarray
+    block_keys: tuple[tuple, ...] = ()
 
 
 @dataclass
@@ -263,6 +265,7 @@ class EdgeMemo:
     entries: dict = field(default_factory=dict)
     dims: dict = field(default_factory=dict)  # (id(layouts), dim) -> (layouts, _dim_patterns(...))
     unions: dict = field(default_factory=dict)  # (id(layouts), level) -> (layouts, group_union(...)): small
+    masks: dict = field(default_factory=dict)  # (block keys of both sides, words) -> _pattern_masks(...)
 
     def union(self, lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray]:
         """:func:`group_union` of ``lay``, computed once per build (so its sides are memoised too)."""
@@ -299,10 +302,11 @@ def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | 
             return hit
     splits, pats, lengths, regular, blocked_by, pieces = _axis_blocks(op, tensor, lay)
     n_ax = len(tensor.axes)
-    p_rows, p_inv, p_blocks = [], [], []
+    p_rows, p_inv, p_blocks, p_keys = [], [], [], []
     inside = []  # per piece axis: which devices hold a block of the piece (P, p), each layout's pattern (K,)
     extra = 0
     for a in range(n_ax):
+        shifted = None
         if blocked_by[a] >= 0:  # the dim's patterns: the same for every tensor the dim blocks
             rows, inv, blocks = _dim_patterns(lay, blocked_by[a], memo)
             if pieces[a] is not None:  # the block of the piece each device holds (-> its split), if any
@@ -312,6 +316,7 @@ def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | 
                 inside.append(((blocks >= 0) & (blocks < split[:, None]), inv))  # (P, p), (K,)
                 rows = np.concatenate([split[:, None], rows[:, 1:]], axis=1)
                 extra += blocks.nbytes
+                shifted = shift.tobytes()
         else:  # one block
             rows = np.concatenate([splits[a][:1, None], pats[a][:1]], axis=1)
             inv = np.zeros(len(lay), dtype=np.int64)
@@ -319,6 +324,7 @@ def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | 
         p_rows.append(rows)
         p_inv.append(inv)
         p_blocks.append(blocks)
+        p_keys.append((rows.shape, rows.tobytes(), shifted))
     prods = lay.level_splits.prod(axis=2)  # (L, K): fixes the active devices
     key_rows = np.concatenate([np.asarray(p_inv, dtype=np.int64).reshape(n_ax, len(lay)), prods], axis=0).T
     groups, first, inv = unique_rows(key_rows)
@@ -328,7 +334,7 @@ def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | 
     act = _pack(act, words)
     uniq_len, _, len_inv = unique_rows(lengths.T)
     out = _Side(tuple(p_rows), tuple(p_inv), tuple(p_blocks), groups[:, :n_ax], first, inv, act, uniq_len, len_inv,
-                np.prod(lengths, axis=0), regular)
+                np.prod(lengths, axis=0), regular, tuple(p_keys))
     if memo is not None:
         memo.put(key, lay, out, extra)
     return out
@@ -347,12 +353,26 @@ def _dim_patterns(lay: LayoutArrays, j: int, memo: EdgeMemo | None) -> tuple[np.
     return out
 
 
-def _pattern_masks(su: _Side, sv: _Side, a: int, words: int) -> tuple[np.ndarray, np.ndarray]:
+def _pattern_masks(su: _Side, sv: _Side, a: int, words: int,
+                   memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray]:
     """For axis a: match bit-masks (Pu, Pv, words) uint64 and nesting flags (Pu, Pv) of every pattern pair.
 
     Device q holds block ``x(q)`` of the pattern. With nested splits, block i
     of the coarser layout contains block j of the finer one iff ``i == j // ratio``.
+    They depend on the two sides' block keys only (the same dims' patterns recur on many edges), so
+    ``memo`` keeps them per pair of keys.
     """
+    key = (su.block_keys[a], sv.block_keys[a], words) if memo is not None else None
+    if key is not None and key in memo.masks:
+        return memo.masks[key]
+    out = _match_masks(su, sv, a, words)
+    if key is not None and memo.room(out[0].nbytes + out[1].nbytes):
+        memo.masks[key] = out
+    return out
+
+
+def _match_masks(su: _Side, sv: _Side, a: int, words: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_pattern_masks`, computed."""
     pu, pv = su.pats[a], sv.pats[a]
     small = np.int16 if int(max(pu[:, 0].max(), pv[:, 0].max())) < 2**15 else np.int64
     bu = su.blocks[a].astype(small)  # (Pu, p)
@@ -392,7 +412,7 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
     m = su.act[:, None, :] & sv.act[None, :, :]  # (Gu, Gv, W)
     nested_all = np.ones((len(gu), len(gv)), dtype=bool)
     for a in range(len(t_in.axes)):
-        masks, nests = _pattern_masks(su, sv, a, words)
+        masks, nests = _pattern_masks(su, sv, a, words, memo)
         # the pattern pair of every group pair, as one flat index into the (Pu, Pv) tables
         pair = gu[:, a][:, None] * masks.shape[1] + gv[:, a][None, :]
         m &= masks.reshape(-1, words).take(pair, axis=0)
