@@ -78,7 +78,7 @@ from functools import cached_property
 import numpy as np
 
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
-from shardplan.cost.tiles import as_layouts, box_volumes, regular_tile_lengths, tensor_boxes
+from shardplan.cost.tiles import as_layouts, box_volumes, lazy_grid, regular_tile_lengths, tensor_boxes
 from shardplan.layout import LayoutArrays, flat_layout_arrays, unique_rows
 from shardplan.ir import Operator
 from shardplan.machine import Machine
@@ -184,13 +184,18 @@ class _CanonicalBoxes:
         self.op, self.configs, self.p = op, configs, p
         self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._boxes: dict[tuple[int, bool], np.ndarray] = {}
+        self._grids: dict[int, tuple] = {}
 
     def boxes(self, t, core: bool) -> tuple[np.ndarray, np.ndarray]:
         if id(t) not in self._rows:
             self._rows[id(t)] = distinct_splits(self.op, t, self.configs)
         rows, inv = self._rows[id(t)]
         if (id(t), core) not in self._boxes:
-            self._boxes[(id(t), core)] = tensor_boxes(self.op, t, flat_layout_arrays(rows, self.p), self.p, core=core)
+            if id(t) not in self._grids:  # the canonical layouts, shared by the owned and the read tiles
+                lay = flat_layout_arrays(rows, self.p)
+                self._grids[id(t)] = (lay, lazy_grid(lay))
+            lay, lazy = self._grids[id(t)]
+            self._boxes[(id(t), core)] = tensor_boxes(self.op, t, lay, self.p, core=core, lazy=lazy)
         return self._boxes[(id(t), core)], inv
 
     def max_tile(self, t, core: bool = True) -> np.ndarray:
