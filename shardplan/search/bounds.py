@@ -369,8 +369,9 @@ def _restricted_incumbent(st: BoundState, lbs: list[np.ndarray], ub: float, max_
     sub = BoundState(st.n, [c[k] for c, k in zip(st.unary, pos)],
                      {(u, w): _take2(m, pos[u], pos[w]) for (u, w), m in st.pairs.items()})
     keys = sorted(sub.pairs)
-    p = Problem(names=tuple(str(v) for v in range(st.n)), configs=tuple(tuple((j,) for j in range(len(k))) for k in pos),
-                vertex_cost=tuple(sub.unary), edges=tuple(keys), edge_cost=tuple(sub.pairs[k] for k in keys))
+    p = Problem.derived(names=tuple(str(v) for v in range(st.n)),
+                        configs=tuple(tuple((j,) for j in range(len(k))) for k in pos),
+                        vertex_cost=tuple(sub.unary), edges=tuple(keys), edge_cost=tuple(sub.pairs[k] for k in keys))
     try:
         assignment = exact_solver(p, int(max_entries) * 8)
     except TableMemoryError:  # too large: no incumbent from here

@@ -167,6 +167,25 @@ class Problem:
             object.__setattr__(self, "dims", tuple(tuple(d) for d in self.dims))
         object.__setattr__(self, "index", {nm: i for i, nm in enumerate(names)})
 
+    @classmethod
+    def derived(cls, names: tuple[str, ...], configs: tuple[tuple[tuple[int, ...], ...], ...],
+                vertex_cost: tuple[np.ndarray, ...], edges: tuple[tuple[int, int], ...],
+                edge_cost: tuple[np.ndarray, ...], dims: tuple[tuple[str, ...], ...] | None = None) -> "Problem":
+        """A problem made by the solvers from a checked one, without checking it again.
+
+        For restrictions, merged edges and folded vertex costs of a :class:`Problem` that passed
+        :meth:`__post_init__`: the values are already in its normal form (tuples of Python ints,
+        float64 arrays of the right shapes, unique names), every entry is a sum of its finite,
+        non-negative entries (finite: their total is), so the checks would pass and would change
+        nothing; the arrays are kept as they are (shared arrays stay shared).
+        """
+        out = object.__new__(cls)
+        for name, value in (("names", names), ("configs", configs), ("vertex_cost", tuple(vertex_cost)),
+                            ("edges", tuple(edges)), ("edge_cost", tuple(edge_cost)), ("dims", dims),
+                            ("index", {nm: i for i, nm in enumerate(names)})):
+            object.__setattr__(out, name, value)
+        return out
+
     @property
     def num_vertices(self) -> int:
         return len(self.names)

@@ -94,7 +94,7 @@ def make_reduction(problem: Problem, keep: list[np.ndarray], unary: list[np.ndar
         configs_list.append(shared[ck])
     configs = tuple(configs_list)
     keys = sorted(pairs)
-    reduced = Problem(
+    reduced = Problem.derived(
         names=problem.names,
         configs=configs,
         vertex_cost=tuple(unary),
@@ -285,7 +285,7 @@ def symmetric_reduction(problem: Problem, keep: Sequence[np.ndarray], stats: dic
             cache[ck] = np.ascontiguousarray(m[np.ix_(union[orb[u]], union[orb[w]])])
         pairs[(u, w)] = cache[ck]
     keys = sorted(pairs)
-    reduced = Problem(
+    reduced = Problem.derived(
         names=problem.names,
         configs=tuple(configs_of[o] for o in orb),
         vertex_cost=tuple(unary_of[o] for o in orb),
