@@ -27,10 +27,13 @@ axis by axis, one split divides the other (nested blocks), a device's
 overlap is either the smaller block on every axis or nothing. The edge
 then needs only, per pair of configurations, whether *every* device has
 the matching block: one 64-bit mask per device word and axis, ANDed
-across axes. Pairs outside that case (uneven blocks, concatenation
-pieces, splits that do not nest) take the general path: the pairwise
-box intersection over (K_u, K_v, p), in chunks, one axis at a time. Both
-give the same numbers where both apply (tested).
+across axes. A concatenation piece (an offset axis) is in that case where
+the consumer's blocks along the joined dim tile the piece, or one block
+holds all of it: a device then holds one block of the piece, split
+accordingly, or nothing (:func:`_piece_blocks`). Pairs outside these cases
+(uneven blocks, pieces cut unevenly, splits that do not nest) take the
+general path: the pairwise box intersection over (K_u, K_v, p), in chunks,
+one axis at a time. Both give the same numbers where both apply (tested).
 """
 
 from __future__ import annotations
