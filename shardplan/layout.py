@@ -523,5 +523,13 @@ def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         u, first, inv = np.unique(rows, axis=0, return_index=True, return_inverse=True)
         return u, first, inv.reshape(-1)
     code = (rows - lo) @ np.asarray(weights, dtype=np.int64) if m > 1 else rows[:, 0] - lo[0]
-    _, first, inv = np.unique(code, return_index=True, return_inverse=True)
-    return rows[first], first, inv.reshape(-1)
+    # what np.unique(code, return_index=True, return_inverse=True) computes, without its wrappers
+    perm = code.argsort(kind="mergesort")  # stable: the first occurrence of each code comes first
+    aux = code[perm]
+    new = np.empty(k, dtype=bool)
+    new[0] = True
+    np.not_equal(aux[1:], aux[:-1], out=new[1:])
+    first = perm[new]
+    inv = np.empty(k, dtype=np.intp)
+    inv[perm] = np.cumsum(new) - 1
+    return rows[first], first, inv

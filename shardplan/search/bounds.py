@@ -366,6 +366,8 @@ def _restricted_incumbent(st: BoundState, lbs: list[np.ndarray], ub: float, max_
         if len(ok) > max_per_vertex:
             ok = ok[np.argsort(x[ok], kind="stable")[:max_per_vertex]]
         pos.append(np.sort(ok))
+    if all(len(k) == 1 for k in pos):  # one candidate each: the only assignment is the optimum
+        return np.array([int(k[0]) for k in pos], dtype=np.int64)
     sub = BoundState(st.n, [c[k] for c, k in zip(st.unary, pos)],
                      {(u, w): _take2(m, pos[u], pos[w]) for (u, w), m in st.pairs.items()})
     keys = sorted(sub.pairs)

@@ -121,6 +121,14 @@ def _collapse(unary: np.ndarray, blocks: list[np.ndarray], rng: np.random.Genera
     return np.flatnonzero(rep == np.arange(len(rep)))
 
 
+def _single(blocks: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
+    """:func:`_collapse` of a vertex with one configuration: it stays. Draws what :func:`_collapse` would
+    (its projection vectors), so that the random stream, and with it every later hash, is unchanged."""
+    for b in blocks:
+        rng.standard_normal(b.shape[1])
+    return np.zeros(1, dtype=np.int64)
+
+
 def _distinct_columns(block: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """``block`` without exactly repeated columns (they add nothing to a dominance test)."""
     if block.shape[1] <= 1:
@@ -202,7 +210,7 @@ def reduce_problem(problem: Problem, dominance: bool = True, max_passes: int = 5
             if hit is not None and _all_equal(hit[0], ins):
                 pos = hit[1]
             else:
-                pos = _collapse(unary[v], blocks, rng)
+                pos = _collapse(unary[v], blocks, rng) if len(unary[v]) > 1 else _single(blocks, rng)
                 if dominance and len(pos) > 1:
                     sub = _undominated(unary[v][pos], [_distinct_columns(b[pos], rng) for b in blocks])
                     pos = pos[sub]
