@@ -152,10 +152,11 @@ def tensor_boxes(op: Operator, tensor: Tensor, configs, p: int, core: bool = Tru
                 else:  # the same with the window's block [0, 1)
                     lo = am.stride * xl + am.offset if am.stride != 1 else xl + am.offset
                     hi = am.stride * (xh - 1) + am.offset + 1 if am.stride != 1 else xh + am.offset
-            lo = np.minimum(np.maximum(lo, 0), size)  # clipped to the axis
-            hi = np.maximum(np.minimum(hi, size), lo)
-        out[:, :, a, 0] = np.where(active, lo, 0)
-        out[:, :, a, 1] = np.where(active, hi, 0)
+            # clipped to the axis (in place: lo and hi are new arrays here)
+            np.minimum(np.maximum(lo, 0, out=lo), size, out=lo)
+            np.maximum(np.minimum(hi, size, out=hi), lo, out=hi)
+        np.copyto(out[:, :, a, 0], lo, where=active)  # idle devices keep the empty box [0, 0)
+        np.copyto(out[:, :, a, 1], hi, where=active)
     return out
 
 
