@@ -427,6 +427,10 @@ class LayoutArrays:
 
     def active(self) -> np.ndarray:
         """(K, p): devices that hold a tile."""
+        if len(self.levels) == 1:  # device q's position is q: the first floor(p / prod) whole grids work
+            p = self.levels[0]
+            prod = self.level_splits[0].prod(axis=1)
+            return np.arange(p, dtype=np.int64)[None, :] < ((p // prod) * prod)[:, None]
         pos = self.level_positions()
         prod = self.level_splits.prod(axis=2)  # (L, K)
         reps = np.asarray(self.levels, dtype=np.int64)[:, None] // prod

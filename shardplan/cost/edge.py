@@ -167,7 +167,7 @@ def _piece_blocks(ext: int, size: int, offset: int, c: np.ndarray) -> tuple[np.n
     return even, split, shift, length
 
 
-def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
+def _axis_blocks(op: Operator, tensor, lay: LayoutArrays, patterns: bool = True):
     """Per axis: block pattern and block length per layout, and which layouts are even.
 
     Returns (splits (A, K), patterns (A, K, 2L), lengths (A, K), regular (K,),
@@ -179,7 +179,8 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
     equal length (see :mod:`shardplan.cost.tiles`). ``pieces[a]`` is the offset of an
     offset axis (a concatenation piece, a slice; None for the others): its
     devices hold block ``x_d(q) + shift`` of the piece split (:func:`_piece_blocks`),
-    or nothing; ``lengths`` then holds the piece's block length.
+    or nothing; ``lengths`` then holds the piece's block length. ``patterns=False`` leaves the
+    patterns of blocked axes at 1 (for callers that take them per dim instead).
     """
     configs = lay.splits
     k = len(configs)
@@ -199,7 +200,9 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
             continue
         j = names.index(am.dim)
         c = configs[:, j]
-        splits[a], pats[a] = c, lay.patterns(j)
+        splits[a] = c
+        if patterns:
+            pats[a] = lay.patterns(j)
         blocked_by[a] = j
         if am.inner or am.is_plain:
             lengths[a] = size // c
@@ -303,7 +306,7 @@ def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | 
         hit = memo.get(key, lay)
         if hit is not None:
             return hit
-    splits, pats, lengths, regular, blocked_by, pieces = _axis_blocks(op, tensor, lay)
+    splits, pats, lengths, regular, blocked_by, pieces = _axis_blocks(op, tensor, lay, patterns=False)
     n_ax = len(tensor.axes)
     p_rows, p_inv, p_blocks, p_keys = [], [], [], []
     inside = []  # per piece axis: which devices hold a block of the piece (P, p), each layout's pattern (K,)

@@ -287,9 +287,9 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
         need, inv = canon.boxes(t, core=False)
         core, _ = canon.boxes(t, core=True)
         # read but not owned: |need| - |need ∩ core| (a strided window's reads can be shifted off the owned rows)
-        both = np.stack([np.maximum(need[..., 0], core[..., 0]), np.minimum(need[..., 1], core[..., 1])], axis=-1)
-        both[..., 1] = np.maximum(both[..., 1], both[..., 0])
-        extra = (box_volumes(need) - box_volumes(both)).max(axis=1)[inv] * t.elem_factor * nbytes
+        both = np.minimum(need[..., 1], core[..., 1]) - np.maximum(need[..., 0], core[..., 0])  # per axis
+        both = np.maximum(both, 0, out=both).prod(axis=-1)  # |need ∩ core| (an empty range counts 0)
+        extra = (box_volumes(need) - both).max(axis=1)[inv] * t.elem_factor * nbytes
         times = 2 if t.needs_grad else 1
         halo = halo + times * p2p_time(extra, machine, neighbour_level)
         sent = sent + times * extra
