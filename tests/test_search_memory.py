@@ -31,12 +31,14 @@ def memory_problem(seed: int, tight: float) -> MemoryProblem:
     return MemoryProblem(p, tuple(base), tuple(cost), tuple(mem), budget=budget, fixed=3.0)
 
 
+@pytest.mark.parametrize("mode", [{}, {"separable": 0}, {"separable": 0, "mix": False},
+                                  {"fix_iters": -1, "separable": 2}])
 @pytest.mark.parametrize("seed", range(60))
-def test_memory_search_matches_bruteforce(seed):
+def test_memory_search_matches_bruteforce(seed, mode):
     tight = (0.0, 0.3, 0.7, 0.95)[seed % 4]
     mp = memory_problem(seed, tight)
     ref = solve_memory_bruteforce(mp)
-    sol = solve_memory(mp)
+    sol = solve_memory(mp, **mode)
     f, m = mp.evaluate(sol.assignment)
     assert sol.optimal and m <= mp.budget
     assert f == pytest.approx(ref.cost, abs=1e-9)
@@ -78,7 +80,7 @@ def test_infeasible_budget_names_least_memory():
 def test_stopped_search_reports_bound_and_gap(seed):
     mp = memory_problem(seed, 0.5)
     ref = solve_memory_bruteforce(mp)
-    sol = solve_memory(mp, max_nodes=1)
+    sol = solve_memory(mp, max_nodes=1, separable=0, mix=False)
     f, m = mp.evaluate(sol.assignment)
     assert not sol.optimal and sol.stats["status"] == "stopped at the node limit 1"
     assert m <= mp.budget and f > ref.cost and sol.bound < ref.cost
@@ -102,3 +104,54 @@ def test_bad_memory_problem_input():
         MemoryProblem.from_problem(p, [np.full(k, -1.0) for k in p.sizes], budget=10)
     with pytest.raises(ShardplanError, match="budget"):
         MemoryProblem.from_problem(p, [np.zeros(k) for k in p.sizes], budget=float("nan"))
+
+
+def test_separable_root_is_solved_without_branching():
+    # brute force enumerates at most 10**6 assignments, so every component here has at most that many
+    for seed in range(20):
+        mp = memory_problem(seed, 0.5)
+        ref = solve_memory_bruteforce(mp)
+        sol = solve_memory(mp, fix_iters=-1, max_nodes=1, separable=10**6)
+        assert sol.optimal and sol.cost == pytest.approx(ref.cost, abs=1e-9), seed
+        assert sol.stats["nodes"] == 1
+
+
+def identical_chain(n: int, budget: float) -> MemoryProblem:
+    """n identical vertices in a chain, two configurations each, edges that cost 0 between equal ones and 1
+    otherwise; each configuration has a fast big choice and a slow small one (recompute-like):
+    config 0: (cost 0, 10 B) or (1, 4 B); config 1: (0.5, 6 B) or (2, 1 B)."""
+    from shardplan.search.problem import Problem
+
+    edge = np.array([[0.0, 1.0], [1.0, 0.0]])
+    p = Problem(names=tuple(f"v{i}" for i in range(n)), configs=tuple(((0,), (1,)) for _ in range(n)),
+                vertex_cost=tuple(np.zeros(2) for _ in range(n)), edges=tuple((i, i + 1) for i in range(n - 1)),
+                edge_cost=tuple(edge for _ in range(n - 1)))
+    base = tuple(np.array([0, 0, 1, 1]) for _ in range(n))
+    cost = tuple(np.array([0.0, 1.0, 0.5, 2.0]) for _ in range(n))
+    mem = tuple(np.array([10.0, 4.0, 6.0, 1.0]) for _ in range(n))
+    return MemoryProblem(p, base, cost, mem, budget=budget)
+
+
+@pytest.mark.parametrize("n,budget", [(6, 41.0), (8, 61.0), (10, 47.0), (9, 29.0)])
+def test_identical_chain_against_bruteforce(n, budget):
+    # (plain branch-and-bound, separable=0, does not finish n = 12 in a minute: each branch on one block
+    # leaves the dual bound of the others unchanged)
+    mp = identical_chain(n, budget)
+    ref = solve_memory_bruteforce(mp, max_combinations=4**10)
+    for mode in ({}, {"fix_iters": -1}):
+        sol = solve_memory(mp, **mode)
+        assert sol.optimal and sol.cost == pytest.approx(ref.cost, abs=1e-12), mode
+
+
+def test_mix_finds_the_knapsack_optimum_of_identical_blocks_at_the_root():
+    # 40 blocks whose config 1 is dominated (3 s more, same memory, and a change of config costs an edge):
+    # the optimum keeps config 0 and takes the slow small choice (1 s, saves 6 B) in ceil((400 - 251) / 6)
+    # = 25 blocks: 25 s at 250 B; the dual bound is 149 / 6 s. No brute force at this size.
+    mp = identical_chain(40, 251.0)
+    mp = MemoryProblem(mp.problem, mp.base, tuple(np.array([0.0, 1.0, 3.0, 4.0]) for _ in mp.cost),
+                       tuple(np.array([10.0, 4.0, 10.0, 4.0]) for _ in mp.memory), budget=251.0)
+    plain = solve_memory(mp, max_nodes=1, separable=0, mix=False)
+    mixed = solve_memory(mp, max_nodes=1, separable=0)
+    assert mixed.cost == 25.0 and mixed.stats["memory_bytes"] == 250.0
+    assert plain.cost > mixed.cost and mixed.bound == pytest.approx(149 / 6)
+    assert solve_memory(mp).optimal and solve_memory(mp).cost == 25.0

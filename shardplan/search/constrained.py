@@ -50,6 +50,22 @@ nodes (the incumbent when none is left): when the search stops at its time
 or node limit, the answer carries that bound and the gap; with no open node
 it is the proven optimum.
 
+*Incumbents by mixing.* When a node's dual ends with an infeasible ``a+``
+and a feasible ``a-`` (both Lagrangian optima at the final λ), the best
+plan that takes each vertex's choice from one of the two is found exactly
+(:func:`_mix`): the vertices where they differ fall into connected groups
+that are independent of each other, so this is a small knapsack. On a chain
+of identical blocks the duality gap is mostly integrality (``a+`` and ``a-``
+differ in the same vertex of every block), and this plan lies within about
+one block's step of the bound (GPT-3 175B: from 0.3 % to 0.003 %).
+
+*Separable nodes* are solved, not branched (:func:`_separable`): when the
+vertices whose allowed choices use more than one configuration form small
+connected groups, F and M are sums over independent items (each group's
+assignments, each other vertex's choices) and the node's optimum is an exact
+multiple-choice knapsack over Pareto fronts. Reduced-cost fixing (below)
+makes nodes separable as the incumbent approaches the bound.
+
 Exactness rests on the DP being exact on each Lagrangian problem; costs and
 memory are compared with a relative tolerance of ``rtol`` (1e-9) only to
 decide ties.
@@ -182,6 +198,7 @@ class _Ctx:
     solves: int = 0
     best: _Point | None = None
     dp_seconds: float = 0.0
+    mix: bool = True
 
     def offer(self, pt: _Point) -> None:
         if pt.m <= self.mp.budget and (self.best is None or pt.f < self.best.f):
@@ -326,6 +343,8 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
             plus = pt
         else:
             minus = pt
+    if ctx.mix and plus.m > B:
+        _mix(ctx, allowed, plus, minus)
     bound = min(bound, minus.f) if minus.m <= B else bound
     return _Eval(bound, minus.m <= B and bound >= minus.f, plus, minus, lam, it)
 
@@ -362,6 +381,195 @@ def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, it
     return out
 
 
+def _front_merge(front_m: np.ndarray, front_c: np.ndarray, opt_m: np.ndarray, opt_c: np.ndarray,
+                 cap_m: float, cap_c: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pareto front of {front point + option}: memory <= cap_m, cost < cap_c; with back-pointers.
+
+    Returns (memory, cost, index into the front, index into the options), sorted
+    by memory ascending with cost strictly decreasing (each kept point is the
+    cheapest at its memory and cheaper than every point using less).
+    """
+    m = (front_m[:, None] + opt_m[None, :]).ravel()
+    c = (front_c[:, None] + opt_c[None, :]).ravel()
+    ok = np.flatnonzero((m <= cap_m) & (c < cap_c))
+    order = ok[np.lexsort((c[ok], m[ok]))]
+    cs = c[order]
+    run = np.minimum.accumulate(cs)
+    keep = np.ones(len(order), dtype=bool)
+    keep[1:] = cs[1:] < run[:-1]
+    order = order[keep]
+    return m[order], c[order], order // len(opt_m), order % len(opt_m)
+
+
+@dataclass
+class _Item:
+    """A part of a separable node: its vertices and, per option, their choices, cost and memory."""
+
+    vertices: tuple[int, ...]
+    choices: np.ndarray  # (options, len(vertices)) choice indices
+    cost: np.ndarray
+    memory: np.ndarray
+
+
+def _component_item(mp: MemoryProblem, comp: list[int], allowed: Sequence[np.ndarray], config: np.ndarray,
+                    incident: dict[int, list[int]], max_options: int) -> _Item | None:
+    """Every assignment of ``comp``'s allowed choices, with its cost (own and incident edges) and memory.
+
+    ``config[u]`` is the configuration of every vertex outside the multi-configuration set
+    (the only one its allowed choices use), so each edge leaving ``comp`` has a known far end.
+    Returns None when the assignments number more than ``max_options``.
+    """
+    p = mp.problem
+    idx = [np.flatnonzero(allowed[v]) for v in comp]
+    total = 1
+    for i in idx:
+        total *= len(i)
+        if total > max_options:
+            return None
+    digits = np.unravel_index(np.arange(total), [len(i) for i in idx])
+    pos = {v: k for k, v in enumerate(comp)}
+    ch = [i[d] for i, d in zip(idx, digits)]
+    cost = np.zeros(total)
+    mem = np.zeros(total)
+    for k, v in enumerate(comp):
+        cost += mp.cost[v][ch[k]]
+        mem += mp.memory[v][ch[k]]
+    seen: set[int] = set()
+    for v in comp:
+        for e in incident.get(v, ()):
+            if e in seen:
+                continue
+            seen.add(e)
+            s, d = p.edges[e]
+            mat = p.edge_cost[e]
+            rs = mp.base[s][ch[pos[s]]] if s in pos else np.full(total, config[s])
+            cd = mp.base[d][ch[pos[d]]] if d in pos else np.full(total, config[d])
+            cost += mat[rs, cd]
+    return _Item(tuple(comp), np.stack(ch, axis=1), cost, mem)
+
+
+def _separable(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, max_options: int = 4096,
+               max_front: int = 200_000) -> tuple[bool, float]:
+    """Exact optimum over ``allowed`` when it decomposes into small independent parts (else gives up).
+
+    Let V* be the vertices whose allowed choices use more than one
+    configuration. Every edge with both ends outside V* costs a constant; the
+    connected components of V* (edges with both ends in V*) interact with the
+    rest only through edges whose far end has one configuration. So F and M
+    are sums over *items*: each component (all its allowed assignments
+    enumerated, with the edges incident to it) and each other vertex with
+    several allowed choices (they differ in own cost and memory only), plus a
+    constant. The minimum of a sum of items under a memory cap is an exact
+    multiple-choice knapsack, solved by merging Pareto fronts (memory up,
+    cost strictly down) item by item, dropping points over the budget (with
+    the least memory of the items still to come) or not below ``cutoff``
+    (with their least cost). The optimum, if below the cutoff, is offered to
+    the incumbent.
+
+    Returns (done, value): done is False when a component has more than
+    ``max_options`` assignments or a front more than ``max_front`` points (nothing is proven);
+    otherwise value is the optimum over ``allowed`` (inf when none is below the cutoff or fits).
+    """
+    mp = ctx.mp
+    p = mp.problem
+    n = p.num_vertices
+    if not all(ok.any() for ok in allowed):
+        return True, np.inf
+    multi = np.zeros(n, dtype=bool)
+    config = np.full(n, -1, dtype=np.int64)
+    for v in range(n):
+        b = mp.base[v][allowed[v]]
+        if (b != b[0]).any():
+            multi[v] = True
+        else:
+            config[v] = b[0]
+    incident: dict[int, list[int]] = {}
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    const_c = 0.0
+    for e, (s, d) in enumerate(p.edges):
+        if multi[s] or multi[d]:
+            for v in (s, d):
+                if multi[v]:
+                    incident.setdefault(v, []).append(e)
+            if multi[s] and multi[d]:
+                parent[find(s)] = find(d)
+        else:
+            const_c += float(p.edge_cost[e][config[s], config[d]])
+    comps: dict[int, list[int]] = {}
+    items: list[_Item] = []
+    const_m = mp.fixed
+    chosen = np.zeros(n, dtype=np.int64)
+    for v in range(n):
+        if multi[v]:
+            comps.setdefault(find(v), []).append(v)
+            continue
+        j = np.flatnonzero(allowed[v])
+        if len(j) == 1:
+            chosen[v] = j[0]
+            const_c += float(mp.cost[v][j[0]])
+            const_m += float(mp.memory[v][j[0]])
+        else:
+            items.append(_Item((v,), j[:, None], mp.cost[v][j], mp.memory[v][j]))
+    for comp in comps.values():
+        item = _component_item(mp, comp, allowed, config, incident, max_options)
+        if item is None:
+            return False, np.nan
+        items.append(item)
+    # each item's own Pareto front (memory up, cost strictly down) before merging
+    for k, it in enumerate(items):
+        m, c, _, j = _front_merge(np.zeros(1), np.zeros(1), it.memory, it.cost, np.inf, np.inf)
+        items[k] = _Item(it.vertices, it.choices[j], c, m)
+    least_m = np.array([it.memory.min() for it in items]) if items else np.zeros(0)
+    least_c = np.array([it.cost.min() for it in items]) if items else np.zeros(0)
+    rest_m = np.concatenate([np.cumsum(least_m[::-1])[::-1], [0.0]])
+    rest_c = np.concatenate([np.cumsum(least_c[::-1])[::-1], [0.0]])
+    front_m, front_c = np.array([const_m]), np.array([const_c])
+    back: list[tuple[np.ndarray, np.ndarray]] = []
+    for k, it in enumerate(items):
+        front_m, front_c, fi, oi = _front_merge(front_m, front_c, it.memory, it.cost,
+                                                mp.budget - rest_m[k + 1], cutoff - rest_c[k + 1])
+        if len(front_m) == 0:
+            return True, np.inf
+        if len(front_m) > max_front:
+            return False, np.nan
+        back.append((fi, oi))
+    best = int(np.argmin(front_c))
+    value = float(front_c[best])
+    at = best
+    for k in range(len(items) - 1, -1, -1):
+        fi, oi = back[k]
+        chosen[list(items[k].vertices)] = items[k].choices[oi[at]]
+        at = int(fi[at])
+    f, m = mp.evaluate(chosen)
+    if m > mp.budget:  # the front's sums and the evaluation round differently: prove nothing
+        return False, np.nan
+    ctx.offer(_Point(f, m, tuple(int(x) for x in chosen)))
+    return True, f
+
+
+def _mix(ctx: _Ctx, allowed: Sequence[np.ndarray], plus: _Point, minus: _Point) -> None:
+    """Offer the best plan made of the two bracketing points' choices (each vertex one of its two).
+
+    Where the points differ, connected groups of differing vertices are
+    independent items (two options each when they differ in configuration
+    only at separated places, e.g. one per identical layer), and the best
+    combination under the budget is the exact knapsack of :func:`_separable`
+    over that restricted set: a feasible plan near the dual bound when the
+    gap is the integrality of many small identical steps.
+    """
+    both = [np.zeros(len(ok), dtype=bool) for ok in allowed]
+    for v, (i, j) in enumerate(zip(plus.choices, minus.choices)):
+        both[v][[i, j]] = True
+    _separable(ctx, both, np.inf)
+
+
 def _branch(mp: MemoryProblem, node: _Node, ev: _Eval) -> list[_Node]:
     plus, minus = ev.plus, ev.minus
     assert plus is not None and minus is not None
@@ -382,7 +590,7 @@ def _branch(mp: MemoryProblem, node: _Node, ev: _Eval) -> list[_Node]:
 
 def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int = 100_000, rtol: float = 1e-9,
                  max_dual_iters: int = 60, upper: float = np.inf, fix_iters: int = 5,
-                 dp: Callable[[Problem], Solution] | None = None, **dp_options: Any) -> Solution:
+                 separable: int = 4096, mix: bool = True, dp: Callable[[Problem], Solution] | None = None, **dp_options: Any) -> Solution:
     """Minimum F subject to M <= budget (see the module docstring), exact unless stopped.
 
     Parameters:
@@ -397,6 +605,11 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
             answer is optimal only if it is below ``upper`` (``stats["beats_upper"]``).
         fix_iters: TRW-S sweeps of the reduced-cost fixing at each branching node
             (see :func:`_fix`); -1 turns fixing off.
+        separable: a node whose allowed choices split into independent parts of at
+            most this many assignments each is solved exactly by a knapsack over
+            them (:func:`_separable`) instead of being branched; 0 turns that off.
+        mix: after each node's dual, offer the best plan mixing its two bracketing
+            points (:func:`_mix`; a heuristic for the incumbent, exactness does not rest on it).
         dp: the exact unconstrained solver (default :func:`~shardplan.search.dp.solve_dp`
             with ``dp_options``).
 
@@ -421,7 +634,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     least = mp.least_memory()
     if least > mp.budget:
         raise ShardplanError(infeasible_message(least, mp.budget))
-    ctx = _Ctx(mp, dp, rtol)
+    ctx = _Ctx(mp, dp, rtol, mix=mix)
     root = _Node([np.ones(k, dtype=bool) for k in mp.num_choices], -np.inf)
     heap: list[tuple[float, int, _Node]] = [(root.bound, 0, root)]
     counter, nodes = 1, 0
@@ -430,7 +643,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     def incumbent() -> float:
         return min(ctx.best.f if ctx.best is not None else np.inf, upper)
 
-    fixed = 0
+    fixed = closed_separable = 0
     while heap:
         bound, _, node = heap[0]
         inc = incumbent()
@@ -455,10 +668,15 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
         inc = incumbent()
         if ev.closed or ev.bound >= inc - rtol * abs(inc):
             continue
+        allowed = node.allowed
         if fix_iters >= 0:
             allowed = _fix(ctx, node.allowed, ev.lam, inc - rtol * abs(inc), fix_iters)
             if not all(ok.any() for ok in allowed):
                 continue
+        if separable > 0 and _separable(ctx, allowed, inc - rtol * abs(inc), separable)[0]:
+            closed_separable += 1  # solved exactly: its best (if below the incumbent) was offered
+            continue
+        if fix_iters >= 0:
             dropped = sum(int(a.sum()) for a in node.allowed) - sum(int(a.sum()) for a in allowed)
             if dropped:
                 fixed += dropped
@@ -477,7 +695,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     gap = 0.0 if optimal else ((best.f - lower) / abs(best.f) if best.f else float(lower < best.f))
     stats = {"memory_bytes": best.m, "budget_bytes": mp.budget, "least_memory_bytes": least,
              **root_stats, "gap": gap, "nodes": nodes, "open_nodes": len(heap), "dp_solves": ctx.solves,
-             "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "beats_upper": best.f < upper, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
+             "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "separable_nodes": closed_separable, "beats_upper": best.f < upper, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
                         else "proven: nothing below upper")}
     return Solution(cost=best.f, assignment=best.choices, solve_seconds=time.perf_counter() - t0,
                     solver="memory-bb", optimal=optimal, bound=float(lower), stats=stats)
