@@ -138,7 +138,7 @@ def test_identical_chain_against_bruteforce(n, budget):
     # leaves the dual bound of the others unchanged)
     mp = identical_chain(n, budget)
     ref = solve_memory_bruteforce(mp, max_combinations=4**10)
-    for mode in ({}, {"fix_iters": -1}):
+    for mode in ({}, {"fix_iters": 20}):
         sol = solve_memory(mp, **mode)
         assert sol.optimal and sol.cost == pytest.approx(ref.cost, abs=1e-12), mode
 
@@ -153,5 +153,20 @@ def test_mix_finds_the_knapsack_optimum_of_identical_blocks_at_the_root():
     plain = solve_memory(mp, max_nodes=1, separable=0, mix=False)
     mixed = solve_memory(mp, max_nodes=1, separable=0)
     assert mixed.cost == 25.0 and mixed.stats["memory_bytes"] == 250.0
-    assert plain.cost > mixed.cost and mixed.bound == pytest.approx(149 / 6)
-    assert solve_memory(mp).optimal and solve_memory(mp).cost == 25.0
+    assert plain.cost > mixed.cost
+    # every memory step is a multiple of 6 B over the least 160 B, so M <= 251 means M <= 250: the dual
+    # bound at lam = 1/6 s/B becomes 150 / 6 = 25 s, the optimum, proven at the root
+    assert mixed.optimal and mixed.bound == 25.0 and mixed.stats["nodes"] == 1
+
+
+def test_lattice_budget():
+    from shardplan.search.constrained import _lattice_budget
+
+    mp = identical_chain(5, 37.0)  # memory 10, 4, 6, 1 per block: steps of 1 B, nothing to tighten
+    full = [np.ones(4, dtype=bool)] * 5
+    assert _lattice_budget(mp, full) == 37.0
+    only = [np.array([True, True, False, False])] * 5  # 10 or 4: least 20, steps of 6 -> 20 + 6 * 2 = 32
+    assert _lattice_budget(mp, only) == 32.0
+    frac = MemoryProblem(mp.problem, mp.base, mp.cost, tuple(np.array([0.75, 0.25, 0.5, 0.0]) for _ in range(5)),
+                         budget=1.2, fixed=0.1)  # steps of 0.25 over 0.1: 1.1
+    assert _lattice_budget(frac, full) == pytest.approx(1.1) and _lattice_budget(frac, full) >= 1.1

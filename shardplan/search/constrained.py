@@ -59,6 +59,13 @@ of identical blocks the duality gap is mostly integrality (``a+`` and ``a-``
 differ in the same vertex of every block), and this plan lies within about
 one block's step of the bound (GPT-3 175B: from 0.3 % to 0.003 %).
 
+*Lattice budget.* Within a node, every assignment's memory is the least
+memory plus an integer multiple of q, the greatest common divisor of the
+allowed choices' memory steps (exact rationals); the bounds use the largest
+such value within B instead of B (:func:`_lattice_budget`). After fixing
+leaves only, say, one layer's recomputation as the memory step, this adds
+lam times the slack the integrality forces, which is the gap left.
+
 *Separable nodes* are solved, not branched (:func:`_separable`): when the
 vertices whose allowed choices use more than one configuration form small
 connected groups, F and M are sums over independent items (each group's
@@ -293,6 +300,56 @@ class _Eval:
     minus: _Point | None = None
     lam: float = 0.0
     iterations: int = 0
+    budget: float = np.inf  # the lattice budget the bound used (see _lattice_budget)
+
+
+def _lattice_budget(mp: MemoryProblem, allowed: Sequence[np.ndarray]) -> float:
+    """The largest memory any allowed assignment can have within the budget, on the lattice its values lie on.
+
+    With m0 = fixed + sum_v min_j m_v(j) (the least memory) and q the greatest
+    common divisor of every difference m_v(j) - min_j m_v(j) (exact rational
+    arithmetic on the float values), every allowed assignment's memory is
+    m0 + k q for an integer k >= 0, so M <= B holds exactly when
+    M <= B' = m0 + q floor((B - m0) / q). The dual bound with B' in place of B
+    is valid for the node and larger by lam (B - B'): where the remaining
+    choices move memory in steps of one layer's activations, this is what
+    closes the knapsack gap of identical layers. Returns B (no tightening)
+    when q is 0 or negligible, and a float rounded up (never below the exact B').
+    """
+    from fractions import Fraction
+    from math import floor, gcd
+
+    budget = mp.budget
+    least = Fraction(mp.fixed)
+    num, den = 0, 1  # q = num / den
+    seen: dict[tuple[int, bytes], tuple[Fraction, list[Fraction]]] = {}
+    for m, ok in zip(mp.memory, allowed):
+        key = (id(m), np.packbits(ok).tobytes())
+        if key not in seen:
+            vals = np.unique(m[ok])
+            lo = Fraction(float(vals[0]))
+            seen[key] = (lo, [Fraction(float(x)) - lo for x in vals[1:]])
+        lo, diffs = seen[key]
+        least += lo
+        for d in diffs:
+            # gcd(num/den, a/b) = gcd(num b, a den) / (den b)
+            a, b = d.numerator, d.denominator
+            num, den = gcd(num * b, a * den), den * b
+            g = gcd(num, den)
+            num, den = num // g, den // g
+        if num and Fraction(num, den) < Fraction(budget) / 10**15:  # steps below a femto-budget: no gain
+            return budget
+    if num == 0:
+        return budget
+    q = Fraction(num, den)
+    rest = Fraction(budget) - least
+    if rest < 0:
+        return budget
+    tight = least + q * floor(rest / q)
+    out = float(tight)
+    if Fraction(out) < tight:
+        out = float(np.nextafter(out, np.inf))
+    return min(out, budget)
 
 
 def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: int, probes: int = 8) -> _Eval:
@@ -301,6 +358,7 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
     B = mp.budget
     if not all(ok.any() for ok in allowed) or mp.least_memory(allowed) > B:
         return _Eval(np.inf, True)
+    tight = _lattice_budget(mp, allowed)  # bounds use it: every allowed M <= B is <= tight
     plus = _lagrangian(ctx, 0.0, allowed)
     if plus.m <= B:
         return _Eval(plus.f, True, None, plus)
@@ -315,7 +373,7 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
     lam = plus.f / plus.m / 16 if plus.f > 0 else 1.0 / plus.m
     for _ in range(probes):
         pt = _lagrangian(ctx, lam, allowed)
-        bound = max(bound, pt.f + lam * (pt.m - B))
+        bound = max(bound, pt.f + lam * (pt.m - tight))
         if pt.m <= B:
             minus = pt
             break
@@ -335,7 +393,7 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
             break
         pt = _lagrangian(ctx, lam, allowed)
         value = pt.f + lam * pt.m
-        bound = max(bound, value - lam * B)
+        bound = max(bound, value - lam * tight)
         line = plus.f + lam * plus.m
         if bound >= cutoff or value >= line - ctx.rtol * max(abs(line), 1e-300):
             break
@@ -346,10 +404,11 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
     if ctx.mix and plus.m > B:
         _mix(ctx, allowed, plus, minus)
     bound = min(bound, minus.f) if minus.m <= B else bound
-    return _Eval(bound, minus.m <= B and bound >= minus.f, plus, minus, lam, it)
+    return _Eval(bound, minus.m <= B and bound >= minus.f, plus, minus, lam, it, tight)
 
 
-def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, iters: int) -> list[np.ndarray]:
+def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, iters: int,
+         budget: float | None = None) -> list[np.ndarray]:
     """Reduced-cost fixing: drop the allowed choices that cannot lead below ``cutoff``.
 
     For a feasible x using choice j of v (configuration k):
@@ -358,10 +417,13 @@ def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, it
     min-marginal of the Lagrangian problem, bounded below by the forest bound
     after TRW-S (:mod:`shardplan.search.bounds`). Choices whose bound reaches
     the cutoff are dropped (exact: no assignment below the cutoff uses them).
+    ``budget`` (default B) may be the node's lattice budget (:func:`_lattice_budget`),
+    which every feasible x of the node also respects.
     """
     from shardplan.search.bounds import BoundState, _forest_pass, trws
 
     mp = ctx.mp
+    budget = mp.budget if budget is None else min(budget, mp.budget)
     sub, keeps, _ = _lagrangian_problem(mp, lam, allowed)
     unary = [c.copy() for c in sub.vertex_cost]
     st = BoundState.from_problem(sub)
@@ -374,7 +436,7 @@ def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, it
         pos[keeps[v]] = np.arange(len(keeps[v]))
         idx = np.flatnonzero(allowed[v])
         i = pos[mp.base[v][idx]]
-        lb = lbs[v][i] - unary[v][i] + mp.cost[v][idx] + lam * mp.memory[v][idx] - lam * mp.budget
+        lb = lbs[v][i] - unary[v][i] + mp.cost[v][idx] + lam * mp.memory[v][idx] - lam * budget
         new = np.array(allowed[v], dtype=bool)
         new[idx[lb >= cutoff]] = False
         out.append(new)
@@ -670,7 +732,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
             continue
         allowed = node.allowed
         if fix_iters >= 0:
-            allowed = _fix(ctx, node.allowed, ev.lam, inc - rtol * abs(inc), fix_iters)
+            allowed = _fix(ctx, node.allowed, ev.lam, inc - rtol * abs(inc), fix_iters, ev.budget)
             if not all(ok.any() for ok in allowed):
                 continue
         if separable > 0 and _separable(ctx, allowed, inc - rtol * abs(inc), separable)[0]:
