@@ -31,8 +31,9 @@ def memory_problem(seed: int, tight: float) -> MemoryProblem:
     return MemoryProblem(p, tuple(base), tuple(cost), tuple(mem), budget=budget, fixed=3.0)
 
 
-@pytest.mark.parametrize("mode", [{}, {"separable": 0}, {"separable": 0, "mix": False},
-                                  {"fix_iters": -1, "separable": 2}])
+@pytest.mark.parametrize("mode", [{}, {"separable": 0, "frontier": 0}, {"separable": 0, "frontier": 0, "mix": False},
+                                  {"fix_iters": -1, "separable": 2, "frontier": 0},
+                                  {"fix_iters": -1, "separable": 0, "frontier": 10**6}])
 @pytest.mark.parametrize("seed", range(60))
 def test_memory_search_matches_bruteforce(seed, mode):
     tight = (0.0, 0.3, 0.7, 0.95)[seed % 4]
@@ -80,7 +81,7 @@ def test_infeasible_budget_names_least_memory():
 def test_stopped_search_reports_bound_and_gap(seed):
     mp = memory_problem(seed, 0.5)
     ref = solve_memory_bruteforce(mp)
-    sol = solve_memory(mp, max_nodes=1, separable=0, mix=False)
+    sol = solve_memory(mp, max_nodes=1, separable=0, frontier=0, mix=False)
     f, m = mp.evaluate(sol.assignment)
     assert not sol.optimal and sol.stats["status"] == "stopped at the node limit 1"
     assert m <= mp.budget and f > ref.cost and sol.bound < ref.cost
@@ -150,8 +151,8 @@ def test_mix_finds_the_knapsack_optimum_of_identical_blocks_at_the_root():
     mp = identical_chain(40, 251.0)
     mp = MemoryProblem(mp.problem, mp.base, tuple(np.array([0.0, 1.0, 3.0, 4.0]) for _ in mp.cost),
                        tuple(np.array([10.0, 4.0, 10.0, 4.0]) for _ in mp.memory), budget=251.0)
-    plain = solve_memory(mp, max_nodes=1, separable=0, mix=False)
-    mixed = solve_memory(mp, max_nodes=1, separable=0)
+    plain = solve_memory(mp, max_nodes=1, separable=0, frontier=0, mix=False)
+    mixed = solve_memory(mp, max_nodes=1, separable=0, frontier=0)
     assert mixed.cost == 25.0 and mixed.stats["memory_bytes"] == 250.0
     assert plain.cost > mixed.cost
     # every memory step is a multiple of 6 B over the least 160 B, so M <= 251 means M <= 250: the dual

@@ -206,6 +206,7 @@ class _Ctx:
     best: _Point | None = None
     dp_seconds: float = 0.0
     mix: bool = True
+    trail: list = field(default_factory=list)  # the points of the current node's dual
 
     def offer(self, pt: _Point) -> None:
         if pt.m <= self.mp.budget and (self.best is None or pt.f < self.best.f):
@@ -282,6 +283,7 @@ def _lagrangian(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray]) -> _Point:
     f, m = mp.evaluate(choices)
     pt = _Point(f, m, choices)
     ctx.offer(pt)
+    ctx.trail.append(pt)
     return pt
 
 
@@ -359,6 +361,7 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
     if not all(ok.any() for ok in allowed) or mp.least_memory(allowed) > B:
         return _Eval(np.inf, True)
     tight = _lattice_budget(mp, allowed)  # bounds use it: every allowed M <= B is <= tight
+    ctx.trail = []
     plus = _lagrangian(ctx, 0.0, allowed)
     if plus.m <= B:
         return _Eval(plus.f, True, None, plus)
@@ -402,7 +405,7 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
         else:
             minus = pt
     if ctx.mix and plus.m > B:
-        _mix(ctx, allowed, plus, minus)
+        _mix(ctx, allowed, ctx.trail, plus, minus)
     bound = min(bound, minus.f) if minus.m <= B else bound
     return _Eval(bound, minus.m <= B and bound >= minus.f, plus, minus, lam, it, tight)
 
@@ -616,8 +619,13 @@ def _separable(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, max_op
     return True, f
 
 
-def _mix(ctx: _Ctx, allowed: Sequence[np.ndarray], plus: _Point, minus: _Point) -> None:
-    """Offer the best plan made of the two bracketing points' choices (each vertex one of its two).
+def _mix(ctx: _Ctx, allowed: Sequence[np.ndarray], points: Sequence[_Point], plus: _Point, minus: _Point) -> None:
+    """Offer the best plan made of the dual's points' choices (each vertex the choice of one of them).
+
+    First over every point the node's dual solved (each multiplier's optimum
+    uses other memory-saving steps: their union can fill the budget more
+    finely), and if that set does not split into small parts, over the two
+    bracketing points alone.
 
     Where the points differ, connected groups of differing vertices are
     independent items (two options each when they differ in configuration
@@ -626,10 +634,150 @@ def _mix(ctx: _Ctx, allowed: Sequence[np.ndarray], plus: _Point, minus: _Point) 
     over that restricted set: a feasible plan near the dual bound when the
     gap is the integrality of many small identical steps.
     """
-    both = [np.zeros(len(ok), dtype=bool) for ok in allowed]
-    for v, (i, j) in enumerate(zip(plus.choices, minus.choices)):
-        both[v][[i, j]] = True
-    _separable(ctx, both, np.inf)
+    for group in ([*points, plus, minus], [plus, minus]):
+        union = [np.zeros(len(ok), dtype=bool) for ok in allowed]
+        for pt in group:
+            for v, j in enumerate(pt.choices):
+                union[v][j] = True
+        if _separable(ctx, union, np.inf)[0]:
+            return
+
+
+def _frontier_plan(p: Problem) -> list[tuple[list[int], list[int]]]:
+    """Per vertex (in index order): the frontier before adding it, and the frontier after (vertices kept).
+
+    The frontier after step i holds the vertices <= i with a neighbour > i.
+    """
+    n = p.num_vertices
+    last = list(range(n))  # the largest neighbour index (or itself)
+    for s, d in p.edges:
+        last[s] = max(last[s], d)
+        last[d] = max(last[d], s)
+    out, front = [], []
+    for v in range(n):
+        after = [u for u in front + [v] if last[u] > v]
+        out.append((front, after))
+        front = after
+    return out
+
+
+def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam: float,
+                 max_states: int = 20_000, max_points: int = 2_000_000) -> tuple[bool, float]:
+    """Exact optimum over ``allowed`` by a dynamic program over the vertex order with (time, memory) fronts.
+
+    Vertices are added in index order; the *frontier* after adding v is the
+    set of added vertices with a neighbour not yet added, and a *state* is one
+    configuration per frontier vertex (choices of one configuration differ
+    only in their own cost and memory). For each state the program keeps the
+    Pareto front of (F, M) over the added vertices (F counts their own costs
+    and the edges among them), so at the end (empty frontier) the best front
+    point within the budget is the node's optimum. Points are dropped when
+    (a) M plus the least memory of the vertices to come exceeds B, (b) F plus
+    their least own cost reaches ``cutoff``, or (c) their Lagrangian value
+    ``F + lam M`` exceeds the least of their state by ``cutoff + lam B - lmin``
+    or more, where ``lmin`` is the least ``F + lam M`` over the node: for any
+    completion c, the two points' totals differ by exactly that much, and the
+    other's total is at least ``lmin``, so this point's total with c has
+    ``F + lam M >= cutoff + lam B`` and cannot be both within the budget and
+    below the cutoff. Gives up (done False) when a frontier has more than
+    ``max_states`` configuration combinations or the points exceed ``max_points``.
+    """
+    mp = ctx.mp
+    p = mp.problem
+    n = p.num_vertices
+    if not all(ok.any() for ok in allowed):
+        return True, np.inf
+    idx = [np.flatnonzero(ok) for ok in allowed]
+    cfgs = [np.unique(mp.base[v][i]) for v, i in enumerate(idx)]
+    plan = _frontier_plan(p)
+    for _, after in plan:
+        size = 1
+        for u in after:
+            size *= len(cfgs[u])
+            if size > max_states:
+                return False, np.nan
+    lmin = -np.inf
+    if lam > 0:
+        pt = _lagrangian(ctx, lam, allowed)
+        lmin = pt.f + lam * pt.m
+    nbr: dict[int, list[tuple[int, int, bool]]] = {}  # v -> (earlier neighbour u, edge, v is the edge's dst)
+    for e, (s, d) in enumerate(p.edges):
+        if s < d:
+            nbr.setdefault(d, []).append((s, e, True))
+        else:
+            nbr.setdefault(s, []).append((d, e, False))
+    least_m = np.array([float(mp.memory[v][i].min()) for v, i in enumerate(idx)])
+    least_c = np.array([float(mp.cost[v][i].min()) for v, i in enumerate(idx)])
+    rest_m = np.concatenate([np.cumsum(least_m[::-1])[::-1], [0.0]])
+    rest_c = np.concatenate([np.cumsum(least_c[::-1])[::-1], [0.0]])
+    band = cutoff + lam * mp.budget - lmin
+    band += 1e-9 * max(abs(cutoff), abs(lmin), 1e-300)
+    # points: configuration columns of the frontier (local indices into cfgs), F, M; back-pointers per step
+    cols = np.zeros((1, 0), dtype=np.int64)
+    F = np.array([0.0])
+    M = np.array([mp.fixed])
+    back: list[tuple[np.ndarray, np.ndarray]] = []
+    for v in range(n):
+        front, after = plan[v]
+        pos = {u: k for k, u in enumerate(front)}
+        j = idx[v]
+        jc = np.searchsorted(cfgs[v], mp.base[v][j])  # local config of each allowed choice
+        P, J = len(F), len(j)
+        add = np.broadcast_to(mp.cost[v][j], (P, J)).copy()
+        for u, e, v_is_dst in nbr.get(v, ()):
+            cu = cfgs[u][cols[:, pos[u]]]
+            mat = p.edge_cost[e]
+            add += mat[np.ix_(cu, mp.base[v][j])] if v_is_dst else mat[np.ix_(mp.base[v][j], cu)].T
+        nf = (F[:, None] + add).ravel()
+        nm = (M[:, None] + mp.memory[v][j][None, :]).ravel()
+        parent = np.repeat(np.arange(P), J)
+        choice = np.tile(np.arange(J), P)
+        keep_cols = [pos[u] for u in after if u != v]
+        newcols = cols[parent][:, keep_cols]
+        if v in after:
+            newcols = np.concatenate([newcols, jc[choice][:, None]], axis=1)
+        ok = (nm + rest_m[v + 1] <= mp.budget) & (nf + rest_c[v + 1] < cutoff)
+        sel = np.flatnonzero(ok)
+        if not len(sel):
+            return True, np.inf
+        nf, nm, parent, choice, newcols = nf[sel], nm[sel], parent[sel], choice[sel], newcols[sel]
+        # state key (mixed radix over the frontier's configuration counts), then per state: Pareto and band
+        key = np.zeros(len(nf), dtype=np.int64)
+        for k, u in enumerate(after):
+            key = key * len(cfgs[u]) + newcols[:, k]
+        lag = nf + lam * nm
+        order = np.lexsort((nf, nm, key))
+        key_s, f_s, lag_s = key[order], nf[order], lag[order]
+        start = np.ones(len(order), dtype=bool)
+        start[1:] = key_s[1:] != key_s[:-1]
+        grp = np.cumsum(start) - 1
+        # segmented running minimum of F in memory order: exact via integer ranks of F
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[np.argsort(f_s, kind="stable")] = np.arange(len(order))
+        code = (grp[-1] - grp) * len(order) + rank  # earlier states get larger codes
+        prev = np.concatenate([[np.iinfo(np.int64).max], np.minimum.accumulate(code)[:-1]])
+        pareto = start | (code < prev)
+        best_lag = np.minimum.reduceat(lag_s, np.flatnonzero(start))[grp]
+        keep = pareto & (lag_s - best_lag < band)
+        order = order[keep]
+        if len(order) > max_points:
+            return False, np.nan
+        cols, F, M = newcols[order], nf[order], nm[order]
+        back.append((parent[order], choice[order]))
+    ok = np.flatnonzero(M <= mp.budget)
+    if not len(ok):
+        return True, np.inf
+    at = int(ok[np.argmin(F[ok])])
+    chosen = np.zeros(n, dtype=np.int64)
+    for v in range(n - 1, -1, -1):
+        parent, choice = back[v]
+        chosen[v] = idx[v][choice[at]]
+        at = int(parent[at])
+    f, m = mp.evaluate(chosen)
+    if m > mp.budget:
+        return False, np.nan
+    ctx.offer(_Point(f, m, tuple(int(x) for x in chosen)))
+    return True, f
 
 
 def _branch(mp: MemoryProblem, node: _Node, ev: _Eval) -> list[_Node]:
@@ -652,7 +800,7 @@ def _branch(mp: MemoryProblem, node: _Node, ev: _Eval) -> list[_Node]:
 
 def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int = 100_000, rtol: float = 1e-9,
                  max_dual_iters: int = 60, upper: float = np.inf, fix_iters: int = 5,
-                 separable: int = 4096, mix: bool = True, dp: Callable[[Problem], Solution] | None = None, **dp_options: Any) -> Solution:
+                 separable: int = 4096, frontier: int = 20_000, mix: bool = True, dp: Callable[[Problem], Solution] | None = None, **dp_options: Any) -> Solution:
     """Minimum F subject to M <= budget (see the module docstring), exact unless stopped.
 
     Parameters:
@@ -670,6 +818,8 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
         separable: a node whose allowed choices split into independent parts of at
             most this many assignments each is solved exactly by a knapsack over
             them (:func:`_separable`) instead of being branched; 0 turns that off.
+        frontier: a node whose frontier states (see :func:`_frontier_dp`) number at most
+            this many is solved exactly by the (time, memory) front program; 0 turns that off.
         mix: after each node's dual, offer the best plan mixing its two bracketing
             points (:func:`_mix`; a heuristic for the incumbent, exactness does not rest on it).
         dp: the exact unconstrained solver (default :func:`~shardplan.search.dp.solve_dp`
@@ -705,7 +855,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     def incumbent() -> float:
         return min(ctx.best.f if ctx.best is not None else np.inf, upper)
 
-    fixed = closed_separable = 0
+    fixed = closed_separable = closed_frontier = 0
     while heap:
         bound, _, node = heap[0]
         inc = incumbent()
@@ -738,6 +888,9 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
         if separable > 0 and _separable(ctx, allowed, inc - rtol * abs(inc), separable)[0]:
             closed_separable += 1  # solved exactly: its best (if below the incumbent) was offered
             continue
+        if frontier > 0 and _frontier_dp(ctx, allowed, inc - rtol * abs(inc), ev.lam, frontier)[0]:
+            closed_frontier += 1  # likewise
+            continue
         if fix_iters >= 0:
             dropped = sum(int(a.sum()) for a in node.allowed) - sum(int(a.sum()) for a in allowed)
             if dropped:
@@ -757,7 +910,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     gap = 0.0 if optimal else ((best.f - lower) / abs(best.f) if best.f else float(lower < best.f))
     stats = {"memory_bytes": best.m, "budget_bytes": mp.budget, "least_memory_bytes": least,
              **root_stats, "gap": gap, "nodes": nodes, "open_nodes": len(heap), "dp_solves": ctx.solves,
-             "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "separable_nodes": closed_separable, "beats_upper": best.f < upper, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
+             "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "separable_nodes": closed_separable, "frontier_nodes": closed_frontier, "beats_upper": best.f < upper, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
                         else "proven: nothing below upper")}
     return Solution(cost=best.f, assignment=best.choices, solve_seconds=time.perf_counter() - t0,
                     solver="memory-bb", optimal=optimal, bound=float(lower), stats=stats)
