@@ -171,3 +171,29 @@ def test_lattice_budget():
     frac = MemoryProblem(mp.problem, mp.base, mp.cost, tuple(np.array([0.75, 0.25, 0.5, 0.0]) for _ in range(5)),
                          budget=1.2, fixed=0.1)  # steps of 0.25 over 0.1: 1.1
     assert _lattice_budget(frac, full) == pytest.approx(1.1) and _lattice_budget(frac, full) >= 1.1
+
+
+def test_frontier_program_solves_identical_chains():
+    # the front program alone (no fixing, no knapsack of separable parts), against brute force and, on 40
+    # blocks, against the optimum worked out in test_mix_finds_the_knapsack_optimum_of_identical_blocks_at_the_root
+    mp = identical_chain(10, 47.0)
+    ref = solve_memory_bruteforce(mp, max_combinations=4**10)
+    sol = solve_memory(mp, fix_iters=-1, separable=0, frontier=10**6, mix=False)
+    assert sol.optimal and sol.cost == pytest.approx(ref.cost, abs=1e-12) and sol.stats["frontier_nodes"] == 1
+    big = identical_chain(40, 251.0)
+    big = MemoryProblem(big.problem, big.base, tuple(np.array([0.0, 1.0, 3.0, 4.0]) for _ in big.cost),
+                        tuple(np.array([10.0, 4.0, 10.0, 4.0]) for _ in big.memory), budget=251.0)
+    sol = solve_memory(big, fix_iters=-1, separable=0, frontier=10**6, mix=False, max_nodes=1)
+    assert sol.optimal and sol.cost == 25.0 and sol.stats["memory_bytes"] == 250.0
+
+
+def test_frontier_program_gives_up_above_its_state_limit():
+    from shardplan.search.constrained import _Ctx, _frontier_dp
+
+    mp = memory_problem(5, 0.5)
+    ctx = _Ctx(mp, lambda p: solve_dp(p), 1e-9)
+    allowed = [np.ones(k, dtype=bool) for k in mp.num_choices]
+    done, value = _frontier_dp(ctx, allowed, np.inf, 0.0, max_states=1)
+    assert not done and np.isnan(value) and ctx.best is None
+    done, value = _frontier_dp(ctx, allowed, np.inf, 0.0, max_states=10**6)
+    assert done and value == pytest.approx(solve_memory_bruteforce(mp).cost, abs=1e-9)

@@ -37,7 +37,7 @@ both are Lagrangian optima at λ, so λ maximises g; otherwise it replaces
 ``a+`` or ``a-`` by feasibility. Each step is one DP solve, every λ tried
 gives a bound ``g(λ)``, and every feasible point seen is a candidate plan.
 
-*Branch-and-bound* closes the duality gap. A node restricts each vertex to a
+*Branch-and-bound* closes the duality gap (with the closures below). A node restricts each vertex to a
 subset of its choices; its bound is its own Lagrangian dual (valid for every
 assignment of the subset). A node is closed when its unconstrained optimum
 fits (then that is the node's exact optimum), when its least memory exceeds
@@ -72,6 +72,18 @@ connected groups, F and M are sums over independent items (each group's
 assignments, each other vertex's choices) and the node's optimum is an exact
 multiple-choice knapsack over Pareto fronts. Reduced-cost fixing (below)
 makes nodes separable as the incumbent approaches the bound.
+
+*Frontier program.* A node whose allowed configurations are few (after
+fixing) is solved exactly by :func:`_frontier_dp`: vertices in index order,
+a state per configuration of the vertices added so far that still have
+neighbours to come, and per state the Pareto front of (F, M); points whose
+Lagrangian value exceeds the best of their state by more than the gap
+between the cutoff and the node's Lagrangian minimum are dropped (no
+completion can make them better than the cutoff within the budget). This
+is the knapsack the dual relaxes, solved with the edges: on GPT-3 175B it
+finds and proves the optimum once fixing has left a few configurations per
+vertex, where branching on single vertices of 96 identical layers would
+not finish (each branch leaves the other layers' bound unchanged).
 
 Exactness rests on the DP being exact on each Lagrangian problem; costs and
 memory are compared with a relative tolerance of ``rtol`` (1e-9) only to
