@@ -674,7 +674,7 @@ def _frontier_plan(p: Problem) -> list[tuple[list[int], list[int]]]:
 
 
 def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam: float,
-                 max_states: int = 20_000, max_points: int = 2_000_000) -> tuple[bool, float]:
+                 max_states: int = 20_000, max_points: int = 1_000_000) -> tuple[bool, float]:
     """Exact optimum over ``allowed`` by a dynamic program over the vertex order with (time, memory) fronts.
 
     Vertices are added in index order; the *frontier* after adding v is the
@@ -692,7 +692,8 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
     other's total is at least ``lmin``, so this point's total with c has
     ``F + lam M >= cutoff + lam B`` and cannot be both within the budget and
     below the cutoff. Gives up (done False) when a frontier has more than
-    ``max_states`` configuration combinations or the points exceed ``max_points``.
+    ``max_states`` configuration combinations or the points (or four times as
+    many candidates in one step) exceed ``max_points``.
     """
     mp = ctx.mp
     p = mp.problem
@@ -735,6 +736,8 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
         j = idx[v]
         jc = np.searchsorted(cfgs[v], mp.base[v][j])  # local config of each allowed choice
         P, J = len(F), len(j)
+        if P * J > 4 * max_points:
+            return False, np.nan
         add = np.broadcast_to(mp.cost[v][j], (P, J)).copy()
         for u, e, v_is_dst in nbr.get(v, ()):
             cu = cfgs[u][cols[:, pos[u]]]
