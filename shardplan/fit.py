@@ -81,8 +81,8 @@ unconstrained optimum is already no better than the best plan found is
 skipped (its constrained optimum cannot be better). On models of identical
 layers the dual's gap is the integrality of one layer's memory steps; the
 search closes it by reduced-cost fixing followed by an exact program over
-(time, memory) fronts (see that module: GPT-3 175B on 256 H100s is proven
-this way, ``benchmarks/results/fit.json``).
+(time, memory) fronts (see that module: GPT-3 175B on 256 H100s at cutoff 4 is
+proven this way; at cutoff 1 it is not yet, ``benchmarks/results/fit.json``).
 """
 
 from __future__ import annotations
