@@ -78,7 +78,11 @@ The search is exact for this model: for each micro-batch count it runs
 branch-and-bound) on the configurations' edge costs with the choices as
 vertex alternatives, and returns the best over the counts; a count whose
 unconstrained optimum is already no better than the best plan found is
-skipped (its constrained optimum cannot be better).
+skipped (its constrained optimum cannot be better). On models of identical
+layers the dual's gap is the integrality of one layer's memory steps; the
+search closes it by reduced-cost fixing followed by an exact program over
+(time, memory) fronts (see that module: GPT-3 175B on 256 H100s at cutoff 4 is
+proven this way; at cutoff 1 it is not yet, ``benchmarks/results/fit.json``).
 """
 
 from __future__ import annotations
@@ -232,6 +236,11 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
               tables: CostTables | None = None, cutoff: int = 4, powers_of_two: bool = False,
               divides_p: bool = True, orders: str = "auto", **dp_options: Any):
     """The plan of least step time whose peak memory per device is within ``budget`` (default the machine's).
+
+    ``cutoff`` (default 4, :func:`~shardplan.cost.build_tables`' own) is the
+    least extent per part of a split dimension; the CLI passes the model's
+    recommended one (1 for the sequence models of the zoo), and so does
+    ``benchmarks/bench_fit.py``.
 
     Given ``tables``, the search is exact over their layouts; build them on the
     machine *without* a memory size (``replace(machine, memory_bytes=None)``), as

@@ -31,12 +31,15 @@ def memory_problem(seed: int, tight: float) -> MemoryProblem:
     return MemoryProblem(p, tuple(base), tuple(cost), tuple(mem), budget=budget, fixed=3.0)
 
 
+@pytest.mark.parametrize("mode", [{}, {"separable": 0, "frontier": 0}, {"separable": 0, "frontier": 0, "mix": False},
+                                  {"fix_iters": -1, "separable": 2, "frontier": 0},
+                                  {"fix_iters": -1, "separable": 0, "frontier": 10**6}])
 @pytest.mark.parametrize("seed", range(60))
-def test_memory_search_matches_bruteforce(seed):
+def test_memory_search_matches_bruteforce(seed, mode):
     tight = (0.0, 0.3, 0.7, 0.95)[seed % 4]
     mp = memory_problem(seed, tight)
     ref = solve_memory_bruteforce(mp)
-    sol = solve_memory(mp)
+    sol = solve_memory(mp, **mode)
     f, m = mp.evaluate(sol.assignment)
     assert sol.optimal and m <= mp.budget
     assert f == pytest.approx(ref.cost, abs=1e-9)
@@ -78,7 +81,7 @@ def test_infeasible_budget_names_least_memory():
 def test_stopped_search_reports_bound_and_gap(seed):
     mp = memory_problem(seed, 0.5)
     ref = solve_memory_bruteforce(mp)
-    sol = solve_memory(mp, max_nodes=1)
+    sol = solve_memory(mp, max_nodes=1, separable=0, frontier=0, mix=False)
     f, m = mp.evaluate(sol.assignment)
     assert not sol.optimal and sol.stats["status"] == "stopped at the node limit 1"
     assert m <= mp.budget and f > ref.cost and sol.bound < ref.cost
@@ -102,3 +105,95 @@ def test_bad_memory_problem_input():
         MemoryProblem.from_problem(p, [np.full(k, -1.0) for k in p.sizes], budget=10)
     with pytest.raises(ShardplanError, match="budget"):
         MemoryProblem.from_problem(p, [np.zeros(k) for k in p.sizes], budget=float("nan"))
+
+
+def test_separable_root_is_solved_without_branching():
+    # brute force enumerates at most 10**6 assignments, so every component here has at most that many
+    for seed in range(20):
+        mp = memory_problem(seed, 0.5)
+        ref = solve_memory_bruteforce(mp)
+        sol = solve_memory(mp, fix_iters=-1, max_nodes=1, separable=10**6)
+        assert sol.optimal and sol.cost == pytest.approx(ref.cost, abs=1e-9), seed
+        assert sol.stats["nodes"] == 1
+
+
+def identical_chain(n: int, budget: float) -> MemoryProblem:
+    """n identical vertices in a chain, two configurations each, edges that cost 0 between equal ones and 1
+    otherwise; each configuration has a fast big choice and a slow small one (recompute-like):
+    config 0: (cost 0, 10 B) or (1, 4 B); config 1: (0.5, 6 B) or (2, 1 B)."""
+    from shardplan.search.problem import Problem
+
+    edge = np.array([[0.0, 1.0], [1.0, 0.0]])
+    p = Problem(names=tuple(f"v{i}" for i in range(n)), configs=tuple(((0,), (1,)) for _ in range(n)),
+                vertex_cost=tuple(np.zeros(2) for _ in range(n)), edges=tuple((i, i + 1) for i in range(n - 1)),
+                edge_cost=tuple(edge for _ in range(n - 1)))
+    base = tuple(np.array([0, 0, 1, 1]) for _ in range(n))
+    cost = tuple(np.array([0.0, 1.0, 0.5, 2.0]) for _ in range(n))
+    mem = tuple(np.array([10.0, 4.0, 6.0, 1.0]) for _ in range(n))
+    return MemoryProblem(p, base, cost, mem, budget=budget)
+
+
+@pytest.mark.parametrize("n,budget", [(6, 41.0), (8, 61.0), (10, 47.0), (9, 29.0)])
+def test_identical_chain_against_bruteforce(n, budget):
+    # (plain branch-and-bound, separable=0, does not finish n = 12 in a minute: each branch on one block
+    # leaves the dual bound of the others unchanged)
+    mp = identical_chain(n, budget)
+    ref = solve_memory_bruteforce(mp, max_combinations=4**10)
+    for mode in ({}, {"fix_iters": 20}):
+        sol = solve_memory(mp, **mode)
+        assert sol.optimal and sol.cost == pytest.approx(ref.cost, abs=1e-12), mode
+
+
+def test_mix_finds_the_knapsack_optimum_of_identical_blocks_at_the_root():
+    # 40 blocks whose config 1 is dominated (3 s more, same memory, and a change of config costs an edge):
+    # the optimum keeps config 0 and takes the slow small choice (1 s, saves 6 B) in ceil((400 - 251) / 6)
+    # = 25 blocks: 25 s at 250 B; the dual bound is 149 / 6 s. No brute force at this size.
+    mp = identical_chain(40, 251.0)
+    mp = MemoryProblem(mp.problem, mp.base, tuple(np.array([0.0, 1.0, 3.0, 4.0]) for _ in mp.cost),
+                       tuple(np.array([10.0, 4.0, 10.0, 4.0]) for _ in mp.memory), budget=251.0)
+    plain = solve_memory(mp, max_nodes=1, separable=0, frontier=0, mix=False)
+    mixed = solve_memory(mp, max_nodes=1, separable=0, frontier=0)
+    assert mixed.cost == 25.0 and mixed.stats["memory_bytes"] == 250.0
+    assert plain.cost > mixed.cost
+    # every memory step is a multiple of 6 B over the least 160 B, so M <= 251 means M <= 250: the dual
+    # bound at lam = 1/6 s/B becomes 150 / 6 = 25 s, the optimum, proven at the root
+    assert mixed.optimal and mixed.bound == 25.0 and mixed.stats["nodes"] == 1
+
+
+def test_lattice_budget():
+    from shardplan.search.constrained import _lattice_budget
+
+    mp = identical_chain(5, 37.0)  # memory 10, 4, 6, 1 per block: steps of 1 B, nothing to tighten
+    full = [np.ones(4, dtype=bool)] * 5
+    assert _lattice_budget(mp, full) == 37.0
+    only = [np.array([True, True, False, False])] * 5  # 10 or 4: least 20, steps of 6 -> 20 + 6 * 2 = 32
+    assert _lattice_budget(mp, only) == 32.0
+    frac = MemoryProblem(mp.problem, mp.base, mp.cost, tuple(np.array([0.75, 0.25, 0.5, 0.0]) for _ in range(5)),
+                         budget=1.2, fixed=0.1)  # steps of 0.25 over 0.1: 1.1
+    assert _lattice_budget(frac, full) == pytest.approx(1.1) and _lattice_budget(frac, full) >= 1.1
+
+
+def test_frontier_program_solves_identical_chains():
+    # the front program alone (no fixing, no knapsack of separable parts), against brute force and, on 40
+    # blocks, against the optimum worked out in test_mix_finds_the_knapsack_optimum_of_identical_blocks_at_the_root
+    mp = identical_chain(10, 47.0)
+    ref = solve_memory_bruteforce(mp, max_combinations=4**10)
+    sol = solve_memory(mp, fix_iters=-1, separable=0, frontier=10**6, mix=False)
+    assert sol.optimal and sol.cost == pytest.approx(ref.cost, abs=1e-12) and sol.stats["frontier_nodes"] == 1
+    big = identical_chain(40, 251.0)
+    big = MemoryProblem(big.problem, big.base, tuple(np.array([0.0, 1.0, 3.0, 4.0]) for _ in big.cost),
+                        tuple(np.array([10.0, 4.0, 10.0, 4.0]) for _ in big.memory), budget=251.0)
+    sol = solve_memory(big, fix_iters=-1, separable=0, frontier=10**6, mix=False, max_nodes=1)
+    assert sol.optimal and sol.cost == 25.0 and sol.stats["memory_bytes"] == 250.0
+
+
+def test_frontier_program_gives_up_above_its_state_limit():
+    from shardplan.search.constrained import _Ctx, _frontier_dp
+
+    mp = memory_problem(5, 0.5)
+    ctx = _Ctx(mp, lambda p: solve_dp(p), 1e-9)
+    allowed = [np.ones(k, dtype=bool) for k in mp.num_choices]
+    done, value = _frontier_dp(ctx, allowed, np.inf, 0.0, max_states=1)
+    assert not done and np.isnan(value) and ctx.best is None
+    done, value = _frontier_dp(ctx, allowed, np.inf, 0.0, max_states=10**6)
+    assert done and value == pytest.approx(solve_memory_bruteforce(mp).cost, abs=1e-9)

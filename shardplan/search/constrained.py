@@ -37,7 +37,7 @@ both are Lagrangian optima at λ, so λ maximises g; otherwise it replaces
 ``a+`` or ``a-`` by feasibility. Each step is one DP solve, every λ tried
 gives a bound ``g(λ)``, and every feasible point seen is a candidate plan.
 
-*Branch-and-bound* closes the duality gap. A node restricts each vertex to a
+*Branch-and-bound* closes the duality gap (with the closures below). A node restricts each vertex to a
 subset of its choices; its bound is its own Lagrangian dual (valid for every
 assignment of the subset). A node is closed when its unconstrained optimum
 fits (then that is the node's exact optimum), when its least memory exceeds
@@ -49,6 +49,41 @@ taken best bound first. The global lower bound is the least bound of the open
 nodes (the incumbent when none is left): when the search stops at its time
 or node limit, the answer carries that bound and the gap; with no open node
 it is the proven optimum.
+
+*Incumbents by mixing.* When a node's dual ends with an infeasible ``a+``
+and a feasible ``a-`` (both Lagrangian optima at the final λ), the best
+plan that takes each vertex's choice from one of the two is found exactly
+(:func:`_mix`): the vertices where they differ fall into connected groups
+that are independent of each other, so this is a small knapsack. On a chain
+of identical blocks the duality gap is mostly integrality (``a+`` and ``a-``
+differ in the same vertex of every block), and this plan lies within about
+one block's step of the bound (GPT-3 175B: from 0.3 % to 0.003 %).
+
+*Lattice budget.* Within a node, every assignment's memory is the least
+memory plus an integer multiple of q, the greatest common divisor of the
+allowed choices' memory steps (exact rationals); the bounds use the largest
+such value within B instead of B (:func:`_lattice_budget`). After fixing
+leaves only, say, one layer's recomputation as the memory step, this adds
+lam times the slack the integrality forces, which is the gap left.
+
+*Separable nodes* are solved, not branched (:func:`_separable`): when the
+vertices whose allowed choices use more than one configuration form small
+connected groups, F and M are sums over independent items (each group's
+assignments, each other vertex's choices) and the node's optimum is an exact
+multiple-choice knapsack over Pareto fronts. Reduced-cost fixing (below)
+makes nodes separable as the incumbent approaches the bound.
+
+*Frontier program.* A node whose allowed configurations are few (after
+fixing) is solved exactly by :func:`_frontier_dp`: vertices in index order,
+a state per configuration of the vertices added so far that still have
+neighbours to come, and per state the Pareto front of (F, M); points whose
+Lagrangian value exceeds the best of their state by more than the gap
+between the cutoff and the node's Lagrangian minimum are dropped (no
+completion can make them better than the cutoff within the budget). This
+is the knapsack the dual relaxes, solved with the edges: on GPT-3 175B it
+finds and proves the optimum once fixing has left a few configurations per
+vertex, where branching on single vertices of 96 identical layers would
+not finish (each branch leaves the other layers' bound unchanged).
 
 Exactness rests on the DP being exact on each Lagrangian problem; costs and
 memory are compared with a relative tolerance of ``rtol`` (1e-9) only to
@@ -182,6 +217,8 @@ class _Ctx:
     solves: int = 0
     best: _Point | None = None
     dp_seconds: float = 0.0
+    mix: bool = True
+    trail: list = field(default_factory=list)  # the points of the current node's dual
 
     def offer(self, pt: _Point) -> None:
         if pt.m <= self.mp.budget and (self.best is None or pt.f < self.best.f):
@@ -258,6 +295,7 @@ def _lagrangian(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray]) -> _Point:
     f, m = mp.evaluate(choices)
     pt = _Point(f, m, choices)
     ctx.offer(pt)
+    ctx.trail.append(pt)
     return pt
 
 
@@ -276,6 +314,56 @@ class _Eval:
     minus: _Point | None = None
     lam: float = 0.0
     iterations: int = 0
+    budget: float = np.inf  # the lattice budget the bound used (see _lattice_budget)
+
+
+def _lattice_budget(mp: MemoryProblem, allowed: Sequence[np.ndarray]) -> float:
+    """The largest memory any allowed assignment can have within the budget, on the lattice its values lie on.
+
+    With m0 = fixed + sum_v min_j m_v(j) (the least memory) and q the greatest
+    common divisor of every difference m_v(j) - min_j m_v(j) (exact rational
+    arithmetic on the float values), every allowed assignment's memory is
+    m0 + k q for an integer k >= 0, so M <= B holds exactly when
+    M <= B' = m0 + q floor((B - m0) / q). The dual bound with B' in place of B
+    is valid for the node and larger by lam (B - B'): where the remaining
+    choices move memory in steps of one layer's activations, this is what
+    closes the knapsack gap of identical layers. Returns B (no tightening)
+    when q is 0 or negligible, and a float rounded up (never below the exact B').
+    """
+    from fractions import Fraction
+    from math import floor, gcd
+
+    budget = mp.budget
+    least = Fraction(mp.fixed)
+    num, den = 0, 1  # q = num / den
+    seen: dict[tuple[int, bytes], tuple[Fraction, list[Fraction]]] = {}
+    for m, ok in zip(mp.memory, allowed):
+        key = (id(m), np.packbits(ok).tobytes())
+        if key not in seen:
+            vals = np.unique(m[ok])
+            lo = Fraction(float(vals[0]))
+            seen[key] = (lo, [Fraction(float(x)) - lo for x in vals[1:]])
+        lo, diffs = seen[key]
+        least += lo
+        for d in diffs:
+            # gcd(num/den, a/b) = gcd(num b, a den) / (den b)
+            a, b = d.numerator, d.denominator
+            num, den = gcd(num * b, a * den), den * b
+            g = gcd(num, den)
+            num, den = num // g, den // g
+        if num and Fraction(num, den) < Fraction(budget) / 10**15:  # steps below a femto-budget: no gain
+            return budget
+    if num == 0:
+        return budget
+    q = Fraction(num, den)
+    rest = Fraction(budget) - least
+    if rest < 0:
+        return budget
+    tight = least + q * floor(rest / q)
+    out = float(tight)
+    if Fraction(out) < tight:
+        out = float(np.nextafter(out, np.inf))
+    return min(out, budget)
 
 
 def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: int, probes: int = 8) -> _Eval:
@@ -284,6 +372,8 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
     B = mp.budget
     if not all(ok.any() for ok in allowed) or mp.least_memory(allowed) > B:
         return _Eval(np.inf, True)
+    tight = _lattice_budget(mp, allowed)  # bounds use it: every allowed M <= B is <= tight
+    ctx.trail = []
     plus = _lagrangian(ctx, 0.0, allowed)
     if plus.m <= B:
         return _Eval(plus.f, True, None, plus)
@@ -298,7 +388,7 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
     lam = plus.f / plus.m / 16 if plus.f > 0 else 1.0 / plus.m
     for _ in range(probes):
         pt = _lagrangian(ctx, lam, allowed)
-        bound = max(bound, pt.f + lam * (pt.m - B))
+        bound = max(bound, pt.f + lam * (pt.m - tight))
         if pt.m <= B:
             minus = pt
             break
@@ -318,7 +408,7 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
             break
         pt = _lagrangian(ctx, lam, allowed)
         value = pt.f + lam * pt.m
-        bound = max(bound, value - lam * B)
+        bound = max(bound, value - lam * tight)
         line = plus.f + lam * plus.m
         if bound >= cutoff or value >= line - ctx.rtol * max(abs(line), 1e-300):
             break
@@ -326,11 +416,14 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
             plus = pt
         else:
             minus = pt
+    if ctx.mix and plus.m > B:
+        _mix(ctx, allowed, ctx.trail, plus, minus)
     bound = min(bound, minus.f) if minus.m <= B else bound
-    return _Eval(bound, minus.m <= B and bound >= minus.f, plus, minus, lam, it)
+    return _Eval(bound, minus.m <= B and bound >= minus.f, plus, minus, lam, it, tight)
 
 
-def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, iters: int) -> list[np.ndarray]:
+def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, iters: int,
+         budget: float | None = None) -> list[np.ndarray]:
     """Reduced-cost fixing: drop the allowed choices that cannot lead below ``cutoff``.
 
     For a feasible x using choice j of v (configuration k):
@@ -339,10 +432,13 @@ def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, it
     min-marginal of the Lagrangian problem, bounded below by the forest bound
     after TRW-S (:mod:`shardplan.search.bounds`). Choices whose bound reaches
     the cutoff are dropped (exact: no assignment below the cutoff uses them).
+    ``budget`` (default B) may be the node's lattice budget (:func:`_lattice_budget`),
+    which every feasible x of the node also respects.
     """
     from shardplan.search.bounds import BoundState, _forest_pass, trws
 
     mp = ctx.mp
+    budget = mp.budget if budget is None else min(budget, mp.budget)
     sub, keeps, _ = _lagrangian_problem(mp, lam, allowed)
     unary = [c.copy() for c in sub.vertex_cost]
     st = BoundState.from_problem(sub)
@@ -355,11 +451,348 @@ def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, it
         pos[keeps[v]] = np.arange(len(keeps[v]))
         idx = np.flatnonzero(allowed[v])
         i = pos[mp.base[v][idx]]
-        lb = lbs[v][i] - unary[v][i] + mp.cost[v][idx] + lam * mp.memory[v][idx] - lam * mp.budget
+        lb = lbs[v][i] - unary[v][i] + mp.cost[v][idx] + lam * mp.memory[v][idx] - lam * budget
         new = np.array(allowed[v], dtype=bool)
         new[idx[lb >= cutoff]] = False
         out.append(new)
     return out
+
+
+def _front_merge(front_m: np.ndarray, front_c: np.ndarray, opt_m: np.ndarray, opt_c: np.ndarray,
+                 cap_m: float, cap_c: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pareto front of {front point + option}: memory <= cap_m, cost < cap_c; with back-pointers.
+
+    Returns (memory, cost, index into the front, index into the options), sorted
+    by memory ascending with cost strictly decreasing (each kept point is the
+    cheapest at its memory and cheaper than every point using less).
+    """
+    m = (front_m[:, None] + opt_m[None, :]).ravel()
+    c = (front_c[:, None] + opt_c[None, :]).ravel()
+    ok = np.flatnonzero((m <= cap_m) & (c < cap_c))
+    order = ok[np.lexsort((c[ok], m[ok]))]
+    cs = c[order]
+    run = np.minimum.accumulate(cs)
+    keep = np.ones(len(order), dtype=bool)
+    keep[1:] = cs[1:] < run[:-1]
+    order = order[keep]
+    return m[order], c[order], order // len(opt_m), order % len(opt_m)
+
+
+@dataclass
+class _Item:
+    """A part of a separable node: its vertices and, per option, their choices, cost and memory."""
+
+    vertices: tuple[int, ...]
+    choices: np.ndarray  # (options, len(vertices)) choice indices
+    cost: np.ndarray
+    memory: np.ndarray
+
+
+def _component_item(mp: MemoryProblem, comp: list[int], allowed: Sequence[np.ndarray], config: np.ndarray,
+                    incident: dict[int, list[int]], max_options: int) -> _Item | None:
+    """Every assignment of ``comp``'s allowed choices, with its cost (own and incident edges) and memory.
+
+    ``config[u]`` is the configuration of every vertex outside the multi-configuration set
+    (the only one its allowed choices use), so each edge leaving ``comp`` has a known far end.
+    Returns None when the assignments number more than ``max_options``.
+    """
+    p = mp.problem
+    idx = [np.flatnonzero(allowed[v]) for v in comp]
+    total = 1
+    for i in idx:
+        total *= len(i)
+        if total > max_options:
+            return None
+    digits = np.unravel_index(np.arange(total), [len(i) for i in idx])
+    pos = {v: k for k, v in enumerate(comp)}
+    ch = [i[d] for i, d in zip(idx, digits)]
+    cost = np.zeros(total)
+    mem = np.zeros(total)
+    for k, v in enumerate(comp):
+        cost += mp.cost[v][ch[k]]
+        mem += mp.memory[v][ch[k]]
+    seen: set[int] = set()
+    for v in comp:
+        for e in incident.get(v, ()):
+            if e in seen:
+                continue
+            seen.add(e)
+            s, d = p.edges[e]
+            mat = p.edge_cost[e]
+            rs = mp.base[s][ch[pos[s]]] if s in pos else np.full(total, config[s])
+            cd = mp.base[d][ch[pos[d]]] if d in pos else np.full(total, config[d])
+            cost += mat[rs, cd]
+    return _Item(tuple(comp), np.stack(ch, axis=1), cost, mem)
+
+
+def _separable(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, max_options: int = 4096,
+               max_front: int = 200_000) -> tuple[bool, float]:
+    """Exact optimum over ``allowed`` when it decomposes into small independent parts (else gives up).
+
+    Let V* be the vertices whose allowed choices use more than one
+    configuration. Every edge with both ends outside V* costs a constant; the
+    connected components of V* (edges with both ends in V*) interact with the
+    rest only through edges whose far end has one configuration. So F and M
+    are sums over *items*: each component (all its allowed assignments
+    enumerated, with the edges incident to it) and each other vertex with
+    several allowed choices (they differ in own cost and memory only), plus a
+    constant. The minimum of a sum of items under a memory cap is an exact
+    multiple-choice knapsack, solved by merging Pareto fronts (memory up,
+    cost strictly down) item by item, dropping points over the budget (with
+    the least memory of the items still to come) or not below ``cutoff``
+    (with their least cost). The optimum, if below the cutoff, is offered to
+    the incumbent.
+
+    Returns (done, value): done is False when a component has more than
+    ``max_options`` assignments or a front more than ``max_front`` points (nothing is proven);
+    otherwise value is the optimum over ``allowed`` (inf when none is below the cutoff or fits).
+    """
+    mp = ctx.mp
+    p = mp.problem
+    n = p.num_vertices
+    if not all(ok.any() for ok in allowed):
+        return True, np.inf
+    multi = np.zeros(n, dtype=bool)
+    config = np.full(n, -1, dtype=np.int64)
+    for v in range(n):
+        b = mp.base[v][allowed[v]]
+        if (b != b[0]).any():
+            multi[v] = True
+        else:
+            config[v] = b[0]
+    incident: dict[int, list[int]] = {}
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    const_c = 0.0
+    for e, (s, d) in enumerate(p.edges):
+        if multi[s] or multi[d]:
+            for v in (s, d):
+                if multi[v]:
+                    incident.setdefault(v, []).append(e)
+            if multi[s] and multi[d]:
+                parent[find(s)] = find(d)
+        else:
+            const_c += float(p.edge_cost[e][config[s], config[d]])
+    comps: dict[int, list[int]] = {}
+    items: list[_Item] = []
+    const_m = mp.fixed
+    chosen = np.zeros(n, dtype=np.int64)
+    for v in range(n):
+        if multi[v]:
+            comps.setdefault(find(v), []).append(v)
+            continue
+        j = np.flatnonzero(allowed[v])
+        if len(j) == 1:
+            chosen[v] = j[0]
+            const_c += float(mp.cost[v][j[0]])
+            const_m += float(mp.memory[v][j[0]])
+        else:
+            items.append(_Item((v,), j[:, None], mp.cost[v][j], mp.memory[v][j]))
+    for comp in comps.values():
+        item = _component_item(mp, comp, allowed, config, incident, max_options)
+        if item is None:
+            return False, np.nan
+        items.append(item)
+    # each item's own Pareto front (memory up, cost strictly down) before merging
+    for k, it in enumerate(items):
+        m, c, _, j = _front_merge(np.zeros(1), np.zeros(1), it.memory, it.cost, np.inf, np.inf)
+        items[k] = _Item(it.vertices, it.choices[j], c, m)
+    least_m = np.array([it.memory.min() for it in items]) if items else np.zeros(0)
+    least_c = np.array([it.cost.min() for it in items]) if items else np.zeros(0)
+    rest_m = np.concatenate([np.cumsum(least_m[::-1])[::-1], [0.0]])
+    rest_c = np.concatenate([np.cumsum(least_c[::-1])[::-1], [0.0]])
+    front_m, front_c = np.array([const_m]), np.array([const_c])
+    back: list[tuple[np.ndarray, np.ndarray]] = []
+    for k, it in enumerate(items):
+        front_m, front_c, fi, oi = _front_merge(front_m, front_c, it.memory, it.cost,
+                                                mp.budget - rest_m[k + 1], cutoff - rest_c[k + 1])
+        if len(front_m) == 0:
+            return True, np.inf
+        if len(front_m) > max_front:
+            return False, np.nan
+        back.append((fi, oi))
+    best = int(np.argmin(front_c))
+    value = float(front_c[best])
+    at = best
+    for k in range(len(items) - 1, -1, -1):
+        fi, oi = back[k]
+        chosen[list(items[k].vertices)] = items[k].choices[oi[at]]
+        at = int(fi[at])
+    f, m = mp.evaluate(chosen)
+    if m > mp.budget:  # the front's sums and the evaluation round differently: prove nothing
+        return False, np.nan
+    ctx.offer(_Point(f, m, tuple(int(x) for x in chosen)))
+    return True, f
+
+
+def _mix(ctx: _Ctx, allowed: Sequence[np.ndarray], points: Sequence[_Point], plus: _Point, minus: _Point) -> None:
+    """Offer the best plan made of the dual's points' choices (each vertex the choice of one of them).
+
+    First over every point the node's dual solved (each multiplier's optimum
+    uses other memory-saving steps: their union can fill the budget more
+    finely), and if that set does not split into small parts, over the two
+    bracketing points alone.
+
+    Where the points differ, connected groups of differing vertices are
+    independent items (two options each when they differ in configuration
+    only at separated places, e.g. one per identical layer), and the best
+    combination under the budget is the exact knapsack of :func:`_separable`
+    over that restricted set: a feasible plan near the dual bound when the
+    gap is the integrality of many small identical steps.
+    """
+    for group in ([*points, plus, minus], [plus, minus]):
+        union = [np.zeros(len(ok), dtype=bool) for ok in allowed]
+        for pt in group:
+            for v, j in enumerate(pt.choices):
+                union[v][j] = True
+        if _separable(ctx, union, np.inf)[0]:
+            return
+
+
+def _frontier_plan(p: Problem) -> list[tuple[list[int], list[int]]]:
+    """Per vertex (in index order): the frontier before adding it, and the frontier after (vertices kept).
+
+    The frontier after step i holds the vertices <= i with a neighbour > i.
+    """
+    n = p.num_vertices
+    last = list(range(n))  # the largest neighbour index (or itself)
+    for s, d in p.edges:
+        last[s] = max(last[s], d)
+        last[d] = max(last[d], s)
+    out, front = [], []
+    for v in range(n):
+        after = [u for u in front + [v] if last[u] > v]
+        out.append((front, after))
+        front = after
+    return out
+
+
+def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam: float,
+                 max_states: int = 20_000, max_points: int = 1_000_000) -> tuple[bool, float]:
+    """Exact optimum over ``allowed`` by a dynamic program over the vertex order with (time, memory) fronts.
+
+    Vertices are added in index order; the *frontier* after adding v is the
+    set of added vertices with a neighbour not yet added, and a *state* is one
+    configuration per frontier vertex (choices of one configuration differ
+    only in their own cost and memory). For each state the program keeps the
+    Pareto front of (F, M) over the added vertices (F counts their own costs
+    and the edges among them), so at the end (empty frontier) the best front
+    point within the budget is the node's optimum. Points are dropped when
+    (a) M plus the least memory of the vertices to come exceeds B, (b) F plus
+    their least own cost reaches ``cutoff``, or (c) their Lagrangian value
+    ``F + lam M`` exceeds the least of their state by ``cutoff + lam B - lmin``
+    or more, where ``lmin`` is the least ``F + lam M`` over the node: for any
+    completion c, the two points' totals differ by exactly that much, and the
+    other's total is at least ``lmin``, so this point's total with c has
+    ``F + lam M >= cutoff + lam B`` and cannot be both within the budget and
+    below the cutoff. Gives up (done False) when a frontier has more than
+    ``max_states`` configuration combinations or the points (or four times as
+    many candidates in one step) exceed ``max_points``.
+    """
+    mp = ctx.mp
+    p = mp.problem
+    n = p.num_vertices
+    if not all(ok.any() for ok in allowed):
+        return True, np.inf
+    idx = [np.flatnonzero(ok) for ok in allowed]
+    cfgs = [np.unique(mp.base[v][i]) for v, i in enumerate(idx)]
+    plan = _frontier_plan(p)
+    for _, after in plan:
+        size = 1
+        for u in after:
+            size *= len(cfgs[u])
+            if size > max_states:
+                return False, np.nan
+    lmin = -np.inf
+    if lam > 0:
+        pt = _lagrangian(ctx, lam, allowed)
+        lmin = pt.f + lam * pt.m
+    nbr: dict[int, list[tuple[int, int, bool]]] = {}  # v -> (earlier neighbour u, edge, v is the edge's dst)
+    for e, (s, d) in enumerate(p.edges):
+        if s < d:
+            nbr.setdefault(d, []).append((s, e, True))
+        else:
+            nbr.setdefault(s, []).append((d, e, False))
+    least_m = np.array([float(mp.memory[v][i].min()) for v, i in enumerate(idx)])
+    least_c = np.array([float(mp.cost[v][i].min()) for v, i in enumerate(idx)])
+    rest_m = np.concatenate([np.cumsum(least_m[::-1])[::-1], [0.0]])
+    rest_c = np.concatenate([np.cumsum(least_c[::-1])[::-1], [0.0]])
+    band = cutoff + lam * mp.budget - lmin
+    band += 1e-9 * max(abs(cutoff), abs(lmin), 1e-300)
+    # points: configuration columns of the frontier (local indices into cfgs), F, M; back-pointers per step
+    cols = np.zeros((1, 0), dtype=np.int64)
+    F = np.array([0.0])
+    M = np.array([mp.fixed])
+    back: list[tuple[np.ndarray, np.ndarray]] = []
+    for v in range(n):
+        front, after = plan[v]
+        pos = {u: k for k, u in enumerate(front)}
+        j = idx[v]
+        jc = np.searchsorted(cfgs[v], mp.base[v][j])  # local config of each allowed choice
+        P, J = len(F), len(j)
+        if P * J > 4 * max_points:
+            return False, np.nan
+        add = np.broadcast_to(mp.cost[v][j], (P, J)).copy()
+        for u, e, v_is_dst in nbr.get(v, ()):
+            cu = cfgs[u][cols[:, pos[u]]]
+            mat = p.edge_cost[e]
+            add += mat[np.ix_(cu, mp.base[v][j])] if v_is_dst else mat[np.ix_(mp.base[v][j], cu)].T
+        nf = (F[:, None] + add).ravel()
+        nm = (M[:, None] + mp.memory[v][j][None, :]).ravel()
+        parent = np.repeat(np.arange(P), J)
+        choice = np.tile(np.arange(J), P)
+        keep_cols = [pos[u] for u in after if u != v]
+        newcols = cols[parent][:, keep_cols]
+        if v in after:
+            newcols = np.concatenate([newcols, jc[choice][:, None]], axis=1)
+        ok = (nm + rest_m[v + 1] <= mp.budget) & (nf + rest_c[v + 1] < cutoff)
+        sel = np.flatnonzero(ok)
+        if not len(sel):
+            return True, np.inf
+        nf, nm, parent, choice, newcols = nf[sel], nm[sel], parent[sel], choice[sel], newcols[sel]
+        # state key (mixed radix over the frontier's configuration counts), then per state: Pareto and band
+        key = np.zeros(len(nf), dtype=np.int64)
+        for k, u in enumerate(after):
+            key = key * len(cfgs[u]) + newcols[:, k]
+        lag = nf + lam * nm
+        order = np.lexsort((nf, nm, key))
+        key_s, f_s, lag_s = key[order], nf[order], lag[order]
+        start = np.ones(len(order), dtype=bool)
+        start[1:] = key_s[1:] != key_s[:-1]
+        grp = np.cumsum(start) - 1
+        # segmented running minimum of F in memory order: exact via integer ranks of F
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[np.argsort(f_s, kind="stable")] = np.arange(len(order))
+        code = (grp[-1] - grp) * len(order) + rank  # earlier states get larger codes
+        prev = np.concatenate([[np.iinfo(np.int64).max], np.minimum.accumulate(code)[:-1]])
+        pareto = start | (code < prev)
+        best_lag = np.minimum.reduceat(lag_s, np.flatnonzero(start))[grp]
+        keep = pareto & (lag_s - best_lag < band)
+        order = order[keep]
+        if len(order) > max_points:
+            return False, np.nan
+        cols, F, M = newcols[order], nf[order], nm[order]
+        back.append((parent[order], choice[order]))
+    ok = np.flatnonzero(M <= mp.budget)
+    if not len(ok):
+        return True, np.inf
+    at = int(ok[np.argmin(F[ok])])
+    chosen = np.zeros(n, dtype=np.int64)
+    for v in range(n - 1, -1, -1):
+        parent, choice = back[v]
+        chosen[v] = idx[v][choice[at]]
+        at = int(parent[at])
+    f, m = mp.evaluate(chosen)
+    if m > mp.budget:
+        return False, np.nan
+    ctx.offer(_Point(f, m, tuple(int(x) for x in chosen)))
+    return True, f
 
 
 def _branch(mp: MemoryProblem, node: _Node, ev: _Eval) -> list[_Node]:
@@ -382,7 +815,7 @@ def _branch(mp: MemoryProblem, node: _Node, ev: _Eval) -> list[_Node]:
 
 def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int = 100_000, rtol: float = 1e-9,
                  max_dual_iters: int = 60, upper: float = np.inf, fix_iters: int = 5,
-                 dp: Callable[[Problem], Solution] | None = None, **dp_options: Any) -> Solution:
+                 separable: int = 4096, frontier: int = 20_000, mix: bool = True, dp: Callable[[Problem], Solution] | None = None, **dp_options: Any) -> Solution:
     """Minimum F subject to M <= budget (see the module docstring), exact unless stopped.
 
     Parameters:
@@ -397,6 +830,13 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
             answer is optimal only if it is below ``upper`` (``stats["beats_upper"]``).
         fix_iters: TRW-S sweeps of the reduced-cost fixing at each branching node
             (see :func:`_fix`); -1 turns fixing off.
+        separable: a node whose allowed choices split into independent parts of at
+            most this many assignments each is solved exactly by a knapsack over
+            them (:func:`_separable`) instead of being branched; 0 turns that off.
+        frontier: a node whose frontier states (see :func:`_frontier_dp`) number at most
+            this many is solved exactly by the (time, memory) front program; 0 turns that off.
+        mix: after each node's dual, offer the best plan mixing its two bracketing
+            points (:func:`_mix`; a heuristic for the incumbent, exactness does not rest on it).
         dp: the exact unconstrained solver (default :func:`~shardplan.search.dp.solve_dp`
             with ``dp_options``).
 
@@ -421,7 +861,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     least = mp.least_memory()
     if least > mp.budget:
         raise ShardplanError(infeasible_message(least, mp.budget))
-    ctx = _Ctx(mp, dp, rtol)
+    ctx = _Ctx(mp, dp, rtol, mix=mix)
     root = _Node([np.ones(k, dtype=bool) for k in mp.num_choices], -np.inf)
     heap: list[tuple[float, int, _Node]] = [(root.bound, 0, root)]
     counter, nodes = 1, 0
@@ -430,7 +870,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     def incumbent() -> float:
         return min(ctx.best.f if ctx.best is not None else np.inf, upper)
 
-    fixed = 0
+    fixed = closed_separable = closed_frontier = 0
     while heap:
         bound, _, node = heap[0]
         inc = incumbent()
@@ -455,10 +895,18 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
         inc = incumbent()
         if ev.closed or ev.bound >= inc - rtol * abs(inc):
             continue
+        allowed = node.allowed
         if fix_iters >= 0:
-            allowed = _fix(ctx, node.allowed, ev.lam, inc - rtol * abs(inc), fix_iters)
+            allowed = _fix(ctx, node.allowed, ev.lam, inc - rtol * abs(inc), fix_iters, ev.budget)
             if not all(ok.any() for ok in allowed):
                 continue
+        if separable > 0 and _separable(ctx, allowed, inc - rtol * abs(inc), separable)[0]:
+            closed_separable += 1  # solved exactly: its best (if below the incumbent) was offered
+            continue
+        if frontier > 0 and _frontier_dp(ctx, allowed, inc - rtol * abs(inc), ev.lam, frontier)[0]:
+            closed_frontier += 1  # likewise
+            continue
+        if fix_iters >= 0:
             dropped = sum(int(a.sum()) for a in node.allowed) - sum(int(a.sum()) for a in allowed)
             if dropped:
                 fixed += dropped
@@ -477,7 +925,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     gap = 0.0 if optimal else ((best.f - lower) / abs(best.f) if best.f else float(lower < best.f))
     stats = {"memory_bytes": best.m, "budget_bytes": mp.budget, "least_memory_bytes": least,
              **root_stats, "gap": gap, "nodes": nodes, "open_nodes": len(heap), "dp_solves": ctx.solves,
-             "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "beats_upper": best.f < upper, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
+             "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "separable_nodes": closed_separable, "frontier_nodes": closed_frontier, "beats_upper": best.f < upper, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
                         else "proven: nothing below upper")}
     return Solution(cost=best.f, assignment=best.choices, solve_seconds=time.perf_counter() - t0,
                     solver="memory-bb", optimal=optimal, bound=float(lower), stats=stats)
