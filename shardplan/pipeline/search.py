@@ -41,6 +41,25 @@ ZeRO/FSDP and recomputation choices): the stage's least time under the
 budget, still monotone in its extent (restricting a plan that fits [a, b+1)
 to [a, b) fits too and is no slower), so the argument below holds.
 
+**Lazy memory-constrained stages.** A memory-constrained solve is far
+dearer than the DP, and most candidate stages never appear in a plan that
+could be optimal. So the search first puts a *stand-in* where a stage's
+time-optimal plan does not fit: its time-optimal seconds (a lower bound of
+the constrained optimum, whose choices only add cost:
+:meth:`~shardplan.pipeline.stages.ModelStages.fit_cost`), no memory, no
+transfers (lower bounds too). That is a relaxation R of the problem whose
+stage costs are still monotone in the extent and at most the true ones, so
+R's optimum (by the argument below) is at most the true optimum T*. If
+R's optimal pipeline uses no stand-in, its cost is a true cost, hence T*.
+Otherwise its stand-ins are solved (``fit_fn``), replacing them, and R is
+solved again; each round solves at least one, so the loop ends, at the
+latest when every stage is solved (the eager search). Micro-batch counts and
+stage counts whose relaxed floor already reaches the best plan found never
+solve a stand-in. A ``fit_fn`` answer below its stand-in would void the
+bound: the search then drops every stand-in and resolves eagerly
+(``stats["lazy_abandoned"]``); ``stats["fit_evaluations"]`` counts the
+solves and ``stats["lazy_rounds"]`` the rounds.
+
 **The max term** (Alpa's enumeration, made exact). For a bound B let
 ``D(B)`` be the least ``sum t + 2 sum c`` over pipelines whose every stage
 time and link time is at most B (a DP over suffixes: state = first unit,
@@ -324,10 +343,24 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         return costs[key]
 
     fitted: dict[tuple[int, int, int, float], StageCost | None] = {}
+    lazy = [fit_fn is not None]  # stand-ins for unresolved memory-constrained stages (module docstring)
+
+    def resolve(key: tuple[int, int, int, float]) -> None:
+        a, b, q, k = key
+        got = fit_fn(a, b, q, m, int(k), budget)  # type: ignore[misc]
+        stats["fit_evaluations"] = stats.get("fit_evaluations", 0) + 1
+        fitted[key] = got
+        plain = cost(a, b, q)
+        if got is not None and plain is not None and got.time < plain.time * (1 - 1e-9) and lazy[0]:
+            # the time-optimal stage is not a lower bound of this fit_fn: resolve every stage eagerly
+            lazy[0] = False
+            stats["lazy_abandoned"] = True
+            for other in [x for x, c in fitted.items() if c is not None and c.detail is _PENDING]:
+                del fitted[other]
 
     def effective(a: int, b: int, q: int, k: float) -> StageCost | None:
         """The stage's least time with k micro-batches in flight within the budget: the time-optimal plan if it
-        fits, else the memory-constrained one (fit_fn), else None."""
+        fits, else the memory-constrained one (fit_fn), else None; while lazy, a stand-in for the latter."""
         c = cost(a, b, q)
         if c is None or c.memory(k) <= budget:
             return c
@@ -335,8 +368,11 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             return None
         key = (a, b, q, k)
         if key not in fitted:
-            fitted[key] = fit_fn(a, b, q, m, int(k), budget)
-            stats["fit_evaluations"] = stats.get("fit_evaluations", 0) + 1
+            if lazy[0]:
+                fitted[key] = replace(c, weight_bytes=0.0, activation_bytes=0.0, recv_bytes=0.0, grad_bytes=0.0,
+                                      detail=_PENDING)
+            else:
+                resolve(key)
         return fitted[key]
 
     seen_links: set[float] = set()
@@ -422,32 +458,47 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             a, o, r, q = b, o + q, r - 1, q2
         return best_v, out
 
-    # D(inf) per stage count; the stages and links it visits are every one that can occur, so their
-    # times are the candidate bottleneck values
-    floors = {}
-    for n_stages in stage_counts:
-        q_fixed = p // n_stages if space.uniform else None
-        unbounded = solve_bound(math.inf, n_stages, q_fixed)
-        if unbounded is not None:
-            floors[n_stages] = unbounded[0]
-    order = sorted({c.time for c in list(costs.values()) + list(fitted.values()) if c is not None} | seen_links)
-    best: PipelinePlan | None = None
-    best_t = incumbent
-    for n_stages, floor in floors.items():
-        q_fixed = p // n_stages if space.uniform else None
-        for bound in order:
-            stats["candidates"] += 1
-            if floor + (m - 1) * bound >= best_t:
-                break
-            got = solve_bound(bound, n_stages, q_fixed)
-            if got is None:
-                continue
-            total = got[0] + (m - 1) * bound
-            if total < best_t:
-                plan = _assemble(got[1], cost, m, space, link_fn, exchange, fitted=fitted)
-                if plan.step_time < best_t:
-                    best, best_t = plan, plan.step_time
-    return best
+    def optimum() -> PipelinePlan | None:
+        # D(inf) per stage count; the stages and links it visits are every one that can occur, so their
+        # times are the candidate bottleneck values
+        floors = {}
+        for n_stages in stage_counts:
+            q_fixed = p // n_stages if space.uniform else None
+            unbounded = solve_bound(math.inf, n_stages, q_fixed)
+            if unbounded is not None:
+                floors[n_stages] = unbounded[0]
+        order = sorted({c.time for c in list(costs.values()) + list(fitted.values()) if c is not None} | seen_links)
+        best: PipelinePlan | None = None
+        best_t = incumbent
+        for n_stages, floor in sorted(floors.items(), key=lambda x: x[1]):
+            q_fixed = p // n_stages if space.uniform else None
+            for bound in order:
+                stats["candidates"] += 1
+                if floor + (m - 1) * bound >= best_t:
+                    break
+                got = solve_bound(bound, n_stages, q_fixed)
+                if got is None:
+                    continue
+                total = got[0] + (m - 1) * bound
+                if total < best_t:
+                    plan = _assemble(got[1], cost, m, space, link_fn, exchange, fitted=fitted)
+                    if plan.step_time < best_t:
+                        best, best_t = plan, plan.step_time
+        return best
+
+    while True:
+        best = optimum()
+        todo = [] if best is None else [(s.first, s.end, s.devices, s.in_flight) for s in best.stages
+                                         if s.cost.detail is _PENDING]
+        if not todo:
+            return best
+        stats["lazy_rounds"] = stats.get("lazy_rounds", 0) + 1
+        for key in todo:
+            if key in fitted:  # (an earlier key's resolution may have abandoned the stand-ins)
+                resolve(key)
+
+
+_PENDING = "memory-constrained optimum not yet solved: a lower-bound stand-in"
 
 
 def _assemble(segments: Sequence[tuple[int, int, int, int]], cost, m: int, space: PipelineSpace, link_fn: LinkFn,

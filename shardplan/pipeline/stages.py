@@ -182,7 +182,9 @@ class ModelStages:
     strategy: Callable[[Any], Any] | None = None
     solves: int = 0
     fit_time_limit: float = 60.0
+    fit_rtol: float = 1e-9
     periodic_fallbacks: int = 0
+    fit_unproven: int = 0
     _graphs: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
     _tables: dict = field(default_factory=dict, repr=False)
@@ -355,10 +357,14 @@ class ModelStages:
         """The memory-constrained intra-stage optimum of units [a, b) on q devices with ``k`` micro-batches in
         flight under ``budget`` bytes per device: issue 10's choices (:func:`shardplan.fit.solve_fit`: ZeRO
         stages 1-3 / FSDP per operator, recomputation) on the stage's sub-graph at micro-batch batch/m. None
-        if nothing fits. Its seconds are the fit plan's per micro-batch; the weight-gradient synchronisation is
-        charged in full on every micro-batch (not amortised over m as in :meth:`stage_cost`: the fit model
-        prices the ZeRO stages' collectives per step), so it is an upper bound of the stage's time under
-        these choices. Only the time-optimal plan's weight-gradient part is split off for ZB-H1."""
+        if nothing fits. Its seconds are the fit plan's per micro-batch, with the collectives that run once per
+        step (ZeRO-0's all-reduce, ZeRO-1's reduce-scatter and gather, ZeRO-2's gather) charged 1/m per
+        micro-batch as :meth:`stage_cost` charges the weight-gradient all-reduce (``FitOptions.accumulate``),
+        so a plan without memory choices costs here exactly what it costs there, and every choice costs at
+        least that: the time-optimal stage is a lower bound of this one (what the pipeline search's lazy
+        resolution relies on, and checks). A fit solve stopped by ``fit_time_limit`` before its proof is
+        counted in ``fit_unproven``. Only the time-optimal plan's weight-gradient part is split off for
+        ZB-H1."""
         from shardplan.cost import build_tables
         from shardplan.fit import FitOptions, solve_fit
 
@@ -381,14 +387,20 @@ class ModelStages:
         self.solves += 1
         try:
             plan = solve_fit(graph, machine, budget=budget, tables=tables,
-                             options=FitOptions(micro_batches=(1,), in_flight=int(k), time_limit=self.fit_time_limit))
+                             options=FitOptions(micro_batches=(1,), in_flight=int(k), accumulate=m,
+                                                time_limit=self.fit_time_limit), rtol=self.fit_rtol)
         except ShardplanError:
             cost = None
         else:
             fwd, bwd, _ = _forward_backward(plan)
             base = sum(c.total[j] for c, j in zip(plan.tables.op_costs, plan.assignment)) + \
                 plan.tables.breakdown(plan.assignment)["redistribution"]
-            bwd += max(plan.cost - base, 0.0)  # ZeRO collectives and recomputed forwards: in the backward
+            # ZeRO collectives, recomputed forwards and the amortised weight-gradient sync (plan.cost charges
+            # 1/m of each once-per-step collective, the op costs all of it): in the backward, so that
+            # forward + backward is the fit plan's cost
+            bwd += plan.cost - base
+            if not plan.solution.optimal:
+                self.fit_unproven += 1
             mem = plan.memory
             recv, grad = self.boundary_bytes(plan, m, a, b - 1)
             cost = StageCost(fwd, bwd, mem["weights_bytes"] + mem["reserve_bytes"], mem["activations_bytes"] / k,
