@@ -224,3 +224,23 @@ def test_fit_cost_without_memory_pressure_is_the_time_optimal_stage(m):
         fit = st.fit_cost(a, b, q, m, 2, 1e12)
         assert fit.time == pytest.approx(plain.time, rel=1e-9)
         assert fit.detail.solution.optimal
+
+
+def test_subgraph_keeps_the_ties_inside_the_stage():
+    """A scan's copies tied across the whole graph: a stage's sub-graph keeps the ties among its own
+    operators (its slice of the stacked parameter has one layout) and drops those with one member left; the
+    stage cost is the tied sub-problem's optimum, not shared with the untied graph's."""
+    def build(b):
+        g = _gpt(3)(b)
+        ffn = [op.name for op in g.operators if op.name.endswith("/ffn1")]
+        return dataclasses.replace(g, ties=(tuple(ffn),))
+
+    st = ModelStages(build, 8, MACHINE, {"cutoff": 1})
+    assert st.subgraph(1, 3, 1).ties == (("L1/ffn1", "L2/ffn1"),)
+    assert st.subgraph(3, 5, 1).ties == ()
+    tied = st.stage_cost(1, 4, 2, 1)
+    want = solve(st.subgraph(1, 4, 1), dataclasses.replace(MACHINE, num_devices=2), cutoff=1)
+    assert tied.detail.cost == pytest.approx(want.cost, rel=1e-12)
+    assert len({tied.detail.assignment[tied.detail.graph.index[n]] for n in ("L1/ffn1", "L2/ffn1", "L3/ffn1")}) == 1
+    free = ModelStages(_gpt(3), 8, MACHINE, {"cutoff": 1}).stage_cost(1, 4, 2, 1)
+    assert tied.time >= free.time * (1 - 1e-12)

@@ -213,7 +213,9 @@ class ModelStages:
         return [unit_prefix(g.operators[idx[0]].name) or ",".join(g.operators[i].name for i in idx) for idx in units]
 
     def subgraph(self, a: int, b: int, m: int) -> Graph:
-        """The operators of units [a, b) at micro-batch batch/m, earlier stages' tensors as graph inputs."""
+        """The operators of units [a, b) at micro-batch batch/m, earlier stages' tensors as graph inputs, and
+        the graph's ties (a scan's iterations, one layout for their stacked parameter) restricted to them: a
+        stage holds its own slice of a stacked parameter, so copies in different stages are not tied."""
         g, units, _ = self.graph(m)
         ops = [g.operators[i] for u in range(a, b) for i in units[u]]
         names = {op.name for op in ops}
@@ -222,10 +224,22 @@ class ModelStages:
             for t in op.inputs:
                 if t.src is not None and t.src not in names:
                     inputs[t.src] = t.shape
-        return Graph(f"{g.name}[{a}:{b}]", tuple(ops), inputs)
+        return Graph(f"{g.name}[{a}:{b}]", tuple(ops), inputs, ties=_ties_within(g, names))
 
-    def _solve(self, a: int, b: int, q: int, m: int) -> StageCost:
+    def solve_stage(self, a: int, b: int, q: int, m: int) -> StageCost:
+        """The intra-stage optimum of units [a, b) on q devices at m micro-batches, solved now on its own
+        sub-graph (no sharing, no periodic extension): its :class:`~shardplan.plan.Plan` is ``.detail``."""
         return self._cost_of_graph(self.subgraph(a, b, m), q, m, a, b - 1)
+
+    def _tie_key(self, a: int, b: int, m: int) -> tuple:
+        """The ties inside units [a, b) by position (unit offset, operator index): part of a segment's
+        description for sharing a solve (empty for graphs without ties)."""
+        g, units, _ = self.graph(m)
+        if not g.ties:
+            return ()
+        pos = {g.operators[i].name: (u - a, j) for u in range(a, b) for j, i in enumerate(units[u])}
+        return tuple(sorted(tuple(pos[n] for n in grp if n in pos) for grp in g.ties
+                            if sum(n in pos for n in grp) > 1))
 
     def _boundary(self, m: int) -> tuple[dict[str, int], dict[str, list[tuple[int, int]]]]:
         """Unit of every operator name, and every operator's consumers (operator index, slot), at batch/m."""
@@ -320,13 +334,16 @@ class ModelStages:
             return None
         _, _, sigs = self.graph(m)
         # the neighbouring units decide the transfers (boundary_bytes): part of what must match to share
-        key = (sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None, q, m)
+        ties = self._tie_key(a, b, m)
+        key = (sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None, q, m, ties)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         run = _longest_run(sigs, a, b)
         cost = None
-        if self.periodic and run is not None and run[1] - run[0] > 4:
+        # tied blocks take one layout: their cost is a minimum of functions affine in the run's length, which
+        # the progression check at 2, 3, 4 does not pin down beyond 4, so tied runs are solved directly
+        if self.periodic and run is not None and run[1] - run[0] > 4 and not ties:
             s, e = run
             c2, c3, c4 = (self.stage_cost_of_run(a, b, s, e, keep, q, m) for keep in (2, 3, 4))
             if _linear(c2, c3, c4):
@@ -347,7 +364,7 @@ class ModelStages:
                 self.periodic_fallbacks += 1
         if cost is None:
             try:
-                cost = self._solve(a, b, q, m)
+                cost = self.solve_stage(a, b, q, m)
             except OperatorMemoryError:
                 cost = None  # some operator cannot fit on this sub-mesh at all
         self._cache[key] = cost
@@ -372,7 +389,7 @@ class ModelStages:
             return None
         _, _, sigs = self.graph(m)
         key = (sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None, q, m, "fit", k,
-               budget)
+               budget, self._tie_key(a, b, m))
         if key in self._cache:
             return self._cache[key]
         graph = self.subgraph(a, b, m)
@@ -451,8 +468,8 @@ class ModelStages:
                 if t.src is not None and t.src not in names:
                     inputs[t.src] = t.shape
         try:
-            cost = self._cost_of_graph(Graph(f"{g.name}[pieces]", tuple(new_ops), inputs), q, m, unit_ids[0],
-                                       unit_ids[-1])
+            cost = self._cost_of_graph(Graph(f"{g.name}[pieces]", tuple(new_ops), inputs,
+                                             ties=_ties_within(g, names)), q, m, unit_ids[0], unit_ids[-1])
         except OperatorMemoryError:
             cost = None
         self._cache[key] = cost
@@ -479,6 +496,12 @@ class ModelStages:
             return 0.0
         bw, lat = self.machine.link(inter)
         return lat + nbytes / (min(q, q2) * bw)
+
+
+def _ties_within(graph: Graph, names: set[str]) -> tuple[tuple[str, ...], ...]:
+    """The graph's tie groups restricted to the operators ``names`` (groups left with one member dropped)."""
+    kept = (tuple(n for n in grp if n in names) for grp in graph.ties)
+    return tuple(grp for grp in kept if len(grp) > 1)
 
 
 def _linear(c2: StageCost, c3: StageCost, c4: StageCost, rtol: float = 1e-9) -> bool:
