@@ -159,7 +159,7 @@ def test_memory_choices_per_stage_search_equals_brute_force():
     their memory-constrained optimum (ZeRO / recomputation, issue 10's fit), and the DP still equals brute force
     (both over the same fitted costs, shared by the one ModelStages). The search solves only the stand-ins its
     relaxed optimum uses (search module docstring), brute force every stage that does not fit."""
-    st = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1})
+    st = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1}, memory_choices=True)
     budget = 600_000.0
     assert st.stage_cost(0, 3, 4, 2).memory(1) > budget
     calls: dict[str, set] = {"bf": set(), "dp": set()}
@@ -218,7 +218,7 @@ def test_fit_cost_without_memory_pressure_is_the_time_optimal_stage(m):
     """With room for everything the memory-constrained optimum is the time-optimal stage, to the second: the
     once-per-step gradient sync is amortised over m in both (FitOptions.accumulate), and no choice is cheaper
     than none (what the lazy search's lower bound rests on)."""
-    st = ModelStages(_gpt(2), 8, MACHINE, {"cutoff": 1})
+    st = ModelStages(_gpt(2), 8, MACHINE, {"cutoff": 1}, memory_choices=True)
     for a, b, q in [(0, 2, 2), (1, 3, 4), (0, 4, 4)]:
         plain = st.stage_cost(a, b, q, m)
         fit = st.fit_cost(a, b, q, m, 2, 1e12)

@@ -79,7 +79,7 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     if not ms:
         raise ShardplanError(f"no micro-batch count in {list(micro_batches)} divides the batch of {batch}")
     stages = ModelStages(build, batch, machine, dict(solve_options), periodic=periodic, fit_rtol=fit_rtol,
-                         fit_time_limit=fit_time_limit)
+                         fit_time_limit=fit_time_limit, memory_choices=memory_choices)
     space = PipelineSpace(stages.num_units, machine.num_devices, machine.node_size, tuple(ms),
                           machine.memory_bytes if budget is None else budget, max_stages, uniform, tuple(interleave),
                           None if sizes is None else tuple(int(q) for q in sizes))

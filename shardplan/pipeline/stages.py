@@ -172,6 +172,12 @@ class ModelStages:
         strategy: instead of the intra-stage optimum, a fixed rule ``strategy(tables) -> configs`` (e.g. a
             baseline of :mod:`shardplan.baselines`), to cost a hand-made recipe under the same model.
         solves: intra-stage solves run (one per distinct segment, sub-mesh size and m).
+        memory_choices: stages may take memory choices (:meth:`fit_cost`): the intra-stage tables keep every
+            layout (no per-layout memory filter, which assumes unsharded state) and :meth:`stage_cost` and
+            :meth:`fit_cost` share them, so the time-optimal stage ranges over the fit's layouts and is a
+            lower bound of the fit's optimum (what the search's lazy resolution needs).
+        fit_rtol, fit_time_limit: the fit's relative tolerance and its time limit per stage.
+        fit_unproven: fit solves stopped by the time limit before their proof.
     """
 
     build: Callable[[int], Graph]
@@ -183,6 +189,7 @@ class ModelStages:
     solves: int = 0
     fit_time_limit: float = 60.0
     fit_rtol: float = 1e-9
+    memory_choices: bool = False
     periodic_fallbacks: int = 0
     fit_unproven: int = 0
     _graphs: dict = field(default_factory=dict, repr=False)
@@ -300,9 +307,14 @@ class ModelStages:
         table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas") if k in opts}
         solver = opts.pop("solver", "dp")
         # one cache per sub-mesh size: operators and edges recur across segments (and micro-batch sizes differ
-        # in the operators' dims, hence in their keys)
-        cache = self._tables.setdefault(q, {})
-        tables = build_tables(graph, machine, cache=cache, **table_opts)
+        # in the operators' dims, hence in their keys); with memory choices, the fit's unfiltered tables
+        if self.memory_choices and self.strategy is None:
+            cache = self._tables.setdefault((q, "fit"), {})
+            tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
+                             machine=machine)
+        else:
+            cache = self._tables.setdefault(q, {})
+            tables = build_tables(graph, machine, cache=cache, **table_opts)
         syncs = cache.setdefault("weight_sync", {})
         sync = []
         for op, arr in zip(graph.operators, tables.arrays):
