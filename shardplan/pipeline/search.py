@@ -97,7 +97,9 @@ sub-mesh size the units dealt evenly, plus the stages of the best 1F1B plan
 at the same m, each costed by the event simulation (its exact length under
 the model); its in-flight memory is min(S, m) on every stage. It is not
 optimised over cuts: the optimum over it is exact only within those
-candidates.
+candidates. The interleaved and ZB-H1 candidates take time-optimal stages
+only (``fit_fn`` is not consulted): a candidate with a stage that does not
+fit is skipped.
 
 ``S = 1`` is one stage on the whole machine with ``m`` micro-batches; with
 m = 1 it is today's single-program plan, so the optimum is never worse.

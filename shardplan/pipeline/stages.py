@@ -23,9 +23,11 @@ its peak device. A stage whose *time-optimal* intra-stage plan does not fit
 with its in-flight micro-batches is, by default, infeasible; with
 ``memory_choices`` (:meth:`ModelStages.fit_cost`) it takes its
 memory-constrained optimum for that in-flight count (ZeRO/FSDP,
-recomputation: :func:`shardplan.fit.solve_fit`; exact but slow, a
-branch-and-bound per stage), with a ``fallback`` rule it takes the rule's
-layouts when they fit (fast, not exact). The sub-plan's gradient synchronisation is charged per
+recomputation: :func:`shardplan.fit.solve_fit`, a branch-and-bound per
+stage, with the once-per-step collectives amortised over m as below), which
+the search solves only for the stages its relaxation needs (the lazy
+resolution of :mod:`shardplan.pipeline.search`); with a ``fallback`` rule
+it takes the rule's layouts when they fit (fast, not exact). The sub-plan's gradient synchronisation is charged per
 micro-batch at 1/m of the weight-gradient all-reduce (gradients are
 accumulated over the m micro-batches and reduced once per step; the intra-stage
 DP optimises that amortised cost, so m = 1 is exactly today's problem).
@@ -41,20 +43,45 @@ segment holding a run of more than 4 identical units is costed as the
 linear extension of the same segment with the run cut to 3 and 4 units,
 *checked*: the run cut to 2, 3 and 4 units must cost in arithmetic
 progression (times and bytes), else the segment is solved directly
-(counted in ``periodic_fallbacks``). Why this is the right check: the
-intra-stage optimum of a chain of k identical blocks is a min-plus product
-``u M^k v`` (M: one block's least cost between the layouts of the tensors
-it receives and passes on), and min-plus matrix powers are ultimately
-periodic, ``M^(k+c) = c lambda + M^k`` for k past a transient (the
-cyclicity theorem of max-plus algebra: Baccelli, Cohen, Olsder and Quadrat,
-*Synchronization and Linearity*, 1992, ch. 3; Butkovic, *Max-linear
-Systems*, 2010, ch. 8). The extension is exact when the transient is at
-most 3 blocks and the cyclicity 1; a cyclicity of 2 or a transient of 2 or
-3 breaks the progression at 2, 3, 4 and is caught. It is not a proof for
-longer transients (a segment whose optimum changes layout only after 4
-blocks); ``tests/test_pipeline_stages.py`` checks the extension against
-direct solves on the zoo's GPT, where the optimum repeats one layout per
-block from the first block on.
+(counted in ``periodic_fallbacks``). Runs of tied units (a scan's
+iterations) are always solved directly (below).
+
+*The argument, and how far it goes.* Let the run's units exchange
+tensors only with their neighbours (in the zoo's GPT, unit j + 1 reads unit
+j's residual output and nothing else of the run), and let x_j be the
+layouts of what unit j passes on. The time-optimal plan of the segment with
+k run units is then a min-plus product ``cost(k) = u (x) M^k (x) v``: u the
+prefix's least cost ending in each x_0, v the suffix's from each x_k, and
+M[x, y] one unit's least cost (its operators' vertex costs and the edges
+into it) when it receives x and passes on y; the DP solves exactly this.
+Min-plus matrix powers are ultimately periodic: there are a transient T,
+a cyclicity c and a rate lambda with ``M^(k+c) = c lambda + M^k`` for
+every k >= T (the cyclicity theorem of max-plus algebra: Baccelli, Cohen,
+Olsder and Quadrat, *Synchronization and Linearity*, 1992, §3.7; Butkovic,
+*Max-linear Systems*, 2010, ch. 8), so ``cost(k + c) = cost(k) + c lambda``
+for k >= T. Given the check (cost(2), cost(3), cost(4) in progression with
+step d = cost(4) - cost(3)):
+
+* T <= 3, c = 1: cost(k) = cost(3) + (k - 3) lambda for k >= 3 and
+  lambda = cost(4) - cost(3) = d: the extension is exact;
+* T <= 2, c = 2: cost(4) = cost(2) + 2 lambda and, by the check,
+  cost(3) = cost(2) + lambda; then cost(k + 2) = cost(k) + 2 lambda
+  continues the progression from both parities: exact;
+* anything else (T >= 4, or c >= 3) may pass the check by coincidence and
+  is *not* covered; a transient of 3 with c = 1 and cost(3) - cost(2) != d
+  fails the check and is solved directly (safe).
+
+So the extension is exact for the time of the segments it accepts as long
+as the run's transient is at most 2 blocks (3 with c = 1), which is not
+proven here for a given model: bounding T needs M itself, which the solver
+does not expose (the known bounds grow with the number of layouts). The
+bytes (weights, saved activations) are extended the same way; they are the
+argmin plan's, and follow the progression when the argmin repeats one
+layout per interior block. ``tests/test_pipeline_stages.py`` checks the
+extension against direct solves on the zoo's GPT, where the optimum repeats
+one layout per block from the first block on (T = 1, c = 1). With ties
+(all run units one layout) the cost is a minimum of functions affine in k,
+which three points do not pin down: no extension.
 
 **Transfers.** Exact (:meth:`ModelStages.boundary_bytes`, used by
 :func:`~shardplan.pipeline.api.pipeline_solve`): the activation crossing a
