@@ -48,17 +48,31 @@ time-optimal plan does not fit: its time-optimal seconds (a lower bound of
 the constrained optimum, whose choices only add cost:
 :meth:`~shardplan.pipeline.stages.ModelStages.fit_cost`), no memory, no
 transfers (lower bounds too). That is a relaxation R of the problem whose
-stage costs are still monotone in the extent and at most the true ones, so
-R's optimum (by the argument below) is at most the true optimum T*. If
-R's optimal pipeline uses no stand-in, its cost is a true cost, hence T*.
-Otherwise its stand-ins are solved (``fit_fn``), replacing them, and R is
-solved again; each round solves at least one, so the loop ends, at the
-latest when every stage is solved (the eager search). Micro-batch counts and
-stage counts whose relaxed floor already reaches the best plan found never
-solve a stand-in. A ``fit_fn`` answer below its stand-in would void the
-bound: the search then drops every stand-in and resolves eagerly
+stage costs are at most the true ones; solving a stand-in (``fit_fn``)
+tightens it. The candidate terms (stage count n, bound B) are taken
+best-first by a lower bound of ``D_R(B) + (m - 1) B`` (at first
+``D_R(inf) + (m - 1) B``, the floor). A term whose DP optimum uses no
+stand-in is a true pipeline's cost; one that uses stand-ins has them solved
+and goes back into the queue with its relaxed value, still a lower bound of
+its value under any tighter R. New stage and transfer times (of solved
+stand-ins) join the candidates as they appear. The search stops when the
+smallest lower bound in the queue reaches the best true pipeline. Why this
+is T*: let P* be optimal with true cost T*, and B' its largest stage or
+transfer time under the final relaxation; B' is a candidate (every time is
+pushed when first seen), pushed with a floor at most T*. Whenever the term
+(n*, B') is taken, the relaxation in force is no tighter than the final
+one, so P* is feasible for D_R(B') at relaxed cost at most T*, and the
+term's value is at most T*: it goes back into the queue with that value, or
+its DP optimum is a true pipeline of cost at most T* (or the best already
+is). At the stop the term is queued with a bound reaching the best, or was
+last taken as a true pipeline: either way the best found is at most T*. Breaking the scan of a stage's
+extent at the first one over B (below) stays valid: a relaxed time over B
+means a true time over B, and true times grow with the extent. Stage
+counts and micro-batch counts whose floor already reaches the best plan
+never solve a stand-in. A ``fit_fn`` answer below its stand-in would void
+the bound: the search then drops every stand-in and runs eagerly
 (``stats["lazy_abandoned"]``); ``stats["fit_evaluations"]`` counts the
-solves and ``stats["lazy_rounds"]`` the rounds.
+solves, ``stats["lazy_rounds"]`` the terms that needed some.
 
 **The max term** (Alpa's enumeration, made exact). For a bound B let
 ``D(B)`` be the least ``sum t + 2 sum c`` over pipelines whose every stage
@@ -82,9 +96,10 @@ edge costs. The DP therefore stops lengthening a stage at the first one
 over B (a callback must honour this; ``tests/test_pipeline.py`` uses
 monotone ones).
 
-Candidates are visited in increasing order and the scan stops once
-``D(inf) + (m - 1) B`` (a lower bound of every later term, as D only
-decreases with B) reaches the best value found: nothing is lost.
+Candidates are visited in increasing order of ``D(inf) + (m - 1) B`` (a
+lower bound of the term, as D only decreases with B; with stand-ins, best
+first as described above) and the scan stops once it reaches the best value
+found: nothing is lost.
 
 **Schedules.** GPipe is dominated by 1F1B for the same stages and m (time
 and in-flight memory both no larger, see the schedule module), so the
@@ -107,6 +122,7 @@ m = 1 it is today's single-program plan, so the optimum is never worse.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -352,6 +368,10 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         got = fit_fn(a, b, q, m, int(k), budget)  # type: ignore[misc]
         stats["fit_evaluations"] = stats.get("fit_evaluations", 0) + 1
         fitted[key] = got
+        if got is not None and exchange is not None:
+            # the transfers it may charge (recv on either kind of link, grad likewise): candidate bounds
+            seen_links.update(_exchanged(exchange, x, inter) for x in (got.recv_bytes, got.grad_bytes)
+                              for inter in (False, True))
         plain = cost(a, b, q)
         if got is not None and plain is not None and got.time < plain.time * (1 - 1e-9) and lazy[0]:
             # the time-optimal stage is not a lower bound of this fit_fn: resolve every stage eagerly
@@ -461,43 +481,61 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         return best_v, out
 
     def optimum() -> PipelinePlan | None:
-        # D(inf) per stage count; the stages and links it visits are every one that can occur, so their
-        # times are the candidate bottleneck values
+        """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages)."""
+        # D(inf) per stage count (a lower bound of every D(B)); the stages and links it visits are every one that
+        # can occur, so their times are the candidate bottleneck values
         floors = {}
         for n_stages in stage_counts:
-            q_fixed = p // n_stages if space.uniform else None
-            unbounded = solve_bound(math.inf, n_stages, q_fixed)
+            unbounded = solve_bound(math.inf, n_stages, p // n_stages if space.uniform else None)
             if unbounded is not None:
                 floors[n_stages] = unbounded[0]
-        order = sorted({c.time for c in list(costs.values()) + list(fitted.values()) if c is not None} | seen_links)
+        heap: list[tuple[float, int, float]] = []
+        pushed: set[float] = set()
+
+        def push_new() -> None:
+            seen = {c.time for c in list(costs.values()) + list(fitted.values()) if c is not None} | seen_links
+            for v in seen - pushed:
+                pushed.add(v)
+                for n, fl in floors.items():
+                    heapq.heappush(heap, (fl + (m - 1) * v, n, v))
+
+        push_new()
         best: PipelinePlan | None = None
         best_t = incumbent
-        for n_stages, floor in sorted(floors.items(), key=lambda x: x[1]):
-            q_fixed = p // n_stages if space.uniform else None
-            for bound in order:
-                stats["candidates"] += 1
-                if floor + (m - 1) * bound >= best_t:
-                    break
-                got = solve_bound(bound, n_stages, q_fixed)
-                if got is None:
-                    continue
-                total = got[0] + (m - 1) * bound
-                if total < best_t:
-                    plan = _assemble(got[1], cost, m, space, link_fn, exchange, fitted=fitted)
-                    if plan.step_time < best_t:
-                        best, best_t = plan, plan.step_time
+        while heap:
+            lb, n_stages, bound = heapq.heappop(heap)
+            if lb >= best_t:
+                break  # every other candidate's lower bound is at least as large
+            stats["candidates"] += 1
+            got = solve_bound(bound, n_stages, p // n_stages if space.uniform else None)
+            push_new()
+            if got is None:
+                continue
+            total = got[0] + (m - 1) * bound
+            if total >= best_t:
+                continue
+            plan = _assemble(got[1], cost, m, space, link_fn, exchange, fitted=fitted)
+            todo = [(s.first, s.end, s.devices, s.in_flight) for s in plan.stages if s.cost.detail is _PENDING]
+            if todo:
+                # solve the stand-ins this relaxed optimum uses; the bound's value only grows, so `total` stays a
+                # lower bound of it: back into the queue
+                stats["lazy_rounds"] = stats.get("lazy_rounds", 0) + 1
+                for key in todo:
+                    if key in fitted:
+                        resolve(key)
+                if not lazy[0]:
+                    return None  # the floors rested on stand-ins that are not lower bounds: start again eagerly
+                push_new()
+                heapq.heappush(heap, (total, n_stages, bound))
+                continue
+            if plan.step_time < best_t:
+                best, best_t = plan, plan.step_time
         return best
 
-    while True:
-        best = optimum()
-        todo = [] if best is None else [(s.first, s.end, s.devices, s.in_flight) for s in best.stages
-                                         if s.cost.detail is _PENDING]
-        if not todo:
-            return best
-        stats["lazy_rounds"] = stats.get("lazy_rounds", 0) + 1
-        for key in todo:
-            if key in fitted:  # (an earlier key's resolution may have abandoned the stand-ins)
-                resolve(key)
+    found = optimum()
+    if fit_fn is not None and not lazy[0]:  # abandoned the stand-ins: the eager search
+        found = optimum()
+    return found
 
 
 _PENDING = "memory-constrained optimum not yet solved: a lower-bound stand-in"
