@@ -353,11 +353,22 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     budget = math.inf if space.budget is None else space.budget
     costs: dict[tuple[int, int, int], StageCost | None] = {}
 
+    # every stage and transfer time seen (the candidate bounds), and those not yet queued
+    seen: set[float] = set()
+    fresh: list[float] = []
+
+    def see(v: float) -> None:
+        if v not in seen:
+            seen.add(v)
+            fresh.append(v)
+
     def cost(a: int, b: int, q: int) -> StageCost | None:
         key = (a, b, q)
         if key not in costs:
-            costs[key] = stage_fn(a, b, q, m)
+            costs[key] = c = stage_fn(a, b, q, m)
             stats["stage_evaluations"] += 1
+            if c is not None:
+                see(c.time)
         return costs[key]
 
     fitted: dict[tuple[int, int, int, float], StageCost | None] = {}
@@ -368,10 +379,13 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         got = fit_fn(a, b, q, m, int(k), budget)  # type: ignore[misc]
         stats["fit_evaluations"] = stats.get("fit_evaluations", 0) + 1
         fitted[key] = got
-        if got is not None and exchange is not None:
-            # the transfers it may charge (recv on either kind of link, grad likewise): candidate bounds
-            seen_links.update(_exchanged(exchange, x, inter) for x in (got.recv_bytes, got.grad_bytes)
-                              for inter in (False, True))
+        if got is not None:
+            see(got.time)
+            if exchange is not None:
+                # the transfers it may charge (recv on either kind of link, grad likewise): candidate bounds
+                for x in (got.recv_bytes, got.grad_bytes):
+                    for inter in (False, True):
+                        see(_exchanged(exchange, x, inter))
         plain = cost(a, b, q)
         if got is not None and plain is not None and got.time < plain.time * (1 - 1e-9) and lazy[0]:
             # the time-optimal stage is not a lower bound of this fit_fn: resolve every stage eagerly
@@ -397,19 +411,17 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 resolve(key)
         return fitted[key]
 
-    seen_links: set[float] = set()
-
     def link(u: int, o: int, q: int, q2: int) -> float:
         t = link_fn(u, q, q2, m, (o + q) % ns == 0)
-        seen_links.add(t)
+        see(t)
         return t
 
     def edges(c: StageCost, a: int, o: int, q: int, last: bool) -> tuple[float, float]:
         """Exact transfers charged to a stage: its activation in (a > 0), the gradient of its output (not last)."""
         fin = _exchanged(exchange, c.recv_bytes, o % ns == 0) if a > 0 else 0.0  # type: ignore[arg-type]
         gout = 0.0 if last else _exchanged(exchange, c.grad_bytes, (o + q) % ns == 0)  # type: ignore[arg-type]
-        seen_links.add(fin)
-        seen_links.add(gout)
+        see(fin)
+        see(gout)
         return fin, gout
 
     stage_counts = range(1, s_max + 1)
@@ -489,17 +501,16 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             unbounded = solve_bound(math.inf, n_stages, p // n_stages if space.uniform else None)
             if unbounded is not None:
                 floors[n_stages] = unbounded[0]
-        heap: list[tuple[float, int, float]] = []
-        pushed: set[float] = set()
+        heap: list[tuple[float, int, float]] = [(fl + (m - 1) * v, n, v) for v in seen for n, fl in floors.items()]
+        heapq.heapify(heap)
+        fresh.clear()
 
         def push_new() -> None:
-            seen = {c.time for c in list(costs.values()) + list(fitted.values()) if c is not None} | seen_links
-            for v in seen - pushed:
-                pushed.add(v)
+            for v in fresh:
                 for n, fl in floors.items():
                     heapq.heappush(heap, (fl + (m - 1) * v, n, v))
+            fresh.clear()
 
-        push_new()
         best: PipelinePlan | None = None
         best_t = incumbent
         while heap:
