@@ -244,3 +244,17 @@ def test_subgraph_keeps_the_ties_inside_the_stage():
     assert len({tied.detail.assignment[tied.detail.graph.index[n]] for n in ("L1/ffn1", "L2/ffn1", "L3/ffn1")}) == 1
     free = ModelStages(_gpt(3), 8, MACHINE, {"cutoff": 1}).stage_cost(1, 4, 2, 1)
     assert tied.time >= free.time * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("budget, order, reused", [(1_000_000.0, (4, 1, 3, 2), 3)])
+def test_fit_cost_reuses_other_in_flight_counts_exactly(budget, order, reused):
+    """A segment's memory-constrained optimum at k in flight, answered from its solves at other counts where
+    monotonicity settles it, equals a fresh solve at k."""
+    warm = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1}, memory_choices=True)
+    for k in order:
+        got = warm.fit_cost(0, 3, 4, 2, k, budget)
+        fresh = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1}, memory_choices=True).fit_cost(0, 3, 4, 2, k, budget)
+        assert (got is None) == (fresh is None)
+        if got is not None:
+            assert got.time == pytest.approx(fresh.time, rel=1e-9) and got.memory(k) <= budget
+    assert warm.fit_reused == reused

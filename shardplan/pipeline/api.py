@@ -99,5 +99,6 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     plan.stats["intra_stage_solves"] = stages.solves
     if memory_choices:
         plan.stats["fit_unproven"] = stages.fit_unproven
+        plan.stats["fit_reused"] = stages.fit_reused
         plan.stats["fit_rtol"] = fit_rtol
     return PipelineResult(plan, stages, machine, time.perf_counter() - t0)

@@ -205,6 +205,7 @@ class ModelStages:
             lower bound of the fit's optimum (what the search's lazy resolution needs).
         fit_rtol, fit_time_limit: the fit's relative tolerance and its time limit per stage.
         fit_unproven: fit solves stopped by the time limit before their proof.
+        fit_reused: fit answers taken from the same segment's solve at another in-flight count (:meth:`fit_cost`).
     """
 
     build: Callable[[int], Graph]
@@ -219,6 +220,7 @@ class ModelStages:
     memory_choices: bool = False
     periodic_fallbacks: int = 0
     fit_unproven: int = 0
+    fit_reused: int = 0
     _graphs: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
     _tables: dict = field(default_factory=dict, repr=False)
@@ -431,6 +433,12 @@ class ModelStages:
                budget, self._tie_key(a, b, m))
         if key in self._cache:
             return self._cache[key]
+        family = self._cache.setdefault(key[:6] + key[7:], {})  # this segment's solves at other in-flight counts
+        known = _from_other_in_flight(family, k, budget, self.stage_cost(a, b, q, m), self.fit_rtol)
+        if known is not False:
+            self._cache[key] = family[k] = known
+            self.fit_reused += 1
+            return known
         graph = self.subgraph(a, b, m)
         machine = replace(self.machine, num_devices=q, memory_bytes=budget)
         opts = dict(self.solve_options)
@@ -461,7 +469,7 @@ class ModelStages:
             recv, grad = self.boundary_bytes(plan, m, a, b - 1)
             cost = StageCost(fwd, bwd, mem["weights_bytes"] + mem["reserve_bytes"], mem["activations_bytes"] / k,
                              plan, recv, grad, 0.0)
-        self._cache[key] = cost
+        self._cache[key] = family[k] = cost
         return cost
 
     def stage_cost_of_run(self, a: int, b: int, s: int, e: int, keep: int, q: int, m: int) -> StageCost:
@@ -535,6 +543,28 @@ class ModelStages:
             return 0.0
         bw, lat = self.machine.link(inter)
         return lat + nbytes / (min(q, q2) * bw)
+
+
+def _from_other_in_flight(family: dict, k: int, budget: float, plain: StageCost | None, rtol: float):
+    """The memory-constrained optimum at ``k`` micro-batches in flight from the same stage's at other counts,
+    or False if they do not settle it. The optimum F(k) is nondecreasing in k (a plan that fits k + 1 in
+    flight fits k) and at least the time-optimal stage's time. So: nothing fits some k1 < k, nothing fits k;
+    the plan of some k1 < k fits k too, it is optimal at k (F(k) >= F(k1)); the plan of some k2 > k (which
+    fits k) is optimal at k when its time meets the largest lower bound known, max(time-optimal, F(k1 < k)),
+    to the solves' relative tolerance."""
+    lower = plain.time if plain is not None else 0.0
+    for k1, c in family.items():
+        if k1 < k:
+            if c is None:
+                return None
+            if c.memory(k) <= budget:
+                return c
+            lower = max(lower, c.time)
+    ups = [c for k2, c in family.items() if k2 > k and c is not None]
+    for c in ups:
+        if c.time <= lower * (1 + rtol):
+            return c
+    return False
 
 
 def _ties_within(graph: Graph, names: set[str]) -> tuple[tuple[str, ...], ...]:
