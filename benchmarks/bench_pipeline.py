@@ -9,7 +9,10 @@ norms and adds replicated over the 8 (the tables' ``node_replicas`` layouts), ``
 data-parallel width, i.e. micro-batches of 1 sequence per replica, 1F1B) costed by the same model,
 and the search's optimum over the space given (uniform sub-meshes of the listed sizes, the listed
 micro-batch counts, 1F1B, interleaved v=2 and ZB-H1; a stage whose time-optimal plan does not fit its
-in-flight micro-batches takes Megatron's layouts when they fit: ``fallback``), both with exact
+in-flight micro-batches takes Megatron's layouts when they fit, ``fallback``, a heuristic; with
+``--memory-choices`` it takes its memory-constrained optimum instead, ZeRO/FSDP and recomputation, solved
+lazily and proven to the relative ``FIT_RTOL``: exact, but on GPT-3 175B / 1,024 h100 it ran past 300 s of
+CPU unfinished, so it is not the default; each row's ``search.memory`` says which), both with exact
 stage-to-stage transfers, with
 step time, model TFLOP/s per GPU (forward + backward FLOPs, no recomputation), memory per stage,
 solve time (wall and CPU: the machine is shared) and peak RSS.
@@ -65,7 +68,10 @@ def _stages_line(plan, names) -> str:
     return "; ".join(f"[{names[s.first]}..{names[s.end - 1]}] on {s.devices} devs" for s in plan.stages)
 
 
-def run_case(name: str, solve_opts: dict, recipe_only: bool = False) -> dict:
+FIT_RTOL = 1e-4  # each memory-constrained stage within 0.01 % of its optimum (so the plan within 0.01 %)
+
+
+def run_case(name: str, solve_opts: dict, recipe_only: bool = False, fallback: bool = False) -> dict:
     mname, p, batch, (layers, d, heads), rec_s, search_s, search_m = CASES[name]
     machine = preset(mname, p)
     build = _build(layers, d, heads)
@@ -105,15 +111,25 @@ def run_case(name: str, solve_opts: dict, recipe_only: bool = False) -> dict:
     # the search
     t0, c0 = time.perf_counter(), _cpu()
     sizes = tuple(sorted({p // s for s in search_s if p % s == 0}))
+    memory = ({"fallback": lambda t: megatron(t, max(1, t.machine.num_devices // 8))} if fallback else
+              {"memory_choices": True, "fit_rtol": FIT_RTOL, "fit_time_limit": 600.0})
     res = pipeline_solve(build, batch, machine, micro_batches=search_m, uniform=True, interleave=(2,),
-                         sizes=sizes, schedules=("1f1b", "interleaved", "zb-h1"),
-                         fallback=lambda t: megatron(t, max(1, t.machine.num_devices // 8)), **solve_opts)
+                         sizes=sizes, schedules=("1f1b", "interleaved", "zb-h1"), **memory, **solve_opts)
     plan = res.plan
     names = res.unit_names()
     row["search"] = {"stages": plan.num_stages // plan.chunks, "schedule": plan.schedule, "chunks": plan.chunks,
                      "micro_batches": plan.micro_batches, "stage_map": _stages_line(plan, names),
                      "layouts": sorted({_layouts(s.cost.detail) for s in plan.stages}),
+                     "memory": "fallback: Megatron's layouts where the time-optimal stage does not fit" if fallback
+                     else f"memory_choices: exact per-stage ZeRO/FSDP/recompute optimum, fit_rtol {FIT_RTOL:g}",
                      "stages_on_fallback": sum(getattr(s.cost.detail, "name", "") == "recipe" for s in plan.stages),
+                     "stages_with_memory_choices": sum(getattr(s.cost.detail, "memory_choices", None) is not None
+                                                       for s in plan.stages),
+                     "memory_choice_lines": sorted({_choices(s.cost.detail) for s in plan.stages
+                                                    if getattr(s.cost.detail, "memory_choices", None) is not None}),
+                     "fit_evaluations": plan.stats.get("fit_evaluations", 0),
+                     "fit_unproven": plan.stats.get("fit_unproven", 0),
+                     "lazy_rounds": plan.stats.get("lazy_rounds", 0),
                      "step_seconds": plan.step_time, "simulated_step_seconds": res.simulated_step_time(),
                      "tflops_per_gpu": flops / plan.step_time / p / 1e12,
                      "memory_per_stage_gib": [s.memory / 2**30 for s in plan.stages],
@@ -129,6 +145,16 @@ def run_case(name: str, solve_opts: dict, recipe_only: bool = False) -> dict:
     return row
 
 
+def _choices(plan) -> str:
+    mc = plan.memory_choices
+    names = [op.name.split("/")[-1] for op in plan.graph.operators]
+    summ = mc.summary(names)
+    parts = [f"{k}: {','.join(sorted(set(v)))}" for k, v in summ["state_sharding"].items()]
+    if summ["recompute"]:
+        parts.append(f"recompute: {','.join(sorted(set(summ['recompute'])))}")
+    return "; ".join(parts) or "none"
+
+
 def _layouts(plan) -> str:
     from shardplan.pipeline.report import _layout
 
@@ -139,6 +165,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="small", help=f"comma-separated, from {', '.join(CASES)}")
     ap.add_argument("--out", default="benchmarks/results/pipeline.json")
+    ap.add_argument("--memory-choices", action="store_true",
+                    help="stages that do not fit take their exact ZeRO/FSDP/recompute optimum (slow), not Megatron's "
+                         "layouts")
     args = ap.parse_args(argv)
     opts = {"cutoff": 1, "orders": "row-major"}
     out = Path(args.out)
@@ -147,7 +176,7 @@ def main(argv=None) -> int:
         if name not in CASES:
             print(f"unknown case {name!r}; choose from {', '.join(CASES)}", file=sys.stderr)
             return 2
-        row = run_case(name, opts)
+        row = run_case(name, opts, fallback=not args.memory_choices)
         rows = [r for r in rows if r["case"] != name] + [row]
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"note": "seconds measured on a shared 2-core machine", "rows": rows},

@@ -118,6 +118,10 @@ class FitOptions:
             (1 for one SPMD program; a pipeline stage i of S under 1F1B holds
             S - i, under GPipe all of them: the per-stage memory of issue 16 is
             this model on the stage's operators and sub-mesh with that count).
+        accumulate: the graph is one micro-batch of a step that accumulates
+            gradients over this many (a pipeline stage's cost per micro-batch):
+            once-per-step collectives are charged 1/accumulate each
+            (:func:`shardplan.cost.memory.choice_table`); 1: the graph is the step.
     """
 
     stages: tuple[int, ...] = STAGES
@@ -126,6 +130,7 @@ class FitOptions:
     time_limit: float = 60.0
     reserve_bytes: float = 0.0
     in_flight: int = 1
+    accumulate: int = 1
 
     def __post_init__(self) -> None:
         bad = [s for s in self.stages if s not in STAGES]
@@ -135,6 +140,8 @@ class FitOptions:
             raise ShardplanError(f"micro-batch counts must be positive integers, got {self.micro_batches!r}")
         if int(self.in_flight) < 1:
             raise ShardplanError(f"in_flight must be a positive number of micro-batches, got {self.in_flight!r}")
+        if int(self.accumulate) < 1:
+            raise ShardplanError(f"accumulate must be a positive number of micro-batches, got {self.accumulate!r}")
         if self.reserve_bytes < 0:
             raise ShardplanError(f"reserve must be >= 0 bytes, got {self.reserve_bytes!r}")
 
@@ -221,7 +228,7 @@ def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, optio
     cts = [_shared(shared, ("c", micro_batches, _key(op), id(lay)),
                    lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages, options.recompute,
                                         opt, groups=wg, op_cost=oc if micro_batches == 1 else None,
-                                        in_flight=options.in_flight))
+                                        in_flight=options.in_flight, accumulate=options.accumulate))
            for op, lay, wg, oc in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs)]
     least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
     if least <= budget:

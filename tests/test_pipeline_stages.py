@@ -157,15 +157,26 @@ def test_weight_gradient_part_and_zero_bubble_on_the_model(tmp_path):
 def test_memory_choices_per_stage_search_equals_brute_force():
     """A budget under what the time-optimal stages need with their in-flight micro-batches: the stages take
     their memory-constrained optimum (ZeRO / recomputation, issue 10's fit), and the DP still equals brute force
-    (both over the same fitted costs, shared by the one ModelStages)."""
-    st = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1})
-    budget = 700_000.0
+    (both over the same fitted costs, shared by the one ModelStages). The search solves only the stand-ins its
+    relaxed optimum uses (search module docstring), brute force every stage that does not fit."""
+    st = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1}, memory_choices=True)
+    budget = 600_000.0
     assert st.stage_cost(0, 3, 4, 2).memory(1) > budget
+    calls: dict[str, set] = {"bf": set(), "dp": set()}
+
+    def counted(tag):
+        def fit_fn(a, b, q, m, k, limit):
+            calls[tag].add((a, b, q, m, k))
+            return st.fit_cost(a, b, q, m, k, limit)
+        return fit_fn
+
     space = PipelineSpace(st.num_units, 4, 2, micro_batches=(2,), budget=budget, sizes=(2, 4))
-    want = brute_force_pipeline(space, st.stage_cost, st.link_time, st.exchange_time, fit_fn=st.fit_cost)
+    want = brute_force_pipeline(space, st.stage_cost, st.link_time, st.exchange_time, fit_fn=counted("bf"))
     got = search_pipeline(space, st.stage_cost, st.link_time, ("1f1b",), exchange=st.exchange_time,
-                          fit_fn=st.fit_cost)
+                          fit_fn=counted("dp"))
     assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+    assert not got.stats.get("lazy_abandoned") and got.stats["lazy_rounds"] >= 1
+    assert 0 < len(calls["dp"]) < len(calls["bf"])
     assert all(s.memory <= budget for s in got.stages)
     assert any(s.cost.detail.memory_choices is not None for s in got.stages)
     # without the choices only plans whose time-optimal stages fit remain: slower, or none at all
@@ -199,3 +210,51 @@ def test_fallback_rule_where_the_optimum_does_not_fit():
     assert any(s.cost.detail.name == "recipe" for s in got.plan.stages)
     with pytest.raises(ShardplanError, match="not both"):
         pipeline_solve(_gpt(1), 8, MACHINE, micro_batches=(2,), cutoff=1, fallback=rule_fn, memory_choices=True)
+
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_fit_cost_without_memory_pressure_is_the_time_optimal_stage(m):
+    """With room for everything the memory-constrained optimum is the time-optimal stage, to the second: the
+    once-per-step gradient sync is amortised over m in both (FitOptions.accumulate), and no choice is cheaper
+    than none (what the lazy search's lower bound rests on)."""
+    st = ModelStages(_gpt(2), 8, MACHINE, {"cutoff": 1}, memory_choices=True)
+    for a, b, q in [(0, 2, 2), (1, 3, 4), (0, 4, 4)]:
+        plain = st.stage_cost(a, b, q, m)
+        fit = st.fit_cost(a, b, q, m, 2, 1e12)
+        assert fit.time == pytest.approx(plain.time, rel=1e-9)
+        assert fit.detail.solution.optimal
+
+
+def test_subgraph_keeps_the_ties_inside_the_stage():
+    """A scan's copies tied across the whole graph: a stage's sub-graph keeps the ties among its own
+    operators (its slice of the stacked parameter has one layout) and drops those with one member left; the
+    stage cost is the tied sub-problem's optimum, not shared with the untied graph's."""
+    def build(b):
+        g = _gpt(3)(b)
+        ffn = [op.name for op in g.operators if op.name.endswith("/ffn1")]
+        return dataclasses.replace(g, ties=(tuple(ffn),))
+
+    st = ModelStages(build, 8, MACHINE, {"cutoff": 1})
+    assert st.subgraph(1, 3, 1).ties == (("L1/ffn1", "L2/ffn1"),)
+    assert st.subgraph(3, 5, 1).ties == ()
+    tied = st.stage_cost(1, 4, 2, 1)
+    want = solve(st.subgraph(1, 4, 1), dataclasses.replace(MACHINE, num_devices=2), cutoff=1)
+    assert tied.detail.cost == pytest.approx(want.cost, rel=1e-12)
+    assert len({tied.detail.assignment[tied.detail.graph.index[n]] for n in ("L1/ffn1", "L2/ffn1", "L3/ffn1")}) == 1
+    free = ModelStages(_gpt(3), 8, MACHINE, {"cutoff": 1}).stage_cost(1, 4, 2, 1)
+    assert tied.time >= free.time * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("budget, order, reused", [(1_000_000.0, (4, 1, 3, 2), 3)])
+def test_fit_cost_reuses_other_in_flight_counts_exactly(budget, order, reused):
+    """A segment's memory-constrained optimum at k in flight, answered from its solves at other counts where
+    monotonicity settles it, equals a fresh solve at k."""
+    warm = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1}, memory_choices=True)
+    for k in order:
+        got = warm.fit_cost(0, 3, 4, 2, k, budget)
+        fresh = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1}, memory_choices=True).fit_cost(0, 3, 4, 2, k, budget)
+        assert (got is None) == (fresh is None)
+        if got is not None:
+            assert got.time == pytest.approx(fresh.time, rel=1e-9) and got.memory(k) <= budget
+    assert warm.fit_reused == reused

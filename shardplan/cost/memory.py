@@ -176,7 +176,7 @@ def _bucketed(vol: np.ndarray, machine: Machine, collective) -> np.ndarray:
 def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Machine, micro_batches: int = 1,
                  stages: Sequence[int] = STAGES, recompute: bool = True,
                  optimizer_factor: float = 2.0, prune: bool = True, groups: WeightGroups | None = None,
-                 op_cost=None, in_flight: int = 1) -> ChoiceTable:
+                 op_cost=None, in_flight: int = 1, accumulate: int = 1) -> ChoiceTable:
     """Every (layout, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
 
     ``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows
@@ -187,7 +187,13 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     cost on the machine with its latency scaled by ``micro_batches``) may be
     passed to save their computation. ``in_flight``: micro-batches whose saved
     activations are live at once (1 here; a pipeline stage under 1F1B holds up
-    to S - i of them).
+    to S - i of them). ``accumulate``: for a table of one micro-batch of a step
+    that accumulates gradients over ``accumulate`` of them (a pipeline stage's
+    cost per micro-batch), the collectives run once per step are charged
+    1/accumulate: stage 0's all-reduce, stage 1's reduce-scatter and gather,
+    stage 2's gather (its reduce-scatter runs after every micro-batch); stage 3
+    gathers and reduce-scatters per micro-batch, so it is unchanged. With 1
+    (the default) the table is the step's.
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time
     from shardplan.cost.operator import operator_cost
@@ -226,13 +232,14 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         stage_list = [0] + stage_list
     rows = []
     forward = oc.compute / passes
+    once = 1.0 / int(accumulate)  # share of a once-per-step collective charged to one micro-batch
     for s in stage_list:
         if s == 0:
-            sync, mem = charged(sync0), state * (2 + o)
+            sync, mem = charged(sync0) * once, state * (2 + o)
         elif s == 1:
-            sync, mem = charged(rs) + ag, state * (2 + o / group)
+            sync, mem = (charged(rs) + ag) * once, state * (2 + o / group)
         elif s == 2:
-            sync, mem = charged(m * rs) + ag, state * (1 + (1 + o) / group)
+            sync, mem = charged(m * rs) + ag * once, state * (1 + (1 + o) / group)
         else:  # gathers prefetched during the operator's own forward / backward when overlapping
             fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
             sync, mem = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group

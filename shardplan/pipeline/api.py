@@ -60,12 +60,15 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                    interleave: Sequence[int] = (), schedules: Sequence[str] = ("1f1b", "interleaved"),
                    budget: float | None = None, periodic: bool = True, sizes: Sequence[int] | None = None,
                    memory_choices: bool = False, fallback: Callable[[Any], Any] | None = None,
-                   **solve_options: Any) -> PipelineResult:
+                   fit_rtol: float = 1e-9, fit_time_limit: float = 60.0, **solve_options: Any) -> PipelineResult:
     """The optimal pipeline (stages, sub-meshes, m, schedule) of the model ``build(batch)`` on ``machine``.
 
     ``budget`` defaults to the machine's memory per device; micro-batch counts that do not divide
     ``batch`` are skipped. ``memory_choices``: a stage whose time-optimal plan does not fit with its
-    in-flight micro-batches may shard state (ZeRO/FSDP) and recompute (:meth:`ModelStages.fit_cost`).
+    in-flight micro-batches may shard state (ZeRO/FSDP) and recompute (:meth:`ModelStages.fit_cost`), solved
+    only for the stages the search's relaxation needs (:mod:`shardplan.pipeline.search`); each such solve is
+    proven to a relative ``fit_rtol`` (1e-9: exact; a larger one makes the plan within that factor of the
+    optimum) unless ``fit_time_limit`` seconds stop it (``plan.stats["fit_unproven"]`` counts those).
     ``fallback``: instead, such a stage takes the fixed rule ``fallback(tables) -> configs`` (e.g. Megatron's
     layouts, :func:`shardplan.baselines.megatron`, on tables with ``node_replicas``) when that fits: a
     heuristic, fast stand-in for the memory-constrained optimum, so the search covers the rule's pipelines
@@ -75,7 +78,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     ms = [int(m) for m in micro_batches if batch % int(m) == 0]
     if not ms:
         raise ShardplanError(f"no micro-batch count in {list(micro_batches)} divides the batch of {batch}")
-    stages = ModelStages(build, batch, machine, dict(solve_options), periodic=periodic)
+    stages = ModelStages(build, batch, machine, dict(solve_options), periodic=periodic, fit_rtol=fit_rtol,
+                         fit_time_limit=fit_time_limit, memory_choices=memory_choices)
     space = PipelineSpace(stages.num_units, machine.num_devices, machine.node_size, tuple(ms),
                           machine.memory_bytes if budget is None else budget, max_stages, uniform, tuple(interleave),
                           None if sizes is None else tuple(int(q) for q in sizes))
@@ -93,4 +97,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules, exchange=stages.exchange_time,
                            fit_fn=fit_fn)
     plan.stats["intra_stage_solves"] = stages.solves
+    if memory_choices:
+        plan.stats["fit_unproven"] = stages.fit_unproven
+        plan.stats["fit_reused"] = stages.fit_reused
+        plan.stats["fit_rtol"] = fit_rtol
     return PipelineResult(plan, stages, machine, time.perf_counter() - t0)

@@ -161,4 +161,4 @@ def stage_plan(result: Any, index: int) -> Any:
     if detail is not None and {op.name for op in detail.graph.operators} == want \
             and detail.machine.num_devices == st.devices:
         return detail
-    return result.stages._solve(st.first, st.end, st.devices, m).detail
+    return result.stages.solve_stage(st.first, st.end, st.devices, m).detail

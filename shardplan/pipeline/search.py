@@ -41,6 +41,39 @@ ZeRO/FSDP and recomputation choices): the stage's least time under the
 budget, still monotone in its extent (restricting a plan that fits [a, b+1)
 to [a, b) fits too and is no slower), so the argument below holds.
 
+**Lazy memory-constrained stages.** A memory-constrained solve is far
+dearer than the DP, and most candidate stages never appear in a plan that
+could be optimal. So the search first puts a *stand-in* where a stage's
+time-optimal plan does not fit: its time-optimal seconds (a lower bound of
+the constrained optimum, whose choices only add cost:
+:meth:`~shardplan.pipeline.stages.ModelStages.fit_cost`), no memory, no
+transfers (lower bounds too). That is a relaxation R of the problem whose
+stage costs are at most the true ones; solving a stand-in (``fit_fn``)
+tightens it. The candidate terms (stage count n, bound B) are taken
+best-first by a lower bound of ``D_R(B) + (m - 1) B`` (at first
+``D_R(inf) + (m - 1) B``, the floor). A term whose DP optimum uses no
+stand-in is a true pipeline's cost; one that uses stand-ins has them solved
+and goes back into the queue with its relaxed value, still a lower bound of
+its value under any tighter R. New stage and transfer times (of solved
+stand-ins) join the candidates as they appear. The search stops when the
+smallest lower bound in the queue reaches the best true pipeline. Why this
+is T*: let P* be optimal with true cost T*, and B' its largest stage or
+transfer time under the final relaxation; B' is a candidate (every time is
+pushed when first seen), pushed with a floor at most T*. Whenever the term
+(n*, B') is taken, the relaxation in force is no tighter than the final
+one, so P* is feasible for D_R(B') at relaxed cost at most T*, and the
+term's value is at most T*: it goes back into the queue with that value, or
+its DP optimum is a true pipeline of cost at most T* (or the best already
+is). At the stop the term is queued with a bound reaching the best, or was
+last taken as a true pipeline: either way the best found is at most T*. Breaking the scan of a stage's
+extent at the first one over B (below) stays valid: a relaxed time over B
+means a true time over B, and true times grow with the extent. Stage
+counts and micro-batch counts whose floor already reaches the best plan
+never solve a stand-in. A ``fit_fn`` answer below its stand-in would void
+the bound: the search then drops every stand-in and runs eagerly
+(``stats["lazy_abandoned"]``); ``stats["fit_evaluations"]`` counts the
+solves, ``stats["lazy_rounds"]`` the terms that needed some.
+
 **The max term** (Alpa's enumeration, made exact). For a bound B let
 ``D(B)`` be the least ``sum t + 2 sum c`` over pipelines whose every stage
 time and link time is at most B (a DP over suffixes: state = first unit,
@@ -63,9 +96,10 @@ edge costs. The DP therefore stops lengthening a stage at the first one
 over B (a callback must honour this; ``tests/test_pipeline.py`` uses
 monotone ones).
 
-Candidates are visited in increasing order and the scan stops once
-``D(inf) + (m - 1) B`` (a lower bound of every later term, as D only
-decreases with B) reaches the best value found: nothing is lost.
+Candidates are visited in increasing order of ``D(inf) + (m - 1) B`` (a
+lower bound of the term, as D only decreases with B; with stand-ins, best
+first as described above) and the scan stops once it reaches the best value
+found: nothing is lost.
 
 **Schedules.** GPipe is dominated by 1F1B for the same stages and m (time
 and in-flight memory both no larger, see the schedule module), so the
@@ -78,7 +112,9 @@ sub-mesh size the units dealt evenly, plus the stages of the best 1F1B plan
 at the same m, each costed by the event simulation (its exact length under
 the model); its in-flight memory is min(S, m) on every stage. It is not
 optimised over cuts: the optimum over it is exact only within those
-candidates.
+candidates. The interleaved and ZB-H1 candidates take time-optimal stages
+only (``fit_fn`` is not consulted): a candidate with a stage that does not
+fit is skipped.
 
 ``S = 1`` is one stage on the whole machine with ``m`` micro-batches; with
 m = 1 it is today's single-program plan, so the optimum is never worse.
@@ -86,6 +122,7 @@ m = 1 it is today's single-program plan, so the optimum is never worse.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -316,18 +353,50 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     budget = math.inf if space.budget is None else space.budget
     costs: dict[tuple[int, int, int], StageCost | None] = {}
 
+    # every stage and transfer time seen (the candidate bounds), and those not yet queued
+    seen: set[float] = set()
+    fresh: list[float] = []
+
+    def see(v: float) -> None:
+        if v not in seen:
+            seen.add(v)
+            fresh.append(v)
+
     def cost(a: int, b: int, q: int) -> StageCost | None:
         key = (a, b, q)
         if key not in costs:
-            costs[key] = stage_fn(a, b, q, m)
+            costs[key] = c = stage_fn(a, b, q, m)
             stats["stage_evaluations"] += 1
+            if c is not None:
+                see(c.time)
         return costs[key]
 
     fitted: dict[tuple[int, int, int, float], StageCost | None] = {}
+    lazy = [fit_fn is not None]  # stand-ins for unresolved memory-constrained stages (module docstring)
+
+    def resolve(key: tuple[int, int, int, float]) -> None:
+        a, b, q, k = key
+        got = fit_fn(a, b, q, m, int(k), budget)  # type: ignore[misc]
+        stats["fit_evaluations"] = stats.get("fit_evaluations", 0) + 1
+        fitted[key] = got
+        if got is not None:
+            see(got.time)
+            if exchange is not None:
+                # the transfers it may charge (recv on either kind of link, grad likewise): candidate bounds
+                for x in (got.recv_bytes, got.grad_bytes):
+                    for inter in (False, True):
+                        see(_exchanged(exchange, x, inter))
+        plain = cost(a, b, q)
+        if got is not None and plain is not None and got.time < plain.time * (1 - 1e-9) and lazy[0]:
+            # the time-optimal stage is not a lower bound of this fit_fn: resolve every stage eagerly
+            lazy[0] = False
+            stats["lazy_abandoned"] = True
+            for other in [x for x, c in fitted.items() if c is not None and c.detail is _PENDING]:
+                del fitted[other]
 
     def effective(a: int, b: int, q: int, k: float) -> StageCost | None:
         """The stage's least time with k micro-batches in flight within the budget: the time-optimal plan if it
-        fits, else the memory-constrained one (fit_fn), else None."""
+        fits, else the memory-constrained one (fit_fn), else None; while lazy, a stand-in for the latter."""
         c = cost(a, b, q)
         if c is None or c.memory(k) <= budget:
             return c
@@ -335,23 +404,24 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             return None
         key = (a, b, q, k)
         if key not in fitted:
-            fitted[key] = fit_fn(a, b, q, m, int(k), budget)
-            stats["fit_evaluations"] = stats.get("fit_evaluations", 0) + 1
+            if lazy[0]:
+                fitted[key] = replace(c, weight_bytes=0.0, activation_bytes=0.0, recv_bytes=0.0, grad_bytes=0.0,
+                                      detail=_PENDING)
+            else:
+                resolve(key)
         return fitted[key]
-
-    seen_links: set[float] = set()
 
     def link(u: int, o: int, q: int, q2: int) -> float:
         t = link_fn(u, q, q2, m, (o + q) % ns == 0)
-        seen_links.add(t)
+        see(t)
         return t
 
     def edges(c: StageCost, a: int, o: int, q: int, last: bool) -> tuple[float, float]:
         """Exact transfers charged to a stage: its activation in (a > 0), the gradient of its output (not last)."""
         fin = _exchanged(exchange, c.recv_bytes, o % ns == 0) if a > 0 else 0.0  # type: ignore[arg-type]
         gout = 0.0 if last else _exchanged(exchange, c.grad_bytes, (o + q) % ns == 0)  # type: ignore[arg-type]
-        seen_links.add(fin)
-        seen_links.add(gout)
+        see(fin)
+        see(gout)
         return fin, gout
 
     stage_counts = range(1, s_max + 1)
@@ -422,32 +492,64 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             a, o, r, q = b, o + q, r - 1, q2
         return best_v, out
 
-    # D(inf) per stage count; the stages and links it visits are every one that can occur, so their
-    # times are the candidate bottleneck values
-    floors = {}
-    for n_stages in stage_counts:
-        q_fixed = p // n_stages if space.uniform else None
-        unbounded = solve_bound(math.inf, n_stages, q_fixed)
-        if unbounded is not None:
-            floors[n_stages] = unbounded[0]
-    order = sorted({c.time for c in list(costs.values()) + list(fitted.values()) if c is not None} | seen_links)
-    best: PipelinePlan | None = None
-    best_t = incumbent
-    for n_stages, floor in floors.items():
-        q_fixed = p // n_stages if space.uniform else None
-        for bound in order:
+    def optimum() -> PipelinePlan | None:
+        """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages)."""
+        # D(inf) per stage count (a lower bound of every D(B)); the stages and links it visits are every one that
+        # can occur, so their times are the candidate bottleneck values
+        floors = {}
+        for n_stages in stage_counts:
+            unbounded = solve_bound(math.inf, n_stages, p // n_stages if space.uniform else None)
+            if unbounded is not None:
+                floors[n_stages] = unbounded[0]
+        heap: list[tuple[float, int, float]] = [(fl + (m - 1) * v, n, v) for v in seen for n, fl in floors.items()]
+        heapq.heapify(heap)
+        fresh.clear()
+
+        def push_new() -> None:
+            for v in fresh:
+                for n, fl in floors.items():
+                    heapq.heappush(heap, (fl + (m - 1) * v, n, v))
+            fresh.clear()
+
+        best: PipelinePlan | None = None
+        best_t = incumbent
+        while heap:
+            lb, n_stages, bound = heapq.heappop(heap)
+            if lb >= best_t:
+                break  # every other candidate's lower bound is at least as large
             stats["candidates"] += 1
-            if floor + (m - 1) * bound >= best_t:
-                break
-            got = solve_bound(bound, n_stages, q_fixed)
+            got = solve_bound(bound, n_stages, p // n_stages if space.uniform else None)
+            push_new()
             if got is None:
                 continue
             total = got[0] + (m - 1) * bound
-            if total < best_t:
-                plan = _assemble(got[1], cost, m, space, link_fn, exchange, fitted=fitted)
-                if plan.step_time < best_t:
-                    best, best_t = plan, plan.step_time
-    return best
+            if total >= best_t:
+                continue
+            plan = _assemble(got[1], cost, m, space, link_fn, exchange, fitted=fitted)
+            todo = [(s.first, s.end, s.devices, s.in_flight) for s in plan.stages if s.cost.detail is _PENDING]
+            if todo:
+                # solve the stand-ins this relaxed optimum uses; the bound's value only grows, so `total` stays a
+                # lower bound of it: back into the queue
+                stats["lazy_rounds"] = stats.get("lazy_rounds", 0) + 1
+                for key in todo:
+                    if key in fitted:
+                        resolve(key)
+                if not lazy[0]:
+                    return None  # the floors rested on stand-ins that are not lower bounds: start again eagerly
+                push_new()
+                heapq.heappush(heap, (total, n_stages, bound))
+                continue
+            if plan.step_time < best_t:
+                best, best_t = plan, plan.step_time
+        return best
+
+    found = optimum()
+    if fit_fn is not None and not lazy[0]:  # abandoned the stand-ins: the eager search
+        found = optimum()
+    return found
+
+
+_PENDING = "memory-constrained optimum not yet solved: a lower-bound stand-in"
 
 
 def _assemble(segments: Sequence[tuple[int, int, int, int]], cost, m: int, space: PipelineSpace, link_fn: LinkFn,

@@ -23,9 +23,11 @@ its peak device. A stage whose *time-optimal* intra-stage plan does not fit
 with its in-flight micro-batches is, by default, infeasible; with
 ``memory_choices`` (:meth:`ModelStages.fit_cost`) it takes its
 memory-constrained optimum for that in-flight count (ZeRO/FSDP,
-recomputation: :func:`shardplan.fit.solve_fit`; exact but slow, a
-branch-and-bound per stage), with a ``fallback`` rule it takes the rule's
-layouts when they fit (fast, not exact). The sub-plan's gradient synchronisation is charged per
+recomputation: :func:`shardplan.fit.solve_fit`, a branch-and-bound per
+stage, with the once-per-step collectives amortised over m as below), which
+the search solves only for the stages its relaxation needs (the lazy
+resolution of :mod:`shardplan.pipeline.search`); with a ``fallback`` rule
+it takes the rule's layouts when they fit (fast, not exact). The sub-plan's gradient synchronisation is charged per
 micro-batch at 1/m of the weight-gradient all-reduce (gradients are
 accumulated over the m micro-batches and reduced once per step; the intra-stage
 DP optimises that amortised cost, so m = 1 is exactly today's problem).
@@ -41,20 +43,45 @@ segment holding a run of more than 4 identical units is costed as the
 linear extension of the same segment with the run cut to 3 and 4 units,
 *checked*: the run cut to 2, 3 and 4 units must cost in arithmetic
 progression (times and bytes), else the segment is solved directly
-(counted in ``periodic_fallbacks``). Why this is the right check: the
-intra-stage optimum of a chain of k identical blocks is a min-plus product
-``u M^k v`` (M: one block's least cost between the layouts of the tensors
-it receives and passes on), and min-plus matrix powers are ultimately
-periodic, ``M^(k+c) = c lambda + M^k`` for k past a transient (the
-cyclicity theorem of max-plus algebra: Baccelli, Cohen, Olsder and Quadrat,
-*Synchronization and Linearity*, 1992, ch. 3; Butkovic, *Max-linear
-Systems*, 2010, ch. 8). The extension is exact when the transient is at
-most 3 blocks and the cyclicity 1; a cyclicity of 2 or a transient of 2 or
-3 breaks the progression at 2, 3, 4 and is caught. It is not a proof for
-longer transients (a segment whose optimum changes layout only after 4
-blocks); ``tests/test_pipeline_stages.py`` checks the extension against
-direct solves on the zoo's GPT, where the optimum repeats one layout per
-block from the first block on.
+(counted in ``periodic_fallbacks``). Runs of tied units (a scan's
+iterations) are always solved directly (below).
+
+*The argument, and how far it goes.* Let the run's units exchange
+tensors only with their neighbours (in the zoo's GPT, unit j + 1 reads unit
+j's residual output and nothing else of the run), and let x_j be the
+layouts of what unit j passes on. The time-optimal plan of the segment with
+k run units is then a min-plus product ``cost(k) = u (x) M^k (x) v``: u the
+prefix's least cost ending in each x_0, v the suffix's from each x_k, and
+M[x, y] one unit's least cost (its operators' vertex costs and the edges
+into it) when it receives x and passes on y; the DP solves exactly this.
+Min-plus matrix powers are ultimately periodic: there are a transient T,
+a cyclicity c and a rate lambda with ``M^(k+c) = c lambda + M^k`` for
+every k >= T (the cyclicity theorem of max-plus algebra: Baccelli, Cohen,
+Olsder and Quadrat, *Synchronization and Linearity*, 1992, §3.7; Butkovic,
+*Max-linear Systems*, 2010, ch. 8), so ``cost(k + c) = cost(k) + c lambda``
+for k >= T. Given the check (cost(2), cost(3), cost(4) in progression with
+step d = cost(4) - cost(3)):
+
+* T <= 3, c = 1: cost(k) = cost(3) + (k - 3) lambda for k >= 3 and
+  lambda = cost(4) - cost(3) = d: the extension is exact;
+* T <= 2, c = 2: cost(4) = cost(2) + 2 lambda and, by the check,
+  cost(3) = cost(2) + lambda; then cost(k + 2) = cost(k) + 2 lambda
+  continues the progression from both parities: exact;
+* anything else (T >= 4, or c >= 3) may pass the check by coincidence and
+  is *not* covered; a transient of 3 with c = 1 and cost(3) - cost(2) != d
+  fails the check and is solved directly (safe).
+
+So the extension is exact for the time of the segments it accepts as long
+as the run's transient is at most 2 blocks (3 with c = 1), which is not
+proven here for a given model: bounding T needs M itself, which the solver
+does not expose (the known bounds grow with the number of layouts). The
+bytes (weights, saved activations) are extended the same way; they are the
+argmin plan's, and follow the progression when the argmin repeats one
+layout per interior block. ``tests/test_pipeline_stages.py`` checks the
+extension against direct solves on the zoo's GPT, where the optimum repeats
+one layout per block from the first block on (T = 1, c = 1). With ties
+(all run units one layout) the cost is a minimum of functions affine in k,
+which three points do not pin down: no extension.
 
 **Transfers.** Exact (:meth:`ModelStages.boundary_bytes`, used by
 :func:`~shardplan.pipeline.api.pipeline_solve`): the activation crossing a
@@ -172,6 +199,13 @@ class ModelStages:
         strategy: instead of the intra-stage optimum, a fixed rule ``strategy(tables) -> configs`` (e.g. a
             baseline of :mod:`shardplan.baselines`), to cost a hand-made recipe under the same model.
         solves: intra-stage solves run (one per distinct segment, sub-mesh size and m).
+        memory_choices: stages may take memory choices (:meth:`fit_cost`): the intra-stage tables keep every
+            layout (no per-layout memory filter, which assumes unsharded state) and :meth:`stage_cost` and
+            :meth:`fit_cost` share them, so the time-optimal stage ranges over the fit's layouts and is a
+            lower bound of the fit's optimum (what the search's lazy resolution needs).
+        fit_rtol, fit_time_limit: the fit's relative tolerance and its time limit per stage.
+        fit_unproven: fit solves stopped by the time limit before their proof.
+        fit_reused: fit answers taken from the same segment's solve at another in-flight count (:meth:`fit_cost`).
     """
 
     build: Callable[[int], Graph]
@@ -182,7 +216,11 @@ class ModelStages:
     strategy: Callable[[Any], Any] | None = None
     solves: int = 0
     fit_time_limit: float = 60.0
+    fit_rtol: float = 1e-9
+    memory_choices: bool = False
     periodic_fallbacks: int = 0
+    fit_unproven: int = 0
+    fit_reused: int = 0
     _graphs: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
     _tables: dict = field(default_factory=dict, repr=False)
@@ -211,7 +249,9 @@ class ModelStages:
         return [unit_prefix(g.operators[idx[0]].name) or ",".join(g.operators[i].name for i in idx) for idx in units]
 
     def subgraph(self, a: int, b: int, m: int) -> Graph:
-        """The operators of units [a, b) at micro-batch batch/m, earlier stages' tensors as graph inputs."""
+        """The operators of units [a, b) at micro-batch batch/m, earlier stages' tensors as graph inputs, and
+        the graph's ties (a scan's iterations, one layout for their stacked parameter) restricted to them: a
+        stage holds its own slice of a stacked parameter, so copies in different stages are not tied."""
         g, units, _ = self.graph(m)
         ops = [g.operators[i] for u in range(a, b) for i in units[u]]
         names = {op.name for op in ops}
@@ -220,10 +260,22 @@ class ModelStages:
             for t in op.inputs:
                 if t.src is not None and t.src not in names:
                     inputs[t.src] = t.shape
-        return Graph(f"{g.name}[{a}:{b}]", tuple(ops), inputs)
+        return Graph(f"{g.name}[{a}:{b}]", tuple(ops), inputs, ties=_ties_within(g, names))
 
-    def _solve(self, a: int, b: int, q: int, m: int) -> StageCost:
+    def solve_stage(self, a: int, b: int, q: int, m: int) -> StageCost:
+        """The intra-stage optimum of units [a, b) on q devices at m micro-batches, solved now on its own
+        sub-graph (no sharing, no periodic extension): its :class:`~shardplan.plan.Plan` is ``.detail``."""
         return self._cost_of_graph(self.subgraph(a, b, m), q, m, a, b - 1)
+
+    def _tie_key(self, a: int, b: int, m: int) -> tuple:
+        """The ties inside units [a, b) by position (unit offset, operator index): part of a segment's
+        description for sharing a solve (empty for graphs without ties)."""
+        g, units, _ = self.graph(m)
+        if not g.ties:
+            return ()
+        pos = {g.operators[i].name: (u - a, j) for u in range(a, b) for j, i in enumerate(units[u])}
+        return tuple(sorted(tuple(pos[n] for n in grp if n in pos) for grp in g.ties
+                            if sum(n in pos for n in grp) > 1))
 
     def _boundary(self, m: int) -> tuple[dict[str, int], dict[str, list[tuple[int, int]]]]:
         """Unit of every operator name, and every operator's consumers (operator index, slot), at batch/m."""
@@ -284,9 +336,14 @@ class ModelStages:
         table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas") if k in opts}
         solver = opts.pop("solver", "dp")
         # one cache per sub-mesh size: operators and edges recur across segments (and micro-batch sizes differ
-        # in the operators' dims, hence in their keys)
-        cache = self._tables.setdefault(q, {})
-        tables = build_tables(graph, machine, cache=cache, **table_opts)
+        # in the operators' dims, hence in their keys); with memory choices, the fit's unfiltered tables
+        if self.memory_choices and self.strategy is None:
+            cache = self._tables.setdefault((q, "fit"), {})
+            tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
+                             machine=machine)
+        else:
+            cache = self._tables.setdefault(q, {})
+            tables = build_tables(graph, machine, cache=cache, **table_opts)
         syncs = cache.setdefault("weight_sync", {})
         sync = []
         for op, arr in zip(graph.operators, tables.arrays):
@@ -318,13 +375,16 @@ class ModelStages:
             return None
         _, _, sigs = self.graph(m)
         # the neighbouring units decide the transfers (boundary_bytes): part of what must match to share
-        key = (sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None, q, m)
+        ties = self._tie_key(a, b, m)
+        key = (sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None, q, m, ties)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         run = _longest_run(sigs, a, b)
         cost = None
-        if self.periodic and run is not None and run[1] - run[0] > 4:
+        # tied blocks take one layout: their cost is a minimum of functions affine in the run's length, which
+        # the progression check at 2, 3, 4 does not pin down beyond 4, so tied runs are solved directly
+        if self.periodic and run is not None and run[1] - run[0] > 4 and not ties:
             s, e = run
             c2, c3, c4 = (self.stage_cost_of_run(a, b, s, e, keep, q, m) for keep in (2, 3, 4))
             if _linear(c2, c3, c4):
@@ -345,7 +405,7 @@ class ModelStages:
                 self.periodic_fallbacks += 1
         if cost is None:
             try:
-                cost = self._solve(a, b, q, m)
+                cost = self.solve_stage(a, b, q, m)
             except OperatorMemoryError:
                 cost = None  # some operator cannot fit on this sub-mesh at all
         self._cache[key] = cost
@@ -355,10 +415,14 @@ class ModelStages:
         """The memory-constrained intra-stage optimum of units [a, b) on q devices with ``k`` micro-batches in
         flight under ``budget`` bytes per device: issue 10's choices (:func:`shardplan.fit.solve_fit`: ZeRO
         stages 1-3 / FSDP per operator, recomputation) on the stage's sub-graph at micro-batch batch/m. None
-        if nothing fits. Its seconds are the fit plan's per micro-batch; the weight-gradient synchronisation is
-        charged in full on every micro-batch (not amortised over m as in :meth:`stage_cost`: the fit model
-        prices the ZeRO stages' collectives per step), so it is an upper bound of the stage's time under
-        these choices. Only the time-optimal plan's weight-gradient part is split off for ZB-H1."""
+        if nothing fits. Its seconds are the fit plan's per micro-batch, with the collectives that run once per
+        step (ZeRO-0's all-reduce, ZeRO-1's reduce-scatter and gather, ZeRO-2's gather) charged 1/m per
+        micro-batch as :meth:`stage_cost` charges the weight-gradient all-reduce (``FitOptions.accumulate``),
+        so a plan without memory choices costs here exactly what it costs there, and every choice costs at
+        least that: the time-optimal stage is a lower bound of this one (what the pipeline search's lazy
+        resolution relies on, and checks). A fit solve stopped by ``fit_time_limit`` before its proof is
+        counted in ``fit_unproven``. Only the time-optimal plan's weight-gradient part is split off for
+        ZB-H1."""
         from shardplan.cost import build_tables
         from shardplan.fit import FitOptions, solve_fit
 
@@ -366,9 +430,15 @@ class ModelStages:
             return None
         _, _, sigs = self.graph(m)
         key = (sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None, q, m, "fit", k,
-               budget)
+               budget, self._tie_key(a, b, m))
         if key in self._cache:
             return self._cache[key]
+        family = self._cache.setdefault(key[:6] + key[7:], {})  # this segment's solves at other in-flight counts
+        known = _from_other_in_flight(family, k, budget, self.stage_cost(a, b, q, m), self.fit_rtol)
+        if known is not False:
+            self._cache[key] = family[k] = known
+            self.fit_reused += 1
+            return known
         graph = self.subgraph(a, b, m)
         machine = replace(self.machine, num_devices=q, memory_bytes=budget)
         opts = dict(self.solve_options)
@@ -381,19 +451,25 @@ class ModelStages:
         self.solves += 1
         try:
             plan = solve_fit(graph, machine, budget=budget, tables=tables,
-                             options=FitOptions(micro_batches=(1,), in_flight=int(k), time_limit=self.fit_time_limit))
+                             options=FitOptions(micro_batches=(1,), in_flight=int(k), accumulate=m,
+                                                time_limit=self.fit_time_limit), rtol=self.fit_rtol)
         except ShardplanError:
             cost = None
         else:
             fwd, bwd, _ = _forward_backward(plan)
             base = sum(c.total[j] for c, j in zip(plan.tables.op_costs, plan.assignment)) + \
                 plan.tables.breakdown(plan.assignment)["redistribution"]
-            bwd += max(plan.cost - base, 0.0)  # ZeRO collectives and recomputed forwards: in the backward
+            # ZeRO collectives, recomputed forwards and the amortised weight-gradient sync (plan.cost charges
+            # 1/m of each once-per-step collective, the op costs all of it): in the backward, so that
+            # forward + backward is the fit plan's cost
+            bwd += plan.cost - base
+            if not plan.solution.optimal:
+                self.fit_unproven += 1
             mem = plan.memory
             recv, grad = self.boundary_bytes(plan, m, a, b - 1)
             cost = StageCost(fwd, bwd, mem["weights_bytes"] + mem["reserve_bytes"], mem["activations_bytes"] / k,
                              plan, recv, grad, 0.0)
-        self._cache[key] = cost
+        self._cache[key] = family[k] = cost
         return cost
 
     def stage_cost_of_run(self, a: int, b: int, s: int, e: int, keep: int, q: int, m: int) -> StageCost:
@@ -439,8 +515,8 @@ class ModelStages:
                 if t.src is not None and t.src not in names:
                     inputs[t.src] = t.shape
         try:
-            cost = self._cost_of_graph(Graph(f"{g.name}[pieces]", tuple(new_ops), inputs), q, m, unit_ids[0],
-                                       unit_ids[-1])
+            cost = self._cost_of_graph(Graph(f"{g.name}[pieces]", tuple(new_ops), inputs,
+                                             ties=_ties_within(g, names)), q, m, unit_ids[0], unit_ids[-1])
         except OperatorMemoryError:
             cost = None
         self._cache[key] = cost
@@ -467,6 +543,34 @@ class ModelStages:
             return 0.0
         bw, lat = self.machine.link(inter)
         return lat + nbytes / (min(q, q2) * bw)
+
+
+def _from_other_in_flight(family: dict, k: int, budget: float, plain: StageCost | None, rtol: float):
+    """The memory-constrained optimum at ``k`` micro-batches in flight from the same stage's at other counts,
+    or False if they do not settle it. The optimum F(k) is nondecreasing in k (a plan that fits k + 1 in
+    flight fits k) and at least the time-optimal stage's time. So: nothing fits some k1 < k, nothing fits k;
+    the plan of some k1 < k fits k too, it is optimal at k (F(k) >= F(k1)); the plan of some k2 > k (which
+    fits k) is optimal at k when its time meets the largest lower bound known, max(time-optimal, F(k1 < k)),
+    to the solves' relative tolerance."""
+    lower = plain.time if plain is not None else 0.0
+    for k1, c in family.items():
+        if k1 < k:
+            if c is None:
+                return None
+            if c.memory(k) <= budget:
+                return c
+            lower = max(lower, c.time)
+    ups = [c for k2, c in family.items() if k2 > k and c is not None]
+    for c in ups:
+        if c.time <= lower * (1 + rtol):
+            return c
+    return False
+
+
+def _ties_within(graph: Graph, names: set[str]) -> tuple[tuple[str, ...], ...]:
+    """The graph's tie groups restricted to the operators ``names`` (groups left with one member dropped)."""
+    kept = (tuple(n for n in grp if n in names) for grp in graph.ties)
+    return tuple(grp for grp in kept if len(grp) > 1)
 
 
 def _linear(c2: StageCost, c3: StageCost, c4: StageCost, rtol: float = 1e-9) -> bool:
