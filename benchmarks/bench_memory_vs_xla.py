@@ -36,6 +36,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -65,6 +66,7 @@ def predicted_parts(plan: Any) -> dict[str, float]:
     mc, tables = plan.memory_choices, plan.tables
     o = float(tables.options.get("optimizer_factor", 2.0))
     out = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0}
+    gathered = 0.0
     for i, (op, lay) in enumerate(zip(tables.graph.operators, tables.arrays)):
         k = plan.assignment[i]
         wg = weight_groups(op, lay, None, tables.machine)
@@ -73,8 +75,51 @@ def predicted_parts(plan: Any) -> dict[str, float]:
         out["gradients"] += p / g if s >= 2 else p
         out["optimizer"] += o * p / g if s >= 1 else o * p
         out["activations"] += float(mc.choice_tables[i].activation_bytes[mc.choices[i]])
+        gathered += p if s == 3 else 0.0
     out["total"] = sum(out.values())
     assert math.isclose(out["total"], plan.memory["peak_bytes"], rel_tol=1e-9)
+    out["gathered_tiles"] = gathered  # not part of the total: the weight tiles a stage-3 plan gathers (once)
+    return out
+
+
+def phase_estimates(m: dict[str, float]) -> dict[str, float]:
+    """The backward pass's peak from the model's own parts, for two schedules (not the search's model).
+
+    With S = weights + optimizer state, G = gradients, A = saved activations
+    and F = the stage-3 tiles gathered: the backward pass frees saved
+    activations as it produces gradients, so the peak is near its start (S +
+    A) or its end (S + G plus what the gradient reduction holds). On a GPU
+    XLA all-reduces in place (NCCL; ``CanShareBufferHint`` of XLA's GPU
+    backend), so ``gpu`` = S + max(A, G); the CPU backend keeps operand and
+    result of the combined all-reduce apart, so ``cpu`` = S + max(A, 2 G)
+    (``gpu`` leaves out the gathered tile of the operator running, a stage-3
+    plan's only addition on a GPU-like schedule),
+    and for FSDP, whose gathers it hoists to the program's start and whose
+    gradients it all-reduces whole and then slices, S + A + 3 F (every
+    gathered tile, and the full gradients twice).
+    """
+    s, g, a, f = m["weights"] + m["optimizer"], m["gradients"], m["activations"], m["gathered_tiles"]
+    return {"gpu": s + max(a, g), "cpu": s + a + 3 * f if f else s + max(a, 2 * g)}
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8}
+_SHAPE = re.compile(r"\b(pred|bf16|[suf]\d+)\[([\d,]*)\]")
+_COLLECTIVE = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|reduce-scatter)(?:-start)?\(")
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Result bytes per device of every all-gather / all-reduce / reduce-scatter in the compiled HLO.
+
+    Counted once per instruction (a collective inside the micro-batch loop's
+    body counts once: per micro-batch).
+    """
+    out = {"all-gather": 0, "all-reduce": 0, "reduce-scatter": 0}
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m:
+            out[m.group(2)] += sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(x) for x in dims.split(",") if x)
+                                   for dt, dims in _SHAPE.findall(m.group(1)))
     return out
 
 
@@ -124,7 +169,8 @@ def measure(plan: Any, loss_fn: Any, params: Any, batch: Any, info: Any) -> dict
     opt = optax.adam(1e-3)
     p0, s0 = fs.init(opt, jax.tree.map(jnp.copy, params))
     b0 = jax.device_put(batch, fs.batch_shardings)
-    mem = fs.train_step(opt, params).lower(p0, s0, b0).compile().memory_analysis()
+    compiled = fs.train_step(opt, params).lower(p0, s0, b0).compile()
+    mem = compiled.memory_analysis()
     data = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(b0))
     arg, out, alias, temp = (int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
                              int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes))
@@ -135,8 +181,13 @@ def measure(plan: Any, loss_fn: Any, params: Any, batch: Any, info: Any) -> dict
     xla["grad_step_output"] = int(g.output_size_in_bytes)
     xla["optimizer_update_extra"] = xla["step"] - int(g.temp_size_in_bytes) - int(g.output_size_in_bytes)
     xla["saved_residuals"] = saved_residual_bytes(fs, loss_fn, params, batch)
+    xla["collectives"] = collective_bytes(compiled.as_text())
     model = predicted_parts(plan)
+    phases = phase_estimates(model)
     ratios = {"total": xla["total"] / model["total"],
+              "cpu_phase": xla["total"] / phases["cpu"],
+              "gathered": (xla["collectives"]["all-gather"] / model["gathered_tiles"]
+                           if model["gathered_tiles"] else None),
               "state": xla["state"] / (model["weights"] + model["optimizer"]),
               "step": xla["step"] / max(model["gradients"] + model["activations"], 1.0),
               "grad_step": (xla["grad_step_temp"] + xla["grad_step_output"])
@@ -148,6 +199,7 @@ def measure(plan: Any, loss_fn: Any, params: Any, batch: Any, info: Any) -> dict
     return {"strategy": plan.name, "micro_batches": mc.micro_batches,
             "recompute": sum(mc.recompute(i) for i in range(len(plan.graph))),
             "sharded_leaves": states_summary(fs.leaves, fs.info), "xla_bytes": xla, "model_bytes": model,
+            "model_phase_estimates": phases,
             "ratio_xla_over_model": ratios, "within_10pct": abs(ratios["total"] - 1) <= TOLERANCE}
 
 
@@ -255,7 +307,7 @@ def run_model(name: str, library: str, loss_fn: Any, params: Any, batch: Any, ma
         r = row["ratio_xla_over_model"]
         print(f"{name:<30} {row['strategy']:<26} model {row['model_bytes']['total']:>11.0f} B  xla {row['xla_bytes']['total']:>11.0f}"
               f" B  total {r['total']:.3f}  state {r['state']:.3f}  step {r['step']:.3f} grad-step {r['grad_step']:.3f}  "
-              f"saved {r['saved'] or 0:.3f}", flush=True)
+              f"saved {r['saved'] or 0:.3f}  cpu-phase {r['cpu_phase']:.3f}  gathered {r['gathered'] or 0:.3f}", flush=True)
     return rows
 
 

@@ -215,10 +215,11 @@ def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, optio
         cache["problem"] = tables.to_problem()
         cache["shared"] = shared
     shared = cache["shared"]
-    cts = [_shared(shared, ("c", micro_batches, _key(op), id(lay)),
+    forced = g.recomputed
+    cts = [_shared(shared, ("c", micro_batches, _key(op), id(lay), op.name in forced),
                    lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages, options.recompute,
                                         opt, groups=wg, op_cost=oc if micro_batches == 1 else None,
-                                        in_flight=options.in_flight))
+                                        in_flight=options.in_flight, forced_recompute=op.name in forced))
            for op, lay, wg, oc in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs)]
     least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
     if least <= budget:
@@ -368,7 +369,8 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     ``stage``: one ZeRO stage for every operator with trainable weights, or
     operator name -> stage (others 0); an operator without trainable weights
     always has stage 0. ``recompute``: True for every operator, or the names
-    of the operators that recompute. Costs and memory are those of
+    of the operators that recompute; the operators the program itself
+    recomputes (:attr:`~shardplan.ir.Graph.recomputed`) always do. Costs and memory are those of
     :func:`~shardplan.cost.memory.choice_table` (the model of this module), so
     data parallelism with FSDP, say, is ``plan_with_choices(dp_plan, 3)``.
 
@@ -383,6 +385,7 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     stages = {n: int(stage) for n in names} if isinstance(stage, int) else {n: 0 for n in names} | dict(stage)
     recs = set(names) if recompute is True else set() if recompute is False else set(recompute)
     unknown = sorted((set(stages) | recs) - set(names))
+    recs |= g.recomputed
     if unknown:
         raise ShardplanError(f"plan has no operator {unknown[0]!r}")
     bad = sorted({s for s in stages.values() if s not in STAGES})
@@ -395,7 +398,7 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     cts, choices = [], []
     for i, (op, lay, oc) in enumerate(zip(g.operators, tables.arrays, tables.op_costs)):
         ct = choice_table(op, lay, None, tables.machine, m, STAGES, True, opt, prune=False,
-                          op_cost=oc if m == 1 else None)
+                          op_cost=oc if m == 1 else None, forced_recompute=op.name in g.recomputed)
         mine = (ct.base == plan.assignment[i]) & (ct.recompute == (op.name in recs))
         j = np.flatnonzero(mine & (ct.stage == stages[op.name]))
         if not len(j):  # an operator without trainable weights has stage 0 only

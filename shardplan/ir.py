@@ -416,12 +416,19 @@ class Graph:
     stacked parameter they read has one layout). Members have the same
     dimensions and extents; the search treats a group as one variable
     (:mod:`shardplan.search.tie`).
+
+    ``recomputed``: operators the program itself recomputes in the backward
+    pass whatever the plan says (the body of a user's ``jax.checkpoint`` /
+    ``nn.remat`` without a saving policy): they keep no activation and run
+    their forward twice (:func:`shardplan.cost.memory.choice_table` offers
+    them only recomputing choices).
     """
 
     name: str
     operators: tuple[Operator, ...]
     graph_inputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     ties: tuple[tuple[str, ...], ...] = ()
+    recomputed: frozenset[str] = frozenset()
     edges: tuple[EdgeRef, ...] = field(init=False)
     index: Mapping[str, int] = field(init=False, repr=False)
 
@@ -462,6 +469,10 @@ class Graph:
                 edges.append(EdgeRef(index[t.src], j, slot))
         object.__setattr__(self, "edges", tuple(edges))
         object.__setattr__(self, "index", index)
+        object.__setattr__(self, "recomputed", frozenset(str(n) for n in self.recomputed))
+        unknown = sorted(self.recomputed - set(index))
+        if unknown:
+            raise ShardplanError(f"graph {self.name!r}: recomputed operator {unknown[0]!r} is not in the graph")
         self._check_ties()
         order = _kahn(len(ops), self.edges)
         if len(order) < len(ops):

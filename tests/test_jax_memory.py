@@ -208,3 +208,48 @@ def test_plan_with_choices_reports_and_refuses_bad_input(setup):
         plan_with_choices(dp, 5)
     with pytest.raises(ShardplanError, match="micro-batch"):
         plan_with_choices(dp, 0, False, 0)
+
+
+def remat_loss_fn(params, batch):
+    """The MLP with its first layer under the user's own jax.checkpoint (saving nothing inside it)."""
+    x, y = batch
+
+    @jax.checkpoint
+    def block(x):
+        return jnp.tanh(jnp.tanh(x @ params["w1"] + params["b1"]) * 2.0)
+
+    out = block(x) @ params["w2"]
+    return jnp.mean((out - y) ** 2)
+
+
+def test_user_checkpoint_marks_its_operators_recomputed(setup):
+    """Operators inside a user's jax.checkpoint save nothing (except the block's result) and always recompute."""
+    params, batch = model()
+    graph, info = trace(remat_loss_fn, params, batch)
+    plain, _ = trace(loss_fn, params, batch)
+    assert not plain.recomputed
+    inner = {op.name for op in graph.operators[:3]}
+    assert graph.recomputed and graph.recomputed < inner  # the block's last operator makes its result: kept
+    last = max(graph.index[n] for n in inner)
+    assert graph.operators[last].name not in graph.recomputed
+    tables = build_tables(graph, TOY, cutoff=1)
+    dp = baseline_plan("data_parallel", tables)
+    fit = plan_with_choices(dp, 0, False)
+    mc = fit.memory_choices
+    for name in graph.recomputed:
+        i = graph.index[name]
+        assert mc.recompute(i) and set(mc.choice_tables[i].recompute) == {True}
+        assert mc.choice_tables[i].activation_bytes[mc.choices[i]] == 0.0
+        assert mc.parts(i)["recompute"] > 0.0
+    saved = sum(float(t.activation_bytes[j]) for t, j in zip(mc.choice_tables, mc.choices))
+    want = sum(tables.memory[i][1][dp.assignment[i]].max() for i, op in enumerate(graph.operators)
+               if op.name not in graph.recomputed)
+    assert saved == pytest.approx(want)
+    assert dp.memory["activations_bytes"] == pytest.approx(want)
+    fs = fit_step(fit, remat_loss_fn, params, batch, info=info)
+    assert not fs.remat  # the user's own checkpoint call recomputes; the step adds none
+    loss, grads = fs.step(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(remat_loss_fn)(params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for k in ref_grads:
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_grads[k]), rtol=1e-4, atol=1e-6)

@@ -151,7 +151,10 @@ class CostTables:
         return out
 
     def memory_of(self, assignment: Sequence[int]) -> dict[str, float]:
-        return strategy_memory(list(self.memory), assignment)
+        """:func:`strategy_memory`; an operator the program recomputes (``Graph.recomputed``) saves nothing."""
+        rec = self.graph.recomputed
+        per_op = [(w, act * 0.0) if op.name in rec else (w, act) for op, (w, act) in zip(self.graph.operators, self.memory)]
+        return strategy_memory(per_op, assignment)
 
 
 ORDERS: tuple[str, ...] = ("auto", *ORDER_MODES)

@@ -173,7 +173,7 @@ def _bucketed(vol: np.ndarray, machine: Machine, collective) -> np.ndarray:
 def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Machine, micro_batches: int = 1,
                  stages: Sequence[int] = STAGES, recompute: bool = True,
                  optimizer_factor: float = 2.0, prune: bool = True, groups: WeightGroups | None = None,
-                 op_cost=None, in_flight: int = 1) -> ChoiceTable:
+                 op_cost=None, in_flight: int = 1, forced_recompute: bool = False) -> ChoiceTable:
     """Every (layout, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
 
     ``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows
@@ -184,7 +184,9 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     cost on the machine with its latency scaled by ``micro_batches``) may be
     passed to save their computation. ``in_flight``: micro-batches whose saved
     activations are live at once (1 here; a pipeline stage under 1F1B holds up
-    to S - i of them).
+    to S - i of them). ``forced_recompute``: the program recomputes the
+    operator whatever the plan (inside a user's ``jax.checkpoint``:
+    :attr:`shardplan.ir.Graph.recomputed`): only recomputing choices.
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time
     from shardplan.cost.operator import operator_cost
@@ -233,7 +235,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         else:  # gathers prefetched during the operator's own forward / backward when overlapping
             fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
             sync, mem = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group
-        for r in ([False, True] if recompute else [False]):
+        for r in ([True] if forced_recompute else [False, True] if recompute else [False]):
             rows.append((s, r, sync, mem, np.zeros(k) if r else act, fwd if r else np.zeros(k)))
     j = len(rows)
     base = np.tile(np.arange(k), j)

@@ -473,6 +473,36 @@ class _GraphPass:
             handler(self, eqn, vals)
 
 
+def user_recomputed(program: Program, op_eqn: Mapping[str, int], names: Any,
+                    identity_vars: Mapping[str, Sequence[int]]) -> frozenset[str]:
+    """Operators made inside a user's ``jax.checkpoint`` / ``nn.remat`` call that saves nothing of its body.
+
+    Such a call (``remat2`` whose ``policy`` is None) keeps only its operands
+    for the backward pass and re-runs its body there; a call with a saving
+    policy keeps what the policy names, which the graph does not know, so its
+    operators are left to the plan. An operator (of ``names``) is recomputed
+    when any call enclosing its equation has no policy, unless its output
+    (one of its ``identity_vars``) is a result of a call: the call's results
+    are kept (the next block saves them as its operands).
+    """
+    calls: dict[int, tuple[bool, int | None]] = {}  # call id -> (saves nothing, enclosing call id)
+    results: set[int] = set()
+    for e in program.eqns:
+        if e.call_id is not None:
+            calls[e.call_id] = (e.params.get("policy") is None, e.parent)
+            results.update(a for a in e.passthrough if isinstance(a, int))
+
+    def inside(parent: int | None) -> bool:
+        while parent is not None and parent in calls:
+            bare, parent = calls[parent]
+            if bare:
+                return True
+        return False
+
+    return frozenset(n for n, k in op_eqn.items() if n in names and 0 <= k < len(program.eqns)
+                     and inside(program.eqns[k].parent) and not results.intersection(identity_vars.get(n, ())))
+
+
 def _count_uses(program: Program) -> tuple[dict[int, int], dict[int, int]]:
     """(alias, uses): a kept call's result -> its body's result; consumers of every graph-view variable."""
     alias: dict[int, int] = {}
@@ -984,7 +1014,7 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
     used_inputs = {t.src for op in gp.ops.values() for t in op.inputs}
     graph_inputs = {k: v for k, v in gp.inputs.items() if k in used_inputs}
     graph = Graph(name or getattr(fn, "__name__", "jax"), tuple(gp.ops.values()), graph_inputs,
-                  ties=scan_ties(program, gp.ops, gp.op_eqn))
+                  ties=scan_ties(program, gp.ops, gp.op_eqn), recomputed=user_recomputed(program, gp.op_eqn, gp.ops, gp.identity_vars))
     op_vars = _op_run_vars(gp.identity_vars, gp.alias, _run_vars(program))
     info = TraceInfo(program, in_tree, out_tree, tuple(names), tuple(shapes), frozenset(param_leaves), op_vars,
                      {k: tuple(v) for k, v in gp.leaf_uses.items()},
