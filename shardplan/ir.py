@@ -33,6 +33,7 @@ axis of extent 1, or a tensor read whole) has ``dim=None``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
@@ -225,6 +226,11 @@ class Operator:
             unique, what configurations are indexed by); labels are display
             only and need not be unique. Dimensions without a label show
             their name.
+        saved: what the backward pass keeps of the operator, in output tiles
+            (1: its output, the default). A frontend that knows which values
+            the backward rules read sets it: 0 when no backward rule reads the
+            output (an addition feeding a reshape), 2 when a fused elementwise
+            tail keeps one more value of the output's size (a relu's input).
     """
 
     name: str
@@ -239,6 +245,7 @@ class Operator:
     recurrence: Recurrence | None = None
     fixed: frozenset[str] = frozenset()
     dim_labels: tuple[tuple[str, str], ...] = ()
+    saved: float = 1.0
 
     def __post_init__(self) -> None:
         labels = self.dim_labels.items() if isinstance(self.dim_labels, Mapping) else self.dim_labels
@@ -256,6 +263,8 @@ class Operator:
         raise ShardplanError(f"operator {self.name!r} ({self.kind}): {msg}")
 
     def _validate(self) -> None:
+        if not (self.saved >= 0 and math.isfinite(self.saved)):
+            self._fail(f"saved must be a finite number of output tiles >= 0, got {self.saved!r}")
         if not self.name:
             raise ShardplanError("an operator needs a non-empty name")
         names = [d for d, _ in self.dims]

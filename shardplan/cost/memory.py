@@ -5,7 +5,8 @@ For each operator and configuration, per device q (bytes):
     weights:     sum_W |W tile(q)| * (1 + 1 + m)    (value, gradient, m words of optimizer state)
                  (a parameter read by k operators, ``Tensor.shared`` = k, is
                  charged 1/k to each reader: one copy when they lay it out alike)
-    activations: |output tile(q)|                   (kept for the backward pass)
+    activations: saved * |output tile(q)|           (kept for the backward pass; ``Operator.saved``
+                                                     output tiles: 1 unless the frontend knows better)
 
 (m = 2 for Adam, 0 for plain SGD.) A strategy's memory on device q is the
 sum over operators of their chosen configuration's row, and the strategy
@@ -39,7 +40,7 @@ def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: f
     w = np.zeros((k, p))
     for t in op.weights:
         w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor) / t.shared
-    act = tile_volumes(op, op.output, lay).astype(np.float64) * nbytes
+    act = tile_volumes(op, op.output, lay).astype(np.float64) * nbytes * op.saved
     return w, act
 
 
@@ -126,6 +127,7 @@ class WeightGroups:
     trainable weight: (gradient tile bytes, its reduction group per level
     (L, K), that group times the layout's replicas per level (L, K): the
     devices holding the same tile, and 1/k for a parameter shared by k readers).
+    ``act`` is ``Operator.saved`` output tiles.
     ``state`` counts a shared parameter's value 1/k too.
     """
 
@@ -158,7 +160,7 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
         big = gl * reps
         rows.append((vol, gl, big, 1.0 / t.shared))
         group = np.maximum(group, big.prod(axis=0))  # weights of one operator share their data-parallel group
-    act = tile_volume(op, op.output, lay, p) * nbytes
+    act = tile_volume(op, op.output, lay, p) * nbytes * op.saved
     return WeightGroups(state, act, group, tuple(rows))
 
 
