@@ -240,9 +240,6 @@ SAVED_CAUSES = {
     "scan_layers": "the unrolled scan slices the stacked kernel per layer: JAX keeps the four slices (views of a "
                    "parameter, replicated on every device) as residuals, which the model counts as weights, not "
                    "activations; this list divides them by the device count like the activations",
-    "attention_lm": "JAX keeps neither the attention scores before the softmax nor the logits (their reader, "
-                    "a max, is under stop_gradient; its other reader, a subtraction, is linear), while the model "
-                    "still counts the scores once where the max's output is read by a constant-producing chain",
     "FlaxLlamaForCausalLM": "JAX lists the silu (a jitted function) output three times, one buffer",
 }
 

@@ -512,8 +512,8 @@ def backward_saved(program: Program, operators: Mapping[str, Operator], op_eqn: 
       operands: the producers' outputs.
 
     Values that coincide are kept once, and nothing is kept where no
-    gradient flows (every input constant, or every reader of the output
-    stopping the gradient, as a softmax's ``stop_gradient(max)``). A
+    gradient flows (every input constant, or every path from the output to
+    the loss stopping the gradient, as a softmax's ``stop_gradient(max)``). A
     materialised view (``copy`` operator) keeps nothing.
     """
     def main(name: str) -> str:
@@ -530,15 +530,19 @@ def backward_saved(program: Program, operators: Mapping[str, Operator], op_eqn: 
         """The value elementwise primitive ``i`` (0: the main one) keeps: r_i, r_(i-1) or its derivative."""
         return i if prim in _READS_RESULT else i - 1 if prim in _READS_INPUT else ("derivative", i)
 
-    read_by: dict[str, list[bool]] = {n: [] for n in operators}  # per consumer read: does it carry a gradient
+    readers: dict[str, list[tuple[str, bool]]] = {n: [] for n in operators}  # (consumer, carries a gradient)
     for op in operators.values():
         for t in op.inputs:
-            if t.src in read_by:
-                read_by[t.src].append(t.needs_grad)
+            if t.src in readers:
+                readers[t.src].append((op.name, t.needs_grad))
+    needed: dict[str, bool] = {}  # a gradient flows back into the operator's output (operators in graph order)
+    for name in reversed(list(operators)):
+        rs = readers[name]
+        needed[name] = not rs or any(g and needed.get(c, True) for c, g in rs)
     kept: dict[str, set[Any]] = {n: set() for n in operators}
     for name, op in operators.items():
-        # no gradient flows back through it: all its inputs are constant, or every reader stops the gradient
-        if not grad(op) or (read_by[name] and not any(read_by[name])):
+        # no gradient flows back through it: all its inputs are constant, or every path to the loss stops it
+        if not grad(op) or not needed[name]:
             continue
         prim = main(name)
         for i, (t, slot) in enumerate(tails.get(name, ()), start=1):
