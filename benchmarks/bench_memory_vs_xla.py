@@ -241,6 +241,9 @@ SAVED_CAUSES = {
                    "parameter, replicated on every device) as residuals, which the model counts as weights, not "
                    "activations; this list divides them by the device count like the activations",
     "FlaxLlamaForCausalLM": "JAX lists the silu (a jitted function) output three times, one buffer",
+    "jax_transformer": "the tanh-form GELU: JAX keeps six values of the hidden size per layer (the product before "
+                       "it, x^3's derivative, the tanh, 1 - tanh^2 and two products of the chain rule), the model "
+                       "five (one per nonlinear primitive and the operands of the two products)",
 }
 
 

@@ -27,6 +27,12 @@ Per device, for a plan with ``m`` micro-batches::
   several); 0 when v recomputes, by the plan's choice or because the program
   itself recomputes it (inside a user's ``jax.checkpoint`` / ``nn.remat``:
   ``Graph.recomputed``, whose operators are offered only recomputing choices).
+  A segment the plan recomputes needs its inputs saved; their producers'
+  ``saved`` counts them only when a backward rule reads them too (an
+  addition feeding a recomputed norm counts 0), an under-count of at most
+  one input tile per recomputed segment that the model does not charge (it
+  would tie a producer's memory to its consumers' choices). Segments of a
+  user's checkpoint are exact: the lowering counts their inputs.
 * ``reserve``: what the model does not track per operator, a fixed number of
   bytes (default 0): the weights a ZeRO-3 operator gathers while it runs, the
   activations of a recomputed segment while its backward runs, activation

@@ -248,6 +248,14 @@ def test_user_checkpoint_marks_its_operators_recomputed(setup):
     assert dp.memory["activations_bytes"] == pytest.approx(want)
     fs = fit_step(fit, remat_loss_fn, params, batch, info=info)
     assert not fs.remat  # the user's own checkpoint call recomputes; the step adds none
+
+    def fed(params, batch):  # x W1 is read only by an addition, but inside the checkpoint: its residual
+        x, y = batch
+        block = jax.checkpoint(lambda h: jnp.tanh(h + params["b1"]) @ params["w2"])
+        return jnp.mean((block(x @ params["w1"]) - y) ** 2)
+
+    g2, _ = trace(fed, params, batch)
+    assert g2.operators[0].saved == 1.0 and g2.operators[1].name in g2.recomputed
     loss, grads = fs.step(params, batch)
     ref_loss, ref_grads = jax.value_and_grad(remat_loss_fn)(params, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)

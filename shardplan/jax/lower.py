@@ -492,7 +492,8 @@ _TAIL_LINEAR = frozenset({"mul", "div"})  # by a constant: linear in the live op
 
 
 def backward_saved(program: Program, operators: Mapping[str, Operator], op_eqn: Mapping[str, int],
-                   tails: Mapping[str, Sequence[tuple[str, int]]]) -> dict[str, float]:
+                   tails: Mapping[str, Sequence[tuple[str, int]]],
+                   recomputed: frozenset[str] = frozenset()) -> dict[str, float]:
     """Per operator, the output tiles JAX's backward pass keeps (:attr:`shardplan.ir.Operator.saved`).
 
     An operator's values are its main primitive's result ``r0`` and, after each
@@ -511,6 +512,9 @@ def backward_saved(program: Program, operators: Mapping[str, Operator], op_eqn: 
     * a main primitive that is neither (a max reduction, a pool) reads its
       operands: the producers' outputs.
 
+    An operator the program recomputes (``recomputed``: inside a user's
+    ``jax.checkpoint``) reads its operands whatever its primitive: the
+    outputs it reads from operators outside are the checkpoint's residuals.
     Values that coincide are kept once, and nothing is kept where no
     gradient flows (every input constant, or every path from the output to
     the loss stopping the gradient, as a softmax's ``stop_gradient(max)``). A
@@ -545,6 +549,11 @@ def backward_saved(program: Program, operators: Mapping[str, Operator], op_eqn: 
         if not grad(op) or not needed[name]:
             continue
         prim = main(name)
+        if name in recomputed:
+            for t in op.inputs:
+                if t.src in operators and t.src not in recomputed:
+                    kept[t.src].add(len(tails.get(t.src, ())))
+            continue
         for i, (t, slot) in enumerate(tails.get(name, ()), start=1):
             if t in _READS_NOTHING or (t in _TAIL_LINEAR and (t == "mul" or slot == 0)):
                 continue
@@ -1107,10 +1116,11 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
         raise ShardplanError("jax frontend: the function does no work on its arguments (no operators)")
     used_inputs = {t.src for op in gp.ops.values() for t in op.inputs}
     graph_inputs = {k: v for k, v in gp.inputs.items() if k in used_inputs}
-    saved = backward_saved(program, gp.ops, gp.op_eqn, gp.tails)
+    recomputed = user_recomputed(program, gp.op_eqn, gp.ops, gp.identity_vars)
+    saved = backward_saved(program, gp.ops, gp.op_eqn, gp.tails, recomputed)
     gp.ops = {n: dataclasses.replace(op, saved=saved[n]) for n, op in gp.ops.items()}
     graph = Graph(name or getattr(fn, "__name__", "jax"), tuple(gp.ops.values()), graph_inputs,
-                  ties=scan_ties(program, gp.ops, gp.op_eqn), recomputed=user_recomputed(program, gp.op_eqn, gp.ops, gp.identity_vars))
+                  ties=scan_ties(program, gp.ops, gp.op_eqn), recomputed=recomputed)
     op_vars = _op_run_vars(gp.identity_vars, gp.alias, _run_vars(program))
     info = TraceInfo(program, in_tree, out_tree, tuple(names), tuple(shapes), frozenset(param_leaves), op_vars,
                      {k: tuple(v) for k, v in gp.leaf_uses.items()},
