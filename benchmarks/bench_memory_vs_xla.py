@@ -278,6 +278,10 @@ def explain(row: dict[str, Any]) -> str:
                    f"({why})")
     if row["strategy"].startswith("dp+fsdp"):
         out.append(FSDP_ON_CPU.format(state=r["state"], gathered=r["gathered"] or 0.0, cpu=r["cpu_phase"]))
+        if r["gathered"] is not None and abs(r["gathered"] - 2) > 0.05:
+            out.append("the all-gathers exceed two per tile because a parameter read by k operators (a tied "
+                       "embedding) is gathered for each reader while the model's tile counts 1/k of it per reader "
+                       "(shared-weight counting: branch sharedw)")
     else:
         g, a = m["gradients"], m["activations"]
         head = (f"XLA total {x['total']} B vs the model's S + G + A {m['total']:.0f} B (S state, G gradients "
