@@ -18,9 +18,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/shardplan solve --model alexnet -p 8
 
-## Run the test suite.
+## Run the test suite: JOBS worker processes (pytest-xdist), one test file per worker at a time so a
+## file's shared compilations and process groups stay in one process. JOBS=0 runs in this process.
+JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(JOBS) --dist loadfile
 
 ## Run the benchmarks (writes JSON under benchmarks/results/).
 bench: $(STAMP)

@@ -84,6 +84,19 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(self.prog, f"{message} (see '{self.prog} --help')")
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: prints the installed version, read from the package metadata only when asked
+    (importing :mod:`importlib.metadata` costs every other command ~20 ms)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str = "show program's version number and exit") -> None:
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+        parser._print_message(f"shardplan {shardplan.__version__}\n", sys.stdout)
+        parser.exit()
+
+
 def _int_option(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
     """argparse type: an integer in [minimum, maximum]; the message names the option (argparse adds it)."""
     from shardplan.checks import integer
@@ -483,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory = _real_option(*MEMORY_OPTION_RANGE, unit="B")
     ap = _Parser(prog="shardplan", description="Exact search for the fastest way to split a DNN training step "
                                                "across devices (PaSE), with reports and problem files.")
-    ap.add_argument("--version", action="version", version=f"shardplan {shardplan.__version__}")
+    ap.add_argument("--version", action=_VersionAction)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("models", help="list the model zoo")

@@ -27,7 +27,7 @@ import numpy as np
 
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
-from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays
+from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays, unique_rows
 
 __all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES", "layouts", "flat_layouts"]
 
@@ -98,18 +98,21 @@ def dimension_orders(configs: np.ndarray, mode: str = "all", max_permuted: int =
     ident = np.arange(n, dtype=np.int64)
     if mode == "row-major" or n < 2:
         return configs, np.broadcast_to(ident, (k, n)).copy()
-    rows, orders = [], []
-    for c in configs:
-        split = [j for j in range(n) if c[j] > 1]
-        rest = [j for j in range(n) if c[j] == 1]
-        if len(split) <= max_permuted:
-            perms = list(permutations(split))
-        else:
-            perms = [tuple(split), tuple(reversed(split))]
-        for perm in perms:
-            rows.append(c)
-            orders.append(list(perm) + rest)
-    return np.asarray(rows, dtype=np.int64).reshape(-1, n), np.asarray(orders, dtype=np.int64).reshape(-1, n)
+    # the orders of a row depend only on which dims it splits: built once per distinct split mask
+    masks, _, mask_of = unique_rows((configs > 1).astype(np.int64))
+    tables = []
+    for mask in masks.tolist():
+        split = [j for j in range(n) if mask[j]]
+        rest = [j for j in range(n) if not mask[j]]
+        perms = list(permutations(split)) if len(split) <= max_permuted else [tuple(split), tuple(reversed(split))]
+        tables.append(np.asarray([list(perm) + rest for perm in perms], dtype=np.int64).reshape(-1, n))
+    counts = np.asarray([len(t) for t in tables], dtype=np.int64)[mask_of]
+    row = np.repeat(np.arange(k), counts)  # the configuration of every output row, in order
+    nth = np.arange(len(row)) - np.repeat(np.cumsum(counts) - counts, counts)  # its rank among that row's orders
+    padded = np.zeros((len(tables), int(counts.max(initial=1)), n), dtype=np.int64)
+    for i, t in enumerate(tables):
+        padded[i, :len(t)] = t
+    return configs[row], padded[mask_of[row], nth]
 
 
 def _factorisations(c: tuple[int, ...], products: tuple[int, ...]) -> list[tuple[tuple[int, ...], ...]]:
@@ -176,8 +179,13 @@ def flat_layouts(op: Operator, p: int, cutoff: int = 4, powers_of_two: bool = Fa
     c2, o2 = dimension_orders(rows, orders, max_permuted)
     arr = flat_layout_arrays(c2, p, o2)
     names, lv = op.dim_names, (int(p),)
-    lays = tuple(Layout._with_strides(names, lv, (tuple(c),), (tuple(j for j in o if c[j] > 1),), (tuple(s),))
-                 for c, o, s in zip(c2.tolist(), o2.tolist(), arr.level_strides[0].tolist()))
+    # each layout's order lists its split dims only, in the row's order: move them to the front (stably)
+    # and keep the first (number of split dims) entries
+    split_at = np.take_along_axis(c2, o2, axis=1) > 1
+    front = np.take_along_axis(o2, np.argsort(~split_at, axis=1, kind="stable"), axis=1)
+    lays = tuple(Layout._with_strides(names, lv, (tuple(c),), (tuple(o[:k]),), (tuple(s),))
+                 for c, o, s, k in zip(c2.tolist(), front.tolist(), arr.level_strides[0].tolist(),
+                                       split_at.sum(axis=1).tolist()))
     return lays, arr
 
 

@@ -427,6 +427,10 @@ class LayoutArrays:
 
     def active(self) -> np.ndarray:
         """(K, p): devices that hold a tile."""
+        if len(self.levels) == 1:  # device q's position is q: the first floor(p / prod) whole grids work
+            p = self.levels[0]
+            prod = self.level_splits[0].prod(axis=1)
+            return np.arange(p, dtype=np.int64)[None, :] < ((p // prod) * prod)[:, None]
         pos = self.level_positions()
         prod = self.level_splits.prod(axis=2)  # (L, K)
         reps = np.asarray(self.levels, dtype=np.int64)[:, None] // prod
@@ -523,5 +527,13 @@ def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         u, first, inv = np.unique(rows, axis=0, return_index=True, return_inverse=True)
         return u, first, inv.reshape(-1)
     code = (rows - lo) @ np.asarray(weights, dtype=np.int64) if m > 1 else rows[:, 0] - lo[0]
-    _, first, inv = np.unique(code, return_index=True, return_inverse=True)
-    return rows[first], first, inv.reshape(-1)
+    # what np.unique(code, return_index=True, return_inverse=True) computes, without its wrappers
+    perm = code.argsort(kind="mergesort")  # stable: the first occurrence of each code comes first
+    aux = code[perm]
+    new = np.empty(k, dtype=bool)
+    new[0] = True
+    np.not_equal(aux[1:], aux[:-1], out=new[1:])
+    first = perm[new]
+    inv = np.empty(k, dtype=np.intp)
+    inv[perm] = np.cumsum(new) - 1
+    return rows[first], first, inv

@@ -6,10 +6,8 @@ haiku's built-in networks, Hugging Face transformers' Flax models); only the los
 written here (optax's integer-label cross-entropy where the model is a classifier or a language
 model). Used by ``tests/test_jax_corpus.py`` and ``benchmarks/bench_hlo_vs_model.py``.
 
-Tried and left out: transformers' FlaxT5ForConditionalGeneration, FlaxMT5ForConditionalGeneration and
-FlaxLongT5ForConditionalGeneration, whose own code calls ``jnp.clip(a_max=...)``, an argument JAX 0.10
-removed (they fail unsharded too); the encoder-decoder of the corpus is FlaxBartForConditionalGeneration.
-The README's corpus table lists every model tried and its result.
+T5's own code calls ``jnp.clip(a_max=...)``, a keyword JAX removed in 0.10.0: the corpus runs on the
+pinned JAX 0.9.2 (README, "The corpus"). The README's corpus table lists every model tried and its result.
 """
 
 from __future__ import annotations
@@ -235,6 +233,24 @@ def hf_bart() -> tuple[Callable[..., Any], Any, Any]:
     return loss, model.params, (ids, dec, labels)
 
 
+def hf_t5() -> tuple[Callable[..., Any], Any, Any]:
+    """T5 (encoder-decoder, relative-position buckets, embedding tied to the LM head), one layer each side."""
+    import jax
+    import transformers
+
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
+                                num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=SEQ,
+                                decoder_start_token_id=0)
+    model = transformers.FlaxT5ForConditionalGeneration(cfg, seed=0)
+    ids, labels = _tokens()
+    dec = jax.random.randint(jax.random.PRNGKey(5), ids.shape, 0, VOCAB)
+
+    def loss(p, b):
+        return _xent(model(b[0], decoder_input_ids=b[1], params=p, train=False).logits, b[2])
+
+    return loss, model.params, (ids, dec, labels)
+
+
 def hf_vit() -> tuple[Callable[..., Any], Any, Any]:
     import jax
     import transformers
@@ -260,6 +276,7 @@ CORPUS: tuple[Entry, ...] = (
     Entry("transformers", "FlaxLlamaForCausalLM", hf_llama),
     Entry("transformers", "FlaxViTForImageClassification", hf_vit),
     Entry("transformers", "FlaxBartForConditionalGeneration", hf_bart),
+    Entry("transformers", "FlaxT5ForConditionalGeneration", hf_t5),
 )
 
 

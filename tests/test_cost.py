@@ -441,3 +441,37 @@ def test_a_slice_sends_back_only_the_gradient_of_what_it_read():
     # backward: device q's producer tile is columns [32q, 32q+32); the slice's gradient covers only 32..63,
     # which device 1 holds itself: devices 0 and 2 receive nothing for the columns outside the slice
     assert b[0, 0] == 0
+
+
+@pytest.mark.parametrize("widths,levels", [
+    ((16, 48), (4,)), ((3, 5, 24), (8,)), ((32, 64, 32, 128), (16,)), ((10, 6, 8), (12,)),
+    ((64, 192, 128), (4, 4)), ((16, 16, 96), (2, 4)), ((40, 24), (2, 2, 2)),
+])
+def test_concat_pieces_fast_path_equals_general_intersection(widths, levels):
+    """Concatenation pieces (offset axes) on the block-match fast path: every layout pair of every piece
+    edge, partial replicas included, gives the box-intersection volumes; and the fast path does take the
+    pairs where the concat splits the joined axis into blocks that line up with the piece."""
+    from shardplan.configs import layouts
+    from shardplan.cost.edge import _fast
+    from shardplan.layout import LayoutArrays
+
+    p = int(np.prod(levels))
+    pieces = [ops.elementwise(f"a{i}", x_ref((8, w), name=f"x{i}")) for i, w in enumerate(widths)]
+    cat = ops.concat("cat", [q.out for q in pieces], axis=1)
+    lc = LayoutArrays.stack(layouts(cat, levels, cutoff=1, orders="all", partial_replicas=True))
+    start, covered = 0, 0
+    for i, q in enumerate(pieces):
+        lq = LayoutArrays.stack(layouts(q, levels, cutoff=1, orders="all", partial_replicas=True))
+        f1, b1 = edge_volumes(q, lq, cat, i, lc, p)
+        f2, b2 = edge_volumes(q, lq, cat, i, lc, p, fast=False)
+        assert np.array_equal(f1, f2) and np.array_equal(b1, b2), (widths, levels, i)
+        # concat layouts whose blocks along the joined axis tile the piece (or hold it in one block)
+        c = lc.splits[:, 1]
+        blk = sum(widths) // c
+        lined_up = (sum(widths) % c == 0) & (((start % blk == 0) & (widths[i] % blk == 0))
+                                             | (start // blk == (start + widths[i] - 1) // blk))
+        exact = _fast(q, lq, cat, cat.inputs[i], lc, p)[2]
+        assert exact[:, lined_up & (c > 1)].any(axis=0).all()
+        covered += int((lined_up & (c > 1)).sum())
+        start += widths[i]
+    assert covered

@@ -175,9 +175,12 @@ def test_hlo_group_forms_and_ring_bytes():
         "  %f = (f32[4]{0}, f32[2]{0}) all-reduce(%p, %q), replica_groups=[1,8]<=[8], to_apply=%add",
         "  %g = f32[1024,256]{1,0} all-gather(%u), replica_groups=mesh['axis_0'=4,'axis_1'=2], "
         "device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}",
+        # a Shardy sub-axis: the second factor 2 of axis_0 (size 4), as XLA prints it for some reshardings
+        "  %h = f32[8,4]{1,0} all-to-all(%t), replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0':(2)2}, "
+        "dimensions={0}",
     ])
     cs = parse_collectives(text)
-    assert [c.group for c in cs] == [4, 2, 4, 8, 2, 8, 4]
+    assert [c.group for c in cs] == [4, 2, 4, 8, 2, 8, 4, 2]
     sent = [c.sent for c in cs]
     assert sent[0] == pytest.approx(2 * 3 / 4 * 16 * 32 * 4)
     assert sent[1] == pytest.approx(1 / 2 * 64 * 8 * 4)
@@ -186,6 +189,7 @@ def test_hlo_group_forms_and_ring_bytes():
     assert sent[4] == pytest.approx(20)
     assert sent[5] == pytest.approx(2 * 7 / 8 * 24)
     assert sent[6] == pytest.approx(3 / 4 * 1024 * 256 * 4)
+    assert sent[7] == pytest.approx(1 / 2 * 8 * 4 * 4)
 
 
 # -- your own training loop ------------------------------------------------------

@@ -63,6 +63,10 @@ def pad_rev(p, b):
     return jnp.sum(jnp.flip(jnp.pad(b["x"] @ p["w"], ((0, 0), (1, 2))), 1) ** 2 * jnp.arange(19.0))
 
 
+def tile(p, b):
+    return jnp.sum(jnp.tile(b["x"] @ p["w"], (1, 2)) ** 2 * jnp.arange(32.0))
+
+
 def top_k_sort_argmax(p, b):
     h = b["x"] @ p["w"]
     return jnp.sum(jax.lax.top_k(h, 3)[0]) + jnp.sum(jnp.sort(h, axis=1)[:, -1]) + jnp.sum(jnp.argmax(h, 1))
@@ -86,7 +90,7 @@ def convs(p, b):
 
 
 @pytest.mark.parametrize("fn", [embed, int_label_xent, constants, remat, scan_layers, cond, cumsum, scatter, pad_rev,
-                                top_k_sort_argmax, dynamic_update_slice, dropout, convs], ids=lambda f: f.__name__)
+                                tile, top_k_sort_argmax, dynamic_update_slice, dropout, convs], ids=lambda f: f.__name__)
 def test_sharded_step_equals_unsharded(fn):
     plan, step = parallelize(fn, P, B, devices=DEVICES, machine=TOY)
     loss, grads = step(P, B)
@@ -127,6 +131,14 @@ def test_sort_axis_is_fixed_and_constants_are_free():
     assert sum(op.kind == "einsum" for op in g.operators) == 2  # one_hot(arange) @ w reads only the weight
     one_hot_dot = next(op for op in g.operators if op.kind == "einsum" and not op.inputs)
     assert len(one_hot_dot.weights) == 1
+
+
+def test_tiled_axis_is_fixed_and_the_other_maps_plainly():
+    g, _ = trace(tile, P, B)
+    til = next(op for op in g.operators if op.kind == "tile")
+    rows, cols = (a.dim for a in til.output.axes)
+    assert til.fixed == {cols} and dict(til.dims)[cols] == 32
+    assert [a.dim for a in til.inputs[0].axes] == [rows, None]
 
 
 def test_remat_is_kept_and_scan_unrolled():

@@ -130,3 +130,19 @@ def test_forests_need_dependent_sets_of_one(shape: str) -> None:
             s = solve_dp(p, ordering=name, prune=False, bounds=False)
             assert s.stats["max_dependent_set"] <= 1, (seed, name)
             assert close(s.cost, solve_bfs_dp(p).cost)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_derived_problems_are_what_the_checked_constructor_makes(seed: int) -> None:
+    """The reductions build their problems unchecked (Problem.derived); checking them again changes nothing:
+    the same normal-form values and the very same arrays."""
+    from shardplan.search.dp import _fold_fixed
+
+    p = random_problem(3000 + seed)
+    for q in (reduce_problem(p).problem, _fold_fixed(reduce_problem(p).problem)):
+        checked = Problem(names=q.names, configs=q.configs, vertex_cost=q.vertex_cost, edges=q.edges,
+                          edge_cost=q.edge_cost, dims=q.dims)
+        assert checked.names == q.names and checked.configs == q.configs and checked.edges == q.edges
+        assert checked.dims == q.dims and checked.index == q.index
+        assert all(a is b for a, b in zip(checked.vertex_cost, q.vertex_cost))
+        assert all(a is b for a, b in zip(checked.edge_cost, q.edge_cost))

@@ -108,7 +108,7 @@ def _patterns(op: Operator, tensor, arr) -> int:
 
     if not len(arr):
         return 0
-    splits, pats, _, _, _ = _axis_blocks(op, tensor, arr)
+    splits, pats, _, _, _, _ = _axis_blocks(op, tensor, arr)
     best = 1
     for ax in range(splits.shape[0]):
         rows = np.concatenate([splits[ax][:, None], pats[ax]], axis=1)

@@ -108,6 +108,13 @@ def allreduce_time(nbytes, groups, machine: Machine, algorithm: str = "auto") ->
     g = level_arrays(groups, machine)
     n = _f(nbytes) * np.ones(g.shape[1])
     links = machine.level_links
+    if len(links) == 1 and algorithm == "auto":
+        # one level: the hierarchical sum is that level's min(ring, tree) and the whole-machine tree is the
+        # level's tree (the same floating-point operations: 0 + x and a factor of 2 are exact), so
+        # min(hier, whole_tree) below is this
+        bw, lat = links[0]
+        g0 = g[0]
+        return np.where(g0 > 1, np.minimum(ring_allreduce(n, g0, bw, lat), tree_allreduce(n, g0, bw, lat)), 0.0)
     used = g > 1
     # outermost level with a group of more than one member, per row (-1: nothing to do)
     top = np.where(used.any(axis=0), g.shape[0] - 1 - np.argmax(used[::-1], axis=0), -1)

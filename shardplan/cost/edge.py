@@ -27,10 +27,13 @@ axis by axis, one split divides the other (nested blocks), a device's
 overlap is either the smaller block on every axis or nothing. The edge
 then needs only, per pair of configurations, whether *every* device has
 the matching block: one 64-bit mask per device word and axis, ANDed
-across axes. Pairs outside that case (uneven blocks, concatenation
-pieces, splits that do not nest) take the general path: the pairwise
-box intersection over (K_u, K_v, p), in chunks, one axis at a time. Both
-give the same numbers where both apply (tested).
+across axes. A concatenation piece (an offset axis) is in that case where
+the consumer's blocks along the joined dim tile the piece, or one block
+holds all of it: a device then holds one block of the piece, split
+accordingly, or nothing (:func:`_piece_blocks`). Pairs outside these cases
+(uneven blocks, pieces cut unevenly, splits that do not nest) take the
+general path: the pairwise box intersection over (K_u, K_v, p), in chunks,
+one axis at a time. Both give the same numbers where both apply (tested).
 """
 
 from __future__ import annotations
@@ -138,16 +141,46 @@ def _clip_to_read(bu: np.ndarray, bv: np.ndarray) -> np.ndarray:
     return out
 
 
-def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
+def _piece_blocks(ext: int, size: int, offset: int, c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """An offset axis ``index = x + offset`` (a concatenation piece) of ``size`` over a dim of extent ``ext``
+    split ``c`` ways (per layout or pattern): (even, split of the piece, shift, block length), each like ``c``.
+
+    Device block x covers ``[x b + offset, (x + 1) b + offset)`` with ``b = ext / c``, clipped to
+    ``[0, size)`` (:func:`~shardplan.cost.tiles.tensor_boxes`). With ``o = -offset`` the piece is
+    ``[o, o + size)`` of the dim. When ``b`` divides ``o`` and ``size``, device block x is block
+    ``y = x - o / b`` of the piece cut into ``size / b`` equal blocks if ``0 <= y < size / b``, and
+    nothing otherwise; when the piece lies inside one block ``x0 = o // b`` (unsplit, for instance), the
+    devices of block x0 hold all of it (``y = x - x0 = 0`` of a split of 1) and the others nothing.
+    Even: one of the two holds and the dim covers the whole piece (so the consumer's tiles read all of
+    it, and the backward region R of the module docstring is the tensor); the other values are
+    meaningless where not even.
+    """
+    whole = offset <= 0 and ext + offset >= size
+    o = -offset
+    b = np.maximum(ext // c, 1)
+    aligned = (ext % c == 0) & (o % b == 0) & (size % b == 0)
+    within = o // b == (o + size - 1) // b
+    even = (aligned | within) & whole
+    split = np.where(aligned, size // b, 1)
+    shift = -(o // b)
+    length = np.where(aligned, b, size)
+    return even, split, shift, length
+
+
+def _axis_blocks(op: Operator, tensor, lay: LayoutArrays, patterns: bool = True):
     """Per axis: block pattern and block length per layout, and which layouts are even.
 
     Returns (splits (A, K), patterns (A, K, 2L), lengths (A, K), regular (K,),
-    blocked_by (A,)): ``blocked_by[a]`` is the index of the dim whose split and
-    pattern axis a has, or -1 where it is one block (unindexed, or an offset
-    or partial piece). An axis is regular when its core tile on every device is the block
+    blocked_by (A,), pieces (A,)): ``blocked_by[a]`` is the index of the dim whose split and
+    pattern axis a has, or -1 where it is one block (unindexed, or a windowed
+    partial piece). An axis is regular when its core tile on every device is the block
     ``x_d(q)`` (the device's tile coordinate along the axis's dim, which the
     pattern fixes: see :meth:`~shardplan.layout.LayoutArrays.patterns`) of
-    equal length (see :mod:`shardplan.cost.tiles`).
+    equal length (see :mod:`shardplan.cost.tiles`). ``pieces[a]`` is the offset of an
+    offset axis (a concatenation piece, a slice; None for the others): its
+    devices hold block ``x_d(q) + shift`` of the piece split (:func:`_piece_blocks`),
+    or nothing; ``lengths`` then holds the piece's block length. ``patterns=False`` leaves the
+    patterns of blocked axes at 1 (for callers that take them per dim instead).
     """
     configs = lay.splits
     k = len(configs)
@@ -160,27 +193,34 @@ def _axis_blocks(op: Operator, tensor, lay: LayoutArrays):
     lengths = np.zeros((n_ax, k), dtype=np.int64)
     regular = np.ones(k, dtype=bool)
     blocked_by = [-1] * n_ax
+    pieces: list[int | None] = [None] * n_ax
     for a, (am, size) in enumerate(zip(tensor.axes, tensor.shape)):
         if am.dim is None:
             lengths[a] = size
             continue
         j = names.index(am.dim)
         c = configs[:, j]
-        splits[a], pats[a] = c, lay.patterns(j)
+        splits[a] = c
+        if patterns:
+            pats[a] = lay.patterns(j)
         blocked_by[a] = j
         if am.inner or am.is_plain:
             lengths[a] = size // c
         elif (am.window is not None or am.stride != 1) and not am.partial:
             lengths[a] = size // c
             regular &= size % c == 0
-        else:  # offset or partial access (concat piece, slice): regular only where unsplit and read whole
+        elif am.window is None and am.stride == 1:  # offset or partial access (concat piece, slice)
+            even, _, _, lengths[a] = _piece_blocks(ext[am.dim], size, am.offset, c)
+            regular &= even
+            pieces[a] = am.offset
+        else:  # a windowed partial piece: regular only where unsplit and read whole
             whole = am.offset <= 0 and ext[am.dim] + am.offset >= size
             lengths[a] = size
             splits[a] = 1
             pats[a] = 1
             blocked_by[a] = -1
             regular &= (c == 1) & whole
-    return splits, pats, lengths, regular, blocked_by
+    return splits, pats, lengths, regular, blocked_by, pieces
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,7 +236,8 @@ class _Side:
     layout's group, ``act`` (G, W) the group's active devices as bit words.
     ``lengths``/``len_inv``: the distinct per-axis block lengths and each
     layout's; ``vol`` (K,) the block volume; ``regular`` (K,) whether every
-    axis is cut into equal blocks (see :func:`_axis_blocks`).
+    axis is cut into equal blocks (see :func:`_axis_blocks`). ``block_keys[a]``: what fixes
+    ``blocks[a]`` given the machine's levels (the pattern rows, and a piece's shifts), as bytes.
     """
 
     pats: tuple[np.ndarray, ...]
@@ -210,6 +251,7 @@ class _Side:
     len_inv: np.ndarray
     vol: np.ndarray
     regular: np.ndarray
+    block_keys: tuple[tuple, ...] = ()
 
 
 @dataclass
@@ -229,6 +271,7 @@ class EdgeMemo:
     entries: dict = field(default_factory=dict)
     dims: dict = field(default_factory=dict)  # (id(layouts), dim) -> (layouts, _dim_patterns(...))
     unions: dict = field(default_factory=dict)  # (id(layouts), level) -> (layouts, group_union(...)): small
+    masks: dict = field(default_factory=dict)  # (block keys of both sides, words) -> _pattern_masks(...)
 
     def union(self, lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray]:
         """:func:`group_union` of ``lay``, computed once per build (so its sides are memoised too)."""
@@ -242,8 +285,10 @@ class EdgeMemo:
         hit = self.entries.get(key)
         return hit[1] if hit is not None and hit[0] is lay else None
 
-    def put(self, key: tuple, lay: LayoutArrays, side: "_Side") -> None:
-        if self.room(side.act.nbytes + side.inv.nbytes + side.first.nbytes):  # blocks are counted per dim
+    def put(self, key: tuple, lay: LayoutArrays, side: "_Side", extra: int = 0) -> None:
+        """Keep ``side`` if there is room; ``extra``: bytes of its own block arrays (a dim's are counted once
+        per dim, a piece axis's shifted ones here)."""
+        if self.room(side.act.nbytes + side.inv.nbytes + side.first.nbytes + extra):
             self.entries[key] = (lay, side)
 
     def room(self, nbytes: int) -> bool:
@@ -261,12 +306,23 @@ def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | 
         hit = memo.get(key, lay)
         if hit is not None:
             return hit
-    splits, pats, lengths, regular, blocked_by = _axis_blocks(op, tensor, lay)
+    splits, pats, lengths, regular, blocked_by, pieces = _axis_blocks(op, tensor, lay, patterns=False)
     n_ax = len(tensor.axes)
-    p_rows, p_inv, p_blocks = [], [], []
+    p_rows, p_inv, p_blocks, p_keys = [], [], [], []
+    inside = []  # per piece axis: which devices hold a block of the piece (P, p), each layout's pattern (K,)
+    extra = 0
     for a in range(n_ax):
+        shifted = None
         if blocked_by[a] >= 0:  # the dim's patterns: the same for every tensor the dim blocks
             rows, inv, blocks = _dim_patterns(lay, blocked_by[a], memo)
+            if pieces[a] is not None:  # the block of the piece each device holds (-> its split), if any
+                am, size = tensor.axes[a], tensor.shape[a]
+                _, split, shift, _ = _piece_blocks(op.extents[am.dim], size, pieces[a], rows[:, 0])
+                blocks = blocks + shift[:, None]
+                inside.append(((blocks >= 0) & (blocks < split[:, None]), inv))  # (P, p), (K,)
+                rows = np.concatenate([split[:, None], rows[:, 1:]], axis=1)
+                extra += blocks.nbytes
+                shifted = shift.tobytes()
         else:  # one block
             rows = np.concatenate([splits[a][:1, None], pats[a][:1]], axis=1)
             inv = np.zeros(len(lay), dtype=np.int64)
@@ -274,15 +330,19 @@ def _side(op: Operator, tensor, lay: LayoutArrays, words: int, memo: EdgeMemo | 
         p_rows.append(rows)
         p_inv.append(inv)
         p_blocks.append(blocks)
+        p_keys.append((rows.shape, rows.tobytes(), shifted))
     prods = lay.level_splits.prod(axis=2)  # (L, K): fixes the active devices
     key_rows = np.concatenate([np.asarray(p_inv, dtype=np.int64).reshape(n_ax, len(lay)), prods], axis=0).T
     groups, first, inv = unique_rows(key_rows)
-    act = _pack(lay.take(first).active(), words)
+    act = lay.take(first).active()
+    for held, pat in inside:  # a device outside the piece's blocks holds nothing of the tensor
+        act &= held[pat[first]]
+    act = _pack(act, words)
     uniq_len, _, len_inv = unique_rows(lengths.T)
     out = _Side(tuple(p_rows), tuple(p_inv), tuple(p_blocks), groups[:, :n_ax], first, inv, act, uniq_len, len_inv,
-                np.prod(lengths, axis=0), regular)
+                np.prod(lengths, axis=0), regular, tuple(p_keys))
     if memo is not None:
-        memo.put(key, lay, out)
+        memo.put(key, lay, out, extra)
     return out
 
 
@@ -299,12 +359,26 @@ def _dim_patterns(lay: LayoutArrays, j: int, memo: EdgeMemo | None) -> tuple[np.
     return out
 
 
-def _pattern_masks(su: _Side, sv: _Side, a: int, words: int) -> tuple[np.ndarray, np.ndarray]:
+def _pattern_masks(su: _Side, sv: _Side, a: int, words: int,
+                   memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray]:
     """For axis a: match bit-masks (Pu, Pv, words) uint64 and nesting flags (Pu, Pv) of every pattern pair.
 
     Device q holds block ``x(q)`` of the pattern. With nested splits, block i
     of the coarser layout contains block j of the finer one iff ``i == j // ratio``.
+    They depend on the two sides' block keys only (the same dims' patterns recur on many edges), so
+    ``memo`` keeps them per pair of keys.
     """
+    key = (su.block_keys[a], sv.block_keys[a], words) if memo is not None else None
+    if key is not None and key in memo.masks:
+        return memo.masks[key]
+    out = _match_masks(su, sv, a, words)
+    if key is not None and memo.room(out[0].nbytes + out[1].nbytes):
+        memo.masks[key] = out
+    return out
+
+
+def _match_masks(su: _Side, sv: _Side, a: int, words: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_pattern_masks`, computed."""
     pu, pv = su.pats[a], sv.pats[a]
     small = np.int16 if int(max(pu[:, 0].max(), pv[:, 0].max())) < 2**15 else np.int64
     bu = su.blocks[a].astype(small)  # (Pu, p)
@@ -344,9 +418,11 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
     m = su.act[:, None, :] & sv.act[None, :, :]  # (Gu, Gv, W)
     nested_all = np.ones((len(gu), len(gv)), dtype=bool)
     for a in range(len(t_in.axes)):
-        masks, nests = _pattern_masks(su, sv, a, words)
-        m &= masks[gu[:, a][:, None], gv[:, a][None, :]]
-        nested_all &= nests[gu[:, a][:, None], gv[:, a][None, :]]
+        masks, nests = _pattern_masks(su, sv, a, words, memo)
+        # the pattern pair of every group pair, as one flat index into the (Pu, Pv) tables
+        pair = gu[:, a][:, None] * masks.shape[1] + gv[:, a][None, :]
+        m &= masks.reshape(-1, words).take(pair, axis=0)
+        nested_all &= nests.reshape(-1).take(pair)
 
     def expand(x: np.ndarray) -> np.ndarray:  # (Gu, Gv) -> (Ku, Kv)
         return x.take(su.inv, axis=0).take(sv.inv, axis=1)

@@ -78,7 +78,7 @@ from functools import cached_property
 import numpy as np
 
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
-from shardplan.cost.tiles import as_layouts, box_volumes, regular_tile_lengths, tensor_boxes
+from shardplan.cost.tiles import as_layouts, box_volumes, lazy_grid, regular_tile_lengths, tensor_boxes
 from shardplan.layout import LayoutArrays, flat_layout_arrays, unique_rows
 from shardplan.ir import Operator
 from shardplan.machine import Machine
@@ -184,13 +184,18 @@ class _CanonicalBoxes:
         self.op, self.configs, self.p = op, configs, p
         self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._boxes: dict[tuple[int, bool], np.ndarray] = {}
+        self._grids: dict[int, tuple] = {}
 
     def boxes(self, t, core: bool) -> tuple[np.ndarray, np.ndarray]:
         if id(t) not in self._rows:
             self._rows[id(t)] = distinct_splits(self.op, t, self.configs)
         rows, inv = self._rows[id(t)]
         if (id(t), core) not in self._boxes:
-            self._boxes[(id(t), core)] = tensor_boxes(self.op, t, flat_layout_arrays(rows, self.p), self.p, core=core)
+            if id(t) not in self._grids:  # the canonical layouts, shared by the owned and the read tiles
+                lay = flat_layout_arrays(rows, self.p)
+                self._grids[id(t)] = (lay, lazy_grid(lay))
+            lay, lazy = self._grids[id(t)]
+            self._boxes[(id(t), core)] = tensor_boxes(self.op, t, lay, self.p, core=core, lazy=lazy)
         return self._boxes[(id(t), core)], inv
 
     def max_tile(self, t, core: bool = True) -> np.ndarray:
@@ -282,9 +287,9 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
         need, inv = canon.boxes(t, core=False)
         core, _ = canon.boxes(t, core=True)
         # read but not owned: |need| - |need ∩ core| (a strided window's reads can be shifted off the owned rows)
-        both = np.stack([np.maximum(need[..., 0], core[..., 0]), np.minimum(need[..., 1], core[..., 1])], axis=-1)
-        both[..., 1] = np.maximum(both[..., 1], both[..., 0])
-        extra = (box_volumes(need) - box_volumes(both)).max(axis=1)[inv] * t.elem_factor * nbytes
+        both = np.minimum(need[..., 1], core[..., 1]) - np.maximum(need[..., 0], core[..., 0])  # per axis
+        both = np.maximum(both, 0, out=both).prod(axis=-1)  # |need ∩ core| (an empty range counts 0)
+        extra = (box_volumes(need) - both).max(axis=1)[inv] * t.elem_factor * nbytes
         times = 2 if t.needs_grad else 1
         halo = halo + times * p2p_time(extra, machine, neighbour_level)
         sent = sent + times * extra

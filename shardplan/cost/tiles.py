@@ -36,7 +36,7 @@ import numpy as np
 from shardplan.ir import Operator, Tensor
 from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays
 
-__all__ = ["as_layouts", "grid_strides", "device_grid", "active_devices", "tensor_boxes", "box_volumes",
+__all__ = ["as_layouts", "grid_strides", "device_grid", "active_devices", "tensor_boxes", "lazy_grid", "box_volumes",
            "tile_volumes", "regular_tile_lengths"]
 
 
@@ -97,21 +97,31 @@ def _block(op: Operator, configs: np.ndarray, index, dim: str) -> tuple[np.ndarr
     return i * size, (i + 1) * size
 
 
+def lazy_grid(lay: LayoutArrays):
+    """``(index, active)`` for :func:`tensor_boxes`'s ``lazy``: ``index(j)`` computes the devices' tile
+    coordinates along dim j (K, p) on first use and keeps them, ``active`` the (K, p) mask; share it between
+    calls on the same layouts (a tensor's owned and read tiles, say)."""
+    return _lazy_index(lay), lay.active()
+
+
 def tensor_boxes(op: Operator, tensor: Tensor, configs, p: int, core: bool = True,
                  orders: np.ndarray | None = None,
-                 grid: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                 grid: tuple[np.ndarray, np.ndarray] | None = None, lazy=None) -> np.ndarray:
     """[lo, hi) per axis of ``tensor`` on every device: int64 array (K, p, n_axes, 2).
 
     ``core=True`` gives the owned tile (what a layout holds; halos excluded);
     ``core=False`` the tile the operator reads (halos included). Idle
     devices get empty boxes [0, 0). ``grid``: the result of
-    :func:`device_grid` for these configurations, when the caller has it.
+    :func:`device_grid` for these configurations, when the caller has it;
+    ``lazy``: a :func:`lazy_grid` of these layouts (``configs`` must be them).
     """
     lay = as_layouts(configs, p, orders)
     configs = lay.splits
     if grid is not None:
         coords, active = grid
         index = lambda j: coords[:, :, j]  # noqa: E731
+    elif lazy is not None:
+        index, active = lazy
     else:  # only the dims the tensor reads
         active = lay.active()
         index = _lazy_index(lay)
@@ -137,14 +147,16 @@ def tensor_boxes(op: Operator, tensor: Tensor, configs, p: int, core: bool = Tru
             else:
                 if am.window is not None:
                     rl, rh = _block(op, configs, index, am.window)
-                else:
-                    rl, rh = np.zeros_like(xl), np.ones_like(xh)
-                lo = am.stride * xl + am.dilation * rl + am.offset
-                hi = am.stride * (xh - 1) + am.dilation * (rh - 1) + am.offset + 1
-            lo = np.minimum(np.maximum(lo, 0), size)  # clipped to the axis
-            hi = np.maximum(np.minimum(hi, size), lo)
-        out[:, :, a, 0] = np.where(active, lo, 0)
-        out[:, :, a, 1] = np.where(active, hi, 0)
+                    lo = am.stride * xl + am.dilation * rl + am.offset
+                    hi = am.stride * (xh - 1) + am.dilation * (rh - 1) + am.offset + 1
+                else:  # the same with the window's block [0, 1)
+                    lo = am.stride * xl + am.offset if am.stride != 1 else xl + am.offset
+                    hi = am.stride * (xh - 1) + am.offset + 1 if am.stride != 1 else xh + am.offset
+            # clipped to the axis (in place: lo and hi are new arrays here)
+            np.minimum(np.maximum(lo, 0, out=lo), size, out=lo)
+            np.maximum(np.minimum(hi, size, out=hi), lo, out=hi)
+        np.copyto(out[:, :, a, 0], lo, where=active)  # idle devices keep the empty box [0, 0)
+        np.copyto(out[:, :, a, 1], hi, where=active)
     return out
 
 

@@ -6,7 +6,8 @@ g is read from any of the forms XLA prints: explicit lists
 ``{{0,1,2,3},{4,5,6,7}}``, iota lists ``[2,4]<=[8]`` (``[groups, g]``, with an
 optional transpose), mesh form ``mesh['a'=2,'b'=4] {'b'}`` or
 ``mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}`` (the product of
-the named axes' sizes), or ``{}`` (all ``num_partitions`` devices).
+the named axes' sizes; a Shardy sub-axis ``'a':(k)m`` counts m), or ``{}``
+(all ``num_partitions`` devices).
 
 Bytes each device sends (ring algorithms), with n the bytes of the buffer:
 
@@ -65,14 +66,24 @@ def _shapes_bytes(text: str) -> list[float]:
     return out
 
 
+_SUB_AXIS = re.compile(r"^['\"]?([\w.\-]+)['\"]?:\((\d+)\)(\d+)$")
+
+
+def _mesh_axis_size(name: str, sizes: dict[str, int]) -> int:
+    """Size of one axis of a mesh-form replica group: ``'a'`` (the whole axis) or a Shardy sub-axis
+    ``'a':(k)m`` (the m-sized factor of axis a after its first k, so m devices)."""
+    m = _SUB_AXIS.match(name)
+    return int(m.group(3)) if m else sizes[name.strip("'\" ")]
+
+
 def _group_size(attrs: str, num_partitions: int) -> int:
     """g from the replica_groups attribute (see the module docstring for the forms)."""
     m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{([^}]*)\}",
                   attrs)
     if m:
         sizes = {k.strip("'\" "): int(v) for k, v in (kv.split("=") for kv in m.group(1).split(",") if kv)}
-        names = [n.strip("'\" ") for n in m.group(2).split(",") if n.strip()]
-        return math.prod(sizes[n] for n in names) if names else num_partitions
+        names = [n.strip() for n in m.group(2).split(",") if n.strip()]
+        return math.prod(_mesh_axis_size(n, sizes) for n in names) if names else num_partitions
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
     if m:
         return int(m.group(2))

@@ -1008,6 +1008,13 @@ def _rev(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     _along(g, eqn, vals, eqn.params["dimensions"], "rev", 0.0)
 
 
+@handles("tile")
+def _tile(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
+    """``jnp.tile``: a repeated axis is read whole and its result dimension fixed (result index i reads
+    ``i mod n``, not a block); the other axes map plainly."""
+    _along(g, eqn, vals, [i for i, r in enumerate(eqn.params["reps"]) if int(r) != 1], "tile", 0.0)
+
+
 @handles("top_k")
 def _top_k(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     """``top_k`` along the last axis: that axis is read whole and its result dimension fixed."""

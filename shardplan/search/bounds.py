@@ -70,7 +70,7 @@ import numpy as np
 from shardplan.errors import TableMemoryError
 from shardplan.search.pairs import Pairs, incident_pairs, merge_pairs, reparametrise, view_key
 from shardplan.search.problem import Problem
-from shardplan.search.reduce import Reduction, make_reduction, orbits
+from shardplan.search.reduce import Reduction, make_reduction, orbits, sorted_union
 
 __all__ = ["BoundState", "ExactSolver", "bound_prune", "forest_bounds", "icm", "trws"]
 
@@ -366,11 +366,14 @@ def _restricted_incumbent(st: BoundState, lbs: list[np.ndarray], ub: float, max_
         if len(ok) > max_per_vertex:
             ok = ok[np.argsort(x[ok], kind="stable")[:max_per_vertex]]
         pos.append(np.sort(ok))
+    if all(len(k) == 1 for k in pos):  # one candidate each: the only assignment is the optimum
+        return np.array([int(k[0]) for k in pos], dtype=np.int64)
     sub = BoundState(st.n, [c[k] for c, k in zip(st.unary, pos)],
                      {(u, w): _take2(m, pos[u], pos[w]) for (u, w), m in st.pairs.items()})
     keys = sorted(sub.pairs)
-    p = Problem(names=tuple(str(v) for v in range(st.n)), configs=tuple(tuple((j,) for j in range(len(k))) for k in pos),
-                vertex_cost=tuple(sub.unary), edges=tuple(keys), edge_cost=tuple(sub.pairs[k] for k in keys))
+    p = Problem.derived(names=tuple(str(v) for v in range(st.n)),
+                        configs=tuple(tuple((j,) for j in range(len(k))) for k in pos),
+                        vertex_cost=tuple(sub.unary), edges=tuple(keys), edge_cost=tuple(sub.pairs[k] for k in keys))
     try:
         assignment = exact_solver(p, int(max_entries) * 8)
     except TableMemoryError:  # too large: no incumbent from here
@@ -445,7 +448,7 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
         if orbit is not None:  # equal vertices keep the union of their survivors (a superset: exact)
             union: dict[int, np.ndarray] = {}
             for v, ok in enumerate(pos):
-                union[orbit[v]] = np.union1d(union[orbit[v]], ok) if orbit[v] in union else ok
+                union[orbit[v]] = sorted_union(union[orbit[v]], ok) if orbit[v] in union else ok
             pos = [union[orbit[v]] for v in range(st.n)]
         dropped = sum(len(k) for k in keep) - sum(len(x) for x in pos)
         rounds += 1

@@ -367,8 +367,8 @@ def _fold_fixed(p: Problem) -> Problem:
         else:
             edges.append((s, d))
             costs.append(m)
-    return Problem(names=p.names, configs=p.configs, vertex_cost=tuple(unary), edges=tuple(edges),
-                   edge_cost=tuple(costs), dims=p.dims)
+    return Problem.derived(names=p.names, configs=p.configs, vertex_cost=tuple(unary), edges=tuple(edges),
+                           edge_cost=tuple(costs), dims=p.dims)
 
 
 def solve_small(problem: Problem, memory_limit_bytes: int) -> tuple[int, ...]:

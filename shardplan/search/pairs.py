@@ -96,6 +96,8 @@ def identical_rows(blocks: list[np.ndarray], rng: np.random.Generator,
     hs = h[order]
     new_group = np.ones(n, dtype=bool)
     new_group[1:] = hs[1:] != hs[:-1]
+    if new_group.all():  # every projection distinct: every row is its own (what the exact check below gives)
+        return np.arange(n, dtype=np.int64)
     first = order[np.flatnonzero(new_group)][np.cumsum(new_group) - 1]  # group's first, per sorted row
     same = np.ones(n, dtype=bool)
     for b in blocks:

@@ -30,19 +30,31 @@ __all__ = ["Problem", "Solution", "certify", "OPTIMALITY_RTOL"]
 OPTIMALITY_RTOL = 1e-9
 
 
-def _as_cost_vector(name: str, cost: Sequence[float] | np.ndarray, k: int) -> np.ndarray:
+def _valid_range(arr: np.ndarray) -> float | None:
+    """``arr.max()`` when every entry of the non-empty float64 ``arr`` is finite and >= 0, else None.
+
+    One pass for the minimum and one for the maximum: a NaN makes ``min >= 0`` false, -inf too, and +inf
+    makes the maximum infinite; the caller finds which (for its message) only when the array is refused.
+    """
+    lo, hi = arr.min(), arr.max()
+    return float(hi) if lo >= 0 and hi < np.inf else None
+
+
+def _as_cost_vector(name: str, cost: Sequence[float] | np.ndarray, k: int) -> tuple[np.ndarray, float]:
+    """The vertex's costs as a float64 vector and their maximum; refuses a wrong shape, NaN, inf, negatives."""
     arr = np.asarray(cost, dtype=np.float64)
     if arr.shape != (k,):
         raise ShardplanError(f"vertex {name!r}: cost has shape {arr.shape}, expected ({k},) (one per config)")
-    if not np.all(np.isfinite(arr)):
-        raise ShardplanError(f"vertex {name!r}: cost contains NaN or infinity")
-    if np.any(arr < 0):
+    top = _valid_range(arr)
+    if top is None:
+        if not np.all(np.isfinite(arr)):
+            raise ShardplanError(f"vertex {name!r}: cost contains NaN or infinity")
         raise ShardplanError(f"vertex {name!r}: cost contains a negative value ({arr.min()!r})")
-    return arr
+    return arr, top
 
 
 def _check_no_overflow(names: Sequence[str], costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int]],
-                       ecosts: Sequence[np.ndarray]) -> None:
+                       ecosts: Sequence[np.ndarray], tops: dict[int, float] | None = None) -> None:
     """Refuse costs whose sums can overflow float64.
 
     Every assignment costs at most U = sum_v max_k c_v(k) + sum_e max c_e, and
@@ -50,7 +62,8 @@ def _check_no_overflow(names: Sequence[str], costs: Sequence[np.ndarray], edges:
     objective) is at most U too; so if U is finite no sum overflows to inf, and
     if it is not, some assignment's cost would print as ``inf``.
     """
-    seen: dict[int, float] = {}  # shared arrays (identical operators) are scanned once
+    seen: dict[int, float] = {} if tops is None else tops  # by id: shared arrays are scanned once; ``tops``
+    # holds the maxima the caller already has (of arrays it keeps alive)
 
     def top(a: np.ndarray) -> float:
         if id(a) not in seen:
@@ -106,12 +119,15 @@ class Problem:
         configs = tuple(conv[id(cs)] for cs in self.configs)
         costs = []
         checked: dict[tuple[int, int], np.ndarray] = {}
+        tops: dict[int, float] = {}  # maxima of the checked arrays, by id (the arrays stay alive in costs/ecosts)
         for name, cs, cost in zip(names, configs, self.vertex_cost):
             if len(cs) == 0:
                 raise ShardplanError(f"vertex {name!r} has no configurations")
             key = (id(cost), len(cs))
             if key not in checked:
-                checked[key] = _as_cost_vector(name, cost, len(cs))
+                arr, top = _as_cost_vector(name, cost, len(cs))
+                checked[key] = arr
+                tops[id(arr)] = top
             costs.append(checked[key])
         if len(self.edges) != len(self.edge_cost):
             raise ShardplanError("edges and edge_cost must have one entry per edge")
@@ -132,14 +148,16 @@ class Problem:
                     f"edge {names[s]!r} -> {names[d]!r}: cost matrix has shape {arr.shape}, expected {want}"
                 )
             if id(arr) not in checked_edges:
-                if not np.all(np.isfinite(arr)):
-                    raise ShardplanError(f"edge {names[s]!r} -> {names[d]!r}: cost contains NaN or infinity")
-                if np.any(arr < 0):
+                top = _valid_range(arr) if arr.size else 0.0
+                if top is None:
+                    if not np.all(np.isfinite(arr)):
+                        raise ShardplanError(f"edge {names[s]!r} -> {names[d]!r}: cost contains NaN or infinity")
                     raise ShardplanError(f"edge {names[s]!r} -> {names[d]!r}: cost contains a negative value")
                 checked_edges[id(arr)] = arr
+                tops[id(arr)] = top
             edges.append((s, d))
             ecosts.append(arr)
-        _check_no_overflow(names, costs, edges, ecosts)
+        _check_no_overflow(names, costs, edges, ecosts, tops)
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "configs", configs)
         object.__setattr__(self, "vertex_cost", tuple(costs))
@@ -148,6 +166,25 @@ class Problem:
         if self.dims is not None:
             object.__setattr__(self, "dims", tuple(tuple(d) for d in self.dims))
         object.__setattr__(self, "index", {nm: i for i, nm in enumerate(names)})
+
+    @classmethod
+    def derived(cls, names: tuple[str, ...], configs: tuple[tuple[tuple[int, ...], ...], ...],
+                vertex_cost: tuple[np.ndarray, ...], edges: tuple[tuple[int, int], ...],
+                edge_cost: tuple[np.ndarray, ...], dims: tuple[tuple[str, ...], ...] | None = None) -> "Problem":
+        """A problem made by the solvers from a checked one, without checking it again.
+
+        For restrictions, merged edges and folded vertex costs of a :class:`Problem` that passed
+        :meth:`__post_init__`: the values are already in its normal form (tuples of Python ints,
+        float64 arrays of the right shapes, unique names), every entry is a sum of its finite,
+        non-negative entries (finite: their total is), so the checks would pass and would change
+        nothing; the arrays are kept as they are (shared arrays stay shared).
+        """
+        out = object.__new__(cls)
+        for name, value in (("names", names), ("configs", configs), ("vertex_cost", tuple(vertex_cost)),
+                            ("edges", tuple(edges)), ("edge_cost", tuple(edge_cost)), ("dims", dims),
+                            ("index", {nm: i for i, nm in enumerate(names)})):
+            object.__setattr__(out, name, value)
+        return out
 
     @property
     def num_vertices(self) -> int:
