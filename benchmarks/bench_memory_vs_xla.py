@@ -36,6 +36,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -65,6 +66,7 @@ def predicted_parts(plan: Any) -> dict[str, float]:
     mc, tables = plan.memory_choices, plan.tables
     o = float(tables.options.get("optimizer_factor", 2.0))
     out = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0}
+    gathered = 0.0
     for i, (op, lay) in enumerate(zip(tables.graph.operators, tables.arrays)):
         k = plan.assignment[i]
         wg = weight_groups(op, lay, None, tables.machine)
@@ -73,9 +75,65 @@ def predicted_parts(plan: Any) -> dict[str, float]:
         out["gradients"] += p / g if s >= 2 else p
         out["optimizer"] += o * p / g if s >= 1 else o * p
         out["activations"] += float(mc.choice_tables[i].activation_bytes[mc.choices[i]])
+        gathered += p if s == 3 else 0.0
     out["total"] = sum(out.values())
     assert math.isclose(out["total"], plan.memory["peak_bytes"], rel_tol=1e-9)
+    out["gathered_tiles"] = gathered  # not part of the total: the weight tiles a stage-3 plan gathers (once)
     return out
+
+
+def phase_estimates(m: dict[str, float]) -> dict[str, float]:
+    """The backward pass's peak from the model's own parts, for two schedules (not the search's model).
+
+    With S = weights + optimizer state, G = gradients, A = saved activations
+    and F = the stage-3 tiles gathered: the backward pass frees saved
+    activations as it produces gradients, so the peak is near its start (S +
+    A) or its end (S + G plus what the gradient reduction holds). On a GPU
+    XLA all-reduces in place (NCCL; ``CanShareBufferHint`` of XLA's GPU
+    backend), so ``gpu`` = S + max(A, G); the CPU backend keeps operand and
+    result of the combined all-reduce apart, so ``cpu`` = S + max(A, 2 G)
+    (``gpu`` leaves out the gathered tile of the operator running, a stage-3
+    plan's only addition on a GPU-like schedule),
+    and for FSDP, whose gathers it hoists to the program's start and whose
+    gradients it all-reduces whole and then slices, S + A + 3 F (every
+    gathered tile, and the full gradients twice).
+    """
+    s, g, a, f = m["weights"] + m["optimizer"], m["gradients"], m["activations"], m["gathered_tiles"]
+    return {"gpu": s + max(a, g), "cpu": s + a + 3 * f if f else s + max(a, 2 * g)}
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8}
+_SHAPE = re.compile(r"\b(pred|bf16|[suf]\d+)\[([\d,]*)\]")
+_COLLECTIVE = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|reduce-scatter)(?:-start)?\(")
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Result bytes per device of every all-gather / all-reduce / reduce-scatter in the compiled HLO.
+
+    Counted once per instruction (a collective inside the micro-batch loop's
+    body counts once: per micro-batch).
+    """
+    out = {"all-gather": 0, "all-reduce": 0, "reduce-scatter": 0}
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m:
+            out[m.group(2)] += sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(x) for x in dims.split(",") if x)
+                                   for dt, dims in _SHAPE.findall(m.group(1)))
+    return out
+
+
+def flat_loss(info: Any) -> Any:
+    """The traced loss as the step evaluates it (the flat program: scans unrolled), without constraints."""
+    import jax
+
+    from shardplan.jax.run import evaluate
+
+    def fn(*args: Any) -> Any:
+        leaves = jax.tree_util.tree_leaves(args)
+        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves))
+
+    return fn
 
 
 def saved_residual_bytes(fs: Any, loss_fn: Any, params: Any, batch: Any) -> float | None:
@@ -83,9 +141,11 @@ def saved_residual_bytes(fs: Any, loss_fn: Any, params: Any, batch: Any) -> floa
 
     JAX lists the residuals of the loss on one micro-batch
     (``jax._src.ad_checkpoint.saved_residuals``, what
-    ``jax.ad_checkpoint.print_saved_residuals`` prints): of ``loss_fn`` itself
-    when no operator recomputes (the constraints change no residual), of the
-    step's checkpointed loss otherwise. Under data parallelism every residual
+    ``jax.ad_checkpoint.print_saved_residuals`` prints) of the program the step
+    differentiates: the flat program (scans unrolled, :func:`flat_loss`) when
+    no operator recomputes (its constraints change no residual, but JAX would
+    list each constrained value again), the step's checkpointed loss
+    otherwise. Under data parallelism every residual
     carries the batch split over the devices, so a device holds 1/p of their
     bytes. Residuals that are arguments (parameters, the batch) are kept anyway
     and left out. None for a plan that is not data parallel (its residuals'
@@ -101,7 +161,7 @@ def saved_residual_bytes(fs: Any, loss_fn: Any, params: Any, batch: Any) -> floa
     n = len(jax.tree_util.tree_leaves(params))
     micro = jax.tree_util.tree_unflatten(tree, [x[: x.shape[0] // k] if n + j in fs.info.batch_leaves else x
                                                 for j, x in enumerate(leaves)])
-    res = saved_residuals(fs.loss_fn if fs.remat else loss_fn, params, micro)
+    res = saved_residuals(fs.loss_fn if fs.remat else flat_loss(fs.micro_info), params, micro)
     return sum(math.prod(a.shape) * a.dtype.itemsize for a, why in res
                if not why.startswith("from the argument")) / len(fs.devices)
 
@@ -124,7 +184,8 @@ def measure(plan: Any, loss_fn: Any, params: Any, batch: Any, info: Any) -> dict
     opt = optax.adam(1e-3)
     p0, s0 = fs.init(opt, jax.tree.map(jnp.copy, params))
     b0 = jax.device_put(batch, fs.batch_shardings)
-    mem = fs.train_step(opt, params).lower(p0, s0, b0).compile().memory_analysis()
+    compiled = fs.train_step(opt, params).lower(p0, s0, b0).compile()
+    mem = compiled.memory_analysis()
     data = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(b0))
     arg, out, alias, temp = (int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
                              int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes))
@@ -135,8 +196,13 @@ def measure(plan: Any, loss_fn: Any, params: Any, batch: Any, info: Any) -> dict
     xla["grad_step_output"] = int(g.output_size_in_bytes)
     xla["optimizer_update_extra"] = xla["step"] - int(g.temp_size_in_bytes) - int(g.output_size_in_bytes)
     xla["saved_residuals"] = saved_residual_bytes(fs, loss_fn, params, batch)
+    xla["collectives"] = collective_bytes(compiled.as_text())
     model = predicted_parts(plan)
+    phases = phase_estimates(model)
     ratios = {"total": xla["total"] / model["total"],
+              "cpu_phase": xla["total"] / phases["cpu"],
+              "gathered": (xla["collectives"]["all-gather"] / model["gathered_tiles"]
+                           if model["gathered_tiles"] else None),
               "state": xla["state"] / (model["weights"] + model["optimizer"]),
               "step": xla["step"] / max(model["gradients"] + model["activations"], 1.0),
               "grad_step": (xla["grad_step_temp"] + xla["grad_step_output"])
@@ -148,17 +214,47 @@ def measure(plan: Any, loss_fn: Any, params: Any, batch: Any, info: Any) -> dict
     return {"strategy": plan.name, "micro_batches": mc.micro_batches,
             "recompute": sum(mc.recompute(i) for i in range(len(plan.graph))),
             "sharded_leaves": states_summary(fs.leaves, fs.info), "xla_bytes": xla, "model_bytes": model,
+            "model_phase_estimates": phases,
             "ratio_xla_over_model": ratios, "within_10pct": abs(ratios["total"] - 1) <= TOLERANCE}
 
 
 FSDP_ON_CPU = (
-    "FSDP on XLA's CPU backend (read from the compiled HLO of jax_mlp): every stage-3 all-gather is scheduled "
-    "at the start of the program (the CPU pipeline has no memory-bounded latency-hiding scheduler), so all "
-    "gathered weights are live at once, and the weight gradients are all-reduced in one combined all-reduce "
-    "and then sliced to their shards (no reduce-scatter is formed), so the full gradients, operand and result, "
-    "are live too: about three full weight copies of temporaries where the model's reserve expects one "
-    "operator's gathered weights. The parameters and optimizer state, the part the model predicts, are "
-    "sharded as planned (state ratio 1)")
+    "FSDP on XLA's CPU backend (read from the compiled HLO): every stage-3 all-gather is scheduled at the start "
+    "of the program (the CPU pipeline has no memory-bounded latency-hiding scheduler), so all gathered weights "
+    "are live at once, and the weight gradients are all-reduced whole in one combined all-reduce and then sliced "
+    "to their shards (no reduce-scatter is formed), so the full gradients, operand and result, are live too; a GPU "
+    "schedule holds one operator's gathered tile at a time and reduce-scatters. What the CPU run can check "
+    "matches the model: parameters and optimizer state sharded as planned (state ratio {state:.3f}), and the "
+    "compiled all-gathers move {gathered:.3f}x the stage-3 tiles (the model's gather before the forward and again "
+    "before the backward: 2); XLA's total is {cpu:.3f}x the CPU schedule's estimate S + A + 3F from the model's "
+    "parts (S state, A saved activations, F the gathered tiles)")
+
+# Why JAX's residual list differs from the model's saved activations, per model (read from
+# jax._src.ad_checkpoint.saved_residuals of the flat program against Operator.saved; dtype sizes as listed).
+SAVED_CAUSES = {
+    "relu": "JAX's relu (a custom_jvp) lists, beside its output, a bool mask (1 byte per element) and a "
+            "broadcast array of zeros of the activation's size that the model does not count (the model keeps "
+            "the output and one derivative value of 4 bytes)",
+    "jax_cnn": "max pooling: JAX keeps the pool's input for the select-and-scatter gradient and the relu "
+               "masks/zero arrays (see relu)",
+    "scan_layers": "the unrolled scan slices the stacked kernel per layer: JAX keeps the four slices (views of a "
+                   "parameter, replicated on every device) as residuals, which the model counts as weights, not "
+                   "activations; this list divides them by the device count like the activations",
+    "FlaxLlamaForCausalLM": "JAX lists the silu (a jitted function) output three times, one buffer",
+    "jax_transformer": "the tanh-form GELU: JAX keeps six values of the hidden size per layer (the product before "
+                       "it, x^3's derivative, the tanh, 1 - tanh^2 and two products of the chain rule), the model "
+                       "five (one per nonlinear primitive and the operands of the two products)",
+}
+
+
+def _saved_cause(row: dict[str, Any], saved: float) -> str:
+    name = row["model"]
+    if name in SAVED_CAUSES:
+        return SAVED_CAUSES[name]
+    if saved > 1 and ("mlp" in name.lower() or "cnn" in name.lower()):
+        return SAVED_CAUSES["relu"]
+    return ("the model counts what JAX's backward rules read (Operator.saved); JAX's list differs by values "
+            "computed in the forward for the backward of fused or custom-derivative functions")
 
 
 def explain(row: dict[str, Any]) -> str:
@@ -166,6 +262,7 @@ def explain(row: dict[str, Any]) -> str:
     if row["within_10pct"]:
         return ""
     x, m, r = row["xla_bytes"], row["model_bytes"], row["ratio_xla_over_model"]
+    ph = row["model_phase_estimates"]
     out = []
     if abs(r["state"] - 1) > 0.01:
         pieces = [s for s in row["sharded_leaves"] if s["pieces"] < s["group"]]
@@ -176,41 +273,48 @@ def explain(row: dict[str, Any]) -> str:
                    "embedding has one owner, Tensor.owner, and is counted once)")
         else:
             why = (f"{len(pieces)} sharded leaves have no axis their replica group divides, so their state is "
-                   "cut into fewer pieces than the model's G" if pieces else "XLA keeps state the model does not count")
+                   "cut into fewer pieces than the model's G" if pieces else "XLA keeps state the model does not count "
+                   "(Adam's step count, a few bytes)")
         out.append(f"parameters + optimizer state: XLA {x['state']} B vs model {m['weights'] + m['optimizer']:.0f} B "
                    f"({why})")
     if row["strategy"].startswith("dp+fsdp"):
-        out.append(FSDP_ON_CPU)
+        out.append(FSDP_ON_CPU.format(state=r["state"], gathered=r["gathered"] or 0.0, cpu=r["cpu_phase"]))
+        if r["gathered"] is not None and abs(r["gathered"] - 2) > 0.05:
+            out.append("the all-gathers exceed two per tile because a parameter read by k operators (a tied "
+                       "embedding) is gathered for each reader while the model's tile counts 1/k of it per reader "
+                       "(shared-weight counting: branch sharedw)")
+    else:
+        g, a = m["gradients"], m["activations"]
+        head = (f"XLA total {x['total']} B vs the model's S + G + A {m['total']:.0f} B (S state, G gradients "
+                f"{g:.0f} B, A saved {a:.0f} B): the backward pass frees saved activations as it produces gradients, "
+                f"and the CPU backend's combined all-reduce keeps the gradients' operand and result apart, so "
+                f"its peak is near S + max(A, 2G) = {ph['cpu']:.0f} B (XLA / that = {r['cpu_phase']:.3f}); a GPU "
+                f"all-reduces in place (S + max(A, G) = {ph['gpu']:.0f} B, below the model's sum, which is the "
+                "search's additive upper bound)")
+        out.append(head)
+        if abs(r["cpu_phase"] - 1) > TOLERANCE:
+            if "cnn" in row["model"].lower():
+                out.append("the rest is the CPU backend's convolution and pooling code: its compiled buffers "
+                           "(jax_cnn's buffer assignment) hold activation-sized iota index arrays and a scatter for "
+                           "the max-pool gradient and NCHW/NHWC transposes around every convolution, temporaries a "
+                           "GPU's cuDNN kernels do not need")
+            elif row["strategy"] == "optimal":
+                out.append("this plan is not data parallel: its redistributions and activation collectives between "
+                           "operators make full-size temporaries (gathered inputs, collective results) that the "
+                           "model charges in time but leaves to the reserve in memory")
+            else:
+                out.append("the rest is activation gradients and forward intermediates neither saved nor freed yet, "
+                           "which the model leaves to the reserve")
     saved = r.get("saved")
     if saved is not None and m["activations"] and abs(saved - 1) > TOLERANCE:
-        if saved < 1:
-            out.append(f"saved activations: JAX's backward keeps {saved:.2f} of what the model counts: the model "
-                       "saves every operator's output, JAX only what the backward pass reads (not the outputs of "
-                       "additions, sums or the loss), and nothing inside the model's own jax.checkpoint / nn.remat "
-                       "blocks, which the model does not know are recomputed")
-        else:
-            out.append(f"saved activations: JAX's backward keeps {saved:.2f} of what the model counts: the values "
-                       "fused into an operator that the backward reads besides its output (the pre-activation "
-                       "of a relu and its mask, a pool's input) are counted by the model once per operator")
+        out.append(f"saved activations: JAX's residual list is {saved:.2f}x the model's: {_saved_cause(row, saved)}")
     elif saved is not None and not m["activations"] and x["saved_residuals"]:
         out.append(f"every operator recomputes, yet JAX keeps {x['saved_residuals']:.0f} B of residuals per device "
                    "(values computed before the first operator, from constants such as rotary tables, belong to no "
                    "operator and are named saved)")
-    extra = x["step"] - (m["gradients"] + m["activations"])
-    if abs(r["step"] - 1) > TOLERANCE and not row["strategy"].startswith("dp+fsdp"):
-        if extra > 0:
-            out.append(f"step temporaries: XLA {x['step']} B vs model gradients + saved activations "
-                       f"{m['gradients'] + m['activations']:.0f} B (+{extra:.0f} B): what the model leaves to the "
-                       "reserve: the combined gradient all-reduce holds the unreduced and the reduced gradients "
-                       "at once (one extra gradient copy), the activation gradients of the backward pass, and the "
-                       "forward's intermediates that are neither saved nor freed yet")
-        else:
-            out.append(f"step temporaries: XLA {x['step']} B vs model {m['gradients'] + m['activations']:.0f} B "
-                       f"({extra:.0f} B): XLA frees saved activations as the backward pass consumes them and reuses "
-                       "their buffers for the gradients, while the model adds all of them to all gradients")
     if x["batch"] > TOLERANCE * m["total"]:
         out.append(f"the batch ({x['batch']} B per device) is an argument the model does not count")
-    return "; ".join(out) or "not explained yet"
+    return "; ".join(out)
 
 
 def plans_for(tables: Any, micro: int) -> list[Any]:
@@ -255,26 +359,27 @@ def run_model(name: str, library: str, loss_fn: Any, params: Any, batch: Any, ma
         r = row["ratio_xla_over_model"]
         print(f"{name:<30} {row['strategy']:<26} model {row['model_bytes']['total']:>11.0f} B  xla {row['xla_bytes']['total']:>11.0f}"
               f" B  total {r['total']:.3f}  state {r['state']:.3f}  step {r['step']:.3f} grad-step {r['grad_step']:.3f}  "
-              f"saved {r['saved'] or 0:.3f}", flush=True)
+              f"saved {r['saved'] or 0:.3f}  cpu-phase {r['cpu_phase']:.3f}  gathered {r['gathered'] or 0:.3f}", flush=True)
     return rows
 
 
 FINDINGS = (
     "Parameters and optimizer state (what persists between steps) are predicted exactly, ZeRO 1-3 shards "
-    "included, except where one leaf has several readers (tied embeddings, stacked scan kernels): the model "
-    "counts a copy per reader in the reader's layout, XLA one leaf in its first reader's layout.",
-    "Saved activations (the model's per-operator outputs) match JAX's own residual list for the data-parallel "
-    "plans to within a few percent on the MLPs and the transformer; the model over-counts outputs that no "
-    "backward rule reads (a product before its bias, additions, squares before a mean) and everything inside "
-    "the model's own nn.remat blocks, and under-counts what the backward reads inside a fused operator "
-    "(relu masks and pre-activations, a pool's input).",
-    "The totals differ by XLA's temporaries, which the memory model leaves to the reserve: on the CPU backend the "
-    "gradient all-reduce is one combined collective holding unreduced and reduced gradients at once; "
-    "activation gradients; and for FSDP every gathered weight at once (the CPU scheduler starts all "
-    "all-gathers first and forms no reduce-scatter), so the FSDP + recompute rows are 5-20x the model on "
-    "these tiny models, whose weights dominate. Where activations dominate (the transformer) XLA's total is "
-    "below the model's: it frees saved activations as the backward pass consumes them, while the model holds "
-    "every saved activation and every gradient at once.",
+    "included, except where one leaf has several readers (tied embeddings): the model counts a copy per reader "
+    "in the reader's layout, XLA one leaf in its first reader's layout (shared-weight counting: branch sharedw).",
+    "Saved activations: the JAX lowering sets Operator.saved from what JAX's backward rules read (nothing of an "
+    "addition, a reshape or a sum; an operand of a product whose other operand needs a gradient; one value per "
+    "nonlinear elementwise primitive), and a user's jax.checkpoint / nn.remat marks its operators recomputed "
+    "(Graph.recomputed). Against JAX's residual list of the flat program the data-parallel ratios are near 1; "
+    "the rest is JAX listing values the model does not count (relu's zero arrays and masks, a stacked kernel's "
+    "per-layer slices, one buffer listed thrice).",
+    "Totals: the model's S + G + A is an additive upper bound of a GPU-like backward pass (saved activations "
+    "freed as gradients appear, gradients all-reduced in place). XLA's CPU backend holds a second gradient copy "
+    "in its combined all-reduce, so its peak is S + max(A, 2G), which the model's own parts predict within a few "
+    "percent for the data-parallel rows; CNNs add the CPU's pool-gradient scatter and convolution transposes.",
+    "FSDP cannot be measured faithfully on the CPU backend (all gathers hoisted to the start, no reduce-scatter): "
+    "its rows check the sharded state (exact) and the compiled all-gathers (exactly the model's two gathers of "
+    "every stage-3 tile).",
 )
 
 

@@ -17,10 +17,22 @@ Per device, for a plan with ``m`` micro-batches::
       stage 0: P (2 + o)        stage 1: P (2 + o/G)
       stage 2: P (1 + (1+o)/G)  stage 3 (FSDP): P (2 + o) / G
 
-* ``saved_v``: v's output tile, kept for the backward pass, divided by ``m``
-  (one micro-batch's worth is live at a time: gradients are accumulated) and
-  times the micro-batches in flight (``FitOptions.in_flight``, 1 for one SPMD
-  program; a pipeline stage holds several); 0 when v recomputes.
+* ``saved_v``: what the backward pass keeps of v, ``Operator.saved`` output
+  tiles (1 unless the frontend knows better: the JAX lowering counts the
+  values JAX's backward rules read, 0 for an addition or a reshape whose
+  output no rule reads, 2 for a fused relu that keeps its output and its
+  mask), divided by ``m`` (one micro-batch's worth is live at a time:
+  gradients are accumulated) and times the micro-batches in flight
+  (``FitOptions.in_flight``, 1 for one SPMD program; a pipeline stage holds
+  several); 0 when v recomputes, by the plan's choice or because the program
+  itself recomputes it (inside a user's ``jax.checkpoint`` / ``nn.remat``:
+  ``Graph.recomputed``, whose operators are offered only recomputing choices).
+  A segment the plan recomputes needs its inputs saved; their producers'
+  ``saved`` counts them only when a backward rule reads them too (an
+  addition feeding a recomputed norm counts 0), an under-count of at most
+  one input tile per recomputed segment that the model does not charge (it
+  would tie a producer's memory to its consumers' choices). Segments of a
+  user's checkpoint are exact: the lowering counts their inputs.
 * ``reserve``: what the model does not track per operator, a fixed number of
   bytes (default 0): the weights a ZeRO-3 operator gathers while it runs, the
   activations of a recomputed segment while its backward runs, activation
@@ -29,6 +41,20 @@ Per device, for a plan with ``m`` micro-batches::
 
 Each operator's memory is its largest over devices, so the sum is an upper
 bound of the true per-device maximum (equal for balanced layouts).
+
+The sum is also an upper bound in time: the backward pass frees the saved
+activations as it consumes them and produces the gradients as it goes, so
+what a GPU-like execution holds at its worst moment (the backward of some
+operator v) is ``state + gradients produced so far + activations not yet
+consumed + v's activation gradients``, at most ``state + sum gradients +
+sum saved`` plus one operator's activation gradients (which the reserve
+holds), and at least ``state + max(gradients, saved)``. On a GPU XLA
+all-reduces the gradients in place (NCCL), so the reduced gradients need no
+second buffer. The sum keeps the constraint additive over operators, which
+the Lagrangian/branch-and-bound search and the ILP's memory row need; the
+tighter peak is a maximum over the backward pass's steps (one linear row per
+step), not modelled here. ``benchmarks/bench_memory_vs_xla.py`` checks each
+part against XLA's compiled program.
 
 The time model of the choices
 -----------------------------
@@ -66,12 +92,17 @@ Costs come from the same operator description as every other cost
 In JAX (:mod:`shardplan.jax.memory`) a plan's choices run as planned: state
 shardings over the replica mesh axes, recomputation under ``jax.checkpoint``
 and a ``lax.scan`` over micro-batches; ``benchmarks/bench_memory_vs_xla.py``
-compares this model with XLA's compiled memory. Measured there: weights and
-optimizer state exactly; saved activations as JAX's residual list within a
-few percent on MLPs and transformers (the model over-counts outputs no
-backward rule reads, under-counts values read inside fused operators); the
-reserve, on XLA's CPU backend, must hold the gradient all-reduce's second
-copy, activation gradients and, for FSDP, the gathered weights.
+compares this model with XLA's compiled memory (see its JSON for the
+figures): weights and optimizer state exactly (ZeRO shards included); saved
+activations against JAX's residual list; the stage-3 all-gathers in the
+compiled program are exactly the model's two gathers of every tile (before
+the forward and again before the backward). XLA's CPU backend, on which
+that benchmark runs, holds more than a GPU would: the combined gradient
+all-reduce keeps its operand and result apart (a second gradient copy), and
+for FSDP it issues every all-gather at the start and all-reduces the full
+gradients before slicing them (no reduce-scatter), so every gathered weight
+and two full gradient copies are live at once; the reserve must hold these
+there.
 
 The search is exact for this model: for each micro-batch count it runs
 :func:`shardplan.search.constrained.solve_memory` (Lagrangian dual closed by
@@ -225,10 +256,12 @@ def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, optio
         cache["problem"] = tables.to_problem()
         cache["shared"] = shared
     shared = cache["shared"]
-    cts = [_shared(shared, ("c", micro_batches, _key(op), id(lay)),
+    forced = g.recomputed
+    cts = [_shared(shared, ("c", micro_batches, _key(op), id(lay), op.name in forced),
                    lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages, options.recompute,
                                         opt, groups=wg, op_cost=oc if micro_batches == 1 else None,
-                                        in_flight=options.in_flight, accumulate=options.accumulate))
+                                        in_flight=options.in_flight, accumulate=options.accumulate,
+                                        forced_recompute=op.name in forced))
            for op, lay, wg, oc in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs)]
     least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
     if least <= budget:
@@ -383,7 +416,8 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     ``stage``: one ZeRO stage for every operator with trainable weights, or
     operator name -> stage (others 0); an operator without trainable weights
     always has stage 0. ``recompute``: True for every operator, or the names
-    of the operators that recompute. Costs and memory are those of
+    of the operators that recompute; the operators the program itself
+    recomputes (:attr:`~shardplan.ir.Graph.recomputed`) always do. Costs and memory are those of
     :func:`~shardplan.cost.memory.choice_table` (the model of this module), so
     data parallelism with FSDP, say, is ``plan_with_choices(dp_plan, 3)``.
 
@@ -398,6 +432,7 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     stages = {n: int(stage) for n in names} if isinstance(stage, int) else {n: 0 for n in names} | dict(stage)
     recs = set(names) if recompute is True else set() if recompute is False else set(recompute)
     unknown = sorted((set(stages) | recs) - set(names))
+    recs |= g.recomputed
     if unknown:
         raise ShardplanError(f"plan has no operator {unknown[0]!r}")
     bad = sorted({s for s in stages.values() if s not in STAGES})
@@ -410,7 +445,7 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     cts, choices = [], []
     for i, (op, lay, oc) in enumerate(zip(g.operators, tables.arrays, tables.op_costs)):
         ct = choice_table(op, lay, None, tables.machine, m, STAGES, True, opt, prune=False,
-                          op_cost=oc if m == 1 else None)
+                          op_cost=oc if m == 1 else None, forced_recompute=op.name in g.recomputed)
         mine = (ct.base == plan.assignment[i]) & (ct.recompute == (op.name in recs))
         j = np.flatnonzero(mine & (ct.stage == stages[op.name]))
         if not len(j):  # an operator without trainable weights has stage 0 only

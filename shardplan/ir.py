@@ -33,6 +33,7 @@ axis of extent 1, or a tensor read whole) has ``dim=None``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
@@ -240,6 +241,11 @@ class Operator:
             unique, what configurations are indexed by); labels are display
             only and need not be unique. Dimensions without a label show
             their name.
+        saved: what the backward pass keeps of the operator, in output tiles
+            (1: its output, the default). A frontend that knows which values
+            the backward rules read sets it: 0 when no backward rule reads the
+            output (an addition feeding a reshape), 2 when a fused elementwise
+            tail keeps one more value of the output's size (a relu's input).
     """
 
     name: str
@@ -254,6 +260,7 @@ class Operator:
     recurrence: Recurrence | None = None
     fixed: frozenset[str] = frozenset()
     dim_labels: tuple[tuple[str, str], ...] = ()
+    saved: float = 1.0
 
     def __post_init__(self) -> None:
         labels = self.dim_labels.items() if isinstance(self.dim_labels, Mapping) else self.dim_labels
@@ -271,6 +278,8 @@ class Operator:
         raise ShardplanError(f"operator {self.name!r} ({self.kind}): {msg}")
 
     def _validate(self) -> None:
+        if not (self.saved >= 0 and math.isfinite(self.saved)):
+            self._fail(f"saved must be a finite number of output tiles >= 0, got {self.saved!r}")
         if not self.name:
             raise ShardplanError("an operator needs a non-empty name")
         names = [d for d, _ in self.dims]
@@ -450,12 +459,19 @@ class Graph:
     to the reader; derived, not data flow (no ordering, not in ``edges``).
     A reader whose owner is not in the graph (a pipeline stage's slice of
     it) owns its own copy: the graph holds it with ``owner`` cleared.
+
+    ``recomputed``: operators the program itself recomputes in the backward
+    pass whatever the plan says (the body of a user's ``jax.checkpoint`` /
+    ``nn.remat`` without a saving policy): they keep no activation and run
+    their forward twice (:func:`shardplan.cost.memory.choice_table` offers
+    them only recomputing choices).
     """
 
     name: str
     operators: tuple[Operator, ...]
     graph_inputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     ties: tuple[tuple[str, ...], ...] = ()
+    recomputed: frozenset[str] = frozenset()
     edges: tuple[EdgeRef, ...] = field(init=False)
     weight_edges: tuple[WeightEdge, ...] = field(init=False)
     index: Mapping[str, int] = field(init=False, repr=False)
@@ -498,6 +514,10 @@ class Graph:
         object.__setattr__(self, "edges", tuple(edges))
         object.__setattr__(self, "index", index)
         self._weight_edges()
+        object.__setattr__(self, "recomputed", frozenset(str(n) for n in self.recomputed))
+        unknown = sorted(self.recomputed - set(index))
+        if unknown:
+            raise ShardplanError(f"graph {self.name!r}: recomputed operator {unknown[0]!r} is not in the graph")
         self._check_ties()
         order = _kahn(len(ops), self.edges)
         if len(order) < len(ops):

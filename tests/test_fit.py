@@ -221,3 +221,31 @@ def test_compare_adds_the_plan_that_fits(capsys):
     assert float(line.split()[-2]) <= 0.0005 * 2**20  # peak memory column, KiB
     dp_line = next(x for x in out.splitlines() if "shardplan (exact DP)" in x)
     assert float(dp_line.split()[-2]) > 0.0005 * 2**20
+
+
+def test_operators_the_program_recomputes_only_recompute():
+    """Graph.recomputed (a user's jax.checkpoint): only recomputing choices, in the table and the fit search."""
+    from dataclasses import replace
+
+    op = dense_op()
+    m = Machine(4, peak_flops=F, bandwidth=B)
+    cfg, order = np.array([[4, 1, 1]]), np.array([[0, 1, 2]])
+    free = choice_table(op, cfg, order, m, prune=False)
+    forced = choice_table(op, cfg, order, m, prune=False, forced_recompute=True)
+    assert set(forced.recompute.tolist()) == {True} and not forced.activation_bytes.any()
+    keep = np.flatnonzero(free.recompute)
+    assert np.allclose(forced.seconds, free.seconds[keep]) and np.allclose(forced.bytes, free.bytes[keep])
+    g = _tiny_gpt()
+    mach = Machine(4, peak_flops=F, bandwidth=B, latency=1e-6, memory_bytes=1e12)
+    names = {o.name for o in g.operators[: len(g.operators) // 2]}
+    gr = replace(g, recomputed=frozenset(names))
+    with pytest.raises(ShardplanError, match="not in the graph"):
+        replace(g, recomputed=frozenset({"nope"}))
+    tables = build_tables(gr, mach, orders="row-major")
+    plan = solve_fit(gr, mach, tables=tables, options=FitOptions(micro_batches=(1,)))
+    mc = plan.memory_choices
+    assert all(mc.recompute(gr.index[n]) for n in names)
+    plain = build_tables(g, mach, orders="row-major")
+    unforced = solve_fit(g, mach, tables=plain, options=FitOptions(micro_batches=(1,)))
+    assert plan.cost > unforced.cost  # the forward of the forced operators runs twice
+    assert tables.memory_of(plan.assignment)["activations_bytes"] < plain.memory_of(plan.assignment)["activations_bytes"]

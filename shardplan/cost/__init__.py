@@ -163,7 +163,10 @@ class CostTables:
         return out
 
     def memory_of(self, assignment: Sequence[int]) -> dict[str, float]:
-        return strategy_memory(list(self.memory), assignment)
+        """:func:`strategy_memory`; an operator the program recomputes (``Graph.recomputed``) saves nothing."""
+        rec = self.graph.recomputed
+        per_op = [(w, act * 0.0) if op.name in rec else (w, act) for op, (w, act) in zip(self.graph.operators, self.memory)]
+        return strategy_memory(per_op, assignment)
 
 
 ORDERS: tuple[str, ...] = ("auto", *ORDER_MODES)
@@ -211,7 +214,7 @@ def operator_key(op) -> tuple:
     """What an operator's costs depend on: its description without its name or its producers' names."""
     return (op.kind, op.dims, tuple(_tensor_key(t) for t in op.inputs), _tensor_key(op.output),
             tuple(_tensor_key(t) for t in op.weights), op.flops_per_point, op.norm_dims, op.norm_stats,
-            op.recurrence, tuple(sorted(op.fixed)))
+            op.recurrence, tuple(sorted(op.fixed)), op.saved)
 
 
 def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,

@@ -5,7 +5,8 @@ For each operator and configuration, per device q (bytes):
     weights:     sum_W |W tile(q)| * (1 + 1 + m)    (value, gradient, m words of optimizer state)
                  (a parameter read by several operators is charged once, to
                  its owner, in the owner's layout: ``Tensor.owner``)
-    activations: |output tile(q)|                   (kept for the backward pass)
+    activations: saved * |output tile(q)|           (kept for the backward pass; ``Operator.saved``
+                                                     output tiles: 1 unless the frontend knows better)
 
 (m = 2 for Adam, 0 for plain SGD.) A strategy's memory on device q is the
 sum over operators of their chosen configuration's row, and the strategy
@@ -40,7 +41,7 @@ def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: f
     for t in op.weights:
         if t.owner is None:
             w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
-    act = tile_volumes(op, op.output, lay).astype(np.float64) * nbytes
+    act = tile_volumes(op, op.output, lay).astype(np.float64) * nbytes * op.saved
     return w, act
 
 
@@ -129,6 +130,7 @@ class WeightGroups:
     devices holding the same tile, and 1, or 0 for a parameter another
     operator owns whose gradient is summed into the owner's,
     ``machine.sum_shared_grads``). ``state`` counts a parameter only on its owner.
+    ``act`` is ``Operator.saved`` output tiles.
     """
 
     state: np.ndarray
@@ -161,7 +163,7 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
         big = gl * reps
         rows.append((vol, gl, big, 0.0 if t.owner is not None and machine.sum_shared_grads else 1.0))
         group = np.maximum(group, big.prod(axis=0))  # weights of one operator share their data-parallel group
-    act = tile_volume(op, op.output, lay, p) * nbytes
+    act = tile_volume(op, op.output, lay, p) * nbytes * op.saved
     return WeightGroups(state, act, group, tuple(rows))
 
 
@@ -176,7 +178,8 @@ def _bucketed(vol: np.ndarray, machine: Machine, collective) -> np.ndarray:
 def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Machine, micro_batches: int = 1,
                  stages: Sequence[int] = STAGES, recompute: bool = True,
                  optimizer_factor: float = 2.0, prune: bool = True, groups: WeightGroups | None = None,
-                 op_cost=None, in_flight: int = 1, accumulate: int = 1) -> ChoiceTable:
+                 op_cost=None, in_flight: int = 1, accumulate: int = 1,
+                 forced_recompute: bool = False) -> ChoiceTable:
     """Every (layout, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
 
     ``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows
@@ -194,6 +197,9 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     stage 2's gather (its reduce-scatter runs after every micro-batch); stage 3
     gathers and reduce-scatters per micro-batch, so it is unchanged. With 1
     (the default) the table is the step's.
+    ``forced_recompute``: the program recomputes the
+    operator whatever the plan (inside a user's ``jax.checkpoint``:
+    :attr:`shardplan.ir.Graph.recomputed`): only recomputing choices.
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time
     from shardplan.cost.operator import operator_cost
@@ -243,7 +249,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         else:  # gathers prefetched during the operator's own forward / backward when overlapping
             fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
             sync, mem = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group
-        for r in ([False, True] if recompute else [False]):
+        for r in ([True] if forced_recompute else [False, True] if recompute else [False]):
             rows.append((s, r, sync, mem, np.zeros(k) if r else act, fwd if r else np.zeros(k)))
     j = len(rows)
     base = np.tile(np.arange(k), j)

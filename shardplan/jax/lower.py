@@ -255,6 +255,7 @@ class _GraphPass:
         self.identity_vars: dict[str, list[int]] = {}  # every variable that held it with its own shape
         self.view_src: dict[int, Atom] = {}  # a view's variable -> the variable it views
         self.op_eqn: dict[str, int] = {}  # operator -> the equation that made it (scan ties)
+        self.tails: dict[str, list[tuple[str, int]]] = {}  # operator -> fused elementwise (primitive, live slot)
         self.leaf_uses: dict[int, list[tuple[str, tuple[str | None, ...]]]] = {}
         self.reads: dict[str, list[tuple[int, int, tuple[str | None, ...]]]] = {}
         self.weight_keys: dict[str, list[tuple[Any, Any]]] = {}  # operator -> (leaf, part) of each of its weights
@@ -493,6 +494,136 @@ class _GraphPass:
             handler(self, eqn, vals)
 
 
+# What JAX's linearisation keeps of a primitive (its residuals): nothing (linear, or no gradient at all), its
+# operands (bilinear ones when another operand needs a gradient; log reads its input), its result (exp), or, for
+# the other elementwise primitives, one value of its own size (the derivative: 1 - tanh^2, a relu mask, n x^(n-1)).
+_READS_NOTHING = frozenset({
+    "add", "sub", "neg", "add_any", "concatenate", "reshape", "copy", "copy_p", "transpose", "pad", "slice",
+    "dynamic_slice", "dynamic_update_slice", "gather", "scatter-add", "scatter_add", "reduce_sum", "cumsum",
+    "select_n", "broadcast_in_dim", "squeeze", "expand_dims", "convert_element_type", "reduce_precision", "rev",
+    "reduce_window_sum", "conj", "real", "imag", "stop_gradient",
+    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "sign", "floor", "ceil", "round", "is_finite",
+    "argmax", "argmin", "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count", "clz",
+    "nextafter", "bitcast_convert_type"})
+_READS_RESULT = frozenset({"exp", "exp2"})
+_READS_INPUT = frozenset({"log", "log1p"})
+_BILINEAR = frozenset({"dot_general", "conv_general_dilated", "mul"})
+_TAIL_LINEAR = frozenset({"mul", "div"})  # by a constant: linear in the live operand (div: when it is the numerator)
+
+
+def backward_saved(program: Program, operators: Mapping[str, Operator], op_eqn: Mapping[str, int],
+                   tails: Mapping[str, Sequence[tuple[str, int]]],
+                   recomputed: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Per operator, the output tiles JAX's backward pass keeps (:attr:`shardplan.ir.Operator.saved`).
+
+    An operator's values are its main primitive's result ``r0`` and, after each
+    fused elementwise primitive ``i`` (in ``tails``), ``r_i``; the last is its
+    output; every one has the output's size. Kept, one output tile each:
+
+    * its output when a consumer's main primitive reads it: bilinear
+      primitives (``dot_general``, ``conv``, ``mul``) read an operand when
+      another of their tensors needs a gradient; linear and
+      non-differentiable ones (additions, reshapes, gathers, sums,
+      comparisons) never; the others always;
+    * per nonlinear elementwise primitive of the operator (main or fused),
+      one value: its result (``exp``), its input (``log``), or else the
+      derivative JAX computes in the forward pass (``1 - tanh^2``, a relu's
+      mask, ``n x^(n-1)``); a product or quotient by a constant is linear;
+    * a main primitive that is neither (a max reduction, a pool) reads its
+      operands: the producers' outputs.
+
+    An operator the program recomputes (``recomputed``: inside a user's
+    ``jax.checkpoint``) reads its operands whatever its primitive: the
+    outputs it reads from operators outside are the checkpoint's residuals.
+    Values that coincide are kept once, and nothing is kept where no
+    gradient flows (every input constant, or every path from the output to
+    the loss stopping the gradient, as a softmax's ``stop_gradient(max)``). A
+    materialised view (``copy`` operator) keeps nothing.
+    """
+    def main(name: str) -> str:
+        op = operators[name]
+        k = op_eqn.get(name)
+        if op.kind == "copy" or k is None or not 0 <= k < len(program.eqns):
+            return "copy" if op.kind == "copy" else op.kind
+        return program.eqns[k].name
+
+    def grad(op: Operator) -> bool:
+        return any(t.needs_grad for t in op.inputs + op.weights)
+
+    def own(prim: str, i: int) -> Any:
+        """The value elementwise primitive ``i`` (0: the main one) keeps: r_i, r_(i-1) or its derivative."""
+        return i if prim in _READS_RESULT else i - 1 if prim in _READS_INPUT else ("derivative", i)
+
+    readers: dict[str, list[tuple[str, bool]]] = {n: [] for n in operators}  # (consumer, carries a gradient)
+    for op in operators.values():
+        for t in op.inputs:
+            if t.src in readers:
+                readers[t.src].append((op.name, t.needs_grad))
+    needed: dict[str, bool] = {}  # a gradient flows back into the operator's output (operators in graph order)
+    for name in reversed(list(operators)):
+        rs = readers[name]
+        needed[name] = not rs or any(g and needed.get(c, True) for c, g in rs)
+    kept: dict[str, set[Any]] = {n: set() for n in operators}
+    for name, op in operators.items():
+        # no gradient flows back through it: all its inputs are constant, or every path to the loss stops it
+        if not grad(op) or not needed[name]:
+            continue
+        prim = main(name)
+        if name in recomputed:
+            for t in op.inputs:
+                if t.src in operators and t.src not in recomputed:
+                    kept[t.src].add(len(tails.get(t.src, ())))
+            continue
+        for i, (t, slot) in enumerate(tails.get(name, ()), start=1):
+            if t in _READS_NOTHING or (t in _TAIL_LINEAR and (t == "mul" or slot == 0)):
+                continue
+            kept[name].add(own(t, i))
+        if prim in _READS_NOTHING:
+            continue
+        elementwise = prim in ELEMENTWISE_FLOPS and prim not in _BILINEAR
+        if elementwise and len(op.inputs) + len(op.weights) == 1 and prim not in _READS_INPUT:
+            kept[name].add(own(prim, 0))
+            continue
+        tensors = op.inputs + op.weights
+        for j, t in enumerate(op.inputs):
+            if t.src not in operators:
+                continue
+            if prim in _BILINEAR and not any(u.needs_grad for k, u in enumerate(tensors) if k != j):
+                continue
+            kept[t.src].add(len(tails.get(t.src, ())))
+    return {n: float(len(v)) for n, v in kept.items()}
+
+
+def user_recomputed(program: Program, op_eqn: Mapping[str, int], names: Any,
+                    identity_vars: Mapping[str, Sequence[int]]) -> frozenset[str]:
+    """Operators made inside a user's ``jax.checkpoint`` / ``nn.remat`` call that saves nothing of its body.
+
+    Such a call (``remat2`` whose ``policy`` is None) keeps only its operands
+    for the backward pass and re-runs its body there; a call with a saving
+    policy keeps what the policy names, which the graph does not know, so its
+    operators are left to the plan. An operator (of ``names``) is recomputed
+    when any call enclosing its equation has no policy, unless its output
+    (one of its ``identity_vars``) is a result of a call: the call's results
+    are kept (the next block saves them as its operands).
+    """
+    calls: dict[int, tuple[bool, int | None]] = {}  # call id -> (saves nothing, enclosing call id)
+    results: set[int] = set()
+    for e in program.eqns:
+        if e.call_id is not None:
+            calls[e.call_id] = (e.params.get("policy") is None, e.parent)
+            results.update(a for a in e.passthrough if isinstance(a, int))
+
+    def inside(parent: int | None) -> bool:
+        while parent is not None and parent in calls:
+            bare, parent = calls[parent]
+            if bare:
+                return True
+        return False
+
+    return frozenset(n for n, k in op_eqn.items() if n in names and 0 <= k < len(program.eqns)
+                     and inside(program.eqns[k].parent) and not results.intersection(identity_vars.get(n, ())))
+
+
 def _count_uses(program: Program) -> tuple[dict[int, int], dict[int, int]]:
     """(alias, uses): a kept call's result -> its body's result; consumers of every graph-view variable."""
     alias: dict[int, int] = {}
@@ -530,9 +661,11 @@ def _elementwise(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     live = [(a, v) for a, v in zip(eqn.invars, vals) if v.kind != "const"]
     if len(live) == 1:
         a, v = live[0]
+        slot = next(k for k, w in enumerate(vals) if w.kind != "const")
         a = g.resolve(a)
         if v.kind == "op" and _unit_view(v) and v.shape == out_shape and g.sole_chain(a, g.op_var.get(v.key)):
             op = g.ops[v.key]
+            g.tails.setdefault(op.name, []).append((eqn.name, slot))
             fused = dataclasses.replace(op, flops_per_point=op.flops_per_point + flops * math.prod(out_shape) / op.points)
             g.ops[op.name] = fused
             g.op_var[op.name] = eqn.outvars[0]
@@ -1010,8 +1143,11 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
         raise ShardplanError("jax frontend: the function does no work on its arguments (no operators)")
     used_inputs = {t.src for op in gp.ops.values() for t in op.inputs}
     graph_inputs = {k: v for k, v in gp.inputs.items() if k in used_inputs}
+    recomputed = user_recomputed(program, gp.op_eqn, gp.ops, gp.identity_vars)
+    saved = backward_saved(program, gp.ops, gp.op_eqn, gp.tails, recomputed)
+    gp.ops = {n: dataclasses.replace(op, saved=saved[n]) for n, op in gp.ops.items()}
     graph = Graph(name or getattr(fn, "__name__", "jax"), tuple(gp.ops.values()), graph_inputs,
-                  ties=scan_ties(program, gp.ops, gp.op_eqn))
+                  ties=scan_ties(program, gp.ops, gp.op_eqn), recomputed=recomputed)
     op_vars = _op_run_vars(gp.identity_vars, gp.alias, _run_vars(program))
     info = TraceInfo(program, in_tree, out_tree, tuple(names), tuple(shapes), frozenset(param_leaves), op_vars,
                      {k: tuple(v) for k, v in gp.leaf_uses.items()},

@@ -33,6 +33,9 @@ layout, a ZeRO stage, a recomputation flag, and one micro-batch count k.
   also puts the loss under ``jax.checkpoint`` (with nothing recomputing, only
   the gathered copies are not saved): its gather is done again before the
   backward pass, as the model charges.
+  Operators inside the user's own ``jax.checkpoint`` / ``nn.remat``
+  (:attr:`shardplan.ir.Graph.recomputed`) recompute under that call, which
+  the step keeps: the plan marks them recomputing and the step adds nothing.
 * **Micro-batches.** The loss is traced again at the micro-batch shape and
   planned with the same operator layouts (the two traces must give the same
   operators; :class:`~shardplan.errors.ShardplanError` otherwise). The step
@@ -227,7 +230,8 @@ def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: 
         consume[(k, slot)] = constrain_forward(s, shards[leaf] if whole else None)
     mc = plan.memory_choices
     index = plan.graph.index
-    recs = set() if mc is None else {n for n, i in index.items() if mc.recompute(i)}
+    # the operators the program recomputes itself (a user's jax.checkpoint) re-run under its own call
+    recs = set() if mc is None else {n for n, i in index.items() if mc.recompute(i)} - plan.graph.recomputed
     remat = bool(recs) or 3 in stages
     if remat:
         name = _saved_name()
