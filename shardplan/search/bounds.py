@@ -231,15 +231,20 @@ def _forest_pass(st: BoundState, exact_weights: bool = False) -> tuple[list[np.n
     return forest_bounds(h, st.pairs, forest)
 
 
+def uf_find(parent: list[int], x: int) -> int:
+    """The root of ``x`` in the union-find forest ``parent`` (path halving, in place)."""
+    while parent[x] != x:
+        parent[x] = parent[parent[x]]
+        x = parent[x]
+    return x
+
+
 def _forest(n: int, weights: dict[tuple[int, int], float]) -> list[tuple[int, int]]:
     """A maximum-weight spanning forest (Kruskal), ties by edge key."""
     parent = list(range(n))
 
     def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+        return uf_find(parent, x)
 
     out = []
     for key in sorted(weights, key=lambda k: (-weights[k], k)):

@@ -100,6 +100,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from shardplan.errors import ShardplanError
+from shardplan.search.bounds import uf_find
 from shardplan.search.problem import Problem, Solution
 
 __all__ = ["MemoryProblem", "solve_memory", "solve_memory_bruteforce", "infeasible_message"]
@@ -564,10 +565,7 @@ def _separable(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, max_op
     parent = list(range(n))
 
     def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+        return uf_find(parent, x)
 
     const_c = 0.0
     for e, (s, d) in enumerate(p.edges):
