@@ -24,15 +24,19 @@ Per device, for a plan with ``m`` micro-batches::
   mask), divided by ``m`` (one micro-batch's worth is live at a time:
   gradients are accumulated) and times the micro-batches in flight
   (``FitOptions.in_flight``, 1 for one SPMD program; a pipeline stage holds
-  several); 0 when v recomputes, by the plan's choice or because the program
+  several). When v recomputes, by the plan's choice or because the program
   itself recomputes it (inside a user's ``jax.checkpoint`` / ``nn.remat``:
-  ``Graph.recomputed``, whose operators are offered only recomputing choices).
-  A segment the plan recomputes needs its inputs saved; their producers'
-  ``saved`` counts them only when a backward rule reads them too (an
-  addition feeding a recomputed norm counts 0), an under-count of at most
-  one input tile per recomputed segment that the model does not charge (it
-  would tie a producer's memory to its consumers' choices). Segments of a
-  user's checkpoint are exact: the lowering counts their inputs.
+  ``Graph.recomputed``, whose operators are offered only recomputing choices),
+  v saves no output but keeps the inputs it recomputes from that no producer
+  keeps: sum_i max(0, 1 - saved_producer(i)) * |input_i tile| (an addition
+  feeding a recomputed norm saves 0, so the norm keeps the sum;
+  :func:`shardplan.cost.memory.recompute_keep_bytes`). Graph inputs (held as
+  arguments) and producers the program itself recomputes (their block's
+  inputs are counted by the lowering) count nothing. When the producer
+  recomputes too, the backward rebuilds that input from further back, so
+  this charges at most one input tile per recomputed operator too many:
+  the sum stays an upper bound and stays additive (a producer's memory never
+  depends on its consumers' choices).
 * ``reserve``: what the model does not track per operator, a fixed number of
   bytes (default 0): the weights a ZeRO-3 operator gathers while it runs, the
   activations of a recomputed segment while its backward runs, activation
@@ -125,9 +129,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from shardplan.cost import CostTables, build_tables
-from shardplan.cost.memory import STAGES, ChoiceTable, choice_table, weight_groups
+from shardplan.cost.memory import STAGES, ChoiceTable, choice_table, recompute_keep_bytes, unsaved_inputs, weight_groups
 from shardplan.errors import ShardplanError
-from shardplan.ir import Graph
+from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
 from shardplan.search.constrained import MemoryProblem, infeasible_message, solve_memory
 from shardplan.search.problem import Solution
@@ -238,6 +242,18 @@ def _shared(store: dict, key: Any, make: Any) -> Any:
     return store[key]
 
 
+def producers_saved(g: Graph, op: Operator) -> tuple[float, ...]:
+    """Per input of ``op``: its producer's ``saved``, 1.0 for a graph input or a producer the program recomputes."""
+    out = []
+    for t in op.inputs:
+        j = g.index.get(t.src) if t.src is not None else None
+        if j is None or t.src in g.recomputed:
+            out.append(1.0)
+        else:
+            out.append(float(g.operators[j].saved))
+    return tuple(out)
+
+
 def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, options: FitOptions = FitOptions(),
                 cache: dict | None = None) -> tuple[MemoryProblem, tuple[ChoiceTable, ...]]:
     """The memory-constrained problem of ``tables`` with ``micro_batches``: choices as vertex alternatives.
@@ -257,12 +273,17 @@ def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, optio
         cache["shared"] = shared
     shared = cache["shared"]
     forced = g.recomputed
-    cts = [_shared(shared, ("c", micro_batches, _key(op), id(lay), op.name in forced),
+    if "keep" not in cache:  # per operator: the input shares a recomputing choice keeps, and their bytes
+        sh = [unsaved_inputs(op, producers_saved(g, op)) for op in g.operators]
+        cache["keep"] = [(s, _shared(shared, ("k", _key(op), id(lay), s),
+                                     lambda: recompute_keep_bytes(op, lay, tables.machine, s)) if any(s) else None)
+                         for op, lay, s in zip(g.operators, tables.arrays, sh)]
+    cts = [_shared(shared, ("c", micro_batches, _key(op), id(lay), op.name in forced, sk[0]),
                    lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages, options.recompute,
                                         opt, groups=wg, op_cost=oc if micro_batches == 1 else None,
                                         in_flight=options.in_flight, accumulate=options.accumulate,
-                                        forced_recompute=op.name in forced))
-           for op, lay, wg, oc in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs)]
+                                        forced_recompute=op.name in forced, recompute_keep=sk[1]))
+           for op, lay, wg, oc, sk in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs, cache["keep"])]
     least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
     if least <= budget:
         cts = [t.take(np.flatnonzero(t.bytes + (least - t.bytes.min()) <= budget)) for t in cts]
@@ -444,8 +465,11 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     opt = float(tables.options.get("optimizer_factor", 2.0))
     cts, choices = [], []
     for i, (op, lay, oc) in enumerate(zip(g.operators, tables.arrays, tables.op_costs)):
+        shares = unsaved_inputs(op, producers_saved(g, op))
+        keep = recompute_keep_bytes(op, lay, tables.machine, shares) if any(shares) else None
         ct = choice_table(op, lay, None, tables.machine, m, STAGES, True, opt, prune=False,
-                          op_cost=oc if m == 1 else None, forced_recompute=op.name in g.recomputed)
+                          op_cost=oc if m == 1 else None, forced_recompute=op.name in g.recomputed,
+                          recompute_keep=keep)
         mine = (ct.base == plan.assignment[i]) & (ct.recompute == (op.name in recs))
         j = np.flatnonzero(mine & (ct.stage == stages[op.name]))
         if not len(j):  # an operator without trainable weights has stage 0 only

@@ -7,6 +7,8 @@ For each operator and configuration, per device q (bytes):
                  its owner, in the owner's layout: ``Tensor.owner``)
     activations: saved * |output tile(q)|           (kept for the backward pass; ``Operator.saved``
                                                      output tiles: 1 unless the frontend knows better)
+    recomputing: sum_i share_i * |input_i tile(q)|   (instead of the activations: the inputs it recomputes
+                                                     from that no producer keeps, :func:`recompute_keep_bytes`)
 
 (m = 2 for Adam, 0 for plain SGD.) A strategy's memory on device q is the
 sum over operators of their chosen configuration's row, and the strategy
@@ -24,7 +26,8 @@ from shardplan.cost.tiles import as_layouts, tile_volumes
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
-__all__ = ["operator_memory", "strategy_memory", "ChoiceTable", "choice_table", "WeightGroups", "weight_groups", "latency_scaled", "STAGES"]
+__all__ = ["operator_memory", "strategy_memory", "ChoiceTable", "choice_table", "WeightGroups", "weight_groups", "latency_scaled", "STAGES",
+           "recompute_keep_bytes", "unsaved_inputs"]
 
 
 def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: float = 2.0,
@@ -167,6 +170,40 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
     return WeightGroups(state, act, group, tuple(rows))
 
 
+def unsaved_inputs(op: Operator, producers_saved: Sequence[float]) -> tuple[float, ...]:
+    """Per input of ``op``: the share of it a recomputing ``op`` must keep that no producer keeps.
+
+    ``producers_saved[i]``: :attr:`~shardplan.ir.Operator.saved` of the operator
+    producing input i, or 1.0 where none must be counted (a graph input, held as
+    an argument; a producer the program itself recomputes, whose own inputs are
+    the block's residuals). The share is ``max(0, 1 - saved)``.
+    """
+    return tuple(max(0.0, 1.0 - float(s)) for s in producers_saved)
+
+
+def recompute_keep_bytes(op: Operator, configs, machine: Machine, shares: Sequence[float]) -> np.ndarray:
+    """Bytes per device (largest device) of the inputs a recomputing ``op`` keeps for its second forward.
+
+    An operator that recomputes needs its inputs in the backward pass. Where the
+    producer saves its output (``saved`` >= 1) that tile is already counted; where
+    it saves less (an addition feeding a recomputed norm) the rest is charged to
+    the recomputing choice: sum_i shares[i] * |input_i tile(q)|. This counts the
+    input even when the producer recomputes too (then the backward rebuilds it
+    from further back): an over-count by at most one tile per input, so the
+    memory stays an upper bound and additive over operators.
+    """
+    from shardplan.cost.operator import tile_volume
+
+    p = machine.num_devices
+    lay = as_layouts(configs, p, None, machine.levels)
+    out = np.zeros(len(lay))
+    nbytes = float(machine.dtype_bytes)
+    for t, share in zip(op.inputs, shares):
+        if share > 0.0:
+            out += tile_volume(op, t, lay, p) * t.elem_factor * nbytes * share
+    return out
+
+
 def _bucketed(vol: np.ndarray, machine: Machine, collective) -> np.ndarray:
     """A weight's share of its bucket's collective, as :mod:`shardplan.cost.operator` charges it."""
     bucket = machine.grad_bucket_bytes
@@ -179,7 +216,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
                  stages: Sequence[int] = STAGES, recompute: bool = True,
                  optimizer_factor: float = 2.0, prune: bool = True, groups: WeightGroups | None = None,
                  op_cost=None, in_flight: int = 1, accumulate: int = 1,
-                 forced_recompute: bool = False) -> ChoiceTable:
+                 forced_recompute: bool = False, recompute_keep: np.ndarray | None = None) -> ChoiceTable:
     """Every (layout, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
 
     ``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows
@@ -200,6 +237,8 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     ``forced_recompute``: the program recomputes the
     operator whatever the plan (inside a user's ``jax.checkpoint``:
     :attr:`shardplan.ir.Graph.recomputed`): only recomputing choices.
+    ``recompute_keep``: per layout, the input bytes a recomputing choice keeps
+    (:func:`recompute_keep_bytes`), live like saved activations; None: nothing.
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time
     from shardplan.cost.operator import operator_cost
@@ -228,6 +267,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
 
     act_grad = np.maximum(oc.grad_allreduce - charged(wgrad_m), 0.0)
     act = wg.act / m * int(in_flight)
+    keep = np.zeros(k) if recompute_keep is None else np.asarray(recompute_keep, dtype=np.float64) / m * int(in_flight)
 
     has_grad = bool(op.grad_tensors)
     fwd = (oc.compute / (1 + len(op.grad_tensors)) + oc.forward_allreduce
@@ -250,7 +290,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
             fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
             sync, mem = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group
         for r in ([True] if forced_recompute else [False, True] if recompute else [False]):
-            rows.append((s, r, sync, mem, np.zeros(k) if r else act, fwd if r else np.zeros(k)))
+            rows.append((s, r, sync, mem, keep if r else act, fwd if r else np.zeros(k)))
     j = len(rows)
     base = np.tile(np.arange(k), j)
     table = ChoiceTable(
