@@ -9,10 +9,10 @@ norms and adds replicated over the 8 (the tables' ``node_replicas`` layouts), ``
 data-parallel width, i.e. micro-batches of 1 sequence per replica, 1F1B) costed by the same model,
 and the search's optimum over the space given (uniform sub-meshes of the listed sizes, the listed
 micro-batch counts, 1F1B, interleaved v=2 and ZB-H1; a stage whose time-optimal plan does not fit its
-in-flight micro-batches takes Megatron's layouts when they fit, ``fallback``, a heuristic; with
-``--memory-choices`` it takes its memory-constrained optimum instead, ZeRO/FSDP and recomputation, solved
-lazily and proven to the relative ``FIT_RTOL``: exact, but on GPT-3 175B / 1,024 h100 it ran past 300 s of
-CPU unfinished, so it is not the default; each row's ``search.memory`` says which), both with exact
+in-flight micro-batches takes its memory-constrained optimum, ZeRO/FSDP and recomputation, solved
+lazily and each proven to the relative ``FIT_RTOL`` (so the plan is within it of the optimum of the
+space; GPT-3 175B / 1,024 h100 in about 50 s); with ``--fallback`` it takes Megatron's layouts when they
+fit instead, a heuristic; each row's ``search.memory`` says which), both with exact
 stage-to-stage transfers, with
 step time, model TFLOP/s per GPU (forward + backward FLOPs, no recomputation), memory per stage,
 solve time (wall and CPU: the machine is shared) and peak RSS.
@@ -165,9 +165,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="small", help=f"comma-separated, from {', '.join(CASES)}")
     ap.add_argument("--out", default="benchmarks/results/pipeline.json")
-    ap.add_argument("--memory-choices", action="store_true",
-                    help="stages that do not fit take their exact ZeRO/FSDP/recompute optimum (slow), not Megatron's "
-                         "layouts")
+    ap.add_argument("--fallback", action="store_true",
+                    help="stages that do not fit take Megatron's layouts (a heuristic), not their ZeRO/FSDP/recompute "
+                         "optimum")
     args = ap.parse_args(argv)
     opts = {"cutoff": 1, "orders": "row-major"}
     out = Path(args.out)
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
         if name not in CASES:
             print(f"unknown case {name!r}; choose from {', '.join(CASES)}", file=sys.stderr)
             return 2
-        row = run_case(name, opts, fallback=not args.memory_choices)
+        row = run_case(name, opts, fallback=args.fallback)
         rows = [r for r in rows if r["case"] != name] + [row]
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"note": "seconds measured on a shared 2-core machine", "rows": rows},
