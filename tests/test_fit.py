@@ -7,12 +7,12 @@ import pytest
 
 from shardplan import ops
 from shardplan.cost import build_tables
-from shardplan.cost.memory import choice_table
+from shardplan.cost.memory import choice_table, recompute_keep_bytes, unsaved_inputs
 from shardplan.errors import ShardplanError
-from shardplan.fit import FitOptions, fit_problem, solve_fit
-from shardplan.ir import TensorRef
+from shardplan.fit import FitOptions, fit_problem, producers_saved, solve_fit
+from shardplan.ir import GraphBuilder, TensorRef
 from shardplan.machine import Machine
-from shardplan.search.constrained import solve_memory_bruteforce
+from shardplan.search.constrained import solve_memory, solve_memory_bruteforce
 
 B = 1e9  # bytes/s
 F = 1e12  # FLOP/s
@@ -260,9 +260,6 @@ def test_recomputing_operator_keeps_the_inputs_no_producer_keeps():
     """
     from dataclasses import replace
 
-    from shardplan.fit import producers_saved
-    from shardplan.ir import GraphBuilder
-
     b = GraphBuilder("g")
     x = b.input("x", (64, 16), needs_grad=True)
     x2 = b.input("x2", (64, 32), needs_grad=True)
@@ -274,8 +271,6 @@ def test_recomputing_operator_keeps_the_inputs_no_producer_keeps():
     assert producers_saved(g, g.operators[g.index["fc1"]]) == (1.0,)
     mach = Machine(4, peak_flops=F, bandwidth=B, latency=1e-6, memory_bytes=1e12)
     tables = build_tables(g, mach, orders="row-major")
-    from shardplan.cost.memory import recompute_keep_bytes, unsaved_inputs
-
     fc2 = g.operators[g.index["fc2"]]
     lay = tables.arrays[g.index["fc2"]]
     j = int(np.flatnonzero((lay.splits == [4, 1, 1]).all(axis=1))[0])  # dims b, n, c
@@ -293,6 +288,4 @@ def test_recomputing_operator_keeps_the_inputs_no_producer_keeps():
     # brute force agrees with the search on this problem with the keep charged, under a tight budget
     low = float(sum(t.bytes.min() for t in cts))
     mp2, _ = fit_problem(tables, low * 1.05, 1, FitOptions(micro_batches=(1,)))
-    from shardplan.search.constrained import solve_memory
-
     assert solve_memory(mp2).cost == pytest.approx(solve_memory_bruteforce(mp2).cost)

@@ -280,24 +280,31 @@ def _clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
-def worker(rank: int, world: int, port: int, names: list[str], out_path: str) -> None:
-    """Entry point of one spawned process: run every case, rank 0 writes the results as JSON."""
-    import torch.distributed as dist
+def _run_on_mesh(name: str, world: int) -> dict:
+    """One case of this module on a 1-D device mesh of every process."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    return run_case(name, init_device_mesh("cpu", (world,)), world)
+
+
+def worker(rank: int, world: int, port: int, names: list[str], out_path: str,
+           run_one: Callable[[str, int], dict] = _run_on_mesh) -> None:
+    """Entry point of one spawned gloo process: ``run_one(name, world)`` for every case (an exception
+    becomes that case's ``error``); rank 0 writes the results as JSON."""
+    import logging
+
+    import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    import logging
-
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict[str, Any] = {}
     try:
-        mesh = init_device_mesh("cpu", (world,))
         for name in names:
             try:
-                results[name] = run_case(name, mesh, world)
+                results[name] = run_one(name, world)
             except Exception:
                 results[name] = {"error": traceback.format_exc()}
     finally:
@@ -315,11 +322,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_distributed(names: list[str], world: int, out_path: str) -> dict[str, Any]:
-    """Spawn ``world`` gloo processes running ``names``; returns rank 0's results."""
+def run_distributed(names: list[str], world: int, out_path: str,
+                    run_one: Callable[[str, int], dict] = _run_on_mesh) -> dict[str, Any]:
+    """Spawn ``world`` gloo processes running ``run_one`` on every name (a module-level function, so
+    that the processes can import it); returns rank 0's results."""
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(world, free_port(), names, out_path), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, free_port(), names, out_path, run_one), nprocs=world, join=True)
     with open(out_path) as f:
         return json.load(f)
 

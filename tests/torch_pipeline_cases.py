@@ -7,9 +7,7 @@ single-process loss and gradients, then runs one step of the searched pipeline
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
 from typing import Any
 
 import torch
@@ -138,35 +136,11 @@ def _total(x: int) -> int:
     return int(t)
 
 
-def worker(rank: int, world: int, port: int, names: list[str], out_path: str) -> None:
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results: dict[str, Any] = {}
-    try:
-        for name in names:
-            try:
-                results[name] = run_case(name, world)
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-    finally:
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f)
-        dist.destroy_process_group()
-
-
 def run_distributed(names: list[str], world: int, out_path: str) -> dict[str, Any]:
-    import torch.multiprocessing as mp
+    """Spawn ``world`` gloo processes (one per stage) running ``names``; returns rank 0's results."""
+    import torch_cases
 
-    from torch_cases import free_port
-
-    mp.spawn(worker, args=(world, free_port(), names, out_path), nprocs=world, join=True)
-    with open(out_path) as f:
-        return json.load(f)
+    return torch_cases.run_distributed(names, world, out_path, run_one=run_case)
 
 
 if __name__ == "__main__":  # python tests/torch_pipeline_cases.py 4 1f1b gpipe interleaved

@@ -526,12 +526,12 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             if total >= best_t:
                 continue
             plan = _assemble(got[1], cost, m, space, link_fn, exchange, fitted=fitted)
-            todo = [(s.first, s.end, s.devices, s.in_flight) for s in plan.stages if s.cost.detail is _PENDING]
-            if todo:
+            pending = [(s.first, s.end, s.devices, s.in_flight) for s in plan.stages if s.cost.detail is _PENDING]
+            if pending:
                 # solve the stand-ins this relaxed optimum uses; the bound's value only grows, so `total` stays a
                 # lower bound of it: back into the queue
                 stats["lazy_rounds"] = stats.get("lazy_rounds", 0) + 1
-                for key in todo:
+                for key in pending:
                     if key in fitted:
                         resolve(key)
                 if not lazy[0]:

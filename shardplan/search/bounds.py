@@ -243,12 +243,9 @@ def _forest(n: int, weights: dict[tuple[int, int], float]) -> list[tuple[int, in
     """A maximum-weight spanning forest (Kruskal), ties by edge key."""
     parent = list(range(n))
 
-    def find(x: int) -> int:
-        return uf_find(parent, x)
-
     out = []
     for key in sorted(weights, key=lambda k: (-weights[k], k)):
-        a, b = find(key[0]), find(key[1])
+        a, b = uf_find(parent, key[0]), uf_find(parent, key[1])
         if a != b:
             parent[a] = b
             out.append(key)

@@ -564,9 +564,6 @@ def _separable(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, max_op
     incident: dict[int, list[int]] = {}
     parent = list(range(n))
 
-    def find(x: int) -> int:
-        return uf_find(parent, x)
-
     const_c = 0.0
     for e, (s, d) in enumerate(p.edges):
         if multi[s] or multi[d]:
@@ -574,7 +571,7 @@ def _separable(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, max_op
                 if multi[v]:
                     incident.setdefault(v, []).append(e)
             if multi[s] and multi[d]:
-                parent[find(s)] = find(d)
+                parent[uf_find(parent, s)] = uf_find(parent, d)
         else:
             const_c += float(p.edge_cost[e][config[s], config[d]])
     comps: dict[int, list[int]] = {}
@@ -583,7 +580,7 @@ def _separable(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, max_op
     chosen = np.zeros(n, dtype=np.int64)
     for v in range(n):
         if multi[v]:
-            comps.setdefault(find(v), []).append(v)
+            comps.setdefault(uf_find(parent, v), []).append(v)
             continue
         j = np.flatnonzero(allowed[v])
         if len(j) == 1:
