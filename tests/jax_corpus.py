@@ -217,31 +217,28 @@ def hf_llama() -> tuple[Callable[..., Any], Any, Any]:
 
 def hf_bart() -> tuple[Callable[..., Any], Any, Any]:
     """BART (encoder-decoder, embeddings shared by encoder, decoder and LM head), one layer each side."""
-    import jax
     import transformers
 
     cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
                                   encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
                                   decoder_ffn_dim=64, max_position_embeddings=SEQ)
-    model = transformers.FlaxBartForConditionalGeneration(cfg, seed=0)
-    ids, labels = _tokens()
-    dec = jax.random.randint(jax.random.PRNGKey(5), ids.shape, 0, VOCAB)
-
-    def loss(p, b):
-        return _xent(model(b[0], decoder_input_ids=b[1], params=p, train=False).logits, b[2])
-
-    return loss, model.params, (ids, dec, labels)
+    return _seq2seq(transformers.FlaxBartForConditionalGeneration(cfg, seed=0))
 
 
 def hf_t5() -> tuple[Callable[..., Any], Any, Any]:
     """T5 (encoder-decoder, relative-position buckets, embedding tied to the LM head), one layer each side."""
-    import jax
     import transformers
 
     cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
                                 num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=SEQ,
                                 decoder_start_token_id=0)
-    model = transformers.FlaxT5ForConditionalGeneration(cfg, seed=0)
+    return _seq2seq(transformers.FlaxT5ForConditionalGeneration(cfg, seed=0))
+
+
+def _seq2seq(model: Any) -> tuple[Callable[..., Any], Any, Any]:
+    """An encoder-decoder's loss on random token ids, random decoder ids and labels."""
+    import jax
+
     ids, labels = _tokens()
     dec = jax.random.randint(jax.random.PRNGKey(5), ids.shape, 0, VOCAB)
 
