@@ -145,7 +145,7 @@ def _op_signature(op: Operator, where: dict[str, tuple[int, int]], unit: int) ->
             src = ("input", t.src) if loc is None else (unit - loc[0], loc[1])
         return (t.name, t.shape, t.axes, t.role, t.needs_grad, t.elem_factor, t.owner, src)
 
-    return (op.kind, op.dims, op.flops_per_point, op.norm_dims, op.norm_stats, op.recurrence, op.fixed,
+    return (op.kind, op.dims, op.flops_per_point, op.norm_dims, op.norm_stats, op.recurrence, op.fixed, op.saved,
             tuple(tensor(t, True) for t in op.inputs), tuple(tensor(t, False) for t in op.weights),
             tensor(op.output, False))
 
@@ -195,7 +195,9 @@ class ModelStages:
         batch: the global batch; m must divide it.
         machine: the whole machine; a stage on q devices is solved on ``replace(machine, num_devices=q)``.
         solve_options: passed to :func:`shardplan.solve` (cutoff, orders, ...).
-        periodic: cost long runs of identical units by linear extension (module docstring).
+        periodic: cost long runs of identical units by a certified linear extension (module docstring).
+        periodic_certified, periodic_fallbacks: segments whose extension was proven optimal, and those whose
+            certificate failed (solved directly).
         strategy: instead of the intra-stage optimum, a fixed rule ``strategy(tables) -> configs`` (e.g. a
             baseline of :mod:`shardplan.baselines`), to cost a hand-made recipe under the same model.
         solves: intra-stage solves run (one per distinct segment, sub-mesh size and m).
@@ -218,11 +220,13 @@ class ModelStages:
     fit_time_limit: float = 60.0
     fit_rtol: float = 1e-9
     memory_choices: bool = False
+    periodic_certified: int = 0
     periodic_fallbacks: int = 0
     fit_unproven: int = 0
     fit_reused: int = 0
     _graphs: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
+    _lower: dict = field(default_factory=dict, repr=False)
     _tables: dict = field(default_factory=dict, repr=False)
     _cuts: dict = field(default_factory=dict, repr=False)
 
@@ -323,10 +327,30 @@ class ModelStages:
         bw, lat = self.machine.link(inter)
         return lat + nbytes / bw
 
+    def _table_cache(self, q: int) -> dict:
+        """The cost-table cache of sub-meshes of q devices: operators and edges recur across segments (and
+        micro-batch sizes differ in the operators' dims, hence in their keys); with memory choices, the fit's
+        unfiltered tables."""
+        return self._tables.setdefault((q, "fit") if self.memory_choices and self.strategy is None else q, {})
+
+    def _weight_syncs(self, tables, q: int) -> list:
+        """Per operator of ``tables`` (built on q devices), :func:`weight_sync` of each layout, cached by key."""
+        from shardplan.cost import operator_key
+
+        machine = replace(self.machine, num_devices=q)
+        syncs = self._table_cache(q).setdefault("weight_sync", {})
+        out = []
+        for op, arr in zip(tables.graph.operators, tables.arrays):
+            key = operator_key(op)
+            if key not in syncs:
+                syncs[key] = weight_sync(op, arr, None, machine)
+            out.append(syncs[key])
+        return out
+
     def _cost_of_graph(self, graph: Graph, q: int, m: int, first: int = 0, last: int = 0) -> StageCost:
         import numpy as np
 
-        from shardplan.cost import build_tables, operator_key
+        from shardplan.cost import build_tables
         from shardplan.plan import Plan, plan_from_configs
         from shardplan.search import SOLVERS
 
@@ -335,22 +359,13 @@ class ModelStages:
         opts = dict(self.solve_options)
         table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas") if k in opts}
         solver = opts.pop("solver", "dp")
-        # one cache per sub-mesh size: operators and edges recur across segments (and micro-batch sizes differ
-        # in the operators' dims, hence in their keys); with memory choices, the fit's unfiltered tables
+        cache = self._table_cache(q)
         if self.memory_choices and self.strategy is None:
-            cache = self._tables.setdefault((q, "fit"), {})
             tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
                              machine=machine)
         else:
-            cache = self._tables.setdefault(q, {})
             tables = build_tables(graph, machine, cache=cache, **table_opts)
-        syncs = cache.setdefault("weight_sync", {})
-        sync = []
-        for op, arr in zip(graph.operators, tables.arrays):
-            key = operator_key(op)
-            if key not in syncs:
-                syncs[key] = weight_sync(op, arr, None, machine)
-            sync.append(syncs[key])
+        sync = self._weight_syncs(tables, q)
         if self.strategy is None:
             # weight gradients are accumulated over the m micro-batches and synchronised once per step:
             # the intra-stage problem charges 1/m of their all-reduce per micro-batch
@@ -373,43 +388,167 @@ class ModelStages:
         """Intra-stage optimum of units [a, b) on q devices with m micro-batches (None if m does not divide)."""
         if self.batch % m:
             return None
-        _, _, sigs = self.graph(m)
-        # the neighbouring units decide the transfers (boundary_bytes): part of what must match to share
-        ties = self._tie_key(a, b, m)
-        key = (sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None, q, m, ties)
+        key = self._stage_key(a, b, q, m)
+        ties = key[-1]
+        sigs = self.graph(m)[2]
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         run = _longest_run(sigs, a, b)
-        cost = None
-        # tied blocks take one layout: their cost is a minimum of functions affine in the run's length, which
-        # the progression check at 2, 3, 4 does not pin down beyond 4, so tied runs are solved directly
-        if self.periodic and run is not None and run[1] - run[0] > 4 and not ties:
-            s, e = run
-            c2, c3, c4 = (self.stage_cost_of_run(a, b, s, e, keep, q, m) for keep in (2, 3, 4))
-            if _linear(c2, c3, c4):
-                k = e - s
-                grad = c4.grad_bytes
-                if e == b and b < len(sigs) and c4.detail is not None:
-                    # the cut segment ends on a copy of the run's last unit: its consumers are the real last's
-                    _, units, _ = self.graph(m)
-                    g = self.graph(m)[0]
-                    shift = {g.operators[i].name: g.operators[j].name
-                             for i, j in zip(units[s + 3], units[b - 1])}
-                    grad = self.boundary_bytes(c4.detail, m, a, b - 1, shift)[1]
-                cost = StageCost(*(x3 + (k - 3) * (x4 - x3) for x3, x4 in (
-                    (c3.forward, c4.forward), (c3.backward, c4.backward), (c3.weight_bytes, c4.weight_bytes),
-                    (c3.activation_bytes, c4.activation_bytes))), detail=c4.detail, recv_bytes=c4.recv_bytes,
-                    grad_bytes=grad, weight_grad=c3.weight_grad + (k - 3) * (c4.weight_grad - c3.weight_grad))
-            else:
+        cost = lower = None
+        # a recipe is not an optimum (no certificate), and tied blocks take one layout (their cost is a minimum of
+        # functions affine in the run's length): both are solved directly
+        if self.periodic and self.strategy is None and run is not None and run[1] - run[0] > 4 and not ties:
+            got = self._certified(a, b, run[0], run[1], q, m)
+            if got is None:
                 self.periodic_fallbacks += 1
+            else:
+                cost, lower = got
+                self.periodic_certified += 1
         if cost is None:
             try:
                 cost = self.solve_stage(a, b, q, m)
             except OperatorMemoryError:
                 cost = None  # some operator cannot fit on this sub-mesh at all
+            lower = _proven_lower(cost)
+        self._lower[key] = lower
         self._cache[key] = cost
         return cost
+
+    def _stage_key(self, a: int, b: int, q: int, m: int) -> tuple:
+        """What decides a segment's stage cost: its units' signatures and their neighbours' (the neighbouring
+        units decide the transfers, :meth:`boundary_bytes`), q, m and the ties inside it."""
+        _, _, sigs = self.graph(m)
+        return (sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None, q, m,
+                self._tie_key(a, b, m))
+
+    def lower_bound(self, a: int, b: int, q: int, m: int) -> float | None:
+        """A proven lower bound of the objective the intra-stage search minimises for units [a, b) (seconds per
+        micro-batch, the weight-gradient sync amortised over m): the solver's own bound for a direct solve
+        (its optimum for the exact solvers), the certificate's for a periodic extension (module docstring);
+        None for a recipe, a solver that proves nothing, or a segment that cannot be costed."""
+        if self.stage_cost(a, b, q, m) is None:
+            return None
+        return self._lower.get(self._stage_key(a, b, q, m))
+
+    def _links(self, m: int) -> tuple[tuple[frozenset, ...], tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """Per unit, the unit offsets of the edges into it and the farthest unit offset of the edges out of it
+        (0 if none), and every weight edge as (owner's unit, reader's unit), at micro-batch batch/m."""
+        key = ("links", m)
+        if key not in self._cuts:
+            g, units, _ = self.graph(m)
+            unit_of = [0] * len(g.operators)
+            for u, idx in enumerate(units):
+                for i in idx:
+                    unit_of[i] = u
+            back: list[set[int]] = [set() for _ in units]
+            reach = [0] * len(units)
+            for e in g.edges:
+                su, du = unit_of[e.src], unit_of[e.dst]
+                back[du].add(du - su)
+                reach[su] = max(reach[su], du - su)
+            weights = tuple((unit_of[e.src], unit_of[e.dst]) for e in g.weight_edges)
+            self._cuts[key] = (tuple(frozenset(x) for x in back), tuple(reach), weights)
+        return self._cuts[key]
+
+    def _chained(self, a: int, b: int, s: int, e: int, m: int) -> bool:
+        """Whether the run [s, e) of segment [a, b) is a chain the certificate covers (module docstring): every
+        run unit after the first reads only itself and the unit before it; every run unit but the last is read
+        only by itself and the unit after it; if units follow the run in the segment, the last run unit is read
+        by none after the segment; no weight edge touches the run or joins the units before it to those after."""
+        back, reach, weights = self._links(m)
+        if any(not back[u] <= {0, 1} for u in range(s + 1, e)) or any(reach[u] > 1 for u in range(s, e - 1)):
+            return False
+        if e < b and e - 1 + reach[e - 1] >= b:
+            return False
+        for su, du in weights:
+            if s <= su < e or s <= du < e:
+                return False
+            if (a <= su < s and e <= du < b) or (e <= su < b and a <= du < s):
+                return False
+        return True
+
+    def _cut_plan(self, a: int, b: int, s: int, e: int, q: int, m: int) -> StageCost | None:
+        """The intra-stage optimum of [a, b) with its run [s, e) cut to 4 units, with a plan over exactly those
+        units' operators, in their order (a shared solve may name the same operators of another position);
+        None if it cannot be costed. Where [a, s + 4) was itself costed by extension (a longer run before
+        this one), its plan covers fewer operators: the cut segment is then solved directly."""
+        g, units, _ = self.graph(m)
+        try:
+            cut = self.stage_cost_of_run(a, b, s, e, 4, q, m)
+        except ShardplanError:
+            return None
+        size = sum(len(units[u]) for u in [*range(a, s + 4), *range(e, b)])
+        if cut.detail is not None and len(cut.detail.graph.operators) == size:
+            return cut
+        if e < b:  # the rewired cut segment is always solved directly: this cannot happen
+            return None
+        key = ("cut", self._stage_key(a, s + 4, q, m))
+        if key not in self._cache:
+            try:
+                self._cache[key] = self.solve_stage(a, s + 4, q, m)
+            except OperatorMemoryError:
+                self._cache[key] = None
+        return self._cache[key]
+
+    def _certified(self, a: int, b: int, s: int, e: int, q: int, m: int) -> tuple[StageCost, float] | None:
+        """The stage cost of [a, b), whose run of identical units [s, e) has k = e - s > 4 units, by the certified
+        extension (module docstring), and the proven lower bound of its objective; None where the certificate
+        fails (the caller solves the segment directly)."""
+        if not self._chained(a, b, s, e, m):
+            return None
+        cut = self._cut_plan(a, b, s, e, q, m)
+        if cut is None or cut.detail is None or cut.detail.solution is None:
+            return None
+        plan = cut.detail
+        _, units, _ = self.graph(m)
+        n = len(units[s])
+        r1 = sum(len(units[u]) for u in range(a, s)) + n  # first operator of the second run unit in the cut plan
+        x = plan.assignment
+        if any(x[i] != x[i + n] for i in range(r1, r1 + n)):
+            return None  # the two interior run units differ: no repeating unit to insert
+        tables = plan.tables
+        checked = self._table_cache(q).setdefault("edges_nonnegative", set())
+        for _, _, mat in tables.all_edges():  # the lower bound drops edges: they must cost >= 0
+            if id(mat) not in checked:
+                if not float(mat.min()) >= 0.0:
+                    return None
+                checked.add(id(mat))
+        sync = self._weight_syncs(tables, q)
+        k = e - s
+        full = _terms(plan, range(len(x)), sync, m).plus(_terms(plan, range(r1 + n, r1 + 2 * n), sync, m), k - 4)
+        lower = self._pieces_bound(a, b, s, e, q, m, full.objective)
+        if lower is None:
+            return None
+        grad = cut.grad_bytes
+        if e == b:
+            # the cut plan ends on a copy of the run's last unit: the consumers that count are the real last's.
+            # Its operators, by position, stand for units a .. s + 2 and then the run's last unit b - 1 (a shared
+            # solve names those of another position with the same description)
+            g = self.graph(m)[0]
+            real = [g.operators[i].name for u in [*range(a, s + 3), b - 1] for i in units[u]]
+            rename = {op.name: name for op, name in zip(plan.graph.operators, real)}
+            grad = self.boundary_bytes(plan, m, a, b - 1, rename)[1]
+        return _stage_of(full, m, plan, cut.recv_bytes, grad), lower
+
+    def _pieces_bound(self, a: int, b: int, s: int, e: int, q: int, m: int, upper: float) -> float | None:
+        """A proven lower bound of the objective of [a, b) (run [s, e), k = e - s > 4 units) that meets
+        ``upper`` (to PERIODIC_RTOL), or None: the sum of the pieces' own lower bounds (:meth:`lower_bound`),
+        first for the short pieces [a, s + 2), runs of at most 4 units, [e - 2, b) (each solved once per
+        (q, m) and shared), then for the two halves [a, c), [c, b) with c = s + k // 2 (the transients at both
+        ends inside a piece, module docstring)."""
+        short = [(a, s + 2), *((u, min(u + 4, e - 2)) for u in range(s + 2, e - 2, 4)), (e - 2, b)]
+        c = s + (e - s) // 2
+        for pieces in (short, [(a, c), (c, b)]):
+            lower = 0.0
+            for lo, hi in pieces:
+                piece = self.lower_bound(lo, hi, q, m)
+                if piece is None:
+                    return None
+                lower += piece
+            if lower >= upper - PERIODIC_RTOL * abs(upper):
+                return lower
+        return None
 
     def fit_cost(self, a: int, b: int, q: int, m: int, k: int, budget: float) -> StageCost | None:
         """The memory-constrained intra-stage optimum of units [a, b) on q devices with ``k`` micro-batches in
@@ -487,7 +626,9 @@ class ModelStages:
     def _solve_pieces(self, unit_ids: list[int], q: int, m: int) -> StageCost | None:
         """Cost of the units ``unit_ids`` (ascending; one gap) as one stage, the units after the gap rewired."""
         _, _, sigs = self.graph(m)
-        key = (tuple(sigs[u] for u in unit_ids), q, m, "pieces")
+        first, last = unit_ids[0], unit_ids[-1]
+        key = (sigs[first - 1] if first > 0 else None, tuple(sigs[u] for u in unit_ids),
+               sigs[last + 1] if last + 1 < len(sigs) else None, q, m, "pieces")
         if key in self._cache:
             return self._cache[key]
         g, units, _ = self.graph(m)
@@ -573,16 +714,6 @@ def _ties_within(graph: Graph, names: set[str]) -> tuple[tuple[str, ...], ...]:
     return tuple(grp for grp in kept if len(grp) > 1)
 
 
-def _linear(c2: StageCost, c3: StageCost, c4: StageCost, rtol: float = 1e-9) -> bool:
-    """Whether 2, 3 and 4 copies of the run cost in arithmetic progression (time, weight and activation bytes)."""
-    for x2, x3, x4 in ((c2.forward, c3.forward, c4.forward), (c2.backward, c3.backward, c4.backward),
-                       (c2.weight_bytes, c3.weight_bytes, c4.weight_bytes),
-                       (c2.activation_bytes, c3.activation_bytes, c4.activation_bytes)):
-        if abs((x4 - x3) - (x3 - x2)) > rtol * max(abs(x4), 1e-300):
-            return False
-    return True
-
-
 def _longest_run(sigs: tuple[int, ...], a: int, b: int) -> tuple[int, int] | None:
     best: tuple[int, int] | None = None
     s = a
@@ -592,3 +723,83 @@ def _longest_run(sigs: tuple[int, ...], a: int, b: int) -> tuple[int, int] | Non
                 best = (s, i)
             s = i
     return best
+
+
+PERIODIC_RTOL = 1e-9
+"""Relative tolerance of the periodic certificate: the extension is accepted when its objective is at most
+the proven lower bound times (1 + PERIODIC_RTOL) (floating-point sums in another order)."""
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """The additive parts of a stage cost over some operators of a plan and the edges into them: the search's
+    objective, forward and backward seconds (before the sync's amortisation), the weight-gradient compute, the
+    step's weight-gradient sync, and weight / saved-activation bytes per device."""
+
+    objective: float
+    forward: float
+    backward: float
+    weight_grad: float
+    sync: float
+    weights: Any
+    activations: Any
+
+    def plus(self, other: "_Terms", times: int) -> "_Terms":
+        """These terms and ``times`` copies of ``other``."""
+        return _Terms(*(getattr(self, f) + times * getattr(other, f) for f in (
+            "objective", "forward", "backward", "weight_grad", "sync", "weights", "activations")))
+
+
+def _terms(plan, ops, sync, m: int) -> _Terms:
+    """:class:`_Terms` of ``plan`` over the operators ``ops`` (indices) and the edges into them (graph and
+    weight edges): per operator, the split of :func:`_forward_backward`, the objective's vertex cost
+    ``max(total - (1 - 1/m) sync, 0)`` and the bytes of :meth:`CostTables.memory_of`; per edge, its
+    redistribution, half forward and half backward. Summed over every operator, the plan's stage cost."""
+    tables, x = plan.tables, plan.assignment
+    graph = tables.graph
+    chosen = set(ops)
+    obj = fwd = bwd = wgrad = step = 0.0
+    weights = activations = 0.0
+    for i in ops:
+        op, k = graph.operators[i], x[i]
+        parts = tables.op_costs[i].parts(k)
+        share = 1.0 / (1 + len(op.grad_tensors))
+        fwd += parts["compute"] * share + parts["forward_allreduce"]
+        bwd += parts["compute"] * (1 - share) + parts["grad_allreduce"]
+        wgrad += parts["compute"] * share * sum(1 for w in op.weights if w.needs_grad)
+        for key in ("halo", "stats", "recurrence"):
+            fwd += parts[key] / 2
+            bwd += parts[key] / 2
+        w = float(sync[i][k])
+        step += w
+        obj += max(float(tables.op_costs[i].total[k]) - (1.0 - 1.0 / m) * w, 0.0)
+        wb, ab = tables.memory[i]
+        weights = weights + wb[k]
+        activations = activations + (ab[k] * 0.0 if op.name in graph.recomputed else ab[k])
+    red = float(sum(mat[x[src], x[dst]] for src, dst, mat in tables.all_edges() if dst in chosen))
+    return _Terms(obj + red, fwd + red / 2, bwd + red / 2, wgrad, step, weights, activations)
+
+
+def _stage_of(terms: _Terms, m: int, plan, recv: float | None, grad: float | None) -> StageCost:
+    """The stage cost of whole-stage terms, as :meth:`ModelStages._cost_of_graph` makes it from a plan: the
+    backward less (1 - 1/m) of the sync, the bytes at the peak device, ZB-H1's W pass."""
+    import numpy as np
+
+    bwd = terms.backward - (1.0 - 1.0 / m) * terms.sync
+    total = np.asarray(terms.weights + terms.activations)
+    dev = int(np.argmax(total))
+    return StageCost(terms.forward, bwd, float(np.asarray(terms.weights)[dev]),
+                     float(np.asarray(terms.activations)[dev]), plan, recv, grad,
+                     min(bwd, terms.weight_grad + terms.sync / m))
+
+
+def _proven_lower(cost: StageCost | None) -> float | None:
+    """The lower bound a direct solve proves of its objective: the solver's bound, or its cost when it proved
+    it optimal (brute force); None for a recipe or a solver that proves nothing."""
+    plan = None if cost is None else cost.detail
+    sol = getattr(plan, "solution", None)
+    if sol is None:
+        return None
+    if sol.bound is not None:
+        return float(sol.bound)
+    return float(sol.cost) if sol.optimal else None
