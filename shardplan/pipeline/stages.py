@@ -39,49 +39,68 @@ stage's reduction once (a second max term).
 producers named by relative position, not name); a segment of units is
 described by its units' signatures, so identical blocks on identical
 sub-meshes at the same m share one solve. With ``periodic=True``, a
-segment holding a run of more than 4 identical units is costed as the
-linear extension of the same segment with the run cut to 3 and 4 units,
-*checked*: the run cut to 2, 3 and 4 units must cost in arithmetic
-progression (times and bytes), else the segment is solved directly
-(counted in ``periodic_fallbacks``). Runs of tied units (a scan's
-iterations) are always solved directly (below).
+segment [a, b) whose longest run of identical units [s, e) has k = e - s > 4
+units is costed by a *certified* linear extension (below): the cost of a
+real plan of the whole segment, taken only when a proven lower bound of the
+optimum meets it (``periodic_certified``); otherwise the segment is solved
+directly (``periodic_fallbacks``). A recipe (``strategy``: no optimum to
+certify) and runs of tied units (a scan's iterations) are always solved
+directly.
 
-*The argument, and how far it goes.* Let the run's units exchange
-tensors only with their neighbours (in the zoo's GPT, unit j + 1 reads unit
-j's residual output and nothing else of the run), and let x_j be the
-layouts of what unit j passes on. The time-optimal plan of the segment with
-k run units is then a min-plus product ``cost(k) = u (x) M^k (x) v``: u the
-prefix's least cost ending in each x_0, v the suffix's from each x_k, and
-M[x, y] one unit's least cost (its operators' vertex costs and the edges
-into it) when it receives x and passes on y; the DP solves exactly this.
-Min-plus matrix powers are ultimately periodic: there are a transient T,
-a cyclicity c and a rate lambda with ``M^(k+c) = c lambda + M^k`` for
-every k >= T (the cyclicity theorem of max-plus algebra: Baccelli, Cohen,
-Olsder and Quadrat, *Synchronization and Linearity*, 1992, §3.7; Butkovic,
-*Max-linear Systems*, 2010, ch. 8), so ``cost(k + c) = cost(k) + c lambda``
-for k >= T. Given the check (cost(2), cost(3), cost(4) in progression with
-step d = cost(4) - cost(3)):
+*The certificate.* On a segment's sub-graph G the search minimises
+``F(x) = sum_v t_v(x_v) + sum_(u,v) M_uv(x_u, x_v)``: t_v an operator's cost
+with its weight-gradient all-reduce charged 1/m, M_uv the redistribution of
+an edge or weight edge; a tensor from outside G is a graph input, which is no
+edge and costs nothing. Identical signatures give identical operator
+descriptions (:func:`~shardplan.cost.operator_key`), hence the same t_v and
+M_uv wherever the unit sits. The run must be a chain (:meth:`_chained`,
+checked on the model's edges): each run unit after the first reads only
+itself and the unit before it, each but the last is read only by itself and
+the next, nothing after the segment reads the last run unit when units
+follow it in the segment, and no weight edge touches the run or joins the
+units before it to those after it (so each piece below keeps its owners).
 
-* T <= 3, c = 1: cost(k) = cost(3) + (k - 3) lambda for k >= 3 and
-  lambda = cost(4) - cost(3) = d: the extension is exact;
-* T <= 2, c = 2: cost(4) = cost(2) + 2 lambda and, by the check,
-  cost(3) = cost(2) + lambda; then cost(k + 2) = cost(k) + 2 lambda
-  continues the progression from both parities: exact;
-* anything else (T >= 4, or c >= 3) may pass the check by coincidence and
-  is *not* covered; a transient of 3 with c = 1 and cost(3) - cost(2) != d
-  fails the check and is solved directly (safe).
+* Upper bound, a real plan. G4 is the segment with the run cut to r0..r3
+  (the units after the run rewired to read r3) and x4 its optimal plan. If
+  x4 lays out r1 and r2 alike (operator by operator, layout X), the whole
+  segment gets x4's layouts with r1 .. r(k-2) all X and r(k-1) as r3: each
+  of its edges then joins the same layouts through the same matrix as an
+  edge of G4 (into r1 as into r1, into r2 .. r(k-2) as into r2, from X to X,
+  into r(k-1) as into r3, the rest unchanged), so
+  ``F(x) = F4(x4) + (k - 4) (t of r2 + M of the edges into r2, under x4)``,
+  and so do the forward/backward split, the weight-gradient part and sync
+  and the per-device weight and activation bytes (summed from x4's own
+  per-operator and per-edge costs, :func:`_terms`; peak device taken after).
+  Its transfers are x4's: what the first units receive, and the gradient
+  from the real consumers of the run's last unit.
+* Lower bound, superadditivity. Cut the segment into consecutive pieces of
+  units: the restriction of an optimal plan x* to a piece is a feasible plan
+  of the piece solved alone (same operators and costs; edges from other
+  pieces become graph inputs), and the edges dropped between pieces cost
+  >= 0 (checked on the matrices), so ``OPT(G) >= sum OPT(piece)``, and a
+  proven lower bound of each piece will do (:meth:`lower_bound`: the
+  solver's bound of a direct solve, or the certificate's own). Pieces: [a,
+  s + 2), runs of at most 4 units, [e - 2, b) (small, shared by every
+  segment of the same kind); if these fall short, the halves [a, c), [c, b)
+  with c = s + k // 2, each bounded in turn (recursively, shared).
 
-So the extension is exact for the time of the segments it accepts as long
-as the run's transient is at most 2 blocks (3 with c = 1), which is not
-proven here for a given model: bounding T needs M itself, which the solver
-does not expose (the known bounds grow with the number of layouts). The
-bytes (weights, saved activations) are extended the same way; they are the
-argmin plan's, and follow the progression when the argmin repeats one
-layout per interior block. ``tests/test_pipeline_stages.py`` checks the
-extension against direct solves on the zoo's GPT, where the optimum repeats
-one layout per block from the first block on (T = 1, c = 1). With ties
-(all run units one layout) the cost is a minimum of functions affine in k,
-which three points do not pin down: no extension.
+If the lower bound is at least ``F(x) (1 - PERIODIC_RTOL)`` (1e-9: sums in
+another order), x is optimal and the segment takes its cost. Among equally
+good plans it may differ from the one a direct solve returns in bytes or
+in the forward/backward split. When it holds: the optimum repeats one
+layout per block with free edges between blocks, and the blocks that change
+layout near the run's ends (next to the embedding or the head) lie inside
+the end pieces. It fails where cutting leaves a piece better off than in
+the chain (a block that takes another layout where its input arrives for
+free, paid for by a redistribution the chain avoids); then, unless the
+halves hold the ends, the segment is solved directly. The zoo's GPT (d 64,
+16 layers, 2 devices, m = 1, the whole model) shows why a check is not
+enough: its cut to 4 blocks keeps the embedding's layout throughout (a
+switch does not pay over 4 blocks), the whole model switches its blocks to
+one cheaper per block and back for the head, so the cut extended (what the
+earlier check, an arithmetic progression of the cut at 2, 3, 4 blocks,
+accepted) is 0.7 % above the optimum; the certificate falls back there
+(tests/test_pipeline_stages.py).
 
 **Transfers.** Exact (:meth:`ModelStages.boundary_bytes`, used by
 :func:`~shardplan.pipeline.api.pipeline_solve`): the activation crossing a
