@@ -327,12 +327,14 @@ class ModelStages:
         graph, tables = plan.graph, plan.tables
         recv = grad = 0.0
         for i, op in enumerate(graph.operators):
-            lay = tables.arrays[i].take([plan.assignment[i]])
-            for t in op.inputs:
-                if t.src is not None and unit.get(t.src, first) < first:
-                    recv += float(tile_volumes(op, t, lay).max()) * t.elem_factor
+            early = [t for t in op.inputs if t.src is not None and unit.get(t.src, first) < first]
             real = op.name if rename is None else rename.get(op.name, op.name)
             later = [(d, slot) for d, slot in users.get(real, ()) if unit[g.operators[d].name] > last]
+            if not early and not later:
+                continue
+            lay = tables.arrays[i].take([plan.assignment[i]])
+            for t in early:
+                recv += float(tile_volumes(op, t, lay).max()) * t.elem_factor
             for d, slot in later:
                 t_in = g.operators[d].inputs[slot]
                 if t_in.needs_grad:
@@ -446,9 +448,10 @@ class ModelStages:
         micro-batch, the weight-gradient sync amortised over m): the solver's own bound for a direct solve
         (its optimum for the exact solvers), the certificate's for a periodic extension (module docstring);
         None for a recipe, a solver that proves nothing, or a segment that cannot be costed."""
-        if self.stage_cost(a, b, q, m) is None:
+        key = self._stage_key(a, b, q, m)
+        if key not in self._lower and self.stage_cost(a, b, q, m) is None:
             return None
-        return self._lower.get(self._stage_key(a, b, q, m))
+        return self._lower.get(key)
 
     def _links(self, m: int) -> tuple[tuple[frozenset, ...], tuple[int, ...], tuple[tuple[int, int], ...]]:
         """Per unit, the unit offsets of the edges into it and the farthest unit offset of the edges out of it
@@ -526,16 +529,10 @@ class ModelStages:
         x = plan.assignment
         if any(x[i] != x[i + n] for i in range(r1, r1 + n)):
             return None  # the two interior run units differ: no repeating unit to insert
-        tables = plan.tables
-        checked = self._table_cache(q).setdefault("edges_nonnegative", set())
-        for _, _, mat in tables.all_edges():  # the lower bound drops edges: they must cost >= 0
-            if id(mat) not in checked:
-                if not float(mat.min()) >= 0.0:
-                    return None
-                checked.add(id(mat))
-        sync = self._weight_syncs(tables, q)
-        k = e - s
-        full = _terms(plan, range(len(x)), sync, m).plus(_terms(plan, range(r1 + n, r1 + 2 * n), sync, m), k - 4)
+        terms = self._cut_terms(plan, r1 + n, n, q, m)
+        if terms is None:
+            return None
+        full = terms[0].plus(terms[1], e - s - 4)
         lower = self._pieces_bound(a, b, s, e, q, m, full.objective)
         if lower is None:
             return None
@@ -549,6 +546,25 @@ class ModelStages:
             rename = {op.name: name for op, name in zip(plan.graph.operators, real)}
             grad = self.boundary_bytes(plan, m, a, b - 1, rename)[1]
         return _stage_of(full, m, plan, cut.recv_bytes, grad), lower
+
+    def _cut_terms(self, plan, first: int, n: int, q: int, m: int) -> tuple[_Terms, _Terms] | None:
+        """The cut plan's :class:`_Terms` over all its operators and over the n from ``first`` (the unit to
+        repeat), cached per plan (segments of one kind share their cut's solve); None if some edge of the plan
+        could cost < 0 (the lower bound drops edges)."""
+        key = ("terms", id(plan), first, n)
+        if key not in self._cuts:
+            checked = self._table_cache(q).setdefault("edges_nonnegative", set())
+            ok = True
+            for _, _, mat in plan.tables.all_edges():
+                if id(mat) not in checked:
+                    if not float(mat.min()) >= 0.0:
+                        ok = False
+                        break
+                    checked.add(id(mat))
+            sync = self._weight_syncs(plan.tables, q)
+            self._cuts[key] = (plan, (_terms(plan, range(len(plan.assignment)), sync, m),
+                                      _terms(plan, range(first, first + n), sync, m)) if ok else None)
+        return self._cuts[key][1]
 
     def _pieces_bound(self, a: int, b: int, s: int, e: int, q: int, m: int, upper: float) -> float | None:
         """A proven lower bound of the objective of [a, b) (run [s, e), k = e - s > 4 units) that meets
