@@ -155,6 +155,26 @@ def test_runs_that_are_no_chain_are_solved_directly():
     assert st.periodic_fallbacks == 1 and st.periodic_certified == 0
 
 
+def test_weight_tied_across_the_run_is_solved_directly():
+    """The head's weight tied to L1's first FFN weight (same shape): a weight edge from before the run to after
+    it. A piece holding only the head would own its copy (other costs), so no certificate covers the segment
+    [L1, head]; without the head it is certified. Both equal the direct solves."""
+    def build(batch):
+        g = _gpt(7)(batch)
+        ops_ = tuple(dataclasses.replace(op, weights=(dataclasses.replace(op.weights[0], owner=("L1/ffn1", "w")),))
+                     if op.name == "fc" else op for op in g.operators)
+        return dataclasses.replace(g, operators=ops_)
+
+    st = ModelStages(build, 4, MACHINE, {"cutoff": 1}, periodic=True)
+    direct = ModelStages(build, 4, MACHINE, {"cutoff": 1})
+    assert len(st.subgraph(1, 9, 1).weight_edges) == 1 and not st._chained(1, 9, 2, 8, 1)
+    assert st.stage_cost(1, 9, 2, 1).time == pytest.approx(direct.stage_cost(1, 9, 2, 1).time, rel=1e-12)
+    assert st.periodic_fallbacks == 1
+    assert st._chained(1, 8, 2, 8, 1)
+    assert st.stage_cost(1, 8, 2, 1).time == pytest.approx(direct.stage_cost(1, 8, 2, 1).time, rel=1e-12)
+    assert st.periodic_certified >= 1
+
+
 def test_recipe_costs_no_less_than_the_optimum():
     opt = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1})
     rec = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1}, strategy=lambda t: megatron(t, 1))
