@@ -39,49 +39,68 @@ stage's reduction once (a second max term).
 producers named by relative position, not name); a segment of units is
 described by its units' signatures, so identical blocks on identical
 sub-meshes at the same m share one solve. With ``periodic=True``, a
-segment holding a run of more than 4 identical units is costed as the
-linear extension of the same segment with the run cut to 3 and 4 units,
-*checked*: the run cut to 2, 3 and 4 units must cost in arithmetic
-progression (times and bytes), else the segment is solved directly
-(counted in ``periodic_fallbacks``). Runs of tied units (a scan's
-iterations) are always solved directly (below).
+segment [a, b) whose longest run of identical units [s, e) has k = e - s > 4
+units is costed by a *certified* linear extension (below): the cost of a
+real plan of the whole segment, taken only when a proven lower bound of the
+optimum meets it (``periodic_certified``); otherwise the segment is solved
+directly (``periodic_fallbacks``). A recipe (``strategy``: no optimum to
+certify) and runs of tied units (a scan's iterations) are always solved
+directly.
 
-*The argument, and how far it goes.* Let the run's units exchange
-tensors only with their neighbours (in the zoo's GPT, unit j + 1 reads unit
-j's residual output and nothing else of the run), and let x_j be the
-layouts of what unit j passes on. The time-optimal plan of the segment with
-k run units is then a min-plus product ``cost(k) = u (x) M^k (x) v``: u the
-prefix's least cost ending in each x_0, v the suffix's from each x_k, and
-M[x, y] one unit's least cost (its operators' vertex costs and the edges
-into it) when it receives x and passes on y; the DP solves exactly this.
-Min-plus matrix powers are ultimately periodic: there are a transient T,
-a cyclicity c and a rate lambda with ``M^(k+c) = c lambda + M^k`` for
-every k >= T (the cyclicity theorem of max-plus algebra: Baccelli, Cohen,
-Olsder and Quadrat, *Synchronization and Linearity*, 1992, §3.7; Butkovic,
-*Max-linear Systems*, 2010, ch. 8), so ``cost(k + c) = cost(k) + c lambda``
-for k >= T. Given the check (cost(2), cost(3), cost(4) in progression with
-step d = cost(4) - cost(3)):
+*The certificate.* On a segment's sub-graph G the search minimises
+``F(x) = sum_v t_v(x_v) + sum_(u,v) M_uv(x_u, x_v)``: t_v an operator's cost
+with its weight-gradient all-reduce charged 1/m, M_uv the redistribution of
+an edge or weight edge; a tensor from outside G is a graph input, which is no
+edge and costs nothing. Identical signatures give identical operator
+descriptions (:func:`~shardplan.cost.operator_key`), hence the same t_v and
+M_uv wherever the unit sits. The run must be a chain (:meth:`_chained`,
+checked on the model's edges): each run unit after the first reads only
+itself and the unit before it, each but the last is read only by itself and
+the next, nothing after the segment reads the last run unit when units
+follow it in the segment, and no weight edge touches the run or joins the
+units before it to those after it (so each piece below keeps its owners).
 
-* T <= 3, c = 1: cost(k) = cost(3) + (k - 3) lambda for k >= 3 and
-  lambda = cost(4) - cost(3) = d: the extension is exact;
-* T <= 2, c = 2: cost(4) = cost(2) + 2 lambda and, by the check,
-  cost(3) = cost(2) + lambda; then cost(k + 2) = cost(k) + 2 lambda
-  continues the progression from both parities: exact;
-* anything else (T >= 4, or c >= 3) may pass the check by coincidence and
-  is *not* covered; a transient of 3 with c = 1 and cost(3) - cost(2) != d
-  fails the check and is solved directly (safe).
+* Upper bound, a real plan. G4 is the segment with the run cut to r0..r3
+  (the units after the run rewired to read r3) and x4 its optimal plan. If
+  x4 lays out r1 and r2 alike (operator by operator, layout X), the whole
+  segment gets x4's layouts with r1 .. r(k-2) all X and r(k-1) as r3: each
+  of its edges then joins the same layouts through the same matrix as an
+  edge of G4 (into r1 as into r1, into r2 .. r(k-2) as into r2, from X to X,
+  into r(k-1) as into r3, the rest unchanged), so
+  ``F(x) = F4(x4) + (k - 4) (t of r2 + M of the edges into r2, under x4)``,
+  and so do the forward/backward split, the weight-gradient part and sync
+  and the per-device weight and activation bytes (summed from x4's own
+  per-operator and per-edge costs, :func:`_terms`; peak device taken after).
+  Its transfers are x4's: what the first units receive, and the gradient
+  from the real consumers of the run's last unit.
+* Lower bound, superadditivity. Cut the segment into consecutive pieces of
+  units: the restriction of an optimal plan x* to a piece is a feasible plan
+  of the piece solved alone (same operators and costs; edges from other
+  pieces become graph inputs), and the edges dropped between pieces cost
+  >= 0 (checked on the matrices), so ``OPT(G) >= sum OPT(piece)``, and a
+  proven lower bound of each piece will do (:meth:`lower_bound`: the
+  solver's bound of a direct solve, or the certificate's own). Pieces: [a,
+  s + 2), runs of at most 4 units, [e - 2, b) (small, shared by every
+  segment of the same kind); if these fall short, the halves [a, c), [c, b)
+  with c = s + k // 2, each bounded in turn (recursively, shared).
 
-So the extension is exact for the time of the segments it accepts as long
-as the run's transient is at most 2 blocks (3 with c = 1), which is not
-proven here for a given model: bounding T needs M itself, which the solver
-does not expose (the known bounds grow with the number of layouts). The
-bytes (weights, saved activations) are extended the same way; they are the
-argmin plan's, and follow the progression when the argmin repeats one
-layout per interior block. ``tests/test_pipeline_stages.py`` checks the
-extension against direct solves on the zoo's GPT, where the optimum repeats
-one layout per block from the first block on (T = 1, c = 1). With ties
-(all run units one layout) the cost is a minimum of functions affine in k,
-which three points do not pin down: no extension.
+If the lower bound is at least ``F(x) (1 - PERIODIC_RTOL)`` (1e-9: sums in
+another order), x is optimal and the segment takes its cost. Among equally
+good plans it may differ from the one a direct solve returns in bytes or
+in the forward/backward split. When it holds: the optimum repeats one
+layout per block with free edges between blocks, and the blocks that change
+layout near the run's ends (next to the embedding or the head) lie inside
+the end pieces. It fails where cutting leaves a piece better off than in
+the chain (a block that takes another layout where its input arrives for
+free, paid for by a redistribution the chain avoids); then, unless the
+halves hold the ends, the segment is solved directly. The zoo's GPT (d 64,
+16 layers, 2 devices, m = 1, the whole model) shows why a check is not
+enough: its cut to 4 blocks keeps the embedding's layout throughout (a
+switch does not pay over 4 blocks), the whole model switches its blocks to
+one cheaper per block and back for the head, so the cut extended (what the
+earlier check, an arithmetic progression of the cut at 2, 3, 4 blocks,
+accepted) is 0.7 % above the optimum; the certificate falls back there
+(tests/test_pipeline_stages.py).
 
 **Transfers.** Exact (:meth:`ModelStages.boundary_bytes`, used by
 :func:`~shardplan.pipeline.api.pipeline_solve`): the activation crossing a
@@ -145,7 +164,7 @@ def _op_signature(op: Operator, where: dict[str, tuple[int, int]], unit: int) ->
             src = ("input", t.src) if loc is None else (unit - loc[0], loc[1])
         return (t.name, t.shape, t.axes, t.role, t.needs_grad, t.elem_factor, t.owner, src)
 
-    return (op.kind, op.dims, op.flops_per_point, op.norm_dims, op.norm_stats, op.recurrence, op.fixed,
+    return (op.kind, op.dims, op.flops_per_point, op.norm_dims, op.norm_stats, op.recurrence, op.fixed, op.saved,
             tuple(tensor(t, True) for t in op.inputs), tuple(tensor(t, False) for t in op.weights),
             tensor(op.output, False))
 
@@ -195,7 +214,9 @@ class ModelStages:
         batch: the global batch; m must divide it.
         machine: the whole machine; a stage on q devices is solved on ``replace(machine, num_devices=q)``.
         solve_options: passed to :func:`shardplan.solve` (cutoff, orders, ...).
-        periodic: cost long runs of identical units by linear extension (module docstring).
+        periodic: cost long runs of identical units by a certified linear extension (module docstring).
+        periodic_certified, periodic_fallbacks: segments whose extension was proven optimal, and those whose
+            certificate failed (solved directly).
         strategy: instead of the intra-stage optimum, a fixed rule ``strategy(tables) -> configs`` (e.g. a
             baseline of :mod:`shardplan.baselines`), to cost a hand-made recipe under the same model.
         solves: intra-stage solves run (one per distinct segment, sub-mesh size and m).
@@ -218,11 +239,13 @@ class ModelStages:
     fit_time_limit: float = 60.0
     fit_rtol: float = 1e-9
     memory_choices: bool = False
+    periodic_certified: int = 0
     periodic_fallbacks: int = 0
     fit_unproven: int = 0
     fit_reused: int = 0
     _graphs: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
+    _lower: dict = field(default_factory=dict, repr=False)
     _tables: dict = field(default_factory=dict, repr=False)
     _cuts: dict = field(default_factory=dict, repr=False)
 
@@ -304,12 +327,14 @@ class ModelStages:
         graph, tables = plan.graph, plan.tables
         recv = grad = 0.0
         for i, op in enumerate(graph.operators):
-            lay = tables.arrays[i].take([plan.assignment[i]])
-            for t in op.inputs:
-                if t.src is not None and unit.get(t.src, first) < first:
-                    recv += float(tile_volumes(op, t, lay).max()) * t.elem_factor
+            early = [t for t in op.inputs if t.src is not None and unit.get(t.src, first) < first]
             real = op.name if rename is None else rename.get(op.name, op.name)
             later = [(d, slot) for d, slot in users.get(real, ()) if unit[g.operators[d].name] > last]
+            if not early and not later:
+                continue
+            lay = tables.arrays[i].take([plan.assignment[i]])
+            for t in early:
+                recv += float(tile_volumes(op, t, lay).max()) * t.elem_factor
             for d, slot in later:
                 t_in = g.operators[d].inputs[slot]
                 if t_in.needs_grad:
@@ -323,10 +348,30 @@ class ModelStages:
         bw, lat = self.machine.link(inter)
         return lat + nbytes / bw
 
+    def _table_cache(self, q: int) -> dict:
+        """The cost-table cache of sub-meshes of q devices: operators and edges recur across segments (and
+        micro-batch sizes differ in the operators' dims, hence in their keys); with memory choices, the fit's
+        unfiltered tables."""
+        return self._tables.setdefault((q, "fit") if self.memory_choices and self.strategy is None else q, {})
+
+    def _weight_syncs(self, tables, q: int) -> list:
+        """Per operator of ``tables`` (built on q devices), :func:`weight_sync` of each layout, cached by key."""
+        from shardplan.cost import operator_key
+
+        machine = replace(self.machine, num_devices=q)
+        syncs = self._table_cache(q).setdefault("weight_sync", {})
+        out = []
+        for op, arr in zip(tables.graph.operators, tables.arrays):
+            key = operator_key(op)
+            if key not in syncs:
+                syncs[key] = weight_sync(op, arr, None, machine)
+            out.append(syncs[key])
+        return out
+
     def _cost_of_graph(self, graph: Graph, q: int, m: int, first: int = 0, last: int = 0) -> StageCost:
         import numpy as np
 
-        from shardplan.cost import build_tables, operator_key
+        from shardplan.cost import build_tables
         from shardplan.plan import Plan, plan_from_configs
         from shardplan.search import SOLVERS
 
@@ -335,22 +380,13 @@ class ModelStages:
         opts = dict(self.solve_options)
         table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas") if k in opts}
         solver = opts.pop("solver", "dp")
-        # one cache per sub-mesh size: operators and edges recur across segments (and micro-batch sizes differ
-        # in the operators' dims, hence in their keys); with memory choices, the fit's unfiltered tables
+        cache = self._table_cache(q)
         if self.memory_choices and self.strategy is None:
-            cache = self._tables.setdefault((q, "fit"), {})
             tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
                              machine=machine)
         else:
-            cache = self._tables.setdefault(q, {})
             tables = build_tables(graph, machine, cache=cache, **table_opts)
-        syncs = cache.setdefault("weight_sync", {})
-        sync = []
-        for op, arr in zip(graph.operators, tables.arrays):
-            key = operator_key(op)
-            if key not in syncs:
-                syncs[key] = weight_sync(op, arr, None, machine)
-            sync.append(syncs[key])
+        sync = self._weight_syncs(tables, q)
         if self.strategy is None:
             # weight gradients are accumulated over the m micro-batches and synchronised once per step:
             # the intra-stage problem charges 1/m of their all-reduce per micro-batch
@@ -373,43 +409,181 @@ class ModelStages:
         """Intra-stage optimum of units [a, b) on q devices with m micro-batches (None if m does not divide)."""
         if self.batch % m:
             return None
-        _, _, sigs = self.graph(m)
-        # the neighbouring units decide the transfers (boundary_bytes): part of what must match to share
-        ties = self._tie_key(a, b, m)
-        key = (sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None, q, m, ties)
+        key = self._stage_key(a, b, q, m)
+        ties = key[-1]
+        sigs = self.graph(m)[2]
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         run = _longest_run(sigs, a, b)
-        cost = None
-        # tied blocks take one layout: their cost is a minimum of functions affine in the run's length, which
-        # the progression check at 2, 3, 4 does not pin down beyond 4, so tied runs are solved directly
-        if self.periodic and run is not None and run[1] - run[0] > 4 and not ties:
-            s, e = run
-            c2, c3, c4 = (self.stage_cost_of_run(a, b, s, e, keep, q, m) for keep in (2, 3, 4))
-            if _linear(c2, c3, c4):
-                k = e - s
-                grad = c4.grad_bytes
-                if e == b and b < len(sigs) and c4.detail is not None:
-                    # the cut segment ends on a copy of the run's last unit: its consumers are the real last's
-                    _, units, _ = self.graph(m)
-                    g = self.graph(m)[0]
-                    shift = {g.operators[i].name: g.operators[j].name
-                             for i, j in zip(units[s + 3], units[b - 1])}
-                    grad = self.boundary_bytes(c4.detail, m, a, b - 1, shift)[1]
-                cost = StageCost(*(x3 + (k - 3) * (x4 - x3) for x3, x4 in (
-                    (c3.forward, c4.forward), (c3.backward, c4.backward), (c3.weight_bytes, c4.weight_bytes),
-                    (c3.activation_bytes, c4.activation_bytes))), detail=c4.detail, recv_bytes=c4.recv_bytes,
-                    grad_bytes=grad, weight_grad=c3.weight_grad + (k - 3) * (c4.weight_grad - c3.weight_grad))
-            else:
+        cost = lower = None
+        # a recipe is not an optimum (no certificate), and tied blocks take one layout (their cost is a minimum of
+        # functions affine in the run's length): both are solved directly
+        if self.periodic and self.strategy is None and run is not None and run[1] - run[0] > 4 and not ties:
+            got = self._certified(a, b, run[0], run[1], q, m)
+            if got is None:
                 self.periodic_fallbacks += 1
+            else:
+                cost, lower = got
+                self.periodic_certified += 1
         if cost is None:
             try:
                 cost = self.solve_stage(a, b, q, m)
             except OperatorMemoryError:
                 cost = None  # some operator cannot fit on this sub-mesh at all
+            lower = _proven_lower(cost)
+        self._lower[key] = lower
         self._cache[key] = cost
         return cost
+
+    def _stage_key(self, a: int, b: int, q: int, m: int) -> tuple:
+        """What decides a segment's stage cost: its units' signatures and their neighbours' (the neighbouring
+        units decide the transfers, :meth:`boundary_bytes`), q, m and the ties inside it."""
+        _, _, sigs = self.graph(m)
+        return (sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None, q, m,
+                self._tie_key(a, b, m))
+
+    def lower_bound(self, a: int, b: int, q: int, m: int) -> float | None:
+        """A proven lower bound of the objective the intra-stage search minimises for units [a, b) (seconds per
+        micro-batch, the weight-gradient sync amortised over m): the solver's own bound for a direct solve
+        (its optimum for the exact solvers), the certificate's for a periodic extension (module docstring);
+        None for a recipe, a solver that proves nothing, or a segment that cannot be costed."""
+        key = self._stage_key(a, b, q, m)
+        if key not in self._lower and self.stage_cost(a, b, q, m) is None:
+            return None
+        return self._lower.get(key)
+
+    def _links(self, m: int) -> tuple[tuple[frozenset, ...], tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """Per unit, the unit offsets of the edges into it and the farthest unit offset of the edges out of it
+        (0 if none), and every weight edge as (owner's unit, reader's unit), at micro-batch batch/m."""
+        key = ("links", m)
+        if key not in self._cuts:
+            g, units, _ = self.graph(m)
+            unit_of = [0] * len(g.operators)
+            for u, idx in enumerate(units):
+                for i in idx:
+                    unit_of[i] = u
+            back: list[set[int]] = [set() for _ in units]
+            reach = [0] * len(units)
+            for e in g.edges:
+                su, du = unit_of[e.src], unit_of[e.dst]
+                back[du].add(du - su)
+                reach[su] = max(reach[su], du - su)
+            weights = tuple((unit_of[e.src], unit_of[e.dst]) for e in g.weight_edges)
+            self._cuts[key] = (tuple(frozenset(x) for x in back), tuple(reach), weights)
+        return self._cuts[key]
+
+    def _chained(self, a: int, b: int, s: int, e: int, m: int) -> bool:
+        """Whether the run [s, e) of segment [a, b) is a chain the certificate covers (module docstring): every
+        run unit after the first reads only itself and the unit before it; every run unit but the last is read
+        only by itself and the unit after it; if units follow the run in the segment, the last run unit is read
+        by none after the segment; no weight edge touches the run or joins the units before it to those after."""
+        back, reach, weights = self._links(m)
+        if any(not back[u] <= {0, 1} for u in range(s + 1, e)) or any(reach[u] > 1 for u in range(s, e - 1)):
+            return False
+        if e < b and e - 1 + reach[e - 1] >= b:
+            return False
+        for su, du in weights:
+            if s <= su < e or s <= du < e:
+                return False
+            if (a <= su < s and e <= du < b) or (e <= su < b and a <= du < s):
+                return False
+        return True
+
+    def _cut_plan(self, a: int, b: int, s: int, e: int, q: int, m: int) -> StageCost | None:
+        """The intra-stage optimum of [a, b) with its run [s, e) cut to 4 units, with a plan over exactly those
+        units' operators, in their order (a shared solve may name the same operators of another position);
+        None if it cannot be costed. Where [a, s + 4) was itself costed by extension (a longer run before
+        this one), its plan covers fewer operators: the cut segment is then solved directly."""
+        g, units, _ = self.graph(m)
+        try:
+            cut = self.stage_cost_of_run(a, b, s, e, 4, q, m)
+        except ShardplanError:
+            return None
+        size = sum(len(units[u]) for u in [*range(a, s + 4), *range(e, b)])
+        if cut.detail is not None and len(cut.detail.graph.operators) == size:
+            return cut
+        if e < b:  # the rewired cut segment is always solved directly: this cannot happen
+            return None
+        key = ("cut", self._stage_key(a, s + 4, q, m))
+        if key not in self._cache:
+            try:
+                self._cache[key] = self.solve_stage(a, s + 4, q, m)
+            except OperatorMemoryError:
+                self._cache[key] = None
+        return self._cache[key]
+
+    def _certified(self, a: int, b: int, s: int, e: int, q: int, m: int) -> tuple[StageCost, float] | None:
+        """The stage cost of [a, b), whose run of identical units [s, e) has k = e - s > 4 units, by the certified
+        extension (module docstring), and the proven lower bound of its objective; None where the certificate
+        fails (the caller solves the segment directly)."""
+        if not self._chained(a, b, s, e, m):
+            return None
+        cut = self._cut_plan(a, b, s, e, q, m)
+        if cut is None or cut.detail is None or cut.detail.solution is None:
+            return None
+        plan = cut.detail
+        _, units, _ = self.graph(m)
+        n = len(units[s])
+        r1 = sum(len(units[u]) for u in range(a, s)) + n  # first operator of the second run unit in the cut plan
+        x = plan.assignment
+        if any(x[i] != x[i + n] for i in range(r1, r1 + n)):
+            return None  # the two interior run units differ: no repeating unit to insert
+        terms = self._cut_terms(plan, r1 + n, n, q, m)
+        if terms is None:
+            return None
+        full = terms[0].plus(terms[1], e - s - 4)
+        lower = self._pieces_bound(a, b, s, e, q, m, full.objective)
+        if lower is None:
+            return None
+        grad = cut.grad_bytes
+        if e == b:
+            # the cut plan ends on a copy of the run's last unit: the consumers that count are the real last's.
+            # Its operators, by position, stand for units a .. s + 2 and then the run's last unit b - 1 (a shared
+            # solve names those of another position with the same description)
+            g = self.graph(m)[0]
+            real = [g.operators[i].name for u in [*range(a, s + 3), b - 1] for i in units[u]]
+            rename = {op.name: name for op, name in zip(plan.graph.operators, real)}
+            grad = self.boundary_bytes(plan, m, a, b - 1, rename)[1]
+        return _stage_of(full, m, plan, cut.recv_bytes, grad), lower
+
+    def _cut_terms(self, plan, first: int, n: int, q: int, m: int) -> tuple[_Terms, _Terms] | None:
+        """The cut plan's :class:`_Terms` over all its operators and over the n from ``first`` (the unit to
+        repeat), cached per plan (segments of one kind share their cut's solve); None if some edge of the plan
+        could cost < 0 (the lower bound drops edges)."""
+        key = ("terms", id(plan), first, n)
+        if key not in self._cuts:
+            checked = self._table_cache(q).setdefault("edges_nonnegative", set())
+            ok = True
+            for _, _, mat in plan.tables.all_edges():
+                if id(mat) not in checked:
+                    if not float(mat.min()) >= 0.0:
+                        ok = False
+                        break
+                    checked.add(id(mat))
+            sync = self._weight_syncs(plan.tables, q)
+            self._cuts[key] = (plan, (_terms(plan, range(len(plan.assignment)), sync, m),
+                                      _terms(plan, range(first, first + n), sync, m)) if ok else None)
+        return self._cuts[key][1]
+
+    def _pieces_bound(self, a: int, b: int, s: int, e: int, q: int, m: int, upper: float) -> float | None:
+        """A proven lower bound of the objective of [a, b) (run [s, e), k = e - s > 4 units) that meets
+        ``upper`` (to PERIODIC_RTOL), or None: the sum of the pieces' own lower bounds (:meth:`lower_bound`),
+        first for the short pieces [a, s + 2), runs of at most 4 units, [e - 2, b) (each solved once per
+        (q, m) and shared), then for the two halves [a, c), [c, b) with c = s + k // 2 (the transients at both
+        ends inside a piece, module docstring)."""
+        short = [(a, s + 2), *((u, min(u + 4, e - 2)) for u in range(s + 2, e - 2, 4)), (e - 2, b)]
+        c = s + (e - s) // 2
+        for pieces in (short, [(a, c), (c, b)]):
+            lower = 0.0
+            for lo, hi in pieces:
+                piece = self.lower_bound(lo, hi, q, m)
+                if piece is None:
+                    return None
+                lower += piece
+            if lower >= upper - PERIODIC_RTOL * abs(upper):
+                return lower
+        return None
 
     def fit_cost(self, a: int, b: int, q: int, m: int, k: int, budget: float) -> StageCost | None:
         """The memory-constrained intra-stage optimum of units [a, b) on q devices with ``k`` micro-batches in
@@ -487,7 +661,9 @@ class ModelStages:
     def _solve_pieces(self, unit_ids: list[int], q: int, m: int) -> StageCost | None:
         """Cost of the units ``unit_ids`` (ascending; one gap) as one stage, the units after the gap rewired."""
         _, _, sigs = self.graph(m)
-        key = (tuple(sigs[u] for u in unit_ids), q, m, "pieces")
+        first, last = unit_ids[0], unit_ids[-1]
+        key = (sigs[first - 1] if first > 0 else None, tuple(sigs[u] for u in unit_ids),
+               sigs[last + 1] if last + 1 < len(sigs) else None, q, m, "pieces")
         if key in self._cache:
             return self._cache[key]
         g, units, _ = self.graph(m)
@@ -573,16 +749,6 @@ def _ties_within(graph: Graph, names: set[str]) -> tuple[tuple[str, ...], ...]:
     return tuple(grp for grp in kept if len(grp) > 1)
 
 
-def _linear(c2: StageCost, c3: StageCost, c4: StageCost, rtol: float = 1e-9) -> bool:
-    """Whether 2, 3 and 4 copies of the run cost in arithmetic progression (time, weight and activation bytes)."""
-    for x2, x3, x4 in ((c2.forward, c3.forward, c4.forward), (c2.backward, c3.backward, c4.backward),
-                       (c2.weight_bytes, c3.weight_bytes, c4.weight_bytes),
-                       (c2.activation_bytes, c3.activation_bytes, c4.activation_bytes)):
-        if abs((x4 - x3) - (x3 - x2)) > rtol * max(abs(x4), 1e-300):
-            return False
-    return True
-
-
 def _longest_run(sigs: tuple[int, ...], a: int, b: int) -> tuple[int, int] | None:
     best: tuple[int, int] | None = None
     s = a
@@ -592,3 +758,83 @@ def _longest_run(sigs: tuple[int, ...], a: int, b: int) -> tuple[int, int] | Non
                 best = (s, i)
             s = i
     return best
+
+
+PERIODIC_RTOL = 1e-9
+"""Relative tolerance of the periodic certificate: the extension is accepted when its objective is at most
+the proven lower bound times (1 + PERIODIC_RTOL) (floating-point sums in another order)."""
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """The additive parts of a stage cost over some operators of a plan and the edges into them: the search's
+    objective, forward and backward seconds (before the sync's amortisation), the weight-gradient compute, the
+    step's weight-gradient sync, and weight / saved-activation bytes per device."""
+
+    objective: float
+    forward: float
+    backward: float
+    weight_grad: float
+    sync: float
+    weights: Any
+    activations: Any
+
+    def plus(self, other: "_Terms", times: int) -> "_Terms":
+        """These terms and ``times`` copies of ``other``."""
+        return _Terms(*(getattr(self, f) + times * getattr(other, f) for f in (
+            "objective", "forward", "backward", "weight_grad", "sync", "weights", "activations")))
+
+
+def _terms(plan, ops, sync, m: int) -> _Terms:
+    """:class:`_Terms` of ``plan`` over the operators ``ops`` (indices) and the edges into them (graph and
+    weight edges): per operator, the split of :func:`_forward_backward`, the objective's vertex cost
+    ``max(total - (1 - 1/m) sync, 0)`` and the bytes of :meth:`CostTables.memory_of`; per edge, its
+    redistribution, half forward and half backward. Summed over every operator, the plan's stage cost."""
+    tables, x = plan.tables, plan.assignment
+    graph = tables.graph
+    chosen = set(ops)
+    obj = fwd = bwd = wgrad = step = 0.0
+    weights = activations = 0.0
+    for i in ops:
+        op, k = graph.operators[i], x[i]
+        parts = tables.op_costs[i].parts(k)
+        share = 1.0 / (1 + len(op.grad_tensors))
+        fwd += parts["compute"] * share + parts["forward_allreduce"]
+        bwd += parts["compute"] * (1 - share) + parts["grad_allreduce"]
+        wgrad += parts["compute"] * share * sum(1 for w in op.weights if w.needs_grad)
+        for key in ("halo", "stats", "recurrence"):
+            fwd += parts[key] / 2
+            bwd += parts[key] / 2
+        w = float(sync[i][k])
+        step += w
+        obj += max(float(tables.op_costs[i].total[k]) - (1.0 - 1.0 / m) * w, 0.0)
+        wb, ab = tables.memory[i]
+        weights = weights + wb[k]
+        activations = activations + (ab[k] * 0.0 if op.name in graph.recomputed else ab[k])
+    red = float(sum(mat[x[src], x[dst]] for src, dst, mat in tables.all_edges() if dst in chosen))
+    return _Terms(obj + red, fwd + red / 2, bwd + red / 2, wgrad, step, weights, activations)
+
+
+def _stage_of(terms: _Terms, m: int, plan, recv: float | None, grad: float | None) -> StageCost:
+    """The stage cost of whole-stage terms, as :meth:`ModelStages._cost_of_graph` makes it from a plan: the
+    backward less (1 - 1/m) of the sync, the bytes at the peak device, ZB-H1's W pass."""
+    import numpy as np
+
+    bwd = terms.backward - (1.0 - 1.0 / m) * terms.sync
+    total = np.asarray(terms.weights + terms.activations)
+    dev = int(np.argmax(total))
+    return StageCost(terms.forward, bwd, float(np.asarray(terms.weights)[dev]),
+                     float(np.asarray(terms.activations)[dev]), plan, recv, grad,
+                     min(bwd, terms.weight_grad + terms.sync / m))
+
+
+def _proven_lower(cost: StageCost | None) -> float | None:
+    """The lower bound a direct solve proves of its objective: the solver's bound, or its cost when it proved
+    it optimal (brute force); None for a recipe or a solver that proves nothing."""
+    plan = None if cost is None else cost.detail
+    sol = getattr(plan, "solution", None)
+    if sol is None:
+        return None
+    if sol.bound is not None:
+        return float(sol.bound)
+    return float(sol.cost) if sol.optimal else None
