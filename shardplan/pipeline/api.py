@@ -77,6 +77,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     but is exact only over "time-optimal stage, else the rule's". Other keyword arguments go to each intra-stage :func:`shardplan.solve`.
     """
     t0 = time.perf_counter()
+    if not 0.0 <= fit_rtol < 1.0:
+        raise ShardplanError(f"pipeline_solve: fit_rtol must be in [0, 1), got {fit_rtol!r}")
     ms = [int(m) for m in micro_batches if batch % int(m) == 0]
     if not ms:
         raise ShardplanError(f"no micro-batch count in {list(micro_batches)} divides the batch of {batch}")
