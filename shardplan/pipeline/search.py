@@ -65,11 +65,16 @@ one, so P* is feasible for D_R(B') at relaxed cost at most T*, and the
 term's value is at most T*: it goes back into the queue with that value, or
 its DP optimum is a true pipeline of cost at most T* (or the best already
 is). At the stop the term is queued with a bound reaching the best, or was
-last taken as a true pipeline: either way the best found is at most T*. Breaking the scan of a stage's
-extent at the first one over B (below) stays valid: a relaxed time over B
-means a true time over B, and true times grow with the extent. Stage
-counts and micro-batch counts whose floor already reaches the best plan
-never solve a stand-in. A ``fit_fn`` answer below its stand-in would void
+last taken as a true pipeline: either way the best found is at most T*.
+While stand-ins are in force the scan of a stage's extent (below) stops at
+the first extent whose *time-optimal* seconds exceed B and only skips one
+whose relaxed seconds do: a solved stage [a, b) over B does not put its
+longer stand-ins over B (their relaxed seconds may be smaller), but every
+relaxed time is at least the time-optimal one, which grows with the extent;
+so D_R(B) is the relaxation's own optimum under B and P* is feasible for it
+(the eager search, whose stage times are true ones, stops at the first
+extent over B). Stage counts and micro-batch counts whose floor already
+reaches the best plan never solve a stand-in. A ``fit_fn`` answer below its stand-in would void
 the bound: the search then drops every stand-in and runs eagerly
 (``stats["lazy_abandoned"]``); ``stats["fit_evaluations"]`` counts the
 solves, ``stats["lazy_rounds"]`` the terms that needed some.
@@ -103,18 +108,70 @@ found: nothing is lost.
 
 **Schedules.** GPipe is dominated by 1F1B for the same stages and m (time
 and in-flight memory both no larger, see the schedule module), so the
-optimum over {GPipe, 1F1B} is 1F1B's. Interleaved 1F1B (v > 1) is searched
-over uniform sub-meshes with the units dealt into S v contiguous chunks of
-equal size (Megatron-LM's layout, m a multiple of S); that part of the
-space is enumerated, not optimised over chunk boundaries. ZB-H1 (opt-in,
-``"zb-h1"`` in ``schedules``) is enumerated likewise: for each uniform
-sub-mesh size the units dealt evenly, plus the stages of the best 1F1B plan
-at the same m, each costed by the event simulation (its exact length under
-the model); its in-flight memory is min(S, m) on every stage. It is not
-optimised over cuts: the optimum over it is exact only within those
-candidates. The interleaved and ZB-H1 candidates take time-optimal stages
-only (``fit_fn`` is not consulted): a candidate with a stage that does not
-fit is skipped.
+optimum over {GPipe, 1F1B} is 1F1B's. What is optimised and what is
+enumerated:
+
+* 1F1B: optimised exactly over cuts, sub-meshes, m and (with ``fit_fn``)
+  each stage's memory choices, as above.
+* Interleaved 1F1B (v > 1): enumerated over uniform sub-meshes, the units
+  dealt into S v contiguous chunks of equal size (Megatron-LM's layout, m a
+  multiple of S; chunk j on device group j mod S); chunk boundaries are not
+  optimised. Within a candidate the device groups' plans are optimised
+  exactly: device group d holds its v chunks with ``k_d`` of its
+  per-micro-batch activations in flight (Megatron's warm-up,
+  :func:`~shardplan.pipeline.schedule.in_flight`, fractional), so it fits
+  when ``sum_j weights_j + k_d sum_j activations_j <= budget``; a group
+  whose time-optimal chunks do not fit takes the least ``sum_j t_j`` under
+  that constraint (``group_fit_fn``: one memory-constrained solve of the
+  group's chunks together, ZeRO/FSDP and recomputation as for a 1F1B
+  stage). The step is nondecreasing in every group's time and every
+  transfer, so each group's least time gives the candidate's least step
+  (transfers are those of the plans chosen, as everywhere here: a stage's
+  plan is chosen by its own time). A group's solve is asked only when the
+  candidate's step with *stand-ins* for the groups that do not fit (their
+  time-optimal seconds, no transfers: a lower bound) is below the best
+  plan so far; otherwise that value enters the lower bound.
+* ZB-H1 (opt-in, ``"zb-h1"`` in ``schedules``): enumerated, for each
+  uniform sub-mesh size the units dealt evenly, plus the stages of the best
+  1F1B plan at the same m, each costed by the closed form or, for m < S,
+  the event simulation (schedule module); in-flight memory min(S, m) on
+  every stage. A stage that does not fit that takes its memory-constrained
+  optimum for min(S, m) in flight (``fit_fn``), whose W pass is its
+  weight-gradient GEMMs (:func:`~shardplan.pipeline.stages._fit_parts`);
+  the solves are asked only when the candidate's floor ``m max_i t_i``
+  (time-optimal seconds; the closed form and the simulation are never
+  below it) is below the best plan so far. Exact only within these
+  candidates.
+
+**Lower bound.** The plan carries ``lower_bound``, a proven lower bound of
+the optimum over the space searched (1F1B, the interleaved and ZB-H1
+candidates), and ``gap`` = (step - lower_bound) / step. A memory-constrained
+solve may stop short of a proof: its branch-and-bound prunes within a
+relative ``rtol`` (or stops at a time limit), so it proves only
+``StageCost.lower`` = max(its bound, cost (1 - rtol), the time-optimal
+seconds) of the stage's least time. Per part:
+
+* 1F1B at each m: every relaxed value the search left unexplored or
+  explored is at least X = min(the best plan when the m started, the m's
+  own answer). Let rho be the least lower/found ratio of the stages solved;
+  the objective is nondecreasing and positively homogeneous in the stage
+  seconds, so rho X bounds the m's optimum. When rho < 1 - 1e-6 a second
+  pass (``bounding``) solves the relaxation whose solved stages are at their
+  proven seconds (unsolved ones stay stand-ins, nothing new is solved) with
+  X as its incumbent: min(X, its optimum) bounds the m's optimum too, and
+  is far tighter when a loosely proven stage belongs to no good pipeline.
+* interleaved: each candidate's step with every group at its proven seconds
+  (the step is monotone in them), or its stand-in value when not solved.
+* ZB-H1: for m >= S the 1F1B part of the closed form at the proven seconds
+  less the ZB saving ``(S - 1)(W + min(W, F, B))`` at the seconds found (the
+  saving grows with each of W, F, B); for m < S the simulation at the
+  proven seconds (nondecreasing in every duration). This assumes the F/B/W
+  split of the plan found, scaled down, for the optimal plan of a stage that
+  is not proven; or the floor ``m max_i t_i`` when not solved.
+
+Transfers are taken as those of the plans found (the stage's plan is chosen
+by its own time; its transfers follow from it). With every solve proven to
+1e-9 (the default) the gap is at most about 1e-9.
 
 ``S = 1`` is one stage on the whole machine with ``m`` micro-batches; with
 m = 1 it is today's single-program plan, so the optimum is never worse.

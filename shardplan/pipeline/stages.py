@@ -26,7 +26,10 @@ memory-constrained optimum for that in-flight count (ZeRO/FSDP,
 recomputation: :func:`shardplan.fit.solve_fit`, a branch-and-bound per
 stage, with the once-per-step collectives amortised over m as below), which
 the search solves only for the stages its relaxation needs (the lazy
-resolution of :mod:`shardplan.pipeline.search`); with a ``fallback`` rule
+resolution of :mod:`shardplan.pipeline.search`); an interleaved device
+group's chunks share one device, so they take theirs jointly
+(:meth:`ModelStages.group_fit_cost`: one solve of the chunks' union with
+the group's fractional in-flight count); with a ``fallback`` rule
 it takes the rule's layouts when they fit (fast, not exact). The sub-plan's gradient synchronisation is charged per
 micro-batch at 1/m of the weight-gradient all-reduce (gradients are
 accumulated over the m micro-batches and reduced once per step; the intra-stage
