@@ -628,7 +628,10 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             total = got[0] + (m - 1) * bound
             if total >= best_t:
                 continue
-            view = {key: proven_of(key) for key in fitted} if bounding[0] else fitted
+            view = fitted
+            if bounding[0]:  # the plan's own stages at their proven seconds (keys as `effective` makes them)
+                keys = [(a, b, q, float(min(len(got[1]) - i, m))) for i, (a, b, _, q) in enumerate(got[1])]
+                view = {key: proven_of(key) for key in keys if key in fitted}
             plan = _assemble(got[1], cost, m, space, link_fn, exchange, fitted=view)
             pending = [(s.first, s.end, s.devices, s.in_flight) for s in plan.stages if s.cost.detail is _PENDING]
             if pending and not bounding[0]:
