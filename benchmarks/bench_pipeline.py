@@ -12,7 +12,7 @@ micro-batch counts, 1F1B, interleaved v=2 and ZB-H1; a stage (an interleaved dev
 time-optimal plan does not fit its in-flight micro-batches takes its memory-constrained optimum,
 ZeRO/FSDP and recomputation, solved lazily and each proven to the relative ``FIT_RTOL`` (1e-9: exact;
 the row's ``lower_bound_seconds`` and ``gap`` state what was proven for the whole pipeline; GPT-3 175B /
-1,024 h100 in about 58 s of CPU, 1e-4 saves about 5 s of it); with ``--fallback`` it takes Megatron's
+1,024 h100 in about 57 s of CPU end to end on a loaded 2-core machine, 1e-4 saves 2-5 s of it); with ``--fallback`` it takes Megatron's
 layouts when they fit instead, a heuristic; each row's ``search.memory`` says which), both with exact
 stage-to-stage transfers, with
 step time, model TFLOP/s per GPU (forward + backward FLOPs, no recomputation), memory per stage,
