@@ -152,7 +152,9 @@ class FitOptions:
         in_flight: micro-batches whose saved activations are live at the peak
             (1 for one SPMD program; a pipeline stage i of S under 1F1B holds
             S - i, under GPipe all of them: the per-stage memory of issue 16 is
-            this model on the stage's operators and sub-mesh with that count).
+            this model on the stage's operators and sub-mesh with that count;
+            fractional for an interleaved device group, see
+            :func:`shardplan.pipeline.schedule.in_flight`).
         accumulate: the graph is one micro-batch of a step that accumulates
             gradients over this many (a pipeline stage's cost per micro-batch):
             once-per-step collectives are charged 1/accumulate each
@@ -164,7 +166,7 @@ class FitOptions:
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     time_limit: float = 60.0
     reserve_bytes: float = 0.0
-    in_flight: int = 1
+    in_flight: float = 1
     accumulate: int = 1
 
     def __post_init__(self) -> None:
@@ -173,7 +175,7 @@ class FitOptions:
             raise ShardplanError(f"ZeRO stage {bad[0]!r} does not exist; choose from 0, 1, 2, 3")
         if not self.micro_batches or any(int(m) < 1 for m in self.micro_batches):
             raise ShardplanError(f"micro-batch counts must be positive integers, got {self.micro_batches!r}")
-        if int(self.in_flight) < 1:
+        if not float(self.in_flight) >= 1:
             raise ShardplanError(f"in_flight must be a positive number of micro-batches, got {self.in_flight!r}")
         if int(self.accumulate) < 1:
             raise ShardplanError(f"accumulate must be a positive number of micro-batches, got {self.accumulate!r}")

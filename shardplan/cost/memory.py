@@ -215,7 +215,7 @@ def _bucketed(vol: np.ndarray, machine: Machine, collective) -> np.ndarray:
 def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Machine, micro_batches: int = 1,
                  stages: Sequence[int] = STAGES, recompute: bool = True,
                  optimizer_factor: float = 2.0, prune: bool = True, groups: WeightGroups | None = None,
-                 op_cost=None, in_flight: int = 1, accumulate: int = 1,
+                 op_cost=None, in_flight: float = 1, accumulate: int = 1,
                  forced_recompute: bool = False, recompute_keep: np.ndarray | None = None) -> ChoiceTable:
     """Every (layout, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
 
@@ -227,7 +227,8 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     cost on the machine with its latency scaled by ``micro_batches``) may be
     passed to save their computation. ``in_flight``: micro-batches whose saved
     activations are live at once (1 here; a pipeline stage under 1F1B holds up
-    to S - i of them). ``accumulate``: for a table of one micro-batch of a step
+    to S - i of them; fractional for interleaved chunks, whose in-flight count is in
+    units of a device group's per-micro-batch activations). ``accumulate``: for a table of one micro-batch of a step
     that accumulates gradients over ``accumulate`` of them (a pipeline stage's
     cost per micro-batch), the collectives run once per step are charged
     1/accumulate: stage 0's all-reduce, stage 1's reduce-scatter and gather,
@@ -266,8 +267,8 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         return np.maximum(sync - backward, 0.0) if overlap else sync
 
     act_grad = np.maximum(oc.grad_allreduce - charged(wgrad_m), 0.0)
-    act = wg.act / m * int(in_flight)
-    keep = np.zeros(k) if recompute_keep is None else np.asarray(recompute_keep, dtype=np.float64) / m * int(in_flight)
+    act = wg.act / m * float(in_flight)
+    keep = np.zeros(k) if recompute_keep is None else np.asarray(recompute_keep, dtype=np.float64) / m * float(in_flight)
 
     has_grad = bool(op.grad_tensors)
     fwd = (oc.compute / (1 + len(op.grad_tensors)) + oc.forward_allreduce

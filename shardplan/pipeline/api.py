@@ -68,13 +68,17 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     in-flight micro-batches may shard state (ZeRO/FSDP) and recompute (:meth:`ModelStages.fit_cost`), solved
     only for the stages the search's relaxation needs (:mod:`shardplan.pipeline.search`); each such solve is
     proven to a relative ``fit_rtol`` (1e-9: exact; a larger one makes the plan within that factor of the
-    optimum) unless ``fit_time_limit`` seconds stop it (``plan.stats["fit_unproven"]`` counts those).
+    optimum) unless ``fit_time_limit`` seconds stop it (``plan.stats["fit_unproven"]`` counts those); the
+    plan's ``lower_bound`` and ``gap`` state what the solves proved for the whole pipeline. Interleaved device
+    groups and ZB-H1 stages take the same choices (:meth:`ModelStages.group_fit_cost`, :meth:`ModelStages.fit_cost`).
     ``fallback``: instead, such a stage takes the fixed rule ``fallback(tables) -> configs`` (e.g. Megatron's
     layouts, :func:`shardplan.baselines.megatron`, on tables with ``node_replicas``) when that fits: a
     heuristic, fast stand-in for the memory-constrained optimum, so the search covers the rule's pipelines
     but is exact only over "time-optimal stage, else the rule's". Other keyword arguments go to each intra-stage :func:`shardplan.solve`.
     """
     t0 = time.perf_counter()
+    if not 0.0 <= fit_rtol < 1.0:
+        raise ShardplanError(f"pipeline_solve: fit_rtol must be in [0, 1), got {fit_rtol!r}")
     ms = [int(m) for m in micro_batches if batch % int(m) == 0]
     if not ms:
         raise ShardplanError(f"no micro-batch count in {list(micro_batches)} divides the batch of {batch}")
@@ -84,6 +88,7 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                           machine.memory_bytes if budget is None else budget, max_stages, uniform, tuple(interleave),
                           None if sizes is None else tuple(int(q) for q in sizes))
     fit_fn = stages.fit_cost if memory_choices else None
+    group_fit_fn = stages.group_fit_cost if memory_choices else None
     if fallback is not None:
         if memory_choices:
             raise ShardplanError("pipeline_solve: give memory_choices or a fallback rule, not both")
@@ -94,8 +99,15 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
             c = rule.stage_cost(a, b, q, m)
             return c if c is not None and c.memory(k) <= limit else None
 
+        def group_fit_fn(chunks: tuple[tuple[int, int], ...], q: int, m: int, k: float, limit: float):
+            cs = [rule.stage_cost(a, b, q, m) for a, b in chunks]
+            if any(c is None for c in cs):
+                return None
+            fits = sum(c.weight_bytes for c in cs) + k * sum(c.activation_bytes for c in cs) <= limit  # type: ignore
+            return tuple(cs) if fits else None
+
     plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules, exchange=stages.exchange_time,
-                           fit_fn=fit_fn)
+                           fit_fn=fit_fn, group_fit_fn=group_fit_fn)
     plan.stats["intra_stage_solves"] = stages.solves
     if memory_choices:
         plan.stats["fit_unproven"] = stages.fit_unproven

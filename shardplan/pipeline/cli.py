@@ -34,13 +34,18 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     machine = _machine(args, args.procs)
     opts: dict[str, Any] = {"cutoff": _cutoff(args, spec), "orders": args.orders or "auto"}
     budget = None if args.memory is None else args.memory * 1024**3
+    if not 0.0 <= args.fit_rtol < 1.0:
+        raise ShardplanError(f"--fit-rtol must be in [0, 1), got {args.fit_rtol!r}")
+    if not args.fit_time_limit > 0:
+        raise ShardplanError(f"--fit-time-limit must be a positive number of seconds, got {args.fit_time_limit!r}")
     result = pipeline_solve(lambda b: spec.build(b, **sizes), batch, machine,
                             micro_batches=_ints(args.micro_batches, "--micro-batches"),
                             max_stages=args.max_stages, uniform=args.uniform,
                             interleave=_ints(args.interleave, "--interleave"), budget=budget,
                             sizes=_ints(args.sizes, "--sizes") or None,
                             schedules=("1f1b", "interleaved") + (("zb-h1",) if args.zero_bubble else ()),
-                            memory_choices=args.memory_choices, **opts)
+                            memory_choices=args.memory_choices, fit_rtol=args.fit_rtol,
+                            fit_time_limit=args.fit_time_limit, **opts)
     print(render_pipeline(result))
     if args.json:
         _write_json(args.json, result.to_dict())
@@ -70,8 +75,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--interleave", help="chunk counts v to try with interleaved 1F1B, e.g. 2,4")
     p.add_argument("--zero-bubble", action="store_true",
                    help="also try ZB-H1 (backward split into input- and weight-gradient passes)")
-    p.add_argument("--memory-choices", action="store_true",
-                   help="let a stage that does not fit shard its state (ZeRO/FSDP) or recompute")
+    p.add_argument("--memory-choices", action=argparse.BooleanOptionalAction, default=True,
+                   help="a stage (interleaved: a device group) whose time-optimal plan does not fit takes its "
+                        "memory-constrained optimum, sharding state (ZeRO/FSDP) or recomputing (default: on; "
+                        "--no-memory-choices: such a stage is infeasible)")
+    p.add_argument("--fit-rtol", type=float, default=1e-9,
+                   help="relative tolerance of each memory-constrained stage solve (default 1e-9: exact; the plan's "
+                        "lower bound and gap say what was proven)")
+    p.add_argument("--fit-time-limit", type=float, default=60.0,
+                   help="seconds per memory-constrained stage solve (default 60; a stopped solve is counted and "
+                        "widens the gap)")
     p.add_argument("--sizes", help="sub-mesh sizes allowed (default: powers of two in a node, whole nodes)")
     p.add_argument("--memory", type=float, help="memory budget per device, GiB (default: the machine's)")
     p.add_argument("--json", help="write the pipeline plan as JSON here")

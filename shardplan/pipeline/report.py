@@ -43,6 +43,9 @@ def render_pipeline(result: "PipelineResult") -> str:
              + f", {plan.micro_batches} micro-batch(es) of {result.stages.batch // plan.micro_batches}",
              f"  predicted step: {fmt_seconds(plan.step_time)} (event simulation: "
              f"{fmt_seconds(result.simulated_step_time())})"]
+    if plan.lower_bound is not None:
+        lines.append(f"  proven lower bound over the space searched: {fmt_seconds(plan.lower_bound)} "
+                     f"(gap {plan.gap:.2g})")
     gp = result.gpipe_step_time()
     if gp is not None:
         lines.append(f"  same stages under GPipe: {fmt_seconds(gp)}")
@@ -72,6 +75,11 @@ def render_pipeline(result: "PipelineResult") -> str:
     st = plan.stats
     lines.append(f"  search: {st.get('intra_stage_solves', 0)} intra-stage solves, {st.get('candidates', 0)} "
                  f"bottleneck candidates, {st.get('dp_states', 0)} DP states, {fmt_seconds(result.seconds)} in all")
+    fits = st.get("fit_evaluations", 0) + st.get("group_fit_evaluations", 0) + st.get("zb_fit_candidates", 0)
+    if "fit_rtol" in st or fits:
+        lines.append(f"  memory choices: {st.get('fit_evaluations', 0)} stage and {st.get('group_fit_evaluations', 0)} "
+                     f"interleaved-group fits asked, each proven to {st.get('fit_rtol', 0):g}"
+                     + (f", {st['fit_unproven']} stopped by the time limit" if st.get("fit_unproven") else ""))
     return "\n".join(lines)
 
 
@@ -84,6 +92,8 @@ def pipeline_to_json(result: "PipelineResult") -> dict[str, Any]:
         "chunks": plan.chunks,
         "micro_batches": plan.micro_batches,
         "step_seconds": plan.step_time,
+        "lower_bound_seconds": plan.lower_bound,
+        "gap": plan.gap,
         "simulated_step_seconds": result.simulated_step_time(),
         "gpipe_step_seconds": result.gpipe_step_time(),
         "bubble_fraction": bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks, back),

@@ -65,11 +65,16 @@ one, so P* is feasible for D_R(B') at relaxed cost at most T*, and the
 term's value is at most T*: it goes back into the queue with that value, or
 its DP optimum is a true pipeline of cost at most T* (or the best already
 is). At the stop the term is queued with a bound reaching the best, or was
-last taken as a true pipeline: either way the best found is at most T*. Breaking the scan of a stage's
-extent at the first one over B (below) stays valid: a relaxed time over B
-means a true time over B, and true times grow with the extent. Stage
-counts and micro-batch counts whose floor already reaches the best plan
-never solve a stand-in. A ``fit_fn`` answer below its stand-in would void
+last taken as a true pipeline: either way the best found is at most T*.
+While stand-ins are in force the scan of a stage's extent (below) stops at
+the first extent whose *time-optimal* seconds exceed B and only skips one
+whose relaxed seconds do: a solved stage [a, b) over B does not put its
+longer stand-ins over B (their relaxed seconds may be smaller), but every
+relaxed time is at least the time-optimal one, which grows with the extent;
+so D_R(B) is the relaxation's own optimum under B and P* is feasible for it
+(the eager search, whose stage times are true ones, stops at the first
+extent over B). Stage counts and micro-batch counts whose floor already
+reaches the best plan never solve a stand-in. A ``fit_fn`` answer below its stand-in would void
 the bound: the search then drops every stand-in and runs eagerly
 (``stats["lazy_abandoned"]``); ``stats["fit_evaluations"]`` counts the
 solves, ``stats["lazy_rounds"]`` the terms that needed some.
@@ -103,18 +108,70 @@ found: nothing is lost.
 
 **Schedules.** GPipe is dominated by 1F1B for the same stages and m (time
 and in-flight memory both no larger, see the schedule module), so the
-optimum over {GPipe, 1F1B} is 1F1B's. Interleaved 1F1B (v > 1) is searched
-over uniform sub-meshes with the units dealt into S v contiguous chunks of
-equal size (Megatron-LM's layout, m a multiple of S); that part of the
-space is enumerated, not optimised over chunk boundaries. ZB-H1 (opt-in,
-``"zb-h1"`` in ``schedules``) is enumerated likewise: for each uniform
-sub-mesh size the units dealt evenly, plus the stages of the best 1F1B plan
-at the same m, each costed by the event simulation (its exact length under
-the model); its in-flight memory is min(S, m) on every stage. It is not
-optimised over cuts: the optimum over it is exact only within those
-candidates. The interleaved and ZB-H1 candidates take time-optimal stages
-only (``fit_fn`` is not consulted): a candidate with a stage that does not
-fit is skipped.
+optimum over {GPipe, 1F1B} is 1F1B's. What is optimised and what is
+enumerated:
+
+* 1F1B: optimised exactly over cuts, sub-meshes, m and (with ``fit_fn``)
+  each stage's memory choices, as above.
+* Interleaved 1F1B (v > 1): enumerated over uniform sub-meshes, the units
+  dealt into S v contiguous chunks of equal size (Megatron-LM's layout, m a
+  multiple of S; chunk j on device group j mod S); chunk boundaries are not
+  optimised. Within a candidate the device groups' plans are optimised
+  exactly: device group d holds its v chunks with ``k_d`` of its
+  per-micro-batch activations in flight (Megatron's warm-up,
+  :func:`~shardplan.pipeline.schedule.in_flight`, fractional), so it fits
+  when ``sum_j weights_j + k_d sum_j activations_j <= budget``; a group
+  whose time-optimal chunks do not fit takes the least ``sum_j t_j`` under
+  that constraint (``group_fit_fn``: one memory-constrained solve of the
+  group's chunks together, ZeRO/FSDP and recomputation as for a 1F1B
+  stage). The step is nondecreasing in every group's time and every
+  transfer, so each group's least time gives the candidate's least step
+  (transfers are those of the plans chosen, as everywhere here: a stage's
+  plan is chosen by its own time). A group's solve is asked only when the
+  candidate's step with *stand-ins* for the groups that do not fit (their
+  time-optimal seconds, no transfers: a lower bound) is below the best
+  plan so far; otherwise that value enters the lower bound.
+* ZB-H1 (opt-in, ``"zb-h1"`` in ``schedules``): enumerated, for each
+  uniform sub-mesh size the units dealt evenly, plus the stages of the best
+  1F1B plan at the same m, each costed by the closed form or, for m < S,
+  the event simulation (schedule module); in-flight memory min(S, m) on
+  every stage. A stage that does not fit that takes its memory-constrained
+  optimum for min(S, m) in flight (``fit_fn``), whose W pass is its
+  weight-gradient GEMMs (:func:`~shardplan.pipeline.stages._fit_parts`);
+  the solves are asked only when the candidate's floor ``m max_i t_i``
+  (time-optimal seconds; the closed form and the simulation are never
+  below it) is below the best plan so far. Exact only within these
+  candidates.
+
+**Lower bound.** The plan carries ``lower_bound``, a proven lower bound of
+the optimum over the space searched (1F1B, the interleaved and ZB-H1
+candidates), and ``gap`` = (step - lower_bound) / step. A memory-constrained
+solve may stop short of a proof: its branch-and-bound prunes within a
+relative ``rtol`` (or stops at a time limit), so it proves only
+``StageCost.lower`` = max(its bound, cost (1 - rtol), the time-optimal
+seconds) of the stage's least time. Per part:
+
+* 1F1B at each m: every relaxed value the search left unexplored or
+  explored is at least X = min(the best plan when the m started, the m's
+  own answer). Let rho be the least lower/found ratio of the stages solved;
+  the objective is nondecreasing and positively homogeneous in the stage
+  seconds, so rho X bounds the m's optimum. When rho < 1 - 1e-6 a second
+  pass (``bounding``) solves the relaxation whose solved stages are at their
+  proven seconds (unsolved ones stay stand-ins, nothing new is solved) with
+  X as its incumbent: min(X, its optimum) bounds the m's optimum too, and
+  is far tighter when a loosely proven stage belongs to no good pipeline.
+* interleaved: each candidate's step with every group at its proven seconds
+  (the step is monotone in them), or its stand-in value when not solved.
+* ZB-H1: for m >= S the 1F1B part of the closed form at the proven seconds
+  less the ZB saving ``(S - 1)(W + min(W, F, B))`` at the seconds found (the
+  saving grows with each of W, F, B); for m < S the simulation at the
+  proven seconds (nondecreasing in every duration). This assumes the F/B/W
+  split of the plan found, scaled down, for the optimal plan of a stage that
+  is not proven; or the floor ``m max_i t_i`` when not solved.
+
+Transfers are taken as those of the plans found (the stage's plan is chosen
+by its own time; its transfers follow from it). With every solve proven to
+1e-9 (the default) the gap is at most about 1e-9.
 
 ``S = 1`` is one stage on the whole machine with ``m`` micro-batches; with
 m = 1 it is today's single-program plan, so the optimum is never worse.
@@ -129,7 +186,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from shardplan.errors import ShardplanError
-from shardplan.pipeline.schedule import StageTimes, in_flight, step_time
+from shardplan.pipeline.schedule import StageTimes, in_flight, makespan, simulate, step_time
 
 __all__ = ["StageCost", "PipelineSpace", "Stage", "PipelinePlan", "submesh_sizes", "search_pipeline",
            "brute_force_pipeline", "evaluate_pipeline"]
@@ -149,6 +206,9 @@ class StageCost:
         grad_bytes: per micro-batch, the most bytes of gradient one of its devices receives for the tensors
             that later stages read (its output tiles): the backward transfer into the stage.
         weight_grad: seconds of ``backward`` that compute and reduce weight gradients (ZB-H1's W pass).
+        lower: a proven lower bound of the least ``time`` the stage can take under the same constraints, when
+            the solve that produced it stopped short of a proof (a memory-constrained solve with a relative
+            tolerance or a time limit); None: ``time`` itself is the stage's optimum.
     """
 
     forward: float
@@ -159,10 +219,16 @@ class StageCost:
     recv_bytes: float | None = None
     grad_bytes: float | None = None
     weight_grad: float = 0.0
+    lower: float | None = field(default=None, compare=False)
 
     @property
     def time(self) -> float:
         return self.forward + self.backward
+
+    @property
+    def proven(self) -> float:
+        """The proven lower bound of the stage's least time (``time`` when exact)."""
+        return self.time if self.lower is None else min(self.lower, self.time)
 
     def memory(self, k: float) -> float:
         """Peak bytes per device with ``k`` micro-batches in flight."""
@@ -171,6 +237,7 @@ class StageCost:
 
 StageFn = Callable[[int, int, int, int], "StageCost | None"]
 FitFn = Callable[[int, int, int, int, int, float], "StageCost | None"]
+GroupFitFn = Callable[[tuple[tuple[int, int], ...], int, int, float, float], "tuple[StageCost, ...] | None"]
 LinkFn = Callable[[int, int, int, int, bool], float]
 ExchangeFn = Callable[[float, bool], float]
 
@@ -273,6 +340,14 @@ class PipelinePlan:
     budget: float | None
     stats: dict = field(default_factory=dict, compare=False)
     back_links: tuple[float, ...] | None = None
+    lower_bound: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """(step - lower bound) / step: how far from the space's optimum the plan may be (None: no bound)."""
+        if self.lower_bound is None:
+            return None
+        return max(0.0, (self.step_time - self.lower_bound) / self.step_time) if self.step_time > 0 else 0.0
 
     @property
     def num_stages(self) -> int:
@@ -309,43 +384,53 @@ def _links_ok(a: float, bound: float) -> bool:
 
 def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
-                    exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None) -> PipelinePlan:
-    """The optimum of the module docstring's model over ``space`` (1F1B DP; interleaved enumerated).
+                    exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None,
+                    group_fit_fn: GroupFitFn | None = None) -> PipelinePlan:
+    """The optimum of the module docstring's model over ``space`` (1F1B DP; interleaved and ZB-H1 enumerated).
 
     ``exchange(bytes per device, inter-node) -> seconds``: exact stage-to-stage transfers from the stage costs'
     ``recv_bytes``/``grad_bytes`` (module docstring); None: ``link_fn`` per cut. ``fit_fn(a, b, q, m, k,
-    budget)``: a stage's memory-constrained optimum with k micro-batches in flight, used (1F1B) where the
-    time-optimal one does not fit."""
+    budget)``: a stage's memory-constrained optimum with k micro-batches in flight, used (1F1B, ZB-H1) where
+    the time-optimal one does not fit. ``group_fit_fn(chunks, q, m, k, budget)``: an interleaved device
+    group's joint memory-constrained optimum (one cost per chunk), likewise. The answer's ``lower_bound`` is
+    a proven lower bound of the optimum over the space (module docstring, *Lower bound*)."""
     t0 = time.perf_counter()
     best: PipelinePlan | None = None
+    lower = math.inf  # the least proven lower bound of the parts of the space explored so far
     stats: dict[str, Any] = {"candidates": 0, "dp_states": 0, "stage_evaluations": 0}
+
+    def take(cand: PipelinePlan | None, lb: float, strict: float = 0.0) -> None:
+        nonlocal best, lower
+        lower = min(lower, lb)
+        if cand is not None and (best is None or cand.step_time < best.step_time * (1 - strict)):
+            best = cand
+
     for m in sorted(set(int(x) for x in space.micro_batches)):
         if "1f1b" in schedules:
-            cand = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf, exchange,
-                                fit_fn)
-            if cand is not None and (best is None or cand.step_time < best.step_time):
-                best = cand
+            take(*_search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf, exchange,
+                               fit_fn))
         if "interleaved" in schedules:
             for v in space.interleave:
-                cand = _search_interleaved(space, stage_fn, link_fn, m, v, exchange)
-                if cand is not None and (best is None or cand.step_time < best.step_time):
-                    best = cand
+                take(*_search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
+                                          best.step_time if best else math.inf, stats))
         if "zb-h1" in schedules:
             seeds = [[(s.first, s.end, s.devices) for s in best.stages]] if best is not None and best.chunks == 1 else []
-            cand = _search_zb_h1(space, stage_fn, link_fn, m, exchange, seeds)
             # (a strict gain: with one stage or no weight gradients ZB-H1 is 1F1B up to rounding)
-            if cand is not None and (best is None or cand.step_time < best.step_time * (1 - 1e-12)):
-                best = cand
+            take(*_search_zb_h1(space, stage_fn, link_fn, m, exchange, seeds, fit_fn,
+                                best.step_time if best else math.inf, stats), strict=1e-12)
     if best is None:
         raise ShardplanError("no pipeline fits: every stage cut and sub-mesh exceeds the memory budget "
                              "(or no stage can be costed)")
     stats["solve_seconds"] = time.perf_counter() - t0
-    return replace(best, stats={**best.stats, **stats})
+    return replace(best, stats={**best.stats, **stats}, lower_bound=min(lower, best.step_time))
 
 
 def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, stats: dict,
                  incumbent: float, exchange: ExchangeFn | None = None,
-                 fit_fn: FitFn | None = None) -> PipelinePlan | None:
+                 fit_fn: FitFn | None = None) -> tuple[PipelinePlan | None, float]:
+    """The 1F1B optimum at m if below ``incumbent`` (else None), and a proven lower bound of the 1F1B optimum at
+    m: rho min(incumbent, found), rho the least proven/found ratio of the memory-constrained stages solved
+    (module docstring, *Lower bound*)."""
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     sizes = space.allowed_sizes()
@@ -405,11 +490,22 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         key = (a, b, q, k)
         if key not in fitted:
             if lazy[0]:
-                fitted[key] = replace(c, weight_bytes=0.0, activation_bytes=0.0, recv_bytes=0.0, grad_bytes=0.0,
-                                      detail=_PENDING)
+                fitted[key] = _stand_in(c)
             else:
                 resolve(key)
-        return fitted[key]
+        return proven_of(key) if bounding[0] else fitted[key]
+
+    bounding = [False]  # the second pass: resolved stages at their proven seconds (module docstring, Lower bound)
+    proven: dict[tuple[int, int, int, float], StageCost | None] = {}
+
+    def proven_of(key: tuple[int, int, int, float]) -> StageCost | None:
+        c = fitted[key]
+        if c is None or c.detail is _PENDING:
+            return c
+        if key not in proven:
+            proven[key] = _at_proven(c)
+            see(proven[key].time)  # type: ignore[union-attr]
+        return proven[key]
 
     def link(u: int, o: int, q: int, q2: int) -> float:
         t = link_fn(u, q, q2, m, (o + q) % ns == 0)
@@ -449,7 +545,12 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                             break  # nothing fits [a, b) with k in flight: a longer stage needs more still
                         continue
                     if c.time > bound * (1 + 1e-12):
-                        break  # stage times grow with b (monotone_stages): longer stages are slower still
+                        plain = cost(a, b, q)
+                        if not lazy[0] or plain.time > bound * (1 + 1e-12):  # type: ignore[union-attr]
+                            break  # stage times grow with b (monotone_stages): longer stages are slower still
+                        # a relaxed time (a solved stage, or one at its proven seconds) over B: a longer stage's
+                        # true time is over B too, but its stand-in may not be; the time-optimal stage's is
+                        continue
                     here = c.time
                     if exchange is not None:
                         fin, gout = edges(c, a, o, q, r == 1)
@@ -492,8 +593,10 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             a, o, r, q = b, o + q, r - 1, q2
         return best_v, out
 
-    def optimum() -> PipelinePlan | None:
-        """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages)."""
+    def optimum(start: float) -> PipelinePlan | None:
+        """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages):
+        the best plan below ``start``, else None. While ``bounding``: the relaxation's optimum (stand-ins and
+        stages at their proven seconds taken as they are, nothing solved)."""
         # D(inf) per stage count (a lower bound of every D(B)); the stages and links it visits are every one that
         # can occur, so their times are the candidate bottleneck values
         floors = {}
@@ -512,7 +615,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             fresh.clear()
 
         best: PipelinePlan | None = None
-        best_t = incumbent
+        best_t = start
         while heap:
             lb, n_stages, bound = heapq.heappop(heap)
             if lb >= best_t:
@@ -525,9 +628,13 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             total = got[0] + (m - 1) * bound
             if total >= best_t:
                 continue
-            plan = _assemble(got[1], cost, m, space, link_fn, exchange, fitted=fitted)
+            view = fitted
+            if bounding[0]:  # the plan's own stages at their proven seconds (keys as `effective` makes them)
+                keys = [(a, b, q, float(min(len(got[1]) - i, m))) for i, (a, b, _, q) in enumerate(got[1])]
+                view = {key: proven_of(key) for key in keys if key in fitted}
+            plan = _assemble(got[1], cost, m, space, link_fn, exchange, fitted=view)
             pending = [(s.first, s.end, s.devices, s.in_flight) for s in plan.stages if s.cost.detail is _PENDING]
-            if pending:
+            if pending and not bounding[0]:
                 # solve the stand-ins this relaxed optimum uses; the bound's value only grows, so `total` stays a
                 # lower bound of it: back into the queue
                 stats["lazy_rounds"] = stats.get("lazy_rounds", 0) + 1
@@ -543,10 +650,25 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 best, best_t = plan, plan.step_time
         return best
 
-    found = optimum()
+    found = optimum(incumbent)
     if fit_fn is not None and not lazy[0]:  # abandoned the stand-ins: the eager search
-        found = optimum()
-    return found
+        found = optimum(incumbent)
+    # the lower bound (module docstring): every relaxed value is at least `reached`; rho bounds how far the
+    # solves' proven seconds fall below what they found
+    reached = min(incumbent, found.step_time if found is not None else math.inf)
+    rho = min([c.proven / c.time for c in fitted.values() if c is not None and c.detail is not _PENDING
+               and c.time > 0] + [1.0])
+    lower = rho * reached
+    if rho < 1 - BOUND_PASS_RTOL and lazy[0] and math.isfinite(reached):
+        bounding[0] = True
+        t0 = time.perf_counter()
+        relaxed = optimum(reached)
+        stats["bound_pass_seconds"] = stats.get("bound_pass_seconds", 0.0) + time.perf_counter() - t0
+        lower = max(lower, min(reached, relaxed.step_time if relaxed is not None else math.inf))
+    return found, lower
+
+
+BOUND_PASS_RTOL = 1e-6  # below this the solves' own ratio already bounds the 1F1B optimum: no second pass
 
 
 _PENDING = "memory-constrained optimum not yet solved: a lower-bound stand-in"
@@ -577,13 +699,57 @@ def _assemble(segments: Sequence[tuple[int, int, int, int]], cost, m: int, space
                         back_links=back)
 
 
-def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int,
-                        v: int, exchange: ExchangeFn | None = None) -> PipelinePlan | None:
-    U, p = space.num_units, space.num_devices
+def _stand_in(c: StageCost) -> StageCost:
+    """A lower bound of a stage's memory-constrained optimum before it is solved: its time-optimal seconds, no
+    memory, no transfers (the search module docstring)."""
+    return replace(c, weight_bytes=0.0, activation_bytes=0.0, recv_bytes=0.0, grad_bytes=0.0, detail=_PENDING)
+
+
+def _at_proven(c: StageCost) -> StageCost:
+    """The stage with its seconds scaled down to its proven lower bound (forward, backward and W alike)."""
+    if c.lower is None or not c.time > 0:
+        return c
+    r = c.proven / c.time
+    return replace(c, forward=c.forward * r, backward=c.backward * r, weight_grad=c.weight_grad * r, lower=None)
+
+
+def _interleaved_plan(costs: Sequence[StageCost], chunks: Sequence[tuple[int, int]], n: int, q: int, m: int,
+                      v: int, space: PipelineSpace, link_fn: LinkFn, exchange: ExchangeFn | None) -> PipelinePlan:
+    """The interleaved plan of chunk costs (chunk j on device group j mod n) and its step time."""
+    p = space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
+    k = in_flight(n, m, "interleaved", v)
+    links, back = [], []
+    for j in range(n * v - 1):
+        o, o2 = (j % n) * q, ((j + 1) % n) * q
+        inter = (o // ns) != (o2 // ns)
+        if exchange is None:
+            links.append(link_fn(chunks[j][1], q, q, m, inter))
+            back.append(links[-1])
+        else:
+            links.append(_exchanged(exchange, costs[j + 1].recv_bytes, inter))
+            back.append(_exchanged(exchange, costs[j].grad_bytes, inter))
+    stages = tuple(Stage(a, b, (j % n) * q, q, costs[j], k[j % n]) for j, (a, b) in enumerate(chunks))
+    times = [StageTimes(sum(costs[j].forward for j in range(d, n * v, n)),
+                        sum(costs[j].backward for j in range(d, n * v, n))) for d in range(n)]
+    t = step_time(times, [max(links[d::n]) for d in range(n - 1)], m, "interleaved", v,
+                  back=[max(back[d::n]) for d in range(n - 1)])
+    return PipelinePlan(stages, m, "interleaved", v, tuple(links), t, space.budget, back_links=tuple(back))
+
+
+def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, v: int,
+                        exchange: ExchangeFn | None = None, group_fit_fn: GroupFitFn | None = None,
+                        incumbent: float = math.inf, stats: dict | None = None) -> tuple[PipelinePlan | None, float]:
+    """Interleaved 1F1B with v chunks, enumerated (module docstring): the best candidate below ``incumbent``
+    (else None) and a proven lower bound of every candidate's value. A device group whose time-optimal chunks
+    do not fit takes its joint memory-constrained optimum (``group_fit_fn``), solved only when the candidate's
+    value with stand-ins for such groups is below the best known."""
+    U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
     budget = math.inf if space.budget is None else space.budget
+    stats = {} if stats is None else stats
     best: PipelinePlan | None = None
+    best_t, lower = incumbent, math.inf
     for n in range(2, min(space.max_stages or U, p) + 1):
         q = p // n
         if p % n or q not in sizes or m % n or U < n * v:
@@ -595,50 +761,100 @@ def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn
             continue
         costs: list[StageCost] = got  # type: ignore[assignment]
         k = in_flight(n, m, "interleaved", v)
-        weights = [sum(costs[j].weight_bytes for j in range(d, n * v, n)) for d in range(n)]
-        acts = [sum(costs[j].activation_bytes for j in range(d, n * v, n)) for d in range(n)]
-        if any(weights[d] + k[d] * acts[d] > budget for d in range(n)):
-            continue
-        links, back = [], []
-        for j in range(n * v - 1):
-            o, o2 = (j % n) * q, ((j + 1) % n) * q
-            inter = (o // ns) != (o2 // ns)
-            if exchange is None:
-                links.append(link_fn(chunks[j][1], q, q, m, inter))
-                back.append(links[-1])
-            else:
-                links.append(_exchanged(exchange, costs[j + 1].recv_bytes, inter))
-                back.append(_exchanged(exchange, costs[j].grad_bytes, inter))
-        stages = tuple(Stage(a, b, (j % n) * q, q, costs[j], k[j % n]) for j, (a, b) in enumerate(chunks))
-        times = [StageTimes(sum(costs[j].forward for j in range(d, n * v, n)),
-                            sum(costs[j].backward for j in range(d, n * v, n))) for d in range(n)]
-        t = step_time(times, [max(links[d::n]) for d in range(n - 1)], m, "interleaved", v,
-                      back=[max(back[d::n]) for d in range(n - 1)])
-        if best is None or t < best.step_time:
-            best = PipelinePlan(stages, m, "interleaved", v, tuple(links), t, space.budget, back_links=tuple(back))
-    return best
+        over = [d for d in range(n) if sum(costs[j].weight_bytes for j in range(d, n * v, n))
+                + k[d] * sum(costs[j].activation_bytes for j in range(d, n * v, n)) > budget]
+        if over:
+            if group_fit_fn is None:
+                continue
+            relaxed = list(costs)
+            for d in over:
+                for j in range(d, n * v, n):
+                    relaxed[j] = _stand_in(costs[j])
+            lb = _interleaved_plan(relaxed, chunks, n, q, m, v, space, link_fn, exchange).step_time
+            if lb >= best_t:
+                lower = min(lower, lb)  # not solved: its stand-in value already reaches the best
+                continue
+            feasible = True
+            for d in over:
+                mine = [(j, chunks[j]) for j in range(d, n * v, n)]
+                fit = group_fit_fn(tuple(c for _, c in mine), q, m, k[d], budget)
+                stats["group_fit_evaluations"] = stats.get("group_fit_evaluations", 0) + 1
+                if fit is None:
+                    feasible = False  # nothing fits this group: the candidate is not in the space
+                    break
+                for (j, _), c in zip(mine, fit):
+                    costs[j] = c
+            if not feasible:
+                continue
+        plan = _interleaved_plan(costs, chunks, n, q, m, v, space, link_fn, exchange)
+        # its value with every chunk at its proven seconds (the step is monotone in each group's time)
+        lower = min(lower, _interleaved_plan([_at_proven(c) for c in costs], chunks, n, q, m, v, space, link_fn,
+                                             exchange).step_time)
+        if plan.step_time < best_t:
+            best, best_t = plan, plan.step_time
+    return best, lower
+
+
+def _zb_lower(plan: PipelinePlan) -> float:
+    """A lower bound of a ZB-H1 plan's step when its stages' seconds are proven only down to ``lower``: the
+    1F1B part of the closed form at the proven seconds, less the saving at the seconds found (the saving
+    ``(S - 1)(W + min(W, F, B))`` grows with each of W, F, B), for m >= S; else the event simulation at the
+    proven seconds (monotone in every duration). Exact for stages whose seconds are proven."""
+    if all(s.cost.lower is None for s in plan.stages):
+        return plan.step_time
+    m, n = plan.micro_batches, plan.num_stages
+    lo = [StageTimes(c.forward, c.backward, weight_grad=c.weight_grad) for c in (_at_proven(s.cost) for s in plan.stages)]
+    links, back = list(plan.links), list(plan.back_links if plan.back_links is not None else plan.links)
+    if m < n:
+        return makespan(simulate(lo, links, m, "zb-h1", back=back))
+    found = plan.stage_times()
+    w = min(s.weight_grad for s in found)
+    f = min(s.forward for s in found)
+    b = min(s.backward - s.weight_grad for s in found)
+    return step_time(lo, links, m, "1f1b", back=back) - (n - 1) * (w + min(w, f, b))
 
 
 def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, exchange: ExchangeFn | None,
-                  seeds: Sequence[Sequence[tuple[int, int, int]]]) -> PipelinePlan | None:
+                  seeds: Sequence[Sequence[tuple[int, int, int]]], fit_fn: FitFn | None = None,
+                  incumbent: float = math.inf, stats: dict | None = None) -> tuple[PipelinePlan | None, float]:
     """ZB-H1, enumerated: for every uniform sub-mesh size the units dealt evenly over the stages, plus the
-    stages of ``seeds`` (the best 1F1B plan found so far); each costed by the event simulation."""
+    stages of ``seeds`` (the best 1F1B plan found so far); each costed by the event simulation. A stage whose
+    time-optimal plan does not fit min(S, m) in flight takes its memory-constrained optimum (``fit_fn``),
+    solved only when the candidate's floor ``m max_i t_i`` (time-optimal seconds) is below ``incumbent``.
+    Returns the best candidate and a proven lower bound of every candidate's value."""
     U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
+    budget = math.inf if space.budget is None else space.budget
+    stats = {} if stats is None else stats
     cands = [list(seg) for seg in seeds]
     for n in range(1, min(space.max_stages or U, U, p) + 1):
         if p % n == 0 and p // n in sizes:
             bounds = [round(j * U / n) for j in range(n + 1)]
             cands.append([(bounds[j], bounds[j + 1], p // n) for j in range(n)])
     best: PipelinePlan | None = None
+    lower = math.inf
     for segs in cands:
+        k = float(min(len(segs), m))
+        plain = [stage_fn(a, b, q, m) for a, b, q in segs]
+        if any(c is None for c in plain):
+            continue
+        if fit_fn is not None and any(c.memory(k) > budget for c in plain):  # type: ignore[union-attr]
+            # the closed form and the simulation are at least m max_i t_i (module docstring of schedule)
+            floor = m * max(c.time for c in plain)  # type: ignore[union-attr]
+            if floor >= min(incumbent, best.step_time if best is not None else math.inf):
+                lower = min(lower, floor)
+                continue
+            stats["zb_fit_candidates"] = stats.get("zb_fit_candidates", 0) + 1
         try:
-            plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn, exchange, schedule="zb-h1")
+            plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn, exchange, schedule="zb-h1", fit_fn=fit_fn)
         except ShardplanError:
             continue
-        if plan is not None and (best is None or plan.step_time < best.step_time):
+        if plan is None:
+            continue
+        lower = min(lower, _zb_lower(plan))
+        if best is None or plan.step_time < best.step_time:
             best = plan
-    return best
+    return best, lower
 
 
 def evaluate_pipeline(segments: Sequence[tuple[int, int, int]], m: int, space: PipelineSpace, stage_fn: StageFn,

@@ -26,7 +26,10 @@ memory-constrained optimum for that in-flight count (ZeRO/FSDP,
 recomputation: :func:`shardplan.fit.solve_fit`, a branch-and-bound per
 stage, with the once-per-step collectives amortised over m as below), which
 the search solves only for the stages its relaxation needs (the lazy
-resolution of :mod:`shardplan.pipeline.search`); with a ``fallback`` rule
+resolution of :mod:`shardplan.pipeline.search`); an interleaved device
+group's chunks share one device, so they take theirs jointly
+(:meth:`ModelStages.group_fit_cost`: one solve of the chunks' union with
+the group's fractional in-flight count); with a ``fallback`` rule
 it takes the rule's layouts when they fit (fast, not exact). The sub-plan's gradient synchronisation is charged per
 micro-batch at 1/m of the weight-gradient all-reduce (gradients are
 accumulated over the m micro-batches and reduced once per step; the intra-stage
@@ -187,12 +190,16 @@ def weight_sync(op: Operator, configs, orders, machine: Machine):
     return np.maximum(full - without, 0.0)
 
 
-def _forward_backward(plan) -> tuple[float, float, float]:
+def _forward_backward(plan, ops: "set[int] | None" = None) -> tuple[float, float, float]:
     """Split a plan's predicted seconds into forward, backward and the backward's weight-gradient compute
     (module docstring): a GEMM's backward computes one gradient per tensor that needs one, each costing its
-    forward, so the weights' share of the compute is (weights with gradients) / (1 + tensors with gradients)."""
+    forward, so the weights' share of the compute is (weights with gradients) / (1 + tensors with gradients).
+    ``ops``: only these operators (by index), with the redistribution into them (an edge is charged to its
+    reader, as :meth:`~shardplan.cost.CostTables.breakdown` does)."""
     fwd = bwd = wgrad = 0.0
     for i, op in enumerate(plan.graph.operators):
+        if ops is not None and i not in ops:
+            continue
         parts = plan.tables.op_costs[i].parts(plan.assignment[i])
         share = 1.0 / (1 + len(op.grad_tensors))
         fwd += parts["compute"] * share + parts["forward_allreduce"]
@@ -201,8 +208,46 @@ def _forward_backward(plan) -> tuple[float, float, float]:
         for key in ("halo", "stats", "recurrence"):
             fwd += parts[key] / 2
             bwd += parts[key] / 2
-    red = plan.breakdown["redistribution"]
+    if ops is None:
+        red = plan.breakdown["redistribution"]
+    else:
+        a = plan.assignment
+        red = float(sum(mat[a[src], a[dst]] for src, dst, mat in plan.tables.all_edges() if dst in ops))
     return fwd + red / 2, bwd + red / 2, wgrad
+
+
+def _fit_parts(plan, ops: "set[int] | None", m: int, k: float, first: int, last: int,
+               boundary: Callable[..., tuple[float, float]]) -> StageCost:
+    """The :class:`StageCost` of a memory-constrained plan (or of its operators ``ops``): forward and backward
+    as the time-optimal plan's split, plus what the memory choices add (ZeRO collectives, recomputed forwards,
+    the amortised weight-gradient sync: ``plan.cost`` charges 1/m of each once-per-step collective, the operator
+    costs all of it) in the backward, so forward + backward is the plan's cost; bytes with ``k`` in flight;
+    ZB-H1's W pass is the weight-gradient GEMMs' compute only (their reduction, whatever its ZeRO stage, is
+    left in B: the W pass is never longer than the plan's, so ZB-H1's saving is not overstated)."""
+    fwd, bwd, wgrad = _forward_backward(plan, ops)
+    mc = plan.memory_choices
+    idx = range(len(plan.graph.operators)) if ops is None else sorted(ops)
+    for i in idx:
+        bwd += sum(mc.parts(i).values()) - float(plan.tables.op_costs[i].total[plan.assignment[i]])
+    state = float(sum(mc.choice_tables[i].state_bytes[mc.choices[i]] for i in idx))
+    act = float(sum(mc.choice_tables[i].activation_bytes[mc.choices[i]] for i in idx))
+    if ops is None or 0 in ops:
+        state += mc.reserve_bytes
+    recv, grad = boundary(plan, m, first, last, ops=ops)
+    return StageCost(fwd, bwd, state, act / k, plan, recv, grad, min(max(bwd, 0.0), wgrad))
+
+
+def _proven_ratio(plan, rtol: float) -> float:
+    """Proven lower bound / cost of a memory-constrained solve: its branch-and-bound prunes a node whose bound
+    is within ``rtol`` of the incumbent (which only falls), so the optimum is at least cost (1 - rtol), and at
+    least the solve's own bound when it stopped (time or node limit)."""
+    sol = plan.solution
+    if not sol.cost > 0:
+        return 1.0
+    low = sol.cost * (1.0 - rtol)
+    if sol.bound is not None:
+        low = min(low, float(sol.bound))
+    return max(0.0, min(1.0, low / sol.cost))
 
 
 @dataclass
@@ -312,14 +357,15 @@ class ModelStages:
             self._cuts[key] = (unit, users)
         return self._cuts[key]
 
-    def boundary_bytes(self, plan, m: int, first: int, last: int, rename: dict[str, str] | None = None
-                       ) -> tuple[float, float]:
+    def boundary_bytes(self, plan, m: int, first: int, last: int, rename: dict[str, str] | None = None,
+                       ops: "set[int] | None" = None) -> tuple[float, float]:
         """(recv, grad) bytes per device of a stage whose units run from ``first`` to ``last``: per edge from an
         earlier unit, the largest input tile one of its devices needs under ``plan``; per edge to a later unit
         (whose input needs a gradient), the largest output tile one of its devices holds. Summed over edges,
         as the edge cost charges each edge (:mod:`shardplan.cost.edge`, with nothing held on the other
         sub-mesh). ``rename``: plan operators standing for others of the model (an identical unit elsewhere),
-        whose consumers are the ones that count."""
+        whose consumers are the ones that count. ``ops``: only these operators of the plan (one chunk of a
+        device group's joint plan)."""
         from shardplan.cost.tiles import tile_volumes
 
         g = self.graph(m)[0]
@@ -327,6 +373,8 @@ class ModelStages:
         graph, tables = plan.graph, plan.tables
         recv = grad = 0.0
         for i, op in enumerate(graph.operators):
+            if ops is not None and i not in ops:
+                continue
             early = [t for t in op.inputs if t.src is not None and unit.get(t.src, first) < first]
             real = op.name if rename is None else rename.get(op.name, op.name)
             later = [(d, slot) for d, slot in users.get(real, ()) if unit[g.operators[d].name] > last]
@@ -595,8 +643,9 @@ class ModelStages:
         so a plan without memory choices costs here exactly what it costs there, and every choice costs at
         least that: the time-optimal stage is a lower bound of this one (what the pipeline search's lazy
         resolution relies on, and checks). A fit solve stopped by ``fit_time_limit`` before its proof is
-        counted in ``fit_unproven``. Only the time-optimal plan's weight-gradient part is split off for
-        ZB-H1."""
+        counted in ``fit_unproven``. ``lower`` is the solve's proven lower bound (cost (1 - fit_rtol), or its
+        bound when stopped early). ZB-H1's W pass of such a stage is its weight-gradient GEMMs' compute
+        (:func:`_fit_parts`)."""
         from shardplan.cost import build_tables
         from shardplan.fit import FitOptions, solve_fit
 
@@ -630,21 +679,84 @@ class ModelStages:
         except ShardplanError:
             cost = None
         else:
-            fwd, bwd, _ = _forward_backward(plan)
-            base = sum(c.total[j] for c, j in zip(plan.tables.op_costs, plan.assignment)) + \
-                plan.tables.breakdown(plan.assignment)["redistribution"]
-            # ZeRO collectives, recomputed forwards and the amortised weight-gradient sync (plan.cost charges
-            # 1/m of each once-per-step collective, the op costs all of it): in the backward, so that
-            # forward + backward is the fit plan's cost
-            bwd += plan.cost - base
             if not plan.solution.optimal:
                 self.fit_unproven += 1
-            mem = plan.memory
-            recv, grad = self.boundary_bytes(plan, m, a, b - 1)
-            cost = StageCost(fwd, bwd, mem["weights_bytes"] + mem["reserve_bytes"], mem["activations_bytes"] / k,
-                             plan, recv, grad, 0.0)
+            cost = _fit_parts(plan, None, m, k, a, b - 1, self.boundary_bytes)
+            # proven: the solve's bound, and the time-optimal stage (no choice is cheaper than none)
+            plain = self.stage_cost(a, b, q, m)
+            low = max(cost.time * _proven_ratio(plan, self.fit_rtol), plain.time if plain is not None else 0.0)
+            cost = replace(cost, lower=min(low, cost.time))
         self._cache[key] = family[k] = cost
         return cost
+
+    def subgraph_of(self, chunks: tuple[tuple[int, int], ...], m: int) -> Graph:
+        """The operators of the unit ranges ``chunks`` (ascending, disjoint) as one graph: what one device group
+        of the interleaved schedule holds. Tensors from outside the ranges are graph inputs; the graph's ties
+        are restricted to these operators, as in :meth:`subgraph`."""
+        g, units, _ = self.graph(m)
+        ops = [g.operators[i] for a, b in chunks for u in range(a, b) for i in units[u]]
+        names = {op.name for op in ops}
+        inputs: dict[str, tuple[int, ...]] = {}
+        for op in ops:
+            for t in op.inputs:
+                if t.src is not None and t.src not in names:
+                    inputs[t.src] = t.shape
+        label = ",".join(f"{a}:{b}" for a, b in chunks)
+        return Graph(f"{g.name}[{label}]", tuple(ops), inputs, ties=_ties_within(g, names))
+
+    def group_fit_cost(self, chunks: tuple[tuple[int, int], ...], q: int, m: int, k: float,
+                       budget: float) -> tuple[StageCost, ...] | None:
+        """The memory-constrained optimum of one device group of the interleaved schedule: its chunks (unit
+        ranges, each on the group's q devices) jointly under ``budget`` bytes per device with ``k`` (possibly
+        fractional) of the group's per-micro-batch activations in flight, i.e. least ``sum_j t_j`` subject to
+        ``sum_j weights_j + k sum_j activations_j <= budget`` (the interleaved schedule's memory model,
+        :func:`~shardplan.pipeline.schedule.in_flight`), with the choices of :meth:`fit_cost`, in one exact
+        solve of the chunks' union (:meth:`subgraph_of`; the chunks share no edge, so the union's cost and bytes
+        are the chunks' sums). Returns one :class:`StageCost` per chunk (the joint plan restricted to its
+        operators, its ``detail`` the group's plan; ``lower`` shares the solve's proven bound in proportion), or
+        None if nothing fits."""
+        from shardplan.cost import build_tables
+        from shardplan.fit import FitOptions, solve_fit
+
+        if self.batch % m:
+            return None
+        _, units, sigs = self.graph(m)
+        key = (tuple((sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None,
+                      self._tie_key(a, b, m)) for a, b in chunks), q, m, "group-fit", float(k), budget)
+        if key in self._cache:
+            return self._cache[key]
+        graph = self.subgraph_of(chunks, m)
+        machine = replace(self.machine, num_devices=q, memory_bytes=budget)
+        opts = dict(self.solve_options)
+        table_opts = {x: opts.pop(x) for x in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas")
+                      if x in opts}
+        cache = self._tables.setdefault((q, "fit"), {})
+        tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
+                         machine=machine)
+        self.solves += 1
+        try:
+            plan = solve_fit(graph, machine, budget=budget, tables=tables,
+                             options=FitOptions(micro_batches=(1,), in_flight=float(k), accumulate=m,
+                                                time_limit=self.fit_time_limit), rtol=self.fit_rtol)
+        except ShardplanError:
+            out = None
+        else:
+            if not plan.solution.optimal:
+                self.fit_unproven += 1
+            ratio = _proven_ratio(plan, self.fit_rtol)
+            plain = [self.stage_cost(a, b, q, m) for a, b in chunks]
+            if plan.solution.cost > 0 and all(c is not None for c in plain):
+                # the time-optimal chunks are a lower bound too (no choice is cheaper than none)
+                ratio = min(1.0, max(ratio, sum(c.time for c in plain) / plan.solution.cost))  # type: ignore[union-attr]
+            parts, start = [], 0
+            for a, b in chunks:
+                n_ops = sum(len(units[u]) for u in range(a, b))
+                c = _fit_parts(plan, set(range(start, start + n_ops)), m, k, a, b - 1, self.boundary_bytes)
+                parts.append(replace(c, lower=c.time * ratio))
+                start += n_ops
+            out = tuple(parts)
+        self._cache[key] = out
+        return out
 
     def stage_cost_of_run(self, a: int, b: int, s: int, e: int, keep: int, q: int, m: int) -> StageCost:
         """Cost of [a, b) with its run of identical units [s, e) cut to ``keep`` units (an equal segment)."""
@@ -729,6 +841,7 @@ def _from_other_in_flight(family: dict, k: int, budget: float, plain: StageCost 
     fits k) is optimal at k when its time meets the largest lower bound known, max(time-optimal, F(k1 < k)),
     to the solves' relative tolerance."""
     lower = plain.time if plain is not None else 0.0
+    proven = lower  # the largest proven lower bound of F(k): solves within a tolerance prove only their ``lower``
     for k1, c in family.items():
         if k1 < k:
             if c is None:
@@ -736,10 +849,11 @@ def _from_other_in_flight(family: dict, k: int, budget: float, plain: StageCost 
             if c.memory(k) <= budget:
                 return c
             lower = max(lower, c.time)
+            proven = max(proven, c.proven)
     ups = [c for k2, c in family.items() if k2 > k and c is not None]
     for c in ups:
         if c.time <= lower * (1 + rtol):
-            return c
+            return replace(c, lower=min(c.time, proven))
     return False
 
 
