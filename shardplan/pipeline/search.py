@@ -140,12 +140,19 @@ enumerated:
   weight-gradient GEMMs (:func:`~shardplan.pipeline.stages._fit_parts`);
   the solves are asked only when the candidate's floor ``m max_i t_i``
   (time-optimal seconds; the closed form and the simulation are never
-  below it) is below the best plan so far. Exact only within these
-  candidates.
+  below it) is below the best plan so far.
+
+The interleaved and ZB-H1 candidates are not optimised over cuts, but the
+search proves a lower bound over *every* cut of both families (below,
+*Family bounds*) and reports it in ``lower_bound``; a family (schedule, S,
+sub-mesh size, m, v) whose bound reaches the best plan is not enumerated.
 
 **Lower bound.** The plan carries ``lower_bound``, a proven lower bound of
-the optimum over the space searched (1F1B, the interleaved and ZB-H1
-candidates), and ``gap`` = (step - lower_bound) / step. A memory-constrained
+the optimum over the whole space (1F1B over every cut, sub-mesh sequence,
+m and memory choice; interleaved over every chunking of every group count
+and m; ZB-H1 over every cut and sub-mesh sequence and m), and ``gap`` =
+(step - lower_bound) / step: the least of the three families' bounds
+(``stats["family_lower_bounds"]``). A memory-constrained
 solve may stop short of a proof: its branch-and-bound prunes within a
 relative ``rtol`` (or stops at a time limit), so it proves only
 ``StageCost.lower`` = max(its bound, cost (1 - rtol), the time-optimal
@@ -160,18 +167,57 @@ seconds) of the stage's least time. Per part:
   proven seconds (unsolved ones stay stand-ins, nothing new is solved) with
   X as its incumbent: min(X, its optimum) bounds the m's optimum too, and
   is far tighter when a loosely proven stage belongs to no good pipeline.
-* interleaved: each candidate's step with every group at its proven seconds
-  (the step is monotone in them), or its stand-in value when not solved.
-* ZB-H1: for m >= S the 1F1B part of the closed form at the proven seconds
-  less the ZB saving ``(S - 1)(W + min(W, F, B))`` at the seconds found (the
-  saving grows with each of W, F, B); for m < S the simulation at the
-  proven seconds (nondecreasing in every duration). This assumes the F/B/W
-  split of the plan found, scaled down, for the optimal plan of a stage that
-  is not proven; or the floor ``m max_i t_i`` when not solved.
+* interleaved and ZB-H1: the family bounds below, which need no solve.
 
 Transfers are taken as those of the plans found (the stage's plan is chosen
 by its own time; its transfers follow from it). With every solve proven to
-1e-9 (the default) the gap is at most about 1e-9.
+1e-9 (the default) the 1F1B part's bound is within about 1e-9 of its
+optimum; the family bounds are looser (below), so the gap is what they
+leave when an interleaved or ZB-H1 family comes close to the best plan.
+
+**Family bounds** (interleaved and ZB-H1 over every cut). Let ``w_q(u)`` be
+the proven seconds of unit u alone as a stage on q devices at m
+(``stage_fn(u, u + 1, q, m).proven``; 0 if it cannot be costed).
+
+*Superadditivity.* The least seconds ``t(a, c)`` of units [a, c) on q
+devices are at least ``t(a, b) + t(b, c)``: restricting an optimal plan of
+[a, c) to [a, b) and to [b, c) gives plans of the pieces (a tensor from
+outside a piece is a graph input and costs nothing), their operator costs
+(weight-gradient sync amortised over m included) add up, and the dropped
+edges cost >= 0. So a stage, a chunk or a device group's chunks together
+take at least ``sum_u w_q(u)`` over their units; a memory-constrained
+optimum (ZeRO/FSDP, recomputation, a joint group solve) only adds cost to
+the time-optimal one, and a found plan is at least the optimum, so this
+bounds every stage the search can cost, proven or not. (A ``stage_fn``
+that is not superadditive voids these bounds, as a non-monotone one voids
+the DP; ``tests/test_pipeline_family.py`` checks it on a real model.)
+
+*ZB-H1* (step :func:`~shardplan.pipeline.schedule.step_time`: the closed
+form for m >= S, the event simulation for m < S). For m >= S the closed
+form is ``sum_i t_i + transfers + (m - 1) max(t_max, c_max) - (S - 1) X``
+with ``X = W + min(W, F, B)`` over the stages' least W, F, B; for every
+stage X <= w_i + b_i <= t_i (b_i its input-gradient seconds), so
+``sum_i t_i - (S - 1) X = t_max + sum_{i != max} (t_i - X) >= t_max`` and
+the step is at least ``m t_max``. For m < S every stage runs its m F, B and
+W passes one after another, so the simulation's makespan is at least
+``m t_i`` for every i. Either way ``T >= m t_max >= m max_i sum_{u in i}
+w_{q_i}(u)``, and over every cut into S stages on sizes q_i summing to p
+(offsets relaxed: a superset of the tilings) the least such max is a
+min-max partition DP (:func:`_minmax_cut`); ``m`` times it bounds the
+(S, sizes, m) family (one size q = p/S when the space is uniform). This
+bound ignores the fill term: what the pipeline adds to m t_max depends on
+each stage's F/B/W split, which is not proven for memory-constrained
+optimum (a different plan may split differently), and on transfers
+(bounded by 0).
+
+*Interleaved* (groups d = 0..S-1, group time t_d = the sum of its chunks'
+seconds). The step ``m t_max + (sum_d t_d - t_max)/v + transfers + (m -
+1/v) max(0, v c_max - t_max)`` is at least ``(m - 1/v) t_max + sum_d
+t_d / v``, nondecreasing in t_max and in the sum; with ``W = sum_u
+w_q(u) <= sum_d t_d`` and ``t_max >= max(W / S, max_u w_q(u))`` it is at
+least ``(m - 1/v) max(W/S, max_u w_q(u)) + W/v`` for every chunking
+(:func:`_interleaved_family_bound`). Both bounds are multiplied by ``1 -
+1e-12`` against rounding (sums in another order than a stage's own).
 
 ``S = 1`` is one stage on the whole machine with ``m`` micro-batches; with
 m = 1 it is today's single-program plan, so the optimum is never worse.
@@ -388,7 +434,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
                     exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None,
                     group_fit_fn: GroupFitFn | None = None) -> PipelinePlan:
-    """The optimum of the module docstring's model over ``space`` (1F1B DP; interleaved and ZB-H1 enumerated).
+    """The optimum of the module docstring's model over ``space`` (1F1B DP; interleaved and ZB-H1 enumerated,
+    bounded over every cut).
 
     ``exchange(bytes per device, inter-node) -> seconds``: exact stage-to-stage transfers from the stage costs'
     ``recv_bytes``/``grad_bytes`` (module docstring); None: ``link_fn`` per cut. ``fit_fn(a, b, q, m, k,
