@@ -487,7 +487,7 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
         raise ShardplanError("no pipeline fits: every stage cut and sub-mesh exceeds the memory budget "
                              "(or no stage can be costed)")
     stats["solve_seconds"] = time.perf_counter() - t0
-    stats["family_lower_bounds"] = dict(family)
+    stats["family_lower_bounds"] = {k: v for k, v in family.items() if math.isfinite(v)}  # inf: nothing in it
     return replace(best, stats={**best.stats, **stats}, lower_bound=min(lower, best.step_time))
 
 
