@@ -44,8 +44,10 @@ def render_pipeline(result: "PipelineResult") -> str:
              f"  predicted step: {fmt_seconds(plan.step_time)} (event simulation: "
              f"{fmt_seconds(result.simulated_step_time())})"]
     if plan.lower_bound is not None:
+        fam = plan.stats.get("family_lower_bounds") or {}
         lines.append(f"  proven lower bound over the space searched: {fmt_seconds(plan.lower_bound)} "
-                     f"(gap {plan.gap:.2g})")
+                     f"(gap {plan.gap:.2g})"
+                     + ("; per schedule: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in fam.items()) if fam else ""))
     gp = result.gpipe_step_time()
     if gp is not None:
         lines.append(f"  same stages under GPipe: {fmt_seconds(gp)}")
@@ -94,6 +96,7 @@ def pipeline_to_json(result: "PipelineResult") -> dict[str, Any]:
         "step_seconds": plan.step_time,
         "lower_bound_seconds": plan.lower_bound,
         "gap": plan.gap,
+        "family_lower_bounds": dict(plan.stats.get("family_lower_bounds") or {}),
         "simulated_step_seconds": result.simulated_step_time(),
         "gpipe_step_seconds": result.gpipe_step_time(),
         "bubble_fraction": bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks, back),

@@ -140,12 +140,19 @@ enumerated:
   weight-gradient GEMMs (:func:`~shardplan.pipeline.stages._fit_parts`);
   the solves are asked only when the candidate's floor ``m max_i t_i``
   (time-optimal seconds; the closed form and the simulation are never
-  below it) is below the best plan so far. Exact only within these
-  candidates.
+  below it) is below the best plan so far.
+
+The interleaved and ZB-H1 candidates are not optimised over cuts, but the
+search proves a lower bound over *every* cut of both families (below,
+*Family bounds*) and reports it in ``lower_bound``; a family (schedule, S,
+sub-mesh size, m, v) whose bound reaches the best plan is not enumerated.
 
 **Lower bound.** The plan carries ``lower_bound``, a proven lower bound of
-the optimum over the space searched (1F1B, the interleaved and ZB-H1
-candidates), and ``gap`` = (step - lower_bound) / step. A memory-constrained
+the optimum over the whole space (1F1B over every cut, sub-mesh sequence,
+m and memory choice; interleaved over every chunking of every group count
+and m; ZB-H1 over every cut and sub-mesh sequence and m), and ``gap`` =
+(step - lower_bound) / step: the least of the three families' bounds
+(``stats["family_lower_bounds"]``). A memory-constrained
 solve may stop short of a proof: its branch-and-bound prunes within a
 relative ``rtol`` (or stops at a time limit), so it proves only
 ``StageCost.lower`` = max(its bound, cost (1 - rtol), the time-optimal
@@ -160,18 +167,57 @@ seconds) of the stage's least time. Per part:
   proven seconds (unsolved ones stay stand-ins, nothing new is solved) with
   X as its incumbent: min(X, its optimum) bounds the m's optimum too, and
   is far tighter when a loosely proven stage belongs to no good pipeline.
-* interleaved: each candidate's step with every group at its proven seconds
-  (the step is monotone in them), or its stand-in value when not solved.
-* ZB-H1: for m >= S the 1F1B part of the closed form at the proven seconds
-  less the ZB saving ``(S - 1)(W + min(W, F, B))`` at the seconds found (the
-  saving grows with each of W, F, B); for m < S the simulation at the
-  proven seconds (nondecreasing in every duration). This assumes the F/B/W
-  split of the plan found, scaled down, for the optimal plan of a stage that
-  is not proven; or the floor ``m max_i t_i`` when not solved.
+* interleaved and ZB-H1: the family bounds below, which need no solve.
 
 Transfers are taken as those of the plans found (the stage's plan is chosen
 by its own time; its transfers follow from it). With every solve proven to
-1e-9 (the default) the gap is at most about 1e-9.
+1e-9 (the default) the 1F1B part's bound is within about 1e-9 of its
+optimum; the family bounds are looser (below), so the gap is what they
+leave when an interleaved or ZB-H1 family comes close to the best plan.
+
+**Family bounds** (interleaved and ZB-H1 over every cut). Let ``w_q(u)`` be
+the proven seconds of unit u alone as a stage on q devices at m
+(``stage_fn(u, u + 1, q, m).proven``; 0 if it cannot be costed).
+
+*Superadditivity.* The least seconds ``t(a, c)`` of units [a, c) on q
+devices are at least ``t(a, b) + t(b, c)``: restricting an optimal plan of
+[a, c) to [a, b) and to [b, c) gives plans of the pieces (a tensor from
+outside a piece is a graph input and costs nothing), their operator costs
+(weight-gradient sync amortised over m included) add up, and the dropped
+edges cost >= 0. So a stage, a chunk or a device group's chunks together
+take at least ``sum_u w_q(u)`` over their units; a memory-constrained
+optimum (ZeRO/FSDP, recomputation, a joint group solve) only adds cost to
+the time-optimal one, and a found plan is at least the optimum, so this
+bounds every stage the search can cost, proven or not. (A ``stage_fn``
+that is not superadditive voids these bounds, as a non-monotone one voids
+the DP; ``tests/test_pipeline_family.py`` checks it on a real model.)
+
+*ZB-H1* (step :func:`~shardplan.pipeline.schedule.step_time`: the closed
+form for m >= S, the event simulation for m < S). For m >= S the closed
+form is ``sum_i t_i + transfers + (m - 1) max(t_max, c_max) - (S - 1) X``
+with ``X = W + min(W, F, B)`` over the stages' least W, F, B; for every
+stage X <= w_i + b_i <= t_i (b_i its input-gradient seconds), so
+``sum_i t_i - (S - 1) X = t_max + sum_{i != max} (t_i - X) >= t_max`` and
+the step is at least ``m t_max``. For m < S every stage runs its m F, B and
+W passes one after another, so the simulation's makespan is at least
+``m t_i`` for every i. Either way ``T >= m t_max >= m max_i sum_{u in i}
+w_{q_i}(u)``, and over every cut into S stages on sizes q_i summing to p
+(offsets relaxed: a superset of the tilings) the least such max is a
+min-max partition DP (:func:`_minmax_cut`); ``m`` times it bounds the
+(S, sizes, m) family (one size q = p/S when the space is uniform). This
+bound ignores the fill term: what the pipeline adds to m t_max depends on
+each stage's F/B/W split, which is not proven for memory-constrained
+optimum (a different plan may split differently), and on transfers
+(bounded by 0).
+
+*Interleaved* (groups d = 0..S-1, group time t_d = the sum of its chunks'
+seconds). The step ``m t_max + (sum_d t_d - t_max)/v + transfers + (m -
+1/v) max(0, v c_max - t_max)`` is at least ``(m - 1/v) t_max + sum_d
+t_d / v``, nondecreasing in t_max and in the sum; with ``W = sum_u
+w_q(u) <= sum_d t_d`` and ``t_max >= max(W / S, max_u w_q(u))`` it is at
+least ``(m - 1/v) max(W/S, max_u w_q(u)) + W/v`` for every chunking
+(:func:`_interleaved_family_bound`). Both bounds are multiplied by ``1 -
+1e-12`` against rounding (sums in another order than a stage's own).
 
 ``S = 1`` is one stage on the whole machine with ``m`` micro-batches; with
 m = 1 it is today's single-program plan, so the optimum is never worse.
@@ -185,8 +231,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from shardplan.errors import ShardplanError
-from shardplan.pipeline.schedule import StageTimes, in_flight, makespan, simulate, step_time
+from shardplan.pipeline.schedule import StageTimes, in_flight, step_time
 
 __all__ = ["StageCost", "PipelineSpace", "Stage", "PipelinePlan", "submesh_sizes", "search_pipeline",
            "brute_force_pipeline", "evaluate_pipeline"]
@@ -386,7 +434,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
                     exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None,
                     group_fit_fn: GroupFitFn | None = None) -> PipelinePlan:
-    """The optimum of the module docstring's model over ``space`` (1F1B DP; interleaved and ZB-H1 enumerated).
+    """The optimum of the module docstring's model over ``space`` (1F1B DP; interleaved and ZB-H1 enumerated,
+    bounded over every cut).
 
     ``exchange(bytes per device, inter-node) -> seconds``: exact stage-to-stage transfers from the stage costs'
     ``recv_bytes``/``grad_bytes`` (module docstring); None: ``link_fn`` per cut. ``fit_fn(a, b, q, m, k,
@@ -405,23 +454,40 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
         if cand is not None and (best is None or cand.step_time < best.step_time * (1 - strict)):
             best = cand
 
+    family: dict[str, float] = {}  # per schedule family: the least proven lower bound over its part of the space
+
+    def note(name: str, lb: float) -> float:
+        family[name] = min(family.get(name, math.inf), lb)
+        return lb
+
     for m in sorted(set(int(x) for x in space.micro_batches)):
+        cache: dict[int, list[float]] = {}
+
+        def units(q: int, m: int = m, cache: dict = cache) -> list[float]:
+            if q not in cache:
+                cache[q] = _unit_seconds(space, stage_fn, m, q)
+            return cache[q]
+
         if "1f1b" in schedules:
-            take(*_search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf, exchange,
-                               fit_fn))
+            found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf,
+                                     exchange, fit_fn)
+            take(found, note("1f1b", lb))
         if "interleaved" in schedules:
             for v in space.interleave:
-                take(*_search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
-                                          best.step_time if best else math.inf, stats))
+                found, lb = _search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
+                                                best.step_time if best else math.inf, stats, units)
+                take(found, note("interleaved", lb))
         if "zb-h1" in schedules:
             seeds = [[(s.first, s.end, s.devices) for s in best.stages]] if best is not None and best.chunks == 1 else []
             # (a strict gain: with one stage or no weight gradients ZB-H1 is 1F1B up to rounding)
-            take(*_search_zb_h1(space, stage_fn, link_fn, m, exchange, seeds, fit_fn,
-                                best.step_time if best else math.inf, stats), strict=1e-12)
+            found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, seeds, fit_fn,
+                                      best.step_time if best else math.inf, stats, units)
+            take(found, note("zb-h1", lb), strict=1e-12)
     if best is None:
         raise ShardplanError("no pipeline fits: every stage cut and sub-mesh exceeds the memory budget "
                              "(or no stage can be costed)")
     stats["solve_seconds"] = time.perf_counter() - t0
+    stats["family_lower_bounds"] = {k: v for k, v in family.items() if math.isfinite(v)}  # inf: nothing in it
     return replace(best, stats={**best.stats, **stats}, lower_bound=min(lower, best.step_time))
 
 
@@ -739,11 +805,16 @@ def _interleaved_plan(costs: Sequence[StageCost], chunks: Sequence[tuple[int, in
 
 def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, v: int,
                         exchange: ExchangeFn | None = None, group_fit_fn: GroupFitFn | None = None,
-                        incumbent: float = math.inf, stats: dict | None = None) -> tuple[PipelinePlan | None, float]:
+                        incumbent: float = math.inf, stats: dict | None = None,
+                        units: Callable[[int], Sequence[float]] | None = None) -> tuple[PipelinePlan | None, float]:
     """Interleaved 1F1B with v chunks, enumerated (module docstring): the best candidate below ``incumbent``
-    (else None) and a proven lower bound of every candidate's value. A device group whose time-optimal chunks
-    do not fit takes its joint memory-constrained optimum (``group_fit_fn``), solved only when the candidate's
-    value with stand-ins for such groups is below the best known."""
+    (else None) and a proven lower bound of the interleaved step at (m, v) over every chunking of every group
+    count (:func:`_interleaved_family_bound` on ``units(q)``, the unit seconds on q devices); a group count whose
+    bound reaches the best known is not enumerated. A device group whose time-optimal chunks do not fit takes
+    its joint memory-constrained optimum (``group_fit_fn``), solved only when the candidate's value with
+    stand-ins for such groups is below the best known."""
+    if units is None:
+        units = lambda q: _unit_seconds(space, stage_fn, m, q)  # noqa: E731
     U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
     budget = math.inf if space.budget is None else space.budget
@@ -753,6 +824,11 @@ def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn
     for n in range(2, min(space.max_stages or U, p) + 1):
         q = p // n
         if p % n or q not in sizes or m % n or U < n * v:
+            continue
+        bound = _interleaved_family_bound(units(q), n, m, v)
+        lower = min(lower, bound)
+        if bound >= best_t:
+            stats["interleaved_pruned"] = stats.get("interleaved_pruned", 0) + 1
             continue
         bounds = [round(j * U / (n * v)) for j in range(n * v + 1)]
         chunks = [(bounds[j], bounds[j + 1]) for j in range(n * v)]
@@ -772,8 +848,7 @@ def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn
                     relaxed[j] = _stand_in(costs[j])
             lb = _interleaved_plan(relaxed, chunks, n, q, m, v, space, link_fn, exchange).step_time
             if lb >= best_t:
-                lower = min(lower, lb)  # not solved: its stand-in value already reaches the best
-                continue
+                continue  # not solved: its stand-in value already reaches the best
             feasible = True
             for d in over:
                 mine = [(j, chunks[j]) for j in range(d, n * v, n)]
@@ -787,53 +862,112 @@ def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn
             if not feasible:
                 continue
         plan = _interleaved_plan(costs, chunks, n, q, m, v, space, link_fn, exchange)
-        # its value with every chunk at its proven seconds (the step is monotone in each group's time)
-        lower = min(lower, _interleaved_plan([_at_proven(c) for c in costs], chunks, n, q, m, v, space, link_fn,
-                                             exchange).step_time)
         if plan.step_time < best_t:
             best, best_t = plan, plan.step_time
     return best, lower
 
 
-def _zb_lower(plan: PipelinePlan) -> float:
-    """A lower bound of a ZB-H1 plan's step when its stages' seconds are proven only down to ``lower``: the
-    1F1B part of the closed form at the proven seconds, less the saving at the seconds found (the saving
-    ``(S - 1)(W + min(W, F, B))`` grows with each of W, F, B), for m >= S; else the event simulation at the
-    proven seconds (monotone in every duration). Exact for stages whose seconds are proven."""
-    if all(s.cost.lower is None for s in plan.stages):
-        return plan.step_time
-    m, n = plan.micro_batches, plan.num_stages
-    lo = [StageTimes(c.forward, c.backward, weight_grad=c.weight_grad) for c in (_at_proven(s.cost) for s in plan.stages)]
-    links, back = list(plan.links), list(plan.back_links if plan.back_links is not None else plan.links)
-    if m < n:
-        return makespan(simulate(lo, links, m, "zb-h1", back=back))
-    found = plan.stage_times()
-    w = min(s.weight_grad for s in found)
-    f = min(s.forward for s in found)
-    b = min(s.backward - s.weight_grad for s in found)
-    return step_time(lo, links, m, "1f1b", back=back) - (n - 1) * (w + min(w, f, b))
+FAMILY_SAFETY = 1 - 1e-12  # the family bounds are sums of unit seconds in another order than a stage's own: rounding
+
+
+def _unit_seconds(space: PipelineSpace, stage_fn: StageFn, m: int, q: int) -> list[float]:
+    """Per unit u, a proven lower bound of the seconds of the stage ``[u, u + 1)`` alone on q devices at m (its
+    ``proven`` seconds; 0 when it cannot be costed, which bounds anything). By superadditivity (module
+    docstring, *Family bounds*) a stage's or a device group's least seconds on q are at least the sum of its
+    units'."""
+    out = []
+    for u in range(space.num_units):
+        c = stage_fn(u, u + 1, q, m)
+        out.append(max(0.0, c.proven) if c is not None else 0.0)
+    return out
+
+
+def _minmax_cut(units: dict[int, Sequence[float]], p: int, stages: int) -> float:
+    """The least, over cuts of the units into ``stages`` non-empty contiguous runs, run i on q_i devices (q_i a
+    key of ``units``, sum q_i = p), of max_i (sum of run i's unit seconds on q_i); inf if there is none. A DP
+    over (runs placed, devices used) with a vector over the units covered (placement offsets are relaxed: any
+    sizes summing to p, a superset of the tilings the search places)."""
+    U = len(next(iter(units.values())))
+    if stages > U:
+        return math.inf
+    prefix = {q: np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float)))) for q, w in units.items()}
+    q_min = min(units)
+    layer: dict[int, np.ndarray] = {0: np.full(U + 1, np.inf)}
+    layer[0][0] = 0.0
+    for s in range(stages):
+        nxt: dict[int, np.ndarray] = {}
+        left = stages - s - 1
+        for d, best in layer.items():
+            for q, pre in prefix.items():
+                if d + q + left * q_min > p:
+                    continue
+                row = nxt.setdefault(d + q, np.full(U + 1, np.inf))
+                for u in np.flatnonzero(np.isfinite(best[: U - left])):
+                    vals = np.maximum(best[u], pre[u + 1:] - pre[u])
+                    np.minimum(row[u + 1:], vals, out=row[u + 1:])
+        layer = nxt
+    return float(layer[p][U]) if p in layer else math.inf
+
+
+def _zb_family_bound(units: dict[int, Sequence[float]], p: int, stages: int, m: int) -> float:
+    """A lower bound of ZB-H1's step over every cut of the units into ``stages`` stages on sub-meshes from
+    ``units``' sizes: ``m`` times the least bottleneck :func:`_minmax_cut` (module docstring, *Family bounds*)."""
+    return m * _minmax_cut(units, p, stages) * FAMILY_SAFETY
+
+
+def _interleaved_family_bound(units: Sequence[float], groups: int, m: int, v: int) -> float:
+    """A lower bound of the interleaved step (v chunks per device group, ``groups`` groups on equal sub-meshes)
+    over every chunking: with W the sum of the unit seconds and t_max >= max(W / S, max unit),
+    ``(m - 1/v) t_max + W / v`` (module docstring, *Family bounds*)."""
+    w = float(sum(units))
+    t_max = max(w / groups, max(units, default=0.0))
+    return ((m - 1.0 / v) * t_max + w / v) * FAMILY_SAFETY
 
 
 def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, exchange: ExchangeFn | None,
                   seeds: Sequence[Sequence[tuple[int, int, int]]], fit_fn: FitFn | None = None,
-                  incumbent: float = math.inf, stats: dict | None = None) -> tuple[PipelinePlan | None, float]:
+                  incumbent: float = math.inf, stats: dict | None = None,
+                  units: Callable[[int], Sequence[float]] | None = None) -> tuple[PipelinePlan | None, float]:
     """ZB-H1, enumerated: for every uniform sub-mesh size the units dealt evenly over the stages, plus the
-    stages of ``seeds`` (the best 1F1B plan found so far); each costed by the event simulation. A stage whose
-    time-optimal plan does not fit min(S, m) in flight takes its memory-constrained optimum (``fit_fn``),
-    solved only when the candidate's floor ``m max_i t_i`` (time-optimal seconds) is below ``incumbent``.
-    Returns the best candidate and a proven lower bound of every candidate's value."""
+    stages of ``seeds`` (the best 1F1B plan found so far); each costed by :func:`step_time` (the closed form,
+    or the event simulation for m < S). A stage whose time-optimal plan does not fit min(S, m) in flight takes
+    its memory-constrained optimum (``fit_fn``), solved only when the candidate's floor ``m max_i t_i``
+    (time-optimal seconds) is below ``incumbent``. Returns the best candidate and a proven lower bound of ZB-H1's
+    step at m over every cut of every stage count and sub-mesh sequence the space allows
+    (:func:`_zb_family_bound`); a candidate whose (S, sub-mesh) family bound reaches the best known is skipped."""
     U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
     budget = math.inf if space.budget is None else space.budget
     stats = {} if stats is None else stats
+    if units is None:
+        units = lambda q: _unit_seconds(space, stage_fn, m, q)  # noqa: E731
+    s_max = min(space.max_stages or U, U, p)
+
+    def family_sizes(n: int) -> tuple[int, ...]:
+        if space.uniform:
+            return (p // n,) if p % n == 0 and p // n in sizes else ()
+        return tuple(q for q in sizes if q <= p)
+
+    family: dict[tuple[int, tuple[int, ...]], float] = {}
+
+    def bound(n: int, qs: tuple[int, ...]) -> float:
+        if (n, qs) not in family:
+            family[(n, qs)] = _zb_family_bound({q: units(q) for q in qs}, p, n, m) if qs else math.inf
+        return family[(n, qs)]
+
+    lower = min([bound(n, family_sizes(n)) for n in range(1, s_max + 1)] + [math.inf])
     cands = [list(seg) for seg in seeds]
     for n in range(1, min(space.max_stages or U, U, p) + 1):
         if p % n == 0 and p // n in sizes:
             bounds = [round(j * U / n) for j in range(n + 1)]
             cands.append([(bounds[j], bounds[j + 1], p // n) for j in range(n)])
     best: PipelinePlan | None = None
-    lower = math.inf
     for segs in cands:
+        qs = tuple(sorted({q for *_, q in segs}))
+        if bound(len(segs), qs if len(qs) == 1 else family_sizes(len(segs))) >= min(
+                incumbent, best.step_time if best is not None else math.inf):
+            stats["zb_pruned"] = stats.get("zb_pruned", 0) + 1
+            continue
         k = float(min(len(segs), m))
         plain = [stage_fn(a, b, q, m) for a, b, q in segs]
         if any(c is None for c in plain):
@@ -842,7 +976,6 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
             # the closed form and the simulation are at least m max_i t_i (module docstring of schedule)
             floor = m * max(c.time for c in plain)  # type: ignore[union-attr]
             if floor >= min(incumbent, best.step_time if best is not None else math.inf):
-                lower = min(lower, floor)
                 continue
             stats["zb_fit_candidates"] = stats.get("zb_fit_candidates", 0) + 1
         try:
@@ -851,7 +984,6 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
             continue
         if plan is None:
             continue
-        lower = min(lower, _zb_lower(plan))
         if best is None or plan.step_time < best.step_time:
             best = plan
     return best, lower
