@@ -633,6 +633,32 @@ class ModelStages:
                 return lower
         return None
 
+    def _solve_fit(self, graph: Graph, q: int, m: int, k: float, budget: float):
+        """The fit search (:func:`shardplan.fit.solve_fit`) on ``graph`` at q devices under ``budget`` with ``k``
+        micro-batches' activations in flight and once-per-step collectives amortised over m; the fit's own
+        tables (no per-layout memory filter: the fit search prunes itself). None if nothing fits; a solve
+        stopped before its proof is counted in ``fit_unproven``."""
+        from shardplan.cost import build_tables
+        from shardplan.fit import FitOptions, solve_fit
+
+        machine = replace(self.machine, num_devices=q, memory_bytes=budget)
+        opts = dict(self.solve_options)
+        table_opts = {x: opts.pop(x) for x in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas")
+                      if x in opts}
+        cache = self._tables.setdefault((q, "fit"), {})
+        tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
+                         machine=machine)
+        self.solves += 1
+        try:
+            plan = solve_fit(graph, machine, budget=budget, tables=tables,
+                             options=FitOptions(micro_batches=(1,), in_flight=k, accumulate=m,
+                                                time_limit=self.fit_time_limit), rtol=self.fit_rtol)
+        except ShardplanError:
+            return None
+        if not plan.solution.optimal:
+            self.fit_unproven += 1
+        return plan
+
     def fit_cost(self, a: int, b: int, q: int, m: int, k: int, budget: float) -> StageCost | None:
         """The memory-constrained intra-stage optimum of units [a, b) on q devices with ``k`` micro-batches in
         flight under ``budget`` bytes per device: issue 10's choices (:func:`shardplan.fit.solve_fit`: ZeRO
@@ -646,9 +672,6 @@ class ModelStages:
         counted in ``fit_unproven``. ``lower`` is the solve's proven lower bound (cost (1 - fit_rtol), or its
         bound when stopped early). ZB-H1's W pass of such a stage is its weight-gradient GEMMs' compute
         (:func:`_fit_parts`)."""
-        from shardplan.cost import build_tables
-        from shardplan.fit import FitOptions, solve_fit
-
         if self.batch % m:
             return None
         _, _, sigs = self.graph(m)
@@ -662,25 +685,10 @@ class ModelStages:
             self._cache[key] = family[k] = known
             self.fit_reused += 1
             return known
-        graph = self.subgraph(a, b, m)
-        machine = replace(self.machine, num_devices=q, memory_bytes=budget)
-        opts = dict(self.solve_options)
-        table_opts = {x: opts.pop(x) for x in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas")
-                      if x in opts}
-        # the fit search prunes itself: tables without the per-layout memory filter (see solve_fit)
-        cache = self._tables.setdefault((q, "fit"), {})
-        tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
-                         machine=machine)
-        self.solves += 1
-        try:
-            plan = solve_fit(graph, machine, budget=budget, tables=tables,
-                             options=FitOptions(micro_batches=(1,), in_flight=int(k), accumulate=m,
-                                                time_limit=self.fit_time_limit), rtol=self.fit_rtol)
-        except ShardplanError:
+        plan = self._solve_fit(self.subgraph(a, b, m), q, m, int(k), budget)
+        if plan is None:
             cost = None
         else:
-            if not plan.solution.optimal:
-                self.fit_unproven += 1
             cost = _fit_parts(plan, None, m, k, a, b - 1, self.boundary_bytes)
             # proven: the solve's bound, and the time-optimal stage (no choice is cheaper than none)
             plain = self.stage_cost(a, b, q, m)
@@ -715,9 +723,6 @@ class ModelStages:
         are the chunks' sums). Returns one :class:`StageCost` per chunk (the joint plan restricted to its
         operators, its ``detail`` the group's plan; ``lower`` shares the solve's proven bound in proportion), or
         None if nothing fits."""
-        from shardplan.cost import build_tables
-        from shardplan.fit import FitOptions, solve_fit
-
         if self.batch % m:
             return None
         _, units, sigs = self.graph(m)
@@ -725,24 +730,10 @@ class ModelStages:
                       self._tie_key(a, b, m)) for a, b in chunks), q, m, "group-fit", float(k), budget)
         if key in self._cache:
             return self._cache[key]
-        graph = self.subgraph_of(chunks, m)
-        machine = replace(self.machine, num_devices=q, memory_bytes=budget)
-        opts = dict(self.solve_options)
-        table_opts = {x: opts.pop(x) for x in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas")
-                      if x in opts}
-        cache = self._tables.setdefault((q, "fit"), {})
-        tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
-                         machine=machine)
-        self.solves += 1
-        try:
-            plan = solve_fit(graph, machine, budget=budget, tables=tables,
-                             options=FitOptions(micro_batches=(1,), in_flight=float(k), accumulate=m,
-                                                time_limit=self.fit_time_limit), rtol=self.fit_rtol)
-        except ShardplanError:
+        plan = self._solve_fit(self.subgraph_of(chunks, m), q, m, float(k), budget)
+        if plan is None:
             out = None
         else:
-            if not plan.solution.optimal:
-                self.fit_unproven += 1
             ratio = _proven_ratio(plan, self.fit_rtol)
             plain = [self.stage_cost(a, b, q, m) for a, b in chunks]
             if plan.solution.cost > 0 and all(c is not None for c in plain):
