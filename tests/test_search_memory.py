@@ -197,3 +197,72 @@ def test_frontier_program_gives_up_above_its_state_limit():
     assert not done and np.isnan(value) and ctx.best is None
     done, value = _frontier_dp(ctx, allowed, np.inf, 0.0, max_states=10**6)
     assert done and value == pytest.approx(solve_memory_bruteforce(mp).cost, abs=1e-9)
+
+
+def linked_memory_problem(seed: int, n: int = 13) -> MemoryProblem:
+    """A path of ``n`` vertices with skip edges, 2-3 configurations each with 1-2 choices, and a budget
+    midway between the least memory and the unconstrained optimum's."""
+    from shardplan.search.problem import Problem
+
+    rng = np.random.default_rng(seed)
+    edges = [(i, i + 1) for i in range(n - 1)] + [(i, i + 3) for i in range(0, n - 3, 4)]
+    ks = [int(rng.integers(2, 4)) for _ in range(n)]
+    p = Problem(names=tuple(f"v{i}" for i in range(n)), configs=tuple(tuple((c,) for c in range(k)) for k in ks),
+                vertex_cost=tuple(np.zeros(k) for k in ks), edges=tuple(edges),
+                edge_cost=tuple(rng.integers(0, 4, size=(ks[s], ks[d])).astype(float) for s, d in edges))
+    base = tuple(np.repeat(np.arange(k), rng.integers(1, 3, size=k)) for k in ks)
+    cost = tuple(rng.integers(0, 6, size=len(b)).astype(float) for b in base)
+    mem = tuple(rng.integers(0, 8, size=len(b)).astype(float) for b in base)
+    loose = MemoryProblem(p, base, cost, mem, budget=1e9)
+    top = loose.evaluate(solve_memory(loose).assignment)[1]
+    least = loose.least_memory()
+    return MemoryProblem(p, base, cost, mem, budget=float(np.floor((least + top) / 2)))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_mix_of_linked_points_is_the_best_plan_of_their_choices(seed):
+    # the points differ in the configuration of every vertex of a path, so their differing vertices form one
+    # group with 2^13 assignments (over the knapsack's limit): the front program mixes them. Its plan must be
+    # a real plan within the budget and the best one of the points' union, by brute force over that union.
+    from shardplan.search.constrained import _Ctx, _mix, _Point
+
+    mp = linked_memory_problem(seed)
+    rng = np.random.default_rng(500 + seed)
+    n = mp.problem.num_vertices
+    pts = []
+    for _ in range(4):
+        ch = tuple(int(rng.integers(0, len(b))) for b in mp.base)
+        pts.append(_Point(*mp.evaluate(ch), ch))
+    plus, minus = pts[0], pts[1]
+    # force the two bracketing points apart in configuration at every vertex
+    ch = list(minus.choices)
+    for v in range(n):
+        if mp.base[v][ch[v]] == mp.base[v][plus.choices[v]]:
+            ch[v] = int(np.flatnonzero(mp.base[v] != mp.base[v][plus.choices[v]])[0])
+    minus = _Point(*mp.evaluate(ch), tuple(ch))
+    allowed = [np.ones(len(b), dtype=bool) for b in mp.base]
+    lam = float(rng.uniform(0.0, 1.0))
+    for points, ref_pts in (([], [plus, minus]), (pts[2:], [plus, minus, *pts[2:]])):
+        union = [np.zeros(len(b), dtype=bool) for b in mp.base]
+        for pt in ref_pts:
+            for v, j in enumerate(pt.choices):
+                union[v][j] = True
+        restricted = MemoryProblem(mp.problem, tuple(b[u] for b, u in zip(mp.base, union)),
+                                   tuple(c[u] for c, u in zip(mp.cost, union)),
+                                   tuple(m[u] for m, u in zip(mp.memory, union)), mp.budget)
+        try:
+            ref = solve_memory_bruteforce(restricted, max_combinations=4**n).cost
+        except ShardplanError:  # nothing in the union fits
+            ref = np.inf
+        ctx = _Ctx(mp, lambda p: solve_dp(p), 1e-9)
+        _mix(ctx, allowed, points, plus, minus, lam)
+        if ctx.best is None:
+            assert ref == np.inf
+            continue
+        f, m = mp.evaluate(ctx.best.choices)
+        assert m <= mp.budget and f == ctx.best.f and m == ctx.best.m
+        assert all(union[v][j] for v, j in enumerate(ctx.best.choices))
+        assert f == pytest.approx(ref, abs=1e-9)
+        off = _Ctx(mp, lambda p: solve_dp(p), 1e-9, mix_states=0)  # the knapsack of groups gives up here
+        _mix(off, allowed, points, plus, minus, lam)
+        assert off.best is None

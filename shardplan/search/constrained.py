@@ -219,6 +219,8 @@ class _Ctx:
     best: _Point | None = None
     dp_seconds: float = 0.0
     mix: bool = True
+    mix_states: int = 20_000  # the front program's limits when mixing (see _mix); 0: knapsack of groups only
+    mix_points: int = 1_000_000
     trail: list = field(default_factory=list)  # the points of the current node's dual
 
     def offer(self, pt: _Point) -> None:
@@ -418,7 +420,7 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
         else:
             minus = pt
     if ctx.mix and plus.m > B:
-        _mix(ctx, allowed, ctx.trail, plus, minus)
+        _mix(ctx, allowed, ctx.trail, plus, minus, max(lam, 0.0))
     bound = min(bound, minus.f) if minus.m <= B else bound
     return _Eval(bound, minus.m <= B and bound >= minus.f, plus, minus, lam, it, tight)
 
@@ -626,7 +628,8 @@ def _separable(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, max_op
     return True, f
 
 
-def _mix(ctx: _Ctx, allowed: Sequence[np.ndarray], points: Sequence[_Point], plus: _Point, minus: _Point) -> None:
+def _mix(ctx: _Ctx, allowed: Sequence[np.ndarray], points: Sequence[_Point], plus: _Point, minus: _Point,
+         lam: float = 0.0) -> None:
     """Offer the best plan made of the dual's points' choices (each vertex the choice of one of them).
 
     First over every point the node's dual solved (each multiplier's optimum
@@ -640,14 +643,33 @@ def _mix(ctx: _Ctx, allowed: Sequence[np.ndarray], points: Sequence[_Point], plu
     combination under the budget is the exact knapsack of :func:`_separable`
     over that restricted set: a feasible plan near the dual bound when the
     gap is the integrality of many small identical steps.
+
+    When the differing vertices connect into large groups (the bracketing
+    points differ in adjacent vertices of every layer, so one group spans the
+    model), the same restricted set is solved by the front program
+    (:func:`_frontier_dp`, at most ``ctx.mix_states`` frontier states): first
+    the two bracketing points' union (at most two choices per vertex), then,
+    below the plan that found, every point's. Either way the result is an
+    evaluated assignment of allowed choices within the budget, so the
+    incumbent stays a real plan; nothing is proven from it.
     """
+    unions = []
     for group in ([*points, plus, minus], [plus, minus]):
         union = [np.zeros(len(ok), dtype=bool) for ok in allowed]
         for pt in group:
             for v, j in enumerate(pt.choices):
                 union[v][j] = True
-        if _separable(ctx, union, np.inf)[0]:
-            return
+        unions.append(union)
+    if _separable(ctx, unions[0], np.inf)[0]:
+        return
+    if ctx.mix_states <= 0:
+        _separable(ctx, unions[1], np.inf)
+        return
+    if not _separable(ctx, unions[1], np.inf)[0]:
+        _frontier_dp(ctx, unions[1], np.inf, lam, ctx.mix_states, ctx.mix_points)
+    if any(a.sum() > b.sum() for a, b in zip(*unions)):
+        cutoff = ctx.best.f - ctx.rtol * abs(ctx.best.f) if ctx.best is not None else np.inf
+        _frontier_dp(ctx, unions[0], cutoff, lam, ctx.mix_states, ctx.mix_points)
 
 
 def _frontier_plan(p: Problem) -> list[tuple[list[int], list[int]]]:
