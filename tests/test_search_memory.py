@@ -199,17 +199,24 @@ def test_frontier_program_gives_up_above_its_state_limit():
     assert done and value == pytest.approx(solve_memory_bruteforce(mp).cost, abs=1e-9)
 
 
-def linked_memory_problem(seed: int, n: int = 13) -> MemoryProblem:
+def linked_memory_problem(seed: int, n: int = 13, layouts: int = 0) -> MemoryProblem:
     """A path of ``n`` vertices with skip edges, 2-3 configurations each with 1-2 choices, and a budget
-    midway between the least memory and the unconstrained optimum's."""
+    midway between the least memory and the unconstrained optimum's. With ``layouts`` > 0 each configuration
+    has one of that many layouts, edges (i, i + 2) are added, and an edge's cost depends on the two layouts only (repeated rows and
+    columns, as in DNN problems where a row depends on how the producer lays out its output)."""
     from shardplan.search.problem import Problem
 
     rng = np.random.default_rng(seed)
     edges = [(i, i + 1) for i in range(n - 1)] + [(i, i + 3) for i in range(0, n - 3, 4)]
     ks = [int(rng.integers(2, 4)) for _ in range(n)]
+    if layouts:
+        edges += [(i, i + 2) for i in range(n - 2)]
+        lay = [rng.integers(0, layouts, size=k) for k in ks]
+        mats = [rng.integers(0, 4, size=(layouts, layouts))[np.ix_(lay[s], lay[d])].astype(float) for s, d in edges]
+    else:
+        mats = [rng.integers(0, 4, size=(ks[s], ks[d])).astype(float) for s, d in edges]
     p = Problem(names=tuple(f"v{i}" for i in range(n)), configs=tuple(tuple((c,) for c in range(k)) for k in ks),
-                vertex_cost=tuple(np.zeros(k) for k in ks), edges=tuple(edges),
-                edge_cost=tuple(rng.integers(0, 4, size=(ks[s], ks[d])).astype(float) for s, d in edges))
+                vertex_cost=tuple(np.zeros(k) for k in ks), edges=tuple(edges), edge_cost=tuple(mats))
     base = tuple(np.repeat(np.arange(k), rng.integers(1, 3, size=k)) for k in ks)
     cost = tuple(rng.integers(0, 6, size=len(b)).astype(float) for b in base)
     mem = tuple(rng.integers(0, 8, size=len(b)).astype(float) for b in base)
@@ -266,3 +273,51 @@ def test_mix_of_linked_points_is_the_best_plan_of_their_choices(seed):
         off = _Ctx(mp, lambda p: solve_dp(p), 1e-9, mix_states=0)  # the knapsack of groups gives up here
         _mix(off, allowed, points, plus, minus, lam)
         assert off.best is None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_frontier_program_with_repeated_layouts_matches_bruteforce(seed):
+    # the front program compares points whose frontier configurations differ only in layouts the edges to
+    # come cannot tell apart (one state per class): exact against brute force, with and without fixing
+    mp = linked_memory_problem(seed, n=7, layouts=2 + seed % 2)
+    ref = solve_memory_bruteforce(mp)
+    for mode in ({"fix_iters": -1, "separable": 0, "frontier": 10**6, "mix": False},
+                 {"separable": 0, "frontier": 10**6}):
+        sol = solve_memory(mp, **mode)
+        assert sol.optimal and sol.cost == pytest.approx(ref.cost, abs=1e-9), mode
+        assert mp.evaluate(sol.assignment)[1] <= mp.budget
+
+
+def test_frontier_classes_merge_configurations_with_equal_edges_to_come():
+    from shardplan.search.constrained import _frontier_classes, _frontier_plan
+    from shardplan.search.problem import Problem
+
+    # a -> b -> c, a -> c; a's rows to b are equal for configs 0 and 1, its rows to c differ for 1 and 2
+    ab = np.array([[1.0, 2.0], [1.0, 2.0], [0.0, 5.0]])
+    ac = np.array([[0.0, 1.0], [3.0, 1.0], [3.0, 1.0]])
+    bc = np.array([[0.0, 1.0], [0.0, 1.0]])
+    p = Problem(names=("a", "b", "c"), configs=(((0,), (1,), (2,)), ((0,), (1,)), ((0,), (1,))),
+                vertex_cost=(np.zeros(3), np.zeros(2), np.zeros(2)), edges=((0, 1), (0, 2), (1, 2)),
+                edge_cost=(ab, ac, bc))
+    cfgs = [np.arange(3), np.arange(2), np.arange(2)]
+    classes = _frontier_classes(p, cfgs, _frontier_plan(p))
+    (of_a, n_a), = classes[0]  # after a: edges to b and c remain; all three rows differ
+    assert n_a == 3
+    (of_a, n_a), (of_b, n_b) = classes[1]  # after b: only a -> c remains (0 | 1 = 2); b's rows to c are equal
+    assert n_a == 2 and of_a[1] == of_a[2] != of_a[0] and n_b == 1
+    assert classes[2] == []
+
+
+def test_frontier_program_alone_matches_bruteforce_on_repeated_layouts():
+    # without pruning (no cutoff, lam 0) the program's states alone decide what is compared: a class that
+    # merged configurations with different edges to come would lose the optimum (2 of these 200 when one
+    # remaining edge is ignored)
+    from shardplan.search.constrained import _Ctx, _frontier_dp
+
+    for seed in range(200):
+        mp = linked_memory_problem(seed, n=7, layouts=2 + seed % 2)
+        ref = solve_memory_bruteforce(mp)
+        ctx = _Ctx(mp, lambda p: solve_dp(p), 1e-9)
+        done, value = _frontier_dp(ctx, [np.ones(len(b), dtype=bool) for b in mp.base], np.inf, 0.0, 10**6)
+        assert done and value == pytest.approx(ref.cost, abs=1e-9), seed
+        assert ctx.best is not None and ctx.best.f == value and ctx.best.m <= mp.budget

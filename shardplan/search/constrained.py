@@ -690,6 +690,40 @@ def _frontier_plan(p: Problem) -> list[tuple[list[int], list[int]]]:
     return out
 
 
+def _frontier_classes(p: Problem, cfgs: Sequence[np.ndarray], plan: list[tuple[list[int], list[int]]]
+                      ) -> list[list[tuple[np.ndarray, int]]]:
+    """Per step, per vertex of the frontier after it: (class of each of its allowed configurations, count).
+
+    After adding vertex v, a frontier vertex u still meets only its edges to
+    neighbours w > v. Two allowed configurations of u whose slices of every
+    such edge matrix (over w's allowed configurations) are identical give
+    every completion the same cost, so points that differ only there are
+    compared as one state (:func:`_frontier_dp`). Edge matrices of DNN
+    problems have few distinct rows (a row depends only on how the producer
+    lays out its output), so there are far fewer classes than configurations.
+    """
+    adj: dict[int, list[tuple[int, int, bool]]] = {}  # u -> (neighbour w, edge, u is the edge's src)
+    for e, (s, d) in enumerate(p.edges):
+        adj.setdefault(s, []).append((d, e, True))
+        adj.setdefault(d, []).append((s, e, False))
+    cache: dict[tuple[int, tuple[int, ...]], tuple[np.ndarray, int]] = {}
+    out = []
+    for v, (_, after) in enumerate(plan):
+        step = []
+        for u in after:
+            rem = [(w, e, src) for w, e, src in adj.get(u, ()) if w > v]
+            key = (u, tuple(e for _, e, _ in rem))
+            if key not in cache:
+                slices = [p.edge_cost[e][np.ix_(cfgs[u], cfgs[w])] if src else p.edge_cost[e][np.ix_(cfgs[w], cfgs[u])].T
+                          for w, e, src in rem]
+                _, inv = np.unique(np.concatenate(slices, axis=1), axis=0, return_inverse=True)
+                inv = np.asarray(inv, dtype=np.int64).ravel()
+                cache[key] = (inv, int(inv.max()) + 1)
+            step.append(cache[key])
+        out.append(step)
+    return out
+
+
 def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam: float,
                  max_states: int = 20_000, max_points: int = 1_000_000) -> tuple[bool, float]:
     """Exact optimum over ``allowed`` by a dynamic program over the vertex order with (time, memory) fronts.
@@ -697,7 +731,10 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
     Vertices are added in index order; the *frontier* after adding v is the
     set of added vertices with a neighbour not yet added, and a *state* is one
     configuration per frontier vertex (choices of one configuration differ
-    only in their own cost and memory). For each state the program keeps the
+    only in their own cost and memory), up to the classes of
+    :func:`_frontier_classes`: configurations whose edges to the vertices
+    still to come are identical are one state, since every completion costs
+    the same with either. For each state the program keeps the
     Pareto front of (F, M) over the added vertices (F counts their own costs
     and the edges among them), so at the end (empty frontier) the best front
     point within the budget is the node's optimum. Points are dropped when
@@ -710,7 +747,7 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
     ``F + lam M >= cutoff + lam B`` and cannot be both within the budget and
     below the cutoff. Gives up (done False) when a frontier has more than
     ``max_states`` configuration combinations or the points (or four times as
-    many candidates in one step) exceed ``max_points``.
+    many candidates in one step) exceed ``max_points``; states are counted in classes.
     """
     mp = ctx.mp
     p = mp.problem
@@ -720,10 +757,11 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
     idx = [np.flatnonzero(ok) for ok in allowed]
     cfgs = [np.unique(mp.base[v][i]) for v, i in enumerate(idx)]
     plan = _frontier_plan(p)
-    for _, after in plan:
+    classes = _frontier_classes(p, cfgs, plan)
+    for (_, after), cls in zip(plan, classes):
         size = 1
-        for u in after:
-            size *= len(cfgs[u])
+        for u, (_, count) in zip(after, cls):
+            size *= count
             if size > max_states:
                 return False, np.nan
     lmin = -np.inf
@@ -775,8 +813,8 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
         nf, nm, parent, choice, newcols = nf[sel], nm[sel], parent[sel], choice[sel], newcols[sel]
         # state key (mixed radix over the frontier's configuration counts), then per state: Pareto and band
         key = np.zeros(len(nf), dtype=np.int64)
-        for k, u in enumerate(after):
-            key = key * len(cfgs[u]) + newcols[:, k]
+        for k, (of, count) in enumerate(classes[v]):
+            key = key * count + of[newcols[:, k]]
         lag = nf + lam * nm
         order = np.lexsort((nf, nm, key))
         key_s, f_s, lag_s = key[order], nf[order], lag[order]
