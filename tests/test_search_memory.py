@@ -321,3 +321,39 @@ def test_frontier_program_alone_matches_bruteforce_on_repeated_layouts():
         done, value = _frontier_dp(ctx, [np.ones(len(b), dtype=bool) for b in mp.base], np.inf, 0.0, 10**6)
         assert done and value == pytest.approx(ref.cost, abs=1e-9), seed
         assert ctx.best is not None and ctx.best.f == value and ctx.best.m <= mp.budget
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_frontier_program_prunes_by_completion_bounds_exactly(seed):
+    # the backward program's least completion is the exact Lagrangian minimum (brute force), and with a cutoff
+    # just above the optimum and any lam >= 0 the pruned program still finds the optimum, and nothing below it
+    from shardplan.search.constrained import (_Ctx, _completion_bounds, _frontier_classes, _frontier_dp,
+                                              _frontier_plan)
+
+    mp = linked_memory_problem(seed, n=7, layouts=(0, 2, 3)[seed % 3])
+    ref = solve_memory_bruteforce(mp)
+    rng = np.random.default_rng(900 + seed)
+    lam = float(rng.choice([0.0, rng.uniform(0.0, 2.0)]))
+    p = mp.problem
+    allowed = [rng.random(len(b)) < 0.8 for b in mp.base]
+    for ok in allowed:
+        ok[rng.integers(0, len(ok))] = True
+    idx = [np.flatnonzero(ok) for ok in allowed]
+    cfgs = [np.unique(b[i]) for b, i in zip(mp.base, idx)]
+    plan = _frontier_plan(p)
+    nbr: dict = {}
+    for e, (s, d) in enumerate(p.edges):
+        nbr.setdefault(max(s, d), []).append((min(s, d), e, s < d))
+    start, _ = _completion_bounds(mp, idx, cfgs, plan, _frontier_classes(p, cfgs, plan), nbr, lam)
+    sub = MemoryProblem(p, tuple(b[i] for b, i in zip(mp.base, idx)), tuple(c[i] for c, i in zip(mp.cost, idx)),
+                        tuple(m[i] for m, i in zip(mp.memory, idx)), budget=1e12, fixed=mp.fixed)
+    lag = MemoryProblem(p, sub.base, tuple(c + lam * m for c, m in zip(sub.cost, sub.memory)), sub.memory, 1e12)
+    assert start == pytest.approx(solve_memory_bruteforce(lag).cost, abs=1e-9)
+    full = [np.ones(len(b), dtype=bool) for b in mp.base]
+    ctx = _Ctx(mp, lambda q: solve_dp(q), 1e-9)
+    done, value = _frontier_dp(ctx, full, ref.cost + 1e-6, lam, 10**6)
+    assert done and value == pytest.approx(ref.cost, abs=1e-9)
+    assert ctx.best is not None and ctx.best.m <= mp.budget
+    none = _Ctx(mp, lambda q: solve_dp(q), 1e-9)
+    done, value = _frontier_dp(none, full, ref.cost - 1e-6, lam, 10**6)
+    assert done and value == np.inf and none.best is None
