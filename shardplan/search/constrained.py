@@ -951,8 +951,9 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
             them (:func:`_separable`) instead of being branched; 0 turns that off.
         frontier: a node whose frontier states (see :func:`_frontier_dp`) number at most
             this many is solved exactly by the (time, memory) front program; 0 turns that off.
-        mix: after each node's dual, offer the best plan mixing its two bracketing
-            points (:func:`_mix`; a heuristic for the incumbent, exactness does not rest on it).
+        mix: after each node's dual, offer the best plan mixing its dual's points
+            (:func:`_mix`: a knapsack of the groups where they differ, else the front
+            program over their choices; a heuristic for the incumbent, exactness does not rest on it).
         dp: the exact unconstrained solver (default :func:`~shardplan.search.dp.solve_dp`
             with ``dp_options``).
 
