@@ -27,7 +27,10 @@ ROWS = {
     # is off for it: on these Lagrangian problems it drops under 10% of the configurations and costs more
     # CPU than the DP it saves (9.4 s vs 4.2 s per solve, measured at lambda = 0 and 2e-12 s/B)
     # cutoff 4 (solve_fit's default): proven; at the model's cutoff 1 the dual's bracketing points differ in
-    # adjacent vertices of every layer, the mixing finds no plan near the bound and 900 s do not close the gap
+    # adjacent vertices of every layer (one group spanning the model): the mixing solves their union by the front
+    # program (2.0262 s, 0.026 % above the bound; the knapsack of groups gave 2 %), but 900 s do not close the gap:
+    # branching on one vertex of 96 identical layers hardly moves the bound, and fixing by TRW-S bounds leaves
+    # ~50-140 configurations per vertex (exact min-marginals would drop most of them: 8 of 9 sampled exceed the cutoff)
     "gpt3-175b": dict(machine="h100", p=256, batch=None, sizes=dict(layers=96, d_model=12288, heads=96),
                       dp=dict(bounds=False), time_limit=900.0, cutoff=4),
     "gpt3-175b-cutoff1": dict(machine="h100", p=256, batch=None, sizes=dict(layers=96, d_model=12288, heads=96),

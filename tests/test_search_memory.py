@@ -197,3 +197,163 @@ def test_frontier_program_gives_up_above_its_state_limit():
     assert not done and np.isnan(value) and ctx.best is None
     done, value = _frontier_dp(ctx, allowed, np.inf, 0.0, max_states=10**6)
     assert done and value == pytest.approx(solve_memory_bruteforce(mp).cost, abs=1e-9)
+
+
+def linked_memory_problem(seed: int, n: int = 13, layouts: int = 0) -> MemoryProblem:
+    """A path of ``n`` vertices with skip edges, 2-3 configurations each with 1-2 choices, and a budget
+    midway between the least memory and the unconstrained optimum's. With ``layouts`` > 0 each configuration
+    has one of that many layouts, edges (i, i + 2) are added, and an edge's cost depends on the two layouts only (repeated rows and
+    columns, as in DNN problems where a row depends on how the producer lays out its output)."""
+    from shardplan.search.problem import Problem
+
+    rng = np.random.default_rng(seed)
+    edges = [(i, i + 1) for i in range(n - 1)] + [(i, i + 3) for i in range(0, n - 3, 4)]
+    ks = [int(rng.integers(2, 4)) for _ in range(n)]
+    if layouts:
+        edges += [(i, i + 2) for i in range(n - 2)]
+        lay = [rng.integers(0, layouts, size=k) for k in ks]
+        mats = [rng.integers(0, 4, size=(layouts, layouts))[np.ix_(lay[s], lay[d])].astype(float) for s, d in edges]
+    else:
+        mats = [rng.integers(0, 4, size=(ks[s], ks[d])).astype(float) for s, d in edges]
+    p = Problem(names=tuple(f"v{i}" for i in range(n)), configs=tuple(tuple((c,) for c in range(k)) for k in ks),
+                vertex_cost=tuple(np.zeros(k) for k in ks), edges=tuple(edges), edge_cost=tuple(mats))
+    base = tuple(np.repeat(np.arange(k), rng.integers(1, 3, size=k)) for k in ks)
+    cost = tuple(rng.integers(0, 6, size=len(b)).astype(float) for b in base)
+    mem = tuple(rng.integers(0, 8, size=len(b)).astype(float) for b in base)
+    loose = MemoryProblem(p, base, cost, mem, budget=1e9)
+    top = loose.evaluate(solve_memory(loose).assignment)[1]
+    least = loose.least_memory()
+    return MemoryProblem(p, base, cost, mem, budget=float(np.floor((least + top) / 2)))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_mix_of_linked_points_is_the_best_plan_of_their_choices(seed):
+    # the points differ in the configuration of every vertex of a path, so their differing vertices form one
+    # group with 2^13 assignments (over the knapsack's limit): the front program mixes them. Its plan must be
+    # a real plan within the budget and the best one of the points' union, by brute force over that union.
+    from shardplan.search.constrained import _Ctx, _mix, _Point
+
+    mp = linked_memory_problem(seed)
+    rng = np.random.default_rng(500 + seed)
+    n = mp.problem.num_vertices
+    pts = []
+    for _ in range(4):
+        ch = tuple(int(rng.integers(0, len(b))) for b in mp.base)
+        pts.append(_Point(*mp.evaluate(ch), ch))
+    plus, minus = pts[0], pts[1]
+    # force the two bracketing points apart in configuration at every vertex
+    ch = list(minus.choices)
+    for v in range(n):
+        if mp.base[v][ch[v]] == mp.base[v][plus.choices[v]]:
+            ch[v] = int(np.flatnonzero(mp.base[v] != mp.base[v][plus.choices[v]])[0])
+    minus = _Point(*mp.evaluate(ch), tuple(ch))
+    allowed = [np.ones(len(b), dtype=bool) for b in mp.base]
+    lam = float(rng.uniform(0.0, 1.0))
+    for points, ref_pts in (([], [plus, minus]), (pts[2:], [plus, minus, *pts[2:]])):
+        union = [np.zeros(len(b), dtype=bool) for b in mp.base]
+        for pt in ref_pts:
+            for v, j in enumerate(pt.choices):
+                union[v][j] = True
+        restricted = MemoryProblem(mp.problem, tuple(b[u] for b, u in zip(mp.base, union)),
+                                   tuple(c[u] for c, u in zip(mp.cost, union)),
+                                   tuple(m[u] for m, u in zip(mp.memory, union)), mp.budget)
+        try:
+            ref = solve_memory_bruteforce(restricted, max_combinations=4**n).cost
+        except ShardplanError:  # nothing in the union fits
+            ref = np.inf
+        ctx = _Ctx(mp, lambda p: solve_dp(p), 1e-9)
+        _mix(ctx, allowed, points, plus, minus, lam)
+        if ctx.best is None:
+            assert ref == np.inf
+            continue
+        f, m = mp.evaluate(ctx.best.choices)
+        assert m <= mp.budget and f == ctx.best.f and m == ctx.best.m
+        assert all(union[v][j] for v, j in enumerate(ctx.best.choices))
+        assert f == pytest.approx(ref, abs=1e-9)
+        off = _Ctx(mp, lambda p: solve_dp(p), 1e-9, mix_states=0)  # the knapsack of groups gives up here
+        _mix(off, allowed, points, plus, minus, lam)
+        assert off.best is None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_frontier_program_with_repeated_layouts_matches_bruteforce(seed):
+    # the front program compares points whose frontier configurations differ only in layouts the edges to
+    # come cannot tell apart (one state per class): exact against brute force, with and without fixing
+    mp = linked_memory_problem(seed, n=7, layouts=2 + seed % 2)
+    ref = solve_memory_bruteforce(mp)
+    for mode in ({"fix_iters": -1, "separable": 0, "frontier": 10**6, "mix": False},
+                 {"separable": 0, "frontier": 10**6}):
+        sol = solve_memory(mp, **mode)
+        assert sol.optimal and sol.cost == pytest.approx(ref.cost, abs=1e-9), mode
+        assert mp.evaluate(sol.assignment)[1] <= mp.budget
+
+
+def test_frontier_classes_merge_configurations_with_equal_edges_to_come():
+    from shardplan.search.constrained import _frontier_classes, _frontier_plan
+    from shardplan.search.problem import Problem
+
+    # a -> b -> c, a -> c; a's rows to b are equal for configs 0 and 1, its rows to c differ for 1 and 2
+    ab = np.array([[1.0, 2.0], [1.0, 2.0], [0.0, 5.0]])
+    ac = np.array([[0.0, 1.0], [3.0, 1.0], [3.0, 1.0]])
+    bc = np.array([[0.0, 1.0], [0.0, 1.0]])
+    p = Problem(names=("a", "b", "c"), configs=(((0,), (1,), (2,)), ((0,), (1,)), ((0,), (1,))),
+                vertex_cost=(np.zeros(3), np.zeros(2), np.zeros(2)), edges=((0, 1), (0, 2), (1, 2)),
+                edge_cost=(ab, ac, bc))
+    cfgs = [np.arange(3), np.arange(2), np.arange(2)]
+    classes = _frontier_classes(p, cfgs, _frontier_plan(p))
+    (of_a, n_a), = classes[0]  # after a: edges to b and c remain; all three rows differ
+    assert n_a == 3
+    (of_a, n_a), (of_b, n_b) = classes[1]  # after b: only a -> c remains (0 | 1 = 2); b's rows to c are equal
+    assert n_a == 2 and of_a[1] == of_a[2] != of_a[0] and n_b == 1
+    assert classes[2] == []
+
+
+def test_frontier_program_alone_matches_bruteforce_on_repeated_layouts():
+    # without pruning (no cutoff, lam 0) the program's states alone decide what is compared: a class that
+    # merged configurations with different edges to come would lose the optimum (2 of these 200 when one
+    # remaining edge is ignored)
+    from shardplan.search.constrained import _Ctx, _frontier_dp
+
+    for seed in range(200):
+        mp = linked_memory_problem(seed, n=7, layouts=2 + seed % 2)
+        ref = solve_memory_bruteforce(mp)
+        ctx = _Ctx(mp, lambda p: solve_dp(p), 1e-9)
+        done, value = _frontier_dp(ctx, [np.ones(len(b), dtype=bool) for b in mp.base], np.inf, 0.0, 10**6)
+        assert done and value == pytest.approx(ref.cost, abs=1e-9), seed
+        assert ctx.best is not None and ctx.best.f == value and ctx.best.m <= mp.budget
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_frontier_program_prunes_by_completion_bounds_exactly(seed):
+    # the backward program's least completion is the exact Lagrangian minimum (brute force), and with a cutoff
+    # just above the optimum and any lam >= 0 the pruned program still finds the optimum, and nothing below it
+    from shardplan.search.constrained import (_Ctx, _completion_bounds, _frontier_classes, _frontier_dp,
+                                              _frontier_plan)
+
+    mp = linked_memory_problem(seed, n=7, layouts=(0, 2, 3)[seed % 3])
+    ref = solve_memory_bruteforce(mp)
+    rng = np.random.default_rng(900 + seed)
+    lam = float(rng.choice([0.0, rng.uniform(0.0, 2.0)]))
+    p = mp.problem
+    allowed = [rng.random(len(b)) < 0.8 for b in mp.base]
+    for ok in allowed:
+        ok[rng.integers(0, len(ok))] = True
+    idx = [np.flatnonzero(ok) for ok in allowed]
+    cfgs = [np.unique(b[i]) for b, i in zip(mp.base, idx)]
+    plan = _frontier_plan(p)
+    nbr: dict = {}
+    for e, (s, d) in enumerate(p.edges):
+        nbr.setdefault(max(s, d), []).append((min(s, d), e, s < d))
+    start, _ = _completion_bounds(mp, idx, cfgs, plan, _frontier_classes(p, cfgs, plan), nbr, lam)
+    sub = MemoryProblem(p, tuple(b[i] for b, i in zip(mp.base, idx)), tuple(c[i] for c, i in zip(mp.cost, idx)),
+                        tuple(m[i] for m, i in zip(mp.memory, idx)), budget=1e12, fixed=mp.fixed)
+    lag = MemoryProblem(p, sub.base, tuple(c + lam * m for c, m in zip(sub.cost, sub.memory)), sub.memory, 1e12)
+    assert start == pytest.approx(solve_memory_bruteforce(lag).cost, abs=1e-9)
+    full = [np.ones(len(b), dtype=bool) for b in mp.base]
+    ctx = _Ctx(mp, lambda q: solve_dp(q), 1e-9)
+    done, value = _frontier_dp(ctx, full, ref.cost + 1e-6, lam, 10**6)
+    assert done and value == pytest.approx(ref.cost, abs=1e-9)
+    assert ctx.best is not None and ctx.best.m <= mp.budget
+    none = _Ctx(mp, lambda q: solve_dp(q), 1e-9)
+    done, value = _frontier_dp(none, full, ref.cost - 1e-6, lam, 10**6)
+    assert done and value == np.inf and none.best is None

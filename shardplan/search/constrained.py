@@ -57,7 +57,11 @@ plan that takes each vertex's choice from one of the two is found exactly
 that are independent of each other, so this is a small knapsack. On a chain
 of identical blocks the duality gap is mostly integrality (``a+`` and ``a-``
 differ in the same vertex of every block), and this plan lies within about
-one block's step of the bound (GPT-3 175B: from 0.3 % to 0.003 %).
+one block's step of the bound (GPT-3 175B: from 0.3 % to 0.003 %). When the
+differing vertices are adjacent (one group spanning the model: GPT-3 175B at
+cutoff 1, where the two points differ in 961 of 1,156 vertices), the same
+restricted problem is solved by the frontier program below (at most the
+points' few choices per vertex): there from 2 % above the bound to 0.03 %.
 
 *Lattice budget.* Within a node, every assignment's memory is the least
 memory plus an integer multiple of q, the greatest common divisor of the
@@ -219,6 +223,8 @@ class _Ctx:
     best: _Point | None = None
     dp_seconds: float = 0.0
     mix: bool = True
+    mix_states: int = 20_000  # the front program's limits when mixing (see _mix); 0: knapsack of groups only
+    mix_points: int = 1_000_000
     trail: list = field(default_factory=list)  # the points of the current node's dual
 
     def offer(self, pt: _Point) -> None:
@@ -418,7 +424,7 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
         else:
             minus = pt
     if ctx.mix and plus.m > B:
-        _mix(ctx, allowed, ctx.trail, plus, minus)
+        _mix(ctx, allowed, ctx.trail, plus, minus, max(lam, 0.0))
     bound = min(bound, minus.f) if minus.m <= B else bound
     return _Eval(bound, minus.m <= B and bound >= minus.f, plus, minus, lam, it, tight)
 
@@ -626,7 +632,8 @@ def _separable(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, max_op
     return True, f
 
 
-def _mix(ctx: _Ctx, allowed: Sequence[np.ndarray], points: Sequence[_Point], plus: _Point, minus: _Point) -> None:
+def _mix(ctx: _Ctx, allowed: Sequence[np.ndarray], points: Sequence[_Point], plus: _Point, minus: _Point,
+         lam: float = 0.0) -> None:
     """Offer the best plan made of the dual's points' choices (each vertex the choice of one of them).
 
     First over every point the node's dual solved (each multiplier's optimum
@@ -640,14 +647,33 @@ def _mix(ctx: _Ctx, allowed: Sequence[np.ndarray], points: Sequence[_Point], plu
     combination under the budget is the exact knapsack of :func:`_separable`
     over that restricted set: a feasible plan near the dual bound when the
     gap is the integrality of many small identical steps.
+
+    When the differing vertices connect into large groups (the bracketing
+    points differ in adjacent vertices of every layer, so one group spans the
+    model), the same restricted set is solved by the front program
+    (:func:`_frontier_dp`, at most ``ctx.mix_states`` frontier states): first
+    the two bracketing points' union (at most two choices per vertex), then,
+    below the plan that found, every point's. Either way the result is an
+    evaluated assignment of allowed choices within the budget, so the
+    incumbent stays a real plan; nothing is proven from it.
     """
+    unions = []
     for group in ([*points, plus, minus], [plus, minus]):
         union = [np.zeros(len(ok), dtype=bool) for ok in allowed]
         for pt in group:
             for v, j in enumerate(pt.choices):
                 union[v][j] = True
-        if _separable(ctx, union, np.inf)[0]:
-            return
+        unions.append(union)
+    if _separable(ctx, unions[0], np.inf)[0]:
+        return
+    if ctx.mix_states <= 0:
+        _separable(ctx, unions[1], np.inf)
+        return
+    if not _separable(ctx, unions[1], np.inf)[0]:
+        _frontier_dp(ctx, unions[1], np.inf, lam, ctx.mix_states, ctx.mix_points)
+    if any(a.sum() > b.sum() for a, b in zip(*unions)):
+        cutoff = ctx.best.f - ctx.rtol * abs(ctx.best.f) if ctx.best is not None else np.inf
+        _frontier_dp(ctx, unions[0], cutoff, lam, ctx.mix_states, ctx.mix_points)
 
 
 def _frontier_plan(p: Problem) -> list[tuple[list[int], list[int]]]:
@@ -668,6 +694,93 @@ def _frontier_plan(p: Problem) -> list[tuple[list[int], list[int]]]:
     return out
 
 
+def _frontier_classes(p: Problem, cfgs: Sequence[np.ndarray], plan: list[tuple[list[int], list[int]]]
+                      ) -> list[list[tuple[np.ndarray, int]]]:
+    """Per step, per vertex of the frontier after it: (class of each of its allowed configurations, count).
+
+    After adding vertex v, a frontier vertex u still meets only its edges to
+    neighbours w > v. Two allowed configurations of u whose slices of every
+    such edge matrix (over w's allowed configurations) are identical give
+    every completion the same cost, so points that differ only there are
+    compared as one state (:func:`_frontier_dp`). Edge matrices of DNN
+    problems have few distinct rows (a row depends only on how the producer
+    lays out its output), so there are far fewer classes than configurations.
+    """
+    adj: dict[int, list[tuple[int, int, bool]]] = {}  # u -> (neighbour w, edge, u is the edge's src)
+    for e, (s, d) in enumerate(p.edges):
+        adj.setdefault(s, []).append((d, e, True))
+        adj.setdefault(d, []).append((s, e, False))
+    cache: dict[tuple[int, tuple[int, ...]], tuple[np.ndarray, int]] = {}
+    out = []
+    for v, (_, after) in enumerate(plan):
+        step = []
+        for u in after:
+            rem = [(w, e, src) for w, e, src in adj.get(u, ()) if w > v]
+            key = (u, tuple(e for _, e, _ in rem))
+            if key not in cache:
+                slices = [p.edge_cost[e][np.ix_(cfgs[u], cfgs[w])] if src else p.edge_cost[e][np.ix_(cfgs[w], cfgs[u])].T
+                          for w, e, src in rem]
+                _, inv = np.unique(np.concatenate(slices, axis=1), axis=0, return_inverse=True)
+                inv = np.asarray(inv, dtype=np.int64).ravel()
+                cache[key] = (inv, int(inv.max()) + 1)
+            step.append(cache[key])
+        out.append(step)
+    return out
+
+
+def _completion_bounds(mp: MemoryProblem, idx: Sequence[np.ndarray], cfgs: Sequence[np.ndarray],
+                       plan: list[tuple[list[int], list[int]]], classes: list[list[tuple[np.ndarray, int]]],
+                       nbr: dict[int, list[tuple[int, int, bool]]], lam: float) -> tuple[float, list[np.ndarray]]:
+    """Least Lagrangian cost of completing each frontier state, by the front program run backwards.
+
+    ``h[v][s]`` (s the state after adding v, flattened like the forward keys)
+    is the minimum over the allowed choices of the vertices w > v of
+    ``sum_w (cost + lam memory)`` plus every edge with an end after v,
+    given the frontier's classes s (the vertices before v meet the rest only
+    through the frontier). With ``h[n-1] = 0``::
+
+        h[v-1][s] = min_c  u_v(c) + sum_(u in front, u ~ v) E_uv[s_u, c] + h[v][s'(s, c)]
+
+    where u_v(c) is the least ``cost + lam memory`` of v's allowed choices of
+    configuration c and s' keeps each frontier vertex's coarser class (its
+    class before v already fixes its edges after v) and adds v's. Returns
+    ``(h[-1], h)``: h[-1] is the least ``F + lam M - lam fixed`` over the allowed
+    choices. A point of the forward program with Lagrangian value ``L`` in
+    state s completes to at least ``L + h[v][s]``.
+    """
+    p = mp.problem
+    n = p.num_vertices
+    h: list[np.ndarray] = [np.zeros(1)] * n
+    nxt = np.zeros(1)  # h[n-1]: the frontier after the last vertex is empty
+    for v in range(n - 1, -1, -1):
+        h[v] = nxt
+        front, after = plan[v]
+        prev = classes[v - 1] if v else []
+        counts = [c for _, c in prev]
+        grid = np.indices(counts).reshape(len(counts), -1) if counts else np.zeros((0, 1), dtype=np.int64)
+        reps = [np.unique(of, return_index=True)[1] for of, _ in prev]  # a configuration of each class
+        j = idx[v]
+        val = mp.cost[v][j] + lam * mp.memory[v][j]
+        loc = np.searchsorted(cfgs[v], mp.base[v][j])
+        unary = np.full(len(cfgs[v]), np.inf)
+        np.minimum.at(unary, loc, val)
+        total = np.broadcast_to(unary, (grid.shape[1], len(unary))).copy()
+        pos = {u: k for k, u in enumerate(front)}
+        for u, e, v_is_dst in nbr.get(v, ()):
+            cu = cfgs[u][reps[pos[u]][grid[pos[u]]]]
+            mat = p.edge_cost[e]
+            total += mat[np.ix_(cu, cfgs[v])] if v_is_dst else mat[np.ix_(cfgs[v], cu)].T
+        key = np.zeros((grid.shape[1], len(unary)), dtype=np.int64)
+        for (of, count), u in zip(classes[v], after):
+            if u == v:
+                part = of[None, :]
+            else:
+                part = of[reps[pos[u]][grid[pos[u]]]][:, None]
+            key = key * count + part
+        nxt = (total + nxt[key]).min(axis=1)
+    return float(nxt[0]), h
+
+
 def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam: float,
                  max_states: int = 20_000, max_points: int = 1_000_000) -> tuple[bool, float]:
     """Exact optimum over ``allowed`` by a dynamic program over the vertex order with (time, memory) fronts.
@@ -675,7 +788,10 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
     Vertices are added in index order; the *frontier* after adding v is the
     set of added vertices with a neighbour not yet added, and a *state* is one
     configuration per frontier vertex (choices of one configuration differ
-    only in their own cost and memory). For each state the program keeps the
+    only in their own cost and memory), up to the classes of
+    :func:`_frontier_classes`: configurations whose edges to the vertices
+    still to come are identical are one state, since every completion costs
+    the same with either. For each state the program keeps the
     Pareto front of (F, M) over the added vertices (F counts their own costs
     and the edges among them), so at the end (empty frontier) the best front
     point within the budget is the node's optimum. Points are dropped when
@@ -688,7 +804,7 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
     ``F + lam M >= cutoff + lam B`` and cannot be both within the budget and
     below the cutoff. Gives up (done False) when a frontier has more than
     ``max_states`` configuration combinations or the points (or four times as
-    many candidates in one step) exceed ``max_points``.
+    many candidates in one step) exceed ``max_points``; states are counted in classes.
     """
     mp = ctx.mp
     p = mp.problem
@@ -698,22 +814,27 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
     idx = [np.flatnonzero(ok) for ok in allowed]
     cfgs = [np.unique(mp.base[v][i]) for v, i in enumerate(idx)]
     plan = _frontier_plan(p)
-    for _, after in plan:
+    classes = _frontier_classes(p, cfgs, plan)
+    for (_, after), cls in zip(plan, classes):
         size = 1
-        for u in after:
-            size *= len(cfgs[u])
+        for u, (_, count) in zip(after, cls):
+            size *= count
             if size > max_states:
                 return False, np.nan
-    lmin = -np.inf
-    if lam > 0:
-        pt = _lagrangian(ctx, lam, allowed)
-        lmin = pt.f + lam * pt.m
     nbr: dict[int, list[tuple[int, int, bool]]] = {}  # v -> (earlier neighbour u, edge, v is the edge's dst)
     for e, (s, d) in enumerate(p.edges):
         if s < d:
             nbr.setdefault(d, []).append((s, e, True))
         else:
             nbr.setdefault(s, []).append((d, e, False))
+    lam = max(lam, 0.0)
+    start, rest = _completion_bounds(mp, idx, cfgs, plan, classes, nbr, lam)
+    lmin = start + lam * mp.fixed
+    # a point of Lagrangian value L in state s completes to at least L + rest[v][s]; a plan below the cutoff
+    # within the budget has F + lam M < cutoff + lam B, so points reaching that are dropped (with a margin
+    # of 1e-9 relative, for rounding: dropping fewer is always exact)
+    reach = cutoff + lam * mp.budget
+    reach += 1e-9 * max(abs(reach), abs(lmin), 1e-300)
     least_m = np.array([float(mp.memory[v][i].min()) for v, i in enumerate(idx)])
     least_c = np.array([float(mp.cost[v][i].min()) for v, i in enumerate(idx)])
     rest_m = np.concatenate([np.cumsum(least_m[::-1])[::-1], [0.0]])
@@ -753,8 +874,8 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
         nf, nm, parent, choice, newcols = nf[sel], nm[sel], parent[sel], choice[sel], newcols[sel]
         # state key (mixed radix over the frontier's configuration counts), then per state: Pareto and band
         key = np.zeros(len(nf), dtype=np.int64)
-        for k, u in enumerate(after):
-            key = key * len(cfgs[u]) + newcols[:, k]
+        for k, (of, count) in enumerate(classes[v]):
+            key = key * count + of[newcols[:, k]]
         lag = nf + lam * nm
         order = np.lexsort((nf, nm, key))
         key_s, f_s, lag_s = key[order], nf[order], lag[order]
@@ -768,7 +889,7 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
         prev = np.concatenate([[np.iinfo(np.int64).max], np.minimum.accumulate(code)[:-1]])
         pareto = start | (code < prev)
         best_lag = np.minimum.reduceat(lag_s, np.flatnonzero(start))[grp]
-        keep = pareto & (lag_s - best_lag < band)
+        keep = pareto & (lag_s - best_lag < band) & (lag_s + rest[v][key_s] < reach)
         order = order[keep]
         if len(order) > max_points:
             return False, np.nan
@@ -830,8 +951,9 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
             them (:func:`_separable`) instead of being branched; 0 turns that off.
         frontier: a node whose frontier states (see :func:`_frontier_dp`) number at most
             this many is solved exactly by the (time, memory) front program; 0 turns that off.
-        mix: after each node's dual, offer the best plan mixing its two bracketing
-            points (:func:`_mix`; a heuristic for the incumbent, exactness does not rest on it).
+        mix: after each node's dual, offer the best plan mixing its dual's points
+            (:func:`_mix`: a knapsack of the groups where they differ, else the front
+            program over their choices; a heuristic for the incumbent, exactness does not rest on it).
         dp: the exact unconstrained solver (default :func:`~shardplan.search.dp.solve_dp`
             with ``dp_options``).
 
