@@ -357,3 +357,23 @@ def test_frontier_program_prunes_by_completion_bounds_exactly(seed):
     none = _Ctx(mp, lambda q: solve_dp(q), 1e-9)
     done, value = _frontier_dp(none, full, ref.cost - 1e-6, lam, 10**6)
     assert done and value == np.inf and none.best is None
+
+
+def test_row_classes_group_exactly_equal_rows():
+    """Rows share a class iff they are equal (inf entries included); the fallback path agrees."""
+    from shardplan.search.constrained import _row_classes
+
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 3, size=(7, 5)).astype(float)
+    base[2, 1] = np.inf
+    rows = base[rng.integers(0, 7, size=60)]
+    inv = _row_classes(rows)
+    for i in range(len(rows)):
+        for j in range(len(rows)):
+            assert (inv[i] == inv[j]) == bool(np.array_equal(rows[i], rows[j]))
+    # a NaN defeats the check (NaN != NaN): the rows are then classed by np.unique(axis=0)
+    odd = rows.copy()
+    odd[0, 0] = np.nan
+    inv2 = _row_classes(odd)
+    assert inv2.shape == (len(rows),) and inv2.max() + 1 == len(np.unique(odd, axis=0))
+    assert _row_classes(np.zeros((4, 0))).tolist() == [0, 0, 0, 0]

@@ -694,6 +694,30 @@ def _frontier_plan(p: Problem) -> list[tuple[list[int], list[int]]]:
     return out
 
 
+def _row_classes(a: np.ndarray) -> np.ndarray:
+    """Class index per row of ``a`` such that rows in one class are identical (exact).
+
+    Rows are grouped by a random projection (the finite entries and the
+    pattern of infinite ones); the grouping is then checked entry by entry
+    against each group's first row, and on any mismatch (a collision, NaN)
+    the rows are classed by ``np.unique(axis=0)`` instead. Equal rows that
+    happen to project differently only split a class, which costs states,
+    never exactness. Much faster than sorting the rows as byte strings.
+    """
+    if a.shape[0] == 0 or a.shape[1] == 0:
+        return np.zeros(a.shape[0], dtype=np.int64)
+    rng = np.random.default_rng(0x5EED)
+    r1, r2 = rng.standard_normal(a.shape[1]), rng.standard_normal(a.shape[1])
+    fin = np.isfinite(a)
+    h = np.where(fin, a, 0.0) @ r1 + (~fin) @ r2
+    _, first, inv = np.unique(h, return_index=True, return_inverse=True)
+    inv = np.asarray(inv, dtype=np.int64).ravel()
+    if np.array_equal(a, a[first[inv]]):
+        return inv
+    _, inv = np.unique(a, axis=0, return_inverse=True)
+    return np.asarray(inv, dtype=np.int64).ravel()
+
+
 def _frontier_classes(p: Problem, cfgs: Sequence[np.ndarray], plan: list[tuple[list[int], list[int]]]
                       ) -> list[list[tuple[np.ndarray, int]]]:
     """Per step, per vertex of the frontier after it: (class of each of its allowed configurations, count).
@@ -720,8 +744,7 @@ def _frontier_classes(p: Problem, cfgs: Sequence[np.ndarray], plan: list[tuple[l
             if key not in cache:
                 slices = [p.edge_cost[e][np.ix_(cfgs[u], cfgs[w])] if src else p.edge_cost[e][np.ix_(cfgs[w], cfgs[u])].T
                           for w, e, src in rem]
-                _, inv = np.unique(np.concatenate(slices, axis=1), axis=0, return_inverse=True)
-                inv = np.asarray(inv, dtype=np.int64).ravel()
+                inv = _row_classes(np.concatenate(slices, axis=1))
                 cache[key] = (inv, int(inv.max()) + 1)
             step.append(cache[key])
         out.append(step)
