@@ -403,6 +403,9 @@ def solve_peak(pp: PeakProblem, *, time_limit: float = 60.0, max_nodes: int = 10
         if heap:
             raise ShardplanError(f"no plan within the budget found before the {stopped}; "
                                  f"lower bound of the least peak {least:.0f} B")
+        if np.isfinite(upper):
+            raise ShardplanError(f"no plan fitting {pp.budget:.0f} B per device costs less than {upper!r} "
+                                 "(proven by the search)")
         raise ShardplanError(f"no plan fits in {pp.budget:.0f} B per device under the backward-peak model "
                              "(proven by the search)")
     top = best[0]
