@@ -2,11 +2,39 @@
 
 The memory model (what is live at the peak)
 -------------------------------------------
-The peak is taken at the start of the backward pass, when every activation
-saved by the forward pass is still held and the gradient buffers exist.
-Per device, for a plan with ``m`` micro-batches::
+Two models, chosen by ``FitOptions.grad_buffers`` (CLI ``--grad-buffers``).
+The default, ``"persistent"``, takes the peak at the start of the backward
+pass, when every activation saved by the forward pass is still held and the
+gradient buffers exist. Per device, for a plan with ``m`` micro-batches::
 
     peak = reserve + sum_v state_v + sum_v saved_v
+
+This is exact for an engine that allocates every weight gradient before the
+backward pass and keeps it (PyTorch DDP's gradient bucket views, Megatron's
+``main_grad`` buffers, any gradient accumulator) and an upper bound for
+others. ``"backward"`` is the backward-peak model, exact for an engine that
+allocates each gradient when the backward pass produces it and frees each
+saved activation when the backward pass consumes it (XLA's buffer
+assignment; the model of :mod:`shardplan.jax`'s programs). With
+``state_v = rest_v + grad_v`` (``grad_v``: the gradient tile, P at ZeRO stages
+0 and 1 and P/G at stages 2 and 3; ``rest_v``: the weights and the optimizer
+state, by the stage formulas below), operators in the graph's order 1..n and
+the backward pass in reverse order, at the backward step of operator k the
+activations of operators 1..k are not yet consumed (k's own is being read)
+and the gradients of k..n exist::
+
+    peak = reserve + sum_v rest_v + max_k ( sum_{v <= k} saved_v + sum_{v >= k} grad_v )
+
+(``saved_v`` includes a recomputing operator's kept inputs, below; a shared
+parameter's gradient is charged to its owner's step). Each term of the max
+is at most the additive sum, so ``"backward"`` never reports more. It
+applies to one micro-batch only (``m = 1``, ``in_flight = accumulate = 1``):
+with more, gradients are accumulated across micro-batches in buffers that
+persist through every backward pass, so the additive model is exact there
+and both options give the same plans and memory. The maximum is not additive
+over operators; :func:`shardplan.search.peak.solve_peak` searches it exactly
+(surrogate relaxations that are additive, closed by branch-and-bound).
+The rest of this section describes the terms.
 
 * ``state_v``: operator v's weights W (value tile per device: ``P``), their
   gradients and ``o`` words of optimizer state per element (``o = 2`` for Adam:
@@ -56,9 +84,11 @@ holds), and at least ``state + max(gradients, saved)``. On a GPU XLA
 all-reduces the gradients in place (NCCL), so the reduced gradients need no
 second buffer. The sum keeps the constraint additive over operators, which
 the Lagrangian/branch-and-bound search and the ILP's memory row need; the
-tighter peak is a maximum over the backward pass's steps (one linear row per
-step), not modelled here. ``benchmarks/bench_memory_vs_xla.py`` checks each
-part against XLA's compiled program.
+tighter peak, a maximum over the backward pass's steps (one linear row per
+step in the ILP, :func:`shardplan.search.memory_ilp.solve_peak_ilp`), is the
+``"backward"`` option above (activation gradients stay in the reserve).
+``benchmarks/bench_memory_vs_xla.py`` checks each part, and both totals,
+against XLA's compiled program.
 
 The time model of the choices
 -----------------------------
@@ -108,7 +138,12 @@ gradients before slicing them (no reduce-scatter), so every gathered weight
 and two full gradient copies are live at once; the reserve must hold these
 there.
 
-The search is exact for this model: for each micro-batch count it runs
+The search is exact for either model. With ``"backward"`` and one
+micro-batch it runs :func:`shardplan.search.peak.solve_peak` on
+:func:`peak_problem` (choices pruned by time and their three memories: rest +
+saved, rest + gradient, all three), with the additive root's plan as the
+incumbent (every additive plan fits) and a surrogate root bound to order the
+counts. Otherwise (the additive model), for each micro-batch count it runs
 :func:`shardplan.search.constrained.solve_memory` (Lagrangian dual closed by
 branch-and-bound) on the configurations' edge costs with the choices as
 vertex alternatives, and returns the best over the counts; a count whose
