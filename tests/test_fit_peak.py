@@ -121,3 +121,42 @@ def test_cli_grad_buffers_backward(capsys):
                  "--no-baselines"])
     out = capsys.readouterr().out
     assert code == 0 and "backward-peak model" in out and "the peak is at the backward step of" in out
+
+
+def test_peak_pruning_loses_no_optimum(gpt_tables):
+    """The peak-valid pruning and filter of peak_problem against the ILP over every unpruned choice."""
+    from shardplan.cost.memory import recompute_keep_bytes, unsaved_inputs
+    from shardplan.fit import producers_saved
+    from shardplan.search.memory_ilp import solve_peak_ilp
+    from shardplan.search.peak import PeakProblem
+
+    g, m, tables, top = gpt_tables
+    budget = 0.5 * top
+    opts = FitOptions(micro_batches=(1,), grad_buffers="backward")
+    pp, cts = peak_problem(tables, budget, opts)
+    full = []
+    for op, lay, oc in zip(g.operators, tables.arrays, tables.op_costs):
+        shares = unsaved_inputs(op, producers_saved(g, op))
+        keep = recompute_keep_bytes(op, lay, tables.machine, shares) if any(shares) else None
+        full.append(choice_table(op, lay, None, tables.machine, 1, prune=False, op_cost=oc,
+                                 forced_recompute=op.name in g.recomputed, recompute_keep=keep))
+    assert sum(len(t.base) for t in full) > sum(pp.num_choices)  # the pruning did drop choices
+    unpruned = PeakProblem(pp.problem, tuple(t.base for t in full), tuple(t.seconds for t in full),
+                           tuple(t.rest_bytes for t in full), tuple(t.activation_bytes for t in full),
+                           tuple(t.grad_bytes for t in full), budget, 0.0)
+    ref = solve_peak_ilp(unpruned, time_limit=120)
+    plan = solve_fit(g, m, budget=budget, tables=tables, options=opts)
+    assert ref.optimal and plan.cost == pytest.approx(ref.cost, rel=1e-7)
+
+
+def test_peak_pruning_keeps_what_a_backward_step_needs():
+    from shardplan.cost.memory import ChoiceTable, _undominated, _undominated_peak
+
+    # one layout, three choices: A saves 10 and has no gradient, B has an 11-byte gradient and saves
+    # nothing (same time), C is A slower with a gradient byte more. The additive pruning keeps A only
+    # (10 < 11 total bytes); at a backward step that counts gradients and not activations B is the smaller.
+    t = ChoiceTable(base=np.zeros(3, dtype=np.int64), stage=np.zeros(3, dtype=np.int64), recompute=np.zeros(3, bool),
+                    parts={"compute": np.array([1.0, 1.0, 2.0])}, state_bytes=np.array([0.0, 11.0, 1.0]),
+                    activation_bytes=np.array([10.0, 0.0, 10.0]), grad_bytes=np.array([0.0, 11.0, 1.0]))
+    assert _undominated(t.base, t.seconds, t.bytes).tolist() == [0]
+    assert _undominated_peak(t, 3, 1).tolist() == [0, 1]
