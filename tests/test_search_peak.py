@@ -7,7 +7,7 @@ import pytest
 
 from randgraphs import random_problem
 from shardplan.errors import ShardplanError
-from shardplan.search.constrained import solve_memory
+from shardplan.search.constrained import MemoryProblem, solve_memory
 from shardplan.search.peak import (PeakProblem, backward_profile, solve_peak, solve_peak_bruteforce,
                                    surrogate_weights)
 
@@ -136,3 +136,23 @@ def test_bad_peak_problem_input():
         PeakProblem(p, base, p.vertex_cost, z, tuple(np.full(k, -1.0) for k in p.sizes), z, budget=10)
     with pytest.raises(ShardplanError, match="one entry per choice"):
         PeakProblem(p, base, p.vertex_cost, z, z, tuple(np.zeros(k + 1) for k in p.sizes), budget=10)
+
+
+def test_solve_memory_with_an_upper_below_every_plan():
+    """solve_peak passes its incumbent as solve_memory's ``upper``; when that prunes the root before any plan
+    fits, solve_memory answers a plan that fits, not optimal, with the bound ``upper`` (it asserted before)."""
+    cases = 0
+    for seed in range(40):
+        pp = peak_problem(seed, 0.5)
+        add = pp.additive()
+        if add.least_memory() > add.budget:
+            continue
+        free = solve_memory(MemoryProblem(add.problem, add.base, add.cost, add.memory, 1e12, add.fixed))
+        if free.cost <= 0 or free.stats["memory_bytes"] <= add.budget:
+            continue  # the root's unconstrained plan must not fit, so that nothing is seen before pruning
+        cases += 1
+        sol = solve_memory(add, upper=0.5 * free.cost)
+        f, m = add.evaluate(sol.assignment)
+        assert m <= add.budget and not sol.optimal and sol.bound == 0.5 * free.cost
+        assert sol.stats["status"] == "proven: nothing below upper" and not sol.stats["beats_upper"]
+    assert cases >= 5
