@@ -53,8 +53,12 @@ violates some M_k (:meth:`PeakProblem.least_peak`), or when its bound reaches th
 incumbent. Otherwise, with a the node's last surrogate plan and k* the
 position of its peak, it branches on the vertex whose memory at k*
 (``rest + [v <= k*] saved + [v >= k*] grad``) can drop the most: one child
-keeps the choices using less there than a does, the other the rest. Both are
-non-empty and smaller, so the search is finite; nodes are taken best bound
+keeps the choices using less there than a does, the other the rest (when a
+fits, from a stopped solve, and no vertex can drop: a's choice of some vertex
+against the others). Both are non-empty and smaller, so the search is finite.
+A child inherits the parent's surrogate plans that it still allows as cuts;
+when they leave no weights, its dual cannot rise above the parent's bound and
+it is branched at once on the last of them; nodes are taken best bound
 first, and when it stops at its time or node limit the least open bound is the
 proven lower bound (the answer carries it and the gap).
 """
@@ -63,7 +67,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -247,22 +251,35 @@ class _NodeResult:
     bound: float
     closed: bool
     w: np.ndarray
-    last: tuple[int, ...] | None = None  # the last surrogate plan (original choice indices), infeasible
+    last: tuple[int, ...] | None = None  # the last surrogate plan (original choice indices), to branch on
     surrogate_solves: int = 0
     dp_solves: int = 0
     cuts: int = 0
+    plans: list = field(default_factory=list)  # (choices, cut) of every surrogate plan of the node, for its children
 
 
 def _surrogate_dual(pp: PeakProblem, allowed: list[np.ndarray], w0: np.ndarray, best: list[_Best | None],
-                    upper: float, deadline: float, max_cuts: int, rtol: float, memory_options: dict) -> _NodeResult:
-    """The node's surrogate dual by cutting planes; offers every feasible plan found to ``best[0]``."""
+                    upper: float, deadline: float, max_cuts: int, rtol: float, memory_options: dict,
+                    inherited: Sequence[tuple[tuple[int, ...], np.ndarray]] = ()) -> _NodeResult:
+    """The node's surrogate dual by cutting planes; offers every feasible plan found to ``best[0]``.
+
+    ``inherited``: the parent's surrogate plans and their cuts; those the node still allows are cuts
+    here too (a plan of the node that fits the surrogate at w bounds the node's v(w) by its cost). When
+    they already leave no weights (the LP's margin <= 0), the node's dual cannot exceed their costs,
+    which the parent's bound already reached: it is branched on the last of them without a solve.
+    """
     sub, idx = pp.restricted(allowed)
     if sub.least_peak() > pp.budget:
         return _NodeResult(np.inf, True, w0)
     w = w0
     bound = -np.inf
-    cuts: list[np.ndarray] = []
-    res = _NodeResult(-np.inf, False, w0)
+    kept = [(c, g) for c, g in inherited if all(ok[j] for ok, j in zip(allowed, c))]
+    cuts: list[np.ndarray] = [g for _, g in kept]
+    res = _NodeResult(-np.inf, False, w0, plans=list(kept))
+    if cuts:
+        w, eps = _next_weights(cuts)
+        if eps <= 1e-12:
+            return _NodeResult(-np.inf, False, w0, kept[-1][0], plans=list(kept))
 
     def cutoff() -> float:
         inc = min(best[0].f if best[0] is not None else np.inf, upper)
@@ -286,14 +303,15 @@ def _surrogate_dual(pp: PeakProblem, allowed: list[np.ndarray], w0: np.ndarray, 
             if sol.optimal:  # the node's exact optimum (or nothing below the incumbent, then its bound says so)
                 return _NodeResult(max(bound, sol.cost), True, w, None, res.surrogate_solves, res.dp_solves, len(cuts))
         res.last = choices
+        res.plans.append((choices, (prof - pp.budget) / pp.budget))
         if bound >= cutoff() or time.perf_counter() > deadline:
             break
-        cuts.append((prof - pp.budget) / pp.budget)
+        cuts.append(res.plans[-1][1])
         w_next, eps = _next_weights(cuts)
         if eps <= 1e-12:  # no weights make every plan found infeasible: the surrogate dual is solved
             break
         w = w_next
-    return _NodeResult(bound, False, w, res.last, res.surrogate_solves, res.dp_solves, len(cuts))
+    return _NodeResult(bound, False, w, res.last, res.surrogate_solves, res.dp_solves, len(cuts), res.plans)
 
 
 def _branch(pp: PeakProblem, allowed: list[np.ndarray], plan: tuple[int, ...]) -> list[list[np.ndarray]]:
@@ -302,9 +320,15 @@ def _branch(pp: PeakProblem, allowed: list[np.ndarray], plan: tuple[int, ...]) -
     contrib = pp.contribution(k)
     drop = [float(c[j] - c[ok].min()) for c, j, ok in zip(contrib, plan, allowed)]
     v = int(np.argmax(drop))
-    if drop[v] <= 0.0:  # every vertex already at its least M_k: no allowed plan fits (least_peak says so)
-        return []
-    low = allowed[v] & (contrib[v] < contrib[v][plan[v]])
+    if drop[v] > 0.0:
+        low = allowed[v] & (contrib[v] < contrib[v][plan[v]])
+    else:  # every vertex at its least M_k* (a plan that fits, from a stopped solve): split off its choice
+        free = [u for u, ok in enumerate(allowed) if ok.sum() > 1]
+        if not free:  # the node is this one plan, already offered
+            return []
+        v = free[0]
+        low = allowed[v].copy()
+        low[plan[v]] = False
     high = allowed[v] & ~low
     out = []
     for part in (low, high):
@@ -343,6 +367,8 @@ def solve_peak(pp: PeakProblem, *, time_limit: float = 60.0, max_nodes: int = 10
     """
     from shardplan.search.constrained import infeasible_message
 
+    if int(max_cuts) < 1:
+        raise ShardplanError(f"max_cuts must be a positive number of surrogate solves per node, got {max_cuts!r}")
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     n = pp.problem.num_vertices
@@ -364,7 +390,7 @@ def solve_peak(pp: PeakProblem, *, time_limit: float = 60.0, max_nodes: int = 10
     if n:
         w0[int(np.argmax(pp.profile(best[0].choices))) if best[0] is not None else n - 1] = 1.0
     root = [np.ones(k, dtype=bool) for k in pp.num_choices]
-    heap: list[tuple[float, int, list[np.ndarray], np.ndarray]] = [(-np.inf, 0, root, w0)]
+    heap: list[tuple[float, int, list[np.ndarray], np.ndarray, list]] = [(-np.inf, 0, root, w0, [])]
     counter = 1
     nodes = solves = dp_solves = cuts = 0
     root_bound = None
@@ -374,7 +400,7 @@ def solve_peak(pp: PeakProblem, *, time_limit: float = 60.0, max_nodes: int = 10
         return min(best[0].f if best[0] is not None else np.inf, upper)
 
     while heap:
-        b, _, allowed, w = heap[0]
+        b, _, allowed, w, plans = heap[0]
         cut = inc()
         if b >= cut - rtol * abs(cut):
             heap.clear()
@@ -387,7 +413,7 @@ def solve_peak(pp: PeakProblem, *, time_limit: float = 60.0, max_nodes: int = 10
             break
         heapq.heappop(heap)
         nodes += 1
-        r = _surrogate_dual(pp, allowed, w, best, upper, deadline, max_cuts, rtol, memory_options)
+        r = _surrogate_dual(pp, allowed, w, best, upper, deadline, max_cuts, rtol, memory_options, plans)
         solves += r.surrogate_solves
         dp_solves += r.dp_solves
         cuts += r.cuts
@@ -397,7 +423,7 @@ def solve_peak(pp: PeakProblem, *, time_limit: float = 60.0, max_nodes: int = 10
         if r.closed or r.bound >= cut - rtol * abs(cut) or r.last is None:
             continue
         for child in _branch(pp, allowed, r.last):
-            heapq.heappush(heap, (max(r.bound, b), counter, child, r.w))
+            heapq.heappush(heap, (max(r.bound, b), counter, child, r.w, r.plans))
             counter += 1
     if best[0] is None:
         if heap:
