@@ -156,3 +156,19 @@ def test_solve_memory_with_an_upper_below_every_plan():
         assert m <= add.budget and not sol.optimal and sol.bound == 0.5 * free.cost
         assert sol.stats["status"] == "proven: nothing below upper" and not sol.stats["beats_upper"]
     assert cases >= 5
+
+
+def test_branch_on_a_fitting_plan_splits_off_its_choice():
+    """A plan that fits (from a stopped surrogate solve) at which no vertex's memory can drop: the node is split,
+    not dropped (the cheaper plans in it must stay)."""
+    from shardplan.search.peak import _branch
+    from shardplan.search.problem import Problem
+
+    p = Problem(names=("a", "b"), configs=(((1,), (2,)), ((1,), (2,))), vertex_cost=(np.array([0.0, 1.0]),) * 2,
+                edges=(), edge_cost=())
+    same = (np.array([1.0, 1.0]),) * 2
+    pp = PeakProblem(p, (np.arange(2), np.arange(2)), p.vertex_cost, same, same, same, budget=100.0)
+    allowed = [np.ones(2, dtype=bool), np.ones(2, dtype=bool)]
+    kids = _branch(pp, allowed, (1, 1))
+    assert [[k.tolist() for k in c] for c in kids] == [[[True, False], [True, True]], [[False, True], [True, True]]]
+    assert _branch(pp, [np.array([False, True])] * 2, (1, 1)) == []  # the node is the plan itself
