@@ -1,8 +1,11 @@
 """Plans that fit: the issue's three rows (zoo gpt on a100/h100 presets, 80 GiB), unconstrained vs. fit.
 
-Usage: python benchmarks/bench_fit.py [row ...]   (rows: gpt1.7b, llama8b, gpt3-175b, gpt3-175b-cutoff1;
-default all)
+Usage: python benchmarks/bench_fit.py [row ...]   (rows: the keys of ROWS; default all)
 Writes benchmarks/results/fit.json (one entry per row, merged with what is there).
+
+Rows ending in ``-backward`` use the backward-peak memory model (``FitOptions.grad_buffers =
+"backward"``, :mod:`shardplan.fit`); it differs from the additive one only with one micro-batch, so
+the ``-m1`` rows search one micro-batch only, under either model, to compare them.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ ROWS = {
     "gpt3-175b-cutoff1": dict(machine="h100", p=256, batch=None, sizes=dict(layers=96, d_model=12288, heads=96),
                               dp=dict(bounds=False), time_limit=900.0),
 }
+for _name in ("gpt1.7b", "llama8b", "gpt3-175b"):  # the backward-peak model beside the additive rows
+    ROWS[f"{_name}-backward"] = dict(ROWS[_name], fit=dict(grad_buffers="backward"))
+# the same with twice the time (the first stopped at 900 s wall on the loaded machine, gap 1.1e-5)
+ROWS["gpt3-175b-backward-1800s"] = dict(ROWS["gpt3-175b-backward"], time_limit=1800.0)
+for _name in ("gpt1.7b", "llama8b"):
+    ROWS[f"{_name}-m1"] = dict(ROWS[_name], fit=dict(micro_batches=(1,)))
+    ROWS[f"{_name}-m1-backward"] = dict(ROWS[_name], fit=dict(micro_batches=(1,), grad_buffers="backward"))
 OUT = Path(__file__).parent / "results" / "fit.json"
 
 
@@ -48,7 +58,8 @@ def run(name: str, time_limit: float = 120.0) -> dict:
     cutoff = row.get("cutoff", model_spec("gpt").cutoff)
     t0, c0 = time.perf_counter(), time.process_time()
     time_limit = row.get("time_limit", time_limit)
-    plan = solve_fit(g, m, options=FitOptions(time_limit=time_limit), cutoff=cutoff, **row.get("dp", {}))
+    plan = solve_fit(g, m, options=FitOptions(time_limit=time_limit, **row.get("fit", {})), cutoff=cutoff,
+                     **row.get("dp", {}))
     total, cpu = time.perf_counter() - t0, time.process_time() - c0
     tables = plan.tables
     problem = tables.to_problem()
@@ -64,7 +75,10 @@ def run(name: str, time_limit: float = 120.0) -> dict:
         "unconstrained": {"cost_seconds": unconstrained.cost, "peak_bytes": unconstrained.memory["peak_bytes"],
                           "weights_bytes": unconstrained.memory["weights_bytes"],
                           "activations_bytes": unconstrained.memory["activations_bytes"]},
+        "fit_options": {k: list(v) if isinstance(v, tuple) else v for k, v in row.get("fit", {}).items()},
         "fit": {"cost_seconds": plan.cost, "peak_bytes": mem["peak_bytes"], "weights_bytes": mem["weights_bytes"],
+                "additive_peak_bytes": mem.get("additive_peak_bytes", mem["peak_bytes"]),
+                "peak_operator": names[mem["peak_step"]] if "peak_step" in mem else None,
                 "activations_bytes": mem["activations_bytes"], "micro_batches": mem["micro_batches"],
                 "optimal": sol.optimal, "bound_seconds": sol.bound, "gap": sol.stats["gap"],
                 "choices": plan.memory_choices.summary(names),

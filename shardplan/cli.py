@@ -347,7 +347,7 @@ def _solve_fit(args: argparse.Namespace, g, m, tables):
     opts = FitOptions(stages=_int_list(args.zero, "--zero", 0), recompute=not args.no_recompute,
                       micro_batches=_int_list(args.micro_batches, "--micro-batches", 1),
                       time_limit=60.0 if args.time_limit is None else args.time_limit,
-                      reserve_bytes=args.reserve * 2**30)
+                      reserve_bytes=args.reserve * 2**30, grad_buffers=args.grad_buffers)
     return solve_fit(g, m, budget=m.memory_bytes, options=opts, tables=tables,
                      ordering=args.ordering or "min-table")
 
@@ -534,6 +534,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-recompute", action="store_true", help="do not offer activation recomputation")
     p.add_argument("--reserve", type=float, default=0.0, metavar="GiB",
                    help="memory per device kept free for transients (default 0)")
+    p.add_argument("--grad-buffers", choices=("persistent", "backward"), default="persistent",
+                   help="with --memory/--fit: 'persistent' (default) counts every weight gradient and every saved "
+                        "activation at once (DDP / Megatron gradient buffers); 'backward' takes the peak over the "
+                        "backward pass's steps, gradients appearing as saved activations are freed (XLA), for one "
+                        "micro-batch")
     _add_progress(p)
     p.set_defaults(func=cmd_solve)
 

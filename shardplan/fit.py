@@ -2,11 +2,39 @@
 
 The memory model (what is live at the peak)
 -------------------------------------------
-The peak is taken at the start of the backward pass, when every activation
-saved by the forward pass is still held and the gradient buffers exist.
-Per device, for a plan with ``m`` micro-batches::
+Two models, chosen by ``FitOptions.grad_buffers`` (CLI ``--grad-buffers``).
+The default, ``"persistent"``, takes the peak at the start of the backward
+pass, when every activation saved by the forward pass is still held and the
+gradient buffers exist. Per device, for a plan with ``m`` micro-batches::
 
     peak = reserve + sum_v state_v + sum_v saved_v
+
+This is exact for an engine that allocates every weight gradient before the
+backward pass and keeps it (PyTorch DDP's gradient bucket views, Megatron's
+``main_grad`` buffers, any gradient accumulator) and an upper bound for
+others. ``"backward"`` is the backward-peak model, exact for an engine that
+allocates each gradient when the backward pass produces it and frees each
+saved activation when the backward pass consumes it (XLA's buffer
+assignment; the model of :mod:`shardplan.jax`'s programs). With
+``state_v = rest_v + grad_v`` (``grad_v``: the gradient tile, P at ZeRO stages
+0 and 1 and P/G at stages 2 and 3; ``rest_v``: the weights and the optimizer
+state, by the stage formulas below), operators in the graph's order 1..n and
+the backward pass in reverse order, at the backward step of operator k the
+activations of operators 1..k are not yet consumed (k's own is being read)
+and the gradients of k..n exist::
+
+    peak = reserve + sum_v rest_v + max_k ( sum_{v <= k} saved_v + sum_{v >= k} grad_v )
+
+(``saved_v`` includes a recomputing operator's kept inputs, below; a shared
+parameter's gradient is charged to its owner's step). Each term of the max
+is at most the additive sum, so ``"backward"`` never reports more. It
+applies to one micro-batch only (``m = 1``, ``in_flight = accumulate = 1``):
+with more, gradients are accumulated across micro-batches in buffers that
+persist through every backward pass, so the additive model is exact there
+and both options give the same plans and memory. The maximum is not additive
+over operators; :func:`shardplan.search.peak.solve_peak` searches it exactly
+(surrogate relaxations that are additive, closed by branch-and-bound).
+The rest of this section describes the terms.
 
 * ``state_v``: operator v's weights W (value tile per device: ``P``), their
   gradients and ``o`` words of optimizer state per element (``o = 2`` for Adam:
@@ -56,9 +84,11 @@ holds), and at least ``state + max(gradients, saved)``. On a GPU XLA
 all-reduces the gradients in place (NCCL), so the reduced gradients need no
 second buffer. The sum keeps the constraint additive over operators, which
 the Lagrangian/branch-and-bound search and the ILP's memory row need; the
-tighter peak is a maximum over the backward pass's steps (one linear row per
-step), not modelled here. ``benchmarks/bench_memory_vs_xla.py`` checks each
-part against XLA's compiled program.
+tighter peak, a maximum over the backward pass's steps (one linear row per
+step in the ILP, :func:`shardplan.search.memory_ilp.solve_peak_ilp`), is the
+``"backward"`` option above (activation gradients stay in the reserve).
+``benchmarks/bench_memory_vs_xla.py`` checks each part, and both totals,
+against XLA's compiled program.
 
 The time model of the choices
 -----------------------------
@@ -108,7 +138,12 @@ gradients before slicing them (no reduce-scatter), so every gathered weight
 and two full gradient copies are live at once; the reserve must hold these
 there.
 
-The search is exact for this model: for each micro-batch count it runs
+The search is exact for either model. With ``"backward"`` and one
+micro-batch it runs :func:`shardplan.search.peak.solve_peak` on
+:func:`peak_problem` (choices pruned by time and their three memories: rest +
+saved, rest + gradient, all three), with the additive root's plan as the
+incumbent (every additive plan fits) and a surrogate root bound to order the
+counts. Otherwise (the additive model), for each micro-batch count it runs
 :func:`shardplan.search.constrained.solve_memory` (Lagrangian dual closed by
 branch-and-bound) on the configurations' edge costs with the choices as
 vertex alternatives, and returns the best over the counts; a count whose
@@ -134,9 +169,13 @@ from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
 from shardplan.search.constrained import MemoryProblem, infeasible_message, solve_memory
+from shardplan.search.peak import PeakProblem, backward_profile, solve_peak
 from shardplan.search.problem import Solution
 
-__all__ = ["FitOptions", "MemoryChoices", "fit_problem", "solve_fit", "plan_with_choices"]
+__all__ = ["FitOptions", "MemoryChoices", "fit_problem", "peak_problem", "solve_fit", "plan_with_choices",
+           "GRAD_BUFFERS"]
+
+GRAD_BUFFERS = ("persistent", "backward")
 
 
 @dataclass(frozen=True)
@@ -159,6 +198,12 @@ class FitOptions:
             gradients over this many (a pipeline stage's cost per micro-batch):
             once-per-step collectives are charged 1/accumulate each
             (:func:`shardplan.cost.memory.choice_table`); 1: the graph is the step.
+        grad_buffers: ``"persistent"`` (default): the weight gradients live in buffers held through
+            the backward pass (DDP bucket views, Megatron's main_grad, any accumulator): the additive
+            peak. ``"backward"``: they appear as the backward pass produces them while it frees the
+            saved activations (XLA): the backward-peak model, a maximum over the backward steps (see
+            the module docstring); it differs only for one micro-batch (m = 1, ``in_flight`` and
+            ``accumulate`` 1): with more, gradients are accumulated in persistent buffers anyway.
     """
 
     stages: tuple[int, ...] = STAGES
@@ -168,8 +213,16 @@ class FitOptions:
     reserve_bytes: float = 0.0
     in_flight: float = 1
     accumulate: int = 1
+    grad_buffers: str = "persistent"
+
+    def backward_peak(self, micro_batches: int) -> bool:
+        """Whether the backward-peak model applies to a plan with ``micro_batches`` (see ``grad_buffers``)."""
+        return (self.grad_buffers == "backward" and int(micro_batches) == 1 and int(self.in_flight) == 1
+                and int(self.accumulate) == 1)
 
     def __post_init__(self) -> None:
+        if self.grad_buffers not in GRAD_BUFFERS:
+            raise ShardplanError(f"grad_buffers must be one of {', '.join(GRAD_BUFFERS)}, got {self.grad_buffers!r}")
         bad = [s for s in self.stages if s not in STAGES]
         if bad:
             raise ShardplanError(f"ZeRO stage {bad[0]!r} does not exist; choose from 0, 1, 2, 3")
@@ -192,6 +245,7 @@ class MemoryChoices:
     reserve_bytes: float
     choice_tables: tuple[ChoiceTable, ...]
     choices: tuple[int, ...]
+    backward: bool = False  # the backward-peak model applies (FitOptions.backward_peak), else the additive
 
     def stage(self, i: int) -> int:
         return int(self.choice_tables[i].stage[self.choices[i]])
@@ -214,12 +268,27 @@ class MemoryChoices:
         out["total"] = sum(out.values())
         return out
 
+    def backward_profile(self) -> np.ndarray:
+        """Bytes per device at each operator's backward step (the backward-peak model, module docstring):
+        reserve + rest + saved of the operators up to it + gradients of those from it on."""
+        pick = [(t.rest_bytes[j], t.activation_bytes[j], t.grad_bytes[j]) for t, j in zip(self.choice_tables, self.choices)]
+        rest, saved, grad = (np.array(x, dtype=np.float64) for x in zip(*pick))
+        return backward_profile(rest, saved, grad, self.reserve_bytes)
+
     def memory(self) -> dict[str, float]:
+        """Peak bytes per device and its parts; with the backward-peak model also the step of the peak
+        (``peak_step``, an operator index) and the additive sum (``additive_peak_bytes``)."""
         state = float(sum(t.state_bytes[j] for t, j in zip(self.choice_tables, self.choices)))
         act = float(sum(t.activation_bytes[j] for t, j in zip(self.choice_tables, self.choices)))
-        return {"peak_bytes": self.reserve_bytes + state + act, "weights_bytes": state, "activations_bytes": act,
-                "reserve_bytes": self.reserve_bytes, "budget_bytes": self.budget_bytes,
-                "micro_batches": self.micro_batches}
+        grad = float(sum(t.grad_bytes[j] for t, j in zip(self.choice_tables, self.choices)))
+        out = {"peak_bytes": self.reserve_bytes + state + act, "weights_bytes": state, "activations_bytes": act,
+               "gradients_bytes": grad, "reserve_bytes": self.reserve_bytes, "budget_bytes": self.budget_bytes,
+               "micro_batches": self.micro_batches}
+        if self.backward and self.choices:
+            prof = self.backward_profile()
+            k = int(np.argmax(prof))
+            out.update(additive_peak_bytes=out["peak_bytes"], peak_bytes=float(prof[k]), peak_step=k)
+        return out
 
     def summary(self, names: Sequence[str]) -> dict[str, Any]:
         """JSON-ready: micro-batches, and which operators shard state (by stage) or recompute."""
@@ -228,7 +297,7 @@ class MemoryChoices:
             if self.stage(i):
                 stages.setdefault(f"zero-{self.stage(i)}", []).append(n)
         return {"micro_batches": self.micro_batches, "budget_bytes": self.budget_bytes,
-                "reserve_bytes": self.reserve_bytes, "state_sharding": stages,
+                "reserve_bytes": self.reserve_bytes, "backward_peak": self.backward, "state_sharding": stages,
                 "recompute": [n for i, n in enumerate(names) if self.recompute(i)]}
 
 
@@ -263,7 +332,61 @@ def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, optio
     Choices that alone leave no room for the least memory of every other
     operator are dropped (exact). ``cache`` (a dict, empty at first) keeps what
     does not depend on the micro-batch count between calls on the same tables.
+    This is the additive model; :func:`peak_problem` is the backward-peak one.
     """
+    cache = {} if cache is None else cache
+    cts = _choice_tables(tables, micro_batches, options, cache, peak=False)
+    least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
+    if least <= budget:
+        cts = [t.take(np.flatnonzero(t.bytes + (least - t.bytes.min()) <= budget)) for t in cts]
+    problem = cache_problem(tables, cache)
+    mp = MemoryProblem(problem, tuple(t.base for t in cts), tuple(t.seconds for t in cts),
+                       tuple(t.bytes for t in cts), budget, options.reserve_bytes)
+    return mp, tuple(cts)
+
+
+def peak_problem(tables: CostTables, budget: float, options: FitOptions = FitOptions(),
+                 cache: dict | None = None) -> tuple[PeakProblem, tuple[ChoiceTable, ...]]:
+    """The backward-peak problem of ``tables`` with one micro-batch (module docstring), for
+    :func:`~shardplan.search.peak.solve_peak`.
+
+    Choices are pruned by time and the three memories a backward step can
+    charge them (:func:`~shardplan.cost.memory.choice_table` with ``peak``),
+    and a choice is dropped when even at its own backward step, with every
+    other operator at its least memory there, it exceeds the budget (exact).
+    """
+    cache = {} if cache is None else cache
+    cts = _choice_tables(tables, 1, options, cache, peak=True)
+    low_saved = np.array([float((t.rest_bytes + t.activation_bytes).min()) for t in cts])  # before the step
+    low_grad = np.array([float((t.rest_bytes + t.grad_bytes).min()) for t in cts])  # after it
+    others = (np.concatenate([[0.0], np.cumsum(low_saved)[:-1]])
+              + np.concatenate([np.flip(np.cumsum(np.flip(low_grad)))[1:], [0.0]])) + options.reserve_bytes
+    if all(float(t.bytes.min()) + o <= budget for t, o in zip(cts, others)):
+        cut: dict[tuple, ChoiceTable] = {}  # identical operators keep sharing one table where they keep the same
+        out = []
+        for t, o in zip(cts, others):
+            keep = np.flatnonzero(t.bytes + o <= budget)
+            out.append(_shared(cut, (id(t), keep.tobytes()), lambda: t.take(keep)))
+        cts = out
+    parts: dict[int, tuple] = {}
+    for t in cts:
+        if id(t) not in parts:
+            parts[id(t)] = (t.base, t.seconds, t.rest_bytes, t.activation_bytes, t.grad_bytes)
+    cols = list(zip(*(parts[id(t)] for t in cts)))
+    pp = PeakProblem(cache_problem(tables, cache), *(tuple(c) for c in cols), budget, options.reserve_bytes)
+    return pp, tuple(cts)
+
+
+def cache_problem(tables: CostTables, cache: dict | None) -> Any:
+    """``tables.to_problem()``, kept in ``cache`` (filled by :func:`_choice_tables`) when given."""
+    if cache is not None and "problem" in cache:
+        return cache["problem"]
+    return tables.to_problem()
+
+
+def _choice_tables(tables: CostTables, micro_batches: int, options: FitOptions, cache: dict | None,
+                   peak: bool) -> list[ChoiceTable]:
+    """Every operator's choice table (identical operators share one), pruned for the additive or the peak model."""
     g = tables.graph
     cache = {} if cache is None else cache
     opt = float(tables.options.get("optimizer_factor", 2.0))
@@ -280,19 +403,12 @@ def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, optio
         cache["keep"] = [(s, _shared(shared, ("k", _key(op), id(lay), s),
                                      lambda: recompute_keep_bytes(op, lay, tables.machine, s)) if any(s) else None)
                          for op, lay, s in zip(g.operators, tables.arrays, sh)]
-    cts = [_shared(shared, ("c", micro_batches, _key(op), id(lay), op.name in forced, sk[0]),
-                   lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages, options.recompute,
-                                        opt, groups=wg, op_cost=oc if micro_batches == 1 else None,
-                                        in_flight=options.in_flight, accumulate=options.accumulate,
-                                        forced_recompute=op.name in forced, recompute_keep=sk[1]))
-           for op, lay, wg, oc, sk in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs, cache["keep"])]
-    least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
-    if least <= budget:
-        cts = [t.take(np.flatnonzero(t.bytes + (least - t.bytes.min()) <= budget)) for t in cts]
-    problem = cache["problem"]
-    mp = MemoryProblem(problem, tuple(t.base for t in cts), tuple(t.seconds for t in cts),
-                       tuple(t.bytes for t in cts), budget, options.reserve_bytes)
-    return mp, tuple(cts)
+    return [_shared(shared, ("c", micro_batches, peak, _key(op), id(lay), op.name in forced, sk[0]),
+                    lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages,
+                                         options.recompute, opt, groups=wg, op_cost=oc if micro_batches == 1 else None,
+                                         in_flight=options.in_flight, accumulate=options.accumulate,
+                                         forced_recompute=op.name in forced, recompute_keep=sk[1], peak=peak))
+            for op, lay, wg, oc, sk in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs, cache["keep"])]
 
 
 def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, options: FitOptions = FitOptions(),
@@ -342,50 +458,142 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     problems = []
     totals = {"nodes": 0, "dp_solves": 0}
     cache: dict = {}
+    peak_least = False  # whether least_all is the backward-peak model's lower bound (not an exact least)
     for m in sorted({int(x) for x in options.micro_batches}):
+        if options.backward_peak(m):
+            pp, cts = peak_problem(tables, budget, options, cache)
+            root_pk = _peak_root(pp, totals, dp_options)
+            if root_pk is None:
+                least = pp.least_peak()
+                if least < least_all:
+                    least_all, peak_least = least, True
+                per.append({"micro_batches": m, "model": "backward peak", "status": "infeasible",
+                            "least_memory_lower_bound_bytes": least})
+                continue
+            root_bound, inc = root_pk
+            problems.append((root_bound, inc.cost if inc is not None else np.inf, m, pp, cts, inc))
+            if inc is not None and (best is None or inc.cost < best[0].cost):
+                best = (inc, m, cts)
+            continue
         mp, cts = fit_problem(tables, budget, m, options, cache)
         least = mp.least_memory()
         if least > budget:
-            least_all = min(least_all, least)
+            if least < least_all:
+                least_all, peak_least = least, False
             per.append({"micro_batches": m, "status": "infeasible", "least_memory_bytes": least})
             continue
         # the root alone: a feasible plan and the dual bound, to order the counts and share the incumbent
         root = solve_memory(mp, max_nodes=1, fix_iters=-1, **dp_options)
         totals["nodes"] += root.stats["nodes"]
         totals["dp_solves"] += root.stats["dp_solves"]
-        problems.append((root.bound, root.cost, m, mp, cts))
+        problems.append((root.bound, root.cost, m, mp, cts, root))
         if best is None or root.cost < best[0].cost:
             best = (root, m, cts)
-    if best is None:
-        raise ShardplanError(infeasible_message(least_all, budget))
-    for root_bound, root_cost, m, mp, cts in sorted(problems, key=lambda x: (x[0], x[1])):
-        upper = best[0].cost
+    if not problems:
+        raise ShardplanError(_infeasible(least_all, budget, peak_least))
+    for root_bound, root_cost, m, mp, cts, _root in sorted(problems, key=lambda x: (x[0], x[1])):
+        upper = best[0].cost if best is not None else np.inf
         if root_bound >= upper * (1 - 1e-9):
             lower.append(root_bound)
             per.append({"micro_batches": m, "status": "pruned: its dual bound reaches the best plan",
                         "lower_bound": root_bound, "cost": root_cost})
             continue
-        sol = solve_memory(mp, time_limit=options.time_limit, upper=upper, **dp_options)
-        totals["nodes"] += sol.stats["nodes"]
-        totals["dp_solves"] += sol.stats["dp_solves"]
+        if isinstance(mp, PeakProblem):
+            try:
+                sol = solve_peak(mp, time_limit=options.time_limit, upper=upper,
+                                 incumbent=None if _root is None else _root.assignment, **dp_options)
+            except ShardplanError as e:  # proven infeasible, or nothing found within the limits
+                per.append({"micro_batches": m, "model": "backward peak", "status": f"no plan: {e}"})
+                if "proven" not in str(e):
+                    lower.append(root_bound)
+                continue
+            totals["nodes"] += sol.stats["nodes"]
+            totals["dp_solves"] += sol.stats["dp_solves"]
+            per.append({"micro_batches": m, "model": "backward peak", "status": sol.stats["status"],
+                        "cost": sol.cost, "bound": sol.bound, "memory_bytes": sol.stats["memory_bytes"],
+                        "peak_step": sol.stats["peak_step"],
+                        "additive_memory_bytes": sol.stats["additive_memory_bytes"], "root_bound": root_bound,
+                        "nodes": sol.stats["nodes"], "surrogate_solves": sol.stats["surrogate_solves"],
+                        "cuts": sol.stats["cuts"], "dp_solves": sol.stats["dp_solves"], "seconds": sol.solve_seconds})
+        else:
+            sol = solve_memory(mp, time_limit=options.time_limit, upper=upper, **dp_options)
+            totals["nodes"] += sol.stats["nodes"]
+            totals["dp_solves"] += sol.stats["dp_solves"]
+            per.append({"micro_batches": m, "status": sol.stats["status"], "cost": sol.cost, "bound": sol.bound,
+                        "memory_bytes": sol.stats["memory_bytes"], "nodes": sol.stats["nodes"],
+                        "dp_solves": sol.stats["dp_solves"], "fixed_choices": sol.stats["fixed_choices"],
+                        "seconds": sol.solve_seconds})
         lower.append(sol.bound if sol.bound is not None else 0.0)
-        per.append({"micro_batches": m, "status": sol.stats["status"], "cost": sol.cost, "bound": sol.bound,
-                    "memory_bytes": sol.stats["memory_bytes"], "nodes": sol.stats["nodes"],
-                    "dp_solves": sol.stats["dp_solves"], "fixed_choices": sol.stats["fixed_choices"],
-                    "seconds": sol.solve_seconds})
-        if sol.cost < best[0].cost:
+        if best is None or sol.cost < best[0].cost:
             best = (sol, m, cts)
+    if best is None:
+        raise ShardplanError(_infeasible(least_all, budget, peak_least) if np.isfinite(least_all) else
+                             "no plan fits: the backward-peak search found none (see per micro-batch count) "
+                             + "; ".join(str(x["status"]) for x in per))
     sol, m, cts = best
     bound = min([sol.cost] + lower)
     optimal = bound >= sol.cost * (1 - 1e-9)
     gap = 0.0 if optimal else (sol.cost - bound) / sol.cost if sol.cost else 0.0
     stats = {**sol.stats, **totals, "gap": gap, "micro_batches": m, "per_micro_batches": per,
+             "grad_buffers": options.grad_buffers,
              "status": "optimal" if optimal else "stopped: see per_micro_batches"}
-    choices = MemoryChoices(m, float(budget), options.reserve_bytes, cts, sol.assignment)
+    choices = MemoryChoices(m, float(budget), options.reserve_bytes, cts, sol.assignment,
+                            backward=options.backward_peak(m))
     base = tuple(int(t.base[j]) for t, j in zip(cts, sol.assignment))
-    final = Solution(cost=sol.cost, assignment=base, solve_seconds=time.perf_counter() - t1, solver="memory-bb",
+    final = Solution(cost=sol.cost, assignment=base, solve_seconds=time.perf_counter() - t1,
+                     solver="peak-bb" if options.backward_peak(m) else "memory-bb",
                      optimal=optimal, bound=sol.cost if optimal else bound, stats=stats)
     return Plan(tables, base, final, "fit", build_seconds, memory_choices=choices)
+
+
+def _infeasible(least: float, budget: float, bound_only: bool) -> str:
+    """The no-plan message: the least memory, or (backward-peak model) a lower bound of it."""
+    from shardplan.units import fmt_bytes
+
+    if not bound_only:
+        return infeasible_message(least, budget)
+    return (f"no plan fits in {fmt_bytes(budget)} per device: under the backward-peak model every plan needs at "
+            f"least {fmt_bytes(least)} ({least:.0f} bytes) at some backward step")
+
+
+def _peak_root(pp: PeakProblem, totals: dict, dp_options: dict) -> tuple[float, Solution | None] | None:
+    """A lower bound and a plan that fits (or None) for the backward-peak problem, cheaply; None when proven
+    infeasible.
+
+    The plan: the additive problem's root plan (it fits every backward step), or the surrogate's when that
+    fits and is cheaper. The bound: the surrogate problem's root bound with all weight on the step where
+    the additive plan peaks (the last step without one): a relaxation (:mod:`shardplan.search.peak`).
+    """
+    if pp.least_peak() > pp.budget:
+        return None
+    n = pp.problem.num_vertices
+    inc = None
+    add = pp.additive()
+    if add.least_memory() <= add.budget:
+        root = solve_memory(add, max_nodes=1, fix_iters=-1, **dp_options)
+        totals["nodes"] += root.stats["nodes"]
+        totals["dp_solves"] += root.stats["dp_solves"]
+        f, peak = pp.evaluate(root.assignment)
+        prof = pp.profile(root.assignment)
+        inc = Solution(cost=f, assignment=root.assignment, solve_seconds=root.solve_seconds, solver="memory-bb",
+                       optimal=False, bound=None, stats={**root.stats, "memory_bytes": peak,
+                                                         "peak_step": int(np.argmax(prof)) if n else 0})
+    w = np.zeros(n)
+    if n:
+        w[int(inc.stats["peak_step"]) if inc is not None else n - 1] = 1.0
+    sur = pp.surrogate(w)
+    if sur.least_memory() > sur.budget:
+        return None
+    sroot = solve_memory(sur, max_nodes=1, fix_iters=-1, **dp_options)
+    totals["nodes"] += sroot.stats["nodes"]
+    totals["dp_solves"] += sroot.stats["dp_solves"]
+    f, peak = pp.evaluate(sroot.assignment)
+    if peak <= pp.budget and (inc is None or f < inc.cost):
+        prof = pp.profile(sroot.assignment)
+        inc = Solution(cost=f, assignment=sroot.assignment, solve_seconds=sroot.solve_seconds, solver="memory-bb",
+                       optimal=False, bound=None, stats={**sroot.stats, "memory_bytes": peak,
+                                                          "peak_step": int(np.argmax(prof)) if n else 0})
+    return float(sroot.bound if sroot.bound is not None else -np.inf), inc
 
 
 FIT_LABELS = {"weight_sync": "weight-gradient sync (incl. ZeRO gathers)", "recompute": "recomputed forward"}
@@ -408,6 +616,14 @@ def render_fit(plan) -> list[str]:
     else:  # choices given by hand (plan_with_choices) on a machine without a memory size
         head = f"Memory: no budget; this plan's peak {fmt_bytes(mem['peak_bytes'])} per device"
     out = [head + (f", of which reserve {fmt_bytes(mem['reserve_bytes'])}" if mem["reserve_bytes"] else "")]
+    if "peak_step" in mem:
+        k = int(mem["peak_step"])
+        out.append(f"  backward-peak model (gradient buffers allocated as the backward pass goes): the peak is at "
+                   f"the backward step of {names[k]} (operator {k + 1} of {len(names)}); the additive sum "
+                   f"(persistent gradient buffers) would be {fmt_bytes(mem['additive_peak_bytes'])}")
+    elif sol is not None and sol.stats.get("grad_buffers") == "backward":
+        out.append(f"  gradient buffers: {mc.micro_batches} micro-batches accumulate gradients in persistent "
+                   "buffers, so the additive peak is exact (the backward-peak model applies to one micro-batch)")
     for key, label in FIT_LABELS.items():
         v = plan.breakdown.get(key, 0.0)
         if v > 0:
@@ -433,7 +649,8 @@ def render_fit(plan) -> list[str]:
 
 
 def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | Sequence[str] = False,
-                      micro_batches: int = 1, budget: float | None = None, name: str | None = None):
+                      micro_batches: int = 1, budget: float | None = None, name: str | None = None,
+                      grad_buffers: str = "persistent"):
     """``plan``'s layouts with the memory-saving choices given by hand (a fit plan the search did not choose).
 
     ``stage``: one ZeRO stage for every operator with trainable weights, or
@@ -443,6 +660,8 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     recomputes (:attr:`~shardplan.ir.Graph.recomputed`) always do. Costs and memory are those of
     :func:`~shardplan.cost.memory.choice_table` (the model of this module), so
     data parallelism with FSDP, say, is ``plan_with_choices(dp_plan, 3)``.
+    ``grad_buffers``: as :class:`FitOptions` (``"backward"``: the plan's memory
+    is the backward-peak model's when it has one micro-batch).
 
     Raises:
         ShardplanError: an unknown stage or operator name, or a bad micro-batch count.
@@ -464,6 +683,7 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     m = int(micro_batches)
     if m < 1:
         raise ShardplanError(f"micro-batch count must be a positive integer, got {micro_batches!r}")
+    backward = FitOptions(micro_batches=(m,), grad_buffers=grad_buffers).backward_peak(m)
     opt = float(tables.options.get("optimizer_factor", 2.0))
     cts, choices = [], []
     for i, (op, lay, oc) in enumerate(zip(g.operators, tables.arrays, tables.op_costs)):
@@ -479,5 +699,5 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
         cts.append(ct)
         choices.append(int(j[0]))
     budget = float(budget if budget is not None else (tables.machine.memory_bytes or np.inf))
-    mc = MemoryChoices(m, budget, 0.0, tuple(cts), tuple(choices))
+    mc = MemoryChoices(m, budget, 0.0, tuple(cts), tuple(choices), backward=backward)
     return Plan(tables, plan.assignment, None, name or f"{plan.name}+memory", plan.build_seconds, memory_choices=mc)

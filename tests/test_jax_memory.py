@@ -192,6 +192,12 @@ def test_predicted_memory_against_xla_on_a_tiny_mlp(setup):
     assert abs(row["xla_bytes"]["state"] - (row["model_bytes"]["weights"] + row["model_bytes"]["optimizer"])) <= 8
     assert abs(r["saved"] - 203 / 202) <= 0.01
     assert r["total"] >= 1.0
+    # the backward-peak model (one micro-batch): a maximum over the backward steps, below the additive sum,
+    # still below XLA's total (which keeps the all-reduce's result beside its operand)
+    m = row["model_bytes"]
+    assert m["backward_peak"] < m["total"] and m["backward_peak_operator"] in {op.name for op in dp.graph.operators}
+    assert r["total_backward"] == pytest.approx(row["xla_bytes"]["total"] / m["backward_peak"])
+    assert r["total_backward"] > r["total"] >= 1.0
 
 
 def test_plan_with_choices_reports_and_refuses_bad_input(setup):

@@ -78,6 +78,9 @@ class ChoiceTable:
             synchronisation and ZeRO gathers), ``recompute`` (the forward run again).
         state_bytes: weights, gradients and optimizer state per device.
         activation_bytes: activations kept for the backward pass, per device.
+        grad_bytes: the weight-gradient part of ``state_bytes`` (P at stages 0 and 1, P/G at
+            stages 2 and 3: :mod:`shardplan.fit`); the rest (value and optimizer state) is
+            :attr:`rest_bytes`. Zero when not given.
     """
 
     base: np.ndarray
@@ -86,6 +89,16 @@ class ChoiceTable:
     parts: dict[str, np.ndarray]
     state_bytes: np.ndarray
     activation_bytes: np.ndarray
+    grad_bytes: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.grad_bytes is None:
+            object.__setattr__(self, "grad_bytes", np.zeros_like(np.asarray(self.state_bytes, dtype=np.float64)))
+
+    @property
+    def rest_bytes(self) -> np.ndarray:
+        """Weights and optimizer state: what persists whatever the backward pass has reached."""
+        return self.state_bytes - self.grad_bytes
 
     @property
     def seconds(self) -> np.ndarray:
@@ -104,7 +117,7 @@ class ChoiceTable:
     def take(self, keep: np.ndarray) -> "ChoiceTable":
         return ChoiceTable(self.base[keep], self.stage[keep], self.recompute[keep],
                            {k: v[keep] for k, v in self.parts.items()}, self.state_bytes[keep],
-                           self.activation_bytes[keep])
+                           self.activation_bytes[keep], self.grad_bytes[keep])
 
 
 def latency_scaled(machine: Machine, factor: float) -> Machine:
@@ -216,7 +229,8 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
                  stages: Sequence[int] = STAGES, recompute: bool = True,
                  optimizer_factor: float = 2.0, prune: bool = True, groups: WeightGroups | None = None,
                  op_cost=None, in_flight: float = 1, accumulate: int = 1,
-                 forced_recompute: bool = False, recompute_keep: np.ndarray | None = None) -> ChoiceTable:
+                 forced_recompute: bool = False, recompute_keep: np.ndarray | None = None,
+                 peak: bool = False) -> ChoiceTable:
     """Every (layout, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
 
     ``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows
@@ -240,6 +254,11 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     :attr:`shardplan.ir.Graph.recomputed`): only recomputing choices.
     ``recompute_keep``: per layout, the input bytes a recomputing choice keeps
     (:func:`recompute_keep_bytes`), live like saved activations; None: nothing.
+    ``peak``: prune for the backward-peak model (``FitOptions.grad_buffers =
+    "backward"``), where a choice's memory counts in three ways (rest + saved
+    before its backward step, rest + gradient after it, all three at it): a
+    choice is dropped only when another of the same layout is no slower and
+    uses no more in each of the three (:func:`_undominated_peak`).
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time
     from shardplan.cost.operator import operator_cost
@@ -282,16 +301,16 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     once = 1.0 / int(accumulate)  # share of a once-per-step collective charged to one micro-batch
     for s in stage_list:
         if s == 0:
-            sync, mem = charged(sync0) * once, state * (2 + o)
+            sync, mem, grad = charged(sync0) * once, state * (2 + o), state
         elif s == 1:
-            sync, mem = (charged(rs) + ag) * once, state * (2 + o / group)
+            sync, mem, grad = (charged(rs) + ag) * once, state * (2 + o / group), state
         elif s == 2:
-            sync, mem = charged(m * rs) + ag * once, state * (1 + (1 + o) / group)
+            sync, mem, grad = charged(m * rs) + ag * once, state * (1 + (1 + o) / group), state / group
         else:  # gathers prefetched during the operator's own forward / backward when overlapping
             fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
-            sync, mem = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group
+            sync, mem, grad = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group, state / group
         for r in ([True] if forced_recompute else [False, True] if recompute else [False]):
-            rows.append((s, r, sync, mem, keep if r else act, fwd if r else np.zeros(k)))
+            rows.append((s, r, sync, mem, keep if r else act, fwd if r else np.zeros(k), grad))
     j = len(rows)
     base = np.tile(np.arange(k), j)
     table = ChoiceTable(
@@ -305,8 +324,34 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
                "recompute": np.concatenate([r[5] for r in rows])},
         state_bytes=np.concatenate([r[3] for r in rows]),
         activation_bytes=np.concatenate([r[4] for r in rows]),
+        grad_bytes=np.concatenate([r[6] for r in rows]),
     )
-    return table.take(_undominated(table.base, table.seconds, table.bytes)) if prune else table
+    if not prune:
+        return table
+    if peak:
+        return table.take(_undominated_peak(table, j, k))
+    return table.take(_undominated(table.base, table.seconds, table.bytes))
+
+
+def _undominated_peak(table: ChoiceTable, rows: int, k: int) -> np.ndarray:
+    """Indices of the choices of an unpruned table (``rows`` blocks of ``k`` layouts) that no other
+    choice of the same layout dominates for the backward-peak model.
+
+    Choice b dominates a when b's seconds, rest + saved, rest + gradient and
+    rest + saved + gradient are each <= a's (ties: the earlier row wins): every
+    per-step constraint of :mod:`shardplan.fit`'s backward model charges an
+    operator one of those three memories, so a plan using a can use b instead
+    and be no slower and fit wherever it fit.
+    """
+    rest, act, grad = table.rest_bytes, table.activation_bytes, table.grad_bytes
+    crit = np.stack([table.seconds, rest + act, rest + grad, rest + act + grad]).reshape(4, rows, k)
+    le = np.all(crit[:, None, :, :] <= crit[:, :, None, :], axis=0)  # le[a, b]: b <= a everywhere
+    eq = np.all(crit[:, None, :, :] == crit[:, :, None, :], axis=0)
+    earlier = np.arange(rows)[None, :] < np.arange(rows)[:, None]  # b before a
+    dom = le & (~eq | earlier[:, :, None])
+    dom[np.arange(rows), np.arange(rows)] = False
+    keep = ~dom.any(axis=1)  # (rows, k)
+    return np.flatnonzero(keep.reshape(-1))
 
 
 def _undominated(base: np.ndarray, seconds: np.ndarray, nbytes: np.ndarray) -> np.ndarray:

@@ -1057,7 +1057,9 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
             heapq.heappush(heap, (max(ev.bound, node.bound), counter, child))
             counter += 1
     best = ctx.best
-    assert best is not None  # the least-memory point of the root is feasible
+    if best is None:  # ``upper`` pruned every node before a feasible point was seen: any plan fits as the answer
+        least_choice = tuple(int(np.argmin(m)) for m in mp.memory)
+        best = _Point(*mp.evaluate(least_choice), least_choice)
     lower = min([best.f, upper] + [b for b, _, _ in heap])
     optimal = not heap and best.f <= upper
     if optimal:
