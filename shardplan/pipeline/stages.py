@@ -190,6 +190,19 @@ def weight_sync(op: Operator, configs, orders, machine: Machine):
     return np.maximum(full - without, 0.0)
 
 
+def _split_parts(op: Operator, parts: dict[str, float]) -> tuple[float, float, float]:
+    """(forward, backward, weight-gradient) seconds of one operator's configuration: a GEMM's forward is
+    1/(1 + tensors with gradients) of its compute, plus the forward partial-sum all-reduces; the backward
+    the rest of the compute and the activation-gradient all-reduces; halo, statistics and recurrence split
+    in halves; the weight-gradient part is the forward share of compute per weight with a gradient."""
+    share = 1.0 / (1 + len(op.grad_tensors))
+    half = sum(parts[key] for key in ("halo", "stats", "recurrence")) / 2
+    fwd = parts["compute"] * share + parts["forward_allreduce"] + half
+    bwd = parts["compute"] * (1 - share) + parts["grad_allreduce"] + half
+    wgrad = parts["compute"] * share * sum(1 for w in op.weights if w.needs_grad)
+    return fwd, bwd, wgrad
+
+
 def _forward_backward(plan, ops: "set[int] | None" = None) -> tuple[float, float, float]:
     """Split a plan's predicted seconds into forward, backward and the backward's weight-gradient compute
     (module docstring): a GEMM's backward computes one gradient per tensor that needs one, each costing its
@@ -200,14 +213,8 @@ def _forward_backward(plan, ops: "set[int] | None" = None) -> tuple[float, float
     for i, op in enumerate(plan.graph.operators):
         if ops is not None and i not in ops:
             continue
-        parts = plan.tables.op_costs[i].parts(plan.assignment[i])
-        share = 1.0 / (1 + len(op.grad_tensors))
-        fwd += parts["compute"] * share + parts["forward_allreduce"]
-        bwd += parts["compute"] * (1 - share) + parts["grad_allreduce"]
-        wgrad += parts["compute"] * share * sum(1 for w in op.weights if w.needs_grad)
-        for key in ("halo", "stats", "recurrence"):
-            fwd += parts[key] / 2
-            bwd += parts[key] / 2
+        f, b, w = _split_parts(op, plan.tables.op_costs[i].parts(plan.assignment[i]))
+        fwd, bwd, wgrad = fwd + f, bwd + b, wgrad + w
     if ops is None:
         red = plan.breakdown["redistribution"]
     else:
@@ -902,14 +909,8 @@ def _terms(plan, ops, sync, m: int) -> _Terms:
     weights = activations = 0.0
     for i in ops:
         op, k = graph.operators[i], x[i]
-        parts = tables.op_costs[i].parts(k)
-        share = 1.0 / (1 + len(op.grad_tensors))
-        fwd += parts["compute"] * share + parts["forward_allreduce"]
-        bwd += parts["compute"] * (1 - share) + parts["grad_allreduce"]
-        wgrad += parts["compute"] * share * sum(1 for w in op.weights if w.needs_grad)
-        for key in ("halo", "stats", "recurrence"):
-            fwd += parts[key] / 2
-            bwd += parts[key] / 2
+        f, b, wg = _split_parts(op, tables.op_costs[i].parts(k))
+        fwd, bwd, wgrad = fwd + f, bwd + b, wgrad + wg
         w = float(sync[i][k])
         step += w
         obj += max(float(tables.op_costs[i].total[k]) - (1.0 - 1.0 / m) * w, 0.0)

@@ -107,7 +107,8 @@ from shardplan.errors import ShardplanError
 from shardplan.search.bounds import uf_find
 from shardplan.search.problem import Problem, Solution
 
-__all__ = ["MemoryProblem", "solve_memory", "solve_memory_bruteforce", "infeasible_message"]
+__all__ = ["MemoryProblem", "solve_memory", "solve_memory_bruteforce", "infeasible_message", "enumerate_choices",
+           "cheapest_within"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -1073,27 +1074,40 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
                     solver="memory-bb", optimal=optimal, bound=float(lower), stats=stats)
 
 
-def solve_memory_bruteforce(mp: MemoryProblem, max_combinations: int = 10**6) -> Solution:
-    """Reference: every choice assignment enumerated (refuses above ``max_combinations``)."""
-    t0 = time.perf_counter()
-    sizes = mp.num_choices
+def enumerate_choices(problem: Problem, base: Sequence[np.ndarray], cost: Sequence[np.ndarray],
+                      max_combinations: int = 10**6) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """Every choice assignment (``digits[v][i]``: vertex v's choice in assignment i) and its seconds
+    ``F`` (own costs plus edges on the choices' configurations); refuses above ``max_combinations``."""
+    sizes = tuple(len(c) for c in cost)
     total = int(np.prod([float(k) for k in sizes])) if sizes else 1
     if total > max_combinations:
         raise ShardplanError(f"brute force needs {total} combinations, over the limit of {max_combinations}")
-    flat = np.arange(total)
-    digits = np.unravel_index(flat, sizes) if sizes else ()
+    digits = np.unravel_index(np.arange(total), sizes) if sizes else ()
     f = np.zeros(total)
-    m = np.full(total, mp.fixed)
     for v in range(len(sizes)):
-        f += mp.cost[v][digits[v]]
-        m += mp.memory[v][digits[v]]
-    for (s, d), mat in zip(mp.problem.edges, mp.problem.edge_cost):
-        f += mat[mp.base[s][digits[s]], mp.base[d][digits[d]]]
-    ok = m <= mp.budget
+        f += cost[v][digits[v]]
+    for (s, d), mat in zip(problem.edges, problem.edge_cost):
+        f += mat[base[s][digits[s]], base[d][digits[d]]]
+    return tuple(digits), f
+
+
+def cheapest_within(digits: tuple[np.ndarray, ...], f: np.ndarray, mem: np.ndarray, budget: float) -> tuple[int, ...]:
+    """The assignment of least F among those with memory within ``budget`` (one-line error if none)."""
+    ok = mem <= budget
     if not ok.any():
-        raise ShardplanError(infeasible_message(float(m.min()), mp.budget))
+        raise ShardplanError(infeasible_message(float(mem.min()), budget))
     j = int(np.flatnonzero(ok)[np.argmin(f[ok])])
-    choices = tuple(int(x[j]) for x in digits) if sizes else ()
+    return tuple(int(x[j]) for x in digits)
+
+
+def solve_memory_bruteforce(mp: MemoryProblem, max_combinations: int = 10**6) -> Solution:
+    """Reference: every choice assignment enumerated (refuses above ``max_combinations``)."""
+    t0 = time.perf_counter()
+    digits, f = enumerate_choices(mp.problem, mp.base, mp.cost, max_combinations)
+    m = np.full(len(f), mp.fixed)
+    for v, dv in enumerate(digits):
+        m += mp.memory[v][dv]
+    choices = cheapest_within(digits, f, m, mp.budget)
     cost, mem = mp.evaluate(choices)
     return Solution(cost=cost, assignment=choices, solve_seconds=time.perf_counter() - t0, solver="bruteforce",
-                    optimal=True, bound=cost, stats={"memory_bytes": mem, "combinations": total})
+                    optimal=True, bound=cost, stats={"memory_bytes": mem, "combinations": len(f)})

@@ -454,29 +454,16 @@ def solve_peak(pp: PeakProblem, *, time_limit: float = 60.0, max_nodes: int = 10
 
 def solve_peak_bruteforce(pp: PeakProblem, max_combinations: int = 10**6) -> Solution:
     """Reference: every choice assignment enumerated with its backward profile (refuses above ``max_combinations``)."""
-    from shardplan.search.constrained import infeasible_message
+    from shardplan.search.constrained import cheapest_within, enumerate_choices
 
     t0 = time.perf_counter()
-    sizes = pp.num_choices
-    total = int(np.prod([float(k) for k in sizes])) if sizes else 1
-    if total > max_combinations:
-        raise ShardplanError(f"brute force needs {total} combinations, over the limit of {max_combinations}")
-    digits = np.unravel_index(np.arange(total), sizes) if sizes else ()
-    f = np.zeros(total)
-    for v in range(len(sizes)):
-        f += pp.cost[v][digits[v]]
-    for (s, d), mat in zip(pp.problem.edges, pp.problem.edge_cost):
-        f += mat[pp.base[s][digits[s]], pp.base[d][digits[d]]]
-    if sizes:
-        parts = [np.stack([x[v][digits[v]] for v in range(len(sizes))], axis=-1) for x in (pp.rest, pp.saved, pp.grad)]
+    digits, f = enumerate_choices(pp.problem, pp.base, pp.cost, max_combinations)
+    if digits:
+        parts = [np.stack([x[v][dv] for v, dv in enumerate(digits)], axis=-1) for x in (pp.rest, pp.saved, pp.grad)]
         peak = backward_profile(*parts, fixed=pp.fixed).max(axis=-1)
     else:
-        peak = np.full(total, pp.fixed)
-    ok = peak <= pp.budget
-    if not ok.any():
-        raise ShardplanError(infeasible_message(float(peak.min()), pp.budget))
-    j = int(np.flatnonzero(ok)[np.argmin(f[ok])])
-    choices = tuple(int(x[j]) for x in digits) if sizes else ()
+        peak = np.full(len(f), pp.fixed)
+    choices = cheapest_within(digits, f, peak, pp.budget)
     cost, pk = pp.evaluate(choices)
     return Solution(cost=cost, assignment=choices, solve_seconds=time.perf_counter() - t0, solver="bruteforce",
-                    optimal=True, bound=cost, stats={"memory_bytes": pk, "combinations": total})
+                    optimal=True, bound=cost, stats={"memory_bytes": pk, "combinations": len(f)})
