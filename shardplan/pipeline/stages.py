@@ -327,15 +327,7 @@ class ModelStages:
         """The operators of units [a, b) at micro-batch batch/m, earlier stages' tensors as graph inputs, and
         the graph's ties (a scan's iterations, one layout for their stacked parameter) restricted to them: a
         stage holds its own slice of a stacked parameter, so copies in different stages are not tied."""
-        g, units, _ = self.graph(m)
-        ops = [g.operators[i] for u in range(a, b) for i in units[u]]
-        names = {op.name for op in ops}
-        inputs: dict[str, tuple[int, ...]] = {}
-        for op in ops:
-            for t in op.inputs:
-                if t.src is not None and t.src not in names:
-                    inputs[t.src] = t.shape
-        return Graph(f"{g.name}[{a}:{b}]", tuple(ops), inputs, ties=_ties_within(g, names))
+        return self.subgraph_of(((a, b),), m)
 
     def solve_stage(self, a: int, b: int, q: int, m: int) -> StageCost:
         """The intra-stage optimum of units [a, b) on q devices at m micro-batches, solved now on its own
