@@ -13,7 +13,7 @@ from shardplan.models import get_model
 from shardplan.pipeline import ModelStages, PipelineSpace
 from shardplan.pipeline.search import (StageCost, _interleaved_family_bound, _interleaved_plan, _placeable,
                                        _unit_seconds, _zb_family_bound, brute_force_pipeline, evaluate_pipeline,
-                                       search_pipeline)
+                                       interleaved_chunkings, search_pipeline)
 
 
 def _instance(seed: int, U: int, p: int):
@@ -59,26 +59,27 @@ def _tilings(space: PipelineSpace, n: int):
             yield qs
 
 
-def _brute_zb(space, stage_fn, link_fn, fit_fn):
-    """Per (m, S): the least ZB-H1 step over every cut and every tiling (evaluate_pipeline: the closed form for
-    m >= S, the event simulation below)."""
+def _brute_zb(space, stage_fn, link_fn, fit_fn, exchange=None):
+    """Per (m, S), S <= m (ZB-H1's space): the least ZB-H1 step over every cut and every tiling."""
     U = space.num_units
     out = {}
     for m in space.micro_batches:
-        for n in range(1, min(U, space.num_devices) + 1):
+        for n in range(1, min(U, space.num_devices, m) + 1):
             for cuts in itertools.combinations(range(1, U), n - 1):
                 b = (0, *cuts, U)
                 for qs in _tilings(space, n):
                     segs = [(b[i], b[i + 1], qs[i]) for i in range(n)]
-                    plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn, schedule="zb-h1", fit_fn=fit_fn)
+                    plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn, exchange, schedule="zb-h1",
+                                             fit_fn=fit_fn)
                     if plan is not None and plan.step_time < out.get((m, n), float("inf")):
                         out[(m, n)] = plan.step_time
     return out
 
 
-def _brute_interleaved(space, stage_fn, link_fn, v):
-    """Per (m, S): the least interleaved step over every chunking into S v contiguous chunks (uniform sub-meshes,
-    the chunks' time-optimal plans; candidates whose groups do not fit are out of the space without group_fit_fn)."""
+def _brute_interleaved(space, stage_fn, link_fn, v, chunkings=None):
+    """Per (m, S): the least interleaved step over every chunking into S v contiguous chunks (``chunkings(U, S
+    v)``: only those), uniform sub-meshes, the chunks' time-optimal plans (candidates whose groups do not fit are
+    out of the space without group_fit_fn)."""
     from shardplan.pipeline.schedule import in_flight
 
     U, p = space.num_units, space.num_devices
@@ -89,9 +90,9 @@ def _brute_interleaved(space, stage_fn, link_fn, v):
             if p % n or q not in space.allowed_sizes() or m % n or U < n * v:
                 continue
             k = in_flight(n, m, "interleaved", v)
-            for cuts in itertools.combinations(range(1, U), n * v - 1):
-                b = (0, *cuts, U)
-                chunks = [(b[j], b[j + 1]) for j in range(n * v)]
+            every = [tuple((b[j], b[j + 1]) for j in range(n * v))
+                     for b in ((0, *cuts, U) for cuts in itertools.combinations(range(1, U), n * v - 1))]
+            for chunks in (every if chunkings is None else chunkings(U, n * v)):
                 costs = [stage_fn(a, e, q, m) for a, e in chunks]
                 if space.budget is not None and any(
                         sum(costs[j].weight_bytes for j in range(d, n * v, n))
@@ -105,13 +106,17 @@ def _brute_interleaved(space, stage_fn, link_fn, v):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_family_bounds_vs_brute_force(seed):
+    """The bounds over every cut (superadditivity) are below brute force; the search is exact over all three
+    families: its ZB-H1 and interleaved family bounds are at most those families' brute-force optima and its
+    answer is the least of the three."""
     U, p = 6, 8
     stage_fn, fit_fn, link_fn = _instance(seed, U, p)
     budget = [None, 4.0, 2.5][seed % 3]
     uniform = seed % 2 == 0
     space = PipelineSpace(U, p, 4, micro_batches=(2, 4, 8), budget=budget, uniform=uniform, interleave=(2,))
     zb = _brute_zb(space, stage_fn, link_fn, fit_fn)
-    inter = _brute_interleaved(space, stage_fn, link_fn, 2)
+    every = _brute_interleaved(space, stage_fn, link_fn, 2)
+    inter = _brute_interleaved(space, stage_fn, link_fn, 2, interleaved_chunkings)
     for m in space.micro_batches:
         units = {q: _unit_seconds(space, stage_fn, m, q) for q in space.allowed_sizes()}
         for n in range(1, min(U, p) + 1):
@@ -120,32 +125,51 @@ def test_family_bounds_vs_brute_force(seed):
                 # bound <= the least step over every cut of this stage count (and not vacuous: within 2x)
                 lb = _zb_family_bound({q: units[q] for q in qs}, p, n, m)
                 assert lb <= zb[(m, n)] and lb > 0.3 * zb[(m, n)]
-            if (m, n) in inter:
+            if (m, n) in every:
                 lb = _interleaved_family_bound(units[p // n], n, m, 2)
-                assert lb <= inter[(m, n)] and lb > 0.3 * inter[(m, n)]
+                assert lb <= every[(m, n)] and lb > 0.3 * every[(m, n)]
+                assert every[(m, n)] <= inter.get((m, n), float("inf"))
     got = search_pipeline(space, stage_fn, link_fn, ("1f1b", "interleaved", "zb-h1"), fit_fn=fit_fn)
     fam = got.stats["family_lower_bounds"]
-    # each family's bound is below that family's true optimum, which is at least what the search returned
-    # when the search's answer is the optimum of all three (brute force over 1F1B too)
     one = brute_force_pipeline(space, stage_fn, link_fn, fit_fn=fit_fn).step_time
+    want = min([one, *zb.values(), *inter.values()])
+    assert got.step_time == pytest.approx(want, rel=1e-12)
     assert fam["1f1b"] <= one * (1 + 1e-12)
-    assert fam["zb-h1"] <= min(zb.values())
+    assert fam["zb-h1"] <= min(zb.values()) * (1 + 1e-12)
     if inter:
-        assert fam["interleaved"] <= min(inter.values())
+        assert fam["interleaved"] <= min(inter.values()) * (1 + 1e-12)
     assert got.lower_bound == min(min(fam.values()), got.step_time)
-    assert got.lower_bound <= min([one, *zb.values(), *inter.values()])
+    assert got.lower_bound <= want * (1 + 1e-12) and got.gap < 1e-9
     assert got.gap == pytest.approx((got.step_time - got.lower_bound) / got.step_time)
-    # the search's answer is never worse than 1F1B's optimum, nor than any ZB-H1 candidate it enumerates
-    # (pruning by the family bounds loses none of them)
-    assert got.step_time <= one * (1 + 1e-12)
-    for n in range(1, min(U, p) + 1):
-        if p % n == 0 and p // n in space.allowed_sizes():
-            b = [round(j * U / n) for j in range(n + 1)]
-            for m in space.micro_batches:
-                plan = evaluate_pipeline([(b[j], b[j + 1], p // n) for j in range(n)], m, space, stage_fn, link_fn,
-                                         schedule="zb-h1", fit_fn=fit_fn)
-                if plan is not None:
-                    assert got.step_time <= plan.step_time * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_zb_h1_search_equals_brute_force(seed):
+    """ZB-H1 alone, exact over every cut, sub-mesh sequence and m (S <= m), with memory-constrained stages solved
+    lazily and, on odd seeds, exact transfers from the stages' own bytes; every plan's W, F and B differ."""
+    U, p = 7, 8
+    stage_fn, fit_fn, link_fn = _instance(seed + 100, U, p)
+    exchange = (lambda nbytes, inter: (0.02 if inter else 0.005) + nbytes * (4.0 if inter else 1.0)) \
+        if seed % 2 else None
+    budget = [None, 4.0, 2.5][seed % 3]
+    space = PipelineSpace(U, p, 4, micro_batches=(2, 4, 8), budget=budget, uniform=seed % 4 == 0)
+    want = min(_brute_zb(space, stage_fn, link_fn, fit_fn, exchange).values())
+    got = search_pipeline(space, stage_fn, link_fn, ("zb-h1",), fit_fn=fit_fn, exchange=exchange)
+    assert got.schedule == "zb-h1" and got.micro_batches >= got.num_stages
+    assert got.step_time == pytest.approx(want, rel=1e-12)
+    assert got.lower_bound <= want * (1 + 1e-12) and got.gap < 1e-9
+    again = evaluate_pipeline([(s.first, s.end, s.devices) for s in got.stages], got.micro_batches, space, stage_fn,
+                              link_fn, exchange, schedule="zb-h1", fit_fn=fit_fn)
+    assert again.step_time == pytest.approx(got.step_time, rel=1e-12)
+    if fit_fn is not None and budget is not None:
+        assert got.stats["zb_boxes"] > 0
+
+
+def test_interleaved_chunkings():
+    assert interleaved_chunkings(10, 4) == [((0, 2), (2, 5), (5, 8), (8, 10)), ((0, 3), (3, 5), (5, 7), (7, 10))]
+    assert interleaved_chunkings(6, 4) == [((0, 2), (2, 3), (3, 4), (4, 6))]  # the two layouts agree
+    assert interleaved_chunkings(5, 4) == [((0, 1), (1, 2), (2, 4), (4, 5))]
+    assert interleaved_chunkings(3, 4) == []
 
 
 def test_family_bounds_prune():

@@ -237,7 +237,7 @@ from shardplan.errors import ShardplanError
 from shardplan.pipeline.schedule import StageTimes, in_flight, step_time
 
 __all__ = ["StageCost", "PipelineSpace", "Stage", "PipelinePlan", "submesh_sizes", "search_pipeline",
-           "brute_force_pipeline", "evaluate_pipeline"]
+           "brute_force_pipeline", "evaluate_pipeline", "interleaved_chunkings"]
 
 
 @dataclass(frozen=True)
@@ -803,16 +803,37 @@ def _interleaved_plan(costs: Sequence[StageCost], chunks: Sequence[tuple[int, in
     return PipelinePlan(stages, m, "interleaved", v, tuple(links), t, space.budget, back_links=tuple(back))
 
 
+def interleaved_chunkings(num_units: int, chunks: int) -> list[tuple[tuple[int, int], ...]]:
+    """The chunkings the interleaved search considers (module docstring, *Interleaved*): the units dealt evenly
+    into ``chunks`` contiguous runs (``round(j U / chunks)``), and Megatron-LM's layout, the first and the last
+    unit (embedding, head) riding with the first and the last chunk and the U - 2 units between dealt evenly
+    (equal when ``chunks`` divides them), when it differs; no chunking when a chunk would be empty."""
+    out: list[tuple[tuple[int, int], ...]] = []
+    if num_units >= chunks:
+        b = [round(j * num_units / chunks) for j in range(chunks + 1)]
+        out.append(tuple((b[j], b[j + 1]) for j in range(chunks)))
+    if num_units - 2 >= chunks:
+        b = [1 + round(j * (num_units - 2) / chunks) for j in range(chunks + 1)]
+        b[0], b[-1] = 0, num_units
+        mega = tuple((b[j], b[j + 1]) for j in range(chunks))
+        if mega not in out:
+            out.append(mega)
+    return out
+
+
 def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, v: int,
                         exchange: ExchangeFn | None = None, group_fit_fn: GroupFitFn | None = None,
                         incumbent: float = math.inf, stats: dict | None = None,
                         units: Callable[[int], Sequence[float]] | None = None) -> tuple[PipelinePlan | None, float]:
-    """Interleaved 1F1B with v chunks, enumerated (module docstring): the best candidate below ``incumbent``
-    (else None) and a proven lower bound of the interleaved step at (m, v) over every chunking of every group
-    count (:func:`_interleaved_family_bound` on ``units(q)``, the unit seconds on q devices); a group count whose
-    bound reaches the best known is not enumerated. A device group whose time-optimal chunks do not fit takes
-    its joint memory-constrained optimum (``group_fit_fn``), solved only when the candidate's value with
-    stand-ins for such groups is below the best known."""
+    """Interleaved 1F1B with v chunks over its space (module docstring): every group count S on equal sub-meshes
+    with m a multiple of S, each chunking of :func:`interleaved_chunkings`. Returns the best candidate below
+    ``incumbent`` (else None) and a proven lower bound of the family's optimum at (m, v): rho min(incumbent,
+    best), rho the least proven/found ratio of the group solves (the step is nondecreasing and positively
+    homogeneous in the groups' seconds). A group count whose bound over *every* chunking
+    (:func:`_interleaved_family_bound` on ``units(q)``, the unit seconds on q devices; recorded in
+    ``stats["interleaved_any_chunking_bound"]``) reaches the best known is not enumerated. A device group whose
+    time-optimal chunks do not fit takes its joint memory-constrained optimum (``group_fit_fn``), solved only
+    when the candidate's value with stand-ins for such groups is below the best known."""
     if units is None:
         units = lambda q: _unit_seconds(space, stage_fn, m, q)  # noqa: E731
     U, p = space.num_units, space.num_devices
@@ -820,51 +841,54 @@ def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn
     budget = math.inf if space.budget is None else space.budget
     stats = {} if stats is None else stats
     best: PipelinePlan | None = None
-    best_t, lower = incumbent, math.inf
+    best_t = incumbent
+    ratios = [1.0]
     for n in range(2, min(space.max_stages or U, p) + 1):
         q = p // n
         if p % n or q not in sizes or m % n or U < n * v:
             continue
         bound = _interleaved_family_bound(units(q), n, m, v)
-        lower = min(lower, bound)
+        stats["interleaved_any_chunking_bound"] = min(stats.get("interleaved_any_chunking_bound", math.inf), bound)
         if bound >= best_t:
             stats["interleaved_pruned"] = stats.get("interleaved_pruned", 0) + 1
             continue
-        bounds = [round(j * U / (n * v)) for j in range(n * v + 1)]
-        chunks = [(bounds[j], bounds[j + 1]) for j in range(n * v)]
-        got = [stage_fn(a, b, q, m) for a, b in chunks]
-        if any(c is None for c in got):
-            continue
-        costs: list[StageCost] = got  # type: ignore[assignment]
-        k = in_flight(n, m, "interleaved", v)
-        over = [d for d in range(n) if sum(costs[j].weight_bytes for j in range(d, n * v, n))
-                + k[d] * sum(costs[j].activation_bytes for j in range(d, n * v, n)) > budget]
-        if over:
-            if group_fit_fn is None:
+        for chunks in interleaved_chunkings(U, n * v):
+            got = [stage_fn(a, b, q, m) for a, b in chunks]
+            if any(c is None for c in got):
                 continue
-            relaxed = list(costs)
-            for d in over:
-                for j in range(d, n * v, n):
-                    relaxed[j] = _stand_in(costs[j])
-            lb = _interleaved_plan(relaxed, chunks, n, q, m, v, space, link_fn, exchange).step_time
-            if lb >= best_t:
-                continue  # not solved: its stand-in value already reaches the best
-            feasible = True
-            for d in over:
-                mine = [(j, chunks[j]) for j in range(d, n * v, n)]
-                fit = group_fit_fn(tuple(c for _, c in mine), q, m, k[d], budget)
-                stats["group_fit_evaluations"] = stats.get("group_fit_evaluations", 0) + 1
-                if fit is None:
-                    feasible = False  # nothing fits this group: the candidate is not in the space
-                    break
-                for (j, _), c in zip(mine, fit):
-                    costs[j] = c
-            if not feasible:
-                continue
-        plan = _interleaved_plan(costs, chunks, n, q, m, v, space, link_fn, exchange)
-        if plan.step_time < best_t:
-            best, best_t = plan, plan.step_time
-    return best, lower
+            costs: list[StageCost] = got  # type: ignore[assignment]
+            k = in_flight(n, m, "interleaved", v)
+            over = [d for d in range(n) if sum(costs[j].weight_bytes for j in range(d, n * v, n))
+                    + k[d] * sum(costs[j].activation_bytes for j in range(d, n * v, n)) > budget]
+            if over:
+                if group_fit_fn is None:
+                    continue
+                relaxed = list(costs)
+                for d in over:
+                    for j in range(d, n * v, n):
+                        relaxed[j] = _stand_in(costs[j])
+                lb = _interleaved_plan(relaxed, chunks, n, q, m, v, space, link_fn, exchange).step_time
+                if lb >= best_t:
+                    continue  # not solved: its stand-in value already reaches the best
+                feasible = True
+                for d in over:
+                    mine = [(j, chunks[j]) for j in range(d, n * v, n)]
+                    fit = group_fit_fn(tuple(c for _, c in mine), q, m, k[d], budget)
+                    stats["group_fit_evaluations"] = stats.get("group_fit_evaluations", 0) + 1
+                    if fit is None:
+                        feasible = False  # nothing fits this group: the candidate is not in the space
+                        break
+                    total = sum(c.time for c in fit)
+                    if total > 0:
+                        ratios.append(sum(c.proven for c in fit) / total)
+                    for (j, _), c in zip(mine, fit):
+                        costs[j] = c
+                if not feasible:
+                    continue
+            plan = _interleaved_plan(costs, chunks, n, q, m, v, space, link_fn, exchange)
+            if plan.step_time < best_t:
+                best, best_t = plan, plan.step_time
+    return best, min(ratios) * best_t
 
 
 FAMILY_SAFETY = 1 - 1e-12  # the family bounds are sums of unit seconds in another order than a stage's own: rounding
@@ -928,65 +952,276 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                   seeds: Sequence[Sequence[tuple[int, int, int]]], fit_fn: FitFn | None = None,
                   incumbent: float = math.inf, stats: dict | None = None,
                   units: Callable[[int], Sequence[float]] | None = None) -> tuple[PipelinePlan | None, float]:
-    """ZB-H1, enumerated: for every uniform sub-mesh size the units dealt evenly over the stages, plus the
-    stages of ``seeds`` (the best 1F1B plan found so far); each costed by :func:`step_time` (the closed form,
-    or the event simulation for m < S). A stage whose time-optimal plan does not fit min(S, m) in flight takes
-    its memory-constrained optimum (``fit_fn``), solved only when the candidate's floor ``m max_i t_i``
-    (time-optimal seconds) is below ``incumbent``. Returns the best candidate and a proven lower bound of ZB-H1's
-    step at m over every cut of every stage count and sub-mesh sequence the space allows
-    (:func:`_zb_family_bound`); a candidate whose (S, sub-mesh) family bound reaches the best known is skipped."""
+    """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count S <= m (module docstring,
+    *ZB-H1*) if below ``incumbent``, and a proven lower bound of it. ``seeds`` (the best 1F1B plan's stages) and
+    the units dealt evenly over each uniform stage count are costed first, as incumbents; then each stage count
+    whose family bound (:func:`_zb_family_bound`) is below the best known is searched exactly
+    (:func:`_zb_branch_and_bound`). A stage whose time-optimal plan does not fit S in flight takes its
+    memory-constrained optimum (``fit_fn``), solved lazily."""
     U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
     budget = math.inf if space.budget is None else space.budget
     stats = {} if stats is None else stats
     if units is None:
         units = lambda q: _unit_seconds(space, stage_fn, m, q)  # noqa: E731
-    s_max = min(space.max_stages or U, U, p)
+    s_max = min(space.max_stages or U, U, p, m)
 
     def family_sizes(n: int) -> tuple[int, ...]:
         if space.uniform:
             return (p // n,) if p % n == 0 and p // n in sizes else ()
         return tuple(q for q in sizes if q <= p)
 
-    family: dict[tuple[int, tuple[int, ...]], float] = {}
+    floors = {n: _minmax_cut({q: units(q) for q in family_sizes(n)}, p, n) * FAMILY_SAFETY if family_sizes(n)
+              else math.inf for n in range(1, s_max + 1)}
+    best: PipelinePlan | None = None
 
-    def bound(n: int, qs: tuple[int, ...]) -> float:
-        if (n, qs) not in family:
-            family[(n, qs)] = _zb_family_bound({q: units(q) for q in qs}, p, n, m) if qs else math.inf
-        return family[(n, qs)]
+    def best_t() -> float:
+        return min(incumbent, best.step_time if best is not None else math.inf)
 
-    lower = min([bound(n, family_sizes(n)) for n in range(1, s_max + 1)] + [math.inf])
-    cands = [list(seg) for seg in seeds]
-    for n in range(1, min(space.max_stages or U, U, p) + 1):
+    cands = [list(seg) for seg in seeds if len(seg) <= s_max]
+    for n in range(1, s_max + 1):
         if p % n == 0 and p // n in sizes:
             bounds = [round(j * U / n) for j in range(n + 1)]
             cands.append([(bounds[j], bounds[j + 1], p // n) for j in range(n)])
-    best: PipelinePlan | None = None
     for segs in cands:
-        qs = tuple(sorted({q for *_, q in segs}))
-        if bound(len(segs), qs if len(qs) == 1 else family_sizes(len(segs))) >= min(
-                incumbent, best.step_time if best is not None else math.inf):
+        if m * floors[len(segs)] >= best_t():
             stats["zb_pruned"] = stats.get("zb_pruned", 0) + 1
             continue
-        k = float(min(len(segs), m))
-        plain = [stage_fn(a, b, q, m) for a, b, q in segs]
-        if any(c is None for c in plain):
-            continue
-        if fit_fn is not None and any(c.memory(k) > budget for c in plain):  # type: ignore[union-attr]
-            # the closed form and the simulation are at least m max_i t_i (module docstring of schedule)
-            floor = m * max(c.time for c in plain)  # type: ignore[union-attr]
-            if floor >= min(incumbent, best.step_time if best is not None else math.inf):
-                continue
-            stats["zb_fit_candidates"] = stats.get("zb_fit_candidates", 0) + 1
         try:
             plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn, exchange, schedule="zb-h1", fit_fn=fit_fn)
         except ShardplanError:
             continue
-        if plan is None:
-            continue
-        if best is None or plan.step_time < best.step_time:
+        if plan is not None and plan.step_time < best_t():
             best = plan
-    return best, lower
+    pool = _ZBPool(stage_fn, fit_fn, m, budget, stats)
+    lower = math.inf
+    for n in range(1, s_max + 1):
+        if m * floors[n] >= best_t():
+            stats["zb_pruned"] = stats.get("zb_pruned", 0) + 1
+            lower = min(lower, m * floors[n])
+            continue
+        q_fixed = p // n if space.uniform else None
+        while True:
+            try:
+                found, lb = _zb_branch_and_bound(pool, space, n, q_fixed, m, link_fn, exchange, floors[n], best_t(),
+                                                 stats)
+                break
+            except _Abandoned:
+                continue  # the pool now solves every stage as it is seen
+        lower = min(lower, lb)
+        if found is not None and found.step_time < best_t():
+            best = found
+    return best, pool.rho() * lower
+
+
+class _ZBPool:
+    """Stage costs at one m for the ZB-H1 search, with k micro-batches in flight: the time-optimal plan where it
+    fits, else the memory-constrained optimum (``fit_fn``); while ``lazy``, an unsolved one is a stand-in
+    (:func:`_stand_in`: a lower bound of its seconds; it passes every W / Y floor, the relaxation's choice)."""
+
+    def __init__(self, stage_fn: StageFn, fit_fn: FitFn | None, m: int, budget: float, stats: dict) -> None:
+        self.stage_fn, self.fit_fn, self.m, self.budget, self.stats = stage_fn, fit_fn, m, budget, stats
+        self.plain_costs: dict[tuple[int, int, int], StageCost | None] = {}
+        self.fitted: dict[tuple[int, int, int, float], StageCost | None] = {}
+        self.lazy = fit_fn is not None
+
+    def plain(self, a: int, b: int, q: int) -> StageCost | None:
+        key = (a, b, q)
+        if key not in self.plain_costs:
+            self.plain_costs[key] = self.stage_fn(a, b, q, self.m)
+            self.stats["stage_evaluations"] = self.stats.get("stage_evaluations", 0) + 1
+        return self.plain_costs[key]
+
+    def get(self, a: int, b: int, q: int, k: float) -> StageCost | None:
+        c = self.plain(a, b, q)
+        if c is None or c.memory(k) <= self.budget:
+            return c
+        if self.fit_fn is None:
+            return None
+        key = (a, b, q, k)
+        if key not in self.fitted:
+            if self.lazy:
+                self.fitted[key] = _stand_in(c)
+            else:
+                self.resolve(key)
+        return self.fitted[key]
+
+    def resolve(self, key: tuple[int, int, int, float]) -> None:
+        a, b, q, k = key
+        got = self.fit_fn(a, b, q, self.m, int(k), self.budget)  # type: ignore[misc]
+        self.stats["fit_evaluations"] = self.stats.get("fit_evaluations", 0) + 1
+        self.fitted[key] = got
+        plain = self.plain(a, b, q)
+        if got is not None and plain is not None and got.time < plain.time * (1 - 1e-9) and self.lazy:
+            # the time-optimal stage is not a lower bound of this fit_fn: stand-ins are void, solve eagerly
+            self.lazy = False
+            self.stats["lazy_abandoned"] = True
+            for other in [x for x, c in self.fitted.items() if c is not None and c.detail is _PENDING]:
+                del self.fitted[other]
+
+    def rho(self) -> float:
+        """The least proven/found ratio of the memory-constrained stages solved (1: all proven)."""
+        return min([c.proven / c.time for c in self.fitted.values()
+                    if c is not None and c.detail is not _PENDING and c.time > 0] + [1.0])
+
+
+def _zb_terms(c: StageCost) -> tuple[float, float]:
+    """(W, Y) of a stage: its weight-gradient seconds and min(W, F, B) (B its input-gradient seconds)."""
+    w = c.weight_grad
+    return w, min(w, c.forward, c.backward - w)
+
+
+def _zb_dp(pool: _ZBPool, space: PipelineSpace, n: int, q_fixed: int | None, link_fn: LinkFn,
+           exchange: ExchangeFn | None, hi: float, w_lo: float, y_lo: float, stats: dict
+           ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+    """The least ``sum_i t_i + transfers`` over pipelines of n stages (n in flight on each) whose every stage and
+    transfer time is at most ``hi`` and every stage's W at least ``w_lo`` and Y at least ``y_lo`` (stand-ins pass
+    the floors): a DP over (first unit, first device, stages left, first stage's size) as 1F1B's. Stage times
+    grow with the extent, so the scan stops at the first over ``hi`` (while stand-ins are in force, at the first
+    whose time-optimal seconds are, as in 1F1B's search); W and Y do not: the floors only skip."""
+    U, p = space.num_units, space.num_devices
+    ns = p if space.node_size is None or space.node_size >= p else space.node_size
+    qs = [q_fixed] if q_fixed is not None else list(space.allowed_sizes())
+    k = float(n)
+    memo: dict[tuple[int, int, int, int], tuple[float, tuple | None]] = {}
+
+    def ok(c: StageCost) -> bool:
+        if c.detail is _PENDING:
+            return True
+        w, y = _zb_terms(c)
+        return w >= w_lo and y >= y_lo
+
+    def best_from(a: int, o: int, r: int, q: int) -> tuple[float, tuple | None]:
+        key = (a, o, r, q)
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        stats["zb_dp_states"] = stats.get("zb_dp_states", 0) + 1
+        best_v, best_arg = math.inf, None
+        if _placeable(o, q, p, ns) and (r > 1 or o + q == p):
+            for b in ([U] if r == 1 else range(a + 1, U - r + 2)):
+                c = pool.get(a, b, q, k)
+                if c is None or c.memory(k) > pool.budget:
+                    if pool.fit_fn is not None and pool.plain(a, b, q) is not None:
+                        break  # nothing fits [a, b) with k in flight: a longer stage needs more still
+                    continue
+                if c.time > hi:
+                    if not pool.lazy or pool.plain(a, b, q).time > hi:  # type: ignore[union-attr]
+                        break
+                    continue
+                if not ok(c):
+                    continue
+                here = c.time
+                if exchange is not None:
+                    fin = _exchanged(exchange, c.recv_bytes, o % ns == 0) if a > 0 else 0.0
+                    gout = 0.0 if r == 1 else _exchanged(exchange, c.grad_bytes, (o + q) % ns == 0)
+                    if fin > hi or gout > hi:
+                        continue
+                    here += fin + gout
+                if r == 1:
+                    if here < best_v:
+                        best_v, best_arg = here, (b, None)
+                    continue
+                for q2 in qs:
+                    lk = 0.0
+                    if exchange is None:
+                        lk = link_fn(b, q, q2, pool.m, (o + q) % ns == 0)
+                        if lk > hi:
+                            continue
+                    rest, _ = best_from(b, o + q, r - 1, q2)
+                    if here + 2 * lk + rest < best_v:
+                        best_v, best_arg = here + 2 * lk + rest, (b, q2)
+        memo[key] = (best_v, best_arg)
+        return memo[key]
+
+    best_v, start = math.inf, None
+    for q in qs:
+        v, _ = best_from(0, 0, n, q)
+        if v < best_v:
+            best_v, start = v, q
+    if start is None:
+        return None
+    out = []
+    a, o, r, q = 0, 0, n, start
+    while True:
+        b, q2 = memo[(a, o, r, q)][1]  # type: ignore[misc]
+        out.append((a, b, o, q))
+        if q2 is None:
+            return best_v, out
+        a, o, r, q = b, o + q, r - 1, q2
+
+
+ZB_TOL = 1e-12  # a box whose lower bound is within this relative distance of the best plan holds nothing better
+
+
+def _zb_branch_and_bound(pool: _ZBPool, space: PipelineSpace, n: int, q_fixed: int | None, m: int,
+                         link_fn: LinkFn, exchange: ExchangeFn | None, floor: float, incumbent: float,
+                         stats: dict) -> tuple[PipelinePlan | None, float]:
+    """The ZB-H1 optimum over every cut and sub-mesh sequence of n stages at m >= n, if below ``incumbent``
+    (module docstring, *ZB-H1*): branch and bound over boxes of (M, W, Y) = (the largest stage or transfer time,
+    the least W, the least Y). Returns the best plan found (None: none below ``incumbent``) and the least value
+    the search proved for the family: min(incumbent, best) (1 - ZB_TOL)."""
+    best: PipelinePlan | None = None
+    inc = incumbent
+
+    def bound(d: float, b_lo: float, b_hi: float, w_hi: float, y_hi: float) -> float:
+        # W + Y <= w_j + y_j <= t_j <= M <= b_hi for every stage j, Y <= min(W, b_hi / 3)
+        cap = min(w_hi + min(y_hi, w_hi, b_hi / 3), b_hi)
+        return max(m * b_lo, d + (m - 1) * b_lo - (n - 1) * cap)
+
+    tick = 0
+    heap: list[tuple[float, int, tuple[float, float, float, float, float, float]]] = [
+        (m * floor, tick, (floor, math.inf, 0.0, math.inf, 0.0, math.inf))]
+    while heap:
+        lb, _, box = heapq.heappop(heap)
+        if lb >= inc * (1 - ZB_TOL):
+            break
+        b_lo, b_hi, w_lo, w_hi, y_lo, y_hi = box
+        stats["zb_boxes"] = stats.get("zb_boxes", 0) + 1
+        got = _zb_dp(pool, space, n, q_fixed, link_fn, exchange, b_hi, w_lo, y_lo, stats)
+        if got is None:
+            continue
+        d, segs = got
+        lb = max(lb, bound(d, b_lo, b_hi, w_hi, y_hi))
+        if lb >= inc * (1 - ZB_TOL):
+            continue
+        pending = [(a, b, q, float(n)) for a, b, _, q in segs if pool.get(a, b, q, float(n)).detail is _PENDING]
+        if pending:
+            # solve the stand-ins this relaxed optimum uses; the box's relaxation only tightens: back in the queue
+            stats["lazy_rounds"] = stats.get("lazy_rounds", 0) + 1
+            for key in pending:
+                pool.resolve(key)
+            if not pool.lazy:
+                raise _Abandoned
+            tick += 1
+            heapq.heappush(heap, (lb, tick, box))
+            continue
+        plan = _assemble(segs, pool.plain, m, space, link_fn, exchange, "zb-h1", pool.fitted)
+        if plan.step_time < inc:
+            best, inc = plan, plan.step_time
+        big = max([s.cost.time for s in plan.stages] + list(plan.links) + list(plan.back_links or ()))
+        w_p = min(_zb_terms(s.cost)[0] for s in plan.stages)
+        y_p = min(_zb_terms(s.cost)[1] for s in plan.stages)
+        # the plan's region (M >= big, W <= w_p, Y <= y_p) is worth at least its own step: resolved; the rest of
+        # the box is three boxes, each excluding this plan from its DP
+        b_mid = max(b_lo, big)
+        children = []
+        if big > b_lo:
+            children.append((b_lo, math.nextafter(big, -math.inf), w_lo, w_hi, y_lo, y_hi))
+        if w_p < w_hi:
+            children.append((b_mid, b_hi, math.nextafter(w_p, math.inf), w_hi, y_lo, y_hi))
+        if y_p < y_hi:
+            children.append((b_mid, b_hi, w_lo, min(w_hi, w_p), math.nextafter(y_p, math.inf), y_hi))
+        for child in children:
+            c_lb = max(lb, bound(d, child[0], child[1], child[3], child[5]))
+            if c_lb < inc * (1 - ZB_TOL):
+                tick += 1
+                heapq.heappush(heap, (c_lb, tick, child))
+    return best, min(incumbent, inc) * (1 - ZB_TOL)
+
+
+class _Abandoned(Exception):
+    """A memory-constrained solve came out below its stand-in: the lazy relaxation is void (start again eagerly)."""
 
 
 def evaluate_pipeline(segments: Sequence[tuple[int, int, int]], m: int, space: PipelineSpace, stage_fn: StageFn,
