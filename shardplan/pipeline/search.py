@@ -108,55 +108,83 @@ found: nothing is lost.
 
 **Schedules.** GPipe is dominated by 1F1B for the same stages and m (time
 and in-flight memory both no larger, see the schedule module), so the
-optimum over {GPipe, 1F1B} is 1F1B's. What is optimised and what is
-enumerated:
+optimum over {GPipe, 1F1B} is 1F1B's. Each family is searched exactly over
+its space:
 
-* 1F1B: optimised exactly over cuts, sub-meshes, m and (with ``fit_fn``)
-  each stage's memory choices, as above.
-* Interleaved 1F1B (v > 1): enumerated over uniform sub-meshes, the units
-  dealt into S v contiguous chunks of equal size (Megatron-LM's layout, m a
-  multiple of S; chunk j on device group j mod S); chunk boundaries are not
-  optimised. Within a candidate the device groups' plans are optimised
-  exactly: device group d holds its v chunks with ``k_d`` of its
-  per-micro-batch activations in flight (Megatron's warm-up,
-  :func:`~shardplan.pipeline.schedule.in_flight`, fractional), so it fits
-  when ``sum_j weights_j + k_d sum_j activations_j <= budget``; a group
-  whose time-optimal chunks do not fit takes the least ``sum_j t_j`` under
-  that constraint (``group_fit_fn``: one memory-constrained solve of the
-  group's chunks together, ZeRO/FSDP and recomputation as for a 1F1B
-  stage). The step is nondecreasing in every group's time and every
-  transfer, so each group's least time gives the candidate's least step
-  (transfers are those of the plans chosen, as everywhere here: a stage's
-  plan is chosen by its own time). A group's solve is asked only when the
-  candidate's step with *stand-ins* for the groups that do not fit (their
-  time-optimal seconds, no transfers: a lower bound) is below the best
-  plan so far; otherwise that value enters the lower bound.
-* ZB-H1 (opt-in, ``"zb-h1"`` in ``schedules``): enumerated, for each
-  uniform sub-mesh size the units dealt evenly, plus the stages of the best
-  1F1B plan at the same m, each costed by the closed form or, for m < S,
-  the event simulation (schedule module); in-flight memory min(S, m) on
-  every stage. A stage that does not fit that takes its memory-constrained
-  optimum for min(S, m) in flight (``fit_fn``), whose W pass is its
-  weight-gradient GEMMs (:func:`~shardplan.pipeline.stages._fit_parts`);
-  the solves are asked only when the candidate's floor ``m max_i t_i``
-  (time-optimal seconds; the closed form and the simulation are never
-  below it) is below the best plan so far.
+* 1F1B: every cut, sub-mesh sequence and m, with (``fit_fn``) each stage's
+  memory choices, as above.
+* ZB-H1 (opt-in, ``"zb-h1"`` in ``schedules``): every cut, sub-mesh sequence
+  and m with S <= m (below, *ZB-H1*). ZB-H1 with fewer micro-batches than
+  stages is not in the space: its warm-up never reaches a steady state, and
+  its length is only the event simulation's.
+* Interleaved 1F1B (v > 1): every group count S on equal sub-meshes with m
+  a multiple of S (Megatron-LM's requirement), chunk j on device group j mod
+  S, the chunkings of :func:`interleaved_chunkings`: the units dealt evenly
+  into S v contiguous chunks, and Megatron-LM's layout (embedding and head
+  with the first and last chunk, the blocks between dealt evenly; Megatron
+  requires them equal). Other chunkings are not searched; what that can lose
+  is bounded: ``stats["interleaved_any_chunking_bound"]`` is a lower bound
+  over *every* chunking (below, *Family bounds*). Within a candidate the
+  device groups' plans are optimised exactly: device group d holds its v
+  chunks with ``k_d`` of its per-micro-batch activations in flight
+  (Megatron's warm-up, :func:`~shardplan.pipeline.schedule.in_flight`,
+  fractional), so it fits when ``sum_j weights_j + k_d sum_j activations_j
+  <= budget``; a group whose time-optimal chunks do not fit takes the least
+  ``sum_j t_j`` under that constraint (``group_fit_fn``: one
+  memory-constrained solve of the group's chunks together, ZeRO/FSDP and
+  recomputation as for a 1F1B stage). The step is nondecreasing in every
+  group's time and every transfer, so each group's least time gives the
+  candidate's least step. A group's solve is asked only when the candidate's
+  step with *stand-ins* for the groups that do not fit (their time-optimal
+  seconds, no transfers: a lower bound) is below the best plan so far.
 
-The interleaved and ZB-H1 candidates are not optimised over cuts, but the
-search proves a lower bound over *every* cut of both families (below,
-*Family bounds*) and reports it in ``lower_bound``; a family (schedule, S,
-sub-mesh size, m, v) whose bound reaches the best plan is not enumerated.
+As everywhere here, a stage's plan is chosen by its own time (its least
+seconds under its memory constraint), and what follows from that plan is
+taken as it is: its transfers, and for ZB-H1 its split into F, B and W.
+
+**ZB-H1, exact.** For S <= m the step of a pipeline P is (schedule module)::
+
+    T(P) = sum_i (t_i + c_i + c'_i) + (m - 1) M - (S - 1) (W + Y)
+
+with M the largest stage or transfer time, W = min_i w_i (weight-gradient
+seconds) and Y = min_i min(w_i, f_i, b_i) (b_i the input-gradient seconds).
+It has one max term and two min terms. For a *box* of values, M in [B_lo,
+B_hi], W in [W_lo, W_hi], Y in [Y_lo, Y_hi], let D be the least ``sum_i (t_i
++ c_i + c'_i)`` over pipelines whose every stage and transfer time is at
+most B_hi and every stage's w_i >= W_lo and min(w_i, f_i, b_i) >= Y_lo (the
+1F1B DP with S in flight on every stage; the floors only skip a stage,
+they do not end the extent scan). Every pipeline in the box has the sum at
+least D, so its step is at least::
+
+    L = max(m B_lo, D + (m - 1) B_lo - (S - 1) min(W_hi + min(Y_hi, W_hi, B_hi / 3), B_hi))
+
+(W + Y <= w_j + min(w_j, f_j, b_j) <= t_j <= M for every stage j, and the
+sum less (S - 1) t_min is at least M: the step is at least m M). The
+branch and bound starts from the box ``[B_0, inf] x [0, inf] x [0, inf]``
+(B_0 the min-max bottleneck of the family bound below) and takes boxes in
+increasing order of L. A box's DP optimum P (with values M_P, W_P, Y_P) is
+a real pipeline: its step updates the best. The box then falls into four
+disjoint parts: P's own region ``M >= M_P, W <= W_P, Y <= Y_P``, where L is
+at least T(P) (the sum is D there, and each term is at least P's), so
+nothing in it beats P; ``M < M_P``; ``M >= M_P, W > W_P``; and ``M >=
+M_P, W <= W_P, Y > Y_P``. The last three are new boxes (strict bounds by
+the next float), each with a DP that excludes P, so every DP answer is new
+and the search ends (the values are finite sets). A box is dropped when L
+reaches the best plan (within ZB_TOL = 1e-12 relative): at the end every
+pipeline of the family lies in a dropped box or a resolved region, so the
+best found is the family's optimum. Stand-ins (lazy memory-constrained
+stages, as in 1F1B's search) pass every floor and keep their time-optimal
+seconds: D is then a relaxation's, still a lower bound; a box whose optimum
+uses a stand-in has it solved and goes back with the same L.
 
 **Lower bound.** The plan carries ``lower_bound``, a proven lower bound of
-the optimum over the whole space (1F1B over every cut, sub-mesh sequence,
-m and memory choice; interleaved over every chunking of every group count
-and m; ZB-H1 over every cut and sub-mesh sequence and m), and ``gap`` =
-(step - lower_bound) / step: the least of the three families' bounds
-(``stats["family_lower_bounds"]``). A memory-constrained
-solve may stop short of a proof: its branch-and-bound prunes within a
-relative ``rtol`` (or stops at a time limit), so it proves only
-``StageCost.lower`` = max(its bound, cost (1 - rtol), the time-optimal
-seconds) of the stage's least time. Per part:
+the optimum over the whole space, and ``gap`` = (step - lower_bound) /
+step: the least of the three families' bounds
+(``stats["family_lower_bounds"]``). A memory-constrained solve may stop
+short of a proof: its branch-and-bound prunes within a relative ``rtol``
+(or stops at a time limit), so it proves only ``StageCost.lower`` = max(its
+bound, cost (1 - rtol), the time-optimal seconds) of the stage's least
+time. Per family:
 
 * 1F1B at each m: every relaxed value the search left unexplored or
   explored is at least X = min(the best plan when the m started, the m's
@@ -167,15 +195,18 @@ seconds) of the stage's least time. Per part:
   proven seconds (unsolved ones stay stand-ins, nothing new is solved) with
   X as its incumbent: min(X, its optimum) bounds the m's optimum too, and
   is far tighter when a loosely proven stage belongs to no good pipeline.
-* interleaved and ZB-H1: the family bounds below, which need no solve.
+* ZB-H1 at each m: rho min(incumbent, best) (1 - ZB_TOL), rho over the
+  stages its search solved (the step is positively homogeneous; with every
+  solve proven, rho = 1).
+* Interleaved at each (m, v): rho min(incumbent, best), rho over the group
+  solves (every candidate left out had a lower bound at least the best).
 
-Transfers are taken as those of the plans found (the stage's plan is chosen
-by its own time; its transfers follow from it). With every solve proven to
-1e-9 (the default) the 1F1B part's bound is within about 1e-9 of its
-optimum; the family bounds are looser (below), so the gap is what they
-leave when an interleaved or ZB-H1 family comes close to the best plan.
+With every solve proven to 1e-9 (the default) the gap is about 1e-9: the
+answer is the optimum of the space.
 
-**Family bounds** (interleaved and ZB-H1 over every cut). Let ``w_q(u)`` be
+**Family bounds** (ZB-H1 and interleaved over every cut). They prune stage
+counts before any search and give the branch and bound its first box. Let
+``w_q(u)`` be
 the proven seconds of unit u alone as a stage on q devices at m
 (``stage_fn(u, u + 1, q, m).proven``; 0 if it cannot be costed).
 
@@ -192,23 +223,13 @@ bounds every stage the search can cost, proven or not. (A ``stage_fn``
 that is not superadditive voids these bounds, as a non-monotone one voids
 the DP; ``tests/test_pipeline_family.py`` checks it on a real model.)
 
-*ZB-H1* (step :func:`~shardplan.pipeline.schedule.step_time`: the closed
-form for m >= S, the event simulation for m < S). For m >= S the closed
-form is ``sum_i t_i + transfers + (m - 1) max(t_max, c_max) - (S - 1) X``
-with ``X = W + min(W, F, B)`` over the stages' least W, F, B; for every
-stage X <= w_i + b_i <= t_i (b_i its input-gradient seconds), so
-``sum_i t_i - (S - 1) X = t_max + sum_{i != max} (t_i - X) >= t_max`` and
-the step is at least ``m t_max``. For m < S every stage runs its m F, B and
-W passes one after another, so the simulation's makespan is at least
-``m t_i`` for every i. Either way ``T >= m t_max >= m max_i sum_{u in i}
-w_{q_i}(u)``, and over every cut into S stages on sizes q_i summing to p
-(offsets relaxed: a superset of the tilings) the least such max is a
-min-max partition DP (:func:`_minmax_cut`); ``m`` times it bounds the
-(S, sizes, m) family (one size q = p/S when the space is uniform). This
-bound ignores the fill term: what the pipeline adds to m t_max depends on
-each stage's F/B/W split, which is not proven for memory-constrained
-optimum (a different plan may split differently), and on transfers
-(bounded by 0).
+*ZB-H1* (S <= m). For every stage X = W + Y <= w_i + b_i <= t_i (b_i its
+input-gradient seconds), so ``sum_i t_i - (S - 1) X = t_max + sum_{i !=
+max} (t_i - X) >= t_max`` and the step is at least ``m t_max >= m max_i
+sum_{u in i} w_{q_i}(u)``. Over every cut into S stages on sizes q_i summing
+to p (offsets relaxed: a superset of the tilings) the least such max is a
+min-max partition DP (:func:`_minmax_cut`): B_0, and ``m B_0`` bounds the
+(S, sizes, m) family (one size q = p/S when the space is uniform).
 
 *Interleaved* (groups d = 0..S-1, group time t_d = the sum of its chunks'
 seconds). The step ``m t_max + (sum_d t_d - t_max)/v + transfers + (m -
@@ -434,8 +455,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
                     exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None,
                     group_fit_fn: GroupFitFn | None = None) -> PipelinePlan:
-    """The optimum of the module docstring's model over ``space`` (1F1B DP; interleaved and ZB-H1 enumerated,
-    bounded over every cut).
+    """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
+    and bound over every cut; interleaved: its chunkings).
 
     ``exchange(bytes per device, inter-node) -> seconds``: exact stage-to-stage transfers from the stage costs'
     ``recv_bytes``/``grad_bytes`` (module docstring); None: ``link_fn`` per cut. ``fit_fn(a, b, q, m, k,
@@ -472,17 +493,16 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
             found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf,
                                      exchange, fit_fn)
             take(found, note("1f1b", lb))
+        if "zb-h1" in schedules:
+            # (a strict gain: with one stage or no weight gradients ZB-H1 is 1F1B up to rounding)
+            found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
+                                      best.step_time if best else math.inf, stats, units)
+            take(found, note("zb-h1", lb), strict=1e-12)
         if "interleaved" in schedules:
             for v in space.interleave:
                 found, lb = _search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
                                                 best.step_time if best else math.inf, stats, units)
                 take(found, note("interleaved", lb))
-        if "zb-h1" in schedules:
-            seeds = [[(s.first, s.end, s.devices) for s in best.stages]] if best is not None and best.chunks == 1 else []
-            # (a strict gain: with one stage or no weight gradients ZB-H1 is 1F1B up to rounding)
-            found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, seeds, fit_fn,
-                                      best.step_time if best else math.inf, stats, units)
-            take(found, note("zb-h1", lb), strict=1e-12)
     if best is None:
         raise ShardplanError("no pipeline fits: every stage cut and sub-mesh exceeds the memory budget "
                              "(or no stage can be costed)")
@@ -949,15 +969,14 @@ def _interleaved_family_bound(units: Sequence[float], groups: int, m: int, v: in
 
 
 def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, exchange: ExchangeFn | None,
-                  seeds: Sequence[Sequence[tuple[int, int, int]]], fit_fn: FitFn | None = None,
+                  fit_fn: FitFn | None = None,
                   incumbent: float = math.inf, stats: dict | None = None,
                   units: Callable[[int], Sequence[float]] | None = None) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count S <= m (module docstring,
-    *ZB-H1*) if below ``incumbent``, and a proven lower bound of it. ``seeds`` (the best 1F1B plan's stages) and
-    the units dealt evenly over each uniform stage count are costed first, as incumbents; then each stage count
-    whose family bound (:func:`_zb_family_bound`) is below the best known is searched exactly
-    (:func:`_zb_branch_and_bound`). A stage whose time-optimal plan does not fit S in flight takes its
-    memory-constrained optimum (``fit_fn``), solved lazily."""
+    *ZB-H1*) if below ``incumbent``, and a proven lower bound of it: each stage count whose family bound
+    (:func:`_zb_family_bound`) is below the best known is searched exactly (:func:`_zb_branch_and_bound`). A
+    stage whose time-optimal plan does not fit S in flight takes its memory-constrained optimum (``fit_fn``),
+    solved lazily."""
     U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
     budget = math.inf if space.budget is None else space.budget
@@ -971,28 +990,14 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
             return (p // n,) if p % n == 0 and p // n in sizes else ()
         return tuple(q for q in sizes if q <= p)
 
-    floors = {n: _minmax_cut({q: units(q) for q in family_sizes(n)}, p, n) * FAMILY_SAFETY if family_sizes(n)
+    # the family bound m B_0 of each stage count; B_0 bounds the pipeline's max term (module docstring)
+    floors = {n: _zb_family_bound({q: units(q) for q in family_sizes(n)}, p, n, m) / m if family_sizes(n)
               else math.inf for n in range(1, s_max + 1)}
     best: PipelinePlan | None = None
 
     def best_t() -> float:
         return min(incumbent, best.step_time if best is not None else math.inf)
 
-    cands = [list(seg) for seg in seeds if len(seg) <= s_max]
-    for n in range(1, s_max + 1):
-        if p % n == 0 and p // n in sizes:
-            bounds = [round(j * U / n) for j in range(n + 1)]
-            cands.append([(bounds[j], bounds[j + 1], p // n) for j in range(n)])
-    for segs in cands:
-        if m * floors[len(segs)] >= best_t():
-            stats["zb_pruned"] = stats.get("zb_pruned", 0) + 1
-            continue
-        try:
-            plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn, exchange, schedule="zb-h1", fit_fn=fit_fn)
-        except ShardplanError:
-            continue
-        if plan is not None and plan.step_time < best_t():
-            best = plan
     pool = _ZBPool(stage_fn, fit_fn, m, budget, stats)
     lower = math.inf
     for n in range(1, s_max + 1):
@@ -1151,6 +1156,26 @@ def _zb_dp(pool: _ZBPool, space: PipelineSpace, n: int, q_fixed: int | None, lin
         a, o, r, q = b, o + q, r - 1, q2
 
 
+def _relaxed_max(pool: _ZBPool, segs: Sequence[tuple[int, int, int, int]], n: int, link_fn: LinkFn,
+                 exchange: ExchangeFn | None, space: PipelineSpace) -> float:
+    """The largest stage or transfer time of placed stages under the pool's current (relaxed) costs, as
+    :func:`_zb_dp` charges them."""
+    p = space.num_devices
+    ns = p if space.node_size is None or space.node_size >= p else space.node_size
+    out = 0.0
+    for i, (a, b, o, q) in enumerate(segs):
+        c = pool.get(a, b, q, float(n))
+        out = max(out, c.time)  # type: ignore[union-attr]
+        if exchange is not None:
+            if a > 0:
+                out = max(out, _exchanged(exchange, c.recv_bytes, o % ns == 0))  # type: ignore[union-attr]
+            if i < len(segs) - 1:
+                out = max(out, _exchanged(exchange, c.grad_bytes, (o + q) % ns == 0))  # type: ignore[union-attr]
+        elif i < len(segs) - 1:
+            out = max(out, link_fn(b, q, segs[i + 1][3], pool.m, (o + q) % ns == 0))
+    return out
+
+
 ZB_TOL = 1e-12  # a box whose lower bound is within this relative distance of the best plan holds nothing better
 
 
@@ -1186,6 +1211,17 @@ def _zb_branch_and_bound(pool: _ZBPool, space: PipelineSpace, n: int, q_fixed: i
         if lb >= inc * (1 - ZB_TOL):
             continue
         pending = [(a, b, q, float(n)) for a, b, _, q in segs if pool.get(a, b, q, float(n)).detail is _PENDING]
+        relaxed_max = _relaxed_max(pool, segs, n, link_fn, exchange, space)
+        if pending and relaxed_max > b_lo:
+            # not solved yet: the part M >= the relaxed optimum's max (its true max is no smaller) keeps D and
+            # a larger B_lo; the part below it is a new box (as 1F1B's search takes bounds best-first)
+            for child in ((b_lo, math.nextafter(relaxed_max, -math.inf), w_lo, w_hi, y_lo, y_hi),
+                          (relaxed_max, b_hi, w_lo, w_hi, y_lo, y_hi)):
+                c_lb = max(lb, bound(d, child[0], child[1], child[3], child[5]))
+                if c_lb < inc * (1 - ZB_TOL):
+                    tick += 1
+                    heapq.heappush(heap, (c_lb, tick, child))
+            continue
         if pending:
             # solve the stand-ins this relaxed optimum uses; the box's relaxation only tightens: back in the queue
             stats["lazy_rounds"] = stats.get("lazy_rounds", 0) + 1
