@@ -489,15 +489,16 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                 cache[q] = _unit_seconds(space, stage_fn, m, q)
             return cache[q]
 
+        if "zb-h1" in schedules:
+            # first: its optimum is the best incumbent for the others. One stage is 1F1B's when that is searched
+            found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
+                                      best.step_time if best else math.inf, stats, units,
+                                      first_stages=2 if "1f1b" in schedules else 1)
+            take(found, note("zb-h1", lb))
         if "1f1b" in schedules:
             found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf,
                                      exchange, fit_fn)
-            take(found, note("1f1b", lb))
-        if "zb-h1" in schedules:
-            # (a strict gain: with one stage or no weight gradients ZB-H1 is 1F1B up to rounding)
-            found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
-                                      best.step_time if best else math.inf, stats, units)
-            take(found, note("zb-h1", lb), strict=1e-12)
+            take(found, note("1f1b", lb), strict=1e-12)
         if "interleaved" in schedules:
             for v in space.interleave:
                 found, lb = _search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
@@ -971,8 +972,10 @@ def _interleaved_family_bound(units: Sequence[float], groups: int, m: int, v: in
 def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, exchange: ExchangeFn | None,
                   fit_fn: FitFn | None = None,
                   incumbent: float = math.inf, stats: dict | None = None,
-                  units: Callable[[int], Sequence[float]] | None = None) -> tuple[PipelinePlan | None, float]:
-    """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count S <= m (module docstring,
+                  units: Callable[[int], Sequence[float]] | None = None,
+                  first_stages: int = 1) -> tuple[PipelinePlan | None, float]:
+    """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count ``first_stages`` <= S <= m
+    (module docstring,
     *ZB-H1*) if below ``incumbent``, and a proven lower bound of it: each stage count whose family bound
     (:func:`_zb_family_bound`) is below the best known is searched exactly (:func:`_zb_branch_and_bound`). A
     stage whose time-optimal plan does not fit S in flight takes its memory-constrained optimum (``fit_fn``),
@@ -992,7 +995,7 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
 
     # the family bound m B_0 of each stage count; B_0 bounds the pipeline's max term (module docstring)
     floors = {n: _zb_family_bound({q: units(q) for q in family_sizes(n)}, p, n, m) / m if family_sizes(n)
-              else math.inf for n in range(1, s_max + 1)}
+              else math.inf for n in range(first_stages, s_max + 1)}
     best: PipelinePlan | None = None
 
     def best_t() -> float:
@@ -1000,7 +1003,7 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
 
     pool = _ZBPool(stage_fn, fit_fn, m, budget, stats)
     lower = math.inf
-    for n in range(1, s_max + 1):
+    for n in range(first_stages, s_max + 1):
         if m * floors[n] >= best_t():
             stats["zb_pruned"] = stats.get("zb_pruned", 0) + 1
             lower = min(lower, m * floors[n])
