@@ -174,8 +174,13 @@ reaches the best plan (within ZB_TOL = 1e-12 relative): at the end every
 pipeline of the family lies in a dropped box or a resolved region, so the
 best found is the family's optimum. Stand-ins (lazy memory-constrained
 stages, as in 1F1B's search) pass every floor and keep their time-optimal
-seconds: D is then a relaxation's, still a lower bound; a box whose optimum
-uses a stand-in has it solved and goes back with the same L.
+seconds: D is then a relaxation's, still a lower bound. A box whose optimum
+uses a stand-in is first split at that optimum's relaxed max M_R (its true
+max is no smaller): the part M >= M_R keeps D with B_lo = M_R, the part
+below is a new box; the stand-ins are solved only when a box whose B_lo
+has reached M_R takes that optimum again (the box then goes back with the
+same L). So, as in 1F1B's best-first order, only pipelines whose relaxed
+step can still beat the best cost a memory-constrained solve.
 
 **Lower bound.** The plan carries ``lower_bound``, a proven lower bound of
 the optimum over the whole space, and ``gap`` = (step - lower_bound) /
