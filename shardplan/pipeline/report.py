@@ -48,6 +48,10 @@ def render_pipeline(result: "PipelineResult") -> str:
         lines.append(f"  proven lower bound over the space searched: {fmt_seconds(plan.lower_bound)} "
                      f"(gap {plan.gap:.2g})"
                      + ("; per schedule: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in fam.items()) if fam else ""))
+        anyc = plan.stats.get("interleaved_any_chunking_bound")
+        if anyc is not None:
+            lines.append(f"  interleaved searched over even and Megatron-LM chunkings; over any chunking it is at least "
+                         f"{fmt_seconds(anyc)}")
     gp = result.gpipe_step_time()
     if gp is not None:
         lines.append(f"  same stages under GPipe: {fmt_seconds(gp)}")
@@ -97,6 +101,7 @@ def pipeline_to_json(result: "PipelineResult") -> dict[str, Any]:
         "lower_bound_seconds": plan.lower_bound,
         "gap": plan.gap,
         "family_lower_bounds": dict(plan.stats.get("family_lower_bounds") or {}),
+        "interleaved_any_chunking_bound": plan.stats.get("interleaved_any_chunking_bound"),
         "simulated_step_seconds": result.simulated_step_time(),
         "gpipe_step_seconds": result.gpipe_step_time(),
         "bubble_fraction": bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks, back),
