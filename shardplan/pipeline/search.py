@@ -617,73 +617,31 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         stage_counts = [s for s in stage_counts if p % s == 0 and p // s in sizes]
 
     def solve_bound(bound: float, n_stages: int, q_fixed: int | None) -> tuple[float, list] | None:
-        memo: dict[tuple[int, int, int, int], tuple[float, tuple | None]] = {}
-        qs = [q_fixed] if q_fixed is not None else list(sizes)
-
-        def w(a: int, o: int, r: int, q: int) -> tuple[float, tuple | None]:
-            key = (a, o, r, q)
-            hit = memo.get(key)
-            if hit is not None:
-                return hit
-            stats["dp_states"] += 1
-            best_v, best_arg = math.inf, None
+        def stage(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
             k = float(min(r, m))
-            if _placeable(o, q, p, ns) and (r > 1 or o + q == p):
-                b_range = [U] if r == 1 else range(a + 1, U - r + 2)
-                for b in b_range:
-                    c = effective(a, b, q, k)
-                    if c is None or c.memory(k) > budget:
-                        if fit_fn is not None and cost(a, b, q) is not None:
-                            break  # nothing fits [a, b) with k in flight: a longer stage needs more still
-                        continue
-                    if c.time > bound * (1 + 1e-12):
-                        plain = cost(a, b, q)
-                        if not lazy[0] or plain.time > bound * (1 + 1e-12):  # type: ignore[union-attr]
-                            break  # stage times grow with b (monotone_stages): longer stages are slower still
-                        # a relaxed time (a solved stage, or one at its proven seconds) over B: a longer stage's
-                        # true time is over B too, but its stand-in may not be; the time-optimal stage's is
-                        continue
-                    here = c.time
-                    if exchange is not None:
-                        fin, gout = edges(c, a, o, q, r == 1)
-                        if not (_links_ok(fin, bound) and _links_ok(gout, bound)):
-                            continue
-                        here += fin + gout
-                    if r == 1:
-                        if here < best_v:
-                            best_v, best_arg = here, (b, None)
-                        continue
-                    for q2 in qs:
-                        lk = 0.0
-                        if exchange is None:
-                            lk = link(b, o, q, q2)
-                            if not _links_ok(lk, bound):
-                                continue
-                        rest, _ = w(b, o + q, r - 1, q2)
-                        v = here + 2 * lk + rest
-                        if v < best_v:
-                            best_v, best_arg = v, (b, q2)
-            memo[key] = (best_v, best_arg)
-            return memo[key]
+            c = effective(a, b, q, k)
+            if c is None or c.memory(k) > budget:
+                if fit_fn is not None and cost(a, b, q) is not None:
+                    return _BREAK  # nothing fits [a, b) with k in flight: a longer stage needs more still
+                return None
+            if c.time > bound * (1 + 1e-12):
+                plain = cost(a, b, q)
+                if not lazy[0] or plain.time > bound * (1 + 1e-12):  # type: ignore[union-attr]
+                    return _BREAK  # stage times grow with b (monotone_stages): longer stages are slower still
+                # a relaxed time (a solved stage, or one at its proven seconds) over B: a longer stage's
+                # true time is over B too, but its stand-in may not be; the time-optimal stage's is
+                return None
+            if exchange is None:
+                return c.time
+            fin, gout = edges(c, a, o, q, r == 1)
+            return c.time + fin + gout if _links_ok(fin, bound) and _links_ok(gout, bound) else None
 
-        best_v, best_start = math.inf, None
-        for q in qs:
-            v, _ = w(0, 0, n_stages, q)
-            if v < best_v:
-                best_v, best_start = v, q
-        if best_start is None:
-            return None
-        # walk the argmins
-        out = []
-        a, o, r, q = 0, 0, n_stages, best_start
-        while True:
-            _, arg = memo[(a, o, r, q)]
-            b, q2 = arg  # type: ignore[misc]
-            out.append((a, b, o, q))
-            if q2 is None:
-                break
-            a, o, r, q = b, o + q, r - 1, q2
-        return best_v, out
+        def between(b: int, o: int, q: int, q2: int) -> float | None:
+            lk = link(b, o, q, q2)
+            return lk if _links_ok(lk, bound) else None
+
+        return _stage_dp(space, n_stages, [q_fixed] if q_fixed is not None else list(sizes), stage,
+                         between if exchange is None else None, stats, "dp_states")
 
     def optimum(start: float) -> PipelinePlan | None:
         """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages):
@@ -758,6 +716,70 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         stats["bound_pass_seconds"] = stats.get("bound_pass_seconds", 0.0) + time.perf_counter() - t0
         lower = max(lower, min(reached, relaxed.step_time if relaxed is not None else math.inf))
     return found, lower
+
+
+_BREAK = object()  # a stage callback's answer: this extent and every longer one are out
+
+
+def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
+              stage: Callable[[int, int, int, int, int], "float | None | object"],
+              between: Callable[[int, int, int, int], float | None] | None, stats: dict,
+              counter: str) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+    """The least sum of stage values over pipelines of n placed stages tiling the machine in order: a DP over
+    (first unit, first device, stages left, first stage's size). ``stage(a, b, o, q, r)``: the value of units [a,
+    b) on the q devices from o with r stages left (itself included), None if not allowed, ``_BREAK`` if no
+    longer extent from a is either; ``between(b, o, q, q2)``: the one-way seconds across the cut before unit b
+    to a next stage of q2 devices, charged twice (None: not allowed); None when every cut is charged by the
+    stages. Returns the least value and the stages (first, end, offset, devices), or None."""
+    U, p = space.num_units, space.num_devices
+    ns = p if space.node_size is None or space.node_size >= p else space.node_size
+    memo: dict[tuple[int, int, int, int], tuple[float, tuple | None]] = {}
+
+    def best_from(a: int, o: int, r: int, q: int) -> tuple[float, tuple | None]:
+        key = (a, o, r, q)
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        stats[counter] = stats.get(counter, 0) + 1
+        best_v, best_arg = math.inf, None
+        if _placeable(o, q, p, ns) and (r > 1 or o + q == p):
+            for b in ([U] if r == 1 else range(a + 1, U - r + 2)):
+                here = stage(a, b, o, q, r)
+                if here is _BREAK:
+                    break
+                if here is None:
+                    continue
+                if r == 1:
+                    if here < best_v:  # type: ignore[operator]
+                        best_v, best_arg = here, (b, None)
+                    continue
+                for q2 in qs:
+                    lk = 0.0
+                    if between is not None:
+                        lk = between(b, o, q, q2)  # type: ignore[assignment]
+                        if lk is None:
+                            continue
+                    rest, _ = best_from(b, o + q, r - 1, q2)
+                    if here + 2 * lk + rest < best_v:  # type: ignore[operator]
+                        best_v, best_arg = here + 2 * lk + rest, (b, q2)  # type: ignore[operator]
+        memo[key] = (best_v, best_arg)  # type: ignore[assignment]
+        return memo[key]
+
+    best_v, start = math.inf, None
+    for q in qs:
+        v, _ = best_from(0, 0, n, q)
+        if v < best_v:
+            best_v, start = v, q
+    if start is None:
+        return None
+    out = []
+    a, o, r, q = 0, 0, n, start
+    while True:
+        b, q2 = memo[(a, o, r, q)][1]  # type: ignore[misc]
+        out.append((a, b, o, q))
+        if q2 is None:
+            return best_v, out
+        a, o, r, q = b, o + q, r - 1, q2
 
 
 BOUND_PASS_RTOL = 1e-6  # below this the solves' own ratio already bounds the 1F1B optimum: no second pass
@@ -1089,79 +1111,36 @@ def _zb_dp(pool: _ZBPool, space: PipelineSpace, n: int, q_fixed: int | None, lin
            ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least ``sum_i t_i + transfers`` over pipelines of n stages (n in flight on each) whose every stage and
     transfer time is at most ``hi`` and every stage's W at least ``w_lo`` and Y at least ``y_lo`` (stand-ins pass
-    the floors): a DP over (first unit, first device, stages left, first stage's size) as 1F1B's. Stage times
-    grow with the extent, so the scan stops at the first over ``hi`` (while stand-ins are in force, at the first
-    whose time-optimal seconds are, as in 1F1B's search); W and Y do not: the floors only skip."""
-    U, p = space.num_units, space.num_devices
+    the floors): :func:`_stage_dp` as 1F1B's. Stage times grow with the extent, so the scan stops at the first
+    over ``hi`` (while stand-ins are in force, at the first whose time-optimal seconds are, as in 1F1B's
+    search); W and Y do not: the floors only skip."""
+    p = space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
-    qs = [q_fixed] if q_fixed is not None else list(space.allowed_sizes())
     k = float(n)
-    memo: dict[tuple[int, int, int, int], tuple[float, tuple | None]] = {}
 
-    def ok(c: StageCost) -> bool:
-        if c.detail is _PENDING:
-            return True
-        w, y = _zb_terms(c)
-        return w >= w_lo and y >= y_lo
+    def stage(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
+        c = pool.get(a, b, q, k)
+        if c is None or c.memory(k) > pool.budget:
+            # nothing fits [a, b) with k in flight: a longer stage needs more still
+            return _BREAK if pool.fit_fn is not None and pool.plain(a, b, q) is not None else None
+        if c.time > hi:
+            return _BREAK if not pool.lazy or pool.plain(a, b, q).time > hi else None  # type: ignore[union-attr]
+        if c.detail is not _PENDING:
+            w, y = _zb_terms(c)
+            if w < w_lo or y < y_lo:
+                return None
+        if exchange is None:
+            return c.time
+        fin = _exchanged(exchange, c.recv_bytes, o % ns == 0) if a > 0 else 0.0
+        gout = 0.0 if r == 1 else _exchanged(exchange, c.grad_bytes, (o + q) % ns == 0)
+        return c.time + fin + gout if fin <= hi and gout <= hi else None
 
-    def best_from(a: int, o: int, r: int, q: int) -> tuple[float, tuple | None]:
-        key = (a, o, r, q)
-        hit = memo.get(key)
-        if hit is not None:
-            return hit
-        stats["zb_dp_states"] = stats.get("zb_dp_states", 0) + 1
-        best_v, best_arg = math.inf, None
-        if _placeable(o, q, p, ns) and (r > 1 or o + q == p):
-            for b in ([U] if r == 1 else range(a + 1, U - r + 2)):
-                c = pool.get(a, b, q, k)
-                if c is None or c.memory(k) > pool.budget:
-                    if pool.fit_fn is not None and pool.plain(a, b, q) is not None:
-                        break  # nothing fits [a, b) with k in flight: a longer stage needs more still
-                    continue
-                if c.time > hi:
-                    if not pool.lazy or pool.plain(a, b, q).time > hi:  # type: ignore[union-attr]
-                        break
-                    continue
-                if not ok(c):
-                    continue
-                here = c.time
-                if exchange is not None:
-                    fin = _exchanged(exchange, c.recv_bytes, o % ns == 0) if a > 0 else 0.0
-                    gout = 0.0 if r == 1 else _exchanged(exchange, c.grad_bytes, (o + q) % ns == 0)
-                    if fin > hi or gout > hi:
-                        continue
-                    here += fin + gout
-                if r == 1:
-                    if here < best_v:
-                        best_v, best_arg = here, (b, None)
-                    continue
-                for q2 in qs:
-                    lk = 0.0
-                    if exchange is None:
-                        lk = link_fn(b, q, q2, pool.m, (o + q) % ns == 0)
-                        if lk > hi:
-                            continue
-                    rest, _ = best_from(b, o + q, r - 1, q2)
-                    if here + 2 * lk + rest < best_v:
-                        best_v, best_arg = here + 2 * lk + rest, (b, q2)
-        memo[key] = (best_v, best_arg)
-        return memo[key]
+    def between(b: int, o: int, q: int, q2: int) -> float | None:
+        lk = link_fn(b, q, q2, pool.m, (o + q) % ns == 0)
+        return lk if lk <= hi else None
 
-    best_v, start = math.inf, None
-    for q in qs:
-        v, _ = best_from(0, 0, n, q)
-        if v < best_v:
-            best_v, start = v, q
-    if start is None:
-        return None
-    out = []
-    a, o, r, q = 0, 0, n, start
-    while True:
-        b, q2 = memo[(a, o, r, q)][1]  # type: ignore[misc]
-        out.append((a, b, o, q))
-        if q2 is None:
-            return best_v, out
-        a, o, r, q = b, o + q, r - 1, q2
+    return _stage_dp(space, n, [q_fixed] if q_fixed is not None else list(space.allowed_sizes()), stage,
+                     between if exchange is None else None, stats, "zb_dp_states")
 
 
 def _relaxed_max(pool: _ZBPool, segs: Sequence[tuple[int, int, int, int]], n: int, link_fn: LinkFn,
