@@ -196,6 +196,24 @@ def test_searched_interleaved_plan_runs():
     _assert_equal_to_unsharded(step, _gpt_loss, params, batch)
 
 
+def test_searched_zb_h1_plan_runs():
+    """ZB-H1 (searched alone): its passes issued in ZB-H1's per-stage order of forwards and backwards (each
+    backward whole: XLA's vjp computes the input and the weight gradients together)."""
+    from shardplan.pipeline.jax import pipeline
+    from shardplan.pipeline.schedule import _order
+
+    require_8_devices()
+    params, batch = _gpt_params(), _tokens()
+    step = pipeline(_gpt_loss, params, batch, machine=_toy(), sizes=(2,), schedules=("zb-h1",), micro_batches=(4,))
+    plan = step.plan
+    assert plan.schedule == "zb-h1" and plan.micro_batches >= plan.num_stages >= 2
+    n = plan.num_stages
+    for s in range(n):
+        mine = [(k, j) for k, i, j in step.order() if i == s]
+        assert mine == [(k, j) for k, j, _ in _order(s, n, plan.micro_batches, "zb-h1", 1) if k != "W"]
+    _assert_equal_to_unsharded(step, _gpt_loss, params, batch)
+
+
 def test_flax_model_units_are_its_submodules():
     import flax.linen as nn
     import jax.numpy as jnp

@@ -1,6 +1,6 @@
 """PyTorch pipelining driven by the searched plan: 4 gloo processes (CPU) vs one process.
 
-Cases: 4 stages of one process under 1F1B, GPipe and interleaved 1F1B (2 chunks per process);
+Cases: 4 stages of one process under 1F1B, GPipe, interleaved 1F1B (2 chunks per process) and ZB-H1;
 2 stages of 2 processes, each stage running its intra-stage layouts as DTensor placements; a head
 tied to the embedding (a parameter of the first and the last stage, its gradients summed).
 
@@ -50,12 +50,13 @@ def test_the_searched_plan_is_what_runs(results, name):
     assert all(d == q for *_, d in lay["stages"])
     want = {"1f1b": ("1f1b", 1, "Schedule1F1B"), "gpipe": ("1f1b", 1, "ScheduleGPipe"),
             "interleaved": ("interleaved", 2, "ScheduleInterleaved1F1B"), "dtensor": ("1f1b", 1, "Schedule1F1B"),
+            "zb-h1": ("zb-h1", 1, "ScheduleInterleavedZeroBubble"),
             "tied": ("1f1b", 1, "Schedule1F1B"), "hf_gpt2": ("1f1b", 1, "Schedule1F1B")}[name]
     assert (lay["schedule"], lay["chunks"], r["schedule"]) == want
     groups = WORLD // q
     assert len(lay["stages"]) == groups * lay["chunks"]
     assert [s[2] for s in lay["stages"]] == [q * (j % groups) for j in range(len(lay["stages"]))]
-    if name in ("gpipe", "interleaved"):
+    if name in ("gpipe", "interleaved", "zb-h1"):
         assert lay["micro_batches"] == 4
 
 

@@ -28,8 +28,11 @@ Execution, for each stage (each chunk of an interleaved plan):
   is sent to each, and its cotangents summed;
 * one Python controller issues the m forward and backward passes of every
   stage in the order of the plan's schedule
-  (:func:`shardplan.pipeline.execute.issue_order`: 1F1B, GPipe, or
-  interleaved 1F1B with v chunks per device group), the micro-batches being
+  (:func:`shardplan.pipeline.execute.issue_order`: 1F1B, GPipe,
+  interleaved 1F1B with v chunks per device group, or ZB-H1's order of
+  forwards and backwards, each backward whole: the vjp of a stage computes
+  its input and weight gradients together, so the W passes are not issued
+  apart), the micro-batches being
   consecutive slices of the batch's leading axis; gradients are accumulated
   per stage; JAX's asynchronous dispatch lets stages on disjoint devices
   overlap, each device running its passes in the order issued.

@@ -29,8 +29,11 @@ needs are the FX graph's own metadata (shapes, dtypes, whether a value
 depends on a trainable parameter), so integer tensors travel as well.
 
 **Schedule.** The plan's m and schedule map to ``Schedule1F1B``,
-``ScheduleGPipe`` (a 1F1B plan run in GPipe's order on request) and
-``ScheduleInterleaved1F1B`` (v chunks per rank). The last stage returns the
+``ScheduleGPipe`` (a 1F1B plan run in GPipe's order on request),
+``ScheduleInterleaved1F1B`` (v chunks per rank) and, for ZB-H1,
+``ScheduleInterleavedZeroBubble`` with one stage per rank (torch's ZB1P, the
+paper's ZB-H1: each backward split into its input-gradient and
+weight-gradient passes by autograd, the W passes deferred into the bubble). The last stage returns the
 micro-batch's loss; the schedule's ``loss_fn`` is that value. The loss is
 the *mean* over the batch (``reduction="mean"``): the step's loss is the
 mean of the m micro-batch losses, and ``scale_grads=True`` (torch's
@@ -79,7 +82,8 @@ from shardplan.machine import Machine
 __all__ = ["unit_key", "unit_names", "scoped_trace", "StagePartition", "partition", "TorchPipeline", "pipeline",
            "SCHEDULE_CLASSES"]
 
-SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                    "zb-h1": "ScheduleInterleavedZeroBubble"}
 
 
 def unit_key(path: str, depth: int) -> str | None:
@@ -549,7 +553,7 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
         modules.append(_Held(run_mod, mod.targets, "" if sub is None else "_params."))
     cls = getattr(pp, SCHEDULE_CLASSES[run_schedule])
     kw = dict(n_microbatches=m, loss_fn=lambda out, _target: out, scale_grads=reduction == "mean")
-    sched = cls(stages, **kw) if run_schedule == "interleaved" else cls(stages[0], **kw)
+    sched = cls(stages, **kw) if run_schedule in ("interleaved", "zb-h1") else cls(stages[0], **kw)
     counts: dict[str, int] = {}
     for p in parts:
         for t in set(p.params.values()):
