@@ -197,3 +197,22 @@ def test_stage_seconds_are_superadditive_on_a_real_model():
                     c = st.stage_cost(a, b, q, m)
                     if c is not None and all(x is not None for x in unit[a:b]):
                         assert c.proven >= sum(x.proven for x in unit[a:b]) * (1 - 1e-9)
+
+
+def test_zb_h1_search_when_a_fit_is_below_its_stand_in():
+    """A fit_fn that answers below the time-optimal stage breaks the callbacks' contract (a memory-constrained
+    optimum only adds cost). When the search sees such an answer it drops the stand-ins and the family bounds and
+    searches every stage count again eagerly: here it sees one, and the answer equals brute force."""
+    U, p = 6, 8
+    stage_fn, fit_fn, link_fn = _instance(7, U, p)
+
+    def faster(a, b, q, m, k, budget):
+        c = fit_fn(a, b, q, m, k, budget)
+        return None if c is None else dataclasses.replace(c, forward=c.forward * 0.5, backward=c.backward * 0.5,
+                                                          weight_grad=c.weight_grad * 0.5)
+
+    space = PipelineSpace(U, p, 4, micro_batches=(4,), budget=2.5)
+    want = min(_brute_zb(space, stage_fn, link_fn, faster).values())
+    got = search_pipeline(space, stage_fn, link_fn, ("zb-h1",), fit_fn=faster)
+    assert got.stats.get("lazy_abandoned")
+    assert got.step_time == pytest.approx(want, rel=1e-12)

@@ -74,9 +74,11 @@ relaxed time is at least the time-optimal one, which grows with the extent;
 so D_R(B) is the relaxation's own optimum under B and P* is feasible for it
 (the eager search, whose stage times are true ones, stops at the first
 extent over B). Stage counts and micro-batch counts whose floor already
-reaches the best plan never solve a stand-in. A ``fit_fn`` answer below its stand-in would void
-the bound: the search then drops every stand-in and runs eagerly
-(``stats["lazy_abandoned"]``); ``stats["fit_evaluations"]`` counts the
+reaches the best plan never solve a stand-in. A ``fit_fn`` must not answer below the
+time-optimal stage (a memory-constrained optimum only adds cost); an answer below it voids the
+stand-ins and the family bounds. When the search sees one it drops every stand-in and runs eagerly
+(``stats["lazy_abandoned"]``; ZB-H1 also drops its family bounds and searches every stage count
+again), but answers it never asks for cannot be checked; ``stats["fit_evaluations"]`` counts the
 solves, ``stats["lazy_rounds"]`` the terms that needed some.
 
 **The max term** (Alpa's enumeration, made exact). For a bound B let
@@ -1029,23 +1031,24 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
         return min(incumbent, best.step_time if best is not None else math.inf)
 
     pool = _ZBPool(stage_fn, fit_fn, m, budget, stats)
-    lower = math.inf
-    for n in range(first_stages, s_max + 1):
-        if m * floors[n] >= best_t():
-            stats["zb_pruned"] = stats.get("zb_pruned", 0) + 1
-            lower = min(lower, m * floors[n])
-            continue
-        q_fixed = p // n if space.uniform else None
-        while True:
-            try:
-                found, lb = _zb_branch_and_bound(pool, space, n, q_fixed, m, link_fn, exchange, floors[n], best_t(),
-                                                 stats)
-                break
-            except _Abandoned:
-                continue  # the pool now solves every stage as it is seen
-        lower = min(lower, lb)
-        if found is not None and found.step_time < best_t():
-            best = found
+    while True:
+        lower = math.inf
+        try:
+            for n in range(first_stages, s_max + 1):
+                if m * floors[n] >= best_t():
+                    stats["zb_pruned"] = stats.get("zb_pruned", 0) + 1
+                    lower = min(lower, m * floors[n])
+                    continue
+                found, lb = _zb_branch_and_bound(pool, space, n, p // n if space.uniform else None, m, link_fn,
+                                                 exchange, floors[n], best_t(), stats)
+                lower = min(lower, lb)
+                if found is not None and found.step_time < best_t():
+                    best = found
+            break
+        except _Abandoned:
+            # a memory-constrained solve came out below its time-optimal stage: the stand-ins and the family
+            # bounds (which rest on the same order) are void; every stage count again, eagerly, without them
+            floors = {n: 0.0 if math.isfinite(v) else v for n, v in floors.items()}
     return best, pool.rho() * lower
 
 
