@@ -167,8 +167,9 @@ branch and bound starts from the box ``[B_0, inf] x [0, inf] x [0, inf]``
 increasing order of L. A box's DP optimum P (with values M_P, W_P, Y_P) is
 a real pipeline: its step updates the best. The box then falls into four
 disjoint parts: P's own region ``M >= M_P, W <= W_P, Y <= Y_P``, where L is
-at least T(P) (the sum is D there, and each term is at least P's), so
-nothing in it beats P; ``M < M_P``; ``M >= M_P, W > W_P``; and ``M >=
+at least T(P) (every sum there is at least D, P's own; M is at least
+M_P; W and Y are at most P's), so nothing in it beats P (the parts are
+cut to the box); ``M < M_P``; ``M >= M_P, W > W_P``; and ``M >=
 M_P, W <= W_P, Y > Y_P``. The last three are new boxes (strict bounds by
 the next float), each with a DP that excludes P, so every DP answer is new
 and the search ends (the values are finite sets). A box is dropped when L
