@@ -531,7 +531,6 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     sizes = space.allowed_sizes()
     s_max = min(space.max_stages or U, U, p)
     budget = math.inf if space.budget is None else space.budget
-    costs: dict[tuple[int, int, int], StageCost | None] = {}
 
     # every stage and transfer time seen (the candidate bounds), and those not yet queued
     seen: set[float] = set()
@@ -542,53 +541,22 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             seen.add(v)
             fresh.append(v)
 
-    def cost(a: int, b: int, q: int) -> StageCost | None:
-        key = (a, b, q)
-        if key not in costs:
-            costs[key] = c = stage_fn(a, b, q, m)
-            stats["stage_evaluations"] += 1
-            if c is not None:
-                see(c.time)
-        return costs[key]
+    def noticed(c: StageCost, solved: bool) -> None:
+        see(c.time)
+        if solved and exchange is not None:
+            # the transfers a solved stage may charge (recv on either kind of link, grad likewise): candidates
+            for x in (c.recv_bytes, c.grad_bytes):
+                for inter in (False, True):
+                    see(_exchanged(exchange, x, inter))
 
-    fitted: dict[tuple[int, int, int, float], StageCost | None] = {}
-    lazy = [fit_fn is not None]  # stand-ins for unresolved memory-constrained stages (module docstring)
-
-    def resolve(key: tuple[int, int, int, float]) -> None:
-        a, b, q, k = key
-        got = fit_fn(a, b, q, m, int(k), budget)  # type: ignore[misc]
-        stats["fit_evaluations"] = stats.get("fit_evaluations", 0) + 1
-        fitted[key] = got
-        if got is not None:
-            see(got.time)
-            if exchange is not None:
-                # the transfers it may charge (recv on either kind of link, grad likewise): candidate bounds
-                for x in (got.recv_bytes, got.grad_bytes):
-                    for inter in (False, True):
-                        see(_exchanged(exchange, x, inter))
-        plain = cost(a, b, q)
-        if got is not None and plain is not None and got.time < plain.time * (1 - 1e-9) and lazy[0]:
-            # the time-optimal stage is not a lower bound of this fit_fn: resolve every stage eagerly
-            lazy[0] = False
-            stats["lazy_abandoned"] = True
-            for other in [x for x, c in fitted.items() if c is not None and c.detail is _PENDING]:
-                del fitted[other]
+    pool = _StagePool(stage_fn, fit_fn, m, budget, stats, noticed)
+    cost, fitted = pool.plain, pool.fitted
 
     def effective(a: int, b: int, q: int, k: float) -> StageCost | None:
-        """The stage's least time with k micro-batches in flight within the budget: the time-optimal plan if it
-        fits, else the memory-constrained one (fit_fn), else None; while lazy, a stand-in for the latter."""
-        c = cost(a, b, q)
-        if c is None or c.memory(k) <= budget:
-            return c
-        if fit_fn is None:
-            return None
-        key = (a, b, q, k)
-        if key not in fitted:
-            if lazy[0]:
-                fitted[key] = _stand_in(c)
-            else:
-                resolve(key)
-        return proven_of(key) if bounding[0] else fitted[key]
+        """The stage's least time with k micro-batches in flight within the budget (:meth:`_StagePool.get`); in
+        the bounding pass a solved one at its proven seconds."""
+        c = pool.get(a, b, q, k)
+        return proven_of((a, b, q, k)) if bounding[0] and (a, b, q, k) in fitted else c
 
     bounding = [False]  # the second pass: resolved stages at their proven seconds (module docstring, Lower bound)
     proven: dict[tuple[int, int, int, float], StageCost | None] = {}
@@ -629,7 +597,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 return None
             if c.time > bound * (1 + 1e-12):
                 plain = cost(a, b, q)
-                if not lazy[0] or plain.time > bound * (1 + 1e-12):  # type: ignore[union-attr]
+                if not pool.lazy or plain.time > bound * (1 + 1e-12):  # type: ignore[union-attr]
                     return _BREAK  # stage times grow with b (monotone_stages): longer stages are slower still
                 # a relaxed time (a solved stage, or one at its proven seconds) over B: a longer stage's
                 # true time is over B too, but its stand-in may not be; the time-optimal stage's is
@@ -693,8 +661,8 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 stats["lazy_rounds"] = stats.get("lazy_rounds", 0) + 1
                 for key in pending:
                     if key in fitted:
-                        resolve(key)
-                if not lazy[0]:
+                        pool.resolve(key)
+                if not pool.lazy:
                     return None  # the floors rested on stand-ins that are not lower bounds: start again eagerly
                 push_new()
                 heapq.heappush(heap, (total, n_stages, bound))
@@ -704,15 +672,14 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         return best
 
     found = optimum(incumbent)
-    if fit_fn is not None and not lazy[0]:  # abandoned the stand-ins: the eager search
+    if fit_fn is not None and not pool.lazy:  # abandoned the stand-ins: the eager search
         found = optimum(incumbent)
     # the lower bound (module docstring): every relaxed value is at least `reached`; rho bounds how far the
     # solves' proven seconds fall below what they found
     reached = min(incumbent, found.step_time if found is not None else math.inf)
-    rho = min([c.proven / c.time for c in fitted.values() if c is not None and c.detail is not _PENDING
-               and c.time > 0] + [1.0])
+    rho = pool.rho()
     lower = rho * reached
-    if rho < 1 - BOUND_PASS_RTOL and lazy[0] and math.isfinite(reached):
+    if rho < 1 - BOUND_PASS_RTOL and pool.lazy and math.isfinite(reached):
         bounding[0] = True
         t0 = time.perf_counter()
         relaxed = optimum(reached)
@@ -1031,7 +998,7 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
     def best_t() -> float:
         return min(incumbent, best.step_time if best is not None else math.inf)
 
-    pool = _ZBPool(stage_fn, fit_fn, m, budget, stats)
+    pool = _StagePool(stage_fn, fit_fn, m, budget, stats)
     while True:
         lower = math.inf
         try:
@@ -1053,13 +1020,17 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
     return best, pool.rho() * lower
 
 
-class _ZBPool:
-    """Stage costs at one m for the ZB-H1 search, with k micro-batches in flight: the time-optimal plan where it
-    fits, else the memory-constrained optimum (``fit_fn``); while ``lazy``, an unsolved one is a stand-in
-    (:func:`_stand_in`: a lower bound of its seconds; it passes every W / Y floor, the relaxation's choice)."""
+class _StagePool:
+    """Stage costs at one m with k micro-batches in flight, for the 1F1B and ZB-H1 searches: the time-optimal
+    plan where it fits, else the memory-constrained optimum (``fit_fn``); while ``lazy``, an unsolved one is a
+    stand-in (:func:`_stand_in`: a lower bound of its seconds; in ZB-H1's search it passes every W / Y floor,
+    the relaxation's choice). ``on_new(cost, solved)`` hears of every cost first computed (time-optimal or
+    memory-constrained)."""
 
-    def __init__(self, stage_fn: StageFn, fit_fn: FitFn | None, m: int, budget: float, stats: dict) -> None:
+    def __init__(self, stage_fn: StageFn, fit_fn: FitFn | None, m: int, budget: float, stats: dict,
+                 on_new: Callable[[StageCost, bool], None] | None = None) -> None:
         self.stage_fn, self.fit_fn, self.m, self.budget, self.stats = stage_fn, fit_fn, m, budget, stats
+        self.on_new = on_new
         self.plain_costs: dict[tuple[int, int, int], StageCost | None] = {}
         self.fitted: dict[tuple[int, int, int, float], StageCost | None] = {}
         self.lazy = fit_fn is not None
@@ -1067,8 +1038,10 @@ class _ZBPool:
     def plain(self, a: int, b: int, q: int) -> StageCost | None:
         key = (a, b, q)
         if key not in self.plain_costs:
-            self.plain_costs[key] = self.stage_fn(a, b, q, self.m)
+            self.plain_costs[key] = c = self.stage_fn(a, b, q, self.m)
             self.stats["stage_evaluations"] = self.stats.get("stage_evaluations", 0) + 1
+            if c is not None and self.on_new is not None:
+                self.on_new(c, False)
         return self.plain_costs[key]
 
     def get(self, a: int, b: int, q: int, k: float) -> StageCost | None:
@@ -1090,6 +1063,8 @@ class _ZBPool:
         got = self.fit_fn(a, b, q, self.m, int(k), self.budget)  # type: ignore[misc]
         self.stats["fit_evaluations"] = self.stats.get("fit_evaluations", 0) + 1
         self.fitted[key] = got
+        if got is not None and self.on_new is not None:
+            self.on_new(got, True)
         plain = self.plain(a, b, q)
         if got is not None and plain is not None and got.time < plain.time * (1 - 1e-9) and self.lazy:
             # the time-optimal stage is not a lower bound of this fit_fn: stand-ins are void, solve eagerly
@@ -1110,7 +1085,7 @@ def _zb_terms(c: StageCost) -> tuple[float, float]:
     return w, min(w, c.forward, c.backward - w)
 
 
-def _zb_dp(pool: _ZBPool, space: PipelineSpace, n: int, q_fixed: int | None, link_fn: LinkFn,
+def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, link_fn: LinkFn,
            exchange: ExchangeFn | None, hi: float, w_lo: float, y_lo: float, stats: dict
            ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least ``sum_i t_i + transfers`` over pipelines of n stages (n in flight on each) whose every stage and
@@ -1147,7 +1122,7 @@ def _zb_dp(pool: _ZBPool, space: PipelineSpace, n: int, q_fixed: int | None, lin
                      between if exchange is None else None, stats, "zb_dp_states")
 
 
-def _relaxed_max(pool: _ZBPool, segs: Sequence[tuple[int, int, int, int]], n: int, link_fn: LinkFn,
+def _relaxed_max(pool: _StagePool, segs: Sequence[tuple[int, int, int, int]], n: int, link_fn: LinkFn,
                  exchange: ExchangeFn | None, space: PipelineSpace) -> float:
     """The largest stage or transfer time of placed stages under the pool's current (relaxed) costs, as
     :func:`_zb_dp` charges them."""
@@ -1170,7 +1145,7 @@ def _relaxed_max(pool: _ZBPool, segs: Sequence[tuple[int, int, int, int]], n: in
 ZB_TOL = 1e-12  # a box whose lower bound is within this relative distance of the best plan holds nothing better
 
 
-def _zb_branch_and_bound(pool: _ZBPool, space: PipelineSpace, n: int, q_fixed: int | None, m: int,
+def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, m: int,
                          link_fn: LinkFn, exchange: ExchangeFn | None, floor: float, incumbent: float,
                          stats: dict) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum over every cut and sub-mesh sequence of n stages at m >= n, if below ``incumbent``
@@ -1202,8 +1177,8 @@ def _zb_branch_and_bound(pool: _ZBPool, space: PipelineSpace, n: int, q_fixed: i
         if lb >= inc * (1 - ZB_TOL):
             continue
         pending = [(a, b, q, float(n)) for a, b, _, q in segs if pool.get(a, b, q, float(n)).detail is _PENDING]
-        relaxed_max = _relaxed_max(pool, segs, n, link_fn, exchange, space)
-        if pending and relaxed_max > b_lo:
+        relaxed_max = _relaxed_max(pool, segs, n, link_fn, exchange, space) if pending else 0.0
+        if relaxed_max > b_lo:
             # not solved yet: the part M >= the relaxed optimum's max (its true max is no smaller) keeps D and
             # a larger B_lo; the part below it is a new box (as 1F1B's search takes bounds best-first)
             for child in ((b_lo, math.nextafter(relaxed_max, -math.inf), w_lo, w_hi, y_lo, y_hi),
