@@ -75,8 +75,8 @@ CASES: dict[str, dict[str, Any]] = {
     "1f1b": dict(micro_batches=(2, 4), schedules=("1f1b",)),
     "gpipe": dict(micro_batches=(4,), schedules=("1f1b",), schedule="gpipe"),
     "interleaved": dict(micro_batches=(4,), interleave=(2,), schedules=("interleaved",)),
-    # zero bubble: torch's ScheduleInterleavedZeroBubble with one stage per process (ZB-H1)
-    "zb-h1": dict(micro_batches=(4,), schedules=("zb-h1",)),
+    # zero bubble: torch's ScheduleInterleavedZeroBubble with one stage per process (ZB-H1), on Hugging Face GPT-2
+    "zb-h1": dict(micro_batches=(4,), schedules=("zb-h1",), model="hf_gpt2"),
     # 2 stages of 2 processes each, the stage's layouts as DTensor placements on its sub-mesh
     "dtensor": dict(micro_batches=(2, 4), schedules=("1f1b",), stage_devices=2),
     # the head reuses the embedding's weight: a parameter of the first and the last stage
