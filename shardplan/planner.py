@@ -35,6 +35,15 @@ __all__ = ["plan", "from_spmd", "from_pipeline"]
 STAGES = ("auto", True, False)
 
 
+TABLE_OPTIONS = ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas", "optimizer_factor")
+"""The cost-table options a plan records, so the tables can be rebuilt where it runs (:func:`spmd_of`)."""
+
+
+def table_options(tables: Any) -> dict[str, Any]:
+    """How ``tables`` were built (``orders`` resolved: "auto" recorded as what it chose)."""
+    return {k: tables.options[k] for k in TABLE_OPTIONS if k in tables.options}
+
+
 def choice_of(op: Any, layout: Any, state_stage: int, recompute: bool) -> OperatorChoice:
     """An operator's :class:`OperatorChoice`; its weights are the trainable ones it owns (a reader of another
     operator's parameter holds no state of it)."""
@@ -73,7 +82,8 @@ def from_spmd(sp: Any, *, model: str | None = None, batch: int | None = None,
     lower = None
     if sol is not None:
         lower = float(sol.bound) if sol.bound is not None else (sp.cost if sol.optimal else None)
-    st: dict[str, Any] = {"solve_seconds": sp.solve_seconds, "build_seconds": sp.build_seconds}
+    st: dict[str, Any] = {"solve_seconds": sp.solve_seconds, "build_seconds": sp.build_seconds,
+                          "memory_choices": mc is not None, "table_options": table_options(sp.tables)}
     if sol is not None:
         st.update(sol.stats)
     st.update(stats or {})
@@ -113,7 +123,11 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
     peak = max(stages, key=lambda st: st.memory["peak_bytes"])
     memory = {**peak.memory, "peak_stage": peak.index,
               "budget_bytes": float(pp.budget) if pp.budget is not None else float("inf")}
-    st = {"solve_seconds": result.seconds, "groups": groups, **pp.stats, **(stats or {})}
+    st = {"solve_seconds": result.seconds, "groups": groups, **pp.stats, "links": list(pp.links),
+          "back_links": None if pp.back_links is None else list(pp.back_links),
+          "memory_choices": any(getattr(s.cost.detail, "memory_choices", None) is not None for s in pp.stages),
+          "table_options": {k: v for k, v in result.stages.solve_options.items() if k in TABLE_OPTIONS},
+          **(stats or {})}
     return Plan(model or result.stages.graph(1)[0].name, result.machine, tuple(stages), pp.micro_batches,
                 pp.schedule, pp.step_time, breakdown, memory, pp.lower_bound, "pipeline", st, pp.chunks,
                 result.stages.batch, detail=result)
@@ -268,3 +282,86 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                  refused=refusals)
     return replace(best, lower_bound=lower, stats=stats)
 
+
+
+def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice], micro_batches: int,
+             memory_choices: bool, options: dict[str, Any], budget: float | None, name: str) -> Any:
+    """The tables-backed plan of ``graph`` on ``machine`` with the given per-operator choices."""
+    from dataclasses import replace
+
+    from shardplan.cost import build_tables
+    from shardplan.plan import plan_from_configs
+
+    names = [op.name for op in graph.operators]
+    missing = [n for n in names if n not in choices]
+    extra = sorted(set(choices) - set(names))
+    if missing or extra:
+        what = (f"has no choice for operator {missing[0]!r}" if missing else f"names operator {extra[0]!r}, which "
+                "the program does not have")
+        raise ShardplanError(f"the plan does not match this program: it {what} (was it planned for another "
+                             "model, batch or version of the code?)")
+    tables = replace(build_tables(graph, replace(machine, memory_bytes=None), **options), machine=machine)
+    sp = plan_from_configs(tables, {n: choices[n].layout for n in names}, name=name)
+    if memory_choices:
+        from shardplan.fit import plan_with_choices
+
+        sp = plan_with_choices(sp, stage={n: choices[n].state_stage for n in names},
+                               recompute=[n for n in names if choices[n].recompute], micro_batches=micro_batches,
+                               budget=budget, name=name)
+    return sp
+
+
+def spmd_of(plan_: Plan, graph: Graph) -> Any:
+    """The tables-backed per-operator plan of a one-stage ``plan_`` on ``graph`` (the program traced where it
+    runs): the plan's own when it was computed here on this graph, else rebuilt from its choices and checked
+    to predict the same step time (so a plan made for another program is refused, not run)."""
+    if plan_.num_stages != 1:
+        raise ShardplanError(f"the plan has {plan_.num_stages} pipeline stages; run it as a pipeline")
+    sp = plan_.spmd
+    if sp is not None and [op.name for op in sp.graph.operators] == [op.name for op in graph.operators]:
+        return sp
+    budget = plan_.memory.get("budget_bytes")
+    sp = _rebuild(graph, plan_.machine, dict(plan_.stages[0].operators), plan_.micro_batches,
+                  bool(plan_.stats.get("memory_choices")), dict(plan_.stats.get("table_options") or {}),
+                  None if budget is None else float(budget), plan_.solver)
+    if abs(sp.cost - plan_.step_time) > 1e-6 * max(abs(plan_.step_time), 1e-30):
+        raise ShardplanError(f"the plan predicts {plan_.step_time:.6g} s per step but its choices cost "
+                             f"{sp.cost:.6g} s on this program: it was planned for another program or machine")
+    return sp
+
+
+def pipeline_of(plan_: Plan, build: Callable[[int], Graph]) -> Any:
+    """The pipeline search's answer (:class:`~shardplan.pipeline.api.PipelineResult`) that ``plan_`` holds, or,
+    for a plan loaded from JSON, rebuilt from its stages on the model ``build`` makes: each stage's operators
+    laid out as the plan says on its sub-mesh, the stage times, links and schedule as planned."""
+    from dataclasses import replace
+
+    from shardplan.pipeline.api import PipelineResult
+    from shardplan.pipeline.search import PipelinePlan, Stage, StageCost
+    from shardplan.pipeline.stages import ModelStages
+
+    if plan_.detail is not None and isinstance(plan_.detail, PipelineResult):
+        return plan_.detail
+    if plan_.schedule == NO_PIPELINE:
+        raise ShardplanError("the plan is one program, not a pipeline; run it with its engine's one-program step")
+    if plan_.batch is None:
+        raise ShardplanError("the plan does not record its batch; it cannot be rebuilt as a pipeline")
+    options = dict(plan_.stats.get("table_options") or {})
+    model = ModelStages(build, plan_.batch, plan_.machine, options)
+    m = plan_.micro_batches
+    budget = plan_.memory.get("budget_bytes")
+    stages = []
+    for s in plan_.stages:
+        machine = replace(plan_.machine, num_devices=s.devices)
+        # the engines run a stage's layouts; its times and bytes are the plan's own
+        sp = _rebuild(model.subgraph(s.first, s.end, m), machine, dict(s.operators), m, False, options,
+                      None, plan_.solver)
+        act = float(s.memory["activations_bytes"]) / s.in_flight if s.in_flight else 0.0
+        cost = StageCost(s.forward, s.backward, float(s.memory["weights_bytes"]), act, sp, weight_grad=s.weight_grad)
+        stages.append(Stage(s.first, s.end, s.offset, s.devices, cost, s.in_flight))
+    links = tuple(plan_.stats.get("links") or (0.0,) * (len(stages) - 1))
+    back = plan_.stats.get("back_links")
+    pp = PipelinePlan(tuple(stages), m, plan_.schedule, plan_.chunks, links, plan_.step_time,
+                      None if budget is None else float(budget), dict(plan_.stats),
+                      None if back is None else tuple(back), plan_.lower_bound)
+    return PipelineResult(pp, model, plan_.machine, 0.0)
