@@ -650,7 +650,7 @@ def render_fit(plan) -> list[str]:
 
 def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | Sequence[str] = False,
                       micro_batches: int = 1, budget: float | None = None, name: str | None = None,
-                      grad_buffers: str = "persistent"):
+                      grad_buffers: str = "persistent", accumulate: int = 1):
     """``plan``'s layouts with the memory-saving choices given by hand (a fit plan the search did not choose).
 
     ``stage``: one ZeRO stage for every operator with trainable weights, or
@@ -661,7 +661,9 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     :func:`~shardplan.cost.memory.choice_table` (the model of this module), so
     data parallelism with FSDP, say, is ``plan_with_choices(dp_plan, 3)``.
     ``grad_buffers``: as :class:`FitOptions` (``"backward"``: the plan's memory
-    is the backward-peak model's when it has one micro-batch).
+    is the backward-peak model's when it has one micro-batch). ``accumulate``: as :class:`FitOptions`, the
+    graph is one micro-batch of a step that accumulates gradients over this many (a pipeline stage's cost per
+    micro-batch), so the once-per-step collectives are charged 1/accumulate.
 
     Raises:
         ShardplanError: an unknown stage or operator name, or a bad micro-batch count.
@@ -683,7 +685,10 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     m = int(micro_batches)
     if m < 1:
         raise ShardplanError(f"micro-batch count must be a positive integer, got {micro_batches!r}")
-    backward = FitOptions(micro_batches=(m,), grad_buffers=grad_buffers).backward_peak(m)
+    acc = int(accumulate)
+    if acc < 1:
+        raise ShardplanError(f"accumulate must be a positive integer, got {accumulate!r}")
+    backward = FitOptions(micro_batches=(m,), grad_buffers=grad_buffers, accumulate=acc).backward_peak(m)
     opt = float(tables.options.get("optimizer_factor", 2.0))
     cts, choices = [], []
     for i, (op, lay, oc) in enumerate(zip(g.operators, tables.arrays, tables.op_costs)):
@@ -691,7 +696,7 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
         keep = recompute_keep_bytes(op, lay, tables.machine, shares) if any(shares) else None
         ct = choice_table(op, lay, None, tables.machine, m, STAGES, True, opt, prune=False,
                           op_cost=oc if m == 1 else None, forced_recompute=op.name in g.recomputed,
-                          recompute_keep=keep)
+                          recompute_keep=keep, accumulate=acc)
         mine = (ct.base == plan.assignment[i]) & (ct.recompute == (op.name in recs))
         j = np.flatnonzero(mine & (ct.stage == stages[op.name]))
         if not len(j):  # an operator without trainable weights has stage 0 only

@@ -1228,11 +1228,18 @@ class _Abandoned(Exception):
 
 def evaluate_pipeline(segments: Sequence[tuple[int, int, int]], m: int, space: PipelineSpace, stage_fn: StageFn,
                       link_fn: LinkFn, exchange: ExchangeFn | None = None, schedule: str = "1f1b",
-                      fit_fn: FitFn | None = None) -> PipelinePlan | None:
+                      fit_fn: FitFn | None = None, chunks: int = 1) -> PipelinePlan | None:
     """The plan of given stages ``(first unit, end unit, devices)`` placed in order under ``schedule`` (1f1b,
-    gpipe or zb-h1); None if it does not fit or a stage cannot be costed. Raises on a malformed pipeline."""
+    gpipe or zb-h1); None if it does not fit or a stage cannot be costed. Raises on a malformed pipeline.
+
+    ``schedule="interleaved"`` with ``chunks`` v >= 2: ``segments`` are the n v chunks in model order, chunk j
+    on device group j mod n, every group of the same size (n of them tile the devices) and m a multiple of n
+    (Megatron-LM's condition), costed as the interleaved search costs a candidate (:func:`_interleaved_plan`;
+    a group fits when its chunks' weights plus its in-flight share of their activations do)."""
     p = space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
+    if schedule == "interleaved":
+        return _evaluate_interleaved(segments, m, space, stage_fn, link_fn, exchange, chunks)
     if segments[0][0] != 0 or segments[-1][1] != space.num_units or any(
             segments[i][1] != segments[i + 1][0] or segments[i][0] >= segments[i][1] for i in range(len(segments) - 1)):
         raise ShardplanError(f"stages {segments!r} do not cover units 0..{space.num_units} contiguously")
@@ -1257,6 +1264,33 @@ def evaluate_pipeline(segments: Sequence[tuple[int, int, int]], m: int, space: P
         costs[(a, b, q)] = c
     placed = [(a, b, o, q) for (a, b, q), o in zip(segments, offs)]
     return _assemble(placed, lambda a, b, q: costs[(a, b, q)], m, space, link_fn, exchange, schedule, fitted)
+
+
+def _evaluate_interleaved(segments: Sequence[tuple[int, int, int]], m: int, space: PipelineSpace, stage_fn: StageFn,
+                          link_fn: LinkFn, exchange: ExchangeFn | None, v: int) -> PipelinePlan | None:
+    """:func:`evaluate_pipeline` of an interleaved pipeline (its docstring)."""
+    p = space.num_devices
+    if v < 2 or len(segments) % v:
+        raise ShardplanError(f"interleaved: {len(segments)} chunks are not a multiple of v={v} >= 2")
+    n = len(segments) // v
+    q = segments[0][2]
+    if any(s[2] != q for s in segments) or n * q != p:
+        raise ShardplanError(f"interleaved: {n} device groups of {[s[2] for s in segments]} devices do not tile {p}")
+    if segments[0][0] != 0 or segments[-1][1] != space.num_units or any(
+            segments[i][1] != segments[i + 1][0] or segments[i][0] >= segments[i][1] for i in range(len(segments) - 1)):
+        raise ShardplanError(f"chunks {segments!r} do not cover units 0..{space.num_units} contiguously")
+    if m % n:
+        raise ShardplanError(f"interleaved: {m} micro-batches are not a multiple of the {n} device groups")
+    got = [stage_fn(a, b, q, m) for a, b, _ in segments]
+    if any(c is None for c in got):
+        return None
+    costs: list[StageCost] = got  # type: ignore[assignment]
+    if space.budget is not None:
+        k = in_flight(n, m, "interleaved", v)
+        if any(sum(costs[j].weight_bytes for j in range(d, n * v, n))
+               + k[d] * sum(costs[j].activation_bytes for j in range(d, n * v, n)) > space.budget for d in range(n)):
+            return None
+    return _interleaved_plan(costs, [(a, b) for a, b, _ in segments], n, q, m, v, space, link_fn, exchange)
 
 
 def brute_force_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,

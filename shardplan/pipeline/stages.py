@@ -271,6 +271,10 @@ class ModelStages:
             certificate failed (solved directly).
         strategy: instead of the intra-stage optimum, a fixed rule ``strategy(tables) -> configs`` (e.g. a
             baseline of :mod:`shardplan.baselines`), to cost a hand-made recipe under the same model.
+        choices: with ``strategy``, the memory choices given by hand: ``choices(plan, m) -> plan`` returns the
+            rule's plan of a stage (one micro-batch of m) with its ZeRO stages and recomputation (e.g.
+            :func:`shardplan.fit.plan_with_choices` with ``accumulate=m``); the stage costs what
+            :meth:`fit_cost` charges for such a plan (once-per-step collectives 1/m per micro-batch).
         solves: intra-stage solves run (one per distinct segment, sub-mesh size and m).
         memory_choices: stages may take memory choices (:meth:`fit_cost`): the intra-stage tables keep every
             layout (no per-layout memory filter, which assumes unsharded state) and :meth:`stage_cost` and
@@ -287,6 +291,7 @@ class ModelStages:
     solve_options: dict = field(default_factory=dict)
     periodic: bool = False
     strategy: Callable[[Any], Any] | None = None
+    choices: Callable[[Any, int], Any] | None = None
     solves: int = 0
     fit_time_limit: float = 60.0
     fit_rtol: float = 1e-9
@@ -443,6 +448,8 @@ class ModelStages:
             plan = Plan(tables, tuple(int(x) for x in sol.assignment), sol, solver)
         else:
             plan = plan_from_configs(tables, self.strategy(tables), name="recipe")
+            if self.choices is not None:
+                return _fit_parts(self.choices(plan, m), None, m, 1, first, last, self.boundary_bytes)
         fwd, bwd, wgrad = _forward_backward(plan)
         step_sync = float(sum(w[k] for w, k in zip(sync, plan.assignment)))
         bwd -= (1.0 - 1.0 / m) * step_sync

@@ -1,0 +1,629 @@
+"""A training configuration as practitioners write it (:class:`Recipe`), costed exactly (:func:`cost_recipe`).
+
+A recipe names the degrees of parallelism and the memory choices of a
+Megatron-LM / DeepSpeed run: ``tp=8,pp=4,vp=5,mbs=2,recompute=full``.
+:func:`cost_recipe` maps it to one plan of shardplan's own space and costs it
+with the model the search uses, so a recipe's prediction and the search's
+optimum are comparable (and a recipe with published measurements checks the
+model). The map, on ``p`` devices with ``dp = p / (tp · pp)``:
+
+* **layouts** (:func:`megatron_layouts`): Megatron-LM's tensor parallelism
+  (Shoeybi et al. 2019): every operator splits its batch dimension ``dp``
+  ways and, when it has one, its model dimension ``tp`` ways (attention
+  heads ``h``, the feed-forward hidden ``e``, the vocabulary ``v`` of the
+  embedding, the head and the loss); the other operators (norms, additions)
+  are replicated over the tensor group. Devices are numbered as Megatron-LM
+  numbers ranks (tensor rank fastest, then data, then pipeline): on each
+  machine level, innermost first, the tensor group takes its part first
+  and the data-parallel group what is left. The tables are built with
+  ``node_replicas=True`` so that the norms' layouts are candidates;
+* **ZeRO** stage ``zero`` for every operator with trainable weights, and
+  **recomputation** (``full``: every operator of the repeated blocks;
+  ``selective``: the attention core, ``attn_scores`` and ``attn_context``,
+  Korthikanti et al. 2022; an integer ``N``: every operator of the first N
+  blocks of each pipeline stage or chunk, Megatron-LM's ``block`` method),
+  both by :func:`shardplan.fit.plan_with_choices`;
+* **micro-batches** ``m = gbs / (dp · mbs)``: one program accumulates
+  gradients over m (``plan_with_choices(micro_batches=m)``); a pipeline
+  costs each stage per micro-batch of ``dp · mbs`` sequences with the
+  once-per-step collectives charged 1/m (:class:`~shardplan.pipeline.stages.ModelStages`
+  with ``strategy`` and ``choices``);
+* **pipeline** ``pp`` stages of ``tp · dp`` consecutive devices, the blocks
+  split evenly (``first_stage_layers`` / ``last_stage_layers`` move the
+  remainder), the embedding with the first stage and the head with the
+  last, under 1F1B, or interleaved 1F1B with ``vp`` chunks per device group
+  (chunk j on group j mod pp), costed by
+  :func:`shardplan.pipeline.search.evaluate_pipeline` with exact
+  stage-to-stage transfers, as the search costs its candidates.
+
+What has no exact counterpart in the space is refused with a one-line
+:class:`~shardplan.errors.ShardplanError` naming the part, never
+approximated: sequence parallelism (``sp``), context parallelism (``cp``),
+expert parallelism (``ep``), hybrid sharding groups (``hsdp``), fp8 and a
+dtype other than the machine's, and overlap flags the cost model does not
+distinguish (``tp_comm``; ``param_gather`` except with FSDP, whose gathers the
+model overlaps exactly when it overlaps the gradient reduction).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from shardplan.errors import ShardplanError
+from shardplan.ir import Graph, Operator
+from shardplan.layout import Layout
+from shardplan.machine import Machine
+
+__all__ = ["Recipe", "cost_recipe", "megatron_layouts", "recompute_names", "RECOMPUTE", "OVERLAPS",
+           "ATTENTION_CORE"]
+
+RECOMPUTE = ("none", "selective", "full")
+"""The named recomputation policies (an integer N: the first N blocks of each stage)."""
+
+OVERLAPS = ("grad_reduce", "param_gather", "tp_comm")
+"""Communications a run may overlap with compute (Megatron-LM's ``--overlap-grad-reduce``,
+``--overlap-param-gather``, ``--tp-comm-overlap``)."""
+
+ATTENTION_CORE = ("attn_scores", "attn_context")
+"""Operator kinds of the attention core: QK^T with its softmax, and the product with V (selective
+recomputation, Korthikanti et al. 2022, §4)."""
+
+DTYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
+
+_INT_FIELDS = ("tp", "cp", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp", "ep",
+               "mbs", "gbs")
+_ORDER = ("tp", "sp", "cp", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp", "ep",
+          "mbs", "gbs", "recompute", "dtype", "overlap")
+_ALIASES = {"fsdp": "zero", "micro_batch_size": "mbs", "global_batch_size": "gbs", "tensor_parallel": "tp",
+            "pipeline_parallel": "pp", "data_parallel": "dp", "sequence_parallel": "sp", "context_parallel": "cp",
+            "expert_parallel": "ep", "virtual_stages": "vp"}
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A training configuration (module docstring); ``None`` and the defaults mean "not given".
+
+    Attributes:
+        tp: tensor-parallel degree. sp: sequence parallelism (Megatron-LM's ``--sequence-parallel``).
+        cp: context-parallel degree. pp: pipeline stages. vp: model chunks per pipeline stage (interleaved
+            1F1B when > 1). first_stage_layers, last_stage_layers: blocks on the first / last stage
+            (default: an even split). dp: data-parallel degree (default: devices / (tp · cp · pp)).
+        zero: ZeRO stage 0-3 of every weight's state (3: FSDP). hsdp: hybrid-sharding group size.
+        ep: expert-parallel degree. mbs: micro-batch size (sequences per data-parallel replica and micro-batch).
+        gbs: global batch (default: the model's). recompute: ``none``, ``selective``, ``full`` or N blocks.
+        dtype: ``fp16``, ``bf16``, ``fp32`` or ``fp8`` (default: the machine's). overlap: the communications
+            overlapped with compute (a subset of :data:`OVERLAPS`; None: the machine's own setting).
+    """
+
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    pp: int = 1
+    vp: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    dp: int | None = None
+    zero: int = 0
+    hsdp: int | None = None
+    ep: int = 1
+    mbs: int = 1
+    gbs: int | None = None
+    recompute: str | int = "none"
+    dtype: str | None = None
+    overlap: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if v is None and name in ("first_stage_layers", "last_stage_layers", "dp", "hsdp", "gbs"):
+                continue
+            low = 0 if name in ("zero", "first_stage_layers", "last_stage_layers") else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ShardplanError(f"recipe: {name} must be an integer >= {low}, got {v!r}")
+        if self.zero > 3:
+            raise ShardplanError(f"recipe: zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero}")
+        if not isinstance(self.sp, bool):
+            raise ShardplanError(f"recipe: sp must be true or false, got {self.sp!r}")
+        rec = self.recompute
+        if isinstance(rec, bool) or not (rec in RECOMPUTE or (isinstance(rec, int) and rec >= 1)):
+            raise ShardplanError(f"recipe: recompute must be none, selective, full or a number of blocks >= 1, "
+                                 f"got {rec!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ShardplanError(f"recipe: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.overlap is not None:
+            ov = tuple(self.overlap)
+            bad = [o for o in ov if o not in OVERLAPS]
+            if bad:
+                raise ShardplanError(f"recipe: overlap {bad[0]!r} is not one of {', '.join(OVERLAPS)} (or none)")
+            object.__setattr__(self, "overlap", tuple(o for o in OVERLAPS if o in ov))
+
+    # -- text -------------------------------------------------------------------------------------------
+    @staticmethod
+    def parse(text: str) -> "Recipe":
+        """``key=value`` pairs separated by commas (``tp=8,pp=4,vp=5,mbs=2,recompute=full``); ``fsdp`` alone
+        means ``zero=3``, ``sp`` alone ``sp=true``; overlap lists its parts joined by ``+`` (or ``none``)."""
+        if not isinstance(text, str) or not text.strip():
+            raise ShardplanError("recipe: empty; write key=value pairs, e.g. tp=8,pp=2,mbs=4,recompute=full")
+        pairs: dict[str, str] = {}
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            key, sep, value = part.partition("=")
+            key = key.strip().lower().replace("-", "_")
+            if not sep:
+                if key in ("fsdp", "sp"):
+                    value = "true"
+                else:
+                    raise ShardplanError(f"recipe: {part!r} is not key=value (e.g. tp=8)")
+            pairs[key] = value.strip()
+        return Recipe.from_mapping(pairs)
+
+    @staticmethod
+    def from_mapping(values: Mapping[str, Any]) -> "Recipe":
+        """A recipe from a mapping of keys (names of the fields or their aliases) to values (text or JSON)."""
+        known = {f.name for f in fields(Recipe)}
+        out: dict[str, Any] = {}
+        for raw, value in values.items():
+            key = _ALIASES.get(str(raw).lower().replace("-", "_"), str(raw).lower().replace("-", "_"))
+            if key not in known:
+                raise ShardplanError(f"recipe: unknown key {raw!r}; keys: {', '.join(_ORDER)} (fsdp = zero 3)")
+            if key in out:
+                raise ShardplanError(f"recipe: {key} given twice")
+            out[key] = _value(key, value, str(raw).lower() == "fsdp")
+        return Recipe(**out)
+
+    @staticmethod
+    def from_file(path: str | Path) -> "Recipe":
+        """A recipe from a JSON object, or TOML-like ``key = value`` lines (``#`` comments, an optional
+        ``[recipe]`` header, quoted strings, ``overlap = ["grad_reduce"]``)."""
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ShardplanError(f"recipe: cannot read {path}: {e.strerror or e}") from None
+        stripped = text.strip()
+        if stripped.startswith("{"):
+            try:
+                data = json.loads(stripped)
+            except json.JSONDecodeError as e:
+                raise ShardplanError(f"recipe: {path} is not valid JSON: {e}") from None
+            if not isinstance(data, dict):
+                raise ShardplanError(f"recipe: {path} must hold one JSON object")
+            return Recipe.from_mapping(data.get("recipe", data) if isinstance(data.get("recipe"), dict) else data)
+        pairs: dict[str, Any] = {}
+        for n, line in enumerate(text.splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line or line in ("[recipe]",):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep:
+                raise ShardplanError(f"recipe: {path}:{n}: {line!r} is not key = value")
+            value = value.strip()
+            if value.startswith("["):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    raise ShardplanError(f"recipe: {path}:{n}: bad list {value!r}") from None
+            elif len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            key = key.strip()
+            if key in pairs:
+                raise ShardplanError(f"recipe: {path}:{n}: {key} given twice")
+            pairs[key] = value
+        return Recipe.from_mapping(pairs)
+
+    @staticmethod
+    def load(text_or_path: str) -> "Recipe":
+        """A file's recipe when ``text_or_path`` names an existing file, else :meth:`parse` of the text."""
+        p = Path(text_or_path)
+        if "=" not in text_or_path and p.is_file():
+            return Recipe.from_file(p)
+        return Recipe.parse(text_or_path)
+
+    def __str__(self) -> str:
+        """The canonical text :meth:`parse` reads back: the fields that differ from their defaults, in order."""
+        parts = []
+        default = Recipe()
+        for name in _ORDER:
+            v = getattr(self, name)
+            if v == getattr(default, name):
+                continue
+            if isinstance(v, bool):
+                v = "true" if v else "false"
+            elif name == "overlap":
+                v = "+".join(v) or "none"  # type: ignore[arg-type]
+            parts.append(f"{name}={v}")
+        return ",".join(parts) or "dp"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (``overlap`` as a list)."""
+        return {f.name: (list(getattr(self, f.name)) if f.name == "overlap" and self.overlap is not None
+                         else getattr(self, f.name)) for f in fields(self)}
+
+
+def _value(key: str, value: Any, fsdp: bool) -> Any:
+    """One field's value from text or JSON."""
+    if fsdp:
+        flag = _bool(key, value)
+        return 3 if flag else 0
+    if key == "sp":
+        return _bool(key, value)
+    if key == "overlap":
+        if isinstance(value, (list, tuple)):
+            return tuple(str(v) for v in value)
+        text = str(value).strip().lower()
+        return () if text in ("none", "") else tuple(x.strip() for x in text.split("+"))
+    if key == "recompute":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text.isdigit():
+            return int(text)
+        return text
+    if key == "dtype":
+        return str(value).strip().lower()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if key in ("first_stage_layers", "last_stage_layers", "dp", "hsdp", "gbs") and text.lower() in ("none", "auto"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ShardplanError(f"recipe: {key} must be an integer, got {value!r}") from None
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ShardplanError(f"recipe: {key} must be true or false, got {value!r}")
+
+
+# -- what cannot be costed exactly ----------------------------------------------------------------------
+def refusal(recipe: Recipe, machine: Machine) -> str | None:
+    """Why ``recipe`` has no exact counterpart in shardplan's space on ``machine`` (None: it has one)."""
+    if recipe.sp:
+        return ("sequence parallelism (sp): shardplan's layouts keep the norms and dropouts replicated over the "
+                "tensor group and its collectives are all-reduces, not Megatron-LM's reduce-scatter/all-gather "
+                "over the sequence")
+    if recipe.cp > 1:
+        return "context parallelism (cp): splitting attention's sequence with ring exchanges is not in the cost model"
+    if recipe.ep > 1:
+        return "expert parallelism (ep): the model zoo and the cost model have no mixture-of-experts layers"
+    if recipe.hsdp is not None:
+        return "hybrid sharding (hsdp): ZeRO state sharded within a group and replicated across groups is not modelled"
+    if recipe.dtype == "fp8":
+        return "fp8: the cost model has no fp8 GEMM rate or scaling"
+    if recipe.dtype is not None and DTYPES[recipe.dtype] != machine.dtype_bytes:
+        return (f"dtype {recipe.dtype}: the machine computes in {machine.dtype_bytes}-byte values (give a machine "
+                f"with that dtype instead)")
+    if recipe.vp > 1 and recipe.pp < 2:
+        return "vp > 1 (interleaving) needs pp >= 2"
+    if recipe.vp > 1 and (recipe.first_stage_layers is not None or recipe.last_stage_layers is not None):
+        return "uneven first/last stages with interleaving (vp > 1): Megatron-LM's chunk split is not defined here"
+    if recipe.pp < 2 and (recipe.first_stage_layers is not None or recipe.last_stage_layers is not None):
+        return "first_stage_layers / last_stage_layers need pp >= 2"
+    ov = recipe.overlap
+    if ov is not None:
+        if "tp_comm" in ov:
+            return "overlap tp_comm: the cost model does not overlap tensor-parallel collectives with GEMMs"
+        if "param_gather" in ov and recipe.zero != 3:
+            return ("overlap param_gather: below ZeRO-3 the cost model charges the gather of updated weights in "
+                    "full (it does not overlap it with the next forward)")
+        if recipe.zero == 3 and ("grad_reduce" in ov) != ("param_gather" in ov):
+            return ("overlap: with FSDP the cost model overlaps the weight gathers exactly when it overlaps the "
+                    "gradient reduction; give both grad_reduce and param_gather, or neither")
+    return None
+
+
+# -- the layouts ------------------------------------------------------------------------------------------
+def model_dim(op: Operator) -> str | None:
+    """The dimension Megatron-LM's tensor parallelism splits (the rule of :func:`shardplan.baselines.megatron`):
+    the heads ``h`` of attention operators, the hidden ``e`` of feed-forward ones, the vocabulary ``v`` of the
+    embedding, head and loss; None for the rest (norms, additions: replicated over the tensor group)."""
+    names = op.dim_names
+    if "h" in names:
+        return "h"
+    if op.kind == "ffn" and "e" in names:
+        return "e"
+    return "v" if "v" in names else None
+
+
+def _fill(n: int, capacity: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Ways per level when n ways take the levels' ``capacity`` from the inside (None if they cannot)."""
+    out = []
+    for s in capacity:
+        if n % s == 0:
+            out.append(s)
+            n //= s
+        elif s % n == 0:
+            out.append(n)
+            n = 1
+        else:
+            return None
+    return tuple(out) if n == 1 else None
+
+
+def megatron_layouts(tables: Any, dp: int, tp: int) -> dict[str, Layout]:
+    """Megatron-LM's layout of every operator of ``tables`` with ``dp`` × ``tp`` = its devices (module docstring).
+
+    Per machine level l (innermost first) the tensor group takes ``tp_l`` ways (``tp`` filled from the inside)
+    and the data-parallel group ``dp_l`` of the rest (``dp`` filled from the inside of what is left); an operator
+    splits its model dimension ``tp_l`` and its batch dimension ``dp_l`` ways on level l. Inside a level the
+    model dimension is the more significant: a level's devices are interchangeable in the machine model (one
+    bandwidth per level: a node's NVSwitch), so this numbering is Megatron-LM's (rank = data rank · tp + tensor
+    rank) relabelled inside each level, chosen because a level's replicas are the most significant part of
+    its position (:mod:`shardplan.layout`): the norms, replicated over the tensor group, then hold the same
+    batch rows as the tensor-parallel operators, as in Megatron-LM (no redistribution between them; the other
+    nesting would charge one that Megatron-LM does not run). Raises :class:`ShardplanError` when a layout is not a
+    candidate of the tables (then the recipe is not in the space: say so rather than cost another layout).
+    """
+    from shardplan.baselines import batch_dim
+
+    machine = tables.machine
+    levels = tuple(machine.levels)
+    if dp * tp != machine.num_devices:
+        raise ShardplanError(f"recipe: dp {dp} × tp {tp} is not the {machine.num_devices} devices of the stage")
+    tps = _fill(tp, levels)
+    if tps is None:
+        raise ShardplanError(f"recipe: tp={tp} does not fill the machine levels {levels} from the inside")
+    dps = _fill(dp, tuple(s // t for s, t in zip(levels, tps)))
+    if dps is None:
+        raise ShardplanError(f"recipe: dp={dp} does not fit the levels {levels} beside tp={tp}")
+    out: dict[str, Layout] = {}
+    for i, op in enumerate(tables.graph.operators):
+        names = op.dim_names
+        md, bd = model_dim(op), batch_dim(op)
+        rows = [[1] * len(names) for _ in levels]
+        orders = []
+        for lvl in range(len(levels)):
+            if bd is not None:
+                rows[lvl][names.index(bd)] *= dps[lvl]
+            if md is not None:
+                rows[lvl][names.index(md)] *= tps[lvl]
+            orders.append(tuple(names.index(d) for d in (md, bd) if d is not None and rows[lvl][names.index(d)] > 1))
+        for j, (d, extent) in enumerate(op.dims):
+            ways = math.prod(r[j] for r in rows)
+            if extent % ways:
+                raise ShardplanError(f"recipe: operator {op.name!r} cannot split {d}={extent} {ways} ways "
+                                     f"(dp={dp}, tp={tp})")
+        lay = Layout(names, levels, tuple(tuple(r) for r in rows), tuple(orders))
+        if lay not in tables.layouts[i]:
+            raise ShardplanError(f"recipe: the layout {lay.describe()} of operator {op.name!r} is not in "
+                                 f"shardplan's space on {levels} devices")
+        out[op.name] = lay
+    return out
+
+
+# -- the memory choices --------------------------------------------------------------------------------
+def recompute_names(graph: Graph, recompute: str | int) -> list[str]:
+    """The operators that recompute under policy ``recompute`` (module docstring): ``full`` every operator of the
+    repeated blocks, ``selective`` their attention core, N the operators of the graph's first N blocks."""
+    from shardplan.pipeline.stages import unit_prefix
+
+    if recompute == "none":
+        return []
+    block = [(op, unit_prefix(op.name)) for op in graph.operators]
+    if recompute == "full":
+        return [op.name for op, u in block if u is not None]
+    if recompute == "selective":
+        names = [op.name for op, u in block if u is not None and op.kind in ATTENTION_CORE]
+        if not names:
+            raise ShardplanError("recipe: recompute=selective, but the model has no attention core "
+                                 f"({', '.join(ATTENTION_CORE)}) in its blocks")
+        return names
+    first: list[str] = []
+    for _, u in block:
+        if u is not None and u not in first:
+            first.append(u)
+    keep = set(first[: int(recompute)])
+    return [op.name for op, u in block if u in keep]
+
+
+# -- the model -------------------------------------------------------------------------------------------
+def _resolve(model: Any, batch: int | None, sizes: Mapping[str, Any] | None
+             ) -> tuple[Callable[[int], Graph] | None, Graph | None, int | None, str]:
+    """(builder or None, the one graph given or None, default batch, name)."""
+    if isinstance(model, str):
+        from shardplan.models import model_spec
+
+        spec = model_spec(model)
+        extra = dict(sizes or {})
+        return (lambda b: spec.build(b, **extra)), None, spec.batch, spec.name
+    if sizes:
+        raise ShardplanError("cost_recipe: sizes= applies to a zoo model given by name")
+    if isinstance(model, Graph):
+        return None, model, None, model.name
+    if callable(model):
+        return model, None, None, getattr(model, "__name__", "model")
+    raise ShardplanError(f"cost_recipe: model must be a zoo name, a shardplan Graph or a builder build(batch) -> "
+                         f"Graph, got {type(model).__name__}")
+
+
+def _batch_of(recipe: Recipe, batch: int | None, default: int | None, graph: Graph | None) -> int:
+    """The global batch: the recipe's gbs, ``batch``, the graph's or the model's (they must agree)."""
+    from shardplan.baselines import batch_dim
+
+    given = {k: v for k, v in (("gbs", recipe.gbs), ("batch", batch)) if v is not None}
+    if graph is not None:
+        dims = {d: e for op in graph.operators for d, e in op.dims if d == batch_dim(op)}
+        if len(set(dims.values())) == 1:
+            given["graph"] = next(iter(dims.values()))
+    if len(set(given.values())) > 1:
+        raise ShardplanError(f"recipe: the global batch is given differently: "
+                             f"{', '.join(f'{k} {v}' for k, v in given.items())}")
+    if given:
+        return int(next(iter(given.values())))
+    if default is None:
+        raise ShardplanError("recipe: give the global batch (gbs=, or batch=)")
+    return int(default)
+
+
+def _stage_bounds(recipe: Recipe, units: int) -> list[int]:
+    """Unit boundaries of the pp · vp stages or chunks (module docstring): units 0 and U - 1 are the embedding
+    and the head, the U - 2 blocks between split as Megatron-LM splits them."""
+    layers = units - 2
+    n = recipe.pp * recipe.vp
+    first, last = recipe.first_stage_layers, recipe.last_stage_layers
+    if first is None and last is None:
+        if layers % n:
+            raise ShardplanError(f"recipe: {layers} blocks do not split evenly into pp={recipe.pp} × vp={recipe.vp} "
+                                 f"(give first_stage_layers / last_stage_layers)")
+        sizes = [layers // n] * n
+    else:
+        inner = n - (first is not None) - (last is not None)
+        rest = layers - (first or 0) - (last or 0)
+        if rest < 0 or (inner == 0 and rest) or (inner and rest % inner):
+            raise ShardplanError(f"recipe: {layers} blocks do not split into first {first}, last {last} and "
+                                 f"{inner} even stages between")
+        even = rest // inner if inner else 0
+        sizes = [even] * n
+        if first is not None:
+            sizes[0] = first
+        if last is not None:
+            sizes[-1] = last
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    bounds = [0] + [1 + b for b in bounds[1:-1]] + [units]
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ShardplanError(f"recipe: a pipeline stage would hold no block (stage sizes {sizes})")
+    return bounds
+
+
+# -- costing ---------------------------------------------------------------------------------------------
+TABLE_OPTIONS = {"cutoff": 1, "orders": "row-major", "node_replicas": True}
+"""How the recipe's cost tables are built: every split allowed (the recipe's layout must be a candidate),
+Megatron-LM's norms (``node_replicas``); ``orders`` becomes "all" when a level holds both a tensor and a
+data split (:func:`table_options`)."""
+
+
+def table_options(machine: Machine, tp: int, dp: int) -> dict[str, Any]:
+    """:data:`TABLE_OPTIONS` for a stage of ``tp`` × ``dp`` devices on ``machine``'s levels: the model dimension
+    nested outside the batch inside a level (:func:`megatron_layouts`) is a candidate only with every order."""
+    levels = tuple(replace(machine, num_devices=tp * dp).levels)
+    tps = _fill(tp, levels)
+    dps = _fill(dp, tuple(s // t for s, t in zip(levels, tps))) if tps is not None else None
+    both = tps is not None and dps is not None and any(t > 1 and d > 1 for t, d in zip(tps, dps))
+    return {**TABLE_OPTIONS, "orders": "all" if both else "row-major"}
+
+
+def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int | None = None,
+                sizes: Mapping[str, Any] | None = None) -> Any:
+    """The :class:`~shardplan.result.Plan` of ``recipe`` on ``machine``, costed by the search's model (module
+    docstring); ``solver="recipe"``, no lower bound, its memory against the machine's (a recipe that does not
+    fit is costed and reported, not refused).
+
+    Args:
+        model: a zoo name (``sizes`` overriding its defaults), a builder ``build(batch) -> Graph``, or a
+            :class:`~shardplan.ir.Graph` (one program only: a pipeline needs the model at its micro-batch size).
+        recipe: a :class:`Recipe` or its text.
+        batch: the global batch (must agree with the recipe's ``gbs`` when both are given).
+
+    Raises:
+        ShardplanError: a part of the recipe with no exact counterpart (named), degrees that do not multiply to
+            the devices, a batch that does not split into micro-batches, a layout outside the space.
+    """
+    if isinstance(recipe, str):
+        recipe = Recipe.parse(recipe)
+    if not isinstance(recipe, Recipe):
+        raise ShardplanError(f"cost_recipe: recipe must be a Recipe or its text, got {type(recipe).__name__}")
+    if not isinstance(machine, Machine):
+        raise ShardplanError(f"cost_recipe: machine must be a shardplan Machine, got {type(machine).__name__}")
+    why = refusal(recipe, machine)
+    if why is not None:
+        raise ShardplanError(f"recipe {recipe}: not expressible: {why}")
+    if recipe.overlap is not None:
+        machine = replace(machine, overlap_grad="grad_reduce" in recipe.overlap)
+    t0 = time.perf_counter()
+    build, graph, default, name = _resolve(model, batch, sizes)
+    gbs = _batch_of(recipe, batch, default, graph)
+    p = machine.num_devices
+    mp = recipe.tp * recipe.pp
+    if p % mp:
+        raise ShardplanError(f"recipe {recipe}: tp × pp = {mp} does not divide the {p} devices")
+    dp = p // mp if recipe.dp is None else recipe.dp
+    if dp * mp != p:
+        raise ShardplanError(f"recipe {recipe}: tp × pp × dp = {mp * dp}, not the {p} devices")
+    if gbs % (dp * recipe.mbs):
+        raise ShardplanError(f"recipe {recipe}: the global batch {gbs} is not a multiple of dp × mbs = "
+                             f"{dp} × {recipe.mbs}")
+    m = gbs // (dp * recipe.mbs)
+    if recipe.pp == 1:
+        if graph is None:
+            assert build is not None
+            graph = build(gbs)
+        out = _cost_one_program(graph, machine, recipe, dp, m, name, gbs)
+    else:
+        if build is None:
+            raise ShardplanError(f"recipe {recipe}: a pipeline needs the model at its micro-batch size: give a zoo "
+                                 f"name or a builder build(batch) -> Graph, not one graph")
+        out = _cost_pipeline(build, machine, recipe, dp, m, name, gbs)
+    stats = {**dict(out.stats), "recipe": str(recipe), "data_parallel": dp, "plan_seconds": time.perf_counter() - t0}
+    budget = machine.memory_bytes
+    memory = {**dict(out.memory), "budget_bytes": float(budget) if budget else float("inf")}
+    return replace(out, solver="recipe", lower_bound=None, stats=stats, memory=memory, batch=gbs)
+
+
+def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m: int, name: str, gbs: int) -> Any:
+    """One SPMD program: Megatron's layouts, then ZeRO, recomputation and m micro-batches by hand."""
+    from shardplan.cost import build_tables
+    from shardplan.fit import plan_with_choices
+    from shardplan.plan import plan_from_configs
+    from shardplan.planner import from_spmd
+
+    recs = recompute_names(graph, recipe.recompute)
+    t0 = time.perf_counter()
+    opts = table_options(machine, recipe.tp, dp)
+    tables = replace(build_tables(graph, replace(machine, memory_bytes=None), **opts), machine=machine)
+    base = plan_from_configs(tables, megatron_layouts(tables, dp, recipe.tp), name="megatron")
+    sp = plan_with_choices(base, stage=recipe.zero, recompute=recs, micro_batches=m, name="recipe")
+    return from_spmd(replace(sp, build_seconds=time.perf_counter() - t0), model=name, batch=gbs)
+
+
+def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Recipe, dp: int, m: int, name: str,
+                   gbs: int) -> Any:
+    """pp stages (× vp chunks) of Megatron's layouts and the recipe's memory choices, evaluated as the search
+    evaluates a candidate pipeline."""
+    from shardplan.fit import plan_with_choices
+    from shardplan.pipeline.api import PipelineResult
+    from shardplan.pipeline.search import PipelineSpace, evaluate_pipeline
+    from shardplan.pipeline.stages import ModelStages, unit_prefix
+    from shardplan.planner import from_pipeline
+
+    t0 = time.perf_counter()
+    tp, zero, rec = recipe.tp, recipe.zero, recipe.recompute
+
+    def choices(plan: Any, mb: int) -> Any:
+        return plan_with_choices(plan, stage=zero, recompute=recompute_names(plan.graph, rec), micro_batches=1,
+                                 accumulate=mb, name="recipe")
+
+    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dp), periodic=False,
+                         strategy=lambda t: megatron_layouts(t, dp, tp), choices=choices)
+    g, units, _ = stages.graph(m)
+    kinds = [unit_prefix(g.operators[idx[0]].name) is not None for idx in units]
+    if len(units) < 3 or kinds[0] or kinds[-1] or not all(kinds[1:-1]):
+        raise ShardplanError(f"recipe {recipe}: a pipeline needs the model as an embedding, repeated blocks and a "
+                             f"head (the zoo's GPT and Llama); this model's units are not")
+    bounds = _stage_bounds(recipe, len(units))
+    q = tp * dp
+    segs = [(bounds[j], bounds[j + 1], q) for j in range(len(bounds) - 1)]
+    space = PipelineSpace(len(units), machine.num_devices, machine.node_size, (m,), None)
+    schedule = "interleaved" if recipe.vp > 1 else "1f1b"
+    pp = evaluate_pipeline(segs, m, space, stages.stage_cost, stages.link_time, stages.exchange_time,
+                           schedule=schedule, chunks=recipe.vp)
+    if pp is None:
+        raise ShardplanError(f"recipe {recipe}: a stage cannot be costed on {q} devices")
+    result = PipelineResult(pp, stages, machine, time.perf_counter() - t0)
+    return from_pipeline(result, model=name)
