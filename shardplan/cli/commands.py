@@ -341,9 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from shardplan.cli.pipeline import add_parser as add_pipeline
     from shardplan.cli.plan import add_parser as add_plan
+    from shardplan.cli.recipe import add_parser as add_recipe
 
     add_plan(sub)
     add_pipeline(sub)
+    add_recipe(sub)
     return ap
 
 

@@ -2,6 +2,9 @@
 
 It calls :func:`shardplan.planner.plan` with the options below and prints the one report
 (:func:`shardplan.report.summary.render_plan`); ``--json`` writes the plan that ``Plan.from_json`` loads.
+``--recipe`` costs a configuration written as practitioners write it (:func:`shardplan.recipe.cost_recipe`,
+before the search, so a recipe that is not expressible fails at once) and the report states how the plan
+compares with it; the recipe's ``gbs`` is the batch when ``--batch`` is not given.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import Any
 
 from shardplan.cli.options import (add_machine, add_model, int_list, int_option, machine_of, parse_sizes,
                                    real_option, write_text)
+from shardplan.cli.recipe import add_recipe_option, recipe_of
 from shardplan.errors import ShardplanError
 
 __all__ = ["add_parser", "cmd_plan"]
@@ -35,11 +39,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         schedules += ("interleaved",)
     if not args.fit and (args.memory is not None):
         raise ShardplanError("--memory is the budget of the memory search; it does not apply with --no-fit")
-    result = plan(args.model, machine, batch=args.batch, sizes=parse_sizes(args.set), budget=budget, fit=args.fit,
+    batch, against = args.batch, None
+    if args.recipe is not None:
+        from shardplan.recipe import cost_recipe
+
+        recipe = recipe_of(args.recipe)
+        batch = batch if batch is not None else recipe.gbs
+        against = cost_recipe(args.model, machine, recipe, batch=batch, sizes=parse_sizes(args.set) or None)
+        batch = against.batch
+    result = plan(args.model, machine, batch=batch, sizes=parse_sizes(args.set), budget=budget, fit=args.fit,
                   stages=STAGE_CHOICES[args.stages],
                   micro_batches=int_list(args.micro_batches, "--micro-batches") or None, schedules=schedules,
                   interleave=interleave, max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto")
-    print(render_plan(result, operators=args.operators))
+    print(render_plan(result, operators=args.operators, compare=against))
+    if against is not None:
+        print(f"Recipe compared: {against.stats['recipe']} ({against.solver}, costed by the same model)")
     if args.json:
         write_text(args.json, result.to_json() + "\n")
         print(f"json: {args.json}")
@@ -67,4 +81,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-stages", type=int_option(1), help="largest number of stages (default: one per block)")
     p.add_argument("--operators", action="store_true", help="add the per-operator table to the report")
     p.add_argument("--json", help="write the plan as JSON here (shardplan.Plan.from_json loads it)")
+    add_recipe_option(p, required=False)
     p.set_defaults(func=cmd_plan)
