@@ -162,6 +162,8 @@ class Recipe:
                     value = "true"
                 else:
                     raise ShardplanError(f"recipe: {part!r} is not key=value (e.g. tp=8)")
+            if key in pairs:
+                raise ShardplanError(f"recipe: {key} given twice")
             pairs[key] = value.strip()
         return Recipe.from_mapping(pairs)
 
