@@ -357,55 +357,89 @@ def _fill(n: int, capacity: tuple[int, ...]) -> tuple[int, ...] | None:
     return tuple(out) if n == 1 else None
 
 
-def megatron_layouts(tables: Any, dp: int, tp: int) -> dict[str, Layout]:
-    """Megatron-LM's layout of every operator of ``tables`` with ``dp`` × ``tp`` = its devices (module docstring).
-
-    Per machine level l (innermost first) the tensor group takes ``tp_l`` ways (``tp`` filled from the inside)
-    and the data-parallel group ``dp_l`` of the rest (``dp`` filled from the inside of what is left); an operator
-    splits its model dimension ``tp_l`` and its batch dimension ``dp_l`` ways on level l. Inside a level the
-    model dimension is the more significant: a level's devices are interchangeable in the machine model (one
-    bandwidth per level: a node's NVSwitch), so this numbering is Megatron-LM's (rank = data rank · tp + tensor
-    rank) relabelled inside each level, chosen because a level's replicas are the most significant part of
-    its position (:mod:`shardplan.layout`): the norms, replicated over the tensor group, then hold the same
-    batch rows as the tensor-parallel operators, as in Megatron-LM (no redistribution between them; the other
-    nesting would charge one that Megatron-LM does not run). Raises :class:`ShardplanError` when a layout is not a
-    candidate of the tables (then the recipe is not in the space: say so rather than cost another layout).
-    """
-    from shardplan.baselines import batch_dim
-
-    machine = tables.machine
-    levels = tuple(machine.levels)
-    if dp * tp != machine.num_devices:
-        raise ShardplanError(f"recipe: dp {dp} × tp {tp} is not the {machine.num_devices} devices of the stage")
+def _level_ways(levels: tuple[int, ...], dp: int, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(tp_l, dp_l) per level: the tensor group filled from the inside, the data group in what is left."""
+    if dp * tp != math.prod(levels):
+        raise ShardplanError(f"recipe: dp {dp} × tp {tp} is not the {math.prod(levels)} devices of the stage")
     tps = _fill(tp, levels)
     if tps is None:
         raise ShardplanError(f"recipe: tp={tp} does not fill the machine levels {levels} from the inside")
     dps = _fill(dp, tuple(s // t for s, t in zip(levels, tps)))
     if dps is None:
         raise ShardplanError(f"recipe: dp={dp} does not fit the levels {levels} beside tp={tp}")
+    return tps, dps
+
+
+def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int) -> Layout:
+    """Megatron-LM's layout of ``op`` on machine levels ``levels`` with ``dp`` × ``tp`` devices.
+
+    Per machine level l (innermost first) the tensor group takes ``tp_l`` ways (``tp`` filled from the inside)
+    and the data-parallel group ``dp_l`` of the rest (``dp`` filled from the inside of what is left); the
+    operator splits its model dimension (:func:`model_dim`) ``tp_l`` and its batch dimension ``dp_l`` ways on
+    level l. Inside a level the model dimension is the more significant: a level's devices are
+    interchangeable in the machine model (one bandwidth per level: a node's NVSwitch), so this numbering is
+    Megatron-LM's (rank = data rank · tp + tensor rank) relabelled inside each level, chosen because a level's
+    replicas are the most significant part of its position (:mod:`shardplan.layout`): the norms, replicated
+    over the tensor group, then hold the same batch rows as the tensor-parallel operators, as in Megatron-LM
+    (no redistribution between them; the other nesting would charge one that Megatron-LM does not run).
+    Raises :class:`ShardplanError` when a split does not divide its dimension.
+    """
+    from shardplan.baselines import batch_dim
+
+    tps, dps = _level_ways(levels, dp, tp)
+    names = op.dim_names
+    md, bd = model_dim(op), batch_dim(op)
+    rows = [[1] * len(names) for _ in levels]
+    orders = []
+    for lvl in range(len(levels)):
+        if bd is not None:
+            rows[lvl][names.index(bd)] *= dps[lvl]
+        if md is not None:
+            rows[lvl][names.index(md)] *= tps[lvl]
+        orders.append(tuple(names.index(d) for d in (md, bd) if d is not None and rows[lvl][names.index(d)] > 1))
+    for j, (d, extent) in enumerate(op.dims):
+        ways = math.prod(r[j] for r in rows)
+        if extent % ways:
+            raise ShardplanError(f"recipe: operator {op.name!r} cannot split {d}={extent} {ways} ways "
+                                 f"(dp={dp}, tp={tp})")
+    return Layout(names, levels, tuple(tuple(r) for r in rows), tuple(orders))
+
+
+def megatron_layouts(tables: Any, dp: int, tp: int) -> dict[str, Layout]:
+    """:func:`megatron_layout` of every operator of ``tables``; raises :class:`ShardplanError` when one is not a
+    candidate of the tables (then the recipe is not in their space: say so rather than cost another layout)."""
+    levels = tuple(tables.machine.levels)
     out: dict[str, Layout] = {}
     for i, op in enumerate(tables.graph.operators):
-        names = op.dim_names
-        md, bd = model_dim(op), batch_dim(op)
-        rows = [[1] * len(names) for _ in levels]
-        orders = []
-        for lvl in range(len(levels)):
-            if bd is not None:
-                rows[lvl][names.index(bd)] *= dps[lvl]
-            if md is not None:
-                rows[lvl][names.index(md)] *= tps[lvl]
-            orders.append(tuple(names.index(d) for d in (md, bd) if d is not None and rows[lvl][names.index(d)] > 1))
-        for j, (d, extent) in enumerate(op.dims):
-            ways = math.prod(r[j] for r in rows)
-            if extent % ways:
-                raise ShardplanError(f"recipe: operator {op.name!r} cannot split {d}={extent} {ways} ways "
-                                     f"(dp={dp}, tp={tp})")
-        lay = Layout(names, levels, tuple(tuple(r) for r in rows), tuple(orders))
+        lay = megatron_layout(op, levels, dp, tp)
         if lay not in tables.layouts[i]:
             raise ShardplanError(f"recipe: the layout {lay.describe()} of operator {op.name!r} is not in "
                                  f"shardplan's space on {levels} devices")
         out[op.name] = lay
     return out
+
+
+def megatron_candidates(levels: tuple[int, ...], dp: int, tp: int, orders: str) -> Callable[[Operator], tuple[Layout]]:
+    """``candidates(op)`` for :func:`shardplan.cost.build_tables`: the one layout :func:`megatron_layout`, after
+    checking that it is among the operator's layouts in shardplan's space (:func:`shardplan.configs.layouts`
+    with every split, ``node_replicas`` and ``orders``), so the recipe's tables cost exactly that plan of the
+    space without building the rest of it. Identical operators are checked once."""
+    from shardplan.configs import layouts
+    from shardplan.cost import operator_key
+
+    checked: dict[tuple, Layout] = {}
+
+    def candidates(op: Operator) -> tuple[Layout]:
+        key = operator_key(op)
+        if key not in checked:
+            lay = megatron_layout(op, levels, dp, tp)
+            if lay not in layouts(op, levels, 1, orders=orders, node_replicas=True):
+                raise ShardplanError(f"recipe: the layout {lay.describe()} of operator {op.name!r} is not in "
+                                     f"shardplan's space on {levels} devices")
+            checked[key] = lay
+        return (checked[key],)
+
+    return candidates
 
 
 # -- the memory choices --------------------------------------------------------------------------------
@@ -506,19 +540,19 @@ def _stage_bounds(recipe: Recipe, units: int) -> list[int]:
 
 # -- costing ---------------------------------------------------------------------------------------------
 TABLE_OPTIONS = {"cutoff": 1, "orders": "row-major", "node_replicas": True}
-"""How the recipe's cost tables are built: every split allowed (the recipe's layout must be a candidate),
-Megatron-LM's norms (``node_replicas``); ``orders`` becomes "all" when a level holds both a tensor and a
-data split (:func:`table_options`)."""
+"""The space a recipe's layouts must belong to: every split allowed, Megatron-LM's norms (``node_replicas``);
+``orders`` becomes "all" when a level holds both a tensor and a data split (:func:`table_options`)."""
 
 
 def table_options(machine: Machine, tp: int, dp: int) -> dict[str, Any]:
-    """:data:`TABLE_OPTIONS` for a stage of ``tp`` × ``dp`` devices on ``machine``'s levels: the model dimension
-    nested outside the batch inside a level (:func:`megatron_layouts`) is a candidate only with every order."""
+    """:func:`shardplan.cost.build_tables` options of a stage of ``tp`` × ``dp`` devices on ``machine``'s levels:
+    :data:`TABLE_OPTIONS` with the model dimension nested outside the batch inside a level
+    (:func:`megatron_layout`: a candidate only with every order), and the recipe's layouts as the candidates
+    (:func:`megatron_candidates`)."""
     levels = tuple(replace(machine, num_devices=tp * dp).levels)
-    tps = _fill(tp, levels)
-    dps = _fill(dp, tuple(s // t for s, t in zip(levels, tps))) if tps is not None else None
-    both = tps is not None and dps is not None and any(t > 1 and d > 1 for t, d in zip(tps, dps))
-    return {**TABLE_OPTIONS, "orders": "all" if both else "row-major"}
+    tps, dps = _level_ways(levels, dp, tp)
+    orders = "all" if any(t > 1 and d > 1 for t, d in zip(tps, dps)) else "row-major"
+    return {**TABLE_OPTIONS, "orders": orders, "candidates": megatron_candidates(levels, dp, tp, orders)}
 
 
 def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int | None = None,

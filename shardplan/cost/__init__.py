@@ -17,7 +17,7 @@ from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, weight_edge_c
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
-from shardplan.ir import Graph
+from shardplan.ir import Graph, Operator
 from shardplan.layout import Layout, LayoutArrays
 from shardplan.machine import Machine
 from shardplan.search.problem import Problem
@@ -221,7 +221,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
                  divides_p: bool = True, orders: str = "auto", optimizer_factor: float = 2.0,
                  progress: Callable[[int, int], None] | None = None,
                  memory_limit_bytes: int | None = None, node_replicas: bool = False,
-                 cache: dict | None = None) -> CostTables:
+                 cache: dict | None = None,
+                 candidates: Callable[[Operator], Sequence[Layout]] | None = None) -> CostTables:
     """Layouts and costs of every operator and edge of ``graph`` on ``machine``.
 
     ``divides_p`` (default): keep configurations whose device count divides p,
@@ -252,6 +253,11 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     (the caller's promise): a later graph made of the same operators (e.g. a
     pipeline stage's blocks, at the same micro-batch size and sub-mesh) costs
     only what is new (the memory estimate runs only when some operator is new).
+
+    ``candidates(op)``: instead of the enumeration, exactly these layouts of each operator (e.g. one
+    hand-given plan's, to cost it without the whole space); each layout's costs are the same as in the full
+    tables (an operator's cost depends on its layout, an edge's on its two layouts). With a ``cache`` the
+    function must give the same layouts to identical operators.
     """
     p = machine.num_devices
     if p > MAX_DEVICES:
@@ -267,7 +273,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     for i, key in enumerate(keys):
         first.setdefault(key, i)
         count[key] = count.get(key, 0) + 1
-    if len(levels) == 1:
+    if len(levels) == 1 and candidates is None:
         splits = {key: configurations(ops[i], p, cutoff, powers_of_two, divides_p) for key, i in first.items()}
         orders = choose_orders(graph, [splits[key] for key in keys], orders)
     else:
@@ -280,25 +286,30 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         keys = [remap[k] for k in keys]
         first = {remap[k]: i for k, i in first.items()}
         count = {remap[k]: c for k, c in count.items()}
-        if len(levels) == 1:
+        if len(levels) == 1 and candidates is None:
             splits = {remap[k]: v for k, v in splits.items()}
     else:
         store = {}
     per_key: dict[int, tuple] = store.setdefault("operators", {})
     dropped_by_key: dict[int, int] = store.setdefault("dropped", {})
-    candidates: dict[int, tuple] = {}
+    new: dict[int, tuple] = {}
     for key, i in first.items():
         if key in per_key:
             continue
-        if len(levels) == 1:
-            candidates[key] = flat_layouts(ops[i], p, cutoff, powers_of_two, divides_p, orders, rows=splits[key])
+        if candidates is not None:
+            given = tuple(candidates(ops[i]))
+            if not given:
+                raise ShardplanError(f"operator {ops[i].name!r}: no candidate layout given")
+            new[key] = (given, LayoutArrays.stack(given))
+        elif len(levels) == 1:
+            new[key] = flat_layouts(ops[i], p, cutoff, powers_of_two, divides_p, orders, rows=splits[key])
         else:
             lays = layouts(ops[i], levels, cutoff, powers_of_two, divides_p, orders, node_replicas=node_replicas)
-            candidates[key] = (lays, LayoutArrays.stack(lays))
+            new[key] = (lays, LayoutArrays.stack(lays))
     estimate = 0
-    if candidates:  # nothing new: nothing is allocated but the edges' matrices between cached operators
+    if new:  # nothing new: nothing is allocated but the edges' matrices between cached operators
         arrays_by_key = {k: per_key[k][1] for k in first if k in per_key}
-        arrays_by_key.update({k: arr for k, (_, arr) in candidates.items()})
+        arrays_by_key.update({k: arr for k, (_, arr) in new.items()})
         estimate = check_build_memory(graph, keys, arrays_by_key, p, memory_limit_bytes, orders=orders,
                                       divides_p=divides_p)
     steps = len(first) + len(graph.edges)
@@ -308,7 +319,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             if progress is not None:
                 progress(n_done + 1, steps)
             continue
-        lays, arr = candidates.pop(key)
+        lays, arr = new.pop(key)
         w, act = operator_memory(op, arr, machine, optimizer_factor)
         dropped_by_key[key] = 0
         if machine.memory_bytes is not None:
@@ -344,7 +355,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         weight_costs.append(wcache[wkey])
     _check_finite(graph, machine, [per_key[k][2] for k in keys], edge_costs, weight_costs)
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
-            "node_replicas": node_replicas,
+            "node_replicas": node_replicas, "candidates_given": candidates is not None,
             "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped, "levels": levels,
             "distinct_operators": len(first),
             "distinct_edges": len({(keys[e.src], keys[e.dst], e.slot) for e in graph.edges}),

@@ -430,7 +430,8 @@ class ModelStages:
         self.solves += 1
         machine = replace(self.machine, num_devices=q)
         opts = dict(self.solve_options)
-        table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas") if k in opts}
+        table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas",
+                                               "candidates") if k in opts}
         solver = opts.pop("solver", "dp")
         cache = self._table_cache(q)
         if self.memory_choices and self.strategy is None:
