@@ -216,3 +216,14 @@ def test_cli_plan_compares_with_the_recipe(capsys):
     assert main(["plan", *MODEL, "-p", "8", "--machine", "a100", "--recipe", "tp=4,mbs=4,gbs=16"]) == 0
     text = capsys.readouterr().out
     assert "Against recipe:" in text and "as fast" in text and "tp=4,mbs=4,gbs=16" in text
+
+
+def test_interleaved_memory_is_the_device_groups():
+    """Each device group holds its v chunks: the plan's peak is a group's, not one chunk's."""
+    machine = preset("a100", 16)
+    got = cost_recipe("gpt", machine, "tp=8,pp=2,vp=2,mbs=2", batch=BATCH, sizes={**SIZES, "layers": 8})
+    pp = got.detail.plan
+    groups = [sum(s.cost.weight_bytes for s in pp.stages[d::2])
+              + pp.stages[d].in_flight * sum(s.cost.activation_bytes for s in pp.stages[d::2]) for d in range(2)]
+    assert got.memory["peak_bytes"] == pytest.approx(max(groups), rel=1e-12)
+    assert got.memory["peak_bytes"] > max(s.memory["peak_bytes"] for s in got.stages)
