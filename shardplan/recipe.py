@@ -229,7 +229,8 @@ class Recipe:
         return Recipe.parse(text_or_path)
 
     def __str__(self) -> str:
-        """The canonical text :meth:`parse` reads back: the fields that differ from their defaults, in order."""
+        """The canonical text :meth:`parse` reads back: the fields that differ from their defaults, in order
+        (``tp=1`` when none does)."""
         parts = []
         default = Recipe()
         for name in _ORDER:
@@ -241,7 +242,7 @@ class Recipe:
             elif name == "overlap":
                 v = "+".join(v) or "none"  # type: ignore[arg-type]
             parts.append(f"{name}={v}")
-        return ",".join(parts) or "dp"
+        return ",".join(parts) or "tp=1"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (``overlap`` as a list)."""

@@ -53,6 +53,7 @@ def test_aliases_and_normal_form():
     assert str(r) == "tp=8,zero=3,mbs=2,recompute=full,overlap=grad_reduce+param_gather"
     assert Recipe.parse("sp").sp is True
     assert Recipe.parse("recompute=3").recompute == 3
+    assert Recipe.parse(str(Recipe())) == Recipe()
 
 
 def test_files(tmp_path):
