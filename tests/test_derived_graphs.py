@@ -1,7 +1,7 @@
 """Graphs derived from a graph (a stage's sub-graph, a renamed copy) keep every field of :class:`Graph`.
 
 The pipeline path derives graphs twice: the traced graph renamed into units
-(:func:`shardplan.pipeline.jax.scoped_trace`) and each stage's sub-graph
+(:func:`shardplan.jax.staged.scoped_trace`) and each stage's sub-graph
 (:meth:`ModelStages.subgraph`, :meth:`ModelStages.subgraph_of`, the rewired
 pieces of :meth:`ModelStages.stage_cost_of_run`). A user's ``jax.checkpoint``
 reaches the stage costs only if ``Graph.recomputed`` survives both.
@@ -142,10 +142,10 @@ def _ckpt_loss(blocks: frozenset[int], outer: str | None = None):
 def _stages(blocks: frozenset[int], memory_choices: bool = False, outer: str | None = "model"):
     from test_pipeline_jax import B, _gpt_params, _tokens, _toy
 
-    from shardplan.pipeline.jax import _Tracer
+    from shardplan.jax.staged import Tracer
     from shardplan.pipeline.stages import ModelStages
 
-    tracer = _Tracer(_ckpt_loss(blocks, outer), _gpt_params(), _tokens())
+    tracer = Tracer(_ckpt_loss(blocks, outer), _gpt_params(), _tokens())
     return ModelStages(tracer, B, _toy(), {"cutoff": 1, "divides_p": True}, memory_choices=memory_choices)
 
 
@@ -153,7 +153,7 @@ def test_scoped_trace_keeps_the_users_checkpoint():
     from test_pipeline_jax import _gpt_params, _tokens
 
     from shardplan.jax.lower import trace
-    from shardplan.pipeline.jax import _unit_names, scoped_trace
+    from shardplan.jax.staged import _unit_names, scoped_trace
 
     loss, params, batch = _ckpt_loss(frozenset({0, 1, 2, 3}), outer="model"), _gpt_params(), _tokens()
     raw, _ = trace(loss, params, batch, params_argnums=(0,))
@@ -208,7 +208,7 @@ def test_searched_pipeline_with_checkpointed_blocks_runs():
     from test_pipeline_jax import _assert_equal_to_unsharded, _gpt_params, _tokens, _toy
 
     from conftest import require_8_devices
-    from shardplan.pipeline.jax import pipeline
+    from shardplan.jax.staged import pipeline
 
     require_8_devices()
     loss, params, batch = _ckpt_loss(frozenset({0, 1, 2, 3}), outer="model"), _gpt_params(), _tokens()
