@@ -173,7 +173,7 @@ def _choices(plan) -> str:
 
 
 def _layouts(plan) -> str:
-    from shardplan.pipeline.report import _layout
+    from shardplan.report.pipeline import _layout
 
     return _layout(plan)
 

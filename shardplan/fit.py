@@ -596,58 +596,6 @@ def _peak_root(pp: PeakProblem, totals: dict, dp_options: dict) -> tuple[float, 
     return float(sroot.bound if sroot.bound is not None else -np.inf), inc
 
 
-FIT_LABELS = {"weight_sync": "weight-gradient sync (incl. ZeRO gathers)", "recompute": "recomputed forward"}
-
-
-def render_fit(plan) -> list[str]:
-    """Report lines of a fit plan: peak vs budget, the proof, micro-batches, who shards state or recomputes."""
-    from shardplan.report import compress_names
-    from shardplan.units import fmt_bytes, fmt_seconds
-
-    mc = plan.memory_choices
-    if mc is None:
-        return []
-    mem = plan.memory
-    sol = plan.solution
-    names = [op.name for op in plan.graph.operators]
-    if np.isfinite(mem["budget_bytes"]):
-        head = (f"Memory budget: {fmt_bytes(mem['budget_bytes'])} per device; this plan's peak "
-                f"{fmt_bytes(mem['peak_bytes'])} ({100 * mem['peak_bytes'] / mem['budget_bytes']:.1f}%)")
-    else:  # choices given by hand (plan_with_choices) on a machine without a memory size
-        head = f"Memory: no budget; this plan's peak {fmt_bytes(mem['peak_bytes'])} per device"
-    out = [head + (f", of which reserve {fmt_bytes(mem['reserve_bytes'])}" if mem["reserve_bytes"] else "")]
-    if "peak_step" in mem:
-        k = int(mem["peak_step"])
-        out.append(f"  backward-peak model (gradient buffers allocated as the backward pass goes): the peak is at "
-                   f"the backward step of {names[k]} (operator {k + 1} of {len(names)}); the additive sum "
-                   f"(persistent gradient buffers) would be {fmt_bytes(mem['additive_peak_bytes'])}")
-    elif sol is not None and sol.stats.get("grad_buffers") == "backward":
-        out.append(f"  gradient buffers: {mc.micro_batches} micro-batches accumulate gradients in persistent "
-                   "buffers, so the additive peak is exact (the backward-peak model applies to one micro-batch)")
-    for key, label in FIT_LABELS.items():
-        v = plan.breakdown.get(key, 0.0)
-        if v > 0:
-            out.append(f"  of the step time, {label}: {fmt_seconds(v)}")
-    if sol is not None:
-        st = sol.stats
-        proof = ("proven optimal under the budget" if sol.optimal else
-                 f"NOT proven: lower bound {fmt_seconds(sol.bound or 0.0)}, gap {100 * st.get('gap', 0.0):.3g}%")
-        out.append(f"Fit search: {proof}; {st.get('nodes', 0)} branch-and-bound nodes, "
-                   f"{st.get('dp_solves', 0)} DP solves, {fmt_seconds(sol.solve_seconds)}")
-        if "unconstrained_cost" in st:
-            out.append(f"  unconstrained optimum (m={mc.micro_batches}): {fmt_seconds(st['unconstrained_cost'])} at "
-                       f"{fmt_bytes(st['unconstrained_memory_bytes'])} per device")
-    out.append(f"Micro-batches: {mc.micro_batches}")
-    summ = mc.summary(names)
-    for stage, members in sorted(summ["state_sharding"].items()):
-        out.append(f"  {stage} state sharding ({len(members)} ops): {compress_names(members)}")
-    if summ["recompute"]:
-        out.append(f"  recompute ({len(summ['recompute'])} ops): {compress_names(summ['recompute'])}")
-    if not summ["state_sharding"] and not summ["recompute"]:
-        out.append("  no operator shards its state or recomputes")
-    return out
-
-
 def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | Sequence[str] = False,
                       micro_batches: int = 1, budget: float | None = None, name: str | None = None,
                       grad_buffers: str = "persistent"):

@@ -228,7 +228,7 @@ def test_exact_transfers_in_the_model_search():
 
 
 def test_weight_gradient_part_and_zero_bubble_on_the_model(tmp_path):
-    from shardplan.pipeline.report import draw_timeline
+    from shardplan.report.pipeline import draw_timeline
 
     st = ModelStages(_gpt(2), 8, MACHINE, {"cutoff": 1})
     c = st.stage_cost(1, 3, 2, 2)

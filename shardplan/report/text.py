@@ -37,12 +37,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from shardplan.cost import BREAKDOWN
 from shardplan.layout import Layout
 from shardplan.plan import Plan
 from shardplan.report.table import format_table
 from shardplan.search.io import jsonable
-from shardplan.units import fmt_bytes, fmt_seconds
+from shardplan.units import fmt_seconds
 
 __all__ = ["Group", "group_operators", "compress_names", "scope_title", "render_report", "render_strategy", "plan_to_json"]
 
@@ -242,31 +241,11 @@ def render_strategy(plan: Plan, max_title: int = 60) -> str:
 
 
 def render_report(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> str:
-    """The full text report: strategy table, step time with breakdown, memory, speedups over ``baselines``."""
-    m = plan.machine
-    out = [f"Strategy {plan.name!r} for {plan.graph.name} ({len(plan.graph)} operators, "
-           f"{len(plan.graph.edges)} edges) on {m.describe()}", ""]
-    out.append(render_strategy(plan))
-    out.append("")
-    bd = plan.breakdown
-    total = bd["total"]
-    out.append(f"Predicted step time: {fmt_seconds(total)}")
-    rows = []
-    for key, label in BREAKDOWN.items():
-        v = bd.get(key, 0.0)
-        if v > 0 or key in ("compute", "redistribution"):
-            share = f"{100 * v / total:.1f}%" if total > 0 else "-"
-            rows.append(("  " + label, fmt_seconds(v), share))
-    out.append(format_table(rows, right=(1, 2)))
-    mem = plan.memory
-    out.append(f"Memory per device (peak): {fmt_bytes(mem['peak_bytes'])} = weights, gradients and optimizer state "
-               f"{fmt_bytes(mem['weights_bytes'])} + activations {fmt_bytes(mem['activations_bytes'])}")
-    if plan.memory_choices is not None:
-        from shardplan.fit import render_fit
+    """The one report (:func:`shardplan.report.summary.render_plan`) of a per-operator plan, then its
+    Table II-style strategy table, how long the search took, and its speedups over ``baselines``."""
+    from shardplan.report.summary import render_plan
 
-        out.extend(render_fit(plan))
-    elif m.memory_bytes and mem["peak_bytes"] > m.memory_bytes:
-        out.append(f"  WARNING: exceeds the device memory of {fmt_bytes(m.memory_bytes)} (search under it with --fit)")
+    out = [render_plan(plan, layouts=False), "", "Strategy:", render_strategy(plan)]
     if plan.solution is not None:
         built = f" (cost tables {fmt_seconds(plan.build_seconds)})" if plan.build_seconds is not None else ""
         out.append(f"Search: {plan.solution.solver}, {fmt_seconds(plan.solve_seconds)}{built}")
@@ -274,7 +253,7 @@ def render_report(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> st
         out.append("")
         rows = []
         for name, b in baselines.items():
-            speed = f"{b.cost / total:.2f}x" if total > 0 else "-"
+            speed = f"{b.cost / plan.cost:.2f}x" if plan.cost > 0 else "-"
             rows.append((name, fmt_seconds(b.cost), speed))
         out.append(format_table(rows, ("baseline", "step time", "speedup of this plan"), right=(1, 2), rule=False))
     return "\n".join(out)
