@@ -563,8 +563,6 @@ class Graph:
 
     def _check_ties(self) -> None:
         """Tie groups name known operators of one description (dims and extents), each in at most one group."""
-        from shardplan.search.tie import check_ties
-
         ties = tuple(tuple(str(n) for n in grp) for grp in self.ties)
         object.__setattr__(self, "ties", ties)
         for grp in check_ties([op.name for op in self.operators], ties):
@@ -751,3 +749,25 @@ class GraphBuilder:
 
     def build(self) -> Graph:
         return Graph(self.name, tuple(self._ops), dict(self._inputs))
+
+
+def check_ties(names: Sequence[str], groups: Sequence[Sequence[str]]) -> tuple[tuple[int, ...], ...]:
+    """Tie groups as operator indices into ``names``; every name known, no operator in two groups, at least
+    two members each."""
+    index = {n: i for i, n in enumerate(names)}
+    seen: dict[int, int] = {}
+    out = []
+    for gi, grp in enumerate(groups):
+        members = []
+        for n in grp:
+            if n not in index:
+                raise ShardplanError(f"tie group {gi}: unknown operator {n!r}")
+            i = index[n]
+            if i in seen:
+                raise ShardplanError(f"operator {n!r} is in two tie groups ({seen[i]} and {gi})")
+            seen[i] = gi
+            members.append(i)
+        if len(members) < 2:
+            raise ShardplanError(f"tie group {gi} has {len(members)} member(s); a tie needs at least two")
+        out.append(tuple(members))
+    return tuple(out)

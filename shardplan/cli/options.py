@@ -15,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-import shardplan
 from shardplan.errors import ShardplanError
 
 __all__ = ["progress", "UsageError", "Parser", "VersionAction", "int_option", "real_option", "plot_path",
@@ -85,6 +84,16 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(self.prog, f"{message} (see '{self.prog} --help')")
 
 
+def installed_version() -> str:
+    """The installed distribution's version, from its metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardplan")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 class VersionAction(argparse.Action):
     """``--version``: prints the installed version, read from the package metadata only when asked
     (importing :mod:`importlib.metadata` costs every other command ~20 ms)."""
@@ -94,7 +103,7 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
-        parser._print_message(f"shardplan {shardplan.__version__}\n", sys.stdout)
+        parser._print_message(f"shardplan {installed_version()}\n", sys.stdout)
         parser.exit()
 
 

@@ -14,14 +14,15 @@ Everything is read from the plan value alone, so a plan loaded from JSON renders
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from shardplan.cost import BREAKDOWN
-from shardplan.report.table import format_table
+from shardplan.report.text import compress_names, render_strategy, scope_title
 from shardplan.result import OperatorChoice, Plan, StagePlan
+from shardplan.table import format_table
 from shardplan.units import fmt_bytes, fmt_seconds
 
-__all__ = ["recipe_words", "module_rows", "render_plan", "split_text", "device_picture", "memory_lines", "as_plan"]
+__all__ = ["render_report", "recipe_words", "module_rows", "render_plan", "split_text", "device_picture", "memory_lines", "as_plan"]
 
 BREAKDOWN_LABELS = {**BREAKDOWN, "weight_sync": "weight-gradient sync (incl. ZeRO gathers)",
                     "recompute": "recomputed forward", "stage_work": "stages' work (m x slowest stage)",
@@ -121,8 +122,6 @@ def module_rows(stage: StagePlan) -> list[tuple[str, str, str]]:
     """(modules, operators, layouts) rows: operators grouped by module (their name without its last part),
     and modules of the same name pattern (counters aside) whose operators are laid out alike collapsed into
     one row (``h/0–11/attn``)."""
-    from shardplan.report.text import scope_title
-
     by_module: dict[str, list[OperatorChoice]] = {}
     for name, c in stage.operators.items():
         by_module.setdefault(_module(name), []).append(c)
@@ -213,8 +212,6 @@ def render_plan(plan: Any, *, operators: bool = False, compare: Plan | None = No
 def memory_lines(plan: Plan) -> list[str]:
     """What the memory search chose and proved: the peak model, the proof, micro-batches, which operators
     shard their state (by ZeRO stage) or recompute."""
-    from shardplan.report.text import compress_names, scope_title
-
     st = plan.stats
     mem = plan.memory
     out: list[str] = []
@@ -258,3 +255,20 @@ def recipe_words_stage(stage: StagePlan) -> str:
     (data, tensor), _ = _weighted_mode([((stage.devices // c.tensor_degree, c.tensor_degree), max(c.weight_elems, 1))
                                         for c in ops])
     return f"data {data} × tensor {tensor}"
+
+
+def render_report(plan: Any, baselines: Mapping[str, Any] | None = None) -> str:
+    """The one report (:func:`shardplan.report.summary.render_plan`) of a per-operator plan, then its
+    Table II-style strategy table, how long the search took, and its speedups over ``baselines``."""
+    out = [render_plan(plan, layouts=False), "", "Strategy:", render_strategy(plan)]
+    if plan.solution is not None:
+        built = f" (cost tables {fmt_seconds(plan.build_seconds)})" if plan.build_seconds is not None else ""
+        out.append(f"Search: {plan.solution.solver}, {fmt_seconds(plan.solve_seconds)}{built}")
+    if baselines:
+        out.append("")
+        rows = []
+        for name, b in baselines.items():
+            speed = f"{b.cost / plan.cost:.2f}x" if plan.cost > 0 else "-"
+            rows.append((name, fmt_seconds(b.cost), speed))
+        out.append(format_table(rows, ("baseline", "step time", "speedup of this plan"), right=(1, 2), rule=False))
+    return "\n".join(out)

@@ -39,11 +39,11 @@ from typing import Any, Mapping, Sequence
 
 from shardplan.layout import Layout
 from shardplan.plan import Plan
-from shardplan.report.table import format_table
+from shardplan.table import format_table
 from shardplan.search.io import jsonable
 from shardplan.units import fmt_seconds
 
-__all__ = ["Group", "group_operators", "compress_names", "scope_title", "render_report", "render_strategy", "plan_to_json"]
+__all__ = ["Group", "group_operators", "compress_names", "scope_title", "render_strategy", "plan_to_json"]
 
 
 @dataclass(frozen=True)
@@ -238,25 +238,6 @@ def render_strategy(plan: Plan, max_title: int = 60) -> str:
         shown = grp.layout.describe() if grp.layout is not None else _cfg(grp.config)
         rows.append((title, grp.kind, grp.label, shown, grp.size))
     return format_table(rows, ("layers", "kind", "dims", "configuration", "ops"))
-
-
-def render_report(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> str:
-    """The one report (:func:`shardplan.report.summary.render_plan`) of a per-operator plan, then its
-    Table II-style strategy table, how long the search took, and its speedups over ``baselines``."""
-    from shardplan.report.summary import render_plan
-
-    out = [render_plan(plan, layouts=False), "", "Strategy:", render_strategy(plan)]
-    if plan.solution is not None:
-        built = f" (cost tables {fmt_seconds(plan.build_seconds)})" if plan.build_seconds is not None else ""
-        out.append(f"Search: {plan.solution.solver}, {fmt_seconds(plan.solve_seconds)}{built}")
-    if baselines:
-        out.append("")
-        rows = []
-        for name, b in baselines.items():
-            speed = f"{b.cost / plan.cost:.2f}x" if plan.cost > 0 else "-"
-            rows.append((name, fmt_seconds(b.cost), speed))
-        out.append(format_table(rows, ("baseline", "step time", "speedup of this plan"), right=(1, 2), rule=False))
-    return "\n".join(out)
 
 
 def plan_to_json(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> dict[str, Any]:
