@@ -48,8 +48,8 @@ def part(module: str) -> str | None:
     return bits[1] if len(bits) > 1 else "shardplan"
 
 
-def _module_of(path: Path) -> str:
-    rel = path.relative_to(ROOT.parent).with_suffix("")
+def _module_of(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
     bits = list(rel.parts)
     return ".".join(bits[:-1] if bits[-1] == "__init__" else bits)
 
@@ -58,7 +58,7 @@ def imports(root: Path = ROOT) -> dict[str, set[str]]:
     """Module -> the package's modules it imports (``from shardplan import ops`` names the module ``ops``)."""
     out: dict[str, set[str]] = {}
     for path in sorted(root.rglob("*.py")):
-        mod = _module_of(path)
+        mod = _module_of(path, root)
         seen = out.setdefault(mod, set())
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
