@@ -119,7 +119,8 @@ def test_gtx_kinds_with_and_without_vendor_words():
 
 
 @pytest.mark.parametrize("kind", ["NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H100", "H100", "NVIDIA H200",
-                                  "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe", "A100", "TPU v4", "paper"])
+                                  "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe", "A100", "TPU v4", "paper",
+                                  "NVIDIA A100-SXM4-80GB MIG 3g.40gb"])
 def test_device_without_a_profile_is_one_line_naming_what_to_pass(kind):
     with pytest.raises(ShardplanError) as e:
         detect_machine(kind, 8)
@@ -214,6 +215,8 @@ def test_file_round_trip(tmp_path):
     for name in profile_names():  # every shipped file survives writing and reading unchanged
         shipped = load_profile(name)
         assert parse_profile(shipped.to_json()) == shipped
+    with pytest.raises(ShardplanError, match="unknown field 'peak' in sources"):
+        machine_to_file(h100, path, sources={"peak": "x"})
     odd = Machine(3, 1.234567890123e13, 1 / 3, latency=1e-7, name="odd")
     machine_to_file(odd, path)
     assert load_machine_file(path, 3) == odd
