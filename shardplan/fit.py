@@ -52,7 +52,7 @@ class FitOptions:
         reserve_bytes: memory per device kept free (see the module docstring).
         in_flight: micro-batches whose saved activations are live at the peak
             (1 for one SPMD program; a pipeline stage i of S under 1F1B holds
-            S - i, under GPipe all of them: the per-stage memory of issue 16 is
+            S - i, under GPipe all of them: the per-stage memory of a pipeline stage is
             this model on the stage's operators and sub-mesh with that count;
             fractional for an interleaved device group, see
             :func:`shardplan.pipeline.schedule.in_flight`).

@@ -1,6 +1,6 @@
 """Operators as iteration domains with tensor access maps, and the graph.
 
-An operator is described once, in the polyhedral style of seed 002:
+An operator is described once, in the polyhedral style (iteration domain and affine accesses of its tensors):
 
 * an ordered set of named *iteration dimensions* with extents, e.g. a GEMM
   ``{b:128, m:512, n:2048, k:512}``; the iteration domain is their product;

@@ -187,7 +187,15 @@ def machine_of(args: argparse.Namespace, p: int, preset_name: str | None = None)
 
     if p < 1:
         raise ShardplanError(f"number of devices must be at least 1, got {p}")
-    m = preset(preset_name or getattr(args, "machine", None) or "paper", p)
+    path = getattr(args, "machine_file", None)
+    if path is not None:
+        if getattr(args, "machine", None) is not None:
+            raise ShardplanError("give --machine or --machine-file, not both")
+        from shardplan.machine import load_machine_file
+
+        m = load_machine_file(path, p)
+    else:
+        m = preset(preset_name or getattr(args, "machine", None) or "paper", p)
     over: dict[str, Any] = {}
     if getattr(args, "flops", None) is not None:
         over["peak_flops"] = args.flops
@@ -256,6 +264,8 @@ def add_machine(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--machine", default=None, choices=tuple(PRESETS),
                    help="machine preset (default paper: 10 TFLOP/s, 16 GB/s)")
+    p.add_argument("--machine-file", metavar="JSON",
+                   help="a machine profile file (every constant with its source; copy one of shardplan/machines/)")
     p.add_argument("--flops", type=real_option(*FLOPS_RANGE, unit="FLOP/s"),
                    help=f"override peak FLOP/s per device ({FLOPS_RANGE[0]:g} to {FLOPS_RANGE[1]:g})")
     p.add_argument("--bandwidth", type=real_option(*BANDWIDTH_RANGE, unit="B/s"),

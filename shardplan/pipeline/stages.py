@@ -663,7 +663,7 @@ class ModelStages:
 
     def fit_cost(self, a: int, b: int, q: int, m: int, k: int, budget: float) -> StageCost | None:
         """The memory-constrained intra-stage optimum of units [a, b) on q devices with ``k`` micro-batches in
-        flight under ``budget`` bytes per device: issue 10's choices (:func:`shardplan.fit.solve_fit`: ZeRO
+        flight under ``budget`` bytes per device: the memory choices (:func:`shardplan.fit.solve_fit`: ZeRO
         stages 1-3 / FSDP per operator, recomputation) on the stage's sub-graph at micro-batch batch/m. None
         if nothing fits. Its seconds are the fit plan's per micro-batch, with the collectives that run once per
         step (ZeRO-0's all-reduce, ZeRO-1's reduce-scatter and gather, ZeRO-2's gather) charged 1/m per
