@@ -277,7 +277,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     lower = None if any(b is None for b in bounds) else min(bounds)  # type: ignore[type-var]
     stats = dict(best.stats)
     stats.update(plan_seconds=time.perf_counter() - t0, stages_searched=searched, stages_reason=why,
-                 candidates={("pipeline" if p.pipelined or p.solver == "pipeline" else "one program"): p.step_time
+                 compared={("pipeline" if p.solver == "pipeline" else "one program"): p.step_time
                              for p in candidates},
                  refused=refusals)
     return replace(best, lower_bound=lower, stats=stats)

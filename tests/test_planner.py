@@ -47,10 +47,10 @@ def test_stages_are_searched_only_where_they_can_pay():
     cnn = plan("alexnet", preset("a100", 16))
     assert cnn.stats["stages_reason"] == "the model has no repeated blocks"
     two = plan("gpt", preset("a100", 16), sizes={"layers": 4}, batch=32)
-    assert two.stats["stages_searched"] and set(two.stats["candidates"]) == {"one program", "pipeline"}
-    assert two.step_time == min(two.stats["candidates"].values())
+    assert two.stats["stages_searched"] and set(two.stats["compared"]) == {"one program", "pipeline"}
+    assert two.step_time == min(two.stats["compared"].values())
     # the answer's bound covers both spaces: at most either candidate's time
-    assert two.lower_bound <= min(two.stats["candidates"].values()) + 1e-15
+    assert two.lower_bound <= min(two.stats["compared"].values()) + 1e-15
     with pytest.raises(ShardplanError, match="builder"):
         plan(gpt(32), preset("a100", 16), stages=True)
 
@@ -61,7 +61,7 @@ def test_the_pipeline_wins_where_links_across_nodes_are_slow():
     ref = pipeline_solve(gpt, 16, m, micro_batches=(4, 8), memory_choices=True, cutoff=1,
                          schedules=("1f1b", "zb-h1"))
     assert p.pipelined and p.step_time == pytest.approx(ref.plan.step_time, rel=1e-12)
-    assert p.step_time < p.stats["candidates"]["one program"]
+    assert p.step_time < p.stats["compared"]["one program"]
     assert sum(s.devices for s in p.stages) // p.chunks == 16
     assert "pipeline" in recipe_words(p)
 
@@ -125,7 +125,7 @@ def test_recipe_words_name_data_and_tensor_parallelism():
 def test_report_collapses_identical_blocks():
     p = plan("gpt", preset("h100", 8), sizes={"layers": 6}, batch=8, fit=False)
     rows = render_plan(p).split("Layouts by module:")[1]
-    assert "L1–6" in rows and "x6" in rows
+    assert "L1–6" in rows and "x6" in rows and "/" in rows
 
 
 def test_cli_plan_prints_the_report_and_writes_the_plan(tmp_path, capsys):

@@ -80,7 +80,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
     from shardplan.baselines import batch_dim, nearest_valid
     from shardplan.configs import configurations, dimension_orders, layouts
     from shardplan.cost import operator_cost
-    from shardplan.report import format_table
+    from shardplan.table import format_table
     from shardplan.units import fmt_seconds
 
     spec, g = graph_of(args)

@@ -15,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-import shardplan
 from shardplan.errors import ShardplanError
 
 __all__ = ["progress", "UsageError", "Parser", "VersionAction", "int_option", "real_option", "plot_path",
@@ -85,6 +84,16 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(self.prog, f"{message} (see '{self.prog} --help')")
 
 
+def installed_version() -> str:
+    """The installed distribution's version, from its metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardplan")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 class VersionAction(argparse.Action):
     """``--version``: prints the installed version, read from the package metadata only when asked
     (importing :mod:`importlib.metadata` costs every other command ~20 ms)."""
@@ -94,7 +103,7 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
-        parser._print_message(f"shardplan {shardplan.__version__}\n", sys.stdout)
+        parser._print_message(f"shardplan {installed_version()}\n", sys.stdout)
         parser.exit()
 
 
@@ -178,7 +187,15 @@ def machine_of(args: argparse.Namespace, p: int, preset_name: str | None = None)
 
     if p < 1:
         raise ShardplanError(f"number of devices must be at least 1, got {p}")
-    m = preset(preset_name or getattr(args, "machine", None) or "paper", p)
+    path = getattr(args, "machine_file", None)
+    if path is not None:
+        if getattr(args, "machine", None) is not None:
+            raise ShardplanError("give --machine or --machine-file, not both")
+        from shardplan.machine import load_machine_file
+
+        m = load_machine_file(path, p)
+    else:
+        m = preset(preset_name or getattr(args, "machine", None) or "paper", p)
     over: dict[str, Any] = {}
     if getattr(args, "flops", None) is not None:
         over["peak_flops"] = args.flops
@@ -247,6 +264,8 @@ def add_machine(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--machine", default=None, choices=tuple(PRESETS),
                    help="machine preset (default paper: 10 TFLOP/s, 16 GB/s)")
+    p.add_argument("--machine-file", metavar="JSON",
+                   help="a machine profile file (every constant with its source; copy one of shardplan/machines/)")
     p.add_argument("--flops", type=real_option(*FLOPS_RANGE, unit="FLOP/s"),
                    help=f"override peak FLOP/s per device ({FLOPS_RANGE[0]:g} to {FLOPS_RANGE[1]:g})")
     p.add_argument("--bandwidth", type=real_option(*BANDWIDTH_RANGE, unit="B/s"),

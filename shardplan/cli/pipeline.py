@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shardplan.cli.options import add_machine, add_model, cutoff_of, int_list, machine_of, parse_sizes, write_json
+from shardplan.cli.options import add_machine, add_model, cutoff_of, int_list, machine_of, parse_sizes, write_text
 from shardplan.errors import ShardplanError
 
 __all__ = ["add_parser", "cmd_pipeline"]
@@ -14,7 +14,8 @@ __all__ = ["add_parser", "cmd_pipeline"]
 def cmd_pipeline(args: argparse.Namespace) -> int:
     from shardplan.models import model_spec
     from shardplan.pipeline.api import pipeline_solve
-    from shardplan.pipeline.report import draw_timeline, render_pipeline
+    from shardplan.planner import from_pipeline
+    from shardplan.report.pipeline import draw_timeline, render_pipeline
 
     spec = model_spec(args.model)
     sizes = parse_sizes(args.set)
@@ -36,7 +37,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
                             fit_time_limit=args.fit_time_limit, **opts)
     print(render_pipeline(result))
     if args.json:
-        write_json(args.json, result.to_dict())
+        write_text(args.json, from_pipeline(result).to_json() + "\n")
         print(f"json: {args.json}")
     if args.timeline:
         if not args.timeline.lower().endswith((".png", ".svg")):

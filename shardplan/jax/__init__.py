@@ -192,28 +192,10 @@ def pipeline(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequ
     return _pipeline(loss_fn, params, batch, devices, machine, **options)
 
 
-def report(plan: Plan) -> str:
-    """A readable per-operator table: the source scope, the dimensions (``label:extent``, e.g.
-    ``batch:16 seq:128 out:2304 in:768``), the splits (``label:extent/split``), the predicted cost,
-    and the step's breakdown."""
-    from shardplan.report import format_table
-    from shardplan.units import fmt_seconds
+def report(plan: Any, operators: bool = True) -> str:
+    """The one report (:func:`shardplan.report.summary.render_plan`) of a plan (a :class:`shardplan.Plan`, the
+    per-operator plan of a :class:`Planned`, or ``Planned`` itself), with the per-operator table unless
+    ``operators=False``."""
+    from shardplan.report.summary import render_plan
 
-    lines = [f"{plan.graph.name}: {len(plan.graph)} operators on {plan.machine.num_devices} devices, "
-             f"predicted {fmt_seconds(plan.cost)} per step"]
-    rows = []
-    for row in plan.operators():
-        op = plan.graph[row["name"]]
-        ext = op.extents
-        splits = " ".join(f"{op.dim_label(d)}:{ext[d]}/{c}" for d, c in zip(row["dims"], row["config"])
-                          if c > 1) or "replicated"
-        rows.append((row["name"], row["kind"], op.dims_text, splits, fmt_seconds(row["cost_seconds"])))
-    lines.extend("  " + line for line in format_table(rows, ("operator", "kind", "dims", "splits", "cost"),
-                                                      right=(4,)).splitlines())
-    parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in plan.breakdown.items() if v and k != "total")
-    lines.append(f"  breakdown: {parts}")
-    if plan.memory_choices is not None:  # the fit plan's budget, proof, micro-batches, ZeRO stages, recomputation
-        from shardplan.fit import render_fit
-
-        lines.extend("  " + line for line in render_fit(plan))
-    return "\n".join(lines)
+    return render_plan(plan.plan if isinstance(plan, Planned) else plan, operators=operators)

@@ -173,16 +173,13 @@ def scoped_trace(loss_fn: Callable[..., Any], params: Any, batch: Any) -> tuple[
     :func:`_unit_names`, so that the units the pipeline search cuts between are the model's blocks."""
     import dataclasses
 
-    from shardplan.ir import Graph, renamed
     from shardplan.jax.lower import trace
 
     graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
     ren = _unit_names([op.name for op in graph.operators])
     if all(k == v for k, v in ren.items()):
         return graph, info
-    ops = tuple(renamed(op, ren) for op in graph.operators)
-    graph = Graph(graph.name, ops, dict(graph.graph_inputs),
-                  ties=tuple(tuple(ren.get(n, n) for n in grp) for grp in graph.ties))
+    graph = graph.renamed(ren)
     info = dataclasses.replace(
         info, op_vars={ren.get(k, k): v for k, v in info.op_vars.items()},
         reads={ren.get(k, k): v for k, v in info.reads.items()},

@@ -172,7 +172,7 @@ def get_model(name: str, batch: int | None = None, **sizes: Any) -> Graph:
 def models_table() -> str:
     """A text table of the zoo: name, vertices, edges, default batch, cutoff, expert baseline; then the named
     sizes (:func:`named_table`)."""
-    from shardplan.report.table import format_table
+    from shardplan.table import format_table
 
     rows = []
     for spec in MODELS.values():
@@ -188,7 +188,7 @@ def named_table() -> str:
     position table, embedding and output untied, padded vocabulary; :func:`~shardplan.models.gpt.gpt_published_params`
     counts them as the papers do)."""
     from shardplan.models.flops import config_of
-    from shardplan.report.table import format_table
+    from shardplan.table import format_table
 
     rows = []
     for spec in NAMED.values():

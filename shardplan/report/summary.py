@@ -14,21 +14,38 @@ Everything is read from the plan value alone, so a plan loaded from JSON renders
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-from shardplan.report.table import format_table
+from shardplan.cost import BREAKDOWN
+from shardplan.report.text import compress_names, render_strategy, scope_title
 from shardplan.result import OperatorChoice, Plan, StagePlan
+from shardplan.table import format_table
 from shardplan.units import fmt_bytes, fmt_seconds
 
-__all__ = ["recipe_words", "module_rows", "render_plan", "split_text", "device_picture"]
+__all__ = ["render_report", "recipe_words", "module_rows", "render_plan", "split_text", "device_picture", "memory_lines", "as_plan"]
+
+BREAKDOWN_LABELS = {**BREAKDOWN, "weight_sync": "weight-gradient sync (incl. ZeRO gathers)",
+                    "recompute": "recomputed forward", "stage_work": "stages' work (m x slowest stage)",
+                    "pipeline_fill": "pipeline fill, drain and transfers"}
+"""Words for the breakdown's keys (:data:`shardplan.cost.BREAKDOWN`, the memory choices' and a pipeline's)."""
+
+
+def as_plan(plan: Any) -> Plan:
+    """A :class:`~shardplan.result.Plan` of ``plan``: itself, or the one-stage plan of a tables-backed
+    per-operator plan (:func:`shardplan.planner.from_spmd`)."""
+    if isinstance(plan, Plan):
+        return plan
+    from shardplan.planner import from_spmd
+
+    return from_spmd(plan)
 
 _COUNTER = re.compile(r"(\d+)")
 
 
 def split_text(choice: OperatorChoice) -> str:
-    """``b8 o4`` (dimension, ways) for the split dimensions; ``replicated`` when none is split."""
+    """``b/8 o/4`` (dimension / ways) for the split dimensions; ``replicated`` when none is split."""
     lay = choice.layout
-    return " ".join(f"{d}{c}" for d, c in zip(lay.dims, lay.split) if c > 1) or "replicated"
+    return " ".join(f"{d}/{c}" for d, c in zip(lay.dims, lay.split) if c > 1) or "replicated"
 
 
 def _weighted_mode(pairs: Sequence[tuple[Any, float]]) -> tuple[Any, float]:
@@ -105,8 +122,6 @@ def module_rows(stage: StagePlan) -> list[tuple[str, str, str]]:
     """(modules, operators, layouts) rows: operators grouped by module (their name without its last part),
     and modules of the same name pattern (counters aside) whose operators are laid out alike collapsed into
     one row (``h/0–11/attn``)."""
-    from shardplan.report.text import scope_title
-
     by_module: dict[str, list[OperatorChoice]] = {}
     for name, c in stage.operators.items():
         by_module.setdefault(_module(name), []).append(c)
@@ -132,9 +147,12 @@ def device_picture(plan: Plan, width: int = 64) -> str:
     return "\n".join(lines)
 
 
-def render_plan(plan: Plan, *, operators: bool = False, compare: Plan | None = None) -> str:
+def render_plan(plan: Any, *, operators: bool = False, compare: Plan | None = None, layouts: bool = True) -> str:
     """The text report of ``plan`` (module docstring); ``operators``: add the per-operator table; ``compare``:
-    a second plan (a recipe) costed by the same model, to state the speedup against."""
+    a second plan (a recipe) costed by the same model, to state the speedup against; ``layouts``: the layouts
+    by module (on by default). A tables-backed
+    per-operator plan is shown as its one-stage plan (:func:`as_plan`)."""
+    plan = as_plan(plan)
     m = plan.machine
     out = [f"{plan.model} on {m.describe()}",
            f"Plan: {recipe_words(plan)}"]
@@ -151,6 +169,8 @@ def render_plan(plan: Plan, *, operators: bool = False, compare: Plan | None = N
         line += f" of {fmt_bytes(budget)} ({100 * peak / budget:.0f}%)"
         if peak > budget * (1 + 1e-9):
             line += " — DOES NOT FIT"
+    else:
+        line += " (no budget)"
     line += (f": weights, gradients and optimizer state {fmt_bytes(float(mem['weights_bytes']))}, "
              f"activations {fmt_bytes(float(mem['activations_bytes']))}")
     out.append(line)
@@ -159,8 +179,10 @@ def render_plan(plan: Plan, *, operators: bool = False, compare: Plan | None = N
         out.append(f"Against {compare.model if compare.solver == plan.solver else compare.solver}: "
                    f"{fmt_seconds(compare.step_time)}, {fmt_bytes(float(compare.memory['peak_bytes']))} per device "
                    f"({recipe_words(compare)}): this plan is {speed:.2f}x as fast")
+    out.extend(memory_lines(plan))
     total = plan.breakdown.get("total", plan.step_time)
-    rows = [(f"  {k.replace('_', ' ')}", fmt_seconds(v), f"{100 * v / total:.1f}%" if total > 0 else "-")
+    rows = [(f"  {BREAKDOWN_LABELS.get(k, k.replace('_', ' '))}", fmt_seconds(v),
+             f"{100 * v / total:.1f}%" if total > 0 else "-")
             for k, v in plan.breakdown.items() if k != "total" and v > 1e-9 * total]
     if rows:
         out.append("Breakdown:")
@@ -173,7 +195,7 @@ def render_plan(plan: Plan, *, operators: bool = False, compare: Plan | None = N
         out.append(format_table(srows, ("stage", "blocks", "devices", "fwd/mb", "bwd/mb", "in flight", "memory",
                                         "layout"), right=(3, 4, 5, 6)))
         out.append(device_picture(plan))
-    for s in plan.stages:
+    for s in plan.stages if layouts else ():
         out.append(f"Layouts{f' of stage {s.index}' if plan.num_stages > 1 else ''} by module:")
         out.append(format_table(module_rows(s), ("modules", "ops", "layouts"), rule=False))
         if plan.num_stages > 3 and s.index == 1:
@@ -187,9 +209,66 @@ def render_plan(plan: Plan, *, operators: bool = False, compare: Plan | None = N
     return "\n".join(out)
 
 
+def memory_lines(plan: Plan) -> list[str]:
+    """What the memory search chose and proved: the peak model, the proof, micro-batches, which operators
+    shard their state (by ZeRO stage) or recompute."""
+    st = plan.stats
+    mem = plan.memory
+    out: list[str] = []
+    names = [n for s in plan.stages for n in s.operators]
+    if "peak_step" in mem:
+        k = int(mem["peak_step"])
+        out.append(f"  backward-peak model (gradient buffers allocated as the backward pass goes): the peak is at "
+                   f"the backward step of {names[k]} (operator {k + 1} of {len(names)}); the additive sum "
+                   f"(persistent gradient buffers) would be {fmt_bytes(float(mem['additive_peak_bytes']))}")
+    elif st.get("grad_buffers") == "backward":
+        out.append(f"  gradient buffers: {plan.micro_batches} micro-batches accumulate gradients in persistent "
+                   "buffers, so the additive peak is exact (the backward-peak model applies to one micro-batch)")
+    if not st.get("memory_choices"):
+        return out
+    if "nodes" in st:
+        proof = ("proven optimal under the budget" if plan.optimal else
+                 f"NOT proven: gap {100 * (plan.gap or 0.0):.3g}%")
+        out.append(f"Memory search: {proof}; {st.get('nodes', 0)} branch-and-bound nodes, "
+                   f"{st.get('dp_solves', 0)} DP solves")
+        if "unconstrained_cost" in st:
+            out.append(f"  unconstrained optimum (m={plan.micro_batches}): {fmt_seconds(st['unconstrained_cost'])}"
+                       f" at {fmt_bytes(st['unconstrained_memory_bytes'])} per device")
+    out.append(f"Micro-batches: {plan.micro_batches}")
+
+    def listed(members: list[str]) -> str:
+        return scope_title(members) if any(n.count("/") >= 2 for n in members) else compress_names(members)
+
+    for stage, members in sorted(plan.state_sharding.items()):
+        out.append(f"  zero-{stage} state sharding ({len(members)} ops): {listed(members)}")
+    rec = plan.recomputed
+    if rec:
+        out.append(f"  recompute ({len(rec)} ops): {listed(rec)}")
+    if not plan.state_sharding and not rec:
+        out.append("  no operator shards its state or recomputes")
+    return out
+
+
 def recipe_words_stage(stage: StagePlan) -> str:
     """A stage's data × tensor degrees (mode over operators weighted by weight elements)."""
     ops = [c for c in stage.operators.values() if c.weight_elems > 0] or list(stage.operators.values())
     (data, tensor), _ = _weighted_mode([((stage.devices // c.tensor_degree, c.tensor_degree), max(c.weight_elems, 1))
                                         for c in ops])
     return f"data {data} × tensor {tensor}"
+
+
+def render_report(plan: Any, baselines: Mapping[str, Any] | None = None) -> str:
+    """The one report (:func:`shardplan.report.summary.render_plan`) of a per-operator plan, then its
+    Table II-style strategy table, how long the search took, and its speedups over ``baselines``."""
+    out = [render_plan(plan, layouts=False), "", "Strategy:", render_strategy(plan)]
+    if plan.solution is not None:
+        built = f" (cost tables {fmt_seconds(plan.build_seconds)})" if plan.build_seconds is not None else ""
+        out.append(f"Search: {plan.solution.solver}, {fmt_seconds(plan.solve_seconds)}{built}")
+    if baselines:
+        out.append("")
+        rows = []
+        for name, b in baselines.items():
+            speed = f"{b.cost / plan.cost:.2f}x" if plan.cost > 0 else "-"
+            rows.append((name, fmt_seconds(b.cost), speed))
+        out.append(format_table(rows, ("baseline", "step time", "speedup of this plan"), right=(1, 2), rule=False))
+    return "\n".join(out)

@@ -93,7 +93,7 @@ def report(plan: Plan, info: TorchTrace | None = None) -> str:
 
     With ``info``, conservatively described operators are marked ``*``.
     """
-    from shardplan.report import format_table
+    from shardplan.table import format_table
     from shardplan.units import fmt_seconds
 
     cons = set(info.conservative) if info is not None else set()

@@ -127,14 +127,11 @@ def unit_names(module_paths: Mapping[str, str]) -> dict[str, str]:
 
 def scoped_trace(module: Any, inputs: Sequence[Any]) -> tuple[Any, Any, dict[str, str]]:
     """:func:`shardplan.torch.trace` with operators renamed by :func:`unit_names`: (graph, info, new -> old name)."""
-    from shardplan.ir import Graph, renamed
     from shardplan.torch.frontend import trace
 
     graph, info = trace(module, inputs)
     ren = unit_names({op.name: info.module_paths.get(op.name, "<top>") for op in graph.operators})
-    ops = tuple(renamed(op, ren) for op in graph.operators)
-    ties = tuple(tuple(ren.get(n, n) for n in grp) for grp in graph.ties)
-    return Graph(graph.name, ops, dict(graph.graph_inputs), ties=ties), info, {v: k for k, v in ren.items()}
+    return graph.renamed(ren), info, {v: k for k, v in ren.items()}
 
 
 class Tracer:
