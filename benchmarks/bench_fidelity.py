@@ -125,7 +125,8 @@ def cost_row(row: Row) -> dict[str, Any]:
 
     gbs = _gbs(row.recipe)
     flops = _flops(row, gbs)
-    measured = row.measured_seconds if row.measured_seconds is not None else flops / (row.gpus * row.measured_tflops * 1e12)
+    measured = (row.measured_seconds if row.measured_seconds is not None
+                else flops / (row.gpus * row.measured_tflops * 1e12))
     out: dict[str, Any] = {"row": row.name, "experiment": row.experiment, "source": row.source,
                            "model": {"layers": row.layers, "hidden": row.hidden, "heads": row.heads, "seq": SEQ,
                                      "vocab": VOCAB},

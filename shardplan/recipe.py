@@ -646,8 +646,8 @@ def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Reci
         return plan_with_choices(plan, stage=zero, recompute=recompute_names(plan.graph, rec), micro_batches=1,
                                  accumulate=mb, name="recipe")
 
-    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dp), periodic=False,
-                         strategy=lambda t: megatron_layouts(t, dp, tp), choices=choices)
+    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dp),
+                         periodic=False, strategy=lambda t: megatron_layouts(t, dp, tp), choices=choices)
     g, units, _ = stages.graph(m)
     kinds = [unit_prefix(g.operators[idx[0]].name) is not None for idx in units]
     if len(units) < 3 or kinds[0] or kinds[-1] or not all(kinds[1:-1]):

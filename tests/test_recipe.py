@@ -60,7 +60,8 @@ def test_files(tmp_path):
     j = tmp_path / "r.json"
     j.write_text(json.dumps({"tp": 8, "pp": 2, "mbs": 4, "recompute": "full", "overlap": ["grad_reduce"]}))
     t = tmp_path / "r.toml"
-    t.write_text("[recipe]\n# Megatron run\ntp = 8\npp = 2\nmbs = 4\nrecompute = \"full\"\noverlap = [\"grad_reduce\"]\n")
+    t.write_text("[recipe]\n# Megatron run\ntp = 8\npp = 2\nmbs = 4\nrecompute = \"full\"\n"
+                 "overlap = [\"grad_reduce\"]\n")
     want = Recipe(tp=8, pp=2, mbs=4, recompute="full", overlap=("grad_reduce",))
     assert Recipe.from_file(j) == want == Recipe.from_file(t) == Recipe.load(str(t))
     bad = tmp_path / "bad.toml"
@@ -82,7 +83,8 @@ def test_bad_text_is_one_line(text, part):
 @pytest.mark.parametrize("text, part", [("tp=8,sp=true", "sequence parallelism"), ("cp=2", "context parallelism"),
                                         ("ep=2", "expert parallelism"), ("zero=3,hsdp=8", "hybrid sharding"),
                                         ("dtype=fp8", "fp8"), ("dtype=fp32", "dtype fp32"),
-                                        ("tp=8,overlap=tp_comm", "tp_comm"), ("zero=1,overlap=param_gather", "param_gather"),
+                                        ("tp=8,overlap=tp_comm", "tp_comm"),
+                                        ("zero=1,overlap=param_gather", "param_gather"),
                                         ("zero=3,overlap=grad_reduce", "FSDP"), ("vp=2", "vp"),
                                         ("first_stage_layers=1", "pp >= 2")])
 def test_not_expressible_is_refused_by_name(text, part):
