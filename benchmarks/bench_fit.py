@@ -19,7 +19,7 @@ from pathlib import Path
 from shardplan.fit import FitOptions, solve_fit
 from shardplan.machine import preset
 from shardplan.models import get_model, model_spec
-from shardplan.plan import Plan
+from shardplan.spmd import SpmdPlan
 from shardplan.search.dp import solve_dp
 from shardplan.units import fmt_bytes, fmt_seconds
 
@@ -64,7 +64,7 @@ def run(name: str, time_limit: float = 120.0) -> dict:
     tables = plan.tables
     problem = tables.to_problem()
     free = solve_dp(problem)
-    unconstrained = Plan(tables, free.assignment, free, "dp")
+    unconstrained = SpmdPlan(tables, free.assignment, free, "dp")
     mem = plan.memory
     sol = plan.solution
     names = [op.name for op in g.operators]

@@ -124,7 +124,7 @@ def main() -> None:
     from shardplan.cost import build_tables
     from shardplan.jax.lower import trace
     from shardplan.machine import Machine
-    from shardplan.plan import solve_tables
+    from shardplan.spmd import solve_tables
 
     machine = Machine(**TOY)
     out: dict[str, Any] = {"machine": TOY, "devices": 8, "results": []}

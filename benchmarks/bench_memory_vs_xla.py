@@ -384,7 +384,7 @@ def plans_for(tables: Any, micro: int) -> list[Any]:
     from shardplan.baselines import baseline_plan
     from shardplan.errors import ShardplanError
     from shardplan.fit import plan_with_choices
-    from shardplan.plan import solve_tables
+    from shardplan.spmd import solve_tables
 
     opt = solve_tables(tables)
     dp = baseline_plan("data_parallel", tables)

@@ -43,7 +43,7 @@ def main() -> None:
 
     import torch_cases as tc
     from shardplan.machine import preset
-    from shardplan.plan import solve
+    from shardplan.spmd import solve
     from shardplan.torch import ShardplanWarning, report, trace
 
     results: dict[str, Any] = {}

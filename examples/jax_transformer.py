@@ -84,7 +84,7 @@ def megatron_plan(tables: Any, info: Any, p: int = 8) -> Any:
     weight axis p ways; the attention core splits its head dimension (the one of extent HEADS), the FFN
     activation its hidden dimension (extent FFN); everything else (layer norms, residuals, loss) is replicated.
     """
-    from shardplan.plan import plan_from_configs
+    from shardplan.spmd import plan_from_configs
 
     split_of: dict[str, str] = {}
     for leaf, uses in info.leaf_uses.items():

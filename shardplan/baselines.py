@@ -4,7 +4,7 @@ Each baseline encodes an expert's rule, so it looks at dimension names and
 operator kinds (never at costs, except Megatron's choice of its batch
 split m, which the rule itself leaves open). It returns ``{operator name:
 configuration tuple}``; :func:`baseline_plan` turns that into a
-:class:`~shardplan.plan.Plan` with :func:`~shardplan.plan.plan_from_configs`.
+:class:`~shardplan.spmd.SpmdPlan` with :func:`~shardplan.spmd.plan_from_configs`.
 
 * :func:`data_parallel`: the batch dimension split p ways, every other
   dimension 1.
@@ -43,7 +43,7 @@ from shardplan.cost import CostTables
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
 from shardplan.layout import Layout
-from shardplan.plan import Plan, plan_from_configs
+from shardplan.spmd import SpmdPlan, plan_from_configs
 
 __all__ = ["Strategy", "batch_dim", "data_parallel", "one_weird_trick", "megatron", "gnmt", "BASELINES",
            "baseline_plan", "baseline_plans", "nearest_valid"]
@@ -234,7 +234,7 @@ BASELINES: dict[str, Callable[[CostTables], Strategy]] = {
 }
 
 
-def baseline_plan(name: str, tables: CostTables) -> Plan:
+def baseline_plan(name: str, tables: CostTables) -> SpmdPlan:
     """The plan of baseline ``name`` (a key of :data:`BASELINES`)."""
     try:
         rule = BASELINES[name]
@@ -243,7 +243,7 @@ def baseline_plan(name: str, tables: CostTables) -> Plan:
     return plan_from_configs(tables, rule(tables), name=name)
 
 
-def baseline_plans(tables: CostTables, expert: str | None = None) -> dict[str, Plan]:
+def baseline_plans(tables: CostTables, expert: str | None = None) -> dict[str, SpmdPlan]:
     """Data parallelism and, if given, the ``expert`` baseline (a key of :data:`BASELINES`): {name: plan}.
 
     A registered model names its expert in :attr:`shardplan.models.ModelSpec.expert`.

@@ -114,7 +114,7 @@ def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch
     from shardplan.cost import build_tables
     from shardplan.machine import preset
     from shardplan.models import model_spec
-    from shardplan.plan import Plan, solve_tables
+    from shardplan.spmd import SpmdPlan, solve_tables
     from shardplan.search import solve_mcmc
 
     spec = model_spec(model)
@@ -136,7 +136,7 @@ def run_compare(model: str, procs: Sequence[int], machines: Sequence[str], batch
             expert = base[expert_name]
             problem = tables.to_problem()
             mc = solve_mcmc(problem, init=list(expert.assignment), seed=mcmc_seed)
-            mcmc = Plan(tables, tuple(int(a) for a in mc.assignment), mc, "mcmc")
+            mcmc = SpmdPlan(tables, tuple(int(a) for a in mc.assignment), mc, "mcmc")
             dpar = base["data_parallel"]
             strategies = [("data parallel", dpar, 0.0), (expert_name, expert, 0.0),
                           ("mcmc", mcmc, mc.solve_seconds), ("shardplan (exact DP)", dp, dp.solve_seconds)]

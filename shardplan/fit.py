@@ -289,14 +289,14 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     layouts whose unsharded footprint exceeds the device, some of which may fit
     with sharded state.
 
-    Returns a :class:`~shardplan.plan.Plan` with ``memory_choices`` set and a
+    Returns a :class:`~shardplan.spmd.SpmdPlan` with ``memory_choices`` set and a
     solution whose ``optimal``/``bound``/``stats["gap"]`` state what was
     proven; ``stats["per_micro_batches"]`` has each count's outcome.
 
     Raises:
         ShardplanError: no budget known, or no plan fits (naming the least memory any plan needs).
     """
-    from shardplan.plan import Plan
+    from shardplan.spmd import SpmdPlan
     from shardplan.search.dp import solve_dp
 
     if budget is None:
@@ -405,7 +405,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     final = Solution(cost=sol.cost, assignment=base, solve_seconds=time.perf_counter() - t1,
                      solver="peak-bb" if options.backward_peak(m) else "memory-bb",
                      optimal=optimal, bound=sol.cost if optimal else bound, stats=stats)
-    return Plan(tables, base, final, "fit", build_seconds, memory_choices=choices)
+    return SpmdPlan(tables, base, final, "fit", build_seconds, memory_choices=choices)
 
 
 def _infeasible(least: float, budget: float, bound_only: bool) -> str:
@@ -478,7 +478,7 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     Raises:
         ShardplanError: an unknown stage or operator name, or a bad micro-batch count.
     """
-    from shardplan.plan import Plan
+    from shardplan.spmd import SpmdPlan
 
     tables = plan.tables
     g = tables.graph
@@ -515,4 +515,4 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
         choices.append(int(j[0]))
     budget = float(budget if budget is not None else (tables.machine.memory_bytes or np.inf))
     mc = MemoryChoices(m, budget, 0.0, tuple(cts), tuple(choices), backward=backward)
-    return Plan(tables, plan.assignment, None, name or f"{plan.name}+memory", plan.build_seconds, memory_choices=mc)
+    return SpmdPlan(tables, plan.assignment, None, name or f"{plan.name}+memory", plan.build_seconds, memory_choices=mc)

@@ -3,7 +3,7 @@
 It searches, for a zoo model, a hand-built graph or a builder of graphs:
 
 * the per-operator layouts of one SPMD program over every device (the exact
-  dynamic program, :func:`shardplan.plan.solve`), with the memory choices
+  dynamic program, :func:`shardplan.spmd.solve`), with the memory choices
   (ZeRO stage per operator, recomputation per operator, micro-batches) under
   the per-device memory budget (:func:`shardplan.fit.solve_fit`) unless
   ``fit=False``;
@@ -49,12 +49,14 @@ def choice_of(op: Any, layout: Any, state_stage: int, recompute: bool) -> Operat
     operator's parameter holds no state of it)."""
     own = [w for w in op.weights if w.needs_grad and w.owner is None]
     dims = tuple(d for d, _ in op.dims if any(d in w.dims for w in own))
-    return OperatorChoice(op.kind, layout, int(state_stage), bool(recompute), dims, int(sum(w.size for w in own)))
+    ext = op.extents
+    return OperatorChoice(op.kind, layout, int(state_stage), bool(recompute), dims, int(sum(w.size for w in own)),
+                          tuple(op.dim_label(d) for d in layout.dims), tuple(int(ext[d]) for d in layout.dims))
 
 
 def from_spmd(sp: Any, *, model: str | None = None, batch: int | None = None,
               stats: dict[str, Any] | None = None) -> Plan:
-    """The :class:`Plan` of one tables-backed per-operator plan (:class:`shardplan.plan.Plan`, with or
+    """The :class:`Plan` of one tables-backed per-operator plan (:class:`shardplan.spmd.SpmdPlan`, with or
     without memory choices): one stage over every device.
 
     Per micro-batch, the stage's forward seconds are the plan's forward parts over ``m`` and its backward the
@@ -201,7 +203,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         micro_batches: counts searched (default 1, 2, 4, 8, those dividing the batch).
         schedules, interleave, max_stages: the pipeline space (:func:`shardplan.pipeline.api.pipeline_solve`).
         fit_options: :class:`shardplan.fit.FitOptions` (its micro-batch counts default to ``micro_batches``).
-        cutoff, orders, solver: the per-operator search (:func:`shardplan.plan.solve`); ``cutoff`` defaults to
+        cutoff, orders, solver: the per-operator search (:func:`shardplan.spmd.solve`); ``cutoff`` defaults to
             the zoo model's recommended one, else 1.
 
     Raises:
@@ -249,7 +251,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 raise
             refusals.append(f"one program: {e}")
     else:
-        from shardplan.plan import solve
+        from shardplan.spmd import solve
 
         candidates.append(from_spmd(solve(graph, machine, cutoff=cutoff, orders=orders, solver=solver),
                                     model=name, batch=batch))
@@ -290,7 +292,7 @@ def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice],
     from dataclasses import replace
 
     from shardplan.cost import build_tables
-    from shardplan.plan import plan_from_configs
+    from shardplan.spmd import plan_from_configs
 
     names = [op.name for op in graph.operators]
     missing = [n for n in names if n not in choices]

@@ -617,7 +617,7 @@ def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m
     """One SPMD program: Megatron's layouts, then ZeRO, recomputation and m micro-batches by hand."""
     from shardplan.cost import build_tables
     from shardplan.fit import plan_with_choices
-    from shardplan.plan import plan_from_configs
+    from shardplan.spmd import plan_from_configs
     from shardplan.planner import from_spmd
 
     recs = recompute_names(graph, recipe.recompute)

@@ -52,6 +52,8 @@ class OperatorChoice:
         weight_dims: the iteration dimensions that index its trainable weights (splitting one of them
             shards the weights: tensor parallelism; splitting any other replicates them: data parallelism).
         weight_elems: elements of its trainable weights (0: none), to weigh operators in summaries.
+        labels, extents: per dimension (the layout's order) what it is (``batch``, ``seq``, ``out``, or its
+            letter) and its extent, for reports; empty when unknown.
     """
 
     kind: str
@@ -60,6 +62,8 @@ class OperatorChoice:
     recompute: bool = False
     weight_dims: tuple[str, ...] = ()
     weight_elems: int = 0
+    labels: tuple[str, ...] = ()
+    extents: tuple[int, ...] = ()
 
     @property
     def tensor_degree(self) -> int:
@@ -71,14 +75,16 @@ class OperatorChoice:
         return {"kind": self.kind, "dims": list(lay.dims), "levels": list(lay.levels),
                 "splits": [list(r) for r in lay.splits], "orders": [list(o) for o in lay.orders],
                 "state_stage": self.state_stage, "recompute": self.recompute,
-                "weight_dims": list(self.weight_dims), "weight_elems": self.weight_elems}
+                "weight_dims": list(self.weight_dims), "weight_elems": self.weight_elems,
+                "labels": list(self.labels), "extents": list(self.extents)}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "OperatorChoice":
         lay = Layout(tuple(d["dims"]), tuple(d["levels"]), tuple(tuple(r) for r in d["splits"]),
                      tuple(tuple(o) for o in d["orders"]))
         return OperatorChoice(str(d["kind"]), lay, int(d.get("state_stage", 0)), bool(d.get("recompute", False)),
-                              tuple(d.get("weight_dims", ())), int(d.get("weight_elems", 0)))
+                              tuple(d.get("weight_dims", ())), int(d.get("weight_elems", 0)),
+                              tuple(str(x) for x in d.get("labels", ())), tuple(int(x) for x in d.get("extents", ())))
 
 
 @dataclass(frozen=True)
@@ -239,7 +245,7 @@ class Plan:
     def spmd(self) -> Any:
         """The tables-backed per-operator plan of a one-stage plan computed in this process (what the engines
         run and the detailed reports read); None for a pipeline or a plan loaded from JSON."""
-        from shardplan.plan import Plan as SpmdPlan
+        from shardplan.spmd import SpmdPlan
 
         return self.detail if isinstance(self.detail, SpmdPlan) else None
 

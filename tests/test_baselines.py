@@ -11,7 +11,7 @@ from shardplan.cost import build_tables
 from shardplan.errors import ShardplanError
 from shardplan.machine import Machine, preset
 from shardplan.models import MODELS, get_model
-from shardplan.plan import plan_from_configs
+from shardplan.spmd import plan_from_configs
 
 SMALL = {  # small versions where the sizes are free, to keep the tables cheap
     "gpt": dict(batch=8, layers=2, d_model=128, heads=4, seq=64, vocab=1024),

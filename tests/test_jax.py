@@ -20,7 +20,7 @@ from shardplan.jax.shardings import plan_shardings  # noqa: E402
 from shardplan.jax.lower import trace  # noqa: E402
 from shardplan.ir import TensorRef  # noqa: E402
 from shardplan.machine import Machine  # noqa: E402
-from shardplan.plan import plan_from_configs  # noqa: E402
+from shardplan.spmd import plan_from_configs  # noqa: E402
 from shardplan.baselines import baseline_plan  # noqa: E402
 from conftest import require_8_devices  # noqa: E402
 

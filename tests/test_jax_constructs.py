@@ -153,7 +153,7 @@ def test_remat_is_kept_and_scan_unrolled():
 
 def test_scan_iterations_are_tied_to_one_configuration():
     """The copies of a scanned body's operators form one tie group each; the plan gives them one configuration."""
-    from shardplan.plan import solve
+    from shardplan.spmd import solve
 
     g, _ = trace(scan_layers, P, B)
     dots = tuple(op.name for op in g.operators if op.kind == "einsum")

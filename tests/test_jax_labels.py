@@ -15,7 +15,7 @@ from shardplan.ir import Operator, Tensor
 from shardplan.jax import report, trace
 from shardplan.labels import input_axis_labels, label_dims
 from shardplan.machine import Machine
-from shardplan.plan import plan_from_configs
+from shardplan.spmd import plan_from_configs
 from shardplan.report import plan_to_json, render_strategy
 from shardplan.report.text import scope_title
 

@@ -11,7 +11,7 @@ from shardplan.layout import Layout
 from shardplan.machine import Machine
 from shardplan.models import get_model
 from shardplan.pipeline.stages import weight_sync
-from shardplan.plan import plan_from_configs
+from shardplan.spmd import plan_from_configs
 
 B0, B1 = 100e9, 10e9  # bytes/s inside a node, per device across nodes
 S, D, H = 16, 64, 8

@@ -18,7 +18,7 @@ import pytest
 
 from shardplan.machine import preset
 from shardplan.models import MODELS
-from shardplan.plan import solve
+from shardplan.spmd import solve
 
 PINNED = {
     ("alexnet", 8): (0.008165983520000001, 316, 0.7476851976000001, 4.446669232),

@@ -13,7 +13,7 @@ from shardplan.fit import FitOptions, solve_fit
 from shardplan.machine import preset
 from shardplan.models import get_model
 from shardplan.pipeline.api import pipeline_solve
-from shardplan.plan import solve
+from shardplan.spmd import solve
 from shardplan.planner import from_pipeline, pipeline_of, plan, spmd_of
 from shardplan.report.summary import recipe_words, render_plan
 from shardplan.result import Plan

@@ -16,7 +16,7 @@ from shardplan.machine import preset
 from shardplan.models import get_model
 from shardplan.pipeline.search import PipelineSpace, evaluate_pipeline
 from shardplan.pipeline.stages import ModelStages
-from shardplan.plan import plan_from_configs
+from shardplan.spmd import plan_from_configs
 from shardplan.recipe import Recipe, cost_recipe, megatron_layouts, recompute_names
 from shardplan.result import Plan
 

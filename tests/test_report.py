@@ -12,7 +12,7 @@ from shardplan.errors import ShardplanError
 from shardplan.report import graph_to_dot, plan_to_dot
 from shardplan.machine import preset
 from shardplan.models import get_model
-from shardplan.plan import Plan, plan_from_configs, solve_tables
+from shardplan.spmd import SpmdPlan, plan_from_configs, solve_tables
 from shardplan.report import compress_names, group_operators, plan_to_json, render_report, render_strategy
 
 # the AlexNet strategy of the paper's Table II (p = 32); pools and flatten follow their producers
@@ -110,7 +110,7 @@ def test_plan_breakdown_is_fixed_at_construction(alexnet32):
     bd["total"] = 0.0  # a copy: the plan is unchanged
     assert plan.cost == alexnet32.breakdown(plan.assignment)["total"] > 0
     with pytest.raises(ShardplanError, match="assigns 2 configurations to 13 operators"):
-        Plan(alexnet32, (0, 0))
+        SpmdPlan(alexnet32, (0, 0))
 
 
 def test_solve_tables_records_the_build_time_it_is_given(alexnet32):

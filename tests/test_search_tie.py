@@ -65,7 +65,7 @@ def test_graph_ties_solve_as_one_variable_and_refuse_different_operators() -> No
     from shardplan import ops
     from shardplan.ir import GraphBuilder
     from shardplan.machine import Machine
-    from shardplan.plan import solve
+    from shardplan.spmd import solve
 
     b = GraphBuilder("t")
     x = b.input("x", (64, 32))

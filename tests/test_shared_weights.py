@@ -24,7 +24,7 @@ from shardplan.cost.memory import operator_memory
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, GraphBuilder, Tensor, WeightEdge
 from shardplan.machine import Machine
-from shardplan.plan import plan_from_configs
+from shardplan.spmd import plan_from_configs
 from shardplan.search import solve_bruteforce, solve_dp, solve_ilp
 
 M = Machine(2, peak_flops=1e12, bandwidth=1e9, sum_shared_grads=True)  # gradients summed, then synchronised once

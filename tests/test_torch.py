@@ -16,7 +16,7 @@ from shardplan import ops  # noqa: E402
 from shardplan.errors import ShardplanError  # noqa: E402
 from shardplan.ir import TensorRef  # noqa: E402
 from shardplan.machine import Machine  # noqa: E402
-from shardplan.plan import solve  # noqa: E402
+from shardplan.spmd import solve  # noqa: E402
 from shardplan.torch import ShardplanWarning, mesh_dims, mesh_factors, tensor_placements, trace  # noqa: E402
 
 

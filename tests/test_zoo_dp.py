@@ -28,7 +28,7 @@ import pytest
 
 from shardplan.machine import preset
 from shardplan.models import MODELS, get_model
-from shardplan.plan import plan_from_configs, solve
+from shardplan.spmd import plan_from_configs, solve
 from shardplan.baselines import baseline_plans
 
 # the AlexNet strategy of the paper's Table II (p = 32); pools and flatten follow their producers

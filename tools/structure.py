@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models",),                                            # the zoo builds IR graphs
     ("search",),                                            # solvers on abstract problems
     ("cost",),                                              # cost tables, lowered to problems
-    ("plan",),                                              # the per-operator search of one program
+    ("spmd",),                                              # the per-operator search of one program
     ("fit", "baselines"),                                   # memory choices; hand-made strategies
     ("pipeline",),                                          # stages
     ("result",),                                            # the Plan value

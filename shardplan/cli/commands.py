@@ -105,7 +105,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
 def _solve_model(args: argparse.Namespace) -> int:
     from shardplan.baselines import baseline_plans
     from shardplan.cost import build_tables
-    from shardplan.plan import solve_tables
+    from shardplan.spmd import solve_tables
     from shardplan.report import plan_to_dot, plan_to_json, render_report
 
     spec, g = graph_of(args)

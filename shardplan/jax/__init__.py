@@ -37,7 +37,7 @@ from shardplan.jax.lower import TraceInfo, supported_primitives, trace
 from shardplan.jax.run import constrained_fn, make_step
 from shardplan.jax.shardings import devices_and_machine, plan_shardings
 from shardplan.machine import Machine
-from shardplan.plan import Plan, solve
+from shardplan.spmd import SpmdPlan, solve
 
 __all__ = ["plan", "apply", "parallelize", "planned", "pipeline", "Planned", "trace", "make_step", "plan_shardings",
            "report", "TraceInfo", "supported_primitives"]
@@ -67,7 +67,7 @@ class Planned:
             constrained loss are None (each stage has its own).
     """
 
-    plan: Plan
+    plan: SpmdPlan
     info: TraceInfo
     devices: tuple[Any, ...]
     param_shardings: Any
@@ -99,7 +99,7 @@ def plan(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence
 
 def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
           has_aux: bool = False, reduction: str = "mean") -> Planned:
-    """``plan`` (a :class:`shardplan.Plan`, computed here or loaded with ``Plan.from_json``) made runnable for
+    """``plan`` (a :class:`shardplan.Plan`, computed here or loaded with ``SpmdPlan.from_json``) made runnable for
     ``loss_fn(params, batch)`` on ``devices``: the shardings, the constrained loss and the step for one
     program; for a pipeline, the staged step (``reduction``: the loss is a "mean" or a "sum" over the batch).
 
@@ -124,7 +124,7 @@ def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devic
     return _runnable(spmd_of(plan, graph), loss_fn, params, batch, info, devs, has_aux)
 
 
-def _runnable(sp: Plan, loss_fn: Callable[..., Any], params: Any, batch: Any, info: TraceInfo,
+def _runnable(sp: SpmdPlan, loss_fn: Callable[..., Any], params: Any, batch: Any, info: TraceInfo,
               devices: Sequence[Any], has_aux: bool) -> Planned:
     """A tables-backed per-operator plan ``sp`` of the traced program as a :class:`Planned`."""
     import jax
@@ -152,7 +152,7 @@ def planned(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Seque
     the plan uses micro-batches).
 
     ``machine`` defaults to the reference machine (10 TFLOP/s, 16 GB/s) with
-    ``len(devices)`` devices; ``solve_opts`` go to :func:`shardplan.plan.solve`
+    ``len(devices)`` devices; ``solve_opts`` go to :func:`shardplan.spmd.solve`
     (``divides_p`` defaults to True: only configurations whose device count
     divides p can be expressed as a mesh). ``has_aux``: ``loss_fn`` returns
     ``(loss, aux)``, as in ``jax.value_and_grad``.
@@ -171,8 +171,8 @@ def planned(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Seque
 
 def parallelize(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
                 machine: Machine | None = None, cutoff: int = 1, has_aux: bool = False, budget: float | None = None,
-                fit: Any = None, **solve_opts: Any) -> tuple[Plan, Callable[[Any, Any], Any]]:
-    """Plan ``loss_fn(params, batch)`` on ``devices`` and return ``(plan, step)``.
+                fit: Any = None, **solve_opts: Any) -> tuple[SpmdPlan, Callable[[Any, Any], Any]]:
+    """SpmdPlan ``loss_fn(params, batch)`` on ``devices`` and return ``(plan, step)``.
 
     ``step(params, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with
     ``has_aux``) is ``jax.value_and_grad`` of the function re-run with the

@@ -146,7 +146,7 @@ def issue_order(plan: Any, schedule: str | None = None) -> list[tuple[str, int, 
 
 
 def stage_plan(result: Any, index: int) -> Any:
-    """The intra-stage :class:`~shardplan.plan.Plan` of stage ``index`` at the plan's m.
+    """The intra-stage :class:`~shardplan.spmd.SpmdPlan` of stage ``index`` at the plan's m.
 
     The search's stage cost carries it, except where a long run of identical
     blocks was costed by linear extension (``periodic``): its plan is then the

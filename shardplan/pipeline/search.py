@@ -45,7 +45,7 @@ class StageCost:
         forward, backward: seconds per micro-batch (compute and in-stage collectives).
         weight_bytes: per-device bytes independent of micro-batches (weights, gradients, optimizer state).
         activation_bytes: per-device bytes saved for the backward pass by one micro-batch.
-        detail: what produced it (e.g. the intra-stage :class:`~shardplan.plan.Plan`), for reports.
+        detail: what produced it (e.g. the intra-stage :class:`~shardplan.spmd.SpmdPlan`), for reports.
         recv_bytes: per micro-batch, the most bytes one of its devices needs of the tensors that earlier stages
             produce (its input tiles under its plan): the forward transfer into the stage.
         grad_bytes: per micro-batch, the most bytes of gradient one of its devices receives for the tensors

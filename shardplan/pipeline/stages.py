@@ -339,7 +339,7 @@ class ModelStages:
 
     def solve_stage(self, a: int, b: int, q: int, m: int) -> StageCost:
         """The intra-stage optimum of units [a, b) on q devices at m micro-batches, solved now on its own
-        sub-graph (no sharing, no periodic extension): its :class:`~shardplan.plan.Plan` is ``.detail``."""
+        sub-graph (no sharing, no periodic extension): its :class:`~shardplan.spmd.SpmdPlan` is ``.detail``."""
         return self._cost_of_graph(self.subgraph(a, b, m), q, m, a, b - 1)
 
     def _tie_key(self, a: int, b: int, m: int) -> tuple:
@@ -427,7 +427,7 @@ class ModelStages:
         import numpy as np
 
         from shardplan.cost import build_tables
-        from shardplan.plan import Plan, plan_from_configs
+        from shardplan.spmd import SpmdPlan, plan_from_configs
         from shardplan.search import SOLVERS
 
         self.solves += 1
@@ -449,7 +449,7 @@ class ModelStages:
             problem = tables.to_problem()
             adjusted = tuple(np.maximum(vc - (1.0 - 1.0 / m) * w, 0.0) for vc, w in zip(problem.vertex_cost, sync))
             sol = SOLVERS[solver](replace(problem, vertex_cost=adjusted), **opts)
-            plan = Plan(tables, tuple(int(x) for x in sol.assignment), sol, solver)
+            plan = SpmdPlan(tables, tuple(int(x) for x in sol.assignment), sol, solver)
         else:
             plan = plan_from_configs(tables, self.strategy(tables), name="recipe")
             if self.choices is not None:

@@ -10,7 +10,7 @@ need redistribution are drawn bold red and labelled with its predicted time.
 from __future__ import annotations
 
 from shardplan.ir import Graph
-from shardplan.plan import Plan
+from shardplan.spmd import SpmdPlan
 from shardplan.units import fmt_seconds
 
 __all__ = ["graph_to_dot", "plan_to_dot"]
@@ -58,7 +58,7 @@ def graph_to_dot(graph: Graph) -> str:
     return _dot(graph, labels, {}, f"{graph.name}: {len(graph)} operators, {len(graph.edges)} edges")
 
 
-def plan_to_dot(plan: Plan) -> str:
+def plan_to_dot(plan: SpmdPlan) -> str:
     """The plan: node label = name + dims + configuration; redistributing edges bold with their time."""
     g = plan.graph
     configs = plan.configs

@@ -22,7 +22,7 @@ from shardplan.result import OperatorChoice, Plan, StagePlan
 from shardplan.table import format_table
 from shardplan.units import fmt_bytes, fmt_seconds
 
-__all__ = ["render_report", "recipe_words", "module_rows", "render_plan", "split_text", "device_picture", "memory_lines", "as_plan"]
+__all__ = ["render_report", "dims_text", "recipe_words", "module_rows", "render_plan", "split_text", "device_picture", "memory_lines", "as_plan"]
 
 BREAKDOWN_LABELS = {**BREAKDOWN, "weight_sync": "weight-gradient sync (incl. ZeRO gathers)",
                     "recompute": "recomputed forward", "stage_work": "stages' work (m x slowest stage)",
@@ -42,10 +42,25 @@ def as_plan(plan: Any) -> Plan:
 _COUNTER = re.compile(r"(\d+)")
 
 
-def split_text(choice: OperatorChoice) -> str:
-    """``b/8 o/4`` (dimension / ways) for the split dimensions; ``replicated`` when none is split."""
-    lay = choice.layout
-    return " ".join(f"{d}/{c}" for d, c in zip(lay.dims, lay.split) if c > 1) or "replicated"
+def _names(choice: OperatorChoice) -> tuple[str, ...]:
+    return choice.labels if len(choice.labels) == len(choice.layout.dims) else choice.layout.dims
+
+
+def dims_text(choice: OperatorChoice) -> str:
+    """``batch:16 seq:128 out:2304`` (label:extent per dimension; the names alone when extents are unknown)."""
+    names = _names(choice)
+    if len(choice.extents) != len(names):
+        return " ".join(names)
+    return " ".join(f"{n}:{e}" for n, e in zip(names, choice.extents))
+
+
+def split_text(choice: OperatorChoice, extents: bool = False) -> str:
+    """``batch/8 out/4`` (dimension / ways) for the split dimensions, ``batch:16/8`` with ``extents``;
+    ``replicated`` when none is split."""
+    names = _names(choice)
+    ext = choice.extents if extents and len(choice.extents) == len(names) else None
+    return " ".join(f"{n}:{ext[i]}/{c}" if ext is not None else f"{n}/{c}"
+                    for i, (n, c) in enumerate(zip(names, choice.layout.split)) if c > 1) or "replicated"
 
 
 def _weighted_mode(pairs: Sequence[tuple[Any, float]]) -> tuple[Any, float]:
@@ -202,10 +217,9 @@ def render_plan(plan: Any, *, operators: bool = False, compare: Plan | None = No
             out.append(f"  (stages 2..{plan.num_stages - 1}: --operators or the JSON lists them)")
             break
     if operators:
-        orows = [(n, c.kind, " ".join(f"{d}{c2}" for d, c2 in zip(c.layout.dims, c.layout.split)),
-                  split_text(c), str(c.state_stage), "yes" if c.recompute else "")
+        orows = [(n, c.kind, dims_text(c), split_text(c, extents=True), str(c.state_stage), "yes" if c.recompute else "")
                  for s in plan.stages for n, c in s.operators.items()]
-        out.append(format_table(orows, ("operator", "kind", "splits per dim", "split", "zero", "recompute")))
+        out.append(format_table(orows, ("operator", "kind", "dims", "splits", "zero", "recompute")))
     return "\n".join(out)
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from shardplan.layout import Layout
-from shardplan.plan import Plan
+from shardplan.spmd import SpmdPlan
 from shardplan.table import format_table
 from shardplan.search.io import jsonable
 from shardplan.units import fmt_seconds
@@ -126,7 +126,7 @@ def _family(module: str) -> str:
     return module
 
 
-def _title(members: Sequence[str], key: tuple[str, str], plan: Plan) -> str:
+def _title(members: Sequence[str], key: tuple[str, str], plan: SpmdPlan) -> str:
     """A compact name for ``members`` (all of one (kind, dims) ``key``)."""
     g = plan.graph
     by_module: dict[str, list[str]] = {}
@@ -213,7 +213,7 @@ def scope_title(members: Sequence[str]) -> str:
     return "; ".join(out)
 
 
-def group_operators(plan: Plan) -> list[Group]:
+def group_operators(plan: SpmdPlan) -> list[Group]:
     """Operators grouped by (kind, dims, layout), in order of first appearance."""
     keyed: dict[tuple[str, str, Layout], list[str]] = {}
     lays = plan.layouts
@@ -230,7 +230,7 @@ def _cfg(c: Sequence[int]) -> str:
     return "(" + ",".join(str(x) for x in c) + ")"
 
 
-def render_strategy(plan: Plan, max_title: int = 60) -> str:
+def render_strategy(plan: SpmdPlan, max_title: int = 60) -> str:
     """The Table II-style strategy table of ``plan`` (one line per group)."""
     rows = []
     for grp in group_operators(plan):
@@ -240,7 +240,7 @@ def render_strategy(plan: Plan, max_title: int = 60) -> str:
     return format_table(rows, ("layers", "kind", "dims", "configuration", "ops"))
 
 
-def plan_to_json(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> dict[str, Any]:
+def plan_to_json(plan: SpmdPlan, baselines: Mapping[str, SpmdPlan] | None = None) -> dict[str, Any]:
     """``plan.to_dict()`` plus the report's groups and each baseline's cost, breakdown and speedup."""
     d = plan.to_dict()
     d["groups"] = [{"title": g.title, "kind": g.kind, "dims": g.label, "config": list(g.config),

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from shardplan.errors import ShardplanError
 from shardplan.machine import Machine
-from shardplan.plan import Plan, solve
+from shardplan.spmd import SpmdPlan, solve
 from shardplan.torch.frontend import HANDLERS, ShardplanWarning, TorchTrace, register, trace
 from shardplan.torch.layout import (layout_groups, mesh_dims, mesh_factors, placement_names, plan_mesh_shape,
                                     tensor_placements)
@@ -30,7 +30,7 @@ __all__ = ["parallelize", "pipeline", "trace", "report", "HANDLERS", "register",
            "mesh_factors", "layout_groups", "plan_mesh_shape", "mesh_dims", "tensor_placements", "placement_names", "plan_placements"]
 
 
-def plan_placements(plan: Plan, info: TorchTrace) -> dict[str, Any]:
+def plan_placements(plan: SpmdPlan, info: TorchTrace) -> dict[str, Any]:
     """Per operator the dimension each mesh axis splits and its output placements; per parameter its placements."""
     from shardplan.torch.run import plan_placements as _pp
 
@@ -46,8 +46,8 @@ def _world(mesh: Any) -> int:
 
 
 def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs: Mapping[str, Any] | None = None,
-                machine: Machine | None = None, cutoff: int = 1, **solve_opts: Any) -> tuple[Plan, Any]:
-    """Plan ``module(*example_inputs, **kwargs)`` on the devices of ``mesh`` and return ``(plan, sharded module)``.
+                machine: Machine | None = None, cutoff: int = 1, **solve_opts: Any) -> tuple[SpmdPlan, Any]:
+    """SpmdPlan ``module(*example_inputs, **kwargs)`` on the devices of ``mesh`` and return ``(plan, sharded module)``.
 
     ``mesh`` is a :class:`torch.distributed.device_mesh.DeviceMesh` over all
     devices (any shape: its devices are re-laid as one mesh of prime-factor
@@ -55,7 +55,7 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
     same module (same parameter values) and inputs; tracing and solving are
     deterministic, so every rank finds the same plan. ``machine`` defaults to
     the reference machine with ``mesh.size()`` devices; ``solve_opts`` go to
-    :func:`shardplan.plan.solve` (only configurations whose device count
+    :func:`shardplan.spmd.solve` (only configurations whose device count
     divides p are kept, as a mesh needs).
 
     The module returned runs the forward pass on DTensors laid out as planned
@@ -88,7 +88,7 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
     return _pipeline(module, example_inputs, machine, **options)
 
 
-def report(plan: Plan, info: TorchTrace | None = None) -> str:
+def report(plan: SpmdPlan, info: TorchTrace | None = None) -> str:
     """Per operator: splits, the mesh axis each split takes, predicted cost; and the step's breakdown.
 
     With ``info``, conservatively described operators are marked ``*``.

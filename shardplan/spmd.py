@@ -17,11 +17,11 @@ from shardplan.machine import Machine
 from shardplan.search.io import jsonable
 from shardplan.search.problem import Solution
 
-__all__ = ["Plan", "solve", "solve_tables", "plan_from_configs"]
+__all__ = ["SpmdPlan", "solve", "solve_tables", "plan_from_configs"]
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class SpmdPlan:
     """A strategy on a costed graph.
 
     Attributes:
@@ -171,7 +171,7 @@ class Plan:
         return d
 
 
-def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int] | Layout], name: str = "custom") -> Plan:
+def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int] | Layout], name: str = "custom") -> SpmdPlan:
     """A plan from explicit layouts or configuration tuples (every operator must be given); a tuple means
     its row-major flat numbering when that is a candidate (see :meth:`CostTables.index_of`)."""
     g = tables.graph
@@ -179,12 +179,12 @@ def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int] | 
     if missing:
         raise ShardplanError(f"strategy {name!r} gives no configuration for {missing[0]!r} ({len(missing)} missing)")
     assignment = tuple(tables.index_of(i, configs[op.name]) for i, op in enumerate(g.operators))
-    return Plan(tables, assignment, None, name)
+    return SpmdPlan(tables, assignment, None, name)
 
 
 def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: bool = False, divides_p: bool = True,
           orders: str = "auto", solver: str = "dp", progress: Callable[[int, int], None] | None = None,
-          **solver_options: Any) -> Plan:
+          **solver_options: Any) -> SpmdPlan:
     """Find the strategy of minimum predicted step time for ``graph`` on ``machine``.
 
     Builds the cost tables (configurations with at least ``cutoff`` points per
@@ -214,7 +214,7 @@ def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: boo
 
 
 def solve_tables(tables: CostTables, *, solver: str = "dp", build_seconds: float | None = None,
-                 **solver_options: Any) -> Plan:
+                 **solver_options: Any) -> SpmdPlan:
     """The strategy of minimum predicted step time among prebuilt cost ``tables``.
 
     Lowers them to a :class:`~shardplan.search.problem.Problem` (each group
@@ -241,7 +241,7 @@ def solve_tables(tables: CostTables, *, solver: str = "dp", build_seconds: float
                                      "different candidate layouts")
         tied, rep = tie(problem, groups)
         sol = untie(SOLVERS[solver](tied, **solver_options), rep)
-    return Plan(tables, tuple(int(a) for a in sol.assignment), sol, solver, build_seconds)
+    return SpmdPlan(tables, tuple(int(a) for a in sol.assignment), sol, solver, build_seconds)
 
 
 def _check_solver(solver: str) -> None:
