@@ -239,43 +239,64 @@ def _make_class() -> Any:
             shape = plan_mesh_shape([layouts[o.name] for o in graph.operators], p)
             self.mesh = factored_mesh(mesh, shape)
             self.layouts = Layouts(graph, layouts, tuple(self.mesh.mesh.shape))
-            ep = info.program
-            self._ep = ep
-            self._gm = ep.graph_module
-            self._params = nn.ParameterDict()
-            self._keys: dict[str, str] = {}
+            self._ep = info.program
             self.param_placements: dict[str, tuple[Any, ...]] = {}
-            named = dict(module.named_parameters(remove_duplicate=False))
-            buffers = dict(module.named_buffers(remove_duplicate=False))
-            self._buffers_by_target = buffers
-            tied: dict[int, str] = {}
-            for spec in ep.graph_signature.input_specs:
-                if spec.kind != InputKind.PARAMETER:
+            self._mirror(module)
+
+        def _mirror(self, module: Any) -> None:
+            """Register the DTensor parameters and the buffers in a tree of modules named as ``module``'s.
+
+            Every submodule path of ``module`` gets a bare ``nn.Module`` at the
+            same path (this module stands for the root), holding at the same
+            local names the DTensor parameter of each parameter and the buffer
+            itself (persistent or not, as there). A tensor registered under
+            several names (tied weights, a shared submodule) is one DTensor
+            registered under the same names, so ``named_parameters()``,
+            ``state_dict()`` and their duplicates follow ``module``'s exactly.
+            """
+            names: dict[int, list[str]] = {}
+            for name, par in module.named_parameters(remove_duplicate=False):
+                names.setdefault(id(par), []).append(name)
+            made: dict[int, Any] = {}  # id(original parameter) -> its DTensor parameter
+            shadows: dict[int, Any] = {id(module): self}  # id(original submodule) -> its mirror
+            by_path: dict[str, Any] = {"": self}
+            for path, sub in module.named_modules(remove_duplicate=False):
+                if not path:
+                    self._fill(sub, self, names, made)
                     continue
-                target = spec.target
-                if id(named[target]) in tied:  # a tied parameter, exported once per name: one DTensor
-                    self._keys[target] = tied[id(named[target])]
-                    continue
-                src = named[target]
-                uses = info.param_uses.get(target, ())
-                if uses:
-                    pl = self.layouts.placements(uses[0][0], uses[0][1], src.dim())
-                else:
-                    pl = tuple(Replicate() for _ in range(self.mesh.ndim))
-                dt = distribute_tensor(src.detach().clone(), self.mesh, list(pl), src_data_rank=None)
-                par = nn.Parameter(dt, requires_grad=src.requires_grad)
-                key = target.replace(".", "__")
-                self._params[key] = par
-                self._keys[target] = key
-                tied[id(src)] = key
-                self.param_placements[target] = pl
-                if src.requires_grad:
-                    par.register_hook(self._grad_hook(pl))
-            # tied parameters: every name the module knows them by maps to the one DTensor
-            by_id = {id(named[t]): k for t, k in self._keys.items()}
-            for name, src in named.items():
-                if name not in self._keys and id(src) in by_id:
-                    self._keys[name] = by_id[id(src)]
+                parent, _, leaf = path.rpartition(".")
+                fresh = id(sub) not in shadows
+                shadow = shadows.setdefault(id(sub), nn.Module())
+                by_path[path] = shadow
+                by_path[parent]._modules[leaf] = shadow
+                if fresh:
+                    self._fill(sub, shadow, names, made)
+
+        def _fill(self, sub: Any, shadow: Any, names: Mapping[int, list[str]], made: dict[int, Any]) -> None:
+            """Put ``sub``'s own parameters (as DTensors) and buffers into ``shadow`` under their local names."""
+            for local, par in sub._parameters.items():
+                if par is not None and id(par) not in made:
+                    made[id(par)] = self._distribute(names[id(par)], par)
+                shadow._parameters[local] = None if par is None else made[id(par)]
+            for local, buf in sub._buffers.items():
+                shadow._buffers[local] = buf
+                if local in sub._non_persistent_buffers_set:
+                    shadow._non_persistent_buffers_set.add(local)
+
+        def _distribute(self, names: Sequence[str], src: Any) -> Any:
+            """The DTensor parameter of ``src`` (known by ``names``), laid out as its first reader's
+            configuration asks (replicated when no operator reads it)."""
+            uses = next((self.info.param_uses[n] for n in names if n in self.info.param_uses), ())
+            if uses:
+                pl = self.layouts.placements(uses[0][0], uses[0][1], src.dim())
+            else:
+                pl = tuple(Replicate() for _ in range(self.mesh.ndim))
+            dt = distribute_tensor(src.detach().clone(), self.mesh, list(pl), src_data_rank=None)
+            par = nn.Parameter(dt, requires_grad=src.requires_grad)
+            self.param_placements[names[0]] = pl
+            if src.requires_grad:
+                par.register_hook(self._grad_hook(pl))
+            return par
 
         def _grad_hook(self, placements: tuple[Any, ...]) -> Any:
             def hook(g: Any) -> Any:
@@ -286,11 +307,40 @@ def _make_class() -> Any:
 
         def dparameter(self, target: str) -> Any:
             """The DTensor parameter for ``target`` (the original module's parameter name)."""
-            return self._params[self._keys[target]]
+            return self.get_parameter(target)
 
         def named_dparameters(self) -> dict[str, Any]:
-            """Original parameter name -> DTensor parameter."""
-            return {t: self._params[k] for t, k in self._keys.items()}
+            """Original parameter name -> DTensor parameter, every name of a tied parameter included."""
+            return dict(self.named_parameters(remove_duplicate=False))
+
+        def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+            """Load a state dict keyed by the original module's names (as :meth:`state_dict` gives).
+
+            A parameter's value may be a full ``torch.Tensor`` (every rank
+            passes the same; each keeps its planned shard) or a DTensor (laid
+            out again as planned: redistributed on this mesh, else gathered
+            and split). Values are copied into the parameters, which keep
+            their placements and gradient hooks; ``assign=True`` would replace
+            them, so it is refused.
+            """
+            if assign:
+                raise ShardplanError("load_state_dict(assign=True) would replace the planned DTensor parameters; "
+                                     "load with assign=False (values are copied into them)")
+            params = dict(self.named_parameters(remove_duplicate=False))
+            placed = {k: self._placed(v, params[k]) if k in params and isinstance(v, torch.Tensor) else v
+                      for k, v in state_dict.items()}
+            return super().load_state_dict(placed, strict=strict)
+
+        def _placed(self, value: Any, par: Any) -> Any:
+            """``value`` as a DTensor with ``par``'s mesh and placements (unchanged when its shape differs,
+            so that ``load_state_dict`` reports the mismatch)."""
+            if tuple(value.shape) != tuple(par.shape):
+                return value
+            if isinstance(value, DTensor):
+                if value.device_mesh == par.device_mesh:
+                    return _redistribute(value.detach(), par.device_mesh, par.placements)
+                value = value.full_tensor()
+            return distribute_tensor(value.detach(), par.device_mesh, list(par.placements), src_data_rank=None)
 
         def _input_placements(self, name: str, rank: int) -> tuple[Any, ...] | None:
             uses = self.info.input_uses.get(name, ())
@@ -307,13 +357,13 @@ def _make_class() -> Any:
                 raise ShardplanError(f"arguments have structure {spec}, the traced module had {ep.call_spec.in_spec}")
             env: dict[str, Any] = {}
             user = iter(flat)
+            buffers = dict(self.named_buffers(remove_duplicate=False))
             for s in ep.graph_signature.input_specs:
                 name = s.arg.name if hasattr(s.arg, "name") else None
                 if s.kind == InputKind.PARAMETER:
                     env[name] = self.dparameter(s.target)
                 elif s.kind == InputKind.BUFFER:
-                    env[name] = self._buffers_by_target[s.target] if s.target in self._buffers_by_target \
-                        else ep.state_dict[s.target]
+                    env[name] = buffers[s.target] if s.target in buffers else ep.state_dict[s.target]
                 elif s.kind == InputKind.CONSTANT_TENSOR:
                     env[name] = ep.constants[s.target]
                 elif s.kind == InputKind.USER_INPUT:
@@ -331,11 +381,12 @@ def _make_class() -> Any:
                     if name is not None:
                         env[name] = None
             result = None
-            for node in self._gm.graph.nodes:
+            gm = ep.graph_module
+            for node in gm.graph.nodes:
                 if node.op == "placeholder":
                     continue
                 if node.op == "get_attr":
-                    obj = self._gm
+                    obj = gm
                     for part in str(node.target).split("."):
                         obj = getattr(obj, part)
                     env[node.name] = obj
