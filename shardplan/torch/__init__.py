@@ -46,7 +46,8 @@ def _world(mesh: Any) -> int:
 
 
 def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs: Mapping[str, Any] | None = None,
-                machine: Machine | None = None, cutoff: int = 1, **solve_opts: Any) -> tuple[Plan, Any]:
+                machine: Machine | None = None, cutoff: int = 1, budget: float | None = None, fit: Any = None,
+                **solve_opts: Any) -> tuple[Plan, Any]:
     """Plan ``module(*example_inputs, **kwargs)`` on the devices of ``mesh`` and return ``(plan, sharded module)``.
 
     ``mesh`` is a :class:`torch.distributed.device_mesh.DeviceMesh` over all
@@ -58,11 +59,27 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
     :func:`shardplan.plan.solve` (only configurations whose device count
     divides p are kept, as a mesh needs).
 
+    With ``budget`` (bytes per device) or ``fit`` (:class:`shardplan.fit.FitOptions`;
+    the budget is then the machine's memory) the plan is the fastest whose
+    peak memory fits (:func:`shardplan.fit.solve_fit`, ``solve_opts`` going
+    to it), and the module runs its memory choices
+    (:class:`~shardplan.torch.run.RunChoices`): recomputed operators under
+    ``torch.utils.checkpoint``, k micro-batches by gradient accumulation in
+    ``pm.step(*inputs)`` (every tensor argument is split along axis 0; the
+    loss must be a mean over the batch), and ZeRO stage 3 as parameters
+    sharded over their data-parallel group, gathered on use and gathered
+    again in the backward pass (the optimizer state, created like the
+    parameter, is sharded with it). ZeRO stages 1 and 2 are not offered to
+    the search (:data:`~shardplan.torch.run.TORCH_STAGES`): ``fit.stages`` is
+    cut to stages 0 and 3.
+
     The module returned runs the forward pass on DTensors laid out as planned
-    (call it as the module; DTensor outputs come back as full tensors); its
-    DTensor parameters are ``.parameters()`` and ``.named_dparameters()``.
+    (call it as the module; DTensor outputs come back as full tensors). Its
+    parameters and buffers carry ``module``'s own names (``named_parameters()``,
+    ``state_dict()``, ``load_state_dict()`` of full tensors or DTensors), the
+    parameters as DTensors; ``named_dparameters()`` lists every name of a tied one.
     """
-    from shardplan.torch.run import ParallelModule
+    from shardplan.torch.run import parallel_module
 
     p = _world(mesh)
     if machine is None:
@@ -73,8 +90,18 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
     if solve_opts.get("divides_p", True) is not True:
         raise ShardplanError("parallelize needs divides_p=True: a DeviceMesh cannot leave devices idle")
     solve_opts["divides_p"] = True
-    plan = solve(graph, machine, cutoff=cutoff, **solve_opts)
-    return plan, ParallelModule.create(module, info, graph, plan.layouts, mesh)
+    if budget is not None or fit is not None:
+        from dataclasses import replace
+
+        from shardplan.fit import FitOptions, solve_fit
+        from shardplan.torch.run import TORCH_STAGES
+
+        options = fit or FitOptions()
+        options = replace(options, stages=tuple(s for s in options.stages if s in TORCH_STAGES))
+        plan = solve_fit(graph, machine, budget=budget, options=options, cutoff=cutoff, **solve_opts)
+    else:
+        plan = solve(graph, machine, cutoff=cutoff, **solve_opts)
+    return plan, parallel_module(module, example_inputs, kwargs, info, plan, mesh)
 
 
 def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None = None, **options: Any) -> Any:
