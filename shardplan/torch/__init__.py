@@ -45,6 +45,15 @@ def _world(mesh: Any) -> int:
     return int(mesh.mesh.numel())
 
 
+def _splits_batch(args: Sequence[Any], kwargs: Mapping[str, Any] | None, k: int) -> bool:
+    """Whether ``k`` micro-batches split every tensor argument along axis 0 (k = 1 always does)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs or {})))
+    return k == 1 or all(x.dim() > 0 and x.shape[0] % k == 0 for x in leaves if isinstance(x, torch.Tensor))
+
+
 def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs: Mapping[str, Any] | None = None,
                 machine: Machine | None = None, cutoff: int = 1, budget: float | None = None, fit: Any = None,
                 **solve_opts: Any) -> tuple[Plan, Any]:
@@ -71,7 +80,10 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
     again in the backward pass (the optimizer state, created like the
     parameter, is sharded with it). ZeRO stages 1 and 2 are not offered to
     the search (:data:`~shardplan.torch.run.TORCH_STAGES`): ``fit.stages`` is
-    cut to stages 0 and 3.
+    cut to stages 0 and 3, and ``fit.micro_batches`` to the counts that divide
+    axis 0 of every tensor argument. A count whose micro-batch some planned
+    split does not divide raises :class:`~shardplan.errors.ShardplanError`
+    when the module is built (the fit model does not check it).
 
     The module returned runs the forward pass on DTensors laid out as planned
     (call it as the module; DTensor outputs come back as full tensors). Its
@@ -97,7 +109,12 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
         from shardplan.torch.run import TORCH_STAGES
 
         options = fit or FitOptions()
-        options = replace(options, stages=tuple(s for s in options.stages if s in TORCH_STAGES))
+        counts = tuple(k for k in options.micro_batches if _splits_batch(example_inputs, kwargs, int(k)))
+        if not counts:
+            raise ShardplanError(f"no micro-batch count of {tuple(options.micro_batches)} divides axis 0 of every "
+                                 "tensor argument (micro-batches split every tensor argument along axis 0)")
+        options = replace(options, stages=tuple(s for s in options.stages if s in TORCH_STAGES),
+                          micro_batches=counts)
         plan = solve_fit(graph, machine, budget=budget, options=options, cutoff=cutoff, **solve_opts)
     else:
         plan = solve(graph, machine, cutoff=cutoff, **solve_opts)

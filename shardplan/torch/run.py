@@ -27,6 +27,39 @@ so the backward pass uses the forward layouts, as the cost model assumes.
 A hook on every parameter redistributes its gradient to the parameter's own
 placements, so ``param.grad`` is laid out like ``param`` and any
 ``torch.optim`` optimizer updates the shards in place.
+
+Names: the parameters and buffers are registered in a tree of bare modules
+with the original module's submodule paths (the parallel module stands for
+its root), so ``named_parameters()``, ``state_dict()`` and
+``load_state_dict()`` speak the model's names (``transformer.wte.weight``),
+tied parameters and shared submodules included, exactly as the model lists
+them.
+
+A fit plan's memory choices (:func:`shardplan.fit.solve_fit`;
+:class:`RunChoices`) run as follows:
+
+* *recomputation*: consecutive nodes of recomputed operators (with the views
+  and item accesses that follow them) form a :class:`Segment` run under
+  ``torch.utils.checkpoint`` (non-reentrant): the backward pass keeps the
+  segment's inputs only and runs its forward again, redistributions and all;
+* *micro-batches*: the module is traced again at 1/k of the batch and runs
+  with the same per-operator layouts; :meth:`ParallelModule.step` runs the k
+  micro-batches (rows i, i + k, ... of every tensor argument) one after the
+  other, each forward followed by the backward of ``loss_i / k``, so
+  ``param.grad`` accumulates the mean's gradient and one micro-batch's
+  activations are live at a time;
+* *ZeRO stage 3*: a parameter whose first reader is at stage 3 is held with
+  its tile cut further over the mesh axes that replicate it
+  (:func:`zero3_placements`), so its gradient (reduce-scattered by the
+  redistribution's backward) and the optimizer state created like it are
+  cut too. Its reader gathers it (the operand redistribution) and a
+  saved-tensor hook keeps, instead of the gathered copy autograd would save,
+  the sharded parameter, gathering it again when the backward pass needs it
+  (the model's two gathers). A parameter read through a view node first is
+  saved as autograd saves it. Stages 1 and 2 keep a whole tile of the
+  parameter but shard its optimizer state, which an optimizer stepping on
+  the parameters cannot do: :func:`run_choices` refuses them (and
+  :func:`shardplan.torch.parallelize` never offers them).
 """
 
 from __future__ import annotations
@@ -487,6 +520,7 @@ def _make_class() -> Any:
 
         @property
         def micro_batches(self) -> int:
+            """The plan's micro-batch count k (1 for a plan without memory choices)."""
             return self.choices.micro_batches
 
         def _mirror(self, module: Any) -> None:
@@ -511,12 +545,12 @@ def _make_class() -> Any:
                     self._fill(sub, self, names, made)
                     continue
                 parent, _, leaf = path.rpartition(".")
-                fresh = id(sub) not in shadows
-                shadow = shadows.setdefault(id(sub), nn.Module())
+                shadow = shadows.get(id(sub))
+                if shadow is None:  # first time this submodule is met; a shared one keeps its mirror
+                    shadow = shadows[id(sub)] = nn.Module()
+                    self._fill(sub, shadow, names, made)
                 by_path[path] = shadow
                 by_path[parent]._modules[leaf] = shadow
-                if fresh:
-                    self._fill(sub, shadow, names, made)
 
         def _fill(self, sub: Any, shadow: Any, names: Mapping[int, list[str]], made: dict[int, Any]) -> None:
             """Put ``sub``'s own parameters (as DTensors) and buffers into ``shadow`` under their local names."""
@@ -610,10 +644,11 @@ def _make_class() -> Any:
             """One forward and backward pass of the batch as planned; the loss, detached.
 
             With k micro-batches (:func:`micro_batch`: batch rows i, i + k, ...)
-            the module must return a scalar loss that is a mean over the batch:
-            the step's loss is (1/k) sum_i loss_i and each micro-batch adds the
-            gradient of loss_i / k to ``param.grad``, so the gradients are those
-            of the whole batch's mean (for equal-sized micro-batches). With one
+            the module must return a scalar loss that is a mean of per-example
+            terms over the batch (no statistic across the batch, such as a
+            training BatchNorm's): the step's loss is (1/k) sum_i loss_i and each
+            micro-batch adds the gradient of loss_i / k to ``param.grad``, so the
+            gradients are those of the whole batch's mean. With one
             micro-batch it is ``loss = module(*args); loss.backward()``.
             """
             k = self.micro_batches
