@@ -118,7 +118,8 @@ def run_names(name: str, world: int) -> dict[str, Any]:
     opt.step()
     after = dict(pm.named_parameters())
     out.update(loss=float(loss), loss0=float(loss0), norm=float(_full(norm)), norm0=float(norm0),
-               groups=[len(g["params"]) for g in opt.param_groups], groups0=[len(g["params"]) for g in opt0.param_groups])
+               groups=[len(g["params"]) for g in opt.param_groups],
+               groups0=[len(g["params"]) for g in opt0.param_groups])
     out["grad_err"], out["grad_scale"] = _worst({n: p.grad for n, p in after.items()}, grads0)
     want = {n: p.detach() for n, p in ref.named_parameters()}
     out["param_err"], out["param_scale"] = _worst(after, want)
@@ -183,12 +184,13 @@ def run_fit(name: str, world: int) -> dict[str, Any]:
     grads0 = {n: p.grad.detach() for n, p in ref.named_parameters()}
     loss = pm.step(*batch)
     got = dict(pm.named_parameters())
-    out: dict[str, Any] = {"loss": float(loss), "loss0": float(loss0), "budget": budget,
-                           "peak": float(plan.memory["peak_bytes"]), "plain_peak": float(
-                               plan_with_choices(plain).memory["peak_bytes"]),
-                           "micro_batches": pm.micro_batches, "recompute": len(pm.choices.recompute),
-                           "zero3": len(pm.choices.zero3), "names": list(got) == [n for n, _ in model.named_parameters()],
-                           "grad_layouts_ok": all(tuple(p.grad.placements) == tuple(p.placements) for p in got.values())}
+    out: dict[str, Any] = {
+        "loss": float(loss), "loss0": float(loss0), "budget": budget, "peak": float(plan.memory["peak_bytes"]),
+        "plain_peak": float(plan_with_choices(plain).memory["peak_bytes"]), "micro_batches": pm.micro_batches,
+        "recompute": len(pm.choices.recompute), "zero3": len(pm.choices.zero3),
+        "names": list(got) == [n for n, _ in model.named_parameters()],
+        "grad_layouts_ok": all(tuple(p.grad.placements) == tuple(p.placements) for p in got.values()),
+    }
     out["grad_err"], out["grad_scale"] = _worst({n: p.grad for n, p in got.items()}, grads0)
     # ZeRO-3 parameters hold less than their tile: the tile of the layout is cut over its replicas
     tiles = {n: pm.layouts.placements(*pm.info.param_uses[n][0], p.dim()) for n, p in got.items()
