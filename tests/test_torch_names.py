@@ -23,7 +23,7 @@ from torch_cases import BATCH, D, SEQ, VOCAB
 
 WORLD = 4
 NAME_CASES = ["hf_gpt2", "hf_llama", "tiny_lm"]
-FIT_CASES = ["fit_gpt2", "fit_llama_block", "forced_gpt2"]
+FIT_CASES = ["fit_gpt2", "fit_llama_block", "fit_options", "forced_gpt2"]
 LR, DECAY = 1e-2, 0.1
 EPS = 1e-4  # AdamW's first step moves by about LR * g / (|g| + eps): an eps far above the gradients' float
 # error keeps near-zero gradients from amplifying it (by LR / eps) in the comparison
@@ -150,16 +150,17 @@ def _tokens(seed: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 FIT_MODELS = {"fit_gpt2": torch_cases.make_hf_gpt2, "fit_llama_block": torch_cases.make_llama_block,
-              "forced_gpt2": torch_cases.make_hf_gpt2}
+              "fit_options": torch_cases.make_llama_block, "forced_gpt2": torch_cases.make_hf_gpt2}
 
 
 def run_fit(name: str, world: int) -> dict[str, Any]:
-    """A plan under a memory budget (``fit_*``: 45% of the plain plan's memory; ``forced_*``: ZeRO-3
-    everywhere, every other operator recomputed, 2 micro-batches, by hand), run with ``pm.step``."""
+    """A plan under a memory budget (``fit_*``: 45% of the plain plan's memory; ``fit_options``: the same
+    with ZeRO stages 1 to 3 and 3 or 2 micro-batches asked for; ``forced_*``: ZeRO-3 everywhere, every
+    other operator recomputed, 2 micro-batches, by hand), run with ``pm.step``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardplan.torch as st
-    from shardplan.fit import plan_with_choices
+    from shardplan.fit import FitOptions, plan_with_choices
     from shardplan.plan import solve
     from shardplan.torch.run import parallel_module
 
@@ -177,7 +178,8 @@ def run_fit(name: str, world: int) -> dict[str, Any]:
         pm = parallel_module(torch_cases._clone(model), batch, None, info, plan, mesh)
     else:
         budget = 0.45 * plan_with_choices(plain).memory["peak_bytes"]
-        plan, pm = st.parallelize(torch_cases._clone(model), batch, mesh, machine=machine, budget=budget)
+        fit = FitOptions(stages=(1, 2, 3), micro_batches=(3, 2)) if name == "fit_options" else None
+        plan, pm = st.parallelize(torch_cases._clone(model), batch, mesh, machine=machine, budget=budget, fit=fit)
     ref = torch_cases._clone(model)
     loss0 = ref(*batch)
     loss0.backward()
@@ -188,6 +190,7 @@ def run_fit(name: str, world: int) -> dict[str, Any]:
         "loss": float(loss), "loss0": float(loss0), "budget": budget, "peak": float(plan.memory["peak_bytes"]),
         "plain_peak": float(plan_with_choices(plain).memory["peak_bytes"]), "micro_batches": pm.micro_batches,
         "recompute": len(pm.choices.recompute), "zero3": len(pm.choices.zero3),
+        "stages": sorted({plan.memory_choices.stage(i) for i in range(len(names))}),
         "names": list(got) == [n for n, _ in model.named_parameters()],
         "grad_layouts_ok": all(tuple(p.grad.placements) == tuple(p.placements) for p in got.values()),
     }
@@ -296,6 +299,12 @@ def test_budget_plan_fits_and_runs_like_the_unsharded_model(results, name):
     assert r["grad_err"] <= 1e-4 * r["grad_scale"]
     assert r["grad_layouts_ok"] and r["names"]
     assert abs(r["no_grad_loss"] - r["loss0"]) <= 1e-5 * abs(r["loss0"])
+
+
+def test_torch_fit_offers_zero_3_and_the_micro_batch_counts_that_split_the_batch(results):
+    r = _ok(results, "fit_options")
+    assert r["micro_batches"] == 2, "3 does not divide the batch of 32: only 2 micro-batches are offered"
+    assert r["stages"] == [0, 3] and r["zero3"] > 0, "stages 1 and 2 are not offered; this budget needs stage 3"
 
 
 def test_hand_chosen_memory_choices_all_run(results):
