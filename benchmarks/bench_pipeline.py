@@ -1,6 +1,6 @@
 """Pipeline stages searched vs Megatron-LM's recipe under the same cost model (JSON).
 
-Cases (issue 16): Megatron-LM's published configurations (Narayanan et al., SC'21, Table 1; tensor
+Cases: Megatron-LM's published configurations (Narayanan et al., SC'21, Table 1; tensor
 parallel 8 inside a node) on the ``a100`` preset, GPT-3 175B on 1,024 ``h100``, and a small case
 (GPT 1.3B on 64 a100) that finishes quickly. For each: the recipe (its stage count, layers split
 evenly with the embedding on the first stage and the head on the last, Megatron-LM's intra-stage
@@ -173,7 +173,7 @@ def _choices(plan) -> str:
 
 
 def _layouts(plan) -> str:
-    from shardplan.pipeline.report import _layout
+    from shardplan.report.pipeline import _layout
 
     return _layout(plan)
 

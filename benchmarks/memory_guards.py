@@ -1,4 +1,4 @@
-"""Memory guards: each guarded phase's estimate against its measured peak (issue 14).
+"""Memory guards: each guarded phase's estimate against its measured peak.
 
 Every case runs in a fresh process (tests/memprobe.py): the kernel's
 peak-RSS counter is reset just before the phase, so ``measured`` is what the

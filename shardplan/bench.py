@@ -11,7 +11,7 @@ import time
 from typing import Any, Sequence, TextIO
 
 from shardplan.errors import ShardplanError, TableMemoryError
-from shardplan.report.table import format_table
+from shardplan.table import format_table
 
 __all__ = ["run_table1", "run_compare"]
 

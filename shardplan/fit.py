@@ -1,158 +1,20 @@
 """Plans that fit: the minimum step time with peak memory per device within a budget.
 
-The memory model (what is live at the peak)
--------------------------------------------
-Two models, chosen by ``FitOptions.grad_buffers`` (CLI ``--grad-buffers``).
-The default, ``"persistent"``, takes the peak at the start of the backward
-pass, when every activation saved by the forward pass is still held and the
-gradient buffers exist. Per device, for a plan with ``m`` micro-batches::
+:func:`solve_fit` searches, exactly, the plan of least predicted step time
+whose peak memory per device fits a budget, offering beside every layout
+ZeRO stage 0-3 (FSDP) sharding of weights, gradients and optimizer state over
+the weight's data-parallel group, per-operator recomputation, and a global
+micro-batch count (:class:`FitOptions`). The memory model is additive
+(``grad_buffers="persistent"``: every gradient and saved activation live at
+once) or the backward-pass peak (``"backward"``, one micro-batch); the search
+is :func:`shardplan.search.constrained.solve_memory` (Lagrangian dual closed by
+branch-and-bound) per micro-batch count, or
+:func:`shardplan.search.peak.solve_peak` for the backward-peak model.
+:func:`plan_with_choices` gives any plan hand-chosen choices.
 
-    peak = reserve + sum_v state_v + sum_v saved_v
-
-This is exact for an engine that allocates every weight gradient before the
-backward pass and keeps it (PyTorch DDP's gradient bucket views, Megatron's
-``main_grad`` buffers, any gradient accumulator) and an upper bound for
-others. ``"backward"`` is the backward-peak model, exact for an engine that
-allocates each gradient when the backward pass produces it and frees each
-saved activation when the backward pass consumes it (XLA's buffer
-assignment; the model of :mod:`shardplan.jax`'s programs). With
-``state_v = rest_v + grad_v`` (``grad_v``: the gradient tile, P at ZeRO stages
-0 and 1 and P/G at stages 2 and 3; ``rest_v``: the weights and the optimizer
-state, by the stage formulas below), operators in the graph's order 1..n and
-the backward pass in reverse order, at the backward step of operator k the
-activations of operators 1..k are not yet consumed (k's own is being read)
-and the gradients of k..n exist::
-
-    peak = reserve + sum_v rest_v + max_k ( sum_{v <= k} saved_v + sum_{v >= k} grad_v )
-
-(``saved_v`` includes a recomputing operator's kept inputs, below; a shared
-parameter's gradient is charged to its owner's step). Each term of the max
-is at most the additive sum, so ``"backward"`` never reports more. It
-applies to one micro-batch only (``m = 1``, ``in_flight = accumulate = 1``):
-with more, gradients are accumulated across micro-batches in buffers that
-persist through every backward pass, so the additive model is exact there
-and both options give the same plans and memory. The maximum is not additive
-over operators; :func:`shardplan.search.peak.solve_peak` searches it exactly
-(surrogate relaxations that are additive, closed by branch-and-bound).
-The rest of this section describes the terms.
-
-* ``state_v``: operator v's weights W (value tile per device: ``P``), their
-  gradients and ``o`` words of optimizer state per element (``o = 2`` for Adam:
-  ``optimizer_factor``), sharded by its ZeRO stage over the weight's
-  data-parallel group ``G`` (the devices that hold the same tile: the
-  configuration's gradient-reduction group times its replica factor)::
-
-      stage 0: P (2 + o)        stage 1: P (2 + o/G)
-      stage 2: P (1 + (1+o)/G)  stage 3 (FSDP): P (2 + o) / G
-
-* ``saved_v``: what the backward pass keeps of v, ``Operator.saved`` output
-  tiles (1 unless the frontend knows better: the JAX lowering counts the
-  values JAX's backward rules read, 0 for an addition or a reshape whose
-  output no rule reads, 2 for a fused relu that keeps its output and its
-  mask), divided by ``m`` (one micro-batch's worth is live at a time:
-  gradients are accumulated) and times the micro-batches in flight
-  (``FitOptions.in_flight``, 1 for one SPMD program; a pipeline stage holds
-  several). When v recomputes, by the plan's choice or because the program
-  itself recomputes it (inside a user's ``jax.checkpoint`` / ``nn.remat``:
-  ``Graph.recomputed``, whose operators are offered only recomputing choices),
-  v saves no output but keeps the inputs it recomputes from that no producer
-  keeps: sum_i max(0, 1 - saved_producer(i)) * |input_i tile| (an addition
-  feeding a recomputed norm saves 0, so the norm keeps the sum;
-  :func:`shardplan.cost.memory.recompute_keep_bytes`). Graph inputs (held as
-  arguments) and producers the program itself recomputes (their block's
-  inputs are counted by the lowering) count nothing. When the producer
-  recomputes too, the backward rebuilds that input from further back, so
-  this charges at most one input tile per recomputed operator too many:
-  the sum stays an upper bound and stays additive (a producer's memory never
-  depends on its consumers' choices).
-* ``reserve``: what the model does not track per operator, a fixed number of
-  bytes (default 0): the weights a ZeRO-3 operator gathers while it runs, the
-  activations of a recomputed segment while its backward runs, activation
-  gradients, workspaces. Set it (``FitOptions.reserve_bytes``, CLI
-  ``--reserve``) to keep that room free.
-
-Each operator's memory is its largest over devices, so the sum is an upper
-bound of the true per-device maximum (equal for balanced layouts).
-
-The sum is also an upper bound in time: the backward pass frees the saved
-activations as it consumes them and produces the gradients as it goes, so
-what a GPU-like execution holds at its worst moment (the backward of some
-operator v) is ``state + gradients produced so far + activations not yet
-consumed + v's activation gradients``, at most ``state + sum gradients +
-sum saved`` plus one operator's activation gradients (which the reserve
-holds), and at least ``state + max(gradients, saved)``. On a GPU XLA
-all-reduces the gradients in place (NCCL), so the reduced gradients need no
-second buffer. The sum keeps the constraint additive over operators, which
-the Lagrangian/branch-and-bound search and the ILP's memory row need; the
-tighter peak, a maximum over the backward pass's steps (one linear row per
-step in the ILP, :func:`shardplan.search.memory_ilp.solve_peak_ilp`), is the
-``"backward"`` option above (activation gradients stay in the reserve).
-``benchmarks/bench_memory_vs_xla.py`` checks each part, and both totals,
-against XLA's compiled program.
-
-The time model of the choices
------------------------------
-Costs come from the same operator description as every other cost
-(:func:`shardplan.cost.memory.choice_table`):
-
-* *state sharding*: stage 0 all-reduces each weight's gradient over its
-  reduction group g once per step (as the plain plan); stages 1 and 2
-  reduce-scatter it over g and all-gather the updated weights over G (the same
-  volume as an all-reduce when G = g); stage 2 keeps only its shard of the
-  gradient, so it reduce-scatters after *every* micro-batch; stage 3 (FSDP)
-  all-gathers the weights before the forward and again before the backward
-  and reduce-scatters the gradient, per micro-batch. Every collective is the
-  hierarchical one of :mod:`shardplan.cost.collectives` over the group's
-  devices per machine level (G: the reduction group times the layout's
-  replicas on each level), in gradient buckets as the operator cost charges
-  them. When the machine overlaps gradient sync with the backward pass
-  (``overlap_grad``), the reduce-scatters (and stage 3's backward gathers)
-  are charged only beyond the operator's backward compute, stage 3's forward
-  gathers only beyond its forward compute (FSDP prefetching), the stage 1/2
-  gather of updated weights in full.
-* *recomputation* (per operator; a chain of recomputed operators is a segment
-  recomputed once from its saved inputs, as ``jax.checkpoint`` around it does):
-  the operator's forward (compute, forward all-reduces, the forward halves of
-  statistics and halo exchanges) runs again in the backward; its output is not
-  saved.
-* *micro-batches* (a global choice, searched over ``FitOptions.micro_batches``):
-  the same total compute and bandwidth, k times the messages of every
-  activation collective inside an operator (latency times k); weight
-  gradients are synchronised once per step except as stated for stages 2/3.
-  Redistribution between operators is charged as for one batch (its latency
-  term is undercounted by the factor k). The micro-batch count must divide the
-  per-device batch; the IR has no batch marker, so this is not checked.
-
-In JAX (:mod:`shardplan.jax.memory`) a plan's choices run as planned: state
-shardings over the replica mesh axes, recomputation under ``jax.checkpoint``
-and a ``lax.scan`` over micro-batches; ``benchmarks/bench_memory_vs_xla.py``
-compares this model with XLA's compiled memory (see its JSON for the
-figures): weights and optimizer state exactly (ZeRO shards included); saved
-activations against JAX's residual list; the stage-3 all-gathers in the
-compiled program are exactly the model's two gathers of every tile (before
-the forward and again before the backward). XLA's CPU backend, on which
-that benchmark runs, holds more than a GPU would: the combined gradient
-all-reduce keeps its operand and result apart (a second gradient copy), and
-for FSDP it issues every all-gather at the start and all-reduces the full
-gradients before slicing them (no reduce-scatter), so every gathered weight
-and two full gradient copies are live at once; the reserve must hold these
-there.
-
-The search is exact for either model. With ``"backward"`` and one
-micro-batch it runs :func:`shardplan.search.peak.solve_peak` on
-:func:`peak_problem` (choices pruned by time and their three memories: rest +
-saved, rest + gradient, all three), with the additive root's plan as the
-incumbent (every additive plan fits) and a surrogate root bound to order the
-counts. Otherwise (the additive model), for each micro-batch count it runs
-:func:`shardplan.search.constrained.solve_memory` (Lagrangian dual closed by
-branch-and-bound) on the configurations' edge costs with the choices as
-vertex alternatives, and returns the best over the counts; a count whose
-unconstrained optimum is already no better than the best plan found is
-skipped (its constrained optimum cannot be better). On models of identical
-layers the dual's gap is the integrality of one layer's memory steps; the
-search closes it by reduced-cost fixing followed by an exact program over
-(time, memory) fronts (see that module: GPT-3 175B on 256 H100s at cutoff 4 is
-proven this way; at cutoff 1 it is not yet, ``benchmarks/results/fit.json``).
+What is live at the peak, the cost of each choice, the search and how the
+model compares with XLA's compiled programs are in ``docs/memory.md``; where a
+docstring below refers to "the module docstring", it means that document.
 """
 
 from __future__ import annotations
@@ -190,7 +52,7 @@ class FitOptions:
         reserve_bytes: memory per device kept free (see the module docstring).
         in_flight: micro-batches whose saved activations are live at the peak
             (1 for one SPMD program; a pipeline stage i of S under 1F1B holds
-            S - i, under GPipe all of them: the per-stage memory of issue 16 is
+            S - i, under GPipe all of them: the per-stage memory of a pipeline stage is
             this model on the stage's operators and sub-mesh with that count;
             fractional for an interleaved device group, see
             :func:`shardplan.pipeline.schedule.in_flight`).
@@ -594,58 +456,6 @@ def _peak_root(pp: PeakProblem, totals: dict, dp_options: dict) -> tuple[float, 
                        optimal=False, bound=None, stats={**sroot.stats, "memory_bytes": peak,
                                                           "peak_step": int(np.argmax(prof)) if n else 0})
     return float(sroot.bound if sroot.bound is not None else -np.inf), inc
-
-
-FIT_LABELS = {"weight_sync": "weight-gradient sync (incl. ZeRO gathers)", "recompute": "recomputed forward"}
-
-
-def render_fit(plan) -> list[str]:
-    """Report lines of a fit plan: peak vs budget, the proof, micro-batches, who shards state or recomputes."""
-    from shardplan.report import compress_names
-    from shardplan.units import fmt_bytes, fmt_seconds
-
-    mc = plan.memory_choices
-    if mc is None:
-        return []
-    mem = plan.memory
-    sol = plan.solution
-    names = [op.name for op in plan.graph.operators]
-    if np.isfinite(mem["budget_bytes"]):
-        head = (f"Memory budget: {fmt_bytes(mem['budget_bytes'])} per device; this plan's peak "
-                f"{fmt_bytes(mem['peak_bytes'])} ({100 * mem['peak_bytes'] / mem['budget_bytes']:.1f}%)")
-    else:  # choices given by hand (plan_with_choices) on a machine without a memory size
-        head = f"Memory: no budget; this plan's peak {fmt_bytes(mem['peak_bytes'])} per device"
-    out = [head + (f", of which reserve {fmt_bytes(mem['reserve_bytes'])}" if mem["reserve_bytes"] else "")]
-    if "peak_step" in mem:
-        k = int(mem["peak_step"])
-        out.append(f"  backward-peak model (gradient buffers allocated as the backward pass goes): the peak is at "
-                   f"the backward step of {names[k]} (operator {k + 1} of {len(names)}); the additive sum "
-                   f"(persistent gradient buffers) would be {fmt_bytes(mem['additive_peak_bytes'])}")
-    elif sol is not None and sol.stats.get("grad_buffers") == "backward":
-        out.append(f"  gradient buffers: {mc.micro_batches} micro-batches accumulate gradients in persistent "
-                   "buffers, so the additive peak is exact (the backward-peak model applies to one micro-batch)")
-    for key, label in FIT_LABELS.items():
-        v = plan.breakdown.get(key, 0.0)
-        if v > 0:
-            out.append(f"  of the step time, {label}: {fmt_seconds(v)}")
-    if sol is not None:
-        st = sol.stats
-        proof = ("proven optimal under the budget" if sol.optimal else
-                 f"NOT proven: lower bound {fmt_seconds(sol.bound or 0.0)}, gap {100 * st.get('gap', 0.0):.3g}%")
-        out.append(f"Fit search: {proof}; {st.get('nodes', 0)} branch-and-bound nodes, "
-                   f"{st.get('dp_solves', 0)} DP solves, {fmt_seconds(sol.solve_seconds)}")
-        if "unconstrained_cost" in st:
-            out.append(f"  unconstrained optimum (m={mc.micro_batches}): {fmt_seconds(st['unconstrained_cost'])} at "
-                       f"{fmt_bytes(st['unconstrained_memory_bytes'])} per device")
-    out.append(f"Micro-batches: {mc.micro_batches}")
-    summ = mc.summary(names)
-    for stage, members in sorted(summ["state_sharding"].items()):
-        out.append(f"  {stage} state sharding ({len(members)} ops): {compress_names(members)}")
-    if summ["recompute"]:
-        out.append(f"  recompute ({len(summ['recompute'])} ops): {compress_names(summ['recompute'])}")
-    if not summ["state_sharding"] and not summ["recompute"]:
-        out.append("  no operator shards its state or recomputes")
-    return out
 
 
 def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | Sequence[str] = False,

@@ -1,6 +1,6 @@
 """Operators as iteration domains with tensor access maps, and the graph.
 
-An operator is described once, in the polyhedral style of seed 002:
+An operator is described once, in the polyhedral style (iteration domain and affine accesses of its tensors):
 
 * an ordered set of named *iteration dimensions* with extents, e.g. a GEMM
   ``{b:128, m:512, n:2048, k:512}``; the iteration domain is their product;
@@ -563,8 +563,6 @@ class Graph:
 
     def _check_ties(self) -> None:
         """Tie groups name known operators of one description (dims and extents), each in at most one group."""
-        from shardplan.search.tie import check_ties
-
         ties = tuple(tuple(str(n) for n in grp) for grp in self.ties)
         object.__setattr__(self, "ties", ties)
         for grp in check_ties([op.name for op in self.operators], ties):
@@ -574,6 +572,40 @@ class Graph:
                 if op.dims != first.dims or op.fixed != first.fixed:
                     raise ShardplanError(f"graph {self.name!r}: tied operators {first.name!r} and {op.name!r} "
                                          f"have different dimensions ({first.label} / {op.label})")
+
+    def derive(self, operators: Iterable[Operator], name: str | None = None,
+               graph_inputs: Mapping[str, Sequence[int]] | None = None) -> Graph:
+        """A graph of ``operators``, operators of this graph by name (their inputs possibly rewired), with
+        every other field of this graph restricted to them: the tie groups' members among them (a group left
+        with one member is dropped), the recomputed operators among them. ``graph_inputs``: by default every
+        tensor an operator reads from outside ``operators`` (an earlier stage's output becomes an input).
+        ``name``: by default this graph's. Weight owners outside ``operators`` are cleared (see the class
+        docstring). :meth:`renamed` renames; the two are the only ways the package derives a graph from
+        another, so that no field is dropped on the way."""
+        ops = tuple(operators)
+        names = {op.name for op in ops}
+        unknown = sorted(names - set(self.index))
+        if unknown:
+            raise ShardplanError(f"graph {self.name!r} has no operator {unknown[0]!r} to derive a graph from")
+        if graph_inputs is None:
+            graph_inputs = {t.src: t.shape for op in ops for t in op.inputs
+                            if t.src is not None and t.src not in names}
+        kept = (tuple(n for n in grp if n in names) for grp in self.ties)
+        return Graph(self.name if name is None else name, ops, {k: tuple(v) for k, v in graph_inputs.items()},
+                     ties=tuple(grp for grp in kept if len(grp) > 1),
+                     recomputed=self.recomputed & names)
+
+    def renamed(self, mapping: Mapping[str, str], name: str | None = None) -> Graph:
+        """This graph with operators and graph inputs renamed by ``mapping`` (names not in it kept) in every
+        field: operator names, the producers their inputs name, weight owners (:func:`renamed`), graph inputs,
+        tie groups, recomputed operators. ``name``: by default this graph's."""
+        def new(n: str) -> str:
+            return mapping.get(n, n)
+
+        return Graph(self.name if name is None else name, tuple(renamed(op, mapping) for op in self.operators),
+                     {new(k): v for k, v in self.graph_inputs.items()},
+                     ties=tuple(tuple(new(n) for n in grp) for grp in self.ties),
+                     recomputed=frozenset(new(n) for n in self.recomputed))
 
     def to_networkx(self) -> nx.MultiDiGraph:
         """The operator graph as a networkx MultiDiGraph (nodes are operator names)."""
@@ -717,3 +749,25 @@ class GraphBuilder:
 
     def build(self) -> Graph:
         return Graph(self.name, tuple(self._ops), dict(self._inputs))
+
+
+def check_ties(names: Sequence[str], groups: Sequence[Sequence[str]]) -> tuple[tuple[int, ...], ...]:
+    """Tie groups as operator indices into ``names``; every name known, no operator in two groups, at least
+    two members each."""
+    index = {n: i for i, n in enumerate(names)}
+    seen: dict[int, int] = {}
+    out = []
+    for gi, grp in enumerate(groups):
+        members = []
+        for n in grp:
+            if n not in index:
+                raise ShardplanError(f"tie group {gi}: unknown operator {n!r}")
+            i = index[n]
+            if i in seen:
+                raise ShardplanError(f"operator {n!r} is in two tie groups ({seen[i]} and {gi})")
+            seen[i] = gi
+            members.append(i)
+        if len(members) < 2:
+            raise ShardplanError(f"tie group {gi} has {len(members)} member(s); a tie needs at least two")
+        out.append(tuple(members))
+    return tuple(out)

@@ -10,16 +10,32 @@ Devices are numbered 0..p-1, node k holding devices k*node_size ...
 
 Units: seconds, bytes, FLOP/s. The reference setting of the PaSE paper is
 10 TFLOP/s and 16 GB/s, one level.
+
+Machine profiles are JSON files (``shardplan/machines/*.json``, one per
+device; copy one to describe another machine): every field of
+:class:`Machine` but ``num_devices`` and ``name`` as ``{"value": v,
+"source": "where v comes from"}``, plus ``name``, ``description`` and the
+``device_kinds`` the device reports (``jax.Device.device_kind``,
+``torch.cuda.get_device_name()``). The presets are read from these files;
+:func:`detect_machine` picks the profile whose device kinds hold the one
+reported.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
 
 from shardplan.checks import integer, real
 from shardplan.errors import ShardplanError
 
-__all__ = ["Machine", "PRESETS", "preset", "DTYPE_BYTES"]
+__all__ = ["Machine", "PRESETS", "preset", "DTYPE_BYTES", "Profile", "read_profile", "load_machine_file",
+           "machine_to_file", "profile_names", "load_profile", "detect_machine", "normalise_kind"]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp64": 8}
 
@@ -178,6 +194,11 @@ class Machine:
             return float(self.inter_bandwidth), float(lat)  # type: ignore[arg-type]
         return float(self.bandwidth), float(self.latency)
 
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], num_devices: int) -> Machine:
+        """The machine of the profile file at ``path`` with ``num_devices`` devices (:func:`load_machine_file`)."""
+        return load_machine_file(path, num_devices)
+
     def describe(self) -> str:
         from shardplan.units import fmt_bytes, fmt_rate
 
@@ -197,57 +218,244 @@ class Machine:
         return s
 
 
-def _paper(p: int) -> Machine:
-    return Machine(p, 10e12, 16e9, name="paper")
+# The fields a profile file states (every Machine field but the device count and the label).
+PROFILE_FIELDS = tuple(f.name for f in fields(Machine) if f.name not in ("num_devices", "name"))
+_TOP_KEYS = ("name", "description", "device_kinds")
+UNRECORDED = "not recorded: written from a Machine value by shardplan.machine.machine_to_file"
 
-
-def _paper_1080ti(p: int) -> Machine:
-    # Approximate: 11.3 TFLOP/s fp32; 8 GPUs per node over PCIe 3 x16 (~10 GB/s),
-    # 56 Gb/s-class InfiniBand (~7 GB/s) across nodes.
-    return Machine(p, 11.3e12, 10e9, node_size=8, inter_bandwidth=7e9, memory_bytes=11 * GiB, name="1080ti")
-
-
-def _paper_2080ti(p: int) -> Machine:
-    # Approximate: 13.4 TFLOP/s fp32 with a lower bandwidth-to-FLOP balance than the 1080 Ti nodes:
-    # PCIe shared by more GPUs inside (~6 GB/s), a slower network across (~2.5 GB/s).
-    return Machine(p, 13.4e12, 6e9, node_size=8, inter_bandwidth=2.5e9, memory_bytes=11 * GiB, name="2080ti")
-
-
-DDP_BUCKET = 25 * 2**20  # PyTorch DistributedDataParallel's default bucket_cap_mb = 25
-GPU_EFFICIENCY = 0.7  # assumption: large bf16 GEMMs reach about 70% of the dense peak on A100/H100
-
-
-def _a100(p: int) -> Machine:
-    # A100 SXM 80 GB (NVIDIA A100 datasheet): 312 TFLOP/s bf16 dense, HBM2e 2,039 GB/s;
-    # NVLink3 600 GB/s total = 300 GB/s per direction per GPU; 8 x 200 Gb/s HDR IB per node = 25 GB/s
-    # per GPU across nodes. Latencies: a few microseconds per NCCL step (nccl-tests small-message times).
-    return Machine(p, 312e12, 300e9, latency=5e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
-                   inter_bandwidth=25e9, inter_latency=10e-6, name="a100", hbm_bandwidth=2.039e12,
-                   flops_efficiency=GPU_EFFICIENCY, grad_bucket_bytes=DDP_BUCKET, overlap_grad=True)
-
-
-def _h100(p: int) -> Machine:
-    # H100 SXM 80 GB (NVIDIA H100 datasheet): 989 TFLOP/s bf16 dense, HBM3 3.35 TB/s;
-    # NVLink4 900 GB/s total = 450 GB/s per direction per GPU; 8 x 400 Gb/s NDR IB per node = 50 GB/s
-    # per GPU across nodes.
-    return Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
-                   inter_bandwidth=50e9, inter_latency=8e-6, name="h100", hbm_bandwidth=3.35e12,
-                   flops_efficiency=GPU_EFFICIENCY, grad_bucket_bytes=DDP_BUCKET, overlap_grad=True)
-
-
+# preset name -> its profile file in shardplan/machines
 PRESETS = {
-    "paper": _paper,
-    "1080ti": _paper_1080ti,
-    "2080ti": _paper_2080ti,
-    "a100": _a100,
-    "h100": _h100,
+    "paper": "paper.json",
+    "1080ti": "1080ti.json",
+    "2080ti": "2080ti.json",
+    "a100": "a100-sxm-80gb.json",
+    "h100": "h100-sxm.json",
 }
+
+# Words a device kind may or may not carry: "NVIDIA GeForce GTX 1080 Ti" is "GTX 1080 Ti".
+_VENDOR_WORDS = frozenset({"nvidia", "geforce", "tesla"})
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One profile file: a machine's constants, each with its source, and the device kinds it describes.
+
+    ``values`` and ``sources`` hold every name of :data:`PROFILE_FIELDS`; ``values`` are checked by
+    building a one-device :class:`Machine` from them.
+    """
+
+    name: str
+    description: str
+    device_kinds: tuple[str, ...]
+    values: Mapping[str, Any] = field(hash=False)
+    sources: Mapping[str, str] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "values", MappingProxyType(dict(self.values)))
+        object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
+
+    def machine(self, num_devices: int, name: str | None = None, node_size: int | None = None) -> Machine:
+        """The machine with ``num_devices`` devices; ``name`` and ``node_size`` replace the profile's."""
+        values = dict(self.values)
+        if node_size is not None:
+            values["node_size"] = node_size
+        return Machine(num_devices, name=self.name if name is None else name, **values)
+
+    @staticmethod
+    def of(machine: Machine, sources: Mapping[str, str] | None = None, device_kinds: Iterable[str] = (),
+           description: str = "") -> Profile:
+        """``machine``'s constants as a profile; a field missing from ``sources`` gets :data:`UNRECORDED`."""
+        sources = dict(sources or {})
+        unknown = sorted(set(sources) - set(PROFILE_FIELDS))
+        if unknown:
+            raise ShardplanError(f"machine profile: unknown field {unknown[0]!r} in sources; fields are "
+                                 f"{', '.join(PROFILE_FIELDS)}")
+        return Profile(machine.name, description, tuple(device_kinds),
+                       {k: getattr(machine, k) for k in PROFILE_FIELDS},
+                       {k: sources.get(k, UNRECORDED) for k in PROFILE_FIELDS})
+
+    def to_json(self) -> str:
+        """The profile as the text of a profile file (floats written exactly: reading it back gives equal values)."""
+        doc: dict[str, Any] = {"name": self.name, "description": self.description,
+                               "device_kinds": list(self.device_kinds)}
+        for k in PROFILE_FIELDS:
+            doc[k] = {"value": self.values[k], "source": self.sources[k]}
+        return json.dumps(doc, indent=2) + "\n"
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    for k in keys:
+        if keys.count(k) > 1:
+            raise ShardplanError(f"key {k!r} appears twice")
+    return dict(pairs)
+
+
+def parse_profile(text: str, where: str = "machine profile") -> Profile:
+    """The profile in ``text`` (a profile file's contents); ``where`` starts every error message.
+
+    Refused in one line: text that is not JSON, a key twice, an unknown top-level key or field, a
+    missing field, an entry that is not ``{"value": ..., "source": "..."}``, an empty source, and
+    values :class:`Machine` refuses (a string where a number belongs, a negative bandwidth, ...).
+    """
+    try:
+        doc = json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as e:
+        raise ShardplanError(f"{where}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except ShardplanError as e:
+        raise ShardplanError(f"{where}: {e}") from None
+    if not isinstance(doc, dict):
+        raise ShardplanError(f"{where}: must be a JSON object, got {type(doc).__name__}")
+    unknown = [k for k in doc if k not in PROFILE_FIELDS and k not in _TOP_KEYS]
+    if unknown:
+        raise ShardplanError(f"{where}: unknown field {unknown[0]!r}; fields are {', '.join(_TOP_KEYS)}, "
+                             f"{', '.join(PROFILE_FIELDS)}")
+    name = doc.get("name")
+    if not isinstance(name, str) or not name:
+        raise ShardplanError(f"{where}: 'name' must be a non-empty string, got {name!r}")
+    description = doc.get("description", "")
+    if not isinstance(description, str):
+        raise ShardplanError(f"{where}: 'description' must be a string, got {description!r}")
+    kinds = doc.get("device_kinds", [])
+    if not isinstance(kinds, list) or not all(isinstance(k, str) and normalise_kind(k) for k in kinds):
+        raise ShardplanError(f"{where}: 'device_kinds' must be a list of device names, got {kinds!r}")
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for k in PROFILE_FIELDS:
+        if k not in doc:
+            raise ShardplanError(f"{where}: missing field {k!r} (every field needs "
+                                 f'{{"value": ..., "source": "..."}}; the value may be null where Machine allows None)')
+        entry = doc[k]
+        if not isinstance(entry, dict) or set(entry) != {"value", "source"}:
+            have = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+            raise ShardplanError(f'{where}: field {k!r} must be {{"value": ..., "source": "..."}}, got {have}')
+        if not isinstance(entry["source"], str) or not entry["source"].strip():
+            raise ShardplanError(f"{where}: field {k!r} needs a source (a non-empty string), got {entry['source']!r}")
+        values[k], sources[k] = entry["value"], entry["source"]
+    profile = Profile(name, description, tuple(kinds), values, sources)
+    try:
+        profile.machine(1)
+    except ShardplanError as e:
+        raise ShardplanError(f"{where}: {e}") from None
+    return profile
+
+
+def read_profile(path: str | os.PathLike[str]) -> Profile:
+    """The profile in the file at ``path`` (:func:`parse_profile`)."""
+    where = f"machine file {os.fspath(path)}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ShardplanError(f"{where}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    return parse_profile(text, where)
+
+
+def load_machine_file(path: str | os.PathLike[str], p: int) -> Machine:
+    """The machine of the profile file at ``path`` with ``p`` devices."""
+    return read_profile(path).machine(p)
+
+
+def machine_to_file(machine: Machine, path: str | os.PathLike[str], sources: Mapping[str, str] | None = None,
+                    device_kinds: Iterable[str] = (), description: str = "") -> None:
+    """Write ``machine`` as a profile file that :func:`load_machine_file` reads back equal (but for
+    ``num_devices``, which a file does not hold). ``sources``: field -> where its value comes from
+    (default :data:`UNRECORDED`)."""
+    text = Profile.of(machine, sources, device_kinds, description).to_json()
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _profile_text(file_name: str) -> str:
+    from importlib.resources import files
+
+    return files("shardplan").joinpath("machines", file_name).read_text(encoding="utf-8")
+
+
+def profile_names() -> tuple[str, ...]:
+    """The profile files shipped with shardplan (``shardplan/machines/*.json``), sorted."""
+    from importlib.resources import files
+
+    return tuple(sorted(e.name for e in files("shardplan").joinpath("machines").iterdir() if e.name.endswith(".json")))
+
+
+def load_profile(file_name: str) -> Profile:
+    """The shipped profile ``file_name`` (one of :func:`profile_names`)."""
+    if file_name not in profile_names():
+        raise ShardplanError(f"no shipped machine profile {file_name!r}; choose from {', '.join(profile_names())}")
+    return parse_profile(_profile_text(file_name), f"machine profile {file_name}")
 
 
 def preset(name: str, p: int) -> Machine:
-    """A named machine with p devices: one of :data:`PRESETS`."""
+    """A named machine with p devices: one of :data:`PRESETS`, read from its profile file."""
     try:
-        make = PRESETS[name]
+        file_name = PRESETS[name]
     except KeyError:
         raise ShardplanError(f"unknown machine preset {name!r}; choose from {', '.join(sorted(PRESETS))}") from None
-    return make(p)
+    return load_profile(file_name).machine(p)
+
+
+def normalise_kind(kind: str) -> str:
+    """A device kind reduced to what tells devices apart: lower case, letters and digits only, without
+    the vendor words NVIDIA, GeForce and Tesla ("NVIDIA A100-SXM4-80GB" -> "a100sxm480gb")."""
+    words = re.findall(r"[a-z0-9]+", kind.lower())
+    return "".join(w for w in words if w not in _VENDOR_WORDS)
+
+
+def match_profile(device_kind: str, profiles: Iterable[tuple[str, Profile]]) -> tuple[str, Profile] | None:
+    """The (file name, profile) whose device kinds hold ``device_kind`` once both are normalised
+    (:func:`normalise_kind`), or None. Equality, not a prefix: "NVIDIA H100 PCIe" does not match an
+    SXM profile. Two profiles claiming the kind are an error."""
+    want = normalise_kind(device_kind)
+    hits = [(n, pr) for n, pr in profiles if want in {normalise_kind(k) for k in pr.device_kinds}]
+    if len(hits) > 1:
+        raise ShardplanError(f"device kind {device_kind!r} is claimed by several machine profiles: "
+                             f"{', '.join(n for n, _ in hits)}")
+    return hits[0] if hits else None
+
+
+def infer_node_size(profile: Profile, num_devices: int, processes: int, node_size: int | None) -> int | None:
+    """Devices per node: ``node_size`` when given; else one level when the profile has no link across
+    nodes; else ``d = num_devices / processes`` when d > 1 (JAX's multi-host form: one process per
+    host, holding that host's devices); else (one process holding every device, or one process per
+    device as torchrun starts them) the profile's node size, a node of its vendor's 8-GPU board."""
+    if node_size is not None:
+        if profile.values["inter_bandwidth"] is None:
+            raise ShardplanError(f"machine profile {profile.name!r} has no link across nodes (inter_bandwidth), "
+                                 f"so node_size={node_size!r} cannot be used; pass machine=Machine.from_file(...) with such a link")
+        return integer("detect_machine: node_size", node_size, minimum=1)
+    if profile.values["inter_bandwidth"] is None:
+        return profile.values["node_size"]
+    if processes > 1 and num_devices % processes == 0 and num_devices // processes > 1:
+        return num_devices // processes
+    return profile.values["node_size"]
+
+
+def detect_machine(device_kind: str, num_devices: int, *, processes: int = 1,
+                   node_size: int | None = None) -> Machine:
+    """The machine of ``num_devices`` devices of ``device_kind`` (``jax.Device.device_kind``,
+    ``torch.cuda.get_device_name()``, ``"cpu"``), from the shipped profile that lists the kind.
+
+    ``processes``: how many processes hold the devices; nodes are inferred from them by
+    :func:`infer_node_size` unless ``node_size`` is given. The machine's name says what was
+    detected, e.g. ``"h100 (detected: NVIDIA H100 80GB HBM3)"``. A kind no profile lists is an
+    error naming what to pass instead.
+    """
+    if not isinstance(device_kind, str) or not normalise_kind(device_kind):
+        raise ShardplanError(f"detect_machine: device_kind must name a device, got {device_kind!r}")
+    p = integer("detect_machine: num_devices", num_devices, minimum=1)
+    procs = integer("detect_machine: processes", processes, minimum=1)
+    names = profile_names()
+    hit = match_profile(device_kind, ((n, load_profile(n)) for n in names))
+    if hit is None:
+        raise ShardplanError(
+            f"no machine profile for device kind {device_kind!r} (profiles: {', '.join(names)}); pass "
+            f"machine=preset('h100', {p}) or another preset ({', '.join(PRESETS)}), or "
+            f"machine=Machine.from_file('my-device.json', {p}) with a copy of a profile in shardplan/machines")
+    file_name, profile = hit
+    ns = infer_node_size(profile, p, procs, node_size)
+    try:
+        return profile.machine(p, name=f"{profile.name} (detected: {device_kind})", node_size=ns)
+    except ShardplanError as e:
+        raise ShardplanError(f"detect_machine: {p} devices of {device_kind!r} ({file_name}, nodes of {ns}): {e}; "
+                             f"pass node_size=") from None

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from shardplan.cli import _progress, main
+from shardplan.cli import main, progress as _progress
 from shardplan.errors import ShardplanError
 from shardplan.machine import Machine
 from shardplan.search import load_problem

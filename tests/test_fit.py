@@ -132,7 +132,7 @@ def test_cli_solve_memory_reports_fit(capsys, tmp_path):
     code = main(["solve", *TINY, "--memory", "0.001", "--no-baselines", "--json", str(out_json)])
     out = capsys.readouterr().out
     assert code == 0
-    assert "Memory budget: 1.02 MiB per device" in out and "proven optimal under the budget" in out
+    assert "of 1.02 MiB (" in out and "proven optimal under the budget" in out
     d = json.loads(out_json.read_text())
     assert d["memory"]["peak_bytes"] <= 0.001 * 2**30
     mc = d["memory_choices"]

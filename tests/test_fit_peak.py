@@ -9,7 +9,8 @@ from shardplan import ops
 from shardplan.cost import build_tables
 from shardplan.cost.memory import choice_table
 from shardplan.errors import ShardplanError
-from shardplan.fit import FitOptions, peak_problem, plan_with_choices, render_fit, solve_fit
+from shardplan.fit import FitOptions, peak_problem, plan_with_choices, solve_fit
+from shardplan.report.summary import render_plan
 from shardplan.ir import GraphBuilder, TensorRef
 from shardplan.machine import Machine
 
@@ -52,7 +53,7 @@ def test_backward_profile_of_a_small_graph_by_hand():
     mem = plan.memory
     assert mem["peak_bytes"] == 12032.0 and mem["peak_step"] == 0
     assert mem["additive_peak_bytes"] == 7680.0 + 2560.0 + 2304.0
-    assert "the backward step of fc1 (operator 1 of 2)" in "\n".join(render_fit(plan))
+    assert "the backward step of fc1 (operator 1 of 2)" in render_plan(plan)
     # persistent buffers: the additive sum, no step
     same = plan_with_choices(dp, {"fc2": 2}, False, 1)
     assert same.memory["peak_bytes"] == 12544.0 and "peak_step" not in same.memory
@@ -101,7 +102,7 @@ def test_backward_option_with_micro_batches_is_the_additive_search(gpt_tables):
     a = solve_fit(g, m, budget=0.5 * top, tables=tables, options=FitOptions(micro_batches=(2,)))
     b = solve_fit(g, m, budget=0.5 * top, tables=tables, options=FitOptions(micro_batches=(2,), grad_buffers="backward"))
     assert a.cost == b.cost and a.memory == b.memory and "peak_step" not in b.memory
-    assert "persistent buffers" in "\n".join(render_fit(b))
+    assert "persistent buffers" in render_plan(b)
 
 
 def test_backward_infeasible_names_a_lower_bound(gpt_tables):

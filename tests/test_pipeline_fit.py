@@ -194,7 +194,7 @@ def test_cli_pipeline_memory_choices_by_default(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "proven lower bound" in text and "memory choices:" in text
     d = json.loads(out.read_text())
-    assert d["lower_bound_seconds"] <= d["step_seconds"] and 0 <= d["gap"] <= 2e-9
+    assert d["lower_bound_seconds"] <= d["step_time_seconds"] and 0 <= d["gap"] <= 2e-9
     assert main([*args, "--no-memory-choices"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no pipeline fits" in err[0]

@@ -9,7 +9,7 @@ import jax
 
 from conftest import require_8_devices  # noqa: E402
 from shardplan.errors import ShardplanError  # noqa: E402
-from shardplan.pipeline.jax import pipeline_forward, stack_stages  # noqa: E402
+from shardplan.jax.staged import pipeline_forward, stack_stages  # noqa: E402
 
 
 def _layer(p, x):
@@ -64,7 +64,7 @@ def test_uneven_stages_refused():
 
 
 # ---------------------------------------------------------------------------
-# the searched plan drives the execution (shardplan.pipeline.jax.pipeline)
+# the searched plan drives the execution (shardplan.jax.staged.pipeline)
 # ---------------------------------------------------------------------------
 V, D, L, B, T = 32, 16, 4, 16, 4
 
@@ -148,7 +148,7 @@ def _assert_stage_layouts(step):
 
 def test_searched_1f1b_plan_runs_non_uniform_stages():
     """Sub-meshes of 2 devices: 4 stages over 6 units (embedding, 4 blocks, head), so stages differ."""
-    from shardplan.pipeline.jax import pipeline
+    from shardplan.jax.staged import pipeline
 
     require_8_devices()
     params, batch = _gpt_params(), _tokens()
@@ -166,7 +166,7 @@ def test_searched_1f1b_plan_runs_non_uniform_stages():
 
 def test_issue_order_is_the_schedules_per_stage_order():
     """GPipe's order, and a head tied to the embedding (one parameter read in the first and the last stage)."""
-    from shardplan.pipeline.jax import pipeline
+    from shardplan.jax.staged import pipeline
     from shardplan.pipeline.schedule import _order
 
     require_8_devices()
@@ -183,7 +183,7 @@ def test_issue_order_is_the_schedules_per_stage_order():
 
 
 def test_searched_interleaved_plan_runs():
-    from shardplan.pipeline.jax import pipeline
+    from shardplan.jax.staged import pipeline
 
     require_8_devices()
     params, batch = _gpt_params(), _tokens()
@@ -199,7 +199,7 @@ def test_searched_interleaved_plan_runs():
 def test_searched_zb_h1_plan_runs():
     """ZB-H1 (searched alone): its passes issued in ZB-H1's per-stage order of forwards and backwards (each
     backward whole: XLA's vjp computes the input and the weight gradients together)."""
-    from shardplan.pipeline.jax import pipeline
+    from shardplan.jax.staged import pipeline
     from shardplan.pipeline.schedule import _order
 
     require_8_devices()
@@ -218,7 +218,7 @@ def test_flax_model_units_are_its_submodules():
     import flax.linen as nn
     import jax.numpy as jnp
 
-    from shardplan.pipeline.jax import pipeline
+    from shardplan.jax.staged import pipeline
 
     require_8_devices()
 
@@ -251,7 +251,7 @@ def test_flax_model_units_are_its_submodules():
 
 
 def test_bad_pipeline_requests_refused():
-    from shardplan.pipeline.jax import pipeline
+    from shardplan.jax.staged import pipeline
 
     require_8_devices()
     params, batch = _gpt_params(), _tokens()

@@ -11,7 +11,7 @@ from shardplan import preset
 from shardplan.cli import main
 from shardplan.models import get_model
 from shardplan.pipeline import pipeline_solve
-from shardplan.pipeline.report import draw_timeline, pipeline_to_json, render_pipeline
+from shardplan.report.pipeline import draw_timeline, pipeline_to_json, render_pipeline
 
 TINY = ["--set", "layers=2", "--set", "d_model=64", "--set", "heads=2", "--set", "seq=16", "--set", "vocab=256"]
 
@@ -61,7 +61,7 @@ def test_cli_pipeline(tmp_path, capsys):
                "--micro-batches", "1,2", "--max-stages", "2", "--json", str(out), "--timeline", str(pic)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "Pipeline on a100" in text and "timeline:" in text
+    assert text.startswith("gpt on a100") and "Pipeline: " in text and "timeline:" in text
     assert json.loads(out.read_text())["micro_batches"] in (1, 2)
     assert pic.read_text().lstrip().startswith("<?xml")
 

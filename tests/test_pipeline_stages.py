@@ -228,7 +228,7 @@ def test_exact_transfers_in_the_model_search():
 
 
 def test_weight_gradient_part_and_zero_bubble_on_the_model(tmp_path):
-    from shardplan.pipeline.report import draw_timeline
+    from shardplan.report.pipeline import draw_timeline
 
     st = ModelStages(_gpt(2), 8, MACHINE, {"cutoff": 1})
     c = st.stage_cost(1, 3, 2, 2)
@@ -247,7 +247,7 @@ def test_weight_gradient_part_and_zero_bubble_on_the_model(tmp_path):
 
 def test_memory_choices_per_stage_search_equals_brute_force():
     """A budget under what the time-optimal stages need with their in-flight micro-batches: the stages take
-    their memory-constrained optimum (ZeRO / recomputation, issue 10's fit), and the DP still equals brute force
+    their memory-constrained optimum (ZeRO / recomputation, the fit search), and the DP still equals brute force
     (both over the same fitted costs, shared by the one ModelStages). The search solves only the stand-ins its
     relaxed optimum uses (search module docstring), brute force every stage that does not fit."""
     st = ModelStages(_gpt(1), 8, MACHINE, {"cutoff": 1}, memory_choices=True)

@@ -2,7 +2,7 @@
 
 Each case builds a tiny language model deterministically (same on every rank), computes the
 single-process loss and gradients, then runs one step of the searched pipeline
-(:func:`shardplan.pipeline.torch.pipeline`) and reports the differences and the plan.
+(:func:`shardplan.torch.staged.pipeline`) and reports the differences and the plan.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ CASES: dict[str, dict[str, Any]] = {
 def run_case(name: str, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from shardplan.pipeline.torch import pipeline
+    from shardplan.torch.staged import pipeline
 
     opts = dict(CASES[name])
     model, batch = make_hf_gpt2() if opts.pop("model", None) == "hf_gpt2" else make_case(opts.pop("tied", False))

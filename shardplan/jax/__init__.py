@@ -23,7 +23,7 @@ The package: :mod:`~shardplan.jax.flatten` (the jaxpr as one flat program),
 :mod:`~shardplan.jax.shardings` (a plan as NamedShardings),
 :mod:`~shardplan.jax.run` (the program re-run with the plan's constraints, the step),
 :mod:`~shardplan.jax.hlo` (what the compiled program really sends);
-:func:`pipeline` (:mod:`shardplan.pipeline.jax`): the searched pipeline, one jitted program per stage.
+:func:`pipeline` (:mod:`shardplan.jax.staged`): the searched pipeline, one jitted program per stage.
 JAX is an optional dependency: it is imported on use.
 """
 
@@ -39,8 +39,8 @@ from shardplan.jax.shardings import devices_and_machine, plan_shardings
 from shardplan.machine import Machine
 from shardplan.plan import Plan, solve
 
-__all__ = ["parallelize", "planned", "pipeline", "Planned", "trace", "make_step", "plan_shardings", "report", "TraceInfo",
-           "supported_primitives"]
+__all__ = ["plan", "apply", "parallelize", "planned", "pipeline", "Planned", "trace", "make_step", "plan_shardings",
+           "report", "TraceInfo", "supported_primitives"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +62,9 @@ class Planned:
             ``step`` is the fit step, ``param_shardings`` hold stage-3 parameters
             in shards, and ``fit.train_step(optimizer, params)`` runs a whole
             update with the optimizer state sharded (None for a plain plan).
+        pipeline: for a pipelined plan, its staged step (one jitted program per
+            stage on its sub-mesh); ``step`` is that, and the shardings and the
+            constrained loss are None (each stage has its own).
     """
 
     plan: Plan
@@ -72,6 +75,69 @@ class Planned:
     loss_fn: Callable[..., Any]
     step: Callable[..., Any]
     fit: Any = None
+    pipeline: Any = None
+
+
+def plan(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
+         machine: Machine | None = None, **keywords: Any) -> Any:
+    """The fastest plan of ``loss_fn(params, batch)`` on ``devices`` that fits: :func:`shardplan.planner.plan`
+    with the same keywords (``budget``, ``fit``, ``stages``, ``micro_batches``, ...) on the loss traced at
+    every micro-batch size (the batch leaves' leading axis is the batch). ``machine`` defaults to the
+    devices' own (:func:`~shardplan.jax.shardings.devices_and_machine`). Run it with :func:`apply`.
+
+    The loss must be a mean over the batch when the plan uses micro-batches or stages (each micro-batch's
+    gradient is scaled by 1/m).
+    """
+    from shardplan.jax.staged import Tracer, batch_size
+    from shardplan.planner import plan as _plan
+
+    devices, machine = devices_and_machine(devices, machine)
+    tracer = Tracer(loss_fn, params, batch)
+    keywords.setdefault("cutoff", 1)
+    return _plan(tracer, machine, batch=batch_size(tracer.full_info), **keywords)
+
+
+def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
+          has_aux: bool = False, reduction: str = "mean") -> Planned:
+    """``plan`` (a :class:`shardplan.Plan`, computed here or loaded with ``Plan.from_json``) made runnable for
+    ``loss_fn(params, batch)`` on ``devices``: the shardings, the constrained loss and the step for one
+    program; for a pipeline, the staged step (``reduction``: the loss is a "mean" or a "sum" over the batch).
+
+    The program is traced again here and the plan's choices are checked against it: a plan made for
+    another program, batch or machine size is refused.
+    """
+    import jax
+
+    from shardplan.jax.staged import Tracer, build_staged, scoped_trace
+    from shardplan.planner import pipeline_of, spmd_of
+
+    devs = list(devices) if devices is not None else list(jax.devices())
+    if len(devs) != plan.machine.num_devices:
+        raise ShardplanError(f"the plan is for {plan.machine.num_devices} devices, {len(devs)} were given")
+    if plan.pipelined:
+        tracer = Tracer(loss_fn, params, batch)
+        step = build_staged(pipeline_of(plan, tracer), tracer, devs, reduction=reduction)
+        return Planned(plan, step.info, tuple(devs), None, None, None, step, None, step)
+    graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
+    if set(plan.operators) != {op.name for op in graph.operators}:  # planned by plan(): the scoped names
+        graph, info = scoped_trace(loss_fn, params, batch)
+    return _runnable(spmd_of(plan, graph), loss_fn, params, batch, info, devs, has_aux)
+
+
+def _runnable(sp: Plan, loss_fn: Callable[..., Any], params: Any, batch: Any, info: TraceInfo,
+              devices: Sequence[Any], has_aux: bool) -> Planned:
+    """A tables-backed per-operator plan ``sp`` of the traced program as a :class:`Planned`."""
+    import jax
+
+    if sp.memory_choices is not None:
+        from shardplan.jax.memory import fit_step
+
+        fs = fit_step(sp, loss_fn, params, batch, devices, has_aux=has_aux, info=info)
+        return Planned(sp, info, tuple(devices), fs.param_shardings, fs.batch_shardings, fs.loss_fn, fs.step, fs)
+    sh = plan_shardings(sp, info, devices)
+    tree = jax.tree_util.tree_unflatten(info.in_tree, list(sh.leaves))
+    return Planned(sp, info, tuple(devices), tree[0], tree[1], constrained_fn(info, sh),
+                   make_step(sp, info, devices, has_aux=has_aux))
 
 
 def planned(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
@@ -91,24 +157,16 @@ def planned(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Seque
     divides p can be expressed as a mesh). ``has_aux``: ``loss_fn`` returns
     ``(loss, aux)``, as in ``jax.value_and_grad``.
     """
-    import jax
-
     devices, machine = devices_and_machine(devices, machine)
-    p = len(devices)
     graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
     solve_opts.setdefault("divides_p", True)
     if budget is not None or fit is not None:
         from shardplan.fit import FitOptions, solve_fit
-        from shardplan.jax.memory import fit_step
 
-        plan = solve_fit(graph, machine, budget=budget, options=fit or FitOptions(), cutoff=cutoff, **solve_opts)
-        fs = fit_step(plan, loss_fn, params, batch, devices, has_aux=has_aux, info=info)
-        return Planned(plan, info, tuple(devices), fs.param_shardings, fs.batch_shardings, fs.loss_fn, fs.step, fs)
-    plan = solve(graph, machine, cutoff=cutoff, **solve_opts)
-    sh = plan_shardings(plan, info, devices)
-    tree = jax.tree_util.tree_unflatten(info.in_tree, list(sh.leaves))
-    return Planned(plan, info, tuple(devices), tree[0], tree[1], constrained_fn(info, sh),
-                   make_step(plan, info, devices, has_aux=has_aux))
+        sp = solve_fit(graph, machine, budget=budget, options=fit or FitOptions(), cutoff=cutoff, **solve_opts)
+    else:
+        sp = solve(graph, machine, cutoff=cutoff, **solve_opts)
+    return _runnable(sp, loss_fn, params, batch, info, devices, has_aux)
 
 
 def parallelize(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
@@ -128,34 +186,16 @@ def parallelize(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: S
 def pipeline(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
              machine: Machine | None = None, **options: Any) -> Any:
     """Search the pipeline of ``loss_fn(params, batch)`` on ``devices`` and return it runnable:
-    :func:`shardplan.pipeline.jax.pipeline` (``loss, grads = step(params, batch)``)."""
-    from shardplan.pipeline.jax import pipeline as _pipeline
+    :func:`shardplan.jax.staged.pipeline` (``loss, grads = step(params, batch)``)."""
+    from shardplan.jax.staged import pipeline as _pipeline
 
     return _pipeline(loss_fn, params, batch, devices, machine, **options)
 
 
-def report(plan: Plan) -> str:
-    """A readable per-operator table: the source scope, the dimensions (``label:extent``, e.g.
-    ``batch:16 seq:128 out:2304 in:768``), the splits (``label:extent/split``), the predicted cost,
-    and the step's breakdown."""
-    from shardplan.report import format_table
-    from shardplan.units import fmt_seconds
+def report(plan: Any, operators: bool = True) -> str:
+    """The one report (:func:`shardplan.report.summary.render_plan`) of a plan (a :class:`shardplan.Plan`, the
+    per-operator plan of a :class:`Planned`, or ``Planned`` itself), with the per-operator table unless
+    ``operators=False``."""
+    from shardplan.report.summary import render_plan
 
-    lines = [f"{plan.graph.name}: {len(plan.graph)} operators on {plan.machine.num_devices} devices, "
-             f"predicted {fmt_seconds(plan.cost)} per step"]
-    rows = []
-    for row in plan.operators():
-        op = plan.graph[row["name"]]
-        ext = op.extents
-        splits = " ".join(f"{op.dim_label(d)}:{ext[d]}/{c}" for d, c in zip(row["dims"], row["config"])
-                          if c > 1) or "replicated"
-        rows.append((row["name"], row["kind"], op.dims_text, splits, fmt_seconds(row["cost_seconds"])))
-    lines.extend("  " + line for line in format_table(rows, ("operator", "kind", "dims", "splits", "cost"),
-                                                      right=(4,)).splitlines())
-    parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in plan.breakdown.items() if v and k != "total")
-    lines.append(f"  breakdown: {parts}")
-    if plan.memory_choices is not None:  # the fit plan's budget, proof, micro-batches, ZeRO stages, recomputation
-        from shardplan.fit import render_fit
-
-        lines.extend("  " + line for line in render_fit(plan))
-    return "\n".join(lines)
+    return render_plan(plan.plan if isinstance(plan, Planned) else plan, operators=operators)

@@ -152,17 +152,27 @@ class PlanShardings:
 def devices_and_machine(devices: Sequence[Any] | None, machine: Any) -> tuple[list[Any], Any]:
     """The devices to run on (default: all of ``jax.devices()``) and the machine to plan for.
 
-    ``machine`` None: the reference machine with one device per JAX device;
-    otherwise its device count must equal the number of devices.
+    ``machine`` None: the machine detected from the devices
+    (:func:`shardplan.machine.detect_machine` on their ``device_kind``, or their platform when
+    the kind is empty; one device per JAX device; the processes are those holding the devices);
+    devices of different kinds are an error. Otherwise its device count must equal the number of
+    devices.
     """
     import jax
 
-    from shardplan.machine import Machine
+    from shardplan.machine import detect_machine
 
     devs = list(devices) if devices is not None else list(jax.devices())
     p = len(devs)
+    if not p:
+        raise ShardplanError("no devices to plan for")
     if machine is None:
-        return devs, Machine(p, name=f"{p} x {devs[0].platform}")
+        kinds = sorted({d.device_kind or d.platform for d in devs})
+        if len(kinds) > 1:
+            raise ShardplanError(f"devices of different kinds ({', '.join(map(repr, kinds))}): pass machine= "
+                                 f"(e.g. machine=Machine.from_file('my-cluster.json', {p}))")
+        processes = len({d.process_index for d in devs})
+        return devs, detect_machine(kinds[0], p, processes=processes)
     if machine.num_devices != p:
         raise ShardplanError(f"machine has {machine.num_devices} devices but {p} devices were given")
     return devs, machine

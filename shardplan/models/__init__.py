@@ -6,6 +6,16 @@ they vary) returning a validated :class:`~shardplan.ir.Graph`. The registry
 cutoff (4 for CNNs as in the paper; 1 for the sequence models so that layers
 and heads can be split) and the expert strategy it is compared against
 (a key of :data:`shardplan.baselines.BASELINES`).
+
+:data:`NAMED` holds the published sizes of the GPT and Llama families by
+name: ``llama3-8b``, ``llama3-70b``, ``llama3-405b`` (and ``llama3-tiny``
+for tests), ``gpt3-125m`` .. ``gpt3-175b``, ``megatron-1.7b`` ..
+``megatron-1t``. :func:`get_model` and :func:`model_spec` find them as they
+find the zoo's models, and sizes override them the same way
+(``get_model("llama3-8b", 8, layers=4, seq=2048)``, on the command line
+``--model llama3-8b --set layers=4``). They are kept apart from
+:data:`MODELS`, the zoo every model-wide test and table builds at its
+default size (a 405B model at its published batch is no such model).
 """
 
 from __future__ import annotations
@@ -19,15 +29,16 @@ from shardplan.errors import ShardplanError
 from shardplan.ir import Graph
 from shardplan.models.alexnet import alexnet
 from shardplan.models.densenet import densenet121
-from shardplan.models.gpt import GPT_SIZES, gpt
+from shardplan.models.gpt import GPT3, GPT_SIZES, MEGATRON, gpt
 from shardplan.models.inception import inception_v3
+from shardplan.models.llama import LLAMA3, llama
 from shardplan.models.resnet import resnet50, resnet101
 from shardplan.models.rnnlm import rnnlm
 from shardplan.models.transformer import transformer, transformer_big
 
-__all__ = ["ModelSpec", "MODELS", "get_model", "model_spec", "models_table",
+__all__ = ["ModelSpec", "MODELS", "NAMED", "get_model", "model_spec", "models_table", "named_table",
            "alexnet", "resnet101", "resnet50", "inception_v3", "rnnlm", "transformer", "transformer_big",
-           "densenet121", "gpt", "GPT_SIZES"]
+           "densenet121", "gpt", "GPT_SIZES", "llama"]
 
 
 @dataclass(frozen=True)
@@ -98,12 +109,58 @@ MODELS: dict[str, ModelSpec] = {s.name: s for s in (
 )}
 
 
+# Default batches of the named sizes. GPT-3: Brown et al. 2020, Table 2.1, batch size in tokens / 2048 (0.5M,
+# 1M, 2M tokens: 256, 512, 1024 sequences; 175B's 3.2M is 1,536 sequences, 3.1M tokens, the batch Megatron-LM
+# trains it with in Narayanan et al., SC'21, Table 2). Megatron: SC'21, Table 1, "Batch size". Llama 3: the paper
+# states a batch for 405B only (16M tokens, 2,048 sequences of 8,192, Dubey et al. 2024, §3.4.1); the others
+# take the zoo's sequence-model default of 64.
+_GPT3_BATCH = {"gpt3-125m": 256, "gpt3-350m": 256, "gpt3-760m": 256, "gpt3-1.3b": 512, "gpt3-2.7b": 512,
+               "gpt3-6.7b": 1024, "gpt3-13b": 1024, "gpt3-175b": 1536}
+_MEGATRON_BATCH = {"megatron-1.7b": 512, "megatron-3.6b": 512, "megatron-7.5b": 512, "megatron-18.4b": 1024,
+                   "megatron-39.1b": 1536, "megatron-76.1b": 1792, "megatron-145.6b": 2304,
+                   "megatron-310.1b": 2160, "megatron-529.6b": 2520, "megatron-1t": 3072}
+_LLAMA3_BATCH = {"llama3-8b": 64, "llama3-70b": 64, "llama3-405b": 2048, "llama3-tiny": 8}
+
+
+def _named() -> dict[str, ModelSpec]:
+    """The named sizes as registry entries (the builder's ``name`` is the entry's, so graphs carry it)."""
+    out: dict[str, ModelSpec] = {}
+    for name, cfg in GPT3.items():
+        out[name] = ModelSpec(name, gpt, _GPT3_BATCH[name], 1, "megatron",
+                              f"GPT-3 {name[5:].upper()}: {cfg.layers} x d {cfg.d_model}, {cfg.heads} heads "
+                              f"(Brown et al. 2020, Table 2.1)", {**cfg.sizes(), "name": name})
+    for name, cfg in MEGATRON.items():
+        out[name] = ModelSpec(name, gpt, _MEGATRON_BATCH[name], 1, "megatron",
+                              f"GPT {name[9:].upper()}: {cfg.layers} x d {cfg.d_model}, {cfg.heads} heads "
+                              f"(Narayanan et al. SC'21, Table 1)", {**cfg.sizes(), "name": name})
+    for name, cfg in LLAMA3.items():
+        where = "test size" if name == "llama3-tiny" else "Dubey et al. 2024, Table 3"
+        out[name] = ModelSpec(name, llama, _LLAMA3_BATCH[name], 1, "megatron",
+                              f"Llama 3 {name[7:].upper()}: {cfg.layers} x d {cfg.d_model}, {cfg.heads} heads / "
+                              f"{cfg.kv_heads} KV, ffn {cfg.d_ff} ({where})", {**cfg.sizes(), "name": name})
+    return out
+
+
+NAMED: dict[str, ModelSpec] = _named()
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
+_NAMED_KEYS: dict[str, str] = {_key(n): n for n in NAMED}
+
+
 def model_spec(name: str) -> ModelSpec:
-    """The registry entry of ``name`` (case-insensitive; '-' and '_' are interchangeable)."""
-    key = name.strip().lower().replace("-", "_")
+    """The registry entry of ``name``: a zoo model (:data:`MODELS`) or a named size (:data:`NAMED`)
+    (case-insensitive; '-' and '_' are interchangeable)."""
+    key = _key(name)
     spec = MODELS.get(key) or MODELS.get(key.replace("_", ""))
+    if spec is None and key in _NAMED_KEYS:
+        spec = NAMED[_NAMED_KEYS[key]]
     if spec is None:
-        raise ShardplanError(f"unknown model {name!r}; known models: {', '.join(MODELS)}")
+        raise ShardplanError(f"unknown model {name!r}; known models: {', '.join(MODELS)}; "
+                             f"named sizes: {', '.join(NAMED)}")
     return spec
 
 
@@ -113,11 +170,32 @@ def get_model(name: str, batch: int | None = None, **sizes: Any) -> Graph:
 
 
 def models_table() -> str:
-    """A text table of the registry: name, vertices, edges, default batch, cutoff, expert baseline."""
-    from shardplan.report.table import format_table
+    """A text table of the zoo: name, vertices, edges, default batch, cutoff, expert baseline; then the named
+    sizes (:func:`named_table`)."""
+    from shardplan.table import format_table
 
     rows = []
     for spec in MODELS.values():
         g = spec.build()
         rows.append((spec.name, len(g), len(g.edges), spec.batch, spec.cutoff, spec.expert, spec.description))
-    return format_table(rows, ("model", "vertices", "edges", "batch", "cutoff", "expert", "description"))
+    zoo = format_table(rows, ("model", "vertices", "edges", "batch", "cutoff", "expert", "description"))
+    return f"{zoo}\n\nnamed sizes (same use: --model NAME --set KEY=VALUE):\n{named_table()}"
+
+
+def named_table() -> str:
+    """A text table of the named sizes (no graph is built): name, layers, width, heads, key/value heads,
+    feed-forward width, vocabulary, sequence, default batch and the weights of the graph (for GPT: no biases, no
+    position table, embedding and output untied, padded vocabulary; :func:`~shardplan.models.gpt.gpt_published_params`
+    counts them as the papers do)."""
+    from shardplan.models.flops import config_of
+    from shardplan.table import format_table
+
+    rows = []
+    for spec in NAMED.values():
+        cfg = config_of(spec.name)
+        kv = getattr(cfg, "kv_heads", cfg.heads)
+        ffn = getattr(cfg, "ffn", None) or cfg.d_ff
+        rows.append((spec.name, cfg.layers, cfg.d_model, cfg.heads, kv, ffn, cfg.vocab, cfg.seq, spec.batch,
+                     f"{cfg.params() / 1e9:.2f}B"))
+    return format_table(rows, ("name", "layers", "d_model", "heads", "kv_heads", "d_ff", "vocab", "seq", "batch",
+                               "graph params"))

@@ -14,9 +14,9 @@ from typing import Sequence
 
 from shardplan import ops
 from shardplan.errors import ShardplanError
-from shardplan.ir import GraphBuilder, TensorRef
+from shardplan.ir import GraphBuilder, Operator, TensorRef
 
-__all__ = ["conv_bn", "attention", "check_stack"]
+__all__ = ["conv_bn", "attention", "check_stack", "rms_norm"]
 
 
 def check_stack(model: str, layers: int, d_model: int | None = None, heads: int | None = None) -> None:
@@ -63,3 +63,17 @@ def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, hea
     s = b.add(scores)
     ctx = b.add(ops.einsum(f"{p}context", "bhst,bthk->bshk", s, v, kind="attn_context"))
     return b.add(ops.einsum(f"{p}out", "bshk,hkd->bsd", ctx, ops.Param((heads, kd, d)), kind="attn_out"))
+
+
+def rms_norm(name: str, x: TensorRef) -> Operator:
+    """RMS normalisation over the last axis ``d`` with a gain (Zhang and Sennrich 2019):
+    ``y = x / sqrt(mean_d(x^2) + eps) * g``.
+
+    The layer-norm description (:func:`shardplan.ops.layer_norm`) with what
+    differs: one statistic per row (the mean square; a split of ``d``
+    all-reduces 1 value per row, not 2), the gain only (no bias), and 4
+    FLOPs per element (square, sum, scale by the reciprocal root, gain)
+    instead of 8.
+    """
+    ln = ops.layer_norm(name, x)
+    return dataclasses.replace(ln, kind="rms_norm", weights=ln.weights[:1], norm_stats=1, flops_per_point=4.0)

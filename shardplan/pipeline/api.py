@@ -49,11 +49,6 @@ class PipelineResult:
         """Achieved FLOP/s per device for a step of ``graph_flops`` (forward + backward) total FLOPs."""
         return graph_flops / self.plan.step_time / self.machine.num_devices
 
-    def to_dict(self) -> dict[str, Any]:
-        from shardplan.pipeline.report import pipeline_to_json
-
-        return pipeline_to_json(self)
-
 
 def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, *,
                    micro_batches: Sequence[int] = (1, 2, 4, 8), max_stages: int | None = None, uniform: bool = False,

@@ -310,7 +310,9 @@ class ModelStages:
             units = units_of(g)
             where = {g.operators[i].name: (u, j) for u, idx in enumerate(units) for j, i in enumerate(idx)}
             intern: dict[tuple, int] = self._graphs.setdefault("intern", {})
-            sigs = tuple(intern.setdefault(tuple(_op_signature(g.operators[i], where, u) for i in idx), len(intern))
+            # an operator the program recomputes (a user's jax.checkpoint) saves nothing: part of its unit's kind
+            sigs = tuple(intern.setdefault(tuple((_op_signature(g.operators[i], where, u),
+                                                  g.operators[i].name in g.recomputed) for i in idx), len(intern))
                          for u, idx in enumerate(units))
             self._graphs[m] = (g, units, sigs)
         return self._graphs[m]
@@ -326,7 +328,8 @@ class ModelStages:
     def subgraph(self, a: int, b: int, m: int) -> Graph:
         """The operators of units [a, b) at micro-batch batch/m, earlier stages' tensors as graph inputs, and
         the graph's ties (a scan's iterations, one layout for their stacked parameter) restricted to them: a
-        stage holds its own slice of a stacked parameter, so copies in different stages are not tied."""
+        stage holds its own slice of a stacked parameter, so copies in different stages are not tied. The
+        operators the program recomputes (a user's ``jax.checkpoint``) stay recomputed (:meth:`Graph.derive`)."""
         return self.subgraph_of(((a, b),), m)
 
     def solve_stage(self, a: int, b: int, q: int, m: int) -> StageCost:
@@ -660,7 +663,7 @@ class ModelStages:
 
     def fit_cost(self, a: int, b: int, q: int, m: int, k: int, budget: float) -> StageCost | None:
         """The memory-constrained intra-stage optimum of units [a, b) on q devices with ``k`` micro-batches in
-        flight under ``budget`` bytes per device: issue 10's choices (:func:`shardplan.fit.solve_fit`: ZeRO
+        flight under ``budget`` bytes per device: the memory choices (:func:`shardplan.fit.solve_fit`: ZeRO
         stages 1-3 / FSDP per operator, recomputation) on the stage's sub-graph at micro-batch batch/m. None
         if nothing fits. Its seconds are the fit plan's per micro-batch, with the collectives that run once per
         step (ZeRO-0's all-reduce, ZeRO-1's reduce-scatter and gather, ZeRO-2's gather) charged 1/m per
@@ -699,17 +702,11 @@ class ModelStages:
     def subgraph_of(self, chunks: tuple[tuple[int, int], ...], m: int) -> Graph:
         """The operators of the unit ranges ``chunks`` (ascending, disjoint) as one graph: what one device group
         of the interleaved schedule holds. Tensors from outside the ranges are graph inputs; the graph's ties
-        are restricted to these operators, as in :meth:`subgraph`."""
+        and recomputed operators are restricted to these operators, as in :meth:`subgraph`."""
         g, units, _ = self.graph(m)
-        ops = [g.operators[i] for a, b in chunks for u in range(a, b) for i in units[u]]
-        names = {op.name for op in ops}
-        inputs: dict[str, tuple[int, ...]] = {}
-        for op in ops:
-            for t in op.inputs:
-                if t.src is not None and t.src not in names:
-                    inputs[t.src] = t.shape
         label = ",".join(f"{a}:{b}" for a, b in chunks)
-        return Graph(f"{g.name}[{label}]", tuple(ops), inputs, ties=_ties_within(g, names))
+        return g.derive((g.operators[i] for a, b in chunks for u in range(a, b) for i in units[u]),
+                        f"{g.name}[{label}]")
 
     def group_fit_cost(self, chunks: tuple[tuple[int, int], ...], q: int, m: int, k: float,
                        budget: float) -> tuple[StageCost, ...] | None:
@@ -783,18 +780,11 @@ class ModelStages:
                         if 0 <= src_u < len(units) and j < len(units[src_u]):
                             rename[g.operators[i].name] = g.operators[units[src_u][j]].name
         new_ops = []
-        names = {op.name for op in ops}
         for op in ops:
             ins = tuple(replace(t, src=rename.get(t.src, t.src)) if t.src in rename else t for t in op.inputs)
             new_ops.append(replace(op, inputs=ins) if ins != op.inputs else op)
-        inputs: dict[str, tuple[int, ...]] = {}
-        for op in new_ops:
-            for t in op.inputs:
-                if t.src is not None and t.src not in names:
-                    inputs[t.src] = t.shape
         try:
-            cost = self._cost_of_graph(Graph(f"{g.name}[pieces]", tuple(new_ops), inputs,
-                                             ties=_ties_within(g, names)), q, m, unit_ids[0], unit_ids[-1])
+            cost = self._cost_of_graph(g.derive(new_ops, f"{g.name}[pieces]"), q, m, unit_ids[0], unit_ids[-1])
         except OperatorMemoryError:
             cost = None
         self._cache[key] = cost
@@ -845,12 +835,6 @@ def _from_other_in_flight(family: dict, k: int, budget: float, plain: StageCost 
         if c.time <= lower * (1 + rtol):
             return replace(c, lower=min(c.time, proven))
     return False
-
-
-def _ties_within(graph: Graph, names: set[str]) -> tuple[tuple[str, ...], ...]:
-    """The graph's tie groups restricted to the operators ``names`` (groups left with one member dropped)."""
-    kept = (tuple(n for n in grp if n in names) for grp in graph.ties)
-    return tuple(grp for grp in kept if len(grp) > 1)
 
 
 def _longest_run(sigs: tuple[int, ...], a: int, b: int) -> tuple[int, int] | None:

@@ -37,14 +37,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from shardplan.cost import BREAKDOWN
 from shardplan.layout import Layout
 from shardplan.plan import Plan
-from shardplan.report.table import format_table
+from shardplan.table import format_table
 from shardplan.search.io import jsonable
-from shardplan.units import fmt_bytes, fmt_seconds
+from shardplan.units import fmt_seconds
 
-__all__ = ["Group", "group_operators", "compress_names", "scope_title", "render_report", "render_strategy", "plan_to_json"]
+__all__ = ["Group", "group_operators", "compress_names", "scope_title", "render_strategy", "plan_to_json"]
 
 
 @dataclass(frozen=True)
@@ -239,45 +238,6 @@ def render_strategy(plan: Plan, max_title: int = 60) -> str:
         shown = grp.layout.describe() if grp.layout is not None else _cfg(grp.config)
         rows.append((title, grp.kind, grp.label, shown, grp.size))
     return format_table(rows, ("layers", "kind", "dims", "configuration", "ops"))
-
-
-def render_report(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> str:
-    """The full text report: strategy table, step time with breakdown, memory, speedups over ``baselines``."""
-    m = plan.machine
-    out = [f"Strategy {plan.name!r} for {plan.graph.name} ({len(plan.graph)} operators, "
-           f"{len(plan.graph.edges)} edges) on {m.describe()}", ""]
-    out.append(render_strategy(plan))
-    out.append("")
-    bd = plan.breakdown
-    total = bd["total"]
-    out.append(f"Predicted step time: {fmt_seconds(total)}")
-    rows = []
-    for key, label in BREAKDOWN.items():
-        v = bd.get(key, 0.0)
-        if v > 0 or key in ("compute", "redistribution"):
-            share = f"{100 * v / total:.1f}%" if total > 0 else "-"
-            rows.append(("  " + label, fmt_seconds(v), share))
-    out.append(format_table(rows, right=(1, 2)))
-    mem = plan.memory
-    out.append(f"Memory per device (peak): {fmt_bytes(mem['peak_bytes'])} = weights, gradients and optimizer state "
-               f"{fmt_bytes(mem['weights_bytes'])} + activations {fmt_bytes(mem['activations_bytes'])}")
-    if plan.memory_choices is not None:
-        from shardplan.fit import render_fit
-
-        out.extend(render_fit(plan))
-    elif m.memory_bytes and mem["peak_bytes"] > m.memory_bytes:
-        out.append(f"  WARNING: exceeds the device memory of {fmt_bytes(m.memory_bytes)} (search under it with --fit)")
-    if plan.solution is not None:
-        built = f" (cost tables {fmt_seconds(plan.build_seconds)})" if plan.build_seconds is not None else ""
-        out.append(f"Search: {plan.solution.solver}, {fmt_seconds(plan.solve_seconds)}{built}")
-    if baselines:
-        out.append("")
-        rows = []
-        for name, b in baselines.items():
-            speed = f"{b.cost / total:.2f}x" if total > 0 else "-"
-            rows.append((name, fmt_seconds(b.cost), speed))
-        out.append(format_table(rows, ("baseline", "step time", "speedup of this plan"), right=(1, 2), rule=False))
-    return "\n".join(out)
 
 
 def plan_to_json(plan: Plan, baselines: Mapping[str, Plan] | None = None) -> dict[str, Any]:

@@ -26,30 +26,10 @@ from typing import Sequence
 import numpy as np
 
 from shardplan.errors import ShardplanError
+from shardplan.ir import check_ties  # the names of tie groups are the graph's operators
 from shardplan.search.problem import Problem, Solution
 
 __all__ = ["tie", "untie", "check_ties"]
-
-
-def check_ties(names: Sequence[str], groups: Sequence[Sequence[str]]) -> tuple[tuple[int, ...], ...]:
-    """Groups as vertex indices; every name known, no vertex in two groups, at least two members each."""
-    index = {n: i for i, n in enumerate(names)}
-    seen: dict[int, int] = {}
-    out = []
-    for gi, grp in enumerate(groups):
-        members = []
-        for n in grp:
-            if n not in index:
-                raise ShardplanError(f"tie group {gi}: unknown operator {n!r}")
-            i = index[n]
-            if i in seen:
-                raise ShardplanError(f"operator {n!r} is in two tie groups ({seen[i]} and {gi})")
-            seen[i] = gi
-            members.append(i)
-        if len(members) < 2:
-            raise ShardplanError(f"tie group {gi} has {len(members)} member(s); a tie needs at least two")
-        out.append(tuple(members))
-    return tuple(out)
 
 
 def tie(problem: Problem, groups: Sequence[Sequence[int]]) -> tuple[Problem, tuple[int, ...]]:

@@ -9,7 +9,7 @@
 * :mod:`shardplan.torch.frontend`: ``torch.export`` → IR graph (handlers per ATen op);
 * :mod:`shardplan.torch.layout`: configurations → DTensor placements on one mesh;
 * :mod:`shardplan.torch.run`: the sharded module;
-* :func:`pipeline` (:mod:`shardplan.pipeline.torch`): the searched pipeline on ``torch.distributed.pipelining``.
+* :func:`pipeline` (:mod:`shardplan.torch.staged`): the searched pipeline on ``torch.distributed.pipelining``.
 
 PyTorch is an optional dependency (``pip install -e '.[torch]'``): this
 package imports it only when a function is called.
@@ -123,11 +123,11 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
 
 def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None = None, **options: Any) -> Any:
     """Search the pipeline of ``module(*example_inputs)`` (a loss) over this process group and build this
-    rank's stages and ``torch.distributed.pipelining`` schedule: :func:`shardplan.pipeline.torch.pipeline`.
+    rank's stages and ``torch.distributed.pipelining`` schedule: :func:`shardplan.torch.staged.pipeline`.
 
     ``pipe = st.pipeline(model, (ids, labels)); loss = pipe.step(ids, labels)``.
     """
-    from shardplan.pipeline.torch import pipeline as _pipeline
+    from shardplan.torch.staged import pipeline as _pipeline
 
     return _pipeline(module, example_inputs, machine, **options)
 
@@ -137,7 +137,7 @@ def report(plan: Plan, info: TorchTrace | None = None) -> str:
 
     With ``info``, conservatively described operators are marked ``*``.
     """
-    from shardplan.report import format_table
+    from shardplan.table import format_table
     from shardplan.units import fmt_seconds
 
     cons = set(info.conservative) if info is not None else set()

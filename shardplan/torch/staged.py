@@ -80,7 +80,7 @@ from shardplan.errors import ShardplanError
 from shardplan.machine import Machine
 
 __all__ = ["unit_key", "unit_names", "scoped_trace", "StagePartition", "partition", "TorchPipeline", "pipeline",
-           "SCHEDULE_CLASSES"]
+           "build_pipeline", "plan_layout", "Tracer", "SCHEDULE_CLASSES"]
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
                     "zb-h1": "ScheduleInterleavedZeroBubble"}
@@ -127,17 +127,14 @@ def unit_names(module_paths: Mapping[str, str]) -> dict[str, str]:
 
 def scoped_trace(module: Any, inputs: Sequence[Any]) -> tuple[Any, Any, dict[str, str]]:
     """:func:`shardplan.torch.trace` with operators renamed by :func:`unit_names`: (graph, info, new -> old name)."""
-    from shardplan.ir import Graph, renamed
     from shardplan.torch.frontend import trace
 
     graph, info = trace(module, inputs)
     ren = unit_names({op.name: info.module_paths.get(op.name, "<top>") for op in graph.operators})
-    ops = tuple(renamed(op, ren) for op in graph.operators)
-    ties = tuple(tuple(ren.get(n, n) for n in grp) for grp in graph.ties)
-    return Graph(graph.name, ops, dict(graph.graph_inputs), ties=ties), info, {v: k for k, v in ren.items()}
+    return graph.renamed(ren), info, {v: k for k, v in ren.items()}
 
 
-class _Tracer:
+class Tracer:
     """``build(rows)``: the module traced on the first ``rows`` examples of every input."""
 
     def __init__(self, module: Any, inputs: Sequence[Any]) -> None:
@@ -357,7 +354,8 @@ def _dtensor_stage(mod: Any, examples: Sequence[Any], layouts: Sequence[tuple[An
     from shardplan.torch.run import ParallelModule
 
     graph, info = trace(mod, tuple(x.detach() for x in examples))
-    if len(graph.operators) != len(layouts) or any(op.dims != dims for op, (dims, _) in zip(graph.operators, layouts)):
+    if len(graph.operators) != len(layouts) or any(tuple(d for d, _ in op.dims) != tuple(d if isinstance(d, str) else d[0] for d in dims)
+                                                   for op, (dims, _) in zip(graph.operators, layouts)):
         raise ShardplanError("the stage module's operators differ from the stage the plan was made for")
     lays = {op.name: lay for op, (_, lay) in zip(graph.operators, layouts)}
     shape = plan_mesh_shape(list(lays.values()), int(mesh.mesh.numel()))
@@ -485,12 +483,9 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
     :func:`shardplan.pipeline.api.pipeline_solve`; ``schedule="gpipe"`` runs a 1F1B plan with
     ``ScheduleGPipe``; ``solve_options`` go to each intra-stage solve.
     """
-    import torch
     import torch.distributed as dist
-    from torch.distributed import pipelining as pp
 
     from shardplan.pipeline.api import pipeline_solve
-    from shardplan.pipeline.execute import StageSpec
 
     if reduction not in ("mean", "sum"):
         raise ShardplanError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -504,7 +499,7 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
         machine = Machine(world, name=f"{world} x cpu")
     elif machine.num_devices != world:
         raise ShardplanError(f"machine has {machine.num_devices} devices but the process group has {world}")
-    tracer = _Tracer(module, example_inputs)
+    tracer = Tracer(module, example_inputs)
     result = None
     error: list[Any] = [None]
     if rank == 0:
@@ -518,6 +513,40 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
     if error[0] is not None:
         raise ShardplanError(error[0])
     layout = _broadcast_layout(result, rank)
+    stage_layouts = _broadcast_stage_layouts(result, rank) if q > 1 else None
+    return build_pipeline(result, layout, stage_layouts, tracer, module, schedule, reduction)
+
+
+def plan_layout(plan: Any) -> tuple[dict, list[list[tuple[Any, Any]]]]:
+    """What every rank needs of a :class:`shardplan.Plan` of stages: the stage map and, per stage, its
+    operators' ``(dimension names, Layout)`` in order (the form :func:`pipeline` broadcasts)."""
+    layout = {"stages": [(s.first, s.end, s.offset, s.devices) for s in plan.stages],
+              "micro_batches": plan.micro_batches, "schedule": plan.schedule, "chunks": plan.chunks,
+              "units": None, "step_time": plan.step_time}
+    return layout, [[(c.layout.dims, c.layout) for c in s.operators.values()] for s in plan.stages]
+
+
+def build_pipeline(result: Any, layout: dict, stage_layouts: Sequence[Sequence[tuple[Any, Any]]] | None,
+                   tracer: "Tracer", module: Any, schedule: str | None = None,
+                   reduction: str = "mean") -> TorchPipeline:
+    """This rank's stages and schedule of a pipeline plan (``layout``: its stage map; ``stage_layouts``: per
+    stage its operators' layouts, used when stages span several processes)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import pipelining as pp
+
+    from shardplan.pipeline.execute import StageSpec
+
+    if reduction not in ("mean", "sum"):
+        raise ShardplanError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    qs = {d for _, _, _, d in layout["stages"]}
+    if len(qs) != 1:
+        raise ShardplanError(f"stages of different sizes {sorted(qs)} cannot run on torch's pipelining")
+    q = qs.pop()
+    if sum(d for _, _, _, d in layout["stages"]) // max(1, int(layout["chunks"])) != world:
+        raise ShardplanError(f"the plan's stages cover {sum(d for *_, d in layout['stages'])} devices, the "
+                             f"process group has {world}")
     run_schedule = schedule or layout["schedule"]
     v = int(layout["chunks"])
     if run_schedule not in SCHEDULE_CLASSES or (v > 1) != (run_schedule == "interleaved"):
@@ -542,12 +571,13 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
 
         mesh = init_device_mesh("cpu", (world // q, q), mesh_dim_names=("pp", "m0"))
         group, sub = mesh["pp"].get_group(), mesh["m0"]
-    stage_layouts = _broadcast_stage_layouts(result, rank) if q > 1 else None
     modules, stages = [], []
     for j in mine:
         mod = _stage_module(parts[j], ep, module)
         ins = _examples(ep, module, parts[j].inputs)
         outs = _examples(ep, module, parts[j].outputs)
+        if sub is not None and stage_layouts is None:
+            raise ShardplanError("stages of several processes need their layouts")
         run_mod = mod if sub is None else _dtensor_stage(mod, ins, stage_layouts[j], sub)  # type: ignore[index]
         stages.append(pp.PipelineStage(run_mod, j, n, torch.device("cpu"), input_args=ins,
                                        output_args=outs[0] if len(outs) == 1 else outs, group=group))

@@ -1,4 +1,5 @@
-"""Seeing a pipeline plan: the stage map as text and JSON, and the schedule's timeline as a picture."""
+"""A pipeline plan's own details: the report's pipeline section, the JSON of the search's answer, and the
+schedule's timeline as a picture."""
 
 from __future__ import annotations
 
@@ -34,15 +35,18 @@ def _layout(plan) -> str:
 
 
 def render_pipeline(result: "PipelineResult") -> str:
-    """Text report: stage map, m, schedule, per-stage time and memory against the budget, bubble."""
+    """The one report (:func:`~shardplan.report.summary.render_plan`) of a pipeline search's answer, then what
+    only a pipeline has: the bounds per schedule, the same stages under GPipe, the bubble, the transfers
+    and the search's counts."""
+    from shardplan.planner import from_pipeline
+    from shardplan.report.summary import render_plan
+
     plan = result.plan
-    names = result.unit_names()
-    lines = [f"Pipeline on {result.machine.describe()}",
-             f"  {plan.num_stages // plan.chunks} stage(s), schedule {plan.schedule}"
+    lines = [render_plan(from_pipeline(result)),
+             f"Pipeline: {plan.num_stages // plan.chunks} stage(s), schedule {plan.schedule}"
              + (f" (v={plan.chunks} chunks per device group)" if plan.chunks > 1 else "")
-             + f", {plan.micro_batches} micro-batch(es) of {result.stages.batch // plan.micro_batches}",
-             f"  predicted step: {fmt_seconds(plan.step_time)} (event simulation: "
-             f"{fmt_seconds(result.simulated_step_time())})"]
+             + f", {plan.micro_batches} micro-batch(es) of {result.stages.batch // plan.micro_batches}; event "
+             f"simulation {fmt_seconds(result.simulated_step_time())}"]
     if plan.lower_bound is not None:
         fam = plan.stats.get("family_lower_bounds") or {}
         lines.append(f"  proven lower bound over the space searched: {fmt_seconds(plan.lower_bound)} "
@@ -57,23 +61,6 @@ def render_pipeline(result: "PipelineResult") -> str:
         lines.append(f"  same stages under GPipe: {fmt_seconds(gp)}")
     times, links, back = plan.stage_times(), plan.group_links(), plan.group_links(back=True)
     lines.append(f"  bubble fraction: {bubble_fraction(times, links, plan.micro_batches, plan.schedule, plan.chunks, back):.1%}")
-    budget = plan.budget
-    head = ("stage", "units", "devices", "fwd/mb", "bwd/mb", "in flight", "memory", "budget", "layouts")
-    rows = [head]
-    for i, s in enumerate(plan.stages):
-        rows.append((str(i), units_label(names, s.first, s.end), f"{s.offset}..{s.offset + s.devices - 1}",
-                     fmt_seconds(s.cost.forward), fmt_seconds(s.cost.backward), f"{s.in_flight:g}",
-                     fmt_bytes(s.memory), "-" if budget is None else f"{s.memory / budget:.0%}",
-                     _layout(s.cost.detail)))
-    widths = [max(len(r[j]) for r in rows) for j in range(len(head))]
-    for r in rows:
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    for i, s in enumerate(plan.stages):
-        mc = getattr(s.cost.detail, "memory_choices", None)
-        if mc is not None:
-            summ = mc.summary([op.name for op in s.cost.detail.graph.operators])
-            zero = ", ".join(f"{k}: {len(v)} ops" for k, v in sorted(summ["state_sharding"].items())) or "none"
-            lines.append(f"  stage {i} memory choices: state sharding {zero}; recompute {len(summ['recompute'])} ops")
     if plan.links:
         lines.append("  transfer per micro-batch, activation: " + ", ".join(fmt_seconds(c) for c in plan.links))
         if plan.back_links is not None and plan.back_links != plan.links:

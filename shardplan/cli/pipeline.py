@@ -5,50 +5,39 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from shardplan.cli.options import add_machine, add_model, cutoff_of, int_list, machine_of, parse_sizes, write_text
 from shardplan.errors import ShardplanError
 
 __all__ = ["add_parser", "cmd_pipeline"]
 
 
-def _ints(text: str | None, flag: str) -> tuple[int, ...]:
-    if not text:
-        return ()
-    try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ShardplanError(f"{flag} expects comma-separated integers, got {text!r}") from None
-    if any(x < 1 for x in out):
-        raise ShardplanError(f"{flag} needs positive integers, got {text!r}")
-    return out
-
-
 def cmd_pipeline(args: argparse.Namespace) -> int:
-    from shardplan.cli import _cutoff, _machine, _parse_sizes, _write_json
     from shardplan.models import model_spec
     from shardplan.pipeline.api import pipeline_solve
-    from shardplan.pipeline.report import draw_timeline, render_pipeline
+    from shardplan.planner import from_pipeline
+    from shardplan.report.pipeline import draw_timeline, render_pipeline
 
     spec = model_spec(args.model)
-    sizes = _parse_sizes(args.set)
+    sizes = parse_sizes(args.set)
     batch = args.batch if args.batch is not None else spec.batch
-    machine = _machine(args, args.procs)
-    opts: dict[str, Any] = {"cutoff": _cutoff(args, spec), "orders": args.orders or "auto"}
+    machine = machine_of(args, args.procs)
+    opts: dict[str, Any] = {"cutoff": cutoff_of(args, spec), "orders": args.orders or "auto"}
     budget = None if args.memory is None else args.memory * 1024**3
     if not 0.0 <= args.fit_rtol < 1.0:
         raise ShardplanError(f"--fit-rtol must be in [0, 1), got {args.fit_rtol!r}")
     if not args.fit_time_limit > 0:
         raise ShardplanError(f"--fit-time-limit must be a positive number of seconds, got {args.fit_time_limit!r}")
     result = pipeline_solve(lambda b: spec.build(b, **sizes), batch, machine,
-                            micro_batches=_ints(args.micro_batches, "--micro-batches"),
+                            micro_batches=int_list(args.micro_batches, "--micro-batches"),
                             max_stages=args.max_stages, uniform=args.uniform,
-                            interleave=_ints(args.interleave, "--interleave"), budget=budget,
-                            sizes=_ints(args.sizes, "--sizes") or None,
+                            interleave=int_list(args.interleave, "--interleave"), budget=budget,
+                            sizes=int_list(args.sizes, "--sizes") or None,
                             schedules=("1f1b", "interleaved") + (("zb-h1",) if args.zero_bubble else ()),
                             memory_choices=args.memory_choices, fit_rtol=args.fit_rtol,
                             fit_time_limit=args.fit_time_limit, **opts)
     print(render_pipeline(result))
     if args.json:
-        _write_json(args.json, result.to_dict())
+        write_text(args.json, from_pipeline(result).to_json() + "\n")
         print(f"json: {args.json}")
     if args.timeline:
         if not args.timeline.lower().endswith((".png", ".svg")):
@@ -63,12 +52,10 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     """Register the ``pipeline`` subcommand on the CLI's subparsers."""
-    from shardplan.cli import _add_machine, _add_model
-
     p = sub.add_parser("pipeline", help="search pipeline stages x sub-meshes x micro-batches x schedule")
-    _add_model(p)
+    add_model(p)
     p.add_argument("-p", "--procs", type=int, required=True, help="number of devices")
-    _add_machine(p)
+    add_machine(p)
     p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch counts searched (default 1,2,4,8)")
     p.add_argument("--max-stages", type=int, help="largest number of stages (default: one per block)")
     p.add_argument("--uniform", action="store_true", help="only stages of equal sub-mesh size")

@@ -80,7 +80,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from shardplan.errors import ShardplanError
 
-__all__ = ["stack_stages", "pipeline_forward", "pipeline", "StagedStep", "scoped_trace"]
+__all__ = ["stack_stages", "pipeline_forward", "pipeline", "StagedStep", "scoped_trace", "Tracer", "batch_size",
+           "build_staged"]
 
 
 def stack_stages(layer_params: list[Any], num_stages: int) -> Any:
@@ -172,16 +173,13 @@ def scoped_trace(loss_fn: Callable[..., Any], params: Any, batch: Any) -> tuple[
     :func:`_unit_names`, so that the units the pipeline search cuts between are the model's blocks."""
     import dataclasses
 
-    from shardplan.ir import Graph, renamed
     from shardplan.jax.lower import trace
 
     graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
     ren = _unit_names([op.name for op in graph.operators])
     if all(k == v for k, v in ren.items()):
         return graph, info
-    ops = tuple(renamed(op, ren) for op in graph.operators)
-    graph = Graph(graph.name, ops, dict(graph.graph_inputs),
-                  ties=tuple(tuple(ren.get(n, n) for n in grp) for grp in graph.ties))
+    graph = graph.renamed(ren)
     info = dataclasses.replace(
         info, op_vars={ren.get(k, k): v for k, v in info.op_vars.items()},
         reads={ren.get(k, k): v for k, v in info.reads.items()},
@@ -189,7 +187,7 @@ def scoped_trace(loss_fn: Callable[..., Any], params: Any, batch: Any) -> tuple[
     return graph, info
 
 
-def _batch_size(info: Any) -> int:
+def batch_size(info: Any) -> int:
     sizes = {info.leaf_shapes[i][0] for i in info.batch_leaves}
     if len(sizes) != 1:
         raise ShardplanError(f"the batch leaves must share their leading (batch) axis, got sizes {sorted(sizes)}")
@@ -210,7 +208,7 @@ def _shape_tree(tree: Any, batch_leaves: frozenset[int] | None = None, rows: int
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-class _Tracer:
+class Tracer:
     """``build(rows)`` for :class:`~shardplan.pipeline.stages.ModelStages`: the loss traced at ``rows`` examples."""
 
     def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: Any) -> None:
@@ -422,7 +420,7 @@ class StagedStep:
         return loss, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), full)
 
 
-def build_staged(result: Any, tracer: _Tracer, devices: Sequence[Any], schedule: str | None = None,
+def build_staged(result: Any, tracer: Tracer, devices: Sequence[Any], schedule: str | None = None,
                  reduction: str = "mean") -> StagedStep:
     """The runnable form of a pipeline ``result`` whose model ``tracer`` traced (see :func:`pipeline`)."""
     import jax
@@ -504,8 +502,8 @@ def pipeline(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequ
         raise ShardplanError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     devices, machine = devices_and_machine(devices, machine)
     p = len(devices)
-    tracer = _Tracer(loss_fn, params, batch)
-    rows = _batch_size(tracer.full_info)
+    tracer = Tracer(loss_fn, params, batch)
+    rows = batch_size(tracer.full_info)
     solve_options.setdefault("divides_p", True)
     result = pipeline_solve(tracer, rows, machine, micro_batches=micro_batches, max_stages=max_stages,
                             uniform=uniform, interleave=interleave, schedules=schedules, budget=budget,

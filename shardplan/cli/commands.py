@@ -11,202 +11,14 @@ import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Sequence
 
-import shardplan
+from shardplan.cli.options import (MEMORY_OPTION_RANGE, Parser, UsageError, VersionAction, add_machine, add_model, add_progress, cutoff_of,
+                                   graph_of, int_list, int_option, machine_of, parse_procs, parse_sizes, plot_path,
+                                   progress, real_option, write_json, write_text)
 from shardplan.errors import ShardplanError
 
 __all__ = ["main"]
-
-
-# --------------------------------------------------------------------------- helpers
-PROGRESS_EVERY_TTY = 0.5  # seconds between updates of the one rewritten line on a terminal
-PROGRESS_EVERY_LOG = 5.0  # seconds between progress lines when stderr is a file or a pipe
-
-
-def _progress(label: str, every: float | None = None,
-              stream: Any = None, clock: Callable[[], float] = time.perf_counter) -> Callable[[int, int], None]:
-    """A progress reporter ``show(done, total)`` for long steps, writing to stderr.
-
-    On a terminal one line is rewritten in place (every 0.5 s); elsewhere (a
-    log file, a pipe, a batch job) a full line is written every
-    ``PROGRESS_EVERY_LOG`` seconds, so a long build is never silent.
-    ``every`` (the ``--progress SECONDS`` option) forces full lines at that
-    interval. Nothing is written for a step that ends within the first
-    interval; a step that showed progress ends with its final count.
-    """
-    out = stream if stream is not None else sys.stderr
-    tty = every is None and out.isatty()
-    interval = every if every is not None else (PROGRESS_EVERY_TTY if tty else PROGRESS_EVERY_LOG)
-    start = clock()
-    state = {"last": start, "shown": False}
-
-    def show(i: int, n: int) -> None:
-        now = clock()
-        done = i >= n
-        if done and not state["shown"]:
-            return
-        if not done and now - state["last"] < interval:
-            return
-        state["last"], state["shown"] = now, True
-        if tty:
-            out.write(f"\r{label} {i}/{n}" + ("\n" if done else ""))
-        else:
-            out.write(f"{label} {i}/{n} ({now - start:.0f} s)\n")
-        out.flush()
-
-    return show
-
-
-# --------------------------------------------------------------------------- option values
-# Plausible hardware: the bounds keep every cost finite and non-zero (a bandwidth of
-# 1e-300 B/s makes costs overflow to inf, an infinite FLOP/s makes compute free).
-FLOPS_RANGE = (1e3, 1e18)  # FLOP/s per device
-BANDWIDTH_RANGE = (1e3, 1e15)  # bytes/s per link
-LATENCY_RANGE = (0.0, 10.0)  # seconds per message step
-MEMORY_OPTION_RANGE = (1.0, 2.0**62)  # bytes, for --table-memory / --bfs-memory
-
-
-class _UsageError(ShardplanError):
-    """A command line argparse refused (unknown option, missing value, bad value); ``prog``: which command."""
-
-    def __init__(self, prog: str, message: str) -> None:
-        super().__init__(message)
-        self.prog = prog
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line and exit status 2 (from :func:`main`), like every other error,
-    instead of the usage text and the message."""
-
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(self.prog, f"{message} (see '{self.prog} --help')")
-
-
-class _VersionAction(argparse.Action):
-    """``--version``: prints the installed version, read from the package metadata only when asked
-    (importing :mod:`importlib.metadata` costs every other command ~20 ms)."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
-                 default: str = argparse.SUPPRESS, help: str = "show program's version number and exit") -> None:
-        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
-        parser._print_message(f"shardplan {shardplan.__version__}\n", sys.stdout)
-        parser.exit()
-
-
-def _int_option(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
-    """argparse type: an integer in [minimum, maximum]; the message names the option (argparse adds it)."""
-    from shardplan.checks import integer
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expects an integer, got {text!r}") from None
-        try:
-            return integer("", value, minimum, maximum)
-        except ShardplanError as e:
-            raise argparse.ArgumentTypeError(str(e).strip()) from None
-
-    parse.__name__ = "integer"
-    return parse
-
-
-def _real_option(minimum: float | None = None, maximum: float | None = None, positive: bool = False,
-                 unit: str = "") -> Callable[[str], float]:
-    """argparse type: a finite number in [minimum, maximum] (NaN, inf and overflowing literals refused)."""
-    from shardplan.checks import real
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expects a number, got {text!r}") from None
-        try:
-            return real("", value, minimum, maximum, positive=positive, unit=unit)
-        except ShardplanError as e:
-            raise argparse.ArgumentTypeError(str(e).strip()) from None
-
-    parse.__name__ = "number"
-    return parse
-
-
-def _plot_path(text: str) -> str:
-    """argparse type for --plot: a file name whose suffix is an image format matplotlib writes."""
-    from shardplan.report.plot import plot_formats
-
-    suffix = Path(text).suffix.lower().lstrip(".")
-    formats = plot_formats()
-    if suffix not in formats:
-        what = f"format {suffix!r}" if suffix else "no format suffix"
-        raise argparse.ArgumentTypeError(f"{text!r} has {what}; use one of .{', .'.join(formats)}")
-    return text
-
-
-def _parse_sizes(items: Sequence[str] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items or ():
-        if "=" not in item:
-            raise ShardplanError(f"--set expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        try:
-            out[k.strip()] = int(v)
-        except ValueError:
-            try:
-                out[k.strip()] = float(v)
-            except ValueError:
-                out[k.strip()] = v
-    return out
-
-
-def _procs(text: str) -> list[int]:
-    try:
-        ps = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ShardplanError(f"--procs expects a comma-separated list of integers, got {text!r}") from None
-    if not ps or any(p < 1 for p in ps):
-        raise ShardplanError(f"--procs needs positive device counts, got {text!r}")
-    return ps
-
-
-def _machine(args: argparse.Namespace, p: int, preset_name: str | None = None):
-    from shardplan.machine import DTYPE_BYTES, preset
-
-    if p < 1:
-        raise ShardplanError(f"number of devices must be at least 1, got {p}")
-    m = preset(preset_name or getattr(args, "machine", None) or "paper", p)
-    over: dict[str, Any] = {}
-    if getattr(args, "flops", None) is not None:
-        over["peak_flops"] = args.flops
-    if getattr(args, "bandwidth", None) is not None:
-        over["bandwidth"] = args.bandwidth
-    if getattr(args, "latency", None) is not None:
-        over["latency"] = args.latency
-    if getattr(args, "dtype", None) is not None:
-        over["dtype_bytes"] = DTYPE_BYTES[args.dtype]
-    return replace(m, **over) if over else m
-
-
-def _graph(args: argparse.Namespace):
-    from shardplan.models import model_spec
-
-    spec = model_spec(args.model)
-    return spec, spec.build(args.batch, **_parse_sizes(args.set))
-
-
-def _cutoff(args: argparse.Namespace, spec) -> int:
-    return args.cutoff if args.cutoff is not None else spec.cutoff
-
-
-def _write_json(path: str, data: Any) -> None:
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2) + "\n")
-    except OSError as e:
-        raise ShardplanError(f"cannot write {path}: {e.strerror}") from None
 
 
 # Solver options of `solve` and the solvers they apply to; giving one to another solver is an error.
@@ -246,7 +58,7 @@ def _solver_opts(args: argparse.Namespace) -> dict[str, Any]:
     if args.solver in ("dp",):
         if args.ordering is not None:
             opts["ordering"] = args.ordering
-        opts["progress"] = _progress("eliminating vertices", args.progress)
+        opts["progress"] = progress("eliminating vertices", args.progress)
     if args.solver in ("dp", "bfs-dp", "ilp") and args.table_memory is not None:
         opts["memory_limit_bytes"] = int(args.table_memory)
     if args.solver == "ilp":
@@ -268,12 +80,12 @@ def cmd_ops(args: argparse.Namespace) -> int:
     from shardplan.baselines import batch_dim, nearest_valid
     from shardplan.configs import configurations, dimension_orders, layouts
     from shardplan.cost import operator_cost
-    from shardplan.report import format_table
+    from shardplan.table import format_table
     from shardplan.units import fmt_seconds
 
-    spec, g = _graph(args)
-    m = _machine(args, args.procs)
-    cutoff = _cutoff(args, spec)
+    spec, g = graph_of(args)
+    m = machine_of(args, args.procs)
+    cutoff = cutoff_of(args, spec)
     print(f"{g.name}: {len(g.operators)} operators, {len(g.edges)} edges; p = {m.num_devices}, cutoff {cutoff}")
     hier = len(m.levels) > 1
     rows = []
@@ -296,8 +108,8 @@ def _solve_model(args: argparse.Namespace) -> int:
     from shardplan.plan import solve_tables
     from shardplan.report import plan_to_dot, plan_to_json, render_report
 
-    spec, g = _graph(args)
-    m = _machine(args, args.procs)
+    spec, g = graph_of(args)
+    m = machine_of(args, args.procs)
     t0 = time.perf_counter()
     fit = args.memory is not None or args.fit
     if args.memory is not None:
@@ -305,9 +117,9 @@ def _solve_model(args: argparse.Namespace) -> int:
             raise ShardplanError(f"--memory must be a positive number of GiB, got {args.memory!r}")
         m = replace(m, memory_bytes=args.memory * 2**30)
     # A fit search offers sharded state, so it must not drop configurations by their unsharded footprint.
-    tables = build_tables(g, replace(m, memory_bytes=None) if fit else m, cutoff=_cutoff(args, spec),
+    tables = build_tables(g, replace(m, memory_bytes=None) if fit else m, cutoff=cutoff_of(args, spec),
                           orders=args.orders or "auto", divides_p=not args.all_divisors,
-                          progress=_progress("building cost tables", args.progress),
+                          progress=progress("building cost tables", args.progress),
                           memory_limit_bytes=None if args.table_memory is None else int(args.table_memory))
     tables = replace(tables, machine=m)
     build = time.perf_counter() - t0
@@ -318,23 +130,10 @@ def _solve_model(args: argparse.Namespace) -> int:
     baselines = {} if args.no_baselines else baseline_plans(tables, spec.expert)
     print(render_report(plan, baselines))
     if args.json:
-        _write_json(args.json, plan_to_json(plan, baselines))
+        write_json(args.json, plan_to_json(plan, baselines))
     if args.dot:
-        try:
-            Path(args.dot).write_text(plan_to_dot(plan))
-        except OSError as e:
-            raise ShardplanError(f"cannot write {args.dot}: {e.strerror}") from None
+        write_text(args.dot, plan_to_dot(plan))
     return 0
-
-
-def _int_list(text: str, flag: str, least: int) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ShardplanError(f"{flag} expects a comma-separated list of integers, got {text!r}") from None
-    if not out or min(out) < least:
-        raise ShardplanError(f"{flag} needs integers >= {least}, got {text!r}")
-    return out
 
 
 def _solve_fit(args: argparse.Namespace, g, m, tables):
@@ -344,8 +143,8 @@ def _solve_fit(args: argparse.Namespace, g, m, tables):
         raise ShardplanError(f"--memory/--fit search with the exact DP; --solver {args.solver} cannot be combined")
     if m.memory_bytes is None:
         raise ShardplanError(f"machine {m.name!r} has no memory size: give --memory GiB")
-    opts = FitOptions(stages=_int_list(args.zero, "--zero", 0), recompute=not args.no_recompute,
-                      micro_batches=_int_list(args.micro_batches, "--micro-batches", 1),
+    opts = FitOptions(stages=int_list(args.zero, "--zero", 0) or (0,), recompute=not args.no_recompute,
+                      micro_batches=int_list(args.micro_batches, "--micro-batches", 1) or (1,),
                       time_limit=60.0 if args.time_limit is None else args.time_limit,
                       reserve_bytes=args.reserve * 2**30, grad_buffers=args.grad_buffers)
     return solve_fit(g, m, budget=m.memory_bytes, options=opts, tables=tables,
@@ -362,7 +161,7 @@ def _solve_problem(args: argparse.Namespace) -> int:
     print(f"{args.problem}: {problem.num_vertices} vertices, {len(problem.edges)} edges; solver {sol.solver}")
     print(f"cost {out['cost']:.9g}  ({_optimality(sol)}), solved in {fmt_seconds(sol.solve_seconds)}")
     if args.json:
-        _write_json(args.json, out)
+        write_json(args.json, out)
     else:
         print(json.dumps(out["configs"]))
     return 0
@@ -394,19 +193,16 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 def cmd_export_problem(args: argparse.Namespace) -> int:
     from shardplan.cost import build_tables
-    from shardplan.search import save_problem
+    from shardplan.search import problem_to_dict
 
-    spec, g = _graph(args)
-    m = _machine(args, args.procs)
-    tables = build_tables(g, m, cutoff=_cutoff(args, spec), orders=args.orders or "auto",
+    spec, g = graph_of(args)
+    m = machine_of(args, args.procs)
+    tables = build_tables(g, m, cutoff=cutoff_of(args, spec), orders=args.orders or "auto",
                           divides_p=not args.all_divisors,
-                          progress=_progress("building cost tables", args.progress),
+                          progress=progress("building cost tables", args.progress),
                           memory_limit_bytes=None if args.table_memory is None else int(args.table_memory))
     problem = tables.to_problem()
-    try:
-        save_problem(problem, args.output)
-    except OSError as e:
-        raise ShardplanError(f"cannot write {args.output}: {e.strerror}") from None
+    write_text(args.output, json.dumps(problem_to_dict(problem)))
     print(f"wrote {args.output}: {problem.num_vertices} vertices, {len(problem.edges)} edges, "
           f"{sum(problem.sizes)} configurations")
     return 0
@@ -420,12 +216,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ShardplanError(f"--models expects a comma-separated list of model names, got {args.models!r}")
     if args.no_bfs and args.bfs_memory is not None:
         raise ShardplanError("--bfs-memory does not apply with --no-bfs")
-    result = run_table1(models, _procs(args.procs), machine=args.machine, orders=args.orders,
+    result = run_table1(models, parse_procs(args.procs), machine=args.machine, orders=args.orders,
                         bfs=not args.no_bfs,
                         bfs_memory=2e9 if args.bfs_memory is None else args.bfs_memory, log=sys.stderr)
     print(result["table"])
     if args.out:
-        _write_json(args.out, result)
+        write_json(args.out, result)
     return 0
 
 
@@ -433,58 +229,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from shardplan.bench import run_compare
 
     machines = args.machine_list or ["paper"]
-    result = run_compare(args.model, _procs(args.procs), machines, batch=args.batch, sizes=_parse_sizes(args.set),
+    result = run_compare(args.model, parse_procs(args.procs), machines, batch=args.batch, sizes=parse_sizes(args.set),
                          cutoff=args.cutoff, orders=args.orders, mcmc_seed=args.seed, log=sys.stderr,
                          fit=args.fit, memory=None if args.memory is None else args.memory * 2**30)
     print(result["table"])
     if args.json:
-        _write_json(args.json, result)
+        write_json(args.json, result)
     if args.plot:
         from shardplan.report import plot_speedups
 
-        try:
+        try:  # matplotlib writes the file itself
             plot_speedups(result["points"], args.plot, result["title"])
         except OSError as e:
             raise ShardplanError(f"cannot write {args.plot}: {e.strerror}") from None
         print(f"plot: {args.plot}")
     return 0
-
-
-# --------------------------------------------------------------------------- parser
-def _add_machine(p: argparse.ArgumentParser) -> None:
-    from shardplan.machine import DTYPE_BYTES, PRESETS
-
-    p.add_argument("--machine", default=None, choices=tuple(PRESETS),
-                   help="machine preset (default paper: 10 TFLOP/s, 16 GB/s)")
-    p.add_argument("--flops", type=_real_option(*FLOPS_RANGE, unit="FLOP/s"),
-                   help=f"override peak FLOP/s per device ({FLOPS_RANGE[0]:g} to {FLOPS_RANGE[1]:g})")
-    p.add_argument("--bandwidth", type=_real_option(*BANDWIDTH_RANGE, unit="B/s"),
-                   help=f"override link bandwidth, bytes/s ({BANDWIDTH_RANGE[0]:g} to {BANDWIDTH_RANGE[1]:g})")
-    p.add_argument("--latency", type=_real_option(*LATENCY_RANGE, unit="s"),
-                   help=f"override link latency, seconds ({LATENCY_RANGE[0]:g} to {LATENCY_RANGE[1]:g})")
-    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="element type")
-
-
-def _add_model(p: argparse.ArgumentParser, required: bool = True, orders: bool = True) -> None:
-    from shardplan.checks import MAX_EXTENT
-    from shardplan.cost import ORDERS
-
-    p.add_argument("--model", required=required, help="zoo model name (see `shardplan models`)")
-    p.add_argument("--batch", type=_int_option(1, MAX_EXTENT), help="batch size (default: the model's)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="model size, e.g. --set layers=12")
-    p.add_argument("--cutoff", type=_int_option(1, MAX_EXTENT),
-                   help="minimum points per part (default: the model's, 4 CNNs / 1 sequence)")
-    if orders:
-        p.add_argument("--orders", default=None, choices=ORDERS,
-                       help="device-grid nestings offered per configuration (default auto: all while small)")
-    p.add_argument("--all-divisors", action="store_true", default=None,
-                   help="also allow configurations whose device count does not divide p (idle devices)")
-
-
-def _add_progress(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--progress", type=_real_option(0.0, 3600.0), metavar="SECONDS",
-                   help="write a progress line to stderr every SECONDS during long steps (default: a line "
-                        f"rewritten in place on a terminal, a line every {PROGRESS_EVERY_LOG:g} s otherwise)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -493,36 +252,36 @@ def build_parser() -> argparse.ArgumentParser:
     from shardplan.search import SOLVERS
     from shardplan.search.ordering import ORDERINGS
 
-    memory = _real_option(*MEMORY_OPTION_RANGE, unit="B")
-    ap = _Parser(prog="shardplan", description="Exact search for the fastest way to split a DNN training step "
+    memory = real_option(*MEMORY_OPTION_RANGE, unit="B")
+    ap = Parser(prog="shardplan", description="Exact search for the fastest way to split a DNN training step "
                                                "across devices (PaSE), with reports and problem files.")
-    ap.add_argument("--version", action=_VersionAction)
+    ap.add_argument("--version", action=VersionAction)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("models", help="list the model zoo")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("ops", help="list a model's operators, dimensions and configuration counts")
-    _add_model(p, orders=False)
-    p.add_argument("-p", "--procs", type=_int_option(1), default=8, help="number of devices (default 8)")
-    _add_machine(p)
+    add_model(p, orders=False)
+    p.add_argument("-p", "--procs", type=int_option(1), default=8, help="number of devices (default 8)")
+    add_machine(p)
     p.set_defaults(func=cmd_ops)
 
     p = sub.add_parser("solve", help="find the optimal strategy of a model or a problem file")
-    _add_model(p, required=False)
+    add_model(p, required=False)
     p.add_argument("--problem", help="a shardplan-problem/1 JSON file instead of a model")
-    p.add_argument("-p", "--procs", type=_int_option(1), help="number of devices")
-    _add_machine(p)
+    p.add_argument("-p", "--procs", type=int_option(1), help="number of devices")
+    add_machine(p)
     p.add_argument("--solver", default="dp", choices=tuple(SOLVERS))
     p.add_argument("--ordering", choices=tuple(ORDERINGS), help="DP vertex order (default min-table)")
     p.add_argument("--table-memory", type=memory,
                    help="memory limit in bytes for building the cost tables and for the DP, BFS-DP and ILP "
                         "(default 1/4 of the available memory)")
-    p.add_argument("--time-limit", type=_real_option(positive=True, maximum=1e7, unit="s"),
+    p.add_argument("--time-limit", type=real_option(positive=True, maximum=1e7, unit="s"),
                    help="ILP time limit, seconds (default 60); with --fit/--memory, the fit search's "
                         "branch-and-bound limit per micro-batch count (default 60): stopped early, the plan "
                         "comes with its proven bound and gap")
-    p.add_argument("--seed", type=_int_option(0, 2**63 - 1), help="MCMC seed (default 0)")
+    p.add_argument("--seed", type=int_option(0, 2**63 - 1), help="MCMC seed (default 0)")
     p.add_argument("--no-baselines", action="store_true", default=None, help="skip the baseline comparison")
     p.add_argument("--json", help="write the plan as JSON here")
     p.add_argument("--dot", help="write the plan as Graphviz DOT here")
@@ -539,17 +298,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "activation at once (DDP / Megatron gradient buffers); 'backward' takes the peak over the "
                         "backward pass's steps, gradients appearing as saved activations are freed (XLA), for one "
                         "micro-batch")
-    _add_progress(p)
+    add_progress(p)
     p.set_defaults(func=cmd_solve)
 
     p = sub.add_parser("export-problem", help="write a model's cost tables as a problem file")
-    _add_model(p)
-    p.add_argument("-p", "--procs", type=_int_option(1), required=True, help="number of devices")
+    add_model(p)
+    p.add_argument("-p", "--procs", type=int_option(1), required=True, help="number of devices")
     p.add_argument("-o", "--output", required=True, help="output JSON path")
-    _add_machine(p)
+    add_machine(p)
     p.add_argument("--table-memory", type=memory,
                    help="memory limit in bytes for building the cost tables (default 1/4 of the available memory)")
-    _add_progress(p)
+    add_progress(p)
     p.set_defaults(func=cmd_export_problem)
 
     p = sub.add_parser("bench", help="the paper's Table I: solve time per model and device count")
@@ -569,19 +328,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--procs", default="4,8,16,32,64")
     p.add_argument("--machine", dest="machine_list", action="append", choices=tuple(PRESETS),
                    help="machine preset (repeat to compare; default paper)")
-    p.add_argument("--batch", type=_int_option(1, MAX_EXTENT))
+    p.add_argument("--batch", type=int_option(1, MAX_EXTENT))
     p.add_argument("--set", action="append", metavar="KEY=VALUE")
-    p.add_argument("--cutoff", type=_int_option(1, MAX_EXTENT))
+    p.add_argument("--cutoff", type=int_option(1, MAX_EXTENT))
     p.add_argument("--orders", default="auto", choices=ORDERS)
-    p.add_argument("--seed", type=_int_option(0, 2**63 - 1), default=0, help="MCMC seed")
+    p.add_argument("--seed", type=int_option(0, 2**63 - 1), default=0, help="MCMC seed")
     p.add_argument("--json", help="write JSON here")
-    p.add_argument("--plot", type=_plot_path, help="write a plot here (.png, .pdf, .svg, ...)")
+    p.add_argument("--plot", type=plot_path, help="write a plot here (.png, .pdf, .svg, ...)")
     p.add_argument("--fit", action="store_true", help="add the fastest plan within the preset's memory")
     p.add_argument("--memory", type=float, metavar="GiB", help="add the fastest plan within this memory per device")
     p.set_defaults(func=cmd_compare)
 
-    from shardplan.pipeline.cli import add_parser as add_pipeline
+    from shardplan.cli.pipeline import add_parser as add_pipeline
+    from shardplan.cli.plan import add_parser as add_plan
 
+    add_plan(sub)
     add_pipeline(sub)
     return ap
 
@@ -594,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 0
         return args.func(args)
-    except _UsageError as e:
+    except UsageError as e:
         print(f"{e.prog}: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except ShardplanError as e:

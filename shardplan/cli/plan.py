@@ -1,0 +1,70 @@
+"""``shardplan plan``: the one planning command (layouts, memory choices and stages searched together).
+
+It calls :func:`shardplan.planner.plan` with the options below and prints the one report
+(:func:`shardplan.report.summary.render_plan`); ``--json`` writes the plan that ``Plan.from_json`` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from shardplan.cli.options import (add_machine, add_model, int_list, int_option, machine_of, parse_sizes,
+                                   real_option, write_text)
+from shardplan.errors import ShardplanError
+
+__all__ = ["add_parser", "cmd_plan"]
+
+STAGE_CHOICES = {"auto": "auto", "on": True, "off": False}
+SCHEDULE_NAMES = ("1f1b", "zb-h1", "interleaved")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from shardplan.planner import plan
+    from shardplan.report.summary import render_plan
+
+    machine = machine_of(args, args.procs)
+    budget = None if args.memory is None else args.memory * 2**30
+    schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
+    bad = [s for s in schedules if s not in SCHEDULE_NAMES]
+    if bad or not schedules:
+        raise ShardplanError(f"--schedules takes a comma-separated list of {', '.join(SCHEDULE_NAMES)}, "
+                             f"got {args.schedules!r}")
+    interleave = int_list(args.interleave, "--interleave", 2)
+    if interleave and "interleaved" not in schedules:
+        schedules += ("interleaved",)
+    if not args.fit and (args.memory is not None):
+        raise ShardplanError("--memory is the budget of the memory search; it does not apply with --no-fit")
+    result = plan(args.model, machine, batch=args.batch, sizes=parse_sizes(args.set), budget=budget, fit=args.fit,
+                  stages=STAGE_CHOICES[args.stages],
+                  micro_batches=int_list(args.micro_batches, "--micro-batches") or None, schedules=schedules,
+                  interleave=interleave, max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto")
+    print(render_plan(result, operators=args.operators))
+    if args.json:
+        write_text(args.json, result.to_json() + "\n")
+        print(f"json: {args.json}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``plan`` subcommand."""
+    p = sub.add_parser("plan", help="the fastest plan that fits: layouts, memory choices and pipeline stages "
+                                    "searched together")
+    add_model(p)
+    p.add_argument("-p", "--procs", type=int_option(1), required=True, help="number of devices")
+    add_machine(p)
+    p.add_argument("--memory", type=real_option(positive=True, maximum=2.0**40, unit="GiB"), metavar="GiB",
+                   help="memory budget per device (default: the machine's)")
+    p.add_argument("--fit", action=argparse.BooleanOptionalAction, default=True,
+                   help="search ZeRO stages, recomputation and micro-batches under the budget (default: on; "
+                        "--no-fit: layouts only, memory reported)")
+    p.add_argument("--stages", choices=tuple(STAGE_CHOICES), default="auto",
+                   help="pipeline stages: auto (default: when the model has repeated blocks on more than one "
+                        "node), on, off")
+    p.add_argument("--micro-batches", help="micro-batch counts searched (default 1,2,4,8, those dividing the batch)")
+    p.add_argument("--schedules", default="1f1b,zb-h1", help="pipeline schedules (default 1f1b,zb-h1)")
+    p.add_argument("--interleave", help="chunk counts v >= 2 for interleaved 1F1B, e.g. 2,4")
+    p.add_argument("--max-stages", type=int_option(1), help="largest number of stages (default: one per block)")
+    p.add_argument("--operators", action="store_true", help="add the per-operator table to the report")
+    p.add_argument("--json", help="write the plan as JSON here (shardplan.Plan.from_json loads it)")
+    p.set_defaults(func=cmd_plan)

@@ -1,0 +1,367 @@
+"""The one planning call: :func:`plan` answers "the fastest plan for this model on this cluster that fits".
+
+It searches, for a zoo model, a hand-built graph or a builder of graphs:
+
+* the per-operator layouts of one SPMD program over every device (the exact
+  dynamic program, :func:`shardplan.plan.solve`), with the memory choices
+  (ZeRO stage per operator, recomputation per operator, micro-batches) under
+  the per-device memory budget (:func:`shardplan.fit.solve_fit`) unless
+  ``fit=False``;
+* pipelines (stage cuts, sub-meshes, micro-batch count, schedule) whose every
+  stage is such an optimum on its own sub-mesh
+  (:func:`shardplan.pipeline.api.pipeline_solve`), when the model has repeated
+  blocks and the machine more than one node (``stages="auto"``), always
+  (``stages=True``, which needs a builder) or never (``stages=False``);
+
+and returns the faster of the two as one :class:`~shardplan.result.Plan`.
+Its lower bound is the smaller of the two searches' bounds, so its gap is
+proven over the union of both spaces. The JAX and PyTorch entries
+(:func:`shardplan.jax.plan`, :func:`shardplan.torch.plan`) trace the program
+and call this with the same keywords.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+from shardplan.errors import ShardplanError
+from shardplan.ir import Graph
+from shardplan.machine import Machine
+from shardplan.result import NO_PIPELINE, OperatorChoice, Plan, StagePlan
+
+__all__ = ["plan", "from_spmd", "from_pipeline"]
+
+STAGES = ("auto", True, False)
+
+
+TABLE_OPTIONS = ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas", "optimizer_factor")
+"""The cost-table options a plan records, so the tables can be rebuilt where it runs (:func:`spmd_of`)."""
+
+
+def table_options(tables: Any) -> dict[str, Any]:
+    """How ``tables`` were built (``orders`` resolved: "auto" recorded as what it chose)."""
+    return {k: tables.options[k] for k in TABLE_OPTIONS if k in tables.options}
+
+
+def choice_of(op: Any, layout: Any, state_stage: int, recompute: bool) -> OperatorChoice:
+    """An operator's :class:`OperatorChoice`; its weights are the trainable ones it owns (a reader of another
+    operator's parameter holds no state of it)."""
+    own = [w for w in op.weights if w.needs_grad and w.owner is None]
+    dims = tuple(d for d, _ in op.dims if any(d in w.dims for w in own))
+    return OperatorChoice(op.kind, layout, int(state_stage), bool(recompute), dims, int(sum(w.size for w in own)))
+
+
+def from_spmd(sp: Any, *, model: str | None = None, batch: int | None = None,
+              stats: dict[str, Any] | None = None) -> Plan:
+    """The :class:`Plan` of one tables-backed per-operator plan (:class:`shardplan.plan.Plan`, with or
+    without memory choices): one stage over every device.
+
+    Per micro-batch, the stage's forward seconds are the plan's forward parts over ``m`` and its backward the
+    rest (:func:`shardplan.pipeline.stages.forward_backward`). The lower bound is the solver's proven bound,
+    the cost itself when the solver proved it optimal, and None for a hand-made plan (a baseline).
+    """
+    from shardplan.pipeline.stages import _forward_backward as forward_backward
+
+    g = sp.graph
+    mc = sp.memory_choices
+    m = mc.micro_batches if mc is not None else 1
+    ops = {}
+    for i, op in enumerate(g.operators):
+        lay = sp.tables.layouts[i][sp.assignment[i]]
+        stage = mc.stage(i) if mc is not None else 0
+        rec = mc.recompute(i) if mc is not None else op.name in g.recomputed
+        ops[op.name] = choice_of(op, lay, stage, rec)
+    mem = {k: float(v) for k, v in sp.memory.items()}
+    if mc is None and sp.machine.memory_bytes:
+        mem["budget_bytes"] = float(sp.machine.memory_bytes)
+    fwd, _, wgrad = forward_backward(sp)
+    stage = StagePlan(0, 0, 0, 0, sp.machine.num_devices, ops, fwd / m, (sp.cost - fwd) / m, wgrad / m, 1.0,
+                      {k: mem[k] for k in ("peak_bytes", "weights_bytes", "activations_bytes")})
+    sol = sp.solution
+    lower = None
+    if sol is not None:
+        lower = float(sol.bound) if sol.bound is not None else (sp.cost if sol.optimal else None)
+    st: dict[str, Any] = {"solve_seconds": sp.solve_seconds, "build_seconds": sp.build_seconds,
+                          "memory_choices": mc is not None, "table_options": table_options(sp.tables)}
+    if sol is not None:
+        st.update(sol.stats)
+    st.update(stats or {})
+    return Plan(model or g.name, sp.machine, (stage,), m, NO_PIPELINE, sp.cost, sp.breakdown, mem, lower,
+                sp.name, st, 1, batch, detail=sp)
+
+
+def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any] | None = None) -> Plan:
+    """The :class:`Plan` of a pipeline search's answer (:class:`shardplan.pipeline.api.PipelineResult`).
+
+    Every stage carries its intra-stage per-operator plan at the plan's micro-batch size
+    (:func:`shardplan.pipeline.execute.stage_plan`: the search's own, or solved now where a long run of
+    identical blocks was costed by linear extension). The breakdown: ``stage_work``, m times the slowest
+    device group's forward + backward per micro-batch, and ``pipeline_fill``, the rest of the step
+    (fill and drain, transfers between stages).
+    """
+    from shardplan.pipeline.execute import stage_plan
+
+    pp = result.plan
+    groups = pp.num_stages // pp.chunks
+    stages = []
+    for j, s in enumerate(pp.stages):
+        sp = stage_plan(result, j)
+        mc = sp.memory_choices
+        ops = {}
+        for i, op in enumerate(sp.graph.operators):
+            lay = sp.tables.layouts[i][sp.assignment[i]]
+            stage = mc.stage(i) if mc is not None else 0
+            rec = mc.recompute(i) if mc is not None else op.name in sp.graph.recomputed
+            ops[op.name] = choice_of(op, lay, stage, rec)
+        mem = {"peak_bytes": s.memory, "weights_bytes": s.cost.weight_bytes,
+               "activations_bytes": s.in_flight * s.cost.activation_bytes}
+        stages.append(StagePlan(j, s.first, s.end, s.offset, s.devices, ops, s.cost.forward, s.cost.backward,
+                                s.cost.weight_grad, s.in_flight, mem))
+    work = pp.micro_batches * max(t.total for t in pp.stage_times())
+    breakdown = {"stage_work": work, "pipeline_fill": pp.step_time - work, "total": pp.step_time}
+    peak = max(stages, key=lambda st: st.memory["peak_bytes"])
+    memory = {**peak.memory, "peak_stage": peak.index,
+              "budget_bytes": float(pp.budget) if pp.budget is not None else float("inf")}
+    st = {"solve_seconds": result.seconds, "groups": groups, **pp.stats, "links": list(pp.links),
+          "back_links": None if pp.back_links is None else list(pp.back_links),
+          "memory_choices": any(getattr(s.cost.detail, "memory_choices", None) is not None for s in pp.stages),
+          "table_options": {k: v for k, v in result.stages.solve_options.items() if k in TABLE_OPTIONS},
+          **(stats or {})}
+    return Plan(model or result.stages.graph(1)[0].name, result.machine, tuple(stages), pp.micro_batches,
+                pp.schedule, pp.step_time, breakdown, memory, pp.lower_bound, "pipeline", st, pp.chunks,
+                result.stages.batch, detail=result)
+
+
+def _resolve(model: Any, batch: int | None, sizes: dict[str, Any] | None
+             ) -> tuple[Graph, Callable[[int], Graph] | None, int | None, int, str]:
+    """(graph at the global batch, builder of the graph at any batch or None, batch, cutoff, name)."""
+    sizes = dict(sizes or {})
+    if isinstance(model, str):
+        from shardplan.models import model_spec
+
+        spec = model_spec(model)
+        b = spec.batch if batch is None else batch
+
+        def build(x: int) -> Graph:
+            return spec.build(x, **sizes)
+
+        return build(b), build, b, spec.cutoff, spec.name
+    if sizes:
+        raise ShardplanError("plan: sizes= applies to a zoo model given by name")
+    if isinstance(model, Graph):
+        return model, None, batch, 1, model.name
+    if callable(model):
+        if batch is None:
+            raise ShardplanError("plan: a model given as a builder build(batch) -> Graph needs batch=")
+        g = model(batch)
+        if not isinstance(g, Graph):
+            raise ShardplanError(f"plan: the builder returned {type(g).__name__}, not a shardplan Graph")
+        return g, model, batch, 1, g.name
+    raise ShardplanError(f"plan: model must be a zoo name, a shardplan Graph or a builder build(batch) -> Graph, "
+                         f"got {type(model).__name__}")
+
+
+def _wants_stages(stages: Any, graph: Graph, build: Any, machine: Machine) -> tuple[bool, str]:
+    """Whether to search pipelines, and why (for the plan's statistics)."""
+    from shardplan.pipeline.stages import units_of
+
+    if stages is False:
+        return False, "stages=False"
+    if build is None:
+        if stages is True:
+            raise ShardplanError("plan: searching stages needs the model at every micro-batch size: give a zoo "
+                                 "name or a builder build(batch) -> Graph, not one graph")
+        return False, "one graph given (no builder at other micro-batch sizes)"
+    if stages is True:
+        return True, "stages=True"
+    if len(units_of(graph)) < 2:
+        return False, "the model has no repeated blocks"
+    if not machine.hierarchical or machine.num_devices <= int(machine.node_size or machine.num_devices):
+        return False, "one node"
+    return True, "repeated blocks on more than one node"
+
+
+def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None,
+         sizes: dict[str, Any] | None = None, budget: float | None = None, fit: bool = True,
+         stages: Any = "auto", micro_batches: Sequence[int] | None = None,
+         schedules: Sequence[str] = ("1f1b", "zb-h1"), interleave: Sequence[int] = (),
+         max_stages: int | None = None, fit_options: Any = None, cutoff: int | None = None, orders: str = "auto",
+         solver: str = "dp") -> Plan:
+    """The fastest plan of ``model`` on ``machine`` that fits in each device's memory.
+
+    Args:
+        model: a zoo name (``"gpt"``, with ``sizes`` overriding its defaults), a :class:`~shardplan.ir.Graph`,
+            or a builder ``build(batch) -> Graph`` (then ``batch`` is required; stages need a builder).
+        machine: the cluster (:func:`shardplan.machine.preset`, or a machine file).
+        batch: the global batch (default: the zoo model's).
+        budget: bytes per device (default: the machine's memory; with neither, memory is not constrained).
+        fit: search the memory choices under the budget (default); False: layouts only, memory reported.
+        stages: ``"auto"`` (pipelines when the model has repeated blocks on more than one node), True, False.
+        micro_batches: counts searched (default 1, 2, 4, 8, those dividing the batch).
+        schedules, interleave, max_stages: the pipeline space (:func:`shardplan.pipeline.api.pipeline_solve`).
+        fit_options: :class:`shardplan.fit.FitOptions` (its micro-batch counts default to ``micro_batches``).
+        cutoff, orders, solver: the per-operator search (:func:`shardplan.plan.solve`); ``cutoff`` defaults to
+            the zoo model's recommended one, else 1.
+
+    Raises:
+        ShardplanError: bad input, or no plan in the space fits (the message names the least memory needed).
+    """
+    from dataclasses import replace
+
+    from shardplan.checks import MAX_EXTENT, integer
+
+    if machine is None:
+        raise ShardplanError("plan: give a machine, e.g. preset('h100', 64) (shardplan.jax.plan and "
+                             "shardplan.torch.plan detect it from the devices they run on)")
+    if not isinstance(machine, Machine):
+        raise ShardplanError(f"plan: machine must be a shardplan Machine, got {type(machine).__name__}")
+    if stages not in STAGES:
+        raise ShardplanError(f"plan: stages must be 'auto', True or False, got {stages!r}")
+    if not isinstance(fit, bool):
+        raise ShardplanError(f"plan: fit must be True or False, got {fit!r}")
+    if batch is not None:
+        batch = integer("plan: batch", batch, 1, MAX_EXTENT)
+    graph, build, batch, default_cutoff, name = _resolve(model, batch, sizes)
+    cutoff = default_cutoff if cutoff is None else integer("plan: cutoff", cutoff, 1, MAX_EXTENT)
+    if budget is not None and not (isinstance(budget, (int, float)) and budget > 0 and budget < float("inf")):
+        raise ShardplanError(f"plan: budget must be a positive number of bytes, got {budget!r}")
+    ms = tuple(int(m) for m in (micro_batches or (1, 2, 4, 8)))
+    if any(m < 1 for m in ms):
+        raise ShardplanError(f"plan: micro-batch counts must be positive, got {ms}")
+    if batch is not None:
+        ms = tuple(m for m in ms if batch % m == 0) or (1,)
+    limit = budget if budget is not None else machine.memory_bytes
+    constrained = fit and limit is not None
+
+    t0 = time.perf_counter()
+    candidates: list[Plan] = []
+    refusals: list[str] = []
+    if constrained:
+        from shardplan.fit import FitOptions, solve_fit
+
+        opts = fit_options if fit_options is not None else FitOptions(micro_batches=ms)
+        try:
+            candidates.append(from_spmd(solve_fit(graph, machine, budget=limit, options=opts, cutoff=cutoff,
+                                                  orders=orders), model=name, batch=batch))
+        except ShardplanError as e:
+            if type(e) is not ShardplanError:
+                raise
+            refusals.append(f"one program: {e}")
+    else:
+        from shardplan.plan import solve
+
+        candidates.append(from_spmd(solve(graph, machine, cutoff=cutoff, orders=orders, solver=solver),
+                                    model=name, batch=batch))
+    searched, why = _wants_stages(stages, graph, build, machine)
+    if searched:
+        from shardplan.pipeline.api import pipeline_solve
+
+        assert build is not None and batch is not None
+        try:
+            res = pipeline_solve(build, batch, machine, micro_batches=ms, max_stages=max_stages,
+                                 interleave=tuple(interleave), schedules=tuple(schedules),
+                                 budget=limit if constrained else float("inf"), memory_choices=constrained, cutoff=cutoff,
+                                 orders=orders)
+            candidates.append(from_pipeline(res, model=name))
+        except ShardplanError as e:
+            if type(e) is not ShardplanError:
+                raise
+            refusals.append(f"pipelines: {e}")
+    if not candidates:
+        raise ShardplanError("no plan fits: " + "; ".join(refusals))
+    least = min(p.step_time for p in candidates)
+    # on a tie (relative 1e-9: rounding) the one program wins, the simpler plan to run
+    best = next(p for p in candidates if p.step_time <= least * (1 + 1e-9))
+    bounds = [p.lower_bound for p in candidates]
+    lower = None if any(b is None for b in bounds) else min(bounds)  # type: ignore[type-var]
+    stats = dict(best.stats)
+    stats.update(plan_seconds=time.perf_counter() - t0, stages_searched=searched, stages_reason=why,
+                 compared={("pipeline" if p.solver == "pipeline" else "one program"): p.step_time
+                             for p in candidates},
+                 refused=refusals)
+    return replace(best, lower_bound=lower, stats=stats)
+
+
+
+def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice], micro_batches: int,
+             memory_choices: bool, options: dict[str, Any], budget: float | None, name: str) -> Any:
+    """The tables-backed plan of ``graph`` on ``machine`` with the given per-operator choices."""
+    from dataclasses import replace
+
+    from shardplan.cost import build_tables
+    from shardplan.plan import plan_from_configs
+
+    names = [op.name for op in graph.operators]
+    missing = [n for n in names if n not in choices]
+    extra = sorted(set(choices) - set(names))
+    if missing or extra:
+        what = (f"has no choice for operator {missing[0]!r}" if missing else f"names operator {extra[0]!r}, which "
+                "the program does not have")
+        raise ShardplanError(f"the plan does not match this program: it {what} (was it planned for another "
+                             "model, batch or version of the code?)")
+    tables = replace(build_tables(graph, replace(machine, memory_bytes=None), **options), machine=machine)
+    sp = plan_from_configs(tables, {n: choices[n].layout for n in names}, name=name)
+    if memory_choices:
+        from shardplan.fit import plan_with_choices
+
+        sp = plan_with_choices(sp, stage={n: choices[n].state_stage for n in names},
+                               recompute=[n for n in names if choices[n].recompute], micro_batches=micro_batches,
+                               budget=budget, name=name)
+    return sp
+
+
+def spmd_of(plan_: Plan, graph: Graph) -> Any:
+    """The tables-backed per-operator plan of a one-stage ``plan_`` on ``graph`` (the program traced where it
+    runs): the plan's own when it was computed here on this graph, else rebuilt from its choices and checked
+    to predict the same step time (so a plan made for another program is refused, not run)."""
+    if plan_.num_stages != 1:
+        raise ShardplanError(f"the plan has {plan_.num_stages} pipeline stages; run it as a pipeline")
+    sp = plan_.spmd
+    if sp is not None and [op.name for op in sp.graph.operators] == [op.name for op in graph.operators]:
+        return sp
+    budget = plan_.memory.get("budget_bytes")
+    sp = _rebuild(graph, plan_.machine, dict(plan_.stages[0].operators), plan_.micro_batches,
+                  bool(plan_.stats.get("memory_choices")), dict(plan_.stats.get("table_options") or {}),
+                  None if budget is None else float(budget), plan_.solver)
+    if abs(sp.cost - plan_.step_time) > 1e-6 * max(abs(plan_.step_time), 1e-30):
+        raise ShardplanError(f"the plan predicts {plan_.step_time:.6g} s per step but its choices cost "
+                             f"{sp.cost:.6g} s on this program: it was planned for another program or machine")
+    return sp
+
+
+def pipeline_of(plan_: Plan, build: Callable[[int], Graph]) -> Any:
+    """The pipeline search's answer (:class:`~shardplan.pipeline.api.PipelineResult`) that ``plan_`` holds, or,
+    for a plan loaded from JSON, rebuilt from its stages on the model ``build`` makes: each stage's operators
+    laid out as the plan says on its sub-mesh, the stage times, links and schedule as planned."""
+    from dataclasses import replace
+
+    from shardplan.pipeline.api import PipelineResult
+    from shardplan.pipeline.search import PipelinePlan, Stage, StageCost
+    from shardplan.pipeline.stages import ModelStages
+
+    if plan_.detail is not None and isinstance(plan_.detail, PipelineResult):
+        return plan_.detail
+    if plan_.schedule == NO_PIPELINE:
+        raise ShardplanError("the plan is one program, not a pipeline; run it with its engine's one-program step")
+    if plan_.batch is None:
+        raise ShardplanError("the plan does not record its batch; it cannot be rebuilt as a pipeline")
+    options = dict(plan_.stats.get("table_options") or {})
+    model = ModelStages(build, plan_.batch, plan_.machine, options)
+    m = plan_.micro_batches
+    budget = plan_.memory.get("budget_bytes")
+    stages = []
+    for s in plan_.stages:
+        machine = replace(plan_.machine, num_devices=s.devices)
+        # the engines run a stage's layouts; its times and bytes are the plan's own
+        sp = _rebuild(model.subgraph(s.first, s.end, m), machine, dict(s.operators), m, False, options,
+                      None, plan_.solver)
+        act = float(s.memory["activations_bytes"]) / s.in_flight if s.in_flight else 0.0
+        cost = StageCost(s.forward, s.backward, float(s.memory["weights_bytes"]), act, sp, weight_grad=s.weight_grad)
+        stages.append(Stage(s.first, s.end, s.offset, s.devices, cost, s.in_flight))
+    links = tuple(plan_.stats.get("links") or (0.0,) * (len(stages) - 1))
+    back = plan_.stats.get("back_links")
+    pp = PipelinePlan(tuple(stages), m, plan_.schedule, plan_.chunks, links, plan_.step_time,
+                      None if budget is None else float(budget), dict(plan_.stats),
+                      None if back is None else tuple(back), plan_.lower_bound)
+    return PipelineResult(pp, model, plan_.machine, 0.0)

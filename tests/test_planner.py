@@ -1,0 +1,153 @@
+"""The one planning call and the one Plan value: what it searches, what it returns, JSON, the report."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from shardplan import ShardplanError
+from shardplan.cli import main
+from shardplan.fit import FitOptions, solve_fit
+from shardplan.machine import preset
+from shardplan.models import get_model
+from shardplan.pipeline.api import pipeline_solve
+from shardplan.plan import solve
+from shardplan.planner import from_pipeline, pipeline_of, plan, spmd_of
+from shardplan.report.summary import recipe_words, render_plan
+from shardplan.result import Plan
+
+
+def gpt(b: int):
+    return get_model("gpt", b, layers=4)
+
+
+def test_one_program_equals_the_searches_it_runs():
+    m = preset("h100", 16)
+    p = plan("gpt", m, sizes={"layers": 4}, batch=32, stages=False)
+    ref = solve_fit(gpt(32), m, options=FitOptions(micro_batches=(1, 2, 4, 8)), cutoff=1)
+    assert p.step_time == pytest.approx(ref.cost, rel=1e-12)
+    assert p.num_stages == 1 and p.schedule == "none" and p.optimal
+    assert p.memory["peak_bytes"] <= m.memory_bytes
+    assert p.stats["stages_reason"] == "stages=False"
+    plain = plan("gpt", m, sizes={"layers": 4}, batch=32, stages=False, fit=False)
+    assert plain.step_time == pytest.approx(solve(gpt(32), m, cutoff=1).cost, rel=1e-12)
+    assert not plain.stats["memory_choices"] and plain.memory["budget_bytes"] == m.memory_bytes
+
+
+def test_a_budget_too_small_for_one_program_is_refused_with_the_least_memory():
+    with pytest.raises(ShardplanError, match="no plan fits"):
+        plan("gpt", preset("h100", 8), sizes={"layers": 4}, batch=32, budget=1e6, stages=False)
+
+
+def test_stages_are_searched_only_where_they_can_pay():
+    one_node = plan("gpt", preset("h100", 8), sizes={"layers": 4}, batch=32)
+    assert not one_node.stats["stages_searched"] and one_node.stats["stages_reason"] == "one node"
+    cnn = plan("alexnet", preset("a100", 16))
+    assert cnn.stats["stages_reason"] == "the model has no repeated blocks"
+    two = plan("gpt", preset("a100", 16), sizes={"layers": 4}, batch=32)
+    assert two.stats["stages_searched"] and set(two.stats["compared"]) == {"one program", "pipeline"}
+    assert two.step_time == min(two.stats["compared"].values())
+    # the answer's bound covers both spaces: at most either candidate's time
+    assert two.lower_bound <= min(two.stats["compared"].values()) + 1e-15
+    with pytest.raises(ShardplanError, match="builder"):
+        plan(gpt(32), preset("a100", 16), stages=True)
+
+
+def test_the_pipeline_wins_where_links_across_nodes_are_slow():
+    m = replace(preset("a100", 16), inter_bandwidth=1e9)
+    p = plan("gpt", m, sizes={"layers": 4}, batch=16, micro_batches=(4, 8))
+    ref = pipeline_solve(gpt, 16, m, micro_batches=(4, 8), memory_choices=True, cutoff=1,
+                         schedules=("1f1b", "zb-h1"))
+    assert p.pipelined and p.step_time == pytest.approx(ref.plan.step_time, rel=1e-12)
+    assert p.step_time < p.stats["compared"]["one program"]
+    assert sum(s.devices for s in p.stages) // p.chunks == 16
+    assert "pipeline" in recipe_words(p)
+
+
+def test_plan_round_trips_through_json_and_rebuilds_on_the_program():
+    m = preset("h100", 16)
+    for kw in ({}, {"fit": False}):
+        p = plan("gpt", m, sizes={"layers": 4}, batch=32, stages=False, **kw)
+        text = p.to_json()
+        q = Plan.from_json(text)
+        assert q == p and q.detail is None and q.to_json() == text
+        sp = spmd_of(q, gpt(32))
+        assert sp.cost == pytest.approx(p.step_time, rel=1e-12)
+        assert (sp.memory_choices is not None) == bool(p.stats["memory_choices"])
+    # the plan checks the program it is run on
+    with pytest.raises(ShardplanError, match="does not match"):
+        spmd_of(q, get_model("gpt", 32, layers=3))
+    with pytest.raises(ShardplanError, match="another program"):
+        spmd_of(q, get_model("gpt", 16, layers=4))
+
+
+def test_a_pipeline_plan_round_trips_and_rebuilds_its_stages():
+    m = preset("a100", 16)
+    p = from_pipeline(pipeline_solve(gpt, 32, m, micro_batches=(4,), sizes=(8,), memory_choices=True, cutoff=1))
+    assert p.num_stages == 2 and [s.devices for s in p.stages] == [8, 8]
+    q = Plan.from_json(p.to_json())
+    assert q == p
+    r = pipeline_of(q, gpt)
+    assert r.plan.step_time == p.step_time and r.plan.micro_batches == 4
+    assert [(s.first, s.end, s.offset, s.devices) for s in r.plan.stages] == \
+        [(s.first, s.end, s.offset, s.devices) for s in p.stages]
+    for s, rs in zip(p.stages, r.plan.stages):
+        assert rs.cost.detail.layouts == dict(s.layouts)
+    with pytest.raises(ShardplanError, match="one program"):
+        pipeline_of(plan("gpt", m, sizes={"layers": 4}, batch=32, stages=False), gpt)
+
+
+def test_from_json_refuses_what_is_not_a_plan():
+    with pytest.raises(ShardplanError, match="does not parse"):
+        Plan.from_json("{")
+    with pytest.raises(ShardplanError, match="not a shardplan plan"):
+        Plan.from_json(json.dumps({"format": "other"}))
+    d = json.loads(plan("alexnet", preset("paper", 4)).to_json())
+    del d["stages"][0]["operators"][next(iter(d["stages"][0]["operators"]))]["splits"]
+    with pytest.raises(ShardplanError, match="malformed"):
+        Plan.from_dict(d)
+
+
+def test_recipe_words_name_data_and_tensor_parallelism():
+    m = preset("h100", 8)
+    p = plan("gpt", m, sizes={"layers": 2}, batch=8, fit=False)
+    words = recipe_words(p)
+    assert words.startswith("data ") and " × tensor " in words
+    d, t = (int(x.split()[1]) for x in words.split(",")[0].replace(" (mostly)", "").split(" × ")[:2])
+    assert d * t == 8
+    text = render_plan(p, operators=True)
+    assert "Plan: " + words in text and "Step time:" in text and "Layouts by module:" in text
+    assert all(op in text for op in p.operators)  # the per-operator table lists every operator
+
+
+def test_report_collapses_identical_blocks():
+    p = plan("gpt", preset("h100", 8), sizes={"layers": 6}, batch=8, fit=False)
+    rows = render_plan(p).split("Layouts by module:")[1]
+    assert "L1–6" in rows and "x6" in rows and "/" in rows
+
+
+def test_cli_plan_prints_the_report_and_writes_the_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt", "--set", "layers=2", "--batch", "8", "-p", "8", "--machine", "h100",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("gpt on h100") and "Plan: data" in text
+    q = Plan.from_json(out.read_text())
+    assert q.machine == preset("h100", 8) and q.model == "gpt"
+    assert not list(tmp_path.glob(".*.tmp"))  # written atomically, nothing left beside it
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--schedules", "nope"], "--schedules"),
+    (["--interleave", "1"], "--interleave"),
+    (["--memory", "0"], "memory"),
+    (["--memory", "nan"], "memory"),
+    (["--no-fit", "--memory", "4"], "does not apply"),
+    (["--micro-batches", "0"], "--micro-batches"),
+])
+def test_cli_plan_refuses_bad_options_in_one_line(argv, needle, capsys):
+    assert main(["plan", "--model", "gpt", "--set", "layers=2", "-p", "8", "--machine", "h100", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
