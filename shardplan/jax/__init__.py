@@ -99,7 +99,7 @@ def plan(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence
 
 def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
           has_aux: bool = False, reduction: str = "mean") -> Planned:
-    """``plan`` (a :class:`shardplan.Plan`, computed here or loaded with ``SpmdPlan.from_json``) made runnable for
+    """``plan`` (a :class:`shardplan.Plan`, computed here or loaded with ``Plan.from_json``) made runnable for
     ``loss_fn(params, batch)`` on ``devices``: the shardings, the constrained loss and the step for one
     program; for a pipeline, the staged step (``reduction``: the loss is a "mean" or a "sum" over the batch).
 
@@ -172,7 +172,7 @@ def planned(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Seque
 def parallelize(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
                 machine: Machine | None = None, cutoff: int = 1, has_aux: bool = False, budget: float | None = None,
                 fit: Any = None, **solve_opts: Any) -> tuple[SpmdPlan, Callable[[Any, Any], Any]]:
-    """SpmdPlan ``loss_fn(params, batch)`` on ``devices`` and return ``(plan, step)``.
+    """Plan ``loss_fn(params, batch)`` on ``devices`` and return ``(plan, step)``.
 
     ``step(params, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with
     ``has_aux``) is ``jax.value_and_grad`` of the function re-run with the

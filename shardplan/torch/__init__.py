@@ -45,9 +45,19 @@ def _world(mesh: Any) -> int:
     return int(mesh.mesh.numel())
 
 
+def _splits_batch(args: Sequence[Any], kwargs: Mapping[str, Any] | None, k: int) -> bool:
+    """Whether ``k`` micro-batches split every tensor argument along axis 0 (k = 1 always does)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs or {})))
+    return k == 1 or all(x.dim() > 0 and x.shape[0] % k == 0 for x in leaves if isinstance(x, torch.Tensor))
+
+
 def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs: Mapping[str, Any] | None = None,
-                machine: Machine | None = None, cutoff: int = 1, **solve_opts: Any) -> tuple[SpmdPlan, Any]:
-    """SpmdPlan ``module(*example_inputs, **kwargs)`` on the devices of ``mesh`` and return ``(plan, sharded module)``.
+                machine: Machine | None = None, cutoff: int = 1, budget: float | None = None, fit: Any = None,
+                **solve_opts: Any) -> tuple[SpmdPlan, Any]:
+    """Plan ``module(*example_inputs, **kwargs)`` on the devices of ``mesh`` and return ``(plan, sharded module)``.
 
     ``mesh`` is a :class:`torch.distributed.device_mesh.DeviceMesh` over all
     devices (any shape: its devices are re-laid as one mesh of prime-factor
@@ -58,11 +68,30 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
     :func:`shardplan.spmd.solve` (only configurations whose device count
     divides p are kept, as a mesh needs).
 
+    With ``budget`` (bytes per device) or ``fit`` (:class:`shardplan.fit.FitOptions`;
+    the budget is then the machine's memory) the plan is the fastest whose
+    peak memory fits (:func:`shardplan.fit.solve_fit`, ``solve_opts`` going
+    to it), and the module runs its memory choices
+    (:class:`~shardplan.torch.run.RunChoices`): recomputed operators under
+    ``torch.utils.checkpoint``, k micro-batches by gradient accumulation in
+    ``pm.step(*inputs)`` (every tensor argument is split along axis 0; the
+    loss must be a mean over the batch), and ZeRO stage 3 as parameters
+    sharded over their data-parallel group, gathered on use and gathered
+    again in the backward pass (the optimizer state, created like the
+    parameter, is sharded with it). ZeRO stages 1 and 2 are not offered to
+    the search (:data:`~shardplan.torch.run.TORCH_STAGES`): ``fit.stages`` is
+    cut to stages 0 and 3, and ``fit.micro_batches`` to the counts that divide
+    axis 0 of every tensor argument. A count whose micro-batch some planned
+    split does not divide raises :class:`~shardplan.errors.ShardplanError`
+    when the module is built (the fit model does not check it).
+
     The module returned runs the forward pass on DTensors laid out as planned
-    (call it as the module; DTensor outputs come back as full tensors); its
-    DTensor parameters are ``.parameters()`` and ``.named_dparameters()``.
+    (call it as the module; DTensor outputs come back as full tensors). Its
+    parameters and buffers carry ``module``'s own names (``named_parameters()``,
+    ``state_dict()``, ``load_state_dict()`` of full tensors or DTensors), the
+    parameters as DTensors; ``named_dparameters()`` lists every name of a tied one.
     """
-    from shardplan.torch.run import ParallelModule
+    from shardplan.torch.run import parallel_module
 
     p = _world(mesh)
     if machine is None:
@@ -73,8 +102,23 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
     if solve_opts.get("divides_p", True) is not True:
         raise ShardplanError("parallelize needs divides_p=True: a DeviceMesh cannot leave devices idle")
     solve_opts["divides_p"] = True
-    plan = solve(graph, machine, cutoff=cutoff, **solve_opts)
-    return plan, ParallelModule.create(module, info, graph, plan.layouts, mesh)
+    if budget is not None or fit is not None:
+        from dataclasses import replace
+
+        from shardplan.fit import FitOptions, solve_fit
+        from shardplan.torch.run import TORCH_STAGES
+
+        options = fit or FitOptions()
+        counts = tuple(k for k in options.micro_batches if _splits_batch(example_inputs, kwargs, int(k)))
+        if not counts:
+            raise ShardplanError(f"no micro-batch count of {tuple(options.micro_batches)} divides axis 0 of every "
+                                 "tensor argument (micro-batches split every tensor argument along axis 0)")
+        options = replace(options, stages=tuple(s for s in options.stages if s in TORCH_STAGES),
+                          micro_batches=counts)
+        plan = solve_fit(graph, machine, budget=budget, options=options, cutoff=cutoff, **solve_opts)
+    else:
+        plan = solve(graph, machine, cutoff=cutoff, **solve_opts)
+    return plan, parallel_module(module, example_inputs, kwargs, info, plan, mesh)
 
 
 def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None = None, **options: Any) -> Any:

@@ -27,11 +27,45 @@ so the backward pass uses the forward layouts, as the cost model assumes.
 A hook on every parameter redistributes its gradient to the parameter's own
 placements, so ``param.grad`` is laid out like ``param`` and any
 ``torch.optim`` optimizer updates the shards in place.
+
+Names: the parameters and buffers are registered in a tree of bare modules
+with the original module's submodule paths (the parallel module stands for
+its root), so ``named_parameters()``, ``state_dict()`` and
+``load_state_dict()`` speak the model's names (``transformer.wte.weight``),
+tied parameters and shared submodules included, exactly as the model lists
+them.
+
+A fit plan's memory choices (:func:`shardplan.fit.solve_fit`;
+:class:`RunChoices`) run as follows:
+
+* *recomputation*: consecutive nodes of recomputed operators (with the views
+  and item accesses that follow them) form a :class:`Segment` run under
+  ``torch.utils.checkpoint`` (non-reentrant): the backward pass keeps the
+  segment's inputs only and runs its forward again, redistributions and all;
+* *micro-batches*: the module is traced again at 1/k of the batch and runs
+  with the same per-operator layouts; :meth:`ParallelModule.step` runs the k
+  micro-batches (rows i, i + k, ... of every tensor argument) one after the
+  other, each forward followed by the backward of ``loss_i / k``, so
+  ``param.grad`` accumulates the mean's gradient and one micro-batch's
+  activations are live at a time;
+* *ZeRO stage 3*: a parameter whose first reader is at stage 3 is held with
+  its tile cut further over the mesh axes that replicate it
+  (:func:`zero3_placements`), so its gradient (reduce-scattered by the
+  redistribution's backward) and the optimizer state created like it are
+  cut too. Its reader gathers it (the operand redistribution) and a
+  saved-tensor hook keeps, instead of the gathered copy autograd would save,
+  the sharded parameter, gathering it again when the backward pass needs it
+  (the model's two gathers). A parameter read through a view node first is
+  saved as autograd saves it. Stages 1 and 2 keep a whole tile of the
+  parameter but shard its optimizer state, which an optimizer stepping on
+  the parameters cannot do: :func:`run_choices` refuses them (and
+  :func:`shardplan.torch.parallelize` never offers them).
 """
 
 from __future__ import annotations
 
 import operator as _pyop
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from shardplan.errors import ShardplanError
@@ -39,7 +73,9 @@ from shardplan.ir import Graph, Operator, Tensor
 from shardplan.torch.frontend import TorchTrace
 from shardplan.torch.layout import mesh_dims, mesh_factors, plan_mesh_shape, tensor_placements
 
-__all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts"]
+__all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts", "RunChoices", "run_choices",
+           "zero3_placements", "recompute_segments", "micro_batch", "check_same_program", "Segment", "Program",
+           "TORCH_STAGES", "parallel_module"]
 
 
 def factored_mesh(mesh: Any, shape: Sequence[int] | None = None) -> Any:
@@ -206,20 +242,249 @@ _REWRITES = {
 }
 
 
+TORCH_STAGES = (0, 3)
+"""The ZeRO stages this module runs: 0, and 3 (the parameter sharded over its data-parallel group,
+gathered on use). Stages 1 and 2 shard the optimizer state (and gradients) of a parameter held whole
+on its tile, which a ``torch.optim`` optimizer stepping on the parameters themselves cannot do, so a
+plan for :func:`shardplan.torch.parallelize` is searched without them."""
+
+
+@dataclass(frozen=True)
+class RunChoices:
+    """What a fit plan asks of the run besides its layouts.
+
+    Attributes:
+        micro_batches: k; the step runs k slices of the batch and accumulates their gradients.
+        recompute: operators (by name) whose forward runs again in the backward pass.
+        zero3: operators (by name) whose parameters are held sharded over their data-parallel group.
+    """
+
+    micro_batches: int = 1
+    recompute: frozenset[str] = frozenset()
+    zero3: frozenset[str] = frozenset()
+
+
+def run_choices(plan: Any) -> RunChoices:
+    """The :class:`RunChoices` of ``plan`` (none for a plan without memory choices).
+
+    Raises:
+        ShardplanError: the plan shards some operator's state at ZeRO stage 1 or 2 (see :data:`TORCH_STAGES`).
+    """
+    mc = plan.memory_choices
+    if mc is None:
+        return RunChoices()
+    names = [op.name for op in plan.graph.operators]
+    bad = [n for i, n in enumerate(names) if mc.stage(i) not in TORCH_STAGES]
+    if bad:
+        raise ShardplanError(f"operator {bad[0]!r} shards its state at ZeRO stage {mc.stage(names.index(bad[0]))}; "
+                             f"the PyTorch run holds stages {', '.join(map(str, TORCH_STAGES))} only")
+    return RunChoices(int(mc.micro_batches), frozenset(n for i, n in enumerate(names) if mc.recompute(i)),
+                      frozenset(n for i, n in enumerate(names) if mc.stage(i) == 3))
+
+
+def zero3_placements(placements: Sequence[Any], shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[Any, ...]:
+    """A parameter's tile placements further sharded over the mesh axes that replicate its tile.
+
+    The tile is copied on every mesh axis with ``Replicate()``: its
+    data-parallel group G is their product. Each such axis of size n > 1
+    (largest first) becomes ``Shard(d)`` on the first tensor axis d whose
+    local extent n divides, preferring axes no mesh axis splits yet, and
+    accepting one already split only by earlier mesh axes (so the new split
+    is the inner one, as DTensor nests splits of one axis in mesh order).
+    An axis that divides no tensor axis stays ``Replicate()``: the state is
+    then held G/n times smaller only by the other axes.
+    """
+    from torch.distributed.tensor import Shard
+
+    out = list(placements)
+    local = [int(x) for x in shape]
+    last_axis: dict[int, int] = {}  # tensor axis -> the last mesh axis that splits it
+    for i, pl in enumerate(placements):
+        if pl.is_shard():
+            local[pl.dim] //= int(mesh_shape[i])
+            last_axis[pl.dim] = i
+    free = sorted((i for i, pl in enumerate(placements) if pl.is_replicate() and int(mesh_shape[i]) > 1),
+                  key=lambda i: -int(mesh_shape[i]))
+    for i in free:
+        n = int(mesh_shape[i])
+        order = [d for d in range(len(local)) if d not in last_axis] + sorted(last_axis)
+        for d in order:
+            if local[d] % n == 0 and last_axis.get(d, -1) < i:
+                out[i] = Shard(d)
+                local[d] //= n
+                last_axis[d] = i
+                break
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive FX nodes recomputed together: run under one ``torch.utils.checkpoint``.
+
+    ``inputs``: names of the values from outside it that its nodes read (in
+    first-read order); ``outputs``: names of its nodes read after it.
+    """
+
+    nodes: tuple[Any, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def recompute_segments(nodes: Sequence[Any], node_op: Mapping[str, str], recompute: frozenset[str]) -> list[Any]:
+    """The FX ``nodes`` in order with the recomputed ones grouped into :class:`Segment` s.
+
+    A segment opens at a node of a recomputed operator and extends over the
+    following nodes that belong to recomputed operators or to no operator
+    (the views, item accesses and constants that follow an operator); a node
+    of an operator that does not recompute, a ``get_attr``, a placeholder or
+    the output closes it.
+    """
+    items: list[Any] = []
+    run: list[Any] = []
+
+    def close() -> None:
+        if not run:
+            return
+        inside = {n.name for n in run}
+        ins: dict[str, None] = {}
+        for n in run:
+            for a in n.all_input_nodes:
+                if a.name not in inside:
+                    ins.setdefault(a.name)
+        outs = tuple(n.name for n in run if any(u.name not in inside for u in n.users))
+        items.append(Segment(tuple(run), tuple(ins), outs))
+        run.clear()
+
+    for n in nodes:
+        op = node_op.get(n.name)
+        if n.op == "call_function" and (op in recompute if op is not None else bool(run)):
+            run.append(n)
+            continue
+        close()
+        items.append(n)
+    close()
+    return items
+
+
+def micro_batch(args: Sequence[Any], kwargs: Mapping[str, Any], i: int, k: int) -> tuple[list, dict]:
+    """Micro-batch ``i`` of ``k``: rows ``i, i + k, i + 2k, ...`` of every tensor argument (axis 0 is the batch).
+
+    Raises:
+        ShardplanError: a tensor argument without a first axis divisible by ``k``.
+    """
+    import torch
+
+    def cut(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.dim() == 0 or x.shape[0] % k:
+            raise ShardplanError(f"micro-batches split every tensor argument along axis 0; an argument of shape "
+                                 f"{tuple(x.shape)} does not split into {k}")
+        return x[i::k].contiguous()
+
+    return [_tree_map(cut, a) for a in args], {n: _tree_map(cut, v) for n, v in kwargs.items()}
+
+
+def check_same_program(graph: Graph, micro: Graph, layouts: Mapping[str, Any], k: int) -> None:
+    """The module traced at 1/k of the batch must give the planned operators, each split dividing its extents.
+
+    Raises:
+        ShardplanError: another operator list, or a split that does not divide a micro-batch extent.
+    """
+    want = [(op.name, op.kind) for op in graph.operators]
+    got = [(op.name, op.kind) for op in micro.operators]
+    if want != got:
+        diff = next((a, b) for a, b in zip(want + [None] * len(got), got + [None] * len(want)) if a != b)
+        raise ShardplanError(f"the module traced at 1/{k} of the batch gives other operators than the planned one "
+                             f"(first difference: planned {diff[0]}, micro-batch {diff[1]}); micro-batches need a "
+                             "module whose program does not depend on the batch size")
+    for op, mop in zip(graph.operators, micro.operators):
+        split = layouts[op.name].split
+        bad = [d for d, c in zip(op.dim_names, split) if mop.extents[d] % int(c)]
+        if bad:
+            raise ShardplanError(f"operator {op.name!r}: dimension {bad[0]} of the micro-batch ({mop.extents[bad[0]]}) "
+                                 f"is not divisible by its split {split}; use fewer than {k} micro-batches")
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """One traced program and how to run it: its trace, graph, layouts and nodes (recomputed ones in segments)."""
+
+    info: TorchTrace
+    graph: Graph
+    layouts: Layouts
+    items: tuple[Any, ...]
+
+
+def program(info: TorchTrace, graph: Graph, layouts: Mapping[str, Any], factors: Sequence[int],
+            recompute: frozenset[str] = frozenset()) -> Program:
+    """The :class:`Program` of a trace, with ``recompute`` (operator names) grouped into segments."""
+    nodes = list(info.program.graph_module.graph.nodes)
+    return Program(info, graph, Layouts(graph, layouts, factors),
+                   tuple(recompute_segments(nodes, info.node_op, recompute)))
+
+
+@dataclass(frozen=True, eq=False)
+class _Regather:
+    """A saved gathered ZeRO-3 parameter, by reference: the sharded parameter, the gathered placements,
+    the local view (size, stride, storage offset) and, for a DTensor, its placements, shape and stride."""
+
+    param: Any
+    placements: tuple[Any, ...]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    spec: tuple[Any, ...] | None
+
+
 class ParallelModule:
     """A module's forward pass, sharded as planned (constructed by :func:`shardplan.torch.parallelize`).
 
     Call it like the module: ``out = pm(*args, **kwargs)``; DTensor results
     come back as full tensors (differentiable), so ``out.backward()`` fills
-    ``param.grad`` of the DTensor parameters in :attr:`parameters`.
+    ``param.grad`` of the DTensor parameters. The parameters and buffers
+    carry the original module's names: ``named_parameters()``,
+    ``parameters()``, ``named_buffers()``, ``state_dict()`` and
+    ``load_state_dict()`` are those of the module (tied parameters and shared
+    submodules included, once where the module lists them once), with
+    DTensor parameters; ``named_dparameters()`` lists every name of a tied
+    parameter. :meth:`step` runs a forward and backward pass with a fit
+    plan's memory choices (micro-batches, recomputation, ZeRO-3 parameters).
     Subclasses nothing heavy at import time: :meth:`create` builds the
     ``nn.Module`` subclass when torch is loaded.
     """
 
     @staticmethod
-    def create(module: Any, info: TorchTrace, graph: Graph, layouts: Mapping[str, Any], mesh: Any) -> Any:
-        """``layouts``: operator name -> :class:`~shardplan.layout.Layout` (``plan.layouts``)."""
-        return _make_class()(module, info, graph, layouts, mesh)
+    def create(module: Any, info: TorchTrace, graph: Graph, layouts: Mapping[str, Any], mesh: Any,
+               choices: RunChoices = RunChoices(), micro: tuple[TorchTrace, Graph] | None = None) -> Any:
+        """``layouts``: operator name -> :class:`~shardplan.layout.Layout` (``plan.layouts``).
+
+        ``choices``: a fit plan's :class:`RunChoices`; with k > 1 micro-batches
+        ``micro`` is the module traced at 1/k of the batch (:func:`parallel_module` does this).
+        """
+        return _make_class()(module, info, graph, layouts, mesh, choices, micro)
+
+
+def parallel_module(module: Any, example_inputs: Sequence[Any], kwargs: Mapping[str, Any] | None, info: TorchTrace,
+                    plan: Any, mesh: Any) -> Any:
+    """The :class:`ParallelModule` of ``plan`` (traced as ``info``) with its memory choices (:func:`run_choices`).
+
+    With k > 1 micro-batches the module is traced again at micro-batch ``0``
+    of the example inputs (:func:`micro_batch`) and must give the planned
+    operators (:func:`check_same_program`); each operator runs there with its
+    planned layout.
+    """
+    from shardplan.torch.frontend import trace
+
+    choices = run_choices(plan)
+    micro = None
+    k = choices.micro_batches
+    if k > 1:
+        a, kw = micro_batch(example_inputs, dict(kwargs or {}), 0, k)
+        mgraph, minfo = trace(module, a, kw)
+        check_same_program(plan.graph, mgraph, plan.layouts, k)
+        micro = (minfo, mgraph)
+    return ParallelModule.create(module, info, plan.graph, plan.layouts, mesh, choices, micro)
 
 
 def _make_class() -> Any:
@@ -231,51 +496,92 @@ def _make_class() -> Any:
 
     class _ParallelModule(nn.Module):
         def __init__(self, module: Any, info: TorchTrace, graph: Graph, layouts: Mapping[str, Any],
-                     mesh: Any) -> None:
+                     mesh: Any, choices: RunChoices = RunChoices(),
+                     micro: tuple[TorchTrace, Graph] | None = None) -> None:
             super().__init__()
             self.info = info
             self.graph = graph
             p = int(mesh.mesh.numel())
             shape = plan_mesh_shape([layouts[o.name] for o in graph.operators], p)
             self.mesh = factored_mesh(mesh, shape)
-            self.layouts = Layouts(graph, layouts, tuple(self.mesh.mesh.shape))
-            ep = info.program
-            self._ep = ep
-            self._gm = ep.graph_module
-            self._params = nn.ParameterDict()
-            self._keys: dict[str, str] = {}
+            factors = tuple(self.mesh.mesh.shape)
+            self.choices = choices
+            self._full = program(info, graph, layouts, factors, choices.recompute)
+            self.layouts = self._full.layouts
+            if choices.micro_batches > 1 and micro is None:
+                raise ShardplanError(f"{choices.micro_batches} micro-batches need the module traced at a micro-batch")
+            self._micro = self._full if micro is None else program(
+                micro[0], micro[1], {m.name: layouts[o.name] for o, m in zip(graph.operators, micro[1].operators)},
+                factors, choices.recompute)
+            self._zero3 = {t for op in choices.zero3 for t, uses in info.param_uses.items() if uses[0][0] == op}
+            self._sharded: set[int] = set()  # ids of the ZeRO-3 parameters
             self.param_placements: dict[str, tuple[Any, ...]] = {}
-            named = dict(module.named_parameters(remove_duplicate=False))
-            buffers = dict(module.named_buffers(remove_duplicate=False))
-            self._buffers_by_target = buffers
-            tied: dict[int, str] = {}
-            for spec in ep.graph_signature.input_specs:
-                if spec.kind != InputKind.PARAMETER:
+            self._mirror(module)
+
+        @property
+        def micro_batches(self) -> int:
+            """The plan's micro-batch count k (1 for a plan without memory choices)."""
+            return self.choices.micro_batches
+
+        def _mirror(self, module: Any) -> None:
+            """Register the DTensor parameters and the buffers in a tree of modules named as ``module``'s.
+
+            Every submodule path of ``module`` gets a bare ``nn.Module`` at the
+            same path (this module stands for the root), holding at the same
+            local names the DTensor parameter of each parameter and the buffer
+            itself (persistent or not, as there). A tensor registered under
+            several names (tied weights, a shared submodule) is one DTensor
+            registered under the same names, so ``named_parameters()``,
+            ``state_dict()`` and their duplicates follow ``module``'s exactly.
+            """
+            names: dict[int, list[str]] = {}
+            for name, par in module.named_parameters(remove_duplicate=False):
+                names.setdefault(id(par), []).append(name)
+            made: dict[int, Any] = {}  # id(original parameter) -> its DTensor parameter
+            shadows: dict[int, Any] = {id(module): self}  # id(original submodule) -> its mirror
+            by_path: dict[str, Any] = {"": self}
+            for path, sub in module.named_modules(remove_duplicate=False):
+                if not path:
+                    self._fill(sub, self, names, made)
                     continue
-                target = spec.target
-                if id(named[target]) in tied:  # a tied parameter, exported once per name: one DTensor
-                    self._keys[target] = tied[id(named[target])]
-                    continue
-                src = named[target]
-                uses = info.param_uses.get(target, ())
-                if uses:
-                    pl = self.layouts.placements(uses[0][0], uses[0][1], src.dim())
-                else:
-                    pl = tuple(Replicate() for _ in range(self.mesh.ndim))
-                dt = distribute_tensor(src.detach().clone(), self.mesh, list(pl), src_data_rank=None)
-                par = nn.Parameter(dt, requires_grad=src.requires_grad)
-                key = target.replace(".", "__")
-                self._params[key] = par
-                self._keys[target] = key
-                tied[id(src)] = key
-                self.param_placements[target] = pl
-                if src.requires_grad:
-                    par.register_hook(self._grad_hook(pl))
-            # tied parameters: every name the module knows them by maps to the one DTensor
-            by_id = {id(named[t]): k for t, k in self._keys.items()}
-            for name, src in named.items():
-                if name not in self._keys and id(src) in by_id:
-                    self._keys[name] = by_id[id(src)]
+                parent, _, leaf = path.rpartition(".")
+                shadow = shadows.get(id(sub))
+                if shadow is None:  # first time this submodule is met; a shared one keeps its mirror
+                    shadow = shadows[id(sub)] = nn.Module()
+                    self._fill(sub, shadow, names, made)
+                by_path[path] = shadow
+                by_path[parent]._modules[leaf] = shadow
+
+        def _fill(self, sub: Any, shadow: Any, names: Mapping[int, list[str]], made: dict[int, Any]) -> None:
+            """Put ``sub``'s own parameters (as DTensors) and buffers into ``shadow`` under their local names."""
+            for local, par in sub._parameters.items():
+                if par is not None and id(par) not in made:
+                    made[id(par)] = self._distribute(names[id(par)], par)
+                shadow._parameters[local] = None if par is None else made[id(par)]
+            for local, buf in sub._buffers.items():
+                shadow._buffers[local] = buf
+                if local in sub._non_persistent_buffers_set:
+                    shadow._non_persistent_buffers_set.add(local)
+
+        def _distribute(self, names: Sequence[str], src: Any) -> Any:
+            """The DTensor parameter of ``src`` (known by ``names``), laid out as its first reader's
+            configuration asks (replicated when no operator reads it)."""
+            uses = next((self.info.param_uses[n] for n in names if n in self.info.param_uses), ())
+            if uses:
+                pl = self.layouts.placements(uses[0][0], uses[0][1], src.dim())
+            else:
+                pl = tuple(Replicate() for _ in range(self.mesh.ndim))
+            zero3 = any(n in self._zero3 for n in names)
+            if zero3:
+                pl = zero3_placements(pl, tuple(src.shape), tuple(self.mesh.mesh.shape))
+            dt = distribute_tensor(src.detach().clone(), self.mesh, list(pl), src_data_rank=None)
+            par = nn.Parameter(dt, requires_grad=src.requires_grad)
+            self.param_placements[names[0]] = pl
+            if src.requires_grad:
+                par.register_hook(self._grad_hook(pl))
+            if zero3:
+                self._sharded.add(id(par))
+            return par
 
         def _grad_hook(self, placements: tuple[Any, ...]) -> Any:
             def hook(g: Any) -> Any:
@@ -286,40 +592,100 @@ def _make_class() -> Any:
 
         def dparameter(self, target: str) -> Any:
             """The DTensor parameter for ``target`` (the original module's parameter name)."""
-            return self._params[self._keys[target]]
+            return self.get_parameter(target)
 
         def named_dparameters(self) -> dict[str, Any]:
-            """Original parameter name -> DTensor parameter."""
-            return {t: self._params[k] for t, k in self._keys.items()}
+            """Original parameter name -> DTensor parameter, every name of a tied parameter included."""
+            return dict(self.named_parameters(remove_duplicate=False))
 
-        def _input_placements(self, name: str, rank: int) -> tuple[Any, ...] | None:
-            uses = self.info.input_uses.get(name, ())
-            if not uses:
-                return None
-            return self.layouts.placements(uses[0][0], uses[0][1], rank)
+        def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+            """Load a state dict keyed by the original module's names (as :meth:`state_dict` gives).
+
+            A parameter's value may be a full ``torch.Tensor`` (every rank
+            passes the same; each keeps its planned shard) or a DTensor (laid
+            out again as planned: redistributed on this mesh, else gathered
+            and split). Values are copied into the parameters, which keep
+            their placements and gradient hooks; ``assign=True`` would replace
+            them, so it is refused.
+            """
+            if assign:
+                raise ShardplanError("load_state_dict(assign=True) would replace the planned DTensor parameters; "
+                                     "load with assign=False (values are copied into them)")
+            params = dict(self.named_parameters(remove_duplicate=False))
+            placed = {k: self._placed(v, params[k]) if k in params and isinstance(v, torch.Tensor) else v
+                      for k, v in state_dict.items()}
+            return super().load_state_dict(placed, strict=strict)
+
+        def _placed(self, value: Any, par: Any) -> Any:
+            """``value`` as a DTensor with ``par``'s mesh and placements (unchanged when its shape differs,
+            so that ``load_state_dict`` reports the mismatch)."""
+            if tuple(value.shape) != tuple(par.shape):
+                return value
+            if isinstance(value, DTensor):
+                if value.device_mesh == par.device_mesh:
+                    return _redistribute(value.detach(), par.device_mesh, par.placements)
+                value = value.full_tensor()
+            return distribute_tensor(value.detach(), par.device_mesh, list(par.placements), src_data_rank=None)
 
         def forward(self, *args: Any, **kwargs: Any) -> Any:
-            from torch.utils import _pytree as pytree
+            """The module's outputs on the whole batch (recomputed operators under checkpoint).
 
-            ep = self._ep
-            flat, spec = pytree.tree_flatten((args, kwargs))
+            Raises:
+                ShardplanError: the plan accumulates gradients over micro-batches and gradients are
+                    being recorded (run :meth:`step`, or call under ``torch.no_grad()``).
+            """
+            if self.micro_batches > 1 and torch.is_grad_enabled():
+                raise ShardplanError(f"this plan accumulates gradients over {self.micro_batches} micro-batches: "
+                                     "call step(*inputs) for a forward and backward pass (or the module under "
+                                     "torch.no_grad() for the outputs alone)")
+            return self._run(self._full, args, kwargs)
+
+        def step(self, *args: Any, **kwargs: Any) -> Any:
+            """One forward and backward pass of the batch as planned; the loss, detached.
+
+            With k micro-batches (:func:`micro_batch`: batch rows i, i + k, ...)
+            the module must return a scalar loss that is a mean of per-example
+            terms over the batch (no statistic across the batch, such as a
+            training BatchNorm's): the step's loss is (1/k) sum_i loss_i and each
+            micro-batch adds the gradient of loss_i / k to ``param.grad``, so the
+            gradients are those of the whole batch's mean. With one
+            micro-batch it is ``loss = module(*args); loss.backward()``.
+            """
+            k = self.micro_batches
+            total = None
+            for i in range(k):
+                a, kw = micro_batch(args, kwargs, i, k) if k > 1 else (list(args), dict(kwargs))
+                loss = self._run(self._micro, a, kw)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise ShardplanError("step needs a module that returns a scalar loss")
+                (loss / k if k > 1 else loss).backward()
+                total = loss.detach() if total is None else total + loss.detach()
+            return total / k
+
+        def _run(self, prog: Program, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+            """Run ``prog`` node by node on DTensors (recomputed segments under ``torch.utils.checkpoint``)."""
+            from torch.utils import _pytree as pytree
+            from torch.utils.checkpoint import checkpoint
+
+            ep = prog.info.program
+            flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
             if spec != ep.call_spec.in_spec:
                 raise ShardplanError(f"arguments have structure {spec}, the traced module had {ep.call_spec.in_spec}")
             env: dict[str, Any] = {}
             user = iter(flat)
+            buffers = dict(self.named_buffers(remove_duplicate=False))
             for s in ep.graph_signature.input_specs:
                 name = s.arg.name if hasattr(s.arg, "name") else None
                 if s.kind == InputKind.PARAMETER:
                     env[name] = self.dparameter(s.target)
                 elif s.kind == InputKind.BUFFER:
-                    env[name] = self._buffers_by_target[s.target] if s.target in self._buffers_by_target \
-                        else ep.state_dict[s.target]
+                    env[name] = buffers[s.target] if s.target in buffers else ep.state_dict[s.target]
                 elif s.kind == InputKind.CONSTANT_TENSOR:
                     env[name] = ep.constants[s.target]
                 elif s.kind == InputKind.USER_INPUT:
                     x = next(user)
                     if isinstance(x, torch.Tensor) and name is not None:
-                        pl = self._input_placements(name, x.dim())
+                        pl = self._input_placements(prog, name, x.dim())
                         if pl is not None and x.requires_grad:  # a pipeline stage's input: differentiable
                             x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim,
                                                    run_check=False).redistribute(self.mesh, list(pl))
@@ -331,11 +697,18 @@ def _make_class() -> Any:
                     if name is not None:
                         env[name] = None
             result = None
-            for node in self._gm.graph.nodes:
+            gm = ep.graph_module
+            for item in prog.items:
+                if isinstance(item, Segment):
+                    outs = checkpoint(self._segment_fn(prog, item), *[env[n] for n in item.inputs],
+                                      use_reentrant=False)
+                    env.update(zip(item.outputs, outs))
+                    continue
+                node = item
                 if node.op == "placeholder":
                     continue
                 if node.op == "get_attr":
-                    obj = self._gm
+                    obj = gm
                     for part in str(node.target).split("."):
                         obj = getattr(obj, part)
                     env[node.name] = obj
@@ -343,42 +716,97 @@ def _make_class() -> Any:
                 if node.op == "output":
                     result = _tree_map(lambda a: env[a.name] if isinstance(a, torch.fx.Node) else a, node.args[0])
                     break
-                env[node.name] = self._run_node(node, env)
+                env[node.name] = self._run_node(prog, node, env, regather=True)
             outs = _tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, list(result))
             return pytree.tree_unflatten(outs, ep.call_spec.out_spec)
 
-        def _run_node(self, node: Any, env: dict[str, Any]) -> Any:
+        def _segment_fn(self, prog: Program, seg: Segment) -> Any:
+            """``seg`` as a function of its inputs' values to its outputs' (what ``checkpoint`` runs twice)."""
+            def run(*values: Any) -> tuple[Any, ...]:
+                env = dict(zip(seg.inputs, values))
+                for node in seg.nodes:
+                    env[node.name] = self._run_node(prog, node, env, regather=False)
+                return tuple(env[n] for n in seg.outputs)
+            return run
+
+        def _input_placements(self, prog: Program, name: str, rank: int) -> tuple[Any, ...] | None:
+            uses = prog.info.input_uses.get(name, ())
+            if not uses:
+                return None
+            return prog.layouts.placements(uses[0][0], uses[0][1], rank)
+
+        def _run_node(self, prog: Program, node: Any, env: dict[str, Any], regather: bool) -> Any:
+            """One FX node on DTensors; ``regather``: a ZeRO-3 parameter's gathered copy is not saved for
+            the backward pass but gathered again there (inside a checkpointed segment nothing is saved)."""
+            import contextlib
+
+            info, lay = prog.info, prog.layouts
             read = lambda a: env[a.name] if isinstance(a, torch.fx.Node) else a  # noqa: E731
             args = [_tree_map(read, a) for a in node.args]
             kwargs = {k: _tree_map(read, v) for k, v in node.kwargs.items()}
             fn = node.target
-            if node.name in self.info.const_nodes or fn is _pyop.getitem:
+            if node.name in info.const_nodes or fn is _pyop.getitem:
                 return fn(*args, **kwargs)
-            op_name = self.info.node_op.get(node.name)
+            op_name = info.node_op.get(node.name)
+            gathered: list[tuple[Any, Any]] = []
             if op_name is not None:
-                for path, tname in self.info.operands.get(op_name, ()):
+                for path, tname in info.operands.get(op_name, ()):
                     x = _get(args, kwargs, path)
                     if isinstance(x, DTensor):
-                        _set(args, kwargs, path, _redistribute(x, self.mesh, self.layouts.placements(
-                            op_name, tname, x.dim())))
+                        y = _redistribute(x, self.mesh, lay.placements(op_name, tname, x.dim()))
+                        _set(args, kwargs, path, y)
+                        if id(x) in self._sharded and y is not x:
+                            gathered.append((x, y))
             fn = _REWRITES.get(str(fn), fn)
             if _has_dtensor(args) or _has_dtensor(kwargs):
                 rep = lambda x: self._replicate(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
                 args = [_tree_map(rep, a) for a in args]
                 kwargs = {k: _tree_map(rep, v) for k, v in kwargs.items()}
-            try:
-                if str(fn) in _CONV and isinstance(args[0], DTensor):
-                    out = self._batch_local_call(fn, args, kwargs)
-                else:
-                    with implicit_replication():
-                        out = fn(*args, **kwargs)
-            except NotImplementedError as e:
-                if "sharding strategy" not in str(e) and "DTensor" not in str(e):
-                    raise
-                out = self._replicated_call(fn, args, kwargs)
+            hooks = (torch.autograd.graph.saved_tensors_hooks(*self._regather_hooks(gathered))
+                     if gathered and regather else contextlib.nullcontext())
+            with hooks:
+                try:
+                    if str(fn) in _CONV and isinstance(args[0], DTensor):
+                        out = self._batch_local_call(fn, args, kwargs)
+                    else:
+                        with implicit_replication():
+                            out = fn(*args, **kwargs)
+                except NotImplementedError as e:
+                    if "sharding strategy" not in str(e) and "DTensor" not in str(e):
+                        raise
+                    out = self._replicated_call(fn, args, kwargs)
             if op_name is not None and isinstance(out, DTensor):
-                out = _redistribute(out, self.mesh, self.layouts.output(op_name, out.dim()))
+                out = _redistribute(out, self.mesh, lay.output(op_name, out.dim()))
             return out
+
+        def _regather_hooks(self, gathered: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
+            """Saved-tensor hooks that keep, instead of a gathered ZeRO-3 parameter (or a view of it),
+            the sharded parameter and the view, and gather it again when the backward pass reads it."""
+            by_ptr = {y._local_tensor.untyped_storage().data_ptr(): (x, tuple(y.placements)) for x, y in gathered
+                      if y._local_tensor.numel()}
+
+            def pack(t: Any) -> Any:
+                local = t._local_tensor if isinstance(t, DTensor) else t
+                if not isinstance(local, torch.Tensor) or not local.numel():
+                    return t
+                hit = by_ptr.get(local.untyped_storage().data_ptr())
+                if hit is None:
+                    return t
+                spec = (tuple(t.placements), tuple(t.shape), tuple(t.stride())) if isinstance(t, DTensor) else None
+                return _Regather(hit[0], hit[1], tuple(local.shape), tuple(local.stride()), local.storage_offset(),
+                                 spec)
+
+            def unpack(t: Any) -> Any:
+                if not isinstance(t, _Regather):
+                    return t
+                with torch.no_grad():
+                    full = t.param.detach().redistribute(self.mesh, list(t.placements)).to_local()
+                    local = full.as_strided(t.size, t.stride, t.offset)
+                    if t.spec is None:
+                        return local
+                    pl, shape, stride = t.spec
+                    return DTensor.from_local(local, self.mesh, list(pl), run_check=False, shape=shape, stride=stride)
+            return pack, unpack
 
         def _batch_local_call(self, fn: Any, args: list, kwargs: dict) -> Any:
             """A convolution on a batch-split input: local convolution with replicated weights.

@@ -311,16 +311,17 @@ def _examples(ep: Any, module: Any, names: Sequence[str]) -> tuple[Any, ...]:
 
 @dataclass(frozen=True, eq=False)
 class _Held:
-    """A stage's running module and how its parameters map to the original module's names."""
+    """A stage's running module and how its parameters map to the original module's names.
+
+    The running module is the stage module or its DTensor :class:`~shardplan.torch.run.ParallelModule`,
+    which keeps the stage module's parameter names (``weights.<key>``).
+    """
 
     module: Any
     targets: Mapping[str, str]  # key in the stage module -> parameter target in the original module
-    prefix: str  # where the keys live in ``module``'s parameter names ("" or "_params.")
 
     def named_targets(self) -> dict[str, Any]:
-        params = dict(self.module.named_parameters())
-        if self.prefix:
-            return {t: params[self.prefix + "weights__" + k] for k, t in self.targets.items()}
+        params = dict(self.module.named_parameters(remove_duplicate=False))
         return {t: params["weights." + k] for k, t in self.targets.items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -580,7 +581,7 @@ def build_pipeline(result: Any, layout: dict, stage_layouts: Sequence[Sequence[t
         run_mod = mod if sub is None else _dtensor_stage(mod, ins, stage_layouts[j], sub)  # type: ignore[index]
         stages.append(pp.PipelineStage(run_mod, j, n, torch.device("cpu"), input_args=ins,
                                        output_args=outs[0] if len(outs) == 1 else outs, group=group))
-        modules.append(_Held(run_mod, mod.targets, "" if sub is None else "_params."))
+        modules.append(_Held(run_mod, mod.targets))
     cls = getattr(pp, SCHEDULE_CLASSES[run_schedule])
     kw = dict(n_microbatches=m, loss_fn=lambda out, _target: out, scale_grads=reduction == "mean")
     sched = cls(stages, **kw) if run_schedule in ("interleaved", "zb-h1") else cls(stages[0], **kw)
