@@ -26,7 +26,7 @@ from shardplan.torch.frontend import HANDLERS, ShardplanWarning, TorchTrace, reg
 from shardplan.torch.layout import (layout_groups, mesh_dims, mesh_factors, placement_names, plan_mesh_shape,
                                     tensor_placements)
 
-__all__ = ["parallelize", "pipeline", "trace", "report", "HANDLERS", "register", "ShardplanWarning", "TorchTrace",
+__all__ = ["plan", "apply", "parallelize", "pipeline", "trace", "report", "HANDLERS", "register", "ShardplanWarning", "TorchTrace",
            "mesh_factors", "layout_groups", "plan_mesh_shape", "mesh_dims", "tensor_placements", "placement_names", "plan_placements"]
 
 
@@ -43,6 +43,105 @@ def _world(mesh: Any) -> int:
 
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return int(mesh.mesh.numel())
+
+
+def _machine(mesh: Any, machine: Machine | None) -> Machine:
+    """``machine``, checked against the mesh's size, or the mesh's own (:func:`shardplan.torch.device.mesh_machine`)."""
+    if mesh is None:
+        if machine is None:
+            raise ShardplanError("give the DeviceMesh the plan runs on (or machine=, e.g. preset('h100', 64))")
+        return machine
+    p = _world(mesh)
+    if machine is None:
+        from shardplan.torch.device import mesh_machine
+
+        return mesh_machine(mesh)
+    if machine.num_devices != p:
+        raise ShardplanError(f"machine has {machine.num_devices} devices but the mesh has {p}")
+    return machine
+
+
+def plan(module: Any, example_inputs: Sequence[Any], mesh: Any = None, *, kwargs: Mapping[str, Any] | None = None,
+         machine: Machine | None = None, **keywords: Any) -> Any:
+    """The fastest plan of ``module(*example_inputs, **kwargs)`` (a loss) that fits: :func:`shardplan.planner.plan`
+    with the same keywords (``budget``, ``fit``, ``stages``, ``micro_batches``, ...) on the module traced at
+    every micro-batch size. ``machine`` defaults to the mesh's own (device name, mesh size, processes per
+    node). Every rank calls it with the same module and inputs and finds the same plan (the search is
+    deterministic), or loads one with ``Plan.from_json``; run it with :func:`apply`.
+
+    What the PyTorch run can hold is what is searched: ZeRO stages 0 and 3 only
+    (:data:`~shardplan.torch.run.TORCH_STAGES`), micro-batch counts that divide axis 0 of every tensor
+    argument. Stages need every input to be a tensor with the batch on axis 0 and no ``kwargs``; otherwise
+    one program is planned (the plan's statistics say why).
+    """
+    from shardplan.fit import FitOptions
+    from shardplan.planner import plan as _plan
+    from shardplan.torch.run import TORCH_STAGES
+    from shardplan.torch.staged import Tracer
+
+    machine = _machine(mesh, machine)
+    counts = _counts(keywords.pop("micro_batches", None) or (1, 2, 4, 8), example_inputs, kwargs,
+                     machine.num_devices) or (1,)
+    if "fit_options" not in keywords:
+        keywords["fit_options"] = FitOptions(stages=TORCH_STAGES, micro_batches=counts)
+    keywords.setdefault("cutoff", 1)
+    try:
+        if kwargs:
+            raise ShardplanError("keyword arguments")
+        model: Any = Tracer(module, example_inputs)
+        batch = model.batch
+    except ShardplanError:
+        model, batch = trace(module, example_inputs, kwargs)[0], None
+    return _plan(model, machine, batch=batch, micro_batches=counts, **keywords)
+
+
+def apply(plan: Any, module: Any, example_inputs: Sequence[Any], mesh: Any = None, *,
+          kwargs: Mapping[str, Any] | None = None, schedule: str | None = None, reduction: str = "mean") -> Any:
+    """``plan`` (a :class:`shardplan.Plan`, computed here or loaded with ``Plan.from_json``) made runnable for
+    ``module``: the sharded module (one program, on ``mesh``; its parameters by the model's own names, see
+    :func:`parallelize`) or this rank's pipeline stages and schedule (on the default process group;
+    ``schedule``: e.g. "gpipe" for a 1F1B plan; ``reduction``: the loss is a "mean" or a "sum").
+
+    The module is traced again here and the plan's choices are checked against it: a plan made for
+    another program, batch or device count is refused. A pipeline whose stages shard state or recompute
+    is refused: the stage runner holds each stage's layouts only.
+    """
+    import dataclasses
+
+    from shardplan.planner import spmd_of
+    from shardplan.torch.run import parallel_module
+
+    if plan.pipelined:
+        from shardplan.torch.staged import Tracer, build_pipeline, plan_layout
+
+        if any(c.state_stage or c.recompute for s in plan.stages for c in s.operators.values()):
+            raise ShardplanError("the plan's pipeline stages shard state or recompute, which the PyTorch stage "
+                                 "runner does not hold (it runs each stage's layouts); plan with stages=False or "
+                                 "fit=False")
+        layout, stage_layouts = plan_layout(plan)
+        several = max(s.devices for s in plan.stages) > 1
+        return build_pipeline(None, layout, stage_layouts if several else None, Tracer(module, example_inputs),
+                              module, schedule, reduction)
+    p = _world(mesh)
+    if p != plan.machine.num_devices:
+        raise ShardplanError(f"the plan is for {plan.machine.num_devices} devices, the mesh has {p}")
+    graph, info = trace(module, example_inputs, kwargs)
+    if set(plan.operators) != {op.name for op in graph.operators}:  # planned on the unit-scoped names
+        from shardplan.torch.staged import scoped_trace
+
+        _, _, old = scoped_trace(module, tuple(example_inputs))
+        stage = plan.stages[0]
+        renamed = dataclasses.replace(stage, operators={old.get(n, n): c for n, c in stage.operators.items()})
+        plan = dataclasses.replace(plan, stages=(renamed,), detail=None)
+    sp = spmd_of(plan, graph)
+    return parallel_module(module, example_inputs, kwargs, info, sp, mesh)
+
+
+def _counts(counts: Sequence[int], args: Sequence[Any], kwargs: Mapping[str, Any] | None, p: int) -> tuple[int, ...]:
+    """The micro-batch counts k the PyTorch run can hold: k = 1, and those for which axis 0 of every tensor
+    argument divides into k micro-batches each divisible by p, so that every planned split of the batch
+    (a divisor of p) divides a micro-batch (:func:`shardplan.torch.run.check_same_program`)."""
+    return tuple(int(k) for k in counts if int(k) == 1 or _splits_batch(args, kwargs, int(k) * p))
 
 
 def _splits_batch(args: Sequence[Any], kwargs: Mapping[str, Any] | None, k: int) -> bool:
@@ -64,7 +163,7 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
     axes, see :mod:`shardplan.torch.layout`). Every rank calls this with the
     same module (same parameter values) and inputs; tracing and solving are
     deterministic, so every rank finds the same plan. ``machine`` defaults to
-    the reference machine with ``mesh.size()`` devices; ``solve_opts`` go to
+    the mesh's own (:func:`shardplan.torch.device.mesh_machine`); ``solve_opts`` go to
     :func:`shardplan.spmd.solve` (only configurations whose device count
     divides p are kept, as a mesh needs).
 
@@ -93,11 +192,7 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
     """
     from shardplan.torch.run import parallel_module
 
-    p = _world(mesh)
-    if machine is None:
-        machine = Machine(p, name=f"{p} x {getattr(mesh, 'device_type', 'cpu')}")
-    elif machine.num_devices != p:
-        raise ShardplanError(f"machine has {machine.num_devices} devices but the mesh has {p}")
+    machine = _machine(mesh, machine)
     graph, info = trace(module, example_inputs, kwargs)
     if solve_opts.get("divides_p", True) is not True:
         raise ShardplanError("parallelize needs divides_p=True: a DeviceMesh cannot leave devices idle")
@@ -109,10 +204,11 @@ def parallelize(module: Any, example_inputs: Sequence[Any], mesh: Any, *, kwargs
         from shardplan.torch.run import TORCH_STAGES
 
         options = fit or FitOptions()
-        counts = tuple(k for k in options.micro_batches if _splits_batch(example_inputs, kwargs, int(k)))
+        counts = _counts(options.micro_batches, example_inputs, kwargs, machine.num_devices)
         if not counts:
-            raise ShardplanError(f"no micro-batch count of {tuple(options.micro_batches)} divides axis 0 of every "
-                                 "tensor argument (micro-batches split every tensor argument along axis 0)")
+            raise ShardplanError(f"no micro-batch count of {tuple(options.micro_batches)} leaves axis 0 of every "
+                                 f"tensor argument divisible by the {machine.num_devices} devices (micro-batches "
+                                 "split every tensor argument along axis 0, and each micro-batch is split as planned)")
         options = replace(options, stages=tuple(s for s in options.stages if s in TORCH_STAGES),
                           micro_batches=counts)
         plan = solve_fit(graph, machine, budget=budget, options=options, cutoff=cutoff, **solve_opts)
@@ -132,29 +228,20 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
     return _pipeline(module, example_inputs, machine, **options)
 
 
-def report(plan: SpmdPlan, info: TorchTrace | None = None) -> str:
-    """Per operator: splits, the mesh axis each split takes, predicted cost; and the step's breakdown.
+def report(plan: Any, info: TorchTrace | None = None, operators: bool = True) -> str:
+    """The one report (:func:`shardplan.report.summary.render_plan`) of a plan (a :class:`shardplan.Plan` or
+    the :class:`~shardplan.spmd.SpmdPlan` :func:`parallelize` returns), with the per-operator table unless
+    ``operators=False``, the mesh the module runs on, and, with ``info``, the operators described
+    conservatively (not split: their operands gathered)."""
+    from shardplan.report.summary import as_plan, render_plan
 
-    With ``info``, conservatively described operators are marked ``*``.
-    """
-    from shardplan.table import format_table
-    from shardplan.units import fmt_seconds
-
+    p = as_plan(plan)
+    lines = [render_plan(p, operators=operators)]
+    if not p.pipelined:
+        shape = plan_mesh_shape(list(p.layouts.values()), p.machine.num_devices)
+        lines.append(f"DeviceMesh: {'x'.join(map(str, shape))} (prime-factor axes; each operator's splits take "
+                     "them in order)")
     cons = set(info.conservative) if info is not None else set()
-    shape = plan_mesh_shape(list(plan.layouts.values()), plan.machine.num_devices)
-    lines = [f"{plan.graph.name}: {len(plan.graph)} operators on {plan.machine.num_devices} devices "
-             f"(mesh {'x'.join(map(str, shape))}), predicted {fmt_seconds(plan.cost)} per step, "
-             f"solved in {fmt_seconds(plan.solve_seconds)}"]
-    rows = []
-    for row in plan.operators():
-        op = plan.graph[row["name"]]
-        splits = " ".join(f"{d}{c}" for d, c in zip(row["dims"], row["config"]) if c > 1) or "replicated"
-        axes = " ".join(d or "_" for d in mesh_dims(plan.layout(op.name), shape, op.name))
-        mark = "*" if row["name"] in cons else ""
-        rows.append((mark + row["name"], row["kind"], splits, f"[{axes}]", fmt_seconds(row["cost_seconds"])))
-    lines.extend("  " + line for line in format_table(rows, right=(4,)).splitlines())
-    parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in plan.breakdown.items() if v and k != "total")
-    lines.append(f"  breakdown: {parts}")
     if cons:
-        lines.append("  * described conservatively: " + ", ".join(sorted(set(info.conservative.values()))))
+        lines.append("Described conservatively: " + ", ".join(sorted(set(info.conservative.values()))))
     return "\n".join(lines)
