@@ -20,7 +20,7 @@ docstring below refers to "the module docstring", it means that document.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -297,7 +297,6 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
         ShardplanError: no budget known, or no plan fits (naming the least memory any plan needs).
     """
     from shardplan.spmd import SpmdPlan
-    from shardplan.search.dp import solve_dp
 
     if budget is None:
         budget = machine.memory_bytes

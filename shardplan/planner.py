@@ -30,7 +30,7 @@ from shardplan.ir import Graph
 from shardplan.machine import Machine
 from shardplan.result import NO_PIPELINE, OperatorChoice, Plan, StagePlan
 
-__all__ = ["plan", "from_spmd", "from_pipeline"]
+__all__ = ["plan", "from_spmd", "from_pipeline", "spmd_of", "pipeline_of", "group_memory"]
 
 STAGES = ("auto", True, False)
 
@@ -122,9 +122,12 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
                                 s.cost.weight_grad, s.in_flight, mem))
     work = pp.micro_batches * max(t.total for t in pp.stage_times())
     breakdown = {"stage_work": work, "pipeline_fill": pp.step_time - work, "total": pp.step_time}
-    peak = max(stages, key=lambda st: st.memory["peak_bytes"])
-    memory = {**peak.memory, "peak_stage": peak.index,
-              "budget_bytes": float(pp.budget) if pp.budget is not None else float("inf")}
+    if pp.chunks > 1:
+        memory: dict[str, float] = dict(group_memory(pp))
+    else:
+        peak = max(stages, key=lambda st: st.memory["peak_bytes"])
+        memory = {**peak.memory, "peak_stage": peak.index}
+    memory["budget_bytes"] = float(pp.budget) if pp.budget is not None else float("inf")
     st = {"solve_seconds": result.seconds, "groups": groups, **pp.stats, "links": list(pp.links),
           "back_links": None if pp.back_links is None else list(pp.back_links),
           "memory_choices": any(getattr(s.cost.detail, "memory_choices", None) is not None for s in pp.stages),
@@ -133,6 +136,23 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
     return Plan(model or result.stages.graph(1)[0].name, result.machine, tuple(stages), pp.micro_batches,
                 pp.schedule, pp.step_time, breakdown, memory, pp.lower_bound, "pipeline", st, pp.chunks,
                 result.stages.batch, detail=result)
+
+
+def group_memory(pp: Any) -> dict[str, float]:
+    """Per-device memory of an interleaved pipeline (a :class:`~shardplan.pipeline.search.PipelinePlan`), by device
+    group: group d holds its v chunks at once, ``sum_j weights_j + k_d sum_j activations_j`` with k_d its
+    in-flight share (each chunk's ``in_flight``; the interleaved schedule's memory model, as the search's budget
+    check); the largest group's bytes and parts (``peak_group``: its index)."""
+    groups = pp.num_stages // pp.chunks
+    best: dict[str, float] = {}
+    for d in range(groups):
+        mine = pp.stages[d::groups]
+        weights = sum(s.cost.weight_bytes for s in mine)
+        acts = mine[0].in_flight * sum(s.cost.activation_bytes for s in mine)
+        if not best or weights + acts > best["peak_bytes"]:
+            best = {"peak_bytes": weights + acts, "weights_bytes": weights, "activations_bytes": acts,
+                    "peak_group": d}
+    return best
 
 
 def _resolve(model: Any, batch: int | None, sizes: dict[str, Any] | None

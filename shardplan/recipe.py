@@ -663,24 +663,4 @@ def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Reci
     if pp is None:
         raise ShardplanError(f"recipe {recipe}: a stage cannot be costed on {q} devices")
     result = PipelineResult(pp, stages, machine, time.perf_counter() - t0)
-    plan = from_pipeline(result, model=name)
-    if recipe.vp > 1:
-        plan = replace(plan, memory={**dict(plan.memory), **group_memory(pp)})
-    return plan
-
-
-def group_memory(pp: Any) -> dict[str, float]:
-    """Per-device memory of an interleaved pipeline (a :class:`~shardplan.pipeline.search.PipelinePlan`), by device
-    group: group d holds its v chunks at once, ``sum_j weights_j + k_d sum_j activations_j`` with k_d its
-    in-flight share (each chunk's ``in_flight``; the interleaved schedule's memory model, as the search's budget
-    check); the largest group's bytes and parts (``peak_group``: its index)."""
-    groups = pp.num_stages // pp.chunks
-    best: dict[str, float] = {}
-    for d in range(groups):
-        mine = pp.stages[d::groups]
-        weights = sum(s.cost.weight_bytes for s in mine)
-        acts = mine[0].in_flight * sum(s.cost.activation_bytes for s in mine)
-        if not best or weights + acts > best["peak_bytes"]:
-            best = {"peak_bytes": weights + acts, "weights_bytes": weights, "activations_bytes": acts,
-                    "peak_group": d}
-    return best
+    return from_pipeline(result, model=name)  # an interleaved plan's memory is its device groups' (group_memory)

@@ -9,7 +9,7 @@ from shardplan.baselines import (BASELINES, baseline_plan, baseline_plans, batch
                                  nearest_valid, one_weird_trick)
 from shardplan.cost import build_tables
 from shardplan.errors import ShardplanError
-from shardplan.machine import Machine, preset
+from shardplan.machine import preset
 from shardplan.models import MODELS, get_model
 from shardplan.spmd import plan_from_configs
 

@@ -13,7 +13,7 @@ from shardplan import ops
 from shardplan.configs import configurations, split_choices
 from shardplan.cost import build_tables, operator_cost
 from shardplan.errors import ShardplanError
-from shardplan.ir import AxisMap, Graph, GraphBuilder, Operator, Tensor, TensorRef
+from shardplan.ir import Graph, GraphBuilder, Operator, Tensor, TensorRef
 from shardplan.machine import Machine, preset
 
 

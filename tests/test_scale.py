@@ -10,7 +10,6 @@ checked (:func:`shardplan.search.problem.certify`).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from randgraphs import random_problem

@@ -27,7 +27,7 @@ import functools
 import pytest
 
 from shardplan.machine import preset
-from shardplan.models import MODELS, get_model
+from shardplan.models import MODELS
 from shardplan.spmd import plan_from_configs, solve
 from shardplan.baselines import baseline_plans
 

@@ -52,7 +52,6 @@ nothing.
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import numpy as np
 

@@ -104,7 +104,8 @@ def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devic
     program; for a pipeline, the staged step (``reduction``: the loss is a "mean" or a "sum" over the batch).
 
     The program is traced again here and the plan's choices are checked against it: a plan made for
-    another program, batch or machine size is refused.
+    another program, batch or machine size is refused. A pipeline whose stages shard state or recompute is
+    refused: the stage runner holds each stage's layouts only.
     """
     import jax
 
@@ -116,6 +117,11 @@ def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devic
         raise ShardplanError(f"the plan is for {plan.machine.num_devices} devices, {len(devs)} were given")
     if plan.pipelined:
         tracer = Tracer(loss_fn, params, batch)
+        own = tracer(plan.batch // plan.micro_batches).recomputed if plan.batch else frozenset()
+        if any(c.state_stage or (c.recompute and n not in own) for s in plan.stages for n, c in s.operators.items()):
+            raise ShardplanError("the plan's pipeline stages shard state or recompute, which the JAX stage runner "
+                                 "does not hold (it runs each stage's layouts and the program's own checkpoints); "
+                                 "plan with stages=False or fit=False")
         step = build_staged(pipeline_of(plan, tracer), tracer, devs, reduction=reduction)
         return Planned(plan, step.info, tuple(devs), None, None, None, step, None, step)
     graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
@@ -151,8 +157,8 @@ def planned(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Seque
     (:mod:`shardplan.jax.memory`; the loss must be a mean over the batch when
     the plan uses micro-batches).
 
-    ``machine`` defaults to the reference machine (10 TFLOP/s, 16 GB/s) with
-    ``len(devices)`` devices; ``solve_opts`` go to :func:`shardplan.spmd.solve`
+    ``machine`` defaults to the devices' own
+    (:func:`~shardplan.jax.shardings.devices_and_machine`); ``solve_opts`` go to :func:`shardplan.spmd.solve`
     (``divides_p`` defaults to True: only configurations whose device count
     divides p can be expressed as a mesh). ``has_aux``: ``loss_fn`` returns
     ``(loss, aux)``, as in ``jax.value_and_grad``.

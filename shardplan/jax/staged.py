@@ -501,7 +501,6 @@ def pipeline(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequ
     if reduction not in ("mean", "sum"):
         raise ShardplanError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     devices, machine = devices_and_machine(devices, machine)
-    p = len(devices)
     tracer = Tracer(loss_fn, params, batch)
     rows = batch_size(tracer.full_info)
     solve_options.setdefault("divides_p", True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shardplan.pipeline.schedule import bubble_fraction, simulate
-from shardplan.units import fmt_bytes, fmt_seconds
+from shardplan.units import fmt_seconds
 
 if TYPE_CHECKING:
     from shardplan.pipeline.api import PipelineResult

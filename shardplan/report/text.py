@@ -41,7 +41,6 @@ from shardplan.layout import Layout
 from shardplan.spmd import SpmdPlan
 from shardplan.table import format_table
 from shardplan.search.io import jsonable
-from shardplan.units import fmt_seconds
 
 __all__ = ["Group", "group_operators", "compress_names", "scope_title", "render_strategy", "plan_to_json"]
 

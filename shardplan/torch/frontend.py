@@ -54,7 +54,7 @@ import dataclasses
 import math
 import operator as _pyop
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from shardplan import ops

@@ -45,7 +45,7 @@ import math
 from typing import Any, Sequence
 
 from shardplan.errors import ShardplanError
-from shardplan.ir import Operator, Tensor
+from shardplan.ir import Tensor
 
 __all__ = ["mesh_factors", "plan_mesh_shape", "mesh_dims", "tensor_placements", "placement_names"]
 

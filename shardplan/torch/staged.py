@@ -477,7 +477,7 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
     """Search the pipeline of ``module(*example_inputs)`` (a loss) over the processes of the default group
     and build this rank's stages and schedule (call on every rank, with the same module and inputs).
 
-    ``machine`` defaults to the reference machine with one device per process. ``stage_devices``: processes
+    ``machine`` defaults to the one detected from the device (one device per process). ``stage_devices``: processes
     per stage; 1 (default) runs each stage on one process with plain tensors; 2 searches uniform sub-meshes of
     2 and runs each stage with its intra-stage layouts as DTensor placements (see the module docstring). ``micro_batches`` .. ``periodic`` go to
     :func:`shardplan.pipeline.api.pipeline_solve`; ``schedule="gpipe"`` runs a 1F1B plan with
@@ -496,7 +496,13 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
     if q < 1 or world % q or world // q < 2:
         raise ShardplanError(f"{world} processes cannot form pipeline stages of {q} processes (at least 2 stages)")
     if machine is None:
-        machine = Machine(world, name=f"{world} x cpu")
+        import torch
+
+        from shardplan.machine import detect_machine
+        from shardplan.torch.device import mesh_device_kind
+
+        machine = detect_machine(mesh_device_kind("cuda" if torch.cuda.is_available() else "cpu"), world,
+                                 processes=world)
     elif machine.num_devices != world:
         raise ShardplanError(f"machine has {machine.num_devices} devices but the process group has {world}")
     tracer = Tracer(module, example_inputs)
