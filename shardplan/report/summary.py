@@ -250,8 +250,21 @@ def memory_lines(plan: Plan) -> list[str]:
                        f" at {fmt_bytes(st['unconstrained_memory_bytes'])} per device")
     out.append(f"Micro-batches: {plan.micro_batches}")
 
+    by_module: dict[str, list[str]] = {}
+    for n in names:
+        by_module.setdefault(_module(n), []).append(n)
+
     def listed(members: list[str]) -> str:
-        return scope_title(members) if any(n.count("/") >= 2 for n in members) else compress_names(members)
+        """Whole modules by their name (counters collapsed), the other operators by theirs."""
+        chosen = set(members)
+        whole = [m for m, ops in by_module.items() if len(ops) > 1 and all(o in chosen for o in ops)]
+        rest = [n for n in members if _module(n) not in set(whole)]
+        parts = []
+        if whole:
+            parts.append(("modules " if len(whole) > 1 else "module ") + scope_title(whole))
+        if rest:
+            parts.append(scope_title(rest) if any("/" in n for n in rest) else compress_names(rest))
+        return "; ".join(parts)
 
     for stage, members in sorted(plan.state_sharding.items()):
         out.append(f"  zero-{stage} state sharding ({len(members)} ops): {listed(members)}")
