@@ -7,7 +7,13 @@ _DEVICES = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES).strip()
 
-sys.path.insert(0, os.path.dirname(__file__))
+# tests/ holds the shared helpers (torch_cases, randgraphs, ...); its folders, one per part of the package,
+# hold the tests, which import the helpers and, here and there, each other by module name
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _folder in sorted(os.listdir(_HERE)):
+    if os.path.isdir(os.path.join(_HERE, _folder)) and not _folder.startswith((".", "_")):
+        sys.path.insert(0, os.path.join(_HERE, _folder))
+sys.path.insert(0, _HERE)
 
 
 def require_8_devices():

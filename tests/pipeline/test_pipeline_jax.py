@@ -11,6 +11,8 @@ from conftest import require_8_devices  # noqa: E402
 from shardplan.errors import ShardplanError  # noqa: E402
 from shardplan.jax.staged import pipeline_forward, stack_stages  # noqa: E402
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 
 def _layer(p, x):
     import jax.numpy as jnp

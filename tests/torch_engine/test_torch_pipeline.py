@@ -17,6 +17,8 @@ import torch  # noqa: F401
 
 import torch_pipeline_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 WORLD = 4
 ALL = list(torch_pipeline_cases.CASES)
 CASES = [c for c in ALL if c != "too_few_micro_batches"]

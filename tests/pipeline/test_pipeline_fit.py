@@ -17,6 +17,8 @@ from shardplan.pipeline import ModelStages, PipelineSpace
 from shardplan.pipeline.schedule import StageTimes, in_flight, step_time
 from shardplan.pipeline.search import brute_force_pipeline, search_pipeline
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 TINY = ["--set", "layers=2", "--set", "d_model=64", "--set", "heads=2", "--set", "seq=16", "--set", "vocab=256"]
 MACHINE = dataclasses.replace(preset("a100", 4), node_size=2, inter_bandwidth=1e9)
 M = 2  # micro-batches

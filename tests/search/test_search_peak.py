@@ -11,6 +11,8 @@ from shardplan.search.constrained import MemoryProblem, solve_memory
 from shardplan.search.peak import (PeakProblem, backward_profile, solve_peak, solve_peak_bruteforce,
                                    surrogate_weights)
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 
 def peak_problem(seed: int, tight: float) -> PeakProblem:
     """A random problem with 1-3 choices per configuration, integer rest / saved / grad bytes, and a budget

@@ -14,6 +14,8 @@ from randgraphs import complete, spider
 from shardplan.errors import ShardplanError
 from shardplan.search import solve_bfs_dp
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 
 SPIDER = "from randgraphs import spider\n"
 COMPLETE = "from randgraphs import complete\n"

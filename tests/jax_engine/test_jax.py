@@ -24,7 +24,9 @@ from shardplan.spmd import plan_from_configs  # noqa: E402
 from shardplan.baselines import baseline_plan  # noqa: E402
 from conftest import require_8_devices  # noqa: E402
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
 
 DEVICES = require_8_devices()

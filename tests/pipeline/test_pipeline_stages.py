@@ -13,6 +13,8 @@ from shardplan.models import get_model
 from shardplan.pipeline import ModelStages, PipelineSpace, pipeline_solve, units_of
 from shardplan.pipeline.search import brute_force_pipeline, search_pipeline
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 
 def _gpt(layers: int):
     return lambda b: get_model("gpt", b, layers=layers, d_model=64, heads=2, seq=16, vocab=256)

@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "structure.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "structure.py"
 
 
 def _tool():

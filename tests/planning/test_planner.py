@@ -18,6 +18,8 @@ from shardplan.planner import from_pipeline, pipeline_of, plan, spmd_of
 from shardplan.report.summary import recipe_words, render_plan
 from shardplan.result import Plan
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 
 def gpt(b: int):
     return get_model("gpt", b, layers=4)

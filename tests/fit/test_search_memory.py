@@ -10,6 +10,8 @@ from shardplan.errors import ShardplanError
 from shardplan.search import solve_dp
 from shardplan.search.constrained import MemoryProblem, solve_memory, solve_memory_bruteforce
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 
 def memory_problem(seed: int, tight: float) -> MemoryProblem:
     """A random problem with 1-3 choices per configuration, integer memory, and a budget

@@ -15,6 +15,8 @@ from conftest import require_8_devices  # noqa: E402
 from jax_corpus import CORPUS, run_entry  # noqa: E402
 from shardplan.machine import Machine  # noqa: E402
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 DEVICES = require_8_devices()
 TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
 

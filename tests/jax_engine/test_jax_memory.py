@@ -19,6 +19,8 @@ from shardplan.jax.memory import fit_step, shard_over_replicas
 from shardplan.machine import Machine
 from conftest import require_8_devices
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 DEVICES = require_8_devices()
 TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
 B, D, H, C = 32, 16, 64, 8

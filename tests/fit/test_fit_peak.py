@@ -14,6 +14,8 @@ from shardplan.report.summary import render_plan
 from shardplan.ir import GraphBuilder, TensorRef
 from shardplan.machine import Machine
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 B = 1e9  # bytes/s
 F = 1e12  # FLOP/s
 

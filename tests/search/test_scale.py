@@ -16,6 +16,8 @@ from randgraphs import random_problem
 from shardplan.search import solve_bfs_dp, solve_bruteforce, solve_dp, solve_ilp
 from shardplan.search.problem import OPTIMALITY_RTOL, Problem, Solution, certify
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 SCALES = [1e-12, 1e-9, 1e-6, 1e-3, 1.0, 1e3, 1e6, 1e12]
 SOLVERS = {"dp": solve_dp, "bfs-dp": solve_bfs_dp, "ilp": solve_ilp}
 

@@ -13,6 +13,8 @@ from shardplan.ir import TensorRef  # noqa: E402
 from shardplan.jax import parallelize, trace  # noqa: E402
 from shardplan.machine import Machine  # noqa: E402
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 DEVICES = require_8_devices()
 TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
 K = jax.random.PRNGKey(0)

@@ -9,6 +9,8 @@ from shardplan.pipeline.ilp import solve_pipeline_ilp
 from shardplan.pipeline.search import PipelineSpace, evaluate_pipeline, search_pipeline
 from test_pipeline_family import _brute_zb, _instance
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 
 def _exchange(nbytes, inter):
     return (0.02 if inter else 0.005) + nbytes * (4.0 if inter else 1.0)

@@ -17,6 +17,8 @@ import torch
 
 import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 WORLD = 4
 CASES = ["one_program", "pipeline", "detected"]
 

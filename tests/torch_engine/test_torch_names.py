@@ -21,6 +21,8 @@ from torch import nn
 import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
 from torch_cases import BATCH, D, SEQ, VOCAB
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 WORLD = 4
 NAME_CASES = ["hf_gpt2", "hf_llama", "tiny_lm"]
 FIT_CASES = ["fit_gpt2", "fit_llama_block", "fit_options", "forced_gpt2"]

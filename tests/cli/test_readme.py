@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def blocks(lang: str) -> list[str]:

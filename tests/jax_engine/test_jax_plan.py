@@ -16,6 +16,8 @@ from conftest import require_8_devices
 from shardplan import Plan, ShardplanError
 from shardplan.machine import Machine
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 DEVICES = require_8_devices()
 TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
 TWO_NODES = Machine(8, peak_flops=32e9, bandwidth=16e9, node_size=4, inter_bandwidth=1e8, name="toy-2-nodes")

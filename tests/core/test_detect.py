@@ -19,8 +19,10 @@ from shardplan.machine import (PRESETS, PROFILE_FIELDS, UNRECORDED, Machine, det
                                preset, profile_names, read_profile)
 from conftest import require_8_devices  # noqa: E402
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 DEVICES = require_8_devices()
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 MACHINES = os.path.join(ROOT, "shardplan", "machines")
 GiB = 1024**3
 

@@ -18,6 +18,8 @@ from shardplan.errors import ShardplanError
 from shardplan.ir import Graph
 from shardplan.machine import Machine
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 # the fields a derived graph must carry; a new field of Graph must be carried by Graph.derive and Graph.renamed
 CARRIED = {"name", "operators", "graph_inputs", "ties", "recomputed"}
 

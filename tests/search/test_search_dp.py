@@ -11,6 +11,8 @@ from shardplan.search import ORDERINGS, SOLVERS, Problem, solve_bfs_dp, solve_br
 from shardplan.search.ordering import dependent_sets, generateseq
 from shardplan.search.reduce import reduce_problem
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 SEEDS = range(300)
 
 

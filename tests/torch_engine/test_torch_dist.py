@@ -13,6 +13,8 @@ import transformers  # noqa: F401
 
 import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
 
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
 WORLD = 4
 MODELS = ["mlp", "llama_block", "cnn", "hf_gpt2", "hf_llama", "unsupported", "ops_zoo"]
 
