@@ -162,12 +162,12 @@ def _megatron_layouts(tables: CostTables, m: int, n: int) -> Strategy | None:
     device level, the batch m ways over the outer levels (filled from the inside); operators without a model
     dim (norms, adds) replicated over the node. None when that is not the machine's shape or a layout is not
     a candidate of the tables (then the configuration tuples of :func:`_megatron_wishes` are used)."""
-    from shardplan.configs import _level_products  # the enumerator's own fill rule
+    from shardplan.configs import level_products  # the enumerator's own fill rule
 
     levels = tables.machine.levels
     if len(levels) < 2 or n != levels[0]:
         return None
-    outer = _level_products(m, levels[1:])
+    outer = level_products(m, levels[1:])
     if outer is None:
         return None
     out: Strategy = {}

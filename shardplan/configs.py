@@ -141,7 +141,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _level_products(n: int, levels: tuple[int, ...]) -> tuple[int, ...] | None:
+def level_products(n: int, levels: tuple[int, ...]) -> tuple[int, ...] | None:
     """Split product per level when n tiles fill the levels from the inside (None if impossible)."""
     out = []
     for s in levels:
@@ -231,7 +231,7 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
             continue
         fills = []
         if partial_replicas or not levels[0] < tiles < p:
-            prods = _level_products(tiles, levels)
+            prods = level_products(tiles, levels)
             if prods is not None:
                 fills.append(prods)
         outer = p // levels[0]

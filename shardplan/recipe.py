@@ -54,6 +54,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from shardplan.configs import level_products
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, Operator
 from shardplan.layout import Layout
@@ -343,29 +344,14 @@ def model_dim(op: Operator) -> str | None:
     return "v" if "v" in names else None
 
 
-def _fill(n: int, capacity: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Ways per level when n ways take the levels' ``capacity`` from the inside (None if they cannot)."""
-    out = []
-    for s in capacity:
-        if n % s == 0:
-            out.append(s)
-            n //= s
-        elif s % n == 0:
-            out.append(n)
-            n = 1
-        else:
-            return None
-    return tuple(out) if n == 1 else None
-
-
 def _level_ways(levels: tuple[int, ...], dp: int, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(tp_l, dp_l) per level: the tensor group filled from the inside, the data group in what is left."""
     if dp * tp != math.prod(levels):
         raise ShardplanError(f"recipe: dp {dp} × tp {tp} is not the {math.prod(levels)} devices of the stage")
-    tps = _fill(tp, levels)
+    tps = level_products(tp, levels)
     if tps is None:
         raise ShardplanError(f"recipe: tp={tp} does not fill the machine levels {levels} from the inside")
-    dps = _fill(dp, tuple(s // t for s, t in zip(levels, tps)))
+    dps = level_products(dp, tuple(s // t for s, t in zip(levels, tps)))
     if dps is None:
         raise ShardplanError(f"recipe: dp={dp} does not fit the levels {levels} beside tp={tp}")
     return tps, dps
