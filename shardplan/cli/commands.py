@@ -130,7 +130,12 @@ def _solve_model(args: argparse.Namespace) -> int:
     baselines = {} if args.no_baselines else baseline_plans(tables, spec.expert)
     print(render_report(plan, baselines))
     if args.json:
-        write_json(args.json, plan_to_json(plan, baselines))
+        from shardplan.planner import from_spmd
+
+        # the one plan format (Plan.from_json loads it), with the baselines' costs beside it
+        doc = from_spmd(plan, model=spec.name).to_dict()
+        doc["baselines"] = plan_to_json(plan, baselines).get("baselines", {})
+        write_json(args.json, doc)
     if args.dot:
         write_text(args.dot, plan_to_dot(plan))
     return 0

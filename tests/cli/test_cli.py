@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from shardplan import Plan
 from shardplan.cli import main
 
 
@@ -72,10 +73,12 @@ def test_solve_model_prints_plan_and_writes_json(capsys, tmp_path):
     assert code == 0
     assert "step time" in out.lower() or "predicted" in out.lower()
     data = json.loads(out_json.read_text())
-    assert data["cost_seconds"] > 0 and data["solve_seconds"] >= 0
-    names = [o["name"] for o in data["operators"]]
-    assert "conv1" in names and "fc3" in names
-    assert all("config" in o and "dims" in o for o in data["operators"])
+    assert data["step_time_seconds"] > 0 and data["stats"]["solve_seconds"] >= 0
+    assert Plan.from_json(out_json.read_text()).step_time == data["step_time_seconds"]
+    ops = data["stages"][0]["operators"]
+    assert "conv1" in ops and "fc3" in ops
+    assert all("splits" in o and "dims" in o for o in ops.values())
+    assert set(data["baselines"]) >= {"data_parallel"}
     assert dot.read_text().startswith("digraph")
 
 
@@ -91,7 +94,7 @@ def test_export_and_solve_problem_round_trip(capsys, tmp_path):
     # the same optimum as solving the model directly
     model_json = tmp_path / "m.json"
     run(capsys, "solve", "--model", "alexnet", "-p", "4", "--json", str(model_json), "--no-baselines")
-    assert sol["cost"] == pytest.approx(json.loads(model_json.read_text())["cost_seconds"], rel=1e-9)
+    assert sol["cost"] == pytest.approx(json.loads(model_json.read_text())["step_time_seconds"], rel=1e-9)
 
 
 def test_malformed_problem_file(capsys, tmp_path):
