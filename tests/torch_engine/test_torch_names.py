@@ -163,7 +163,7 @@ def run_fit(name: str, world: int) -> dict[str, Any]:
 
     import shardplan.torch as st
     from shardplan.fit import FitOptions, plan_with_choices
-    from shardplan.plan import solve
+    from shardplan.spmd import solve
     from shardplan.torch.run import parallel_module
 
     torch.manual_seed(0)
@@ -380,7 +380,7 @@ def test_zero_stages_one_and_two_are_refused_for_the_torch_run():
     from shardplan.errors import ShardplanError
     from shardplan.fit import plan_with_choices
     from shardplan.machine import Machine
-    from shardplan.plan import solve
+    from shardplan.spmd import solve
     from shardplan.torch.run import run_choices
 
     g, _ = _trace(torch_cases.MLP(), torch_cases.make_mlp()[1])
