@@ -44,14 +44,25 @@ def table_options(tables: Any) -> dict[str, Any]:
     return {k: tables.options[k] for k in TABLE_OPTIONS if k in tables.options}
 
 
-def choice_of(op: Any, layout: Any, state_stage: int, recompute: bool) -> OperatorChoice:
-    """An operator's :class:`OperatorChoice`; its weights are the trainable ones it owns (a reader of another
-    operator's parameter holds no state of it)."""
-    own = [w for w in op.weights if w.needs_grad and w.owner is None]
-    dims = tuple(d for d, _ in op.dims if any(d in w.dims for w in own))
-    ext = op.extents
-    return OperatorChoice(op.kind, layout, int(state_stage), bool(recompute), dims, int(sum(w.size for w in own)),
-                          tuple(op.dim_label(d) for d in layout.dims), tuple(int(ext[d]) for d in layout.dims))
+def choices_of(sp: Any) -> dict[str, OperatorChoice]:
+    """Per operator of a tables-backed plan its :class:`OperatorChoice`: layout, memory choices (the program's
+    own recomputation where the plan has none), the dimensions of the weights it owns (a reader of another
+    operator's parameter holds no state of it), labels and extents, its own seconds and its redistribution's."""
+    g = sp.graph
+    mc = sp.memory_choices
+    rows = sp.operators()
+    out = {}
+    for i, (op, row) in enumerate(zip(g.operators, rows)):
+        lay = sp.tables.layouts[i][sp.assignment[i]]
+        own = [w for w in op.weights if w.needs_grad and w.owner is None]
+        ext = op.extents
+        out[op.name] = OperatorChoice(
+            op.kind, lay, mc.stage(i) if mc is not None else 0,
+            mc.recompute(i) if mc is not None else op.name in g.recomputed,
+            tuple(d for d, _ in op.dims if any(d in w.dims for w in own)), int(sum(w.size for w in own)),
+            tuple(op.dim_label(d) for d in lay.dims), tuple(int(ext[d]) for d in lay.dims),
+            float(row["cost_seconds"]), float(row["redistribution_in_seconds"]))
+    return out
 
 
 def from_spmd(sp: Any, *, model: str | None = None, batch: int | None = None,
@@ -68,12 +79,7 @@ def from_spmd(sp: Any, *, model: str | None = None, batch: int | None = None,
     g = sp.graph
     mc = sp.memory_choices
     m = mc.micro_batches if mc is not None else 1
-    ops = {}
-    for i, op in enumerate(g.operators):
-        lay = sp.tables.layouts[i][sp.assignment[i]]
-        stage = mc.stage(i) if mc is not None else 0
-        rec = mc.recompute(i) if mc is not None else op.name in g.recomputed
-        ops[op.name] = choice_of(op, lay, stage, rec)
+    ops = choices_of(sp)
     mem = {k: float(v) for k, v in sp.memory.items()}
     if mc is None and sp.machine.memory_bytes:
         mem["budget_bytes"] = float(sp.machine.memory_bytes)
@@ -108,14 +114,7 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
     groups = pp.num_stages // pp.chunks
     stages = []
     for j, s in enumerate(pp.stages):
-        sp = stage_plan(result, j)
-        mc = sp.memory_choices
-        ops = {}
-        for i, op in enumerate(sp.graph.operators):
-            lay = sp.tables.layouts[i][sp.assignment[i]]
-            stage = mc.stage(i) if mc is not None else 0
-            rec = mc.recompute(i) if mc is not None else op.name in sp.graph.recomputed
-            ops[op.name] = choice_of(op, lay, stage, rec)
+        ops = choices_of(stage_plan(result, j))
         mem = {"peak_bytes": s.memory, "weights_bytes": s.cost.weight_bytes,
                "activations_bytes": s.in_flight * s.cost.activation_bytes}
         stages.append(StagePlan(j, s.first, s.end, s.offset, s.devices, ops, s.cost.forward, s.cost.backward,

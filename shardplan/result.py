@@ -54,6 +54,9 @@ class OperatorChoice:
         weight_elems: elements of its trainable weights (0: none), to weigh operators in summaries.
         labels, extents: per dimension (the layout's order) what it is (``batch``, ``seq``, ``out``, or its
             letter) and its extent, for reports; empty when unknown.
+        seconds: its own predicted seconds in its stage's program (compute, collectives inside it, its memory
+            choices' costs); ``redistribution_seconds``: moving its inputs into its layout. Over a one-stage
+            plan's operators the two sum to the step time.
     """
 
     kind: str
@@ -64,6 +67,8 @@ class OperatorChoice:
     weight_elems: int = 0
     labels: tuple[str, ...] = ()
     extents: tuple[int, ...] = ()
+    seconds: float = 0.0
+    redistribution_seconds: float = 0.0
 
     @property
     def tensor_degree(self) -> int:
@@ -76,7 +81,8 @@ class OperatorChoice:
                 "splits": [list(r) for r in lay.splits], "orders": [list(o) for o in lay.orders],
                 "state_stage": self.state_stage, "recompute": self.recompute,
                 "weight_dims": list(self.weight_dims), "weight_elems": self.weight_elems,
-                "labels": list(self.labels), "extents": list(self.extents)}
+                "labels": list(self.labels), "extents": list(self.extents), "seconds": self.seconds,
+                "redistribution_seconds": self.redistribution_seconds}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "OperatorChoice":
@@ -84,7 +90,8 @@ class OperatorChoice:
                      tuple(tuple(o) for o in d["orders"]))
         return OperatorChoice(str(d["kind"]), lay, int(d.get("state_stage", 0)), bool(d.get("recompute", False)),
                               tuple(d.get("weight_dims", ())), int(d.get("weight_elems", 0)),
-                              tuple(str(x) for x in d.get("labels", ())), tuple(int(x) for x in d.get("extents", ())))
+                              tuple(str(x) for x in d.get("labels", ())), tuple(int(x) for x in d.get("extents", ())),
+                              float(d.get("seconds", 0.0)), float(d.get("redistribution_seconds", 0.0)))
 
 
 @dataclass(frozen=True)

@@ -217,9 +217,11 @@ def render_plan(plan: Any, *, operators: bool = False, compare: Plan | None = No
             out.append(f"  (stages 2..{plan.num_stages - 1}: --operators or the JSON lists them)")
             break
     if operators:
-        orows = [(n, c.kind, dims_text(c), split_text(c, extents=True), str(c.state_stage), "yes" if c.recompute else "")
+        orows = [(n, c.kind, dims_text(c), split_text(c, extents=True), str(c.state_stage), "yes" if c.recompute else "",
+                  fmt_seconds(c.seconds), fmt_seconds(c.redistribution_seconds))
                  for s in plan.stages for n, c in s.operators.items()]
-        out.append(format_table(orows, ("operator", "kind", "dims", "splits", "zero", "recompute")))
+        out.append(format_table(orows, ("operator", "kind", "dims", "splits", "zero", "recompute", "own", "moving in"),
+                                right=(6, 7)))
     return "\n".join(out)
 
 

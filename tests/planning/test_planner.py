@@ -33,6 +33,8 @@ def test_one_program_equals_the_searches_it_runs():
     assert p.num_stages == 1 and p.schedule == "none" and p.optimal
     assert p.memory["peak_bytes"] <= m.memory_bytes
     assert p.stats["stages_reason"] == "stages=False"
+    own = sum(c.seconds + c.redistribution_seconds for c in p.operators.values())
+    assert own == pytest.approx(p.step_time, rel=1e-9)  # every second of the step is some operator's
     plain = plan("gpt", m, sizes={"layers": 4}, batch=32, stages=False, fit=False)
     assert plain.step_time == pytest.approx(solve(gpt(32), m, cutoff=1).cost, rel=1e-12)
     assert not plain.stats["memory_choices"] and plain.memory["budget_bytes"] == m.memory_bytes
