@@ -182,9 +182,123 @@ def make_hf_llama() -> tuple[nn.Module, tuple]:
     return HFLoss(LlamaForCausalLM(cfg)), _tokens(5)
 
 
+def _hf_causal(config_cls: str, model_cls: str, seed: int, attn: str = "sdpa", **kw: Any) -> tuple[nn.Module, tuple]:
+    """A tiny transformers model built from its config class (no weights), called as documented:
+    ``model(input_ids=ids, labels=labels).loss`` with the library's defaults (the KV cache included)."""
+    import transformers
+
+    cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, attn_implementation=attn, **kw)
+    torch.manual_seed(seed)
+    return HFLoss(getattr(transformers, model_cls)(cfg)), _tokens(seed)
+
+
+_DECODER = dict(hidden_size=D, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=SEQ)
+
+
+def make_hf_gpt2_cache() -> tuple[nn.Module, tuple]:
+    return _hf_causal("GPT2Config", "GPT2LMHeadModel", 10, n_positions=SEQ, n_embd=D, n_layer=2, n_head=4,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def make_hf_llama_cache() -> tuple[nn.Module, tuple]:
+    return _hf_causal("LlamaConfig", "LlamaForCausalLM", 11, num_key_value_heads=2, **_DECODER)
+
+
+def make_hf_mistral() -> tuple[nn.Module, tuple]:
+    return _hf_causal("MistralConfig", "MistralForCausalLM", 12, num_key_value_heads=2, **_DECODER)
+
+
+def make_hf_qwen2() -> tuple[nn.Module, tuple]:
+    return _hf_causal("Qwen2Config", "Qwen2ForCausalLM", 13, num_key_value_heads=2, **_DECODER)
+
+
+def make_hf_gemma2() -> tuple[nn.Module, tuple]:
+    return _hf_causal("Gemma2Config", "Gemma2ForCausalLM", 14, num_key_value_heads=2, head_dim=8,
+                      sliding_window=4, **_DECODER)
+
+
+def make_hf_phi() -> tuple[nn.Module, tuple]:
+    return _hf_causal("PhiConfig", "PhiForCausalLM", 15, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                      **_DECODER)
+
+
+def make_hf_opt() -> tuple[nn.Module, tuple]:
+    return _hf_causal("OPTConfig", "OPTForCausalLM", 16, hidden_size=D, ffn_dim=64, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=SEQ, word_embed_proj_dim=D, dropout=0.0,
+                      attention_dropout=0.0, pad_token_id=1)
+
+
+def make_hf_gpt_neox() -> tuple[nn.Module, tuple]:
+    return _hf_causal("GPTNeoXConfig", "GPTNeoXForCausalLM", 17, hidden_dropout=0.0, attention_dropout=0.0,
+                      **_DECODER)
+
+
+def make_hf_falcon() -> tuple[nn.Module, tuple]:
+    return _hf_causal("FalconConfig", "FalconForCausalLM", 18, hidden_size=D, num_hidden_layers=2,
+                      num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def make_hf_bloom() -> tuple[nn.Module, tuple]:
+    return _hf_causal("BloomConfig", "BloomForCausalLM", 19, "eager", hidden_size=D, n_layer=2, n_head=4,
+                      hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def make_hf_t5() -> tuple[nn.Module, tuple]:
+    return _hf_causal("T5Config", "T5ForConditionalGeneration", 20, "eager", d_model=D, d_kv=8, d_ff=64, num_layers=1,
+                      num_decoder_layers=1, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+
+
+def make_hf_roberta() -> tuple[nn.Module, tuple]:
+    model, (ids, labels) = _hf_causal("RobertaConfig", "RobertaForMaskedLM", 21, hidden_size=D,
+                                      num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                      max_position_embeddings=SEQ + 2, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0, pad_token_id=1)
+    return model, (ids.clamp(min=2), labels)
+
+
+def make_hf_mixtral() -> tuple[nn.Module, tuple]:
+    return _hf_causal("MixtralConfig", "MixtralForCausalLM", 22, num_key_value_heads=2, num_local_experts=4,
+                      num_experts_per_tok=2, **_DECODER)
+
+
+def make_hf_qwen2_moe() -> tuple[nn.Module, tuple]:
+    return _hf_causal("Qwen2MoeConfig", "Qwen2MoeForCausalLM", 23, num_key_value_heads=2, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                      **_DECODER)
+
+
+class HardswishNet(nn.Module):
+    """MobileNetV3's activations (hardswish, hardsigmoid gate) on a small MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 16)
+        self.act, self.gate = nn.Hardswish(), nn.Hardsigmoid()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        h = self.act(self.fc2(h)) * self.gate(h)
+        return F.cross_entropy(self.fc3(h), y)
+
+
+def make_hardswish() -> tuple[nn.Module, tuple]:
+    g = torch.Generator().manual_seed(24)
+    return HardswishNet(), (torch.randn(BATCH * 2, 32, generator=g), torch.randint(0, 16, (BATCH * 2,), generator=g))
+
+
+HF_CASES: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
+    "hf_gpt2_cache": make_hf_gpt2_cache, "hf_llama_cache": make_hf_llama_cache, "hf_mistral": make_hf_mistral,
+    "hf_qwen2": make_hf_qwen2, "hf_gemma2": make_hf_gemma2, "hf_phi": make_hf_phi, "hf_opt": make_hf_opt,
+    "hf_gpt_neox": make_hf_gpt_neox, "hf_falcon": make_hf_falcon, "hf_bloom": make_hf_bloom, "hf_t5": make_hf_t5,
+    "hf_roberta": make_hf_roberta, "hf_mixtral": make_hf_mixtral, "hf_qwen2_moe": make_hf_qwen2_moe,
+    "hardswish": make_hardswish,
+}
+
+
 CASES: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
     "mlp": make_mlp, "llama_block": make_llama_block, "cnn": make_cnn, "hf_gpt2": make_hf_gpt2,
-    "hf_llama": make_hf_llama, "unsupported": make_unsupported, "ops_zoo": make_ops_zoo,
+    "hf_llama": make_hf_llama, "unsupported": make_unsupported, "ops_zoo": make_ops_zoo, **HF_CASES,
 }
 
 

@@ -151,6 +151,8 @@ ELEMENTWISE: Mapping[str, float] = {
         "reciprocal", "sin", "cos", "erf", "square", "floor", "ceil", "round", "sign", "rsub", "add_", "mul_",
         "div_", "sub_", "hardtanh", "leaky_relu", "exp2", "bitwise_not", "bitwise_and", "__and__", "__or__",
         "silu_", "gelu_", "hardswish", "hardsigmoid", "softplus", "elu", "mish", "triu", "tril",
+        "floor_divide", "remainder", "fmod", "bitwise_or", "bitwise_xor", "greater", "less", "greater_equal",
+        "less_equal", "logical_xor", "one_hot",
     )},
     "silu": 4.0, "gelu": 8.0, "dropout": 2.0, "native_dropout": 2.0, "feature_dropout": 2.0,
 }
@@ -694,14 +696,14 @@ def _reshape(ctx: _Ctx, node: Any, vals: list) -> None:
 
 
 @register("aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.swapaxes.default",
-          "aten.movedim.int")
+          "aten.movedim.int", "aten.numpy_T.default")
 def _transpose(ctx: _Ctx, node: Any, vals: list) -> None:
     x = vals[0]
     rank = len(x.shape)
     t = str(node.target)
     if t.startswith("aten.permute"):
         perm = [int(p) % rank for p in node.args[1]]
-    elif t.startswith("aten.t."):
+    elif t.startswith("aten.t.") or t.startswith("aten.numpy_T"):
         perm = list(range(rank))[::-1]
     elif t.startswith("aten.movedim"):
         src, dst = int(node.args[1]) % rank, int(node.args[2]) % rank
@@ -717,13 +719,258 @@ def _transpose(ctx: _Ctx, node: Any, vals: list) -> None:
 
 @register("aten.cat.default", "aten.concat.default")
 def _cat(ctx: _Ctx, node: Any, vals: list) -> None:
-    parts = list(vals[0])
+    """``y = cat(x_0, .., x_k; axis)``: part k is read at ``index - start_k`` along the axis (ops.concat).
+
+    A part with no elements (the empty past of a KV cache, often a legacy
+    1-D ``(0,)`` tensor whatever the axis) contributes nothing and is left
+    out; a concatenation with one part left is that part itself (no
+    operator), and one with none left is an empty constant.
+    """
     out = _shape(node) or ()
-    axis = int(node.args[1]) if len(node.args) > 1 else 0
+    parts_paths = [((0, j), v) for j, v in enumerate(vals[0]) if isinstance(v, Val) and math.prod(v.shape) > 0]
+    if not parts_paths or not out:
+        ctx.env[node.name] = Val("const", None, out)
+        return
+    if len(parts_paths) == 1:
+        v = parts_paths[0][1]
+        if v.shape != out:
+            raise ShardplanError(f"cat of one non-empty part {v.shape} gives {out}")
+        ctx.env[node.name] = v if _live(v) else Val("const", None, out)
+        return
+    axis = int(node.args[1]) if len(node.args) > 1 else int(node.kwargs.get("dim", 0))
     axis %= len(out)
-    parts_paths = [((0, j), v) for j, v in enumerate(parts) if v.shape and v.shape[axis] > 0]
     op = ops.concat(ctx.name_for(node), [ctx.ref(v) for _, v in parts_paths], axis)
     ctx.emit(node, op, [(p, v, f"x{k}") for k, (p, v) in enumerate(parts_paths)])
+
+
+def _whole(op: Operator, tensor: str, axes: Sequence[int]) -> Operator:
+    """``op`` with axes ``axes`` of its tensor ``tensor`` read whole and the output dims they indexed fixed.
+
+    For operators whose output element reads a data-dependent or cumulative
+    range of an axis (a sort, a scan, an indexed lookup): that axis cannot
+    be split, every other one still can.
+    """
+    t = next(x for x in op.inputs if x.name == tensor)
+    gone = {t.axes[a].dim for a in axes if t.axes[a].dim is not None}
+    new = dataclasses.replace(t, axes=tuple(AxisMap(None) if i in axes else ax for i, ax in enumerate(t.axes)))
+    return dataclasses.replace(op, inputs=tuple(new if x.name == tensor else x for x in op.inputs),
+                               fixed=frozenset(op.fixed) | frozenset(gone))
+
+
+def _axis_arg(node: Any, pos: int, rank: int, default: int = -1) -> int:
+    """The ``dim`` argument of ``node`` (positional ``pos`` or keyword), made non-negative."""
+    a = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
+    return int(default if a is None else a) % max(rank, 1)
+
+
+@register("aten.cumsum.default", "aten.cumprod.default", "aten.cummax.default", "aten.cummin.default")
+def _scan(ctx: _Ctx, node: Any, vals: list) -> None:
+    """``y[.., i, ..] = sum_{j <= i} x[.., j, ..]`` along ``dim``: that axis is read whole and fixed."""
+    x = vals[0]
+    out = _shape(node)
+    if out is None or out != x.shape:
+        raise ShardplanError("scan with a tuple result")
+    axis = _axis_arg(node, 1, len(x.shape))
+    op = ops.elementwise(ctx.name_for(node), ctx.ref(x), kind=str(node.target).split(".")[1],
+                         letters=_letters(len(out)))
+    ctx.emit(node, _whole(op, "x0", [axis] if out else []), [((0,), x, "x0")])
+
+
+def _rows(ctx: _Ctx, name: str, x: Val, out: tuple[int, ...], axis: int, kind: str) -> Operator:
+    """An operator over ``out`` (the shape of ``x`` but along ``axis``) reading ``x`` with ``axis`` whole."""
+    letters = _letters(len(out))
+    acc = [AxisMap(c) if i != axis else AxisMap(None) for i, c in enumerate(letters)]
+    op = Operator(name, kind, tuple(zip(letters, out)) or (("u", 1),),
+                  (Tensor("x", x.shape, tuple(acc), "input", needs_grad=x.needs_grad, src=ctx.ref(x).name),),
+                  Tensor("y", out, tuple(letters), "output"), flops_per_point=1.0)
+    return dataclasses.replace(op, fixed=frozenset({letters[axis]}) if out else frozenset())
+
+
+@register("aten.sort.default", "aten.sort.stable", "aten.topk.default", "aten.max.dim", "aten.min.dim",
+          "aten.kthvalue.default", "aten.median.dim")
+def _select_along(ctx: _Ctx, node: Any, vals: list) -> None:
+    """Values and indices of a selection along ``dim`` (sort, top-k, max): each output reads that axis whole.
+
+    A tuple result: each ``getitem`` becomes one operator (values or
+    indices) over its own shape, the selection axis fixed, the others free.
+    """
+    x = vals[0]
+    t = str(node.target)
+    pos = 2 if t.startswith("aten.topk") or t.startswith("aten.kthvalue") else 1
+    if t == "aten.sort.stable":
+        axis = int(node.kwargs.get("dim", -1)) % len(x.shape)
+    else:
+        axis = _axis_arg(node, pos, len(x.shape))
+    shapes = [tuple(int(s) for s in m.shape) for m in node.meta["val"]]
+    kind = t.split(".")[1]
+
+    def build(c: _Ctx, n: Any, i: int) -> None:
+        out = shapes[i]
+        keep = len(out) == len(x.shape)
+        op = _rows(c, c.name_for(n), x, out if keep else out[:axis] + (1,) + out[axis:], axis, kind)
+        if not keep:  # the selection axis is dropped (max.dim without keepdim)
+            letters = [d for d, _ in op.dims]
+            op = dataclasses.replace(op, output=Tensor("y", out, tuple(ch for j, ch in enumerate(letters)
+                                                                        if j != axis), "output"))
+        c.emit(n, op, [((), x, "x")])
+        c.operands[c.node_op[n.name]] = ()
+
+    items = tuple(Val("op", None, s, x.needs_grad and i == 0) for i, s in enumerate(shapes))
+    ctx.env[node.name] = Val("multi", node.name, (), x.needs_grad, items, ("each", build))
+
+
+@register("aten.histc.default", "aten.bincount.default")
+def _histogram(ctx: _Ctx, node: Any, vals: list) -> None:
+    """Counts of values in bins: every bin reads the whole input (all axes whole, the bins fixed)."""
+    x = vals[0]
+    out = _shape(node)
+    op = ops.elementwise(ctx.name_for(node), ctx.ref(CONST_VAL, out), kind="histogram", letters=_letters(len(out)))
+    xt = Tensor("x", x.shape, tuple(AxisMap(None) for _ in x.shape), "input", needs_grad=False, src=ctx.ref(x).name)
+    op = dataclasses.replace(op, inputs=(xt,), fixed=frozenset(d for d, _ in op.dims))
+    ctx.emit(node, op, [((0,), x, "x")])
+
+
+@register("aten.new_zeros.default", "aten.new_ones.default", "aten.new_empty.default", "aten.new_full.default",
+          "aten.zeros_like.default", "aten.ones_like.default", "aten.empty_like.default", "aten.full_like.default",
+          "aten.rand_like.default", "aten.randn_like.default")
+def _fresh(ctx: _Ctx, node: Any, vals: list) -> None:
+    """A new tensor whose values do not depend on the operand's (only its shape and dtype): a constant."""
+    ctx.env[node.name] = Val("const", None, _shape(node) or ())
+
+
+@register("aten.index.Tensor")
+def _index(ctx: _Ctx, node: Any, vals: list) -> None:
+    """Advanced indexing ``y = x[.., idx_1, .., idx_k, ..]`` by integer tensors (``None`` keeps an axis).
+
+    The indexed axes of ``x`` are read whole (the positions are data); the
+    index tensors broadcast to one shape that replaces them in the output
+    (in place when they are adjacent, in front otherwise). Every output
+    dimension stays splittable: a device reads its slice of the indices and
+    the kept axes, and the indexed axes whole.
+    """
+    x, idx = vals[0], list(vals[1])
+    out = _shape(node)
+    at = [i for i, v in enumerate(idx) if v is not None and not (isinstance(v, Val) and v.kind == "none")]
+    metas = [a.meta.get("val") if hasattr(a, "meta") else None for a in node.args[1]]
+    if any(metas[i] is None or metas[i].dtype.is_floating_point or str(metas[i].dtype) == "torch.bool" for i in at):
+        raise ShardplanError("indexing by a boolean mask")
+    bshape = tuple(int(s) for s in __import__("torch").broadcast_shapes(*[tuple(metas[i].shape) for i in at]))
+    adjacent = at == list(range(at[0], at[-1] + 1))
+    lead = at[0] if adjacent else 0
+    kept = [i for i in range(len(x.shape)) if i not in at]
+    letters = _letters(len(out))
+    bl = letters[lead:lead + len(bshape)]
+    rest = [ch for j, ch in enumerate(letters) if not lead <= j < lead + len(bshape)]
+    xa = [AxisMap(None)] * len(x.shape)
+    for i, ch in zip(kept, rest):
+        xa[i] = AxisMap(ch)
+    ts = [Tensor("x", x.shape, tuple(xa), "input", needs_grad=x.needs_grad, src=ctx.ref(x).name)]
+    operands = [((0,), x, "x")]
+    for i in at:
+        v, shp = idx[i], tuple(metas[i].shape)
+        if not _live(v):
+            continue
+        ax = [AxisMap(bl[len(bl) - len(shp) + j]) if n == bshape[len(bshape) - len(shp) + j] and n != 1 else
+              AxisMap(None) for j, n in enumerate(shp)]
+        ts.append(Tensor(f"i{i}", shp, tuple(ax), "input", needs_grad=False, src=ctx.ref(v).name))
+        operands.append(((1, i), v, f"i{i}"))
+    op = Operator(ctx.name_for(node), "index", tuple(zip(letters, out)) or (("u", 1),), tuple(ts),
+                  Tensor("y", out, tuple(letters), "output"), flops_per_point=0.0)
+    ctx.emit(node, op, operands)
+
+
+@register("aten.gather.default", "aten.take_along_dim.default")
+def _gather_dim(ctx: _Ctx, node: Any, vals: list) -> None:
+    """``y[.., i, ..] = x[.., idx[.., i, ..], ..]`` along ``dim``: that axis of ``x`` read whole and fixed; the
+    other axes of ``x`` follow the output where their extents agree (read whole where ``x`` is larger)."""
+    x, idx = vals[0], vals[2]
+    out = _shape(node)
+    axis = _axis_arg(node, 1, len(x.shape))
+    letters = _letters(len(out))
+    xa = [AxisMap(c) if i != axis and x.shape[i] == out[i] else AxisMap(None) for i, c in enumerate(letters)]
+    ts = [Tensor("x", x.shape, tuple(xa), "input", needs_grad=x.needs_grad, src=ctx.ref(x).name)]
+    operands = [((0,), x, "x")]
+    if _live(idx):
+        ts.append(Tensor("idx", idx.shape, tuple(letters), "input", needs_grad=False, src=ctx.ref(idx).name))
+        operands.append(((2,), idx, "idx"))
+    op = Operator(ctx.name_for(node), "gather", tuple(zip(letters, out)), tuple(ts),
+                  Tensor("y", out, tuple(letters), "output"), flops_per_point=0.0,
+                  fixed=frozenset(ch for i, ch in enumerate(letters) if xa[i].dim is None))
+    ctx.emit(node, op, operands)
+
+
+def _inplace(ctx: _Ctx, node: Any, vals: list, describe: Handler, reads_dst: bool) -> None:
+    """An in-place ATen op ``x.op_(..)`` described as its functional form ``op(x, ..)``.
+
+    The destination is not an operand the run lays out (it is written where
+    it lies); later readers of it read this operator's result.
+    """
+    dst = vals[0]
+    args = vals if reads_dst else [NONE_VAL] + list(vals[1:])
+    try:
+        describe(ctx, node, args)
+    except ShardplanError as e:
+        if "no live operand" not in str(e):
+            raise
+        ctx.env[node.name] = Val("const", None, _shape(node) or ())
+    made = ctx.node_op.get(node.name)
+    if made is not None:
+        ctx.operands[made] = tuple((p, t) for p, t in ctx.operands[made] if p != (0,))
+    src = node.args[0]
+    if isinstance(dst, Val) and dst.shape == (_shape(node) or ()) and hasattr(src, "name"):
+        ctx.env[src.name] = ctx.env[node.name]
+
+
+def _copy(ctx: _Ctx, node: Any, vals: list) -> None:
+    """``dst.copy_(src)`` / ``dst.fill_(v)``: the source broadcast to the destination's shape."""
+    _elementwise(ctx, node, vals)
+
+
+for _n in ("copy_", "fill_", "zero_"):
+    for _ov in ("default", "Tensor", "Scalar"):
+        HANDLERS[f"aten.{_n}.{_ov}"] = lambda c, n, v: _inplace(c, n, v, _copy, reads_dst=False)
+
+
+def _index_put(ctx: _Ctx, node: Any, vals: list) -> None:
+    """``x[idx_1, .., idx_k] = v`` (``+=`` with accumulate): the output is ``x``'s shape; ``v``'s index axes
+    are source dims (several may land on one element: reduction dims), the indexed axes of the output
+    fixed (the positions are data), the others split freely."""
+    x, idx, v = vals[0], list(vals[1]), vals[2]
+    out = _shape(node)
+    metas = [a.meta.get("val") if hasattr(a, "meta") else None for a in node.args[1]]
+    at = [i for i, m in enumerate(metas) if m is not None]
+    if any(metas[i].dtype.is_floating_point or str(metas[i].dtype) == "torch.bool" for i in at):
+        raise ShardplanError("index_put by a boolean mask")
+    if at != list(range(at[0], at[-1] + 1)):
+        raise ShardplanError("index_put with non-adjacent index tensors")
+    bshape = tuple(int(s) for s in __import__("torch").broadcast_shapes(*[tuple(metas[i].shape) for i in at]))
+    letters = _letters(len(out))
+    src = _letters(len(bshape), letters)
+    dims = list(zip(letters, out)) + list(zip(src, bshape))
+    kept = [i for i in range(len(out)) if i not in at]
+    vfull = [letters[i] for i in kept[:at[0]]] + list(src) + [letters[i] for i in kept[at[0]:]]
+    vs = tuple(v.shape) if isinstance(v, Val) else ()
+    va = [AxisMap(ch) if n == dict(dims)[ch] and n != 1 else AxisMap(None)
+          for ch, n in zip(vfull[len(vfull) - len(vs):], vs)]
+    ts = [Tensor("x", x.shape, tuple(letters), "input", needs_grad=x.needs_grad, src=ctx.ref(x).name)]
+    operands = [((0,), x, "x")]
+    if _live(v):
+        ts.append(Tensor("v", vs, tuple(va), "input", needs_grad=v.needs_grad, src=ctx.ref(v).name))
+        operands.append(((2,), v, "v"))
+    for i in at:
+        shp = tuple(metas[i].shape)
+        if _live(idx[i]):
+            ax = [AxisMap(src[len(src) - len(shp) + j]) if n == bshape[len(bshape) - len(shp) + j] and n != 1
+                  else AxisMap(None) for j, n in enumerate(shp)]
+            ts.append(Tensor(f"i{i}", shp, tuple(ax), "input", needs_grad=False, src=ctx.ref(idx[i]).name))
+            operands.append(((1, i), idx[i], f"i{i}"))
+    op = Operator(ctx.name_for(node), "index_put", tuple(dims), tuple(ts), Tensor("y", out, tuple(letters), "output"),
+                  flops_per_point=0.0, fixed=frozenset([letters[i] for i in at] + list(src)))
+    ctx.emit(node, op, operands)
+
+
+HANDLERS["aten.index_put.default"] = _index_put
+HANDLERS["aten.index_put_.default"] = lambda c, n, v: _inplace(c, n, v, _index_put, reads_dst=True)
 
 
 @register("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.unbind.int",
@@ -752,6 +999,9 @@ def _getitem(ctx: _Ctx, node: Any, vals: list) -> None:
         raise ShardplanError("getitem of a non-tuple value")
     if src.source is None:
         ctx.env[node.name] = src.items[i]
+        return
+    if src.source[0] == "each":
+        src.source[1](ctx, node, i)
         return
     if src.source[0] == "whole":
         _, vals0, target, reason = src.source
@@ -879,6 +1129,9 @@ for _n in ELEMENTWISE:
                 "int", "float"):
         HANDLERS.setdefault(f"aten.{_n}.{_ov}", _elementwise)
 HANDLERS["aten.gelu.default"] = _elementwise
+for _n in [n for n in ELEMENTWISE if not n.endswith("_")] + ["relu", "silu", "gelu"]:
+    for _ov in ("default", "Tensor", "Scalar", "Tensor_Scalar", "Tensor_Tensor"):
+        HANDLERS[f"aten.{_n}_.{_ov}"] = lambda c, n, v: _inplace(c, n, v, _elementwise, reads_dst=True)
 
 
 # ---------------------------------------------------------------------------
