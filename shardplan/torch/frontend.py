@@ -757,6 +757,15 @@ def _whole(op: Operator, tensor: str, axes: Sequence[int]) -> Operator:
                                fixed=frozenset(op.fixed) | frozenset(gone))
 
 
+def _broadcast(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape index tensors broadcast to (NumPy rules)."""
+    import torch
+
+    if not shapes:
+        raise ShardplanError("indexing without an index tensor")
+    return tuple(int(s) for s in torch.broadcast_shapes(*shapes))
+
+
 def _axis_arg(node: Any, pos: int, rank: int, default: int = -1) -> int:
     """The ``dim`` argument of ``node`` (positional ``pos`` or keyword), made non-negative."""
     a = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", default)
@@ -854,7 +863,7 @@ def _index(ctx: _Ctx, node: Any, vals: list) -> None:
     metas = [a.meta.get("val") if hasattr(a, "meta") else None for a in node.args[1]]
     if any(metas[i] is None or metas[i].dtype.is_floating_point or str(metas[i].dtype) == "torch.bool" for i in at):
         raise ShardplanError("indexing by a boolean mask")
-    bshape = tuple(int(s) for s in __import__("torch").broadcast_shapes(*[tuple(metas[i].shape) for i in at]))
+    bshape = _broadcast([tuple(metas[i].shape) for i in at])
     adjacent = at == list(range(at[0], at[-1] + 1))
     lead = at[0] if adjacent else 0
     kept = [i for i in range(len(x.shape)) if i not in at]
@@ -943,7 +952,7 @@ def _index_put(ctx: _Ctx, node: Any, vals: list) -> None:
         raise ShardplanError("index_put by a boolean mask")
     if at != list(range(at[0], at[-1] + 1)):
         raise ShardplanError("index_put with non-adjacent index tensors")
-    bshape = tuple(int(s) for s in __import__("torch").broadcast_shapes(*[tuple(metas[i].shape) for i in at]))
+    bshape = _broadcast([tuple(metas[i].shape) for i in at])
     letters = _letters(len(out))
     src = _letters(len(bshape), letters)
     dims = list(zip(letters, out)) + list(zip(src, bshape))

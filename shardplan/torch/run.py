@@ -230,6 +230,44 @@ def _nll(x: Any, target: Any, weight: Any = None, reduction: int = 1, ignore_ind
     return _xent_terms(torch.ops.aten.nll_loss_nd.default, x, target, weight, reduction, ignore_index)
 
 
+def _hardsigmoid(x: Any) -> Any:
+    """``hardsigmoid(x) = clamp(x + 3, 0, 6) / 6``, from ops DTensor differentiates (it has no
+    ``hardsigmoid_backward``)."""
+    return (x + 3.0).clamp(0.0, 6.0) / 6.0
+
+
+def _hardswish(x: Any) -> Any:
+    """``hardswish(x) = x * clamp(x + 3, 0, 6) / 6`` (DTensor has no ``hardswish_backward``)."""
+    return x * _hardsigmoid(x)
+
+
+def _local(x: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _new_factory(name: str) -> Any:
+    """``x.new_zeros(size)`` and the like: ``x`` gives only dtype and device, so its local shard is the
+    prototype and the result is a plain (constant) tensor of the full size."""
+
+    def call(x: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        return getattr(torch.ops.aten, name).default(_local(x), *args, **kwargs)
+
+    return call
+
+
+def _fill_tensor(x: Any, value: Any) -> Any:
+    """``x.fill_(value)`` with a 0-d tensor value, as ``fill_`` with the scalar (DTensor has no strategy
+    for the tensor overload)."""
+    from torch.distributed.tensor import DTensor
+
+    v = value.full_tensor() if isinstance(value, DTensor) else value
+    return x.fill_(v.item())
+
+
 _CONV = frozenset({"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default"})
 
 _REWRITES = {
@@ -239,6 +277,10 @@ _REWRITES = {
     "aten.cross_entropy_loss.default": _cross_entropy,
     "aten.nll_loss.default": _nll,
     "aten.nll_loss_nd.default": _nll,
+    "aten.hardswish.default": _hardswish,
+    "aten.hardsigmoid.default": _hardsigmoid,
+    "aten.fill_.Tensor": _fill_tensor,
+    **{f"aten.{n}.default": _new_factory(n) for n in ("new_zeros", "new_ones", "new_empty", "new_full")},
 }
 
 
@@ -746,7 +788,7 @@ def _make_class() -> Any:
             kwargs = {k: _tree_map(read, v) for k, v in node.kwargs.items()}
             fn = node.target
             if node.name in info.const_nodes or fn is _pyop.getitem:
-                return fn(*args, **kwargs)
+                return _REWRITES.get(str(fn), fn)(*args, **kwargs)
             op_name = info.node_op.get(node.name)
             gathered: list[tuple[Any, Any]] = []
             if op_name is not None:
