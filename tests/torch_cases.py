@@ -214,7 +214,7 @@ def make_hf_qwen2() -> tuple[nn.Module, tuple]:
 
 
 def make_hf_gemma2() -> tuple[nn.Module, tuple]:
-    return _hf_causal("Gemma2Config", "Gemma2ForCausalLM", 14, num_key_value_heads=2, head_dim=8,
+    return _hf_causal("Gemma2Config", "Gemma2ForCausalLM", 14, "eager", num_key_value_heads=2, head_dim=8,
                       sliding_window=4, **_DECODER)
 
 

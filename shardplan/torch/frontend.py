@@ -982,6 +982,39 @@ HANDLERS["aten.index_put.default"] = _index_put
 HANDLERS["aten.index_put_.default"] = lambda c, n, v: _inplace(c, n, v, _index_put, reads_dst=True)
 
 
+@register("transformers.grouped_mm_fallback.default", "aten._grouped_mm.default")
+def _grouped_mm(ctx: _Ctx, node: Any, vals: list) -> None:
+    """Per-expert products over tokens sorted by expert: ``y[s, n] = sum_k x[s, k] W[e(s), k, n]``.
+
+    ``e(s)`` is the expert whose range of ``offs`` (cumulative token counts)
+    holds token ``s``: data. Written as ``sk,ekn->sn`` with the expert dim
+    ``e`` a fixed reduction dim (every device reads every expert's weights
+    and ``offs`` whole); tokens ``s``, the contraction ``k`` and the output
+    features ``n`` split freely. Work ``2 S K N`` (each token meets one
+    expert): 2 / E per point of the ``S K N E`` domain.
+    """
+    x, w = vals[0], vals[1]
+    offs, opath = (vals[2], (2,)) if len(vals) > 2 else (ctx.env.get(getattr(node.kwargs.get("offs"), "name", ""),
+                                                                     NONE_VAL), ("kw", "offs"))
+    if len(x.shape) != 2 or len(w.shape) != 3:
+        raise ShardplanError(f"grouped matmul of {x.shape} by {w.shape} (2-D tokens by 3-D experts only)")
+    name = ctx.name_for(node)
+    refs, operands = [], []
+    for k, (v, path) in enumerate(((x, (0,)), (w, (1,)))):
+        if v.kind == "param":
+            refs.append(ops.Param(v.shape, name=f"w{k}", trainable=v.needs_grad))
+            operands.append((path, v, f"w{k}"))
+        else:
+            refs.append(ctx.ref(v))
+            operands.append((path, v, f"x{k}"))
+    op = ops.einsum(name, "sk,ekn->sn", *refs, flops_per_point=2.0 / w.shape[0], kind="grouped_mm")
+    if _live(offs):
+        op = dataclasses.replace(op, inputs=op.inputs + (Tensor("offs", offs.shape, ("e",), "input", needs_grad=False,
+                                                                src=ctx.ref(offs).name),))
+        operands.append((opath, offs, "offs"))
+    ctx.emit(node, dataclasses.replace(op, fixed=frozenset(op.fixed) | {"e"}), operands)
+
+
 @register("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.unbind.int",
           "aten.split.default")
 def _split(ctx: _Ctx, node: Any, vals: list) -> None:

@@ -268,6 +268,76 @@ def _fill_tensor(x: Any, value: Any) -> Any:
     return x.fill_(v.item())
 
 
+def _grouped_mm_pairs(a: Any, b: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """On one mesh axis, the placements of tokens ``x`` and experts ``W`` a local grouped matmul runs on:
+    (x, W, output, x's gradient, W's gradient). Tokens split: the output is split alike and ``W``'s
+    gradient is a partial sum; output features split: ``x``'s gradient is partial; the contraction split:
+    the output is partial. Anything else runs replicated on that axis."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if a == Shard(0) and b.is_replicate():
+        return a, b, Shard(0), a, Partial()
+    if a.is_replicate() and b == Shard(2):
+        return a, b, Shard(1), Partial(), b
+    if a == Shard(1) and b == Shard(1):
+        return a, b, Partial(), a, b
+    return Replicate(), Replicate(), Replicate(), Replicate(), Replicate()
+
+
+def _grouped_mm_local(x: Any, w: Any, offs: Any, *rest: Any, fn: Any = None) -> Any:
+    """``y[s, n] = sum_k x[s, k] W[e(s), k, n]`` on each device's tiles (DTensor has no strategy for it).
+
+    A device holding tokens ``[t0, t0 + m)`` (sorted by expert) runs the
+    product with the offsets shifted to its slice, ``clamp(offs - t0, 0, m)``;
+    the expert dim is never split.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(x, DTensor) and not isinstance(w, DTensor):
+        return fn(x, w, offs, *rest)
+    mesh = x.device_mesh if isinstance(x, DTensor) else w.device_mesh
+    rep = [Replicate()] * mesh.ndim
+    x, w = (t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, rep, run_check=False) for t in (x, w))
+    pairs = [_grouped_mm_pairs(a, b) for a, b in zip(x.placements, w.placements)]
+    x = x.redistribute(mesh, [p[0] for p in pairs])
+    w = w.redistribute(mesh, [p[1] for p in pairs])
+    offs = offs.full_tensor() if isinstance(offs, DTensor) else offs
+    size, start = compute_local_shape_and_global_offset(x.shape, mesh, x.placements)
+    local_offs = (offs - start[0]).clamp(0, size[0]).to(offs.dtype)
+    y = fn(x.to_local(grad_placements=[p[3] for p in pairs]), w.to_local(grad_placements=[p[4] for p in pairs]),
+           local_offs, *rest)
+    return DTensor.from_local(y, mesh, [p[2] for p in pairs], run_check=False)
+
+
+def _grouped_mm(name: str) -> Any:
+    def call(x: Any, w: Any, offs: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        import torch
+
+        ns, op = name.split(".")
+        base = getattr(getattr(torch.ops, ns), op).default
+        return _grouped_mm_local(x, w, kwargs.pop("offs", offs), *rest,
+                                 fn=lambda *a: base(*a[:2], offs=a[2], **kwargs) if ns == "aten" else base(*a, **kwargs))
+
+    return call
+
+
+def _index_put_(x: Any, indices: Any, values: Any, accumulate: bool = False) -> Any:
+    """``x[indices] = values`` in place, computed on whole tensors and copied into ``x`` where it lies (the
+    run must not write into a relaid copy of ``x``; DTensor has no strategy for it)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not any(isinstance(t, DTensor) for t in [x, values, *indices]):
+        return torch.ops.aten.index_put_.default(x, indices, values, accumulate)
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    y = torch.ops.aten.index_put.default(full(x), [full(i) if i is not None else None for i in indices], full(values),
+                                         accumulate)
+    if isinstance(x, DTensor):
+        y = DTensor.from_local(y, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
+    return x.copy_(y)
+
+
 _CONV = frozenset({"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default"})
 
 _REWRITES = {
@@ -280,6 +350,9 @@ _REWRITES = {
     "aten.hardswish.default": _hardswish,
     "aten.hardsigmoid.default": _hardsigmoid,
     "aten.fill_.Tensor": _fill_tensor,
+    "aten.index_put_.default": _index_put_,
+    "transformers.grouped_mm_fallback.default": _grouped_mm("transformers.grouped_mm_fallback"),
+    "aten._grouped_mm.default": _grouped_mm("aten._grouped_mm"),
     **{f"aten.{n}.default": _new_factory(n) for n in ("new_zeros", "new_ones", "new_empty", "new_full")},
 }
 
