@@ -287,12 +287,54 @@ def make_hardswish() -> tuple[nn.Module, tuple]:
     return HardswishNet(), (torch.randn(BATCH * 2, 32, generator=g), torch.randint(0, 16, (BATCH * 2,), generator=g))
 
 
+class TinyMoE(nn.Module):
+    """A top-2 mixture of experts dispatched as transformers 5 does (tokens sorted by expert, experts'
+    weights indexed per token, a batched product, the inverse permutation by ``index_put_``), with a
+    running mean over the sequence (``cumsum``) and a load-balancing term from expert counts (``histc``)."""
+
+    def __init__(self, d: int = D, experts: int = 4, top_k: int = 2, ffn: int = 32, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.top_k, self.experts = top_k, experts
+        self.embed = nn.Embedding(vocab, d)
+        self.router = nn.Linear(d, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, d, ffn) / d ** 0.5)
+        self.down = nn.Parameter(torch.randn(experts, ffn, d) / ffn ** 0.5)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        steps = torch.arange(1, x.shape[1] + 1, dtype=x.dtype).view(1, -1, 1)
+        x = x + torch.cumsum(x, dim=1) / steps
+        h = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router(h), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        flat = chosen.reshape(-1)
+        order_ids, perm = torch.sort(flat)
+        token = torch.floor_divide(perm, self.top_k)
+        hs = h[token]
+        y = torch.bmm(F.silu(torch.bmm(hs.unsqueeze(1), self.up[order_ids])), self.down[order_ids]).squeeze(1)
+        y = y * weights.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse.index_put_((perm,), torch.arange(perm.shape[0]))
+        out = y[inverse].view(h.shape[0], self.top_k, -1).sum(1).view_as(x)
+        counts = torch.histc(flat.float(), bins=self.experts, min=0, max=self.experts - 1)
+        balance = self.experts * (counts / flat.shape[0] * probs.mean(0)).sum()
+        logits = self.head(x + out)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1)) + 0.01 * balance
+
+
+def make_moe() -> tuple[nn.Module, tuple]:
+    torch.manual_seed(25)
+    return TinyMoE(), _tokens(25)
+
+
 HF_CASES: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
     "hf_gpt2_cache": make_hf_gpt2_cache, "hf_llama_cache": make_hf_llama_cache, "hf_mistral": make_hf_mistral,
     "hf_qwen2": make_hf_qwen2, "hf_gemma2": make_hf_gemma2, "hf_phi": make_hf_phi, "hf_opt": make_hf_opt,
     "hf_gpt_neox": make_hf_gpt_neox, "hf_falcon": make_hf_falcon, "hf_bloom": make_hf_bloom, "hf_t5": make_hf_t5,
     "hf_roberta": make_hf_roberta, "hf_mixtral": make_hf_mixtral, "hf_qwen2_moe": make_hf_qwen2_moe,
-    "hardswish": make_hardswish,
+    "hardswish": make_hardswish, "moe": make_moe,
 }
 
 

@@ -322,6 +322,18 @@ def _grouped_mm(name: str) -> Any:
     return call
 
 
+def _cat(tensors: Sequence[Any], dim: int = 0) -> Any:
+    """``cat`` without its parts that have no elements (a KV cache's empty past, a legacy ``(0,)``
+    tensor whatever ``dim``): with one part left, that part (DTensor cannot concatenate a replicated
+    empty 1-D tensor with a sharded one)."""
+    import torch
+
+    parts = [t for t in tensors if t.numel() > 0]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.ops.aten.cat.default(parts or list(tensors), dim)
+
+
 def _index_put_(x: Any, indices: Any, values: Any, accumulate: bool = False) -> Any:
     """``x[indices] = values`` in place, computed on whole tensors and copied into ``x`` where it lies (the
     run must not write into a relaid copy of ``x``; DTensor has no strategy for it)."""
@@ -351,6 +363,8 @@ _REWRITES = {
     "aten.hardsigmoid.default": _hardsigmoid,
     "aten.fill_.Tensor": _fill_tensor,
     "aten.index_put_.default": _index_put_,
+    "aten.cat.default": _cat,
+    "aten.concat.default": _cat,
     "transformers.grouped_mm_fallback.default": _grouped_mm("transformers.grouped_mm_fallback"),
     "aten._grouped_mm.default": _grouped_mm("aten._grouped_mm"),
     **{f"aten.{n}.default": _new_factory(n) for n in ("new_zeros", "new_ones", "new_empty", "new_full")},
