@@ -1,0 +1,137 @@
+"""Today's Hugging Face models, called as documented, every operator described: plan on 4 gloo processes, run,
+compare with one process.
+
+Each model is built by ``transformers`` from a tiny config (no weights) and called as
+``model(input_ids=ids, labels=labels).loss`` with the library's defaults, the KV cache included (its
+update is a concatenation onto an empty past). Mixtral and Qwen2-MoE dispatch tokens to experts by
+sorting (transformers 5) and need transformers 5; with 4.x their forward loops over the experts that
+were hit, which ``torch.export`` cannot capture, and they are skipped. ``tests/torch_cases.py`` holds
+the makers; ``python tests/torch_cases.py 4 hf_t5`` runs one and prints its plan.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+
+import torch
+from torch import nn
+import transformers
+
+import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
+from shardplan.torch import ShardplanWarning, trace
+
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
+WORLD = 4
+SORTED_MOE = int(transformers.__version__.split(".")[0]) >= 5
+DENSE = ["hf_gpt2_cache", "hf_llama_cache", "hf_mistral", "hf_qwen2", "hf_gemma2", "hf_phi", "hf_gpt_neox",
+         "hf_falcon", "hf_bloom", "hf_t5", "hf_roberta", "moe", "hardswish"]
+# OPT's forward draws a random layer-drop decision in training mode (torch.export cannot capture it in 4.x)
+LATEST = ["hf_mixtral", "hf_qwen2_moe", "hf_opt"]
+MODELS = DENSE + (LATEST if SORTED_MOE else [])
+ALL = DENSE + [pytest.param(n, marks=pytest.mark.skipif(not SORTED_MOE, reason="needs transformers 5"))
+               for n in LATEST]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_models") / "results.json"
+    return torch_cases.run_distributed(MODELS, WORLD, str(out))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_sharded_loss_and_grads_equal_single_process(results, name):
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    assert r["rel_loss"] <= 1e-5, (r["loss"], r["loss0"])
+    assert r["rel_grad"] <= 1e-4, (r["grad_err"], r["grad_scale"])
+    assert r["missing"] == []
+    assert r["tiles_ok"] and r["grad_layouts_ok"]
+    assert r["split_ops"] > 0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_no_operator_is_described_conservatively(results, name):
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    assert r["warnings"] == [], r["warnings"]
+
+
+def _trace(module: nn.Module, *args: torch.Tensor):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardplanWarning)
+        return trace(module, args)
+
+
+class _CacheUpdate(nn.Module):
+    """A KV-cache update: the new keys concatenated onto an empty past (legacy ``(0,)`` and zero-extent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("past", torch.empty(0))
+        self.register_buffer("past4", torch.zeros(2, 3, 0, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.fc(x)
+        return (torch.cat([self.past, k], dim=-2) + torch.cat([self.past4, k], dim=2)).sum()
+
+
+def test_concatenation_onto_an_empty_past_is_the_new_part():
+    g, info = _trace(_CacheUpdate(), torch.randn(2, 3, 4, 8))
+    assert info.conservative == {}
+    assert not any(op.kind == "concat" for op in g)
+    (add,) = [op for op in g if op.kind == "add"]
+    assert [t.src for t in add.inputs] == ["fc/linear", "fc/linear"]
+
+
+class _Routing(nn.Module):
+    """Top-k routing, tokens sorted by expert and looked up, a running sum: the data-dependent dims fixed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        w, e = torch.topk(torch.softmax(self.router(h), -1), 2, dim=-1)
+        _, perm = torch.sort(e.reshape(-1))
+        return (h[torch.floor_divide(perm, 2)] * torch.cumsum(w.reshape(-1), 0)[perm].unsqueeze(-1)).sum()
+
+
+def test_routing_keeps_tokens_and_hidden_splittable():
+    g, info = _trace(_Routing(), torch.randn(32, 16))
+    assert info.conservative == {}
+    topk = [op for op in g if op.kind == "topk"]
+    assert len(topk) == 2  # values and indices
+    for op in topk:  # tokens split, the expert axis read whole
+        (tok, _), (ex, _) = op.dims
+        assert tok not in op.fixed and ex in op.fixed
+        assert op.inputs[0].axes[1].dim is None
+    (index,) = [op for op in g if op.kind == "index" and op.output.shape == (64, 16)]
+    assert not index.fixed  # sorted tokens and hidden split; the looked-up axis is read whole
+    assert index.inputs[0].axes[0].dim is None and index.inputs[0].axes[1].dim == index.dims[1][0]
+    (scan,) = [op for op in g if op.kind == "cumsum"]
+    assert scan.fixed == {scan.dims[0][0]}
+
+
+class _Experts(nn.Module):
+    """Experts over sorted tokens through ``aten._grouped_mm`` (the op transformers 5 falls back from)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 16, 32, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(x, self.w, offs=offs).sum()
+
+
+def test_grouped_matmul_fixes_only_the_expert_dim():
+    g, info = _trace(_Experts(), torch.randn(64, 16, dtype=torch.bfloat16), torch.tensor([16, 32, 48, 64], dtype=torch.int32))
+    assert info.conservative == {}
+    (op,) = [op for op in g if op.kind == "grouped_mm"]
+    assert sorted(d for d, _ in op.dims) == ["e", "k", "n", "s"]
+    assert op.fixed == {"e"}
+    assert op.flops_per_point * math.prod(n for _, n in op.dims) == pytest.approx(2 * 64 * 16 * 32)  # one expert a token
