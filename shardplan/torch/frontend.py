@@ -152,7 +152,7 @@ ELEMENTWISE: Mapping[str, float] = {
         "div_", "sub_", "hardtanh", "leaky_relu", "exp2", "bitwise_not", "bitwise_and", "__and__", "__or__",
         "silu_", "gelu_", "hardswish", "hardsigmoid", "softplus", "elu", "mish", "triu", "tril",
         "floor_divide", "remainder", "fmod", "bitwise_or", "bitwise_xor", "greater", "less", "greater_equal",
-        "less_equal", "logical_xor", "one_hot",
+        "less_equal", "logical_xor",
     )},
     "silu": 4.0, "gelu": 8.0, "dropout": 2.0, "native_dropout": 2.0, "feature_dropout": 2.0,
 }
@@ -731,10 +731,8 @@ def _cat(ctx: _Ctx, node: Any, vals: list) -> None:
     if not parts_paths or not out:
         ctx.env[node.name] = Val("const", None, out)
         return
-    if len(parts_paths) == 1:
+    if len(parts_paths) == 1 and parts_paths[0][1].shape == out:
         v = parts_paths[0][1]
-        if v.shape != out:
-            raise ShardplanError(f"cat of one non-empty part {v.shape} gives {out}")
         ctx.env[node.name] = v if _live(v) else Val("const", None, out)
         return
     axis = int(node.args[1]) if len(node.args) > 1 else int(node.kwargs.get("dim", 0))
@@ -772,7 +770,7 @@ def _axis_arg(node: Any, pos: int, rank: int, default: int = -1) -> int:
     return int(default if a is None else a) % max(rank, 1)
 
 
-@register("aten.cumsum.default", "aten.cumprod.default", "aten.cummax.default", "aten.cummin.default")
+@register("aten.cumsum.default", "aten.cumprod.default")
 def _scan(ctx: _Ctx, node: Any, vals: list) -> None:
     """``y[.., i, ..] = sum_{j <= i} x[.., j, ..]`` along ``dim``: that axis is read whole and fixed."""
     x = vals[0]
@@ -828,7 +826,7 @@ def _select_along(ctx: _Ctx, node: Any, vals: list) -> None:
     ctx.env[node.name] = Val("multi", node.name, (), x.needs_grad, items, ("each", build))
 
 
-@register("aten.histc.default", "aten.bincount.default")
+@register("aten.histc.default")
 def _histogram(ctx: _Ctx, node: Any, vals: list) -> None:
     """Counts of values in bins: every bin reads the whole input (all axes whole, the bins fixed)."""
     x = vals[0]
@@ -839,9 +837,19 @@ def _histogram(ctx: _Ctx, node: Any, vals: list) -> None:
     ctx.emit(node, op, [((0,), x, "x")])
 
 
+@register("aten.one_hot.default")
+def _one_hot(ctx: _Ctx, node: Any, vals: list) -> None:
+    """``y[.., c] = (x[..] == c)``: a new last axis over the classes, every axis splittable."""
+    x = vals[0]
+    out = _shape(node)
+    letters = _letters(len(out))
+    op = ops.elementwise(ctx.name_for(node), ctx.ref(CONST_VAL, out), kind="one_hot", letters=letters)
+    xt = Tensor("x", x.shape, tuple(letters[:-1]), "input", needs_grad=False, src=ctx.ref(x).name)
+    ctx.emit(node, dataclasses.replace(op, inputs=(xt,)), [((0,), x, "x")])
+
+
 @register("aten.new_zeros.default", "aten.new_ones.default", "aten.new_empty.default", "aten.new_full.default",
-          "aten.zeros_like.default", "aten.ones_like.default", "aten.empty_like.default", "aten.full_like.default",
-          "aten.rand_like.default", "aten.randn_like.default")
+          "aten.zeros_like.default", "aten.ones_like.default", "aten.empty_like.default", "aten.full_like.default")
 def _fresh(ctx: _Ctx, node: Any, vals: list) -> None:
     """A new tensor whose values do not depend on the operand's (only its shape and dtype): a constant."""
     ctx.env[node.name] = Val("const", None, _shape(node) or ())
