@@ -192,8 +192,8 @@ def _hf_causal(config_cls: str, model_cls: str, seed: int, attn: str = "sdpa", *
     return HFLoss(getattr(transformers, model_cls)(cfg)), _tokens(seed)
 
 
-_DECODER = dict(hidden_size=D, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=SEQ)
+_DECODER = {"hidden_size": D, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "max_position_embeddings": SEQ}
 
 
 def make_hf_gpt2_cache() -> tuple[nn.Module, tuple]:

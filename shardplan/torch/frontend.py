@@ -703,7 +703,7 @@ def _transpose(ctx: _Ctx, node: Any, vals: list) -> None:
     t = str(node.target)
     if t.startswith("aten.permute"):
         perm = [int(p) % rank for p in node.args[1]]
-    elif t.startswith("aten.t.") or t.startswith("aten.numpy_T"):
+    elif t.startswith(("aten.t.", "aten.numpy_T")):
         perm = list(range(rank))[::-1]
     elif t.startswith("aten.movedim"):
         src, dst = int(node.args[1]) % rank, int(node.args[2]) % rank
@@ -803,7 +803,7 @@ def _select_along(ctx: _Ctx, node: Any, vals: list) -> None:
     """
     x = vals[0]
     t = str(node.target)
-    pos = 2 if t.startswith("aten.topk") or t.startswith("aten.kthvalue") else 1
+    pos = 2 if t.startswith(("aten.topk", "aten.kthvalue")) else 1
     if t == "aten.sort.stable":
         axis = int(node.kwargs.get("dim", -1)) % len(x.shape)
     else:

@@ -15,12 +15,11 @@ import math
 import warnings
 
 import pytest
-
 import torch
-from torch import nn
-import transformers
-
 import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
+import transformers
+from torch import nn
+
 from shardplan.torch import ShardplanWarning, trace
 
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
