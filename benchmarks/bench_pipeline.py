@@ -33,7 +33,7 @@ import multiprocessing as mp
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -138,12 +138,19 @@ def recipe_row(case: Case, flops: float) -> dict[str, Any]:
     plan = cost_recipe(_build(case.layers, case.d_model, case.heads), machine, rec, batch=case.batch)
     peak = float(plan.memory["peak_bytes"])
     dp = case.devices // (rec.tp * rec.pp)
+    bare = None
+    if rec.recompute != "none":  # the same recipe without recomputation: what recomputing costs, by the model
+        other = cost_recipe(_build(case.layers, case.d_model, case.heads), machine, replace(rec, recompute="none"),
+                            batch=case.batch)
+        bare = {"step_seconds": other.step_time, "peak_memory_gib": float(other.memory["peak_bytes"]) / 2**30,
+                "fits": float(other.memory["peak_bytes"]) <= float(other.memory["budget_bytes"])}
     return {"recipe": case.recipe, "stages": rec.pp, "chunks": rec.vp, "tensor_parallel": rec.tp,
             "data_parallel": dp, "micro_batch_size": rec.mbs, "micro_batches": plan.micro_batches,
             "schedule": plan.schedule, "recompute": rec.recompute, "step_seconds": plan.step_time,
             "tflops_per_gpu": flops / plan.step_time / case.devices / 1e12,
             "peak_memory_gib": peak / 2**30, "fits": peak <= float(plan.memory["budget_bytes"]),
-            "breakdown": dict(plan.breakdown), "seconds": time.perf_counter() - t0, "cpu_seconds": _cpu() - c0}
+            "breakdown": dict(plan.breakdown), "without_recompute": bare,
+            "seconds": time.perf_counter() - t0, "cpu_seconds": _cpu() - c0}
 
 
 def search_row(case: Case, solve_opts: dict, fallback: bool, fit_rtol: float, flops: float) -> dict[str, Any]:
