@@ -18,8 +18,10 @@ small case (GPT 1.3B on 64 a100) that finishes quickly. For each row:
 * **plan / recipe speedup** = recipe predicted / plan predicted, both by the same model: what the model says
   the search gains, not a measurement.
 
-Model TFLOP/s per GPU counts forward + backward FLOPs without recomputation. Each row runs in a child process;
-one still running after ``--row-limit`` seconds (default 180) is recorded as skipped with the reason.
+Model TFLOP/s per GPU counts forward + backward FLOPs without recomputation. Each row's search runs in a child
+process; one still running after ``--row-limit`` seconds (default 180) is stopped and the row recorded as
+skipped with the reason (its measured and recipe columns kept). ``recipe.without_recompute`` costs the same
+recipe with ``recompute=none``: how much of the speedup is recomputation alone.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_pipeline.py --rows small,megatron-39b [--out
 benchmarks/results/pipeline.json]`` (``--cases`` is the older name of ``--rows``).
@@ -192,10 +194,9 @@ def search_row(case: Case, solve_opts: dict, fallback: bool, fit_rtol: float, fl
             "seconds": time.perf_counter() - t0, "cpu_seconds": _cpu() - c0}
 
 
-def run_case(name: str, solve_opts: dict, recipe_only: bool = False, fallback: bool = False,
-             fit_rtol: float = FIT_RTOL) -> dict:
-    """One row: measured (where published), the recipe predicted (and predicted / measured), the plan found,
-    and the plan's speedup over the recipe (recipe step / plan step, both under the same model)."""
+def recipe_part(name: str) -> dict:
+    """A row's measured and recipe columns (seconds to compute): measured (where published), the recipe
+    predicted and predicted / measured."""
     case = CASES[name]
     flops = _model_flops(_build(case.layers, case.d_model, case.heads)(case.batch))
     measured = measured_seconds(case)
@@ -209,12 +210,34 @@ def run_case(name: str, solve_opts: dict, recipe_only: bool = False, fallback: b
     print(f"{name}: measured {_s(measured)}; recipe {case.recipe} predicted {pred:.3f} s"
           + (f" ({pred / measured:.3f} x measured)" if measured else "")
           + f", fits: {row['recipe']['fits']} ({row['recipe']['seconds']:.0f} s)", flush=True)
+    return row
+
+
+def search_part(name: str, solve_opts: dict, fallback: bool = False, fit_rtol: float = FIT_RTOL) -> dict:
+    """A row's search columns: the plan found and the peak RSS of the search."""
+    case = CASES[name]
+    flops = _model_flops(_build(case.layers, case.d_model, case.heads)(case.batch))
+    return {"search": search_row(case, solve_opts, fallback, fit_rtol, flops), "peak_rss_gb": _rss_gb()}
+
+
+def run_case(name: str, solve_opts: dict, recipe_only: bool = False, fallback: bool = False,
+             fit_rtol: float = FIT_RTOL, limit: float | None = None) -> dict:
+    """One row: measured (where published), the recipe predicted (and predicted / measured), the plan found,
+    and the plan's speedup over the recipe (recipe step / plan step, both under the same model). The search
+    runs in a child process when ``limit`` is given; one still running after ``limit`` seconds is stopped and
+    the row keeps its measured and recipe columns, with ``status`` "skipped" and the reason."""
+    row = recipe_part(name)
+    row["status"] = "done"
     if recipe_only:
         return row
-    row["search"] = search_row(case, solve_opts, fallback, fit_rtol, flops)
-    found = row["search"]["step_seconds"]
+    kwargs = {"solve_opts": solve_opts, "fallback": fallback, "fit_rtol": fit_rtol}
+    got = search_part(name, **kwargs) if limit is None else run_limited(name, kwargs, limit)
+    if "search" not in got:
+        row.update(got)
+        return row
+    row.update(got)
+    pred, found = row["recipe"]["step_seconds"], row["search"]["step_seconds"]
     row["plan_speedup_over_recipe"] = pred / found
-    row["peak_rss_gb"] = _rss_gb()
     print(f"{name}: plan {found:.3f} s/step (gap {row['search']['gap']:.2g}), {row['search']['stage_map']}, "
           f"m={row['search']['micro_batches']} {row['search']['schedule']}: {pred / found:.3f}x the recipe's speed "
           f"under the same model ({row['search']['seconds']:.0f} s, RSS {row['peak_rss_gb']:.2f} GB)", flush=True)
@@ -227,14 +250,14 @@ def _s(seconds: float | None) -> str:
 
 def _child(name: str, kwargs: dict, conn: Any) -> None:
     try:
-        conn.send(run_case(name, **kwargs))
+        conn.send(search_part(name, **kwargs))
     except Exception as e:  # noqa: BLE001 - recorded in the row
-        conn.send({"case": name, "status": "error", "reason": f"{type(e).__name__}: {e}"})
+        conn.send({"status": "error", "reason": f"search: {type(e).__name__}: {e}"})
     conn.close()
 
 
 def run_limited(name: str, kwargs: dict, limit: float) -> dict:
-    """:func:`run_case` in a child process, stopped after ``limit`` seconds and then recorded as skipped."""
+    """:func:`search_part` in a child process, stopped after ``limit`` seconds and then recorded as skipped."""
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     t0 = time.perf_counter()
@@ -247,28 +270,10 @@ def run_limited(name: str, kwargs: dict, limit: float) -> dict:
         proc.terminate()
         proc.join()
     if got is None:
-        c = CASES[name]
-        return {"case": name, "source": c.source, "machine": c.machine, "devices": c.devices, "status": "skipped",
-                "reason": f"did not finish within the row limit of {limit:.0f} s on this machine (shared 2 cores)",
-                "seconds": time.perf_counter() - t0}
-    got.setdefault("status", "done")
+        return {"status": "skipped", "reason": f"search not run to the end: it did not finish within the row limit "
+                                               f"of {limit:.0f} s on this machine (2 cores shared with other work)",
+                "search_seconds_before_stop": time.perf_counter() - t0}
     return got
-
-
-def _choices(plan) -> str:
-    mc = plan.memory_choices
-    names = [op.name.split("/")[-1] for op in plan.graph.operators]
-    summ = mc.summary(names)
-    parts = [f"{k}: {','.join(sorted(set(v)))}" for k, v in summ["state_sharding"].items()]
-    if summ["recompute"]:
-        parts.append(f"recompute: {','.join(sorted(set(summ['recompute'])))}")
-    return "; ".join(parts) or "none"
-
-
-def _layouts(plan) -> str:
-    from shardplan.report.pipeline import _layout
-
-    return _layout(plan)
 
 
 def main(argv=None) -> int:
@@ -283,7 +288,8 @@ def main(argv=None) -> int:
                     help=f"relative tolerance of each memory-constrained stage solve (default {FIT_RTOL:g})")
     ap.add_argument("--recipe-only", action="store_true", help="cost the recipes only, no search")
     ap.add_argument("--row-limit", type=float, default=180.0,
-                    help="seconds a row may run before it is recorded as skipped (default 180)")
+                    help="seconds a row's search may run before it is stopped and the row recorded as skipped, "
+                         "its measured and recipe columns kept (default 180)")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]
@@ -292,11 +298,11 @@ def main(argv=None) -> int:
         return 2
     opts = {"cutoff": 1, "orders": "row-major"}
     kwargs = {"solve_opts": opts, "recipe_only": args.recipe_only, "fallback": args.fallback,
-              "fit_rtol": args.fit_rtol}
+              "fit_rtol": args.fit_rtol, "limit": args.row_limit}
     out = Path(args.out)
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     for name in names:
-        row = run_limited(name, kwargs, args.row_limit)
+        row = run_case(name, **kwargs)
         if row["status"] != "done":
             print(f"{name}: {row['status']}: {row['reason']}", file=sys.stderr)
         rows = [r for r in rows if r["case"] != name] + [row]
