@@ -276,6 +276,22 @@ def run_limited(name: str, kwargs: dict, limit: float) -> dict:
     return got
 
 
+def _choices(plan) -> str:
+    mc = plan.memory_choices
+    names = [op.name.split("/")[-1] for op in plan.graph.operators]
+    summ = mc.summary(names)
+    parts = [f"{k}: {','.join(sorted(set(v)))}" for k, v in summ["state_sharding"].items()]
+    if summ["recompute"]:
+        parts.append(f"recompute: {','.join(sorted(set(summ['recompute'])))}")
+    return "; ".join(parts) or "none"
+
+
+def _layouts(plan) -> str:
+    from shardplan.report.pipeline import _layout
+
+    return _layout(plan)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", "--cases", dest="rows", default="small",
