@@ -28,14 +28,15 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 from shardplan.errors import ShardplanError
 
-__all__ = ["Sizes", "QUICK", "FULL", "MatmulPoint", "CollectivePoint", "Calibration", "best_seconds", "cpu_model",
-           "calibrate", "measure_jax", "measure_torch", "to_profile", "ENGINES", "DTYPES"]
+__all__ = ["DTYPES", "ENGINES", "FULL", "QUICK", "Calibration", "CollectivePoint", "MatmulPoint", "Sizes",
+           "best_seconds", "calibrate", "cpu_model", "measure_jax", "measure_torch", "to_profile"]
 
 ENGINES = ("jax", "torch")
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -164,7 +165,8 @@ def measure_jax(devices: int | None = None, sizes: Sizes = FULL, dtype: str = "f
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     have = jax.devices()
     p = len(have) if devices is None else devices
@@ -244,7 +246,7 @@ def _torch_compute(sizes: Sizes, dtype: str) -> tuple[tuple[MatmulPoint, ...], f
     with torch.no_grad():
         for m, n, k in sizes.matmul_shapes:
             a, b = torch.ones((m, k), dtype=dt, device=device), torch.ones((k, n), dtype=dt, device=device)
-            points.append(MatmulPoint(m, n, k, best_seconds(timed(lambda: a @ b), sizes.repeats)))
+            points.append(MatmulPoint(m, n, k, best_seconds(timed(lambda a=a, b=b: a @ b), sizes.repeats)))
         x = torch.ones(sizes.elementwise_bytes // DTYPES[dtype], dtype=dt, device=device)
         t_elem = best_seconds(timed(lambda: x * 2), sizes.repeats)
         small = torch.ones(max(1, sizes.collective_bytes[0] // DTYPES[dtype]), dtype=dt, device=device)
@@ -278,7 +280,7 @@ def _torch_rank(rank: int, world: int, port: int, sizes: Sizes, dtype: str, out:
         for b in sizes.collective_bytes:
             v = torch.ones(max(1, b // DTYPES[dtype]), dtype=dt, device=device)
 
-            def run() -> None:
+            def run(v: Any = v) -> None:
                 dist.all_reduce(v)
                 _torch_sync(device)
             dist.barrier()
@@ -292,6 +294,7 @@ def _torch_rank(rank: int, world: int, port: int, sizes: Sizes, dtype: str, out:
 def _torch_collectives(world: int, sizes: Sizes, dtype: str) -> tuple[str, tuple[CollectivePoint, ...]]:
     """``world`` processes (spawned) in one gloo / NCCL group timing all-reduce; the times of rank 0."""
     import multiprocessing as mp
+    import queue
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -301,7 +304,7 @@ def _torch_collectives(world: int, sizes: Sizes, dtype: str) -> tuple[str, tuple
         proc.start()
     try:
         backend, got = out.get(timeout=600)
-    except Exception:  # queue.Empty: a rank failed; its error is on stderr
+    except queue.Empty:  # a rank failed; its error is on stderr
         raise ShardplanError(f"calibrate: the {world} torch.distributed processes did not report all-reduce times "
                              f"(see their errors above)") from None
     finally:

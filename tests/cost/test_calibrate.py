@@ -10,9 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from shardplan.calibrate import Calibration, CollectivePoint, MatmulPoint, QUICK, large_shapes, to_profile
+from shardplan.calibrate import (
+    QUICK,
+    Calibration,
+    CollectivePoint,
+    MatmulPoint,
+    large_shapes,
+    to_profile,
+)
 from shardplan.errors import ShardplanError
-from shardplan.machine import Machine, PROFILE_FIELDS, load_machine_file, machine_to_file, parse_profile, read_profile
+from shardplan.machine import (
+    PROFILE_FIELDS,
+    Machine,
+    load_machine_file,
+    machine_to_file,
+    parse_profile,
+    read_profile,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = ("peak_flops", "flops_efficiency", "hbm_bandwidth", "bandwidth", "latency")
@@ -78,7 +92,7 @@ def _run(args: list[str], devices: int | None = 8) -> subprocess.CompletedProces
     if devices is not None:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return subprocess.run([sys.executable, "-m", "shardplan.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+                          timeout=300, cwd=ROOT, check=False)
 
 
 def _check_file(path: Path, devices: int, engine: str) -> dict:
