@@ -1,58 +1,105 @@
-"""Pipeline stages searched vs Megatron-LM's recipe under the same cost model (JSON).
+"""Pipeline plans searched vs Megatron-LM's recipes as published, under the same cost model (JSON).
 
-Cases: Megatron-LM's published configurations (Narayanan et al., SC'21, Table 1; tensor
-parallel 8 inside a node) on the ``a100`` preset, GPT-3 175B on 1,024 ``h100``, and a small case
-(GPT 1.3B on 64 a100) that finishes quickly. For each: the recipe (its stage count, layers split
-evenly with the embedding on the first stage and the head on the last, Megatron-LM's intra-stage
-layouts exactly: heads / FFN hidden / vocabulary split 8 ways inside the node, batch over the nodes,
-norms and adds replicated over the 8 (the tables' ``node_replicas`` layouts), ``m`` = batch /
-data-parallel width, i.e. micro-batches of 1 sequence per replica, 1F1B) costed by the same model,
-and the search's optimum over the space given (uniform sub-meshes of the listed sizes, the listed
-micro-batch counts, 1F1B, interleaved v=2 and ZB-H1; a stage (an interleaved device group) whose
-time-optimal plan does not fit its in-flight micro-batches takes its memory-constrained optimum,
-ZeRO/FSDP and recomputation, solved lazily and each proven to the relative ``FIT_RTOL`` (1e-9: exact;
-the row's ``lower_bound_seconds`` and ``gap`` state what was proven for the whole space: 1F1B and ZB-H1
-over every cut, interleaved over its chunkings, each family's in ``family_lower_bounds``; the bound over every
-interleaved chunking, ``interleaved_any_chunking_bound``, says what that family's restriction can lose; ``periodic_certified`` / ``periodic_fallbacks`` count the stage costs taken by
-certificate and those solved directly; GPT-3 175B /
-1,024 h100 in about 55 s end to end on a 2-core machine); with ``--fallback`` it takes Megatron's
-layouts when they fit instead, a heuristic; each row's ``search.memory`` says which), both with exact
-stage-to-stage transfers, with
-step time, model TFLOP/s per GPU (forward + backward FLOPs, no recomputation), memory per stage,
-solve time (wall and CPU: the machine is shared) and peak RSS.
+Rows: Megatron-LM's pipelined runs of Narayanan et al., SC'21, Table 1 (39.1B, 76.1B, 145.6B on the ``a100``
+preset; source ``/work/shared/data/published-a100.md``), GPT-3 175B on 1,024 ``h100`` (no published run), and a
+small case (GPT 1.3B on 64 a100) that finishes quickly. For each row:
 
-Run: ``PYTHONPATH=. python benchmarks/bench_pipeline.py --cases small [--out benchmarks/results/pipeline.json]``
+* **measured**: the published step time, ``F / (GPUs × TFLOP/s per GPU)`` with the paper's F (recomputation
+  included, :func:`shardplan.models.flops.megatron_flops`);
+* **recipe predicted**: the recipe as it ran (tp, pp, vp, mbs, gbs, ``recompute=full``) costed through
+  :func:`shardplan.recipe.cost_recipe`, and predicted / measured;
+* **plan predicted**: the search's optimum under the constraints the recipe ran with: the same devices, the
+  same global batch, the same memory per device (the preset's), the same full model (sequence 2048, vocabulary
+  51200); the space: uniform sub-meshes of the listed stage counts, the listed micro-batch counts plus the
+  recipe's ``gbs / (dp · mbs)``, 1F1B, interleaved (2 chunks and the recipe's) and ZB-H1; a stage whose
+  time-optimal plan does not fit its in-flight micro-batches takes its memory-constrained optimum (ZeRO/FSDP
+  and recomputation, each proven to the relative ``FIT_RTOL``; ``lower_bound_seconds`` and ``gap`` state what
+  was proven for the whole space); with ``--fallback`` Megatron's layouts when they fit instead (a heuristic);
+* **plan / recipe speedup** = recipe predicted / plan predicted, both by the same model: what the model says
+  the search gains, not a measurement.
+
+Model TFLOP/s per GPU counts forward + backward FLOPs without recomputation. Each row's search runs in a child
+process; one still running after ``--row-limit`` seconds (default 180) is stopped and the row recorded as
+skipped with the reason (its measured and recipe columns kept). ``recipe.without_recompute`` costs the same
+recipe with ``recompute=none``: how much of the speedup is recomputation alone.
+
+Run: ``PYTHONPATH=. python benchmarks/bench_pipeline.py --rows small,megatron-39b [--out
+benchmarks/results/pipeline.json]`` (``--cases`` is the older name of ``--rows``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import resource
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from shardplan.baselines import megatron
 from shardplan.machine import preset
 from shardplan.models import get_model
 from shardplan.pipeline import pipeline_solve
-from shardplan.pipeline.search import PipelineSpace, evaluate_pipeline
-from shardplan.pipeline.stages import ModelStages
+from shardplan.recipe import Recipe, cost_recipe
 
+SOURCE = "/work/shared/data/published-a100.md"
+SEQ = 2048  # every case (SC'21 Table 1 header in the source)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: the model, the machine, the recipe as run (or assumed) and the search's space.
+
+    ``recipe``: the configuration costed through :func:`shardplan.recipe.cost_recipe` (Megatron-LM's layouts,
+    its micro-batch size, recomputation and interleaving). ``measured_tflops``: the published TFLOP/s per GPU
+    (None where the recipe never ran); the measured step time is ``F / (GPUs × TFLOP/s)`` with the paper's
+    F (recomputation included, :func:`shardplan.models.flops.megatron_flops`). The search runs on the same
+    devices, the same global batch, the same memory per device and the same full model; its micro-batch
+    counts hold the recipe's ``gbs / (dp · mbs)`` and its interleaving the recipe's chunk count.
+    """
+
+    machine: str
+    devices: int
+    batch: int
+    layers: int
+    d_model: int
+    heads: int
+    recipe: str
+    search_stages: tuple[int, ...]
+    search_m: tuple[int, ...]
+    measured_tflops: float | None
+    source: str
+
+
+T1 = "SC'21 Table 1 (Narayanan et al., arXiv 2104.04473)"
 CASES = {
-    # name: (machine, p, batch, (layers, d_model, heads), recipe stages, search stage counts, search m)
-    "small": ("a100", 64, 64, (24, 2048, 16), 2, (1, 2, 4, 8), (8, 16, 32)),
-    "megatron-39b": ("a100", 512, 1536, (48, 8192, 64), 2, (2, 4), (48,)),
-    "megatron-76b": ("a100", 1024, 1792, (60, 10240, 80), 4, (4, 8), (56, 112)),
-    "megatron-146b": ("a100", 1536, 2304, (80, 12288, 96), 8, (8, 16, 32), (96, 192)),
-    "gpt3-175b-h100": ("h100", 1024, 1536, (96, 12288, 96), 16, (8, 16, 32), (96, 192)),
+    "small": Case("a100", 64, 64, 24, 2048, 16, "tp=8,pp=2,mbs=1,gbs=64", (1, 2, 4, 8), (8, 16, 32), None,
+                  "no published run: a small case that finishes quickly (the recipe is assumed: Megatron's "
+                  "layouts, micro-batches of 1 sequence, no recomputation)"),
+    "megatron-39b": Case("a100", 512, 1536, 48, 8192, 64, "tp=8,pp=2,mbs=4,gbs=1536,recompute=full", (2, 4),
+                         (12, 48), 138.0, f"{T1}, 39.1B row"),
+    "megatron-76b": Case("a100", 1024, 1792, 60, 10240, 80, "tp=8,pp=4,vp=3,mbs=2,gbs=1792,recompute=full",
+                         (4, 8), (28, 56, 112), 140.0, f"{T1}, 76.1B row (5 layers per virtual stage: vp = 60/4/5)"),
+    "megatron-146b": Case("a100", 1536, 2304, 80, 12288, 96, "tp=8,pp=8,vp=2,mbs=2,gbs=2304,recompute=full",
+                          (8, 16, 32), (48, 96, 192), 148.0,
+                          f"{T1}, 145.6B row (5 layers per virtual stage: vp = 80/8/5)"),
+    "gpt3-175b-h100": Case("h100", 1024, 1536, 96, 12288, 96, "tp=8,pp=16,mbs=1,gbs=1536,recompute=full",
+                           (8, 16, 32), (96, 192), None,
+                           "no published run on h100: Megatron's SC'21 Table 2 configuration family (TP 8, MBS 1, "
+                           "full recomputation) assumed on 1,024 h100"),
 }
 
 
+def _vocab(d: int) -> int:
+    return 51200 if d != 2048 else 50304
+
+
 def _build(layers: int, d: int, heads: int):
-    vocab = 51200 if d != 2048 else 50304
-    return lambda b: get_model("gpt", b, layers=layers, d_model=d, heads=heads, seq=2048, vocab=vocab)
+    vocab = _vocab(d)
+    return lambda b: get_model("gpt", b, layers=layers, d_model=d, heads=heads, seq=SEQ, vocab=vocab)
 
 
 def _model_flops(graph) -> float:
@@ -75,91 +122,158 @@ def _stages_line(plan, names) -> str:
 FIT_RTOL = 1e-9  # each memory-constrained stage proven optimal (the pipeline's gap is at most about 1e-9)
 
 
-def run_case(name: str, solve_opts: dict, recipe_only: bool = False, fallback: bool = False,
-             fit_rtol: float = FIT_RTOL) -> dict:
-    mname, p, batch, (layers, d, heads), rec_s, search_s, search_m = CASES[name]
-    machine = preset(mname, p)
-    build = _build(layers, d, heads)
-    flops = _model_flops(build(batch))
-    row: dict = {"case": name, "machine": mname, "devices": p, "batch": batch, "layers": layers, "d_model": d,
-                 "heads": heads, "model_flops_per_step": flops}
+def measured_seconds(case: Case) -> float | None:
+    """The published step time: the paper's F (recomputation included) / (GPUs × TFLOP/s per GPU)."""
+    from shardplan.models.flops import megatron_flops
 
-    # Megatron's recipe under the same model
-    t0, c0 = time.perf_counter(), _cpu()
-    q = p // rec_s
-    dp = q // 8
-    m = batch // dp
-    rec = ModelStages(build, batch, machine, {**solve_opts, "node_replicas": True}, periodic=True,
-                      strategy=lambda t: megatron(t, max(1, t.machine.num_devices // 8)))
-    U = rec.num_units
-    per = layers // rec_s
-    bounds = [0] + [1 + per * i for i in range(1, rec_s)] + [U]
-    segs = [(bounds[i], bounds[i + 1], q) for i in range(rec_s)]
-    space = PipelineSpace(U, p, machine.node_size, (m,), machine.memory_bytes)
-    rp = evaluate_pipeline(segs, m, space, rec.stage_cost, rec.link_time, rec.exchange_time)
-    if rp is None:  # over budget: cost it without the budget to report by how much
-        rp = evaluate_pipeline(segs, m, PipelineSpace(U, p, machine.node_size, (m,), None), rec.stage_cost,
-                               rec.link_time, rec.exchange_time)
-        row["recipe_fits"] = False
-    else:
-        row["recipe_fits"] = True
-    row["recipe"] = {"stages": rec_s, "devices_per_stage": q, "tensor_parallel": 8, "data_parallel": dp,
-                     "micro_batches": m, "step_seconds": rp.step_time,
-                     "tflops_per_gpu": flops / rp.step_time / p / 1e12,
-                     "memory_per_stage_gib": [s.memory / 2**30 for s in rp.stages],
-                     "seconds": time.perf_counter() - t0, "cpu_seconds": _cpu() - c0}
-    print(f"{name}: recipe {rp.step_time:.3f} s/step, {row['recipe']['tflops_per_gpu']:.0f} TFLOP/s/GPU "
-          f"({row['recipe']['seconds']:.0f} s)", flush=True)
+    if case.measured_tflops is None:
+        return None
+    f = float(megatron_flops(case.batch, SEQ, case.layers, case.d_model, _vocab(case.d_model), recompute=True))
+    return f / (case.devices * case.measured_tflops * 1e12)
 
-    if recipe_only:
-        return row
-    # the search
+
+def recipe_row(case: Case, flops: float) -> dict[str, Any]:
+    """The recipe as published, costed by :func:`cost_recipe` on the same machine and model as the search."""
     t0, c0 = time.perf_counter(), _cpu()
-    sizes = tuple(sorted({p // s for s in search_s if p % s == 0}))
+    rec = Recipe.parse(case.recipe)
+    machine = preset(case.machine, case.devices)
+    plan = cost_recipe(_build(case.layers, case.d_model, case.heads), machine, rec, batch=case.batch)
+    peak = float(plan.memory["peak_bytes"])
+    dp = case.devices // (rec.tp * rec.pp)
+    bare = None
+    if rec.recompute != "none":  # the same recipe without recomputation: what recomputing costs, by the model
+        other = cost_recipe(_build(case.layers, case.d_model, case.heads), machine, replace(rec, recompute="none"),
+                            batch=case.batch)
+        bare = {"step_seconds": other.step_time, "peak_memory_gib": float(other.memory["peak_bytes"]) / 2**30,
+                "fits": float(other.memory["peak_bytes"]) <= float(other.memory["budget_bytes"])}
+    return {"recipe": case.recipe, "stages": rec.pp, "chunks": rec.vp, "tensor_parallel": rec.tp,
+            "data_parallel": dp, "micro_batch_size": rec.mbs, "micro_batches": plan.micro_batches,
+            "schedule": plan.schedule, "recompute": rec.recompute, "step_seconds": plan.step_time,
+            "tflops_per_gpu": flops / plan.step_time / case.devices / 1e12,
+            "peak_memory_gib": peak / 2**30, "fits": peak <= float(plan.memory["budget_bytes"]),
+            "breakdown": dict(plan.breakdown), "without_recompute": bare,
+            "seconds": time.perf_counter() - t0, "cpu_seconds": _cpu() - c0}
+
+
+def search_row(case: Case, solve_opts: dict, fallback: bool, fit_rtol: float, flops: float) -> dict[str, Any]:
+    """The search's optimum under the recipe's constraints: same devices, global batch, memory per device
+    (the preset's) and model; the space holds the recipe's micro-batch count and chunk count."""
+    t0, c0 = time.perf_counter(), _cpu()
+    p = case.devices
+    machine = preset(case.machine, p)
+    rec = Recipe.parse(case.recipe)
+    m_recipe = case.batch // (p // (rec.tp * rec.pp) * rec.mbs)
+    ms = tuple(sorted({*case.search_m, m_recipe}))
+    chunks = tuple(sorted({2, *([rec.vp] if rec.vp > 1 else [])}))
+    sizes = tuple(sorted({p // s for s in case.search_stages if p % s == 0}))
     memory = ({"fallback": lambda t: megatron(t, max(1, t.machine.num_devices // 8))} if fallback else
               {"memory_choices": True, "fit_rtol": fit_rtol, "fit_time_limit": 600.0})
-    res = pipeline_solve(build, batch, machine, micro_batches=search_m, uniform=True, interleave=(2,),
-                         sizes=sizes, schedules=("1f1b", "interleaved", "zb-h1"), **memory, **solve_opts)
+    res = pipeline_solve(_build(case.layers, case.d_model, case.heads), case.batch, machine, micro_batches=ms,
+                         uniform=True, interleave=chunks, sizes=sizes, schedules=("1f1b", "interleaved", "zb-h1"),
+                         **memory, **solve_opts)
     plan = res.plan
     names = res.unit_names()
-    row["search"] = {"stages": plan.num_stages // plan.chunks, "schedule": plan.schedule, "chunks": plan.chunks,
-                     "micro_batches": plan.micro_batches, "stage_map": _stages_line(plan, names),
-                     "layouts": sorted({_layouts(s.cost.detail) for s in plan.stages}),
-                     "memory": "fallback: Megatron's layouts where the time-optimal stage does not fit" if fallback
-                     else f"memory_choices: exact per-stage ZeRO/FSDP/recompute optimum, fit_rtol {fit_rtol:g}",
-                     "stages_on_fallback": sum(getattr(s.cost.detail, "name", "") == "recipe" for s in plan.stages),
-                     "stages_with_memory_choices": sum(getattr(s.cost.detail, "memory_choices", None) is not None
-                                                       for s in plan.stages),
-                     "memory_choice_lines": sorted({_choices(s.cost.detail) for s in plan.stages
-                                                    if getattr(s.cost.detail, "memory_choices", None) is not None}),
-                     "fit_evaluations": plan.stats.get("fit_evaluations", 0),
-                     "group_fit_evaluations": plan.stats.get("group_fit_evaluations", 0),
-                     "zb_fit_candidates": plan.stats.get("zb_fit_candidates", 0),
-                     "fit_unproven": plan.stats.get("fit_unproven", 0),
-                     "lower_bound_seconds": plan.lower_bound, "gap": plan.gap,
-                     "family_lower_bounds": plan.stats.get("family_lower_bounds", {}),
-                     "zb_pruned": plan.stats.get("zb_pruned", 0),
-                     "zb_boxes": plan.stats.get("zb_boxes", 0),
-                     "interleaved_any_chunking_bound": plan.stats.get("interleaved_any_chunking_bound"),
-                     "interleaved_pruned": plan.stats.get("interleaved_pruned", 0),
-                     "periodic_certified": res.stages.periodic_certified,
-                     "periodic_fallbacks": res.stages.periodic_fallbacks,
-                     "bound_pass_seconds": plan.stats.get("bound_pass_seconds", 0.0),
-                     "lazy_rounds": plan.stats.get("lazy_rounds", 0),
-                     "step_seconds": plan.step_time, "simulated_step_seconds": res.simulated_step_time(),
-                     "tflops_per_gpu": flops / plan.step_time / p / 1e12,
-                     "memory_per_stage_gib": [s.memory / 2**30 for s in plan.stages],
-                     "space": {"sub_mesh_sizes": sizes, "micro_batches": search_m, "uniform": True,
-                               "interleave": [2]},
-                     "intra_stage_solves": plan.stats.get("intra_stage_solves"),
-                     "bottleneck_candidates": plan.stats.get("candidates"),
-                     "seconds": time.perf_counter() - t0, "cpu_seconds": _cpu() - c0}
-    row["peak_rss_gb"] = _rss_gb()
-    print(f"{name}: search {plan.step_time:.3f} s/step (lower bound {plan.lower_bound:.6g}, gap {plan.gap:.2g}), "
-          f"{row['search']['tflops_per_gpu']:.0f} TFLOP/s/GPU, "
-          f"{row['search']['stage_map']}, m={plan.micro_batches} {plan.schedule} "
-          f"({row['search']['seconds']:.0f} s, RSS {row['peak_rss_gb']:.2f} GB)", flush=True)
+    return {"stages": plan.num_stages // plan.chunks, "schedule": plan.schedule, "chunks": plan.chunks,
+            "micro_batches": plan.micro_batches, "stage_map": _stages_line(plan, names),
+            "layouts": sorted({_layouts(s.cost.detail) for s in plan.stages}),
+            "memory": "fallback: Megatron's layouts where the time-optimal stage does not fit" if fallback
+            else f"memory_choices: exact per-stage ZeRO/FSDP/recompute optimum, fit_rtol {fit_rtol:g}",
+            "budget_gib": machine.memory_bytes / 2**30 if machine.memory_bytes else None,
+            "stages_with_memory_choices": sum(getattr(s.cost.detail, "memory_choices", None) is not None
+                                              for s in plan.stages),
+            "memory_choice_lines": sorted({_choices(s.cost.detail) for s in plan.stages
+                                           if getattr(s.cost.detail, "memory_choices", None) is not None}),
+            "fit_unproven": plan.stats.get("fit_unproven", 0),
+            "lower_bound_seconds": plan.lower_bound, "gap": plan.gap,
+            "family_lower_bounds": plan.stats.get("family_lower_bounds", {}),
+            "step_seconds": plan.step_time, "simulated_step_seconds": res.simulated_step_time(),
+            "tflops_per_gpu": flops / plan.step_time / p / 1e12,
+            "memory_per_stage_gib": [s.memory / 2**30 for s in plan.stages],
+            "space": {"sub_mesh_sizes": sizes, "micro_batches": ms, "uniform": True, "interleave": chunks,
+                      "schedules": ["1f1b", "interleaved", "zb-h1"]},
+            "seconds": time.perf_counter() - t0, "cpu_seconds": _cpu() - c0}
+
+
+def recipe_part(name: str) -> dict:
+    """A row's measured and recipe columns (seconds to compute): measured (where published), the recipe
+    predicted and predicted / measured."""
+    case = CASES[name]
+    flops = _model_flops(_build(case.layers, case.d_model, case.heads)(case.batch))
+    measured = measured_seconds(case)
+    row: dict = {"case": name, "source": case.source, "machine": case.machine, "devices": case.devices,
+                 "batch": case.batch, "layers": case.layers, "d_model": case.d_model, "heads": case.heads,
+                 "seq": SEQ, "vocab": _vocab(case.d_model), "model_flops_per_step": flops,
+                 "measured_seconds": measured, "measured_tflops_per_gpu_paper_flops": case.measured_tflops}
+    row["recipe"] = recipe_row(case, flops)
+    pred = row["recipe"]["step_seconds"]
+    row["recipe_over_measured"] = pred / measured if measured else None
+    print(f"{name}: measured {_s(measured)}; recipe {case.recipe} predicted {pred:.3f} s"
+          + (f" ({pred / measured:.3f} x measured)" if measured else "")
+          + f", fits: {row['recipe']['fits']} ({row['recipe']['seconds']:.0f} s)", flush=True)
     return row
+
+
+def search_part(name: str, solve_opts: dict, fallback: bool = False, fit_rtol: float = FIT_RTOL) -> dict:
+    """A row's search columns: the plan found and the peak RSS of the search."""
+    case = CASES[name]
+    flops = _model_flops(_build(case.layers, case.d_model, case.heads)(case.batch))
+    return {"search": search_row(case, solve_opts, fallback, fit_rtol, flops), "peak_rss_gb": _rss_gb()}
+
+
+def run_case(name: str, solve_opts: dict, recipe_only: bool = False, fallback: bool = False,
+             fit_rtol: float = FIT_RTOL, limit: float | None = None) -> dict:
+    """One row: measured (where published), the recipe predicted (and predicted / measured), the plan found,
+    and the plan's speedup over the recipe (recipe step / plan step, both under the same model). The search
+    runs in a child process when ``limit`` is given; one still running after ``limit`` seconds is stopped and
+    the row keeps its measured and recipe columns, with ``status`` "skipped" and the reason."""
+    row = recipe_part(name)
+    row["status"] = "done"
+    if recipe_only:
+        return row
+    kwargs = {"solve_opts": solve_opts, "fallback": fallback, "fit_rtol": fit_rtol}
+    got = search_part(name, **kwargs) if limit is None else run_limited(name, kwargs, limit)
+    if "search" not in got:
+        row.update(got)
+        return row
+    row.update(got)
+    pred, found = row["recipe"]["step_seconds"], row["search"]["step_seconds"]
+    row["plan_speedup_over_recipe"] = pred / found
+    print(f"{name}: plan {found:.3f} s/step (gap {row['search']['gap']:.2g}), {row['search']['stage_map']}, "
+          f"m={row['search']['micro_batches']} {row['search']['schedule']}: {pred / found:.3f}x the recipe's speed "
+          f"under the same model ({row['search']['seconds']:.0f} s, RSS {row['peak_rss_gb']:.2f} GB)", flush=True)
+    return row
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f} s"
+
+
+def _child(name: str, kwargs: dict, conn: Any) -> None:
+    try:
+        conn.send(search_part(name, **kwargs))
+    except Exception as e:  # noqa: BLE001 - recorded in the row
+        conn.send({"status": "error", "reason": f"search: {type(e).__name__}: {e}"})
+    conn.close()
+
+
+def run_limited(name: str, kwargs: dict, limit: float) -> dict:
+    """:func:`search_part` in a child process, stopped after ``limit`` seconds and then recorded as skipped."""
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    t0 = time.perf_counter()
+    proc = ctx.Process(target=_child, args=(name, kwargs, child))
+    proc.start()
+    child.close()
+    got = parent.recv() if parent.poll(limit) else None
+    proc.join(5)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join()
+    if got is None:
+        return {"status": "skipped", "reason": f"search not run to the end: it did not finish within the row limit "
+                                               f"of {limit:.0f} s on this machine (2 cores shared with other work)",
+                "search_seconds_before_stop": time.perf_counter() - t0}
+    return got
 
 
 def _choices(plan) -> str:
@@ -180,27 +294,43 @@ def _layouts(plan) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cases", default="small", help=f"comma-separated, from {', '.join(CASES)}")
+    ap.add_argument("--rows", "--cases", dest="rows", default="small",
+                    help=f"comma-separated, from {', '.join(CASES)} (--cases: the older name)")
     ap.add_argument("--out", default="benchmarks/results/pipeline.json")
     ap.add_argument("--fallback", action="store_true",
                     help="stages that do not fit take Megatron's layouts (a heuristic), not their ZeRO/FSDP/recompute "
                          "optimum")
     ap.add_argument("--fit-rtol", type=float, default=FIT_RTOL,
                     help=f"relative tolerance of each memory-constrained stage solve (default {FIT_RTOL:g})")
+    ap.add_argument("--recipe-only", action="store_true", help="cost the recipes only, no search")
+    ap.add_argument("--row-limit", type=float, default=180.0,
+                    help="seconds a row's search may run before it is stopped and the row recorded as skipped, "
+                         "its measured and recipe columns kept (default 180)")
     args = ap.parse_args(argv)
+    names = [n.strip() for n in args.rows.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        print(f"unknown row {unknown[0]!r}; choose from {', '.join(CASES)}", file=sys.stderr)
+        return 2
     opts = {"cutoff": 1, "orders": "row-major"}
+    kwargs = {"solve_opts": opts, "recipe_only": args.recipe_only, "fallback": args.fallback,
+              "fit_rtol": args.fit_rtol, "limit": args.row_limit}
     out = Path(args.out)
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
-    for name in args.cases.split(","):
-        if name not in CASES:
-            print(f"unknown case {name!r}; choose from {', '.join(CASES)}", file=sys.stderr)
-            return 2
-        row = run_case(name, opts, fallback=args.fallback, fit_rtol=args.fit_rtol)
+    for name in names:
+        row = run_case(name, **kwargs)
+        if row["status"] != "done":
+            print(f"{name}: {row['status']}: {row['reason']}", file=sys.stderr)
         rows = [r for r in rows if r["case"] != name] + [row]
+        rows.sort(key=lambda r: list(CASES).index(r["case"]) if r["case"] in CASES else len(CASES))
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"note": "seconds measured on a shared 2-core machine", "rows": rows},
-                                  indent=2) + "\n")
+        out.write_text(json.dumps({"note": NOTE, "rows": rows}, indent=2) + "\n")
     return 0
+
+
+NOTE = ("seconds measured on a shared 2-core machine; measured step times from " + SOURCE + " (F / (GPUs x "
+        "TFLOP/s per GPU), the paper's F with recomputation); recipe predicted by shardplan.recipe.cost_recipe; "
+        "plan_speedup_over_recipe = recipe predicted / plan predicted, both under the same cost model")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ device; copy one to describe another machine): every field of
 :class:`Machine` but ``num_devices`` and ``name`` as ``{"value": v,
 "source": "where v comes from"}``, plus ``name``, ``description`` and the
 ``device_kinds`` the device reports (``jax.Device.device_kind``,
-``torch.cuda.get_device_name()``). The presets are read from these files;
+``torch.cuda.get_device_name()``), and optionally ``measurements`` (any JSON
+object: the raw tables a calibration measured, ``shardplan calibrate``;
+carried, never read as constants). The presets are read from these files;
 :func:`detect_machine` picks the profile whose device kinds hold the one
 reported.
 """
@@ -220,7 +222,7 @@ class Machine:
 
 # The fields a profile file states (every Machine field but the device count and the label).
 PROFILE_FIELDS = tuple(f.name for f in fields(Machine) if f.name not in ("num_devices", "name"))
-_TOP_KEYS = ("name", "description", "device_kinds")
+_TOP_KEYS = ("name", "description", "device_kinds", "measurements")
 UNRECORDED = "not recorded: written from a Machine value by shardplan.machine.machine_to_file"
 
 # preset name -> its profile file in shardplan/machines
@@ -241,7 +243,8 @@ class Profile:
     """One profile file: a machine's constants, each with its source, and the device kinds it describes.
 
     ``values`` and ``sources`` hold every name of :data:`PROFILE_FIELDS`; ``values`` are checked by
-    building a one-device :class:`Machine` from them.
+    building a one-device :class:`Machine` from them. ``measurements``: the raw data behind the values
+    (a JSON object, e.g. a calibration's per-shape table), or None.
     """
 
     name: str
@@ -249,6 +252,7 @@ class Profile:
     device_kinds: tuple[str, ...]
     values: Mapping[str, Any] = field(hash=False)
     sources: Mapping[str, str] = field(hash=False)
+    measurements: Mapping[str, Any] | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "values", MappingProxyType(dict(self.values)))
@@ -263,7 +267,7 @@ class Profile:
 
     @staticmethod
     def of(machine: Machine, sources: Mapping[str, str] | None = None, device_kinds: Iterable[str] = (),
-           description: str = "") -> Profile:
+           description: str = "", measurements: Mapping[str, Any] | None = None) -> Profile:
         """``machine``'s constants as a profile; a field missing from ``sources`` gets :data:`UNRECORDED`."""
         sources = dict(sources or {})
         unknown = sorted(set(sources) - set(PROFILE_FIELDS))
@@ -272,7 +276,7 @@ class Profile:
                                  f"{', '.join(PROFILE_FIELDS)}")
         return Profile(machine.name, description, tuple(device_kinds),
                        {k: getattr(machine, k) for k in PROFILE_FIELDS},
-                       {k: sources.get(k, UNRECORDED) for k in PROFILE_FIELDS})
+                       {k: sources.get(k, UNRECORDED) for k in PROFILE_FIELDS}, measurements)
 
     def to_json(self) -> str:
         """The profile as the text of a profile file (floats written exactly: reading it back gives equal values)."""
@@ -280,6 +284,8 @@ class Profile:
                                "device_kinds": list(self.device_kinds)}
         for k in PROFILE_FIELDS:
             doc[k] = {"value": self.values[k], "source": self.sources[k]}
+        if self.measurements is not None:
+            doc["measurements"] = dict(self.measurements)
         return json.dumps(doc, indent=2) + "\n"
 
 
@@ -332,7 +338,10 @@ def parse_profile(text: str, where: str = "machine profile") -> Profile:
         if not isinstance(entry["source"], str) or not entry["source"].strip():
             raise ShardplanError(f"{where}: field {k!r} needs a source (a non-empty string), got {entry['source']!r}")
         values[k], sources[k] = entry["value"], entry["source"]
-    profile = Profile(name, description, tuple(kinds), values, sources)
+    measurements = doc.get("measurements")
+    if measurements is not None and not isinstance(measurements, dict):
+        raise ShardplanError(f"{where}: 'measurements' must be a JSON object, got {type(measurements).__name__}")
+    profile = Profile(name, description, tuple(kinds), values, sources, measurements)
     try:
         profile.machine(1)
     except ShardplanError as e:
@@ -357,11 +366,12 @@ def load_machine_file(path: str | os.PathLike[str], p: int) -> Machine:
 
 
 def machine_to_file(machine: Machine, path: str | os.PathLike[str], sources: Mapping[str, str] | None = None,
-                    device_kinds: Iterable[str] = (), description: str = "") -> None:
+                    device_kinds: Iterable[str] = (), description: str = "",
+                    measurements: Mapping[str, Any] | None = None) -> None:
     """Write ``machine`` as a profile file that :func:`load_machine_file` reads back equal (but for
     ``num_devices``, which a file does not hold). ``sources``: field -> where its value comes from
-    (default :data:`UNRECORDED`)."""
-    text = Profile.of(machine, sources, device_kinds, description).to_json()
+    (default :data:`UNRECORDED`); ``measurements``: raw data kept in the file under that key."""
+    text = Profile.of(machine, sources, device_kinds, description, measurements).to_json()
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
 

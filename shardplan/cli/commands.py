@@ -344,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", type=float, metavar="GiB", help="add the fastest plan within this memory per device")
     p.set_defaults(func=cmd_compare)
 
+    from shardplan.cli.calibrate import add_parser as add_calibrate
     from shardplan.cli.pipeline import add_parser as add_pipeline
     from shardplan.cli.plan import add_parser as add_plan
     from shardplan.cli.recipe import add_parser as add_recipe
@@ -351,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan(sub)
     add_pipeline(sub)
     add_recipe(sub)
+    add_calibrate(sub)
     return ap
 
 
