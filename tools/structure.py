@@ -25,8 +25,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("result",),                                            # the Plan value
     ("planner",),                                           # the one planning call
     ("recipe",),                                            # published configurations, costed
-    ("report", "bench"),                                    # reading plans
+    ("report", "bench", "calibrate"),                       # reading plans; measuring a machine
     ("jax", "torch"),                                       # engines: trace, run, pipeline executors
+    ("machines",),                                          # the profiles' own scripts (measure_cpu)
     ("cli",),                                               # the command line
     ("shardplan",),                                         # the package's front door
 )
