@@ -34,6 +34,7 @@ MODEL_OPTIONS = {
     "batch": "--batch", "set": "--set", "cutoff": "--cutoff", "orders": "--orders", "all_divisors": "--all-divisors",
     "procs": "-p/--procs", "machine": "--machine", "flops": "--flops", "bandwidth": "--bandwidth",
     "latency": "--latency", "dtype": "--dtype", "no_baselines": "--no-baselines", "dot": "--dot",
+    "memory": "--memory", "fit": "--fit",
 }
 
 
@@ -124,6 +125,7 @@ def _solve_model(args: argparse.Namespace) -> int:
     m = machine_of(args, args.procs)
     t0 = time.perf_counter()
     fit = args.memory is not None or args.fit
+    opts = _fit_options(args, args.batch if args.batch is not None else spec.batch) if fit else None
     if args.memory is not None:
         m = replace(m, memory_bytes=args.memory * 2**30)
     # A fit search offers sharded state, so it must not drop configurations by their unsharded footprint.
@@ -134,7 +136,7 @@ def _solve_model(args: argparse.Namespace) -> int:
     tables = replace(tables, machine=m)
     build = time.perf_counter() - t0
     if args.memory is not None or args.fit:
-        plan = replace(_solve_fit(args, g, m, tables), build_seconds=build)
+        plan = replace(_solve_fit(args, g, m, tables, opts), build_seconds=build)
     else:
         plan = solve_tables(tables, solver=args.solver, build_seconds=build, **_solver_opts(args))
     baselines = {} if args.no_baselines else baseline_plans(tables, spec.expert)
@@ -151,20 +153,24 @@ def _solve_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _solve_fit(args: argparse.Namespace, g, m, tables):
-    from shardplan.fit import FitOptions, solve_fit
-    from shardplan.models import model_spec
+def _fit_options(args: argparse.Namespace, batch: int):
+    """The memory search's options (checked before any table is built)."""
+    from shardplan.fit import FitOptions
 
     if args.solver != "dp":
         raise ShardplanError(f"--memory/--fit search with the exact DP; --solver {args.solver} cannot be combined")
-    if m.memory_bytes is None:
-        raise ShardplanError(f"machine {m.name!r} has no memory size: give --memory GiB")
-    batch = args.batch if args.batch is not None else model_spec(args.model).batch
     zero = "0,1,2,3" if args.zero is None else args.zero
-    opts = FitOptions(stages=int_list(zero, "--zero", 0) or (0,), recompute=not args.no_recompute,
+    return FitOptions(stages=int_list(zero, "--zero", 0) or (0,), recompute=not args.no_recompute,
                       micro_batches=micro_batch_counts(args.micro_batches, batch),
                       time_limit=60.0 if args.time_limit is None else args.time_limit,
                       reserve_bytes=(args.reserve or 0.0) * 2**30, grad_buffers=args.grad_buffers or "persistent")
+
+
+def _solve_fit(args: argparse.Namespace, g, m, tables, opts):
+    from shardplan.fit import solve_fit
+
+    if m.memory_bytes is None:
+        raise ShardplanError(f"machine {m.name!r} has no memory size: give --memory GiB")
     return solve_fit(g, m, budget=m.memory_bytes, options=opts, tables=tables,
                      ordering=args.ordering or "min-table")
 

@@ -213,6 +213,9 @@ _SCALE_SLACK = 2.0**-6  # solve again when the answer is below this fraction of 
 # 10,000 configurations: 8 s; 100,000: many minutes); longer rows are solved without it.
 _PRESOLVE_MAX_ROW = 2048
 _POLL_SECONDS = 0.1  # how often the waiting thread checks for an interrupt (Ctrl-C) while HiGHS runs
+# HiGHS may overrun its time limit (it checks it between steps); past limit + max(these), the wait gives up.
+_GRACE_SECONDS = 2.0
+_GRACE_FRACTION = 0.25
 # The program as we build it takes about 100 bytes per nonzero (COO triplets, their concatenation, CSR);
 # HiGHS's MIP presolve dominates the rest and has no simple formula. Measured peaks of whole solves to
 # optimality (zoo problems of 3,000 to 826,000 nonzeros: 1.0 to 5.9 KB per nonzero, 7 to 846 MB) lie under
@@ -342,7 +345,10 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
             break
         res = _interruptible(lambda: _milp(milp, c / scale, LinearConstraint(a_mat, b, b), integrality,
                                            Bounds(0.0, np.where(integrality > 0, 1.0, np.inf)),
-                                           {**options, "time_limit": max(1e-3, left)}))
+                                           {**options, "time_limit": max(1e-3, left)}),
+                             left + max(_GRACE_SECONDS, _GRACE_FRACTION * left),
+                             f"ILP: HiGHS did not stop at its time limit of {time_limit:g} s ({c.size:,} "
+                             "variables); use the DP (--solver dp)")
         rounds.append(scale)
         if res.get("x") is None or len(rounds) >= _MAX_ROUNDS:
             break
@@ -385,10 +391,11 @@ def _milp(milp: Any, c: np.ndarray, constraints: Any, integrality: np.ndarray, b
         return milp(c=c, constraints=constraints, integrality=integrality, bounds=bounds, options=options)
 
 
-def _interruptible(run: Callable[[], Any]) -> Any:
+def _interruptible(run: Callable[[], Any], deadline: float, late: str) -> Any:
     """``run()`` in a worker thread while this one waits, so that Ctrl-C (KeyboardInterrupt, delivered to the
-    main thread only between Python instructions, never inside HiGHS's C code) stops the wait at once; the
-    abandoned HiGHS run ends at its own time limit."""
+    main thread only between Python instructions, never inside HiGHS's C code) stops the wait at once, and a
+    run still going after ``deadline`` seconds is given up (:class:`ShardplanError` ``late``): HiGHS checks
+    its time limit only between its steps. An abandoned run goes on in its thread until it stops."""
     out: dict[str, Any] = {}
 
     def work() -> None:
@@ -399,7 +406,10 @@ def _interruptible(run: Callable[[], Any]) -> Any:
 
     worker = threading.Thread(target=work, name="shardplan-highs", daemon=True)
     worker.start()
+    end = time.perf_counter() + deadline
     while worker.is_alive():
+        if time.perf_counter() > end:
+            raise ShardplanError(late)
         worker.join(_POLL_SECONDS)
     if "error" in out:
         raise out["error"]
