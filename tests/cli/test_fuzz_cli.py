@@ -233,8 +233,7 @@ CHOICES = {"--machine": ["paper", "h100", "cpu", "dgx", ""], "--dtype": ["fp32",
 
 
 @st.composite
-def command_lines(draw) -> list[str]:
-    name = draw(st.sampled_from(sorted(COMMANDS)))
+def command_lines(draw, name: str) -> list[str]:
     base, options = COMMANDS[name]
     argv = list(base)
     for flag in draw(st.lists(st.sampled_from(options), max_size=3)):
@@ -306,17 +305,15 @@ def test_every_command_as_given_succeeds_and_is_checked(name) -> None:
         _check_written(argv, out_path)
 
 
-@settings(SETTINGS, max_examples=80)
-@given(argv=command_lines())
-def test_fuzz_every_command(argv) -> None:
-    _fuzz_command(argv)
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_fuzz_every_command(name) -> None:
+    settings(SETTINGS, max_examples=12)(given(argv=command_lines(name))(_fuzz_command))()
 
 
 @pytest.mark.slow
-@settings(SETTINGS, max_examples=400)
-@given(argv=command_lines())
-def test_fuzz_every_command_long(argv) -> None:
-    _fuzz_command(argv)
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_fuzz_every_command_long(name) -> None:
+    settings(SETTINGS, max_examples=60)(given(argv=command_lines(name))(_fuzz_command))()
 
 
 # --------------------------------------------------------------------------- degenerate problem files
