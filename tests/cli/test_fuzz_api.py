@@ -184,3 +184,21 @@ def test_fuzz_machine(data) -> None:
         _one_line(e)
         return
     assert m.num_devices >= 1 and math.isfinite(m.peak_flops) and m.peak_flops > 0
+
+
+@pytest.mark.parametrize("path,value", [(("stages", 0, "memory"), None), (("step_time_seconds",), float("nan")),
+                                        (("step_time_seconds",), -1.0), (("micro_batches",), 0),
+                                        (("micro_batches",), 1e400), (("stages", 0, "units"), None),
+                                        (("machine",), [])])
+def test_plan_from_json_refuses_mangled_fields_in_one_line(path, value):
+    global PLAN_JSON
+    if PLAN_JSON is None:
+        PLAN_JSON = _valid_plan_json()
+    d = json.loads(PLAN_JSON)
+    parent = d
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = value
+    with pytest.raises(ShardplanError) as e:
+        Plan.from_json(json.dumps(d))
+    _one_line(e.value)
