@@ -217,8 +217,8 @@ def _micro_batches(given: Sequence[int] | None, batch: int | None) -> tuple[int,
     ms = tuple(integer("plan: micro-batch count", m, 1) for m in given)
     bad = [m for m in ms if batch is not None and batch % m]
     if bad:
-        raise ShardplanError(f"plan: {bad[0]} micro-batches do not divide the batch of {batch} "
-                             "(each count must divide the batch)")
+        raise ShardplanError(f"plan: {bad[0]} micro-batches do not split the batch of {batch} evenly "
+                             "(each count must be one that divides the batch)")
     return ms
 
 

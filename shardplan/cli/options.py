@@ -290,8 +290,8 @@ def micro_batch_counts(text: str | None, batch: int, flag: str = "--micro-batche
         return tuple(m for m in DEFAULT_MICRO_BATCHES if batch % m == 0)
     bad = [m for m in given if batch % m]
     if bad:
-        raise ShardplanError(f"{flag}: {bad[0]} micro-batches do not divide the batch of {batch} "
-                             "(each count must divide the batch)")
+        raise ShardplanError(f"{flag}: {bad[0]} micro-batches do not split the batch of {batch} evenly "
+                             "(each count must be one that divides the batch)")
     return given
 
 
