@@ -72,8 +72,9 @@ def test_jax_refuses_no_devices():
     import shardplan.jax as sj
 
     params, batch = _params_batch()
-    with pytest.raises(ShardplanError, match="no devices to plan for"):
-        sj.parallelize(_mlp_loss, params, batch, devices=[])
+    for entry in (sj.parallelize, sj.plan, sj.pipeline, sj.planned):
+        with pytest.raises(ShardplanError, match="no devices to plan for"):
+            entry(_mlp_loss, params, batch, devices=[])
 
 
 def _zero_extent_loss(p, b):

@@ -43,7 +43,7 @@ def _one_line(e: ShardplanError) -> None:
 def machines(draw) -> Machine:
     p = draw(st.sampled_from([1, 2, 4]))
     if draw(st.booleans()):
-        return preset(draw(st.sampled_from(["paper", "h100", "cpu"])), p)
+        return preset(draw(st.sampled_from(["paper", "h100", "a100"])), p)
     fields = {"peak_flops": 1e12, "bandwidth": 1e10, "memory_bytes": 2.0**34}
     for key in draw(st.lists(st.sampled_from(["peak_flops", "bandwidth", "latency", "memory_bytes", "dtype_bytes",
                                               "node_size"]), max_size=2)):
