@@ -22,7 +22,7 @@ from shardplan.machine import Machine, preset
 from shardplan.recipe import Recipe
 from shardplan.result import Plan
 
-SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 ODD = st.sampled_from([None, 0, -1, 1, 2, 3, 4, 8, 2.5, float("nan"), float("inf"), -float("inf"), 10**30, 2**63,
@@ -202,3 +202,17 @@ def test_plan_from_json_refuses_mangled_fields_in_one_line(path, value):
     with pytest.raises(ShardplanError) as e:
         Plan.from_json(json.dumps(d))
     _one_line(e.value)
+
+
+@pytest.mark.slow
+@settings(SETTINGS, max_examples=250)
+@given(data=st.data())
+def test_fuzz_plan_long(data) -> None:
+    test_fuzz_plan.hypothesis.inner_test(data)
+
+
+@pytest.mark.slow
+@settings(SETTINGS, max_examples=250)
+@given(data=st.data())
+def test_fuzz_solve_long(data) -> None:
+    test_fuzz_solve.hypothesis.inner_test(data)

@@ -338,7 +338,7 @@ def _path(n: int, k: int) -> dict:
 # of many one-configuration leaves, a vertex of many configurations, a single vertex, no edges.
 DEGENERATE = {
     "path-70": _path(70, 1), "path-65-k2": _path(65, 2), "star-64": _star(64, 1, 1), "star-64-k2": _star(64, 2, 2),
-    "star-3000-leaves": _star(3000, 2, 1), "vertex-3000-configs": _star(1, 3000, 1), "one-vertex": _path(1, 3),
+    "star-1500-leaves": _star(1500, 2, 1), "vertex-2000-configs": _star(1, 2000, 1), "one-vertex": _path(1, 3),
     "no-edges": {"format": "shardplan-problem/1", "vertices": _path(3, 2)["vertices"], "edges": []},
 }
 
