@@ -16,12 +16,16 @@ from typing import Any
 
 from shardplan.errors import ShardplanError
 
-__all__ = ["integer", "real", "MAX_EXTENT"]
+__all__ = ["integer", "real", "MAX_EXTENT", "MAX_VOLUME"]
 
 # The largest extent of one dimension (and batch size) the cost model accepts: tile
 # corners, sizes and volumes are int64, and a product of a few extents must stay
 # below 2^63; 2^40 (about 1.1e12) leaves that room and is far above any real size.
 MAX_EXTENT = 2**40
+# The most elements one tensor may hold: the cost model multiplies tile volumes (int64) by the element
+# factor, the element size and the optimizer's copies; 2^52 (about 4.5e15, well above the attention scores
+# of any real model) keeps those products below 2^63, where int64 would wrap around to a wrong, small size.
+MAX_VOLUME = 2**52
 
 
 def _show(x: Any) -> str:

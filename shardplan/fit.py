@@ -27,6 +27,7 @@ import numpy as np
 
 from shardplan.cost import CostTables, build_tables
 from shardplan.cost.memory import STAGES, ChoiceTable, choice_table, recompute_keep_bytes, unsaved_inputs, weight_groups
+from shardplan.checks import real
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
@@ -94,8 +95,8 @@ class FitOptions:
             raise ShardplanError(f"in_flight must be a positive number of micro-batches, got {self.in_flight!r}")
         if int(self.accumulate) < 1:
             raise ShardplanError(f"accumulate must be a positive number of micro-batches, got {self.accumulate!r}")
-        if self.reserve_bytes < 0:
-            raise ShardplanError(f"reserve must be >= 0 bytes, got {self.reserve_bytes!r}")
+        real("FitOptions: reserve_bytes", self.reserve_bytes, minimum=0.0, unit="B")
+        real("FitOptions: time_limit", self.time_limit, positive=True, unit="s")
 
 
 @dataclass(frozen=True, eq=False)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
-from shardplan.checks import MAX_EXTENT
+from shardplan.checks import MAX_EXTENT, MAX_VOLUME
 from shardplan.errors import ShardplanError
 
 if TYPE_CHECKING:
@@ -298,6 +298,9 @@ class Operator:
             if t.name in seen:
                 self._fail(f"two tensors are named {t.name!r}")
             seen.add(t.name)
+            if math.prod(t.shape) > MAX_VOLUME:
+                self._fail(f"tensor {t.name!r} of shape {tuple(t.shape)} has {math.prod(t.shape):.3g} elements, more "
+                           f"than the cost model supports ({MAX_VOLUME:.3g}: its sizes would overflow int64)")
             for i, (a, size) in enumerate(zip(t.axes, t.shape)):
                 for d in a.dims:
                     if d not in ext:

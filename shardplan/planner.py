@@ -203,6 +203,24 @@ def _wants_stages(stages: Any, graph: Graph, build: Any, machine: Machine) -> tu
     return True, "repeated blocks on more than one node"
 
 
+def _micro_batches(given: Sequence[int] | None, batch: int | None) -> tuple[int, ...]:
+    """The micro-batch counts searched: each given one a positive integer dividing ``batch`` (a count that does
+    not, or one above the batch, makes no micro-batch of whole samples); none given, those of 1, 2, 4, 8 that
+    divide it."""
+    from shardplan.checks import integer
+
+    if given is None:
+        return tuple(m for m in (1, 2, 4, 8) if batch is None or batch % m == 0)
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or not given:
+        raise ShardplanError(f"plan: micro_batches must be a non-empty sequence of integers, got {given!r}")
+    ms = tuple(integer("plan: micro-batch count", m, 1) for m in given)
+    bad = [m for m in ms if batch is not None and batch % m]
+    if bad:
+        raise ShardplanError(f"plan: {bad[0]} micro-batches do not split the batch of {batch} evenly "
+                             "(each count must be one that divides the batch)")
+    return ms
+
+
 def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None,
          sizes: dict[str, Any] | None = None, budget: float | None = None, fit: bool = True,
          stages: Any = "auto", micro_batches: Sequence[int] | None = None,
@@ -230,7 +248,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     """
     from dataclasses import replace
 
-    from shardplan.checks import MAX_EXTENT, integer
+    from shardplan.checks import MAX_EXTENT, integer, real
 
     if machine is None:
         raise ShardplanError("plan: give a machine, e.g. preset('h100', 64) (shardplan.jax.plan and "
@@ -245,13 +263,11 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         batch = integer("plan: batch", batch, 1, MAX_EXTENT)
     graph, build, batch, default_cutoff, name = _resolve(model, batch, sizes)
     cutoff = default_cutoff if cutoff is None else integer("plan: cutoff", cutoff, 1, MAX_EXTENT)
-    if budget is not None and not (isinstance(budget, (int, float)) and budget > 0 and budget < float("inf")):
-        raise ShardplanError(f"plan: budget must be a positive number of bytes, got {budget!r}")
-    ms = tuple(int(m) for m in (micro_batches or (1, 2, 4, 8)))
-    if any(m < 1 for m in ms):
-        raise ShardplanError(f"plan: micro-batch counts must be positive, got {ms}")
-    if batch is not None:
-        ms = tuple(m for m in ms if batch % m == 0) or (1,)
+    if budget is not None:
+        budget = real("plan: budget", budget, positive=True, unit="B")
+    if max_stages is not None:
+        max_stages = integer("plan: max_stages", max_stages, 1)
+    ms = _micro_batches(micro_batches, batch)
     limit = budget if budget is not None else machine.memory_bytes
     constrained = fit and limit is not None
 

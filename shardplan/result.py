@@ -277,6 +277,10 @@ class Plan:
             got = d.get("format") if isinstance(d, Mapping) else type(d).__name__
             raise ShardplanError(f"not a shardplan plan (format {got!r}, expected {PLAN_FORMAT!r})")
         try:
+            from shardplan.checks import integer, real
+
+            real("plan JSON: step_time_seconds", d["step_time_seconds"], positive=True, unit="s")
+            integer("plan JSON: micro_batches", d["micro_batches"], 1)
             known = {f.name for f in fields(Machine)}
             machine = Machine(**{k: v for k, v in d["machine"].items() if k in known})
             memory = {k: (math.inf if v is None and k == "budget_bytes" else v) for k, v in d["memory"].items()}
@@ -285,7 +289,9 @@ class Plan:
                         memory, None if d["lower_bound_seconds"] is None else float(d["lower_bound_seconds"]),
                         str(d["solver"]), d.get("stats") or {}, int(d.get("chunks", 1)),
                         None if d.get("batch") is None else int(d["batch"]))
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+        except ShardplanError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
             raise ShardplanError(f"malformed plan JSON: {type(e).__name__}: {e}") from None
 
     @staticmethod

@@ -13,9 +13,10 @@ import time
 from dataclasses import replace
 from typing import Any, Sequence
 
-from shardplan.cli.options import (MEMORY_OPTION_RANGE, Parser, UsageError, VersionAction, add_machine, add_model, add_progress, cutoff_of,
-                                   graph_of, int_list, int_option, machine_of, parse_procs, parse_sizes, plot_path,
-                                   progress, real_option, write_json, write_text)
+from shardplan.cli.options import (MEMORY_OPTION_RANGE, Parser, UsageError, VersionAction, add_machine, add_model,
+                                   add_progress, cutoff_of, graph_of, int_list, int_option, machine_of,
+                                   micro_batch_counts, parse_procs, parse_sizes, plot_path, progress, real_option,
+                                   write_file, write_json, write_text)
 from shardplan.errors import ShardplanError
 
 __all__ = ["main"]
@@ -33,11 +34,23 @@ MODEL_OPTIONS = {
     "batch": "--batch", "set": "--set", "cutoff": "--cutoff", "orders": "--orders", "all_divisors": "--all-divisors",
     "procs": "-p/--procs", "machine": "--machine", "flops": "--flops", "bandwidth": "--bandwidth",
     "latency": "--latency", "dtype": "--dtype", "no_baselines": "--no-baselines", "dot": "--dot",
+    "memory": "--memory", "fit": "--fit",
 }
 
 
+# Options of `solve` that only the memory search (--memory/--fit) reads.
+FIT_OPTIONS = {"zero": "--zero", "micro_batches": "--micro-batches", "reserve": "--reserve",
+               "grad_buffers": "--grad-buffers", "no_recompute": "--no-recompute"}
+
+
 def _check_applicable(args: argparse.Namespace) -> None:
-    """Refuse options that would be silently ignored: model options with --problem, another solver's options."""
+    """Refuse options that would be silently ignored: model options with --problem, another solver's options,
+    the memory search's options without --memory/--fit."""
+    if not args.fit and args.memory is None:
+        given = [flag for key, flag in FIT_OPTIONS.items() if getattr(args, key) not in (None, False)]
+        if given:
+            raise ShardplanError(f"{given[0]} does not apply without --memory GiB or --fit (it is an option of "
+                                 "the memory search)")
     if args.problem is not None:
         given = [flag for key, flag in MODEL_OPTIONS.items() if getattr(args, key, None) not in (None, False)]
         if given:
@@ -112,9 +125,8 @@ def _solve_model(args: argparse.Namespace) -> int:
     m = machine_of(args, args.procs)
     t0 = time.perf_counter()
     fit = args.memory is not None or args.fit
+    opts = _fit_options(args, args.batch if args.batch is not None else spec.batch) if fit else None
     if args.memory is not None:
-        if not args.memory > 0:
-            raise ShardplanError(f"--memory must be a positive number of GiB, got {args.memory!r}")
         m = replace(m, memory_bytes=args.memory * 2**30)
     # A fit search offers sharded state, so it must not drop configurations by their unsharded footprint.
     tables = build_tables(g, replace(m, memory_bytes=None) if fit else m, cutoff=cutoff_of(args, spec),
@@ -124,7 +136,7 @@ def _solve_model(args: argparse.Namespace) -> int:
     tables = replace(tables, machine=m)
     build = time.perf_counter() - t0
     if args.memory is not None or args.fit:
-        plan = replace(_solve_fit(args, g, m, tables), build_seconds=build)
+        plan = replace(_solve_fit(args, g, m, tables, opts), build_seconds=build)
     else:
         plan = solve_tables(tables, solver=args.solver, build_seconds=build, **_solver_opts(args))
     baselines = {} if args.no_baselines else baseline_plans(tables, spec.expert)
@@ -141,17 +153,24 @@ def _solve_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _solve_fit(args: argparse.Namespace, g, m, tables):
-    from shardplan.fit import FitOptions, solve_fit
+def _fit_options(args: argparse.Namespace, batch: int):
+    """The memory search's options (checked before any table is built)."""
+    from shardplan.fit import FitOptions
 
     if args.solver != "dp":
         raise ShardplanError(f"--memory/--fit search with the exact DP; --solver {args.solver} cannot be combined")
+    zero = "0,1,2,3" if args.zero is None else args.zero
+    return FitOptions(stages=int_list(zero, "--zero", 0) or (0,), recompute=not args.no_recompute,
+                      micro_batches=micro_batch_counts(args.micro_batches, batch),
+                      time_limit=60.0 if args.time_limit is None else args.time_limit,
+                      reserve_bytes=(args.reserve or 0.0) * 2**30, grad_buffers=args.grad_buffers or "persistent")
+
+
+def _solve_fit(args: argparse.Namespace, g, m, tables, opts):
+    from shardplan.fit import solve_fit
+
     if m.memory_bytes is None:
         raise ShardplanError(f"machine {m.name!r} has no memory size: give --memory GiB")
-    opts = FitOptions(stages=int_list(args.zero, "--zero", 0) or (0,), recompute=not args.no_recompute,
-                      micro_batches=int_list(args.micro_batches, "--micro-batches", 1) or (1,),
-                      time_limit=60.0 if args.time_limit is None else args.time_limit,
-                      reserve_bytes=args.reserve * 2**30, grad_buffers=args.grad_buffers)
     return solve_fit(g, m, budget=m.memory_bytes, options=opts, tables=tables,
                      ordering=args.ordering or "min-table")
 
@@ -243,10 +262,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.plot:
         from shardplan.report import plot_speedups
 
-        try:  # matplotlib writes the file itself
-            plot_speedups(result["points"], args.plot, result["title"])
-        except OSError as e:
-            raise ShardplanError(f"cannot write {args.plot}: {e.strerror}") from None
+        write_file(args.plot, lambda name: plot_speedups(result["points"], name, result["title"]))
         print(f"plot: {args.plot}")
     return 0
 
@@ -290,15 +306,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baselines", action="store_true", default=None, help="skip the baseline comparison")
     p.add_argument("--json", help="write the plan as JSON here")
     p.add_argument("--dot", help="write the plan as Graphviz DOT here")
-    p.add_argument("--memory", type=float, metavar="GiB",
+    p.add_argument("--memory", type=real_option(positive=True, maximum=2.0**40, unit="GiB"), metavar="GiB",
                    help="memory per device: search the fastest plan whose peak fits (overrides the preset's)")
     p.add_argument("--fit", action="store_true", help="search the fastest plan that fits the preset's memory")
-    p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages offered with --memory/--fit (default 0,1,2,3)")
-    p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch counts searched (default 1,2,4,8)")
+    p.add_argument("--zero", help="ZeRO stages offered with --memory/--fit (default 0,1,2,3)")
+    p.add_argument("--micro-batches", help="micro-batch counts searched with --memory/--fit, each dividing the "
+                                           "batch (default: those of 1,2,4,8 that divide it)")
     p.add_argument("--no-recompute", action="store_true", help="do not offer activation recomputation")
-    p.add_argument("--reserve", type=float, default=0.0, metavar="GiB",
+    p.add_argument("--reserve", type=real_option(0.0, 2.0**40, unit="GiB"), metavar="GiB",
                    help="memory per device kept free for transients (default 0)")
-    p.add_argument("--grad-buffers", choices=("persistent", "backward"), default="persistent",
+    p.add_argument("--grad-buffers", choices=("persistent", "backward"),
                    help="with --memory/--fit: 'persistent' (default) counts every weight gradient and every saved "
                         "activation at once (DDP / Megatron gradient buffers); 'backward' takes the peak over the "
                         "backward pass's steps, gradients appearing as saved activations are freed (XLA), for one "
@@ -341,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write JSON here")
     p.add_argument("--plot", type=plot_path, help="write a plot here (.png, .pdf, .svg, ...)")
     p.add_argument("--fit", action="store_true", help="add the fastest plan within the preset's memory")
-    p.add_argument("--memory", type=float, metavar="GiB", help="add the fastest plan within this memory per device")
+    p.add_argument("--memory", type=real_option(positive=True, maximum=2.0**40, unit="GiB"), metavar="GiB",
+                   help="add the fastest plan within this memory per device")
     p.set_defaults(func=cmd_compare)
 
     from shardplan.cli.calibrate import add_parser as add_calibrate

@@ -18,8 +18,10 @@ from typing import Any, Callable, NoReturn, Sequence
 from shardplan.errors import ShardplanError
 
 __all__ = ["progress", "UsageError", "Parser", "VersionAction", "int_option", "real_option", "plot_path",
-           "parse_sizes", "parse_procs", "machine_of", "graph_of", "cutoff_of", "write_text", "write_json",
-           "add_machine", "add_model", "add_progress", "int_list"]
+           "parse_sizes", "parse_procs", "machine_of", "graph_of", "cutoff_of", "write_file", "write_text",
+           "write_json",
+           "add_machine", "add_model", "add_progress", "int_list",
+           "micro_batch_counts"]
 
 PROGRESS_EVERY_TTY = 0.5  # seconds between updates of the one rewritten line on a terminal
 PROGRESS_EVERY_LOG = 5.0  # seconds between progress lines when stderr is a file or a pipe
@@ -219,16 +221,23 @@ def cutoff_of(args: argparse.Namespace, spec) -> int:
     return args.cutoff if args.cutoff is not None else spec.cutoff
 
 
-def write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, then renamed over ``path``,
-    so an interrupt or a full disk never leaves a partial file; an error is one line."""
+def write_file(path: str, fill: Callable[[str], None]) -> None:
+    """Have ``fill(name)`` write the file ``path`` atomically: it writes a temporary file in the same folder
+    (with ``path``'s suffix, so a writer that picks its format by the name picks the same one), then that is
+    renamed over ``path``, so an interrupt or a full disk never leaves a partial file; an error is one line.
+
+    A ``path`` that exists and is not a regular file (``/dev/stdout``, ``/dev/full``, a named pipe) is written
+    in place: renaming over it would replace the device or pipe with a file."""
     target = Path(path)
     tmp = None
     try:
+        if target.exists() and not target.is_file():
+            fill(str(target))
+            return
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=f".tmp{target.suffix}", dir=target.parent)
+        os.close(fd)
+        fill(tmp)
         os.replace(tmp, target)
         tmp = None
     except OSError as e:
@@ -239,6 +248,16 @@ def write_text(path: str, text: str) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (:func:`write_file`); an error is one line."""
+
+    def fill(name: str) -> None:
+        with open(name, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    write_file(path, fill)
 
 
 def write_json(path: str, data: Any) -> None:
@@ -257,6 +276,23 @@ def int_list(text: str | None, flag: str, least: int = 1) -> tuple[int, ...]:
     if not out or min(out) < least:
         raise ShardplanError(f"{flag} needs integers >= {least}, got {text!r}")
     return out
+
+
+DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def micro_batch_counts(text: str | None, batch: int, flag: str = "--micro-batches") -> tuple[int, ...]:
+    """The micro-batch counts of ``flag`` for a global ``batch``: each given one must divide the batch (a
+    count that does not, or one above the batch, makes no micro-batch of whole samples); not given, those of
+    1, 2, 4, 8 that divide it."""
+    given = int_list(text, flag)
+    if not given:
+        return tuple(m for m in DEFAULT_MICRO_BATCHES if batch % m == 0)
+    bad = [m for m in given if batch % m]
+    if bad:
+        raise ShardplanError(f"{flag}: {bad[0]} micro-batches do not split the batch of {batch} evenly "
+                             "(each count must be one that divides the batch)")
+    return given
 
 
 def add_machine(p: argparse.ArgumentParser) -> None:

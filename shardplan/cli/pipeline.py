@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shardplan.cli.options import add_machine, add_model, cutoff_of, int_list, machine_of, parse_sizes, write_text
+from shardplan.cli.options import (add_machine, add_model, cutoff_of, int_list, int_option, machine_of,
+                                   micro_batch_counts, parse_sizes, real_option, write_file, write_text)
 from shardplan.errors import ShardplanError
 
 __all__ = ["add_parser", "cmd_pipeline"]
@@ -23,12 +24,12 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     machine = machine_of(args, args.procs)
     opts: dict[str, Any] = {"cutoff": cutoff_of(args, spec), "orders": args.orders or "auto"}
     budget = None if args.memory is None else args.memory * 1024**3
-    if not 0.0 <= args.fit_rtol < 1.0:
+    if not args.fit_rtol < 1.0:
         raise ShardplanError(f"--fit-rtol must be in [0, 1), got {args.fit_rtol!r}")
-    if not args.fit_time_limit > 0:
-        raise ShardplanError(f"--fit-time-limit must be a positive number of seconds, got {args.fit_time_limit!r}")
+    if args.timeline and not args.timeline.lower().endswith((".png", ".svg")):
+        raise ShardplanError(f"--timeline must end in .png or .svg, got {args.timeline!r}")
     result = pipeline_solve(lambda b: spec.build(b, **sizes), batch, machine,
-                            micro_batches=int_list(args.micro_batches, "--micro-batches"),
+                            micro_batches=micro_batch_counts(args.micro_batches, batch),
                             max_stages=args.max_stages, uniform=args.uniform,
                             interleave=int_list(args.interleave, "--interleave"), budget=budget,
                             sizes=int_list(args.sizes, "--sizes") or None,
@@ -40,12 +41,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
         write_text(args.json, from_pipeline(result).to_json() + "\n")
         print(f"json: {args.json}")
     if args.timeline:
-        if not args.timeline.lower().endswith((".png", ".svg")):
-            raise ShardplanError(f"--timeline must end in .png or .svg, got {args.timeline!r}")
-        try:
-            draw_timeline(result, args.timeline)
-        except OSError as e:
-            raise ShardplanError(f"cannot write {args.timeline}: {e.strerror}") from None
+        write_file(args.timeline, lambda name: draw_timeline(result, name))
         print(f"timeline: {args.timeline}")
     return 0
 
@@ -54,10 +50,11 @@ def add_parser(sub: Any) -> None:
     """Register the ``pipeline`` subcommand on the CLI's subparsers."""
     p = sub.add_parser("pipeline", help="search pipeline stages x sub-meshes x micro-batches x schedule")
     add_model(p)
-    p.add_argument("-p", "--procs", type=int, required=True, help="number of devices")
+    p.add_argument("-p", "--procs", type=int_option(1), required=True, help="number of devices")
     add_machine(p)
-    p.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch counts searched (default 1,2,4,8)")
-    p.add_argument("--max-stages", type=int, help="largest number of stages (default: one per block)")
+    p.add_argument("--micro-batches", help="micro-batch counts searched, each dividing the batch (default: those of "
+                                             "1,2,4,8 that divide it)")
+    p.add_argument("--max-stages", type=int_option(1), help="largest number of stages (default: one per block)")
     p.add_argument("--uniform", action="store_true", help="only stages of equal sub-mesh size")
     p.add_argument("--interleave", help="chunk counts v to try with interleaved 1F1B, e.g. 2,4")
     p.add_argument("--zero-bubble", action="store_true",
@@ -66,14 +63,15 @@ def add_parser(sub: Any) -> None:
                    help="a stage (interleaved: a device group) whose time-optimal plan does not fit takes its "
                         "memory-constrained optimum, sharding state (ZeRO/FSDP) or recomputing (default: on; "
                         "--no-memory-choices: such a stage is infeasible)")
-    p.add_argument("--fit-rtol", type=float, default=1e-9,
+    p.add_argument("--fit-rtol", type=real_option(0.0, 1.0), default=1e-9,
                    help="relative tolerance of each memory-constrained stage solve (default 1e-9: exact; the plan's "
                         "lower bound and gap say what was proven)")
-    p.add_argument("--fit-time-limit", type=float, default=60.0,
+    p.add_argument("--fit-time-limit", type=real_option(positive=True, maximum=1e7, unit="s"), default=60.0,
                    help="seconds per memory-constrained stage solve (default 60; a stopped solve is counted and "
                         "widens the gap)")
     p.add_argument("--sizes", help="sub-mesh sizes allowed (default: powers of two in a node, whole nodes)")
-    p.add_argument("--memory", type=float, help="memory budget per device, GiB (default: the machine's)")
+    p.add_argument("--memory", type=real_option(positive=True, maximum=2.0**40, unit="GiB"), metavar="GiB",
+                   help="memory budget per device, GiB (default: the machine's)")
     p.add_argument("--json", help="write the pipeline plan as JSON here")
     p.add_argument("--timeline", help="draw the schedule's timeline here (.png or .svg)")
     p.set_defaults(func=cmd_pipeline)

@@ -43,6 +43,31 @@ __all__ = ["plan", "apply", "parallelize", "planned", "pipeline", "Planned", "tr
            "report", "TraceInfo", "supported_primitives"]
 
 
+def check_loss(loss_fn: Callable[..., Any], params: Any, batch: Any, has_aux: bool = False) -> None:
+    """Refuse, at planning time, a loss the step cannot differentiate: ``loss_fn(params, batch)`` (its first
+    value with ``has_aux``) must be a real scalar and every parameter leaf a floating-point array
+    (``jax.value_and_grad`` fails on anything else, but only when the step first runs)."""
+    import jax
+    import jax.numpy as jnp
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact) or jnp.issubdtype(dtype, jnp.complexfloating):
+            raise ShardplanError(f"parameter {jax.tree_util.keystr(path) or 'params'} has dtype {dtype} "
+                                 f"(shape {tuple(jnp.shape(leaf))}): parameters must be real floating-point arrays "
+                                 "(gradients are taken with respect to every parameter)")
+    out = jax.eval_shape(loss_fn, params, batch)
+    if has_aux:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ShardplanError("has_aux=True: the loss function must return (loss, aux)")
+        out = out[0]
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        what = f"shape {shape} and dtype {dtype}" if shape is not None else f"a {type(out).__name__}"
+        raise ShardplanError(f"the loss must be a real floating-point scalar (shape ()), got {what}"
+                             + ("" if has_aux else "; a loss returning (loss, aux) needs has_aux=True"))
+
+
 @dataclass(frozen=True, eq=False)
 class Planned:
     """A plan for ``loss_fn(params, batch)`` and everything needed to run it.
@@ -92,6 +117,7 @@ def plan(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence
     from shardplan.planner import plan as _plan
 
     devices, machine = devices_and_machine(devices, machine)
+    check_loss(loss_fn, params, batch)
     tracer = Tracer(loss_fn, params, batch)
     keywords.setdefault("cutoff", 1)
     return _plan(tracer, machine, batch=batch_size(tracer.full_info), **keywords)
@@ -164,6 +190,7 @@ def planned(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Seque
     ``(loss, aux)``, as in ``jax.value_and_grad``.
     """
     devices, machine = devices_and_machine(devices, machine)
+    check_loss(loss_fn, params, batch, has_aux)
     graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
     solve_opts.setdefault("divides_p", True)
     if budget is not None or fit is not None:

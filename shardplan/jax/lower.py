@@ -323,7 +323,7 @@ class _GraphPass:
     # -- adding operators -------------------------------------------------
     def adopt(self, eqn: FlatEqn, op: Operator, vals: Sequence[_Val], out_index: int = 0,
               fixed: Sequence[str] = (), inserted_axis: int | None = None,
-              hints: Mapping[str, str] | None = None) -> _Val:
+              hints: Mapping[str, str] | None = None, slots: Sequence[int] | None = None) -> _Val:
         """Register ``op``, built on ``self.ref`` stand-ins of ``vals`` (in order), with its operands re-based.
 
         Constants are dropped (free, replicated), parameters become weights,
@@ -331,7 +331,9 @@ class _GraphPass:
         The dimension indexing a batch-carrying operand axis is renamed ``b``;
         the operator is named after the equation's scope. ``inserted_axis``:
         the stand-ins have a unit axis there that the equation's operands lack.
-        ``hints``: labels the handler gives some dimensions (:mod:`shardplan.labels`).
+        ``hints``: labels the handler gives some dimensions (:mod:`shardplan.labels`). ``slots``: the
+        equation's operand index of each of ``vals`` (default their positions; a handler that leaves operands
+        out says which it kept).
         """
         if len(op.inputs) != len(vals) or op.weights:
             raise AssertionError(f"{op.name}: an adopted operator reads exactly its stand-ins")
@@ -351,7 +353,7 @@ class _GraphPass:
             read = [_blocking_dim(a) for a in t.axes] if same_rank else [None] * len(v.shape)
             if inserted_axis is not None:
                 del read[inserted_axis]
-            reads.append((self.eqn_index, slot, tuple(read)))
+            reads.append((self.eqn_index, slot if slots is None else int(slots[slot]), tuple(read)))
             if v.kind == "param":
                 ws.append(self.tensor(v, f"w{len(ws)}", t.axes))
                 wkeys.append((v.key, v.part))
@@ -481,6 +483,8 @@ class _GraphPass:
                 for o, s in zip(eqn.outvars, eqn.out_shapes):
                     self.env[o] = _const(s)
                 continue
+            if _zero_extent(self, eqn, vals):
+                continue
             handler = _HANDLERS.get(name)
             if handler is None and name in ELEMENTWISE_FLOPS:
                 handler = _elementwise
@@ -492,6 +496,33 @@ class _GraphPass:
                     "custom_jvp/custom_vjp are inlined"
                 )
             handler(self, eqn, vals)
+
+
+def _zero_extent(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> bool:
+    """An equation that touches a tensor with a zero extent (an empty slice concatenated back, a zero-length
+    sequence): such a tensor holds nothing, so it costs nothing to compute, store or move. A result with a zero
+    extent, or one computed from an empty operand (a sum over an empty axis, a product contracting one), is a
+    constant; a concatenation reads its non-empty operands only. Returns whether the equation was handled."""
+    if any(0 in tuple(s) for s in eqn.out_shapes):
+        for o, s in zip(eqn.outvars, eqn.out_shapes):
+            g.env[o] = _const(s)
+        return True
+    kept = [k for k, v in enumerate(vals) if 0 not in v.shape]
+    if len(kept) == len(vals):
+        return False
+    if eqn.name != "concatenate" or not kept:
+        for o, s in zip(eqn.outvars, eqn.out_shapes):
+            g.env[o] = _const(s)
+        return True
+    if len(kept) == 1:  # the one non-empty operand is the result
+        v = vals[kept[0]]
+        g.env[eqn.outvars[0]] = v
+        g.view_src[eqn.outvars[0]] = g.resolve(eqn.invars[kept[0]])
+        return True
+    parts = [vals[k] for k in kept]
+    g.adopt(eqn, ops.concat("_", [g.ref(v, j) for j, v in enumerate(parts)], eqn.params["dimension"]), parts,
+            slots=kept)
+    return True
 
 
 # What JAX's linearisation keeps of a primitive (its residuals): nothing (linear, or no gradient at all), its

@@ -50,6 +50,30 @@ class PipelineResult:
         return graph_flops / self.plan.step_time / self.machine.num_devices
 
 
+def _checked(batch: Any, micro_batches: Any, max_stages: Any, budget: Any, sizes: Any, interleave: Any,
+             fit_rtol: Any, fit_time_limit: Any) -> tuple[int, tuple[int, ...], int | None, float | None, Any]:
+    """The arguments of :func:`pipeline_solve` that are numbers, checked (one-line :class:`ShardplanError`)."""
+    from shardplan.checks import MAX_EXTENT, integer, real
+
+    batch = integer("pipeline_solve: batch", batch, 1, MAX_EXTENT)
+    ms = tuple(integer("pipeline_solve: micro-batch count", m, 1) for m in micro_batches)
+    if max_stages is not None:
+        max_stages = integer("pipeline_solve: max_stages", max_stages, 1)
+    if budget is not None and budget != float("inf"):
+        budget = real("pipeline_solve: budget", budget, positive=True, unit="B")
+    if sizes is not None:
+        sizes = tuple(integer("pipeline_solve: sub-mesh size", q, 1) for q in sizes)
+        if not sizes:
+            raise ShardplanError("pipeline_solve: sizes must name at least one sub-mesh size")
+    for v in interleave:
+        integer("pipeline_solve: interleave chunk count", v, 1)
+    real("pipeline_solve: fit_rtol", fit_rtol, 0.0, 1.0)
+    if not fit_rtol < 1.0:
+        raise ShardplanError(f"pipeline_solve: fit_rtol must be in [0, 1), got {fit_rtol!r}")
+    real("pipeline_solve: fit_time_limit", fit_time_limit, positive=True, unit="s")
+    return batch, ms, max_stages, budget, sizes
+
+
 def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, *,
                    micro_batches: Sequence[int] = (1, 2, 4, 8), max_stages: int | None = None, uniform: bool = False,
                    interleave: Sequence[int] = (), schedules: Sequence[str] = ("1f1b", "interleaved"),
@@ -72,16 +96,16 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     but is exact only over "time-optimal stage, else the rule's". Other keyword arguments go to each intra-stage :func:`shardplan.solve`.
     """
     t0 = time.perf_counter()
-    if not 0.0 <= fit_rtol < 1.0:
-        raise ShardplanError(f"pipeline_solve: fit_rtol must be in [0, 1), got {fit_rtol!r}")
-    ms = [int(m) for m in micro_batches if batch % int(m) == 0]
+    batch, micro_batches, max_stages, budget, sizes = _checked(batch, micro_batches, max_stages, budget, sizes,
+                                                               interleave, fit_rtol, fit_time_limit)
+    ms = [m for m in micro_batches if batch % m == 0]
     if not ms:
         raise ShardplanError(f"no micro-batch count in {list(micro_batches)} divides the batch of {batch}")
     stages = ModelStages(build, batch, machine, dict(solve_options), periodic=periodic, fit_rtol=fit_rtol,
                          fit_time_limit=fit_time_limit, memory_choices=memory_choices)
     space = PipelineSpace(stages.num_units, machine.num_devices, machine.node_size, tuple(ms),
                           machine.memory_bytes if budget is None else budget, max_stages, uniform, tuple(interleave),
-                          None if sizes is None else tuple(int(q) for q in sizes))
+                          sizes)
     fit_fn = stages.fit_cost if memory_choices else None
     group_fit_fn = stages.group_fit_cost if memory_choices else None
     if fallback is not None:

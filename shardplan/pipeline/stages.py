@@ -410,14 +410,16 @@ class ModelStages:
         return self._tables.setdefault((q, "fit") if self.memory_choices and self.strategy is None else q, {})
 
     def _weight_syncs(self, tables, q: int) -> list:
-        """Per operator of ``tables`` (built on q devices), :func:`weight_sync` of each layout, cached by key."""
+        """Per operator of ``tables`` (built on q devices), :func:`weight_sync` of each layout, cached by key and
+        by the tables' resolved orders ("auto" offers an operator more layouts in a small graph than in a large
+        one: its key alone does not decide its layouts)."""
         from shardplan.cost import operator_key
 
         machine = replace(self.machine, num_devices=q)
         syncs = self._table_cache(q).setdefault("weight_sync", {})
         out = []
         for op, arr in zip(tables.graph.operators, tables.arrays):
-            key = operator_key(op)
+            key = (tables.options.get("orders"), operator_key(op))
             if key not in syncs:
                 syncs[key] = weight_sync(op, arr, None, machine)
             out.append(syncs[key])

@@ -303,16 +303,18 @@ def forest_bounds(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
     for v in order:
         # excluded sums are recomputed (not up[v] - msg), so no cancellation error enters
         base = h[v] + down[v] if down[v] is not None else h[v]
-        full = base.copy()
-        for c in children[v]:
-            full += msg_up[c]
-        mm[v] = full
-        for c in children[v]:
-            excl = base.copy()
-            for c2 in children[v]:
-                if c2 != c:
-                    excl += msg_up[c2]
-            down[c] = (excl[None, :] + mat(c, v)).min(axis=1)
+        kids = children[v]
+        # prefix[i]: base + the messages of the children before i; suffix[i]: those from i on (linear in the
+        # degree, a star of many leaves included)
+        prefix = [base]
+        for c in kids:
+            prefix.append(prefix[-1] + msg_up[c])
+        mm[v] = prefix[-1]
+        suffix = np.zeros_like(base)
+        for i in range(len(kids) - 1, -1, -1):
+            c = kids[i]
+            down[c] = ((prefix[i] + suffix)[None, :] + mat(c, v)).min(axis=1)
+            suffix = suffix + msg_up[c]
     # other components add at least their own minimum
     comp_min = {v: float(mm[v].min()) for v in range(n) if parent[v] < 0}
     total = sum(comp_min.values())

@@ -47,11 +47,12 @@ used for the bound and gap.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -208,6 +209,13 @@ def _round_assignment(z: np.ndarray, sizes: tuple[int, ...]) -> tuple[int, ...]:
 
 _MAX_ROUNDS = 3  # HiGHS solves at most this many times, each in the unit of the previous answer
 _SCALE_SLACK = 2.0**-6  # solve again when the answer is below this fraction of the cost unit
+# HiGHS's presolve takes time quadratic in a row's length and does not stop at the time limit (a vertex of
+# 10,000 configurations: 8 s; 100,000: many minutes); longer rows are solved without it.
+_PRESOLVE_MAX_ROW = 2048
+_POLL_SECONDS = 0.1  # how often the waiting thread checks for an interrupt (Ctrl-C) while HiGHS runs
+# HiGHS may overrun its time limit (it checks it between steps); past limit + max(these), the wait gives up.
+_GRACE_SECONDS = 2.0
+_GRACE_FRACTION = 0.25
 # The program as we build it takes about 100 bytes per nonzero (COO triplets, their concatenation, CSR);
 # HiGHS's MIP presolve dominates the rest and has no simple formula. Measured peaks of whole solves to
 # optimality (zoo problems of 3,000 to 826,000 nonzeros: 1.0 to 5.9 KB per nonzero, 7 to 846 MB) lie under
@@ -324,19 +332,23 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
             f"of {fmt_bytes(limit)}; use the DP (--solver dp) or raise --table-memory")
     c, a_mat, b, integrality, num_x = build_program(reduced)
     scale = _cost_scale(problem, reduced)
-    options = {"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "mip_abs_gap": 0.0}
+    longest = int(np.diff(a_mat.tocsr().indptr).max()) if a_mat.shape[0] else 0
+    options = {"time_limit": float(time_limit), "mip_rel_gap": float(mip_rel_gap), "mip_abs_gap": 0.0,
+               "presolve": longest <= _PRESOLVE_MAX_ROW}
     rounds = []
     while True:
-        with warnings.catch_warnings():
-            # mip_abs_gap is passed to HiGHS verbatim; scipy warns that it does not know it.
-            warnings.filterwarnings("ignore", message="Unrecognized options", category=RuntimeWarning)
-            res = milp(
-                c=c / scale,
-                constraints=LinearConstraint(a_mat, b, b),
-                integrality=integrality,
-                bounds=Bounds(0.0, np.where(integrality > 0, 1.0, np.inf)),
-                options={**options, "time_limit": max(1e-3, float(time_limit) - (time.perf_counter() - start))},
-            )
+        left = float(time_limit) - (time.perf_counter() - start)
+        if left <= 0 and not rounds:
+            raise ShardplanError(f"ILP: building the program took the whole time limit of {time_limit:g} s "
+                                 f"({c.size:,} variables); raise --time-limit or use the DP (--solver dp)")
+        if left <= 0:
+            break
+        res = _interruptible(lambda: _milp(milp, c / scale, LinearConstraint(a_mat, b, b), integrality,
+                                           Bounds(0.0, np.where(integrality > 0, 1.0, np.inf)),
+                                           {**options, "time_limit": max(1e-3, left)}),
+                             left + max(_GRACE_SECONDS, _GRACE_FRACTION * left),
+                             f"ILP: HiGHS did not stop at its time limit of {time_limit:g} s ({c.size:,} "
+                             "variables); use the DP (--solver dp)")
         rounds.append(scale)
         if res.get("x") is None or len(rounds) >= _MAX_ROUNDS:
             break
@@ -369,6 +381,39 @@ def solve_ilp(problem: Problem, time_limit: float = 60.0, mip_rel_gap: float = 0
     bound = cost if sol.optimal else (None if sol.bound is None else min(sol.bound, cost))
     return certify(original, Solution(cost, assignment, time.perf_counter() - start, "ilp", sol.optimal, bound,
                                       stats), dual)
+
+
+def _milp(milp: Any, c: np.ndarray, constraints: Any, integrality: np.ndarray, bounds: Any,
+          options: dict[str, Any]) -> Any:
+    with warnings.catch_warnings():
+        # mip_abs_gap is passed to HiGHS verbatim; scipy warns that it does not know it.
+        warnings.filterwarnings("ignore", message="Unrecognized options", category=RuntimeWarning)
+        return milp(c=c, constraints=constraints, integrality=integrality, bounds=bounds, options=options)
+
+
+def _interruptible(run: Callable[[], Any], deadline: float, late: str) -> Any:
+    """``run()`` in a worker thread while this one waits, so that Ctrl-C (KeyboardInterrupt, delivered to the
+    main thread only between Python instructions, never inside HiGHS's C code) stops the wait at once, and a
+    run still going after ``deadline`` seconds is given up (:class:`ShardplanError` ``late``): HiGHS checks
+    its time limit only between its steps. An abandoned run goes on in its thread until it stops."""
+    out: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            out["result"] = run()
+        except BaseException as e:  # handed to the waiting thread, raised there
+            out["error"] = e
+
+    worker = threading.Thread(target=work, name="shardplan-highs", daemon=True)
+    worker.start()
+    end = time.perf_counter() + deadline
+    while worker.is_alive():
+        if time.perf_counter() > end:
+            raise ShardplanError(late)
+        worker.join(_POLL_SECONDS)
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
 
 
 def solution_from_result(problem: Problem, res: Mapping, time_limit: float, elapsed: float, stats: dict) -> Solution:

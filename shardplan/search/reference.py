@@ -27,6 +27,9 @@ from shardplan.search.problem import Problem, Solution, certify
 __all__ = ["solve_bruteforce", "solve_bfs_dp"]
 
 _CHUNK = 1 << 16
+# numpy's limit on array dimensions: brute force indexes one axis per vertex, the breadth-first DP's table one
+# per frontier vertex.
+MAX_DIMS = 64
 _CHUNK_INDICES = 1 << 22  # brute force: at most this many configuration indices (int64) per chunk
 
 
@@ -59,6 +62,9 @@ def solve_bruteforce(problem: Problem, max_combinations: int = 10**7) -> Solutio
         raise ShardplanError(
             f"brute force needs {total} combinations, over the limit of {max_combinations}"
         )
+    if len(sizes) > MAX_DIMS:
+        raise ShardplanError(f"brute force enumerates at most {MAX_DIMS} vertices (numpy's limit on array "
+                             f"dimensions), the problem has {len(sizes)}; use --solver dp")
     best_cost, best_flat = np.inf, 0
     chunk = max(1, min(_CHUNK, _CHUNK_INDICES // max(1, len(sizes))))  # one int64 index per vertex and row
     for start in range(0, total, chunk):
@@ -103,6 +109,9 @@ def solve_bfs_dp(problem: Problem, memory_limit_bytes: int | None = None) -> Sol
 
     def add_axis(w: int) -> None:
         nonlocal table
+        if w not in axes and len(axes) == MAX_DIMS:
+            raise ShardplanError(f"vertex {problem.names[v]!r}: the breadth-first DP's table would span more than "
+                                 f"{MAX_DIMS} vertices (numpy's limit on array dimensions); use --solver dp")
         if w not in axes:
             axes.append(w)
             table = table[..., None]

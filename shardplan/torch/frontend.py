@@ -166,6 +166,16 @@ _SKIP = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.
                    "aten.sym_constrain_range_for_size.default"})
 
 
+def _empty(node: Any, vals: list, target: str) -> bool:
+    """Whether ``node`` computes nothing: its result has a zero extent (it holds nothing), or it reads an operand
+    with one (outside a concatenation, which skips it: a sum over an empty axis is a constant), so it is free."""
+    if 0 in (_shape(node) or (1,)):
+        return True
+    if target in ("aten.cat.default", "aten.concat.default"):
+        return False
+    return any(isinstance(v, Val) and v.kind != "const" and 0 in (v.shape or (1,)) for v in vals)
+
+
 def _shape(node: Any) -> tuple[int, ...] | None:
     v = node.meta.get("val") if hasattr(node, "meta") else None
     if v is None or not hasattr(v, "shape"):
@@ -1259,6 +1269,10 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
             env[node.name] = NONE_VAL
             continue
         if not _any_live(vals) and not _any_live(list(_map_args(tuple(node.kwargs.values()), env))):
+            env[node.name] = Val("const", None, _shape(node) or ())
+            const_nodes.add(node.name)
+            continue
+        if _empty(node, vals, target):
             env[node.name] = Val("const", None, _shape(node) or ())
             const_nodes.add(node.name)
             continue

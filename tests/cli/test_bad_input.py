@@ -114,6 +114,46 @@ BAD_ARGS = [
     ("bench --models , --procs 4", r"--models expects a comma-separated list of model names, got ','"),
     ("bench --models alexnet --procs 4 --no-bfs --bfs-memory 1e9", r"--bfs-memory does not apply with --no-bfs"),
     ("bench --models alexnet --procs ,", r"--procs needs positive device counts"),
+    # plans that mean nothing: micro-batch counts that do not divide the batch, NaN budgets, no stages
+    ("solve --model gpt --set layers=2 -p 4 --batch 64 --memory 4 --micro-batches 3",
+     r"--micro-batches: 3 micro-batches do not split the batch of 64"),
+    ("solve --model gpt --set layers=2 -p 4 --fit --micro-batches 1000000000000",
+     r"--micro-batches: 1000000000000 micro-batches do not split the batch"),
+    ("solve --model gpt --set layers=2 -p 4 --memory nan", r"argument --memory: must be a finite number, got nan"),
+    ("solve --model gpt --set layers=2 -p 4 --memory 0", r"argument --memory: must be positive"),
+    ("solve --model gpt --set layers=2 -p 4 --fit --reserve=-1", r"argument --reserve: must be at least 0"),
+    ("solve --model gpt --set layers=2 -p 4 --fit --reserve inf", r"argument --reserve: must be a finite number"),
+    ("pipeline --model gpt --set layers=2 -p 4 --memory nan", r"argument --memory: must be a finite number, got nan"),
+    ("pipeline --model gpt --set layers=2 -p 4 --max-stages 0", r"argument --max-stages: must be at least 1, got 0"),
+    ("pipeline --model gpt --set layers=2 -p 0", r"argument -p/--procs: must be at least 1, got 0"),
+    ("pipeline --model gpt --set layers=2 -p 4 --fit-rtol nan", r"argument --fit-rtol: must be a finite number"),
+    ("pipeline --model gpt --set layers=2 -p 4 --fit-rtol 1", r"--fit-rtol must be in \[0, 1\), got 1\.0"),
+    ("pipeline --model gpt --set layers=2 -p 4 --fit-time-limit 0", r"argument --fit-time-limit: must be positive"),
+    ("pipeline --model gpt --set layers=2 -p 4 --batch 64 --micro-batches 3",
+     r"--micro-batches: 3 micro-batches do not split the batch of 64"),
+    ("pipeline --model gpt --set layers=2 -p 4 --sizes 0", r"--sizes needs integers >= 1"),
+    ("pipeline --model gpt --set layers=2 -p 4 --timeline t.gif", r"--timeline must end in \.png or \.svg"),
+    ("plan --model gpt --set layers=2 -p 4 --batch 64 --micro-batches 3",
+     r"plan: 3 micro-batches do not split the batch of 64"),
+    ("plan --model gpt --set layers=2 -p 4 --micro-batches 1000000000000",
+     r"plan: 1000000000000 micro-batches do not split the batch"),
+    ("plan --model gpt --set layers=2 -p 4 --max-stages 0", r"argument --max-stages: must be at least 1, got 0"),
+    ("plan --model gpt --set layers=2 -p 4 --memory nan", r"argument --memory: must be a finite number, got nan"),
+    ("compare --model alexnet --procs 4 --memory nan", r"argument --memory: must be a finite number, got nan"),
+    ("recipe --model gpt --set layers=2 -p 4 --recipe tp=2,mbs=3", r"not a multiple of dp × mbs = 2 × 3"),
+    # the memory search's options without the memory search
+    ("solve --model gpt --set layers=2 -p 4 --zero 1", r"--zero does not apply without --memory GiB or --fit"),
+    ("solve --model gpt --set layers=2 -p 4 --micro-batches 2", r"--micro-batches does not apply without --memory"),
+    ("solve --model gpt --set layers=2 -p 4 --reserve 1", r"--reserve does not apply without --memory"),
+    ("solve --model gpt --set layers=2 -p 4 --grad-buffers backward", r"--grad-buffers does not apply without"),
+    ("solve --model gpt --set layers=2 -p 4 --no-recompute", r"--no-recompute does not apply without --memory"),
+    ("solve --problem {P} --memory 4", r"--memory does not apply to --problem"),
+    ("solve --problem {P} --fit", r"--fit does not apply to --problem"),
+    # sizes whose tensors would overflow int64 (each extent is within MAX_EXTENT, their product is not)
+    ("solve --model gpt --set layers=1 --set heads=1 --set vocab=1099511627776 --set d_model=67108864 -p 4 "
+     "--machine h100", r"tensor 'table' of shape \(1099511627776, 67108864\) has 7\.38e\+19 elements, more than"),
+    ("ops --model gpt --set layers=1 --set heads=1 --set vocab=1099511627776 --set d_model=1048576",
+     r"has 1\.15e\+18 elements, more than the cost model supports"),
 ]
 
 
@@ -330,3 +370,123 @@ def test_progress_is_silent_for_fast_steps_and_rewrites_a_terminal_line():
     now[0] += 1.0
     show(1, 2)
     assert forced.getvalue() == "x 1/2 (1 s)\n"
+
+
+# --------------------------------------------------------------------------- output files
+FULL = "/dev/full"
+
+
+def _is_char_device(path: str) -> bool:
+    import os
+    import stat
+
+    return os.path.exists(path) and stat.S_ISCHR(os.stat(path).st_mode)
+
+
+@pytest.mark.skipif(not _is_char_device(FULL), reason="no /dev/full")
+@pytest.mark.parametrize("argv", [
+    "export-problem --model rnnlm --set vocab=64 --set hidden=16 --set seq=8 --batch 8 -p 2 -o /dev/full",
+    "solve --model rnnlm --set vocab=64 --set hidden=16 --set seq=8 --batch 8 -p 2 --no-baselines --json /dev/full",
+    "solve --problem {P} --json /dev/full",
+])
+def test_full_disk_is_one_line_and_the_device_stays(capsys, problem_file, argv):
+    """A full disk is one line, exit 2; a device is written in place (a rename would replace /dev/full)."""
+    code, out, err = run(capsys, [a.replace("{P}", problem_file) for a in argv.split()])
+    assert code == 2 and err == "shardplan: error: cannot write /dev/full: No space left on device\n", err
+    assert _is_char_device(FULL)
+
+
+def test_interrupt_while_writing_leaves_no_file(capsys, tmp_path, monkeypatch):
+    """Ctrl-C during export-problem's write: exit 130, neither the file nor a temporary one is left."""
+    import os
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    out_path = tmp_path / "p.json"
+    code, _, err = run(capsys, ["export-problem", "--model", "rnnlm", "--set", "vocab=64", "--set", "hidden=16",
+                                "--set", "seq=8", "--batch", "8", "-p", "2", "-o", str(out_path)])
+    assert code == 130 and err == "shardplan: interrupted\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_timeline_is_written_atomically(capsys, tmp_path, monkeypatch):
+    """The timeline picture goes through a temporary file too: a drawing that fails leaves nothing."""
+    import shardplan.report.pipeline as rp
+
+    argv = ["pipeline", "--model", "gpt", "--set", "layers=2", "-p", "4", "--micro-batches", "1,2"]
+    real_draw = rp.draw_timeline
+
+    def half_drawn(result, path):
+        with open(path, "w") as fh:
+            fh.write("partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rp, "draw_timeline", half_drawn)
+    code, _, _ = run(capsys, argv + ["--timeline", str(tmp_path / "t.png")])
+    assert code == 130 and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(rp, "draw_timeline", real_draw)
+    code, out, err = run(capsys, argv + ["--timeline", str(tmp_path / "t.svg")])
+    assert code == 0, err
+    assert [p.name for p in tmp_path.iterdir()] == ["t.svg"] and (tmp_path / "t.svg").read_text().startswith("<?xml")
+
+
+def test_pipeline_auto_orders_on_a_small_model_at_32_devices(capsys):
+    """Auto orders give an operator more layouts in a small stage graph than in a large one: the weight-sync
+    arrays cached per operator must follow (a broadcast error before)."""
+    code, out, err = run(capsys, ["pipeline", "--model", "gpt", "--set", "layers=2", "-p", "32",
+                                  "--micro-batches", "1,2"])
+    assert code == 0, err
+    assert "step time" in out or "Pipeline" in out or "stage" in out
+
+
+# --------------------------------------------------------------------------- the Python API
+def test_pipeline_solve_checks_its_numbers():
+    from shardplan.machine import preset
+    from shardplan.models import model_spec
+    from shardplan.pipeline.api import pipeline_solve
+
+    spec = model_spec("gpt")
+    m = preset("h100", 4)
+    for kwargs, message in [({"sizes": [0]}, "sub-mesh size must be at least 1, got 0"),
+                            ({"sizes": []}, "sizes must name at least one sub-mesh size"),
+                            ({"max_stages": 0}, "max_stages must be at least 1, got 0"),
+                            ({"budget": float("nan")}, "budget must be a finite number, got nan"),
+                            ({"budget": -1.0}, "budget must be positive"),
+                            ({"micro_batches": (0,)}, "micro-batch count must be at least 1"),
+                            ({"fit_time_limit": float("nan")}, "fit_time_limit must be a finite number")]:
+        with pytest.raises(ShardplanError, match=message):
+            pipeline_solve(lambda b: spec.build(b, layers=2), 8, m, **kwargs)
+
+
+def test_fit_options_check_their_numbers():
+    from shardplan.fit import FitOptions
+
+    for kwargs, message in [({"reserve_bytes": float("nan")}, "reserve_bytes must be a finite number"),
+                            ({"reserve_bytes": -1.0}, "reserve_bytes must be at least 0"),
+                            ({"time_limit": 0.0}, "time_limit must be positive")]:
+        with pytest.raises(ShardplanError, match=message):
+            FitOptions(**kwargs)
+
+
+def test_plan_refuses_micro_batches_that_do_not_divide_the_batch():
+    import shardplan
+    from shardplan.machine import preset
+
+    m = preset("h100", 4)
+    for kwargs, message in [({"micro_batches": [3]}, "3 micro-batches do not split the batch of 64"),
+                            ({"micro_batches": [128]}, "128 micro-batches do not split the batch of 64"),
+                            ({"micro_batches": []}, "micro_batches must be a non-empty sequence"),
+                            ({"micro_batches": [2.5]}, "micro-batch count must be an integer"),
+                            ({"budget": float("nan")}, "budget must be a finite number"),
+                            ({"max_stages": 0}, "max_stages must be at least 1")]:
+        with pytest.raises(ShardplanError, match=message):
+            shardplan.plan("gpt", m, batch=64, sizes={"layers": 2}, **kwargs)
+
+
+def test_tensor_whose_size_overflows_int64_is_refused():
+    from shardplan.models import model_spec
+
+    with pytest.raises(ShardplanError, match=r"tensor 'table' of shape .* elements, more than the cost model"):
+        model_spec("gpt").build(8, layers=1, heads=1, vocab=2**40, d_model=2**26)

@@ -21,6 +21,7 @@ import os
 import re
 import tempfile
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -177,10 +178,186 @@ def test_fuzz_options(options, sizes, solver, on_file) -> None:
         if code == 0 and on_file:
             _check_solution(path, out_json)
         elif code == 0:
-            plan = json.loads(open(out_json).read())
-            parts = plan["breakdown"]
-            assert math.isfinite(plan["step_time_seconds"]) and plan["step_time_seconds"] > 0
+            from shardplan.result import Plan
+
+            plan = Plan.from_json(open(out_json).read())  # the one plan format
+            parts = dict(plan.breakdown)
+            assert math.isfinite(plan.step_time) and plan.step_time > 0
             assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"), rel=1e-9)
-            ops = plan["stages"][0]["operators"].values()
-            ops_total = sum(o["seconds"] + o["redistribution_seconds"] for o in ops)
-            assert plan["step_time_seconds"] == pytest.approx(ops_total, rel=1e-9)
+            assert plan.step_time == pytest.approx(parts["total"], rel=1e-9)
+            ops_total = sum(c.seconds + c.redistribution_seconds for c in plan.operators.values())
+            assert plan.step_time == pytest.approx(ops_total, rel=1e-9)  # every second is some operator's
+
+
+# --------------------------------------------------------------------------- every subcommand
+# Boundary and nonsense values for any option: zero, negative, NaN, inf, huge, overflowing, not a number,
+# empty, lists with bad entries, and a few small valid ones.
+ANY_VALUE = st.sampled_from(["nan", "inf", "-inf", "-1", "0", "1", "2", "4", "8", "1.5", "1e-300", "1e300", "1e400",
+                             "abc", "", "100000000000000000000", "0x10", " 3", "3", "2,4", "1,2,3", "0,1", ",",
+                             "1,1", "-0", "1e9"])
+TINY_RNN = ["--model", "rnnlm", "--set", "vocab=64", "--set", "hidden=16", "--set", "seq=8", "--batch", "8"]
+TINY_GPT = ["--model", "gpt", "--set", "layers=1", "--set", "d_model=64", "--set", "heads=2", "--set", "vocab=128",
+            "--set", "seq=16", "--batch", "8"]
+MACHINE = ["--machine", "--flops", "--bandwidth", "--latency", "--dtype"]
+MODEL = ["--batch", "--cutoff", "--set", "--orders", "--all-divisors"] + MACHINE
+# (the command line every case starts from, the options a case may add; a flag taking no value ends in "!")
+COMMANDS: dict[str, tuple[list[str], list[str]]] = {
+    "models": (["models"], ["--model", "-p"]),
+    "ops": (["ops", *TINY_RNN, "-p", "2"], ["-p", *MODEL]),
+    "solve": (["solve", *TINY_RNN, "-p", "2", "--no-baselines"],
+              ["-p", *MODEL, "--solver", "--memory", "--fit!", "--zero", "--micro-batches", "--reserve",
+               "--grad-buffers", "--no-recompute!", "--time-limit", "--table-memory", "--ordering", "--seed",
+               "--progress"]),
+    "export-problem": (["export-problem", *TINY_RNN, "-p", "2"], ["-p", *MODEL, "--table-memory", "--progress"]),
+    "bench": (["bench", "--models", "rnnlm", "--procs", "2", "--no-bfs"],
+              ["--models", "--procs", "--machine", "--orders", "--bfs-memory"]),
+    "compare": (["compare", "--model", "rnnlm", "--set", "vocab=64", "--set", "hidden=16", "--set", "seq=8",
+                 "--batch", "8", "--procs", "2"],
+                ["--procs", "--machine", "--batch", "--set", "--cutoff", "--orders", "--seed", "--fit!", "--memory"]),
+    "plan": (["plan", *TINY_GPT, "-p", "2"],
+             ["-p", *MODEL, "--memory", "--no-fit!", "--stages", "--micro-batches", "--schedules", "--interleave",
+              "--max-stages", "--operators!", "--recipe"]),
+    "recipe": (["recipe", *TINY_GPT, "-p", "2", "--recipe", "tp=2"],
+               ["-p", "--batch", "--set", "--recipe", "--operators!", *MACHINE]),
+    "pipeline": (["pipeline", *TINY_GPT, "-p", "2"],
+                 ["-p", *MODEL, "--micro-batches", "--max-stages", "--uniform!", "--interleave", "--zero-bubble!",
+                  "--no-memory-choices!", "--fit-rtol", "--fit-time-limit", "--sizes", "--memory"]),
+}
+CHOICES = {"--machine": ["paper", "h100", "cpu", "dgx", ""], "--dtype": ["fp32", "bf16", "fp7"],
+           "--orders": ["auto", "row-major", "all", "none"], "--solver": ["dp", "bfs-dp", "ilp", "bruteforce",
+                                                                          "mcmc", "magic"],
+           "--ordering": ["min-table", "bfs", "random"], "--grad-buffers": ["persistent", "backward", "x"],
+           "--stages": ["auto", "on", "off", "maybe"], "--schedules": ["1f1b", "zb-h1,interleaved", "gpipe", ","],
+           "--models": ["rnnlm", "nosuch", ",", ""], "--model": ["rnnlm"],
+           "--recipe": ["tp=2", "tp=2,mbs=3", "dp=2,zero=3", "pp=2", "tp=0", "tp=nan", "mbs=1000000000000",
+                        "recompute=full", "tp=2,,", "=", "tp", "{}", "tp=2\ndp=1"],
+           "--set": ["layers=0", "layers=2", "vocab=1099511627776", "hidden=-1", "seq=abc", "heads=3",
+                     "d_model=1099511627776", "nosuch=1", "layers", "seq=1e3"]}
+
+
+@st.composite
+def command_lines(draw, name: str) -> list[str]:
+    base, options = COMMANDS[name]
+    argv = list(base)
+    for flag in draw(st.lists(st.sampled_from(options), max_size=3)):
+        if flag.endswith("!"):
+            argv.append(flag[:-1])
+        else:
+            value = draw(st.sampled_from(CHOICES[flag]) | ANY_VALUE if flag in CHOICES else ANY_VALUE)
+            argv.append(f"{flag}={value}")
+    return argv
+
+
+def _no_nan(text: str) -> object:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} written into JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _check_written(argv: list[str], out_path: str) -> None:
+    """What a command that succeeded wrote is right: the plan loads, its numbers are finite and add up."""
+    from shardplan.result import Plan
+    from shardplan.search import load_problem
+
+    if not os.path.exists(out_path):
+        return
+    text = open(out_path).read()
+    data = _no_nan(text)
+    if argv[0] in ("plan", "recipe", "pipeline") or (argv[0] == "solve" and "format" in data):
+        plan = Plan.from_json(text)
+        assert math.isfinite(plan.step_time) and plan.step_time > 0
+        budget = (plan.memory or {}).get("budget_bytes") if isinstance(plan.memory, dict) else None
+        assert budget is None or budget > 0
+    elif argv[0] == "export-problem":
+        problem = load_problem(out_path)
+        assert problem.num_vertices > 0
+    elif argv[0] == "solve":  # a problem file's solution
+        assert math.isfinite(data["cost"]) and data["cost"] >= 0
+
+
+def _output_option(argv: list[str], out_path: str) -> list[str]:
+    if argv[0] == "export-problem":
+        return ["-o", out_path]
+    if argv[0] == "bench":
+        return ["--out", out_path]
+    if argv[0] in ("solve", "compare", "plan", "recipe", "pipeline"):
+        return ["--json", out_path]
+    return []
+
+
+def _fuzz_command(argv: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "out.json")
+        code, out, err = _run(argv + _output_option(argv, out_path))
+        _check_outcome(code, out, err)
+        if code == 0:
+            _check_written(argv, out_path)
+        else:  # a refusal writes nothing, not even a temporary file
+            assert os.listdir(tmp) == [], os.listdir(tmp)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_as_given_succeeds_and_is_checked(name) -> None:
+    """Each generator's starting point is a valid command: the checks of a success run on every command."""
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = COMMANDS[name][0]
+        out_path = os.path.join(tmp, "out.json")
+        code, out, err = _run(argv + _output_option(argv, out_path))
+        assert code == 0, err
+        _check_written(argv, out_path)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_fuzz_every_command(name) -> None:
+    settings(SETTINGS, max_examples=12)(given(argv=command_lines(name))(_fuzz_command))()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_fuzz_every_command_long(name) -> None:
+    settings(SETTINGS, max_examples=60)(given(argv=command_lines(name))(_fuzz_command))()
+
+
+# --------------------------------------------------------------------------- degenerate problem files
+def _star(leaves: int, k_center: int, k_leaf: int) -> dict:
+    rng = np.random.default_rng(leaves + k_center + k_leaf)
+    vertices = [{"name": "c", "configs": [[j] for j in range(k_center)], "cost": rng.random(k_center).tolist()}]
+    vertices += [{"name": f"l{i}", "configs": [[j] for j in range(k_leaf)], "cost": rng.random(k_leaf).tolist()}
+                 for i in range(leaves)]
+    edges = [{"src": "c", "dst": f"l{i}", "cost": rng.random((k_center, k_leaf)).tolist()} for i in range(leaves)]
+    return {"format": "shardplan-problem/1", "vertices": vertices, "edges": edges}
+
+
+def _path(n: int, k: int) -> dict:
+    vertices = [{"name": f"v{i}", "configs": [[j] for j in range(k)], "cost": [float(j) for j in range(k)]}
+                for i in range(n)]
+    edges = [{"src": f"v{i}", "dst": f"v{i + 1}", "cost": [[1.0] * k] * k} for i in range(n - 1)]
+    return {"format": "shardplan-problem/1", "vertices": vertices, "edges": edges}
+
+
+# Shapes at the solvers' limits: more vertices than numpy has dimensions, a vertex with 64 neighbours, a star
+# of many one-configuration leaves, a vertex of many configurations, a single vertex, no edges.
+DEGENERATE = {
+    "path-70": _path(70, 1), "path-65-k2": _path(65, 2), "star-64": _star(64, 1, 1), "star-64-k2": _star(64, 2, 2),
+    "star-1500-leaves": _star(1500, 2, 1), "vertex-2000-configs": _star(1, 2000, 1), "one-vertex": _path(1, 3),
+    "no-edges": {"format": "shardplan-problem/1", "vertices": _path(3, 2)["vertices"], "edges": []},
+}
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("shape", sorted(DEGENERATE))
+def test_degenerate_problem_files(shape, solver) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path, sol = os.path.join(tmp, "p.json"), os.path.join(tmp, "s.json")
+        with open(path, "w") as fh:
+            json.dump(DEGENERATE[shape], fh)
+        argv = ["solve", "--problem", path, f"--solver={solver}", "--json", sol]
+        if solver == "ilp":
+            argv.append("--time-limit=20")
+        code, out, err = _run(argv)
+        _check_outcome(code, out, err)
+        if code == 0:
+            _check_solution(path, sol)
+        if solver == "dp":  # the exact solver answers every one of them
+            assert code == 0, err
