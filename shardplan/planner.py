@@ -226,7 +226,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
          stages: Any = "auto", micro_batches: Sequence[int] | None = None,
          schedules: Sequence[str] = ("1f1b", "zb-h1"), interleave: Sequence[int] = (),
          max_stages: int | None = None, fit_options: Any = None, cutoff: int | None = None, orders: str = "auto",
-         solver: str = "dp") -> Plan:
+         solver: str = "dp", log: Callable[[str], None] | None = None) -> Plan:
     """The fastest plan of ``model`` on ``machine`` that fits in each device's memory.
 
     Args:
@@ -240,6 +240,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         micro_batches: counts searched (default 1, 2, 4, 8, those dividing the batch).
         schedules, interleave, max_stages: the pipeline space (:func:`shardplan.pipeline.api.pipeline_solve`).
         fit_options: :class:`shardplan.fit.FitOptions` (its micro-batch counts default to ``micro_batches``).
+        log: called with one line as each search starts and ends (the command line writes them to stderr).
         cutoff, orders, solver: the per-operator search (:func:`shardplan.spmd.solve`); ``cutoff`` defaults to
             the zoo model's recommended one, else 1.
 
@@ -272,8 +273,11 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     constrained = fit and limit is not None
 
     t0 = time.perf_counter()
+    say = log if log is not None else (lambda line: None)
     candidates: list[Plan] = []
     refusals: list[str] = []
+    say(f"planning {name} on {machine.num_devices} devices: one program"
+        + (" with memory choices" if constrained else ""))
     if constrained:
         from shardplan.fit import FitOptions, solve_fit
 
@@ -290,10 +294,14 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
 
         candidates.append(from_spmd(solve(graph, machine, cutoff=cutoff, orders=orders, solver=solver),
                                     model=name, batch=batch))
+    if candidates:
+        say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s)")
     searched, why = _wants_stages(stages, graph, build, machine)
     if searched:
         from shardplan.pipeline.api import pipeline_solve
 
+        t1 = time.perf_counter()
+        say(f"pipelines ({why}): micro-batch counts {', '.join(map(str, ms))}, schedules {', '.join(schedules)}")
         assert build is not None and batch is not None
         try:
             res = pipeline_solve(build, batch, machine, micro_batches=ms, max_stages=max_stages,
@@ -301,6 +309,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                                  budget=limit if constrained else float("inf"), memory_choices=constrained, cutoff=cutoff,
                                  orders=orders)
             candidates.append(from_pipeline(res, model=name))
+            say(f"  pipelines: {res.plan.step_time:.6g} s per step ({time.perf_counter() - t1:.1f} s)")
         except ShardplanError as e:
             if type(e) is not ShardplanError:
                 raise

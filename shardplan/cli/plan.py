@@ -10,6 +10,7 @@ compares with it; the recipe's ``gbs`` is the batch when ``--batch`` is not give
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from shardplan.cli.options import (add_machine, add_model, int_list, int_option, machine_of, parse_sizes,
@@ -50,7 +51,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan(args.model, machine, batch=batch, sizes=parse_sizes(args.set), budget=budget, fit=args.fit,
                   stages=STAGE_CHOICES[args.stages],
                   micro_batches=int_list(args.micro_batches, "--micro-batches") or None, schedules=schedules,
-                  interleave=interleave, max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto")
+                  interleave=interleave, max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto",
+                  log=_log)
     print(render_plan(result, operators=args.operators, compare=against))
     if against is not None:
         print(f"Recipe compared: {against.stats['recipe']} ({against.solver}, costed by the same model)")
@@ -58,6 +60,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_text(args.json, result.to_json() + "\n")
         print(f"json: {args.json}")
     return 0
+
+
+def _log(line: str) -> None:
+    """A search's progress line, on stderr (results go to stdout)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def add_parser(sub: Any) -> None:
