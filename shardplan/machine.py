@@ -372,8 +372,9 @@ def machine_to_file(machine: Machine, path: str | os.PathLike[str], sources: Map
     ``num_devices``, which a file does not hold). ``sources``: field -> where its value comes from
     (default :data:`UNRECORDED`); ``measurements``: raw data kept in the file under that key."""
     text = Profile.of(machine, sources, device_kinds, description, measurements).to_json()
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    from shardplan.files import write_text
+
+    write_text(str(path), text)
 
 
 def _profile_text(file_name: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "shardplan"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "units", "checks", "table"),                 # words every part uses
+    ("errors", "units", "checks", "table", "files"),        # words every part uses; atomic writes
     ("layout", "machine", "ir", "ops", "labels", "configs"),  # the IR and the machine
     ("models",),                                            # the zoo builds IR graphs
     ("search",),                                            # solvers on abstract problems
@@ -37,7 +37,7 @@ pair is listed in :data:`SIDEWAYS`."""
 SIDEWAYS: frozenset[tuple[str, str]] = frozenset({
     ("ir", "layout"), ("ir", "checks"), ("configs", "ir"), ("configs", "layout"), ("labels", "ir"), ("ops", "ir"),
     ("machine", "checks"), ("report", "bench"), ("bench", "report"), ("checks", "errors"), ("layout", "errors"),
-    ("fit", "baselines"), ("baselines", "fit"), ("table", "errors"),
+    ("fit", "baselines"), ("baselines", "fit"), ("table", "errors"), ("files", "errors"),
 })
 
 

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 from shardplan.errors import ShardplanError
+from shardplan.files import write_file, write_text  # noqa: F401  (the commands' writers)
 
 __all__ = ["progress", "UsageError", "Parser", "VersionAction", "int_option", "real_option", "plot_path",
            "parse_sizes", "parse_procs", "machine_of", "graph_of", "cutoff_of", "write_file", "write_text",
@@ -219,45 +218,6 @@ def graph_of(args: argparse.Namespace):
 
 def cutoff_of(args: argparse.Namespace, spec) -> int:
     return args.cutoff if args.cutoff is not None else spec.cutoff
-
-
-def write_file(path: str, fill: Callable[[str], None]) -> None:
-    """Have ``fill(name)`` write the file ``path`` atomically: it writes a temporary file in the same folder
-    (with ``path``'s suffix, so a writer that picks its format by the name picks the same one), then that is
-    renamed over ``path``, so an interrupt or a full disk never leaves a partial file; an error is one line.
-
-    A ``path`` that exists and is not a regular file (``/dev/stdout``, ``/dev/full``, a named pipe) is written
-    in place: renaming over it would replace the device or pipe with a file."""
-    target = Path(path)
-    tmp = None
-    try:
-        if target.exists() and not target.is_file():
-            fill(str(target))
-            return
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=f".tmp{target.suffix}", dir=target.parent)
-        os.close(fd)
-        fill(tmp)
-        os.replace(tmp, target)
-        tmp = None
-    except OSError as e:
-        raise ShardplanError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-
-
-def write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (:func:`write_file`); an error is one line."""
-
-    def fill(name: str) -> None:
-        with open(name, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    write_file(path, fill)
 
 
 def write_json(path: str, data: Any) -> None:

@@ -234,9 +234,10 @@ def load_problem(source: str | Path | IO[str] | IO[bytes]) -> Problem:
 
 
 def save_problem(problem: Problem, path: str | Path) -> None:
-    """Write ``problem`` as a shardplan-problem/1 JSON file."""
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(problem_to_dict(problem), fh)
+    """Write ``problem`` as a shardplan-problem/1 JSON file, atomically (:func:`shardplan.files.write_text`)."""
+    from shardplan.files import write_text
+
+    write_text(str(path), json.dumps(problem_to_dict(problem)))
 
 
 def solution_to_dict(problem: Problem, solution: Solution) -> dict:
