@@ -181,13 +181,21 @@ def _title(members: Sequence[str], key: tuple[str, str], plan: SpmdPlan) -> str:
 
 
 def _runs(values: Sequence[int]) -> str:
-    """``[0, 1, 2, 3]`` -> ``0–3``; ``[0, 2]`` -> ``{0, 2}``; ``[5]`` -> ``5``."""
+    """``[0, 1, 2, 3]`` -> ``0–3``; ``[0, 2]`` -> ``{0, 2}``; ``[5]`` -> ``5``;
+    ``[1, 2, 3, 5, 7, 8, 9]`` -> ``{1–3, 5, 7–9}`` (runs of three or more as ranges)."""
     vals = sorted(set(values))
     if len(vals) == 1:
         return str(vals[0])
     if vals == list(range(vals[0], vals[-1] + 1)) and len(vals) >= 2:
         return f"{vals[0]}–{vals[-1]}"
-    return "{" + ", ".join(str(v) for v in vals) + "}"
+    runs: list[list[int]] = []
+    for v in vals:
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    parts = [f"{r[0]}–{r[-1]}" if len(r) >= 3 else ", ".join(map(str, r)) for r in runs]
+    return "{" + ", ".join(parts) + "}"
 
 
 def scope_title(members: Sequence[str]) -> str:

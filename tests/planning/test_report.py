@@ -14,6 +14,7 @@ from shardplan.machine import preset
 from shardplan.models import get_model
 from shardplan.spmd import SpmdPlan, plan_from_configs, solve_tables
 from shardplan.report import compress_names, group_operators, plan_to_json, render_report, render_strategy
+from shardplan.report.text import scope_title
 
 # the AlexNet strategy of the paper's Table II (p = 32); pools and flatten follow their producers
 TABLE2_ALEXNET = {
@@ -133,3 +134,8 @@ def test_render_report_text(alexnet32):
     labels = [BREAKDOWN[k] for k, v in plan.breakdown.items() if k != "total" and v > 1e-9 * total]
     start = lines.index("Breakdown:")
     assert [line[2:].split("  ")[0] for line in lines[start + 1:start + 1 + len(labels)]] == labels
+
+
+def test_scope_titles_collapse_runs_inside_a_set():
+    names = [f"m/L{i}/q" for i in list(range(1, 64)) + list(range(65, 97))]
+    assert scope_title(names) == "m/L{1–63, 65–96}/q"
