@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from benchmarks.limits import call_limited
 
 SOURCE = "/work/shared/data/published-a100.md"
 SEQ, VOCAB = 2048, 51200  # all rows (source: published-a100.md, SC'21 Table 1 and Korthikanti et al. headers)
@@ -152,33 +153,16 @@ def cost_row(row: Row) -> dict[str, Any]:
     return out
 
 
-def _child(row: Row, conn: Any) -> None:
-    try:
-        conn.send(cost_row(row))
-    except Exception as e:  # noqa: BLE001 - reported in the row, never swallowed silently
-        conn.send({"row": row.name, "status": "error", "reason": f"{type(e).__name__}: {e}"})
-    conn.close()
-
-
 def run_row(row: Row, limit: float) -> dict[str, Any]:
     """:func:`cost_row` in a child process, stopped after ``limit`` seconds (then recorded as skipped)."""
-    ctx = mp.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    t0 = time.perf_counter()
-    proc = ctx.Process(target=_child, args=(row, child))
-    proc.start()
-    child.close()
-    got = parent.recv() if parent.poll(limit) else None
-    proc.join(5)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join()
-    if got is None:
+    status, got, seconds = call_limited(cost_row, (row,), limit)
+    if status == "error":
+        return {"row": row.name, "status": "error", "reason": got, "seconds": seconds}
+    if status == "timeout":
         return {"row": row.name, "experiment": row.experiment, "source": row.source, "gpus": row.gpus,
                 "recipe": row.recipe, "status": "skipped",
-                "reason": f"costing did not finish within {limit:.0f} s on this machine",
-                "seconds": time.perf_counter() - t0}
-    got.setdefault("seconds", time.perf_counter() - t0)
+                "reason": f"costing did not finish within {limit:.0f} s on this machine", "seconds": seconds}
+    got.setdefault("seconds", seconds)
     return got
 
 

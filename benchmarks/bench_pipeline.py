@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import resource
 import sys
 import time
@@ -39,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.limits import call_limited
 from shardplan.baselines import megatron
 from shardplan.machine import preset
 from shardplan.models import get_model
@@ -248,31 +248,15 @@ def _s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.3f} s"
 
 
-def _child(name: str, kwargs: dict, conn: Any) -> None:
-    try:
-        conn.send(search_part(name, **kwargs))
-    except Exception as e:  # noqa: BLE001 - recorded in the row
-        conn.send({"status": "error", "reason": f"search: {type(e).__name__}: {e}"})
-    conn.close()
-
-
 def run_limited(name: str, kwargs: dict, limit: float) -> dict:
     """:func:`search_part` in a child process, stopped after ``limit`` seconds and then recorded as skipped."""
-    ctx = mp.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    t0 = time.perf_counter()
-    proc = ctx.Process(target=_child, args=(name, kwargs, child))
-    proc.start()
-    child.close()
-    got = parent.recv() if parent.poll(limit) else None
-    proc.join(5)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join()
-    if got is None:
+    status, got, seconds = call_limited(lambda: search_part(name, **kwargs), (), limit)
+    if status == "error":
+        return {"status": "error", "reason": f"search: {got}"}
+    if status == "timeout":
         return {"status": "skipped", "reason": f"search not run to the end: it did not finish within the row limit "
                                                f"of {limit:.0f} s on this machine (2 cores shared with other work)",
-                "search_seconds_before_stop": time.perf_counter() - t0}
+                "search_seconds_before_stop": seconds}
     return got
 
 
