@@ -371,6 +371,21 @@ def _live(v: Any) -> bool:
 # ---------------------------------------------------------------------------
 # handlers
 # ---------------------------------------------------------------------------
+
+def _einsum_operands(ctx: Any, values: Any) -> tuple[list[Any], list[tuple[Any, Any, str]]]:
+    """An einsum's operand references and ``(argument path, value, role)`` in order: a parameter is a weight
+    ``w{k}`` (trainable when it needs a gradient), anything else an input ``x{k}`` produced upstream."""
+    refs: list[Any] = []
+    operands: list[tuple[Any, Any, str]] = []
+    for k, (v, path) in enumerate(values):
+        if v.kind == "param":
+            refs.append(ops.Param(v.shape, name=f"w{k}", trainable=v.needs_grad))
+            operands.append((path, v, f"w{k}"))
+        else:
+            refs.append(ctx.ref(v))
+            operands.append((path, v, f"x{k}"))
+    return refs, operands
+
 def _operand_einsum(ctx: _Ctx, node: Any, name: str, eq: str, vals: Sequence[Val], paths: Sequence[ArgPath],
                     kind: str, bias: tuple[ArgPath, Any] | None = None) -> None:
     """An einsum over operands that are activations or parameters (+ a bias over the last output axis).
@@ -379,15 +394,7 @@ def _operand_einsum(ctx: _Ctx, node: Any, name: str, eq: str, vals: Sequence[Val
     gradient then counts as reduced over every other dimension (an
     over-estimate of one vector's all-reduce when a contracted dim is split).
     """
-    refs: list[Any] = []
-    operands = []
-    for k, (v, path) in enumerate(zip(vals, paths)):
-        if v.kind == "param":
-            refs.append(ops.Param(v.shape, name=f"w{k}", trainable=v.needs_grad))
-            operands.append((path, v, f"w{k}"))
-        else:
-            refs.append(ctx.ref(v))
-            operands.append((path, v, f"x{k}"))
+    refs, operands = _einsum_operands(ctx, zip(vals, paths))
     op = ops.einsum(name, eq, *refs, kind=kind)
     if bias is not None and _live(bias[1]) and len(bias[1].shape) == 1:
         last = eq.split("->")[1][-1]
@@ -1017,14 +1024,7 @@ def _grouped_mm(ctx: _Ctx, node: Any, vals: list) -> None:
     if len(x.shape) != 2 or len(w.shape) != 3:
         raise ShardplanError(f"grouped matmul of {x.shape} by {w.shape} (2-D tokens by 3-D experts only)")
     name = ctx.name_for(node)
-    refs, operands = [], []
-    for k, (v, path) in enumerate(((x, (0,)), (w, (1,)))):
-        if v.kind == "param":
-            refs.append(ops.Param(v.shape, name=f"w{k}", trainable=v.needs_grad))
-            operands.append((path, v, f"w{k}"))
-        else:
-            refs.append(ctx.ref(v))
-            operands.append((path, v, f"x{k}"))
+    refs, operands = _einsum_operands(ctx, ((x, (0,)), (w, (1,))))
     op = ops.einsum(name, "sk,ekn->sn", *refs, flops_per_point=2.0 / w.shape[0], kind="grouped_mm")
     if _live(offs):
         op = dataclasses.replace(op, inputs=op.inputs + (Tensor("offs", offs.shape, ("e",), "input", needs_grad=False,
