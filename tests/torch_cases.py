@@ -398,6 +398,17 @@ def run_case(name: str, mesh: Any, p: int) -> dict[str, Any]:
     }
 
 
+def assert_runs_as_unsharded(r: dict[str, Any]) -> None:
+    """One case's result (:func:`run_case`): no error, loss and gradients equal to one process's, every
+    parameter present, the planned tiles held and the gradients laid out like them, some operator split."""
+    assert "error" not in r, r.get("error")
+    assert r["rel_loss"] <= 1e-5, (r["loss"], r["loss0"])
+    assert r["rel_grad"] <= 1e-4, (r["grad_err"], r["grad_scale"])
+    assert r["missing"] == []
+    assert r["tiles_ok"] and r["grad_layouts_ok"]
+    assert r["split_ops"] > 0, "the toy machine makes splitting pay: some operator must be split"
+
+
 def _tiles_match(plan: Any, pm: Any, model: nn.Module) -> bool:
     """Every rank's shard of every parameter is the tile the cost model gives that device (all ranks agree).
 
