@@ -403,6 +403,11 @@ def _pack(bits: np.ndarray, words: int) -> np.ndarray:
     return packed.view(np.uint64).reshape(bits.shape[:-1] + (words,))
 
 
+def _covers(sub: np.ndarray, sup: np.ndarray) -> np.ndarray:
+    """Whether every bit of ``sub`` is set in ``sup`` (packed uint64 last axes, broadcast): bool without it."""
+    return ~(sub & ~sup).any(axis=-1)
+
+
 def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int,
           memo: EdgeMemo | None = None):
     """Moved volumes via block-match masks; returns (fwd, bwd, exact) with ``exact`` False where not applicable.
@@ -410,26 +415,43 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
     Whether every device finds its block depends on a layout only through
     its block pattern on each axis of the tensor and its active devices, so
     the device masks are combined once per distinct (pattern tuple) of each
-    side and broadcast to the layouts that share it.
+    side and broadcast to the layouts that share it. The forward test, every
+    device active for v holds its block after u, is a "for all devices" of an
+    AND over axes, so it splits into one test per axis:
+    ``act_v ⊆ act_u ∧ Π_a (act_v ⊆ match_a)``, each depending on one axis's
+    pattern pair and the active sets only (the backward test likewise with
+    the roles of u and v swapped). Per axis the tests are computed for each
+    distinct (pattern, active set) of one side against each pattern of the
+    other, and combined per pair of layouts with booleans, never holding a
+    device mask per pair of layouts.
     """
     words = (p + 63) // 64
     su = _side(u, u.output, lu, words, memo)
     sv = _side(v, t_in, lv, words, memo)
     gu, gv = su.groups, sv.groups
-    m = su.act[:, None, :] & sv.act[None, :, :]  # (Gu, Gv, W)
+    act_u, id_u = np.unique(su.act, axis=0, return_inverse=True)  # distinct active sets (Au, W), (Gu,)
+    act_v, id_v = np.unique(sv.act, axis=0, return_inverse=True)
+    id_u, id_v = id_u.reshape(-1), id_v.reshape(-1)
+    fwd_g = _covers(act_v[None, :, :], act_u[:, None, :]).take(id_u, axis=0).take(id_v, axis=1)  # (Gu, Gv)
+    bwd_g = _covers(act_u[:, None, :], act_v[None, :, :]).take(id_u, axis=0).take(id_v, axis=1)
     nested_all = np.ones((len(gu), len(gv)), dtype=bool)
     for a in range(len(t_in.axes)):
-        masks, nests = _pattern_masks(su, sv, a, words, memo)
-        # the pattern pair of every group pair, as one flat index into the (Pu, Pv) tables
-        pair = gu[:, a][:, None] * masks.shape[1] + gv[:, a][None, :]
-        m &= masks.reshape(-1, words).take(pair, axis=0)
-        nested_all &= nests.reshape(-1).take(pair)
+        masks, nests = _pattern_masks(su, sv, a, words, memo)  # (Pu, Pv, W), (Pu, Pv)
+        # forward: each u pattern against each distinct (v pattern, v active set)
+        kv, _, kv_inv = unique_rows(np.stack([gv[:, a], id_v], axis=1))
+        ok = _covers(act_v[kv[:, 1]][None, :, :], masks[:, kv[:, 0]])  # (Pu, KV)
+        fwd_g &= ok.take(gu[:, a], axis=0).take(kv_inv, axis=1)
+        # backward: each distinct (u pattern, u active set) against each v pattern
+        ku, _, ku_inv = unique_rows(np.stack([gu[:, a], id_u], axis=1))
+        ok = _covers(act_u[ku[:, 1]][:, None, :], masks[ku[:, 0]])  # (KU, Pv)
+        bwd_g &= ok.take(ku_inv, axis=0).take(gv[:, a], axis=1)
+        nested_all &= nests.take(gu[:, a], axis=0).take(gv[:, a], axis=1)
 
     def expand(x: np.ndarray) -> np.ndarray:  # (Gu, Gv) -> (Ku, Kv)
         return x.take(su.inv, axis=0).take(sv.inv, axis=1)
 
-    fwd_ok = expand((m == sv.act[None, :, :]).all(axis=-1))
-    bwd_ok = expand((m == su.act[:, None, :]).all(axis=-1))
+    fwd_ok = expand(fwd_g)
+    bwd_ok = expand(bwd_g)
     exact = expand(nested_all)
     exact &= su.regular[:, None]
     exact &= sv.regular[None, :]
