@@ -432,8 +432,9 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
     act_u, id_u = np.unique(su.act, axis=0, return_inverse=True)  # distinct active sets (Au, W), (Gu,)
     act_v, id_v = np.unique(sv.act, axis=0, return_inverse=True)
     id_u, id_v = id_u.reshape(-1), id_v.reshape(-1)
-    fwd_g = _covers(act_v[None, :, :], act_u[:, None, :]).take(id_u, axis=0).take(id_v, axis=1)  # (Gu, Gv)
-    bwd_g = _covers(act_u[:, None, :], act_v[None, :, :]).take(id_u, axis=0).take(id_v, axis=1)
+    # per distinct active set of u, one row at a time (no (Au, Av, W) temporary)
+    fwd_g = np.stack([_covers(act_v, x) for x in act_u]).take(id_u, axis=0).take(id_v, axis=1)  # (Gu, Gv)
+    bwd_g = np.stack([_covers(x, act_v) for x in act_u]).take(id_u, axis=0).take(id_v, axis=1)
     nested_all = np.ones((len(gu), len(gv)), dtype=bool)
     for a in range(len(t_in.axes)):
         masks, nests = _pattern_masks(su, sv, a, words, memo)  # (Pu, Pv, W), (Pu, Pv)
