@@ -192,17 +192,14 @@ def _fold(st: BoundState, key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray,
     return reparametrise(m)
 
 
-def _forest_pass(st: BoundState, exact_weights: bool = False,
-                 with_forest: bool = True) -> tuple[list[np.ndarray], np.ndarray, float]:
+def _forest_pass(st: BoundState, exact_weights: bool = False) -> tuple[list[np.ndarray], np.ndarray, float]:
     """The forest bound of ``st`` (reparametrised by its messages, if any).
 
     Every edge E (after the messages) is split as r[a] + c[b] + R[a, b]; a
     maximum spanning forest keeps its edges whole, every other edge keeps
     r + c and drops R >= 0. The forest is chosen by max R (``exact_weights``)
-    or by the cheaper max E - min E; ``with_forest=False``: the empty forest
-    (every residual dropped, the bound of the vertex costs alone after folding
-    every edge). Returns the forest min-marginals (lower bounds LB(v, k)), the
-    forest optimum and the relaxed minimum.
+    or by the cheaper max E - min E. Returns the forest min-marginals (lower
+    bounds LB(v, k)), the forest optimum and the relaxed minimum.
 
     Without messages an edge's split depends on its matrix only, so edges that
     share one matrix (the same operator pair in identical layers) split it once.
@@ -224,9 +221,7 @@ def _forest_pass(st: BoundState, exact_weights: bool = False,
     for key, m in st.pairs.items():
         if m.size == 0:
             continue
-        if not with_forest:
-            weights[key] = 0.0
-        elif exact_weights:
+        if exact_weights:
             r, c, res = _fold(st, key)
             weights[key] = float(res.max())
             folds[key] = (r, c)
@@ -235,7 +230,7 @@ def _forest_pass(st: BoundState, exact_weights: bool = False,
         else:
             u, w = key
             weights[key] = float(m.max() - m.min() + np.ptp(msg[(u, w)]) + np.ptp(msg[(w, u)]))
-    forest = _forest(st.n, weights) if with_forest else []
+    forest = _forest(st.n, weights)
     in_forest = set(forest)
     h = [x.copy() for x in st.unary]
     for (u, w) in weights:
