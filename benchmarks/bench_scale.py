@@ -64,32 +64,39 @@ def cases() -> dict[str, dict]:
         out[f"gpt3-{p}"] = {"model": "gpt", "sizes": GPT3, "machine": "h100", "p": p}
     out["llama3-8b-64"] = {"model": "gpt", "sizes": LLAMA3_8B, "machine": "h100", "p": 64, "name": "llama3-8b-like"}
     out["gpt1.3b-64"] = {"model": "gpt", "sizes": {}, "machine": "h100", "p": 64}
-    for m in ("alexnet", "inception_v3", "rnnlm", "transformer"):
+    for m in ("alexnet", "inception_v3", "rnnlm", "transformer", "resnet101"):
         out[f"{m}-64"] = {"model": m, "sizes": {}, "machine": "paper", "p": 64, "cli": True}
+    out["llama3-8b-1024"] = {"model": "llama3-8b", "sizes": {}, "machine": "h100", "p": 1024, "cli": True}
     return out
 
 
 def cli_run(spec: dict, repeats: int = 3) -> dict:
-    """``shardplan solve --model M -p P`` (default paper machine, baselines and report included) in a fresh
-    interpreter: the least CPU seconds (user + system, interpreter start-up and imports included) and wall
-    seconds of ``repeats`` runs, and the CPU seconds of ``python -c "import numpy"`` alone (the start-up floor)."""
+    """``shardplan plan --model M -p P --machine X --stages off --no-fit`` (the per-operator plan, report
+    included) in a fresh interpreter: the least CPU seconds (user + system, interpreter start-up and imports
+    included), wall seconds and peak RSS of ``repeats`` runs, and the CPU seconds of ``python -c "import numpy"``
+    alone (the start-up floor)."""
     import os
 
-    def child(cmd: list[str]) -> tuple[float, float]:
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        w0 = time.perf_counter()
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # cached bytecode, as installed
-        subprocess.run(cmd, check=True, capture_output=True, env={**env, "PYTHONPATH": str(ROOT)})
-        wall = time.perf_counter() - w0
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall
+    probe = ("import resource, subprocess, sys, time; w = time.perf_counter(); "
+             "subprocess.run(sys.argv[1:], check=True, capture_output=True); w = time.perf_counter() - w; "
+             "r = resource.getrusage(resource.RUSAGE_CHILDREN); "
+             "print(r.ru_utime + r.ru_stime, w, r.ru_maxrss / 1024)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # cached bytecode, as installed
 
-    cmd = [sys.executable, "-m", "shardplan.cli", "solve", "--model", spec["model"], "-p", str(spec["p"]),
-           "--machine", spec["machine"]]
+    def child(cmd: list[str]) -> tuple[float, float, float]:
+        out = subprocess.run([sys.executable, "-c", probe, *cmd], check=True, capture_output=True, text=True,
+                             env={**env, "PYTHONPATH": str(ROOT)})
+        cpu, wall, rss = (float(x) for x in out.stdout.split())
+        return cpu, wall, rss
+
+    args = ["plan", "--model", spec["model"], "-p", str(spec["p"]), "--machine", spec["machine"],
+            "--stages", "off", "--no-fit"]
+    cmd = [sys.executable, "-m", "shardplan.cli", *args]
     child(cmd)  # once to warm the file cache and write bytecode
     runs = [child(cmd) for _ in range(repeats)]
     floor = min(child([sys.executable, "-c", "import numpy"])[0] for _ in range(repeats))
-    return {"cli_cpu_s": round(min(c for c, _ in runs), 3), "cli_wall_s": round(min(w for _, w in runs), 3),
+    return {"cli": "shardplan " + " ".join(args), "cli_cpu_s": round(min(r[0] for r in runs), 3),
+            "cli_wall_s": round(min(r[1] for r in runs), 3), "cli_peak_rss_mb": round(max(r[2] for r in runs), 1),
             "python_numpy_startup_cpu_s": round(floor, 3), "cli_repeats": repeats}
 
 
@@ -116,15 +123,15 @@ def run_case(name: str, spec: dict, before: bool) -> dict:
     ms = model_spec(spec["model"])
     g = ms.build(**spec["sizes"]) if spec["sizes"] else ms.build(None)
     m = preset(spec["machine"], spec["p"])
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tables = build_tables(g, m, cutoff=ms.cutoff)
-    build = time.perf_counter() - t0
+    build, build_cpu = time.perf_counter() - t0, time.process_time() - c0
     t0 = time.perf_counter()
     problem = tables.to_problem()
     lower = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     sol = solve_dp(problem)
-    search = time.perf_counter() - t0
+    search, search_cpu = time.perf_counter() - t0, time.process_time() - c0
     seen: dict = {}
     for i, op in enumerate(g.operators):
         seen.setdefault(operator_key(op), i)
@@ -139,6 +146,7 @@ def run_case(name: str, spec: dict, before: bool) -> dict:
         "configs_candidates_sum": sum(ks), "configs_candidates_max": max(ks),
         "configs_after_bounds": sol.stats.get("bounds", {}).get("configs_after"),
         "build_s": round(build, 3), "lower_s": round(lower, 3), "search_s": round(search, 3),
+        "build_cpu_s": round(build_cpu, 3), "search_cpu_s": round(search_cpu, 3),
         "end_to_end_s": round(time.perf_counter() - w0, 3),
         "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
         "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),

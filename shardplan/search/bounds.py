@@ -72,7 +72,7 @@ from shardplan.search.pairs import Pairs, incident_pairs, merge_pairs, reparamet
 from shardplan.search.problem import Problem
 from shardplan.search.reduce import Reduction, make_reduction, orbits, sorted_union
 
-__all__ = ["BoundState", "ExactSolver", "bound_prune", "forest_bounds", "icm", "trws"]
+__all__ = ["BoundState", "ExactSolver", "bound_prune", "forest_bounds", "icm", "min_plus", "trws"]
 
 RTOL = 1e-9
 
@@ -87,6 +87,34 @@ def _take2(m: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
     if len(cols) < m.shape[1]:
         m = m.take(cols, axis=1)
     return np.ascontiguousarray(m)
+
+
+_CHUNK = 1 << 16  # entries per block of :func:`min_plus` (half a megabyte of float64: stays in cache)
+
+
+def min_plus(vec: np.ndarray, mat: np.ndarray) -> np.ndarray:
+    """``min_a vec[a] + mat[a, b]`` for every b: ``(vec[:, None] + mat).min(axis=0)``, the same floats.
+
+    The sum is never held whole: it is formed and reduced a block of rows at a
+    time (of ``mat``, or of ``mat.T`` when that is the contiguous one), so it
+    stays in cache; each entry is the same sum and min is exact, so the result
+    is bit for bit that of the one-shot form.
+    """
+    ka, kb = mat.shape
+    if ka == 0 or kb == 0:
+        return (vec[:, None] + mat).min(axis=0)
+    if mat.T.flags.c_contiguous and not mat.flags.c_contiguous:  # a transposed view: walk its rows
+        mt = mat.T
+        out = np.empty(kb)
+        step = max(1, _CHUNK // ka)
+        for i in range(0, kb, step):
+            np.min(mt[i:i + step] + vec[None, :], axis=1, out=out[i:i + step])
+        return out
+    step = max(1, _CHUNK // kb)
+    out = (vec[:step, None] + mat[:step]).min(axis=0)
+    for i in range(step, ka, step):
+        np.minimum(out, (vec[i:i + step, None] + mat[i:i + step]).min(axis=0), out=out)
+    return out
 
 
 @dataclass
@@ -177,7 +205,7 @@ def trws(st: BoundState, order: list[int], iters: int) -> None:
                     hat += msg[(u, s)]
                 hat *= gamma[s]
                 for t in out[s]:
-                    m = ((hat - msg[(t, s)])[:, None] + oriented[(s, t)]).min(axis=0)
+                    m = min_plus(hat - msg[(t, s)], oriented[(s, t)])
                     m -= m.min()
                     msg[(s, t)] = m
 
@@ -309,7 +337,7 @@ def forest_bounds(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
     for v in reversed(order):
         p = parent[v]
         if p >= 0:
-            m = (up[v][:, None] + mat(v, p)).min(axis=0)
+            m = min_plus(up[v], mat(v, p))
             msg_up[v] = m
             up[p] += m
     down: list[np.ndarray | None] = [None] * n  # message parent -> v, over v's configs
@@ -327,7 +355,7 @@ def forest_bounds(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
         suffix = np.zeros_like(base)
         for i in range(len(kids) - 1, -1, -1):
             c = kids[i]
-            down[c] = ((prefix[i] + suffix)[None, :] + mat(c, v)).min(axis=1)
+            down[c] = min_plus(prefix[i] + suffix, mat(c, v).T)
             suffix = suffix + msg_up[c]
     # other components add at least their own minimum
     comp_min = {v: float(mm[v].min()) for v in range(n) if parent[v] < 0}

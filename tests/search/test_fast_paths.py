@@ -11,6 +11,8 @@
   plain form enumerates every divisor tuple per level in order and filters.
 - Bounds: the forest pass splits a matrix shared by several edges once; the
   bounds must equal those of the same problem with every matrix its own copy.
+  The min-plus products of the message passing are formed a block at a time
+  and must equal the one-shot minimum bit for bit.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from shardplan.cost import build_tables
 from shardplan.machine import preset
 from shardplan.models import get_model, model_spec
 from shardplan.search import solve_dp
-from shardplan.search.bounds import BoundState, _forest_pass, trws
+from shardplan.search.bounds import BoundState, _forest_pass, min_plus, trws
 from shardplan.search.problem import Problem
 
 
@@ -173,3 +175,12 @@ def test_forest_bounds_same_with_shared_matrices(model, p):
     trws(own, order, 2)
     a, b = _forest_pass(shared), _forest_pass(own)
     assert all(np.array_equal(x, y) for x, y in zip(a[0], b[0]))
+
+
+@pytest.mark.parametrize("ka,kb", [(1, 1), (1, 700), (700, 1), (37, 1191), (300, 300), (3000, 20), (3, 0)])
+def test_min_plus_is_the_one_shot_minimum(ka, kb):
+    rng = np.random.default_rng(ka * 7919 + kb)
+    m = rng.random((ka, kb)) * 10.0 ** rng.integers(-6, 6, size=(ka, kb))
+    v = rng.random(ka)
+    for mat in (m, np.ascontiguousarray(m.T).T, m[:, ::2]):  # C order, a transposed view, a strided view
+        assert np.array_equal(min_plus(v, mat), (v[:, None] + mat).min(axis=0))
