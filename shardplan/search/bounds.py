@@ -430,7 +430,7 @@ def _restricted_incumbent(st: BoundState, lbs: list[np.ndarray], ub: float, max_
 def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int = 3, max_rounds: int = 8,
                 incumbent: np.ndarray | None = None, rtol: float = RTOL,
                 restricted_max: int = 8, restricted_entries: float = 2e7,
-                min_drop: float = 0.1, exact_weights: bool = False,
+                min_drop: float = 0.2, exact_weights: bool = False,
                 symmetric: bool = False) -> tuple[Reduction, dict]:
     """Drop every configuration whose lower bound exceeds the incumbent (exact; see module doc).
 
@@ -441,7 +441,9 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
     bound (by ``exact_solver``, e.g. :func:`shardplan.search.dp.solve_small`,
     passed in so that this module does not depend on the DP). Stops when a round (after the first TRW-S round) drops at most
     ``min_drop`` of the surviving configurations, or proves its incumbent optimal (bound = incumbent), or
-    after ``max_rounds``.
+    after ``max_rounds``. (``min_drop`` = 0.2, measured: on ResNet-101 at 64 devices the round after one
+    that dropped 19 % drops 9 configurations and costs a quarter of the search; on the other zoo models and
+    Llama-3-8B the stop comes from the proof either way. Which round stops changes work, never the optimum.)
     The forest of a round is chosen by max R once messages exist
     (``exact_weights`` also in round 0), else by the cheaper max E - min E.
     With ``symmetric``, vertices with equal costs and configurations
