@@ -29,7 +29,8 @@ from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
 from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays, unique_rows
 
-__all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES", "layouts", "flat_layouts"]
+__all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES", "layouts", "flat_layouts",
+           "forward_deferrable", "deferred_inputs", "with_partial"]
 
 
 def split_choices(extent: int, p: int, cutoff: int, powers_of_two: bool = False) -> list[int]:
@@ -247,3 +248,28 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
                     seen.add(lay)
                     out.append(lay)
     return tuple(out)
+
+
+def forward_deferrable(op: Operator) -> bool:
+    """Whether ``op``'s output may be left as partial sums: it sums over its reduction dims and nothing
+    after the sum is described (no normalised dims, no recurrence), so the output is linear in the sum."""
+    return bool(op.reduction_dims) and not op.norm_dims and op.recurrence is None
+
+
+def deferred_inputs(op: Operator) -> tuple[int, ...]:
+    """Slots of the inputs whose gradient a partial layout leaves as partial sums: every activation input
+    with a gradient (its gradient sums over the dims that do not index it)."""
+    return tuple(i for i, t in enumerate(op.inputs) if t.needs_grad and op.grad_reduction_dims(t))
+
+
+def with_partial(op: Operator, lays: Sequence[Layout]) -> tuple[Layout, ...]:
+    """``lays`` followed by the partial copy (:attr:`Layout.partial`) of every layout that splits a reduction
+    it can defer: a reduction dim of a :func:`forward_deferrable` operator, or a dim an input's gradient sums
+    over (:func:`deferred_inputs`). The copies keep the order of ``lays``."""
+    names = op.dim_names
+    sets = [op.reduction_dims] if forward_deferrable(op) else []
+    sets += [op.grad_reduction_dims(op.inputs[i]) for i in deferred_inputs(op)]
+    idx = [[names.index(d) for d in dims] for dims in sets]
+    extra = [lay.with_partial() for lay in lays if not lay.partial
+             and any(math.prod(lay.split[j] for j in js) > 1 for js in idx)]
+    return tuple(lays) + tuple(extra)

@@ -34,6 +34,31 @@ accordingly, or nothing (:func:`_piece_blocks`). Pairs outside these cases
 (uneven blocks, pieces cut unevenly, splits that do not nest) take the
 general path: the pairwise box intersection over (K_u, K_v, p), in chunks,
 one axis at a time. Both give the same numbers where both apply (tested).
+
+Deferred reductions (:attr:`shardplan.layout.Layout.partial`; the math in
+docs/cost-model.md). When u's layout leaves its output as partial sums over
+its reduction group G (g devices, ``g_l`` per level, each holding u's whole
+output tile of n bytes), the edge charges the reduction v's layout needs,
+forward, the cheaper of
+
+* all-reduce among G, then the ordinary redistribution from u's tile:
+  ``AR(n, G) + fwd``;
+* reduce-scatter among G, when v's tiles *scatter* u's tile over G (every
+  device's tile of T under v lies inside its tile under u, is 1/g of it, and
+  the g devices of each group hold g different tiles: the reduce-scatter
+  leaves every device exactly its tile): ``RS(n, G)``.
+
+The gradient of an all-reduce of partial sums is the output gradient on
+every member (nothing more than the ordinary backward redistribution into
+u's tile, which is charged as for any edge); the gradient of a
+reduce-scatter is an all-gather of the gradient tiles into u's tile, which
+is that same backward redistribution (v's tiles of the gradient to u's
+whole tile): the backward term is unchanged. Mirror image, backward: when
+v's layout leaves the gradient of its input ``slot`` as partial sums over
+that input's gradient group G_v, the edge charges ``AR(n_v, G_v) + bwd``, or
+``RS(n_v, G_v)`` where u's tiles scatter v's over G_v. A partial output read
+by several consumers is reduced on each edge (each consumer reduces its own
+copy), an upper bound of sharing one reduction.
 """
 
 from __future__ import annotations
@@ -42,14 +67,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardplan.cost.collectives import outer_level, p2p_time
+from shardplan.configs import deferred_inputs, forward_deferrable
+from shardplan.cost.collectives import allreduce_time, outer_level, p2p_time, reduce_scatter_time
 from shardplan.cost.tiles import as_layouts, box_volumes, tensor_boxes
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
-__all__ = ["edge_volumes", "edge_cost", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES",
+__all__ = ["edge_volumes", "edge_cost", "deferred_reductions", "scatters", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES",
            "weight_edge_cost", "weight_sync", "weight_views"]
 
 _CHUNK_ELEMS = 1 << 22
@@ -559,7 +585,79 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
             vol = edge_volumes(u, lu, v, slot, gv, p, memo=memo)[1]  # (K_u, distinct unions)
             bwd_t = np.maximum(bwd_t, p2p_time(vol * nbytes, machine, lvl + 1).take(inv, axis=1))
             more_b = bool(vol.any())
+    if lu.partial is not None or lv.partial is not None:
+        fwd_t, bwd_t = deferred_reductions(u, lu, v, slot, lv, machine, fwd_t, bwd_t)
     return fwd_t + bwd_t
+
+
+def deferred_reductions(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
+                        fwd_t: np.ndarray, bwd_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward seconds (K_u, K_v) of an edge with the reductions that partial layouts defer to it
+    (module docstring): ``fwd_t`` / ``bwd_t`` are the ordinary redistributions of the two directions."""
+    p = machine.num_devices
+    nbytes = float(machine.dtype_bytes)
+    t_in = v.inputs[slot]
+    fwd_t, bwd_t = np.array(fwd_t, dtype=np.float64), np.array(bwd_t, dtype=np.float64)
+    if lu.partial is not None and forward_deferrable(u):
+        gl = lu.group_sizes([u.dim_names.index(d) for d in u.reduction_dims])
+        rows = np.nonzero(lu.partial & (gl.prod(axis=0) > 1))[0]
+        if len(rows):
+            gl = gl[:, rows]
+            bu = tensor_boxes(u, u.output, lu.take(rows), p, core=True)
+            n = box_volumes(bu).max(axis=1) * u.output.elem_factor * nbytes
+            ar, rs = allreduce_time(n, gl, machine), reduce_scatter_time(n, gl, machine)
+            ok = scatters(bu, tensor_boxes(v, t_in, lv, p, core=True), gl.prod(axis=0))
+            base = ar[:, None] + fwd_t[rows]
+            fwd_t[rows] = np.where(ok, np.minimum(rs[:, None], base), base)
+    if lv.partial is not None and t_in.needs_grad and slot in deferred_inputs(v):
+        gl = lv.group_sizes([v.dim_names.index(d) for d in v.grad_reduction_dims(t_in)])
+        cols = np.nonzero(lv.partial & (gl.prod(axis=0) > 1))[0]
+        if len(cols):
+            gl = gl[:, cols]
+            bv = tensor_boxes(v, t_in, lv.take(cols), p, core=True)
+            n = box_volumes(bv).max(axis=1) * t_in.elem_factor * nbytes
+            ar, rs = allreduce_time(n, gl, machine), reduce_scatter_time(n, gl, machine)
+            bu = _clip_to_read(tensor_boxes(u, u.output, lu, p, core=True), bv)
+            ok = scatters(bv, bu, gl.prod(axis=0)).T
+            base = ar[None, :] + bwd_t[:, cols]
+            bwd_t[:, cols] = np.where(ok, np.minimum(rs[None, :], base), base)
+    return fwd_t, bwd_t
+
+
+def scatters(big: np.ndarray, small: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Whether a reduce-scatter among the groups of ``big`` leaves every device its box of ``small``: (K_b, K_s).
+
+    ``big`` (K_b, p, A, 2): boxes of a tensor held as partial sums, each layout's devices in groups of
+    ``g`` (K_b,) holding the same box; ``small`` (K_s, p, A, 2): boxes of the same tensor wanted after the
+    reduction. True when, on every device, the small box lies inside the big one and is 1/g of it (all boxes
+    of a layout of equal volume), and the p devices hold p different (big, small) pairs while the big boxes
+    are p / g different ones: each group of g devices then holds g different small boxes, which (blocks of
+    one regular split, equal or disjoint) tile the group's big box.
+    """
+    k_b, k_s = len(big), len(small)
+    ok = np.zeros((k_b, k_s), dtype=bool)
+    if k_b == 0 or k_s == 0 or big.shape[2] == 0:
+        return ok
+    p = big.shape[1]
+    vb, vs = box_volumes(big), box_volumes(small)
+    even_b = (vb == vb[:, :1]).all(axis=1) & (vb[:, 0] > 0)
+    even_s = (vs == vs[:, :1]).all(axis=1) & (vs[:, 0] > 0)
+    ratio = (vb[:, 0][:, None] == np.asarray(g)[:, None] * vs[:, 0][None, :]) & even_b[:, None] & even_s[None, :]
+    radix = np.maximum(big[..., 1].max(axis=(0, 1)), small[..., 1].max(axis=(0, 1))) + 1  # (A,)
+    weights = np.concatenate([np.cumprod(radix[::-1])[::-1][1:], [1]]).astype(np.int64)
+    code_s = small[..., 0].astype(np.int64) @ weights  # (K_s, p): a box of a regular split is named by its corner
+    for i in np.nonzero(ratio.any(axis=1))[0]:
+        js = np.nonzero(ratio[i])[0]
+        inside = ((small[js, ..., 0] >= big[i, None, ..., 0]) & (small[js, ..., 1] <= big[i, None, ..., 1]))
+        js = js[inside.all(axis=(1, 2))]
+        if not len(js):
+            continue
+        _, bid = np.unique(big[i, :, :, 0].astype(np.int64) @ weights, return_inverse=True)
+        if (int(bid.max()) + 1) * int(g[i]) != p:
+            continue
+        pair = np.sort(bid.reshape(1, -1) * (int(code_s.max()) + 1) + code_s[js], axis=1)
+        ok[i, js] = 1 + (np.diff(pair, axis=1) != 0).sum(axis=1) == p
+    return ok
 
 
 def weight_views(u: Operator, wu: int, v: Operator, wv: int) -> tuple[Operator, Operator]:
@@ -628,8 +726,8 @@ def weight_edge_cost(u: Operator, wu: int, cu, v: Operator, wv: int, cv, machine
     and every exact solver stays exact for it.
     """
     p = machine.num_devices
-    lu = as_layouts(cu, p, None, machine.levels)
-    lv = as_layouts(cv, p, None, machine.levels)
+    lu = as_layouts(cu, p, None, machine.levels).without_partial()  # a parameter is never a partial sum
+    lv = as_layouts(cv, p, None, machine.levels).without_partial()
     src, dst = weight_views(u, wu, v, wv)
     f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo)
     moved = edge_cost(src, lu, dst, 0, lv, machine, volumes=(f, b), memo=memo)
