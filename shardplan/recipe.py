@@ -17,6 +17,17 @@ model). The map, on ``p`` devices with ``dp = p / (tp · pp)``:
   machine level, innermost first, the tensor group takes its part first
   and the data-parallel group what is left. The tables are built with
   ``node_replicas=True`` so that the norms' layouts are candidates;
+* **sequence parallelism** ``sp=true`` (Korthikanti et al. 2022, §4.2.2): the
+  operators without a model dimension (norms, additions) split their sequence
+  dimension ``s`` where the tensor group is, instead of being replicated over
+  it, and every tensor-parallel operator that splits a reduction takes the
+  partial layout (:attr:`shardplan.layout.Layout.partial`): the row-parallel
+  products (attention output, second feed-forward product, the embedding)
+  leave their outputs as partial sums, reduce-scattered into the
+  sequence-split norms; the column-parallel ones leave their inputs'
+  gradients as partial sums, reduce-scattered backward; the all-gathers are
+  the redistributions from the sequence-split layouts into the
+  column-parallel ones (:mod:`shardplan.cost.edge`);
 * **ZeRO** stage ``zero`` for every operator with trainable weights, and
   **recomputation** (``full``: every operator of the repeated blocks;
   ``selective``: the attention core, ``attn_scores`` and ``attn_context``,
@@ -38,7 +49,7 @@ model). The map, on ``p`` devices with ``dp = p / (tp · pp)``:
 
 What has no exact counterpart in the space is refused with a one-line
 :class:`~shardplan.errors.ShardplanError` naming the part, never
-approximated: sequence parallelism (``sp``), context parallelism (``cp``),
+approximated: context parallelism (``cp``),
 expert parallelism (``ep``), hybrid sharding groups (``hsdp``), fp8 and a
 dtype other than the machine's, and overlap flags the cost model does not
 distinguish (``tp_comm``; ``param_gather`` except with FSDP, whose gathers the
@@ -297,10 +308,8 @@ def _bool(key: str, value: Any) -> bool:
 # -- what cannot be costed exactly ----------------------------------------------------------------------
 def refusal(recipe: Recipe, machine: Machine) -> str | None:
     """Why ``recipe`` has no exact counterpart in shardplan's space on ``machine`` (None: it has one)."""
-    if recipe.sp:
-        return ("sequence parallelism (sp): shardplan's layouts keep the norms and dropouts replicated over the "
-                "tensor group and its collectives are all-reduces, not Megatron-LM's reduce-scatter/all-gather "
-                "over the sequence")
+    if recipe.sp and recipe.tp < 2:
+        return "sequence parallelism (sp) splits the sequence over the tensor group: it needs tp >= 2"
     if recipe.cp > 1:
         return "context parallelism (cp): splitting attention's sequence with ring exchanges is not in the cost model"
     if recipe.ep > 1:
@@ -357,7 +366,7 @@ def _level_ways(levels: tuple[int, ...], dp: int, tp: int) -> tuple[tuple[int, .
     return tps, dps
 
 
-def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int) -> Layout:
+def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int, sp: bool = False) -> Layout:
     """Megatron-LM's layout of ``op`` on machine levels ``levels`` with ``dp`` × ``tp`` devices.
 
     Per machine level l (innermost first) the tensor group takes ``tp_l`` ways (``tp`` filled from the inside)
@@ -369,13 +378,19 @@ def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int) -> 
     replicas are the most significant part of its position (:mod:`shardplan.layout`): the norms, replicated
     over the tensor group, then hold the same batch rows as the tensor-parallel operators, as in Megatron-LM
     (no redistribution between them; the other nesting would charge one that Megatron-LM does not run).
+    With ``sp`` (sequence parallelism) an operator without a model dimension splits its sequence dimension
+    ``s`` in the tensor group's place, and a layout that splits a reduction it can defer is partial
+    (:func:`shardplan.configs.with_partial`).
     Raises :class:`ShardplanError` when a split does not divide its dimension.
     """
     from shardplan.baselines import batch_dim
+    from shardplan.configs import with_partial
 
     tps, dps = _level_ways(levels, dp, tp)
     names = op.dim_names
     md, bd = model_dim(op), batch_dim(op)
+    if sp and md is None and "s" in names:
+        md = "s"
     rows = [[1] * len(names) for _ in levels]
     orders = []
     for lvl in range(len(levels)):
@@ -389,16 +404,17 @@ def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int) -> 
         if extent % ways:
             raise ShardplanError(f"recipe: operator {op.name!r} cannot split {d}={extent} {ways} ways "
                                  f"(dp={dp}, tp={tp})")
-    return Layout(names, levels, tuple(tuple(r) for r in rows), tuple(orders))
+    lay = Layout(names, levels, tuple(tuple(r) for r in rows), tuple(orders))
+    return with_partial(op, [lay])[-1] if sp else lay
 
 
-def megatron_layouts(tables: Any, dp: int, tp: int) -> dict[str, Layout]:
+def megatron_layouts(tables: Any, dp: int, tp: int, sp: bool = False) -> dict[str, Layout]:
     """:func:`megatron_layout` of every operator of ``tables``; raises :class:`ShardplanError` when one is not a
     candidate of the tables (then the recipe is not in their space: say so rather than cost another layout)."""
     levels = tuple(tables.machine.levels)
     out: dict[str, Layout] = {}
     for i, op in enumerate(tables.graph.operators):
-        lay = megatron_layout(op, levels, dp, tp)
+        lay = megatron_layout(op, levels, dp, tp, sp)
         if lay not in tables.layouts[i]:
             raise ShardplanError(f"recipe: the layout {lay.describe()} of operator {op.name!r} is not in "
                                  f"shardplan's space on {levels} devices")
@@ -406,12 +422,14 @@ def megatron_layouts(tables: Any, dp: int, tp: int) -> dict[str, Layout]:
     return out
 
 
-def megatron_candidates(levels: tuple[int, ...], dp: int, tp: int, orders: str) -> Callable[[Operator], tuple[Layout]]:
+def megatron_candidates(levels: tuple[int, ...], dp: int, tp: int, orders: str,
+                        sp: bool = False) -> Callable[[Operator], tuple[Layout]]:
     """``candidates(op)`` for :func:`shardplan.cost.build_tables`: the one layout :func:`megatron_layout`, after
     checking that it is among the operator's layouts in shardplan's space (:func:`shardplan.configs.layouts`
-    with every split, ``node_replicas`` and ``orders``), so the recipe's tables cost exactly that plan of the
-    space without building the rest of it. Identical operators are checked once."""
-    from shardplan.configs import layouts
+    with every split, ``node_replicas`` and ``orders``, and their partial copies with ``sp``), so the recipe's
+    tables cost exactly that plan of the space without building the rest of it. Identical operators are
+    checked once."""
+    from shardplan.configs import layouts, with_partial
     from shardplan.cost import operator_key
 
     checked: dict[tuple, Layout] = {}
@@ -419,8 +437,9 @@ def megatron_candidates(levels: tuple[int, ...], dp: int, tp: int, orders: str) 
     def candidates(op: Operator) -> tuple[Layout]:
         key = operator_key(op)
         if key not in checked:
-            lay = megatron_layout(op, levels, dp, tp)
-            if lay not in layouts(op, levels, 1, orders=orders, node_replicas=True):
+            lay = megatron_layout(op, levels, dp, tp, sp)
+            space = layouts(op, levels, 1, orders=orders, node_replicas=True)
+            if lay not in (with_partial(op, space) if sp else space):
                 raise ShardplanError(f"recipe: the layout {lay.describe()} of operator {op.name!r} is not in "
                                      f"shardplan's space on {levels} devices")
             checked[key] = lay
@@ -531,7 +550,7 @@ TABLE_OPTIONS = {"cutoff": 1, "orders": "row-major", "node_replicas": True}
 ``orders`` becomes "all" when a level holds both a tensor and a data split (:func:`table_options`)."""
 
 
-def table_options(machine: Machine, tp: int, dp: int) -> dict[str, Any]:
+def table_options(machine: Machine, tp: int, dp: int, sp: bool = False) -> dict[str, Any]:
     """:func:`shardplan.cost.build_tables` options of a stage of ``tp`` × ``dp`` devices on ``machine``'s levels:
     :data:`TABLE_OPTIONS` with the model dimension nested outside the batch inside a level
     (:func:`megatron_layout`: a candidate only with every order), and the recipe's layouts as the candidates
@@ -539,7 +558,7 @@ def table_options(machine: Machine, tp: int, dp: int) -> dict[str, Any]:
     levels = tuple(replace(machine, num_devices=tp * dp).levels)
     tps, dps = _level_ways(levels, dp, tp)
     orders = "all" if any(t > 1 and d > 1 for t, d in zip(tps, dps)) else "row-major"
-    return {**TABLE_OPTIONS, "orders": orders, "candidates": megatron_candidates(levels, dp, tp, orders)}
+    return {**TABLE_OPTIONS, "orders": orders, "candidates": megatron_candidates(levels, dp, tp, orders, sp)}
 
 
 def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int | None = None,
@@ -608,9 +627,9 @@ def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m
 
     recs = recompute_names(graph, recipe.recompute)
     t0 = time.perf_counter()
-    opts = table_options(machine, recipe.tp, dp)
+    opts = table_options(machine, recipe.tp, dp, recipe.sp)
     tables = replace(build_tables(graph, replace(machine, memory_bytes=None), **opts), machine=machine)
-    base = plan_from_configs(tables, megatron_layouts(tables, dp, recipe.tp), name="megatron")
+    base = plan_from_configs(tables, megatron_layouts(tables, dp, recipe.tp, recipe.sp), name="megatron")
     sp = plan_with_choices(base, stage=recipe.zero, recompute=recs, micro_batches=m, name="recipe")
     return from_spmd(replace(sp, build_seconds=time.perf_counter() - t0), model=name, batch=gbs)
 
@@ -626,14 +645,14 @@ def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Reci
     from shardplan.planner import from_pipeline
 
     t0 = time.perf_counter()
-    tp, zero, rec = recipe.tp, recipe.zero, recipe.recompute
+    tp, zero, rec, sp = recipe.tp, recipe.zero, recipe.recompute, recipe.sp
 
     def choices(plan: Any, mb: int) -> Any:
         return plan_with_choices(plan, stage=zero, recompute=recompute_names(plan.graph, rec), micro_batches=1,
                                  accumulate=mb, name="recipe")
 
-    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dp),
-                         periodic=False, strategy=lambda t: megatron_layouts(t, dp, tp), choices=choices)
+    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dp, sp),
+                         periodic=False, strategy=lambda t: megatron_layouts(t, dp, tp, sp), choices=choices)
     g, units, _ = stages.graph(m)
     kinds = [unit_prefix(g.operators[idx[0]].name) is not None for idx in units]
     if len(units) < 3 or kinds[0] or kinds[-1] or not all(kinds[1:-1]):
