@@ -251,9 +251,23 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
 
 
 def forward_deferrable(op: Operator) -> bool:
-    """Whether ``op``'s output may be left as partial sums: it sums over its reduction dims and nothing
-    after the sum is described (no normalised dims, no recurrence), so the output is linear in the sum."""
-    return bool(op.reduction_dims) and not op.norm_dims and op.recurrence is None
+    """Whether ``op``'s output may be left as partial sums: it is the sum over its reduction dims with nothing
+    applied after the sum.
+
+    Nothing after the sum: no normalised dims, no recurrence, and the work per output element,
+    ``W = flops_per_point · R`` (R: the points summed into one output element), is that of a plain sum:
+    R (one add per point), 2R (one multiply-add per point: a contraction) or 1 (a selection: the embedding's
+    one-hot product). An elementwise tail fused into the operator (the JAX lowering's fusion, a GELU after a
+    product) adds its FLOPs per output element to W, so such an operator is not deferred: its output is not
+    linear in the partial sums.
+    """
+    red = op.reduction_dims
+    if not red or op.norm_dims or op.recurrence is not None:
+        return False
+    ext = op.extents
+    r = float(math.prod(ext[d] for d in red))
+    w = op.flops_per_point * r
+    return any(math.isclose(w, x, rel_tol=1e-9) for x in (r, 2.0 * r, 1.0))
 
 
 def deferred_inputs(op: Operator) -> tuple[int, ...]:
