@@ -635,9 +635,37 @@ def scatters(big: np.ndarray, small: np.ndarray, g: np.ndarray) -> np.ndarray:
     one regular split, equal or disjoint) tile the group's big box.
     """
     k_b, k_s = len(big), len(small)
-    ok = np.zeros((k_b, k_s), dtype=bool)
     if k_b == 0 or k_s == 0 or big.shape[2] == 0:
-        return ok
+        return np.zeros((k_b, k_s), dtype=bool)
+    # many layouts give a tensor the same boxes (they differ in dims that do not index it): once per distinct
+    # (boxes, group size) of the big side and distinct boxes of the small side
+    fb, ib = _dedupe(np.concatenate([big.reshape(k_b, -1), np.asarray(g, dtype=np.int64)[:, None]], axis=1))
+    fs, is_ = _dedupe(small.reshape(k_s, -1))
+    if len(fb) < k_b or len(fs) < k_s:
+        return _scatters(big[fb], small[fs], np.asarray(g)[fb]).take(ib, axis=0).take(is_, axis=1)
+    return _scatters(big, small, g)
+
+
+def _dedupe(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first of every distinct row of a wide integer array (K, m), and each row's: ``(first (U,), inverse (K,))``."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    seen: dict[bytes, int] = {}
+    inv = np.asarray([seen.setdefault(r.tobytes(), len(seen)) for r in rows], dtype=np.int64)
+    first = np.zeros(len(seen), dtype=np.int64)
+    first[inv[::-1]] = np.arange(len(rows) - 1, -1, -1)
+    return first, inv
+
+
+def _distinct(codes: np.ndarray) -> np.ndarray:
+    """Distinct values in every row of an integer array (R, p): (R,)."""
+    srt = np.sort(codes, axis=1)
+    return 1 + (srt[:, 1:] != srt[:, :-1]).sum(axis=1)
+
+
+def _scatters(big: np.ndarray, small: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """:func:`scatters` on distinct boxes."""
+    k_b, k_s = len(big), len(small)
+    ok = np.zeros((k_b, k_s), dtype=bool)
     p = big.shape[1]
     vb, vs = box_volumes(big), box_volumes(small)
     even_b = (vb == vb[:, :1]).all(axis=1) & (vb[:, 0] > 0)
@@ -652,11 +680,13 @@ def scatters(big: np.ndarray, small: np.ndarray, g: np.ndarray) -> np.ndarray:
         js = js[inside.all(axis=(1, 2))]
         if not len(js):
             continue
-        _, bid = np.unique(big[i, :, :, 0].astype(np.int64) @ weights, return_inverse=True)
-        if (int(bid.max()) + 1) * int(g[i]) != p:
+        code_b = big[i, :, :, 0].astype(np.int64) @ weights
+        if _distinct(code_b[None, :])[0] * int(g[i]) != p:
             continue
-        pair = np.sort(bid.reshape(1, -1) * (int(code_s.max()) + 1) + code_s[js], axis=1)
-        ok[i, js] = 1 + (np.diff(pair, axis=1) != 0).sum(axis=1) == p
+        span_s = int(code_s.max()) + 1
+        if (int(code_b.max()) + 1) * span_s >= 1 << 62:  # too wide for one int64 code: compact the big side first
+            code_b = np.unique(code_b, return_inverse=True)[1].reshape(-1).astype(np.int64)
+        ok[i, js] = _distinct(code_b[None, :] * span_s + code_s[js]) == p
     return ok
 
 
