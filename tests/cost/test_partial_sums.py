@@ -27,6 +27,8 @@ from shardplan.models import get_model
 from shardplan.recipe import megatron_layout
 from shardplan.search import solve_dp, solve_ilp
 from shardplan.search.reference import solve_bruteforce
+from shardplan.baselines import megatron
+from shardplan.spmd import plan_from_configs
 
 
 def machine(p: int, latency: float = 0.0, bandwidth: float = 1e9) -> Machine:
@@ -178,6 +180,8 @@ def test_megatron_sp_costs_tp_minus_its_allreduces_plus_reduce_scatters_and_gath
     g = get_model("gpt", 2, seq=512, **SIZES)
     t = _tp_sp_tables(g, m, 8)
     tp, sp = _assignment(t, False), _assignment(t, True)
+    # the TP layouts are the megatron expert baseline's
+    assert list(plan_from_configs(t, megatron(t, 1)).assignment) == tp
     problem = t.to_problem()
     n = 2 * 512 * 256 * m.dtype_bytes  # the activation x[b, s, d]
     ar = allreduce_time(n, [[8]], m)[0]
@@ -292,3 +296,21 @@ def test_dp_bruteforce_and_ilp_agree_with_partial_layouts(seed):
     assert dp.cost == pytest.approx(bf.cost, rel=1e-9)
     assert ilp.optimal and ilp.cost == pytest.approx(dp.cost, rel=1e-6)
     assert problem.evaluate(dp.assignment) == pytest.approx(dp.cost, rel=1e-12)
+
+
+# -- the plan value ---------------------------------------------------------------------------------------------
+def test_a_plan_with_partial_layouts_round_trips_and_is_rebuilt_from_its_choices():
+    from shardplan import Plan
+    from shardplan.planner import from_spmd, spmd_of
+    from shardplan.spmd import solve_tables
+
+    m = preset("a100", 8)
+    g = get_model("gpt", 4, **BIG)
+    plan = from_spmd(solve_tables(build_tables(g, m, cutoff=1, orders="row-major", partial_sums=True)))
+    assert any(c.layout.partial for c in plan.stages[0].operators.values())
+    assert plan.stats["table_options"]["partial_sums"] is True
+    q = Plan.from_json(plan.to_json())
+    assert q == plan
+    assert [c.layout for c in q.stages[0].operators.values()] == [c.layout for c in plan.stages[0].operators.values()]
+    rebuilt = spmd_of(replace(q, detail=None), g)  # from the choices alone: the tables rebuilt with partial_sums
+    assert rebuilt.cost == pytest.approx(plan.step_time, rel=1e-9)
