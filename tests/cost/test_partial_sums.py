@@ -314,3 +314,14 @@ def test_a_plan_with_partial_layouts_round_trips_and_is_rebuilt_from_its_choices
     assert [c.layout for c in q.stages[0].operators.values()] == [c.layout for c in plan.stages[0].operators.values()]
     rebuilt = spmd_of(replace(q, detail=None), g)  # from the choices alone: the tables rebuilt with partial_sums
     assert rebuilt.cost == pytest.approx(plan.step_time, rel=1e-9)
+
+
+def test_ilp_agrees_with_the_dp_on_a_gpt_whose_optimum_has_partial_layouts():
+    m = preset("a100", 8)
+    g = get_model("gpt", 4, **{**BIG, "layers": 1})
+    tables = build_tables(g, m, cutoff=1, orders="row-major", partial_sums=True)
+    problem = tables.to_problem()
+    dp = solve_dp(problem)
+    assert any(tables.layouts[i][k].partial for i, k in enumerate(dp.assignment))
+    ilp = solve_ilp(problem, time_limit=120)
+    assert ilp.optimal and ilp.cost == pytest.approx(dp.cost, rel=1e-6)
