@@ -44,9 +44,10 @@ forward, the cheaper of
 * all-reduce among G, then the ordinary redistribution from u's tile:
   ``AR(n, G) + fwd``;
 * reduce-scatter among G, when v's tiles *scatter* u's tile over G (every
-  device's tile of T under v lies inside its tile under u, is 1/g of it, and
-  the g devices of each group hold g different tiles: the reduce-scatter
-  leaves every device exactly its tile): ``RS(n, G)``.
+  device's tile of T under v lies inside its tile under u and is 1/h of it,
+  h > 1 dividing g, and each group holds h different tiles, each on g/h of
+  its devices: :func:`scatters`), then the all-gather of each tile among its
+  g/h devices: ``RS(n, G) + AG(n / h, S)`` (``AG = 0`` when h = g).
 
 The gradient of an all-reduce of partial sums is the output gradient on
 every member (nothing more than the ordinary backward redistribution into
@@ -56,7 +57,7 @@ is that same backward redistribution (v's tiles of the gradient to u's
 whole tile): the backward term is unchanged. Mirror image, backward: when
 v's layout leaves the gradient of its input ``slot`` as partial sums over
 that input's gradient group G_v, the edge charges ``AR(n_v, G_v) + bwd``, or
-``RS(n_v, G_v)`` where u's tiles scatter v's over G_v. A partial output read
+``RS(n_v, G_v) + AG(n_v / h, S)`` where u's tiles scatter v's over G_v. A partial output read
 by several consumers is reduced on each edge (each consumer reduces its own
 copy), an upper bound of sharing one reduction.
 """
@@ -68,7 +69,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardplan.configs import deferred_inputs, forward_deferrable
-from shardplan.cost.collectives import allreduce_time, outer_level, p2p_time, reduce_scatter_time
+from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time, reduce_scatter_time
 from shardplan.cost.tiles import as_layouts, box_volumes, tensor_boxes
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
@@ -605,10 +606,9 @@ def deferred_reductions(u: Operator, lu: LayoutArrays, v: Operator, slot: int, l
             gl = gl[:, rows]
             bu = tensor_boxes(u, u.output, lu.take(rows), p, core=True)
             n = box_volumes(bu).max(axis=1) * u.output.elem_factor * nbytes
-            ar, rs = allreduce_time(n, gl, machine), reduce_scatter_time(n, gl, machine)
-            ok = scatters(bu, tensor_boxes(v, t_in, lv, p, core=True), gl.prod(axis=0))
-            base = ar[:, None] + fwd_t[rows]
-            fwd_t[rows] = np.where(ok, np.minimum(rs[:, None], base), base)
+            sub = scatters(bu, tensor_boxes(v, t_in, lv, p, core=True), gl.prod(axis=0), machine.levels)
+            fwd_t[rows] = np.minimum(allreduce_time(n, gl, machine)[:, None] + fwd_t[rows],
+                                     _reduce_scatter_gather(n, gl, sub, machine))
     if lv.partial is not None and t_in.needs_grad and slot in deferred_inputs(v):
         gl = lv.group_sizes([v.dim_names.index(d) for d in v.grad_reduction_dims(t_in)])
         cols = np.nonzero(lv.partial & (gl.prod(axis=0) > 1))[0]
@@ -616,34 +616,40 @@ def deferred_reductions(u: Operator, lu: LayoutArrays, v: Operator, slot: int, l
             gl = gl[:, cols]
             bv = tensor_boxes(v, t_in, lv.take(cols), p, core=True)
             n = box_volumes(bv).max(axis=1) * t_in.elem_factor * nbytes
-            ar, rs = allreduce_time(n, gl, machine), reduce_scatter_time(n, gl, machine)
             bu = _clip_to_read(tensor_boxes(u, u.output, lu, p, core=True), bv)
-            ok = scatters(bv, bu, gl.prod(axis=0)).T
-            base = ar[None, :] + bwd_t[:, cols]
-            bwd_t[:, cols] = np.where(ok, np.minimum(rs[None, :], base), base)
+            sub = scatters(bv, bu, gl.prod(axis=0), machine.levels)
+            bwd_t[:, cols] = np.minimum(allreduce_time(n, gl, machine)[None, :] + bwd_t[:, cols],
+                                        _reduce_scatter_gather(n, gl, sub, machine).T)
     return fwd_t, bwd_t
 
 
-def scatters(big: np.ndarray, small: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """Whether a reduce-scatter among the groups of ``big`` leaves every device its box of ``small``: (K_b, K_s).
+def scatters(big: np.ndarray, small: np.ndarray, g: np.ndarray, levels: tuple[int, ...] | None = None) -> np.ndarray:
+    """How a reduce-scatter among the groups of ``big`` delivers ``small``: the all-gather group that must
+    follow it, per level, for every pair: (K_b, K_s, L) int, all 0 where it cannot.
 
     ``big`` (K_b, p, A, 2): boxes of a tensor held as partial sums, each layout's devices in groups of
     ``g`` (K_b,) holding the same box; ``small`` (K_s, p, A, 2): boxes of the same tensor wanted after the
-    reduction. True when, on every device, the small box lies inside the big one and is 1/g of it (all boxes
-    of a layout of equal volume), and the p devices hold p different (big, small) pairs while the big boxes
-    are p / g different ones: each group of g devices then holds g different small boxes, which (blocks of
-    one regular split, equal or disjoint) tile the group's big box.
+    reduction; ``levels``: the machine's level sizes (default one level of p). A pair qualifies when, on every
+    device, the small box lies inside the big one and is 1/h of it for some h > 1 dividing g (all boxes of a
+    layout of equal volume), the big boxes are p / g different ones (each held by one group), and every
+    (big, small) pair of boxes is held by exactly g / h devices: each group then holds h different small
+    boxes (blocks of one regular split, equal or disjoint), which tile its big box, each on g / h devices.
+    A reduce-scatter among the g devices (ranked so that the g / h devices of a small box get its g / h
+    pieces) followed by an all-gather among those g / h devices leaves every device its small box; the
+    all-gather group's size per level is read off the devices sharing device 0's pair (all 1 when h = g:
+    nothing to gather).
     """
     k_b, k_s = len(big), len(small)
+    levels = (big.shape[1],) if levels is None else tuple(int(x) for x in levels)
     if k_b == 0 or k_s == 0 or big.shape[2] == 0:
-        return np.zeros((k_b, k_s), dtype=bool)
+        return np.zeros((k_b, k_s, len(levels)), dtype=np.int64)
     # many layouts give a tensor the same boxes (they differ in dims that do not index it): once per distinct
     # (boxes, group size) of the big side and distinct boxes of the small side
     fb, ib = _dedupe(np.concatenate([big.reshape(k_b, -1), np.asarray(g, dtype=np.int64)[:, None]], axis=1))
     fs, is_ = _dedupe(small.reshape(k_s, -1))
     if len(fb) < k_b or len(fs) < k_s:
-        return _scatters(big[fb], small[fs], np.asarray(g)[fb]).take(ib, axis=0).take(is_, axis=1)
-    return _scatters(big, small, g)
+        return _scatters(big[fb], small[fs], np.asarray(g)[fb], levels).take(ib, axis=0).take(is_, axis=1)
+    return _scatters(big, small, g, levels)
 
 
 def _dedupe(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -662,20 +668,28 @@ def _distinct(codes: np.ndarray) -> np.ndarray:
     return 1 + (srt[:, 1:] != srt[:, :-1]).sum(axis=1)
 
 
-def _scatters(big: np.ndarray, small: np.ndarray, g: np.ndarray) -> np.ndarray:
+def _scatters(big: np.ndarray, small: np.ndarray, g: np.ndarray, levels: tuple[int, ...]) -> np.ndarray:
     """:func:`scatters` on distinct boxes."""
     k_b, k_s = len(big), len(small)
-    ok = np.zeros((k_b, k_s), dtype=bool)
+    n_lv = len(levels)
+    out = np.zeros((k_b, k_s, n_lv), dtype=np.int64)
     p = big.shape[1]
+    q = np.arange(p, dtype=np.int64)
+    base = np.cumprod((1,) + levels[:-1])
+    pos = [(q // base[lvl]) % levels[lvl] for lvl in range(n_lv)]
+    g = np.asarray(g, dtype=np.int64)
     vb, vs = box_volumes(big), box_volumes(small)
     even_b = (vb == vb[:, :1]).all(axis=1) & (vb[:, 0] > 0)
     even_s = (vs == vs[:, :1]).all(axis=1) & (vs[:, 0] > 0)
-    ratio = (vb[:, 0][:, None] == np.asarray(g)[:, None] * vs[:, 0][None, :]) & even_b[:, None] & even_s[None, :]
+    h = np.where(even_s[None, :], vb[:, :1] // np.maximum(vs[None, :, 0], 1), 0)  # (K_b, K_s)
+    cand = (even_b[:, None] & even_s[None, :] & (h > 1) & (h * vs[None, :, 0] == vb[:, :1])
+            & (g[:, None] % np.maximum(h, 1) == 0))
     radix = np.maximum(big[..., 1].max(axis=(0, 1)), small[..., 1].max(axis=(0, 1))) + 1  # (A,)
     weights = np.concatenate([np.cumprod(radix[::-1])[::-1][1:], [1]]).astype(np.int64)
     code_s = small[..., 0].astype(np.int64) @ weights  # (K_s, p): a box of a regular split is named by its corner
-    for i in np.nonzero(ratio.any(axis=1))[0]:
-        js = np.nonzero(ratio[i])[0]
+    span_s = int(code_s.max()) + 1
+    for i in np.nonzero(cand.any(axis=1))[0]:
+        js = np.nonzero(cand[i])[0]
         inside = ((small[js, ..., 0] >= big[i, None, ..., 0]) & (small[js, ..., 1] <= big[i, None, ..., 1]))
         js = js[inside.all(axis=(1, 2))]
         if not len(js):
@@ -683,11 +697,32 @@ def _scatters(big: np.ndarray, small: np.ndarray, g: np.ndarray) -> np.ndarray:
         code_b = big[i, :, :, 0].astype(np.int64) @ weights
         if _distinct(code_b[None, :])[0] * int(g[i]) != p:
             continue
-        span_s = int(code_s.max()) + 1
         if (int(code_b.max()) + 1) * span_s >= 1 << 62:  # too wide for one int64 code: compact the big side first
             code_b = np.unique(code_b, return_inverse=True)[1].reshape(-1).astype(np.int64)
-        ok[i, js] = _distinct(code_b[None, :] * span_s + code_s[js]) == p
-    return ok
+        pair = code_b[None, :] * span_s + code_s[js]  # (J, p)
+        run = g[i] // h[i, js]  # devices per (big, small) pair
+        srt = np.sort(pair, axis=1)
+        new = srt[:, 1:] != srt[:, :-1]
+        even = (new == (np.arange(1, p)[None, :] % run[:, None] == 0)).all(axis=1)  # every run exactly `run` long
+        mine = pair == pair[:, :1]  # device 0's all-gather group
+        sizes = np.stack([_distinct(np.where(mine, pos[lvl][None, :], -1)) - (~mine).any(axis=1)
+                          for lvl in range(n_lv)], axis=1)  # (J, L)
+        good = even & (sizes.prod(axis=1) == run)
+        out[i, js[good]] = sizes[good]
+    return out
+
+
+def _reduce_scatter_gather(n: np.ndarray, gl: np.ndarray, sub: np.ndarray, machine: Machine) -> np.ndarray:
+    """Seconds (R, K) of a reduce-scatter of ``n`` bytes (R,) among groups ``gl`` (L, R) followed by the
+    all-gather of ``sub`` (R, K, L, from :func:`scatters`) on the 1/h of the buffer each small box is; inf
+    where ``sub`` is 0."""
+    r, k, n_lv = sub.shape
+    ok = sub[..., 0] > 0
+    sizes = np.where(ok[..., None], sub, 1)
+    rs = reduce_scatter_time(n, gl, machine)
+    share = (np.asarray(n, dtype=np.float64) / gl.prod(axis=0))[:, None] * sizes.prod(axis=2)  # n / h
+    ag = allgather_time(share.reshape(-1), sizes.reshape(r * k, n_lv).T, machine).reshape(r, k)
+    return np.where(ok, rs[:, None] + ag, np.inf)
 
 
 def weight_views(u: Operator, wu: int, v: Operator, wv: int) -> tuple[Operator, Operator]:

@@ -17,7 +17,7 @@ import pytest
 from shardplan import ops
 from shardplan.configs import forward_deferrable, layouts, with_partial
 from shardplan.cost import build_tables, edge_cost
-from shardplan.cost.collectives import allreduce_time, p2p_time, reduce_scatter_time
+from shardplan.cost.collectives import allgather_time, allreduce_time, p2p_time, reduce_scatter_time
 from shardplan.cost.edge import scatters
 from shardplan.cost.operator import operator_cost
 from shardplan.ir import GraphBuilder, TensorRef
@@ -114,12 +114,33 @@ def test_a_scatter_that_leaves_devices_the_wrong_tiles_is_all_reduced_then_moved
     lu, lv = _pair(fc, [(2, 1, 4)], act, [(4, 1), (8, 1)], 8, partial_u=True)
     bu = np.asarray([flat(fc, (2, 1, 4), 8).blocks((64, 16, 32))[:, :2]])
     ok = scatters(bu, np.asarray([flat(act, c, 8).blocks((64, 16)) for c in ((4, 1), (8, 1))]), np.asarray([4]))
-    assert ok.tolist() == [[False, True]]
+    assert ok.tolist() == [[[0], [1]]]  # (8,1): a plain reduce-scatter, nothing to gather after it
     cost = edge_cost(fc, lu, act, 0, lv, m)
     plain = edge_cost(fc, lu.without_partial(), act, 0, lv, m)
     n = 32 * 16 * 4  # fc's output tile: half of b
     assert cost[0, 0] == pytest.approx(allreduce_time(n, [[4]], m)[0] + plain[0, 0])
     assert cost[0, 1] == pytest.approx(reduce_scatter_time(n, [[4]], m)[0] + float(p2p_time(3 / 4 * n, m)))
+
+
+@pytest.mark.parametrize("latency", [0.0, 1e-6])
+def test_a_tile_split_over_part_of_the_group_is_reduce_scattered_then_gathered(latency):
+    """fc (1,1,8): 8 partial sums of the whole y; act (4,1) (2 copies) wants a quarter of it on each device,
+    every quarter on 2 devices: a reduce-scatter among the 8 into eighths, then an all-gather of a quarter
+    among each pair (the ring reduce-scatter and all-gather move 7/8 n + 1/8 n, the all-reduce 14/8 n)."""
+    m = machine(8, latency)
+    fc = ops.dense("fc", x_ref((64, 32)), 16)
+    act = ops.elementwise("act", fc.out)
+    lu, lv = _pair(fc, [(1, 1, 8)], act, [(4, 1)], 8, partial_u=True)
+    bu = np.asarray([flat(fc, (1, 1, 8), 8).blocks((64, 16, 32))[:, :2]])
+    sub = scatters(bu, np.asarray([flat(act, (4, 1), 8).blocks((64, 16))]), np.asarray([8]))
+    assert sub.tolist() == [[[2]]]
+    cost = edge_cost(fc, lu, act, 0, lv, m)
+    n = 64 * 16 * 4
+    forward = min(reduce_scatter_time(n, [[8]], m)[0] + float(allgather_time(n / 4, [[2]], m)[0]),
+                  allreduce_time(n, [[8]], m)[0])
+    assert cost[0, 0] == pytest.approx(forward + float(p2p_time(3 / 4 * n, m)))
+    if latency == 0.0:
+        assert forward == pytest.approx(n / 1e9)  # 7/8 n + 1/8 n over the link, against 14/8 n
 
 
 def test_partial_input_gradient_is_reduce_scattered_into_the_producer():
