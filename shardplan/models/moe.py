@@ -17,10 +17,11 @@ may split. Per block ``L{i}`` (after the attention of
   ``s`` is fixed (a slot depends on every earlier token of the group);
 * ``moe/dispatch``: ``bsec,bsd->becd`` with the one-hot mask of G (no
   gradient flows into the mask): the tokens laid out per expert and slot;
-* the experts, one batched product over ``e`` each (weights [E, d, f] and
-  [E, f, d]): ``moe/expert_gate`` and ``moe/expert_up`` ``becd,edf->becf``,
-  ``moe/expert_act`` SiLU(gate) * up over ``becf``, ``moe/expert_down``
-  ``becf,efd->becd``;
+* the experts, one batched product over ``e`` each: ``moe/expert_in``, the
+  gate and up projections stacked (``becd,edgf->becgf``, weight [E, d, 2, f],
+  g = 2, as grouped-GEMM implementations fuse them, so that the dispatched
+  tokens are read by one operator), ``moe/expert_act`` SiLU(gate) * up over
+  ``becf``, ``moe/expert_down`` ``becf,efd->becd`` (weight [E, f, d]);
 * ``moe/combine``: ``becd,bsec->bsd`` with G (the gate weights, which carry
   the router's gradient);
 * with shared experts (DeepSeek-V3): a SwiGLU MLP ``moe/shared/*`` of width
@@ -72,7 +73,7 @@ from shardplan.ir import Graph, GraphBuilder, Operator, Tensor, TensorRef
 from shardplan.models._blocks import check_stack, rms_norm
 from shardplan.models.llama import SWIGLU_FLOPS, check_heads, gqa_attention, swiglu_mlp
 
-__all__ = ["moe", "MoEConfig", "MOE", "moe_layer", "capacity", "gate", "GATE_LOGIT_FLOPS", "EXPERT_KINDS"]
+__all__ = ["moe", "MoEConfig", "MOE", "moe_layer", "capacity", "gate", "swiglu_pair", "GATE_LOGIT_FLOPS", "EXPERT_KINDS"]
 
 GATE_LOGIT_FLOPS = 7.0
 """Work per router logit in ``gate``: softmax (max, subtract, exp, sum, divide: 5), the top-k selection
@@ -107,10 +108,22 @@ def gate(name: str, logits: TensorRef, slots: int, top_k: int) -> Operator:
                     norm_dims=("e",), norm_stats=2, fixed=frozenset({"s"}))
 
 
+def swiglu_pair(name: str, gu: TensorRef) -> Operator:
+    """``SiLU(gate) * up`` of the stacked pair ``gu[b,e,c,g,f]`` (g = 0 the gate, 1 the up projection): dims
+    ``becf``, the pair axis read whole, :data:`~shardplan.models.llama.SWIGLU_FLOPS` per point."""
+    bsz, e, c, two, f = gu.shape
+    if two != 2:
+        raise ShardplanError(f"operator {name!r}: the gate/up pair axis must have extent 2, got {gu.shape}")
+    xin = Tensor("x", gu.shape, ("b", "e", "c", None, "f"), "input", needs_grad=gu.needs_grad, src=gu.name)
+    out = Tensor("y", (bsz, e, c, f), ("b", "e", "c", "f"), "output")
+    return Operator(name, "expert", (("b", bsz), ("e", e), ("c", c), ("f", f)), (xin,), out,
+                    flops_per_point=SWIGLU_FLOPS)
+
+
 def moe_layer(b: GraphBuilder, prefix: str, x: TensorRef, experts: int, top_k: int, d_expert: int,
               slots: int, shared: int = 0) -> TensorRef:
     """The routed layer of the module docstring on ``x`` (b, s, d): vertices ``{prefix}/router, gate,
-    dispatch, expert_gate, expert_up, expert_act, expert_down, combine`` (and ``shared/*``, ``sum`` with
+    dispatch, expert_in, expert_act, expert_down, combine`` (and ``shared/*``, ``sum`` with
     ``shared`` shared experts). Returns the output (b, s, d)."""
     if experts < 1 or d_expert < 1 or slots < 1 or shared < 0:
         raise ShardplanError(f"{prefix}: experts={experts}, d_expert={d_expert}, capacity={slots} must be "
@@ -122,10 +135,9 @@ def moe_layer(b: GraphBuilder, prefix: str, x: TensorRef, experts: int, top_k: i
     disp = ops.einsum(f"{p}dispatch", "bsec,bsd->becd", comb, x, kind="moe_dispatch")
     mask = dataclasses.replace(disp.inputs[0], name="mask", needs_grad=False)
     h = b.add(dataclasses.replace(disp, inputs=(mask, disp.inputs[1])))
-    g = b.add(ops.einsum(f"{p}expert_gate", "becd,edf->becf", h, ops.Param((experts, d, d_expert)), kind="expert"))
-    u = b.add(ops.einsum(f"{p}expert_up", "becd,edf->becf", h, ops.Param((experts, d, d_expert)), kind="expert"))
-    a = b.add(ops.elementwise(f"{p}expert_act", g, u, flops_per_point=SWIGLU_FLOPS, kind="expert",
-                              letters="becf"))
+    gu = b.add(ops.einsum(f"{p}expert_in", "becd,edgf->becgf", h, ops.Param((experts, d, 2, d_expert)),
+                          kind="expert"))
+    a = b.add(swiglu_pair(f"{p}expert_act", gu))
     y = b.add(ops.einsum(f"{p}expert_down", "becf,efd->becd", a, ops.Param((experts, d_expert, d)), kind="expert"))
     out = b.add(ops.einsum(f"{p}combine", "becd,bsec->bsd", y, comb, kind="moe_combine"))
     if shared:

@@ -28,17 +28,19 @@ def test_the_routed_layer_is_einsums_over_a_splittable_expert_dimension():
     disp = g[p + "dispatch"]
     assert disp.dim_names == ("b", "e", "c", "d", "s") and disp.reduction_dims == ("s",)
     assert [(t.name, t.needs_grad) for t in disp.inputs] == [("mask", False), ("x1", True)]
-    for name in ("expert_gate", "expert_up", "expert_down"):
+    for name in ("expert_in", "expert_down"):
         op = g[p + name]
         w = op.weights[0]
         assert op.kind == "expert" and w.axes[0].dim == "e" and w.shape[0] == 8
         # the experts' weights have no batch, token or slot axis: splitting e splits them, nothing to reduce
         assert set(op.reduction_dims) <= {"d", "f"}
+    assert g[p + "expert_in"].weights[0].shape == (8, 64, 2, 128)  # gate and up stacked
+    assert g[p + "expert_act"].inputs[0].axes[3].dim is None and g[p + "expert_act"].output.shape == (3, 8, c, 128)
     comb = g[p + "combine"]
     assert comb.output.shape == (3, 32, 64) and set(comb.reduction_dims) == {"e", "c"}
     assert all(t.needs_grad for t in comb.inputs)  # the gate weights carry the router's gradient
     # the dispatched tokens [b, e, c, d] flow dispatch -> experts -> combine
-    assert g[p + "expert_gate"].inputs[0].src == p + "dispatch"
+    assert [op.name for op in g if any(t.src == p + "dispatch" for t in op.inputs)] == [p + "expert_in"]
     assert comb.inputs[0].src == p + "expert_down" and comb.inputs[1].src == p + "gate"
 
 
@@ -83,8 +85,8 @@ def test_moe_formula_equals_the_graphs_matrix_products(name, recompute):
     cfg = config_of(name)
     mm = [op for op in g if is_matmul(op)]
     routed = cfg.layers - cfg.dense_layers
-    # per routed layer: q k v scores context out, router, dispatch, expert gate/up/down, combine, shared gate/up/down
-    assert len(mm) == cfg.dense_layers * 9 + routed * (12 + 3 * bool(cfg.shared)) + 1
+    # per routed layer: q k v scores context out, router, dispatch, expert in/down, combine, shared gate/up/down
+    assert len(mm) == cfg.dense_layers * 9 + routed * (11 + 3 * bool(cfg.shared)) + 1
     softmax = sum((Fraction(op.flops_per_point) - 2) * op.points * ((2 if recompute else 1) + len(op.grad_tensors))
                   for op in g if op.kind == "attn_scores")
     assert softmax == (4 if recompute else 3) * cfg.layers * 5 * b * cfg.heads * cfg.seq ** 2
