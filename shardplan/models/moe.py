@@ -87,7 +87,8 @@ parallelism splits over ``e``."""
 def capacity(seq: int, experts: int, top_k: int, capacity_factor: float) -> int:
     """Slots per expert and group of ``seq`` tokens: ``ceil(capacity_factor · seq · top_k / experts)``, at
     most ``seq`` (an expert never takes a token twice)."""
-    if not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not (
+            capacity_factor > 0 and math.isfinite(capacity_factor)):
         raise ShardplanError(f"moe: capacity_factor={capacity_factor!r} must be a positive number")
     return max(1, min(seq, math.ceil(capacity_factor * seq * top_k / experts - 1e-9)))
 

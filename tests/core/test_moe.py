@@ -113,8 +113,12 @@ def test_moe_flop_figures():
 
 def test_capacity_and_bad_sizes():
     assert capacity(4096, 256, 8, 1.25) == 160 and capacity(32, 8, 2, 1.0) == 8 and capacity(4, 2, 2, 9.0) == 4
+    for bad in (0.0, -1, float("inf"), "x", True):
+        with pytest.raises(ShardplanError, match="capacity_factor"):
+            capacity(32, 8, 2, bad)
     with pytest.raises(ShardplanError, match="capacity_factor"):
-        capacity(32, 8, 2, 0.0)
+        get_model("moe", 2, capacity_factor="high")
+    assert get_model("moe", 2, capacity_factor=1)["L1/moe/gate"].extents["c"] == 8
     with pytest.raises(ShardplanError, match="top_k=9 is more than the 8 experts"):
         get_model("moe", 2, top_k=9)
     with pytest.raises(ShardplanError, match="dense_layers=3 is more than the 2 layers"):
