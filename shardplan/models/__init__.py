@@ -11,8 +11,9 @@ and heads can be split) and the expert strategy it is compared against
 name: ``llama3-8b``, ``llama3-70b``, ``llama3-405b`` (and ``llama3-tiny``
 for tests), ``gpt3-125m`` .. ``gpt3-175b``, ``megatron-1.7b`` ..
 ``megatron-1t``, and the mixture-of-experts ``mixtral-8x7b`` and
-``deepseek-v3`` (``mixtral-tiny``, ``deepseek-tiny``; :mod:`~shardplan.models.moe`). :func:`get_model` and :func:`model_spec` find them as they
-find the zoo's models, and sizes override them the same way
+``deepseek-v3`` (``mixtral-tiny``, ``deepseek-tiny``;
+:mod:`~shardplan.models.moe`). :func:`get_model` and :func:`model_spec`
+find them as they find the zoo's models, and sizes override them the same way
 (``get_model("llama3-8b", 8, layers=4, seq=2048)``, on the command line
 ``--model llama3-8b --set layers=4``). They are kept apart from
 :data:`MODELS`, the zoo every model-wide test and table builds at its

@@ -73,7 +73,8 @@ from shardplan.ir import Graph, GraphBuilder, Operator, Tensor, TensorRef
 from shardplan.models._blocks import check_stack, rms_norm
 from shardplan.models.llama import SWIGLU_FLOPS, check_heads, gqa_attention, swiglu_mlp
 
-__all__ = ["moe", "MoEConfig", "MOE", "moe_layer", "capacity", "gate", "swiglu_pair", "GATE_LOGIT_FLOPS", "EXPERT_KINDS"]
+__all__ = ["moe", "MoEConfig", "MOE", "moe_layer", "capacity", "gate", "swiglu_pair", "GATE_LOGIT_FLOPS",
+           "EXPERT_KINDS"]
 
 GATE_LOGIT_FLOPS = 7.0
 """Work per router logit in ``gate``: softmax (max, subtract, exp, sum, divide: 5), the top-k selection

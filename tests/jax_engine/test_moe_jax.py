@@ -33,7 +33,8 @@ def moe_loss(params, batch):
     chosen = jax.nn.one_hot(top_i, E, dtype=x.dtype)                      # (B, S, K, E)
     flat = chosen.reshape(B, S * K, E)
     slot = (jnp.cumsum(flat, axis=1) - flat).reshape(B, S, K, E)          # each choice's slot in its expert
-    onehot = jax.nn.one_hot(slot.astype(jnp.int32), C, dtype=x.dtype) * chosen[..., None]   # (B, S, K, E, C), 0 past capacity
+    # (B, S, K, E, C): 0 past capacity
+    onehot = jax.nn.one_hot(slot.astype(jnp.int32), C, dtype=x.dtype) * chosen[..., None]
     dispatch = onehot.sum(2)                                              # (B, S, E, C)
     combine = (onehot * top_p[..., None, None]).sum(2)                    # the gate weights at the slots
     xe = jnp.einsum("bsec,bsd->becd", dispatch, x)                        # tokens per expert and slot
