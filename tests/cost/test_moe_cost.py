@@ -10,7 +10,6 @@ tables must charge, once forward (the tokens) and once backward (their gradient)
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from shardplan.cost import build_tables
@@ -60,7 +59,7 @@ def _moe_layer_only(batch, experts):
 def test_one_level_all_to_all_has_the_exact_volume():
     m = Machine(8, 1e12, B0, latency=A0, dtype_bytes=2)
     g = _moe_layer_only(8, 8)
-    tables, plan = _ep_plan(g, m, (8,), [{"b": 8}], [{"e": 8}])
+    _, plan = _ep_plan(g, m, (8,), [{"b": 8}], [{"e": 8}])
     b, e, c, d = g["L1/moe/dispatch"].output.shape
     assert (b, e, c, d) == (8, 8, 10, 64)
     tile = b * e * c * d // 8                    # elements of T a device holds: 5120
@@ -81,7 +80,7 @@ def test_two_level_all_to_all_crosses_the_nodes_for_what_the_node_lacks():
     g = _moe_layer_only(16, 16)
     levels = (8, 2)
     # tokens: the batch 8 ways in the node and 2 across; experts: 8 ways in the node and 2 across
-    tables, plan = _ep_plan(g, m, levels, [{"b": 8}, {"b": 2}], [{"e": 8}, {"e": 2}])
+    _, plan = _ep_plan(g, m, levels, [{"b": 8}, {"b": 2}], [{"e": 8}, {"e": 2}])
     b, e, c, d = g["L1/moe/dispatch"].output.shape
     assert (b, e, c, d) == (16, 16, 5, 64)
     tile = b * e * c * d // 16                   # 5120 elements per device

@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-
 from conftest import require_8_devices
+
 from shardplan import Plan
 from shardplan.machine import Machine
 

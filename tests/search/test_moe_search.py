@@ -34,7 +34,7 @@ def _batch_only(plan, levels):
     return plan_from_configs(plan.tables, lays, name="data-parallel")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _big_experts():
     # 64 experts of 1024 x 4096 (0.8 GB of expert weights in bf16) for 64 x 128 tokens on 64 H100s (8 nodes)
     g = get_model("moe", 64, layers=1, experts=64, d_model=1024, d_expert=4096, heads=8, kv_heads=8, seq=128)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
+import torch_cases  # tests/ is on sys.path, see conftest.py
 from torch import nn
 
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
