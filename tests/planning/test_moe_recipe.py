@@ -117,3 +117,26 @@ def test_ep_on_a_pipeline():
             if c.kind == "expert":
                 lay = c.layout
                 assert lay.split[lay.dims.index("e")] == 4 and lay.split[lay.dims.index("b")] == 2, name
+
+
+def test_deepseek_v3_on_1024_h100_with_pipeline_4_and_expert_64():
+    machine = preset("h100", 1024)  # 128 nodes of 8
+    got = cost_recipe("deepseek-v3", machine, "pp=4,ep=64,zero=1,first_stage_layers=13,recompute=full")
+    assert got.num_stages == 4 and got.micro_batches == 15360 // 256
+    assert got.memory["peak_bytes"] <= machine.memory_bytes
+    st = got.stages[1]  # blocks 14..29 on devices 256..511: levels (8, 32), dp = 256 = (8, 32) per level
+    lay = st.operators["L20/moe/expert_in"].layout
+    names = lay.dims
+    # ep = 64 from the inside of the data shares: 8 in the node and 8 nodes; the batch 4 ways across the nodes
+    assert lay.levels == (8, 32)
+    assert [r[names.index("e")] for r in lay.splits] == [8, 8] and [r[names.index("b")] for r in lay.splits] == [1, 4]
+    disp = st.operators["L20/moe/dispatch"].layout
+    assert disp.split[disp.dims.index("b")] == 256
+    # the all-to-all into the experts, by hand: a device holds 1 of the micro-batch's 256 sequences and needs its 4
+    # experts' slots of its expert group's 64 sequences, [64, 4, 160, 7168] in 2-byte elements; its node holds 8
+    # of those 64 sequences, the other 56 cross the NIC (50 GB/s, 8 us); forward and backward alike
+    need = 64 * 4 * 160 * 7168 * 2
+    across = need * 56 // 64
+    (bw, lat) = machine.level_links[1]
+    assert st.operators["L20/moe/expert_in"].redistribution_seconds == pytest.approx(2 * (across / bw + lat),
+                                                                                     rel=1e-12)
