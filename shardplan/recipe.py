@@ -376,6 +376,17 @@ def _level_ways(levels: tuple[int, ...], dp: int, tp: int) -> tuple[tuple[int, .
     return tps, dps
 
 
+def expert_dim(op: Operator) -> str | None:
+    """The dimension expert parallelism splits: ``e`` of the experts' operators
+    (:data:`~shardplan.models.moe.EXPERT_KINDS`), None for every other operator."""
+    return "e" if op.kind in EXPERT_KINDS and "e" in op.dim_names else None
+
+
+def has_experts(graph: Graph) -> bool:
+    """Whether ``graph`` has an operator that expert parallelism splits (:func:`expert_dim`)."""
+    return any(expert_dim(op) is not None for op in graph.operators)
+
+
 def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int, sp: bool = False,
                     ep: int = 1) -> Layout:
     """Megatron-LM's layout of ``op`` on machine levels ``levels`` with ``dp`` × ``tp`` devices.
