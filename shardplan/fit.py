@@ -429,10 +429,6 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     for m in sorted({int(x) for x in options.micro_batches}):
         if options.backward_peak(m):
             pp, cts = peak_problem(tables, budget, options, cache)
-            if host_binds(cts, host_budget):
-                raise ShardplanError("the host budget can bind with these offload choices, and the backward-peak "
-                                     "search takes one memory only: use grad_buffers='persistent' or a larger "
-                                     "host budget")
             root_pk = _peak_root(pp, totals, dp_options)
             if root_pk is None:
                 least = pp.least_peak()
@@ -453,19 +449,10 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                 least_all, peak_least = least, False
             per.append({"micro_batches": m, "status": "infeasible", "least_memory_bytes": least})
             continue
-        if host_binds(cts, host_budget):  # two constraints: the exact ILP with a host row
-            lh = float(sum(t.host_bytes.min() for t in cts))
-            if lh > host_budget:
-                host_least = min(host_least, lh)
-                per.append({"micro_batches": m, "status": "infeasible in host memory", "least_host_bytes": lh})
-                continue
-            sol = solve_host_ilp(mp, cts, host_budget, options.time_limit)
-            per.append({"micro_batches": m, "status": sol.stats["status"], "cost": sol.cost, "bound": sol.bound,
-                        "memory_bytes": sol.stats["memory_bytes"], "host_bytes": sol.stats["host_bytes"],
-                        "solver": "memory-ilp (host budget binds)", "seconds": sol.solve_seconds})
-            lower.append(sol.bound if sol.bound is not None else 0.0)
-            if best is None or sol.cost < best[0].cost:
-                best = (sol, m, cts)
+        if float(sum(t.host_bytes.min() for t in cts)) > host_budget:
+            host_least = min(host_least, float(sum(t.host_bytes.min() for t in cts)))
+            per.append({"micro_batches": m, "status": "infeasible in host memory",
+                        "least_host_bytes": float(sum(t.host_bytes.min() for t in cts))})
             continue
         # the root alone: a feasible plan and the dual bound, to order the counts and share the incumbent
         root = solve_memory(mp, max_nodes=1, fix_iters=-1, **dp_options)
@@ -513,6 +500,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
         lower.append(sol.bound if sol.bound is not None else 0.0)
         if best is None or sol.cost < best[0].cost:
             best = (sol, m, cts)
+    if best is not None and _host_of(best[2], best[0].assignment) > host_budget:
+        best, lower = _host_exact(problems, host_budget, options.time_limit, per)
     if best is None:
         raise ShardplanError(_infeasible(least_all, budget, peak_least) if np.isfinite(least_all) else
                              "no plan fits: the backward-peak search found none (see per micro-batch count) "
@@ -532,6 +521,38 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                              "memory-ilp" if sol.solver == "memory-ilp" else "memory-bb"),
                      optimal=optimal, bound=sol.cost if optimal else bound, stats=stats)
     return SpmdPlan(tables, base, final, "fit", build_seconds, memory_choices=choices)
+
+
+def _host_of(cts: Sequence[ChoiceTable], assignment: Sequence[int]) -> float:
+    return float(sum(t.host_bytes[j] for t, j in zip(cts, assignment)))
+
+
+def _host_exact(problems: list, host_budget: float, time_limit: float, per: list[dict]) -> tuple[Any, list[float]]:
+    """The best plan within both budgets when the search's plan (the optimum of the relaxation without the
+    host budget) exceeds the host one: per micro-batch count, the ILP with both rows (:func:`solve_host_ilp`).
+
+    Returns (best, lower bounds). A plan of the relaxation that fits the host budget needs none of this: it
+    is optimal for both constraints."""
+    best, lower = None, []
+    for _bound, _cost, m, mp, cts, _root in problems:
+        if isinstance(mp, PeakProblem):
+            raise ShardplanError("the plan found exceeds the host budget, and the backward-peak search takes one "
+                                 "memory only: use grad_buffers='persistent' or a larger host budget")
+        if float(sum(t.host_bytes.min() for t in cts)) > host_budget:
+            continue
+        try:
+            sol = solve_host_ilp(mp, cts, host_budget, time_limit)
+        except ShardplanError as e:
+            per.append({"micro_batches": m, "solver": "memory-ilp (host budget)", "status": f"no plan: {e}"})
+            lower.append(_bound)
+            continue
+        per.append({"micro_batches": m, "solver": "memory-ilp (host budget)", "status": sol.stats["status"],
+                    "cost": sol.cost, "bound": sol.bound, "memory_bytes": sol.stats["memory_bytes"],
+                    "host_bytes": sol.stats["host_bytes"], "seconds": sol.solve_seconds})
+        lower.append(sol.bound if sol.bound is not None else _bound)
+        if best is None or sol.cost < best[0].cost:
+            best = (sol, m, cts)
+    return best, lower
 
 
 def _infeasible(least: float, budget: float, bound_only: bool) -> str:
