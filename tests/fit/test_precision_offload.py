@@ -301,3 +301,30 @@ def test_plan_fields_round_trip_and_recipe_words():
     words = recipe_words(plan)
     assert "FP8 on" in words and "optimizer offloaded" in words and "activations offloaded" in words
     assert sp.memory["host_bytes"] > 0
+
+
+def test_recipe_precision_and_offload_keys():
+    from shardplan.recipe import Recipe, cost_recipe
+
+    r = Recipe.parse("tp=2,zero=1,fp8,offload=activations+optimizer")
+    assert r.precision == "fp8" and r.offload == ("optimizer", "activations")
+    assert Recipe.parse(str(r)) == r and str(r) == "tp=2,zero=1,precision=fp8,offload=optimizer+activations"
+    assert Recipe.parse("fp8=false") == Recipe() and Recipe.parse("precision=mixed").precision == "mixed"
+    with pytest.raises(ShardplanError, match="precision given twice"):
+        Recipe.parse("precision=mixed,fp8=true")
+    with pytest.raises(ShardplanError, match="offload 'disk'"):
+        Recipe.parse("offload=disk")
+    sizes = dict(layers=2, d_model=1024, heads=16, seq=1024)
+    h100 = preset("h100", 8)
+    cost = {t: cost_recipe("gpt", h100, t, sizes=sizes, batch=16)
+            for t in ("tp=2", "tp=2,precision=mixed", "tp=2,fp8", "tp=2,zero=3,precision=mixed,offload=optimizer",
+                      "tp=2,zero=3,precision=mixed")}
+    assert cost["tp=2,precision=mixed"].memory["weights_bytes"] > cost["tp=2"].memory["weights_bytes"]
+    assert cost["tp=2,fp8"].step_time < cost["tp=2,precision=mixed"].step_time
+    off, on = cost["tp=2,zero=3,precision=mixed"], cost["tp=2,zero=3,precision=mixed,offload=optimizer"]
+    assert on.memory["peak_bytes"] < off.memory["peak_bytes"] and on.memory["host_bytes"] > 0
+    assert on.step_time > off.step_time  # the CPU Adam step and the copies
+    with pytest.raises(ShardplanError, match="no FP8"):
+        cost_recipe("gpt", preset("a100", 8), "tp=2,fp8", sizes=sizes, batch=16)
+    with pytest.raises(ShardplanError, match="ZeRO partition"):
+        cost_recipe("gpt", h100, "tp=2,offload=optimizer", sizes=sizes, batch=16)
