@@ -29,7 +29,8 @@ from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
 from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays, unique_rows
 
-__all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES", "layouts", "flat_layouts"]
+__all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES", "layouts", "flat_layouts",
+           "forward_deferrable", "deferred_inputs", "with_partial"]
 
 
 def split_choices(extent: int, p: int, cutoff: int, powers_of_two: bool = False) -> list[int]:
@@ -247,3 +248,42 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
                     seen.add(lay)
                     out.append(lay)
     return tuple(out)
+
+
+def forward_deferrable(op: Operator) -> bool:
+    """Whether ``op``'s output may be left as partial sums: it is the sum over its reduction dims with nothing
+    applied after the sum.
+
+    Nothing after the sum: no normalised dims, no recurrence, and the work per output element,
+    ``W = flops_per_point · R`` (R: the points summed into one output element), is that of a plain sum:
+    R (one add per point), 2R (one multiply-add per point: a contraction) or 1 (a selection: the embedding's
+    one-hot product). An elementwise tail fused into the operator (the JAX lowering's fusion, a GELU after a
+    product) adds its FLOPs per output element to W, so such an operator is not deferred: its output is not
+    linear in the partial sums.
+    """
+    red = op.reduction_dims
+    if not red or op.norm_dims or op.recurrence is not None:
+        return False
+    ext = op.extents
+    r = float(math.prod(ext[d] for d in red))
+    w = op.flops_per_point * r
+    return any(math.isclose(w, x, rel_tol=1e-9) for x in (r, 2.0 * r, 1.0))
+
+
+def deferred_inputs(op: Operator) -> tuple[int, ...]:
+    """Slots of the inputs whose gradient a partial layout leaves as partial sums: every activation input
+    with a gradient (its gradient sums over the dims that do not index it)."""
+    return tuple(i for i, t in enumerate(op.inputs) if t.needs_grad and op.grad_reduction_dims(t))
+
+
+def with_partial(op: Operator, lays: Sequence[Layout]) -> tuple[Layout, ...]:
+    """``lays`` followed by the partial copy (:attr:`Layout.partial`) of every layout that splits a reduction
+    it can defer: a reduction dim of a :func:`forward_deferrable` operator, or a dim an input's gradient sums
+    over (:func:`deferred_inputs`). The copies keep the order of ``lays``."""
+    names = op.dim_names
+    sets = [op.reduction_dims] if forward_deferrable(op) else []
+    sets += [op.grad_reduction_dims(op.inputs[i]) for i in deferred_inputs(op)]
+    idx = [[names.index(d) for d in dims] for dims in sets]
+    extra = [lay.with_partial() for lay in lays if not lay.partial
+             and any(math.prod(lay.split[j] for j in js) > 1 for js in idx)]
+    return tuple(lays) + tuple(extra)
