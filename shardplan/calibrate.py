@@ -425,6 +425,8 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
         src["overlap_grad"] = f"{said}: not measured: gradient synchronisation added to the step, not overlapped"
     src["sum_shared_grads"] = (f"{said}: not measured: shardplan's default, each reader's gradient synchronised in "
                                f"its own layout (see Machine's docstring)")
+    for k in ("fp8_flops", "host_bandwidth", "host_latency", "host_memory_bytes", "cpu_adam_rate"):
+        src[k] = f"{said}: not measured: no FP8 products or host offload offered (edit the file to add them)"
     label = name or f"calibrated-{cal.engine}-{cal.device_kind}"
     machine = Machine(1, peak_flops=best.rate, bandwidth=bandwidth, latency=latency, dtype_bytes=DTYPES[cal.dtype],
                       memory_bytes=cal.memory_bytes, name=label, hbm_bandwidth=hbm,

@@ -4,7 +4,10 @@
 whose peak memory per device fits a budget, offering beside every layout
 ZeRO stage 0-3 (FSDP) sharding of weights, gradients and optimizer state over
 the weight's data-parallel group, per-operator recomputation, and a global
-micro-batch count (:class:`FitOptions`). The memory model is additive
+micro-batch count (:class:`FitOptions`), and on request FP8 matrix products
+and host offload of optimizer state, parameters and activations under a
+second budget, the host memory (:class:`~shardplan.cost.memory.ChoiceRules`).
+The memory model is additive
 (``grad_buffers="persistent"``: every gradient and saved activation live at
 once) or the backward-pass peak (``"backward"``, one micro-batch); the search
 is :func:`shardplan.search.constrained.solve_memory` (Lagrangian dual closed by
@@ -26,7 +29,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from shardplan.cost import CostTables, build_tables
-from shardplan.cost.memory import STAGES, ChoiceTable, choice_table, recompute_keep_bytes, unsaved_inputs, weight_groups
+from shardplan.cost.memory import (OFFLOAD_BITS, OFFLOADS, STAGES, ChoiceRules, ChoiceTable, choice_table,
+                                   offload_names, recompute_keep_bytes, unsaved_inputs, weight_groups)
 from shardplan.checks import real
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, Operator
@@ -67,6 +71,13 @@ class FitOptions:
             saved activations (XLA): the backward-peak model, a maximum over the backward steps (see
             the module docstring); it differs only for one micro-batch (m = 1, ``in_flight`` and
             ``accumulate`` 1): with more, gradients are accumulated in persistent buffers anyway.
+        fp8: offer FP8 for every matrix product on a machine with an FP8 peak (``Machine.fp8_flops``).
+        offload: the parts that may live in host memory, a subset of
+            :data:`~shardplan.cost.memory.OFFLOADS` (on a machine with a host link and host memory).
+        master_weights: mixed-precision state (fp32 master weights and optimizer state:
+            :class:`~shardplan.cost.memory.ChoiceRules`).
+        host_budget_bytes: host memory per device; None: the machine's node memory over its devices
+            (:meth:`host_budget`).
     """
 
     stages: tuple[int, ...] = STAGES
@@ -77,6 +88,24 @@ class FitOptions:
     in_flight: float = 1
     accumulate: int = 1
     grad_buffers: str = "persistent"
+    fp8: bool = False
+    offload: tuple[str, ...] = ()
+    master_weights: bool = False
+    host_budget_bytes: float | None = None
+
+    @property
+    def rules(self) -> ChoiceRules:
+        """The precision rules and precision/offload choices of these options."""
+        return ChoiceRules(self.fp8, self.offload, self.master_weights)
+
+    def host_budget(self, machine: Machine) -> float:
+        """Host bytes per device: ``host_budget_bytes``, else the node's host memory shared by its
+        devices (``host_memory_bytes / node_devices``; infinite without host memory)."""
+        if self.host_budget_bytes is not None:
+            return float(self.host_budget_bytes)
+        if machine.host_memory_bytes is None:
+            return float("inf")
+        return float(machine.host_memory_bytes) / machine.node_devices
 
     def backward_peak(self, micro_batches: int) -> bool:
         """Whether the backward-peak model applies to a plan with ``micro_batches`` (see ``grad_buffers``)."""
@@ -97,6 +126,9 @@ class FitOptions:
             raise ShardplanError(f"accumulate must be a positive number of micro-batches, got {self.accumulate!r}")
         real("FitOptions: reserve_bytes", self.reserve_bytes, minimum=0.0, unit="B")
         real("FitOptions: time_limit", self.time_limit, positive=True, unit="s")
+        object.__setattr__(self, "offload", self.rules.offload)  # validated, in OFFLOADS order
+        if self.host_budget_bytes is not None:
+            real("FitOptions: host_budget_bytes", self.host_budget_bytes, minimum=0.0, unit="B")
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,9 +141,16 @@ class MemoryChoices:
     choice_tables: tuple[ChoiceTable, ...]
     choices: tuple[int, ...]
     backward: bool = False  # the backward-peak model applies (FitOptions.backward_peak), else the additive
+    host_budget_bytes: float = float("inf")
 
     def stage(self, i: int) -> int:
         return int(self.choice_tables[i].stage[self.choices[i]])
+
+    def fp8(self, i: int) -> bool:
+        return bool(self.choice_tables[i].fp8[self.choices[i]])
+
+    def offload(self, i: int) -> tuple[str, ...]:
+        return offload_names(int(self.choice_tables[i].offload[self.choices[i]]))
 
     def recompute(self, i: int) -> bool:
         return bool(self.choice_tables[i].recompute[self.choices[i]])
@@ -144,9 +183,12 @@ class MemoryChoices:
         state = float(sum(t.state_bytes[j] for t, j in zip(self.choice_tables, self.choices)))
         act = float(sum(t.activation_bytes[j] for t, j in zip(self.choice_tables, self.choices)))
         grad = float(sum(t.grad_bytes[j] for t, j in zip(self.choice_tables, self.choices)))
+        host = float(sum(t.host_bytes[j] for t, j in zip(self.choice_tables, self.choices)))
         out = {"peak_bytes": self.reserve_bytes + state + act, "weights_bytes": state, "activations_bytes": act,
                "gradients_bytes": grad, "reserve_bytes": self.reserve_bytes, "budget_bytes": self.budget_bytes,
                "micro_batches": self.micro_batches}
+        if host or any(t.offload.any() for t in self.choice_tables):
+            out.update(host_bytes=host, host_budget_bytes=self.host_budget_bytes)
         if self.backward and self.choices:
             prof = self.backward_profile()
             k = int(np.argmax(prof))
@@ -154,14 +196,22 @@ class MemoryChoices:
         return out
 
     def summary(self, names: Sequence[str]) -> dict[str, Any]:
-        """JSON-ready: micro-batches, and which operators shard state (by stage) or recompute."""
+        """JSON-ready: micro-batches, and which operators shard state (by stage), recompute, run FP8 products
+        (``fp8``, when any) or offload (``offload``: part -> operators, when any)."""
         stages: dict[str, list[str]] = {}
         for i, n in enumerate(names):
             if self.stage(i):
                 stages.setdefault(f"zero-{self.stage(i)}", []).append(n)
-        return {"micro_batches": self.micro_batches, "budget_bytes": self.budget_bytes,
-                "reserve_bytes": self.reserve_bytes, "backward_peak": self.backward, "state_sharding": stages,
-                "recompute": [n for i, n in enumerate(names) if self.recompute(i)]}
+        out = {"micro_batches": self.micro_batches, "budget_bytes": self.budget_bytes,
+               "reserve_bytes": self.reserve_bytes, "backward_peak": self.backward, "state_sharding": stages,
+               "recompute": [n for i, n in enumerate(names) if self.recompute(i)]}
+        fp8 = [n for i, n in enumerate(names) if self.fp8(i)]
+        off = {part: [n for i, n in enumerate(names) if part in self.offload(i)] for part in OFFLOADS}
+        if fp8:
+            out["fp8"] = fp8
+        if any(off.values()):
+            out["offload"] = {k: v for k, v in off.items() if v}
+        return out
 
 
 def _key(op) -> Any:
@@ -202,6 +252,7 @@ def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, optio
     least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
     if least <= budget:
         cts = [t.take(np.flatnonzero(t.bytes + (least - t.bytes.min()) <= budget)) for t in cts]
+    cts = _host_pruned(cts, options.host_budget(tables.machine))
     problem = cache_problem(tables, cache)
     mp = MemoryProblem(problem, tuple(t.base for t in cts), tuple(t.seconds for t in cts),
                        tuple(t.bytes for t in cts), budget, options.reserve_bytes)
@@ -240,6 +291,56 @@ def peak_problem(tables: CostTables, budget: float, options: FitOptions = FitOpt
     return pp, tuple(cts)
 
 
+def _host_pruned(cts: Sequence[ChoiceTable], host_budget: float) -> list[ChoiceTable]:
+    """The choices that leave room in the host budget for the least host memory of every other operator
+    (exact, as the device pruning); unchanged when even the least host memory exceeds it."""
+    cts = list(cts)
+    if not np.isfinite(host_budget) or not cts:
+        return cts
+    least = float(sum(t.host_bytes.min() for t in cts))
+    if least > host_budget:
+        return cts
+    return [t if float(t.host_bytes.max()) + least - float(t.host_bytes.min()) <= host_budget
+            else t.take(np.flatnonzero(t.host_bytes + (least - t.host_bytes.min()) <= host_budget)) for t in cts]
+
+
+def host_binds(cts: Sequence[ChoiceTable], host_budget: float) -> bool:
+    """Whether some plan of these choices exceeds the host budget (else the host constraint is slack)."""
+    return bool(np.isfinite(host_budget) and float(sum(t.host_bytes.max() for t in cts)) > host_budget)
+
+
+def solve_host_ilp(mp: MemoryProblem, cts: Sequence[ChoiceTable], host_budget: float,
+                   time_limit: float) -> Solution:
+    """The plan of least time within both the device budget and the host budget, by HiGHS.
+
+    Both constraints are sums over the operators' choices, so the memory ILP of
+    :mod:`shardplan.search.memory_ilp` with a second row is exact (to HiGHS's
+    tolerances); the host row is scaled to the device row's right-hand side.
+    Used when the host budget can bind (:func:`host_binds`): the Lagrangian
+    search relaxes one constraint only.
+    """
+    from shardplan.search.memory_ilp import _solve_rows
+
+    least_host = float(sum(t.host_bytes.min() for t in cts))
+    if least_host > host_budget:
+        raise ShardplanError(_host_infeasible(least_host, host_budget))
+    rhs = mp.budget - mp.fixed
+    rows = [np.concatenate(mp.memory), np.concatenate([t.host_bytes for t in cts]) * (rhs / host_budget)]
+    sol = _solve_rows(mp, rows, time_limit)
+    _, dev = mp.evaluate(sol.assignment)
+    sol.stats["memory_bytes"] = dev
+    sol.stats["host_bytes"] = float(sum(t.host_bytes[j] for t, j in zip(cts, sol.assignment)))
+    sol.stats["status"] = "optimal" if sol.optimal else f"stopped: {sol.stats['status']}"
+    return sol
+
+
+def _host_infeasible(least: float, budget: float) -> str:
+    from shardplan.units import fmt_bytes
+
+    return (f"no plan fits in {fmt_bytes(budget)} of host memory per device: the least any plan needs there is "
+            f"{fmt_bytes(least)} ({least:.0f} bytes)")
+
+
 def cache_problem(tables: CostTables, cache: dict | None) -> Any:
     """``tables.to_problem()``, kept in ``cache`` (filled by :func:`_choice_tables`) when given."""
     if cache is not None and "problem" in cache:
@@ -266,11 +367,13 @@ def _choice_tables(tables: CostTables, micro_batches: int, options: FitOptions, 
         cache["keep"] = [(s, _shared(shared, ("k", _key(op), id(lay), s),
                                      lambda: recompute_keep_bytes(op, lay, tables.machine, s)) if any(s) else None)
                          for op, lay, s in zip(g.operators, tables.arrays, sh)]
-    return [_shared(shared, ("c", micro_batches, peak, _key(op), id(lay), op.name in forced, sk[0]),
+    rules = options.rules
+    return [_shared(shared, ("c", micro_batches, peak, rules, _key(op), id(lay), op.name in forced, sk[0]),
                     lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages,
                                          options.recompute, opt, groups=wg, op_cost=oc if micro_batches == 1 else None,
                                          in_flight=options.in_flight, accumulate=options.accumulate,
-                                         forced_recompute=op.name in forced, recompute_keep=sk[1], peak=peak))
+                                         forced_recompute=op.name in forced, recompute_keep=sk[1], peak=peak,
+                                         rules=rules))
             for op, lay, wg, oc, sk in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs, cache["keep"])]
 
 
@@ -321,6 +424,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     totals = {"nodes": 0, "dp_solves": 0}
     cache: dict = {}
     peak_least = False  # whether least_all is the backward-peak model's lower bound (not an exact least)
+    host_budget = options.host_budget(machine)
+    host_least = np.inf  # the least host memory, when only the host budget ruled a count out
     for m in sorted({int(x) for x in options.micro_batches}):
         if options.backward_peak(m):
             pp, cts = peak_problem(tables, budget, options, cache)
@@ -344,6 +449,11 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                 least_all, peak_least = least, False
             per.append({"micro_batches": m, "status": "infeasible", "least_memory_bytes": least})
             continue
+        if float(sum(t.host_bytes.min() for t in cts)) > host_budget:
+            host_least = min(host_least, float(sum(t.host_bytes.min() for t in cts)))
+            per.append({"micro_batches": m, "status": "infeasible in host memory",
+                        "least_host_bytes": float(sum(t.host_bytes.min() for t in cts))})
+            continue
         # the root alone: a feasible plan and the dual bound, to order the counts and share the incumbent
         root = solve_memory(mp, max_nodes=1, fix_iters=-1, **dp_options)
         totals["nodes"] += root.stats["nodes"]
@@ -351,7 +461,9 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
         problems.append((root.bound, root.cost, m, mp, cts, root))
         if best is None or root.cost < best[0].cost:
             best = (root, m, cts)
-    if not problems:
+    if not problems and best is None:
+        if not np.isfinite(least_all) and np.isfinite(host_least):
+            raise ShardplanError(_host_infeasible(host_least, host_budget))
         raise ShardplanError(_infeasible(least_all, budget, peak_least))
     for root_bound, root_cost, m, mp, cts, _root in sorted(problems, key=lambda x: (x[0], x[1])):
         upper = best[0].cost if best is not None else np.inf
@@ -388,6 +500,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
         lower.append(sol.bound if sol.bound is not None else 0.0)
         if best is None or sol.cost < best[0].cost:
             best = (sol, m, cts)
+    if best is not None and _host_of(best[2], best[0].assignment) > host_budget:
+        best, lower = _host_exact(problems, host_budget, options.time_limit, per)
     if best is None:
         raise ShardplanError(_infeasible(least_all, budget, peak_least) if np.isfinite(least_all) else
                              "no plan fits: the backward-peak search found none (see per micro-batch count) "
@@ -400,12 +514,45 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
              "grad_buffers": options.grad_buffers,
              "status": "optimal" if optimal else "stopped: see per_micro_batches"}
     choices = MemoryChoices(m, float(budget), options.reserve_bytes, cts, sol.assignment,
-                            backward=options.backward_peak(m))
+                            backward=options.backward_peak(m), host_budget_bytes=host_budget)
     base = tuple(int(t.base[j]) for t, j in zip(cts, sol.assignment))
     final = Solution(cost=sol.cost, assignment=base, solve_seconds=time.perf_counter() - t1,
-                     solver="peak-bb" if options.backward_peak(m) else "memory-bb",
+                     solver=("peak-bb" if options.backward_peak(m) else
+                             "memory-ilp" if sol.solver == "memory-ilp" else "memory-bb"),
                      optimal=optimal, bound=sol.cost if optimal else bound, stats=stats)
     return SpmdPlan(tables, base, final, "fit", build_seconds, memory_choices=choices)
+
+
+def _host_of(cts: Sequence[ChoiceTable], assignment: Sequence[int]) -> float:
+    return float(sum(t.host_bytes[j] for t, j in zip(cts, assignment)))
+
+
+def _host_exact(problems: list, host_budget: float, time_limit: float, per: list[dict]) -> tuple[Any, list[float]]:
+    """The best plan within both budgets when the search's plan (the optimum of the relaxation without the
+    host budget) exceeds the host one: per micro-batch count, the ILP with both rows (:func:`solve_host_ilp`).
+
+    Returns (best, lower bounds). A plan of the relaxation that fits the host budget needs none of this: it
+    is optimal for both constraints."""
+    best, lower = None, []
+    for _bound, _cost, m, mp, cts, _root in problems:
+        if isinstance(mp, PeakProblem):
+            raise ShardplanError("the plan found exceeds the host budget, and the backward-peak search takes one "
+                                 "memory only: use grad_buffers='persistent' or a larger host budget")
+        if float(sum(t.host_bytes.min() for t in cts)) > host_budget:
+            continue
+        try:
+            sol = solve_host_ilp(mp, cts, host_budget, time_limit)
+        except ShardplanError as e:
+            per.append({"micro_batches": m, "solver": "memory-ilp (host budget)", "status": f"no plan: {e}"})
+            lower.append(_bound)
+            continue
+        per.append({"micro_batches": m, "solver": "memory-ilp (host budget)", "status": sol.stats["status"],
+                    "cost": sol.cost, "bound": sol.bound, "memory_bytes": sol.stats["memory_bytes"],
+                    "host_bytes": sol.stats["host_bytes"], "seconds": sol.solve_seconds})
+        lower.append(sol.bound if sol.bound is not None else _bound)
+        if best is None or sol.cost < best[0].cost:
+            best = (sol, m, cts)
+    return best, lower
 
 
 def _infeasible(least: float, budget: float, bound_only: bool) -> str:
@@ -460,7 +607,8 @@ def _peak_root(pp: PeakProblem, totals: dict, dp_options: dict) -> tuple[float, 
 
 def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | Sequence[str] = False,
                       micro_batches: int = 1, budget: float | None = None, name: str | None = None,
-                      grad_buffers: str = "persistent", accumulate: int = 1):
+                      grad_buffers: str = "persistent", accumulate: int = 1, fp8: bool | Sequence[str] = False,
+                      offload: Sequence[str] = (), master_weights: bool = False):
     """``plan``'s layouts with the memory-saving choices given by hand (a fit plan the search did not choose).
 
     ``stage``: one ZeRO stage for every operator with trainable weights, or
@@ -474,6 +622,12 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     is the backward-peak model's when it has one micro-batch). ``accumulate``: as :class:`FitOptions`, the
     graph is one micro-batch of a step that accumulates gradients over this many (a pipeline stage's cost per
     micro-batch), so the once-per-step collectives are charged 1/accumulate.
+    ``fp8``: True for every matrix product (:func:`~shardplan.cost.memory.fp8_product`; others and a
+    machine without an FP8 peak stay in the machine's precision), or the names of the operators that
+    run FP8. ``offload``: parts of :data:`~shardplan.cost.memory.OFFLOADS` every operator offloads where
+    it can (the optimizer state at ZeRO stages 1-3, the parameters at stage 3 with the optimizer state,
+    the activations of operators that do not recompute). ``master_weights``: the mixed-precision state
+    rule (:class:`~shardplan.cost.memory.ChoiceRules`).
 
     Raises:
         ShardplanError: an unknown stage or operator name, or a bad micro-batch count.
@@ -485,7 +639,10 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     names = [op.name for op in g.operators]
     stages = {n: int(stage) for n in names} if isinstance(stage, int) else {n: 0 for n in names} | dict(stage)
     recs = set(names) if recompute is True else set() if recompute is False else set(recompute)
-    unknown = sorted((set(stages) | recs) - set(names))
+    fp8_names = set(names) if fp8 is True else set() if fp8 is False else set(fp8)
+    rules = ChoiceRules(bool(fp8_names), tuple(offload), bool(master_weights))
+    want_off = sum(OFFLOAD_BITS[x] for x in rules.offload)
+    unknown = sorted((set(stages) | recs | fp8_names) - set(names))
     recs |= g.recomputed
     if unknown:
         raise ShardplanError(f"plan has no operator {unknown[0]!r}")
@@ -506,13 +663,20 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
         keep = recompute_keep_bytes(op, lay, tables.machine, shares) if any(shares) else None
         ct = choice_table(op, lay, None, tables.machine, m, STAGES, True, opt, prune=False,
                           op_cost=oc if m == 1 else None, forced_recompute=op.name in g.recomputed,
-                          recompute_keep=keep, accumulate=acc)
+                          recompute_keep=keep, accumulate=acc, rules=rules)
         mine = (ct.base == plan.assignment[i]) & (ct.recompute == (op.name in recs))
-        j = np.flatnonzero(mine & (ct.stage == stages[op.name]))
-        if not len(j):  # an operator without trainable weights has stage 0 only
-            j = np.flatnonzero(mine & (ct.stage == 0))
+        if not np.any(mine & (ct.stage == stages[op.name])):  # an operator without trainable weights: stage 0
+            mine &= ct.stage == 0
+        else:
+            mine &= ct.stage == stages[op.name]
+        if np.any(mine & (ct.fp8 == (op.name in fp8_names))):  # not a matrix product: its own precision
+            mine &= ct.fp8 == (op.name in fp8_names)
+        mine &= (ct.offload & ~want_off) == 0  # of the parts asked for, the most this operator can offload
+        j = np.flatnonzero(mine)
+        j = j[np.argmax([bin(int(x)).count("1") for x in ct.offload[j]])]
         cts.append(ct)
-        choices.append(int(j[0]))
+        choices.append(int(j))
     budget = float(budget if budget is not None else (tables.machine.memory_bytes or np.inf))
-    mc = MemoryChoices(m, budget, 0.0, tuple(cts), tuple(choices), backward=backward)
+    mc = MemoryChoices(m, budget, 0.0, tuple(cts), tuple(choices), backward=backward,
+                       host_budget_bytes=FitOptions().host_budget(tables.machine))
     return SpmdPlan(tables, plan.assignment, None, name or f"{plan.name}+memory", plan.build_seconds, memory_choices=mc)

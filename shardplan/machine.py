@@ -74,6 +74,15 @@ class Machine:
             accumulating ``.grad`` before DDP's all-reduce). False (default): every reader's gradient
             is synchronised in its own layout and the results added, as XLA's SPMD partitioner compiles
             it (one all-reduce per reader in the HLO, even when the readers agree on the layout).
+        fp8_flops: dense FP8 tensor-core FLOP/s of one device (reached at the same ``flops_efficiency``);
+            None: the device has no FP8 matrix products (the fit search offers none).
+        host_bandwidth: bytes/s one device moves to or from host memory, per direction (the achievable
+            rate of its PCIe or C2C link); None: no host offload is offered.
+        host_latency: seconds per host transfer (one copy call).
+        host_memory_bytes: host memory of one node, shared by its ``node_size`` devices (all p devices on
+            a one-level machine); None: no host memory to offload to.
+        cpu_adam_rate: parameters per second the CPUs of one node update with Adam (the optimizer step of
+            ZeRO-Offload), shared by the node's devices; None: no optimizer offload is offered.
     """
 
     num_devices: int
@@ -94,6 +103,11 @@ class Machine:
     grad_bucket_bytes: float | None = None
     overlap_grad: bool = False
     sum_shared_grads: bool = False
+    fp8_flops: float | None = None
+    host_bandwidth: float | None = None
+    host_latency: float = 0.0
+    host_memory_bytes: float | None = None
+    cpu_adam_rate: float | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -145,6 +159,11 @@ class Machine:
             raise ShardplanError(f"machine: overlap_grad must be True or False, got {self.overlap_grad!r}")
         if not isinstance(self.sum_shared_grads, bool):
             raise ShardplanError(f"machine: sum_shared_grads must be True or False, got {self.sum_shared_grads!r}")
+        for name, unit in (("fp8_flops", "FLOP/s"), ("host_bandwidth", "B/s"), ("host_memory_bytes", "B"),
+                           ("cpu_adam_rate", "parameters/s")):
+            if getattr(self, name) is not None:
+                put(name, real(f"machine: {name}", getattr(self, name), positive=True, unit=unit))
+        put("host_latency", real("machine: host_latency", self.host_latency, minimum=0.0, unit="s"))
 
     @property
     def p(self) -> int:
@@ -183,6 +202,11 @@ class Machine:
             lat = self.pod_latency if self.pod_latency is not None else out[-1][1]
             out.append((float(self.pod_bandwidth), float(lat)))  # type: ignore[arg-type]
         return tuple(out)
+
+    @property
+    def node_devices(self) -> int:
+        """Devices sharing one node's host (its memory, CPUs): ``node_size``, or p on a one-level machine."""
+        return int(self.node_size) if self.node_size is not None else self.num_devices
 
     @property
     def achievable_flops(self) -> float:

@@ -62,7 +62,8 @@ def choices_of(sp: Any) -> dict[str, OperatorChoice]:
             mc.recompute(i) if mc is not None else op.name in g.recomputed,
             tuple(d for d, _ in op.dims if any(d in w.dims for w in own)), int(sum(w.size for w in own)),
             tuple(op.dim_label(d) for d in lay.dims), tuple(int(ext[d]) for d in lay.dims),
-            float(row["cost_seconds"]), float(row["redistribution_in_seconds"]))
+            float(row["cost_seconds"]), float(row["redistribution_in_seconds"]),
+            mc.fp8(i) if mc is not None else False, mc.offload(i) if mc is not None else ())
     return out
 
 

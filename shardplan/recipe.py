@@ -42,6 +42,12 @@ model). The map, on ``p`` devices with ``dp = p / (tp · pp)``:
   Korthikanti et al. 2022; an integer ``N``: every operator of the first N
   blocks of each pipeline stage or chunk, Megatron-LM's ``block`` method),
   both by :func:`shardplan.fit.plan_with_choices`;
+* **precision** ``precision=mixed`` (fp32 master weights and optimizer state beside the machine's
+  element size: :class:`~shardplan.cost.memory.ChoiceRules`) or ``precision=fp8`` (``fp8=true``: that,
+  and every matrix product in FP8 with Transformer Engine's delayed scaling), and **host offload**
+  ``offload=optimizer+parameters+activations`` (any of them: ZeRO-Offload's optimizer step on the CPU,
+  ZeRO-Infinity's parameters at ``zero=3``, activations saved to host), both by
+  :func:`shardplan.fit.plan_with_choices`;
 * **micro-batches** ``m = gbs / (dp · mbs)``: one program accumulates
   gradients over m (``plan_with_choices(micro_batches=m)``); a pipeline
   costs each stage per micro-batch of ``dp · mbs`` sequences with the
@@ -58,8 +64,10 @@ model). The map, on ``p`` devices with ``dp = p / (tp · pp)``:
 What has no exact counterpart in the space is refused with a one-line
 :class:`~shardplan.errors.ShardplanError` naming the part, never
 approximated: context parallelism (``cp``),
-hybrid sharding groups (``hsdp``), ``ep`` on a model without experts, fp8 and a
-dtype other than the machine's, and overlap flags the cost model does not
+hybrid sharding groups (``hsdp``), ``ep`` on a model without experts, a dtype
+other than the machine's (``dtype=fp8``: FP8 products are ``precision=fp8``),
+FP8 on a machine without an FP8 peak, offload without a host link, and overlap
+flags the cost model does not
 distinguish (``tp_comm``; ``param_gather`` except with FSDP, whose gathers the
 model overlaps exactly when it overlaps the gradient reduction).
 """
@@ -99,7 +107,10 @@ DTYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
 _INT_FIELDS = ("tp", "cp", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp", "ep",
                "mbs", "gbs")
 _ORDER = ("tp", "sp", "cp", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp", "ep",
-          "mbs", "gbs", "recompute", "dtype", "overlap")
+          "mbs", "gbs", "recompute", "dtype", "precision", "offload", "overlap")
+
+PRECISIONS = ("mixed", "fp8")
+"""Precision rules of a recipe beyond the machine's element size (module docstring)."""
 _ALIASES = {"fsdp": "zero", "micro_batch_size": "mbs", "global_batch_size": "gbs", "tensor_parallel": "tp",
             "pipeline_parallel": "pp", "data_parallel": "dp", "sequence_parallel": "sp", "context_parallel": "cp",
             "expert_parallel": "ep", "virtual_stages": "vp"}
@@ -118,7 +129,10 @@ class Recipe:
         zero: ZeRO stage 0-3 of every weight's state (3: FSDP). hsdp: hybrid-sharding group size.
         ep: expert-parallel degree. mbs: micro-batch size (sequences per data-parallel replica and micro-batch).
         gbs: global batch (default: the model's). recompute: ``none``, ``selective``, ``full`` or N blocks.
-        dtype: ``fp16``, ``bf16``, ``fp32`` or ``fp8`` (default: the machine's). overlap: the communications
+        dtype: ``fp16``, ``bf16``, ``fp32`` or ``fp8`` (default: the machine's). precision: None (the
+            machine's element size for everything), ``mixed`` (fp32 master weights and optimizer state) or
+            ``fp8`` (mixed, with FP8 matrix products). offload: what lives in host memory (a subset of
+            ``optimizer``, ``parameters``, ``activations``). overlap: the communications
             overlapped with compute (a subset of :data:`OVERLAPS`; None: the machine's own setting).
     """
 
@@ -137,6 +151,8 @@ class Recipe:
     gbs: int | None = None
     recompute: str | int = "none"
     dtype: str | None = None
+    precision: str | None = None
+    offload: tuple[str, ...] = ()
     overlap: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -157,6 +173,16 @@ class Recipe:
                                  f"got {rec!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ShardplanError(f"recipe: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ShardplanError(f"recipe: precision must be one of {', '.join(PRECISIONS)} (or none), "
+                                 f"got {self.precision!r}")
+        from shardplan.cost.memory import OFFLOADS
+
+        off = tuple(self.offload)
+        if any(o not in OFFLOADS for o in off):
+            bad = next(o for o in off if o not in OFFLOADS)
+            raise ShardplanError(f"recipe: offload {bad!r} is not one of {', '.join(OFFLOADS)} (or none)")
+        object.__setattr__(self, "offload", tuple(o for o in OFFLOADS if o in off))
         if self.overlap is not None:
             ov = tuple(self.overlap)
             bad = [o for o in ov if o not in OVERLAPS]
@@ -179,7 +205,7 @@ class Recipe:
             key, sep, value = part.partition("=")
             key = key.strip().lower().replace("-", "_")
             if not sep:
-                if key in ("fsdp", "sp"):
+                if key in ("fsdp", "sp", "fp8"):
                     value = "true"
                 else:
                     raise ShardplanError(f"recipe: {part!r} is not key=value (e.g. tp=8)")
@@ -195,6 +221,8 @@ class Recipe:
         out: dict[str, Any] = {}
         for raw, value in values.items():
             key = _ALIASES.get(str(raw).lower().replace("-", "_"), str(raw).lower().replace("-", "_"))
+            if key == "fp8":  # fp8=true is precision=fp8
+                key, value = "precision", ("fp8" if _bool("fp8", value) else "none")
             if key not in known:
                 raise ShardplanError(f"recipe: unknown key {raw!r}; keys: {', '.join(_ORDER)} (fsdp = zero 3)")
             if key in out:
@@ -260,15 +288,15 @@ class Recipe:
                 continue
             if isinstance(v, bool):
                 v = "true" if v else "false"
-            elif name == "overlap":
+            elif name in ("overlap", "offload"):
                 v = "+".join(v) or "none"  # type: ignore[arg-type]
             parts.append(f"{name}={v}")
         return ",".join(parts) or "tp=1"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (``overlap`` as a list)."""
-        return {f.name: (list(getattr(self, f.name)) if f.name == "overlap" and self.overlap is not None
-                         else getattr(self, f.name)) for f in fields(self)}
+        return {f.name: (list(getattr(self, f.name)) if f.name in ("overlap", "offload")
+                         and getattr(self, f.name) is not None else getattr(self, f.name)) for f in fields(self)}
 
 
 def _value(key: str, value: Any, fsdp: bool) -> Any:
@@ -278,7 +306,7 @@ def _value(key: str, value: Any, fsdp: bool) -> Any:
         return 3 if flag else 0
     if key == "sp":
         return _bool(key, value)
-    if key == "overlap":
+    if key in ("overlap", "offload"):
         if isinstance(value, (list, tuple)):
             return tuple(str(v) for v in value)
         text = str(value).strip().lower()
@@ -292,6 +320,9 @@ def _value(key: str, value: Any, fsdp: bool) -> Any:
         return text
     if key == "dtype":
         return str(value).strip().lower()
+    if key == "precision":
+        text = str(value).strip().lower()
+        return None if text in ("none", "") else text
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     text = str(value).strip()
@@ -324,7 +355,18 @@ def refusal(recipe: Recipe, machine: Machine) -> str | None:
     if recipe.hsdp is not None:
         return "hybrid sharding (hsdp): ZeRO state sharded within a group and replicated across groups is not modelled"
     if recipe.dtype == "fp8":
-        return "fp8: the cost model has no fp8 GEMM rate or scaling"
+        return ("dtype fp8: every tensor in one byte is not a training recipe; FP8 matrix products with "
+                "mixed-precision state are precision=fp8 (fp8=true)")
+    if recipe.precision == "fp8" and machine.fp8_flops is None:
+        return f"precision fp8: the machine {machine.name!r} has no FP8 matrix products (no fp8_flops)"
+    if recipe.offload and (machine.host_bandwidth is None or machine.host_memory_bytes is None):
+        return (f"offload: the machine {machine.name!r} has no host link or host memory (host_bandwidth, "
+                f"host_memory_bytes)")
+    if "optimizer" in recipe.offload and (recipe.zero < 1 or machine.cpu_adam_rate is None):
+        return ("offload optimizer: DeepSpeed offloads a ZeRO partition (give zero >= 1) and the machine needs a "
+                "CPU Adam rate (cpu_adam_rate)")
+    if "parameters" in recipe.offload and (recipe.zero != 3 or "optimizer" not in recipe.offload):
+        return "offload parameters: only at zero=3 together with the optimizer state (ZeRO-Infinity's offload_param)"
     if recipe.dtype is not None and DTYPES[recipe.dtype] != machine.dtype_bytes:
         return (f"dtype {recipe.dtype}: the machine computes in {machine.dtype_bytes}-byte values (give a machine "
                 f"with that dtype instead)")
@@ -667,6 +709,12 @@ def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int |
     return replace(out, solver="recipe", lower_bound=None, stats=stats, memory=memory, batch=gbs)
 
 
+def precision_choices(recipe: Recipe) -> dict[str, Any]:
+    """The keywords of :func:`shardplan.fit.plan_with_choices` for the recipe's precision and offload."""
+    return {"fp8": recipe.precision == "fp8", "offload": recipe.offload,
+            "master_weights": recipe.precision is not None}
+
+
 def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m: int, name: str, gbs: int) -> Any:
     """One SPMD program: Megatron's layouts, then ZeRO, recomputation and m micro-batches by hand."""
     from shardplan.cost import build_tables
@@ -679,7 +727,8 @@ def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m
     opts = table_options(machine, recipe.tp, dp, recipe.sp, recipe.ep)
     tables = replace(build_tables(graph, replace(machine, memory_bytes=None), **opts), machine=machine)
     base = plan_from_configs(tables, megatron_layouts(tables, dp, recipe.tp, recipe.sp, recipe.ep), name="megatron")
-    sp = plan_with_choices(base, stage=recipe.zero, recompute=recs, micro_batches=m, name="recipe")
+    sp = plan_with_choices(base, stage=recipe.zero, recompute=recs, micro_batches=m, name="recipe",
+                           **precision_choices(recipe))
     return from_spmd(replace(sp, build_seconds=time.perf_counter() - t0), model=name, batch=gbs)
 
 
@@ -698,7 +747,7 @@ def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Reci
 
     def choices(plan: Any, mb: int) -> Any:
         return plan_with_choices(plan, stage=zero, recompute=recompute_names(plan.graph, rec), micro_batches=1,
-                                 accumulate=mb, name="recipe")
+                                 accumulate=mb, name="recipe", **precision_choices(recipe))
 
     stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dp, sp, ep),
                          periodic=False, strategy=lambda t: megatron_layouts(t, dp, tp, sp, ep), choices=choices)

@@ -57,6 +57,8 @@ class OperatorChoice:
         seconds: its own predicted seconds in its stage's program (compute, collectives inside it, its memory
             choices' costs); ``redistribution_seconds``: moving its inputs into its layout. Over a one-stage
             plan's operators the two sum to the step time.
+        fp8: its matrix products run in FP8 (Transformer Engine's delayed scaling).
+        offload: what it keeps in host memory (``optimizer``, ``parameters``, ``activations``).
     """
 
     kind: str
@@ -69,6 +71,8 @@ class OperatorChoice:
     extents: tuple[int, ...] = ()
     seconds: float = 0.0
     redistribution_seconds: float = 0.0
+    fp8: bool = False
+    offload: tuple[str, ...] = ()
 
     @property
     def tensor_degree(self) -> int:
@@ -82,7 +86,8 @@ class OperatorChoice:
                 "state_stage": self.state_stage, "recompute": self.recompute,
                 "weight_dims": list(self.weight_dims), "weight_elems": self.weight_elems,
                 "labels": list(self.labels), "extents": list(self.extents), "seconds": self.seconds,
-                "redistribution_seconds": self.redistribution_seconds, **({"partial": True} if lay.partial else {})}
+                "redistribution_seconds": self.redistribution_seconds, "fp8": self.fp8,
+                "offload": list(self.offload), **({"partial": True} if lay.partial else {})}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "OperatorChoice":
@@ -91,7 +96,8 @@ class OperatorChoice:
         return OperatorChoice(str(d["kind"]), lay, int(d.get("state_stage", 0)), bool(d.get("recompute", False)),
                               tuple(d.get("weight_dims", ())), int(d.get("weight_elems", 0)),
                               tuple(str(x) for x in d.get("labels", ())), tuple(int(x) for x in d.get("extents", ())),
-                              float(d.get("seconds", 0.0)), float(d.get("redistribution_seconds", 0.0)))
+                              float(d.get("seconds", 0.0)), float(d.get("redistribution_seconds", 0.0)),
+                              bool(d.get("fp8", False)), tuple(str(x) for x in d.get("offload", ())))
 
 
 @dataclass(frozen=True)

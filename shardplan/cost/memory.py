@@ -13,6 +13,10 @@ For each operator and configuration, per device q (bytes):
 (m = 2 for Adam, 0 for plain SGD.) A strategy's memory on device q is the
 sum over operators of their chosen configuration's row, and the strategy
 needs the maximum over devices. This ranks nothing; it is a constraint.
+
+The memory-saving choices of the fit search (:func:`choice_table`) add ZeRO
+state sharding, recomputation, FP8 matrix products and host offload
+(:class:`ChoiceRules`); their model is in ``docs/memory.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from shardplan.ir import Operator
 from shardplan.machine import Machine
 
 __all__ = ["operator_memory", "strategy_memory", "ChoiceTable", "choice_table", "WeightGroups", "weight_groups", "latency_scaled", "STAGES",
-           "recompute_keep_bytes", "unsaved_inputs"]
+           "recompute_keep_bytes", "unsaved_inputs", "ChoiceRules", "OFFLOADS", "OFFLOAD_BITS", "fp8_product",
+           "fp8_scaling_seconds", "offload_names"]
 
 
 def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: float = 2.0,
@@ -81,6 +86,9 @@ class ChoiceTable:
         grad_bytes: the weight-gradient part of ``state_bytes`` (P at stages 0 and 1, P/G at
             stages 2 and 3: :mod:`shardplan.fit`); the rest (value and optimizer state) is
             :attr:`rest_bytes`. Zero when not given.
+        fp8: whether the operator's products run in FP8 (False when not given).
+        offload: what the choice keeps in host memory, a bit mask of :data:`OFFLOAD_BITS` (0 when not given).
+        host_bytes: host memory per device the choice holds (zero when not given).
     """
 
     base: np.ndarray
@@ -90,10 +98,16 @@ class ChoiceTable:
     state_bytes: np.ndarray
     activation_bytes: np.ndarray
     grad_bytes: np.ndarray | None = None
+    fp8: np.ndarray | None = None
+    offload: np.ndarray | None = None
+    host_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        if self.grad_bytes is None:
-            object.__setattr__(self, "grad_bytes", np.zeros_like(np.asarray(self.state_bytes, dtype=np.float64)))
+        n = len(np.asarray(self.state_bytes))
+        for name, dtype in (("grad_bytes", np.float64), ("fp8", bool), ("offload", np.int64),
+                            ("host_bytes", np.float64)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros(n, dtype=dtype))
 
     @property
     def rest_bytes(self) -> np.ndarray:
@@ -112,12 +126,16 @@ class ChoiceTable:
         out = [f"zero-{int(self.stage[j])}"] if self.stage[j] else []
         if self.recompute[j]:
             out.append("recompute")
+        if self.fp8[j]:
+            out.append("fp8")
+        out += [f"offload-{n}" for n in offload_names(int(self.offload[j]))]
         return "+".join(out) or "-"
 
     def take(self, keep: np.ndarray) -> "ChoiceTable":
         return ChoiceTable(self.base[keep], self.stage[keep], self.recompute[keep],
                            {k: v[keep] for k, v in self.parts.items()}, self.state_bytes[keep],
-                           self.activation_bytes[keep], self.grad_bytes[keep])
+                           self.activation_bytes[keep], self.grad_bytes[keep], self.fp8[keep], self.offload[keep],
+                           self.host_bytes[keep])
 
 
 def latency_scaled(machine: Machine, factor: float) -> Machine:
@@ -225,13 +243,150 @@ def _bucketed(vol: np.ndarray, machine: Machine, collective) -> np.ndarray:
     return np.minimum(vol / bucket, 1.0) * collective(np.maximum(vol, bucket))
 
 
+OFFLOADS = ("optimizer", "parameters", "activations")
+"""What may live in host memory (:class:`ChoiceRules`): the optimizer state (ZeRO-Offload), the parameters
+(with the optimizer state, at ZeRO stage 3: ZeRO-Infinity's ``offload_param``), the saved activations."""
+
+OFFLOAD_BITS = {"optimizer": 1, "parameters": 2, "activations": 4}
+"""Bit of each part of :data:`OFFLOADS` in :attr:`ChoiceTable.offload`."""
+
+
+def offload_names(mask: int) -> tuple[str, ...]:
+    """The parts of :data:`OFFLOADS` set in ``mask``."""
+    return tuple(n for n in OFFLOADS if mask & OFFLOAD_BITS[n])
+
+
+@dataclass(frozen=True)
+class ChoiceRules:
+    """Precision rules and the precision/offload choices offered beside layouts, stages and recomputation.
+
+    Attributes:
+        fp8: offer FP8 for every matrix product (:func:`fp8_product`) on a machine with ``fp8_flops``.
+        offload: the parts of :data:`OFFLOADS` offered (on a machine with a host link and host memory;
+            the optimizer part also needs ``cpu_adam_rate``).
+        master_weights: mixed precision as Megatron-LM and DeepSpeed store it: besides the weights and
+            gradients in the machine's element size, an fp32 master copy of every weight and fp32
+            optimizer state (``optimizer_factor`` fp32 words): ``(4 + 4 o) / s`` words of ``s`` bytes per
+            parameter instead of ``o`` (16 bytes per parameter for Adam at s = 2: ZeRO's 2 + 2 + 12).
+            At s = 4 the weights are their own master copy: ``o`` words.
+    """
+
+    fp8: bool = False
+    offload: tuple[str, ...] = ()
+    master_weights: bool = False
+
+    def __post_init__(self) -> None:
+        from shardplan.errors import ShardplanError
+
+        if not isinstance(self.fp8, bool) or not isinstance(self.master_weights, bool):
+            raise ShardplanError(f"fp8 and master_weights must be True or False, got {self.fp8!r}, "
+                                 f"{self.master_weights!r}")
+        parts = tuple(self.offload)
+        bad = [x for x in parts if x not in OFFLOADS]
+        if bad:
+            raise ShardplanError(f"offload {bad[0]!r} is not one of {', '.join(OFFLOADS)}")
+        object.__setattr__(self, "offload", tuple(x for x in OFFLOADS if x in parts))
+
+    def optimizer_words(self, optimizer_factor: float, dtype_bytes: int) -> float:
+        """Words of ``dtype_bytes`` per parameter element held as optimizer state (master copy included)."""
+        o = float(optimizer_factor)
+        if not self.master_weights or dtype_bytes >= 4:
+            return o
+        return (4.0 + 4.0 * o) / float(dtype_bytes)
+
+
+def fp8_product(op: Operator) -> bool:
+    """Whether ``op`` is a matrix product FP8 may run: it multiplies and adds (``flops_per_point`` >= 2)
+    and contracts an input with a trainable weight (a dimension the output does not index indexes both).
+
+    Read off the description: a dense layer, a projection or a convolution is one; attention's two
+    products (no weight), an embedding (one FLOP per vocabulary entry, a gather), a norm or an
+    elementwise operator is not."""
+    if op.flops_per_point < 2.0 or op.recurrence is not None:
+        return False
+    red = set(op.reduction_dims)
+    inputs = set().union(*(t.dims for t in op.inputs)) if op.inputs else set()
+    return any(w.needs_grad and red & w.dims & inputs for w in op.weights)
+
+
+def fp8_scaling_seconds(op: Operator, lay, machine: Machine, weight_casts: float = 1.0) -> np.ndarray:
+    """Seconds per layout of the FP8 casts of one step of ``op`` (delayed scaling).
+
+    Transformer Engine's delayed scaling takes each tensor's scale from the amax history of earlier
+    steps, so quantising is one pass over the tensor (the amax of this cast is recorded in the same
+    pass), and on Hopper, whose FP8 products take only the "TN" layout, the cast writes the FP8 copy and
+    its transpose (TE's fused cast-transpose). Each operand tile of the products (every input, every
+    weight, and the output gradient when the backward runs) is therefore read once in the machine's
+    element size ``s`` and written twice in one byte:
+
+        seconds = (s + 2) * (sum_i |X_i| + weight_casts * sum_W |W| + [backward] |dY|) / HBM bandwidth
+
+    with the activations' tiles over the whole step (every micro-batch) and the weights cast
+    ``weight_casts`` times (1: cached in FP8 for the step's micro-batches, TE's ``is_first_microbatch``).
+    The scale update itself (an amax-history reduction per tensor) is a few scalars: not charged.
+    Without an HBM bandwidth (the paper's model) the casts cost nothing.
+    """
+    from shardplan.cost.operator import tile_volume
+
+    p = machine.num_devices
+    lay = as_layouts(lay, p, None, machine.levels)
+    if machine.hbm_bandwidth is None:
+        return np.zeros(len(lay))
+    elems = sum((tile_volume(op, t, lay, p, core=False) for t in op.inputs), np.zeros(len(lay)))
+    elems = elems + float(weight_casts) * sum((tile_volume(op, w, lay, p, core=False) for w in op.weights),
+                                              np.zeros(len(lay)))
+    if op.grad_tensors:
+        elems = elems + tile_volume(op, op.output, lay, p)
+    return (float(machine.dtype_bytes) + 2.0) * elems / float(machine.hbm_bandwidth)
+
+
+def fp8_extra_bytes(op: Operator, lay, machine: Machine) -> tuple[np.ndarray, np.ndarray]:
+    """(weight cache, saved input) bytes per layout an FP8 ``op`` holds beyond its BF16 self.
+
+    Weight cache: the FP8 copy of every weight tile and its transpose, one byte each per element,
+    kept for the step (TE's cached FP8 weights; at ZeRO stage 3 the gathered tile, an upper bound).
+    Saved input: TE's linear layers keep the FP8 (transposed) copy of their input for the weight
+    gradient, one byte per element of every input tile (a step's worth, as ``saved``). The producer's
+    own output stays counted where it is (its own backward or another consumer may read it): an upper
+    bound.
+    """
+    from shardplan.cost.operator import tile_volume
+
+    p = machine.num_devices
+    lay = as_layouts(lay, p, None, machine.levels)
+    k = len(lay)
+    cache = 2.0 * sum((tile_volume(op, w, lay, p) for w in op.weights if w.owner is None), np.zeros(k))
+    saved = sum((tile_volume(op, t, lay, p) for t in op.inputs), np.zeros(k)) if any(
+        w.needs_grad for w in op.weights) else np.zeros(k)
+    return cache, saved
+
+
+def _offload_masks(rules: ChoiceRules, machine: Machine, stage: int, has_weights: bool,
+                   has_act: bool) -> list[int]:
+    """The offload masks offered at ``stage``: optimizer state at stages 1-3 (DeepSpeed offloads a ZeRO
+    partition), parameters only with it at stage 3, activations anywhere (not with recomputation)."""
+    if machine.host_bandwidth is None or machine.host_memory_bytes is None:
+        return [0]
+    opt = ("optimizer" in rules.offload and has_weights and stage >= 1 and machine.cpu_adam_rate is not None)
+    param = opt and "parameters" in rules.offload and stage == 3
+    act = "activations" in rules.offload and has_act
+    masks = [0]
+    if opt:
+        masks.append(1)
+        if param:
+            masks.append(3)
+    if act:
+        masks += [mk | 4 for mk in list(masks)]
+    return masks
+
+
 def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Machine, micro_batches: int = 1,
                  stages: Sequence[int] = STAGES, recompute: bool = True,
                  optimizer_factor: float = 2.0, prune: bool = True, groups: WeightGroups | None = None,
                  op_cost=None, in_flight: float = 1, accumulate: int = 1,
                  forced_recompute: bool = False, recompute_keep: np.ndarray | None = None,
-                 peak: bool = False) -> ChoiceTable:
-    """Every (layout, stage, recompute) choice of ``op`` with ``micro_batches`` micro-batches.
+                 peak: bool = False, rules: ChoiceRules = ChoiceRules()) -> ChoiceTable:
+    """Every (layout, stage, recompute, precision, offload) choice of ``op`` with ``micro_batches`` micro-batches.
 
     ``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows
     (with optional ``orders``). See :mod:`shardplan.fit` for the model. Choices
@@ -259,6 +414,9 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     before its backward step, rest + gradient after it, all three at it): a
     choice is dropped only when another of the same layout is no slower and
     uses no more in each of the three (:func:`_undominated_peak`).
+    ``rules``: the precision rules and the FP8 / host-offload choices offered
+    (:class:`ChoiceRules`; their costs in ``docs/memory.md``). With any offload
+    offered a choice is dropped only when another is also no worse in host memory.
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time
     from shardplan.cost.operator import operator_cost
@@ -277,74 +435,130 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         wgrad_m += part * _bucketed(vol, mm, lambda n: allreduce_time(n, gl, mm))
         rs += part * _bucketed(vol, machine, lambda n: allgather_time(n, gl, machine))
         ag += part * _bucketed(vol, machine, lambda n: allgather_time(n, big, machine))
-    # what operator_cost charged for the weight gradients on top of compute (overlapped: beyond the backward)
-    passes = 1 + len(op.grad_tensors)
-    backward = oc.compute * (passes - 1) / passes
     overlap = bool(getattr(machine, "overlap_grad", False))
-
-    def charged(sync: np.ndarray) -> np.ndarray:
-        return np.maximum(sync - backward, 0.0) if overlap else sync
-
-    act_grad = np.maximum(oc.grad_allreduce - charged(wgrad_m), 0.0)
-    act = wg.act / m * float(in_flight)
     keep = np.zeros(k) if recompute_keep is None else np.asarray(recompute_keep, dtype=np.float64) / m * float(in_flight)
-
     has_grad = bool(op.grad_tensors)
-    fwd = (oc.compute / (1 + len(op.grad_tensors)) + oc.forward_allreduce
-           + (oc.stats / 2 + oc.halo / 2 + oc.recurrence / 2 if has_grad else oc.stats + oc.halo + oc.recurrence))
-    o = float(optimizer_factor)
+    o = rules.optimizer_words(optimizer_factor, machine.dtype_bytes)
     stage_list = [s for s in stages if s in STAGES] if weights else [0]
     if 0 not in stage_list:
         stage_list = [0] + stage_list
-    rows = []
-    forward = oc.compute / passes
+    passes = 1 + len(op.grad_tensors)
     once = 1.0 / int(accumulate)  # share of a once-per-step collective charged to one micro-batch
-    for s in stage_list:
-        if s == 0:
-            sync, mem, grad = charged(sync0) * once, state * (2 + o), state
-        elif s == 1:
-            sync, mem, grad = (charged(rs) + ag) * once, state * (2 + o / group), state
-        elif s == 2:
-            sync, mem, grad = charged(m * rs) + ag * once, state * (1 + (1 + o) / group), state / group
-        else:  # gathers prefetched during the operator's own forward / backward when overlapping
-            fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
-            sync, mem, grad = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group, state / group
-        for r in ([True] if forced_recompute else [False, True] if recompute else [False]):
-            rows.append((s, r, sync, mem, keep if r else act, fwd if r else np.zeros(k), grad))
+    precisions: list[tuple[bool, object, np.ndarray, np.ndarray, np.ndarray]] = [
+        (False, oc, np.zeros(k), np.zeros(k), np.zeros(k))]
+    if rules.fp8 and machine.fp8_flops is not None and fp8_product(op):
+        cache, saved_in = fp8_extra_bytes(op, lay, machine)
+        precisions.append((True, operator_cost(op, lay, replace(mm, peak_flops=machine.fp8_flops)),
+                           fp8_scaling_seconds(op, lay, machine), cache, saved_in))
+    use_host = any(_offload_masks(rules, machine, s, bool(weights), True) != [0] for s in stage_list)
+    bw = float(machine.host_bandwidth) if use_host else 1.0
+    lat = float(machine.host_latency)
+    share = float(machine.node_devices)  # devices sharing a node's CPUs and host memory
+
+    def xfer(nbytes: np.ndarray, count) -> np.ndarray:
+        """Seconds of ``count`` host copies moving ``nbytes`` in all (none when nothing moves)."""
+        return np.where(nbytes > 0, nbytes / bw + count * lat, 0.0)
+
+    rows = []
+    for fp8, ocp, scale, cache, saved_in in precisions:
+        backward = ocp.compute * (passes - 1) / passes  # what the weight-gradient syncs overlap
+        forward = ocp.compute / passes
+
+        def charged(sync: np.ndarray) -> np.ndarray:
+            return np.maximum(sync - backward, 0.0) if overlap else sync
+
+        act_grad = np.maximum(ocp.grad_allreduce - charged(wgrad_m), 0.0)
+        step_saved = wg.act + saved_in  # bytes the backward keeps over the whole step (every micro-batch)
+        act = step_saved / m * float(in_flight)
+        fwd = (ocp.compute / passes + ocp.forward_allreduce
+               + (ocp.stats / 2 + ocp.halo / 2 + ocp.recurrence / 2 if has_grad
+                  else ocp.stats + ocp.halo + ocp.recurrence))
+        fixed = {"compute": ocp.compute, "forward_allreduce": ocp.forward_allreduce, "grad_allreduce": act_grad,
+                 "halo": ocp.halo, "stats": ocp.stats, "recurrence": ocp.recurrence}
+        for s in stage_list:
+            if s == 0:
+                sync, mem, grad = charged(sync0) * once, state * (2 + o), state
+            elif s == 1:
+                sync, mem, grad = (charged(rs) + ag) * once, state * (2 + o / group), state
+            elif s == 2:
+                sync, mem, grad = charged(m * rs) + ag * once, state * (1 + (1 + o) / group), state / group
+            else:  # gathers prefetched during the operator's own forward / backward when overlapping
+                fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
+                sync, mem, grad = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group, state / group
+            mem = mem + cache
+            shard = state / group if s else state  # the weight bytes this device updates
+            for mask in _offload_masks(rules, machine, s, bool(weights), bool(np.any(step_saved > 0))):
+                dev, host = mem, np.zeros(k)
+                fetch = np.zeros(k)  # parameter bytes fetched before each pass (parameters offloaded)
+                down = np.zeros(k)  # gradient bytes sent to the host in the backward pass
+                after = np.zeros(k)  # the CPU step and what follows it, not overlapped
+                moved = step_saved if mask & 4 else np.zeros(k)  # activations: down in forward, up in backward
+                if mask & 1:
+                    dev, host = dev - o * shard, host + o * shard + shard  # state, and the gradient received
+                    down = shard * (m if s >= 2 else once)
+                    after = after + shard / machine.dtype_bytes * share / float(machine.cpu_adam_rate) * once
+                    if not mask & 2:
+                        after = after + xfer(shard * once, once)  # the updated weights back to the device
+                if mask & 2:
+                    dev, host = dev - shard, host + shard
+                    fetch = m * shard
+                if mask & 4:
+                    host = host + act
+                exposed_f = np.maximum(np.maximum(xfer(fetch, m), xfer(moved, m)) - forward, 0.0)
+                up_b = xfer(fetch, m) + xfer(moved, m)  # host -> device in the backward pass
+                exposed_b = np.maximum(np.maximum(up_b, xfer(down, m if s >= 2 else once)) - backward, 0.0)
+                t_off = exposed_f + exposed_b + after if mask else np.zeros(k)
+                for r in ([True] if forced_recompute else [False, True] if recompute else [False]):
+                    if r and mask & 4:
+                        continue
+                    rows.append((s, r, sync, dev, keep if r else (np.zeros(k) if mask & 4 else act),
+                                 fwd if r else np.zeros(k), grad, fp8, scale, mask, t_off, host, fixed))
     j = len(rows)
     base = np.tile(np.arange(k), j)
+    parts = {name: np.concatenate([r[12][name] for r in rows]) for name in rows[0][12]}
+    parts["weight_sync"] = np.concatenate([r[2] for r in rows])
+    parts["recompute"] = np.concatenate([r[5] for r in rows])
+    if len(precisions) > 1:
+        parts["fp8_scaling"] = np.concatenate([r[8] for r in rows])
+    if use_host:
+        parts["offload"] = np.concatenate([r[10] for r in rows])
     table = ChoiceTable(
         base=base,
         stage=np.repeat([r[0] for r in rows], k).astype(np.int64),
         recompute=np.repeat([r[1] for r in rows], k).astype(bool),
-        parts={"compute": np.tile(oc.compute, j), "forward_allreduce": np.tile(oc.forward_allreduce, j),
-               "grad_allreduce": np.tile(act_grad, j), "halo": np.tile(oc.halo, j),
-               "stats": np.tile(oc.stats, j), "recurrence": np.tile(oc.recurrence, j),
-               "weight_sync": np.concatenate([r[2] for r in rows]),
-               "recompute": np.concatenate([r[5] for r in rows])},
+        parts=parts,
         state_bytes=np.concatenate([r[3] for r in rows]),
         activation_bytes=np.concatenate([r[4] for r in rows]),
         grad_bytes=np.concatenate([r[6] for r in rows]),
+        fp8=np.repeat([r[7] for r in rows], k).astype(bool),
+        offload=np.repeat([r[9] for r in rows], k).astype(np.int64),
+        host_bytes=np.concatenate([r[11] for r in rows]),
     )
     if not prune:
         return table
-    if peak:
-        return table.take(_undominated_peak(table, j, k))
+    if peak or use_host:
+        return table.take(_undominated_peak(table, j, k, host=use_host, peak=peak))
     return table.take(_undominated(table.base, table.seconds, table.bytes))
 
 
-def _undominated_peak(table: ChoiceTable, rows: int, k: int) -> np.ndarray:
+def _undominated_peak(table: ChoiceTable, rows: int, k: int, host: bool = False, peak: bool = True) -> np.ndarray:
     """Indices of the choices of an unpruned table (``rows`` blocks of ``k`` layouts) that no other
-    choice of the same layout dominates for the backward-peak model.
+    choice of the same layout dominates.
 
-    Choice b dominates a when b's seconds, rest + saved, rest + gradient and
-    rest + saved + gradient are each <= a's (ties: the earlier row wins): every
-    per-step constraint of :mod:`shardplan.fit`'s backward model charges an
-    operator one of those three memories, so a plan using a can use b instead
-    and be no slower and fit wherever it fit.
+    For the backward-peak model (``peak``) choice b dominates a when b's seconds, rest + saved,
+    rest + gradient and rest + saved + gradient are each <= a's (ties: the earlier row wins): every
+    per-step constraint of :mod:`shardplan.fit`'s backward model charges an operator one of those
+    three memories, so a plan using a can use b instead and be no slower and fit wherever it fit.
+    For the additive model the memories are the one sum. With ``host`` the host bytes must be <= too
+    (the host budget is a second constraint).
     """
     rest, act, grad = table.rest_bytes, table.activation_bytes, table.grad_bytes
-    crit = np.stack([table.seconds, rest + act, rest + grad, rest + act + grad]).reshape(4, rows, k)
+    crit = [table.seconds, rest + act + grad]
+    if peak:
+        crit += [rest + act, rest + grad]
+    if host:
+        crit.append(table.host_bytes)
+    crit = np.stack(crit).reshape(len(crit), rows, k)
     le = np.all(crit[:, None, :, :] <= crit[:, :, None, :], axis=0)  # le[a, b]: b <= a everywhere
     eq = np.all(crit[:, None, :, :] == crit[:, :, None, :], axis=0)
     earlier = np.arange(rows)[None, :] < np.arange(rows)[:, None]  # b before a

@@ -101,6 +101,10 @@ def recipe_words(plan: Plan) -> str:
     rec = sum(c.recompute for _, c in ops)
     words += (", recompute every operator" if rec == len(ops) and rec else
               f", recompute {rec} of {len(ops)} operators" if rec else ", no recomputation")
+    fp8, off = sum(c.fp8 for _, c in ops), {k: sum(k in c.offload for _, c in ops)
+                                             for k in ("optimizer", "parameters", "activations")}
+    words += (f", FP8 on {fp8} products" if fp8 else "") + "".join(
+        f", {k} offloaded on {n} of {len(ops)} operators" for k, n in off.items() if n)
     words += f", {plan.micro_batches} micro-batch{'es' if plan.micro_batches > 1 else ''}"
     if plan.batch is not None:
         words += f" of {plan.batch // plan.micro_batches}"

@@ -37,10 +37,12 @@ def _old_presets(p: int) -> dict[str, Machine]:
         "2080ti": Machine(p, 13.4e12, 6e9, node_size=8, inter_bandwidth=2.5e9, memory_bytes=11 * GiB, name="2080ti"),
         "a100": Machine(p, 312e12, 300e9, latency=5e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
                         inter_bandwidth=25e9, inter_latency=10e-6, name="a100", hbm_bandwidth=2.039e12,
-                        flops_efficiency=0.7, grad_bucket_bytes=bucket, overlap_grad=True),
+                        flops_efficiency=0.7, grad_bucket_bytes=bucket, overlap_grad=True,
+                        host_bandwidth=25.6e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=6.8e9),
         "h100": Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
                         inter_bandwidth=50e9, inter_latency=8e-6, name="h100", hbm_bandwidth=3.35e12,
-                        flops_efficiency=0.7, grad_bucket_bytes=bucket, overlap_grad=True),
+                        flops_efficiency=0.7, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
+                        host_bandwidth=51.2e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=1.0e10),
     }
 
 
