@@ -319,14 +319,14 @@ def solve_host_ilp(mp: MemoryProblem, cts: Sequence[ChoiceTable], host_budget: f
     Used when the host budget can bind (:func:`host_binds`): the Lagrangian
     search relaxes one constraint only.
     """
-    from shardplan.search.memory_ilp import _solve_rows
+    from shardplan.search.memory_ilp import solve_rows
 
     least_host = float(sum(t.host_bytes.min() for t in cts))
     if least_host > host_budget:
         raise ShardplanError(_host_infeasible(least_host, host_budget))
     rhs = mp.budget - mp.fixed
     rows = [np.concatenate(mp.memory), np.concatenate([t.host_bytes for t in cts]) * (rhs / host_budget)]
-    sol = _solve_rows(mp, rows, time_limit)
+    sol = solve_rows(mp, rows, time_limit)
     _, dev = mp.evaluate(sol.assignment)
     sol.stats["memory_bytes"] = dev
     sol.stats["host_bytes"] = float(sum(t.host_bytes[j] for t, j in zip(cts, sol.assignment)))

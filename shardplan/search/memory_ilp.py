@@ -44,7 +44,7 @@ def solve_memory_ilp(mp: MemoryProblem, time_limit: float = 60.0) -> Solution:
     least = mp.least_memory()
     if least > mp.budget:
         raise ShardplanError(infeasible_message(least, mp.budget))
-    sol = _solve_rows(mp, [np.concatenate(mp.memory)], time_limit)
+    sol = solve_rows(mp, [np.concatenate(mp.memory)], time_limit)
     sol.stats["memory_bytes"] = mp.evaluate(sol.assignment)[1]
     return sol
 
@@ -60,14 +60,14 @@ def solve_peak_ilp(pp, time_limit: float = 60.0) -> Solution:
     rows = [np.concatenate(pp.contribution(k)) for k in range(n)]
     mp = pp.additive()
     try:
-        sol = _solve_rows(mp, rows, time_limit)
+        sol = solve_rows(mp, rows, time_limit)
     except ShardplanError:
         raise ShardplanError(f"peak ILP: no feasible assignment (HiGHS) within {time_limit:g} s or at all") from None
     sol.stats["memory_bytes"] = pp.evaluate(sol.assignment)[1]
     return sol
 
 
-def _solve_rows(mp: MemoryProblem, rows: list[np.ndarray], time_limit: float) -> Solution:
+def solve_rows(mp: MemoryProblem, rows: list[np.ndarray], time_limit: float) -> Solution:
     """The local-polytope program of ``mp.expanded()`` with the rows ``row . x <= budget - fixed``
     (one entry per choice, vertices in order)."""
     import scipy.sparse as sp
