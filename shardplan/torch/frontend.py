@@ -162,7 +162,7 @@ ELEMENTWISE: Mapping[str, float] = {
         "masked_fill", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or",
         "reciprocal", "sin", "cos", "erf", "square", "floor", "ceil", "round", "sign", "rsub", "add_", "mul_",
         "div_", "sub_", "hardtanh", "leaky_relu", "exp2", "bitwise_not", "bitwise_and", "__and__", "__or__",
-        "silu_", "gelu_", "hardswish", "hardsigmoid", "softplus", "elu", "mish", "triu", "tril",
+        "silu_", "gelu_", "hardswish", "hardsigmoid", "softplus", "elu", "mish",
         "floor_divide", "remainder", "fmod", "bitwise_or", "bitwise_xor", "greater", "less", "greater_equal",
         "less_equal", "logical_xor",
     )},
@@ -1195,6 +1195,20 @@ def _pad(ctx: _Ctx, node: Any, vals: list) -> None:
                   (Tensor("x", x.shape, tuple(acc), "input", needs_grad=x.needs_grad, src=ctx.ref(x).name),),
                   Tensor("y", out, tuple(letters), "output"), flops_per_point=0.0)
     ctx.emit(node, op, [((0,), x, "x")])
+
+
+@register("aten.triu.default", "aten.tril.default", "aten.triu_.default", "aten.tril_.default")
+def _triangle(ctx: _Ctx, node: Any, vals: list) -> None:
+    """``triu``/``tril``: elementwise, but which elements are kept depends on the row and column indices, so
+    the last two dimensions are read whole (fixed); the leading ones stay splittable."""
+    if str(node.target).endswith("_.default"):
+        _inplace(ctx, node, vals, _elementwise, reads_dst=True)
+    else:
+        _elementwise(ctx, node, vals)
+    made = ctx.node_op.get(node.name)
+    if made is not None:
+        op = ctx.ops[made]
+        ctx.ops[made] = dataclasses.replace(op, fixed=op.fixed | {d for d, _ in op.dims[-2:]})
 
 
 # every elementwise op, by overload
