@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it ou
 
 WORLD = 8
 MODELS = ["hf_gpt2_cache", "hf_llama_cache", "hf_mistral", "hf_qwen2", "hf_gemma2", "hf_phi", "hf_gpt_neox",
-          "hf_falcon", "hf_bloom", "hf_t5", "hf_roberta", "moe", "hardswish"]
+          "hf_falcon", "hf_bloom", "hf_t5", "hf_roberta", "moe", "hardswish", "mobilenetv3_block", "zero_extent"]
 
 
 @pytest.fixture(scope="module")
