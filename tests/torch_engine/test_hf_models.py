@@ -23,9 +23,9 @@ from shardplan.torch import ShardplanWarning, trace
 
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 
-WORLD = 8
 MODELS = ["hf_gpt2_cache", "hf_llama_cache", "hf_mistral", "hf_qwen2", "hf_gemma2", "hf_phi", "hf_gpt_neox",
           "hf_falcon", "hf_bloom", "hf_t5", "hf_roberta", "moe", "hardswish", "mobilenetv3_block", "zero_extent"]
+WORLD = 8
 
 
 @pytest.fixture(scope="module")
