@@ -7,7 +7,7 @@ Source of every measured number: ``/work/shared/data/published-a100.md`` (the ro
 * the same paper's Table 2 (GPT-3 175B, global batch 1536): ZeRO-3 without model parallelism, and TP 8 × PP 12;
 * its Figure 13 (162.2B, 64 GPUs, TP × PP = 64, MBS 1, global batch 128; read off the plot, about ±5 %);
 * Korthikanti et al. 2022 (arXiv 2205.05198): four models, iteration time with full recomputation, and with
-  sequence parallelism + selective recomputation (not expressible today: recorded as such, not costed).
+  sequence parallelism + selective recomputation (``sp=true``: partial layouts, see docs/recipes.md).
 
 Each row is costed on ``preset("a100", GPUs)`` exactly as published (no machine constant is tuned here) and
 records predicted and measured step time, their ratio, the predicted and measured TFLOP/s per GPU (the

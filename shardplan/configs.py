@@ -29,7 +29,8 @@ from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
 from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays, unique_rows
 
-__all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES", "layouts", "flat_layouts"]
+__all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES", "layouts", "flat_layouts",
+           "forward_deferrable", "deferred_inputs", "with_partial"]
 
 
 def split_choices(extent: int, p: int, cutoff: int, powers_of_two: bool = False) -> list[int]:
@@ -115,30 +116,44 @@ def dimension_orders(configs: np.ndarray, mode: str = "all", max_permuted: int =
     return configs[row], padded[mask_of[row], nth]
 
 
-def _factorisations(c: tuple[int, ...], products: tuple[int, ...]) -> list[tuple[tuple[int, ...], ...]]:
-    """Every way to write each c_d as Π_l c_{l,d} with Π_d c_{l,d} = products[l]: list of per-level rows."""
-    if len(products) == 1:
-        return [(tuple(c),)] if math.prod(c) == products[0] else []
-    target = products[0]
-    out: list[tuple[tuple[int, ...], ...]] = []
+def _factorisations(c: tuple[int, ...], products: tuple[int, ...],
+                    max_level_dims: int | None = None) -> list[tuple[tuple[int, ...], ...]]:
+    """Every way to write each c_d as Π_l c_{l,d} with Π_d c_{l,d} = products[l]: list of per-level rows.
 
-    def rec(j: int, row: list[int], prod: int) -> None:
-        if j == len(c):
+    ``max_level_dims``: only those splitting at most that many dims on every level (the same list as
+    filtering afterwards, in the same order; the partial rows that already exceed it are not grown).
+    """
+    if len(products) == 1:
+        ok = max_level_dims is None or sum(x > 1 for x in c) <= max_level_dims
+        return [(tuple(c),)] if ok and math.prod(c) == products[0] else []
+    target = products[0]
+    split = [d for d, x in enumerate(c) if x > 1]  # an unsplit dim has the single factor 1 on every level
+    divs = [_divisors(c[d]) for d in split]
+    cap = len(c) if max_level_dims is None else max_level_dims
+    out: list[tuple[tuple[int, ...], ...]] = []
+    row = [1] * len(c)
+
+    def rec(j: int, prod: int, used: int) -> None:
+        if j == len(split):
             if prod == target:
                 rest = tuple(cd // e for cd, e in zip(c, row))
-                for tail in _factorisations(rest, products[1:]):
+                for tail in _factorisations(rest, products[1:], max_level_dims):
                     out.append((tuple(row),) + tail)
             return
-        for e in _divisors(c[j]):
-            if target % (prod * e) == 0:
-                rec(j + 1, row + [e], prod * e)
+        d = split[j]
+        for e in divs[j]:
+            if target % (prod * e) == 0 and (e == 1 or used < cap):
+                row[d] = e
+                rec(j + 1, prod * e, used + (e > 1))
+        row[d] = 1
 
-    rec(0, [], 1)
+    rec(0, 1, 0)
     return out
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def level_products(n: int, levels: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -237,9 +252,7 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
         outer = p // levels[0]
         if node_replicas and tiles % outer == 0 and tiles // outer < levels[0] and levels[0] % (tiles // outer) == 0:
             fills.append((tiles // outer,) + levels[1:])
-        for rows in (r for prods in fills for r in _factorisations(tuple(c), prods)):
-            if max_level_dims is not None and any(sum(x > 1 for x in r) > max_level_dims for r in rows):
-                continue
+        for rows in (r for prods in fills for r in _factorisations(tuple(c), prods, max_level_dims)):
             per_level = [_level_orders(r, own, orders, max_permuted) for r in rows]
             for combo in product(*per_level):
                 lay = Layout._unchecked(names, levels, rows, combo)
@@ -247,3 +260,42 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
                     seen.add(lay)
                     out.append(lay)
     return tuple(out)
+
+
+def forward_deferrable(op: Operator) -> bool:
+    """Whether ``op``'s output may be left as partial sums: it is the sum over its reduction dims with nothing
+    applied after the sum.
+
+    Nothing after the sum: no normalised dims, no recurrence, and the work per output element,
+    ``W = flops_per_point · R`` (R: the points summed into one output element), is that of a plain sum:
+    R (one add per point), 2R (one multiply-add per point: a contraction) or 1 (a selection: the embedding's
+    one-hot product). An elementwise tail fused into the operator (the JAX lowering's fusion, a GELU after a
+    product) adds its FLOPs per output element to W, so such an operator is not deferred: its output is not
+    linear in the partial sums.
+    """
+    red = op.reduction_dims
+    if not red or op.norm_dims or op.recurrence is not None:
+        return False
+    ext = op.extents
+    r = float(math.prod(ext[d] for d in red))
+    w = op.flops_per_point * r
+    return any(math.isclose(w, x, rel_tol=1e-9) for x in (r, 2.0 * r, 1.0))
+
+
+def deferred_inputs(op: Operator) -> tuple[int, ...]:
+    """Slots of the inputs whose gradient a partial layout leaves as partial sums: every activation input
+    with a gradient (its gradient sums over the dims that do not index it)."""
+    return tuple(i for i, t in enumerate(op.inputs) if t.needs_grad and op.grad_reduction_dims(t))
+
+
+def with_partial(op: Operator, lays: Sequence[Layout]) -> tuple[Layout, ...]:
+    """``lays`` followed by the partial copy (:attr:`Layout.partial`) of every layout that splits a reduction
+    it can defer: a reduction dim of a :func:`forward_deferrable` operator, or a dim an input's gradient sums
+    over (:func:`deferred_inputs`). The copies keep the order of ``lays``."""
+    names = op.dim_names
+    sets = [op.reduction_dims] if forward_deferrable(op) else []
+    sets += [op.grad_reduction_dims(op.inputs[i]) for i in deferred_inputs(op)]
+    idx = [[names.index(d) for d in dims] for dims in sets]
+    extra = [lay.with_partial() for lay in lays if not lay.partial
+             and any(math.prod(lay.split[j] for j in js) > 1 for js in idx)]
+    return tuple(lays) + tuple(extra)

@@ -42,6 +42,16 @@ What each consumer reads:
   ``jax.sharding.PartitionSpec(*spec)`` is the JAX value; no jax import here);
 * the report: :meth:`Layout.describe`.
 
+Deferred reductions. ``Layout.partial`` marks a layout in which the operator
+leaves its reductions to its edges: its output, when a reduction dim is
+split, as *partial sums* over the devices of the reduction group (each holds
+the full output tile, the group's tiles add up to the result), and the
+gradient of each activation input, when a dim that does not index it is
+split, as partial sums over that input's group. The consumer's layout decides
+how they are reduced (reduce-scatter into a tile split over the group,
+all-reduce into a replicated one: :mod:`shardplan.cost.edge`). The tiles
+(grid, boxes, mesh) are those of the same layout without the flag.
+
 On a one-level machine a layout is exactly a configuration tuple plus a
 nesting order (``Layout.flat``), the space of the paper.
 """
@@ -91,12 +101,14 @@ class Layout:
         splits: ``splits[l][d]``: ways dim d is split on level l.
         orders: ``orders[l]``: indices of the dims split on level l (those with
             ``splits[l][d] > 1``), most significant first.
+        partial: the operator's reductions are deferred to its edges (see the module docstring).
     """
 
     dims: tuple[str, ...]
     levels: tuple[int, ...]
     splits: tuple[tuple[int, ...], ...]
     orders: tuple[tuple[int, ...], ...]
+    partial: bool = False
     _strides: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +120,7 @@ class Layout:
         object.__setattr__(self, "levels", levels)
         object.__setattr__(self, "splits", splits)
         object.__setattr__(self, "orders", orders)
+        object.__setattr__(self, "partial", bool(self.partial))
         n = len(dims)
         if len(set(dims)) != n:
             raise ShardplanError(f"layout: dimension names {dims} are not unique")
@@ -133,20 +146,26 @@ class Layout:
     # -- construction -------------------------------------------------------
     @classmethod
     def _unchecked(cls, dims: tuple[str, ...], levels: tuple[int, ...], splits: tuple[tuple[int, ...], ...],
-                   orders: tuple[tuple[int, ...], ...]) -> "Layout":
+                   orders: tuple[tuple[int, ...], ...], partial: bool = False) -> "Layout":
         """A layout from already-normalised values known to be valid (the enumerator's fast path)."""
         n = len(dims)
         return cls._with_strides(dims, levels, splits, orders,
-                                 tuple(_row_major_strides(r, o, n) for r, o in zip(splits, orders)))
+                                 tuple(_row_major_strides(r, o, n) for r, o in zip(splits, orders)), partial)
 
     @classmethod
     def _with_strides(cls, dims: tuple[str, ...], levels: tuple[int, ...], splits: tuple[tuple[int, ...], ...],
-                      orders: tuple[tuple[int, ...], ...], strides: tuple[tuple[int, ...], ...]) -> "Layout":
+                      orders: tuple[tuple[int, ...], ...], strides: tuple[tuple[int, ...], ...],
+                      partial: bool = False) -> "Layout":
         """:meth:`_unchecked` with the per-level strides already known (from :class:`LayoutArrays`)."""
         lay = object.__new__(cls)
         d = lay.__dict__
         d["dims"], d["levels"], d["splits"], d["orders"], d["_strides"] = dims, levels, splits, orders, strides
+        d["partial"] = bool(partial)
         return lay
+
+    def with_partial(self, partial: bool = True) -> "Layout":
+        """The same tiles with the reductions deferred to the edges (``partial``) or not."""
+        return Layout._with_strides(self.dims, self.levels, self.splits, self.orders, self._strides, partial)
 
     @classmethod
     def flat(cls, dims: Sequence[str], config: Sequence[int], p: int, order: Sequence[int] | None = None) -> "Layout":
@@ -364,7 +383,10 @@ class Layout:
 
     def describe(self) -> str:
         """``(8,1,4)`` on one level; on several, the split dims with their split per level, outer first
-        (``(b=16[2x8], h=4[4x1])``), and ``copies=n`` when n devices hold each tile."""
+        (``(b=16[2x8], h=4[4x1])``), and ``copies=n`` when n devices hold each tile; `` partial`` after a layout
+        whose reductions are deferred to its edges."""
+        if self.partial:
+            return self.with_partial(False).describe() + " partial"
         if len(self.levels) == 1:
             return "(" + ",".join(str(c) for c in self.split) + ")"
         parts = []
@@ -386,11 +408,13 @@ class LayoutArrays:
         levels: level sizes (shared by all rows).
         level_splits: (L, K, n) splits per level.
         level_strides: (L, K, n) row-major strides inside each level's grid.
+        partial: (K,) bool, the layouts whose reductions are deferred to the edges (None: none).
     """
 
     levels: tuple[int, ...]
     level_splits: np.ndarray
     level_strides: np.ndarray
+    partial: np.ndarray | None = None
 
     @classmethod
     def stack(cls, layouts: Sequence[Layout]) -> "LayoutArrays":
@@ -402,7 +426,8 @@ class LayoutArrays:
             raise ShardplanError("layout arrays: all layouts must have the same levels and dimensions")
         ls = np.asarray([lay.splits for lay in layouts], dtype=np.int64).reshape(len(layouts), len(levels), n)
         st = np.asarray([lay._strides for lay in layouts], dtype=np.int64).reshape(len(layouts), len(levels), n)
-        return cls(levels, ls.transpose(1, 0, 2).copy(), st.transpose(1, 0, 2).copy())
+        part = np.asarray([lay.partial for lay in layouts], dtype=bool)
+        return cls(levels, ls.transpose(1, 0, 2).copy(), st.transpose(1, 0, 2).copy(), part if part.any() else None)
 
     @property
     def p(self) -> int:
@@ -416,8 +441,18 @@ class LayoutArrays:
         """Total split per dim: (K, n)."""
         return self.level_splits.prod(axis=0)
 
+    @property
+    def deferred(self) -> np.ndarray:
+        """(K,) bool: the layouts whose reductions are deferred to the edges (:attr:`Layout.partial`)."""
+        return np.zeros(len(self), dtype=bool) if self.partial is None else self.partial
+
+    def without_partial(self) -> "LayoutArrays":
+        """The same tiles with no reduction deferred."""
+        return self if self.partial is None else LayoutArrays(self.levels, self.level_splits, self.level_strides)
+
     def take(self, rows: np.ndarray) -> "LayoutArrays":
-        return LayoutArrays(self.levels, self.level_splits[:, rows], self.level_strides[:, rows])
+        part = None if self.partial is None else self.partial[rows]
+        return LayoutArrays(self.levels, self.level_splits[:, rows], self.level_strides[:, rows], part)
 
     def level_positions(self) -> np.ndarray:
         """(L, p): every device's position on every level."""

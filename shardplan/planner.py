@@ -35,7 +35,8 @@ __all__ = ["plan", "from_spmd", "from_pipeline", "spmd_of", "pipeline_of", "grou
 STAGES = ("auto", True, False)
 
 
-TABLE_OPTIONS = ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas", "optimizer_factor")
+TABLE_OPTIONS = ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas", "optimizer_factor",
+                 "partial_sums")
 """The cost-table options a plan records, so the tables can be rebuilt where it runs (:func:`spmd_of`)."""
 
 

@@ -17,6 +17,25 @@ model). The map, on ``p`` devices with ``dp = p / (tp · pp)``:
   machine level, innermost first, the tensor group takes its part first
   and the data-parallel group what is left. The tables are built with
   ``node_replicas=True`` so that the norms' layouts are candidates;
+* **sequence parallelism** ``sp=true`` (Korthikanti et al. 2022, §4.2.2): the
+  operators without a model dimension (norms, additions) split their sequence
+  dimension ``s`` where the tensor group is, instead of being replicated over
+  it, and every tensor-parallel operator that splits a reduction takes the
+  partial layout (:attr:`shardplan.layout.Layout.partial`): the row-parallel
+  products (attention output, second feed-forward product, the embedding)
+  leave their outputs as partial sums, reduce-scattered into the
+  sequence-split norms; the column-parallel ones leave their inputs'
+  gradients as partial sums, reduce-scattered backward; the all-gathers are
+  the redistributions from the sequence-split layouts into the
+  column-parallel ones (:mod:`shardplan.cost.edge`);
+* **experts** (``ep``, Megatron-LM's expert parallelism; Lepikhin et al. 2021, GShard): the
+  experts' batched products (:data:`~shardplan.models.moe.EXPERT_KINDS`) split their expert
+  dimension ``e`` ``ep`` ways inside the data-parallel group (the ``ep`` consecutive data ranks,
+  filled from the inside of each level's data share, as Megatron-LM's rank order tp-ep-dp places
+  them), their batch the remaining ``dp / ep`` ways and their hidden ``f`` ``tp`` ways (expert
+  tensor parallelism = tp, Megatron-LM's default); every other operator, router, gate, dispatch and
+  combine included, keeps the layout above, so the tokens reach the experts and come back by
+  all-to-alls in groups of ``ep`` (:func:`megatron_layout`). A model without experts refuses ``ep``;
 * **ZeRO** stage ``zero`` for every operator with trainable weights, and
   **recomputation** (``full``: every operator of the repeated blocks;
   ``selective``: the attention core, ``attn_scores`` and ``attn_context``,
@@ -38,8 +57,8 @@ model). The map, on ``p`` devices with ``dp = p / (tp · pp)``:
 
 What has no exact counterpart in the space is refused with a one-line
 :class:`~shardplan.errors.ShardplanError` naming the part, never
-approximated: sequence parallelism (``sp``), context parallelism (``cp``),
-expert parallelism (``ep``), hybrid sharding groups (``hsdp``), fp8 and a
+approximated: context parallelism (``cp``),
+hybrid sharding groups (``hsdp``), ``ep`` on a model without experts, fp8 and a
 dtype other than the machine's, and overlap flags the cost model does not
 distinguish (``tp_comm``; ``param_gather`` except with FSDP, whose gathers the
 model overlaps exactly when it overlaps the gradient reduction).
@@ -59,9 +78,10 @@ from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, Operator
 from shardplan.layout import Layout
 from shardplan.machine import Machine
+from shardplan.models.moe import EXPERT_KINDS
 
-__all__ = ["Recipe", "cost_recipe", "megatron_layouts", "recompute_names", "RECOMPUTE", "OVERLAPS",
-           "ATTENTION_CORE"]
+__all__ = ["Recipe", "cost_recipe", "megatron_layouts", "expert_dim", "has_experts", "recompute_names", "RECOMPUTE",
+           "OVERLAPS", "ATTENTION_CORE"]
 
 RECOMPUTE = ("none", "selective", "full")
 """The named recomputation policies (an integer N: the first N blocks of each stage)."""
@@ -297,14 +317,10 @@ def _bool(key: str, value: Any) -> bool:
 # -- what cannot be costed exactly ----------------------------------------------------------------------
 def refusal(recipe: Recipe, machine: Machine) -> str | None:
     """Why ``recipe`` has no exact counterpart in shardplan's space on ``machine`` (None: it has one)."""
-    if recipe.sp:
-        return ("sequence parallelism (sp): shardplan's layouts keep the norms and dropouts replicated over the "
-                "tensor group and its collectives are all-reduces, not Megatron-LM's reduce-scatter/all-gather "
-                "over the sequence")
+    if recipe.sp and recipe.tp < 2:
+        return "sequence parallelism (sp) splits the sequence over the tensor group: it needs tp >= 2"
     if recipe.cp > 1:
         return "context parallelism (cp): splitting attention's sequence with ring exchanges is not in the cost model"
-    if recipe.ep > 1:
-        return "expert parallelism (ep): the model zoo and the cost model have no mixture-of-experts layers"
     if recipe.hsdp is not None:
         return "hybrid sharding (hsdp): ZeRO state sharded within a group and replicated across groups is not modelled"
     if recipe.dtype == "fp8":
@@ -334,9 +350,12 @@ def refusal(recipe: Recipe, machine: Machine) -> str | None:
 # -- the layouts ------------------------------------------------------------------------------------------
 def model_dim(op: Operator) -> str | None:
     """The dimension Megatron-LM's tensor parallelism splits (the rule of :func:`shardplan.baselines.megatron`):
-    the heads ``h`` of attention operators, the hidden ``e`` of feed-forward ones, the vocabulary ``v`` of the
-    embedding, head and loss; None for the rest (norms, additions: replicated over the tensor group)."""
+    the heads ``h`` of attention operators, the hidden ``e`` of feed-forward ones, the hidden ``f`` of the
+    experts, the vocabulary ``v`` of the embedding, head and loss; None for the rest (norms, additions, the
+    router, gate, dispatch and combine of a mixture of experts: replicated over the tensor group)."""
     names = op.dim_names
+    if op.kind in EXPERT_KINDS:
+        return "f" if "f" in names else None
     if "h" in names:
         return "h"
     if op.kind == "ffn" and "e" in names:
@@ -357,7 +376,19 @@ def _level_ways(levels: tuple[int, ...], dp: int, tp: int) -> tuple[tuple[int, .
     return tps, dps
 
 
-def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int) -> Layout:
+def expert_dim(op: Operator) -> str | None:
+    """The dimension expert parallelism splits: ``e`` of the experts' operators
+    (:data:`~shardplan.models.moe.EXPERT_KINDS`), None for every other operator."""
+    return "e" if op.kind in EXPERT_KINDS and "e" in op.dim_names else None
+
+
+def has_experts(graph: Graph) -> bool:
+    """Whether ``graph`` has an operator that expert parallelism splits (:func:`expert_dim`)."""
+    return any(expert_dim(op) is not None for op in graph.operators)
+
+
+def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int, sp: bool = False,
+                    ep: int = 1) -> Layout:
     """Megatron-LM's layout of ``op`` on machine levels ``levels`` with ``dp`` × ``tp`` devices.
 
     Per machine level l (innermost first) the tensor group takes ``tp_l`` ways (``tp`` filled from the inside)
@@ -369,36 +400,63 @@ def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int) -> 
     replicas are the most significant part of its position (:mod:`shardplan.layout`): the norms, replicated
     over the tensor group, then hold the same batch rows as the tensor-parallel operators, as in Megatron-LM
     (no redistribution between them; the other nesting would charge one that Megatron-LM does not run).
+    With ``sp`` (sequence parallelism) an operator without a model dimension splits its sequence dimension
+    ``s`` in the tensor group's place, and a layout that splits a reduction it can defer is partial
+    (:func:`shardplan.configs.with_partial`).
+
+    With ``ep`` > 1 an expert operator (:func:`expert_dim`) splits ``e`` ``ep_l`` ways and its batch
+    ``dp_l / ep_l`` ways on level l, ``ep`` filled from the inside of the data shares ``dp_l``, ``e`` the least
+    significant: data rank = batch rank · ep + expert rank, so each expert group is ``ep`` consecutive data
+    ranks, whose tokens it exchanges by all-to-all.
     Raises :class:`ShardplanError` when a split does not divide its dimension.
     """
     from shardplan.baselines import batch_dim
+    from shardplan.configs import with_partial
 
     tps, dps = _level_ways(levels, dp, tp)
     names = op.dim_names
-    md, bd = model_dim(op), batch_dim(op)
+    md, bd, ed = model_dim(op), batch_dim(op), expert_dim(op)
+    if sp and md is None and "s" in names:
+        md = "s"
+    eps = (1,) * len(levels)
+    if ed is not None and ep > 1:
+        eps = _expert_ways(dps, ep)
     rows = [[1] * len(names) for _ in levels]
     orders = []
     for lvl in range(len(levels)):
         if bd is not None:
-            rows[lvl][names.index(bd)] *= dps[lvl]
+            rows[lvl][names.index(bd)] *= dps[lvl] // eps[lvl]
         if md is not None:
             rows[lvl][names.index(md)] *= tps[lvl]
-        orders.append(tuple(names.index(d) for d in (md, bd) if d is not None and rows[lvl][names.index(d)] > 1))
+        if ed is not None:
+            rows[lvl][names.index(ed)] *= eps[lvl]
+        orders.append(tuple(names.index(d) for d in dict.fromkeys((md, bd, ed))
+                            if d is not None and rows[lvl][names.index(d)] > 1))
     for j, (d, extent) in enumerate(op.dims):
         ways = math.prod(r[j] for r in rows)
         if extent % ways:
             raise ShardplanError(f"recipe: operator {op.name!r} cannot split {d}={extent} {ways} ways "
-                                 f"(dp={dp}, tp={tp})")
-    return Layout(names, levels, tuple(tuple(r) for r in rows), tuple(orders))
+                                 f"(dp={dp}, tp={tp}, ep={ep})")
+    lay = Layout(names, levels, tuple(tuple(r) for r in rows), tuple(orders))
+    return with_partial(op, [lay])[-1] if sp else lay
 
 
-def megatron_layouts(tables: Any, dp: int, tp: int) -> dict[str, Layout]:
+def _expert_ways(dps: tuple[int, ...], ep: int) -> tuple[int, ...]:
+    """ep_l per level: ``ep`` filled from the inside of the data-parallel shares ``dps``."""
+    eps = level_products(ep, dps)
+    if eps is None:
+        raise ShardplanError(f"recipe: ep={ep} does not fill the data-parallel group's levels {dps} from the inside "
+                             f"(it must divide dp={math.prod(dps)})")
+    return eps
+
+
+def megatron_layouts(tables: Any, dp: int, tp: int, sp: bool = False, ep: int = 1) -> dict[str, Layout]:
     """:func:`megatron_layout` of every operator of ``tables``; raises :class:`ShardplanError` when one is not a
     candidate of the tables (then the recipe is not in their space: say so rather than cost another layout)."""
     levels = tuple(tables.machine.levels)
     out: dict[str, Layout] = {}
     for i, op in enumerate(tables.graph.operators):
-        lay = megatron_layout(op, levels, dp, tp)
+        lay = megatron_layout(op, levels, dp, tp, sp, ep)
         if lay not in tables.layouts[i]:
             raise ShardplanError(f"recipe: the layout {lay.describe()} of operator {op.name!r} is not in "
                                  f"shardplan's space on {levels} devices")
@@ -406,12 +464,14 @@ def megatron_layouts(tables: Any, dp: int, tp: int) -> dict[str, Layout]:
     return out
 
 
-def megatron_candidates(levels: tuple[int, ...], dp: int, tp: int, orders: str) -> Callable[[Operator], tuple[Layout]]:
+def megatron_candidates(levels: tuple[int, ...], dp: int, tp: int, orders: str,
+                        sp: bool = False, ep: int = 1) -> Callable[[Operator], tuple[Layout]]:
     """``candidates(op)`` for :func:`shardplan.cost.build_tables`: the one layout :func:`megatron_layout`, after
     checking that it is among the operator's layouts in shardplan's space (:func:`shardplan.configs.layouts`
-    with every split, ``node_replicas`` and ``orders``), so the recipe's tables cost exactly that plan of the
-    space without building the rest of it. Identical operators are checked once."""
-    from shardplan.configs import layouts
+    with every split, ``node_replicas`` and ``orders``, and their partial copies with ``sp``), so the recipe's
+    tables cost exactly that plan of the space without building the rest of it. Identical operators are
+    checked once."""
+    from shardplan.configs import layouts, with_partial
     from shardplan.cost import operator_key
 
     checked: dict[tuple, Layout] = {}
@@ -419,8 +479,9 @@ def megatron_candidates(levels: tuple[int, ...], dp: int, tp: int, orders: str) 
     def candidates(op: Operator) -> tuple[Layout]:
         key = operator_key(op)
         if key not in checked:
-            lay = megatron_layout(op, levels, dp, tp)
-            if lay not in layouts(op, levels, 1, orders=orders, node_replicas=True):
+            lay = megatron_layout(op, levels, dp, tp, sp, ep)
+            space = layouts(op, levels, 1, orders=orders, node_replicas=True)
+            if lay not in (with_partial(op, space) if sp else space):
                 raise ShardplanError(f"recipe: the layout {lay.describe()} of operator {op.name!r} is not in "
                                      f"shardplan's space on {levels} devices")
             checked[key] = lay
@@ -531,7 +592,7 @@ TABLE_OPTIONS = {"cutoff": 1, "orders": "row-major", "node_replicas": True}
 ``orders`` becomes "all" when a level holds both a tensor and a data split (:func:`table_options`)."""
 
 
-def table_options(machine: Machine, tp: int, dp: int) -> dict[str, Any]:
+def table_options(machine: Machine, tp: int, dp: int, sp: bool = False, ep: int = 1) -> dict[str, Any]:
     """:func:`shardplan.cost.build_tables` options of a stage of ``tp`` × ``dp`` devices on ``machine``'s levels:
     :data:`TABLE_OPTIONS` with the model dimension nested outside the batch inside a level
     (:func:`megatron_layout`: a candidate only with every order), and the recipe's layouts as the candidates
@@ -539,7 +600,7 @@ def table_options(machine: Machine, tp: int, dp: int) -> dict[str, Any]:
     levels = tuple(replace(machine, num_devices=tp * dp).levels)
     tps, dps = _level_ways(levels, dp, tp)
     orders = "all" if any(t > 1 and d > 1 for t, d in zip(tps, dps)) else "row-major"
-    return {**TABLE_OPTIONS, "orders": orders, "candidates": megatron_candidates(levels, dp, tp, orders)}
+    return {**TABLE_OPTIONS, "orders": orders, "candidates": megatron_candidates(levels, dp, tp, orders, sp, ep)}
 
 
 def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int | None = None,
@@ -583,6 +644,13 @@ def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int |
         raise ShardplanError(f"recipe {recipe}: the global batch {gbs} is not a multiple of dp × mbs = "
                              f"{dp} × {recipe.mbs}")
     m = gbs // (dp * recipe.mbs)
+    if recipe.ep > 1:
+        if dp % recipe.ep:
+            raise ShardplanError(f"recipe {recipe}: ep={recipe.ep} does not divide the data-parallel degree dp={dp} "
+                                 "(the expert groups split the data-parallel group)")
+        if not has_experts(graph if graph is not None else build(dp * recipe.mbs)):  # type: ignore[misc]
+            raise ShardplanError(f"recipe {recipe}: not expressible: expert parallelism (ep={recipe.ep}): model "
+                                 f"{name!r} has no experts (no mixture-of-experts layer to split)")
     if recipe.pp == 1:
         if graph is None:
             assert build is not None
@@ -608,9 +676,9 @@ def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m
 
     recs = recompute_names(graph, recipe.recompute)
     t0 = time.perf_counter()
-    opts = table_options(machine, recipe.tp, dp)
+    opts = table_options(machine, recipe.tp, dp, recipe.sp, recipe.ep)
     tables = replace(build_tables(graph, replace(machine, memory_bytes=None), **opts), machine=machine)
-    base = plan_from_configs(tables, megatron_layouts(tables, dp, recipe.tp), name="megatron")
+    base = plan_from_configs(tables, megatron_layouts(tables, dp, recipe.tp, recipe.sp, recipe.ep), name="megatron")
     sp = plan_with_choices(base, stage=recipe.zero, recompute=recs, micro_batches=m, name="recipe")
     return from_spmd(replace(sp, build_seconds=time.perf_counter() - t0), model=name, batch=gbs)
 
@@ -626,14 +694,14 @@ def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Reci
     from shardplan.planner import from_pipeline
 
     t0 = time.perf_counter()
-    tp, zero, rec = recipe.tp, recipe.zero, recipe.recompute
+    tp, ep, zero, rec, sp = recipe.tp, recipe.ep, recipe.zero, recipe.recompute, recipe.sp
 
     def choices(plan: Any, mb: int) -> Any:
         return plan_with_choices(plan, stage=zero, recompute=recompute_names(plan.graph, rec), micro_batches=1,
                                  accumulate=mb, name="recipe")
 
-    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dp),
-                         periodic=False, strategy=lambda t: megatron_layouts(t, dp, tp), choices=choices)
+    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dp, sp, ep),
+                         periodic=False, strategy=lambda t: megatron_layouts(t, dp, tp, sp, ep), choices=choices)
     g, units, _ = stages.graph(m)
     kinds = [unit_prefix(g.operators[idx[0]].name) is not None for idx in units]
     if len(units) < 3 or kinds[0] or kinds[-1] or not all(kinds[1:-1]):

@@ -82,12 +82,12 @@ class OperatorChoice:
                 "state_stage": self.state_stage, "recompute": self.recompute,
                 "weight_dims": list(self.weight_dims), "weight_elems": self.weight_elems,
                 "labels": list(self.labels), "extents": list(self.extents), "seconds": self.seconds,
-                "redistribution_seconds": self.redistribution_seconds}
+                "redistribution_seconds": self.redistribution_seconds, **({"partial": True} if lay.partial else {})}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "OperatorChoice":
         lay = Layout(tuple(d["dims"]), tuple(d["levels"]), tuple(tuple(r) for r in d["splits"]),
-                     tuple(tuple(o) for o in d["orders"]))
+                     tuple(tuple(o) for o in d["orders"]), bool(d.get("partial", False)))
         return OperatorChoice(str(d["kind"]), lay, int(d.get("state_stage", 0)), bool(d.get("recompute", False)),
                               tuple(d.get("weight_dims", ())), int(d.get("weight_elems", 0)),
                               tuple(str(x) for x in d.get("labels", ())), tuple(int(x) for x in d.get("extents", ())),

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from shardplan.configs import ORDER_MODES, configurations, dimension_orders, flat_layouts, layouts
+from shardplan.configs import ORDER_MODES, configurations, dimension_orders, flat_layouts, layouts, with_partial
 from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, weight_edge_cost
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
@@ -222,7 +222,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
                  progress: Callable[[int, int], None] | None = None,
                  memory_limit_bytes: int | None = None, node_replicas: bool = False,
                  cache: dict | None = None,
-                 candidates: Callable[[Operator], Sequence[Layout]] | None = None) -> CostTables:
+                 candidates: Callable[[Operator], Sequence[Layout]] | None = None,
+                 partial_sums: bool = False) -> CostTables:
     """Layouts and costs of every operator and edge of ``graph`` on ``machine``.
 
     ``divides_p`` (default): keep configurations whose device count divides p,
@@ -258,6 +259,10 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     hand-given plan's, to cost it without the whole space); each layout's costs are the same as in the full
     tables (an operator's cost depends on its layout, an edge's on its two layouts). With a ``cache`` the
     function must give the same layouts to identical operators.
+
+    ``partial_sums``: also offer every enumerated layout that splits a reduction as a partial layout, which
+    defers that reduction to the operator's edges (:func:`shardplan.configs.with_partial`; costed by
+    :mod:`shardplan.cost.operator` and :func:`shardplan.cost.edge.edge_cost`).
     """
     p = machine.num_devices
     if p > MAX_DEVICES:
@@ -305,6 +310,9 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             new[key] = flat_layouts(ops[i], p, cutoff, powers_of_two, divides_p, orders, rows=splits[key])
         else:
             lays = layouts(ops[i], levels, cutoff, powers_of_two, divides_p, orders, node_replicas=node_replicas)
+            new[key] = (lays, LayoutArrays.stack(lays))
+        if partial_sums and candidates is None:
+            lays = with_partial(ops[i], new[key][0])
             new[key] = (lays, LayoutArrays.stack(lays))
     estimate = 0
     if new:  # nothing new: nothing is allocated but the edges' matrices between cached operators
@@ -355,7 +363,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         weight_costs.append(wcache[wkey])
     _check_finite(graph, machine, [per_key[k][2] for k in keys], edge_costs, weight_costs)
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
-            "node_replicas": node_replicas, "candidates_given": candidates is not None,
+            "node_replicas": node_replicas, "candidates_given": candidates is not None, "partial_sums": partial_sums,
             "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped, "levels": levels,
             "distinct_operators": len(first),
             "distinct_edges": len({(keys[e.src], keys[e.dst], e.slot) for e in graph.edges}),

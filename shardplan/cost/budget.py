@@ -2,8 +2,8 @@
 
 The build works on per-device arrays: for an operator with K configurations
 on p devices, the device grid is a (K, p, n_dims) int64 array and every tile
-a (K, p, n_axes, 2) int64 array; for an edge, the fast path ANDs (K_u, K_v,
-ceil(p/64)) words of device bit-masks and the general path intersects boxes
+a (K, p, n_axes, 2) int64 array; for an edge, the fast path tests device bit-masks
+per axis and per pattern and the general path intersects boxes
 in chunks. What the build *keeps* grows with it: per operator the (K, p)
 memory tables (weights, activations: 16 K p bytes) and the cost vectors, per
 edge its (K_u, K_v) float64 matrix. So the peak of the whole build is
@@ -81,18 +81,19 @@ def edge_phase_bytes(u: Operator, ku: int, v: Operator, kv: int, p: int,
                      patterns: tuple[int, int] | None = None) -> int:
     """Peak bytes of :func:`edge_cost` for an edge with K_u x K_v configuration pairs.
 
-    Fast path: the AND of device bit-masks (K_u, K_v, W) uint64 with W =
-    ceil(p / 64), the gathered masks of one axis (the same size), the equality
-    test (K_u, K_v, W) bool, per axis the pattern match (P_u, P_v, p) built from
-    int64 block indices (``patterns`` = (P_u, P_v), at most (K_u, K_v)), and about
-    twelve (K_u, K_v) int64 arrays (overlaps, flags, volumes, times). General
+    Fast path: per axis the pattern match (P_u, P_v, p) built from int64 block
+    indices (``patterns`` = (P_u, P_v), at most (K_u, K_v)), the per-axis
+    tests of each pattern of one end against each (pattern, active set) of the
+    other, (P_u, K_v, W) and (K_u, P_v, W) uint64 words with W = ceil(p / 64)
+    and two temporaries each, and about twelve (K_u, K_v) int64 arrays
+    (overlaps, flags, volumes, times; the boolean tests are smaller). General
     path: both ends' tiles with their int64 and int32 copies and temporaries,
     and one chunk.
     """
     words = (p + 63) // 64
     pairs = ku * kv
     pu, pv = patterns if patterns is not None else (ku, kv)
-    fast = pairs * words * (8 + 8 + 1) + pu * pv * p * 26 + pairs * 8 * 12
+    fast = (pu * kv + ku * pv) * words * 8 * 3 + pu * pv * p * 26 + pairs * 8 * 12
     au, av = len(u.output.axes), max(len(t.axes) for t in v.inputs)
     nu, nv = len(u.dims), len(v.dims)
     # tiles of both ends (with the grid and temporaries of the one being built), then their int32 copies

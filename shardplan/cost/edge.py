@@ -34,6 +34,32 @@ accordingly, or nothing (:func:`_piece_blocks`). Pairs outside these cases
 (uneven blocks, pieces cut unevenly, splits that do not nest) take the
 general path: the pairwise box intersection over (K_u, K_v, p), in chunks,
 one axis at a time. Both give the same numbers where both apply (tested).
+
+Deferred reductions (:attr:`shardplan.layout.Layout.partial`; the math in
+docs/cost-model.md). When u's layout leaves its output as partial sums over
+its reduction group G (g devices, ``g_l`` per level, each holding u's whole
+output tile of n bytes), the edge charges the reduction v's layout needs,
+forward, the cheaper of
+
+* all-reduce among G, then the ordinary redistribution from u's tile:
+  ``AR(n, G) + fwd``;
+* reduce-scatter among G, when v's tiles *scatter* u's tile over G (every
+  device's tile of T under v lies inside its tile under u and is 1/h of it,
+  h > 1 dividing g, and each group holds h different tiles, each on g/h of
+  its devices: :func:`scatters`), then the all-gather of each tile among its
+  g/h devices: ``RS(n, G) + AG(n / h, S)`` (``AG = 0`` when h = g).
+
+The gradient of an all-reduce of partial sums is the output gradient on
+every member (nothing more than the ordinary backward redistribution into
+u's tile, which is charged as for any edge); the gradient of a
+reduce-scatter is an all-gather of the gradient tiles into u's tile, which
+is that same backward redistribution (v's tiles of the gradient to u's
+whole tile): the backward term is unchanged. Mirror image, backward: when
+v's layout leaves the gradient of its input ``slot`` as partial sums over
+that input's gradient group G_v, the edge charges ``AR(n_v, G_v) + bwd``, or
+``RS(n_v, G_v) + AG(n_v / h, S)`` where u's tiles scatter v's over G_v. A partial output read
+by several consumers is reduced on each edge (each consumer reduces its own
+copy), an upper bound of sharing one reduction.
 """
 
 from __future__ import annotations
@@ -42,14 +68,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardplan.cost.collectives import outer_level, p2p_time
+from shardplan.configs import deferred_inputs, forward_deferrable
+from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time, reduce_scatter_time
 from shardplan.cost.tiles import as_layouts, box_volumes, tensor_boxes
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
-__all__ = ["edge_volumes", "edge_cost", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES",
+__all__ = ["edge_volumes", "edge_cost", "deferred_reductions", "scatters", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES",
            "weight_edge_cost", "weight_sync", "weight_views"]
 
 _CHUNK_ELEMS = 1 << 22
@@ -403,6 +430,11 @@ def _pack(bits: np.ndarray, words: int) -> np.ndarray:
     return packed.view(np.uint64).reshape(bits.shape[:-1] + (words,))
 
 
+def _covers(sub: np.ndarray, sup: np.ndarray) -> np.ndarray:
+    """Whether every bit of ``sub`` is set in ``sup`` (packed uint64 last axes, broadcast): bool without it."""
+    return ~(sub & ~sup).any(axis=-1)
+
+
 def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int,
           memo: EdgeMemo | None = None):
     """Moved volumes via block-match masks; returns (fwd, bwd, exact) with ``exact`` False where not applicable.
@@ -410,26 +442,44 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
     Whether every device finds its block depends on a layout only through
     its block pattern on each axis of the tensor and its active devices, so
     the device masks are combined once per distinct (pattern tuple) of each
-    side and broadcast to the layouts that share it.
+    side and broadcast to the layouts that share it. The forward test, every
+    device active for v holds its block after u, is a "for all devices" of an
+    AND over axes, so it splits into one test per axis:
+    ``act_v ⊆ act_u ∧ Π_a (act_v ⊆ match_a)``, each depending on one axis's
+    pattern pair and the active sets only (the backward test likewise with
+    the roles of u and v swapped). Per axis the tests are computed for each
+    distinct (pattern, active set) of one side against each pattern of the
+    other, and combined per pair of layouts with booleans, never holding a
+    device mask per pair of layouts.
     """
     words = (p + 63) // 64
     su = _side(u, u.output, lu, words, memo)
     sv = _side(v, t_in, lv, words, memo)
     gu, gv = su.groups, sv.groups
-    m = su.act[:, None, :] & sv.act[None, :, :]  # (Gu, Gv, W)
+    act_u, id_u = np.unique(su.act, axis=0, return_inverse=True)  # distinct active sets (Au, W), (Gu,)
+    act_v, id_v = np.unique(sv.act, axis=0, return_inverse=True)
+    id_u, id_v = id_u.reshape(-1), id_v.reshape(-1)
+    # per distinct active set of u, one row at a time (no (Au, Av, W) temporary)
+    fwd_g = np.stack([_covers(act_v, x) for x in act_u]).take(id_u, axis=0).take(id_v, axis=1)  # (Gu, Gv)
+    bwd_g = np.stack([_covers(x, act_v) for x in act_u]).take(id_u, axis=0).take(id_v, axis=1)
     nested_all = np.ones((len(gu), len(gv)), dtype=bool)
     for a in range(len(t_in.axes)):
-        masks, nests = _pattern_masks(su, sv, a, words, memo)
-        # the pattern pair of every group pair, as one flat index into the (Pu, Pv) tables
-        pair = gu[:, a][:, None] * masks.shape[1] + gv[:, a][None, :]
-        m &= masks.reshape(-1, words).take(pair, axis=0)
-        nested_all &= nests.reshape(-1).take(pair)
+        masks, nests = _pattern_masks(su, sv, a, words, memo)  # (Pu, Pv, W), (Pu, Pv)
+        # forward: each u pattern against each distinct (v pattern, v active set)
+        kv, _, kv_inv = unique_rows(np.stack([gv[:, a], id_v], axis=1))
+        ok = _covers(act_v[kv[:, 1]][None, :, :], masks[:, kv[:, 0]])  # (Pu, KV)
+        fwd_g &= ok.take(gu[:, a], axis=0).take(kv_inv, axis=1)
+        # backward: each distinct (u pattern, u active set) against each v pattern
+        ku, _, ku_inv = unique_rows(np.stack([gu[:, a], id_u], axis=1))
+        ok = _covers(act_u[ku[:, 1]][:, None, :], masks[ku[:, 0]])  # (KU, Pv)
+        bwd_g &= ok.take(ku_inv, axis=0).take(gv[:, a], axis=1)
+        nested_all &= nests.take(gu[:, a], axis=0).take(gv[:, a], axis=1)
 
     def expand(x: np.ndarray) -> np.ndarray:  # (Gu, Gv) -> (Ku, Kv)
         return x.take(su.inv, axis=0).take(sv.inv, axis=1)
 
-    fwd_ok = expand((m == sv.act[None, :, :]).all(axis=-1))
-    bwd_ok = expand((m == su.act[:, None, :]).all(axis=-1))
+    fwd_ok = expand(fwd_g)
+    bwd_ok = expand(bwd_g)
     exact = expand(nested_all)
     exact &= su.regular[:, None]
     exact &= sv.regular[None, :]
@@ -559,7 +609,143 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
             vol = edge_volumes(u, lu, v, slot, gv, p, memo=memo)[1]  # (K_u, distinct unions)
             bwd_t = np.maximum(bwd_t, p2p_time(vol * nbytes, machine, lvl + 1).take(inv, axis=1))
             more_b = bool(vol.any())
+    if lu.partial is not None or lv.partial is not None:
+        fwd_t, bwd_t = deferred_reductions(u, lu, v, slot, lv, machine, fwd_t, bwd_t)
     return fwd_t + bwd_t
+
+
+def deferred_reductions(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
+                        fwd_t: np.ndarray, bwd_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward seconds (K_u, K_v) of an edge with the reductions that partial layouts defer to it
+    (module docstring): ``fwd_t`` / ``bwd_t`` are the ordinary redistributions of the two directions."""
+    p = machine.num_devices
+    nbytes = float(machine.dtype_bytes)
+    t_in = v.inputs[slot]
+    fwd_t, bwd_t = np.array(fwd_t, dtype=np.float64), np.array(bwd_t, dtype=np.float64)
+    if lu.partial is not None and forward_deferrable(u):
+        gl = lu.group_sizes([u.dim_names.index(d) for d in u.reduction_dims])
+        rows = np.nonzero(lu.partial & (gl.prod(axis=0) > 1))[0]
+        if len(rows):
+            gl = gl[:, rows]
+            bu = tensor_boxes(u, u.output, lu.take(rows), p, core=True)
+            n = box_volumes(bu).max(axis=1) * u.output.elem_factor * nbytes
+            sub = scatters(bu, tensor_boxes(v, t_in, lv, p, core=True), gl.prod(axis=0), machine.levels)
+            fwd_t[rows] = np.minimum(allreduce_time(n, gl, machine)[:, None] + fwd_t[rows],
+                                     _reduce_scatter_gather(n, gl, sub, machine))
+    if lv.partial is not None and t_in.needs_grad and slot in deferred_inputs(v):
+        gl = lv.group_sizes([v.dim_names.index(d) for d in v.grad_reduction_dims(t_in)])
+        cols = np.nonzero(lv.partial & (gl.prod(axis=0) > 1))[0]
+        if len(cols):
+            gl = gl[:, cols]
+            bv = tensor_boxes(v, t_in, lv.take(cols), p, core=True)
+            n = box_volumes(bv).max(axis=1) * t_in.elem_factor * nbytes
+            bu = _clip_to_read(tensor_boxes(u, u.output, lu, p, core=True), bv)
+            sub = scatters(bv, bu, gl.prod(axis=0), machine.levels)
+            bwd_t[:, cols] = np.minimum(allreduce_time(n, gl, machine)[None, :] + bwd_t[:, cols],
+                                        _reduce_scatter_gather(n, gl, sub, machine).T)
+    return fwd_t, bwd_t
+
+
+def scatters(big: np.ndarray, small: np.ndarray, g: np.ndarray, levels: tuple[int, ...] | None = None) -> np.ndarray:
+    """How a reduce-scatter among the groups of ``big`` delivers ``small``: the all-gather group that must
+    follow it, per level, for every pair: (K_b, K_s, L) int, all 0 where it cannot.
+
+    ``big`` (K_b, p, A, 2): boxes of a tensor held as partial sums, each layout's devices in groups of
+    ``g`` (K_b,) holding the same box; ``small`` (K_s, p, A, 2): boxes of the same tensor wanted after the
+    reduction; ``levels``: the machine's level sizes (default one level of p). A pair qualifies when, on every
+    device, the small box lies inside the big one and is 1/h of it for some h > 1 dividing g (all boxes of a
+    layout of equal volume), the big boxes are p / g different ones (each held by one group), and every
+    (big, small) pair of boxes is held by exactly g / h devices: each group then holds h different small
+    boxes (blocks of one regular split, equal or disjoint), which tile its big box, each on g / h devices.
+    A reduce-scatter among the g devices (ranked so that the g / h devices of a small box get its g / h
+    pieces) followed by an all-gather among those g / h devices leaves every device its small box; the
+    all-gather group's size per level is read off the devices sharing device 0's pair (all 1 when h = g:
+    nothing to gather).
+    """
+    k_b, k_s = len(big), len(small)
+    levels = (big.shape[1],) if levels is None else tuple(int(x) for x in levels)
+    if k_b == 0 or k_s == 0 or big.shape[2] == 0:
+        return np.zeros((k_b, k_s, len(levels)), dtype=np.int64)
+    # many layouts give a tensor the same boxes (they differ in dims that do not index it): once per distinct
+    # (boxes, group size) of the big side and distinct boxes of the small side
+    fb, ib = _dedupe(np.concatenate([big.reshape(k_b, -1), np.asarray(g, dtype=np.int64)[:, None]], axis=1))
+    fs, is_ = _dedupe(small.reshape(k_s, -1))
+    if len(fb) < k_b or len(fs) < k_s:
+        return _scatters(big[fb], small[fs], np.asarray(g)[fb], levels).take(ib, axis=0).take(is_, axis=1)
+    return _scatters(big, small, g, levels)
+
+
+def _dedupe(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first of every distinct row of a wide integer array (K, m), and each row's: ``(first (U,), inverse (K,))``."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    seen: dict[bytes, int] = {}
+    inv = np.asarray([seen.setdefault(r.tobytes(), len(seen)) for r in rows], dtype=np.int64)
+    first = np.zeros(len(seen), dtype=np.int64)
+    first[inv[::-1]] = np.arange(len(rows) - 1, -1, -1)
+    return first, inv
+
+
+def _distinct(codes: np.ndarray) -> np.ndarray:
+    """Distinct values in every row of an integer array (R, p): (R,)."""
+    srt = np.sort(codes, axis=1)
+    return 1 + (srt[:, 1:] != srt[:, :-1]).sum(axis=1)
+
+
+def _scatters(big: np.ndarray, small: np.ndarray, g: np.ndarray, levels: tuple[int, ...]) -> np.ndarray:
+    """:func:`scatters` on distinct boxes."""
+    k_b, k_s = len(big), len(small)
+    n_lv = len(levels)
+    out = np.zeros((k_b, k_s, n_lv), dtype=np.int64)
+    p = big.shape[1]
+    q = np.arange(p, dtype=np.int64)
+    base = np.cumprod((1,) + levels[:-1])
+    pos = [(q // base[lvl]) % levels[lvl] for lvl in range(n_lv)]
+    g = np.asarray(g, dtype=np.int64)
+    vb, vs = box_volumes(big), box_volumes(small)
+    even_b = (vb == vb[:, :1]).all(axis=1) & (vb[:, 0] > 0)
+    even_s = (vs == vs[:, :1]).all(axis=1) & (vs[:, 0] > 0)
+    h = np.where(even_s[None, :], vb[:, :1] // np.maximum(vs[None, :, 0], 1), 0)  # (K_b, K_s)
+    cand = (even_b[:, None] & even_s[None, :] & (h > 1) & (h * vs[None, :, 0] == vb[:, :1])
+            & (g[:, None] % np.maximum(h, 1) == 0))
+    radix = np.maximum(big[..., 1].max(axis=(0, 1)), small[..., 1].max(axis=(0, 1))) + 1  # (A,)
+    weights = np.concatenate([np.cumprod(radix[::-1])[::-1][1:], [1]]).astype(np.int64)
+    code_s = small[..., 0].astype(np.int64) @ weights  # (K_s, p): a box of a regular split is named by its corner
+    span_s = int(code_s.max()) + 1
+    for i in np.nonzero(cand.any(axis=1))[0]:
+        js = np.nonzero(cand[i])[0]
+        inside = ((small[js, ..., 0] >= big[i, None, ..., 0]) & (small[js, ..., 1] <= big[i, None, ..., 1]))
+        js = js[inside.all(axis=(1, 2))]
+        if not len(js):
+            continue
+        code_b = big[i, :, :, 0].astype(np.int64) @ weights
+        if _distinct(code_b[None, :])[0] * int(g[i]) != p:
+            continue
+        if (int(code_b.max()) + 1) * span_s >= 1 << 62:  # too wide for one int64 code: compact the big side first
+            code_b = np.unique(code_b, return_inverse=True)[1].reshape(-1).astype(np.int64)
+        pair = code_b[None, :] * span_s + code_s[js]  # (J, p)
+        run = g[i] // h[i, js]  # devices per (big, small) pair
+        srt = np.sort(pair, axis=1)
+        new = srt[:, 1:] != srt[:, :-1]
+        even = (new == (np.arange(1, p)[None, :] % run[:, None] == 0)).all(axis=1)  # every run exactly `run` long
+        mine = pair == pair[:, :1]  # device 0's all-gather group
+        sizes = np.stack([_distinct(np.where(mine, pos[lvl][None, :], -1)) - (~mine).any(axis=1)
+                          for lvl in range(n_lv)], axis=1)  # (J, L)
+        good = even & (sizes.prod(axis=1) == run)
+        out[i, js[good]] = sizes[good]
+    return out
+
+
+def _reduce_scatter_gather(n: np.ndarray, gl: np.ndarray, sub: np.ndarray, machine: Machine) -> np.ndarray:
+    """Seconds (R, K) of a reduce-scatter of ``n`` bytes (R,) among groups ``gl`` (L, R) followed by the
+    all-gather of ``sub`` (R, K, L, from :func:`scatters`) on the 1/h of the buffer each small box is; inf
+    where ``sub`` is 0."""
+    r, k, n_lv = sub.shape
+    ok = sub[..., 0] > 0
+    sizes = np.where(ok[..., None], sub, 1)
+    rs = reduce_scatter_time(n, gl, machine)
+    share = (np.asarray(n, dtype=np.float64) / gl.prod(axis=0))[:, None] * sizes.prod(axis=2)  # n / h
+    ag = allgather_time(share.reshape(-1), sizes.reshape(r * k, n_lv).T, machine).reshape(r, k)
+    return np.where(ok, rs[:, None] + ag, np.inf)
 
 
 def weight_views(u: Operator, wu: int, v: Operator, wv: int) -> tuple[Operator, Operator]:
@@ -628,8 +814,8 @@ def weight_edge_cost(u: Operator, wu: int, cu, v: Operator, wv: int, cv, machine
     and every exact solver stays exact for it.
     """
     p = machine.num_devices
-    lu = as_layouts(cu, p, None, machine.levels)
-    lv = as_layouts(cv, p, None, machine.levels)
+    lu = as_layouts(cu, p, None, machine.levels).without_partial()  # a parameter is never a partial sum
+    lv = as_layouts(cv, p, None, machine.levels).without_partial()
     src, dst = weight_views(u, wu, v, wv)
     f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo)
     moved = edge_cost(src, lu, dst, 0, lv, machine, volumes=(f, b), memo=memo)

@@ -18,6 +18,12 @@ configuration c (arrays over the K configurations):
   X; if they are split (g_X > 1), X's gradient tile is all-reduced among g_X
   devices (data-parallel weight synchronisation is the case X = weight,
   split batch);
+* deferred reductions: under a partial layout (:attr:`shardplan.layout.Layout.partial`)
+  the operator charges neither the forward all-reduce (when its output is
+  linear in the sum, :func:`shardplan.configs.forward_deferrable`) nor the
+  all-reduce of its activation inputs' gradients: each is left as partial
+  sums and reduced on the edge, as the other end's layout needs
+  (:func:`shardplan.cost.edge.edge_cost`). Weight gradients are not deferred;
 * weight-gradient synchronisation as DDP/FSDP run it (machine options
   ``grad_bucket_bytes``, ``overlap_grad``; the GPU presets turn both on,
   the paper's presets off): gradients are fused into buckets of B bytes,
@@ -70,6 +76,7 @@ from functools import cached_property
 
 import numpy as np
 
+from shardplan.configs import forward_deferrable
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
 from shardplan.cost.tiles import as_layouts, box_volumes, lazy_grid, regular_tile_lengths, tensor_boxes
 from shardplan.layout import LayoutArrays, flat_layout_arrays, unique_rows
@@ -238,10 +245,12 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
         t_pass = np.maximum(t_pass, moved * nbytes / machine.hbm_bandwidth)
     compute = passes * t_pass
 
-    # forward partial sums
+    # forward partial sums (a partial layout leaves them to its edges)
+    deferred = lay.deferred
     g, gl, _ = _group(op, lay, op.reduction_dims)
-    fwd_ar = allreduce_time(out_vol * nbytes, gl, machine)
-    sent = _ar_sent(out_vol * nbytes, g)
+    keep = ~deferred if forward_deferrable(op) else np.ones(k, dtype=bool)
+    fwd_ar = np.where(keep, allreduce_time(out_vol * nbytes, gl, machine), 0.0)
+    sent = np.where(keep, _ar_sent(out_vol * nbytes, g), 0.0)
 
     # backward gradient all-reduces: activations' on the critical path, weights' as the framework syncs them
     grad_ar = zeros.copy()
@@ -259,8 +268,9 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
             weight_sync = weight_sync + share * allreduce_time(n_sync, gl, machine)
         elif t.role == "weight":
             weight_sync = weight_sync + allreduce_time(vol * nbytes, gl, machine)
-        else:
-            grad_ar = grad_ar + allreduce_time(vol * nbytes, gl, machine)
+        else:  # an activation's gradient: a partial layout leaves it to the edge from its producer
+            grad_ar = grad_ar + np.where(deferred, 0.0, allreduce_time(vol * nbytes, gl, machine))
+            g = np.where(deferred, 1, g)
         sent = sent + _ar_sent(vol * nbytes, g)
     if machine.overlap_grad:
         backward = compute - t_pass

@@ -135,12 +135,13 @@ def constrain_forward(sharding: Any, cotangent: Any = None) -> Callable[[Any], A
     return ident
 
 
-def constrain_both_ways(sharding: Any) -> Hook:
-    """Identity that constrains a value to ``sharding`` and its cotangent in the backward pass too."""
+def constrain_both_ways(sharding: Any, cotangent: bool = True) -> Hook:
+    """Identity that constrains a value to ``sharding`` and its cotangent in the backward pass too
+    (``cotangent=False``: the cotangent is left free, for the reads of a partial layout)."""
     import jax
     import jax.numpy as jnp
 
-    ident = constrain_forward(sharding, sharding)
+    ident = constrain_forward(sharding, sharding if cotangent else None)
 
     def apply(x: Any) -> Any:
         if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
@@ -157,7 +158,7 @@ def constrained_fn(info: TraceInfo, shardings: PlanShardings) -> Callable[..., A
     import jax
 
     produce = {var: constrain_both_ways(s) for var, s in shardings.values.items()}
-    consume = {key: constrain_both_ways(s) for key, s in shardings.reads.items()}
+    consume = {key: constrain_both_ways(s, key not in shardings.free_cotangents) for key, s in shardings.reads.items()}
 
     def fn(*args: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten(args)

@@ -22,6 +22,16 @@ sums, as the cost model charges.
 Reads. Each operand an operator's equation reads gets the sharding of the
 operator's input tensor under its configuration (the consumer side of the
 edge), so that :mod:`shardplan.jax.run` can constrain both sides.
+
+Partial layouts (:attr:`shardplan.layout.Layout.partial`). An operator that
+leaves its output as partial sums gets no output constraint (it is left out
+of :attr:`PlanShardings.values`): its consumers' read constraints are the
+only ones on the value, so XLA reduces the partial sums into each consumer's
+layout (a reduce-scatter into a split one, an all-reduce into a replicated
+one), as :mod:`shardplan.cost.edge` charges. An operator that leaves its
+inputs' gradients as partial sums has its reads constrained forward only
+(:attr:`PlanShardings.free_cotangents`): the gradient is reduced into the
+producer's layout, which the producer's output constraint pins.
 """
 
 from __future__ import annotations
@@ -141,12 +151,14 @@ class PlanShardings:
         by_operator: operator name -> NamedSharding of its output.
         leaves: one NamedSharding per argument leaf (first consumer's layout, or replicated).
         reads: (equation index, operand slot) -> NamedSharding its operator reads that operand in.
+        free_cotangents: the reads of operators with a partial layout: constrained forward only.
     """
 
     values: Mapping[int, Any]
     by_operator: Mapping[str, Any]
     leaves: tuple[Any, ...]
     reads: Mapping[tuple[int, int], Any]
+    free_cotangents: frozenset[tuple[int, int]] = frozenset()
 
 
 def devices_and_machine(devices: Sequence[Any] | None, machine: Any) -> tuple[list[Any], Any]:
@@ -189,9 +201,14 @@ def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanSh
         check_expressible(op, configs[op.name], p)
     lays = plan.layouts
     by_op = {op.name: layout_sharding(lays[op.name], _axis_dims(op.output), devices) for op in g.operators}
-    values = {info.op_vars[name]: s for name, s in by_op.items() if name in info.op_vars}
+    from shardplan.configs import forward_deferrable
+
+    partial_out = {op.name for op in g.operators if lays[op.name].partial and forward_deferrable(op)}
+    values = {info.op_vars[name]: s for name, s in by_op.items() if name in info.op_vars and name not in partial_out}
     reads = {(k, slot): layout_sharding(lays[name], dims, devices)
              for name, rs in info.reads.items() if name in g.index for k, slot, dims in rs}
+    free = frozenset((k, slot) for name, rs in info.reads.items() if name in g.index and lays[name].partial
+                     for k, slot, _ in rs)
     leaves = []
     for i in range(len(info.leaf_names)):
         uses = info.leaf_uses.get(i, ())
@@ -200,4 +217,4 @@ def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanSh
             continue
         name, dims = uses[0]
         leaves.append(layout_sharding(lays[name], dims, devices))
-    return PlanShardings(values, by_op, tuple(leaves), reads)
+    return PlanShardings(values, by_op, tuple(leaves), reads, free)

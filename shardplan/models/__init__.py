@@ -10,8 +10,10 @@ and heads can be split) and the expert strategy it is compared against
 :data:`NAMED` holds the published sizes of the GPT and Llama families by
 name: ``llama3-8b``, ``llama3-70b``, ``llama3-405b`` (and ``llama3-tiny``
 for tests), ``gpt3-125m`` .. ``gpt3-175b``, ``megatron-1.7b`` ..
-``megatron-1t``. :func:`get_model` and :func:`model_spec` find them as they
-find the zoo's models, and sizes override them the same way
+``megatron-1t``, and the mixture-of-experts ``mixtral-8x7b`` and
+``deepseek-v3`` (``mixtral-tiny``, ``deepseek-tiny``;
+:mod:`~shardplan.models.moe`). :func:`get_model` and :func:`model_spec`
+find them as they find the zoo's models, and sizes override them the same way
 (``get_model("llama3-8b", 8, layers=4, seq=2048)``, on the command line
 ``--model llama3-8b --set layers=4``). They are kept apart from
 :data:`MODELS`, the zoo every model-wide test and table builds at its
@@ -32,13 +34,14 @@ from shardplan.models.densenet import densenet121
 from shardplan.models.gpt import GPT3, GPT_SIZES, MEGATRON, gpt
 from shardplan.models.inception import inception_v3
 from shardplan.models.llama import LLAMA3, llama
+from shardplan.models.moe import MOE, moe
 from shardplan.models.resnet import resnet50, resnet101
 from shardplan.models.rnnlm import rnnlm
 from shardplan.models.transformer import transformer, transformer_big
 
 __all__ = ["ModelSpec", "MODELS", "NAMED", "get_model", "model_spec", "models_table", "named_table",
            "alexnet", "resnet101", "resnet50", "inception_v3", "rnnlm", "transformer", "transformer_big",
-           "densenet121", "gpt", "GPT_SIZES", "llama"]
+           "densenet121", "gpt", "GPT_SIZES", "llama", "moe"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ MODELS: dict[str, ModelSpec] = {s.name: s for s in (
     ModelSpec("transformer_big", transformer_big, 64, 1, "megatron", "Transformer 6+6, d 1024, 16 heads"),
     ModelSpec("gpt", gpt, 64, 1, "megatron", "GPT decoder-only, 1.3b: 24 x d 2048, 16 heads, seq 2048",
               dict(GPT_SIZES["1.3b"])),
+    ModelSpec("moe", moe, 8, 1, "megatron", "Mixture-of-experts decoder, tiny: 2 x d 64, 8 experts, top-2"),
 )}
 
 
@@ -120,6 +124,10 @@ _MEGATRON_BATCH = {"megatron-1.7b": 512, "megatron-3.6b": 512, "megatron-7.5b": 
                    "megatron-39.1b": 1536, "megatron-76.1b": 1792, "megatron-145.6b": 2304,
                    "megatron-310.1b": 2160, "megatron-529.6b": 2520, "megatron-1t": 3072}
 _LLAMA3_BATCH = {"llama3-8b": 64, "llama3-70b": 64, "llama3-405b": 2048, "llama3-tiny": 8}
+# Mixtral: no published batch, the sequence models' 64. DeepSeek-V3: 15,360 sequences of 4K, the batch after the
+# warm-up (DeepSeek-AI 2024, §4.2).
+_MOE_BATCH = {"mixtral-8x7b": 64, "deepseek-v3": 15360, "mixtral-tiny": 8, "deepseek-tiny": 8}
+_MOE_WHERE = {"mixtral-8x7b": "Jiang et al. 2024, Table 1", "deepseek-v3": "DeepSeek-AI 2024, §4.2; MLA as MHA"}
 
 
 def _named() -> dict[str, ModelSpec]:
@@ -138,6 +146,12 @@ def _named() -> dict[str, ModelSpec]:
         out[name] = ModelSpec(name, llama, _LLAMA3_BATCH[name], 1, "megatron",
                               f"Llama 3 {name[7:].upper()}: {cfg.layers} x d {cfg.d_model}, {cfg.heads} heads / "
                               f"{cfg.kv_heads} KV, ffn {cfg.d_ff} ({where})", {**cfg.sizes(), "name": name})
+    for name, cfg in MOE.items():
+        shared = f" + {cfg.shared} shared" if cfg.shared else ""
+        out[name] = ModelSpec(name, moe, _MOE_BATCH[name], 1, "megatron",
+                              f"MoE {name}: {cfg.layers} x d {cfg.d_model}, {cfg.experts} experts{shared} of "
+                              f"{cfg.d_expert}, top-{cfg.top_k} ({_MOE_WHERE.get(name, 'test size')})",
+                              {**cfg.sizes(), "name": name})
     return out
 
 

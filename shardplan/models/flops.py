@@ -34,6 +34,22 @@ whatever G is); gate, up and down 3 * 2Bshf = 6Bshf: in all
 With G = H and a two-matrix MLP of width 4h (3f/(2h) -> f/h = 4) the Llama
 expression is the GPT one: 12 (1 + 1 + 4 + s/h) = 72 (1 + s/(6h)).
 
+**Mixture of experts** (:mod:`~shardplan.models.moe`: E experts of width
+f_e, top-k, C slots per expert and sequence, n shared experts, the first
+l_d layers dense of width f). Forward, per routed layer: the attention as
+Llama's (query width Hk, key/value width Gk: 2Bs(2hHk + 2hGk) + 4Bs^2 Hk);
+router 2BshE; dispatch (the one-hot einsum bsec,bsd->becd) 2BsECh; experts
+at capacity 3 * 2BEChf_e; combine (becd,bsec->bsd) 2BsECh; shared experts
+3 * 2Bsh(n f_e). The dispatch mask has no gradient, so the dispatch's
+backward is one product (2x its forward in training, 3x with recomputation);
+every other product 3x (4x). Hence, with A the attention's forward,
+
+* F = l_d [3 A + 18 Bshf] + (l - l_d) [3 (A + 2BshE + 6BEChf_e + 2BsECh + 6Bshnf_e) + 2 * 2BsECh] + 6BshV
+
+without recomputation, and with 4 and 3 in place of 3 and 2 with full
+recomputation (:func:`moe_flops`). The experts dominate: at C = s k / E
+(capacity factor 1) their 6BEChf_e is 6Bskhf_e, a top-k dense MLP's.
+
 All counts are Python integers (no rounding). :func:`graph_flops` counts a
 graph the way the cost model does (:mod:`shardplan.cost.operator`:
 ``flops_per_point`` x points x (1 + tensors with gradients)), as an exact
@@ -52,11 +68,13 @@ from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, Operator
 from shardplan.models.gpt import GPTConfig, gpt
 from shardplan.models.llama import LlamaConfig, llama
+from shardplan.models.moe import MoEConfig, moe
 
-__all__ = ["model_flops", "megatron_flops", "config_of", "decoder_flops", "operator_flops", "graph_flops",
+__all__ = ["model_flops", "megatron_flops", "moe_flops", "config_of", "decoder_flops", "operator_flops", "graph_flops",
            "is_matmul", "MATMUL_KINDS"]
 
-MATMUL_KINDS = frozenset({"attn_proj", "attn_scores", "attn_context", "attn_out", "ffn", "dense"})
+MATMUL_KINDS = frozenset({"attn_proj", "attn_scores", "attn_context", "attn_out", "ffn", "dense", "router",
+                          "moe_dispatch", "expert", "moe_combine"})
 """Operator kinds of the zoo's matrix products (an operator of these kinds with a reduction dimension)."""
 
 
@@ -84,15 +102,34 @@ def decoder_flops(batch: int, seq: int, layers: int, d_model: int, q_width: int,
     return (4 if recompute else 3) * l * layer + 3 * 2 * b * s * d * v
 
 
-def config_of(name: str, **sizes: Any) -> GPTConfig | LlamaConfig:
-    """The configuration of registered model ``name`` (a GPT or Llama builder) with ``sizes`` overriding its
+def moe_flops(cfg: MoEConfig, batch: int, seq: int | None = None, recompute: bool = False) -> int:
+    """Training FLOPs of the mixture-of-experts decoder ``cfg`` (module docstring's formula), ``batch``
+    sequences of ``seq`` tokens (default ``cfg.seq``; the capacity follows the sequence)."""
+    b = _positive("batch", batch)
+    if seq is not None:
+        cfg = dataclasses.replace(cfg, seq=_positive("seq", seq))
+    s, h, l, ld, f_e, e, c = cfg.seq, cfg.d_model, cfg.layers, cfg.dense_layers, cfg.d_expert, cfg.experts, \
+        cfg.capacity
+    q, kv = cfg.heads * cfg.kd, cfg.kv_heads * cfg.kd
+    k = 4 if recompute else 3
+    attn = 2 * b * s * (2 * h * q + 2 * h * kv) + 4 * b * s * s * q
+    dense = attn + 3 * 2 * b * s * h * cfg.d_ff
+    dispatch = 2 * b * s * e * c * h
+    routed = (attn + 2 * b * s * h * e + 3 * 2 * b * e * c * h * f_e + dispatch
+              + 3 * 2 * b * s * h * cfg.shared * f_e)
+    return ld * k * dense + (l - ld) * (k * routed + (k - 1) * dispatch) + 3 * 2 * b * s * h * cfg.vocab
+
+
+def config_of(name: str, **sizes: Any) -> GPTConfig | LlamaConfig | MoEConfig:
+    """The configuration of registered model ``name`` (a GPT, Llama or MoE builder) with ``sizes`` overriding its
     defaults, e.g. ``config_of("llama3-8b", layers=4)``."""
     from shardplan.models import model_spec
 
     spec = model_spec(name)
-    family = {gpt: GPTConfig, llama: LlamaConfig}.get(spec.builder)
+    family = {gpt: GPTConfig, llama: LlamaConfig, moe: MoEConfig}.get(spec.builder)
     if family is None:
-        raise ShardplanError(f"model {spec.name!r} has no FLOP formula; it is defined for the GPT and Llama models")
+        raise ShardplanError(f"model {spec.name!r} has no FLOP formula; it is defined for the GPT, Llama and MoE "
+                             "models")
     params = inspect.signature(spec.builder).parameters
     defaults = {k: p.default for k, p in params.items() if k not in ("batch", "name")}
     unknown = sorted(set(sizes) - set(defaults))
@@ -102,7 +139,7 @@ def config_of(name: str, **sizes: Any) -> GPTConfig | LlamaConfig:
     return family(**merged)
 
 
-def model_flops(model: str | GPTConfig | LlamaConfig, batch: int, seq: int | None = None, *,
+def model_flops(model: str | GPTConfig | LlamaConfig | MoEConfig, batch: int, seq: int | None = None, *,
                 recompute: bool = False, **sizes: Any) -> int:
     """FLOPs of one training step (forward and backward) of ``batch`` sequences of ``seq`` tokens (default:
     the model's), by the formulas of the module docstring: Megatron-LM's for GPT, its Llama counterpart
@@ -111,10 +148,13 @@ def model_flops(model: str | GPTConfig | LlamaConfig, batch: int, seq: int | Non
     ``recompute``: full activation recomputation (every layer's forward twice)."""
     if isinstance(model, str):
         cfg = config_of(model, **sizes)
-    elif isinstance(model, (GPTConfig, LlamaConfig)):
+    elif isinstance(model, (GPTConfig, LlamaConfig, MoEConfig)):
         cfg = dataclasses.replace(model, **sizes) if sizes else model
     else:
-        raise ShardplanError(f"model_flops: model must be a model name, GPTConfig or LlamaConfig, got {model!r}")
+        raise ShardplanError(f"model_flops: model must be a model name, GPTConfig, LlamaConfig or MoEConfig, got "
+                             f"{model!r}")
+    if isinstance(cfg, MoEConfig):
+        return moe_flops(cfg, batch, seq, recompute)
     b = _positive("batch", batch)
     s = cfg.seq if seq is None else _positive("seq", seq)
     if isinstance(cfg, GPTConfig):

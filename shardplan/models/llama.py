@@ -132,13 +132,15 @@ def rope(name: str, x: TensorRef, letters: str) -> Operator:
     return dataclasses.replace(op, fixed=frozenset({"k"}))
 
 
-def gqa_attention(b: GraphBuilder, prefix: str, x: TensorRef, heads: int, kv_heads: int) -> TensorRef:
+def gqa_attention(b: GraphBuilder, prefix: str, x: TensorRef, heads: int, kv_heads: int,
+                  head_dim: int | None = None) -> TensorRef:
     """Causal self-attention of ``x`` (b, s, d) with ``heads`` query heads in ``kv_heads`` groups, each group
     sharing one key/value head, and rotary positions on queries and keys (module docstring): vertices
-    ``{prefix}/q, k, v, rope_q, rope_k, scores, context, out``. Returns the output (b, s, d)."""
+    ``{prefix}/q, k, v, rope_q, rope_k, scores, context, out``. Heads are ``head_dim`` wide (default
+    d / heads). Returns the output (b, s, d)."""
     d = x.shape[-1]
     check_heads(prefix, d, heads, kv_heads)
-    g, r, kd = kv_heads, heads // kv_heads, d // heads
+    g, r, kd = kv_heads, heads // kv_heads, head_dim or d // heads
     p = f"{prefix}/"
     q = b.add(ops.einsum(f"{p}q", "bsd,dhrk->bshrk", x, ops.Param((d, g, r, kd)), kind="attn_proj"))
     k = b.add(ops.einsum(f"{p}k", "btd,dhk->bthk", x, ops.Param((d, g, kd)), kind="attn_proj"))

@@ -56,11 +56,12 @@ def dims_text(choice: OperatorChoice) -> str:
 
 def split_text(choice: OperatorChoice, extents: bool = False) -> str:
     """``batch/8 out/4`` (dimension / ways) for the split dimensions, ``batch:16/8`` with ``extents``;
-    ``replicated`` when none is split."""
+    ``replicated`` when none is split; `` partial`` after a layout that defers its reductions to its edges."""
     names = _names(choice)
     ext = choice.extents if extents and len(choice.extents) == len(names) else None
-    return " ".join(f"{n}:{ext[i]}/{c}" if ext is not None else f"{n}/{c}"
+    text = " ".join(f"{n}:{ext[i]}/{c}" if ext is not None else f"{n}/{c}"
                     for i, (n, c) in enumerate(zip(names, choice.layout.split)) if c > 1) or "replicated"
+    return text + " partial" if choice.layout.partial else text
 
 
 def _weighted_mode(pairs: Sequence[tuple[Any, float]]) -> tuple[Any, float]:

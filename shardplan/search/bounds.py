@@ -72,7 +72,7 @@ from shardplan.search.pairs import Pairs, incident_pairs, merge_pairs, reparamet
 from shardplan.search.problem import Problem
 from shardplan.search.reduce import Reduction, make_reduction, orbits, sorted_union
 
-__all__ = ["BoundState", "ExactSolver", "bound_prune", "forest_bounds", "icm", "trws"]
+__all__ = ["BoundState", "ExactSolver", "bound_prune", "forest_bounds", "icm", "min_plus", "trws"]
 
 RTOL = 1e-9
 
@@ -87,6 +87,34 @@ def _take2(m: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
     if len(cols) < m.shape[1]:
         m = m.take(cols, axis=1)
     return np.ascontiguousarray(m)
+
+
+_CHUNK = 1 << 16  # entries per block of :func:`min_plus` (half a megabyte of float64: stays in cache)
+
+
+def min_plus(vec: np.ndarray, mat: np.ndarray) -> np.ndarray:
+    """``min_a vec[a] + mat[a, b]`` for every b: ``(vec[:, None] + mat).min(axis=0)``, the same floats.
+
+    The sum is never held whole: it is formed and reduced a block of rows at a
+    time (of ``mat``, or of ``mat.T`` when that is the contiguous one), so it
+    stays in cache; each entry is the same sum and min is exact, so the result
+    is bit for bit that of the one-shot form.
+    """
+    ka, kb = mat.shape
+    if ka == 0 or kb == 0:
+        return (vec[:, None] + mat).min(axis=0)
+    if mat.T.flags.c_contiguous and not mat.flags.c_contiguous:  # a transposed view: walk its rows
+        mt = mat.T
+        out = np.empty(kb)
+        step = max(1, _CHUNK // ka)
+        for i in range(0, kb, step):
+            np.min(mt[i:i + step] + vec[None, :], axis=1, out=out[i:i + step])
+        return out
+    step = max(1, _CHUNK // kb)
+    out = (vec[:step, None] + mat[:step]).min(axis=0)
+    for i in range(step, ka, step):
+        np.minimum(out, (vec[i:i + step, None] + mat[i:i + step]).min(axis=0), out=out)
+    return out
 
 
 @dataclass
@@ -177,7 +205,7 @@ def trws(st: BoundState, order: list[int], iters: int) -> None:
                     hat += msg[(u, s)]
                 hat *= gamma[s]
                 for t in out[s]:
-                    m = ((hat - msg[(t, s)])[:, None] + oriented[(s, t)]).min(axis=0)
+                    m = min_plus(hat - msg[(t, s)], oriented[(s, t)])
                     m -= m.min()
                     msg[(s, t)] = m
 
@@ -200,10 +228,24 @@ def _forest_pass(st: BoundState, exact_weights: bool = False) -> tuple[list[np.n
     r + c and drops R >= 0. The forest is chosen by max R (``exact_weights``)
     or by the cheaper max E - min E. Returns the forest min-marginals (lower
     bounds LB(v, k)), the forest optimum and the relaxed minimum.
+
+    Without messages an edge's split depends on its matrix only, so edges that
+    share one matrix (the same operator pair in identical layers) split it once.
     """
     msg = st.msg
     weights = {}
     folds = {}
+    shared: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # view_key -> (matrix, r, c)
+
+    def fold(key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        if msg is not None:
+            return _fold(st, key)[:2]
+        m = st.pairs[key]
+        vk = view_key(m)
+        if vk not in shared:
+            shared[vk] = (m, *reparametrise(m)[:2])  # holds m: its address is not reused meanwhile
+        return shared[vk][1], shared[vk][2]
+
     for key, m in st.pairs.items():
         if m.size == 0:
             continue
@@ -222,7 +264,7 @@ def _forest_pass(st: BoundState, exact_weights: bool = False) -> tuple[list[np.n
     for (u, w) in weights:
         if (u, w) in in_forest:
             continue  # kept whole, as the raw matrix (its messages cancel)
-        r, c = folds[(u, w)] if (u, w) in folds else _fold(st, (u, w))[:2]
+        r, c = folds[(u, w)] if (u, w) in folds else fold((u, w))
         h[u] += r
         h[w] += c
         if msg is not None:
@@ -295,7 +337,7 @@ def forest_bounds(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
     for v in reversed(order):
         p = parent[v]
         if p >= 0:
-            m = (up[v][:, None] + mat(v, p)).min(axis=0)
+            m = min_plus(up[v], mat(v, p))
             msg_up[v] = m
             up[p] += m
     down: list[np.ndarray | None] = [None] * n  # message parent -> v, over v's configs
@@ -313,7 +355,7 @@ def forest_bounds(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
         suffix = np.zeros_like(base)
         for i in range(len(kids) - 1, -1, -1):
             c = kids[i]
-            down[c] = ((prefix[i] + suffix)[None, :] + mat(c, v)).min(axis=1)
+            down[c] = min_plus(prefix[i] + suffix, mat(c, v).T)
             suffix = suffix + msg_up[c]
     # other components add at least their own minimum
     comp_min = {v: float(mm[v].min()) for v in range(n) if parent[v] < 0}
@@ -388,7 +430,7 @@ def _restricted_incumbent(st: BoundState, lbs: list[np.ndarray], ub: float, max_
 def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int = 3, max_rounds: int = 8,
                 incumbent: np.ndarray | None = None, rtol: float = RTOL,
                 restricted_max: int = 8, restricted_entries: float = 2e7,
-                min_drop: float = 0.1, exact_weights: bool = False,
+                min_drop: float = 0.2, exact_weights: bool = False,
                 symmetric: bool = False) -> tuple[Reduction, dict]:
     """Drop every configuration whose lower bound exceeds the incumbent (exact; see module doc).
 
@@ -399,7 +441,9 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
     bound (by ``exact_solver``, e.g. :func:`shardplan.search.dp.solve_small`,
     passed in so that this module does not depend on the DP). Stops when a round (after the first TRW-S round) drops at most
     ``min_drop`` of the surviving configurations, or proves its incumbent optimal (bound = incumbent), or
-    after ``max_rounds``.
+    after ``max_rounds``. (``min_drop`` = 0.2, measured: on ResNet-101 at 64 devices the round after one
+    that dropped 19 % drops 9 configurations and costs a quarter of the search; on the other zoo models and
+    Llama-3-8B the stop comes from the proof either way. Which round stops changes work, never the optimum.)
     The forest of a round is chosen by max R once messages exist
     (``exact_weights`` also in round 0), else by the cheaper max E - min E.
     With ``symmetric``, vertices with equal costs and configurations

@@ -9,7 +9,8 @@ made for):
   placements its configuration gives that tensor, is dispatched on DTensors
   (DTensor's own sharding propagation does the local work and returns the
   output, possibly as partial sums), and its output is redistributed to the
-  planned placements (a split reduction dimension is all-reduced here);
+  planned placements (a split reduction dimension is all-reduced here, or
+  left partial under a partial layout: :class:`Layouts`);
 * constants (buffers, masks, position ids) run on plain tensors and enter
   DTensor operations replicated (``implicit_replication``);
 * an ATen operator DTensor has no sharding strategy for runs on each device's
@@ -100,12 +101,24 @@ def factored_mesh(mesh: Any, shape: Sequence[int] | None = None) -> Any:
 
 
 class Layouts:
-    """Per operator, which dimension each mesh axis splits; placements of its tensors on demand."""
+    """Per operator, which dimension each mesh axis splits; placements of its tensors on demand.
+
+    An operator whose layout leaves its output as partial sums (:attr:`shardplan.layout.Layout.partial`) has
+    ``Partial()`` output placements on the mesh axes that split its reduction dims: the consumer's operand
+    redistribution reduces them into its own placements (``Partial -> Shard``: a reduce-scatter;
+    ``Partial -> Replicate``: an all-reduce). Deferred input gradients need nothing here: the backward of the
+    consumer's operand redistribution takes the gradient, partial over the consumer's split dims, straight
+    to the producer's placements.
+    """
 
     def __init__(self, graph: Graph, layouts: Mapping[str, Any], factors: Sequence[int]) -> None:
+        from shardplan.configs import forward_deferrable
+
         self.graph = graph
         self.axes: dict[str, tuple[str | None, ...]] = {
             op.name: mesh_dims(layouts[op.name], factors, op.name) for op in graph.operators}
+        self.partial: frozenset[str] = frozenset(
+            op.name for op in graph.operators if layouts[op.name].partial and forward_deferrable(op))
 
     def tensor(self, op_name: str, tensor_name: str) -> Tensor:
         op = self.graph[op_name]
@@ -119,7 +132,13 @@ class Layouts:
 
     def output(self, op_name: str, rank: int | None = None) -> tuple[Any, ...]:
         op: Operator = self.graph[op_name]
-        return tensor_placements(op.output, self.axes[op_name], rank)
+        out = tensor_placements(op.output, self.axes[op_name], rank)
+        if op_name not in self.partial:
+            return out
+        from torch.distributed.tensor import Partial
+
+        red = set(op.reduction_dims)
+        return tuple(Partial() if d in red else pl for d, pl in zip(self.axes[op_name], out))
 
 
 def plan_placements(plan: Any, info: TorchTrace, p: int) -> dict[str, Any]:

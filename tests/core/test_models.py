@@ -20,6 +20,7 @@ COUNTS = {
     "transformer": (196, 260),
     "transformer_big": (196, 260),
     "gpt": (292, 387),
+    "moe": (42, 53),
 }
 
 

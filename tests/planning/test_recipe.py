@@ -80,7 +80,7 @@ def test_bad_text_is_one_line(text, part):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("text, part", [("tp=8,sp=true", "sequence parallelism"), ("cp=2", "context parallelism"),
+@pytest.mark.parametrize("text, part", [("tp=1,sp=true", "sequence parallelism"), ("cp=2", "context parallelism"),
                                         ("ep=2", "expert parallelism"), ("zero=3,hsdp=8", "hybrid sharding"),
                                         ("dtype=fp8", "fp8"), ("dtype=fp32", "dtype fp32"),
                                         ("tp=8,overlap=tp_comm", "tp_comm"),
@@ -207,7 +207,7 @@ def test_cli_recipe(capsys, tmp_path):
     assert Plan.from_json(out.read_text()).solver == "recipe"
 
 
-@pytest.mark.parametrize("recipe", ["tp=8,sp=true", "tp=0", "tp=8,bogus=1", "tp=3"])
+@pytest.mark.parametrize("recipe", ["tp=1,sp=true", "tp=0", "tp=8,bogus=1", "tp=3"])
 def test_cli_bad_recipe_one_line_exit_2(capsys, recipe):
     for cmd in ("recipe", "plan"):
         assert main([cmd, *MODEL, "-p", "16", "--machine", "a100", "--batch", "32", "--recipe", recipe]) == 2
