@@ -31,7 +31,7 @@ from shardplan.errors import ShardplanError
 from shardplan.layout import Layout
 from shardplan.machine import Machine
 
-__all__ = ["OperatorChoice", "StagePlan", "Plan", "PLAN_FORMAT"]
+__all__ = ["OperatorChoice", "StagePlan", "Plan", "PLAN_FORMAT", "ConservativeOp"]
 
 PLAN_FORMAT = "shardplan.plan/1"
 """The ``format`` field of a plan's JSON; :meth:`Plan.from_json` refuses any other."""
@@ -101,6 +101,29 @@ class OperatorChoice:
 
 
 @dataclass(frozen=True)
+class ConservativeOp:
+    """An operator the frontend could not describe (no handler, or its handler refused the arguments): planned
+    unsplit, its operands gathered, so the plan around it may be weaker than the model deserves.
+
+    Attributes:
+        operator: its name in the plan; ``target``: what the program called (``aten.logcumsumexp.default``);
+        module: the module path it came from (``layers.0.attn``); ``reason``: why it was not described.
+    """
+
+    operator: str
+    target: str
+    module: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"operator": self.operator, "target": self.target, "module": self.module, "reason": self.reason}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> "ConservativeOp":
+        return ConservativeOp(str(d["operator"]), str(d["target"]), str(d["module"]), str(d["reason"]))
+
+
+@dataclass(frozen=True)
 class StagePlan:
     """One stage: blocks [first, end) of the model on devices [offset, offset + devices).
 
@@ -167,6 +190,8 @@ class Plan:
         solver: what produced it (``dp``, ``fit``, ``pipeline``, a baseline's name, ...).
         stats: solve statistics (seconds, nodes, what was searched and why).
         batch: the global batch, when known.
+        conservative: the operators described conservatively (:class:`ConservativeOp`, program order); empty when
+            every operator was described.
         detail: the search's own answer in this process (never serialised or compared).
     """
 
@@ -183,12 +208,14 @@ class Plan:
     stats: Mapping[str, Any] = field(default_factory=dict)
     chunks: int = 1
     batch: int | None = None
+    conservative: tuple[ConservativeOp, ...] = ()
     detail: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.stages:
             raise ShardplanError("a plan needs at least one stage")
         object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "conservative", tuple(self.conservative))
         object.__setattr__(self, "breakdown", MappingProxyType({k: float(v) for k, v in self.breakdown.items()}))
         object.__setattr__(self, "memory", MappingProxyType(dict(self.memory)))
         object.__setattr__(self, "stats", MappingProxyType(dict(self.stats)))
@@ -271,7 +298,8 @@ class Plan:
             "chunks": self.chunks, "step_time_seconds": self.step_time, "breakdown": dict(self.breakdown),
             "memory": dict(self.memory), "lower_bound_seconds": self.lower_bound, "gap": self.gap,
             "optimal": self.optimal, "solver": self.solver, "stats": _jsonable(dict(self.stats)),
-            "stages": [s.to_dict() for s in self.stages]})
+            "stages": [s.to_dict() for s in self.stages],
+            "conservative": [c.to_dict() for c in self.conservative]})
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
@@ -294,7 +322,8 @@ class Plan:
                         int(d["micro_batches"]), str(d["schedule"]), float(d["step_time_seconds"]), d["breakdown"],
                         memory, None if d["lower_bound_seconds"] is None else float(d["lower_bound_seconds"]),
                         str(d["solver"]), d.get("stats") or {}, int(d.get("chunks", 1)),
-                        None if d.get("batch") is None else int(d["batch"]))
+                        None if d.get("batch") is None else int(d["batch"]),
+                        tuple(ConservativeOp.from_dict(c) for c in d.get("conservative") or ()))
         except ShardplanError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:

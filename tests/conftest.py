@@ -16,6 +16,24 @@ for _folder in sorted(os.listdir(_HERE)):
 sys.path.insert(0, _HERE)
 
 
+def _transformers_major() -> int:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return int(version("transformers").split(".")[0])
+    except PackageNotFoundError:
+        return 0
+
+
+# Two environments (Makefile, `make test`): .venv with transformers 4 (its Flax models for the JAX tests) runs
+# every folder but torch_hf5; .venv-hf5 with transformers 5 (what PyTorch users install today; no JAX) runs
+# torch_hf5 only. Collection, not a skip: neither environment can run the other's tests.
+_HF5 = "torch_hf5"
+collect_ignore = ([_HF5] if _transformers_major() < 5 else
+                  sorted(f for f in os.listdir(_HERE) if os.path.isdir(os.path.join(_HERE, f)) and f != _HF5
+                         and not f.startswith((".", "_"))))
+
+
 def require_8_devices():
     """The 8 simulated devices of the JAX tests; fails (never skips) when they cannot be had."""
     import jax

@@ -282,6 +282,38 @@ class HardswishNet(nn.Module):
         return F.cross_entropy(self.fc3(h), y)
 
 
+class MobileNetV3Block(nn.Module):
+    """torchvision's MobileNetV3 inverted residual, written out (torchvision does not install beside the pinned
+    torch): a stem convolution with batch norm and hardswish, then the block: 1x1 expansion + BN + hardswish,
+    3x3 depthwise convolution + BN + hardswish, squeeze-and-excitation (global average pool, 1x1 reduce,
+    ReLU, 1x1 expand, hardsigmoid gate), 1x1 projection + BN, the residual; a pooled classifier with
+    hardswish between its two linear layers, as torchvision's head."""
+
+    def __init__(self, c: int = 16, expand: int = 32, squeeze: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.Hardswish())
+        self.expand = nn.Sequential(nn.Conv2d(c, expand, 1, bias=False), nn.BatchNorm2d(expand), nn.Hardswish())
+        self.depthwise = nn.Sequential(nn.Conv2d(expand, expand, 3, padding=1, groups=expand, bias=False),
+                                       nn.BatchNorm2d(expand), nn.Hardswish())
+        self.se_reduce, self.se_expand = nn.Conv2d(expand, squeeze, 1), nn.Conv2d(squeeze, expand, 1)
+        self.gate = nn.Hardsigmoid()
+        self.project = nn.Sequential(nn.Conv2d(expand, c, 1, bias=False), nn.BatchNorm2d(c))
+        self.fc1, self.act, self.fc2 = nn.Linear(c, 32), nn.Hardswish(), nn.Linear(32, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        e = self.depthwise(self.expand(h))
+        s = self.gate(self.se_expand(F.relu(self.se_reduce(F.adaptive_avg_pool2d(e, 1)))))
+        h = h + self.project(e * s)
+        return F.cross_entropy(self.fc2(self.act(self.fc1(F.adaptive_avg_pool2d(h, 1).flatten(1)))), y)
+
+
+def make_mobilenetv3_block() -> tuple[nn.Module, tuple]:
+    g = torch.Generator().manual_seed(27)
+    torch.manual_seed(27)
+    return MobileNetV3Block(), (torch.randn(BATCH * 2, 3, 8, 8, generator=g), torch.randint(0, 10, (BATCH * 2,), generator=g))
+
+
 def make_hardswish() -> tuple[nn.Module, tuple]:
     g = torch.Generator().manual_seed(24)
     return HardswishNet(), (torch.randn(BATCH * 2, 32, generator=g), torch.randint(0, 16, (BATCH * 2,), generator=g))
@@ -324,6 +356,27 @@ class TinyMoE(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1)) + 0.01 * balance
 
 
+class ZeroExtent(nn.Module):
+    """A Griffin-like empty intermediate: a ``(B, 0, D)`` slice of the hidden states (recurrentgemma makes a
+    ``(8, 0, 128)`` one), scaled and concatenated back, and reduced (a sum over nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.fc, self.head = nn.Embedding(VOCAB, D), nn.Linear(D, D), nn.Linear(D, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(self.embed(ids)))
+        empty = h[:, :0, :]
+        h = torch.cat([h, 2.0 * empty], dim=1)
+        logits = self.head(h)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + empty.sum()
+
+
+def make_zero_extent() -> tuple[nn.Module, tuple]:
+    torch.manual_seed(26)
+    return ZeroExtent(), _tokens(26)
+
+
 def make_moe() -> tuple[nn.Module, tuple]:
     torch.manual_seed(25)
     return TinyMoE(), _tokens(25)
@@ -334,7 +387,8 @@ HF_CASES: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
     "hf_qwen2": make_hf_qwen2, "hf_gemma2": make_hf_gemma2, "hf_phi": make_hf_phi, "hf_opt": make_hf_opt,
     "hf_gpt_neox": make_hf_gpt_neox, "hf_falcon": make_hf_falcon, "hf_bloom": make_hf_bloom, "hf_t5": make_hf_t5,
     "hf_roberta": make_hf_roberta, "hf_mixtral": make_hf_mixtral, "hf_qwen2_moe": make_hf_qwen2_moe,
-    "hardswish": make_hardswish, "moe": make_moe,
+    "hardswish": make_hardswish, "moe": make_moe, "zero_extent": make_zero_extent,
+    "mobilenetv3_block": make_mobilenetv3_block,
 }
 
 
@@ -393,7 +447,8 @@ def run_case(name: str, mesh: Any, p: int) -> dict[str, Any]:
         "operators": len(plan.graph), "split_ops": split_ops, "solve_seconds": plan.solve_seconds,
         "build_seconds": plan.build_seconds, "setup_seconds": setup, "step_seconds": step, "cost": plan.cost,
         "warnings": [str(w.message) for w in caught if issubclass(w.category, st.ShardplanWarning)],
-        "report": st.report(plan),
+        "report": st.report(plan, pm.info),
+        "conservative": [c.to_dict() for c in pm.info.conservative_ops()],
         "param_placements": {n: [str(x) for x in pl] for n, pl in pm.param_placements.items()},
     }
 
@@ -407,6 +462,15 @@ def assert_runs_as_unsharded(r: dict[str, Any]) -> None:
     assert r["missing"] == []
     assert r["tiles_ok"] and r["grad_layouts_ok"]
     assert r["split_ops"] > 0, "the toy machine makes splitting pay: some operator must be split"
+
+
+def assert_nothing_conservative(r: dict[str, Any]) -> None:
+    """One case's result (:func:`run_case`): no error, no operator described conservatively (no warning, an
+    empty list in the plan and no such section in its report)."""
+    assert "error" not in r, r.get("error")
+    assert r["warnings"] == [], r["warnings"]
+    assert r["conservative"] == [], r["conservative"]
+    assert "Described conservatively" not in r["report"]
 
 
 def _tiles_match(plan: Any, pm: Any, model: nn.Module) -> bool:

@@ -221,6 +221,10 @@ def render_plan(plan: Any, *, operators: bool = False, compare: Plan | None = No
         if plan.num_stages > 3 and s.index == 1:
             out.append(f"  (stages 2..{plan.num_stages - 1}: --operators or the JSON lists them)")
             break
+    if plan.conservative:
+        out.append(f"Described conservatively ({len(plan.conservative)}; not split, operands gathered):")
+        out.append(format_table([(c.target, c.module, c.reason if len(c.reason) <= 72 else c.reason[:71] + "…")
+                                 for c in plan.conservative], ("operator", "module", "reason"), rule=False))
     if operators:
         orows = [(n, c.kind, dims_text(c), split_text(c, extents=True), str(c.state_stage), "yes" if c.recompute else "",
                   fmt_seconds(c.seconds), fmt_seconds(c.redistribution_seconds))

@@ -74,6 +74,8 @@ def plan(module: Any, example_inputs: Sequence[Any], mesh: Any = None, *, kwargs
     argument. Stages need every input to be a tensor with the batch on axis 0 and no ``kwargs``; otherwise
     one program is planned (the plan's statistics say why).
     """
+    import dataclasses
+
     from shardplan.fit import FitOptions
     from shardplan.planner import plan as _plan
     from shardplan.torch.run import TORCH_STAGES
@@ -90,9 +92,12 @@ def plan(module: Any, example_inputs: Sequence[Any], mesh: Any = None, *, kwargs
             raise ShardplanError("keyword arguments")
         model: Any = Tracer(module, example_inputs)
         batch = model.batch
+        _, info, old = model.traced(batch)
+        weak = info.conservative_ops({v: k for k, v in old.items()})
     except ShardplanError:
-        model, batch = trace(module, example_inputs, kwargs)[0], None
-    return _plan(model, machine, batch=batch, micro_batches=counts, **keywords)
+        model, info = trace(module, example_inputs, kwargs)
+        batch, weak = None, info.conservative_ops()
+    return dataclasses.replace(_plan(model, machine, batch=batch, micro_batches=counts, **keywords), conservative=weak)
 
 
 def apply(plan: Any, module: Any, example_inputs: Sequence[Any], mesh: Any = None, *,
@@ -231,17 +236,18 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
 def report(plan: Any, info: TorchTrace | None = None, operators: bool = True) -> str:
     """The one report (:func:`shardplan.report.summary.render_plan`) of a plan (a :class:`shardplan.Plan` or
     the :class:`~shardplan.spmd.SpmdPlan` :func:`parallelize` returns), with the per-operator table unless
-    ``operators=False``, the mesh the module runs on, and, with ``info``, the operators described
-    conservatively (not split: their operands gathered)."""
+    ``operators=False``, the mesh the module runs on, and the operators described conservatively (not
+    split: their operands gathered): the plan's own list, or, with ``info``, the trace's."""
+    import dataclasses
+
     from shardplan.report.summary import as_plan, render_plan
 
     p = as_plan(plan)
+    if info is not None and not p.conservative:
+        p = dataclasses.replace(p, conservative=info.conservative_ops())
     lines = [render_plan(p, operators=operators)]
     if not p.pipelined:
         shape = plan_mesh_shape(list(p.layouts.values()), p.machine.num_devices)
         lines.append(f"DeviceMesh: {'x'.join(map(str, shape))} (prime-factor axes; each operator's splits take "
                      "them in order)")
-    cons = set(info.conservative) if info is not None else set()
-    if cons:
-        lines.append("Described conservatively: " + ", ".join(sorted(set(info.conservative.values()))))
     return "\n".join(lines)

@@ -111,6 +111,7 @@ class TorchTrace:
         const_nodes: FX nodes that are constants (run replicated, unplanned).
         conservative: operator name -> ATen target, for operators described conservatively.
         module_paths: operator name -> module path it came from.
+        reasons: operator name -> why it was described conservatively (for those in ``conservative``).
     """
 
     program: Any
@@ -121,6 +122,17 @@ class TorchTrace:
     const_nodes: frozenset[str]
     conservative: Mapping[str, str]
     module_paths: Mapping[str, str]
+    reasons: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def conservative_ops(self, names: Mapping[str, str] | None = None) -> tuple[Any, ...]:
+        """The operators described conservatively as the plan lists them
+        (:class:`shardplan.result.ConservativeOp`, program order); ``names`` renames operators (traced name ->
+        name in the plan)."""
+        from shardplan.result import ConservativeOp
+
+        names = names or {}
+        return tuple(ConservativeOp(names.get(n, n), t, self.module_paths.get(n, "<top>"), self.reasons.get(n, ""))
+                     for n, t in self.conservative.items())
 
 
 Handler = Callable[["_Ctx", Any, list], None]
@@ -150,7 +162,7 @@ ELEMENTWISE: Mapping[str, float] = {
         "masked_fill", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or",
         "reciprocal", "sin", "cos", "erf", "square", "floor", "ceil", "round", "sign", "rsub", "add_", "mul_",
         "div_", "sub_", "hardtanh", "leaky_relu", "exp2", "bitwise_not", "bitwise_and", "__and__", "__or__",
-        "silu_", "gelu_", "hardswish", "hardsigmoid", "softplus", "elu", "mish", "triu", "tril",
+        "silu_", "gelu_", "hardswish", "hardsigmoid", "softplus", "elu", "mish",
         "floor_divide", "remainder", "fmod", "bitwise_or", "bitwise_xor", "greater", "less", "greater_equal",
         "less_equal", "logical_xor",
     )},
@@ -212,6 +224,7 @@ class _Ctx:
         self.param_uses: dict[str, list[tuple[str, str]]] = {}
         self.input_uses: dict[str, list[tuple[str, str]]] = {}
         self.conservative: dict[str, str] = {}
+        self.reasons: dict[str, str] = {}
         self.paths: dict[str, str] = {}
         self.inputs: dict[str, tuple[int, ...]] = {}
 
@@ -342,6 +355,7 @@ class _Ctx:
                       fixed=frozenset(d for d, _ in dims))
         self.emit(node, op, operands)
         self.conservative[name] = target
+        self.reasons[name] = reason
 
 
 def _letters(n: int, avoid: str = "") -> str:
@@ -1183,6 +1197,20 @@ def _pad(ctx: _Ctx, node: Any, vals: list) -> None:
     ctx.emit(node, op, [((0,), x, "x")])
 
 
+@register("aten.triu.default", "aten.tril.default", "aten.triu_.default", "aten.tril_.default")
+def _triangle(ctx: _Ctx, node: Any, vals: list) -> None:
+    """``triu``/``tril``: elementwise, but which elements are kept depends on the row and column indices, so
+    the last two dimensions are read whole (fixed); the leading ones stay splittable."""
+    if str(node.target).endswith("_.default"):
+        _inplace(ctx, node, vals, _elementwise, reads_dst=True)
+    else:
+        _elementwise(ctx, node, vals)
+    made = ctx.node_op.get(node.name)
+    if made is not None:
+        op = ctx.ops[made]
+        ctx.ops[made] = dataclasses.replace(op, fixed=op.fixed | {d for d, _ in op.dims[-2:]})
+
+
 # every elementwise op, by overload
 for _n in ELEMENTWISE:
     for _ov in ("default", "Tensor", "Scalar", "self", "ScalarOther", "Tensor_Scalar", "Tensor_Tensor", "Scalar_Tensor",
@@ -1315,7 +1343,7 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
     graph = Graph(name or type(module).__name__, tuple(labelled), {k: v for k, v in ctx.inputs.items() if k in used})
     info = TorchTrace(ep, dict(ctx.node_op), dict(ctx.operands), {k: tuple(v) for k, v in ctx.param_uses.items()},
                       {k: tuple(v) for k, v in ctx.input_uses.items()}, frozenset(const_nodes),
-                      dict(ctx.conservative), dict(ctx.paths))
+                      dict(ctx.conservative), dict(ctx.paths), dict(ctx.reasons))
     return graph, info
 
 

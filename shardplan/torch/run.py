@@ -13,10 +13,15 @@ made for):
   left partial under a partial layout: :class:`Layouts`);
 * constants (buffers, masks, position ids) run on plain tensors and enter
   DTensor operations replicated (``implicit_replication``);
-* an ATen operator DTensor has no sharding strategy for runs replicated: its
-  operands are gathered, it runs on every device, its result is a replicated
-  DTensor (autograd flows through both conversions). The frontend describes
-  such operators conservatively, so the plan already expects this.
+* an ATen operator DTensor has no sharding strategy for runs on each device's
+  tiles, as planned and costed (:func:`local_placements`): its operands are
+  already laid out as its layout gives them, the operator runs on their local
+  shards, and its result is the planned tiles, a partial sum over the mesh
+  axes that split a dimension the result does not index (each operand's
+  gradient likewise). Only an operator the frontend described conservatively
+  (no handler: it is planned replicated, its operands gathered) or a node that
+  is no operator runs replicated there: operands gathered, the operator on
+  every device, a replicated result (autograd flows through both conversions).
   ``aten.scaled_dot_product_attention`` is routed to PyTorch's math kernel
   (``_scaled_dot_product_attention_math``), whose matmuls and softmax DTensor
   shards over batch, heads and queries (the fused CPU kernel has no DTensor
@@ -71,6 +76,7 @@ from typing import Any, Mapping, Sequence
 
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, Operator, Tensor
+from shardplan.torch.frontend import _SKIP as _CHECKS
 from shardplan.torch.frontend import TorchTrace
 from shardplan.torch.layout import mesh_dims, mesh_factors, plan_mesh_shape, tensor_placements
 
@@ -149,6 +155,50 @@ def plan_placements(plan: Any, info: TorchTrace, p: int) -> dict[str, Any]:
         opn, tn = uses[0]
         out["parameters"][target] = placement_names(lay.placements(opn, tn))
     return out
+
+
+def local_placements(lay: Layouts, op_name: str, args: list, kwargs: dict,
+                     described: Sequence[Any]) -> tuple[dict[int, tuple[Any, ...]], tuple[Any, ...]] | None:
+    """How ``op_name`` runs on each device's tiles when DTensor has no sharding strategy for it:
+    (operand id -> its gradient's placements, the result's placements), or None when its tiles cannot say.
+
+    Each mesh axis splits one dimension ``d`` of the operator's iteration space (or none). A device's tiles
+    of the operands give its tile of the result when every DTensor operand is one the frontend described
+    (``described``; a constant is whole on every device) and is laid out as planned, ``Shard``
+    on each axis whose ``d`` it indexes (a tensor read through a window or an offset is replicated there, so
+    its tile is not the device's part: None) and ``Replicate`` elsewhere. The result is ``Shard`` where it
+    indexes ``d``, a partial sum (``Partial``) where ``d`` is a dimension it does not index (a split
+    reduction: the frontend fixes any reduction that is not a sum), ``Replicate`` on the replica axes. An
+    operand replicated on an axis that splits ``d`` receives, on each device, the gradient of that device's
+    part only: ``Partial`` there, its own placements elsewhere.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    op = lay.graph[op_name]
+    axes = lay.axes[op_name]
+    grads: dict[int, tuple[Any, ...]] = {}
+    flat: list[Any] = []
+    _tree_map(flat.append, list(args) + list(kwargs.values()))
+    ids = {id(x) for x in described}
+    for x in flat:
+        if not isinstance(x, DTensor):
+            continue
+        if id(x) not in ids and any(d is not None for d in axes):
+            return None
+        if len(x.placements) != len(axes) or any(pl.is_partial() for pl in x.placements):
+            return None
+        grads[id(x)] = tuple(Partial() if pl.is_replicate() and d is not None else pl
+                             for pl, d in zip(x.placements, axes))
+    for t in op.tensors:  # every described operand and the result: plain tiles where a mesh axis splits them
+        want = tensor_placements(t, axes)
+        for pl, d in zip(want, axes):
+            if d is not None and pl.is_replicate() and any(d in (a.dim, a.window) or d in a.inner for a in t.axes):
+                return None
+    out_pl = tuple(Replicate() if d is None else (pl if pl.is_shard() else Partial())
+                   for pl, d in zip(tensor_placements(op.output, axes), axes))
+    if any(isinstance(pl, Shard) and pl.dim >= len(op.output.shape) for pl in out_pl):
+        return None
+    return grads, out_pl
 
 
 def _get(args: list, kwargs: dict, path: tuple) -> Any:
@@ -369,6 +419,19 @@ def _index_put_(x: Any, indices: Any, values: Any, accumulate: bool = False) -> 
     return x.copy_(y)
 
 
+def _functional(name: str, rewrite: Any = None) -> Any:
+    """An in-place ``x.op_(...)`` DTensor has no strategy for, as its functional form ``op(x, ...)`` (which
+    DTensor runs, or the rewrite of it); the run gives later readers of ``x`` this result (:data:`_FUNCTIONAL`),
+    as the frontend describes them."""
+
+    def call(x: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        return (rewrite or getattr(torch.ops.aten, name).default)(x, *args, **kwargs)
+
+    return call
+
+
 _CONV = frozenset({"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default"})
 
 _REWRITES = {
@@ -387,6 +450,12 @@ _REWRITES = {
     "transformers.grouped_mm_fallback.default": _grouped_mm("transformers.grouped_mm_fallback"),
     "aten._grouped_mm.default": _grouped_mm("aten._grouped_mm"),
     **{f"aten.{n}.default": _new_factory(n) for n in ("new_zeros", "new_ones", "new_empty", "new_full")},
+    **(_FUNCTIONAL := {
+        "aten.triu_.default": _functional("triu"),
+        "aten.tril_.default": _functional("tril"),
+        "aten.hardswish_.default": _functional("hardswish", _hardswish),
+        "aten.hardsigmoid_.default": _functional("hardsigmoid", _hardsigmoid),
+    }),
 }
 
 
@@ -893,6 +962,8 @@ def _make_class() -> Any:
             args = [_tree_map(read, a) for a in node.args]
             kwargs = {k: _tree_map(read, v) for k, v in node.kwargs.items()}
             fn = node.target
+            if str(fn) in _CHECKS:  # export's metadata checks: nothing to compute (and nothing to gather)
+                return None
             if node.name in info.const_nodes or fn is _pyop.getitem:
                 return _REWRITES.get(str(fn), fn)(*args, **kwargs)
             op_name = info.node_op.get(node.name)
@@ -922,9 +993,14 @@ def _make_class() -> Any:
                 except NotImplementedError as e:
                     if "sharding strategy" not in str(e) and "DTensor" not in str(e):
                         raise
-                    out = self._replicated_call(fn, args, kwargs)
+                    local = None if op_name is None or op_name in info.conservative else local_placements(
+                        lay, op_name, args, kwargs, [_get(args, kwargs, path) for path, _ in info.operands[op_name]])
+                    out = (self._replicated_call(fn, args, kwargs) if local is None else
+                           self._local_call(fn, args, kwargs, *local))
             if op_name is not None and isinstance(out, DTensor):
                 out = _redistribute(out, self.mesh, lay.output(op_name, out.dim()))
+            if str(node.target) in _FUNCTIONAL and isinstance(node.args[0], torch.fx.Node):
+                env[node.args[0].name] = out  # the in-place op's destination now holds its result
             return out
 
         def _regather_hooks(self, gathered: Sequence[tuple[Any, Any]]) -> tuple[Any, Any]:
@@ -982,6 +1058,17 @@ def _make_class() -> Any:
             if isinstance(x, DTensor):
                 return x
             return DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+
+        def _local_call(self, fn: Any, args: list, kwargs: dict, grads: Mapping[int, tuple[Any, ...]],
+                        out_pl: tuple[Any, ...]) -> Any:
+            """An operator on each device's tiles (:func:`local_placements`): each DTensor operand's local shard,
+            its gradient placed as ``grads`` says; the result's tiles as one DTensor laid out ``out_pl``."""
+            def local(x: Any) -> Any:
+                return x.to_local(grad_placements=list(grads[id(x)])) if isinstance(x, DTensor) else x
+            out = fn(*[_tree_map(local, a) for a in args], **{k: _tree_map(local, v) for k, v in kwargs.items()})
+            wrap = lambda x: DTensor.from_local(x, self.mesh, list(out_pl), run_check=False) \
+                if isinstance(x, torch.Tensor) else x  # noqa: E731
+            return _tree_map(wrap, out)
 
         def _replicated_call(self, fn: Any, args: list, kwargs: dict) -> Any:
             """Run an operator DTensor cannot shard: gather the operands, compute everywhere, wrap replicated."""

@@ -110,6 +110,41 @@ def test_unsupported_operator_is_conservative_and_named():
     assert plan.configs["inner/logcumsumexp"] == (1, 1)
 
 
+def test_plan_json_and_report_list_the_conservative_operators():
+    import shardplan.torch as st
+    from shardplan import Plan
+    from shardplan.result import ConservativeOp
+
+    class Inner(nn.Module):
+        def forward(self, h):
+            return torch.logcumsumexp(h, dim=-1)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.inner = nn.Linear(8, 8), Inner()
+
+        def forward(self, x):
+            return self.inner(self.fc(x)).sum()
+
+    with pytest.warns(ShardplanWarning):
+        p = st.plan(M(), (torch.ones(8, 8),), machine=Machine(4), fit=False, stages=False)
+    (c,) = p.conservative
+    assert c == ConservativeOp(c.operator, "aten.logcumsumexp.default", "inner", "no handler registered")
+    assert c.operator in p.operators and p.operators[c.operator].kind.startswith("conservative:")
+    q = Plan.from_json(p.to_json())
+    assert q.conservative == p.conservative and q == p
+    text = st.report(p)
+    assert "Described conservatively (1; not split, operands gathered):" in text
+    line = next(x for x in text.splitlines() if "aten.logcumsumexp.default" in x)
+    assert "inner" in line and "no handler registered" in line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clean = st.plan(_Lin(), (torch.ones(8, 16),), machine=Machine(4), fit=False, stages=False)
+    assert clean.conservative == () and "Described conservatively" not in st.report(clean)
+    assert Plan.from_json(clean.to_json()).conservative == ()
+
+
 def test_a_handler_can_be_registered():
     from shardplan.torch.frontend import HANDLERS, _elementwise
 

@@ -1,0 +1,164 @@
+"""Every layout the frontend offers for an operator DTensor has no sharding strategy for runs, and gives the
+unsharded loss and gradients (4 gloo processes).
+
+An operator a library defines itself (transformers' ``grouped_mm_fallback``, a user's ``torch.library``
+op) has no DTensor strategy; described by a handler, it runs on each device's tiles as planned
+(:func:`shardplan.torch.run.local_placements`): here an elementwise one and a sum over the last axis, whose
+split gives partial sums. DTensor (torch 2.13) has no strategy for the in-place ``triu_``/``hardswish_``
+either; they run as their functional forms. For each such operator of a small module, every layout of the
+cost tables (each split and nesting on 4 devices, the other operators replicated) is run once and compared
+with one process; the runs on tiles are counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
+from torch import nn
+
+from shardplan.torch import HANDLERS
+
+pytestmark = pytest.mark.slow
+
+WORLD = 4
+
+
+@torch.library.custom_op("shardplan_test::softsign", mutates_args=())
+def softsign(x: torch.Tensor) -> torch.Tensor:
+    return x / (1.0 + x.abs())
+
+
+@softsign.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _softsign_backward(ctx, g):
+    (x,) = ctx.saved_tensors
+    return g / (1.0 + x.abs()) ** 2
+
+
+softsign.register_autograd(_softsign_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+
+
+@torch.library.custom_op("shardplan_test::rowsum", mutates_args=())
+def rowsum(x: torch.Tensor, dim: list[int], keepdim: bool) -> torch.Tensor:
+    return x.sum(dim, keepdim=keepdim)
+
+
+@rowsum.register_fake
+def _(x, dim, keepdim):
+    return x.sum(dim, keepdim=keepdim)
+
+
+def _rowsum_backward(ctx, g):
+    return g.unsqueeze(-1).expand(ctx.shape), None, None
+
+
+def _rowsum_context(ctx, inputs, output):
+    ctx.shape = inputs[0].shape
+
+
+rowsum.register_autograd(_rowsum_backward, setup_context=_rowsum_context)
+
+# described as the ATen ops they compute
+OWN = {"shardplan_test.softsign.default": HANDLERS["aten.tanh.default"],
+       "shardplan_test.rowsum.default": HANDLERS["aten.sum.dim_IntList"]}
+
+
+class NoRule(nn.Module):
+    """Linear layers around the operators: the library's own softsign and sum over the last axis, an
+    in-place hardswish, an in-place upper triangle of a (tokens x tokens) score matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.ops.shardplan_test.softsign(self.fc1(x))     # (8, 4, 16)
+        r = torch.ops.shardplan_test.rowsum(h * h, [-1], False)  # (8, 4)
+        h = nn.functional.hardswish(2.0 * h, inplace=True)
+        s = torch.matmul(h, self.fc2(h).transpose(1, 2)).triu_()  # (8, 4, 4)
+        return (s ** 2).mean() + (r ** 2).mean()
+
+
+TARGETS = ["softsign", "rowsum", "hardswish_", "triu_"]  # FX node names
+LOCAL = {"softsign", "rowsum"}  # without a DTensor strategy
+
+
+def _case() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(31)
+    return NoRule(), torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(31))
+
+
+def run_layouts(name: str, world: int) -> dict[str, Any]:
+    """On this rank: every layout of the operator whose node is ``name``, each run against one process."""
+    import numpy as np
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardplan.cost import build_tables
+    from shardplan.spmd import plan_from_configs
+    from shardplan.torch import trace
+    from shardplan.torch.run import parallel_module
+
+    model, x = _case()
+    ref = torch_cases._clone(model)
+    loss0 = ref(x)
+    loss0.backward()
+    grads0 = {n: p.grad for n, p in ref.named_parameters()}
+    graph, info = trace(model, (x,), handlers={**HANDLERS, **OWN})
+    mesh = init_device_mesh("cpu", (world,))
+    tables = build_tables(graph, torch_cases.toy_machine(world), cutoff=1)
+    target = next(i for i, op in enumerate(graph.operators) if op.name == info.node_op[name])
+    op = graph.operators[target]
+    rows = []
+    for layout in tables.layouts[target]:
+        configs = {o.name: (1,) * len(o.dims) for o in graph.operators}
+        configs[op.name] = layout
+        pm = parallel_module(torch_cases._clone(model), (x,), None, info, plan_from_configs(tables, configs), mesh)
+        real, calls = pm._local_call, [0]
+
+        def counted(*a: Any, real: Any = real, calls: list = calls) -> Any:
+            calls[0] += 1
+            return real(*a)
+
+        pm._local_call = counted
+        loss = pm(x)
+        loss.backward()
+        named = pm.named_dparameters()
+        worst = max(float((named[n].grad.full_tensor() - g).abs().max() / g.abs().max()) for n, g in grads0.items())
+        rows.append({"split": list(layout.split), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
+                     "rel_grad": worst, "local": calls[0]})
+    return {"rows": rows, "fixed": sorted(op.fixed), "dims": [d for d, _ in op.dims],
+            "splits": sorted({tuple(int(c) for c in np.asarray(lay.split)) for lay in tables.layouts[target]})}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("local") / "results.json"
+    return torch_cases.run_distributed(list(TARGETS), WORLD, str(out), run_layouts)
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_every_offered_layout_runs_as_unsharded(results, name):
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    assert len(r["rows"]) > 1 and any(max(row["split"]) > 1 for row in r["rows"])
+    for row in r["rows"]:
+        assert row["rel_loss"] <= 1e-5 and row["rel_grad"] <= 1e-4, row
+        assert row["local"] == len(LOCAL), row  # the library's two operators ran on tiles, nothing else did
+
+
+def test_the_triangle_keeps_its_matrix_whole_and_splits_the_batch(results):
+    r = results["triu_"]
+    assert r["fixed"] == r["dims"][-2:]
+    assert any(split[0] == 4 for split in r["splits"])
+
+
+def test_the_sum_splits_its_reduced_axis_too(results):
+    r = results["rowsum"]
+    assert r["fixed"] == []
+    assert {s for s in map(tuple, r["splits"]) if max(s) == 4} == {(4, 1, 1), (1, 4, 1), (1, 1, 4)}
