@@ -79,6 +79,16 @@ class OperatorChoice:
         """Devices its weights are sharded over: the product of the splits of the weight dimensions."""
         return math.prod(c for d, c in zip(self.layout.dims, self.layout.split) if d in self.weight_dims)
 
+    @property
+    def expert_degree(self) -> int:
+        """Ways its expert dimension is split (an operator of kind ``expert``, the experts' batched products, with a
+        dimension named ``e`` or labelled ``expert``); 1 for every other operator."""
+        if self.kind != "expert":
+            return 1
+        labels = self.labels or self.layout.dims
+        return math.prod(c for d, lab, c in zip(self.layout.dims, labels, self.layout.split)
+                         if d == "e" or lab == "expert")
+
     def to_dict(self) -> dict[str, Any]:
         lay = self.layout
         return {"kind": self.kind, "dims": list(lay.dims), "levels": list(lay.levels),

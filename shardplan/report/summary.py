@@ -85,14 +85,21 @@ def recipe_words(plan: Plan) -> str:
     """
     ops = [(s, c) for s in plan.stages for c in s.operators.values()]
     weighted = [(s, c) for s, c in ops if c.weight_elems > 0] or ops
+    dense = [(s, c) for s, c in weighted if c.expert_degree == 1] or weighted
     (data, tensor), share = _weighted_mode([((s.devices // c.tensor_degree, c.tensor_degree), max(c.weight_elems, 1))
-                                            for s, c in weighted])
+                                            for s, c in dense])
     parts = [f"data {data}", f"tensor {tensor}"]
+    experts = [(c.expert_degree, max(c.weight_elems, 1)) for _, c in weighted if c.expert_degree > 1]
+    if experts:
+        parts.append(f"expert {_weighted_mode(experts)[0]}")
     groups = plan.num_stages // plan.chunks
     if plan.num_stages > 1:
         parts.append(f"pipeline {groups}" + (f" × {plan.chunks} chunks" if plan.chunks > 1 else "")
                      + f" ({plan.schedule})")
     words = " × ".join(parts) + (" (mostly)" if share < 0.9 else "")
+    partial = sum(c.layout.partial for _, c in ops)
+    if partial:
+        words += f", deferred reductions (sequence parallel) on {partial} operators"
     zero, zshare = _weighted_mode([(c.state_stage, max(c.weight_elems, 1)) for _, c in weighted])
     if zero:
         words += f", {'FSDP (ZeRO-3)' if zero == 3 else f'ZeRO-{zero}'}" + (" (mostly)" if zshare < 0.9 else "")

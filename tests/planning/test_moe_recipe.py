@@ -140,3 +140,16 @@ def test_deepseek_v3_on_1024_h100_with_pipeline_4_and_expert_64():
     (bw, lat) = machine.level_links[1]
     assert st.operators["L20/moe/expert_in"].redistribution_seconds == pytest.approx(2 * (across / bw + lat),
                                                                                      rel=1e-12)
+
+
+def test_recipe_words_name_the_expert_and_sequence_parallel_degrees():
+    from shardplan.report.summary import recipe_words
+
+    m = preset("h100", 16)
+    words = recipe_words(cost_recipe("mixtral-tiny", m, "tp=2,ep=4"))
+    assert words.startswith("data 8 × tensor 2 × expert 4,"), words
+    words = recipe_words(cost_recipe("mixtral-tiny", m, "tp=2"))
+    assert words.startswith("data 8 × tensor 2,") and "expert" not in words, words
+    words = recipe_words(cost_recipe("gpt3-350m", m, "tp=8,sp=true", batch=16))
+    assert words.startswith("data 2 × tensor 8, deferred reductions (sequence parallel) on "), words
+    assert "deferred" not in recipe_words(cost_recipe("gpt3-350m", m, "tp=8", batch=16))
