@@ -355,6 +355,22 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     if space.uniform:
         stage_counts = [s for s in stage_counts if p % s == 0 and p // s in sizes]
 
+    # best_from(a, o, r, q) of the stage DP does not depend on the stage count asked for, only on the bound, the
+    # pool's costs and the pass: one memo serves every stage count at a bound (uniform pipelines excepted: there
+    # the sizes a DP may use depend on the count)
+    memos: dict[tuple[float, int, bool], dict] = {}
+
+    def memo_of(bound: float) -> dict | None:
+        if space.uniform:
+            return None
+        key = (bound, pool.version, bounding[0])
+        if key not in memos:
+            keep = {k: v for k, v in memos.items() if k[0] == math.inf and k[1:] == key[1:]}
+            memos.clear()
+            memos.update(keep)  # the unbounded DP's memo (the floors) and the latest bound's
+            memos[key] = {}
+        return memos[key]
+
     def solve_bound(bound: float, n_stages: int, q_fixed: int | None) -> tuple[float, list] | None:
         def stage(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
             k = float(min(r, m))
@@ -380,7 +396,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             return lk if _links_ok(lk, bound) else None
 
         return _stage_dp(space, n_stages, [q_fixed] if q_fixed is not None else list(sizes), stage,
-                         between if exchange is None else None, stats, "dp_states")
+                         between if exchange is None else None, stats, "dp_states", memo_of(bound))
 
     def optimum(start: float) -> PipelinePlan | None:
         """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages):
@@ -462,16 +478,19 @@ _BREAK = object()  # a stage callback's answer: this extent and every longer one
 def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
               stage: Callable[[int, int, int, int, int], "float | None | object"],
               between: Callable[[int, int, int, int], float | None] | None, stats: dict,
-              counter: str) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+              counter: str, memo: dict | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least sum of stage values over pipelines of n placed stages tiling the machine in order: a DP over
     (first unit, first device, stages left, first stage's size). ``stage(a, b, o, q, r)``: the value of units [a,
     b) on the q devices from o with r stages left (itself included), None if not allowed, ``_BREAK`` if no
     longer extent from a is either; ``between(b, o, q, q2)``: the one-way seconds across the cut before unit b
     to a next stage of q2 devices, charged twice (None: not allowed); None when every cut is charged by the
-    stages. Returns the least value and the stages (first, end, offset, devices), or None."""
+    stages. Returns the least value and the stages (first, end, offset, devices), or None. ``memo``: a table of
+    earlier calls with the same ``stage``, ``between`` and ``qs`` (any n), shared: a state's value does not
+    depend on n."""
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
-    memo: dict[tuple[int, int, int, int], tuple[float, tuple | None]] = {}
+    if memo is None:
+        memo = {}
 
     def best_from(a: int, o: int, r: int, q: int) -> tuple[float, tuple | None]:
         key = (a, o, r, q)
@@ -802,6 +821,7 @@ class _StagePool:
         self.plain_costs: dict[tuple[int, int, int], StageCost | None] = {}
         self.fitted: dict[tuple[int, int, int, float], StageCost | None] = {}
         self.lazy = fit_fn is not None
+        self.version = 0  # counts the solves that changed a cost (a DP's memo is valid for one version)
 
     def plain(self, a: int, b: int, q: int) -> StageCost | None:
         key = (a, b, q)
@@ -829,6 +849,8 @@ class _StagePool:
     def resolve(self, key: tuple[int, int, int, float]) -> None:
         a, b, q, k = key
         got = self.fit_fn(a, b, q, self.m, int(k), self.budget)  # type: ignore[misc]
+        if self.lazy:
+            self.version += 1  # a stand-in replaced (an eager solve fills a cost first asked for: no change)
         self.stats["fit_evaluations"] = self.stats.get("fit_evaluations", 0) + 1
         self.fitted[key] = got
         if got is not None and self.on_new is not None:
