@@ -57,11 +57,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         end()
         _log(line)
 
-    result = plan(args.model, machine, batch=batch, sizes=parse_sizes(args.set), budget=budget, fit=args.fit,
-                  stages=STAGE_CHOICES[args.stages],
-                  micro_batches=int_list(args.micro_batches, "--micro-batches") or None, schedules=schedules,
-                  interleave=interleave, max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto",
-                  log=log, progress=write)
+    try:
+        result = plan(args.model, machine, batch=batch, sizes=parse_sizes(args.set), budget=budget, fit=args.fit,
+                      stages=STAGE_CHOICES[args.stages],
+                      micro_batches=int_list(args.micro_batches, "--micro-batches") or None, schedules=schedules,
+                      interleave=interleave, max_stages=args.max_stages, cutoff=args.cutoff,
+                      orders=args.orders or "auto", log=log, progress=write)
+    except KeyboardInterrupt:
+        end()
+        _log("interrupted before any plan was found")
+        return 130
     end()
     if result.stats.get("interrupted"):
         _log("interrupted: the best plan found so far, with what the finished parts of the search proved")
