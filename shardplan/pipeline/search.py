@@ -529,6 +529,7 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     if memo is None:
         memo = {}
+    q_min = min(qs)
 
     def best_from(a: int, o: int, r: int, q: int) -> tuple[float, tuple | None]:
         key = (a, o, r, q)
@@ -539,7 +540,8 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         if tick is not None and not count & 0x3FFF:
             tick()
         best_v, best_arg = math.inf, None
-        if _placeable(o, q, p, ns) and (r > 1 or o + q == p):
+        # the r - 1 stages after this one need at least (r - 1) q_min devices: no stage is asked for otherwise
+        if _placeable(o, q, p, ns) and (r > 1 or o + q == p) and o + q + (r - 1) * q_min <= p:
             for b in ([U] if r == 1 else range(a + 1, U - r + 2)):
                 here = stage(a, b, o, q, r)
                 if here is _BREAK:
@@ -550,17 +552,35 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
                     if here < best_v:  # type: ignore[operator]
                         best_v, best_arg = here, (b, None)
                     continue
+                if between is None:
+                    # no charge between the stages: the rest is the best over its first size, memoised apart
+                    rest, q2 = best_any(b, o + q, r - 1)
+                    if here + rest < best_v:  # type: ignore[operator]
+                        best_v, best_arg = here + rest, (b, q2)  # type: ignore[operator]
+                    continue
                 for q2 in qs:
-                    lk = 0.0
-                    if between is not None:
-                        lk = between(b, o, q, q2)  # type: ignore[assignment]
-                        if lk is None:
-                            continue
+                    lk = between(b, o, q, q2)
+                    if lk is None:
+                        continue
                     rest, _ = best_from(b, o + q, r - 1, q2)
                     if here + 2 * lk + rest < best_v:  # type: ignore[operator]
                         best_v, best_arg = here + 2 * lk + rest, (b, q2)  # type: ignore[operator]
         memo[key] = (best_v, best_arg)  # type: ignore[assignment]
         return memo[key]
+
+    def best_any(a: int, o: int, r: int) -> tuple[float, int | None]:
+        """min over the first stage's size q of best_from(a, o, r, q), and the first q attaining it."""
+        key = (a, o, r)
+        hit = memo.get(key)
+        if hit is None:
+            best_v, best_q = math.inf, None
+            if o + r * q_min <= p:  # r stages need at least r q_min more devices
+                for q2 in qs:
+                    v = best_from(a, o, r, q2)[0]
+                    if v < best_v:
+                        best_v, best_q = v, q2
+            memo[key] = hit = (best_v, best_q)
+        return hit
 
     best_v, start = math.inf, None
     for q in qs:
