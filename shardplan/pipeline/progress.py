@@ -16,7 +16,10 @@ import sys
 import time
 from typing import Any, Callable, TextIO
 
-__all__ = ["Progress", "terminal_writer", "format_seconds"]
+__all__ = ["Progress", "terminal_writer", "format_seconds", "INTERVAL"]
+
+INTERVAL = 2.0
+"""Seconds between two progress lines by default (the first comes one interval after the start)."""
 
 
 def format_seconds(x: float) -> str:
@@ -25,7 +28,8 @@ def format_seconds(x: float) -> str:
 
 
 class Progress:
-    """Where a search stands, reported every ``interval`` seconds of wall time (module docstring).
+    """Where a search stands, reported every ``interval`` seconds of wall time (default :data:`INTERVAL`; module
+    docstring).
 
     Attributes:
         phase: what is being searched now (e.g. ``"zb-h1 m=8"``).
@@ -35,9 +39,10 @@ class Progress:
         ticks: ticks so far.
     """
 
-    def __init__(self, report: Callable[[str], None] | None = None, interval: float = 2.0,
+    def __init__(self, report: Callable[[str], None] | None = None, interval: float | None = None,
                  on_tick: Callable[[int], None] | None = None, clock: Callable[[], float] = time.perf_counter):
-        self.report, self.interval, self.on_tick, self.clock = report, float(interval), on_tick, clock
+        self.report, self.on_tick, self.clock = report, on_tick, clock
+        self.interval = float(INTERVAL if interval is None else interval)
         self.phase, self.detail = "", ""
         self.done, self.total = 0, 0
         self.incumbent = math.inf
@@ -45,7 +50,7 @@ class Progress:
         self.bound = math.inf
         self.ticks = 0
         self.started = clock()
-        self._last = -math.inf
+        self._last = self.started  # a search shorter than one interval prints nothing
 
     def part(self, phase: str, detail: str = "") -> None:
         """A new part of the search starts."""

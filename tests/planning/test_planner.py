@@ -169,8 +169,11 @@ def test_cli_plan_interrupted_before_any_plan_exits_130(monkeypatch, capsys):
     assert err.strip().splitlines()[-1] == "interrupted before any plan was found"
 
 
-def test_cli_plan_writes_progress_lines(capsys):
-    # 2 nodes of h100: the pipeline search runs and reports its first part at once (the first tick reports)
+def test_cli_plan_writes_progress_lines(capsys, monkeypatch):
+    import shardplan.pipeline.progress
+
+    # 2 nodes of h100: the pipeline search runs; with no interval between lines every tick reports
+    monkeypatch.setattr(shardplan.pipeline.progress, "INTERVAL", 0.0)
     assert main(["plan", "--model", "gpt", "--set", "layers=2", "--batch", "8", "-p", "16", "--machine", "h100",
                  "--micro-batches", "1,2"]) == 0
     err = capsys.readouterr().err
