@@ -390,21 +390,33 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     # best_from(a, o, r, q) of the stage DP does not depend on the stage count asked for, only on the bound, the
     # pool's costs and the pass: one memo serves every stage count at a bound (uniform pipelines excepted: there
     # the sizes a DP may use depend on the count)
-    memos: dict[tuple[float, int, bool], dict] = {}
+    # (the DP's memo, the stage values by what they depend on) per (bound, pool version, pass)
+    memos: dict[tuple[float, int, bool], tuple[dict | None, dict]] = {}
 
-    def memo_of(bound: float) -> dict | None:
+    def memo_of(bound: float) -> tuple[dict | None, dict]:
         if space.uniform:
-            return None
+            return None, {}
         key = (bound, pool.version, bounding[0])
         if key not in memos:
             keep = {k: v for k, v in memos.items() if k[0] == math.inf and k[1:] == key[1:]}
             memos.clear()
             memos.update(keep)  # the unbounded DP's memo (the floors) and the latest bound's
-            memos[key] = {}
+            memos[key] = ({}, {})
         return memos[key]
 
     def solve_bound(bound: float, n_stages: int, q_fixed: int | None) -> tuple[float, list] | None:
+        memo, values = memo_of(bound)
+
         def stage(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
+            # a stage's value depends on its offset only through whether its cuts cross a node, and on the
+            # stages left only through its in-flight count and whether it is the last
+            key = (a, b, q, min(r, m), r == 1, o % ns == 0, (o + q) % ns == 0)
+            got = values.get(key, _UNSEEN)
+            if got is _UNSEEN:
+                got = values[key] = stage_value(a, b, o, q, r)
+            return got
+
+        def stage_value(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
             k = float(min(r, m))
             c = effective(a, b, q, k)
             if c is None or c.memory(k) > budget:
@@ -428,7 +440,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             return lk if _links_ok(lk, bound) else None
 
         return _stage_dp(space, n_stages, [q_fixed] if q_fixed is not None else list(sizes), stage,
-                         between if exchange is None else None, stats, "dp_states", memo_of(bound), pool.tick)
+                         between if exchange is None else None, stats, "dp_states", memo, pool.tick)
 
     def optimum(start: float) -> PipelinePlan | None:
         """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages):
@@ -510,6 +522,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
 
 
 _BREAK = object()  # a stage callback's answer: this extent and every longer one are out
+_UNSEEN = object()  # not in a cache
 
 
 def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
