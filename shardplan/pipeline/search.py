@@ -449,23 +449,42 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         # D(inf) per stage count (a lower bound of every D(B)); the stages and links it visits are every one that
         # can occur, so their times are the candidate bottleneck values
         floors = {}
+        # the floor's own optimum P_n, when it is a real pipeline (no stand-in), dominates every bound from its
+        # largest time M_n up (docs/pipeline.md, *The floor's own pipeline*): only bounds below M_n are queued
+        caps: dict[int, float] = {}
+        best: PipelinePlan | None = None
+        best_t = start
         for n_stages in stage_counts:
             progress.tick(f"stage count {n_stages} of {stage_counts[-1] if stage_counts else 0}: least sum")
             unbounded = solve_bound(math.inf, n_stages, p // n_stages if space.uniform else None)
             if unbounded is not None:
                 floors[n_stages] = unbounded[0]
-        heap: list[tuple[float, int, float]] = [(fl + (m - 1) * v, n, v) for v in seen for n, fl in floors.items()]
+                if bounding[0]:
+                    continue
+                own = _assemble(unbounded[1], cost, m, space, link_fn, exchange, fitted=fitted)
+                if any(s.cost.detail is _PENDING for s in own.stages):
+                    continue
+                caps[n_stages] = 0.0 if m == 1 else max([s.cost.time for s in own.stages] + list(own.links)
+                                                        + list(own.back_links or ()))
+                if own.step_time < best_t:
+                    best, best_t = own, own.step_time
+                    progress.improved(best_t, own)
+
+        def queued(n: int, v: float) -> bool:
+            return v < caps.get(n, math.inf)
+
+        heap: list[tuple[float, int, float]] = [(fl + (m - 1) * v, n, v) for v in seen for n, fl in floors.items()
+                                                if queued(n, v)]
         heapq.heapify(heap)
         fresh.clear()
 
         def push_new() -> None:
             for v in fresh:
                 for n, fl in floors.items():
-                    heapq.heappush(heap, (fl + (m - 1) * v, n, v))
+                    if queued(n, v):
+                        heapq.heappush(heap, (fl + (m - 1) * v, n, v))
             fresh.clear()
 
-        best: PipelinePlan | None = None
-        best_t = start
         while heap:
             lb, n_stages, bound = heapq.heappop(heap)
             if lb >= best_t:
