@@ -127,7 +127,7 @@ def run_row(name: str, spec: dict[str, Any], grace: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    ap.add_argument("--grace", type=float, default=45.0, help="seconds after SIGINT before SIGKILL")
+    ap.add_argument("--grace", type=float, default=90.0, help="seconds after SIGINT before SIGKILL")
     ap.add_argument("--out", default="benchmarks/results/scale_pipeline.json")
     args = ap.parse_args(argv)
     rows = []

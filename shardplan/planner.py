@@ -302,6 +302,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s)")
     searched, why = _wants_stages(stages, graph, build, machine)
     interrupted = False
+    lost_pipeline: tuple[float, float | None] | None = None  # (step, lower bound) of a pipeline slower than one program
     if searched:
         from shardplan.pipeline.api import pipeline_solve
         from shardplan.pipeline.progress import Progress
@@ -318,7 +319,12 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                                  interleave=tuple(interleave), schedules=tuple(schedules),
                                  budget=limit if constrained else float("inf"), memory_choices=constrained, cutoff=cutoff,
                                  orders=orders, progress=tracker)
-            candidates.append(from_pipeline(res, model=name))
+            if candidates and res.plan.step_time >= candidates[0].step_time / (1 + 1e-9):
+                # the one program wins (ties included): its bound and step are all the pipeline adds, and its
+                # stage plans (re-solved where a run of blocks was costed by extension) are not built
+                lost_pipeline = (res.plan.step_time, res.plan.lower_bound)
+            else:
+                candidates.append(from_pipeline(res, model=name))
             interrupted = bool(res.plan.stats.get("interrupted"))
             say(f"  pipelines: {res.plan.step_time:.6g} s per step ({time.perf_counter() - t1:.1f} s)"
                 + (", interrupted" if interrupted else ""))
@@ -339,12 +345,15 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     # on a tie (relative 1e-9: rounding) the one program wins, the simpler plan to run
     best = next(p for p in candidates if p.step_time <= least * (1 + 1e-9))
     bounds = [p.lower_bound for p in candidates] + ([0.0] if interrupted else [])
+    if lost_pipeline is not None:
+        bounds.append(lost_pipeline[1])
     lower = None if any(b is None for b in bounds) else min(bounds)  # type: ignore[type-var]
     stats = dict(best.stats)
     stats.update(plan_seconds=time.perf_counter() - t0, stages_searched=searched, stages_reason=why,
                  interrupted=interrupted,
-                 compared={("pipeline" if p.solver == "pipeline" else "one program"): p.step_time
-                             for p in candidates},
+                 compared={**{("pipeline" if p.solver == "pipeline" else "one program"): p.step_time
+                              for p in candidates},
+                           **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None else {})},
                  refused=refusals)
     return replace(best, lower_bound=lower, stats=stats)
 
