@@ -228,7 +228,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
          stages: Any = "auto", micro_batches: Sequence[int] | None = None,
          schedules: Sequence[str] = ("1f1b", "zb-h1"), interleave: Sequence[int] = (),
          max_stages: int | None = None, fit_options: Any = None, cutoff: int | None = None, orders: str = "auto",
-         solver: str = "dp", log: Callable[[str], None] | None = None) -> Plan:
+         solver: str = "dp", log: Callable[[str], None] | None = None, progress: Any = None) -> Plan:
     """The fastest plan of ``model`` on ``machine`` that fits in each device's memory.
 
     Args:
@@ -243,6 +243,10 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         schedules, interleave, max_stages: the pipeline space (:func:`shardplan.pipeline.api.pipeline_solve`).
         fit_options: :class:`shardplan.fit.FitOptions` (its micro-batch counts default to ``micro_batches``).
         log: called with one line as each search starts and ends (the command line writes them to stderr).
+        progress: the pipeline search's progress: a :class:`~shardplan.pipeline.progress.Progress`, or a callable
+            given a line (phase, parts done, incumbent, bound) every 2 s. Ctrl-C (a :class:`KeyboardInterrupt`)
+            during the pipeline search returns the best plan found so far, its lower bound what the finished
+            parts proved (0 while a part is unfinished) and ``stats["interrupted"]`` True.
         cutoff, orders, solver: the per-operator search (:func:`shardplan.spmd.solve`); ``cutoff`` defaults to
             the zoo model's recommended one, else 1.
 
@@ -299,8 +303,15 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     if candidates:
         say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s)")
     searched, why = _wants_stages(stages, graph, build, machine)
+    interrupted = False
+    lost_pipeline: tuple[float, float | None] | None = None  # (step, lower bound) of a pipeline slower than one program
     if searched:
         from shardplan.pipeline.api import pipeline_solve
+        from shardplan.pipeline.progress import Progress
+
+        tracker = progress if isinstance(progress, Progress) else Progress(progress)
+        if candidates:
+            tracker.improved(candidates[0].step_time)
 
         t1 = time.perf_counter()
         say(f"pipelines ({why}): micro-batch counts {', '.join(map(str, ms))}, schedules {', '.join(schedules)}")
@@ -309,24 +320,42 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             res = pipeline_solve(build, batch, machine, micro_batches=ms, max_stages=max_stages,
                                  interleave=tuple(interleave), schedules=tuple(schedules),
                                  budget=limit if constrained else float("inf"), memory_choices=constrained, cutoff=cutoff,
-                                 orders=orders)
-            candidates.append(from_pipeline(res, model=name))
-            say(f"  pipelines: {res.plan.step_time:.6g} s per step ({time.perf_counter() - t1:.1f} s)")
+                                 orders=orders, progress=tracker)
+            if candidates and res.plan.step_time >= candidates[0].step_time / (1 + 1e-9):
+                # the one program wins (ties included): its bound and step are all the pipeline adds, and its
+                # stage plans (re-solved where a run of blocks was costed by extension) are not built
+                lost_pipeline = (res.plan.step_time, res.plan.lower_bound)
+            else:
+                candidates.append(from_pipeline(res, model=name))
+            interrupted = bool(res.plan.stats.get("interrupted"))
+            say(f"  pipelines: {res.plan.step_time:.6g} s per step ({time.perf_counter() - t1:.1f} s)"
+                + (", interrupted" if interrupted else ""))
         except ShardplanError as e:
             if type(e) is not ShardplanError:
                 raise
             refusals.append(f"pipelines: {e}")
+        except KeyboardInterrupt:
+            if not candidates:
+                raise
+            # no pipeline found before the interrupt: the one program, and nothing proven of the pipelines
+            interrupted = True
+            refusals.append("pipelines: interrupted before a pipeline was found")
+            say(f"  pipelines: interrupted before a pipeline was found ({time.perf_counter() - t1:.1f} s)")
     if not candidates:
         raise ShardplanError("no plan fits: " + "; ".join(refusals))
     least = min(p.step_time for p in candidates)
     # on a tie (relative 1e-9: rounding) the one program wins, the simpler plan to run
     best = next(p for p in candidates if p.step_time <= least * (1 + 1e-9))
-    bounds = [p.lower_bound for p in candidates]
+    bounds = [p.lower_bound for p in candidates] + ([0.0] if interrupted else [])
+    if lost_pipeline is not None:
+        bounds.append(lost_pipeline[1])
     lower = None if any(b is None for b in bounds) else min(bounds)  # type: ignore[type-var]
     stats = dict(best.stats)
     stats.update(plan_seconds=time.perf_counter() - t0, stages_searched=searched, stages_reason=why,
-                 compared={("pipeline" if p.solver == "pipeline" else "one program"): p.step_time
-                             for p in candidates},
+                 interrupted=interrupted,
+                 compared={**{("pipeline" if p.solver == "pipeline" else "one program"): p.step_time
+                              for p in candidates},
+                           **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None else {})},
                  refused=refusals)
     return replace(best, lower_bound=lower, stats=stats)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from shardplan.cli.options import (add_machine, add_model, cutoff_of, int_list, int_option, machine_of,
@@ -15,6 +16,7 @@ __all__ = ["add_parser", "cmd_pipeline"]
 def cmd_pipeline(args: argparse.Namespace) -> int:
     from shardplan.models import model_spec
     from shardplan.pipeline.api import pipeline_solve
+    from shardplan.pipeline.progress import Progress, terminal_writer
     from shardplan.planner import from_pipeline
     from shardplan.report.pipeline import draw_timeline, render_pipeline
 
@@ -28,6 +30,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
         raise ShardplanError(f"--fit-rtol must be in [0, 1), got {args.fit_rtol!r}")
     if args.timeline and not args.timeline.lower().endswith((".png", ".svg")):
         raise ShardplanError(f"--timeline must end in .png or .svg, got {args.timeline!r}")
+    write, end = terminal_writer()
     result = pipeline_solve(lambda b: spec.build(b, **sizes), batch, machine,
                             micro_batches=micro_batch_counts(args.micro_batches, batch),
                             max_stages=args.max_stages, uniform=args.uniform,
@@ -35,7 +38,11 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
                             sizes=int_list(args.sizes, "--sizes") or None,
                             schedules=("1f1b", "interleaved") + (("zb-h1",) if args.zero_bubble else ()),
                             memory_choices=args.memory_choices, fit_rtol=args.fit_rtol,
-                            fit_time_limit=args.fit_time_limit, **opts)
+                            fit_time_limit=args.fit_time_limit, progress=Progress(write), **opts)
+    end()
+    if result.plan.stats.get("interrupted"):
+        print("interrupted: the best plan found so far, with what the finished parts of the search proved",
+              file=sys.stderr)
     print(render_pipeline(result))
     if args.json:
         write_text(args.json, from_pipeline(result).to_json() + "\n")

@@ -1,6 +1,7 @@
 """``shardplan plan``: the one planning command (layouts, memory choices and stages searched together).
 
-It calls :func:`shardplan.planner.plan` with the options below and prints the one report
+It calls :func:`shardplan.planner.plan` with the options below (progress every 2 s on stderr, one line rewritten
+in place on a terminal; Ctrl-C during the pipeline search prints the best plan so far) and prints the one report
 (:func:`shardplan.report.summary.render_plan`); ``--json`` writes the plan that ``Plan.from_json`` loads.
 ``--recipe`` costs a configuration written as practitioners write it (:func:`shardplan.recipe.cost_recipe`,
 before the search, so a recipe that is not expressible fails at once) and the report states how the plan
@@ -48,11 +49,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
         batch = batch if batch is not None else recipe.gbs
         against = cost_recipe(args.model, machine, recipe, batch=batch, sizes=parse_sizes(args.set) or None)
         batch = against.batch
-    result = plan(args.model, machine, batch=batch, sizes=parse_sizes(args.set), budget=budget, fit=args.fit,
-                  stages=STAGE_CHOICES[args.stages],
-                  micro_batches=int_list(args.micro_batches, "--micro-batches") or None, schedules=schedules,
-                  interleave=interleave, max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto",
-                  log=_log)
+    from shardplan.pipeline.progress import terminal_writer
+
+    write, end = terminal_writer()
+
+    def log(line: str) -> None:
+        end()
+        _log(line)
+
+    try:
+        result = plan(args.model, machine, batch=batch, sizes=parse_sizes(args.set), budget=budget, fit=args.fit,
+                      stages=STAGE_CHOICES[args.stages],
+                      micro_batches=int_list(args.micro_batches, "--micro-batches") or None, schedules=schedules,
+                      interleave=interleave, max_stages=args.max_stages, cutoff=args.cutoff,
+                      orders=args.orders or "auto", log=log, progress=write)
+    except KeyboardInterrupt:
+        end()
+        _log("interrupted before any plan was found")
+        return 130
+    end()
+    if result.stats.get("interrupted"):
+        _log("interrupted: the best plan found so far, with what the finished parts of the search proved")
     print(render_plan(result, operators=args.operators, compare=against))
     if against is not None:
         print(f"Recipe compared: {against.stats['recipe']} ({against.solver}, costed by the same model)")

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph
 from shardplan.machine import Machine
+from shardplan.pipeline.progress import Progress
 from shardplan.pipeline.schedule import simulate, step_time
 from shardplan.pipeline.search import PipelinePlan, PipelineSpace, search_pipeline
 from shardplan.pipeline.stages import ModelStages
@@ -79,7 +80,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                    interleave: Sequence[int] = (), schedules: Sequence[str] = ("1f1b", "interleaved"),
                    budget: float | None = None, periodic: bool = True, sizes: Sequence[int] | None = None,
                    memory_choices: bool = False, fallback: Callable[[Any], Any] | None = None,
-                   fit_rtol: float = 1e-9, fit_time_limit: float = 60.0, **solve_options: Any) -> PipelineResult:
+                   fit_rtol: float = 1e-9, fit_time_limit: float = 60.0, progress: Progress | None = None,
+                   **solve_options: Any) -> PipelineResult:
     """The optimal pipeline (stages, sub-meshes, m, schedule) of the model ``build(batch)`` on ``machine``.
 
     ``budget`` defaults to the machine's memory per device; micro-batch counts that do not divide
@@ -93,7 +95,10 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     ``fallback``: instead, such a stage takes the fixed rule ``fallback(tables) -> configs`` (e.g. Megatron's
     layouts, :func:`shardplan.baselines.megatron`, on tables with ``node_replicas``) when that fits: a
     heuristic, fast stand-in for the memory-constrained optimum, so the search covers the rule's pipelines
-    but is exact only over "time-optimal stage, else the rule's". Other keyword arguments go to each intra-stage :func:`shardplan.solve`.
+    but is exact only over "time-optimal stage, else the rule's". ``progress``
+    (:class:`~shardplan.pipeline.progress.Progress`) hears where the search stands; Ctrl-C (a
+    :class:`KeyboardInterrupt`) returns the best plan so far with its proven gap (:func:`search_pipeline`).
+    Other keyword arguments go to each intra-stage :func:`shardplan.solve`.
     """
     t0 = time.perf_counter()
     batch, micro_batches, max_stages, budget, sizes = _checked(batch, micro_batches, max_stages, budget, sizes,
@@ -126,7 +131,7 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
             return tuple(cs) if fits else None
 
     plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules, exchange=stages.exchange_time,
-                           fit_fn=fit_fn, group_fit_fn=group_fit_fn)
+                           fit_fn=fit_fn, group_fit_fn=group_fit_fn, progress=progress)
     plan.stats["intra_stage_solves"] = stages.solves
     if memory_choices:
         plan.stats["fit_unproven"] = stages.fit_unproven

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from shardplan.errors import ShardplanError
+from shardplan.pipeline.progress import Progress
 from shardplan.pipeline.schedule import StageTimes, in_flight, step_time
 
 __all__ = ["StageCost", "PipelineSpace", "Stage", "PipelinePlan", "submesh_sizes", "search_pipeline",
@@ -230,7 +231,7 @@ def _links_ok(a: float, bound: float) -> bool:
 def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
                     exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None,
-                    group_fit_fn: GroupFitFn | None = None) -> PipelinePlan:
+                    group_fit_fn: GroupFitFn | None = None, progress: Progress | None = None) -> PipelinePlan:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -239,8 +240,15 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     budget)``: a stage's memory-constrained optimum with k micro-batches in flight, used (1F1B, ZB-H1) where
     the time-optimal one does not fit. ``group_fit_fn(chunks, q, m, k, budget)``: an interleaved device
     group's joint memory-constrained optimum (one cost per chunk), likewise. The answer's ``lower_bound`` is
-    a proven lower bound of the optimum over the space (module docstring, *Lower bound*)."""
+    a proven lower bound of the optimum over the space (module docstring, *Lower bound*).
+
+    ``progress`` hears of each part (a schedule family at one m), of the plans found and of the inner loops'
+    steps (:class:`~shardplan.pipeline.progress.Progress`). A :class:`KeyboardInterrupt` (Ctrl-C, or raised by
+    a progress callback) stops the search: the best plan found so far is returned, its ``lower_bound`` the
+    least bound of the parts finished, 0 when some part is not (nothing is proven there), and
+    ``stats["interrupted"]`` is True; with no plan found yet the interrupt propagates."""
     t0 = time.perf_counter()
+    progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
     lower = math.inf  # the least proven lower bound of the parts of the space explored so far
     stats: dict[str, Any] = {"candidates": 0, "dp_states": 0, "stage_evaluations": 0}
@@ -250,6 +258,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
         lower = min(lower, lb)
         if cand is not None and (best is None or cand.step_time < best.step_time * (1 - strict)):
             best = cand
+            progress.improved(cand.step_time, cand)
+        progress.finished(lb)
 
     family: dict[str, float] = {}  # per schedule family: the least proven lower bound over its part of the space
 
@@ -257,40 +267,61 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
         family[name] = min(family.get(name, math.inf), lb)
         return lb
 
-    for m in sorted(set(int(x) for x in space.micro_batches)):
-        cache: dict[int, list[float]] = {}
+    ms = sorted(set(int(x) for x in space.micro_batches))
+    progress.total += len(ms) * (("zb-h1" in schedules) + ("1f1b" in schedules)
+                                 + ("interleaved" in schedules) * len(space.interleave))
+    tick = progress.tick
+    interrupted = False
+    try:
+        for m in ms:
+            cache: dict[int, list[float]] = {}
 
-        def units(q: int, m: int = m, cache: dict = cache) -> list[float]:
-            if q not in cache:
-                cache[q] = _unit_seconds(space, stage_fn, m, q)
-            return cache[q]
+            def units(q: int, m: int = m, cache: dict = cache) -> list[float]:
+                if q not in cache:
+                    cache[q] = _unit_seconds(space, stage_fn, m, q)
+                return cache[q]
 
-        if "zb-h1" in schedules:
-            # first: its optimum is the best incumbent for the others. One stage is 1F1B's when that is searched
-            found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
-                                      best.step_time if best else math.inf, stats, units,
-                                      first_stages=2 if "1f1b" in schedules else 1)
-            take(found, note("zb-h1", lb))
-        if "1f1b" in schedules:
-            found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf,
-                                     exchange, fit_fn)
-            take(found, note("1f1b", lb), strict=1e-12)
-        if "interleaved" in schedules:
-            for v in space.interleave:
-                found, lb = _search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
-                                                best.step_time if best else math.inf, stats, units)
-                take(found, note("interleaved", lb))
+            if "zb-h1" in schedules:
+                # first: its optimum is the best incumbent for the others. One stage is 1F1B's when that is searched
+                progress.part(f"pipelines zb-h1 m={m}")
+                found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
+                                          best.step_time if best else math.inf, stats, units,
+                                          first_stages=2 if "1f1b" in schedules else 1, progress=progress)
+                take(found, note("zb-h1", lb))
+            if "1f1b" in schedules:
+                progress.part(f"pipelines 1f1b m={m}")
+                found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf,
+                                         exchange, fit_fn, progress=progress)
+                take(found, note("1f1b", lb), strict=1e-12)
+            if "interleaved" in schedules:
+                for v in space.interleave:
+                    progress.part(f"pipelines interleaved v={v} m={m}")
+                    found, lb = _search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
+                                                    best.step_time if best else math.inf, stats, units, tick=tick)
+                    take(found, note("interleaved", lb))
+    except KeyboardInterrupt:
+        # the best plan so far; the parts not finished prove nothing: the bound is 0 (module docstring)
+        got = progress.plan
+        if isinstance(got, PipelinePlan) and (best is None or got.step_time < best.step_time):
+            best = got
+        if best is None:
+            raise
+        interrupted = True
+        if progress.done < progress.total:
+            lower = 0.0
     if best is None:
         raise ShardplanError("no pipeline fits: every stage cut and sub-mesh exceeds the memory budget "
                              "(or no stage can be costed)")
     stats["solve_seconds"] = time.perf_counter() - t0
     stats["family_lower_bounds"] = {k: v for k, v in family.items() if math.isfinite(v)}  # inf: nothing in it
+    stats["interrupted"] = interrupted
+    stats["parts_done"], stats["parts_total"] = progress.done, progress.total
     return replace(best, stats={**best.stats, **stats}, lower_bound=min(lower, best.step_time))
 
 
 def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, stats: dict,
                  incumbent: float, exchange: ExchangeFn | None = None,
-                 fit_fn: FitFn | None = None) -> tuple[PipelinePlan | None, float]:
+                 fit_fn: FitFn | None = None, progress: Progress | None = None) -> tuple[PipelinePlan | None, float]:
     """The 1F1B optimum at m if below ``incumbent`` (else None), and a proven lower bound of the 1F1B optimum at
     m: rho min(incumbent, found), rho the least proven/found ratio of the memory-constrained stages solved
     (module docstring, *Lower bound*)."""
@@ -317,7 +348,8 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 for inter in (False, True):
                     see(_exchanged(exchange, x, inter))
 
-    pool = _StagePool(stage_fn, fit_fn, m, budget, stats, noticed)
+    progress = progress if progress is not None else Progress()
+    pool = _StagePool(stage_fn, fit_fn, m, budget, stats, noticed, progress.tick)
     cost, fitted = pool.plain, pool.fitted
 
     def effective(a: int, b: int, q: int, k: float) -> StageCost | None:
@@ -355,8 +387,36 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     if space.uniform:
         stage_counts = [s for s in stage_counts if p % s == 0 and p // s in sizes]
 
+    # best_from(a, o, r, q) of the stage DP does not depend on the stage count asked for, only on the bound, the
+    # pool's costs and the pass: one memo serves every stage count at a bound (uniform pipelines excepted: there
+    # the sizes a DP may use depend on the count)
+    # (the DP's memo, the stage values by what they depend on) per (bound, pool version, pass)
+    memos: dict[tuple[float, int, bool], tuple[dict | None, dict]] = {}
+
+    def memo_of(bound: float) -> tuple[dict | None, dict]:
+        if space.uniform:
+            return None, {}
+        key = (bound, pool.version, bounding[0])
+        if key not in memos:
+            keep = {k: v for k, v in memos.items() if k[0] == math.inf and k[1:] == key[1:]}
+            memos.clear()
+            memos.update(keep)  # the unbounded DP's memo (the floors) and the latest bound's
+            memos[key] = ({}, {})
+        return memos[key]
+
     def solve_bound(bound: float, n_stages: int, q_fixed: int | None) -> tuple[float, list] | None:
+        memo, values = memo_of(bound)
+
         def stage(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
+            # a stage's value depends on its offset only through whether its cuts cross a node, and on the
+            # stages left only through its in-flight count and whether it is the last
+            key = (a, b, q, min(r, m), r == 1, o % ns == 0, (o + q) % ns == 0)
+            got = values.get(key, _UNSEEN)
+            if got is _UNSEEN:
+                got = values[key] = stage_value(a, b, o, q, r)
+            return got
+
+        def stage_value(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
             k = float(min(r, m))
             c = effective(a, b, q, k)
             if c is None or c.memory(k) > budget:
@@ -380,7 +440,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             return lk if _links_ok(lk, bound) else None
 
         return _stage_dp(space, n_stages, [q_fixed] if q_fixed is not None else list(sizes), stage,
-                         between if exchange is None else None, stats, "dp_states")
+                         between if exchange is None else None, stats, "dp_states", memo, pool.tick)
 
     def optimum(start: float) -> PipelinePlan | None:
         """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages):
@@ -389,27 +449,49 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         # D(inf) per stage count (a lower bound of every D(B)); the stages and links it visits are every one that
         # can occur, so their times are the candidate bottleneck values
         floors = {}
+        # the floor's own optimum P_n, when it is a real pipeline (no stand-in), dominates every bound from its
+        # largest time M_n up (docs/pipeline.md, *The floor's own pipeline*): only bounds below M_n are queued
+        caps: dict[int, float] = {}
+        best: PipelinePlan | None = None
+        best_t = start
         for n_stages in stage_counts:
+            progress.tick(f"stage count {n_stages} of {stage_counts[-1] if stage_counts else 0}: least sum")
             unbounded = solve_bound(math.inf, n_stages, p // n_stages if space.uniform else None)
             if unbounded is not None:
                 floors[n_stages] = unbounded[0]
-        heap: list[tuple[float, int, float]] = [(fl + (m - 1) * v, n, v) for v in seen for n, fl in floors.items()]
+                if bounding[0]:
+                    continue
+                own = _assemble(unbounded[1], cost, m, space, link_fn, exchange, fitted=fitted)
+                if any(s.cost.detail is _PENDING for s in own.stages):
+                    continue
+                caps[n_stages] = 0.0 if m == 1 else max([s.cost.time for s in own.stages] + list(own.links)
+                                                        + list(own.back_links or ()))
+                if own.step_time < best_t:
+                    best, best_t = own, own.step_time
+                    progress.improved(best_t, own)
+
+        def queued(n: int, v: float) -> bool:
+            return v < caps.get(n, math.inf)
+
+        heap: list[tuple[float, int, float]] = [(fl + (m - 1) * v, n, v) for v in seen for n, fl in floors.items()
+                                                if queued(n, v)]
         heapq.heapify(heap)
         fresh.clear()
 
         def push_new() -> None:
             for v in fresh:
                 for n, fl in floors.items():
-                    heapq.heappush(heap, (fl + (m - 1) * v, n, v))
+                    if queued(n, v):
+                        heapq.heappush(heap, (fl + (m - 1) * v, n, v))
             fresh.clear()
 
-        best: PipelinePlan | None = None
-        best_t = start
         while heap:
             lb, n_stages, bound = heapq.heappop(heap)
             if lb >= best_t:
                 break  # every other candidate's lower bound is at least as large
             stats["candidates"] += 1
+            progress.tick(f"candidate {stats['candidates']}: {n_stages} stages, bottleneck {bound:.4g} s, "
+                          f"its floor {lb:.4g} s")
             got = solve_bound(bound, n_stages, p // n_stages if space.uniform else None)
             push_new()
             if got is None:
@@ -437,6 +519,8 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 continue
             if plan.step_time < best_t:
                 best, best_t = plan, plan.step_time
+                if not bounding[0]:
+                    progress.improved(best_t, plan)
         return best
 
     found = optimum(incumbent)
@@ -457,30 +541,39 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
 
 
 _BREAK = object()  # a stage callback's answer: this extent and every longer one are out
+_UNSEEN = object()  # not in a cache
 
 
 def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
               stage: Callable[[int, int, int, int, int], "float | None | object"],
               between: Callable[[int, int, int, int], float | None] | None, stats: dict,
-              counter: str) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+              counter: str, memo: dict | None = None,
+              tick: Callable[[], None] | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least sum of stage values over pipelines of n placed stages tiling the machine in order: a DP over
     (first unit, first device, stages left, first stage's size). ``stage(a, b, o, q, r)``: the value of units [a,
     b) on the q devices from o with r stages left (itself included), None if not allowed, ``_BREAK`` if no
     longer extent from a is either; ``between(b, o, q, q2)``: the one-way seconds across the cut before unit b
     to a next stage of q2 devices, charged twice (None: not allowed); None when every cut is charged by the
-    stages. Returns the least value and the stages (first, end, offset, devices), or None."""
+    stages. Returns the least value and the stages (first, end, offset, devices), or None. ``memo``: a table of
+    earlier calls with the same ``stage``, ``between`` and ``qs`` (any n), shared: a state's value does not
+    depend on n. ``tick`` is called every 2^14 states (progress, interruption)."""
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
-    memo: dict[tuple[int, int, int, int], tuple[float, tuple | None]] = {}
+    if memo is None:
+        memo = {}
+    q_min = min(qs)
 
     def best_from(a: int, o: int, r: int, q: int) -> tuple[float, tuple | None]:
         key = (a, o, r, q)
         hit = memo.get(key)
         if hit is not None:
             return hit
-        stats[counter] = stats.get(counter, 0) + 1
+        stats[counter] = count = stats.get(counter, 0) + 1
+        if tick is not None and not count & 0x3FFF:
+            tick()
         best_v, best_arg = math.inf, None
-        if _placeable(o, q, p, ns) and (r > 1 or o + q == p):
+        # the r - 1 stages after this one need at least (r - 1) q_min devices: no stage is asked for otherwise
+        if _placeable(o, q, p, ns) and (r > 1 or o + q == p) and o + q + (r - 1) * q_min <= p:
             for b in ([U] if r == 1 else range(a + 1, U - r + 2)):
                 here = stage(a, b, o, q, r)
                 if here is _BREAK:
@@ -491,17 +584,35 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
                     if here < best_v:  # type: ignore[operator]
                         best_v, best_arg = here, (b, None)
                     continue
+                if between is None:
+                    # no charge between the stages: the rest is the best over its first size, memoised apart
+                    rest, q2 = best_any(b, o + q, r - 1)
+                    if here + rest < best_v:  # type: ignore[operator]
+                        best_v, best_arg = here + rest, (b, q2)  # type: ignore[operator]
+                    continue
                 for q2 in qs:
-                    lk = 0.0
-                    if between is not None:
-                        lk = between(b, o, q, q2)  # type: ignore[assignment]
-                        if lk is None:
-                            continue
+                    lk = between(b, o, q, q2)
+                    if lk is None:
+                        continue
                     rest, _ = best_from(b, o + q, r - 1, q2)
                     if here + 2 * lk + rest < best_v:  # type: ignore[operator]
                         best_v, best_arg = here + 2 * lk + rest, (b, q2)  # type: ignore[operator]
         memo[key] = (best_v, best_arg)  # type: ignore[assignment]
         return memo[key]
+
+    def best_any(a: int, o: int, r: int) -> tuple[float, int | None]:
+        """min over the first stage's size q of best_from(a, o, r, q), and the first q attaining it."""
+        key = (a, o, r)
+        hit = memo.get(key)
+        if hit is None:
+            best_v, best_q = math.inf, None
+            if o + r * q_min <= p:  # r stages need at least r q_min more devices
+                for q2 in qs:
+                    v = best_from(a, o, r, q2)[0]
+                    if v < best_v:
+                        best_v, best_q = v, q2
+            memo[key] = hit = (best_v, best_q)
+        return hit
 
     best_v, start = math.inf, None
     for q in qs:
@@ -610,7 +721,8 @@ def interleaved_chunkings(num_units: int, chunks: int) -> list[tuple[tuple[int, 
 def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, v: int,
                         exchange: ExchangeFn | None = None, group_fit_fn: GroupFitFn | None = None,
                         incumbent: float = math.inf, stats: dict | None = None,
-                        units: Callable[[int], Sequence[float]] | None = None) -> tuple[PipelinePlan | None, float]:
+                        units: Callable[[int], Sequence[float]] | None = None,
+                        tick: Callable[..., None] | None = None) -> tuple[PipelinePlan | None, float]:
     """Interleaved 1F1B with v chunks over its space (module docstring): every group count S on equal sub-meshes
     with m a multiple of S, each chunking of :func:`interleaved_chunkings`. Returns the best candidate below
     ``incumbent`` (else None) and a proven lower bound of the family's optimum at (m, v): rho min(incumbent,
@@ -639,6 +751,8 @@ def _search_interleaved(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn
             stats["interleaved_pruned"] = stats.get("interleaved_pruned", 0) + 1
             continue
         for chunks in interleaved_chunkings(U, n * v):
+            if tick is not None:
+                tick(f"{n} device groups")
             got = [stage_fn(a, b, q, m) for a, b in chunks]
             if any(c is None for c in got):
                 continue
@@ -738,7 +852,7 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                   fit_fn: FitFn | None = None,
                   incumbent: float = math.inf, stats: dict | None = None,
                   units: Callable[[int], Sequence[float]] | None = None,
-                  first_stages: int = 1) -> tuple[PipelinePlan | None, float]:
+                  first_stages: int = 1, progress: Progress | None = None) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count ``first_stages`` <= S <= m
     (module docstring,
     *ZB-H1*) if below ``incumbent``, and a proven lower bound of it: each stage count whose family bound
@@ -766,7 +880,7 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
     def best_t() -> float:
         return min(incumbent, best.step_time if best is not None else math.inf)
 
-    pool = _StagePool(stage_fn, fit_fn, m, budget, stats)
+    pool = _StagePool(stage_fn, fit_fn, m, budget, stats, tick=None if progress is None else progress.tick)
     while True:
         lower = math.inf
         try:
@@ -776,7 +890,7 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                     lower = min(lower, m * floors[n])
                     continue
                 found, lb = _zb_branch_and_bound(pool, space, n, p // n if space.uniform else None, m, link_fn,
-                                                 exchange, floors[n], best_t(), stats)
+                                                 exchange, floors[n], best_t(), stats, progress)
                 lower = min(lower, lb)
                 if found is not None and found.step_time < best_t():
                     best = found
@@ -796,12 +910,15 @@ class _StagePool:
     memory-constrained)."""
 
     def __init__(self, stage_fn: StageFn, fit_fn: FitFn | None, m: int, budget: float, stats: dict,
-                 on_new: Callable[[StageCost, bool], None] | None = None) -> None:
+                 on_new: Callable[[StageCost, bool], None] | None = None,
+                 tick: Callable[..., None] | None = None) -> None:
         self.stage_fn, self.fit_fn, self.m, self.budget, self.stats = stage_fn, fit_fn, m, budget, stats
         self.on_new = on_new
+        self.tick: Callable[..., None] = tick if tick is not None else (lambda *_: None)
         self.plain_costs: dict[tuple[int, int, int], StageCost | None] = {}
         self.fitted: dict[tuple[int, int, int, float], StageCost | None] = {}
         self.lazy = fit_fn is not None
+        self.version = 0  # counts the solves that changed a cost (a DP's memo is valid for one version)
 
     def plain(self, a: int, b: int, q: int) -> StageCost | None:
         key = (a, b, q)
@@ -829,6 +946,8 @@ class _StagePool:
     def resolve(self, key: tuple[int, int, int, float]) -> None:
         a, b, q, k = key
         got = self.fit_fn(a, b, q, self.m, int(k), self.budget)  # type: ignore[misc]
+        if self.lazy:
+            self.version += 1  # a stand-in replaced (an eager solve fills a cost first asked for: no change)
         self.stats["fit_evaluations"] = self.stats.get("fit_evaluations", 0) + 1
         self.fitted[key] = got
         if got is not None and self.on_new is not None:
@@ -887,7 +1006,7 @@ def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, 
         return lk if lk <= hi else None
 
     return _stage_dp(space, n, [q_fixed] if q_fixed is not None else list(space.allowed_sizes()), stage,
-                     between if exchange is None else None, stats, "zb_dp_states")
+                     between if exchange is None else None, stats, "zb_dp_states", tick=pool.tick)
 
 
 def _relaxed_max(pool: _StagePool, segs: Sequence[tuple[int, int, int, int]], n: int, link_fn: LinkFn,
@@ -915,7 +1034,7 @@ ZB_TOL = 1e-12  # a box whose lower bound is within this relative distance of th
 
 def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, m: int,
                          link_fn: LinkFn, exchange: ExchangeFn | None, floor: float, incumbent: float,
-                         stats: dict) -> tuple[PipelinePlan | None, float]:
+                         stats: dict, progress: Progress | None = None) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum over every cut and sub-mesh sequence of n stages at m >= n, if below ``incumbent``
     (module docstring, *ZB-H1*): branch and bound over boxes of (M, W, Y) = (the largest stage or transfer time,
     the least W, the least Y). Returns the best plan found (None: none below ``incumbent``) and the least value
@@ -937,6 +1056,8 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
             break
         b_lo, b_hi, w_lo, w_hi, y_lo, y_hi = box
         stats["zb_boxes"] = stats.get("zb_boxes", 0) + 1
+        if progress is not None:
+            progress.tick(f"{n} stages: box {stats['zb_boxes']}, its bound {lb:.4g} s")
         got = _zb_dp(pool, space, n, q_fixed, link_fn, exchange, b_hi, w_lo, y_lo, stats)
         if got is None:
             continue
@@ -969,6 +1090,8 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
         plan = _assemble(segs, pool.plain, m, space, link_fn, exchange, "zb-h1", pool.fitted)
         if plan.step_time < inc:
             best, inc = plan, plan.step_time
+            if progress is not None:
+                progress.improved(inc, plan)
         big = max([s.cost.time for s in plan.stages] + list(plan.links) + list(plan.back_links or ()))
         w_p = min(_zb_terms(s.cost)[0] for s in plan.stages)
         y_p = min(_zb_terms(s.cost)[1] for s in plan.stages)

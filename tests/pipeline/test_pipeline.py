@@ -215,3 +215,21 @@ def test_zb_h1_search_option():
     # in flight: min(S, m) on every stage, so a budget that only 1F1B's last stages meet rules it out
     tight = PipelineSpace(8, 8, 4, micro_batches=(8,), budget=1.0 + 0.5 * 2.5, uniform=True, sizes=(2, 4))
     assert search_pipeline(tight, stage_fn, lambda *a: 0.0, schedules=("zb-h1",)).num_stages == 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_floor_pipelines_close_their_stage_counts(seed):
+    """The floor's own pipeline of each stage count is real (no memory-constrained stand-in without fit_fn): at
+    m = 1 it is that count's optimum, so no bound is queued at all; at m > 1 only bounds below its largest time
+    are, and the answer is still brute force's."""
+    U, p, ns = 5, 8, 4
+    stage_fn, link_fn = _random_instance(seed + 20, U, p, ns)
+    space = PipelineSpace(U, p, ns, micro_batches=(1,))
+    one = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b",), exchange=_exchange)
+    assert one.stats["candidates"] == 0
+    assert one.step_time == pytest.approx(brute_force_pipeline(space, stage_fn, link_fn, exchange=_exchange).step_time,
+                                          rel=1e-12)
+    space = PipelineSpace(U, p, ns, micro_batches=(2, 4), budget=[None, 6.0][seed % 2])
+    got = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b",), exchange=_exchange)
+    want = brute_force_pipeline(space, stage_fn, link_fn, exchange=_exchange)
+    assert got.step_time == pytest.approx(want.step_time, rel=1e-12)

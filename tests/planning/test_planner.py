@@ -155,3 +155,26 @@ def test_cli_plan_refuses_bad_options_in_one_line(argv, needle, capsys):
     assert main(["plan", "--model", "gpt", "--set", "layers=2", "-p", "8", "--machine", "h100", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_plan_interrupted_before_any_plan_exits_130(monkeypatch, capsys):
+    import shardplan.planner
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shardplan.planner, "plan", interrupted)
+    assert main(["plan", "--model", "gpt", "--set", "layers=2", "-p", "8", "--machine", "h100"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "interrupted before any plan was found"
+
+
+def test_cli_plan_writes_progress_lines(capsys, monkeypatch):
+    import shardplan.pipeline.progress
+
+    # 2 nodes of h100: the pipeline search runs; with no interval between lines every tick reports
+    monkeypatch.setattr(shardplan.pipeline.progress, "INTERVAL", 0.0)
+    assert main(["plan", "--model", "gpt", "--set", "layers=2", "--batch", "8", "-p", "16", "--machine", "h100",
+                 "--micro-batches", "1,2"]) == 0
+    err = capsys.readouterr().err
+    assert "pipelines zb-h1 m=1 | 0/4 parts done | best " in err

@@ -1,0 +1,153 @@
+"""The default joint search (stages x micro-batches x schedules x memory choices) at scale, end to end from the
+command line (JSON).
+
+Each row runs ``shardplan plan --model M -p P --machine h100 --json ...`` with the command's defaults (nothing
+hand-picked) in its own process and records its wall time and peak resident memory (``os.wait4``'s
+``ru_maxrss``: that process alone), the plan in one line (the report's ``Plan:`` line, stages, micro-batches,
+schedule), its predicted step time, proven lower bound and gap. A row still running after its limit gets
+SIGINT (Ctrl-C): the command then prints the best plan found so far with what the finished parts of the search
+proved (``docs/pipeline.md``, *Progress and interruption*); the row records ``interrupted`` and that plan, or,
+if nothing came back within ``--grace`` seconds more, ``timeout``. The last progress line the command wrote
+(stderr) is kept. Targets (on this 2-core machine): GPT-3 175B on 1,024 h100 under 60 s and 4 GB; Llama 3 405B
+on 16,384 h100 (batch 2,048 sequences of 8,192 tokens) under 120 s and 4 GB, and no slower than Llama 3's
+published configuration (Dubey et al. 2024, Table 4: tensor 8, pipeline 16, data 128, micro-batch size 1; the
+first and last stage one block fewer, §3.3.2) costed by the same model (``shardplan recipe``).
+
+Run: ``PYTHONPATH=. python benchmarks/bench_scale_pipeline.py [--rows gpt3-p64,...] [--out
+benchmarks/results/scale_pipeline.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROWS: dict[str, dict[str, Any]] = {
+    "gpt3-p64": {"model": "gpt3-175b", "p": 64, "limit": 150.0},
+    "gpt3-p256": {"model": "gpt3-175b", "p": 256, "limit": 150.0},
+    "gpt3-p1024": {"model": "gpt3-175b", "p": 1024, "limit": 120.0, "target_seconds": 60.0,
+                   "target_bytes": 4e9},
+    "llama3-405b-p16384": {"model": "llama3-405b", "p": 16384, "limit": 180.0, "target_seconds": 120.0,
+                           "target_bytes": 4e9,
+                           # Dubey et al. 2024, Table 4 (16,384 GPUs: TP 8, CP 1, PP 16, DP 128, 16M tokens per
+                           # batch) and §3.3.2 (one block fewer on the first and the last stage: 126 = 7 + 14 x 8 + 7)
+                           "recipe": "tp=8,pp=16,mbs=1,gbs=2048,first_stage_layers=7,last_stage_layers=7"},
+}
+
+
+def _run(cmd: list[str], limit: float, grace: float) -> dict[str, Any]:
+    """Run ``cmd``; SIGINT after ``limit`` s, SIGKILL after ``grace`` s more. Wall time, peak RSS, outputs."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        # SIGINT back to its default in the child (a job started in the background inherits it ignored, and
+        # Python then installs no KeyboardInterrupt handler)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        status = "ok"
+        deadline = t0 + limit
+        rusage = None
+        while rusage is None:
+            pid, code, ru = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                rusage = ru
+                proc.returncode = os.waitstatus_to_exitcode(code)
+                break
+            now = time.perf_counter()
+            if now > deadline:
+                if status == "ok":
+                    proc.send_signal(signal.SIGINT)
+                    status, deadline = "interrupted", now + grace
+                else:
+                    proc.kill()
+                    status, deadline = "timeout", now + 3600
+            time.sleep(0.2)
+        seconds = time.perf_counter() - t0
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    return {"status": status, "returncode": proc.returncode, "seconds": seconds,
+            "peak_rss_bytes": rusage.ru_maxrss * 1024, "stdout": stdout, "stderr": stderr}
+
+
+def _plan_line(stdout: str) -> str | None:
+    return next((x.strip() for x in stdout.splitlines() if x.startswith("Plan:")), None)
+
+
+def run_row(name: str, spec: dict[str, Any], grace: float) -> dict[str, Any]:
+    exe = [sys.executable, "-c", "import sys; from shardplan.cli import main; sys.exit(main())"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        cmd = [*exe, "plan", "--model", spec["model"], "-p", str(spec["p"]), "--machine", "h100",
+               "--json", str(path)]
+        got = _run(cmd, spec["limit"], grace)
+        plan = json.loads(path.read_text()) if path.exists() else None
+    lines = [x.strip() for x in got["stderr"].replace("\r", "\n").splitlines() if x.strip()]
+    row: dict[str, Any] = {
+        "row": name, "model": spec["model"], "devices": spec["p"], "machine": "h100",
+        "command": "shardplan plan --model {} -p {} --machine h100".format(spec["model"], spec["p"]),
+        "limit_seconds": spec["limit"], "status": got["status"] if plan is not None or got["status"] != "ok"
+        else f"failed (exit {got['returncode']})",
+        "seconds": round(got["seconds"], 2), "peak_rss_bytes": got["peak_rss_bytes"],
+        "last_progress": next((x for x in reversed(lines) if "parts done" in x), None),
+        "log": [x for x in lines if "parts done" not in x],
+    }
+    for key in ("target_seconds", "target_bytes"):
+        if key in spec:
+            row[key] = spec[key]
+    if "target_seconds" in spec:
+        row["meets_targets"] = (got["status"] == "ok" and plan is not None and got["seconds"] < spec["target_seconds"]
+                                and got["peak_rss_bytes"] < spec["target_bytes"])
+    if plan is not None:
+        stages = plan["stages"]
+        row.update({
+            "plan": _plan_line(got["stdout"]),
+            "stages": len(stages), "devices_per_stage": [s["devices"][1] for s in stages],
+            "micro_batches": plan["micro_batches"], "schedule": plan["schedule"], "chunks": plan.get("chunks", 1),
+            "step_time_seconds": plan["step_time_seconds"], "lower_bound_seconds": plan["lower_bound_seconds"],
+            "gap": (None if plan["lower_bound_seconds"] is None else
+                    max(0.0, 1 - plan["lower_bound_seconds"] / plan["step_time_seconds"])),
+            "interrupted": bool((plan.get("stats") or {}).get("interrupted")),
+        })
+    if "recipe" in spec:
+        rec = _run([*exe, "recipe", "--model", spec["model"], "-p", str(spec["p"]), "--machine", "h100",
+                    "--recipe", spec["recipe"]], spec["limit"], grace)
+        step = next((x for x in rec["stdout"].splitlines() if x.startswith("Step time:")), None)
+        row["recipe"] = {"text": spec["recipe"], "status": rec["status"], "returncode": rec["returncode"],
+                         "seconds": round(rec["seconds"], 2), "step_time_line": step,
+                         "error": rec["stderr"].strip().splitlines()[-1] if rec["returncode"] else None}
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--grace", type=float, default=60.0, help="seconds after SIGINT before SIGKILL")
+    ap.add_argument("--out", default="benchmarks/results/scale_pipeline.json")
+    args = ap.parse_args(argv)
+    rows = []
+    for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
+        if name not in ROWS:
+            raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
+        row = run_row(name, ROWS[name], args.grace)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "log"}), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"benchmark": "bench_scale_pipeline", "commit": commit, "host": platform.node(),
+              "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg(), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

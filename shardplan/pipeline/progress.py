@@ -1,0 +1,114 @@
+"""Progress of a long search: what phase, how many parts of how many, the incumbent and the proven bound.
+
+A :class:`Progress` is told by the search where it is (:meth:`Progress.part`, :meth:`Progress.finished`,
+:meth:`Progress.improved`) and ticked from its inner loops (:meth:`Progress.tick`); every ``interval`` seconds
+a tick hands one line to ``report`` (the command line writes it to stderr, rewritten in place on a terminal:
+:func:`terminal_writer`). ``on_tick`` is called at every tick with the number of ticks so far: a test that
+raises :class:`KeyboardInterrupt` from it after N ticks interrupts the search deterministically, as Ctrl-C
+does at a random point. The search itself catches the interrupt and returns the best plan so far with its
+proven gap (``docs/pipeline.md``, *Progress and interruption*).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any, Callable, TextIO
+
+__all__ = ["Progress", "terminal_writer", "format_seconds", "INTERVAL"]
+
+INTERVAL = 2.0
+"""Seconds between two progress lines by default (the first comes one interval after the start)."""
+
+
+def format_seconds(x: float) -> str:
+    """Seconds for a progress line: 4 significant digits, or "-" when unknown (infinite)."""
+    return f"{x:.4g} s" if math.isfinite(x) else "-"
+
+
+class Progress:
+    """Where a search stands, reported every ``interval`` seconds of wall time (default :data:`INTERVAL`; module
+    docstring).
+
+    Attributes:
+        phase: what is being searched now (e.g. ``"zb-h1 m=8"``).
+        done, total: parts of the search finished, of how many.
+        incumbent, plan: the best plan's step so far (inf: none yet) and the plan.
+        bound: the least proven lower bound over the finished parts (inf: none finished).
+        ticks: ticks so far.
+    """
+
+    def __init__(self, report: Callable[[str], None] | None = None, interval: float | None = None,
+                 on_tick: Callable[[int], None] | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.report, self.on_tick, self.clock = report, on_tick, clock
+        self.interval = float(INTERVAL if interval is None else interval)
+        self.phase, self.detail = "", ""
+        self.done, self.total = 0, 0
+        self.incumbent = math.inf
+        self.plan: Any = None
+        self.bound = math.inf
+        self.ticks = 0
+        self.started = clock()
+        self._last = self.started  # a search shorter than one interval prints nothing
+
+    def part(self, phase: str, detail: str = "") -> None:
+        """A new part of the search starts."""
+        self.phase, self.detail = phase, detail
+        self.tick()
+
+    def finished(self, lower: float) -> None:
+        """The current part is done; ``lower`` is the bound it proved of its own optimum."""
+        self.done += 1
+        self.bound = min(self.bound, lower)
+        self.tick()
+
+    def improved(self, step: float, plan: Any = None) -> None:
+        """A real plan (``plan``, of this step time) found: the new incumbent if better. It is kept
+        (``self.plan``) so that an interrupted search can return it."""
+        if step < self.incumbent:
+            self.incumbent, self.plan = step, plan
+
+    def tick(self, detail: str | None = None) -> None:
+        """One step of an inner loop: reports a line when ``interval`` seconds have passed since the last."""
+        self.ticks += 1
+        if detail is not None:
+            self.detail = detail
+        if self.on_tick is not None:
+            self.on_tick(self.ticks)
+        if self.report is not None:
+            now = self.clock()
+            if now - self._last >= self.interval:
+                self._last = now
+                self.report(self.line())
+
+    def line(self) -> str:
+        """The progress line: phase, parts done, incumbent, bound over the finished parts, seconds so far."""
+        what = f"{self.phase} {self.detail}".strip()
+        bound = format_seconds(self.bound) if self.done else "-"
+        return (f"  {what} | {self.done}/{self.total} parts done | best {format_seconds(self.incumbent)} | "
+                f"bound of finished parts {bound} | {self.clock() - self.started:.0f} s")
+
+
+def terminal_writer(stream: TextIO | None = None) -> tuple[Callable[[str], None], Callable[[], None]]:
+    """(write a progress line, end the progress display) on ``stream`` (default stderr): on a terminal each line
+    overwrites the previous one (carriage return, erase to the end of the line), elsewhere one line each."""
+    out = sys.stderr if stream is None else stream
+    tty = bool(getattr(out, "isatty", lambda: False)())
+    shown = [False]
+
+    def write(line: str) -> None:
+        if tty:
+            out.write("\r\x1b[K" + line)
+            shown[0] = True
+        else:
+            out.write(line + "\n")
+        out.flush()
+
+    def end() -> None:
+        if shown[0]:
+            out.write("\r\x1b[K")
+            out.flush()
+            shown[0] = False
+
+    return write, end
