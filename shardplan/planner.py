@@ -30,7 +30,7 @@ from shardplan.ir import Graph
 from shardplan.machine import Machine
 from shardplan.result import NO_PIPELINE, OperatorChoice, Plan, StagePlan
 
-__all__ = ["plan", "from_spmd", "from_pipeline", "spmd_of", "pipeline_of", "group_memory"]
+__all__ = ["plan", "micro_batch_counts", "from_spmd", "from_pipeline", "spmd_of", "pipeline_of", "group_memory"]
 
 STAGES = ("auto", True, False)
 
@@ -185,12 +185,25 @@ def _resolve(model: Any, batch: int | None, sizes: dict[str, Any] | None
                          f"got {type(model).__name__}")
 
 
-def _wants_stages(stages: Any, graph: Graph, build: Any, machine: Machine) -> tuple[bool, str]:
-    """Whether to search pipelines, and why (for the plan's statistics)."""
+def _wants_stages(stages: Any, graph: Graph, build: Any, machine: Machine,
+                  fit_options: Any = None) -> tuple[bool, str]:
+    """Whether to search pipelines, and why (for the plan's statistics).
+
+    The pipeline search's stages offer ZeRO stages and recomputation only: with FP8, host offload or
+    mixed-precision master weights asked for, its stand-in stage costs would be neither lower bounds (FP8 is
+    faster) nor counted in the same memory, so such a plan is one program (``stages=True`` is refused)."""
     from shardplan.pipeline.stages import units_of
 
     if stages is False:
         return False, "stages=False"
+    extra = [w for w, on in (("FP8", getattr(fit_options, "fp8", False)),
+                             ("host offload", bool(getattr(fit_options, "offload", ()))),
+                             ("master weights", getattr(fit_options, "master_weights", False))) if on]
+    if extra:
+        if stages is True:
+            raise ShardplanError(f"plan: the pipeline search does not offer {', '.join(extra)}: plan one program "
+                                 "(stages=False) with them, or stages without them")
+        return False, f"{', '.join(extra)} asked for (the pipeline search does not offer them)"
     if build is None:
         if stages is True:
             raise ShardplanError("plan: searching stages needs the model at every micro-batch size: give a zoo "
@@ -205,7 +218,7 @@ def _wants_stages(stages: Any, graph: Graph, build: Any, machine: Machine) -> tu
     return True, "repeated blocks on more than one node"
 
 
-def _micro_batches(given: Sequence[int] | None, batch: int | None) -> tuple[int, ...]:
+def micro_batch_counts(given: Sequence[int] | None, batch: int | None) -> tuple[int, ...]:
     """The micro-batch counts searched: each given one a positive integer dividing ``batch`` (a count that does
     not, or one above the batch, makes no micro-batch of whole samples); none given, those of 1, 2, 4, 8 that
     divide it."""
@@ -228,7 +241,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
          stages: Any = "auto", micro_batches: Sequence[int] | None = None,
          schedules: Sequence[str] = ("1f1b", "zb-h1"), interleave: Sequence[int] = (),
          max_stages: int | None = None, fit_options: Any = None, cutoff: int | None = None, orders: str = "auto",
-         solver: str = "dp", log: Callable[[str], None] | None = None, progress: Any = None) -> Plan:
+         solver: str = "dp", partial_sums: bool = False, log: Callable[[str], None] | None = None,
+         progress: Any = None) -> Plan:
     """The fastest plan of ``model`` on ``machine`` that fits in each device's memory.
 
     Args:
@@ -249,6 +263,9 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             parts proved (0 while a part is unfinished) and ``stats["interrupted"]`` True.
         cutoff, orders, solver: the per-operator search (:func:`shardplan.spmd.solve`); ``cutoff`` defaults to
             the zoo model's recommended one, else 1.
+        partial_sums: also offer every layout that defers a split reduction to its consumers (reduce-scatter
+            into a split layout, all-reduce into a replicated one: Megatron-LM's sequence parallelism is such a
+            plan), in every search; about twice the layouts of a transformer, so off by default.
 
     Raises:
         ShardplanError: bad input, or no plan in the space fits (the message names the least memory needed).
@@ -266,6 +283,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         raise ShardplanError(f"plan: stages must be 'auto', True or False, got {stages!r}")
     if not isinstance(fit, bool):
         raise ShardplanError(f"plan: fit must be True or False, got {fit!r}")
+    if not isinstance(partial_sums, bool):
+        raise ShardplanError(f"plan: partial_sums must be True or False, got {partial_sums!r}")
     if batch is not None:
         batch = integer("plan: batch", batch, 1, MAX_EXTENT)
     graph, build, batch, default_cutoff, name = _resolve(model, batch, sizes)
@@ -274,9 +293,10 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         budget = real("plan: budget", budget, positive=True, unit="B")
     if max_stages is not None:
         max_stages = integer("plan: max_stages", max_stages, 1)
-    ms = _micro_batches(micro_batches, batch)
+    ms = micro_batch_counts(micro_batches, batch)
     limit = budget if budget is not None else machine.memory_bytes
     constrained = fit and limit is not None
+    searched, why = _wants_stages(stages, graph, build, machine, fit_options if constrained else None)
 
     t0 = time.perf_counter()
     say = log if log is not None else (lambda line: None)
@@ -290,7 +310,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         opts = fit_options if fit_options is not None else FitOptions(micro_batches=ms)
         try:
             candidates.append(from_spmd(solve_fit(graph, machine, budget=limit, options=opts, cutoff=cutoff,
-                                                  orders=orders), model=name, batch=batch))
+                                                  orders=orders, partial_sums=partial_sums), model=name, batch=batch))
         except ShardplanError as e:
             if type(e) is not ShardplanError:
                 raise
@@ -298,11 +318,10 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     else:
         from shardplan.spmd import solve
 
-        candidates.append(from_spmd(solve(graph, machine, cutoff=cutoff, orders=orders, solver=solver),
-                                    model=name, batch=batch))
+        candidates.append(from_spmd(solve(graph, machine, cutoff=cutoff, orders=orders, solver=solver,
+                                          partial_sums=partial_sums), model=name, batch=batch))
     if candidates:
         say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s)")
-    searched, why = _wants_stages(stages, graph, build, machine)
     interrupted = False
     lost_pipeline: tuple[float, float | None] | None = None  # (step, lower bound) of a pipeline slower than one program
     if searched:
@@ -320,7 +339,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             res = pipeline_solve(build, batch, machine, micro_batches=ms, max_stages=max_stages,
                                  interleave=tuple(interleave), schedules=tuple(schedules),
                                  budget=limit if constrained else float("inf"), memory_choices=constrained, cutoff=cutoff,
-                                 orders=orders, progress=tracker)
+                                 orders=orders, progress=tracker, **({"partial_sums": True} if partial_sums else {}))
             if candidates and res.plan.step_time >= candidates[0].step_time / (1 + 1e-9):
                 # the one program wins (ties included): its bound and step are all the pipeline adds, and its
                 # stage plans (re-solved where a run of blocks was costed by extension) are not built

@@ -41,6 +41,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         schedules += ("interleaved",)
     if not args.fit and (args.memory is not None):
         raise ShardplanError("--memory is the budget of the memory search; it does not apply with --no-fit")
+    offload = tuple(s.strip() for s in (args.offload or "").split(",") if s.strip())
+    if not args.fit and (args.fp8 or offload or args.master_weights):
+        raise ShardplanError("--fp8, --offload and --master-weights are choices of the memory search; "
+                             "they do not apply with --no-fit")
     batch, against = args.batch, None
     if args.recipe is not None:
         from shardplan.recipe import cost_recipe
@@ -57,12 +61,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         end()
         _log(line)
 
+    fit_options = None
+    micro_batches = int_list(args.micro_batches, "--micro-batches") or None
+    if args.fp8 or offload or args.master_weights:
+        from shardplan.cost.memory import OFFLOADS
+        from shardplan.fit import FitOptions
+        from shardplan.models import model_spec
+        from shardplan.planner import micro_batch_counts
+
+        bad = [s for s in offload if s not in OFFLOADS]
+        if bad:
+            raise ShardplanError(f"--offload takes a comma-separated list of {', '.join(OFFLOADS)}, got {bad[0]!r}")
+        ms = micro_batch_counts(micro_batches, batch if batch is not None else model_spec(args.model).batch)
+        fit_options = FitOptions(micro_batches=ms, fp8=args.fp8, offload=offload, master_weights=args.master_weights)
     try:
         result = plan(args.model, machine, batch=batch, sizes=parse_sizes(args.set), budget=budget, fit=args.fit,
                       stages=STAGE_CHOICES[args.stages],
-                      micro_batches=int_list(args.micro_batches, "--micro-batches") or None, schedules=schedules,
-                      interleave=interleave, max_stages=args.max_stages, cutoff=args.cutoff,
-                      orders=args.orders or "auto", log=log, progress=write)
+                      micro_batches=micro_batches, schedules=schedules, interleave=interleave,
+                      max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto",
+                      fit_options=fit_options, partial_sums=args.partial_sums, log=log, progress=write)
     except KeyboardInterrupt:
         end()
         _log("interrupted before any plan was found")
@@ -103,6 +120,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--schedules", default="1f1b,zb-h1", help="pipeline schedules (default 1f1b,zb-h1)")
     p.add_argument("--interleave", help="chunk counts v >= 2 for interleaved 1F1B, e.g. 2,4")
     p.add_argument("--max-stages", type=int_option(1), help="largest number of stages (default: one per block)")
+    p.add_argument("--partial-sums", action="store_true",
+                   help="also offer layouts that defer a split reduction to its consumers (reduce-scatter / "
+                        "all-reduce on the edge: Megatron-LM's sequence parallelism); about twice the layouts")
+    p.add_argument("--fp8", action="store_true",
+                   help="offer FP8 matrix products (machines with an FP8 peak; one program, not pipeline stages)")
+    p.add_argument("--offload", metavar="PARTS",
+                   help="parts that may live in host memory: optimizer, parameters, activations (comma-separated; "
+                        "one program, not pipeline stages)")
+    p.add_argument("--master-weights", action="store_true",
+                   help="mixed-precision state: fp32 master weights and optimizer moments (16 bytes per parameter "
+                        "with Adam)")
     p.add_argument("--operators", action="store_true", help="add the per-operator table to the report")
     p.add_argument("--json", help="write the plan as JSON here (shardplan.Plan.from_json loads it)")
     add_recipe_option(p, required=False)

@@ -150,6 +150,9 @@ def test_cli_plan_prints_the_report_and_writes_the_plan(tmp_path, capsys):
     (["--memory", "nan"], "memory"),
     (["--no-fit", "--memory", "4"], "does not apply"),
     (["--micro-batches", "0"], "--micro-batches"),
+    (["--offload", "optimizer,disk"], "--offload"),
+    (["--no-fit", "--fp8"], "do not apply with --no-fit"),
+    (["--fp8", "--stages", "on"], "does not offer FP8"),
 ])
 def test_cli_plan_refuses_bad_options_in_one_line(argv, needle, capsys):
     assert main(["plan", "--model", "gpt", "--set", "layers=2", "-p", "8", "--machine", "h100", *argv]) == 2
@@ -178,3 +181,39 @@ def test_cli_plan_writes_progress_lines(capsys, monkeypatch):
                  "--micro-batches", "1,2"]) == 0
     err = capsys.readouterr().err
     assert "pipelines zb-h1 m=1 | 0/4 parts done | best " in err
+
+
+def test_partial_sums_widen_the_space_and_round_trip():
+    """Deferred reductions offered: one long sequence on a node of 8 is planned faster with partial outputs
+    (tensor 8 with reductions deferred, against data 4 x tensor 2 without), and the plan rebuilds from its JSON
+    with its partial layouts."""
+    m = preset("h100", 8)
+    sizes = {"layers": 2, "d_model": 2048, "heads": 16, "seq": 4096}
+    kw = dict(sizes=sizes, batch=1, fit=False, stages=False)
+    base = plan("gpt", m, **kw)
+    wide = plan("gpt", m, partial_sums=True, **kw)
+    partial = [n for n, c in wide.operators.items() if c.layout.partial]
+    assert wide.step_time < base.step_time * (1 - 1e-3) and partial
+    assert not any(c.layout.partial for c in base.operators.values())
+    assert "deferred reductions" in recipe_words(wide) and "deferred" not in recipe_words(base)
+    q = Plan.from_json(wide.to_json())
+    assert [n for n, c in q.operators.items() if c.layout.partial] == partial
+    sp = spmd_of(q, get_model("gpt", 1, **sizes))
+    assert sp.cost == pytest.approx(wide.step_time, rel=1e-9)
+    with pytest.raises(ShardplanError, match="partial_sums"):
+        plan("gpt", m, partial_sums="yes", **kw)
+
+
+def test_cli_fp8_and_offload_plan_one_program_and_say_why(capsys):
+    assert main(["plan", "--model", "gpt", "--set", "layers=2", "--batch", "16", "-p", "16", "--machine", "h100",
+                 "--fp8", "--offload", "optimizer", "--master-weights"]) == 0
+    out, err = capsys.readouterr()
+    assert "FP8 on " in out and "Plan: data" in out
+    assert "pipelines" not in err  # two nodes, repeated blocks: stages would be searched without the flags
+
+
+def test_cli_partial_sums_flag(capsys):
+    assert main(["plan", "--model", "gpt", "--set", "layers=2", "--set", "d_model=2048", "--set", "heads=16",
+                 "--set", "seq=4096", "--batch", "1", "-p", "8", "--machine", "h100", "--no-fit",
+                 "--partial-sums"]) == 0
+    assert "deferred reductions (sequence parallel) on " in capsys.readouterr().out
