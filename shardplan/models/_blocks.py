@@ -77,3 +77,12 @@ def rms_norm(name: str, x: TensorRef) -> Operator:
     """
     ln = ops.layer_norm(name, x)
     return dataclasses.replace(ln, kind="rms_norm", weights=ln.weights[:1], norm_stats=1, flops_per_point=4.0)
+
+
+def decoder_start(name: str, batch: int, seq: int, vocab: int, d_model: int) -> tuple[GraphBuilder, TensorRef, TensorRef]:
+    """A decoder's builder, its ``labels`` input (batch, seq) and the token embedding ``embed`` of its ``tokens``
+    input: x[b, s, :] = E[tokens[b, s], :], a (vocab, d_model) table."""
+    b = GraphBuilder(name)
+    ids = b.input("tokens", (batch, seq))
+    labels = b.input("labels", (batch, seq))
+    return b, labels, b.add(ops.embedding("embed", ids, vocab, d_model))

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from shardplan import ops
 from shardplan.errors import ShardplanError
-from shardplan.ir import Graph, GraphBuilder
-from shardplan.models._blocks import attention, check_stack
+from shardplan.ir import Graph
+from shardplan.models._blocks import attention, check_stack, decoder_start
 from shardplan.models.transformer import ffn
 
 __all__ = ["gpt", "GPT_SIZES", "GPTConfig", "GPT3", "GPT3_PARAMS", "GPT3_VOCAB", "MEGATRON", "MEGATRON_PARAMS",
@@ -154,10 +154,7 @@ def gpt(batch: int = 64, layers: int = 24, d_model: int = 2048, heads: int = 16,
     """Decoder-only Transformer; defaults are the "1.3b" setting (d_ff defaults to 4 d_model)."""
     check_stack(name, layers, d_model, heads)
     d_ff = 4 * d_model if d_ff is None else d_ff
-    b = GraphBuilder(name)
-    ids = b.input("tokens", (batch, seq))
-    labels = b.input("labels", (batch, seq))
-    x = b.add(ops.embedding("embed", ids, vocab, d_model))
+    b, labels, x = decoder_start(name, batch, seq, vocab, d_model)
     for i in range(1, layers + 1):
         p = f"L{i}"
         h = b.add(ops.layer_norm(f"{p}/ln1", x))

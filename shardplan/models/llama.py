@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, GraphBuilder, Operator, TensorRef
-from shardplan.models._blocks import check_stack, rms_norm
+from shardplan.models._blocks import check_stack, decoder_start, rms_norm
 
 __all__ = ["llama", "LlamaConfig", "LLAMA3", "gqa_attention", "rope", "swiglu_mlp"]
 
@@ -170,10 +170,7 @@ def llama(batch: int = 64, layers: int = 32, d_model: int = 4096, heads: int = 3
     """Llama decoder (module docstring); the defaults are Llama 3 8B (:data:`LLAMA3`)."""
     check_stack(name, layers)
     check_heads(name, d_model, heads, kv_heads)
-    b = GraphBuilder(name)
-    ids = b.input("tokens", (batch, seq))
-    labels = b.input("labels", (batch, seq))
-    x = b.add(ops.embedding("embed", ids, vocab, d_model))
+    b, labels, x = decoder_start(name, batch, seq, vocab, d_model)
     for i in range(1, layers + 1):
         p = f"L{i}"
         h = b.add(rms_norm(f"{p}/ln1", x))

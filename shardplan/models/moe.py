@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, GraphBuilder, Operator, Tensor, TensorRef
-from shardplan.models._blocks import check_stack, rms_norm
+from shardplan.models._blocks import check_stack, decoder_start, rms_norm
 from shardplan.models.llama import SWIGLU_FLOPS, check_heads, gqa_attention, swiglu_mlp
 
 __all__ = ["moe", "MoEConfig", "MOE", "moe_layer", "capacity", "gate", "swiglu_pair", "GATE_LOGIT_FLOPS",
@@ -251,10 +251,7 @@ def moe(batch: int = 8, layers: int = 2, d_model: int = 64, heads: int = 4, kv_h
                     top_k=top_k, d_expert=d_expert, vocab=vocab, seq=seq, shared=shared,
                     dense_layers=dense_layers, head_dim=head_dim, capacity_factor=capacity_factor)
     check_stack(name, layers)
-    b = GraphBuilder(name)
-    ids = b.input("tokens", (batch, seq))
-    labels = b.input("labels", (batch, seq))
-    x = b.add(ops.embedding("embed", ids, vocab, d_model))
+    b, labels, x = decoder_start(name, batch, seq, vocab, d_model)
     for i in range(1, layers + 1):
         p = f"L{i}"
         h = b.add(rms_norm(f"{p}/ln1", x))

@@ -87,21 +87,25 @@ def test_parameters_are_weights_and_buffers_are_constants():
     assert set(info.param_uses) == {"0.weight", "0.bias", "1.weight", "1.bias"}
 
 
+class _Inner(nn.Module):
+    """An operator no handler describes (``logcumsumexp``), in a module named ``inner``."""
+
+    def forward(self, h):
+        return torch.logcumsumexp(h, dim=-1)
+
+
+class _WithUnsupported(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.inner = nn.Linear(8, 8), _Inner()
+
+    def forward(self, x):
+        return self.inner(self.fc(x)).sum()
+
+
 def test_unsupported_operator_is_conservative_and_named():
-    class Inner(nn.Module):
-        def forward(self, h):
-            return torch.logcumsumexp(h, dim=-1)
-
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc, self.inner = nn.Linear(8, 8), Inner()
-
-        def forward(self, x):
-            return self.inner(self.fc(x)).sum()
-
     with pytest.warns(ShardplanWarning, match=r"aten\.logcumsumexp\.default in module 'inner'"):
-        g, info = trace(M(), (torch.ones(4, 8),))
+        g, info = trace(_WithUnsupported(), (torch.ones(4, 8),))
     op = g["inner/logcumsumexp"]
     assert op.fixed == frozenset(op.dim_names)
     assert all(a.dim is None for a in op.inputs[0].axes)
@@ -115,20 +119,8 @@ def test_plan_json_and_report_list_the_conservative_operators():
     from shardplan import Plan
     from shardplan.result import ConservativeOp
 
-    class Inner(nn.Module):
-        def forward(self, h):
-            return torch.logcumsumexp(h, dim=-1)
-
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc, self.inner = nn.Linear(8, 8), Inner()
-
-        def forward(self, x):
-            return self.inner(self.fc(x)).sum()
-
     with pytest.warns(ShardplanWarning):
-        p = st.plan(M(), (torch.ones(8, 8),), machine=Machine(4), fit=False, stages=False)
+        p = st.plan(_WithUnsupported(), (torch.ones(8, 8),), machine=Machine(4), fit=False, stages=False)
     (c,) = p.conservative
     assert c == ConservativeOp(c.operator, "aten.logcumsumexp.default", "inner", "no handler registered")
     assert c.operator in p.operators and p.operators[c.operator].kind.startswith("conservative:")
