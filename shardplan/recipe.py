@@ -5,7 +5,7 @@ Megatron-LM / DeepSpeed run: ``tp=8,pp=4,vp=5,mbs=2,recompute=full``.
 :func:`cost_recipe` maps it to one plan of shardplan's own space and costs it
 with the model the search uses, so a recipe's prediction and the search's
 optimum are comparable (and a recipe with published measurements checks the
-model). The map, on ``p`` devices with ``dp = p / (tp · pp)``:
+model). The map, on ``p`` devices with ``dp = p / (tp · cp · pp)``:
 
 * **layouts** (:func:`megatron_layouts`): Megatron-LM's tensor parallelism
   (Shoeybi et al. 2019): every operator splits its batch dimension ``dp``
@@ -63,7 +63,7 @@ model). The map, on ``p`` devices with ``dp = p / (tp · pp)``:
 
 What has no exact counterpart in the space is refused with a one-line
 :class:`~shardplan.errors.ShardplanError` naming the part, never
-approximated: context parallelism (``cp``),
+approximated: context together with expert parallelism (``cp`` with ``ep``),
 hybrid sharding groups (``hsdp``), ``ep`` on a model without experts, a dtype
 other than the machine's (``dtype=fp8``: FP8 products are ``precision=fp8``),
 FP8 on a machine without an FP8 peak, offload without a host link, and overlap
@@ -350,8 +350,8 @@ def refusal(recipe: Recipe, machine: Machine) -> str | None:
     """Why ``recipe`` has no exact counterpart in shardplan's space on ``machine`` (None: it has one)."""
     if recipe.sp and recipe.tp < 2:
         return "sequence parallelism (sp) splits the sequence over the tensor group: it needs tp >= 2"
-    if recipe.cp > 1:
-        return "context parallelism (cp): splitting attention's sequence with ring exchanges is not in the cost model"
+    if recipe.cp > 1 and recipe.ep > 1:
+        return "context and expert parallelism together (cp with ep): their groups' rank order is not mapped"
     if recipe.hsdp is not None:
         return "hybrid sharding (hsdp): ZeRO state sharded within a group and replicated across groups is not modelled"
     if recipe.dtype == "fp8":
@@ -430,7 +430,7 @@ def has_experts(graph: Graph) -> bool:
 
 
 def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int, sp: bool = False,
-                    ep: int = 1) -> Layout:
+                    ep: int = 1, cp: int = 1) -> Layout:
     """Megatron-LM's layout of ``op`` on machine levels ``levels`` with ``dp`` × ``tp`` devices.
 
     Per machine level l (innermost first) the tensor group takes ``tp_l`` ways (``tp`` filled from the inside)
@@ -450,6 +450,13 @@ def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int, sp:
     ``dp_l / ep_l`` ways on level l, ``ep`` filled from the inside of the data shares ``dp_l``, ``e`` the least
     significant: data rank = batch rank · ep + expert rank, so each expert group is ``ep`` consecutive data
     ranks, whose tokens it exchanges by all-to-all.
+
+    With ``cp`` > 1 (context parallelism, Megatron-LM's rank order tp-cp-dp) ``cp`` is filled from the inside
+    of the non-tensor shares ``dp_l`` (``dp`` is then data × context devices): every operator splits its
+    sequence dimension (:func:`sequence_dim`: ``s``, or ``t`` for the key/value projections) ``cp_l`` ways
+    and its batch the remaining ``dp_l / cp_l``; attention's scores and context split their query sequence
+    ``s`` and keep the key sequence ``t`` whole, so the keys and values reach them by an all-gather over the
+    context group (Llama 3's all-gather context parallelism, Dubey et al. 2024 §3.3.2).
     Raises :class:`ShardplanError` when a split does not divide its dimension.
     """
     from shardplan.baselines import batch_dim
@@ -460,45 +467,56 @@ def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int, sp:
     md, bd, ed = model_dim(op), batch_dim(op), expert_dim(op)
     if sp and md is None and "s" in names:
         md = "s"
+    cps = _inner_ways(dps, cp, "cp") if cp > 1 else (1,) * len(levels)
+    cd = sequence_dim(op) if cp > 1 else None
     eps = (1,) * len(levels)
     if ed is not None and ep > 1:
-        eps = _expert_ways(dps, ep)
+        eps = _inner_ways(dps, ep, "ep")
     rows = [[1] * len(names) for _ in levels]
     orders = []
     for lvl in range(len(levels)):
         if bd is not None:
-            rows[lvl][names.index(bd)] *= dps[lvl] // eps[lvl]
+            rows[lvl][names.index(bd)] *= dps[lvl] // eps[lvl] // cps[lvl]
         if md is not None:
             rows[lvl][names.index(md)] *= tps[lvl]
+        if cd is not None:
+            rows[lvl][names.index(cd)] *= cps[lvl]
         if ed is not None:
             rows[lvl][names.index(ed)] *= eps[lvl]
-        orders.append(tuple(names.index(d) for d in dict.fromkeys((md, bd, ed))
+        orders.append(tuple(names.index(d) for d in dict.fromkeys((md, bd, cd, ed))
                             if d is not None and rows[lvl][names.index(d)] > 1))
     for j, (d, extent) in enumerate(op.dims):
         ways = math.prod(r[j] for r in rows)
         if extent % ways:
             raise ShardplanError(f"recipe: operator {op.name!r} cannot split {d}={extent} {ways} ways "
-                                 f"(dp={dp}, tp={tp}, ep={ep})")
+                                 f"(dp={dp}, tp={tp}, ep={ep}, cp={cp})")
     lay = Layout(names, levels, tuple(tuple(r) for r in rows), tuple(orders))
     return with_partial(op, [lay])[-1] if sp else lay
 
 
-def _expert_ways(dps: tuple[int, ...], ep: int) -> tuple[int, ...]:
-    """ep_l per level: ``ep`` filled from the inside of the data-parallel shares ``dps``."""
-    eps = level_products(ep, dps)
-    if eps is None:
-        raise ShardplanError(f"recipe: ep={ep} does not fill the data-parallel group's levels {dps} from the inside "
-                             f"(it must divide dp={math.prod(dps)})")
-    return eps
+def _inner_ways(dps: tuple[int, ...], ways: int, key: str) -> tuple[int, ...]:
+    """Per level, ``ways`` (ep or cp) filled from the inside of the non-tensor shares ``dps``."""
+    out = level_products(ways, dps)
+    if out is None:
+        raise ShardplanError(f"recipe: {key}={ways} does not fill the data-parallel group's levels {dps} from the "
+                             f"inside (it must divide {math.prod(dps)})")
+    return out
 
 
-def megatron_layouts(tables: Any, dp: int, tp: int, sp: bool = False, ep: int = 1) -> dict[str, Layout]:
+def sequence_dim(op: Operator) -> str | None:
+    """The dimension context parallelism splits: the sequence ``s``, else ``t`` (the key/value projections'
+    sequence); None for an operator without one."""
+    names = op.dim_names
+    return "s" if "s" in names else "t" if "t" in names else None
+
+
+def megatron_layouts(tables: Any, dp: int, tp: int, sp: bool = False, ep: int = 1, cp: int = 1) -> dict[str, Layout]:
     """:func:`megatron_layout` of every operator of ``tables``; raises :class:`ShardplanError` when one is not a
     candidate of the tables (then the recipe is not in their space: say so rather than cost another layout)."""
     levels = tuple(tables.machine.levels)
     out: dict[str, Layout] = {}
     for i, op in enumerate(tables.graph.operators):
-        lay = megatron_layout(op, levels, dp, tp, sp, ep)
+        lay = megatron_layout(op, levels, dp, tp, sp, ep, cp)
         if lay not in tables.layouts[i]:
             raise ShardplanError(f"recipe: the layout {lay.describe()} of operator {op.name!r} is not in "
                                  f"shardplan's space on {levels} devices")
@@ -507,7 +525,7 @@ def megatron_layouts(tables: Any, dp: int, tp: int, sp: bool = False, ep: int = 
 
 
 def megatron_candidates(levels: tuple[int, ...], dp: int, tp: int, orders: str,
-                        sp: bool = False, ep: int = 1) -> Callable[[Operator], tuple[Layout]]:
+                        sp: bool = False, ep: int = 1, cp: int = 1) -> Callable[[Operator], tuple[Layout]]:
     """``candidates(op)`` for :func:`shardplan.cost.build_tables`: the one layout :func:`megatron_layout`, after
     checking that it is among the operator's layouts in shardplan's space (:func:`shardplan.configs.layouts`
     with every split, ``node_replicas`` and ``orders``, and their partial copies with ``sp``), so the recipe's
@@ -521,7 +539,7 @@ def megatron_candidates(levels: tuple[int, ...], dp: int, tp: int, orders: str,
     def candidates(op: Operator) -> tuple[Layout]:
         key = operator_key(op)
         if key not in checked:
-            lay = megatron_layout(op, levels, dp, tp, sp, ep)
+            lay = megatron_layout(op, levels, dp, tp, sp, ep, cp)
             space = layouts(op, levels, 1, orders=orders, node_replicas=True)
             if lay not in (with_partial(op, space) if sp else space):
                 raise ShardplanError(f"recipe: the layout {lay.describe()} of operator {op.name!r} is not in "
@@ -634,7 +652,7 @@ TABLE_OPTIONS = {"cutoff": 1, "orders": "row-major", "node_replicas": True}
 ``orders`` becomes "all" when a level holds both a tensor and a data split (:func:`table_options`)."""
 
 
-def table_options(machine: Machine, tp: int, dp: int, sp: bool = False, ep: int = 1) -> dict[str, Any]:
+def table_options(machine: Machine, tp: int, dp: int, sp: bool = False, ep: int = 1, cp: int = 1) -> dict[str, Any]:
     """:func:`shardplan.cost.build_tables` options of a stage of ``tp`` × ``dp`` devices on ``machine``'s levels:
     :data:`TABLE_OPTIONS` with the model dimension nested outside the batch inside a level
     (:func:`megatron_layout`: a candidate only with every order), and the recipe's layouts as the candidates
@@ -642,7 +660,7 @@ def table_options(machine: Machine, tp: int, dp: int, sp: bool = False, ep: int 
     levels = tuple(replace(machine, num_devices=tp * dp).levels)
     tps, dps = _level_ways(levels, dp, tp)
     orders = "all" if any(t > 1 and d > 1 for t, d in zip(tps, dps)) else "row-major"
-    return {**TABLE_OPTIONS, "orders": orders, "candidates": megatron_candidates(levels, dp, tp, orders, sp, ep)}
+    return {**TABLE_OPTIONS, "orders": orders, "candidates": megatron_candidates(levels, dp, tp, orders, sp, ep, cp)}
 
 
 def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int | None = None,
@@ -676,12 +694,12 @@ def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int |
     build, graph, default, name = _resolve(model, batch, sizes)
     gbs = _batch_of(recipe, batch, default, graph)
     p = machine.num_devices
-    mp = recipe.tp * recipe.pp
+    mp = recipe.tp * recipe.cp * recipe.pp
     if p % mp:
-        raise ShardplanError(f"recipe {recipe}: tp × pp = {mp} does not divide the {p} devices")
+        raise ShardplanError(f"recipe {recipe}: tp × cp × pp = {mp} does not divide the {p} devices")
     dp = p // mp if recipe.dp is None else recipe.dp
     if dp * mp != p:
-        raise ShardplanError(f"recipe {recipe}: tp × pp × dp = {mp * dp}, not the {p} devices")
+        raise ShardplanError(f"recipe {recipe}: tp × cp × pp × dp = {mp * dp}, not the {p} devices")
     if gbs % (dp * recipe.mbs):
         raise ShardplanError(f"recipe {recipe}: the global batch {gbs} is not a multiple of dp × mbs = "
                              f"{dp} × {recipe.mbs}")
@@ -724,9 +742,11 @@ def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m
 
     recs = recompute_names(graph, recipe.recompute)
     t0 = time.perf_counter()
-    opts = table_options(machine, recipe.tp, dp, recipe.sp, recipe.ep)
+    dc = dp * recipe.cp  # the non-tensor devices: data × context
+    opts = table_options(machine, recipe.tp, dc, recipe.sp, recipe.ep, recipe.cp)
     tables = replace(build_tables(graph, replace(machine, memory_bytes=None), **opts), machine=machine)
-    base = plan_from_configs(tables, megatron_layouts(tables, dp, recipe.tp, recipe.sp, recipe.ep), name="megatron")
+    base = plan_from_configs(tables, megatron_layouts(tables, dc, recipe.tp, recipe.sp, recipe.ep, recipe.cp),
+                             name="megatron")
     sp = plan_with_choices(base, stage=recipe.zero, recompute=recs, micro_batches=m, name="recipe",
                            **precision_choices(recipe))
     return from_spmd(replace(sp, build_seconds=time.perf_counter() - t0), model=name, batch=gbs)
@@ -743,21 +763,22 @@ def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Reci
     from shardplan.planner import from_pipeline
 
     t0 = time.perf_counter()
-    tp, ep, zero, rec, sp = recipe.tp, recipe.ep, recipe.zero, recipe.recompute, recipe.sp
+    tp, ep, zero, rec, sp, cp = recipe.tp, recipe.ep, recipe.zero, recipe.recompute, recipe.sp, recipe.cp
+    dc = dp * cp  # a stage's non-tensor devices: data × context
 
     def choices(plan: Any, mb: int) -> Any:
         return plan_with_choices(plan, stage=zero, recompute=recompute_names(plan.graph, rec), micro_batches=1,
                                  accumulate=mb, name="recipe", **precision_choices(recipe))
 
-    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dp, sp, ep),
-                         periodic=False, strategy=lambda t: megatron_layouts(t, dp, tp, sp, ep), choices=choices)
+    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dc, sp, ep, cp),
+                         periodic=False, strategy=lambda t: megatron_layouts(t, dc, tp, sp, ep, cp), choices=choices)
     g, units, _ = stages.graph(m)
     kinds = [unit_prefix(g.operators[idx[0]].name) is not None for idx in units]
     if len(units) < 3 or kinds[0] or kinds[-1] or not all(kinds[1:-1]):
         raise ShardplanError(f"recipe {recipe}: a pipeline needs the model as an embedding, repeated blocks and a "
                              f"head (the zoo's GPT and Llama); this model's units are not")
     bounds = _stage_bounds(recipe, len(units))
-    q = tp * dp
+    q = tp * dc
     segs = [(bounds[j], bounds[j + 1], q) for j in range(len(bounds) - 1)]
     space = PipelineSpace(len(units), machine.num_devices, machine.node_size, (m,), None)
     schedule = "interleaved" if recipe.vp > 1 else "1f1b"

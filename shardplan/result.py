@@ -80,6 +80,14 @@ class OperatorChoice:
         return math.prod(c for d, c in zip(self.layout.dims, self.layout.split) if d in self.weight_dims)
 
     @property
+    def context_degree(self) -> int:
+        """Ways its sequence is split (dimensions named ``s`` or ``t``, or labelled ``seq``) where that does not
+        shard its weights: context parallelism, each device a part of every sequence."""
+        labels = self.labels or self.layout.dims
+        return math.prod(c for d, lab, c in zip(self.layout.dims, labels, self.layout.split)
+                         if (d in ("s", "t") or lab == "seq") and d not in self.weight_dims)
+
+    @property
     def expert_degree(self) -> int:
         """Ways its expert dimension is split (an operator of kind ``expert``, the experts' batched products, with a
         dimension named ``e`` or labelled ``expert``); 1 for every other operator."""

@@ -78,17 +78,20 @@ def recipe_words(plan: Plan) -> str:
     """The plan as practitioners write a configuration.
 
     Per stage and operator with trainable weights, the *tensor* degree is the product of the splits of the
-    dimensions that index its weights (the weights are sharded that many ways) and the *data* degree the
-    stage's devices over it (the weights' replicas); the words give the mode over operators weighted by
+    dimensions that index its weights (the weights are sharded that many ways), the *context* degree that of
+    its sequence dimensions (:attr:`~shardplan.result.OperatorChoice.context_degree`) and the *data* degree
+    the stage's devices over both (the weights' replicas that hold other samples); the words give the mode
+    over operators weighted by
     their weights' elements, marked "mostly" when it covers less than 90 % of the weights. Likewise the
     ZeRO stage; recomputation counts operators.
     """
     ops = [(s, c) for s in plan.stages for c in s.operators.values()]
     weighted = [(s, c) for s, c in ops if c.weight_elems > 0] or ops
     dense = [(s, c) for s, c in weighted if c.expert_degree == 1] or weighted
-    (data, tensor), share = _weighted_mode([((s.devices // c.tensor_degree, c.tensor_degree), max(c.weight_elems, 1))
-                                            for s, c in dense])
-    parts = [f"data {data}", f"tensor {tensor}"]
+    (data, context, tensor), share = _weighted_mode(
+        [((s.devices // (c.tensor_degree * c.context_degree), c.context_degree, c.tensor_degree),
+          max(c.weight_elems, 1)) for s, c in dense])
+    parts = [f"data {data}"] + ([f"context {context}"] if context > 1 else []) + [f"tensor {tensor}"]
     experts = [(c.expert_degree, max(c.weight_elems, 1)) for _, c in weighted if c.expert_degree > 1]
     if experts:
         parts.append(f"expert {_weighted_mode(experts)[0]}")

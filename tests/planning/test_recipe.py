@@ -80,7 +80,7 @@ def test_bad_text_is_one_line(text, part):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("text, part", [("tp=1,sp=true", "sequence parallelism"), ("cp=2", "context parallelism"),
+@pytest.mark.parametrize("text, part", [("tp=1,sp=true", "sequence parallelism"), ("cp=2,ep=2", "context and expert"),
                                         ("ep=2", "expert parallelism"), ("zero=3,hsdp=8", "hybrid sharding"),
                                         ("dtype=fp8", "fp8"), ("dtype=fp32", "dtype fp32"),
                                         ("tp=8,overlap=tp_comm", "tp_comm"),
