@@ -141,6 +141,7 @@ class MemoryProblem:
         if not np.isfinite(self.budget) or self.budget < 0:
             raise ShardplanError(f"memory budget must be a finite number of bytes >= 0, got {self.budget!r}")
         base, cost, mem = [], [], []
+        sizes = p.sizes
         for v in range(n):
             b = np.asarray(self.base[v], dtype=np.int64)
             c = np.asarray(self.cost[v], dtype=np.float64)
@@ -148,8 +149,8 @@ class MemoryProblem:
             name = p.names[v]
             if b.ndim != 1 or len(b) == 0 or c.shape != b.shape or m.shape != b.shape:
                 raise ShardplanError(f"vertex {name!r}: base, cost and memory must be equal-length non-empty vectors")
-            if b.min() < 0 or b.max() >= p.sizes[v]:
-                raise ShardplanError(f"vertex {name!r}: a choice refers to a configuration outside 0..{p.sizes[v] - 1}")
+            if b.min() < 0 or b.max() >= sizes[v]:
+                raise ShardplanError(f"vertex {name!r}: a choice refers to a configuration outside 0..{sizes[v] - 1}")
             if not (np.all(np.isfinite(c)) and np.all(np.isfinite(m))) or c.min() < 0 or m.min() < 0:
                 raise ShardplanError(f"vertex {name!r}: choice costs and memory must be finite and >= 0")
             base.append(b)
@@ -245,6 +246,7 @@ def _lagrangian_problem(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndar
     p = mp.problem
     keeps, picks, unary = [], [], []
     full = True
+    sizes = p.sizes
     for v in range(p.num_vertices):
         idx = np.flatnonzero(allowed[v])
         val = mp.cost[v][idx] + lam * mp.memory[v][idx] if lam > 0 else mp.cost[v][idx]
@@ -255,7 +257,7 @@ def _lagrangian_problem(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndar
         keeps.append(b[first])
         picks.append(idx[order][first])
         unary.append(val[order][first])
-        full &= len(keeps[-1]) == p.sizes[v]
+        full &= len(keeps[-1]) == sizes[v]
     if full:
         edge_cost, configs = p.edge_cost, p.configs
     else:
@@ -454,8 +456,9 @@ def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, it
         trws(st, list(range(st.n)), iters)
     lbs, _, _ = _forest_pass(st, True)
     out = []
+    sizes = mp.problem.sizes
     for v in range(sub.num_vertices):
-        pos = np.full(mp.problem.sizes[v], -1, dtype=np.int64)
+        pos = np.full(sizes[v], -1, dtype=np.int64)
         pos[keeps[v]] = np.arange(len(keeps[v]))
         idx = np.flatnonzero(allowed[v])
         i = pos[mp.base[v][idx]]
@@ -735,7 +738,11 @@ def _frontier_classes(p: Problem, cfgs: Sequence[np.ndarray], plan: list[tuple[l
     for e, (s, d) in enumerate(p.edges):
         adj.setdefault(s, []).append((d, e, True))
         adj.setdefault(d, []).append((s, e, False))
+    # the classes depend only on the remaining edges' matrices and the allowed configurations at both ends:
+    # identical layers (shared matrices, equal restrictions) are classed once
     cache: dict[tuple[int, tuple[int, ...]], tuple[np.ndarray, int]] = {}
+    shared: dict[tuple, tuple[np.ndarray, int]] = {}
+    cfg_key = [c.tobytes() for c in cfgs]
     out = []
     for v, (_, after) in enumerate(plan):
         step = []
@@ -743,10 +750,13 @@ def _frontier_classes(p: Problem, cfgs: Sequence[np.ndarray], plan: list[tuple[l
             rem = [(w, e, src) for w, e, src in adj.get(u, ()) if w > v]
             key = (u, tuple(e for _, e, _ in rem))
             if key not in cache:
-                slices = [p.edge_cost[e][np.ix_(cfgs[u], cfgs[w])] if src else p.edge_cost[e][np.ix_(cfgs[w], cfgs[u])].T
-                          for w, e, src in rem]
-                inv = _row_classes(np.concatenate(slices, axis=1))
-                cache[key] = (inv, int(inv.max()) + 1)
+                same = (cfg_key[u], tuple((id(p.edge_cost[e]), src, cfg_key[w]) for w, e, src in rem))
+                if same not in shared:
+                    slices = [p.edge_cost[e][np.ix_(cfgs[u], cfgs[w])] if src
+                              else p.edge_cost[e][np.ix_(cfgs[w], cfgs[u])].T for w, e, src in rem]
+                    inv = _row_classes(np.concatenate(slices, axis=1))
+                    shared[same] = (inv, int(inv.max()) + 1)
+                cache[key] = shared[same]
             step.append(cache[key])
         out.append(step)
     return out
