@@ -262,8 +262,11 @@ def memory_lines(plan: Plan) -> list[str]:
     if not st.get("memory_choices"):
         return out
     if "nodes" in st:
-        proof = ("proven optimal under the budget" if plan.optimal else
-                 f"NOT proven: gap {100 * (plan.gap or 0.0):.3g}%")
+        # the memory search's own proof (its solver's gap), not the plan's: a plan compared with an interrupted
+        # pipeline search has its bound lowered by that search, not by this one
+        gap = st.get("gap", plan.gap)
+        proof = ("proven optimal under the budget" if gap is not None and gap <= 1e-9 else
+                 f"NOT proven: gap {100 * (gap or 0.0):.3g}%")
         out.append(f"Memory search: {proof}; {st.get('nodes', 0)} branch-and-bound nodes, "
                    f"{st.get('dp_solves', 0)} DP solves")
         if "unconstrained_cost" in st:

@@ -139,3 +139,18 @@ def test_render_report_text(alexnet32):
 def test_scope_titles_collapse_runs_inside_a_set():
     names = [f"m/L{i}/q" for i in list(range(1, 64)) + list(range(65, 97))]
     assert scope_title(names) == "m/L{1–63, 65–96}/q"
+
+
+def test_memory_search_line_states_its_own_proof_not_the_plans():
+    """A one-program plan whose bound was lowered by an interrupted pipeline search (bound 0) still reports its
+    memory search as proven; the step-time line carries the plan's gap."""
+    from dataclasses import replace
+
+    from shardplan.planner import plan
+    from shardplan.report.summary import render_plan
+
+    p = plan("gpt", preset("h100", 8), sizes={"layers": 2}, batch=8, stages=False, budget=2 * 2**30)
+    assert p.optimal and "Memory search: proven optimal under the budget" in render_plan(p)
+    cut = replace(p, lower_bound=0.0)
+    text = render_plan(cut)
+    assert "Memory search: proven optimal under the budget" in text and "gap 100%" in text
