@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from shardplan.configs import ORDER_MODES, configurations, dimension_orders, flat_layouts, layouts, with_partial
-from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, weight_edge_cost
+from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budgets, weight_edge_cost
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
@@ -223,7 +223,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
                  memory_limit_bytes: int | None = None, node_replicas: bool = False,
                  cache: dict | None = None,
                  candidates: Callable[[Operator], Sequence[Layout]] | None = None,
-                 partial_sums: bool = False) -> CostTables:
+                 partial_sums: bool = False, overlap_tp: bool = False) -> CostTables:
     """Layouts and costs of every operator and edge of ``graph`` on ``machine``.
 
     ``divides_p`` (default): keep configurations whose device count divides p,
@@ -263,7 +263,16 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     ``partial_sums``: also offer every enumerated layout that splits a reduction as a partial layout, which
     defers that reduction to the operator's edges (:func:`shardplan.configs.with_partial`; costed by
     :mod:`shardplan.cost.operator` and :func:`shardplan.cost.edge.edge_cost`).
+
+    ``overlap_tp`` (implies ``partial_sums``): a contraction may hide the collective of one of its edges behind
+    its own compute, cut into chunks (Megatron-LM's ``--tp-comm-overlap``, torchtitan's asynchronous tensor
+    parallelism): the producer of partial sums read by one consumer hides that edge's reduction, a product
+    with one input edge the gather into its input tile (:func:`shardplan.cost.edge.overlap_budgets`, the
+    math in docs/cost-model.md). Each edge cost stays a function of its two layouts.
     """
+    if not isinstance(overlap_tp, bool):
+        raise ShardplanError(f"build_tables: overlap_tp must be True or False, got {overlap_tp!r}")
+    partial_sums = partial_sums or overlap_tp
     p = machine.num_devices
     if p > MAX_DEVICES:
         raise ShardplanError(f"{p} devices: the cost model keeps a tile per device and configuration, "
@@ -345,11 +354,25 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     edge_costs = []
     edge_cache: dict[tuple, np.ndarray] = store.setdefault("edges", {})
     memo = EdgeMemo()  # fast-path summaries shared by the edges of this build
+    shape = _lending_shape(graph) if overlap_tp else None
+    budgets: dict[tuple, tuple[np.ndarray, np.ndarray]] = store.setdefault("overlap_budgets", {})
+
+    def budget(i: int) -> tuple[np.ndarray, np.ndarray]:
+        assert shape is not None
+        bkey = (keys[i], shape[0][i], shape[1][i])
+        if bkey not in budgets:
+            row = per_key[keys[i]]
+            budgets[bkey] = overlap_budgets(ops[i], row[1], row[2].compute, machine, shape[0][i], shape[1][i])
+        return budgets[bkey]
+
     for n_done, e in enumerate(graph.edges):
         ekey = (keys[e.src], keys[e.dst], e.slot)
+        if shape is not None:  # whether each end lends its compute to this edge depends on the graph's shape
+            ekey += (shape[0][e.src], shape[1][e.dst])
         if ekey not in edge_cache:
             ku, kv = per_key[keys[e.src]], per_key[keys[e.dst]]
-            edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine, memo=memo)
+            hide = None if shape is None else (budget(e.src)[0], budget(e.dst)[1])
+            edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine, memo=memo, hide=hide)
         edge_costs.append(edge_cache[ekey])
         if progress is not None:
             progress(len(first) + n_done + 1, steps)
@@ -364,13 +387,25 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     _check_finite(graph, machine, [per_key[k][2] for k in keys], edge_costs, weight_costs)
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
             "node_replicas": node_replicas, "candidates_given": candidates is not None, "partial_sums": partial_sums,
-            "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped, "levels": levels,
+            "overlap_tp": overlap_tp, "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped, "levels": levels,
             "distinct_operators": len(first),
             "distinct_edges": len({(keys[e.src], keys[e.dst], e.slot) for e in graph.edges}),
             "memory_estimate_bytes": estimate}
     return CostTables(graph, machine, tuple(per_key[k][0] for k in keys), tuple(per_key[k][2] for k in keys),
                       tuple(edge_costs), tuple(per_key[k][3] for k in keys), opts,
                       tuple(per_key[k][1] for k in keys), tuple(weight_costs))
+
+
+def _lending_shape(graph: Graph) -> tuple[list[bool], list[int | None]]:
+    """Per operator: whether exactly one edge leaves it, and the slot of the only edge into it (None: none or
+    several): which edges an operator may lend its compute to (:func:`shardplan.cost.edge.overlap_budgets`)."""
+    n = len(graph.operators)
+    out_deg = [0] * n
+    ins: list[list[int]] = [[] for _ in range(n)]
+    for e in graph.edges:
+        out_deg[e.src] += 1
+        ins[e.dst].append(e.slot)
+    return [d == 1 for d in out_deg], [s[0] if len(s) == 1 else None for s in ins]
 
 
 def _check_finite(graph: Graph, machine: Machine, op_costs: Sequence[OpCost], edge_costs: Sequence[np.ndarray],

@@ -60,6 +60,14 @@ that input's gradient group G_v, the edge charges ``AR(n_v, G_v) + bwd``, or
 ``RS(n_v, G_v) + AG(n_v / h, S)`` where u's tiles scatter v's over G_v. A partial output read
 by several consumers is reduced on each edge (each consumer reduces its own
 copy), an upper bound of sharing one reduction.
+
+Overlapped tensor-parallel collectives (``build_tables(..., overlap_tp=True)``; the math in
+docs/cost-model.md). A contraction (a GEMM) may lend its compute to one edge: the collective on that edge is
+cut into g chunks that run while the GEMM computes the chunks before them, which exposes
+``max(C - G (g-1)/g, 0)`` of a collective of C seconds beside a GEMM pass of G seconds
+(:func:`overlap_budgets` gives ``G (g-1)/g`` per layout; :func:`edge_cost` takes it as ``hide``). Which edge
+a GEMM lends to depends on its own layout and on the graph only, so every edge cost stays a function of its
+two layouts.
 """
 
 from __future__ import annotations
@@ -76,7 +84,7 @@ from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
-__all__ = ["edge_volumes", "edge_cost", "deferred_reductions", "scatters", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES",
+__all__ = ["edge_volumes", "edge_cost", "overlap_budgets", "exposed", "NO_CLAIM", "deferred_reductions", "scatters", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES",
            "weight_edge_cost", "weight_sync", "weight_views"]
 
 _CHUNK_ELEMS = 1 << 22
@@ -569,7 +577,8 @@ def group_union(lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray
 
 def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
               ou: np.ndarray | None = None, ov: np.ndarray | None = None,
-              volumes: tuple[np.ndarray, np.ndarray] | None = None, memo: EdgeMemo | None = None) -> np.ndarray:
+              volumes: tuple[np.ndarray, np.ndarray] | None = None, memo: EdgeMemo | None = None,
+              hide: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Seconds to redistribute the tensor of edge u -> v (input ``slot``), forward + backward: (K_u, K_v).
 
     Volumes are exact per device (:func:`edge_volumes`): the forward tensor
@@ -611,7 +620,79 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
             more_b = bool(vol.any())
     if lu.partial is not None or lv.partial is not None:
         fwd_t, bwd_t = deferred_reductions(u, lu, v, slot, lv, machine, fwd_t, bwd_t)
+    if hide is not None:
+        return exposed(fwd_t, bwd_t, hide[0], hide[1])
     return fwd_t + bwd_t
+
+
+NO_CLAIM = -1.0
+"""A budget entry of :func:`overlap_budgets` where the operator lends its compute to no edge on that side."""
+
+
+def exposed(fwd_t: np.ndarray, bwd_t: np.ndarray, hu: np.ndarray, hv: np.ndarray) -> np.ndarray:
+    """Seconds (K_u, K_v) of an edge whose collectives run beside a GEMM: forward and backward each exposed
+    ``max(C - H, 0)``, with H the larger of the producer's budget ``hu`` (2, K_u) and the consumer's ``hv``
+    (2, K_v) for that direction (rows: forward, backward; :data:`NO_CLAIM` where a side does not lend its GEMM
+    to this edge, counted as 0). One GEMM hides a direction's collective, never the two ends' together: each
+    budget is lent to exactly one edge (:func:`overlap_budgets`), so no compute is counted twice."""
+    out = np.zeros(np.broadcast_shapes(np.shape(fwd_t), np.shape(bwd_t)), dtype=np.float64)
+    for row, t in enumerate((fwd_t, bwd_t)):
+        h = np.maximum(np.maximum(hu[row][:, None], hv[row][None, :]), 0.0)
+        out += np.maximum(np.asarray(t, dtype=np.float64) - h, 0.0)
+    return out
+
+
+def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machine: Machine,
+                    single_consumer: bool, input_slot: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """What each layout of ``op`` lends to an overlapped collective: ``(as producer (2, K), as consumer (2, K))``,
+    seconds per direction (rows: forward, backward), :data:`NO_CLAIM` where it lends nothing on that side.
+
+    A contraction (``op.reduction_dims`` non-empty) lends its compute to exactly one edge, chosen by its
+    layout alone (and the graph's shape, fixed):
+
+    * to its one consumer edge (``single_consumer``: the graph has exactly one edge out of ``op``) when the
+      layout leaves its output as partial sums (:attr:`~shardplan.layout.Layout.partial`, a forward-deferrable
+      operator, a split reduction): the reduction on that edge is cut into g chunks (g: the reduction
+      group's size), each reduced while the GEMM computes the next; backward, the gradient's gather into the
+      tile, chunk by chunk, beside the backward products;
+    * otherwise to its one input edge (``input_slot``: the slot of the only edge into ``op``, None where the
+      graph has none or several) when g > 1 devices hold the same input tile (the dims the input does not index are split g ways): the gather into that tile is
+      cut into g chunks, each consumed as it arrives; backward, the reduction of the input's gradient.
+
+    A pass of G seconds hides ``G (g - 1) / g`` of a collective (the first chunk of the GEMM, or the last one,
+    has nothing to overlap: docs/cost-model.md). Forward G is the forward pass; backward G the backward
+    passes less what the weight-gradient synchronisation already overlaps (``machine.overlap_grad``), so no
+    second claim is made on the same seconds.
+    """
+    from dataclasses import replace
+
+    from shardplan.cost.operator import operator_cost
+
+    k = len(lay.splits)
+    none = np.full((2, k), NO_CLAIM)
+    if not op.reduction_dims:
+        return none, none.copy()
+    names = op.dim_names
+    passes = 1 + len(op.grad_tensors)
+    fwd = np.asarray(compute, dtype=np.float64) / passes
+    bwd = np.asarray(compute, dtype=np.float64) - fwd
+    if machine.overlap_grad and passes > 1:  # the weight syncs' overlap: min(sync, backward) already taken
+        plain = operator_cost(op, lay, replace(machine, overlap_grad=False))
+        mine = operator_cost(op, lay, machine)
+        bwd = np.maximum(bwd - (plain.grad_allreduce - mine.grad_allreduce), 0.0)
+    g_out = lay.group_sizes([names.index(d) for d in op.reduction_dims]).prod(axis=0)
+    produces = np.zeros(k, dtype=bool)
+    if single_consumer and lay.partial is not None and forward_deferrable(op):
+        produces = lay.partial & (g_out > 1)
+    prod = np.where(produces[None, :], np.stack([fwd * (g_out - 1) / g_out, bwd * (g_out - 1) / g_out]), NO_CLAIM)
+    cons = none.copy()
+    if input_slot is not None:
+        read = {a.dim for a in op.inputs[input_slot].axes if a.dim is not None}
+        shared = [j for j, d in enumerate(names) if d not in read]
+        g_in = lay.group_sizes(shared).prod(axis=0) if shared else np.ones(k, dtype=np.int64)
+        takes = ~produces & (g_in > 1)
+        cons = np.where(takes[None, :], np.stack([fwd * (g_in - 1) / g_in, bwd * (g_in - 1) / g_in]), NO_CLAIM)
+    return prod, cons
 
 
 def deferred_reductions(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
