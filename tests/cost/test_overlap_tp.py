@@ -1,0 +1,299 @@
+"""Overlapped tensor-parallel collectives (``build_tables(..., overlap_tp=True)``).
+
+A contraction lends its compute to one edge, chosen by its own layout: the partial-sum producer to its one
+consumer's reduction, otherwise a product whose input tile is shared by g > 1 devices to its one input's
+gather. A collective of C seconds beside a pass of G seconds cut into g chunks exposes ``max(C - G (g-1)/g, 0)``.
+The expected numbers are written from the collective formulas and the roofline by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from shardplan import ops
+from shardplan.cost import build_tables, edge_cost
+from shardplan.cost.collectives import allreduce_time, p2p_time, reduce_scatter_time
+from shardplan.cost.edge import NO_CLAIM, exposed, overlap_budgets
+from shardplan.cost.operator import operator_cost
+from shardplan.ir import GraphBuilder, TensorRef
+from shardplan.layout import Layout, LayoutArrays
+from shardplan.machine import Machine, preset
+from shardplan.models import get_model
+from shardplan.recipe import megatron_layout
+from shardplan.search import solve_dp, solve_ilp
+from shardplan.search.reference import solve_bruteforce
+
+PEAK = 1e9  # FLOP/s: slow enough that a product's pass and its collective are of the same order
+
+
+def machine(p: int, latency: float = 0.0, peak: float = PEAK) -> Machine:
+    return Machine(p, peak_flops=peak, bandwidth=1e9, latency=latency, dtype_bytes=4)
+
+
+def x_ref(shape):
+    return TensorRef("x", tuple(shape), needs_grad=True)
+
+
+def flat(op, config, p, partial=False):
+    return Layout.flat(op.dim_names, config, p).with_partial(partial)
+
+
+def _fc_act(rows: int = 64):
+    b = GraphBuilder("pair")
+    x = b.input("x", (rows, 32), needs_grad=True)
+    y = b.add(ops.dense("fc", x, 16))  # dims b, n, c: y[b, n] = sum_c x[b, c] W[c, n]
+    b.add(ops.elementwise("act", y))  # dims b, n
+    return b.build()
+
+
+# -- one GEMM pair, by hand ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("peak", [PEAK, 1e8, 1e12])
+def test_row_parallel_product_hides_its_reduce_scatter_and_the_gathered_gradient(peak):
+    """fc (1,1,4) partial -> act (4,1): forward a reduce-scatter of fc's 64x16 output among 4, backward each
+    device gathers the 3/4 of the output gradient it misses. fc's pass is G = 2 * 64 * 16 * 32 / 4 / peak
+    (3 passes: forward, input and weight gradients), so forward G * 3/4 of the reduce-scatter is hidden,
+    backward 2G * 3/4 of the gather."""
+    m = machine(4, peak=peak)
+    g = _fc_act()
+    fc, act = g.operators
+    lu = LayoutArrays.stack([flat(fc, (1, 1, 4), 4, partial=True)])
+    lv = LayoutArrays.stack([flat(act, (4, 1), 4)])
+    oc = operator_cost(fc, lu, m)
+    G = 2 * 64 * 16 * 32 / 4 / peak
+    assert oc.compute[0] == pytest.approx(3 * G, rel=1e-12)
+    n = 64 * 16 * 4
+    rs = reduce_scatter_time(n, [[4]], m)[0]
+    gather = float(p2p_time(3 / 4 * n, m))
+    want = max(rs - 0.75 * G, 0.0) + max(gather - 0.75 * 2 * G, 0.0)
+    prod, cons = overlap_budgets(fc, lu, oc.compute, m, single_consumer=True, input_slot=0)
+    assert prod[:, 0].tolist() == pytest.approx([0.75 * G, 1.5 * G], rel=1e-12)
+    assert cons[:, 0].tolist() == [NO_CLAIM, NO_CLAIM]  # lent to the output edge, not also to the input
+    plain = edge_cost(fc, lu, act, 0, lv, m)
+    assert plain[0, 0] == pytest.approx(rs + gather, rel=1e-12)
+    hv = overlap_budgets(act, lv, operator_cost(act, lv, m).compute, m, True, 0)[1]
+    assert hv.tolist() == [[NO_CLAIM], [NO_CLAIM]]  # not a contraction: nothing to lend
+    assert edge_cost(fc, lu, act, 0, lv, m, hide=(prod, hv))[0, 0] == pytest.approx(want, rel=1e-12)
+    t = build_tables(g, m, candidates=lambda op: (flat(fc, (1, 1, 4), 4, True),) if op.name == "fc"
+                     else (flat(act, (4, 1), 4),), overlap_tp=True)
+    assert t.edge_costs[0][0, 0] == pytest.approx(want, rel=1e-12)
+    assert t.options["overlap_tp"] and t.options["partial_sums"]
+    if peak == 1e8:
+        assert want == 0.0  # slow products hide everything
+    if peak == 1e12:
+        assert want == pytest.approx(rs + gather - 0.75 * 3 * G, rel=1e-12)  # fast ones little
+
+
+@pytest.mark.parametrize("latency", [0.0, 1e-6])
+def test_column_parallel_product_hides_the_gather_of_its_input_and_its_gradient_reduce_scatter(latency):
+    """act (4,1) -> fc (1,4,1) partial for x's gradient: forward every device gathers the 3/4 of x it misses,
+    backward x's gradient partial over the n group is reduce-scattered into act's quarters; fc's input tile
+    is shared by the 4 devices of its n split, so its passes hide 3/4 of themselves."""
+    m = machine(4, latency)
+    b = GraphBuilder("pair")
+    x = b.input("x", (64, 32), needs_grad=True)
+    a = b.add(ops.elementwise("act", x))
+    b.add(ops.dense("fc", a, 16))
+    g = b.build()
+    act, fc = g.operators
+    lay = {"act": (flat(act, (4, 1), 4),), "fc": (flat(fc, (1, 4, 1), 4, partial=True),)}
+    plain = build_tables(g, m, candidates=lambda op: lay[op.name])
+    t = build_tables(g, m, candidates=lambda op: lay[op.name], overlap_tp=True)
+    n = 64 * 32 * 4
+    gather = float(p2p_time(3 / 4 * n, m))
+    rs = reduce_scatter_time(n, [[4]], m)[0]
+    G = 2 * 64 * 32 * 16 / 4 / PEAK
+    assert plain.edge_costs[0][0, 0] == pytest.approx(gather + rs, rel=1e-12)
+    want = max(gather - 0.75 * G, 0.0) + max(rs - 0.75 * 2 * G, 0.0)
+    assert want < gather + rs
+    assert t.edge_costs[0][0, 0] == pytest.approx(want, rel=1e-12)
+    assert t.op_costs[1].total[0] == plain.op_costs[1].total[0]  # the vertex is untouched
+
+
+def test_the_weight_syncs_overlap_is_not_lent_twice():
+    """With the machine's gradient overlap the weight-gradient all-reduce already hides behind the backward
+    passes: only what is left of them is lent."""
+    m = replace(machine(8), overlap_grad=True)
+    fc = ops.dense("fc", x_ref((64, 32)), 16)
+    lay = LayoutArrays.stack([flat(fc, (2, 1, 4), 8, partial=True)])  # batch split 2: W's gradient synced
+    oc = operator_cost(fc, lay, m)
+    off = operator_cost(fc, lay, replace(m, overlap_grad=False))
+    taken = off.grad_allreduce[0] - oc.grad_allreduce[0]
+    assert taken > 0
+    prod, _ = overlap_budgets(fc, lay, oc.compute, m, True, None)
+    G = oc.compute[0] / 3
+    assert prod[:, 0].tolist() == pytest.approx([0.75 * G, 0.75 * (2 * G - taken)], rel=1e-12)
+
+
+# -- soundness: no compute is lent to two edges -------------------------------------------------------------------
+def test_an_output_read_twice_or_a_product_of_two_inputs_lends_nothing_there():
+    m = machine(4)
+    fc = ops.dense("fc", x_ref((64, 32)), 16)
+    lays = LayoutArrays.stack([flat(fc, (1, 1, 4), 4, True), flat(fc, (1, 4, 1), 4, True), flat(fc, (4, 1, 1), 4)])
+    c = operator_cost(fc, lays, m).compute
+    prod, cons = overlap_budgets(fc, lays, c, m, single_consumer=False, input_slot=None)
+    assert (prod == NO_CLAIM).all() and (cons == NO_CLAIM).all()
+    prod, cons = overlap_budgets(fc, lays, c, m, single_consumer=True, input_slot=0)
+    # (1,1,4) partial lends as producer only; (1,4,1): its input tile on 4 devices, lends as consumer only;
+    # (4,1,1): nothing shared, nothing partial
+    assert (prod[:, 0] > 0).all() and (cons[:, 0] == NO_CLAIM).all()
+    assert (prod[:, 1] == NO_CLAIM).all() and (cons[:, 1] > 0).all()
+    assert (prod[:, 2] == NO_CLAIM).all() and (cons[:, 2] == NO_CLAIM).all()
+
+
+def test_exposed_takes_one_gemm_per_direction_never_the_sum():
+    f = np.array([[3.0, 3.0]])
+    b = np.array([[1.0, 1.0]])
+    hu = np.array([[2.0], [NO_CLAIM]])
+    hv = np.array([[NO_CLAIM, 2.5], [0.5, 5.0]])
+    assert exposed(f, b, hu, hv).tolist() == [[1.0 + 0.5, 0.5 + 0.0]]
+
+
+def test_every_lent_budget_is_used_by_exactly_one_edge_of_a_gpt():
+    """On a GPT with every layout of every operator: each operator lends on at most one side per layout, and
+    the side it lends on has exactly one edge."""
+    from shardplan.cost import _lending_shape
+
+    m = preset("a100", 8)
+    g = get_model("gpt", 1, **{"layers": 1, "d_model": 256, "heads": 8, "vocab": 1024, "seq": 128})
+    t = build_tables(g, m, cutoff=1, orders="row-major", overlap_tp=True)
+    single, slots = _lending_shape(g)
+    lent = 0
+    for i, op in enumerate(g.operators):
+        prod, cons = overlap_budgets(op, t.arrays[i], t.op_costs[i].compute, m, single[i], slots[i])
+        both = (prod[0] != NO_CLAIM) & (cons[0] != NO_CLAIM)
+        assert not both.any()
+        if (prod[0] != NO_CLAIM).any():
+            assert sum(e.src == i for e in g.edges) == 1
+        if (cons[0] != NO_CLAIM).any():
+            assert sum(e.dst == i for e in g.edges) == 1
+        lent += int((prod[0] != NO_CLAIM).any() or (cons[0] != NO_CLAIM).any())
+    assert lent >= 6  # q, k, v, attention output, both feed-forward products
+
+
+def test_overlap_never_raises_an_edge_and_leaves_vertices_alone():
+    m = preset("a100", 8)
+    g = get_model("gpt", 2, **{"layers": 1, "d_model": 256, "heads": 8, "vocab": 1024, "seq": 256})
+    a = build_tables(g, m, cutoff=1, orders="row-major", partial_sums=True)
+    b = build_tables(g, m, cutoff=1, orders="row-major", overlap_tp=True)
+    assert all(la == lb for la, lb in zip(a.layouts, b.layouts))
+    assert all(np.array_equal(x.total, y.total) for x, y in zip(a.op_costs, b.op_costs))
+    lower = 0
+    for x, y in zip(a.edge_costs, b.edge_costs):
+        assert (y <= x * (1 + 1e-12)).all()
+        lower += int((y < x * (1 - 1e-9)).any())
+    assert lower > 0
+
+
+# -- Megatron-LM's sequence parallelism, overlapped -------------------------------------------------------------
+BIG = {"layers": 2, "d_model": 1024, "heads": 16, "vocab": 4096, "seq": 2048}
+
+
+def _tp_sp_tables(graph, m, tp, overlap):
+    levels = tuple(m.levels)
+
+    def candidates(op):
+        a, b = megatron_layout(op, levels, 1, tp), megatron_layout(op, levels, 1, tp, sp=True)
+        return (a,) if a == b else (a, b)
+
+    return build_tables(graph, replace(m, memory_bytes=None), cutoff=1, candidates=candidates, overlap_tp=overlap)
+
+
+def test_overlapped_sequence_parallelism_hides_each_gather_and_reduce_scatter_behind_its_product():
+    """Every sequence-parallel edge that meets a product on one side: its forward and backward collectives are
+    exposed max(C - G 7/8, 0) with G that product's pass; the embedding (read by two operators) lends nothing."""
+    m = preset("a100", 8)
+    g = get_model("gpt", 4, **BIG)
+    plain = _tp_sp_tables(g, m, 8, False)
+    ov = _tp_sp_tables(g, m, 8, True)
+    sp = [len(lays) - 1 for lays in ov.layouts]
+    names = [op.name for op in g.operators]
+    n = 4 * 2048 * 1024 * m.dtype_bytes
+    hidden = 0
+    for e, a, b in zip(g.edges, plain.edge_costs, ov.edge_costs):
+        u, v = g.operators[e.src], g.operators[e.dst]
+        c = a[sp[e.src], sp[e.dst]]
+        if c == 0.0:
+            assert b[sp[e.src], sp[e.dst]] == 0.0
+            continue
+        if u.kind == "embedding":
+            assert b[sp[e.src], sp[e.dst]] == c, (names[e.src], names[e.dst])
+            continue
+        gemm, i = (u, e.src) if u.reduction_dims and ov.layouts[e.src][sp[e.src]].partial \
+            and u.kind != "attn_proj" else (v, e.dst)
+        G = ov.op_costs[i].compute[sp[i]] / 3
+        gather = float(p2p_time(7 / 8 * n, m))
+        red = min(reduce_scatter_time(n, [[8]], m)[0], allreduce_time(n, [[8]], m)[0])
+        fwd, bwd = (red, gather) if gemm is u else (gather, red)
+        assert c == pytest.approx(fwd + bwd, rel=1e-12)
+        want = max(fwd - 7 / 8 * G, 0.0) + max(bwd - 7 / 8 * 2 * G, 0.0)
+        assert b[sp[e.src], sp[e.dst]] == pytest.approx(want, rel=1e-12), (names[e.src], names[e.dst])
+        hidden += 1
+    # per layer (2): the two reduce-scatters, the gathers into q, k, v and the first feed-forward product; the head
+    assert hidden == 2 * (2 + 3 + 1) + 1
+    p0, p1 = plain.to_problem(), ov.to_problem()
+    assert p1.evaluate(sp) < p0.evaluate(sp)
+
+
+def test_the_search_takes_the_overlap_where_it_pays_and_the_dp_matches_the_ilp():
+    m = preset("a100", 8)
+    g = get_model("gpt", 4, **{**BIG, "layers": 1})
+    costs = {}
+    for ov in (False, True):
+        t = build_tables(g, m, cutoff=1, orders="row-major", partial_sums=True, overlap_tp=ov)
+        problem = t.to_problem()
+        sol = solve_dp(problem)
+        costs[ov] = sol.cost
+        if ov:
+            ilp = solve_ilp(problem, time_limit=120)
+            assert ilp.optimal and ilp.cost == pytest.approx(sol.cost, rel=1e-6)
+    assert costs[True] < costs[False]
+
+
+# -- exactness: brute force and the ILP agree with the DP ------------------------------------------------------------
+def _random_graph(seed: int):
+    """A small random graph of products (some outputs read twice), additions and norms over x[8, 8], ending in a
+    product."""
+    rng = np.random.default_rng(seed)
+    b = GraphBuilder(f"g{seed}")
+    vals = [b.input("x", (8, 8), needs_grad=True)]
+    vals.append(b.add(ops.dense("fc", vals[0], 8)))
+    for i in range(int(rng.integers(1, 4))):
+        kind = int(rng.integers(0, 4))
+        a = vals[int(rng.integers(1, len(vals)))]
+        if kind in (0, 3):
+            vals.append(b.add(ops.dense(f"fc{i}", a, 8)))
+        elif kind == 1:
+            c = vals[int(rng.integers(0, len(vals)))]
+            vals.append(b.add(ops.elementwise(f"add{i}", a, c, kind="add")))
+        else:
+            vals.append(b.add(ops.layer_norm(f"ln{i}", a)))
+    b.add(ops.dense("out", vals[-1], 8))  # at least one product reads an edge
+    return b.build()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_dp_bruteforce_and_ilp_agree_with_overlapped_edges(seed):
+    rng = np.random.default_rng(seed)
+    g = _random_graph(seed)
+    m = Machine(4, peak_flops=float(rng.choice([1e6, 1e7, 1e8])), bandwidth=1e8,
+                latency=float(rng.choice([0.0, 1e-6, 1e-4])), dtype_bytes=4)
+    plain = build_tables(g, m, cutoff=2, orders="row-major", partial_sums=True)
+    t = build_tables(g, m, cutoff=2, orders="row-major", overlap_tp=True)
+    assert any((b < a * (1 - 1e-9)).any() for a, b in zip(plain.edge_costs, t.edge_costs))
+    problem = t.to_problem()
+    dp = solve_dp(problem)
+    bf = solve_bruteforce(problem)
+    ilp = solve_ilp(problem, time_limit=60)
+    assert dp.cost == pytest.approx(bf.cost, rel=1e-9)
+    assert ilp.optimal and ilp.cost == pytest.approx(dp.cost, rel=1e-6)
+    assert dp.cost <= solve_dp(plain.to_problem()).cost * (1 + 1e-12)
+
+
+def test_overlap_tp_must_be_a_bool():
+    from shardplan.errors import ShardplanError
+
+    with pytest.raises(ShardplanError, match="overlap_tp must be True or False"):
+        build_tables(_fc_act(), machine(4), overlap_tp="yes")
