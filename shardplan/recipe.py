@@ -68,8 +68,17 @@ hybrid sharding groups (``hsdp``), ``ep`` on a model without experts, a dtype
 other than the machine's (``dtype=fp8``: FP8 products are ``precision=fp8``),
 FP8 on a machine without an FP8 peak, offload without a host link, and overlap
 flags the cost model does not
-distinguish (``tp_comm``; ``param_gather`` except with FSDP, whose gathers the
+distinguish (``param_gather`` except with FSDP, whose gathers the
 model overlaps exactly when it overlaps the gradient reduction).
+
+``overlap=tp_comm`` (Megatron-LM's ``--tp-comm-overlap``, torchtitan's asynchronous tensor parallelism) needs
+``sp=true``, as both runtimes do: the sequence-parallel all-gather in front of each column-parallel product
+and the reduce-scatter behind each row-parallel one are cut into chunks that run beside the product
+(``build_tables(..., overlap_tp=True)``, docs/cost-model.md). Together with overlapped FSDP (``zero=3`` with
+``grad_reduce`` / ``param_gather``) or ``offload``, whose gathers and transfers the model also hides behind the
+products' own compute, it is refused unless the tensor group is exactly one node: then the tensor-parallel
+collectives use only the node's links and the others the network or the host link, and a product's seconds
+hide at most one collective per link.
 """
 
 from __future__ import annotations
@@ -378,8 +387,13 @@ def refusal(recipe: Recipe, machine: Machine) -> str | None:
         return "first_stage_layers / last_stage_layers need pp >= 2"
     ov = recipe.overlap
     if ov is not None:
-        if "tp_comm" in ov:
-            return "overlap tp_comm: the cost model does not overlap tensor-parallel collectives with GEMMs"
+        if "tp_comm" in ov and not recipe.sp:
+            return ("overlap tp_comm: Megatron-LM and torchtitan overlap the sequence-parallel gathers and "
+                    "reduce-scatters with the products; it needs sp=true")
+        others = recipe.offload or (recipe.zero == 3 and ("grad_reduce" in ov or "param_gather" in ov))
+        if "tp_comm" in ov and others and not (len(machine.levels) > 1 and recipe.tp == machine.levels[0]):
+            return ("overlap tp_comm with overlapped FSDP or offload: both would hide behind the same products on "
+                    "the same links; only with the tensor group exactly one node (tp = node size)")
         if "param_gather" in ov and recipe.zero != 3:
             return ("overlap param_gather: below ZeRO-3 the cost model charges the gather of updated weights in "
                     "full (it does not overlap it with the next forward)")
@@ -652,15 +666,23 @@ TABLE_OPTIONS = {"cutoff": 1, "orders": "row-major", "node_replicas": True}
 ``orders`` becomes "all" when a level holds both a tensor and a data split (:func:`table_options`)."""
 
 
-def table_options(machine: Machine, tp: int, dp: int, sp: bool = False, ep: int = 1, cp: int = 1) -> dict[str, Any]:
+def table_options(machine: Machine, tp: int, dp: int, sp: bool = False, ep: int = 1, cp: int = 1,
+                  overlap_tp: bool = False) -> dict[str, Any]:
     """:func:`shardplan.cost.build_tables` options of a stage of ``tp`` × ``dp`` devices on ``machine``'s levels:
     :data:`TABLE_OPTIONS` with the model dimension nested outside the batch inside a level
     (:func:`megatron_layout`: a candidate only with every order), and the recipe's layouts as the candidates
-    (:func:`megatron_candidates`)."""
+    (:func:`megatron_candidates`); ``overlap_tp``: the tensor-parallel collectives overlapped with the products
+    (``overlap=tp_comm``)."""
     levels = tuple(replace(machine, num_devices=tp * dp).levels)
     tps, dps = _level_ways(levels, dp, tp)
     orders = "all" if any(t > 1 and d > 1 for t, d in zip(tps, dps)) else "row-major"
-    return {**TABLE_OPTIONS, "orders": orders, "candidates": megatron_candidates(levels, dp, tp, orders, sp, ep, cp)}
+    return {**TABLE_OPTIONS, "orders": orders, "candidates": megatron_candidates(levels, dp, tp, orders, sp, ep, cp),
+            **({"overlap_tp": True} if overlap_tp else {})}
+
+
+def overlaps_tp(recipe: "Recipe") -> bool:
+    """Whether the recipe overlaps its tensor-parallel collectives with the products (``overlap=tp_comm``)."""
+    return recipe.overlap is not None and "tp_comm" in recipe.overlap
 
 
 def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int | None = None,
@@ -743,7 +765,7 @@ def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m
     recs = recompute_names(graph, recipe.recompute)
     t0 = time.perf_counter()
     dc = dp * recipe.cp  # the non-tensor devices: data × context
-    opts = table_options(machine, recipe.tp, dc, recipe.sp, recipe.ep, recipe.cp)
+    opts = table_options(machine, recipe.tp, dc, recipe.sp, recipe.ep, recipe.cp, overlaps_tp(recipe))
     tables = replace(build_tables(graph, replace(machine, memory_bytes=None), **opts), machine=machine)
     base = plan_from_configs(tables, megatron_layouts(tables, dc, recipe.tp, recipe.sp, recipe.ep, recipe.cp),
                              name="megatron")
@@ -770,7 +792,7 @@ def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Reci
         return plan_with_choices(plan, stage=zero, recompute=recompute_names(plan.graph, rec), micro_batches=1,
                                  accumulate=mb, name="recipe", **precision_choices(recipe))
 
-    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dc, sp, ep, cp),
+    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dc, sp, ep, cp, overlaps_tp(recipe)),
                          periodic=False, strategy=lambda t: megatron_layouts(t, dc, tp, sp, ep, cp), choices=choices)
     g, units, _ = stages.graph(m)
     kinds = [unit_prefix(g.operators[idx[0]].name) is not None for idx in units]
