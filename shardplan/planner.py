@@ -36,7 +36,7 @@ STAGES = ("auto", True, False)
 
 
 TABLE_OPTIONS = ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas", "optimizer_factor",
-                 "partial_sums")
+                 "partial_sums", "overlap_tp")
 """The cost-table options a plan records, so the tables can be rebuilt where it runs (:func:`spmd_of`)."""
 
 
@@ -94,6 +94,10 @@ def from_spmd(sp: Any, *, model: str | None = None, batch: int | None = None,
         lower = float(sol.bound) if sol.bound is not None else (sp.cost if sol.optimal else None)
     st: dict[str, Any] = {"solve_seconds": sp.solve_seconds, "build_seconds": sp.build_seconds,
                           "memory_choices": mc is not None, "table_options": table_options(sp.tables)}
+    if sp.tables.options.get("overlap_tp"):
+        from shardplan.cost import overlap_hidden
+
+        st["overlap_tp"] = overlap_hidden(sp.tables, sp.assignment)
     if sol is not None:
         st.update(sol.stats)
     st.update(stats or {})
@@ -242,7 +246,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
          schedules: Sequence[str] = ("1f1b", "zb-h1"), interleave: Sequence[int] = (),
          max_stages: int | None = None, fit_options: Any = None, cutoff: int | None = None, orders: str = "auto",
          solver: str = "dp", partial_sums: bool = False, log: Callable[[str], None] | None = None,
-         progress: Any = None) -> Plan:
+         progress: Any = None, overlap_tp: bool = False) -> Plan:
     """The fastest plan of ``model`` on ``machine`` that fits in each device's memory.
 
     Args:
@@ -266,6 +270,9 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         partial_sums: also offer every layout that defers a split reduction to its consumers (reduce-scatter
             into a split layout, all-reduce into a replicated one: Megatron-LM's sequence parallelism is such a
             plan), in every search; about twice the layouts of a transformer, so off by default.
+        overlap_tp: also let each product hide the collective of one of its edges behind its compute, in chunks
+            (Megatron-LM's ``--tp-comm-overlap``, torchtitan's asynchronous tensor parallelism); implies
+            ``partial_sums`` (:func:`shardplan.cost.build_tables`).
 
     Raises:
         ShardplanError: bad input, or no plan in the space fits (the message names the least memory needed).
@@ -285,6 +292,9 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         raise ShardplanError(f"plan: fit must be True or False, got {fit!r}")
     if not isinstance(partial_sums, bool):
         raise ShardplanError(f"plan: partial_sums must be True or False, got {partial_sums!r}")
+    if not isinstance(overlap_tp, bool):
+        raise ShardplanError(f"plan: overlap_tp must be True or False, got {overlap_tp!r}")
+    tables_extra = {"overlap_tp": True} if overlap_tp else {}
     if batch is not None:
         batch = integer("plan: batch", batch, 1, MAX_EXTENT)
     graph, build, batch, default_cutoff, name = _resolve(model, batch, sizes)
@@ -310,7 +320,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         opts = fit_options if fit_options is not None else FitOptions(micro_batches=ms)
         try:
             candidates.append(from_spmd(solve_fit(graph, machine, budget=limit, options=opts, cutoff=cutoff,
-                                                  orders=orders, partial_sums=partial_sums), model=name, batch=batch))
+                                                  orders=orders, partial_sums=partial_sums, **tables_extra), model=name,
+                                        batch=batch))
         except ShardplanError as e:
             if type(e) is not ShardplanError:
                 raise
@@ -319,7 +330,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         from shardplan.spmd import solve
 
         candidates.append(from_spmd(solve(graph, machine, cutoff=cutoff, orders=orders, solver=solver,
-                                          partial_sums=partial_sums), model=name, batch=batch))
+                                          partial_sums=partial_sums, **tables_extra), model=name, batch=batch))
     if candidates:
         say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s)")
     interrupted = False
@@ -339,7 +350,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             res = pipeline_solve(build, batch, machine, micro_batches=ms, max_stages=max_stages,
                                  interleave=tuple(interleave), schedules=tuple(schedules),
                                  budget=limit if constrained else float("inf"), memory_choices=constrained, cutoff=cutoff,
-                                 orders=orders, progress=tracker, **({"partial_sums": True} if partial_sums else {}))
+                                 orders=orders, progress=tracker, **({"partial_sums": True} if partial_sums else {}), **tables_extra)
             if candidates and res.plan.step_time >= candidates[0].step_time / (1 + 1e-9):
                 # the one program wins (ties included): its bound and step are all the pipeline adds, and its
                 # stage plans (re-solved where a run of blocks was costed by extension) are not built

@@ -184,7 +184,7 @@ def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int] | 
 
 def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: bool = False, divides_p: bool = True,
           orders: str = "auto", solver: str = "dp", progress: Callable[[int, int], None] | None = None,
-          partial_sums: bool = False, **solver_options: Any) -> SpmdPlan:
+          partial_sums: bool = False, overlap_tp: bool = False, **solver_options: Any) -> SpmdPlan:
     """Find the strategy of minimum predicted step time for ``graph`` on ``machine``.
 
     Builds the cost tables (configurations with at least ``cutoff`` points per
@@ -193,7 +193,8 @@ def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: boo
     build, then searches them with :func:`solve_tables`; extra keyword
     arguments go to the solver (e.g. ``ordering="generateseq"``). ``partial_sums``: also offer the layouts
     that defer a split reduction to the consumers (reduce-scatter or all-reduce on the edge; Megatron-LM's
-    sequence parallelism is such a plan).
+    sequence parallelism is such a plan). ``overlap_tp``: products may hide an edge's collective behind their
+    compute (:func:`shardplan.cost.build_tables`).
     """
     from shardplan.checks import MAX_EXTENT, integer
 
@@ -211,7 +212,8 @@ def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: boo
         raise ShardplanError(f"solve: progress must be a callable progress(done, total), got {progress!r}")
     t0 = time.perf_counter()
     tables = build_tables(graph, machine, cutoff=cutoff, powers_of_two=powers_of_two, divides_p=divides_p,
-                          orders=orders, progress=progress, partial_sums=partial_sums)
+                          orders=orders, progress=progress, partial_sums=partial_sums,
+                          overlap_tp=overlap_tp)
     return solve_tables(tables, solver=solver, build_seconds=time.perf_counter() - t0, **solver_options)
 
 

@@ -79,7 +79,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       stages=STAGE_CHOICES[args.stages],
                       micro_batches=micro_batches, schedules=schedules, interleave=interleave,
                       max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto",
-                      fit_options=fit_options, partial_sums=args.partial_sums, log=log, progress=write)
+                      fit_options=fit_options, partial_sums=args.partial_sums, log=log, progress=write,
+                      overlap_tp=args.overlap_tp)
     except KeyboardInterrupt:
         end()
         _log("interrupted before any plan was found")
@@ -123,6 +124,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--partial-sums", action="store_true",
                    help="also offer layouts that defer a split reduction to its consumers (reduce-scatter / "
                         "all-reduce on the edge: Megatron-LM's sequence parallelism); about twice the layouts")
+    p.add_argument("--overlap-tp", action="store_true",
+                   help="let each matrix product hide one edge's collective behind its compute, in chunks "
+                        "(Megatron-LM's --tp-comm-overlap, torchtitan's async TP); implies --partial-sums")
     p.add_argument("--fp8", action="store_true",
                    help="offer FP8 matrix products (machines with an FP8 peak; one program, not pipeline stages)")
     p.add_argument("--offload", metavar="PARTS",

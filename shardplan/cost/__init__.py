@@ -23,7 +23,7 @@ from shardplan.machine import Machine
 from shardplan.search.problem import Problem
 
 __all__ = ["CostTables", "build_tables", "operator_cost", "edge_cost", "edge_volumes", "OpCost", "PARTS",
-           "BREAKDOWN", "ORDERS", "operator_key"]
+           "BREAKDOWN", "ORDERS", "operator_key", "overlap_hidden"]
 
 BREAKDOWN: dict[str, str] = {**PARTS, "redistribution": "redistribution between operators (shared weights included)"}
 """The parts of a strategy's step time (:meth:`CostTables.breakdown`): each operator part, then redistribution."""
@@ -394,6 +394,23 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     return CostTables(graph, machine, tuple(per_key[k][0] for k in keys), tuple(per_key[k][2] for k in keys),
                       tuple(edge_costs), tuple(per_key[k][3] for k in keys), opts,
                       tuple(per_key[k][1] for k in keys), tuple(weight_costs))
+
+
+def overlap_hidden(tables: CostTables, assignment: Sequence[int]) -> dict[str, float]:
+    """What the overlap of tables built with ``overlap_tp`` hides in a strategy: ``{"edges": how many edges
+    hide some of their collectives, "hidden_seconds": the seconds they hide}`` (each edge costed once more
+    without the overlap, at the chosen pair of layouts only)."""
+    g = tables.graph
+    edges, hidden = 0, 0.0
+    for e, mat in zip(g.edges, tables.edge_costs):
+        a, b = int(assignment[e.src]), int(assignment[e.dst])
+        full = float(edge_cost(g.operators[e.src], tables.arrays[e.src].take([a]), g.operators[e.dst], e.slot,
+                               tables.arrays[e.dst].take([b]), tables.machine)[0, 0])
+        gain = full - float(mat[a, b])
+        if gain > 0.0:
+            edges += 1
+            hidden += gain
+    return {"edges": edges, "hidden_seconds": hidden}
 
 
 def _lending_shape(graph: Graph) -> tuple[list[bool], list[int | None]]:

@@ -103,6 +103,7 @@ def recipe_words(plan: Plan) -> str:
     partial = sum(c.layout.partial for _, c in ops)
     if partial:
         words += f", deferred reductions (sequence parallel) on {partial} operators"
+    words += _overlap_words(plan)
     zero, zshare = _weighted_mode([(c.state_stage, max(c.weight_elems, 1)) for _, c in weighted])
     if zero:
         words += f", {'FSDP (ZeRO-3)' if zero == 3 else f'ZeRO-{zero}'}" + (" (mostly)" if zshare < 0.9 else "")
@@ -119,6 +120,19 @@ def recipe_words(plan: Plan) -> str:
     if plan.batch is not None:
         words += f" of {plan.batch // plan.micro_batches}"
     return words
+
+
+def _overlap_words(plan: Plan) -> str:
+    """The overlapped tensor-parallel collectives, where the plan's tables offered them (``overlap_tp``)."""
+    if not (plan.stats.get("table_options") or {}).get("overlap_tp"):
+        return ""
+    got = plan.stats.get("overlap_tp")
+    if not isinstance(got, Mapping):
+        return ", tensor-parallel collectives overlapped with their products"
+    if not got.get("edges"):
+        return ", no collective overlapped with a product"
+    return (f", tensor-parallel collectives overlapped with their products on {int(got['edges'])} edges "
+            f"({fmt_seconds(float(got['hidden_seconds']))} hidden)")
 
 
 def _module(name: str) -> str:
