@@ -350,7 +350,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             res = pipeline_solve(build, batch, machine, micro_batches=ms, max_stages=max_stages,
                                  interleave=tuple(interleave), schedules=tuple(schedules),
                                  budget=limit if constrained else float("inf"), memory_choices=constrained, cutoff=cutoff,
-                                 orders=orders, progress=tracker, **({"partial_sums": True} if partial_sums else {}), **tables_extra)
+                                 orders=orders, progress=tracker, **({"partial_sums": True} if partial_sums else {}),
+                                 **tables_extra)
             if candidates and res.plan.step_time >= candidates[0].step_time / (1 + 1e-9):
                 # the one program wins (ties included): its bound and step are all the pipeline adds, and its
                 # stage plans (re-solved where a run of blocks was costed by extension) are not built

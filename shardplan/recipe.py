@@ -792,7 +792,8 @@ def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Reci
         return plan_with_choices(plan, stage=zero, recompute=recompute_names(plan.graph, rec), micro_batches=1,
                                  accumulate=mb, name="recipe", **precision_choices(recipe))
 
-    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None), table_options(machine, tp, dc, sp, ep, cp, overlaps_tp(recipe)),
+    stages = ModelStages(build, gbs, replace(machine, memory_bytes=None),
+                         table_options(machine, tp, dc, sp, ep, cp, overlaps_tp(recipe)),
                          periodic=False, strategy=lambda t: megatron_layouts(t, dc, tp, sp, ep, cp), choices=choices)
     g, units, _ = stages.graph(m)
     kinds = [unit_prefix(g.operators[idx[0]].name) is not None for idx in units]

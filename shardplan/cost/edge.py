@@ -84,7 +84,8 @@ from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
-__all__ = ["edge_volumes", "edge_cost", "overlap_budgets", "exposed", "NO_CLAIM", "deferred_reductions", "scatters", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES",
+__all__ = ["edge_volumes", "edge_cost", "overlap_budgets", "exposed", "NO_CLAIM", "deferred_reductions", "scatters",
+           "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES",
            "weight_edge_cost", "weight_sync", "weight_views"]
 
 _CHUNK_ELEMS = 1 << 22
@@ -656,8 +657,9 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
       group's size), each reduced while the GEMM computes the next; backward, the gradient's gather into the
       tile, chunk by chunk, beside the backward products;
     * otherwise to its one input edge (``input_slot``: the slot of the only edge into ``op``, None where the
-      graph has none or several) when g > 1 devices hold the same input tile (the dims the input does not index are split g ways): the gather into that tile is
-      cut into g chunks, each consumed as it arrives; backward, the reduction of the input's gradient.
+      graph has none or several) when g > 1 devices hold the same input tile (the dims the input does not
+      index are split g ways): the gather into that tile is cut into g chunks, each consumed as it arrives;
+      backward, the reduction of the input's gradient.
 
     A pass of G seconds hides ``G (g - 1) / g`` of a collective (the first chunk of the GEMM, or the last one,
     has nothing to overlap: docs/cost-model.md). Forward G is the forward pass; backward G the backward

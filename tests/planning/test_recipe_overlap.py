@@ -67,11 +67,11 @@ def test_one_program_recipe_gains_exactly_the_hidden_edge_seconds():
     # one edge by hand: the reduce-scatter behind the first layer's attention output (one consumer)
     i = next(k for k, op in enumerate(g.operators) if op.kind == "attn_out")
     e = next(k for k, x in enumerate(g.edges) if x.src == i)
-    u, v = g.operators[i], g.operators[g.edges[e].dst]
-    full = edge_cost(u, t1.arrays[i].take([idx[i]]), v, g.edges[e].slot, t1.arrays[g.edges[e].dst].take([idx[g.edges[e].dst]]),
-                     m)[0, 0]
-    assert full == pytest.approx(t0.edge_costs[e][idx[i], idx[g.edges[e].dst]], rel=1e-12)
-    assert t1.edge_costs[e][idx[i], idx[g.edges[e].dst]] < full
+    j = g.edges[e].dst
+    full = edge_cost(g.operators[i], t1.arrays[i].take([idx[i]]), g.operators[j], g.edges[e].slot,
+                     t1.arrays[j].take([idx[j]]), m)[0, 0]
+    assert full == pytest.approx(t0.edge_costs[e][idx[i], idx[j]], rel=1e-12)
+    assert t1.edge_costs[e][idx[i], idx[j]] < full
 
 
 def test_the_plan_says_so_and_round_trips():
