@@ -297,3 +297,32 @@ def test_overlap_tp_must_be_a_bool():
 
     with pytest.raises(ShardplanError, match="overlap_tp must be True or False"):
         build_tables(_fc_act(), machine(4), overlap_tp="yes")
+
+
+@pytest.mark.parametrize("sizes, latency, pays", [(BIG, None, True),
+                                                   ({"layers": 2, "d_model": 256, "heads": 8, "vocab": 1024,
+                                                     "seq": 16}, 1e-4, False)])
+def test_the_search_takes_overlapped_sequence_parallelism_only_where_it_pays(sizes, latency, pays):
+    """Each operator may take its TP or its SP layout, with overlap: large activations hide their collectives
+    behind large products and the search takes SP; tiny ones on a high-latency link have products of
+    microseconds that hide next to nothing of a 100 us latency, and the search keeps the norms and additions
+    replicated (no sequence split). It still defers the products' all-reduces to their edges (partial
+    layouts into replicated neighbours: the same all-reduce, now beside the product), which gains those
+    microseconds and no more."""
+    m = preset("a100", 8)
+    if latency is not None:
+        m = replace(m, latency=latency)
+    g = get_model("gpt", 4, **sizes)
+    t = _tp_sp_tables(g, m, 8, True)
+    problem = t.to_problem()
+    sol = solve_dp(problem)
+    chosen = [t.layouts[i][k] for i, k in enumerate(sol.assignment)]
+    tp = [0] * len(t.layouts)
+    if pays:
+        assert any(lay.partial for lay in chosen)
+        assert sol.cost < problem.evaluate(tp)
+        assert sol.cost < solve_dp(_tp_sp_tables(g, m, 8, False).to_problem()).cost
+    else:
+        seq = [k for op, k in zip(g.operators, sol.assignment) if op.kind in ("layer_norm", "add")]
+        assert seq and all(k == 0 for k in seq)
+        assert problem.evaluate(tp) * (1 - 1e-3) < sol.cost <= problem.evaluate(tp)
