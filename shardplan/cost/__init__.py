@@ -400,14 +400,17 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
 def overlap_hidden(tables: CostTables, assignment: Sequence[int]) -> dict[str, float]:
     """What the overlap of tables built with ``overlap_tp`` hides in a strategy: ``{"edges": how many edges
     hide some of their collectives, "hidden_seconds": the seconds they hide}`` (each edge costed once more
-    without the overlap, at the chosen pair of layouts only)."""
+    without the overlap, at the chosen pair of layouts only; identical edges share their matrix, and once)."""
     g = tables.graph
     edges, hidden = 0, 0.0
+    seen: dict[tuple[int, int, int], float] = {}
     for e, mat in zip(g.edges, tables.edge_costs):
         a, b = int(assignment[e.src]), int(assignment[e.dst])
-        full = float(edge_cost(g.operators[e.src], tables.arrays[e.src].take([a]), g.operators[e.dst], e.slot,
-                               tables.arrays[e.dst].take([b]), tables.machine)[0, 0])
-        gain = full - float(mat[a, b])
+        key = (id(mat), a, b)
+        if key not in seen:
+            seen[key] = float(edge_cost(g.operators[e.src], tables.arrays[e.src].take([a]), g.operators[e.dst],
+                                        e.slot, tables.arrays[e.dst].take([b]), tables.machine)[0, 0])
+        gain = seen[key] - float(mat[a, b])
         if gain > 0.0:
             edges += 1
             hidden += gain
