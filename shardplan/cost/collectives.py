@@ -51,10 +51,15 @@ level l, and ``P_l = Π_{l' >= l} g_{l'}`` (``P_L = 1``),
   theirs matches), and the floor NCCL puts under an intra-node step of a
   multi-node ring (``netOverhead``, 1 or 2 us, times 3 for Simple);
 * all-reduce = the smaller of that ring and one NCCL tree over everything
-  (chain in the node, tree across nodes): ``2 n / min_l B_l + 2 Σ_l ⌈log2 g_l⌉ α_l``.
-  The tree's latency counts ``⌈log2 g_0⌉`` steps in the node where NCCL's model
-  counts the chain's ``g_0 - 1`` (and ``floor(log2)`` across nodes): the
-  in-node part is optimistic by at most ``2 (g_0 - 1 - ⌈log2 g_0⌉) α_0``.
+  (chain in the node, tree across nodes): ``Σ_l [2 m_l / B_l + 2 ⌈log2 g_l⌉ α_l]``
+  over the levels with ``g_l > 1``. The network carries the same ``1/g_0`` share
+  per device as the ring's: NCCL's model gives the tree and the ring the same
+  bus bandwidth, ``nChannels`` times one channel's, its channels spread over the
+  node's NICs (``busBw = nChannels * bw``; the tree's algorithm bandwidth is half
+  of it: 2 n of traffic). The tree's latency counts ``⌈log2 g_0⌉`` steps in the
+  node where NCCL's model counts the chain's ``g_0 - 1`` (and ``floor(log2)``
+  across nodes): the in-node part is optimistic by at most
+  ``2 (g_0 - 1 - ⌈log2 g_0⌉) α_0``.
 
 A group that does not fill a node (``g_0`` smaller than the node) still
 moves only ``m_l = n / g_0`` per device across nodes: the node's other
@@ -141,9 +146,8 @@ def allreduce_time(nbytes, groups, machine: Machine, algorithm: str = "auto") ->
     n = _f(nbytes) * np.ones(g.shape[1])
     links = machine.level_links
     if len(links) == 1 and algorithm == "auto":
-        # one level: the hierarchical sum is that level's min(ring, tree) and the whole-machine tree is the
-        # level's tree (the same floating-point operations: 0 + x and a factor of 2 are exact), so
-        # min(hier, whole_tree) below is this
+        # one level: the ring below is the level's ring (P_0 - P_1 = g - 1 steps) and the whole-machine
+        # tree is the level's tree, so min(ring, whole_tree) below is this
         bw, lat = links[0]
         g0 = g[0]
         return np.where(g0 > 1, np.minimum(ring_allreduce(n, g0, bw, lat), tree_allreduce(n, g0, bw, lat)), 0.0)
@@ -157,13 +161,14 @@ def allreduce_time(nbytes, groups, machine: Machine, algorithm: str = "auto") ->
         m = m / g[lvl]
     if algorithm == "ring":
         return ring
-    top = used.any(axis=0)
-    bw_min = np.full_like(n, np.inf)
-    lat_sum = np.zeros_like(n)
+    # one NCCL tree: each used level moves 2 m_l per device over its links (the node's share of the
+    # buffer split over its devices' links, as the ring's), ceil(log2 g_l) latencies each way
+    whole_tree = np.zeros_like(n)
+    m = n.copy()
     for lvl, (bw, lat) in enumerate(links):
-        bw_min = np.where(used[lvl], np.minimum(bw_min, bw), bw_min)
-        lat_sum += np.where(used[lvl], np.ceil(np.log2(np.maximum(g[lvl], 1.0))) * lat, 0.0)
-    whole_tree = np.where(top, 2.0 * n / bw_min + 2.0 * lat_sum, 0.0)
+        whole_tree += np.where(used[lvl], 2.0 * m / bw + 2.0 * np.ceil(np.log2(np.maximum(g[lvl], 1.0))) * lat,
+                               0.0)
+        m = m / g[lvl]
     if algorithm == "tree":
         return whole_tree
     return np.minimum(ring, whole_tree)

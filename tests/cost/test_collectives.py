@@ -42,9 +42,21 @@ def test_hierarchical_allreduce_spanning_full_nodes():
     # latency 2 (32 - 1) steps of which 2 (4 - 1) cross nodes: 2 * 28 * 1 us + 2 * 3 * 5 us = 86 us
     bw = 2 * 7 / 8 * n / 100e9 + 2 * 3 / 4 * (n / 8) / 10e9
     assert ar(n, [8, 4], TWO, "ring") == pytest.approx(bw + 56e-6 + 30e-6)
-    # one NCCL tree over everything: 2n / 10e9 + 2 (3*1e-6 + 2*5e-6): slower here
-    assert ar(n, [8, 4], TWO, "tree") == pytest.approx(2 * n / 10e9 + 2 * (3e-6 + 2 * 5e-6))
+    # one NCCL tree over everything: 2n over NVLink, 2 (n / 8) over each device's NIC, 2 (3*1e-6 + 2*5e-6):
+    # 386 us against the ring's 376 us
+    tree = 2 * n / 100e9 + 2 * (n / 8) / 10e9 + 2 * (3e-6 + 2 * 5e-6)
+    assert ar(n, [8, 4], TWO, "tree") == pytest.approx(tree)
     assert ar(n, [8, 4], TWO) == pytest.approx(bw + 86e-6)
+    assert bw + 86e-6 < tree
+
+
+def test_tree_across_nodes_uses_every_nic():
+    # one device per node: the whole buffer crosses the network, 2n / 10e9 + 2 * 2 * 5 us
+    assert ar(8e6, [1, 4], TWO, "tree") == pytest.approx(2 * 8e6 / 10e9 + 4 * 5e-6)
+    # 2 devices per node: each device's NIC carries half the buffer (NCCL spreads its channels over the NICs)
+    assert ar(8e6, [2, 4], TWO, "tree") == pytest.approx(2 * 8e6 / 100e9 + 2 * 4e6 / 10e9 + 2 * (1e-6 + 2 * 5e-6))
+    # one level: the level's double binary tree
+    assert ar(8e6, [8, 1], TWO, "tree") == pytest.approx(2 * 8e6 / 100e9 + 2 * 3 * 1e-6)
 
 
 def test_group_not_filling_a_node():
@@ -63,7 +75,7 @@ def test_small_gradient_across_nodes_takes_the_tree():
     # 4 kB among 8 x 4: the ring pays 2 * (28 * 1 us + 3 * 5 us) = 86 us; one tree 2 * (3 us + 2 * 5 us) = 26 us
     n = 4e3
     ring = 2 * 7 / 8 * n / 100e9 + 2 * 3 / 4 * (n / 8) / 10e9 + 86e-6
-    tree = 2 * n / 10e9 + 2 * (3e-6 + 10e-6)
+    tree = 2 * n / 100e9 + 2 * (n / 8) / 10e9 + 2 * (3e-6 + 10e-6)
     assert tree < ring
     assert ar(n, [8, 4], TWO, "ring") == pytest.approx(ring)
     assert ar(n, [8, 4], TWO) == pytest.approx(tree)
