@@ -15,7 +15,9 @@ paper's F over the step), the recipe, what the transcription leaves open and how
 (``assumptions``), and the seconds costing took. A row still running after ``--row-limit`` seconds (default
 180) is recorded as skipped with the time it had run (each row runs in a child process). Within each
 experiment (Table 2, Figure 13, full vs selective) the predicted rank order is compared with the measured one
-(by TFLOP/s per GPU, higher first).
+(by TFLOP/s per GPU, higher first). A row may carry variants, other readings of the same run (Table 2's ZeRO-3
+with nothing overlapped), costed beside it under ``variants`` and not ranked; docs/fidelity.md says per row
+what the model does not explain.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_fidelity.py [--rows t1-1.7b,f13-pp8] [--out
 benchmarks/results/fidelity.json] [--plot benchmarks/results/fidelity.png]``
