@@ -15,7 +15,9 @@ paper's F over the step), the recipe, what the transcription leaves open and how
 (``assumptions``), and the seconds costing took. A row still running after ``--row-limit`` seconds (default
 180) is recorded as skipped with the time it had run (each row runs in a child process). Within each
 experiment (Table 2, Figure 13, full vs selective) the predicted rank order is compared with the measured one
-(by TFLOP/s per GPU, higher first).
+(by TFLOP/s per GPU, higher first). A row may carry variants, other readings of the same run (Table 2's ZeRO-3
+with nothing overlapped), costed beside it under ``variants`` and not ranked; docs/fidelity.md says per row
+what the model does not explain.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_fidelity.py [--rows t1-1.7b,f13-pp8] [--out
 benchmarks/results/fidelity.json] [--plot benchmarks/results/fidelity.png]``
@@ -52,6 +54,7 @@ class Row:
     measured_seconds: float | None
     measured_tflops: float | None
     assumptions: tuple[str, ...] = ()
+    variants: tuple[str, ...] = ()  # other readings of the same run, costed beside it (not ranked)
 
 
 def _flops(row: Row, gbs: int) -> float:
@@ -88,9 +91,22 @@ def rows() -> list[Row]:
         out.append(Row(f"t1-{size}", "table1", f"{T1}, {size}", layers, hidden, heads, gpus, rec, None, tflops))
     t2 = "SC'21 Table 2 (GPT-3 175B, global batch 1536)"
     zero_note = ("recompute=full: not stated for Table 2 in the transcription; assumed as in Table 1",)
+    ds_notes = (
+        "overlap=grad_reduce+param_gather: DeepSpeed's ZeRO-3 as of the paper (v0.3.16, April 2021, "
+        "deepspeed/runtime/zero/constants.py: overlap_comm defaults to true at stage 3; stage3.py: a module's "
+        "parameters are prefetched while the module before it computes, stage3_prefetch_bucket_size 5e7 "
+        "elements; gradients reduce-scattered on a side stream)",
+        "gathers and reduce-scatters per parameter tensor in fp16 (v0.3.16 partition_parameters.py: one "
+        "all_gather / reduce_scatter per parameter; tensors under stage3_param_persistence_threshold = 1e5 "
+        "elements stay whole): every GPT weight matrix is its own collective, as the model charges it",
+        "not charged: DeepSpeed's gather for the recomputed forward (its pre-forward hooks fetch again; "
+        "shardplan.cost.memory.ChoiceRules.zero3_regather models it) has no recipe key yet",
+        "variant overlap=none: the same run with no communication hidden (sensitivity, not ranked)")
     for gpus, mbs, tflops in ((384, 4, 144), (768, 2, 88), (1536, 1, 44)):
+        base = f"zero=3,mbs={mbs},gbs=1536,recompute=full"
         out.append(Row(f"t2-zero3-{gpus}", "table2", f"{t2}, ZeRO-3 without model parallelism, {gpus} GPUs",
-                       96, 12288, 96, gpus, f"zero=3,mbs={mbs},gbs=1536,recompute=full", None, tflops, zero_note))
+                       96, 12288, 96, gpus, base + ",overlap=grad_reduce+param_gather", None, tflops,
+                       zero_note + ds_notes, (base + ",overlap=none",)))
     for gpus, tflops in ((384, 153), (768, 149), (1536, 141)):
         out.append(Row(f"t2-ptd-{gpus}", "table2", f"{t2}, TP 8 × PP 12, {gpus} GPUs", 96, 12288, 96, gpus,
                        "tp=8,pp=12,mbs=1,gbs=1536,recompute=full", None, tflops,
@@ -144,6 +160,13 @@ def cost_row(row: Row) -> dict[str, Any]:
                    seconds=time.perf_counter() - t0)
         return out
     pred = plan.step_time
+    variants = {}
+    for rec in row.variants:
+        t = cost_recipe("gpt", preset("a100", row.gpus), rec, sizes=sizes).step_time
+        variants[rec] = {"predicted_seconds": t, "ratio": t / measured,
+                         "predicted_tflops_per_gpu": flops / t / row.gpus / 1e12}
+    if variants:
+        out["variants"] = variants
     out.update(status="costed", predicted_seconds=pred, ratio=pred / measured,
                predicted_tflops_per_gpu=flops / pred / row.gpus / 1e12, micro_batches=plan.micro_batches,
                schedule=plan.schedule, chunks=plan.chunks, breakdown=dict(plan.breakdown),

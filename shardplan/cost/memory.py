@@ -269,18 +269,27 @@ class ChoiceRules:
             optimizer state (``optimizer_factor`` fp32 words): ``(4 + 4 o) / s`` words of ``s`` bytes per
             parameter instead of ``o`` (16 bytes per parameter for Adam at s = 2: ZeRO's 2 + 2 + 12).
             At s = 4 the weights are their own master copy: ``o`` words.
+        zero3_regather: a recomputing operator at ZeRO stage 3 gathers its weights a third time, for the
+            recomputed forward (DeepSpeed's ZeRO-3: its module pre-forward hook fetches the parameters on
+            every forward call, the recomputed one included, and the reuse window
+            ``stage3_max_reuse_distance``, 1e9 elements by default, keeps a weight from the recomputed forward
+            to its backward only when fewer elements are used in between). False: the recomputed forward
+            and the backward share one gather (an FSDP unit wrapping the checkpointed block; shardplan's own
+            runtimes, whose checkpointed segment gathers inside the segment and the backward reuses it).
+            Overlapped with the recomputed forward's compute exactly when the forward gather is.
     """
 
     fp8: bool = False
     offload: tuple[str, ...] = ()
     master_weights: bool = False
+    zero3_regather: bool = False
 
     def __post_init__(self) -> None:
         from shardplan.errors import ShardplanError
 
-        if not isinstance(self.fp8, bool) or not isinstance(self.master_weights, bool):
-            raise ShardplanError(f"fp8 and master_weights must be True or False, got {self.fp8!r}, "
-                                 f"{self.master_weights!r}")
+        if not all(isinstance(x, bool) for x in (self.fp8, self.master_weights, self.zero3_regather)):
+            raise ShardplanError(f"fp8, master_weights and zero3_regather must be True or False, got {self.fp8!r}, "
+                                 f"{self.master_weights!r}, {self.zero3_regather!r}")
         parts = tuple(self.offload)
         bad = [x for x in parts if x not in OFFLOADS]
         if bad:
@@ -485,6 +494,8 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
             else:  # gathers prefetched during the operator's own forward / backward when overlapping
                 fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
                 sync, mem, grad = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group, state / group
+            # the recomputed forward's own gather (ChoiceRules.zero3_regather), as exposed as the forward's
+            regather = fwd_gather if s == 3 and rules.zero3_regather else np.zeros(k)
             mem = mem + cache
             shard = state / group if s else state  # the weight bytes this device updates
             for mask in _offload_masks(rules, machine, s, bool(weights), bool(np.any(step_saved > 0))):
@@ -511,7 +522,8 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
                 for r in ([True] if forced_recompute else [False, True] if recompute else [False]):
                     if r and mask & 4:
                         continue
-                    rows.append((s, r, sync, dev, keep if r else (np.zeros(k) if mask & 4 else act),
+                    rows.append((s, r, sync + regather if r else sync, dev,
+                                 keep if r else (np.zeros(k) if mask & 4 else act),
                                  fwd if r else np.zeros(k), grad, fp8, scale, mask, t_off, host, fixed))
     j = len(rows)
     base = np.tile(np.arange(k), j)

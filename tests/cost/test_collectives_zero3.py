@@ -1,0 +1,77 @@
+"""ZeRO-3's gathers in the choice table: the recomputed forward's own gather (``ChoiceRules.zero3_regather``)
+and the ring's latency counted per step, against hand derivations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shardplan import ops
+from shardplan.cost.memory import ChoiceRules, choice_table
+from shardplan.errors import ShardplanError
+from shardplan.ir import TensorRef
+from shardplan.machine import Machine
+
+B = 1e9  # bytes/s
+F = 1e12  # FLOP/s
+W = 2048.0  # the dense operator's weight: 32 x 16 fp32
+
+
+def dense_op():
+    return ops.dense("fc", TensorRef("x", (64, 32), needs_grad=True), 16)
+
+
+def row(table, stage, recompute):
+    j = np.flatnonzero((table.stage == stage) & (table.recompute == recompute))
+    assert len(j) == 1
+    return int(j[0])
+
+
+def sync(machine, rules=ChoiceRules(), micro_batches=1):
+    t = choice_table(dense_op(), np.array([[4, 1, 1]]), np.array([[0, 1, 2]]), machine,
+                     micro_batches=micro_batches, prune=False, rules=rules)
+    return {(s, r): float(t.parts["weight_sync"][row(t, s, r)]) for s in (3,) for r in (False, True)}
+
+
+def test_regather_adds_one_gather_to_recomputing_choices_only():
+    m = Machine(4, peak_flops=F, bandwidth=B, latency=1e-6, overlap_grad=False)
+    x = 0.75 * W / B + 3 * 1e-6  # one ring pass among 4: 3 steps
+    plain = sync(m)
+    # forward gather, backward gather, reduce-scatter, whether or not the operator recomputes
+    assert plain[(3, False)] == pytest.approx(3 * x)
+    assert plain[(3, True)] == pytest.approx(3 * x)
+    again = sync(m, ChoiceRules(zero3_regather=True))
+    assert again[(3, False)] == pytest.approx(3 * x)
+    assert again[(3, True)] == pytest.approx(4 * x)
+    # per micro-batch, like the other stage-3 gathers
+    assert sync(m, ChoiceRules(zero3_regather=True), micro_batches=2)[(3, True)] == pytest.approx(8 * x)
+
+
+def test_regather_overlaps_as_the_forward_gather_does():
+    m = Machine(4, peak_flops=F, bandwidth=B, latency=1e-6, overlap_grad=True)
+    x = 0.75 * W / B + 3 * 1e-6
+    f = 2 * 16 * 16 * 32 / F  # the operator's forward on its tile (batch 16 of 64)
+    # backward (2 f) hides behind the backward gather + reduce-scatter, the forward (f) behind the forward gather
+    plain = sync(m)
+    assert plain[(3, True)] == pytest.approx((2 * x - 2 * f) + (x - f))
+    again = sync(m, ChoiceRules(zero3_regather=True))
+    assert again[(3, True)] == pytest.approx((2 * x - 2 * f) + 2 * (x - f))
+    assert again[(3, False)] == pytest.approx(plain[(3, False)])
+
+
+def test_regather_across_nodes_pays_every_ring_step():
+    # 8 devices, nodes of 4 (1 us per step, 1 GB/s), 2 nodes (10 us per step, 0.5 GB/s per device): the batch
+    # split 8 ways spans both levels; a gather of W: 3/4 W / 1 GB/s + 1/2 (W / 4) / 0.5 GB/s, and 7 ring steps,
+    # 6 inside the nodes and 1 across (NCCL: nsteps 7, nInterSteps 1)
+    m = Machine(8, peak_flops=F, bandwidth=B, latency=1e-6, node_size=4, inter_bandwidth=0.5 * B,
+                inter_latency=1e-5, overlap_grad=False)
+    t = choice_table(dense_op(), np.array([[8, 1, 1]]), np.array([[0, 1, 2]]), m, prune=False,
+                     rules=ChoiceRules(zero3_regather=True))
+    x = 0.75 * W / B + 0.5 * (W / 4) / (0.5 * B) + 6 * 1e-6 + 1 * 1e-5
+    assert float(t.parts["weight_sync"][row(t, 3, True)]) == pytest.approx(4 * x)
+    assert float(t.parts["weight_sync"][row(t, 3, False)]) == pytest.approx(3 * x)
+
+
+def test_regather_must_be_a_bool():
+    with pytest.raises(ShardplanError, match="zero3_regather must be True or False"):
+        ChoiceRules(zero3_regather=1)
