@@ -83,6 +83,11 @@ class Machine:
             a one-level machine); None: no host memory to offload to.
         cpu_adam_rate: parameters per second the CPUs of one node update with Adam (the optimizer step of
             ZeRO-Offload), shared by the node's devices; None: no optimizer offload is offered.
+        sm_count: streaming multiprocessors of one device, the processors a matrix product's output tiles
+            are spread over in waves; None (with the tile): no tile or wave quantisation, every matrix product
+            runs at ``flops_efficiency`` (the paper's model, CPUs).
+        gemm_tile_m, gemm_tile_n: the output tile (rows x columns) one processor computes at a time
+            (:func:`shardplan.cost.operator.gemm_utilisation`); set together with ``sm_count``.
     """
 
     num_devices: int
@@ -108,6 +113,9 @@ class Machine:
     host_latency: float = 0.0
     host_memory_bytes: float | None = None
     cpu_adam_rate: float | None = None
+    sm_count: int | None = None
+    gemm_tile_m: int | None = None
+    gemm_tile_n: int | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -164,6 +172,12 @@ class Machine:
             if getattr(self, name) is not None:
                 put(name, real(f"machine: {name}", getattr(self, name), positive=True, unit=unit))
         put("host_latency", real("machine: host_latency", self.host_latency, minimum=0.0, unit="s"))
+        tiling = ("sm_count", "gemm_tile_m", "gemm_tile_n")
+        given = [name for name in tiling if getattr(self, name) is not None]
+        if given and len(given) < len(tiling):
+            raise ShardplanError(f"machine: {', '.join(tiling)} are given together (got only {', '.join(given)})")
+        for name in given:
+            put(name, integer(f"machine: {name}", getattr(self, name), minimum=1))
 
     @property
     def p(self) -> int:
@@ -207,6 +221,11 @@ class Machine:
     def node_devices(self) -> int:
         """Devices sharing one node's host (its memory, CPUs): ``node_size``, or p on a one-level machine."""
         return int(self.node_size) if self.node_size is not None else self.num_devices
+
+    @property
+    def tiled(self) -> bool:
+        """True when matrix products are quantised into output tiles over ``sm_count`` processors."""
+        return self.sm_count is not None
 
     @property
     def achievable_flops(self) -> float:
