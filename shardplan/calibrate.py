@@ -427,7 +427,7 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
                                f"its own layout (see Machine's docstring)")
     for k in ("fp8_flops", "host_bandwidth", "host_latency", "host_memory_bytes", "cpu_adam_rate"):
         src[k] = f"{said}: not measured: no FP8 products or host offload offered (edit the file to add them)"
-    for k in ("sm_count", "gemm_tile_m", "gemm_tile_n"):
+    for k in ("sm_count", "gemm_tiles"):
         src[k] = (f"{said}: not measured: no tile or wave quantisation of matrix products (edit the file to add the "
                   f"device's multiprocessor count and its library's output tile)")
     label = name or f"calibrated-{cal.engine}-{cal.device_kind}"

@@ -12,8 +12,8 @@ configuration c (arrays over the K configurations):
   weights, output) on one device; without an HBM bandwidth (the paper's
   model) it is FLOPs / peak. Elementwise, normalisation and softmax
   operators are thereby bound by memory bandwidth on a GPU. On a machine
-  with streaming multiprocessors (``machine.sm_count`` and the output tile
-  ``gemm_tile_m x gemm_tile_n``), a pass that is a matrix product runs at
+  with streaming multiprocessors (``machine.sm_count`` and the output tiles
+  ``machine.gemm_tiles``), a pass that is a matrix product runs at
   ``efficiency * u`` instead, u its tile and wave utilisation
   (:func:`gemm_utilisation`, per pass and layout: the forward product and
   each gradient's product have their own output shape);
@@ -216,33 +216,32 @@ def gemm_utilisation(batch, rows, cols, machine: Machine) -> np.ndarray:
     """Tile and wave utilisation u of matrix products on ``machine`` (arrays broadcast together).
 
     A product of ``batch`` independent (rows x cols) outputs is computed in
-    output tiles of ``tm x tn`` (``machine.gemm_tile_m``, ``gemm_tile_n``),
-    one per streaming multiprocessor at a time, ``S = machine.sm_count`` at
-    once (NVIDIA, Matrix Multiplication Background User's Guide, "Dimension
-    Quantization Effects")::
+    output tiles of ``tm x tn``, one per streaming multiprocessor at a time,
+    ``S = machine.sm_count`` at once (NVIDIA, Matrix Multiplication
+    Background User's Guide, "Dimension Quantization Effects")::
 
         tiles = batch * ceil(rows / tm) * ceil(cols / tn)      (tile quantisation)
         waves = ceil(tiles / S)                                (wave quantisation)
         u     = batch * rows * cols / (waves * S * tm * tn)
 
     i.e. the share of the multiprocessors' tile slots in the waves run that
-    hold useful output. The library takes the better of the tile's two
-    orientations (``tm x tn`` or ``tn x tm``). u is 1 on a machine without
-    multiprocessors (``machine.sm_count`` None). Example (A100, 108 SMs,
-    256 x 128): 1792 x 1792 is 7 x 14 = 98 tiles, one wave of 108 slots,
-    u = 98/108; 2048 x 2048 is 128 tiles, two waves, u = 128/216.
+    hold useful output. The library takes the tile of ``machine.gemm_tiles``
+    (each reaching the full-wave rate) with the highest u. u is 1 on a
+    machine without multiprocessors (``machine.sm_count`` None). Examples
+    (108 SMs, tiles 256 x 128, 128 x 256, 128 x 128): 1792 x 1792 is 7 x 14 =
+    98 tiles of 256 x 128, one wave, u = 98/108; 2048 x 2048 is 128 of them
+    (two waves) or 256 of 128 x 128 (three waves), u = 256/324.
     """
     batch, rows, cols = (np.asarray(x, dtype=np.float64) for x in (batch, rows, cols))
     if not machine.tiled:
         return np.ones(np.broadcast(batch, rows, cols).shape)
-    s, tm, tn = float(machine.sm_count), float(machine.gemm_tile_m), float(machine.gemm_tile_n)
+    s = float(machine.sm_count)  # type: ignore[arg-type]
     useful = batch * rows * cols
-
-    def u(a: float, b: float) -> np.ndarray:
-        tiles = batch * np.ceil(rows / a) * np.ceil(cols / b)
-        return useful / (np.ceil(tiles / s) * s * a * b)
-
-    return np.maximum(u(tm, tn), u(tn, tm))
+    best = np.zeros(np.broadcast(batch, rows, cols).shape)
+    for tm, tn in machine.gemm_tiles:  # type: ignore[union-attr]
+        tiles = batch * np.ceil(rows / tm) * np.ceil(cols / tn)
+        best = np.maximum(best, useful / (np.ceil(tiles / s) * s * tm * tn))
+    return best
 
 
 def gemm_passes(op: Operator) -> list[tuple[list[int], list[int], list[int]] | None]:
