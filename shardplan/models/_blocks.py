@@ -56,9 +56,8 @@ def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, hea
     ``core="megatron"``: the core as Megatron-LM's ``ParallelAttention``
     (2021-22, before FlashAttention) ran it, four kernels, each reading and
     writing the (b, h, s, t) tensor in memory: ``{tag}scores`` (``baddbmm``
-    of q and k^T with the 1/sqrt(k) scale folded in: a plain product, and its
-    output kept by nothing, ``saved`` 0: the softmax's backward reads its own
-    output), ``{tag}softmax`` (the fused scale-mask-softmax kernel:
+    of q and k^T with the 1/sqrt(k) scale folded in: a plain product),
+    ``{tag}softmax`` (the fused scale-mask-softmax kernel:
     5 FLOPs per score, max and sum as statistics over ``t``),
     ``{tag}dropout`` (``torch.nn.Dropout`` on the probabilities: its output
     and a 1-byte mask kept, ``saved`` 1.5 two-byte tiles) and
@@ -66,8 +65,15 @@ def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, hea
     kind ``attn_scores`` (they make the probabilities the scores product
     starts), so that selective recomputation (Korthikanti et al. 2022:
     exactly these four kernels) finds the whole core by its kinds
-    ``attn_scores`` and ``attn_context``. Activations kept per layer: 5 b h s t
-    bytes at 2-byte elements, Korthikanti et al.'s ``5 a s / h`` term.
+    ``attn_scores`` and ``attn_context``. Activations kept per layer: Korthikanti
+    et al.'s ``5 a s / h`` term is 5 b h s t bytes at 2-byte elements (softmax
+    output, mask, dropout output); the scores' output, which the softmax's
+    backward does not read, is counted too (``saved`` 1, 7 b h s t bytes in
+    all) because the memory model charges a recomputing operator the inputs its
+    producer does not keep, even where the producer recomputes as well
+    (:func:`shardplan.cost.memory.recompute_keep_bytes`): ``saved`` 0 would
+    charge the softmax the whole scores tensor under every recomputation, which
+    keeps nothing of the core. The over-count is without recomputation only.
     """
     d = x.shape[-1]
     if heads < 1 or d % heads:
@@ -82,7 +88,7 @@ def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, hea
     v = b.add(ops.einsum(f"{p}v", "btd,dhk->bthk", memory, ops.Param(w), kind="attn_proj"))
     scores = ops.einsum(f"{p}scores", "bshk,bthk->bhst", q, k, kind="attn_scores")
     if core == "megatron":
-        s = b.add(dataclasses.replace(scores, saved=0.0))
+        s = b.add(scores)
         s = b.add(dataclasses.replace(ops.softmax(f"{p}softmax", s, letters="bhst"), kind="attn_scores"))
         s = b.add(dataclasses.replace(ops.elementwise(f"{p}dropout", s, kind="attn_scores", letters="bhst"),
                                       saved=1.5))

@@ -40,8 +40,8 @@ def test_megatron_layer_has_one_vertex_per_kernel():
     ops = {op.name.split("/")[1]: op for op in layer(g)}
     assert list(ops) == LAYER_MEGATRON
     assert len(g) == len(gpt(**SIZES)) + 3 * SIZES["layers"]
-    # the scores product is a plain product (the softmax is its own kernel), kept by nothing
-    assert ops["scores"].flops_per_point == 2.0 and ops["scores"].norm_dims == () and ops["scores"].saved == 0.0
+    # the scores product is a plain product (the softmax is its own kernel)
+    assert ops["scores"].flops_per_point == 2.0 and ops["scores"].norm_dims == () and ops["scores"].saved == 1.0
     assert ops["softmax"].norm_dims == ("t",) and ops["softmax"].dim_names == ("b", "h", "s", "t")
     assert ops["dropout"].saved == 1.5 and ops["dropout"].inputs[0].src == ops["softmax"].name
     assert ops["context"].inputs[0].src == ops["dropout"].name
@@ -52,13 +52,27 @@ def test_megatron_layer_has_one_vertex_per_kernel():
         sum(w.size for op in gpt(**SIZES).operators for w in op.weights)
 
 
-def test_core_keeps_korthikanti_five_bytes_per_score():
-    # Korthikanti et al. 2022, Table 2: softmax output 2 b a s^2, dropout mask b a s^2, dropout output 2 b a s^2
+def test_core_keeps_korthikanti_five_bytes_per_score_and_the_scores():
+    # Korthikanti et al. 2022, Table 2: softmax output 2 b a s^2, dropout mask b a s^2, dropout output 2 b a s^2;
+    # the scores' output (2 b a s^2) is counted as well, so that recomputation keeps nothing of the core
     g = gpt(**SIZES, kernels="megatron")
-    core = [op for op in layer(g) if op.name.split("/")[1] in ("scores", "softmax", "dropout")]
+    core = {op.name.split("/")[1]: op for op in layer(g)}
     b, a, s = SIZES["batch"], SIZES["heads"], SIZES["seq"]
-    kept = sum(op.saved * op.output.size for op in core) * 2  # 2-byte elements
+    kept = sum(core[n].saved * core[n].output.size for n in ("softmax", "dropout")) * 2  # 2-byte elements
     assert kept == 5 * b * a * s * s
+    assert core["scores"].saved * core["scores"].output.size * 2 == 2 * b * a * s * s
+
+
+def test_recomputing_the_core_keeps_none_of_it():
+    # under full or selective recomputation each recomputed kernel keeps the inputs no producer keeps: none
+    from shardplan.cost.memory import unsaved_inputs
+
+    g = gpt(**SIZES, kernels="megatron")
+    ops = {op.name: op for op in g.operators}
+    for op in layer(g):
+        if op.name.split("/")[1] in ("softmax", "dropout", "context", "gelu", "ffn2", "ln2"):
+            shares = unsaved_inputs(op, [ops[t.src].saved for t in op.inputs])
+            assert all(x == 0.0 for x in shares), op.name
 
 
 def test_selective_recomputation_picks_the_four_kernels_of_the_core():
