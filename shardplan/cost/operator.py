@@ -212,7 +212,8 @@ class _CanonicalBoxes:
         return box_volumes(b).max(axis=1)[inv] * t.elem_factor
 
 
-def gemm_utilisation(batch, rows, cols, machine: Machine) -> np.ndarray:
+def gemm_utilisation(batch: np.ndarray | float, rows: np.ndarray | float, cols: np.ndarray | float,
+                     machine: Machine) -> np.ndarray:
     """Tile and wave utilisation u of matrix products on ``machine`` (arrays broadcast together).
 
     A product of ``batch`` independent (rows x cols) outputs is computed in
