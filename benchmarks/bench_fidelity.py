@@ -55,6 +55,7 @@ class Row:
     measured_tflops: float | None
     assumptions: tuple[str, ...] = ()
     variants: tuple[str, ...] = ()  # other readings of the same run, costed beside it (not ranked)
+    kernels: str = "fused"
 
 
 def _flops(row: Row, gbs: int) -> float:
@@ -66,6 +67,11 @@ def _flops(row: Row, gbs: int) -> float:
 def _gbs(recipe: str) -> int:
     return int(dict(p.split("=") for p in recipe.split(",") if "=" in p)["gbs"])
 
+
+MEGATRON_KERNELS = ("kernels=megatron: each layer's kernels as Megatron-LM ran them in 2021-22 (megatron/model/"
+                    "transformer.py, ParallelAttention and ParallelMLP before FlashAttention): the attention core as "
+                    "baddbmm, fused scale-mask-softmax, dropout and bmm, each reading and writing the b·a·s² "
+                    "tensor; bias-GELU and bias-dropout-add as kernels of their own (shardplan.models.gpt)")
 
 T1 = "SC'21 Table 1"
 T1_ROWS = [  # (params B, heads, hidden, layers, TP, PP, GPUs, gbs, MBS, layers per virtual stage, TFLOP/s per GPU)
@@ -88,7 +94,8 @@ def rows() -> list[Row]:
     for size, heads, hidden, layers, tp, pp, gpus, gbs, mbs, per_vs, tflops in T1_ROWS:
         vp = layers // pp // per_vs if per_vs else 1
         rec = f"tp={tp},pp={pp}" + (f",vp={vp}" if vp > 1 else "") + f",mbs={mbs},gbs={gbs},recompute=full"
-        out.append(Row(f"t1-{size}", "table1", f"{T1}, {size}", layers, hidden, heads, gpus, rec, None, tflops))
+        out.append(Row(f"t1-{size}", "table1", f"{T1}, {size}", layers, hidden, heads, gpus, rec, None, tflops,
+                       (MEGATRON_KERNELS,), kernels="megatron"))
     t2 = "SC'21 Table 2 (GPT-3 175B, global batch 1536)"
     zero_note = ("recompute=full: not stated for Table 2 in the transcription; assumed as in Table 1",)
     ds_notes = (
@@ -117,7 +124,7 @@ def rows() -> list[Row]:
         out.append(Row(f"f13-pp{pp}", "figure13", f"{f13}, PP {pp} / TP {64 // pp}", 32, 20480, 128, 64,
                        f"tp={64 // pp},pp={pp},mbs=1,gbs=128,recompute=full", None, tflops,
                        ("recompute=full and 1F1B without interleaving: not stated for Figure 13; assumed as Table 1",
-                        "vocabulary 51200 and sequence 2048 assumed as Table 1")))
+                        "vocabulary 51200 and sequence 2048 assumed as Table 1", MEGATRON_KERNELS), kernels="megatron"))
     k = "Korthikanti et al. 2022"
     for size, heads, hidden, layers, tp, pp, gpus, gbs, mbs, full, sel in (
             ("22b", 64, 6144, 48, 8, 1, 8, 4, 4, 1.42, 1.10),
@@ -125,12 +132,13 @@ def rows() -> list[Row]:
             ("530b", 128, 20480, 105, 8, 35, 280, 280, 1, 49.05, 37.83),
             ("1t", 160, 25600, 128, 8, 64, 512, 512, 1, 94.42, 71.49)):
         base = f"tp={tp},pp={pp},mbs={mbs},gbs={gbs}"
-        note = ("schedule: 1F1B without interleaving (not stated in the transcription)",) if pp > 1 else ()
+        note = (("schedule: 1F1B without interleaving (not stated in the transcription)",) if pp > 1 else ()) + (
+            MEGATRON_KERNELS,)
         out.append(Row(f"k-{size}-full", "korthikanti", f"{k}, {size}, full recomputation", layers, hidden, heads,
-                       gpus, base + ",recompute=full", full, None, note))
+                       gpus, base + ",recompute=full", full, None, note, kernels="megatron"))
         out.append(Row(f"k-{size}-sp-selective", "korthikanti", f"{k}, {size}, SP + selective recomputation", layers,
                        hidden, heads, gpus, f"tp={tp},sp=true,pp={pp},mbs={mbs},gbs={gbs},recompute=selective",
-                       sel, None, note))
+                       sel, None, note, kernels="megatron"))
     return out
 
 
@@ -146,12 +154,15 @@ def cost_row(row: Row) -> dict[str, Any]:
                 else flops / (row.gpus * row.measured_tflops * 1e12))
     out: dict[str, Any] = {"row": row.name, "experiment": row.experiment, "source": row.source,
                            "model": {"layers": row.layers, "hidden": row.hidden, "heads": row.heads, "seq": SEQ,
-                                     "vocab": VOCAB},
+                                     "vocab": VOCAB, "kernels": row.kernels},
                            "gpus": row.gpus, "recipe": row.recipe, "assumptions": list(row.assumptions),
                            "paper_flops_per_step": flops, "measured_seconds": measured,
                            "measured_tflops_per_gpu": flops / measured / row.gpus / 1e12}
     t0 = time.perf_counter()
-    sizes = {"layers": row.layers, "d_model": row.hidden, "heads": row.heads, "seq": SEQ, "vocab": VOCAB}
+    sizes: dict[str, Any] = {"layers": row.layers, "d_model": row.hidden, "heads": row.heads, "seq": SEQ,
+                             "vocab": VOCAB}
+    if row.kernels != "fused":
+        sizes["kernels"] = row.kernels
     try:
         plan = cost_recipe("gpt", preset("a100", row.gpus), row.recipe, sizes=sizes)
     except ShardplanError as e:

@@ -427,6 +427,9 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
                                f"its own layout (see Machine's docstring)")
     for k in ("fp8_flops", "host_bandwidth", "host_latency", "host_memory_bytes", "cpu_adam_rate"):
         src[k] = f"{said}: not measured: no FP8 products or host offload offered (edit the file to add them)"
+    for k in ("sm_count", "gemm_tiles"):
+        src[k] = (f"{said}: not measured: no tile or wave quantisation of matrix products (edit the file to add the "
+                  f"device's multiprocessor count and its library's output tile)")
     label = name or f"calibrated-{cal.engine}-{cal.device_kind}"
     machine = Machine(1, peak_flops=best.rate, bandwidth=bandwidth, latency=latency, dtype_bytes=DTYPES[cal.dtype],
                       memory_bytes=cal.memory_bytes, name=label, hbm_bandwidth=hbm,

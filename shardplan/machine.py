@@ -83,6 +83,12 @@ class Machine:
             a one-level machine); None: no host memory to offload to.
         cpu_adam_rate: parameters per second the CPUs of one node update with Adam (the optimizer step of
             ZeRO-Offload), shared by the node's devices; None: no optimizer offload is offered.
+        sm_count: streaming multiprocessors of one device, the processors a matrix product's output tiles
+            are spread over in waves; None (with ``gemm_tiles``): no tile or wave quantisation, every matrix
+            product runs at ``flops_efficiency`` (the paper's model, CPUs).
+        gemm_tiles: the output tiles (rows, columns) the matrix-product library chooses among, each reaching
+            ``flops_efficiency`` over a full wave (:func:`shardplan.cost.operator.gemm_utilisation`); set
+            together with ``sm_count``.
     """
 
     num_devices: int
@@ -108,6 +114,8 @@ class Machine:
     host_latency: float = 0.0
     host_memory_bytes: float | None = None
     cpu_adam_rate: float | None = None
+    sm_count: int | None = None
+    gemm_tiles: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -164,6 +172,17 @@ class Machine:
             if getattr(self, name) is not None:
                 put(name, real(f"machine: {name}", getattr(self, name), positive=True, unit=unit))
         put("host_latency", real("machine: host_latency", self.host_latency, minimum=0.0, unit="s"))
+        if (self.sm_count is None) != (self.gemm_tiles is None):
+            raise ShardplanError("machine: sm_count and gemm_tiles are given together (or neither)")
+        if self.sm_count is not None:
+            put("sm_count", integer("machine: sm_count", self.sm_count, minimum=1))
+            tiles = self.gemm_tiles
+            if isinstance(tiles, (str, bytes)) or not isinstance(tiles, (list, tuple)) or not tiles or not all(
+                    isinstance(t, (list, tuple)) and len(t) == 2 for t in tiles):
+                raise ShardplanError(f"machine: gemm_tiles must be a non-empty list of [rows, columns] pairs, "
+                                     f"got {tiles!r}")
+            put("gemm_tiles", tuple((integer("machine: gemm_tiles rows", r, minimum=1),
+                                     integer("machine: gemm_tiles columns", c, minimum=1)) for r, c in tiles))
 
     @property
     def p(self) -> int:
@@ -207,6 +226,11 @@ class Machine:
     def node_devices(self) -> int:
         """Devices sharing one node's host (its memory, CPUs): ``node_size``, or p on a one-level machine."""
         return int(self.node_size) if self.node_size is not None else self.num_devices
+
+    @property
+    def tiled(self) -> bool:
+        """True when matrix products are quantised into output tiles over ``sm_count`` processors."""
+        return self.sm_count is not None
 
     @property
     def achievable_flops(self) -> float:

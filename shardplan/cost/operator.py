@@ -11,7 +11,12 @@ configuration c (arrays over the K configurations):
   where bytes = the tiles the pass reads and writes (inputs with halos,
   weights, output) on one device; without an HBM bandwidth (the paper's
   model) it is FLOPs / peak. Elementwise, normalisation and softmax
-  operators are thereby bound by memory bandwidth on a GPU;
+  operators are thereby bound by memory bandwidth on a GPU. On a machine
+  with streaming multiprocessors (``machine.sm_count`` and the output tiles
+  ``machine.gemm_tiles``), a pass that is a matrix product runs at
+  ``efficiency * u`` instead, u its tile and wave utilisation
+  (:func:`gemm_utilisation`, per pass and layout: the forward product and
+  each gradient's product have their own output shape);
 * forward partial sums: with G = reduction dims (index no output axis) and
   g = prod_{d in G} c_d > 1, the output tile is all-reduced among g devices;
 * backward: the gradient of a tensor X sums over the dims that do not index
@@ -83,7 +88,8 @@ from shardplan.layout import LayoutArrays, flat_layout_arrays, unique_rows
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
-__all__ = ["PARTS", "OpCost", "operator_cost", "recurrence_cost", "tile_volume", "distinct_splits"]
+__all__ = ["PARTS", "OpCost", "operator_cost", "recurrence_cost", "tile_volume", "distinct_splits", "gemm_utilisation",
+           "gemm_passes", "pass_utilisation"]
 
 
 PARTS: dict[str, str] = {
@@ -206,6 +212,84 @@ class _CanonicalBoxes:
         return box_volumes(b).max(axis=1)[inv] * t.elem_factor
 
 
+def gemm_utilisation(batch: np.ndarray | float, rows: np.ndarray | float, cols: np.ndarray | float,
+                     machine: Machine) -> np.ndarray:
+    """Tile and wave utilisation u of matrix products on ``machine`` (arrays broadcast together).
+
+    A product of ``batch`` independent (rows x cols) outputs is computed in
+    output tiles of ``tm x tn``, one per streaming multiprocessor at a time,
+    ``S = machine.sm_count`` at once (NVIDIA, Matrix Multiplication
+    Background User's Guide, "Dimension Quantization Effects")::
+
+        tiles = batch * ceil(rows / tm) * ceil(cols / tn)      (tile quantisation)
+        waves = ceil(tiles / S)                                (wave quantisation)
+        u     = batch * rows * cols / (waves * S * tm * tn)
+
+    i.e. the share of the multiprocessors' tile slots in the waves run that
+    hold useful output. The library takes the tile of ``machine.gemm_tiles``
+    (each reaching the full-wave rate) with the highest u. u is 1 on a
+    machine without multiprocessors (``machine.sm_count`` None). Examples
+    (108 SMs, tiles 256 x 128, 128 x 256, 128 x 128): 1792 x 1792 is 7 x 14 =
+    98 tiles of 256 x 128, one wave, u = 98/108; 2048 x 2048 is 128 of them
+    (two waves) or 256 of 128 x 128 (three waves), u = 256/324.
+    """
+    batch, rows, cols = (np.asarray(x, dtype=np.float64) for x in (batch, rows, cols))
+    if not machine.tiled:
+        return np.ones(np.broadcast(batch, rows, cols).shape)
+    s = float(machine.sm_count)  # type: ignore[arg-type]
+    useful = batch * rows * cols
+    best = np.zeros(np.broadcast(batch, rows, cols).shape)
+    for tm, tn in machine.gemm_tiles:  # type: ignore[union-attr]
+        tiles = batch * np.ceil(rows / tm) * np.ceil(cols / tn)
+        best = np.maximum(best, useful / (np.ceil(tiles / s) * s * tm * tn))
+    return best
+
+
+def gemm_passes(op: Operator) -> list[tuple[list[int], list[int], list[int]] | None]:
+    """Per pass of ``op`` (forward, then one per tensor of ``op.grad_tensors``): the dims (indices into
+    ``op.dims``) of its product's batch, rows and columns, or None where the pass is no matrix product.
+
+    A pass writes tensor Y (the output forward, a gradient backward) from two operands A, B (forward: the
+    inputs and weights; the gradient of X: the output's gradient and the operand other than X). Its batch
+    dims index Y, A and B; its rows index Y and A only, its columns Y and B only (a dim indexing Y alone
+    counts as batch). It is a matrix product when the operator has exactly two operands, dims it sums
+    over, no windowed or strided access (convolutions keep the plain roofline) and no recurrence, and
+    both the rows and the columns are non-empty (a matrix-vector product is bound by memory).
+    """
+    operands = op.inputs + op.weights
+    plain = all(a.window is None and a.stride == 1 for t in op.tensors for a in t.axes)
+    passes = 1 + len(op.grad_tensors)
+    if len(operands) != 2 or not op.reduction_dims or not plain or op.recurrence is not None:
+        return [None] * passes
+    names = op.dim_names
+    out: list[tuple[list[int], list[int], list[int]] | None] = []
+    for y, a, b in [(op.output, *operands)] + [(t, op.output, next(o for o in operands if o is not t))
+                                                 for t in op.grad_tensors]:
+        batch = [i for i, d in enumerate(names) if d in y.dims and (d in a.dims) == (d in b.dims)]
+        rows = [i for i, d in enumerate(names) if d in y.dims and d in a.dims and d not in b.dims]
+        cols = [i for i, d in enumerate(names) if d in y.dims and d in b.dims and d not in a.dims]
+        out.append((batch, rows, cols) if rows and cols else None)
+    return out
+
+
+def pass_utilisation(op: Operator, configs: np.ndarray, machine: Machine) -> np.ndarray:
+    """u of every pass of ``op`` under every configuration: (passes, K), 1 where a pass is no matrix product
+    (:func:`gemm_passes`) or the machine has no multiprocessors. A device's product has the extents of its
+    tile, ``ceil(E_d / c_d)`` per dim (:func:`gemm_utilisation`)."""
+    configs = np.asarray(configs, dtype=np.int64)
+    specs = gemm_passes(op)
+    out = np.ones((len(specs), len(configs)))
+    if not machine.tiled:
+        return out
+    ext = np.asarray([e for _, e in op.dims], dtype=np.int64)
+    local = -(-ext[None, :] // configs)  # ceil(E_d / c_d)
+    for i, spec in enumerate(specs):
+        if spec is not None:
+            batch, rows, cols = (local[:, idx].prod(axis=1) for idx in spec)
+            out[i] = gemm_utilisation(batch, rows, cols, machine)
+    return out
+
+
 def _group(op: Operator, lay: LayoutArrays, dims) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """Total group size (K,), group size per level (L, K) and the dims' indices."""
     idx = [op.dim_names.index(d) for d in dims]
@@ -240,10 +324,17 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     passes = 1 + len(op.grad_tensors)
     flops = op.flops_per_point * np.prod(ext[None, :] / configs, axis=1)
     t_pass = flops / machine.achievable_flops
+    if machine.tiled:  # each pass's product at its own tile and wave utilisation
+        t_passes = flops[None, :] / (machine.achievable_flops * pass_utilisation(op, configs, machine))
     if machine.hbm_bandwidth is not None:
         moved = out_vol + sum(max_tile(t, core=False) for t in op.inputs + op.weights)
         t_pass = np.maximum(t_pass, moved * nbytes / machine.hbm_bandwidth)
-    compute = passes * t_pass
+        if machine.tiled:
+            t_passes = np.maximum(t_passes, moved[None, :] * nbytes / machine.hbm_bandwidth)
+    if machine.tiled:
+        t_pass, compute = t_passes[0], t_passes.sum(axis=0)
+    else:
+        compute = passes * t_pass
 
     # forward partial sums (a partial layout leaves them to its edges)
     deferred = lay.deferred

@@ -16,7 +16,11 @@ from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import GraphBuilder, Operator, TensorRef
 
-__all__ = ["conv_bn", "attention", "check_stack", "rms_norm"]
+__all__ = ["conv_bn", "attention", "check_stack", "rms_norm", "ATTENTION_CORES"]
+
+ATTENTION_CORES = ("fused", "megatron")
+"""How :func:`attention` writes its core (softmax(q k^T) v): ``fused``, the softmax inside the scores
+product; ``megatron``, the four kernels Megatron-LM ran in 2021-22 (:func:`attention`)."""
 
 
 def check_stack(model: str, layers: int, d_model: int | None = None, heads: int | None = None) -> None:
@@ -36,7 +40,7 @@ def conv_bn(b: GraphBuilder, name: str, x: TensorRef, out_channels: int, kernel:
 
 
 def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, heads: int,
-              tag: str = "") -> TensorRef:
+              tag: str = "", core: str = "fused") -> TensorRef:
     """Multi-head attention of queries from ``x`` (b, s, d) over keys/values from ``memory`` (b, t, d).
 
     Six vertices, all einsums over (b, s, h, k) so that heads are a
@@ -48,10 +52,34 @@ def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, hea
     projection ``{tag}out`` (dims ``bsdhk``). Returns the output (b, s, d).
     Masking (causal self-attention) changes neither the work counted nor
     the data moved, so it is not represented.
+
+    ``core="megatron"``: the core as Megatron-LM's ``ParallelAttention``
+    (2021-22, before FlashAttention) ran it, four kernels, each reading and
+    writing the (b, h, s, t) tensor in memory: ``{tag}scores`` (``baddbmm``
+    of q and k^T with the 1/sqrt(k) scale folded in: a plain product),
+    ``{tag}softmax`` (the fused scale-mask-softmax kernel:
+    5 FLOPs per score, max and sum as statistics over ``t``),
+    ``{tag}dropout`` (``torch.nn.Dropout`` on the probabilities: its output
+    and a 1-byte mask kept, ``saved`` 1.5 two-byte tiles) and
+    ``{tag}context`` (``bmm`` with v). The softmax and the dropout carry the
+    kind ``attn_scores`` (they make the probabilities the scores product
+    starts), so that selective recomputation (Korthikanti et al. 2022:
+    exactly these four kernels) finds the whole core by its kinds
+    ``attn_scores`` and ``attn_context``. Activations kept per layer: Korthikanti
+    et al.'s ``5 a s / h`` term is 5 b h s t bytes at 2-byte elements (softmax
+    output, mask, dropout output); the scores' output, which the softmax's
+    backward does not read, is counted too (``saved`` 1, 7 b h s t bytes in
+    all) because the memory model charges a recomputing operator the inputs its
+    producer does not keep, even where the producer recomputes as well
+    (:func:`shardplan.cost.memory.recompute_keep_bytes`): ``saved`` 0 would
+    charge the softmax the whole scores tensor under every recomputation, which
+    keeps nothing of the core. The over-count is without recomputation only.
     """
     d = x.shape[-1]
     if heads < 1 or d % heads:
         raise ShardplanError(f"{prefix}: heads={heads} must be a positive divisor of d_model={d}")
+    if core not in ATTENTION_CORES:
+        raise ShardplanError(f"{prefix}: attention core {core!r} is not one of {', '.join(ATTENTION_CORES)}")
     kd = d // heads
     p = f"{prefix}/{tag}"
     w = (d, heads, kd)
@@ -59,8 +87,14 @@ def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, hea
     k = b.add(ops.einsum(f"{p}k", "btd,dhk->bthk", memory, ops.Param(w), kind="attn_proj"))
     v = b.add(ops.einsum(f"{p}v", "btd,dhk->bthk", memory, ops.Param(w), kind="attn_proj"))
     scores = ops.einsum(f"{p}scores", "bshk,bthk->bhst", q, k, kind="attn_scores")
-    scores = dataclasses.replace(scores, norm_dims=("t",), norm_stats=2, flops_per_point=2.0 + 5.0 / kd)
-    s = b.add(scores)
+    if core == "megatron":
+        s = b.add(scores)
+        s = b.add(dataclasses.replace(ops.softmax(f"{p}softmax", s, letters="bhst"), kind="attn_scores"))
+        s = b.add(dataclasses.replace(ops.elementwise(f"{p}dropout", s, kind="attn_scores", letters="bhst"),
+                                      saved=1.5))
+    else:
+        scores = dataclasses.replace(scores, norm_dims=("t",), norm_stats=2, flops_per_point=2.0 + 5.0 / kd)
+        s = b.add(scores)
     ctx = b.add(ops.einsum(f"{p}context", "bhst,bthk->bshk", s, v, kind="attn_context"))
     return b.add(ops.einsum(f"{p}out", "bshk,hkd->bsd", ctx, ops.Param((heads, kd, d)), kind="attn_out"))
 

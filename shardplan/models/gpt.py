@@ -1,7 +1,17 @@
 """A GPT-style decoder-only language model with pre-layer-norm blocks, and its published sizes.
 
 Per layer ``L{i}``: ln1, q, k, v, scores (causal softmax fused), context,
-out, add1, ln2, ffn1 (GELU fused), ffn2, add2: 12 vertices. Around them:
+out, add1, ln2, ffn1 (GELU fused), ffn2, add2: 12 vertices.
+
+``kernels="megatron"`` builds the layer as Megatron-LM ran it in 2021-22
+(its ``ParallelTransformerLayer``, the runs of SC'21 and Korthikanti et al.),
+one vertex per kernel that moves a tensor through memory: the attention core
+as four kernels (scores, softmax, dropout, context; see
+:func:`shardplan.models._blocks.attention`), ``gelu`` after ffn1 (Megatron's
+fused bias-GELU, a kernel of its own reading and writing the (b, s, 4h)
+tensor; kind ``ffn`` so tensor parallelism splits it as ffn1), and add1/add2
+as the fused bias-dropout-add (the same tiles an add reads and writes, plus
+the 1-byte dropout mask it keeps: ``saved`` 1.5). 15 vertices per layer. Around them:
 ``embed`` (dims ``bsdv``), ``ln_f``, the vocabulary projection ``fc``
 (``bsvd``; weight tying with the embedding is not modelled: the two are
 separate tensors) and ``softmax`` (cross-entropy). Learned position
@@ -21,16 +31,21 @@ registry (:mod:`shardplan.models`) builds them by name, e.g.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from shardplan import ops
 from shardplan.errors import ShardplanError
-from shardplan.ir import Graph
+from shardplan.ir import Graph, GraphBuilder, TensorRef
 from shardplan.models._blocks import attention, check_stack, decoder_start
 from shardplan.models.transformer import ffn
 
-__all__ = ["gpt", "GPT_SIZES", "GPTConfig", "GPT3", "GPT3_PARAMS", "GPT3_VOCAB", "MEGATRON", "MEGATRON_PARAMS",
+__all__ = ["gpt", "KERNELS", "GPT_SIZES", "GPTConfig", "GPT3", "GPT3_PARAMS", "GPT3_VOCAB", "MEGATRON", "MEGATRON_PARAMS",
            "padded_vocab", "gpt_published_params"]
+
+KERNELS = ("fused", "megatron")
+"""The kernel sets :func:`gpt` builds a layer from (module docstring): ``fused`` (the default: softmax in the
+scores product, GELU in ffn1) or ``megatron`` (Megatron-LM's kernels of 2021-22)."""
 
 # GPT-3's vocabulary: the GPT-2 byte-level BPE of 50,257 tokens (Brown et al. 2020, §2.1: "the same model and
 # architecture as GPT-2"; Radford et al. 2019, §2.2).
@@ -56,6 +71,7 @@ class GPTConfig:
     seq: int
     vocab: int
     d_ff: int | None = None
+    kernels: str = "fused"
 
     def __post_init__(self) -> None:
         for key in ("layers", "d_model", "heads", "seq", "vocab"):
@@ -65,6 +81,8 @@ class GPTConfig:
             raise ShardplanError(f"GPTConfig: heads={self.heads} must divide d_model={self.d_model}")
         if self.d_ff is not None and self.d_ff < 1:
             raise ShardplanError(f"GPTConfig: d_ff={self.d_ff} must be positive")
+        if self.kernels not in KERNELS:
+            raise ShardplanError(f"GPTConfig: kernels={self.kernels!r} is not one of {', '.join(KERNELS)}")
 
     @property
     def ffn(self) -> int:
@@ -72,10 +90,12 @@ class GPTConfig:
         return 4 * self.d_model if self.d_ff is None else self.d_ff
 
     def sizes(self) -> dict[str, int]:
-        """The keyword sizes of :func:`gpt` (``d_ff`` only when it is set)."""
-        out = {"layers": self.layers, "d_model": self.d_model, "heads": self.heads, "seq": self.seq,
-               "vocab": self.vocab}
-        return out if self.d_ff is None else {**out, "d_ff": self.d_ff}
+        """The keyword sizes of :func:`gpt` (``d_ff`` only when it is set, ``kernels`` only when not fused)."""
+        out: dict = {"layers": self.layers, "d_model": self.d_model, "heads": self.heads, "seq": self.seq,
+                     "vocab": self.vocab}
+        if self.d_ff is not None:
+            out["d_ff"] = self.d_ff
+        return out if self.kernels == "fused" else {**out, "kernels": self.kernels}
 
     def params(self) -> int:
         """Weights of the graph :func:`gpt` builds: l (12 h^2 + 4 h) + 2 V h + 2 h with d_ff = 4h
@@ -149,18 +169,34 @@ GPT_SIZES: dict[str, dict[str, int]] = {
 }
 
 
+def _megatron_mlp(b: GraphBuilder, prefix: str, x: TensorRef, d_ff: int) -> TensorRef:
+    """ffn1, Megatron-LM's fused bias-GELU as a kernel of its own (8 FLOPs per element: the tanh
+    approximation), ffn2."""
+    d = x.shape[-1]
+    h = b.add(ops.einsum(f"{prefix}/ffn1", "bsd,de->bse", x, ops.Param((d, d_ff)), kind="ffn"))
+    h = b.add(ops.elementwise(f"{prefix}/gelu", h, flops_per_point=8.0, kind="ffn", letters="bse"))
+    return b.add(ops.einsum(f"{prefix}/ffn2", "bse,ed->bsd", h, ops.Param((d_ff, d)), kind="ffn"))
+
+
 def gpt(batch: int = 64, layers: int = 24, d_model: int = 2048, heads: int = 16, seq: int = 2048,
-        vocab: int = 50304, d_ff: int | None = None, name: str = "gpt") -> Graph:
-    """Decoder-only Transformer; defaults are the "1.3b" setting (d_ff defaults to 4 d_model)."""
+        vocab: int = 50304, d_ff: int | None = None, kernels: str = "fused", name: str = "gpt") -> Graph:
+    """Decoder-only Transformer; defaults are the "1.3b" setting (d_ff defaults to 4 d_model); ``kernels``:
+    one of :data:`KERNELS` (module docstring)."""
     check_stack(name, layers, d_model, heads)
+    if kernels not in KERNELS:
+        raise ShardplanError(f"model {name!r}: kernels={kernels!r} is not one of {', '.join(KERNELS)}")
     d_ff = 4 * d_model if d_ff is None else d_ff
+    meg = kernels == "megatron"
+    saved = 1.5 if meg else 1.0  # the bias-dropout-add's mask beside its output
     b, labels, x = decoder_start(name, batch, seq, vocab, d_model)
     for i in range(1, layers + 1):
         p = f"L{i}"
         h = b.add(ops.layer_norm(f"{p}/ln1", x))
-        x = b.add(ops.elementwise(f"{p}/add1", x, attention(b, p, h, h, heads), kind="add", letters="bsd"))
+        a = attention(b, p, h, h, heads, core=kernels)
+        x = b.add(dataclasses.replace(ops.elementwise(f"{p}/add1", x, a, kind="add", letters="bsd"), saved=saved))
         h = b.add(ops.layer_norm(f"{p}/ln2", x))
-        x = b.add(ops.elementwise(f"{p}/add2", x, ffn(b, p, h, d_ff), kind="add", letters="bsd"))
+        m = _megatron_mlp(b, p, h, d_ff) if meg else ffn(b, p, h, d_ff)
+        x = b.add(dataclasses.replace(ops.elementwise(f"{p}/add2", x, m, kind="add", letters="bsd"), saved=saved))
     x = b.add(ops.layer_norm("ln_f", x))
     h = b.add(ops.dense("fc", x, vocab, letters="bsvd"))
     b.add(ops.softmax_cross_entropy("softmax", h, labels, letters="bsv"))

@@ -29,8 +29,10 @@ GiB = 1024**3
 
 # -- the presets are the constants they were before they moved to files -------------------------------
 def _old_presets(p: int) -> dict[str, Machine]:
-    """The presets exactly as shardplan/machine.py built them in code before the profile files."""
+    """The presets exactly as shardplan/machine.py built them in code before the profile files, plus the tile and
+    wave constants added to the GPU profiles since (multiprocessors, output tile)."""
     bucket = 25 * 2**20
+    tiles = dict(gemm_tiles=((256, 128), (128, 256), (128, 128)))
     return {
         "paper": Machine(p, 10e12, 16e9, name="paper"),
         "1080ti": Machine(p, 11.3e12, 10e9, node_size=8, inter_bandwidth=7e9, memory_bytes=11 * GiB, name="1080ti"),
@@ -38,11 +40,13 @@ def _old_presets(p: int) -> dict[str, Machine]:
         "a100": Machine(p, 312e12, 300e9, latency=5e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
                         inter_bandwidth=25e9, inter_latency=10e-6, name="a100", hbm_bandwidth=2.039e12,
                         flops_efficiency=0.7, grad_bucket_bytes=bucket, overlap_grad=True,
-                        host_bandwidth=25.6e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=6.8e9),
+                        host_bandwidth=25.6e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=6.8e9,
+                        sm_count=108, **tiles),
         "h100": Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
                         inter_bandwidth=50e9, inter_latency=8e-6, name="h100", hbm_bandwidth=3.35e12,
                         flops_efficiency=0.7, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
-                        host_bandwidth=51.2e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=1.0e10),
+                        host_bandwidth=51.2e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=1.0e10,
+                        sm_count=132, **tiles),
     }
 
 

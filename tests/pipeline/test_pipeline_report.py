@@ -24,7 +24,10 @@ def staged():
     # a budget below the whole model's time-optimal single-program footprint forces a pipeline
     from shardplan.pipeline import ModelStages
 
-    machine = dataclasses.replace(preset("a100", 4), node_size=2, inter_bandwidth=1e8)
+    # without tile quantisation: products this small would each fill a few multiprocessors of one wave, and the
+    # search would pick unequal stages, where the step formula and the event simulation need not agree
+    machine = dataclasses.replace(preset("a100", 4), node_size=2, inter_bandwidth=1e8, sm_count=None,
+                                  gemm_tiles=None)
     build = lambda b: get_model("gpt", b, layers=2, d_model=64, heads=2, seq=16, vocab=256)  # noqa: E731
     whole = ModelStages(build, 8, machine, {"cutoff": 1})
     budget = BUDGET * whole.stage_cost(0, whole.num_units, 4, 1).memory(1)
