@@ -309,7 +309,7 @@ def test_the_search_takes_overlapped_sequence_parallelism_only_where_it_pays(siz
     replicated (no sequence split). It still defers the products' all-reduces to their edges (partial
     layouts into replicated neighbours: the same all-reduce, now beside the product), which gains those
     microseconds and no more."""
-    m = preset("a100", 8)
+    m = replace(preset("a100", 8), sm_count=None, gemm_tiles=None)  # the plain roofline: products by size
     if latency is not None:
         m = replace(m, latency=latency)
     g = get_model("gpt", 4, **sizes)
