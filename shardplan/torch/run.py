@@ -403,26 +403,67 @@ def _cat(tensors: Sequence[Any], dim: int = 0) -> Any:
     return torch.ops.aten.cat.default(parts or list(tensors), dim)
 
 
-def _index_put_(x: Any, indices: Any, values: Any, accumulate: bool = False) -> Any:
-    """``x[indices] = values`` in place, computed on whole tensors and copied into ``x`` where it lies (the
-    run must not write into a relaid copy of ``x``; DTensor has no strategy for it)."""
-    import torch
-    from torch.distributed.tensor import DTensor, Replicate
+def _index_put_values_dim(x_dim: int, x_rank: int, at: Sequence[int], b_rank: int, v_rank: int) -> int | None:
+    """Which dimension of the values of ``x[indices] = values`` lies along the non-indexed dimension
+    ``x_dim`` of ``x`` (None: values broadcast along it). ``at``: the indexed dims of ``x``, the index
+    tensors broadcasting to ``b_rank`` dims. The values broadcast to ``x[indices]``'s shape: the index
+    block in place of the indexed dims when they are adjacent, in front otherwise."""
+    kept = [d for d in range(x_rank) if d not in at]
+    if at == list(range(at[0], at[-1] + 1)):
+        r = x_dim if x_dim < at[0] else x_dim - len(at) + b_rank
+    else:
+        r = b_rank + kept.index(x_dim)
+    v = r - (x_rank - len(at) + b_rank - v_rank)
+    return v if v >= 0 else None
 
-    if not any(isinstance(t, DTensor) for t in [x, values, *indices]):
-        return torch.ops.aten.index_put_.default(x, indices, values, accumulate)
-    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
-    y = torch.ops.aten.index_put.default(full(x), [full(i) if i is not None else None for i in indices], full(values),
-                                         accumulate)
-    if isinstance(x, DTensor):
-        y = DTensor.from_local(y, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
-    return x.copy_(y)
+
+def _index_put(x: Any, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Any:
+    """``y = x.index_put(indices, values)`` (``x[indices] = values`` on a copy) on each device's tiles.
+
+    As planned, each mesh axis splits a dimension of ``x`` the indices do
+    not index (or none) and the values alike, and the index tensors are
+    whole: then each device's tile of ``y`` is ``index_put`` of its tiles
+    of ``x`` and the values with the whole indices, and nothing moves.
+    Anything else is first laid out so (the indexed dims and the index
+    tensors replicated, the values split as ``x``). The gradient of the
+    values is a partial sum over an axis that splits a dim they broadcast
+    along. (DTensor has a forward rule, but its backward builds a plain
+    zero tensor and fails.)
+    """
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    fn = torch.ops.aten.index_put.default
+    dt = [t for t in [x, values, *indices] if isinstance(t, DTensor)]
+    if not dt:
+        return fn(x, list(indices), values, accumulate)
+    mesh = dt[0].device_mesh
+    rep = [Replicate()] * mesh.ndim
+    x, values = (t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, rep, run_check=False) for t in (x, values))
+    at = [d for d, i in enumerate(indices) if i is not None]
+    b_rank = len(torch.broadcast_shapes(*[tuple(indices[d].shape) for d in at]))
+    x_pl, v_pl, v_grad = [], [], []
+    for pl in x.placements:
+        d = pl.dim if isinstance(pl, Shard) else None
+        vd = None if d is None or d in at else _index_put_values_dim(d, x.dim(), at, b_rank, values.dim())
+        if d is None or d in at:
+            x_pl.append(Replicate()), v_pl.append(Replicate()), v_grad.append(Replicate())
+        elif vd is None or values.shape[vd] == 1:
+            x_pl.append(pl), v_pl.append(Replicate()), v_grad.append(Partial())
+        else:
+            x_pl.append(pl), v_pl.append(Shard(vd)), v_grad.append(Shard(vd))
+    x = x.redistribute(mesh, x_pl) if tuple(x.placements) != tuple(x_pl) else x
+    values = values.redistribute(mesh, v_pl) if tuple(values.placements) != tuple(v_pl) else values
+    whole = [i.redistribute(mesh, rep).to_local() if isinstance(i, DTensor) else i for i in indices]
+    y = fn(x.to_local(grad_placements=x_pl), whole, values.to_local(grad_placements=v_grad), accumulate)
+    return DTensor.from_local(y, mesh, x_pl, run_check=False)
 
 
 def _functional(name: str, rewrite: Any = None) -> Any:
-    """An in-place ``x.op_(...)`` DTensor has no strategy for, as its functional form ``op(x, ...)`` (which
-    DTensor runs, or the rewrite of it); the run gives later readers of ``x`` this result (:data:`_FUNCTIONAL`),
-    as the frontend describes them."""
+    """An in-place ``x.op_(...)`` as its functional form ``op(x, ...)`` (which DTensor runs, or the rewrite of
+    it): DTensor has no strategy for the in-place op, or (``index_put_``) the run lays ``x`` out as planned
+    first, and writing into that relaid copy would not reach ``x``; the run gives later readers of ``x``
+    this result (:data:`_FUNCTIONAL`), as the frontend describes them."""
 
     def call(x: Any, *args: Any, **kwargs: Any) -> Any:
         import torch
@@ -444,7 +485,7 @@ _REWRITES = {
     "aten.hardswish.default": _hardswish,
     "aten.hardsigmoid.default": _hardsigmoid,
     "aten.fill_.Tensor": _fill_tensor,
-    "aten.index_put_.default": _index_put_,
+    "aten.index_put.default": _index_put,
     "aten.cat.default": _cat,
     "aten.concat.default": _cat,
     "transformers.grouped_mm_fallback.default": _grouped_mm("transformers.grouped_mm_fallback"),
@@ -455,6 +496,7 @@ _REWRITES = {
         "aten.tril_.default": _functional("tril"),
         "aten.hardswish_.default": _functional("hardswish", _hardswish),
         "aten.hardsigmoid_.default": _functional("hardsigmoid", _hardsigmoid),
+        "aten.index_put_.default": _functional("index_put", _index_put),
     }),
 }
 
@@ -965,7 +1007,10 @@ def _make_class() -> Any:
             if str(fn) in _CHECKS:  # export's metadata checks: nothing to compute (and nothing to gather)
                 return None
             if node.name in info.const_nodes or fn is _pyop.getitem:
-                return _REWRITES.get(str(fn), fn)(*args, **kwargs)
+                out = _REWRITES.get(str(fn), fn)(*args, **kwargs)
+                if str(fn) in _FUNCTIONAL and isinstance(node.args[0], torch.fx.Node):
+                    env[node.args[0].name] = out  # the in-place op's destination now holds its result
+                return out
             op_name = info.node_op.get(node.name)
             gathered: list[tuple[Any, Any]] = []
             if op_name is not None:
