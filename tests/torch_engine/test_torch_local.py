@@ -78,8 +78,9 @@ class NoRule(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.fc1, self.fc2, self.kv = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
         self.register_buffer("rows", torch.tensor([3, 1]))
+        self.register_buffer("bias", torch.randn(8, 1, 4, 4, generator=torch.Generator().manual_seed(32)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.ops.shardplan_test.softsign(self.fc1(x))     # (8, 4, 16)
@@ -87,10 +88,16 @@ class NoRule(nn.Module):
         h = nn.functional.hardswish(2.0 * h, inplace=True)
         s = torch.matmul(h, self.fc2(h).transpose(1, 2)).triu_()  # (8, 4, 4)
         s[:, self.rows] = 0.5 * s[:, :2]
-        return (s ** 2).mean() + (r ** 2).mean()
+        q = h.view(8, 4, 4, 4).transpose(1, 2)                   # (8, 4 heads, 4, 4)
+        k, v = self.kv(x).view(8, 4, 2, 8).transpose(1, 2).chunk(2, dim=-1)  # 2 K/V heads
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        b = nn.functional.scaled_dot_product_attention(a, q, q, attn_mask=self.bias)
+        return (s ** 2).mean() + (r ** 2).mean() + (b ** 2).mean()
 
 
-TARGETS = ["softsign", "rowsum", "hardswish_", "triu_", "index_put_"]  # FX node names
+# FX node names: the grouped-query causal attention and the one with an additive mask of batch x queries x keys
+TARGETS = ["softsign", "rowsum", "hardswish_", "triu_", "index_put_", "scaled_dot_product_attention",
+           "scaled_dot_product_attention_1"]
 LOCAL = {"softsign", "rowsum"}  # without a DTensor strategy
 
 
@@ -193,3 +200,14 @@ def test_index_put_splits_its_kept_axes_and_moves_nothing(results):
     assert r["fixed"] == sorted([b, d])
     assert {s for s in map(tuple, r["splits"]) if max(s) == 4} == {(4, 1, 1, 1), (1, 1, 4, 1)}
     assert [row["moves"] for row in r["rows"]] == [0] * len(r["rows"])
+
+
+@pytest.mark.parametrize("name", ["scaled_dot_product_attention", "scaled_dot_product_attention_1"])
+def test_attention_splits_batch_heads_and_queries(results, name):
+    """Each of batch, heads and queries split 4 ways, and two of them 2 x 2, is offered and ran (above)."""
+    r = results[name]
+    b, h, l, s, e, f = r["dims"]
+    assert r["fixed"] == sorted([s, e, f])
+    four = {s for s in map(tuple, r["splits"]) if max(s) == 4}
+    assert four == {(4, 1, 1, 1, 1, 1), (1, 4, 1, 1, 1, 1), (1, 1, 4, 1, 1, 1)}
+    assert {(2, 2, 1, 1, 1, 1), (2, 1, 2, 1, 1, 1), (1, 2, 2, 1, 1, 1)} <= set(map(tuple, r["splits"]))
