@@ -662,9 +662,10 @@ def _sdpa(ctx: _Ctx, node: Any, vals: list) -> None:
 
     One vertex with dims ``b h l s e f``; work 2(E + F) per (b,h,l,s), i.e.
     ``2(E+F)/(E F)`` per point. ``s`` (keys) is normalised over. ``e``, ``s``
-    and ``f`` are fixed: DTensor runs attention split over batch, heads and
-    queries only. With grouped-query attention (fewer K/V heads) the K/V
-    head axis is read whole.
+    and ``f`` are fixed: the run computes attention on each device's tiles of
+    batch, heads and queries, the keys whole (``shardplan.torch.run._sdpa``).
+    With grouped-query attention (fewer K/V heads) the K/V head axis is read
+    whole.
     """
     q, k, v = vals[0], vals[1], vals[2]
     mask = _at(vals, 3)
