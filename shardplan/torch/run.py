@@ -514,16 +514,18 @@ def _index_put(x: Any, indices: Sequence[Any], values: Any, accumulate: bool = F
     x, values = (t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, rep, run_check=False) for t in (x, values))
     at = [d for d, i in enumerate(indices) if i is not None]
     b_rank = len(torch.broadcast_shapes(*[tuple(indices[d].shape) for d in at]))
-    x_pl, v_pl, v_grad = [], [], []
+    x_pl, v_pl, v_grad = [], [], []  # per mesh axis: x's, the values' and their gradient's placements
     for pl in x.placements:
         d = pl.dim if isinstance(pl, Shard) else None
         vd = None if d is None or d in at else _index_put_values_dim(d, x.dim(), at, b_rank, values.dim())
         if d is None or d in at:
-            x_pl.append(Replicate()), v_pl.append(Replicate()), v_grad.append(Replicate())
+            row = (Replicate(), Replicate(), Replicate())
         elif vd is None or values.shape[vd] == 1:
-            x_pl.append(pl), v_pl.append(Replicate()), v_grad.append(Partial())
+            row = (pl, Replicate(), Partial())
         else:
-            x_pl.append(pl), v_pl.append(Shard(vd)), v_grad.append(Shard(vd))
+            row = (pl, Shard(vd), Shard(vd))
+        for out, p in zip((x_pl, v_pl, v_grad), row):
+            out.append(p)
     x = x.redistribute(mesh, x_pl) if tuple(x.placements) != tuple(x_pl) else x
     values = values.redistribute(mesh, v_pl) if tuple(values.placements) != tuple(v_pl) else values
     whole = [i.redistribute(mesh, rep).to_local() if isinstance(i, DTensor) else i for i in indices]
