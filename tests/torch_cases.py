@@ -185,6 +185,7 @@ def make_hf_llama() -> tuple[nn.Module, tuple]:
 def _hf_causal(config_cls: str, model_cls: str, seed: int, attn: str = "sdpa", **kw: Any) -> tuple[nn.Module, tuple]:
     """A tiny transformers model built from its config class (no weights), called as documented:
     ``model(input_ids=ids, labels=labels).loss`` with the library's defaults (the KV cache included)."""
+    enter_torchvision()  # transformers imports torchvision where it is installed
     import transformers
 
     cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, attn_implementation=attn, **kw)
@@ -283,8 +284,8 @@ class HardswishNet(nn.Module):
 
 
 class MobileNetV3Block(nn.Module):
-    """torchvision's MobileNetV3 inverted residual, written out (torchvision does not install beside the pinned
-    torch): a stem convolution with batch norm and hardswish, then the block: 1x1 expansion + BN + hardswish,
+    """torchvision's MobileNetV3 inverted residual, written out: a fast case for the main environment (which has
+    no torchvision; torchvision's own ``mobilenet_v3_small`` runs in tests/torch_hf5): a stem convolution with batch norm and hardswish, then the block: 1x1 expansion + BN + hardswish,
     3x3 depthwise convolution + BN + hardswish, squeeze-and-excitation (global average pool, 1x1 reduce,
     ReLU, 1x1 expand, hardsigmoid gate), 1x1 projection + BN, the residual; a pooled classifier with
     hardswish between its two linear layers, as torchvision's head."""
@@ -317,6 +318,96 @@ def make_mobilenetv3_block() -> tuple[nn.Module, tuple]:
 def make_hardswish() -> tuple[nn.Module, tuple]:
     g = torch.Generator().manual_seed(24)
     return HardswishNet(), (torch.randn(BATCH * 2, 32, generator=g), torch.randint(0, 16, (BATCH * 2,), generator=g))
+
+
+def enter_torchvision() -> bool:
+    """Make ``import torchvision`` give the installed package without running its ``__init__.py``; False when
+    torchvision is not installed (the main environment).
+
+    PyPI's torchvision 0.28.0 wheel (the one pip installs beside the CPU
+    build of torch 2.13.0 pinned here; the ``+cpu`` build lives on PyTorch's
+    own index only) is built against CUDA torch: its C++ extension links
+    ``libtorch_cuda.so`` and does not load, and ``torchvision/__init__.py``
+    then raises registering fake kernels for the missing ``torchvision::nms``
+    and the other detection operators. That breaks every transformers 5 model
+    too, since transformers imports torchvision when it is installed. The
+    models, the ``torchvision.ops`` building blocks and ``torchvision.transforms``
+    are Python modules of the package that do not call those operators, so
+    the package is entered with its search path only (as a namespace package
+    is) and they load from the installed files unchanged.
+    """
+    import importlib.util
+    import sys
+    import types
+
+    if "torchvision" in sys.modules:
+        return True
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.submodule_search_locations is None:
+        return False
+    pkg = types.ModuleType("torchvision")
+    pkg.__path__, pkg.__spec__, pkg.__file__ = list(spec.submodule_search_locations), spec, spec.origin
+    sys.modules["torchvision"] = pkg
+    return True
+
+
+def torchvision_models() -> Any:
+    """``torchvision.models`` (:func:`enter_torchvision`)."""
+    import importlib
+
+    if not enter_torchvision():
+        raise ImportError("torchvision is not installed (pip install -e '.[hf5]')")
+    return importlib.import_module("torchvision.models")
+
+
+def timm_module() -> Any:
+    """``timm``, after :func:`torchvision_models` (timm imports torchvision)."""
+    torchvision_models()
+    import timm
+
+    return timm
+
+
+class ImageLoss(nn.Module):
+    """An image classifier's cross-entropy loss, as its training loop computes it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(images), labels)
+
+
+IMAGE, CLASSES = 32, 10
+
+
+def _images(seed: int, n: int = BATCH * 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, IMAGE, IMAGE, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+def make_tv_mobilenet_v3() -> tuple[nn.Module, tuple]:
+    """torchvision's ``mobilenet_v3_small`` at a quarter of its width (8 to 144 channels), no dropout."""
+    torch.manual_seed(40)
+    model = torchvision_models().mobilenet_v3_small(num_classes=CLASSES, width_mult=0.25, dropout=0.0)
+    return ImageLoss(model), _images(40)
+
+
+def make_timm_vit() -> tuple[nn.Module, tuple]:
+    """timm's ``vit_tiny_patch16_224`` on 32 x 32 images in 8 x 8 patches, 2 blocks of width 48."""
+    torch.manual_seed(41)
+    model = timm_module().create_model("vit_tiny_patch16_224", num_classes=CLASSES, img_size=IMAGE, patch_size=8,
+                                       embed_dim=48, depth=2)
+    return ImageLoss(model), _images(41)
+
+
+def make_timm_convnext() -> tuple[nn.Module, tuple]:
+    """timm's ``convnext_atto`` with one block per stage of widths 16, 32, 64, 128."""
+    torch.manual_seed(42)
+    model = timm_module().create_model("convnext_atto", num_classes=CLASSES, depths=(1, 1, 1, 1),
+                                       dims=(16, 32, 64, 128))
+    return ImageLoss(model), _images(42)
 
 
 class TinyMoE(nn.Module):
@@ -389,6 +480,7 @@ HF_CASES: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
     "hf_roberta": make_hf_roberta, "hf_mixtral": make_hf_mixtral, "hf_qwen2_moe": make_hf_qwen2_moe,
     "hardswish": make_hardswish, "moe": make_moe, "zero_extent": make_zero_extent,
     "mobilenetv3_block": make_mobilenetv3_block,
+    "tv_mobilenet_v3": make_tv_mobilenet_v3, "timm_vit": make_timm_vit, "timm_convnext": make_timm_convnext,
 }
 
 

@@ -662,9 +662,10 @@ def _sdpa(ctx: _Ctx, node: Any, vals: list) -> None:
 
     One vertex with dims ``b h l s e f``; work 2(E + F) per (b,h,l,s), i.e.
     ``2(E+F)/(E F)`` per point. ``s`` (keys) is normalised over. ``e``, ``s``
-    and ``f`` are fixed: DTensor runs attention split over batch, heads and
-    queries only. With grouped-query attention (fewer K/V heads) the K/V
-    head axis is read whole.
+    and ``f`` are fixed: the run computes attention on each device's tiles of
+    batch, heads and queries, the keys whole (``shardplan.torch.run._sdpa``).
+    With grouped-query attention (fewer K/V heads) the K/V head axis is read
+    whole.
     """
     q, k, v = vals[0], vals[1], vals[2]
     mask = _at(vals, 3)
@@ -947,11 +948,12 @@ def _gather_dim(ctx: _Ctx, node: Any, vals: list) -> None:
     ctx.emit(node, op, operands)
 
 
-def _inplace(ctx: _Ctx, node: Any, vals: list, describe: Handler, reads_dst: bool) -> None:
+def _inplace(ctx: _Ctx, node: Any, vals: list, describe: Handler, reads_dst: bool, lays_dst: bool = False) -> None:
     """An in-place ATen op ``x.op_(..)`` described as its functional form ``op(x, ..)``.
 
     The destination is not an operand the run lays out (it is written where
-    it lies); later readers of it read this operator's result.
+    it lies) unless ``lays_dst`` (the run computes the functional form on the
+    planned tiles of ``x``); later readers of it read this operator's result.
     """
     dst = vals[0]
     args = vals if reads_dst else [NONE_VAL] + list(vals[1:])
@@ -962,7 +964,7 @@ def _inplace(ctx: _Ctx, node: Any, vals: list, describe: Handler, reads_dst: boo
             raise
         ctx.env[node.name] = Val("const", None, _shape(node) or ())
     made = ctx.node_op.get(node.name)
-    if made is not None:
+    if made is not None and not lays_dst:
         ctx.operands[made] = tuple((p, t) for p, t in ctx.operands[made] if p != (0,))
     src = node.args[0]
     if isinstance(dst, Val) and dst.shape == (_shape(node) or ()) and hasattr(src, "name"):
@@ -1018,7 +1020,7 @@ def _index_put(ctx: _Ctx, node: Any, vals: list) -> None:
 
 
 HANDLERS["aten.index_put.default"] = _index_put
-HANDLERS["aten.index_put_.default"] = lambda c, n, v: _inplace(c, n, v, _index_put, reads_dst=True)
+HANDLERS["aten.index_put_.default"] = lambda c, n, v: _inplace(c, n, v, _index_put, reads_dst=True, lays_dst=True)
 
 
 @register("transformers.grouped_mm_fallback.default", "aten._grouped_mm.default")

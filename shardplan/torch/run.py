@@ -22,10 +22,9 @@ made for):
   (no handler: it is planned replicated, its operands gathered) or a node that
   is no operator runs replicated there: operands gathered, the operator on
   every device, a replicated result (autograd flows through both conversions).
-  ``aten.scaled_dot_product_attention`` is routed to PyTorch's math kernel
-  (``_scaled_dot_product_attention_math``), whose matmuls and softmax DTensor
-  shards over batch, heads and queries (the fused CPU kernel has no DTensor
-  strategy).
+  ``aten.scaled_dot_product_attention`` runs on each device's tiles (batch,
+  heads and queries split as planned, keys whole: :func:`_sdpa`), with
+  PyTorch's own kernel.
 
 Gradients flow back through DTensor's autograd: the redistribution of a
 value in the forward pass is undone on its gradient in the backward pass,
@@ -238,15 +237,88 @@ def _redistribute(x: Any, mesh: Any, placements: Sequence[Any]) -> Any:
     return x
 
 
-def _sdpa_math(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
-               scale: float | None = None, enable_gqa: bool = False) -> Any:
+def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+          scale: float | None = None, enable_gqa: bool = False) -> Any:
+    """Attention on each device's tiles, as the frontend describes it: each mesh axis splits the batch, the
+    heads or the queries of ``q`` (or nothing); ``k``, ``v`` are split alike on batch and heads and whole
+    along the keys.
+
+    A device's output tile is then PyTorch's own attention of its tiles: of
+    ``q``; of ``k``, ``v`` (with grouped-query attention and the heads split,
+    the whole K/V heads, repeated to the query heads and cut to the device's);
+    of the mask, each of its axes cut as the dimension it broadcasts to. A
+    causal attention with the queries split becomes an explicit mask of the
+    device's rows ``r0 + i`` (key ``j`` kept where ``j <= r0 + i``, PyTorch's
+    top-left alignment). Gradients: ``k`` and ``v`` are partial sums over the
+    axes that split the queries (and the heads, where they were repeated).
+    Operands laid out otherwise are first laid out so; under the plan nothing
+    moves. DTensor would run the math kernel's matmuls and softmax one by one,
+    each through its sharding propagation, which on a mesh of 3 axes takes
+    minutes per layer.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    dt = [t for t in (q, k, v, attn_mask) if isinstance(t, DTensor)]
+    if not dt:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    mesh = dt[0].device_mesh
+    rep = [Replicate()] * mesh.ndim
+    q, k, v = (t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, rep, run_check=False) for t in (q, k, v))
+    heads, kv_heads = q.shape[1], k.shape[1]
+    split = [pl.dim if isinstance(pl, Shard) and pl.dim < 3 else None for pl in q.placements]
+    q_pl = [Shard(d) if d is not None else Replicate() for d in split]
+    kv_pl = [Shard(d) if d == 0 or d == 1 and kv_heads == heads else Replicate() for d in split]
+    kv_grad = [pl if pl.is_shard() or d is None else Partial() for pl, d in zip(kv_pl, split)]
+    q = q.redistribute(mesh, q_pl) if tuple(q.placements) != tuple(q_pl) else q
+    k, v = (t.redistribute(mesh, kv_pl) if tuple(t.placements) != tuple(kv_pl) else t for t in (k, v))
+    size, start = compute_local_shape_and_global_offset(q.shape, mesh, q_pl)
+    ql = _dense_grad(q.to_local(grad_placements=q_pl))
+    kl, vl = (_dense_grad(t.to_local(grad_placements=kv_grad)) for t in (k, v))
+    if kv_heads != heads and 1 in split:  # grouped-query attention, query heads split: this device's K/V heads
+        g = heads // kv_heads
+        kl, vl = (t.repeat_interleave(g, dim=1)[:, start[1]:start[1] + size[1]] for t in (kl, vl))
+    mask = attn_mask
+    if attn_mask is not None:
+        full, lead = (q.shape[0], heads, q.shape[2], k.shape[2]), 4 - attn_mask.dim()
+        cuts = [0 <= d - lead and attn_mask.shape[d - lead] == full[d] != 1 for d in range(3)]
+        if isinstance(attn_mask, DTensor):
+            m_pl = [Shard(d - lead) if d is not None and cuts[d] else Replicate() for d in split]
+            m_grad = [pl if pl.is_shard() or d is None else Partial() for pl, d in zip(m_pl, split)]
+            m = attn_mask.redistribute(mesh, m_pl) if tuple(attn_mask.placements) != tuple(m_pl) else attn_mask
+            mask = m.to_local(grad_placements=m_grad)
+        else:
+            mask = attn_mask[tuple(slice(start[d], start[d] + size[d]) if cuts[d] else slice(None)
+                                   for d in range(lead, 3))]
+    if is_causal and 2 in split:
+        rows = torch.arange(start[2], start[2] + size[2], device=ql.device).unsqueeze(-1)
+        keep = torch.arange(k.shape[2], device=ql.device) <= rows
+        mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool else
+                                          mask.masked_fill(keep.logical_not(), float("-inf")))
+        is_causal = False
+    y = F.scaled_dot_product_attention(ql, kl, vl, mask, dropout_p, is_causal, scale=scale,
+                                       enable_gqa=enable_gqa and kl.shape[1] != ql.shape[1])
+    return DTensor.from_local(_dense(y), mesh, q_pl, run_check=False)
+
+
+def _dense_grad(t: Any) -> Any:
+    """``t``, its gradient made row-major (:func:`_dense`): the fused attention kernel returns gradients in its own memory
+    order, and DTensor, which takes a local tensor's strides for the global ones, then plans a view of the
+    gathered gradient that its local tensor cannot take."""
+    if t.requires_grad:
+        t.register_hook(_dense)
+    return t
+
+
+def _dense(t: Any) -> Any:
+    """A copy of ``t`` with the row-major strides of its shape (``contiguous()`` keeps odd strides of its
+    size-1 dims), unless it has them already."""
     import torch
 
-    if attn_mask is not None and attn_mask.dtype == torch.bool:  # the math kernel takes an additive mask
-        attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(attn_mask.logical_not(), float("-inf"))
-    out = torch.ops.aten._scaled_dot_product_attention_math.default(
-        q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)
-    return out[0]
+    want = torch.empty(0).new_empty(t.shape).stride() if t.dim() else ()
+    return t if t.stride() == want else t.clone(memory_format=torch.contiguous_format)
 
 
 def _has_dtensor(x: Any) -> bool:
@@ -403,26 +475,69 @@ def _cat(tensors: Sequence[Any], dim: int = 0) -> Any:
     return torch.ops.aten.cat.default(parts or list(tensors), dim)
 
 
-def _index_put_(x: Any, indices: Any, values: Any, accumulate: bool = False) -> Any:
-    """``x[indices] = values`` in place, computed on whole tensors and copied into ``x`` where it lies (the
-    run must not write into a relaid copy of ``x``; DTensor has no strategy for it)."""
-    import torch
-    from torch.distributed.tensor import DTensor, Replicate
+def _index_put_values_dim(x_dim: int, x_rank: int, at: Sequence[int], b_rank: int, v_rank: int) -> int | None:
+    """Which dimension of the values of ``x[indices] = values`` lies along the non-indexed dimension
+    ``x_dim`` of ``x`` (None: values broadcast along it). ``at``: the indexed dims of ``x``, the index
+    tensors broadcasting to ``b_rank`` dims. The values broadcast to ``x[indices]``'s shape: the index
+    block in place of the indexed dims when they are adjacent, in front otherwise."""
+    kept = [d for d in range(x_rank) if d not in at]
+    if at == list(range(at[0], at[-1] + 1)):
+        r = x_dim if x_dim < at[0] else x_dim - len(at) + b_rank
+    else:
+        r = b_rank + kept.index(x_dim)
+    v = r - (x_rank - len(at) + b_rank - v_rank)
+    return v if v >= 0 else None
 
-    if not any(isinstance(t, DTensor) for t in [x, values, *indices]):
-        return torch.ops.aten.index_put_.default(x, indices, values, accumulate)
-    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
-    y = torch.ops.aten.index_put.default(full(x), [full(i) if i is not None else None for i in indices], full(values),
-                                         accumulate)
-    if isinstance(x, DTensor):
-        y = DTensor.from_local(y, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
-    return x.copy_(y)
+
+def _index_put(x: Any, indices: Sequence[Any], values: Any, accumulate: bool = False) -> Any:
+    """``y = x.index_put(indices, values)`` (``x[indices] = values`` on a copy) on each device's tiles.
+
+    As planned, each mesh axis splits a dimension of ``x`` the indices do
+    not index (or none) and the values alike, and the index tensors are
+    whole: then each device's tile of ``y`` is ``index_put`` of its tiles
+    of ``x`` and the values with the whole indices, and nothing moves.
+    Anything else is first laid out so (the indexed dims and the index
+    tensors replicated, the values split as ``x``). The gradient of the
+    values is a partial sum over an axis that splits a dim they broadcast
+    along. (DTensor has a forward rule, but its backward builds a plain
+    zero tensor and fails.)
+    """
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    fn = torch.ops.aten.index_put.default
+    dt = [t for t in [x, values, *indices] if isinstance(t, DTensor)]
+    if not dt:
+        return fn(x, list(indices), values, accumulate)
+    mesh = dt[0].device_mesh
+    rep = [Replicate()] * mesh.ndim
+    x, values = (t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, rep, run_check=False) for t in (x, values))
+    at = [d for d, i in enumerate(indices) if i is not None]
+    b_rank = len(torch.broadcast_shapes(*[tuple(indices[d].shape) for d in at]))
+    x_pl, v_pl, v_grad = [], [], []  # per mesh axis: x's, the values' and their gradient's placements
+    for pl in x.placements:
+        d = pl.dim if isinstance(pl, Shard) else None
+        vd = None if d is None or d in at else _index_put_values_dim(d, x.dim(), at, b_rank, values.dim())
+        if d is None or d in at:
+            row = (Replicate(), Replicate(), Replicate())
+        elif vd is None or values.shape[vd] == 1:
+            row = (pl, Replicate(), Partial())
+        else:
+            row = (pl, Shard(vd), Shard(vd))
+        for out, p in zip((x_pl, v_pl, v_grad), row):
+            out.append(p)
+    x = x.redistribute(mesh, x_pl) if tuple(x.placements) != tuple(x_pl) else x
+    values = values.redistribute(mesh, v_pl) if tuple(values.placements) != tuple(v_pl) else values
+    whole = [i.redistribute(mesh, rep).to_local() if isinstance(i, DTensor) else i for i in indices]
+    y = fn(x.to_local(grad_placements=x_pl), whole, values.to_local(grad_placements=v_grad), accumulate)
+    return DTensor.from_local(y, mesh, x_pl, run_check=False)
 
 
 def _functional(name: str, rewrite: Any = None) -> Any:
-    """An in-place ``x.op_(...)`` DTensor has no strategy for, as its functional form ``op(x, ...)`` (which
-    DTensor runs, or the rewrite of it); the run gives later readers of ``x`` this result (:data:`_FUNCTIONAL`),
-    as the frontend describes them."""
+    """An in-place ``x.op_(...)`` as its functional form ``op(x, ...)`` (which DTensor runs, or the rewrite of
+    it): DTensor has no strategy for the in-place op, or (``index_put_``) the run lays ``x`` out as planned
+    first, and writing into that relaid copy would not reach ``x``; the run gives later readers of ``x``
+    this result (:data:`_FUNCTIONAL`), as the frontend describes them."""
 
     def call(x: Any, *args: Any, **kwargs: Any) -> Any:
         import torch
@@ -435,7 +550,7 @@ def _functional(name: str, rewrite: Any = None) -> Any:
 _CONV = frozenset({"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default"})
 
 _REWRITES = {
-    "aten.scaled_dot_product_attention.default": _sdpa_math,
+    "aten.scaled_dot_product_attention.default": _sdpa,
     "aten.mean.dim": _mean,
     "aten.mean.default": lambda x, dtype=None: _mean(x, None, False, dtype),
     "aten.cross_entropy_loss.default": _cross_entropy,
@@ -444,7 +559,7 @@ _REWRITES = {
     "aten.hardswish.default": _hardswish,
     "aten.hardsigmoid.default": _hardsigmoid,
     "aten.fill_.Tensor": _fill_tensor,
-    "aten.index_put_.default": _index_put_,
+    "aten.index_put.default": _index_put,
     "aten.cat.default": _cat,
     "aten.concat.default": _cat,
     "transformers.grouped_mm_fallback.default": _grouped_mm("transformers.grouped_mm_fallback"),
@@ -455,6 +570,7 @@ _REWRITES = {
         "aten.tril_.default": _functional("tril"),
         "aten.hardswish_.default": _functional("hardswish", _hardswish),
         "aten.hardsigmoid_.default": _functional("hardsigmoid", _hardsigmoid),
+        "aten.index_put_.default": _functional("index_put", _index_put),
     }),
 }
 
@@ -965,7 +1081,10 @@ def _make_class() -> Any:
             if str(fn) in _CHECKS:  # export's metadata checks: nothing to compute (and nothing to gather)
                 return None
             if node.name in info.const_nodes or fn is _pyop.getitem:
-                return _REWRITES.get(str(fn), fn)(*args, **kwargs)
+                out = _REWRITES.get(str(fn), fn)(*args, **kwargs)
+                if str(fn) in _FUNCTIONAL and isinstance(node.args[0], torch.fx.Node):
+                    env[node.args[0].name] = out  # the in-place op's destination now holds its result
+                return out
             op_name = info.node_op.get(node.name)
             gathered: list[tuple[Any, Any]] = []
             if op_name is not None:

@@ -5,9 +5,11 @@ An operator a library defines itself (transformers' ``grouped_mm_fallback``, a u
 op) has no DTensor strategy; described by a handler, it runs on each device's tiles as planned
 (:func:`shardplan.torch.run.local_placements`): here an elementwise one and a sum over the last axis, whose
 split gives partial sums. DTensor (torch 2.13) has no strategy for the in-place ``triu_``/``hardswish_``
-either; they run as their functional forms. For each such operator of a small module, every layout of the
-cost tables (each split and nesting on 4 devices, the other operators replicated) is run once and compared
-with one process; the runs on tiles are counted.
+either; they run as their functional forms, as does ``index_put_`` (DTensor runs ``index_put`` on tiles
+split along the axes it does not index, as the frontend describes it; the run lays the destination out as
+planned, which the cost model charges, and gathers nothing). For each such operator of a small module,
+every layout of the cost tables (each split and nesting on 4 devices, the other operators replicated) is
+run once and compared with one process; the runs on tiles are counted.
 """
 
 from __future__ import annotations
@@ -71,21 +73,31 @@ OWN = {"shardplan_test.softsign.default": HANDLERS["aten.tanh.default"],
 
 class NoRule(nn.Module):
     """Linear layers around the operators: the library's own softsign and sum over the last axis, an
-    in-place hardswish, an in-place upper triangle of a (tokens x tokens) score matrix."""
+    in-place hardswish, an in-place upper triangle of a (tokens x tokens) score matrix, an in-place
+    ``index_put_`` writing two of its rows."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.fc1, self.fc2, self.kv = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.register_buffer("rows", torch.tensor([3, 1]))
+        self.register_buffer("bias", torch.randn(8, 1, 4, 4, generator=torch.Generator().manual_seed(32)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.ops.shardplan_test.softsign(self.fc1(x))     # (8, 4, 16)
         r = torch.ops.shardplan_test.rowsum(h * h, [-1], False)  # (8, 4)
         h = nn.functional.hardswish(2.0 * h, inplace=True)
         s = torch.matmul(h, self.fc2(h).transpose(1, 2)).triu_()  # (8, 4, 4)
-        return (s ** 2).mean() + (r ** 2).mean()
+        s[:, self.rows] = 0.5 * s[:, :2]
+        q = h.view(8, 4, 4, 4).transpose(1, 2)                   # (8, 4 heads, 4, 4)
+        k, v = self.kv(x).view(8, 4, 2, 8).transpose(1, 2).chunk(2, dim=-1)  # 2 K/V heads
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        b = nn.functional.scaled_dot_product_attention(a, q, q, attn_mask=self.bias)
+        return (s ** 2).mean() + (r ** 2).mean() + (b ** 2).mean()
 
 
-TARGETS = ["softsign", "rowsum", "hardswish_", "triu_"]  # FX node names
+# FX node names: the grouped-query causal attention and the one with an additive mask of batch x queries x keys
+TARGETS = ["softsign", "rowsum", "hardswish_", "triu_", "index_put_", "scaled_dot_product_attention",
+           "scaled_dot_product_attention_1"]
 LOCAL = {"softsign", "rowsum"}  # without a DTensor strategy
 
 
@@ -98,10 +110,11 @@ def run_layouts(name: str, world: int) -> dict[str, Any]:
     """On this rank: every layout of the operator whose node is ``name``, each run against one process."""
     import numpy as np
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from shardplan.cost import build_tables
     from shardplan.spmd import plan_from_configs
-    from shardplan.torch import trace
+    from shardplan.torch import run, trace
     from shardplan.torch.run import parallel_module
 
     model, x = _case()
@@ -126,12 +139,24 @@ def run_layouts(name: str, world: int) -> dict[str, Any]:
             return real(*a)
 
         pm._local_call = counted
-        loss = pm(x)
+        put, moves = run._REWRITES["aten.index_put_.default"], [0]
+
+        def watched(*a: Any, put: Any = put, moves: list = moves) -> Any:  # collectives inside the operator
+            with CommDebugMode() as comm:
+                out = put(*a)
+            moves[0] += comm.get_total_counts()
+            return out
+
+        run._REWRITES["aten.index_put_.default"] = watched
+        try:
+            loss = pm(x)
+        finally:
+            run._REWRITES["aten.index_put_.default"] = put
         loss.backward()
         named = pm.named_dparameters()
         worst = max(float((named[n].grad.full_tensor() - g).abs().max() / g.abs().max()) for n, g in grads0.items())
         rows.append({"split": list(layout.split), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
-                     "rel_grad": worst, "local": calls[0]})
+                     "rel_grad": worst, "local": calls[0], "moves": moves[0]})
     return {"rows": rows, "fixed": sorted(op.fixed), "dims": [d for d, _ in op.dims],
             "splits": sorted({tuple(int(c) for c in np.asarray(lay.split)) for lay in tables.layouts[target]})}
 
@@ -162,3 +187,24 @@ def test_the_sum_splits_its_reduced_axis_too(results):
     r = results["rowsum"]
     assert r["fixed"] == []
     assert {s for s in map(tuple, r["splits"]) if max(s) == 4} == {(4, 1, 1), (1, 4, 1), (1, 1, 4)}
+
+
+def test_index_put_splits_its_kept_axes_and_moves_nothing(results):
+    """``s[:, rows] = v``: the written axis and the index axis fixed, the batch and columns split; on every
+    offered layout DTensor runs it on the planned tiles (its operands laid out by the run as the cost model
+    charges), with no collective inside the operator."""
+    r = results["index_put_"]
+    dims = r["dims"]  # rows, written axis, columns, index
+    assert r["fixed"] == sorted([dims[1], dims[3]])
+    assert {s for s in map(tuple, r["splits"]) if max(s) == 4} == {(4, 1, 1, 1), (1, 1, 4, 1)}
+    assert [row["moves"] for row in r["rows"]] == [0] * len(r["rows"])
+
+
+@pytest.mark.parametrize("name", ["scaled_dot_product_attention", "scaled_dot_product_attention_1"])
+def test_attention_splits_batch_heads_and_queries(results, name):
+    """Each of batch, heads and queries split 4 ways, and two of them 2 x 2, is offered and ran (above)."""
+    r = results[name]
+    assert r["fixed"] == sorted(r["dims"][3:])  # keys and the two head dims
+    four = {s for s in map(tuple, r["splits"]) if max(s) == 4}
+    assert four == {(4, 1, 1, 1, 1, 1), (1, 4, 1, 1, 1, 1), (1, 1, 4, 1, 1, 1)}
+    assert {(2, 2, 1, 1, 1, 1), (2, 1, 2, 1, 1, 1), (1, 2, 2, 1, 1, 1)} <= set(map(tuple, r["splits"]))

@@ -1,6 +1,5 @@
 """The Hugging Face models on the transformers release PyTorch users install today (5.x), called as documented,
-every operator described: plan on 8 gloo processes (Qwen2-MoE on 4, see WORLDS), run, compare with one
-process.
+every operator described: plan on 8 gloo processes, run, compare with one process.
 
 Runs only in the second test environment (``.venv-hf5``, ``pip install -e '.[hf5]'``; ``make test`` runs it
 after the main suite, ``make test-hf5`` alone): transformers 5 has no Flax models, which the JAX tests of
@@ -21,11 +20,8 @@ import transformers
 
 pytestmark = pytest.mark.slow
 
-# On 8 processes (2x2x2 mesh); Qwen2-MoE on 4: with 8, its plan splits the batch of the attention over two mesh
-# axes and the heads over the third, and DTensor then takes about 9 minutes for the first layer's attention
-# on 2 cores (the same plan's other operators, and Mixtral's whole step, take seconds).
-WORLDS = {"hf_mixtral": 8, "hf_opt": 8, "hf_llama_cache": 8, "hf_t5": 8, "hf_qwen2_moe": 4}
-MODELS = list(WORLDS)
+MODELS = ["hf_mixtral", "hf_opt", "hf_llama_cache", "hf_t5", "hf_qwen2_moe"]
+WORLD = 8
 
 
 def test_this_environment_has_transformers_5():
@@ -34,11 +30,8 @@ def test_this_environment_has_transformers_5():
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out: dict = {}
-    for world in sorted(set(WORLDS.values()), reverse=True):
-        path = tmp_path_factory.mktemp(f"hf5_models_{world}") / "results.json"
-        out.update(torch_cases.run_distributed([m for m in MODELS if WORLDS[m] == world], world, str(path)))
-    return out
+    path = tmp_path_factory.mktemp("hf5_models") / "results.json"
+    return torch_cases.run_distributed(MODELS, WORLD, str(path))
 
 
 @pytest.mark.parametrize("name", MODELS)
