@@ -171,20 +171,13 @@ def _unit_names(names: Sequence[str]) -> dict[str, str]:
 def scoped_trace(loss_fn: Callable[..., Any], params: Any, batch: Any) -> tuple[Any, Any]:
     """:func:`shardplan.jax.trace` of ``loss_fn(params, batch)`` with operators renamed by
     :func:`_unit_names`, so that the units the pipeline search cuts between are the model's blocks."""
-    import dataclasses
-
     from shardplan.jax.lower import trace
 
     graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
     ren = _unit_names([op.name for op in graph.operators])
     if all(k == v for k, v in ren.items()):
         return graph, info
-    graph = graph.renamed(ren)
-    info = dataclasses.replace(
-        info, op_vars={ren.get(k, k): v for k, v in info.op_vars.items()},
-        reads={ren.get(k, k): v for k, v in info.reads.items()},
-        leaf_uses={i: tuple((ren.get(n, n), d) for n, d in uses) for i, uses in info.leaf_uses.items()})
-    return graph, info
+    return graph.renamed(ren), info.renamed(ren)
 
 
 def batch_size(info: Any) -> int:
