@@ -2,9 +2,9 @@
 
 Each entry builds ``(loss_fn, params, batch)`` for ``loss_fn(params, batch) -> scalar`` with
 random weights. The model code is the library's own (flax linen and nnx layers, equinox and
-haiku's built-in networks, Hugging Face transformers' Flax models); only the loss around it is
-written here (optax's integer-label cross-entropy where the model is a classifier or a language
-model). Used by ``tests/test_jax_corpus.py`` and ``benchmarks/bench_hlo_vs_model.py``.
+haiku's built-in networks, Hugging Face transformers' Flax models, Google's recurrentgemma Griffin); only the
+loss around it is written here (optax's integer-label cross-entropy where the model is a classifier or a
+language model). Used by ``tests/jax_engine/test_jax_corpus.py`` and the benchmarks (``CORPUS``).
 
 T5's own code calls ``jnp.clip(a_max=...)``, a keyword JAX removed in 0.10.0: the corpus runs on the
 pinned JAX 0.9.2 (README, "The corpus"). The README's corpus table lists every model tried and its result.
@@ -260,6 +260,35 @@ def hf_vit() -> tuple[Callable[..., Any], Any, Any]:
     return (lambda p, b: _xent(model(b[0], params=p, train=False).logits, b[1])), model.params, (x, y)
 
 
+# -- Google's recurrentgemma --------------------------------------------------------------------
+def griffin() -> tuple[Callable[..., Any], Any, Any]:
+    """Griffin (recurrentgemma 1.0.1, its own ``GriffinConfig``): one recurrent block (RG-LRU, its temporal
+    Conv1D and linear scan) and one local-attention block (window 8 of the 16 tokens), each under the library's
+    default ``nn.remat``, the embedding tied to the logits, logits soft-capped; called as its users call it,
+    ``model.apply(variables, tokens, segment_pos)`` (the cache it also returns is left unused)."""
+    import jax
+    import jax.numpy as jnp
+    import recurrentgemma.jax as rg
+
+    cfg = rg.GriffinConfig(vocab_size=VOCAB, width=32, mlp_expanded_width=64, num_heads=4, lru_width=32,
+                           block_types=(rg.TemporalBlockType.RECURRENT, rg.TemporalBlockType.ATTENTION),
+                           embeddings_scale_by_sqrt_dim=True, attention_window_size=8, logits_soft_cap=30.0)
+    model = rg.Griffin(cfg)
+    ids, labels = _tokens()
+    pos = jnp.broadcast_to(jnp.arange(SEQ), ids.shape)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), ids, pos)["params"]  # eager init is twice as slow
+
+    def loss(p, b):
+        logits, _ = model.apply({"params": p}, b[0], b[1])
+        return _xent(logits, b[2])
+
+    return loss, params, (ids, pos, labels)
+
+
+# Griffin is run by the tests (tests/jax_engine/test_jax_corpus.py) but not in CORPUS, which the benchmarks
+# (bench_hlo_vs_model.py, bench_memory_vs_xla.py) iterate: their results were measured on the 13 below.
+GRIFFIN = Entry("recurrentgemma", "Griffin", griffin)
+
 CORPUS: tuple[Entry, ...] = (
     Entry("flax.linen", "mnist_cnn", linen_cnn),
     Entry("flax.linen", "lm_remat", linen_lm),
@@ -283,7 +312,8 @@ def run_entry(entry: Entry, machine: Any, devices: Any) -> dict[str, Any]:
     Returns ``loss_rel`` (|loss - loss0| / |loss0|), ``grad_rel`` (max |g - g0| over the largest
     |g0| entry, over all leaves), ``grads_as_planned`` (every gradient in its parameter's planned
     sharding), ``hlo_bytes`` / ``model_bytes`` (bytes each device sends per step,
-    compiled vs predicted) and ``ratio``.
+    compiled vs predicted), ``ratio`` and ``conservative`` (the operators the frontend described
+    conservatively, :attr:`shardplan.jax.TraceInfo.conservative`).
     """
     import jax
     import jax.numpy as jnp
@@ -308,5 +338,5 @@ def run_entry(entry: Entry, machine: Any, devices: Any) -> dict[str, Any]:
         "grad_rel": grad_err / max(scale, 1e-30), "grads_as_planned": as_planned,
         "hlo_bytes": got, "model_bytes": want,
         "ratio": got / want if want else (1.0 if got == 0 else float("inf")),
-        "plan": pl.plan,
+        "conservative": pl.info.conservative, "plan": pl.plan,
     }

@@ -111,8 +111,11 @@ def plan(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence
     devices' own (:func:`~shardplan.jax.shardings.devices_and_machine`). Run it with :func:`apply`.
 
     The loss must be a mean over the batch when the plan uses micro-batches or stages (each micro-batch's
-    gradient is scaled by 1/m).
+    gradient is scaled by 1/m). The plan lists the primitives described conservatively
+    (:attr:`shardplan.Plan.conservative`; :mod:`shardplan.jax.lower`).
     """
+    import dataclasses
+
     from shardplan.jax.staged import Tracer, batch_size
     from shardplan.planner import plan as _plan
 
@@ -120,7 +123,8 @@ def plan(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence
     check_loss(loss_fn, params, batch)
     tracer = Tracer(loss_fn, params, batch)
     keywords.setdefault("cutoff", 1)
-    return _plan(tracer, machine, batch=batch_size(tracer.full_info), **keywords)
+    found = _plan(tracer, machine, batch=batch_size(tracer.full_info), **keywords)
+    return dataclasses.replace(found, conservative=tracer.full_info.conservative)
 
 
 def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
@@ -225,10 +229,18 @@ def pipeline(loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequ
     return _pipeline(loss_fn, params, batch, devices, machine, **options)
 
 
-def report(plan: Any, operators: bool = True) -> str:
+def report(plan: Any, operators: bool = True, info: TraceInfo | None = None) -> str:
     """The one report (:func:`shardplan.report.summary.render_plan`) of a plan (a :class:`shardplan.Plan`, the
     per-operator plan of a :class:`Planned`, or ``Planned`` itself), with the per-operator table unless
-    ``operators=False``."""
-    from shardplan.report.summary import render_plan
+    ``operators=False``, and the primitives described conservatively (not split: their operands gathered):
+    the plan's own list, or the trace's (``Planned``'s, or ``info``)."""
+    import dataclasses
 
-    return render_plan(plan.plan if isinstance(plan, Planned) else plan, operators=operators)
+    from shardplan.report.summary import as_plan, render_plan
+
+    if isinstance(plan, Planned):
+        plan, info = plan.plan, info or plan.info
+    p = as_plan(plan)
+    if info is not None and not p.conservative:
+        p = dataclasses.replace(p, conservative=info.conservative)
+    return render_plan(p, operators=operators)

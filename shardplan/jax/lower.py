@@ -60,8 +60,16 @@ dimensions carry readable labels (``batch``, ``seq``, ``in``, ``out``,
 ``heads``, ...: :mod:`shardplan.labels`) that reports show with their
 extents.
 
-An unsupported primitive raises :class:`~shardplan.errors.ShardplanError`
-naming it, the source line, and the registered primitives.
+Conservative operators. A primitive with no handler, or whose handler
+refuses its arguments (a convolution with ``batch_group_count`` > 1, a
+reshape with ``dimensions=``), and the control flow above, are described
+*conservatively*: one operator per result whose every dimension is fixed
+and which reads its operands whole, so it runs replicated and its operands
+are gathered. Each is listed in :attr:`TraceInfo.conservative`
+(:class:`~shardplan.result.ConservativeOp`: operator, primitive, name-stack
+path, reason; the plan and its report carry the list) and announced with a
+:class:`ConservativeWarning`, since the plan around it may be weaker than
+the model deserves.
 """
 
 from __future__ import annotations
@@ -77,7 +85,11 @@ from shardplan.ir import AxisMap, Graph, Operator, Tensor, TensorRef, unique_nam
 from shardplan.jax.flatten import TOP, Atom, Const, FlatEqn, Program, flatten, join_scope
 from shardplan.labels import input_axis_labels, label_dims, output_axis_labels
 
-__all__ = ["trace", "TraceInfo", "handles", "supported_primitives", "ELEMENTWISE_FLOPS"]
+__all__ = ["trace", "TraceInfo", "handles", "supported_primitives", "ELEMENTWISE_FLOPS", "ConservativeWarning"]
+
+
+class ConservativeWarning(UserWarning):
+    """A primitive was described conservatively (not split, operands gathered): see the module docstring."""
 
 
 # FLOPs per output element of each elementwise primitive (1 unless stated).
@@ -142,6 +154,8 @@ class TraceInfo:
         reads: operator name -> the operands its equation reads, each
             ``(equation index, operand slot, per axis of the operand the dimension blocking it or None)``.
         batch_leaves: indices of the data leaves whose axis 0 is the batch.
+        conservative: the operators described conservatively (:class:`~shardplan.result.ConservativeOp`,
+            program order; module = the equation's name-stack path); empty when every primitive was described.
     """
 
     program: Program
@@ -154,6 +168,15 @@ class TraceInfo:
     leaf_uses: Mapping[int, tuple[tuple[str, tuple[str | None, ...]], ...]]
     reads: Mapping[str, tuple[tuple[int, int, tuple[str | None, ...]], ...]]
     batch_leaves: frozenset[int] = frozenset()
+    conservative: tuple[Any, ...] = ()
+
+    def renamed(self, mapping: Mapping[str, str]) -> "TraceInfo":
+        """The same information with operators renamed (``mapping``: old name -> new name; others kept)."""
+        r = lambda n: mapping.get(n, n)  # noqa: E731
+        return dataclasses.replace(
+            self, op_vars={r(k): v for k, v in self.op_vars.items()}, reads={r(k): v for k, v in self.reads.items()},
+            leaf_uses={i: tuple((r(n), d) for n, d in uses) for i, uses in self.leaf_uses.items()},
+            conservative=tuple(dataclasses.replace(c, operator=r(c.operator)) for c in self.conservative))
 
 
 # ---------------------------------------------------------------------------
@@ -263,6 +286,7 @@ class _GraphPass:
         self.axis_labels: dict[str, tuple[str | None, ...]] = {}  # operator / graph input -> its axes' labels
         self.inputs: dict[str, tuple[int, ...]] = {}
         self.input_leaf = dict(input_leaf)
+        self.conservative: dict[str, tuple[str, str, str]] = {}  # operator -> (primitive, name stack, reason)
         self.alias, self.uses = _count_uses(program)
         self.eqn_index = -1
         for var, val in leaf_vals.items():
@@ -489,13 +513,39 @@ class _GraphPass:
             if handler is None and name in ELEMENTWISE_FLOPS:
                 handler = _elementwise
             if handler is None:
-                raise ShardplanError(
-                    f"jax frontend: unsupported primitive {name!r} at {eqn.where} "
-                    f"(scope {eqn.scope or '-'}, operands {[tuple(v.shape) for v in vals]}); "
-                    f"supported: {', '.join(supported_primitives())}; nested jit, remat, scan, "
-                    "custom_jvp/custom_vjp are inlined"
-                )
-            handler(self, eqn, vals)
+                _conservative(self, eqn, vals, f"no handler for this primitive (at {eqn.where})")
+                continue
+            made = len(self.ops)
+            try:
+                handler(self, eqn, vals)
+            except ShardplanError as e:
+                if len(self.ops) != made or any(o in self.env for o in eqn.outvars):
+                    raise  # the handler failed half-way: nothing sound to fall back on
+                _conservative(self, eqn, vals, str(e).removeprefix("jax frontend: "))
+
+    def conservative_ops(self) -> tuple[Any, ...]:
+        """The operators described conservatively, as the plan lists them (program order)."""
+        from shardplan.result import ConservativeOp
+
+        return tuple(ConservativeOp(n, prim, scope or "<top>", reason)
+                     for n, (prim, scope, reason) in self.conservative.items() if n in self.ops)
+
+
+def _conservative(g: _GraphPass, eqn: FlatEqn, vals: list[_Val], reason: str) -> None:
+    """One operator per result whose every dimension is fixed, reading every operand whole (it runs replicated,
+    its operands gathered), recorded in ``g.conservative`` and announced with a :class:`ConservativeWarning`."""
+    import warnings
+
+    warnings.warn(f"jax frontend: primitive {eqn.name!r} in {eqn.scope or '<top>'!r} ({reason}): described "
+                  "conservatively (not split, operands gathered)", ConservativeWarning, stacklevel=4)
+    for k, out in enumerate(eqn.out_shapes):
+        names = ops.letters(len(out)) or ["u"]
+        ins = tuple(Tensor(f"x{j}", v.shape, (None,) * len(v.shape), "input", src="_") for j, v in enumerate(vals))
+        op = Operator("_", eqn.name, tuple(zip(names, out or (1,))), ins,
+                      Tensor("y", out, tuple(names[:len(out)]), "output"), flops_per_point=1.0,
+                      fixed=frozenset(names))
+        v = g.adopt(eqn, op, vals, out_index=k)
+        g.conservative[v.key] = (eqn.name, eqn.scope, reason)
 
 
 def _zero_extent(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> bool:
@@ -1074,14 +1124,9 @@ def _top_k(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
 
 @handles(*_OPAQUE)
 def _opaque(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
-    """Control flow (``cond``, ``while``): one replicated operator per result, reading its operands whole."""
-    for k, out in enumerate(eqn.out_shapes):
-        names = ops.letters(len(out)) or ["u"]
-        ins = tuple(Tensor(f"x{j}", v.shape, (None,) * len(v.shape), "input", src="_") for j, v in enumerate(vals))
-        op = Operator("_", eqn.name, tuple(zip(names, out or (1,))), ins,
-                      Tensor("y", out, tuple(names[:len(out)]), "output"), flops_per_point=1.0,
-                      fixed=frozenset(names))
-        g.adopt(eqn, op, vals, out_index=k)
+    """Control flow (``cond``, ``while``): described conservatively (one replicated operator per result,
+    reading its operands whole); its body is not looked into."""
+    _conservative(g, eqn, vals, "control flow: its body is not described")
 
 
 def _dn(dn: Any, field: str) -> tuple[int, ...]:
@@ -1182,7 +1227,7 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
     op_vars = _op_run_vars(gp.identity_vars, gp.alias, _run_vars(program))
     info = TraceInfo(program, in_tree, out_tree, tuple(names), tuple(shapes), frozenset(param_leaves), op_vars,
                      {k: tuple(v) for k, v in gp.leaf_uses.items()},
-                     {k: tuple(v) for k, v in gp.reads.items()}, frozenset(batch_leaves))
+                     {k: tuple(v) for k, v in gp.reads.items()}, frozenset(batch_leaves), gp.conservative_ops())
     return graph, info
 
 

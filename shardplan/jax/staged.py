@@ -148,43 +148,64 @@ def pipeline_forward(layer_fn: Callable[[Any, Any], Any], stacked: Any, xs: Any,
 # a searched plan: one jitted program per stage on its sub-mesh
 # ---------------------------------------------------------------------------
 def _unit_names(names: Sequence[str]) -> dict[str, str]:
-    """Operator names with the scope every operator shares removed (``M/L0/dot`` -> ``L0/dot``).
+    """Operator names (in graph order) with the scope every operator shares removed (``M/L0/dot`` ->
+    ``L0/dot``), and each block made contiguous.
 
     An operator directly in the shared scope (``M/add``) keeps its full path with ``.`` for ``/``
-    (``M.add``): unscoped, it joins its unscoped neighbours' unit.
+    (``M.add``): unscoped, it joins its unscoped neighbours' unit. A block whose operators come back after
+    another unit has started (a scope entered twice: a tied embedding that encodes and decodes, a jitted
+    helper such as ``jax.nn.one_hot`` called twice) is split into its contiguous runs, the k-th run after
+    the first named ``block#k`` (``_one_hot#2/eq``): each run is a unit the stages may cut around.
     """
     scopes = [n.split("/")[:-1] for n in names if "/" in n]
     d = 0
     while scopes and all(len(s) > d for s in scopes) and len({s[d] for s in scopes}) == 1:
         d += 1
-    if d == 0:
-        return {n: n for n in names}
     out = {}
     for n in names:
         parts = n.split("/")
-        out[n] = n if "/" not in n else ("/".join(parts[d:]) if len(parts) - d >= 2 else ".".join(parts))
+        out[n] = n if "/" not in n or d == 0 else ("/".join(parts[d:]) if len(parts) - d >= 2 else ".".join(parts))
+    out = _contiguous_blocks(out)
     if len(set(out.values())) != len(out):
         raise ShardplanError("operator names collide once their shared scope is removed")
+    return out
+
+
+def _contiguous_blocks(names: Mapping[str, str]) -> dict[str, str]:
+    """``names`` (old -> new, in graph order) with the block prefix (before the first ``/``) of every run after
+    the first of a block renamed ``block#k`` (k = 2, 3, ...; skipping prefixes already in use)."""
+    prefix = lambda n: n.split("/", 1)[0] if "/" in n else None  # noqa: E731
+    used = {prefix(n) for n in names.values()} - {None}
+    runs: dict[str, int] = {}
+    out: dict[str, str] = {}
+    last: str | None = None
+    current: str | None = None
+    for old, new in names.items():
+        key = prefix(new)
+        if key is not None and key != last:
+            runs[key] = runs.get(key, 0) + 1
+            current = key
+            if runs[key] > 1:
+                k = runs[key]
+                while f"{key}#{k}" in used:
+                    k += 1
+                current = f"{key}#{k}"
+                used.add(current)
+        last = key
+        out[old] = new if key is None or current == key else current + new[len(key):]
     return out
 
 
 def scoped_trace(loss_fn: Callable[..., Any], params: Any, batch: Any) -> tuple[Any, Any]:
     """:func:`shardplan.jax.trace` of ``loss_fn(params, batch)`` with operators renamed by
     :func:`_unit_names`, so that the units the pipeline search cuts between are the model's blocks."""
-    import dataclasses
-
     from shardplan.jax.lower import trace
 
     graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
     ren = _unit_names([op.name for op in graph.operators])
     if all(k == v for k, v in ren.items()):
         return graph, info
-    graph = graph.renamed(ren)
-    info = dataclasses.replace(
-        info, op_vars={ren.get(k, k): v for k, v in info.op_vars.items()},
-        reads={ren.get(k, k): v for k, v in info.reads.items()},
-        leaf_uses={i: tuple((ren.get(n, n), d) for n, d in uses) for i, uses in info.leaf_uses.items()})
-    return graph, info
+    return graph.renamed(ren), info.renamed(ren)
 
 
 def batch_size(info: Any) -> int:

@@ -91,8 +91,17 @@ def convs(p, b):
     return jnp.sum(y ** 2)
 
 
+def cholesky(p, b):
+    """A primitive the frontend has no handler for (described conservatively)."""
+    h = b["x"] @ p["w"]
+    with jax.named_scope("block"):
+        c = jax.lax.linalg.cholesky(h.T @ h / 8 + jnp.eye(16))
+    return jnp.sum(jnp.tanh(h @ c) ** 2)
+
+
 @pytest.mark.parametrize("fn", [embed, int_label_xent, constants, remat, scan_layers, cond, cumsum, scatter, pad_rev,
-                                tile, top_k_sort_argmax, dynamic_update_slice, dropout, convs], ids=lambda f: f.__name__)
+                                tile, top_k_sort_argmax, dynamic_update_slice, dropout, convs, cholesky],
+                         ids=lambda f: f.__name__)
 def test_sharded_step_equals_unsharded(fn):
     plan, step = parallelize(fn, P, B, devices=DEVICES, machine=TOY)
     loss, grads = step(P, B)
@@ -165,3 +174,58 @@ def test_scan_iterations_are_tied_to_one_configuration():
     for grp in g.ties:
         assert len({plan.layouts[n] for n in grp}) == 1
     assert plan.solution.stats["tied_vertices"] == sum(len(grp) - 1 for grp in g.ties)
+
+
+# -- conservative descriptions ---------------------------------------------------------
+def test_an_undescribed_primitive_is_described_conservatively_and_listed():
+    """No handler: one operator whose every dimension is fixed, reading its operands whole, listed with its
+    name-stack path and why, and announced by a warning (the trace does not fail)."""
+    from shardplan.jax.lower import ConservativeWarning
+
+    with pytest.warns(ConservativeWarning, match=r"primitive 'cholesky' in 'block'"):
+        g, info = trace(cholesky, P, B)
+    [c] = info.conservative
+    assert (c.operator, c.target, c.module) == ("block/cholesky", "cholesky", "block")
+    assert c.reason.startswith("no handler for this primitive (at ") and "test_jax_constructs.py" in c.reason
+    op = g[c.operator]
+    assert op.kind == "cholesky" and op.fixed == set(op.dim_names) and [e for _, e in op.dims] == [16, 16]
+    assert all(a.dim is None for t in op.inputs for a in t.axes)
+
+
+def test_control_flow_and_refused_arguments_are_listed():
+    """``cond`` (its body is not described) and a handler refusing its arguments (a convolution with
+    batch_group_count 2) are conservative too; a fully described program lists nothing."""
+    _, info = trace(cond, P, B)
+    assert [(c.operator, c.target, c.module, c.reason) for c in info.conservative] == \
+        [("cond", "cond", "<top>", "control flow: its body is not described")]
+
+    def grouped(p, b):
+        w = jnp.concatenate([p["cw"], p["cw"]], axis=2)  # 3x3, 8 in, 8 out
+        y = jax.lax.conv_general_dilated(jnp.concatenate([b["img"], b["img"]], 3), w, (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"), batch_group_count=2)
+        return jnp.sum(y ** 2)
+
+    _, info = trace(grouped, P, B)
+    [c] = info.conservative
+    assert c.target == "conv_general_dilated"
+    assert c.reason.startswith("conv_general_dilated at ") and c.reason.endswith("with batch_group_count 2 is not "
+                                                                                 "supported")
+    assert trace(embed, P, B)[1].conservative == ()
+
+
+def test_the_plan_its_json_and_its_report_list_them():
+    import shardplan.jax as sj
+    from shardplan import Plan
+
+    b = {"x": B["x"]}  # sj.plan reads the batch from every data leaf's axis 0
+    p = sj.plan(cholesky, P, b, DEVICES, TOY)
+    assert [(c.operator, c.target, c.module) for c in p.conservative] == [("block.cholesky", "cholesky", "block")]
+    assert p.conservative[0].operator in p.operators
+    q = Plan.from_json(p.to_json())
+    assert q.conservative == p.conservative and q.to_dict()["conservative"][0]["target"] == "cholesky"
+    text = sj.report(q, operators=False)
+    assert "Described conservatively (1; not split, operands gathered):" in text
+    assert any(line.split()[:3] == ["cholesky", "block", "no"] for line in text.splitlines())
+    run = sj.planned(cholesky, P, b, DEVICES, TOY)
+    assert "Described conservatively (1;" in sj.report(run, operators=False)
+    assert "Described conservatively" not in sj.report(sj.planned(embed, P, B, DEVICES, TOY), operators=False)

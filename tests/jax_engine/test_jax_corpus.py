@@ -1,8 +1,9 @@
 """Third-party JAX models (tests/jax_corpus.py) go through shardplan.jax unchanged, on 8 simulated devices.
 
-For each model: trace, solve, one planned step; the loss equals the unsharded one to 1e-5
-(relative), every gradient entry to 1e-4 of the largest gradient entry; and the bytes the
-compiled program sends are compared with the cost model's prediction.
+For each model (the corpus and Griffin): trace, solve, one planned step; no operator is described
+conservatively; the loss equals the unsharded one to 1e-5 (relative), every gradient entry to 1e-4 of
+the largest gradient entry; and the bytes the compiled program sends are compared with the cost model's
+prediction.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import flax  # noqa: F401  (the corpus libraries come with the test extra: `pip install -e .[test]`)
 
 from conftest import require_8_devices  # noqa: E402
-from jax_corpus import CORPUS, run_entry  # noqa: E402
+from jax_corpus import CORPUS, GRIFFIN, run_entry  # noqa: E402
 from shardplan.machine import Machine  # noqa: E402
 
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
@@ -26,9 +27,14 @@ OUTSIDE_10_PERCENT = {"mnist_cnn": 1.2,
                       "FlaxT5ForConditionalGeneration": 1.6}  # 1.521: XLA's full rematerialization of the position bias
 
 
-@pytest.fixture(scope="module", params=CORPUS, ids=lambda e: f"{e.library}:{e.name}")
+@pytest.fixture(scope="module", params=CORPUS + (GRIFFIN,), ids=lambda e: f"{e.library}:{e.name}")
 def result(request):
     return run_entry(request.param, TOY, DEVICES)
+
+
+def test_every_operator_is_described(result):
+    """The frontend describes every primitive of every corpus model (none planned conservatively)."""
+    assert result["conservative"] == (), [(c.target, c.module, c.reason) for c in result["conservative"]]
 
 
 def test_loss_and_gradients_equal_unsharded(result):

@@ -103,3 +103,44 @@ def test_planning_with_no_machine_names_the_detected_one():
     p = sj.plan(loss_fn, _params(layers=2), BATCH, DEVICES, stages=False)
     assert p.machine.name.startswith("cpu (detected: cpu)")
     assert dataclasses.asdict(p.machine)["num_devices"] == 8
+
+
+def one_hot_twice(params, batch):
+    """A scope entered twice: ``jax.nn.one_hot`` (a jitted helper, its own name scope) before and after the blocks,
+    the embedding tied to the output."""
+    x, y = batch
+    h = jax.nn.one_hot(x, 32) @ params["emb"]
+    for i, layer in enumerate(params["layers"]):
+        with jax.named_scope(f"L{i}"):
+            h = h + jnp.tanh(h @ layer["w"])
+    logits = h @ params["emb"].T
+    return -jnp.mean(jnp.sum(jax.nn.one_hot(y, 32) * jax.nn.log_softmax(logits), -1))
+
+
+def test_a_scope_entered_twice_is_split_into_its_contiguous_runs():
+    """Each contiguous run of a repeated scope is its own unit (``_one_hot``, ``_one_hot#2``): planning with
+    stages="auto" succeeds, and a 2-stage pipeline cut before the second run runs equal to unsharded."""
+    import shardplan.jax as sj
+    from shardplan.jax.staged import Tracer, _unit_names, batch_size
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.pipeline.stages import unit_prefix, units_of
+    from shardplan.planner import from_pipeline
+
+    assert _unit_names(["h/a", "b", "L0/c", "h/d", "h/e", "L0/f", "h#2/g"]) == {
+        "h/a": "h/a", "b": "b", "L0/c": "L0/c", "h/d": "h#3/d", "h/e": "h#3/e", "L0/f": "L0#2/f", "h#2/g": "h#2/g"}
+    params = _params()
+    batch = (jnp.arange(64) % 32, jnp.arange(64) * 7 % 32)
+    tracer = Tracer(one_hot_twice, params, batch)
+    g = tracer(64)
+    heads = [unit_prefix(g.operators[u[0]].name) for u in units_of(g)]
+    assert heads == ["_one_hot", None, "L0", "L1", "L2", "L3", None, "_one_hot#2", "log_softmax", None]
+    p = sj.plan(one_hot_twice, params, batch, DEVICES, TOY)  # stages="auto" looks for blocks
+    assert p.stats["stages_reason"] == "one node"
+    result = pipeline_solve(tracer, batch_size(tracer.full_info), TOY, micro_batches=(4,), sizes=(4,), cutoff=1)
+    q = Plan.from_json(from_pipeline(result).to_json())
+    assert q.num_stages == 2 and any(n.startswith("_one_hot#2/") for n in q.stages[1].operators)
+    loss, grads = sj.apply(q, one_hot_twice, params, batch, DEVICES).step(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(one_hot_twice)(params, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for a, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):
+        assert float(jnp.max(jnp.abs(a - r))) <= 1e-5 * max(float(jnp.max(jnp.abs(r))), 1e-12)
