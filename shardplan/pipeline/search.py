@@ -383,9 +383,14 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         see(gout)
         return fin, gout
 
-    stage_counts = range(1, s_max + 1)
+    stage_counts: Sequence[int] = range(1, s_max + 1)
     if space.uniform:
         stage_counts = [s for s in stage_counts if p % s == 0 and p // s in sizes]
+    # every stage count allowed (at most min(U, p) stages can be placed anyway): one DP over the classes
+    # min(stages left, m) serves them all (docs/pipeline.md, *Stage counts merged*); "stage count" 0 below
+    merged = not space.uniform and s_max == min(U, p)
+    if merged:
+        stage_counts = [0]
 
     # best_from(a, o, r, q) of the stage DP does not depend on the stage count asked for, only on the bound, the
     # pool's costs and the pass: one memo serves every stage count at a bound (uniform pipelines excepted: there
@@ -398,11 +403,18 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             return None, {}
         key = (bound, pool.version, bounding[0])
         if key not in memos:
+            held()
             keep = {k: v for k, v in memos.items() if k[0] == math.inf and k[1:] == key[1:]}
             memos.clear()
             memos.update(keep)  # the unbounded DP's memo (the floors) and the latest bound's
             memos[key] = ({}, {})
+            stats["dp_memos_held_max"] = max(stats.get("dp_memos_held_max", 0), len(memos))
         return memos[key]
+
+    def held() -> None:
+        """Record the DP states the memos hold now (``stats["dp_memo_peak_entries"]``: the most at once)."""
+        now = sum(len(a or ()) for a, _ in memos.values())
+        stats["dp_memo_peak_entries"] = max(stats.get("dp_memo_peak_entries", 0), now)
 
     def solve_bound(bound: float, n_stages: int, q_fixed: int | None) -> tuple[float, list] | None:
         memo, values = memo_of(bound)
@@ -440,7 +452,8 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             return lk if _links_ok(lk, bound) else None
 
         return _stage_dp(space, n_stages, [q_fixed] if q_fixed is not None else list(sizes), stage,
-                         between if exchange is None else None, stats, "dp_states", memo, pool.tick)
+                         between if exchange is None else None, stats, "dp_states", memo, pool.tick,
+                         classes=m if merged else None)
 
     def optimum(start: float) -> PipelinePlan | None:
         """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages):
@@ -455,7 +468,8 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         best: PipelinePlan | None = None
         best_t = start
         for n_stages in stage_counts:
-            progress.tick(f"stage count {n_stages} of {stage_counts[-1] if stage_counts else 0}: least sum")
+            progress.tick("every stage count: least sum" if merged else
+                          f"stage count {n_stages} of {stage_counts[-1] if stage_counts else 0}: least sum")
             unbounded = solve_bound(math.inf, n_stages, p // n_stages if space.uniform else None)
             if unbounded is not None:
                 floors[n_stages] = unbounded[0]
@@ -490,7 +504,8 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             if lb >= best_t:
                 break  # every other candidate's lower bound is at least as large
             stats["candidates"] += 1
-            progress.tick(f"candidate {stats['candidates']}: {n_stages} stages, bottleneck {bound:.4g} s, "
+            progress.tick(f"candidate {stats['candidates']}: {n_stages or 'any number of'} stages, "
+                          f"bottleneck {bound:.4g} s, "
                           f"its floor {lb:.4g} s")
             got = solve_bound(bound, n_stages, p // n_stages if space.uniform else None)
             push_new()
@@ -526,6 +541,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     found = optimum(incumbent)
     if fit_fn is not None and not pool.lazy:  # abandoned the stand-ins: the eager search
         found = optimum(incumbent)
+    held()
     # the lower bound (module docstring): every relaxed value is at least `reached`; rho bounds how far the
     # solves' proven seconds fall below what they found
     reached = min(incumbent, found.step_time if found is not None else math.inf)
@@ -537,6 +553,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         relaxed = optimum(reached)
         stats["bound_pass_seconds"] = stats.get("bound_pass_seconds", 0.0) + time.perf_counter() - t0
         lower = max(lower, min(reached, relaxed.step_time if relaxed is not None else math.inf))
+        held()
     return found, lower
 
 
@@ -548,7 +565,8 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
               stage: Callable[[int, int, int, int, int], "float | None | object"],
               between: Callable[[int, int, int, int], float | None] | None, stats: dict,
               counter: str, memo: dict | None = None,
-              tick: Callable[[], None] | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+              tick: Callable[[], None] | None = None,
+              classes: int | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least sum of stage values over pipelines of n placed stages tiling the machine in order: a DP over
     (first unit, first device, stages left, first stage's size). ``stage(a, b, o, q, r)``: the value of units [a,
     b) on the q devices from o with r stages left (itself included), None if not allowed, ``_BREAK`` if no
@@ -556,7 +574,16 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
     to a next stage of q2 devices, charged twice (None: not allowed); None when every cut is charged by the
     stages. Returns the least value and the stages (first, end, offset, devices), or None. ``memo``: a table of
     earlier calls with the same ``stage``, ``between`` and ``qs`` (any n), shared: a state's value does not
-    depend on n. ``tick`` is called every 2^14 states (progress, interruption)."""
+    depend on n. ``tick`` is called every 2^14 states (progress, interruption).
+
+    ``classes`` = m: instead of exactly n stages, the least over *every* stage count (n is ignored), for a stage
+    value that depends on the stages left r only through min(r, m) and r = 1 (1F1B's in-flight count and
+    whether the stage is last): the state's third slot is then the class c = min(r, m) rather than r (c < m:
+    exactly c stages left; c = m: m or more), so the DP has m layers instead of one per stage count
+    (docs/pipeline.md, *Stage counts merged*). ``stage`` is then called with r = 1 for the last stage, c for
+    c < m, and max(m, 2) otherwise (the same min(r, m) and r = 1 as every r of the class)."""
+    if classes is not None:
+        return _class_dp(space, classes, qs, stage, between, stats, counter, memo, tick)
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     if memo is None:
@@ -629,6 +656,101 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         if q2 is None:
             return best_v, out
         a, o, r, q = b, o + q, r - 1, q2
+
+
+def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
+              stage: Callable[[int, int, int, int, int], "float | None | object"],
+              between: Callable[[int, int, int, int], float | None] | None, stats: dict,
+              counter: str, memo: dict | None = None,
+              tick: Callable[[], None] | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+    """:func:`_stage_dp` with ``classes=m``: the least sum of stage values over pipelines of any stage count,
+    a DP over (first unit, first device, class c = min(stages left, m), first stage's size)."""
+    U, p = space.num_units, space.num_devices
+    ns = p if space.node_size is None or space.node_size >= p else space.node_size
+    if memo is None:
+        memo = {}
+    q_min = min(qs)
+
+    def after(c: int) -> tuple[int, ...]:
+        """The classes of the stage after a stage of class c that is not the last."""
+        if c < m:
+            return (c - 1,)
+        return (m, m - 1) if m >= 2 else (1,)
+
+    def best_from(a: int, o: int, c: int, q: int) -> tuple[float, tuple | None]:
+        key = (a, o, c, q)
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        stats[counter] = count = stats.get(counter, 0) + 1
+        if tick is not None and not count & 0x3FFF:
+            tick()
+        best_v, best_arg = math.inf, None
+        # c < m: exactly c stages from here (c = 1: this is the last); c = m: at least m
+        must_end = c == 1 and m > 1
+        may_end = c == 1 and o + q == p
+        # the c - 1 or more stages after this one need (c - 1) q_min devices and c - 1 units at least
+        if _placeable(o, q, p, ns) and o + q + (c - 1) * q_min <= p and (may_end or not must_end):
+            r_on = c if c < m else max(m, 2)
+            for b in ([U] if must_end else range(a + 1, U - c + 2)):
+                last = b == U
+                if last and not may_end:
+                    continue
+                here = stage(a, b, o, q, 1 if last else r_on)
+                if here is _BREAK:
+                    break
+                if here is None:
+                    continue
+                if last:
+                    if here < best_v:  # type: ignore[operator]
+                        best_v, best_arg = here, (b, None, None)
+                    continue
+                for c2 in after(c):
+                    if between is None:
+                        rest, q2 = best_any(b, o + q, c2)
+                        if here + rest < best_v:  # type: ignore[operator]
+                            best_v, best_arg = here + rest, (b, q2, c2)  # type: ignore[operator]
+                        continue
+                    for q2 in qs:
+                        lk = between(b, o, q, q2)
+                        if lk is None:
+                            continue
+                        rest, _ = best_from(b, o + q, c2, q2)
+                        if here + 2 * lk + rest < best_v:  # type: ignore[operator]
+                            best_v, best_arg = here + 2 * lk + rest, (b, q2, c2)  # type: ignore[operator]
+        memo[key] = (best_v, best_arg)  # type: ignore[assignment]
+        return memo[key]
+
+    def best_any(a: int, o: int, c: int) -> tuple[float, int | None]:
+        """min over the first stage's size q of best_from(a, o, c, q), and the first q attaining it."""
+        key = (a, o, c)
+        hit = memo.get(key)
+        if hit is None:
+            best_v, best_q = math.inf, None
+            if o + c * q_min <= p:
+                for q2 in qs:
+                    v = best_from(a, o, c, q2)[0]
+                    if v < best_v:
+                        best_v, best_q = v, q2
+            memo[key] = hit = (best_v, best_q)
+        return hit
+
+    best_v, start = math.inf, None
+    for c in range(1, m + 1):
+        for q in qs:
+            v, _ = best_from(0, 0, c, q)
+            if v < best_v:
+                best_v, start = v, (c, q)
+    if start is None:
+        return None
+    out = []
+    a, o, (c, q) = 0, 0, start
+    while True:
+        b, q2, c2 = memo[(a, o, c, q)][1]  # type: ignore[misc]
+        out.append((a, b, o, q))
+        if q2 is None:
+            return best_v, out
+        a, o, c, q = b, o + q, c2, q2
 
 
 BOUND_PASS_RTOL = 1e-6  # below this the solves' own ratio already bounds the 1F1B optimum: no second pass
