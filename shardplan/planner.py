@@ -323,7 +323,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     if candidates:
         say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s)")
     interrupted = False
-    lost_pipeline: tuple[float, float | None] | None = None  # (step, lower bound) of a pipeline slower than one program
+    # (step, lower bound) of a pipeline slower than one program; step None: none beat it (search pruned by it)
+    lost_pipeline: tuple[float | None, float | None] | None = None
     if searched:
         from shardplan.pipeline.api import pipeline_solve
         from shardplan.pipeline.progress import Progress
@@ -340,15 +341,21 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                                  interleave=tuple(interleave), schedules=tuple(schedules),
                                  budget=limit if constrained else float("inf"), memory_choices=constrained, cutoff=cutoff,
                                  orders=orders, progress=tracker, **({"partial_sums": True} if partial_sums else {}))
-            if candidates and res.plan.step_time >= candidates[0].step_time / (1 + 1e-9):
+            if res is None:
+                # no pipeline beats the one program (the search's incumbent from the start): what its parts proved
+                lost_pipeline = (None, tracker.bound)
+                say(f"  pipelines: none faster than one program, proven bound {tracker.bound:.6g} s "
+                    f"({time.perf_counter() - t1:.1f} s)")
+            elif candidates and res.plan.step_time >= candidates[0].step_time / (1 + 1e-9):
                 # the one program wins (ties included): its bound and step are all the pipeline adds, and its
                 # stage plans (re-solved where a run of blocks was costed by extension) are not built
                 lost_pipeline = (res.plan.step_time, res.plan.lower_bound)
             else:
                 candidates.append(from_pipeline(res, model=name))
-            interrupted = bool(res.plan.stats.get("interrupted"))
-            say(f"  pipelines: {res.plan.step_time:.6g} s per step ({time.perf_counter() - t1:.1f} s)"
-                + (", interrupted" if interrupted else ""))
+            if res is not None:
+                interrupted = bool(res.plan.stats.get("interrupted"))
+                say(f"  pipelines: {res.plan.step_time:.6g} s per step ({time.perf_counter() - t1:.1f} s)"
+                    + (", interrupted" if interrupted else ""))
         except ShardplanError as e:
             if type(e) is not ShardplanError:
                 raise
@@ -374,7 +381,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                  interrupted=interrupted,
                  compared={**{("pipeline" if p.solver == "pipeline" else "one program"): p.step_time
                               for p in candidates},
-                           **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None else {})},
+                           **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None
+                              and lost_pipeline[0] is not None else {})},
                  refused=refusals)
     return replace(best, lower_bound=lower, stats=stats)
 

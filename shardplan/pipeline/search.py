@@ -231,7 +231,8 @@ def _links_ok(a: float, bound: float) -> bool:
 def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
                     exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None,
-                    group_fit_fn: GroupFitFn | None = None, progress: Progress | None = None) -> PipelinePlan:
+                    group_fit_fn: GroupFitFn | None = None,
+                    progress: Progress | None = None) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -246,10 +247,21 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     steps (:class:`~shardplan.pipeline.progress.Progress`). A :class:`KeyboardInterrupt` (Ctrl-C, or raised by
     a progress callback) stops the search: the best plan found so far is returned, its ``lower_bound`` the
     least bound of the parts finished, 0 when some part is not (nothing is proven there), and
-    ``stats["interrupted"]`` is True; with no plan found yet the interrupt propagates."""
+    ``stats["interrupted"]`` is True; with no plan found yet the interrupt propagates.
+
+    A ``progress`` that already holds an incumbent (``progress.incumbent``, e.g. the one-program plan's step,
+    told by :meth:`~shardplan.pipeline.progress.Progress.improved` before the search) prunes every part with it
+    from the start: a part whose bound reaches it is closed without solving. If no pipeline beats it, the
+    answer is None and ``progress.bound`` is the proven lower bound of the pipeline space (each part's,
+    min(incumbent, its own best) scaled by its solves' proven ratio)."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
+    outside = progress.incumbent  # a step already achieved outside this space (the one-program plan's), or inf
+
+    def known() -> float:
+        """The best step known: the incumbent every part must beat."""
+        return min(outside, best.step_time if best is not None else math.inf)
     lower = math.inf  # the least proven lower bound of the parts of the space explored so far
     stats: dict[str, Any] = {"candidates": 0, "dp_states": 0, "stage_evaluations": 0}
 
@@ -285,19 +297,19 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                 # first: its optimum is the best incumbent for the others. One stage is 1F1B's when that is searched
                 progress.part(f"pipelines zb-h1 m={m}")
                 found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
-                                          best.step_time if best else math.inf, stats, units,
+                                          known(), stats, units,
                                           first_stages=2 if "1f1b" in schedules else 1, progress=progress)
                 take(found, note("zb-h1", lb))
             if "1f1b" in schedules:
                 progress.part(f"pipelines 1f1b m={m}")
-                found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf,
+                found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
                                          exchange, fit_fn, progress=progress)
                 take(found, note("1f1b", lb), strict=1e-12)
             if "interleaved" in schedules:
                 for v in space.interleave:
                     progress.part(f"pipelines interleaved v={v} m={m}")
                     found, lb = _search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
-                                                    best.step_time if best else math.inf, stats, units, tick=tick)
+                                                    known(), stats, units, tick=tick)
                     take(found, note("interleaved", lb))
     except KeyboardInterrupt:
         # the best plan so far; the parts not finished prove nothing: the bound is 0 (module docstring)
@@ -309,6 +321,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
         interrupted = True
         if progress.done < progress.total:
             lower = 0.0
+    if best is None and math.isfinite(outside) and not interrupted:
+        return None  # nothing beats the incumbent from outside; progress.bound is what the parts proved
     if best is None:
         raise ShardplanError("no pipeline fits: every stage cut and sub-mesh exceeds the memory budget "
                              "(or no stage can be costed)")
@@ -471,6 +485,22 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             progress.tick("every stage count: least sum" if merged else
                           f"stage count {n_stages} of {stage_counts[-1] if stage_counts else 0}: least sum")
             unbounded = solve_bound(math.inf, n_stages, p // n_stages if space.uniform else None)
+            while unbounded is not None and m == 1 and not bounding[0] and unbounded[0] < best_t:
+                # at m = 1 the step is the sum alone, which D(inf) minimises: no bound B can do better than the
+                # floor. Its stand-ins are solved and the floor recomputed until its pipeline is real (then it
+                # is the count's optimum) or the floor reaches the best known (docs/pipeline.md, *m = 1*)
+                own = _assemble(unbounded[1], cost, m, space, link_fn, exchange, fitted=fitted)
+                pending = [(x.first, x.end, x.devices, x.in_flight) for x in own.stages
+                           if x.cost.detail is _PENDING]
+                if not pending:
+                    break
+                stats["lazy_rounds"] = stats.get("lazy_rounds", 0) + 1
+                for key in pending:
+                    if key in fitted:
+                        pool.resolve(key)
+                if not pool.lazy:
+                    return None  # the stand-ins are not lower bounds: start again eagerly
+                unbounded = solve_bound(math.inf, n_stages, p // n_stages if space.uniform else None)
             if unbounded is not None:
                 floors[n_stages] = unbounded[0]
                 if bounding[0]:
