@@ -22,6 +22,7 @@ and call this with the same keywords.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -302,6 +303,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     say = log if log is not None else (lambda line: None)
     candidates: list[Plan] = []
     refusals: list[str] = []
+    one_lower: float | None = None  # the one program's proven bound with one micro-batch, for the pipeline search
     say(f"planning {name} on {machine.num_devices} devices: one program"
         + (" with memory choices" if constrained else ""))
     if constrained:
@@ -309,8 +311,11 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
 
         opts = fit_options if fit_options is not None else FitOptions(micro_batches=ms)
         try:
-            candidates.append(from_spmd(solve_fit(graph, machine, budget=limit, options=opts, cutoff=cutoff,
-                                                  orders=orders, partial_sums=partial_sums), model=name, batch=batch))
+            one = solve_fit(graph, machine, budget=limit, options=opts, cutoff=cutoff, orders=orders,
+                            partial_sums=partial_sums)
+            candidates.append(from_spmd(one, model=name, batch=batch))
+            if fit_options is None:
+                one_lower = _one_micro_batch_bound(one)
         except ShardplanError as e:
             if type(e) is not ShardplanError:
                 raise
@@ -340,7 +345,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             res = pipeline_solve(build, batch, machine, micro_batches=ms, max_stages=max_stages,
                                  interleave=tuple(interleave), schedules=tuple(schedules),
                                  budget=limit if constrained else float("inf"), memory_choices=constrained, cutoff=cutoff,
-                                 orders=orders, progress=tracker, **({"partial_sums": True} if partial_sums else {}))
+                                 orders=orders, progress=tracker, one_program_lower=one_lower,
+                                 **({"partial_sums": True} if partial_sums else {}))
             if res is None:
                 # no pipeline beats the one program (the search's incumbent from the start): what its parts proved
                 lost_pipeline = (None, tracker.bound)
@@ -386,6 +392,18 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                  refused=refusals)
     return replace(best, lower_bound=lower, stats=stats)
 
+
+
+def _one_micro_batch_bound(sp: Any) -> float | None:
+    """The proven lower bound the memory-constrained one-program search (:func:`shardplan.fit.solve_fit`) states
+    of its optimum with one micro-batch (its bound when solved, its root bound when pruned), or None. That
+    problem is the pipeline search's whole model as one stage on every device at m = 1 (same graph, tables,
+    budget and memory choices), so the pipeline search need not solve it again (docs/pipeline.md)."""
+    for x in (sp.solution.stats or {}).get("per_micro_batches", ()):
+        if int(x.get("micro_batches", 0)) == 1:
+            got = x.get("bound", x.get("lower_bound"))
+            return float(got) if isinstance(got, (int, float)) and math.isfinite(got) else None
+    return None
 
 
 def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice], micro_batches: int,

@@ -231,8 +231,8 @@ def _links_ok(a: float, bound: float) -> bool:
 def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
                     exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None,
-                    group_fit_fn: GroupFitFn | None = None,
-                    progress: Progress | None = None) -> PipelinePlan | None:
+                    group_fit_fn: GroupFitFn | None = None, progress: Progress | None = None,
+                    one_program_lower: float | None = None) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -253,7 +253,11 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     told by :meth:`~shardplan.pipeline.progress.Progress.improved` before the search) prunes every part with it
     from the start: a part whose bound reaches it is closed without solving. If no pipeline beats it, the
     answer is None and ``progress.bound`` is the proven lower bound of the pipeline space (each part's,
-    min(incumbent, its own best) scaled by its solves' proven ratio)."""
+    min(incumbent, its own best) scaled by its solves' proven ratio).
+
+    ``one_program_lower``: a proven lower bound of the seconds of the whole model as one stage on every device at
+    m = 1 with its memory choices (the one-program search's own bound for one micro-batch, the same problem):
+    that stand-in starts there, so the search does not solve it again to learn what the one program proved."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
@@ -303,7 +307,7 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
             if "1f1b" in schedules:
                 progress.part(f"pipelines 1f1b m={m}")
                 found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
-                                         exchange, fit_fn, progress=progress)
+                                         exchange, fit_fn, progress=progress, one_program_lower=one_program_lower)
                 take(found, note("1f1b", lb), strict=1e-12)
             if "interleaved" in schedules:
                 for v in space.interleave:
@@ -335,7 +339,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 
 def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, stats: dict,
                  incumbent: float, exchange: ExchangeFn | None = None,
-                 fit_fn: FitFn | None = None, progress: Progress | None = None) -> tuple[PipelinePlan | None, float]:
+                 fit_fn: FitFn | None = None, progress: Progress | None = None,
+                 one_program_lower: float | None = None) -> tuple[PipelinePlan | None, float]:
     """The 1F1B optimum at m if below ``incumbent`` (else None), and a proven lower bound of the 1F1B optimum at
     m: rho min(incumbent, found), rho the least proven/found ratio of the memory-constrained stages solved
     (module docstring, *Lower bound*)."""
@@ -364,6 +369,10 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
 
     progress = progress if progress is not None else Progress()
     pool = _StagePool(stage_fn, fit_fn, m, budget, stats, noticed, progress.tick)
+    if m == 1 and one_program_lower is not None:
+        # the whole model as one stage at m = 1 is the one program with one micro-batch: its proven bound
+        # raises that stand-in (docs/pipeline.md, *An incumbent from outside*)
+        pool.known_lower[(0, U, p, 1.0)] = one_program_lower
     cost, fitted = pool.plain, pool.fitted
 
     def effective(a: int, b: int, q: int, k: float) -> StageCost | None:
@@ -485,7 +494,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             progress.tick("every stage count: least sum" if merged else
                           f"stage count {n_stages} of {stage_counts[-1] if stage_counts else 0}: least sum")
             unbounded = solve_bound(math.inf, n_stages, p // n_stages if space.uniform else None)
-            while unbounded is not None and m == 1 and not bounding[0] and unbounded[0] < best_t:
+            while unbounded is not None and m == 1 and not bounding[0] and unbounded[0] < best_t * (1 - M1_RTOL):
                 # at m = 1 the step is the sum alone, which D(inf) minimises: no bound B can do better than the
                 # floor. Its stand-ins are solved and the floor recomputed until its pipeline is real (then it
                 # is the count's optimum) or the floor reaches the best known (docs/pipeline.md, *m = 1*)
@@ -513,6 +522,11 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 if own.step_time < best_t:
                     best, best_t = own, own.step_time
                     progress.improved(best_t, own)
+
+        if m == 1:
+            # the step is the sum: no bound B gives less than the floor (docs/pipeline.md, *m = 1*)
+            m1_floor[0] = min(floors.values(), default=math.inf)
+            return best
 
         def queued(n: int, v: float) -> bool:
             return v < caps.get(n, math.inf)
@@ -568,6 +582,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                     progress.improved(best_t, plan)
         return best
 
+    m1_floor = [math.inf]  # at m = 1: the least floor of the last pass (a lower bound of the part's optimum)
     found = optimum(incumbent)
     if fit_fn is not None and not pool.lazy:  # abandoned the stand-ins: the eager search
         found = optimum(incumbent)
@@ -576,13 +591,17 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     # solves' proven seconds fall below what they found
     reached = min(incumbent, found.step_time if found is not None else math.inf)
     rho = pool.rho()
-    lower = rho * reached
+    # at m = 1 the search stops at a floor within M1_RTOL of the best: the floor, not the best, bounds the part
+    lower = rho * min(reached, m1_floor[0]) if m == 1 else rho * reached
     if rho < 1 - BOUND_PASS_RTOL and pool.lazy and math.isfinite(reached):
         bounding[0] = True
         t0 = time.perf_counter()
         relaxed = optimum(reached)
         stats["bound_pass_seconds"] = stats.get("bound_pass_seconds", 0.0) + time.perf_counter() - t0
-        lower = max(lower, min(reached, relaxed.step_time if relaxed is not None else math.inf))
+        if m == 1:
+            lower = max(lower, min(reached, m1_floor[0]))
+        else:
+            lower = max(lower, min(reached, relaxed.step_time if relaxed is not None else math.inf))
         held()
     return found, lower
 
@@ -784,6 +803,7 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
 
 
 BOUND_PASS_RTOL = 1e-6  # below this the solves' own ratio already bounds the 1F1B optimum: no second pass
+M1_RTOL = 1e-9  # at m = 1 a floor within this of the best plan closes the part (its bound is then the floor)
 
 
 _PENDING = "memory-constrained optimum not yet solved: a lower-bound stand-in"
@@ -814,9 +834,13 @@ def _assemble(segments: Sequence[tuple[int, int, int, int]], cost, m: int, space
                         back_links=back)
 
 
-def _stand_in(c: StageCost) -> StageCost:
+def _stand_in(c: StageCost, floor: float = 0.0) -> StageCost:
     """A lower bound of a stage's memory-constrained optimum before it is solved: its time-optimal seconds, no
-    memory, no transfers (the search module docstring)."""
+    memory, no transfers (the search module docstring); raised to ``floor`` seconds (forward, backward and W in
+    proportion) when a proven lower bound of the constrained optimum is known from outside and is larger."""
+    if floor > c.time > 0:
+        r = floor / c.time
+        c = replace(c, forward=c.forward * r, backward=c.backward * r, weight_grad=c.weight_grad * r)
     return replace(c, weight_bytes=0.0, activation_bytes=0.0, recv_bytes=0.0, grad_bytes=0.0, detail=_PENDING)
 
 
@@ -1070,6 +1094,8 @@ class _StagePool:
         self.plain_costs: dict[tuple[int, int, int], StageCost | None] = {}
         self.fitted: dict[tuple[int, int, int, float], StageCost | None] = {}
         self.lazy = fit_fn is not None
+        # proven lower bounds of memory-constrained stages known from outside, by (a, b, q, k): their stand-ins
+        self.known_lower: dict[tuple[int, int, int, float], float] = {}
         self.version = 0  # counts the solves that changed a cost (a DP's memo is valid for one version)
 
     def plain(self, a: int, b: int, q: int) -> StageCost | None:
@@ -1090,7 +1116,7 @@ class _StagePool:
         key = (a, b, q, k)
         if key not in self.fitted:
             if self.lazy:
-                self.fitted[key] = _stand_in(c)
+                self.fitted[key] = _stand_in(c, self.known_lower.get(key, 0.0))
             else:
                 self.resolve(key)
         return self.fitted[key]
@@ -1105,8 +1131,10 @@ class _StagePool:
         if got is not None and self.on_new is not None:
             self.on_new(got, True)
         plain = self.plain(a, b, q)
-        if got is not None and plain is not None and got.time < plain.time * (1 - 1e-9) and self.lazy:
-            # the time-optimal stage is not a lower bound of this fit_fn: stand-ins are void, solve eagerly
+        floor = max(plain.time if plain is not None else 0.0, self.known_lower.get(key, 0.0))
+        if got is not None and plain is not None and got.time < floor * (1 - 1e-9) and self.lazy:
+            # the stand-in (the time-optimal stage, or a bound from outside) is not a lower bound of this fit_fn:
+            # stand-ins are void, solve eagerly
             self.lazy = False
             self.stats["lazy_abandoned"] = True
             for other in [x for x, c in self.fitted.items() if c is not None and c.detail is _PENDING]:
