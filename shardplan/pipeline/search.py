@@ -984,29 +984,61 @@ def _unit_seconds(space: PipelineSpace, stage_fn: StageFn, m: int, q: int) -> li
 
 def _minmax_cut(units: dict[int, Sequence[float]], p: int, stages: int) -> float:
     """The least, over cuts of the units into ``stages`` non-empty contiguous runs, run i on q_i devices (q_i a
-    key of ``units``, sum q_i = p), of max_i (sum of run i's unit seconds on q_i); inf if there is none. A DP
-    over (runs placed, devices used) with a vector over the units covered (placement offsets are relaxed: any
-    sizes summing to p, a superset of the tilings the search places)."""
+    key of ``units``, sum q_i = p), of max_i (sum of run i's unit seconds on q_i); inf if there is none
+    (:func:`_minmax_cuts` for one count)."""
+    return _minmax_cuts(units, p, (stages,))[stages]
+
+
+def _minmax_cuts(units: dict[int, Sequence[float]], p: int, counts: Sequence[int],
+                 granule: int = 1) -> dict[int, float]:
+    """:func:`_minmax_cut` for every stage count in ``counts`` at once: a DP over (runs placed, devices used)
+    with a vector over the units covered, whose layer s serves every count (placement offsets are relaxed: any
+    sizes summing to p, a superset of the tilings the search places). Each transition (devices used d, next
+    size q) is one matrix operation: new[b] = min over u < b of max(best[u], W_q[u, b]), W_q[u, b] the seconds of
+    units [u, b) on q.
+
+    ``granule`` g > 1 (dividing p): devices are counted in whole granules, a run on q devices taking
+    floor(q / g) of the p / g (a sub-node run none), and the runs may take fewer than all: every cut whose sizes
+    sum to p has floor-sums at most p / g, so this is a relaxation (a lower bound of the g = 1 value) with g
+    times fewer device counts to carry."""
+    out = {n: math.inf for n in counts}
+    if not counts:
+        return out
     U = len(next(iter(units.values())))
-    if stages > U:
-        return math.inf
-    prefix = {q: np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float)))) for q, w in units.items()}
-    q_min = min(units)
+    top = min(max(counts), U)
+    wide: dict[int, np.ndarray] = {}
+    for q, w in units.items():
+        pre = np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float))))
+        mat = pre[None, :] - pre[:, None]  # [u, b]: units [u, b)
+        mat[np.tril_indices(U + 1)] = np.inf  # b <= u: no run
+        wide[q] = mat
+    g = granule if granule > 1 and p % granule == 0 else 1
+    cap = p // g
+    take = {q: q // g for q in wide}
+    q_min = min(take.values())
     layer: dict[int, np.ndarray] = {0: np.full(U + 1, np.inf)}
     layer[0][0] = 0.0
-    for s in range(stages):
+    for s in range(1, top + 1):
         nxt: dict[int, np.ndarray] = {}
-        left = stages - s - 1
         for d, best in layer.items():
-            for q, pre in prefix.items():
-                if d + q + left * q_min > p:
-                    continue
-                row = nxt.setdefault(d + q, np.full(U + 1, np.inf))
-                for u in np.flatnonzero(np.isfinite(best[: U - left])):
-                    vals = np.maximum(best[u], pre[u + 1:] - pre[u])
-                    np.minimum(row[u + 1:], vals, out=row[u + 1:])
+            rows = np.flatnonzero(np.isfinite(best))
+            if rows.size == 0:
+                continue
+            for q, mat in wide.items():
+                e = d + take[q]  # devices (granules) used after this run
+                if e > cap or (g == 1 and e < p and e + q_min > p and s < top):
+                    continue  # past the devices, or short of them with no room for another run
+                vals = np.maximum(best[rows, None], mat[rows]).min(axis=0)
+                row = nxt.get(e)
+                if row is None:
+                    nxt[e] = vals
+                else:
+                    np.minimum(row, vals, out=row)
         layer = nxt
-    return float(layer[p][U]) if p in layer else math.inf
+        if s in out:
+            ends = [layer[p]] if g == 1 and p in layer else list(layer.values()) if g > 1 else []
+            out[s] = float(min((v[U] for v in ends), default=math.inf))
+    return out
 
 
 def _zb_family_bound(units: dict[int, Sequence[float]], p: int, stages: int, m: int) -> float:
@@ -1049,8 +1081,15 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
         return tuple(q for q in sizes if q <= p)
 
     # the family bound m B_0 of each stage count; B_0 bounds the pipeline's max term (module docstring)
-    floors = {n: _zb_family_bound({q: units(q) for q in family_sizes(n)}, p, n, m) / m if family_sizes(n)
-              else math.inf for n in range(first_stages, s_max + 1)}
+    if space.uniform:
+        floors = {n: _zb_family_bound({q: units(q) for q in family_sizes(n)}, p, n, m) / m if family_sizes(n)
+                  else math.inf for n in range(first_stages, s_max + 1)}
+    else:
+        # every count has the same sizes: one min-max DP serves them all (its layer n is count n's)
+        counts = range(first_stages, s_max + 1)
+        ns = p if space.node_size is None or space.node_size >= p else space.node_size
+        cut = _minmax_cuts({q: units(q) for q in family_sizes(0)}, p, counts, granule=ns) if counts else {}
+        floors = {n: cut[n] * FAMILY_SAFETY for n in counts}
     best: PipelinePlan | None = None
 
     def best_t() -> float:

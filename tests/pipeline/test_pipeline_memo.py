@@ -78,3 +78,29 @@ def test_memo_is_bounded_by_the_classes_not_the_stage_counts(m):
     assert got.stats["dp_memo_peak_entries"] <= held * (U + 1) * (p + 1) * m * (len(sizes) + 1)
     want = brute_force_pipeline(space, stage_fn, lambda *a: 0.0, exchange=lambda x, inter: x)
     assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_minmax_cuts_share_one_dp_and_granules_relax(seed):
+    """The min-max cut of every stage count from one DP equals each count's own (a direct enumeration over
+    cuts and size sequences), and counting devices in granules gives a lower bound of it."""
+    import itertools
+
+    from shardplan.pipeline.search import _minmax_cuts, submesh_sizes
+
+    rng = random.Random(seed)
+    U, p = rng.randint(1, 6), rng.choice([4, 8])
+    sizes = [q for q in submesh_sizes(p, rng.choice([2, 4])) if rng.random() < 0.8] or [p]
+    units = {q: [rng.uniform(0.0, 1.0) / q for _ in range(U)] for q in sizes}
+    counts = range(1, 6)
+    got = _minmax_cuts(units, p, counts)
+    coarse = _minmax_cuts(units, p, counts, granule=2)
+    for n in counts:
+        want = math.inf
+        for cuts in itertools.combinations(range(1, U), n - 1):
+            bounds = (0, *cuts, U)
+            for qs in itertools.product(sizes, repeat=n):
+                if sum(qs) == p:
+                    want = min(want, max(sum(units[q][bounds[i]:bounds[i + 1]]) for i, q in enumerate(qs)))
+        assert got[n] == pytest.approx(want, rel=1e-12) if math.isfinite(want) else got[n] == math.inf
+        assert coarse[n] <= want * (1 + 1e-12)
