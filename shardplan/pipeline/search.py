@@ -307,7 +307,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
             if "1f1b" in schedules:
                 progress.part(f"pipelines 1f1b m={m}")
                 found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
-                                         exchange, fit_fn, progress=progress, one_program_lower=one_program_lower)
+                                         exchange, fit_fn, progress=progress, one_program_lower=one_program_lower,
+                                         units=units)
                 take(found, note("1f1b", lb), strict=1e-12)
             if "interleaved" in schedules:
                 for v in space.interleave:
@@ -340,7 +341,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, stats: dict,
                  incumbent: float, exchange: ExchangeFn | None = None,
                  fit_fn: FitFn | None = None, progress: Progress | None = None,
-                 one_program_lower: float | None = None) -> tuple[PipelinePlan | None, float]:
+                 one_program_lower: float | None = None,
+                 units: Callable[[int], Sequence[float]] | None = None) -> tuple[PipelinePlan | None, float]:
     """The 1F1B optimum at m if below ``incumbent`` (else None), and a proven lower bound of the 1F1B optimum at
     m: rho min(incumbent, found), rho the least proven/found ratio of the memory-constrained stages solved
     (module docstring, *Lower bound*)."""
@@ -373,6 +375,17 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         # the whole model as one stage at m = 1 is the one program with one micro-batch: its proven bound
         # raises that stand-in (docs/pipeline.md, *An incumbent from outside*)
         pool.known_lower[(0, U, p, 1.0)] = one_program_lower
+    if m == 1 and units is not None and math.isfinite(incumbent) and not space.uniform:
+        # before any stage but the whole model is costed: one stage's value, and the least sum of unit seconds
+        # over cuts into two or more stages (docs/pipeline.md, *m = 1*)
+        whole = pool.get(0, U, p, 1.0)  # the plain stage where it fits, else its stand-in: a lower bound
+        one = math.inf if whole is None else whole.time
+        ns = p if space.node_size is None or space.node_size >= p else space.node_size
+        more = _min_sum_cut({q: units(q) for q in sizes if q <= p}, p, ns) * FAMILY_SAFETY
+        stats["m1_unit_bound"] = more
+        if min(one, more) >= incumbent * (1 - M1_RTOL):
+            stats["m1_closed_by_units"] = True
+            return None, min(incumbent, one, more)
     cost, fitted = pool.plain, pool.fitted
 
     def effective(a: int, b: int, q: int, k: float) -> StageCost | None:
@@ -1039,6 +1052,35 @@ def _minmax_cuts(units: dict[int, Sequence[float]], p: int, counts: Sequence[int
             ends = [layer[p]] if g == 1 and p in layer else list(layer.values()) if g > 1 else []
             out[s] = float(min((v[U] for v in ends), default=math.inf))
     return out
+
+
+def _min_sum_cut(units: dict[int, Sequence[float]], p: int, granule: int = 1) -> float:
+    """A lower bound of the least sum over cuts of the units into *two or more* runs, run i on q_i devices
+    (q_i a key of ``units``, sum q_i = p), of the sum of run i's unit seconds on q_i (exact for g = 1); with
+    ``granule`` g > 1 (dividing p) devices are counted in whole granules, a run on q taking floor(q / g), at
+    most p / g in all: a relaxation as in :func:`_minmax_cuts`. A DP over (units covered, runs so far 1 or more than 1, granules used), one matrix
+    operation per (first unit, size)."""
+    U = len(next(iter(units.values())))
+    g = granule if granule > 1 and p % granule == 0 else 1
+    cap = p // g
+    pres = {q: np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float)))) for q, w in units.items()}
+    # f[k][u, d]: least sum over cuts of units [0, u) into k runs (k = 2: two or more) using d granules
+    f = [np.full((U + 1, cap + 1), np.inf) for _ in range(3)]
+    f[0][0, 0] = 0.0
+    for u in range(U):
+        for k in (0, 1, 2):
+            row = f[k][u]
+            if not np.isfinite(row).any():
+                continue
+            k2 = min(k + 1, 2)
+            for q, pre in pres.items():
+                t = q // g
+                if t > cap:
+                    continue
+                run = pre[u + 1:] - pre[u]  # units [u, b) for b = u + 1 .. U
+                vals = row[None, : cap + 1 - t] + run[:, None]
+                np.minimum(f[k2][u + 1:, t:], vals, out=f[k2][u + 1:, t:])
+    return float(f[2][U][cap] if g == 1 else f[2][U].min())  # g = 1: the sizes sum to p exactly
 
 
 def _zb_family_bound(units: dict[int, Sequence[float]], p: int, stages: int, m: int) -> float:

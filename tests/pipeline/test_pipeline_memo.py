@@ -104,3 +104,27 @@ def test_minmax_cuts_share_one_dp_and_granules_relax(seed):
                     want = min(want, max(sum(units[q][bounds[i]:bounds[i + 1]]) for i, q in enumerate(qs)))
         assert got[n] == pytest.approx(want, rel=1e-12) if math.isfinite(want) else got[n] == math.inf
         assert coarse[n] <= want * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_min_sum_cut_of_two_or_more_runs(seed):
+    """The least sum of unit seconds over cuts into two or more runs whose sizes sum to p equals enumeration;
+    counting devices in granules gives a lower bound of it."""
+    import itertools
+
+    from shardplan.pipeline.search import _min_sum_cut, submesh_sizes
+
+    rng = random.Random(100 + seed)
+    U, p = rng.randint(1, 6), rng.choice([4, 8])
+    sizes = [q for q in submesh_sizes(p, rng.choice([2, 4])) if rng.random() < 0.8] or [p]
+    units = {q: [rng.uniform(0.0, 1.0) / q for _ in range(U)] for q in sizes}
+    want = math.inf
+    for n in range(2, U + 1):
+        for cuts in itertools.combinations(range(1, U), n - 1):
+            bounds = (0, *cuts, U)
+            for qs in itertools.product(sizes, repeat=n):
+                if sum(qs) == p:
+                    want = min(want, sum(sum(units[q][bounds[i]:bounds[i + 1]]) for i, q in enumerate(qs)))
+    got = _min_sum_cut(units, p)
+    assert got == pytest.approx(want, rel=1e-12) if math.isfinite(want) else got == math.inf
+    assert _min_sum_cut(units, p, granule=2) <= want * (1 + 1e-12)
