@@ -136,7 +136,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
 
     plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules, exchange=stages.exchange_time,
                            fit_fn=fit_fn, group_fit_fn=group_fit_fn, progress=progress,
-                           one_program_lower=one_program_lower if memory_choices else None)
+                           one_program_lower=one_program_lower if memory_choices else None,
+                           release=stages.release)
     if plan is None:
         return None
     plan.stats["intra_stage_solves"] = stages.solves

@@ -232,7 +232,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
                     exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None,
                     group_fit_fn: GroupFitFn | None = None, progress: Progress | None = None,
-                    one_program_lower: float | None = None) -> PipelinePlan | None:
+                    one_program_lower: float | None = None,
+                    release: Callable[[], None] | None = None) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -257,7 +258,9 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 
     ``one_program_lower``: a proven lower bound of the seconds of the whole model as one stage on every device at
     m = 1 with its memory choices (the one-program search's own bound for one micro-batch, the same problem):
-    that stand-in starts there, so the search does not solve it again to learn what the one program proved."""
+    that stand-in starts there, so the search does not solve it again to learn what the one program proved.
+    ``release()`` is called after every part of each micro-batch count is done (the callbacks' caches for that
+    count can go: :meth:`~shardplan.pipeline.stages.ModelStages.release`)."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
@@ -316,6 +319,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     found, lb = _search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
                                                     known(), stats, units, tick=tick)
                     take(found, note("interleaved", lb))
+            if release is not None:
+                release()  # nothing at this m is asked for again: its stage caches go
     except KeyboardInterrupt:
         # the best plan so far; the parts not finished prove nothing: the bound is 0 (module docstring)
         got = progress.plan

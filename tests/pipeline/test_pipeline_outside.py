@@ -128,3 +128,28 @@ def test_whole_model_stage_at_m1_is_the_one_program():
     lower = _one_micro_batch_bound(one)
     assert lower is not None and lower <= stage.time * (1 + 1e-12)
     assert 1 in per
+
+
+def test_stage_caches_released_after_each_micro_batch_count(monkeypatch):
+    """pipeline_solve releases the stage costs of each micro-batch count once its parts are done: afterwards the
+    model's stage caches are empty, and the plan is the one found with every cache kept."""
+    import shardplan.pipeline.api as api
+    from shardplan.machine import preset
+    from shardplan.models import model_spec
+    from shardplan.pipeline.api import pipeline_solve
+
+    spec = model_spec("gpt")
+
+    def build(b):
+        return spec.build(b, layers=4)
+
+    machine = preset("a100", 16)
+    got = pipeline_solve(build, 16, machine, micro_batches=(1, 2, 4), schedules=("1f1b", "zb-h1"))
+    assert not got.stages._cache and not got.stages._tables and not got.stages._cuts
+    kept = api.search_pipeline
+    monkeypatch.setattr(api, "search_pipeline", lambda *a, **k: kept(*a, **{**k, "release": None}))
+    again = pipeline_solve(build, 16, machine, micro_batches=(1, 2, 4), schedules=("1f1b", "zb-h1"))
+    assert again.stages._cache  # kept: the release is what emptied them
+    assert got.plan.step_time == again.plan.step_time
+    assert [(s.first, s.end, s.devices) for s in got.plan.stages] == [(s.first, s.end, s.devices)
+                                                                        for s in again.plan.stages]
