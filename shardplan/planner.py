@@ -389,7 +389,10 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                               for p in candidates},
                            **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None
                               and lost_pipeline[0] is not None else {})},
-                 refused=refusals)
+                 refused=refusals,
+                 # no pipeline beat the one program: the pipeline space's proven bound (the search had no step)
+                 **({"pipeline_lower_bound": lost_pipeline[1]} if lost_pipeline is not None
+                    and lost_pipeline[0] is None else {}))
     return replace(best, lower_bound=lower, stats=stats)
 
 
