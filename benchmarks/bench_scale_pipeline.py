@@ -133,16 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grace", type=float, default=60.0, help="seconds after SIGINT before SIGKILL")
     ap.add_argument("--out", default="benchmarks/results/scale_pipeline.json")
     args = ap.parse_args(argv)
+    load_at_start = os.getloadavg()  # the machine is shared: timings depend on the load
     rows = []
     for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
         if name not in ROWS:
             raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
+        load = os.getloadavg()
         row = run_row(name, ROWS[name], args.grace)
+        row["load_average_before"] = load
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "log"}), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"benchmark": "bench_scale_pipeline", "commit": commit, "host": platform.node(),
-              "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg(), "rows": rows}
+              "cpus": os.cpu_count(), "load_average_at_start": load_at_start,
+              "load_average_at_end": os.getloadavg(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

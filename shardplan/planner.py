@@ -22,6 +22,7 @@ and call this with the same keywords.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -312,6 +313,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     say = log if log is not None else (lambda line: None)
     candidates: list[Plan] = []
     refusals: list[str] = []
+    one_lower: float | None = None  # the one program's proven bound with one micro-batch, for the pipeline search
     say(f"planning {name} on {machine.num_devices} devices: one program"
         + (" with memory choices" if constrained else ""))
     if constrained:
@@ -319,9 +321,11 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
 
         opts = fit_options if fit_options is not None else FitOptions(micro_batches=ms)
         try:
-            candidates.append(from_spmd(solve_fit(graph, machine, budget=limit, options=opts, cutoff=cutoff,
-                                                  orders=orders, partial_sums=partial_sums, **tables_extra), model=name,
-                                        batch=batch))
+            one = solve_fit(graph, machine, budget=limit, options=opts, cutoff=cutoff, orders=orders,
+                            partial_sums=partial_sums, **tables_extra)
+            candidates.append(from_spmd(one, model=name, batch=batch))
+            if fit_options is None:
+                one_lower = _one_micro_batch_bound(one)
         except ShardplanError as e:
             if type(e) is not ShardplanError:
                 raise
@@ -334,7 +338,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     if candidates:
         say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s)")
     interrupted = False
-    lost_pipeline: tuple[float, float | None] | None = None  # (step, lower bound) of a pipeline slower than one program
+    # (step, lower bound) of a pipeline slower than one program; step None: none beat it (search pruned by it)
+    lost_pipeline: tuple[float | None, float | None] | None = None
     if searched:
         from shardplan.pipeline.api import pipeline_solve
         from shardplan.pipeline.progress import Progress
@@ -350,17 +355,23 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             res = pipeline_solve(build, batch, machine, micro_batches=ms, max_stages=max_stages,
                                  interleave=tuple(interleave), schedules=tuple(schedules),
                                  budget=limit if constrained else float("inf"), memory_choices=constrained, cutoff=cutoff,
-                                 orders=orders, progress=tracker, **({"partial_sums": True} if partial_sums else {}),
-                                 **tables_extra)
-            if candidates and res.plan.step_time >= candidates[0].step_time / (1 + 1e-9):
+                                 orders=orders, progress=tracker, one_program_lower=one_lower,
+                                 **({"partial_sums": True} if partial_sums else {}), **tables_extra)
+            if res is None:
+                # no pipeline beats the one program (the search's incumbent from the start): what its parts proved
+                lost_pipeline = (None, tracker.bound)
+                say(f"  pipelines: none faster than one program, proven bound {tracker.bound:.6g} s "
+                    f"({time.perf_counter() - t1:.1f} s)")
+            elif candidates and res.plan.step_time >= candidates[0].step_time / (1 + 1e-9):
                 # the one program wins (ties included): its bound and step are all the pipeline adds, and its
                 # stage plans (re-solved where a run of blocks was costed by extension) are not built
                 lost_pipeline = (res.plan.step_time, res.plan.lower_bound)
             else:
                 candidates.append(from_pipeline(res, model=name))
-            interrupted = bool(res.plan.stats.get("interrupted"))
-            say(f"  pipelines: {res.plan.step_time:.6g} s per step ({time.perf_counter() - t1:.1f} s)"
-                + (", interrupted" if interrupted else ""))
+            if res is not None:
+                interrupted = bool(res.plan.stats.get("interrupted"))
+                say(f"  pipelines: {res.plan.step_time:.6g} s per step ({time.perf_counter() - t1:.1f} s)"
+                    + (", interrupted" if interrupted else ""))
         except ShardplanError as e:
             if type(e) is not ShardplanError:
                 raise
@@ -386,10 +397,26 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                  interrupted=interrupted,
                  compared={**{("pipeline" if p.solver == "pipeline" else "one program"): p.step_time
                               for p in candidates},
-                           **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None else {})},
-                 refused=refusals)
+                           **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None
+                              and lost_pipeline[0] is not None else {})},
+                 refused=refusals,
+                 # no pipeline beat the one program: the pipeline space's proven bound (the search had no step)
+                 **({"pipeline_lower_bound": lost_pipeline[1]} if lost_pipeline is not None
+                    and lost_pipeline[0] is None else {}))
     return replace(best, lower_bound=lower, stats=stats)
 
+
+
+def _one_micro_batch_bound(sp: Any) -> float | None:
+    """The proven lower bound the memory-constrained one-program search (:func:`shardplan.fit.solve_fit`) states
+    of its optimum with one micro-batch (its bound when solved, its root bound when pruned), or None. That
+    problem is the pipeline search's whole model as one stage on every device at m = 1 (same graph, tables,
+    budget and memory choices), so the pipeline search need not solve it again (docs/pipeline.md)."""
+    for x in (sp.solution.stats or {}).get("per_micro_batches", ()):
+        if int(x.get("micro_batches", 0)) == 1:
+            got = x.get("bound", x.get("lower_bound"))
+            return float(got) if isinstance(got, (int, float)) and math.isfinite(got) else None
+    return None
 
 
 def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice], micro_batches: int,

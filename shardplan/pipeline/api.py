@@ -81,7 +81,7 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                    budget: float | None = None, periodic: bool = True, sizes: Sequence[int] | None = None,
                    memory_choices: bool = False, fallback: Callable[[Any], Any] | None = None,
                    fit_rtol: float = 1e-9, fit_time_limit: float = 60.0, progress: Progress | None = None,
-                   **solve_options: Any) -> PipelineResult:
+                   one_program_lower: float | None = None, **solve_options: Any) -> PipelineResult | None:
     """The optimal pipeline (stages, sub-meshes, m, schedule) of the model ``build(batch)`` on ``machine``.
 
     ``budget`` defaults to the machine's memory per device; micro-batch counts that do not divide
@@ -97,7 +97,11 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     heuristic, fast stand-in for the memory-constrained optimum, so the search covers the rule's pipelines
     but is exact only over "time-optimal stage, else the rule's". ``progress``
     (:class:`~shardplan.pipeline.progress.Progress`) hears where the search stands; Ctrl-C (a
-    :class:`KeyboardInterrupt`) returns the best plan so far with its proven gap (:func:`search_pipeline`).
+    :class:`KeyboardInterrupt`) returns the best plan so far with its proven gap (:func:`search_pipeline`). A
+    ``progress`` that already holds an incumbent (a plan found outside the pipeline space, told by
+    :meth:`Progress.improved`) prunes the search with it; None is returned when no pipeline beats it, and
+    ``progress.bound`` is then the proven lower bound of the pipeline space. ``one_program_lower``: the
+    one-program search's proven bound at one micro-batch (:func:`search_pipeline`).
     Other keyword arguments go to each intra-stage :func:`shardplan.solve`.
     """
     t0 = time.perf_counter()
@@ -131,7 +135,11 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
             return tuple(cs) if fits else None
 
     plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules, exchange=stages.exchange_time,
-                           fit_fn=fit_fn, group_fit_fn=group_fit_fn, progress=progress)
+                           fit_fn=fit_fn, group_fit_fn=group_fit_fn, progress=progress,
+                           one_program_lower=one_program_lower if memory_choices else None,
+                           release=stages.release)
+    if plan is None:
+        return None
     plan.stats["intra_stage_solves"] = stages.solves
     if memory_choices:
         plan.stats["fit_unproven"] = stages.fit_unproven

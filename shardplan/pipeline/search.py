@@ -231,7 +231,9 @@ def _links_ok(a: float, bound: float) -> bool:
 def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
                     exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None,
-                    group_fit_fn: GroupFitFn | None = None, progress: Progress | None = None) -> PipelinePlan:
+                    group_fit_fn: GroupFitFn | None = None, progress: Progress | None = None,
+                    one_program_lower: float | None = None,
+                    release: Callable[[], None] | None = None) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -246,10 +248,27 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     steps (:class:`~shardplan.pipeline.progress.Progress`). A :class:`KeyboardInterrupt` (Ctrl-C, or raised by
     a progress callback) stops the search: the best plan found so far is returned, its ``lower_bound`` the
     least bound of the parts finished, 0 when some part is not (nothing is proven there), and
-    ``stats["interrupted"]`` is True; with no plan found yet the interrupt propagates."""
+    ``stats["interrupted"]`` is True; with no plan found yet the interrupt propagates.
+
+    A ``progress`` that already holds an incumbent (``progress.incumbent``, e.g. the one-program plan's step,
+    told by :meth:`~shardplan.pipeline.progress.Progress.improved` before the search) prunes every part with it
+    from the start: a part whose bound reaches it is closed without solving. If no pipeline beats it, the
+    answer is None and ``progress.bound`` is the proven lower bound of the pipeline space (each part's,
+    min(incumbent, its own best) scaled by its solves' proven ratio).
+
+    ``one_program_lower``: a proven lower bound of the seconds of the whole model as one stage on every device at
+    m = 1 with its memory choices (the one-program search's own bound for one micro-batch, the same problem):
+    that stand-in starts there, so the search does not solve it again to learn what the one program proved.
+    ``release()`` is called after every part of each micro-batch count is done (the callbacks' caches for that
+    count can go: :meth:`~shardplan.pipeline.stages.ModelStages.release`)."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
+    outside = progress.incumbent  # a step already achieved outside this space (the one-program plan's), or inf
+
+    def known() -> float:
+        """The best step known: the incumbent every part must beat."""
+        return min(outside, best.step_time if best is not None else math.inf)
     lower = math.inf  # the least proven lower bound of the parts of the space explored so far
     stats: dict[str, Any] = {"candidates": 0, "dp_states": 0, "stage_evaluations": 0}
 
@@ -285,20 +304,23 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                 # first: its optimum is the best incumbent for the others. One stage is 1F1B's when that is searched
                 progress.part(f"pipelines zb-h1 m={m}")
                 found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
-                                          best.step_time if best else math.inf, stats, units,
+                                          known(), stats, units,
                                           first_stages=2 if "1f1b" in schedules else 1, progress=progress)
                 take(found, note("zb-h1", lb))
             if "1f1b" in schedules:
                 progress.part(f"pipelines 1f1b m={m}")
-                found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, best.step_time if best else math.inf,
-                                         exchange, fit_fn, progress=progress)
+                found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
+                                         exchange, fit_fn, progress=progress, one_program_lower=one_program_lower,
+                                         units=units)
                 take(found, note("1f1b", lb), strict=1e-12)
             if "interleaved" in schedules:
                 for v in space.interleave:
                     progress.part(f"pipelines interleaved v={v} m={m}")
                     found, lb = _search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
-                                                    best.step_time if best else math.inf, stats, units, tick=tick)
+                                                    known(), stats, units, tick=tick)
                     take(found, note("interleaved", lb))
+            if release is not None:
+                release()  # nothing at this m is asked for again: its stage caches go
     except KeyboardInterrupt:
         # the best plan so far; the parts not finished prove nothing: the bound is 0 (module docstring)
         got = progress.plan
@@ -309,6 +331,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
         interrupted = True
         if progress.done < progress.total:
             lower = 0.0
+    if best is None and math.isfinite(outside) and not interrupted:
+        return None  # nothing beats the incumbent from outside; progress.bound is what the parts proved
     if best is None:
         raise ShardplanError("no pipeline fits: every stage cut and sub-mesh exceeds the memory budget "
                              "(or no stage can be costed)")
@@ -321,7 +345,9 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 
 def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, stats: dict,
                  incumbent: float, exchange: ExchangeFn | None = None,
-                 fit_fn: FitFn | None = None, progress: Progress | None = None) -> tuple[PipelinePlan | None, float]:
+                 fit_fn: FitFn | None = None, progress: Progress | None = None,
+                 one_program_lower: float | None = None,
+                 units: Callable[[int], Sequence[float]] | None = None) -> tuple[PipelinePlan | None, float]:
     """The 1F1B optimum at m if below ``incumbent`` (else None), and a proven lower bound of the 1F1B optimum at
     m: rho min(incumbent, found), rho the least proven/found ratio of the memory-constrained stages solved
     (module docstring, *Lower bound*)."""
@@ -350,6 +376,21 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
 
     progress = progress if progress is not None else Progress()
     pool = _StagePool(stage_fn, fit_fn, m, budget, stats, noticed, progress.tick)
+    if m == 1 and one_program_lower is not None:
+        # the whole model as one stage at m = 1 is the one program with one micro-batch: its proven bound
+        # raises that stand-in (docs/pipeline.md, *An incumbent from outside*)
+        pool.known_lower[(0, U, p, 1.0)] = one_program_lower
+    if m == 1 and units is not None and math.isfinite(incumbent) and not space.uniform:
+        # before any stage but the whole model is costed: one stage's value, and the least sum of unit seconds
+        # over cuts into two or more stages (docs/pipeline.md, *m = 1*)
+        whole = pool.get(0, U, p, 1.0)  # the plain stage where it fits, else its stand-in: a lower bound
+        one = math.inf if whole is None else whole.time
+        ns = p if space.node_size is None or space.node_size >= p else space.node_size
+        more = _min_sum_cut({q: units(q) for q in sizes if q <= p}, p, ns) * FAMILY_SAFETY
+        stats["m1_unit_bound"] = more
+        if min(one, more) >= incumbent * (1 - M1_RTOL):
+            stats["m1_closed_by_units"] = True
+            return None, min(incumbent, one, more)
     cost, fitted = pool.plain, pool.fitted
 
     def effective(a: int, b: int, q: int, k: float) -> StageCost | None:
@@ -383,9 +424,14 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         see(gout)
         return fin, gout
 
-    stage_counts = range(1, s_max + 1)
+    stage_counts: Sequence[int] = range(1, s_max + 1)
     if space.uniform:
         stage_counts = [s for s in stage_counts if p % s == 0 and p // s in sizes]
+    # every stage count allowed (at most min(U, p) stages can be placed anyway): one DP over the classes
+    # min(stages left, m) serves them all (docs/pipeline.md, *Stage counts merged*); "stage count" 0 below
+    merged = not space.uniform and s_max == min(U, p)
+    if merged:
+        stage_counts = [0]
 
     # best_from(a, o, r, q) of the stage DP does not depend on the stage count asked for, only on the bound, the
     # pool's costs and the pass: one memo serves every stage count at a bound (uniform pipelines excepted: there
@@ -398,11 +444,18 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             return None, {}
         key = (bound, pool.version, bounding[0])
         if key not in memos:
+            held()
             keep = {k: v for k, v in memos.items() if k[0] == math.inf and k[1:] == key[1:]}
             memos.clear()
             memos.update(keep)  # the unbounded DP's memo (the floors) and the latest bound's
             memos[key] = ({}, {})
+            stats["dp_memos_held_max"] = max(stats.get("dp_memos_held_max", 0), len(memos))
         return memos[key]
+
+    def held() -> None:
+        """Record the DP states the memos hold now (``stats["dp_memo_peak_entries"]``: the most at once)."""
+        now = sum(len(a or ()) for a, _ in memos.values())
+        stats["dp_memo_peak_entries"] = max(stats.get("dp_memo_peak_entries", 0), now)
 
     def solve_bound(bound: float, n_stages: int, q_fixed: int | None) -> tuple[float, list] | None:
         memo, values = memo_of(bound)
@@ -440,7 +493,8 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             return lk if _links_ok(lk, bound) else None
 
         return _stage_dp(space, n_stages, [q_fixed] if q_fixed is not None else list(sizes), stage,
-                         between if exchange is None else None, stats, "dp_states", memo, pool.tick)
+                         between if exchange is None else None, stats, "dp_states", memo, pool.tick,
+                         classes=m if merged else None)
 
     def optimum(start: float) -> PipelinePlan | None:
         """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages):
@@ -455,8 +509,25 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         best: PipelinePlan | None = None
         best_t = start
         for n_stages in stage_counts:
-            progress.tick(f"stage count {n_stages} of {stage_counts[-1] if stage_counts else 0}: least sum")
+            progress.tick("every stage count: least sum" if merged else
+                          f"stage count {n_stages} of {stage_counts[-1] if stage_counts else 0}: least sum")
             unbounded = solve_bound(math.inf, n_stages, p // n_stages if space.uniform else None)
+            while unbounded is not None and m == 1 and not bounding[0] and unbounded[0] < best_t * (1 - M1_RTOL):
+                # at m = 1 the step is the sum alone, which D(inf) minimises: no bound B can do better than the
+                # floor. Its stand-ins are solved and the floor recomputed until its pipeline is real (then it
+                # is the count's optimum) or the floor reaches the best known (docs/pipeline.md, *m = 1*)
+                own = _assemble(unbounded[1], cost, m, space, link_fn, exchange, fitted=fitted)
+                pending = [(x.first, x.end, x.devices, x.in_flight) for x in own.stages
+                           if x.cost.detail is _PENDING]
+                if not pending:
+                    break
+                stats["lazy_rounds"] = stats.get("lazy_rounds", 0) + 1
+                for key in pending:
+                    if key in fitted:
+                        pool.resolve(key)
+                if not pool.lazy:
+                    return None  # the stand-ins are not lower bounds: start again eagerly
+                unbounded = solve_bound(math.inf, n_stages, p // n_stages if space.uniform else None)
             if unbounded is not None:
                 floors[n_stages] = unbounded[0]
                 if bounding[0]:
@@ -469,6 +540,11 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 if own.step_time < best_t:
                     best, best_t = own, own.step_time
                     progress.improved(best_t, own)
+
+        if m == 1:
+            # the step is the sum: no bound B gives less than the floor (docs/pipeline.md, *m = 1*)
+            m1_floor[0] = min(floors.values(), default=math.inf)
+            return best
 
         def queued(n: int, v: float) -> bool:
             return v < caps.get(n, math.inf)
@@ -490,7 +566,8 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             if lb >= best_t:
                 break  # every other candidate's lower bound is at least as large
             stats["candidates"] += 1
-            progress.tick(f"candidate {stats['candidates']}: {n_stages} stages, bottleneck {bound:.4g} s, "
+            progress.tick(f"candidate {stats['candidates']}: {n_stages or 'any number of'} stages, "
+                          f"bottleneck {bound:.4g} s, "
                           f"its floor {lb:.4g} s")
             got = solve_bound(bound, n_stages, p // n_stages if space.uniform else None)
             push_new()
@@ -523,20 +600,27 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                     progress.improved(best_t, plan)
         return best
 
+    m1_floor = [math.inf]  # at m = 1: the least floor of the last pass (a lower bound of the part's optimum)
     found = optimum(incumbent)
     if fit_fn is not None and not pool.lazy:  # abandoned the stand-ins: the eager search
         found = optimum(incumbent)
+    held()
     # the lower bound (module docstring): every relaxed value is at least `reached`; rho bounds how far the
     # solves' proven seconds fall below what they found
     reached = min(incumbent, found.step_time if found is not None else math.inf)
     rho = pool.rho()
-    lower = rho * reached
+    # at m = 1 the search stops at a floor within M1_RTOL of the best: the floor, not the best, bounds the part
+    lower = rho * min(reached, m1_floor[0]) if m == 1 else rho * reached
     if rho < 1 - BOUND_PASS_RTOL and pool.lazy and math.isfinite(reached):
         bounding[0] = True
         t0 = time.perf_counter()
         relaxed = optimum(reached)
         stats["bound_pass_seconds"] = stats.get("bound_pass_seconds", 0.0) + time.perf_counter() - t0
-        lower = max(lower, min(reached, relaxed.step_time if relaxed is not None else math.inf))
+        if m == 1:
+            lower = max(lower, min(reached, m1_floor[0]))
+        else:
+            lower = max(lower, min(reached, relaxed.step_time if relaxed is not None else math.inf))
+        held()
     return found, lower
 
 
@@ -548,7 +632,8 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
               stage: Callable[[int, int, int, int, int], "float | None | object"],
               between: Callable[[int, int, int, int], float | None] | None, stats: dict,
               counter: str, memo: dict | None = None,
-              tick: Callable[[], None] | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+              tick: Callable[[], None] | None = None,
+              classes: int | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least sum of stage values over pipelines of n placed stages tiling the machine in order: a DP over
     (first unit, first device, stages left, first stage's size). ``stage(a, b, o, q, r)``: the value of units [a,
     b) on the q devices from o with r stages left (itself included), None if not allowed, ``_BREAK`` if no
@@ -556,7 +641,16 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
     to a next stage of q2 devices, charged twice (None: not allowed); None when every cut is charged by the
     stages. Returns the least value and the stages (first, end, offset, devices), or None. ``memo``: a table of
     earlier calls with the same ``stage``, ``between`` and ``qs`` (any n), shared: a state's value does not
-    depend on n. ``tick`` is called every 2^14 states (progress, interruption)."""
+    depend on n. ``tick`` is called every 2^14 states (progress, interruption).
+
+    ``classes`` = m: instead of exactly n stages, the least over *every* stage count (n is ignored), for a stage
+    value that depends on the stages left r only through min(r, m) and r = 1 (1F1B's in-flight count and
+    whether the stage is last): the state's third slot is then the class c = min(r, m) rather than r (c < m:
+    exactly c stages left; c = m: m or more), so the DP has m layers instead of one per stage count
+    (docs/pipeline.md, *Stage counts merged*). ``stage`` is then called with r = 1 for the last stage, c for
+    c < m, and max(m, 2) otherwise (the same min(r, m) and r = 1 as every r of the class)."""
+    if classes is not None:
+        return _class_dp(space, classes, qs, stage, between, stats, counter, memo, tick)
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     if memo is None:
@@ -631,7 +725,103 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         a, o, r, q = b, o + q, r - 1, q2
 
 
+def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
+              stage: Callable[[int, int, int, int, int], "float | None | object"],
+              between: Callable[[int, int, int, int], float | None] | None, stats: dict,
+              counter: str, memo: dict | None = None,
+              tick: Callable[[], None] | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+    """:func:`_stage_dp` with ``classes=m``: the least sum of stage values over pipelines of any stage count,
+    a DP over (first unit, first device, class c = min(stages left, m), first stage's size)."""
+    U, p = space.num_units, space.num_devices
+    ns = p if space.node_size is None or space.node_size >= p else space.node_size
+    if memo is None:
+        memo = {}
+    q_min = min(qs)
+
+    def after(c: int) -> tuple[int, ...]:
+        """The classes of the stage after a stage of class c that is not the last."""
+        if c < m:
+            return (c - 1,)
+        return (m, m - 1) if m >= 2 else (1,)
+
+    def best_from(a: int, o: int, c: int, q: int) -> tuple[float, tuple | None]:
+        key = (a, o, c, q)
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        stats[counter] = count = stats.get(counter, 0) + 1
+        if tick is not None and not count & 0x3FFF:
+            tick()
+        best_v, best_arg = math.inf, None
+        # c < m: exactly c stages from here (c = 1: this is the last); c = m: at least m
+        must_end = c == 1 and m > 1
+        may_end = c == 1 and o + q == p
+        # the c - 1 or more stages after this one need (c - 1) q_min devices and c - 1 units at least
+        if _placeable(o, q, p, ns) and o + q + (c - 1) * q_min <= p and (may_end or not must_end):
+            r_on = c if c < m else max(m, 2)
+            for b in ([U] if must_end else range(a + 1, U - c + 2)):
+                last = b == U
+                if last and not may_end:
+                    continue
+                here = stage(a, b, o, q, 1 if last else r_on)
+                if here is _BREAK:
+                    break
+                if here is None:
+                    continue
+                if last:
+                    if here < best_v:  # type: ignore[operator]
+                        best_v, best_arg = here, (b, None, None)
+                    continue
+                for c2 in after(c):
+                    if between is None:
+                        rest, q2 = best_any(b, o + q, c2)
+                        if here + rest < best_v:  # type: ignore[operator]
+                            best_v, best_arg = here + rest, (b, q2, c2)  # type: ignore[operator]
+                        continue
+                    for q2 in qs:
+                        lk = between(b, o, q, q2)
+                        if lk is None:
+                            continue
+                        rest, _ = best_from(b, o + q, c2, q2)
+                        if here + 2 * lk + rest < best_v:  # type: ignore[operator]
+                            best_v, best_arg = here + 2 * lk + rest, (b, q2, c2)  # type: ignore[operator]
+        memo[key] = (best_v, best_arg)  # type: ignore[assignment]
+        return memo[key]
+
+    def best_any(a: int, o: int, c: int) -> tuple[float, int | None]:
+        """min over the first stage's size q of best_from(a, o, c, q), and the first q attaining it."""
+        key = (a, o, c)
+        hit = memo.get(key)
+        if hit is None:
+            best_v, best_q = math.inf, None
+            if o + c * q_min <= p:
+                for q2 in qs:
+                    v = best_from(a, o, c, q2)[0]
+                    if v < best_v:
+                        best_v, best_q = v, q2
+            memo[key] = hit = (best_v, best_q)
+        return hit
+
+    best_v, start = math.inf, None
+    for c in range(1, m + 1):
+        for q in qs:
+            v, _ = best_from(0, 0, c, q)
+            if v < best_v:
+                best_v, start = v, (c, q)
+    if start is None:
+        return None
+    out = []
+    a, o, (c, q) = 0, 0, start
+    while True:
+        b, q2, c2 = memo[(a, o, c, q)][1]  # type: ignore[misc]
+        out.append((a, b, o, q))
+        if q2 is None:
+            return best_v, out
+        a, o, c, q = b, o + q, c2, q2
+
+
 BOUND_PASS_RTOL = 1e-6  # below this the solves' own ratio already bounds the 1F1B optimum: no second pass
+M1_RTOL = 1e-9  # at m = 1 a floor within this of the best plan closes the part (its bound is then the floor)
 
 
 _PENDING = "memory-constrained optimum not yet solved: a lower-bound stand-in"
@@ -662,9 +852,13 @@ def _assemble(segments: Sequence[tuple[int, int, int, int]], cost, m: int, space
                         back_links=back)
 
 
-def _stand_in(c: StageCost) -> StageCost:
+def _stand_in(c: StageCost, floor: float = 0.0) -> StageCost:
     """A lower bound of a stage's memory-constrained optimum before it is solved: its time-optimal seconds, no
-    memory, no transfers (the search module docstring)."""
+    memory, no transfers (the search module docstring); raised to ``floor`` seconds (forward, backward and W in
+    proportion) when a proven lower bound of the constrained optimum is known from outside and is larger."""
+    if floor > c.time > 0:
+        r = floor / c.time
+        c = replace(c, forward=c.forward * r, backward=c.backward * r, weight_grad=c.weight_grad * r)
     return replace(c, weight_bytes=0.0, activation_bytes=0.0, recv_bytes=0.0, grad_bytes=0.0, detail=_PENDING)
 
 
@@ -808,29 +1002,90 @@ def _unit_seconds(space: PipelineSpace, stage_fn: StageFn, m: int, q: int) -> li
 
 def _minmax_cut(units: dict[int, Sequence[float]], p: int, stages: int) -> float:
     """The least, over cuts of the units into ``stages`` non-empty contiguous runs, run i on q_i devices (q_i a
-    key of ``units``, sum q_i = p), of max_i (sum of run i's unit seconds on q_i); inf if there is none. A DP
-    over (runs placed, devices used) with a vector over the units covered (placement offsets are relaxed: any
-    sizes summing to p, a superset of the tilings the search places)."""
+    key of ``units``, sum q_i = p), of max_i (sum of run i's unit seconds on q_i); inf if there is none
+    (:func:`_minmax_cuts` for one count)."""
+    return _minmax_cuts(units, p, (stages,))[stages]
+
+
+def _minmax_cuts(units: dict[int, Sequence[float]], p: int, counts: Sequence[int],
+                 granule: int = 1) -> dict[int, float]:
+    """:func:`_minmax_cut` for every stage count in ``counts`` at once: a DP over (runs placed, devices used)
+    with a vector over the units covered, whose layer s serves every count (placement offsets are relaxed: any
+    sizes summing to p, a superset of the tilings the search places). Each transition (devices used d, next
+    size q) is one matrix operation: new[b] = min over u < b of max(best[u], W_q[u, b]), W_q[u, b] the seconds of
+    units [u, b) on q.
+
+    ``granule`` g > 1 (dividing p): devices are counted in whole granules, a run on q devices taking
+    floor(q / g) of the p / g (a sub-node run none), and the runs may take fewer than all: every cut whose sizes
+    sum to p has floor-sums at most p / g, so this is a relaxation (a lower bound of the g = 1 value) with g
+    times fewer device counts to carry."""
+    out = {n: math.inf for n in counts}
+    if not counts:
+        return out
     U = len(next(iter(units.values())))
-    if stages > U:
-        return math.inf
-    prefix = {q: np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float)))) for q, w in units.items()}
-    q_min = min(units)
+    top = min(max(counts), U)
+    wide: dict[int, np.ndarray] = {}
+    for q, w in units.items():
+        pre = np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float))))
+        mat = pre[None, :] - pre[:, None]  # [u, b]: units [u, b)
+        mat[np.tril_indices(U + 1)] = np.inf  # b <= u: no run
+        wide[q] = mat
+    g = granule if granule > 1 and p % granule == 0 else 1
+    cap = p // g
+    take = {q: q // g for q in wide}
+    q_min = min(take.values())
     layer: dict[int, np.ndarray] = {0: np.full(U + 1, np.inf)}
     layer[0][0] = 0.0
-    for s in range(stages):
+    for s in range(1, top + 1):
         nxt: dict[int, np.ndarray] = {}
-        left = stages - s - 1
         for d, best in layer.items():
-            for q, pre in prefix.items():
-                if d + q + left * q_min > p:
-                    continue
-                row = nxt.setdefault(d + q, np.full(U + 1, np.inf))
-                for u in np.flatnonzero(np.isfinite(best[: U - left])):
-                    vals = np.maximum(best[u], pre[u + 1:] - pre[u])
-                    np.minimum(row[u + 1:], vals, out=row[u + 1:])
+            rows = np.flatnonzero(np.isfinite(best))
+            if rows.size == 0:
+                continue
+            for q, mat in wide.items():
+                e = d + take[q]  # devices (granules) used after this run
+                if e > cap or (g == 1 and e < p and e + q_min > p and s < top):
+                    continue  # past the devices, or short of them with no room for another run
+                vals = np.maximum(best[rows, None], mat[rows]).min(axis=0)
+                row = nxt.get(e)
+                if row is None:
+                    nxt[e] = vals
+                else:
+                    np.minimum(row, vals, out=row)
         layer = nxt
-    return float(layer[p][U]) if p in layer else math.inf
+        if s in out:
+            ends = [layer[p]] if g == 1 and p in layer else list(layer.values()) if g > 1 else []
+            out[s] = float(min((v[U] for v in ends), default=math.inf))
+    return out
+
+
+def _min_sum_cut(units: dict[int, Sequence[float]], p: int, granule: int = 1) -> float:
+    """A lower bound of the least sum over cuts of the units into *two or more* runs, run i on q_i devices
+    (q_i a key of ``units``, sum q_i = p), of the sum of run i's unit seconds on q_i (exact for g = 1); with
+    ``granule`` g > 1 (dividing p) devices are counted in whole granules, a run on q taking floor(q / g), at
+    most p / g in all: a relaxation as in :func:`_minmax_cuts`. A DP over (units covered, runs so far 1 or more than 1, granules used), one matrix
+    operation per (first unit, size)."""
+    U = len(next(iter(units.values())))
+    g = granule if granule > 1 and p % granule == 0 else 1
+    cap = p // g
+    pres = {q: np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float)))) for q, w in units.items()}
+    # f[k][u, d]: least sum over cuts of units [0, u) into k runs (k = 2: two or more) using d granules
+    f = [np.full((U + 1, cap + 1), np.inf) for _ in range(3)]
+    f[0][0, 0] = 0.0
+    for u in range(U):
+        for k in (0, 1, 2):
+            row = f[k][u]
+            if not np.isfinite(row).any():
+                continue
+            k2 = min(k + 1, 2)
+            for q, pre in pres.items():
+                t = q // g
+                if t > cap:
+                    continue
+                run = pre[u + 1:] - pre[u]  # units [u, b) for b = u + 1 .. U
+                vals = row[None, : cap + 1 - t] + run[:, None]
+                np.minimum(f[k2][u + 1:, t:], vals, out=f[k2][u + 1:, t:])
+    return float(f[2][U][cap] if g == 1 else f[2][U].min())  # g = 1: the sizes sum to p exactly
 
 
 def _zb_family_bound(units: dict[int, Sequence[float]], p: int, stages: int, m: int) -> float:
@@ -873,8 +1128,15 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
         return tuple(q for q in sizes if q <= p)
 
     # the family bound m B_0 of each stage count; B_0 bounds the pipeline's max term (module docstring)
-    floors = {n: _zb_family_bound({q: units(q) for q in family_sizes(n)}, p, n, m) / m if family_sizes(n)
-              else math.inf for n in range(first_stages, s_max + 1)}
+    if space.uniform:
+        floors = {n: _zb_family_bound({q: units(q) for q in family_sizes(n)}, p, n, m) / m if family_sizes(n)
+                  else math.inf for n in range(first_stages, s_max + 1)}
+    else:
+        # every count has the same sizes: one min-max DP serves them all (its layer n is count n's)
+        counts = range(first_stages, s_max + 1)
+        ns = p if space.node_size is None or space.node_size >= p else space.node_size
+        cut = _minmax_cuts({q: units(q) for q in family_sizes(0)}, p, counts, granule=ns) if counts else {}
+        floors = {n: cut[n] * FAMILY_SAFETY for n in counts}
     best: PipelinePlan | None = None
 
     def best_t() -> float:
@@ -918,6 +1180,8 @@ class _StagePool:
         self.plain_costs: dict[tuple[int, int, int], StageCost | None] = {}
         self.fitted: dict[tuple[int, int, int, float], StageCost | None] = {}
         self.lazy = fit_fn is not None
+        # proven lower bounds of memory-constrained stages known from outside, by (a, b, q, k): their stand-ins
+        self.known_lower: dict[tuple[int, int, int, float], float] = {}
         self.version = 0  # counts the solves that changed a cost (a DP's memo is valid for one version)
 
     def plain(self, a: int, b: int, q: int) -> StageCost | None:
@@ -938,7 +1202,7 @@ class _StagePool:
         key = (a, b, q, k)
         if key not in self.fitted:
             if self.lazy:
-                self.fitted[key] = _stand_in(c)
+                self.fitted[key] = _stand_in(c, self.known_lower.get(key, 0.0))
             else:
                 self.resolve(key)
         return self.fitted[key]
@@ -953,8 +1217,10 @@ class _StagePool:
         if got is not None and self.on_new is not None:
             self.on_new(got, True)
         plain = self.plain(a, b, q)
-        if got is not None and plain is not None and got.time < plain.time * (1 - 1e-9) and self.lazy:
-            # the time-optimal stage is not a lower bound of this fit_fn: stand-ins are void, solve eagerly
+        floor = max(plain.time if plain is not None else 0.0, self.known_lower.get(key, 0.0))
+        if got is not None and plain is not None and got.time < floor * (1 - 1e-9) and self.lazy:
+            # the stand-in (the time-optimal stage, or a bound from outside) is not a lower bound of this fit_fn:
+            # stand-ins are void, solve eagerly
             self.lazy = False
             self.stats["lazy_abandoned"] = True
             for other in [x for x, c in self.fitted.items() if c is not None and c.detail is _PENDING]:

@@ -322,6 +322,16 @@ class ModelStages:
             self._graphs[m] = (g, units, sigs)
         return self._graphs[m]
 
+    def release(self) -> None:
+        """Drop every cached stage cost, fit solve, cut and cost table (not the graphs): a search that is done with
+        one micro-batch count asks for none of them again (the micro-batch size is in every stage's key), and
+        whatever is asked later is solved again. The pipeline search calls it after each micro-batch count, so
+        its memory holds one count's stages at a time."""
+        self._cache.clear()
+        self._lower.clear()
+        self._cuts.clear()
+        self._tables.clear()
+
     @property
     def num_units(self) -> int:
         return len(self.graph(1)[1])

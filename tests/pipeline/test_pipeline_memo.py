@@ -1,0 +1,130 @@
+"""The 1F1B stage DP over in-flight classes (every stage count in one DP) and the bounded memory of its memo."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from shardplan.pipeline.search import PipelineSpace, StageCost, _stage_dp, brute_force_pipeline, search_pipeline
+
+
+def _values(seed: int, U: int, p: int, m: int):
+    """A random stage value depending on the units, the size, whether the cuts cross a node, the in-flight count
+    min(r, m) and whether the stage is last (what 1F1B's stage values depend on), growing with the extent."""
+    rng = random.Random(seed)
+    unit = [rng.uniform(0.5, 2.0) for _ in range(U)]
+    eff = {q: rng.uniform(0.5, 1.0) for q in range(1, p + 1)}
+    extra = {k: rng.uniform(0.0, 0.2) for k in range(1, m + 1)}
+
+    def stage(a, b, o, q, r):
+        k = min(r, m)
+        if (a * 7 + q + k) % 11 == 0:
+            return None  # a stage that cannot be costed
+        v = sum(unit[a:b]) / (q * eff[q]) + extra[k] + (0.3 if r == 1 else 0.0) + (0.05 if o % 4 == 0 else 0.0)
+        return v
+
+    def between(b, o, q, q2):
+        return 0.01 * b / min(q, q2) + (0.1 if (o + q) % 4 == 0 else 0.0)
+
+    return stage, between
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_class_dp_equals_the_least_over_stage_counts(seed):
+    """One DP over the classes min(stages left, m) gives the least over every stage count of the DP with exactly
+    n stages, with and without charges between the stages, and its pipeline attains it."""
+    U, p, m = 6, 8, [1, 2, 3, 5][seed % 4]
+    space = PipelineSpace(U, p, 4)
+    sizes = list(space.allowed_sizes())
+    stage, between = _values(seed, U, p, m)
+    for link in (None, between):
+        per_n = [_stage_dp(space, n, sizes, stage, link, {}, "states") for n in range(1, min(U, p) + 1)]
+        want = min((g[0] for g in per_n if g is not None), default=math.inf)
+        got = _stage_dp(space, 0, sizes, stage, link, {}, "states", classes=m)
+        assert got is not None and got[0] == pytest.approx(want, rel=1e-12)
+        segs = got[1]
+        n = len(segs)
+        again = sum(stage(a, b, o, q, n - i) for i, (a, b, o, q) in enumerate(segs))
+        if link is not None:
+            again += sum(2 * link(segs[i][1], segs[i][2], segs[i][3], segs[i + 1][3]) for i in range(n - 1))
+        assert again == pytest.approx(got[0], rel=1e-12)
+        assert segs[0][0] == 0 and segs[-1][1] == U and segs[-1][2] + segs[-1][3] == p
+
+
+def _chain(U: int):
+    def stage_fn(a, b, q, m):
+        t = (b - a) / q / m + 0.01 * (b - a)
+        return StageCost(t / 3, 2 * t / 3, (b - a) / q, 0.2 * (b - a) / q / m, None, 0.01 / q, 0.01 / q, t / 3)
+
+    return stage_fn
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_memo_is_bounded_by_the_classes_not_the_stage_counts(m):
+    """The DP's memo holds at most (units + 1) x (offsets) x m classes x (sizes + 1) states per bound, however
+    many stage counts the units allow (one layer per stage count would hold up to min(U, p) of them), and at
+    most two memos are held at once (the unbounded one and the current bound's): a closed bound's memo is
+    released. The answer is brute force's."""
+    U, p, ns = 12, 8, 4
+    stage_fn = _chain(U)
+    space = PipelineSpace(U, p, ns, micro_batches=(m,))
+    got = search_pipeline(space, stage_fn, lambda *a: 0.0, schedules=("1f1b",), exchange=lambda x, inter: x)
+    sizes = space.allowed_sizes()
+    held = got.stats["dp_memos_held_max"]
+    assert 1 <= held <= 2
+    # one DP layer per stage count (up to 8 here) would hold 1,203 states at m = 1, over this bound (585)
+    assert got.stats["dp_memo_peak_entries"] <= held * (U + 1) * (p + 1) * m * (len(sizes) + 1)
+    want = brute_force_pipeline(space, stage_fn, lambda *a: 0.0, exchange=lambda x, inter: x)
+    assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_minmax_cuts_share_one_dp_and_granules_relax(seed):
+    """The min-max cut of every stage count from one DP equals each count's own (a direct enumeration over
+    cuts and size sequences), and counting devices in granules gives a lower bound of it."""
+    import itertools
+
+    from shardplan.pipeline.search import _minmax_cuts, submesh_sizes
+
+    rng = random.Random(seed)
+    U, p = rng.randint(1, 6), rng.choice([4, 8])
+    sizes = [q for q in submesh_sizes(p, rng.choice([2, 4])) if rng.random() < 0.8] or [p]
+    units = {q: [rng.uniform(0.0, 1.0) / q for _ in range(U)] for q in sizes}
+    counts = range(1, 6)
+    got = _minmax_cuts(units, p, counts)
+    coarse = _minmax_cuts(units, p, counts, granule=2)
+    for n in counts:
+        want = math.inf
+        for cuts in itertools.combinations(range(1, U), n - 1):
+            bounds = (0, *cuts, U)
+            for qs in itertools.product(sizes, repeat=n):
+                if sum(qs) == p:
+                    want = min(want, max(sum(units[q][bounds[i]:bounds[i + 1]]) for i, q in enumerate(qs)))
+        assert got[n] == pytest.approx(want, rel=1e-12) if math.isfinite(want) else got[n] == math.inf
+        assert coarse[n] <= want * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_min_sum_cut_of_two_or_more_runs(seed):
+    """The least sum of unit seconds over cuts into two or more runs whose sizes sum to p equals enumeration;
+    counting devices in granules gives a lower bound of it."""
+    import itertools
+
+    from shardplan.pipeline.search import _min_sum_cut, submesh_sizes
+
+    rng = random.Random(100 + seed)
+    U, p = rng.randint(1, 6), rng.choice([4, 8])
+    sizes = [q for q in submesh_sizes(p, rng.choice([2, 4])) if rng.random() < 0.8] or [p]
+    units = {q: [rng.uniform(0.0, 1.0) / q for _ in range(U)] for q in sizes}
+    want = math.inf
+    for n in range(2, U + 1):
+        for cuts in itertools.combinations(range(1, U), n - 1):
+            bounds = (0, *cuts, U)
+            for qs in itertools.product(sizes, repeat=n):
+                if sum(qs) == p:
+                    want = min(want, sum(sum(units[q][bounds[i]:bounds[i + 1]]) for i, q in enumerate(qs)))
+    got = _min_sum_cut(units, p)
+    assert got == pytest.approx(want, rel=1e-12) if math.isfinite(want) else got == math.inf
+    assert _min_sum_cut(units, p, granule=2) <= want * (1 + 1e-12)
