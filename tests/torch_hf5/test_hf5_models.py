@@ -10,9 +10,21 @@ Mixtral and Qwen2-MoE dispatch tokens to experts by sorting in 5.x (their 4.x fo
 experts that were hit, which ``torch.export`` cannot capture), and OPT's 5.x forward has no random
 layer-drop decision in training mode; Llama and T5 run here too, on 5.x's attention and cache code.
 ``python tests/torch_cases.py 8 hf_mixtral`` runs one and prints its plan.
+
+torchvision's and timm's image classifiers run in the same launch, as their authors wrote them at tiny
+sizes (this environment has torchvision 0.28.0 and timm 1.0.29; see :func:`torch_cases.enter_torchvision`
+for how torchvision is imported beside the CPU torch): torchvision ``mobilenet_v3_small`` at a quarter of
+its width (hardswish, hardsigmoid squeeze-and-excitation gates, depthwise convolutions, batch norm: DTensor
+has no ``hardswish_backward`` rule, so the run must not hand it that operator), timm
+``vit_tiny_patch16_224`` on 32 x 32 images in 8 x 8 patches with 2 blocks of width 48, timm
+``convnext_atto`` with one block per stage (7 x 7 depthwise convolutions, channel-last layer norm, layer
+scale). Each is built by its library's own constructor (no weights), trained one step on 16 random 32 x 32
+images: ``cross_entropy(model(x), y)``.
 """
 
 from __future__ import annotations
+
+from importlib.metadata import version
 
 import pytest
 import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
@@ -20,12 +32,18 @@ import transformers
 
 pytestmark = pytest.mark.slow
 
-MODELS = ["hf_mixtral", "hf_opt", "hf_llama_cache", "hf_t5", "hf_qwen2_moe"]
+MODELS = ["hf_mixtral", "hf_opt", "hf_llama_cache", "hf_t5", "hf_qwen2_moe", "tv_mobilenet_v3", "timm_vit",
+          "timm_convnext"]
 WORLD = 8
 
 
 def test_this_environment_has_transformers_5():
     assert transformers.__version__ == "5.24.0"
+
+
+def test_this_environment_has_the_pinned_vision_libraries():
+    assert (version("torchvision"), version("timm")) == ("0.28.0", "1.0.29")
+    assert type(torch_cases.torchvision_models().mobilenet_v3_small()).__module__ == "torchvision.models.mobilenetv3"
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +60,10 @@ def test_sharded_loss_and_grads_equal_single_process(results, name):
 @pytest.mark.parametrize("name", MODELS)
 def test_no_operator_is_described_conservatively(results, name):
     torch_cases.assert_nothing_conservative(results[name])
+
+
+def test_every_operator_of_mobilenet_is_split(results):
+    """The plan on the toy machine splits every operator of MobileNetV3 (its hardswishes included, whose
+    backward DTensor has no rule for), and the run still matches one process (above)."""
+    r = results["tv_mobilenet_v3"]
+    assert r["split_ops"] == r["operators"] == 158
