@@ -94,7 +94,9 @@ def test_stages_are_searched_by_the_same_call_across_nodes():
     import shardplan.jax as sj
 
     p = sj.plan(loss_fn, _params(), BATCH, DEVICES, TWO_NODES, micro_batches=(2, 4))
-    assert p.stats["stages_searched"] and set(p.stats["compared"]) == {"one program", "pipeline"}
+    # the pipelines were searched: a pipeline plan compared, or (none beat the one program) what they proved
+    assert p.stats["stages_searched"] and "one program" in p.stats["compared"]
+    assert "pipeline" in p.stats["compared"] or p.stats["pipeline_lower_bound"] >= p.lower_bound
 
 
 def test_planning_with_no_machine_names_the_detected_one():
