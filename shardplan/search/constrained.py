@@ -228,9 +228,9 @@ class _Ctx:
     mix_states: int = 20_000  # the front program's limits when mixing (see _mix); 0: knapsack of groups only
     mix_points: int = 1_000_000
     trail: list = field(default_factory=list)  # the points of the current node's dual
-    # (lam, allowed choices packed as bits) -> the point its Lagrangian solve gave: a node's dual often asks
-    # again for a multiplier and choice set an earlier node solved (a child keeps its parent's choices on
-    # the side the branch did not cut); the DP is deterministic, so the stored point is the one it would give
+    # (lam, allowed choices packed as bits) -> the point its Lagrangian solve gave (solve_memory's ``solved``:
+    # the full search of a micro-batch count repeats the dual of its root-only search); the DP is
+    # deterministic, so a stored point is the one the solve would give
     solved: dict = field(default_factory=dict)
     reused: int = 0
 
