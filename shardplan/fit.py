@@ -427,6 +427,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     peak_least = False  # whether least_all is the backward-peak model's lower bound (not an exact least)
     host_budget = options.host_budget(machine)
     host_least = np.inf  # the least host memory, when only the host budget ruled a count out
+    solved_by_m: dict[int, dict] = {}  # per count, the Lagrangian points its root solve found
     for m in sorted({int(x) for x in options.micro_batches}):
         if options.backward_peak(m):
             pp, cts = peak_problem(tables, budget, options, cache)
@@ -456,10 +457,12 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                         "least_host_bytes": float(sum(t.host_bytes.min() for t in cts))})
             continue
         # the root alone: a feasible plan and the dual bound, to order the counts and share the incumbent
-        root = solve_memory(mp, max_nodes=1, fix_iters=-1, **dp_options)
+        solved: dict = {}  # the root's Lagrangian points, for the full search of this count (exact reuse)
+        root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved, **dp_options)
         totals["nodes"] += root.stats["nodes"]
         totals["dp_solves"] += root.stats["dp_solves"]
         problems.append((root.bound, root.cost, m, mp, cts, root))
+        solved_by_m[m] = solved
         if best is None or root.cost < best[0].cost:
             best = (root, m, cts)
     if not problems and best is None:
@@ -491,7 +494,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                         "nodes": sol.stats["nodes"], "surrogate_solves": sol.stats["surrogate_solves"],
                         "cuts": sol.stats["cuts"], "dp_solves": sol.stats["dp_solves"], "seconds": sol.solve_seconds})
         else:
-            sol = solve_memory(mp, time_limit=options.time_limit, upper=upper, **dp_options)
+            sol = solve_memory(mp, time_limit=options.time_limit, upper=upper, solved=solved_by_m.get(m),
+                               **dp_options)
             totals["nodes"] += sol.stats["nodes"]
             totals["dp_solves"] += sol.stats["dp_solves"]
             per.append({"micro_batches": m, "status": sol.stats["status"], "cost": sol.cost, "bound": sol.bound,

@@ -101,8 +101,12 @@ def min_plus(vec: np.ndarray, mat: np.ndarray) -> np.ndarray:
     is bit for bit that of the one-shot form.
     """
     ka, kb = mat.shape
+    if ka == 1:  # one row: the sums themselves (no reduction, the same floats)
+        return mat[0] + vec[0]
     if ka == 0 or kb == 0:
         return (vec[:, None] + mat).min(axis=0)
+    if kb == 1:  # one column: one reduction of the same sums
+        return np.array([np.min(vec + mat[:, 0])])
     if mat.T.flags.c_contiguous and not mat.flags.c_contiguous:  # a transposed view: walk its rows
         mt = mat.T
         out = np.empty(kb)
@@ -195,16 +199,20 @@ def trws(st: BoundState, order: list[int], iters: int) -> None:
         gamma.append(1.0 / max(1, before, len(nbrs[v]) - before))
     later = [[w for w in nbrs[v] if pos[w] > pos[v]] for v in range(n)]
     earlier = [[w for w in nbrs[v] if pos[w] < pos[v]] for v in range(n)]
+    # a message into a vertex of one configuration is m - m.min() = [0.0] (m finite): once it holds that value,
+    # recomputing it changes nothing, so it is skipped (bit for bit the same messages)
+    single = [len(c) == 1 for c in st.unary]
     for _ in range(iters):
         for seq, out in ((order, later), (order[::-1], earlier)):
             for s in seq:
-                if not out[s]:
+                targets = [t for t in out[s] if not (single[t] and msg[(s, t)][0] == 0.0)]
+                if not targets:
                     continue
                 hat = st.unary[s].copy()
                 for u in nbrs[s]:
                     hat += msg[(u, s)]
                 hat *= gamma[s]
-                for t in out[s]:
+                for t in targets:
                     m = min_plus(hat - msg[(t, s)], oriented[(s, t)])
                     m -= m.min()
                     msg[(s, t)] = m
@@ -214,10 +222,16 @@ def _fold(st: BoundState, key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray,
     """Split edge ``key`` (after the messages) as r[a] + c[b] + R[a, b]; returns (r, c, R)."""
     u, w = key
     m = st.pairs[key]
-    if st.msg is not None:
-        m = m - st.msg[(u, w)][None, :]
-        m -= st.msg[(w, u)][:, None]
-    return reparametrise(m)
+    if st.msg is None:
+        return reparametrise(m)
+    m = m - st.msg[(u, w)][None, :]
+    m -= st.msg[(w, u)][:, None]
+    # m is a fresh array: split it in place (reparametrise's operations on the same floats, one copy fewer)
+    r = m.min(axis=1)
+    m -= r[:, None]
+    c = m.min(axis=0)
+    m -= c[None, :]
+    return r, c, m
 
 
 def _forest_pass(st: BoundState, exact_weights: bool = False) -> tuple[list[np.ndarray], np.ndarray, float]:

@@ -228,6 +228,11 @@ class _Ctx:
     mix_states: int = 20_000  # the front program's limits when mixing (see _mix); 0: knapsack of groups only
     mix_points: int = 1_000_000
     trail: list = field(default_factory=list)  # the points of the current node's dual
+    # (lam, allowed choices packed as bits) -> the point its Lagrangian solve gave (solve_memory's ``solved``:
+    # the full search of a micro-batch count repeats the dual of its root-only search); the DP is
+    # deterministic, so a stored point is the one the solve would give
+    solved: dict = field(default_factory=dict)
+    reused: int = 0
 
     def offer(self, pt: _Point) -> None:
         if pt.m <= self.mp.budget and (self.best is None or pt.f < self.best.f):
@@ -247,16 +252,23 @@ def _lagrangian_problem(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndar
     keeps, picks, unary = [], [], []
     full = True
     sizes = p.sizes
+    # identical operators share their base, cost and memory arrays (mp holds them, so ids stay unique): with
+    # equal allowed choices their rows are the same computation, done once and shared
+    done: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     for v in range(p.num_vertices):
-        idx = np.flatnonzero(allowed[v])
-        val = mp.cost[v][idx] + lam * mp.memory[v][idx] if lam > 0 else mp.cost[v][idx]
-        order = np.lexsort((mp.memory[v][idx], val, mp.base[v][idx]))
-        b = mp.base[v][idx][order]
-        first = np.ones(len(b), dtype=bool)
-        first[1:] = b[1:] != b[:-1]
-        keeps.append(b[first])
-        picks.append(idx[order][first])
-        unary.append(val[order][first])
+        key = (id(mp.base[v]), id(mp.cost[v]), id(mp.memory[v]), allowed[v].tobytes())
+        row = done.get(key)
+        if row is None:
+            idx = np.flatnonzero(allowed[v])
+            val = mp.cost[v][idx] + lam * mp.memory[v][idx] if lam > 0 else mp.cost[v][idx]
+            order = np.lexsort((mp.memory[v][idx], val, mp.base[v][idx]))
+            b = mp.base[v][idx][order]
+            first = np.ones(len(b), dtype=bool)
+            first[1:] = b[1:] != b[:-1]
+            row = done[key] = (b[first], idx[order][first], val[order][first])
+        keeps.append(row[0])
+        picks.append(row[1])
+        unary.append(row[2])
         full &= len(keeps[-1]) == sizes[v]
     if full:
         edge_cost, configs = p.edge_cost, p.configs
@@ -296,14 +308,19 @@ def _derived(p: Problem, configs: tuple, vertex_cost: tuple[np.ndarray, ...], ed
 def _lagrangian(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray]) -> _Point:
     """Exact argmin over the allowed choices of F + lam * M (ties: least memory)."""
     mp = ctx.mp
-    sub, keeps, picks = _lagrangian_problem(mp, lam, allowed)
-    t0 = time.perf_counter()
-    sol = ctx.dp(sub)
-    ctx.dp_seconds += time.perf_counter() - t0
-    ctx.solves += 1
-    choices = tuple(int(pk[a]) for pk, a in zip(picks, sol.assignment))
-    f, m = mp.evaluate(choices)
-    pt = _Point(f, m, choices)
+    key = (float(lam), np.packbits(np.concatenate(allowed)).tobytes())  # lengths are fixed by mp
+    pt = ctx.solved.get(key)
+    if pt is not None:
+        ctx.reused += 1
+    else:
+        sub, keeps, picks = _lagrangian_problem(mp, lam, allowed)
+        t0 = time.perf_counter()
+        sol = ctx.dp(sub)
+        ctx.dp_seconds += time.perf_counter() - t0
+        ctx.solves += 1
+        choices = tuple(int(pk[a]) for pk, a in zip(picks, sol.assignment))
+        f, m = mp.evaluate(choices)
+        pt = ctx.solved[key] = _Point(f, m, choices)
     ctx.offer(pt)
     ctx.trail.append(pt)
     return pt
@@ -965,7 +982,8 @@ def _branch(mp: MemoryProblem, node: _Node, ev: _Eval) -> list[_Node]:
 
 def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int = 100_000, rtol: float = 1e-9,
                  max_dual_iters: int = 60, upper: float = np.inf, fix_iters: int = 5,
-                 separable: int = 4096, frontier: int = 20_000, mix: bool = True, dp: Callable[[Problem], Solution] | None = None, **dp_options: Any) -> Solution:
+                 separable: int = 4096, frontier: int = 20_000, mix: bool = True, dp: Callable[[Problem], Solution] | None = None,
+                 solved: dict | None = None, **dp_options: Any) -> Solution:
     """Minimum F subject to M <= budget (see the module docstring), exact unless stopped.
 
     Parameters:
@@ -990,6 +1008,10 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
             program over their choices; a heuristic for the incumbent, exactness does not rest on it).
         dp: the exact unconstrained solver (default :func:`~shardplan.search.dp.solve_dp`
             with ``dp_options``).
+        solved: a dict (empty at first) shared between calls on the same ``mp`` with the same solver: each
+            Lagrangian solve's point is stored under its multiplier and allowed choices, and a later call
+            (e.g. the full search after a root-only one) takes it from there instead of solving again
+            (exact: the solver is deterministic, so it is the point the solve would give).
 
     Returns:
         A :class:`Solution` whose ``assignment`` holds *choice* indices, ``cost``
@@ -1013,6 +1035,8 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     if least > mp.budget:
         raise ShardplanError(infeasible_message(least, mp.budget))
     ctx = _Ctx(mp, dp, rtol, mix=mix)
+    if solved is not None:
+        ctx.solved = solved
     root = _Node([np.ones(k, dtype=bool) for k in mp.num_choices], -np.inf)
     heap: list[tuple[float, int, _Node]] = [(root.bound, 0, root)]
     counter, nodes = 1, 0
@@ -1078,7 +1102,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     gap = 0.0 if optimal else ((best.f - lower) / abs(best.f) if best.f else float(lower < best.f))
     stats = {"memory_bytes": best.m, "budget_bytes": mp.budget, "least_memory_bytes": least,
              **root_stats, "gap": gap, "nodes": nodes, "open_nodes": len(heap), "dp_solves": ctx.solves,
-             "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "separable_nodes": closed_separable, "frontier_nodes": closed_frontier, "beats_upper": best.f < upper, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
+             "dp_reused": ctx.reused, "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "separable_nodes": closed_separable, "frontier_nodes": closed_frontier, "beats_upper": best.f < upper, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
                         else "proven: nothing below upper")}
     return Solution(cost=best.f, assignment=best.choices, solve_seconds=time.perf_counter() - t0,
                     solver="memory-bb", optimal=optimal, bound=float(lower), stats=stats)

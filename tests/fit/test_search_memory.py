@@ -379,3 +379,22 @@ def test_row_classes_group_exactly_equal_rows():
     inv2 = _row_classes(odd)
     assert inv2.shape == (len(rows),) and inv2.max() + 1 == len(np.unique(odd, axis=0))
     assert _row_classes(np.zeros((4, 0))).tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 3))
+def test_stored_lagrangian_points_change_nothing(seed):
+    """The full search after a root-only one on the same store (as solve_fit runs each micro-batch count) gives
+    the same plan, cost, bound and status as the full search alone, and takes the root's points from the store."""
+    mp = memory_problem(seed, (0.0, 0.3, 0.7, 0.95)[seed % 4])
+    alone = solve_memory(mp)
+    solved: dict = {}
+    root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved)
+    stored = len(solved)
+    again = solve_memory(mp, solved=solved)
+    assert (again.assignment, again.cost, again.bound, again.optimal) == (alone.assignment, alone.cost, alone.bound,
+                                                                         alone.optimal)
+    assert {k: v for k, v in again.stats.items() if k not in ("dp_solves", "dp_reused", "dp_seconds")} == \
+        {k: v for k, v in alone.stats.items() if k not in ("dp_solves", "dp_reused", "dp_seconds")}
+    assert root.stats["dp_solves"] == stored >= 1
+    assert again.stats["dp_reused"] > alone.stats["dp_reused"]
+    assert again.stats["dp_solves"] + again.stats["dp_reused"] == alone.stats["dp_solves"] + alone.stats["dp_reused"]
