@@ -97,9 +97,14 @@ def _vocab(d: int) -> int:
     return 51200 if d != 2048 else 50304
 
 
-def _build(layers: int, d: int, heads: int):
-    vocab = _vocab(d)
-    return lambda b: get_model("gpt", b, layers=layers, d_model=d, heads=heads, seq=SEQ, vocab=vocab)
+def _build(case: "Case"):
+    """The row's GPT at batch b. A row with a published run has Megatron-LM's kernels as it ran them
+    (``kernels="megatron"``, as bench_fidelity's rows): the recipe and the plan are costed on the program that
+    was measured."""
+    vocab = _vocab(case.d_model)
+    kernels = "megatron" if case.measured_tflops is not None else "fused"
+    return lambda b: get_model("gpt", b, layers=case.layers, d_model=case.d_model, heads=case.heads, seq=SEQ,
+                               vocab=vocab, kernels=kernels)
 
 
 def _model_flops(graph) -> float:
@@ -137,12 +142,12 @@ def recipe_row(case: Case, flops: float) -> dict[str, Any]:
     t0, c0 = time.perf_counter(), _cpu()
     rec = Recipe.parse(case.recipe)
     machine = preset(case.machine, case.devices)
-    plan = cost_recipe(_build(case.layers, case.d_model, case.heads), machine, rec, batch=case.batch)
+    plan = cost_recipe(_build(case), machine, rec, batch=case.batch)
     peak = float(plan.memory["peak_bytes"])
     dp = case.devices // (rec.tp * rec.pp)
     bare = None
     if rec.recompute != "none":  # the same recipe without recomputation: what recomputing costs, by the model
-        other = cost_recipe(_build(case.layers, case.d_model, case.heads), machine, replace(rec, recompute="none"),
+        other = cost_recipe(_build(case), machine, replace(rec, recompute="none"),
                             batch=case.batch)
         bare = {"step_seconds": other.step_time, "peak_memory_gib": float(other.memory["peak_bytes"]) / 2**30,
                 "fits": float(other.memory["peak_bytes"]) <= float(other.memory["budget_bytes"])}
@@ -168,7 +173,7 @@ def search_row(case: Case, solve_opts: dict, fallback: bool, fit_rtol: float, fl
     sizes = tuple(sorted({p // s for s in case.search_stages if p % s == 0}))
     memory = ({"fallback": lambda t: megatron(t, max(1, t.machine.num_devices // 8))} if fallback else
               {"memory_choices": True, "fit_rtol": fit_rtol, "fit_time_limit": 600.0})
-    res = pipeline_solve(_build(case.layers, case.d_model, case.heads), case.batch, machine, micro_batches=ms,
+    res = pipeline_solve(_build(case), case.batch, machine, micro_batches=ms,
                          uniform=True, interleave=chunks, sizes=sizes, schedules=("1f1b", "interleaved", "zb-h1"),
                          **memory, **solve_opts)
     plan = res.plan
@@ -198,7 +203,7 @@ def recipe_part(name: str) -> dict:
     """A row's measured and recipe columns (seconds to compute): measured (where published), the recipe
     predicted and predicted / measured."""
     case = CASES[name]
-    flops = _model_flops(_build(case.layers, case.d_model, case.heads)(case.batch))
+    flops = _model_flops(_build(case)(case.batch))
     measured = measured_seconds(case)
     row: dict = {"case": name, "source": case.source, "machine": case.machine, "devices": case.devices,
                  "batch": case.batch, "layers": case.layers, "d_model": case.d_model, "heads": case.heads,
@@ -216,7 +221,7 @@ def recipe_part(name: str) -> dict:
 def search_part(name: str, solve_opts: dict, fallback: bool = False, fit_rtol: float = FIT_RTOL) -> dict:
     """A row's search columns: the plan found and the peak RSS of the search."""
     case = CASES[name]
-    flops = _model_flops(_build(case.layers, case.d_model, case.heads)(case.batch))
+    flops = _model_flops(_build(case)(case.batch))
     return {"search": search_row(case, solve_opts, fallback, fit_rtol, flops), "peak_rss_gb": _rss_gb()}
 
 
