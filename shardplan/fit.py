@@ -458,10 +458,13 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             continue
         # the root alone: a feasible plan and the dual bound, to order the counts and share the incumbent
         solved: dict = {}  # the root's Lagrangian points, for the full search of this count (exact reuse)
-        root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved, **dp_options)
+        # with the best plan so far as ``upper``, a count's dual stops as soon as its bound reaches it: the
+        # count is then pruned below without the dual's remaining solves (docs/memory.md, "Work not repeated")
+        root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved,
+                            upper=best[0].cost if best is not None else np.inf, **dp_options)
         totals["nodes"] += root.stats["nodes"]
         totals["dp_solves"] += root.stats["dp_solves"]
-        problems.append((root.bound, root.cost, m, mp, cts, root))
+        problems.append((max(root.bound, root.stats.get("root_bound", -np.inf)), root.cost, m, mp, cts, root))
         solved_by_m[m] = solved
         if best is None or root.cost < best[0].cost:
             best = (root, m, cts)
