@@ -121,6 +121,9 @@ def min_plus(vec: np.ndarray, mat: np.ndarray) -> np.ndarray:
     return out
 
 
+_MEMO_MIN = 1 << 12  # matrix entries below which :class:`_MinPlusMemo` computes without a key
+
+
 class _MinPlusMemo:
     """:func:`min_plus` computed once per distinct input (within one pass over a problem).
 
@@ -138,6 +141,8 @@ class _MinPlusMemo:
         self.hits = 0
 
     def __call__(self, vec: np.ndarray, mat: np.ndarray) -> np.ndarray:
+        if mat.size < _MEMO_MIN:  # a small product costs less than its key
+            return min_plus(vec, mat)
         key = (view_key(mat), vec.tobytes())
         out = self.store.get(key)
         if out is None:
