@@ -517,8 +517,10 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
         upper = best[0].cost if best is not None else np.inf
         if root_bound >= upper * (1 - 1e-9):
             lower.append(root_bound)
+            # cost: the best plan the root saw (None when its dual reached the best plan before seeing one)
+            seen = _root is None or _root.stats.get("found", True)
             per.append({"micro_batches": m, "status": "pruned: its dual bound reaches the best plan",
-                        "lower_bound": root_bound, "cost": root_cost})
+                        "lower_bound": root_bound, "cost": root_cost if seen else None})
             continue
         if isinstance(mp, PeakProblem):
             try:
