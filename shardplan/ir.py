@@ -223,7 +223,7 @@ class Causal:
     ``balanced``: a sequence split ``c`` ways is dealt out in ``2c`` chunks, block ``i`` holding chunks ``i``
     and ``2c - 1 - i`` (the load balancing of Megatron-LM's and Llama 3's context parallelism), so every block
     does the same work; False: contiguous blocks, the last one doing the most. The cost model charges the
-    busiest device's share (:func:`shardplan.cost.ring.causal_fractions`; docs/cost-model.md, "Ring context
+    busiest device's share (:func:`shardplan.cost.causal.causal_fractions`; docs/cost-model.md, "Ring context
     parallelism")."""
 
     query: str

@@ -6,7 +6,7 @@ configuration c (arrays over the K configurations):
 
 * compute: ``f * prod_d E_d / c_d`` FLOPs forward (f = work per point; under a causal mask,
   :attr:`~shardplan.ir.Operator.causal`, times the busiest device's share of its tile that the mask
-  keeps, :func:`shardplan.cost.ring.causal_fractions`), and
+  keeps, :func:`shardplan.cost.causal.causal_fractions`), and
   the same again for every tensor whose gradient the backward pass
   produces (input gradient and weight gradient of a GEMM: 2x). Each pass
   is a roofline: ``max(FLOPs / (peak * efficiency), bytes / HBM bandwidth)``
@@ -85,7 +85,7 @@ import numpy as np
 
 from shardplan.configs import forward_deferrable
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
-from shardplan.cost.ring import causal_fractions
+from shardplan.cost.causal import causal_fractions
 from shardplan.cost.tiles import as_layouts, box_volumes, lazy_grid, regular_tile_lengths, tensor_boxes
 from shardplan.layout import LayoutArrays, flat_layout_arrays, unique_rows
 from shardplan.ir import Operator

@@ -22,92 +22,27 @@ The math is in docs/cost-model.md, "Ring context parallelism"; in short:
   :func:`context_edge` (``build_tables(..., context="allgather" | "ring" | "auto")``), and the
   all-reduce of the ring input's gradient moves from the operator to that edge (:func:`moved_reduction`)
   so that the two algorithms are compared on the same terms.
-* **Causal work.** An operator with a :class:`~shardplan.ir.Causal` mask does work only where
-  ``key <= query``; :func:`causal_fractions` gives, per layout, the busiest device's share of its tile's
-  work (``(S + 1) / 2S`` for a balanced split, ``(2S - S/c + 1) / 2S`` for ``c`` contiguous blocks of the
-  query) and the share of one ring step's block (1/2 balanced, 1 contiguous).
+* **Causal work** (:mod:`shardplan.cost.causal`): under a causal mask one ring step's block is half of a
+  full block on every device when the sequence is balanced, a full block on the busiest device when not.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
+from shardplan.cost.causal import causal_fractions
 from shardplan.cost.collectives import allreduce_time, outer_level, p2p_time
 from shardplan.cost.tiles import box_volumes, tensor_boxes
 from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays
 from shardplan.machine import Machine
 
-__all__ = ["CONTEXT_ALGORITHMS", "causal_fractions", "block_work", "ring_inputs", "ring_exposed", "moved_reduction",
+__all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_exposed", "moved_reduction",
            "context_edge", "ring_choices", "ring_operator_cost"]
 
 CONTEXT_ALGORITHMS = ("allgather", "ring", "auto")
 """``build_tables(context=...)``: every ring input gathered (the default, today's model), passed around the
 ring wherever the producer scatters it, or the cheaper of the two per edge."""
-
-
-def _blocks(extent: int, c: int, balanced: bool) -> list[list[tuple[int, int]]]:
-    """The positions of each of ``c`` blocks of a sequence of ``extent``: intervals [lo, hi). Balanced (and
-    ``2c`` dividing the extent): block i holds chunks i and 2c - 1 - i of 2c; else contiguous blocks."""
-    if balanced and c > 1 and extent % (2 * c) == 0:
-        h = extent // (2 * c)
-        return [[(i * h, (i + 1) * h), ((2 * c - 1 - i) * h, (2 * c - i) * h)] for i in range(c)]
-    n = extent // c
-    return [[(i * n, (i + 1) * n)] for i in range(c)]
-
-
-def _pairs(a: int, b: int, lo: int, hi: int) -> int:
-    """#{(p, q): a <= p < b, lo <= q < hi, q <= p}: sum over p of min(max(p + 1 - lo, 0), hi - lo)."""
-    n = hi - lo
-
-    def prefix(x: int) -> int:  # the sum over 0 <= p < x
-        m = x - lo
-        if m <= 0:
-            return 0
-        if m <= n:
-            return m * (m + 1) // 2
-        return n * (n + 1) // 2 + (m - n) * n
-
-    return prefix(b) - prefix(a)
-
-
-@lru_cache(maxsize=1024)
-def block_work(extent: int, cq: int, ck: int, balanced: bool) -> np.ndarray:
-    """(cq, ck) float: the share of the points of (query block i) x (key block j) with key <= query, the
-    sequence of ``extent`` split ``cq`` ways along the query and ``ck`` along the key (:func:`_blocks`)."""
-    qs, ks = _blocks(extent, cq, balanced), _blocks(extent, ck, balanced)
-    out = np.zeros((cq, ck))
-    for i, qb in enumerate(qs):
-        nq = sum(h - lo for lo, h in qb)
-        for j, kb in enumerate(ks):
-            nk = sum(h - lo for lo, h in kb)
-            out[i, j] = sum(_pairs(a, b, lo, hi) for a, b in qb for lo, hi in kb) / (nq * nk)
-    return out
-
-
-def causal_fractions(op: Operator, splits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per layout (rows of ``splits``, (K, n) total splits per dim): ``(total, step)``, the busiest device's
-    share of its tile's work under ``op.causal`` (1 without a mask), and the busiest share of one ring
-    block of another device's keys (the query split ``cq`` ways, the keys of the ring in ``cq`` blocks of the
-    same arrangement: the largest off-diagonal entry of :func:`block_work`; 1 without a mask)."""
-    splits = np.asarray(splits, dtype=np.int64)
-    k = len(splits)
-    total, step = np.ones(k), np.ones(k)
-    mask = op.causal
-    if mask is None:
-        return total, step
-    names = op.dim_names
-    extent = op.extents[mask.query]
-    iq, ik = names.index(mask.query), names.index(mask.key)
-    for cq, ck in {(int(a), int(b)) for a, b in splits[:, [iq, ik]]}:
-        rows = (splits[:, iq] == cq) & (splits[:, ik] == ck)
-        total[rows] = block_work(extent, cq, ck, mask.balanced).max()
-        ring = block_work(extent, cq, cq, mask.balanced)
-        off = ring[~np.eye(cq, dtype=bool)]
-        step[rows] = off.max() if len(off) else ring.max()
-    return total, step
 
 
 def ring_inputs(op: Operator, lay: LayoutArrays) -> tuple[np.ndarray, np.ndarray]:
@@ -197,9 +132,26 @@ def ring_choices(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     passes = 1 + len(v.grad_tensors)
     fwd_pass = np.asarray(compute, dtype=np.float64)[cols] / passes
     bwd_pass = np.asarray(compute, dtype=np.float64)[cols] - fwd_pass
-    share = step / (gs * total)  # one block's share of the pass: the busiest block over the busiest device's tile
-    fwd, bwd = ring_exposed(nbytes / gs, gs, level, fwd_pass * share, bwd_pass * share, machine, t.needs_grad)
-    out[:, cols] = np.where(ok.T, (fwd + bwd)[None, :], np.inf)
+    # one block's share of the pass: blocks along the mask's key dim, the busiest block over the busiest
+    # device's tile; blocks along other dims, 1/g of the (masked) work each; both, the smaller (more exposed)
+    seq = step / (gs * total)
+    share = np.broadcast_to(1.0 / gs, (len(lu), len(cols))).copy()
+    if v.causal is not None:
+        lengths_u = bu[:, 0, :, 1] - bu[:, 0, :, 0]  # (K_u, A): boxes of one regular split, device 0's
+        lengths_v = bv[:, 0, :, 1] - bv[:, 0, :, 0]
+        key = np.asarray([v.causal.key in a.dims for a in t.axes])
+        cut = lengths_u[:, None, :] < lengths_v[None, :, :]  # (K_u, K_v', A): axes the blocks cut
+        along = (cut & key).any(axis=2)
+        only = along & ~(cut & ~key).any(axis=2)
+        share = np.where(only, seq[None, :], np.where(along, np.minimum(seq[None, :], share), share))
+    out_f, out_b = [], []
+    for row in range(len(lu)):
+        f, b = ring_exposed(nbytes / gs, gs, level, fwd_pass * share[row], bwd_pass * share[row], machine,
+                            t.needs_grad)
+        out_f.append(f)
+        out_b.append(b)
+    ring = np.asarray(out_f) + np.asarray(out_b)  # (K_u, K_v')
+    out[:, cols] = np.where(ok.T, ring, np.inf)
     return out
 
 
