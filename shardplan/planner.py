@@ -37,7 +37,7 @@ STAGES = ("auto", True, False)
 
 
 TABLE_OPTIONS = ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas", "optimizer_factor",
-                 "partial_sums", "overlap_tp")
+                 "partial_sums", "overlap_tp", "context")
 """The cost-table options a plan records, so the tables can be rebuilt where it runs (:func:`spmd_of`)."""
 
 

@@ -97,7 +97,7 @@ from shardplan.layout import Layout
 from shardplan.machine import Machine
 from shardplan.models.moe import EXPERT_KINDS
 
-__all__ = ["Recipe", "cost_recipe", "megatron_layouts", "expert_dim", "has_experts", "recompute_names", "RECOMPUTE",
+__all__ = ["Recipe", "cost_recipe", "causal_attention", "megatron_layouts", "expert_dim", "has_experts", "recompute_names", "RECOMPUTE",
            "OVERLAPS", "ATTENTION_CORE"]
 
 RECOMPUTE = ("none", "selective", "full")
@@ -451,6 +451,24 @@ def expert_dim(op: Operator) -> str | None:
 def has_experts(graph: Graph) -> bool:
     """Whether ``graph`` has an operator that expert parallelism splits (:func:`expert_dim`)."""
     return any(expert_dim(op) is not None for op in graph.operators)
+
+
+def causal_attention(graph: Graph, balanced: bool = True) -> Graph:
+    """``graph`` with its attention core (:data:`ATTENTION_CORE` kinds over a query sequence ``s`` and a key
+    sequence ``t`` of one extent) under a causal mask (:class:`~shardplan.ir.Causal`): the cost model then
+    charges the masked work, the busiest device's share (``balanced``: the sequence dealt out in 2 cp chunks,
+    as Megatron-LM and Llama 3 do; False: contiguous blocks). The zoo's builders leave attention unmasked
+    (the work of the whole domain)."""
+    from shardplan.ir import Causal
+
+    def mark(op: Operator) -> Operator:
+        ext = op.extents
+        if op.kind in ATTENTION_CORE and "s" in ext and "t" in ext and ext["s"] == ext["t"]:
+            return replace(op, causal=Causal("s", "t", balanced))
+        return op
+
+    return Graph(graph.name, tuple(mark(op) for op in graph.operators), graph.graph_inputs, graph.ties,
+                 graph.recomputed)
 
 
 def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int, sp: bool = False,
