@@ -205,7 +205,7 @@ def _random_attention(seed: int):
     from dataclasses import replace
 
     rng = np.random.default_rng(seed)
-    S, K = 16, 4
+    S, K = 64, 8
     b = GraphBuilder(f"a{seed}")
     x = b.input("x", (1, S, K), needs_grad=True)
     mask = [None, Causal("s", "t"), Causal("s", "t", balanced=False)][int(rng.integers(0, 3))]
@@ -223,11 +223,27 @@ def _random_attention(seed: int):
     return b.build(), rng
 
 
+def _random_machine(rng) -> Machine:
+    return Machine(4, peak_flops=float(rng.choice([1e7, 1e8, 1e9])), bandwidth=float(rng.choice([1e7, 1e8])),
+                   latency=float(rng.choice([0.0, 1e-6, 1e-5])), dtype_bytes=4)
+
+
+def test_some_random_instances_take_the_ring_at_their_optimum():
+    """The instances below are not all alike: on some the ring lowers the optimum, on others it does not."""
+    lower = 0
+    for seed in range(8):
+        g, rng = _random_attention(seed)
+        m = _random_machine(rng)
+        auto = solve_dp(build_tables(g, m, cutoff=1, orders="row-major", context="auto").to_problem()).cost
+        plain = solve_dp(build_tables(g, m, cutoff=1, orders="row-major").to_problem()).cost
+        lower += int(auto < plain * (1 - 1e-9))
+    assert 2 <= lower < 8
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_dp_bruteforce_and_ilp_agree_with_the_ring_choice(seed):
     g, rng = _random_attention(seed)
-    m = Machine(4, peak_flops=float(rng.choice([1e6, 1e8, 1e10])), bandwidth=float(rng.choice([1e7, 1e9])),
-                latency=float(rng.choice([0.0, 1e-6, 1e-4])), dtype_bytes=4)
+    m = _random_machine(rng)
     t = build_tables(g, m, cutoff=1, orders="row-major", context="auto")
     problem = t.to_problem()
     dp = solve_dp(problem)
