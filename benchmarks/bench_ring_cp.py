@@ -11,6 +11,10 @@ Writes benchmarks/results/ring_cp.json.
 * Llama 3 70B on 64 H100: NVIDIA's recipe, tensor 4 × pipeline 4 × context 2 with 5 interleaved chunks per
   stage, micro-batch 1, global batch 64, full recomputation, sequence 8192.
 
+The search with the choice (``build_tables(context="auto")``, the DP) against the search without it (all-gather
+only), on one Llama 3 8B block on 16 H100 (two nodes) at 2K, 32K and 128K tokens: the optimum, the layout of
+the attention scores, and how many edges take the ring at the optimum.
+
 ``causal``: the attention core under a balanced causal mask (:func:`shardplan.recipe.causal_attention`). Each row
 records the step time, the peak memory per device, the breakdown, and the CPU and wall seconds of the costing.
 """
@@ -22,6 +26,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from shardplan.machine import preset
 from shardplan.models import get_model
@@ -53,8 +59,45 @@ def one(row: dict[str, Any], algo: str, causal: bool) -> dict[str, Any]:
             "cpu_seconds": time.process_time() - cpu, "wall_seconds": time.perf_counter() - wall}
 
 
+SEARCH = [(2048, 8), (32768, 1), (131072, 1)]  # (sequence, batch) of one Llama 3 8B block on 16 H100
+
+
+def search(seq: int, batch: int) -> dict[str, Any]:
+    from shardplan.cost import build_tables
+    from shardplan.cost.ring import ring_choices
+    from shardplan.search import solve_dp
+
+    g = causal_attention(get_model("llama3-8b", batch, layers=1, seq=seq))
+    m = preset("h100", 16)
+    row: dict[str, Any] = {"seq": seq, "batch": batch}
+    tables = {}
+    for context in ("allgather", "auto"):
+        cpu = time.process_time()
+        t = build_tables(g, m, cutoff=1, orders="row-major", context=context)
+        sol = solve_dp(t.to_problem())
+        tables[context] = (t, sol)
+        scores = next(i for i, op in enumerate(g.operators) if op.name.endswith("/scores"))
+        row[context] = {"step_seconds": sol.cost, "scores_layout": t.layouts[scores][sol.assignment[scores]].describe(),
+                        "cpu_seconds": time.process_time() - cpu}
+    t, sol = tables["auto"]
+    used = 0
+    for e, mat in zip(g.edges, t.edge_costs):  # the edges whose cost at the optimum is the ring's
+        i, j = sol.assignment[e.src], sol.assignment[e.dst]
+        ring = ring_choices(g.operators[e.src], t.arrays[e.src].take([i]), g.operators[e.dst], e.slot,
+                            t.arrays[e.dst].take([j]), m, t.op_costs[e.dst].compute[[j]])[0, 0]
+        used += int(np.isfinite(ring) and mat[i, j] == ring)
+    row["auto"]["ring_edges"] = used
+    return row
+
+
 def main() -> None:
-    out: dict[str, Any] = {"machine": "h100 preset", "load_average": os.getloadavg(), "rows": {}}
+    out: dict[str, Any] = {"machine": "h100 preset", "load_average": os.getloadavg(), "rows": {}, "search": []}
+    for seq, batch in SEARCH:
+        row = search(seq, batch)
+        out["search"].append(row)
+        print(f"search llama3-8b block seq {seq:6d} batch {batch}: all-gather {row['allgather']['step_seconds']:.5f} s "
+              f"{row['allgather']['scores_layout']}, with the ring {row['auto']['step_seconds']:.5f} s "
+              f"{row['auto']['scores_layout']} ({row['auto']['ring_edges']} edges on the ring)")
     for name, row in ROWS.items():
         out["rows"][name] = [one(row, algo, causal) for causal in (False, True) for algo in ("allgather", "ring")]
         for r in out["rows"][name]:
