@@ -54,7 +54,8 @@ def one(row: dict[str, Any], algo: str, causal: bool) -> dict[str, Any]:
     text = row["recipe"] + (",cp_algo=ring" if algo == "ring" else "")
     cpu, wall = time.process_time(), time.perf_counter()
     plan = cost_recipe(build, preset("h100", row["p"]), text, batch=row["batch"])
-    return {"recipe": text, "cp_algo": algo, "causal": causal, "words": recipe_words(plan), "step_seconds": plan.step_time,
+    return {"recipe": text, "cp_algo": algo, "causal": causal, "words": recipe_words(plan),
+            "step_seconds": plan.step_time,
             "peak_gib": plan.memory["peak_bytes"] / 2**30, "breakdown": dict(plan.breakdown),
             "cpu_seconds": time.process_time() - cpu, "wall_seconds": time.perf_counter() - wall}
 
@@ -77,8 +78,8 @@ def search(seq: int, batch: int) -> dict[str, Any]:
         sol = solve_dp(t.to_problem())
         tables[context] = (t, sol)
         scores = next(i for i, op in enumerate(g.operators) if op.name.endswith("/scores"))
-        row[context] = {"step_seconds": sol.cost, "scores_layout": t.layouts[scores][sol.assignment[scores]].describe(),
-                        "cpu_seconds": time.process_time() - cpu}
+        row[context] = {"step_seconds": sol.cost, "cpu_seconds": time.process_time() - cpu,
+                        "scores_layout": t.layouts[scores][sol.assignment[scores]].describe()}
     t, sol = tables["auto"]
     used = 0
     for e, mat in zip(g.edges, t.edge_costs):  # the edges whose cost at the optimum is the ring's

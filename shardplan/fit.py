@@ -370,7 +370,8 @@ def _choice_tables(tables: CostTables, micro_batches: int, options: FitOptions, 
     rules = options.rules
     return [_shared(shared, ("c", micro_batches, peak, rules, _key(op), id(lay), op.name in forced, sk[0]),
                     lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages,
-                                         options.recompute, opt, groups=wg, op_cost=oc if micro_batches == 1 else _scaled(op, lay, tables, micro_batches),
+                                         options.recompute, opt, groups=wg,
+                                         op_cost=oc if micro_batches == 1 else _scaled(op, lay, tables, micro_batches),
                                          in_flight=options.in_flight, accumulate=options.accumulate,
                                          forced_recompute=op.name in forced, recompute_keep=sk[1], peak=peak,
                                          rules=rules))
@@ -680,7 +681,8 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
         shares = unsaved_inputs(op, producers_saved(g, op))
         keep = recompute_keep_bytes(op, lay, tables.machine, shares) if any(shares) else None
         ct = choice_table(op, lay, None, tables.machine, m, STAGES, True, opt, prune=False,
-                          op_cost=oc if m == 1 else _scaled(op, lay, tables, m), forced_recompute=op.name in g.recomputed,
+                          op_cost=oc if m == 1 else _scaled(op, lay, tables, m),
+                          forced_recompute=op.name in g.recomputed,
                           recompute_keep=keep, accumulate=acc, rules=rules)
         mine = (ct.base == plan.assignment[i]) & (ct.recompute == (op.name in recs))
         if not np.any(mine & (ct.stage == stages[op.name])):  # an operator without trainable weights: stage 0

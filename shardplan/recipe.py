@@ -97,8 +97,8 @@ from shardplan.layout import Layout
 from shardplan.machine import Machine
 from shardplan.models.moe import EXPERT_KINDS
 
-__all__ = ["Recipe", "cost_recipe", "causal_attention", "megatron_layouts", "expert_dim", "has_experts", "recompute_names", "RECOMPUTE",
-           "OVERLAPS", "ATTENTION_CORE"]
+__all__ = ["Recipe", "cost_recipe", "causal_attention", "megatron_layouts", "expert_dim", "has_experts",
+           "recompute_names", "RECOMPUTE", "OVERLAPS", "ATTENTION_CORE", "CP_ALGORITHMS"]
 
 RECOMPUTE = ("none", "selective", "full")
 """The named recomputation policies (an integer N: the first N blocks of each stage)."""

@@ -405,7 +405,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     _check_finite(graph, machine, [per_key[k][2] for k in keys], edge_costs, weight_costs)
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
             "node_replicas": node_replicas, "candidates_given": candidates is not None, "partial_sums": partial_sums,
-            "overlap_tp": overlap_tp, "context": context, "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped,
+            "overlap_tp": overlap_tp, "context": context, "optimizer_factor": optimizer_factor,
+            "dropped_for_memory": dropped,
             "levels": levels,
             "distinct_operators": len(first),
             "distinct_edges": len({(keys[e.src], keys[e.dst], e.slot) for e in graph.edges}),
