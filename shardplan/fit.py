@@ -394,7 +394,7 @@ def _scaled(op: Operator, lay: Any, tables: CostTables, m: int) -> Any:
 def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, options: FitOptions = FitOptions(),
               tables: CostTables | None = None, cutoff: int = 4, powers_of_two: bool = False,
               divides_p: bool = True, orders: str = "auto", partial_sums: bool = False, overlap_tp: bool = False,
-              **dp_options: Any):
+              context: str = "allgather", **dp_options: Any):
     """The plan of least step time whose peak memory per device is within ``budget`` (default the machine's).
 
     ``cutoff`` (default 4, :func:`~shardplan.cost.build_tables`' own) is the
@@ -427,7 +427,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     if tables is None:
         # The per-configuration memory filter of build_tables assumes unsharded state: the fit search prunes itself.
         tables = build_tables(graph, replace(machine, memory_bytes=None), cutoff=cutoff, powers_of_two=powers_of_two,
-                              divides_p=divides_p, orders=orders, partial_sums=partial_sums, overlap_tp=overlap_tp)
+                              divides_p=divides_p, orders=orders, partial_sums=partial_sums, overlap_tp=overlap_tp,
+                              context=context)
         tables = replace(tables, machine=machine)
     build_seconds = time.perf_counter() - t0
     t1 = time.perf_counter()

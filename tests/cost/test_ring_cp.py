@@ -253,3 +253,20 @@ def test_dp_bruteforce_and_ilp_agree_with_the_ring_choice(seed):
     assert ilp.optimal and ilp.cost == pytest.approx(dp.cost, rel=1e-6)
     plain = build_tables(g, m, cutoff=1, orders="row-major")
     assert dp.cost <= solve_dp(plain.to_problem()).cost * (1 + 1e-12)  # the choice never raises the optimum
+
+
+def test_plan_and_the_command_line_offer_the_ring():
+    """``shardplan.plan(..., context="auto")``: one Llama 3 8B block at 128K tokens on 16 H100 moves to a
+    sequence split with the keys and values on the ring, below all-gather's optimum; a bad name is one line."""
+    from shardplan import plan
+    from shardplan.machine import preset
+
+    sizes = {"layers": 1, "seq": 131072}
+    m = preset("h100", 16)
+    gather = plan("llama3-8b", m, batch=1, sizes=sizes, fit=False, stages=False)
+    ring = plan("llama3-8b", m, batch=1, sizes=sizes, fit=False, stages=False, context="auto")
+    assert ring.step_time < gather.step_time * (1 - 1e-3)
+    assert ring.stats["table_options"]["context"] == "auto"
+    with pytest.raises(ShardplanError, match="context must be one of") as e:
+        plan("llama3-8b", m, batch=1, sizes=sizes, fit=False, stages=False, context="p2p")
+    assert "\n" not in str(e.value)
