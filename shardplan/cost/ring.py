@@ -1,4 +1,4 @@
-"""Context parallelism's two algorithms for an attention product, and the work of a causal mask.
+"""Context parallelism's two algorithms for an attention product: all-gather and the ring.
 
 The math is in docs/cost-model.md, "Ring context parallelism"; in short:
 
