@@ -370,17 +370,31 @@ def _choice_tables(tables: CostTables, micro_batches: int, options: FitOptions, 
     rules = options.rules
     return [_shared(shared, ("c", micro_batches, peak, rules, _key(op), id(lay), op.name in forced, sk[0]),
                     lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages,
-                                         options.recompute, opt, groups=wg, op_cost=oc if micro_batches == 1 else None,
+                                         options.recompute, opt, groups=wg,
+                                         op_cost=oc if micro_batches == 1 else _scaled(op, lay, tables, micro_batches),
                                          in_flight=options.in_flight, accumulate=options.accumulate,
                                          forced_recompute=op.name in forced, recompute_keep=sk[1], peak=peak,
                                          rules=rules))
             for op, lay, wg, oc, sk in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs, cache["keep"])]
 
 
+def _scaled(op: Operator, lay: Any, tables: CostTables, m: int) -> Any:
+    """The operator's cost with every collective paying m latencies (None: :func:`choice_table` computes it);
+    tables built with a ring ``context`` charge the ring input's gradient reduction on its edge
+    (:func:`shardplan.cost.ring.ring_operator_cost`)."""
+    context = tables.options.get("context", "allgather")
+    if context == "allgather":
+        return None
+    from shardplan.cost.memory import latency_scaled
+    from shardplan.cost.ring import ring_operator_cost
+
+    return ring_operator_cost(op, lay, latency_scaled(tables.machine, m), context)
+
+
 def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, options: FitOptions = FitOptions(),
               tables: CostTables | None = None, cutoff: int = 4, powers_of_two: bool = False,
               divides_p: bool = True, orders: str = "auto", partial_sums: bool = False, overlap_tp: bool = False,
-              **dp_options: Any):
+              context: str = "allgather", **dp_options: Any):
     """The plan of least step time whose peak memory per device is within ``budget`` (default the machine's).
 
     ``cutoff`` (default 4, :func:`~shardplan.cost.build_tables`' own) is the
@@ -413,7 +427,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     if tables is None:
         # The per-configuration memory filter of build_tables assumes unsharded state: the fit search prunes itself.
         tables = build_tables(graph, replace(machine, memory_bytes=None), cutoff=cutoff, powers_of_two=powers_of_two,
-                              divides_p=divides_p, orders=orders, partial_sums=partial_sums, overlap_tp=overlap_tp)
+                              divides_p=divides_p, orders=orders, partial_sums=partial_sums, overlap_tp=overlap_tp,
+                              context=context)
         tables = replace(tables, machine=machine)
     build_seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -667,7 +682,8 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
         shares = unsaved_inputs(op, producers_saved(g, op))
         keep = recompute_keep_bytes(op, lay, tables.machine, shares) if any(shares) else None
         ct = choice_table(op, lay, None, tables.machine, m, STAGES, True, opt, prune=False,
-                          op_cost=oc if m == 1 else None, forced_recompute=op.name in g.recomputed,
+                          op_cost=oc if m == 1 else _scaled(op, lay, tables, m),
+                          forced_recompute=op.name in g.recomputed,
                           recompute_keep=keep, accumulate=acc, rules=rules)
         mine = (ct.base == plan.assignment[i]) & (ct.recompute == (op.name in recs))
         if not np.any(mine & (ct.stage == stages[op.name])):  # an operator without trainable weights: stage 0

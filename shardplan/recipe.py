@@ -97,8 +97,8 @@ from shardplan.layout import Layout
 from shardplan.machine import Machine
 from shardplan.models.moe import EXPERT_KINDS
 
-__all__ = ["Recipe", "cost_recipe", "megatron_layouts", "expert_dim", "has_experts", "recompute_names", "RECOMPUTE",
-           "OVERLAPS", "ATTENTION_CORE"]
+__all__ = ["Recipe", "cost_recipe", "causal_attention", "megatron_layouts", "expert_dim", "has_experts",
+           "recompute_names", "RECOMPUTE", "OVERLAPS", "ATTENTION_CORE", "CP_ALGORITHMS"]
 
 RECOMPUTE = ("none", "selective", "full")
 """The named recomputation policies (an integer N: the first N blocks of each stage)."""
@@ -115,14 +115,17 @@ DTYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
 
 _INT_FIELDS = ("tp", "cp", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp", "ep",
                "mbs", "gbs")
-_ORDER = ("tp", "sp", "cp", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp", "ep",
-          "mbs", "gbs", "recompute", "dtype", "precision", "offload", "overlap")
+_ORDER = ("tp", "sp", "cp", "cp_algo", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp",
+          "ep", "mbs", "gbs", "recompute", "dtype", "precision", "offload", "overlap")
+
+CP_ALGORITHMS = ("allgather", "ring")
+"""Context parallelism's algorithms (``cp_algo``): ``build_tables(context=...)`` of :mod:`shardplan.cost.ring`."""
 
 PRECISIONS = ("mixed", "fp8")
 """Precision rules of a recipe beyond the machine's element size (module docstring)."""
 _ALIASES = {"fsdp": "zero", "micro_batch_size": "mbs", "global_batch_size": "gbs", "tensor_parallel": "tp",
             "pipeline_parallel": "pp", "data_parallel": "dp", "sequence_parallel": "sp", "context_parallel": "cp",
-            "expert_parallel": "ep", "virtual_stages": "vp"}
+            "expert_parallel": "ep", "virtual_stages": "vp", "context_algorithm": "cp_algo"}
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
@@ -132,7 +135,9 @@ class Recipe:
 
     Attributes:
         tp: tensor-parallel degree. sp: sequence parallelism (Megatron-LM's ``--sequence-parallel``).
-        cp: context-parallel degree. pp: pipeline stages. vp: model chunks per pipeline stage (interleaved
+        cp: context-parallel degree. cp_algo: how attention receives the keys and values of the context
+            group, ``allgather`` (Llama 3's, the default) or ``ring`` (:mod:`shardplan.cost.ring`).
+            pp: pipeline stages. vp: model chunks per pipeline stage (interleaved
             1F1B when > 1). first_stage_layers, last_stage_layers: blocks on the first / last stage
             (default: an even split). dp: data-parallel degree (default: devices / (tp · cp · pp)).
         zero: ZeRO stage 0-3 of every weight's state (3: FSDP). hsdp: hybrid-sharding group size.
@@ -148,6 +153,7 @@ class Recipe:
     tp: int = 1
     sp: bool = False
     cp: int = 1
+    cp_algo: str = "allgather"
     pp: int = 1
     vp: int = 1
     first_stage_layers: int | None = None
@@ -176,6 +182,8 @@ class Recipe:
             raise ShardplanError(f"recipe: zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero}")
         if not isinstance(self.sp, bool):
             raise ShardplanError(f"recipe: sp must be true or false, got {self.sp!r}")
+        if self.cp_algo not in CP_ALGORITHMS:
+            raise ShardplanError(f"recipe: cp_algo must be one of {', '.join(CP_ALGORITHMS)}, got {self.cp_algo!r}")
         rec = self.recompute
         if isinstance(rec, bool) or not (rec in RECOMPUTE or (isinstance(rec, int) and rec >= 1)):
             raise ShardplanError(f"recipe: recompute must be none, selective, full or a number of blocks >= 1, "
@@ -327,8 +335,8 @@ def _value(key: str, value: Any, fsdp: bool) -> Any:
         if text.isdigit():
             return int(text)
         return text
-    if key == "dtype":
-        return str(value).strip().lower()
+    if key in ("dtype", "cp_algo"):
+        return str(value).strip().lower().replace("-", "")
     if key == "precision":
         text = str(value).strip().lower()
         return None if text in ("none", "") else text
@@ -359,6 +367,8 @@ def refusal(recipe: Recipe, machine: Machine) -> str | None:
     """Why ``recipe`` has no exact counterpart in shardplan's space on ``machine`` (None: it has one)."""
     if recipe.sp and recipe.tp < 2:
         return "sequence parallelism (sp) splits the sequence over the tensor group: it needs tp >= 2"
+    if recipe.cp_algo != "allgather" and recipe.cp < 2:
+        return f"cp_algo={recipe.cp_algo}: a context-parallel algorithm needs a context group (cp >= 2)"
     if recipe.cp > 1 and recipe.ep > 1:
         return "context and expert parallelism together (cp with ep): their groups' rank order is not mapped"
     if recipe.hsdp is not None:
@@ -441,6 +451,24 @@ def expert_dim(op: Operator) -> str | None:
 def has_experts(graph: Graph) -> bool:
     """Whether ``graph`` has an operator that expert parallelism splits (:func:`expert_dim`)."""
     return any(expert_dim(op) is not None for op in graph.operators)
+
+
+def causal_attention(graph: Graph, balanced: bool = True) -> Graph:
+    """``graph`` with its attention core (:data:`ATTENTION_CORE` kinds over a query sequence ``s`` and a key
+    sequence ``t`` of one extent) under a causal mask (:class:`~shardplan.ir.Causal`): the cost model then
+    charges the masked work, the busiest device's share (``balanced``: the sequence dealt out in 2 cp chunks,
+    as Megatron-LM and Llama 3 do; False: contiguous blocks). The zoo's builders leave attention unmasked
+    (the work of the whole domain)."""
+    from shardplan.ir import Causal
+
+    def mark(op: Operator) -> Operator:
+        ext = op.extents
+        if op.kind in ATTENTION_CORE and "s" in ext and "t" in ext and ext["s"] == ext["t"]:
+            return replace(op, causal=Causal("s", "t", balanced))
+        return op
+
+    return Graph(graph.name, tuple(mark(op) for op in graph.operators), graph.graph_inputs, graph.ties,
+                 graph.recomputed)
 
 
 def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int, sp: bool = False,
@@ -667,17 +695,18 @@ TABLE_OPTIONS = {"cutoff": 1, "orders": "row-major", "node_replicas": True}
 
 
 def table_options(machine: Machine, tp: int, dp: int, sp: bool = False, ep: int = 1, cp: int = 1,
-                  overlap_tp: bool = False) -> dict[str, Any]:
+                  overlap_tp: bool = False, cp_algo: str = "allgather") -> dict[str, Any]:
     """:func:`shardplan.cost.build_tables` options of a stage of ``tp`` × ``dp`` devices on ``machine``'s levels:
     :data:`TABLE_OPTIONS` with the model dimension nested outside the batch inside a level
     (:func:`megatron_layout`: a candidate only with every order), and the recipe's layouts as the candidates
     (:func:`megatron_candidates`); ``overlap_tp``: the tensor-parallel collectives overlapped with the products
-    (``overlap=tp_comm``)."""
+    (``overlap=tp_comm``); ``cp_algo``: the tables' ``context`` (``ring``: the keys and values passed around
+    the context group, :mod:`shardplan.cost.ring`)."""
     levels = tuple(replace(machine, num_devices=tp * dp).levels)
     tps, dps = _level_ways(levels, dp, tp)
     orders = "all" if any(t > 1 and d > 1 for t, d in zip(tps, dps)) else "row-major"
     return {**TABLE_OPTIONS, "orders": orders, "candidates": megatron_candidates(levels, dp, tp, orders, sp, ep, cp),
-            **({"overlap_tp": True} if overlap_tp else {})}
+            **({"overlap_tp": True} if overlap_tp else {}), **({"context": cp_algo} if cp_algo != "allgather" else {})}
 
 
 def overlaps_tp(recipe: "Recipe") -> bool:
@@ -765,7 +794,7 @@ def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m
     recs = recompute_names(graph, recipe.recompute)
     t0 = time.perf_counter()
     dc = dp * recipe.cp  # the non-tensor devices: data × context
-    opts = table_options(machine, recipe.tp, dc, recipe.sp, recipe.ep, recipe.cp, overlaps_tp(recipe))
+    opts = table_options(machine, recipe.tp, dc, recipe.sp, recipe.ep, recipe.cp, overlaps_tp(recipe), recipe.cp_algo)
     tables = replace(build_tables(graph, replace(machine, memory_bytes=None), **opts), machine=machine)
     base = plan_from_configs(tables, megatron_layouts(tables, dc, recipe.tp, recipe.sp, recipe.ep, recipe.cp),
                              name="megatron")
@@ -793,7 +822,7 @@ def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Reci
                                  accumulate=mb, name="recipe", **precision_choices(recipe))
 
     stages = ModelStages(build, gbs, replace(machine, memory_bytes=None),
-                         table_options(machine, tp, dc, sp, ep, cp, overlaps_tp(recipe)),
+                         table_options(machine, tp, dc, sp, ep, cp, overlaps_tp(recipe), recipe.cp_algo),
                          periodic=False, strategy=lambda t: megatron_layouts(t, dc, tp, sp, ep, cp), choices=choices)
     g, units, _ = stages.graph(m)
     kinds = [unit_prefix(g.operators[idx[0]].name) is not None for idx in units]
