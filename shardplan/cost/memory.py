@@ -277,19 +277,27 @@ class ChoiceRules:
             and the backward share one gather (an FSDP unit wrapping the checkpointed block; shardplan's own
             runtimes, whose checkpointed segment gathers inside the segment and the backward reuses it).
             Overlapped with the recomputed forward's compute exactly when the forward gather is.
+        zero3_grad_allreduce: at ZeRO stage 3 each micro-batch's weight gradient is all-reduced over the
+            data-parallel group (each device then keeps its shard) instead of reduce-scattered: DeepSpeed's
+            ZeRO-3 with its ``reduce_scatter`` setting false, the default of v0.3.x
+            (``ZERO_OPTIMIZATION_REDUCE_SCATTER_DEFAULT = False``; ``stage3.py``'s ``average_tensor`` and
+            ``buffered_reduce_fallback`` then call ``dist.all_reduce`` on the gradient bucket). Twice the ring
+            bytes of a reduce-scatter; overlapped with the backward exactly when the reduce-scatter would be.
+            Memory as the reduce-scatter's (the full gradient of a bucket exists transiently in both).
     """
 
     fp8: bool = False
     offload: tuple[str, ...] = ()
     master_weights: bool = False
     zero3_regather: bool = False
+    zero3_grad_allreduce: bool = False
 
     def __post_init__(self) -> None:
         from shardplan.errors import ShardplanError
 
-        if not all(isinstance(x, bool) for x in (self.fp8, self.master_weights, self.zero3_regather)):
-            raise ShardplanError(f"fp8, master_weights and zero3_regather must be True or False, got {self.fp8!r}, "
-                                 f"{self.master_weights!r}, {self.zero3_regather!r}")
+        for name in ("fp8", "master_weights", "zero3_regather", "zero3_grad_allreduce"):
+            if not isinstance(getattr(self, name), bool):
+                raise ShardplanError(f"{name} must be True or False, got {getattr(self, name)!r}")
         parts = tuple(self.offload)
         bad = [x for x in parts if x not in OFFLOADS]
         if bad:
@@ -493,7 +501,8 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
                 sync, mem, grad = charged(m * rs) + ag * once, state * (1 + (1 + o) / group), state / group
             else:  # gathers prefetched during the operator's own forward / backward when overlapping
                 fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
-                sync, mem, grad = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group, state / group
+                red = sync0 if rules.zero3_grad_allreduce else rs  # the gradient's collective per micro-batch
+                sync, mem, grad = charged(m * (red + ag)) + fwd_gather, state * (2 + o) / group, state / group
             # the recomputed forward's own gather (ChoiceRules.zero3_regather), as exposed as the forward's
             regather = fwd_gather if s == 3 and rules.zero3_regather else np.zeros(k)
             mem = mem + cache
