@@ -16,7 +16,7 @@ paper's F over the step), the recipe, what the transcription leaves open and how
 180) is recorded as skipped with the time it had run (each row runs in a child process). Within each
 experiment (Table 2, Figure 13, full vs selective) the predicted rank order is compared with the measured one
 (by TFLOP/s per GPU, higher first). A row may carry variants, other readings of the same run (Table 2's ZeRO-3
-with nothing overlapped), costed beside it under ``variants`` and not ranked; docs/fidelity.md says per row
+with FSDP's collectives, or with nothing overlapped), costed beside it under ``variants`` and not ranked; docs/fidelity.md says per row
 what the model does not explain.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_fidelity.py [--rows t1-1.7b,f13-pp8] [--out
@@ -106,19 +106,30 @@ def rows() -> list[Row]:
         "gathers and reduce-scatters per parameter tensor in fp16 (v0.3.16 partition_parameters.py: one "
         "all_gather / reduce_scatter per parameter; tensors under stage3_param_persistence_threshold = 1e5 "
         "elements stay whole): every GPT weight matrix is its own collective, as the model charges it",
-        "not charged: DeepSpeed's gather for the recomputed forward (its pre-forward hooks fetch again; "
-        "shardplan.cost.memory.ChoiceRules.zero3_regather models it) has no recipe key yet",
-        "variant overlap=none: the same run with no communication hidden (sensitivity, not ranked)")
+        "zero_regather=true: the recomputed forward gathers again (v0.3.16 stage3.py: the pre-forward module hook "
+        "fetches on every forward call; stage3_max_reuse_distance 1e9 elements keeps a weight to its backward only "
+        "when fewer elements are used in between, at 175B only a layer's last matrix, which the model gathers again "
+        "too: an over-count of a third of one pass)",
+        "zero_grad_reduce=allreduce: v0.3.16's reduce_scatter defaults to false (zero/constants.py "
+        "ZERO_OPTIMIZATION_REDUCE_SCATTER_DEFAULT), and then stage3.py's average_tensor / buffered_reduce_fallback "
+        "all-reduce the gradient bucket; DeepSpeed's own Megatron ZeRO-3 example of April 2021 "
+        "(DeepSpeedExamples Megatron-LM-v1.1.5-ZeRO3, ds_zero_stage_3_config.json) does not set it (its "
+        "--zero-reduce-scatter flag is parsed by Megatron's arguments.py and read nowhere)",
+        "variants (not ranked): FSDP's collectives (one gather shared by the recomputed forward and the backward, "
+        "reduce-scatter), and v0.3.16's with nothing overlapped")
     for gpus, mbs, tflops in ((384, 4, 144), (768, 2, 88), (1536, 1, 44)):
         base = f"zero=3,mbs={mbs},gbs=1536,recompute=full"
+        ds = ",zero_regather=true,zero_grad_reduce=allreduce"
         out.append(Row(f"t2-zero3-{gpus}", "table2", f"{t2}, ZeRO-3 without model parallelism, {gpus} GPUs",
-                       96, 12288, 96, gpus, base + ",overlap=grad_reduce+param_gather", None, tflops,
-                       zero_note + ds_notes, (base + ",overlap=none",)))
+                       96, 12288, 96, gpus, base + ",overlap=grad_reduce+param_gather" + ds, None, tflops,
+                       zero_note + ds_notes + (MEGATRON_KERNELS,),
+                       (base + ",overlap=grad_reduce+param_gather", base + ",overlap=none" + ds), kernels="megatron"))
     for gpus, tflops in ((384, 153), (768, 149), (1536, 141)):
         out.append(Row(f"t2-ptd-{gpus}", "table2", f"{t2}, TP 8 × PP 12, {gpus} GPUs", 96, 12288, 96, gpus,
                        "tp=8,pp=12,mbs=1,gbs=1536,recompute=full", None, tflops,
                        zero_note + ("TP 8 × PP 12 inferred by the transcription (model-parallel size 96)",
-                                    "schedule: 1F1B without interleaving (not stated)")))
+                                    "schedule: 1F1B without interleaving (not stated)", MEGATRON_KERNELS),
+                       kernels="megatron"))
     f13 = "SC'21 Figure 13 (162.2B, 64 GPUs, read off the plot, ±5 %)"
     for pp, tflops in ((2, 75), (4, 125), (8, 165), (16, 145), (32, 100)):
         out.append(Row(f"f13-pp{pp}", "figure13", f"{f13}, PP {pp} / TP {64 // pp}", 32, 20480, 128, 64,
@@ -140,6 +151,29 @@ def rows() -> list[Row]:
                        hidden, heads, gpus, f"tp={tp},sp=true,pp={pp},mbs={mbs},gbs={gbs},recompute=selective",
                        sel, None, note, kernels="megatron"))
     return out
+
+
+ADAM_STEP_BYTES = 50.0
+"""HBM bytes per parameter of one mixed-precision optimizer step as Megatron-LM ran it in 2021 (first principles
+from megatron/optimizer/optimizer.py, ``Float16OptimizerWithFloat16Params.step``, at the SC'21 code of April 2021):
+unscale and check the fp32 main gradient (``torch._amp_foreach_non_finite_check_and_unscale_``: read 4, write 4),
+its L2 norm for clipping (``clip_grad_norm_fp32``: read 4; the rescale only when the norm exceeds the limit, not
+counted), apex ``FusedAdam`` on the fp32 master weight with its two moments (read weight, gradient, m, v: 16;
+write weight, m, v: 12), the copy of the master weights into the fp16 model (``_copy_main_params_to_model_params``:
+read 4, write 2) and the zeroing of the fp32 gradient buffer for the next step (write 4)."""
+
+
+def optimizer_step_seconds(plan: Any, hbm_bandwidth: float) -> float:
+    """Seconds of the optimizer step the cost model does not charge, estimated beside it: the most parameters any
+    device updates (a weight's elements over its tensor-parallel degree, over every device of its stage at ZeRO
+    stage 3), times :data:`ADAM_STEP_BYTES`, at the machine's HBM bandwidth. Every stage steps at once after the
+    pipeline's flush, so the slowest stage's step is the one added."""
+    worst = 0.0
+    for st in plan.stages:
+        n = sum(c.weight_elems / (st.devices if c.state_stage == 3 else c.tensor_degree)
+                for c in st.operators.values() if c.weight_elems)
+        worst = max(worst, n)
+    return worst * ADAM_STEP_BYTES / hbm_bandwidth
 
 
 def cost_row(row: Row) -> dict[str, Any]:
@@ -178,6 +212,8 @@ def cost_row(row: Row) -> dict[str, Any]:
                          "predicted_tflops_per_gpu": flops / t / row.gpus / 1e12}
     if variants:
         out["variants"] = variants
+    opt = optimizer_step_seconds(plan, float(preset("a100", row.gpus).hbm_bandwidth))
+    out.update(optimizer_step_seconds=opt, ratio_with_optimizer_step=(pred + opt) / measured)
     out.update(status="costed", predicted_seconds=pred, ratio=pred / measured,
                predicted_tflops_per_gpu=flops / pred / row.gpus / 1e12, micro_batches=plan.micro_batches,
                schedule=plan.schedule, chunks=plan.chunks, breakdown=dict(plan.breakdown),
