@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from shardplan.baselines import megatron
+from shardplan.cli.commands import main
 from shardplan.cost import build_tables
 from shardplan.errors import ShardplanError
 from shardplan.fit import plan_with_choices
@@ -86,3 +87,13 @@ def test_pipeline_recipe_takes_the_keys_too():
                        sizes=SIZES)
     assert both.step_time != plain.step_time
     assert both.stats["recipe"].endswith("zero_regather=true,zero_grad_reduce=allreduce")
+
+
+def test_cli_takes_the_keys_and_refuses_them_below_zero3(capsys):
+    model = ["--model", "gpt"] + [x for k, v in SIZES.items() for x in ("--set", f"{k}={v}")]
+    args = ["recipe", *model, "-p", "16", "--machine", "a100", "--batch", "32", "--recipe"]
+    assert main(args + [DS + ",zero_regather=true,zero_grad_reduce=allreduce"]) == 0
+    assert "zero_regather=true,zero_grad_reduce=allreduce" in capsys.readouterr().out
+    assert main(args + ["zero=1,zero_grad_reduce=allreduce"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "they need zero=3" in err
