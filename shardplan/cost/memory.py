@@ -281,8 +281,9 @@ class ChoiceRules:
             data-parallel group (each device then keeps its shard) instead of reduce-scattered: DeepSpeed's
             ZeRO-3 with its ``reduce_scatter`` setting false, the default of v0.3.x
             (``ZERO_OPTIMIZATION_REDUCE_SCATTER_DEFAULT = False``; ``stage3.py``'s ``average_tensor`` and
-            ``buffered_reduce_fallback`` then call ``dist.all_reduce`` on the gradient bucket). Twice the ring
-            bytes of a reduce-scatter; overlapped with the backward exactly when the reduce-scatter would be.
+            ``buffered_reduce_fallback`` then call ``dist.all_reduce`` on the gradient bucket), charged as a
+            stage-0 gradient's all-reduce (the cheaper of NCCL's ring and tree: twice a reduce-scatter's ring
+            bytes); overlapped with the backward exactly when the reduce-scatter would be.
             Memory as the reduce-scatter's (the full gradient of a bucket exists transiently in both).
     """
 
