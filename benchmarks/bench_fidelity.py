@@ -37,6 +37,17 @@ from benchmarks.limits import call_limited
 
 SOURCE = "/work/shared/data/published-a100.md"
 SEQ, VOCAB = 2048, 51200  # all rows (source: published-a100.md, SC'21 Table 1 and Korthikanti et al. headers)
+GPT2_BPE = 50257  # the tokenizer of the SC'21 scripts (CONFIG.sh: --vocab-file / --merge-file, GPT-2 BPE)
+
+
+def megatron_vocab(tp: int, divisible_by: int = 128) -> int:
+    """The vocabulary Megatron-LM trains with at tensor-parallel degree ``tp``: GPT-2's 50,257 tokens padded
+    to a multiple of ``--make-vocab-size-divisible-by`` (128) × tp (megatron/tokenizer/tokenizer.py,
+    ``_vocab_size_with_padding``, at the SC'21 commit 6985e58): 50,304 at tp 1, 50,432 at 2, 50,688 at 4,
+    51,200 at 8 and 16, 53,248 at 32. The measured step keeps the paper's F with V = 51,200."""
+    m = divisible_by * tp
+    return -(-GPT2_BPE // m) * m
+
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,7 @@ class Row:
     assumptions: tuple[str, ...] = ()
     variants: tuple[str, ...] = ()  # other readings of the same run, costed beside it (not ranked)
     kernels: str = "fused"
+    vocab: int = VOCAB  # the vocabulary the run computed with (the paper's F always uses VOCAB)
 
 
 def _flops(row: Row, gbs: int) -> float:
@@ -72,6 +84,9 @@ MEGATRON_KERNELS = ("kernels=megatron: each layer's kernels as Megatron-LM ran t
                     "transformer.py, ParallelAttention and ParallelMLP before FlashAttention): the attention core as "
                     "baddbmm, fused scale-mask-softmax, dropout and bmm, each reading and writing the b·a·s² "
                     "tensor; bias-GELU and bias-dropout-add as kernels of their own (shardplan.models.gpt)")
+
+VOCAB_NOTE = ("vocabulary as run: GPT-2's 50,257 tokens padded by Megatron-LM to a multiple of 128 × TP "
+              "(megatron_vocab); the measured step keeps the paper's F with 51,200")
 
 T1 = "SC'21 Table 1"
 T1_ROWS = [  # (params B, heads, hidden, layers, TP, PP, GPUs, gbs, MBS, layers per virtual stage, TFLOP/s per GPU)
@@ -95,16 +110,16 @@ def rows() -> list[Row]:
         vp = layers // pp // per_vs if per_vs else 1
         rec = f"tp={tp},pp={pp}" + (f",vp={vp}" if vp > 1 else "") + f",mbs={mbs},gbs={gbs},recompute=full"
         out.append(Row(f"t1-{size}", "table1", f"{T1}, {size}", layers, hidden, heads, gpus, rec, None, tflops,
-                       (MEGATRON_KERNELS,), kernels="megatron"))
+                       (MEGATRON_KERNELS, VOCAB_NOTE), kernels="megatron", vocab=megatron_vocab(tp)))
     t2 = "SC'21 Table 2 (GPT-3 175B, global batch 1536)"
     zero_note = ("recompute=full: not stated for Table 2 in the transcription; assumed as in Table 1",)
     ds_notes = (
         "overlap=grad_reduce+param_gather: DeepSpeed's ZeRO-3 as of the paper (v0.3.16, April 2021, "
         "deepspeed/runtime/zero/constants.py: overlap_comm defaults to true at stage 3; stage3.py: a module's "
         "parameters are prefetched while the module before it computes, stage3_prefetch_bucket_size 5e7 "
-        "elements; gradients reduce-scattered on a side stream)",
-        "gathers and reduce-scatters per parameter tensor in fp16 (v0.3.16 partition_parameters.py: one "
-        "all_gather / reduce_scatter per parameter; tensors under stage3_param_persistence_threshold = 1e5 "
+        "elements; a gradient's reduction launched on a side stream when the next gradient arrives)",
+        "gathers per parameter tensor in fp16 (v0.3.16 partition_parameters.py: one all_gather per parameter; "
+        "tensors under stage3_param_persistence_threshold = 1e5 "
         "elements stay whole): every GPT weight matrix is its own collective, as the model charges it",
         "zero_regather=true: the recomputed forward gathers again (v0.3.16 stage3.py: the pre-forward module hook "
         "fetches on every forward call; stage3_max_reuse_distance 1e9 elements keeps a weight to its backward only "
@@ -122,20 +137,25 @@ def rows() -> list[Row]:
         ds = ",zero_regather=true,zero_grad_reduce=allreduce"
         out.append(Row(f"t2-zero3-{gpus}", "table2", f"{t2}, ZeRO-3 without model parallelism, {gpus} GPUs",
                        96, 12288, 96, gpus, base + ",overlap=grad_reduce+param_gather" + ds, None, tflops,
-                       zero_note + ds_notes + (MEGATRON_KERNELS,),
-                       (base + ",overlap=grad_reduce+param_gather", base + ",overlap=none" + ds), kernels="megatron"))
+                       zero_note + ds_notes + (MEGATRON_KERNELS, VOCAB_NOTE),
+                       (base + ",overlap=grad_reduce+param_gather", base + ",overlap=none" + ds), kernels="megatron",
+                       vocab=megatron_vocab(1)))
     for gpus, tflops in ((384, 153), (768, 149), (1536, 141)):
         out.append(Row(f"t2-ptd-{gpus}", "table2", f"{t2}, TP 8 × PP 12, {gpus} GPUs", 96, 12288, 96, gpus,
                        "tp=8,pp=12,mbs=1,gbs=1536,recompute=full", None, tflops,
                        zero_note + ("TP 8 × PP 12 inferred by the transcription (model-parallel size 96)",
-                                    "schedule: 1F1B without interleaving (not stated)", MEGATRON_KERNELS),
-                       kernels="megatron"))
+                                    "schedule: 1F1B without interleaving (not stated)", MEGATRON_KERNELS,
+                                    VOCAB_NOTE),
+                       kernels="megatron", vocab=megatron_vocab(8)))
     f13 = "SC'21 Figure 13 (162.2B, 64 GPUs, read off the plot, ±5 %)"
     for pp, tflops in ((2, 75), (4, 125), (8, 165), (16, 145), (32, 100)):
         out.append(Row(f"f13-pp{pp}", "figure13", f"{f13}, PP {pp} / TP {64 // pp}", 32, 20480, 128, 64,
                        f"tp={64 // pp},pp={pp},mbs=1,gbs=128,recompute=full", None, tflops,
-                       ("recompute=full and 1F1B without interleaving: not stated for Figure 13; assumed as Table 1",
-                        "vocabulary 51200 and sequence 2048 assumed as Table 1", MEGATRON_KERNELS), kernels="megatron"))
+                       ("Megatron-LM examples/academic_paper_scripts/sc21/run_figure_13.sh: MBS 1, global batch 32 "
+                        "or 128 (the transcription's 128 costed), --activations-checkpoint-method uniform (full "
+                        "recomputation), DDP local, 8 nodes; 1F1B without interleaving (no virtual stages given)",
+                        "sequence 2048 (CONFIG.sh)", MEGATRON_KERNELS, VOCAB_NOTE), kernels="megatron",
+                       vocab=megatron_vocab(64 // pp)))
     k = "Korthikanti et al. 2022"
     for size, heads, hidden, layers, tp, pp, gpus, gbs, mbs, full, sel in (
             ("22b", 64, 6144, 48, 8, 1, 8, 4, 4, 1.42, 1.10),
@@ -146,10 +166,10 @@ def rows() -> list[Row]:
         note = (("schedule: 1F1B without interleaving (not stated in the transcription)",) if pp > 1 else ()) + (
             MEGATRON_KERNELS,)
         out.append(Row(f"k-{size}-full", "korthikanti", f"{k}, {size}, full recomputation", layers, hidden, heads,
-                       gpus, base + ",recompute=full", full, None, note, kernels="megatron"))
+                       gpus, base + ",recompute=full", full, None, note, kernels="megatron", vocab=megatron_vocab(tp)))
         out.append(Row(f"k-{size}-sp-selective", "korthikanti", f"{k}, {size}, SP + selective recomputation", layers,
                        hidden, heads, gpus, f"tp={tp},sp=true,pp={pp},mbs={mbs},gbs={gbs},recompute=selective",
-                       sel, None, note, kernels="megatron"))
+                       sel, None, note, kernels="megatron", vocab=megatron_vocab(tp)))
     return out
 
 
@@ -188,13 +208,13 @@ def cost_row(row: Row) -> dict[str, Any]:
                 else flops / (row.gpus * row.measured_tflops * 1e12))
     out: dict[str, Any] = {"row": row.name, "experiment": row.experiment, "source": row.source,
                            "model": {"layers": row.layers, "hidden": row.hidden, "heads": row.heads, "seq": SEQ,
-                                     "vocab": VOCAB, "kernels": row.kernels},
+                                     "vocab": row.vocab, "kernels": row.kernels},
                            "gpus": row.gpus, "recipe": row.recipe, "assumptions": list(row.assumptions),
                            "paper_flops_per_step": flops, "measured_seconds": measured,
                            "measured_tflops_per_gpu": flops / measured / row.gpus / 1e12}
     t0 = time.perf_counter()
     sizes: dict[str, Any] = {"layers": row.layers, "d_model": row.hidden, "heads": row.heads, "seq": SEQ,
-                             "vocab": VOCAB}
+                             "vocab": row.vocab}
     if row.kernels != "fused":
         sizes["kernels"] = row.kernels
     try:
