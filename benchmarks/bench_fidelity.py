@@ -88,6 +88,10 @@ MEGATRON_KERNELS = ("kernels=megatron: each layer's kernels as Megatron-LM ran t
 VOCAB_NOTE = ("vocabulary as run: GPT-2's 50,257 tokens padded by Megatron-LM to a multiple of 128 × TP "
               "(megatron_vocab); the measured step keeps the paper's F with 51,200")
 
+LOCAL_DDP = ("overlap=none: Megatron-LM's DDP of the SC'21 commit (--DDP-impl local, the scripts' setting) "
+             "all-reduces the gradient buffer after the whole forward-backward (megatron/training.py, train_step: "
+             "allreduce_gradients() after forward_backward_func), never overlapped with the backward")
+
 T1 = "SC'21 Table 1"
 T1_ROWS = [  # (params B, heads, hidden, layers, TP, PP, GPUs, gbs, MBS, layers per virtual stage, TFLOP/s per GPU)
     ("1.7b", 24, 2304, 24, 1, 1, 32, 512, 16, None, 137),
@@ -108,9 +112,10 @@ def rows() -> list[Row]:
     out: list[Row] = []
     for size, heads, hidden, layers, tp, pp, gpus, gbs, mbs, per_vs, tflops in T1_ROWS:
         vp = layers // pp // per_vs if per_vs else 1
-        rec = f"tp={tp},pp={pp}" + (f",vp={vp}" if vp > 1 else "") + f",mbs={mbs},gbs={gbs},recompute=full"
+        rec = (f"tp={tp},pp={pp}" + (f",vp={vp}" if vp > 1 else "") + f",mbs={mbs},gbs={gbs},recompute=full"
+               + ",overlap=none")
         out.append(Row(f"t1-{size}", "table1", f"{T1}, {size}", layers, hidden, heads, gpus, rec, None, tflops,
-                       (MEGATRON_KERNELS, VOCAB_NOTE), kernels="megatron", vocab=megatron_vocab(tp)))
+                       (MEGATRON_KERNELS, VOCAB_NOTE, LOCAL_DDP), kernels="megatron", vocab=megatron_vocab(tp)))
     t2 = "SC'21 Table 2 (GPT-3 175B, global batch 1536)"
     zero_note = ("recompute=full: not stated for Table 2 in the transcription; assumed as in Table 1",)
     ds_notes = (
@@ -142,10 +147,10 @@ def rows() -> list[Row]:
                        vocab=megatron_vocab(1)))
     for gpus, tflops in ((384, 153), (768, 149), (1536, 141)):
         out.append(Row(f"t2-ptd-{gpus}", "table2", f"{t2}, TP 8 × PP 12, {gpus} GPUs", 96, 12288, 96, gpus,
-                       "tp=8,pp=12,mbs=1,gbs=1536,recompute=full", None, tflops,
+                       "tp=8,pp=12,mbs=1,gbs=1536,recompute=full,overlap=none", None, tflops,
                        zero_note + ("TP 8 × PP 12 inferred by the transcription (model-parallel size 96)",
                                     "schedule: 1F1B without interleaving (not stated)", MEGATRON_KERNELS,
-                                    VOCAB_NOTE),
+                                    VOCAB_NOTE, LOCAL_DDP),
                        kernels="megatron", vocab=megatron_vocab(8)))
     f13 = "SC'21 Figure 13 (162.2B, 64 GPUs, read off the plot, ±5 %)"
     for pp, tflops in ((2, 75), (4, 125), (8, 165), (16, 145), (32, 100)):
