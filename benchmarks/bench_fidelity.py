@@ -12,7 +12,9 @@ Source of every measured number: ``/work/shared/data/published-a100.md`` (the ro
 Each row is costed on ``preset("a100", GPUs)`` exactly as published (no machine constant is tuned here) and
 records predicted and measured step time, their ratio, the predicted and measured TFLOP/s per GPU (the
 paper's F over the step), the recipe, what the transcription leaves open and how it was filled
-(``assumptions``), and the seconds costing took. A row still running after ``--row-limit`` seconds (default
+(``assumptions``: each SC'21 row as its public run script ran it, Megatron-LM's kernels, padded vocabulary
+and local DDP, Table 2's ZeRO-3 with DeepSpeed v0.3.16's collectives), the optimizer step the model does not
+charge estimated beside it (:func:`optimizer_step_seconds`), and the seconds costing took. A row still running after ``--row-limit`` seconds (default
 180) is recorded as skipped with the time it had run (each row runs in a child process). Within each
 experiment (Table 2, Figure 13, full vs selective) the predicted rank order is compared with the measured one
 (by TFLOP/s per GPU, higher first). A row may carry variants, other readings of the same run (Table 2's ZeRO-3
