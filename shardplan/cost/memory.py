@@ -477,6 +477,12 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         """Seconds of ``count`` host copies moving ``nbytes`` in all (none when nothing moves)."""
         return np.where(nbytes > 0, nbytes / bw + count * lat, 0.0)
 
+    # the activation gradients' all-reduce alone: operator_cost without the weights' overlap, less the weights'
+    # all-reduce (the same formula). Subtracting charged(wgrad_m) from the overlapped total instead would leave
+    # charged the difference between operator_cost's backward (its own quantised passes) and the
+    # compute (passes - 1) / passes that charged() uses, wherever the weights' all-reduce outlasts the backward.
+    plain_grad = (operator_cost(op, lay, replace(mm, overlap_grad=False)).grad_allreduce
+                  if overlap and np.any(wgrad_m > 0) else None)
     rows = []
     for fp8, ocp, scale, cache, saved_in in precisions:
         backward = ocp.compute * (passes - 1) / passes  # what the weight-gradient syncs overlap
@@ -485,7 +491,12 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         def charged(sync: np.ndarray) -> np.ndarray:
             return np.maximum(sync - backward, 0.0) if overlap else sync
 
-        act_grad = np.maximum(ocp.grad_allreduce - charged(wgrad_m), 0.0)
+        if plain_grad is None:
+            act_grad = np.maximum(ocp.grad_allreduce - charged(wgrad_m), 0.0)
+            own = None
+        else:
+            act_grad = np.maximum(plain_grad - wgrad_m, 0.0)
+            own = ocp.grad_allreduce - act_grad  # the weights' all-reduce as operator_cost overlapped it
         step_saved = wg.act + saved_in  # bytes the backward keeps over the whole step (every micro-batch)
         act = step_saved / m * float(in_flight)
         fwd = (ocp.compute / passes + ocp.forward_allreduce
@@ -494,8 +505,9 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         fixed = {"compute": ocp.compute, "forward_allreduce": ocp.forward_allreduce, "grad_allreduce": act_grad,
                  "halo": ocp.halo, "stats": ocp.stats, "recurrence": ocp.recurrence}
         for s in stage_list:
-            if s == 0:
-                sync, mem, grad = charged(sync0) * once, state * (2 + o), state
+            if s == 0:  # one micro-batch: exactly operator_cost's own overlap of the weights' all-reduce
+                sync = (own if own is not None and m == 1 else charged(sync0)) * once
+                mem, grad = state * (2 + o), state
             elif s == 1:
                 sync, mem, grad = (charged(rs) + ag) * once, state * (2 + o / group), state
             elif s == 2:

@@ -101,3 +101,26 @@ def test_grad_allreduce_overlaps_as_the_reduce_scatter_does():
 def test_grad_allreduce_must_be_a_bool():
     with pytest.raises(ShardplanError, match="zero3_grad_allreduce must be True or False"):
         ChoiceRules(zero3_grad_allreduce="yes")
+
+
+def test_overlap_never_charges_the_activation_gradients_more():
+    """On a tiled machine a product's passes differ (tile and wave quantisation), so the backward operator_cost
+    overlaps with is not compute (passes - 1) / passes; the activation gradients' all-reduce must still be the
+    same with and without the weights' overlap, and overlapping must never cost more, whatever the
+    accumulation (a pipeline stage's micro-batch charges the weights' all-reduce 1/accumulate)."""
+    from dataclasses import replace
+
+    from shardplan.machine import preset
+
+    # GPT-3's first feed-forward product at one sequence per device: batch over 4 (data), output over 8 (tensor,
+    # column-parallel: its input's gradient is all-reduced); the weights' all-reduce outlasts the backward
+    op = ops.dense("fc", TensorRef("x", (4, 2048, 12288), needs_grad=True), 49152)
+    on = preset("a100", 32)
+    off = replace(on, overlap_grad=False)
+    names = op.dim_names  # b, s, n (output), c (contracted)
+    split = tuple(4 if d == "b" else 8 if d == "n" else 1 for d in names)
+    for acc in (1, 24):
+        t_on = choice_table(op, np.array([split]), None, on, prune=False, accumulate=acc)
+        t_off = choice_table(op, np.array([split]), None, off, prune=False, accumulate=acc)
+        assert np.allclose(t_on.parts["grad_allreduce"], t_off.parts["grad_allreduce"], rtol=1e-12)
+        assert np.all(t_on.seconds <= t_off.seconds + 1e-15)
