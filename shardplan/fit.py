@@ -628,7 +628,8 @@ def _peak_root(pp: PeakProblem, totals: dict, dp_options: dict) -> tuple[float, 
 def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | Sequence[str] = False,
                       micro_batches: int = 1, budget: float | None = None, name: str | None = None,
                       grad_buffers: str = "persistent", accumulate: int = 1, fp8: bool | Sequence[str] = False,
-                      offload: Sequence[str] = (), master_weights: bool = False):
+                      offload: Sequence[str] = (), master_weights: bool = False, zero3_regather: bool = False,
+                      zero3_grad_allreduce: bool = False):
     """``plan``'s layouts with the memory-saving choices given by hand (a fit plan the search did not choose).
 
     ``stage``: one ZeRO stage for every operator with trainable weights, or
@@ -647,7 +648,8 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     run FP8. ``offload``: parts of :data:`~shardplan.cost.memory.OFFLOADS` every operator offloads where
     it can (the optimizer state at ZeRO stages 1-3, the parameters at stage 3 with the optimizer state,
     the activations of operators that do not recompute). ``master_weights``: the mixed-precision state
-    rule (:class:`~shardplan.cost.memory.ChoiceRules`).
+    rule (:class:`~shardplan.cost.memory.ChoiceRules`). ``zero3_regather``, ``zero3_grad_allreduce``: how a
+    ZeRO-3 runtime gathers and reduces (the rules of the same names, e.g. DeepSpeed v0.3's).
 
     Raises:
         ShardplanError: an unknown stage or operator name, or a bad micro-batch count.
@@ -660,7 +662,8 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     stages = {n: int(stage) for n in names} if isinstance(stage, int) else {n: 0 for n in names} | dict(stage)
     recs = set(names) if recompute is True else set() if recompute is False else set(recompute)
     fp8_names = set(names) if fp8 is True else set() if fp8 is False else set(fp8)
-    rules = ChoiceRules(bool(fp8_names), tuple(offload), bool(master_weights))
+    rules = ChoiceRules(bool(fp8_names), tuple(offload), bool(master_weights), bool(zero3_regather),
+                        bool(zero3_grad_allreduce))
     want_off = sum(OFFLOAD_BITS[x] for x in rules.offload)
     unknown = sorted((set(stages) | recs | fp8_names) - set(names))
     recs |= g.recomputed

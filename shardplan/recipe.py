@@ -48,6 +48,9 @@ model). The map, on ``p`` devices with ``dp = p / (tp · cp · pp)``:
   ``offload=optimizer+parameters+activations`` (any of them: ZeRO-Offload's optimizer step on the CPU,
   ZeRO-Infinity's parameters at ``zero=3``, activations saved to host), both by
   :func:`shardplan.fit.plan_with_choices`;
+* **a ZeRO-3 runtime's collectives** (``zero_regather``, ``zero_grad_reduce``): whether the recomputed
+  forward gathers the weights again, and whether each micro-batch's gradient is reduce-scattered or
+  all-reduced (DeepSpeed v0.3's ZeRO-3 with its default configuration: both; docs/recipes.md);
 * **micro-batches** ``m = gbs / (dp · mbs)``: one program accumulates
   gradients over m (``plan_with_choices(micro_batches=m)``); a pipeline
   costs each stage per micro-batch of ``dp · mbs`` sequences with the
@@ -98,7 +101,7 @@ from shardplan.machine import Machine
 from shardplan.models.moe import EXPERT_KINDS
 
 __all__ = ["Recipe", "cost_recipe", "causal_attention", "megatron_layouts", "expert_dim", "has_experts",
-           "recompute_names", "RECOMPUTE", "OVERLAPS", "ATTENTION_CORE", "CP_ALGORITHMS"]
+           "recompute_names", "RECOMPUTE", "OVERLAPS", "ATTENTION_CORE", "CP_ALGORITHMS", "ZERO_GRAD_REDUCES"]
 
 RECOMPUTE = ("none", "selective", "full")
 """The named recomputation policies (an integer N: the first N blocks of each stage)."""
@@ -116,10 +119,16 @@ DTYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
 _INT_FIELDS = ("tp", "cp", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp", "ep",
                "mbs", "gbs")
 _ORDER = ("tp", "sp", "cp", "cp_algo", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp",
-          "ep", "mbs", "gbs", "recompute", "dtype", "precision", "offload", "overlap")
+          "ep", "mbs", "gbs", "recompute", "dtype", "precision", "offload", "overlap", "zero_regather",
+          "zero_grad_reduce")
 
 CP_ALGORITHMS = ("allgather", "ring")
 """Context parallelism's algorithms (``cp_algo``): ``build_tables(context=...)`` of :mod:`shardplan.cost.ring`."""
+
+ZERO_GRAD_REDUCES = ("reduce_scatter", "allreduce")
+"""How a ZeRO-3 runtime synchronises each micro-batch's weight gradients (``zero_grad_reduce``): a
+reduce-scatter into the shards (FSDP; DeepSpeed with ``reduce_scatter: true``), or an all-reduce of the whole
+gradient of which each device keeps its shard (DeepSpeed v0.3's default, ``reduce_scatter: false``)."""
 
 PRECISIONS = ("mixed", "fp8")
 """Precision rules of a recipe beyond the machine's element size (module docstring)."""
@@ -148,6 +157,10 @@ class Recipe:
             ``fp8`` (mixed, with FP8 matrix products). offload: what lives in host memory (a subset of
             ``optimizer``, ``parameters``, ``activations``). overlap: the communications
             overlapped with compute (a subset of :data:`OVERLAPS`; None: the machine's own setting).
+        zero_regather: at ``zero=3`` a recomputing operator gathers its weights again for the recomputed
+            forward (DeepSpeed's ZeRO-3: its pre-forward hook fetches on every forward call; default False:
+            one gather shared by the recomputed forward and the backward, as an FSDP unit around the
+            checkpointed block). zero_grad_reduce: at ``zero=3``, :data:`ZERO_GRAD_REDUCES`.
     """
 
     tp: int = 1
@@ -169,6 +182,8 @@ class Recipe:
     precision: str | None = None
     offload: tuple[str, ...] = ()
     overlap: tuple[str, ...] | None = None
+    zero_regather: bool = False
+    zero_grad_reduce: str = "reduce_scatter"
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -184,6 +199,11 @@ class Recipe:
             raise ShardplanError(f"recipe: sp must be true or false, got {self.sp!r}")
         if self.cp_algo not in CP_ALGORITHMS:
             raise ShardplanError(f"recipe: cp_algo must be one of {', '.join(CP_ALGORITHMS)}, got {self.cp_algo!r}")
+        if not isinstance(self.zero_regather, bool):
+            raise ShardplanError(f"recipe: zero_regather must be true or false, got {self.zero_regather!r}")
+        if self.zero_grad_reduce not in ZERO_GRAD_REDUCES:
+            raise ShardplanError(f"recipe: zero_grad_reduce must be one of {', '.join(ZERO_GRAD_REDUCES)}, "
+                                 f"got {self.zero_grad_reduce!r}")
         rec = self.recompute
         if isinstance(rec, bool) or not (rec in RECOMPUTE or (isinstance(rec, int) and rec >= 1)):
             raise ShardplanError(f"recipe: recompute must be none, selective, full or a number of blocks >= 1, "
@@ -321,8 +341,10 @@ def _value(key: str, value: Any, fsdp: bool) -> Any:
     if fsdp:
         flag = _bool(key, value)
         return 3 if flag else 0
-    if key == "sp":
+    if key in ("sp", "zero_regather"):
         return _bool(key, value)
+    if key == "zero_grad_reduce":
+        return str(value).strip().lower().replace("-", "_")
     if key in ("overlap", "offload"):
         if isinstance(value, (list, tuple)):
             return tuple(str(v) for v in value)
@@ -395,6 +417,9 @@ def refusal(recipe: Recipe, machine: Machine) -> str | None:
         return "uneven first/last stages with interleaving (vp > 1): Megatron-LM's chunk split is not defined here"
     if recipe.pp < 2 and (recipe.first_stage_layers is not None or recipe.last_stage_layers is not None):
         return "first_stage_layers / last_stage_layers need pp >= 2"
+    if recipe.zero != 3 and (recipe.zero_regather or recipe.zero_grad_reduce != "reduce_scatter"):
+        return ("zero_regather / zero_grad_reduce describe a ZeRO-3 runtime's gathers and gradient reduction; "
+                "they need zero=3")
     ov = recipe.overlap
     if ov is not None:
         if "tp_comm" in ov and not recipe.sp:
@@ -779,9 +804,11 @@ def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int |
 
 
 def precision_choices(recipe: Recipe) -> dict[str, Any]:
-    """The keywords of :func:`shardplan.fit.plan_with_choices` for the recipe's precision and offload."""
+    """The keywords of :func:`shardplan.fit.plan_with_choices` for the recipe's precision, offload and ZeRO-3
+    runtime (``zero_regather``, ``zero_grad_reduce``)."""
     return {"fp8": recipe.precision == "fp8", "offload": recipe.offload,
-            "master_weights": recipe.precision is not None}
+            "master_weights": recipe.precision is not None, "zero3_regather": recipe.zero_regather,
+            "zero3_grad_allreduce": recipe.zero_grad_reduce == "allreduce"}
 
 
 def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m: int, name: str, gbs: int) -> Any:
