@@ -12,11 +12,13 @@ Source of every measured number: ``/work/shared/data/published-a100.md`` (the ro
 Each row is costed on ``preset("a100", GPUs)`` exactly as published (no machine constant is tuned here) and
 records predicted and measured step time, their ratio, the predicted and measured TFLOP/s per GPU (the
 paper's F over the step), the recipe, what the transcription leaves open and how it was filled
-(``assumptions``), and the seconds costing took. A row still running after ``--row-limit`` seconds (default
+(``assumptions``: each SC'21 row as its public run script ran it, Megatron-LM's kernels, padded vocabulary
+and local DDP, Table 2's ZeRO-3 with DeepSpeed v0.3.16's collectives), the optimizer step the model does not
+charge estimated beside it (:func:`optimizer_step_seconds`), and the seconds costing took. A row still running after ``--row-limit`` seconds (default
 180) is recorded as skipped with the time it had run (each row runs in a child process). Within each
 experiment (Table 2, Figure 13, full vs selective) the predicted rank order is compared with the measured one
 (by TFLOP/s per GPU, higher first). A row may carry variants, other readings of the same run (Table 2's ZeRO-3
-with nothing overlapped), costed beside it under ``variants`` and not ranked; docs/fidelity.md says per row
+with FSDP's collectives, or with nothing overlapped), costed beside it under ``variants`` and not ranked; docs/fidelity.md says per row
 what the model does not explain.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_fidelity.py [--rows t1-1.7b,f13-pp8] [--out
@@ -37,6 +39,17 @@ from benchmarks.limits import call_limited
 
 SOURCE = "/work/shared/data/published-a100.md"
 SEQ, VOCAB = 2048, 51200  # all rows (source: published-a100.md, SC'21 Table 1 and Korthikanti et al. headers)
+GPT2_BPE = 50257  # the tokenizer of the SC'21 scripts (CONFIG.sh: --vocab-file / --merge-file, GPT-2 BPE)
+
+
+def megatron_vocab(tp: int, divisible_by: int = 128) -> int:
+    """The vocabulary Megatron-LM trains with at tensor-parallel degree ``tp``: GPT-2's 50,257 tokens padded
+    to a multiple of ``--make-vocab-size-divisible-by`` (128) × tp (megatron/tokenizer/tokenizer.py,
+    ``_vocab_size_with_padding``, at the SC'21 commit 6985e58): 50,304 at tp 1, 50,432 at 2, 50,688 at 4,
+    51,200 at 8 and 16, 53,248 at 32. The measured step keeps the paper's F with V = 51,200."""
+    m = divisible_by * tp
+    return -(-GPT2_BPE // m) * m
+
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,7 @@ class Row:
     assumptions: tuple[str, ...] = ()
     variants: tuple[str, ...] = ()  # other readings of the same run, costed beside it (not ranked)
     kernels: str = "fused"
+    vocab: int = VOCAB  # the vocabulary the run computed with (the paper's F always uses VOCAB)
 
 
 def _flops(row: Row, gbs: int) -> float:
@@ -72,6 +86,13 @@ MEGATRON_KERNELS = ("kernels=megatron: each layer's kernels as Megatron-LM ran t
                     "transformer.py, ParallelAttention and ParallelMLP before FlashAttention): the attention core as "
                     "baddbmm, fused scale-mask-softmax, dropout and bmm, each reading and writing the b·a·s² "
                     "tensor; bias-GELU and bias-dropout-add as kernels of their own (shardplan.models.gpt)")
+
+VOCAB_NOTE = ("vocabulary as run: GPT-2's 50,257 tokens padded by Megatron-LM to a multiple of 128 × TP "
+              "(megatron_vocab); the measured step keeps the paper's F with 51,200")
+
+LOCAL_DDP = ("overlap=none: Megatron-LM's DDP of the SC'21 commit (--DDP-impl local, the scripts' setting) "
+             "all-reduces the gradient buffer after the whole forward-backward (megatron/training.py, train_step: "
+             "allreduce_gradients() after forward_backward_func), never overlapped with the backward")
 
 T1 = "SC'21 Table 1"
 T1_ROWS = [  # (params B, heads, hidden, layers, TP, PP, GPUs, gbs, MBS, layers per virtual stage, TFLOP/s per GPU)
@@ -93,38 +114,55 @@ def rows() -> list[Row]:
     out: list[Row] = []
     for size, heads, hidden, layers, tp, pp, gpus, gbs, mbs, per_vs, tflops in T1_ROWS:
         vp = layers // pp // per_vs if per_vs else 1
-        rec = f"tp={tp},pp={pp}" + (f",vp={vp}" if vp > 1 else "") + f",mbs={mbs},gbs={gbs},recompute=full"
+        rec = (f"tp={tp},pp={pp}" + (f",vp={vp}" if vp > 1 else "") + f",mbs={mbs},gbs={gbs},recompute=full"
+               + ",overlap=none")
         out.append(Row(f"t1-{size}", "table1", f"{T1}, {size}", layers, hidden, heads, gpus, rec, None, tflops,
-                       (MEGATRON_KERNELS,), kernels="megatron"))
+                       (MEGATRON_KERNELS, VOCAB_NOTE, LOCAL_DDP), kernels="megatron", vocab=megatron_vocab(tp)))
     t2 = "SC'21 Table 2 (GPT-3 175B, global batch 1536)"
     zero_note = ("recompute=full: not stated for Table 2 in the transcription; assumed as in Table 1",)
     ds_notes = (
         "overlap=grad_reduce+param_gather: DeepSpeed's ZeRO-3 as of the paper (v0.3.16, April 2021, "
         "deepspeed/runtime/zero/constants.py: overlap_comm defaults to true at stage 3; stage3.py: a module's "
         "parameters are prefetched while the module before it computes, stage3_prefetch_bucket_size 5e7 "
-        "elements; gradients reduce-scattered on a side stream)",
-        "gathers and reduce-scatters per parameter tensor in fp16 (v0.3.16 partition_parameters.py: one "
-        "all_gather / reduce_scatter per parameter; tensors under stage3_param_persistence_threshold = 1e5 "
+        "elements; a gradient's reduction launched on a side stream when the next gradient arrives)",
+        "gathers per parameter tensor in fp16 (v0.3.16 partition_parameters.py: one all_gather per parameter; "
+        "tensors under stage3_param_persistence_threshold = 1e5 "
         "elements stay whole): every GPT weight matrix is its own collective, as the model charges it",
-        "not charged: DeepSpeed's gather for the recomputed forward (its pre-forward hooks fetch again; "
-        "shardplan.cost.memory.ChoiceRules.zero3_regather models it) has no recipe key yet",
-        "variant overlap=none: the same run with no communication hidden (sensitivity, not ranked)")
+        "zero_regather=true: the recomputed forward gathers again (v0.3.16 stage3.py: the pre-forward module hook "
+        "fetches on every forward call; stage3_max_reuse_distance 1e9 elements keeps a weight to its backward only "
+        "when fewer elements are used in between, at 175B only a layer's last matrix, which the model gathers again "
+        "too: an over-count of a third of one pass)",
+        "zero_grad_reduce=allreduce: v0.3.16's reduce_scatter defaults to false (zero/constants.py "
+        "ZERO_OPTIMIZATION_REDUCE_SCATTER_DEFAULT), and then stage3.py's average_tensor / buffered_reduce_fallback "
+        "all-reduce the gradient bucket; DeepSpeed's own Megatron ZeRO-3 example of April 2021 "
+        "(DeepSpeedExamples Megatron-LM-v1.1.5-ZeRO3, ds_zero_stage_3_config.json) does not set it (its "
+        "--zero-reduce-scatter flag is parsed by Megatron's arguments.py and read nowhere)",
+        "variants (not ranked): FSDP's collectives (one gather shared by the recomputed forward and the backward, "
+        "reduce-scatter), and v0.3.16's with nothing overlapped")
     for gpus, mbs, tflops in ((384, 4, 144), (768, 2, 88), (1536, 1, 44)):
         base = f"zero=3,mbs={mbs},gbs=1536,recompute=full"
+        ds = ",zero_regather=true,zero_grad_reduce=allreduce"
         out.append(Row(f"t2-zero3-{gpus}", "table2", f"{t2}, ZeRO-3 without model parallelism, {gpus} GPUs",
-                       96, 12288, 96, gpus, base + ",overlap=grad_reduce+param_gather", None, tflops,
-                       zero_note + ds_notes, (base + ",overlap=none",)))
+                       96, 12288, 96, gpus, base + ",overlap=grad_reduce+param_gather" + ds, None, tflops,
+                       zero_note + ds_notes + (MEGATRON_KERNELS, VOCAB_NOTE),
+                       (base + ",overlap=grad_reduce+param_gather", base + ",overlap=none" + ds), kernels="megatron",
+                       vocab=megatron_vocab(1)))
     for gpus, tflops in ((384, 153), (768, 149), (1536, 141)):
         out.append(Row(f"t2-ptd-{gpus}", "table2", f"{t2}, TP 8 × PP 12, {gpus} GPUs", 96, 12288, 96, gpus,
-                       "tp=8,pp=12,mbs=1,gbs=1536,recompute=full", None, tflops,
+                       "tp=8,pp=12,mbs=1,gbs=1536,recompute=full,overlap=none", None, tflops,
                        zero_note + ("TP 8 × PP 12 inferred by the transcription (model-parallel size 96)",
-                                    "schedule: 1F1B without interleaving (not stated)")))
+                                    "schedule: 1F1B without interleaving (not stated)", MEGATRON_KERNELS,
+                                    VOCAB_NOTE, LOCAL_DDP),
+                       kernels="megatron", vocab=megatron_vocab(8)))
     f13 = "SC'21 Figure 13 (162.2B, 64 GPUs, read off the plot, ±5 %)"
     for pp, tflops in ((2, 75), (4, 125), (8, 165), (16, 145), (32, 100)):
         out.append(Row(f"f13-pp{pp}", "figure13", f"{f13}, PP {pp} / TP {64 // pp}", 32, 20480, 128, 64,
                        f"tp={64 // pp},pp={pp},mbs=1,gbs=128,recompute=full", None, tflops,
-                       ("recompute=full and 1F1B without interleaving: not stated for Figure 13; assumed as Table 1",
-                        "vocabulary 51200 and sequence 2048 assumed as Table 1", MEGATRON_KERNELS), kernels="megatron"))
+                       ("Megatron-LM examples/academic_paper_scripts/sc21/run_figure_13.sh: MBS 1, global batch 32 "
+                        "or 128 (the transcription's 128 costed), --activations-checkpoint-method uniform (full "
+                        "recomputation), DDP local, 8 nodes; 1F1B without interleaving (no virtual stages given)",
+                        "sequence 2048 (CONFIG.sh)", MEGATRON_KERNELS, VOCAB_NOTE), kernels="megatron",
+                       vocab=megatron_vocab(64 // pp)))
     k = "Korthikanti et al. 2022"
     for size, heads, hidden, layers, tp, pp, gpus, gbs, mbs, full, sel in (
             ("22b", 64, 6144, 48, 8, 1, 8, 4, 4, 1.42, 1.10),
@@ -135,11 +173,34 @@ def rows() -> list[Row]:
         note = (("schedule: 1F1B without interleaving (not stated in the transcription)",) if pp > 1 else ()) + (
             MEGATRON_KERNELS,)
         out.append(Row(f"k-{size}-full", "korthikanti", f"{k}, {size}, full recomputation", layers, hidden, heads,
-                       gpus, base + ",recompute=full", full, None, note, kernels="megatron"))
+                       gpus, base + ",recompute=full", full, None, note, kernels="megatron", vocab=megatron_vocab(tp)))
         out.append(Row(f"k-{size}-sp-selective", "korthikanti", f"{k}, {size}, SP + selective recomputation", layers,
                        hidden, heads, gpus, f"tp={tp},sp=true,pp={pp},mbs={mbs},gbs={gbs},recompute=selective",
-                       sel, None, note, kernels="megatron"))
+                       sel, None, note, kernels="megatron", vocab=megatron_vocab(tp)))
     return out
+
+
+ADAM_STEP_BYTES = 50.0
+"""HBM bytes per parameter of one mixed-precision optimizer step as Megatron-LM ran it in 2021 (first principles
+from megatron/optimizer/optimizer.py, ``Float16OptimizerWithFloat16Params.step``, at the SC'21 code of April 2021):
+unscale and check the fp32 main gradient (``torch._amp_foreach_non_finite_check_and_unscale_``: read 4, write 4),
+its L2 norm for clipping (``clip_grad_norm_fp32``: read 4; the rescale only when the norm exceeds the limit, not
+counted), apex ``FusedAdam`` on the fp32 master weight with its two moments (read weight, gradient, m, v: 16;
+write weight, m, v: 12), the copy of the master weights into the fp16 model (``_copy_main_params_to_model_params``:
+read 4, write 2) and the zeroing of the fp32 gradient buffer for the next step (write 4)."""
+
+
+def optimizer_step_seconds(plan: Any, hbm_bandwidth: float) -> float:
+    """Seconds of the optimizer step the cost model does not charge, estimated beside it: the most parameters any
+    device updates (a weight's elements over its tensor-parallel degree, over every device of its stage at ZeRO
+    stage 3), times :data:`ADAM_STEP_BYTES`, at the machine's HBM bandwidth. Every stage steps at once after the
+    pipeline's flush, so the slowest stage's step is the one added."""
+    worst = 0.0
+    for st in plan.stages:
+        n = sum(c.weight_elems / (st.devices if c.state_stage == 3 else c.tensor_degree)
+                for c in st.operators.values() if c.weight_elems)
+        worst = max(worst, n)
+    return worst * ADAM_STEP_BYTES / hbm_bandwidth
 
 
 def cost_row(row: Row) -> dict[str, Any]:
@@ -154,13 +215,13 @@ def cost_row(row: Row) -> dict[str, Any]:
                 else flops / (row.gpus * row.measured_tflops * 1e12))
     out: dict[str, Any] = {"row": row.name, "experiment": row.experiment, "source": row.source,
                            "model": {"layers": row.layers, "hidden": row.hidden, "heads": row.heads, "seq": SEQ,
-                                     "vocab": VOCAB, "kernels": row.kernels},
+                                     "vocab": row.vocab, "kernels": row.kernels},
                            "gpus": row.gpus, "recipe": row.recipe, "assumptions": list(row.assumptions),
                            "paper_flops_per_step": flops, "measured_seconds": measured,
                            "measured_tflops_per_gpu": flops / measured / row.gpus / 1e12}
     t0 = time.perf_counter()
     sizes: dict[str, Any] = {"layers": row.layers, "d_model": row.hidden, "heads": row.heads, "seq": SEQ,
-                             "vocab": VOCAB}
+                             "vocab": row.vocab}
     if row.kernels != "fused":
         sizes["kernels"] = row.kernels
     try:
@@ -178,6 +239,8 @@ def cost_row(row: Row) -> dict[str, Any]:
                          "predicted_tflops_per_gpu": flops / t / row.gpus / 1e12}
     if variants:
         out["variants"] = variants
+    opt = optimizer_step_seconds(plan, float(preset("a100", row.gpus).hbm_bandwidth))
+    out.update(optimizer_step_seconds=opt, ratio_with_optimizer_step=(pred + opt) / measured)
     out.update(status="costed", predicted_seconds=pred, ratio=pred / measured,
                predicted_tflops_per_gpu=flops / pred / row.gpus / 1e12, micro_batches=plan.micro_batches,
                schedule=plan.schedule, chunks=plan.chunks, breakdown=dict(plan.breakdown),

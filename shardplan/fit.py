@@ -411,17 +411,31 @@ def _choice_tables(tables: CostTables, micro_batches: int, options: FitOptions, 
     rules = options.rules
     return [_shared(shared, ("c", micro_batches, peak, rules, _key(op), id(lay), op.name in forced, sk[0]),
                     lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages,
-                                         options.recompute, opt, groups=wg, op_cost=oc if micro_batches == 1 else None,
+                                         options.recompute, opt, groups=wg,
+                                         op_cost=oc if micro_batches == 1 else _scaled(op, lay, tables, micro_batches),
                                          in_flight=options.in_flight, accumulate=options.accumulate,
                                          forced_recompute=op.name in forced, recompute_keep=sk[1], peak=peak,
                                          rules=rules))
             for op, lay, wg, oc, sk in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs, cache["keep"])]
 
 
+def _scaled(op: Operator, lay: Any, tables: CostTables, m: int) -> Any:
+    """The operator's cost with every collective paying m latencies (None: :func:`choice_table` computes it);
+    tables built with a ring ``context`` charge the ring input's gradient reduction on its edge
+    (:func:`shardplan.cost.ring.ring_operator_cost`)."""
+    context = tables.options.get("context", "allgather")
+    if context == "allgather":
+        return None
+    from shardplan.cost.memory import latency_scaled
+    from shardplan.cost.ring import ring_operator_cost
+
+    return ring_operator_cost(op, lay, latency_scaled(tables.machine, m), context)
+
+
 def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, options: FitOptions = FitOptions(),
               tables: CostTables | None = None, cutoff: int = 4, powers_of_two: bool = False,
               divides_p: bool = True, orders: str = "auto", partial_sums: bool = False, overlap_tp: bool = False,
-              **dp_options: Any):
+              context: str = "allgather", **dp_options: Any):
     """The plan of least step time whose peak memory per device is within ``budget`` (default the machine's).
 
     ``cutoff`` (default 4, :func:`~shardplan.cost.build_tables`' own) is the
@@ -454,7 +468,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     if tables is None:
         # The per-configuration memory filter of build_tables assumes unsharded state: the fit search prunes itself.
         tables = build_tables(graph, replace(machine, memory_bytes=None), cutoff=cutoff, powers_of_two=powers_of_two,
-                              divides_p=divides_p, orders=orders, partial_sums=partial_sums, overlap_tp=overlap_tp)
+                              divides_p=divides_p, orders=orders, partial_sums=partial_sums, overlap_tp=overlap_tp,
+                              context=context)
         tables = replace(tables, machine=machine)
     build_seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -659,7 +674,8 @@ def _peak_root(pp: PeakProblem, totals: dict, dp_options: dict) -> tuple[float, 
 def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | Sequence[str] = False,
                       micro_batches: int = 1, budget: float | None = None, name: str | None = None,
                       grad_buffers: str = "persistent", accumulate: int = 1, fp8: bool | Sequence[str] = False,
-                      offload: Sequence[str] = (), master_weights: bool = False):
+                      offload: Sequence[str] = (), master_weights: bool = False, zero3_regather: bool = False,
+                      zero3_grad_allreduce: bool = False):
     """``plan``'s layouts with the memory-saving choices given by hand (a fit plan the search did not choose).
 
     ``stage``: one ZeRO stage for every operator with trainable weights, or
@@ -678,7 +694,8 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     run FP8. ``offload``: parts of :data:`~shardplan.cost.memory.OFFLOADS` every operator offloads where
     it can (the optimizer state at ZeRO stages 1-3, the parameters at stage 3 with the optimizer state,
     the activations of operators that do not recompute). ``master_weights``: the mixed-precision state
-    rule (:class:`~shardplan.cost.memory.ChoiceRules`).
+    rule (:class:`~shardplan.cost.memory.ChoiceRules`). ``zero3_regather``, ``zero3_grad_allreduce``: how a
+    ZeRO-3 runtime gathers and reduces (the rules of the same names, e.g. DeepSpeed v0.3's).
 
     Raises:
         ShardplanError: an unknown stage or operator name, or a bad micro-batch count.
@@ -691,7 +708,8 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     stages = {n: int(stage) for n in names} if isinstance(stage, int) else {n: 0 for n in names} | dict(stage)
     recs = set(names) if recompute is True else set() if recompute is False else set(recompute)
     fp8_names = set(names) if fp8 is True else set() if fp8 is False else set(fp8)
-    rules = ChoiceRules(bool(fp8_names), tuple(offload), bool(master_weights))
+    rules = ChoiceRules(bool(fp8_names), tuple(offload), bool(master_weights), bool(zero3_regather),
+                        bool(zero3_grad_allreduce))
     want_off = sum(OFFLOAD_BITS[x] for x in rules.offload)
     unknown = sorted((set(stages) | recs | fp8_names) - set(names))
     recs |= g.recomputed
@@ -713,7 +731,8 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
         shares = unsaved_inputs(op, producers_saved(g, op))
         keep = recompute_keep_bytes(op, lay, tables.machine, shares) if any(shares) else None
         ct = choice_table(op, lay, None, tables.machine, m, STAGES, True, opt, prune=False,
-                          op_cost=oc if m == 1 else None, forced_recompute=op.name in g.recomputed,
+                          op_cost=oc if m == 1 else _scaled(op, lay, tables, m),
+                          forced_recompute=op.name in g.recomputed,
                           recompute_keep=keep, accumulate=acc, rules=rules)
         mine = (ct.base == plan.assignment[i]) & (ct.recompute == (op.name in recs))
         if not np.any(mine & (ct.stage == stages[op.name])):  # an operator without trainable weights: stage 0

@@ -48,6 +48,7 @@ __all__ = [
     "AxisMap",
     "Tensor",
     "Recurrence",
+    "Causal",
     "Operator",
     "TensorRef",
     "EdgeRef",
@@ -214,6 +215,22 @@ class Recurrence:
     batch: str
 
 
+@dataclass(frozen=True)
+class Causal:
+    """A causal (lower-triangular) mask over two dimensions of equal extent: only the iteration points with
+    ``key <= query`` do work (causal self-attention's scores and context products).
+
+    ``balanced``: a sequence split ``c`` ways is dealt out in ``2c`` chunks, block ``i`` holding chunks ``i``
+    and ``2c - 1 - i`` (the load balancing of Megatron-LM's and Llama 3's context parallelism), so every block
+    does the same work; False: contiguous blocks, the last one doing the most. The cost model charges the
+    busiest device's share (:func:`shardplan.cost.causal.causal_fractions`; docs/cost-model.md, "Ring context
+    parallelism")."""
+
+    query: str
+    key: str
+    balanced: bool = True
+
+
 @dataclass(frozen=True, eq=False)
 class Operator:
     """One vertex of the graph: an iteration domain with its tensor accesses.
@@ -241,6 +258,7 @@ class Operator:
             unique, what configurations are indexed by); labels are display
             only and need not be unique. Dimensions without a label show
             their name.
+        causal: a :class:`Causal` mask (None: every point of the domain does work).
         saved: what the backward pass keeps of the operator, in output tiles
             (1: its output, the default). A frontend that knows which values
             the backward rules read sets it: 0 when no backward rule reads the
@@ -261,6 +279,7 @@ class Operator:
     fixed: frozenset[str] = frozenset()
     dim_labels: tuple[tuple[str, str], ...] = ()
     saved: float = 1.0
+    causal: Causal | None = None
 
     def __post_init__(self) -> None:
         labels = self.dim_labels.items() if isinstance(self.dim_labels, Mapping) else self.dim_labels
@@ -328,6 +347,13 @@ class Operator:
         for d, _ in self.dim_labels:
             if d not in ext:
                 self._fail(f"labelled dimension {d!r} is not a dimension")
+        if self.causal is not None:
+            c = self.causal
+            if not isinstance(c, Causal) or c.query not in ext or c.key not in ext or c.query == c.key:
+                self._fail(f"causal mask {c!r} must be a Causal over two different dimensions (dims: {names})")
+            if ext[c.query] != ext[c.key]:
+                self._fail(f"causal mask over {c.query!r} ({ext[c.query]}) and {c.key!r} ({ext[c.key]}): "
+                           f"the extents differ")
         if self.recurrence is not None:
             for d in (self.recurrence.layer, self.recurrence.time, self.recurrence.state, self.recurrence.batch):
                 if d not in ext:

@@ -37,7 +37,7 @@ STAGES = ("auto", True, False)
 
 
 TABLE_OPTIONS = ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas", "optimizer_factor",
-                 "partial_sums", "overlap_tp")
+                 "partial_sums", "overlap_tp", "context")
 """The cost-table options a plan records, so the tables can be rebuilt where it runs (:func:`spmd_of`)."""
 
 
@@ -247,7 +247,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
          schedules: Sequence[str] = ("1f1b", "zb-h1"), interleave: Sequence[int] = (),
          max_stages: int | None = None, fit_options: Any = None, cutoff: int | None = None, orders: str = "auto",
          solver: str = "dp", partial_sums: bool = False, log: Callable[[str], None] | None = None,
-         progress: Any = None, overlap_tp: bool = False) -> Plan:
+         progress: Any = None, overlap_tp: bool = False, context: str = "allgather") -> Plan:
     """The fastest plan of ``model`` on ``machine`` that fits in each device's memory.
 
     Args:
@@ -274,6 +274,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         overlap_tp: also let each product hide the collective of one of its edges behind its compute, in chunks
             (Megatron-LM's ``--tp-comm-overlap``, torchtitan's asynchronous tensor parallelism); implies
             ``partial_sums`` (:func:`shardplan.cost.build_tables`).
+        context: how attention's products receive the keys and values their layouts share: ``allgather`` (the
+            default), ``ring`` or ``auto`` (the cheaper per edge: :mod:`shardplan.cost.ring`), in every search.
 
     Raises:
         ShardplanError: bad input, or no plan in the space fits (the message names the least memory needed).
@@ -295,7 +297,13 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         raise ShardplanError(f"plan: partial_sums must be True or False, got {partial_sums!r}")
     if not isinstance(overlap_tp, bool):
         raise ShardplanError(f"plan: overlap_tp must be True or False, got {overlap_tp!r}")
-    tables_extra = {"overlap_tp": True} if overlap_tp else {}
+    from shardplan.cost.ring import CONTEXT_ALGORITHMS
+
+    if context not in CONTEXT_ALGORITHMS:
+        raise ShardplanError(f"plan: context must be one of {', '.join(CONTEXT_ALGORITHMS)}, got {context!r}")
+    tables_extra: dict[str, Any] = {"overlap_tp": True} if overlap_tp else {}
+    if context != "allgather":
+        tables_extra["context"] = context
     if batch is not None:
         batch = integer("plan: batch", batch, 1, MAX_EXTENT)
     graph, build, batch, default_cutoff, name = _resolve(model, batch, sizes)

@@ -48,6 +48,9 @@ model). The map, on ``p`` devices with ``dp = p / (tp · cp · pp)``:
   ``offload=optimizer+parameters+activations`` (any of them: ZeRO-Offload's optimizer step on the CPU,
   ZeRO-Infinity's parameters at ``zero=3``, activations saved to host), both by
   :func:`shardplan.fit.plan_with_choices`;
+* **a ZeRO-3 runtime's collectives** (``zero_regather``, ``zero_grad_reduce``): whether the recomputed
+  forward gathers the weights again, and whether each micro-batch's gradient is reduce-scattered or
+  all-reduced (DeepSpeed v0.3's ZeRO-3 with its default configuration: both; docs/recipes.md);
 * **micro-batches** ``m = gbs / (dp · mbs)``: one program accumulates
   gradients over m (``plan_with_choices(micro_batches=m)``); a pipeline
   costs each stage per micro-batch of ``dp · mbs`` sequences with the
@@ -97,8 +100,8 @@ from shardplan.layout import Layout
 from shardplan.machine import Machine
 from shardplan.models.moe import EXPERT_KINDS
 
-__all__ = ["Recipe", "cost_recipe", "megatron_layouts", "expert_dim", "has_experts", "recompute_names", "RECOMPUTE",
-           "OVERLAPS", "ATTENTION_CORE"]
+__all__ = ["Recipe", "cost_recipe", "causal_attention", "megatron_layouts", "expert_dim", "has_experts",
+           "recompute_names", "RECOMPUTE", "OVERLAPS", "ATTENTION_CORE", "CP_ALGORITHMS", "ZERO_GRAD_REDUCES"]
 
 RECOMPUTE = ("none", "selective", "full")
 """The named recomputation policies (an integer N: the first N blocks of each stage)."""
@@ -115,14 +118,23 @@ DTYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
 
 _INT_FIELDS = ("tp", "cp", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp", "ep",
                "mbs", "gbs")
-_ORDER = ("tp", "sp", "cp", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp", "ep",
-          "mbs", "gbs", "recompute", "dtype", "precision", "offload", "overlap")
+_ORDER = ("tp", "sp", "cp", "cp_algo", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp",
+          "ep", "mbs", "gbs", "recompute", "dtype", "precision", "offload", "overlap", "zero_regather",
+          "zero_grad_reduce")
+
+CP_ALGORITHMS = ("allgather", "ring")
+"""Context parallelism's algorithms (``cp_algo``): ``build_tables(context=...)`` of :mod:`shardplan.cost.ring`."""
+
+ZERO_GRAD_REDUCES = ("reduce_scatter", "allreduce")
+"""How a ZeRO-3 runtime synchronises each micro-batch's weight gradients (``zero_grad_reduce``): a
+reduce-scatter into the shards (FSDP; DeepSpeed with ``reduce_scatter: true``), or an all-reduce of the whole
+gradient of which each device keeps its shard (DeepSpeed v0.3's default, ``reduce_scatter: false``)."""
 
 PRECISIONS = ("mixed", "fp8")
 """Precision rules of a recipe beyond the machine's element size (module docstring)."""
 _ALIASES = {"fsdp": "zero", "micro_batch_size": "mbs", "global_batch_size": "gbs", "tensor_parallel": "tp",
             "pipeline_parallel": "pp", "data_parallel": "dp", "sequence_parallel": "sp", "context_parallel": "cp",
-            "expert_parallel": "ep", "virtual_stages": "vp"}
+            "expert_parallel": "ep", "virtual_stages": "vp", "context_algorithm": "cp_algo"}
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
@@ -132,7 +144,9 @@ class Recipe:
 
     Attributes:
         tp: tensor-parallel degree. sp: sequence parallelism (Megatron-LM's ``--sequence-parallel``).
-        cp: context-parallel degree. pp: pipeline stages. vp: model chunks per pipeline stage (interleaved
+        cp: context-parallel degree. cp_algo: how attention receives the keys and values of the context
+            group, ``allgather`` (Llama 3's, the default) or ``ring`` (:mod:`shardplan.cost.ring`).
+            pp: pipeline stages. vp: model chunks per pipeline stage (interleaved
             1F1B when > 1). first_stage_layers, last_stage_layers: blocks on the first / last stage
             (default: an even split). dp: data-parallel degree (default: devices / (tp · cp · pp)).
         zero: ZeRO stage 0-3 of every weight's state (3: FSDP). hsdp: hybrid-sharding group size.
@@ -143,11 +157,16 @@ class Recipe:
             ``fp8`` (mixed, with FP8 matrix products). offload: what lives in host memory (a subset of
             ``optimizer``, ``parameters``, ``activations``). overlap: the communications
             overlapped with compute (a subset of :data:`OVERLAPS`; None: the machine's own setting).
+        zero_regather: at ``zero=3`` a recomputing operator gathers its weights again for the recomputed
+            forward (DeepSpeed's ZeRO-3: its pre-forward hook fetches on every forward call; default False:
+            one gather shared by the recomputed forward and the backward, as an FSDP unit around the
+            checkpointed block). zero_grad_reduce: at ``zero=3``, :data:`ZERO_GRAD_REDUCES`.
     """
 
     tp: int = 1
     sp: bool = False
     cp: int = 1
+    cp_algo: str = "allgather"
     pp: int = 1
     vp: int = 1
     first_stage_layers: int | None = None
@@ -163,6 +182,8 @@ class Recipe:
     precision: str | None = None
     offload: tuple[str, ...] = ()
     overlap: tuple[str, ...] | None = None
+    zero_regather: bool = False
+    zero_grad_reduce: str = "reduce_scatter"
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -176,6 +197,13 @@ class Recipe:
             raise ShardplanError(f"recipe: zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero}")
         if not isinstance(self.sp, bool):
             raise ShardplanError(f"recipe: sp must be true or false, got {self.sp!r}")
+        if self.cp_algo not in CP_ALGORITHMS:
+            raise ShardplanError(f"recipe: cp_algo must be one of {', '.join(CP_ALGORITHMS)}, got {self.cp_algo!r}")
+        if not isinstance(self.zero_regather, bool):
+            raise ShardplanError(f"recipe: zero_regather must be true or false, got {self.zero_regather!r}")
+        if self.zero_grad_reduce not in ZERO_GRAD_REDUCES:
+            raise ShardplanError(f"recipe: zero_grad_reduce must be one of {', '.join(ZERO_GRAD_REDUCES)}, "
+                                 f"got {self.zero_grad_reduce!r}")
         rec = self.recompute
         if isinstance(rec, bool) or not (rec in RECOMPUTE or (isinstance(rec, int) and rec >= 1)):
             raise ShardplanError(f"recipe: recompute must be none, selective, full or a number of blocks >= 1, "
@@ -313,8 +341,10 @@ def _value(key: str, value: Any, fsdp: bool) -> Any:
     if fsdp:
         flag = _bool(key, value)
         return 3 if flag else 0
-    if key == "sp":
+    if key in ("sp", "zero_regather"):
         return _bool(key, value)
+    if key == "zero_grad_reduce":
+        return str(value).strip().lower().replace("-", "_")
     if key in ("overlap", "offload"):
         if isinstance(value, (list, tuple)):
             return tuple(str(v) for v in value)
@@ -327,8 +357,8 @@ def _value(key: str, value: Any, fsdp: bool) -> Any:
         if text.isdigit():
             return int(text)
         return text
-    if key == "dtype":
-        return str(value).strip().lower()
+    if key in ("dtype", "cp_algo"):
+        return str(value).strip().lower().replace("-", "")
     if key == "precision":
         text = str(value).strip().lower()
         return None if text in ("none", "") else text
@@ -359,6 +389,8 @@ def refusal(recipe: Recipe, machine: Machine) -> str | None:
     """Why ``recipe`` has no exact counterpart in shardplan's space on ``machine`` (None: it has one)."""
     if recipe.sp and recipe.tp < 2:
         return "sequence parallelism (sp) splits the sequence over the tensor group: it needs tp >= 2"
+    if recipe.cp_algo != "allgather" and recipe.cp < 2:
+        return f"cp_algo={recipe.cp_algo}: a context-parallel algorithm needs a context group (cp >= 2)"
     if recipe.cp > 1 and recipe.ep > 1:
         return "context and expert parallelism together (cp with ep): their groups' rank order is not mapped"
     if recipe.hsdp is not None:
@@ -385,6 +417,9 @@ def refusal(recipe: Recipe, machine: Machine) -> str | None:
         return "uneven first/last stages with interleaving (vp > 1): Megatron-LM's chunk split is not defined here"
     if recipe.pp < 2 and (recipe.first_stage_layers is not None or recipe.last_stage_layers is not None):
         return "first_stage_layers / last_stage_layers need pp >= 2"
+    if recipe.zero != 3 and (recipe.zero_regather or recipe.zero_grad_reduce != "reduce_scatter"):
+        return ("zero_regather / zero_grad_reduce describe a ZeRO-3 runtime's gathers and gradient reduction; "
+                "they need zero=3")
     ov = recipe.overlap
     if ov is not None:
         if "tp_comm" in ov and not recipe.sp:
@@ -441,6 +476,24 @@ def expert_dim(op: Operator) -> str | None:
 def has_experts(graph: Graph) -> bool:
     """Whether ``graph`` has an operator that expert parallelism splits (:func:`expert_dim`)."""
     return any(expert_dim(op) is not None for op in graph.operators)
+
+
+def causal_attention(graph: Graph, balanced: bool = True) -> Graph:
+    """``graph`` with its attention core (:data:`ATTENTION_CORE` kinds over a query sequence ``s`` and a key
+    sequence ``t`` of one extent) under a causal mask (:class:`~shardplan.ir.Causal`): the cost model then
+    charges the masked work, the busiest device's share (``balanced``: the sequence dealt out in 2 cp chunks,
+    as Megatron-LM and Llama 3 do; False: contiguous blocks). The zoo's builders leave attention unmasked
+    (the work of the whole domain)."""
+    from shardplan.ir import Causal
+
+    def mark(op: Operator) -> Operator:
+        ext = op.extents
+        if op.kind in ATTENTION_CORE and "s" in ext and "t" in ext and ext["s"] == ext["t"]:
+            return replace(op, causal=Causal("s", "t", balanced))
+        return op
+
+    return Graph(graph.name, tuple(mark(op) for op in graph.operators), graph.graph_inputs, graph.ties,
+                 graph.recomputed)
 
 
 def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int, sp: bool = False,
@@ -667,17 +720,18 @@ TABLE_OPTIONS = {"cutoff": 1, "orders": "row-major", "node_replicas": True}
 
 
 def table_options(machine: Machine, tp: int, dp: int, sp: bool = False, ep: int = 1, cp: int = 1,
-                  overlap_tp: bool = False) -> dict[str, Any]:
+                  overlap_tp: bool = False, cp_algo: str = "allgather") -> dict[str, Any]:
     """:func:`shardplan.cost.build_tables` options of a stage of ``tp`` × ``dp`` devices on ``machine``'s levels:
     :data:`TABLE_OPTIONS` with the model dimension nested outside the batch inside a level
     (:func:`megatron_layout`: a candidate only with every order), and the recipe's layouts as the candidates
     (:func:`megatron_candidates`); ``overlap_tp``: the tensor-parallel collectives overlapped with the products
-    (``overlap=tp_comm``)."""
+    (``overlap=tp_comm``); ``cp_algo``: the tables' ``context`` (``ring``: the keys and values passed around
+    the context group, :mod:`shardplan.cost.ring`)."""
     levels = tuple(replace(machine, num_devices=tp * dp).levels)
     tps, dps = _level_ways(levels, dp, tp)
     orders = "all" if any(t > 1 and d > 1 for t, d in zip(tps, dps)) else "row-major"
     return {**TABLE_OPTIONS, "orders": orders, "candidates": megatron_candidates(levels, dp, tp, orders, sp, ep, cp),
-            **({"overlap_tp": True} if overlap_tp else {})}
+            **({"overlap_tp": True} if overlap_tp else {}), **({"context": cp_algo} if cp_algo != "allgather" else {})}
 
 
 def overlaps_tp(recipe: "Recipe") -> bool:
@@ -750,9 +804,11 @@ def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int |
 
 
 def precision_choices(recipe: Recipe) -> dict[str, Any]:
-    """The keywords of :func:`shardplan.fit.plan_with_choices` for the recipe's precision and offload."""
+    """The keywords of :func:`shardplan.fit.plan_with_choices` for the recipe's precision, offload and ZeRO-3
+    runtime (``zero_regather``, ``zero_grad_reduce``)."""
     return {"fp8": recipe.precision == "fp8", "offload": recipe.offload,
-            "master_weights": recipe.precision is not None}
+            "master_weights": recipe.precision is not None, "zero3_regather": recipe.zero_regather,
+            "zero3_grad_allreduce": recipe.zero_grad_reduce == "allreduce"}
 
 
 def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m: int, name: str, gbs: int) -> Any:
@@ -765,7 +821,7 @@ def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m
     recs = recompute_names(graph, recipe.recompute)
     t0 = time.perf_counter()
     dc = dp * recipe.cp  # the non-tensor devices: data × context
-    opts = table_options(machine, recipe.tp, dc, recipe.sp, recipe.ep, recipe.cp, overlaps_tp(recipe))
+    opts = table_options(machine, recipe.tp, dc, recipe.sp, recipe.ep, recipe.cp, overlaps_tp(recipe), recipe.cp_algo)
     tables = replace(build_tables(graph, replace(machine, memory_bytes=None), **opts), machine=machine)
     base = plan_from_configs(tables, megatron_layouts(tables, dc, recipe.tp, recipe.sp, recipe.ep, recipe.cp),
                              name="megatron")
@@ -793,7 +849,7 @@ def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Reci
                                  accumulate=mb, name="recipe", **precision_choices(recipe))
 
     stages = ModelStages(build, gbs, replace(machine, memory_bytes=None),
-                         table_options(machine, tp, dc, sp, ep, cp, overlaps_tp(recipe)),
+                         table_options(machine, tp, dc, sp, ep, cp, overlaps_tp(recipe), recipe.cp_algo),
                          periodic=False, strategy=lambda t: megatron_layouts(t, dc, tp, sp, ep, cp), choices=choices)
     g, units, _ = stages.graph(m)
     kinds = [unit_prefix(g.operators[idx[0]].name) is not None for idx in units]

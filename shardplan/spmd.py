@@ -184,7 +184,8 @@ def plan_from_configs(tables: CostTables, configs: Mapping[str, Sequence[int] | 
 
 def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: bool = False, divides_p: bool = True,
           orders: str = "auto", solver: str = "dp", progress: Callable[[int, int], None] | None = None,
-          partial_sums: bool = False, overlap_tp: bool = False, **solver_options: Any) -> SpmdPlan:
+          partial_sums: bool = False, overlap_tp: bool = False, context: str = "allgather",
+          **solver_options: Any) -> SpmdPlan:
     """Find the strategy of minimum predicted step time for ``graph`` on ``machine``.
 
     Builds the cost tables (configurations with at least ``cutoff`` points per
@@ -194,7 +195,8 @@ def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: boo
     arguments go to the solver (e.g. ``ordering="generateseq"``). ``partial_sums``: also offer the layouts
     that defer a split reduction to the consumers (reduce-scatter or all-reduce on the edge; Megatron-LM's
     sequence parallelism is such a plan). ``overlap_tp``: products may hide an edge's collective behind their
-    compute (:func:`shardplan.cost.build_tables`).
+    compute (:func:`shardplan.cost.build_tables`). ``context``: how attention's products receive the keys and
+    values their layouts share (``allgather``, ``ring`` or ``auto``: :mod:`shardplan.cost.ring`).
     """
     from shardplan.checks import MAX_EXTENT, integer
 
@@ -213,7 +215,7 @@ def solve(graph: Graph, machine: Machine, *, cutoff: int = 4, powers_of_two: boo
     t0 = time.perf_counter()
     tables = build_tables(graph, machine, cutoff=cutoff, powers_of_two=powers_of_two, divides_p=divides_p,
                           orders=orders, progress=progress, partial_sums=partial_sums,
-                          overlap_tp=overlap_tp)
+                          overlap_tp=overlap_tp, context=context)
     return solve_tables(tables, solver=solver, build_seconds=time.perf_counter() - t0, **solver_options)
 
 

@@ -80,7 +80,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       micro_batches=micro_batches, schedules=schedules, interleave=interleave,
                       max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto",
                       fit_options=fit_options, partial_sums=args.partial_sums, log=log, progress=write,
-                      overlap_tp=args.overlap_tp)
+                      overlap_tp=args.overlap_tp, context=args.context)
     except KeyboardInterrupt:
         end()
         _log("interrupted before any plan was found")
@@ -127,6 +127,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--overlap-tp", action="store_true",
                    help="let each matrix product hide one edge's collective behind its compute, in chunks "
                         "(Megatron-LM's --tp-comm-overlap, torchtitan's async TP); implies --partial-sums")
+    p.add_argument("--context", choices=("allgather", "ring", "auto"), default="allgather",
+                   help="how attention's products receive the keys and values their layouts share: gathered "
+                        "(default), passed around a ring beside the products, or the cheaper per edge (auto)")
     p.add_argument("--fp8", action="store_true",
                    help="offer FP8 matrix products (machines with an FP8 peak; one program, not pipeline stages)")
     p.add_argument("--offload", metavar="PARTS",

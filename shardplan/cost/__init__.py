@@ -7,7 +7,7 @@ per operator, one matrix per edge) and from there to the solver-level
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -16,6 +16,7 @@ from shardplan.configs import ORDER_MODES, configurations, dimension_orders, fla
 from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budgets, weight_edge_cost
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
+from shardplan.cost.ring import CONTEXT_ALGORITHMS, context_edge, moved_reduction
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
 from shardplan.ir import Graph, Operator
 from shardplan.layout import Layout, LayoutArrays
@@ -214,7 +215,7 @@ def operator_key(op) -> tuple:
     """What an operator's costs depend on: its description without its name or its producers' names."""
     return (op.kind, op.dims, tuple(_tensor_key(t) for t in op.inputs), _tensor_key(op.output),
             tuple(_tensor_key(t) for t in op.weights), op.flops_per_point, op.norm_dims, op.norm_stats,
-            op.recurrence, tuple(sorted(op.fixed)), op.saved)
+            op.recurrence, tuple(sorted(op.fixed)), op.saved, op.causal)
 
 
 def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,
@@ -223,7 +224,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
                  memory_limit_bytes: int | None = None, node_replicas: bool = False,
                  cache: dict | None = None,
                  candidates: Callable[[Operator], Sequence[Layout]] | None = None,
-                 partial_sums: bool = False, overlap_tp: bool = False) -> CostTables:
+                 partial_sums: bool = False, overlap_tp: bool = False, context: str = "allgather") -> CostTables:
     """Layouts and costs of every operator and edge of ``graph`` on ``machine``.
 
     ``divides_p`` (default): keep configurations whose device count divides p,
@@ -269,7 +270,15 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     parallelism): the producer of partial sums read by one consumer hides that edge's reduction, a product
     with one input edge the gather into its input tile (:func:`shardplan.cost.edge.overlap_budgets`, the
     math in docs/cost-model.md). Each edge cost stays a function of its two layouts.
+
+    ``context``: how a product of two activations whose layout leaves one input shared by a group (attention
+    under context parallelism) receives it (:mod:`shardplan.cost.ring`): ``"allgather"`` (the default: the
+    edge gathers it), ``"ring"`` (blocks passed around the group, overlapped with the product, wherever the
+    producer scatters the input) or ``"auto"`` (the cheaper per edge). With ``ring`` or ``auto`` the
+    all-reduce of that input's gradient is charged on the edge instead of the operator.
     """
+    if context not in CONTEXT_ALGORITHMS:
+        raise ShardplanError(f"build_tables: context must be one of {', '.join(CONTEXT_ALGORITHMS)}, got {context!r}")
     if not isinstance(overlap_tp, bool):
         raise ShardplanError(f"build_tables: overlap_tp must be True or False, got {overlap_tp!r}")
     partial_sums = partial_sums or overlap_tp
@@ -347,7 +356,12 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
                 lays = tuple(lays[r] for r in rows)
                 arr = arr.take(rows)
                 w, act = w[keep], act[keep]
-        per_key[key] = (lays, arr, operator_cost(op, arr, machine), (w, act))
+        cost = operator_cost(op, arr, machine)
+        if context != "allgather":  # the ring input's gradient all-reduce is charged on its edge
+            moved = moved_reduction(op, arr, machine)
+            store.setdefault("ring_moved", {})[key] = moved
+            cost = replace(cost, grad_allreduce=cost.grad_allreduce - moved)
+        per_key[key] = (lays, arr, cost, (w, act))
         if progress is not None:
             progress(n_done + 1, steps)
     dropped = sum(dropped_by_key[k] * count[k] for k in first)
@@ -373,6 +387,10 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             ku, kv = per_key[keys[e.src]], per_key[keys[e.dst]]
             hide = None if shape is None else (budget(e.src)[0], budget(e.dst)[1])
             edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine, memo=memo, hide=hide)
+            if context != "allgather":
+                edge_cache[ekey] = context_edge(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine,
+                                                edge_cache[ekey], store["ring_moved"][keys[e.dst]], kv[2].compute,
+                                                context)
         edge_costs.append(edge_cache[ekey])
         if progress is not None:
             progress(len(first) + n_done + 1, steps)
@@ -387,7 +405,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     _check_finite(graph, machine, [per_key[k][2] for k in keys], edge_costs, weight_costs)
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
             "node_replicas": node_replicas, "candidates_given": candidates is not None, "partial_sums": partial_sums,
-            "overlap_tp": overlap_tp, "optimizer_factor": optimizer_factor, "dropped_for_memory": dropped,
+            "overlap_tp": overlap_tp, "context": context, "optimizer_factor": optimizer_factor,
+            "dropped_for_memory": dropped,
             "levels": levels,
             "distinct_operators": len(first),
             "distinct_edges": len({(keys[e.src], keys[e.dst], e.slot) for e in graph.edges}),

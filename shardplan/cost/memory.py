@@ -277,19 +277,28 @@ class ChoiceRules:
             and the backward share one gather (an FSDP unit wrapping the checkpointed block; shardplan's own
             runtimes, whose checkpointed segment gathers inside the segment and the backward reuses it).
             Overlapped with the recomputed forward's compute exactly when the forward gather is.
+        zero3_grad_allreduce: at ZeRO stage 3 each micro-batch's weight gradient is all-reduced over the
+            data-parallel group (each device then keeps its shard) instead of reduce-scattered: DeepSpeed's
+            ZeRO-3 with its ``reduce_scatter`` setting false, the default of v0.3.x
+            (``ZERO_OPTIMIZATION_REDUCE_SCATTER_DEFAULT = False``; ``stage3.py``'s ``average_tensor`` and
+            ``buffered_reduce_fallback`` then call ``dist.all_reduce`` on the gradient bucket), charged as a
+            stage-0 gradient's all-reduce (the cheaper of NCCL's ring and tree: twice a reduce-scatter's ring
+            bytes); overlapped with the backward exactly when the reduce-scatter would be.
+            Memory as the reduce-scatter's (the full gradient of a bucket exists transiently in both).
     """
 
     fp8: bool = False
     offload: tuple[str, ...] = ()
     master_weights: bool = False
     zero3_regather: bool = False
+    zero3_grad_allreduce: bool = False
 
     def __post_init__(self) -> None:
         from shardplan.errors import ShardplanError
 
-        if not all(isinstance(x, bool) for x in (self.fp8, self.master_weights, self.zero3_regather)):
-            raise ShardplanError(f"fp8, master_weights and zero3_regather must be True or False, got {self.fp8!r}, "
-                                 f"{self.master_weights!r}, {self.zero3_regather!r}")
+        for name in ("fp8", "master_weights", "zero3_regather", "zero3_grad_allreduce"):
+            if not isinstance(getattr(self, name), bool):
+                raise ShardplanError(f"{name} must be True or False, got {getattr(self, name)!r}")
         parts = tuple(self.offload)
         bad = [x for x in parts if x not in OFFLOADS]
         if bad:
@@ -468,6 +477,12 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         """Seconds of ``count`` host copies moving ``nbytes`` in all (none when nothing moves)."""
         return np.where(nbytes > 0, nbytes / bw + count * lat, 0.0)
 
+    # the activation gradients' all-reduce alone: operator_cost without the weights' overlap, less the weights'
+    # all-reduce (the same formula). Subtracting charged(wgrad_m) from the overlapped total instead would leave
+    # charged the difference between operator_cost's backward (its own quantised passes) and the
+    # compute (passes - 1) / passes that charged() uses, wherever the weights' all-reduce outlasts the backward.
+    plain_grad = (operator_cost(op, lay, replace(mm, overlap_grad=False)).grad_allreduce
+                  if overlap and np.any(wgrad_m > 0) else None)
     rows = []
     for fp8, ocp, scale, cache, saved_in in precisions:
         backward = ocp.compute * (passes - 1) / passes  # what the weight-gradient syncs overlap
@@ -476,7 +491,12 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         def charged(sync: np.ndarray) -> np.ndarray:
             return np.maximum(sync - backward, 0.0) if overlap else sync
 
-        act_grad = np.maximum(ocp.grad_allreduce - charged(wgrad_m), 0.0)
+        if plain_grad is None:
+            act_grad = np.maximum(ocp.grad_allreduce - charged(wgrad_m), 0.0)
+            own = None
+        else:
+            act_grad = np.maximum(plain_grad - wgrad_m, 0.0)
+            own = ocp.grad_allreduce - act_grad  # the weights' all-reduce as operator_cost overlapped it
         step_saved = wg.act + saved_in  # bytes the backward keeps over the whole step (every micro-batch)
         act = step_saved / m * float(in_flight)
         fwd = (ocp.compute / passes + ocp.forward_allreduce
@@ -485,15 +505,17 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         fixed = {"compute": ocp.compute, "forward_allreduce": ocp.forward_allreduce, "grad_allreduce": act_grad,
                  "halo": ocp.halo, "stats": ocp.stats, "recurrence": ocp.recurrence}
         for s in stage_list:
-            if s == 0:
-                sync, mem, grad = charged(sync0) * once, state * (2 + o), state
+            if s == 0:  # one micro-batch: exactly operator_cost's own overlap of the weights' all-reduce
+                sync = (own if own is not None and m == 1 else charged(sync0)) * once
+                mem, grad = state * (2 + o), state
             elif s == 1:
                 sync, mem, grad = (charged(rs) + ag) * once, state * (2 + o / group), state
             elif s == 2:
                 sync, mem, grad = charged(m * rs) + ag * once, state * (1 + (1 + o) / group), state / group
             else:  # gathers prefetched during the operator's own forward / backward when overlapping
                 fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
-                sync, mem, grad = charged(m * (rs + ag)) + fwd_gather, state * (2 + o) / group, state / group
+                red = sync0 if rules.zero3_grad_allreduce else rs  # the gradient's collective per micro-batch
+                sync, mem, grad = charged(m * (red + ag)) + fwd_gather, state * (2 + o) / group, state / group
             # the recomputed forward's own gather (ChoiceRules.zero3_regather), as exposed as the forward's
             regather = fwd_gather if s == 3 and rules.zero3_regather else np.zeros(k)
             mem = mem + cache

@@ -4,7 +4,9 @@ Everything is derived from the operator's description (iteration domain +
 access maps); nothing here branches on the operator's kind. Per device, for
 configuration c (arrays over the K configurations):
 
-* compute: ``f * prod_d E_d / c_d`` FLOPs forward (f = work per point), and
+* compute: ``f * prod_d E_d / c_d`` FLOPs forward (f = work per point; under a causal mask,
+  :attr:`~shardplan.ir.Operator.causal`, times the busiest device's share of its tile that the mask
+  keeps, :func:`shardplan.cost.causal.causal_fractions`), and
   the same again for every tensor whose gradient the backward pass
   produces (input gradient and weight gradient of a GEMM: 2x). Each pass
   is a roofline: ``max(FLOPs / (peak * efficiency), bytes / HBM bandwidth)``
@@ -83,6 +85,7 @@ import numpy as np
 
 from shardplan.configs import forward_deferrable
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
+from shardplan.cost.causal import causal_fractions
 from shardplan.cost.tiles import as_layouts, box_volumes, lazy_grid, regular_tile_lengths, tensor_boxes
 from shardplan.layout import LayoutArrays, flat_layout_arrays, unique_rows
 from shardplan.ir import Operator
@@ -323,6 +326,8 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     out_vol = max_tile(op.output)
     passes = 1 + len(op.grad_tensors)
     flops = op.flops_per_point * np.prod(ext[None, :] / configs, axis=1)
+    if op.causal is not None:  # the busiest device's share of its tile under the mask (cost/ring.py)
+        flops = flops * causal_fractions(op, configs)[0]
     t_pass = flops / machine.achievable_flops
     if machine.tiled:  # each pass's product at its own tile and wave utilisation
         t_passes = flops[None, :] / (machine.achievable_flops * pass_utilisation(op, configs, machine))

@@ -168,7 +168,7 @@ def _op_signature(op: Operator, where: dict[str, tuple[int, int]], unit: int) ->
         return (t.name, t.shape, t.axes, t.role, t.needs_grad, t.elem_factor, t.owner, src)
 
     return (op.kind, op.dims, op.flops_per_point, op.norm_dims, op.norm_stats, op.recurrence, op.fixed, op.saved,
-            tuple(tensor(t, True) for t in op.inputs), tuple(tensor(t, False) for t in op.weights),
+            op.causal, tuple(tensor(t, True) for t in op.inputs), tuple(tensor(t, False) for t in op.weights),
             tensor(op.output, False))
 
 
@@ -446,7 +446,7 @@ class ModelStages:
         machine = replace(self.machine, num_devices=q)
         opts = dict(self.solve_options)
         table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas",
-                                               "candidates", "partial_sums", "overlap_tp") if k in opts}
+                                               "candidates", "partial_sums", "overlap_tp", "context") if k in opts}
         solver = opts.pop("solver", "dp")
         cache = self._table_cache(q)
         if self.memory_choices and self.strategy is None:
@@ -666,7 +666,7 @@ class ModelStages:
         machine = replace(self.machine, num_devices=q, memory_bytes=budget)
         opts = dict(self.solve_options)
         table_opts = {x: opts.pop(x) for x in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas",
-                                             "partial_sums", "overlap_tp") if x in opts}
+                                             "partial_sums", "overlap_tp", "context") if x in opts}
         cache = self._tables.setdefault((q, "fit"), {})
         tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
                          machine=machine)

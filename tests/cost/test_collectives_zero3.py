@@ -75,3 +75,52 @@ def test_regather_across_nodes_pays_every_ring_step():
 def test_regather_must_be_a_bool():
     with pytest.raises(ShardplanError, match="zero3_regather must be True or False"):
         ChoiceRules(zero3_regather=1)
+
+
+def test_grad_allreduce_replaces_the_reduce_scatter_by_an_all_reduce():
+    # DeepSpeed v0.3's ZeRO-3 with reduce_scatter false: the gradient all-reduced over the group of 4 (NCCL's
+    # cheaper of ring, 2 x 3/4 W / B + 6 steps, and tree, 2 W / B + 2 ceil(log2 4) steps); the gathers unchanged
+    m = Machine(4, peak_flops=F, bandwidth=B, latency=1e-6, overlap_grad=False)
+    x = 0.75 * W / B + 3 * 1e-6
+    ar = min(1.5 * W / B + 6 * 1e-6, 2 * W / B + 4 * 1e-6)
+    got = sync(m, ChoiceRules(zero3_grad_allreduce=True))
+    assert got[(3, False)] == pytest.approx(2 * x + ar)
+    both = sync(m, ChoiceRules(zero3_regather=True, zero3_grad_allreduce=True), micro_batches=2)
+    assert both[(3, True)] == pytest.approx(2 * (3 * x + ar))
+
+
+def test_grad_allreduce_overlaps_as_the_reduce_scatter_does():
+    m = Machine(4, peak_flops=F, bandwidth=1e7, latency=1e-6, overlap_grad=True)  # slow links: nothing hides all
+    x = 0.75 * W / 1e7 + 3 * 1e-6
+    ring, tree = 1.5 * W / 1e7 + 6 * 1e-6, 2 * W / 1e7 + 4 * 1e-6
+    f = 2 * 16 * 16 * 32 / F
+    got = sync(m, ChoiceRules(zero3_grad_allreduce=True))
+    assert got[(3, False)] == pytest.approx((x + min(ring, tree) - 2 * f) + (x - f))
+
+
+def test_grad_allreduce_must_be_a_bool():
+    with pytest.raises(ShardplanError, match="zero3_grad_allreduce must be True or False"):
+        ChoiceRules(zero3_grad_allreduce="yes")
+
+
+def test_overlap_never_charges_the_activation_gradients_more():
+    """On a tiled machine a product's passes differ (tile and wave quantisation), so the backward operator_cost
+    overlaps with is not compute (passes - 1) / passes; the activation gradients' all-reduce must still be the
+    same with and without the weights' overlap, and overlapping must never cost more, whatever the
+    accumulation (a pipeline stage's micro-batch charges the weights' all-reduce 1/accumulate)."""
+    from dataclasses import replace
+
+    from shardplan.machine import preset
+
+    # GPT-3's first feed-forward product at one sequence per device: batch over 4 (data), output over 8 (tensor,
+    # column-parallel: its input's gradient is all-reduced); the weights' all-reduce outlasts the backward
+    op = ops.dense("fc", TensorRef("x", (4, 2048, 12288), needs_grad=True), 49152)
+    on = preset("a100", 32)
+    off = replace(on, overlap_grad=False)
+    names = op.dim_names  # b, s, n (output), c (contracted)
+    split = tuple(4 if d == "b" else 8 if d == "n" else 1 for d in names)
+    for acc in (1, 24):
+        t_on = choice_table(op, np.array([split]), None, on, prune=False, accumulate=acc)
+        t_off = choice_table(op, np.array([split]), None, off, prune=False, accumulate=acc)
+        assert np.allclose(t_on.parts["grad_allreduce"], t_off.parts["grad_allreduce"], rtol=1e-12)
+        assert np.all(t_on.seconds <= t_off.seconds + 1e-15)

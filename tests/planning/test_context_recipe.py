@@ -3,6 +3,7 @@ search's space, costed by the same model, and named in the plan's words."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from shardplan.errors import ShardplanError
@@ -64,3 +65,66 @@ def test_llama3_70b_published_recipe_is_costed():
     plan = cost_recipe("llama3-70b", preset("h100", 64), "tp=4,pp=4,cp=2,vp=5,mbs=1,gbs=64,recompute=full")
     assert recipe_words(plan).startswith("data 2 × context 2 × tensor 4 × pipeline 4 × 5 chunks (interleaved)")
     assert plan.memory["peak_bytes"] < 80 * 2**30
+
+
+# -- the ring (cp_algo=ring) -----------------------------------------------------------------------------------
+def test_cp_algo_parses_prints_and_refuses_without_a_context_group():
+    from shardplan.recipe import Recipe
+
+    r = Recipe.parse("tp=8,cp=2,cp_algo=ring")
+    assert r.cp_algo == "ring" and str(r) == "tp=8,cp=2,cp_algo=ring" and Recipe.parse(str(r)) == r
+    assert str(Recipe.parse("tp=8,cp=2,cp_algo=all-gather")) == "tp=8,cp=2"  # the default
+    assert Recipe.from_mapping({"context_algorithm": "ring", "cp": 2}).cp_algo == "ring"
+    with pytest.raises(ShardplanError, match="cp_algo must be one of allgather, ring"):
+        Recipe.parse("tp=8,cp=2,cp_algo=p2p")
+    with pytest.raises(ShardplanError, match="needs a context group"):
+        _cost("tp=8,cp_algo=ring")
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_the_ring_recipe_has_the_same_layouts_and_compute_and_moves_the_keys_around_the_ring(pp):
+    """cp_algo=ring changes no layout and no compute: the keys' and values' gathers and their gradients'
+    all-reduces become the ring's exposed steps. With the sequence long enough for the products to hide
+    the blocks (4096 over 2), the ring is cheaper here; each attention product's edge charges exactly what
+    :func:`shardplan.cost.ring.ring_choices` says for its two layouts."""
+    gather, ring = _cost(f"tp=8,cp=2,pp={pp}"), _cost(f"tp=8,cp=2,cp_algo=ring,pp={pp}")
+    assert ring.step_time < gather.step_time
+    for name, c in gather.operators.items():
+        assert ring.operators[name].layout == c.layout
+    if pp == 1:
+        assert ring.breakdown["compute"] == gather.breakdown["compute"]
+        assert ring.breakdown["grad_allreduce"] < gather.breakdown["grad_allreduce"]
+
+
+def test_the_ring_recipe_edges_are_the_ring_by_hand():
+    """The edge rope_k -> scores of the recipe's tables: the ring's cost from the two layouts."""
+    from dataclasses import replace
+
+    from shardplan.cost import build_tables
+    from shardplan.cost.ring import ring_choices
+    from shardplan.recipe import megatron_layouts, table_options
+
+    m = preset("h100", 32)
+    g = get_model("llama3-8b", 8, **{**SIZES, "layers": 1})
+    t = build_tables(g, m, **table_options(m, 8, 4, cp=2, cp_algo="ring"))
+    plan = megatron_layouts(t, 4, 8, cp=2)
+    (e, mat), = [(e, mat) for e, mat in zip(g.edges, t.edge_costs)
+                 if g.operators[e.src].name == "L1/rope_k" and g.operators[e.dst].name == "L1/scores"]
+    i, j = (t.layouts[x].index(plan[g.operators[x].name]) for x in (e.src, e.dst))
+    want = ring_choices(g.operators[e.src], t.arrays[e.src].take([i]), g.operators[e.dst], e.slot,
+                        t.arrays[e.dst].take([j]), m, t.op_costs[e.dst].compute[[j]])[0, 0]
+    assert np.isfinite(want) and mat[i, j] == want
+
+
+def test_causal_attention_marks_the_core_and_the_ring_recipe_runs_on_the_70b():
+    from shardplan.recipe import causal_attention
+
+    g = causal_attention(get_model("llama3-tiny", 2))
+    masked = {op.name for op in g.operators if op.causal is not None}
+    assert masked == {op.name for op in g.operators if op.kind in ("attn_scores", "attn_context")} and masked
+    text = "tp=4,pp=4,cp=2,vp=5,mbs=1,gbs=64,recompute=full"
+    gather = cost_recipe("llama3-70b", preset("h100", 64), text)
+    ring = cost_recipe("llama3-70b", preset("h100", 64), text + ",cp_algo=ring")
+    assert recipe_words(ring).startswith("data 2 × context 2 × tensor 4 × pipeline 4 × 5 chunks (interleaved)")
+    assert ring.memory["peak_bytes"] == gather.memory["peak_bytes"]
+    assert ring.step_time < gather.step_time

@@ -1,0 +1,186 @@
+"""Context parallelism's two algorithms for an attention product: all-gather and the ring.
+
+The math is in docs/cost-model.md, "Ring context parallelism"; in short:
+
+* **Where the choice lives.** An operator that multiplies two activations and nothing else (no weights,
+  a summed dimension: attention's scores ``q k^T`` and context ``p v``) has a *ring input* under a layout
+  when the dims that do not index one input are split ``g > 1`` ways while those of the other input are
+  not (:func:`ring_inputs`): ``g`` devices then need the same tile of that input (the keys, or the values),
+  which context parallelism's producer (the key / value projection, sequence split) leaves scattered
+  over them, ``1/g`` on each. *All-gather* (Llama 3's algorithm): the edge gathers it before the product
+  (:func:`shardplan.cost.edge.edge_cost`, a point-to-point exchange of the ``(g - 1)/g`` a device
+  misses), and the product's input gradient is all-reduced over the group. *Ring*: the ``g`` blocks are
+  passed around the group, block ``k + 1`` moving while the product runs on block ``k``; backward, each
+  block travels with its gradient accumulator.
+* **Its cost.** With ``c`` the seconds of one block's transfer (:func:`ring_exposed`) and ``m`` the busiest
+  device's product on one other device's block, the pass takes ``m_0 + (g - 1) max(m, c)`` (``m_0``: the
+  device's own block, computed while the first transfer is in flight), of which the operator's compute is
+  ``m_0 + (g - 1) m``: the ring adds ``(g - 1) max(c - m, 0)`` forward, and backward
+  ``(g - 1) max(2 c - m_b, 0) + c`` (each step moves a block and its gradient accumulator, and the
+  accumulators make one last hop home), where all-gather pays the edge's gather and the all-reduce of the
+  input gradient. Both depend on the two layouts of the edge only, so the choice is an edge cost:
+  :func:`context_edge` (``build_tables(..., context="allgather" | "ring" | "auto")``), and the
+  all-reduce of the ring input's gradient moves from the operator to that edge (:func:`moved_reduction`)
+  so that the two algorithms are compared on the same terms.
+* **Causal work** (:mod:`shardplan.cost.causal`): under a causal mask one ring step's block is half of a
+  full block on every device when the sequence is balanced, a full block on the busiest device when not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shardplan.cost.causal import causal_fractions
+from shardplan.cost.collectives import allreduce_time, outer_level, p2p_time
+from shardplan.cost.tiles import box_volumes, tensor_boxes
+from shardplan.ir import Operator
+from shardplan.layout import LayoutArrays
+from shardplan.machine import Machine
+
+__all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_exposed", "moved_reduction",
+           "context_edge", "ring_choices", "ring_operator_cost"]
+
+CONTEXT_ALGORITHMS = ("allgather", "ring", "auto")
+"""``build_tables(context=...)``: every ring input gathered (the default, today's model), passed around the
+ring wherever the producer scatters it, or the cheaper of the two per edge."""
+
+
+def ring_inputs(op: Operator, lay: LayoutArrays) -> tuple[np.ndarray, np.ndarray]:
+    """Per layout: the slot of the ring input (-1: none) and the size of the group that shares it (K,).
+
+    Only a product of exactly two activations (no weights, a summed dim) has one: the input whose
+    non-indexing dims are split ``g > 1`` ways while the other input's are not split."""
+    k = len(lay)
+    slot, g = np.full(k, -1, dtype=np.int64), np.ones(k, dtype=np.int64)
+    if len(op.inputs) != 2 or op.weights or not op.reduction_dims:
+        return slot, g
+    names = op.dim_names
+    shared = []
+    for t in op.inputs:
+        read = {d for a in t.axes for d in a.dims}
+        idx = [j for j, d in enumerate(names) if d not in read]
+        shared.append(lay.group_sizes(idx).prod(axis=0) if idx else np.ones(k, dtype=np.int64))
+    for j in (0, 1):
+        take = (shared[j] > 1) & (shared[1 - j] == 1)
+        slot[take], g[take] = j, shared[j][take]
+    return slot, g
+
+
+def _group_dims(op: Operator, slot: int) -> list[int]:
+    read = {d for a in op.inputs[slot].axes for d in a.dims}
+    return [j for j, d in enumerate(op.dim_names) if d not in read]
+
+
+def ring_exposed(block_bytes: np.ndarray, g: np.ndarray, level: np.ndarray, fwd_step: np.ndarray,
+                 bwd_step: np.ndarray, machine: Machine, grad: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds the ring adds to its product's compute, forward and backward (module docstring):
+    ``(g - 1) max(c - m, 0)`` and ``(g - 1) max(2c - m_b, 0) + c``, with ``c`` one block's point-to-point
+    over the links of ``level`` (the outermost level the group spans) and ``m``, ``m_b`` the busiest
+    device's forward and backward seconds on one block (``fwd_step``, ``bwd_step``); 0 where ``g = 1``;
+    backward 0 when the input needs no gradient (``grad=False``)."""
+    g = np.asarray(g, dtype=np.float64)
+    c = p2p_time(block_bytes, machine, level)
+    fwd = np.where(g > 1, (g - 1) * np.maximum(c - fwd_step, 0.0), 0.0)
+    bwd = np.where(g > 1, (g - 1) * np.maximum(2.0 * c - bwd_step, 0.0) + c, 0.0) if grad else np.zeros_like(fwd)
+    return fwd, bwd
+
+
+def moved_reduction(op: Operator, lay: LayoutArrays, machine: Machine) -> np.ndarray:
+    """(K,) seconds: the all-reduce of the ring input's gradient that :func:`shardplan.cost.operator.operator_cost`
+    charges the operator, which ``build_tables(context != "allgather")`` moves to the edge of that input (the
+    ring replaces it; all-gather pays it there): 0 where the layout has no ring input, the input needs no
+    gradient, or the layout defers the reduction (:attr:`~shardplan.layout.Layout.partial`)."""
+    slot, g = ring_inputs(op, lay)
+    out = np.zeros(len(lay))
+    p = machine.num_devices
+    for j in (0, 1):
+        rows = np.nonzero((slot == j) & ~lay.deferred)[0]
+        t = op.inputs[j] if j < len(op.inputs) else None
+        if not len(rows) or t is None or not t.needs_grad:
+            continue
+        sub = lay.take(rows)
+        vol = box_volumes(tensor_boxes(op, t, sub, p, core=False)).max(axis=1) * t.elem_factor
+        gl = sub.group_sizes([op.dim_names.index(d) for d in op.grad_reduction_dims(t)])
+        out[rows] = allreduce_time(vol * float(machine.dtype_bytes), gl, machine)
+    return out
+
+
+def ring_choices(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
+                 compute: np.ndarray) -> np.ndarray:
+    """(K_u, K_v) seconds of the ring on the edge u -> v (input ``slot``), forward + backward beyond v's
+    compute (``compute``: v's :attr:`~shardplan.cost.operator.OpCost.compute`, (K_v,)); inf where v's layout
+    has no ring on this slot or u's tiles do not scatter v's input tile over the ring group, one ``1/g`` block
+    per device (:func:`shardplan.cost.edge.scatters` with ``h = g``)."""
+    from shardplan.cost.edge import scatters
+
+    p = machine.num_devices
+    out = np.full((len(lu), len(lv)), np.inf)
+    slots, g = ring_inputs(v, lv)
+    cols = np.nonzero(slots == slot)[0]
+    if not len(cols):
+        return out
+    sub = lv.take(cols)
+    t = v.inputs[slot]
+    bv = tensor_boxes(v, t, sub, p, core=True)
+    bu = tensor_boxes(u, u.output, lu, p, core=True)
+    gs = g[cols]
+    fit = scatters(bv, bu, gs, machine.levels)  # (K_v', K_u, L): all 1 where each device holds a distinct 1/g
+    ok = (fit[..., 0] > 0) & (fit.prod(axis=2) == 1)
+    nbytes = box_volumes(bv).max(axis=1) * t.elem_factor * float(machine.dtype_bytes)
+    level = outer_level(sub.group_sizes(_group_dims(v, slot)))
+    total, step = causal_fractions(v, sub.splits)
+    passes = 1 + len(v.grad_tensors)
+    fwd_pass = np.asarray(compute, dtype=np.float64)[cols] / passes
+    bwd_pass = np.asarray(compute, dtype=np.float64)[cols] - fwd_pass
+    # one block's share of the pass: blocks along the mask's key dim, the busiest block over the busiest
+    # device's tile; blocks along other dims, 1/g of the (masked) work each; both, the smaller (more exposed)
+    seq = step / (gs * total)
+    share = np.broadcast_to(1.0 / gs, (len(lu), len(cols))).copy()
+    if v.causal is not None:
+        lengths_u = bu[:, 0, :, 1] - bu[:, 0, :, 0]  # (K_u, A): boxes of one regular split, device 0's
+        lengths_v = bv[:, 0, :, 1] - bv[:, 0, :, 0]
+        key = np.asarray([v.causal.key in a.dims for a in t.axes])
+        cut = lengths_u[:, None, :] < lengths_v[None, :, :]  # (K_u, K_v', A): axes the blocks cut
+        along = (cut & key).any(axis=2)
+        only = along & ~(cut & ~key).any(axis=2)
+        share = np.where(only, seq[None, :], np.where(along, np.minimum(seq[None, :], share), share))
+    out_f, out_b = [], []
+    for row in range(len(lu)):
+        f, b = ring_exposed(nbytes / gs, gs, level, fwd_pass * share[row], bwd_pass * share[row], machine,
+                            t.needs_grad)
+        out_f.append(f)
+        out_b.append(b)
+    ring = np.asarray(out_f) + np.asarray(out_b)  # (K_u, K_v')
+    out[:, cols] = np.where(ok.T, ring, np.inf)
+    return out
+
+
+def context_edge(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
+                 gathered: np.ndarray, moved: np.ndarray, compute: np.ndarray, algorithm: str) -> np.ndarray:
+    """The edge u -> v's seconds (K_u, K_v) under ``algorithm`` (:data:`CONTEXT_ALGORITHMS`): ``gathered`` is
+    :func:`~shardplan.cost.edge.edge_cost` (the all-gather), ``moved`` (K_v,) v's input-gradient all-reduce
+    moved here (:func:`moved_reduction`, 0 for other slots), ``compute`` v's compute (K_v,). ``ring``: the
+    ring wherever it applies, all-gather elsewhere; ``auto``: the cheaper of the two."""
+    slots, _ = ring_inputs(v, lv)
+    moved = np.where(slots == slot, moved, 0.0)
+    plain = np.asarray(gathered, dtype=np.float64) + moved[None, :]
+    if algorithm == "allgather" or not (slots == slot).any():
+        return plain
+    ring = ring_choices(u, lu, v, slot, lv, machine, compute)
+    if algorithm == "ring":
+        return np.where(np.isfinite(ring), ring, plain)
+    return np.minimum(plain, ring)
+
+
+def ring_operator_cost(op: Operator, lay: LayoutArrays, machine: Machine, context: str = "allgather"):
+    """:func:`~shardplan.cost.operator.operator_cost` of ``op`` as tables built with ``context`` charge it:
+    with ``ring`` or ``auto``, less the all-reduce of the ring input's gradient (:func:`moved_reduction`),
+    which the edge of that input charges instead."""
+    from dataclasses import replace
+
+    from shardplan.cost.operator import operator_cost
+
+    cost = operator_cost(op, lay, machine)
+    if context == "allgather":
+        return cost
+    return replace(cost, grad_allreduce=cost.grad_allreduce - moved_reduction(op, lay, machine))
