@@ -251,12 +251,35 @@ def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, optio
     cts = _choice_tables(tables, micro_batches, options, cache, peak=False)
     least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
     if least <= budget:
-        cts = [t.take(np.flatnonzero(t.bytes + (least - t.bytes.min()) <= budget)) for t in cts]
+        cts = _taken(cts, [np.flatnonzero(t.bytes + (least - t.bytes.min()) <= budget) for t in cts])
     cts = _host_pruned(cts, options.host_budget(tables.machine))
     problem = cache_problem(tables, cache)
-    mp = MemoryProblem(problem, tuple(t.base for t in cts), tuple(t.seconds for t in cts),
-                       tuple(t.bytes for t in cts), budget, options.reserve_bytes)
+    base, seconds, mem = _shared_rows(cts)
+    mp = MemoryProblem(problem, base, seconds, mem, budget, options.reserve_bytes)
     return mp, tuple(cts)
+
+
+def _shared_rows(cts: Sequence[ChoiceTable]) -> tuple[tuple[np.ndarray, ...], ...]:
+    """Per table, its ``(base, seconds, bytes)``; tables with equal arrays (identical operators) get the same
+    three array objects.
+
+    Equal means equal bytes (the dict compares them whole), so each vertex gets
+    exactly its own values; the search then recognises identical operators by
+    identity and computes their Lagrangian rows and lattice steps once
+    (:mod:`shardplan.search.constrained`).
+    """
+    by_bytes: dict[tuple[bytes, bytes, bytes], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    by_table: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # cts holds the tables: ids stay unique
+    rows = []
+    for t in cts:
+        row = by_table.get(id(t))
+        if row is None:
+            b = np.asarray(t.base, dtype=np.int64)
+            c = np.asarray(t.seconds, dtype=np.float64)
+            m = np.asarray(t.bytes, dtype=np.float64)
+            row = by_table[id(t)] = by_bytes.setdefault((b.tobytes(), c.tobytes(), m.tobytes()), (b, c, m))
+        rows.append(row)
+    return tuple(r[0] for r in rows), tuple(r[1] for r in rows), tuple(r[2] for r in rows)
 
 
 def peak_problem(tables: CostTables, budget: float, options: FitOptions = FitOptions(),
@@ -300,8 +323,26 @@ def _host_pruned(cts: Sequence[ChoiceTable], host_budget: float) -> list[ChoiceT
     least = float(sum(t.host_bytes.min() for t in cts))
     if least > host_budget:
         return cts
-    return [t if float(t.host_bytes.max()) + least - float(t.host_bytes.min()) <= host_budget
-            else t.take(np.flatnonzero(t.host_bytes + (least - t.host_bytes.min()) <= host_budget)) for t in cts]
+    return _taken(cts, [np.arange(len(t.base)) if float(t.host_bytes.max()) + least - float(t.host_bytes.min())
+                        <= host_budget else np.flatnonzero(t.host_bytes + (least - t.host_bytes.min()) <= host_budget)
+                        for t in cts])
+
+
+def _taken(cts: Sequence[ChoiceTable], keeps: Sequence[np.ndarray]) -> list[ChoiceTable]:
+    """``[t.take(k) for t, k in zip(cts, keeps)]``, a table kept whole as itself, and one take per distinct
+    (table, kept rows): identical operators keep sharing their arrays, so the searches that recognise equal
+    vertices by identity (:mod:`shardplan.search.constrained`) compute their rows once."""
+    done: dict[tuple[int, bytes], tuple[ChoiceTable, ChoiceTable]] = {}  # holds each table: ids stay unique
+    out = []
+    for t, k in zip(cts, keeps):
+        if len(k) == len(t.base):
+            out.append(t)
+            continue
+        key = (id(t), k.tobytes())
+        if key not in done:
+            done[key] = (t, t.take(k))
+        out.append(done[key][1])
+    return out
 
 
 def host_binds(cts: Sequence[ChoiceTable], host_budget: float) -> bool:
@@ -473,10 +514,13 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             continue
         # the root alone: a feasible plan and the dual bound, to order the counts and share the incumbent
         solved: dict = {}  # the root's Lagrangian points, for the full search of this count (exact reuse)
-        root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved, **dp_options)
+        # with the best plan so far as ``upper``, a count's dual stops as soon as its bound reaches it: the
+        # count is then pruned below without the dual's remaining solves (docs/memory.md, "Work not repeated")
+        root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved,
+                            upper=best[0].cost if best is not None else np.inf, **dp_options)
         totals["nodes"] += root.stats["nodes"]
         totals["dp_solves"] += root.stats["dp_solves"]
-        problems.append((root.bound, root.cost, m, mp, cts, root))
+        problems.append((max(root.bound, root.stats.get("root_bound", -np.inf)), root.cost, m, mp, cts, root))
         solved_by_m[m] = solved
         if best is None or root.cost < best[0].cost:
             best = (root, m, cts)
@@ -488,8 +532,10 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
         upper = best[0].cost if best is not None else np.inf
         if root_bound >= upper * (1 - 1e-9):
             lower.append(root_bound)
+            # cost: the best plan the root saw (None when its dual reached the best plan before seeing one)
+            seen = _root is None or _root.stats.get("found", True)
             per.append({"micro_batches": m, "status": "pruned: its dual bound reaches the best plan",
-                        "lower_bound": root_bound, "cost": root_cost})
+                        "lower_bound": root_bound, "cost": root_cost if seen else None})
             continue
         if isinstance(mp, PeakProblem):
             try:

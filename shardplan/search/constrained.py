@@ -1019,7 +1019,8 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
         stats: ``memory_bytes`` (M of the answer), ``budget_bytes``, ``least_memory_bytes``,
         ``unconstrained_cost`` (the optimum without the budget, a lower bound),
         ``unconstrained_memory_bytes``, ``gap`` (relative), ``nodes``, ``dp_solves``, ``lambda``
-        (the root's multiplier, seconds per byte), ``status``.
+        (the root's multiplier, seconds per byte), ``found`` (False when ``upper`` closed every node
+        before a feasible point was seen: the answer is then the least-memory plan), ``status``.
 
     Raises:
         ShardplanError: when no assignment fits: the message names the least
@@ -1092,6 +1093,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
             heapq.heappush(heap, (max(ev.bound, node.bound), counter, child))
             counter += 1
     best = ctx.best
+    found = best is not None
     if best is None:  # ``upper`` pruned every node before a feasible point was seen: any plan fits as the answer
         least_choice = tuple(int(np.argmin(m)) for m in mp.memory)
         best = _Point(*mp.evaluate(least_choice), least_choice)
@@ -1102,7 +1104,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     gap = 0.0 if optimal else ((best.f - lower) / abs(best.f) if best.f else float(lower < best.f))
     stats = {"memory_bytes": best.m, "budget_bytes": mp.budget, "least_memory_bytes": least,
              **root_stats, "gap": gap, "nodes": nodes, "open_nodes": len(heap), "dp_solves": ctx.solves,
-             "dp_reused": ctx.reused, "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "separable_nodes": closed_separable, "frontier_nodes": closed_frontier, "beats_upper": best.f < upper, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
+             "dp_reused": ctx.reused, "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "separable_nodes": closed_separable, "frontier_nodes": closed_frontier, "beats_upper": best.f < upper, "found": found, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
                         else "proven: nothing below upper")}
     return Solution(cost=best.f, assignment=best.choices, solve_seconds=time.perf_counter() - t0,
                     solver="memory-bb", optimal=optimal, bound=float(lower), stats=stats)

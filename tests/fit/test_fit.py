@@ -290,3 +290,39 @@ def test_recomputing_operator_keeps_the_inputs_no_producer_keeps():
     low = float(sum(t.bytes.min() for t in cts))
     mp2, _ = fit_problem(tables, low * 1.05, 1, FitOptions(micro_batches=(1,)))
     assert solve_memory(mp2).cost == pytest.approx(solve_memory_bruteforce(mp2).cost)
+
+
+@pytest.mark.parametrize("frac", [0.5, 0.7, 0.9])
+def test_root_duals_cut_at_the_best_plan_change_nothing(frac, monkeypatch):
+    """solve_fit gives each micro-batch count's root dual the best plan so far as ``upper``: the dual stops
+    once its bound reaches it, and the count is pruned as before. Plan, choices, cost, bound and proof
+    equal those of running every root dual to the end; only Lagrangian solves are saved."""
+    import shardplan.fit as fit
+
+    g = _tiny_gpt()
+    # a fast network: one micro-batch is the best count and the others' duals are cut (fewer solves, asserted)
+    m = Machine(4, peak_flops=F, bandwidth=100 * B, latency=1e-6, memory_bytes=1e12)
+    tables = build_tables(g, m, orders="row-major")
+    free = solve_fit(g, m, tables=tables, options=FitOptions(micro_batches=(1,)))
+    budget = frac * free.memory["peak_bytes"]
+    opts = FitOptions(micro_batches=(1, 2, 4, 8))
+    cut = solve_fit(g, m, budget=budget, tables=tables, options=opts)
+    real = fit.solve_memory
+
+    def uncut(mp, **kw):  # the roots without ``upper``: every root dual runs to its end
+        if kw.get("max_nodes") == 1:
+            kw.pop("upper", None)
+        return real(mp, **kw)
+
+    monkeypatch.setattr(fit, "solve_memory", uncut)
+    full = solve_fit(g, m, budget=budget, tables=tables, options=opts)
+    assert cut.cost == full.cost and cut.assignment == full.assignment
+    assert cut.memory_choices.choices == full.memory_choices.choices
+    assert cut.memory_choices.micro_batches == full.memory_choices.micro_batches
+    assert cut.solution.optimal == full.solution.optimal and cut.solution.bound == full.solution.bound
+    assert cut.solution.stats["dp_solves"] < full.solution.stats["dp_solves"]
+    def pruned(plan):  # the counts closed by their root bound (listed in the order of their bounds, which differ)
+        return sorted(d["micro_batches"] for d in plan.solution.stats["per_micro_batches"]
+                      if d["status"].startswith("pruned"))
+
+    assert pruned(cut) == pruned(full)

@@ -140,3 +140,59 @@ def test_trws_skips_change_no_message(seed: int) -> None:
     trws(fast, order, 2)
     _trws_every_message(ref, order, 2)
     assert all(np.array_equal(fast.msg[k], ref.msg[k]) for k in ref.msg)
+
+
+def _chain_of_blocks(seed: int, blocks: int) -> Problem:
+    """Identical blocks of three vertices in a chain (shared cost vectors and matrices, as identical layers)."""
+    rng = np.random.default_rng(seed)
+    ks = [int(x) for x in rng.integers(2, 6, size=3)]
+    unary = [rng.integers(0, 4, size=k).astype(float) for k in ks]
+    inner = [rng.integers(0, 4, size=(ks[a], ks[b])).astype(float) for a, b in ((0, 1), (0, 2), (1, 2))]
+    link = rng.integers(0, 4, size=(ks[2], ks[0])).astype(float)
+    edges, mats = [], []
+    for i in range(blocks):
+        o = 3 * i
+        edges += [(o, o + 1), (o, o + 2), (o + 1, o + 2)]
+        mats += inner
+        if i:
+            edges.append((o - 1, o))
+            mats.append(link)
+    return Problem(names=tuple(f"v{i}" for i in range(3 * blocks)),
+                   configs=tuple(tuple((j,) for j in range(ks[v % 3])) for v in range(3 * blocks)),
+                   vertex_cost=tuple(unary[v % 3] for v in range(3 * blocks)), edges=tuple(edges),
+                   edge_cost=tuple(mats))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_repeated_messages_are_computed_once_and_change_nothing(seed: int, monkeypatch) -> None:
+    """Identical blocks repeat min-plus messages: the forest pass and TRW-S compute each distinct one once
+    (bounds._MinPlusMemo), and the bounds and messages equal, bit for bit, those of computing every message
+    (a copy of the problem whose matrices are all distinct arrays, where nothing can repeat)."""
+    import shardplan.search.bounds as bounds
+
+    p = _chain_of_blocks(seed, 6)
+    own = Problem(p.names, p.configs, tuple(c.copy() for c in p.vertex_cost), p.edges,
+                  tuple(m.copy() for m in p.edge_cost))
+    hits = []
+
+    class Counting(bounds._MinPlusMemo):
+        def __call__(self, vec, mat):
+            out = super().__call__(vec, mat)
+            hits.append(self.hits)
+            return out
+
+    monkeypatch.setattr(bounds, "_MinPlusMemo", Counting)
+    monkeypatch.setattr(bounds, "_MEMO_MIN", 0)  # these matrices are small: memoise them all
+    shared, alone = BoundState.from_problem(p), BoundState.from_problem(own)
+    for exact in (False, True):
+        a, b = _forest_pass(shared, exact), _forest_pass(alone, exact)
+        assert all(np.array_equal(x, y) for x, y in zip(a[0], b[0]))
+        assert np.array_equal(a[1], b[1]) and a[2] == b[2]
+    order = list(range(p.num_vertices))
+    trws(shared, order, 2)
+    _trws_every_message(alone, order, 2)
+    assert shared.msg.keys() == alone.msg.keys()
+    assert all(np.array_equal(shared.msg[k], alone.msg[k]) for k in alone.msg)
+    a, b = _forest_pass(shared, True), _forest_pass(alone, True)
+    assert all(np.array_equal(x, y) for x, y in zip(a[0], b[0])) and a[2] == b[2]
+    assert max(hits) > 0  # some message did repeat (else this test would not exercise the memo)
