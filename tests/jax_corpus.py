@@ -260,6 +260,50 @@ def hf_vit() -> tuple[Callable[..., Any], Any, Any]:
     return (lambda p, b: _xent(model(b[0], params=p, train=False).logits, b[1])), model.params, (x, y)
 
 
+def hf_gpt_neo() -> tuple[Callable[..., Any], Any, Any]:
+    """GPT-Neo: one global and one local attention layer (window 8 of the 16 tokens), GPT-2 style, LM head tied to the embedding."""
+    return _hf_lm("FlaxGPTNeoForCausalLM", "GPTNeoConfig", num_layers=2, attention_types=[[["global", "local"], 1]],
+                  window_size=8, hidden_size=32, num_heads=4, intermediate_size=64, vocab_size=VOCAB,
+                  max_position_embeddings=SEQ)
+
+
+def hf_xglm() -> tuple[Callable[..., Any], Any, Any]:
+    """XGLM: sinusoidal positions, pre-LayerNorm blocks, embedding scaled by sqrt(d) and tied to the LM head."""
+    return _hf_lm("FlaxXGLMForCausalLM", "XGLMConfig", num_layers=2, d_model=32, attention_heads=4, ffn_dim=64,
+                  vocab_size=VOCAB, max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0)
+
+
+def hf_bloom() -> tuple[Callable[..., Any], Any, Any]:
+    """BLOOM: ALiBi position bias, fused query-key-value, LayerNorm on the embedding, tied LM head."""
+    return _hf_lm("FlaxBloomForCausalLM", "BloomConfig", n_layer=2, hidden_size=32, n_head=4, vocab_size=VOCAB)
+
+
+def hf_gptj() -> tuple[Callable[..., Any], Any, Any]:
+    """GPT-J: rotary embeddings on the first 4 of each head's 8 dimensions, attention and MLP in parallel, untied
+    head with a bias."""
+    return _hf_lm("FlaxGPTJForCausalLM", "GPTJConfig", n_layer=2, n_embd=32, n_head=4, rotary_dim=4, n_inner=64,
+                  vocab_size=VOCAB, n_positions=SEQ)
+
+
+def hf_regnet() -> tuple[Callable[..., Any], Any, Any]:
+    """RegNet-Y: a stride-2 stem, two stages of grouped-convolution bottlenecks with squeeze-and-excitation,
+    BatchNorm in inference mode (its statistics closed over, the parameters differentiated), 16x16 images."""
+    import jax
+    import transformers
+
+    cfg = transformers.RegNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[16, 32], depths=[1, 1],
+                                    groups_width=8, layer_type="y", num_labels=10)
+    model = transformers.FlaxRegNetForImageClassification(cfg, seed=0)
+    stats = model.params["batch_stats"]
+    x = jax.random.normal(jax.random.PRNGKey(1), (BATCH, 3, 16, 16))
+    y = jax.random.randint(jax.random.PRNGKey(2), (BATCH,), 0, 10)
+
+    def loss(p, b):
+        return _xent(model(b[0], params={"params": p, "batch_stats": stats}, train=False).logits, b[1])
+
+    return loss, model.params["params"], (x, y)
+
+
 # -- Google's recurrentgemma --------------------------------------------------------------------
 def griffin() -> tuple[Callable[..., Any], Any, Any]:
     """Griffin (recurrentgemma 1.0.1, its own ``GriffinConfig``): one recurrent block (RG-LRU, its temporal
@@ -286,7 +330,8 @@ def griffin() -> tuple[Callable[..., Any], Any, Any]:
 
 
 # Griffin is run by the tests (tests/jax_engine/test_jax_corpus.py) but not in CORPUS, which the benchmarks
-# (bench_hlo_vs_model.py, bench_memory_vs_xla.py) iterate: their results were measured on the 13 below.
+# (bench_hlo_vs_model.py, bench_memory_vs_xla.py) iterate: their results were measured on the 18 below
+# (bench_memory_vs_xla.py's on the first 13).
 GRIFFIN = Entry("recurrentgemma", "Griffin", griffin)
 
 CORPUS: tuple[Entry, ...] = (
@@ -303,6 +348,11 @@ CORPUS: tuple[Entry, ...] = (
     Entry("transformers", "FlaxViTForImageClassification", hf_vit),
     Entry("transformers", "FlaxBartForConditionalGeneration", hf_bart),
     Entry("transformers", "FlaxT5ForConditionalGeneration", hf_t5),
+    Entry("transformers", "FlaxGPTNeoForCausalLM", hf_gpt_neo),
+    Entry("transformers", "FlaxXGLMForCausalLM", hf_xglm),
+    Entry("transformers", "FlaxBloomForCausalLM", hf_bloom),
+    Entry("transformers", "FlaxGPTJForCausalLM", hf_gptj),
+    Entry("transformers", "FlaxRegNetForImageClassification", hf_regnet),
 )
 
 

@@ -884,6 +884,12 @@ def _conv(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     ``feature_group_count`` > 1 (grouped and depthwise convolutions: the channel axes are the merged
     ``(g, c)`` / ``(g, n)``, so only the group is split along them). A transposed convolution
     (``lhs_dilation`` > 1) reads its dilated spatial axes whole (the access is not affine).
+
+    A grouped convolution is never split, along any dimension: XLA's SPMD partitioner (JAX 0.9.2) does
+    not partition one. Given a batch-, group- or image-split operand it all-gathers the operand,
+    computes the convolution whole on every device and still all-reduces the weight gradient
+    (docs/jax.md, "Grouped convolutions"). Described as replicated, its edges charge exactly the
+    all-gathers XLA sends and no all-reduce is left to charge, as XLA does with replicated operands.
     """
     p = eqn.params
     if p["batch_group_count"] != 1:
@@ -923,7 +929,7 @@ def _conv(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     oa[out_spec[0]], oa[out_spec[1]] = "b", chan_y
     for i in range(k):
         oa[out_spec[2 + i]] = sp[i]
-    fixed = {"c", "n"} if groups > 1 else set()
+    fixed = {d for d, _ in dims} if groups > 1 else set()  # XLA replicates a grouped convolution (docstring)
     op = Operator("_", "conv", tuple(dims), (Tensor("x0", x.shape, tuple(xa), "input", src="_"),
                                               Tensor("x1", w.shape, tuple(wa), "input", src="_")),
                   Tensor("y", out, tuple(oa), "output"), flops_per_point=2.0, fixed=frozenset(fixed))
