@@ -36,6 +36,8 @@ class Progress:
         done, total: parts of the search finished, of how many.
         incumbent, plan: the best plan's step so far (inf: none yet) and the plan.
         bound: the least proven lower bound over the finished parts (inf: none finished).
+        space_bound: the proven lower bound of the whole space the search stated when it returned or was
+            interrupted (the finished parts' bounds and each unfinished part's family bound; None: not yet).
         ticks: ticks so far.
     """
 
@@ -48,6 +50,7 @@ class Progress:
         self.incumbent = math.inf
         self.plan: Any = None
         self.bound = math.inf
+        self.space_bound: float | None = None
         self.ticks = 0
         self.started = clock()
         self._last = self.started  # a search shorter than one interval prints nothing

@@ -332,6 +332,25 @@ class ModelStages:
         self._cuts.clear()
         self._tables.clear()
 
+    def work(self, m: int, a: int = 0, b: int | None = None) -> float:
+        """FLOPs of one micro-batch (batch/m) through units [a, b) (default: the whole model), forward and
+        every backward product: per operator (1 + tensors with gradients) x work per point x points, as the
+        cost model's compute counts them (:mod:`shardplan.cost.operator`)."""
+        g, units, _ = self.graph(m)
+        idx = [i for u in range(a, len(units) if b is None else b) for i in units[u]]
+        return float(sum(g.operators[i].flops_per_point * g.operators[i].points
+                         * (1 + len(g.operators[i].grad_tensors)) for i in idx))
+
+    def step_floor(self, m: int) -> float:
+        """A proven lower bound of the step of every pipeline of the model at m micro-batches (any stages,
+        sub-meshes, schedule and memory choices), and of the one program at m = 1: m x :meth:`work` / (p x the
+        machine's achievable FLOP/s). Every operator's compute on q devices is at least its work / (q x
+        achievable FLOP/s) (its tile holds at least 1/q of the points, the utilisation and the roofline only
+        lengthen it), every other term is nonnegative, so a stage on q_i devices takes t_i >= W_i / (q_i R); each
+        schedule's step is at least m t_max >= m sum_i q_i t_i / p >= m sum_i W_i / (p R) (docs/pipeline.md,
+        *Best-first parts*)."""
+        return m * self.work(m) / (self.machine.num_devices * self.machine.achievable_flops)
+
     @property
     def num_units(self) -> int:
         return len(self.graph(1)[1])
