@@ -5,8 +5,8 @@ Each row runs ``shardplan plan --model M -p P --machine h100 --json ...`` with t
 hand-picked) in its own process and records its wall time and peak resident memory (``os.wait4``'s
 ``ru_maxrss``: that process alone), the plan in one line (the report's ``Plan:`` line, stages, micro-batches,
 schedule), its predicted step time, proven lower bound and gap. A row still running after its limit gets
-SIGINT (Ctrl-C): the command then prints the best plan found so far with what the finished parts of the search
-proved (``docs/pipeline.md``, *Progress and interruption*); the row records ``interrupted`` and that plan, or,
+SIGINT (Ctrl-C): the command then prints the best plan found so far with the bound the search proved (its finished
+parts, each unfinished part's step floor or family bound; ``docs/pipeline.md``, *Progress and interruption*); the row records ``interrupted`` and that plan, or,
 if nothing came back within ``--grace`` seconds more, ``timeout``. The last progress line the command wrote
 (stderr) is kept. Targets (on this 2-core machine): GPT-3 175B on 1,024 h100 under 60 s and 4 GB; Llama 3 405B
 on 16,384 h100 (batch 2,048 sequences of 8,192 tokens) under 120 s and 4 GB, and no slower than Llama 3's

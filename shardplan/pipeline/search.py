@@ -332,7 +332,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     # a proven family bound of the running part (0: what it computed is void): its bound on interrupt
                     unfinished[key] = max(floor_of[key[2]], value)
 
-                progress.part(f"pipelines {fam} m={m}" if fam != "interleaved" else f"pipelines interleaved v={v} m={m}")
+                progress.part(f"pipelines {fam} m={m}" if fam != "interleaved" else
+                              f"pipelines interleaved v={v} m={m}")
                 if unfinished[key] >= known():
                     # closed by its bound before any search (the step's compute alone reaches the best known)
                     stats["parts_closed_by_floor"] = stats.get("parts_closed_by_floor", 0) + 1

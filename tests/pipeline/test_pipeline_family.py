@@ -242,7 +242,7 @@ def test_one_f_one_b_family_bound_vs_brute_force(seed):
 def test_one_f_one_b_closed_by_its_family_bound():
     """With ZB-H1 searched first at the same m (its unit seconds at hand), a 1F1B part whose family bound reaches
     the best plan is closed without its DP; the answer is brute force's best of the two families."""
-    stage_fn, fit_fn, link_fn = _instance(1, 6, 8)
+    stage_fn, _, link_fn = _instance(1, 6, 8)
     space = PipelineSpace(6, 8, 4, micro_batches=(2, 4, 8, 16), budget=None)
     got = search_pipeline(space, stage_fn, link_fn, ("1f1b", "zb-h1"))
     assert got.stats.get("one_f_one_b_closed_by_units", 0) > 0
@@ -262,7 +262,9 @@ def test_step_floor_bounds_every_stage_and_the_pipeline_on_a_real_model():
     from shardplan.pipeline.api import pipeline_solve
 
     machine = dataclasses.replace(preset("a100", 4), node_size=2, inter_bandwidth=1e9)
-    build = lambda b: get_model("gpt", b, layers=3, d_model=64, heads=2, seq=16, vocab=256)  # noqa: E731
+    def build(b):
+        return get_model("gpt", b, layers=3, d_model=64, heads=2, seq=16, vocab=256)
+
     st = ModelStages(build, 8, machine, {"cutoff": 1})
     U = st.num_units
     rate = machine.achievable_flops
