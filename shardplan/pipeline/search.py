@@ -254,9 +254,9 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 
     ``step_floor(m)``: a proven lower bound of the step of every pipeline at m, whatever its stages and
     schedule (:meth:`~shardplan.pipeline.stages.ModelStages.step_floor`: the step's compute over every device
-    at the machine's achievable FLOP/s), before anything is solved. The parts (a schedule family at one m) are
-    taken best-first: the micro-batch counts in increasing order of that bound, the larger count first among
-    equals; a part whose bound reaches the best step known is closed without its search (docs/pipeline.md,
+    at the machine's achievable FLOP/s, or its bytes at the HBM bandwidth), before anything is solved. The parts
+    (a schedule family at one m) are taken best-first: the micro-batch counts in increasing order of that bound
+    (within 1 %: equal), the larger count first among equals; a part whose bound reaches the best step known is closed without its search (docs/pipeline.md,
     *Best-first parts*).
 
     A ``progress`` that already holds an incumbent (``progress.incumbent``, e.g. the one-program plan's step,
@@ -311,9 +311,11 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
         """The proven lower bound of the whole space now: the finished parts' and every unfinished one's."""
         return min([lower, *unfinished.values()])
 
-    # best-first: the micro-batch count of least bound first; among equals the larger count (its fill, (S - 1)/m
-    # of the step under 1F1B, is the smallest). A count's parts stay together: its stage caches go after them
-    order = sorted(ms, key=lambda m: (floor_of[m], -m))
+    # best-first: the micro-batch count of least bound first, bounds within ORDER_RTOL of each other taken as
+    # equal; among equals the larger count (its fill, (S - 1)/m of the step under 1F1B, is the smallest). A
+    # count's parts stay together: its stage caches go after them
+    least = min(floor_of.values())
+    order = sorted(ms, key=lambda m: (int((floor_of[m] / least - 1.0) / ORDER_RTOL) if least > 0 else 0, -m))
     tick = progress.tick
     interrupted = False
     try:
@@ -873,6 +875,7 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
         a, o, c, q = b, o + q, c2, q2
 
 
+ORDER_RTOL = 0.01  # step floors of micro-batch counts within 1 % of the least are equal for the parts' order
 BOUND_PASS_RTOL = 1e-6  # below this the solves' own ratio already bounds the 1F1B optimum: no second pass
 M1_RTOL = 1e-9  # at m = 1 a floor within this of the best plan closes the part (its bound is then the floor)
 

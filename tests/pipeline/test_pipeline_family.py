@@ -256,26 +256,33 @@ def test_one_f_one_b_closed_by_its_family_bound():
 
 
 def test_step_floor_bounds_every_stage_and_the_pipeline_on_a_real_model():
-    """ModelStages.step_floor: every stage's seconds on q devices are at least its work over q devices at the
-    achievable FLOP/s (so every pipeline's step is at least m x the model's work over p devices), checked on
-    every segment of a small GPT and on the searched optimum."""
+    """ModelStages.step_floor: every stage's seconds on q devices are at least its device-seconds floor over q
+    (its passes' FLOPs at the achievable rate or its plain tensors' bytes at the HBM bandwidth), so every
+    pipeline's step is at least m x the model's floor over p devices; checked on every segment of a small GPT
+    (with and without an HBM bandwidth) and on the searched optimum."""
     from shardplan.pipeline.api import pipeline_solve
 
-    machine = dataclasses.replace(preset("a100", 4), node_size=2, inter_bandwidth=1e9)
     def build(b):
         return get_model("gpt", b, layers=3, d_model=64, heads=2, seq=16, vocab=256)
 
-    st = ModelStages(build, 8, machine, {"cutoff": 1})
-    U = st.num_units
-    rate = machine.achievable_flops
-    for q in (1, 2, 4):
-        for m in (1, 2):
-            for a in range(U):
-                for b in range(a + 1, U + 1):
-                    c = st.stage_cost(a, b, q, m)
-                    if c is not None:
-                        assert c.time >= st.work(m, a, b) / (q * rate) * (1 - 1e-12) > 0
-    for m in (1, 2, 4):
-        res = pipeline_solve(build, 8, machine, micro_batches=(m,), schedules=("1f1b", "zb-h1"))
-        assert res.step_time >= st.step_floor(m) * (1 - 1e-12)
-        assert st.step_floor(m) == pytest.approx(m * st.work(m) / (4 * rate), rel=1e-12)
+    base = dataclasses.replace(preset("a100", 4), node_size=2, inter_bandwidth=1e9)
+    for machine in (base, dataclasses.replace(base, hbm_bandwidth=None)):
+        st = ModelStages(build, 8, machine, {"cutoff": 1})
+        U = st.num_units
+        flops_only = ModelStages(build, 8, dataclasses.replace(machine, hbm_bandwidth=None), {"cutoff": 1})
+        for q in (1, 2, 4):
+            for m in (1, 2):
+                for a in range(U):
+                    for b in range(a + 1, U + 1):
+                        c = st.stage_cost(a, b, q, m)
+                        floor = st.device_seconds(m, a, b) / q
+                        if c is not None:
+                            assert c.time >= floor * (1 - 1e-12) > 0
+                            assert floor >= flops_only.device_seconds(m, a, b) / q
+        for m in (1, 2, 4):
+            res = pipeline_solve(build, 8, machine, micro_batches=(m,), schedules=("1f1b", "zb-h1"))
+            assert res.step_time >= st.step_floor(m) * (1 - 1e-12)
+            assert st.step_floor(m) == pytest.approx(m * st.device_seconds(m) / 4, rel=1e-12)
+    # where memory bandwidth binds (the small model's elementwise operators), the roofline raises the floor
+    assert ModelStages(build, 8, base, {}).step_floor(1) > ModelStages(
+        build, 8, dataclasses.replace(base, hbm_bandwidth=None), {}).step_floor(1)

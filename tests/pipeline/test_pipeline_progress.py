@@ -174,6 +174,10 @@ def test_parts_best_first_and_closed_by_their_floor():
     got = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b", "zb-h1"), exchange=_exchange,
                           progress=ranked, step_floor=lambda m: {1: 0.03, 2: 0.01, 4: 0.04, 8: 0.02}[m])
     assert ranked.parts == [f"pipelines {f} m={m}" for m in (2, 8, 1, 4) for f in ("zb-h1", "1f1b")]
+    close = Seen()  # floors within 1 % of the least are equal: the larger count first
+    search_pipeline(space, stage_fn, link_fn, schedules=("1f1b", "zb-h1"), exchange=_exchange, progress=close,
+                    step_floor=lambda m: {1: 0.01, 2: 0.01001, 4: 0.01009, 8: 0.0102}[m])
+    assert close.parts == [f"pipelines {f} m={m}" for m in (4, 2, 1, 8) for f in ("zb-h1", "1f1b")]
     assert got.step_time == full.step_time  # the order changes nothing of the optimum
     # a floor at the optimum closes every part of its count unsearched
     best_m = full.micro_batches
