@@ -9,7 +9,8 @@ micro-batches, schedule), its predicted step time, proven lower bound and gap. A
 SIGINT (Ctrl-C): the command then prints the best plan found so far with the bound the search proved (its finished
 parts, each unfinished part's step floor or family bound; ``docs/pipeline.md``, *Progress and interruption*); the
 row records ``interrupted`` and that plan, or, if nothing came back within ``--grace`` seconds more, ``timeout``.
-The last progress line the command wrote (stderr) is kept. Targets (on this 2-core machine): GPT-3 175B on 1,024 h100 under 60 s and 4 GB; Llama 3 405B
+The last progress line the command wrote (stderr) is kept. Targets (on this 2-core machine): GPT-3 175B on 1,024
+h100 under 60 s and 4 GB; Llama 3 405B
 on 16,384 h100 (batch 2,048 sequences of 8,192 tokens) under 120 s and 4 GB, and no slower than Llama 3's
 published configuration (Dubey et al. 2024, Table 4: tensor 8, pipeline 16, data 128, micro-batch size 1; the
 first and last stage one block fewer, §3.3.2) costed by the same model (``shardplan recipe``).
