@@ -285,6 +285,7 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
         nonlocal best, lower
         lower = min(lower, lb)
         unfinished.pop(key, None)
+        progress.space_bound = space_bound()
         if cand is not None and (best is None or cand.step_time < best.step_time * (1 - strict)):
             best = cand
             progress.improved(cand.step_time, cand)
@@ -311,6 +312,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
         """The proven lower bound of the whole space now: the finished parts' and every unfinished one's."""
         return min([lower, *unfinished.values()])
 
+    progress.space_bound = space_bound()  # kept current for the progress line, and for an interrupt
+
     # best-first: the micro-batch count of least bound first, bounds within ORDER_RTOL of each other taken as
     # equal; among equals the larger count (its fill, (S - 1)/m of the step under 1F1B, is the smallest). A
     # count's parts stay together: its stage caches go after them
@@ -333,6 +336,7 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                 def hint(value: float, key: tuple[str, int, int] = key) -> None:
                     # a proven family bound of the running part (0: what it computed is void): its bound on interrupt
                     unfinished[key] = max(floor_of[key[2]], value)
+                    progress.space_bound = space_bound()
 
                 progress.part(f"pipelines {fam} m={m}" if fam != "interleaved" else
                               f"pipelines interleaved v={v} m={m}")

@@ -40,6 +40,10 @@ def test_progress_reports_every_part():
     assert any("pipelines zb-h1 m=1" in x for x in lines) and any("pipelines 1f1b m=8" in x for x in lines)
     assert "8/8 parts done" in lines[-1]
     assert f"best {got.step_time:.4g} s" in lines[-1]
+    # the proven bound of the whole space on every line once the search states it (here: 0 until a part ends,
+    # with no step floor), the final one the answer's
+    assert all("proven bound" in x for x in lines)
+    assert f"proven bound {got.lower_bound:.4g} s" in lines[-1]
 
 
 def test_progress_waits_for_its_interval():
