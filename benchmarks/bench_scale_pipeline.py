@@ -3,12 +3,14 @@ command line (JSON).
 
 Each row runs ``shardplan plan --model M -p P --machine h100 --json ...`` with the command's defaults (nothing
 hand-picked) in its own process and records its wall time and peak resident memory (``os.wait4``'s
-``ru_maxrss``: that process alone), the plan in one line (the report's ``Plan:`` line, stages, micro-batches,
-schedule), its predicted step time, proven lower bound and gap. A row still running after its limit gets
-SIGINT (Ctrl-C): the command then prints the best plan found so far with what the finished parts of the search
-proved (``docs/pipeline.md``, *Progress and interruption*); the row records ``interrupted`` and that plan, or,
-if nothing came back within ``--grace`` seconds more, ``timeout``. The last progress line the command wrote
-(stderr) is kept. Targets (on this 2-core machine): GPT-3 175B on 1,024 h100 under 60 s and 4 GB; Llama 3 405B
+``ru_maxrss``: that process alone), its CPU seconds (``ru_utime + ru_stime``: on a shared machine the wall time
+says more about the load than about the search), the plan in one line (the report's ``Plan:`` line, stages,
+micro-batches, schedule), its predicted step time, proven lower bound and gap. A row still running after its limit gets
+SIGINT (Ctrl-C): the command then prints the best plan found so far with the bound the search proved (its finished
+parts, each unfinished part's step floor or family bound; ``docs/pipeline.md``, *Progress and interruption*); the
+row records ``interrupted`` and that plan, or, if nothing came back within ``--grace`` seconds more, ``timeout``.
+The last progress line the command wrote (stderr) is kept. Targets (on this 2-core machine): GPT-3 175B on 1,024
+h100 under 60 s and 4 GB; Llama 3 405B
 on 16,384 h100 (batch 2,048 sequences of 8,192 tokens) under 120 s and 4 GB, and no slower than Llama 3's
 published configuration (Dubey et al. 2024, Table 4: tensor 8, pipeline 16, data 128, micro-batch size 1; the
 first and last stage one block fewer, §3.3.2) costed by the same model (``shardplan recipe``).
@@ -75,6 +77,7 @@ def _run(cmd: list[str], limit: float, grace: float) -> dict[str, Any]:
         err.seek(0)
         stdout, stderr = out.read(), err.read()
     return {"status": status, "returncode": proc.returncode, "seconds": seconds,
+            "cpu_seconds": rusage.ru_utime + rusage.ru_stime,
             "peak_rss_bytes": rusage.ru_maxrss * 1024, "stdout": stdout, "stderr": stderr}
 
 
@@ -96,7 +99,8 @@ def run_row(name: str, spec: dict[str, Any], grace: float) -> dict[str, Any]:
         "command": "shardplan plan --model {} -p {} --machine h100".format(spec["model"], spec["p"]),
         "limit_seconds": spec["limit"], "status": got["status"] if plan is not None or got["status"] != "ok"
         else f"failed (exit {got['returncode']})",
-        "seconds": round(got["seconds"], 2), "peak_rss_bytes": got["peak_rss_bytes"],
+        "seconds": round(got["seconds"], 2), "cpu_seconds": round(got["cpu_seconds"], 2),
+        "peak_rss_bytes": got["peak_rss_bytes"],
         "last_progress": next((x for x in reversed(lines) if "parts done" in x), None),
         "log": [x for x in lines if "parts done" not in x],
     }

@@ -264,8 +264,9 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         log: called with one line as each search starts and ends (the command line writes them to stderr).
         progress: the pipeline search's progress: a :class:`~shardplan.pipeline.progress.Progress`, or a callable
             given a line (phase, parts done, incumbent, bound) every 2 s. Ctrl-C (a :class:`KeyboardInterrupt`)
-            during the pipeline search returns the best plan found so far, its lower bound what the finished
-            parts proved (0 while a part is unfinished) and ``stats["interrupted"]`` True.
+            during the pipeline search returns the best plan found so far, its lower bound the least of the one
+            program's, the finished parts' and each unfinished part's family bound (docs/pipeline.md) and
+            ``stats["interrupted"]`` True.
         cutoff, orders, solver: the per-operator search (:func:`shardplan.spmd.solve`); ``cutoff`` defaults to
             the zoo model's recommended one, else 1.
         partial_sums: also offer every layout that defers a split reduction to its consumers (reduce-scatter
@@ -348,11 +349,13 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     interrupted = False
     # (step, lower bound) of a pipeline slower than one program; step None: none beat it (search pruned by it)
     lost_pipeline: tuple[float | None, float | None] | None = None
+    unproven: list[float] = []  # an interrupted pipeline search with no plan: the bound it stated of its space
     if searched:
         from shardplan.pipeline.api import pipeline_solve
         from shardplan.pipeline.progress import Progress
 
         tracker = progress if isinstance(progress, Progress) else Progress(progress)
+        tracker.space_bound = None
         if candidates:
             tracker.improved(candidates[0].step_time)
 
@@ -387,8 +390,10 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         except KeyboardInterrupt:
             if not candidates:
                 raise
-            # no pipeline found before the interrupt: the one program, and nothing proven of the pipelines
+            # no pipeline found before the interrupt: the one program, and what the search proved of the
+            # pipelines (its finished parts' bounds and the unfinished parts' family bounds; 0 before it started)
             interrupted = True
+            unproven.append(tracker.space_bound if tracker.space_bound is not None else 0.0)
             refusals.append("pipelines: interrupted before a pipeline was found")
             say(f"  pipelines: interrupted before a pipeline was found ({time.perf_counter() - t1:.1f} s)")
     if not candidates:
@@ -396,7 +401,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     least = min(p.step_time for p in candidates)
     # on a tie (relative 1e-9: rounding) the one program wins, the simpler plan to run
     best = next(p for p in candidates if p.step_time <= least * (1 + 1e-9))
-    bounds = [p.lower_bound for p in candidates] + ([0.0] if interrupted else [])
+    # an interrupted search that returned a plan states its space's bound in that plan's lower bound
+    bounds = [p.lower_bound for p in candidates] + unproven
     if lost_pipeline is not None:
         bounds.append(lost_pipeline[1])
     lower = None if any(b is None for b in bounds) else min(bounds)  # type: ignore[type-var]

@@ -41,8 +41,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
                             fit_time_limit=args.fit_time_limit, progress=Progress(write), **opts)
     end()
     if result.plan.stats.get("interrupted"):
-        print("interrupted: the best plan found so far, with what the finished parts of the search proved",
-              file=sys.stderr)
+        print("interrupted: the best plan found so far, with the bound the search proved (finished parts, and the "
+              "unfinished parts' floors)", file=sys.stderr)
     print(render_pipeline(result))
     if args.json:
         write_text(args.json, from_pipeline(result).to_json() + "\n")

@@ -87,7 +87,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 130
     end()
     if result.stats.get("interrupted"):
-        _log("interrupted: the best plan found so far, with what the finished parts of the search proved")
+        _log("interrupted: the best plan found so far, with the bound the search proved (finished parts, and the "
+             "unfinished parts' floors)")
     print(render_plan(result, operators=args.operators, compare=against))
     if against is not None:
         print(f"Recipe compared: {against.stats['recipe']} ({against.solver}, costed by the same model)")

@@ -115,6 +115,10 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     space = PipelineSpace(stages.num_units, machine.num_devices, machine.node_size, tuple(ms),
                           machine.memory_bytes if budget is None else budget, max_stages, uniform, tuple(interleave),
                           sizes)
+    if progress is not None:
+        # before anything is solved, the step's compute over every device bounds every part (an interrupt from
+        # here on states it)
+        progress.space_bound = min(stages.step_floor(m) for m in ms)
     fit_fn = stages.fit_cost if memory_choices else None
     group_fit_fn = stages.group_fit_cost if memory_choices else None
     if fallback is not None:
@@ -137,7 +141,7 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules, exchange=stages.exchange_time,
                            fit_fn=fit_fn, group_fit_fn=group_fit_fn, progress=progress,
                            one_program_lower=one_program_lower if memory_choices else None,
-                           release=stages.release)
+                           release=stages.release, step_floor=stages.step_floor)
     if plan is None:
         return None
     plan.stats["intra_stage_solves"] = stages.solves

@@ -36,6 +36,9 @@ class Progress:
         done, total: parts of the search finished, of how many.
         incumbent, plan: the best plan's step so far (inf: none yet) and the plan.
         bound: the least proven lower bound over the finished parts (inf: none finished).
+        space_bound: the proven lower bound of the whole space as the search states it (the finished parts' bounds
+            and each unfinished part's step floor or family bound), kept current while it runs and final when it
+            returns or is interrupted; None: not stated yet.
         ticks: ticks so far.
     """
 
@@ -48,6 +51,7 @@ class Progress:
         self.incumbent = math.inf
         self.plan: Any = None
         self.bound = math.inf
+        self.space_bound: float | None = None
         self.ticks = 0
         self.started = clock()
         self._last = self.started  # a search shorter than one interval prints nothing
@@ -83,11 +87,13 @@ class Progress:
                 self.report(self.line())
 
     def line(self) -> str:
-        """The progress line: phase, parts done, incumbent, bound over the finished parts, seconds so far."""
+        """The progress line: phase, parts done, incumbent, bound over the finished parts, the proven bound of the
+        whole space where the search states one, seconds so far."""
         what = f"{self.phase} {self.detail}".strip()
         bound = format_seconds(self.bound) if self.done else "-"
+        space = "" if self.space_bound is None else f" | proven bound {format_seconds(self.space_bound)}"
         return (f"  {what} | {self.done}/{self.total} parts done | best {format_seconds(self.incumbent)} | "
-                f"bound of finished parts {bound} | {self.clock() - self.started:.0f} s")
+                f"bound of finished parts {bound}{space} | {self.clock() - self.started:.0f} s")
 
 
 def terminal_writer(stream: TextIO | None = None) -> tuple[Callable[[str], None], Callable[[], None]]:

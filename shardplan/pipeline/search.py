@@ -233,7 +233,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None,
                     group_fit_fn: GroupFitFn | None = None, progress: Progress | None = None,
                     one_program_lower: float | None = None,
-                    release: Callable[[], None] | None = None) -> PipelinePlan | None:
+                    release: Callable[[], None] | None = None,
+                    step_floor: Callable[[int], float] | None = None) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -247,8 +248,16 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     ``progress`` hears of each part (a schedule family at one m), of the plans found and of the inner loops'
     steps (:class:`~shardplan.pipeline.progress.Progress`). A :class:`KeyboardInterrupt` (Ctrl-C, or raised by
     a progress callback) stops the search: the best plan found so far is returned, its ``lower_bound`` the
-    least bound of the parts finished, 0 when some part is not (nothing is proven there), and
-    ``stats["interrupted"]`` is True; with no plan found yet the interrupt propagates.
+    least of the finished parts' bounds and of each unfinished part's family bound (its ``step_floor``, raised
+    by the family bounds the part had computed when it stopped), and ``stats["interrupted"]`` is True; with no
+    plan found yet the interrupt propagates, ``progress.space_bound`` holding that bound.
+
+    ``step_floor(m)``: a proven lower bound of the step of every pipeline at m, whatever its stages and
+    schedule (:meth:`~shardplan.pipeline.stages.ModelStages.step_floor`: the step's compute over every device
+    at the machine's achievable FLOP/s, or its bytes at the HBM bandwidth), before anything is solved. The parts
+    (a schedule family at one m) are taken best-first: the micro-batch counts in increasing order of that bound
+    (within 1 %: equal), the larger count first among equals; a part whose bound reaches the best step known is closed without its search (docs/pipeline.md,
+    *Best-first parts*).
 
     A ``progress`` that already holds an incumbent (``progress.incumbent``, e.g. the one-program plan's step,
     told by :meth:`~shardplan.pipeline.progress.Progress.improved` before the search) prunes every part with it
@@ -272,9 +281,11 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     lower = math.inf  # the least proven lower bound of the parts of the space explored so far
     stats: dict[str, Any] = {"candidates": 0, "dp_states": 0, "stage_evaluations": 0}
 
-    def take(cand: PipelinePlan | None, lb: float, strict: float = 0.0) -> None:
+    def take(cand: PipelinePlan | None, lb: float, key: tuple[str, int, int], strict: float = 0.0) -> None:
         nonlocal best, lower
         lower = min(lower, lb)
+        unfinished.pop(key, None)
+        progress.space_bound = space_bound()
         if cand is not None and (best is None or cand.step_time < best.step_time * (1 - strict)):
             best = cand
             progress.improved(cand.step_time, cand)
@@ -287,12 +298,31 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
         return lb
 
     ms = sorted(set(int(x) for x in space.micro_batches))
-    progress.total += len(ms) * (("zb-h1" in schedules) + ("1f1b" in schedules)
-                                 + ("interleaved" in schedules) * len(space.interleave))
+    # the parts of each m, in the order they run: ZB-H1 first (its optimum is the best incumbent for the others,
+    # and its unit seconds give 1F1B its family bound), then 1F1B, then each interleaved chunk count
+    kinds = ([("zb-h1", 0)] if "zb-h1" in schedules else []) + ([("1f1b", 0)] if "1f1b" in schedules else []) \
+        + ([("interleaved", v) for v in space.interleave] if "interleaved" in schedules else [])
+    progress.total += len(ms) * len(kinds)
+    floor_of = {m: max(0.0, float(step_floor(m))) if step_floor is not None else 0.0 for m in ms}
+    # every part not finished, with the best proven lower bound of its optimum known so far (docs/pipeline.md,
+    # *Best-first parts*): its step floor, raised by the family bounds the part computes as it goes
+    unfinished: dict[tuple[str, int, int], float] = {(f, v, m): floor_of[m] for m in ms for f, v in kinds}
+
+    def space_bound() -> float:
+        """The proven lower bound of the whole space now: the finished parts' and every unfinished one's."""
+        return min([lower, *unfinished.values()])
+
+    progress.space_bound = space_bound()  # kept current for the progress line, and for an interrupt
+
+    # best-first: the micro-batch count of least bound first, bounds within ORDER_RTOL of each other taken as
+    # equal; among equals the larger count (its fill, (S - 1)/m of the step under 1F1B, is the smallest). A
+    # count's parts stay together: its stage caches go after them
+    least = min(floor_of.values())
+    order = sorted(ms, key=lambda m: (int((floor_of[m] / least - 1.0) / ORDER_RTOL) if least > 0 else 0, -m))
     tick = progress.tick
     interrupted = False
     try:
-        for m in ms:
+        for m in order:
             cache: dict[int, list[float]] = {}
 
             def units(q: int, m: int = m, cache: dict = cache) -> list[float]:
@@ -300,37 +330,48 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     cache[q] = _unit_seconds(space, stage_fn, m, q)
                 return cache[q]
 
-            if "zb-h1" in schedules:
-                # first: its optimum is the best incumbent for the others. One stage is 1F1B's when that is searched
-                progress.part(f"pipelines zb-h1 m={m}")
-                found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
-                                          known(), stats, units,
-                                          first_stages=2 if "1f1b" in schedules else 1, progress=progress)
-                take(found, note("zb-h1", lb))
-            if "1f1b" in schedules:
-                progress.part(f"pipelines 1f1b m={m}")
-                found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
-                                         exchange, fit_fn, progress=progress, one_program_lower=one_program_lower,
-                                         units=units)
-                take(found, note("1f1b", lb), strict=1e-12)
-            if "interleaved" in schedules:
-                for v in space.interleave:
-                    progress.part(f"pipelines interleaved v={v} m={m}")
+            for fam, v in kinds:
+                key = (fam, v, m)
+
+                def hint(value: float, key: tuple[str, int, int] = key) -> None:
+                    # a proven family bound of the running part (0: what it computed is void): its bound on interrupt
+                    unfinished[key] = max(floor_of[key[2]], value)
+                    progress.space_bound = space_bound()
+
+                progress.part(f"pipelines {fam} m={m}" if fam != "interleaved" else
+                              f"pipelines interleaved v={v} m={m}")
+                if unfinished[key] >= known():
+                    # closed by its bound before any search (the step's compute alone reaches the best known)
+                    stats["parts_closed_by_floor"] = stats.get("parts_closed_by_floor", 0) + 1
+                    found, lb = None, min(unfinished[key], known())
+                elif fam == "zb-h1":
+                    # one stage is 1F1B's when that is searched
+                    found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
+                                              known(), stats, units,
+                                              first_stages=2 if "1f1b" in schedules else 1, progress=progress,
+                                              hint=hint)
+                elif fam == "1f1b":
+                    found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
+                                             exchange, fit_fn, progress=progress,
+                                             one_program_lower=one_program_lower, units=units,
+                                             units_known=lambda q, cache=cache: q in cache, hint=hint)
+                else:
                     found, lb = _search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
                                                     known(), stats, units, tick=tick)
-                    take(found, note("interleaved", lb))
+                take(found, note(fam, lb), key, strict=1e-12 if fam == "1f1b" else 0.0)
             if release is not None:
                 release()  # nothing at this m is asked for again: its stage caches go
     except KeyboardInterrupt:
-        # the best plan so far; the parts not finished prove nothing: the bound is 0 (module docstring)
+        # the best plan so far; the parts not finished prove their family bounds (module docstring)
+        progress.space_bound = space_bound()
         got = progress.plan
         if isinstance(got, PipelinePlan) and (best is None or got.step_time < best.step_time):
             best = got
         if best is None:
             raise
         interrupted = True
-        if progress.done < progress.total:
-            lower = 0.0
+        lower = space_bound()
+    progress.space_bound = lower
     if best is None and math.isfinite(outside) and not interrupted:
         return None  # nothing beats the incumbent from outside; progress.bound is what the parts proved
     if best is None:
@@ -347,10 +388,17 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                  incumbent: float, exchange: ExchangeFn | None = None,
                  fit_fn: FitFn | None = None, progress: Progress | None = None,
                  one_program_lower: float | None = None,
-                 units: Callable[[int], Sequence[float]] | None = None) -> tuple[PipelinePlan | None, float]:
+                 units: Callable[[int], Sequence[float]] | None = None,
+                 units_known: Callable[[int], bool] | None = None,
+                 hint: Callable[[float], None] | None = None) -> tuple[PipelinePlan | None, float]:
     """The 1F1B optimum at m if below ``incumbent`` (else None), and a proven lower bound of the 1F1B optimum at
     m: rho min(incumbent, found), rho the least proven/found ratio of the memory-constrained stages solved
-    (module docstring, *Lower bound*)."""
+    (module docstring, *Lower bound*).
+
+    Before its DP the part is bounded from the unit seconds (:func:`_one_f_one_b_family_bound`; at m = 1 with the
+    whole model's own stage) when ``units`` gives them (at m > 1 only when ``units_known`` says the unit seconds
+    are at hand for every size: ZB-H1's search at the same m computed them), and closed when that bound reaches
+    ``incumbent``; ``hint(bound)`` hears it (the part's proven bound if it is interrupted)."""
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     sizes = space.allowed_sizes()
@@ -388,9 +436,20 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
         ns = p if space.node_size is None or space.node_size >= p else space.node_size
         more = _min_sum_cut({q: units(q) for q in sizes if q <= p}, p, ns) * FAMILY_SAFETY
         stats["m1_unit_bound"] = more
+        if hint is not None:
+            hint(min(one, more))
         if min(one, more) >= incumbent * (1 - M1_RTOL):
             stats["m1_closed_by_units"] = True
             return None, min(incumbent, one, more)
+    elif m > 1 and units is not None and units_known is not None and all(units_known(q) for q in sizes if q <= p):
+        ns = p if space.node_size is None or space.node_size >= p else space.node_size
+        fam = _one_f_one_b_family_bound({q: units(q) for q in sizes if q <= p}, p, m, ns)
+        stats.setdefault("one_f_one_b_family_bounds", {})[m] = fam
+        if hint is not None:
+            hint(fam)
+        if fam >= incumbent:
+            stats["one_f_one_b_closed_by_units"] = stats.get("one_f_one_b_closed_by_units", 0) + 1
+            return None, min(incumbent, fam)
     cost, fitted = pool.plain, pool.fitted
 
     def effective(a: int, b: int, q: int, k: float) -> StageCost | None:
@@ -820,6 +879,7 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
         a, o, c, q = b, o + q, c2, q2
 
 
+ORDER_RTOL = 0.01  # step floors of micro-batch counts within 1 % of the least are equal for the parts' order
 BOUND_PASS_RTOL = 1e-6  # below this the solves' own ratio already bounds the 1F1B optimum: no second pass
 M1_RTOL = 1e-9  # at m = 1 a floor within this of the best plan closes the part (its bound is then the floor)
 
@@ -1088,6 +1148,22 @@ def _min_sum_cut(units: dict[int, Sequence[float]], p: int, granule: int = 1) ->
     return float(f[2][U][cap] if g == 1 else f[2][U].min())  # g = 1: the sizes sum to p exactly
 
 
+def _one_f_one_b_family_bound(units: dict[int, Sequence[float]], p: int, m: int, granule: int = 1) -> float:
+    """A lower bound of the 1F1B step at m over every pipeline whose stages are runs of the units on sizes from
+    ``units`` summing to p (docs/pipeline.md, *Family bounds*), from the unit seconds alone. One stage on p:
+    m sum_u w_p(u). Two or more: sum_i t_i + (m - 1) t_max with sum_i t_i at least the least unit sum over such
+    cuts (:func:`_min_sum_cut`) and t_max at least t_lo = max(sum_u min_q q w_q(u) / p, max_u min_q w_q(u)) (the
+    largest stage is at least the device-weighted mean, sum_i q_i t_i / p, and at least the stage of any one
+    unit); and sum_i t_i >= t_max: the step is at least max(least sum + (m - 1) t_lo, m t_lo)."""
+    arr = {q: np.asarray(w, dtype=float) for q, w in units.items()}
+    one = m * float(arr[p].sum()) if p in arr else math.inf
+    table = np.stack([q * w for q, w in arr.items()])
+    per_unit = np.stack(list(arr.values())).min(axis=0)
+    t_lo = max(float(table.min(axis=0).sum()) / p, float(per_unit.max(initial=0.0)))
+    more = _min_sum_cut(units, p, granule)
+    return min(one, max(more + (m - 1) * t_lo, m * t_lo)) * FAMILY_SAFETY
+
+
 def _zb_family_bound(units: dict[int, Sequence[float]], p: int, stages: int, m: int) -> float:
     """A lower bound of ZB-H1's step over every cut of the units into ``stages`` stages on sub-meshes from
     ``units``' sizes: ``m`` times the least bottleneck :func:`_minmax_cut` (module docstring, *Family bounds*)."""
@@ -1107,13 +1183,15 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                   fit_fn: FitFn | None = None,
                   incumbent: float = math.inf, stats: dict | None = None,
                   units: Callable[[int], Sequence[float]] | None = None,
-                  first_stages: int = 1, progress: Progress | None = None) -> tuple[PipelinePlan | None, float]:
+                  first_stages: int = 1, progress: Progress | None = None,
+                  hint: Callable[[float], None] | None = None) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count ``first_stages`` <= S <= m
     (module docstring,
     *ZB-H1*) if below ``incumbent``, and a proven lower bound of it: each stage count whose family bound
     (:func:`_zb_family_bound`) is below the best known is searched exactly (:func:`_zb_branch_and_bound`). A
     stage whose time-optimal plan does not fit S in flight takes its memory-constrained optimum (``fit_fn``),
-    solved lazily."""
+    solved lazily. ``hint(bound)`` hears the family's bound once the stage counts' bounds are known (min over
+    the counts of m B_0; 0 when the stand-ins are found void): what the part has proven if it is interrupted."""
     U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
     budget = math.inf if space.budget is None else space.budget
@@ -1137,6 +1215,8 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
         ns = p if space.node_size is None or space.node_size >= p else space.node_size
         cut = _minmax_cuts({q: units(q) for q in family_sizes(0)}, p, counts, granule=ns) if counts else {}
         floors = {n: cut[n] * FAMILY_SAFETY for n in counts}
+    if hint is not None:
+        hint(min((m * f for f in floors.values()), default=math.inf))
     best: PipelinePlan | None = None
 
     def best_t() -> float:
@@ -1161,6 +1241,8 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
             # a memory-constrained solve came out below its time-optimal stage: the stand-ins and the family
             # bounds (which rest on the same order) are void; every stage count again, eagerly, without them
             floors = {n: 0.0 if math.isfinite(v) else v for n, v in floors.items()}
+            if hint is not None:
+                hint(0.0)
     return best, pool.rho() * lower
 
 

@@ -123,6 +123,8 @@ pass ``link_fn`` only.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -331,6 +333,36 @@ class ModelStages:
         self._lower.clear()
         self._cuts.clear()
         self._tables.clear()
+
+    def device_seconds(self, m: int, a: int = 0, b: int | None = None) -> float:
+        """A lower bound of q times the seconds of units [a, b) (default: the whole model) at micro-batch batch/m
+        on any q devices under any plan: per operator, (1 + tensors with gradients) passes, each at least
+        max(FLOPs / R, bytes / HBM bandwidth) over q, R the machine's achievable FLOP/s. The cost model charges
+        each pass ``f prod_d E_d / c_d`` FLOPs per device with ``prod_d c_d <= q``, at R times a utilisation
+        <= 1, under a roofline over the tiles the pass moves (:mod:`shardplan.cost.operator`); a tensor whose
+        axes are all plain (no window, no stride) is read whole, so some device's tile of it holds at least
+        1/q of its elements: only such tensors are counted in the bytes (the output always is)."""
+        g, units, _ = self.graph(m)
+        rate, bw, nbytes = self.machine.achievable_flops, self.machine.hbm_bandwidth, float(self.machine.dtype_bytes)
+        total = 0.0
+        for i in (i for u in range(a, len(units) if b is None else b) for i in units[u]):
+            op = g.operators[i]
+            seconds = op.flops_per_point * op.points / rate
+            if bw is not None:
+                plain = [t for t in op.inputs + op.weights
+                         if all(x.window is None and x.stride == 1 for x in t.axes)]
+                elems = sum(math.prod(t.shape) * t.elem_factor for t in (op.output, *plain))
+                seconds = max(seconds, elems * nbytes / bw)
+            total += (1 + len(op.grad_tensors)) * seconds
+        return total
+
+    def step_floor(self, m: int) -> float:
+        """A proven lower bound of the step of every pipeline of the model at m micro-batches (any stages,
+        sub-meshes, schedule and memory choices), and of the one program at m = 1: m x
+        :meth:`device_seconds` / p. Every other term of a stage's seconds is nonnegative, so a stage on q_i
+        devices takes t_i >= D_i / q_i; each schedule's step is at least m t_max >= m sum_i q_i t_i / p >=
+        m sum_i D_i / p (docs/pipeline.md, *Best-first parts*)."""
+        return m * self.device_seconds(m) / self.machine.num_devices
 
     @property
     def num_units(self) -> int:

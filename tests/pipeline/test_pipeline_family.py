@@ -216,3 +216,73 @@ def test_zb_h1_search_when_a_fit_is_below_its_stand_in():
     got = search_pipeline(space, stage_fn, link_fn, ("zb-h1",), fit_fn=faster)
     assert got.stats.get("lazy_abandoned")
     assert got.step_time == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_f_one_b_family_bound_vs_brute_force(seed):
+    """1F1B's bound from the unit seconds alone (one stage, or the least unit sum plus (m - 1) t_lo) is at most
+    the brute-force 1F1B optimum at each m over every cut and tiling, with and without node granules, and not
+    vacuous."""
+    from shardplan.pipeline.search import _one_f_one_b_family_bound
+
+    U, p = 6, 8
+    stage_fn, fit_fn, link_fn = _instance(seed + 40, U, p)
+    budget = [None, 4.0, 2.5][seed % 3]
+    for m in (1, 2, 4, 8):
+        space = PipelineSpace(U, p, 4, micro_batches=(m,), budget=budget, uniform=seed % 2 == 1)
+        want = brute_force_pipeline(space, stage_fn, link_fn, fit_fn=fit_fn).step_time
+        units = {q: _unit_seconds(space, stage_fn, m, q) for q in space.allowed_sizes()}
+        for granule in (1, 4):
+            lb = _one_f_one_b_family_bound(units, p, m, granule)
+            assert 0.3 * want < lb <= want * (1 + 1e-12)
+        got = search_pipeline(space, stage_fn, link_fn, ("1f1b",), fit_fn=fit_fn)
+        assert got.step_time == pytest.approx(want, rel=1e-12)
+
+
+def test_one_f_one_b_closed_by_its_family_bound():
+    """With ZB-H1 searched first at the same m (its unit seconds at hand), a 1F1B part whose family bound reaches
+    the best plan is closed without its DP; the answer is brute force's best of the two families."""
+    stage_fn, _, link_fn = _instance(1, 6, 8)
+    space = PipelineSpace(6, 8, 4, micro_batches=(2, 4, 8, 16), budget=None)
+    got = search_pipeline(space, stage_fn, link_fn, ("1f1b", "zb-h1"))
+    assert got.stats.get("one_f_one_b_closed_by_units", 0) > 0
+    zb = min(_brute_zb(space, stage_fn, link_fn, None).values())
+    one = brute_force_pipeline(space, stage_fn, link_fn).step_time
+    assert got.step_time == pytest.approx(min(zb, one), rel=1e-12)
+    assert set(got.stats["one_f_one_b_family_bounds"]) == {2, 4, 8, 16}
+    for m, fam in got.stats["one_f_one_b_family_bounds"].items():
+        want = brute_force_pipeline(PipelineSpace(6, 8, 4, micro_batches=(m,)), stage_fn, link_fn).step_time
+        assert fam <= want * (1 + 1e-12)
+
+
+def test_step_floor_bounds_every_stage_and_the_pipeline_on_a_real_model():
+    """ModelStages.step_floor: every stage's seconds on q devices are at least its device-seconds floor over q
+    (its passes' FLOPs at the achievable rate or its plain tensors' bytes at the HBM bandwidth), so every
+    pipeline's step is at least m x the model's floor over p devices; checked on every segment of a small GPT
+    (with and without an HBM bandwidth) and on the searched optimum."""
+    from shardplan.pipeline.api import pipeline_solve
+
+    def build(b):
+        return get_model("gpt", b, layers=3, d_model=64, heads=2, seq=16, vocab=256)
+
+    base = dataclasses.replace(preset("a100", 4), node_size=2, inter_bandwidth=1e9)
+    for machine in (base, dataclasses.replace(base, hbm_bandwidth=None)):
+        st = ModelStages(build, 8, machine, {"cutoff": 1})
+        U = st.num_units
+        flops_only = ModelStages(build, 8, dataclasses.replace(machine, hbm_bandwidth=None), {"cutoff": 1})
+        for q in (1, 2, 4):
+            for m in (1, 2):
+                for a in range(U):
+                    for b in range(a + 1, U + 1):
+                        c = st.stage_cost(a, b, q, m)
+                        floor = st.device_seconds(m, a, b) / q
+                        if c is not None:
+                            assert c.time >= floor * (1 - 1e-12) > 0
+                            assert floor >= flops_only.device_seconds(m, a, b) / q
+        for m in (1, 2, 4):
+            res = pipeline_solve(build, 8, machine, micro_batches=(m,), schedules=("1f1b", "zb-h1"))
+            assert res.step_time >= st.step_floor(m) * (1 - 1e-12)
+            assert st.step_floor(m) == pytest.approx(m * st.device_seconds(m) / 4, rel=1e-12)
+    # where memory bandwidth binds (the small model's elementwise operators), the roofline raises the floor
+    assert ModelStages(build, 8, base, {}).step_floor(1) > ModelStages(
+        build, 8, dataclasses.replace(base, hbm_bandwidth=None), {}).step_floor(1)

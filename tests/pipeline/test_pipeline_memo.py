@@ -53,6 +53,25 @@ def test_class_dp_equals_the_least_over_stage_counts(seed):
         assert segs[0][0] == 0 and segs[-1][1] == U and segs[-1][2] + segs[-1][3] == p
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_search_with_max_stages_or_uniform_equals_brute_force(seed):
+    """The 1F1B search with a largest stage count or uniform stages (one DP per count, each with its own floor)
+    against brute force over every cut, tiling and m."""
+    from tests.pipeline.test_pipeline import _exchange, _random_instance
+
+    U, p, ns = 5, 8, 4
+    stage_fn, link_fn = _random_instance(seed + 60, U, p, ns)
+    space = PipelineSpace(U, p, ns, micro_batches=(1, 2, 4), budget=[None, 6.0][seed % 2],
+                          max_stages=[2, 3, None][seed % 3], uniform=seed >= 3)
+    for exchange in (None, _exchange):
+        want = brute_force_pipeline(space, stage_fn, link_fn, exchange=exchange)
+        got = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b",), exchange=exchange)
+        assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
+        assert got.num_stages <= (space.max_stages or U)
+        if space.uniform:
+            assert len({s.devices for s in got.stages}) == 1
+
+
 def _chain(U: int):
     def stage_fn(a, b, q, m):
         t = (b - a) / q / m + 0.01 * (b - a)

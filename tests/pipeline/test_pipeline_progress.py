@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import io
 import math
+import random
 
 import pytest
 
 from shardplan.pipeline.progress import Progress, terminal_writer
-from shardplan.pipeline.search import PipelineSpace, _stage_dp, evaluate_pipeline, search_pipeline
+from shardplan.pipeline.search import (PipelineSpace, _stage_dp, brute_force_pipeline, evaluate_pipeline,
+                                       search_pipeline)
 
 from tests.pipeline.test_pipeline import _exchange, _random_instance
 
@@ -38,6 +40,10 @@ def test_progress_reports_every_part():
     assert any("pipelines zb-h1 m=1" in x for x in lines) and any("pipelines 1f1b m=8" in x for x in lines)
     assert "8/8 parts done" in lines[-1]
     assert f"best {got.step_time:.4g} s" in lines[-1]
+    # the proven bound of the whole space on every line once the search states it (here: 0 until a part ends,
+    # with no step floor), the final one the answer's
+    assert all("proven bound" in x for x in lines)
+    assert f"proven bound {got.lower_bound:.4g} s" in lines[-1]
 
 
 def test_progress_waits_for_its_interval():
@@ -59,31 +65,73 @@ def test_progress_waits_for_its_interval():
     assert len(lines) == 2 and "1/3 parts done" in lines[1] and "bound of finished parts 4 s" in lines[1]
 
 
+def _floor_of(seed: int, U: int, p: int):
+    """The random instance's step floor: a stage's seconds are w / (q eff) / m + 0.01 (b - a) >= w / (q m) (eff <= 1,
+    tests.pipeline.test_pipeline._random_instance), so every schedule's step, at least m t_max >= m sum_i q_i t_i / p,
+    is at least sum_u w_u / p: the stand-in for ModelStages.step_floor (the same for every m)."""
+    rng = random.Random(seed)
+    unit_w = [rng.uniform(0.5, 2.0) for _ in range(U)]
+    return lambda m: sum(unit_w) / p
+
+
 @pytest.mark.parametrize("after", [1, 30, 104, 300, 1000, 1141])
 def test_interrupt_returns_best_so_far_with_its_gap(after):
     stage_fn, link_fn = _random_instance(5, 6, 8, 4)
     space = _space(budget=6.0)
-    full = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b", "zb-h1"), exchange=_exchange)
+    floor = _floor_of(5, 6, 8)
+    full = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b", "zb-h1"), exchange=_exchange,
+                           step_floor=floor)
+    assert full.gap <= 1e-12  # every solve exact: the full search's step is the space's optimum
     progress = Progress(on_tick=_interrupt_after(after))
     try:
         got = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b", "zb-h1"), exchange=_exchange,
-                              progress=progress)
+                              progress=progress, step_floor=floor)
     except KeyboardInterrupt:
-        assert progress.plan is None and after <= 103  # no plan yet: the interrupt goes on to the caller
+        assert progress.plan is None  # no plan yet: the interrupt goes on to the caller, with its bound stated
+        assert floor(1) * (1 - 1e-12) <= progress.space_bound <= full.step_time * (1 + 1e-12)
         return
     if got.stats["interrupted"]:
-        # a real plan (its stages re-evaluate to its step), no better than the optimum, nothing proven beyond
-        # the finished parts: the bound is 0 and the gap 1
+        # a real plan (its stages re-evaluate to its step), no better than the optimum; the bound is proven (at
+        # most the optimum) and at least the step floor, every unfinished part's bound
         assert got.step_time >= full.step_time * (1 - 1e-12)
         again = evaluate_pipeline([(s.first, s.end, s.devices) for s in got.stages], got.micro_batches, space,
                                   stage_fn, link_fn, _exchange, got.schedule)
         assert again is not None and again.step_time == pytest.approx(got.step_time, rel=1e-12)
-        if got.stats["parts_done"] < got.stats["parts_total"]:
-            assert got.lower_bound == 0.0 and got.gap == 1.0
-        else:  # interrupted as the last part ended: everything was proven
+        assert floor(1) * (1 - 1e-12) <= got.lower_bound <= full.step_time * (1 + 1e-12)
+        assert 0.0 < got.gap < 1.0
+        if got.stats["parts_done"] == got.stats["parts_total"]:  # interrupted as the last part ended
             assert got.lower_bound == full.lower_bound and got.step_time == full.step_time
     else:
         assert got.step_time == full.step_time and got.lower_bound == full.lower_bound
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_interrupted_bound_never_exceeds_brute_force(seed):
+    """At every tick an interrupt states a bound at most the optimum that brute force finds over every cut,
+    sub-mesh sequence and m (1F1B), and at least the step floor; without a floor, at least 0."""
+    U, p, ns = 5, 8, 4
+    stage_fn, link_fn = _random_instance(seed + 20, U, p, ns)
+    space = PipelineSpace(U, p, ns, micro_batches=(1, 2, 4), budget=[None, 6.0][seed % 2])
+    want = brute_force_pipeline(space, stage_fn, link_fn, exchange=_exchange).step_time
+    floor = _floor_of(seed + 20, U, p)
+    counted = Progress()
+    search_pipeline(space, stage_fn, link_fn, schedules=("1f1b",), exchange=_exchange, progress=counted)
+    seen = 0
+    for after in range(1, counted.ticks + 1, max(1, counted.ticks // 40)):
+        for step_floor in (floor, None):
+            progress = Progress(on_tick=_interrupt_after(after))
+            try:
+                got = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b",), exchange=_exchange,
+                                      progress=progress, step_floor=step_floor)
+                bound = got.lower_bound
+                assert got.step_time >= want * (1 - 1e-12)
+            except KeyboardInterrupt:
+                bound = progress.space_bound
+            assert bound <= want * (1 + 1e-12)
+            if step_floor is not None:
+                assert bound >= floor(1) * (1 - 1e-12)
+                seen += bound > 0
+    assert seen
 
 
 def test_interrupt_late_enough_is_the_full_search():
@@ -96,28 +144,57 @@ def test_interrupt_late_enough_is_the_full_search():
                           progress=Progress(on_tick=_interrupt_after(counted.ticks + 1)))
     assert got.stats["interrupted"] is False and got.step_time == full.step_time
     # at the last tick (the last part's end) the interrupt finds every part proven; one before, the last part
-    # is unfinished and nothing of it is proven
+    # is unfinished: its bound is what it proved before it ended (here its family bound from the unit seconds)
     cut = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b", "zb-h1"), exchange=_exchange,
                           progress=Progress(on_tick=_interrupt_after(counted.ticks)))
     assert cut.stats["interrupted"] is True and cut.step_time == full.step_time
     assert cut.lower_bound == full.lower_bound
     cut = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b", "zb-h1"), exchange=_exchange,
                           progress=Progress(on_tick=_interrupt_after(counted.ticks - 1)))
-    assert cut.stats["interrupted"] is True and cut.lower_bound == 0.0
+    assert cut.stats["interrupted"] is True and 0.0 <= cut.lower_bound <= full.step_time
     assert cut.stats["parts_done"] == cut.stats["parts_total"] - 1
 
 
-def test_plan_interrupted_in_the_pipeline_search():
-    from shardplan import preset
-    from shardplan.planner import plan
+def test_parts_best_first_and_closed_by_their_floor():
+    """The micro-batch counts run in increasing order of their step floor (the larger count first among equals),
+    each count's parts together; a part whose floor reaches the best step known is closed without a search."""
+    stage_fn, link_fn = _random_instance(5, 6, 8, 4)
+    space = _space()
 
-    machine = preset("a100", 16)
-    full = plan("gpt", machine, sizes={"layers": 4}, micro_batches=(1, 2))
-    got = plan("gpt", machine, sizes={"layers": 4}, micro_batches=(1, 2),
-               progress=Progress(on_tick=_interrupt_after(2)))
-    assert got.stats["interrupted"] is True and full.stats["interrupted"] is False
-    assert got.step_time >= full.step_time * (1 - 1e-12)
-    assert got.lower_bound == 0.0  # the pipeline space was not searched to the end: nothing proven of it
+    class Seen(Progress):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts: list[str] = []
+
+        def part(self, phase: str, detail: str = "") -> None:
+            self.parts.append(phase)
+            super().part(phase, detail)
+
+    ties = Seen()
+    full = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b", "zb-h1"), exchange=_exchange,
+                           progress=ties, step_floor=lambda m: 0.0)
+    assert ties.parts == [f"pipelines {f} m={m}" for m in (8, 4, 2, 1) for f in ("zb-h1", "1f1b")]
+    ranked = Seen()
+    got = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b", "zb-h1"), exchange=_exchange,
+                          progress=ranked, step_floor=lambda m: {1: 0.03, 2: 0.01, 4: 0.04, 8: 0.02}[m])
+    assert ranked.parts == [f"pipelines {f} m={m}" for m in (2, 8, 1, 4) for f in ("zb-h1", "1f1b")]
+    close = Seen()  # floors within 1 % of the least are equal: the larger count first
+    search_pipeline(space, stage_fn, link_fn, schedules=("1f1b", "zb-h1"), exchange=_exchange, progress=close,
+                    step_floor=lambda m: {1: 0.01, 2: 0.01001, 4: 0.01009, 8: 0.0102}[m])
+    assert close.parts == [f"pipelines {f} m={m}" for m in (4, 2, 1, 8) for f in ("zb-h1", "1f1b")]
+    assert got.step_time == full.step_time  # the order changes nothing of the optimum
+    # a floor at the optimum closes every part of its count unsearched
+    best_m = full.micro_batches
+    closed = search_pipeline(space, stage_fn, link_fn, schedules=("1f1b", "zb-h1"), exchange=_exchange,
+                             step_floor=lambda m: 0.0 if m == best_m else full.step_time * 2)
+    assert closed.step_time == full.step_time and closed.stats["parts_closed_by_floor"] == 6
+    # with the one program's step (from outside) under every floor: nothing is searched, None, the floors proven
+    outside = Progress()
+    outside.improved(full.step_time / 4)
+    assert search_pipeline(space, stage_fn, link_fn, schedules=("1f1b", "zb-h1"), exchange=_exchange,
+                           progress=outside, step_floor=lambda m: full.step_time / 2) is None
+    assert outside.done == outside.total == 8 and outside.bound == full.step_time / 4
+    assert outside.space_bound == full.step_time / 4
 
 
 @pytest.mark.parametrize("seed", range(4))

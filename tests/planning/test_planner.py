@@ -185,7 +185,8 @@ def test_cli_plan_writes_progress_lines(capsys, monkeypatch):
     assert main(["plan", "--model", "gpt", "--set", "layers=2", "--batch", "8", "-p", "16", "--machine", "h100",
                  "--micro-batches", "1,2"]) == 0
     err = capsys.readouterr().err
-    assert "pipelines zb-h1 m=1 | 0/4 parts done | best " in err
+    # the parts run best-first by their step floor, the larger micro-batch count first among equals
+    assert "pipelines zb-h1 m=2 | 0/4 parts done | best " in err
 
 
 def test_partial_sums_widen_the_space_and_round_trip():
