@@ -453,8 +453,13 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     solution whose ``optimal``/``bound``/``stats["gap"]`` state what was
     proven; ``stats["per_micro_batches"]`` has each count's outcome.
 
+    Ctrl-C (a :class:`KeyboardInterrupt`) once some count has a plan returns the best plan so far with
+    ``stats["interrupted"]`` True and a bound that stays proven: each count's search stops as at its time
+    limit, a count not searched further keeps its root bound, and one not rooted yet counts 0.
+
     Raises:
         ShardplanError: no budget known, or no plan fits (naming the least memory any plan needs).
+        KeyboardInterrupt: Ctrl-C before any plan was found.
     """
     from shardplan.spmd import SpmdPlan
 
@@ -484,52 +489,71 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     host_budget = options.host_budget(machine)
     host_least = np.inf  # the least host memory, when only the host budget ruled a count out
     solved_by_m: dict[int, dict] = {}  # per count, the Lagrangian points its root solve found
-    for m in sorted({int(x) for x in options.micro_batches}):
-        if options.backward_peak(m):
-            pp, cts = peak_problem(tables, budget, options, cache)
-            root_pk = _peak_root(pp, totals, dp_options)
-            if root_pk is None:
-                least = pp.least_peak()
-                if least < least_all:
-                    least_all, peak_least = least, True
-                per.append({"micro_batches": m, "model": "backward peak", "status": "infeasible",
-                            "least_memory_lower_bound_bytes": least})
+    interrupted = False
+    counts = sorted({int(x) for x in options.micro_batches})
+    current = counts[0]
+    try:
+        for m in counts:
+            current = m
+            if options.backward_peak(m):
+                pp, cts = peak_problem(tables, budget, options, cache)
+                root_pk = _peak_root(pp, totals, dp_options)
+                if root_pk is None:
+                    least = pp.least_peak()
+                    if least < least_all:
+                        least_all, peak_least = least, True
+                    per.append({"micro_batches": m, "model": "backward peak", "status": "infeasible",
+                                "least_memory_lower_bound_bytes": least})
+                    continue
+                root_bound, inc = root_pk
+                problems.append((root_bound, inc.cost if inc is not None else np.inf, m, pp, cts, inc))
+                if inc is not None and (best is None or inc.cost < best[0].cost):
+                    best = (inc, m, cts)
                 continue
-            root_bound, inc = root_pk
-            problems.append((root_bound, inc.cost if inc is not None else np.inf, m, pp, cts, inc))
-            if inc is not None and (best is None or inc.cost < best[0].cost):
-                best = (inc, m, cts)
-            continue
-        mp, cts = fit_problem(tables, budget, m, options, cache)
-        least = mp.least_memory()
-        if least > budget:
-            if least < least_all:
-                least_all, peak_least = least, False
-            per.append({"micro_batches": m, "status": "infeasible", "least_memory_bytes": least})
-            continue
-        if float(sum(t.host_bytes.min() for t in cts)) > host_budget:
-            host_least = min(host_least, float(sum(t.host_bytes.min() for t in cts)))
-            per.append({"micro_batches": m, "status": "infeasible in host memory",
-                        "least_host_bytes": float(sum(t.host_bytes.min() for t in cts))})
-            continue
-        # the root alone: a feasible plan and the dual bound, to order the counts and share the incumbent
-        solved: dict = {}  # the root's Lagrangian points, for the full search of this count (exact reuse)
-        # with the best plan so far as ``upper``, a count's dual stops as soon as its bound reaches it: the
-        # count is then pruned below without the dual's remaining solves (docs/memory.md, "Work not repeated")
-        root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved,
-                            upper=best[0].cost if best is not None else np.inf, **dp_options)
-        totals["nodes"] += root.stats["nodes"]
-        totals["dp_solves"] += root.stats["dp_solves"]
-        problems.append((max(root.bound, root.stats.get("root_bound", -np.inf)), root.cost, m, mp, cts, root))
-        solved_by_m[m] = solved
-        if best is None or root.cost < best[0].cost:
-            best = (root, m, cts)
+            mp, cts = fit_problem(tables, budget, m, options, cache)
+            least = mp.least_memory()
+            if least > budget:
+                if least < least_all:
+                    least_all, peak_least = least, False
+                per.append({"micro_batches": m, "status": "infeasible", "least_memory_bytes": least})
+                continue
+            if float(sum(t.host_bytes.min() for t in cts)) > host_budget:
+                host_least = min(host_least, float(sum(t.host_bytes.min() for t in cts)))
+                per.append({"micro_batches": m, "status": "infeasible in host memory",
+                            "least_host_bytes": float(sum(t.host_bytes.min() for t in cts))})
+                continue
+            # the root alone: a feasible plan and the dual bound, to order the counts and share the incumbent
+            solved: dict = {}  # the root's Lagrangian points, for the full search of this count (exact reuse)
+            # with the best plan so far as ``upper``, a count's dual stops as soon as its bound reaches it: the
+            # count is then pruned below without the dual's remaining solves (docs/memory.md, "Work not repeated")
+            root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved,
+                                upper=best[0].cost if best is not None else np.inf, **dp_options)
+            totals["nodes"] += root.stats["nodes"]
+            totals["dp_solves"] += root.stats["dp_solves"]
+            problems.append((max(root.bound, root.stats.get("root_bound", -np.inf)), root.cost, m, mp, cts, root))
+            solved_by_m[m] = solved
+            if best is None or root.cost < best[0].cost:
+                best = (root, m, cts)
+            if root.stats.get("interrupted"):  # Ctrl-C inside the root, after it had a plan (kept above)
+                raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        if best is None:
+            raise
+        # a count not rooted yet has no bound but 0; the rooted ones keep theirs, and no count is searched further
+        interrupted = True
+        rooted = {x[2] for x in problems}
+        if any(x > current or (x == current and x not in rooted) for x in counts):
+            lower.append(0.0)
     if not problems and best is None:
         if not np.isfinite(least_all) and np.isfinite(host_least):
             raise ShardplanError(_host_infeasible(host_least, host_budget))
         raise ShardplanError(_infeasible(least_all, budget, peak_least))
     for root_bound, root_cost, m, mp, cts, _root in sorted(problems, key=lambda x: (x[0], x[1])):
         upper = best[0].cost if best is not None else np.inf
+        if interrupted:  # Ctrl-C: what each count's root proved stands as its bound
+            lower.append(root_bound)
+            per.append({"micro_batches": m, "status": "not searched: interrupted", "lower_bound": root_bound})
+            continue
         if root_bound >= upper * (1 - 1e-9):
             lower.append(root_bound)
             # cost: the best plan the root saw (None when its dual reached the best plan before seeing one)
@@ -537,36 +561,47 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             per.append({"micro_batches": m, "status": "pruned: its dual bound reaches the best plan",
                         "lower_bound": root_bound, "cost": root_cost if seen else None})
             continue
-        if isinstance(mp, PeakProblem):
-            try:
-                sol = solve_peak(mp, time_limit=options.time_limit, upper=upper,
-                                 incumbent=None if _root is None else _root.assignment, **dp_options)
-            except ShardplanError as e:  # proven infeasible, or nothing found within the limits
-                per.append({"micro_batches": m, "model": "backward peak", "status": f"no plan: {e}"})
-                if "proven" not in str(e):
-                    lower.append(root_bound)
-                continue
-            totals["nodes"] += sol.stats["nodes"]
-            totals["dp_solves"] += sol.stats["dp_solves"]
-            per.append({"micro_batches": m, "model": "backward peak", "status": sol.stats["status"],
-                        "cost": sol.cost, "bound": sol.bound, "memory_bytes": sol.stats["memory_bytes"],
-                        "peak_step": sol.stats["peak_step"],
-                        "additive_memory_bytes": sol.stats["additive_memory_bytes"], "root_bound": root_bound,
-                        "nodes": sol.stats["nodes"], "surrogate_solves": sol.stats["surrogate_solves"],
-                        "cuts": sol.stats["cuts"], "dp_solves": sol.stats["dp_solves"], "seconds": sol.solve_seconds})
-        else:
-            sol = solve_memory(mp, time_limit=options.time_limit, upper=upper, solved=solved_by_m.get(m),
-                               **dp_options)
-            totals["nodes"] += sol.stats["nodes"]
-            totals["dp_solves"] += sol.stats["dp_solves"]
-            per.append({"micro_batches": m, "status": sol.stats["status"], "cost": sol.cost, "bound": sol.bound,
-                        "memory_bytes": sol.stats["memory_bytes"], "nodes": sol.stats["nodes"],
-                        "dp_solves": sol.stats["dp_solves"], "fixed_choices": sol.stats["fixed_choices"],
-                        "seconds": sol.solve_seconds})
+        try:
+            if isinstance(mp, PeakProblem):
+                try:
+                    sol = solve_peak(mp, time_limit=options.time_limit, upper=upper,
+                                     incumbent=None if _root is None else _root.assignment, **dp_options)
+                except ShardplanError as e:  # proven infeasible, or nothing found within the limits
+                    per.append({"micro_batches": m, "model": "backward peak", "status": f"no plan: {e}"})
+                    if "proven" not in str(e):
+                        lower.append(root_bound)
+                    continue
+                totals["nodes"] += sol.stats["nodes"]
+                totals["dp_solves"] += sol.stats["dp_solves"]
+                per.append({"micro_batches": m, "model": "backward peak", "status": sol.stats["status"],
+                            "cost": sol.cost, "bound": sol.bound, "memory_bytes": sol.stats["memory_bytes"],
+                            "peak_step": sol.stats["peak_step"],
+                            "additive_memory_bytes": sol.stats["additive_memory_bytes"], "root_bound": root_bound,
+                            "nodes": sol.stats["nodes"], "surrogate_solves": sol.stats["surrogate_solves"],
+                            "cuts": sol.stats["cuts"], "dp_solves": sol.stats["dp_solves"], "seconds": sol.solve_seconds})
+            else:
+                sol = solve_memory(mp, time_limit=options.time_limit, upper=upper, solved=solved_by_m.get(m),
+                                   **dp_options)
+                totals["nodes"] += sol.stats["nodes"]
+                totals["dp_solves"] += sol.stats["dp_solves"]
+                per.append({"micro_batches": m, "status": sol.stats["status"], "cost": sol.cost, "bound": sol.bound,
+                            "memory_bytes": sol.stats["memory_bytes"], "nodes": sol.stats["nodes"],
+                            "dp_solves": sol.stats["dp_solves"], "fixed_choices": sol.stats["fixed_choices"],
+                            "seconds": sol.solve_seconds})
+        except KeyboardInterrupt:  # before this count's search saw a plan (it returns its own otherwise)
+            if best is None:
+                raise
+            interrupted = True
+            lower.append(root_bound)
+            per.append({"micro_batches": m, "status": "interrupted", "lower_bound": root_bound})
+            continue
+        interrupted = interrupted or bool(sol.stats.get("interrupted"))
         lower.append(sol.bound if sol.bound is not None else 0.0)
         if best is None or sol.cost < best[0].cost:
             best = (sol, m, cts)
     if best is not None and _host_of(best[2], best[0].assignment) > host_budget:
+        if interrupted:  # the host-exact search would run on: no plan within both budgets is known yet
+            raise KeyboardInterrupt
         best, lower = _host_exact(problems, host_budget, options.time_limit, per)
     if best is None:
         raise ShardplanError(_infeasible(least_all, budget, peak_least) if np.isfinite(least_all) else
@@ -577,7 +612,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     optimal = bound >= sol.cost * (1 - 1e-9)
     gap = 0.0 if optimal else (sol.cost - bound) / sol.cost if sol.cost else 0.0
     stats = {**sol.stats, **totals, "gap": gap, "micro_batches": m, "per_micro_batches": per,
-             "grad_buffers": options.grad_buffers,
+             "grad_buffers": options.grad_buffers, "interrupted": interrupted,
              "status": "optimal" if optimal else "stopped: see per_micro_batches"}
     choices = MemoryChoices(m, float(budget), options.reserve_bytes, cts, sol.assignment,
                             backward=options.backward_peak(m), host_budget_bytes=host_budget)

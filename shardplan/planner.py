@@ -344,12 +344,18 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
 
         candidates.append(from_spmd(solve(graph, machine, cutoff=cutoff, orders=orders, solver=solver,
                                           partial_sums=partial_sums, **tables_extra), model=name, batch=batch))
+    interrupted = bool(candidates and candidates[0].stats.get("interrupted"))
     if candidates:
-        say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s)")
-    interrupted = False
+        say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s)"
+            + (", interrupted" if interrupted else ""))
+    unproven: list[float] = []  # an interrupted pipeline search with no plan: the bound it stated of its space
+    if interrupted and searched:
+        # Ctrl-C inside the one program's memory search: the pipelines are not searched, so nothing is proven of them
+        searched = False
+        unproven.append(0.0)
+        refusals.append("pipelines: not searched (interrupted in the one program's memory search)")
     # (step, lower bound) of a pipeline slower than one program; step None: none beat it (search pruned by it)
     lost_pipeline: tuple[float | None, float | None] | None = None
-    unproven: list[float] = []  # an interrupted pipeline search with no plan: the bound it stated of its space
     if searched:
         from shardplan.pipeline.api import pipeline_solve
         from shardplan.pipeline.progress import Progress

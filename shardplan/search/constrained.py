@@ -1020,7 +1020,13 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
         ``unconstrained_cost`` (the optimum without the budget, a lower bound),
         ``unconstrained_memory_bytes``, ``gap`` (relative), ``nodes``, ``dp_solves``, ``lambda``
         (the root's multiplier, seconds per byte), ``found`` (False when ``upper`` closed every node
-        before a feasible point was seen: the answer is then the least-memory plan), ``status``.
+        before a feasible point was seen: the answer is then the least-memory plan), ``status``,
+        ``interrupted``.
+
+    A :class:`KeyboardInterrupt` (Ctrl-C) stops the search like its time limit once a feasible plan is
+    known: the node being worked on goes back to the open list with its bound, so the answer's ``bound``
+    (the least open bound) stays proven and ``stats["interrupted"]`` is True; before any feasible plan it
+    propagates.
 
     Raises:
         ShardplanError: when no assignment fits: the message names the least
@@ -1047,6 +1053,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
         return min(ctx.best.f if ctx.best is not None else np.inf, upper)
 
     fixed = closed_separable = closed_frontier = 0
+    interrupted = False
     while heap:
         bound, _, node = heap[0]
         inc = incumbent()
@@ -1061,50 +1068,58 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
             break
         heapq.heappop(heap)
         nodes += 1
-        ev = _dual(ctx, node.allowed, inc - rtol * abs(inc) if np.isfinite(inc) else np.inf, max_dual_iters)
-        if not root_stats:
-            root_stats = {"root_bound": ev.bound, "lambda": ev.lam, "root_dual_iterations": ev.iterations}
-            if ev.plus is not None:
-                root_stats.update(unconstrained_cost=ev.plus.f, unconstrained_memory_bytes=ev.plus.m)
-            elif ev.minus is not None:
-                root_stats.update(unconstrained_cost=ev.minus.f, unconstrained_memory_bytes=ev.minus.m)
-        inc = incumbent()
-        if ev.closed or ev.bound >= inc - rtol * abs(inc):
-            continue
-        allowed = node.allowed
-        if fix_iters >= 0:
-            allowed = _fix(ctx, node.allowed, ev.lam, inc - rtol * abs(inc), fix_iters, ev.budget)
-            if not all(ok.any() for ok in allowed):
+        try:
+            ev = _dual(ctx, node.allowed, inc - rtol * abs(inc) if np.isfinite(inc) else np.inf, max_dual_iters)
+            if not root_stats:
+                root_stats = {"root_bound": ev.bound, "lambda": ev.lam, "root_dual_iterations": ev.iterations}
+                if ev.plus is not None:
+                    root_stats.update(unconstrained_cost=ev.plus.f, unconstrained_memory_bytes=ev.plus.m)
+                elif ev.minus is not None:
+                    root_stats.update(unconstrained_cost=ev.minus.f, unconstrained_memory_bytes=ev.minus.m)
+            inc = incumbent()
+            if ev.closed or ev.bound >= inc - rtol * abs(inc):
                 continue
-        if separable > 0 and _separable(ctx, allowed, inc - rtol * abs(inc), separable)[0]:
-            closed_separable += 1  # solved exactly: its best (if below the incumbent) was offered
-            continue
-        if frontier > 0 and _frontier_dp(ctx, allowed, inc - rtol * abs(inc), ev.lam, frontier)[0]:
-            closed_frontier += 1  # likewise
-            continue
-        if fix_iters >= 0:
-            dropped = sum(int(a.sum()) for a in node.allowed) - sum(int(a.sum()) for a in allowed)
-            if dropped:
-                fixed += dropped
-                heapq.heappush(heap, (max(ev.bound, node.bound), counter, _Node(allowed, ev.bound, node.depth)))
+            allowed = node.allowed
+            if fix_iters >= 0:
+                allowed = _fix(ctx, node.allowed, ev.lam, inc - rtol * abs(inc), fix_iters, ev.budget)
+                if not all(ok.any() for ok in allowed):
+                    continue
+            if separable > 0 and _separable(ctx, allowed, inc - rtol * abs(inc), separable)[0]:
+                closed_separable += 1  # solved exactly: its best (if below the incumbent) was offered
+                continue
+            if frontier > 0 and _frontier_dp(ctx, allowed, inc - rtol * abs(inc), ev.lam, frontier)[0]:
+                closed_frontier += 1  # likewise
+                continue
+            if fix_iters >= 0:
+                dropped = sum(int(a.sum()) for a in node.allowed) - sum(int(a.sum()) for a in allowed)
+                if dropped:
+                    fixed += dropped
+                    heapq.heappush(heap, (max(ev.bound, node.bound), counter, _Node(allowed, ev.bound, node.depth)))
+                    counter += 1
+                    continue
+            for child in _branch(mp, node, ev):
+                heapq.heappush(heap, (max(ev.bound, node.bound), counter, child))
                 counter += 1
-                continue
-        for child in _branch(mp, node, ev):
-            heapq.heappush(heap, (max(ev.bound, node.bound), counter, child))
-            counter += 1
+        except KeyboardInterrupt:
+            if ctx.best is None:
+                raise
+            # the node is unresolved: back on the open list with the bound it had, which stays proven
+            heapq.heappush(heap, (bound, counter, node))
+            stopped, interrupted = "interrupt", True
+            break
     best = ctx.best
     found = best is not None
     if best is None:  # ``upper`` pruned every node before a feasible point was seen: any plan fits as the answer
         least_choice = tuple(int(np.argmin(m)) for m in mp.memory)
         best = _Point(*mp.evaluate(least_choice), least_choice)
-    lower = min([best.f, upper] + [b for b, _, _ in heap])
+    lower = max(min([best.f, upper] + [b for b, _, _ in heap]), 0.0)  # F is a sum of times: never below 0
     optimal = not heap and best.f <= upper
     if optimal:
         lower = best.f
     gap = 0.0 if optimal else ((best.f - lower) / abs(best.f) if best.f else float(lower < best.f))
     stats = {"memory_bytes": best.m, "budget_bytes": mp.budget, "least_memory_bytes": least,
              **root_stats, "gap": gap, "nodes": nodes, "open_nodes": len(heap), "dp_solves": ctx.solves,
-             "dp_reused": ctx.reused, "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "separable_nodes": closed_separable, "frontier_nodes": closed_frontier, "beats_upper": best.f < upper, "found": found, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
+             "dp_reused": ctx.reused, "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "separable_nodes": closed_separable, "frontier_nodes": closed_frontier, "beats_upper": best.f < upper, "found": found, "interrupted": interrupted, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
                         else "proven: nothing below upper")}
     return Solution(cost=best.f, assignment=best.choices, solve_seconds=time.perf_counter() - t0,
                     solver="memory-bb", optimal=optimal, bound=float(lower), stats=stats)

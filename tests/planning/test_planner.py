@@ -223,3 +223,35 @@ def test_cli_partial_sums_flag(capsys):
                  "--set", "seq=4096", "--batch", "1", "-p", "8", "--machine", "h100", "--no-fit",
                  "--partial-sums"]) == 0
     assert "deferred reductions (sequence parallel) on " in capsys.readouterr().out
+
+
+def test_ctrl_c_in_the_one_program_search_returns_its_best_plan(monkeypatch):
+    """Ctrl-C while the one program's memory search runs (the exact solver raises KeyboardInterrupt at its k-th
+    call): the first k that lands after a plan is known returns it, marked interrupted, with the pipelines not
+    searched, so the bound the plan states of the whole space is 0 and never above the uninterrupted answer."""
+    import shardplan.search.dp as dp
+
+    m = preset("a100", 16)
+    full = plan("gpt", m, sizes={"layers": 4}, batch=32)
+    real = dp.solve_dp
+    for k in range(1, 60):
+        calls = [0]
+
+        def counted(*a, **kw):
+            calls[0] += 1
+            if calls[0] == k:
+                raise KeyboardInterrupt
+            return real(*a, **kw)
+
+        monkeypatch.setattr(dp, "solve_dp", counted)
+        try:
+            got = plan("gpt", m, sizes={"layers": 4}, batch=32)
+        except KeyboardInterrupt:
+            continue
+        break
+    else:
+        pytest.fail("no interrupt landed after the one program had a plan")
+    assert got.stats["interrupted"] and list(got.stats["compared"]) == ["one program"]
+    assert any("not searched" in r for r in got.stats["refused"])
+    assert got.step_time >= full.step_time * (1 - 1e-9) and got.memory["peak_bytes"] <= m.memory_bytes
+    assert got.lower_bound == 0.0
