@@ -5,7 +5,7 @@ the exact search with the memory choices, the report)::
 
     shardplan plan --model llama3-405b -p 16384 --machine h100 --stages off --json PLAN
 
-and records its CPU seconds (user + system of the child), wall seconds, peak RSS, the plan in one line
+(and the same with ``--no-fit``: the layouts alone, memory reported, not constrained) and records its CPU seconds (user + system of the child), wall seconds, peak RSS, the plan in one line
 (the report's ``Plan:`` line), its predicted step time, memory per device, lower bound and gap. Beside it,
 Llama 3's published configuration for the same run (Dubey et al. 2024, Table 4: 8K tokens, 16M tokens per
 step = 2,048 sequences; tensor 8 x pipeline 16 x data 64 on 8,192 GPUs, data 128 on 16,384; one sequence
@@ -43,27 +43,38 @@ CASES = {
     "llama3-8b-1024": {"model": "llama3-8b", "p": 1024, "recipe": None},
 }
 
-_PROBE = ("import resource, subprocess, sys, time; w = time.perf_counter(); "
-          "out = subprocess.run(sys.argv[1:], capture_output=True, text=True); w = time.perf_counter() - w; "
-          "r = resource.getrusage(resource.RUSAGE_CHILDREN); "
-          "import json; print(json.dumps({'rc': out.returncode, 'cpu': r.ru_utime + r.ru_stime, 'wall': w, "
-          "'rss_mb': r.ru_maxrss / 1024, 'stdout': out.stdout, 'stderr': out.stderr[-2000:]}))")
+_PROBE = """
+import json, resource, subprocess, sys, time
+t = float(sys.argv[1])
+w = time.perf_counter()
+try:
+    out = subprocess.run(sys.argv[2:], capture_output=True, text=True, timeout=t)
+except subprocess.TimeoutExpired as e:
+    out = subprocess.CompletedProcess(e.cmd, 124, "", f"timed out after {t:g} s")
+w = time.perf_counter() - w
+r = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"rc": out.returncode, "cpu": r.ru_utime + r.ru_stime, "wall": w, "rss_mb": r.ru_maxrss / 1024,
+                  "stdout": out.stdout, "stderr": out.stderr[-2000:]}))
+"""
 
 
-def _child(cmd: list[str]) -> dict:
-    """Run ``cmd`` under a probe interpreter: its return code, CPU and wall seconds, peak RSS, output."""
+def _child(cmd: list[str], timeout: float) -> dict:
+    """Run ``cmd`` under a probe interpreter: its return code (124 past ``timeout`` wall seconds), CPU and wall
+    seconds, peak RSS, output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", _PROBE, *cmd], check=True, capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(timeout), *cmd], check=True, capture_output=True,
+                         text=True, env=env)
     return json.loads(out.stdout)
 
 
-def plan_case(spec: dict) -> dict:
+def plan_case(spec: dict, fit: bool, timeout: float) -> dict:
+    """``shardplan plan ... --stages off`` (``--no-fit`` unless ``fit``: layouts only, memory reported)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
         args = ["plan", "--model", spec["model"], "-p", str(spec["p"]), "--machine", "h100", "--stages", "off",
-                "--json", str(path)]
+                *([] if fit else ["--no-fit"]), "--json", str(path)]
         load = os.getloadavg()[0]
-        r = _child([sys.executable, "-m", "shardplan.cli", *args])
+        r = _child([sys.executable, "-m", "shardplan.cli", *args], timeout)
         row = {"cli": "shardplan " + " ".join(a for a in args[:-2]), "rc": r["rc"], "cpu_s": round(r["cpu"], 2),
                "wall_s": round(r["wall"], 2), "peak_rss_mb": round(r["rss_mb"], 1), "load_average_1m": round(load, 1)}
         if r["rc"] != 0:
@@ -80,7 +91,8 @@ def plan_case(spec: dict) -> dict:
 
 def _plan_numbers(plan: dict) -> dict:
     mem = plan.get("memory", {})
-    return {"step_time_s": plan.get("step_time"), "lower_bound_s": plan.get("lower_bound"), "gap": plan.get("gap"),
+    return {"step_time_s": plan.get("step_time_seconds"), "lower_bound_s": plan.get("lower_bound_seconds"),
+            "gap": plan.get("gap"),
             "peak_bytes": mem.get("peak_bytes"), "budget_bytes": mem.get("budget_bytes")}
 
 
@@ -101,17 +113,24 @@ def recipe_case(model: str, p: int, recipe: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--timeout", type=float, default=1800.0, help="wall seconds per command (default 1800)")
+    ap.add_argument("--no-fit-only", action="store_true", help="only the layouts-only plans (no memory search)")
     args = ap.parse_args()
     rows = json.loads(OUT.read_text())["cases"] if OUT.exists() else {}
     for name in args.cases.split(","):
         spec = CASES[name]
         t0 = time.perf_counter()
-        row = {"case": name, "model": spec["model"], "p": spec["p"], "machine": "h100", **plan_case(spec)}
+        row = {"case": name, "model": spec["model"], "p": spec["p"], "machine": "h100",
+               "layouts_only": plan_case(spec, False, args.timeout)}
+        if not args.no_fit_only:
+            row["fit"] = plan_case(spec, True, args.timeout)
         if spec["recipe"]:
             row["published"] = recipe_case(spec["model"], spec["p"], spec["recipe"])
             row["published_recompute_full"] = recipe_case(spec["model"], spec["p"], spec["recipe"] + ",recompute=full")
-            if row.get("step_time_s") is not None and "step_time_s" in row["published"]:
-                row["plan_over_published"] = round(row["step_time_s"] / row["published"]["step_time_s"], 4)
+            for key in ("layouts_only", "fit"):
+                got = row.get(key, {}).get("step_time_s")
+                if got is not None and "step_time_s" in row["published"]:
+                    row[key]["over_published"] = round(got / row["published"]["step_time_s"], 4)
         row["bench_wall_s"] = round(time.perf_counter() - t0, 1)
         rows[name] = row
         print(json.dumps(row, indent=1), flush=True)
