@@ -102,7 +102,7 @@ def recipe_case(model: str, p: int, recipe: str) -> dict:
             "from shardplan.recipe import cost_recipe; c = time.process_time(); "
             "r = cost_recipe(sys.argv[1], preset('h100', int(sys.argv[2])), sys.argv[3]); "
             "print(json.dumps({'step_time_s': r.step_time, 'peak_bytes': r.memory['peak_bytes'], "
-            "'cpu_s': time.process_time() - c, 'plan': r.describe() if hasattr(r, 'describe') else None}))")
+            "'cpu_s': time.process_time() - c}))")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code, model, str(p), recipe], capture_output=True, text=True, env=env)
     if out.returncode != 0:
