@@ -33,6 +33,7 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 
 from shardplan.cost.edge import EDGE_MEMO_BYTES, weight_views
+from shardplan.cost.tiles import check_per_device
 from shardplan.ir import Graph, Operator
 from shardplan.layout import unique_rows
 
@@ -194,6 +195,9 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
             best = max(best, (need, f"edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
             kept += 8 * ku * kv
             continue
+        # the edge will be costed per device (edge.edge_volumes refuses that past the cap): say so now
+        check_per_device(p, f"the tiles of the edge {u.name!r} -> {v.name!r} (uneven blocks, pieces, idle devices, "
+                            "partial sums or splits that are not powers of two)")
         if not count_patterns:
             out_patterns[ku_key], pv = ku, kv
         else:
@@ -211,6 +215,7 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
         if pattern_edge(u, lu, v, 0, lv):
             need = kept + pattern_edge_bytes(ku, kv, len(v.inputs[0].axes), len(lu.levels))
         else:
+            check_per_device(p, f"the tiles of the shared weight {u.name!r} -> {v.name!r}")
             need = kept + EDGE_MEMO_BYTES + edge_phase_bytes(u, ku, v, kv, p)
         best = max(best, (need, f"weight edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
         kept += 8 * ku * kv
