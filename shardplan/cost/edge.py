@@ -472,7 +472,7 @@ def _pattern_side(op: Operator, tensor, lay: LayoutArrays) -> _PatternSide | Non
     apply: some tile irregular or a concatenation piece (:func:`_axis_blocks`), some device idle
     (:func:`~shardplan.cost.tiles.all_active`), or a per-level split of a blocking dim that is not a power
     of two (then a coarse block need not be a digit of the levels: :func:`_coarse_keys`)."""
-    splits, _, lengths, regular, blocked_by, pieces = _axis_blocks(op, tensor, lay, patterns=False)
+    _, _, lengths, regular, blocked_by, pieces = _axis_blocks(op, tensor, lay, patterns=False)
     if not regular.all() or any(x is not None for x in pieces) or not all_active(lay).all():
         return None
     n_ax, k = len(tensor.axes), len(lay)
