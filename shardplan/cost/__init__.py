@@ -17,6 +17,7 @@ from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budge
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
 from shardplan.cost.ring import CONTEXT_ALGORITHMS, context_edge, moved_reduction
+from shardplan.cost.tiles import MAX_DEVICES  # noqa: F401  (per-device tiles: at most this many devices)
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
 from shardplan.ir import Graph, Operator
 from shardplan.layout import Layout, LayoutArrays
@@ -174,7 +175,6 @@ ORDERS: tuple[str, ...] = ("auto", *ORDER_MODES)
 """The values of :func:`build_tables`'s ``orders``: "auto" (see :func:`choose_orders`) or an order mode."""
 
 AUTO_ORDERS_EDGE_ENTRIES = 4_000_000
-MAX_DEVICES = 4096
 
 
 def choose_orders(graph: Graph, splits: Sequence[np.ndarray], orders: str) -> str:
@@ -283,9 +283,6 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         raise ShardplanError(f"build_tables: overlap_tp must be True or False, got {overlap_tp!r}")
     partial_sums = partial_sums or overlap_tp
     p = machine.num_devices
-    if p > MAX_DEVICES:
-        raise ShardplanError(f"{p} devices: the cost model keeps a tile per device and configuration, "
-                             f"so it supports at most {MAX_DEVICES} devices")
     levels = machine.levels
     ops = graph.operators
     # identical operators share one small integer key (hashing the full descriptions once)

@@ -1,6 +1,12 @@
 """How many bytes building the cost tables needs, known before anything big is allocated.
 
-The build works on per-device arrays: for an operator with K configurations
+Where an operator's tiles are regular and every device works
+(:func:`~shardplan.cost.tiles.uniform_tiles`), the build holds no per-device
+array: its costs are vectors over the K layouts, its memory tables one
+column (16 K bytes), and an edge between two such ends
+(:func:`~shardplan.cost.edge._pattern_side`) is decided from block patterns,
+about 28 int64-sized (K_u, K_v) arrays at its worst point. Otherwise the build
+works on per-device arrays: for an operator with K configurations
 on p devices, the device grid is a (K, p, n_dims) int64 array and every tile
 a (K, p, n_axes, 2) int64 array; for an edge, the fast path tests device bit-masks
 per axis and per pattern and the general path intersects boxes
@@ -27,10 +33,12 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 
 from shardplan.cost.edge import EDGE_MEMO_BYTES, weight_views
+from shardplan.cost.tiles import check_per_device
 from shardplan.ir import Graph, Operator
 from shardplan.layout import unique_rows
 
-__all__ = ["BuildEstimate", "estimate_build", "operator_phase_bytes", "edge_phase_bytes"]
+__all__ = ["BuildEstimate", "estimate_build", "operator_phase_bytes", "edge_phase_bytes", "uniform_operator",
+           "pattern_edge", "pattern_edge_bytes"]
 
 # The general edge path works on chunks of about 2^22 (pair, device[, axis]) entries (edge._CHUNK_ELEMS):
 # int32 bounds and their temporaries, an int64 product and an int64 difference per entry.
@@ -61,6 +69,35 @@ class BuildEstimate:
 
 def _axes(op: Operator) -> int:
     return max([len(t.axes) for t in op.tensors] + [1])
+
+
+def uniform_operator(op: Operator, lay) -> bool:
+    """Whether every tensor of ``op`` has the same tile on every device under every layout of ``lay``
+    (:func:`~shardplan.cost.tiles.uniform_tiles`): its phase then holds no per-device array."""
+    from shardplan.cost.tiles import all_active, regular_tile_lengths
+
+    if not all_active(lay).all():
+        return False
+    return all(regular_tile_lengths(op, t, lay.splits) is not None for t in op.tensors)
+
+
+def pattern_edge(u: Operator, lu, v: Operator, slot: int, lv) -> bool:
+    """Whether the edge u -> v (input ``slot``) is decided from block patterns, with no per-device array
+    (:func:`~shardplan.cost.edge._pattern_side` applies to both ends)."""
+    from shardplan.cost.edge import _pattern_side
+
+    if lu.partial is not None or lv.partial is not None:  # deferred reductions are costed on per-device boxes
+        return False
+    return _pattern_side(u, u.output, lu) is not None and _pattern_side(v, v.inputs[slot], lv) is not None
+
+
+def pattern_edge_bytes(ku: int, kv: int, n_axes: int, n_levels: int) -> int:
+    """Peak bytes of an edge decided from block patterns (:func:`pattern_edge`): per axis the pattern rows and
+    the (P_u, P_v) match (P at most K) with its int64 temporaries, then about 28 int64-sized (K_u, K_v) arrays
+    alive at once (the match expanded to every pair, overlaps, the two volumes, their seconds per level and
+    maxima, the deferred and exposed terms)."""
+    pairs = ku * kv
+    return pairs * 8 * 28 + 8 * (ku + kv) * (2 * n_levels + 2) * max(n_axes, 1) + _SMALL
 
 
 def operator_phase_bytes(op: Operator, k: int, p: int) -> int:
@@ -139,9 +176,10 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
     best = (0, "", "", "")
     for key, i in first.items():  # per distinct operator: memory tables (two (K, p) float64) and cost vectors
         op = ops[i]
-        need = kept + operator_phase_bytes(op, ks[key], p)
+        per = 1 if uniform_operator(op, arrays[key]) else p  # one column where every device holds the same
+        need = kept + operator_phase_bytes(op, ks[key], per)
         best = max(best, (need, f"costs of {op.name}", op.name, str(ks[key])))
-        kept += 16 * ks[key] * p + 8 * len(PARTS_BOUND) * ks[key]
+        kept += 16 * ks[key] * per + 8 * len(PARTS_BOUND) * ks[key]
     out_patterns: dict[Hashable, int] = {}
     seen: set[tuple] = set()
     for e in graph.edges:
@@ -151,6 +189,15 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
         seen.add((ku_key, kv_key, e.slot))
         u, v = ops[e.src], ops[e.dst]
         ku, kv = ks[ku_key], ks[kv_key]
+        if pattern_edge(u, arrays[ku_key], v, e.slot, arrays[kv_key]):
+            n_lv = len(arrays[ku_key].levels)
+            need = kept + pattern_edge_bytes(ku, kv, len(v.inputs[e.slot].axes), n_lv)
+            best = max(best, (need, f"edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
+            kept += 8 * ku * kv
+            continue
+        # the edge will be costed per device (edge.edge_volumes refuses that past the cap): say so now
+        check_per_device(p, f"the tiles of the edge {u.name!r} -> {v.name!r} (uneven blocks, pieces, idle devices, "
+                            "partial sums or splits that are not powers of two)")
         if not count_patterns:
             out_patterns[ku_key], pv = ku, kv
         else:
@@ -164,7 +211,12 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
     for w in graph.weight_edges:  # a weight edge is an edge carrying the parameter (its patterns at most K)
         u, v = weight_views(ops[w.src], w.src_weight, ops[w.dst], w.dst_weight)
         ku, kv = ks[keys[w.src]], ks[keys[w.dst]]
-        need = kept + EDGE_MEMO_BYTES + edge_phase_bytes(u, ku, v, kv, p)
+        lu, lv = arrays[keys[w.src]].without_partial(), arrays[keys[w.dst]].without_partial()
+        if pattern_edge(u, lu, v, 0, lv):
+            need = kept + pattern_edge_bytes(ku, kv, len(v.inputs[0].axes), len(lu.levels))
+        else:
+            check_per_device(p, f"the tiles of the shared weight {u.name!r} -> {v.name!r}")
+            need = kept + EDGE_MEMO_BYTES + edge_phase_bytes(u, ku, v, kv, p)
         best = max(best, (need, f"weight edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
         kept += 8 * ku * kv
     return BuildEstimate(int(best[0]), best[1], best[2], best[3], int(kept))

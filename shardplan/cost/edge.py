@@ -78,7 +78,7 @@ import numpy as np
 
 from shardplan.configs import deferred_inputs, forward_deferrable
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time, reduce_scatter_time
-from shardplan.cost.tiles import as_layouts, box_volumes, tensor_boxes
+from shardplan.cost.tiles import all_active, as_layouts, box_volumes, check_per_device, tensor_boxes
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
@@ -444,6 +444,117 @@ def _covers(sub: np.ndarray, sup: np.ndarray) -> np.ndarray:
     return ~(sub & ~sup).any(axis=-1)
 
 
+@dataclass(frozen=True, eq=False)
+class _PatternSide:
+    """One end of an edge whose tiles are the same on every device, summarised without any per-device array.
+
+    Per tensor axis a: the distinct (split, pattern) rows ``pats[a]`` (P_a, 1 + 2L) of the dim that blocks
+    it (one row of 1s for an unblocked axis), each layout's row ``pinv[a]`` (K,); layouts with the same row
+    on every axis form one group (``groups`` (G, A), ``inv`` (K,)); ``lengths``/``len_inv``/``vol`` as in
+    :class:`_Side`.
+    """
+
+    pats: tuple[np.ndarray, ...]
+    pinv: tuple[np.ndarray, ...]
+    groups: np.ndarray
+    inv: np.ndarray
+    lengths: np.ndarray
+    len_inv: np.ndarray
+    vol: np.ndarray
+
+
+def _is_power_of_two(x: np.ndarray) -> np.ndarray:
+    return (x > 0) & (x & (x - 1) == 0)
+
+
+def _pattern_side(op: Operator, tensor, lay: LayoutArrays) -> _PatternSide | None:
+    """The :class:`_PatternSide` of ``tensor`` under ``lay``, or None where the block-pattern test does not
+    apply: some tile irregular or a concatenation piece (:func:`_axis_blocks`), some device idle
+    (:func:`~shardplan.cost.tiles.all_active`), or a per-level split of a blocking dim that is not a power
+    of two (then a coarse block need not be a digit of the levels: :func:`_coarse_keys`)."""
+    _, _, lengths, regular, blocked_by, pieces = _axis_blocks(op, tensor, lay, patterns=False)
+    if not regular.all() or any(x is not None for x in pieces) or not all_active(lay).all():
+        return None
+    n_ax, k = len(tensor.axes), len(lay)
+    rows_all, invs = [], []
+    for a in range(n_ax):
+        if blocked_by[a] >= 0:
+            j = blocked_by[a]
+            if not _is_power_of_two(lay.level_splits[:, :, j]).all():
+                return None
+            rows, _, inv = unique_rows(np.concatenate([lay.splits[:, j][:, None], lay.patterns(j)], axis=1))
+        else:
+            rows = np.ones((1, 1 + 2 * len(lay.levels)), dtype=np.int64)
+            inv = np.zeros(k, dtype=np.int64)
+        rows_all.append(rows)
+        invs.append(inv)
+    groups, _, inv = unique_rows(np.asarray(invs, dtype=np.int64).reshape(n_ax, k).T) if n_ax else \
+        (np.zeros((1, 0), dtype=np.int64), None, np.zeros(k, dtype=np.int64))
+    uniq_len, _, len_inv = unique_rows(lengths.T)
+    return _PatternSide(tuple(rows_all), tuple(invs), groups, inv, uniq_len, len_inv, np.prod(lengths, axis=0))
+
+
+def _coarse_keys(rows: np.ndarray, m: int, n_lv: int) -> np.ndarray:
+    """Canonical form of every pattern's block index coarsened to ``m`` blocks: (P, 2L) int64.
+
+    A pattern of total split c = Π_l c_l (per-level splits c_l, strides σ_l) gives device q the block
+    ``x(q) = Σ_l d_l(q) Π_{l' < l} c_l'`` with ``d_l(q) = (i_l(q) // σ_l) mod c_l`` (:mod:`shardplan.layout`).
+    Its coarse block among m (m dividing c) is ``X(q) = x(q) // k``, k = c / m. With every c_l a power of
+    two, k peels whole levels from the inside and a power-of-two share t of one level:
+    ``X(q) = Σ_l D_l(q) Π_{l' < l} c'_l'`` with ``D_l = (i_l // σ'_l) mod c'_l``, where ``c'_l = 1`` on the
+    peeled levels, ``c'_l = c_l / t``, ``σ'_l = σ_l t`` on the cut one and the rest unchanged (since
+    ``(a mod (t r)) // t = (a // t) mod r``). The row ``(c'_l, σ'_l or 0 where c'_l = 1)`` per level is
+    canonical: two patterns give the same X on every device (all active) iff their rows are equal
+    (docs/cost-model.md, "Meshes of any size").
+    """
+    c = rows[:, 1:1 + n_lv].astype(np.int64)
+    sig = rows[:, 1 + n_lv:].astype(np.int64)
+    k = rows[:, 0] // m
+    out_c = np.empty_like(c)
+    out_s = np.empty_like(sig)
+    for lvl in range(n_lv):
+        t = np.minimum(k, c[:, lvl])  # both powers of two: one divides the other
+        out_c[:, lvl] = c[:, lvl] // t
+        out_s[:, lvl] = np.where(out_c[:, lvl] > 1, sig[:, lvl] * t, 0)
+        k = k // t
+    return np.concatenate([out_c, out_s], axis=1)
+
+
+def _pattern_match(pu: np.ndarray, pv: np.ndarray, n_lv: int) -> np.ndarray:
+    """(Pu, Pv) bool: whether every device's block under pattern pu nests in (or contains) its block under pv,
+    i.e. both coarsened to ``m = min(c_u, c_v)`` blocks agree on every device (:func:`_coarse_keys`)."""
+    cu, cv = pu[:, 0], pv[:, 0]
+    out = np.zeros((len(pu), len(pv)), dtype=bool)
+    ms = np.unique(np.minimum(cu[:, None], cv[None, :]))
+    for m in ms.tolist():
+        iu = np.nonzero(cu >= m)[0]
+        iv = np.nonzero(cv >= m)[0]
+        ku, kv = _coarse_keys(pu[iu], m, n_lv), _coarse_keys(pv[iv], m, n_lv)
+        _, _, ids = unique_rows(np.concatenate([ku, kv], axis=0))
+        same = ids[: len(iu), None] == ids[None, len(iu):]
+        at_m = np.minimum(cu[iu][:, None], cv[iv][None, :]) == m
+        sub = out[np.ix_(iu, iv)]
+        sub[at_m] = same[at_m]
+        out[np.ix_(iu, iv)] = sub
+    return out
+
+
+def _pattern_fast(su: _PatternSide, sv: _PatternSide, n_lv: int) -> tuple[np.ndarray, np.ndarray]:
+    """Moved volumes (K_u, K_v), forward and backward, of two :class:`_PatternSide` ends: the block-mask test of
+    :func:`_fast` with every device active on both sides, where each axis's test "every device's blocks
+    nest" is :func:`_pattern_match` on the two patterns (no device enumerated)."""
+    ok = np.ones((len(su.groups), len(sv.groups)), dtype=bool)
+    for a in range(len(su.pats)):
+        match = _pattern_match(su.pats[a], sv.pats[a], n_lv)  # (Pu, Pv)
+        ok &= match.take(su.groups[:, a], axis=0).take(sv.groups[:, a], axis=1)
+    ok = ok.take(su.inv, axis=0).take(sv.inv, axis=1)
+    ov_small = np.minimum(su.lengths[:, None, :], sv.lengths[None, :, :]).prod(axis=-1)
+    overlap = ov_small.take(su.len_inv, axis=0).take(sv.len_inv, axis=1)
+    fwd = np.where(ok, sv.vol[None, :] - overlap, sv.vol[None, :])
+    bwd = np.where(ok, su.vol[:, None] - overlap, su.vol[:, None])
+    return fwd, bwd
+
+
 def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int,
           memo: EdgeMemo | None = None):
     """Moved volumes via block-match masks; returns (fwd, bwd, exact) with ``exact`` False where not applicable.
@@ -503,7 +614,7 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
 def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
                  ou: np.ndarray | None = None, ov: np.ndarray | None = None,
                  fast: bool = True, levels: tuple[int, ...] | None = None,
-                 memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 memo: EdgeMemo | None = None, analytic: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Elements moved per device (max over devices): forward and backward, each (K_u, K_v).
 
     ``cu``/``cv``: :class:`~shardplan.layout.LayoutArrays` of the two
@@ -511,6 +622,9 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
     orders ``ou``/``ov`` (laid out on ``levels``, default one level of p).
     ``fast=False`` forces the general path everywhere (for testing).
     ``memo``: an :class:`EdgeMemo` kept across the edges of one build.
+    ``analytic`` (default): where both ends' tiles are the same on every device (:func:`_pattern_side`),
+    decide the fast path's test from the layouts' block patterns alone, with no per-device array
+    (:func:`_pattern_fast`); False: the per-device masks everywhere (for testing; the same numbers).
     """
     t_in = v.inputs[slot]
     lu = as_layouts(cu, p, ou, levels)
@@ -518,7 +632,15 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
     if lu.levels != lv.levels:
         raise ShardplanError(f"edge {u.name!r} -> {v.name!r}: layouts on different machine levels "
                              f"{lu.levels} and {lv.levels}")
-    if fast:
+    sides = None
+    if fast and analytic:
+        sides = (_pattern_side(u, u.output, lu), _pattern_side(v, t_in, lv))
+    if sides is not None and sides[0] is not None and sides[1] is not None:
+        fwd, bwd = _pattern_fast(sides[0], sides[1], len(lu.levels))
+        exact = np.ones((len(lu), len(lv)), dtype=bool)
+    elif fast:
+        check_per_device(p, f"the tiles of the edge {u.name!r} -> {v.name!r} (uneven blocks, pieces, idle devices "
+                            "or splits that are not powers of two)")
         fwd, bwd, exact = _fast(u, lu, v, t_in, lv, p, memo)
     else:
         fwd = bwd = None
@@ -579,7 +701,7 @@ def group_union(lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray
 def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
               ou: np.ndarray | None = None, ov: np.ndarray | None = None,
               volumes: tuple[np.ndarray, np.ndarray] | None = None, memo: EdgeMemo | None = None,
-              hide: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+              hide: tuple[np.ndarray, np.ndarray] | None = None, analytic: bool = True) -> np.ndarray:
     """Seconds to redistribute the tensor of edge u -> v (input ``slot``), forward + backward: (K_u, K_v).
 
     Volumes are exact per device (:func:`edge_volumes`): the forward tensor
@@ -602,7 +724,7 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     p = machine.num_devices
     lu = as_layouts(cu, p, ou, machine.levels)
     lv = as_layouts(cv, p, ov, machine.levels)
-    f, b = edge_volumes(u, lu, v, slot, lv, p, memo=memo) if volumes is None else volumes
+    f, b = edge_volumes(u, lu, v, slot, lv, p, memo=memo, analytic=analytic) if volumes is None else volumes
     nbytes = float(machine.dtype_bytes)
     memo = EdgeMemo() if memo is None else memo
     fwd_t = p2p_time(f * nbytes, machine, 0)
@@ -611,12 +733,12 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     for lvl in range(len(machine.levels) - 1):
         if more_f:  # forward: what v's devices miss from the union of u's tiles in their group
             gu, inv = memo.union(lu, lvl)
-            vol = edge_volumes(u, gu, v, slot, lv, p, memo=memo)[0]  # (distinct unions, K_v)
+            vol = edge_volumes(u, gu, v, slot, lv, p, memo=memo, analytic=analytic)[0]  # (unions, K_v)
             fwd_t = np.maximum(fwd_t, p2p_time(vol * nbytes, machine, lvl + 1).take(inv, axis=0))
             more_f = bool(vol.any())
         if more_b:  # backward: what u's devices miss from the union of v's gradient tiles in their group
             gv, inv = memo.union(lv, lvl)
-            vol = edge_volumes(u, lu, v, slot, gv, p, memo=memo)[1]  # (K_u, distinct unions)
+            vol = edge_volumes(u, lu, v, slot, gv, p, memo=memo, analytic=analytic)[1]  # (K_u, unions)
             bwd_t = np.maximum(bwd_t, p2p_time(vol * nbytes, machine, lvl + 1).take(inv, axis=1))
             more_b = bool(vol.any())
     if lu.partial is not None or lv.partial is not None:
@@ -875,7 +997,7 @@ def weight_sync(op: Operator, w: int, configs, machine: Machine) -> tuple[np.nda
 
 
 def weight_edge_cost(u: Operator, wu: int, cu, v: Operator, wv: int, cv, machine: Machine,
-                     memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     memo: EdgeMemo | None = None, analytic: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Seconds and bytes sent per device of a weight edge: ``v`` reads the parameter ``u`` owns; each (K_u, K_v).
 
     The parameter is kept once, in the owner's layout (its state is held there). Reader v under
@@ -900,8 +1022,8 @@ def weight_edge_cost(u: Operator, wu: int, cu, v: Operator, wv: int, cv, machine
     lu = as_layouts(cu, p, None, machine.levels).without_partial()  # a parameter is never a partial sum
     lv = as_layouts(cv, p, None, machine.levels).without_partial()
     src, dst = weight_views(u, wu, v, wv)
-    f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo)
-    moved = edge_cost(src, lu, dst, 0, lv, machine, volumes=(f, b), memo=memo)
+    f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo, analytic=analytic)
+    moved = edge_cost(src, lu, dst, 0, lv, machine, volumes=(f, b), memo=memo, analytic=analytic)
     agree = (f == 0) & (b == 0)
     nbytes = float(machine.dtype_bytes)
     if not machine.sum_shared_grads:

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from shardplan.cost.tiles import as_layouts, tile_volumes
+from shardplan.cost.tiles import as_layouts, tile_volumes, uniform_tiles
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
@@ -36,15 +36,27 @@ __all__ = ["operator_memory", "strategy_memory", "ChoiceTable", "choice_table", 
 
 
 def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: float = 2.0,
-                    orders: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(weight bytes, activation bytes) per layout and device: two (K, p) arrays.
+                    orders: np.ndarray | None = None, per_device: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(weight bytes, activation bytes) per layout and device: two (K, p) arrays, or two (K, 1) arrays when
+    every device holds the same (every tile regular and no device idle: :func:`~shardplan.cost.tiles.uniform_tiles`;
+    a column that broadcasts over the devices, with the same sums and maxima).
 
-    ``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows (with optional ``orders``).
+    ``configs``: :class:`~shardplan.layout.LayoutArrays` or configuration rows (with optional ``orders``);
+    ``per_device``: always (K, p) (the per-device computation, for checking the columns against it).
     """
     p = machine.num_devices
     nbytes = machine.dtype_bytes
     lay = as_layouts(configs, p, orders, machine.levels)
     k = len(lay)
+    if not per_device:
+        vols = [uniform_tiles(op, t, lay) for t in (*op.weights, op.output)]
+        if all(v is not None for v in vols):
+            w = np.zeros((k, 1))
+            for t, vol in zip(op.weights, vols):
+                if t.owner is None:
+                    w += (vol * t.elem_factor * nbytes * (2.0 + optimizer_factor))[:, None]
+            act = (vols[-1].astype(np.float64) * nbytes * op.saved)[:, None]
+            return w, act
     w = np.zeros((k, p))
     for t in op.weights:
         if t.owner is None:

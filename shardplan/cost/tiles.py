@@ -27,17 +27,64 @@ blocks through its :class:`~shardplan.ir.AxisMap`:
 
 A tensor that does not use a split dimension is thereby replicated over it.
 Boxes are arrays of shape (K, p, n_axes, 2) holding [lo, hi) per axis.
+
+Per-device arrays are needed only where devices differ in more than their
+block index: irregular tiles (windows, offsets, pieces, uneven splits) and
+layouts that leave devices idle. Where every tile is regular
+(:func:`regular_tile_lengths`) and every device works (:func:`all_active`,
+read off the level sizes and level products), every device holds a tile of
+the same lengths, so volumes and memory are per layout (K,), not per device;
+:mod:`shardplan.cost.edge` likewise decides the redistribution of such tiles
+from the layouts' block patterns alone (docs/cost-model.md, "Meshes of any
+size"). The functions here that do build per-device arrays refuse more than
+:data:`MAX_DEVICES` devices (:func:`check_per_device`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from shardplan.errors import ShardplanError
 from shardplan.ir import Operator, Tensor
 from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays
 
 __all__ = ["as_layouts", "grid_strides", "device_grid", "active_devices", "tensor_boxes", "lazy_grid", "box_volumes",
-           "tile_volumes", "regular_tile_lengths"]
+           "tile_volumes", "regular_tile_lengths", "all_active", "uniform_tiles", "MAX_DEVICES", "check_per_device"]
+
+MAX_DEVICES = 4096
+"""The most devices for which a tile per device and layout is built (irregular tiles, idle devices): a (K, p)
+int64 array per axis is 8 K p bytes, 1.6 GB for K = 50,000 layouts on 4,096 devices."""
+
+
+def check_per_device(p: int, what: str) -> None:
+    """Refuse (ShardplanError) building per-device arrays on more than :data:`MAX_DEVICES` devices; ``what``
+    says which tiles need them."""
+    if p > MAX_DEVICES:
+        raise ShardplanError(f"{p} devices: {what} are not the same on every device, and the cost model keeps such "
+                             f"tiles per device and layout, so it supports them on at most {MAX_DEVICES} devices "
+                             "(regular tiles on every device have no such limit)")
+
+
+def all_active(lay: LayoutArrays) -> np.ndarray:
+    """(K,) bool: the layouts under which every device holds a tile (no idle device), without a per-device array.
+
+    Device q is active iff its position on every level l is below ``r_l P_l``
+    (``P_l`` the level's split product, ``r_l = s_l // P_l`` its copies:
+    :mod:`shardplan.layout`), so every device is active iff ``P_l`` divides
+    ``s_l`` on every level.
+    """
+    prods = lay.level_splits.prod(axis=2)  # (L, K)
+    sizes = np.asarray(lay.levels, dtype=np.int64)[:, None]
+    return (sizes % prods == 0).all(axis=0)
+
+
+def uniform_tiles(op: Operator, tensor: Tensor, lay: LayoutArrays) -> np.ndarray | None:
+    """Points of ``tensor`` on each device per layout, (K,), when every device holds a tile of the same
+    volume (regular tiles and no idle device); None otherwise (then :func:`tile_volumes` builds (K, p))."""
+    lengths = regular_tile_lengths(op, tensor, lay.splits)
+    if lengths is None or not all_active(lay).all():
+        return None
+    return lengths.prod(axis=1)
 
 
 def as_layouts(configs, p: int, orders: np.ndarray | None = None, levels: tuple[int, ...] | None = None) -> LayoutArrays:
@@ -62,6 +109,7 @@ def grid_strides(configs: np.ndarray, orders: np.ndarray | None = None) -> np.nd
 
 def device_grid(configs, p: int, orders: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Grid coordinates (K, p, n) of every device under every layout, and the active mask (K, p)."""
+    check_per_device(p, "device grids")
     lay = as_layouts(configs, p, orders)
     if lay.level_splits.shape[2] == 0:
         k = len(lay)
@@ -71,6 +119,7 @@ def device_grid(configs, p: int, orders: np.ndarray | None = None) -> tuple[np.n
 
 def active_devices(configs, p: int) -> np.ndarray:
     """(K, p) mask of devices that hold a tile."""
+    check_per_device(p, "idle devices")
     return as_layouts(configs, p).active()
 
 
@@ -115,6 +164,8 @@ def tensor_boxes(op: Operator, tensor: Tensor, configs, p: int, core: bool = Tru
     :func:`device_grid` for these configurations, when the caller has it;
     ``lazy``: a :func:`lazy_grid` of these layouts (``configs`` must be them).
     """
+    check_per_device(p, f"the tiles of {tensor.name!r} of {op.name!r} (windows, offsets, pieces, uneven splits or "
+                        "idle devices)")
     lay = as_layouts(configs, p, orders)
     configs = lay.splits
     if grid is not None:
@@ -190,12 +241,18 @@ def tile_volumes(op: Operator, tensor: Tensor, lay: LayoutArrays, core: bool = T
     """Points of ``tensor`` on every device under every layout: (K, p) (0 on idle devices).
 
     Equal to ``box_volumes(tensor_boxes(...))``; the regular case (see
-    :func:`regular_tile_lengths`) needs no per-device boxes.
+    :func:`regular_tile_lengths`) needs no per-device boxes, and with every
+    device active (:func:`all_active`) it is a read-only broadcast view of
+    the per-layout volumes.
     """
     lengths = regular_tile_lengths(op, tensor, lay.splits)
     if lengths is None:
         return box_volumes(tensor_boxes(op, tensor, lay, lay.p, core=core, grid=grid))
     vol = lengths.prod(axis=1)
+    if grid is None and all_active(lay).all():  # the same on every device: a read-only view, no (K, p) array
+        return np.broadcast_to(vol[:, None], (len(vol), lay.p))
+    if grid is None:
+        check_per_device(lay.p, f"the tiles of {tensor.name!r} of {op.name!r} under layouts with idle devices")
     active = lay.active() if grid is None else grid[1]
     return np.where(active, vol[:, None], 0)
 

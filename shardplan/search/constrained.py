@@ -227,6 +227,11 @@ class _Ctx:
     mix: bool = True
     mix_states: int = 20_000  # the front program's limits when mixing (see _mix); 0: knapsack of groups only
     mix_points: int = 1_000_000
+    # the frontier program gives up past these (done False: an incumbent not offered or a node branched instead,
+    # never a wrong answer): the branch-and-bound's deadline, and its back-pointers' bytes (16 per point kept
+    # per vertex: on 2,020 vertices at up to mix_points each they would reach 32 GB)
+    deadline: float = float("inf")
+    frontier_bytes: int = 1 << 29
     trail: list = field(default_factory=list)  # the points of the current node's dual
     # (lam, allowed choices packed as bits) -> the point its Lagrangian solve gave (solve_memory's ``solved``:
     # the full search of a micro-batch count repeats the dual of its root-only search); the DP is
@@ -855,7 +860,8 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
     ``F + lam M >= cutoff + lam B`` and cannot be both within the budget and
     below the cutoff. Gives up (done False) when a frontier has more than
     ``max_states`` configuration combinations or the points (or four times as
-    many candidates in one step) exceed ``max_points``; states are counted in classes.
+    many candidates in one step) exceed ``max_points``, its back-pointers ``ctx.frontier_bytes`` or the
+    search passes ``ctx.deadline``; states are counted in classes.
     """
     mp = ctx.mp
     p = mp.problem
@@ -897,6 +903,7 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
     F = np.array([0.0])
     M = np.array([mp.fixed])
     back: list[tuple[np.ndarray, np.ndarray]] = []
+    held = 0
     for v in range(n):
         front, after = plan[v]
         pos = {u: k for k, u in enumerate(front)}
@@ -946,6 +953,9 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
             return False, np.nan
         cols, F, M = newcols[order], nf[order], nm[order]
         back.append((parent[order], choice[order]))
+        held += back[-1][0].nbytes + back[-1][1].nbytes
+        if held > ctx.frontier_bytes or time.perf_counter() > ctx.deadline:
+            return False, np.nan
     ok = np.flatnonzero(M <= mp.budget)
     if not len(ok):
         return True, np.inf
@@ -1041,7 +1051,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     least = mp.least_memory()
     if least > mp.budget:
         raise ShardplanError(infeasible_message(least, mp.budget))
-    ctx = _Ctx(mp, dp, rtol, mix=mix)
+    ctx = _Ctx(mp, dp, rtol, mix=mix, deadline=t0 + time_limit)
     if solved is not None:
         ctx.solved = solved
     root = _Node([np.ones(k, dtype=bool) for k in mp.num_choices], -np.inf)

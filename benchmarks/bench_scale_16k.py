@@ -1,0 +1,144 @@
+"""The per-operator plan on the largest published meshes: Llama 3 405B on 8,192 and 16,384 h100, Llama 3 8B on 1,024.
+
+Each case runs the command a user runs, in a fresh interpreter, end to end (model, layouts, cost tables,
+the exact search with the memory choices, the report)::
+
+    shardplan plan --model llama3-405b -p 16384 --machine h100 --stages off --json PLAN
+
+(and the same with ``--no-fit``: the layouts alone, memory reported, not constrained) and records its CPU seconds (user + system of the child), wall seconds, peak RSS, the plan in one line
+(the report's ``Plan:`` line), its predicted step time, memory per device, lower bound and gap. Beside it,
+Llama 3's published configuration for the same run (Dubey et al. 2024, Table 4: 8K tokens, 16M tokens per
+step = 2,048 sequences; tensor 8 x pipeline 16 x data 64 on 8,192 GPUs, data 128 on 16,384; one sequence
+per micro-batch; the first and last stages one block short, 7 + 8 x 14 + 7 = 126 blocks) is costed by the
+same model (:func:`shardplan.recipe.cost_recipe`): its step time and memory per device, as published and
+with full recomputation (what makes it fit in 80 GiB under this model).
+
+The machine this runs on has 2 cores shared with other jobs: wall times vary with the load (reported with
+the load average); CPU seconds are the steadier figure. The memory search's time limit is wall-clock
+(60 s per micro-batch count), so under heavy load it may stop with a gap, reported.
+
+Run:  PYTHONPATH=. python benchmarks/bench_scale_16k.py [--cases llama3-405b-16384,...]
+Writes benchmarks/results/scale_16k.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OUT = Path(__file__).parent / "results" / "scale_16k.json"
+ROOT = Path(__file__).resolve().parent.parent
+
+PUBLISHED = "tp=8,pp=16,mbs=1,first_stage_layers=7,last_stage_layers=7"
+CASES = {
+    "llama3-405b-16384": {"model": "llama3-405b", "p": 16384, "recipe": PUBLISHED + ",dp=128"},
+    "llama3-405b-8192": {"model": "llama3-405b", "p": 8192, "recipe": PUBLISHED + ",dp=64"},
+    "llama3-8b-1024": {"model": "llama3-8b", "p": 1024, "recipe": None},
+}
+
+_PROBE = """
+import json, resource, subprocess, sys, time
+t = float(sys.argv[1])
+w = time.perf_counter()
+try:
+    out = subprocess.run(sys.argv[2:], capture_output=True, text=True, timeout=t)
+except subprocess.TimeoutExpired as e:
+    out = subprocess.CompletedProcess(e.cmd, 124, "", f"timed out after {t:g} s")
+w = time.perf_counter() - w
+r = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"rc": out.returncode, "cpu": r.ru_utime + r.ru_stime, "wall": w, "rss_mb": r.ru_maxrss / 1024,
+                  "stdout": out.stdout, "stderr": out.stderr[-2000:]}))
+"""
+
+
+def _child(cmd: list[str], timeout: float) -> dict:
+    """Run ``cmd`` under a probe interpreter: its return code (124 past ``timeout`` wall seconds), CPU and wall
+    seconds, peak RSS, output."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(timeout), *cmd], check=True, capture_output=True,
+                         text=True, env=env)
+    return json.loads(out.stdout)
+
+
+def plan_case(spec: dict, fit: bool, timeout: float) -> dict:
+    """``shardplan plan ... --stages off`` (``--no-fit`` unless ``fit``: layouts only, memory reported)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        args = ["plan", "--model", spec["model"], "-p", str(spec["p"]), "--machine", "h100", "--stages", "off",
+                *([] if fit else ["--no-fit"]), "--json", str(path)]
+        load = os.getloadavg()[0]
+        r = _child([sys.executable, "-m", "shardplan.cli", *args], timeout)
+        row = {"cli": "shardplan " + " ".join(a for a in args[:-2]), "rc": r["rc"], "cpu_s": round(r["cpu"], 2),
+               "wall_s": round(r["wall"], 2), "peak_rss_mb": round(r["rss_mb"], 1), "load_average_1m": round(load, 1)}
+        if r["rc"] != 0:
+            row["error"] = r["stderr"].strip().splitlines()[-1:]
+            return row
+        plan = json.loads(path.read_text())
+        lines = r["stdout"].splitlines()
+        row["plan"] = next((ln[len("Plan: "):] for ln in lines if ln.startswith("Plan: ")), None)
+        row["step_line"] = next((ln for ln in lines if ln.startswith("Step time: ")), None)
+        row["memory_line"] = next((ln for ln in lines if ln.startswith("Memory per device: ")), None)
+        row.update(_plan_numbers(plan))
+    return row
+
+
+def _plan_numbers(plan: dict) -> dict:
+    mem = plan.get("memory", {})
+    return {"step_time_s": plan.get("step_time_seconds"), "lower_bound_s": plan.get("lower_bound_seconds"),
+            "gap": plan.get("gap"),
+            "peak_bytes": mem.get("peak_bytes"), "budget_bytes": mem.get("budget_bytes")}
+
+
+def recipe_case(model: str, p: int, recipe: str) -> dict:
+    """The recipe costed in a fresh interpreter (as ``shardplan recipe`` does), its step time and memory."""
+    code = ("import json, sys, resource, time; from shardplan.machine import preset; "
+            "from shardplan.recipe import cost_recipe; c = time.process_time(); "
+            "r = cost_recipe(sys.argv[1], preset('h100', int(sys.argv[2])), sys.argv[3]); "
+            "print(json.dumps({'step_time_s': r.step_time, 'peak_bytes': r.memory['peak_bytes'], "
+            "'cpu_s': time.process_time() - c}))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code, model, str(p), recipe], capture_output=True, text=True, env=env,
+                         check=False)
+    if out.returncode != 0:
+        return {"recipe": recipe, "error": out.stderr.strip().splitlines()[-1:]}
+    return {"recipe": recipe, **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--timeout", type=float, default=1800.0, help="wall seconds per command (default 1800)")
+    ap.add_argument("--no-fit-only", action="store_true", help="only the layouts-only plans (no memory search)")
+    args = ap.parse_args()
+    rows = json.loads(OUT.read_text())["cases"] if OUT.exists() else {}
+    for name in args.cases.split(","):
+        spec = CASES[name]
+        t0 = time.perf_counter()
+        row = {"case": name, "model": spec["model"], "p": spec["p"], "machine": "h100",
+               "layouts_only": plan_case(spec, False, args.timeout)}
+        if not args.no_fit_only:
+            row["fit"] = plan_case(spec, True, args.timeout)
+        if spec["recipe"]:
+            row["published"] = recipe_case(spec["model"], spec["p"], spec["recipe"])
+            row["published_recompute_full"] = recipe_case(spec["model"], spec["p"], spec["recipe"] + ",recompute=full")
+            for key in ("layouts_only", "fit"):
+                got = row.get(key, {}).get("step_time_s")
+                if got is not None and "step_time_s" in row["published"]:
+                    row[key]["over_published"] = round(got / row["published"]["step_time_s"], 4)
+        row["bench_wall_s"] = round(time.perf_counter() - t0, 1)
+        rows[name] = row
+        print(json.dumps(row, indent=1), flush=True)
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps({"host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
+                               "cases": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
