@@ -353,7 +353,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         # Ctrl-C inside the one program's memory search: the pipelines are not searched, so nothing is proven of them
         searched = False
         unproven.append(0.0)
-        refusals.append("pipelines: not searched (interrupted in the one program's memory search)")
+        refusals.append("pipelines: interrupted in the one program's memory search, not searched")
     # (step, lower bound) of a pipeline slower than one program; step None: none beat it (search pruned by it)
     lost_pipeline: tuple[float | None, float | None] | None = None
     if searched:
@@ -393,6 +393,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             if type(e) is not ShardplanError:
                 raise
             refusals.append(f"pipelines: {e}")
+            say(f"  pipelines: not searched: {e}")
         except KeyboardInterrupt:
             if not candidates:
                 raise

@@ -205,6 +205,9 @@ def render_plan(plan: Any, *, operators: bool = False, compare: Plan | None = No
              if plan.lower_bound is not None else "no bound (a hand-made plan)")
     out.append(f"Step time: {fmt_seconds(plan.step_time)} ({proof}; {plan.solver}, "
                f"{fmt_seconds(float(plan.stats.get('plan_seconds', plan.stats.get('solve_seconds', 0.0)) or 0.0))})")
+    # a part of the space the planner refused to search: the bound above covers only what was searched (an
+    # interrupted part is stated by its bound and the interrupt's own line)
+    out.extend(f"  not searched: {r}" for r in plan.stats.get("refused", ()) or () if "interrupted" not in r)
     mem = plan.memory
     budget = mem.get("budget_bytes")
     peak = float(mem["peak_bytes"])

@@ -252,6 +252,21 @@ def test_ctrl_c_in_the_one_program_search_returns_its_best_plan(monkeypatch):
     else:
         pytest.fail("no interrupt landed after the one program had a plan")
     assert got.stats["interrupted"] and list(got.stats["compared"]) == ["one program"]
-    assert any("not searched" in r for r in got.stats["refused"])
+    assert any("interrupted in the one program" in r for r in got.stats["refused"])
     assert got.step_time >= full.step_time * (1 - 1e-9) and got.memory["peak_bytes"] <= m.memory_bytes
     assert got.lower_bound == 0.0
+
+
+def test_a_refused_pipeline_search_is_named_in_the_report(monkeypatch):
+    """The pipeline search refusing its space (e.g. a sub-mesh past the per-device tile cap) leaves the one
+    program, and the report says which part was not searched, so its bound is read as the one program's."""
+    import shardplan.pipeline.api as api
+
+    def refuse(*args, **kwargs):
+        raise ShardplanError("a stage's sub-mesh needs per-device tiles past the cap")
+
+    monkeypatch.setattr(api, "pipeline_solve", refuse)
+    got = plan("gpt", preset("a100", 16), sizes={"layers": 4}, batch=32)
+    assert got.stats["stages_searched"] and list(got.stats["compared"]) == ["one program"]
+    text = render_plan(got)
+    assert "  not searched: pipelines: a stage's sub-mesh needs per-device tiles past the cap" in text.splitlines()
