@@ -106,3 +106,18 @@ def spider(legs: int, length: int, k: int = 2, seed: int = 0) -> Problem:
             prev = v
     return Problem(tuple(f"v{i}" for i in range(n)), tuple(tuple((j,) for j in range(k)) for _ in range(n)),
                    tuple(rng.random(k) for _ in range(n)), tuple(edges), tuple(rng.random((k, k)) for _ in edges))
+
+
+def exact_solvers_agree(problem: Problem):
+    """Solve ``problem`` with the DP, brute force and the ILP (HiGHS), assert the three optima agree, and
+    return the DP's solution."""
+    import pytest
+
+    from shardplan.search import solve_dp, solve_ilp
+    from shardplan.search.reference import solve_bruteforce
+
+    dp = solve_dp(problem)
+    assert dp.cost == pytest.approx(solve_bruteforce(problem).cost, rel=1e-9)
+    ilp = solve_ilp(problem, time_limit=60)
+    assert ilp.optimal and ilp.cost == pytest.approx(dp.cost, rel=1e-6)
+    return dp

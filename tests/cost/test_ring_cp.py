@@ -21,8 +21,9 @@ from shardplan.errors import ShardplanError
 from shardplan.ir import Causal, GraphBuilder
 from shardplan.layout import Layout, LayoutArrays
 from shardplan.machine import Machine
-from shardplan.search import solve_dp, solve_ilp
-from shardplan.search.reference import solve_bruteforce
+from shardplan.search import solve_dp
+
+from randgraphs import exact_solvers_agree
 
 B, ALPHA = 1e9, 1e-6  # bytes/s and seconds per message of the test machine
 
@@ -246,11 +247,7 @@ def test_dp_bruteforce_and_ilp_agree_with_the_ring_choice(seed):
     m = _random_machine(rng)
     t = build_tables(g, m, cutoff=1, orders="row-major", context="auto")
     problem = t.to_problem()
-    dp = solve_dp(problem)
-    bf = solve_bruteforce(problem)
-    ilp = solve_ilp(problem, time_limit=60)
-    assert dp.cost == pytest.approx(bf.cost, rel=1e-9)
-    assert ilp.optimal and ilp.cost == pytest.approx(dp.cost, rel=1e-6)
+    dp = exact_solvers_agree(problem)
     plain = build_tables(g, m, cutoff=1, orders="row-major")
     assert dp.cost <= solve_dp(plain.to_problem()).cost * (1 + 1e-12)  # the choice never raises the optimum
 
