@@ -331,7 +331,7 @@ def griffin() -> tuple[Callable[..., Any], Any, Any]:
 
 # Griffin is run by the tests (tests/jax_engine/test_jax_corpus.py) but not in CORPUS, which the benchmarks
 # (bench_hlo_vs_model.py, bench_memory_vs_xla.py) iterate: their results were measured on the 18 below
-# (bench_memory_vs_xla.py's on the first 13).
+# (bench_memory_vs_xla.py's on all but RegNet, on whose FSDP plan XLA's CPU compiler aborts).
 GRIFFIN = Entry("recurrentgemma", "Griffin", griffin)
 
 CORPUS: tuple[Entry, ...] = (
