@@ -87,8 +87,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 130
     end()
     if result.stats.get("interrupted"):
-        _log("interrupted: the best plan found so far, with the bound the search proved (finished parts, and the "
-             "unfinished parts' floors)")
+        if any("interrupted in the one program" in r for r in result.stats.get("refused", ())):
+            _log("interrupted in the one program's memory search: its best plan so far, with the bound it proved; "
+                 "the pipelines were not searched")
+        else:
+            _log("interrupted: the best plan found so far, with the bound the search proved (finished parts, and the "
+                 "unfinished parts' floors)")
     print(render_plan(result, operators=args.operators, compare=against))
     if against is not None:
         print(f"Recipe compared: {against.stats['recipe']} ({against.solver}, costed by the same model)")

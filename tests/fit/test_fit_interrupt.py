@@ -11,8 +11,8 @@ from shardplan.cost import build_tables
 from shardplan.fit import FitOptions, fit_problem, solve_fit
 from shardplan.machine import Machine
 from shardplan.search.constrained import solve_memory
-from shardplan.search.memory_ilp import solve_memory_ilp
 from shardplan.search.dp import solve_dp
+from shardplan.search.memory_ilp import solve_memory_ilp
 
 F, B = 1e12, 1e10
 

@@ -270,3 +270,32 @@ def test_a_refused_pipeline_search_is_named_in_the_report(monkeypatch):
     assert got.stats["stages_searched"] and list(got.stats["compared"]) == ["one program"]
     text = render_plan(got)
     assert "  not searched: pipelines: a stage's sub-mesh needs per-device tiles past the cap" in text.splitlines()
+
+
+def test_cli_plan_interrupted_in_the_one_program_says_so(monkeypatch, capsys):
+    """Ctrl-C inside the one program's memory search, after it had a plan: the command prints that plan and
+    says the pipelines were not searched (the interrupt lands at the exact solver's k-th call, the first k
+    that leaves a plan)."""
+    import shardplan.search.dp as dp
+
+    real = dp.solve_dp
+    argv = ["plan", "--model", "gpt", "--set", "layers=4", "--batch", "32", "-p", "16", "--machine", "a100"]
+    for k in range(1, 60):
+        calls = [0]
+
+        def counted(*a, **kw):
+            calls[0] += 1
+            if calls[0] == k:
+                raise KeyboardInterrupt
+            return real(*a, **kw)
+
+        monkeypatch.setattr(dp, "solve_dp", counted)
+        if main(argv) == 0:
+            break
+        capsys.readouterr()
+    else:
+        pytest.fail("no interrupt landed after the one program had a plan")
+    out, err = capsys.readouterr()
+    assert ("interrupted in the one program's memory search: its best plan so far, with the bound it proved; "
+            "the pipelines were not searched") in err.splitlines()
+    assert "Step time:" in out and "gap 100%" in out
