@@ -229,28 +229,16 @@ def test_ctrl_c_in_the_one_program_search_returns_its_best_plan(monkeypatch):
     """Ctrl-C while the one program's memory search runs (the exact solver raises KeyboardInterrupt at its k-th
     call): the first k that lands after a plan is known returns it, marked interrupted, with the pipelines not
     searched, so the bound the plan states of the whole space is 0 and never above the uninterrupted answer."""
-    import shardplan.search.dp as dp
-
     m = preset("a100", 16)
     full = plan("gpt", m, sizes={"layers": 4}, batch=32)
-    real = dp.solve_dp
-    for k in range(1, 60):
-        calls = [0]
 
-        def counted(*a, **kw):
-            calls[0] += 1
-            if calls[0] == k:
-                raise KeyboardInterrupt
-            return real(*a, **kw)
-
-        monkeypatch.setattr(dp, "solve_dp", counted)
+    def run():
         try:
-            got = plan("gpt", m, sizes={"layers": 4}, batch=32)
+            return plan("gpt", m, sizes={"layers": 4}, batch=32)
         except KeyboardInterrupt:
-            continue
-        break
-    else:
-        pytest.fail("no interrupt landed after the one program had a plan")
+            return None
+
+    got = _first_interrupt_with_a_plan(monkeypatch, run)
     assert got.stats["interrupted"] and list(got.stats["compared"]) == ["one program"]
     assert any("interrupted in the one program" in r for r in got.stats["refused"])
     assert got.step_time >= full.step_time * (1 - 1e-9) and got.memory["peak_bytes"] <= m.memory_bytes
@@ -276,26 +264,38 @@ def test_cli_plan_interrupted_in_the_one_program_says_so(monkeypatch, capsys):
     """Ctrl-C inside the one program's memory search, after it had a plan: the command prints that plan and
     says the pipelines were not searched (the interrupt lands at the exact solver's k-th call, the first k
     that leaves a plan)."""
-    import shardplan.search.dp as dp
-
-    real = dp.solve_dp
     argv = ["plan", "--model", "gpt", "--set", "layers=4", "--batch", "32", "-p", "16", "--machine", "a100"]
-    for k in range(1, 60):
-        calls = [0]
 
-        def counted(*a, **kw):
-            calls[0] += 1
-            if calls[0] == k:
-                raise KeyboardInterrupt
-            return real(*a, **kw)
-
-        monkeypatch.setattr(dp, "solve_dp", counted)
+    def run():
         if main(argv) == 0:
-            break
+            return True
         capsys.readouterr()
-    else:
-        pytest.fail("no interrupt landed after the one program had a plan")
+        return None
+
+    _first_interrupt_with_a_plan(monkeypatch, run)
     out, err = capsys.readouterr()
     assert ("interrupted in the one program's memory search: its best plan so far, with the bound it proved; "
             "the pipelines were not searched") in err.splitlines()
     assert "Step time:" in out and "gap 100%" in out
+
+
+def _first_interrupt_with_a_plan(monkeypatch, run):
+    """Call ``run()`` with the exact solver raising KeyboardInterrupt at its k-th call, k = 1, 2, ..., until
+    ``run`` returns something other than None (the interrupt landed after a plan was known); return that."""
+    import shardplan.search.dp as dp
+
+    real = dp.solve_dp
+    for k in range(1, 60):
+        calls = [0]
+
+        def counted(*a, _k=k, **kw):
+            calls[0] += 1
+            if calls[0] == _k:
+                raise KeyboardInterrupt
+            return real(*a, **kw)
+
+        monkeypatch.setattr(dp, "solve_dp", counted)
+        got = run()
+        if got is not None:
+            return got
+    pytest.fail("no interrupt landed after the one program had a plan")
