@@ -57,14 +57,16 @@ import numpy as np
 
 from shardplan.errors import ShardplanError
 from shardplan.jax.flatten import TOP
+from shardplan.jax.fp8 import fp8_equations
 from shardplan.jax.lower import TraceInfo, trace
 from shardplan.jax.run import constrain_both_ways, constrain_forward, evaluate
 from shardplan.jax.shardings import plan_shardings, replicated
 
-__all__ = ["SAVED", "LeafState", "shard_over_replicas", "leaf_states", "equation_owners", "checkpointed_fn",
+__all__ = ["SAVED", "OFFLOADED", "LeafState", "shard_over_replicas", "leaf_states", "equation_owners", "checkpointed_fn",
            "fit_step", "FitStep", "states_summary"]
 
 SAVED = "shardplan_saved"
+OFFLOADED = "shardplan_offloaded"
 
 
 @dataclass(frozen=True)
@@ -164,12 +166,12 @@ def equation_owners(info: TraceInfo) -> list[str | None]:
     return out
 
 
-def _saved_name() -> Callable[[Any], Any]:
+def _saved_name(label: str = SAVED) -> Callable[[Any], Any]:
     import jax.numpy as jnp
     from jax.ad_checkpoint import checkpoint_name
 
     def name(x: Any) -> Any:
-        return checkpoint_name(x, SAVED) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
+        return checkpoint_name(x, label) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
 
     return name
 
@@ -232,25 +234,33 @@ def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: 
     index = plan.graph.index
     # the operators the program recomputes itself (a user's jax.checkpoint) re-run under its own call
     recs = set() if mc is None else {n for n, i in index.items() if mc.recompute(i)} - plan.graph.recomputed
-    remat = bool(recs) or 3 in stages
+    # the operators whose saved activations live in host memory (never recomputing ones)
+    offl = set() if mc is None else {n for n, i in index.items() if "activations" in mc.offload(i)} - recs
+    remat = bool(recs) or 3 in stages or bool(offl)
     if remat:
-        name = _saved_name()
+        name, down = _saved_name(SAVED), _saved_name(OFFLOADED)
         views = param_views(info, params_only=False)
         for e, owner in zip(info.program.eqns, equation_owners(info)):
             if e.parent == TOP and owner not in recs:
                 for var in e.outvars:
                     if var not in views:  # a view of an argument is redone from the argument, never saved
-                        produce[var] = _compose(produce.get(var), name)
+                        produce[var] = _compose(produce.get(var), down if owner in offl else name)
+    replace = fp8_equations(plan, info)
 
     def fn(*args: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten(args)
         if tree != info.in_tree:
             raise ShardplanError(f"arguments have structure {tree}, the traced function had {info.in_tree}")
-        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, produce, consume))
+        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, produce, consume, replace))
 
     if not remat:
         return fn, False
-    policy = jax.checkpoint_policies.save_only_these_names(SAVED)
+    if offl:  # saved values named OFFLOADED go to host memory in the forward pass and back for the backward
+        policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[SAVED], names_which_can_be_offloaded=[OFFLOADED],
+            offload_src="device", offload_dst="pinned_host")
+    else:
+        policy = jax.checkpoint_policies.save_only_these_names(SAVED)
     return jax.checkpoint(fn, policy=policy), True
 
 
@@ -435,9 +445,12 @@ def fit_step(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, de
             return (jax.lax.with_sharding_constraint(val[0], rep), val[1]), grads
         return jax.lax.with_sharding_constraint(val, rep), grads
 
-    # results placed by out_shardings too: a constraint on a returned value alone may be left replicated
+    # results placed by out_shardings too: a constraint on a returned value alone may be left replicated.
+    # Not with activations offloaded to host memory: their copies make JAX mark every result's memory kind
+    # with a placement XLA's CPU backend refuses (shardplan.jax.offload); the constraints inside still apply.
+    offloads = mc is not None and any("activations" in mc.offload(i) for i in range(len(mc.choices)))
     jitted = jax.jit(step, in_shardings=(param_sh, batch_sh),
-                     out_shardings=((rep, None) if has_aux else rep, grad_sh))
+                     out_shardings=None if offloads else ((rep, None) if has_aux else rep, grad_sh))
     return FitStep(plan, info, micro_info, tuple(devices), states, k, remat, param_sh, grad_sh, state_sh, batch_sh,
                    jitted, fn, value_and_grad)
 
