@@ -309,10 +309,21 @@ class FitStep:
         return optax.tree_map_params(optimizer, lambda _, s: s, shapes, self.state_shardings,
                                      transform_non_params=lambda _: rep)
 
+    @property
+    def offloads(self) -> bool:
+        """Some operator of the plan keeps something in host memory (:mod:`shardplan.jax.offload`)."""
+        mc = self.plan.memory_choices
+        return mc is not None and any(mc.offload(i) for i in range(len(mc.choices)))
+
     def init(self, optimizer: Any, params: Any) -> tuple[Any, Any]:
-        """``(params, opt_state)`` placed as the plan holds them between steps."""
+        """``(params, opt_state)`` placed as the plan holds them between steps (offloaded state and parameters
+        in host memory)."""
         import jax
 
+        if self.offloads:
+            from shardplan.jax.offload import offload_step
+
+            return offload_step(self, optimizer, params).init(params)
         params = jax.device_put(params, self.param_shardings)
         sh = self.opt_state_shardings(optimizer, params)
         return params, jax.jit(optimizer.init, out_shardings=sh)(params)
@@ -324,9 +335,16 @@ class FitStep:
         gradient is cut to them (stage 1: a local slice of the reduced
         gradient), and the new parameters are gathered back to their tile
         (stages 1, 2) by their output sharding. ``params`` gives the shapes.
+        A plan that offloads runs as :class:`~shardplan.jax.offload.OffloadStep` (the same signature; the
+        state's copies between host and device memory are made between its programs, ``donate`` unused).
         """
         import jax
         import optax
+
+        if self.offloads:
+            from shardplan.jax.offload import offload_step
+
+            return offload_step(self, optimizer, params)
 
         opt_sh = self.opt_state_shardings(optimizer, params)
         state_sh, param_sh, rep = self.state_shardings, self.param_shardings, replicated(list(self.devices))

@@ -123,6 +123,7 @@ class OffloadStep:
 
         p = jax.device_put(params, self.fit.param_shardings)  # offloaded parameter shards fetched
         loss, grads = self.fit.step(p, batch)
+        grads = jax.device_put(grads, self.fit.grad_shardings)  # (the step's jit may leave their placement free)
         state = jax.device_put(opt_state, self.state_device)  # offloaded optimizer state fetched
         p, state = self.update(p, state, grads)
         return jax.device_put(p, self.param_homes), jax.device_put(state, self.state_homes), loss
