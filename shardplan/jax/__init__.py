@@ -22,7 +22,9 @@ The package: :mod:`~shardplan.jax.flatten` (the jaxpr as one flat program),
 :mod:`~shardplan.jax.lower` (the program as a shardplan graph),
 :mod:`~shardplan.jax.shardings` (a plan as NamedShardings),
 :mod:`~shardplan.jax.run` (the program re-run with the plan's constraints, the step),
-:mod:`~shardplan.jax.hlo` (what the compiled program really sends);
+:mod:`~shardplan.jax.hlo` (what the compiled program really sends),
+:mod:`~shardplan.jax.memory` (a fit plan's memory choices in the step), with
+:mod:`~shardplan.jax.fp8` (FP8 products) and :mod:`~shardplan.jax.offload` (host offload);
 :func:`pipeline` (:mod:`shardplan.jax.staged`): the searched pipeline, one jitted program per stage.
 JAX is an optional dependency: it is imported on use.
 """

@@ -45,6 +45,14 @@ layout, a ZeRO stage, a recomputation flag, and one micro-batch count k.
   their stage's sharding. The loss is taken to be a mean over the batch
   (``reduce="mean"``: the step's loss is the mean of the micro-batch losses
   and the gradient their mean) or a sum (``reduce="sum"``).
+* **FP8 products.** The product equation of each operator the plan runs in
+  FP8 is bound as an FP8 product (:mod:`shardplan.jax.fp8`).
+* **Host offload.** The values kept by an operator that offloads its
+  activations are named ``shardplan_offloaded`` (not ``shardplan_saved``) and
+  the checkpoint policy sends them to host memory; optimizer state and
+  parameters offloaded live in host memory between steps, and
+  :meth:`FitStep.train_step` is then an
+  :class:`~shardplan.jax.offload.OffloadStep` (:mod:`shardplan.jax.offload`).
 """
 
 from __future__ import annotations

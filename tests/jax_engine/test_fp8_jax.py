@@ -149,3 +149,22 @@ def test_fp8_convolution_step_equals_the_unsharded_fp8_program():
     assert_equal(fs.step(params, batch), want)
     loss32 = float(conv_loss(params, batch))
     assert abs(float(want[0]) - loss32) > 1e-4 * abs(loss32)
+
+
+def test_searched_plan_with_fp8_and_activation_offload_runs_through_planned():
+    """The fit search's own plan on a machine with an FP8 peak and a host link, run through ``sj.planned``: it
+    takes FP8 and activation offload on both products (the products halve, the casts and copies are cheaper),
+    and the step equals the unsharded FP8 program."""
+    import shardplan.jax as sj
+    from shardplan.fit import FitOptions
+
+    machine = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy-fp8-host", fp8_flops=64e9, hbm_bandwidth=1e11,
+                      host_bandwidth=4e9, host_memory_bytes=1e10, cpu_adam_rate=1e9, memory_bytes=1e9)
+    params, batch = model()
+    p = sj.planned(loss_fn, params, batch, DEVICES, machine=machine,
+                   fit=FitOptions(fp8=True, offload=("optimizer", "parameters", "activations")))
+    mc = p.plan.memory_choices
+    products = [i for i, op in enumerate(p.plan.graph.operators) if op.name.startswith("dot_general")]
+    assert all(mc.fp8(i) and "activations" in mc.offload(i) for i in products)
+    assert p.fit is not None and p.fit.offloads and p.fit.remat
+    assert_equal(p.step(params, batch), jax.value_and_grad(reference_fn(p.plan, p.info))(params, batch))
