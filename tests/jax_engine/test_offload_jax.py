@@ -133,3 +133,36 @@ def test_offload_needs_host_memory():
 
     with pytest.raises(ShardplanError, match="no pinned_host memory"):
         host_memory_kind([Dev()])
+
+
+def test_a_pipeline_plan_with_fp8_or_offload_is_refused():
+    """The JAX stage runner holds each stage's layouts only: a pipelined plan whose stages run an FP8 product or
+    offload is refused rather than run without them."""
+    import dataclasses
+
+    import shardplan.jax as sj
+    from shardplan.jax.staged import Tracer, batch_size
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.planner import from_pipeline
+
+    def scoped(p, batch):
+        x, y = batch
+        for i, w in enumerate(p["w"]):
+            with jax.named_scope(f"L{i}"):
+                x = jnp.tanh(x @ w)
+        return jnp.mean((x - y) ** 2)
+
+    ks = jax.random.split(jax.random.PRNGKey(2), 4)
+    params = {"w": [jax.random.normal(k, (D, D)) / D**0.5 for k in ks[:2]]}
+    batch = (jax.random.normal(ks[2], (B, D)), jax.random.normal(ks[3], (B, D)))
+    tracer = Tracer(scoped, params, batch)
+    plan = from_pipeline(pipeline_solve(tracer, batch_size(tracer.full_info), HOST_TOY, micro_batches=(2,),
+                                        sizes=(4,), cutoff=1))
+    assert plan.num_stages == 2
+    for change in ({"fp8": True}, {"offload": ("activations",)}):
+        stage = plan.stages[0]
+        name, choice = next(iter(stage.operators.items()))
+        ops = {**stage.operators, name: dataclasses.replace(choice, **change)}
+        bad = dataclasses.replace(plan, stages=(dataclasses.replace(stage, operators=ops),) + plan.stages[1:])
+        with pytest.raises(ShardplanError, match="FP8 products or offload"):
+            sj.apply(bad, scoped, params, batch, DEVICES)
