@@ -105,7 +105,7 @@ def test_sharded_fp8_step_equals_the_unsharded_fp8_program(mlp):
     params, batch, graph, info, tp, fp, fs = mlp
     assert [fp.memory_choices.fp8(i) for i in range(len(graph.operators))] == [True, False, True, False, False]
     got = fs.step(params, batch)
-    want = jax.value_and_grad(reference_fn(fp, info))(params, batch)
+    want = jax.jit(jax.value_and_grad(reference_fn(fp, info)))(params, batch)
     assert_equal(got, want)
     # and FP8 is in effect: the float32 program's loss differs by far more than the tolerance
     loss32 = float(loss_fn(params, batch))
@@ -119,6 +119,12 @@ def test_compiled_step_casts_to_fp8_and_reduces_the_amax_over_the_devices(mlp):
     # the amax of a sharded tensor: local maxima all-reduced (forward and backward)
     amax = [ln for ln in hlo.splitlines() if " all-reduce(" in ln and "reduce_max" in ln]
     assert any("transpose(" not in ln for ln in amax) and any("transpose(" in ln for ln in amax)
+    # the collectives move the machine's element size (the cost model's "no FP8 all-gather"): the operands are
+    # redistributed by the read constraints before they are cast
+    moves = [ln for ln in hlo.splitlines()
+             if any(f" {c}(" in ln for c in ("all-gather", "all-reduce", "all-to-all", "collective-permute",
+                                             "reduce-scatter"))]
+    assert moves and not any("f8" in ln.split("=", 1)[1].split("(", 1)[0] for ln in moves)
 
 
 def test_only_the_planned_products_run_fp8(mlp):
@@ -145,7 +151,7 @@ def test_fp8_convolution_step_equals_the_unsharded_fp8_program():
     conv = [op.name for i, op in enumerate(graph.operators) if fp.memory_choices.fp8(i)]
     assert any("conv" in n for n in conv)
     fs = fit_step(fp, conv_loss, params, batch, DEVICES, info=info)
-    want = jax.value_and_grad(reference_fn(fp, info))(params, batch)
+    want = jax.jit(jax.value_and_grad(reference_fn(fp, info)))(params, batch)
     assert_equal(fs.step(params, batch), want)
     loss32 = float(conv_loss(params, batch))
     assert abs(float(want[0]) - loss32) > 1e-4 * abs(loss32)
@@ -167,4 +173,28 @@ def test_searched_plan_with_fp8_and_activation_offload_runs_through_planned():
     products = [i for i, op in enumerate(p.plan.graph.operators) if op.name.startswith("dot_general")]
     assert all(mc.fp8(i) and "activations" in mc.offload(i) for i in products)
     assert p.fit is not None and p.fit.offloads and p.fit.remat
-    assert_equal(p.step(params, batch), jax.value_and_grad(reference_fn(p.plan, p.info))(params, batch))
+    assert_equal(p.step(params, batch), jax.jit(jax.value_and_grad(reference_fn(p.plan, p.info)))(params, batch))
+
+
+def test_fp8_with_micro_batches_scales_each_micro_batch_by_its_own_amax(mlp):
+    """Two micro-batches, ZeRO-2, FP8 products that offload their activations and a recomputed addition: each
+    micro-batch's products take their scales from that micro-batch (current scaling), so the step equals the mean
+    of the unsharded FP8 program over the strided micro-batches, not the FP8 program of the whole batch."""
+    machine = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy-fp8-host", fp8_flops=64e9, hbm_bandwidth=1e11,
+                      host_bandwidth=4e9, host_memory_bytes=1e10, cpu_adam_rate=1e9)
+    params, batch, graph, info = mlp[:4]
+    dp = baseline_plan("data_parallel", build_tables(graph, machine, cutoff=1))
+    fp = plan_with_choices(dp, 2, ["add"], 2, fp8=True, offload=("activations",))
+    mc = fp.memory_choices
+    assert [(mc.fp8(i), mc.offload(i), mc.recompute(i)) for i in range(3)] == [
+        (True, ("activations",), False), (False, (), True), (True, ("activations",), False)]
+    fs = fit_step(fp, loss_fn, params, batch, DEVICES, info=info)
+    ref = reference_fn(fp, fs.micro_info)
+
+    def micro_mean(p, b):
+        return (ref(p, tuple(x[0::2] for x in b)) + ref(p, tuple(x[1::2] for x in b))) / 2
+
+    got = fs.step(params, batch)
+    assert_equal(got, jax.jit(jax.value_and_grad(micro_mean))(params, batch))
+    whole = float(jax.jit(reference_fn(fp, info))(params, batch))
+    assert abs(float(got[0]) - whole) > 1e-4 * abs(whole)
