@@ -99,8 +99,9 @@ def _contract(a: Any, la: Sequence[int], b: Any, lb: Sequence[int], out: Sequenc
     return jnp.transpose(y, [order.index(v) for v in out])
 
 
-def _fp8_dot(dn: Any, out_dtype: Any) -> Callable[[Any, Any], Any]:
-    """``dot_general(x, w, dn)`` as an FP8 product (module docstring), with its FP8 backward."""
+def _fp8_dot(dn: Any, out_dtype: Any, x_dtype: Any, w_dtype: Any) -> Callable[[Any, Any], Any]:
+    """``dot_general(x, w, dn)`` as an FP8 product (module docstring), with its FP8 backward; the result in
+    ``out_dtype``, the operands' gradients in their dtypes."""
     import jax
     import jax.numpy as jnp
 
@@ -108,26 +109,25 @@ def _fp8_dot(dn: Any, out_dtype: Any) -> Callable[[Any, Any], Any]:
         qx, sx = quantize(x, "e4m3")
         qw, sw = quantize(w, "e4m3")
         y = jax.lax.dot_general(qx, qw, dn, preferred_element_type=jnp.float32) * (sx * sw)
-        zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)  # the operands' dtypes, for the backward
-        return y.astype(out_dtype), (qx, sx, qw, sw, zx, zw)
+        return y.astype(out_dtype), (qx, sx, qw, sw)
 
     @jax.custom_vjp
     def prod(x: Any, w: Any) -> Any:
         return fwd(x, w)[0]
 
     def bwd(res: Any, g: Any) -> tuple[Any, Any]:
-        qx, sx, qw, sw, zx, zw = res
+        qx, sx, qw, sw = res
         lx, lw, lo = _labels(dn, qx.ndim, qw.ndim)
         qg, sg = quantize(g, "e5m2")
         dx = _contract(qg, lo, qw, lw, lx) * (sg * sw)
         dw = _contract(qx, lx, qg, lo, lw) * (sx * sg)
-        return dx.astype(zx.dtype), dw.astype(zw.dtype)
+        return dx.astype(x_dtype), dw.astype(w_dtype)
 
     prod.defvjp(fwd, bwd)
     return prod
 
 
-def _fp8_conv(params: Mapping[str, Any], out_dtype: Any) -> Callable[[Any, Any], Any]:
+def _fp8_conv(params: Mapping[str, Any], out_dtype: Any, x_dtype: Any, w_dtype: Any) -> Callable[[Any, Any], Any]:
     """``conv_general_dilated(x, w, **params)`` as an FP8 product: E4M3 operands forward, the E5M2 output
     gradient backward. The backward convolutions are JAX's own transposes applied to the FP8 values
     (held in float32: a product of two FP8 values is exact in float32, so the arithmetic is the same)."""
@@ -144,19 +144,18 @@ def _fp8_conv(params: Mapping[str, Any], out_dtype: Any) -> Callable[[Any, Any],
         qx, sx = quantize(x, "e4m3")
         qw, sw = quantize(w, "e4m3")
         y = conv(qx, qw) * (sx * sw)
-        zx, zw = jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype)
-        return y.astype(out_dtype), (qx, sx, qw, sw, zx, zw)
+        return y.astype(out_dtype), (qx, sx, qw, sw)
 
     @jax.custom_vjp
     def prod(x: Any, w: Any) -> Any:
         return fwd(x, w)[0]
 
     def bwd(res: Any, g: Any) -> tuple[Any, Any]:
-        qx, sx, qw, sw, zx, zw = res
+        qx, sx, qw, sw = res
         qg, sg = quantize(g, "e5m2")
         _, vjp = jax.vjp(conv, qx.astype(jnp.float32), qw.astype(jnp.float32))
         dx, dw = vjp(qg.astype(jnp.float32))
-        return (dx * (sg * sw)).astype(zx.dtype), (dw * (sx * sg)).astype(zw.dtype)
+        return (dx * (sg * sw)).astype(x_dtype), (dw * (sx * sg)).astype(w_dtype)
 
     prod.defvjp(fwd, bwd)
     return prod
@@ -167,12 +166,19 @@ def fp8_product(eqn: Any) -> Callable[[list[Any]], list[Any]]:
     :data:`PRODUCTS` primitive): ``args -> [output]`` in FP8 (module docstring)."""
     if eqn.name not in PRODUCTS:
         raise ShardplanError(f"FP8 runs the products {', '.join(PRODUCTS)}, not {eqn.name}")
+    import jax.numpy as jnp
+
     out_dtype = eqn.out_dtypes[0]
-    if eqn.name == "dot_general":
-        prod = _fp8_dot(eqn.params["dimension_numbers"], out_dtype)
-    else:
-        prod = _fp8_conv({k: v for k, v in eqn.params.items() if k != "preferred_element_type"}, out_dtype)
-    return lambda args: [prod(args[0], args[1])]
+    conv_params = {k: v for k, v in eqn.params.items() if k != "preferred_element_type"}
+
+    def run(args: list[Any]) -> list[Any]:
+        x, w = args
+        dtypes = (out_dtype, jnp.result_type(x), jnp.result_type(w))
+        if eqn.name == "dot_general":
+            return [_fp8_dot(eqn.params["dimension_numbers"], *dtypes)(x, w)]
+        return [_fp8_conv(conv_params, *dtypes)(x, w)]
+
+    return run
 
 
 def fp8_equations(plan: Any, info: Any) -> dict[int, Callable[[list[Any]], list[Any]]]:
@@ -193,6 +199,9 @@ def fp8_equations(plan: Any, info: Any) -> dict[int, Callable[[list[Any]], list[
         if len(ks) != 1:
             raise ShardplanError(f"operator {op.name!r} runs in FP8 but reads through {len(ks)} product "
                                  f"equations ({', '.join(PRODUCTS)}), not one")
+        if eqns[ks[0]].parent is None:  # inside a custom_jvp/vjp body: the call is bound whole, never this
+            raise ShardplanError(f"operator {op.name!r} runs in FP8 but its product is inside a custom-derivative "
+                                 "function, which the step binds whole")
         out[ks[0]] = fp8_product(eqns[ks[0]])
     return out
 

@@ -93,12 +93,15 @@ def test_fp8_product_gradients_are_its_transposes():
     x[0, 0, 0], w[0, 0, 0], g[0, 0, 0] = E4M3_MAX, E4M3_MAX, E5M2_MAX
     dn = (((2,), (2,)), ((0,), (1,)))  # batch x0 = w1, contract x2 = w2; out (batch, x1, w0)
     ref = lambda a, b: jax.lax.dot_general(a, b, dn)  # noqa: E731
-    y, vjp = jax.vjp(_fp8_dot(dn, jnp.float32), jnp.asarray(x), jnp.asarray(w))
+    y, vjp = jax.vjp(_fp8_dot(dn, jnp.float32, jnp.float32, jnp.float32), jnp.asarray(x), jnp.asarray(w))
     y0, vjp0 = jax.vjp(ref, jnp.asarray(x), jnp.asarray(w))
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
     for a, b in zip(vjp(jnp.asarray(g)), vjp0(jnp.asarray(g))):
         assert a.shape == b.shape
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))
+    bf = jnp.bfloat16  # the result in the product's dtype, each gradient in its operand's
+    yb, vjpb = jax.vjp(_fp8_dot(dn, bf, bf, jnp.float32), jnp.asarray(x, bf), jnp.asarray(w))
+    assert yb.dtype == bf and [d.dtype for d in vjpb(jnp.asarray(g, bf))] == [bf, jnp.float32]
 
 
 def test_sharded_fp8_step_equals_the_unsharded_fp8_program(mlp):
