@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["balanced_positions", "device_work", "attention_reference", "ring_attention_sharded", "RingAttention"]
+__all__ = ["balanced_positions", "device_work", "attention_reference", "ring_attention_sharded", "RingAttention",
+           "ring_sdpa", "ring_kv_placements", "SDPA"]
 
 NEG = -1e30  # a score no softmax weight survives (finite, so that max and exp stay free of NaN)
 
@@ -216,3 +217,53 @@ def ring_attention_sharded(q: Any, k: Any, v: Any, group: Any = None, positions:
                              f"and {k.shape[2]} keys")
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _make_function().apply(q, k, v, group, pos, sc)
+
+
+SDPA = "aten.scaled_dot_product_attention.default"
+
+
+def ring_kv_placements(q_placements: Any, kv_placements: Any) -> tuple[Any, ...]:
+    """The placements the ring reads the keys and values in: as planned (``kv_placements``), except on the
+    mesh axes that split the queries (``Shard(2)`` in ``q_placements``), where they stay split like the queries,
+    one block per rank, as the key and value projections leave them under context parallelism (the
+    all-gather of the planned placements is what the ring replaces)."""
+    from torch.distributed.tensor import Shard
+
+    return tuple(Shard(2) if qp == Shard(2) else kp for qp, kp in zip(q_placements, kv_placements))
+
+
+def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+              scale: float | None = None, enable_gqa: bool = False, *, fallback: Any) -> Any:
+    """``scaled_dot_product_attention`` on DTensors by the ring where it applies, else ``fallback`` (the same
+    arguments; :func:`shardplan.torch.run._sdpa`: keys gathered, each device's query tile).
+
+    It applies when exactly one mesh axis splits the queries (``Shard(2)`` of ``q``), ``k`` and ``v`` have as
+    many heads as ``q``, and there is no explicit mask and no dropout: ``k`` and ``v`` are laid out like ``q``
+    (the sequence split on that axis: :func:`ring_kv_placements`), and each rank runs
+    :func:`ring_attention_sharded` on its local blocks over that axis's process group. DTensor's ``Shard``
+    holds contiguous blocks, so a causal mask runs with the contiguous positions (``balanced=False``); the
+    load-balanced order is a data order (:func:`balanced_positions`), which the ring function takes but this
+    layout does not give. Each operand's gradient is its own block's (nothing partial)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(q, DTensor) or not isinstance(k, DTensor) or not isinstance(v, DTensor):
+        return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    mesh = q.device_mesh
+    axes = [i for i, pl in enumerate(q.placements) if pl == Shard(2) and mesh.size(i) > 1]
+    if (len(axes) != 1 or attn_mask is not None or dropout_p or k.shape[1] != q.shape[1]
+            or v.shape[1] != q.shape[1] or k.shape[2] != q.shape[2]
+            or any(isinstance(pl, Shard) and pl.dim == 3 for pl in q.placements)):
+        return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    import torch.distributed as dist
+
+    axis = axes[0]
+    group = mesh.get_group(axis)
+    if dist.get_rank(group) != mesh.get_coordinate()[axis]:  # the group's ranks are not in the mesh's order
+        return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    pl = tuple(q.placements)
+    k, v = (t if tuple(t.placements) == pl else t.redistribute(mesh, pl) for t in (k, v))
+    ql, kl, vl = (t.to_local(grad_placements=pl) for t in (q, k, v))
+    g, n = mesh.size(axis), ql.shape[2]
+    positions = np.arange(g * n).reshape(g, n) if is_causal else None
+    out = ring_attention_sharded(ql, kl, vl, group, positions, scale)
+    return DTensor.from_local(out, mesh, pl, run_check=False)

@@ -1,0 +1,244 @@
+"""Ring attention, FP8 products and host offload on 4 gloo processes, one launch for every case; each run
+against one process.
+
+* ``ring_fn``: :func:`shardplan.torch.ring.ring_attention_sharded` (causal balanced, causal contiguous,
+  non-causal) against the attention written out on the whole sequence: the summed loss and every block's
+  query, key and value gradients;
+* ``ring_run``: a causal attention layer with every operator splitting the sequence 4 ways, run by
+  :class:`~shardplan.torch.run.ParallelModule` with the ring and without: both equal to one process, and the
+  ring gathers neither keys nor values (two all-gathers fewer);
+* ``fp8``: a tensor-parallel MLP whose two products run in FP8 (their weights and activations sharded, so
+  the per-tensor scale needs the whole tensor's amax) against one process that casts the same operands
+  with its own code; the FP8 loss differs from the FP32 one;
+* ``offload``: the same MLP with every operator's saved activations in host memory, and the optimizer
+  step on host copies (:class:`~shardplan.torch.precision.HostOptimizer`, Adam): loss, gradients and the
+  updated parameters equal one process's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
+
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
+WORLD = 4
+B, S, D, H, FF = 2, 16, 8, 2, 32
+
+
+class Attn(nn.Module):
+    """q, k, v projections, causal SDPA over 2 heads, an output projection; the loss a weighted sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, H, D // H).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return (torch.tanh(self.o(y.transpose(1, 2).reshape(b, s, D))) * w).sum()
+
+
+def _qdq(t: torch.Tensor, fmt: Any, largest: float) -> torch.Tensor:
+    """The test's own FP8 cast: per-tensor scale from the whole tensor's amax, rounded, scaled back."""
+    s = largest / t.detach().abs().max()
+    return (t.detach() * s).to(fmt).to(t.dtype) / s
+
+
+class MLP(nn.Module):
+    """Two linears with a tanh between; ``fp8``: their inputs and weights cast to E4M3 and their output
+    gradients to E5M2 (the unsharded FP8 program, written independently of shardplan's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, FF), nn.Linear(FF, D)
+        self.fp8 = False
+
+    def _linear(self, lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8:
+            return lin(x)
+        cast = lambda t: t + (_qdq(t, torch.float8_e4m3fn, 448.0) - t).detach()  # noqa: E731
+        y = F.linear(cast(x), cast(lin.weight), lin.bias)
+        y.register_hook(lambda g: _qdq(g, torch.float8_e5m2, 57344.0))
+        return y
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(self._linear(self.fc2, torch.tanh(self._linear(self.fc1, x)))) * w).sum()
+
+
+def _layouts(graph: Any, p: int) -> dict[str, Any]:
+    """Every operator splits ``p`` ways the dimension of extent FF (the MLP's hidden one: column- then
+    row-parallel) where it has one, else its sequence (the first unfixed dimension of extent S)."""
+    from shardplan.layout import Layout
+
+    out = {}
+    for op in graph.operators:
+        ext = op.extents
+        pick = next((d for d in op.dim_names if ext[d] == FF), None) or next(
+            (d for d in op.dim_names if ext[d] == S and d not in op.fixed), None)
+        out[op.name] = Layout.flat(op.dim_names, tuple(p if d == pick else 1 for d in op.dim_names), p)
+    return out
+
+
+def _compare(loss: torch.Tensor, loss0: torch.Tensor, pm: Any, ref: nn.Module) -> dict[str, float]:
+    worst, scale = 0.0, 0.0
+    named = pm.named_dparameters()
+    for n, p_ in ref.named_parameters():
+        g = named[n].grad.full_tensor()
+        worst = max(worst, float((g - p_.grad).abs().max()))
+        scale = max(scale, float(p_.grad.abs().max()))
+    return {"rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)), "rel_grad": worst / scale}
+
+
+def _ring_fn(world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from shardplan.torch.ring import attention_reference, balanced_positions, ring_attention_sharded
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, w = (torch.randn(B, H, 4 * S, D, generator=gen) for _ in range(4))
+    out = {}
+    for causal, balanced in ((True, True), (True, False), (False, False)):
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = (torch.tanh(attention_reference(qr, kr, vr, causal)) * w).sum()
+        ref.backward()
+        ref = ref.detach()
+        pos = balanced_positions(4 * S, world, balanced)
+        rows = torch.as_tensor(pos[rank])
+        ql, kl, vl = (t[:, :, rows].clone().requires_grad_() for t in (q, k, v))
+        loss = (torch.tanh(ring_attention_sharded(ql, kl, vl, None, pos if causal else None)) * w[:, :, rows]).sum()
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        err = torch.tensor([max(float((a.grad - b.grad[:, :, rows]).abs().max()) / float(b.grad.abs().max())
+                                for a, b in ((ql, qr), (kl, kr), (vl, vr)))])
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        out[f"causal={causal} balanced={balanced}"] = {
+            "rel_loss": abs(float(total) - float(ref)) / abs(float(ref)), "rel_grad": float(err)}
+    return out
+
+
+def _ring_run(world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from shardplan.torch.frontend import trace
+    from shardplan.torch.run import ParallelModule, RunChoices
+
+    torch.manual_seed(0)
+    model, batch = Attn(), (torch.randn(B, S, D), torch.randn(B, S, D))
+    ref = torch_cases._clone(model)
+    loss0 = ref(*batch)
+    loss0.backward()
+    graph, info = trace(torch_cases._clone(model), batch)
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for ring in (True, False):
+        pm = ParallelModule.create(torch_cases._clone(model), info, graph, _layouts(graph, world), mesh,
+                                   RunChoices(ring=ring))
+        with CommDebugMode() as comm:
+            loss = pm(*batch)
+            loss.backward()
+        gathers = sum(int(v) for k, v in comm.get_comm_counts().items() if "all_gather" in str(k))
+        out[f"ring={ring}"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "all_gathers": gathers}
+    return out
+
+
+def _mlp_run(world: int, fp8: bool, offload: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardplan.torch.frontend import trace
+    from shardplan.torch.precision import HostOptimizer
+    from shardplan.torch.run import ParallelModule, RunChoices
+
+    torch.manual_seed(0)
+    model, batch = MLP(), (torch.randn(B, S, D), torch.randn(B, S, D))
+    ref = torch_cases._clone(model)
+    ref.fp8 = fp8
+    loss0 = ref(*batch)
+    loss0.backward()
+    graph, info = trace(torch_cases._clone(model), batch)
+    names = frozenset(op.name for op in graph.operators)
+    choices = RunChoices(fp8=frozenset(n for n in names if "linear" in n) if fp8 else frozenset(),
+                         offload=names if offload else frozenset())
+    pm = ParallelModule.create(torch_cases._clone(model), info, graph, _layouts(graph, world),
+                               init_device_mesh("cpu", (world,)), choices)
+    loss = pm(*batch)
+    loss.backward()
+    out: dict[str, Any] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "offloaded_bytes": pm.host.saved_bytes,
+                           "loss": float(loss), "fp32_loss": float(torch_cases._clone(model)(*batch))}
+    if offload:
+        opt = HostOptimizer(pm.parameters(), torch.optim.Adam, lr=0.1)
+        opt.step()
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+        ref_opt.step()
+        named = pm.named_dparameters()
+        out["param_err"] = max(float((named[n].full_tensor() - p_.detach()).abs().max())
+                               for n, p_ in ref.named_parameters())
+        out["moved"] = min(float((named[n].full_tensor() - p_.detach()).abs().max())
+                           for n, p_ in model.named_parameters())
+        out["state_bytes"] = opt.state_bytes()
+        locals_ = {named[n].to_local().data_ptr() for n in named}
+        out["state_apart"] = all(v.data_ptr() not in locals_ for s in opt.inner.state.values()
+                                 for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
+    return out
+
+
+def run_all(name: str, world: int) -> dict[str, Any]:
+    if name == "ring_fn":
+        return _ring_fn(world)
+    if name == "ring_run":
+        return _ring_run(world)
+    return _mlp_run(world, fp8=name == "fp8", offload=name == "offload")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch_ring_fp8") / "results.json"
+    return torch_cases.run_distributed(["ring_fn", "ring_run", "fp8", "offload"], WORLD, str(out), run_one=run_all)
+
+
+def _ok(r: dict[str, Any]) -> None:
+    assert "error" not in r, r.get("error")
+
+
+def test_ring_attention_equals_the_unsharded_loss_and_gradients(results):
+    r = results["ring_fn"]
+    _ok(r)
+    assert len(r) == 3
+    for case, x in r.items():
+        assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-5, (case, x)
+
+
+def test_the_runner_runs_the_ring_where_the_plan_says_and_gathers_no_keys(results):
+    r = results["ring_run"]
+    _ok(r)
+    for x in r.values():
+        assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
+    # without the ring the keys and the values are gathered before attention (and their gradients scattered back)
+    assert r["ring=False"]["all_gathers"] == r["ring=True"]["all_gathers"] + 2, r
+
+
+def test_fp8_products_equal_the_unsharded_fp8_program(results):
+    r = results["fp8"]
+    _ok(r)
+    assert r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4, r
+    assert abs(r["loss"] - r["fp32_loss"]) > 1e-3 * abs(r["fp32_loss"]), r  # the casts happened
+    assert r["offloaded_bytes"] == 0
+
+
+def test_offloaded_activations_and_optimizer_state_change_nothing(results):
+    r = results["offload"]
+    _ok(r)
+    assert r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4, r
+    assert r["offloaded_bytes"] > 0 and r["state_bytes"] > 0 and r["state_apart"], r
+    assert r["param_err"] <= 1e-6 and r["moved"] > 1e-3, r
