@@ -156,12 +156,17 @@ class HostOptimizer:
     (Adam's moments) is created there. :meth:`step` copies each gradient to its host copy, steps on the host
     and copies the new values back into the device parameters; :meth:`zero_grad` clears the device gradients.
     On a CPU the host copies are separate tensors, so the device parameters change only through the copy back.
+    ``device_params``: parameters whose state stays on the device, stepped there by the same optimizer class
+    (``device``; None when there are none).
     """
 
-    def __init__(self, params: Iterable[Any], optimizer: Any, host: str = "cpu", **options: Any) -> None:
+    def __init__(self, params: Iterable[Any], optimizer: Any, host: str = "cpu", device_params: Iterable[Any] = (),
+                 **options: Any) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.host_params = [self._host(p, host) for p in self.params]
         self.inner = optimizer(self.host_params, **options)
+        kept = [p for p in device_params if p.requires_grad]
+        self.device = optimizer(kept, **options) if kept else None
 
     @staticmethod
     def _host(p: Any, host: str) -> Any:
@@ -184,6 +189,8 @@ class HostOptimizer:
             for p, h in zip(self.params, self.host_params):
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.copy_(h, non_blocking=True)
+        if self.device is not None:
+            self.device.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -192,6 +199,8 @@ class HostOptimizer:
             elif p.grad is not None:
                 p.grad.zero_()
         self.inner.zero_grad(set_to_none)
+        if self.device is not None:
+            self.device.zero_grad(set_to_none)
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer state, all of it in host memory."""

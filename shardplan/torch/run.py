@@ -78,7 +78,7 @@ from shardplan.ir import Graph, Operator, Tensor
 from shardplan.torch.frontend import _SKIP as _CHECKS
 from shardplan.torch.frontend import TorchTrace
 from shardplan.torch.layout import mesh_dims, mesh_factors, plan_mesh_shape, tensor_placements
-from shardplan.torch.precision import HostOffload, fp8_cast, fp8_grad, fp8_operands
+from shardplan.torch.precision import HostOffload, HostOptimizer, fp8_cast, fp8_grad, fp8_operands
 from shardplan.torch.ring import SDPA, ring_kv_placements, ring_sdpa
 
 __all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts", "RunChoices", "run_choices",
@@ -594,6 +594,8 @@ class RunChoices:
         zero3: operators (by name) whose parameters are held sharded over their data-parallel group.
         fp8: operators whose matrix product runs in FP8 (:mod:`shardplan.torch.precision`).
         offload: operators whose saved activations live in host memory (:class:`~shardplan.torch.precision.HostOffload`).
+        offload_optimizer: operators whose weights' optimizer state lives in host memory
+            (:meth:`ParallelModule.optimizer` gives their parameters a :class:`~shardplan.torch.precision.HostOptimizer`).
         ring: attention whose queries are split runs the ring (:func:`shardplan.torch.ring.ring_sdpa`): the plan's
             tables were built with ``context="ring"``.
     """
@@ -604,6 +606,7 @@ class RunChoices:
     fp8: frozenset[str] = frozenset()
     offload: frozenset[str] = frozenset()
     ring: bool = False
+    offload_optimizer: frozenset[str] = frozenset()
 
 
 def run_choices(plan: Any) -> RunChoices:
@@ -625,7 +628,8 @@ def run_choices(plan: Any) -> RunChoices:
     return RunChoices(int(mc.micro_batches), frozenset(n for i, n in enumerate(names) if mc.recompute(i)),
                       frozenset(n for i, n in enumerate(names) if mc.stage(i) == 3),
                       frozenset(n for i, n in enumerate(names) if mc.fp8(i)),
-                      frozenset(n for i, n in enumerate(names) if "activations" in mc.offload(i)), ring)
+                      frozenset(n for i, n in enumerate(names) if "activations" in mc.offload(i)), ring,
+                      frozenset(n for i, n in enumerate(names) if "optimizer" in mc.offload(i)))
 
 
 def zero3_placements(placements: Sequence[Any], shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[Any, ...]:
@@ -951,6 +955,19 @@ def _make_class() -> Any:
                     return g.redistribute(self.mesh, placements)
                 return g
             return hook
+
+        def optimizer(self, cls: Any, **options: Any) -> Any:
+            """``cls(self.parameters(), **options)`` (a ``torch.optim`` class), with the parameters of the
+            operators whose optimizer state the plan keeps in host memory
+            (:attr:`RunChoices.offload_optimizer`, by their first reader) stepped there: a
+            :class:`~shardplan.torch.precision.HostOptimizer` when there are any."""
+            owners = self.choices.offload_optimizer
+            host = {t for t, uses in self.info.param_uses.items() if uses and uses[0][0] in owners}
+            named = list(self.named_parameters())
+            if not any(n in host for n, _ in named):
+                return cls([p for _, p in named], **options)
+            return HostOptimizer([p for n, p in named if n in host], cls,
+                                 device_params=[p for n, p in named if n not in host], **options)
 
         def dparameter(self, target: str) -> Any:
             """The DTensor parameter for ``target`` (the original module's parameter name)."""
