@@ -5,7 +5,8 @@ keys and values; at each of ``g`` steps it multiplies its queries with the block
 into a running (max, sum, output) triple (the online softmax of Milakov and Gimelshein 2018, as
 FlashAttention uses it), and passes the block to the next rank of the ring (``isend`` / ``irecv``, posted
 before the step's product so that the transfer runs beside it), so that after ``g`` steps every rank has
-seen every block once. The forward pass keeps the log-sum-exp ``L`` of every query row.
+seen every block once (a block the causal mask hides from all of this rank's queries is passed on without
+a product). The forward pass keeps the log-sum-exp ``L`` of every query row.
 
 The backward pass (:class:`RingAttention`) is the ring again: with ``P = exp(S - L)`` recomputed per block
 from the saved ``L``, ``D = rowsum(dO * O)``,
@@ -133,18 +134,19 @@ def _make_function() -> Any:
                 src = (me - step) % g  # the rank whose block this is
                 if step + 1 < g:
                     got, reqs = _shift(_pack(kb, vb), nxt, prv, group)
-                s = torch.matmul(q, kb.transpose(-1, -2)) * scale
-                if positions is not None:
-                    keep = _keep(positions, me, src)
-                    s = s.masked_fill(~keep, NEG)
-                new = torch.maximum(m, s.amax(dim=-1))
-                p = torch.exp(s - new.unsqueeze(-1))
-                if positions is not None:
-                    p = p.masked_fill(~keep, 0.0)
-                fix = torch.exp(m - new)
-                den = den * fix + p.sum(dim=-1)
-                acc = acc * fix.unsqueeze(-1) + torch.matmul(p, vb)
-                m = new
+                keep = None if positions is None else _keep(positions, me, src)
+                if keep is None or bool(keep.any()):  # a block the mask hides entirely adds nothing
+                    s = torch.matmul(q, kb.transpose(-1, -2)) * scale
+                    if keep is not None:
+                        s = s.masked_fill(~keep, NEG)
+                    new = torch.maximum(m, s.amax(dim=-1))
+                    p = torch.exp(s - new.unsqueeze(-1))
+                    if keep is not None:
+                        p = p.masked_fill(~keep, 0.0)
+                    fix = torch.exp(m - new)
+                    den = den * fix + p.sum(dim=-1)
+                    acc = acc * fix.unsqueeze(-1) + torch.matmul(p, vb)
+                    m = new
                 if step + 1 < g:
                     _wait(reqs)
                     kb, vb = _unpack(got, (kb, vb))
@@ -168,14 +170,16 @@ def _make_function() -> Any:
                 src = (me - step) % g
                 if step + 1 < g:  # the next block travels while this one is worked on
                     got, reqs = _shift(_pack(kb, vb), nxt, prv, group)
-                s = torch.matmul(q, kb.transpose(-1, -2)) * scale
-                p = torch.exp(s - lse.unsqueeze(-1))
-                if positions is not None:
-                    p = p.masked_fill(~_keep(positions, me, src), 0.0)
-                dvb = dvb + torch.matmul(p.transpose(-1, -2), dout)
-                ds = p * (torch.matmul(dout, vb.transpose(-1, -2)) - delta)
-                dq = dq + torch.matmul(ds, kb) * scale
-                dkb = dkb + torch.matmul(ds.transpose(-1, -2), q) * scale
+                keep = None if positions is None else _keep(positions, me, src)
+                if keep is None or bool(keep.any()):
+                    s = torch.matmul(q, kb.transpose(-1, -2)) * scale
+                    p = torch.exp(s - lse.unsqueeze(-1))
+                    if keep is not None:
+                        p = p.masked_fill(~keep, 0.0)
+                    dvb = dvb + torch.matmul(p.transpose(-1, -2), dout)
+                    ds = p * (torch.matmul(dout, vb.transpose(-1, -2)) - delta)
+                    dq = dq + torch.matmul(ds, kb) * scale
+                    dkb = dkb + torch.matmul(ds.transpose(-1, -2), q) * scale
                 # the accumulators follow their block: to the next rank, and after the last step home
                 acc, areqs = _shift(_pack(dkb, dvb), nxt, prv, group)
                 _wait(areqs)

@@ -4,7 +4,8 @@ against one process.
 * ``ring_fn``: :func:`shardplan.torch.ring.ring_attention_sharded` (causal balanced, causal contiguous,
   non-causal) against the attention written out on the whole sequence: the summed loss and every block's
   query, key and value gradients;
-* ``ring_run``: a causal attention layer with every operator splitting the sequence 4 ways, run by
+* ``ring_run``: a causal attention layer with every operator splitting the sequence 4 ways (or the batch
+  2 ways and the sequence 2 ways, on a 2 x 2 mesh), run by
   :class:`~shardplan.torch.run.ParallelModule` with the ring and without: both equal to one process, and the
   ring gathers neither keys nor values (two all-gathers fewer);
 * ``fp8``: a tensor-parallel MLP whose two products run in FP8 (their weights and activations sharded, so
@@ -74,9 +75,10 @@ class MLP(nn.Module):
         return (torch.tanh(self._linear(self.fc2, torch.tanh(self._linear(self.fc1, x)))) * w).sum()
 
 
-def _layouts(graph: Any, p: int) -> dict[str, Any]:
-    """Every operator splits ``p`` ways the dimension of extent FF (the MLP's hidden one: column- then
-    row-parallel) where it has one, else its sequence (the first unfixed dimension of extent S)."""
+def _layouts(graph: Any, p: int, batch: int = 1) -> dict[str, Any]:
+    """Every operator splits ``p / batch`` ways the dimension of extent FF (the MLP's hidden one: column- then
+    row-parallel) where it has one, else its sequence (the first unfixed dimension of extent S), and its
+    first dimension (the batch) ``batch`` ways."""
     from shardplan.layout import Layout
 
     out = {}
@@ -84,7 +86,8 @@ def _layouts(graph: Any, p: int) -> dict[str, Any]:
         ext = op.extents
         pick = next((d for d in op.dim_names if ext[d] == FF), None) or next(
             (d for d in op.dim_names if ext[d] == S and d not in op.fixed), None)
-        out[op.name] = Layout.flat(op.dim_names, tuple(p if d == pick else 1 for d in op.dim_names), p)
+        split = {pick: p // batch, op.dim_names[0]: batch}
+        out[op.name] = Layout.flat(op.dim_names, tuple(split.get(d, 1) for d in op.dim_names), p)
     return out
 
 
@@ -142,14 +145,16 @@ def _ring_run(world: int) -> dict[str, Any]:
     graph, info = trace(torch_cases._clone(model), batch)
     mesh = init_device_mesh("cpu", (world,))
     out = {}
-    for ring in (True, False):
-        pm = ParallelModule.create(torch_cases._clone(model), info, graph, _layouts(graph, world), mesh,
-                                   RunChoices(ring=ring))
-        with CommDebugMode() as comm:
-            loss = pm(*batch)
-            loss.backward()
-        gathers = sum(int(v) for k, v in comm.get_comm_counts().items() if "all_gather" in str(k))
-        out[f"ring={ring}"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "all_gathers": gathers}
+    for split in (1, 2):  # the sequence split 4 ways; the batch 2 ways and the sequence 2 ways (a 2 x 2 mesh)
+        for ring in (True, False):
+            pm = ParallelModule.create(torch_cases._clone(model), info, graph, _layouts(graph, world, split), mesh,
+                                       RunChoices(ring=ring))
+            with CommDebugMode() as comm:
+                loss = pm(*batch)
+                loss.backward()
+            gathers = sum(int(v) for k, v in comm.get_comm_counts().items() if "all_gather" in str(k))
+            out[f"batch={split} ring={ring}"] = {**_compare(loss.detach(), loss0.detach(), pm, ref),
+                                                 "all_gathers": gathers, "mesh": list(pm.mesh.mesh.shape)}
     return out
 
 
@@ -226,8 +231,10 @@ def test_the_runner_runs_the_ring_where_the_plan_says_and_gathers_no_keys(result
     _ok(r)
     for x in r.values():
         assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
+    assert len(r) == 4 and r["batch=2 ring=True"]["mesh"] == [2, 2] and r["batch=1 ring=True"]["mesh"] == [4]
     # without the ring the keys and the values are gathered before attention (and their gradients scattered back)
-    assert r["ring=False"]["all_gathers"] == r["ring=True"]["all_gathers"] + 2, r
+    for split in (1, 2):
+        assert r[f"batch={split} ring=False"]["all_gathers"] == r[f"batch={split} ring=True"]["all_gathers"] + 2, r
 
 
 def test_fp8_products_equal_the_unsharded_fp8_program(results):
