@@ -5,7 +5,7 @@ against one process.
   non-causal) against the attention written out on the whole sequence: the summed loss and every block's
   query, key and value gradients;
 * ``ring_run``: a causal attention layer with every operator splitting the sequence 4 ways (or the batch
-  2 ways and the sequence 2 ways, on a 2 x 2 mesh), run by
+  2 ways and the sequence 2 ways, on a 2 x 2 mesh; or recomputed), run by
   :class:`~shardplan.torch.run.ParallelModule` with the ring and without: both equal to one process, and the
   ring gathers neither keys nor values (two all-gathers fewer);
 * ``fp8``: a tensor-parallel MLP whose two products run in FP8 (their weights and activations sharded, so
@@ -155,6 +155,13 @@ def _ring_run(world: int) -> dict[str, Any]:
             gathers = sum(int(v) for k, v in comm.get_comm_counts().items() if "all_gather" in str(k))
             out[f"batch={split} ring={ring}"] = {**_compare(loss.detach(), loss0.detach(), pm, ref),
                                                  "all_gathers": gathers, "mesh": list(pm.mesh.mesh.shape)}
+    # the ring inside recomputed segments: its forward runs again in the backward pass, on every rank alike
+    names = frozenset(op.name for op in graph.operators)
+    pm = ParallelModule.create(torch_cases._clone(model), info, graph, _layouts(graph, world), mesh,
+                               RunChoices(ring=True, recompute=names))
+    loss = pm(*batch)
+    loss.backward()
+    out["recompute ring=True"] = _compare(loss.detach(), loss0.detach(), pm, ref)
     return out
 
 
@@ -231,7 +238,7 @@ def test_the_runner_runs_the_ring_where_the_plan_says_and_gathers_no_keys(result
     _ok(r)
     for x in r.values():
         assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
-    assert len(r) == 4 and r["batch=2 ring=True"]["mesh"] == [2, 2] and r["batch=1 ring=True"]["mesh"] == [4]
+    assert len(r) == 5 and r["batch=2 ring=True"]["mesh"] == [2, 2] and r["batch=1 ring=True"]["mesh"] == [4]
     # without the ring the keys and the values are gathered before attention (and their gradients scattered back)
     for split in (1, 2):
         assert r[f"batch={split} ring=False"]["all_gathers"] == r[f"batch={split} ring=True"]["all_gathers"] + 2, r
