@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["balanced_positions", "device_work", "attention_reference", "ring_attention_sharded", "RingAttention",
-           "ring_sdpa", "ring_kv_placements", "SDPA"]
+           "ring_sdpa", "ring_kv_placements", "SDPA", "deal", "deal_routes"]
 
 NEG = -1e30  # a score no softmax weight survives (finite, so that max and exp stay free of NaN)
 
@@ -236,8 +236,77 @@ def ring_kv_placements(q_placements: Any, kv_placements: Any) -> tuple[Any, ...]
     return tuple(Shard(2) if qp == Shard(2) else kp for qp, kp in zip(q_placements, kv_placements))
 
 
+def deal_routes(me: int, g: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Where rank ``me``'s two half blocks go and come from when a contiguous split of ``2g`` chunks (rank i
+    holding chunks 2i, 2i + 1) is dealt into the balanced one (rank i holding i, 2g - 1 - i:
+    :func:`balanced_positions`): (for each of its halves the (rank, slot) it goes to, for each of its new
+    slots the (rank, half) it comes from)."""
+    def home(c: int) -> tuple[int, int]:
+        return (c, 0) if c < g else (2 * g - 1 - c, 1)
+
+    sends = [home(2 * me + j) for j in (0, 1)]
+    recvs = [(c // 2, c % 2) for c in (me, 2 * g - 1 - me)]
+    return sends, recvs
+
+
+def _exchange(x: Any, sends: list[tuple[int, int]], recvs: list[tuple[int, int]], group: Any) -> Any:
+    """``x``'s two halves along the sequence (dim 2) sent to ``sends`` and this rank's new halves received from
+    ``recvs`` ((group rank, slot) pairs; a message's tag is the slot it fills), concatenated."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank(group)
+    halves = list(x.chunk(2, dim=2))
+    out: list[Any] = [None, None]
+    ops = []
+    for j, (dst, slot) in enumerate(sends):
+        if dst == me:
+            out[slot] = halves[j]
+        else:
+            ops.append(dist.P2POp(dist.isend, halves[j].contiguous(), dist.get_global_rank(group, dst), group,
+                                  tag=slot))
+    for slot, (src, _) in enumerate(recvs):
+        if src != me:
+            out[slot] = torch.empty_like(halves[0])
+            ops.append(dist.P2POp(dist.irecv, out[slot], dist.get_global_rank(group, src), group, tag=slot))
+    if ops:
+        _wait(dist.batch_isend_irecv(ops))
+    return torch.cat(out, dim=2)
+
+
+@functools.cache
+def _deal_function() -> Any:
+    import torch
+
+    class Deal(torch.autograd.Function):
+        """Contiguous blocks dealt into the balanced order (``inverse``: back); the gradient goes the other way."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, group: Any, inverse: bool) -> Any:
+            import torch.distributed as dist
+
+            sends, recvs = deal_routes(dist.get_rank(group), dist.get_world_size(group))
+            ctx.routes, ctx.group, ctx.inverse = (sends, recvs), group, inverse
+            return _exchange(x, recvs, sends, group) if inverse else _exchange(x, sends, recvs, group)
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            sends, recvs = ctx.routes
+            g = g.contiguous()
+            return (_exchange(g, sends, recvs, ctx.group) if ctx.inverse else _exchange(g, recvs, sends, ctx.group),
+                    None, None)
+
+    return Deal
+
+
+def deal(x: Any, group: Any, inverse: bool = False) -> Any:
+    """Each rank's contiguous block of ``x`` (sequence on dim 2, of even length) dealt into the balanced order
+    over ``group`` (:func:`deal_routes`), or back (``inverse``); differentiable."""
+    return _deal_function().apply(x, group, inverse)
+
+
 def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
-              scale: float | None = None, enable_gqa: bool = False, *, fallback: Any) -> Any:
+              scale: float | None = None, enable_gqa: bool = False, *, fallback: Any, balanced: bool = True) -> Any:
     """``scaled_dot_product_attention`` on DTensors by the ring where it applies, else ``fallback`` (the same
     arguments; :func:`shardplan.torch.run._sdpa`: keys gathered, each device's query tile).
 
@@ -247,7 +316,11 @@ def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 
     :func:`ring_attention_sharded` on its local blocks over that axis's process group. DTensor's ``Shard``
     holds contiguous blocks, so a causal mask runs with the contiguous positions (``balanced=False``); the
     load-balanced order is a data order (:func:`balanced_positions`), which the ring function takes but this
-    layout does not give. Each operand's gradient is its own block's (nothing partial)."""
+    layout does not give: with ``balanced`` (and blocks of even length) a causal attention first deals the
+    blocks into it (:func:`deal`: each rank sends its two half blocks of ``q``, ``k``, ``v`` to their
+    balanced owners, and the output comes back the same way), so that every rank does the same masked
+    work; else it runs the contiguous positions. Each operand's gradient is its own block's (nothing
+    partial)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(q, DTensor) or not isinstance(k, DTensor) or not isinstance(v, DTensor):
@@ -268,6 +341,14 @@ def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 
     k, v = (t if tuple(t.placements) == pl else t.redistribute(mesh, pl) for t in (k, v))
     ql, kl, vl = (t.to_local(grad_placements=pl) for t in (q, k, v))
     g, n = mesh.size(axis), ql.shape[2]
-    positions = np.arange(g * n).reshape(g, n) if is_causal else None
-    out = ring_attention_sharded(ql, kl, vl, group, positions, scale)
+    if is_causal and balanced and n % 2 == 0:
+        import torch
+
+        sizes = (ql.shape[-1], kl.shape[-1], vl.shape[-1])
+        ql, kl, vl = deal(torch.cat([ql, kl, vl], dim=-1), group).split(sizes, dim=-1)
+        out = ring_attention_sharded(ql, kl, vl, group, balanced_positions(g * n, g), scale)
+        out = deal(out, group, inverse=True)
+    else:
+        positions = np.arange(g * n).reshape(g, n) if is_causal else None
+        out = ring_attention_sharded(ql, kl, vl, group, positions, scale)
     return DTensor.from_local(out, mesh, pl, run_check=False)

@@ -13,7 +13,7 @@ from torch import nn
 from shardplan.cost.causal import block_work
 from shardplan.machine import Machine
 from shardplan.torch.precision import HostOffload, fp8_cast, fp8_grad, fp8_operands
-from shardplan.torch.ring import attention_reference, balanced_positions, device_work
+from shardplan.torch.ring import attention_reference, balanced_positions, deal_routes, device_work
 
 B, S, D, H = 2, 8, 8, 2
 
@@ -134,3 +134,21 @@ def test_attention_reference_is_pytorchs_attention():
     for causal in (True, False):
         assert torch.allclose(attention_reference(q, k, v, causal), F.scaled_dot_product_attention(
             q, k, v, is_causal=causal), atol=1e-6)
+
+
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 5])
+def test_dealing_contiguous_halves_gives_the_balanced_positions(g):
+    """Simulate every rank's sends (:func:`deal_routes`): the halves land where the balanced order puts them,
+    and each receive names the half its sender sends to that slot."""
+    n = 4
+    pos = np.arange(g * n).reshape(g, n)
+    halves = {(r, j): pos[r][j * n // 2:(j + 1) * n // 2] for r in range(g) for j in (0, 1)}
+    landed = {}
+    for r in range(g):
+        sends, recvs = deal_routes(r, g)
+        for j, dst in enumerate(sends):
+            landed[dst] = halves[(r, j)]
+        for slot, (src, half) in enumerate(recvs):
+            assert deal_routes(src, g)[0][half] == (r, slot)
+    got = np.stack([np.concatenate([landed[(r, 0)], landed[(r, 1)]]) for r in range(g)])
+    assert np.array_equal(got, balanced_positions(g * n, g))
