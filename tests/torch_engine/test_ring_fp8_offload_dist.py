@@ -5,7 +5,8 @@ against one process.
   non-causal) against the attention written out on the whole sequence: the summed loss and every block's
   query, key and value gradients;
 * ``ring_run``: a causal attention layer with every operator splitting the sequence 4 ways (or the batch
-  2 ways and the sequence 2 ways, on a 2 x 2 mesh; or recomputed), run by
+  2 ways and the sequence 2 ways, on a 2 x 2 mesh; or recomputed), the causal attention dealt into the
+  balanced order, run by
   :class:`~shardplan.torch.run.ParallelModule` with the ring and without: both equal to one process, and the
   ring gathers neither keys nor values (two all-gathers fewer);
 * ``fp8``: a tensor-parallel MLP whose two products run in FP8 (their weights and activations sharded, so
