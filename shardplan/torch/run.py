@@ -837,17 +837,18 @@ def parallel_module(module: Any, example_inputs: Sequence[Any], kwargs: Mapping[
     return ParallelModule.create(module, info, plan.graph, plan.layouts, mesh, choices, micro)
 
 
-def _chain(first: Any, then: Any) -> Any:
-    """``pack`` of saved-tensor hooks: ``first``, and ``then`` (a :class:`~shardplan.torch.precision.HostOffload`'s
-    pack, or an unpack) on what ``first`` left a tensor; for unpack, ``first`` then ``then`` likewise."""
+def _offloaded(pack: Any, unpack: Any, host: HostOffload) -> tuple[Any, Any]:
+    """Saved-tensor hooks ``pack``, ``unpack`` (ZeRO-3's regather) with host offload around them: what ``pack``
+    leaves a tensor (anything but a regathered parameter) goes to the host, and comes back before ``unpack``."""
     import torch
 
-    def call(t: Any) -> Any:
-        out = first(t)
-        if isinstance(then, HostOffload):
-            return then.pack(out) if isinstance(out, torch.Tensor) else out
-        return then(out)
-    return call
+    def pack2(t: Any) -> Any:
+        out = pack(t)
+        return host.pack(out) if isinstance(out, torch.Tensor) else out
+
+    def unpack2(t: Any) -> Any:
+        return unpack(host.unpack(t))
+    return pack2, unpack2
 
 
 def _make_class() -> Any:
@@ -1158,8 +1159,8 @@ def _make_class() -> Any:
             offload = regather and op_name in self.choices.offload  # not inside a recomputed segment
             if gathered and regather:
                 pack, unpack = self._regather_hooks(gathered)
-                if offload:  # what is not a regathered parameter goes to the host
-                    pack, unpack = _chain(pack, self.host), _chain(self.host.unpack, unpack)
+                if offload:
+                    pack, unpack = _offloaded(pack, unpack, self.host)
                 hooks: Any = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
             else:
                 hooks = self.host.hooks() if offload else contextlib.nullcontext()

@@ -13,7 +13,8 @@ against one process.
   the per-tensor scale needs the whole tensor's amax) against one process that casts the same operands
   with its own code; the FP8 loss differs from the FP32 one;
 * ``offload``: the same MLP with every operator's saved activations in host memory, and the optimizer
-  step on host copies (``pm.optimizer``: a :class:`~shardplan.torch.precision.HostOptimizer`, Adam): loss, gradients and the
+  step on host copies; and with the sequence split and the linears' parameters at ZeRO-3 (gathered again
+  in the backward pass, not offloaded) (``pm.optimizer``: a :class:`~shardplan.torch.precision.HostOptimizer`, Adam): loss, gradients and the
   updated parameters equal one process's.
 """
 
@@ -76,16 +77,16 @@ class MLP(nn.Module):
         return (torch.tanh(self._linear(self.fc2, torch.tanh(self._linear(self.fc1, x)))) * w).sum()
 
 
-def _layouts(graph: Any, p: int, batch: int = 1) -> dict[str, Any]:
+def _layouts(graph: Any, p: int, batch: int = 1, hidden: bool = True) -> dict[str, Any]:
     """Every operator splits ``p / batch`` ways the dimension of extent FF (the MLP's hidden one: column- then
-    row-parallel) where it has one, else its sequence (the first unfixed dimension of extent S), and its
-    first dimension (the batch) ``batch`` ways."""
+    row-parallel) where it has one (and ``hidden``), else its sequence (the first unfixed dimension of extent
+    S), and its first dimension (the batch) ``batch`` ways."""
     from shardplan.layout import Layout
 
     out = {}
     for op in graph.operators:
         ext = op.extents
-        pick = next((d for d in op.dim_names if ext[d] == FF), None) or next(
+        pick = next((d for d in op.dim_names if ext[d] == FF and hidden), None) or next(
             (d for d in op.dim_names if ext[d] == S and d not in op.fixed), None)
         split = {pick: p // batch, op.dim_names[0]: batch}
         out[op.name] = Layout.flat(op.dim_names, tuple(split.get(d, 1) for d in op.dim_names), p)
@@ -166,7 +167,7 @@ def _ring_run(world: int) -> dict[str, Any]:
     return out
 
 
-def _mlp_run(world: int, fp8: bool, offload: bool) -> dict[str, Any]:
+def _mlp_run(world: int, fp8: bool, offload: bool, zero3: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardplan.torch.frontend import trace
@@ -183,13 +184,20 @@ def _mlp_run(world: int, fp8: bool, offload: bool) -> dict[str, Any]:
     names = frozenset(op.name for op in graph.operators)
     choices = RunChoices(fp8=frozenset(n for n in names if "linear" in n) if fp8 else frozenset(),
                          offload=names if offload else frozenset(),
-                         offload_optimizer=names if offload else frozenset())
-    pm = ParallelModule.create(torch_cases._clone(model), info, graph, _layouts(graph, world),
-                               init_device_mesh("cpu", (world,)), choices)
+                         offload_optimizer=names if offload else frozenset(),
+                         zero3=frozenset(n for n in names if "linear" in n) if zero3 else frozenset())
+    mesh = init_device_mesh("cpu", (world,))
+    lays = _layouts(graph, world, hidden=not zero3)  # ZeRO-3: the sequence split, the weights sharded over it
+    pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, mesh, choices)
     loss = pm(*batch)
     loss.backward()
     out: dict[str, Any] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "offloaded_bytes": pm.host.saved_bytes,
                            "loss": float(loss), "fp32_loss": float(torch_cases._clone(model)(*batch))}
+    if zero3:  # the gathered weights are not saved (nor sent to the host) but gathered again
+        plain = ParallelModule.create(torch_cases._clone(model), info, graph, lays, mesh,
+                                      RunChoices(offload=choices.offload))
+        plain(*batch).backward()
+        out["offloaded_bytes_without_zero3"] = plain.host.saved_bytes
     if offload:
         opt = pm.optimizer(torch.optim.Adam, lr=0.1)  # the plan's operators keep their optimizer state on the host
         out["host_optimizer"] = isinstance(opt, HostOptimizer) and opt.device is None
@@ -213,13 +221,13 @@ def run_all(name: str, world: int) -> dict[str, Any]:
         return _ring_fn(world)
     if name == "ring_run":
         return _ring_run(world)
-    return _mlp_run(world, fp8=name == "fp8", offload=name == "offload")
+    return _mlp_run(world, fp8=name == "fp8", offload=name.startswith("offload"), zero3=name == "offload_zero3")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_ring_fp8") / "results.json"
-    return torch_cases.run_distributed(["ring_fn", "ring_run", "fp8", "offload"], WORLD, str(out), run_one=run_all)
+    return torch_cases.run_distributed(["ring_fn", "ring_run", "fp8", "offload", "offload_zero3"], WORLD, str(out), run_one=run_all)
 
 
 def _ok(r: dict[str, Any]) -> None:
@@ -253,9 +261,13 @@ def test_fp8_products_equal_the_unsharded_fp8_program(results):
     assert r["offloaded_bytes"] == 0
 
 
-def test_offloaded_activations_and_optimizer_state_change_nothing(results):
-    r = results["offload"]
+@pytest.mark.parametrize("name", ["offload", "offload_zero3"])
+def test_offloaded_activations_and_optimizer_state_change_nothing(results, name):
+    r = results[name]
     _ok(r)
     assert r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4, r
     assert r["offloaded_bytes"] > 0 and r["state_bytes"] > 0 and r["state_apart"] and r["host_optimizer"], r
     assert r["param_err"] <= 1e-6 and r["moved"] > 1e-3, r
+    if name == "offload_zero3":  # fc2's weight (D x FF floats), saved for its input's gradient, is regathered
+        # instead of offloaded; fc1's is not saved at all (its input, the data, needs no gradient)
+        assert r["offloaded_bytes_without_zero3"] - r["offloaded_bytes"] == D * FF * 4, r
