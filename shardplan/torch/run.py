@@ -24,7 +24,15 @@ made for):
   every device, a replicated result (autograd flows through both conversions).
   ``aten.scaled_dot_product_attention`` runs on each device's tiles (batch,
   heads and queries split as planned, keys whole: :func:`_sdpa`), with
-  PyTorch's own kernel.
+  PyTorch's own kernel; with a plan made with ``context="ring"`` and the
+  queries split on one mesh axis, by the ring over that axis instead
+  (:func:`shardplan.torch.ring.ring_sdpa`: keys and values stay split).
+
+A fit plan's FP8 products and host offload run as :mod:`shardplan.torch.precision`
+says (:class:`RunChoices`): the operands of an FP8 product cast with whole-tensor
+scales, saved activations copied to host memory by saved-tensor hooks, the
+optimizer state of offloading operators stepped on the host
+(:meth:`ParallelModule.optimizer`).
 
 Gradients flow back through DTensor's autograd: the redistribution of a
 value in the forward pass is undone on its gradient in the backward pass,
