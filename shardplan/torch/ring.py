@@ -311,7 +311,8 @@ def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 
     arguments; :func:`shardplan.torch.run._sdpa`: keys gathered, each device's query tile).
 
     It applies when exactly one mesh axis splits the queries (``Shard(2)`` of ``q``), ``k`` and ``v`` have as
-    many heads as ``q``, and there is no explicit mask and no dropout: ``k`` and ``v`` are laid out like ``q``
+    many heads as ``q`` (or fewer, grouped-query attention, with the heads not split: each K/V head is
+    repeated to its query heads on the device), and there is no explicit mask and no dropout: ``k`` and ``v`` are laid out like ``q``
     (the sequence split on that axis: :func:`ring_kv_placements`), and each rank runs
     :func:`ring_attention_sharded` on its local blocks over that axis's process group. DTensor's ``Shard``
     holds contiguous blocks, so a causal mask runs with the contiguous positions (``balanced=False``); the
@@ -327,8 +328,10 @@ def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     mesh = q.device_mesh
     axes = [i for i, pl in enumerate(q.placements) if pl == Shard(2) and mesh.size(i) > 1]
-    if (len(axes) != 1 or attn_mask is not None or dropout_p or k.shape[1] != q.shape[1]
-            or v.shape[1] != q.shape[1] or k.shape[2] != q.shape[2]
+    heads_split = any(pl == Shard(1) for pl in q.placements)
+    grouped = k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]
+    if (len(axes) != 1 or attn_mask is not None or dropout_p or k.shape[2] != q.shape[2]
+            or (grouped and (heads_split or q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]))
             or any(isinstance(pl, Shard) and pl.dim == 3 for pl in q.placements)):
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     import torch.distributed as dist
@@ -340,6 +343,8 @@ def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 
     pl = tuple(q.placements)
     k, v = (t if tuple(t.placements) == pl else t.redistribute(mesh, pl) for t in (k, v))
     ql, kl, vl = (t.to_local(grad_placements=pl) for t in (q, k, v))
+    if grouped:  # grouped-query attention, the heads whole: each K/V head repeated to its query heads
+        kl, vl = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (kl, vl))
     g, n = mesh.size(axis), ql.shape[2]
     if is_causal and balanced and n % 2 == 0:
         import torch

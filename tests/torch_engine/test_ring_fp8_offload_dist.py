@@ -5,7 +5,8 @@ against one process.
   non-causal) against the attention written out on the whole sequence: the summed loss and every block's
   query, key and value gradients;
 * ``ring_run``: a causal attention layer with every operator splitting the sequence 4 ways (or the batch
-  2 ways and the sequence 2 ways, on a 2 x 2 mesh; or recomputed), the causal attention dealt into the
+  2 ways and the sequence 2 ways, on a 2 x 2 mesh; or recomputed; or with one key/value head for two
+  query heads), the causal attention dealt into the
   balanced order, run by
   :class:`~shardplan.torch.run.ParallelModule` with the ring and without: both equal to one process, and the
   ring gathers neither keys nor values (two all-gathers fewer);
@@ -37,16 +38,20 @@ B, S, D, H, FF = 2, 16, 8, 2, 32
 
 
 class Attn(nn.Module):
-    """q, k, v projections, causal SDPA over 2 heads, an output projection; the loss a weighted sum."""
+    """q, k, v projections, causal SDPA over 2 heads, an output projection; the loss a weighted sum.
+    ``kv_heads=1``: grouped-query attention, one key/value head for both query heads."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_heads: int = H) -> None:
         super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
+        self.kv_heads = kv_heads
+        self.q, self.o = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+        self.k, self.v = (nn.Linear(D, D // H * kv_heads, bias=False) for _ in range(2))
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = (f(x).view(b, s, H, D // H).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q = self.q(x).view(b, s, H, D // H).transpose(1, 2)
+        k, v = (f(x).view(b, s, self.kv_heads, D // H).transpose(1, 2) for f in (self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != H)
         return (torch.tanh(self.o(y.transpose(1, 2).reshape(b, s, D))) * w).sum()
 
 
@@ -164,6 +169,19 @@ def _ring_run(world: int) -> dict[str, Any]:
     loss = pm(*batch)
     loss.backward()
     out["recompute ring=True"] = _compare(loss.detach(), loss0.detach(), pm, ref)
+    # grouped-query attention: one key/value head passed round for both query heads
+    gqa = Attn(kv_heads=1)
+    ref = torch_cases._clone(gqa)
+    loss0 = ref(*batch)
+    loss0.backward()
+    graph, info = trace(torch_cases._clone(gqa), batch)
+    pm = ParallelModule.create(torch_cases._clone(gqa), info, graph, _layouts(graph, world), mesh,
+                               RunChoices(ring=True))
+    with CommDebugMode() as comm:
+        loss = pm(*batch)
+        loss.backward()
+    gathers = sum(int(v) for k, v in comm.get_comm_counts().items() if "all_gather" in str(k))
+    out["gqa ring=True"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "all_gathers": gathers}
     return out
 
 
@@ -247,7 +265,7 @@ def test_the_runner_runs_the_ring_where_the_plan_says_and_gathers_no_keys(result
     _ok(r)
     for x in r.values():
         assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
-    assert len(r) == 5 and r["batch=2 ring=True"]["mesh"] == [2, 2] and r["batch=1 ring=True"]["mesh"] == [4]
+    assert len(r) == 6 and r["gqa ring=True"]["all_gathers"] == 0 and r["batch=2 ring=True"]["mesh"] == [2, 2] and r["batch=1 ring=True"]["mesh"] == [4]
     # without the ring the keys and the values are gathered before attention (and their gradients scattered back)
     for split in (1, 2):
         assert r[f"batch={split} ring=False"]["all_gathers"] == r[f"batch={split} ring=True"]["all_gathers"] + 2, r
