@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from shardplan.errors import ShardplanError
+
 __all__ = ["balanced_positions", "device_work", "attention_reference", "ring_attention_sharded", "RingAttention",
            "ring_sdpa", "ring_kv_placements", "SDPA", "deal", "deal_routes"]
 
@@ -45,7 +47,7 @@ def balanced_positions(seq: int, ways: int, balanced: bool = True) -> np.ndarray
     """(ways, seq / ways) int: the sequence positions rank i holds, in the order it holds them. Balanced
     (``2 ways`` dividing ``seq``): chunks i and 2 ways - 1 - i of 2 ways; else the i-th contiguous block."""
     if seq % ways:
-        raise ValueError(f"a sequence of {seq} does not split {ways} ways")
+        raise ShardplanError(f"a sequence of {seq} does not split {ways} ways")
     if balanced and seq % (2 * ways) == 0:
         h = seq // (2 * ways)
         return np.stack([np.concatenate([np.arange(i * h, (i + 1) * h),
@@ -217,7 +219,7 @@ def ring_attention_sharded(q: Any, k: Any, v: Any, group: Any = None, positions:
     if positions is not None:
         pos = torch.as_tensor(np.asarray(positions), dtype=torch.int64, device=q.device)
         if tuple(pos.shape) != (g, q.shape[2]) or k.shape[2] != q.shape[2]:
-            raise ValueError(f"positions of shape {tuple(pos.shape)} for {g} ranks of {q.shape[2]} queries "
+            raise ShardplanError(f"positions of shape {tuple(pos.shape)} for {g} ranks of {q.shape[2]} queries "
                              f"and {k.shape[2]} keys")
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _make_function().apply(q, k, v, group, pos, sc)

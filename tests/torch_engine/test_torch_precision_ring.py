@@ -115,6 +115,13 @@ def test_host_offload_copies_saved_tensors_and_changes_no_gradient():
     assert off.tensors == len(seen) >= 2 and off.saved_bytes == sum(t.numel() * 4 for t in seen)
 
 
+def test_a_sequence_that_does_not_split_is_refused():
+    from shardplan.errors import ShardplanError
+
+    with pytest.raises(ShardplanError, match="does not split 3 ways"):
+        balanced_positions(8, 3)
+
+
 def test_balanced_positions_even_out_the_causal_work():
     for ways in (2, 4):
         pos = balanced_positions(32, ways)
