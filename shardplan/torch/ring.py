@@ -37,8 +37,8 @@ import numpy as np
 
 from shardplan.errors import ShardplanError
 
-__all__ = ["balanced_positions", "device_work", "attention_reference", "ring_attention_sharded", "RingAttention",
-           "ring_sdpa", "ring_kv_placements", "SDPA", "deal", "deal_routes"]
+__all__ = ["balanced_positions", "device_work", "attention_reference", "ring_attention_sharded", "ring_sdpa",
+           "ring_kv_placements", "SDPA", "deal", "deal_routes"]  # and RingAttention (module __getattr__)
 
 NEG = -1e30  # a score no softmax weight survives (finite, so that max and exp stay free of NaN)
 
@@ -220,7 +220,7 @@ def ring_attention_sharded(q: Any, k: Any, v: Any, group: Any = None, positions:
         pos = torch.as_tensor(np.asarray(positions), dtype=torch.int64, device=q.device)
         if tuple(pos.shape) != (g, q.shape[2]) or k.shape[2] != q.shape[2]:
             raise ShardplanError(f"positions of shape {tuple(pos.shape)} for {g} ranks of {q.shape[2]} queries "
-                             f"and {k.shape[2]} keys")
+                                 f"and {k.shape[2]} keys")
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _make_function().apply(q, k, v, group, pos, sc)
 
@@ -314,7 +314,8 @@ def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 
 
     It applies when exactly one mesh axis splits the queries (``Shard(2)`` of ``q``), ``k`` and ``v`` have as
     many heads as ``q`` (or fewer, grouped-query attention, with the heads not split: each K/V head is
-    repeated to its query heads on the device), and there is no explicit mask and no dropout: ``k`` and ``v`` are laid out like ``q``
+    repeated to its query heads on the device), and there is no explicit mask and no dropout: ``k`` and ``v``
+    are laid out like ``q``
     (the sequence split on that axis: :func:`ring_kv_placements`), and each rank runs
     :func:`ring_attention_sharded` on its local blocks over that axis's process group. DTensor's ``Shard``
     holds contiguous blocks, so a causal mask runs with the contiguous positions (``balanced=False``); the

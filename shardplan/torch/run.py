@@ -601,9 +601,11 @@ class RunChoices:
         recompute: operators (by name) whose forward runs again in the backward pass.
         zero3: operators (by name) whose parameters are held sharded over their data-parallel group.
         fp8: operators whose matrix product runs in FP8 (:mod:`shardplan.torch.precision`).
-        offload: operators whose saved activations live in host memory (:class:`~shardplan.torch.precision.HostOffload`).
+        offload: operators whose saved activations live in host memory
+            (:class:`~shardplan.torch.precision.HostOffload`).
         offload_optimizer: operators whose weights' optimizer state lives in host memory
-            (:meth:`ParallelModule.optimizer` gives their parameters a :class:`~shardplan.torch.precision.HostOptimizer`).
+            (:meth:`ParallelModule.optimizer` gives their parameters a
+            :class:`~shardplan.torch.precision.HostOptimizer`).
         ring: attention whose queries are split runs the ring (:func:`shardplan.torch.ring.ring_sdpa`): the plan's
             tables were built with ``context="ring"``.
     """
