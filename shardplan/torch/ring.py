@@ -38,7 +38,7 @@ import numpy as np
 from shardplan.errors import ShardplanError
 
 __all__ = ["balanced_positions", "device_work", "attention_reference", "ring_attention_sharded", "ring_sdpa",
-           "ring_kv_placements", "SDPA", "deal", "deal_routes"]  # and RingAttention (module __getattr__)
+           "ring_kv_placements", "ring_applies", "SDPA", "deal", "deal_routes"]  # and RingAttention (module __getattr__)
 
 NEG = -1e30  # a score no softmax weight survives (finite, so that max and exp stay free of NaN)
 
@@ -226,6 +226,18 @@ def ring_attention_sharded(q: Any, k: Any, v: Any, group: Any = None, positions:
 
 
 SDPA = "aten.scaled_dot_product_attention.default"
+
+
+def ring_applies(q_placements: Any, kv: Any) -> bool:
+    """Whether the ring replaces a gather: some mesh axis splits the queries (``Shard(2)`` in ``q_placements``,
+    as planned) and every key and value operand (``kv``, as its producer left it) is a DTensor split along the
+    sequence on each such axis, one block per rank (the cost model's condition that the producer's tiles
+    scatter the input over the ring's group). Keys already gathered by their producer's layout stay so: the
+    ring would only add the gradient's gather."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    axes = [i for i, pl in enumerate(q_placements) if pl == Shard(2)]
+    return bool(axes) and all(isinstance(x, DTensor) and all(x.placements[i] == Shard(2) for i in axes) for x in kv)
 
 
 def ring_kv_placements(q_placements: Any, kv_placements: Any) -> tuple[Any, ...]:

@@ -24,9 +24,10 @@ made for):
   every device, a replicated result (autograd flows through both conversions).
   ``aten.scaled_dot_product_attention`` runs on each device's tiles (batch,
   heads and queries split as planned, keys whole: :func:`_sdpa`), with
-  PyTorch's own kernel; with a plan made with ``context="ring"`` and the
-  queries split on one mesh axis, by the ring over that axis instead
-  (:func:`shardplan.torch.ring.ring_sdpa`: keys and values stay split).
+  PyTorch's own kernel; with a plan made with ``context="ring"``, the
+  queries split on one mesh axis and the keys and values arriving split
+  along the sequence on it (:func:`shardplan.torch.ring.ring_applies`), by
+  the ring over that axis instead (:func:`shardplan.torch.ring.ring_sdpa`).
 
 A fit plan's FP8 products and host offload run as :mod:`shardplan.torch.precision`
 says (:class:`RunChoices`): the operands of an FP8 product cast with whole-tensor
@@ -87,7 +88,7 @@ from shardplan.torch.frontend import _SKIP as _CHECKS
 from shardplan.torch.frontend import TorchTrace
 from shardplan.torch.layout import mesh_dims, mesh_factors, plan_mesh_shape, tensor_placements
 from shardplan.torch.precision import HostOffload, HostOptimizer, fp8_cast, fp8_grad, fp8_operands
-from shardplan.torch.ring import SDPA, ring_kv_placements, ring_sdpa
+from shardplan.torch.ring import SDPA, ring_applies, ring_kv_placements, ring_sdpa
 
 __all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts", "RunChoices", "run_choices",
            "zero3_placements", "recompute_segments", "micro_batch", "check_same_program", "Segment", "Program",
@@ -1144,7 +1145,9 @@ def _make_class() -> Any:
                 return out
             op_name = info.node_op.get(node.name)
             gathered: list[tuple[Any, Any]] = []
-            ring = self.choices.ring and str(fn) == SDPA and op_name is not None
+            ring = (self.choices.ring and str(fn) == SDPA and op_name is not None and ring_applies(
+                lay.placements(op_name, "q", 4), [_get(args, kwargs, path) for path, t in info.operands[op_name]
+                                                  if t in ("k", "v")]))
             fp8 = fp8_operands(prog.graph[op_name]) if op_name in self.choices.fp8 else frozenset()
             if op_name is not None:
                 for path, tname in info.operands.get(op_name, ()):

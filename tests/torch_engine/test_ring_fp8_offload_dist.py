@@ -10,6 +10,9 @@ against one process.
   balanced order, run by
   :class:`~shardplan.torch.run.ParallelModule` with the ring and without: both equal to one process, and the
   ring gathers neither keys nor values (two all-gathers fewer);
+* ``ring_plan``: ``st.plan(..., context="ring")`` of one long sequence splits the queries and ``st.apply``
+  runs it with the plan's choice; its keys are gathered by their producers' layouts, so the ring is not
+  taken (as many all-gathers as without it); both equal to one process;
 * ``fp8``: a tensor-parallel MLP whose two products run in FP8 (their weights and activations sharded, so
   the per-tensor scale needs the whole tensor's amax) against one process that casts the same operands
   with its own code; the FP8 loss differs from the FP32 one;
@@ -185,6 +188,41 @@ def _ring_run(world: int) -> dict[str, Any]:
     return out
 
 
+def _ring_plan(world: int) -> dict[str, Any]:
+    """``st.plan(..., context="ring")`` on the toy machine, one sequence of 4 S tokens (the plan splits the
+    queries), run by ``st.apply``; against one process and the same layouts run without the choice."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import shardplan.torch as st
+    from shardplan.planner import spmd_of
+    from shardplan.torch.frontend import trace
+    from shardplan.torch.run import ParallelModule
+
+    torch.manual_seed(0)
+    model, batch = Attn(), (torch.randn(1, 4 * S, D), torch.randn(1, 4 * S, D))
+    ref = torch_cases._clone(model)
+    loss0 = ref(*batch)
+    loss0.backward()
+    mesh = init_device_mesh("cpu", (world,))
+    plan = st.plan(torch_cases._clone(model), batch, mesh, machine=torch_cases.toy_machine(world), context="ring")
+    out: dict[str, Any] = {"attention_splits": [list(c.layout.split) for n, c in plan.operators.items()
+                                                if c.kind == "attention"]}
+    for ring in (True, False):
+        if ring:
+            pm = st.apply(plan, torch_cases._clone(model), batch, mesh)
+        else:
+            graph, info = trace(torch_cases._clone(model), batch)
+            pm = ParallelModule.create(torch_cases._clone(model), info, graph, spmd_of(plan, graph).layouts, mesh)
+        with CommDebugMode() as comm:
+            loss = pm(*batch)
+            loss.backward()
+        gathers = sum(int(v) for k, v in comm.get_comm_counts().items() if "all_gather" in str(k))
+        out[f"ring={ring}"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "all_gathers": gathers,
+                               "choice": pm.choices.ring}
+    return out
+
+
 def _mlp_run(world: int, fp8: bool, offload: bool, zero3: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -239,13 +277,15 @@ def run_all(name: str, world: int) -> dict[str, Any]:
         return _ring_fn(world)
     if name == "ring_run":
         return _ring_run(world)
+    if name == "ring_plan":
+        return _ring_plan(world)
     return _mlp_run(world, fp8=name == "fp8", offload=name.startswith("offload"), zero3=name == "offload_zero3")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_ring_fp8") / "results.json"
-    return torch_cases.run_distributed(["ring_fn", "ring_run", "fp8", "offload", "offload_zero3"], WORLD, str(out),
+    return torch_cases.run_distributed(["ring_fn", "ring_run", "ring_plan", "fp8", "offload", "offload_zero3"], WORLD, str(out),
                                        run_one=run_all)
 
 
@@ -271,6 +311,20 @@ def test_the_runner_runs_the_ring_where_the_plan_says_and_gathers_no_keys(result
     # without the ring the keys and the values are gathered before attention (and their gradients scattered back)
     for split in (1, 2):
         assert r[f"batch={split} ring=False"]["all_gathers"] == r[f"batch={split} ring=True"]["all_gathers"] + 2, r
+
+
+def test_a_plan_made_with_the_ring_runs_as_planned(results):
+    """The plan's choice reaches the run. The tables price the frontend's attention vertex (three inputs) with
+    its keys gathered, and this plan gathers them at the key and value views already (their sequence whole):
+    the ring would replace no gather there, so the run gathers as planned, as many times as without it."""
+    r = results["ring_plan"]
+    _ok(r)
+    (split,) = r["attention_splits"]
+    assert split[2] > 1, split  # the queries are split (dims b h l s e f)
+    assert r["ring=True"]["choice"] and not r["ring=False"]["choice"]
+    for x in (r["ring=True"], r["ring=False"]):
+        assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
+    assert r["ring=False"]["all_gathers"] == r["ring=True"]["all_gathers"], r
 
 
 def test_fp8_products_equal_the_unsharded_fp8_program(results):
