@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import PerDeviceLimitError
 from shardplan.ir import Operator, Tensor
 from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays
 
@@ -56,13 +56,14 @@ MAX_DEVICES = 4096
 int64 array per axis is 8 K p bytes, 1.6 GB for K = 50,000 layouts on 4,096 devices."""
 
 
-def check_per_device(p: int, what: str) -> None:
-    """Refuse (ShardplanError) building per-device arrays on more than :data:`MAX_DEVICES` devices; ``what``
-    says which tiles need them."""
-    if p > MAX_DEVICES:
-        raise ShardplanError(f"{p} devices: {what} are not the same on every device, and the cost model keeps such "
-                             f"tiles per device and layout, so it supports them on at most {MAX_DEVICES} devices "
-                             "(regular tiles on every device have no such limit)")
+def check_per_device(p: int, what: str, cap: int = MAX_DEVICES) -> None:
+    """Refuse (:class:`~shardplan.errors.PerDeviceLimitError`, a ShardplanError) building per-device arrays on
+    more than ``cap`` devices (default :data:`MAX_DEVICES`; a build's ``max_devices`` option); ``what`` says which
+    tiles need them."""
+    if p > cap:
+        raise PerDeviceLimitError(f"{p} devices: {what} are not the same on every device, and the cost model keeps "
+                                  f"such tiles per device and layout, so it supports them on at most {cap} devices "
+                                  "(regular tiles on every device have no such limit)")
 
 
 def all_active(lay: LayoutArrays) -> np.ndarray:
