@@ -37,7 +37,10 @@ the same lengths, so volumes and memory are per layout (K,), not per device;
 :mod:`shardplan.cost.edge` likewise decides the redistribution of such tiles
 from the layouts' block patterns alone (docs/cost-model.md, "Meshes of any
 size"). The functions here that do build per-device arrays refuse more than
-:data:`MAX_DEVICES` devices (:func:`check_per_device`).
+:data:`MAX_DEVICES` devices (:func:`check_per_device`, raising
+:class:`~shardplan.errors.PerDeviceLimitError`); a cost-table build checks its edges against its own
+``max_devices`` option (default :data:`MAX_DEVICES`) before allocating anything, so a caller can lower the cap
+to try the refusal on a small machine.
 """
 
 from __future__ import annotations
