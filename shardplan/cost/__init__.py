@@ -17,7 +17,7 @@ from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budge
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
 from shardplan.cost.ring import CONTEXT_ALGORITHMS, context_edge, moved_reduction
-from shardplan.cost.tiles import MAX_DEVICES  # noqa: F401  (per-device tiles: at most this many devices)
+from shardplan.cost.tiles import MAX_DEVICES  # per-device tiles: at most this many devices (the default max_devices)
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
 from shardplan.ir import Graph, Operator
 from shardplan.layout import Layout, LayoutArrays

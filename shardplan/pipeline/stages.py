@@ -516,7 +516,7 @@ class ModelStages:
 
     def _refuse(self, q: int, m: int, error: PerDeviceLimitError) -> None:
         """Record that a stage on q devices at m could not be costed (:attr:`refused`)."""
-        why, ms = self.refused.setdefault(q, (str(error), set()))
+        _, ms = self.refused.setdefault(q, (str(error), set()))
         ms.add(m)
 
     def refused_floor(self) -> float | None:

@@ -31,7 +31,7 @@ def _machine():
     return dataclasses.replace(preset("a100", 6), node_size=2)  # sub-meshes 1, 2, 4 and 6 (3 nodes: not 2^k)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _solved(cap: int | None, sizes: tuple[int, ...] | None = None):
     lines: list[str] = []
     opts = {} if cap is None else {"max_devices": cap}
@@ -39,7 +39,7 @@ def _solved(cap: int | None, sizes: tuple[int, ...] | None = None):
     return res, lines
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _brute():
     """The 1F1B optimum over every cut, sub-mesh sequence and m of the whole space, uncapped."""
     res, _ = _solved(None)
