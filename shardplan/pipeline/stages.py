@@ -824,34 +824,37 @@ class ModelStages:
         None if nothing fits."""
         if self.batch % m:
             return None
-        _, units, sigs = self.graph(m)
+        _, _, sigs = self.graph(m)
         key = (tuple((sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None,
                       self._tie_key(a, b, m)) for a, b in chunks), q, m, "group-fit", float(k), budget)
         if key in self._cache:
             return self._cache[key]
         try:
-            plan = self._solve_fit(self.subgraph_of(chunks, m), q, m, float(k), budget)
+            out = self._group_fit_cost(chunks, q, m, k, budget)
         except PerDeviceLimitError as e:
             self._refuse(q, m, e)
-            self._cache[key] = None
-            return None
-        if plan is None:
             out = None
-        else:
-            ratio = _proven_ratio(plan, self.fit_rtol)
-            plain = [self.stage_cost(a, b, q, m) for a, b in chunks]
-            if plan.solution.cost > 0 and all(c is not None for c in plain):
-                # the time-optimal chunks are a lower bound too (no choice is cheaper than none)
-                ratio = min(1.0, max(ratio, sum(c.time for c in plain) / plan.solution.cost))  # type: ignore[union-attr]
-            parts, start = [], 0
-            for a, b in chunks:
-                n_ops = sum(len(units[u]) for u in range(a, b))
-                c = _fit_parts(plan, set(range(start, start + n_ops)), m, k, a, b - 1, self.boundary_bytes)
-                parts.append(replace(c, lower=c.time * ratio))
-                start += n_ops
-            out = tuple(parts)
         self._cache[key] = out
         return out
+
+    def _group_fit_cost(self, chunks: tuple[tuple[int, int], ...], q: int, m: int, k: float,
+                        budget: float) -> tuple[StageCost, ...] | None:
+        _, units, _ = self.graph(m)
+        plan = self._solve_fit(self.subgraph_of(chunks, m), q, m, float(k), budget)
+        if plan is None:
+            return None
+        ratio = _proven_ratio(plan, self.fit_rtol)
+        plain = [self.stage_cost(a, b, q, m) for a, b in chunks]
+        if plan.solution.cost > 0 and all(c is not None for c in plain):
+            # the time-optimal chunks are a lower bound too (no choice is cheaper than none)
+            ratio = min(1.0, max(ratio, sum(c.time for c in plain) / plan.solution.cost))  # type: ignore[union-attr]
+        parts, start = [], 0
+        for a, b in chunks:
+            n_ops = sum(len(units[u]) for u in range(a, b))
+            c = _fit_parts(plan, set(range(start, start + n_ops)), m, k, a, b - 1, self.boundary_bytes)
+            parts.append(replace(c, lower=c.time * ratio))
+            start += n_ops
+        return tuple(parts)
 
     def stage_cost_of_run(self, a: int, b: int, s: int, e: int, keep: int, q: int, m: int) -> StageCost:
         """Cost of [a, b) with its run of identical units [s, e) cut to ``keep`` units (an equal segment)."""

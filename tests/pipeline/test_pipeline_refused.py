@@ -106,3 +106,20 @@ def test_an_interrupt_states_a_bound_of_the_whole_space(after):
         assert after == 2
         bound = progress.space_bound
     assert bound is not None and 0 < bound <= _brute().step_time
+
+
+def test_memory_constrained_stages_and_every_schedule_under_the_cap():
+    """With memory choices (a budget half the time-optimal plan's peak) and ZB-H1 and interleaved 1F1B searched too,
+    the capped search answers what the search without size 6 answers, and its bound is below the uncapped
+    optimum."""
+    free, _ = _solved(None)
+    budget = 0.5 * max(s.memory for s in free.plan.stages)
+    opts = dict(micro_batches=MS, interleave=(2,), schedules=("1f1b", "interleaved", "zb-h1"), memory_choices=True,
+                budget=budget)
+    full = pipeline_solve(_build, BATCH, _machine(), **opts)
+    capped = pipeline_solve(_build, BATCH, _machine(), max_devices=4, **opts)
+    restricted = pipeline_solve(_build, BATCH, _machine(), sizes=(1, 2, 4), **opts)
+    assert capped.plan.stats["fit_evaluations"] > 0 and capped.plan.stats["sizes_not_searched"] == [6]
+    assert capped.step_time == pytest.approx(restricted.step_time, rel=1e-12)
+    assert capped.plan.schedule == restricted.plan.schedule
+    assert capped.plan.lower_bound <= full.step_time <= capped.step_time
