@@ -557,7 +557,7 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
                 incumbent: np.ndarray | None = None, rtol: float = RTOL,
                 restricted_max: int = 8, restricted_entries: float = 2e7,
                 min_drop: float = 0.2, exact_weights: bool = False,
-                symmetric: bool = False) -> tuple[Reduction, dict]:
+                symmetric: bool = False, orbit_ids: list[int] | None = None) -> tuple[Reduction, dict]:
     """Drop every configuration whose lower bound exceeds the incumbent (exact; see module doc).
 
     Round 0 uses the plain forest bound (cheap, on the full problem); every
@@ -575,7 +575,8 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
     With ``symmetric``, vertices with equal costs and configurations
     (:func:`shardplan.search.reduce.orbits`: the same operator in identical
     layers) keep the union of their survivors, so the restricted problem
-    keeps equal parts equal and shares their matrices (exact: only more is kept).
+    keeps equal parts equal and shares their matrices (exact: only more is kept);
+    ``orbit_ids``, when given, is ``orbits(problem)`` already computed.
 
     Returns the reduction (merged edges, surviving configurations, ``keep``
     maps to ``problem``'s indices) and stats: configs before/after, rounds,
@@ -585,7 +586,7 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
     """
     t0 = time.perf_counter()
     st = BoundState.from_problem(problem)
-    orb = orbits(problem) if symmetric else None
+    orb = (orbit_ids if orbit_ids is not None else orbits(problem)) if symmetric else None
     orbit = orb if orb is not None and len(set(orb)) < problem.num_vertices else None
     keep = [np.arange(k) for k in problem.sizes]
     before = int(sum(problem.sizes))
