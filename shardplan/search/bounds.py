@@ -557,7 +557,8 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
                 incumbent: np.ndarray | None = None, rtol: float = RTOL,
                 restricted_max: int = 8, restricted_entries: float = 2e7,
                 min_drop: float = 0.2, exact_weights: bool = False,
-                symmetric: bool = False, orbit_ids: list[int] | None = None) -> tuple[Reduction, dict]:
+                symmetric: bool = False, orbit_ids: list[int] | None = None
+                ) -> tuple[Reduction, dict]:
     """Drop every configuration whose lower bound exceeds the incumbent (exact; see module doc).
 
     Round 0 uses the plain forest bound (cheap, on the full problem); every
