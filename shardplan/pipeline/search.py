@@ -82,6 +82,7 @@ class StageCost:
 
 
 StageFn = Callable[[int, int, int, int], "StageCost | None"]
+StageLowerFn = Callable[[int, int, int, int], float]
 FitFn = Callable[[int, int, int, int, int, float], "StageCost | None"]
 GroupFitFn = Callable[[tuple[tuple[int, int], ...], int, int, float, float], "tuple[StageCost, ...] | None"]
 LinkFn = Callable[[int, int, int, int, bool], float]
@@ -234,7 +235,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     group_fit_fn: GroupFitFn | None = None, progress: Progress | None = None,
                     one_program_lower: float | None = None,
                     release: Callable[[], None] | None = None,
-                    step_floor: Callable[[int], float] | None = None) -> PipelinePlan | None:
+                    step_floor: Callable[[int], float] | None = None,
+                    stage_lower: StageLowerFn | None = None) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -269,7 +271,14 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     m = 1 with its memory choices (the one-program search's own bound for one micro-batch, the same problem):
     that stand-in starts there, so the search does not solve it again to learn what the one program proved.
     ``release()`` is called after every part of each micro-batch count is done (the callbacks' caches for that
-    count can go: :meth:`~shardplan.pipeline.stages.ModelStages.release`)."""
+    count can go: :meth:`~shardplan.pipeline.stages.ModelStages.release`).
+
+    ``stage_lower(a, b, q, m)``: a proven lower bound of the seconds of units [a, b) as one stage on q devices at m
+    under any plan (time-optimal or memory-constrained), the sum of per-unit bounds (so a stage of one unit gives
+    the unit's), computed without a solve (:class:`~shardplan.pipeline.floors.UnitFloors`). With it the family
+    bounds take those per-unit bounds instead of solving every unit on every size, and the 1F1B and ZB-H1 DPs
+    skip, unsolved, every stage whose bound exceeds their bottleneck bound or the best step over m
+    (docs/pipeline.md, *Solve-free stage bounds*)."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
@@ -327,7 +336,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 
             def units(q: int, m: int = m, cache: dict = cache) -> list[float]:
                 if q not in cache:
-                    cache[q] = _unit_seconds(space, stage_fn, m, q)
+                    cache[q] = (_unit_seconds(space, stage_fn, m, q) if stage_lower is None else
+                                [stage_lower(u, u + 1, q, m) for u in range(space.num_units)])
                 return cache[q]
 
             for fam, v in kinds:
@@ -349,12 +359,13 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
                                               known(), stats, units,
                                               first_stages=2 if "1f1b" in schedules else 1, progress=progress,
-                                              hint=hint)
+                                              hint=hint, stage_lower=stage_lower)
                 elif fam == "1f1b":
                     found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
                                              exchange, fit_fn, progress=progress,
                                              one_program_lower=one_program_lower, units=units,
-                                             units_known=lambda q, cache=cache: q in cache, hint=hint)
+                                             units_known=lambda q, cache=cache: stage_lower is not None or q in cache,
+                                             hint=hint, stage_lower=stage_lower)
                 else:
                     found, lb = _search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
                                                     known(), stats, units, tick=tick)
@@ -390,7 +401,8 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                  one_program_lower: float | None = None,
                  units: Callable[[int], Sequence[float]] | None = None,
                  units_known: Callable[[int], bool] | None = None,
-                 hint: Callable[[float], None] | None = None) -> tuple[PipelinePlan | None, float]:
+                 hint: Callable[[float], None] | None = None,
+                 stage_lower: StageLowerFn | None = None) -> tuple[PipelinePlan | None, float]:
     """The 1F1B optimum at m if below ``incumbent`` (else None), and a proven lower bound of the 1F1B optimum at
     m: rho min(incumbent, found), rho the least proven/found ratio of the memory-constrained stages solved
     (module docstring, *Lower bound*).
@@ -423,7 +435,10 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                     see(_exchanged(exchange, x, inter))
 
     progress = progress if progress is not None else Progress()
-    pool = _StagePool(stage_fn, fit_fn, m, budget, stats, noticed, progress.tick)
+    pool = _StagePool(stage_fn, fit_fn, m, budget, stats, noticed, progress.tick, stage_lower)
+    # every 1F1B step is at least m t_max: a stage slower than incumbent / m is in no pipeline that beats it
+    # (docs/pipeline.md, *Solve-free stage bounds*)
+    cap = incumbent / m * (1 + 1e-12)
     if m == 1 and one_program_lower is not None:
         # the whole model as one stage at m = 1 is the one program with one micro-batch: its proven bound
         # raises that stand-in (docs/pipeline.md, *An incumbent from outside*)
@@ -529,12 +544,18 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             return got
 
         def stage_value(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
+            if pool.lower(a, b, q) > min(bound * (1 + 1e-12), cap):
+                # its time-optimal seconds, and every longer stage's, are over the bound or the cap: unsolved
+                stats["stages_skipped_by_floor"] = stats.get("stages_skipped_by_floor", 0) + 1
+                return _BREAK
             k = float(min(r, m))
             c = effective(a, b, q, k)
             if c is None or c.memory(k) > budget:
                 if fit_fn is not None and cost(a, b, q) is not None:
                     return _BREAK  # nothing fits [a, b) with k in flight: a longer stage needs more still
                 return None
+            if pool.over(a, b, q, cap):
+                return _BREAK  # its true seconds, and every longer stage's, are over the cap
             if c.time > bound * (1 + 1e-12):
                 plain = cost(a, b, q)
                 if not pool.lazy or plain.time > bound * (1 + 1e-12):  # type: ignore[union-attr]
@@ -1184,7 +1205,8 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                   incumbent: float = math.inf, stats: dict | None = None,
                   units: Callable[[int], Sequence[float]] | None = None,
                   first_stages: int = 1, progress: Progress | None = None,
-                  hint: Callable[[float], None] | None = None) -> tuple[PipelinePlan | None, float]:
+                  hint: Callable[[float], None] | None = None,
+                  stage_lower: StageLowerFn | None = None) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count ``first_stages`` <= S <= m
     (module docstring,
     *ZB-H1*) if below ``incumbent``, and a proven lower bound of it: each stage count whose family bound
@@ -1222,7 +1244,8 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
     def best_t() -> float:
         return min(incumbent, best.step_time if best is not None else math.inf)
 
-    pool = _StagePool(stage_fn, fit_fn, m, budget, stats, tick=None if progress is None else progress.tick)
+    pool = _StagePool(stage_fn, fit_fn, m, budget, stats, tick=None if progress is None else progress.tick,
+                      stage_lower=stage_lower)
     while True:
         lower = math.inf
         try:
@@ -1255,8 +1278,9 @@ class _StagePool:
 
     def __init__(self, stage_fn: StageFn, fit_fn: FitFn | None, m: int, budget: float, stats: dict,
                  on_new: Callable[[StageCost, bool], None] | None = None,
-                 tick: Callable[..., None] | None = None) -> None:
+                 tick: Callable[..., None] | None = None, stage_lower: StageLowerFn | None = None) -> None:
         self.stage_fn, self.fit_fn, self.m, self.budget, self.stats = stage_fn, fit_fn, m, budget, stats
+        self.stage_lower = stage_lower
         self.on_new = on_new
         self.tick: Callable[..., None] = tick if tick is not None else (lambda *_: None)
         self.plain_costs: dict[tuple[int, int, int], StageCost | None] = {}
@@ -1265,6 +1289,20 @@ class _StagePool:
         # proven lower bounds of memory-constrained stages known from outside, by (a, b, q, k): their stand-ins
         self.known_lower: dict[tuple[int, int, int, float], float] = {}
         self.version = 0  # counts the solves that changed a cost (a DP's memo is valid for one version)
+
+    def bounded(self) -> bool:
+        """Whether the time-optimal seconds bound every stage's (False once a memory-constrained solve came out
+        below them: then neither they nor :meth:`lower` may prune)."""
+        return self.fit_fn is None or self.lazy
+
+    def lower(self, a: int, b: int, q: int) -> float:
+        """A proven lower bound of the stage's seconds under any plan, without a solve (0 when none is given)."""
+        return 0.0 if self.stage_lower is None or not self.bounded() else self.stage_lower(a, b, q, self.m)
+
+    def over(self, a: int, b: int, q: int, cap: float) -> bool:
+        """Whether the stage's least seconds under any plan exceed ``cap`` (its time-optimal seconds do)."""
+        c = self.plain(a, b, q)
+        return c is not None and self.bounded() and c.time > cap
 
     def plain(self, a: int, b: int, q: int) -> StageCost | None:
         key = (a, b, q)
@@ -1321,22 +1359,29 @@ def _zb_terms(c: StageCost) -> tuple[float, float]:
 
 
 def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, link_fn: LinkFn,
-           exchange: ExchangeFn | None, hi: float, w_lo: float, y_lo: float, stats: dict
+           exchange: ExchangeFn | None, hi: float, w_lo: float, y_lo: float, stats: dict, cap: float = math.inf
            ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least ``sum_i t_i + transfers`` over pipelines of n stages (n in flight on each) whose every stage and
     transfer time is at most ``hi`` and every stage's W at least ``w_lo`` and Y at least ``y_lo`` (stand-ins pass
     the floors): :func:`_stage_dp` as 1F1B's. Stage times grow with the extent, so the scan stops at the first
     over ``hi`` (while stand-ins are in force, at the first whose time-optimal seconds are, as in 1F1B's
-    search); W and Y do not: the floors only skip."""
+    search); W and Y do not: the floors only skip. A stage whose true seconds exceed ``cap`` (the best step over
+    m: the ZB-H1 step is at least m t_max) is in no pipeline that could beat it: left out, and one whose
+    solve-free bound (:meth:`_StagePool.lower`) exceeds ``hi`` or ``cap`` is not solved."""
     p = space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     k = float(n)
 
     def stage(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
+        if pool.lower(a, b, q) > min(hi, cap):
+            stats["stages_skipped_by_floor"] = stats.get("stages_skipped_by_floor", 0) + 1
+            return _BREAK  # its time-optimal seconds are over hi or cap, and every longer stage's
         c = pool.get(a, b, q, k)
         if c is None or c.memory(k) > pool.budget:
             # nothing fits [a, b) with k in flight: a longer stage needs more still
             return _BREAK if pool.fit_fn is not None and pool.plain(a, b, q) is not None else None
+        if pool.over(a, b, q, cap):
+            return _BREAK  # its true seconds (at least the time-optimal ones) are over the cap, and a longer one's
         if c.time > hi:
             return _BREAK if not pool.lazy or pool.plain(a, b, q).time > hi else None  # type: ignore[union-attr]
         if c.detail is not _PENDING:
@@ -1406,7 +1451,9 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
         stats["zb_boxes"] = stats.get("zb_boxes", 0) + 1
         if progress is not None:
             progress.tick(f"{n} stages: box {stats['zb_boxes']}, its bound {lb:.4g} s")
-        got = _zb_dp(pool, space, n, q_fixed, link_fn, exchange, b_hi, w_lo, y_lo, stats)
+        # the ZB-H1 step is at least m t_max (docs/pipeline.md, *Family bounds*): no stage slower than inc / m
+        got = _zb_dp(pool, space, n, q_fixed, link_fn, exchange, b_hi, w_lo, y_lo, stats,
+                     cap=inc / m * (1 + 1e-12))
         if got is None:
             continue
         d, segs = got
