@@ -73,13 +73,16 @@ class UnitFloors:
         key = (q, m)
         pre = self._pre.get(key)
         if pre is None:
-            g, units, _ = self.stages.graph(m)
+            g, units, sigs = self.stages.graph(m)
             vertex = self._vertex_ok(q)
             vals = []
+            kinds: dict[int, float] = {}  # units of one signature have the same operators: one bound per kind
             for u, idx in enumerate(units):
-                d = self.stages.device_seconds(m, u, u + 1) / q
-                v = sum(self._op_floor(g.operators[i], q, m) for i in idx) if vertex else 0.0
-                vals.append(max(d, v))
+                if sigs[u] not in kinds:
+                    d = self.stages.device_seconds(m, u, u + 1) / q
+                    v = sum(self._op_floor(g.operators[i], q, m) for i in idx) if vertex else 0.0
+                    kinds[sigs[u]] = max(d, v)
+                vals.append(kinds[sigs[u]])
             pre = self._pre[key] = np.concatenate(([0.0], np.cumsum(vals)))
         return pre
 

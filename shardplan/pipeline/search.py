@@ -543,11 +543,15 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 got = values[key] = stage_value(a, b, o, q, r)
             return got
 
-        def stage_value(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
-            if pool.lower(a, b, q) > min(bound * (1 + 1e-12), cap):
+        def floor(a: int, b: int, q: int) -> float | object:
+            lo = pool.lower(a, b, q)
+            if lo > min(bound * (1 + 1e-12), cap):
                 # its time-optimal seconds, and every longer stage's, are over the bound or the cap: unsolved
                 stats["stages_skipped_by_floor"] = stats.get("stages_skipped_by_floor", 0) + 1
                 return _BREAK
+            return lo
+
+        def stage_value(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
             k = float(min(r, m))
             c = effective(a, b, q, k)
             if c is None or c.memory(k) > budget:
@@ -574,7 +578,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
 
         return _stage_dp(space, n_stages, [q_fixed] if q_fixed is not None else list(sizes), stage,
                          between if exchange is None else None, stats, "dp_states", memo, pool.tick,
-                         classes=m if merged else None)
+                         classes=m if merged else None, floor=floor if pool.stage_lower is not None else None)
 
     def optimum(start: float) -> PipelinePlan | None:
         """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages):
@@ -713,7 +717,9 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
               between: Callable[[int, int, int, int], float | None] | None, stats: dict,
               counter: str, memo: dict | None = None,
               tick: Callable[[], None] | None = None,
-              classes: int | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+              classes: int | None = None,
+              floor: Callable[[int, int, int], "float | object"] | None = None
+              ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least sum of stage values over pipelines of n placed stages tiling the machine in order: a DP over
     (first unit, first device, stages left, first stage's size). ``stage(a, b, o, q, r)``: the value of units [a,
     b) on the q devices from o with r stages left (itself included), None if not allowed, ``_BREAK`` if no
@@ -728,9 +734,14 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
     whether the stage is last): the state's third slot is then the class c = min(r, m) rather than r (c < m:
     exactly c stages left; c = m: m or more), so the DP has m layers instead of one per stage count
     (docs/pipeline.md, *Stage counts merged*). ``stage`` is then called with r = 1 for the last stage, c for
-    c < m, and max(m, 2) otherwise (the same min(r, m) and r = 1 as every r of the class)."""
+    c < m, and max(m, 2) otherwise (the same min(r, m) and r = 1 as every r of the class).
+
+    ``floor(a, b, q)``: a lower bound of ``stage(a, b, o, q, r)`` for every o and r, or ``_BREAK`` when that is
+    too; asked first: a stage whose floor plus the best of the rest cannot beat the state's best so far is not
+    asked for (a bound within the DP: the states' values and choices are the same, ties included, since a
+    choice is taken only when strictly better)."""
     if classes is not None:
-        return _class_dp(space, classes, qs, stage, between, stats, counter, memo, tick)
+        return _class_dp(space, classes, qs, stage, between, stats, counter, memo, tick, floor)
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     if memo is None:
@@ -749,6 +760,12 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         # the r - 1 stages after this one need at least (r - 1) q_min devices: no stage is asked for otherwise
         if _placeable(o, q, p, ns) and (r > 1 or o + q == p) and o + q + (r - 1) * q_min <= p:
             for b in ([U] if r == 1 else range(a + 1, U - r + 2)):
+                if floor is not None:
+                    lo = floor(a, b, q)
+                    if lo is _BREAK:
+                        break
+                    if lo + (0.0 if r == 1 or between is not None else best_any(b, o + q, r - 1)[0]) >= best_v:
+                        continue  # type: ignore[operator]
                 here = stage(a, b, o, q, r)
                 if here is _BREAK:
                     break
@@ -809,7 +826,9 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
               stage: Callable[[int, int, int, int, int], "float | None | object"],
               between: Callable[[int, int, int, int], float | None] | None, stats: dict,
               counter: str, memo: dict | None = None,
-              tick: Callable[[], None] | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+              tick: Callable[[], None] | None = None,
+              floor: Callable[[int, int, int], "float | object"] | None = None
+              ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """:func:`_stage_dp` with ``classes=m``: the least sum of stage values over pipelines of any stage count,
     a DP over (first unit, first device, class c = min(stages left, m), first stage's size)."""
     U, p = space.num_units, space.num_devices
@@ -843,6 +862,13 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
                 last = b == U
                 if last and not may_end:
                     continue
+                if floor is not None:
+                    lo = floor(a, b, q)
+                    if lo is _BREAK:
+                        break
+                    rest = 0.0 if last or between is not None else min(best_any(b, o + q, c2)[0] for c2 in after(c))
+                    if lo + rest >= best_v:  # type: ignore[operator]
+                        continue
                 here = stage(a, b, o, q, 1 if last else r_on)
                 if here is _BREAK:
                     break
@@ -1372,10 +1398,14 @@ def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, 
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     k = float(n)
 
-    def stage(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
-        if pool.lower(a, b, q) > min(hi, cap):
+    def floor(a: int, b: int, q: int) -> float | object:
+        lo = pool.lower(a, b, q)
+        if lo > min(hi, cap):
             stats["stages_skipped_by_floor"] = stats.get("stages_skipped_by_floor", 0) + 1
             return _BREAK  # its time-optimal seconds are over hi or cap, and every longer stage's
+        return lo
+
+    def stage(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
         c = pool.get(a, b, q, k)
         if c is None or c.memory(k) > pool.budget:
             # nothing fits [a, b) with k in flight: a longer stage needs more still
@@ -1399,7 +1429,8 @@ def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, 
         return lk if lk <= hi else None
 
     return _stage_dp(space, n, [q_fixed] if q_fixed is not None else list(space.allowed_sizes()), stage,
-                     between if exchange is None else None, stats, "zb_dp_states", tick=pool.tick)
+                     between if exchange is None else None, stats, "zb_dp_states", tick=pool.tick,
+                     floor=floor if pool.stage_lower is not None else None)
 
 
 def _relaxed_max(pool: _StagePool, segs: Sequence[tuple[int, int, int, int]], n: int, link_fn: LinkFn,
