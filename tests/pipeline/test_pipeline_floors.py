@@ -5,6 +5,7 @@ without them, with a proven bound that stays below the optimum."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -146,3 +147,44 @@ def test_unit_floors_bound_every_stage_on_a_real_model():
                         fit = st.fit_cost(a, b, q, m, 2, budget)
                         assert fit is None or lb <= fit.time * (1 + 1e-9)
     assert above > 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stage_dp_with_floors_same_values_and_choices(seed):
+    """The stage DP (exactly n stages, and every count over classes) with a floor per stage asked first gives the
+    same value and the same stages as without, ties included, asking for no more stages; a floor over the
+    stages' own limit ends the extent scan as the stage itself would."""
+    from shardplan.pipeline.search import _BREAK, _stage_dp
+
+    from tests.pipeline.test_pipeline_memo import _values
+
+    U, p, m = 6, 8, [1, 2, 3, 5][seed % 4]
+    space = PipelineSpace(U, p, 4)
+    sizes = list(space.allowed_sizes())
+    value, between = _values(seed, U, p, m)
+    rng = random.Random(seed)
+    frac = {(a, b, q): rng.uniform(0.0, 1.0) for a in range(U) for b in range(a + 1, U + 1) for q in sizes}
+    limit = [math.inf, 2.0, 1.0][seed % 3]
+    asked = {True: 0, False: 0}
+
+    def stage_of(use: bool):
+        def stage(a, b, o, q, r):
+            asked[use] += 1
+            v = value(a, b, o, q, r)
+            return _BREAK if v is not None and v > limit and value(a, b, 0, q, 1) is not None else v
+        return stage
+
+    def floor(a, b, q):
+        # below every value of the stage (the values add nonnegative terms to the work over the size)
+        lo = min((v for v in (value(a, b, o, q, r) for o in range(p) for r in range(1, m + 2)) if v is not None),
+                 default=0.0) * frac[(a, b, q)]
+        return _BREAK if lo > limit and value(a, b, 0, q, 1) is not None and min(
+            (v for v in (value(a, b, o, q, r) for o in range(p) for r in range(1, m + 2)) if v is not None),
+            default=0.0) > limit else lo
+
+    for link in (None, between):
+        for n, classes in [(k, None) for k in range(1, 4)] + [(0, m)]:
+            want = _stage_dp(space, n, sizes, stage_of(False), link, {}, "s", classes=classes)
+            got = _stage_dp(space, n, sizes, stage_of(True), link, {}, "s", classes=classes, floor=floor)
+            assert got == want
+    assert asked[True] <= asked[False]
