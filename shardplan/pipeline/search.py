@@ -459,7 +459,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     elif m > 1 and units is not None and units_known is not None and all(units_known(q) for q in sizes if q <= p):
         ns = p if space.node_size is None or space.node_size >= p else space.node_size
         fam = _one_f_one_b_family_bound({q: units(q) for q in sizes if q <= p}, p, m, ns)
-        stats.setdefault("one_f_one_b_family_bounds", {})[m] = fam
+        stats.setdefault("one_f_one_b_family_bounds", {})[str(m)] = fam  # a JSON key: the plan round-trips
         if hint is not None:
             hint(fam)
         if fam >= incumbent:
