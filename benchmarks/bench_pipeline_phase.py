@@ -73,6 +73,8 @@ def run_row(name: str, spec: dict[str, Any], cache: Path, limit: float) -> dict[
     lines: list[str] = []
     tracker = Progress(lines.append)
     tracker.improved(one["step"])
+    # Ctrl-C as a KeyboardInterrupt even when started in the background (which inherits SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.setitimer(signal.ITIMER_PROF, limit)  # SIGPROF after `limit` CPU seconds: stop the search there
     signal.signal(signal.SIGPROF, lambda *_: signal.raise_signal(signal.SIGINT))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
