@@ -336,6 +336,7 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 
             def units(q: int, m: int = m, cache: dict = cache) -> list[float]:
                 if q not in cache:
+                    tick(f"unit bounds on {q} devices")
                     cache[q] = (_unit_seconds(space, stage_fn, m, q) if stage_lower is None else
                                 [stage_lower(u, u + 1, q, m) for u in range(space.num_units)])
                 return cache[q]
