@@ -75,7 +75,8 @@ def run_row(name: str, spec: dict[str, Any], cache: Path, limit: float) -> dict[
     tracker.improved(one["step"])
     # Ctrl-C as a KeyboardInterrupt even when started in the background (which inherits SIGINT ignored)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.setitimer(signal.ITIMER_PROF, limit)  # SIGPROF after `limit` CPU seconds: stop the search there
+    # again every 5 CPU s: an interrupt that lands in a memory-constrained stage solve stops that solve only
+    signal.setitimer(signal.ITIMER_PROF, limit, 5.0)  # SIGPROF after `limit` CPU seconds: stop the search there
     signal.signal(signal.SIGPROF, lambda *_: signal.raise_signal(signal.SIGINT))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0, c0 = time.perf_counter(), time.process_time()
