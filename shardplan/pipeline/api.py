@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph
 from shardplan.machine import Machine
+from shardplan.pipeline.floors import UnitFloors
 from shardplan.pipeline.progress import Progress
 from shardplan.pipeline.schedule import simulate, step_time
 from shardplan.pipeline.search import PipelinePlan, PipelineSpace, search_pipeline
@@ -160,7 +161,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
         plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules, exchange=stages.exchange_time,
                                fit_fn=fit_fn, group_fit_fn=group_fit_fn, progress=progress,
                                one_program_lower=one_program_lower if memory_choices else None,
-                               release=stages.release, step_floor=stages.step_floor)
+                               release=stages.release, step_floor=stages.step_floor,
+                               stage_lower=UnitFloors(stages).segment)
     except KeyboardInterrupt:
         if progress is not None:
             progress.space_bound = _with_refused(progress.space_bound, stages)

@@ -82,6 +82,7 @@ class StageCost:
 
 
 StageFn = Callable[[int, int, int, int], "StageCost | None"]
+StageLowerFn = Callable[[int, int, int, int], float]
 FitFn = Callable[[int, int, int, int, int, float], "StageCost | None"]
 GroupFitFn = Callable[[tuple[tuple[int, int], ...], int, int, float, float], "tuple[StageCost, ...] | None"]
 LinkFn = Callable[[int, int, int, int, bool], float]
@@ -234,7 +235,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     group_fit_fn: GroupFitFn | None = None, progress: Progress | None = None,
                     one_program_lower: float | None = None,
                     release: Callable[[], None] | None = None,
-                    step_floor: Callable[[int], float] | None = None) -> PipelinePlan | None:
+                    step_floor: Callable[[int], float] | None = None,
+                    stage_lower: StageLowerFn | None = None) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -269,7 +271,14 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     m = 1 with its memory choices (the one-program search's own bound for one micro-batch, the same problem):
     that stand-in starts there, so the search does not solve it again to learn what the one program proved.
     ``release()`` is called after every part of each micro-batch count is done (the callbacks' caches for that
-    count can go: :meth:`~shardplan.pipeline.stages.ModelStages.release`)."""
+    count can go: :meth:`~shardplan.pipeline.stages.ModelStages.release`).
+
+    ``stage_lower(a, b, q, m)``: a proven lower bound of the seconds of units [a, b) as one stage on q devices at m
+    under any plan (time-optimal or memory-constrained), the sum of per-unit bounds (so a stage of one unit gives
+    the unit's), computed without a solve (:class:`~shardplan.pipeline.floors.UnitFloors`). With it the family
+    bounds take those per-unit bounds instead of solving every unit on every size, and the 1F1B and ZB-H1 DPs
+    skip, unsolved, every stage whose bound exceeds their bottleneck bound or the best step over m
+    (docs/pipeline.md, *Solve-free stage bounds*)."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
@@ -327,7 +336,9 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 
             def units(q: int, m: int = m, cache: dict = cache) -> list[float]:
                 if q not in cache:
-                    cache[q] = _unit_seconds(space, stage_fn, m, q)
+                    tick(f"unit bounds on {q} devices")
+                    cache[q] = (_unit_seconds(space, stage_fn, m, q) if stage_lower is None else
+                                [stage_lower(u, u + 1, q, m) for u in range(space.num_units)])
                 return cache[q]
 
             for fam, v in kinds:
@@ -349,12 +360,13 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
                                               known(), stats, units,
                                               first_stages=2 if "1f1b" in schedules else 1, progress=progress,
-                                              hint=hint)
+                                              hint=hint, stage_lower=stage_lower)
                 elif fam == "1f1b":
                     found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
                                              exchange, fit_fn, progress=progress,
                                              one_program_lower=one_program_lower, units=units,
-                                             units_known=lambda q, cache=cache: q in cache, hint=hint)
+                                             units_known=lambda q, cache=cache: stage_lower is not None or q in cache,
+                                             hint=hint, stage_lower=stage_lower)
                 else:
                     found, lb = _search_interleaved(space, stage_fn, link_fn, m, v, exchange, group_fit_fn,
                                                     known(), stats, units, tick=tick)
@@ -390,7 +402,8 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                  one_program_lower: float | None = None,
                  units: Callable[[int], Sequence[float]] | None = None,
                  units_known: Callable[[int], bool] | None = None,
-                 hint: Callable[[float], None] | None = None) -> tuple[PipelinePlan | None, float]:
+                 hint: Callable[[float], None] | None = None,
+                 stage_lower: StageLowerFn | None = None) -> tuple[PipelinePlan | None, float]:
     """The 1F1B optimum at m if below ``incumbent`` (else None), and a proven lower bound of the 1F1B optimum at
     m: rho min(incumbent, found), rho the least proven/found ratio of the memory-constrained stages solved
     (module docstring, *Lower bound*).
@@ -423,7 +436,10 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                     see(_exchanged(exchange, x, inter))
 
     progress = progress if progress is not None else Progress()
-    pool = _StagePool(stage_fn, fit_fn, m, budget, stats, noticed, progress.tick)
+    pool = _StagePool(stage_fn, fit_fn, m, budget, stats, noticed, progress.tick, stage_lower)
+    # every 1F1B step is at least m t_max: a stage slower than incumbent / m is in no pipeline that beats it
+    # (docs/pipeline.md, *Solve-free stage bounds*)
+    cap = incumbent / m * (1 + 1e-12)
     if m == 1 and one_program_lower is not None:
         # the whole model as one stage at m = 1 is the one program with one micro-batch: its proven bound
         # raises that stand-in (docs/pipeline.md, *An incumbent from outside*)
@@ -444,7 +460,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     elif m > 1 and units is not None and units_known is not None and all(units_known(q) for q in sizes if q <= p):
         ns = p if space.node_size is None or space.node_size >= p else space.node_size
         fam = _one_f_one_b_family_bound({q: units(q) for q in sizes if q <= p}, p, m, ns)
-        stats.setdefault("one_f_one_b_family_bounds", {})[m] = fam
+        stats.setdefault("one_f_one_b_family_bounds", {})[str(m)] = fam  # a JSON key: the plan round-trips
         if hint is not None:
             hint(fam)
         if fam >= incumbent:
@@ -528,6 +544,14 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 got = values[key] = stage_value(a, b, o, q, r)
             return got
 
+        def floor(a: int, b: int, q: int) -> float | object:
+            lo = pool.lower(a, b, q)
+            if lo > min(bound * (1 + 1e-12), cap):
+                # its time-optimal seconds, and every longer stage's, are over the bound or the cap: unsolved
+                stats["stages_skipped_by_floor"] = stats.get("stages_skipped_by_floor", 0) + 1
+                return _BREAK
+            return lo
+
         def stage_value(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
             k = float(min(r, m))
             c = effective(a, b, q, k)
@@ -535,6 +559,8 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
                 if fit_fn is not None and cost(a, b, q) is not None:
                     return _BREAK  # nothing fits [a, b) with k in flight: a longer stage needs more still
                 return None
+            if pool.over(a, b, q, cap):
+                return _BREAK  # its true seconds, and every longer stage's, are over the cap
             if c.time > bound * (1 + 1e-12):
                 plain = cost(a, b, q)
                 if not pool.lazy or plain.time > bound * (1 + 1e-12):  # type: ignore[union-attr]
@@ -553,7 +579,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
 
         return _stage_dp(space, n_stages, [q_fixed] if q_fixed is not None else list(sizes), stage,
                          between if exchange is None else None, stats, "dp_states", memo, pool.tick,
-                         classes=m if merged else None)
+                         classes=m if merged else None, floor=floor if pool.stage_lower is not None else None)
 
     def optimum(start: float) -> PipelinePlan | None:
         """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages):
@@ -692,7 +718,9 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
               between: Callable[[int, int, int, int], float | None] | None, stats: dict,
               counter: str, memo: dict | None = None,
               tick: Callable[[], None] | None = None,
-              classes: int | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+              classes: int | None = None,
+              floor: Callable[[int, int, int], "float | object"] | None = None
+              ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least sum of stage values over pipelines of n placed stages tiling the machine in order: a DP over
     (first unit, first device, stages left, first stage's size). ``stage(a, b, o, q, r)``: the value of units [a,
     b) on the q devices from o with r stages left (itself included), None if not allowed, ``_BREAK`` if no
@@ -707,9 +735,14 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
     whether the stage is last): the state's third slot is then the class c = min(r, m) rather than r (c < m:
     exactly c stages left; c = m: m or more), so the DP has m layers instead of one per stage count
     (docs/pipeline.md, *Stage counts merged*). ``stage`` is then called with r = 1 for the last stage, c for
-    c < m, and max(m, 2) otherwise (the same min(r, m) and r = 1 as every r of the class)."""
+    c < m, and max(m, 2) otherwise (the same min(r, m) and r = 1 as every r of the class).
+
+    ``floor(a, b, q)``: a lower bound of ``stage(a, b, o, q, r)`` for every o and r, or ``_BREAK`` when that is
+    too; asked first: a stage whose floor plus the best of the rest cannot beat the state's best so far is not
+    asked for (a bound within the DP: the states' values and choices are the same, ties included, since a
+    choice is taken only when strictly better)."""
     if classes is not None:
-        return _class_dp(space, classes, qs, stage, between, stats, counter, memo, tick)
+        return _class_dp(space, classes, qs, stage, between, stats, counter, memo, tick, floor)
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     if memo is None:
@@ -728,6 +761,12 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         # the r - 1 stages after this one need at least (r - 1) q_min devices: no stage is asked for otherwise
         if _placeable(o, q, p, ns) and (r > 1 or o + q == p) and o + q + (r - 1) * q_min <= p:
             for b in ([U] if r == 1 else range(a + 1, U - r + 2)):
+                if floor is not None:
+                    lo = floor(a, b, q)
+                    if lo is _BREAK:
+                        break
+                    if lo + (0.0 if r == 1 or between is not None else best_any(b, o + q, r - 1)[0]) >= best_v:
+                        continue  # type: ignore[operator]
                 here = stage(a, b, o, q, r)
                 if here is _BREAK:
                     break
@@ -788,7 +827,9 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
               stage: Callable[[int, int, int, int, int], "float | None | object"],
               between: Callable[[int, int, int, int], float | None] | None, stats: dict,
               counter: str, memo: dict | None = None,
-              tick: Callable[[], None] | None = None) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+              tick: Callable[[], None] | None = None,
+              floor: Callable[[int, int, int], "float | object"] | None = None
+              ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """:func:`_stage_dp` with ``classes=m``: the least sum of stage values over pipelines of any stage count,
     a DP over (first unit, first device, class c = min(stages left, m), first stage's size)."""
     U, p = space.num_units, space.num_devices
@@ -822,6 +863,13 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
                 last = b == U
                 if last and not may_end:
                     continue
+                if floor is not None:
+                    lo = floor(a, b, q)
+                    if lo is _BREAK:
+                        break
+                    rest = 0.0 if last or between is not None else min(best_any(b, o + q, c2)[0] for c2 in after(c))
+                    if lo + rest >= best_v:  # type: ignore[operator]
+                        continue
                 here = stage(a, b, o, q, 1 if last else r_on)
                 if here is _BREAK:
                     break
@@ -1184,7 +1232,8 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                   incumbent: float = math.inf, stats: dict | None = None,
                   units: Callable[[int], Sequence[float]] | None = None,
                   first_stages: int = 1, progress: Progress | None = None,
-                  hint: Callable[[float], None] | None = None) -> tuple[PipelinePlan | None, float]:
+                  hint: Callable[[float], None] | None = None,
+                  stage_lower: StageLowerFn | None = None) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count ``first_stages`` <= S <= m
     (module docstring,
     *ZB-H1*) if below ``incumbent``, and a proven lower bound of it: each stage count whose family bound
@@ -1222,7 +1271,8 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
     def best_t() -> float:
         return min(incumbent, best.step_time if best is not None else math.inf)
 
-    pool = _StagePool(stage_fn, fit_fn, m, budget, stats, tick=None if progress is None else progress.tick)
+    pool = _StagePool(stage_fn, fit_fn, m, budget, stats, tick=None if progress is None else progress.tick,
+                      stage_lower=stage_lower)
     while True:
         lower = math.inf
         try:
@@ -1255,8 +1305,9 @@ class _StagePool:
 
     def __init__(self, stage_fn: StageFn, fit_fn: FitFn | None, m: int, budget: float, stats: dict,
                  on_new: Callable[[StageCost, bool], None] | None = None,
-                 tick: Callable[..., None] | None = None) -> None:
+                 tick: Callable[..., None] | None = None, stage_lower: StageLowerFn | None = None) -> None:
         self.stage_fn, self.fit_fn, self.m, self.budget, self.stats = stage_fn, fit_fn, m, budget, stats
+        self.stage_lower = stage_lower
         self.on_new = on_new
         self.tick: Callable[..., None] = tick if tick is not None else (lambda *_: None)
         self.plain_costs: dict[tuple[int, int, int], StageCost | None] = {}
@@ -1265,6 +1316,20 @@ class _StagePool:
         # proven lower bounds of memory-constrained stages known from outside, by (a, b, q, k): their stand-ins
         self.known_lower: dict[tuple[int, int, int, float], float] = {}
         self.version = 0  # counts the solves that changed a cost (a DP's memo is valid for one version)
+
+    def bounded(self) -> bool:
+        """Whether the time-optimal seconds bound every stage's (False once a memory-constrained solve came out
+        below them: then neither they nor :meth:`lower` may prune)."""
+        return self.fit_fn is None or self.lazy
+
+    def lower(self, a: int, b: int, q: int) -> float:
+        """A proven lower bound of the stage's seconds under any plan, without a solve (0 when none is given)."""
+        return 0.0 if self.stage_lower is None or not self.bounded() else self.stage_lower(a, b, q, self.m)
+
+    def over(self, a: int, b: int, q: int, cap: float) -> bool:
+        """Whether the stage's least seconds under any plan exceed ``cap`` (its time-optimal seconds do)."""
+        c = self.plain(a, b, q)
+        return c is not None and self.bounded() and c.time > cap
 
     def plain(self, a: int, b: int, q: int) -> StageCost | None:
         key = (a, b, q)
@@ -1321,22 +1386,33 @@ def _zb_terms(c: StageCost) -> tuple[float, float]:
 
 
 def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, link_fn: LinkFn,
-           exchange: ExchangeFn | None, hi: float, w_lo: float, y_lo: float, stats: dict
+           exchange: ExchangeFn | None, hi: float, w_lo: float, y_lo: float, stats: dict, cap: float = math.inf
            ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least ``sum_i t_i + transfers`` over pipelines of n stages (n in flight on each) whose every stage and
     transfer time is at most ``hi`` and every stage's W at least ``w_lo`` and Y at least ``y_lo`` (stand-ins pass
     the floors): :func:`_stage_dp` as 1F1B's. Stage times grow with the extent, so the scan stops at the first
     over ``hi`` (while stand-ins are in force, at the first whose time-optimal seconds are, as in 1F1B's
-    search); W and Y do not: the floors only skip."""
+    search); W and Y do not: the floors only skip. A stage whose true seconds exceed ``cap`` (the best step over
+    m: the ZB-H1 step is at least m t_max) is in no pipeline that could beat it: left out, and one whose
+    solve-free bound (:meth:`_StagePool.lower`) exceeds ``hi`` or ``cap`` is not solved."""
     p = space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     k = float(n)
+
+    def floor(a: int, b: int, q: int) -> float | object:
+        lo = pool.lower(a, b, q)
+        if lo > min(hi, cap):
+            stats["stages_skipped_by_floor"] = stats.get("stages_skipped_by_floor", 0) + 1
+            return _BREAK  # its time-optimal seconds are over hi or cap, and every longer stage's
+        return lo
 
     def stage(a: int, b: int, o: int, q: int, r: int) -> float | None | object:
         c = pool.get(a, b, q, k)
         if c is None or c.memory(k) > pool.budget:
             # nothing fits [a, b) with k in flight: a longer stage needs more still
             return _BREAK if pool.fit_fn is not None and pool.plain(a, b, q) is not None else None
+        if pool.over(a, b, q, cap):
+            return _BREAK  # its true seconds (at least the time-optimal ones) are over the cap, and a longer one's
         if c.time > hi:
             return _BREAK if not pool.lazy or pool.plain(a, b, q).time > hi else None  # type: ignore[union-attr]
         if c.detail is not _PENDING:
@@ -1354,7 +1430,8 @@ def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, 
         return lk if lk <= hi else None
 
     return _stage_dp(space, n, [q_fixed] if q_fixed is not None else list(space.allowed_sizes()), stage,
-                     between if exchange is None else None, stats, "zb_dp_states", tick=pool.tick)
+                     between if exchange is None else None, stats, "zb_dp_states", tick=pool.tick,
+                     floor=floor if pool.stage_lower is not None else None)
 
 
 def _relaxed_max(pool: _StagePool, segs: Sequence[tuple[int, int, int, int]], n: int, link_fn: LinkFn,
@@ -1406,7 +1483,9 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
         stats["zb_boxes"] = stats.get("zb_boxes", 0) + 1
         if progress is not None:
             progress.tick(f"{n} stages: box {stats['zb_boxes']}, its bound {lb:.4g} s")
-        got = _zb_dp(pool, space, n, q_fixed, link_fn, exchange, b_hi, w_lo, y_lo, stats)
+        # the ZB-H1 step is at least m t_max (docs/pipeline.md, *Family bounds*): no stage slower than inc / m
+        got = _zb_dp(pool, space, n, q_fixed, link_fn, exchange, b_hi, w_lo, y_lo, stats,
+                     cap=inc / m * (1 + 1e-12))
         if got is None:
             continue
         d, segs = got

@@ -1,0 +1,153 @@
+"""The pipeline phase of ``shardplan plan`` alone (JSON): the search after the one program, given the one program's
+step and its proven bound at one micro-batch, as :func:`shardplan.planner.plan` hands them over.
+
+``shardplan plan --model M -p P --machine h100`` first solves the one program (``shardplan.fit``, measured by
+``bench_scale_pipeline.py`` end to end) and then the pipeline space with its defaults (micro-batch counts 1, 2,
+4, 8 dividing the batch, 1F1B and ZB-H1, memory choices). This benchmark times the second part in its own
+process, with the one program's step and bound computed once per row and kept in ``--cache`` (they do not
+depend on the pipeline search), so a change to the pipeline search is measured on its own: CPU seconds (the
+machine is shared: wall seconds say more about the load), wall seconds, the process's peak resident memory, the
+plan (stages, sizes, m, schedule) or "none beats the one program", the step, the proven bound of the pipeline
+space and the gap, the intra-stage and memory-constrained solves and the stages the solve-free bounds left
+unsolved (docs/pipeline.md, *Solve-free stage bounds*). A row past ``--limit`` CPU seconds gets SIGINT: the
+search returns its best plan and the bound it proved, recorded as ``interrupted``.
+
+Run: ``PYTHONPATH=. python benchmarks/bench_pipeline_phase.py [--rows gpt3-p1024] [--out
+benchmarks/results/pipeline_phase.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROWS: dict[str, dict[str, Any]] = {
+    "gpt3-p1024": {"model": "gpt3-175b", "p": 1024},
+    "gpt3-p64": {"model": "gpt3-175b", "p": 64},
+}
+
+
+def one_program(model: str, p: int, cache: Path) -> dict[str, Any]:
+    """The one program's step and its proven bound at one micro-batch (as the planner computes them), cached."""
+    key = f"{model}-p{p}"
+    got = json.loads(cache.read_text()) if cache.exists() else {}
+    if key not in got:
+        from shardplan import preset
+        from shardplan.fit import FitOptions, solve_fit
+        from shardplan.models import model_spec
+        from shardplan.planner import _one_micro_batch_bound, from_spmd, micro_batch_counts
+
+        spec = model_spec(model)
+        machine = preset("h100", p)
+        t0 = time.process_time()
+        one = solve_fit(spec.build(spec.batch), machine, budget=machine.memory_bytes,
+                        options=FitOptions(micro_batches=micro_batch_counts(None, spec.batch)), cutoff=spec.cutoff,
+                        orders="auto")
+        got[key] = {"step": from_spmd(one).step_time, "lower": _one_micro_batch_bound(one),
+                    "cpu_seconds": time.process_time() - t0}
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(got, indent=1) + "\n")
+    return got[key]
+
+
+def run_row(name: str, spec: dict[str, Any], cache: Path, limit: float) -> dict[str, Any]:
+    """The pipeline phase of one row in this process (run each row in its own process for its peak memory)."""
+    from shardplan import preset
+    from shardplan.models import model_spec
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.pipeline.progress import Progress
+    from shardplan.planner import micro_batch_counts
+
+    one = one_program(spec["model"], spec["p"], cache)
+    model = model_spec(spec["model"])
+    machine = preset("h100", spec["p"])
+    lines: list[str] = []
+    tracker = Progress(lines.append)
+    tracker.improved(one["step"])
+    # Ctrl-C as a KeyboardInterrupt even when started in the background (which inherits SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # again every 5 CPU s: an interrupt that lands in a memory-constrained stage solve stops that solve only
+    signal.setitimer(signal.ITIMER_PROF, limit, 5.0)  # SIGPROF after `limit` CPU seconds: stop the search there
+    signal.signal(signal.SIGPROF, lambda *_: signal.raise_signal(signal.SIGINT))
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0, c0 = time.perf_counter(), time.process_time()
+    status = "ok"
+    try:
+        res = pipeline_solve(lambda b: model.build(b), model.batch, machine,
+                             micro_batches=micro_batch_counts(None, model.batch), schedules=("1f1b", "zb-h1"),
+                             budget=machine.memory_bytes, memory_choices=True, cutoff=model.cutoff, orders="auto",
+                             progress=tracker, one_program_lower=one["lower"])
+    except KeyboardInterrupt:
+        res, status = None, "interrupted (no pipeline found)"
+    signal.setitimer(signal.ITIMER_PROF, 0)
+    row: dict[str, Any] = {
+        "row": name, "model": spec["model"], "devices": spec["p"], "machine": "h100",
+        "one_program_step_seconds": one["step"], "one_program_lower_m1": one["lower"],
+        "cpu_seconds": round(time.process_time() - c0, 2), "seconds": round(time.perf_counter() - t0, 2),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_before_bytes": rss0, "limit_cpu_seconds": limit, "last_progress": lines[-1] if lines else None,
+    }
+    if res is None:
+        row.update(status=status, plan=None, pipeline_space_lower_bound=tracker.bound
+                   if status == "ok" else tracker.space_bound)
+        if status == "ok":
+            row["plan"] = "none beats the one program"
+            row["gap_vs_one_program"] = max(0.0, 1 - tracker.bound / one["step"])
+        return row
+    p = res.plan
+    st = p.stats
+    row.update(status="interrupted" if st.get("interrupted") else "ok",
+               plan=f"{p.num_stages} stages on {[s.devices for s in p.stages]}, units "
+                    f"{[(s.first, s.end) for s in p.stages]}, m={p.micro_batches}, {p.schedule}",
+               step_time_seconds=p.step_time, lower_bound_seconds=p.lower_bound, gap=p.gap,
+               stats={k: st.get(k) for k in ("intra_stage_solves", "fit_evaluations", "stages_skipped_by_floor",
+                                             "zb_boxes", "candidates", "parts_closed_by_floor", "parts_done",
+                                             "parts_total", "family_lower_bounds")})
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="gpt3-p1024", help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--limit", type=float, default=600.0, help="CPU seconds before SIGINT")
+    ap.add_argument("--cache", default="benchmarks/results/pipeline_phase_one_program.json")
+    ap.add_argument("--out", default="benchmarks/results/pipeline_phase.json")
+    ap.add_argument("--row", help=argparse.SUPPRESS)  # one row, in this process (the child)
+    args = ap.parse_args(argv)
+    if args.row:
+        print(json.dumps(run_row(args.row, ROWS[args.row], Path(args.cache), args.limit)))
+        return 0
+    load_at_start = os.getloadavg()
+    rows = []
+    for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
+        if name not in ROWS:
+            raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
+        load = os.getloadavg()
+        out = subprocess.run([sys.executable, __file__, "--row", name, "--cache", args.cache,
+                              "--limit", str(args.limit)], capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"row {name} failed: {out.stderr.strip().splitlines()[-1:]}")
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        row["load_average_before"], row["load_average_after"] = load, os.getloadavg()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"benchmark": "bench_pipeline_phase", "commit": commit, "host": platform.node(),
+              "cpus": os.cpu_count(), "load_average_at_start": load_at_start, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Solve-free lower bounds of a stage's seconds: per unit, on a sub-mesh of q devices at m micro-batches.
+
+A stage's intra-stage optimum (time-optimal or memory-constrained) is at least the sum over its operators of each
+operator's cheapest layout on q devices (the weight-gradient all-reduce amortised over m as the intra-stage
+search charges it), because every edge costs at least nothing; and at least its device-seconds over q
+(:meth:`~shardplan.pipeline.stages.ModelStages.device_seconds`). Both are sums over the stage's units, so a
+stage's bound is a difference of prefix sums. Neither needs an edge table, which is what an intra-stage solve
+spends most of its time on (docs/pipeline.md, *Solve-free stage bounds*).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from shardplan.errors import PerDeviceLimitError
+
+__all__ = ["UnitFloors"]
+
+# table options under which the vertex bound below is computed with the very layouts the tables offer; any other
+# option (hand-given candidates, overlapped or ring collectives, which move cost between operators and edges)
+# leaves only the device-seconds bound
+_PLAIN_KEYS = ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas", "partial_sums")
+
+
+class UnitFloors:
+    """Per (m, q): a proven lower bound of each unit's share of any stage's seconds on q devices at m
+    micro-batches (:meth:`unit`), and of a segment's (:meth:`segment`: the sum over its units).
+
+    ``stages`` is a :class:`~shardplan.pipeline.stages.ModelStages`; its solve options decide the layouts."""
+
+    def __init__(self, stages: Any) -> None:
+        self.stages = stages
+        self._pre: dict[tuple[int, int], np.ndarray] = {}
+        self._ops: dict[tuple, float] = {}
+
+    def _vertex_ok(self, q: int) -> bool:
+        opts = self.stages.solve_options
+        if any(k in opts for k in ("candidates", "overlap_tp")) or opts.get("context", "allgather") != "allgather":
+            return False
+        if self.stages.strategy is not None:
+            return False  # a recipe's stage is not an optimum over the layouts, but it is still at least this
+        m = replace(self.stages.machine, num_devices=q)
+        return m.hierarchical  # one level: the tables choose their orders from the whole graph; not replayed here
+
+    def _op_floor(self, op: Any, q: int, m: int) -> float:
+        """The least seconds of ``op`` alone on q devices over the tables' layouts, its weight-gradient all-reduce
+        amortised over m (vertex cost less (1 - 1/m) of that all-reduce, as the intra-stage search charges it)."""
+        from shardplan.configs import layouts, with_partial
+        from shardplan.cost import operator_cost, operator_key
+        from shardplan.layout import LayoutArrays
+        from shardplan.pipeline.stages import weight_sync
+
+        key = (operator_key(op), q, m)
+        got = self._ops.get(key)
+        if got is None:
+            opts = {k: v for k, v in self.stages.solve_options.items() if k in _PLAIN_KEYS}
+            machine = replace(self.stages.machine, num_devices=q, memory_bytes=None)
+            orders = opts.get("orders", "auto")
+            orders = "row-major" if orders == "auto" else orders
+            lays = layouts(op, machine.levels, opts.get("cutoff", 4), opts.get("powers_of_two", False),
+                           opts.get("divides_p", True), orders, node_replicas=opts.get("node_replicas", False))
+            if opts.get("partial_sums"):
+                lays = with_partial(op, lays)
+            arr = LayoutArrays.stack(lays)
+            total = operator_cost(op, arr, machine).total
+            sync = weight_sync(op, arr, None, machine)
+            got = float(np.min(total - (1.0 - 1.0 / m) * sync)) if len(lays) else 0.0
+            self._ops[key] = got
+        return got
+
+    def _prefix(self, q: int, m: int) -> np.ndarray:
+        key = (q, m)
+        pre = self._pre.get(key)
+        if pre is None:
+            g, units, sigs = self.stages.graph(m)
+            vertex = self._vertex_ok(q)
+            vals = []
+            kinds: dict[int, float] = {}  # units of one signature have the same operators: one bound per kind
+            for u, idx in enumerate(units):
+                if sigs[u] not in kinds:
+                    d = self.stages.device_seconds(m, u, u + 1) / q
+                    try:
+                        v = sum(self._op_floor(g.operators[i], q, m) for i in idx) if vertex else 0.0
+                    except PerDeviceLimitError:
+                        v = 0.0  # a size whose tiles the cost model refuses: the device-seconds bound alone
+                    kinds[sigs[u]] = max(d, v)
+                vals.append(kinds[sigs[u]])
+            pre = self._pre[key] = np.concatenate(([0.0], np.cumsum(vals)))
+        return pre
+
+    def unit(self, q: int, m: int) -> list[float]:
+        """Per unit u: a lower bound of the seconds of any stage on q devices at m that holds only u."""
+        return list(np.diff(self._prefix(q, m)))
+
+    def segment(self, a: int, b: int, q: int, m: int) -> float:
+        """A lower bound of the seconds of units [a, b) as one stage on q devices at m, whatever its plan."""
+        pre = self._prefix(q, m)
+        return float(pre[b] - pre[a])
