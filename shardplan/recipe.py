@@ -110,9 +110,10 @@ OVERLAPS = ("grad_reduce", "param_gather", "tp_comm")
 """Communications a run may overlap with compute (Megatron-LM's ``--overlap-grad-reduce``,
 ``--overlap-param-gather``, ``--tp-comm-overlap``)."""
 
-ATTENTION_CORE = ("attn_scores", "attn_context")
+ATTENTION_CORE = ("attn_scores", "attn_context", "attn_flash")
 """Operator kinds of the attention core: QK^T with its softmax, and the product with V (selective
-recomputation, Korthikanti et al. 2022, §4)."""
+recomputation, Korthikanti et al. 2022, §4), or both as one FlashAttention operator
+(:func:`shardplan.ops.flash_attention`)."""
 
 DTYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
 
