@@ -119,7 +119,7 @@ def moved_reduction(op: Operator, lay: LayoutArrays, machine: Machine,
         sub = lay.take(rows)
         vol = box_volumes(tensor_boxes(op, t, sub, p, core=False)).max(axis=1) * t.elem_factor
         gl = sub.group_sizes([op.dim_names.index(d) for d in op.grad_reduction_dims(t)])
-        out[rows] = allreduce_time(vol * float(machine.dtype_bytes), gl, machine)
+        out[rows] += allreduce_time(vol * float(machine.dtype_bytes), gl, machine)
     return out
 
 
