@@ -38,7 +38,7 @@ model). The map, on ``p`` devices with ``dp = p / (tp · cp · pp)``:
   all-to-alls in groups of ``ep`` (:func:`megatron_layout`). A model without experts refuses ``ep``;
 * **ZeRO** stage ``zero`` for every operator with trainable weights, and
   **recomputation** (``full``: every operator of the repeated blocks;
-  ``selective``: the attention core, ``attn_scores`` and ``attn_context``,
+  ``selective``: the attention core, ``attn_scores`` and ``attn_context`` (FlashAttention's ``attn_flash``),
   Korthikanti et al. 2022; an integer ``N``: every operator of the first N
   blocks of each pipeline stage or chunk, Megatron-LM's ``block`` method),
   both by :func:`shardplan.fit.plan_with_choices`;

@@ -50,6 +50,11 @@ without recomputation, and with 4 and 3 in place of 3 and 2 with full
 recomputation (:func:`moe_flops`). The experts dominate: at C = s k / E
 (capacity factor 1) their 6BEChf_e is 6Bskhf_e, a top-k dense MLP's.
 
+FlashAttention's core (the zoo's Llama and MoE default, :func:`~shardplan.ops.flash_attention`) recomputes
+q k^T in its backward: the formulas above count model FLOPs (the papers' and MFU's convention) and stay as
+they are, while the graph of such a model counts the recomputed product besides, 2Bs^2 (Hk) per layer
+(its backward is 5 products of the forward's size, not 4).
+
 All counts are Python integers (no rounding). :func:`graph_flops` counts a
 graph the way the cost model does (:mod:`shardplan.cost.operator`:
 ``flops_per_point`` x points x (1 + tensors with gradients)), as an exact
