@@ -48,13 +48,13 @@ ring wherever the producer scatters it, or the cheaper of the two per edge."""
 def ring_mask(op: Operator, lay: LayoutArrays) -> tuple[np.ndarray, np.ndarray]:
     """Per layout: which inputs are ring inputs, (K, inputs) bool, and the size of the group that shares them (K,).
 
-    Only an operator of activations alone (two or more inputs, no weights, a summed dim) has them: the
-    inputs whose non-indexing dims are split ``g > 1`` ways while some other input's are not split, all of
-    them with the same non-indexing dims (attention's scores: the keys; its context: the values; fused
+    Only an operator of activations alone (two inputs, or more multiplied together: at least a multiply-add per
+    point; no weights, a summed dim) has them: the inputs whose non-indexing dims are split ``g > 1`` ways while
+    some other input's are not split, all of them with the same non-indexing dims (attention's scores: the keys; its context: the values; fused
     attention, :func:`shardplan.ops.flash_attention`: the keys and the values together)."""
     k, n = len(lay), len(op.inputs)
     mask, g = np.zeros((k, n), dtype=bool), np.ones(k, dtype=np.int64)
-    if n < 2 or op.weights or not op.reduction_dims:
+    if n < 2 or op.weights or not op.reduction_dims or (n > 2 and op.flops_per_point < 2.0):
         return mask, g
     names = op.dim_names
     shared, groups = [], []

@@ -183,6 +183,8 @@ def test_keys_and_values_are_ring_inputs_together():
     per = [moved_reduction(op, lays, m, (j,)) for j in (1, 2)]
     assert both == pytest.approx(per[0] + per[1]) and per[0] == pytest.approx(per[1])
     assert moved_reduction(op, lays, m, (0,)).tolist() == [0.0, 0.0, 0.0]
+    # three activations that are not multiplied together (a scatter's operand, indices and updates): no ring
+    assert not ring_mask(replace(op, flops_per_point=1.0, backward_flops=None), lays)[0].any()
 
 
 def test_each_ring_edge_hides_behind_its_share_of_the_core():
