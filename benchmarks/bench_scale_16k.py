@@ -17,7 +17,12 @@ The machine this runs on has 2 cores shared with other jobs: wall times vary wit
 the load average); CPU seconds are the steadier figure. The memory search's time limit is wall-clock
 (60 s per micro-batch count), so under heavy load it may stop with a gap, reported.
 
-Run:  PYTHONPATH=. python benchmarks/bench_scale_16k.py [--cases llama3-405b-16384,...]
+``--pipelines``: instead, the command's default (the one program, then the pipeline search over stage counts,
+sub-meshes, micro-batch counts and schedules), sent SIGINT at ``--timeout`` wall seconds so that it answers with
+its best plan so far and its proven gap; recorded as the case's ``pipelines`` row (its last progress lines in
+``log``), the other rows kept.
+
+Run:  PYTHONPATH=. python benchmarks/bench_scale_16k.py [--cases llama3-405b-16384,...] [--pipelines --timeout S]
 Writes benchmarks/results/scale_16k.json.
 """
 
@@ -44,13 +49,22 @@ CASES = {
 }
 
 _PROBE = """
-import json, resource, subprocess, sys, time
+import json, resource, signal, subprocess, sys, time
 t = float(sys.argv[1])
 w = time.perf_counter()
-try:
-    out = subprocess.run(sys.argv[2:], capture_output=True, text=True, timeout=t)
-except subprocess.TimeoutExpired as e:
-    out = subprocess.CompletedProcess(e.cmd, 124, "", f"timed out after {t:g} s")
+if sys.argv[2] == "--interrupt":  # SIGINT (Ctrl-C) at the limit: the command answers with its best plan so far
+    child = subprocess.Popen(sys.argv[3:], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        got = child.communicate(timeout=t)
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGINT)
+        got = child.communicate()
+    out = subprocess.CompletedProcess(child.args, child.returncode, got[0], got[1])
+else:
+    try:
+        out = subprocess.run(sys.argv[2:], capture_output=True, text=True, timeout=t)
+    except subprocess.TimeoutExpired as e:
+        out = subprocess.CompletedProcess(e.cmd, 124, "", f"timed out after {t:g} s")
 w = time.perf_counter() - w
 r = resource.getrusage(resource.RUSAGE_CHILDREN)
 print(json.dumps({"rc": out.returncode, "cpu": r.ru_utime + r.ru_stime, "wall": w, "rss_mb": r.ru_maxrss / 1024,
@@ -58,25 +72,30 @@ print(json.dumps({"rc": out.returncode, "cpu": r.ru_utime + r.ru_stime, "wall": 
 """
 
 
-def _child(cmd: list[str], timeout: float) -> dict:
-    """Run ``cmd`` under a probe interpreter: its return code (124 past ``timeout`` wall seconds), CPU and wall
-    seconds, peak RSS, output."""
+def _child(cmd: list[str], timeout: float, interrupt: bool = False) -> dict:
+    """Run ``cmd`` under a probe interpreter: its return code (124 past ``timeout`` wall seconds; with
+    ``interrupt``, SIGINT at ``timeout`` and the command's own answer), CPU and wall seconds, peak RSS, output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", _PROBE, str(timeout), *cmd], check=True, capture_output=True,
-                         text=True, env=env)
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(timeout), *(["--interrupt"] if interrupt else []), *cmd],
+                         check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout)
 
 
-def plan_case(spec: dict, fit: bool, timeout: float) -> dict:
-    """``shardplan plan ... --stages off`` (``--no-fit`` unless ``fit``: layouts only, memory reported)."""
+def plan_case(spec: dict, fit: bool, timeout: float, stages: bool = False) -> dict:
+    """``shardplan plan ... --stages off`` (``--no-fit`` unless ``fit``: layouts only, memory reported); with
+    ``stages`` the command's default (the one program, then the pipeline search), interrupted by SIGINT at
+    ``timeout`` wall seconds (the best plan found by then, with its proven gap)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
-        args = ["plan", "--model", spec["model"], "-p", str(spec["p"]), "--machine", "h100", "--stages", "off",
-                *([] if fit else ["--no-fit"]), "--json", str(path)]
+        args = ["plan", "--model", spec["model"], "-p", str(spec["p"]), "--machine", "h100",
+                *([] if stages else ["--stages", "off"]), *([] if fit else ["--no-fit"]), "--json", str(path)]
         load = os.getloadavg()[0]
-        r = _child([sys.executable, "-m", "shardplan.cli", *args], timeout)
+        r = _child([sys.executable, "-m", "shardplan.cli", *args], timeout, interrupt=stages)
         row = {"cli": "shardplan " + " ".join(a for a in args[:-2]), "rc": r["rc"], "cpu_s": round(r["cpu"], 2),
-               "wall_s": round(r["wall"], 2), "peak_rss_mb": round(r["rss_mb"], 1), "load_average_1m": round(load, 1)}
+               "wall_s": round(r["wall"], 2), "peak_rss_mb": round(r["rss_mb"], 1), "load_average_1m": round(load, 1),
+               "load_average_1m_after": round(os.getloadavg()[0], 1)}
+        if stages:
+            row["log"] = [ln for ln in r["stderr"].splitlines() if ln.strip()][-12:]
         if r["rc"] != 0:
             row["error"] = r["stderr"].strip().splitlines()[-1:]
             return row
@@ -91,9 +110,17 @@ def plan_case(spec: dict, fit: bool, timeout: float) -> dict:
 
 def _plan_numbers(plan: dict) -> dict:
     mem = plan.get("memory", {})
-    return {"step_time_s": plan.get("step_time_seconds"), "lower_bound_s": plan.get("lower_bound_seconds"),
-            "gap": plan.get("gap"),
-            "peak_bytes": mem.get("peak_bytes"), "budget_bytes": mem.get("budget_bytes")}
+    stats = plan.get("stats", {})
+    out = {"step_time_s": plan.get("step_time_seconds"), "lower_bound_s": plan.get("lower_bound_seconds"),
+           "gap": plan.get("gap"),
+           "peak_bytes": mem.get("peak_bytes"), "budget_bytes": mem.get("budget_bytes")}
+    if stats.get("stages_searched"):
+        out.update(stages=[[*s.get("units", []), s.get("devices", [None, None])[1]] for s in plan.get("stages", [])],
+                   micro_batches=plan.get("micro_batches"), schedule=plan.get("schedule"),
+                   compared=stats.get("compared"), interrupted=stats.get("interrupted"),
+                   pipeline_lower_bound_s=stats.get("pipeline_lower_bound"),
+                   sizes_not_searched=stats.get("pipeline_sizes_not_searched"))
+    return out
 
 
 def recipe_case(model: str, p: int, recipe: str) -> dict:
@@ -116,19 +143,25 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--timeout", type=float, default=1800.0, help="wall seconds per command (default 1800)")
     ap.add_argument("--no-fit-only", action="store_true", help="only the layouts-only plans (no memory search)")
+    ap.add_argument("--pipelines", action="store_true",
+                    help="only the command's default plan (one program, then the pipeline search), SIGINT at --timeout")
     args = ap.parse_args()
     rows = json.loads(OUT.read_text())["cases"] if OUT.exists() else {}
     for name in args.cases.split(","):
         spec = CASES[name]
         t0 = time.perf_counter()
-        row = {"case": name, "model": spec["model"], "p": spec["p"], "machine": "h100",
-               "layouts_only": plan_case(spec, False, args.timeout)}
-        if not args.no_fit_only:
+        if args.pipelines:  # the earlier rows of the case are kept
+            row = {**rows.get(name, {"case": name, "model": spec["model"], "p": spec["p"], "machine": "h100"}),
+                   "pipelines": plan_case(spec, True, args.timeout, stages=True)}
+        else:
+            row = {"case": name, "model": spec["model"], "p": spec["p"], "machine": "h100",
+                   "layouts_only": plan_case(spec, False, args.timeout)}
+        if not args.no_fit_only and not args.pipelines:
             row["fit"] = plan_case(spec, True, args.timeout)
         if spec["recipe"]:
             row["published"] = recipe_case(spec["model"], spec["p"], spec["recipe"])
             row["published_recompute_full"] = recipe_case(spec["model"], spec["p"], spec["recipe"] + ",recompute=full")
-            for key in ("layouts_only", "fit"):
+            for key in ("layouts_only", "fit", "pipelines"):
                 got = row.get(key, {}).get("step_time_s")
                 if got is not None and "step_time_s" in row["published"]:
                     row[key]["over_published"] = round(got / row["published"]["step_time_s"], 4)

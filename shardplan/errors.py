@@ -27,3 +27,12 @@ class OperatorMemoryError(ShardplanError):
     device counts (pipeline stages on sub-meshes) catch this class to drop a
     sub-mesh that is too small.
     """
+
+
+class PerDeviceLimitError(ShardplanError):
+    """The cost model would need per-device tiles (irregular tiles, idle devices) on more devices than its cap.
+
+    Raised by :func:`shardplan.cost.tiles.check_per_device` before anything is allocated; callers that try
+    several device counts (pipeline stages on sub-meshes) catch this class to leave that one count out of
+    their space, and say so.
+    """

@@ -26,7 +26,7 @@ import math
 import time
 from typing import Any, Callable, Sequence
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import PerDeviceLimitError, ShardplanError
 from shardplan.ir import Graph
 from shardplan.machine import Machine
 from shardplan.result import NO_PIPELINE, OperatorChoice, Plan, StagePlan
@@ -336,7 +336,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             if fit_options is None:
                 one_lower = _one_micro_batch_bound(one)
         except ShardplanError as e:
-            if type(e) is not ShardplanError:
+            if type(e) not in (ShardplanError, PerDeviceLimitError):
                 raise
             refusals.append(f"one program: {e}")
     else:
@@ -356,6 +356,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         refusals.append("pipelines: interrupted in the one program's memory search, not searched")
     # (step, lower bound) of a pipeline slower than one program; step None: none beat it (search pruned by it)
     lost_pipeline: tuple[float | None, float | None] | None = None
+    not_searched: list[str] = []  # the sub-mesh sizes the pipeline search left out, and why (one line)
     if searched:
         from shardplan.pipeline.api import pipeline_solve
         from shardplan.pipeline.progress import Progress
@@ -365,6 +366,10 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         if candidates:
             tracker.improved(candidates[0].step_time)
 
+        def heard(line: str) -> None:
+            not_searched.append(line)
+            say(f"  pipelines: {line}")
+
         t1 = time.perf_counter()
         say(f"pipelines ({why}): micro-batch counts {', '.join(map(str, ms))}, schedules {', '.join(schedules)}")
         assert build is not None and batch is not None
@@ -373,6 +378,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                                  interleave=tuple(interleave), schedules=tuple(schedules),
                                  budget=limit if constrained else float("inf"), memory_choices=constrained, cutoff=cutoff,
                                  orders=orders, progress=tracker, one_program_lower=one_lower,
+                                 refused=heard,
                                  **({"partial_sums": True} if partial_sums else {}), **tables_extra)
             if res is None:
                 # no pipeline beats the one program (the search's incumbent from the start): what its parts proved
@@ -390,7 +396,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 say(f"  pipelines: {res.plan.step_time:.6g} s per step ({time.perf_counter() - t1:.1f} s)"
                     + (", interrupted" if interrupted else ""))
         except ShardplanError as e:
-            if type(e) is not ShardplanError:
+            if type(e) not in (ShardplanError, PerDeviceLimitError):
                 raise
             refusals.append(f"pipelines: {e}")
             say(f"  pipelines: not searched: {e}")
@@ -421,6 +427,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                            **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None
                               and lost_pipeline[0] is not None else {})},
                  refused=refusals,
+                 **({"pipeline_sizes_not_searched": not_searched[0]} if not_searched else {}),
                  # no pipeline beat the one program: the pipeline space's proven bound (the search had no step)
                  **({"pipeline_lower_bound": lost_pipeline[1]} if lost_pipeline is not None
                     and lost_pipeline[0] is None else {}))

@@ -17,7 +17,7 @@ from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budge
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost
 from shardplan.cost.ring import CONTEXT_ALGORITHMS, context_edge, moved_reduction
-from shardplan.cost.tiles import MAX_DEVICES  # noqa: F401  (per-device tiles: at most this many devices)
+from shardplan.cost.tiles import MAX_DEVICES  # per-device tiles: at most this many devices (the default max_devices)
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
 from shardplan.ir import Graph, Operator
 from shardplan.layout import Layout, LayoutArrays
@@ -224,7 +224,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
                  memory_limit_bytes: int | None = None, node_replicas: bool = False,
                  cache: dict | None = None,
                  candidates: Callable[[Operator], Sequence[Layout]] | None = None,
-                 partial_sums: bool = False, overlap_tp: bool = False, context: str = "allgather") -> CostTables:
+                 partial_sums: bool = False, overlap_tp: bool = False, context: str = "allgather",
+                 max_devices: int = MAX_DEVICES) -> CostTables:
     """Layouts and costs of every operator and edge of ``graph`` on ``machine``.
 
     ``divides_p`` (default): keep configurations whose device count divides p,
@@ -276,6 +277,11 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     edge gathers it), ``"ring"`` (blocks passed around the group, overlapped with the product, wherever the
     producer scatters the input) or ``"auto"`` (the cheaper per edge). With ``ring`` or ``auto`` the
     all-reduce of that input's gradient is charged on the edge instead of the operator.
+
+    ``max_devices`` (default :data:`~shardplan.cost.tiles.MAX_DEVICES`): an edge whose tiles differ between
+    devices is refused (:class:`~shardplan.errors.PerDeviceLimitError`) on more devices than this, before the
+    build allocates its tables (docs/cost-model.md, "Meshes of any size"); a lower value lets a caller try
+    the refusal on a small machine.
     """
     if context not in CONTEXT_ALGORITHMS:
         raise ShardplanError(f"build_tables: context must be one of {', '.join(CONTEXT_ALGORITHMS)}, got {context!r}")
@@ -334,7 +340,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         arrays_by_key = {k: per_key[k][1] for k in first if k in per_key}
         arrays_by_key.update({k: arr for k, (_, arr) in new.items()})
         estimate = check_build_memory(graph, keys, arrays_by_key, p, memory_limit_bytes, orders=orders,
-                                      divides_p=divides_p)
+                                      divides_p=divides_p, max_devices=max_devices)
     steps = len(first) + len(graph.edges)
     for n_done, (key, i) in enumerate(first.items()):
         op = ops[i]
@@ -383,7 +389,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         if ekey not in edge_cache:
             ku, kv = per_key[keys[e.src]], per_key[keys[e.dst]]
             hide = None if shape is None else (budget(e.src)[0], budget(e.dst)[1])
-            edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine, memo=memo, hide=hide)
+            edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine, memo=memo, hide=hide,
+                                         max_devices=max_devices)
             if context != "allgather":
                 edge_cache[ekey] = context_edge(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine,
                                                 edge_cache[ekey], store["ring_moved"][keys[e.dst]], kv[2].compute,
@@ -397,7 +404,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         wkey = (keys[e.src], keys[e.dst], e.src_weight, e.dst_weight)
         if wkey not in wcache:
             wcache[wkey] = weight_edge_cost(ops[e.src], e.src_weight, per_key[keys[e.src]][1], ops[e.dst],
-                                            e.dst_weight, per_key[keys[e.dst]][1], machine, memo=memo)[0]
+                                            e.dst_weight, per_key[keys[e.dst]][1], machine, memo=memo,
+                                            max_devices=max_devices)[0]
         weight_costs.append(wcache[wkey])
     _check_finite(graph, machine, [per_key[k][2] for k in keys], edge_costs, weight_costs)
     opts = {"cutoff": cutoff, "powers_of_two": powers_of_two, "divides_p": divides_p, "orders": orders,
@@ -467,7 +475,7 @@ def _check_finite(graph: Graph, machine: Machine, op_costs: Sequence[OpCost], ed
 
 
 def check_build_memory(graph: Graph, keys: Sequence, arrays: dict, p: int, limit: int | None,
-                       orders: str, divides_p: bool) -> int:
+                       orders: str, divides_p: bool, max_devices: int = MAX_DEVICES) -> int:
     """Refuse (TableMemoryError) a build whose estimated peak exceeds ``limit`` bytes, saying what would help;
     returns the estimate (the looser one of :func:`~shardplan.cost.budget.estimate_build` when that is
     within the limit, so the decision is the tighter bound's).
@@ -481,9 +489,9 @@ def check_build_memory(graph: Graph, keys: Sequence, arrays: dict, p: int, limit
 
     limit = default_memory_limit() if limit is None else int(limit)
     # the looser bound first (no pass over the layouts); the tighter one only when the looser is over the limit
-    est = estimate_build(graph, keys, arrays, p, count_patterns=False)
+    est = estimate_build(graph, keys, arrays, p, count_patterns=False, max_devices=max_devices)
     if est.peak_bytes > limit:
-        est = estimate_build(graph, keys, arrays, p)
+        est = estimate_build(graph, keys, arrays, p, max_devices=max_devices)
     if est.peak_bytes <= limit:
         return est.peak_bytes
     helps = (["--orders row-major"] if orders == "all" else []) + (["not --all-divisors"] if not divides_p else [])

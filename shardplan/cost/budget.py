@@ -33,7 +33,7 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 
 from shardplan.cost.edge import EDGE_MEMO_BYTES, weight_views
-from shardplan.cost.tiles import check_per_device
+from shardplan.cost.tiles import MAX_DEVICES, check_per_device
 from shardplan.ir import Graph, Operator
 from shardplan.layout import unique_rows
 
@@ -155,7 +155,7 @@ def _patterns(op: Operator, tensor, arr) -> int:
 
 
 def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hashable, object], p: int,
-                   count_patterns: bool = True) -> BuildEstimate:
+                   count_patterns: bool = True, max_devices: int = MAX_DEVICES) -> BuildEstimate:
     """Upper bound of the peak bytes of :func:`~shardplan.cost.build_tables` for these candidate layouts.
 
     ``keys[i]``: operator i's key (identical operators share one, and the
@@ -165,7 +165,8 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
     Identical edges (same keys at both ends, same input slot) are costed once.
     ``count_patterns=False`` takes every layout as its own block pattern
     (P = K in :func:`edge_phase_bytes`): a looser bound that needs no pass
-    over the layouts.
+    over the layouts. An edge that would need per-device tiles on more than ``max_devices`` devices is refused
+    here (:func:`~shardplan.cost.tiles.check_per_device`), before anything is built.
     """
     ops = graph.operators
     first: dict[Hashable, int] = {}
@@ -197,7 +198,7 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
             continue
         # the edge will be costed per device (edge.edge_volumes refuses that past the cap): say so now
         check_per_device(p, f"the tiles of the edge {u.name!r} -> {v.name!r} (uneven blocks, pieces, idle devices, "
-                            "partial sums or splits that are not powers of two)")
+                            "partial sums or splits that are not powers of two)", max_devices)
         if not count_patterns:
             out_patterns[ku_key], pv = ku, kv
         else:
@@ -215,7 +216,7 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
         if pattern_edge(u, lu, v, 0, lv):
             need = kept + pattern_edge_bytes(ku, kv, len(v.inputs[0].axes), len(lu.levels))
         else:
-            check_per_device(p, f"the tiles of the shared weight {u.name!r} -> {v.name!r}")
+            check_per_device(p, f"the tiles of the shared weight {u.name!r} -> {v.name!r}", max_devices)
             need = kept + EDGE_MEMO_BYTES + edge_phase_bytes(u, ku, v, kv, p)
         best = max(best, (need, f"weight edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
         kept += 8 * ku * kv

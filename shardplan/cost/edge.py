@@ -78,7 +78,7 @@ import numpy as np
 
 from shardplan.configs import deferred_inputs, forward_deferrable
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time, reduce_scatter_time
-from shardplan.cost.tiles import all_active, as_layouts, box_volumes, check_per_device, tensor_boxes
+from shardplan.cost.tiles import MAX_DEVICES, all_active, as_layouts, box_volumes, check_per_device, tensor_boxes
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
@@ -614,7 +614,8 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
 def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
                  ou: np.ndarray | None = None, ov: np.ndarray | None = None,
                  fast: bool = True, levels: tuple[int, ...] | None = None,
-                 memo: EdgeMemo | None = None, analytic: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                 memo: EdgeMemo | None = None, analytic: bool = True,
+                 max_devices: int = MAX_DEVICES) -> tuple[np.ndarray, np.ndarray]:
     """Elements moved per device (max over devices): forward and backward, each (K_u, K_v).
 
     ``cu``/``cv``: :class:`~shardplan.layout.LayoutArrays` of the two
@@ -625,6 +626,7 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
     ``analytic`` (default): where both ends' tiles are the same on every device (:func:`_pattern_side`),
     decide the fast path's test from the layouts' block patterns alone, with no per-device array
     (:func:`_pattern_fast`); False: the per-device masks everywhere (for testing; the same numbers).
+    ``max_devices``: the per-device path is refused past this many devices (:func:`check_per_device`).
     """
     t_in = v.inputs[slot]
     lu = as_layouts(cu, p, ou, levels)
@@ -640,7 +642,7 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
         exact = np.ones((len(lu), len(lv)), dtype=bool)
     elif fast:
         check_per_device(p, f"the tiles of the edge {u.name!r} -> {v.name!r} (uneven blocks, pieces, idle devices "
-                            "or splits that are not powers of two)")
+                            "or splits that are not powers of two)", max_devices)
         fwd, bwd, exact = _fast(u, lu, v, t_in, lv, p, memo)
     else:
         fwd = bwd = None
@@ -701,7 +703,8 @@ def group_union(lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray
 def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
               ou: np.ndarray | None = None, ov: np.ndarray | None = None,
               volumes: tuple[np.ndarray, np.ndarray] | None = None, memo: EdgeMemo | None = None,
-              hide: tuple[np.ndarray, np.ndarray] | None = None, analytic: bool = True) -> np.ndarray:
+              hide: tuple[np.ndarray, np.ndarray] | None = None, analytic: bool = True,
+              max_devices: int = MAX_DEVICES) -> np.ndarray:
     """Seconds to redistribute the tensor of edge u -> v (input ``slot``), forward + backward: (K_u, K_v).
 
     Volumes are exact per device (:func:`edge_volumes`): the forward tensor
@@ -719,12 +722,14 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     An exchange whose every device finds what it misses inside its node
     (``V_0 = 0``) is thereby charged at the node's links, whatever the
     sender's layout spans; one that must cross nodes pays the inter-node
-    link for the part that crosses. On one level this is ``V / B + α``.
+    link for the part that crosses. On one level this is ``V / B + α``. ``max_devices``: as
+    :func:`edge_volumes`'.
     """
     p = machine.num_devices
     lu = as_layouts(cu, p, ou, machine.levels)
     lv = as_layouts(cv, p, ov, machine.levels)
-    f, b = edge_volumes(u, lu, v, slot, lv, p, memo=memo, analytic=analytic) if volumes is None else volumes
+    f, b = edge_volumes(u, lu, v, slot, lv, p, memo=memo, analytic=analytic,
+                          max_devices=max_devices) if volumes is None else volumes
     nbytes = float(machine.dtype_bytes)
     memo = EdgeMemo() if memo is None else memo
     fwd_t = p2p_time(f * nbytes, machine, 0)
@@ -733,12 +738,12 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     for lvl in range(len(machine.levels) - 1):
         if more_f:  # forward: what v's devices miss from the union of u's tiles in their group
             gu, inv = memo.union(lu, lvl)
-            vol = edge_volumes(u, gu, v, slot, lv, p, memo=memo, analytic=analytic)[0]  # (unions, K_v)
+            vol = edge_volumes(u, gu, v, slot, lv, p, memo=memo, analytic=analytic, max_devices=max_devices)[0]  # (unions, K_v)
             fwd_t = np.maximum(fwd_t, p2p_time(vol * nbytes, machine, lvl + 1).take(inv, axis=0))
             more_f = bool(vol.any())
         if more_b:  # backward: what u's devices miss from the union of v's gradient tiles in their group
             gv, inv = memo.union(lv, lvl)
-            vol = edge_volumes(u, lu, v, slot, gv, p, memo=memo, analytic=analytic)[1]  # (K_u, unions)
+            vol = edge_volumes(u, lu, v, slot, gv, p, memo=memo, analytic=analytic, max_devices=max_devices)[1]  # (K_u, unions)
             bwd_t = np.maximum(bwd_t, p2p_time(vol * nbytes, machine, lvl + 1).take(inv, axis=1))
             more_b = bool(vol.any())
     if lu.partial is not None or lv.partial is not None:
@@ -997,7 +1002,8 @@ def weight_sync(op: Operator, w: int, configs, machine: Machine) -> tuple[np.nda
 
 
 def weight_edge_cost(u: Operator, wu: int, cu, v: Operator, wv: int, cv, machine: Machine,
-                     memo: EdgeMemo | None = None, analytic: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                     memo: EdgeMemo | None = None, analytic: bool = True,
+                     max_devices: int = MAX_DEVICES) -> tuple[np.ndarray, np.ndarray]:
     """Seconds and bytes sent per device of a weight edge: ``v`` reads the parameter ``u`` owns; each (K_u, K_v).
 
     The parameter is kept once, in the owner's layout (its state is held there). Reader v under
@@ -1022,8 +1028,9 @@ def weight_edge_cost(u: Operator, wu: int, cu, v: Operator, wv: int, cv, machine
     lu = as_layouts(cu, p, None, machine.levels).without_partial()  # a parameter is never a partial sum
     lv = as_layouts(cv, p, None, machine.levels).without_partial()
     src, dst = weight_views(u, wu, v, wv)
-    f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo, analytic=analytic)
-    moved = edge_cost(src, lu, dst, 0, lv, machine, volumes=(f, b), memo=memo, analytic=analytic)
+    f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo, analytic=analytic, max_devices=max_devices)
+    moved = edge_cost(src, lu, dst, 0, lv, machine, volumes=(f, b), memo=memo, analytic=analytic,
+                      max_devices=max_devices)
     agree = (f == 0) & (b == 0)
     nbytes = float(machine.dtype_bytes)
     if not machine.sum_shared_grads:

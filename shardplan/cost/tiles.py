@@ -37,14 +37,17 @@ the same lengths, so volumes and memory are per layout (K,), not per device;
 :mod:`shardplan.cost.edge` likewise decides the redistribution of such tiles
 from the layouts' block patterns alone (docs/cost-model.md, "Meshes of any
 size"). The functions here that do build per-device arrays refuse more than
-:data:`MAX_DEVICES` devices (:func:`check_per_device`).
+:data:`MAX_DEVICES` devices (:func:`check_per_device`, raising
+:class:`~shardplan.errors.PerDeviceLimitError`); a cost-table build checks its edges against its own
+``max_devices`` option (default :data:`MAX_DEVICES`) before allocating anything, so a caller can lower the cap
+to try the refusal on a small machine.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import PerDeviceLimitError
 from shardplan.ir import Operator, Tensor
 from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays
 
@@ -56,13 +59,14 @@ MAX_DEVICES = 4096
 int64 array per axis is 8 K p bytes, 1.6 GB for K = 50,000 layouts on 4,096 devices."""
 
 
-def check_per_device(p: int, what: str) -> None:
-    """Refuse (ShardplanError) building per-device arrays on more than :data:`MAX_DEVICES` devices; ``what``
-    says which tiles need them."""
-    if p > MAX_DEVICES:
-        raise ShardplanError(f"{p} devices: {what} are not the same on every device, and the cost model keeps such "
-                             f"tiles per device and layout, so it supports them on at most {MAX_DEVICES} devices "
-                             "(regular tiles on every device have no such limit)")
+def check_per_device(p: int, what: str, cap: int = MAX_DEVICES) -> None:
+    """Refuse (:class:`~shardplan.errors.PerDeviceLimitError`, a ShardplanError) building per-device arrays on
+    more than ``cap`` devices (default :data:`MAX_DEVICES`; a build's ``max_devices`` option); ``what`` says which
+    tiles need them."""
+    if p > cap:
+        raise PerDeviceLimitError(f"{p} devices: {what} are not the same on every device, and the cost model keeps "
+                                  f"such tiles per device and layout, so it supports them on at most {cap} devices "
+                                  "(regular tiles on every device have no such limit)")
 
 
 def all_active(lay: LayoutArrays) -> np.ndarray:

@@ -22,7 +22,9 @@ The package: :mod:`~shardplan.jax.flatten` (the jaxpr as one flat program),
 :mod:`~shardplan.jax.lower` (the program as a shardplan graph),
 :mod:`~shardplan.jax.shardings` (a plan as NamedShardings),
 :mod:`~shardplan.jax.run` (the program re-run with the plan's constraints, the step),
-:mod:`~shardplan.jax.hlo` (what the compiled program really sends);
+:mod:`~shardplan.jax.hlo` (what the compiled program really sends),
+:mod:`~shardplan.jax.memory` (a fit plan's memory choices in the step), with
+:mod:`~shardplan.jax.fp8` (FP8 products) and :mod:`~shardplan.jax.offload` (host offload);
 :func:`pipeline` (:mod:`shardplan.jax.staged`): the searched pipeline, one jitted program per stage.
 JAX is an optional dependency: it is imported on use.
 """
@@ -134,8 +136,8 @@ def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devic
     program; for a pipeline, the staged step (``reduction``: the loss is a "mean" or a "sum" over the batch).
 
     The program is traced again here and the plan's choices are checked against it: a plan made for
-    another program, batch or machine size is refused. A pipeline whose stages shard state or recompute is
-    refused: the stage runner holds each stage's layouts only.
+    another program, batch or machine size is refused. A pipeline whose stages shard state, recompute, run
+    FP8 products or offload is refused: the stage runner holds each stage's layouts only.
     """
     import jax
 
@@ -148,10 +150,11 @@ def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devic
     if plan.pipelined:
         tracer = Tracer(loss_fn, params, batch)
         own = tracer(plan.batch // plan.micro_batches).recomputed if plan.batch else frozenset()
-        if any(c.state_stage or (c.recompute and n not in own) for s in plan.stages for n, c in s.operators.items()):
-            raise ShardplanError("the plan's pipeline stages shard state or recompute, which the JAX stage runner "
-                                 "does not hold (it runs each stage's layouts and the program's own checkpoints); "
-                                 "plan with stages=False or fit=False")
+        if any(c.state_stage or (c.recompute and n not in own) or c.fp8 or c.offload
+               for s in plan.stages for n, c in s.operators.items()):
+            raise ShardplanError("the plan's pipeline stages shard state, recompute, run FP8 products or offload, "
+                                 "which the JAX stage runner does not hold (it runs each stage's layouts and the "
+                                 "program's own checkpoints); plan with stages=False or fit=False")
         step = build_staged(pipeline_of(plan, tracer), tracer, devs, reduction=reduction)
         return Planned(plan, step.info, tuple(devs), None, None, None, step, None, step)
     graph, info = trace(loss_fn, params, batch, params_argnums=(0,))

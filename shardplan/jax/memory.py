@@ -45,6 +45,14 @@ layout, a ZeRO stage, a recomputation flag, and one micro-batch count k.
   their stage's sharding. The loss is taken to be a mean over the batch
   (``reduce="mean"``: the step's loss is the mean of the micro-batch losses
   and the gradient their mean) or a sum (``reduce="sum"``).
+* **FP8 products.** The product equation of each operator the plan runs in
+  FP8 is bound as an FP8 product (:mod:`shardplan.jax.fp8`).
+* **Host offload.** The values kept by an operator that offloads its
+  activations are named ``shardplan_offloaded`` (not ``shardplan_saved``) and
+  the checkpoint policy sends them to host memory; optimizer state and
+  parameters offloaded live in host memory between steps, and
+  :meth:`FitStep.train_step` is then an
+  :class:`~shardplan.jax.offload.OffloadStep` (:mod:`shardplan.jax.offload`).
 """
 
 from __future__ import annotations
@@ -57,14 +65,16 @@ import numpy as np
 
 from shardplan.errors import ShardplanError
 from shardplan.jax.flatten import TOP
+from shardplan.jax.fp8 import fp8_equations
 from shardplan.jax.lower import TraceInfo, trace
 from shardplan.jax.run import constrain_both_ways, constrain_forward, evaluate
 from shardplan.jax.shardings import plan_shardings, replicated
 
-__all__ = ["SAVED", "LeafState", "shard_over_replicas", "leaf_states", "equation_owners", "checkpointed_fn",
+__all__ = ["SAVED", "OFFLOADED", "LeafState", "shard_over_replicas", "leaf_states", "equation_owners", "checkpointed_fn",
            "fit_step", "FitStep", "states_summary"]
 
 SAVED = "shardplan_saved"
+OFFLOADED = "shardplan_offloaded"
 
 
 @dataclass(frozen=True)
@@ -164,12 +174,12 @@ def equation_owners(info: TraceInfo) -> list[str | None]:
     return out
 
 
-def _saved_name() -> Callable[[Any], Any]:
+def _saved_name(label: str = SAVED) -> Callable[[Any], Any]:
     import jax.numpy as jnp
     from jax.ad_checkpoint import checkpoint_name
 
     def name(x: Any) -> Any:
-        return checkpoint_name(x, SAVED) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
+        return checkpoint_name(x, label) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
 
     return name
 
@@ -232,25 +242,33 @@ def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: 
     index = plan.graph.index
     # the operators the program recomputes itself (a user's jax.checkpoint) re-run under its own call
     recs = set() if mc is None else {n for n, i in index.items() if mc.recompute(i)} - plan.graph.recomputed
-    remat = bool(recs) or 3 in stages
+    # the operators whose saved activations live in host memory (never recomputing ones)
+    offl = set() if mc is None else {n for n, i in index.items() if "activations" in mc.offload(i)} - recs
+    remat = bool(recs) or 3 in stages or bool(offl)
     if remat:
-        name = _saved_name()
+        name, down = _saved_name(SAVED), _saved_name(OFFLOADED)
         views = param_views(info, params_only=False)
         for e, owner in zip(info.program.eqns, equation_owners(info)):
             if e.parent == TOP and owner not in recs:
                 for var in e.outvars:
                     if var not in views:  # a view of an argument is redone from the argument, never saved
-                        produce[var] = _compose(produce.get(var), name)
+                        produce[var] = _compose(produce.get(var), down if owner in offl else name)
+    replace = fp8_equations(plan, info)
 
     def fn(*args: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten(args)
         if tree != info.in_tree:
             raise ShardplanError(f"arguments have structure {tree}, the traced function had {info.in_tree}")
-        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, produce, consume))
+        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, produce, consume, replace))
 
     if not remat:
         return fn, False
-    policy = jax.checkpoint_policies.save_only_these_names(SAVED)
+    if offl:  # saved values named OFFLOADED go to host memory in the forward pass and back for the backward
+        policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[SAVED], names_which_can_be_offloaded=[OFFLOADED],
+            offload_src="device", offload_dst="pinned_host")
+    else:
+        policy = jax.checkpoint_policies.save_only_these_names(SAVED)
     return jax.checkpoint(fn, policy=policy), True
 
 
@@ -299,10 +317,21 @@ class FitStep:
         return optax.tree_map_params(optimizer, lambda _, s: s, shapes, self.state_shardings,
                                      transform_non_params=lambda _: rep)
 
+    @property
+    def offloads(self) -> bool:
+        """Some operator of the plan keeps something in host memory (:mod:`shardplan.jax.offload`)."""
+        mc = self.plan.memory_choices
+        return mc is not None and any(mc.offload(i) for i in range(len(mc.choices)))
+
     def init(self, optimizer: Any, params: Any) -> tuple[Any, Any]:
-        """``(params, opt_state)`` placed as the plan holds them between steps."""
+        """``(params, opt_state)`` placed as the plan holds them between steps (offloaded state and parameters
+        in host memory)."""
         import jax
 
+        if self.offloads:
+            from shardplan.jax.offload import offload_step
+
+            return offload_step(self, optimizer, params).init(params)
         params = jax.device_put(params, self.param_shardings)
         sh = self.opt_state_shardings(optimizer, params)
         return params, jax.jit(optimizer.init, out_shardings=sh)(params)
@@ -314,9 +343,16 @@ class FitStep:
         gradient is cut to them (stage 1: a local slice of the reduced
         gradient), and the new parameters are gathered back to their tile
         (stages 1, 2) by their output sharding. ``params`` gives the shapes.
+        A plan that offloads runs as :class:`~shardplan.jax.offload.OffloadStep` (the same signature; the
+        state's copies between host and device memory are made between its programs, ``donate`` unused).
         """
         import jax
         import optax
+
+        if self.offloads:
+            from shardplan.jax.offload import offload_step
+
+            return offload_step(self, optimizer, params)
 
         opt_sh = self.opt_state_shardings(optimizer, params)
         state_sh, param_sh, rep = self.state_shardings, self.param_shardings, replicated(list(self.devices))
@@ -435,9 +471,12 @@ def fit_step(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, de
             return (jax.lax.with_sharding_constraint(val[0], rep), val[1]), grads
         return jax.lax.with_sharding_constraint(val, rep), grads
 
-    # results placed by out_shardings too: a constraint on a returned value alone may be left replicated
+    # results placed by out_shardings too: a constraint on a returned value alone may be left replicated.
+    # Not with activations offloaded to host memory: their copies make JAX mark every result's memory kind
+    # with a placement XLA's CPU backend refuses (shardplan.jax.offload); the constraints inside still apply.
+    offloads = mc is not None and any("activations" in mc.offload(i) for i in range(len(mc.choices)))
     jitted = jax.jit(step, in_shardings=(param_sh, batch_sh),
-                     out_shardings=((rep, None) if has_aux else rep, grad_sh))
+                     out_shardings=None if offloads else ((rep, None) if has_aux else rep, grad_sh))
     return FitStep(plan, info, micro_info, tuple(devices), states, k, remat, param_sh, grad_sh, state_sh, batch_sh,
                    jitted, fn, value_and_grad)
 

@@ -11,6 +11,9 @@ are bound whole. Two kinds of hooks apply the plan:
   just before the equation reads it (the layout the consumer's configuration
   reads it in).
 
+A third, ``replace[eqn]``: ``args -> outputs`` bound instead of equation
+``eqn``'s primitive (an FP8 product: :mod:`shardplan.jax.fp8`).
+
 Constraining both sides of every edge makes XLA execute the planned
 algorithm: the redistribution between the two layouts is the edge's, and
 each operator computes in the tiling the cost model charged (without the
@@ -37,24 +40,29 @@ Hook = Callable[[Any], Any]
 
 
 def evaluate(info: TraceInfo, leaves: Sequence[Any], produce: Mapping[int, Hook] | None = None,
-             consume: Mapping[tuple[int, int], Hook] | None = None) -> list[Any]:
-    """Run the flat program on argument leaves with the ``produce`` / ``consume`` hooks (see the module)."""
+             consume: Mapping[tuple[int, int], Hook] | None = None,
+             replace: Mapping[int, Callable[[list[Any]], list[Any]]] | None = None) -> list[Any]:
+    """Run the flat program on argument leaves with the ``produce`` / ``consume`` / ``replace`` hooks
+    (see the module)."""
     prog = info.program
     env: dict[int, Any] = dict(zip(prog.invars, leaves))
     top = [k for k, e in enumerate(prog.eqns) if e.parent == TOP]
-    evaluate_eqns(info, top, env, produce, consume, hook_inputs=True)
+    evaluate_eqns(info, top, env, produce, consume, hook_inputs=True, replace=replace)
     return [a.value if isinstance(a, Const) else env[a] for a in prog.outvars]
 
 
 def evaluate_eqns(info: TraceInfo, eqns: Sequence[int], env: dict[int, Any],
                   produce: Mapping[int, Hook] | None = None, consume: Mapping[tuple[int, int], Hook] | None = None,
-                  hook_inputs: bool = False) -> dict[int, Any]:
+                  hook_inputs: bool = False,
+                  replace: Mapping[int, Callable[[list[Any]], list[Any]]] | None = None) -> dict[int, Any]:
     """Run the top-level equations ``eqns`` (indices, in order) on ``env`` (variable id -> value), which
     must hold every variable they read; adds what they produce and returns ``env``. ``hook_inputs``:
-    apply the ``produce`` hooks to the values already in ``env`` first (the program's arguments)."""
+    apply the ``produce`` hooks to the values already in ``env`` first (the program's arguments).
+    ``replace``: equation index -> what runs instead of its primitive (see the module)."""
     prog = info.program
     produce = produce or {}
     consume = consume or {}
+    replace = replace or {}
     by_parent: dict[int, list[int]] = defaultdict(list)
     for k, e in enumerate(prog.eqns):
         if e.parent is not None and e.parent != TOP:
@@ -75,7 +83,9 @@ def evaluate_eqns(info: TraceInfo, eqns: Sequence[int], env: dict[int, Any],
             e = prog.eqns[k]
             args = [read(a) for a in e.invars]
             args = [consume[(k, s)](x) if (k, s) in consume else x for s, x in enumerate(args)]
-            if e.call_id is not None:
+            if k in replace:
+                outs = replace[k](args)
+            elif e.call_id is not None:
                 outs = _remat(e, args, env, put, lambda cid: run(by_parent.get(cid, ())), read)
             else:
                 params = e.primitive.get_bind_params(e.params)

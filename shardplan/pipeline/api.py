@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from shardplan.errors import ShardplanError
@@ -75,13 +75,23 @@ def _checked(batch: Any, micro_batches: Any, max_stages: Any, budget: Any, sizes
     return batch, ms, max_stages, budget, sizes
 
 
+def _with_refused(bound: float | None, stages: ModelStages) -> float | None:
+    """``bound`` (a proven bound of the space the search covered) made a bound of the whole space: the least of it
+    and :meth:`ModelStages.refused_floor` when some stage was refused."""
+    floor = stages.refused_floor()
+    if floor is None or bound is None:
+        return bound
+    return min(bound, floor)
+
+
 def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, *,
                    micro_batches: Sequence[int] = (1, 2, 4, 8), max_stages: int | None = None, uniform: bool = False,
                    interleave: Sequence[int] = (), schedules: Sequence[str] = ("1f1b", "interleaved"),
                    budget: float | None = None, periodic: bool = True, sizes: Sequence[int] | None = None,
                    memory_choices: bool = False, fallback: Callable[[Any], Any] | None = None,
                    fit_rtol: float = 1e-9, fit_time_limit: float = 60.0, progress: Progress | None = None,
-                   one_program_lower: float | None = None, **solve_options: Any) -> PipelineResult | None:
+                   one_program_lower: float | None = None, refused: Callable[[str], None] | None = None,
+                   **solve_options: Any) -> PipelineResult | None:
     """The optimal pipeline (stages, sub-meshes, m, schedule) of the model ``build(batch)`` on ``machine``.
 
     ``budget`` defaults to the machine's memory per device; micro-batch counts that do not divide
@@ -102,6 +112,14 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     :meth:`Progress.improved`) prunes the search with it; None is returned when no pipeline beats it, and
     ``progress.bound`` is then the proven lower bound of the pipeline space. ``one_program_lower``: the
     one-program search's proven bound at one micro-batch (:func:`search_pipeline`).
+
+    A stage whose cost tables the cost model refuses on its sub-mesh (per-device tiles past its cap,
+    :class:`~shardplan.errors.PerDeviceLimitError`; the ``max_devices`` option lowers the cap) is left out of
+    the search rather than ending it: ``plan.stats["sizes_not_searched"]`` lists those sub-mesh sizes,
+    ``stats["sizes_not_searched_why"]`` says why in one line (``refused(line)`` hears it too, also when no
+    plan is returned), and the plan's ``lower_bound`` (or ``progress.bound``) stays a proven bound of the
+    whole space: at most the step floor of the micro-batch counts at which a stage was refused
+    (:meth:`ModelStages.refused_floor`, docs/pipeline.md, *Sub-mesh sizes the cost model refuses*).
     Other keyword arguments go to each intra-stage :func:`shardplan.solve`.
     """
     t0 = time.perf_counter()
@@ -138,12 +156,34 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
             fits = sum(c.weight_bytes for c in cs) + k * sum(c.activation_bytes for c in cs) <= limit  # type: ignore
             return tuple(cs) if fits else None
 
-    plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules, exchange=stages.exchange_time,
-                           fit_fn=fit_fn, group_fit_fn=group_fit_fn, progress=progress,
-                           one_program_lower=one_program_lower if memory_choices else None,
-                           release=stages.release, step_floor=stages.step_floor)
+    try:
+        plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules, exchange=stages.exchange_time,
+                               fit_fn=fit_fn, group_fit_fn=group_fit_fn, progress=progress,
+                               one_program_lower=one_program_lower if memory_choices else None,
+                               release=stages.release, step_floor=stages.step_floor)
+    except KeyboardInterrupt:
+        if progress is not None:
+            progress.space_bound = _with_refused(progress.space_bound, stages)
+        if refused is not None and stages.refused:
+            refused(stages.refused_line())  # type: ignore[arg-type]
+        raise
+    except ShardplanError as e:
+        if type(e) is ShardplanError and stages.refused:
+            raise ShardplanError(f"{e}; {stages.refused_line()}") from e
+        raise
+    if refused is not None and stages.refused:
+        refused(stages.refused_line())  # type: ignore[arg-type]
     if plan is None:
+        if progress is not None:
+            progress.bound = _with_refused(progress.bound, stages)
         return None
+    if stages.refused:
+        # the stages the cost model refused are left out of the search: the pipelines that hold one are bounded
+        # by the step floor (docs/pipeline.md, *Sub-mesh sizes the cost model refuses*)
+        plan = replace(plan, lower_bound=_with_refused(plan.lower_bound, stages))
+        plan.stats["sizes_not_searched"] = sorted(stages.refused)
+        plan.stats["sizes_not_searched_why"] = stages.refused_line()
+        plan.stats["refused_floor"] = stages.refused_floor()
     plan.stats["intra_stage_solves"] = stages.solves
     if memory_choices:
         plan.stats["fit_unproven"] = stages.fit_unproven

@@ -128,7 +128,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from shardplan.errors import OperatorMemoryError, ShardplanError
+from shardplan.errors import OperatorMemoryError, PerDeviceLimitError, ShardplanError
 from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
 from shardplan.pipeline.search import StageCost
@@ -285,6 +285,11 @@ class ModelStages:
         fit_rtol, fit_time_limit: the fit's relative tolerance and its time limit per stage.
         fit_unproven: fit solves stopped by the time limit before their proof.
         fit_reused: fit answers taken from the same segment's solve at another in-flight count (:meth:`fit_cost`).
+        refused: the sub-mesh sizes on which some stage could not be costed because its tables would need
+            per-device tiles past the cost model's cap (:class:`~shardplan.errors.PerDeviceLimitError`; the
+            ``max_devices`` solve option lowers the cap): q -> (the first refusal's message, the micro-batch counts
+            it happened at). Such a stage is answered None, so the search leaves it out; :meth:`refused_floor`
+            bounds the pipelines that hold one (docs/pipeline.md, *Sub-mesh sizes the cost model refuses*).
     """
 
     build: Callable[[int], Graph]
@@ -302,6 +307,7 @@ class ModelStages:
     periodic_fallbacks: int = 0
     fit_unproven: int = 0
     fit_reused: int = 0
+    refused: dict = field(default_factory=dict)
     _graphs: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
     _lower: dict = field(default_factory=dict, repr=False)
@@ -492,7 +498,8 @@ class ModelStages:
         machine = replace(self.machine, num_devices=q)
         opts = dict(self.solve_options)
         table_opts = {k: opts.pop(k) for k in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas",
-                                               "candidates", "partial_sums", "overlap_tp", "context") if k in opts}
+                                               "candidates", "partial_sums", "overlap_tp", "context", "max_devices")
+                      if k in opts}
         solver = opts.pop("solver", "dp")
         cache = self._table_cache(q)
         if self.memory_choices and self.strategy is None:
@@ -521,16 +528,50 @@ class ModelStages:
         w_pass = min(bwd, wgrad + step_sync / m)
         return StageCost(fwd, bwd, mem["weights_bytes"], mem["activations_bytes"], plan, recv, grad, w_pass)
 
+    def _refuse(self, q: int, m: int, error: PerDeviceLimitError) -> None:
+        """Record that a stage on q devices at m could not be costed (:attr:`refused`)."""
+        _, ms = self.refused.setdefault(q, (str(error), set()))
+        ms.add(m)
+
+    def refused_floor(self) -> float | None:
+        """A proven lower bound of the step of every pipeline that holds a stage the cost model refused (None:
+        none was refused): the least :meth:`step_floor` over the micro-batch counts at which a refusal happened.
+        The step floor bounds every pipeline at m whatever its stages (docs/pipeline.md, *Best-first parts*), so
+        the least of the search's bound and this one is a proven bound of the whole space, the refused stages
+        included."""
+        ms = sorted({m for _, got in self.refused.values() for m in got})
+        return min(self.step_floor(m) for m in ms) if ms else None
+
+    def refused_line(self) -> str | None:
+        """The sub-mesh sizes on which some stage was refused, and why, in one line (None: none)."""
+        if not self.refused:
+            return None
+        qs = sorted(self.refused)
+        shown = ", ".join(map(str, qs[:4])) + (f", ... {qs[-1]}" if len(qs) > 4 else "")
+        why = self.refused[qs[0]][0]
+        return (f"{len(qs)} sub-mesh size{'s' if len(qs) > 1 else ''} ({shown}) not searched for the stages that "
+                f"need per-device tiles: {why}")
+
     def stage_cost(self, a: int, b: int, q: int, m: int) -> StageCost | None:
-        """Intra-stage optimum of units [a, b) on q devices with m micro-batches (None if m does not divide)."""
+        """Intra-stage optimum of units [a, b) on q devices with m micro-batches (None if m does not divide, if
+        some operator cannot fit on q devices, or if the cost model refuses the stage's tables on q devices:
+        :attr:`refused` records that)."""
         if self.batch % m:
             return None
         key = self._stage_key(a, b, q, m)
+        if key in self._cache:
+            return self._cache[key]
+        try:
+            return self._stage_cost(a, b, q, m, key)
+        except PerDeviceLimitError as e:
+            self._refuse(q, m, e)
+            self._lower[key] = None
+            self._cache[key] = None
+            return None
+
+    def _stage_cost(self, a: int, b: int, q: int, m: int, key: tuple) -> StageCost | None:
         ties = key[-1]
         sigs = self.graph(m)[2]
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
         run = _longest_run(sigs, a, b)
         cost = lower = None
         # a recipe is not an optimum (no certificate), and tied blocks take one layout (their cost is a minimum of
@@ -712,7 +753,7 @@ class ModelStages:
         machine = replace(self.machine, num_devices=q, memory_bytes=budget)
         opts = dict(self.solve_options)
         table_opts = {x: opts.pop(x) for x in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas",
-                                             "partial_sums", "overlap_tp", "context") if x in opts}
+                                             "partial_sums", "overlap_tp", "context", "max_devices") if x in opts}
         cache = self._tables.setdefault((q, "fit"), {})
         tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
                          machine=machine)
@@ -721,6 +762,8 @@ class ModelStages:
             plan = solve_fit(graph, machine, budget=budget, tables=tables,
                              options=FitOptions(micro_batches=(1,), in_flight=k, accumulate=m,
                                                 time_limit=self.fit_time_limit), rtol=self.fit_rtol)
+        except PerDeviceLimitError:
+            raise  # not "nothing fits": the caller records the refusal
         except ShardplanError:
             return None
         if not plan.solution.optimal:
@@ -747,6 +790,14 @@ class ModelStages:
                budget, self._tie_key(a, b, m))
         if key in self._cache:
             return self._cache[key]
+        try:
+            return self._fit_cost(a, b, q, m, k, budget, key)
+        except PerDeviceLimitError as e:
+            self._refuse(q, m, e)
+            self._cache[key] = None
+            return None
+
+    def _fit_cost(self, a: int, b: int, q: int, m: int, k: int, budget: float, key: tuple) -> StageCost | None:
         family = self._cache.setdefault(key[:6] + key[7:], {})  # this segment's solves at other in-flight counts
         known = _from_other_in_flight(family, k, budget, self.stage_cost(a, b, q, m), self.fit_rtol)
         if known is not False:
@@ -787,29 +838,37 @@ class ModelStages:
         None if nothing fits."""
         if self.batch % m:
             return None
-        _, units, sigs = self.graph(m)
+        _, _, sigs = self.graph(m)
         key = (tuple((sigs[a - 1] if a > 0 else None, sigs[a:b], sigs[b] if b < len(sigs) else None,
                       self._tie_key(a, b, m)) for a, b in chunks), q, m, "group-fit", float(k), budget)
         if key in self._cache:
             return self._cache[key]
-        plan = self._solve_fit(self.subgraph_of(chunks, m), q, m, float(k), budget)
-        if plan is None:
+        try:
+            out = self._group_fit_cost(chunks, q, m, k, budget)
+        except PerDeviceLimitError as e:
+            self._refuse(q, m, e)
             out = None
-        else:
-            ratio = _proven_ratio(plan, self.fit_rtol)
-            plain = [self.stage_cost(a, b, q, m) for a, b in chunks]
-            if plan.solution.cost > 0 and all(c is not None for c in plain):
-                # the time-optimal chunks are a lower bound too (no choice is cheaper than none)
-                ratio = min(1.0, max(ratio, sum(c.time for c in plain) / plan.solution.cost))  # type: ignore[union-attr]
-            parts, start = [], 0
-            for a, b in chunks:
-                n_ops = sum(len(units[u]) for u in range(a, b))
-                c = _fit_parts(plan, set(range(start, start + n_ops)), m, k, a, b - 1, self.boundary_bytes)
-                parts.append(replace(c, lower=c.time * ratio))
-                start += n_ops
-            out = tuple(parts)
         self._cache[key] = out
         return out
+
+    def _group_fit_cost(self, chunks: tuple[tuple[int, int], ...], q: int, m: int, k: float,
+                        budget: float) -> tuple[StageCost, ...] | None:
+        _, units, _ = self.graph(m)
+        plan = self._solve_fit(self.subgraph_of(chunks, m), q, m, float(k), budget)
+        if plan is None:
+            return None
+        ratio = _proven_ratio(plan, self.fit_rtol)
+        plain = [self.stage_cost(a, b, q, m) for a, b in chunks]
+        if plan.solution.cost > 0 and all(c is not None for c in plain):
+            # the time-optimal chunks are a lower bound too (no choice is cheaper than none)
+            ratio = min(1.0, max(ratio, sum(c.time for c in plain) / plan.solution.cost))  # type: ignore[union-attr]
+        parts, start = [], 0
+        for a, b in chunks:
+            n_ops = sum(len(units[u]) for u in range(a, b))
+            c = _fit_parts(plan, set(range(start, start + n_ops)), m, k, a, b - 1, self.boundary_bytes)
+            parts.append(replace(c, lower=c.time * ratio))
+            start += n_ops
+        return tuple(parts)
 
     def stage_cost_of_run(self, a: int, b: int, s: int, e: int, keep: int, q: int, m: int) -> StageCost:
         """Cost of [a, b) with its run of identical units [s, e) cut to ``keep`` units (an equal segment)."""

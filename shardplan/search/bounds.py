@@ -133,17 +133,23 @@ class _MinPlusMemo:
     equal bit for bit, so its result is the one the call would compute. In
     models of identical layers most messages repeat (GPT-3 175B on 1,024
     devices: 69 % of the forest pass's entries). Results are returned
-    read-only (they are shared).
+    read-only (they are shared). The view key of a matrix object seen before
+    is taken from a dict by ``id`` (the memo holds the object, so its id stays
+    its own): callers pass the same objects again and again.
     """
 
     def __init__(self) -> None:
         self.store: dict[tuple, np.ndarray] = {}
+        self.keys: dict[int, tuple[np.ndarray, tuple]] = {}
         self.hits = 0
 
     def __call__(self, vec: np.ndarray, mat: np.ndarray) -> np.ndarray:
         if mat.size < _MEMO_MIN:  # a small product costs less than its key
             return min_plus(vec, mat)
-        key = (view_key(mat), vec.tobytes())
+        known = self.keys.get(id(mat))
+        if known is None or known[0] is not mat:
+            known = self.keys[id(mat)] = (mat, view_key(mat))
+        key = (known[1], vec.tobytes())
         out = self.store.get(key)
         if out is None:
             out = self.store[key] = min_plus(vec, mat)
@@ -251,20 +257,80 @@ def trws(st: BoundState, order: list[int], iters: int) -> None:
                     msg[(s, t)] = m
 
 
-def _fold(st: BoundState, key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split edge ``key`` (after the messages) as r[a] + c[b] + R[a, b]; returns (r, c, R)."""
+def _fold(st: BoundState, key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, float]:
+    """Split edge ``key`` (after the messages) as r[a] + c[b] + R[a, b]; returns (r, c, max R).
+
+    The split is :func:`~shardplan.search.pairs.reparametrise`'s on the edge
+    with its messages subtracted, ``E = (M - msg[(u, w)][b]) - msg[(w, u)][a]``
+    (:func:`split_max`: the same floats, a block of rows at a time).
+    """
     u, w = key
     m = st.pairs[key]
     if st.msg is None:
-        return reparametrise(m)
-    m = m - st.msg[(u, w)][None, :]
-    m -= st.msg[(w, u)][:, None]
-    # m is a fresh array: split it in place (reparametrise's operations on the same floats, one copy fewer)
-    r = m.min(axis=1)
-    m -= r[:, None]
-    c = m.min(axis=0)
-    m -= c[None, :]
-    return r, c, m
+        return split_max(m)
+    return split_max(m, st.msg[(u, w)], st.msg[(w, u)])
+
+
+def split_max(mat: np.ndarray, col: np.ndarray | None = None, row: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray, float]:
+    """``(r, c, max R)`` of ``E = reparametrise(M - col[b] - row[a])``, bit for bit, without forming E or R.
+
+    With ``E[a, b] = (M[a, b] - col[b]) - row[a]`` (each term rounded as written;
+    ``M`` itself when no messages are given), ``r = min_b E``, ``E' = E - r[a]``,
+    ``c = min_a E'`` and ``R = E' - c[b]``. Rounding is monotone, so for each
+    column ``max_a fl(E'[a, b] - c[b]) = fl(max_a E'[a, b] - c[b])``: the largest
+    residual is ``max_b (colmax E' - colmin E')``, the same float as ``R.max()``.
+    Every entry of E and E' is the same rounded expression as in the one-shot
+    form and min / max are exact, so r, c and the maximum equal it bit for bit
+    (tested against the one-shot form). E is formed a block of rows at a time
+    (of ``M``, or of ``M.T`` when that is the contiguous one: then in two
+    passes, the row minima first), so it stays in cache: one read of ``M``
+    instead of seven passes over a fresh matrix.
+    """
+    ka, kb = mat.shape
+    if ka == 0 or kb == 0:
+        raise ValueError("split_max: empty matrix")
+    msgs = col is not None
+
+    def block(rows: slice) -> np.ndarray:  # E over a block of rows, a fresh array
+        if not msgs:
+            return np.array(mat[rows])
+        b = mat[rows] - col[None, :]
+        b -= row[rows, None]
+        return b
+
+    if mat.T.flags.c_contiguous and not mat.flags.c_contiguous:  # a transposed view: walk the rows of M.T
+        mt = mat.T
+        step = max(1, _CHUNK // ka)
+        r = np.full(ka, np.inf)
+
+        def tblock(cols: slice) -> np.ndarray:  # E.T over a block of columns of E, a fresh array
+            if not msgs:
+                return np.array(mt[cols])
+            b = mt[cols] - col[cols, None]
+            b -= row[None, :]
+            return b
+
+        for j in range(0, kb, step):
+            np.minimum(r, tblock(slice(j, j + step)).min(axis=0), out=r)
+        lo, hi = np.empty(kb), np.empty(kb)
+        for j in range(0, kb, step):
+            b = tblock(slice(j, j + step))
+            b -= r[None, :]
+            lo[j:j + step] = b.min(axis=1)
+            hi[j:j + step] = b.max(axis=1)
+        return r, lo, float((hi - lo).max())
+    step = max(1, _CHUNK // kb)
+    r = np.empty(ka)
+    lo, hi = np.full(kb, np.inf), np.full(kb, -np.inf)
+    for i in range(0, ka, step):
+        b = block(slice(i, i + step))
+        rb = b.min(axis=1)
+        r[i:i + step] = rb
+        b -= rb[:, None]
+        np.minimum(lo, b.min(axis=0), out=lo)
+        np.maximum(hi, b.max(axis=0), out=hi)
+    return r, lo, float((hi - lo).max())
 
 
 def _forest_pass(st: BoundState, exact_weights: bool = False) -> tuple[list[np.ndarray], np.ndarray, float]:
@@ -299,8 +365,7 @@ def _forest_pass(st: BoundState, exact_weights: bool = False) -> tuple[list[np.n
         if m.size == 0:
             continue
         if exact_weights:
-            r, c, res = _fold(st, key)
-            weights[key] = float(res.max())
+            r, c, weights[key] = _fold(st, key)
             folds[key] = (r, c)
         elif msg is None:  # depends on the matrix only: once per shared matrix (identical layers)
             vk = view_key(m)
@@ -361,8 +426,16 @@ def forest_bounds(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
         nbr[u].append(w)
         nbr[w].append(u)
 
+    transposed: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # one view object per matrix (memo keys by id)
+
+    def flip(m: np.ndarray) -> np.ndarray:
+        got = transposed.get(id(m))
+        if got is None or got[0] is not m:
+            got = transposed[id(m)] = (m, m.T)
+        return got[1]
+
     def mat(c: int, p: int) -> np.ndarray:  # residual oriented [config of c, config of p]
-        return res[(c, p)] if c < p else res[(p, c)].T
+        return res[(c, p)] if c < p else flip(res[(p, c)])
 
     parent = [-1] * n
     order: list[int] = []
@@ -408,7 +481,7 @@ def forest_bounds(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
         suffix = np.zeros_like(base)
         for i in range(len(kids) - 1, -1, -1):
             c = kids[i]
-            down[c] = mp(prefix[i] + suffix, mat(c, v).T)
+            down[c] = mp(prefix[i] + suffix, mat(v, c))
             suffix = suffix + msg_up[c]
     # other components add at least their own minimum
     comp_min = {v: float(mm[v].min()) for v in range(n) if parent[v] < 0}
@@ -484,7 +557,8 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
                 incumbent: np.ndarray | None = None, rtol: float = RTOL,
                 restricted_max: int = 8, restricted_entries: float = 2e7,
                 min_drop: float = 0.2, exact_weights: bool = False,
-                symmetric: bool = False) -> tuple[Reduction, dict]:
+                symmetric: bool = False, orbit_ids: list[int] | None = None
+                ) -> tuple[Reduction, dict]:
     """Drop every configuration whose lower bound exceeds the incumbent (exact; see module doc).
 
     Round 0 uses the plain forest bound (cheap, on the full problem); every
@@ -502,7 +576,8 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
     With ``symmetric``, vertices with equal costs and configurations
     (:func:`shardplan.search.reduce.orbits`: the same operator in identical
     layers) keep the union of their survivors, so the restricted problem
-    keeps equal parts equal and shares their matrices (exact: only more is kept).
+    keeps equal parts equal and shares their matrices (exact: only more is kept);
+    ``orbit_ids``, when given, is ``orbits(problem)`` already computed.
 
     Returns the reduction (merged edges, surviving configurations, ``keep``
     maps to ``problem``'s indices) and stats: configs before/after, rounds,
@@ -512,7 +587,7 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
     """
     t0 = time.perf_counter()
     st = BoundState.from_problem(problem)
-    orb = orbits(problem) if symmetric else None
+    orb = (orbit_ids if orbit_ids is not None else orbits(problem)) if symmetric else None
     orbit = orb if orb is not None and len(set(orb)) < problem.num_vertices else None
     keep = [np.arange(k) for k in problem.sizes]
     before = int(sum(problem.sizes))

@@ -455,7 +455,7 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
 
 
 def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, iters: int,
-         budget: float | None = None) -> list[np.ndarray]:
+         budget: float | None = None, screen: bool = True) -> list[np.ndarray]:
     """Reduced-cost fixing: drop the allowed choices that cannot lead below ``cutoff``.
 
     For a feasible x using choice j of v (configuration k):
@@ -466,25 +466,53 @@ def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, it
     the cutoff are dropped (exact: no assignment below the cutoff uses them).
     ``budget`` (default B) may be the node's lattice budget (:func:`_lattice_budget`),
     which every feasible x of the node also respects.
+
+    ``screen`` (default): first the plain forest bound (no messages, one pass)
+    drops every configuration k with ``minmarg(v, k) - lam B >= cutoff`` (each of
+    its choices then has a bound at least that), keeping the union over each
+    class of identical vertices (more is kept: still exact); the TRW-S sweeps
+    and the final forest bound then run on the configurations left, as
+    :func:`~shardplan.search.bounds.bound_prune` does between its rounds. A
+    bound of the restricted problem holds for every assignment of the kept
+    configurations, and every assignment below the cutoff keeps only kept
+    configurations, so each drop stays exact; the sweeps cost the square of the
+    configurations left per edge instead of all of them.
     """
     from shardplan.search.bounds import BoundState, _forest_pass, trws
+    from shardplan.search.reduce import orbits, sorted_union
 
     mp = ctx.mp
     budget = mp.budget if budget is None else min(budget, mp.budget)
     sub, keeps, _ = _lagrangian_problem(mp, lam, allowed)
     unary = [c.copy() for c in sub.vertex_cost]
     st = BoundState.from_problem(sub)
+    kept = [np.arange(len(k)) for k in keeps]  # positions of sub's configurations left in st
+    if screen and iters and st.pairs and cutoff < np.inf:  # (a cutoff of inf or nan drops nothing)
+        lbs0, _, _ = _forest_pass(st)
+        pos = [np.flatnonzero(x - lam * budget < cutoff) for x in lbs0]
+        if any(len(x) == 0 for x in pos):  # a vertex with nothing below the cutoff: the node has no such plan
+            return [np.zeros(len(ok), dtype=bool) for ok in allowed]
+        orb = orbits(sub)
+        union: dict[int, np.ndarray] = {}
+        for v, x in enumerate(pos):
+            union[orb[v]] = sorted_union(union[orb[v]], x) if orb[v] in union else x
+        pos = [union[orb[v]] for v in range(st.n)]
+        if sum(len(x) for x in pos) < sum(len(x) for x in kept):
+            st.restrict(pos, orb)
+            kept = pos
     if iters and st.pairs:
         trws(st, list(range(st.n)), iters)
     lbs, _, _ = _forest_pass(st, True)
     out = []
     sizes = mp.problem.sizes
     for v in range(sub.num_vertices):
+        full = np.full(len(keeps[v]), np.inf)  # configurations screened out: no choice of theirs survives
+        full[kept[v]] = lbs[v] - unary[v][kept[v]]
         pos = np.full(sizes[v], -1, dtype=np.int64)
         pos[keeps[v]] = np.arange(len(keeps[v]))
         idx = np.flatnonzero(allowed[v])
         i = pos[mp.base[v][idx]]
-        lb = lbs[v][i] - unary[v][i] + mp.cost[v][idx] + lam * mp.memory[v][idx] - lam * budget
+        lb = full[i] + mp.cost[v][idx] + lam * mp.memory[v][idx] - lam * budget
         new = np.array(allowed[v], dtype=bool)
         new[idx[lb >= cutoff]] = False
         out.append(new)

@@ -421,13 +421,15 @@ def solve_dp(
     bstats: dict = {"enabled": False}
     # identical operators (equal costs and configurations) keep equal configuration sets, so that equal
     # layers stay equal for the memo (exact: each set only grows, see reduce.symmetric_reduction)
-    symmetric = memo and problem.num_vertices > len(set(orbits(problem)))
+    orb = orbits(problem) if memo else None  # computed once: the pruning and both restrictions below use it
+    symmetric = orb is not None and problem.num_vertices > len(set(orb))
 
     def sym(r: Reduction) -> Reduction:
-        return symmetric_reduction(problem, r.keep, r.stats) if symmetric else r
+        return symmetric_reduction(problem, r.keep, r.stats, orbit_ids=orb) if symmetric else r
 
     if bounds and problem.num_vertices > 0:
-        base, bstats = bound_prune(problem, exact_solver=solve_small, symmetric=symmetric)
+        base, bstats = bound_prune(problem, exact_solver=solve_small, symmetric=symmetric,
+                                   orbit_ids=orb if symmetric else None)
         bstats = {**{k: v for k, v in bstats.items() if k != "incumbent"}, "enabled": True}
         base = sym(base)
         if symmetric:

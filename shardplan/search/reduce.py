@@ -263,7 +263,8 @@ def orbits(problem: Problem) -> list[int]:
     return [ids[o] for o in out]
 
 
-def symmetric_reduction(problem: Problem, keep: Sequence[np.ndarray], stats: dict) -> Reduction:
+def symmetric_reduction(problem: Problem, keep: Sequence[np.ndarray], stats: dict,
+                        orbit_ids: Sequence[int] | None = None) -> Reduction:
     """``problem`` restricted to, per vertex, the union of ``keep`` over its orbit (:func:`orbits`).
 
     Exact whenever ``keep`` is: a superset (per vertex) of a restriction that
@@ -272,9 +273,9 @@ def symmetric_reduction(problem: Problem, keep: Sequence[np.ndarray], stats: dic
     edges with equal matrices between equal orbits get equal restricted
     matrices; both are built once and shared (the same arrays), so equal
     parts of the reduced problem stay recognisably equal for the DP's memo
-    and are validated once.
+    and are validated once. ``orbit_ids``, when given, is ``orbits(problem)`` already computed.
     """
-    orb = orbits(problem)
+    orb = list(orbit_ids) if orbit_ids is not None else orbits(problem)
     union: dict[int, np.ndarray] = {}
     for v, k in enumerate(keep):
         union[orb[v]] = sorted_union(union[orb[v]], k) if orb[v] in union else np.asarray(k, dtype=np.int64)

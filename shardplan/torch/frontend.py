@@ -37,7 +37,9 @@ input being the batch.
 Dimensions that DTensor cannot execute split are marked *fixed*
 (:attr:`~shardplan.ir.Operator.fixed`), so every plan found can run:
 convolution and pooling windows and spatial axes (a halo exchange), the
-head-feature, key and value dimensions of attention (no ring attention),
+head-feature, key and value dimensions of attention (the plan reads the keys
+whole; a plan made with ``context="ring"`` runs them round the ring instead:
+:mod:`shardplan.torch.ring`),
 the inner dims of merged axes.
 
 Unsupported operators. A node without a handler, or whose handler refuses

@@ -24,7 +24,16 @@ made for):
   every device, a replicated result (autograd flows through both conversions).
   ``aten.scaled_dot_product_attention`` runs on each device's tiles (batch,
   heads and queries split as planned, keys whole: :func:`_sdpa`), with
-  PyTorch's own kernel.
+  PyTorch's own kernel; with a plan made with ``context="ring"``, the
+  queries split on one mesh axis and the keys and values arriving split
+  along the sequence on it (:func:`shardplan.torch.ring.ring_applies`), by
+  the ring over that axis instead (:func:`shardplan.torch.ring.ring_sdpa`).
+
+A fit plan's FP8 products and host offload run as :mod:`shardplan.torch.precision`
+says (:class:`RunChoices`): the operands of an FP8 product cast with whole-tensor
+scales, saved activations copied to host memory by saved-tensor hooks, the
+optimizer state of offloading operators stepped on the host
+(:meth:`ParallelModule.optimizer`).
 
 Gradients flow back through DTensor's autograd: the redistribution of a
 value in the forward pass is undone on its gradient in the backward pass,
@@ -78,6 +87,8 @@ from shardplan.ir import Graph, Operator, Tensor
 from shardplan.torch.frontend import _SKIP as _CHECKS
 from shardplan.torch.frontend import TorchTrace
 from shardplan.torch.layout import mesh_dims, mesh_factors, plan_mesh_shape, tensor_placements
+from shardplan.torch.precision import HostOffload, HostOptimizer, fp8_cast, fp8_grad, fp8_operands
+from shardplan.torch.ring import SDPA, ring_applies, ring_kv_placements, ring_sdpa
 
 __all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts", "RunChoices", "run_choices",
            "zero3_placements", "recompute_segments", "micro_batch", "check_same_program", "Segment", "Program",
@@ -590,11 +601,23 @@ class RunChoices:
         micro_batches: k; the step runs k slices of the batch and accumulates their gradients.
         recompute: operators (by name) whose forward runs again in the backward pass.
         zero3: operators (by name) whose parameters are held sharded over their data-parallel group.
+        fp8: operators whose matrix product runs in FP8 (:mod:`shardplan.torch.precision`).
+        offload: operators whose saved activations live in host memory
+            (:class:`~shardplan.torch.precision.HostOffload`).
+        offload_optimizer: operators whose weights' optimizer state lives in host memory
+            (:meth:`ParallelModule.optimizer` gives their parameters a
+            :class:`~shardplan.torch.precision.HostOptimizer`).
+        ring: attention whose queries are split runs the ring (:func:`shardplan.torch.ring.ring_sdpa`): the plan's
+            tables were built with ``context="ring"``.
     """
 
     micro_batches: int = 1
     recompute: frozenset[str] = frozenset()
     zero3: frozenset[str] = frozenset()
+    fp8: frozenset[str] = frozenset()
+    offload: frozenset[str] = frozenset()
+    ring: bool = False
+    offload_optimizer: frozenset[str] = frozenset()
 
 
 def run_choices(plan: Any) -> RunChoices:
@@ -603,16 +626,21 @@ def run_choices(plan: Any) -> RunChoices:
     Raises:
         ShardplanError: the plan shards some operator's state at ZeRO stage 1 or 2 (see :data:`TORCH_STAGES`).
     """
+    tables = getattr(plan, "tables", None)
+    ring = tables is not None and tables.options.get("context") == "ring"
     mc = plan.memory_choices
     if mc is None:
-        return RunChoices()
+        return RunChoices(ring=ring)
     names = [op.name for op in plan.graph.operators]
     bad = [n for i, n in enumerate(names) if mc.stage(i) not in TORCH_STAGES]
     if bad:
         raise ShardplanError(f"operator {bad[0]!r} shards its state at ZeRO stage {mc.stage(names.index(bad[0]))}; "
                              f"the PyTorch run holds stages {', '.join(map(str, TORCH_STAGES))} only")
     return RunChoices(int(mc.micro_batches), frozenset(n for i, n in enumerate(names) if mc.recompute(i)),
-                      frozenset(n for i, n in enumerate(names) if mc.stage(i) == 3))
+                      frozenset(n for i, n in enumerate(names) if mc.stage(i) == 3),
+                      frozenset(n for i, n in enumerate(names) if mc.fp8(i)),
+                      frozenset(n for i, n in enumerate(names) if "activations" in mc.offload(i)), ring,
+                      frozenset(n for i, n in enumerate(names) if "optimizer" in mc.offload(i)))
 
 
 def zero3_placements(placements: Sequence[Any], shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[Any, ...]:
@@ -820,7 +848,23 @@ def parallel_module(module: Any, example_inputs: Sequence[Any], kwargs: Mapping[
     return ParallelModule.create(module, info, plan.graph, plan.layouts, mesh, choices, micro)
 
 
+def _offloaded(pack: Any, unpack: Any, host: HostOffload) -> tuple[Any, Any]:
+    """Saved-tensor hooks ``pack``, ``unpack`` (ZeRO-3's regather) with host offload around them: what ``pack``
+    leaves a tensor (anything but a regathered parameter) goes to the host, and comes back before ``unpack``."""
+    import torch
+
+    def pack2(t: Any) -> Any:
+        out = pack(t)
+        return host.pack(out) if isinstance(out, torch.Tensor) else out
+
+    def unpack2(t: Any) -> Any:
+        return unpack(host.unpack(t))
+    return pack2, unpack2
+
+
 def _make_class() -> Any:
+    import functools
+
     import torch
     from torch import nn
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
@@ -848,6 +892,7 @@ def _make_class() -> Any:
                 factors, choices.recompute)
             self._zero3 = {t for op in choices.zero3 for t, uses in info.param_uses.items() if uses[0][0] == op}
             self._sharded: set[int] = set()  # ids of the ZeRO-3 parameters
+            self.host = HostOffload()  # the offloaded activations' hooks and their byte count
             self.param_placements: dict[str, tuple[Any, ...]] = {}
             self._mirror(module)
 
@@ -922,6 +967,19 @@ def _make_class() -> Any:
                     return g.redistribute(self.mesh, placements)
                 return g
             return hook
+
+        def optimizer(self, cls: Any, **options: Any) -> Any:
+            """``cls(self.parameters(), **options)`` (a ``torch.optim`` class), with the parameters of the
+            operators whose optimizer state the plan keeps in host memory
+            (:attr:`RunChoices.offload_optimizer`, by their first reader) stepped there: a
+            :class:`~shardplan.torch.precision.HostOptimizer` when there are any."""
+            owners = self.choices.offload_optimizer
+            host = {t for t, uses in self.info.param_uses.items() if uses and uses[0][0] in owners}
+            named = list(self.named_parameters())
+            if not any(n in host for n, _ in named):
+                return cls([p for _, p in named], **options)
+            return HostOptimizer([p for n, p in named if n in host], cls,
+                                 device_params=[p for n, p in named if n not in host], **options)
 
         def dparameter(self, target: str) -> Any:
             """The DTensor parameter for ``target`` (the original module's parameter name)."""
@@ -1087,21 +1145,38 @@ def _make_class() -> Any:
                 return out
             op_name = info.node_op.get(node.name)
             gathered: list[tuple[Any, Any]] = []
+            ring = (self.choices.ring and str(fn) == SDPA and op_name is not None and ring_applies(
+                lay.placements(op_name, "q", 4), [_get(args, kwargs, path) for path, t in info.operands[op_name]
+                                                  if t in ("k", "v")]))
+            fp8 = fp8_operands(prog.graph[op_name]) if op_name in self.choices.fp8 else frozenset()
             if op_name is not None:
                 for path, tname in info.operands.get(op_name, ()):
                     x = _get(args, kwargs, path)
                     if isinstance(x, DTensor):
-                        y = _redistribute(x, self.mesh, lay.placements(op_name, tname, x.dim()))
+                        want = lay.placements(op_name, tname, x.dim())
+                        if ring and tname in ("k", "v"):
+                            want = ring_kv_placements(lay.placements(op_name, "q", 4), want)
+                        y = _redistribute(x, self.mesh, want)
                         _set(args, kwargs, path, y)
                         if id(x) in self._sharded and y is not x:
                             gathered.append((x, y))
+                    if tname in fp8 and isinstance(x, torch.Tensor) and x.is_floating_point():
+                        _set(args, kwargs, path, fp8_cast(_get(args, kwargs, path)))
             fn = _REWRITES.get(str(fn), fn)
+            if ring:
+                fn = functools.partial(ring_sdpa, fallback=fn)
             if _has_dtensor(args) or _has_dtensor(kwargs):
                 rep = lambda x: self._replicate(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
                 args = [_tree_map(rep, a) for a in args]
                 kwargs = {k: _tree_map(rep, v) for k, v in kwargs.items()}
-            hooks = (torch.autograd.graph.saved_tensors_hooks(*self._regather_hooks(gathered))
-                     if gathered and regather else contextlib.nullcontext())
+            offload = regather and op_name in self.choices.offload  # not inside a recomputed segment
+            if gathered and regather:
+                pack, unpack = self._regather_hooks(gathered)
+                if offload:
+                    pack, unpack = _offloaded(pack, unpack, self.host)
+                hooks: Any = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+            else:
+                hooks = self.host.hooks() if offload else contextlib.nullcontext()
             with hooks:
                 try:
                     if str(fn) in _CONV and isinstance(args[0], DTensor):
@@ -1116,6 +1191,8 @@ def _make_class() -> Any:
                         lay, op_name, args, kwargs, [_get(args, kwargs, path) for path, _ in info.operands[op_name]])
                     out = (self._replicated_call(fn, args, kwargs) if local is None else
                            self._local_call(fn, args, kwargs, *local))
+            if fp8:
+                out = fp8_grad(out)
             if op_name is not None and isinstance(out, DTensor):
                 out = _redistribute(out, self.mesh, lay.output(op_name, out.dim()))
             if str(node.target) in _FUNCTIONAL and isinstance(node.args[0], torch.fx.Node):

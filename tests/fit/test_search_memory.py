@@ -398,3 +398,39 @@ def test_stored_lagrangian_points_change_nothing(seed):
     assert root.stats["dp_solves"] == stored >= 1
     assert again.stats["dp_reused"] > alone.stats["dp_reused"]
     assert again.stats["dp_solves"] + again.stats["dp_reused"] == alone.stats["dp_solves"] + alone.stats["dp_reused"]
+
+
+def _fix_case(mp: MemoryProblem, lam: float, cutoff: float, screen: bool) -> list[np.ndarray]:
+    from shardplan.search.constrained import _Ctx, _fix
+
+    allowed = [np.ones(len(b), dtype=bool) for b in mp.base]
+    return _fix(_Ctx(mp, solve_dp, 1e-9), allowed, lam, cutoff, 5, screen=screen)
+
+
+def test_screened_fixing_keeps_every_choice_of_a_plan_below_the_cutoff():
+    """Reduced-cost fixing with the plain-forest screen before its TRW-S sweeps (and without it) keeps every
+    choice that some feasible assignment below the cutoff uses (brute force over all assignments), and the
+    screen does drop configurations on these instances (else this test could not fail)."""
+    from shardplan.search.bounds import BoundState, _forest_pass
+    from shardplan.search.constrained import _lagrangian_problem, enumerate_choices
+
+    screened = 0
+    for seed in range(24):
+        mp = identical_chain(7, 35.0 + seed) if seed % 3 == 0 else memory_problem(seed, (0.3, 0.7, 0.95)[seed % 3])
+        digits, f = enumerate_choices(mp.problem, mp.base, mp.cost, max_combinations=10**7)
+        mem = np.full(len(f), mp.fixed)
+        for v, dv in enumerate(digits):
+            mem += mp.memory[v][dv]
+        feasible = mem <= mp.budget
+        opt = float(f[feasible].min())
+        for lam in (0.0, 0.05, 0.3):
+            for cutoff in (opt * 1.001 + 1e-3, opt + 2.0, opt * 0.999 - 1e-3):
+                below = feasible & (f < cutoff)
+                for screen in (True, False):
+                    out = _fix_case(mp, lam, cutoff, screen)
+                    for v, dv in enumerate(digits):
+                        assert out[v][np.unique(dv[below])].all(), (seed, lam, cutoff, screen, v)
+                sub, _, _ = _lagrangian_problem(mp, lam, [np.ones(len(b), dtype=bool) for b in mp.base])
+                lbs0, _, _ = _forest_pass(BoundState.from_problem(sub))
+                screened += sum(int((x - lam * mp.budget >= cutoff).sum()) for x in lbs0)
+    assert screened > 0

@@ -184,3 +184,29 @@ def test_min_plus_is_the_one_shot_minimum(ka, kb):
     v = rng.random(ka)
     for mat in (m, np.ascontiguousarray(m.T).T, m[:, ::2]):  # C order, a transposed view, a strided view
         assert np.array_equal(min_plus(v, mat), (v[:, None] + mat).min(axis=0))
+
+
+def _split_one_shot(m, col=None, row=None):
+    """The plain form split_max replaced: the edge with its messages subtracted, split, and the largest residual."""
+    if col is not None:
+        m = m - col[None, :]
+        m -= row[:, None]
+    r = m.min(axis=1)
+    e = m - r[:, None]
+    c = e.min(axis=0)
+    return r, c, float((e - c[None, :]).max())
+
+
+@pytest.mark.parametrize("ka,kb", [(1, 1), (1, 700), (700, 1), (37, 1191), (300, 300), (3000, 20), (5, 9000)])
+def test_split_max_is_the_one_shot_split(ka, kb):
+    from shardplan.search.bounds import split_max
+
+    rng = np.random.default_rng(ka * 31 + kb)
+    m = rng.random((ka, kb)) * 10.0 ** rng.integers(-6, 6, size=(ka, kb))
+    col = rng.standard_normal(kb) * 10.0 ** rng.integers(-3, 3, size=kb)
+    row = rng.standard_normal(ka)
+    for mat in (m, np.ascontiguousarray(m.T).T, m[:, ::2]):  # C order, a transposed view, a strided view
+        c = col[: mat.shape[1]]
+        for args in ((), (c, row)):
+            want, got = _split_one_shot(mat, *args), split_max(mat, *args)
+            assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]

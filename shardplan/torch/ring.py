@@ -1,0 +1,374 @@
+"""Ring attention on PyTorch: context parallelism with ``torch.distributed`` point-to-point messages.
+
+The sequence is split ``g`` ways over a process group. Each rank keeps its queries and starts with its own
+keys and values; at each of ``g`` steps it multiplies its queries with the block it holds, folds the result
+into a running (max, sum, output) triple (the online softmax of Milakov and Gimelshein 2018, as
+FlashAttention uses it), and passes the block to the next rank of the ring (``isend`` / ``irecv``, posted
+before the step's product so that the transfer runs beside it), so that after ``g`` steps every rank has
+seen every block once (a block the causal mask hides from all of this rank's queries is passed on without
+a product). The forward pass keeps the log-sum-exp ``L`` of every query row.
+
+The backward pass (:class:`RingAttention`) is the ring again: with ``P = exp(S - L)`` recomputed per block
+from the saved ``L``, ``D = rowsum(dO * O)``,
+
+    dV_j += P^T dO,   dS = P * (dO V_j^T - D),   dQ += dS K_j * scale,   dK_j += dS^T Q * scale,
+
+and each block travels with its gradient accumulators ``(dK_j, dV_j)``, which make one last hop home after
+the ``g``-th step: the ring's backward of docs/cost-model.md, "Ring context parallelism". PyTorch's own
+``torch.distributed.tensor.experimental.context_parallel`` routes only the CUDA attention kernels, so the
+ring is written here, on any backend with point-to-point messages (gloo included).
+
+Causal load balancing (``balanced``): the sequence is dealt out in ``2g`` chunks, rank i holding chunks i
+and 2g - 1 - i (:func:`balanced_positions`), so every rank does the same share of the masked work
+(:func:`shardplan.cost.causal.block_work` counts it; :func:`device_work` counts what this ring computes).
+Without it, rank i holds the i-th contiguous block and the last rank does almost twice the average.
+
+Tensors are ``(batch, heads, seq, dim)``, the layout of ``torch.nn.functional.scaled_dot_product_attention``
+(:mod:`shardplan.jax.ring` takes JAX's ``(batch, seq, heads, dim)``); the interface is otherwise the same.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from shardplan.errors import ShardplanError
+
+__all__ = ["balanced_positions", "device_work", "attention_reference", "ring_attention_sharded", "ring_sdpa",
+           "ring_kv_placements", "ring_applies", "SDPA", "deal", "deal_routes"]  # and RingAttention (module __getattr__)
+
+NEG = -1e30  # a score no softmax weight survives (finite, so that max and exp stay free of NaN)
+
+
+def balanced_positions(seq: int, ways: int, balanced: bool = True) -> np.ndarray:
+    """(ways, seq / ways) int: the sequence positions rank i holds, in the order it holds them. Balanced
+    (``2 ways`` dividing ``seq``): chunks i and 2 ways - 1 - i of 2 ways; else the i-th contiguous block."""
+    if seq % ways:
+        raise ShardplanError(f"a sequence of {seq} does not split {ways} ways")
+    if balanced and seq % (2 * ways) == 0:
+        h = seq // (2 * ways)
+        return np.stack([np.concatenate([np.arange(i * h, (i + 1) * h),
+                                         np.arange((2 * ways - 1 - i) * h, (2 * ways - i) * h)])
+                         for i in range(ways)])
+    return np.arange(seq).reshape(ways, seq // ways)
+
+
+def device_work(seq: int, ways: int, balanced: bool = True) -> np.ndarray:
+    """(ways,) the (query, key) pairs with key <= query that each rank's ring computes on."""
+    pos = balanced_positions(seq, ways, balanced)
+    return np.asarray([(pos[i][:, None] >= np.arange(seq)[None, :]).sum() for i in range(ways)])
+
+
+def attention_reference(q: Any, k: Any, v: Any, causal: bool = True, scale: float | None = None) -> Any:
+    """softmax(q k^T * scale) v over (batch, heads, seq, dim) tensors, unsharded, causal or not (written out,
+    not PyTorch's kernel, so that the test compares the ring with the definition)."""
+    import torch
+
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.einsum("bhsd,bhtd->bhst", q, k) * sc
+    if causal:
+        n = q.shape[2]
+        keep = torch.arange(n)[:, None] >= torch.arange(k.shape[2])[None, :]
+        s = s.masked_fill(~keep, NEG)
+    return torch.einsum("bhst,bhtd->bhsd", torch.softmax(s, dim=-1), v)
+
+
+def _peers(group: Any) -> tuple[int, int, int, int]:
+    """(this rank's index in ``group``, the group's size, the global rank of the next and of the previous)."""
+    import torch.distributed as dist
+
+    me, g = dist.get_rank(group), dist.get_world_size(group)
+    return me, g, dist.get_global_rank(group, (me + 1) % g), dist.get_global_rank(group, (me - 1) % g)
+
+
+def _shift(buf: Any, nxt: int, prv: int, group: Any) -> tuple[Any, list]:
+    """Post the send of ``buf`` to ``nxt`` and the receive of the same shape from ``prv``; (the receive buffer,
+    the requests to wait on). One flat message per step (keys and values, or their gradients, together)."""
+    import torch
+    import torch.distributed as dist
+
+    got = torch.empty_like(buf)
+    ops = [dist.P2POp(dist.isend, buf, nxt, group), dist.P2POp(dist.irecv, got, prv, group)]
+    return got, dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs: list) -> None:
+    for r in reqs:
+        r.wait()
+
+
+def _pack(*ts: Any) -> Any:
+    import torch
+
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def _unpack(buf: Any, like: tuple[Any, ...]) -> list[Any]:
+    out, at = [], 0
+    for t in like:
+        out.append(buf[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
+
+
+def _keep(positions: Any, me: int, src: int) -> Any:
+    """(n_q, n_k) bool: key position <= query position between this rank's queries and block ``src``'s keys."""
+    return positions[me][:, None] >= positions[src][None, :]
+
+
+@functools.cache
+def _make_function() -> Any:
+    import torch
+
+    class RingAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, q: Any, k: Any, v: Any, group: Any, positions: Any, scale: float) -> Any:
+            me, g, nxt, prv = _peers(group)
+            b, h, n, _ = q.shape
+            m = q.new_full((b, h, n), NEG)
+            den = q.new_zeros((b, h, n))
+            acc = q.new_zeros((b, h, n, v.shape[-1]))
+            kb, vb = k.contiguous(), v.contiguous()
+            for step in range(g):
+                src = (me - step) % g  # the rank whose block this is
+                if step + 1 < g:
+                    got, reqs = _shift(_pack(kb, vb), nxt, prv, group)
+                keep = None if positions is None else _keep(positions, me, src)
+                if keep is None or bool(keep.any()):  # a block the mask hides entirely adds nothing
+                    s = torch.matmul(q, kb.transpose(-1, -2)) * scale
+                    if keep is not None:
+                        s = s.masked_fill(~keep, NEG)
+                    new = torch.maximum(m, s.amax(dim=-1))
+                    p = torch.exp(s - new.unsqueeze(-1))
+                    if keep is not None:
+                        p = p.masked_fill(~keep, 0.0)
+                    fix = torch.exp(m - new)
+                    den = den * fix + p.sum(dim=-1)
+                    acc = acc * fix.unsqueeze(-1) + torch.matmul(p, vb)
+                    m = new
+                if step + 1 < g:
+                    _wait(reqs)
+                    kb, vb = _unpack(got, (kb, vb))
+            out = acc / den.unsqueeze(-1)
+            lse = m + torch.log(den)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.group, ctx.positions, ctx.scale = group, positions, scale
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, dout: Any) -> Any:
+            q, k, v, out, lse = ctx.saved_tensors
+            group, positions, scale = ctx.group, ctx.positions, ctx.scale
+            me, g, nxt, prv = _peers(group)
+            dout = dout.contiguous()
+            delta = (dout * out).sum(dim=-1, keepdim=True)
+            dq = torch.zeros_like(q)
+            kb, vb = k.contiguous(), v.contiguous()
+            dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
+            for step in range(g):
+                src = (me - step) % g
+                if step + 1 < g:  # the next block travels while this one is worked on
+                    got, reqs = _shift(_pack(kb, vb), nxt, prv, group)
+                keep = None if positions is None else _keep(positions, me, src)
+                if keep is None or bool(keep.any()):
+                    s = torch.matmul(q, kb.transpose(-1, -2)) * scale
+                    p = torch.exp(s - lse.unsqueeze(-1))
+                    if keep is not None:
+                        p = p.masked_fill(~keep, 0.0)
+                    dvb = dvb + torch.matmul(p.transpose(-1, -2), dout)
+                    ds = p * (torch.matmul(dout, vb.transpose(-1, -2)) - delta)
+                    dq = dq + torch.matmul(ds, kb) * scale
+                    dkb = dkb + torch.matmul(ds.transpose(-1, -2), q) * scale
+                # the accumulators follow their block: to the next rank, and after the last step home
+                acc, areqs = _shift(_pack(dkb, dvb), nxt, prv, group)
+                _wait(areqs)
+                dkb, dvb = _unpack(acc, (dkb, dvb))
+                if step + 1 < g:
+                    _wait(reqs)
+                    kb, vb = _unpack(got, (kb, vb))
+            return dq, dkb, dvb, None, None, None
+
+    return RingAttention
+
+
+def __getattr__(name: str) -> Any:
+    """``RingAttention``: the ``torch.autograd.Function`` of the ring (module docstring), built when first asked
+    for so that importing this module needs no torch: ``RingAttention.apply(q, k, v, group, positions, scale)``,
+    ``positions`` a (g, n) int64 tensor of the sequence positions each rank holds (None: no mask)."""
+    if name == "RingAttention":
+        return _make_function()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def ring_attention_sharded(q: Any, k: Any, v: Any, group: Any = None, positions: np.ndarray | None = None,
+                           scale: float | None = None) -> Any:
+    """Attention of this rank's (batch, heads, n, dim) blocks, the sequence split over ``group`` (default: the
+    world) by the ring (module docstring); rank i's block holds the positions ``positions[i]`` (what a data
+    loader that balances the sequence delivers: :func:`balanced_positions`), None: no mask. Equal to the rows
+    ``positions[i]`` of :func:`attention_reference` of the whole sequence, values and gradients (the key and
+    value gradients are those of this rank's block)."""
+    import torch
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    g = dist.get_world_size(group)
+    pos = None
+    if positions is not None:
+        pos = torch.as_tensor(np.asarray(positions), dtype=torch.int64, device=q.device)
+        if tuple(pos.shape) != (g, q.shape[2]) or k.shape[2] != q.shape[2]:
+            raise ShardplanError(f"positions of shape {tuple(pos.shape)} for {g} ranks of {q.shape[2]} queries "
+                                 f"and {k.shape[2]} keys")
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _make_function().apply(q, k, v, group, pos, sc)
+
+
+SDPA = "aten.scaled_dot_product_attention.default"
+
+
+def ring_applies(q_placements: Any, kv: Any) -> bool:
+    """Whether the ring replaces a gather: some mesh axis splits the queries (``Shard(2)`` in ``q_placements``,
+    as planned) and every key and value operand (``kv``, as its producer left it) is a DTensor split along the
+    sequence on each such axis, one block per rank (the cost model's condition that the producer's tiles
+    scatter the input over the ring's group). Keys already gathered by their producer's layout stay so: the
+    ring would only add the gradient's gather."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    axes = [i for i, pl in enumerate(q_placements) if pl == Shard(2)]
+    return bool(axes) and all(isinstance(x, DTensor) and all(x.placements[i] == Shard(2) for i in axes) for x in kv)
+
+
+def ring_kv_placements(q_placements: Any, kv_placements: Any) -> tuple[Any, ...]:
+    """The placements the ring reads the keys and values in: as planned (``kv_placements``), except on the
+    mesh axes that split the queries (``Shard(2)`` in ``q_placements``), where they stay split like the queries,
+    one block per rank, as the key and value projections leave them under context parallelism (the
+    all-gather of the planned placements is what the ring replaces)."""
+    from torch.distributed.tensor import Shard
+
+    return tuple(Shard(2) if qp == Shard(2) else kp for qp, kp in zip(q_placements, kv_placements))
+
+
+def deal_routes(me: int, g: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Where rank ``me``'s two half blocks go and come from when a contiguous split of ``2g`` chunks (rank i
+    holding chunks 2i, 2i + 1) is dealt into the balanced one (rank i holding i, 2g - 1 - i:
+    :func:`balanced_positions`): (for each of its halves the (rank, slot) it goes to, for each of its new
+    slots the (rank, half) it comes from)."""
+    def home(c: int) -> tuple[int, int]:
+        return (c, 0) if c < g else (2 * g - 1 - c, 1)
+
+    sends = [home(2 * me + j) for j in (0, 1)]
+    recvs = [(c // 2, c % 2) for c in (me, 2 * g - 1 - me)]
+    return sends, recvs
+
+
+def _exchange(x: Any, sends: list[tuple[int, int]], recvs: list[tuple[int, int]], group: Any) -> Any:
+    """``x``'s two halves along the sequence (dim 2) sent to ``sends`` and this rank's new halves received from
+    ``recvs`` ((group rank, slot) pairs; a message's tag is the slot it fills), concatenated."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank(group)
+    halves = list(x.chunk(2, dim=2))
+    out: list[Any] = [None, None]
+    ops = []
+    for j, (dst, slot) in enumerate(sends):
+        if dst == me:
+            out[slot] = halves[j]
+        else:
+            ops.append(dist.P2POp(dist.isend, halves[j].contiguous(), dist.get_global_rank(group, dst), group,
+                                  tag=slot))
+    for slot, (src, _) in enumerate(recvs):
+        if src != me:
+            out[slot] = torch.empty_like(halves[0])
+            ops.append(dist.P2POp(dist.irecv, out[slot], dist.get_global_rank(group, src), group, tag=slot))
+    if ops:
+        _wait(dist.batch_isend_irecv(ops))
+    return torch.cat(out, dim=2)
+
+
+@functools.cache
+def _deal_function() -> Any:
+    import torch
+
+    class Deal(torch.autograd.Function):
+        """Contiguous blocks dealt into the balanced order (``inverse``: back); the gradient goes the other way."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, group: Any, inverse: bool) -> Any:
+            import torch.distributed as dist
+
+            sends, recvs = deal_routes(dist.get_rank(group), dist.get_world_size(group))
+            ctx.routes, ctx.group, ctx.inverse = (sends, recvs), group, inverse
+            return _exchange(x, recvs, sends, group) if inverse else _exchange(x, sends, recvs, group)
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            sends, recvs = ctx.routes
+            g = g.contiguous()
+            return (_exchange(g, sends, recvs, ctx.group) if ctx.inverse else _exchange(g, recvs, sends, ctx.group),
+                    None, None)
+
+    return Deal
+
+
+def deal(x: Any, group: Any, inverse: bool = False) -> Any:
+    """Each rank's contiguous block of ``x`` (sequence on dim 2, of even length) dealt into the balanced order
+    over ``group`` (:func:`deal_routes`), or back (``inverse``); differentiable."""
+    return _deal_function().apply(x, group, inverse)
+
+
+def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+              scale: float | None = None, enable_gqa: bool = False, *, fallback: Any, balanced: bool = True) -> Any:
+    """``scaled_dot_product_attention`` on DTensors by the ring where it applies, else ``fallback`` (the same
+    arguments; :func:`shardplan.torch.run._sdpa`: keys gathered, each device's query tile).
+
+    It applies when exactly one mesh axis splits the queries (``Shard(2)`` of ``q``), ``k`` and ``v`` have as
+    many heads as ``q`` (or fewer, grouped-query attention, with the heads not split: each K/V head is
+    repeated to its query heads on the device), and there is no explicit mask and no dropout: ``k`` and ``v``
+    are laid out like ``q``
+    (the sequence split on that axis: :func:`ring_kv_placements`), and each rank runs
+    :func:`ring_attention_sharded` on its local blocks over that axis's process group. DTensor's ``Shard``
+    holds contiguous blocks, so a causal mask runs with the contiguous positions (``balanced=False``); the
+    load-balanced order is a data order (:func:`balanced_positions`), which the ring function takes but this
+    layout does not give: with ``balanced`` (and blocks of even length) a causal attention first deals the
+    blocks into it (:func:`deal`: each rank sends its two half blocks of ``q``, ``k``, ``v`` to their
+    balanced owners, and the output comes back the same way), so that every rank does the same masked
+    work; else it runs the contiguous positions. Each operand's gradient is its own block's (nothing
+    partial)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(q, DTensor) or not isinstance(k, DTensor) or not isinstance(v, DTensor):
+        return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    mesh = q.device_mesh
+    axes = [i for i, pl in enumerate(q.placements) if pl == Shard(2) and mesh.size(i) > 1]
+    heads_split = any(pl == Shard(1) for pl in q.placements)
+    grouped = k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]
+    if (len(axes) != 1 or attn_mask is not None or dropout_p or k.shape[2] != q.shape[2]
+            or (grouped and (heads_split or q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]))
+            or any(isinstance(pl, Shard) and pl.dim == 3 for pl in q.placements)):
+        return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    import torch.distributed as dist
+
+    axis = axes[0]
+    group = mesh.get_group(axis)
+    if dist.get_rank(group) != mesh.get_coordinate()[axis]:  # the group's ranks are not in the mesh's order
+        return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    pl = tuple(q.placements)
+    k, v = (t if tuple(t.placements) == pl else t.redistribute(mesh, pl) for t in (k, v))
+    ql, kl, vl = (t.to_local(grad_placements=pl) for t in (q, k, v))
+    if grouped:  # grouped-query attention, the heads whole: each K/V head repeated to its query heads
+        kl, vl = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (kl, vl))
+    g, n = mesh.size(axis), ql.shape[2]
+    if is_causal and balanced and n % 2 == 0:
+        import torch
+
+        sizes = (ql.shape[-1], kl.shape[-1], vl.shape[-1])
+        ql, kl, vl = deal(torch.cat([ql, kl, vl], dim=-1), group).split(sizes, dim=-1)
+        out = ring_attention_sharded(ql, kl, vl, group, balanced_positions(g * n, g), scale)
+        out = deal(out, group, inverse=True)
+    else:
+        positions = np.arange(g * n).reshape(g, n) if is_causal else None
+        out = ring_attention_sharded(ql, kl, vl, group, positions, scale)
+    return DTensor.from_local(out, mesh, pl, run_check=False)

@@ -1,0 +1,161 @@
+"""In one process: what a plan asks of the PyTorch run for the ring, FP8 and host offload (``run_choices``), the
+FP8 casts and operands, the host-offload hooks, and the ring's positions and reference. The runs on 4 gloo
+processes are in test_ring_fp8_offload_dist.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardplan.cost.causal import block_work
+from shardplan.machine import Machine
+from shardplan.torch.precision import HostOffload, fp8_cast, fp8_grad, fp8_operands
+from shardplan.torch.ring import attention_reference, balanced_positions, deal_routes, device_work
+
+B, S, D, H = 2, 8, 8, 2
+
+
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.o = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, H, D // H).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.tanh(self.o(y.transpose(1, 2).reshape(b, s, D))).sum()
+
+
+@pytest.fixture(scope="module")
+def traced():
+    from shardplan.torch.frontend import trace
+
+    torch.manual_seed(0)
+    return trace(Attn(), (torch.randn(B, S, D),))
+
+
+MACHINE = Machine(4, peak_flops=32e9, bandwidth=16e9, latency=0.0, name="toy", memory_bytes=1e9, fp8_flops=64e9,
+                  host_bandwidth=8e9, host_memory_bytes=1e10, cpu_adam_rate=1e8)
+
+
+def test_run_choices_take_the_ring_fp8_and_offload_from_the_plan(traced):
+    from shardplan.fit import plan_with_choices
+    from shardplan.planner import from_spmd, spmd_of
+    from shardplan.result import Plan
+    from shardplan.spmd import solve
+    from shardplan.torch.run import run_choices
+
+    graph, _ = traced
+    assert not run_choices(solve(graph, MACHINE)).ring
+    sp = solve(graph, MACHINE, context="ring")
+    assert run_choices(sp).ring
+    fit = plan_with_choices(sp, stage=3, fp8=True, offload=("optimizer", "activations"))
+    ch = run_choices(fit)
+    linears = {op.name for op in graph.operators if op.kind == "linear"}
+    assert ch.fp8 == linears and ch.ring
+    assert ch.offload and ch.offload <= {op.name for op in graph.operators}
+    assert ch.offload_optimizer == linears  # the operators that own trainable weights
+    # the Plan value holds them, and shardplan.torch.apply's spmd_of gives the run the same choices
+    plan = from_spmd(fit)
+    assert {n for n, c in plan.operators.items() if c.fp8} == linears
+    assert {n for n, c in plan.operators.items() if "activations" in c.offload} == ch.offload
+    assert run_choices(spmd_of(plan, graph)) == ch
+    # a plan loaded from JSON keeps the ring (its tables' options travel with it)
+    assert run_choices(spmd_of(Plan.from_json(from_spmd(sp).to_json()), graph)).ring
+
+
+def test_fp8_operands_are_the_contraction_with_the_weight(traced):
+    graph, _ = traced
+    ops = {op.name: op for op in graph.operators}
+    assert fp8_operands(ops["o/linear_3"]) == {"x0", "w1"}  # input and weight; the bias stays
+    assert any(t.name == "bias" for t in ops["o/linear_3"].weights)
+    attn = next(op for op in graph.operators if op.kind == "attention")
+    assert fp8_operands(attn) == frozenset()
+
+
+def test_fp8_cast_rounds_to_e4m3_with_the_whole_tensors_scale():
+    x = torch.tensor([0.5, -3.0, 1e-3, 2.0 / 3.0], requires_grad=True)
+    y = fp8_cast(x)
+    s = 448.0 / 3.0
+    assert float(y[1].detach()) == -3.0  # amax maps to 448, exactly representable
+    want = (x.detach() * s).to(torch.float8_e4m3fn).to(torch.float32) / s
+    assert torch.equal(y.detach(), want) and not torch.equal(want, x.detach())
+    y.backward(torch.arange(4.0))
+    assert torch.equal(x.grad, torch.arange(4.0))  # straight through
+
+
+def test_fp8_grad_casts_the_gradient_to_e5m2():
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    g = torch.tensor([1.0, 0.3001])
+    fp8_grad(x * 1.0).backward(g)
+    s = 57344.0
+    assert torch.equal(x.grad, (g * s).to(torch.float8_e5m2).to(torch.float32) / s) and not torch.equal(x.grad, g)
+
+
+def test_host_offload_copies_saved_tensors_and_changes_no_gradient():
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    off = HostOffload()
+    seen = []
+    pack = off.pack
+    off.pack = lambda t: seen.append(t) or pack(t)  # noqa: E731
+    with off.hooks():
+        loss = torch.tanh(x @ w).sum()
+    loss.backward()
+    g = w.grad.clone()
+    w.grad = None
+    torch.tanh(x @ w).sum().backward()
+    assert torch.equal(g, w.grad)
+    assert off.tensors == len(seen) >= 2 and off.saved_bytes == sum(t.numel() * 4 for t in seen)
+
+
+def test_a_sequence_that_does_not_split_is_refused():
+    from shardplan.errors import ShardplanError
+
+    with pytest.raises(ShardplanError, match="does not split 3 ways"):
+        balanced_positions(8, 3)
+
+
+def test_balanced_positions_even_out_the_causal_work():
+    for ways in (2, 4):
+        pos = balanced_positions(32, ways)
+        assert sorted(pos.ravel().tolist()) == list(range(32))
+        work = device_work(32, ways)
+        assert len(set(work.tolist())) == 1 and work.sum() == 32 * 33 // 2
+        contiguous = device_work(32, ways, balanced=False)
+        assert contiguous[-1] > contiguous[0] and contiguous.sum() == 32 * 33 // 2
+        # the busiest device's share of its tile is the cost model's (shardplan.cost.causal.block_work)
+        share = block_work(32, ways, 1, True).max()
+        assert np.isclose(share, work.max() / (32 * 32 / ways))
+
+
+def test_attention_reference_is_pytorchs_attention():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
+    for causal in (True, False):
+        assert torch.allclose(attention_reference(q, k, v, causal), F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal), atol=1e-6)
+
+
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 5])
+def test_dealing_contiguous_halves_gives_the_balanced_positions(g):
+    """Simulate every rank's sends (:func:`deal_routes`): the halves land where the balanced order puts them,
+    and each receive names the half its sender sends to that slot."""
+    n = 4
+    pos = np.arange(g * n).reshape(g, n)
+    halves = {(r, j): pos[r][j * n // 2:(j + 1) * n // 2] for r in range(g) for j in (0, 1)}
+    landed = {}
+    for r in range(g):
+        sends, recvs = deal_routes(r, g)
+        for j, dst in enumerate(sends):
+            landed[dst] = halves[(r, j)]
+        for slot, (src, half) in enumerate(recvs):
+            assert deal_routes(src, g)[0][half] == (r, slot)
+    got = np.stack([np.concatenate([landed[(r, 0)], landed[(r, 1)]]) for r in range(g)])
+    assert np.array_equal(got, balanced_positions(g * n, g))
