@@ -49,7 +49,12 @@ from dataclasses import dataclass
 from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, GraphBuilder, Operator, TensorRef
-from shardplan.models._blocks import check_attention, check_stack, decoder_start, rms_norm
+from shardplan.models._blocks import (
+    check_attention,
+    check_stack,
+    decoder_start,
+    rms_norm,
+)
 
 __all__ = ["llama", "LlamaConfig", "LLAMA3", "gqa_attention", "rope", "swiglu_mlp"]
 

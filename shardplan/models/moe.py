@@ -70,7 +70,12 @@ from dataclasses import dataclass
 from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, GraphBuilder, Operator, Tensor, TensorRef
-from shardplan.models._blocks import check_attention, check_stack, decoder_start, rms_norm
+from shardplan.models._blocks import (
+    check_attention,
+    check_stack,
+    decoder_start,
+    rms_norm,
+)
 from shardplan.models.llama import SWIGLU_FLOPS, check_heads, gqa_attention, swiglu_mlp
 
 __all__ = ["moe", "MoEConfig", "MOE", "moe_layer", "capacity", "gate", "swiglu_pair", "GATE_LOGIT_FLOPS",

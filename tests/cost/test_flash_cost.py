@@ -8,22 +8,27 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from randgraphs import exact_solvers_agree
 
 from shardplan import ops
 from shardplan.configs import layouts
 from shardplan.cost import build_tables
 from shardplan.cost.collectives import allreduce_time, outer_level
-from shardplan.cost.fused import fused_bytes, fused_compute
+from shardplan.cost.fused import fused_bytes
 from shardplan.cost.memory import operator_memory
 from shardplan.cost.operator import operator_cost
-from shardplan.cost.ring import moved_reduction, ring_choices, ring_exposed, ring_inputs, ring_mask
+from shardplan.cost.ring import (
+    moved_reduction,
+    ring_choices,
+    ring_exposed,
+    ring_inputs,
+    ring_mask,
+)
 from shardplan.errors import ShardplanError
 from shardplan.ir import Causal, GraphBuilder
 from shardplan.layout import Layout, LayoutArrays
 from shardplan.machine import Machine
 from shardplan.search import solve_dp
-
-from randgraphs import exact_solvers_agree
 
 PEAK, HBM, DT = 1e12, 1e11, 4  # FLOP/s, HBM bytes/s and bytes per element of the test machine
 
@@ -63,16 +68,16 @@ def test_the_operator_describes_both_products_and_the_fused_backward():
     assert flash_graph(causal=True)["attn"].causal == Causal("s", "t", True)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(query="bshk", key="bshk"), "in the query only"),
-    (dict(query="bshk", key="bthz"), "must end in the features"),
-    (dict(query="bsh", key="bthk"), "must name the axes"),
+@pytest.mark.parametrize("query, key, match", [
+    ("bshk", "bshk", "in the query only"),
+    ("bshk", "bthz", "must end in the features"),
+    ("bsh", "bthk", "must name the axes"),
 ])
-def test_bad_letters_are_one_line(bad, match):
+def test_bad_letters_are_one_line(query, key, match):
     g = flash_graph()
     q, k = g["q"].out, g["k"].out
     with pytest.raises(ShardplanError, match=match) as e:
-        ops.flash_attention("a", q, k, k, bad["query"], bad["key"])
+        ops.flash_attention("a", q, k, k, query, key)
     assert "\n" not in str(e.value)
 
 
