@@ -259,6 +259,13 @@ class Operator:
             only and need not be unique. Dimensions without a label show
             their name.
         causal: a :class:`Causal` mask (None: every point of the domain does work).
+        backward_flops: work per point of the backward pass when it runs as one fused kernel that produces
+            every gradient at once (FlashAttention's, :func:`shardplan.ops.flash_attention`: it recomputes
+            the scores from the saved per-row log-sum-exp, so its backward is 2.5x its forward's products).
+            None (the default): one pass of the forward's work per tensor whose gradient is produced (a
+            product's gradient is a product of the same size). A fused backward reads every tensor of the
+            operator, what it saved and the output's gradient, and writes the gradients, in one kernel
+            (:mod:`shardplan.cost.fused`).
         saved: what the backward pass keeps of the operator, in output tiles
             (1: its output, the default). A frontend that knows which values
             the backward rules read sets it: 0 when no backward rule reads the
@@ -280,6 +287,7 @@ class Operator:
     dim_labels: tuple[tuple[str, str], ...] = ()
     saved: float = 1.0
     causal: Causal | None = None
+    backward_flops: float | None = None
 
     def __post_init__(self) -> None:
         labels = self.dim_labels.items() if isinstance(self.dim_labels, Mapping) else self.dim_labels
@@ -301,6 +309,10 @@ class Operator:
             self._fail(f"saved must be a finite number of output tiles >= 0, got {self.saved!r}")
         if not self.name:
             raise ShardplanError("an operator needs a non-empty name")
+        if self.backward_flops is not None and not (self.backward_flops >= 0 and math.isfinite(self.backward_flops)
+                                                    and self.flops_per_point > 0):
+            self._fail(f"backward_flops must be a finite number >= 0 beside a positive flops_per_point, got "
+                       f"{self.backward_flops!r} (forward {self.flops_per_point!r})")
         names = [d for d, _ in self.dims]
         if len(set(names)) != len(names):
             self._fail(f"duplicate dimension names in {names}")
@@ -423,6 +435,16 @@ class Operator:
     def grad_tensors(self) -> tuple[Tensor, ...]:
         """Inputs and weights whose gradient the backward pass computes."""
         return tuple(t for t in self.inputs + self.weights if t.needs_grad)
+
+    @property
+    def passes(self) -> float:
+        """The work of a training step of the operator in units of its forward's: ``1 + G`` for G tensors
+        whose gradient is produced (one pass of the forward's work each), ``1 + backward_flops /
+        flops_per_point`` for a fused backward (:attr:`backward_flops`; 1 when no gradient is produced). The
+        cost model's forward share of an operator's compute is ``1 / passes``."""
+        if self.backward_flops is None:
+            return 1.0 + len(self.grad_tensors)
+        return 1.0 + (self.backward_flops / self.flops_per_point if self.grad_tensors else 0.0)
 
     @property
     def out(self) -> "TensorRef":

@@ -18,7 +18,7 @@ import string
 from typing import Sequence
 
 from shardplan.errors import ShardplanError
-from shardplan.ir import AxisMap, Operator, Recurrence, Tensor, TensorRef
+from shardplan.ir import AxisMap, Causal, Operator, Recurrence, Tensor, TensorRef
 
 __all__ = [
     "LETTER_POOL",
@@ -44,6 +44,9 @@ __all__ = [
     "lstm",
     "gather",
     "scatter",
+    "flash_attention",
+    "FLASH_SOFTMAX_FLOPS",
+    "FLASH_SOFTMAX_BACKWARD_FLOPS",
 ]
 
 
@@ -667,3 +670,70 @@ def scatter(name: str, operand: TensorRef | Param, indices: TensorRef, updates: 
     points = math.prod(e for _, e in dims)
     return Operator(name, kind, tuple(dims), ins, _out(operand.shape, tuple(out_dims)), ws,
                     flops_per_point=math.prod(updates.shape) / points)
+
+
+# ---------------------------------------------------------------------------
+# fused attention (FlashAttention)
+# ---------------------------------------------------------------------------
+FLASH_SOFTMAX_FLOPS = 5.0
+"""Work per score of the forward's online softmax: the running max, subtract, exp, sum and the rescale (the
+five of the zoo's unfused softmax)."""
+
+FLASH_SOFTMAX_BACKWARD_FLOPS = 4.0
+"""Work per score of the backward's softmax: P = exp(S - lse) recomputed (subtract, exp) and
+dS = P * (dP - D) (subtract, multiply); D = rowsum(dO * O) is per row, not per score."""
+
+
+def flash_attention(name: str, q: TensorRef, k: TensorRef, v: TensorRef, query: str, key: str,
+                    seq: str = "s", key_seq: str = "t", feature: str = "k", causal: bool = False,
+                    balanced: bool = True) -> Operator:
+    """``o = softmax(q k^T) v`` as one fused kernel (FlashAttention; Dao et al. 2022, Dao 2023): the (s, t)
+    scores and probabilities stay in on-chip memory and never reach HBM, forward or backward.
+
+    ``query`` names the axes of ``q`` (and of the output), ``key`` those of ``k`` and ``v`` (equal shapes):
+    ``seq`` is the query sequence (in ``query`` only), ``key_seq`` the key sequence (in ``key`` only),
+    ``feature`` the head features (last in both, contracted by q k^T); every other letter of ``key`` is in
+    ``query`` (batch, key/value heads); letters of ``query`` only besides ``seq`` are query heads sharing a
+    key/value head (grouped-query attention's ``r``). Dims: the output's, then ``key_seq``:
+    ``bshrk`` + ``t`` for ``query="bshrk", key="bthk"``.
+
+    Work per point of the domain (one (query, key, feature) triple): forward ``4 + 5 / K`` (q k^T and p v,
+    2 each; the online softmax's :data:`FLASH_SOFTMAX_FLOPS` per score over the K features); backward, one
+    kernel (:attr:`~shardplan.ir.Operator.backward_flops`) ``10 + 4 / K``: the scores recomputed (q k^T),
+    dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q (five products: 2.5x the forward's two) and
+    :data:`FLASH_SOFTMAX_BACKWARD_FLOPS` per score. Saved for the backward: the output and the per-row
+    log-sum-exp, one fp32 value per row of K two-byte elements (``saved = 1 + 2 / K`` output tiles); q, k and
+    v are their producers' outputs, kept there. The key sequence and the features are not split (``fixed``):
+    a device computes whole rows of the softmax, so its layouts split the batch, the heads and the query
+    sequence; keys and values split along the sequence by their producers reach it by the edge (all-gather,
+    or the ring: :mod:`shardplan.cost.ring`). ``causal``: the mask ``key_seq <= seq``
+    (:class:`~shardplan.ir.Causal`, ``balanced`` as there): the kernel skips the masked blocks, so the work
+    charged is the busiest device's share of the unmasked points.
+    """
+    for ref, what in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(ref, TensorRef):
+            raise ShardplanError(f"operator {name!r}: {what} must be a TensorRef, got {ref!r}")
+    if len(query) != len(q.shape) or len(key) != len(k.shape) or len(set(query)) != len(query) \
+            or len(set(key)) != len(key):
+        raise ShardplanError(f"operator {name!r}: letters {query!r} / {key!r} must name the axes of q {q.shape} "
+                             f"and k {k.shape}, each once")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ShardplanError(f"operator {name!r}: keys {k.shape} and values {v.shape} must have one shape")
+    if query[-1] != feature or key[-1] != feature or seq not in query or seq in key or key_seq not in key \
+            or key_seq in query or any(c not in query for c in key if c != key_seq):
+        raise ShardplanError(f"operator {name!r}: query {query!r} and key {key!r} must end in the features "
+                             f"{feature!r}, {seq!r} in the query only, {key_seq!r} in the key only, and every other "
+                             "key letter in the query")
+    ext = dict(zip(query, q.shape))
+    for c, n in zip(key, k.shape):
+        if c != key_seq and ext[c] != n:
+            raise ShardplanError(f"operator {name!r}: dimension {c!r} has extent {ext[c]} in q and {n} in k")
+    ext[key_seq] = k.shape[key.index(key_seq)]
+    kd = ext[feature]
+    dims = tuple((c, ext[c]) for c in query) + ((key_seq, ext[key_seq]),)
+    inputs = (_in(q, "q", tuple(query)), _in(k, "k", tuple(key)), _in(v, "v", tuple(key)))
+    mask = Causal(seq, key_seq, balanced) if causal else None
+    return Operator(name, "attn_flash", dims, inputs, _out(q.shape, tuple(query)),
+                    flops_per_point=4.0 + FLASH_SOFTMAX_FLOPS / kd, norm_dims=(key_seq,), norm_stats=2,
+                    fixed=frozenset({key_seq, feature}), saved=1.0 + 2.0 / kd, causal=mask,
+                    backward_flops=10.0 + FLASH_SOFTMAX_BACKWARD_FLOPS / kd)

@@ -38,7 +38,7 @@ model). The map, on ``p`` devices with ``dp = p / (tp · cp · pp)``:
   all-to-alls in groups of ``ep`` (:func:`megatron_layout`). A model without experts refuses ``ep``;
 * **ZeRO** stage ``zero`` for every operator with trainable weights, and
   **recomputation** (``full``: every operator of the repeated blocks;
-  ``selective``: the attention core, ``attn_scores`` and ``attn_context``,
+  ``selective``: the attention core, ``attn_scores`` and ``attn_context`` (FlashAttention's ``attn_flash``),
   Korthikanti et al. 2022; an integer ``N``: every operator of the first N
   blocks of each pipeline stage or chunk, Megatron-LM's ``block`` method),
   both by :func:`shardplan.fit.plan_with_choices`;
@@ -110,9 +110,10 @@ OVERLAPS = ("grad_reduce", "param_gather", "tp_comm")
 """Communications a run may overlap with compute (Megatron-LM's ``--overlap-grad-reduce``,
 ``--overlap-param-gather``, ``--tp-comm-overlap``)."""
 
-ATTENTION_CORE = ("attn_scores", "attn_context")
+ATTENTION_CORE = ("attn_scores", "attn_context", "attn_flash")
 """Operator kinds of the attention core: QK^T with its softmax, and the product with V (selective
-recomputation, Korthikanti et al. 2022, §4)."""
+recomputation, Korthikanti et al. 2022, §4), or both as one FlashAttention operator
+(:func:`shardplan.ops.flash_attention`)."""
 
 DTYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
 

@@ -215,7 +215,7 @@ def operator_key(op) -> tuple:
     """What an operator's costs depend on: its description without its name or its producers' names."""
     return (op.kind, op.dims, tuple(_tensor_key(t) for t in op.inputs), _tensor_key(op.output),
             tuple(_tensor_key(t) for t in op.weights), op.flops_per_point, op.norm_dims, op.norm_stats,
-            op.recurrence, tuple(sorted(op.fixed)), op.saved, op.causal)
+            op.recurrence, tuple(sorted(op.fixed)), op.saved, op.causal, op.backward_flops)
 
 
 def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,

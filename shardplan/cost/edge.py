@@ -802,7 +802,7 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
     if not op.reduction_dims:
         return none, none.copy()
     names = op.dim_names
-    passes = 1 + len(op.grad_tensors)
+    passes = op.passes
     fwd = np.asarray(compute, dtype=np.float64) / passes
     bwd = np.asarray(compute, dtype=np.float64) - fwd
     if machine.overlap_grad and passes > 1:  # the weight syncs' overlap: min(sync, backward) already taken

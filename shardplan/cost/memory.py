@@ -472,7 +472,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     stage_list = [s for s in stages if s in STAGES] if weights else [0]
     if 0 not in stage_list:
         stage_list = [0] + stage_list
-    passes = 1 + len(op.grad_tensors)
+    passes = op.passes  # the forward's share of the compute is 1 / passes
     once = 1.0 / int(accumulate)  # share of a once-per-step collective charged to one micro-batch
     precisions: list[tuple[bool, object, np.ndarray, np.ndarray, np.ndarray]] = [
         (False, oc, np.zeros(k), np.zeros(k), np.zeros(k))]

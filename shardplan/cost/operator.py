@@ -18,7 +18,9 @@ configuration c (arrays over the K configurations):
   ``machine.gemm_tiles``), a pass that is a matrix product runs at
   ``efficiency * u`` instead, u its tile and wave utilisation
   (:func:`gemm_utilisation`, per pass and layout: the forward product and
-  each gradient's product have their own output shape);
+  each gradient's product have their own output shape). An operator with a fused backward
+  (:attr:`~shardplan.ir.Operator.backward_flops`: FlashAttention) is one kernel each way instead,
+  :func:`shardplan.cost.fused.fused_compute`;
 * forward partial sums: with G = reduction dims (index no output axis) and
   g = prod_{d in G} c_d > 1, the output tile is all-reduced among g devices;
 * backward: the gradient of a tensor X sums over the dims that do not index
@@ -86,6 +88,7 @@ import numpy as np
 from shardplan.configs import forward_deferrable
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
 from shardplan.cost.causal import causal_fractions
+from shardplan.cost.fused import fused_compute
 from shardplan.cost.tiles import as_layouts, box_volumes, lazy_grid, regular_tile_lengths, tensor_boxes
 from shardplan.layout import LayoutArrays, flat_layout_arrays, unique_rows
 from shardplan.ir import Operator
@@ -336,7 +339,9 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
         t_pass = np.maximum(t_pass, moved * nbytes / machine.hbm_bandwidth)
         if machine.tiled:
             t_passes = np.maximum(t_passes, moved[None, :] * nbytes / machine.hbm_bandwidth)
-    if machine.tiled:
+    if op.backward_flops is not None:  # forward and backward each one fused kernel (cost/fused.py)
+        t_pass, compute = fused_compute(op, configs, machine, max_tile)
+    elif machine.tiled:
         t_pass, compute = t_passes[0], t_passes.sum(axis=0)
     else:
         compute = passes * t_pass

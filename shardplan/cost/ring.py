@@ -37,7 +37,7 @@ from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays
 from shardplan.machine import Machine
 
-__all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_exposed", "moved_reduction",
+__all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_mask", "ring_exposed", "moved_reduction",
            "context_edge", "ring_choices", "ring_operator_cost"]
 
 CONTEXT_ALGORITHMS = ("allgather", "ring", "auto")
@@ -45,24 +45,40 @@ CONTEXT_ALGORITHMS = ("allgather", "ring", "auto")
 ring wherever the producer scatters it, or the cheaper of the two per edge."""
 
 
-def ring_inputs(op: Operator, lay: LayoutArrays) -> tuple[np.ndarray, np.ndarray]:
-    """Per layout: the slot of the ring input (-1: none) and the size of the group that shares it (K,).
+def ring_mask(op: Operator, lay: LayoutArrays) -> tuple[np.ndarray, np.ndarray]:
+    """Per layout: which inputs are ring inputs, (K, inputs) bool, and the size of the group that shares them (K,).
 
-    Only a product of exactly two activations (no weights, a summed dim) has one: the input whose
-    non-indexing dims are split ``g > 1`` ways while the other input's are not split."""
-    k = len(lay)
-    slot, g = np.full(k, -1, dtype=np.int64), np.ones(k, dtype=np.int64)
-    if len(op.inputs) != 2 or op.weights or not op.reduction_dims:
-        return slot, g
+    Only an operator of activations alone (two inputs, or more multiplied together: at least a multiply-add per
+    point; no weights, a summed dim) has them: the inputs whose non-indexing dims are split ``g > 1`` ways while
+    some other input's are not split, all of them with the same non-indexing dims (attention's scores: the keys; its context: the values; fused
+    attention, :func:`shardplan.ops.flash_attention`: the keys and the values together)."""
+    k, n = len(lay), len(op.inputs)
+    mask, g = np.zeros((k, n), dtype=bool), np.ones(k, dtype=np.int64)
+    if n < 2 or op.weights or not op.reduction_dims or (n > 2 and op.flops_per_point < 2.0):
+        return mask, g
     names = op.dim_names
-    shared = []
+    shared, groups = [], []
     for t in op.inputs:
         read = {d for a in t.axes for d in a.dims}
-        idx = [j for j, d in enumerate(names) if d not in read]
-        shared.append(lay.group_sizes(idx).prod(axis=0) if idx else np.ones(k, dtype=np.int64))
-    for j in (0, 1):
-        take = (shared[j] > 1) & (shared[1 - j] == 1)
-        slot[take], g[take] = j, shared[j][take]
+        idx = tuple(j for j, d in enumerate(names) if d not in read)
+        groups.append(idx)
+        shared.append(lay.group_sizes(list(idx)).prod(axis=0) if idx else np.ones(k, dtype=np.int64))
+    sizes = np.stack(shared, axis=1)  # (K, n)
+    split = sizes > 1
+    ids = np.asarray([groups.index(x) for x in groups])  # inputs with the same non-indexing dims share an id
+    lo = np.where(split, ids[None, :], n).min(axis=1)
+    hi = np.where(split, ids[None, :], -1).max(axis=1)
+    ok = (~split).any(axis=1) & (lo == hi)  # one group of ring inputs beside an input read whole
+    mask = split & ok[:, None]
+    g = np.where(ok, np.where(split, sizes, 1).max(axis=1), 1)
+    return mask, g
+
+
+def ring_inputs(op: Operator, lay: LayoutArrays) -> tuple[np.ndarray, np.ndarray]:
+    """Per layout: the slot of the (first) ring input (-1: none) and the size of the group that shares it (K,)
+    (:func:`ring_mask`; a product of two activations has at most one ring input)."""
+    mask, g = ring_mask(op, lay)
+    slot = np.where(mask.any(axis=1), mask.argmax(axis=1), -1).astype(np.int64)
     return slot, g
 
 
@@ -85,23 +101,25 @@ def ring_exposed(block_bytes: np.ndarray, g: np.ndarray, level: np.ndarray, fwd_
     return fwd, bwd
 
 
-def moved_reduction(op: Operator, lay: LayoutArrays, machine: Machine) -> np.ndarray:
+def moved_reduction(op: Operator, lay: LayoutArrays, machine: Machine,
+                    slots: tuple[int, ...] | None = None) -> np.ndarray:
     """(K,) seconds: the all-reduce of the ring input's gradient that :func:`shardplan.cost.operator.operator_cost`
     charges the operator, which ``build_tables(context != "allgather")`` moves to the edge of that input (the
     ring replaces it; all-gather pays it there): 0 where the layout has no ring input, the input needs no
-    gradient, or the layout defers the reduction (:attr:`~shardplan.layout.Layout.partial`)."""
-    slot, g = ring_inputs(op, lay)
+    gradient, or the layout defers the reduction (:attr:`~shardplan.layout.Layout.partial`). ``slots``: only
+    those inputs' (default: every ring input's)."""
+    mask, _ = ring_mask(op, lay)
     out = np.zeros(len(lay))
     p = machine.num_devices
-    for j in (0, 1):
-        rows = np.nonzero((slot == j) & ~lay.deferred)[0]
+    for j in range(len(op.inputs)) if slots is None else slots:
+        rows = np.nonzero(mask[:, j] & ~lay.deferred)[0]
         t = op.inputs[j] if j < len(op.inputs) else None
         if not len(rows) or t is None or not t.needs_grad:
             continue
         sub = lay.take(rows)
         vol = box_volumes(tensor_boxes(op, t, sub, p, core=False)).max(axis=1) * t.elem_factor
         gl = sub.group_sizes([op.dim_names.index(d) for d in op.grad_reduction_dims(t)])
-        out[rows] = allreduce_time(vol * float(machine.dtype_bytes), gl, machine)
+        out[rows] += allreduce_time(vol * float(machine.dtype_bytes), gl, machine)
     return out
 
 
@@ -110,13 +128,15 @@ def ring_choices(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     """(K_u, K_v) seconds of the ring on the edge u -> v (input ``slot``), forward + backward beyond v's
     compute (``compute``: v's :attr:`~shardplan.cost.operator.OpCost.compute`, (K_v,)); inf where v's layout
     has no ring on this slot or u's tiles do not scatter v's input tile over the ring group, one ``1/g`` block
-    per device (:func:`shardplan.cost.edge.scatters` with ``h = g``)."""
+    per device (:func:`shardplan.cost.edge.scatters` with ``h = g``). Where v has several ring inputs (fused
+    attention's keys and values) each edge's transfer overlaps its share of v's compute in proportion to its
+    input's bytes, so that the edges together are charged the exposed time of the blocks moving together."""
     from shardplan.cost.edge import scatters
 
     p = machine.num_devices
     out = np.full((len(lu), len(lv)), np.inf)
-    slots, g = ring_inputs(v, lv)
-    cols = np.nonzero(slots == slot)[0]
+    mask, g = ring_mask(v, lv)
+    cols = np.nonzero(mask[:, slot])[0]
     if not len(cols):
         return out
     sub = lv.take(cols)
@@ -129,9 +149,14 @@ def ring_choices(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     nbytes = box_volumes(bv).max(axis=1) * t.elem_factor * float(machine.dtype_bytes)
     level = outer_level(sub.group_sizes(_group_dims(v, slot)))
     total, step = causal_fractions(v, sub.splits)
-    passes = 1 + len(v.grad_tensors)
+    passes = v.passes
     fwd_pass = np.asarray(compute, dtype=np.float64)[cols] / passes
     bwd_pass = np.asarray(compute, dtype=np.float64)[cols] - fwd_pass
+    if mask[cols].sum(axis=1).max() > 1:  # this input's share of the blocks moving together (docstring)
+        vols = np.stack([box_volumes(tensor_boxes(v, x, sub, p, core=True)).max(axis=1) * x.elem_factor
+                         for x in v.inputs], axis=1)
+        frac = vols[:, slot] / (vols * mask[cols]).sum(axis=1)
+        fwd_pass, bwd_pass = fwd_pass * frac, bwd_pass * frac
     # one block's share of the pass: blocks along the mask's key dim, the busiest block over the busiest
     # device's tile; blocks along other dims, 1/g of the (masked) work each; both, the smaller (more exposed)
     seq = step / (gs * total)
@@ -161,10 +186,12 @@ def context_edge(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     :func:`~shardplan.cost.edge.edge_cost` (the all-gather), ``moved`` (K_v,) v's input-gradient all-reduce
     moved here (:func:`moved_reduction`, 0 for other slots), ``compute`` v's compute (K_v,). ``ring``: the
     ring wherever it applies, all-gather elsewhere; ``auto``: the cheaper of the two."""
-    slots, _ = ring_inputs(v, lv)
-    moved = np.where(slots == slot, moved, 0.0)
+    mask, _ = ring_mask(v, lv)
+    if (mask.sum(axis=1) > 1).any():  # several ring inputs: this one's reduction only
+        moved = moved_reduction(v, lv, machine, (slot,))
+    moved = np.where(mask[:, slot], moved, 0.0)
     plain = np.asarray(gathered, dtype=np.float64) + moved[None, :]
-    if algorithm == "allgather" or not (slots == slot).any():
+    if algorithm == "allgather" or not mask[:, slot].any():
         return plain
     ring = ring_choices(u, lu, v, slot, lv, machine, compute)
     if algorithm == "ring":

@@ -18,6 +18,12 @@ find them as they find the zoo's models, and sizes override them the same way
 ``--model llama3-8b --set layers=4``). They are kept apart from
 :data:`MODELS`, the zoo every model-wide test and table builds at its
 default size (a 405B model at its published batch is no such model).
+
+The attention core is a model option, ``attention="flash"`` (one FlashAttention operator,
+:func:`shardplan.ops.flash_attention`: the default of the Llama and mixture-of-experts models) or
+``"unfused"`` (scores and context products with the (s, t) probabilities in memory: the default of GPT and the
+Megatron-LM rows), e.g. ``get_model("llama3-8b", attention="unfused")``, ``--set attention=unfused``
+(docs/models.md, "Attention: flash or unfused").
 """
 
 from __future__ import annotations

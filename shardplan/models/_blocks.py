@@ -16,11 +16,23 @@ from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import GraphBuilder, Operator, TensorRef
 
-__all__ = ["conv_bn", "attention", "check_stack", "rms_norm", "ATTENTION_CORES"]
+__all__ = ["conv_bn", "attention", "check_stack", "rms_norm", "ATTENTION_CORES", "ATTENTIONS", "check_attention"]
 
-ATTENTION_CORES = ("fused", "megatron")
+ATTENTION_CORES = ("fused", "megatron", "flash")
 """How :func:`attention` writes its core (softmax(q k^T) v): ``fused``, the softmax inside the scores
-product; ``megatron``, the four kernels Megatron-LM ran in 2021-22 (:func:`attention`)."""
+product; ``megatron``, the four kernels Megatron-LM ran in 2021-22; ``flash``, one FlashAttention operator
+(:func:`shardplan.ops.flash_attention`) (:func:`attention`)."""
+
+ATTENTIONS = ("flash", "unfused")
+"""The zoo's ``attention=`` model option: the core as one FlashAttention operator (no (s, t) tensor written
+or kept, the scores recomputed in the backward) or unfused (scores and context products with the (s, t)
+probabilities between them in memory, kept for the backward). docs/models.md, "Attention"."""
+
+
+def check_attention(model: str, attention: str) -> None:
+    """Refuse an ``attention=`` option that is not one of :data:`ATTENTIONS`."""
+    if attention not in ATTENTIONS:
+        raise ShardplanError(f"model {model!r}: attention={attention!r} is not one of {', '.join(ATTENTIONS)}")
 
 
 def check_stack(model: str, layers: int, d_model: int | None = None, heads: int | None = None) -> None:
@@ -61,7 +73,8 @@ def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, hea
     5 FLOPs per score, max and sum as statistics over ``t``),
     ``{tag}dropout`` (``torch.nn.Dropout`` on the probabilities: its output
     and a 1-byte mask kept, ``saved`` 1.5 two-byte tiles) and
-    ``{tag}context`` (``bmm`` with v). The softmax and the dropout carry the
+    ``{tag}context`` (``bmm`` with v). ``core="flash"``: one vertex ``{tag}attention`` in place of scores and
+    context (:func:`shardplan.ops.flash_attention`, dims ``bshkt``), five vertices in all. The softmax and the dropout carry the
     kind ``attn_scores`` (they make the probabilities the scores product
     starts), so that selective recomputation (Korthikanti et al. 2022:
     exactly these four kernels) finds the whole core by its kinds
@@ -86,6 +99,9 @@ def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, hea
     q = b.add(ops.einsum(f"{p}q", "bsd,dhk->bshk", x, ops.Param(w), kind="attn_proj"))
     k = b.add(ops.einsum(f"{p}k", "btd,dhk->bthk", memory, ops.Param(w), kind="attn_proj"))
     v = b.add(ops.einsum(f"{p}v", "btd,dhk->bthk", memory, ops.Param(w), kind="attn_proj"))
+    if core == "flash":
+        ctx = b.add(ops.flash_attention(f"{p}attention", q, k, v, "bshk", "bthk"))
+        return b.add(ops.einsum(f"{p}out", "bshk,hkd->bsd", ctx, ops.Param((heads, kd, d)), kind="attn_out"))
     scores = ops.einsum(f"{p}scores", "bshk,bthk->bhst", q, k, kind="attn_scores")
     if core == "megatron":
         s = b.add(scores)

@@ -50,6 +50,11 @@ without recomputation, and with 4 and 3 in place of 3 and 2 with full
 recomputation (:func:`moe_flops`). The experts dominate: at C = s k / E
 (capacity factor 1) their 6BEChf_e is 6Bskhf_e, a top-k dense MLP's.
 
+FlashAttention's core (the zoo's Llama and MoE default, :func:`~shardplan.ops.flash_attention`) recomputes
+q k^T in its backward: the formulas above count model FLOPs (the papers' and MFU's convention) and stay as
+they are, while the graph of such a model counts the recomputed product besides, 2Bs^2 (Hk) per layer
+(its backward is 5 products of the forward's size, not 4).
+
 All counts are Python integers (no rounding). :func:`graph_flops` counts a
 graph the way the cost model does (:mod:`shardplan.cost.operator`:
 ``flops_per_point`` x points x (1 + tensors with gradients)), as an exact
@@ -73,8 +78,8 @@ from shardplan.models.moe import MoEConfig, moe
 __all__ = ["model_flops", "megatron_flops", "moe_flops", "config_of", "decoder_flops", "operator_flops", "graph_flops",
            "is_matmul", "MATMUL_KINDS"]
 
-MATMUL_KINDS = frozenset({"attn_proj", "attn_scores", "attn_context", "attn_out", "ffn", "dense", "router",
-                          "moe_dispatch", "expert", "moe_combine"})
+MATMUL_KINDS = frozenset({"attn_proj", "attn_scores", "attn_context", "attn_flash", "attn_out", "ffn", "dense",
+                          "router", "moe_dispatch", "expert", "moe_combine"})
 """Operator kinds of the zoo's matrix products (an operator of these kinds with a reduction dimension)."""
 
 
@@ -166,7 +171,12 @@ def model_flops(model: str | GPTConfig | LlamaConfig | MoEConfig, batch: int, se
 
 def operator_flops(op: Operator, forwards: int = 1) -> Fraction:
     """A training step's FLOPs of ``op`` as the cost model counts them, exactly: ``flops_per_point`` x points
-    x (``forwards`` + tensors with gradients); ``forwards`` = 2 for a recomputed operator."""
+    x (``forwards`` + tensors with gradients); ``forwards`` = 2 for a recomputed operator. A fused backward
+    (:attr:`~shardplan.ir.Operator.backward_flops`, FlashAttention's) counts ``backward_flops`` x points in
+    place of the gradients' passes. A causal mask is not subtracted (the whole domain, as the formulas)."""
+    if op.backward_flops is not None:
+        back = Fraction(op.backward_flops) * op.points if op.grad_tensors else Fraction(0)
+        return Fraction(op.flops_per_point) * op.points * forwards + back
     return Fraction(op.flops_per_point) * op.points * (forwards + len(op.grad_tensors))
 
 

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, GraphBuilder, TensorRef
-from shardplan.models._blocks import attention, check_stack, decoder_start
+from shardplan.models._blocks import attention as attention_block
+from shardplan.models._blocks import check_attention, check_stack, decoder_start
 from shardplan.models.transformer import ffn
 
 __all__ = ["gpt", "KERNELS", "GPT_SIZES", "GPTConfig", "GPT3", "GPT3_PARAMS", "GPT3_VOCAB", "MEGATRON", "MEGATRON_PARAMS",
@@ -72,8 +73,10 @@ class GPTConfig:
     vocab: int
     d_ff: int | None = None
     kernels: str = "fused"
+    attention: str = "unfused"
 
     def __post_init__(self) -> None:
+        check_attention("GPTConfig", self.attention)
         for key in ("layers", "d_model", "heads", "seq", "vocab"):
             if getattr(self, key) < 1:
                 raise ShardplanError(f"GPTConfig: {key}={getattr(self, key)} must be positive")
@@ -90,11 +93,14 @@ class GPTConfig:
         return 4 * self.d_model if self.d_ff is None else self.d_ff
 
     def sizes(self) -> dict[str, int]:
-        """The keyword sizes of :func:`gpt` (``d_ff`` only when it is set, ``kernels`` only when not fused)."""
+        """The keyword sizes of :func:`gpt` (``d_ff`` only when it is set, ``kernels`` only when not fused,
+        ``attention`` only when not unfused)."""
         out: dict = {"layers": self.layers, "d_model": self.d_model, "heads": self.heads, "seq": self.seq,
                      "vocab": self.vocab}
         if self.d_ff is not None:
             out["d_ff"] = self.d_ff
+        if self.attention != "unfused":
+            out["attention"] = self.attention
         return out if self.kernels == "fused" else {**out, "kernels": self.kernels}
 
     def params(self) -> int:
@@ -179,10 +185,14 @@ def _megatron_mlp(b: GraphBuilder, prefix: str, x: TensorRef, d_ff: int) -> Tens
 
 
 def gpt(batch: int = 64, layers: int = 24, d_model: int = 2048, heads: int = 16, seq: int = 2048,
-        vocab: int = 50304, d_ff: int | None = None, kernels: str = "fused", name: str = "gpt") -> Graph:
+        vocab: int = 50304, d_ff: int | None = None, kernels: str = "fused", attention: str = "unfused",
+        name: str = "gpt") -> Graph:
     """Decoder-only Transformer; defaults are the "1.3b" setting (d_ff defaults to 4 d_model); ``kernels``:
-    one of :data:`KERNELS` (module docstring)."""
+    one of :data:`KERNELS` (module docstring). ``attention="flash"``: the attention core as one
+    FlashAttention operator (:func:`shardplan.ops.flash_attention`) whatever ``kernels`` says; the default
+    ``"unfused"`` keeps it as ``kernels`` writes it (Megatron-LM in 2021-22 ran no fused attention)."""
     check_stack(name, layers, d_model, heads)
+    check_attention(name, attention)
     if kernels not in KERNELS:
         raise ShardplanError(f"model {name!r}: kernels={kernels!r} is not one of {', '.join(KERNELS)}")
     d_ff = 4 * d_model if d_ff is None else d_ff
@@ -192,7 +202,7 @@ def gpt(batch: int = 64, layers: int = 24, d_model: int = 2048, heads: int = 16,
     for i in range(1, layers + 1):
         p = f"L{i}"
         h = b.add(ops.layer_norm(f"{p}/ln1", x))
-        a = attention(b, p, h, h, heads, core=kernels)
+        a = attention_block(b, p, h, h, heads, core="flash" if attention == "flash" else kernels)
         x = b.add(dataclasses.replace(ops.elementwise(f"{p}/add1", x, a, kind="add", letters="bsd"), saved=saved))
         h = b.add(ops.layer_norm(f"{p}/ln2", x))
         m = _megatron_mlp(b, p, h, d_ff) if meg else ffn(b, p, h, d_ff)

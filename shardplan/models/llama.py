@@ -1,6 +1,6 @@
 """Llama: a decoder-only language model with RMSNorm, grouped-query attention, rotary positions and SwiGLU.
 
-Per layer ``L{i}`` (16 vertices), pre-normalised as in Touvron et al. 2023
+Per layer ``L{i}`` (15 vertices; 16 with ``attention="unfused"``), pre-normalised as in Touvron et al. 2023
 and Dubey et al. 2024:
 
 * ``ln1`` RMSNorm (:func:`~shardplan.models._blocks.rms_norm`);
@@ -11,6 +11,9 @@ and Dubey et al. 2024:
   index, not a division, and every product is an einsum:
   ``q`` (``bsd,dhrk->bshrk``), ``k`` and ``v`` (``btd,dhk->bthk``),
   ``rope_q`` and ``rope_k`` (rotary position embedding, elementwise),
+  ``attention``, the core as one FlashAttention operator
+  (:func:`~shardplan.ops.flash_attention`, dims ``bshrkt``: no (s, t) tensor in memory, the scores
+  recomputed in the backward), or with ``attention="unfused"``
   ``scores`` (``bshrk,bthk->bhrst``, causal softmax over ``t`` fused as in
   :func:`~shardplan.models._blocks.attention`: 5 FLOPs per score added to
   the contraction's 2 k), ``context`` (``bhrst,bthk->bshrk``) and ``out``
@@ -46,7 +49,12 @@ from dataclasses import dataclass
 from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, GraphBuilder, Operator, TensorRef
-from shardplan.models._blocks import check_stack, decoder_start, rms_norm
+from shardplan.models._blocks import (
+    check_attention,
+    check_stack,
+    decoder_start,
+    rms_norm,
+)
 
 __all__ = ["llama", "LlamaConfig", "LLAMA3", "gqa_attention", "rope", "swiglu_mlp"]
 
@@ -68,10 +76,14 @@ class LlamaConfig:
     d_ff: int
     vocab: int
     seq: int
+    attention: str = "flash"
 
     def __post_init__(self) -> None:
+        check_attention("LlamaConfig", self.attention)
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "attention":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ShardplanError(f"LlamaConfig: {f.name}={v!r} must be a positive integer")
         check_heads("LlamaConfig", self.d_model, self.heads, self.kv_heads)
@@ -81,9 +93,10 @@ class LlamaConfig:
         """k = d_model / heads."""
         return self.d_model // self.heads
 
-    def sizes(self) -> dict[str, int]:
-        """The keyword sizes of :func:`llama`."""
-        return dataclasses.asdict(self)
+    def sizes(self) -> dict[str, int | str]:
+        """The keyword sizes of :func:`llama` (``attention`` only when it is not the default, flash)."""
+        out = dataclasses.asdict(self)
+        return out if self.attention != "flash" else {k: v for k, v in out.items() if k != "attention"}
 
     def params(self) -> int:
         """Weights of the model (and of the graph :func:`llama` builds), exactly:
@@ -133,11 +146,13 @@ def rope(name: str, x: TensorRef, letters: str) -> Operator:
 
 
 def gqa_attention(b: GraphBuilder, prefix: str, x: TensorRef, heads: int, kv_heads: int,
-                  head_dim: int | None = None) -> TensorRef:
+                  head_dim: int | None = None, attention: str = "flash") -> TensorRef:
     """Causal self-attention of ``x`` (b, s, d) with ``heads`` query heads in ``kv_heads`` groups, each group
     sharing one key/value head, and rotary positions on queries and keys (module docstring): vertices
-    ``{prefix}/q, k, v, rope_q, rope_k, scores, context, out``. Heads are ``head_dim`` wide (default
-    d / heads). Returns the output (b, s, d)."""
+    ``{prefix}/q, k, v, rope_q, rope_k, attention, out`` with ``attention="flash"`` (one FlashAttention
+    operator, :func:`shardplan.ops.flash_attention`, dims ``bshrkt``), ``{prefix}/q, k, v, rope_q, rope_k,
+    scores, context, out`` with ``"unfused"``. Heads are ``head_dim`` wide (default d / heads). Returns the
+    output (b, s, d)."""
     d = x.shape[-1]
     check_heads(prefix, d, heads, kv_heads)
     g, r, kd = kv_heads, heads // kv_heads, head_dim or d // heads
@@ -147,6 +162,10 @@ def gqa_attention(b: GraphBuilder, prefix: str, x: TensorRef, heads: int, kv_hea
     v = b.add(ops.einsum(f"{p}v", "btd,dhk->bthk", x, ops.Param((d, g, kd)), kind="attn_proj"))
     q = b.add(rope(f"{p}rope_q", q, "bshrk"))
     k = b.add(rope(f"{p}rope_k", k, "bthk"))
+    if attention == "flash":
+        ctx = b.add(ops.flash_attention(f"{p}attention", q, k, v, "bshrk", "bthk"))
+        return b.add(ops.einsum(f"{p}out", "bshrk,hrkd->bsd", ctx, ops.Param((g, r, kd, d)), kind="attn_out"))
+    check_attention(prefix, attention)
     scores = ops.einsum(f"{p}scores", "bshrk,bthk->bhrst", q, k, kind="attn_scores")
     s = b.add(dataclasses.replace(scores, norm_dims=("t",), norm_stats=2, flops_per_point=2.0 + SOFTMAX_FLOPS / kd))
     ctx = b.add(ops.einsum(f"{p}context", "bhrst,bthk->bshrk", s, v, kind="attn_context"))
@@ -166,15 +185,21 @@ def swiglu_mlp(b: GraphBuilder, prefix: str, x: TensorRef, d_ff: int) -> TensorR
 
 
 def llama(batch: int = 64, layers: int = 32, d_model: int = 4096, heads: int = 32, kv_heads: int = 8,
-          d_ff: int = 14336, vocab: int = 128256, seq: int = 8192, name: str = "llama") -> Graph:
-    """Llama decoder (module docstring); the defaults are Llama 3 8B (:data:`LLAMA3`)."""
+          d_ff: int = 14336, vocab: int = 128256, seq: int = 8192, attention: str = "flash",
+          name: str = "llama") -> Graph:
+    """Llama decoder (module docstring); the defaults are Llama 3 8B (:data:`LLAMA3`). ``attention``: the core
+    as FlashAttention (``"flash"``, the default: the fused kernel today's stacks train Llama with, PyTorch's
+    SDPA or Transformer Engine) or
+    ``"unfused"`` (:data:`~shardplan.models._blocks.ATTENTIONS`)."""
     check_stack(name, layers)
     check_heads(name, d_model, heads, kv_heads)
+    check_attention(name, attention)
     b, labels, x = decoder_start(name, batch, seq, vocab, d_model)
     for i in range(1, layers + 1):
         p = f"L{i}"
         h = b.add(rms_norm(f"{p}/ln1", x))
-        x = b.add(ops.elementwise(f"{p}/add1", x, gqa_attention(b, p, h, heads, kv_heads), kind="add",
+        x = b.add(ops.elementwise(f"{p}/add1", x, gqa_attention(b, p, h, heads, kv_heads, attention=attention),
+                                  kind="add",
                                   letters="bsd"))
         h = b.add(rms_norm(f"{p}/ln2", x))
         x = b.add(ops.elementwise(f"{p}/add2", x, swiglu_mlp(b, p, h, d_ff), kind="add", letters="bsd"))

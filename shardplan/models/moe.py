@@ -70,7 +70,12 @@ from dataclasses import dataclass
 from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, GraphBuilder, Operator, Tensor, TensorRef
-from shardplan.models._blocks import check_stack, decoder_start, rms_norm
+from shardplan.models._blocks import (
+    check_attention,
+    check_stack,
+    decoder_start,
+    rms_norm,
+)
 from shardplan.models.llama import SWIGLU_FLOPS, check_heads, gqa_attention, swiglu_mlp
 
 __all__ = ["moe", "MoEConfig", "MOE", "moe_layer", "capacity", "gate", "swiglu_pair", "GATE_LOGIT_FLOPS",
@@ -170,10 +175,14 @@ class MoEConfig:
     dense_layers: int = 0
     head_dim: int = 0
     capacity_factor: float = 1.25
+    attention: str = "flash"
 
     def __post_init__(self) -> None:
+        check_attention("MoEConfig", self.attention)
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "attention":
+                continue
             if f.name == "capacity_factor":
                 capacity(1, 1, 1, v)
                 continue
@@ -196,9 +205,10 @@ class MoEConfig:
         """Slots per expert and sequence (:func:`capacity`)."""
         return capacity(self.seq, self.experts, self.top_k, self.capacity_factor)
 
-    def sizes(self) -> dict[str, int | float]:
-        """The keyword sizes of :func:`moe`."""
-        return dataclasses.asdict(self)
+    def sizes(self) -> dict[str, int | float | str]:
+        """The keyword sizes of :func:`moe` (``attention`` only when it is not the default, flash)."""
+        out = dataclasses.asdict(self)
+        return out if self.attention != "flash" else {k: v for k, v in out.items() if k != "attention"}
 
     def params(self) -> int:
         """Weights of the graph :func:`moe` builds, exactly:
@@ -240,22 +250,26 @@ MOE: dict[str, MoEConfig] = {
 
 def moe(batch: int = 8, layers: int = 2, d_model: int = 64, heads: int = 4, kv_heads: int = 2, d_ff: int = 128,
         experts: int = 8, top_k: int = 2, d_expert: int = 128, vocab: int = 512, seq: int = 32, shared: int = 0,
-        dense_layers: int = 0, head_dim: int = 0, capacity_factor: float = 1.25, name: str = "moe") -> Graph:
+        dense_layers: int = 0, head_dim: int = 0, capacity_factor: float = 1.25, attention: str = "flash",
+        name: str = "moe") -> Graph:
     """Mixture-of-experts decoder (module docstring); the defaults are ``mixtral-tiny`` (:data:`MOE`).
 
-    Per block ``L{i}``: ``ln1``, the grouped-query attention of :func:`~shardplan.models.llama.gqa_attention`,
+    Per block ``L{i}``: ``ln1``, the grouped-query attention of :func:`~shardplan.models.llama.gqa_attention`
+    (its core FlashAttention, or unfused with ``attention="unfused"``),
     ``add1``, ``ln2``, a SwiGLU MLP (the first ``dense_layers`` blocks) or :func:`moe_layer`, ``add2``;
     around them ``embed``, ``ln_f``, ``fc`` and ``softmax`` as in :func:`~shardplan.models.llama.llama`.
     """
     cfg = MoEConfig(layers=layers, d_model=d_model, heads=heads, kv_heads=kv_heads, d_ff=d_ff, experts=experts,
                     top_k=top_k, d_expert=d_expert, vocab=vocab, seq=seq, shared=shared,
-                    dense_layers=dense_layers, head_dim=head_dim, capacity_factor=capacity_factor)
+                    dense_layers=dense_layers, head_dim=head_dim, capacity_factor=capacity_factor,
+                    attention=attention)
     check_stack(name, layers)
     b, labels, x = decoder_start(name, batch, seq, vocab, d_model)
     for i in range(1, layers + 1):
         p = f"L{i}"
         h = b.add(rms_norm(f"{p}/ln1", x))
-        x = b.add(ops.elementwise(f"{p}/add1", x, gqa_attention(b, p, h, heads, kv_heads, cfg.kd), kind="add",
+        x = b.add(ops.elementwise(f"{p}/add1", x, gqa_attention(b, p, h, heads, kv_heads, cfg.kd, attention),
+                                  kind="add",
                                   letters="bsd"))
         h = b.add(rms_norm(f"{p}/ln2", x))
         if i <= dense_layers:

@@ -170,7 +170,7 @@ def _op_signature(op: Operator, where: dict[str, tuple[int, int]], unit: int) ->
         return (t.name, t.shape, t.axes, t.role, t.needs_grad, t.elem_factor, t.owner, src)
 
     return (op.kind, op.dims, op.flops_per_point, op.norm_dims, op.norm_stats, op.recurrence, op.fixed, op.saved,
-            op.causal, tuple(tensor(t, True) for t in op.inputs), tuple(tensor(t, False) for t in op.weights),
+            op.causal, op.backward_flops, tuple(tensor(t, True) for t in op.inputs), tuple(tensor(t, False) for t in op.weights),
             tensor(op.output, False))
 
 
@@ -197,7 +197,7 @@ def _split_parts(op: Operator, parts: dict[str, float]) -> tuple[float, float, f
     1/(1 + tensors with gradients) of its compute, plus the forward partial-sum all-reduces; the backward
     the rest of the compute and the activation-gradient all-reduces; halo, statistics and recurrence split
     in halves; the weight-gradient part is the forward share of compute per weight with a gradient."""
-    share = 1.0 / (1 + len(op.grad_tensors))
+    share = 1.0 / op.passes
     half = sum(parts[key] for key in ("halo", "stats", "recurrence")) / 2
     fwd = parts["compute"] * share + parts["forward_allreduce"] + half
     bwd = parts["compute"] * (1 - share) + parts["grad_allreduce"] + half
@@ -343,7 +343,10 @@ class ModelStages:
     def device_seconds(self, m: int, a: int = 0, b: int | None = None) -> float:
         """A lower bound of q times the seconds of units [a, b) (default: the whole model) at micro-batch batch/m
         on any q devices under any plan: per operator, (1 + tensors with gradients) passes, each at least
-        max(FLOPs / R, bytes / HBM bandwidth) over q, R the machine's achievable FLOP/s. The cost model charges
+        max(FLOPs / R, bytes / HBM bandwidth) over q, R the machine's achievable FLOP/s (a fused backward,
+        :mod:`shardplan.cost.fused`: its own FLOPs and at least the inputs' and the output gradient's bytes;
+        under a causal mask the FLOPs of the unmasked points only, which every split's busiest device
+        carries at least 1/q of). The cost model charges
         each pass ``f prod_d E_d / c_d`` FLOPs per device with ``prod_d c_d <= q``, at R times a utilisation
         <= 1, under a roofline over the tiles the pass moves (:mod:`shardplan.cost.operator`); a tensor whose
         axes are all plain (no window, no stride) is read whole, so some device's tile of it holds at least
@@ -353,13 +356,24 @@ class ModelStages:
         total = 0.0
         for i in (i for u in range(a, len(units) if b is None else b) for i in units[u]):
             op = g.operators[i]
-            seconds = op.flops_per_point * op.points / rate
+            points = op.points
+            if op.causal is not None:  # the unmasked points: S (S + 1) / 2 of S^2, whatever the split
+                s_ext = op.extents[op.causal.query]
+                points = points * (s_ext + 1) / (2 * s_ext)
+            seconds = op.flops_per_point * points / rate
+            back = (op.backward_flops * points / rate if op.grad_tensors else 0.0) \
+                if op.backward_flops is not None else None
             if bw is not None:
                 plain = [t for t in op.inputs + op.weights
                          if all(x.window is None and x.stride == 1 for x in t.axes)]
-                elems = sum(math.prod(t.shape) * t.elem_factor for t in (op.output, *plain))
-                seconds = max(seconds, elems * nbytes / bw)
-            total += (1 + len(op.grad_tensors)) * seconds
+                ins = sum(math.prod(t.shape) * t.elem_factor for t in plain)
+                out = math.prod(op.output.shape) * op.output.elem_factor
+                if back is None:
+                    seconds = max(seconds, (ins + out) * nbytes / bw)
+                else:  # a fused kernel (cost/fused.py): forward inputs + saved, backward at least inputs + dO
+                    seconds = max(seconds, (ins + op.saved * out) * nbytes / bw)
+                    back = max(back, (ins + out) * nbytes / bw) if op.grad_tensors else 0.0
+            total += (1 + len(op.grad_tensors)) * seconds if back is None else seconds + back
         return total
 
     def step_floor(self, m: int) -> float:

@@ -34,7 +34,7 @@ def _weights(g) -> int:
 # the graphs
 # ---------------------------------------------------------------------------------------------------------------
 def test_llama_tiny_builds_with_its_blocks_in_order():
-    g = get_model("llama3-tiny")
+    g = get_model("llama3-tiny", attention="unfused")  # the core as two products (FlashAttention's: tests/models)
     assert g.name == "llama3-tiny" and len(g) == 2 * 16 + 4
     assert [op.name for op in g][:17] == ["embed"] + [f"L1/{n}" for n in BLOCK]
     assert [op.name for op in g][-3:] == ["ln_f", "fc", "softmax"]
@@ -68,7 +68,7 @@ def test_llama_tiny_builds_with_its_blocks_in_order():
 
 def test_llama_sizes_override_like_gpt():
     g = get_model("llama3-8b", 2, layers=1, seq=64)
-    assert g.name == "llama3-8b" and len(g) == 16 + 4
+    assert g.name == "llama3-8b" and len(g) == 15 + 4  # the FlashAttention core: one vertex
     assert g["L1/q"].extents == {"b": 2, "s": 64, "h": 8, "r": 4, "k": 128, "d": 4096}
     assert g["L1/up"].extents["e"] == 14336 and g["fc"].extents["v"] == 128256
     mha = get_model("llama3-tiny", kv_heads=8)  # one query per key/value head: multi-head attention
@@ -97,7 +97,8 @@ def test_llama_config_checks():
 
 
 def test_cli_builds_named_sizes_with_set(capsys):
-    code = main(["ops", "--model", "llama3-8b", "--batch", "2", "--set", "layers=1", "--set", "seq=64", "-p", "8"])
+    code = main(["ops", "--model", "llama3-8b", "--batch", "2", "--set", "layers=1", "--set", "seq=64", "-p", "8",
+                 "--set", "attention=unfused"])
     out = capsys.readouterr().out
     assert code == 0
     names = [line.split()[0] for line in out.splitlines()[2:] if line.strip()]
@@ -126,7 +127,7 @@ LLAMA3_COUNTS = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llam
 def test_llama3_parameter_counts_full_size(name):
     g = get_model(name, 1)  # the full model: the graph is symbolic, so this is cheap
     assert _weights(g) == LLAMA3[name].params() == LLAMA3_COUNTS[name]
-    assert len(g) == 16 * LLAMA3[name].layers + 4
+    assert len(g) == 15 * LLAMA3[name].layers + 4  # 16 per block with attention="unfused"
 
 
 def test_llama3_counts_round_to_the_quoted_sizes():
@@ -256,7 +257,7 @@ def test_gpt_formula_equals_the_graphs_matrix_products(recompute):
 @pytest.mark.parametrize("recompute", [False, True])
 def test_llama_formula_equals_the_graphs_matrix_products(recompute):
     b = 3
-    g = get_model("llama3-tiny", b)
+    g = get_model("llama3-tiny", b, attention="unfused")  # FlashAttention's count: tests/models
     cfg = config_of("llama3-tiny")
     l, h, s, f, heads, v = cfg.layers, cfg.d_model, cfg.seq, cfg.d_ff, cfg.heads, cfg.vocab
     kv = cfg.kv_heads * cfg.head_dim
@@ -310,7 +311,7 @@ def test_llama_blocks_are_repeated_units():
     st = ModelStages(build, 8, preset("h100", 8), {"cutoff": 1}, periodic=True)
     g, units, sigs = st.graph(1)
     assert st.unit_names() == ["embed", "L1", "L2", "L3", "L4", "L5", "L6", "ln_f,fc,softmax"]
-    assert all(len(units[u]) == 16 for u in range(1, 7))
+    assert all(len(units[u]) == 15 for u in range(1, 7))
     # L2 .. L6 are one signature (L1 reads the embedding, not a block: as in the zoo's GPT), a chain the periodic
     # certificate covers
     assert len(set(sigs[2:7])) == 1 and len(set(sigs)) == 4

@@ -15,8 +15,9 @@ from shardplan.report.summary import recipe_words
 SIZES = {"layers": 2, "seq": 4096}
 
 
-def _cost(text: str, p: int = 32):
-    return cost_recipe("llama3-8b", preset("h100", p), text, batch=8, sizes=SIZES)
+def _cost(text: str, p: int = 32, seq: int | None = None):
+    return cost_recipe("llama3-8b", preset("h100", p), text, batch=8,
+                       sizes=SIZES if seq is None else {**SIZES, "seq": seq})
 
 
 def test_every_operator_splits_its_sequence_and_attention_gathers_the_keys():
@@ -24,7 +25,7 @@ def test_every_operator_splits_its_sequence_and_attention_gathers_the_keys():
     ops = plan.operators
     for name, c in ops.items():
         split = dict(zip(c.layout.dims, c.layout.split))
-        if name.endswith("/scores") or name.endswith("/context"):
+        if name.endswith("/attention"):  # the FlashAttention core (scores and context unfused)
             assert split["s"] == 2 and split["t"] == 1  # queries split, keys and values whole: gathered
         elif "t" in split:
             assert split["t"] == 2  # the key/value projections compute their part of the sequence
@@ -48,7 +49,7 @@ def test_with_pipeline_stages_and_interleaving():
 
 def test_sequence_dim():
     g = get_model("llama3-tiny", 2)
-    assert sequence_dim(g["L1/scores"]) == "s" and sequence_dim(g["L1/k"]) == "t"
+    assert sequence_dim(g["L1/attention"]) == "s" and sequence_dim(g["L1/k"]) == "t"
     assert sequence_dim(g["embed"]) == "s"
 
 
@@ -85,9 +86,10 @@ def test_cp_algo_parses_prints_and_refuses_without_a_context_group():
 def test_the_ring_recipe_has_the_same_layouts_and_compute_and_moves_the_keys_around_the_ring(pp):
     """cp_algo=ring changes no layout and no compute: the keys' and values' gathers and their gradients'
     all-reduces become the ring's exposed steps. With the sequence long enough for the products to hide
-    the blocks (4096 over 2), the ring is cheaper here; each attention product's edge charges exactly what
-    :func:`shardplan.cost.ring.ring_choices` says for its two layouts."""
-    gather, ring = _cost(f"tp=8,cp=2,pp={pp}"), _cost(f"tp=8,cp=2,cp_algo=ring,pp={pp}")
+    the blocks (8192 over 2: FlashAttention's core has no memory-bound softmax to hide them behind, and at
+    4096 the ring loses with pp=2), the ring is cheaper here; each attention product's edge charges exactly
+    what :func:`shardplan.cost.ring.ring_choices` says for its two layouts."""
+    gather, ring = _cost(f"tp=8,cp=2,pp={pp}", seq=8192), _cost(f"tp=8,cp=2,cp_algo=ring,pp={pp}", seq=8192)
     assert ring.step_time < gather.step_time
     for name, c in gather.operators.items():
         assert ring.operators[name].layout == c.layout
@@ -97,7 +99,7 @@ def test_the_ring_recipe_has_the_same_layouts_and_compute_and_moves_the_keys_aro
 
 
 def test_the_ring_recipe_edges_are_the_ring_by_hand():
-    """The edge rope_k -> scores of the recipe's tables: the ring's cost from the two layouts."""
+    """The edge rope_k -> attention of the recipe's tables: the ring's cost from the two layouts."""
     from dataclasses import replace
 
     from shardplan.cost import build_tables
@@ -109,7 +111,7 @@ def test_the_ring_recipe_edges_are_the_ring_by_hand():
     t = build_tables(g, m, **table_options(m, 8, 4, cp=2, cp_algo="ring"))
     plan = megatron_layouts(t, 4, 8, cp=2)
     (e, mat), = [(e, mat) for e, mat in zip(g.edges, t.edge_costs)
-                 if g.operators[e.src].name == "L1/rope_k" and g.operators[e.dst].name == "L1/scores"]
+                 if g.operators[e.src].name == "L1/rope_k" and g.operators[e.dst].name == "L1/attention"]
     i, j = (t.layouts[x].index(plan[g.operators[x].name]) for x in (e.src, e.dst))
     want = ring_choices(g.operators[e.src], t.arrays[e.src].take([i]), g.operators[e.dst], e.slot,
                         t.arrays[e.dst].take([j]), m, t.op_costs[e.dst].compute[[j]])[0, 0]
@@ -121,7 +123,7 @@ def test_causal_attention_marks_the_core_and_the_ring_recipe_runs_on_the_70b():
 
     g = causal_attention(get_model("llama3-tiny", 2))
     masked = {op.name for op in g.operators if op.causal is not None}
-    assert masked == {op.name for op in g.operators if op.kind in ("attn_scores", "attn_context")} and masked
+    assert masked == {op.name for op in g.operators if op.kind == "attn_flash"} and masked
     text = "tp=4,pp=4,cp=2,vp=5,mbs=1,gbs=64,recompute=full"
     gather = cost_recipe("llama3-70b", preset("h100", 64), text)
     ring = cost_recipe("llama3-70b", preset("h100", 64), text + ",cp_algo=ring")
