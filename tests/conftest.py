@@ -6,6 +6,15 @@ import sys
 _DEVICES = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES).strip()
+# The CPU code generator at LLVM's lowest effort: the HLO passes (SPMD partitioning, collectives, fusion,
+# scheduling, buffer assignment: everything the tests compare with the cost model) are unchanged, the
+# compiled HLO text identical (checked on the corpus' mnist_cnn and GPT-2), and the kernels they lower to
+# are compiled in about 60 % of the CPU time (tests/jax_engine/test_jax_corpus.py: 197 -> about 120 CPU s).
+# Float results differ by rounding only (GPT-2's sharded loss: 1e-7 relative to the unsharded one, then 0).
+_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+for _flag in _FAST_COMPILE:
+    if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " " + _flag
 
 # tests/ holds the shared helpers (torch_cases, randgraphs, ...); its folders, one per part of the package,
 # hold the tests, which import the helpers and, here and there, each other by module name
