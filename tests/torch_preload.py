@@ -4,7 +4,8 @@ Every process of a launch used to start a fresh interpreter and import torch, it
 shardplan and transformers itself (about 5 CPU seconds each, measured: 36 processes in the main suite,
 8 in tests/torch_hf5). The fork server imports them once per pytest process; each gloo process is then a
 fork of it and runs the same code on the same, freshly imported modules (nothing here runs a model, sets
-a seed or starts a thread: each case seeds its own generator, see ``torch_cases.run_case``).
+a seed or starts a thread: each case seeds its own generator, see ``torch_cases.run_case``). Measured on
+tests/torch_hf5: 405 -> 316 CPU seconds.
 """
 
 from __future__ import annotations
