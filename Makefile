@@ -33,7 +33,7 @@ demo: $(STAMP)
 ## Then the Hugging Face models on transformers 5 in the second environment (tests/torch_hf5).
 JOBS ?= 2
 test: $(STAMP) $(STAMP5)
-	$(PY) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n $(JOBS) --dist loadfile
 	$(PY5) -m pytest tests/torch_hf5
 
 ## The transformers 5 tests alone (the second environment).
@@ -42,7 +42,7 @@ test-hf5: $(STAMP5)
 
 ## Everyday work: everything but the tests marked slow (process groups, compiled third-party models).
 test-fast: $(STAMP)
-	$(PY) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder -m "not slow"
+	$(PY) -m pytest -n $(JOBS) --dist loadfile -m "not slow"
 
 ## Run the benchmarks (writes JSON under benchmarks/results/).
 bench: $(STAMP)

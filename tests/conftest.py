@@ -55,16 +55,3 @@ def require_8_devices():
         )
     return devices[:8]
 
-
-def _file_is_slow(item) -> bool:
-    marks = getattr(getattr(item, "module", None), "pytestmark", [])
-    return any(m.name == "slow" for m in (marks if isinstance(marks, list) else [marks]))
-
-
-def pytest_collection_modifyitems(items):
-    """The files marked slow first, in collection order, then the others (a stable sort: each file's tests
-    stay together and in order). ``make test`` hands whole files to its two workers in this order
-    (``--dist loadfile --no-loadscope-reorder``), so the workers start on the long files and the many short
-    ones even them out at the end; xdist's own order (most tests first) left the files of a few long tests,
-    the process-group launches, for last."""
-    items.sort(key=lambda item: not _file_is_slow(item))
