@@ -647,11 +647,19 @@ def free_port() -> int:
 
 def run_distributed(names: list[str], world: int, out_path: str,
                     run_one: Callable[[str, int], dict] = _run_on_mesh) -> dict[str, Any]:
-    """Spawn ``world`` gloo processes running ``run_one`` on every name (a module-level function, so
-    that the processes can import it); returns rank 0's results."""
+    """Start ``world`` gloo processes running ``run_one`` on every name (a module-level function, so
+    that the processes can import it); returns rank 0's results.
+
+    The processes are forked from a fork server (one per pytest process, kept between launches) that has
+    imported torch, shardplan and transformers once (``tests/torch_preload.py``), not started as fresh
+    interpreters that each import them again."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(world, free_port(), names, out_path, run_one), nprocs=world, join=True)
+    multiprocessing.set_forkserver_preload(["torch_preload"])
+    mp.start_processes(worker, args=(world, free_port(), names, out_path, run_one), nprocs=world, join=True,
+                       start_method="forkserver")
     with open(out_path) as f:
         return json.load(f)
 
