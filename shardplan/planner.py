@@ -95,6 +95,8 @@ def from_spmd(sp: Any, *, model: str | None = None, batch: int | None = None,
         lower = float(sol.bound) if sol.bound is not None else (sp.cost if sol.optimal else None)
     st: dict[str, Any] = {"solve_seconds": sp.solve_seconds, "build_seconds": sp.build_seconds,
                           "memory_choices": mc is not None, "table_options": table_options(sp.tables)}
+    if mc is not None:
+        st["memory_rules"] = memory_rules(mc)
     if sp.tables.options.get("overlap_tp"):
         from shardplan.cost import overlap_hidden
 
@@ -104,6 +106,16 @@ def from_spmd(sp: Any, *, model: str | None = None, batch: int | None = None,
     st.update(stats or {})
     return Plan(model or g.name, sp.machine, (stage,), m, NO_PIPELINE, sp.cost, sp.breakdown, mem, lower,
                 sp.name, st, 1, batch, detail=sp)
+
+
+def memory_rules(mc: Any) -> dict[str, Any]:
+    """What, beside each operator's choices, a plan's memory choices (:class:`shardplan.fit.MemoryChoices`) were
+    costed with, so :func:`spmd_of` rebuilds the same step time and memory: the precision rules, the
+    backward-peak model, the reserved bytes and the host budget per device."""
+    r = mc.rules
+    return {"master_weights": r.master_weights, "zero3_regather": r.zero3_regather,
+            "zero3_grad_allreduce": r.zero3_grad_allreduce, "backward_peak": bool(mc.backward),
+            "reserve_bytes": float(mc.reserve_bytes), "host_budget_bytes": float(mc.host_budget_bytes)}
 
 
 def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any] | None = None) -> Plan:
@@ -448,8 +460,11 @@ def _one_micro_batch_bound(sp: Any) -> float | None:
 
 
 def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice], micro_batches: int,
-             memory_choices: bool, options: dict[str, Any], budget: float | None, name: str) -> Any:
-    """The tables-backed plan of ``graph`` on ``machine`` with the given per-operator choices."""
+             memory_choices: bool, options: dict[str, Any], budget: float | None, name: str,
+             rules: dict[str, Any] | None = None) -> Any:
+    """The tables-backed plan of ``graph`` on ``machine`` with the given per-operator choices: layouts, and with
+    ``memory_choices`` each operator's ZeRO stage, recomputation, FP8 and offload under the recorded ``rules``
+    (:func:`memory_rules`; a plan written before they were recorded: the defaults)."""
     from dataclasses import replace
 
     from shardplan.cost import build_tables
@@ -468,9 +483,18 @@ def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice],
     if memory_choices:
         from shardplan.fit import plan_with_choices
 
+        r = dict(rules or {})
+        host = r.get("host_budget_bytes")
         sp = plan_with_choices(sp, stage={n: choices[n].state_stage for n in names},
                                recompute=[n for n in names if choices[n].recompute], micro_batches=micro_batches,
-                               budget=budget, name=name)
+                               budget=budget, name=name, fp8=[n for n in names if choices[n].fp8],
+                               offload={n: choices[n].offload for n in names if choices[n].offload},
+                               master_weights=bool(r.get("master_weights", False)),
+                               zero3_regather=bool(r.get("zero3_regather", False)),
+                               zero3_grad_allreduce=bool(r.get("zero3_grad_allreduce", False)),
+                               grad_buffers="backward" if r.get("backward_peak") else "persistent",
+                               reserve_bytes=float(r.get("reserve_bytes") or 0.0),
+                               host_budget_bytes=None if host is None or not math.isfinite(host) else float(host))
     return sp
 
 
@@ -486,7 +510,7 @@ def spmd_of(plan_: Plan, graph: Graph) -> Any:
     budget = plan_.memory.get("budget_bytes")
     sp = _rebuild(graph, plan_.machine, dict(plan_.stages[0].operators), plan_.micro_batches,
                   bool(plan_.stats.get("memory_choices")), dict(plan_.stats.get("table_options") or {}),
-                  None if budget is None else float(budget), plan_.solver)
+                  None if budget is None else float(budget), plan_.solver, plan_.stats.get("memory_rules"))
     if abs(sp.cost - plan_.step_time) > 1e-6 * max(abs(plan_.step_time), 1e-30):
         raise ShardplanError(f"the plan predicts {plan_.step_time:.6g} s per step but its choices cost "
                              f"{sp.cost:.6g} s on this program: it was planned for another program or machine")

@@ -1,0 +1,101 @@
+"""A plan saved to JSON and loaded again rebuilds on its program with every choice it made: layouts, ZeRO
+stages, recomputation, FP8 products and host offload, under the precision rules it was costed with; step time
+and memory equal the plan's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from shardplan.cost import build_tables
+from shardplan.errors import ShardplanError
+from shardplan.fit import FitOptions, plan_with_choices
+from shardplan.machine import preset
+from shardplan.models import get_model
+from shardplan.planner import choices_of, from_spmd, plan, spmd_of
+from shardplan.recipe import cost_recipe
+from shardplan.result import Plan
+from shardplan.spmd import plan_from_configs
+
+ALL = ("optimizer", "parameters", "activations")
+
+
+def gpt(batch: int = 8):
+    return get_model("gpt", batch, layers=1)
+
+
+def assert_rebuilt(p: Plan) -> None:
+    """Round trip through JSON, rebuild on the program, and compare everything the plan states."""
+    q = Plan.from_json(p.to_json())
+    assert q == p and q.detail is None
+    sp = spmd_of(q, gpt(p.batch))
+    assert sp.cost == pytest.approx(p.step_time, rel=1e-12)
+    mem = sp.memory
+    for k, v in p.memory.items():
+        assert mem[k] == pytest.approx(v, rel=1e-12), k
+    assert choices_of(sp) == dict(p.stages[0].operators)  # layouts, stages, recompute, fp8, offload, seconds
+    again = from_spmd(sp, model=p.model, batch=p.batch)
+    assert again.stages[0] == p.stages[0] and again.stats["memory_rules"] == p.stats["memory_rules"]
+
+
+@pytest.fixture(scope="module")
+def searched() -> Plan:
+    """The fit search under a tight budget with mixed-precision state, FP8 and every offload offered: it picks
+    FP8 products, optimizer and parameter offload at ZeRO-3 and activation offload."""
+    opts = FitOptions(micro_batches=(1,), fp8=True, offload=ALL, master_weights=True)
+    return plan("gpt", preset("h100", 8), sizes={"layers": 1}, batch=8, stages=False, fit_options=opts, budget=4e8)
+
+
+def test_a_searched_plan_with_fp8_and_offload_rebuilds_exactly(searched):
+    ops = searched.operators.values()
+    assert any(c.fp8 for c in ops)
+    assert {x for c in ops for x in c.offload} == set(ALL)
+    assert searched.stats["memory_rules"]["master_weights"]
+    assert_rebuilt(searched)
+
+
+def test_the_rebuild_is_refused_without_the_recorded_choices(searched):
+    """What the loaded plan's choices change: without them its step time is not its choices' (refused), and
+    without the precision rules the memory differs (the master weights' 16 bytes per parameter)."""
+    q = Plan.from_json(searched.to_json())
+    plain = {n: replace(c, fp8=False, offload=()) for n, c in q.stages[0].operators.items()}
+    stripped = replace(q, stages=(replace(q.stages[0], operators=plain),))
+    with pytest.raises(ShardplanError, match="another program"):
+        spmd_of(stripped, gpt())
+    rules = {**q.stats["memory_rules"], "master_weights": False}
+    sp = spmd_of(replace(q, stats={**q.stats, "memory_rules": rules}), gpt())
+    assert sp.memory["weights_bytes"] < q.memory["weights_bytes"]
+
+
+def test_an_offload_whose_copies_are_hidden_is_kept():
+    """Activation offload whose copies the compute hides costs no time: the step time alone would not notice a
+    rebuild without it, so the rebuilt plan's memory and choices are compared."""
+    m = preset("h100", 8)
+    tables = replace(build_tables(gpt(), replace(m, memory_bytes=None), cutoff=1), machine=m)
+    dp = plan_from_configs(tables, {op.name: (8,) + (1,) * (len(op.dims) - 1) for op in gpt().operators})
+    offloading = plan_with_choices(dp, offload={"softmax": ("activations",)})  # the loss's softmax: 4 KiB
+    plain = plan_with_choices(dp)
+    assert offloading.cost == plain.cost and offloading.memory["peak_bytes"] == plain.memory["peak_bytes"] - 4096
+    p = from_spmd(offloading, model="gpt", batch=8)
+    assert [n for n, c in p.operators.items() if c.offload] == ["softmax"]
+    assert_rebuilt(p)
+
+
+def test_a_recipe_with_fp8_master_weights_and_offload_rebuilds_exactly():
+    p = cost_recipe("gpt", preset("h100", 8), "tp=2,dp=4,zero=3,precision=fp8,offload=optimizer+activations",
+                    sizes={"layers": 1}, batch=8)
+    assert any(c.fp8 for c in p.operators.values()) and p.stats["memory_rules"]["master_weights"]
+    assert assert_rebuilt(p) is None
+
+
+def test_an_offload_an_operator_cannot_make_is_one_error():
+    m = preset("h100", 8)
+    tables = replace(build_tables(gpt(), replace(m, memory_bytes=None), cutoff=1), machine=m)
+    dp = plan_from_configs(tables, {op.name: (8,) + (1,) * (len(op.dims) - 1) for op in gpt().operators})
+    with pytest.raises(ShardplanError, match="cannot offload optimizer"):
+        plan_with_choices(dp, stage=0, offload={"L1/q": ("optimizer",)})  # optimizer offload needs ZeRO 1-3
+    with pytest.raises(ShardplanError, match="no operator"):
+        plan_with_choices(dp, offload={"nope": ("activations",)})
+    with pytest.raises(ShardplanError, match="not one of"):
+        plan_with_choices(dp, offload={"L1/q": ("disk",)})
