@@ -712,7 +712,7 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
                       grad_buffers: str = "persistent", accumulate: int = 1, fp8: bool | Sequence[str] = False,
                       offload: Sequence[str] | Mapping[str, Sequence[str]] = (), master_weights: bool = False,
                       zero3_regather: bool = False, zero3_grad_allreduce: bool = False, reserve_bytes: float = 0.0,
-                      host_budget_bytes: float | None = None):
+                      host_budget_bytes: float | None = None, offer: ChoiceRules | None = None):
     """``plan``'s layouts with the memory-saving choices given by hand (a fit plan the search did not choose).
 
     ``stage``: one ZeRO stage for every operator with trainable weights, or
@@ -734,7 +734,9 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     offloads, exactly (others none; what a saved plan records). ``master_weights``: the mixed-precision state
     rule (:class:`~shardplan.cost.memory.ChoiceRules`). ``zero3_regather``, ``zero3_grad_allreduce``: how a
     ZeRO-3 runtime gathers and reduces (the rules of the same names, e.g. DeepSpeed v0.3's).
-    ``reserve_bytes``, ``host_budget_bytes``: as :class:`FitOptions`.
+    ``reserve_bytes``, ``host_budget_bytes``: as :class:`FitOptions`. ``offer``: FP8 and offload parts the
+    choice tables offer beyond those taken (a search's own, so the plan's breakdown and memory list the same
+    parts, zero where not taken); it changes no choice.
 
     Raises:
         ShardplanError: an unknown stage or operator name, a bad micro-batch count, or an offload by operator
@@ -753,9 +755,10 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
         exact = {n: sum(OFFLOAD_BITS[x] for x in ChoiceRules(offload=tuple(parts)).offload)
                  for n, parts in offload.items()}
         offload = tuple(x for parts in offload.values() for x in parts)
-    rules = ChoiceRules(bool(fp8_names), tuple(offload), bool(master_weights), bool(zero3_regather),
-                        bool(zero3_grad_allreduce))
-    want_off = sum(OFFLOAD_BITS[x] for x in rules.offload)
+    want_off = sum(OFFLOAD_BITS[x] for x in ChoiceRules(offload=tuple(offload)).offload)
+    offer = ChoiceRules() if offer is None else offer
+    rules = ChoiceRules(bool(fp8_names) or offer.fp8, tuple(offload) + offer.offload, bool(master_weights),
+                        bool(zero3_regather), bool(zero3_grad_allreduce))
     unknown = sorted((set(stages) | recs | fp8_names | set(exact or ())) - set(names))
     recs |= g.recomputed
     if unknown:

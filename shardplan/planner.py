@@ -111,11 +111,13 @@ def from_spmd(sp: Any, *, model: str | None = None, batch: int | None = None,
 def memory_rules(mc: Any) -> dict[str, Any]:
     """What, beside each operator's choices, a plan's memory choices (:class:`shardplan.fit.MemoryChoices`) were
     costed with, so :func:`spmd_of` rebuilds the same step time and memory: the precision rules, the
-    backward-peak model, the reserved bytes and the host budget per device."""
+    backward-peak model, the reserved bytes, the host budget per device, and the FP8 and offload parts offered
+    (the breakdown and memory list them, zero where no operator took them)."""
     r = mc.rules
     return {"master_weights": r.master_weights, "zero3_regather": r.zero3_regather,
             "zero3_grad_allreduce": r.zero3_grad_allreduce, "backward_peak": bool(mc.backward),
-            "reserve_bytes": float(mc.reserve_bytes), "host_budget_bytes": float(mc.host_budget_bytes)}
+            "reserve_bytes": float(mc.reserve_bytes), "host_budget_bytes": float(mc.host_budget_bytes),
+            "fp8_offered": r.fp8, "offload_offered": list(r.offload)}
 
 
 def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any] | None = None) -> Plan:
@@ -483,8 +485,11 @@ def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice],
     if memory_choices:
         from shardplan.fit import plan_with_choices
 
+        from shardplan.cost.memory import ChoiceRules
+
         r = dict(rules or {})
         host = r.get("host_budget_bytes")
+        offer = ChoiceRules(bool(r.get("fp8_offered", False)), tuple(r.get("offload_offered") or ()))
         sp = plan_with_choices(sp, stage={n: choices[n].state_stage for n in names},
                                recompute=[n for n in names if choices[n].recompute], micro_batches=micro_batches,
                                budget=budget, name=name, fp8=[n for n in names if choices[n].fp8],
@@ -494,7 +499,8 @@ def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice],
                                zero3_grad_allreduce=bool(r.get("zero3_grad_allreduce", False)),
                                grad_buffers="backward" if r.get("backward_peak") else "persistent",
                                reserve_bytes=float(r.get("reserve_bytes") or 0.0),
-                               host_budget_bytes=None if host is None or not math.isfinite(host) else float(host))
+                               host_budget_bytes=None if host is None or not math.isfinite(host) else float(host),
+                               offer=offer)
     return sp
 
 

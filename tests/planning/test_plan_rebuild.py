@@ -31,9 +31,12 @@ def assert_rebuilt(p: Plan) -> None:
     assert q == p and q.detail is None
     sp = spmd_of(q, gpt(p.batch))
     assert sp.cost == pytest.approx(p.step_time, rel=1e-12)
-    mem = sp.memory
+    mem, parts = sp.memory, sp.breakdown
     for k, v in p.memory.items():
         assert mem[k] == pytest.approx(v, rel=1e-12), k
+    assert set(parts) == set(p.breakdown)
+    for k, v in p.breakdown.items():
+        assert parts[k] == pytest.approx(v, rel=1e-12, abs=1e-18), k
     assert choices_of(sp) == dict(p.stages[0].operators)  # layouts, stages, recompute, fp8, offload, seconds
     again = from_spmd(sp, model=p.model, batch=p.batch)
     assert again.stages[0] == p.stages[0] and again.stats["memory_rules"] == p.stats["memory_rules"]
@@ -53,6 +56,19 @@ def test_a_searched_plan_with_fp8_and_offload_rebuilds_exactly(searched):
     assert {x for c in ops for x in c.offload} == set(ALL)
     assert searched.stats["memory_rules"]["master_weights"]
     assert_rebuilt(searched)
+
+
+def test_the_backward_peak_a_reserve_and_parts_offered_but_not_taken_rebuild_exactly():
+    """The backward-peak model with reserved bytes; offload offered but taken by no operator: the plan's
+    breakdown and memory still list it (zero), and so does the rebuilt one."""
+    opts = FitOptions(micro_batches=(1,), fp8=True, offload=("activations",), grad_buffers="backward",
+                      reserve_bytes=1e7)
+    p = plan("gpt", preset("h100", 8), sizes={"layers": 1}, batch=8, stages=False, fit_options=opts, budget=6e8)
+    rules = p.stats["memory_rules"]
+    assert rules["backward_peak"] and rules["reserve_bytes"] == 1e7 and "peak_step" in p.memory
+    assert not any(c.offload for c in p.operators.values()) and p.breakdown["offload"] == 0.0
+    assert p.memory["host_bytes"] == 0.0
+    assert_rebuilt(p)
 
 
 def test_the_rebuild_is_refused_without_the_recorded_choices(searched):
