@@ -151,11 +151,22 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
     st = {"solve_seconds": result.seconds, "groups": groups, **pp.stats, "links": list(pp.links),
           "back_links": None if pp.back_links is None else list(pp.back_links),
           "memory_choices": any(getattr(s.cost.detail, "memory_choices", None) is not None for s in pp.stages),
+          **_stage_rules(pp),
           "table_options": {k: v for k, v in result.stages.solve_options.items() if k in TABLE_OPTIONS},
           **(stats or {})}
     return Plan(model or result.stages.graph(1)[0].name, result.machine, tuple(stages), pp.micro_batches,
                 pp.schedule, pp.step_time, breakdown, memory, pp.lower_bound, "pipeline", st, pp.chunks,
                 result.stages.batch, detail=result)
+
+
+def _stage_rules(pp: Any) -> dict[str, Any]:
+    """``{"memory_rules": ...}`` of a pipeline's first stage with memory choices (every stage is costed under the
+    same rules), or nothing."""
+    for s in pp.stages:
+        mc = getattr(s.cost.detail, "memory_choices", None)
+        if mc is not None:
+            return {"memory_rules": memory_rules(mc)}
+    return {}
 
 
 def group_memory(pp: Any) -> dict[str, float]:
@@ -463,10 +474,11 @@ def _one_micro_batch_bound(sp: Any) -> float | None:
 
 def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice], micro_batches: int,
              memory_choices: bool, options: dict[str, Any], budget: float | None, name: str,
-             rules: dict[str, Any] | None = None) -> Any:
+             rules: dict[str, Any] | None = None, accumulate: int = 1) -> Any:
     """The tables-backed plan of ``graph`` on ``machine`` with the given per-operator choices: layouts, and with
     ``memory_choices`` each operator's ZeRO stage, recomputation, FP8 and offload under the recorded ``rules``
-    (:func:`memory_rules`; a plan written before they were recorded: the defaults)."""
+    (:func:`memory_rules`; a plan written before they were recorded: the defaults); ``accumulate``: the graph is
+    one micro-batch of a step of that many (a pipeline stage, :func:`shardplan.fit.plan_with_choices`)."""
     from dataclasses import replace
 
     from shardplan.cost import build_tables
@@ -500,7 +512,7 @@ def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice],
                                grad_buffers="backward" if r.get("backward_peak") else "persistent",
                                reserve_bytes=float(r.get("reserve_bytes") or 0.0),
                                host_budget_bytes=None if host is None or not math.isfinite(host) else float(host),
-                               offer=offer)
+                               offer=offer, accumulate=accumulate)
     return sp
 
 
@@ -546,9 +558,10 @@ def pipeline_of(plan_: Plan, build: Callable[[int], Graph]) -> Any:
     stages = []
     for s in plan_.stages:
         machine = replace(plan_.machine, num_devices=s.devices)
-        # the engines run a stage's layouts; its times and bytes are the plan's own
-        sp = _rebuild(model.subgraph(s.first, s.end, m), machine, dict(s.operators), m, False, options,
-                      None, plan_.solver)
+        # the stage's layouts and memory choices (each micro-batch one step of m); its times and bytes are the plan's
+        sp = _rebuild(model.subgraph(s.first, s.end, m), machine, dict(s.operators), 1,
+                      bool(plan_.stats.get("memory_choices")), options, None if budget is None else float(budget),
+                      plan_.solver, plan_.stats.get("memory_rules"), accumulate=m)
         act = float(s.memory["activations_bytes"]) / s.in_flight if s.in_flight else 0.0
         cost = StageCost(s.forward, s.backward, float(s.memory["weights_bytes"]), act, sp, weight_grad=s.weight_grad)
         stages.append(Stage(s.first, s.end, s.offset, s.devices, cost, s.in_flight))

@@ -115,3 +115,23 @@ def test_an_offload_an_operator_cannot_make_is_one_error():
         plan_with_choices(dp, offload={"nope": ("activations",)})
     with pytest.raises(ShardplanError, match="not one of"):
         plan_with_choices(dp, offload={"L1/q": ("disk",)})
+
+
+def test_a_pipelined_recipe_with_fp8_and_offload_rebuilds_its_stages_choices():
+    """A pipeline's stages (here a recipe's: FP8, master weights, optimizer and activation offload, ZeRO-1) are
+    rebuilt with their memory choices, each micro-batch one step of m: the plan made again from the rebuilt
+    pipeline has every stage's operator choices, seconds included."""
+    from shardplan.planner import from_pipeline, pipeline_of
+
+    def build(batch: int):
+        return get_model("gpt", batch, layers=4)
+
+    p = cost_recipe("gpt", preset("h100", 16), "tp=2,pp=2,dp=4,zero=1,precision=fp8,offload=optimizer+activations",
+                    sizes={"layers": 4}, batch=16)
+    assert p.num_stages == 2 and all(any(c.fp8 for c in s.operators.values()) for s in p.stages)
+    assert all(any(c.offload for c in s.operators.values()) for s in p.stages)
+    q = Plan.from_json(p.to_json())
+    again = from_pipeline(pipeline_of(q, build))
+    assert again.step_time == p.step_time
+    for s, t in zip(p.stages, again.stages):
+        assert dict(t.operators) == dict(s.operators)
