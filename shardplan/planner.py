@@ -111,12 +111,14 @@ def from_spmd(sp: Any, *, model: str | None = None, batch: int | None = None,
 def memory_rules(mc: Any) -> dict[str, Any]:
     """What, beside each operator's choices, a plan's memory choices (:class:`shardplan.fit.MemoryChoices`) were
     costed with, so :func:`spmd_of` rebuilds the same step time and memory: the precision rules, the
-    backward-peak model, the reserved bytes, the host budget per device, and the FP8 and offload parts offered
-    (the breakdown and memory list them, zero where no operator took them)."""
+    backward-peak model, the reserved bytes, the host budget per device (None: none, as JSON writes infinity),
+    and the FP8 and offload parts offered (the breakdown and memory list them, zero where no operator took
+    them)."""
     r = mc.rules
     return {"master_weights": r.master_weights, "zero3_regather": r.zero3_regather,
             "zero3_grad_allreduce": r.zero3_grad_allreduce, "backward_peak": bool(mc.backward),
-            "reserve_bytes": float(mc.reserve_bytes), "host_budget_bytes": float(mc.host_budget_bytes),
+            "reserve_bytes": float(mc.reserve_bytes),
+            "host_budget_bytes": float(mc.host_budget_bytes) if math.isfinite(mc.host_budget_bytes) else None,
             "fp8_offered": r.fp8, "offload_offered": list(r.offload)}
 
 

@@ -135,3 +135,12 @@ def test_a_pipelined_recipe_with_fp8_and_offload_rebuilds_its_stages_choices():
     assert again.step_time == p.step_time
     for s, t in zip(p.stages, again.stages):
         assert dict(t.operators) == dict(s.operators)
+
+
+def test_a_plan_on_a_machine_without_host_memory_equals_itself_loaded():
+    """No host memory: no host budget, recorded as None (JSON has no infinity), so the loaded plan is equal."""
+    m = preset("paper", 4)
+    p = plan("gpt", m, sizes={"layers": 1}, batch=8, stages=False, budget=1e10)
+    assert p.stats["memory_rules"]["host_budget_bytes"] is None
+    assert Plan.from_json(p.to_json()) == p
+    assert_rebuilt(p)
