@@ -135,9 +135,10 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
 
     pp = result.plan
     groups = pp.num_stages // pp.chunks
-    stages = []
+    stages, plans = [], []
     for j, s in enumerate(pp.stages):
-        ops = choices_of(stage_plan(result, j))
+        plans.append(stage_plan(result, j))
+        ops = choices_of(plans[-1])
         mem = {"peak_bytes": s.memory, "weights_bytes": s.cost.weight_bytes,
                "activations_bytes": s.in_flight * s.cost.activation_bytes}
         stages.append(StagePlan(j, s.first, s.end, s.offset, s.devices, ops, s.cost.forward, s.cost.backward,
@@ -153,7 +154,7 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
     st = {"solve_seconds": result.seconds, "groups": groups, **pp.stats, "links": list(pp.links),
           "back_links": None if pp.back_links is None else list(pp.back_links),
           "memory_choices": any(getattr(s.cost.detail, "memory_choices", None) is not None for s in pp.stages),
-          **_stage_rules(pp),
+          **_stage_rules(plans),
           "table_options": {k: v for k, v in result.stages.solve_options.items() if k in TABLE_OPTIONS},
           **(stats or {})}
     return Plan(model or result.stages.graph(1)[0].name, result.machine, tuple(stages), pp.micro_batches,
@@ -161,14 +162,14 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
                 result.stages.batch, detail=result)
 
 
-def _stage_rules(pp: Any) -> dict[str, Any]:
-    """``{"memory_rules": ...}`` of a pipeline's first stage with memory choices (every stage is costed under the
-    same rules), or nothing."""
-    for s in pp.stages:
-        mc = getattr(s.cost.detail, "memory_choices", None)
-        if mc is not None:
-            return {"memory_rules": memory_rules(mc)}
-    return {}
+def _stage_rules(plans: Sequence[Any]) -> dict[str, Any]:
+    """Of a pipeline's stage plans: those that carry memory choices (``memory_choice_stages``; the others are
+    time-optimal stage plans, costed without them) and the rules of the first (``memory_rules``: every stage is
+    costed under the same rules); nothing when none does."""
+    which = [j for j, sp in enumerate(plans) if getattr(sp, "memory_choices", None) is not None]
+    if not which:
+        return {}
+    return {"memory_choice_stages": which, "memory_rules": memory_rules(plans[which[0]].memory_choices)}
 
 
 def group_memory(pp: Any) -> dict[str, float]:
@@ -497,9 +498,8 @@ def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice],
     tables = replace(build_tables(graph, replace(machine, memory_bytes=None), **options), machine=machine)
     sp = plan_from_configs(tables, {n: choices[n].layout for n in names}, name=name)
     if memory_choices:
-        from shardplan.fit import plan_with_choices
-
         from shardplan.cost.memory import ChoiceRules
+        from shardplan.fit import plan_with_choices
 
         r = dict(rules or {})
         host = r.get("host_budget_bytes")
@@ -558,11 +558,12 @@ def pipeline_of(plan_: Plan, build: Callable[[int], Graph]) -> Any:
     m = plan_.micro_batches
     budget = plan_.memory.get("budget_bytes")
     stages = []
-    for s in plan_.stages:
+    with_choices = set(plan_.stats.get("memory_choice_stages") or ())
+    for j, s in enumerate(plan_.stages):
         machine = replace(plan_.machine, num_devices=s.devices)
         # the stage's layouts and memory choices (each micro-batch one step of m); its times and bytes are the plan's
         sp = _rebuild(model.subgraph(s.first, s.end, m), machine, dict(s.operators), 1,
-                      bool(plan_.stats.get("memory_choices")), options, None if budget is None else float(budget),
+                      j in with_choices, options, None if budget is None else float(budget),
                       plan_.solver, plan_.stats.get("memory_rules"), accumulate=m)
         act = float(s.memory["activations_bytes"]) / s.in_flight if s.in_flight else 0.0
         cost = StageCost(s.forward, s.backward, float(s.memory["weights_bytes"]), act, sp, weight_grad=s.weight_grad)

@@ -144,3 +144,22 @@ def test_a_plan_on_a_machine_without_host_memory_equals_itself_loaded():
     assert p.stats["memory_rules"]["host_budget_bytes"] is None
     assert Plan.from_json(p.to_json()) == p
     assert_rebuilt(p)
+
+
+def test_a_searched_pipeline_rebuilds_only_the_stages_that_took_memory_choices():
+    """The pipeline search gives memory choices to a stage only where its time-optimal plan does not fit: the
+    plan records which stages, and the rebuilt pipeline gives each stage back exactly its own choices."""
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.planner import from_pipeline, pipeline_of
+
+    def build(batch: int):
+        return get_model("gpt", batch, layers=4)
+
+    p = from_pipeline(pipeline_solve(build, 32, preset("a100", 16), micro_batches=(4,), sizes=(8,),
+                                     memory_choices=True, cutoff=1, budget=2e9))
+    which = p.stats.get("memory_choice_stages", [])
+    assert p.num_stages == 2 and which == [0]  # the first stage (embedding, two blocks) needs them, not the second
+    again = from_pipeline(pipeline_of(Plan.from_json(p.to_json()), build))
+    assert again.stats.get("memory_choice_stages", []) == which
+    for s, t in zip(p.stages, again.stages):
+        assert dict(t.operators) == dict(s.operators)
