@@ -142,7 +142,7 @@ class MemoryChoices:
     choices: tuple[int, ...]
     backward: bool = False  # the backward-peak model applies (FitOptions.backward_peak), else the additive
     host_budget_bytes: float = float("inf")
-    rules: ChoiceRules = field(default_factory=ChoiceRules)  # the precision rules the tables were built with, and what they offer
+    rules: ChoiceRules = field(default_factory=ChoiceRules)  # precision rules of the tables, and what they offer
 
     def stage(self, i: int) -> int:
         return int(self.choice_tables[i].stage[self.choices[i]])
