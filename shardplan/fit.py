@@ -23,8 +23,8 @@ docstring below refers to "the module docstring", it means that document.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -142,6 +142,7 @@ class MemoryChoices:
     choices: tuple[int, ...]
     backward: bool = False  # the backward-peak model applies (FitOptions.backward_peak), else the additive
     host_budget_bytes: float = float("inf")
+    rules: ChoiceRules = field(default_factory=ChoiceRules)  # precision rules of the tables, and what they offer
 
     def stage(self, i: int) -> int:
         return int(self.choice_tables[i].stage[self.choices[i]])
@@ -615,7 +616,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
              "grad_buffers": options.grad_buffers, "interrupted": interrupted,
              "status": "optimal" if optimal else "stopped: see per_micro_batches"}
     choices = MemoryChoices(m, float(budget), options.reserve_bytes, cts, sol.assignment,
-                            backward=options.backward_peak(m), host_budget_bytes=host_budget)
+                            backward=options.backward_peak(m), host_budget_bytes=host_budget, rules=options.rules)
     base = tuple(int(t.base[j]) for t, j in zip(cts, sol.assignment))
     final = Solution(cost=sol.cost, assignment=base, solve_seconds=time.perf_counter() - t1,
                      solver=("peak-bb" if options.backward_peak(m) else
@@ -709,8 +710,9 @@ def _peak_root(pp: PeakProblem, totals: dict, dp_options: dict) -> tuple[float, 
 def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | Sequence[str] = False,
                       micro_batches: int = 1, budget: float | None = None, name: str | None = None,
                       grad_buffers: str = "persistent", accumulate: int = 1, fp8: bool | Sequence[str] = False,
-                      offload: Sequence[str] = (), master_weights: bool = False, zero3_regather: bool = False,
-                      zero3_grad_allreduce: bool = False):
+                      offload: Sequence[str] | Mapping[str, Sequence[str]] = (), master_weights: bool = False,
+                      zero3_regather: bool = False, zero3_grad_allreduce: bool = False, reserve_bytes: float = 0.0,
+                      host_budget_bytes: float | None = None, offer: ChoiceRules | None = None):
     """``plan``'s layouts with the memory-saving choices given by hand (a fit plan the search did not choose).
 
     ``stage``: one ZeRO stage for every operator with trainable weights, or
@@ -728,12 +730,17 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     machine without an FP8 peak stay in the machine's precision), or the names of the operators that
     run FP8. ``offload``: parts of :data:`~shardplan.cost.memory.OFFLOADS` every operator offloads where
     it can (the optimizer state at ZeRO stages 1-3, the parameters at stage 3 with the optimizer state,
-    the activations of operators that do not recompute). ``master_weights``: the mixed-precision state
+    the activations of operators that do not recompute), or operator name -> the parts that operator
+    offloads, exactly (others none; what a saved plan records). ``master_weights``: the mixed-precision state
     rule (:class:`~shardplan.cost.memory.ChoiceRules`). ``zero3_regather``, ``zero3_grad_allreduce``: how a
     ZeRO-3 runtime gathers and reduces (the rules of the same names, e.g. DeepSpeed v0.3's).
+    ``reserve_bytes``, ``host_budget_bytes``: as :class:`FitOptions`. ``offer``: FP8 and offload parts the
+    choice tables offer beyond those taken (a search's own, so the plan's breakdown and memory list the same
+    parts, zero where not taken); it changes no choice.
 
     Raises:
-        ShardplanError: an unknown stage or operator name, or a bad micro-batch count.
+        ShardplanError: an unknown stage or operator name, a bad micro-batch count, or an offload by operator
+            that the operator cannot make with its other choices.
     """
     from shardplan.spmd import SpmdPlan
 
@@ -743,10 +750,16 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     stages = {n: int(stage) for n in names} if isinstance(stage, int) else {n: 0 for n in names} | dict(stage)
     recs = set(names) if recompute is True else set() if recompute is False else set(recompute)
     fp8_names = set(names) if fp8 is True else set() if fp8 is False else set(fp8)
-    rules = ChoiceRules(bool(fp8_names), tuple(offload), bool(master_weights), bool(zero3_regather),
-                        bool(zero3_grad_allreduce))
-    want_off = sum(OFFLOAD_BITS[x] for x in rules.offload)
-    unknown = sorted((set(stages) | recs | fp8_names) - set(names))
+    exact: dict[str, int] | None = None  # per operator, the offload mask it must take (None: the most it can)
+    if isinstance(offload, Mapping):
+        exact = {n: sum(OFFLOAD_BITS[x] for x in ChoiceRules(offload=tuple(parts)).offload)
+                 for n, parts in offload.items()}
+        offload = tuple(x for parts in offload.values() for x in parts)
+    want_off = sum(OFFLOAD_BITS[x] for x in ChoiceRules(offload=tuple(offload)).offload)
+    offer = ChoiceRules() if offer is None else offer
+    rules = ChoiceRules(bool(fp8_names) or offer.fp8, tuple(offload) + offer.offload, bool(master_weights),
+                        bool(zero3_regather), bool(zero3_grad_allreduce))
+    unknown = sorted((set(stages) | recs | fp8_names | set(exact or ())) - set(names))
     recs |= g.recomputed
     if unknown:
         raise ShardplanError(f"plan has no operator {unknown[0]!r}")
@@ -776,12 +789,21 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
             mine &= ct.stage == stages[op.name]
         if np.any(mine & (ct.fp8 == (op.name in fp8_names))):  # not a matrix product: its own precision
             mine &= ct.fp8 == (op.name in fp8_names)
-        mine &= (ct.offload & ~want_off) == 0  # of the parts asked for, the most this operator can offload
+        if exact is None:
+            mine &= (ct.offload & ~want_off) == 0  # of the parts asked for, the most this operator can offload
+        else:
+            mine &= ct.offload == exact.get(op.name, 0)
+            if not np.any(mine):
+                raise ShardplanError(f"operator {op.name!r} cannot offload "
+                                     f"{' and '.join(offload_names(exact[op.name]))} with its other choices "
+                                     f"(ZeRO stage {stages[op.name]}, recompute {op.name in recs}) on this machine")
         j = np.flatnonzero(mine)
         j = j[np.argmax([bin(int(x)).count("1") for x in ct.offload[j]])]
         cts.append(ct)
         choices.append(int(j))
     budget = float(budget if budget is not None else (tables.machine.memory_bytes or np.inf))
-    mc = MemoryChoices(m, budget, 0.0, tuple(cts), tuple(choices), backward=backward,
-                       host_budget_bytes=FitOptions().host_budget(tables.machine))
+    reserve = real("plan_with_choices: reserve_bytes", reserve_bytes, minimum=0.0, unit="B")
+    host = FitOptions(host_budget_bytes=host_budget_bytes).host_budget(tables.machine)
+    mc = MemoryChoices(m, budget, reserve, tuple(cts), tuple(choices), backward=backward, host_budget_bytes=host,
+                       rules=rules)
     return SpmdPlan(tables, plan.assignment, None, name or f"{plan.name}+memory", plan.build_seconds, memory_choices=mc)

@@ -95,6 +95,8 @@ def from_spmd(sp: Any, *, model: str | None = None, batch: int | None = None,
         lower = float(sol.bound) if sol.bound is not None else (sp.cost if sol.optimal else None)
     st: dict[str, Any] = {"solve_seconds": sp.solve_seconds, "build_seconds": sp.build_seconds,
                           "memory_choices": mc is not None, "table_options": table_options(sp.tables)}
+    if mc is not None:
+        st["memory_rules"] = memory_rules(mc)
     if sp.tables.options.get("overlap_tp"):
         from shardplan.cost import overlap_hidden
 
@@ -104,6 +106,20 @@ def from_spmd(sp: Any, *, model: str | None = None, batch: int | None = None,
     st.update(stats or {})
     return Plan(model or g.name, sp.machine, (stage,), m, NO_PIPELINE, sp.cost, sp.breakdown, mem, lower,
                 sp.name, st, 1, batch, detail=sp)
+
+
+def memory_rules(mc: Any) -> dict[str, Any]:
+    """What, beside each operator's choices, a plan's memory choices (:class:`shardplan.fit.MemoryChoices`) were
+    costed with, so :func:`spmd_of` rebuilds the same step time and memory: the precision rules, the
+    backward-peak model, the reserved bytes, the host budget per device (None: none, as JSON writes infinity),
+    and the FP8 and offload parts offered (the breakdown and memory list them, zero where no operator took
+    them)."""
+    r = mc.rules
+    return {"master_weights": r.master_weights, "zero3_regather": r.zero3_regather,
+            "zero3_grad_allreduce": r.zero3_grad_allreduce, "backward_peak": bool(mc.backward),
+            "reserve_bytes": float(mc.reserve_bytes),
+            "host_budget_bytes": float(mc.host_budget_bytes) if math.isfinite(mc.host_budget_bytes) else None,
+            "fp8_offered": r.fp8, "offload_offered": list(r.offload)}
 
 
 def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any] | None = None) -> Plan:
@@ -119,9 +135,10 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
 
     pp = result.plan
     groups = pp.num_stages // pp.chunks
-    stages = []
+    stages, plans = [], []
     for j, s in enumerate(pp.stages):
-        ops = choices_of(stage_plan(result, j))
+        plans.append(stage_plan(result, j))
+        ops = choices_of(plans[-1])
         mem = {"peak_bytes": s.memory, "weights_bytes": s.cost.weight_bytes,
                "activations_bytes": s.in_flight * s.cost.activation_bytes}
         stages.append(StagePlan(j, s.first, s.end, s.offset, s.devices, ops, s.cost.forward, s.cost.backward,
@@ -137,11 +154,22 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
     st = {"solve_seconds": result.seconds, "groups": groups, **pp.stats, "links": list(pp.links),
           "back_links": None if pp.back_links is None else list(pp.back_links),
           "memory_choices": any(getattr(s.cost.detail, "memory_choices", None) is not None for s in pp.stages),
+          **_stage_rules(plans),
           "table_options": {k: v for k, v in result.stages.solve_options.items() if k in TABLE_OPTIONS},
           **(stats or {})}
     return Plan(model or result.stages.graph(1)[0].name, result.machine, tuple(stages), pp.micro_batches,
                 pp.schedule, pp.step_time, breakdown, memory, pp.lower_bound, "pipeline", st, pp.chunks,
                 result.stages.batch, detail=result)
+
+
+def _stage_rules(plans: Sequence[Any]) -> dict[str, Any]:
+    """Of a pipeline's stage plans: those that carry memory choices (``memory_choice_stages``; the others are
+    time-optimal stage plans, costed without them) and the rules of the first (``memory_rules``: every stage is
+    costed under the same rules); nothing when none does."""
+    which = [j for j, sp in enumerate(plans) if getattr(sp, "memory_choices", None) is not None]
+    if not which:
+        return {}
+    return {"memory_choice_stages": which, "memory_rules": memory_rules(plans[which[0]].memory_choices)}
 
 
 def group_memory(pp: Any) -> dict[str, float]:
@@ -448,8 +476,12 @@ def _one_micro_batch_bound(sp: Any) -> float | None:
 
 
 def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice], micro_batches: int,
-             memory_choices: bool, options: dict[str, Any], budget: float | None, name: str) -> Any:
-    """The tables-backed plan of ``graph`` on ``machine`` with the given per-operator choices."""
+             memory_choices: bool, options: dict[str, Any], budget: float | None, name: str,
+             rules: dict[str, Any] | None = None, accumulate: int = 1) -> Any:
+    """The tables-backed plan of ``graph`` on ``machine`` with the given per-operator choices: layouts, and with
+    ``memory_choices`` each operator's ZeRO stage, recomputation, FP8 and offload under the recorded ``rules``
+    (:func:`memory_rules`; a plan written before they were recorded: the defaults); ``accumulate``: the graph is
+    one micro-batch of a step of that many (a pipeline stage, :func:`shardplan.fit.plan_with_choices`)."""
     from dataclasses import replace
 
     from shardplan.cost import build_tables
@@ -466,11 +498,23 @@ def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice],
     tables = replace(build_tables(graph, replace(machine, memory_bytes=None), **options), machine=machine)
     sp = plan_from_configs(tables, {n: choices[n].layout for n in names}, name=name)
     if memory_choices:
+        from shardplan.cost.memory import ChoiceRules
         from shardplan.fit import plan_with_choices
 
+        r = dict(rules or {})
+        host = r.get("host_budget_bytes")
+        offer = ChoiceRules(bool(r.get("fp8_offered", False)), tuple(r.get("offload_offered") or ()))
         sp = plan_with_choices(sp, stage={n: choices[n].state_stage for n in names},
                                recompute=[n for n in names if choices[n].recompute], micro_batches=micro_batches,
-                               budget=budget, name=name)
+                               budget=budget, name=name, fp8=[n for n in names if choices[n].fp8],
+                               offload={n: choices[n].offload for n in names if choices[n].offload},
+                               master_weights=bool(r.get("master_weights", False)),
+                               zero3_regather=bool(r.get("zero3_regather", False)),
+                               zero3_grad_allreduce=bool(r.get("zero3_grad_allreduce", False)),
+                               grad_buffers="backward" if r.get("backward_peak") else "persistent",
+                               reserve_bytes=float(r.get("reserve_bytes") or 0.0),
+                               host_budget_bytes=None if host is None or not math.isfinite(host) else float(host),
+                               offer=offer, accumulate=accumulate)
     return sp
 
 
@@ -486,7 +530,7 @@ def spmd_of(plan_: Plan, graph: Graph) -> Any:
     budget = plan_.memory.get("budget_bytes")
     sp = _rebuild(graph, plan_.machine, dict(plan_.stages[0].operators), plan_.micro_batches,
                   bool(plan_.stats.get("memory_choices")), dict(plan_.stats.get("table_options") or {}),
-                  None if budget is None else float(budget), plan_.solver)
+                  None if budget is None else float(budget), plan_.solver, plan_.stats.get("memory_rules"))
     if abs(sp.cost - plan_.step_time) > 1e-6 * max(abs(plan_.step_time), 1e-30):
         raise ShardplanError(f"the plan predicts {plan_.step_time:.6g} s per step but its choices cost "
                              f"{sp.cost:.6g} s on this program: it was planned for another program or machine")
@@ -514,11 +558,13 @@ def pipeline_of(plan_: Plan, build: Callable[[int], Graph]) -> Any:
     m = plan_.micro_batches
     budget = plan_.memory.get("budget_bytes")
     stages = []
-    for s in plan_.stages:
+    with_choices = set(plan_.stats.get("memory_choice_stages") or ())
+    for j, s in enumerate(plan_.stages):
         machine = replace(plan_.machine, num_devices=s.devices)
-        # the engines run a stage's layouts; its times and bytes are the plan's own
-        sp = _rebuild(model.subgraph(s.first, s.end, m), machine, dict(s.operators), m, False, options,
-                      None, plan_.solver)
+        # the stage's layouts and memory choices (each micro-batch one step of m); its times and bytes are the plan's
+        sp = _rebuild(model.subgraph(s.first, s.end, m), machine, dict(s.operators), 1,
+                      j in with_choices, options, None if budget is None else float(budget),
+                      plan_.solver, plan_.stats.get("memory_rules"), accumulate=m)
         act = float(s.memory["activations_bytes"]) / s.in_flight if s.in_flight else 0.0
         cost = StageCost(s.forward, s.backward, float(s.memory["weights_bytes"]), act, sp, weight_grad=s.weight_grad)
         stages.append(Stage(s.first, s.end, s.offset, s.devices, cost, s.in_flight))

@@ -201,3 +201,29 @@ def test_fp8_with_micro_batches_scales_each_micro_batch_by_its_own_amax(mlp):
     assert_equal(got, jax.jit(jax.value_and_grad(micro_mean))(params, batch))
     whole = float(jax.jit(reference_fn(fp, info))(params, batch))
     assert abs(float(got[0]) - whole) > 1e-4 * abs(whole)
+
+
+def test_a_loaded_plan_runs_its_fp8_products_and_offload():
+    """``sj.plan``'s answer written to JSON and loaded again: ``sj.apply`` rebuilds it with its FP8 products and
+    activation offload (same step time and memory), and the step equals the unsharded FP8 program."""
+    import shardplan.jax as sj
+    from shardplan.fit import FitOptions
+    from shardplan.result import Plan
+
+    machine = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy-fp8-host", fp8_flops=64e9, hbm_bandwidth=1e11,
+                      host_bandwidth=4e9, host_memory_bytes=1e10, cpu_adam_rate=1e9, memory_bytes=1e9)
+    params, batch = model()
+    p = sj.plan(loss_fn, params, batch, DEVICES, machine=machine, stages=False,
+                fit_options=FitOptions(micro_batches=(1,), fp8=True, offload=("activations",)))
+    assert any(c.fp8 for c in p.operators.values()) and any(c.offload for c in p.operators.values())
+    q = Plan.from_json(p.to_json())
+    run = sj.apply(q, loss_fn, params, batch, DEVICES)
+    assert run.plan is not p.spmd and run.plan.cost == pytest.approx(p.step_time, rel=1e-12)
+    assert run.plan.memory["peak_bytes"] == pytest.approx(p.memory["peak_bytes"], rel=1e-12)
+    mc = run.plan.memory_choices
+    names = [op.name for op in run.plan.graph.operators]
+    assert {n for i, n in enumerate(names) if mc.fp8(i)} == {n for n, c in p.operators.items() if c.fp8}
+    assert {n: mc.offload(i) for i, n in enumerate(names) if mc.offload(i)} == \
+        {n: c.offload for n, c in p.operators.items() if c.offload}
+    assert run.fit is not None and run.fit.offloads
+    assert_equal(run.step(params, batch), jax.jit(jax.value_and_grad(reference_fn(run.plan, run.info)))(params, batch))

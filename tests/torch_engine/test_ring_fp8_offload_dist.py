@@ -19,7 +19,9 @@ against one process.
 * ``offload``: the same MLP with every operator's saved activations in host memory, and the optimizer
   step on host copies; and with the sequence split and the linears' parameters at ZeRO-3 (gathered again
   in the backward pass, not offloaded) (``pm.optimizer``: a :class:`~shardplan.torch.precision.HostOptimizer`,
-  Adam): loss, gradients and the updated parameters equal one process's.
+  Adam): loss, gradients and the updated parameters equal one process's;
+* ``loaded_plan``: the MLP's plan with FP8 products and activation offload written to JSON, loaded and run by
+  ``st.apply``: equal to the unsharded FP8 program.
 """
 
 from __future__ import annotations
@@ -272,6 +274,40 @@ def _mlp_run(world: int, fp8: bool, offload: bool, zero3: bool = False) -> dict[
     return out
 
 
+def _loaded_plan(world: int) -> dict[str, Any]:
+    """The tensor-parallel MLP's plan with FP8 products and activation offload, written to JSON and loaded
+    again, run by ``st.apply``: against the unsharded FP8 program."""
+    from dataclasses import replace
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardplan.torch as st
+    from shardplan.cost import build_tables
+    from shardplan.fit import plan_with_choices
+    from shardplan.planner import from_spmd
+    from shardplan.result import Plan
+    from shardplan.spmd import plan_from_configs
+    from shardplan.torch.frontend import trace
+
+    torch.manual_seed(0)
+    model, batch = MLP(), (torch.randn(B, S, D), torch.randn(B, S, D))
+    ref = torch_cases._clone(model)
+    ref.fp8 = True
+    loss0 = ref(*batch)
+    loss0.backward()
+    graph, _ = trace(torch_cases._clone(model), batch)
+    machine = replace(torch_cases.toy_machine(world), fp8_flops=64e9, host_bandwidth=8e9, host_memory_bytes=1e10)
+    tables = build_tables(graph, machine, cutoff=1)
+    fit = plan_with_choices(plan_from_configs(tables, _layouts(graph, world)), fp8=True, offload=("activations",))
+    loaded = Plan.from_json(from_spmd(fit).to_json())
+    mesh = init_device_mesh("cpu", (world,))
+    pm = st.apply(loaded, torch_cases._clone(model), batch, mesh)
+    loss = pm(*batch)
+    loss.backward()
+    return {**_compare(loss.detach(), loss0.detach(), pm, ref), "offloaded_bytes": pm.host.saved_bytes,
+            "fp8": sorted(pm.choices.fp8), "planned_fp8": sorted(n for n, c in loaded.operators.items() if c.fp8)}
+
+
 def run_all(name: str, world: int) -> dict[str, Any]:
     if name == "ring_fn":
         return _ring_fn(world)
@@ -279,13 +315,16 @@ def run_all(name: str, world: int) -> dict[str, Any]:
         return _ring_run(world)
     if name == "ring_plan":
         return _ring_plan(world)
+    if name == "loaded_plan":
+        return _loaded_plan(world)
     return _mlp_run(world, fp8=name == "fp8", offload=name.startswith("offload"), zero3=name == "offload_zero3")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_ring_fp8") / "results.json"
-    return torch_cases.run_distributed(["ring_fn", "ring_run", "ring_plan", "fp8", "offload", "offload_zero3"], WORLD, str(out),
+    return torch_cases.run_distributed(["ring_fn", "ring_run", "ring_plan", "fp8", "offload", "offload_zero3",
+                                        "loaded_plan"], WORLD, str(out),
                                        run_one=run_all)
 
 
@@ -345,3 +384,11 @@ def test_offloaded_activations_and_optimizer_state_change_nothing(results, name)
     if name == "offload_zero3":  # fc2's weight (D x FF floats), saved for its input's gradient, is regathered
         # instead of offloaded; fc1's is not saved at all (its input, the data, needs no gradient)
         assert r["offloaded_bytes_without_zero3"] - r["offloaded_bytes"] == D * FF * 4, r
+
+
+def test_a_plan_loaded_from_json_runs_its_fp8_products_and_offload(results):
+    r = results["loaded_plan"]
+    _ok(r)
+    assert r["fp8"] == r["planned_fp8"] and len(r["fp8"]) == 2, r  # both linears
+    assert r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4, r
+    assert r["offloaded_bytes"] > 0, r

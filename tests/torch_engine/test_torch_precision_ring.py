@@ -65,6 +65,11 @@ def test_run_choices_take_the_ring_fp8_and_offload_from_the_plan(traced):
     assert {n for n, c in plan.operators.items() if c.fp8} == linears
     assert {n for n, c in plan.operators.items() if "activations" in c.offload} == ch.offload
     assert run_choices(spmd_of(plan, graph)) == ch
+    # and so does the plan written to JSON and loaded again: spmd_of rebuilds it with every FP8 and offload choice
+    loaded = Plan.from_json(plan.to_json())
+    rebuilt = spmd_of(loaded, graph)
+    assert rebuilt is not fit and rebuilt.cost == pytest.approx(fit.cost, rel=1e-12)
+    assert rebuilt.memory == pytest.approx(fit.memory, rel=1e-12) and run_choices(rebuilt) == ch
     # a plan loaded from JSON keeps the ring (its tables' options travel with it)
     assert run_choices(spmd_of(Plan.from_json(from_spmd(sp).to_json()), graph)).ring
 
