@@ -108,8 +108,8 @@ def apply(plan: Any, module: Any, example_inputs: Sequence[Any], mesh: Any = Non
     ``schedule``: e.g. "gpipe" for a 1F1B plan; ``reduction``: the loss is a "mean" or a "sum").
 
     The module is traced again here and the plan's choices are checked against it: a plan made for
-    another program, batch or device count is refused. A pipeline whose stages shard state or recompute
-    is refused: the stage runner holds each stage's layouts only.
+    another program, batch or device count is refused. A pipeline whose stages shard state, recompute, run
+    FP8 products or offload is refused: the stage runner holds each stage's layouts only.
     """
     import dataclasses
 
@@ -119,8 +119,9 @@ def apply(plan: Any, module: Any, example_inputs: Sequence[Any], mesh: Any = Non
     if plan.pipelined:
         from shardplan.torch.staged import Tracer, build_pipeline, plan_layout
 
-        if any(c.state_stage or c.recompute for s in plan.stages for c in s.operators.values()):
-            raise ShardplanError("the plan's pipeline stages shard state or recompute, which the PyTorch stage "
+        if any(c.state_stage or c.recompute or c.fp8 or c.offload for s in plan.stages for c in s.operators.values()):
+            raise ShardplanError("the plan's pipeline stages shard state, recompute, run FP8 products or offload, "
+                                 "which the PyTorch stage "
                                  "runner does not hold (it runs each stage's layouts); plan with stages=False or "
                                  "fit=False")
         layout, stage_layouts = plan_layout(plan)

@@ -164,3 +164,28 @@ def test_dealing_contiguous_halves_gives_the_balanced_positions(g):
             assert deal_routes(src, g)[0][half] == (r, slot)
     got = np.stack([np.concatenate([landed[(r, 0)], landed[(r, 1)]]) for r in range(g)])
     assert np.array_equal(got, balanced_positions(g * n, g))
+
+
+def test_a_pipelined_plan_with_fp8_or_offload_is_refused():
+    """The PyTorch stage runner holds each stage's layouts only: a pipelined plan whose stages run FP8 products
+    (a recipe's pipeline may) or offload is refused before anything is traced, not run without them."""
+    import dataclasses
+
+    import shardplan.torch as st
+    from shardplan.errors import ShardplanError
+    from shardplan.machine import preset
+    from shardplan.recipe import cost_recipe
+
+    fp8 = cost_recipe("gpt", preset("h100", 8), "pp=2,tp=2,dp=2,mbs=2,fp8=true", batch=8)
+    assert fp8.pipelined and all(any(c.fp8 for c in s.operators.values()) for s in fp8.stages)
+    plain = dataclasses.replace(fp8, stages=tuple(
+        dataclasses.replace(s, operators={n: dataclasses.replace(c, fp8=False) for n, c in s.operators.items()})
+        for s in fp8.stages))
+    stage = plain.stages[0]
+    name, choice = next(iter(stage.operators.items()))
+    offload = dataclasses.replace(plain, stages=(dataclasses.replace(
+        stage, operators={**stage.operators, name: dataclasses.replace(choice, offload=("activations",))}),)
+        + plain.stages[1:])
+    for bad in (fp8, offload):
+        with pytest.raises(ShardplanError, match="FP8 products or offload"):
+            st.apply(bad, nn.Linear(2, 2), (torch.zeros(1, 2),))
