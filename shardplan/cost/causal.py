@@ -14,9 +14,10 @@ from functools import lru_cache
 
 import numpy as np
 
+from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
 
-__all__ = ["causal_fractions", "block_work"]
+__all__ = ["balanced_positions", "block_work", "causal_fractions", "device_work"]
 
 
 def _blocks(extent: int, c: int, balanced: bool) -> list[list[tuple[int, int]]]:
@@ -80,3 +81,22 @@ def causal_fractions(op: Operator, splits: np.ndarray) -> tuple[np.ndarray, np.n
         off = ring[~np.eye(cq, dtype=bool)]
         step[rows] = off.max() if len(off) else ring.max()
     return total, step
+
+
+def balanced_positions(seq: int, ways: int, balanced: bool = True) -> np.ndarray:
+    """(ways, seq / ways) int: the sequence positions device (rank) i holds, in the order it holds them. Balanced
+    (``2 ways`` dividing ``seq``): chunks i and 2 ways - 1 - i of 2 ways; else the i-th contiguous block."""
+    if seq % ways:
+        raise ShardplanError(f"a sequence of {seq} does not split {ways} ways")
+    if balanced and seq % (2 * ways) == 0:
+        h = seq // (2 * ways)
+        return np.stack([np.concatenate([np.arange(i * h, (i + 1) * h),
+                                         np.arange((2 * ways - 1 - i) * h, (2 * ways - i) * h)])
+                         for i in range(ways)])
+    return np.arange(seq).reshape(ways, seq // ways)
+
+
+def device_work(seq: int, ways: int, balanced: bool = True) -> np.ndarray:
+    """(ways,) the (query, key) pairs with key <= query that each device's ring computes on."""
+    pos = balanced_positions(seq, ways, balanced)
+    return np.asarray([(pos[i][:, None] >= np.arange(seq)[None, :]).sum() for i in range(ways)])

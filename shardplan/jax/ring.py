@@ -20,28 +20,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["balanced_positions", "device_work", "ring_attention", "ring_attention_sharded", "attention_reference"]
+from shardplan.cost.causal import balanced_positions, device_work
+
+__all__ = ["attention_reference", "balanced_positions", "device_work", "ring_attention", "ring_attention_sharded"]
 
 NEG = -1e30  # a score no softmax weight survives (finite, so that max and exp stay free of NaN)
-
-
-def balanced_positions(seq: int, ways: int, balanced: bool = True) -> np.ndarray:
-    """(ways, seq / ways) int: the sequence positions device i holds, in the order it holds them. Balanced
-    (``2 ways`` dividing ``seq``): chunks i and 2 ways - 1 - i of 2 ways; else the i-th contiguous block."""
-    if seq % ways:
-        raise ValueError(f"a sequence of {seq} does not split {ways} ways")
-    if balanced and seq % (2 * ways) == 0:
-        h = seq // (2 * ways)
-        return np.stack([np.concatenate([np.arange(i * h, (i + 1) * h), np.arange((2 * ways - 1 - i) * h,
-                                                                                  (2 * ways - i) * h)])
-                         for i in range(ways)])
-    return np.arange(seq).reshape(ways, seq // ways)
-
-
-def device_work(seq: int, ways: int, balanced: bool = True) -> np.ndarray:
-    """(ways,) the (query, key) pairs with key <= query that each device's ring computes on."""
-    pos = balanced_positions(seq, ways, balanced)
-    return np.asarray([(pos[i][:, None] >= np.arange(seq)[None, :]).sum() for i in range(ways)])
 
 
 def attention_reference(q: Any, k: Any, v: Any, causal: bool = True) -> Any:

@@ -35,31 +35,23 @@ from typing import Any
 
 import numpy as np
 
+from shardplan.cost.causal import balanced_positions, device_work
 from shardplan.errors import ShardplanError
 
-__all__ = ["balanced_positions", "device_work", "attention_reference", "ring_attention_sharded", "ring_sdpa",
-           "ring_kv_placements", "ring_applies", "SDPA", "deal", "deal_routes"]  # and RingAttention (module __getattr__)
+__all__ = [
+    "SDPA",
+    "attention_reference",
+    "balanced_positions",
+    "deal",
+    "deal_routes",
+    "device_work",
+    "ring_applies",
+    "ring_attention_sharded",
+    "ring_kv_placements",
+    "ring_sdpa",
+]  # and RingAttention (module __getattr__)
 
 NEG = -1e30  # a score no softmax weight survives (finite, so that max and exp stay free of NaN)
-
-
-def balanced_positions(seq: int, ways: int, balanced: bool = True) -> np.ndarray:
-    """(ways, seq / ways) int: the sequence positions rank i holds, in the order it holds them. Balanced
-    (``2 ways`` dividing ``seq``): chunks i and 2 ways - 1 - i of 2 ways; else the i-th contiguous block."""
-    if seq % ways:
-        raise ShardplanError(f"a sequence of {seq} does not split {ways} ways")
-    if balanced and seq % (2 * ways) == 0:
-        h = seq // (2 * ways)
-        return np.stack([np.concatenate([np.arange(i * h, (i + 1) * h),
-                                         np.arange((2 * ways - 1 - i) * h, (2 * ways - i) * h)])
-                         for i in range(ways)])
-    return np.arange(seq).reshape(ways, seq // ways)
-
-
-def device_work(seq: int, ways: int, balanced: bool = True) -> np.ndarray:
-    """(ways,) the (query, key) pairs with key <= query that each rank's ring computes on."""
-    pos = balanced_positions(seq, ways, balanced)
-    return np.asarray([(pos[i][:, None] >= np.arange(seq)[None, :]).sum() for i in range(ways)])
 
 
 def attention_reference(q: Any, k: Any, v: Any, causal: bool = True, scale: float | None = None) -> Any:

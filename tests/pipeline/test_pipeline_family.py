@@ -16,14 +16,16 @@ from shardplan.pipeline.search import (StageCost, _interleaved_family_bound, _in
                                        interleaved_chunkings, search_pipeline)
 
 
-def _instance(seed: int, U: int, p: int):
+def _instance(seed: int, U: int, p: int, eff_low: float = 0.6, with_lower: bool = False):
     """Superadditive stage costs (unit work over the sub-mesh plus a convex term in the extent) with a random
-    F / B / W split per stage, a slower memory-constrained optimum (fit_fn) and per-cut links."""
+    F / B / W split per stage, a slower memory-constrained optimum (fit_fn) and per-cut links; ``with_lower``:
+    also a per-unit lower bound below each unit's share of every stage (a random fraction of its work term)."""
     rng = random.Random(seed)
     unit_w = [rng.uniform(0.5, 2.0) for _ in range(U)]
     unit_mem = [rng.uniform(1.0, 3.0) for _ in range(U)]
     cut = [rng.uniform(0.0, 0.05) for _ in range(U + 1)]
-    eff = {q: rng.uniform(0.6, 1.0) for q in range(1, p + 1)}
+    eff = {q: rng.uniform(eff_low, 1.0) for q in range(1, p + 1)}
+    frac = [rng.uniform(0.3, 1.0) for _ in range(U)] if with_lower else []
 
     def stage_fn(a, b, q, m):
         t = sum(unit_w[a:b]) / (q * eff[q]) / m + 0.02 * (b - a) ** 2 / m
@@ -44,7 +46,10 @@ def _instance(seed: int, U: int, p: int):
     def link_fn(u, q, q2, m, inter):
         return cut[u] / m * (3.0 if inter else 1.0)
 
-    return stage_fn, fit_fn, link_fn
+    def lower(a, b, q, m):
+        return sum(frac[u] * unit_w[u] for u in range(a, b)) / (q * eff[q]) / m
+
+    return (stage_fn, fit_fn, link_fn, lower) if with_lower else (stage_fn, fit_fn, link_fn)
 
 
 def _tilings(space: PipelineSpace, n: int):

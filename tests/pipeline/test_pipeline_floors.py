@@ -15,45 +15,14 @@ from shardplan.models import get_model
 from shardplan.pipeline import ModelStages, PipelineSpace
 from shardplan.pipeline.floors import UnitFloors
 from shardplan.pipeline.progress import Progress
-from shardplan.pipeline.search import StageCost, brute_force_pipeline, search_pipeline
-
+from shardplan.pipeline.search import brute_force_pipeline, search_pipeline
 from tests.pipeline.test_pipeline_family import _brute_zb
+from tests.pipeline.test_pipeline_family import _instance as _family_instance
 
 
 def _instance(seed: int, U: int, p: int):
-    """Superadditive stage costs (unit work over the sub-mesh, a convex term in the extent) with a random F / B / W
-    split, a slower memory-constrained optimum, per-cut links, and a per-unit lower bound below each unit's
-    share of every stage (a random fraction of its work term)."""
-    rng = random.Random(seed)
-    unit_w = [rng.uniform(0.5, 2.0) for _ in range(U)]
-    unit_mem = [rng.uniform(1.0, 3.0) for _ in range(U)]
-    cut = [rng.uniform(0.0, 0.05) for _ in range(U + 1)]
-    eff = {q: rng.uniform(0.3, 1.0) for q in range(1, p + 1)}
-    frac = [rng.uniform(0.3, 1.0) for _ in range(U)]
-
-    def stage_fn(a, b, q, m):
-        t = sum(unit_w[a:b]) / (q * eff[q]) / m + 0.02 * (b - a) ** 2 / m
-        r = random.Random(hash((seed, a, b, q)))
-        f, w = r.uniform(0.1, 0.5), r.uniform(0.0, 0.5)
-        return StageCost(f * t, (1 - f) * t, sum(unit_mem[a:b]) / q, sum(unit_w[a:b]) / m / q, None, 0.0, 0.0,
-                         w * (1 - f) * t)
-
-    def fit_fn(a, b, q, m, k, budget):
-        c = stage_fn(a, b, q, m)
-        if c.memory(k) > 3 * budget:
-            return None
-        s = 1.0 + 0.3 * (c.memory(k) / budget - 1.0)
-        return dataclasses.replace(c, forward=c.forward * s, backward=c.backward * s, weight_grad=c.weight_grad * s,
-                                   weight_bytes=min(c.weight_bytes, budget / 2),
-                                   activation_bytes=min(c.activation_bytes, budget / (2 * k)))
-
-    def link_fn(u, q, q2, m, inter):
-        return cut[u] / m * (3.0 if inter else 1.0)
-
-    def lower(a, b, q, m):
-        return sum(frac[u] * unit_w[u] for u in range(a, b)) / (q * eff[q]) / m
-
-    return stage_fn, fit_fn, link_fn, lower
+    """The family tests' random instances (efficiencies from 0.3) with a per-unit lower bound."""
+    return _family_instance(seed, U, p, eff_low=0.3, with_lower=True)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -155,7 +124,6 @@ def test_stage_dp_with_floors_same_values_and_choices(seed):
     same value and the same stages as without, ties included, asking for no more stages; a floor over the
     stages' own limit ends the extent scan as the stage itself would."""
     from shardplan.pipeline.search import _BREAK, _stage_dp
-
     from tests.pipeline.test_pipeline_memo import _values
 
     U, p, m = 6, 8, [1, 2, 3, 5][seed % 4]
