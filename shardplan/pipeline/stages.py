@@ -746,7 +746,8 @@ class ModelStages:
         """The fit search (:func:`shardplan.fit.solve_fit`) on ``graph`` at q devices under ``budget`` with ``k``
         micro-batches' activations in flight and once-per-step collectives amortised over m; the fit's own
         tables (no per-layout memory filter: the fit search prunes itself). None if nothing fits; a solve
-        stopped before its proof is counted in ``fit_unproven``."""
+        stopped before its proof is counted in ``fit_unproven``; one stopped by Ctrl-C raises KeyboardInterrupt
+        (the fit search returns its best plan on Ctrl-C, which would leave the pipeline search running)."""
         from shardplan.cost import build_tables
         from shardplan.fit import FitOptions, solve_fit
 
@@ -766,6 +767,10 @@ class ModelStages:
             raise  # not "nothing fits": the caller records the refusal
         except ShardplanError:
             return None
+        if plan.solution.stats.get("interrupted"):
+            # Ctrl-C landed in this stage's search, which kept its best plan; the user stopped the whole search,
+            # so the interrupt goes on to the pipeline search (its best plan and proven bound), not this stage's
+            raise KeyboardInterrupt
         if not plan.solution.optimal:
             self.fit_unproven += 1
         return plan

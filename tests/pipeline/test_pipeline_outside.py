@@ -153,3 +153,35 @@ def test_stage_caches_released_after_each_micro_batch_count(monkeypatch):
     assert got.plan.step_time == again.plan.step_time
     assert [(s.first, s.end, s.devices) for s in got.plan.stages] == [(s.first, s.end, s.devices)
                                                                         for s in again.plan.stages]
+
+
+def test_ctrl_c_inside_a_stage_memory_search_stops_the_pipeline_search(monkeypatch):
+    """The fit search returns its best plan on Ctrl-C (marked interrupted); inside a pipeline stage that would
+    stop only that stage's solve, so the stage passes the interrupt on: one Ctrl-C stops the pipeline search."""
+    import shardplan.fit
+    from shardplan.machine import preset
+    from shardplan.models import model_spec
+    from shardplan.pipeline.stages import ModelStages
+
+    spec = model_spec("gpt")
+
+    def build(b):
+        return spec.build(b, layers=4)
+
+    budget = 2.0 * 2**30
+    machine = dataclasses.replace(preset("a100", 16), memory_bytes=budget)
+    real = shardplan.fit.solve_fit
+
+    def interrupted(*args, **kwargs):
+        got = real(*args, **kwargs)
+        got.solution.stats["interrupted"] = True  # as a Ctrl-C that landed after the solve had a plan leaves it
+        return got
+
+    def stages():
+        return ModelStages(build, spec.batch, machine, {"cutoff": spec.cutoff}, periodic=True, memory_choices=True)
+
+    U = stages().num_units
+    assert stages().fit_cost(0, U, 16, 1, 1, budget) is not None
+    monkeypatch.setattr(shardplan.fit, "solve_fit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        stages().fit_cost(0, U, 16, 1, 1, budget)
