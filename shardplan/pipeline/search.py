@@ -1336,6 +1336,7 @@ class _StagePool:
         if key not in self.plain_costs:
             self.plain_costs[key] = c = self.stage_fn(a, b, q, self.m)
             self.stats["stage_evaluations"] = self.stats.get("stage_evaluations", 0) + 1
+            self.tick()  # a stage solve on a new sub-mesh can take seconds: the progress line is due after each
             if c is not None and self.on_new is not None:
                 self.on_new(c, False)
         return self.plain_costs[key]
@@ -1360,6 +1361,7 @@ class _StagePool:
         if self.lazy:
             self.version += 1  # a stand-in replaced (an eager solve fills a cost first asked for: no change)
         self.stats["fit_evaluations"] = self.stats.get("fit_evaluations", 0) + 1
+        self.tick()
         self.fitted[key] = got
         if got is not None and self.on_new is not None:
             self.on_new(got, True)
