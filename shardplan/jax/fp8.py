@@ -99,17 +99,17 @@ def _contract(a: Any, la: Sequence[int], b: Any, lb: Sequence[int], out: Sequenc
     return jnp.transpose(y, [order.index(v) for v in out])
 
 
-def _fp8_dot(dn: Any, out_dtype: Any, x_dtype: Any, w_dtype: Any) -> Callable[[Any, Any], Any]:
-    """``dot_general(x, w, dn)`` as an FP8 product (module docstring), with its FP8 backward; the result in
-    ``out_dtype``, the operands' gradients in their dtypes."""
+def _fp8_custom(apply: Callable[[Any, Any], Any], grads: Callable[[Any, Any, Any], tuple[Any, Any]],
+                out_dtype: Any, x_dtype: Any, w_dtype: Any) -> Callable[[Any, Any], Any]:
+    """The FP8 product ``y = apply(q(x), q(w)) sx sw`` (E4M3 operands, module docstring) with the FP8 backward
+    ``dx = grads_x sg sw``, ``dw = grads_w sx sg`` from ``grads(qx, qw, qg)`` on the E5M2 output gradient ``qg``;
+    both products accumulate in float32. The result in ``out_dtype``, the operands' gradients in their dtypes."""
     import jax
-    import jax.numpy as jnp
 
     def fwd(x: Any, w: Any) -> tuple[Any, Any]:
         qx, sx = quantize(x, "e4m3")
         qw, sw = quantize(w, "e4m3")
-        y = jax.lax.dot_general(qx, qw, dn, preferred_element_type=jnp.float32) * (sx * sw)
-        return y.astype(out_dtype), (qx, sx, qw, sw)
+        return (apply(qx, qw) * (sx * sw)).astype(out_dtype), (qx, sx, qw, sw)
 
     @jax.custom_vjp
     def prod(x: Any, w: Any) -> Any:
@@ -117,20 +117,34 @@ def _fp8_dot(dn: Any, out_dtype: Any, x_dtype: Any, w_dtype: Any) -> Callable[[A
 
     def bwd(res: Any, g: Any) -> tuple[Any, Any]:
         qx, sx, qw, sw = res
-        lx, lw, lo = _labels(dn, qx.ndim, qw.ndim)
         qg, sg = quantize(g, "e5m2")
-        dx = _contract(qg, lo, qw, lw, lx) * (sg * sw)
-        dw = _contract(qx, lx, qg, lo, lw) * (sx * sg)
-        return dx.astype(x_dtype), dw.astype(w_dtype)
+        dx, dw = grads(qx, qw, qg)
+        return (dx * (sg * sw)).astype(x_dtype), (dw * (sx * sg)).astype(w_dtype)
 
     prod.defvjp(fwd, bwd)
     return prod
 
 
+def _fp8_dot(dn: Any, out_dtype: Any, x_dtype: Any, w_dtype: Any) -> Callable[[Any, Any], Any]:
+    """``dot_general(x, w, dn)`` as an FP8 product (:func:`_fp8_custom`); the backward products contract the
+    FP8 values directly (:func:`_contract`)."""
+    import jax
+    import jax.numpy as jnp
+
+    def apply(qx: Any, qw: Any) -> Any:
+        return jax.lax.dot_general(qx, qw, dn, preferred_element_type=jnp.float32)
+
+    def grads(qx: Any, qw: Any, qg: Any) -> tuple[Any, Any]:
+        lx, lw, lo = _labels(dn, qx.ndim, qw.ndim)
+        return _contract(qg, lo, qw, lw, lx), _contract(qx, lx, qg, lo, lw)
+
+    return _fp8_custom(apply, grads, out_dtype, x_dtype, w_dtype)
+
+
 def _fp8_conv(params: Mapping[str, Any], out_dtype: Any, x_dtype: Any, w_dtype: Any) -> Callable[[Any, Any], Any]:
-    """``conv_general_dilated(x, w, **params)`` as an FP8 product: E4M3 operands forward, the E5M2 output
-    gradient backward. The backward convolutions are JAX's own transposes applied to the FP8 values
-    (held in float32: a product of two FP8 values is exact in float32, so the arithmetic is the same)."""
+    """``conv_general_dilated(x, w, **params)`` as an FP8 product (:func:`_fp8_custom`). The backward
+    convolutions are JAX's own transposes applied to the FP8 values (held in float32: a product of two FP8
+    values is exact in float32, so the arithmetic is the same)."""
     import jax
     import jax.numpy as jnp
 
@@ -140,25 +154,11 @@ def _fp8_conv(params: Mapping[str, Any], out_dtype: Any, x_dtype: Any, w_dtype: 
     def conv(x: Any, w: Any) -> Any:
         return jax.lax.conv_general_dilated_p.bind(x, w, **kw)
 
-    def fwd(x: Any, w: Any) -> tuple[Any, Any]:
-        qx, sx = quantize(x, "e4m3")
-        qw, sw = quantize(w, "e4m3")
-        y = conv(qx, qw) * (sx * sw)
-        return y.astype(out_dtype), (qx, sx, qw, sw)
-
-    @jax.custom_vjp
-    def prod(x: Any, w: Any) -> Any:
-        return fwd(x, w)[0]
-
-    def bwd(res: Any, g: Any) -> tuple[Any, Any]:
-        qx, sx, qw, sw = res
-        qg, sg = quantize(g, "e5m2")
+    def grads(qx: Any, qw: Any, qg: Any) -> tuple[Any, Any]:
         _, vjp = jax.vjp(conv, qx.astype(jnp.float32), qw.astype(jnp.float32))
-        dx, dw = vjp(qg.astype(jnp.float32))
-        return (dx * (sg * sw)).astype(x_dtype), (dw * (sx * sg)).astype(w_dtype)
+        return vjp(qg.astype(jnp.float32))
 
-    prod.defvjp(fwd, bwd)
-    return prod
+    return _fp8_custom(conv, grads, out_dtype, x_dtype, w_dtype)
 
 
 def fp8_product(eqn: Any) -> Callable[[list[Any]], list[Any]]:
