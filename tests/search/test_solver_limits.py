@@ -60,9 +60,11 @@ def test_bfs_dp_on_a_vertex_with_64_neighbours_is_refused(k):
 
 def test_dp_on_a_star_of_many_one_configuration_leaves_is_fast():
     problem = star(6000, 2, 1)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     sol = SOLVERS["dp"](problem)
-    assert time.perf_counter() - t0 < 10.0  # quadratic in the degree before: about a minute here
+    # CPU seconds, not wall (other work on the machine does not count): quadratic in the degree before, about
+    # a minute here; well under a second now
+    assert time.process_time() - t0 < 10.0
     best = min(problem.evaluate((c,) + (0,) * 6000) for c in range(2))
     assert sol.optimal and sol.cost == pytest.approx(best, rel=1e-12)
 
