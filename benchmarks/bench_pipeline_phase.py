@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import signal
 import subprocess
@@ -29,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.record import write_result
 
 ROWS: dict[str, dict[str, Any]] = {
     "gpt3-p1024": {"model": "gpt3-175b", "p": 1024},
@@ -140,12 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         row["load_average_before"], row["load_average_after"] = load, os.getloadavg()
         rows.append(row)
         print(json.dumps(row), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"benchmark": "bench_pipeline_phase", "commit": commit, "host": platform.node(),
-              "cpus": os.cpu_count(), "load_average_at_start": load_at_start, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result("bench_pipeline_phase", args.out, rows, load_average_at_start=load_at_start)
     return 0
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.record import write_result
 
 ROWS: dict[str, dict[str, Any]] = {
     "gpt3-p64": {"model": "gpt3-175b", "p": 64, "limit": 150.0},
@@ -147,13 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         row["load_average_before"] = load
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "log"}), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"benchmark": "bench_scale_pipeline", "commit": commit, "host": platform.node(),
-              "cpus": os.cpu_count(), "load_average_at_start": load_at_start,
-              "load_average_at_end": os.getloadavg(), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result("bench_scale_pipeline", args.out, rows, load_average_at_start=load_at_start,
+                 load_average_at_end=os.getloadavg())
     return 0
 
 
