@@ -225,6 +225,18 @@ def _ring_plan(world: int) -> dict[str, Any]:
     return out
 
 
+def _mlp_reference(fp8: bool) -> tuple[Any, tuple[Any, Any], Any, Any]:
+    """The MLP and its batch (seed 0), and the unsharded reference (FP8 products if ``fp8``) after its backward:
+    (model, batch, reference, its loss)."""
+    torch.manual_seed(0)
+    model, batch = MLP(), (torch.randn(B, S, D), torch.randn(B, S, D))
+    ref = torch_cases._clone(model)
+    ref.fp8 = fp8
+    loss0 = ref(*batch)
+    loss0.backward()
+    return model, batch, ref, loss0
+
+
 def _mlp_run(world: int, fp8: bool, offload: bool, zero3: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -232,12 +244,7 @@ def _mlp_run(world: int, fp8: bool, offload: bool, zero3: bool = False) -> dict[
     from shardplan.torch.precision import HostOptimizer
     from shardplan.torch.run import ParallelModule, RunChoices
 
-    torch.manual_seed(0)
-    model, batch = MLP(), (torch.randn(B, S, D), torch.randn(B, S, D))
-    ref = torch_cases._clone(model)
-    ref.fp8 = fp8
-    loss0 = ref(*batch)
-    loss0.backward()
+    model, batch, ref, loss0 = _mlp_reference(fp8)
     graph, info = trace(torch_cases._clone(model), batch)
     names = frozenset(op.name for op in graph.operators)
     choices = RunChoices(fp8=frozenset(n for n in names if "linear" in n) if fp8 else frozenset(),
@@ -289,12 +296,7 @@ def _loaded_plan(world: int) -> dict[str, Any]:
     from shardplan.spmd import plan_from_configs
     from shardplan.torch.frontend import trace
 
-    torch.manual_seed(0)
-    model, batch = MLP(), (torch.randn(B, S, D), torch.randn(B, S, D))
-    ref = torch_cases._clone(model)
-    ref.fp8 = True
-    loss0 = ref(*batch)
-    loss0.backward()
+    model, batch, ref, loss0 = _mlp_reference(True)
     graph, _ = trace(torch_cases._clone(model), batch)
     machine = replace(torch_cases.toy_machine(world), fp8_flops=64e9, host_bandwidth=8e9, host_memory_bytes=1e10)
     tables = build_tables(graph, machine, cutoff=1)
