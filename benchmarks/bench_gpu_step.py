@@ -1,0 +1,164 @@
+"""Predicted against measured on one GPU: matrix products by shape, and whole training steps.
+
+The measurements are ``benchmarks/gpu_measure.py``'s JSON (default ``benchmarks/results/gpu_measure_h100.json``,
+measured on one NVIDIA H100 80GB HBM3; its ``machine`` entry says where and when). Nothing here is fitted to
+them: the machine is a profile file as given (``--machine h100`` by default, or ``--machine-file``).
+
+* ``gemm``: every timed pass of every ``nn.Linear`` layer shape (forward ``X W^T``, input gradient, weight
+  gradient) against the cost model's time for that pass: ``2 M N K / (peak * efficiency * u)`` with u the tile
+  and wave utilisation of its output (:func:`shardplan.cost.operator.gemm_utilisation`), or the bytes it
+  moves over the HBM bandwidth where that is longer (the roofline the model charges);
+* ``steps``: the same Hugging Face models as were timed (built from their configs on the meta device, traced
+  by :func:`shardplan.torch.plan` on one device of the machine, layouts only) against the measured forward +
+  backward, split by kind of work: the model's seconds of matrix-product operators, attention and everything
+  else beside the profiled CUDA kernels of each kind; the optimizer step is measured and reported but the model
+  does not charge it; the predicted peak memory beside the measured peak allocated.
+
+Run: ``PYTHONPATH=. python benchmarks/bench_gpu_step.py [--measured FILE] [--machine h100 | --machine-file F]
+[--out benchmarks/results/gpu_step.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GEMM_KINDS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "dot"})
+ATTENTION_KINDS = frozenset({"attention", "flash_attention"})
+
+
+def pass_seconds(tokens: int, n: int, k: int, machine: Any) -> dict[str, float]:
+    """The model's seconds for the three products of ``nn.Linear(k, n)`` on ``tokens`` rows, each a roofline of
+    its FLOPs at ``achievable_flops * u`` (u of its output tile grid) and its bytes (two operands, one result)."""
+    from shardplan.cost.operator import gemm_utilisation
+
+    flops = 2.0 * tokens * n * k
+    b = machine.dtype_bytes
+    out = {}
+    for name, (rows, cols), moved in (("forward", (tokens, n), tokens * k + n * k + tokens * n),
+                                      ("input_grad", (tokens, k), tokens * n + n * k + tokens * k),
+                                      ("weight_grad", (n, k), tokens * n + tokens * k + n * k)):
+        u = float(gemm_utilisation(1, rows, cols, machine))
+        t = flops / (machine.achievable_flops * u)
+        if machine.hbm_bandwidth is not None:
+            t = max(t, moved * b / machine.hbm_bandwidth)
+        out[name] = t
+    return out
+
+
+def gemm_rows(measured: dict[str, Any], machine: Any) -> list[dict[str, Any]]:
+    rows = []
+    for r in measured["gemm"]["layers"]:
+        pred = pass_seconds(r["tokens"], r["n"], r["k"], machine)
+        for p in ("forward", "input_grad", "weight_grad"):
+            rows.append({"layer": r["layer"], "pass": p, "tokens": r["tokens"], "n": r["n"], "k": r["k"],
+                         "measured_s": r[f"{p}_s"], "predicted_s": pred[p], "ratio": pred[p] / r[f"{p}_s"]})
+    return rows
+
+
+class _Loss:
+    """``model(input_ids=ids, labels=ids).loss`` as a module (what the measurement timed)."""
+
+    @staticmethod
+    def wrap(model: Any) -> Any:
+        import torch
+
+        class Loss(torch.nn.Module):
+            def __init__(self, m: Any) -> None:
+                super().__init__()
+                self.m = m
+
+            def forward(self, ids: Any) -> Any:
+                return self.m(input_ids=ids, labels=ids).loss
+        return Loss(model)
+
+
+def kind_of(op: Any) -> str:
+    if op.kind in ATTENTION_KINDS:
+        return "attention"
+    if op.kind in GEMM_KINDS:
+        return "gemm"
+    return "other"
+
+
+def predict_step(row: dict[str, Any], machine: Any) -> dict[str, Any]:
+    """The model's plan of ``row``'s model on one device: step seconds by kind of work, and peak memory."""
+    import torch
+
+    from benchmarks.gpu_measure import build_model
+    from shardplan.torch import plan
+
+    with torch.device("meta"):
+        model = build_model(row["family"], row["config"], row["seq"])
+    model = model.to_empty(device="cpu").to(torch.bfloat16)  # uninitialised: only shapes are traced
+    ids = torch.zeros((row["batch"], row["seq"]), dtype=torch.long)
+    t0 = time.process_time()
+    p = plan(_Loss.wrap(model), (ids,), machine=machine, fit=False, stages=False)
+    seconds = time.process_time() - t0
+    sp = p.spmd
+    by_kind = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for op, cost, k in zip(sp.tables.graph.operators, sp.tables.op_costs, sp.assignment):
+        by_kind[kind_of(op)] += float(cost.compute[k])
+    return {"predicted_s": p.step_time, "predicted_by_kind_s": by_kind, "predicted_peak_bytes": p.memory["peak_bytes"],
+            "predicted_weights_bytes": p.memory["weights_bytes"],
+            "predicted_activations_bytes": p.memory["activations_bytes"], "operators": len(sp.tables.graph.operators),
+            "plan_cpu_seconds": seconds}
+
+
+def step_rows(measured: dict[str, Any], machine: Any) -> list[dict[str, Any]]:
+    rows = []
+    for r in measured["steps"]:
+        if "forward_backward_s" not in r:
+            rows.append({"model": r["model"], "skipped": r.get("error", "not measured")})
+            continue
+        pred = predict_step(r, machine)
+        kernels = r.get("kernels_s", {})
+        row = {"model": r["model"], "params": r["params"], "batch": r["batch"], "seq": r["seq"],
+               "measured_forward_backward_s": r["forward_backward_s"], "measured_optimizer_s": r["optimizer_s"],
+               "ratio": pred["predicted_s"] / r["forward_backward_s"], **pred,
+               "measured_kernels_s": {k: v for k, v in kernels.items() if k != "top_kernels"},
+               "measured_peak_allocated_bytes": r.get("peak_allocated_bytes")}
+        if r.get("peak_allocated_bytes"):
+            row["memory_ratio"] = pred["predicted_peak_bytes"] / r["peak_allocated_bytes"]
+        rows.append(row)
+        print(f"{r['model']:20s} measured {r['forward_backward_s'] * 1e3:7.1f} ms  predicted "
+              f"{pred['predicted_s'] * 1e3:7.1f} ms  ratio {row['ratio']:.2f}  "
+              f"(gemm {pred['predicted_by_kind_s']['gemm'] * 1e3:.1f} / {kernels.get('gemm', 0) * 1e3:.1f} ms, "
+              f"attention {pred['predicted_by_kind_s']['attention'] * 1e3:.1f} / {kernels.get('attention', 0) * 1e3:.1f},"
+              f" other {pred['predicted_by_kind_s']['other'] * 1e3:.1f} / {kernels.get('other', 0) * 1e3:.1f})",
+              flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.record import write_result
+    from shardplan.machine import load_machine_file, preset
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--measured", default="benchmarks/results/gpu_measure_h100.json")
+    ap.add_argument("--machine", default="h100", help="machine preset (default h100)")
+    ap.add_argument("--machine-file", help="a machine file instead of the preset")
+    ap.add_argument("--out", default="benchmarks/results/gpu_step.json")
+    args = ap.parse_args(argv)
+    measured = json.loads(Path(args.measured).read_text())
+    machine = load_machine_file(args.machine_file, 1) if args.machine_file else preset(args.machine, 1)
+    gemm = gemm_rows(measured, machine)
+    ratios = [g["ratio"] for g in gemm]
+    print(f"gemm passes: {len(gemm)}, predicted / measured median {statistics.median(ratios):.2f}, "
+          f"range {min(ratios):.2f}-{max(ratios):.2f}, within 10 %: {sum(abs(x - 1) <= 0.1 for x in ratios)}")
+    steps = step_rows(measured, machine)
+    write_result("gpu_step", args.out, steps, machine=machine.name, measured_file=args.measured,
+                 measured_on=measured["machine"], gemm=gemm,
+                 gemm_summary={"passes": len(gemm), "median_ratio": statistics.median(ratios),
+                               "min_ratio": min(ratios), "max_ratio": max(ratios),
+                               "within_10_percent": sum(abs(x - 1) <= 0.1 for x in ratios)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
