@@ -33,21 +33,24 @@ ATTENTION_KINDS = frozenset({"attention", "flash_attention"})
 
 
 def pass_seconds(tokens: int, n: int, k: int, machine: Any) -> dict[str, float]:
-    """The model's seconds for the three products of ``nn.Linear(k, n)`` on ``tokens`` rows, each a roofline of
-    its FLOPs at ``achievable_flops * u`` (u of its output tile grid) and its bytes (two operands, one result)."""
-    from shardplan.cost.operator import gemm_utilisation
+    """The model's seconds for the three products of ``nn.Linear(k, n)`` on ``tokens`` rows (``ops.dense`` on one
+    device), each a roofline of its FLOPs at ``achievable_flops * u`` (u of its output tile grid and alignment:
+    :func:`shardplan.cost.operator.pass_utilisation`) and its bytes (two operands, one result)."""
+    import numpy as np
 
+    from shardplan import ops
+    from shardplan.cost.operator import pass_utilisation
+    from shardplan.ir import TensorRef
+
+    op = ops.dense("fc", TensorRef("x", (tokens, k), needs_grad=True), n)
+    u = pass_utilisation(op, np.ones((1, len(op.dims)), dtype=np.int64), machine)[:, 0]
+    grads = {t.role: float(x) for t, x in zip(op.grad_tensors, u[1:])}
     flops = 2.0 * tokens * n * k
-    b = machine.dtype_bytes
+    moved = (tokens * k + n * k + tokens * n) * machine.dtype_bytes
     out = {}
-    for name, (rows, cols), moved in (("forward", (tokens, n), tokens * k + n * k + tokens * n),
-                                      ("input_grad", (tokens, k), tokens * n + n * k + tokens * k),
-                                      ("weight_grad", (n, k), tokens * n + tokens * k + n * k)):
-        u = float(gemm_utilisation(1, rows, cols, machine))
-        t = flops / (machine.achievable_flops * u)
-        if machine.hbm_bandwidth is not None:
-            t = max(t, moved * b / machine.hbm_bandwidth)
-        out[name] = t
+    for name, ui in (("forward", float(u[0])), ("input_grad", grads["input"]), ("weight_grad", grads["weight"])):
+        t = flops / (machine.achievable_flops * ui)
+        out[name] = max(t, moved / machine.hbm_bandwidth) if machine.hbm_bandwidth is not None else t
     return out
 
 

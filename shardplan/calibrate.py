@@ -430,6 +430,9 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
     for k in ("sm_count", "gemm_tiles"):
         src[k] = (f"{said}: not measured: no tile or wave quantisation of matrix products (edit the file to add the "
                   f"device's multiprocessor count and its library's output tile)")
+    for k in ("gemm_align", "gemm_unaligned_efficiency"):
+        src[k] = (f"{said}: not measured: no penalty for product dimensions that are not multiples of the "
+                  f"library's alignment (edit the file to add one)")
     label = name or f"calibrated-{cal.engine}-{cal.device_kind}"
     machine = Machine(1, peak_flops=best.rate, bandwidth=bandwidth, latency=latency, dtype_bytes=DTYPES[cal.dtype],
                       memory_bytes=cal.memory_bytes, name=label, hbm_bandwidth=hbm,

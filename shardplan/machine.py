@@ -89,6 +89,13 @@ class Machine:
         gemm_tiles: the output tiles (rows, columns) the matrix-product library chooses among, each reaching
             ``flops_efficiency`` over a full wave (:func:`shardplan.cost.operator.gemm_utilisation`); set
             together with ``sm_count``.
+        gemm_align: elements every dimension of a matrix product (its rows, columns and contraction) must be
+            a multiple of for the library's fast kernels (16-byte aligned operands: 8 two-byte elements);
+            a product with a dimension that is not runs at ``gemm_unaligned_efficiency`` of the rate
+            (:func:`shardplan.cost.operator.pass_utilisation`). None (with ``gemm_unaligned_efficiency``): no
+            such penalty.
+        gemm_unaligned_efficiency: the rate of an unaligned product over an aligned one of the same shape
+            class; set together with ``gemm_align``.
     """
 
     num_devices: int
@@ -116,6 +123,8 @@ class Machine:
     cpu_adam_rate: float | None = None
     sm_count: int | None = None
     gemm_tiles: tuple[tuple[int, int], ...] | None = None
+    gemm_align: int | None = None
+    gemm_unaligned_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -183,6 +192,12 @@ class Machine:
                                      f"got {tiles!r}")
             put("gemm_tiles", tuple((integer("machine: gemm_tiles rows", r, minimum=1),
                                      integer("machine: gemm_tiles columns", c, minimum=1)) for r, c in tiles))
+        if (self.gemm_align is None) != (self.gemm_unaligned_efficiency is None):
+            raise ShardplanError("machine: gemm_align and gemm_unaligned_efficiency are given together (or neither)")
+        if self.gemm_align is not None:
+            put("gemm_align", integer("machine: gemm_align", self.gemm_align, minimum=1))
+            put("gemm_unaligned_efficiency", real("machine: gemm_unaligned_efficiency", self.gemm_unaligned_efficiency,
+                                                  positive=True, maximum=1.0))
 
     @property
     def p(self) -> int:
@@ -231,6 +246,12 @@ class Machine:
     def tiled(self) -> bool:
         """True when matrix products are quantised into output tiles over ``sm_count`` processors."""
         return self.sm_count is not None
+
+    @property
+    def shaped_gemms(self) -> bool:
+        """True when a matrix product's rate depends on its shape: tiles and waves (:attr:`tiled`) or alignment
+        (``gemm_align``)."""
+        return self.tiled or self.gemm_align is not None
 
     @property
     def achievable_flops(self) -> float:

@@ -18,7 +18,9 @@ configuration c (arrays over the K configurations):
   ``machine.gemm_tiles``), a pass that is a matrix product runs at
   ``efficiency * u`` instead, u its tile and wave utilisation
   (:func:`gemm_utilisation`, per pass and layout: the forward product and
-  each gradient's product have their own output shape). An operator with a fused backward
+  each gradient's product have their own output shape), times
+  ``machine.gemm_unaligned_efficiency`` where a dimension of the product is
+  not a multiple of ``machine.gemm_align`` (:func:`pass_utilisation`). An operator with a fused backward
   (:attr:`~shardplan.ir.Operator.backward_flops`: FlashAttention) is one kernel each way instead,
   :func:`shardplan.cost.fused.fused_compute`;
 * forward partial sums: with G = reduction dims (index no output axis) and
@@ -280,19 +282,34 @@ def gemm_passes(op: Operator) -> list[tuple[list[int], list[int], list[int]] | N
 
 def pass_utilisation(op: Operator, configs: np.ndarray, machine: Machine) -> np.ndarray:
     """u of every pass of ``op`` under every configuration: (passes, K), 1 where a pass is no matrix product
-    (:func:`gemm_passes`) or the machine has no multiprocessors. A device's product has the extents of its
-    tile, ``ceil(E_d / c_d)`` per dim (:func:`gemm_utilisation`)."""
+    (:func:`gemm_passes`) or the machine has neither multiprocessors nor an alignment rule. A device's product
+    has the extents of its tile, ``ceil(E_d / c_d)`` per dim (:func:`gemm_utilisation`).
+
+    On a machine with ``gemm_align`` = a, a pass whose rows, columns or contraction (each the product of its
+    dims' local extents) is not a multiple of a runs at ``gemm_unaligned_efficiency`` of its rate: u is
+    multiplied by it (an unpadded vocabulary of 50,257 makes all three products of a language-model head
+    unaligned).
+    """
     configs = np.asarray(configs, dtype=np.int64)
     specs = gemm_passes(op)
     out = np.ones((len(specs), len(configs)))
-    if not machine.tiled:
+    aligned = machine.gemm_align is not None
+    if not machine.tiled and not aligned:
         return out
     ext = np.asarray([e for _, e in op.dims], dtype=np.int64)
     local = -(-ext[None, :] // configs)  # ceil(E_d / c_d)
     for i, spec in enumerate(specs):
-        if spec is not None:
-            batch, rows, cols = (local[:, idx].prod(axis=1) for idx in spec)
+        if spec is None:
+            continue
+        batch, rows, cols = (local[:, idx].prod(axis=1) for idx in spec)
+        if machine.tiled:
             out[i] = gemm_utilisation(batch, rows, cols, machine)
+        if aligned:
+            used = set().union(*spec)
+            contraction = local[:, [d for d in range(len(ext)) if d not in used]].prod(axis=1)
+            a = int(machine.gemm_align)  # type: ignore[arg-type]
+            off = (rows % a != 0) | (cols % a != 0) | (contraction % a != 0)
+            out[i] = np.where(off, out[i] * float(machine.gemm_unaligned_efficiency), out[i])  # type: ignore[arg-type]
     return out
 
 
@@ -332,16 +349,16 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     if op.causal is not None:  # the busiest device's share of its tile under the mask (cost/ring.py)
         flops = flops * causal_fractions(op, configs)[0]
     t_pass = flops / machine.achievable_flops
-    if machine.tiled:  # each pass's product at its own tile and wave utilisation
+    if machine.shaped_gemms:  # each pass's product at its own tile, wave and alignment utilisation
         t_passes = flops[None, :] / (machine.achievable_flops * pass_utilisation(op, configs, machine))
     if machine.hbm_bandwidth is not None:
         moved = out_vol + sum(max_tile(t, core=False) for t in op.inputs + op.weights)
         t_pass = np.maximum(t_pass, moved * nbytes / machine.hbm_bandwidth)
-        if machine.tiled:
+        if machine.shaped_gemms:
             t_passes = np.maximum(t_passes, moved[None, :] * nbytes / machine.hbm_bandwidth)
     if op.backward_flops is not None:  # forward and backward each one fused kernel (cost/fused.py)
         t_pass, compute = fused_compute(op, configs, machine, max_tile)
-    elif machine.tiled:
+    elif machine.shaped_gemms:
         t_pass, compute = t_passes[0], t_passes.sum(axis=0)
     else:
         compute = passes * t_pass

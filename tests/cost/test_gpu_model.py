@@ -75,10 +75,32 @@ def test_weight_sync_overlaps_the_backward_pass():
 
 def test_gpu_presets_state_their_figures():
     h = preset("h100", 16)
-    assert h.levels == (8, 2) and h.hbm_bandwidth == 3.35e12 and h.overlap_grad
-    assert h.achievable_flops == pytest.approx(0.7 * 989e12)
+    assert h.levels == (8, 2) and h.hbm_bandwidth == 2.83e12 and h.overlap_grad  # measured on an H100
+    assert h.achievable_flops == pytest.approx(0.69 * 989e12)
+    assert (h.gemm_align, h.gemm_unaligned_efficiency) == (8, 0.2)
+    assert preset("a100", 16).gemm_align is None
     assert preset("paper", 16).hbm_bandwidth is None and not preset("paper", 16).overlap_grad
     with pytest.raises(ShardplanError, match="do not fill whole nodes of 8"):
         Machine(12, node_size=8, inter_bandwidth=1e9)
     with pytest.raises(ShardplanError, match="flops_efficiency"):
         Machine(8, flops_efficiency=1.5)
+
+
+def test_an_unaligned_product_runs_at_the_unaligned_rate():
+    """GPT-2's head: 50,257 columns are no multiple of 8, so every pass of the product is slowed; 50,304 is not."""
+    from shardplan.cost.operator import pass_utilisation
+
+    base = dict(peak_flops=1e15, bandwidth=1e11, dtype_bytes=2, hbm_bandwidth=1e15)
+    plain = Machine(1, **base)
+    slow = Machine(1, gemm_align=8, gemm_unaligned_efficiency=0.2, **base)
+    for vocab, factor in ((50257, 0.2), (50304, 1.0)):
+        op = ops.dense("head", TensorRef("x", (4096, 768), needs_grad=True), vocab)
+        assert pass_utilisation(op, np.asarray([(1, 1, 1)]), slow).ravel().tolist() == [factor] * 3
+        assert cost(op, (1, 1, 1), slow).compute[0] == pytest.approx(cost(op, (1, 1, 1), plain).compute[0] / factor)
+    # a device's tile decides: 4096 rows over 3 devices are tiles of 1366, no multiple of 8, in every pass
+    op = ops.dense("fc", TensorRef("x", (4096, 1024), needs_grad=True), 1024)
+    u = pass_utilisation(op, np.asarray([(1, 1, 1), (3, 1, 1)]), Machine(3, gemm_align=8, gemm_unaligned_efficiency=0.5,
+                                                                         **base))
+    assert u.tolist() == [[1.0, 0.5]] * 3
+    with pytest.raises(ShardplanError, match="together"):
+        Machine(1, gemm_align=8, **base)
