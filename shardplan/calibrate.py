@@ -337,8 +337,9 @@ def cuda_event_loop() -> Loop:
 def _guard(section: Callable[[], tuple[T, ...]], cleanup: Callable[[], None] = lambda: None) -> Section[T]:
     """Run one optional program; its exception becomes the section's ``error`` (kept in the file)."""
     try:
-        return Section(tuple(section()))
-    except Exception as exc:  # a failing optional section must not lose the rest of the calibration
+        rows = tuple(section())
+        return Section(rows) if rows else Section(skipped="no shapes or sizes asked for it")
+    except Exception as exc:  # noqa: BLE001 (a failing optional section must not lose the rest of the calibration)
         return Section(error=repr(exc)[:500])
     finally:
         cleanup()
@@ -505,11 +506,10 @@ def _jax_attention(sizes: Sizes, mesh: Any, normal: Callable[[tuple[int, ...]], 
                 fwd, fwd_bwd = programs(impl)
                 tf, tb = time_it(fwd, q, k, v), time_it(fwd_bwd, q, k, v, g)
                 break
-            except Exception:
+            except Exception:  # cuDNN refuses some shapes and dtypes: XLA's kernel then
                 if impl == "xla":
                     raise
         rows.append(AttentionPoint(b, h, s, d, tf.seconds, tb.seconds, f"jax.nn.dot_product_attention {impl}"))
-        del q, k, v, g
     return tuple(rows)
 
 
@@ -561,10 +561,8 @@ def _torch_compute(sizes: Sizes, dtype: str, device: Any) -> _TorchCompute:
             a, b = torch.randn((m, k), dtype=dt, device=device), torch.randn((k, n), dtype=dt, device=device)
             t = time_it(lambda a=a, b=b: a @ b)
             points.append(MatmulPoint(m, n, k, t.seconds, label, t.calls))
-            del a, b
         x = torch.randn(sizes.elementwise_bytes // DTYPES[dtype], dtype=dt, device=device)
         t_elem = time_it(lambda: x * 2).seconds
-        del x
         small = torch.zeros(max(1, sizes.collective_bytes[0] // DTYPES[dtype]), dtype=dt, device=device)
         dispatch = time_it(lambda: small * 2).seconds
     free()
@@ -596,16 +594,15 @@ def _torch_attention(sizes: Sizes, dt: Any, device: Any,
         q, k, v = (torch.randn((b, h, s, d), dtype=dt, device=device, requires_grad=True) for _ in range(3))
         g = torch.randn((b, h, s, d), dtype=dt, device=device)
 
-        def fwd() -> Any:
+        def fwd(q: Any = q, k: Any = k, v: Any = v) -> Any:
             with torch.no_grad():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        def fwd_bwd() -> Any:
+        def fwd_bwd(q: Any = q, k: Any = k, v: Any = v, g: Any = g) -> Any:
             return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), g)
         tf, tb = time_it(fwd), time_it(fwd_bwd)
         rows.append(AttentionPoint(b, h, s, d, tf.seconds, tb.seconds,
                                    "torch.nn.functional.scaled_dot_product_attention"))
-        del q, k, v, g
     return tuple(rows)
 
 
@@ -617,11 +614,10 @@ def _torch_host(sizes: Sizes, device: Any, time_it: Callable[[Callable[[], Any]]
     for nbytes in sizes.host_bytes:
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        up = time_it(lambda: dev.copy_(host, non_blocking=True))
-        down = time_it(lambda: host.copy_(dev, non_blocking=True))
+        up = time_it(lambda dev=dev, host=host: dev.copy_(host, non_blocking=True))
+        down = time_it(lambda dev=dev, host=host: host.copy_(dev, non_blocking=True))
         torch.cuda.synchronize(device)
         rows.append(HostPoint(nbytes, up.seconds, down.seconds))
-        del host, dev
     return tuple(rows)
 
 
@@ -637,7 +633,6 @@ def _torch_fp8(sizes: Sizes, device: Any, time_it: Callable[[Callable[[], Any]],
         b = torch.randn((n, k), device=device).to(torch.float8_e4m3fn).t()
         t = time_it(lambda a=a, b=b: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
         rows.append(Fp8Point(m, n, k, t.seconds))
-        del a, b
     return tuple(rows)
 
 

@@ -205,6 +205,17 @@ def test_a_failed_section_keeps_its_error_and_the_rest():
     assert prof.values["peak_flops"] == pytest.approx(8e9)
 
 
+def test_guard_keeps_the_error_and_cleans_up():
+    from shardplan.calibrate import _guard
+
+    cleaned = []
+    failed = _guard(lambda: (1 / 0,), lambda: cleaned.append(1))
+    assert failed == Section(error="ZeroDivisionError('division by zero')") and cleaned == [1]
+    assert failed.why_not == "it failed: ZeroDivisionError('division by zero')"
+    assert _guard(lambda: (3, 4)) == Section((3, 4)) and Section((3, 4)).why_not == ""
+    assert _guard(lambda: ()).why_not == "no shapes or sizes asked for it"
+
+
 def test_latency_floored_at_zero_and_one_device_says_collectives_skipped():
     fast = _cal((CollectivePoint(1024, 1e-7, 4), CollectivePoint(2**20, 1e-3, 4)))
     assert to_profile(fast).values["latency"] == 0.0  # faster than the dispatch: no negative alpha
