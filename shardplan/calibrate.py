@@ -13,7 +13,8 @@ waiting for the last result (``block_until_ready``: a device runs its programs i
 for every result, whose programs may run side by side). After a warm-up call (compilation, autotuning),
 a one-call probe t_1 and a loop of n_1 = ceil(T / t_1) calls give n = ceil(T n_1 / T_{n_1}), both within
 [1, ``max_calls``], so that a loop lasts about T = ``min_loop_seconds`` (20 ms); the time kept is the
-median over ``repeats`` loops of n calls.
+median over ``repeats`` loops of n calls. The processes of a collective take the largest n any of them
+chose, so that all make the same calls.
 
 **Constants** (rates per device):
 
@@ -902,8 +903,9 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
                       sm_count=cal.sm_count or None, gemm_tiles=GEMM_TILES if cal.sm_count else None)
     host = ", ".join(f"{k} {v}" for k, v in cal.host)
     description = (f"Measured by shardplan calibrate --engine {cal.engine} on {cal.date}: {p} x {cal.device_kind} "
-                   f"({cal.dtype}); host: {host}. Rates are per device with {together}; every time is {timed}. " + (f"Collectives: {cal.collectives_note}." if cal.collectives_note
-                                                else f"Collectives: {cal.collective_library}.")
+                   f"({cal.dtype}); host: {host}. Rates are per device with {together}; every time is {timed}. "
+                   + (f"Collectives: {cal.collectives_note}." if cal.collectives_note
+                      else f"Collectives: {cal.collective_library}.")
                    + " Causal attention is recorded under 'measurements' (no constant of the machine model).")
     return Profile.of(machine, src, (cal.device_kind,), description, measurements(cal))
 

@@ -173,7 +173,8 @@ def test_host_copies_fp8_and_attention_become_constants_and_rows():
     rows = (HostPoint(65536, 65536 / up + alpha, 65536 / down + alpha / 2), HostPoint(2**30, 2**30 / up, 2**30 / down))
     assert host_link(rows) == (pytest.approx(down), pytest.approx(alpha))
     fp8 = (Fp8Point(64, 64, 64, 2 * 64**3 / 1e15), Fp8Point(128, 64, 64, 2 * 128 * 64 * 64 / 1.3e15))
-    att = (AttentionPoint(2, 4, 128, 128, 2 * 2 * 4 * 128**2 * 128 / 4e9, 3.5 * 2 * 2 * 4 * 128**2 * 128 / 2e9, "sdpa"),)
+    flops = 2 * 2 * 4 * 128**2 * 128  # 2 b h s^2 d
+    att = (AttentionPoint(2, 4, 128, 128, flops / 4e9, 3.5 * flops / 2e9, "sdpa"),)
     cal = _cal(devices=1, engine="torch", host_copies=Section(rows), fp8=Section(fp8), attention=Section(att),
                host_memory_bytes=2e12)
     prof = to_profile(cal)
