@@ -449,7 +449,7 @@ def measure_jax(devices: int | None = None, sizes: Sizes | None = None, dtype: s
     x = normal((sizes.elementwise_bytes // DTYPES[dtype],))
     t_elem = time_it(scale, x).seconds
     del x
-    attention = _guard(lambda: _jax_attention(sizes, mesh, normal, time_it, cpu))
+    attention = _guard(lambda: _jax_attention(sizes, mesh, normal, time_it, ("xla",) if cpu else ("cudnn", "xla")))
     collectives: list[CollectivePoint] = []
     dispatch = 0.0
     if p > 1:
@@ -478,9 +478,10 @@ def measure_jax(devices: int | None = None, sizes: Sizes | None = None, dtype: s
 
 
 def _jax_attention(sizes: Sizes, mesh: Any, normal: Callable[[tuple[int, ...]], Any],
-                   time_it: Callable[..., Timing], cpu: bool) -> tuple[AttentionPoint, ...]:
+                   time_it: Callable[..., Timing], impls: tuple[str, ...]) -> tuple[AttentionPoint, ...]:
     """Causal ``jax.nn.dot_product_attention`` per device (``shard_map`` over the devices' batches), forward
-    and forward + backward (``jax.vjp``); on GPUs the cuDNN kernel, else (or where cuDNN refuses) XLA's."""
+    and forward + backward (``jax.vjp``), by the first of ``impls`` that runs (GPUs: cuDNN's kernel, else
+    XLA's; a refusal is kept in the row)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
@@ -502,15 +503,18 @@ def _jax_attention(sizes: Sizes, mesh: Any, normal: Callable[[tuple[int, ...]], 
     rows = []
     for b, h, s, d in sizes.attention_shapes:
         q, k, v, g = (normal((b, s, h, d)) for _ in range(4))  # JAX's layout: batch, sequence, heads, head dim
-        for impl in (("xla",) if cpu else ("cudnn", "xla")):
+        refused = ""
+        for impl in impls:
             try:
                 fwd, fwd_bwd = programs(impl)
                 tf, tb = time_it(fwd, q, k, v), time_it(fwd_bwd, q, k, v, g)
                 break
-            except Exception:  # cuDNN refuses some shapes and dtypes: XLA's kernel then
-                if impl == "xla":
+            except Exception as exc:  # cuDNN refuses some shapes and dtypes: XLA's kernel then
+                if impl == impls[-1]:
                     raise
-        rows.append(AttentionPoint(b, h, s, d, tf.seconds, tb.seconds, f"jax.nn.dot_product_attention {impl}"))
+                refused += f" ({impl} refused: {exc!r:.200})"
+        rows.append(AttentionPoint(b, h, s, d, tf.seconds, tb.seconds,
+                                   f"jax.nn.dot_product_attention {impl}{refused}"))
     return tuple(rows)
 
 

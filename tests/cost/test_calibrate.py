@@ -217,6 +217,32 @@ def test_guard_keeps_the_error_and_cleans_up():
     assert _guard(lambda: ()).why_not == "no shapes or sizes asked for it"
 
 
+def test_jax_attention_falls_back_to_xla_and_says_why():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from shardplan.calibrate import Sizes, _guard, _jax_attention
+
+    sizes = Sizes((), 0, (), 1, attention_shapes=((1, 2, 8, 4),))
+    rng = np.random.default_rng(0)
+    calls = []
+
+    def normal(shape):
+        return jax.numpy.asarray(rng.standard_normal((1, *shape), np.float32))
+
+    def time_it(f, *xs):
+        calls.append(len(xs))
+        return amortised_seconds(lambda: f(*xs), wall_loop(jax.block_until_ready), 1, 1e-4, 2)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    (row,) = _jax_attention(sizes, mesh, normal, time_it, ("cudnn", "xla"))  # no cuDNN on a CPU
+    assert (row.batch, row.heads, row.seq, row.head_dim) == (1, 2, 8, 4) and calls[-2:] == [3, 4]  # fwd, fwd+bwd
+    assert row.implementation.startswith("jax.nn.dot_product_attention xla (cudnn refused: ")
+    assert row.forward_seconds > 0 and row.forward_backward_seconds > 0
+    failed = _guard(lambda: _jax_attention(sizes, mesh, normal, time_it, ("cudnn",)))
+    assert failed.rows == () and failed.error.startswith("RuntimeError(")
+
+
 def test_latency_floored_at_zero_and_one_device_says_collectives_skipped():
     fast = _cal((CollectivePoint(1024, 1e-7, 4), CollectivePoint(2**20, 1e-3, 4)))
     assert to_profile(fast).values["latency"] == 0.0  # faster than the dispatch: no negative alpha
