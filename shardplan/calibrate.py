@@ -579,8 +579,8 @@ def _torch_compute(sizes: Sizes, dtype: str, device: Any) -> _TorchCompute:
         host = _guard(lambda: _torch_host(sizes, device, time_it), free)
         cap = torch.cuda.get_device_capability(device)
         if cap < FP8_CAPABILITY or not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
-            fp8 = Section(skipped=f"compute capability {cap[0]}.{cap[1]} or this torch has no FP8 "
-                                            f"products (torch._scaled_mm on float8_e4m3fn, capability 8.9+)")
+            fp8 = Section(skipped=f"compute capability {cap[0]}.{cap[1]} or this torch has no FP8 products "
+                                  f"(torch._scaled_mm on float8_e4m3fn, capability 8.9+)")
         else:
             fp8 = _guard(lambda: _torch_fp8(sizes, device, time_it), free)
     timing = _timing_words(sizes, "CUDA events on the current stream" if cuda else "time.perf_counter")
