@@ -1,5 +1,6 @@
 """``shardplan calibrate``: the timing loop on a fake clock, the profile's math on known timings, the file it
-writes, and real quick runs (PyTorch in this process; JAX and gloo in subprocesses, slow)."""
+writes, and real quick runs (PyTorch in this process, its gloo group spawned; JAX on 8 devices in a
+subprocess)."""
 
 from __future__ import annotations
 
@@ -315,10 +316,8 @@ def test_calibrate_torch_quick_writes_a_file_cuda_sections_not_measured(tmp_path
     assert any(line.startswith("  attention (causal, fp32): forward ") for line in err)
 
 
-def _run(args: list[str], devices: int | None = 8) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+def _run(args: list[str], devices: int = 8) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     return subprocess.run([sys.executable, "-m", "shardplan.cli", *args], env=env, capture_output=True, text=True,
                           timeout=300, cwd=ROOT, check=False)
 
@@ -345,9 +344,10 @@ def test_calibrate_jax_quick_on_8_simulated_devices(tmp_path):
 
 @pytest.mark.slow
 def test_calibrate_torch_two_gloo_processes(tmp_path):
+    from shardplan.cli import main
+
     out = tmp_path / "gloo.json"
-    r = _run(["calibrate", "--engine", "torch", "--quick", "--devices", "2", "--out", str(out)], devices=None)
-    assert r.returncode == 0, r.stderr
+    assert main(["calibrate", "--engine", "torch", "--quick", "--devices", "2", "--out", str(out)]) == 0
     meas = _check_file(out, 2, "torch")
     assert meas["all_reduce"]["library"] == "torch.distributed.all_reduce on gloo"
     assert len(meas["all_reduce"]["sizes"]) == len(QUICK.collective_bytes)
