@@ -18,6 +18,8 @@ What it times (CUDA events; every figure is the median of timed runs after warm-
 * ``steps``: whole training steps of Hugging Face GPT-2 and Llama models built from their configs (random
   weights, bf16 parameters, fused AdamW): forward + backward and the optimizer step timed apart, peak
   memory, and the CUDA kernels of one step by kind (torch.profiler);
+* ``compiled_steps`` (not in the default list): the same steps of GPT-2 124M and Llama 3.2 1B under
+  ``torch.compile`` (the warm-up steps compile);
 * ``jax_steps`` (not in the default list: run it in a process of its own): flax.linen language models
   (``gpu_jax_models.py``), forward + backward as XLA compiles it, and XLA's memory analysis.
 
@@ -278,18 +280,28 @@ def kernel_kinds(prof: Any) -> dict[str, Any]:
     return out
 
 
-def steps_section(smoke: bool, dt: torch.dtype, dev: torch.device, reps: int) -> list[dict[str, Any]]:
+COMPILED = ("gpt2-124m", "llama3.2-1b")  # the models also timed under torch.compile (section compiled_steps)
+
+
+def steps_section(smoke: bool, dt: torch.dtype, dev: torch.device, reps: int,
+                  compiled: bool = False) -> list[dict[str, Any]]:
     rows = []
-    for name, (family, cfg, batch, seq) in (SMOKE_MODELS if smoke else STEP_MODELS).items():
+    models = SMOKE_MODELS if smoke else STEP_MODELS
+    for name, (family, cfg, batch, seq) in models.items():
+        if compiled and not smoke and name not in COMPILED:
+            continue
         row: dict[str, Any] = {"model": name, "family": family, "config": cfg, "batch": batch, "seq": seq,
-                               "dtype": str(dt).removeprefix("torch."), "attention": "sdpa", "optimizer": "AdamW fused"}
+                               "dtype": str(dt).removeprefix("torch."), "attention": "sdpa", "optimizer": "AdamW fused",
+                               "torch_compile": compiled}
         try:
             with torch.device(dev):
                 model = build_model(family, cfg, seq).to(dt)
-            row["attention_implementation"] = getattr(model.config, "_attn_implementation", None)
+            if compiled:
+                model = torch.compile(model)
+            row["attention_implementation"] = getattr(getattr(model, "config", None), "_attn_implementation", None)
             params = sum(p.numel() for p in model.parameters())
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
-            vocab = model.config.vocab_size
+            vocab = cfg.get("vocab_size", 50257)
             ids = torch.randint(0, vocab, (batch, seq), device=dev)
 
             def fwd_bwd() -> None:
@@ -431,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                 result[section] = host_section(args.smoke, dev, time_it)
             elif section == "fp8":
                 result[section] = fp8_section(args.smoke, dev, time_it)
+            elif section == "compiled_steps":
+                result[section] = steps_section(args.smoke, dt, dev, 3 if args.smoke else 10, compiled=True)
             elif section == "jax_steps":
                 result[section] = jax_steps_section(args.smoke, 3 if args.smoke else 10)
             elif section == "steps":
