@@ -1371,8 +1371,7 @@ def _describe_saved(ctx: _Ctx, ep: Any, module: Any) -> None:
     ref = sv.reference_bytes(module)
     grads = {k: v.needs_grad for k, v in ctx.env.items() if isinstance(v, Val)}
     elems = {n: max(1, math.prod(op.output.shape)) for n, op in ctx.ops.items()}
-    own = {node: ctx.ops[op].saved * elems[op] * ref for node, op in ctx.node_op.items()}
-    keeps = sv.kept_by_node(ep.graph, grads, own)
+    keeps = sv.kept_by_node(ep.graph, grads, {node: ctx.ops[op] for node, op in ctx.node_op.items()}, ref)
     params = frozenset(k for k, v in ctx.env.items() if isinstance(v, Val) and v.kind == "param")
     tiles = sv.saved_tiles(ep.graph, keeps, _value_ops(ctx).get, params, elems, ref)
     ctx.ops = {n: dataclasses.replace(op, saved=tiles[n]) for n, op in ctx.ops.items()}

@@ -123,7 +123,7 @@ def _probe(fn: Callable[..., Any], args: Any, kwargs: Mapping[str, Any], operand
 # the accelerator's kernels where the meta device decomposes differently
 # ---------------------------------------------------------------------------------------------------------------
 
-Rule = Callable[[Any, Sequence[Any], Mapping[str, bool], float], NodeKeeps]
+Rule = Callable[[Any, Sequence[Any], Mapping[str, bool], Any, int], NodeKeeps]
 
 
 def _rows(shape: Sequence[int], normalized: int) -> int:
@@ -146,7 +146,7 @@ def _grad_operands(node: Any, grads: Mapping[str, bool], positions: Sequence[int
     return tuple(dict.fromkeys(n.name for n in nodes))
 
 
-def _dropout_rule(node: Any, args: Sequence[Any], grads: Mapping[str, bool], own: float) -> NodeKeeps:
+def _dropout_rule(node: Any, args: Sequence[Any], grads: Mapping[str, bool], op: Any, ref_bytes: int) -> NodeKeeps:
     """``dropout(x, p, train)`` as CUDA runs it, ``native_dropout``: a new result and a one-byte mask per element
     kept (the CPU's ``x * noise`` keeps the noise in ``x``'s dtype instead). Inactive (``p = 0`` or eval) it is
     ``x`` itself."""
@@ -159,7 +159,7 @@ def _dropout_rule(node: Any, args: Sequence[Any], grads: Mapping[str, bool], own
     return NodeKeeps((), (), float(x.meta["val"].numel()) if grad else 0.0, (None,), _result_bytes(node))
 
 
-def _rms_norm_rule(node: Any, args: Sequence[Any], grads: Mapping[str, bool], own: float) -> NodeKeeps:
+def _rms_norm_rule(node: Any, args: Sequence[Any], grads: Mapping[str, bool], op: Any, ref_bytes: int) -> NodeKeeps:
     """``rms_norm(x, shape, w, eps)`` as CUDA runs it, ``_fused_rms_norm``: keeps ``x``, ``w`` and a float32
     rstd per normalised row."""
     kept = _grad_operands(node, grads, (0, 2))
@@ -167,30 +167,31 @@ def _rms_norm_rule(node: Any, args: Sequence[Any], grads: Mapping[str, bool], ow
     return NodeKeeps(kept, (), 4.0 * rows if kept else 0.0, (None,), _result_bytes(node))
 
 
-def _sdpa_rule(node: Any, args: Sequence[Any], grads: Mapping[str, bool], own: float) -> NodeKeeps:
+def _sdpa_rule(node: Any, args: Sequence[Any], grads: Mapping[str, bool], op: Any, ref_bytes: int) -> NodeKeeps:
     """``scaled_dot_product_attention(q, k, v, mask)`` as the fused kernels run it (FlashAttention, memory-efficient,
-    cuDNN): keeps q, k, v, the mask, and of its own what its operator states (``own`` bytes: output and
-    log-sum-exp), never the probabilities (the meta device runs the math decomposition, which keeps them). A
-    boolean mask is first made an additive one in q's dtype (``convert_boolean_attn_mask``, every backend):
-    that new tensor of the mask's shape is kept, not the mask."""
+    cuDNN): keeps q, k, v, the mask, and of its own what its operator ``op`` states (``op.saved`` output
+    tiles of ``ref_bytes``-byte elements: output and log-sum-exp), never the probabilities (the meta device
+    runs the math decomposition, which keeps them). A mask the operator describes as causal
+    (:attr:`~shardplan.ir.Operator.causal`: ``is_causal``, or a constant mask that keeps key <= query) runs
+    as ``is_causal``: nothing of it is kept. A boolean mask is first made an additive one in q's dtype
+    (``convert_boolean_attn_mask``, every backend): that new tensor of the mask's shape is kept, not the mask."""
+    import torch
+
     kept = _grad_operands(node, grads, (0, 1, 2, 3))
     res = _result_bytes(node)
     if not kept:
         return NodeKeeps((), (), 0.0, (None,), res)
+    own = float(op.saved) * math.prod(op.output.shape) * ref_bytes if op is not None else res[0]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     val = getattr(mask, "meta", {}).get("val")
-    if val is not None and val.dtype == torch_bool():
+    if isinstance(mask, torch.fx.Node) and op is not None and op.causal is not None and not grads.get(mask.name):
+        kept = tuple(n for n in kept if n != mask.name)
+    elif val is not None and val.dtype == torch.bool:
         kept = tuple(n for n in kept if n != mask.name)
         own += float(val.numel() * node.args[0].meta["val"].element_size())
     if own >= res[0]:  # the output among what it keeps: charged once, with every other keeper of it
         return NodeKeeps(kept, (0,), own - res[0], (None,), res)
     return NodeKeeps(kept, (), own, (None,), res)
-
-
-def torch_bool() -> Any:
-    import torch
-
-    return torch.bool
 
 
 DEVICE_RULES: Mapping[str, Rule] = {
@@ -213,17 +214,18 @@ def _fallback(node: Any, grads: Mapping[str, bool]) -> NodeKeeps:
     return NodeKeeps(ins, tuple(range(len(res))), 0.0, tuple(None for _ in res), res)
 
 
-def kept_by_node(graph: Any, grads: Mapping[str, bool], own: Mapping[str, float] | None = None) -> dict[str, NodeKeeps]:
+def kept_by_node(graph: Any, grads: Mapping[str, bool], ops: Mapping[str, Any] | None = None,
+                 ref_bytes: int = 4) -> dict[str, NodeKeeps]:
     """:class:`NodeKeeps` of every ``call_function`` node of the FX ``graph`` that reads a node.
 
     ``grads``: node name -> whether its value needs a gradient (parameters that train, values computed from
-    them); ``own``: node name -> bytes its operator states it keeps of its own (the attention's output and
-    log-sum-exp), read by the :data:`DEVICE_RULES` that need it. ``getitem`` nodes are the part of their
-    tuple (no entry).
+    them); ``ops``: node name -> the operator its handler described (read by the :data:`DEVICE_RULES` that need
+    it: what the attention states it keeps of its own, in output tiles of ``ref_bytes``-byte elements).
+    ``getitem`` nodes are the part of their tuple (no entry).
     """
     import torch
 
-    own = own or {}
+    ops = ops or {}
     out: dict[str, NodeKeeps] = {}
     for node in graph.nodes:
         if node.op != "call_function" or node.target is _pyop.getitem or not node.all_input_nodes:
@@ -234,7 +236,7 @@ def kept_by_node(graph: Any, grads: Mapping[str, bool], own: Mapping[str, float]
         if target in DEVICE_RULES:
             args = torch.fx.node.map_aggregate(node.args, lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node)
                                                else a)
-            out[node.name] = DEVICE_RULES[target](node, args, grads, float(own.get(node.name, 0.0)))
+            out[node.name] = DEVICE_RULES[target](node, args, grads, ops.get(node.name), ref_bytes)
             continue
         if not isinstance(node.target, torch._ops.OpOverload):
             out[node.name] = _fallback(node, grads)
