@@ -23,8 +23,9 @@ The description follows that exactly, per FX node of the exported program (:func
 
 Then (:func:`saved_tiles`) every kept storage is held once and charged to the operator that made it (an
 identity node's copy, a ``.float()`` or a ``.contiguous()``, belongs to the operator whose value it copies);
-one no operator made (a user input kept by an embedding, a constant mask or rotary table) is charged to the
-first operator that keeps it; parameters are not activations and are left out. An operator's ``saved`` is
+one no operator made (a user input kept by an embedding, a constant mask or rotary table) is split equally
+over the operators that keep it (every layer's share of a rotary table the same, so repeated layers stay
+alike); parameters are not activations and are left out. An operator's ``saved`` is
 its charge in output tiles of the model's precision (the dtype of most of its floating parameters): a
 float32 copy of a bfloat16 output is 2 tiles, a boolean mask 1/2. The sum of ``saved`` times the output
 bytes over the operators is then the bytes autograd holds, which :func:`measure` checks by running the
@@ -203,12 +204,14 @@ DEVICE_RULES: Mapping[str, Rule] = {
 
 def _fallback(node: Any, grads: Mapping[str, bool]) -> NodeKeeps:
     """An operator that cannot run on meta tensors: every tensor operand and result kept (a bound from above),
-    its results new storages."""
+    its results new storages; a region run without gradients (``torch.no_grad()``, captured as
+    ``wrap_with_set_grad_enabled(False, ...)``) keeps nothing."""
     import torch
 
     ins = tuple(dict.fromkeys(n.name for n in node.all_input_nodes
                               if isinstance(n.meta.get("val"), torch.Tensor)))
-    if not any(grads.get(n, False) for n in ins):
+    no_grad = str(node.target).endswith("wrap_with_set_grad_enabled") and node.args and node.args[0] is False
+    if no_grad or not any(grads.get(n, False) for n in ins):
         return NodeKeeps((), (), 0.0, tuple(None for _ in _result_bytes(node)), _result_bytes(node))
     res = _result_bytes(node)
     return NodeKeeps(ins, tuple(range(len(res))), 0.0, tuple(None for _ in res), res)
@@ -319,18 +322,32 @@ def _own_to(node: Any, own_bytes: float, mine: str | None, charge_to: Callable[[
     return charge_to(max(sizes)[1])
 
 
+def _share(keepers: Mapping[Any, tuple[float, dict[str, None]]], charged: dict[str, float]) -> float:
+    """Add to ``charged`` each storage's bytes split equally over the operators that keep it; the bytes no operator
+    keeps are returned."""
+    lost = 0.0
+    for nbytes, ops_ in keepers.values():
+        if not ops_:
+            lost += nbytes
+        for op in ops_:
+            charged[op] = charged.get(op, 0.0) + nbytes / len(ops_)
+    return lost
+
+
 def saved_tiles(graph: Any, keeps: Mapping[str, NodeKeeps], charge_to: Callable[[str], str | None],
                 params: frozenset[str], out_elements: Mapping[str, int], ref_bytes: int) -> dict[str, float]:
     """Per operator, what autograd keeps of it in output tiles of ``ref_bytes``-byte elements.
 
     ``charge_to``: node name -> the operator its value belongs to (None: a user input, constant or parameter);
     ``params``: the parameter placeholders (never charged); ``out_elements``: operator -> elements of its
-    output. Every kept storage counts once, charged to the operator that made it, else to the first operator
-    that keeps it; the new tensors a node keeps of its own are its operator's.
+    output. Every kept storage counts once, charged to the operator that made it, else split equally over the
+    operators that keep it (a rotary table read by every layer: each layer's share the same); the new tensors
+    a node keeps of its own are its operator's (:func:`_own_to`).
     """
     where = _storages(graph, keeps)
     charged: dict[str, float] = {}
-    seen: set[tuple[str, int]] = set()
+    made: set[tuple[str, int]] = set()
+    keepers: dict[tuple[str, int], tuple[float, dict[str, None]]] = {}
     for node in graph.nodes:
         k = keeps.get(node.name)
         if k is None:
@@ -339,15 +356,21 @@ def saved_tiles(graph: Any, keeps: Mapping[str, NodeKeeps], charge_to: Callable[
         held = [where[(n, 0)] for n in k.operands if (n, 0) in where]
         held += [where[(node.name, i)] for i in k.results if (node.name, i) in where]
         for maker, nbytes in held:
-            if maker in seen or maker[0] in params:
+            if maker[0] in params:
                 continue
-            seen.add(maker)
-            to = charge_to(maker[0]) or mine
-            if to is not None:
-                charged[to] = charged.get(to, 0.0) + nbytes
+            owner = charge_to(maker[0])
+            if owner is not None:
+                if maker not in made:
+                    made.add(maker)
+                    charged[owner] = charged.get(owner, 0.0) + nbytes
+                continue
+            ops_ = keepers.setdefault(maker, (nbytes, {}))[1]
+            if mine is not None:
+                ops_[mine] = None
         to = _own_to(node, k.own_bytes, mine, charge_to, out_elements, ref_bytes)
         if to is not None:
             charged[to] = charged.get(to, 0.0) + k.own_bytes
+    _share(keepers, charged)
     return {op: charged.get(op, 0.0) / (n * ref_bytes) for op, n in out_elements.items()}
 
 
@@ -362,7 +385,7 @@ class Measured:
     Attributes:
         total_bytes: bytes of the distinct storages saved for the backward pass, parameters left out.
         by_operator: those bytes charged as :func:`saved_tiles` charges them (the storage's maker, else the
-            first operator that kept it), in bytes.
+            operators that kept it in equal parts), in bytes.
         uncharged_bytes: kept storages that no operator made or kept (0 when the charge is complete).
         tensors: (node that saved it, shape, dtype, bytes) of every kept storage, first save.
     """
@@ -386,6 +409,7 @@ def measure(program: Any, module: Any, args: Sequence[Any], kwargs: Mapping[str,
     params = {p.untyped_storage().data_ptr() for p in list(module.parameters()) + list(gm.parameters())}
     maker: dict[int, str] = {}
     kept: dict[int, tuple[str, tuple[int, ...], str, float]] = {}
+    savers: dict[int, dict[str, None]] = {}
     held: list[Any] = []
     running = [""]
 
@@ -405,8 +429,10 @@ def measure(program: Any, module: Any, args: Sequence[Any], kwargs: Mapping[str,
     def pack(t: Any) -> Any:
         s = t.untyped_storage()
         ptr = s.data_ptr()
-        if ptr not in params and ptr not in kept:
-            kept[ptr] = (running[0], tuple(t.shape), str(t.dtype).removeprefix("torch."), float(s.nbytes()))
+        if ptr not in params:
+            if ptr not in kept:
+                kept[ptr] = (running[0], tuple(t.shape), str(t.dtype).removeprefix("torch."), float(s.nbytes()))
+            savers.setdefault(ptr, {})[running[0]] = None
         return t
 
     flat = list(args) + list((kwargs or {}).values())
@@ -414,17 +440,16 @@ def measure(program: Any, module: Any, args: Sequence[Any], kwargs: Mapping[str,
         Run(gm).run(*flat)
     by_op: dict[str, float] = {}
     own: dict[str, float] = {}  # bytes of the tensors made inside a node (no node's result) it kept
-    lost = 0.0
+    keepers: dict[int, tuple[float, dict[str, None]]] = {}
     for ptr, (saver, _, _, nbytes) in kept.items():
         m = maker.get(ptr)
         if m is None:
             own[saver] = own.get(saver, 0.0) + nbytes
-            continue
-        to = charge_to(m) or charge_to(saver)
-        if to is None:
-            lost += nbytes
+        elif charge_to(m) is not None:
+            by_op[charge_to(m)] = by_op.get(charge_to(m), 0.0) + nbytes
         else:
-            by_op[to] = by_op.get(to, 0.0) + nbytes
+            keepers[ptr] = (nbytes, {op: None for n in savers[ptr] if (op := charge_to(n)) is not None})
+    lost = _share(keepers, by_op)
     nodes = {n.name: n for n in gm.graph.nodes}
     for saver, nbytes in own.items():
         to = _own_to(nodes[saver], nbytes, charge_to(saver), charge_to, out_elements, ref_bytes)

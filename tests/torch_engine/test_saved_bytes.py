@@ -91,6 +91,14 @@ def test_attention_keeps_output_mask_and_log_sum_exp_and_is_charged_within_them(
         assert 0 <= gap <= mask[3] + lse
 
 
+def test_repeated_layers_are_charged_alike(hf):
+    """The constants every layer keeps (a causal mask, the rotary tables) are shared equally by their keepers."""
+    name, _, _, graph, info, _ = hf
+    block = "model.transformer.h" if name.startswith("gpt2") else "model.model.layers"
+    layers = [[op.saved for op in graph if info.module_paths[op.name].startswith(f"{block}.{i}")] for i in (0, 1)]
+    assert len(layers[0]) > 10 and layers[0] == layers[1]
+
+
 def test_the_exported_program_keeps_what_the_model_run_eagerly_keeps(hf):
     _, module, batch, _, _, m = hf
     assert m.total_bytes == _eager(module, batch)
@@ -192,7 +200,7 @@ class _Loss(nn.Module):
 
 def test_the_log_softmax_of_a_cross_entropy_is_charged_to_its_logits():
     """The loss keeps the float32 log-softmax of the logits (charged to the logits' operator, split as they are)
-    and its scalar weight sum; the labels (int64) are charged to it, their first keeper."""
+    and its scalar weight sum; the labels (int64) are charged to it, their one keeper."""
     x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
     g, info = trace(_Loss(), (x, y))
     logits = 8 * 10 * 4
