@@ -289,6 +289,8 @@ def _storages(graph: Any, keeps: Mapping[str, NodeKeeps]) -> dict[tuple[str, int
         if node.op == "call_function" and node.target is _pyop.getitem and isinstance(node.args[0], torch.fx.Node):
             src = (node.args[0].name, int(node.args[1]))
             if src in where:
+                if where[src][0] == src:  # a new tensor of a tuple result: its getitem's operator made it
+                    where[src] = ((node.name, 0), where[src][1])
                 where[(node.name, 0)] = where[src]
                 continue
         k = keeps.get(node.name)
@@ -414,6 +416,8 @@ def measure(program: Any, module: Any, args: Sequence[Any], kwargs: Mapping[str,
     running = [""]
 
     def note(name: str, value: Any) -> None:
+        if isinstance(value, (list, tuple)):  # a tuple result's tensors are made by the getitems that take them
+            return
         for t in _tensors(value):
             if t is not None and not torch._C._functorch.is_batchedtensor(t) and t.device.type != "meta":
                 maker.setdefault(t.untyped_storage().data_ptr(), name)
