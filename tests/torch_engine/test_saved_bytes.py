@@ -209,3 +209,24 @@ def test_the_log_softmax_of_a_cross_entropy_is_charged_to_its_logits():
     assert loss.saved == 8 * 8 / 4
     m = _measured(_Loss(), (x, y), g, info)
     assert m.by_operator == {n: b for n, b in _bytes(g, 4).items() if b}
+
+
+class _TopK(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 12)
+
+    def forward(self, x):
+        values, _ = self.fc(x).softmax(-1).topk(3, dim=-1)
+        return values.sum()
+
+
+def test_a_tuple_result_kept_is_charged_to_the_operator_that_takes_it():
+    """top-k keeps its int64 indices (to scatter the gradient back): two float32 tiles of the indices' operator;
+    softmax keeps its result, the product its input."""
+    x = torch.randn(8, 16)
+    g, info = trace(_TopK(), (x,))
+    kept = {op.kind: op.saved for op in g if op.saved}
+    assert kept == {"linear": 16 / 12, "softmax": 1.0, "topk": 2.0}
+    m = _measured(_TopK(), (x,), g, info)
+    assert m.uncharged_bytes == 0 and m.by_operator == {n: b for n, b in _bytes(g, 4).items() if b}
