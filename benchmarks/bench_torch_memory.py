@@ -129,8 +129,8 @@ def small_rows() -> list[dict[str, Any]]:
 def full_rows(measured: dict[str, Any], device: dict[str, Any]) -> list[dict[str, Any]]:
     import torch
 
-    from benchmarks.gpu_measure import STEP_MODELS, build_model
     import shardplan.torch as st
+    from benchmarks.gpu_measure import STEP_MODELS, build_model
     from shardplan import preset
 
     gpu = {r["model"]: r for r in measured.get("steps", [])}
@@ -172,6 +172,17 @@ def full_rows(measured: dict[str, Any], device: dict[str, Any]) -> list[dict[str
     return rows
 
 
+def _recorder(params: set[int], kept: dict[int, tuple[float, str]]) -> Any:
+    """A pack hook recording each saved storage outside ``params``: data pointer -> (bytes, "shape dtype")."""
+    def pack(t: Any) -> Any:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            kept[s.data_ptr()] = (float(s.nbytes()), f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}")
+        return t
+
+    return pack
+
+
 def device_run(out: str, smoke: bool) -> None:
     """On a GPU (CPU with ``smoke``): per model, the memory a training step holds, measured by the allocator."""
     import torch
@@ -192,14 +203,8 @@ def device_run(out: str, smoke: bool) -> None:
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=False)
-            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
             kept: dict[int, tuple[float, str]] = {}
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                s = t.untyped_storage()
-                if s.data_ptr() not in params:
-                    kept[s.data_ptr()] = (float(s.nbytes()), f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}")
-                return t
+            pack = _recorder({p.untyped_storage().data_ptr() for p in model.parameters()}, kept)
 
             if cuda:
                 torch.cuda.synchronize()

@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import math
 import operator as _pyop
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
-__all__ = ["NodeKeeps", "kept_by_node", "saved_tiles", "reference_bytes", "measure", "Measured", "DEVICE_RULES"]
+__all__ = ["DEVICE_RULES", "Measured", "NodeKeeps", "kept_by_node", "measure", "reference_bytes", "saved_tiles"]
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,30 @@ def _fallback(node: Any, grads: Mapping[str, bool]) -> NodeKeeps:
     return NodeKeeps(ins, tuple(range(len(res))), 0.0, tuple(None for _ in res), res)
 
 
+def _meta_args(node: Any, grads: Mapping[str, bool], inplace: bool) -> tuple[Any, Any, dict[int, str]]:
+    """``node``'s arguments with a meta tensor for each tensor operand (one per operand node; a device made the
+    meta device), and the storage id of each -> its node name."""
+    import torch
+
+    metas: dict[str, Any] = {}
+    operands: dict[int, str] = {}
+
+    def meta(a: Any) -> Any:
+        if isinstance(a, torch.device):  # a cast or a new tensor "to the device": to the meta device
+            return torch.device("meta")
+        if not isinstance(a, torch.fx.Node):
+            return a
+        v = a.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            return v
+        if a.name not in metas:
+            metas[a.name] = _meta_like(v, grads.get(a.name, False), inplace)
+            operands[_storage(metas[a.name])] = a.name
+        return metas[a.name]
+
+    return torch.fx.node.map_aggregate(node.args, meta), torch.fx.node.map_aggregate(node.kwargs, meta), operands
+
+
 def kept_by_node(graph: Any, grads: Mapping[str, bool], ops: Mapping[str, Any] | None = None,
                  ref_bytes: int = 4) -> dict[str, NodeKeeps]:
     """:class:`NodeKeeps` of every ``call_function`` node of the FX ``graph`` that reads a node.
@@ -245,25 +270,8 @@ def kept_by_node(graph: Any, grads: Mapping[str, bool], ops: Mapping[str, Any] |
             out[node.name] = _fallback(node, grads)
             continue
         inplace = node.target._schema.name.endswith("_")
-        metas: dict[str, Any] = {}
-        operands: dict[int, str] = {}
-
-        def meta(a: Any) -> Any:
-            if isinstance(a, torch.device):  # a cast or a new tensor "to the device": to the meta device
-                return torch.device("meta")
-            if not isinstance(a, torch.fx.Node):
-                return a
-            v = a.meta.get("val")
-            if not isinstance(v, torch.Tensor):
-                return v
-            if a.name not in metas:
-                metas[a.name] = _meta_like(v, grads.get(a.name, False), inplace)
-                operands[_storage(metas[a.name])] = a.name
-            return metas[a.name]
-
         try:
-            args = torch.fx.node.map_aggregate(node.args, meta)
-            kwargs = torch.fx.node.map_aggregate(node.kwargs, meta)
+            args, kwargs, operands = _meta_args(node, grads, inplace)
             out[node.name] = _probe(node.target, args, kwargs, operands)
         except Exception:  # noqa: BLE001  (no meta kernel, or one that refuses these arguments)
             out[node.name] = _fallback(node, grads)
@@ -461,5 +469,4 @@ def measure(program: Any, module: Any, args: Sequence[Any], kwargs: Mapping[str,
             lost += nbytes
         else:
             by_op[to] = by_op.get(to, 0.0) + nbytes
-    del held
     return Measured(sum(v[3] for v in kept.values()), by_op, lost, tuple(kept.values()))

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
+import torch_cases  # tests/ is on sys.path, see conftest.py
 from torch import nn
 
 from shardplan.machine import Machine
@@ -82,7 +82,7 @@ def test_attention_keeps_output_mask_and_log_sum_exp_and_is_charged_within_them(
     _, module, _, graph, _, m = hf
     ref = sv.reference_bytes(module)
     for op in _attention(graph):
-        b, h, lq, f = op.output.shape
+        b, h, lq, _ = op.output.shape
         out = math.prod(op.output.shape) * ref
         lse = 4.0 * b * h * lq
         (mask,) = [t for t in m.tensors if t[0] == op.name.split("/")[-1] and len(t[1]) == 4 and t[1][1] == 1]
