@@ -59,15 +59,17 @@ def hf(request):
     return request.param, module, batch, graph, info, _measured(module, batch, graph, info)
 
 
-def _attention(graph) -> list:
-    return [op for op in graph if op.kind == "attention"]
+def _attention(graph, info) -> list:
+    """The operators of the program's ``scaled_dot_product_attention`` nodes."""
+    nodes = [n.name for n in info.program.graph.nodes if str(n.target) == "aten.scaled_dot_product_attention.default"]
+    return [graph[info.node_op[n]] for n in nodes]
 
 
 def test_every_operator_but_attention_is_charged_exactly_what_autograd_keeps(hf):
-    _, module, _, graph, _, m = hf
+    _, module, _, graph, info, m = hf
     pred = _bytes(graph, sv.reference_bytes(module))
     assert m.uncharged_bytes == 0
-    att = {op.name for op in _attention(graph)}
+    att = {op.name for op in _attention(graph, info)}
     assert len(att) == 2
     wrong = {n: (p, m.by_operator.get(n, 0.0)) for n, p in pred.items() if n not in att and p != m.by_operator.get(n, 0.0)}
     assert wrong == {}
@@ -79,15 +81,14 @@ def test_attention_keeps_output_mask_and_log_sum_exp_and_is_charged_within_them(
     query row; the description charges the output and what the attention's handler states of its own (at most
     output and log-sum-exp), and the mask unless the handler runs it as causal: the difference is within the mask
     and the log-sum-exp."""
-    _, module, _, graph, _, m = hf
+    _, module, _, graph, info, m = hf
     ref = sv.reference_bytes(module)
-    for op in _attention(graph):
-        b, h, lq, _ = op.output.shape
+    for op in _attention(graph, info):
         out = math.prod(op.output.shape) * ref
-        lse = 4.0 * b * h * lq
+        lse = 4.0 * math.prod(op.output.shape[:-1])  # one float32 per query row (of every head)
         (mask,) = [t for t in m.tensors if t[0] == op.name.split("/")[-1] and len(t[1]) == 4 and t[1][1] == 1]
         assert m.by_operator[op.name] == out + mask[3] + lse
-        gap = m.by_operator[op.name] - op.saved * out / (math.prod(op.output.shape) * ref) * math.prod(op.output.shape) * ref
+        gap = m.by_operator[op.name] - op.saved * out
         assert 0 <= gap <= mask[3] + lse
 
 
@@ -105,9 +106,9 @@ def test_the_exported_program_keeps_what_the_model_run_eagerly_keeps(hf):
 
 
 def test_total_is_the_measurement_less_the_attention_gap(hf):
-    _, module, _, graph, _, m = hf
+    _, module, _, graph, info, m = hf
     pred = _bytes(graph, sv.reference_bytes(module))
-    gap = sum(m.by_operator[op.name] - pred[op.name] for op in _attention(graph))
+    gap = sum(m.by_operator[op.name] - pred[op.name] for op in _attention(graph, info))
     assert sum(pred.values()) == pytest.approx(m.total_bytes - gap, rel=1e-12)
     assert sum(pred.values()) < 0.6 * sum(math.prod(op.output.shape) for op in graph) * sv.reference_bytes(module), \
         "one output per operator (the old charge) is about twice what autograd keeps"
