@@ -67,6 +67,19 @@ def _small_config(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "intermediate_size": cfg["intermediate_size"] // k, "vocab_size": SMALL["vocab"]}
 
 
+def by_kind(graph: Any, nbytes: int, measured: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+    """Per operator kind: operators, bytes charged before (one output each), bytes charged now, and measured."""
+    out: dict[str, dict[str, float]] = {}
+    for op in graph:
+        row = out.setdefault(op.kind, {"operators": 0, "one_output_bytes": 0.0, "predicted_bytes": 0.0})
+        row["operators"] += 1
+        row["one_output_bytes"] += math.prod(op.output.shape) * nbytes
+        row["predicted_bytes"] += op.saved * math.prod(op.output.shape) * nbytes
+        if measured is not None:
+            row["measured_bytes"] = row.get("measured_bytes", 0.0) + measured.get(op.name, 0.0)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["one_output_bytes"]))
+
+
 def eager_saved_bytes(module: Any, args: tuple) -> float:
     """Bytes of the distinct storages autograd saves when ``module(*args)`` runs eagerly, parameters left out."""
     import torch
@@ -105,11 +118,11 @@ def small_rows() -> list[dict[str, Any]]:
         elems = {op.name: math.prod(op.output.shape) for op in graph}
         m = sv.measure(info.program, module, (ids,), None, info.value_ops.get, elems, ref)
         pred = {op.name: op.saved * elems[op.name] * ref for op in graph}
-        by_kind: dict[str, dict[str, float]] = {}
+        diffs: dict[str, dict[str, float]] = {}
         for op in graph:
             d = pred[op.name] - m.by_operator.get(op.name, 0.0)
             if abs(d) > 0.5:
-                row = by_kind.setdefault(op.kind, {"operators": 0, "predicted_minus_measured_bytes": 0.0})
+                row = diffs.setdefault(op.kind, {"operators": 0, "predicted_minus_measured_bytes": 0.0})
                 row["operators"] += 1
                 row["predicted_minus_measured_bytes"] += d
         predicted = sum(pred.values())
@@ -119,7 +132,8 @@ def small_rows() -> list[dict[str, Any]]:
             "eager_saved_bytes": eager_saved_bytes(module, (ids,)),
             "program_saved_bytes": m.total_bytes, "predicted_bytes": predicted,
             "predicted_one_output_per_operator_bytes": sum(elems.values()) * ref,
-            "ratio": predicted / m.total_bytes, "differences_by_kind": by_kind, "trace_cpu_s": trace_cpu})
+            "ratio": predicted / m.total_bytes, "differences_by_kind": diffs,
+            "by_kind": by_kind(graph, ref, dict(m.by_operator)), "trace_cpu_s": trace_cpu})
         print(f"small {name}: measured {m.total_bytes:.0f} B, predicted {predicted:.0f} B "
               f"({predicted / m.total_bytes:.3f}), one output per operator {sum(elems.values()) * ref:.0f} B",
               flush=True)
@@ -152,6 +166,9 @@ def full_rows(measured: dict[str, Any], device: dict[str, Any]) -> list[dict[str
                                "predicted_peak_bytes": mem["peak_bytes"], "predicted_weights_bytes": mem["weights_bytes"],
                                "predicted_activations_bytes": mem["activations_bytes"],
                                "plan_cpu_s": time.process_time() - t0}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            row["by_kind"] = by_kind(st.trace(_loss_module(model), (ids,))[0], plan.machine.dtype_bytes)
         g = gpu.get(name, {})
         if "peak_allocated_bytes" in g:
             row["gpu_peak_allocated_bytes"] = g["peak_allocated_bytes"]
