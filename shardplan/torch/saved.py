@@ -151,7 +151,8 @@ def _grad_operands(node: Any, grads: Mapping[str, bool], positions: Sequence[int
 def _dropout_rule(node: Any, args: Sequence[Any], grads: Mapping[str, bool], op: Any, ref_bytes: int) -> NodeKeeps:
     """``dropout(x, p, train)`` as CUDA runs it, ``native_dropout``: a new result and a one-byte mask per element
     kept (the CPU's ``x * noise`` keeps the noise in ``x``'s dtype instead). Inactive (``p = 0`` or eval) it is
-    ``x`` itself."""
+    ``x`` itself. Source: PyTorch's ``aten/src/ATen/native/Dropout.cpp`` (``is_fused_kernel_acceptable``: a
+    CUDA input with 0 < p < 1 runs ``native_dropout``, whose derivative formula keeps its boolean mask)."""
     x = node.args[0]
     p = float(args[1]) if len(args) > 1 else 0.5
     train = bool(args[2]) if len(args) > 2 else True
@@ -163,7 +164,9 @@ def _dropout_rule(node: Any, args: Sequence[Any], grads: Mapping[str, bool], op:
 
 def _rms_norm_rule(node: Any, args: Sequence[Any], grads: Mapping[str, bool], op: Any, ref_bytes: int) -> NodeKeeps:
     """``rms_norm(x, shape, w, eps)`` as CUDA runs it, ``_fused_rms_norm``: keeps ``x``, ``w`` and a float32
-    rstd per normalised row."""
+    rstd per normalised row. Source: PyTorch's ``aten/src/ATen/native/layer_norm.cpp`` (``rms_norm`` calls the
+    fused kernel on CUDA) and ``derivatives.yaml`` (``_fused_rms_norm`` keeps input, rstd, weight); not
+    measured here (Hugging Face's models write their RMSNorm out, which is probed)."""
     kept = _grad_operands(node, grads, (0, 2))
     rows = _rows(tuple(node.args[0].meta["val"].shape), len(args[1]))
     return NodeKeeps(kept, (), 4.0 * rows if kept else 0.0, (None,), _result_bytes(node))
@@ -176,7 +179,10 @@ def _sdpa_rule(node: Any, args: Sequence[Any], grads: Mapping[str, bool], op: An
     runs the math decomposition, which keeps them). A mask the operator describes as causal
     (:attr:`~shardplan.ir.Operator.causal`: ``is_causal``, or a constant mask that keeps key <= query) runs
     as ``is_causal``: nothing of it is kept. A boolean mask is first made an additive one in q's dtype
-    (``convert_boolean_attn_mask``, every backend): that new tensor of the mask's shape is kept, not the mask."""
+    (``convert_boolean_attn_mask``, every backend): that new tensor of the mask's shape is kept, not the mask.
+    Sources: PyTorch's ``aten/src/ATen/native/transformers/attention.cpp``; on the H100 (PyTorch 2.11, GPT-2
+    124M, ``benchmarks/results/torch_memory_device.json``) the flash kernel kept q, k, v, its output and a
+    float32 log-sum-exp per query row, and no probabilities."""
     import torch
 
     kept = _grad_operands(node, grads, (0, 1, 2, 3))
