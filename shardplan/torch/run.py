@@ -78,6 +78,7 @@ A fit plan's memory choices (:func:`shardplan.fit.solve_fit`;
 
 from __future__ import annotations
 
+import math
 import operator as _pyop
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -256,7 +257,9 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
 
     A device's output tile is then PyTorch's own attention of its tiles: of
     ``q``; of ``k``, ``v`` (with grouped-query attention and the heads split,
-    the whole K/V heads, repeated to the query heads and cut to the device's);
+    the device's K/V heads, as the frontend's merged head axis gives them; where
+    the query heads are split finer than the K/V heads, the whole K/V heads,
+    repeated to the query heads and cut to the device's);
     of the mask, each of its axes cut as the dimension it broadcasts to. A
     causal attention with the queries split becomes an explicit mask of the
     device's rows ``r0 + i`` (key ``j`` kept where ``j <= r0 + i``, PyTorch's
@@ -281,14 +284,16 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
     heads, kv_heads = q.shape[1], k.shape[1]
     split = [pl.dim if isinstance(pl, Shard) and pl.dim < 3 else None for pl in q.placements]
     q_pl = [Shard(d) if d is not None else Replicate() for d in split]
-    kv_pl = [Shard(d) if d == 0 or d == 1 and kv_heads == heads else Replicate() for d in split]
+    head_ways = math.prod(mesh.size(i) for i, d in enumerate(split) if d == 1)
+    kv_split = kv_heads == heads or kv_heads % head_ways == 0  # each device's query heads read its own K/V heads
+    kv_pl = [Shard(d) if d == 0 or d == 1 and kv_split else Replicate() for d in split]
     kv_grad = [pl if pl.is_shard() or d is None else Partial() for pl, d in zip(kv_pl, split)]
     q = q.redistribute(mesh, q_pl) if tuple(q.placements) != tuple(q_pl) else q
     k, v = (t.redistribute(mesh, kv_pl) if tuple(t.placements) != tuple(kv_pl) else t for t in (k, v))
     size, start = compute_local_shape_and_global_offset(q.shape, mesh, q_pl)
     ql = _dense_grad(q.to_local(grad_placements=q_pl))
     kl, vl = (_dense_grad(t.to_local(grad_placements=kv_grad)) for t in (k, v))
-    if kv_heads != heads and 1 in split:  # grouped-query attention, query heads split: this device's K/V heads
+    if not kv_split:  # query heads split finer than the K/V heads: the K/V heads of this device's query heads
         g = heads // kv_heads
         kl, vl = (t.repeat_interleave(g, dim=1)[:, start[1]:start[1] + size[1]] for t in (kl, vl))
     mask = attn_mask
