@@ -209,7 +209,7 @@ def _ring_plan(world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
     plan = st.plan(torch_cases._clone(model), batch, mesh, machine=torch_cases.toy_machine(world), context="ring")
     out: dict[str, Any] = {"attention_splits": [list(c.layout.split) for n, c in plan.operators.items()
-                                                if c.kind == "attention"]}
+                                                if c.kind == "attn_flash"]}
     for ring in (True, False):
         if ring:
             pm = st.apply(plan, torch_cases._clone(model), batch, mesh)
