@@ -260,14 +260,16 @@ def is_causal_mask(mask: Any, lq: int, s: int) -> bool:
 
 def ring_applies(q_placements: Any, kv: Any) -> bool:
     """Whether the ring replaces a gather: some mesh axis splits the queries (``Shard(2)`` in ``q_placements``,
-    as planned) and every key and value operand (``kv``, as its producer left it) is a DTensor split along the
-    sequence on each such axis, one block per rank (the cost model's condition that the producer's tiles
-    scatter the input over the ring's group). Keys already gathered by their producer's layout stay so: the
-    ring would only add the gradient's gather."""
+    as planned) and every key and value operand (``kv``, as its producer left it) is a DTensor split on each
+    such axis, each rank of the ring's group holding its own part (the cost model's condition that the
+    producer's tiles scatter the input over the ring's group, :func:`shardplan.cost.ring.ring_choices`; a
+    part split otherwise than along the sequence is first laid out so, a redistribution inside the group).
+    Keys already gathered by their producer's layout stay so: the ring would only add the gradient's
+    gather."""
     from torch.distributed.tensor import DTensor, Shard
 
     axes = [i for i, pl in enumerate(q_placements) if pl == Shard(2)]
-    return bool(axes) and all(isinstance(x, DTensor) and all(x.placements[i] == Shard(2) for i in axes) for x in kv)
+    return bool(axes) and all(isinstance(x, DTensor) and all(x.placements[i].is_shard() for i in axes) for x in kv)
 
 
 def ring_kv_placements(q_placements: Any, kv_placements: Any) -> tuple[Any, ...]:
@@ -354,12 +356,14 @@ def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 
     """``scaled_dot_product_attention`` on DTensors by the ring where it applies, else ``fallback`` (the same
     arguments; :func:`shardplan.torch.run._sdpa`: keys gathered, each device's query tile).
 
-    It applies when exactly one mesh axis splits the queries (``Shard(2)`` of ``q``), ``k`` and ``v`` have as
+    It applies when mesh axes split the queries (``Shard(2)`` of ``q``; several axes, of a mesh with named
+    axes, form one ring over their flattened group, in DTensor's row-major order of the blocks), ``k`` and
+    ``v`` have as
     many heads as ``q`` or fewer (grouped-query attention: the heads whole, or split so that each device's
     query heads read its own K/V heads, the frontend's merged head axis; each K/V head is repeated to its
     query heads on the device), the mask needs no gradient and there is no dropout: ``k`` and ``v`` are
     laid out like ``q`` (the sequence split on that axis: :func:`ring_kv_placements`), and each rank runs
-    :func:`ring_attention_sharded` on its local blocks over that axis's process group.
+    :func:`ring_attention_sharded` on its local blocks over that group.
 
     A mask that keeps exactly key <= query (:func:`is_causal_mask`: Hugging Face's, under ``torch.export``)
     runs as ``is_causal``. DTensor's ``Shard`` holds contiguous blocks, so a causal mask runs with the
@@ -374,8 +378,10 @@ def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if (attn_mask is not None and not is_causal and not isinstance(attn_mask, DTensor)
-            and is_causal_mask(attn_mask, q.shape[2], k.shape[2])):
+    whole = attn_mask
+    if isinstance(attn_mask, DTensor):  # a constant the run replicated: every device holds all of it
+        whole = attn_mask.to_local() if all(pl.is_replicate() for pl in attn_mask.placements) else None
+    if attn_mask is not None and not is_causal and is_causal_mask(whole, q.shape[2], k.shape[2]):
         attn_mask, is_causal = None, True  # the constant mask of key <= query: the causal kernel's
     if not isinstance(q, DTensor) or not isinstance(k, DTensor) or not isinstance(v, DTensor):
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -383,23 +389,27 @@ def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 
     axes = [i for i, pl in enumerate(q.placements) if pl == Shard(2) and mesh.size(i) > 1]
     head_ways = math.prod(mesh.size(i) for i, pl in enumerate(q.placements) if pl == Shard(1))
     grouped = k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]
-    if (len(axes) != 1 or dropout_p or k.shape[2] != q.shape[2]
+    if (not axes or (len(axes) > 1 and mesh.mesh_dim_names is None) or dropout_p or k.shape[2] != q.shape[2]
             or (attn_mask is not None and attn_mask.requires_grad)
             or (grouped and (q.shape[1] % k.shape[1] or k.shape[1] % head_ways or k.shape[1] != v.shape[1]))
             or any(isinstance(pl, Shard) and pl.dim == 3 for pl in q.placements)):
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     import torch.distributed as dist
 
-    axis = axes[0]
-    group = mesh.get_group(axis)
-    if dist.get_rank(group) != mesh.get_coordinate()[axis]:  # the group's ranks are not in the mesh's order
+    ring = mesh if len(axes) == 1 else mesh[tuple(mesh.mesh_dim_names[i] for i in axes)]._flatten()
+    group = ring.get_group(axes[0] if len(axes) == 1 else 0)
+    coord = mesh.get_coordinate()
+    index = 0
+    for i in axes:  # this rank's block: DTensor's row-major order over the axes
+        index = index * mesh.size(i) + coord[i]
+    if dist.get_rank(group) != index:  # the group's ranks are not in the blocks' order
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     pl = tuple(q.placements)
     k, v = (t if tuple(t.placements) == pl else t.redistribute(mesh, pl) for t in (k, v))
     ql, kl, vl = (t.to_local(grad_placements=pl) for t in (q, k, v))
     if grouped:  # grouped-query attention: each of this device's K/V heads repeated to its query heads
         kl, vl = (t.repeat_interleave(ql.shape[1] // kl.shape[1], dim=1) for t in (kl, vl))
-    g, n = mesh.size(axis), ql.shape[2]
+    g, n = dist.get_world_size(group), ql.shape[2]
     bias = None
     if attn_mask is not None:  # this device's batch, heads and query rows of the mask, every key
         m = attn_mask.full_tensor() if isinstance(attn_mask, DTensor) else attn_mask

@@ -225,6 +225,56 @@ def _ring_plan(world: int) -> dict[str, Any]:
     return out
 
 
+def _hf_ring(world: int) -> dict[str, Any]:
+    """A one-layer Hugging Face Llama (grouped-query attention, the K/V heads expanded before the call; its
+    causal mask built by the library under ``torch.export``), one sequence of 64 tokens,
+    ``st.plan(..., context="ring")`` on the toy machine, run by ``st.apply``; against one process, and the
+    same plan run with its keys and values gathered instead (the ring's choice turned off). ``ring_calls``:
+    how many attentions ran by the ring, and with a causal mask (the library's mask recognised)."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import shardplan.torch as st
+    import shardplan.torch.ring as ring_module
+
+    seq = 64
+    cfg = LlamaConfig(vocab_size=torch_cases.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, use_cache=False,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = torch_cases.HFLoss(LlamaForCausalLM(cfg))
+    g = torch.Generator().manual_seed(5)
+    batch = tuple(torch.randint(0, torch_cases.VOCAB, (1, seq), generator=g) for _ in range(2))
+    ref = torch_cases._clone(model)
+    loss0 = ref(*batch)
+    loss0.backward()
+    mesh = init_device_mesh("cpu", (world,))
+    plan = st.plan(torch_cases._clone(model), batch, mesh, machine=torch_cases.toy_machine(world), context="ring")
+    attn = [c for c in plan.operators.values() if c.kind == "attn_flash"]
+    out: dict[str, Any] = {"attention_splits": [dict(zip(c.layout.dims, c.layout.split)) for c in attn]}
+    calls: list[bool] = []
+    inner = ring_module.ring_attention_sharded
+
+    def counted(q, k, v, group=None, positions=None, scale=None, bias=None):
+        calls.append(positions is not None)
+        return inner(q, k, v, group, positions, scale, bias)
+
+    ring_module.ring_attention_sharded = counted  # this worker process only
+    try:
+        for ring in (True, False):
+            calls.clear()
+            pm = st.apply(plan, torch_cases._clone(model), batch, mesh)
+            pm.choices = dataclasses.replace(pm.choices, ring=ring)
+            loss = pm(*batch)
+            loss.backward()
+            out[f"ring={ring}"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "ring_calls": list(calls)}
+    finally:
+        ring_module.ring_attention_sharded = inner
+    return out
+
+
 def _mlp_reference(fp8: bool) -> tuple[Any, tuple[Any, Any], Any, Any]:
     """The MLP and its batch (seed 0), and the unsharded reference (FP8 products if ``fp8``) after its backward:
     (model, batch, reference, its loss)."""
@@ -317,6 +367,8 @@ def run_all(name: str, world: int) -> dict[str, Any]:
         return _ring_run(world)
     if name == "ring_plan":
         return _ring_plan(world)
+    if name == "hf_ring":
+        return _hf_ring(world)
     if name == "loaded_plan":
         return _loaded_plan(world)
     return _mlp_run(world, fp8=name == "fp8", offload=name.startswith("offload"), zero3=name == "offload_zero3")
@@ -325,8 +377,8 @@ def run_all(name: str, world: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_ring_fp8") / "results.json"
-    return torch_cases.run_distributed(["ring_fn", "ring_run", "ring_plan", "fp8", "offload", "offload_zero3",
-                                        "loaded_plan"], WORLD, str(out),
+    return torch_cases.run_distributed(["ring_fn", "ring_run", "ring_plan", "hf_ring", "fp8", "offload",
+                                        "offload_zero3", "loaded_plan"], WORLD, str(out),
                                        run_one=run_all)
 
 
@@ -355,17 +407,31 @@ def test_the_runner_runs_the_ring_where_the_plan_says_and_gathers_no_keys(result
 
 
 def test_a_plan_made_with_the_ring_runs_as_planned(results):
-    """The plan's choice reaches the run. The tables price the frontend's attention vertex (three inputs) with
-    its keys gathered, and this plan gathers them at the key and value views already (their sequence whole):
-    the ring would replace no gather there, so the run gathers as planned, as many times as without it."""
+    """The plan's choice reaches the run. The tables offer the ring for the fused core wherever the keys'
+    producers leave them scattered over the query split; this plan (a short sequence of narrow heads)
+    gathers them at the key and value views already (their sequence whole), where the ring would replace no
+    gather, so the run gathers as planned, as many times as without it."""
     r = results["ring_plan"]
     _ok(r)
     (split,) = r["attention_splits"]
-    assert split[2] > 1, split  # the queries are split (dims b h l s e f)
+    assert split[2] > 1, split  # the queries are split (dims b h s k t)
     assert r["ring=True"]["choice"] and not r["ring=False"]["choice"]
     for x in (r["ring=True"], r["ring=False"]):
         assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
     assert r["ring=False"]["all_gathers"] == r["ring=True"]["all_gathers"], r
+
+
+def test_a_hugging_face_llama_planned_with_the_ring_runs_it_as_unsharded(results):
+    """The traced SDPA is the fused core, its mask (built by transformers) causal: the plan made with
+    context="ring" splits its queries, and the run passes keys and values round the ring, causally, with
+    the loss and gradients of one process."""
+    r = results["hf_ring"]
+    _ok(r)
+    (split,) = r["attention_splits"]
+    assert split["s"] > 1 and split["t"] == split["k"] == 1, split
+    assert r["ring=True"]["ring_calls"] == [True] and r["ring=False"]["ring_calls"] == [], r
+    for x in (r["ring=True"], r["ring=False"]):
+        assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
 
 
 def test_fp8_products_equal_the_unsharded_fp8_program(results):
