@@ -187,7 +187,40 @@ def _ring_run(world: int) -> dict[str, Any]:
         loss.backward()
     gathers = sum(int(v) for k, v in comm.get_comm_counts().items() if "all_gather" in str(k))
     out["gqa ring=True"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "all_gathers": gathers}
+    out["two axes ring=True"] = _ring_two_axes()
     return out
+
+
+def _ring_two_axes() -> dict[str, Any]:
+    """``ring_sdpa`` on DTensors whose sequence is split over both axes of a 2 x 2 mesh (causal, balanced):
+    one ring over the flattened group, against the attention written out on the whole sequence."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import shardplan.torch.ring as ring_module
+    from shardplan.torch.ring import attention_reference, ring_sdpa
+    from shardplan.torch.run import _sdpa
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("m0", "m1"))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, w = (torch.randn(B, H, 4 * S, D, generator=gen) for _ in range(4))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = (torch.tanh(attention_reference(qr, kr, vr, True)) * w).sum()
+    ref.backward()
+    qd, kd, vd = (distribute_tensor(t.clone().requires_grad_(), mesh, [Shard(2), Shard(2)]) for t in (q, k, v))
+    calls: list[int] = []
+    inner = ring_module.ring_attention_sharded
+    ring_module.ring_attention_sharded = lambda *a, **kw: calls.append(1) or inner(*a, **kw)
+    try:
+        out = ring_sdpa(qd, kd, vd, is_causal=True, fallback=_sdpa)
+    finally:
+        ring_module.ring_attention_sharded = inner
+    loss = (torch.tanh(out.full_tensor()) * w).sum()
+    loss.backward()
+    err = max(float((a.grad.full_tensor() - b.grad).abs().max()) / float(b.grad.abs().max())
+              for a, b in ((qd, qr), (kd, kr), (vd, vr)))
+    return {"rel_loss": abs(float(loss) - float(ref)) / abs(float(ref)), "rel_grad": err, "ring_calls": len(calls),
+            "placements": [str(p) for p in out.placements]}
 
 
 def _ring_plan(world: int) -> dict[str, Any]:
@@ -399,7 +432,8 @@ def test_the_runner_runs_the_ring_where_the_plan_says_and_gathers_no_keys(result
     _ok(r)
     for x in r.values():
         assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
-    assert len(r) == 6 and r["gqa ring=True"]["all_gathers"] == 0
+    assert len(r) == 7 and r["gqa ring=True"]["all_gathers"] == 0
+    assert r["two axes ring=True"]["ring_calls"] == 1, r  # not the fallback that gathers the keys
     assert r["batch=2 ring=True"]["mesh"] == [2, 2] and r["batch=1 ring=True"]["mesh"] == [4]
     # without the ring the keys and the values are gathered before attention (and their gradients scattered back)
     for split in (1, 2):
