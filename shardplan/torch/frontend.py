@@ -689,8 +689,9 @@ def _const_value(node: Any) -> Any:
                 if n is node:
                     return None
                 continue
-            if n.op == "get_attr":
-                env[n] = operator.attrgetter(n.target)(node.graph.owning_module)
+            if n.op == "get_attr":  # a copy: an in-place node must not change the program's constant
+                v = operator.attrgetter(n.target)(node.graph.owning_module)
+                env[n] = v.clone() if isinstance(v, torch.Tensor) else v
             else:
                 env[n] = n.target(*torch.fx.node.map_aggregate(n.args, read),
                                   **torch.fx.node.map_aggregate(n.kwargs, read))
