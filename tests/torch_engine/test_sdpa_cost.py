@@ -158,3 +158,13 @@ def test_the_search_takes_the_ring_for_the_traced_core_only_where_it_pays(S, ban
         assert ring_mask(graph.operators[i], lay)[0].tolist() == [[False, True, True]]
     else:
         assert a.cost == pytest.approx(p.cost, rel=1e-9)
+
+
+def test_values_of_another_width_stay_one_generic_attention():
+    """The fused core reads keys and values of one shape; values 6 wide beside keys 8 wide are the generic
+    attention (dims b h l s e f, the whole domain charged, its backward as generic passes)."""
+    x = (torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 6))
+    graph, _ = trace(Core("causal"), x)
+    (op,) = [op for op in graph.operators if op.kind == "attention"]
+    assert op.extents == {"b": 2, "h": 4, "l": 16, "s": 16, "e": 8, "f": 6}
+    assert op.backward_flops is None and op.causal is None
