@@ -187,40 +187,56 @@ def _ring_run(world: int) -> dict[str, Any]:
         loss.backward()
     gathers = sum(int(v) for k, v in comm.get_comm_counts().items() if "all_gather" in str(k))
     out["gqa ring=True"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "all_gathers": gathers}
-    out["two axes ring=True"] = _ring_two_axes()
+    # ring_sdpa alone: the sequence split on both axes of a 2 x 2 mesh (one ring over the flattened group);
+    # grouped-query attention with the heads split beside the sequence; a boolean mask that is not causal
+    out["two axes ring=True"] = _ring_direct((2, 2), ("s", "s"))
+    out["gqa heads split ring=True"] = _ring_direct((2, 2), ("h", "s"), kv_heads=H)
+    out["bool mask ring=True"] = _ring_direct((2, 2), ("b", "s"), mask="bool")
     return out
 
 
-def _ring_two_axes() -> dict[str, Any]:
-    """``ring_sdpa`` on DTensors whose sequence is split over both axes of a 2 x 2 mesh (causal, balanced):
-    one ring over the flattened group, against the attention written out on the whole sequence."""
+def _ring_direct(mesh_shape: tuple[int, ...], placements: tuple[str, ...], kv_heads: int = H,
+                 mask: str = "causal") -> dict[str, Any]:
+    """``ring_sdpa`` on DTensors of ``B x 2H heads x 4S x D`` laid out by ``placements`` on a mesh of
+    ``mesh_shape`` ("b", "h", "s": ``Shard`` of the batch, heads or sequence; "r": replicated), against
+    PyTorch's attention of the whole tensors: the loss, every input's gradient, and how many attentions
+    ran by the ring (not the fallback that gathers the keys). ``kv_heads`` K/V heads for the 2H query heads;
+    ``mask``: "causal" or "bool" (a boolean mask of every query and key that is not causal: the
+    ring adds it to each block's scores)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import shardplan.torch.ring as ring_module
-    from shardplan.torch.ring import attention_reference, ring_sdpa
+    from shardplan.torch.ring import ring_sdpa
     from shardplan.torch.run import _sdpa
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("m0", "m1"))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"m{i}" for i in range(len(mesh_shape))))
+    pl = [{"b": Shard(0), "h": Shard(1), "s": Shard(2), "r": Replicate()}[c] for c in placements]
     gen = torch.Generator().manual_seed(3)
-    q, k, v, w = (torch.randn(B, H, 4 * S, D, generator=gen) for _ in range(4))
+    n, heads = 4 * S, 2 * H
+    q, w = (torch.randn(B, heads, n, D, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, kv_heads, n, D, generator=gen) for _ in range(2))
+    kw: dict[str, Any] = {"enable_gqa": kv_heads != heads}
+    if mask == "causal":
+        kw["is_causal"] = True
+    else:
+        kw["attn_mask"] = (torch.arange(n)[:, None] + 2 * torch.arange(n)[None, :]) % 5 != 0
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = (torch.tanh(attention_reference(qr, kr, vr, True)) * w).sum()
+    ref = (torch.tanh(F.scaled_dot_product_attention(qr, kr, vr, **kw)) * w).sum()
     ref.backward()
-    qd, kd, vd = (distribute_tensor(t.clone().requires_grad_(), mesh, [Shard(2), Shard(2)]) for t in (q, k, v))
+    qd, kd, vd = (distribute_tensor(t.clone().requires_grad_(), mesh, pl) for t in (q, k, v))
     calls: list[int] = []
     inner = ring_module.ring_attention_sharded
-    ring_module.ring_attention_sharded = lambda *a, **kw: calls.append(1) or inner(*a, **kw)
+    ring_module.ring_attention_sharded = lambda *a, **k_: calls.append(1) or inner(*a, **k_)
     try:
-        out = ring_sdpa(qd, kd, vd, is_causal=True, fallback=_sdpa)
+        out = ring_sdpa(qd, kd, vd, fallback=_sdpa, **kw)
     finally:
         ring_module.ring_attention_sharded = inner
     loss = (torch.tanh(out.full_tensor()) * w).sum()
     loss.backward()
     err = max(float((a.grad.full_tensor() - b.grad).abs().max()) / float(b.grad.abs().max())
               for a, b in ((qd, qr), (kd, kr), (vd, vr)))
-    return {"rel_loss": abs(float(loss) - float(ref)) / abs(float(ref)), "rel_grad": err, "ring_calls": len(calls),
-            "placements": [str(p) for p in out.placements]}
+    return {"rel_loss": abs(float(loss) - float(ref)) / abs(float(ref)), "rel_grad": err, "ring_calls": len(calls)}
 
 
 def _ring_plan(world: int) -> dict[str, Any]:
@@ -432,8 +448,9 @@ def test_the_runner_runs_the_ring_where_the_plan_says_and_gathers_no_keys(result
     _ok(r)
     for x in r.values():
         assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
-    assert len(r) == 7 and r["gqa ring=True"]["all_gathers"] == 0
-    assert r["two axes ring=True"]["ring_calls"] == 1, r  # not the fallback that gathers the keys
+    assert len(r) == 9 and r["gqa ring=True"]["all_gathers"] == 0
+    for case in ("two axes", "gqa heads split", "bool mask"):  # not the fallback that gathers the keys
+        assert r[f"{case} ring=True"]["ring_calls"] == 1, r
     assert r["batch=2 ring=True"]["mesh"] == [2, 2] and r["batch=1 ring=True"]["mesh"] == [4]
     # without the ring the keys and the values are gathered before attention (and their gradients scattered back)
     for split in (1, 2):
