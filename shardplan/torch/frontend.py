@@ -718,7 +718,10 @@ def _const_causal(mask_node: Any, lq: int, s: int) -> bool:
         return False
     key = ("shardplan_causal", lq, s)
     if key not in meta:
-        meta[key] = is_causal_mask(_const_value(mask_node), lq, s)
+        try:
+            meta[key] = is_causal_mask(_const_value(mask_node), lq, s)
+        except Exception:  # noqa: BLE001  (a value that cannot be compared: the mask stays a general one)
+            meta[key] = False
     return bool(meta[key])
 
 

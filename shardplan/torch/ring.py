@@ -240,10 +240,12 @@ def is_causal_mask(mask: Any, lq: int, s: int) -> bool:
     """Whether ``mask`` (boolean: True keeps; additive: 0 keeps, -inf or the dtype's lowest value drops) keeps
     exactly the points key <= query of ``lq == s`` queries and keys, the same for every batch and head (its
     last two axes ``(lq, s)``): the mask Hugging Face builds for causal attention under ``torch.export``,
-    which the causal kernel (``is_causal``) computes without reading it."""
+    which the causal kernel (``is_causal``) computes without reading it. A tensor without values (the meta
+    device) is not known to be one."""
     import torch
 
-    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or tuple(mask.shape[-2:]) != (lq, s) or lq != s:
+    if (not isinstance(mask, torch.Tensor) or mask.is_meta or mask.dim() < 2 or tuple(mask.shape[-2:]) != (lq, s)
+            or lq != s):
         return False
     keep = torch.ones(lq, s, dtype=torch.bool, device=mask.device).tril()
     if mask.dtype == torch.bool:

@@ -168,3 +168,19 @@ def test_values_of_another_width_stay_one_generic_attention():
     (op,) = [op for op in graph.operators if op.kind == "attention"]
     assert op.extents == {"b": 2, "h": 4, "l": 16, "s": 16, "e": 8, "f": 6}
     assert op.backward_flops is None and op.causal is None
+
+
+def test_a_mask_without_values_is_not_taken_for_causal():
+    """On the meta device a constant mask has no values: the core is charged the whole domain."""
+    n = 8
+    assert not is_causal_mask(torch.ones(n, n, dtype=torch.bool, device="meta").tril(), n, n)
+
+    class Meta(nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    q = torch.empty(1, 2, n, 4, device="meta")
+    graph, _ = trace(Meta(), (q, q, q))
+    (op,) = [op for op in graph.operators if op.kind == "attn_flash"]
+    assert op.causal is None
