@@ -319,6 +319,20 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
     return DTensor.from_local(_dense(y), mesh, q_pl, run_check=False)
 
 
+def _as_causal(fn: Any) -> Any:
+    """``fn`` (``scaled_dot_product_attention`` or its run here) called with ``is_causal`` and no mask, for an
+    attention the frontend described causal: its flag was set, or its mask is a constant of the program that
+    kept exactly key <= query at trace time (the constant depends on the shapes only, which the run checks:
+    :func:`check_same_program`). The causal kernel then skips the masked blocks, as the cost model charges,
+    where the mask would make it compute them all."""
+
+    def call(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+             scale: float | None = None, enable_gqa: bool = False) -> Any:
+        return fn(q, k, v, None, dropout_p, True, scale, enable_gqa)
+
+    return call
+
+
 def _dense_grad(t: Any) -> Any:
     """``t``, its gradient made row-major (:func:`_dense`): the fused attention kernel returns gradients in its own memory
     order, and DTensor, which takes a local tensor's strides for the global ones, then plans a view of the
@@ -1170,6 +1184,8 @@ def _make_class() -> Any:
             fn = _REWRITES.get(str(fn), fn)
             if ring:
                 fn = functools.partial(ring_sdpa, fallback=fn)
+            if str(node.target) == SDPA and op_name is not None and prog.graph[op_name].causal is not None:
+                fn = _as_causal(fn)
             if _has_dtensor(args) or _has_dtensor(kwargs):
                 rep = lambda x: self._replicate(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
                 args = [_tree_map(rep, a) for a in args]

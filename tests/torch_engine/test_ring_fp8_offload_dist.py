@@ -287,6 +287,8 @@ def _hf_ring(world: int) -> dict[str, Any]:
 
     import shardplan.torch as st
     import shardplan.torch.ring as ring_module
+    from shardplan.torch import run
+    from shardplan.torch.ring import SDPA
 
     seq = 64
     cfg = LlamaConfig(vocab_size=torch_cases.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -310,17 +312,28 @@ def _hf_ring(world: int) -> dict[str, Any]:
         calls.append(positions is not None)
         return inner(q, k, v, group, positions, scale, bias)
 
+    seen: list[list[bool]] = []  # per attention without the ring: (no mask, the causal flag) as the kernel gets them
+    plain = run._REWRITES[SDPA]
+
+    def watched(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        seen.append([attn_mask is None, bool(is_causal)])
+        return plain(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
     ring_module.ring_attention_sharded = counted  # this worker process only
+    run._REWRITES[SDPA] = watched
     try:
         for ring in (True, False):
             calls.clear()
+            seen.clear()
             pm = st.apply(plan, torch_cases._clone(model), batch, mesh)
             pm.choices = dataclasses.replace(pm.choices, ring=ring)
             loss = pm(*batch)
             loss.backward()
-            out[f"ring={ring}"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "ring_calls": list(calls)}
+            out[f"ring={ring}"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "ring_calls": list(calls),
+                                   "sdpa_calls": list(seen)}
     finally:
         ring_module.ring_attention_sharded = inner
+        run._REWRITES[SDPA] = plain
     return out
 
 
@@ -481,6 +494,8 @@ def test_a_hugging_face_llama_planned_with_the_ring_runs_it_as_unsharded(results
     (split,) = r["attention_splits"]
     assert split["s"] > 1 and split["t"] == split["k"] == 1, split
     assert r["ring=True"]["ring_calls"] == [True] and r["ring=False"]["ring_calls"] == [], r
+    # without the ring the kernel gets the causal flag, not the library's mask: it skips the masked blocks
+    assert r["ring=False"]["sdpa_calls"] == [[True, True]] and r["ring=True"]["sdpa_calls"] == [], r
     for x in (r["ring=True"], r["ring=False"]):
         assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
 
