@@ -261,10 +261,14 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
     the query heads are split finer than the K/V heads, the whole K/V heads,
     repeated to the query heads and cut to the device's);
     of the mask, each of its axes cut as the dimension it broadcasts to. A
-    causal attention with the queries split becomes an explicit mask of the
-    device's rows ``r0 + i`` (key ``j`` kept where ``j <= r0 + i``, PyTorch's
-    top-left alignment). Gradients: ``k`` and ``v`` are partial sums over the
-    axes that split the queries (and the heads, where they were repeated).
+    causal attention with the queries split reads the keys up to its last row
+    ``r0 + n`` under PyTorch's lower-right causal bias (``causal_lower_right``:
+    row ``r0 + i`` keeps key ``j <= r0 + i``, PyTorch's top-left alignment of
+    the whole; the fused kernels take it without a mask tensor and skip the
+    masked blocks); beside an explicit mask (or where the bias cannot be made:
+    :func:`_lower_right`), an explicit mask of the rows.
+    Gradients: ``k`` and ``v`` are partial sums over the axes that split the
+    queries (and the heads, where they were repeated).
     Operands laid out otherwise are first laid out so; under the plan nothing
     moves. DTensor would run the math kernel's matmuls and softmax one by one,
     each through its sharding propagation, which on a mesh of 3 axes takes
@@ -308,7 +312,12 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
         else:
             mask = attn_mask[tuple(slice(start[d], start[d] + size[d]) if cuts[d] else slice(None)
                                    for d in range(lead, 3))]
-    if is_causal and 2 in split:
+    last = start[2] + size[2]  # the keys after this device's last query are masked from all its rows
+    bias = _lower_right(size[2], last) if is_causal and 2 in split and mask is None and last <= k.shape[2] else None
+    if bias is not None:
+        kl, vl = kl[:, :, :last], vl[:, :, :last]
+        mask, is_causal = bias, False
+    elif is_causal and 2 in split:
         rows = torch.arange(start[2], start[2] + size[2], device=ql.device).unsqueeze(-1)
         keep = torch.arange(k.shape[2], device=ql.device) <= rows
         mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool else
@@ -317,6 +326,18 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
     y = F.scaled_dot_product_attention(ql, kl, vl, mask, dropout_p, is_causal, scale=scale,
                                        enable_gqa=enable_gqa and kl.shape[1] != ql.shape[1])
     return DTensor.from_local(_dense(y), mesh, q_pl, run_check=False)
+
+
+def _lower_right(n: int, keys: int) -> Any:
+    """PyTorch's lower-right causal bias of ``n`` queries over ``keys`` keys, or None where a dispatch mode
+    that is active (``CommDebugMode``, say) will not let its tensor subclass be made (then the caller masks
+    the rows explicitly)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    try:
+        return causal_lower_right(n, keys)
+    except RuntimeError:
+        return None
 
 
 def _as_causal(fn: Any) -> Any:
