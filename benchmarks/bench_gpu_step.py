@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 GEMM_KINDS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "dot"})
-ATTENTION_KINDS = frozenset({"attention", "flash_attention"})
+ATTENTION_KINDS = frozenset({"attention", "attn_flash", "flash_attention"})
 
 
 def pass_seconds(tokens: int, n: int, k: int, machine: Any) -> dict[str, float]:

@@ -124,13 +124,14 @@ _KIND_HINTS: Mapping[str, Mapping[str, str]] = {
     "conv": {"b": "batch", "c": "in", "n": "out", "g": "groups", "h": "height", "w": "width", "z": "depth",
              "r": "kh", "s": "kw", "t": "kd"},
     "attention": {"h": "heads", "l": "seq", "s": "seq_kv", "e": "head_dim", "f": "head_dim_v"},
+    "attn_flash": {"h": "heads", "r": "group", "s": "seq", "t": "seq_kv", "k": "head_dim"},
 }
 
 
 def description_hints(op: Operator) -> dict[str, str]:
     """Labels that follow from an operator's description alone (no primitive at hand).
 
-    A convolution's and an attention's fixed letters (``bchwnrs``, ``bhlsef``); an operator with a
+    A convolution's and an attention's fixed letters (``bchwnrs``, ``bhlsef``, fused ``bhrskt``); an operator with a
     weight: a dimension of the weight that is summed over is ``in`` (``vocab`` for an embedding
     lookup) and one that indexes the weight and the output but no input is ``out`` (``embed`` for a
     lookup).

@@ -662,16 +662,131 @@ def _cross_entropy(ctx: _Ctx, node: Any, vals: list) -> None:
     ctx.emit(node, op, [((0,), logits, "logits"), ((1,), labels, "labels")])
 
 
+def _sdpa_arg(node: Any, i: int, name: str, default: Any) -> Any:
+    """Argument ``i`` (keyword ``name``) of an ATen call node, ``default`` when absent."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _const_value(node: Any) -> Any:
+    """The tensor a constant FX node computes, or None where it cannot be had at trace time.
+
+    Every node before it in graph order that reads no placeholder runs, as the run runs the constants
+    (a mask built from ``arange`` and comparisons, Hugging Face's causal mask under ``torch.export``, is
+    one: its ``vmap`` levels are opened and closed by nodes of their own, which run too). A failure gives
+    None, and vmap levels left open by it are closed."""
+    import operator
+
+    import torch
+
+    if not isinstance(node, torch.fx.Node):
+        return None
+    env: dict[Any, Any] = {}
+    read = lambda a: env[a] if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    depth = 0
+    try:
+        for n in node.graph.nodes:
+            if n.op not in ("get_attr", "call_function") or any(a not in env for a in n.all_input_nodes):
+                if n is node:
+                    return None
+                continue
+            if n.op == "get_attr":  # a copy: an in-place node must not change the program's constant
+                v = operator.attrgetter(n.target)(node.graph.owning_module)
+                env[n] = v.clone() if isinstance(v, torch.Tensor) else v
+            else:
+                env[n] = n.target(*torch.fx.node.map_aggregate(n.args, read),
+                                  **torch.fx.node.map_aggregate(n.kwargs, read))
+                name = getattr(n.target, "__name__", "")
+                depth += (name == "_vmap_increment_nesting") - (name == "_vmap_decrement_nesting")
+            if n is node:
+                out = env[n]
+                return out if isinstance(out, torch.Tensor) else None
+        return None
+    except Exception:  # noqa: BLE001  (any failure: the mask stays a general one)
+        return None
+    finally:
+        for _ in range(max(depth, 0)):
+            torch._C._functorch._vmap_decrement_nesting()
+
+
+def _const_causal(mask_node: Any, lq: int, s: int) -> bool:
+    """:func:`shardplan.torch.ring.is_causal_mask` of a constant mask node's value (:func:`_const_value`),
+    kept in the node's ``meta`` so that the layers that read one mask evaluate it once."""
+    from shardplan.torch.ring import is_causal_mask
+
+    meta = getattr(mask_node, "meta", None)
+    if meta is None:
+        return False
+    key = ("shardplan_causal", lq, s)
+    if key not in meta:
+        try:
+            meta[key] = is_causal_mask(_const_value(mask_node), lq, s)
+        except Exception:  # noqa: BLE001  (a value that cannot be compared: the mask stays a general one)
+            meta[key] = False
+    return bool(meta[key])
+
+
 @register("aten.scaled_dot_product_attention.default")
 def _sdpa(ctx: _Ctx, node: Any, vals: list) -> None:
-    """Attention ``y[b,h,l,f] = sum_s softmax_s(sum_e q[b,h,l,e] k[b,h,s,e]) v[b,h,s,f]``.
+    """``softmax(q k^T * scale + mask) v`` as the fused kernel PyTorch runs (FlashAttention, memory-efficient
+    or cuDNN attention: the scores never reach HBM), described by :func:`shardplan.ops.flash_attention`.
+
+    ``q`` is ``(b, H, l, e)``, ``k``, ``v`` are ``(b, G, s, e)``; the dims are flash attention's ``b h s k`` +
+    ``t``: batch, heads, queries ``s``, features ``k``, keys ``t`` (the key sequence and the features fixed:
+    a device computes whole softmax rows; keys and values split along the sequence by their producers
+    reach it gathered, or by the ring: :mod:`shardplan.cost.ring`). Grouped-query attention (``G < H``,
+    ``enable_gqa``): ``h`` counts the K/V heads and a fixed ``r = H / G`` the query heads of each, the query
+    head axis the merged ``(h, r)`` (query head ``i`` reads K/V head ``i // r``, PyTorch's order), so a split
+    of the heads splits the K/V heads with their queries. K/V heads expanded before the call (Hugging
+    Face's ``repeat_kv``) are ``G = H``: the kernel reads them so.
+
+    The mask: ``is_causal`` (queries and keys of one length), or a constant mask whose value at trace time
+    keeps exactly key <= query (Hugging Face builds one under ``torch.export``), is
+    :class:`~shardplan.ir.Causal`: the kernel skips the masked blocks. Any other mask is charged the whole
+    domain: a constant one is free, a computed one is a fourth input read per query row (no gradient);
+    the kernels that take a mask do the full work. Keys and values of another shape (``e`` != the value
+    width) are one generic attention (:func:`_sdpa_general`).
+    """
+    q, k, v = vals[0], vals[1], vals[2]
+    mask = _at(vals, 3)
+    b, h, lq, e = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    if tuple(k.shape) != tuple(v.shape) or h % kv or k.shape[0] != b:
+        return _sdpa_general(ctx, node, vals)
+    causal = bool(_sdpa_arg(node, 5, "is_causal", False)) and lq == s
+    live = _live(mask)
+    if not live and isinstance(mask, Val) and mask.kind == "const" and not causal:
+        causal = _const_causal(_sdpa_arg(node, 3, "attn_mask", None), lq, s)
+    r = h // kv
+    qref = ctx.ref(q)
+    query = "bhrsk" if r > 1 else "bhsk"
+    fake = TensorRef(qref.name, (b, kv, r, lq, e) if r > 1 else (b, h, lq, e), qref.is_input, qref.needs_grad)
+    op = ops.flash_attention(ctx.name_for(node), fake, ctx.ref(k), ctx.ref(v), query, "bhtk", causal=causal)
+    heads = AxisMap("h", inner=("r",)) if r > 1 else AxisMap("h")
+    four = (AxisMap("b"), heads, AxisMap("s"), AxisMap("k"))
+    ts = [dataclasses.replace(op.inputs[0], shape=(b, h, lq, e), axes=four), *op.inputs[1:]]
+    operands = [((0,), q, "q"), ((1,), k, "k"), ((2,), v, "v")]
+    if live:
+        full = (b, h, lq, s)
+        ms = (1,) * (4 - len(mask.shape)) + tuple(mask.shape)
+        axes = [(heads if i == 1 else AxisMap(ch)) if n == full[i] and n != 1 else AxisMap(None)
+                for i, (ch, n) in enumerate(zip("bhst", ms))]
+        ts.append(Tensor("mask", mask.shape, tuple(axes[4 - len(mask.shape):]), "input", needs_grad=False,
+                         src=ctx.ref(mask).name))
+        operands.append(((3,), mask, "mask"))
+    out = dataclasses.replace(op.output, shape=(b, h, lq, e), axes=four)
+    fixed = op.fixed | ({"r"} if r > 1 else set())
+    ctx.emit(node, dataclasses.replace(op, inputs=tuple(ts), output=out, fixed=frozenset(fixed)), operands)
+
+
+def _sdpa_general(ctx: _Ctx, node: Any, vals: list) -> None:
+    """Attention ``y[b,h,l,f] = sum_s softmax_s(sum_e q[b,h,l,e] k[b,h,s,e]) v[b,h,s,f]`` whose values have
+    another width than the keys (or K/V heads that do not group the query heads evenly).
 
     One vertex with dims ``b h l s e f``; work 2(E + F) per (b,h,l,s), i.e.
     ``2(E+F)/(E F)`` per point. ``s`` (keys) is normalised over. ``e``, ``s``
     and ``f`` are fixed: the run computes attention on each device's tiles of
     batch, heads and queries, the keys whole (``shardplan.torch.run._sdpa``).
-    With grouped-query attention (fewer K/V heads) the K/V head axis is read
-    whole.
+    With fewer K/V heads the K/V head axis is read whole.
     """
     q, k, v = vals[0], vals[1], vals[2]
     mask = _at(vals, 3)

@@ -45,6 +45,7 @@ __all__ = [
     "deal",
     "deal_routes",
     "device_work",
+    "is_causal_mask",
     "ring_applies",
     "ring_attention_sharded",
     "ring_kv_placements",
@@ -111,13 +112,20 @@ def _keep(positions: Any, me: int, src: int) -> Any:
     return positions[me][:, None] >= positions[src][None, :]
 
 
+def _columns(bias: Any, src: int, n: int) -> Any:
+    """The additive mask of block ``src``'s keys (contiguous blocks of ``n``): columns ``src n`` to
+    ``(src + 1) n`` of ``bias`` (this rank's query rows, every key); 0 without one."""
+    return 0.0 if bias is None else bias[..., src * n:(src + 1) * n]
+
+
 @functools.cache
 def _make_function() -> Any:
     import torch
 
     class RingAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, q: Any, k: Any, v: Any, group: Any, positions: Any, scale: float) -> Any:
+        def forward(ctx: Any, q: Any, k: Any, v: Any, group: Any, positions: Any, scale: float,
+                    bias: Any = None) -> Any:
             me, g, nxt, prv = _peers(group)
             b, h, n, _ = q.shape
             m = q.new_full((b, h, n), NEG)
@@ -130,7 +138,7 @@ def _make_function() -> Any:
                     got, reqs = _shift(_pack(kb, vb), nxt, prv, group)
                 keep = None if positions is None else _keep(positions, me, src)
                 if keep is None or bool(keep.any()):  # a block the mask hides entirely adds nothing
-                    s = torch.matmul(q, kb.transpose(-1, -2)) * scale
+                    s = torch.matmul(q, kb.transpose(-1, -2)) * scale + _columns(bias, src, kb.shape[2])
                     if keep is not None:
                         s = s.masked_fill(~keep, NEG)
                     new = torch.maximum(m, s.amax(dim=-1))
@@ -147,7 +155,7 @@ def _make_function() -> Any:
             out = acc / den.unsqueeze(-1)
             lse = m + torch.log(den)
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.group, ctx.positions, ctx.scale = group, positions, scale
+            ctx.group, ctx.positions, ctx.scale, ctx.bias = group, positions, scale, bias
             return out
 
         @staticmethod
@@ -166,7 +174,7 @@ def _make_function() -> Any:
                     got, reqs = _shift(_pack(kb, vb), nxt, prv, group)
                 keep = None if positions is None else _keep(positions, me, src)
                 if keep is None or bool(keep.any()):
-                    s = torch.matmul(q, kb.transpose(-1, -2)) * scale
+                    s = torch.matmul(q, kb.transpose(-1, -2)) * scale + _columns(ctx.bias, src, kb.shape[2])
                     p = torch.exp(s - lse.unsqueeze(-1))
                     if keep is not None:
                         p = p.masked_fill(~keep, 0.0)
@@ -181,27 +189,30 @@ def _make_function() -> Any:
                 if step + 1 < g:
                     _wait(reqs)
                     kb, vb = _unpack(got, (kb, vb))
-            return dq, dkb, dvb, None, None, None
+            return dq, dkb, dvb, None, None, None, None
 
     return RingAttention
 
 
 def __getattr__(name: str) -> Any:
     """``RingAttention``: the ``torch.autograd.Function`` of the ring (module docstring), built when first asked
-    for so that importing this module needs no torch: ``RingAttention.apply(q, k, v, group, positions, scale)``,
-    ``positions`` a (g, n) int64 tensor of the sequence positions each rank holds (None: no mask)."""
+    for so that importing this module needs no torch: ``RingAttention.apply(q, k, v, group, positions, scale,
+    bias)``, ``positions`` a (g, n) int64 tensor of the sequence positions each rank holds (None: no causal
+    mask), ``bias`` None or an additive mask of this rank's query rows over every key (contiguous blocks)."""
     if name == "RingAttention":
         return _make_function()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def ring_attention_sharded(q: Any, k: Any, v: Any, group: Any = None, positions: np.ndarray | None = None,
-                           scale: float | None = None) -> Any:
+                           scale: float | None = None, bias: Any = None) -> Any:
     """Attention of this rank's (batch, heads, n, dim) blocks, the sequence split over ``group`` (default: the
     world) by the ring (module docstring); rank i's block holds the positions ``positions[i]`` (what a data
     loader that balances the sequence delivers: :func:`balanced_positions`), None: no mask. Equal to the rows
     ``positions[i]`` of :func:`attention_reference` of the whole sequence, values and gradients (the key and
-    value gradients are those of this rank's block)."""
+    value gradients are those of this rank's block). ``bias``: an additive mask (no gradient) of this rank's
+    query rows over all ``g n`` keys, broadcastable to ``(batch, heads, n, g n)``, the blocks contiguous
+    (``positions`` None); entries of -inf count as :data:`NEG`."""
     import torch
     import torch.distributed as dist
 
@@ -214,22 +225,53 @@ def ring_attention_sharded(q: Any, k: Any, v: Any, group: Any = None, positions:
             raise ShardplanError(f"positions of shape {tuple(pos.shape)} for {g} ranks of {q.shape[2]} queries "
                                  f"and {k.shape[2]} keys")
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _make_function().apply(q, k, v, group, pos, sc)
+    if bias is not None:
+        if pos is not None or bias.shape[-1] != g * k.shape[2]:
+            raise ShardplanError(f"an additive mask of {bias.shape[-1]} keys beside a causal mask or for {g} "
+                                 f"blocks of {k.shape[2]} keys")
+        bias = bias.detach().to(q.dtype).clamp(min=NEG)
+    return _make_function().apply(q, k, v, group, pos, sc, bias)
 
 
 SDPA = "aten.scaled_dot_product_attention.default"
 
 
+def is_causal_mask(mask: Any, lq: int, s: int) -> bool:
+    """Whether ``mask`` (boolean: True keeps; additive: 0 keeps, -inf or the dtype's lowest value drops) keeps
+    exactly the points key <= query of ``lq == s`` queries and keys, the same for every batch and head (its
+    last two axes ``(lq, s)``): the mask Hugging Face builds for causal attention under ``torch.export``,
+    which the causal kernel (``is_causal``) computes without reading it. A tensor without values (the meta
+    device) is not known to be one."""
+    import torch
+
+    if (not isinstance(mask, torch.Tensor) or mask.is_meta or mask.dim() < 2 or tuple(mask.shape[-2:]) != (lq, s)
+            or lq != s):
+        return False
+    keep = torch.ones(lq, s, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        got = mask
+    elif mask.is_floating_point():
+        low = torch.finfo(mask.dtype).min
+        if not bool(((mask == 0) | (mask <= low) | torch.isneginf(mask)).all()):
+            return False
+        got = mask == 0
+    else:
+        return False
+    return bool((got == keep).all())
+
+
 def ring_applies(q_placements: Any, kv: Any) -> bool:
     """Whether the ring replaces a gather: some mesh axis splits the queries (``Shard(2)`` in ``q_placements``,
-    as planned) and every key and value operand (``kv``, as its producer left it) is a DTensor split along the
-    sequence on each such axis, one block per rank (the cost model's condition that the producer's tiles
-    scatter the input over the ring's group). Keys already gathered by their producer's layout stay so: the
-    ring would only add the gradient's gather."""
+    as planned) and every key and value operand (``kv``, as its producer left it) is a DTensor split on each
+    such axis, each rank of the ring's group holding its own part (the cost model's condition that the
+    producer's tiles scatter the input over the ring's group, :func:`shardplan.cost.ring.ring_choices`; a
+    part split otherwise than along the sequence is first laid out so, a redistribution inside the group).
+    Keys already gathered by their producer's layout stay so: the ring would only add the gradient's
+    gather."""
     from torch.distributed.tensor import DTensor, Shard
 
     axes = [i for i, pl in enumerate(q_placements) if pl == Shard(2)]
-    return bool(axes) and all(isinstance(x, DTensor) and all(x.placements[i] == Shard(2) for i in axes) for x in kv)
+    return bool(axes) and all(isinstance(x, DTensor) and all(x.placements[i].is_shard() for i in axes) for x in kv)
 
 
 def ring_kv_placements(q_placements: Any, kv_placements: Any) -> tuple[Any, ...]:
@@ -316,46 +358,71 @@ def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 
     """``scaled_dot_product_attention`` on DTensors by the ring where it applies, else ``fallback`` (the same
     arguments; :func:`shardplan.torch.run._sdpa`: keys gathered, each device's query tile).
 
-    It applies when exactly one mesh axis splits the queries (``Shard(2)`` of ``q``), ``k`` and ``v`` have as
-    many heads as ``q`` (or fewer, grouped-query attention, with the heads not split: each K/V head is
-    repeated to its query heads on the device), and there is no explicit mask and no dropout: ``k`` and ``v``
-    are laid out like ``q``
-    (the sequence split on that axis: :func:`ring_kv_placements`), and each rank runs
-    :func:`ring_attention_sharded` on its local blocks over that axis's process group. DTensor's ``Shard``
-    holds contiguous blocks, so a causal mask runs with the contiguous positions (``balanced=False``); the
-    load-balanced order is a data order (:func:`balanced_positions`), which the ring function takes but this
-    layout does not give: with ``balanced`` (and blocks of even length) a causal attention first deals the
-    blocks into it (:func:`deal`: each rank sends its two half blocks of ``q``, ``k``, ``v`` to their
-    balanced owners, and the output comes back the same way), so that every rank does the same masked
-    work; else it runs the contiguous positions. Each operand's gradient is its own block's (nothing
-    partial)."""
-    from torch.distributed.tensor import DTensor, Shard
+    It applies when mesh axes split the queries (``Shard(2)`` of ``q``; several axes, of a mesh with named
+    axes, form one ring over their flattened group, in DTensor's row-major order of the blocks), ``k`` and
+    ``v`` have as
+    many heads as ``q`` or fewer (grouped-query attention: the heads whole, or split so that each device's
+    query heads read its own K/V heads, the frontend's merged head axis; each K/V head is repeated to its
+    query heads on the device), the mask needs no gradient and there is no dropout: ``k`` and ``v`` are
+    laid out like ``q`` (the sequence split on that axis: :func:`ring_kv_placements`), and each rank runs
+    :func:`ring_attention_sharded` on its local blocks over that group.
 
+    A mask that keeps exactly key <= query (:func:`is_causal_mask`: Hugging Face's, under ``torch.export``)
+    runs as ``is_causal``. DTensor's ``Shard`` holds contiguous blocks, so a causal mask runs with the
+    contiguous positions (``balanced=False``); the load-balanced order is a data order
+    (:func:`balanced_positions`), which the ring function takes but this layout does not give: with
+    ``balanced`` (and blocks of even length) a causal attention first deals the blocks into it (:func:`deal`:
+    each rank sends its two half blocks of ``q``, ``k``, ``v`` to their balanced owners, and the output comes
+    back the same way), so that every rank does the same masked work; else it runs the contiguous positions.
+    Any other mask is added to each block's scores: this device's rows of it, every key (a DTensor mask is
+    gathered first). Each operand's gradient is its own block's (nothing partial)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    whole = attn_mask
+    if isinstance(attn_mask, DTensor):  # a constant the run replicated: every device holds all of it
+        whole = attn_mask.to_local() if all(pl.is_replicate() for pl in attn_mask.placements) else None
+    if attn_mask is not None and not is_causal and is_causal_mask(whole, q.shape[2], k.shape[2]):
+        attn_mask, is_causal = None, True  # the constant mask of key <= query: the causal kernel's
     if not isinstance(q, DTensor) or not isinstance(k, DTensor) or not isinstance(v, DTensor):
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     mesh = q.device_mesh
     axes = [i for i, pl in enumerate(q.placements) if pl == Shard(2) and mesh.size(i) > 1]
-    heads_split = any(pl == Shard(1) for pl in q.placements)
+    head_ways = math.prod(mesh.size(i) for i, pl in enumerate(q.placements) if pl == Shard(1))
     grouped = k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]
-    if (len(axes) != 1 or attn_mask is not None or dropout_p or k.shape[2] != q.shape[2]
-            or (grouped and (heads_split or q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]))
+    if (not axes or (len(axes) > 1 and mesh.mesh_dim_names is None) or dropout_p or k.shape[2] != q.shape[2]
+            or (attn_mask is not None and attn_mask.requires_grad)
+            or (grouped and (q.shape[1] % k.shape[1] or k.shape[1] % head_ways or k.shape[1] != v.shape[1]))
             or any(isinstance(pl, Shard) and pl.dim == 3 for pl in q.placements)):
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     import torch.distributed as dist
 
-    axis = axes[0]
-    group = mesh.get_group(axis)
-    if dist.get_rank(group) != mesh.get_coordinate()[axis]:  # the group's ranks are not in the mesh's order
+    ring = mesh if len(axes) == 1 else mesh[tuple(mesh.mesh_dim_names[i] for i in axes)]._flatten()
+    group = ring.get_group(axes[0] if len(axes) == 1 else 0)
+    coord = mesh.get_coordinate()
+    index = 0
+    for i in axes:  # this rank's block: DTensor's row-major order over the axes
+        index = index * mesh.size(i) + coord[i]
+    if dist.get_rank(group) != index:  # the group's ranks are not in the blocks' order
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     pl = tuple(q.placements)
     k, v = (t if tuple(t.placements) == pl else t.redistribute(mesh, pl) for t in (k, v))
     ql, kl, vl = (t.to_local(grad_placements=pl) for t in (q, k, v))
-    if grouped:  # grouped-query attention, the heads whole: each K/V head repeated to its query heads
-        kl, vl = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (kl, vl))
-    g, n = mesh.size(axis), ql.shape[2]
-    if is_causal and balanced and n % 2 == 0:
-        import torch
-
+    if grouped:  # grouped-query attention: each of this device's K/V heads repeated to its query heads
+        kl, vl = (t.repeat_interleave(ql.shape[1] // kl.shape[1], dim=1) for t in (kl, vl))
+    g, n = dist.get_world_size(group), ql.shape[2]
+    bias = None
+    if attn_mask is not None:  # this device's batch, heads and query rows of the mask, every key
+        m = attn_mask.full_tensor() if isinstance(attn_mask, DTensor) else attn_mask
+        m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
+        size, start = compute_local_shape_and_global_offset(q.shape, mesh, pl)
+        m = m[tuple(slice(start[d], start[d] + size[d]) if m.shape[d] == q.shape[d] != 1 else slice(None)
+                    for d in range(3))]
+        bias = m if m.is_floating_point() else torch.zeros(m.shape, dtype=ql.dtype, device=ql.device).masked_fill(
+            ~m, NEG)
+        out = ring_attention_sharded(ql, kl, vl, group, None, scale, bias)
+    elif is_causal and balanced and n % 2 == 0:
         sizes = (ql.shape[-1], kl.shape[-1], vl.shape[-1])
         ql, kl, vl = deal(torch.cat([ql, kl, vl], dim=-1), group).split(sizes, dim=-1)
         out = ring_attention_sharded(ql, kl, vl, group, balanced_positions(g * n, g), scale)

@@ -78,6 +78,7 @@ A fit plan's memory choices (:func:`shardplan.fit.solve_fit`;
 
 from __future__ import annotations
 
+import math
 import operator as _pyop
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -256,12 +257,18 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
 
     A device's output tile is then PyTorch's own attention of its tiles: of
     ``q``; of ``k``, ``v`` (with grouped-query attention and the heads split,
-    the whole K/V heads, repeated to the query heads and cut to the device's);
+    the device's K/V heads, as the frontend's merged head axis gives them; where
+    the query heads are split finer than the K/V heads, the whole K/V heads,
+    repeated to the query heads and cut to the device's);
     of the mask, each of its axes cut as the dimension it broadcasts to. A
-    causal attention with the queries split becomes an explicit mask of the
-    device's rows ``r0 + i`` (key ``j`` kept where ``j <= r0 + i``, PyTorch's
-    top-left alignment). Gradients: ``k`` and ``v`` are partial sums over the
-    axes that split the queries (and the heads, where they were repeated).
+    causal attention with the queries split reads the keys up to its last row
+    ``r0 + n`` under PyTorch's lower-right causal bias (``causal_lower_right``:
+    row ``r0 + i`` keeps key ``j <= r0 + i``, PyTorch's top-left alignment of
+    the whole; the fused kernels take it without a mask tensor and skip the
+    masked blocks); beside an explicit mask (or where the bias cannot be made:
+    :func:`_lower_right`), an explicit mask of the rows.
+    Gradients: ``k`` and ``v`` are partial sums over the axes that split the
+    queries (and the heads, where they were repeated).
     Operands laid out otherwise are first laid out so; under the plan nothing
     moves. DTensor would run the math kernel's matmuls and softmax one by one,
     each through its sharding propagation, which on a mesh of 3 axes takes
@@ -281,14 +288,16 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
     heads, kv_heads = q.shape[1], k.shape[1]
     split = [pl.dim if isinstance(pl, Shard) and pl.dim < 3 else None for pl in q.placements]
     q_pl = [Shard(d) if d is not None else Replicate() for d in split]
-    kv_pl = [Shard(d) if d == 0 or d == 1 and kv_heads == heads else Replicate() for d in split]
+    head_ways = math.prod(mesh.size(i) for i, d in enumerate(split) if d == 1)
+    kv_split = kv_heads == heads or kv_heads % head_ways == 0  # each device's query heads read its own K/V heads
+    kv_pl = [Shard(d) if d == 0 or d == 1 and kv_split else Replicate() for d in split]
     kv_grad = [pl if pl.is_shard() or d is None else Partial() for pl, d in zip(kv_pl, split)]
     q = q.redistribute(mesh, q_pl) if tuple(q.placements) != tuple(q_pl) else q
     k, v = (t.redistribute(mesh, kv_pl) if tuple(t.placements) != tuple(kv_pl) else t for t in (k, v))
     size, start = compute_local_shape_and_global_offset(q.shape, mesh, q_pl)
     ql = _dense_grad(q.to_local(grad_placements=q_pl))
     kl, vl = (_dense_grad(t.to_local(grad_placements=kv_grad)) for t in (k, v))
-    if kv_heads != heads and 1 in split:  # grouped-query attention, query heads split: this device's K/V heads
+    if not kv_split:  # query heads split finer than the K/V heads: the K/V heads of this device's query heads
         g = heads // kv_heads
         kl, vl = (t.repeat_interleave(g, dim=1)[:, start[1]:start[1] + size[1]] for t in (kl, vl))
     mask = attn_mask
@@ -303,7 +312,12 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
         else:
             mask = attn_mask[tuple(slice(start[d], start[d] + size[d]) if cuts[d] else slice(None)
                                    for d in range(lead, 3))]
-    if is_causal and 2 in split:
+    last = start[2] + size[2]  # the keys after this device's last query are masked from all its rows
+    bias = _lower_right(size[2], last) if is_causal and 2 in split and mask is None and last <= k.shape[2] else None
+    if bias is not None:
+        kl, vl = kl[:, :, :last], vl[:, :, :last]
+        mask, is_causal = bias, False
+    elif is_causal and 2 in split:
         rows = torch.arange(start[2], start[2] + size[2], device=ql.device).unsqueeze(-1)
         keep = torch.arange(k.shape[2], device=ql.device) <= rows
         mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool else
@@ -312,6 +326,32 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
     y = F.scaled_dot_product_attention(ql, kl, vl, mask, dropout_p, is_causal, scale=scale,
                                        enable_gqa=enable_gqa and kl.shape[1] != ql.shape[1])
     return DTensor.from_local(_dense(y), mesh, q_pl, run_check=False)
+
+
+def _lower_right(n: int, keys: int) -> Any:
+    """PyTorch's lower-right causal bias of ``n`` queries over ``keys`` keys, or None where a dispatch mode
+    that is active (``CommDebugMode``, say) will not let its tensor subclass be made (then the caller masks
+    the rows explicitly)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    try:
+        return causal_lower_right(n, keys)
+    except RuntimeError:
+        return None
+
+
+def _as_causal(fn: Any) -> Any:
+    """``fn`` (``scaled_dot_product_attention`` or its run here) called with ``is_causal`` and no mask, for an
+    attention the frontend described causal: its flag was set, or its mask is a constant of the program that
+    kept exactly key <= query at trace time (the constant depends on the shapes only, which the run checks:
+    :func:`check_same_program`). The causal kernel then skips the masked blocks, as the cost model charges,
+    where the mask would make it compute them all."""
+
+    def call(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+             scale: float | None = None, enable_gqa: bool = False) -> Any:
+        return fn(q, k, v, None, dropout_p, True, scale, enable_gqa)
+
+    return call
 
 
 def _dense_grad(t: Any) -> Any:
@@ -1165,6 +1205,8 @@ def _make_class() -> Any:
             fn = _REWRITES.get(str(fn), fn)
             if ring:
                 fn = functools.partial(ring_sdpa, fallback=fn)
+            if str(node.target) == SDPA and op_name is not None and prog.graph[op_name].causal is not None:
+                fn = _as_causal(fn)
             if _has_dtensor(args) or _has_dtensor(kwargs):
                 rep = lambda x: self._replicate(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
                 args = [_tree_map(rep, a) for a in args]

@@ -187,7 +187,56 @@ def _ring_run(world: int) -> dict[str, Any]:
         loss.backward()
     gathers = sum(int(v) for k, v in comm.get_comm_counts().items() if "all_gather" in str(k))
     out["gqa ring=True"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "all_gathers": gathers}
+    # ring_sdpa alone: the sequence split on both axes of a 2 x 2 mesh (one ring over the flattened group);
+    # grouped-query attention with the heads split beside the sequence; a boolean mask that is not causal
+    out["two axes ring=True"] = _ring_direct((2, 2), ("s", "s"))
+    out["gqa heads split ring=True"] = _ring_direct((2, 2), ("h", "s"), kv_heads=H)
+    out["bool mask ring=True"] = _ring_direct((2, 2), ("b", "s"), mask="bool")
     return out
+
+
+def _ring_direct(mesh_shape: tuple[int, ...], placements: tuple[str, ...], kv_heads: int = H,
+                 mask: str = "causal") -> dict[str, Any]:
+    """``ring_sdpa`` on DTensors of ``B x 2H heads x 4S x D`` laid out by ``placements`` on a mesh of
+    ``mesh_shape`` ("b", "h", "s": ``Shard`` of the batch, heads or sequence; "r": replicated), against
+    PyTorch's attention of the whole tensors: the loss, every input's gradient, and how many attentions
+    ran by the ring (not the fallback that gathers the keys). ``kv_heads`` K/V heads for the 2H query heads;
+    ``mask``: "causal" or "bool" (a boolean mask of every query and key that is not causal: the
+    ring adds it to each block's scores)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import shardplan.torch.ring as ring_module
+    from shardplan.torch.ring import ring_sdpa
+    from shardplan.torch.run import _sdpa
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=tuple(f"m{i}" for i in range(len(mesh_shape))))
+    pl = [{"b": Shard(0), "h": Shard(1), "s": Shard(2), "r": Replicate()}[c] for c in placements]
+    gen = torch.Generator().manual_seed(3)
+    n, heads = 4 * S, 2 * H
+    q, w = (torch.randn(B, heads, n, D, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, kv_heads, n, D, generator=gen) for _ in range(2))
+    kw: dict[str, Any] = {"enable_gqa": kv_heads != heads}
+    if mask == "causal":
+        kw["is_causal"] = True
+    else:
+        kw["attn_mask"] = (torch.arange(n)[:, None] + 2 * torch.arange(n)[None, :]) % 5 != 0
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = (torch.tanh(F.scaled_dot_product_attention(qr, kr, vr, **kw)) * w).sum()
+    ref.backward()
+    qd, kd, vd = (distribute_tensor(t.clone().requires_grad_(), mesh, pl) for t in (q, k, v))
+    calls: list[int] = []
+    inner = ring_module.ring_attention_sharded
+    ring_module.ring_attention_sharded = lambda *a, **k_: calls.append(1) or inner(*a, **k_)
+    try:
+        out = ring_sdpa(qd, kd, vd, fallback=_sdpa, **kw)
+    finally:
+        ring_module.ring_attention_sharded = inner
+    loss = (torch.tanh(out.full_tensor()) * w).sum()
+    loss.backward()
+    err = max(float((a.grad.full_tensor() - b.grad).abs().max()) / float(b.grad.abs().max())
+              for a, b in ((qd, qr), (kd, kr), (vd, vr)))
+    return {"rel_loss": abs(float(loss) - float(ref)) / abs(float(ref)), "rel_grad": err, "ring_calls": len(calls)}
 
 
 def _ring_plan(world: int) -> dict[str, Any]:
@@ -209,7 +258,7 @@ def _ring_plan(world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
     plan = st.plan(torch_cases._clone(model), batch, mesh, machine=torch_cases.toy_machine(world), context="ring")
     out: dict[str, Any] = {"attention_splits": [list(c.layout.split) for n, c in plan.operators.items()
-                                                if c.kind == "attention"]}
+                                                if c.kind == "attn_flash"]}
     for ring in (True, False):
         if ring:
             pm = st.apply(plan, torch_cases._clone(model), batch, mesh)
@@ -222,6 +271,69 @@ def _ring_plan(world: int) -> dict[str, Any]:
         gathers = sum(int(v) for k, v in comm.get_comm_counts().items() if "all_gather" in str(k))
         out[f"ring={ring}"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "all_gathers": gathers,
                                "choice": pm.choices.ring}
+    return out
+
+
+def _hf_ring(world: int) -> dict[str, Any]:
+    """A one-layer Hugging Face Llama (grouped-query attention, the K/V heads expanded before the call; its
+    causal mask built by the library under ``torch.export``), one sequence of 64 tokens,
+    ``st.plan(..., context="ring")`` on the toy machine, run by ``st.apply``; against one process, and the
+    same plan run with its keys and values gathered instead (the ring's choice turned off). ``ring_calls``:
+    how many attentions ran by the ring, and with a causal mask (the library's mask recognised)."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import shardplan.torch as st
+    import shardplan.torch.ring as ring_module
+    from shardplan.torch import run
+    from shardplan.torch.ring import SDPA
+
+    seq = 64
+    cfg = LlamaConfig(vocab_size=torch_cases.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, use_cache=False,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = torch_cases.HFLoss(LlamaForCausalLM(cfg))
+    g = torch.Generator().manual_seed(5)
+    batch = tuple(torch.randint(0, torch_cases.VOCAB, (1, seq), generator=g) for _ in range(2))
+    ref = torch_cases._clone(model)
+    loss0 = ref(*batch)
+    loss0.backward()
+    mesh = init_device_mesh("cpu", (world,))
+    plan = st.plan(torch_cases._clone(model), batch, mesh, machine=torch_cases.toy_machine(world), context="ring")
+    attn = [c for c in plan.operators.values() if c.kind == "attn_flash"]
+    out: dict[str, Any] = {"attention_splits": [dict(zip(c.layout.dims, c.layout.split)) for c in attn]}
+    calls: list[bool] = []
+    inner = ring_module.ring_attention_sharded
+
+    def counted(q, k, v, group=None, positions=None, scale=None, bias=None):
+        calls.append(positions is not None)
+        return inner(q, k, v, group, positions, scale, bias)
+
+    seen: list[list[bool]] = []  # per attention without the ring: (no mask, the causal flag) as the kernel gets them
+    plain = run._REWRITES[SDPA]
+
+    def watched(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        seen.append([attn_mask is None, bool(is_causal)])
+        return plain(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    ring_module.ring_attention_sharded = counted  # this worker process only
+    run._REWRITES[SDPA] = watched
+    try:
+        for ring in (True, False):
+            calls.clear()
+            seen.clear()
+            pm = st.apply(plan, torch_cases._clone(model), batch, mesh)
+            pm.choices = dataclasses.replace(pm.choices, ring=ring)
+            loss = pm(*batch)
+            loss.backward()
+            out[f"ring={ring}"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "ring_calls": list(calls),
+                                   "sdpa_calls": list(seen)}
+    finally:
+        ring_module.ring_attention_sharded = inner
+        run._REWRITES[SDPA] = plain
     return out
 
 
@@ -317,6 +429,8 @@ def run_all(name: str, world: int) -> dict[str, Any]:
         return _ring_run(world)
     if name == "ring_plan":
         return _ring_plan(world)
+    if name == "hf_ring":
+        return _hf_ring(world)
     if name == "loaded_plan":
         return _loaded_plan(world)
     return _mlp_run(world, fp8=name == "fp8", offload=name.startswith("offload"), zero3=name == "offload_zero3")
@@ -325,8 +439,8 @@ def run_all(name: str, world: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_ring_fp8") / "results.json"
-    return torch_cases.run_distributed(["ring_fn", "ring_run", "ring_plan", "fp8", "offload", "offload_zero3",
-                                        "loaded_plan"], WORLD, str(out),
+    return torch_cases.run_distributed(["ring_fn", "ring_run", "ring_plan", "hf_ring", "fp8", "offload",
+                                        "offload_zero3", "loaded_plan"], WORLD, str(out),
                                        run_one=run_all)
 
 
@@ -347,7 +461,9 @@ def test_the_runner_runs_the_ring_where_the_plan_says_and_gathers_no_keys(result
     _ok(r)
     for x in r.values():
         assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
-    assert len(r) == 6 and r["gqa ring=True"]["all_gathers"] == 0
+    assert len(r) == 9 and r["gqa ring=True"]["all_gathers"] == 0
+    for case in ("two axes", "gqa heads split", "bool mask"):  # not the fallback that gathers the keys
+        assert r[f"{case} ring=True"]["ring_calls"] == 1, r
     assert r["batch=2 ring=True"]["mesh"] == [2, 2] and r["batch=1 ring=True"]["mesh"] == [4]
     # without the ring the keys and the values are gathered before attention (and their gradients scattered back)
     for split in (1, 2):
@@ -355,17 +471,33 @@ def test_the_runner_runs_the_ring_where_the_plan_says_and_gathers_no_keys(result
 
 
 def test_a_plan_made_with_the_ring_runs_as_planned(results):
-    """The plan's choice reaches the run. The tables price the frontend's attention vertex (three inputs) with
-    its keys gathered, and this plan gathers them at the key and value views already (their sequence whole):
-    the ring would replace no gather there, so the run gathers as planned, as many times as without it."""
+    """The plan's choice reaches the run. The tables offer the ring for the fused core wherever the keys'
+    producers leave them scattered over the query split; this plan (a short sequence of narrow heads)
+    gathers them at the key and value views already (their sequence whole), where the ring would replace no
+    gather, so the run gathers as planned, as many times as without it."""
     r = results["ring_plan"]
     _ok(r)
     (split,) = r["attention_splits"]
-    assert split[2] > 1, split  # the queries are split (dims b h l s e f)
+    assert split[2] > 1, split  # the queries are split (dims b h s k t)
     assert r["ring=True"]["choice"] and not r["ring=False"]["choice"]
     for x in (r["ring=True"], r["ring=False"]):
         assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
     assert r["ring=False"]["all_gathers"] == r["ring=True"]["all_gathers"], r
+
+
+def test_a_hugging_face_llama_planned_with_the_ring_runs_it_as_unsharded(results):
+    """The traced SDPA is the fused core, its mask (built by transformers) causal: the plan made with
+    context="ring" splits its queries, and the run passes keys and values round the ring, causally, with
+    the loss and gradients of one process."""
+    r = results["hf_ring"]
+    _ok(r)
+    (split,) = r["attention_splits"]
+    assert split["s"] > 1 and split["t"] == split["k"] == 1, split
+    assert r["ring=True"]["ring_calls"] == [True] and r["ring=False"]["ring_calls"] == [], r
+    # without the ring the kernel gets the causal flag, not the library's mask: it skips the masked blocks
+    assert r["ring=False"]["sdpa_calls"] == [[True, True]] and r["ring=True"]["sdpa_calls"] == [], r
+    for x in (r["ring=True"], r["ring=False"]):
+        assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
 
 
 def test_fp8_products_equal_the_unsharded_fp8_program(results):

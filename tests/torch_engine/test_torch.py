@@ -69,12 +69,13 @@ def test_attention_norm_and_constants():
     q = torch.ones(2, 4, 8, 16)
     g, info = trace(Attn(), (q, q, q))
     kinds = [op.kind for op in g.operators]
-    assert kinds == ["add", "attention"]
+    assert kinds == ["add", "attn_flash"]  # the fused kernel (shardplan.ops.flash_attention)
     att = g.operators[1]
-    assert att.extents == {"b": 2, "h": 4, "l": 8, "s": 8, "e": 16, "f": 16}
-    assert att.norm_dims == ("s",) and att.fixed == frozenset({"s", "e", "f"})
-    assert att.reduction_dims == ("s", "e")
-    assert att.flops_per_point == pytest.approx(2 * 32 / 256)
+    assert att.extents == {"b": 2, "h": 4, "s": 8, "k": 16, "t": 8}
+    assert att.norm_dims == ("t",) and att.fixed == frozenset({"t", "k"})
+    assert att.reduction_dims == ("t",)
+    assert att.flops_per_point == pytest.approx(4 + 5 / 16) and att.backward_flops == pytest.approx(10 + 4 / 16)
+    assert att.causal is not None and (att.causal.query, att.causal.key) == ("s", "t")
     assert len(info.const_nodes) >= 1
 
 

@@ -79,7 +79,7 @@ def test_fp8_operands_are_the_contraction_with_the_weight(traced):
     ops = {op.name: op for op in graph.operators}
     assert fp8_operands(ops["o/linear_3"]) == {"x0", "w1"}  # input and weight; the bias stays
     assert any(t.name == "bias" for t in ops["o/linear_3"].weights)
-    attn = next(op for op in graph.operators if op.kind == "attention")
+    attn = next(op for op in graph.operators if op.kind == "attn_flash")
     assert fp8_operands(attn) == frozenset()
 
 
