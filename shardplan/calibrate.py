@@ -43,13 +43,14 @@ chose, so that all make the same calls.
   (t_small - 2 (p - 1) / p * b_small / B - t_dispatch) / (2 (p - 1)), where t_dispatch is the time per
   call of the elementwise program on the same bytes (the call's own overhead), floored at 0.
 
-**Attention** (recorded under ``measurements``, no constant): causal scaled dot-product attention
+**Attention**: causal scaled dot-product attention
 (``torch.nn.functional.scaled_dot_product_attention``, ``jax.nn.dot_product_attention``) forward and
-forward + backward at :attr:`Sizes.attention_shapes` (batch b, heads h, sequence s, head dim d): forward
-FLOPs 2 b h s^2 d (the two products' 4 b h s^2 d, half of the scores kept), forward + backward 3.5 times
-that (the backward's five products). The machine model has no attention-efficiency constant: a fused
-attention kernel runs at ``peak_flops * flops_efficiency`` (:mod:`shardplan.cost.fused`), so the rows are
-kept beside that rate, not fitted.
+forward + backward at :attr:`Sizes.attention_shapes` (batch b, heads h, sequence s, head dim d): the rows
+under ``measurements`` give rates at forward FLOPs 2 b h s^2 d (the two products' 4 b h s^2 d, half of the
+scores kept), forward + backward 3.5 times that (the backward's five products). ``attention_efficiency`` =
+the median over the shapes of the cost model's FLOPs of the fused core (:attr:`AttentionPoint.model_flops`)
+/ the forward + backward time / the best product rate: the fraction of ``peak_flops`` the fused kernel
+reaches (:mod:`shardplan.cost.fused`).
 
 One device (or one PyTorch process, no process group) runs no collective: ``bandwidth`` and ``latency``
 are then not measured and the file says so; so does every constant a run cannot measure (CUDA-only
@@ -204,6 +205,17 @@ class AttentionPoint:
     @property
     def forward_backward_rate(self) -> float:
         return 3.5 * self.forward_flops / self.forward_backward_seconds
+
+    @property
+    def model_flops(self) -> float:
+        """The cost model's forward + backward FLOPs of this causal attention as the fused core
+        (:func:`shardplan.ops.flash_attention`): ``(4 + 5/d) + (10 + 4/d)`` per unmasked (query, key,
+        feature) point, b h s (s + 1) / 2 d points."""
+        from shardplan.ops import FLASH_SOFTMAX_BACKWARD_FLOPS, FLASH_SOFTMAX_FLOPS
+
+        d = self.head_dim
+        per_point = 4.0 + FLASH_SOFTMAX_FLOPS / d + 10.0 + FLASH_SOFTMAX_BACKWARD_FLOPS / d
+        return per_point * self.batch * self.heads * self.seq * (self.seq + 1) / 2.0 * d
 
 
 @dataclass(frozen=True)
@@ -899,6 +911,17 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
         for k in ("sm_count", "gemm_tiles"):
             src[k] = (f"{said}: not measured ({cal.sm_source}): no tile or wave quantisation of matrix products "
                       f"(edit the file to add the device's multiprocessor count and its library's output tiles)")
+    attention_eff: float | None = None
+    if cal.attention.rows:
+        effs = [r.model_flops / r.forward_backward_seconds / best.rate for r in cal.attention.rows]
+        attention_eff = min(1.0, statistics.median(effs))
+        src["attention_efficiency"] = (f"{by}: causal attention forward + backward ({cal.attention.rows[0].implementation}) "
+                                       f"at {len(effs)} shapes, the cost model's FLOPs of the fused core / time / the "
+                                       f"best product rate: median {_g(attention_eff)} (range {_g(min(effs))} .. "
+                                       f"{_g(max(effs))}; the table is under 'measurements')")
+    else:
+        src["attention_efficiency"] = (f"{said}: not measured ({cal.attention.why_not}): fused attention at "
+                                       f"flops_efficiency")
     for k in ("gemm_align", "gemm_unaligned_efficiency"):
         src[k] = (f"{said}: not measured: no penalty for product dimensions that are not multiples of the "
                   f"library's alignment (edit the file to add one)")
@@ -907,13 +930,14 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
                       memory_bytes=cal.memory_bytes, name=label, hbm_bandwidth=hbm, flops_efficiency=eff,
                       grad_bucket_bytes=bucket, overlap_grad=overlap, sum_shared_grads=shared, fp8_flops=fp8,
                       host_bandwidth=host_bw, host_latency=host_alpha, host_memory_bytes=host_memory,
-                      sm_count=cal.sm_count or None, gemm_tiles=GEMM_TILES if cal.sm_count else None)
+                      sm_count=cal.sm_count or None, gemm_tiles=GEMM_TILES if cal.sm_count else None,
+                      attention_efficiency=attention_eff)
     host = ", ".join(f"{k} {v}" for k, v in cal.host)
     description = (f"Measured by shardplan calibrate --engine {cal.engine} on {cal.date}: {p} x {cal.device_kind} "
                    f"({cal.dtype}); host: {host}. Rates are per device with {together}; every time is {timed}. "
                    + (f"Collectives: {cal.collectives_note}." if cal.collectives_note
                       else f"Collectives: {cal.collective_library}.")
-                   + " Causal attention is recorded under 'measurements' (no constant of the machine model).")
+                   + " Causal attention gives attention_efficiency; its table is under 'measurements'.")
     return Profile.of(machine, src, (cal.device_kind,), description, measurements(cal))
 
 
@@ -953,8 +977,9 @@ def measurements(cal: Calibration) -> dict[str, Any]:
               "forward_over_achievable": r.forward_rate / achievable,
               "forward_backward_over_achievable": r.forward_backward_rate / achievable} for r in cal.attention.rows],
             flops="forward 2*b*h*s^2*d (causal: half of 4*b*h*s^2*d), forward + backward 3.5 times that",
-            model="no attention-efficiency constant: fused attention runs at peak_flops * flops_efficiency "
-                  "(shardplan/cost/fused.py); *_over_achievable is the measured rate over that"),
+            model="attention_efficiency is the median of the cost model's fused-core FLOPs / time / the best "
+                  "product rate (shardplan/cost/fused.py); *_over_achievable is the measured rate over "
+                  "peak_flops * flops_efficiency"),
         "host_copies": _section(
             cal.host_copies,
             [{"bytes": r.bytes, "host_to_device_seconds": r.to_device_seconds,

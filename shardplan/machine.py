@@ -96,6 +96,8 @@ class Machine:
             such penalty.
         gemm_unaligned_efficiency: the rate of an unaligned product over an aligned one of the same shape
             class; set together with ``gemm_align``.
+        attention_efficiency: fraction of ``peak_flops`` a fused attention kernel (FlashAttention, forward and
+            backward) reaches on its FLOPs (:mod:`shardplan.cost.fused`); None: ``flops_efficiency``.
     """
 
     num_devices: int
@@ -125,6 +127,7 @@ class Machine:
     gemm_tiles: tuple[tuple[int, int], ...] | None = None
     gemm_align: int | None = None
     gemm_unaligned_efficiency: float | None = None
+    attention_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -198,6 +201,9 @@ class Machine:
             put("gemm_align", integer("machine: gemm_align", self.gemm_align, minimum=1))
             put("gemm_unaligned_efficiency", real("machine: gemm_unaligned_efficiency", self.gemm_unaligned_efficiency,
                                                   positive=True, maximum=1.0))
+        if self.attention_efficiency is not None:
+            put("attention_efficiency", real("machine: attention_efficiency", self.attention_efficiency,
+                                             positive=True, maximum=1.0))
 
     @property
     def p(self) -> int:
@@ -257,6 +263,13 @@ class Machine:
     def achievable_flops(self) -> float:
         """FLOP/s a kernel reaches: peak times :attr:`flops_efficiency`."""
         return self.peak_flops * self.flops_efficiency
+
+    @property
+    def attention_flops(self) -> float:
+        """FLOP/s a fused attention kernel reaches: peak times ``attention_efficiency`` (else
+        :attr:`flops_efficiency`)."""
+        eff = self.flops_efficiency if self.attention_efficiency is None else self.attention_efficiency
+        return self.peak_flops * eff
 
     def link(self, inter: bool) -> tuple[float, float]:
         """(bandwidth, latency) of the level: inside a node or across nodes."""

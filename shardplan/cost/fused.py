@@ -7,7 +7,8 @@ kernel that keeps the (s, t) scores in on-chip memory. Per device, for a configu
 * FLOPs: forward ``f * prod_d E_d / c_d``, backward ``f_b * prod_d E_d / c_d`` (``f`` =
   ``flops_per_point``, ``f_b`` = ``backward_flops``), both times the busiest device's share under a causal
   mask (:func:`shardplan.cost.causal.causal_fractions`: the kernel skips the masked blocks), at the machine's
-  achievable rate (the kernel is not one product: no tile-quantisation factor);
+  fused-attention rate (:attr:`~shardplan.machine.Machine.attention_flops`: ``attention_efficiency`` of the
+  peak, else ``flops_efficiency``; the kernel is not one product: no tile-quantisation factor);
 * HBM bytes: forward, the inputs read and what is saved written (``saved`` output tiles: the output and the
   log-sum-exp rows); backward, the inputs, the saved tiles and the output's gradient read, the inputs'
   gradients written. For attention: q, k, v, o, lse forward; q, k, v, o, lse, dO, dq, dk, dv backward. No
@@ -51,7 +52,7 @@ def fused_compute(op: Operator, configs: np.ndarray, machine: Machine,
     points = np.prod(ext[None, :] / configs, axis=1)
     if op.causal is not None:
         points = points * causal_fractions(op, configs)[0]
-    rate = machine.achievable_flops
+    rate = machine.attention_flops
     fwd = op.flops_per_point * points / rate
     bwd = op.backward_flops * points / rate if op.grad_tensors else np.zeros_like(fwd)
     if machine.hbm_bandwidth is not None:

@@ -344,7 +344,8 @@ class ModelStages:
         """A lower bound of q times the seconds of units [a, b) (default: the whole model) at micro-batch batch/m
         on any q devices under any plan: per operator, (1 + tensors with gradients) passes, each at least
         max(FLOPs / R, bytes / HBM bandwidth) over q, R the machine's achievable FLOP/s (a fused backward,
-        :mod:`shardplan.cost.fused`: its own FLOPs and at least the inputs' and the output gradient's bytes;
+        :mod:`shardplan.cost.fused`: its own FLOPs at the fused-attention rate, and at least the inputs' and the
+        output gradient's bytes;
         under a causal mask the FLOPs of the unmasked points only, which every split's busiest device
         carries at least 1/q of). The cost model charges
         each pass ``f prod_d E_d / c_d`` FLOPs per device with ``prod_d c_d <= q``, at R times a utilisation
@@ -360,8 +361,9 @@ class ModelStages:
             if op.causal is not None:  # the unmasked points: S (S + 1) / 2 of S^2, whatever the split
                 s_ext = op.extents[op.causal.query]
                 points = points * (s_ext + 1) / (2 * s_ext)
-            seconds = op.flops_per_point * points / rate
-            back = (op.backward_flops * points / rate if op.grad_tensors else 0.0) \
+            r = rate if op.backward_flops is None else self.machine.attention_flops  # a fused kernel's own rate
+            seconds = op.flops_per_point * points / r
+            back = (op.backward_flops * points / r if op.grad_tensors else 0.0) \
                 if op.backward_flops is not None else None
             if bw is not None:
                 plain = [t for t in op.inputs + op.weights

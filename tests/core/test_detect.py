@@ -47,7 +47,8 @@ def _old_presets(p: int) -> dict[str, Machine]:
                         inter_bandwidth=50e9, inter_latency=8e-6, name="h100", hbm_bandwidth=2.83e12,
                         flops_efficiency=0.69, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
                         host_bandwidth=54.7e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=1.0e10,
-                        sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2, **tiles),
+                        sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2, attention_efficiency=0.40,
+                        **tiles),
     }
 
 

@@ -190,7 +190,13 @@ def test_host_copies_fp8_and_attention_become_constants_and_rows():
     assert meas["attention"]["rows"][0]["forward_backward_flops_per_second"] == pytest.approx(2e9)
     # the achievable rate is the best 8e9 times the median layer efficiency 2e9 / 8e9
     assert meas["attention"]["rows"][0]["forward_over_achievable"] == pytest.approx(2.0)
-    assert "no attention-efficiency constant" in meas["attention"]["model"]
+    assert "attention_efficiency is the median" in meas["attention"]["model"]
+    # the fused core's FLOPs: (4 + 5/128 + 10 + 4/128) per point, 2 * 4 * 128 * 129 / 2 * 128 points; the best
+    # product rate 8e9
+    model = (14 + 9 / 128) * 2 * 4 * 128 * 129 / 2 * 128
+    assert v["attention_efficiency"] == pytest.approx(model / (3.5 * flops / 2e9) / 8e9)
+    assert prof.sources["attention_efficiency"].startswith(f"measured by shardplan calibrate on {DATE}: ")
+    assert prof.machine(1).attention_flops == pytest.approx(8e9 * v["attention_efficiency"])
     assert [r["host_to_device_bytes_per_second"] for r in meas["host_copies"]["rows"]][1] == pytest.approx(up)
     assert "error" not in meas["fp8"] and "not_measured" not in meas["fp8"]
     assert parse_profile(prof.to_json()).machine(1) == prof.machine(1)
