@@ -32,7 +32,7 @@ from shardplan.machine import Machine
 
 __all__ = ["operator_memory", "strategy_memory", "ChoiceTable", "choice_table", "WeightGroups", "weight_groups", "latency_scaled", "STAGES",
            "recompute_keep_bytes", "unsaved_inputs", "ChoiceRules", "OFFLOADS", "OFFLOAD_BITS", "fp8_product",
-           "fp8_scaling_seconds", "offload_names"]
+           "fp8_scaling_seconds", "offload_names", "optimizer_step_bytes"]
 
 
 def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: float = 2.0,
@@ -80,7 +80,8 @@ class ChoiceTable:
         recompute: whether the operator's forward is recomputed in the backward pass.
         parts: seconds by kind: ``compute``, ``forward_allreduce``, ``grad_allreduce`` (activation
             gradients only), ``halo``, ``stats``, ``recurrence``, ``weight_sync`` (weight-gradient
-            synchronisation and ZeRO gathers), ``recompute`` (the forward run again).
+            synchronisation and ZeRO gathers), ``recompute`` (the forward run again), ``optimizer`` (the
+            device's optimizer step on the shard it owns, once per step; none with the optimizer offloaded).
         state_bytes: weights, gradients and optimizer state per device.
         activation_bytes: activations kept for the backward pass, per device.
         grad_bytes: the weight-gradient part of ``state_bytes`` (P at stages 0 and 1, P/G at
@@ -312,6 +313,37 @@ class ChoiceRules:
             return o
         return (4.0 + 4.0 * o) / float(dtype_bytes)
 
+    def optimizer_step_bytes(self, optimizer_factor: float, dtype_bytes: int) -> float:
+        """HBM bytes per parameter element of the device's optimizer step under these rules
+        (:func:`optimizer_step_bytes`)."""
+        return optimizer_step_bytes(optimizer_factor, dtype_bytes, self.master_weights)
+
+
+def optimizer_step_bytes(optimizer_factor: float, dtype_bytes: int, master_weights: bool = False) -> float:
+    """HBM bytes per parameter element that one optimizer step reads and writes on the device.
+
+    The step is one fused elementwise pass (apex's and DeepSpeed's ``FusedAdam``, PyTorch's ``fused=True``
+    Adam): each operand read once, each result written once; ``o = optimizer_factor`` words of state per
+    element (2 for Adam's two moments, 1 for momentum SGD, 0 for plain SGD), ``s = dtype_bytes``:
+
+    * weights that are their own master copy (no ``master_weights``, or ``s >= 4``): read the weight, its
+      gradient and the o state words, write the weight and the state, all in ``s`` bytes:
+      ``(3 + 2 o) s`` (Adam in fp32: 28; in bf16 without a master copy: 14);
+    * ``master_weights`` (mixed precision as Megatron-LM and DeepSpeed keep it, :class:`ChoiceRules`):
+      read the fp32 master weight (4), the ``s``-byte gradient and the fp32 state (4 o); write the master
+      weight (4), the state (4 o) and the ``s``-byte copy the next step computes with:
+      ``8 + 8 o + 2 s`` (Adam at s = 2: 28).
+
+    Not counted: passes a framework adds around the update (the loss-scale unscale and overflow check, the
+    gradient norm for clipping, zeroing the gradient buffer, an fp32 gradient buffer instead of an
+    ``s``-byte one): Megatron-LM's fp16 step of 2021 moves about 50 bytes per element in all
+    (docs/cost-model.md, "Optimizer step").
+    """
+    o, s = float(optimizer_factor), float(dtype_bytes)
+    if master_weights and s < 4:
+        return 8.0 + 8.0 * o + 2.0 * s
+    return (3.0 + 2.0 * o) * s
+
 
 def fp8_product(op: Operator) -> bool:
     """Whether ``op`` is a matrix product FP8 may run: it multiplies and adds (``flops_per_point`` >= 2)
@@ -437,7 +469,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     offered a choice is dropped only when another is also no worse in host memory.
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time
-    from shardplan.cost.operator import operator_cost
+    from shardplan.cost.operator import operator_cost, optimizer_elements, optimizer_step_seconds
 
     lay = as_layouts(configs, machine.num_devices, orders, machine.levels)
     k = len(lay)
@@ -457,6 +489,9 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     keep = np.zeros(k) if recompute_keep is None else np.asarray(recompute_keep, dtype=np.float64) / m * float(in_flight)
     has_grad = bool(op.grad_tensors)
     o = rules.optimizer_words(optimizer_factor, machine.dtype_bytes)
+    # the optimizer step of the whole tile (stage 0); a ZeRO stage updates its 1/group shard
+    step = optimizer_step_seconds(optimizer_elements(op, lay, machine.num_devices), machine,
+                                  rules.optimizer_step_bytes(optimizer_factor, machine.dtype_bytes))
     stage_list = [s for s in stages if s in STAGES] if weights else [0]
     if 0 not in stage_list:
         stage_list = [0] + stage_list
@@ -520,6 +555,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
             regather = fwd_gather if s == 3 and rules.zero3_regather else np.zeros(k)
             mem = mem + cache
             shard = state / group if s else state  # the weight bytes this device updates
+            opt_step = (step / group if s else step) * once  # once per step, on the device's shard
             for mask in _offload_masks(rules, machine, s, bool(weights), bool(np.any(step_saved > 0))):
                 dev, host = mem, np.zeros(k)
                 fetch = np.zeros(k)  # parameter bytes fetched before each pass (parameters offloaded)
@@ -544,9 +580,11 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
                 for r in ([True] if forced_recompute else [False, True] if recompute else [False]):
                     if r and mask & 4:
                         continue
+                    # the optimizer state on the host: the CPU's step (in ``after``) replaces the device's
                     rows.append((s, r, sync + regather if r else sync, dev,
                                  keep if r else (np.zeros(k) if mask & 4 else act),
-                                 fwd if r else np.zeros(k), grad, fp8, scale, mask, t_off, host, fixed))
+                                 fwd if r else np.zeros(k), grad, fp8, scale, mask, t_off, host,
+                                 {**fixed, "optimizer": np.zeros(k) if mask & 1 else opt_step}))
     j = len(rows)
     base = np.tile(np.arange(k), j)
     parts = {name: np.concatenate([r[12][name] for r in rows]) for name in rows[0][12]}
