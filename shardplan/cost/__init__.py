@@ -14,8 +14,8 @@ import numpy as np
 
 from shardplan.configs import ORDER_MODES, configurations, dimension_orders, flat_layouts, layouts, with_partial
 from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budgets, weight_edge_cost
-from shardplan.cost.memory import operator_memory, optimizer_step_bytes, strategy_memory
-from shardplan.cost.operator import PARTS, OpCost, operator_cost
+from shardplan.cost.memory import operator_memory, strategy_memory
+from shardplan.cost.operator import PARTS, OpCost, operator_cost, optimizer_step_bytes
 from shardplan.cost.ring import CONTEXT_ALGORITHMS, context_edge, moved_reduction
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
 from shardplan.ir import Graph, Operator

@@ -32,7 +32,7 @@ from shardplan.machine import Machine
 
 __all__ = ["operator_memory", "strategy_memory", "ChoiceTable", "choice_table", "WeightGroups", "weight_groups", "latency_scaled", "STAGES",
            "recompute_keep_bytes", "unsaved_inputs", "ChoiceRules", "OFFLOADS", "OFFLOAD_BITS", "fp8_product",
-           "fp8_scaling_seconds", "offload_names", "optimizer_step_bytes"]
+           "fp8_scaling_seconds", "offload_names"]
 
 
 def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: float = 2.0,
@@ -315,34 +315,10 @@ class ChoiceRules:
 
     def optimizer_step_bytes(self, optimizer_factor: float, dtype_bytes: int) -> float:
         """HBM bytes per parameter element of the device's optimizer step under these rules
-        (:func:`optimizer_step_bytes`)."""
+        (:func:`shardplan.cost.operator.optimizer_step_bytes`)."""
+        from shardplan.cost.operator import optimizer_step_bytes
+
         return optimizer_step_bytes(optimizer_factor, dtype_bytes, self.master_weights)
-
-
-def optimizer_step_bytes(optimizer_factor: float, dtype_bytes: int, master_weights: bool = False) -> float:
-    """HBM bytes per parameter element that one optimizer step reads and writes on the device.
-
-    The step is one fused elementwise pass (apex's and DeepSpeed's ``FusedAdam``, PyTorch's ``fused=True``
-    Adam): each operand read once, each result written once; ``o = optimizer_factor`` words of state per
-    element (2 for Adam's two moments, 1 for momentum SGD, 0 for plain SGD), ``s = dtype_bytes``:
-
-    * weights that are their own master copy (no ``master_weights``, or ``s >= 4``): read the weight, its
-      gradient and the o state words, write the weight and the state, all in ``s`` bytes:
-      ``(3 + 2 o) s`` (Adam in fp32: 28; in bf16 without a master copy: 14);
-    * ``master_weights`` (mixed precision as Megatron-LM and DeepSpeed keep it, :class:`ChoiceRules`):
-      read the fp32 master weight (4), the ``s``-byte gradient and the fp32 state (4 o); write the master
-      weight (4), the state (4 o) and the ``s``-byte copy the next step computes with:
-      ``8 + 8 o + 2 s`` (Adam at s = 2: 28).
-
-    Not counted: passes a framework adds around the update (the loss-scale unscale and overflow check, the
-    gradient norm for clipping, zeroing the gradient buffer, an fp32 gradient buffer instead of an
-    ``s``-byte one): Megatron-LM's fp16 step of 2021 moves about 50 bytes per element in all
-    (docs/cost-model.md, "Optimizer step").
-    """
-    o, s = float(optimizer_factor), float(dtype_bytes)
-    if master_weights and s < 4:
-        return 8.0 + 8.0 * o + 2.0 * s
-    return (3.0 + 2.0 * o) * s
 
 
 def fp8_product(op: Operator) -> bool:

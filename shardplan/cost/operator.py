@@ -70,7 +70,7 @@ configuration c (arrays over the K configurations):
   trainable weight the operator owns (``Tensor.owner`` None), an elementwise
   pass bound by memory bandwidth: ``elements * step_bytes / HBM bandwidth``
   (:func:`optimizer_step_seconds`; ``step_bytes`` per element from the
-  precision rules, :func:`shardplan.cost.memory.optimizer_step_bytes`; nothing
+  precision rules, :func:`optimizer_step_bytes`; nothing
   without an HBM bandwidth, the paper's model). ZeRO's sharded updates are the
   memory choices' (:func:`shardplan.cost.memory.choice_table`).
 
@@ -93,14 +93,14 @@ import numpy as np
 from shardplan.configs import forward_deferrable
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
 from shardplan.cost.causal import causal_fractions
-from shardplan.cost.memory import optimizer_step_bytes
 from shardplan.cost.tiles import as_layouts, box_volumes, lazy_grid, regular_tile_lengths, tensor_boxes
 from shardplan.layout import LayoutArrays, flat_layout_arrays, unique_rows
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
 __all__ = ["PARTS", "OpCost", "operator_cost", "recurrence_cost", "tile_volume", "distinct_splits", "gemm_utilisation",
-           "gemm_passes", "pass_utilisation", "optimizer_elements", "optimizer_step_seconds"]
+           "gemm_passes", "pass_utilisation", "optimizer_elements", "optimizer_step_seconds",
+           "optimizer_step_bytes"]
 
 
 PARTS: dict[str, str] = {
@@ -316,6 +316,32 @@ def _ar_sent(nbytes: np.ndarray, g: np.ndarray) -> np.ndarray:
     return np.where(g > 1, 2.0 * (g - 1) / g * nbytes, 0.0)
 
 
+def optimizer_step_bytes(optimizer_factor: float, dtype_bytes: int, master_weights: bool = False) -> float:
+    """HBM bytes per parameter element that one optimizer step reads and writes on the device.
+
+    The step is one fused elementwise pass (apex's and DeepSpeed's ``FusedAdam``, PyTorch's ``fused=True``
+    Adam): each operand read once, each result written once; ``o = optimizer_factor`` words of state per
+    element (2 for Adam's two moments, 1 for momentum SGD, 0 for plain SGD), ``s = dtype_bytes``:
+
+    * weights that are their own master copy (no ``master_weights``, or ``s >= 4``): read the weight, its
+      gradient and the o state words, write the weight and the state, all in ``s`` bytes:
+      ``(3 + 2 o) s`` (Adam in fp32: 28; in bf16 without a master copy: 14);
+    * ``master_weights`` (mixed precision as Megatron-LM and DeepSpeed keep it, :class:`~shardplan.cost.memory.ChoiceRules`):
+      read the fp32 master weight (4), the ``s``-byte gradient and the fp32 state (4 o); write the master
+      weight (4), the state (4 o) and the ``s``-byte copy the next step computes with:
+      ``8 + 8 o + 2 s`` (Adam at s = 2: 28).
+
+    Not counted: passes a framework adds around the update (the loss-scale unscale and overflow check, the
+    gradient norm for clipping, zeroing the gradient buffer, an fp32 gradient buffer instead of an
+    ``s``-byte one): Megatron-LM's fp16 step of 2021 moves about 50 bytes per element in all
+    (docs/cost-model.md, "Optimizer step").
+    """
+    o, s = float(optimizer_factor), float(dtype_bytes)
+    if master_weights and s < 4:
+        return 8.0 + 8.0 * o + 2.0 * s
+    return (3.0 + 2.0 * o) * s
+
+
 def optimizer_elements(op: Operator, configs, p: int, orders: np.ndarray | None = None) -> np.ndarray:
     """Parameter elements the busiest device updates in ``op``'s optimizer step, per layout: (K,).
 
@@ -333,7 +359,7 @@ def optimizer_elements(op: Operator, configs, p: int, orders: np.ndarray | None 
 
 def optimizer_step_seconds(elements: np.ndarray, machine: Machine, step_bytes: float) -> np.ndarray:
     """Seconds of the optimizer step of ``elements`` parameter elements on one device: an elementwise update
-    that reads and writes ``step_bytes`` HBM bytes per element (:func:`shardplan.cost.memory.optimizer_step_bytes`)
+    that reads and writes ``step_bytes`` HBM bytes per element (:func:`optimizer_step_bytes`)
     and does a few FLOPs per byte, so bound by memory bandwidth (first principles; Adam's ~10 FLOP per element
     against 28 bytes is far below an A100's or H100's ridge of ~150 FLOP/byte):
     ``elements * step_bytes / machine.hbm_bandwidth``. Zero without an HBM bandwidth (the paper's model,
@@ -352,7 +378,7 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     (K, n) with optional nesting ``orders`` (laid out on the machine's levels
     as the flat device numbering, :meth:`~shardplan.layout.Layout.from_flat`).
     ``step_bytes``: HBM bytes per parameter element of the optimizer step (default
-    :func:`~shardplan.cost.memory.optimizer_step_bytes` of Adam in the machine's element size).
+    :func:`optimizer_step_bytes` of Adam in the machine's element size).
     """
     p = machine.num_devices
     lay = as_layouts(configs, p, orders, machine.levels)

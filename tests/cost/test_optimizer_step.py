@@ -10,7 +10,8 @@ import pytest
 
 from shardplan import ops
 from shardplan.cost import build_tables, operator_cost
-from shardplan.cost.memory import ChoiceRules, choice_table, optimizer_step_bytes
+from shardplan.cost.memory import ChoiceRules, choice_table
+from shardplan.cost.operator import optimizer_step_bytes
 from shardplan.ir import TensorRef
 from shardplan.machine import Machine, preset
 
