@@ -129,3 +129,24 @@ def test_a_plans_step_charges_it_once_per_step():
     four = plan_with_choices(plan, micro_batches=4).memory_choices
     for i in range(len(g.operators)):
         assert four.parts(i)["optimizer"] == pytest.approx(one_mb.parts(i)["optimizer"], rel=1e-12)
+
+
+def test_a_pipeline_stage_splits_every_part_and_amortises_the_step_with_the_sync():
+    """A stage's forward + backward is each operator's whole cost (the step in the backward), and the once-per-step
+    part a stage charges 1/m per micro-batch includes the step."""
+    from shardplan.models import get_model
+    from shardplan.pipeline.stages import _split_parts, weight_sync
+
+    g = get_model("gpt", batch=8, layers=1, d_model=64, heads=2, seq=32, vocab=256)
+    m = replace(preset("a100", 8), memory_bytes=None)
+    tables = build_tables(g, m, orders="row-major")
+    stepped = 0
+    for op, cost, arr in zip(g.operators, tables.op_costs, tables.arrays):
+        for k in range(len(cost.total)):
+            f, b, _ = _split_parts(op, cost.parts(k))
+            assert f + b == pytest.approx(float(cost.total[k]), rel=1e-12)
+        frozen = replace(op, weights=tuple(replace(w, needs_grad=False) for w in op.weights))
+        sync = np.maximum(cost.grad_allreduce - operator_cost(frozen, arr, m).grad_allreduce, 0.0)
+        assert weight_sync(op, arr, None, m) == pytest.approx(sync + cost.optimizer, rel=1e-12, abs=0)
+        stepped += int(cost.optimizer.any())
+    assert stepped > 0
