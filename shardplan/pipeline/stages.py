@@ -175,7 +175,8 @@ def _op_signature(op: Operator, where: dict[str, tuple[int, int]], unit: int) ->
 
 
 def weight_sync(op: Operator, configs, orders, machine: Machine):
-    """Seconds of the all-reduce of ``op``'s weight gradients per configuration: (K,).
+    """Seconds of the all-reduce of ``op``'s weight gradients and of its optimizer step per configuration: (K,),
+    what runs once per step (charged 1/m per micro-batch).
 
     The operator costed with and without gradients for its weights: the difference of the backward
     all-reduce time is the weights' part (the cost model's own formula, not a copy of it).
@@ -187,20 +188,20 @@ def weight_sync(op: Operator, configs, orders, machine: Machine):
     if not any(w.needs_grad for w in op.weights):
         return np.zeros(len(configs))
     frozen = replace(op, weights=tuple(replace(w, needs_grad=False) for w in op.weights))
-    full = operator_cost(op, configs, machine, orders).grad_allreduce
+    full = operator_cost(op, configs, machine, orders)
     without = operator_cost(frozen, configs, machine, orders).grad_allreduce
-    return np.maximum(full - without, 0.0)
+    return np.maximum(full.grad_allreduce - without, 0.0) + full.optimizer
 
 
 def _split_parts(op: Operator, parts: dict[str, float]) -> tuple[float, float, float]:
     """(forward, backward, weight-gradient) seconds of one operator's configuration: a GEMM's forward is
     1/(1 + tensors with gradients) of its compute, plus the forward partial-sum all-reduces; the backward
-    the rest of the compute and the activation-gradient all-reduces; halo, statistics and recurrence split
+    the rest of the compute, the activation-gradient all-reduces and the optimizer step; halo, statistics and recurrence split
     in halves; the weight-gradient part is the forward share of compute per weight with a gradient."""
     share = 1.0 / op.passes
     half = sum(parts[key] for key in ("halo", "stats", "recurrence")) / 2
     fwd = parts["compute"] * share + parts["forward_allreduce"] + half
-    bwd = parts["compute"] * (1 - share) + parts["grad_allreduce"] + half
+    bwd = parts["compute"] * (1 - share) + parts["grad_allreduce"] + half + parts.get("optimizer", 0.0)
     wgrad = parts["compute"] * share * sum(1 for w in op.weights if w.needs_grad)
     return fwd, bwd, wgrad
 
