@@ -47,7 +47,9 @@ class UnitFloors:
 
     def _op_floor(self, op: Any, q: int, m: int) -> float:
         """The least seconds of ``op`` alone on q devices over the tables' layouts, its weight-gradient all-reduce
-        amortised over m (vertex cost less (1 - 1/m) of that all-reduce, as the intra-stage search charges it)."""
+        and optimizer step amortised over m (vertex cost less (1 - 1/m) of them, as the intra-stage search charges
+        them); with memory choices, also over every choice of each layout (the least row of its choice table, once-
+        per-step parts amortised alike), of which the stage's plan takes one per operator."""
         from shardplan.configs import layouts, with_partial
         from shardplan.cost import operator_cost, operator_key
         from shardplan.layout import LayoutArrays
@@ -68,6 +70,13 @@ class UnitFloors:
             total = operator_cost(op, arr, machine).total
             sync = weight_sync(op, arr, None, machine)
             got = float(np.min(total - (1.0 - 1.0 / m) * sync)) if len(lays) else 0.0
+            if len(lays) and self.stages.memory_choices:
+                # a stage with memory choices may take any row of the operator's choice table (ZeRO's sharded step
+                # and its reduce-scatter can beat stage 0 at the same layout): the least row over every layout
+                from shardplan.cost.memory import STAGES, choice_table
+
+                rows = choice_table(op, arr, None, machine, 1, STAGES, True, prune=False, accumulate=m)
+                got = min(got, float(rows.seconds.min()))
             self._ops[key] = got
         return got
 

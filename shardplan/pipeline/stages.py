@@ -495,6 +495,13 @@ class ModelStages:
         from shardplan.spmd import SpmdPlan, plan_from_configs
         from shardplan.search import SOLVERS
 
+        if self.memory_choices and self.strategy is None:
+            # the time-optimal stage over the layouts and the memory choices: the fit without a budget (a real plan
+            # with its choices; every memory-constrained optimum of the stage costs at least this)
+            plan = self._solve_fit(graph, q, m, 1, NO_BUDGET)
+            if plan is None:
+                raise OperatorMemoryError(f"no plan of {graph.name!r} on {q} devices")
+            return _fit_parts(plan, None, m, 1, first, last, self.boundary_bytes)
         self.solves += 1
         machine = replace(self.machine, num_devices=q)
         opts = dict(self.solve_options)
@@ -503,11 +510,7 @@ class ModelStages:
                       if k in opts}
         solver = opts.pop("solver", "dp")
         cache = self._table_cache(q)
-        if self.memory_choices and self.strategy is None:
-            tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
-                             machine=machine)
-        else:
-            tables = build_tables(graph, machine, cache=cache, **table_opts)
+        tables = build_tables(graph, machine, cache=cache, **table_opts)
         sync = self._weight_syncs(tables, q)
         if self.strategy is None:
             # weight gradients are accumulated over the m micro-batches and synchronised once per step:
@@ -577,7 +580,8 @@ class ModelStages:
         cost = lower = None
         # a recipe is not an optimum (no certificate), and tied blocks take one layout (their cost is a minimum of
         # functions affine in the run's length): both are solved directly
-        if self.periodic and self.strategy is None and run is not None and run[1] - run[0] > 4 and not ties:
+        if self.periodic and self.strategy is None and not self.memory_choices and run is not None \
+                and run[1] - run[0] > 4 and not ties:
             got = self._certified(a, b, run[0], run[1], q, m)
             if got is None:
                 self.periodic_fallbacks += 1
@@ -752,7 +756,7 @@ class ModelStages:
         from shardplan.cost import build_tables
         from shardplan.fit import FitOptions, solve_fit
 
-        machine = replace(self.machine, num_devices=q, memory_bytes=budget)
+        machine = replace(self.machine, num_devices=q, memory_bytes=None if budget >= NO_BUDGET else budget)
         opts = dict(self.solve_options)
         table_opts = {x: opts.pop(x) for x in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas",
                                              "partial_sums", "overlap_tp", "context", "max_devices") if x in opts}
@@ -977,6 +981,11 @@ def _longest_run(sigs: tuple[int, ...], a: int, b: int) -> tuple[int, int] | Non
                 best = (s, i)
             s = i
     return best
+
+
+NO_BUDGET = 1e30
+"""Bytes per device no plan comes near (a zettabyte, 10^18 times an 80 GiB device): the budget of the fit without a
+memory constraint, :meth:`ModelStages.stage_cost` with memory choices (the fit's problem wants a finite budget)."""
 
 
 PERIODIC_RTOL = 1e-9
