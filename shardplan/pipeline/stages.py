@@ -21,8 +21,10 @@ all-reduces, half of halo/statistics/redistribution) and backward (the
 rest). Memory: the plan's weight/state bytes and saved activation bytes at
 its peak device. A stage whose *time-optimal* intra-stage plan does not fit
 with its in-flight micro-batches is, by default, infeasible; with
-``memory_choices`` (:meth:`ModelStages.fit_cost`) it takes its
-memory-constrained optimum for that in-flight count (ZeRO/FSDP,
+``memory_choices`` the time-optimal plan ranges over the memory choices too
+(the fit without a budget: a ZeRO stage that shards the optimizer step can
+beat none), and a stage where it does not fit (:meth:`ModelStages.fit_cost`)
+takes its memory-constrained optimum for that in-flight count (ZeRO/FSDP,
 recomputation: :func:`shardplan.fit.solve_fit`, a branch-and-bound per
 stage, with the once-per-step collectives amortised over m as below), which
 the search solves only for the stages its relaxation needs (the lazy
@@ -279,10 +281,10 @@ class ModelStages:
             :func:`shardplan.fit.plan_with_choices` with ``accumulate=m``); the stage costs what
             :meth:`fit_cost` charges for such a plan (once-per-step collectives 1/m per micro-batch).
         solves: intra-stage solves run (one per distinct segment, sub-mesh size and m).
-        memory_choices: stages may take memory choices (:meth:`fit_cost`): the intra-stage tables keep every
-            layout (no per-layout memory filter, which assumes unsharded state) and :meth:`stage_cost` and
-            :meth:`fit_cost` share them, so the time-optimal stage ranges over the fit's layouts and is a
-            lower bound of the fit's optimum (what the search's lazy resolution needs).
+        memory_choices: stages may take memory choices (:meth:`fit_cost`): :meth:`stage_cost` is then the
+            least over the layouts and the choices (the fit without a budget, on the fit's tables, which keep
+            every layout), a lower bound of every memory-constrained optimum of the stage (what the search's lazy
+            resolution needs); such a stage is solved directly (no periodic extension).
         fit_rtol, fit_time_limit: the fit's relative tolerance and its time limit per stage.
         fit_unproven: fit solves stopped by the time limit before their proof.
         fit_reused: fit answers taken from the same segment's solve at another in-flight count (:meth:`fit_cost`).
@@ -559,7 +561,8 @@ class ModelStages:
     def stage_cost(self, a: int, b: int, q: int, m: int) -> StageCost | None:
         """Intra-stage optimum of units [a, b) on q devices with m micro-batches (None if m does not divide, if
         some operator cannot fit on q devices, or if the cost model refuses the stage's tables on q devices:
-        :attr:`refused` records that)."""
+        :attr:`refused` records that). With :attr:`memory_choices`, the optimum over the layouts and the memory
+        choices without a budget (a plan with its choices, whatever its bytes)."""
         if self.batch % m:
             return None
         key = self._stage_key(a, b, q, m)
@@ -787,9 +790,8 @@ class ModelStages:
         if nothing fits. Its seconds are the fit plan's per micro-batch, with the collectives that run once per
         step (ZeRO-0's all-reduce, ZeRO-1's reduce-scatter and gather, ZeRO-2's gather) charged 1/m per
         micro-batch as :meth:`stage_cost` charges the weight-gradient all-reduce (``FitOptions.accumulate``),
-        so a plan without memory choices costs here exactly what it costs there, and every choice costs at
-        least that: the time-optimal stage is a lower bound of this one (what the pipeline search's lazy
-        resolution relies on, and checks). A fit solve stopped by ``fit_time_limit`` before its proof is
+        and :meth:`stage_cost` is the same search without a budget, so the time-optimal stage is a lower
+        bound of this one (what the pipeline search's lazy resolution relies on, and checks). A fit solve stopped by ``fit_time_limit`` before its proof is
         counted in ``fit_unproven``. ``lower`` is the solve's proven lower bound (cost (1 - fit_rtol), or its
         bound when stopped early). ZB-H1's W pass of such a stage is its weight-gradient GEMMs' compute
         (:func:`_fit_parts`)."""
@@ -819,7 +821,7 @@ class ModelStages:
             cost = None
         else:
             cost = _fit_parts(plan, None, m, k, a, b - 1, self.boundary_bytes)
-            # proven: the solve's bound, and the time-optimal stage (no choice is cheaper than none)
+            # proven: the solve's bound, and the time-optimal stage (the same choices without the budget)
             plain = self.stage_cost(a, b, q, m)
             low = max(cost.time * _proven_ratio(plan, self.fit_rtol), plain.time if plain is not None else 0.0)
             cost = replace(cost, lower=min(low, cost.time))
@@ -870,7 +872,7 @@ class ModelStages:
         ratio = _proven_ratio(plan, self.fit_rtol)
         plain = [self.stage_cost(a, b, q, m) for a, b in chunks]
         if plan.solution.cost > 0 and all(c is not None for c in plain):
-            # the time-optimal chunks are a lower bound too (no choice is cheaper than none)
+            # the time-optimal chunks are a lower bound too (the same choices without the budget; no shared edge)
             ratio = min(1.0, max(ratio, sum(c.time for c in plain) / plan.solution.cost))  # type: ignore[union-attr]
         parts, start = [], 0
         for a, b in chunks:
