@@ -583,8 +583,7 @@ class ModelStages:
         cost = lower = None
         # a recipe is not an optimum (no certificate), and tied blocks take one layout (their cost is a minimum of
         # functions affine in the run's length): both are solved directly
-        if self.periodic and self.strategy is None and not self.memory_choices and run is not None \
-                and run[1] - run[0] > 4 and not ties:
+        if self.periodic and self.strategy is None and run is not None and run[1] - run[0] > 4 and not ties:
             got = self._certified(a, b, run[0], run[1], q, m)
             if got is None:
                 self.periodic_fallbacks += 1
@@ -694,6 +693,8 @@ class ModelStages:
         x = plan.assignment
         if any(x[i] != x[i + n] for i in range(r1, r1 + n)):
             return None  # the two interior run units differ: no repeating unit to insert
+        if plan.memory_choices is not None and any(_row(plan, i) != _row(plan, i + n) for i in range(r1, r1 + n)):
+            return None  # the same layouts, other memory choices
         terms = self._cut_terms(plan, r1 + n, n, q, m)
         if terms is None:
             return None
@@ -726,7 +727,7 @@ class ModelStages:
                         ok = False
                         break
                     checked.add(id(mat))
-            sync = self._weight_syncs(plan.tables, q)
+            sync = self._weight_syncs(plan.tables, q) if plan.memory_choices is None else None
             self._cuts[key] = (plan, (_terms(plan, range(len(plan.assignment)), sync, m),
                                       _terms(plan, range(first, first + n), sync, m)) if ok else None)
         return self._cuts[key][1]
@@ -1015,26 +1016,48 @@ class _Terms:
             "objective", "forward", "backward", "weight_grad", "sync", "weights", "activations")))
 
 
+def _row(plan, i: int) -> tuple:
+    """What operator i's memory choice in ``plan`` is and costs: its layout, ZeRO stage, recomputation, FP8,
+    offload, seconds and bytes (identical operators' choices compare equal)."""
+    mc = plan.memory_choices
+    t, j = mc.choice_tables[i], mc.choices[i]
+    return (int(t.base[j]), mc.stage(i), mc.recompute(i), mc.fp8(i), mc.offload(i), float(t.seconds[j]),
+            float(t.state_bytes[j]), float(t.activation_bytes[j]))
+
+
 def _terms(plan, ops, sync, m: int) -> _Terms:
     """:class:`_Terms` of ``plan`` over the operators ``ops`` (indices) and the edges into them (graph and
     weight edges): per operator, the split of :func:`_forward_backward`, the objective's vertex cost
     ``max(total - (1 - 1/m) sync, 0)`` and the bytes of :meth:`CostTables.memory_of`; per edge, its
-    redistribution, half forward and half backward. Summed over every operator, the plan's stage cost."""
+    redistribution, half forward and half backward. Summed over every operator, the plan's stage cost. A plan
+    with memory choices (``sync`` None): the vertex cost is its choice's seconds (the once-per-step parts
+    already 1/m), the backward takes what the choice adds (as :func:`_fit_parts`), the bytes are the choice's
+    (the reserve with the whole plan's)."""
     tables, x = plan.tables, plan.assignment
     graph = tables.graph
     chosen = set(ops)
+    mc = plan.memory_choices
     obj = fwd = bwd = wgrad = step = 0.0
     weights = activations = 0.0
     for i in ops:
         op, k = graph.operators[i], x[i]
         f, b, wg = _split_parts(op, tables.op_costs[i].parts(k))
         fwd, bwd, wgrad = fwd + f, bwd + b, wgrad + wg
+        if mc is not None:
+            t, j = mc.choice_tables[i], mc.choices[i]
+            obj += float(t.seconds[j])
+            bwd += float(t.seconds[j]) - float(tables.op_costs[i].total[k])
+            weights += float(t.state_bytes[j])
+            activations += float(t.activation_bytes[j])
+            continue
         w = float(sync[i][k])
         step += w
         obj += max(float(tables.op_costs[i].total[k]) - (1.0 - 1.0 / m) * w, 0.0)
         wb, ab = tables.memory[i]
         weights = weights + wb[k]
         activations = activations + (ab[k] * 0.0 if op.name in graph.recomputed else ab[k])
+    if mc is not None and len(chosen) == len(x):
+        weights += mc.reserve_bytes
     red = float(sum(mat[x[src], x[dst]] for src, dst, mat in tables.all_edges() if dst in chosen))
     return _Terms(obj + red, fwd + red / 2, bwd + red / 2, wgrad, step, weights, activations)
 
@@ -1045,10 +1068,11 @@ def _stage_of(terms: _Terms, m: int, plan, recv: float | None, grad: float | Non
     import numpy as np
 
     bwd = terms.backward - (1.0 - 1.0 / m) * terms.sync
-    total = np.asarray(terms.weights + terms.activations)
+    total = np.atleast_1d(terms.weights + terms.activations)
     dev = int(np.argmax(total))
-    return StageCost(terms.forward, bwd, float(np.asarray(terms.weights)[dev]),
-                     float(np.asarray(terms.activations)[dev]), plan, recv, grad,
+    weights = np.broadcast_to(np.atleast_1d(terms.weights), total.shape)
+    activations = np.broadcast_to(np.atleast_1d(terms.activations), total.shape)
+    return StageCost(terms.forward, bwd, float(weights[dev]), float(activations[dev]), plan, recv, grad,
                      min(bwd, terms.weight_grad + terms.sync / m))
 
 

@@ -383,6 +383,22 @@ def test_time_optimal_stage_with_memory_choices_is_the_least_over_layouts_and_ch
             assert fit.time == pytest.approx(want, rel=1e-9)
 
 
+def test_periodic_extension_with_memory_choices_equals_the_direct_solve():
+    """With memory choices a long run of identical blocks is still costed by the certified extension (the
+    objective is each operator's choice seconds plus the edges, additive as without them; the repeated unit takes
+    its layouts and choices): the same seconds and bytes as solving every segment directly."""
+    per = ModelStages(_gpt(6), 8, MACHINE, {"cutoff": 1}, periodic=True, memory_choices=True)
+    direct = ModelStages(_gpt(6), 8, MACHINE, {"cutoff": 1}, periodic=False, memory_choices=True)
+    U = per.num_units
+    for q, m in [(2, 1), (4, 2)]:
+        for a, b in [(0, U), (1, U), (0, U - 1), (1, U - 1)]:
+            got, want = per.stage_cost(a, b, q, m), direct.stage_cost(a, b, q, m)
+            assert got.time == pytest.approx(want.time, rel=1e-9)
+            assert got.memory(2) == pytest.approx(want.memory(2), rel=1e-9)
+            assert got.detail.memory_choices is not None
+    assert per.periodic_certified >= 8 and direct.periodic_certified == 0
+
+
 def test_subgraph_keeps_the_ties_inside_the_stage():
     """A scan's copies tied across the whole graph: a stage's sub-graph keeps the ties among its own
     operators (its slice of the stacked parameter has one layout) and drops those with one member left; the
