@@ -76,6 +76,9 @@ units before it to those after it (so each piece below keeps its owners).
   and so do the forward/backward split, the weight-gradient part and sync
   and the per-device weight and activation bytes (summed from x4's own
   per-operator and per-edge costs, :func:`_terms`; peak device taken after).
+  With memory choices t_v is the seconds of the operator's choice (its
+  once-per-step parts already 1/m) and r1, r2 must also take the same
+  choices, which the inserted units repeat.
   Its transfers are x4's: what the first units receive, and the gradient
   from the real consumers of the run's last unit.
 * Lower bound, superadditivity. Cut the segment into consecutive pieces of
@@ -284,7 +287,7 @@ class ModelStages:
         memory_choices: stages may take memory choices (:meth:`fit_cost`): :meth:`stage_cost` is then the
             least over the layouts and the choices (the fit without a budget, on the fit's tables, which keep
             every layout), a lower bound of every memory-constrained optimum of the stage (what the search's lazy
-            resolution needs); such a stage is solved directly (no periodic extension).
+            resolution needs); the periodic extension then repeats a unit's layouts and choices.
         fit_rtol, fit_time_limit: the fit's relative tolerance and its time limit per stage.
         fit_unproven: fit solves stopped by the time limit before their proof.
         fit_reused: fit answers taken from the same segment's solve at another in-flight count (:meth:`fit_cost`).
