@@ -1,8 +1,10 @@
 """Solve-free lower bounds of a stage's seconds: per unit, on a sub-mesh of q devices at m micro-batches.
 
 A stage's intra-stage optimum (time-optimal or memory-constrained) is at least the sum over its operators of each
-operator's cheapest layout on q devices (the weight-gradient all-reduce amortised over m as the intra-stage
-search charges it), because every edge costs at least nothing; and at least its device-seconds over q
+operator's cheapest layout on q devices (the weight-gradient all-reduce and the optimizer step amortised over m as
+the intra-stage search charges them; with memory choices, the cheapest choice of any layout, since a ZeRO stage
+that shards the optimizer step can beat none), because every edge costs at least nothing; and at least its
+device-seconds over q
 (:meth:`~shardplan.pipeline.stages.ModelStages.device_seconds`). Both are sums over the stage's units, so a
 stage's bound is a difference of prefix sums. Neither needs an edge table, which is what an intra-stage solve
 spends most of its time on (docs/pipeline.md, *Solve-free stage bounds*).
