@@ -12,7 +12,10 @@ them: the machine is a profile file as given (``--machine h100`` by default, or 
   by :func:`shardplan.torch.plan` on one device of the machine, layouts only) against the measured forward +
   backward, split by kind of work: the model's seconds of matrix-product operators, attention and everything
   else beside the profiled CUDA kernels of each kind; the optimizer step is measured and reported but the model
-  does not charge it; the predicted peak memory beside the measured peak allocated.
+  does not charge it; the predicted peak memory beside the measured peak allocated;
+* ``jax_rows``: the flax language models of ``gpu_jax_models.py`` as XLA compiled and ran them (forward +
+  backward) against :func:`shardplan.jax.plan` of the same loss on one device, and XLA's memory analysis
+  (arguments + temporaries) against the predicted peak.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_gpu_step.py [--measured FILE] [--machine h100 | --machine-file F]
 [--out benchmarks/results/gpu_step.json]``
@@ -138,6 +141,42 @@ def step_rows(measured: dict[str, Any], machine: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def predict_jax_step(name: str, machine: Any) -> dict[str, Any]:
+    """The model's plan of the flax model ``name`` (``gpu_jax_models.py``) on one device, traced from its
+    parameters' shapes: step seconds and peak memory (one micro-batch, no stages)."""
+    import jax
+
+    from benchmarks.gpu_jax_models import build
+    from shardplan.jax import plan
+
+    loss_fn, params, batch = build(name, abstract=True)
+    t0 = time.process_time()
+    p = plan(loss_fn, params, batch, devices=jax.devices()[:1], machine=machine, stages=False, micro_batches=(1,))
+    return {"predicted_s": p.step_time, "predicted_peak_bytes": p.memory["peak_bytes"],
+            "predicted_activations_bytes": p.memory["activations_bytes"], "recomputed": len(p.recomputed),
+            "plan_cpu_seconds": time.process_time() - t0}
+
+
+def jax_step_rows(measured: dict[str, Any], machine: Any) -> list[dict[str, Any]]:
+    rows = []
+    for r in measured.get("jax_steps", []):
+        if "forward_backward_s" not in r:
+            rows.append({"model": r["model"], "skipped": r.get("error", "not measured")})
+            continue
+        pred = predict_jax_step(r["model"], machine)
+        row = {"model": r["model"], "shape": r["shape"], "params": r["params"],
+               "measured_forward_backward_s": r["forward_backward_s"], **pred,
+               "ratio": pred["predicted_s"] / r["forward_backward_s"], "xla_memory": r.get("xla_memory")}
+        mem = r.get("xla_memory") or {}
+        if mem:
+            row["xla_bytes"] = mem.get("argument_size_in_bytes", 0) + mem.get("temp_size_in_bytes", 0)
+            row["memory_ratio"] = pred["predicted_peak_bytes"] / row["xla_bytes"]
+        rows.append(row)
+        print(f"{r['model']:20s} measured {r['forward_backward_s'] * 1e3:7.1f} ms  predicted "
+              f"{pred['predicted_s'] * 1e3:7.1f} ms  ratio {row['ratio']:.2f}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.record import write_result
     from shardplan.machine import load_machine_file, preset
@@ -155,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gemm passes: {len(gemm)}, predicted / measured median {statistics.median(ratios):.2f}, "
           f"range {min(ratios):.2f}-{max(ratios):.2f}, within 10 %: {sum(abs(x - 1) <= 0.1 for x in ratios)}")
     steps = step_rows(measured, machine)
-    write_result("gpu_step", args.out, steps, machine=machine.name, measured_file=args.measured,
+    jax_steps = jax_step_rows(measured, machine)
+    write_result("gpu_step", args.out, steps, machine=machine.name, measured_file=args.measured, jax_rows=jax_steps,
                  measured_on=measured["machine"], gemm=gemm,
                  gemm_summary={"passes": len(gemm), "median_ratio": statistics.median(ratios),
                                "min_ratio": min(ratios), "max_ratio": max(ratios),

@@ -17,7 +17,11 @@ What it times (CUDA events; every figure is the median of timed runs after warm-
 * ``fp8``: ``torch._scaled_mm`` (E4M3 x E4M3 -> bf16) against the bf16 product of the same shape;
 * ``steps``: whole training steps of Hugging Face GPT-2 and Llama models built from their configs (random
   weights, bf16 parameters, fused AdamW): forward + backward and the optimizer step timed apart, peak
-  memory, and the CUDA kernels of one step by kind (torch.profiler).
+  memory, and the CUDA kernels of one step by kind (torch.profiler);
+* ``compiled_steps`` (not in the default list): the same steps of GPT-2 124M and Llama 3.2 1B under
+  ``torch.compile`` (the warm-up steps compile);
+* ``jax_steps`` (not in the default list: run it in a process of its own): flax.linen language models
+  (``gpu_jax_models.py``), forward + backward as XLA compiles it, and XLA's memory analysis.
 
 ``--smoke`` runs every section at toy sizes (on CPU too) so that the script is tested where no GPU is.
 """
@@ -276,18 +280,28 @@ def kernel_kinds(prof: Any) -> dict[str, Any]:
     return out
 
 
-def steps_section(smoke: bool, dt: torch.dtype, dev: torch.device, reps: int) -> list[dict[str, Any]]:
+COMPILED = ("gpt2-124m", "llama3.2-1b")  # the models also timed under torch.compile (section compiled_steps)
+
+
+def steps_section(smoke: bool, dt: torch.dtype, dev: torch.device, reps: int,
+                  compiled: bool = False) -> list[dict[str, Any]]:
     rows = []
-    for name, (family, cfg, batch, seq) in (SMOKE_MODELS if smoke else STEP_MODELS).items():
+    models = SMOKE_MODELS if smoke else STEP_MODELS
+    for name, (family, cfg, batch, seq) in models.items():
+        if compiled and not smoke and name not in COMPILED:
+            continue
         row: dict[str, Any] = {"model": name, "family": family, "config": cfg, "batch": batch, "seq": seq,
-                               "dtype": str(dt).removeprefix("torch."), "attention": "sdpa", "optimizer": "AdamW fused"}
+                               "dtype": str(dt).removeprefix("torch."), "attention": "sdpa", "optimizer": "AdamW fused",
+                               "torch_compile": compiled}
         try:
             with torch.device(dev):
                 model = build_model(family, cfg, seq).to(dt)
-            row["attention_implementation"] = getattr(model.config, "_attn_implementation", None)
+            if compiled:
+                model = torch.compile(model)
+            row["attention_implementation"] = getattr(getattr(model, "config", None), "_attn_implementation", None)
             params = sum(p.numel() for p in model.parameters())
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev.type == "cuda")
-            vocab = model.config.vocab_size
+            vocab = cfg.get("vocab_size", 50257)
             ids = torch.randint(0, vocab, (batch, seq), device=dev)
 
             def fwd_bwd() -> None:
@@ -335,6 +349,46 @@ def steps_section(smoke: bool, dt: torch.dtype, dev: torch.device, reps: int) ->
             torch.cuda.empty_cache()
         rows.append(row)
         print(f"step {name}: {row.get('forward_backward_s')} s fwd+bwd, {row.get('optimizer_s')} s opt", flush=True)
+    return rows
+
+
+def jax_steps_section(smoke: bool, reps: int) -> list[dict[str, Any]]:
+    """The flax models of ``gpu_jax_models.py``: ``jax.jit(jax.value_and_grad(loss))`` (forward + backward, no
+    optimizer) on JAX's first device, median seconds of ``reps`` after 3 warm-up steps, and XLA's memory analysis
+    of the compiled step. Run it in its own process (``--sections jax_steps``): JAX and PyTorch each hold GPU
+    memory."""
+    import jax
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_jax_models import JAX_MODELS, SMOKE_MODELS, build
+
+    rows = []
+    for name in (SMOKE_MODELS if smoke else JAX_MODELS):
+        row: dict[str, Any] = {"model": name, "shape": list((SMOKE_MODELS if smoke else JAX_MODELS)[name]),
+                               "jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}
+        try:
+            loss_fn, params, batch = build(name, smoke)
+            step = jax.jit(jax.value_and_grad(loss_fn))
+            compiled = step.lower(params, batch).compile()
+            mem = compiled.memory_analysis()
+            if mem is not None:
+                row["xla_memory"] = {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                                                       "temp_size_in_bytes", "alias_size_in_bytes")
+                                     if hasattr(mem, k)}
+            for _ in range(3):
+                jax.block_until_ready(compiled(params, batch))
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(compiled(params, batch))
+                times.append(time.perf_counter() - t0)
+            row.update({"params": int(sum(x.size for x in jax.tree.leaves(params))),
+                        "forward_backward_s": statistics.median(times), "forward_backward_all_s": times})
+            del params, batch, compiled
+        except Exception as exc:
+            row["error"] = repr(exc)[:500]
+        rows.append(row)
+        print(f"jax step {name}: {row.get('forward_backward_s')} s", flush=True)
     return rows
 
 
@@ -389,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
                 result[section] = host_section(args.smoke, dev, time_it)
             elif section == "fp8":
                 result[section] = fp8_section(args.smoke, dev, time_it)
+            elif section == "compiled_steps":
+                result[section] = steps_section(args.smoke, dt, dev, 3 if args.smoke else 10, compiled=True)
+            elif section == "jax_steps":
+                result[section] = jax_steps_section(args.smoke, 3 if args.smoke else 10)
             elif section == "steps":
                 result[section] = steps_section(args.smoke, dt, dev, 3 if args.smoke else 10)
             else:

@@ -234,10 +234,12 @@ def _const(shape: Sequence[int]) -> _Val:
 
 
 def _is_float(dtype: Any) -> bool:
-    import numpy as np
+    """True for every floating or complex dtype, the extended floats too (bfloat16, the float8 formats):
+    ``jnp.issubdtype`` knows them, NumPy's does not (``np.issubdtype(bfloat16, np.inexact)`` is False)."""
+    import jax.numpy as jnp
 
     try:
-        return bool(np.issubdtype(np.dtype(dtype), np.inexact))
+        return bool(jnp.issubdtype(dtype, jnp.inexact))
     except TypeError:
         return "float" in str(dtype)
 

@@ -3,7 +3,7 @@
 Run ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python shardplan/machines/measure_cpu.py [OUT.json]``.
 It is ``shardplan calibrate --engine jax`` (:mod:`shardplan.calibrate`, the one copy of the measurement code)
 with the sizes ``cpu.json`` was measured at: float32 products of 1024 x 1024 matrices, 64 MiB per device for
-the elementwise program and the largest all-reduce, best of 10 runs. It prints the profile it measured (and
+the elementwise program and the largest all-reduce, the median of 10 timed loops. It prints the profile it measured (and
 writes it to OUT.json when given); copy the values and sources into ``cpu.json``, whose description adds what
 a calibration cannot know (the host's load, how the rates scale with p).
 """

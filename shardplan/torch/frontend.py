@@ -114,6 +114,9 @@ class TorchTrace:
         conservative: operator name -> ATen target, for operators described conservatively.
         module_paths: operator name -> module path it came from.
         reasons: operator name -> why it was described conservatively (for those in ``conservative``).
+        value_ops: FX node name -> the operator whose output its value is (the node's own operator, or, for
+            an identity node such as a cast or a copy, the operator it passes on); what the activation
+            memory of a node's tensor is charged to (:mod:`shardplan.torch.saved`).
     """
 
     program: Any
@@ -125,6 +128,7 @@ class TorchTrace:
     conservative: Mapping[str, str]
     module_paths: Mapping[str, str]
     reasons: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    value_ops: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def conservative_ops(self, names: Mapping[str, str] | None = None) -> tuple[Any, ...]:
         """The operators described conservatively as the plan lists them
@@ -1340,6 +1344,7 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
     if not ctx.ops:
         raise ShardplanError("torch frontend: the module does no work on its inputs and parameters (no operators)")
     ctx.share_weights()
+    _describe_saved(ctx, ep, module)
     used = {t.src for op in ctx.ops.values() for t in op.inputs}
     int_inputs = {n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name in ctx.inputs and not _is_float(n)}
     labelled = label_graph(list(ctx.ops.values()), {k: input_axis_labels(v, True, k in int_inputs)
@@ -1347,8 +1352,29 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
     graph = Graph(name or type(module).__name__, tuple(labelled), {k: v for k, v in ctx.inputs.items() if k in used})
     info = TorchTrace(ep, dict(ctx.node_op), dict(ctx.operands), {k: tuple(v) for k, v in ctx.param_uses.items()},
                       {k: tuple(v) for k, v in ctx.input_uses.items()}, frozenset(const_nodes),
-                      dict(ctx.conservative), dict(ctx.paths), dict(ctx.reasons))
+                      dict(ctx.conservative), dict(ctx.paths), dict(ctx.reasons), _value_ops(ctx))
     return graph, info
+
+
+def _value_ops(ctx: _Ctx) -> dict[str, str]:
+    """Node name -> the operator its value belongs to: the operator made for it, or, for an identity node (a
+    cast, a copy), the operator whose value it is; user inputs, parameters and constants have none."""
+    out = {k: str(v.key) for k, v in ctx.env.items() if isinstance(v, Val) and v.kind == "op" and v.key in ctx.ops}
+    return {**out, **{k: v for k, v in ctx.node_op.items() if v in ctx.ops}}
+
+
+def _describe_saved(ctx: _Ctx, ep: Any, module: Any) -> None:
+    """Set every operator's :attr:`~shardplan.ir.Operator.saved` to what autograd keeps of it
+    (:mod:`shardplan.torch.saved`); the attention's handler states what the fused kernel keeps of its own."""
+    from shardplan.torch import saved as sv
+
+    ref = sv.reference_bytes(module)
+    grads = {k: v.needs_grad for k, v in ctx.env.items() if isinstance(v, Val)}
+    elems = {n: max(1, math.prod(op.output.shape)) for n, op in ctx.ops.items()}
+    keeps = sv.kept_by_node(ep.graph, grads, {node: ctx.ops[op] for node, op in ctx.node_op.items()}, ref)
+    params = frozenset(k for k, v in ctx.env.items() if isinstance(v, Val) and v.kind == "param")
+    tiles = sv.saved_tiles(ep.graph, keeps, _value_ops(ctx).get, params, elems, ref)
+    ctx.ops = {n: dataclasses.replace(op, saved=tiles[n]) for n, op in ctx.ops.items()}
 
 
 def _dropout_active(node: Any) -> bool:

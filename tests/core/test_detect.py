@@ -30,7 +30,8 @@ GiB = 1024**3
 # -- the presets are the constants they were before they moved to files -------------------------------
 def _old_presets(p: int) -> dict[str, Machine]:
     """The presets exactly as shardplan/machine.py built them in code before the profile files, plus the tile and
-    wave constants added to the GPU profiles since (multiprocessors, output tile)."""
+    wave constants added to the GPU profiles since (multiprocessors, output tile), and the H100's constants
+    measured on an H100 since (efficiency, HBM and host rates, the unaligned-product rule)."""
     bucket = 25 * 2**20
     tiles = dict(gemm_tiles=((256, 128), (128, 256), (128, 128)))
     return {
@@ -43,10 +44,10 @@ def _old_presets(p: int) -> dict[str, Machine]:
                         host_bandwidth=25.6e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=6.8e9,
                         sm_count=108, **tiles),
         "h100": Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
-                        inter_bandwidth=50e9, inter_latency=8e-6, name="h100", hbm_bandwidth=3.35e12,
-                        flops_efficiency=0.7, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
-                        host_bandwidth=51.2e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=1.0e10,
-                        sm_count=132, **tiles),
+                        inter_bandwidth=50e9, inter_latency=8e-6, name="h100", hbm_bandwidth=2.83e12,
+                        flops_efficiency=0.69, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
+                        host_bandwidth=54.7e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=1.0e10,
+                        sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2, **tiles),
     }
 
 
