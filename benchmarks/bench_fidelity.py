@@ -13,8 +13,9 @@ Each row is costed on ``preset("a100", GPUs)`` exactly as published (no machine 
 records predicted and measured step time, their ratio, the predicted and measured TFLOP/s per GPU (the
 paper's F over the step), the recipe, what the transcription leaves open and how it was filled
 (``assumptions``: each SC'21 row as its public run script ran it, Megatron-LM's kernels, padded vocabulary
-and local DDP, Table 2's ZeRO-3 with DeepSpeed v0.3.16's collectives), the optimizer step the model does not
-charge estimated beside it (:func:`optimizer_step_seconds`), and the seconds costing took. A row still running after ``--row-limit`` seconds (default
+and local DDP, Table 2's ZeRO-3 with DeepSpeed v0.3.16's collectives, fp16 with fp32 master weights and
+optimizer state: ``precision=mixed``, which also decides the optimizer step's bytes), and the seconds costing
+took. A row still running after ``--row-limit`` seconds (default
 180) is recorded as skipped with the time it had run (each row runs in a child process). Within each
 experiment (Table 2, Figure 13, full vs selective) the predicted rank order is compared with the measured one
 (by TFLOP/s per GPU, higher first). A row may carry variants, other readings of the same run (Table 2's ZeRO-3
@@ -31,7 +32,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,11 @@ VOCAB_NOTE = ("vocabulary as run: GPT-2's 50,257 tokens padded by Megatron-LM to
 LOCAL_DDP = ("overlap=none: Megatron-LM's DDP of the SC'21 commit (--DDP-impl local, the scripts' setting) "
              "all-reduces the gradient buffer after the whole forward-backward (megatron/training.py, train_step: "
              "allreduce_gradients() after forward_backward_func), never overlapped with the backward")
+
+MIXED = ",precision=mixed"
+MIXED_NOTE = ("precision=mixed: fp16 with fp32 master weights and Adam state (published-a100.md: 'fp16', "
+              "'mixed-precision Adam'; Megatron-LM's --fp16, DeepSpeed's fp16 ZeRO): 16 bytes of state per parameter "
+              "and the optimizer step's 28 HBM bytes per parameter the device updates")
 
 T1 = "SC'21 Table 1"
 T1_ROWS = [  # (params B, heads, hidden, layers, TP, PP, GPUs, gbs, MBS, layers per virtual stage, TFLOP/s per GPU)
@@ -177,30 +183,8 @@ def rows() -> list[Row]:
         out.append(Row(f"k-{size}-sp-selective", "korthikanti", f"{k}, {size}, SP + selective recomputation", layers,
                        hidden, heads, gpus, f"tp={tp},sp=true,pp={pp},mbs={mbs},gbs={gbs},recompute=selective",
                        sel, None, note, kernels="megatron", vocab=megatron_vocab(tp)))
-    return out
-
-
-ADAM_STEP_BYTES = 50.0
-"""HBM bytes per parameter of one mixed-precision optimizer step as Megatron-LM ran it in 2021 (first principles
-from megatron/optimizer/optimizer.py, ``Float16OptimizerWithFloat16Params.step``, at the SC'21 code of April 2021):
-unscale and check the fp32 main gradient (``torch._amp_foreach_non_finite_check_and_unscale_``: read 4, write 4),
-its L2 norm for clipping (``clip_grad_norm_fp32``: read 4; the rescale only when the norm exceeds the limit, not
-counted), apex ``FusedAdam`` on the fp32 master weight with its two moments (read weight, gradient, m, v: 16;
-write weight, m, v: 12), the copy of the master weights into the fp16 model (``_copy_main_params_to_model_params``:
-read 4, write 2) and the zeroing of the fp32 gradient buffer for the next step (write 4)."""
-
-
-def optimizer_step_seconds(plan: Any, hbm_bandwidth: float) -> float:
-    """Seconds of the optimizer step the cost model does not charge, estimated beside it: the most parameters any
-    device updates (a weight's elements over its tensor-parallel degree, over every device of its stage at ZeRO
-    stage 3), times :data:`ADAM_STEP_BYTES`, at the machine's HBM bandwidth. Every stage steps at once after the
-    pipeline's flush, so the slowest stage's step is the one added."""
-    worst = 0.0
-    for st in plan.stages:
-        n = sum(c.weight_elems / (st.devices if c.state_stage == 3 else c.tensor_degree)
-                for c in st.operators.values() if c.weight_elems)
-        worst = max(worst, n)
-    return worst * ADAM_STEP_BYTES / hbm_bandwidth
+    return [replace(r, recipe=r.recipe + MIXED, variants=tuple(v + MIXED for v in r.variants),
+                    assumptions=r.assumptions + (MIXED_NOTE,)) for r in out]
 
 
 def cost_row(row: Row) -> dict[str, Any]:
@@ -239,8 +223,6 @@ def cost_row(row: Row) -> dict[str, Any]:
                          "predicted_tflops_per_gpu": flops / t / row.gpus / 1e12}
     if variants:
         out["variants"] = variants
-    opt = optimizer_step_seconds(plan, float(preset("a100", row.gpus).hbm_bandwidth))
-    out.update(optimizer_step_seconds=opt, ratio_with_optimizer_step=(pred + opt) / measured)
     out.update(status="costed", predicted_seconds=pred, ratio=pred / measured,
                predicted_tflops_per_gpu=flops / pred / row.gpus / 1e12, micro_batches=plan.micro_batches,
                schedule=plan.schedule, chunks=plan.chunks, breakdown=dict(plan.breakdown),

@@ -15,7 +15,7 @@ import numpy as np
 from shardplan.configs import ORDER_MODES, configurations, dimension_orders, flat_layouts, layouts, with_partial
 from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budgets, weight_edge_cost
 from shardplan.cost.memory import operator_memory, strategy_memory
-from shardplan.cost.operator import PARTS, OpCost, operator_cost
+from shardplan.cost.operator import PARTS, OpCost, operator_cost, optimizer_step_bytes
 from shardplan.cost.ring import CONTEXT_ALGORITHMS, context_edge, moved_reduction
 from shardplan.cost.tiles import MAX_DEVICES  # per-device tiles: at most this many devices (the default max_devices)
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
@@ -359,7 +359,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
                 lays = tuple(lays[r] for r in rows)
                 arr = arr.take(rows)
                 w, act = w[keep], act[keep]
-        cost = operator_cost(op, arr, machine)
+        cost = operator_cost(op, arr, machine, step_bytes=optimizer_step_bytes(optimizer_factor, machine.dtype_bytes))
         if context != "allgather":  # the ring input's gradient all-reduce is charged on its edge
             moved = moved_reduction(op, arr, machine)
             store.setdefault("ring_moved", {})[key] = moved

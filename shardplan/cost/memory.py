@@ -92,7 +92,8 @@ class ChoiceTable:
         recompute: whether the operator's forward is recomputed in the backward pass.
         parts: seconds by kind: ``compute``, ``forward_allreduce``, ``grad_allreduce`` (activation
             gradients only), ``halo``, ``stats``, ``recurrence``, ``weight_sync`` (weight-gradient
-            synchronisation and ZeRO gathers), ``recompute`` (the forward run again).
+            synchronisation and ZeRO gathers), ``recompute`` (the forward run again), ``optimizer`` (the
+            device's optimizer step on the shard it owns, once per step; none with the optimizer offloaded).
         state_bytes: weights, gradients and optimizer state per device.
         activation_bytes: activations kept for the backward pass, per device.
         grad_bytes: the weight-gradient part of ``state_bytes`` (P at stages 0 and 1, P/G at
@@ -324,6 +325,13 @@ class ChoiceRules:
             return o
         return (4.0 + 4.0 * o) / float(dtype_bytes)
 
+    def optimizer_step_bytes(self, optimizer_factor: float, dtype_bytes: int) -> float:
+        """HBM bytes per parameter element of the device's optimizer step under these rules
+        (:func:`shardplan.cost.operator.optimizer_step_bytes`)."""
+        from shardplan.cost.operator import optimizer_step_bytes
+
+        return optimizer_step_bytes(optimizer_factor, dtype_bytes, self.master_weights)
+
 
 def fp8_product(op: Operator) -> bool:
     """Whether ``op`` is a matrix product FP8 may run: it multiplies and adds (``flops_per_point`` >= 2)
@@ -449,7 +457,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     offered a choice is dropped only when another is also no worse in host memory.
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time
-    from shardplan.cost.operator import operator_cost
+    from shardplan.cost.operator import operator_cost, optimizer_elements, optimizer_step_seconds
 
     lay = as_layouts(configs, machine.num_devices, orders, machine.levels)
     k = len(lay)
@@ -469,6 +477,9 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     keep = np.zeros(k) if recompute_keep is None else np.asarray(recompute_keep, dtype=np.float64) / m * float(in_flight)
     has_grad = bool(op.grad_tensors)
     o = rules.optimizer_words(optimizer_factor, machine.dtype_bytes)
+    # the optimizer step of the whole tile (stage 0); a ZeRO stage updates its 1/group shard
+    step = optimizer_step_seconds(optimizer_elements(op, lay, machine.num_devices), machine,
+                                  rules.optimizer_step_bytes(optimizer_factor, machine.dtype_bytes))
     stage_list = [s for s in stages if s in STAGES] if weights else [0]
     if 0 not in stage_list:
         stage_list = [0] + stage_list
@@ -532,6 +543,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
             regather = fwd_gather if s == 3 and rules.zero3_regather else np.zeros(k)
             mem = mem + cache
             shard = state / group if s else state  # the weight bytes this device updates
+            opt_step = (step / group if s else step) * once  # once per step, on the device's shard
             for mask in _offload_masks(rules, machine, s, bool(weights), bool(np.any(step_saved > 0))):
                 dev, host = mem, np.zeros(k)
                 fetch = np.zeros(k)  # parameter bytes fetched before each pass (parameters offloaded)
@@ -556,9 +568,11 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
                 for r in ([True] if forced_recompute else [False, True] if recompute else [False]):
                     if r and mask & 4:
                         continue
+                    # the optimizer state on the host: the CPU's step (in ``after``) replaces the device's
                     rows.append((s, r, sync + regather if r else sync, dev,
                                  keep if r else (np.zeros(k) if mask & 4 else act),
-                                 fwd if r else np.zeros(k), grad, fp8, scale, mask, t_off, host, fixed))
+                                 fwd if r else np.zeros(k), grad, fp8, scale, mask, t_off, host,
+                                 {**fixed, "optimizer": np.zeros(k) if mask & 1 else opt_step}))
     j = len(rows)
     base = np.tile(np.arange(k), j)
     parts = {name: np.concatenate([r[12][name] for r in rows]) for name in rows[0][12]}

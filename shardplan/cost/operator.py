@@ -69,7 +69,14 @@ configuration c (arrays over the K configurations):
   batch/layer norm) all-reduces ``norm_stats`` values per point of the
   output tile without those dims, forward and backward;
 * recurrence: the one hand-written term, for operators whose domain holds a
-  sequential recurrence (:func:`recurrence_cost`).
+  sequential recurrence (:func:`recurrence_cost`);
+* optimizer step: once per step each device updates the tile it holds of every
+  trainable weight the operator owns (``Tensor.owner`` None), an elementwise
+  pass bound by memory bandwidth: ``elements * step_bytes / HBM bandwidth``
+  (:func:`optimizer_step_seconds`; ``step_bytes`` per element from the
+  precision rules, :func:`optimizer_step_bytes`; nothing
+  without an HBM bandwidth, the paper's model). ZeRO's sharded updates are the
+  memory choices' (:func:`shardplan.cost.memory.choice_table`).
 
 Every collective runs among the devices of a group that the layout spreads
 over the machine's levels (``g_l`` per level), with the hierarchical NCCL
@@ -97,7 +104,8 @@ from shardplan.ir import Operator
 from shardplan.machine import Machine
 
 __all__ = ["PARTS", "OpCost", "operator_cost", "recurrence_cost", "tile_volume", "distinct_splits", "gemm_utilisation",
-           "gemm_passes", "pass_utilisation"]
+           "gemm_passes", "pass_utilisation", "optimizer_elements", "optimizer_step_seconds",
+           "optimizer_step_bytes"]
 
 
 PARTS: dict[str, str] = {
@@ -107,6 +115,7 @@ PARTS: dict[str, str] = {
     "halo": "halo exchange",
     "stats": "normalisation statistics",
     "recurrence": "recurrence (pipeline, hidden-state gathers)",
+    "optimizer": "optimizer step",
 }
 """The parts of an operator's cost: :class:`OpCost` field -> what it is (the report's label).
 
@@ -125,17 +134,19 @@ class OpCost:
     halo: np.ndarray
     stats: np.ndarray
     recurrence: np.ndarray
+    optimizer: np.ndarray
     comm_bytes: np.ndarray  # bytes each device sends inside the operator (fwd + bwd), for checking
 
     @cached_property
     def communication(self) -> np.ndarray:
-        """Seconds of every part but compute."""
-        return sum((getattr(self, name) for name in PARTS if name != "compute"), np.zeros_like(self.compute))
+        """Seconds of every part but compute and the optimizer step."""
+        return sum((getattr(self, name) for name in PARTS if name not in ("compute", "optimizer")),
+                   np.zeros_like(self.compute))
 
     @cached_property
     def total(self) -> np.ndarray:
         """Seconds per configuration, all parts (computed once: identical operators share this array)."""
-        return self.compute + self.communication
+        return self.compute + self.communication + self.optimizer
 
     def parts(self, k: int) -> dict[str, float]:
         """The breakdown of configuration k: {part: seconds}, the keys of :data:`PARTS` in order."""
@@ -325,12 +336,69 @@ def _ar_sent(nbytes: np.ndarray, g: np.ndarray) -> np.ndarray:
     return np.where(g > 1, 2.0 * (g - 1) / g * nbytes, 0.0)
 
 
-def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | None = None) -> OpCost:
+def optimizer_step_bytes(optimizer_factor: float, dtype_bytes: int, master_weights: bool = False) -> float:
+    """HBM bytes per parameter element that one optimizer step reads and writes on the device.
+
+    The step is one fused elementwise pass (apex's and DeepSpeed's ``FusedAdam``, PyTorch's ``fused=True``
+    Adam): each operand read once, each result written once; ``o = optimizer_factor`` words of state per
+    element (2 for Adam's two moments, 1 for momentum SGD, 0 for plain SGD), ``s = dtype_bytes``:
+
+    * weights that are their own master copy (no ``master_weights``, or ``s >= 4``): read the weight, its
+      gradient and the o state words, write the weight and the state, all in ``s`` bytes:
+      ``(3 + 2 o) s`` (Adam in fp32: 28; in bf16 without a master copy: 14);
+    * ``master_weights`` (mixed precision as Megatron-LM and DeepSpeed keep it, :class:`~shardplan.cost.memory.ChoiceRules`):
+      read the fp32 master weight (4), the ``s``-byte gradient and the fp32 state (4 o); write the master
+      weight (4), the state (4 o) and the ``s``-byte copy the next step computes with:
+      ``8 + 8 o + 2 s`` (Adam at s = 2: 28).
+
+    Not counted: passes a framework adds around the update (the loss-scale unscale and overflow check, the
+    gradient norm for clipping, zeroing the gradient buffer, an fp32 gradient buffer instead of an
+    ``s``-byte one): Megatron-LM's fp16 step of 2021 moves about 50 bytes per element in all
+    (docs/cost-model.md, "Optimizer step").
+    """
+    o, s = float(optimizer_factor), float(dtype_bytes)
+    if master_weights and s < 4:
+        return 8.0 + 8.0 * o + 2.0 * s
+    return (3.0 + 2.0 * o) * s
+
+
+def optimizer_elements(op: Operator, configs, p: int, orders: np.ndarray | None = None) -> np.ndarray:
+    """Parameter elements the busiest device updates in ``op``'s optimizer step, per layout: (K,).
+
+    The largest tile of every trainable weight ``op`` owns (``needs_grad``, ``Tensor.owner`` None: a
+    parameter shared by several readers is updated once, by its owner), in elements (``elem_factor``
+    included). Without state sharding every device holding a tile updates all of it.
+    """
+    lay = as_layouts(configs, p, orders)
+    out = np.zeros(len(lay))
+    for t in op.weights:
+        if t.needs_grad and t.owner is None:
+            out = out + tile_volume(op, t, lay, p)
+    return out
+
+
+def optimizer_step_seconds(elements: np.ndarray, machine: Machine, step_bytes: float) -> np.ndarray:
+    """Seconds of the optimizer step of ``elements`` parameter elements on one device: an elementwise update
+    that reads and writes ``step_bytes`` HBM bytes per element (:func:`optimizer_step_bytes`)
+    and does a few FLOPs per byte, so bound by memory bandwidth (first principles; Adam's ~10 FLOP per element
+    against 28 bytes is far below an A100's or H100's ridge of ~150 FLOP/byte):
+    ``elements * step_bytes / machine.hbm_bandwidth``. Zero without an HBM bandwidth (the paper's model,
+    which charges no memory-bound work)."""
+    elements = np.asarray(elements, dtype=np.float64)
+    if machine.hbm_bandwidth is None:
+        return np.zeros(elements.shape)
+    return elements * float(step_bytes) / float(machine.hbm_bandwidth)
+
+
+def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | None = None,
+                  step_bytes: float | None = None) -> OpCost:
     """t_l for every layout of ``op`` (see the module docstring for the derivation).
 
     ``configs``: :class:`~shardplan.layout.LayoutArrays`, or configuration rows
     (K, n) with optional nesting ``orders`` (laid out on the machine's levels
     as the flat device numbering, :meth:`~shardplan.layout.Layout.from_flat`).
+    ``step_bytes``: HBM bytes per parameter element of the optimizer step (default
+    :func:`optimizer_step_bytes` of Adam in the machine's element size).
     """
     p = machine.num_devices
     lay = as_layouts(configs, p, orders, machine.levels)
@@ -432,7 +500,11 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
         rec, rec_bytes = recurrence_cost(op, lay, machine)
         sent = sent + rec_bytes
 
-    return OpCost(compute, fwd_ar, grad_ar, halo, stats, rec, sent)
+    if step_bytes is None:
+        step_bytes = optimizer_step_bytes(2.0, machine.dtype_bytes)
+    opt = optimizer_step_seconds(optimizer_elements(op, lay, p), machine, step_bytes)
+
+    return OpCost(compute, fwd_ar, grad_ar, halo, stats, rec, opt, sent)
 
 
 def recurrence_cost(op: Operator, lay: LayoutArrays, machine: Machine) -> tuple[np.ndarray, np.ndarray]:

@@ -1,8 +1,10 @@
 """Solve-free lower bounds of a stage's seconds: per unit, on a sub-mesh of q devices at m micro-batches.
 
 A stage's intra-stage optimum (time-optimal or memory-constrained) is at least the sum over its operators of each
-operator's cheapest layout on q devices (the weight-gradient all-reduce amortised over m as the intra-stage
-search charges it), because every edge costs at least nothing; and at least its device-seconds over q
+operator's cheapest layout on q devices (the weight-gradient all-reduce and the optimizer step amortised over m as
+the intra-stage search charges them; with memory choices, the cheapest choice of any layout, since a ZeRO stage
+that shards the optimizer step can beat none), because every edge costs at least nothing; and at least its
+device-seconds over q
 (:meth:`~shardplan.pipeline.stages.ModelStages.device_seconds`). Both are sums over the stage's units, so a
 stage's bound is a difference of prefix sums. Neither needs an edge table, which is what an intra-stage solve
 spends most of its time on (docs/pipeline.md, *Solve-free stage bounds*).
@@ -47,7 +49,9 @@ class UnitFloors:
 
     def _op_floor(self, op: Any, q: int, m: int) -> float:
         """The least seconds of ``op`` alone on q devices over the tables' layouts, its weight-gradient all-reduce
-        amortised over m (vertex cost less (1 - 1/m) of that all-reduce, as the intra-stage search charges it)."""
+        and optimizer step amortised over m (vertex cost less (1 - 1/m) of them, as the intra-stage search charges
+        them); with memory choices, also over every choice of each layout (the least row of its choice table, once-
+        per-step parts amortised alike), of which the stage's plan takes one per operator."""
         from shardplan.configs import layouts, with_partial
         from shardplan.cost import operator_cost, operator_key
         from shardplan.layout import LayoutArrays
@@ -68,6 +72,13 @@ class UnitFloors:
             total = operator_cost(op, arr, machine).total
             sync = weight_sync(op, arr, None, machine)
             got = float(np.min(total - (1.0 - 1.0 / m) * sync)) if len(lays) else 0.0
+            if len(lays) and self.stages.memory_choices:
+                # a stage with memory choices may take any row of the operator's choice table (ZeRO's sharded step
+                # and its reduce-scatter can beat stage 0 at the same layout): the least row over every layout
+                from shardplan.cost.memory import STAGES, choice_table
+
+                rows = choice_table(op, arr, None, machine, 1, STAGES, True, prune=False, accumulate=m)
+                got = min(got, float(rows.seconds.min()))
             self._ops[key] = got
         return got
 

@@ -21,8 +21,10 @@ all-reduces, half of halo/statistics/redistribution) and backward (the
 rest). Memory: the plan's weight/state bytes and saved activation bytes at
 its peak device. A stage whose *time-optimal* intra-stage plan does not fit
 with its in-flight micro-batches is, by default, infeasible; with
-``memory_choices`` (:meth:`ModelStages.fit_cost`) it takes its
-memory-constrained optimum for that in-flight count (ZeRO/FSDP,
+``memory_choices`` the time-optimal plan ranges over the memory choices too
+(the fit without a budget: a ZeRO stage that shards the optimizer step can
+beat none), and a stage where it does not fit (:meth:`ModelStages.fit_cost`)
+takes its memory-constrained optimum for that in-flight count (ZeRO/FSDP,
 recomputation: :func:`shardplan.fit.solve_fit`, a branch-and-bound per
 stage, with the once-per-step collectives amortised over m as below), which
 the search solves only for the stages its relaxation needs (the lazy
@@ -74,6 +76,9 @@ units before it to those after it (so each piece below keeps its owners).
   and so do the forward/backward split, the weight-gradient part and sync
   and the per-device weight and activation bytes (summed from x4's own
   per-operator and per-edge costs, :func:`_terms`; peak device taken after).
+  With memory choices t_v is the seconds of the operator's choice (its
+  once-per-step parts already 1/m) and r1, r2 must also take the same
+  choices, which the inserted units repeat.
   Its transfers are x4's: what the first units receive, and the gradient
   from the real consumers of the run's last unit.
 * Lower bound, superadditivity. Cut the segment into consecutive pieces of
@@ -175,7 +180,8 @@ def _op_signature(op: Operator, where: dict[str, tuple[int, int]], unit: int) ->
 
 
 def weight_sync(op: Operator, configs, orders, machine: Machine):
-    """Seconds of the all-reduce of ``op``'s weight gradients per configuration: (K,).
+    """Seconds of the all-reduce of ``op``'s weight gradients and of its optimizer step per configuration: (K,),
+    what runs once per step (charged 1/m per micro-batch).
 
     The operator costed with and without gradients for its weights: the difference of the backward
     all-reduce time is the weights' part (the cost model's own formula, not a copy of it).
@@ -187,20 +193,20 @@ def weight_sync(op: Operator, configs, orders, machine: Machine):
     if not any(w.needs_grad for w in op.weights):
         return np.zeros(len(configs))
     frozen = replace(op, weights=tuple(replace(w, needs_grad=False) for w in op.weights))
-    full = operator_cost(op, configs, machine, orders).grad_allreduce
+    full = operator_cost(op, configs, machine, orders)
     without = operator_cost(frozen, configs, machine, orders).grad_allreduce
-    return np.maximum(full - without, 0.0)
+    return np.maximum(full.grad_allreduce - without, 0.0) + full.optimizer
 
 
 def _split_parts(op: Operator, parts: dict[str, float]) -> tuple[float, float, float]:
     """(forward, backward, weight-gradient) seconds of one operator's configuration: a GEMM's forward is
     1/(1 + tensors with gradients) of its compute, plus the forward partial-sum all-reduces; the backward
-    the rest of the compute and the activation-gradient all-reduces; halo, statistics and recurrence split
+    the rest of the compute, the activation-gradient all-reduces and the optimizer step; halo, statistics and recurrence split
     in halves; the weight-gradient part is the forward share of compute per weight with a gradient."""
     share = 1.0 / op.passes
     half = sum(parts[key] for key in ("halo", "stats", "recurrence")) / 2
     fwd = parts["compute"] * share + parts["forward_allreduce"] + half
-    bwd = parts["compute"] * (1 - share) + parts["grad_allreduce"] + half
+    bwd = parts["compute"] * (1 - share) + parts["grad_allreduce"] + half + parts.get("optimizer", 0.0)
     wgrad = parts["compute"] * share * sum(1 for w in op.weights if w.needs_grad)
     return fwd, bwd, wgrad
 
@@ -278,10 +284,10 @@ class ModelStages:
             :func:`shardplan.fit.plan_with_choices` with ``accumulate=m``); the stage costs what
             :meth:`fit_cost` charges for such a plan (once-per-step collectives 1/m per micro-batch).
         solves: intra-stage solves run (one per distinct segment, sub-mesh size and m).
-        memory_choices: stages may take memory choices (:meth:`fit_cost`): the intra-stage tables keep every
-            layout (no per-layout memory filter, which assumes unsharded state) and :meth:`stage_cost` and
-            :meth:`fit_cost` share them, so the time-optimal stage ranges over the fit's layouts and is a
-            lower bound of the fit's optimum (what the search's lazy resolution needs).
+        memory_choices: stages may take memory choices (:meth:`fit_cost`): :meth:`stage_cost` is then the
+            least over the layouts and the choices (the fit without a budget, on the fit's tables, which keep
+            every layout), a lower bound of every memory-constrained optimum of the stage (what the search's lazy
+            resolution needs); the periodic extension then repeats a unit's layouts and choices.
         fit_rtol, fit_time_limit: the fit's relative tolerance and its time limit per stage.
         fit_unproven: fit solves stopped by the time limit before their proof.
         fit_reused: fit answers taken from the same segment's solve at another in-flight count (:meth:`fit_cost`).
@@ -496,6 +502,13 @@ class ModelStages:
         from shardplan.spmd import SpmdPlan, plan_from_configs
         from shardplan.search import SOLVERS
 
+        if self.memory_choices and self.strategy is None:
+            # the time-optimal stage over the layouts and the memory choices: the fit without a budget (a real plan
+            # with its choices; every memory-constrained optimum of the stage costs at least this)
+            plan = self._solve_fit(graph, q, m, 1, NO_BUDGET)
+            if plan is None:
+                raise OperatorMemoryError(f"no plan of {graph.name!r} on {q} devices")
+            return _fit_parts(plan, None, m, 1, first, last, self.boundary_bytes)
         self.solves += 1
         machine = replace(self.machine, num_devices=q)
         opts = dict(self.solve_options)
@@ -504,11 +517,7 @@ class ModelStages:
                       if k in opts}
         solver = opts.pop("solver", "dp")
         cache = self._table_cache(q)
-        if self.memory_choices and self.strategy is None:
-            tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
-                             machine=machine)
-        else:
-            tables = build_tables(graph, machine, cache=cache, **table_opts)
+        tables = build_tables(graph, machine, cache=cache, **table_opts)
         sync = self._weight_syncs(tables, q)
         if self.strategy is None:
             # weight gradients are accumulated over the m micro-batches and synchronised once per step:
@@ -557,7 +566,8 @@ class ModelStages:
     def stage_cost(self, a: int, b: int, q: int, m: int) -> StageCost | None:
         """Intra-stage optimum of units [a, b) on q devices with m micro-batches (None if m does not divide, if
         some operator cannot fit on q devices, or if the cost model refuses the stage's tables on q devices:
-        :attr:`refused` records that)."""
+        :attr:`refused` records that). With :attr:`memory_choices`, the optimum over the layouts and the memory
+        choices without a budget (a plan with its choices, whatever its bytes)."""
         if self.batch % m:
             return None
         key = self._stage_key(a, b, q, m)
@@ -688,6 +698,8 @@ class ModelStages:
         x = plan.assignment
         if any(x[i] != x[i + n] for i in range(r1, r1 + n)):
             return None  # the two interior run units differ: no repeating unit to insert
+        if plan.memory_choices is not None and any(_row(plan, i) != _row(plan, i + n) for i in range(r1, r1 + n)):
+            return None  # the same layouts, other memory choices
         terms = self._cut_terms(plan, r1 + n, n, q, m)
         if terms is None:
             return None
@@ -720,7 +732,7 @@ class ModelStages:
                         ok = False
                         break
                     checked.add(id(mat))
-            sync = self._weight_syncs(plan.tables, q)
+            sync = self._weight_syncs(plan.tables, q) if plan.memory_choices is None else None
             self._cuts[key] = (plan, (_terms(plan, range(len(plan.assignment)), sync, m),
                                       _terms(plan, range(first, first + n), sync, m)) if ok else None)
         return self._cuts[key][1]
@@ -753,7 +765,7 @@ class ModelStages:
         from shardplan.cost import build_tables
         from shardplan.fit import FitOptions, solve_fit
 
-        machine = replace(self.machine, num_devices=q, memory_bytes=budget)
+        machine = replace(self.machine, num_devices=q, memory_bytes=None if budget >= NO_BUDGET else budget)
         opts = dict(self.solve_options)
         table_opts = {x: opts.pop(x) for x in ("cutoff", "powers_of_two", "divides_p", "orders", "node_replicas",
                                              "partial_sums", "overlap_tp", "context", "max_devices") if x in opts}
@@ -784,9 +796,8 @@ class ModelStages:
         if nothing fits. Its seconds are the fit plan's per micro-batch, with the collectives that run once per
         step (ZeRO-0's all-reduce, ZeRO-1's reduce-scatter and gather, ZeRO-2's gather) charged 1/m per
         micro-batch as :meth:`stage_cost` charges the weight-gradient all-reduce (``FitOptions.accumulate``),
-        so a plan without memory choices costs here exactly what it costs there, and every choice costs at
-        least that: the time-optimal stage is a lower bound of this one (what the pipeline search's lazy
-        resolution relies on, and checks). A fit solve stopped by ``fit_time_limit`` before its proof is
+        and :meth:`stage_cost` is the same search without a budget, so the time-optimal stage is a lower
+        bound of this one (what the pipeline search's lazy resolution relies on, and checks). A fit solve stopped by ``fit_time_limit`` before its proof is
         counted in ``fit_unproven``. ``lower`` is the solve's proven lower bound (cost (1 - fit_rtol), or its
         bound when stopped early). ZB-H1's W pass of such a stage is its weight-gradient GEMMs' compute
         (:func:`_fit_parts`)."""
@@ -816,7 +827,7 @@ class ModelStages:
             cost = None
         else:
             cost = _fit_parts(plan, None, m, k, a, b - 1, self.boundary_bytes)
-            # proven: the solve's bound, and the time-optimal stage (no choice is cheaper than none)
+            # proven: the solve's bound, and the time-optimal stage (the same choices without the budget)
             plain = self.stage_cost(a, b, q, m)
             low = max(cost.time * _proven_ratio(plan, self.fit_rtol), plain.time if plain is not None else 0.0)
             cost = replace(cost, lower=min(low, cost.time))
@@ -867,7 +878,7 @@ class ModelStages:
         ratio = _proven_ratio(plan, self.fit_rtol)
         plain = [self.stage_cost(a, b, q, m) for a, b in chunks]
         if plan.solution.cost > 0 and all(c is not None for c in plain):
-            # the time-optimal chunks are a lower bound too (no choice is cheaper than none)
+            # the time-optimal chunks are a lower bound too (the same choices without the budget; no shared edge)
             ratio = min(1.0, max(ratio, sum(c.time for c in plain) / plan.solution.cost))  # type: ignore[union-attr]
         parts, start = [], 0
         for a, b in chunks:
@@ -980,6 +991,11 @@ def _longest_run(sigs: tuple[int, ...], a: int, b: int) -> tuple[int, int] | Non
     return best
 
 
+NO_BUDGET = 1e30
+"""Bytes per device no plan comes near (a zettabyte, 10^18 times an 80 GiB device): the budget of the fit without a
+memory constraint, :meth:`ModelStages.stage_cost` with memory choices (the fit's problem wants a finite budget)."""
+
+
 PERIODIC_RTOL = 1e-9
 """Relative tolerance of the periodic certificate: the extension is accepted when its objective is at most
 the proven lower bound times (1 + PERIODIC_RTOL) (floating-point sums in another order)."""
@@ -1005,26 +1021,48 @@ class _Terms:
             "objective", "forward", "backward", "weight_grad", "sync", "weights", "activations")))
 
 
+def _row(plan, i: int) -> tuple:
+    """What operator i's memory choice in ``plan`` is and costs: its layout, ZeRO stage, recomputation, FP8,
+    offload, seconds and bytes (identical operators' choices compare equal)."""
+    mc = plan.memory_choices
+    t, j = mc.choice_tables[i], mc.choices[i]
+    return (int(t.base[j]), mc.stage(i), mc.recompute(i), mc.fp8(i), mc.offload(i), float(t.seconds[j]),
+            float(t.state_bytes[j]), float(t.activation_bytes[j]))
+
+
 def _terms(plan, ops, sync, m: int) -> _Terms:
     """:class:`_Terms` of ``plan`` over the operators ``ops`` (indices) and the edges into them (graph and
     weight edges): per operator, the split of :func:`_forward_backward`, the objective's vertex cost
     ``max(total - (1 - 1/m) sync, 0)`` and the bytes of :meth:`CostTables.memory_of`; per edge, its
-    redistribution, half forward and half backward. Summed over every operator, the plan's stage cost."""
+    redistribution, half forward and half backward. Summed over every operator, the plan's stage cost. A plan
+    with memory choices (``sync`` None): the vertex cost is its choice's seconds (the once-per-step parts
+    already 1/m), the backward takes what the choice adds (as :func:`_fit_parts`), the bytes are the choice's
+    (the reserve with the whole plan's)."""
     tables, x = plan.tables, plan.assignment
     graph = tables.graph
     chosen = set(ops)
+    mc = plan.memory_choices
     obj = fwd = bwd = wgrad = step = 0.0
     weights = activations = 0.0
     for i in ops:
         op, k = graph.operators[i], x[i]
         f, b, wg = _split_parts(op, tables.op_costs[i].parts(k))
         fwd, bwd, wgrad = fwd + f, bwd + b, wgrad + wg
+        if mc is not None:
+            t, j = mc.choice_tables[i], mc.choices[i]
+            obj += float(t.seconds[j])
+            bwd += float(t.seconds[j]) - float(tables.op_costs[i].total[k])
+            weights += float(t.state_bytes[j])
+            activations += float(t.activation_bytes[j])
+            continue
         w = float(sync[i][k])
         step += w
         obj += max(float(tables.op_costs[i].total[k]) - (1.0 - 1.0 / m) * w, 0.0)
         wb, ab = tables.memory[i]
         weights = weights + wb[k]
         activations = activations + (ab[k] * 0.0 if op.name in graph.recomputed else ab[k])
+    if mc is not None and len(chosen) == len(x):
+        weights += mc.reserve_bytes
     red = float(sum(mat[x[src], x[dst]] for src, dst, mat in tables.all_edges() if dst in chosen))
     return _Terms(obj + red, fwd + red / 2, bwd + red / 2, wgrad, step, weights, activations)
 
@@ -1035,10 +1073,11 @@ def _stage_of(terms: _Terms, m: int, plan, recv: float | None, grad: float | Non
     import numpy as np
 
     bwd = terms.backward - (1.0 - 1.0 / m) * terms.sync
-    total = np.asarray(terms.weights + terms.activations)
+    total = np.atleast_1d(terms.weights + terms.activations)
     dev = int(np.argmax(total))
-    return StageCost(terms.forward, bwd, float(np.asarray(terms.weights)[dev]),
-                     float(np.asarray(terms.activations)[dev]), plan, recv, grad,
+    weights = np.broadcast_to(np.atleast_1d(terms.weights), total.shape)
+    activations = np.broadcast_to(np.atleast_1d(terms.activations), total.shape)
+    return StageCost(terms.forward, bwd, float(weights[dev]), float(activations[dev]), plan, recv, grad,
                      min(bwd, terms.weight_grad + terms.sync / m))
 
 
