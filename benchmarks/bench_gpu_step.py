@@ -9,12 +9,12 @@ them: the machine is a profile file as given (``--machine h100`` by default, or 
   and wave utilisation of its output (:func:`shardplan.cost.operator.gemm_utilisation`), or the bytes it
   moves over the HBM bandwidth where that is longer (the roofline the model charges);
 * ``steps``: the same Hugging Face models as were timed (built from their configs on the meta device, traced
-  by :func:`shardplan.torch.plan` on one device of the machine, layouts only) against the measured forward +
-  backward, split by kind of work: the model's seconds of matrix-product operators, attention and everything
-  else beside the profiled CUDA kernels of each kind; the optimizer step is measured and reported but the model
-  does not charge it; the predicted peak memory beside the measured peak allocated;
+  by :func:`shardplan.torch.plan` on one device of the machine, layouts only) against the measured step
+  (forward + backward and the fused AdamW step; each part's ratio too), split by kind of work: the model's
+  seconds of matrix-product operators, attention and everything else beside the profiled CUDA kernels of
+  each kind; the predicted peak memory beside the measured peak allocated;
 * ``jax_rows``: the flax language models of ``gpu_jax_models.py`` as XLA compiled and ran them (forward +
-  backward) against :func:`shardplan.jax.plan` of the same loss on one device, and XLA's memory analysis
+  backward) against :func:`shardplan.jax.plan` of the same loss on one device less its optimizer step, and XLA's memory analysis
   (arguments + temporaries) against the predicted peak.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_gpu_step.py [--measured FILE] [--machine h100 | --machine-file F]
@@ -110,7 +110,8 @@ def predict_step(row: dict[str, Any], machine: Any) -> dict[str, Any]:
     by_kind = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
     for op, cost, k in zip(sp.tables.graph.operators, sp.tables.op_costs, sp.assignment):
         by_kind[kind_of(op)] += float(cost.compute[k])
-    return {"predicted_s": p.step_time, "predicted_by_kind_s": by_kind, "predicted_peak_bytes": p.memory["peak_bytes"],
+    return {"predicted_s": p.step_time, "predicted_optimizer_s": float(p.breakdown.get("optimizer", 0.0)),
+            "predicted_by_kind_s": by_kind, "predicted_peak_bytes": p.memory["peak_bytes"],
             "predicted_weights_bytes": p.memory["weights_bytes"],
             "predicted_activations_bytes": p.memory["activations_bytes"], "operators": len(sp.tables.graph.operators),
             "plan_cpu_seconds": seconds}
@@ -126,14 +127,17 @@ def step_rows(measured: dict[str, Any], machine: Any) -> list[dict[str, Any]]:
         kernels = r.get("kernels_s", {})
         row = {"model": r["model"], "params": r["params"], "batch": r["batch"], "seq": r["seq"],
                "measured_forward_backward_s": r["forward_backward_s"], "measured_optimizer_s": r["optimizer_s"],
-               "ratio": pred["predicted_s"] / r["forward_backward_s"], **pred,
+               "ratio": pred["predicted_s"] / (r["forward_backward_s"] + r["optimizer_s"]),
+               "forward_backward_ratio": (pred["predicted_s"] - pred["predicted_optimizer_s"]) / r["forward_backward_s"],
+               "optimizer_ratio": pred["predicted_optimizer_s"] / r["optimizer_s"], **pred,
                "measured_kernels_s": {k: v for k, v in kernels.items() if k != "top_kernels"},
                "measured_peak_allocated_bytes": r.get("peak_allocated_bytes")}
         if r.get("peak_allocated_bytes"):
             row["memory_ratio"] = pred["predicted_peak_bytes"] / r["peak_allocated_bytes"]
         rows.append(row)
-        print(f"{r['model']:20s} measured {r['forward_backward_s'] * 1e3:7.1f} ms  predicted "
-              f"{pred['predicted_s'] * 1e3:7.1f} ms  ratio {row['ratio']:.2f}  "
+        print(f"{r['model']:20s} measured {(r['forward_backward_s'] + r['optimizer_s']) * 1e3:7.1f} ms  predicted "
+              f"{pred['predicted_s'] * 1e3:7.1f} ms  ratio {row['ratio']:.2f} (fwd+bwd "
+              f"{row['forward_backward_ratio']:.2f}, AdamW {row['optimizer_ratio']:.2f})  "
               f"(gemm {pred['predicted_by_kind_s']['gemm'] * 1e3:.1f} / {kernels.get('gemm', 0) * 1e3:.1f} ms, "
               f"attention {pred['predicted_by_kind_s']['attention'] * 1e3:.1f} / {kernels.get('attention', 0) * 1e3:.1f},"
               f" other {pred['predicted_by_kind_s']['other'] * 1e3:.1f} / {kernels.get('other', 0) * 1e3:.1f})",
@@ -152,7 +156,8 @@ def predict_jax_step(name: str, machine: Any) -> dict[str, Any]:
     loss_fn, params, batch = build(name, abstract=True)
     t0 = time.process_time()
     p = plan(loss_fn, params, batch, devices=jax.devices()[:1], machine=machine, stages=False, micro_batches=(1,))
-    return {"predicted_s": p.step_time, "predicted_peak_bytes": p.memory["peak_bytes"],
+    return {"predicted_s": p.step_time, "predicted_optimizer_s": float(p.breakdown.get("optimizer", 0.0)),
+            "predicted_peak_bytes": p.memory["peak_bytes"],
             "predicted_activations_bytes": p.memory["activations_bytes"], "recomputed": len(p.recomputed),
             "plan_cpu_seconds": time.process_time() - t0}
 
@@ -166,14 +171,16 @@ def jax_step_rows(measured: dict[str, Any], machine: Any) -> list[dict[str, Any]
         pred = predict_jax_step(r["model"], machine)
         row = {"model": r["model"], "shape": r["shape"], "params": r["params"],
                "measured_forward_backward_s": r["forward_backward_s"], **pred,
-               "ratio": pred["predicted_s"] / r["forward_backward_s"], "xla_memory": r.get("xla_memory")}
+               "ratio": (pred["predicted_s"] - pred["predicted_optimizer_s"]) / r["forward_backward_s"],
+               "xla_memory": r.get("xla_memory")}
         mem = r.get("xla_memory") or {}
         if mem:
             row["xla_bytes"] = mem.get("argument_size_in_bytes", 0) + mem.get("temp_size_in_bytes", 0)
             row["memory_ratio"] = pred["predicted_peak_bytes"] / row["xla_bytes"]
         rows.append(row)
         print(f"{r['model']:20s} measured {r['forward_backward_s'] * 1e3:7.1f} ms  predicted "
-              f"{pred['predicted_s'] * 1e3:7.1f} ms  ratio {row['ratio']:.2f}", flush=True)
+              f"{(pred['predicted_s'] - pred['predicted_optimizer_s']) * 1e3:7.1f} ms (no optimizer step) "
+              f"ratio {row['ratio']:.2f}", flush=True)
     return rows
 
 
