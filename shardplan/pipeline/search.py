@@ -229,6 +229,9 @@ def _links_ok(a: float, bound: float) -> bool:
     return a <= bound * (1 + 1e-12) + 1e-300
 
 
+SEED_EVALUATIONS = 16  # uniform pipelines costed before the parts (docs/pipeline.md, *Seeds*)
+
+
 def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
                     exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None,
@@ -236,7 +239,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     one_program_lower: float | None = None,
                     release: Callable[[], None] | None = None,
                     step_floor: Callable[[int], float] | None = None,
-                    stage_lower: StageLowerFn | None = None) -> PipelinePlan | None:
+                    stage_lower: StageLowerFn | None = None,
+                    seeds: int = SEED_EVALUATIONS) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -278,7 +282,12 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     the unit's), computed without a solve (:class:`~shardplan.pipeline.floors.UnitFloors`). With it the family
     bounds take those per-unit bounds instead of solving every unit on every size, and the 1F1B and ZB-H1 DPs
     skip, unsolved, every stage whose bound exceeds their bottleneck bound or the best step over m
-    (docs/pipeline.md, *Solve-free stage bounds*)."""
+    (docs/pipeline.md, *Solve-free stage bounds*).
+
+    ``seeds``: with ``stage_lower``, before any part, up to that many uniform pipelines (equal sub-meshes, the units
+    dealt evenly) are costed in increasing order of a solve-free estimate (:func:`_uniform_seeds`); the best that
+    beats the best step known is the first incumbent, and the micro-batch counts whose seeds are best go first
+    (docs/pipeline.md, *Seeds*). They are real plans of the space: the optimum and its bound do not change."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
@@ -331,6 +340,22 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     tick = progress.tick
     interrupted = False
     try:
+        if seeds > 0 and stage_lower is not None:
+            progress.part("pipelines: uniform seeds")
+            seeded = _uniform_seeds(space, stage_fn, link_fn, exchange, fit_fn, stage_lower, schedules, ms, seeds,
+                                    stats, tick)
+            if release is not None:
+                release()  # the seeds' stages at every count: the parts ask again for the few they need
+            if seeded:
+                stats["seed_steps"] = {str(m): t.step_time for m, t in seeded.items()}
+                top = min(seeded.values(), key=lambda t: t.step_time)
+                if top.step_time < known():
+                    best = top
+                    progress.improved(top.step_time, top)
+                    progress.space_bound = space_bound()
+                # the counts whose seeds are best first: the optimum is likeliest there, and it prunes the rest
+                rank = {m: i for i, m in enumerate(sorted(seeded, key=lambda m: (seeded[m].step_time, -m)))}
+                order = sorted(order, key=lambda m: rank.get(m, len(rank)))
         for m in order:
             cache: dict[int, list[float]] = {}
 
@@ -394,6 +419,55 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     stats["interrupted"] = interrupted
     stats["parts_done"], stats["parts_total"] = progress.done, progress.total
     return replace(best, stats={**best.stats, **stats}, lower_bound=min(lower, best.step_time))
+
+
+def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exchange: ExchangeFn | None,
+                   fit_fn: FitFn | None, stage_lower: StageLowerFn, schedules: Sequence[str], ms: Sequence[int],
+                   limit: int, stats: dict, tick: Callable[..., None]) -> dict[int, PipelinePlan]:
+    """Real plans to start the search from, per micro-batch count: the best uniform pipeline costed there.
+
+    Candidates: every m, every stage count S >= 2 with p/S an allowed sub-mesh size (S <= max_stages, S <= U),
+    each chunking of :func:`interleaved_chunkings` (the units dealt evenly, Megatron-LM's layout), under ZB-H1
+    when it is searched and S <= m, else 1F1B. With t the largest ``stage_lower`` of the candidate's stages, m t
+    is a proven lower bound of its step (every step is at least m t_max: docs/pipeline.md, *Family bounds*), and
+    (m + (S - 1) r) t, r = 2/3 for ZB-H1 (F, B, W equal thirds) and 1 for 1F1B, its estimate. Up to ``limit``
+    candidates are costed exactly (:func:`evaluate_pipeline`, memory-constrained stages where the time-optimal
+    ones do not fit) in increasing order of the estimate, skipping one whose bound reaches the best costed. A
+    heuristic choice of real plans: what it finds only lowers the incumbent."""
+    U, p = space.num_units, space.num_devices
+    sizes = set(space.allowed_sizes())
+    s_max = min(space.max_stages or U, U, p)
+    cands = []
+    for m in ms:
+        for n in range(2, s_max + 1):
+            if p % n or p // n not in sizes:
+                continue
+            zb = "zb-h1" in schedules and n <= m
+            if not zb and "1f1b" not in schedules:
+                continue
+            q = p // n
+            for chunking in interleaved_chunkings(U, n):
+                t = max(stage_lower(a, b, q, m) for a, b in chunking)
+                cands.append(((m + (n - 1) * (2 / 3 if zb else 1.0)) * t, m * t, m, n, chunking,
+                              "zb-h1" if zb else "1f1b"))
+    cands.sort(key=lambda c: (c[0], c[1], -c[2], c[3], c[4]))
+    found: dict[int, PipelinePlan] = {}
+    best = math.inf
+    costed = 0
+    for _, lb, m, n, chunking, schedule in cands:
+        if costed >= limit:
+            break
+        if lb >= best:
+            continue
+        costed += 1
+        tick(f"seed {costed}/{limit}: {n} stages, m={m}")
+        plan = evaluate_pipeline([(a, b, p // n) for a, b in chunking], m, space, stage_fn, link_fn, exchange,
+                                 schedule, fit_fn=fit_fn)
+        if plan is not None and (m not in found or plan.step_time < found[m].step_time):
+            found[m] = plan
+            best = min(best, plan.step_time)
+    stats["seeds_costed"] = costed
+    return found
 
 
 def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, stats: dict,
