@@ -339,20 +339,22 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     order = sorted(ms, key=lambda m: (int((floor_of[m] / least - 1.0) / ORDER_RTOL) if least > 0 else 0, -m))
     tick = progress.tick
     interrupted = False
+    seeded: dict[int, PipelinePlan] = {}
     try:
         if seeds > 0 and stage_lower is not None:
             progress.part("pipelines: uniform seeds")
-            seeded = _uniform_seeds(space, stage_fn, link_fn, exchange, fit_fn, stage_lower, schedules, ms, seeds,
-                                    stats, tick)
+            def seeded_plan(plan: PipelinePlan) -> None:
+                nonlocal best
+                if plan.step_time < known():
+                    best = plan
+                    progress.improved(plan.step_time, plan)  # an interrupt from here on returns it
+
+            seeded = _uniform_seeds(space, stage_fn, link_fn, exchange, stage_lower, schedules, ms, seeds,
+                                    stats, tick, seeded_plan)
             if release is not None:
                 release()  # the seeds' stages at every count: the parts ask again for the few they need
             if seeded:
                 stats["seed_steps"] = {str(m): t.step_time for m, t in seeded.items()}
-                top = min(seeded.values(), key=lambda t: t.step_time)
-                if top.step_time < known():
-                    best = top
-                    progress.improved(top.step_time, top)
-                    progress.space_bound = space_bound()
                 # the counts whose seeds are best first: the optimum is likeliest there, and it prunes the rest
                 rank = {m: i for i, m in enumerate(sorted(seeded, key=lambda m: (seeded[m].step_time, -m)))}
                 order = sorted(order, key=lambda m: rank.get(m, len(rank)))
@@ -385,7 +387,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
                                               known(), stats, units,
                                               first_stages=2 if "1f1b" in schedules else 1, progress=progress,
-                                              hint=hint, stage_lower=stage_lower)
+                                              hint=hint, stage_lower=stage_lower,
+                                              prefer=seeded[m].num_stages if m in seeded else None)
                 elif fam == "1f1b":
                     found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
                                              exchange, fit_fn, progress=progress,
@@ -422,8 +425,9 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 
 
 def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exchange: ExchangeFn | None,
-                   fit_fn: FitFn | None, stage_lower: StageLowerFn, schedules: Sequence[str], ms: Sequence[int],
-                   limit: int, stats: dict, tick: Callable[..., None]) -> dict[int, PipelinePlan]:
+                   stage_lower: StageLowerFn, schedules: Sequence[str], ms: Sequence[int], limit: int, stats: dict,
+                   tick: Callable[..., None],
+                   found_plan: Callable[[PipelinePlan], None] | None = None) -> dict[int, PipelinePlan]:
     """Real plans to start the search from, per micro-batch count: the best uniform pipeline costed there.
 
     Candidates: every m, every stage count S >= 2 with p/S an allowed sub-mesh size (S <= max_stages, S <= U),
@@ -431,9 +435,11 @@ def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exc
     when it is searched and S <= m, else 1F1B. With t the largest ``stage_lower`` of the candidate's stages, m t
     is a proven lower bound of its step (every step is at least m t_max: docs/pipeline.md, *Family bounds*), and
     (m + (S - 1) r) t, r = 2/3 for ZB-H1 (F, B, W equal thirds) and 1 for 1F1B, its estimate. Up to ``limit``
-    candidates are costed exactly (:func:`evaluate_pipeline`, memory-constrained stages where the time-optimal
-    ones do not fit) in increasing order of the estimate, skipping one whose bound reaches the best costed. A
-    heuristic choice of real plans: what it finds only lowers the incumbent."""
+    candidates are costed exactly (:func:`evaluate_pipeline` with time-optimal stages only: a candidate with a
+    stage that does not fit its in-flight micro-batches is dropped, as a memory-constrained solve can cost as
+    much as the one program) in increasing order of the estimate, skipping one whose bound reaches the best
+    costed. ``found_plan`` hears each plan better than the ones before. A heuristic choice of real plans: what
+    it finds only lowers the incumbent."""
     U, p = space.num_units, space.num_devices
     sizes = set(space.allowed_sizes())
     s_max = min(space.max_stages or U, U, p)
@@ -462,9 +468,11 @@ def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exc
         costed += 1
         tick(f"seed {costed}/{limit}: {n} stages, m={m}")
         plan = evaluate_pipeline([(a, b, p // n) for a, b in chunking], m, space, stage_fn, link_fn, exchange,
-                                 schedule, fit_fn=fit_fn)
+                                 schedule)
         if plan is not None and (m not in found or plan.step_time < found[m].step_time):
             found[m] = plan
+            if plan.step_time < best and found_plan is not None:
+                found_plan(plan)
             best = min(best, plan.step_time)
     stats["seeds_costed"] = costed
     return found
@@ -1307,14 +1315,17 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                   units: Callable[[int], Sequence[float]] | None = None,
                   first_stages: int = 1, progress: Progress | None = None,
                   hint: Callable[[float], None] | None = None,
-                  stage_lower: StageLowerFn | None = None) -> tuple[PipelinePlan | None, float]:
+                  stage_lower: StageLowerFn | None = None,
+                  prefer: int | None = None) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count ``first_stages`` <= S <= m
     (module docstring,
     *ZB-H1*) if below ``incumbent``, and a proven lower bound of it: each stage count whose family bound
     (:func:`_zb_family_bound`) is below the best known is searched exactly (:func:`_zb_branch_and_bound`). A
     stage whose time-optimal plan does not fit S in flight takes its memory-constrained optimum (``fit_fn``),
     solved lazily. ``hint(bound)`` hears the family's bound once the stage counts' bounds are known (min over
-    the counts of m B_0; 0 when the stand-ins are found void): what the part has proven if it is interrupted."""
+    the counts of m B_0; 0 when the stand-ins are found void): what the part has proven if it is interrupted.
+    ``prefer``: a stage count searched first (the best seed's), the others in increasing order; each count's
+    search is exact given the best plan so far, so the order changes only how much is solved."""
     U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
     budget = math.inf if space.budget is None else space.budget
@@ -1350,7 +1361,10 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
     while True:
         lower = math.inf
         try:
-            for n in range(first_stages, s_max + 1):
+            counts = list(range(first_stages, s_max + 1))
+            if prefer in floors:
+                counts = [prefer] + [n for n in counts if n != prefer]
+            for n in counts:
                 if m * floors[n] >= best_t():
                     stats["zb_pruned"] = stats.get("zb_pruned", 0) + 1
                     lower = min(lower, m * floors[n])
