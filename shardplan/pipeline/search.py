@@ -230,6 +230,7 @@ def _links_ok(a: float, bound: float) -> bool:
 
 
 SEED_EVALUATIONS = 16  # uniform pipelines costed before the parts (docs/pipeline.md, *Seeds*)
+SEED_FIT_STAGES = 8  # seeds with fewer stages take no memory-constrained stage (their solves are the dear ones)
 
 
 def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
@@ -349,7 +350,7 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     best = plan
                     progress.improved(plan.step_time, plan)  # an interrupt from here on returns it
 
-            seeded = _uniform_seeds(space, stage_fn, link_fn, exchange, stage_lower, schedules, ms, seeds,
+            seeded = _uniform_seeds(space, stage_fn, link_fn, exchange, fit_fn, stage_lower, schedules, ms, seeds,
                                     stats, tick, seeded_plan)
             if release is not None:
                 release()  # the seeds' stages at every count: the parts ask again for the few they need
@@ -425,9 +426,10 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 
 
 def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exchange: ExchangeFn | None,
-                   stage_lower: StageLowerFn, schedules: Sequence[str], ms: Sequence[int], limit: int, stats: dict,
-                   tick: Callable[..., None],
-                   found_plan: Callable[[PipelinePlan], None] | None = None) -> dict[int, PipelinePlan]:
+                   fit_fn: FitFn | None, stage_lower: StageLowerFn, schedules: Sequence[str], ms: Sequence[int],
+                   limit: int, stats: dict, tick: Callable[..., None],
+                   found_plan: Callable[[PipelinePlan], None] | None = None,
+                   fit_stages: int = SEED_FIT_STAGES) -> dict[int, PipelinePlan]:
     """Real plans to start the search from, per micro-batch count: the best uniform pipeline costed there.
 
     Candidates: every m, every stage count S >= 2 with p/S an allowed sub-mesh size (S <= max_stages, S <= U),
@@ -435,10 +437,11 @@ def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exc
     when it is searched and S <= m, else 1F1B. With t the largest ``stage_lower`` of the candidate's stages, m t
     is a proven lower bound of its step (every step is at least m t_max: docs/pipeline.md, *Family bounds*), and
     (m + (S - 1) r) t, r = 2/3 for ZB-H1 (F, B, W equal thirds) and 1 for 1F1B, its estimate. Up to ``limit``
-    candidates are costed exactly (:func:`evaluate_pipeline` with time-optimal stages only: a candidate with a
-    stage that does not fit its in-flight micro-batches is dropped, as a memory-constrained solve can cost as
-    much as the one program) in increasing order of the estimate, skipping one whose bound reaches the best
-    costed. ``found_plan`` hears each plan better than the ones before. A heuristic choice of real plans: what
+    candidates are costed exactly (:func:`evaluate_pipeline`) in increasing order of the estimate, skipping one
+    whose bound reaches the best costed; a stage that does not fit its in-flight micro-batches takes its
+    memory-constrained optimum (``fit_fn``) only in a candidate of at least ``fit_stages`` stages (a
+    memory-constrained solve of a large stage can cost as much as the one program), else the candidate is
+    dropped. ``found_plan`` hears each plan better than the ones before. A heuristic choice of real plans: what
     it finds only lowers the incumbent."""
     U, p = space.num_units, space.num_devices
     sizes = set(space.allowed_sizes())
@@ -468,7 +471,7 @@ def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exc
         costed += 1
         tick(f"seed {costed}/{limit}: {n} stages, m={m}")
         plan = evaluate_pipeline([(a, b, p // n) for a, b in chunking], m, space, stage_fn, link_fn, exchange,
-                                 schedule)
+                                 schedule, fit_fn=fit_fn if n >= fit_stages else None)
         if plan is not None and (m not in found or plan.step_time < found[m].step_time):
             found[m] = plan
             if plan.step_time < best and found_plan is not None:

@@ -37,12 +37,12 @@ def test_search_with_seeds_equals_brute_force_and_the_search_without(seed):
     assert got.step_time == pytest.approx(want, rel=1e-12) and plain.step_time == pytest.approx(want, rel=1e-12)
     assert got.lower_bound <= want * (1 + 1e-12) and got.gap < 1e-9
     assert got.stats["seeds_costed"] > 0 and "seeds_costed" not in plain.stats
-    seeds = _uniform_seeds(space, stage_fn, link_fn, None, lower, KW["schedules"], (1, 2, 4, 8), 16, {},
+    seeds = _uniform_seeds(space, stage_fn, link_fn, None, fit_fn, lower, KW["schedules"], (1, 2, 4, 8), 16, {},
                            lambda *_: None)
     for m, plan in seeds.items():
         segs = [(s.first, s.end, s.devices) for s in plan.stages]
         assert plan.micro_batches == m and len({q for *_, q in segs}) == 1
-        again = evaluate_pipeline(segs, m, space, stage_fn, link_fn, schedule=plan.schedule)
+        again = evaluate_pipeline(segs, m, space, stage_fn, link_fn, schedule=plan.schedule, fit_fn=fit_fn)
         assert again is not None and again.step_time == pytest.approx(plan.step_time, rel=1e-12)
         assert plan.step_time >= want * (1 - 1e-12)
     tight = Progress()
@@ -52,25 +52,30 @@ def test_search_with_seeds_equals_brute_force_and_the_search_without(seed):
 
 
 def test_seeds_are_the_best_uniform_pipelines_within_the_limit():
-    """With a limit above the candidates' count every uniform pipeline of both chunkings whose time-optimal
-    stages fit is costed (or skipped by a bound that reaches the best costed): the least seed equals the least
-    of them costed by hand."""
+    """With a limit above the candidates' count every uniform pipeline of both chunkings is costed (or skipped
+    by a bound that reaches the best costed; memory-constrained stages from 8 stages on): the least seed equals
+    the least of them costed by hand."""
     U, p = 6, 8
-    stage_fn, fit_fn, link_fn, lower = _instance(5, U, p)
-    space = PipelineSpace(U, p, 4, micro_batches=(1, 2, 4, 8), budget=4.0)
-    stats: dict = {}
-    seeds = _uniform_seeds(space, stage_fn, link_fn, None, lower, KW["schedules"], (1, 2, 4, 8), 10 ** 6,
-                           stats, lambda *_: None)
-    by_hand = math.inf
-    for m in (1, 2, 4, 8):
-        for n in (2, 4, 8):
-            for ch in interleaved_chunkings(U, n) if n <= U else ():
-                plan = evaluate_pipeline([(a, b, p // n) for a, b in ch], m, space, stage_fn, link_fn,
-                                         schedule="zb-h1" if n <= m else "1f1b")
-                if plan is not None:
-                    by_hand = min(by_hand, plan.step_time)
-    assert min(s.step_time for s in seeds.values()) == pytest.approx(by_hand, rel=1e-12)
-    assert 0 < stats["seeds_costed"]
+    stage_fn, fit_fn, link_fn, lower = _instance(10, U, p)
+    space = PipelineSpace(U, p, 4, micro_batches=(1, 2, 4, 8), budget=3.0)
+    for fit_stages in (2, 4, 8):
+        stats: dict = {}
+        seeds = _uniform_seeds(space, stage_fn, link_fn, None, fit_fn, lower, KW["schedules"], (1, 2, 4, 8),
+                               10 ** 6, stats, lambda *_: None, fit_stages=fit_stages)
+        by_hand = math.inf
+        for m in (1, 2, 4, 8):
+            for n in (2, 4):
+                for ch in interleaved_chunkings(U, n):
+                    plan = evaluate_pipeline([(a, b, p // n) for a, b in ch], m, space, stage_fn, link_fn,
+                                             schedule="zb-h1" if n <= m else "1f1b",
+                                             fit_fn=fit_fn if n >= fit_stages else None)
+                    if plan is not None:
+                        by_hand = min(by_hand, plan.step_time)
+        assert min(s.step_time for s in seeds.values()) == pytest.approx(by_hand, rel=1e-12)
+        assert 0 < stats["seeds_costed"]
+        if fit_stages == 2:
+            with_fits = by_hand
+    assert with_fits < by_hand  # memory-constrained stages make a better seed here
 
 
 def test_seed_count_first_and_interrupt_returns_a_seed():
@@ -80,7 +85,7 @@ def test_seed_count_first_and_interrupt_returns_a_seed():
     stage_fn, fit_fn, link_fn, lower = _instance(2, U, p)
     space = PipelineSpace(U, p, 4, micro_batches=(1, 2, 4, 8), budget=4.0)
     want = search_pipeline(space, stage_fn, link_fn, fit_fn=fit_fn, stage_lower=lower, seeds=0, **KW).step_time
-    seeds = _uniform_seeds(space, stage_fn, link_fn, None, lower, KW["schedules"], (1, 2, 4, 8), 16, {},
+    seeds = _uniform_seeds(space, stage_fn, link_fn, None, fit_fn, lower, KW["schedules"], (1, 2, 4, 8), 16, {},
                            lambda *_: None)
     first = min(seeds, key=lambda m: (seeds[m].step_time, -m))
     parts: list[str] = []
