@@ -99,18 +99,20 @@ def _plan_line(stdout: str) -> str | None:
     return next((x.strip() for x in stdout.splitlines() if x.startswith("Plan:")), None)
 
 
-def run_row(name: str, spec: dict[str, Any], grace: float, cpu_limit: float | None = None) -> dict[str, Any]:
+def run_row(name: str, spec: dict[str, Any], grace: float, cpu_limit: float | None = None,
+            extra: tuple[str, ...] = ()) -> dict[str, Any]:
     exe = [sys.executable, "-c", "import sys; from shardplan.cli import main; sys.exit(main())"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
         cmd = [*exe, "plan", "--model", spec["model"], "-p", str(spec["p"]), "--machine", "h100",
-               "--json", str(path)]
+               "--json", str(path), *extra]
         got = _run(cmd, spec["limit"], grace, cpu_limit)
         plan = json.loads(path.read_text()) if path.exists() else None
     lines = [x.strip() for x in got["stderr"].replace("\r", "\n").splitlines() if x.strip()]
     row: dict[str, Any] = {
         "row": name, "model": spec["model"], "devices": spec["p"], "machine": "h100",
-        "command": "shardplan plan --model {} -p {} --machine h100".format(spec["model"], spec["p"]),
+        "command": " ".join(["shardplan plan --model {} -p {} --machine h100".format(spec["model"], spec["p"]),
+                             *extra]),
         "limit_seconds": spec["limit"] if cpu_limit is None else None, "limit_cpu_seconds": cpu_limit, "status": got["status"] if plan is not None or got["status"] != "ok"
         else f"failed (exit {got['returncode']})",
         "seconds": round(got["seconds"], 2), "cpu_seconds": round(got["cpu_seconds"], 2),
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results/scale_pipeline.json")
     ap.add_argument("--cpu-limit", type=float, default=None,
                     help="SIGINT each row once it has used this many CPU seconds (instead of its wall limit)")
+    ap.add_argument("--extra", default="", help="more options for every row's command, e.g. '--micro-batches 1,2,3'")
     ap.add_argument("--label", default=None, help="a note kept in each row (e.g. which tree the command ran)")
     args = ap.parse_args(argv)
     load_at_start = os.getloadavg()  # the machine is shared: timings depend on the load
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ROWS:
             raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
         load = os.getloadavg()
-        row = run_row(name, ROWS[name], args.grace, args.cpu_limit)
+        row = run_row(name, ROWS[name], args.grace, args.cpu_limit, tuple(args.extra.split()))
         row["load_average_before"], row["load_average_after"] = load, os.getloadavg()
         if args.label:
             row["label"] = args.label

@@ -122,7 +122,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--stages", choices=tuple(STAGE_CHOICES), default="auto",
                    help="pipeline stages: auto (default: when the model has repeated blocks on more than one "
                         "node), on, off")
-    p.add_argument("--micro-batches", help="micro-batch counts searched (default: every count dividing the batch)")
+    p.add_argument("--micro-batches", help="micro-batch counts searched (default 1,2,4,8, those dividing the batch)")
     p.add_argument("--schedules", default="1f1b,zb-h1", help="pipeline schedules (default 1f1b,zb-h1)")
     p.add_argument("--interleave", help="chunk counts v >= 2 for interleaved 1F1B, e.g. 2,4")
     p.add_argument("--max-stages", type=int_option(1), help="largest number of stages (default: one per block)")
