@@ -795,6 +795,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
 
 
 _BREAK = object()  # a stage callback's answer: this extent and every longer one are out
+_NOWHERE = (math.inf, None)  # a DP state from which no pipeline exists
 _UNSEEN = object()  # not in a cache
 
 
@@ -804,7 +805,8 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
               counter: str, memo: dict | None = None,
               tick: Callable[[], None] | None = None,
               classes: int | None = None,
-              floor: Callable[[int, int, int], "float | object"] | None = None
+              floor: Callable[[int, int, int], "float | object"] | None = None,
+              reachable: Callable[[int, int], bool] | None = None
               ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least sum of stage values over pipelines of n placed stages tiling the machine in order: a DP over
     (first unit, first device, stages left, first stage's size). ``stage(a, b, o, q, r)``: the value of units [a,
@@ -825,7 +827,11 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
     ``floor(a, b, q)``: a lower bound of ``stage(a, b, o, q, r)`` for every o and r, or ``_BREAK`` when that is
     too; asked first: a stage whose floor plus the best of the rest cannot beat the state's best so far is not
     asked for (a bound within the DP: the states' values and choices are the same, ties included, since a
-    choice is taken only when strictly better)."""
+    choice is taken only when strictly better).
+
+    ``reachable(a, o)``: False only when no pipeline of allowed stages covers units [a, U) on devices [o, p) (its
+    states are worth infinity whatever their stages left and first size): such a state is answered at once and
+    not kept in the memo (same values and choices; fewer states held). Not with ``classes``."""
     if classes is not None:
         return _class_dp(space, classes, qs, stage, between, stats, counter, memo, tick, floor)
     U, p = space.num_units, space.num_devices
@@ -839,6 +845,9 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         hit = memo.get(key)
         if hit is not None:
             return hit
+        if reachable is not None and not reachable(a, o):
+            stats["dp_states_unreachable"] = stats.get("dp_states_unreachable", 0) + 1
+            return _NOWHERE
         stats[counter] = count = stats.get(counter, 0) + 1
         if tick is not None and not count & 0x3FFF:
             tick()
@@ -881,6 +890,8 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         """min over the first stage's size q of best_from(a, o, r, q), and the first q attaining it."""
         key = (a, o, r)
         hit = memo.get(key)
+        if hit is None and reachable is not None and not reachable(a, o):
+            return _NOWHERE
         if hit is None:
             best_v, best_q = math.inf, None
             if o + r * q_min <= p:  # r stages need at least r q_min more devices
@@ -913,7 +924,8 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
               between: Callable[[int, int, int, int], float | None] | None, stats: dict,
               counter: str, memo: dict | None = None,
               tick: Callable[[], None] | None = None,
-              floor: Callable[[int, int, int], "float | object"] | None = None
+              floor: Callable[[int, int, int], "float | object"] | None = None,
+              reachable: Callable[[int, int], bool] | None = None
               ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """:func:`_stage_dp` with ``classes=m``: the least sum of stage values over pipelines of any stage count,
     a DP over (first unit, first device, class c = min(stages left, m), first stage's size)."""
@@ -1407,6 +1419,8 @@ class _StagePool:
         # proven lower bounds of memory-constrained stages known from outside, by (a, b, q, k): their stand-ins
         self.known_lower: dict[tuple[int, int, int, float], float] = {}
         self.version = 0  # counts the solves that changed a cost (a DP's memo is valid for one version)
+        self._unit_lower: dict[int, list[float]] = {}
+        self._work: dict[tuple[int, ...], list[float]] = {}
 
     def bounded(self) -> bool:
         """Whether the time-optimal seconds bound every stage's (False once a memory-constrained solve came out
@@ -1416,6 +1430,25 @@ class _StagePool:
     def lower(self, a: int, b: int, q: int) -> float:
         """A proven lower bound of the stage's seconds under any plan, without a solve (0 when none is given)."""
         return 0.0 if self.stage_lower is None or not self.bounded() else self.stage_lower(a, b, q, self.m)
+
+    def work_left(self, qs: tuple[int, ...], num_units: int) -> list[float]:
+        """Per first unit a: sum over the units u >= a of min over q in ``qs`` of q times u's solve-free bound
+        on q devices (:meth:`lower` of the unit alone), a lower bound of sum_i q_i * lower(stage i) over every
+        cut of units [a, U) into stages on sizes from ``qs`` (the bound of a stage is the sum of its units')."""
+        got = self._work.get(qs)
+        if got is None:
+            U = num_units
+            per = [min(q * self._units_of(q, U)[u] for q in qs) for u in range(U)]
+            got = [0.0] * (U + 1)
+            for u in range(U - 1, -1, -1):
+                got[u] = got[u + 1] + per[u]
+            self._work[qs] = got
+        return got
+
+    def _units_of(self, q: int, U: int) -> list[float]:
+        if q not in self._unit_lower:
+            self._unit_lower[q] = [self.lower(u, u + 1, q) for u in range(U)]
+        return self._unit_lower[q]
 
     def over(self, a: int, b: int, q: int, cap: float) -> bool:
         """Whether the stage's least seconds under any plan exceed ``cap`` (its time-optimal seconds do)."""
@@ -1479,18 +1512,29 @@ def _zb_terms(c: StageCost) -> tuple[float, float]:
 
 
 def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, link_fn: LinkFn,
-           exchange: ExchangeFn | None, hi: float, w_lo: float, y_lo: float, stats: dict, cap: float = math.inf
-           ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+           exchange: ExchangeFn | None, hi: float, w_lo: float, y_lo: float, stats: dict, cap: float = math.inf,
+           prune_states: bool = True) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least ``sum_i t_i + transfers`` over pipelines of n stages (n in flight on each) whose every stage and
     transfer time is at most ``hi`` and every stage's W at least ``w_lo`` and Y at least ``y_lo`` (stand-ins pass
     the floors): :func:`_stage_dp` as 1F1B's. Stage times grow with the extent, so the scan stops at the first
     over ``hi`` (while stand-ins are in force, at the first whose time-optimal seconds are, as in 1F1B's
     search); W and Y do not: the floors only skip. A stage whose true seconds exceed ``cap`` (the best step over
     m: the ZB-H1 step is at least m t_max) is in no pipeline that could beat it: left out, and one whose
-    solve-free bound (:meth:`_StagePool.lower`) exceeds ``hi`` or ``cap`` is not solved."""
+    solve-free bound (:meth:`_StagePool.lower`) exceeds ``hi`` or ``cap`` is not solved. ``prune_states``: a
+    state (first unit a, first device o) is unreachable when the units from a need more device-seconds than the
+    devices from o give under that limit (docs/pipeline.md, *Device-seconds left*)."""
     p = space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     k = float(n)
+    qs = [q_fixed] if q_fixed is not None else list(space.allowed_sizes())
+    limit = min(hi, cap)
+    reachable = None
+    if prune_states and pool.stage_lower is not None and pool.bounded() and math.isfinite(limit):
+        left = pool.work_left(tuple(qs), space.num_units)
+        room = limit * (1 + 1e-9)
+
+        def reachable(a: int, o: int) -> bool:
+            return left[a] <= (p - o) * room
 
     def floor(a: int, b: int, q: int) -> float | object:
         lo = pool.lower(a, b, q)
@@ -1522,9 +1566,8 @@ def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, 
         lk = link_fn(b, q, q2, pool.m, (o + q) % ns == 0)
         return lk if lk <= hi else None
 
-    return _stage_dp(space, n, [q_fixed] if q_fixed is not None else list(space.allowed_sizes()), stage,
-                     between if exchange is None else None, stats, "zb_dp_states", tick=pool.tick,
-                     floor=floor if pool.stage_lower is not None else None)
+    return _stage_dp(space, n, qs, stage, between if exchange is None else None, stats, "zb_dp_states",
+                     tick=pool.tick, floor=floor if pool.stage_lower is not None else None, reachable=reachable)
 
 
 def _relaxed_max(pool: _StagePool, segs: Sequence[tuple[int, int, int, int]], n: int, link_fn: LinkFn,
