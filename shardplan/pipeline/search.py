@@ -389,7 +389,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                                               known(), stats, units,
                                               first_stages=2 if "1f1b" in schedules else 1, progress=progress,
                                               hint=hint, stage_lower=stage_lower,
-                                              prefer=seeded[m].num_stages if m in seeded else None)
+                                              prefer=seeded[m].num_stages if m in seeded
+                                              and seeded[m].step_time < outside else None)
                 elif fam == "1f1b":
                     found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
                                              exchange, fit_fn, progress=progress,
