@@ -60,13 +60,26 @@ def one_program(model: str, p: int, cache: Path) -> dict[str, Any]:
     return got[key]
 
 
-def run_row(name: str, spec: dict[str, Any], cache: Path, limit: float) -> dict[str, Any]:
+def counts(given: str, batch: int) -> tuple[int, ...]:
+    """The micro-batch counts of a row: ``default`` (the planner's), ``all`` (every divisor of the batch) or a
+    comma-separated list."""
+    from shardplan.planner import micro_batch_counts
+
+    if given == "default":
+        return micro_batch_counts(None, batch)
+    if given == "all":
+        return tuple(m for m in range(1, batch + 1) if batch % m == 0)
+    return micro_batch_counts([int(x) for x in given.split(",")], batch)
+
+
+def run_row(name: str, spec: dict[str, Any], cache: Path, limit: float, micro_batches: str = "default",
+            seeds: int | None = None) -> dict[str, Any]:
     """The pipeline phase of one row in this process (run each row in its own process for its peak memory)."""
     from shardplan import preset
     from shardplan.models import model_spec
     from shardplan.pipeline.api import pipeline_solve
     from shardplan.pipeline.progress import Progress
-    from shardplan.planner import micro_batch_counts
+    from shardplan.pipeline.search import SEED_EVALUATIONS
 
     one = one_program(spec["model"], spec["p"], cache)
     model = model_spec(spec["model"])
@@ -82,9 +95,11 @@ def run_row(name: str, spec: dict[str, Any], cache: Path, limit: float) -> dict[
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0, c0 = time.perf_counter(), time.process_time()
     status = "ok"
+    ms = counts(micro_batches, model.batch)
+    seeds = SEED_EVALUATIONS if seeds is None else seeds
     try:
         res = pipeline_solve(lambda b: model.build(b), model.batch, machine,
-                             micro_batches=micro_batch_counts(None, model.batch), schedules=("1f1b", "zb-h1"),
+                             micro_batches=ms, schedules=("1f1b", "zb-h1"), seeds=seeds,
                              budget=machine.memory_bytes, memory_choices=True, cutoff=model.cutoff, orders="auto",
                              progress=tracker, one_program_lower=one["lower"])
     except KeyboardInterrupt:
@@ -96,6 +111,7 @@ def run_row(name: str, spec: dict[str, Any], cache: Path, limit: float) -> dict[
         "cpu_seconds": round(time.process_time() - c0, 2), "seconds": round(time.perf_counter() - t0, 2),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_rss_before_bytes": rss0, "limit_cpu_seconds": limit, "last_progress": lines[-1] if lines else None,
+        "micro_batches": list(ms), "seeds": seeds, "progress_lines": lines[-40:],
     }
     if res is None:
         row.update(status=status, plan=None, pipeline_space_lower_bound=tracker.bound
@@ -122,10 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=float, default=600.0, help="CPU seconds before SIGINT")
     ap.add_argument("--cache", default="benchmarks/results/pipeline_phase_one_program.json")
     ap.add_argument("--out", default="benchmarks/results/pipeline_phase.json")
+    ap.add_argument("--micro-batches", default="default",
+                    help="default (the planner's), all (every divisor of the batch) or a comma-separated list")
+    ap.add_argument("--seeds", type=int, default=None, help="uniform seeds costed first (default: the search's)")
     ap.add_argument("--row", help=argparse.SUPPRESS)  # one row, in this process (the child)
     args = ap.parse_args(argv)
     if args.row:
-        print(json.dumps(run_row(args.row, ROWS[args.row], Path(args.cache), args.limit)))
+        print(json.dumps(run_row(args.row, ROWS[args.row], Path(args.cache), args.limit, args.micro_batches,
+                                 args.seeds)))
         return 0
     load_at_start = os.getloadavg()
     rows = []
@@ -133,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ROWS:
             raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
         load = os.getloadavg()
+        extra = ["--micro-batches", args.micro_batches] + ([] if args.seeds is None else ["--seeds", str(args.seeds)])
         out = subprocess.run([sys.executable, __file__, "--row", name, "--cache", args.cache,
-                              "--limit", str(args.limit)], capture_output=True, text=True)
+                              "--limit", str(args.limit), *extra], capture_output=True, text=True)
         if out.returncode:
             raise SystemExit(f"row {name} failed: {out.stderr.strip().splitlines()[-1:]}")
         row = json.loads(out.stdout.strip().splitlines()[-1])

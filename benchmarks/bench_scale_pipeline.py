@@ -47,8 +47,19 @@ ROWS: dict[str, dict[str, Any]] = {
 }
 
 
-def _run(cmd: list[str], limit: float, grace: float) -> dict[str, Any]:
-    """Run ``cmd``; SIGINT after ``limit`` s, SIGKILL after ``grace`` s more. Wall time, peak RSS, outputs."""
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of the running process ``pid`` so far (Linux ``/proc``; 0 where it cannot be read)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _run(cmd: list[str], limit: float, grace: float, cpu_limit: float | None = None) -> dict[str, Any]:
+    """Run ``cmd``; SIGINT after ``limit`` s (``cpu_limit``: once it has used that many CPU seconds instead, for a
+    shared machine whose load makes wall seconds say little), SIGKILL after ``grace`` s more. Wall time, peak RSS,
+    outputs."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
         # SIGINT back to its default in the child (a job started in the background inherits it ignored, and
@@ -65,7 +76,9 @@ def _run(cmd: list[str], limit: float, grace: float) -> dict[str, Any]:
                 proc.returncode = os.waitstatus_to_exitcode(code)
                 break
             now = time.perf_counter()
-            if now > deadline:
+            over = (now > deadline if cpu_limit is None or status != "ok"
+                    else _cpu_seconds(proc.pid) >= cpu_limit)
+            if over:
                 if status == "ok":
                     proc.send_signal(signal.SIGINT)
                     status, deadline = "interrupted", now + grace
@@ -86,19 +99,21 @@ def _plan_line(stdout: str) -> str | None:
     return next((x.strip() for x in stdout.splitlines() if x.startswith("Plan:")), None)
 
 
-def run_row(name: str, spec: dict[str, Any], grace: float) -> dict[str, Any]:
+def run_row(name: str, spec: dict[str, Any], grace: float, cpu_limit: float | None = None,
+            extra: tuple[str, ...] = ()) -> dict[str, Any]:
     exe = [sys.executable, "-c", "import sys; from shardplan.cli import main; sys.exit(main())"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
         cmd = [*exe, "plan", "--model", spec["model"], "-p", str(spec["p"]), "--machine", "h100",
-               "--json", str(path)]
-        got = _run(cmd, spec["limit"], grace)
+               "--json", str(path), *extra]
+        got = _run(cmd, spec["limit"], grace, cpu_limit)
         plan = json.loads(path.read_text()) if path.exists() else None
     lines = [x.strip() for x in got["stderr"].replace("\r", "\n").splitlines() if x.strip()]
     row: dict[str, Any] = {
         "row": name, "model": spec["model"], "devices": spec["p"], "machine": "h100",
-        "command": "shardplan plan --model {} -p {} --machine h100".format(spec["model"], spec["p"]),
-        "limit_seconds": spec["limit"], "status": got["status"] if plan is not None or got["status"] != "ok"
+        "command": " ".join(["shardplan plan --model {} -p {} --machine h100".format(spec["model"], spec["p"]),
+                             *extra]),
+        "limit_seconds": spec["limit"] if cpu_limit is None else None, "limit_cpu_seconds": cpu_limit, "status": got["status"] if plan is not None or got["status"] != "ok"
         else f"failed (exit {got['returncode']})",
         "seconds": round(got["seconds"], 2), "cpu_seconds": round(got["cpu_seconds"], 2),
         "peak_rss_bytes": got["peak_rss_bytes"],
@@ -137,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
     ap.add_argument("--grace", type=float, default=60.0, help="seconds after SIGINT before SIGKILL")
     ap.add_argument("--out", default="benchmarks/results/scale_pipeline.json")
+    ap.add_argument("--cpu-limit", type=float, default=None,
+                    help="SIGINT each row once it has used this many CPU seconds (instead of its wall limit)")
+    ap.add_argument("--extra", default="", help="more options for every row's command, e.g. '--micro-batches 1,2,3'")
+    ap.add_argument("--label", default=None, help="a note kept in each row (e.g. which tree the command ran)")
     args = ap.parse_args(argv)
     load_at_start = os.getloadavg()  # the machine is shared: timings depend on the load
     rows = []
@@ -144,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ROWS:
             raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
         load = os.getloadavg()
-        row = run_row(name, ROWS[name], args.grace)
-        row["load_average_before"] = load
+        row = run_row(name, ROWS[name], args.grace, args.cpu_limit, tuple(args.extra.split()))
+        row["load_average_before"], row["load_average_after"] = load, os.getloadavg()
+        if args.label:
+            row["label"] = args.label
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "log"}), flush=True)
     write_result("bench_scale_pipeline", args.out, rows, load_average_at_start=load_at_start,

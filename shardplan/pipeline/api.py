@@ -12,7 +12,7 @@ from shardplan.machine import Machine
 from shardplan.pipeline.floors import UnitFloors
 from shardplan.pipeline.progress import Progress
 from shardplan.pipeline.schedule import simulate, step_time
-from shardplan.pipeline.search import PipelinePlan, PipelineSpace, search_pipeline
+from shardplan.pipeline.search import SEED_EVALUATIONS, PipelinePlan, PipelineSpace, search_pipeline
 from shardplan.pipeline.stages import ModelStages
 
 __all__ = ["PipelineResult", "pipeline_solve"]
@@ -92,7 +92,7 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                    memory_choices: bool = False, fallback: Callable[[Any], Any] | None = None,
                    fit_rtol: float = 1e-9, fit_time_limit: float = 60.0, progress: Progress | None = None,
                    one_program_lower: float | None = None, refused: Callable[[str], None] | None = None,
-                   **solve_options: Any) -> PipelineResult | None:
+                   seeds: int = SEED_EVALUATIONS, **solve_options: Any) -> PipelineResult | None:
     """The optimal pipeline (stages, sub-meshes, m, schedule) of the model ``build(batch)`` on ``machine``.
 
     ``budget`` defaults to the machine's memory per device; micro-batch counts that do not divide
@@ -112,7 +112,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     ``progress`` that already holds an incumbent (a plan found outside the pipeline space, told by
     :meth:`Progress.improved`) prunes the search with it; None is returned when no pipeline beats it, and
     ``progress.bound`` is then the proven lower bound of the pipeline space. ``one_program_lower``: the
-    one-program search's proven bound at one micro-batch (:func:`search_pipeline`).
+    one-program search's proven bound at one micro-batch (:func:`search_pipeline`). ``seeds``: how many uniform
+    pipelines are costed before the search as its first incumbents (0: none; :func:`search_pipeline`).
 
     A stage whose cost tables the cost model refuses on its sub-mesh (per-device tiles past its cap,
     :class:`~shardplan.errors.PerDeviceLimitError`; the ``max_devices`` option lowers the cap) is left out of
@@ -162,7 +163,7 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                                fit_fn=fit_fn, group_fit_fn=group_fit_fn, progress=progress,
                                one_program_lower=one_program_lower if memory_choices else None,
                                release=stages.release, step_floor=stages.step_floor,
-                               stage_lower=UnitFloors(stages).segment)
+                               stage_lower=UnitFloors(stages).segment, seeds=seeds)
     except KeyboardInterrupt:
         if progress is not None:
             progress.space_bound = _with_refused(progress.space_bound, stages)

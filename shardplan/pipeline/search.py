@@ -229,6 +229,10 @@ def _links_ok(a: float, bound: float) -> bool:
     return a <= bound * (1 + 1e-12) + 1e-300
 
 
+SEED_EVALUATIONS = 16  # uniform pipelines costed before the parts (docs/pipeline.md, *Seeds*)
+SEED_FIT_STAGES = 8  # seeds with fewer stages take no memory-constrained stage (their solves are the dear ones)
+
+
 def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     schedules: Sequence[str] = ("1f1b", "interleaved"),
                     exchange: ExchangeFn | None = None, fit_fn: FitFn | None = None,
@@ -236,7 +240,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     one_program_lower: float | None = None,
                     release: Callable[[], None] | None = None,
                     step_floor: Callable[[int], float] | None = None,
-                    stage_lower: StageLowerFn | None = None) -> PipelinePlan | None:
+                    stage_lower: StageLowerFn | None = None,
+                    seeds: int = SEED_EVALUATIONS) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -278,7 +283,12 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     the unit's), computed without a solve (:class:`~shardplan.pipeline.floors.UnitFloors`). With it the family
     bounds take those per-unit bounds instead of solving every unit on every size, and the 1F1B and ZB-H1 DPs
     skip, unsolved, every stage whose bound exceeds their bottleneck bound or the best step over m
-    (docs/pipeline.md, *Solve-free stage bounds*)."""
+    (docs/pipeline.md, *Solve-free stage bounds*).
+
+    ``seeds``: with ``stage_lower``, before any part, up to that many uniform pipelines (equal sub-meshes, the units
+    dealt evenly) are costed in increasing order of a solve-free estimate (:func:`_uniform_seeds`); the best that
+    beats the best step known is the first incumbent, and the micro-batch counts whose seeds are best go first
+    (docs/pipeline.md, *Seeds*). They are real plans of the space: the optimum and its bound do not change."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
@@ -330,7 +340,25 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     order = sorted(ms, key=lambda m: (int((floor_of[m] / least - 1.0) / ORDER_RTOL) if least > 0 else 0, -m))
     tick = progress.tick
     interrupted = False
+    seeded: dict[int, PipelinePlan] = {}
     try:
+        if seeds > 0 and stage_lower is not None:
+            progress.part("pipelines: uniform seeds")
+            def seeded_plan(plan: PipelinePlan) -> None:
+                nonlocal best
+                if plan.step_time < known():
+                    best = plan
+                    progress.improved(plan.step_time, plan)  # an interrupt from here on returns it
+
+            seeded = _uniform_seeds(space, stage_fn, link_fn, exchange, fit_fn, stage_lower, schedules, ms, seeds,
+                                    stats, tick, seeded_plan)
+            if release is not None:
+                release()  # the seeds' stages at every count: the parts ask again for the few they need
+            if seeded:
+                stats["seed_steps"] = {str(m): t.step_time for m, t in seeded.items()}
+                # the counts whose seeds are best first: the optimum is likeliest there, and it prunes the rest
+                rank = {m: i for i, m in enumerate(sorted(seeded, key=lambda m: (seeded[m].step_time, -m)))}
+                order = sorted(order, key=lambda m: rank.get(m, len(rank)))
         for m in order:
             cache: dict[int, list[float]] = {}
 
@@ -360,7 +388,9 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     found, lb = _search_zb_h1(space, stage_fn, link_fn, m, exchange, fit_fn,
                                               known(), stats, units,
                                               first_stages=2 if "1f1b" in schedules else 1, progress=progress,
-                                              hint=hint, stage_lower=stage_lower)
+                                              hint=hint, stage_lower=stage_lower,
+                                              prefer=seeded[m].num_stages if m in seeded
+                                              and seeded[m].step_time < outside else None)
                 elif fam == "1f1b":
                     found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
                                              exchange, fit_fn, progress=progress,
@@ -394,6 +424,62 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     stats["interrupted"] = interrupted
     stats["parts_done"], stats["parts_total"] = progress.done, progress.total
     return replace(best, stats={**best.stats, **stats}, lower_bound=min(lower, best.step_time))
+
+
+def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exchange: ExchangeFn | None,
+                   fit_fn: FitFn | None, stage_lower: StageLowerFn, schedules: Sequence[str], ms: Sequence[int],
+                   limit: int, stats: dict, tick: Callable[..., None],
+                   found_plan: Callable[[PipelinePlan], None] | None = None,
+                   fit_stages: int = SEED_FIT_STAGES) -> dict[int, PipelinePlan]:
+    """Real plans to start the search from, per micro-batch count: the best uniform pipeline costed there.
+
+    Candidates: every m, every stage count S >= 2 with p/S an allowed sub-mesh size (S <= max_stages, S <= U),
+    each chunking of :func:`interleaved_chunkings` (the units dealt evenly, Megatron-LM's layout), under ZB-H1
+    when it is searched and S <= m, else 1F1B. With t the largest ``stage_lower`` of the candidate's stages, m t
+    is a proven lower bound of its step (every step is at least m t_max: docs/pipeline.md, *Family bounds*), and
+    (m + (S - 1) r) t, r = 2/3 for ZB-H1 (F, B, W equal thirds) and 1 for 1F1B, its estimate. Up to ``limit``
+    candidates are costed exactly (:func:`evaluate_pipeline`) in increasing order of the estimate, skipping one
+    whose bound reaches the best costed; a stage that does not fit its in-flight micro-batches takes its
+    memory-constrained optimum (``fit_fn``) only in a candidate of at least ``fit_stages`` stages (a
+    memory-constrained solve of a large stage can cost as much as the one program), else the candidate is
+    dropped. ``found_plan`` hears each plan better than the ones before. A heuristic choice of real plans: what
+    it finds only lowers the incumbent."""
+    U, p = space.num_units, space.num_devices
+    sizes = set(space.allowed_sizes())
+    s_max = min(space.max_stages or U, U, p)
+    cands = []
+    for m in ms:
+        for n in range(2, s_max + 1):
+            if p % n or p // n not in sizes:
+                continue
+            zb = "zb-h1" in schedules and n <= m
+            if not zb and "1f1b" not in schedules:
+                continue
+            q = p // n
+            for chunking in interleaved_chunkings(U, n):
+                t = max(stage_lower(a, b, q, m) for a, b in chunking)
+                cands.append(((m + (n - 1) * (2 / 3 if zb else 1.0)) * t, m * t, m, n, chunking,
+                              "zb-h1" if zb else "1f1b"))
+    cands.sort(key=lambda c: (c[0], c[1], -c[2], c[3], c[4]))
+    found: dict[int, PipelinePlan] = {}
+    best = math.inf
+    costed = 0
+    for _, lb, m, n, chunking, schedule in cands:
+        if costed >= limit:
+            break
+        if lb >= best:
+            continue
+        costed += 1
+        tick(f"seed {costed}/{limit}: {n} stages, m={m}")
+        plan = evaluate_pipeline([(a, b, p // n) for a, b in chunking], m, space, stage_fn, link_fn, exchange,
+                                 schedule, fit_fn=fit_fn if n >= fit_stages else None)
+        if plan is not None and (m not in found or plan.step_time < found[m].step_time):
+            found[m] = plan
+            if plan.step_time < best and found_plan is not None:
+                found_plan(plan)
+            best = min(best, plan.step_time)
+    stats["seeds_costed"] = costed
+    return found
 
 
 def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: int, stats: dict,
@@ -710,6 +796,7 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
 
 
 _BREAK = object()  # a stage callback's answer: this extent and every longer one are out
+_NOWHERE = (math.inf, None)  # a DP state from which no pipeline exists
 _UNSEEN = object()  # not in a cache
 
 
@@ -719,7 +806,8 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
               counter: str, memo: dict | None = None,
               tick: Callable[[], None] | None = None,
               classes: int | None = None,
-              floor: Callable[[int, int, int], "float | object"] | None = None
+              floor: Callable[[int, int, int], "float | object"] | None = None,
+              reachable: Callable[[int, int], bool] | None = None
               ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least sum of stage values over pipelines of n placed stages tiling the machine in order: a DP over
     (first unit, first device, stages left, first stage's size). ``stage(a, b, o, q, r)``: the value of units [a,
@@ -740,7 +828,11 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
     ``floor(a, b, q)``: a lower bound of ``stage(a, b, o, q, r)`` for every o and r, or ``_BREAK`` when that is
     too; asked first: a stage whose floor plus the best of the rest cannot beat the state's best so far is not
     asked for (a bound within the DP: the states' values and choices are the same, ties included, since a
-    choice is taken only when strictly better)."""
+    choice is taken only when strictly better).
+
+    ``reachable(a, o)``: False only when no pipeline of allowed stages covers units [a, U) on devices [o, p) (its
+    states are worth infinity whatever their stages left and first size): such a state is answered at once and
+    not kept in the memo (same values and choices; fewer states held). Not with ``classes``."""
     if classes is not None:
         return _class_dp(space, classes, qs, stage, between, stats, counter, memo, tick, floor)
     U, p = space.num_units, space.num_devices
@@ -754,6 +846,9 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         hit = memo.get(key)
         if hit is not None:
             return hit
+        if reachable is not None and not reachable(a, o):
+            stats["dp_states_unreachable"] = stats.get("dp_states_unreachable", 0) + 1
+            return _NOWHERE
         stats[counter] = count = stats.get(counter, 0) + 1
         if tick is not None and not count & 0x3FFF:
             tick()
@@ -796,6 +891,8 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         """min over the first stage's size q of best_from(a, o, r, q), and the first q attaining it."""
         key = (a, o, r)
         hit = memo.get(key)
+        if hit is None and reachable is not None and not reachable(a, o):
+            return _NOWHERE
         if hit is None:
             best_v, best_q = math.inf, None
             if o + r * q_min <= p:  # r stages need at least r q_min more devices
@@ -828,7 +925,8 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
               between: Callable[[int, int, int, int], float | None] | None, stats: dict,
               counter: str, memo: dict | None = None,
               tick: Callable[[], None] | None = None,
-              floor: Callable[[int, int, int], "float | object"] | None = None
+              floor: Callable[[int, int, int], "float | object"] | None = None,
+              reachable: Callable[[int, int], bool] | None = None
               ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """:func:`_stage_dp` with ``classes=m``: the least sum of stage values over pipelines of any stage count,
     a DP over (first unit, first device, class c = min(stages left, m), first stage's size)."""
@@ -1233,14 +1331,17 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                   units: Callable[[int], Sequence[float]] | None = None,
                   first_stages: int = 1, progress: Progress | None = None,
                   hint: Callable[[float], None] | None = None,
-                  stage_lower: StageLowerFn | None = None) -> tuple[PipelinePlan | None, float]:
+                  stage_lower: StageLowerFn | None = None,
+                  prefer: int | None = None) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count ``first_stages`` <= S <= m
     (module docstring,
     *ZB-H1*) if below ``incumbent``, and a proven lower bound of it: each stage count whose family bound
     (:func:`_zb_family_bound`) is below the best known is searched exactly (:func:`_zb_branch_and_bound`). A
     stage whose time-optimal plan does not fit S in flight takes its memory-constrained optimum (``fit_fn``),
     solved lazily. ``hint(bound)`` hears the family's bound once the stage counts' bounds are known (min over
-    the counts of m B_0; 0 when the stand-ins are found void): what the part has proven if it is interrupted."""
+    the counts of m B_0; 0 when the stand-ins are found void): what the part has proven if it is interrupted.
+    ``prefer``: a stage count searched first (the best seed's), the others in increasing order; each count's
+    search is exact given the best plan so far, so the order changes only how much is solved."""
     U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
     budget = math.inf if space.budget is None else space.budget
@@ -1276,7 +1377,10 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
     while True:
         lower = math.inf
         try:
-            for n in range(first_stages, s_max + 1):
+            counts = list(range(first_stages, s_max + 1))
+            if prefer in floors:
+                counts = [prefer] + [n for n in counts if n != prefer]
+            for n in counts:
                 if m * floors[n] >= best_t():
                     stats["zb_pruned"] = stats.get("zb_pruned", 0) + 1
                     lower = min(lower, m * floors[n])
@@ -1316,6 +1420,8 @@ class _StagePool:
         # proven lower bounds of memory-constrained stages known from outside, by (a, b, q, k): their stand-ins
         self.known_lower: dict[tuple[int, int, int, float], float] = {}
         self.version = 0  # counts the solves that changed a cost (a DP's memo is valid for one version)
+        self._unit_lower: dict[int, list[float]] = {}
+        self._work: dict[tuple[int, ...], list[float]] = {}
 
     def bounded(self) -> bool:
         """Whether the time-optimal seconds bound every stage's (False once a memory-constrained solve came out
@@ -1325,6 +1431,25 @@ class _StagePool:
     def lower(self, a: int, b: int, q: int) -> float:
         """A proven lower bound of the stage's seconds under any plan, without a solve (0 when none is given)."""
         return 0.0 if self.stage_lower is None or not self.bounded() else self.stage_lower(a, b, q, self.m)
+
+    def work_left(self, qs: tuple[int, ...], num_units: int) -> list[float]:
+        """Per first unit a: sum over the units u >= a of min over q in ``qs`` of q times u's solve-free bound
+        on q devices (:meth:`lower` of the unit alone), a lower bound of sum_i q_i * lower(stage i) over every
+        cut of units [a, U) into stages on sizes from ``qs`` (the bound of a stage is the sum of its units')."""
+        got = self._work.get(qs)
+        if got is None:
+            U = num_units
+            per = [min(q * self._units_of(q, U)[u] for q in qs) for u in range(U)]
+            got = [0.0] * (U + 1)
+            for u in range(U - 1, -1, -1):
+                got[u] = got[u + 1] + per[u]
+            self._work[qs] = got
+        return got
+
+    def _units_of(self, q: int, U: int) -> list[float]:
+        if q not in self._unit_lower:
+            self._unit_lower[q] = [self.lower(u, u + 1, q) for u in range(U)]
+        return self._unit_lower[q]
 
     def over(self, a: int, b: int, q: int, cap: float) -> bool:
         """Whether the stage's least seconds under any plan exceed ``cap`` (its time-optimal seconds do)."""
@@ -1388,18 +1513,29 @@ def _zb_terms(c: StageCost) -> tuple[float, float]:
 
 
 def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, link_fn: LinkFn,
-           exchange: ExchangeFn | None, hi: float, w_lo: float, y_lo: float, stats: dict, cap: float = math.inf
-           ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+           exchange: ExchangeFn | None, hi: float, w_lo: float, y_lo: float, stats: dict, cap: float = math.inf,
+           prune_states: bool = True) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least ``sum_i t_i + transfers`` over pipelines of n stages (n in flight on each) whose every stage and
     transfer time is at most ``hi`` and every stage's W at least ``w_lo`` and Y at least ``y_lo`` (stand-ins pass
     the floors): :func:`_stage_dp` as 1F1B's. Stage times grow with the extent, so the scan stops at the first
     over ``hi`` (while stand-ins are in force, at the first whose time-optimal seconds are, as in 1F1B's
     search); W and Y do not: the floors only skip. A stage whose true seconds exceed ``cap`` (the best step over
     m: the ZB-H1 step is at least m t_max) is in no pipeline that could beat it: left out, and one whose
-    solve-free bound (:meth:`_StagePool.lower`) exceeds ``hi`` or ``cap`` is not solved."""
+    solve-free bound (:meth:`_StagePool.lower`) exceeds ``hi`` or ``cap`` is not solved. ``prune_states``: a
+    state (first unit a, first device o) is unreachable when the units from a need more device-seconds than the
+    devices from o give under that limit (docs/pipeline.md, *Device-seconds left*)."""
     p = space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     k = float(n)
+    qs = [q_fixed] if q_fixed is not None else list(space.allowed_sizes())
+    limit = min(hi, cap)
+    reachable = None
+    if prune_states and pool.stage_lower is not None and pool.bounded() and math.isfinite(limit):
+        left = pool.work_left(tuple(qs), space.num_units)
+        room = limit * (1 + 1e-9)
+
+        def reachable(a: int, o: int) -> bool:
+            return left[a] <= (p - o) * room
 
     def floor(a: int, b: int, q: int) -> float | object:
         lo = pool.lower(a, b, q)
@@ -1431,9 +1567,8 @@ def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, 
         lk = link_fn(b, q, q2, pool.m, (o + q) % ns == 0)
         return lk if lk <= hi else None
 
-    return _stage_dp(space, n, [q_fixed] if q_fixed is not None else list(space.allowed_sizes()), stage,
-                     between if exchange is None else None, stats, "zb_dp_states", tick=pool.tick,
-                     floor=floor if pool.stage_lower is not None else None)
+    return _stage_dp(space, n, qs, stage, between if exchange is None else None, stats, "zb_dp_states",
+                     tick=pool.tick, floor=floor if pool.stage_lower is not None else None, reachable=reachable)
 
 
 def _relaxed_max(pool: _StagePool, segs: Sequence[tuple[int, int, int, int]], n: int, link_fn: LinkFn,

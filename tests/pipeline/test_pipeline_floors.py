@@ -5,6 +5,7 @@ without them, with a proven bound that stays below the optimum."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 
@@ -156,3 +157,29 @@ def test_stage_dp_with_floors_same_values_and_choices(seed):
             got = _stage_dp(space, n, sizes, stage_of(True), link, {}, "s", classes=classes, floor=floor)
             assert got == want
     assert asked[True] <= asked[False]
+
+
+def test_zb_dp_unreachable_states_same_answer():
+    """ZB-H1's stage DP leaving out the states whose units need more device-seconds than their devices give under
+    the limit min(hi, cap) answers the same value and stages as without, for every stage count and limit on
+    random instances, and does leave some out."""
+    from shardplan.pipeline.search import _StagePool, _zb_dp
+
+    U, p, m = 6, 8, 8
+    left_out = 0
+    for seed, n in itertools.product(range(6), (1, 2, 3, 4)):
+        stage_fn, fit_fn, link_fn, lower = _instance(seed, U, p)
+        space = PipelineSpace(U, p, 4, micro_batches=(m,), budget=[None, 4.0, 2.5][seed % 3])
+        budget = math.inf if space.budget is None else space.budget
+        for scale in (0.3, 0.6, 1.0, 3.0):
+            hi = scale * stage_fn(0, U, p, m).time
+            got = {}
+            for prune in (False, True):
+                pool = _StagePool(stage_fn, fit_fn, m, budget, {}, stage_lower=lower)
+                stats: dict = {}
+                got[prune] = _zb_dp(pool, space, n, None, link_fn, None, hi, 0.0, 0.0, stats,
+                                    cap=hi * 0.9, prune_states=prune)
+                if prune:
+                    left_out += stats.get("dp_states_unreachable", 0)
+            assert got[True] == got[False]
+    assert left_out > 0
