@@ -81,22 +81,10 @@ def by_kind(graph: Any, nbytes: int, measured: dict[str, float] | None = None) -
 
 
 def eager_saved_bytes(module: Any, args: tuple) -> float:
-    """Bytes of the distinct storages autograd saves when ``module(*args)`` runs eagerly, parameters left out."""
-    import torch
+    """Bytes autograd saves when ``module(*args)`` runs eagerly (:func:`shardplan.torch.saved.eager_saved_bytes`)."""
+    from shardplan.torch.saved import eager_saved_bytes as measured
 
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    kept: dict[int, float] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            kept[s.data_ptr()] = float(s.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = module(*args)
-    del loss
-    return sum(kept.values())
+    return measured(module, args)
 
 
 def small_rows() -> list[dict[str, Any]]:

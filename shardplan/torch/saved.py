@@ -40,7 +40,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEVICE_RULES", "Measured", "NodeKeeps", "kept_by_node", "measure", "reference_bytes", "saved_tiles"]
+__all__ = ["DEVICE_RULES", "Measured", "NodeKeeps", "eager_saved_bytes", "kept_by_node", "measure", "reference_bytes",
+           "saved_tiles"]
 
 
 @dataclass(frozen=True)
@@ -282,6 +283,27 @@ def kept_by_node(graph: Any, grads: Mapping[str, bool], ops: Mapping[str, Any] |
         except Exception:  # noqa: BLE001  (no meta kernel, or one that refuses these arguments)
             out[node.name] = _fallback(node, grads)
     return out
+
+
+def eager_saved_bytes(module: Any, args: Sequence[Any]) -> float:
+    """Bytes of the distinct storages autograd saves when ``module(*args)`` runs eagerly, parameters left out
+    (each storage once, under ``torch.autograd.graph.saved_tensors_hooks``): what a traced program's charge is
+    held against."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept: dict[int, float] = {}
+
+    def pack(t: Any) -> Any:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            kept[s.data_ptr()] = float(s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = module(*args)
+    del loss
+    return sum(kept.values())
 
 
 def reference_bytes(module: Any) -> int:

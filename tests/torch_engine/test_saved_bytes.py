@@ -33,18 +33,7 @@ def _measured(module: nn.Module, args: tuple, graph, info) -> sv.Measured:
 
 
 def _eager(module: nn.Module, args: tuple) -> float:
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    kept: dict[int, float] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            kept[s.data_ptr()] = float(s.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*args)
-    return sum(kept.values())
+    return sv.eager_saved_bytes(module, args)
 
 
 @pytest.fixture(scope="module", params=["gpt2_fp32", "llama_bf16"])
