@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -84,7 +83,6 @@ def linear_passes(tokens: int, n: int, k: int, dt: torch.dtype, dev: torch.devic
     flops = 2.0 * tokens * n * k
     for p in ("forward", "input_grad", "weight_grad"):
         row[f"{p}_tflops"] = flops / row[f"{p}_s"] / 1e12
-    del x, w, dy
     return row
 
 
@@ -118,7 +116,6 @@ def gemm_section(smoke: bool, dt: torch.dtype, dev: torch.device, time_it: Calla
         b = torch.randn(k, n, dtype=dt, device=dev)
         s = time_it(lambda: a @ b)
         sweep_rows.append({"m": m, "n": n, "k": k, "seconds": s, "tflops": 2.0 * m * n * k / s / 1e12})
-        del a, b
     return {"layers": rows, "n_sweep": sweep_rows}
 
 
@@ -149,7 +146,6 @@ def attention_section(smoke: bool, dt: torch.dtype, dev: torch.device, time_it: 
         rows.append({"batch": b, "heads": h, "kv_heads": kv, "seq": s, "head_dim": d, "causal": True,
                      "forward_s": tf, "forward_backward_s": tb, "forward_tflops": flops / tf / 1e12,
                      "forward_backward_tflops": 3.5 * flops / tb / 1e12})
-        del q, k, v, g
     return rows
 
 
@@ -175,7 +171,6 @@ def memory_bound_section(smoke: bool, dt: torch.dtype, dev: torch.device, time_i
         s = time_it(fn)
         rows.append({"op": name, "shape": [t, d], "seconds": s, "bytes_moved": tensors * n,
                      "bytes_per_second": tensors * n / s})
-    del x, y
     # the loss as Hugging Face computes it: bf16 logits upcast to fp32, cross entropy, its backward
     tv, vocab = (64, 512) if smoke else (8192, 128256)
     logits = torch.randn(tv, vocab, dtype=dt, device=dev, requires_grad=True)
@@ -202,7 +197,6 @@ def host_section(smoke: bool, dev: torch.device, time_it: Callable) -> list[dict
         down = time_it(lambda: h.copy_(g, non_blocking=True))
         rows.append({"bytes": nbytes, "host_to_device_s": up, "device_to_host_s": down,
                      "host_to_device_bytes_per_second": nbytes / up, "device_to_host_bytes_per_second": nbytes / down})
-        del h, g
     return rows
 
 
@@ -220,7 +214,6 @@ def fp8_section(smoke: bool, dev: torch.device, time_it: Callable) -> list[dict[
         f = 2.0 * m * n * k
         rows.append({"m": m, "n": n, "k": k, "fp8_s": s8, "bf16_s": s16, "fp8_tflops": f / s8 / 1e12,
                      "bf16_tflops": f / s16 / 1e12})
-        del a, b, a16, b16
     return rows
 
 
@@ -342,7 +335,6 @@ def steps_section(smoke: bool, dt: torch.dtype, dev: torch.device, reps: int,
                     row["kernels_s"] = kernel_kinds(prof)
                 except Exception as exc:  # the profiler is an extra: its failure must not lose the step times
                     row["kernels_error"] = repr(exc)[:300]
-            del model, opt, ids
         except Exception as exc:
             row["error"] = repr(exc)[:500]
         if dev.type == "cuda":
@@ -384,7 +376,6 @@ def jax_steps_section(smoke: bool, reps: int) -> list[dict[str, Any]]:
                 times.append(time.perf_counter() - t0)
             row.update({"params": int(sum(x.size for x in jax.tree.leaves(params))),
                         "forward_backward_s": statistics.median(times), "forward_backward_all_s": times})
-            del params, batch, compiled
         except Exception as exc:
             row["error"] = repr(exc)[:500]
         rows.append(row)
