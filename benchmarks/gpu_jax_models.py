@@ -48,7 +48,7 @@ def flax_gpt(vocab: int, d: int, layers: int, heads: int) -> Any:
 
 def build(name: str, smoke: bool = False, abstract: bool = False) -> tuple[Callable[..., Any], Any, Any]:
     """``(loss_fn, params, batch)`` of model ``name``: ``loss_fn(params, (ids, labels))``, the mean token cross
-    entropy in fp32 over the bf16 logits; params initialised with seed 0 on the default device, or only their
+    entropy in fp32 over the bf16 logits; params initialised from PRNG key 0 on the default device, or only their
     shapes and dtypes (``abstract``: ``jax.ShapeDtypeStruct`` leaves, enough to trace and plan)."""
     import jax
     import jax.numpy as jnp

@@ -211,11 +211,13 @@ class AttentionPoint:
         """The cost model's forward + backward FLOPs of this causal attention as the fused core
         (:func:`shardplan.ops.flash_attention`): ``(4 + 5/d) + (10 + 4/d)`` per unmasked (query, key,
         feature) point, b h s (s + 1) / 2 d points."""
-        from shardplan.ops import FLASH_SOFTMAX_BACKWARD_FLOPS, FLASH_SOFTMAX_FLOPS
+        from shardplan.ops import flash_attention
+        from shardplan.ir import TensorRef
 
-        d = self.head_dim
-        per_point = 4.0 + FLASH_SOFTMAX_FLOPS / d + 10.0 + FLASH_SOFTMAX_BACKWARD_FLOPS / d
-        return per_point * self.batch * self.heads * self.seq * (self.seq + 1) / 2.0 * d
+        b, h, s, d = self.batch, self.heads, self.seq, self.head_dim
+        x = TensorRef("x", (b, s, h, d), needs_grad=True)
+        op = flash_attention("attention", x, x, x, "bshk", "bthk", causal=True)
+        return (op.flops_per_point + float(op.backward_flops or 0.0)) * b * h * s * (s + 1) / 2.0 * d
 
 
 @dataclass(frozen=True)

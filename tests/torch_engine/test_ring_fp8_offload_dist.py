@@ -338,7 +338,7 @@ def _hf_ring(world: int) -> dict[str, Any]:
 
 
 def _mlp_reference(fp8: bool) -> tuple[Any, tuple[Any, Any], Any, Any]:
-    """The MLP and its batch (seed 0), and the unsharded reference (FP8 products if ``fp8``) after its backward:
+    """The MLP and its batch (torch.manual_seed(0)), and the unsharded reference (FP8 products if ``fp8``) after its backward:
     (model, batch, reference, its loss)."""
     torch.manual_seed(0)
     model, batch = MLP(), (torch.randn(B, S, D), torch.randn(B, S, D))
