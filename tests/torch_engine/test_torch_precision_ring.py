@@ -166,26 +166,24 @@ def test_dealing_contiguous_halves_gives_the_balanced_positions(g):
     assert np.array_equal(got, balanced_positions(g * n, g))
 
 
-def test_a_pipelined_plan_with_fp8_or_offload_is_refused():
-    """The PyTorch stage runner holds each stage's layouts only: a pipelined plan whose stages run FP8 products
-    (a recipe's pipeline may) or offload is refused before anything is traced, not run without them."""
+def test_a_pipelined_plan_with_fp8_or_offload_passes_the_stage_runners_check():
+    """A recipe's pipeline with FP8 products (and one operator offloading its activations) is one the PyTorch stage
+    runner holds: its run choices reach every stage (run on gloo: tests/torch_engine/test_torch_staged_choices.py)."""
     import dataclasses
 
-    import shardplan.torch as st
-    from shardplan.errors import ShardplanError
     from shardplan.machine import preset
     from shardplan.recipe import cost_recipe
+    from shardplan.torch.staged import check_stage_choices, plan_layout
 
     fp8 = cost_recipe("gpt", preset("h100", 8), "pp=2,tp=2,dp=2,mbs=2,fp8=true", batch=8)
     assert fp8.pipelined and all(any(c.fp8 for c in s.operators.values()) for s in fp8.stages)
-    plain = dataclasses.replace(fp8, stages=tuple(
-        dataclasses.replace(s, operators={n: dataclasses.replace(c, fp8=False) for n, c in s.operators.items()})
-        for s in fp8.stages))
-    stage = plain.stages[0]
+    stage = fp8.stages[0]
     name, choice = next(iter(stage.operators.items()))
-    offload = dataclasses.replace(plain, stages=(dataclasses.replace(
+    offload = dataclasses.replace(fp8, stages=(dataclasses.replace(
         stage, operators={**stage.operators, name: dataclasses.replace(choice, offload=("activations",))}),)
-        + plain.stages[1:])
-    for bad in (fp8, offload):
-        with pytest.raises(ShardplanError, match="FP8 products or offload"):
-            st.apply(bad, nn.Linear(2, 2), (torch.zeros(1, 2),))
+        + fp8.stages[1:])
+    layout, _ = plan_layout(offload)
+    check_stage_choices(layout["choices"], 2)
+    assert [[c[1] for c in ops] for ops in layout["choices"]] == [[c.fp8 for c in s.operators.values()]
+                                                                  for s in fp8.stages]
+    assert layout["choices"][0][0] == (name, choice.fp8, ("activations",), choice.recompute, 0)

@@ -1,0 +1,244 @@
+"""A pipeline plan whose stages carry FP8 products, activation offload, recomputation and the ring runs them on
+PyTorch (4 gloo processes, :mod:`shardplan.torch.staged`): loss and gradients equal one process running the same
+FP8 products (cast by this file's own code) on the same micro-batches.
+
+* ``one_process_stages``: 4 stages of one process (plain stage modules), 1F1B over 4 micro-batches; every block
+  linear FP8, three operators offloading their activations;
+* ``two_process_stages``: 2 stages of 2 processes (DTensor stages), each a causal attention block with every
+  operator splitting the sequence 2 ways, planned with ``context="ring"``: the attention runs the ring, the MLP
+  linears FP8, one projection offloads its activations and one recomputes.
+
+Refusals (a ZeRO stage, optimizer state in host memory, recomputation on a stage of one process) run in this
+process: they are checked before anything is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import pytest
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
+import torch_pipeline_cases  # noqa: E402
+
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
+WORLD = 4
+B, S, D, H = 4, 8, 8, 2
+PRODUCT = re.compile(r"^layers\.\d+/(up|down)/linear")
+
+
+def _qdq(t: torch.Tensor, fmt: Any, largest: float) -> torch.Tensor:
+    """This file's own FP8 cast: per-tensor scale from the whole tensor's amax, rounded, scaled back."""
+    s = largest / t.detach().abs().max()
+    return (t.detach() * s).to(fmt).to(t.dtype) / s
+
+
+class Fp8Linear(nn.Module):
+    """``lin`` with its input and weight cast to E4M3 and its output gradient to E5M2 (the unsharded FP8 product)."""
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cast = lambda t: t + (_qdq(t, torch.float8_e4m3fn, 448.0) - t).detach()  # noqa: E731
+        y = F.linear(cast(x), cast(self.lin.weight), self.lin.bias)
+        if y.requires_grad:
+            y.register_hook(lambda g: _qdq(g, torch.float8_e5m2, 57344.0))
+        return y
+
+
+def fp8_reference(model: nn.Module, batch: tuple, m: int, names: list[str]) -> tuple[torch.Tensor, dict, float]:
+    """One process: ``model`` with the linears ``names`` (module paths) in FP8, run on m consecutive micro-batches
+    (the mean of their losses and of their gradients, as the pipeline takes them); and the float32 loss."""
+    ref = torch_cases._clone(model)
+    with torch.no_grad():
+        loss32 = float(ref(*batch))
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        holder = ref.get_submodule(parent)
+        setattr(holder, leaf, Fp8Linear(getattr(holder, leaf)))
+    total = torch.zeros(())
+    for part in zip(*(x.tensor_split(m) for x in batch)):
+        loss = ref(*part) / m
+        loss.backward()
+        total += loss.detach()
+    grads = {n.replace(".lin.", "."): p.grad for n, p in ref.named_parameters()}
+    return total, grads, loss32
+
+
+def edited(plan: Any, edits: dict[str, dict[str, Any]], layouts: dict[str, Any] | None = None,
+           context: str | None = None) -> Any:
+    """``plan`` with the per-operator choices ``edits`` (and ``layouts``), as a plan loaded from JSON."""
+    stages = tuple(dataclasses.replace(s, operators={
+        n: dataclasses.replace(c, **edits.get(n, {}), **({"layout": layouts[n]} if layouts and n in layouts else {}))
+        for n, c in s.operators.items()}) for s in plan.stages)
+    stats = dict(plan.stats)
+    if context is not None:
+        stats["table_options"] = {**(stats.get("table_options") or {}), "context": context}
+    return dataclasses.replace(plan, stages=stages, stats=stats, detail=None)
+
+
+def searched(model: nn.Module, batch: tuple, sizes: tuple[int, ...], m: int) -> Any:
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.planner import from_pipeline
+    from shardplan.torch.staged import Tracer
+
+    tracer = Tracer(model, batch)
+    return from_pipeline(pipeline_solve(tracer, tracer.batch, torch_pipeline_cases.toy_machine(WORLD),
+                                        micro_batches=(m,), sizes=sizes, uniform=True, schedules=("1f1b",),
+                                        cutoff=1)), tracer
+
+
+class AttnBlock(nn.Module):
+    """Causal self-attention over 2 heads (q, k, v, o projections) and a tanh MLP (up, down), both residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, H, D // H).transpose(1, 2) for f in (self.q, self.k, self.v))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, D))
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class AttnModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(AttnBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for blk in self.layers:
+            x = blk(x)
+        return ((x - y) ** 2).mean()
+
+
+def _result(pipe: Any, loss: torch.Tensor, ref_loss: torch.Tensor, ref_grads: dict, loss32: float) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    worst = torch.zeros(())
+    for target, g in pipe.named_grads().items():
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g
+        worst = torch.maximum(worst, (g - ref_grads[target]).abs().max())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    host = torch.tensor(float(sum(h.module.host.saved_bytes for h in pipe.modules)))
+    dist.all_reduce(host)
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    return {"rel_loss": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)), "rel_grad": float(worst) / scale,
+            "fp8_off": abs(float(ref_loss) - loss32) / abs(loss32), "host_bytes": float(host),
+            "held": torch_pipeline_cases._total(len(pipe.named_grads())), "params": len(ref_grads)}
+
+
+def _one_process_stages(world: int) -> dict[str, Any]:
+    import shardplan.torch as st
+
+    model, batch = torch_pipeline_cases.make_case()
+    plan, _ = searched(model, batch, (1,), 4)
+    ops = [n for s in plan.stages for n in s.operators]
+    fp8 = [n for n in ops if PRODUCT.match(n)]
+    offload = ["layers.1/up/linear_2", "layers.2/gelu_2", "layers.4/down/linear_9"]
+    edits = {n: {"fp8": True} for n in fp8}
+    for n in offload:
+        edits[n] = {**edits.get(n, {}), "offload": ("activations",)}
+    pipe = st.apply(edited(plan, edits), model, batch)
+    loss = pipe.step(*batch)
+    names = [f"layers.{i}.{w}" for i in range(6) for w in ("up", "down")]
+    ref_loss, ref_grads, loss32 = fp8_reference(model, batch, 4, names)
+    return {**_result(pipe, loss, ref_loss, ref_grads, loss32), "fp8_ops": len(fp8), "stages": plan.num_stages}
+
+
+def _two_process_stages(world: int) -> dict[str, Any]:
+    import shardplan.torch.ring as ring_module
+    from shardplan.layout import Layout
+
+    import shardplan.torch as st
+
+    torch.manual_seed(0)
+    model, batch = AttnModel(), (torch.randn(B, S, D), torch.randn(B, S, D))
+    plan, tracer = searched(model, batch, (2,), 2)
+    graph = tracer(B // 2)
+    layouts = {}
+    for op in graph.operators:  # every operator splits its sequence (the first unfixed dimension of extent S)
+        seq = next((d for d in op.dim_names if op.extents[d] == S and d not in op.fixed), None)
+        layouts[op.name] = Layout.flat(op.dim_names, tuple(2 if d == seq else 1 for d in op.dim_names), 2)
+    ops = [op.name for op in graph.operators]
+    edits = {n: {"fp8": True} for n in ops if PRODUCT.match(n)}
+    offload = next(n for n in ops if n.startswith("layers.0/q/"))
+    recompute = next(n for n in ops if n.startswith("layers.1/o/"))
+    edits[offload] = {"offload": ("activations",)}
+    edits[recompute] = {"recompute": True}
+    calls: list[int] = []
+    inner = ring_module.ring_attention_sharded
+    ring_module.ring_attention_sharded = lambda *a, **k: calls.append(1) or inner(*a, **k)
+    try:
+        pipe = st.apply(edited(plan, edits, layouts, context="ring"), model, batch)
+        loss = pipe.step(*batch)
+    finally:
+        ring_module.ring_attention_sharded = inner
+    ref_loss, ref_grads, loss32 = fp8_reference(model, batch, 2, [f"layers.{i}.{w}" for i in range(2)
+                                                                  for w in ("up", "down")])
+    choices = pipe.modules[0].module.choices
+    return {**_result(pipe, loss, ref_loss, ref_grads, loss32), "fp8_ops": len(choices.fp8),
+            "ring": choices.ring, "ring_calls": torch_pipeline_cases._total(len(calls)),
+            "recompute": torch_pipeline_cases._total(len(choices.recompute)),
+            "offload": torch_pipeline_cases._total(len(choices.offload))}
+
+
+CASES = {"one_process_stages": _one_process_stages, "two_process_stages": _two_process_stages}
+
+
+def run_case(name: str, world: int) -> dict[str, Any]:
+    return CASES[name](world)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch_staged_choices") / "results.json"
+    return torch_cases.run_distributed(list(CASES), WORLD, str(out), run_one=run_case)
+
+
+def test_stages_of_one_process_run_fp8_products_and_activation_offload(results):
+    r = results["one_process_stages"]
+    assert "error" not in r, r.get("error")
+    assert r["stages"] == 4 and r["fp8_ops"] == 12 and r["held"] == r["params"]
+    assert r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4
+    assert r["fp8_off"] > 1e-4, "the FP8 products are in effect: the float32 loss is far off"
+    assert r["host_bytes"] > 0
+
+
+def test_stages_of_two_processes_run_the_ring_fp8_offload_and_recomputation(results):
+    """Each of the 4 processes runs its stage's attention by the ring (once per micro-batch forward, once more in
+    the backward pass), the stage's two MLP products in FP8; one stage offloads, the other recomputes."""
+    r = results["two_process_stages"]
+    assert "error" not in r, r.get("error")
+    assert r["ring"] and r["ring_calls"] > 0 and r["fp8_ops"] == 2
+    assert r["offload"] == 2 and r["recompute"] == 2  # one operator each, on both processes of its stage
+    assert r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4
+    assert r["fp8_off"] > 1e-4 and r["host_bytes"] > 0
+
+
+def test_state_the_stage_runner_does_not_hold_is_refused():
+    """Checked on the plan before anything is traced (so any module will do here)."""
+    import shardplan.torch as st
+    from shardplan.errors import ShardplanError
+    from shardplan.machine import preset
+    from shardplan.recipe import cost_recipe
+
+    plan = cost_recipe("gpt", preset("h100", 8), "pp=2,tp=2,dp=2,mbs=2", batch=8)
+    name = next(iter(plan.stages[0].operators))
+    one = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, devices=1) for s in plan.stages))
+    for bad, match in ((edited(plan, {name: {"state_stage": 1}}), "ZeRO stage 1"),
+                       (edited(plan, {name: {"offload": ("optimizer",)}}), "offloads its optimizer"),
+                       (edited(one, {name: {"recompute": True}}), "recomputes, which stages of one process")):
+        with pytest.raises(ShardplanError, match=match):
+            st.apply(bad, nn.Linear(2, 2), (torch.zeros(1, 2),))
