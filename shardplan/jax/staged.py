@@ -281,7 +281,7 @@ class _Stage:
         import jax
         import jax.numpy as jnp
 
-        from shardplan.jax.fp8 import fp8_equations
+        from shardplan.jax.fp8 import fp8_equations, fp8_operators, with_history
         from shardplan.jax.run import constrain_both_ways, evaluate_eqns
         from shardplan.jax.shardings import _axis_dims, layout_sharding, replicated
 
@@ -342,7 +342,9 @@ class _Stage:
         fin, oin, data, params, fout, oout = self.fin, self.oin, self.data, self.params, self.fout, self.oout
         replace = self.replace
 
-        def run(p: tuple, fi: tuple, oi: tuple, d: tuple) -> tuple[tuple, tuple]:
+        names = self.fp8_names = fp8_operators(plan, info)
+
+        def run(p: tuple, fi: tuple, oi: tuple, d: tuple, h: dict) -> tuple[tuple, tuple]:
             env: dict[int, Any] = {}
             for i, x in zip(params, p):
                 env[prog.invars[i]] = x
@@ -350,13 +352,16 @@ class _Stage:
                 env[prog.invars[i]] = x
             env.update(zip(fin, fi))
             env.update(zip(oin, oi))
-            evaluate_eqns(info, eqns, env, produce, consume, replace=replace)
+            evaluate_eqns(info, eqns, env, produce, consume, replace=with_history(replace, names, h or None))
             return tuple(env[v] for v in fout), tuple(env[v] for v in oout)
 
         body = run if policy is None else jax.checkpoint(run, policy=policy)
         self.remat = policy is not None
-        self.body = body  # (params, float inputs, other inputs, data) -> (float outputs, other outputs)
-        self.forward = jax.jit(lambda p, fi, oi, d: jax.vjp(lambda p_, fi_: body(p_, fi_, oi, d), p, fi, has_aux=True))
+        # (params, float inputs, other inputs, data, histories) -> (float outputs, other outputs); histories: the
+        # amax histories of the stage's FP8 operators (delayed scaling), or {} (current scaling)
+        self.body = body
+        self.forward = jax.jit(lambda p, fi, oi, d, h: jax.vjp(lambda p_, fi_, h_: body(p_, fi_, oi, d, h_), p, fi, h,
+                                                               has_aux=True))
         self.backward = jax.jit(lambda vjp, g: vjp(g))
 
 
@@ -475,35 +480,60 @@ class StagedStep:
 
         return issue_order(self.plan, self.schedule)
 
-    def reference(self) -> Callable[[Any, Any], Any]:
-        """``loss(params, batch)``: the unsharded program with the stages' FP8 products, run on each of the m
-        micro-batches (consecutive slices of the batch's leading axis, as the step takes them) and averaged
-        (summed for ``reduction="sum"``): what the staged step must equal, loss and gradients. Each product
-        scales by its own micro-batch's amax, so this is not the FP8 program of the whole batch."""
+    def reference(self, micro: int | None = None) -> Callable[..., Any]:
+        """``loss(params, batch, history=None)``: the unsharded program with the stages' FP8 products, run on each
+        of the m micro-batches (consecutive slices of the batch's leading axis, as the step takes them) and
+        averaged (summed for ``reduction="sum"``): what the staged step must equal, loss and gradients. With
+        current scaling each product scales by its own micro-batch's amax, so this is not the FP8 program of the
+        whole batch; with ``history``, delayed scaling from it (its gradient: the amaxes). ``micro``: micro-batch
+        ``micro``'s term alone (its loss / m for a mean), whose history gradient is that micro-batch's amaxes as
+        the step's backward sees them."""
         import jax
 
+        from shardplan.jax.fp8 import with_history
         from shardplan.jax.run import evaluate
 
         info, m = self.info, self.plan.micro_batches
         replace = {k: f for st in self.stages for k, f in st.replace.items()}
+        names = {n: k for st in self.stages for n, k in st.fp8_names.items()}
         rows = info.leaf_shapes[min(info.batch_leaves)][0] if info.batch_leaves else 0
 
-        def loss(params: Any, batch: Any) -> Any:
+        def loss(params: Any, batch: Any, history: Any = None) -> Any:
             leaves, tree = jax.tree_util.tree_flatten((params, batch))
             if tree != info.in_tree:
                 raise ShardplanError(f"arguments have structure {tree}, the traced loss had {info.in_tree}")
             total = 0.0
-            for j in range(m):
+            for j in range(m) if micro is None else (micro,):
                 part = [x[j * rows:(j + 1) * rows] if i in info.batch_leaves else x for i, x in enumerate(leaves)]
-                total = total + evaluate(info, part, replace=replace)[0]
+                total = total + evaluate(info, part, replace=with_history(replace, names, history))[0]
             return total / m if self.reduction == "mean" else total
 
         return loss
 
-    def __call__(self, params: Any, batch: Any) -> tuple[Any, Any]:
+    @property
+    def fp8_names(self) -> tuple[str, ...]:
+        """The operators the stages run in FP8, stage by stage."""
+        return tuple(n for st in self.stages for n in st.fp8_names)
+
+    def init_history(self, length: int | None = None) -> dict[str, Any]:
+        """The FP8 amax histories before the first step (:func:`shardplan.jax.fp8.init_history`), each on its
+        stage's devices, replicated there."""
+        import jax
+
+        from shardplan.jax.fp8 import AMAX_HISTORY, init_history
+
+        return {n: jax.device_put(h, st.rep) for st in self.stages
+                for n, h in init_history(st.fp8_names, length or AMAX_HISTORY).items()}
+
+    def __call__(self, params: Any, batch: Any, history: Any = None) -> Any:
+        """``loss, grads``; with ``history`` (the FP8 amax histories, :meth:`init_history`): delayed scaling,
+        ``loss, grads, history`` with the next step's histories (every micro-batch scaled from ``history``, the
+        largest amax of the step's micro-batches shifted in: :mod:`shardplan.jax.fp8`)."""
         import jax
         import jax.numpy as jnp
         import numpy as np
+
+        from shardplan.jax.fp8 import roll_history
 
         leaves, tree = jax.tree_util.tree_flatten((params, batch))
         if tree != self.info.in_tree:
@@ -526,6 +556,12 @@ class StagedStep:
         cot: dict[tuple[int, int], Any] = {}
         vjps: dict[tuple[int, int], Any] = {}
         grads: list[Any] = [None] * len(self.stages)
+        amax: list[Any] = [None] * len(self.stages)
+        if history is not None and set(history) != set(self.fp8_names):
+            raise ShardplanError(f"the histories are for operators {sorted(history)}; the stages run "
+                                 f"{sorted(self.fp8_names)} in FP8")
+        hist = [{} if history is None else {n: jax.device_put(history[n], st.rep) for n in st.fp8_names}
+                for st in self.stages]
         losses = []
         last = len(self.stages) - 1
         for kind, s, j in self.order():
@@ -534,7 +570,7 @@ class StagedStep:
                 fi = tuple(jax.device_put(values[(v, j)], st.in_sh[v]) for v in st.fin)
                 oi = tuple(jax.device_put(values[(v, j)], st.in_sh[v]) for v in st.oin)
                 d = tuple(jax.device_put(micro(i, j), st.leaf_put[i]) for i in st.data)
-                fo, vjp, oo = st.forward(placed[s], fi, oi, d)
+                fo, vjp, oo = st.forward(placed[s], fi, oi, d, hist[s])
                 vjps[(s, j)] = vjp
                 for v, x in zip(st.fout + st.oout, fo + oo):
                     values[(v, j)] = x
@@ -545,8 +581,9 @@ class StagedStep:
                 g = (jax.device_put(np.asarray(scale, dtype=st.loss_dtype), st.rep),)
             else:
                 g = tuple(cot.pop((v, j)) for v in st.fout)
-            gp, gfi = st.backward(vjps.pop((s, j)), g)
+            gp, gfi, gh = st.backward(vjps.pop((s, j)), g)
             grads[s] = gp if grads[s] is None else jax.tree_util.tree_map(jnp.add, grads[s], gp)
+            amax[s] = gh if amax[s] is None else jax.tree_util.tree_map(jnp.maximum, amax[s], gh)
             for v, gv in zip(st.fin, gfi):
                 p = self.stages[producer[v]]
                 gv = jax.device_put(gv, p.out_sh[v])
@@ -558,7 +595,11 @@ class StagedStep:
                 out[i] = x if out[i] is None else out[i] + jax.device_put(x, out[i].sharding)
         n_params = len(jax.tree_util.tree_leaves(params))
         full = [out[i] if out[i] is not None else jnp.zeros_like(leaves[i]) for i in range(n_params)]
-        return loss, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), full)
+        grad_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), full)
+        if history is None:
+            return loss, grad_tree
+        return loss, grad_tree, {n: h for st, h, a in zip(self.stages, hist, amax) for n, h in
+                                 roll_history(h, a).items()}
 
 
 def build_staged(result: Any, tracer: Tracer, devices: Sequence[Any], schedule: str | None = None,

@@ -100,7 +100,7 @@ def test_stages_run_fp8_recomputation_and_activation_offload(searched):
     hosts = []
     for st in step.stages:
         p, fi, d = stage_args(step, st, params, batch)
-        text = str(jax.make_jaxpr(lambda p, fi, d: st.forward(p, fi, (), d)[0])(p, fi, d))
+        text = str(jax.make_jaxpr(lambda p, fi, d: st.forward(p, fi, (), d, {})[0])(p, fi, d))
         hosts.append(text.count("MemorySpace.Host"))
         assert ("float8_e4m3fn" in text) == bool(st.replace)
     assert hosts[0] > 0 and hosts[1] > 0
@@ -109,7 +109,7 @@ def test_stages_run_fp8_recomputation_and_activation_offload(searched):
     kept = []
     for s in (step.stages[1], plain.stages[1]):
         p, fi, d = stage_args(step, s, params, batch)
-        res = saved_residuals(lambda p_, fi_: s.body(p_, fi_, (), d), p, fi)
+        res = saved_residuals(lambda p_, fi_: s.body(p_, fi_, (), d, {}), p, fi)
         kept.append(sum(1 for _, why in res if not why.startswith("from the argument")))
     assert plain.stages[1].remat is False and kept[0] < kept[1]
     assert_equal(plain(params, batch), jax.jit(jax.value_and_grad(plain.reference()))(params, batch))
@@ -127,3 +127,33 @@ def test_state_the_stage_runner_does_not_hold_is_refused(searched):
             sj.apply(with_choices(plan, {"L1/dot_general": edit}), scoped, params, batch, DEVICES)
     with pytest.raises(ShardplanError, match="does not carry"):
         sj.apply(with_choices(plan, EDITS, listed=False), scoped, params, batch, DEVICES)
+
+
+def test_stages_run_delayed_scaling_over_two_steps(searched):
+    """The staged step with the FP8 amax histories (delayed scaling): every micro-batch of a step scales from the
+    same histories, the step shifts in the largest amax of its micro-batches; two steps equal the unsharded
+    program run so, loss, gradients and histories, and the histories live on their stage's devices."""
+    import numpy as np
+
+    import shardplan.jax as sj
+    from shardplan.jax.fp8 import init_history, roll_history
+
+    params, batch, plan = searched
+    step = sj.apply(with_choices(plan, EDITS), scoped, params, batch, DEVICES).step
+    assert step.fp8_names == ("L0/dot_general", "L1/dot_general", "L3/dot_general")
+    h = step.init_history(8)
+    assert [set(h[n].sharding.device_set) for n in step.fp8_names] == \
+        [set(DEVICES[:4])] * 2 + [set(DEVICES[4:])]
+    h0 = init_history(step.fp8_names, 8)
+    parts = [jax.jit(jax.value_and_grad(step.reference(micro=j), argnums=(0, 2))) for j in range(2)]
+    for t in range(2):
+        loss, grads, h = step(params, batch, h)
+        grads = jax.tree.map(np.asarray, grads)  # off the stages' devices
+        (l0, (g0, a0)), (l1, (g1, a1)) = (f(params, batch, h0) for f in parts)
+        assert_equal((loss, grads), (l0 + l1, jax.tree.map(jnp.add, g0, g1)))
+        h0 = roll_history(h0, jax.tree.map(jnp.maximum, a0, a1))
+        for n in step.fp8_names:
+            np.testing.assert_allclose(np.asarray(h[n]), np.asarray(h0[n]), rtol=1e-6)
+        if t == 0:  # scale 1 from the empty history: not current scaling's step
+            assert abs(float(loss) - float(step(params, batch)[0])) > 1e-5 * abs(float(loss))
+        params = jax.tree.map(lambda a, g: jnp.asarray(np.asarray(a) - 0.5 * g), params, grads)
