@@ -88,7 +88,8 @@ from shardplan.ir import Graph, Operator, Tensor
 from shardplan.torch.frontend import _SKIP as _CHECKS
 from shardplan.torch.frontend import TorchTrace
 from shardplan.torch.layout import mesh_dims, mesh_factors, plan_mesh_shape, tensor_placements
-from shardplan.torch.precision import HostOffload, HostOptimizer, fp8_cast, fp8_grad, fp8_operands
+from shardplan.torch.precision import (AMAX_HISTORY, DelayedScaling, HostOffload, HostOptimizer, fp8_cast, fp8_grad,
+                                      fp8_operands)
 from shardplan.torch.ring import SDPA, ring_applies, ring_kv_placements, ring_sdpa
 
 __all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts", "RunChoices", "run_choices",
@@ -933,6 +934,8 @@ def _make_class() -> Any:
             self._zero3 = {t for op in choices.zero3 for t, uses in info.param_uses.items() if uses[0][0] == op}
             self._sharded: set[int] = set()  # ids of the ZeRO-3 parameters
             self.host = HostOffload()  # the offloaded activations' hooks and their byte count
+            self.scaling: DelayedScaling | None = None  # FP8 delayed scaling's state (None: current scaling)
+            self._stepping = False
             self.param_placements: dict[str, tuple[Any, ...]] = {}
             self._mirror(module)
 
@@ -1069,7 +1072,16 @@ def _make_class() -> Any:
                 raise ShardplanError(f"this plan accumulates gradients over {self.micro_batches} micro-batches: "
                                      "call step(*inputs) for a forward and backward pass (or the module under "
                                      "torch.no_grad() for the outputs alone)")
+            if not self._stepping and self.scaling is not None:  # a call is a step: the last one's amaxes go in
+                self.scaling.commit()
             return self._run(self._full, args, kwargs)
+
+        def delayed_scaling(self, length: int = AMAX_HISTORY) -> Any:
+            """Run the FP8 products with delayed scaling from now on (:class:`~shardplan.torch.precision.
+            DelayedScaling`, amax histories of ``length`` steps, empty at first; each call of the module or of
+            :meth:`step` is a step); returns the module."""
+            self.scaling = DelayedScaling(length)
+            return self
 
         def step(self, *args: Any, **kwargs: Any) -> Any:
             """One forward and backward pass of the batch as planned; the loss, detached.
@@ -1084,6 +1096,8 @@ def _make_class() -> Any:
             """
             k = self.micro_batches
             total = None
+            if self.scaling is not None:
+                self.scaling.commit()
             for i in range(k):
                 a, kw = micro_batch(args, kwargs, i, k) if k > 1 else (list(args), dict(kwargs))
                 loss = self._run(self._micro, a, kw)
@@ -1201,7 +1215,8 @@ def _make_class() -> Any:
                         if id(x) in self._sharded and y is not x:
                             gathered.append((x, y))
                     if tname in fp8 and isinstance(x, torch.Tensor) and x.is_floating_point():
-                        _set(args, kwargs, path, fp8_cast(_get(args, kwargs, path)))
+                        _set(args, kwargs, path, fp8_cast(_get(args, kwargs, path), self.scaling,
+                                                          f"{op_name}:{tname}"))
             fn = _REWRITES.get(str(fn), fn)
             if ring:
                 fn = functools.partial(ring_sdpa, fallback=fn)
@@ -1234,7 +1249,7 @@ def _make_class() -> Any:
                     out = (self._replicated_call(fn, args, kwargs) if local is None else
                            self._local_call(fn, args, kwargs, *local))
             if fp8:
-                out = fp8_grad(out)
+                out = fp8_grad(out, self.scaling, f"{op_name}:dY")
             if op_name is not None and isinstance(out, DTensor):
                 out = _redistribute(out, self.mesh, lay.output(op_name, out.dim()))
             if str(node.target) in _FUNCTIONAL and isinstance(node.args[0], torch.fx.Node):

@@ -236,12 +236,13 @@ def partition(ep: Any, node_op: Mapping[str, str], rename: Mapping[str, str], gr
 
 
 def _stage_module(part: StagePartition, ep: Any, module: Any,
-                  node_choices: Mapping[str, tuple[tuple, bool]] | None = None) -> Any:
+                  node_choices: Mapping[str, tuple[str, tuple, bool]] | None = None) -> Any:
     """An ``nn.Module`` running ``part``'s nodes on copies of the parameters it reads.
 
-    ``node_choices``: FX node name -> (argument paths of its FP8 operands, whether its saved tensors live in
-    host memory), for the nodes of operators with such choices (:func:`node_choices`): the operands are cast
-    (:func:`shardplan.torch.precision.fp8_cast`) and the output's gradient cast in the backward pass
+    ``node_choices``: FX node name -> (its operator, its FP8 operands as (argument path, tensor name), whether
+    its saved tensors live in host memory), for the nodes of operators with such choices (:func:`node_choices`):
+    the operands are cast (:func:`shardplan.torch.precision.fp8_cast`, current scaling, or delayed from
+    ``Stage.scaling`` when set) and the output's gradient cast in the backward pass
     (:func:`~shardplan.torch.precision.fp8_grad`); the node runs under the stage's
     :class:`~shardplan.torch.precision.HostOffload` hooks (``Stage.host`` counts what went to the host)."""
     import contextlib
@@ -274,6 +275,7 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
             for ph, (k, target) in part.consts.items():
                 self.consts[ph] = ep.constants[target] if k == "CONSTANT_TENSOR" else ep.state_dict[target]
             self.host = HostOffload()
+            self.scaling: Any = None  # FP8 delayed scaling's state (None: current scaling)
 
         def forward(self, *args: Any) -> Any:
             env: dict[str, Any] = dict(zip(part.inputs, args))
@@ -286,15 +288,16 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
                 if node.op == "get_attr":  # a sub-graph of a higher-order op (e.g. a vmapped mask)
                     env[node.name] = operator.attrgetter(node.target)(ep.graph_module)
                 elif node.name in chosen:
-                    paths, offload = chosen[node.name]
+                    op, operands, offload = chosen[node.name]
                     a, kw = list(a), dict(kw)
-                    for path in paths:
+                    for path, tname in operands:
                         x = _get(a, kw, path)
                         if isinstance(x, torch.Tensor) and x.is_floating_point():
-                            _set(a, kw, path, fp8_cast(x))
+                            _set(a, kw, path, fp8_cast(x, self.scaling, f"{op}:{tname}"))
                     with self.host.hooks() if offload else contextlib.nullcontext():
                         out = node.target(*a, **kw)
-                    env[node.name] = fp8_grad(out) if paths and isinstance(out, torch.Tensor) else out
+                    fp8 = operands and isinstance(out, torch.Tensor)
+                    env[node.name] = fp8_grad(out, self.scaling, f"{op}:dY") if fp8 else out
                 else:
                     env[node.name] = node.target(*a, **kw)
             outs = tuple(env[o] for o in part.outputs)
@@ -348,6 +351,11 @@ class _Held:
     def named_targets(self) -> dict[str, Any]:
         params = dict(self.module.named_parameters(remove_duplicate=False))
         return {t: params["weights." + k] for k, t in self.targets.items()}
+
+    def delayed_scaling(self, length: int) -> None:
+        from shardplan.torch.precision import DelayedScaling
+
+        self.module.scaling = DelayedScaling(length)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
@@ -433,6 +441,10 @@ class TorchPipeline:
 
         for mod in self.modules:
             mod.zero_grad(set_to_none=True)
+            if getattr(mod.module, "scaling", None) is not None:  # a step starts: the last one's amaxes go in
+                mod.module.scaling.commit()
+            if hasattr(mod.module, "_stepping"):  # a ParallelModule: its forwards are this step's micro-batches
+                mod.module._stepping = True
         m = self.micro_batches
         first = any(p.index == 0 for p in self._mine())
         last = any(p.index == len(self.parts) - 1 for p in self._mine())
@@ -440,7 +452,12 @@ class TorchPipeline:
         kw: dict[str, Any] = {"return_outputs": False}
         if last:
             kw.update(target=torch.zeros(m), losses=losses)
-        self.schedule.step(*(inputs if first else ()), **kw)
+        try:
+            self.schedule.step(*(inputs if first else ()), **kw)
+        finally:
+            for mod in self.modules:
+                if hasattr(mod.module, "_stepping"):
+                    mod.module._stepping = False
         if last:
             total = torch.stack([x.detach().reshape(()) for x in losses]).sum()
             loss = total / m if self.reduction == "mean" else total
@@ -449,6 +466,16 @@ class TorchPipeline:
         dist.broadcast(loss, src=self.last_rank)
         self._sum_shared()
         return loss
+
+    def delayed_scaling(self, length: int | None = None) -> "TorchPipeline":
+        """Run this rank's FP8 products with delayed scaling from now on (amax histories of ``length`` steps,
+        :data:`~shardplan.torch.precision.AMAX_HISTORY` by default; each :meth:`step` is a step); returns the
+        pipeline."""
+        from shardplan.torch.precision import AMAX_HISTORY
+
+        for mod in self.modules:
+            mod.delayed_scaling(length or AMAX_HISTORY)
+        return self
 
     def _mine(self) -> list[StagePartition]:
         return [self.parts[j] for j in self._indices()]
@@ -531,8 +558,9 @@ def check_stage_choices(choices: Sequence[Sequence[StageChoice]], q: int) -> Non
 
 
 def node_choices(ops: Sequence[StageChoice], info: Any, graph: Any, old: Mapping[str, str]) -> dict[str, tuple]:
-    """FX node name -> (argument paths of its FP8 operands, activations offloaded) for the nodes of the operators
-    of ``ops`` (new names; ``old``: new -> traced name) with FP8 or activation offload (:func:`_stage_module`)."""
+    """FX node name -> (operator, its FP8 operands as (argument path, tensor name), activations offloaded) for
+    the nodes of the operators of ``ops`` (new names; ``old``: new -> traced name) with FP8 or activation offload
+    (:func:`_stage_module`)."""
     from shardplan.torch.precision import fp8_operands
 
     want = {old.get(name, name): (name, fp8, "activations" in offload) for name, fp8, offload, _r, _s in ops
@@ -543,7 +571,7 @@ def node_choices(ops: Sequence[StageChoice], info: Any, graph: Any, old: Mapping
             continue
         new, fp8, offload = want[op]
         tensors = fp8_operands(graph[new]) if fp8 else frozenset()
-        out[node] = (tuple(path for path, t in info.operands.get(op, ()) if t in tensors), offload)
+        out[node] = (new, tuple((path, t) for path, t in info.operands.get(op, ()) if t in tensors), offload)
     return out
 
 

@@ -187,3 +187,32 @@ def test_a_pipelined_plan_with_fp8_or_offload_passes_the_stage_runners_check():
     assert [[c[1] for c in ops] for ops in layout["choices"]] == [[c.fp8 for c in s.operators.values()]
                                                                   for s in fp8.stages]
     assert layout["choices"][0][0] == (name, choice.fp8, ("activations",), choice.recompute, 0)
+
+
+def test_delayed_scaling_scales_from_the_history_of_earlier_steps():
+    """Scale 1 before any history (Transformer Engine's initial scale), then ``M / max(history)``; a step's casts
+    of one tensor leave one entry, their largest amax, newest first, the oldest dropped past the length; a cast
+    beyond the delayed scale's range saturates at the format's largest value instead of overflowing."""
+    from shardplan.errors import ShardplanError
+    from shardplan.torch.precision import E4M3_MAX, DelayedScaling
+
+    d = DelayedScaling(2)
+    assert d.scale("a", E4M3_MAX) == 1.0
+    x = torch.tensor([0.5, -3.0, 1000.0])
+    q = fp8_cast(x, d, "a")  # scale 1: 1000 saturates to 448, -3 and 0.5 are on the E4M3 grid
+    assert q.tolist() == [0.5, -3.0, E4M3_MAX]
+    fp8_cast(torch.tensor([2.0]), d, "a")
+    assert d.scale("a", E4M3_MAX) == 1.0 and d.pending == {"a": 1000.0}  # nothing committed yet
+    d.commit()
+    assert d.history["a"].tolist() == [1000.0, 0.0] and d.scale("a", E4M3_MAX) == E4M3_MAX / 1000.0
+    for amax in (10.0, 20.0):
+        fp8_cast(torch.tensor([amax]), d, "a")
+        d.commit()
+    assert d.history["a"].tolist() == [20.0, 10.0]  # 1000 dropped: a history of 2 steps
+    d.commit()  # a step with no cast of "a" leaves its history alone
+    assert d.history["a"].tolist() == [20.0, 10.0]
+    g = torch.ones(3, requires_grad=True)
+    fp8_grad(g * 2.0, d, "g").sum().backward()
+    assert d.pending == {"g": 1.0} and g.grad.tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(ShardplanError, match="at least one step"):
+        DelayedScaling(0)

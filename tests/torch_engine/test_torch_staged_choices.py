@@ -40,38 +40,74 @@ def _qdq(t: torch.Tensor, fmt: Any, largest: float) -> torch.Tensor:
     return (t.detach() * s).to(fmt).to(t.dtype) / s
 
 
-class Fp8Linear(nn.Module):
-    """``lin`` with its input and weight cast to E4M3 and its output gradient to E5M2 (the unsharded FP8 product)."""
+class Delayed:
+    """This file's own delayed scaling: per (linear, tensor) a history of the steps' largest amaxes, newest last;
+    the scale ``M / max(history)`` (1 while empty), the cast saturating."""
 
-    def __init__(self, lin: nn.Linear) -> None:
+    def __init__(self) -> None:
+        self.history: dict[str, list[float]] = {}
+        self.step: dict[str, float] = {}
+
+    def qdq(self, key: str, t: torch.Tensor, fmt: Any, largest: float) -> torch.Tensor:
+        self.step[key] = max(self.step.get(key, 0.0), float(t.detach().abs().max()))
+        s = largest / max(self.history[key]) if self.history.get(key) else 1.0
+        return (t.detach() * s).clamp(-largest, largest).to(fmt).to(t.dtype) / s
+
+    def end_step(self) -> None:
+        for key, amax in self.step.items():
+            self.history.setdefault(key, []).append(amax)
+        self.step = {}
+
+
+class Fp8Linear(nn.Module):
+    """``lin`` with its input and weight cast to E4M3 and its output gradient to E5M2 (the unsharded FP8 product):
+    current scaling, or ``delayed``'s scales."""
+
+    def __init__(self, lin: nn.Linear, name: str, delayed: Delayed | None = None) -> None:
         super().__init__()
-        self.lin = lin
+        self.lin, self.name, self.delayed = lin, name, delayed
+
+    def _qdq(self, role: str, t: torch.Tensor, fmt: Any, largest: float) -> torch.Tensor:
+        if self.delayed is None:
+            return _qdq(t, fmt, largest)
+        return self.delayed.qdq(f"{self.name}:{role}", t, fmt, largest)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cast = lambda t: t + (_qdq(t, torch.float8_e4m3fn, 448.0) - t).detach()  # noqa: E731
-        y = F.linear(cast(x), cast(self.lin.weight), self.lin.bias)
+        cast = lambda r, t: t + (self._qdq(r, t, torch.float8_e4m3fn, 448.0) - t).detach()  # noqa: E731
+        y = F.linear(cast("x", x), cast("w", self.lin.weight), self.lin.bias)
         if y.requires_grad:
-            y.register_hook(lambda g: _qdq(g, torch.float8_e5m2, 57344.0))
+            y.register_hook(lambda g: self._qdq("dY", g, torch.float8_e5m2, 57344.0))
         return y
 
 
-def fp8_reference(model: nn.Module, batch: tuple, m: int, names: list[str]) -> tuple[torch.Tensor, dict, float]:
-    """One process: ``model`` with the linears ``names`` (module paths) in FP8, run on m consecutive micro-batches
-    (the mean of their losses and of their gradients, as the pipeline takes them); and the float32 loss."""
+def fp8_model(model: nn.Module, names: list[str], delayed: Delayed | None = None) -> nn.Module:
+    """A copy of ``model`` with the linears ``names`` (module paths) in FP8."""
     ref = torch_cases._clone(model)
-    with torch.no_grad():
-        loss32 = float(ref(*batch))
     for name in names:
         parent, _, leaf = name.rpartition(".")
         holder = ref.get_submodule(parent)
-        setattr(holder, leaf, Fp8Linear(getattr(holder, leaf)))
+        setattr(holder, leaf, Fp8Linear(getattr(holder, leaf), name, delayed))
+    return ref
+
+
+def fp8_step(ref: nn.Module, batch: tuple, m: int) -> tuple[torch.Tensor, dict]:
+    """One step of ``ref`` on m consecutive micro-batches as the pipeline takes them: each micro-batch's backward
+    of its own loss, the gradients divided by m after (torch's ``scale_grads``); the mean loss and gradients."""
+    ref.zero_grad(set_to_none=True)
     total = torch.zeros(())
     for part in zip(*(x.tensor_split(m) for x in batch)):
-        loss = ref(*part) / m
+        loss = ref(*part)
         loss.backward()
-        total += loss.detach()
-    grads = {n.replace(".lin.", "."): p.grad for n, p in ref.named_parameters()}
-    return total, grads, loss32
+        total += loss.detach() / m
+    return total, {n.replace(".lin.", "."): p.grad / m for n, p in ref.named_parameters()}
+
+
+def fp8_reference(model: nn.Module, batch: tuple, m: int, names: list[str]) -> tuple[torch.Tensor, dict, float]:
+    """One process: ``model`` with the linears ``names`` in FP8 (current scaling), one step on m micro-batches;
+    and the float32 loss."""
+    with torch.no_grad():
+        loss32 = float(model(*batch))
+    return (*fp8_step(fp8_model(model, names), batch, m), loss32)
 
 
 def edited(plan: Any, edits: dict[str, dict[str, Any]], layouts: dict[str, Any] | None = None,
@@ -194,7 +230,56 @@ def _two_process_stages(world: int) -> dict[str, Any]:
             "offload": torch_pipeline_cases._total(len(choices.offload))}
 
 
-CASES = {"one_process_stages": _one_process_stages, "two_process_stages": _two_process_stages}
+def _delayed_scaling(world: int) -> dict[str, Any]:
+    """Both kinds of stage with delayed scaling, three SGD steps against one process running the same rule."""
+    import torch.distributed as dist
+
+    import shardplan.torch as st
+
+    out = {}
+    for kind in ("one", "two"):
+        if kind == "one":
+            model, batch = torch_pipeline_cases.make_case()
+            plan, _ = searched(model, batch, (1,), 4)
+            names, m = [f"layers.{i}.{w}" for i in range(6) for w in ("up", "down")], 4
+        else:
+            torch.manual_seed(0)
+            model, batch = AttnModel(), (torch.randn(B, S, D), torch.randn(B, S, D))
+            plan, _ = searched(model, batch, (2,), 2)
+            names, m = [f"layers.{i}.{w}" for i in range(2) for w in ("up", "down")], 2
+        fp8 = {n: {"fp8": True} for s_ in plan.stages for n in s_.operators if PRODUCT.match(n)}
+        pipe = st.apply(edited(plan, fp8), model, batch).delayed_scaling(16)
+        delayed = Delayed()
+        ref = fp8_model(model, names, delayed)
+        rel_loss, rel_grad, losses = 0.0, 0.0, []
+        for _ in range(3):
+            loss = pipe.step(*batch)
+            loss0, grads0 = fp8_step(ref, batch, m)
+            delayed.end_step()
+            worst = torch.zeros(())
+            for target, g in pipe.named_grads().items():
+                g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                worst = torch.maximum(worst, (g - grads0[target]).abs().max())
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            scale = max(float(g.abs().max()) for g in grads0.values())
+            rel_loss = max(rel_loss, abs(float(loss) - float(loss0)) / abs(float(loss0)))
+            rel_grad = max(rel_grad, float(worst) / scale)
+            losses.append(float(loss0))
+            with torch.no_grad():  # SGD on both sides: the pipeline's copies and the reference
+                for target, p in pipe.named_parameters().items():
+                    g = pipe.named_grads()[target]
+                    p -= 0.5 * g
+                for n, p in ref.named_parameters():
+                    p -= 0.5 * grads0[n.replace(".lin.", ".")]
+        current = fp8_reference(model, batch, m, names)[0]
+        out[kind] = {"rel_loss": rel_loss, "rel_grad": rel_grad, "losses": losses,
+                     "first_vs_current": abs(losses[0] - float(current)) / abs(float(current)),
+                     "keys": len(delayed.history)}
+    return out
+
+
+CASES = {"one_process_stages": _one_process_stages, "two_process_stages": _two_process_stages,
+         "delayed_scaling": _delayed_scaling}
 
 
 def run_case(name: str, world: int) -> dict[str, Any]:
@@ -225,6 +310,19 @@ def test_stages_of_two_processes_run_the_ring_fp8_offload_and_recomputation(resu
     assert r["offload"] == 2 and r["recompute"] == 2  # one operator each, on both processes of its stage
     assert r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4
     assert r["fp8_off"] > 1e-4 and r["host_bytes"] > 0
+
+
+def test_stages_run_delayed_scaling_over_three_steps(results):
+    """``pipe.delayed_scaling()``: stages of one process and of two (DTensors) scale every FP8 cast from its amax
+    history (scale 1 at the first step, so not current scaling's step), one entry per step; three SGD steps equal
+    one process running the same rule, loss and gradients at every step."""
+    r = results["delayed_scaling"]
+    assert "error" not in r, r.get("error")
+    for kind, keys in (("one", 36), ("two", 12)):  # input, weight and output gradient of each FP8 linear
+        assert r[kind]["keys"] == keys
+        assert r[kind]["rel_loss"] <= 1e-5 and r[kind]["rel_grad"] <= 1e-4, r[kind]
+        assert r[kind]["first_vs_current"] > 1e-5, r[kind]
+        assert r[kind]["losses"][2] < r[kind]["losses"][0]
 
 
 def test_state_the_stage_runner_does_not_hold_is_refused():
