@@ -934,7 +934,9 @@ def _make_class() -> Any:
             self._zero3 = {t for op in choices.zero3 for t, uses in info.param_uses.items() if uses[0][0] == op}
             self._sharded: set[int] = set()  # ids of the ZeRO-3 parameters
             self.host = HostOffload()  # the offloaded activations' hooks and their byte count
-            self.scaling: DelayedScaling | None = None  # FP8 delayed scaling's state (None: current scaling)
+            # FP8 delayed scaling's state (Transformer Engine's default recipe, what the cost model charges); None:
+            # current scaling (:meth:`current_scaling`)
+            self.scaling: DelayedScaling | None = DelayedScaling() if choices.fp8 else None
             self._stepping = False
             self.param_placements: dict[str, tuple[Any, ...]] = {}
             self._mirror(module)
@@ -1077,10 +1079,16 @@ def _make_class() -> Any:
             return self._run(self._full, args, kwargs)
 
         def delayed_scaling(self, length: int = AMAX_HISTORY) -> Any:
-            """Run the FP8 products with delayed scaling from now on (:class:`~shardplan.torch.precision.
-            DelayedScaling`, amax histories of ``length`` steps, empty at first; each call of the module or of
+            """Run the FP8 products with delayed scaling (the default) from now on, with fresh amax histories of
+            ``length`` steps (:class:`~shardplan.torch.precision.DelayedScaling`; each call of the module or of
             :meth:`step` is a step); returns the module."""
             self.scaling = DelayedScaling(length)
+            return self
+
+        def current_scaling(self) -> Any:
+            """Run the FP8 products with current scaling from now on (each cast scaled by its own tensor's amax, no
+            state); returns the module."""
+            self.scaling = None
             return self
 
         def step(self, *args: Any, **kwargs: Any) -> Any:

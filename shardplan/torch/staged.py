@@ -352,10 +352,10 @@ class _Held:
         params = dict(self.module.named_parameters(remove_duplicate=False))
         return {t: params["weights." + k] for k, t in self.targets.items()}
 
-    def delayed_scaling(self, length: int) -> None:
+    def delayed_scaling(self, length: int | None) -> None:
         from shardplan.torch.precision import DelayedScaling
 
-        self.module.scaling = DelayedScaling(length)
+        self.module.scaling = None if length is None else DelayedScaling(length)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
@@ -468,13 +468,19 @@ class TorchPipeline:
         return loss
 
     def delayed_scaling(self, length: int | None = None) -> "TorchPipeline":
-        """Run this rank's FP8 products with delayed scaling from now on (amax histories of ``length`` steps,
-        :data:`~shardplan.torch.precision.AMAX_HISTORY` by default; each :meth:`step` is a step); returns the
-        pipeline."""
+        """Run this rank's FP8 products with delayed scaling (the default) from now on, with fresh amax histories
+        of ``length`` steps (:data:`~shardplan.torch.precision.AMAX_HISTORY` by default; each :meth:`step` is a
+        step); returns the pipeline."""
         from shardplan.torch.precision import AMAX_HISTORY
 
         for mod in self.modules:
             mod.delayed_scaling(length or AMAX_HISTORY)
+        return self
+
+    def current_scaling(self) -> "TorchPipeline":
+        """Run this rank's FP8 products with current scaling from now on (no state); returns the pipeline."""
+        for mod in self.modules:
+            mod.delayed_scaling(None)
         return self
 
     def _mine(self) -> list[StagePartition]:
@@ -711,6 +717,10 @@ def build_pipeline(result: Any, layout: dict, stage_layouts: Sequence[Sequence[t
             raise ShardplanError("stages of several processes need their layouts")
         run_mod = mod if sub is None else _dtensor_stage(mod, ins, stage_layouts[j], sub,  # type: ignore[index]
                                                          choices[j], bool(layout.get("ring")))
+        if sub is None and any(c[1] for c in choices[j]):  # FP8 products: delayed scaling, as a ParallelModule
+            from shardplan.torch.precision import DelayedScaling
+
+            mod.scaling = DelayedScaling()
         stages.append(pp.PipelineStage(run_mod, j, n, torch.device("cpu"), input_args=ins,
                                        output_args=outs[0] if len(outs) == 1 else outs, group=group))
         modules.append(_Held(run_mod, mod.targets))

@@ -187,10 +187,12 @@ def _one_process_stages(world: int) -> dict[str, Any]:
     for n in offload:
         edits[n] = {**edits.get(n, {}), "offload": ("activations",)}
     pipe = st.apply(edited(plan, edits), model, batch)
-    loss = pipe.step(*batch)
+    delayed = sum(h.module.scaling is not None for h in pipe.modules)  # the default, where there are FP8 products
+    loss = pipe.current_scaling().step(*batch)
     names = [f"layers.{i}.{w}" for i in range(6) for w in ("up", "down")]
     ref_loss, ref_grads, loss32 = fp8_reference(model, batch, 4, names)
-    return {**_result(pipe, loss, ref_loss, ref_grads, loss32), "fp8_ops": len(fp8), "stages": plan.num_stages}
+    return {**_result(pipe, loss, ref_loss, ref_grads, loss32), "fp8_ops": len(fp8), "stages": plan.num_stages,
+            "delayed_by_default": torch_pipeline_cases._total(int(delayed))}
 
 
 def _two_process_stages(world: int) -> dict[str, Any]:
@@ -218,7 +220,8 @@ def _two_process_stages(world: int) -> dict[str, Any]:
     ring_module.ring_attention_sharded = lambda *a, **k: calls.append(1) or inner(*a, **k)
     try:
         pipe = st.apply(edited(plan, edits, layouts, context="ring"), model, batch)
-        loss = pipe.step(*batch)
+        delayed = sum(h.module.scaling is not None for h in pipe.modules)  # the default
+        loss = pipe.current_scaling().step(*batch)
     finally:
         ring_module.ring_attention_sharded = inner
     ref_loss, ref_grads, loss32 = fp8_reference(model, batch, 2, [f"layers.{i}.{w}" for i in range(2)
@@ -227,7 +230,47 @@ def _two_process_stages(world: int) -> dict[str, Any]:
     return {**_result(pipe, loss, ref_loss, ref_grads, loss32), "fp8_ops": len(choices.fp8),
             "ring": choices.ring, "ring_calls": torch_pipeline_cases._total(len(calls)),
             "recompute": torch_pipeline_cases._total(len(choices.recompute)),
-            "offload": torch_pipeline_cases._total(len(choices.offload))}
+            "offload": torch_pipeline_cases._total(len(choices.offload)),
+            "delayed_by_default": torch_pipeline_cases._total(int(delayed))}
+
+
+def _delayed_one_program(world: int) -> dict[str, Any]:
+    """The attention model as one program on 4 processes (its searched layouts), its MLP products FP8 with the
+    ParallelModule's default delayed scaling: three SGD steps against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardplan.spmd import solve
+    from shardplan.torch.frontend import trace
+    from shardplan.torch.run import ParallelModule, RunChoices
+
+    torch.manual_seed(0)
+    model, batch = AttnModel(), (torch.randn(B, S, D), torch.randn(B, S, D))
+    graph, info = trace(torch_cases._clone(model), batch)
+    plan = solve(graph, torch_pipeline_cases.toy_machine(world), cutoff=1, divides_p=True)
+    fp8 = frozenset(op.name for op in graph.operators if re.match(r"^layers\.\d+\.(up|down)/linear", op.name))
+    pm = ParallelModule.create(torch_cases._clone(model), info, graph, plan.layouts, init_device_mesh("cpu", (world,)),
+                               RunChoices(fp8=fp8))
+    delayed = Delayed()
+    ref = fp8_model(model, [f"layers.{i}.{w}" for i in range(2) for w in ("up", "down")], delayed)
+    rel_loss, rel_grad = 0.0, 0.0
+    named = pm.named_dparameters()
+    for _ in range(3):
+        pm.zero_grad(set_to_none=True)
+        loss = pm(*batch)
+        loss.backward()
+        loss0, grads0 = fp8_step(ref, batch, 1)
+        delayed.end_step()
+        scale = max(float(g.abs().max()) for g in grads0.values())
+        rel_loss = max(rel_loss, abs(float(loss.detach()) - float(loss0)) / abs(float(loss0)))
+        rel_grad = max(rel_grad, max(float((named[n].grad.full_tensor() - g).abs().max()) for n, g in grads0.items())
+                       / scale)
+        with torch.no_grad():
+            for n, g in grads0.items():
+                named[n] -= 0.5 * named[n].grad
+            for n, p in ref.named_parameters():
+                p -= 0.5 * grads0[n.replace(".lin.", ".")]
+    return {"rel_loss": rel_loss, "rel_grad": rel_grad, "fp8_ops": len(fp8), "keys": len(pm.scaling.history),
+            "split": sum(any(pl.is_shard() for pl in p.placements) for p in named.values())}
 
 
 def _delayed_scaling(world: int) -> dict[str, Any]:
@@ -236,7 +279,7 @@ def _delayed_scaling(world: int) -> dict[str, Any]:
 
     import shardplan.torch as st
 
-    out = {}
+    out = {"program": _delayed_one_program(world)}
     for kind in ("one", "two"):
         if kind == "one":
             model, batch = torch_pipeline_cases.make_case()
@@ -248,7 +291,9 @@ def _delayed_scaling(world: int) -> dict[str, Any]:
             plan, _ = searched(model, batch, (2,), 2)
             names, m = [f"layers.{i}.{w}" for i in range(2) for w in ("up", "down")], 2
         fp8 = {n: {"fp8": True} for s_ in plan.stages for n in s_.operators if PRODUCT.match(n)}
-        pipe = st.apply(edited(plan, fp8), model, batch).delayed_scaling(16)
+        pipe = st.apply(edited(plan, fp8), model, batch)
+        default = sum(h.module.scaling is not None and h.module.scaling.length == 1024 for h in pipe.modules)
+        pipe.delayed_scaling(16)
         delayed = Delayed()
         ref = fp8_model(model, names, delayed)
         rel_loss, rel_grad, losses = 0.0, 0.0, []
@@ -274,7 +319,7 @@ def _delayed_scaling(world: int) -> dict[str, Any]:
         current = fp8_reference(model, batch, m, names)[0]
         out[kind] = {"rel_loss": rel_loss, "rel_grad": rel_grad, "losses": losses,
                      "first_vs_current": abs(losses[0] - float(current)) / abs(float(current)),
-                     "keys": len(delayed.history)}
+                     "keys": len(delayed.history), "default": torch_pipeline_cases._total(default)}
     return out
 
 
@@ -296,6 +341,7 @@ def test_stages_of_one_process_run_fp8_products_and_activation_offload(results):
     r = results["one_process_stages"]
     assert "error" not in r, r.get("error")
     assert r["stages"] == 4 and r["fp8_ops"] == 12 and r["held"] == r["params"]
+    assert r["delayed_by_default"] == 3  # the stages with FP8 products (not the head's); run with current scaling
     assert r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4
     assert r["fp8_off"] > 1e-4, "the FP8 products are in effect: the float32 loss is far off"
     assert r["host_bytes"] > 0
@@ -306,7 +352,7 @@ def test_stages_of_two_processes_run_the_ring_fp8_offload_and_recomputation(resu
     the backward pass), the stage's two MLP products in FP8; one stage offloads, the other recomputes."""
     r = results["two_process_stages"]
     assert "error" not in r, r.get("error")
-    assert r["ring"] and r["ring_calls"] > 0 and r["fp8_ops"] == 2
+    assert r["ring"] and r["ring_calls"] > 0 and r["fp8_ops"] == 2 and r["delayed_by_default"] == 4
     assert r["offload"] == 2 and r["recompute"] == 2  # one operator each, on both processes of its stage
     assert r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4
     assert r["fp8_off"] > 1e-4 and r["host_bytes"] > 0
@@ -318,8 +364,11 @@ def test_stages_run_delayed_scaling_over_three_steps(results):
     one process running the same rule, loss and gradients at every step."""
     r = results["delayed_scaling"]
     assert "error" not in r, r.get("error")
-    for kind, keys in (("one", 36), ("two", 12)):  # input, weight and output gradient of each FP8 linear
-        assert r[kind]["keys"] == keys
+    one = r["program"]  # a ParallelModule of one program: delayed scaling is its default for FP8 products
+    assert one["fp8_ops"] == 4 and one["keys"] == 12 and one["split"] > 0
+    assert one["rel_loss"] <= 1e-5 and one["rel_grad"] <= 1e-4, one
+    for kind, keys, default in (("one", 36, 3), ("two", 12, 4)):  # x, W and dY of each FP8 linear
+        assert r[kind]["keys"] == keys and r[kind]["default"] == default  # the processes with FP8 products
         assert r[kind]["rel_loss"] <= 1e-5 and r[kind]["rel_grad"] <= 1e-4, r[kind]
         assert r[kind]["first_vs_current"] > 1e-5, r[kind]
         assert r[kind]["losses"][2] < r[kind]["losses"][0]
