@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -70,7 +70,7 @@ from shardplan.jax.lower import TraceInfo, trace
 from shardplan.jax.run import constrain_both_ways, constrain_forward, evaluate
 from shardplan.jax.shardings import plan_shardings, replicated
 
-__all__ = ["SAVED", "OFFLOADED", "LeafState", "shard_over_replicas", "leaf_states", "equation_owners", "checkpointed_fn",
+__all__ = ["SAVED", "OFFLOADED", "LeafState", "Fp8TrainState", "shard_over_replicas", "leaf_states", "equation_owners", "checkpointed_fn",
            "fit_step", "FitStep", "states_summary"]
 
 SAVED = "shardplan_saved"
@@ -276,6 +276,14 @@ def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: 
     return jax.checkpoint(fn, policy=policy), True
 
 
+class Fp8TrainState(NamedTuple):
+    """The state a training step of a plan with FP8 products carries (:meth:`FitStep.train_step`): the optimizer's,
+    and the amax histories of delayed scaling (:mod:`shardplan.jax.fp8`)."""
+
+    opt_state: Any
+    history: Any
+
+
 @dataclass(frozen=True, eq=False)
 class FitStep:
     """The training step of a fit plan (see the module).
@@ -296,7 +304,7 @@ class FitStep:
         fp8_names: the operators run in FP8, in graph order (empty: none).
         fp8_step: for a plan with FP8 products, jitted ``fp8_step(params, batch, history) -> (loss, grads,
             history)``: delayed scaling (:mod:`shardplan.jax.fp8`), the histories of :meth:`init_history` in, the
-            next step's out (None without FP8 products).
+            next step's out (None without FP8 products); ``fp8_value_and_grad`` the same, not jitted.
     """
 
     plan: Any
@@ -315,6 +323,7 @@ class FitStep:
     value_and_grad: Callable[..., Any]
     fp8_names: tuple[str, ...] = ()
     fp8_step: Callable[..., Any] | None = None
+    fp8_value_and_grad: Callable[..., Any] | None = None
 
     def init_history(self, length: int = AMAX_HISTORY) -> dict[str, Any]:
         """The FP8 amax histories before the first step (:func:`shardplan.jax.fp8.init_history`), replicated over
@@ -342,16 +351,19 @@ class FitStep:
 
     def init(self, optimizer: Any, params: Any) -> tuple[Any, Any]:
         """``(params, opt_state)`` placed as the plan holds them between steps (offloaded state and parameters
-        in host memory)."""
+        in host memory); for a plan with FP8 products the state is an :class:`Fp8TrainState`, the optimizer's
+        and the empty amax histories (delayed scaling)."""
         import jax
 
         if self.offloads:
             from shardplan.jax.offload import offload_step
 
-            return offload_step(self, optimizer, params).init(params)
-        params = jax.device_put(params, self.param_shardings)
-        sh = self.opt_state_shardings(optimizer, params)
-        return params, jax.jit(optimizer.init, out_shardings=sh)(params)
+            params, state = offload_step(self, optimizer, params).init(params)
+        else:
+            params = jax.device_put(params, self.param_shardings)
+            sh = self.opt_state_shardings(optimizer, params)
+            state = jax.jit(optimizer.init, out_shardings=sh)(params)
+        return (params, Fp8TrainState(state, self.init_history())) if self.fp8_names else (params, state)
 
     def train_step(self, optimizer: Any, params: Any, donate: bool = True) -> Callable[..., Any]:
         """Jitted ``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` with an optax optimizer.
@@ -362,6 +374,9 @@ class FitStep:
         (stages 1, 2) by their output sharding. ``params`` gives the shapes.
         A plan that offloads runs as :class:`~shardplan.jax.offload.OffloadStep` (the same signature; the
         state's copies between host and device memory are made between its programs, ``donate`` unused).
+        A plan with FP8 products runs them with delayed scaling (Transformer Engine's default recipe, what the
+        cost model charges): its ``opt_state`` is an :class:`Fp8TrainState` carrying the amax histories
+        (:meth:`init` makes it).
         """
         import jax
         import optax
@@ -373,16 +388,22 @@ class FitStep:
 
         opt_sh = self.opt_state_shardings(optimizer, params)
         state_sh, param_sh, rep = self.state_shardings, self.param_shardings, replicated(list(self.devices))
-        vg = self.value_and_grad
+        vg, vgd = self.value_and_grad, self.fp8_value_and_grad
 
         def train(p: Any, opt_state: Any, batch: Any) -> Any:
-            loss, grads = vg(p, batch)
+            if vgd is not None:
+                loss, grads, history = vgd(p, batch, opt_state.history)
+                opt_state = opt_state.opt_state
+            else:
+                loss, grads = vg(p, batch)
             grads = jax.lax.with_sharding_constraint(grads, state_sh)
             p_sh = jax.lax.with_sharding_constraint(p, state_sh)
             updates, opt_state = optimizer.update(grads, opt_state, p_sh)
             new = optax.apply_updates(p_sh, updates)
-            return new, opt_state, loss
+            return new, Fp8TrainState(opt_state, history) if vgd is not None else opt_state, loss
 
+        if vgd is not None:
+            opt_sh = Fp8TrainState(opt_sh, rep)
         batch_sh = self.batch_shardings
         return jax.jit(train, in_shardings=(param_sh, opt_sh, batch_sh), out_shardings=(param_sh, opt_sh, rep),
                        donate_argnums=(0, 1) if donate else ())
@@ -534,7 +555,7 @@ def fit_step(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, de
         fp8 = jax.jit(delayed_step, in_shardings=(param_sh, batch_sh, rep),
                       out_shardings=None if offloads else ((rep, None) if has_aux else rep, grad_sh, rep))
     return FitStep(plan, info, micro_info, tuple(devices), states, k, remat, param_sh, grad_sh, state_sh, batch_sh,
-                   jitted, fn, value_and_grad, names, fp8)
+                   jitted, fn, value_and_grad, names, fp8, delayed_step if names else None)
 
 
 def _split(x: Any, k: int, micro: Any) -> Any:

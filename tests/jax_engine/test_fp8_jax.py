@@ -280,3 +280,37 @@ def test_delayed_scaling_takes_one_history_entry_per_step_over_micro_batches(mlp
     for n in fs.fp8_names:
         np.testing.assert_allclose(np.asarray(h1[n]), np.asarray(want[n]), rtol=1e-6)
     assert float(h1["dot_general"][0, 0]) == float(jnp.abs(batch[0]).max())  # the larger micro-batch amax
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_train_step_carries_the_amax_histories(mlp, offload):
+    """A plan with FP8 products trains with delayed scaling: ``init`` gives the optimizer's state and the empty
+    histories (an ``Fp8TrainState``), and two steps of ``train_step`` (the offloading one too) equal two of
+    ``fp8_step`` followed by the optimizer's update."""
+    import optax
+
+    from shardplan.jax.memory import Fp8TrainState
+
+    params, batch, graph, info, tp, fp, fs = mlp
+    if offload:
+        machine = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy-fp8-host", fp8_flops=64e9,
+                          hbm_bandwidth=1e11, host_bandwidth=4e9, host_memory_bytes=1e10, cpu_adam_rate=1e9)
+        dp = baseline_plan("data_parallel", build_tables(graph, machine, cutoff=1))
+        fs = fit_step(plan_with_choices(dp, fp8=True, offload=("activations",)), loss_fn, params, batch, DEVICES,
+                      info=info)
+        assert fs.offloads
+    opt = optax.sgd(0.1)
+    p, state = fs.init(opt, params)
+    assert isinstance(state, Fp8TrainState) and set(state.history) == set(fs.fp8_names)
+    train = fs.train_step(opt, params)
+    q, h = params, fs.init_history()
+    for _ in range(2):
+        p, state, loss = train(p, state, batch)
+        loss0, grads, h = fs.fp8_step(q, batch, h)
+        q = jax.tree.map(lambda a, g: a - 0.1 * g, q, grads)
+        assert abs(float(loss) - float(loss0)) <= 1e-6 * abs(float(loss0))
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    for n in fs.fp8_names:
+        np.testing.assert_array_equal(np.asarray(state.history[n]), np.asarray(h[n]))
+        assert float(state.history[n][0, 1]) > 0  # two steps recorded
