@@ -236,7 +236,8 @@ def partition(ep: Any, node_op: Mapping[str, str], rename: Mapping[str, str], gr
 
 
 def _stage_module(part: StagePartition, ep: Any, module: Any,
-                  node_choices: Mapping[str, tuple[str, tuple, bool]] | None = None) -> Any:
+                  node_choices: Mapping[str, tuple[str, tuple, bool]] | None = None,
+                  recompute: tuple[Mapping[str, str], frozenset[str]] | None = None) -> Any:
     """An ``nn.Module`` running ``part``'s nodes on copies of the parameters it reads.
 
     ``node_choices``: FX node name -> (its operator, its FP8 operands as (argument path, tensor name), whether
@@ -244,20 +245,26 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
     the operands are cast (:func:`shardplan.torch.precision.fp8_cast`, current scaling, or delayed from
     ``Stage.scaling`` when set) and the output's gradient cast in the backward pass
     (:func:`~shardplan.torch.precision.fp8_grad`); the node runs under the stage's
-    :class:`~shardplan.torch.precision.HostOffload` hooks (``Stage.host`` counts what went to the host)."""
+    :class:`~shardplan.torch.precision.HostOffload` hooks (``Stage.host`` counts what went to the host).
+    ``recompute``: (FX node -> operator, the operators that recompute): consecutive nodes of those operators
+    (with the views that follow them) run as one ``torch.utils.checkpoint`` segment
+    (:func:`shardplan.torch.run.recompute_segments`), their forward run again in the backward pass."""
     import contextlib
 
     import torch
     from torch import nn
 
+    from torch.utils.checkpoint import checkpoint
+
     from shardplan.torch.precision import HostOffload, fp8_cast, fp8_grad
-    from shardplan.torch.run import _get, _set
+    from shardplan.torch.run import Segment, _get, _set, recompute_segments
 
     chosen = dict(node_choices or {})
 
     named = dict(module.named_parameters(remove_duplicate=False))
     by_name = {n.name: n for n in ep.graph.nodes}
     nodes = [by_name[n] for n in part.nodes]
+    items = recompute_segments(nodes, *recompute) if recompute and recompute[1] else nodes
 
     class Stage(nn.Module):
         def __init__(self) -> None:
@@ -275,6 +282,7 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
             for ph, (k, target) in part.consts.items():
                 self.consts[ph] = ep.constants[target] if k == "CONSTANT_TENSOR" else ep.state_dict[target]
             self.host = HostOffload()
+            self.segments = [i for i in items if isinstance(i, Segment)]  # the recomputed runs of nodes
             self.scaling: Any = None  # FP8 delayed scaling's state (None: current scaling)
 
         def forward(self, *args: Any) -> Any:
@@ -282,26 +290,41 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
             for ph, key in self.keys.items():
                 env[ph] = self.weights[key]
             env.update(self.consts)
-            for node in nodes:
-                a = torch.fx.node.map_arg(node.args, lambda x: env[x.name])
-                kw = torch.fx.node.map_arg(node.kwargs, lambda x: env[x.name])
-                if node.op == "get_attr":  # a sub-graph of a higher-order op (e.g. a vmapped mask)
-                    env[node.name] = operator.attrgetter(node.target)(ep.graph_module)
-                elif node.name in chosen:
-                    op, operands, offload = chosen[node.name]
-                    a, kw = list(a), dict(kw)
-                    for path, tname in operands:
-                        x = _get(a, kw, path)
-                        if isinstance(x, torch.Tensor) and x.is_floating_point():
-                            _set(a, kw, path, fp8_cast(x, self.scaling, f"{op}:{tname}"))
-                    with self.host.hooks() if offload else contextlib.nullcontext():
-                        out = node.target(*a, **kw)
-                    fp8 = operands and isinstance(out, torch.Tensor)
-                    env[node.name] = fp8_grad(out, self.scaling, f"{op}:dY") if fp8 else out
+            for item in items:
+                if isinstance(item, Segment):
+                    outs = checkpoint(self._segment(item), *[env[n] for n in item.inputs], use_reentrant=False)
+                    env.update(zip(item.outputs, outs))
                 else:
-                    env[node.name] = node.target(*a, **kw)
+                    env[item.name] = self._node(item, env)
             outs = tuple(env[o] for o in part.outputs)
             return outs[0] if len(outs) == 1 else outs
+
+        def _segment(self, seg: Any) -> Any:
+            """``seg`` as a function of its inputs' values to its outputs' (what ``checkpoint`` runs twice)."""
+            def run(*values: Any) -> tuple[Any, ...]:
+                env = dict(zip(seg.inputs, values))
+                for node in seg.nodes:
+                    env[node.name] = self._node(node, env)
+                return tuple(env[n] for n in seg.outputs)
+            return run
+
+        def _node(self, node: Any, env: dict[str, Any]) -> Any:
+            a = torch.fx.node.map_arg(node.args, lambda x: env[x.name])
+            kw = torch.fx.node.map_arg(node.kwargs, lambda x: env[x.name])
+            if node.op == "get_attr":  # a sub-graph of a higher-order op (e.g. a vmapped mask)
+                return operator.attrgetter(node.target)(ep.graph_module)
+            if node.name not in chosen:
+                return node.target(*a, **kw)
+            op, operands, offload = chosen[node.name]
+            a, kw = list(a), dict(kw)
+            for path, tname in operands:
+                x = _get(a, kw, path)
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    _set(a, kw, path, fp8_cast(x, self.scaling, f"{op}:{tname}"))
+            with self.host.hooks() if offload else contextlib.nullcontext():
+                out = node.target(*a, **kw)
+            fp8 = operands and isinstance(out, torch.Tensor)
+            return fp8_grad(out, self.scaling, f"{op}:dY") if fp8 else out
 
         def named_targets(self) -> dict[str, Any]:
             """Parameter target in the original module -> this stage's copy."""
@@ -549,18 +572,17 @@ def _result_choices(result: Any) -> list[list[StageChoice]]:
 
 
 def check_stage_choices(choices: Sequence[Sequence[StageChoice]], q: int) -> None:
-    """Refuse what the stage runner cannot hold: a ZeRO stage or optimizer state or parameters in host memory
-    (the pipeline holds no optimizer: it leaves each stage's gradients in its parameters), and recomputation on
-    stages of one process (stages of two run theirs as :class:`~shardplan.torch.run.ParallelModule` does)."""
+    """Refuse what the stage runner cannot hold (stages of ``q`` processes): a ZeRO stage, or optimizer state or
+    parameters in host memory (the pipeline holds no optimizer: it leaves each stage's gradients in its
+    parameters)."""
     for ops in choices:
-        for name, _fp8, offload, recompute, stage in ops:
+        for name, _fp8, offload, _recompute, stage in ops:
             parts = [p for p in offload if p != "activations"]
-            why = (f"has ZeRO stage {stage}" if stage else f"offloads its {', '.join(parts)}" if parts else
-                   "recomputes, which stages of one process do not run" if recompute and q == 1 else None)
+            why = f"has ZeRO stage {stage}" if stage else f"offloads its {', '.join(parts)}" if parts else None
             if why:
                 raise ShardplanError(f"pipeline stage operator {name!r} {why}: the PyTorch stage runner runs "
-                                     "layouts, FP8 products, activation offload and (stages of two processes) "
-                                     "recomputation; it holds no optimizer state")
+                                     "layouts, recomputation, FP8 products, activation offload and the ring; it "
+                                     "holds no optimizer state")
 
 
 def node_choices(ops: Sequence[StageChoice], info: Any, graph: Any, old: Mapping[str, str]) -> dict[str, tuple]:
@@ -569,8 +591,8 @@ def node_choices(ops: Sequence[StageChoice], info: Any, graph: Any, old: Mapping
     (:func:`_stage_module`)."""
     from shardplan.torch.precision import fp8_operands
 
-    want = {old.get(name, name): (name, fp8, "activations" in offload) for name, fp8, offload, _r, _s in ops
-            if fp8 or "activations" in offload}
+    want = {old.get(name, name): (name, fp8, "activations" in offload and not rec) for name, fp8, offload, rec, _s
+            in ops if fp8 or ("activations" in offload and not rec)}
     out = {}
     for node, op in info.node_op.items():
         if op not in want:
@@ -710,7 +732,9 @@ def build_pipeline(result: Any, layout: dict, stage_layouts: Sequence[Sequence[t
     modules, stages = [], []
     for j in mine:
         mod = _stage_module(parts[j], ep, module,
-                            node_choices(choices[j], info, graph, rename) if q == 1 else None)
+                            node_choices(choices[j], info, graph, rename) if q == 1 else None,
+                            (info.node_op, frozenset(rename.get(c[0], c[0]) for c in choices[j] if c[3]))
+                            if q == 1 else None)
         ins = _examples(ep, module, parts[j].inputs)
         outs = _examples(ep, module, parts[j].outputs)
         if sub is not None and stage_layouts is None:

@@ -3,13 +3,13 @@ PyTorch (4 gloo processes, :mod:`shardplan.torch.staged`): loss and gradients eq
 FP8 products (cast by this file's own code) on the same micro-batches.
 
 * ``one_process_stages``: 4 stages of one process (plain stage modules), 1F1B over 4 micro-batches; every block
-  linear FP8, three operators offloading their activations;
+  linear FP8, three operators offloading their activations, three recomputing (two checkpointed runs of nodes);
 * ``two_process_stages``: 2 stages of 2 processes (DTensor stages), each a causal attention block with every
   operator splitting the sequence 2 ways, planned with ``context="ring"``: the attention runs the ring, the MLP
   linears FP8, one projection offloads its activations and one recomputes.
 
-Refusals (a ZeRO stage, optimizer state in host memory, recomputation on a stage of one process) run in this
-process: they are checked before anything is traced.
+Refusals (a ZeRO stage, optimizer state in host memory) run in this process: they are checked before anything
+is traced.
 """
 
 from __future__ import annotations
@@ -183,15 +183,20 @@ def _one_process_stages(world: int) -> dict[str, Any]:
     ops = [n for s in plan.stages for n in s.operators]
     fp8 = [n for n in ops if PRODUCT.match(n)]
     offload = ["layers.1/up/linear_2", "layers.2/gelu_2", "layers.4/down/linear_9"]
+    recompute = ["layers.3/up/linear_6", "layers.3/gelu_3", "layers.5/down/linear_11"]  # two runs of nodes
     edits = {n: {"fp8": True} for n in fp8}
     for n in offload:
         edits[n] = {**edits.get(n, {}), "offload": ("activations",)}
+    for n in recompute:
+        edits[n] = {**edits.get(n, {}), "recompute": True}
     pipe = st.apply(edited(plan, edits), model, batch)
     delayed = sum(h.module.scaling is not None for h in pipe.modules)  # the default, where there are FP8 products
     loss = pipe.current_scaling().step(*batch)
     names = [f"layers.{i}.{w}" for i in range(6) for w in ("up", "down")]
     ref_loss, ref_grads, loss32 = fp8_reference(model, batch, 4, names)
+    segments = torch_pipeline_cases._total(sum(len(h.module.segments) for h in pipe.modules))
     return {**_result(pipe, loss, ref_loss, ref_grads, loss32), "fp8_ops": len(fp8), "stages": plan.num_stages,
+            "segments": segments,
             "delayed_by_default": torch_pipeline_cases._total(int(delayed))}
 
 
@@ -337,11 +342,12 @@ def results(tmp_path_factory):
     return torch_cases.run_distributed(list(CASES), WORLD, str(out), run_one=run_case)
 
 
-def test_stages_of_one_process_run_fp8_products_and_activation_offload(results):
+def test_stages_of_one_process_run_fp8_products_activation_offload_and_recomputation(results):
     r = results["one_process_stages"]
     assert "error" not in r, r.get("error")
     assert r["stages"] == 4 and r["fp8_ops"] == 12 and r["held"] == r["params"]
     assert r["delayed_by_default"] == 3  # the stages with FP8 products (not the head's); run with current scaling
+    assert r["segments"] == 2  # the recomputed runs: layers.3's up and gelu, layers.5's down
     assert r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4
     assert r["fp8_off"] > 1e-4, "the FP8 products are in effect: the float32 loss is far off"
     assert r["host_bytes"] > 0
@@ -383,9 +389,8 @@ def test_state_the_stage_runner_does_not_hold_is_refused():
 
     plan = cost_recipe("gpt", preset("h100", 8), "pp=2,tp=2,dp=2,mbs=2", batch=8)
     name = next(iter(plan.stages[0].operators))
-    one = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, devices=1) for s in plan.stages))
+    one = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, devices=1) for s in plan.stages))  # any q
     for bad, match in ((edited(plan, {name: {"state_stage": 1}}), "ZeRO stage 1"),
-                       (edited(plan, {name: {"offload": ("optimizer",)}}), "offloads its optimizer"),
-                       (edited(one, {name: {"recompute": True}}), "recomputes, which stages of one process")):
+                       (edited(one, {name: {"offload": ("optimizer",)}}), "offloads its optimizer")):
         with pytest.raises(ShardplanError, match=match):
             st.apply(bad, nn.Linear(2, 2), (torch.zeros(1, 2),))
