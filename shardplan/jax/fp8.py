@@ -53,11 +53,11 @@ accumulation; only the speed is not.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from shardplan.errors import ShardplanError
 
-__all__ = ["E4M3_MAX", "E5M2_MAX", "PRODUCTS", "AMAX_HISTORY", "quantize", "history_scale", "fp8_product",
+__all__ = ["E4M3_MAX", "E5M2_MAX", "PRODUCTS", "AMAX_HISTORY", "Fp8TrainState", "quantize", "history_scale", "fp8_product",
            "fp8_equations", "fp8_operators", "init_history", "roll_history", "with_history", "reference_fn"]
 
 E4M3_MAX = 448.0
@@ -89,6 +89,14 @@ def quantize(x: Any, fmt: str) -> tuple[Any, Any]:
     amax = jnp.max(jnp.abs(xf))
     scale = jnp.where(amax > 0, amax / fmax, 1.0).astype(jnp.float32)
     return jnp.clip(xf / scale, -fmax, fmax).astype(dtype), scale
+
+
+class Fp8TrainState(NamedTuple):
+    """The state a training step of a plan with FP8 products carries
+    (:meth:`shardplan.jax.memory.FitStep.train_step`): the optimizer's, and the amax histories of delayed scaling."""
+
+    opt_state: Any
+    history: Any
 
 
 def history_scale(history: Any, fmt: str) -> Any:

@@ -59,13 +59,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from shardplan.errors import ShardplanError
 from shardplan.jax.flatten import TOP
-from shardplan.jax.fp8 import AMAX_HISTORY, fp8_equations, fp8_operators, init_history, roll_history, with_history
+from shardplan.jax.fp8 import (AMAX_HISTORY, Fp8TrainState, fp8_equations, fp8_operators, init_history, roll_history,
+                               with_history)
 from shardplan.jax.lower import TraceInfo, trace
 from shardplan.jax.run import constrain_both_ways, constrain_forward, evaluate
 from shardplan.jax.shardings import plan_shardings, replicated
@@ -274,14 +275,6 @@ def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: 
     else:
         policy = jax.checkpoint_policies.save_only_these_names(SAVED)
     return jax.checkpoint(fn, policy=policy), True
-
-
-class Fp8TrainState(NamedTuple):
-    """The state a training step of a plan with FP8 products carries (:meth:`FitStep.train_step`): the optimizer's,
-    and the amax histories of delayed scaling (:mod:`shardplan.jax.fp8`)."""
-
-    opt_state: Any
-    history: Any
 
 
 @dataclass(frozen=True, eq=False)

@@ -124,7 +124,7 @@ class OffloadStep:
 
         p = jax.device_put(params, self.fit.param_shardings)  # offloaded parameter shards fetched
         if self.fit.fp8_names:  # FP8 products: delayed scaling, the amax histories carried beside the state
-            from shardplan.jax.memory import Fp8TrainState
+            from shardplan.jax.fp8 import Fp8TrainState
 
             loss, grads, history = self.fit.fp8_step(p, batch, opt_state.history)
             opt_state = opt_state.opt_state

@@ -289,7 +289,7 @@ def test_train_step_carries_the_amax_histories(mlp, offload):
     ``fp8_step`` followed by the optimizer's update."""
     import optax
 
-    from shardplan.jax.memory import Fp8TrainState
+    from shardplan.jax.fp8 import Fp8TrainState
 
     params, batch, graph, info, tp, fp, fs = mlp
     if offload:
