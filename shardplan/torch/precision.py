@@ -209,13 +209,19 @@ class HostOptimizer:
     and copies the new values back into the device parameters; :meth:`zero_grad` clears the device gradients.
     On a CPU the host copies are separate tensors, so the device parameters change only through the copy back.
     ``device_params``: parameters whose state stays on the device, stepped there by the same optimizer class
-    (``device``; None when there are none).
+    (``device``; None when there are none). ``homes``: ``id(parameter) -> host tensor`` for parameters that live
+    in host memory themselves (ZeRO-Infinity's ``offload_param``): the host tensor is their host copy, and the
+    step leaves their device memory alone (the run brings them in when it uses them).
     """
 
     def __init__(self, params: Iterable[Any], optimizer: Any, host: str = "cpu", device_params: Iterable[Any] = (),
-                 **options: Any) -> None:
+                 homes: Any = None, **options: Any) -> None:
+        import torch
+
+        self.homes = dict(homes or {})
         self.params = [p for p in params if p.requires_grad]
-        self.host_params = [self._host(p, host) for p in self.params]
+        self.host_params = [torch.nn.Parameter(self.homes[id(p)]) if id(p) in self.homes else self._host(p, host)
+                            for p in self.params]
         self.inner = optimizer(self.host_params, **options)
         kept = [p for p in device_params if p.requires_grad]
         self.device = optimizer(kept, **options) if kept else None
@@ -239,6 +245,8 @@ class HostOptimizer:
                 h.grad = _to(g, h.device)
             self.inner.step()
             for p, h in zip(self.params, self.host_params):
+                if id(p) in self.homes:  # lives in host memory: the step updated it there
+                    continue
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.copy_(h, non_blocking=True)
         if self.device is not None:
