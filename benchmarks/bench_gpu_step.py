@@ -102,6 +102,8 @@ def predict_step(row: dict[str, Any], machine: Any) -> dict[str, Any]:
     with torch.device("meta"):
         model = build_model(row["family"], row["config"], row["seq"])
     model = model.to_empty(device="cpu").to(torch.bfloat16)  # uninitialised: only shapes are traced
+    if hasattr(model, "tie_weights"):  # to_empty gives every module its own tensor: tie the head to the embedding again
+        model.tie_weights()
     ids = torch.zeros((row["batch"], row["seq"]), dtype=torch.long)
     t0 = time.process_time()
     p = plan(_Loss.wrap(model), (ids,), machine=machine, fit=False, stages=False)

@@ -105,7 +105,7 @@ from shardplan.machine import Machine
 
 __all__ = ["PARTS", "OpCost", "operator_cost", "recurrence_cost", "tile_volume", "distinct_splits", "gemm_utilisation",
            "gemm_passes", "pass_utilisation", "optimizer_elements", "optimizer_step_seconds",
-           "optimizer_step_bytes"]
+           "optimizer_step_bytes", "optimizer_step_rate", "converts"]
 
 
 PARTS: dict[str, str] = {
@@ -377,17 +377,34 @@ def optimizer_elements(op: Operator, configs, p: int, orders: np.ndarray | None 
     return out
 
 
+def optimizer_step_rate(machine: Machine) -> float | None:
+    """Bytes/s the fused optimizer update streams: on elements narrower than 4 bytes it loads them, updates in
+    fp32 and stores them narrow again (PyTorch's fused Adam computes in the parameter's "opmath" type, fp32;
+    apex's and Megatron-LM's keep fp32 master weights beside a 16-bit copy), a converting kernel:
+    :attr:`~shardplan.machine.Machine.convert_rate`; on 4-byte elements ``hbm_bandwidth``."""
+    return machine.convert_rate if machine.dtype_bytes < 4 else machine.hbm_bandwidth
+
+
 def optimizer_step_seconds(elements: np.ndarray, machine: Machine, step_bytes: float) -> np.ndarray:
     """Seconds of the optimizer step of ``elements`` parameter elements on one device: an elementwise update
     that reads and writes ``step_bytes`` HBM bytes per element (:func:`optimizer_step_bytes`)
     and does a few FLOPs per byte, so bound by memory bandwidth (first principles; Adam's ~10 FLOP per element
     against 28 bytes is far below an A100's or H100's ridge of ~150 FLOP/byte):
-    ``elements * step_bytes / machine.hbm_bandwidth``. Zero without an HBM bandwidth (the paper's model,
-    which charges no memory-bound work)."""
+    ``elements * step_bytes / rate``, the rate of :func:`optimizer_step_rate`. Zero without an HBM bandwidth
+    (the paper's model, which charges no memory-bound work)."""
     elements = np.asarray(elements, dtype=np.float64)
-    if machine.hbm_bandwidth is None:
+    rate = optimizer_step_rate(machine)
+    if rate is None:
         return np.zeros(elements.shape)
-    return elements * float(step_bytes) / float(machine.hbm_bandwidth)
+    return elements * float(step_bytes) / float(rate)
+
+
+def converts(op: Operator) -> bool:
+    """Whether ``op``'s inputs and output have different element sizes (:attr:`~shardplan.ir.Tensor.elem_factor`):
+    a kernel that converts between precisions (a cast), charged at the machine's
+    :attr:`~shardplan.machine.Machine.convert_rate`. Weights are left out: their factor also counts elements
+    stored per point (an LSTM's four gates and two matrices, :func:`shardplan.ops.lstm`)."""
+    return len({t.elem_factor for t in (*op.inputs, op.output)}) > 1
 
 
 def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | None = None,
@@ -421,9 +438,10 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
         t_passes = flops[None, :] / (machine.achievable_flops * pass_utilisation(op, configs, machine))
     if machine.hbm_bandwidth is not None:
         moved = out_vol + sum(max_tile(t, core=False) for t in op.inputs + op.weights)
-        t_pass = np.maximum(t_pass, moved * nbytes / machine.hbm_bandwidth)
+        rate = float(machine.convert_rate if converts(op) else machine.hbm_bandwidth)  # type: ignore[arg-type]
+        t_pass = np.maximum(t_pass, moved * nbytes / rate)
         if machine.shaped_gemms:
-            t_passes = np.maximum(t_passes, moved[None, :] * nbytes / machine.hbm_bandwidth)
+            t_passes = np.maximum(t_passes, moved[None, :] * nbytes / rate)
     if op.backward_flops is not None:  # forward and backward each one fused kernel (cost/fused.py)
         t_pass, compute = fused_compute(op, configs, machine, max_tile)
     elif machine.shaped_gemms:
