@@ -275,7 +275,8 @@ def gemm_passes(op: Operator) -> list[tuple[list[int], list[int], list[int]] | N
     over, no windowed or strided access (convolutions keep the plain roofline) and no recurrence, and
     both the rows and the columns are non-empty (a matrix-vector product is bound by memory).
     """
-    operands = op.inputs + op.weights
+    epilogue = {t.name for t in op.epilogue_tensors}
+    operands = tuple(t for t in op.inputs + op.weights if t.name not in epilogue)
     plain = all(a.window is None and a.stride == 1 for t in op.tensors for a in t.axes)
     passes = 1 + len(op.grad_tensors)
     if len(operands) != 2 or not op.reduction_dims or not plain or op.recurrence is not None:
@@ -284,6 +285,9 @@ def gemm_passes(op: Operator) -> list[tuple[list[int], list[int], list[int]] | N
     out: list[tuple[list[int], list[int], list[int]] | None] = []
     for y, a, b in [(op.output, *operands)] + [(t, op.output, next(o for o in operands if o is not t))
                                                  for t in op.grad_tensors]:
+        if y.name in epilogue and y is not op.output:  # a bias's gradient: a reduction, no product
+            out.append(None)
+            continue
         batch = [i for i, d in enumerate(names) if d in y.dims and (d in a.dims) == (d in b.dims)]
         rows = [i for i, d in enumerate(names) if d in y.dims and d in a.dims and d not in b.dims]
         cols = [i for i, d in enumerate(names) if d in y.dims and d in b.dims and d not in a.dims]
@@ -442,9 +446,20 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
         t_pass = np.maximum(t_pass, moved * nbytes / rate)
         if machine.shaped_gemms:
             t_passes = np.maximum(t_passes, moved[None, :] * nbytes / rate)
+    epilogue = [i for i, t in enumerate(op.grad_tensors) if any(t is e for e in op.epilogue_tensors)]
     if op.backward_flops is not None:  # forward and backward each one fused kernel (cost/fused.py)
         t_pass, compute = fused_compute(op, configs, machine, max_tile)
-    elif machine.shaped_gemms:
+    elif machine.shaped_gemms or epilogue:
+        if not machine.shaped_gemms:
+            t_passes = np.broadcast_to(t_pass, (passes, k)).copy()
+        kept = np.asarray([d not in op.reduction_dims for d in op.dim_names])
+        out_points = np.prod(ext[None, kept] / configs[:, kept], axis=1)
+        for i in epilogue:  # the output's gradient reduced to a bias's: one add per output point, read dY write dB
+            t = op.grad_tensors[i]
+            t_red = out_points / machine.achievable_flops
+            if machine.hbm_bandwidth is not None:
+                t_red = np.maximum(t_red, (out_vol + max_tile(t, core=False)) * nbytes / machine.hbm_bandwidth)
+            t_passes[1 + i] = t_red
         t_pass, compute = t_passes[0], t_passes.sum(axis=0)
     else:
         compute = passes * t_pass

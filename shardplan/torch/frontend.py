@@ -497,7 +497,8 @@ def _operand_einsum(ctx: _Ctx, node: Any, name: str, eq: str, vals: Sequence[Val
 
 @register("aten.linear.default")
 def _linear(ctx: _Ctx, node: Any, vals: list) -> None:
-    """``y[..., n] = sum_c x[..., c] W[n, c]`` (+ bias, left out of the description as in ops.dense)."""
+    """``y[..., n] = sum_c x[..., c] W[n, c]`` (+ a bias over ``n``: a weight outside the contraction,
+    :attr:`~shardplan.ir.Operator.epilogue_tensors`)."""
     x, w = vals[0], vals[1]
     lead = _letters(len(x.shape) - 1, "nc")
     _operand_einsum(ctx, node, ctx.name_for(node), f"{lead}c,nc->{lead}n", [x, w], [(0,), (1,)], "linear",
