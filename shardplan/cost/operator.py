@@ -404,11 +404,12 @@ def optimizer_step_seconds(elements: np.ndarray, machine: Machine, step_bytes: f
 
 
 def converts(op: Operator) -> bool:
-    """Whether ``op``'s inputs and output have different element sizes (:attr:`~shardplan.ir.Tensor.elem_factor`):
-    a kernel that converts between precisions (a cast), charged at the machine's
-    :attr:`~shardplan.machine.Machine.convert_rate`. Weights are left out: their factor also counts elements
-    stored per point (an LSTM's four gates and two matrices, :func:`shardplan.ops.lstm`)."""
-    return len({t.elem_factor for t in (*op.inputs, op.output)}) > 1
+    """Whether ``op`` writes its output in another element size than every input it reads
+    (:attr:`~shardplan.ir.Tensor.elem_factor`): a kernel that converts between precisions (a cast), charged at
+    the machine's :attr:`~shardplan.machine.Machine.convert_rate`. An operator with one input of the output's
+    size (a float32 loss beside its integer labels) does not convert; weights are left out (their factor also
+    counts elements stored per point: an LSTM's four gates and two matrices, :func:`shardplan.ops.lstm`)."""
+    return bool(op.inputs) and all(t.elem_factor != op.output.elem_factor for t in op.inputs)
 
 
 def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | None = None,

@@ -186,6 +186,11 @@ def test_a_cast_is_charged_at_the_converting_rate_and_an_lstm_is_not_a_cast():
     assert operator_cost(wide, cfg, m).compute == pytest.approx(2 * n * (1 + 2) * 2 / (0.5 * H), rel=1e-12)
     lstm = ops.lstm("lstm", TensorRef("x", (4, 8, 16), needs_grad=True), 16, 2)
     assert not converts(lstm)
+    # a float32 product of a float32 value and a 16-bit one reads one input in its own size: no conversion kernel
+    mixed = ops.elementwise("mul", x, TensorRef("y", (64, 32), needs_grad=True))
+    mixed = replace(mixed, inputs=(replace(mixed.inputs[0], elem_factor=2), mixed.inputs[1]),
+                    output=replace(mixed.output, elem_factor=2))
+    assert not converts(mixed)
 
 
 def test_a_converting_rate_above_the_hbm_rate_is_refused():
