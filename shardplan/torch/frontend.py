@@ -260,7 +260,7 @@ CASTS = frozenset({"aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.defau
                    "aten.to.other", "aten.float.default"})
 
 
-def _cast(ctx: "_Ctx", node: Any, vals: list) -> None:
+def _cast(ctx: _Ctx, node: Any, vals: list) -> None:
     """``y = x.to(dtype)`` between floating dtypes of different sizes: an elementwise copy (reads x, writes y;
     its backward casts the gradient back), each tensor at its own element size."""
     x = vals[0]
@@ -345,8 +345,10 @@ class _Ctx:
         dims = op.dims or (("u", 1),)
         if self.ref_bytes:
             out_f = _factor(node, self.ref_bytes)
-            widen = lambda t: _widened(t, _factor(_arg_at(node, by_name[t.name][0]), self.ref_bytes, out_f)  # noqa: E731
-                                      if t.name in by_name else out_f)
+
+            def widen(t: Tensor) -> Tensor:  # an operand's factor from its FX node, else the output's
+                path = by_name[t.name][0] if t.name in by_name else None
+                return _widened(t, out_f if path is None else _factor(_arg_at(node, path), self.ref_bytes, out_f))
             inputs, weights = [widen(t) for t in inputs], [widen(t) for t in weights]
             op = dataclasses.replace(op, output=_widened(op.output, out_f))
         op = dataclasses.replace(op, kind=kind or op.kind, inputs=tuple(inputs), weights=tuple(weights), dims=dims)
