@@ -903,21 +903,26 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
             memo[key] = hit = (best_v, best_q)
         return hit
 
-    best_v, start = math.inf, None
-    for q in qs:
-        v, _ = best_from(0, 0, n, q)
-        if v < best_v:
-            best_v, start = v, q
-    if start is None:
-        return None
-    out = []
-    a, o, r, q = 0, 0, n, start
-    while True:
-        b, q2 = memo[(a, o, r, q)][1]  # type: ignore[misc]
-        out.append((a, b, o, q))
-        if q2 is None:
-            return best_v, out
-        a, o, r, q = b, o + q, r - 1, q2
+    try:
+        best_v, start = math.inf, None
+        for q in qs:
+            v, _ = best_from(0, 0, n, q)
+            if v < best_v:
+                best_v, start = v, q
+        if start is None:
+            return None
+        out = []
+        a, o, r, q = 0, 0, n, start
+        while True:
+            b, q2 = memo[(a, o, r, q)][1]  # type: ignore[misc]
+            out.append((a, b, o, q))
+            if q2 is None:
+                return best_v, out
+            a, o, r, q = b, o + q, r - 1, q2
+    finally:
+        # best_from and best_any hold each other in their closure cells: a cycle that would keep the memo alive
+        # after the call until a full cyclic collection (docs/pipeline.md, *The memo's memory*)
+        best_from = best_any = None  # type: ignore[assignment]
 
 
 def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
@@ -1007,22 +1012,25 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
             memo[key] = hit = (best_v, best_q)
         return hit
 
-    best_v, start = math.inf, None
-    for c in range(1, m + 1):
-        for q in qs:
-            v, _ = best_from(0, 0, c, q)
-            if v < best_v:
-                best_v, start = v, (c, q)
-    if start is None:
-        return None
-    out = []
-    a, o, (c, q) = 0, 0, start
-    while True:
-        b, q2, c2 = memo[(a, o, c, q)][1]  # type: ignore[misc]
-        out.append((a, b, o, q))
-        if q2 is None:
-            return best_v, out
-        a, o, c, q = b, o + q, c2, q2
+    try:
+        best_v, start = math.inf, None
+        for c in range(1, m + 1):
+            for q in qs:
+                v, _ = best_from(0, 0, c, q)
+                if v < best_v:
+                    best_v, start = v, (c, q)
+        if start is None:
+            return None
+        out = []
+        a, o, (c, q) = 0, 0, start
+        while True:
+            b, q2, c2 = memo[(a, o, c, q)][1]  # type: ignore[misc]
+            out.append((a, b, o, q))
+            if q2 is None:
+                return best_v, out
+            a, o, c, q = b, o + q, c2, q2
+    finally:
+        best_from = best_any = None  # type: ignore[assignment]  # the closures' cycle, as in _stage_dp
 
 
 ORDER_RTOL = 0.01  # step floors of micro-batch counts within 1 % of the least are equal for the parts' order
