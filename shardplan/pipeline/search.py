@@ -841,6 +841,12 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         memo = {}
     q_min = min(qs)
 
+    def opens(o: int, q: int, r: int) -> bool:
+        """Whether a first stage of q devices at o can start r stages: it is placed there, the last one ends at
+        p, and the r - 1 stages after it find at least (r - 1) q_min devices. A state that fails is worth
+        infinity, asks for no stage and is not kept in the memo (docs/pipeline.md, *The memo's memory*)."""
+        return _placeable(o, q, p, ns) and (r > 1 or o + q == p) and o + q + (r - 1) * q_min <= p
+
     def best_from(a: int, o: int, r: int, q: int) -> tuple[float, tuple | None]:
         key = (a, o, r, q)
         hit = memo.get(key)
@@ -853,8 +859,7 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         if tick is not None and not count & 0x3FFF:
             tick()
         best_v, best_arg = math.inf, None
-        # the r - 1 stages after this one need at least (r - 1) q_min devices: no stage is asked for otherwise
-        if _placeable(o, q, p, ns) and (r > 1 or o + q == p) and o + q + (r - 1) * q_min <= p:
+        if opens(o, q, r):
             for b in ([U] if r == 1 else range(a + 1, U - r + 2)):
                 if floor is not None:
                     lo = floor(a, b, q)
@@ -878,6 +883,8 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
                         best_v, best_arg = here + rest, (b, q2)  # type: ignore[operator]
                     continue
                 for q2 in qs:
+                    if not opens(o + q, q2, r - 1):
+                        continue
                     lk = between(b, o, q, q2)
                     if lk is None:
                         continue
@@ -897,6 +904,8 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
             best_v, best_q = math.inf, None
             if o + r * q_min <= p:  # r stages need at least r q_min more devices
                 for q2 in qs:
+                    if not opens(o, q2, r):
+                        continue
                     v = best_from(a, o, r, q2)[0]
                     if v < best_v:
                         best_v, best_q = v, q2
@@ -906,6 +915,8 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
     try:
         best_v, start = math.inf, None
         for q in qs:
+            if not opens(0, q, n):
+                continue
             v, _ = best_from(0, 0, n, q)
             if v < best_v:
                 best_v, start = v, q
@@ -947,6 +958,12 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
             return (c - 1,)
         return (m, m - 1) if m >= 2 else (1,)
 
+    def opens(o: int, q: int, c: int) -> bool:
+        """Whether a first stage of q devices at o can start class c: it is placed there, the c - 1 or more
+        stages after it find (c - 1) q_min devices, and a class-1 stage at m > 1 (the last) ends at p. A state
+        that fails is worth infinity, asks for no stage and is not kept in the memo."""
+        return _placeable(o, q, p, ns) and o + q + (c - 1) * q_min <= p and (c != 1 or m == 1 or o + q == p)
+
     def best_from(a: int, o: int, c: int, q: int) -> tuple[float, tuple | None]:
         key = (a, o, c, q)
         hit = memo.get(key)
@@ -959,8 +976,7 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
         # c < m: exactly c stages from here (c = 1: this is the last); c = m: at least m
         must_end = c == 1 and m > 1
         may_end = c == 1 and o + q == p
-        # the c - 1 or more stages after this one need (c - 1) q_min devices and c - 1 units at least
-        if _placeable(o, q, p, ns) and o + q + (c - 1) * q_min <= p and (may_end or not must_end):
+        if opens(o, q, c):
             r_on = c if c < m else max(m, 2)
             for b in ([U] if must_end else range(a + 1, U - c + 2)):
                 last = b == U
@@ -989,6 +1005,8 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
                             best_v, best_arg = here + rest, (b, q2, c2)  # type: ignore[operator]
                         continue
                     for q2 in qs:
+                        if not opens(o + q, q2, c2):
+                            continue
                         lk = between(b, o, q, q2)
                         if lk is None:
                             continue
@@ -1006,6 +1024,8 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
             best_v, best_q = math.inf, None
             if o + c * q_min <= p:
                 for q2 in qs:
+                    if not opens(o, q2, c):
+                        continue
                     v = best_from(a, o, c, q2)[0]
                     if v < best_v:
                         best_v, best_q = v, q2
@@ -1016,6 +1036,8 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
         best_v, start = math.inf, None
         for c in range(1, m + 1):
             for q in qs:
+                if not opens(0, q, c):
+                    continue
                 v, _ = best_from(0, 0, c, q)
                 if v < best_v:
                     best_v, start = v, (c, q)

@@ -101,6 +101,35 @@ def test_memo_is_bounded_by_the_classes_not_the_stage_counts(m):
     assert got.step_time == pytest.approx(want.step_time, rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_memo_keeps_only_states_that_can_start(seed):
+    """A state whose first stage cannot be placed at its offset, or leaves the stages after it too few devices,
+    or is a last stage not ending at the last device, is worth infinity: the DP (exactly n stages, and the
+    classes) never keeps it, and still answers the least over every stage count of brute force's optimum."""
+    from shardplan.pipeline.search import _placeable
+
+    U, p, ns, m = 6, 8, 4, [1, 2, 3][seed % 3]
+    space = PipelineSpace(U, p, ns)
+    sizes = list(space.allowed_sizes())
+    stage, between = _values(seed, U, p, m)
+    for link in (None, between):
+        per_n = []
+        for n, classes in [(k, None) for k in range(1, min(U, p) + 1)] + [(0, m)]:
+            memo: dict = {}
+            got = _stage_dp(space, n, sizes, stage, link, {}, "s", memo, classes=classes)
+            if classes is None:
+                per_n.append(math.inf if got is None else got[0])
+            else:
+                assert got is not None and got[0] == min(per_n)
+            for key in memo:
+                if len(key) == 4:
+                    _, o, r, q = key
+                    last = r == 1 and (classes is None or m > 1)
+                    assert _placeable(o, q, p, ns) and o + q + (r - 1) * min(sizes) <= p
+                    assert o + q == p or not last
+            assert any(len(key) == 4 for key in memo)
+
+
 class _Memo(dict):
     """A memo that a weak reference can watch."""
 
@@ -119,9 +148,11 @@ def test_memo_is_freed_when_the_dp_returns():
     sizes = list(space.allowed_sizes())
     stage, between = _values(0, U, p, m)
 
+    calls = [0]
+
     def stopping(after: int):
-        """The stage values, with an interrupt (as Ctrl-C) at the call ``after`` (0: never)."""
-        calls = [0]
+        """The stage values, with an interrupt (as Ctrl-C) at the call ``after`` (0: never); counts the calls."""
+        calls[0] = 0
 
         def stage_or_stop(a, b, o, q, r):
             calls[0] += 1
@@ -135,14 +166,17 @@ def test_memo_is_freed_when_the_dp_returns():
     try:
         for n, classes in ((3, None), (0, m)):
             for link in (None, between):
-                for after in (0, 5):
+                whole = 0
+                for interrupt in (False, True):
                     memo = _Memo()
                     ref = weakref.ref(memo)
                     try:
-                        got = _stage_dp(space, n, sizes, stopping(after), link, {}, "s", memo, classes=classes)
-                        assert got is not None and after == 0
+                        got = _stage_dp(space, n, sizes, stopping(whole // 2 if interrupt else 0), link, {}, "s",
+                                        memo, classes=classes)
+                        assert got is not None and not interrupt
+                        whole = calls[0]
                     except KeyboardInterrupt:
-                        assert after > 0
+                        assert interrupt
                     assert len(memo) > 0
                     del memo
                     assert ref() is None
