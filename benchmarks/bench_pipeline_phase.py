@@ -2,8 +2,8 @@
 step and its proven bound at one micro-batch, as :func:`shardplan.planner.plan` hands them over.
 
 ``shardplan plan --model M -p P --machine h100`` first solves the one program (``shardplan.fit``, measured by
-``bench_scale_pipeline.py`` end to end) and then the pipeline space with its defaults (micro-batch counts 1, 2,
-4, 8 dividing the batch, 1F1B and ZB-H1, memory choices). This benchmark times the second part in its own
+``bench_scale_pipeline.py`` end to end) and then the pipeline space with its defaults (every micro-batch count
+that divides the batch, 1F1B and ZB-H1, memory choices). This benchmark times the second part in its own
 process, with the one program's step and bound computed once per row and kept in ``--cache`` (they do not
 depend on the pipeline search), so a change to the pipeline search is measured on its own: CPU seconds (the
 machine is shared: wall seconds say more about the load), wall seconds, the process's peak resident memory, the
