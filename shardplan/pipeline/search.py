@@ -832,7 +832,10 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
 
     ``reachable(a, o)``: False only when no pipeline of allowed stages covers units [a, U) on devices [o, p) (its
     states are worth infinity whatever their stages left and first size): such a state is answered at once and
-    not kept in the memo (same values and choices; fewer states held). Not with ``classes``."""
+    not kept in the memo (same values and choices; fewer states held). Not with ``classes``.
+
+    ``stats["dp_memo_entries_max"]``: the most states a memo held when a DP returned (the memo goes with its last
+    holder: docs/pipeline.md, *The memo's memory*)."""
     if classes is not None:
         return _class_dp(space, classes, qs, stage, between, stats, counter, memo, tick, floor)
     U, p = space.num_units, space.num_devices
@@ -934,6 +937,7 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         # best_from and best_any hold each other in their closure cells: a cycle that would keep the memo alive
         # after the call until a full cyclic collection (docs/pipeline.md, *The memo's memory*)
         best_from = best_any = None  # type: ignore[assignment]
+        stats["dp_memo_entries_max"] = max(stats.get("dp_memo_entries_max", 0), len(memo))
 
 
 def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
@@ -1053,6 +1057,7 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
             a, o, c, q = b, o + q, c2, q2
     finally:
         best_from = best_any = None  # type: ignore[assignment]  # the closures' cycle, as in _stage_dp
+        stats["dp_memo_entries_max"] = max(stats.get("dp_memo_entries_max", 0), len(memo))
 
 
 ORDER_RTOL = 0.01  # step floors of micro-batch counts within 1 % of the least are equal for the parts' order
