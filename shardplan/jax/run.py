@@ -12,7 +12,7 @@ are bound whole. Two kinds of hooks apply the plan:
   reads it in).
 
 A third, ``replace[eqn]``: ``args -> outputs`` bound instead of equation
-``eqn``'s primitive (an FP8 product: :mod:`shardplan.jax.fp8`).
+``eqn``'s primitive (an FP8 product: :mod:`shardplan.jax.fp8`; a plan's ring attention: :func:`ring_hooks`).
 
 Constraining both sides of every edge makes XLA execute the planned
 algorithm: the redistribution between the two layouts is the edge's, and
@@ -34,7 +34,8 @@ from shardplan.jax.flatten import TOP, Atom, Const
 from shardplan.jax.lower import TraceInfo
 from shardplan.jax.shardings import PlanShardings, plan_shardings, replicated
 
-__all__ = ["evaluate", "evaluate_eqns", "constrain_forward", "constrain_both_ways", "constrained_fn", "make_step"]
+__all__ = ["evaluate", "evaluate_eqns", "constrain_forward", "constrain_both_ways", "constrained_fn", "make_step",
+           "ring_hooks"]
 
 Hook = Callable[[Any], Any]
 
@@ -163,18 +164,67 @@ def constrain_both_ways(sharding: Any, cotangent: bool = True) -> Hook:
     return apply
 
 
-def constrained_fn(info: TraceInfo, shardings: PlanShardings) -> Callable[..., Any]:
-    """The traced function re-run with the planned layout on both sides of every edge."""
+def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> tuple[dict[tuple[int, int], Hook],
+                                                                           dict[int, Callable[[list[Any]], list[Any]]]]:
+    """The ``consume`` and ``replace`` hooks that run a plan's ring: for a plan whose tables were built with
+    ``context="ring"``, every ``jax.nn.dot_product_attention`` (:mod:`shardplan.jax.attention`) whose layout
+    splits the query sequence over one mesh axis reads its keys and values split along the sequence on that
+    axis too, as the queries (the all-gather of the planned read is what the ring replaces), and runs
+    :func:`shardplan.jax.ring.ring_apply` over it; any other attention runs as planned (keys and values
+    gathered, ``jax.nn.dot_product_attention`` on each device's tile)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from shardplan.jax.attention import ATTENTION
+    from shardplan.jax.ring import ring_apply
+    from shardplan.jax.shardings import layout_mesh
+
+    consume: dict[tuple[int, int], Hook] = {}
+    replace: dict[int, Callable[[list[Any]], list[Any]]] = {}
+    tables = getattr(plan, "tables", None)
+    if tables is None or tables.options.get("context") != "ring":
+        return consume, replace
+    lays = plan.layouts
+    for op in plan.graph.operators:
+        reads = info.reads.get(op.name, ())
+        if op.kind != "attn_flash" or not reads or info.program.eqns[reads[0][0]].name != ATTENTION.name:
+            continue
+        k = reads[0][0]
+        dims = {slot: d for _, slot, d in reads}
+        if sorted(dims) != [0, 1, 2]:
+            continue
+        lay = lays[op.name]
+        q_spec = lay.partition_spec(dims[0])
+        axis = q_spec[1]
+        if not isinstance(axis, str):  # the queries not split, or split over several mesh axes
+            continue
+        kv = list(lay.partition_spec(dims[1]))
+        kv[1] = axis
+        mesh = layout_mesh(lay, devices)
+        kv_spec = PartitionSpec(*kv)
+        consume[(k, 1)] = consume[(k, 2)] = constrain_both_ways(NamedSharding(mesh, kv_spec))
+        causal = bool(info.program.eqns[k].params["is_causal"])
+        replace[k] = lambda a, m=mesh, qs=PartitionSpec(*q_spec), ks=kv_spec, ax=axis, c=causal: [
+            ring_apply(a[0], a[1], a[2], m, qs, ks, ax, c)]
+    return consume, replace
+
+
+def constrained_fn(info: TraceInfo, shardings: PlanShardings,
+                   ring: tuple[Mapping[tuple[int, int], Hook], Mapping[int, Callable[[list[Any]], list[Any]]]]
+                   | None = None) -> Callable[..., Any]:
+    """The traced function re-run with the planned layout on both sides of every edge; ``ring``: the hooks of
+    :func:`ring_hooks` (the plan's ring attentions)."""
     import jax
 
     produce = {var: constrain_both_ways(s) for var, s in shardings.values.items()}
     consume = {key: constrain_both_ways(s, key not in shardings.free_cotangents) for key, s in shardings.reads.items()}
+    consume.update(ring[0] if ring else {})
+    replace = dict(ring[1]) if ring else {}
 
     def fn(*args: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten(args)
         if tree != info.in_tree:
             raise ShardplanError(f"arguments have structure {tree}, the traced function had {info.in_tree}")
-        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, produce, consume))
+        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, produce, consume, replace))
 
     return fn
 
@@ -192,7 +242,8 @@ def make_step(plan: Any, info: TraceInfo, devices: Sequence[Any] | None = None, 
     devices = list(devices) if devices is not None else list(jax.devices())[: plan.machine.num_devices]
     sh = plan_shardings(plan, info, devices)
     in_sh = jax.tree_util.tree_unflatten(info.in_tree, list(sh.leaves))
-    vg = jax.value_and_grad(constrained_fn(info, sh), argnums=argnums, has_aux=has_aux)
+    vg = jax.value_and_grad(constrained_fn(info, sh, ring_hooks(plan, info, devices)), argnums=argnums,
+                            has_aux=has_aux)
     rep = replicated(devices)
 
     def step(*args: Any) -> Any:
