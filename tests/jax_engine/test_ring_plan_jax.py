@@ -42,3 +42,21 @@ def test_the_planned_ring_runs_equal_to_the_unsharded_program_and_gathers_nothin
     plain = jax.jit(jax.value_and_grad(constrained_fn(run.info, sh))).lower(params, batch).compile()
     assert "all-gather" in plain.as_text()
     assert abs(float(plain(params, batch)[0]) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+
+
+def test_the_ring_runs_in_the_memory_choices_step_too():
+    """Under a budget the plan carries memory choices (sharded state) and runs by :mod:`shardplan.jax.memory`'s
+    step, which runs the ring as well: loss and gradients equal to the unsharded program."""
+    import shardplan.jax as sj
+
+    params, batch = inputs()
+    free = sj.plan(attention_loss, params, batch, DEVICES, TOY, context="ring", fit=False)
+    plan = sj.plan(attention_loss, params, batch, DEVICES, TOY, context="ring", budget=0.7 * free.memory["peak_bytes"])
+    run = sj.apply(plan, attention_loss, params, batch, DEVICES)
+    assert run.plan.memory_choices is not None
+    assert [c.layout.split[1] for c in plan.operators.values() if c.kind == "attn_flash"] == [8]
+    loss, grads = run.step(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(attention_loss)(params, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for name, r in ref_grads.items():
+        assert float(jnp.max(jnp.abs(grads[name] - r))) <= 1e-4 * float(jnp.max(jnp.abs(r))), name
