@@ -1136,7 +1136,6 @@ def _top_k(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     _along(g, eqn, vals, [-1], "top_k", 1.0)
 
 
-@handles(*_OPAQUE)
 @handles(ATTENTION.name)
 def _attention(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     """``jax.nn.dot_product_attention(q, k, v, is_causal=c)`` (:mod:`shardplan.jax.attention`) as the fused
@@ -1160,6 +1159,7 @@ def _attention(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     g.adopt(eqn, dataclasses.replace(op, inputs=ins, output=out), vals, fixed=("r",) if r > 1 else ())
 
 
+@handles(*_OPAQUE)
 def _opaque(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     """Control flow (``cond``, ``while``): described conservatively (one replicated operator per result,
     reading its operands whole); its body is not looked into."""

@@ -16,6 +16,7 @@ Without it, device i holds the i-th contiguous block and the last device does al
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,7 @@ def ring_attention_sharded(q: Any, k: Any, v: Any, mesh: Any, axis: str, positio
                          in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
 
 
-def _ring_local(ql: Any, kl: Any, vl: Any, axis: str, ways: int, positions: np.ndarray | None) -> Any:
+def _ring_local(ql: Any, kl: Any, vl: Any, axis: Any, ways: int, positions: np.ndarray | None) -> Any:
     """One device's ring (inside ``shard_map``): its queries ``ql`` against every block of keys and values,
     the blocks passed on by ``ppermute`` over ``axis`` (module docstring). Fewer K/V heads than query heads
     (grouped-query attention): each K/V head serves ``N / K`` consecutive query heads (JAX's grouping), repeated
@@ -104,7 +105,7 @@ def _ring_local(ql: Any, kl: Any, vl: Any, axis: str, ways: int, positions: np.n
     return jnp.transpose(acc / den[..., None], (0, 2, 1, 3))
 
 
-def _deal(x: Any, axis: str, ways: int, inverse: bool) -> Any:
+def _deal(x: Any, axis: Any, ways: int, inverse: bool) -> Any:
     """Inside ``shard_map``: device i's contiguous block (chunks 2i, 2i + 1 of 2 ``ways``, sequence on axis 1)
     dealt into the balanced order (chunks i, 2 ways - 1 - i: :func:`balanced_positions`), or back
     (``inverse``). Each device holds one even and one odd chunk either way, and the even chunks (and the odd
@@ -131,11 +132,12 @@ def _deal(x: Any, axis: str, ways: int, inverse: bool) -> Any:
     return jnp.concatenate([jnp.where(flip, odd, even), jnp.where(flip, even, odd)], axis=1)
 
 
-def ring_apply(q: Any, k: Any, v: Any, mesh: Any, q_spec: Any, kv_spec: Any, axis: str, causal: bool,
-               balanced: bool = True) -> Any:
+def ring_apply(q: Any, k: Any, v: Any, mesh: Any, q_spec: Any, kv_spec: Any, axis: str | tuple[str, ...],
+               causal: bool, balanced: bool = True) -> Any:
     """``jax.nn.dot_product_attention(q, k, v, is_causal=causal)`` of (batch, seq, heads, dim) arrays laid out
     as a plan runs them: queries by ``q_spec``, keys and values by ``kv_spec`` (PartitionSpecs over ``mesh``),
-    both splitting the sequence over mesh axis ``axis`` in contiguous blocks; the output laid out as the
+    both splitting the sequence over mesh axis ``axis`` (or a tuple of axes, major first, the ring over their
+    devices in row-major order) in contiguous blocks; the output laid out as the
     queries. Each device runs the ring over ``axis`` (:func:`_ring_local`) on its block of batch, heads and
     sequence. Causal with ``balanced`` (and blocks of even length): the blocks of ``q``, ``k`` and ``v`` are first
     dealt into the load-balanced order (:func:`_deal`) and the output dealt back, so every device does the
@@ -143,7 +145,7 @@ def ring_apply(q: Any, k: Any, v: Any, mesh: Any, q_spec: Any, kv_spec: Any, axi
     positions."""
     import jax
 
-    ways = mesh.shape[axis]
+    ways = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
     seq = q.shape[1]
     deal = causal and balanced and seq % (2 * ways) == 0
     pos = balanced_positions(seq, ways, deal) if causal else None

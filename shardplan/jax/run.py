@@ -164,14 +164,16 @@ def constrain_both_ways(sharding: Any, cotangent: bool = True) -> Hook:
     return apply
 
 
-def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> tuple[dict[tuple[int, int], Hook],
-                                                                           dict[int, Callable[[list[Any]], list[Any]]]]:
+def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Callable[[Any], Any] | None = None,
+               ) -> tuple[dict[tuple[int, int], Hook], dict[int, Callable[[list[Any]], list[Any]]]]:
     """The ``consume`` and ``replace`` hooks that run a plan's ring: for a plan whose tables were built with
     ``context="ring"``, every ``jax.nn.dot_product_attention`` (:mod:`shardplan.jax.attention`) whose layout
     splits the query sequence over one mesh axis reads its keys and values split along the sequence on that
     axis too, as the queries (the all-gather of the planned read is what the ring replaces), and runs
     :func:`shardplan.jax.ring.ring_apply` over it; any other attention runs as planned (keys and values
-    gathered, ``jax.nn.dot_product_attention`` on each device's tile)."""
+    gathered, ``jax.nn.dot_product_attention`` on each device's tile). ``recast``: applied to the queries' and
+    the keys' NamedShardings before use (the stage runner's prime-factor meshes; the ring then runs over the
+    factors of the sequence's mesh axis, a tuple of axis names)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from shardplan.jax.attention import ATTENTION
@@ -200,11 +202,13 @@ def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> tuple[dict
         kv = list(lay.partition_spec(dims[1]))
         kv[1] = axis
         mesh = layout_mesh(lay, devices)
-        kv_spec = PartitionSpec(*kv)
-        consume[(k, 1)] = consume[(k, 2)] = constrain_both_ways(NamedSharding(mesh, kv_spec))
+        qsh, ksh = NamedSharding(mesh, PartitionSpec(*q_spec)), NamedSharding(mesh, PartitionSpec(*kv))
+        if recast is not None:
+            qsh, ksh = recast(qsh), recast(ksh)
+        consume[(k, 1)] = consume[(k, 2)] = constrain_both_ways(ksh)
         causal = bool(info.program.eqns[k].params["is_causal"])
-        replace[k] = lambda a, m=mesh, qs=PartitionSpec(*q_spec), ks=kv_spec, ax=axis, c=causal: [
-            ring_apply(a[0], a[1], a[2], m, qs, ks, ax, c)]
+        replace[k] = lambda a, m=qsh.mesh, qs=qsh.spec, ks=ksh.spec, c=causal: [
+            ring_apply(a[0], a[1], a[2], m, qs, ks, qs[1], c)]
     return consume, replace
 
 
