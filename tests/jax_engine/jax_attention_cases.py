@@ -13,14 +13,15 @@ B, S, D, N, K = 1, 128, 32, 4, 2  # batch, sequence, width, query heads, key/val
 H = D // N
 
 
-def attention_loss(params, batch, causal: bool = True, **kw):
-    """q, k, v projections, ``jax.nn.dot_product_attention``, an output projection; the loss a weighted sum."""
+def attention_loss(params, batch, causal: bool = True, reduce: bool = True, **kw):
+    """q, k, v projections, ``jax.nn.dot_product_attention``, an output projection and a tanh; the loss a
+    weighted sum (``reduce=False``: the layer's output)."""
     x, w = batch
     b, s, _ = x.shape
     q = (x @ params["q"]).reshape(b, s, N, H)
     k, v = ((x @ params[n]).reshape(b, s, K, H) for n in ("k", "v"))
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=causal, **kw).reshape(b, s, D)
-    return jnp.sum(jnp.tanh(y @ params["o"]) * w)
+    y = jnp.tanh(jax.nn.dot_product_attention(q, k, v, is_causal=causal, **kw).reshape(b, s, D) @ params["o"])
+    return jnp.sum(y * w) if reduce else y
 
 
 def inputs(seq: int = S):
