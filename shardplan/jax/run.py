@@ -35,7 +35,7 @@ from shardplan.jax.lower import TraceInfo
 from shardplan.jax.shardings import PlanShardings, plan_shardings, replicated
 
 __all__ = ["evaluate", "evaluate_eqns", "constrain_forward", "constrain_both_ways", "constrained_fn", "make_step",
-           "ring_hooks"]
+           "ring_charged", "ring_hooks"]
 
 Hook = Callable[[Any], Any]
 
@@ -166,12 +166,12 @@ def constrain_both_ways(sharding: Any, cotangent: bool = True) -> Hook:
 
 def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Callable[[Any], Any] | None = None,
                ) -> tuple[dict[tuple[int, int], Hook], dict[int, Callable[[list[Any]], list[Any]]]]:
-    """The ``consume`` and ``replace`` hooks that run a plan's ring: for a plan whose tables were built with
-    ``context="ring"``, every ``jax.nn.dot_product_attention`` (:mod:`shardplan.jax.attention`) whose layout
-    splits the query sequence over one mesh axis reads its keys and values split along the sequence on that
-    axis too, as the queries (the all-gather of the planned read is what the ring replaces), and runs
-    :func:`shardplan.jax.ring.ring_apply` over it; any other attention runs as planned (keys and values
-    gathered, ``jax.nn.dot_product_attention`` on each device's tile). ``recast``: applied to the queries' and
+    """The ``consume`` and ``replace`` hooks that run a plan's ring: every ``jax.nn.dot_product_attention``
+    (:mod:`shardplan.jax.attention`) whose keys and values the plan's cost tables pass around the ring
+    (:func:`ring_charged`) and whose layout splits the query sequence over one mesh axis reads its keys and
+    values split along the sequence on that axis too, as the queries (the all-gather of the planned read is
+    what the ring replaces), and runs :func:`shardplan.jax.ring.ring_apply` over it; any other attention runs
+    as planned (keys and values gathered, ``jax.nn.dot_product_attention`` on each device's tile). ``recast``: applied to the queries' and
     the keys' NamedShardings before use (the stage runner's prime-factor meshes; the ring then runs over the
     factors of the sequence's mesh axis, a tuple of axis names)."""
     from jax.sharding import NamedSharding, PartitionSpec
@@ -183,12 +183,13 @@ def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Calla
     consume: dict[tuple[int, int], Hook] = {}
     replace: dict[int, Callable[[list[Any]], list[Any]]] = {}
     tables = getattr(plan, "tables", None)
-    if tables is None or tables.options.get("context") != "ring":
+    if tables is None or tables.options.get("context", "allgather") == "allgather":
         return consume, replace
     lays = plan.layouts
     for op in plan.graph.operators:
         reads = info.reads.get(op.name, ())
-        if op.kind != "attn_flash" or not reads or info.program.eqns[reads[0][0]].name != ATTENTION.name:
+        if op.kind != "attn_flash" or not reads or info.program.eqns[reads[0][0]].name != ATTENTION.name \
+                or not ring_charged(plan, op.name):
             continue
         k = reads[0][0]
         dims = {slot: d for _, slot, d in reads}
@@ -210,6 +211,39 @@ def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Calla
         replace[k] = lambda a, m=qsh.mesh, qs=qsh.spec, ks=ksh.spec, c=causal: [
             ring_apply(a[0], a[1], a[2], m, qs, ks, qs[1], c)]
     return consume, replace
+
+
+def ring_charged(plan: Any, name: str) -> bool:
+    """Whether the cost tables of ``plan`` charge operator ``name``'s keys and values the ring, not the all-gather:
+    each of its ring inputs is produced by an operator whose chosen layout scatters it over the ring group
+    (:func:`shardplan.cost.ring.ring_choices` finite at the two chosen layouts), and, for tables built with
+    ``context="auto"``, the ring is what the edge's matrix holds there (the cheaper of the two); never for
+    tables built with the all-gather alone. An input read straight from the program's arguments has no edge:
+    gathered."""
+    import numpy as np
+
+    from shardplan.cost.ring import ring_choices, ring_mask
+    from shardplan.layout import LayoutArrays
+
+    tables, g = plan.tables, plan.graph
+    if tables.options.get("context", "allgather") == "allgather":
+        return False
+    i = g.index[name]
+    op, kv = g.operators[i], plan.assignment[i]
+    lv = LayoutArrays.stack([tables.layouts[i][kv]])
+    slots = set(np.nonzero(ring_mask(op, lv)[0][0])[0].tolist())
+    edges = {e.slot: (j, e) for j, e in enumerate(g.edges) if e.dst == i and e.slot in slots}
+    if not slots or set(edges) != slots:
+        return False
+    compute = np.asarray(tables.op_costs[i].compute, dtype=np.float64)[[kv]]
+    for j, e in edges.values():
+        ku = plan.assignment[e.src]
+        lu = LayoutArrays.stack([tables.layouts[e.src][ku]])
+        ring = float(ring_choices(g.operators[e.src], lu, op, e.slot, lv, plan.machine, compute)[0, 0])
+        held = float(tables.edge_costs[j][ku, kv])
+        if not np.isfinite(ring) or (tables.options.get("context") == "auto" and ring > held * (1 + 1e-9) + 1e-15):
+            return False
+    return True
 
 
 def constrained_fn(info: TraceInfo, shardings: PlanShardings,

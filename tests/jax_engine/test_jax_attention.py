@@ -63,12 +63,24 @@ def test_two_calls_in_a_row_are_two_operators():
     assert [t.src for t in b.inputs] == [a.name] * 3
 
 
-def test_the_ring_is_chosen_where_it_pays_and_priced_below_the_gather():
+def test_the_ring_is_chosen_where_it_pays_and_run_where_the_tables_charge_it():
+    """On the toy machine the ring plan splits the attention's queries 8 ways, below the gather plan's step time;
+    the step runs the ring (one replaced equation, keys and values read split) for tables built with
+    ``context="ring"`` or ``"auto"``, where the chosen layouts' edges hold the ring's seconds, and not for the
+    all-gather's."""
     import shardplan.jax as sj
+    from shardplan.jax.run import ring_charged, ring_hooks
+    from shardplan.planner import spmd_of
 
     params, batch = inputs()
-    ring = sj.plan(attention_loss, params, batch, jax.devices()[:8], TOY, context="ring")
-    gather = sj.plan(attention_loss, params, batch, jax.devices()[:8], TOY)
-    (name,) = [n for n, c in ring.operators.items() if c.kind == "attn_flash"]
-    assert ring.operators[name].layout.split[1] == 8  # the query sequence split 8 ways
-    assert ring.step_time < gather.step_time
+    devices = jax.devices()[:8]
+    graph, info = trace(attention_loss, params, batch)
+    plans = {c: sj.plan(attention_loss, params, batch, devices, TOY, context=c) for c in ("ring", "auto", "allgather")}
+    (name,) = [n for n, c in plans["ring"].operators.items() if c.kind == "attn_flash"]
+    assert plans["ring"].operators[name].layout.split[1] == 8  # the query sequence split 8 ways
+    assert plans["ring"].step_time == plans["auto"].step_time < plans["allgather"].step_time
+    for context, plan in plans.items():
+        sp = spmd_of(plan, graph)
+        consume, replace = ring_hooks(sp, info, devices)
+        assert (len(consume), len(replace)) == ((0, 0) if context == "allgather" else (2, 1)), context
+        assert ring_charged(sp, name) == (context != "allgather"), context
