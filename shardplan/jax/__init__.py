@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 from shardplan.errors import ShardplanError
 from shardplan.jax.lower import TraceInfo, supported_primitives, trace
-from shardplan.jax.run import constrained_fn, make_step
+from shardplan.jax.run import constrained_fn, make_step, ring_hooks
 from shardplan.jax.shardings import devices_and_machine, plan_shardings
 from shardplan.machine import Machine
 from shardplan.spmd import SpmdPlan, solve
@@ -200,7 +200,8 @@ def _runnable(sp: SpmdPlan, loss_fn: Callable[..., Any], params: Any, batch: Any
         return Planned(sp, info, tuple(devices), fs.param_shardings, fs.batch_shardings, fs.loss_fn, fs.step, fs)
     sh = plan_shardings(sp, info, devices)
     tree = jax.tree_util.tree_unflatten(info.in_tree, list(sh.leaves))
-    return Planned(sp, info, tuple(devices), tree[0], tree[1], constrained_fn(info, sh),
+    fn = constrained_fn(info, sh, ring_hooks(sp, info, devices))
+    return Planned(sp, info, tuple(devices), tree[0], tree[1], fn,
                    make_step(sp, info, devices, has_aux=has_aux))
 
 

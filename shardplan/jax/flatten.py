@@ -24,6 +24,9 @@
   unrolled program, so every iteration's constraints hold. The cost is a
   longer compilation for long scans.
 
+A call of ``jax.nn.dot_product_attention`` (inlined by JAX into a dozen primitives) becomes one equation
+of :data:`shardplan.jax.attention.ATTENTION` (:func:`shardplan.jax.attention.match`), bound as that function.
+
 Everything else (``cond``, ``while``, the primitives) stays one equation.
 """
 
@@ -32,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
+
+from shardplan.jax import attention
 
 __all__ = ["Const", "Atom", "FlatEqn", "Program", "flatten", "join_scope"]
 
@@ -157,11 +162,26 @@ class _Flattener:
         def read(v: Any) -> Atom:
             return Const(v.val) if isinstance(v, Literal) else env[v]
 
-        for eqn in jaxpr.eqns:
+        eqns = list(jaxpr.eqns)
+        i = 0
+        while i < len(eqns):
+            eqn = eqns[i]
+            i += 1
             name = eqn.primitive.name
             ins = tuple(read(v) for v in eqn.invars)
             sc = join_scope(scope, _scope(eqn))
             loc = _where(eqn).strip() or where
+            m = attention.match(eqns, i - 1, jaxpr.outvars) if name == "reshape" else None
+            if m is not None:  # jax.nn.dot_product_attention: one equation (shardplan.jax.attention)
+                i += m.length - 1
+                last = eqns[i - 1].outvars[0]
+                out = self.fresh()
+                self.eqns.append(FlatEqn(attention.ATTENTION, {"is_causal": m.is_causal},
+                                         tuple(read(v) for v in (m.q, m.k, m.v)), (out,),
+                                         (tuple(int(x) for x in last.aval.shape),), (last.aval.dtype,), loc, sc,
+                                         parent=parent))
+                env[m.out] = out
+                continue
             if name in _INLINE:
                 inner, cs = _closed(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")))
                 outs = self.run(inner, cs, ins, join_scope(sc, str(eqn.params.get("name", ""))), parent, loc)

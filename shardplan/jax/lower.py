@@ -82,6 +82,7 @@ from typing import Any, Callable, Mapping, Sequence
 from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import AxisMap, Graph, Operator, Tensor, TensorRef, unique_name
+from shardplan.jax.attention import ATTENTION
 from shardplan.jax.flatten import TOP, Atom, Const, FlatEqn, Program, flatten, join_scope
 from shardplan.labels import input_axis_labels, label_dims, output_axis_labels
 
@@ -613,7 +614,9 @@ def backward_saved(program: Program, operators: Mapping[str, Operator], op_eqn: 
       derivative JAX computes in the forward pass (``1 - tanh^2``, a relu's
       mask, ``n x^(n-1)``); a product or quotient by a constant is linear;
     * a main primitive that is neither (a max reduction, a pool) reads its
-      operands: the producers' outputs.
+      operands: the producers' outputs;
+    * a fused attention (:data:`~shardplan.jax.attention.ATTENTION`) reads its operands and keeps its
+      output and the per-row log-sum-exp: ``saved`` of :func:`shardplan.ops.flash_attention`.
 
     An operator the program recomputes (``recomputed``: inside a user's
     ``jax.checkpoint``) reads its operands whatever its primitive: the
@@ -663,6 +666,8 @@ def backward_saved(program: Program, operators: Mapping[str, Operator], op_eqn: 
             kept[name].add(own(t, i))
         if prim in _READS_NOTHING:
             continue
+        if prim == ATTENTION.name:  # the fused kernel keeps its output and the rows' log-sum-exp (ops.flash_attention)
+            kept[name].update((0, "lse"))
         elementwise = prim in ELEMENTWISE_FLOPS and prim not in _BILINEAR
         if elementwise and len(op.inputs) + len(op.weights) == 1 and prim not in _READS_INPUT:
             kept[name].add(own(prim, 0))
@@ -674,7 +679,8 @@ def backward_saved(program: Program, operators: Mapping[str, Operator], op_eqn: 
             if prim in _BILINEAR and not any(u.needs_grad for k, u in enumerate(tensors) if k != j):
                 continue
             kept[t.src].add(len(tails.get(t.src, ())))
-    return {n: float(len(v)) for n, v in kept.items()}
+    return {n: float(len(v)) + (operators[n].saved - 1.0 if "lse" in v else 0.0) - ("lse" in v)
+            for n, v in kept.items()}
 
 
 def user_recomputed(program: Program, op_eqn: Mapping[str, int], names: Any,
@@ -1128,6 +1134,29 @@ def _tile(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
 def _top_k(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     """``top_k`` along the last axis: that axis is read whole and its result dimension fixed."""
     _along(g, eqn, vals, [-1], "top_k", 1.0)
+
+
+@handles(ATTENTION.name)
+def _attention(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
+    """``jax.nn.dot_product_attention(q, k, v, is_causal=c)`` (:mod:`shardplan.jax.attention`) as the fused
+    kernel :func:`shardplan.ops.flash_attention` describes: ``q`` is ``(B, T, N, H)``, ``k`` and ``v``
+    ``(B, S, K, H)``; dims ``b s h k`` + ``t`` (batch, queries, heads, features; keys). Grouped-query attention
+    (``K < N``): ``h`` counts the K/V heads and a fixed ``r = N / K`` the query heads of each, the query head
+    axis the merged ``(h, r)`` (query head ``n`` reads K/V head ``n // r``, JAX's grouping). ``is_causal``
+    is :class:`~shardplan.ir.Causal` (the flattener matches a causal call only where ``T = S``)."""
+    q, k, v = vals
+    b, t, n, hd = q.shape
+    kv = k.shape[2]
+    r = n // kv
+    qref = g.ref(q, 0)
+    fake = TensorRef(qref.name, (b, t, kv, r, hd) if r > 1 else tuple(q.shape), needs_grad=qref.needs_grad)
+    op = ops.flash_attention("_", fake, g.ref(k, 1), g.ref(v, 2), "bshrk" if r > 1 else "bshk", "bthk",
+                             causal=bool(eqn.params["is_causal"]))
+    heads = AxisMap("h", inner=("r",)) if r > 1 else AxisMap("h")
+    four = (AxisMap("b"), AxisMap("s"), heads, AxisMap("k"))
+    ins = (dataclasses.replace(op.inputs[0], shape=tuple(q.shape), axes=four), *op.inputs[1:])
+    out = dataclasses.replace(op.output, shape=tuple(q.shape), axes=four)
+    g.adopt(eqn, dataclasses.replace(op, inputs=ins, output=out), vals, fixed=("r",) if r > 1 else ())
 
 
 @handles(*_OPAQUE)

@@ -68,7 +68,7 @@ from shardplan.jax.flatten import TOP
 from shardplan.jax.fp8 import (AMAX_HISTORY, Fp8TrainState, fp8_equations, fp8_operators, init_history, roll_history,
                                with_history)
 from shardplan.jax.lower import TraceInfo, trace
-from shardplan.jax.run import constrain_both_ways, constrain_forward, evaluate
+from shardplan.jax.run import constrain_both_ways, constrain_forward, evaluate, ring_hooks
 from shardplan.jax.shardings import plan_shardings, replicated
 
 __all__ = ["SAVED", "OFFLOADED", "LeafState", "Fp8TrainState", "shard_over_replicas", "leaf_states", "equation_owners", "checkpointed_fn",
@@ -255,7 +255,9 @@ def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: 
                 for var in e.outvars:
                     if var not in views:  # a view of an argument is redone from the argument, never saved
                         produce[var] = _compose(produce.get(var), down if owner in offl else name)
-    replace = fp8_equations(plan, info)
+    ring_consume, ring_replace = ring_hooks(plan, info, devices)  # a ring plan's attentions (shardplan.jax.run)
+    consume.update(ring_consume)
+    replace = {**fp8_equations(plan, info), **ring_replace}
     names = fp8_operators(plan, info)
 
     def fn(*args: Any) -> Any:

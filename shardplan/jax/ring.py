@@ -16,13 +16,15 @@ Without it, device i holds the i-th contiguous block and the last device does al
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from shardplan.cost.causal import balanced_positions, device_work
 
-__all__ = ["attention_reference", "balanced_positions", "device_work", "ring_attention", "ring_attention_sharded"]
+__all__ = ["attention_reference", "balanced_positions", "device_work", "ring_apply", "ring_attention",
+           "ring_attention_sharded"]
 
 NEG = -1e30  # a score no softmax weight survives (finite, so that max and exp stay free of NaN)
 
@@ -56,39 +58,102 @@ def ring_attention_sharded(q: Any, k: Any, v: Any, mesh: Any, axis: str, positio
     """The ring itself, on arrays whose sequence is already in the devices' order (device i's block is
     ``positions[i]``, what a data loader that balances the sequence delivers); ``positions`` None: no mask."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     ways = mesh.shape[axis]
+    spec = P(None, axis, None, None)
+    return jax.shard_map(lambda a, b, c: _ring_local(a, b, c, axis, ways, positions), mesh=mesh,
+                         in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
+
+
+def _ring_local(ql: Any, kl: Any, vl: Any, axis: Any, ways: int, positions: np.ndarray | None) -> Any:
+    """One device's ring (inside ``shard_map``): its queries ``ql`` against every block of keys and values,
+    the blocks passed on by ``ppermute`` over ``axis`` (module docstring). Fewer K/V heads than query heads
+    (grouped-query attention): each K/V head serves ``N / K`` consecutive query heads (JAX's grouping), repeated
+    on the device at each step, so the ring passes the blocks unrepeated."""
+    import jax
+    import jax.numpy as jnp
+
     causal = positions is not None
     table = jnp.asarray(positions if causal else np.zeros((ways, 1), dtype=np.int64))
-    scale = 1.0 / np.sqrt(q.shape[-1])
+    scale = 1.0 / np.sqrt(ql.shape[-1])
+    group = ql.shape[2] // kl.shape[2]
     ring = [(i, (i + 1) % ways) for i in range(ways)]
+    me = jax.lax.axis_index(axis)
+    mine = table[me]
+    b, n, h, d = ql.shape
+    m = jnp.full((b, h, n), NEG, ql.dtype)
+    den = jnp.zeros((b, h, n), ql.dtype)
+    acc = jnp.zeros((b, h, n, d), ql.dtype)
+    for step in range(ways):
+        src = (me - step) % ways  # the device whose block this is
+        kk, vv = (jnp.repeat(x, group, axis=2) if group > 1 else x for x in (kl, vl))
+        s = jnp.einsum("bshd,bthd->bhst", ql, kk) * scale
+        if causal:
+            keep = mine[:, None] >= table[src][None, :]
+            s = jnp.where(keep, s, NEG)
+        new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - new[..., None])
+        if causal:
+            p = jnp.where(keep, p, 0.0)
+        fix = jnp.exp(m - new)
+        den = den * fix + p.sum(axis=-1)
+        acc = acc * fix[..., None] + jnp.einsum("bhst,bthd->bhsd", p, vv)
+        m = new
+        if step + 1 < ways:
+            kl, vl = jax.lax.ppermute((kl, vl), axis, ring)
+    return jnp.transpose(acc / den[..., None], (0, 2, 1, 3))
 
-    def local(ql, kl, vl):
-        me = jax.lax.axis_index(axis)
-        mine = table[me]
-        b, n, h, d = ql.shape
-        m = jnp.full((b, h, n), NEG, ql.dtype)
-        den = jnp.zeros((b, h, n), ql.dtype)
-        acc = jnp.zeros((b, h, n, d), ql.dtype)
-        for step in range(ways):
-            src = (me - step) % ways  # the device whose block this is
-            s = jnp.einsum("bshd,bthd->bhst", ql, kl) * scale
-            if causal:
-                keep = mine[:, None] >= table[src][None, :]
-                s = jnp.where(keep, s, NEG)
-            new = jnp.maximum(m, s.max(axis=-1))
-            p = jnp.exp(s - new[..., None])
-            if causal:
-                p = jnp.where(keep, p, 0.0)
-            fix = jnp.exp(m - new)
-            den = den * fix + p.sum(axis=-1)
-            acc = acc * fix[..., None] + jnp.einsum("bhst,bthd->bhsd", p, vl)
-            m = new
-            if step + 1 < ways:
-                kl, vl = jax.lax.ppermute((kl, vl), axis, ring)
-        return jnp.transpose(acc / den[..., None], (0, 2, 1, 3))
 
-    spec = P(None, axis, None, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
+def _deal(x: Any, axis: Any, ways: int, inverse: bool) -> Any:
+    """Inside ``shard_map``: device i's contiguous block (chunks 2i, 2i + 1 of 2 ``ways``, sequence on axis 1)
+    dealt into the balanced order (chunks i, 2 ways - 1 - i: :func:`balanced_positions`), or back
+    (``inverse``). Each device holds one even and one odd chunk either way, and the even chunks (and the odd
+    ones) sit on distinct devices in both orders, so the deal is two ``ppermute``: one moves every even
+    chunk, one every odd chunk (a permutation each; its transpose, the reverse permutation, is the
+    gradient's way back)."""
+    import jax
+    import jax.numpy as jnp
+
+    me = jax.lax.axis_index(axis)
+    h = x.shape[1] // 2
+    first, second = x[:, :h], x[:, h:]
+    # balanced device i holds its even chunk in slot 0 when i is even, in slot 1 when i is odd
+    even_home = [(i if i % 2 == 0 else 2 * ways - 1 - i) // 2 for i in range(ways)]  # contiguous rank of it
+    odd_home = [(2 * ways - 1 - i if i % 2 == 0 else i) // 2 for i in range(ways)]
+    flip = me % 2 == 1
+    if inverse:
+        even, odd = jnp.where(flip, second, first), jnp.where(flip, first, second)
+        even = jax.lax.ppermute(even, axis, [(i, even_home[i]) for i in range(ways)])
+        odd = jax.lax.ppermute(odd, axis, [(i, odd_home[i]) for i in range(ways)])
+        return jnp.concatenate([even, odd], axis=1)
+    even = jax.lax.ppermute(first, axis, [(even_home[i], i) for i in range(ways)])
+    odd = jax.lax.ppermute(second, axis, [(odd_home[i], i) for i in range(ways)])
+    return jnp.concatenate([jnp.where(flip, odd, even), jnp.where(flip, even, odd)], axis=1)
+
+
+def ring_apply(q: Any, k: Any, v: Any, mesh: Any, q_spec: Any, kv_spec: Any, axis: str | tuple[str, ...],
+               causal: bool, balanced: bool = True) -> Any:
+    """``jax.nn.dot_product_attention(q, k, v, is_causal=causal)`` of (batch, seq, heads, dim) arrays laid out
+    as a plan runs them: queries by ``q_spec``, keys and values by ``kv_spec`` (PartitionSpecs over ``mesh``),
+    both splitting the sequence over mesh axis ``axis`` (or a tuple of axes, major first, the ring over their
+    devices in row-major order) in contiguous blocks; the output laid out as the
+    queries. Each device runs the ring over ``axis`` (:func:`_ring_local`) on its block of batch, heads and
+    sequence. Causal with ``balanced`` (and blocks of even length): the blocks of ``q``, ``k`` and ``v`` are first
+    dealt into the load-balanced order (:func:`_deal`) and the output dealt back, so every device does the
+    same masked work, the :class:`~shardplan.ir.Causal` work the cost model charges; else the contiguous
+    positions."""
+    import jax
+
+    ways = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+    seq = q.shape[1]
+    deal = causal and balanced and seq % (2 * ways) == 0
+    pos = balanced_positions(seq, ways, deal) if causal else None
+
+    def local(ql: Any, kl: Any, vl: Any) -> Any:
+        if deal:
+            ql, kl, vl = (_deal(x, axis, ways, False) for x in (ql, kl, vl))
+        out = _ring_local(ql, kl, vl, axis, ways, pos)
+        return _deal(out, axis, ways, True) if deal else out
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)(q, k, v)

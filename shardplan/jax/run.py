@@ -12,7 +12,7 @@ are bound whole. Two kinds of hooks apply the plan:
   reads it in).
 
 A third, ``replace[eqn]``: ``args -> outputs`` bound instead of equation
-``eqn``'s primitive (an FP8 product: :mod:`shardplan.jax.fp8`).
+``eqn``'s primitive (an FP8 product: :mod:`shardplan.jax.fp8`; a plan's ring attention: :func:`ring_hooks`).
 
 Constraining both sides of every edge makes XLA execute the planned
 algorithm: the redistribution between the two layouts is the edge's, and
@@ -34,7 +34,8 @@ from shardplan.jax.flatten import TOP, Atom, Const
 from shardplan.jax.lower import TraceInfo
 from shardplan.jax.shardings import PlanShardings, plan_shardings, replicated
 
-__all__ = ["evaluate", "evaluate_eqns", "constrain_forward", "constrain_both_ways", "constrained_fn", "make_step"]
+__all__ = ["evaluate", "evaluate_eqns", "constrain_forward", "constrain_both_ways", "constrained_fn", "make_step",
+           "ring_charged", "ring_hooks"]
 
 Hook = Callable[[Any], Any]
 
@@ -163,18 +164,105 @@ def constrain_both_ways(sharding: Any, cotangent: bool = True) -> Hook:
     return apply
 
 
-def constrained_fn(info: TraceInfo, shardings: PlanShardings) -> Callable[..., Any]:
-    """The traced function re-run with the planned layout on both sides of every edge."""
+def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Callable[[Any], Any] | None = None,
+               ) -> tuple[dict[tuple[int, int], Hook], dict[int, Callable[[list[Any]], list[Any]]]]:
+    """The ``consume`` and ``replace`` hooks that run a plan's ring: every ``jax.nn.dot_product_attention``
+    (:mod:`shardplan.jax.attention`) whose keys and values the plan's cost tables pass around the ring
+    (:func:`ring_charged`) and whose layout splits the query sequence over one mesh axis reads its keys and
+    values split along the sequence on that axis too, as the queries (the all-gather of the planned read is
+    what the ring replaces), and runs :func:`shardplan.jax.ring.ring_apply` over it; any other attention runs
+    as planned (keys and values gathered, ``jax.nn.dot_product_attention`` on each device's tile). ``recast``: applied to the queries' and
+    the keys' NamedShardings before use (the stage runner's prime-factor meshes; the ring then runs over the
+    factors of the sequence's mesh axis, a tuple of axis names)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from shardplan.jax.attention import ATTENTION
+    from shardplan.jax.ring import ring_apply
+    from shardplan.jax.shardings import layout_mesh
+
+    consume: dict[tuple[int, int], Hook] = {}
+    replace: dict[int, Callable[[list[Any]], list[Any]]] = {}
+    tables = getattr(plan, "tables", None)
+    if tables is None or tables.options.get("context", "allgather") == "allgather":
+        return consume, replace
+    lays = plan.layouts
+    for op in plan.graph.operators:
+        reads = info.reads.get(op.name, ())
+        if op.kind != "attn_flash" or not reads or info.program.eqns[reads[0][0]].name != ATTENTION.name \
+                or not ring_charged(plan, op.name):
+            continue
+        k = reads[0][0]
+        dims = {slot: d for _, slot, d in reads}
+        if sorted(dims) != [0, 1, 2]:
+            continue
+        lay = lays[op.name]
+        q_spec = lay.partition_spec(dims[0])
+        axis = q_spec[1]
+        if not isinstance(axis, str):  # the queries not split, or split over several mesh axes
+            continue
+        kv = list(lay.partition_spec(dims[1]))
+        kv[1] = axis
+        mesh = layout_mesh(lay, devices)
+        qsh, ksh = NamedSharding(mesh, PartitionSpec(*q_spec)), NamedSharding(mesh, PartitionSpec(*kv))
+        if recast is not None:
+            qsh, ksh = recast(qsh), recast(ksh)
+        consume[(k, 1)] = consume[(k, 2)] = constrain_both_ways(ksh)
+        causal = bool(info.program.eqns[k].params["is_causal"])
+        replace[k] = lambda a, m=qsh.mesh, qs=qsh.spec, ks=ksh.spec, c=causal: [
+            ring_apply(a[0], a[1], a[2], m, qs, ks, qs[1], c)]
+    return consume, replace
+
+
+def ring_charged(plan: Any, name: str) -> bool:
+    """Whether the cost tables of ``plan`` charge operator ``name``'s keys and values the ring, not the all-gather:
+    each of its ring inputs is produced by an operator whose chosen layout scatters it over the ring group
+    (:func:`shardplan.cost.ring.ring_choices` finite at the two chosen layouts), and, for tables built with
+    ``context="auto"``, the ring is what the edge's matrix holds there (the cheaper of the two); never for
+    tables built with the all-gather alone. An input read straight from the program's arguments has no edge:
+    gathered."""
+    import numpy as np
+
+    from shardplan.cost.ring import ring_choices, ring_mask
+    from shardplan.layout import LayoutArrays
+
+    tables, g = plan.tables, plan.graph
+    if tables.options.get("context", "allgather") == "allgather":
+        return False
+    i = g.index[name]
+    op, kv = g.operators[i], plan.assignment[i]
+    lv = LayoutArrays.stack([tables.layouts[i][kv]])
+    slots = set(np.nonzero(ring_mask(op, lv)[0][0])[0].tolist())
+    edges = {e.slot: (j, e) for j, e in enumerate(g.edges) if e.dst == i and e.slot in slots}
+    if not slots or set(edges) != slots:
+        return False
+    compute = np.asarray(tables.op_costs[i].compute, dtype=np.float64)[[kv]]
+    for j, e in edges.values():
+        ku = plan.assignment[e.src]
+        lu = LayoutArrays.stack([tables.layouts[e.src][ku]])
+        ring = float(ring_choices(g.operators[e.src], lu, op, e.slot, lv, plan.machine, compute)[0, 0])
+        held = float(tables.edge_costs[j][ku, kv])
+        if not np.isfinite(ring) or (tables.options.get("context") == "auto" and ring > held * (1 + 1e-9) + 1e-15):
+            return False
+    return True
+
+
+def constrained_fn(info: TraceInfo, shardings: PlanShardings,
+                   ring: tuple[Mapping[tuple[int, int], Hook], Mapping[int, Callable[[list[Any]], list[Any]]]]
+                   | None = None) -> Callable[..., Any]:
+    """The traced function re-run with the planned layout on both sides of every edge; ``ring``: the hooks of
+    :func:`ring_hooks` (the plan's ring attentions)."""
     import jax
 
     produce = {var: constrain_both_ways(s) for var, s in shardings.values.items()}
     consume = {key: constrain_both_ways(s, key not in shardings.free_cotangents) for key, s in shardings.reads.items()}
+    consume.update(ring[0] if ring else {})
+    replace = dict(ring[1]) if ring else {}
 
     def fn(*args: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten(args)
         if tree != info.in_tree:
             raise ShardplanError(f"arguments have structure {tree}, the traced function had {info.in_tree}")
-        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, produce, consume))
+        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, produce, consume, replace))
 
     return fn
 
@@ -192,7 +280,8 @@ def make_step(plan: Any, info: TraceInfo, devices: Sequence[Any] | None = None, 
     devices = list(devices) if devices is not None else list(jax.devices())[: plan.machine.num_devices]
     sh = plan_shardings(plan, info, devices)
     in_sh = jax.tree_util.tree_unflatten(info.in_tree, list(sh.leaves))
-    vg = jax.value_and_grad(constrained_fn(info, sh), argnums=argnums, has_aux=has_aux)
+    vg = jax.value_and_grad(constrained_fn(info, sh, ring_hooks(plan, info, devices)), argnums=argnums,
+                            has_aux=has_aux)
     rep = replicated(devices)
 
     def step(*args: Any) -> Any:

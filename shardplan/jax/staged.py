@@ -282,7 +282,7 @@ class _Stage:
         import jax.numpy as jnp
 
         from shardplan.jax.fp8 import fp8_equations, fp8_operators, with_history
-        from shardplan.jax.run import constrain_both_ways, evaluate_eqns
+        from shardplan.jax.run import constrain_both_ways, evaluate_eqns, ring_hooks
         from shardplan.jax.shardings import _axis_dims, layout_sharding, replicated
 
         self.index, self.spec, self.plan, self.eqns = index, spec, plan, eqns
@@ -304,7 +304,9 @@ class _Stage:
         # cannot express (IndivisibleError: a 2 x 2 tiling on a 1-D mesh of 4), which prime-factor axes can
         produce = {v: constrain_both_ways(_factored(s)) for v, s in out_sh.items()}
         consume = {key: constrain_both_ways(_factored(s)) for key, s in read_sh.items()}
-        self.replace = fp8_equations(plan, info)
+        ring_consume, ring_replace = ring_hooks(plan, info, self.devices, _factored)  # a ring plan's attentions
+        consume.update(ring_consume)
+        self.replace = {**fp8_equations(plan, info), **ring_replace}
         policy = _name_saved(plan, info, eqns, produce)
         self.rep = _factored(replicated(self.devices))
         own = {v for k in eqns for v in prog.eqns[k].outvars}

@@ -1,0 +1,98 @@
+"""A plan's ring on 8 simulated devices: the one-layer attention of jax_attention_cases (written with
+``jax.nn.dot_product_attention``, causal, grouped-query), planned with ``context="ring"`` on the toy machine
+(the attention's queries split 8 ways), run by ``sj.apply``: loss and gradients equal to the unsharded
+program, and the compiled step passes keys and values around the ring (collective-permutes) where the same
+layouts run without the ring all-gather them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import require_8_devices
+from jax_attention_cases import TOY, attention_loss, inputs
+
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
+DEVICES = require_8_devices()
+
+
+def test_the_planned_ring_runs_equal_to_the_unsharded_program_and_gathers_nothing():
+    import shardplan.jax as sj
+    from shardplan.jax.run import constrained_fn, ring_hooks
+    from shardplan.jax.shardings import plan_shardings
+
+    params, batch = inputs()
+    plan = sj.plan(attention_loss, params, batch, DEVICES, TOY, context="ring")
+    run = sj.apply(plan, attention_loss, params, batch, DEVICES)
+    consume, replace = ring_hooks(run.plan, run.info, DEVICES)
+    assert len(replace) == 1 and len(consume) == 2  # the attention runs the ring, keys and values read split
+    step = run.step.lower(params, batch).compile()
+    loss, grads = step(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(attention_loss)(params, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for name, r in ref_grads.items():
+        assert float(jnp.max(jnp.abs(grads[name] - r))) <= 1e-4 * float(jnp.max(jnp.abs(r))), name
+    hlo = step.as_text()
+    assert "all-gather" not in hlo
+    assert hlo.count("collective-permute-start") + hlo.count("collective-permute(") >= 2 * 7  # forward, backward
+
+    sh = plan_shardings(run.plan, run.info, DEVICES)  # the same layouts, the keys and values gathered
+    plain = jax.jit(jax.value_and_grad(constrained_fn(run.info, sh))).lower(params, batch).compile()
+    assert "all-gather" in plain.as_text()
+    assert abs(float(plain(params, batch)[0]) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+
+
+def test_the_ring_runs_in_the_memory_choices_step_too():
+    """Under a budget the plan carries memory choices (sharded state) and runs by :mod:`shardplan.jax.memory`'s
+    step, which runs the ring as well: loss and gradients equal to the unsharded program."""
+    import shardplan.jax as sj
+
+    params, batch = inputs()
+    free = sj.plan(attention_loss, params, batch, DEVICES, TOY, context="ring", fit=False)
+    plan = sj.plan(attention_loss, params, batch, DEVICES, TOY, context="ring", budget=0.7 * free.memory["peak_bytes"])
+    run = sj.apply(plan, attention_loss, params, batch, DEVICES)
+    assert run.plan.memory_choices is not None
+    assert [c.layout.split[1] for c in plan.operators.values() if c.kind == "attn_flash"] == [8]
+    loss, grads = run.step(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(attention_loss)(params, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for name, r in ref_grads.items():
+        assert float(jnp.max(jnp.abs(grads[name] - r))) <= 1e-4 * float(jnp.max(jnp.abs(r))), name
+
+
+def test_pipeline_stages_run_their_ring():
+    """Two attention layers, the pipeline search with ``context="ring"`` on sub-meshes of 4 (two stages, two
+    micro-batches of one sequence): each stage splits its attention's queries 4 ways and its step runs the ring
+    (on the stage's prime-factor mesh); loss and gradients equal to the unsharded program."""
+    import shardplan.jax as sj
+    from shardplan.jax.staged import Tracer, batch_size
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.planner import from_pipeline
+
+    ks = jax.random.split(jax.random.PRNGKey(1), 2)
+    params = {"layers": [inputs()[0], jax.tree.map(lambda w: w[::-1], inputs()[0])]}
+    batch = (jax.random.normal(ks[0], (2, 128, 32)), jax.random.normal(ks[1], (2, 128, 32)))
+
+    def two_layers(p, b):
+        x, w = b
+        for i, layer in enumerate(p["layers"]):
+            with jax.named_scope(f"L{i}"):
+                x = x + attention_loss(layer, (x, None), reduce=False)
+        return jnp.mean(x * w)
+
+    tracer = Tracer(two_layers, params, batch)
+    plan = from_pipeline(pipeline_solve(tracer, batch_size(tracer.full_info), TOY, micro_batches=(2,), sizes=(4,),
+                                        cutoff=1, context="ring"))
+    assert plan.num_stages == 2
+    assert [[c.layout.split[1] for c in s.operators.values() if c.kind == "attn_flash"] for s in plan.stages] \
+        == [[4], [4]]
+    step = sj.apply(plan, two_layers, params, batch, DEVICES).step
+    assert [len(st.replace) for st in step.stages] == [1, 1]
+    loss, grads = step(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(two_layers)(params, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    top = max(float(jnp.abs(r).max()) for r in jax.tree.leaves(ref_grads))
+    assert max(float(jnp.abs(a - r).max()) for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))) \
+        <= 1e-4 * top
