@@ -945,24 +945,32 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
             cu = cfgs[u][cols[:, pos[u]]]
             mat = p.edge_cost[e]
             add += mat[np.ix_(cu, mp.base[v][j])] if v_is_dst else mat[np.ix_(mp.base[v][j], cu)].T
-        nf = (F[:, None] + add).ravel()
-        nm = (M[:, None] + mp.memory[v][j][None, :]).ravel()
-        parent = np.repeat(np.arange(P), J)
-        choice = np.tile(np.arange(J), P)
+        nf = F[:, None] + add
+        nm = M[:, None] + mp.memory[v][j][None, :]
+        # state key (mixed radix over the frontier's configuration counts): the kept frontier vertices'
+        # part comes from the parent point, the new vertex's from the choice, so it is a sum of the two
         keep_cols = [pos[u] for u in after if u != v]
-        newcols = cols[parent][:, keep_cols]
-        if v in after:
-            newcols = np.concatenate([newcols, jc[choice][:, None]], axis=1)
-        ok = (nm + rest_m[v + 1] <= mp.budget) & (nf + rest_c[v + 1] < cutoff)
-        sel = np.flatnonzero(ok)
+        part_p = np.zeros(P, dtype=np.int64)
+        part_c = np.zeros(J, dtype=np.int64)
+        for (of, count), u in zip(classes[v], after):
+            part_p *= count
+            part_c *= count
+            if u == v:
+                part_c += of[jc]
+            else:
+                part_p += of[cols[:, pos[u]]]
+        key = part_p[:, None] + part_c[None, :]
+        lag = nf + lam * nm
+        # the tests on a point alone (budget, cost, and the completion bound of its state) before the sort;
+        # they drop with a point every point it dominates in its state, so the sort keeps what it kept
+        ok = ((nm + rest_m[v + 1] <= mp.budget) & (nf + rest_c[v + 1] < cutoff)
+              & (lag + rest[v][key] < reach))
+        sel = np.flatnonzero(ok.ravel())
         if not len(sel):
             return True, np.inf
-        nf, nm, parent, choice, newcols = nf[sel], nm[sel], parent[sel], choice[sel], newcols[sel]
-        # state key (mixed radix over the frontier's configuration counts), then per state: Pareto and band
-        key = np.zeros(len(nf), dtype=np.int64)
-        for k, (of, count) in enumerate(classes[v]):
-            key = key * count + of[newcols[:, k]]
-        lag = nf + lam * nm
+        parent, choice = sel // J, sel % J
+        nf, nm, key, lag = nf.ravel()[sel], nm.ravel()[sel], key.ravel()[sel], lag.ravel()[sel]
+        # per state: Pareto and band
         order = np.lexsort((nf, nm, key))
         key_s, f_s, lag_s = key[order], nf[order], lag[order]
         start = np.ones(len(order), dtype=bool)
@@ -975,11 +983,14 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
         prev = np.concatenate([[np.iinfo(np.int64).max], np.minimum.accumulate(code)[:-1]])
         pareto = start | (code < prev)
         best_lag = np.minimum.reduceat(lag_s, np.flatnonzero(start))[grp]
-        keep = pareto & (lag_s - best_lag < band) & (lag_s + rest[v][key_s] < reach)
+        keep = pareto & (lag_s - best_lag < band)
         order = order[keep]
+        newcols = cols[parent[order]][:, keep_cols]
+        if v in after:
+            newcols = np.concatenate([newcols, jc[choice[order]][:, None]], axis=1)
         if len(order) > max_points:
             return False, np.nan
-        cols, F, M = newcols[order], nf[order], nm[order]
+        cols, F, M = newcols, nf[order], nm[order]
         back.append((parent[order], choice[order]))
         held += back[-1][0].nbytes + back[-1][1].nbytes
         if held > ctx.frontier_bytes or time.perf_counter() > ctx.deadline:
