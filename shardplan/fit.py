@@ -490,6 +490,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     host_budget = options.host_budget(machine)
     host_least = np.inf  # the least host memory, when only the host budget ruled a count out
     solved_by_m: dict[int, dict] = {}  # per count, the Lagrangian points its root solve found
+    lams: list[float] = []  # the multipliers the roots ended at, latest first (for the solve-free bounds)
+    closed: dict[int, float] = {}  # count -> its solve-free bound, for the counts it closed
     interrupted = False
     counts = sorted({int(x) for x in options.micro_batches})
     current = counts[0]
@@ -523,6 +525,12 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                 per.append({"micro_batches": m, "status": "infeasible in host memory",
                             "least_host_bytes": float(sum(t.host_bytes.min() for t in cts))})
                 continue
+            # a bound without a solve first: a count whose bound reaches the best plan is closed (it cannot beat it)
+            cheap = _count_bound(mp, best[0].cost, lams) if best is not None else -np.inf
+            if best is not None and cheap >= best[0].cost:
+                problems.append((cheap, np.inf, m, mp, cts, None))
+                closed[m] = cheap
+                continue
             # the root alone: a feasible plan and the dual bound, to order the counts and share the incumbent
             solved: dict = {}  # the root's Lagrangian points, for the full search of this count (exact reuse)
             # with the best plan so far as ``upper``, a count's dual stops as soon as its bound reaches it: the
@@ -533,6 +541,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             totals["dp_solves"] += root.stats["dp_solves"]
             problems.append((max(root.bound, root.stats.get("root_bound", -np.inf)), root.cost, m, mp, cts, root))
             solved_by_m[m] = solved
+            if root.stats.get("lambda", 0.0) > 0:
+                lams.insert(0, float(root.stats["lambda"]))
             if best is None or root.cost < best[0].cost:
                 best = (root, m, cts)
             if root.stats.get("interrupted"):  # Ctrl-C inside the root, after it had a plan (kept above)
@@ -551,6 +561,11 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
         raise ShardplanError(_infeasible(least_all, budget, peak_least))
     for root_bound, root_cost, m, mp, cts, _root in sorted(problems, key=lambda x: (x[0], x[1])):
         upper = best[0].cost if best is not None else np.inf
+        if m in closed:
+            lower.append(root_bound)
+            per.append({"micro_batches": m, "status": "pruned: its solve-free bound reaches the best plan",
+                        "lower_bound": root_bound, "cost": None})
+            continue
         if interrupted:  # Ctrl-C: what each count's root proved stands as its bound
             lower.append(root_bound)
             per.append({"micro_batches": m, "status": "not searched: interrupted", "lower_bound": root_bound})
@@ -623,6 +638,60 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                              "memory-ilp" if sol.solver == "memory-ilp" else "memory-bb"),
                      optimal=optimal, bound=sol.cost if optimal else bound, stats=stats)
     return SpmdPlan(tables, base, final, "fit", build_seconds, memory_choices=choices)
+
+
+def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], evaluations: int = 12) -> float:
+    """A lower bound of a micro-batch count's optimum without a DP solve, sought until it reaches ``best``.
+
+    The forest bound of the count's Lagrangian problem (:func:`~shardplan.search.constrained.relaxed_bound`),
+    maximised over the multiplier: first the multipliers the earlier counts' roots ended at (latest first:
+    the counts share the graph and layouts, so their best multipliers are near), then, from the latest,
+    doubling or halving while the bound rises, then a golden-section search on log(multiplier) between the
+    best point's neighbours, at most ``evaluations`` forest passes in all. Any multiplier gives a valid
+    bound, so how it is sought decides the work, never the answer (docs/memory.md, "Solve-free count
+    bounds"). -inf when no multiplier is known.
+    """
+    from shardplan.search.constrained import relaxed_bound
+
+    seen: dict[float, float] = {}
+
+    def at(lam: float) -> float:
+        lam = lams[0] if np.isclose(lam, lams[0], rtol=1e-12, atol=0.0) else lam  # exp(log(x)) need not be x
+        if lam not in seen:
+            seen[lam] = relaxed_bound(mp, lam) if len(seen) < evaluations else -np.inf
+        return seen[lam]
+
+    if not lams:
+        return -np.inf
+    for lam in lams:
+        if at(lam) >= best:
+            return seen[lam]
+    # along log(lam) from the latest multiplier: the direction that rises, while it rises
+    x0 = float(np.log(lams[0]))
+    up, down = at(float(np.exp(x0 + np.log(2)))), at(float(np.exp(x0 - np.log(2))))
+    if max(up, down) >= best:
+        return max(up, down)
+    step = np.log(2) if up >= down else -np.log(2)
+    xs = [x0 - step, x0, x0 + step]
+    while (max(seen.values()) < best and len(seen) < evaluations
+           and at(float(np.exp(xs[-1]))) > at(float(np.exp(xs[-2])))):
+        xs.append(xs[-1] + step)
+    if max(seen.values()) >= best:
+        return max(seen.values())
+    lo, hi = sorted((xs[-3], xs[-1]))
+    ratio = (np.sqrt(5) - 1) / 2
+    a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    fa, fb = at(float(np.exp(a))), at(float(np.exp(b)))
+    while max(seen.values()) < best and len(seen) < evaluations:
+        if fa >= fb:  # the peak is left of b
+            hi, b, fb = b, a, fa
+            a = hi - ratio * (hi - lo)
+            fa = at(float(np.exp(a)))
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + ratio * (hi - lo)
+            fb = at(float(np.exp(b)))
+    return max(seen.values())
 
 
 def _host_of(cts: Sequence[ChoiceTable], assignment: Sequence[int]) -> float:

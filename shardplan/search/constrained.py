@@ -108,7 +108,7 @@ from shardplan.search.bounds import uf_find
 from shardplan.search.problem import Problem, Solution
 
 __all__ = ["MemoryProblem", "solve_memory", "solve_memory_bruteforce", "infeasible_message", "enumerate_choices",
-           "cheapest_within"]
+           "cheapest_within", "relaxed_bound"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -452,6 +452,34 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
         _mix(ctx, allowed, ctx.trail, plus, minus, max(lam, 0.0))
     bound = min(bound, minus.f) if minus.m <= B else bound
     return _Eval(bound, minus.m <= B and bound >= minus.f, plus, minus, lam, it, tight)
+
+
+def relaxed_bound(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndarray] | None = None) -> float:
+    """A lower bound of ``min F subject to M <= B`` (over the allowed choices) without an exact solve.
+
+    For every feasible ``a`` and ``lam >= 0``, ``F(a) >= F(a) + lam (M(a) - B') >= L* + lam (fixed - B')``,
+    where ``L*`` is the least ``F + lam sum_v memory_v`` (the Lagrangian problem of
+    :func:`_lagrangian_problem`) and ``B'`` the lattice budget (:func:`_lattice_budget`, every allowed
+    ``M <= B`` is ``<= B'``). ``L*`` is bounded below by the plain forest bound of that problem
+    (:mod:`shardplan.search.bounds`: one pass, no messages), whose computed value is within a few ulps per
+    vertex of the true one; the result is lowered by ``1e-9`` relative against that rounding. Infinite when
+    no allowed assignment fits. The cost is one forest pass instead of a DP solve (GPT-3 175B on 1,024
+    h100: 0.3 s against 1 s per Lagrangian solve), which is what lets :func:`shardplan.fit.solve_fit` close a
+    micro-batch count whose bound reaches the best plan already known without solving its root.
+    """
+    from shardplan.search.bounds import BoundState, _forest_pass
+
+    allowed = [np.ones(k, dtype=bool) for k in mp.num_choices] if allowed is None else list(allowed)
+    lam = float(lam)
+    if not lam >= 0:
+        raise ShardplanError(f"relaxed_bound: the multiplier must be >= 0, got {lam!r}")
+    if not all(ok.any() for ok in allowed) or mp.least_memory(allowed) > mp.budget:
+        return float("inf")
+    tight = _lattice_budget(mp, allowed) if lam > 0 else mp.budget
+    sub, _, _ = _lagrangian_problem(mp, lam, allowed)
+    _, _, low = _forest_pass(BoundState.from_problem(sub))
+    value = float(low) + lam * (mp.fixed - tight)
+    return value - 1e-9 * abs(value)
 
 
 def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, iters: int,
