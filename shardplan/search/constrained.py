@@ -1059,7 +1059,7 @@ def _branch(mp: MemoryProblem, node: _Node, ev: _Eval) -> list[_Node]:
 
 def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int = 100_000, rtol: float = 1e-9,
                  max_dual_iters: int = 60, upper: float = np.inf, fix_iters: int = 5,
-                 separable: int = 4096, frontier: int = 20_000, mix: bool = True, dp: Callable[[Problem], Solution] | None = None,
+                 separable: int = 4096, frontier: int = 100_000, mix: bool = True, dp: Callable[[Problem], Solution] | None = None,
                  solved: dict | None = None, **dp_options: Any) -> Solution:
     """Minimum F subject to M <= budget (see the module docstring), exact unless stopped.
 
