@@ -492,6 +492,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     solved_by_m: dict[int, dict] = {}  # per count, the Lagrangian points its root solve found
     lams: list[float] = []  # the multipliers the roots ended at, latest first (for the solve-free bounds)
     closed: dict[int, float] = {}  # count -> its solve-free bound, for the counts it closed
+    root_seconds = np.inf  # the quickest root so far: a tenth of it may go to a count's solve-free bound
     interrupted = False
     counts = sorted({int(x) for x in options.micro_batches})
     current = counts[0]
@@ -526,7 +527,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                             "least_host_bytes": float(sum(t.host_bytes.min() for t in cts))})
                 continue
             # a bound without a solve first: a count whose bound reaches the best plan is closed (it cannot beat it)
-            cheap = _count_bound(mp, best[0].cost, lams) if best is not None else -np.inf
+            cheap = _count_bound(mp, best[0].cost, lams, 0.1 * root_seconds) if best is not None else -np.inf
             if best is not None and cheap >= best[0].cost:
                 problems.append((cheap, np.inf, m, mp, cts, None))
                 closed[m] = cheap
@@ -543,6 +544,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             solved_by_m[m] = solved
             if root.stats.get("lambda", 0.0) > 0:
                 lams.insert(0, float(root.stats["lambda"]))
+            root_seconds = min(root_seconds, root.solve_seconds)
             if best is None or root.cost < best[0].cost:
                 best = (root, m, cts)
             if root.stats.get("interrupted"):  # Ctrl-C inside the root, after it had a plan (kept above)
@@ -640,29 +642,36 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     return SpmdPlan(tables, base, final, "fit", build_seconds, memory_choices=choices)
 
 
-def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], evaluations: int = 12) -> float:
+def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds: float = np.inf,
+                 evaluations: int = 12, least: int = 2) -> float:
     """A lower bound of a micro-batch count's optimum without a DP solve, sought until it reaches ``best``.
 
     The forest bound of the count's Lagrangian problem (:func:`~shardplan.search.constrained.relaxed_bound`),
     maximised over the multiplier: first the multipliers the earlier counts' roots ended at (latest first:
     the counts share the graph and layouts, so their best multipliers are near), then, from the latest,
     doubling or halving while the bound rises, then a golden-section search on log(multiplier) between the
-    best point's neighbours, at most ``evaluations`` forest passes in all. Any multiplier gives a valid
-    bound, so how it is sought decides the work, never the answer (docs/memory.md, "Solve-free count
-    bounds"). -inf when no multiplier is known.
+    best point's neighbours; at most ``evaluations`` forest passes, and past the first ``least`` only while
+    the search has spent less than ``seconds`` (the caller gives a share of a root's time: a count the bound
+    cannot close still needs its root). Any multiplier gives a valid bound, so how it is sought decides the
+    work, never the answer (docs/memory.md, "Solve-free count bounds"). -inf when no multiplier is known.
     """
-    from shardplan.search.constrained import relaxed_bound
+    from shardplan.search.constrained import _lattice_budget, relaxed_bound
 
+    if not lams:
+        return -np.inf
     seen: dict[float, float] = {}
+    t0 = time.perf_counter()
+    lattice = _lattice_budget(mp, [np.ones(k, dtype=bool) for k in mp.num_choices])
+
+    def spent() -> bool:
+        return len(seen) >= evaluations or (len(seen) >= least and time.perf_counter() - t0 > seconds)
 
     def at(lam: float) -> float:
         lam = lams[0] if np.isclose(lam, lams[0], rtol=1e-12, atol=0.0) else lam  # exp(log(x)) need not be x
         if lam not in seen:
-            seen[lam] = relaxed_bound(mp, lam) if len(seen) < evaluations else -np.inf
+            seen[lam] = -np.inf if spent() else relaxed_bound(mp, lam, lattice=lattice)
         return seen[lam]
 
-    if not lams:
-        return -np.inf
     for lam in lams:
         if at(lam) >= best:
             return seen[lam]
@@ -673,8 +682,7 @@ def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], evaluati
         return max(up, down)
     step = np.log(2) if up >= down else -np.log(2)
     xs = [x0 - step, x0, x0 + step]
-    while (max(seen.values()) < best and len(seen) < evaluations
-           and at(float(np.exp(xs[-1]))) > at(float(np.exp(xs[-2])))):
+    while max(seen.values()) < best and not spent() and at(float(np.exp(xs[-1]))) > at(float(np.exp(xs[-2]))):
         xs.append(xs[-1] + step)
     if max(seen.values()) >= best:
         return max(seen.values())
@@ -682,7 +690,7 @@ def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], evaluati
     ratio = (np.sqrt(5) - 1) / 2
     a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
     fa, fb = at(float(np.exp(a))), at(float(np.exp(b)))
-    while max(seen.values()) < best and len(seen) < evaluations:
+    while max(seen.values()) < best and not spent():
         if fa >= fb:  # the peak is left of b
             hi, b, fb = b, a, fa
             a = hi - ratio * (hi - lo)

@@ -454,7 +454,8 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
     return _Eval(bound, minus.m <= B and bound >= minus.f, plus, minus, lam, it, tight)
 
 
-def relaxed_bound(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndarray] | None = None) -> float:
+def relaxed_bound(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndarray] | None = None,
+                  lattice: float | None = None) -> float:
     """A lower bound of ``min F subject to M <= B`` (over the allowed choices) without an exact solve.
 
     For every feasible ``a`` and ``lam >= 0``, ``F(a) >= F(a) + lam (M(a) - B') >= L* + lam (fixed - B')``,
@@ -466,6 +467,7 @@ def relaxed_bound(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndarray] |
     no allowed assignment fits. The cost is one forest pass instead of a DP solve (GPT-3 175B on 1,024
     h100: 0.3 s against 1 s per Lagrangian solve), which is what lets :func:`shardplan.fit.solve_fit` close a
     micro-batch count whose bound reaches the best plan already known without solving its root.
+    ``lattice``: ``_lattice_budget(mp, allowed)`` when the caller has it (it does not depend on ``lam``).
     """
     from shardplan.search.bounds import BoundState, _forest_pass
 
@@ -475,7 +477,7 @@ def relaxed_bound(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndarray] |
         raise ShardplanError(f"relaxed_bound: the multiplier must be >= 0, got {lam!r}")
     if not all(ok.any() for ok in allowed) or mp.least_memory(allowed) > mp.budget:
         return float("inf")
-    tight = _lattice_budget(mp, allowed) if lam > 0 else mp.budget
+    tight = mp.budget if lam == 0 else _lattice_budget(mp, allowed) if lattice is None else min(lattice, mp.budget)
     sub, _, _ = _lagrangian_problem(mp, lam, allowed)
     _, _, low = _forest_pass(BoundState.from_problem(sub))
     value = float(low) + lam * (mp.fixed - tight)
