@@ -653,7 +653,7 @@ def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds:
     best point's neighbours; at most ``evaluations`` forest passes, and past the first ``least`` only while
     the search has spent less than ``seconds`` (the caller gives a share of a root's time: a count the bound
     cannot close still needs its root). Any multiplier gives a valid bound, so how it is sought decides the
-    work, never the answer (docs/memory.md, "Solve-free count bounds"). -inf when no multiplier is known.
+    work, never the answer (docs/memory.md, "The one program at scale"). -inf when no multiplier is known.
     """
     from shardplan.search.constrained import _lattice_budget, relaxed_bound
 

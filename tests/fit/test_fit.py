@@ -335,7 +335,7 @@ def test_solve_free_count_bounds_change_nothing(frac, monkeypatch):
     """A micro-batch count whose forest bound (at multipliers near the earlier roots') reaches the best plan
     is closed without its root. Plan, choices, cost, bound and proof equal those of solving every root, and
     each closed count's bound is at most that count's own optimum (solved alone)."""
-    import shardplan.fit as fit
+    from shardplan import fit
 
     g = _tiny_gpt()
     m = Machine(4, peak_flops=F, bandwidth=100 * B, latency=1e-6, memory_bytes=1e12)
