@@ -492,7 +492,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     solved_by_m: dict[int, dict] = {}  # per count, the Lagrangian points its root solve found
     lams: list[float] = []  # the multipliers the roots ended at, latest first (for the solve-free bounds)
     closed: dict[int, float] = {}  # count -> its solve-free bound, for the counts it closed
-    root_seconds = np.inf  # the quickest root so far: a tenth of it may go to a count's solve-free bound
+    root_seconds = np.inf  # the quickest root so far, CPU s: a quarter of it may go to a count's solve-free bound
     interrupted = False
     counts = sorted({int(x) for x in options.micro_batches})
     current = counts[0]
@@ -527,7 +527,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                             "least_host_bytes": float(sum(t.host_bytes.min() for t in cts))})
                 continue
             # a bound without a solve first: a count whose bound reaches the best plan is closed (it cannot beat it)
-            cheap = _count_bound(mp, best[0].cost, lams, 0.1 * root_seconds) if best is not None else -np.inf
+            cheap = _count_bound(mp, best[0].cost, lams, 0.25 * root_seconds) if best is not None else -np.inf
             if best is not None and cheap >= best[0].cost:
                 problems.append((cheap, np.inf, m, mp, cts, None))
                 closed[m] = cheap
@@ -536,6 +536,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             solved: dict = {}  # the root's Lagrangian points, for the full search of this count (exact reuse)
             # with the best plan so far as ``upper``, a count's dual stops as soon as its bound reaches it: the
             # count is then pruned below without the dual's remaining solves (docs/memory.md, "Work not repeated")
+            c0 = time.process_time()
             root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved,
                                 upper=best[0].cost if best is not None else np.inf, **dp_options)
             totals["nodes"] += root.stats["nodes"]
@@ -544,7 +545,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             solved_by_m[m] = solved
             if root.stats.get("lambda", 0.0) > 0:
                 lams.insert(0, float(root.stats["lambda"]))
-            root_seconds = min(root_seconds, root.solve_seconds)
+            root_seconds = min(root_seconds, time.process_time() - c0)
             if best is None or root.cost < best[0].cost:
                 best = (root, m, cts)
             if root.stats.get("interrupted"):  # Ctrl-C inside the root, after it had a plan (kept above)
@@ -651,8 +652,8 @@ def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds:
     the counts share the graph and layouts, so their best multipliers are near), then, from the latest,
     doubling or halving while the bound rises, then a golden-section search on log(multiplier) between the
     best point's neighbours; at most ``evaluations`` forest passes, and past the first ``least`` only while
-    the search has spent less than ``seconds`` (the caller gives a share of a root's time: a count the bound
-    cannot close still needs its root). Any multiplier gives a valid bound, so how it is sought decides the
+    the search has spent less than ``seconds`` of CPU (the caller gives a share of a root's: a count the
+    bound cannot close still needs its root). Any multiplier gives a valid bound, so how it is sought decides the
     work, never the answer (docs/memory.md, "The one program at scale"). -inf when no multiplier is known.
     """
     from shardplan.search.constrained import _lattice_budget, relaxed_bound
@@ -660,11 +661,11 @@ def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds:
     if not lams:
         return -np.inf
     seen: dict[float, float] = {}
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: the machine may be shared
     lattice = _lattice_budget(mp, [np.ones(k, dtype=bool) for k in mp.num_choices])
 
     def spent() -> bool:
-        return len(seen) >= evaluations or (len(seen) >= least and time.perf_counter() - t0 > seconds)
+        return len(seen) >= evaluations or (len(seen) >= least and time.process_time() - t0 > seconds)
 
     def at(lam: float) -> float:
         lam = lams[0] if np.isclose(lam, lams[0], rtol=1e-12, atol=0.0) else lam  # exp(log(x)) need not be x
