@@ -578,7 +578,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             # cost: the best plan the root saw (None when its dual reached the best plan before seeing one)
             seen = _root is None or _root.stats.get("found", True)
             per.append({"micro_batches": m, "status": "pruned: its dual bound reaches the best plan",
-                        "lower_bound": root_bound, "cost": root_cost if seen else None})
+                        "lower_bound": root_bound, "cost": root_cost if seen else None,
+                        **({"model": "backward peak"} if isinstance(mp, PeakProblem) else {})})
             continue
         try:
             if isinstance(mp, PeakProblem):
