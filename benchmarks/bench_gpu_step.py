@@ -9,8 +9,10 @@ them: the machine is a profile file as given (``--machine h100`` by default, or 
   and wave utilisation of its output (:func:`shardplan.cost.operator.gemm_utilisation`), or the bytes it
   moves over the HBM bandwidth where that is longer (the roofline the model charges);
 * ``steps``: the same Hugging Face models as were timed (built from their configs on the meta device, traced
-  by :func:`shardplan.torch.plan` on one device of the machine, layouts only) against the measured step
-  (forward + backward and the fused AdamW step; each part's ratio too), split by kind of work: the model's
+  by :func:`shardplan.torch.plan` on one device of the machine, layouts only; a tied head tied again after
+  ``to_empty``, which gives every module its own tensor) against the measured step
+  (forward + backward and the fused AdamW step; each part's ratio too, the step's also against its profiled
+  kernels alone), split by kind of work: the model's
   seconds of matrix-product operators, attention and everything else beside the profiled CUDA kernels of
   each kind; the predicted peak memory beside the measured peak allocated;
 * ``jax_rows``: the flax language models of ``gpu_jax_models.py`` as XLA compiled and ran them (forward +
@@ -102,6 +104,8 @@ def predict_step(row: dict[str, Any], machine: Any) -> dict[str, Any]:
     with torch.device("meta"):
         model = build_model(row["family"], row["config"], row["seq"])
     model = model.to_empty(device="cpu").to(torch.bfloat16)  # uninitialised: only shapes are traced
+    if hasattr(model, "tie_weights"):  # to_empty gives every module its own tensor: tie the head to the embedding again
+        model.tie_weights()
     ids = torch.zeros((row["batch"], row["seq"]), dtype=torch.long)
     t0 = time.process_time()
     p = plan(_Loss.wrap(model), (ids,), machine=machine, fit=False, stages=False)
@@ -132,6 +136,8 @@ def step_rows(measured: dict[str, Any], machine: Any) -> list[dict[str, Any]]:
                "optimizer_ratio": pred["predicted_optimizer_s"] / r["optimizer_s"], **pred,
                "measured_kernels_s": {k: v for k, v in kernels.items() if k != "top_kernels"},
                "measured_peak_allocated_bytes": r.get("peak_allocated_bytes")}
+        if kernels.get("optimizer"):  # the profiled fused AdamW kernels (and zero_grad's foreach fill) alone
+            row["optimizer_kernels_ratio"] = pred["predicted_optimizer_s"] / kernels["optimizer"]
         if r.get("peak_allocated_bytes"):
             row["memory_ratio"] = pred["predicted_peak_bytes"] / r["peak_allocated_bytes"]
         rows.append(row)

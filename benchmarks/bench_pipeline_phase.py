@@ -2,15 +2,18 @@
 step and its proven bound at one micro-batch, as :func:`shardplan.planner.plan` hands them over.
 
 ``shardplan plan --model M -p P --machine h100`` first solves the one program (``shardplan.fit``, measured by
-``bench_scale_pipeline.py`` end to end) and then the pipeline space with its defaults (micro-batch counts 1, 2,
-4, 8 dividing the batch, 1F1B and ZB-H1, memory choices). This benchmark times the second part in its own
+``bench_scale_pipeline.py`` end to end) and then the pipeline space with its defaults (every micro-batch count
+that divides the batch, 1F1B and ZB-H1, memory choices). This benchmark times the second part in its own
 process, with the one program's step and bound computed once per row and kept in ``--cache`` (they do not
 depend on the pipeline search), so a change to the pipeline search is measured on its own: CPU seconds (the
 machine is shared: wall seconds say more about the load), wall seconds, the process's peak resident memory, the
 plan (stages, sizes, m, schedule) or "none beats the one program", the step, the proven bound of the pipeline
 space and the gap, the intra-stage and memory-constrained solves and the stages the solve-free bounds left
 unsolved (docs/pipeline.md, *Solve-free stage bounds*). A row past ``--limit`` CPU seconds gets SIGINT: the
-search returns its best plan and the bound it proved, recorded as ``interrupted``.
+search returns its best plan and the bound it proved, recorded as ``interrupted``. A thread reads the process's
+resident set every second: ``memory_samples`` keeps one every ``--sample`` seconds (wall and CPU seconds, bytes,
+where the search was), next to the most states a stage DP's memo held (``dp_memo_entries_max``;
+docs/pipeline.md, *The memo's memory*).
 
 Run: ``PYTHONPATH=. python benchmarks/bench_pipeline_phase.py [--rows gpt3-p1024] [--out
 benchmarks/results/pipeline_phase.json]``.
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +65,32 @@ def one_program(model: str, p: int, cache: Path) -> dict[str, Any]:
     return got[key]
 
 
+def resident_bytes() -> int:
+    """This process's resident set now (Linux ``/proc``; 0 where it cannot be read)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def sample_memory(tracker: Any, every: float, out: list[dict[str, Any]], stop: threading.Event) -> None:
+    """Read the resident set every second until ``stop``; append one sample every ``every`` seconds and one at
+    each new peak (wall and CPU seconds since the start, bytes, the search's phase and detail)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    peak, last = 0, -math.inf
+    while not stop.wait(1.0):
+        now, rss = time.perf_counter() - t0, resident_bytes()
+        if rss > peak or now - last >= every:
+            if now - last >= every or rss > peak * 1.05:
+                out.append({"seconds": round(now, 1), "cpu_seconds": round(time.process_time() - c0, 1),
+                            "rss_bytes": rss, "where": f"{tracker.phase} {tracker.detail}".strip()})
+                last = now
+            peak = max(peak, rss)
+
+
 def counts(given: str, batch: int) -> tuple[int, ...]:
     """The micro-batch counts of a row: ``default`` (the planner's), ``all`` (every divisor of the batch) or a
     comma-separated list."""
@@ -73,7 +104,7 @@ def counts(given: str, batch: int) -> tuple[int, ...]:
 
 
 def run_row(name: str, spec: dict[str, Any], cache: Path, limit: float, micro_batches: str = "default",
-            seeds: int | None = None) -> dict[str, Any]:
+            seeds: int | None = None, sample: float = 10.0) -> dict[str, Any]:
     """The pipeline phase of one row in this process (run each row in its own process for its peak memory)."""
     from shardplan import preset
     from shardplan.models import model_spec
@@ -97,6 +128,9 @@ def run_row(name: str, spec: dict[str, Any], cache: Path, limit: float, micro_ba
     status = "ok"
     ms = counts(micro_batches, model.batch)
     seeds = SEED_EVALUATIONS if seeds is None else seeds
+    samples: list[dict[str, Any]] = []
+    stop = threading.Event()
+    threading.Thread(target=sample_memory, args=(tracker, sample, samples, stop), daemon=True).start()
     try:
         res = pipeline_solve(lambda b: model.build(b), model.batch, machine,
                              micro_batches=ms, schedules=("1f1b", "zb-h1"), seeds=seeds,
@@ -105,13 +139,14 @@ def run_row(name: str, spec: dict[str, Any], cache: Path, limit: float, micro_ba
     except KeyboardInterrupt:
         res, status = None, "interrupted (no pipeline found)"
     signal.setitimer(signal.ITIMER_PROF, 0)
+    stop.set()
     row: dict[str, Any] = {
         "row": name, "model": spec["model"], "devices": spec["p"], "machine": "h100",
         "one_program_step_seconds": one["step"], "one_program_lower_m1": one["lower"],
         "cpu_seconds": round(time.process_time() - c0, 2), "seconds": round(time.perf_counter() - t0, 2),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_rss_before_bytes": rss0, "limit_cpu_seconds": limit, "last_progress": lines[-1] if lines else None,
-        "micro_batches": list(ms), "seeds": seeds, "progress_lines": lines[-40:],
+        "micro_batches": list(ms), "seeds": seeds, "progress_lines": lines[-40:], "memory_samples": samples,
     }
     if res is None:
         row.update(status=status, plan=None, pipeline_space_lower_bound=tracker.bound
@@ -127,8 +162,9 @@ def run_row(name: str, spec: dict[str, Any], cache: Path, limit: float, micro_ba
                     f"{[(s.first, s.end) for s in p.stages]}, m={p.micro_batches}, {p.schedule}",
                step_time_seconds=p.step_time, lower_bound_seconds=p.lower_bound, gap=p.gap,
                stats={k: st.get(k) for k in ("intra_stage_solves", "fit_evaluations", "stages_skipped_by_floor",
-                                             "zb_boxes", "candidates", "parts_closed_by_floor", "parts_done",
-                                             "parts_total", "family_lower_bounds")})
+                                             "zb_boxes", "zb_dp_states", "dp_memo_entries_max", "candidates",
+                                             "parts_closed_by_floor", "parts_done", "parts_total",
+                                             "family_lower_bounds")})
     return row
 
 
@@ -141,11 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", default="default",
                     help="default (the planner's), all (every divisor of the batch) or a comma-separated list")
     ap.add_argument("--seeds", type=int, default=None, help="uniform seeds costed first (default: the search's)")
+    ap.add_argument("--sample", type=float, default=10.0, help="seconds between two memory samples kept")
+    ap.add_argument("--label", default=None, help="a note kept in each row (e.g. which tree the search ran)")
     ap.add_argument("--row", help=argparse.SUPPRESS)  # one row, in this process (the child)
     args = ap.parse_args(argv)
     if args.row:
         print(json.dumps(run_row(args.row, ROWS[args.row], Path(args.cache), args.limit, args.micro_batches,
-                                 args.seeds)))
+                                 args.seeds, args.sample)))
         return 0
     load_at_start = os.getloadavg()
     rows = []
@@ -153,13 +191,16 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ROWS:
             raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
         load = os.getloadavg()
-        extra = ["--micro-batches", args.micro_batches] + ([] if args.seeds is None else ["--seeds", str(args.seeds)])
+        extra = ["--micro-batches", args.micro_batches, "--sample", str(args.sample)] + (
+            [] if args.seeds is None else ["--seeds", str(args.seeds)])
         out = subprocess.run([sys.executable, __file__, "--row", name, "--cache", args.cache,
                               "--limit", str(args.limit), *extra], capture_output=True, text=True)
         if out.returncode:
             raise SystemExit(f"row {name} failed: {out.stderr.strip().splitlines()[-1:]}")
         row = json.loads(out.stdout.strip().splitlines()[-1])
         row["load_average_before"], row["load_average_after"] = load, os.getloadavg()
+        if args.label:
+            row["label"] = args.label
         rows.append(row)
         print(json.dumps(row), flush=True)
     write_result("bench_pipeline_phase", args.out, rows, load_average_at_start=load_at_start)

@@ -837,6 +837,8 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
         "inter_latency": f"{said}: one level (not measured)",
         "pod_nodes": f"{said}: one level (not measured)", "pod_bandwidth": f"{said}: one level (not measured)",
         "pod_latency": f"{said}: one level (not measured)",
+        "convert_bandwidth": f"{said}: not measured (no converting kernel is timed): casts and the optimizer step "
+                             "at hbm_bandwidth (edit the file to add it)",
     }
     if cal.memory_bytes:
         src["memory_bytes"] = f"{said}: the device's memory as its library reports it ({fmt_bytes(cal.memory_bytes)})"

@@ -437,13 +437,32 @@ class Operator:
         return tuple(t for t in self.inputs + self.weights if t.needs_grad)
 
     @property
+    def epilogue_tensors(self) -> tuple[Tensor, ...]:
+        """Operands outside the contraction: in an operator that sums over dims and reads three or more
+        operands, those that index no summed dim and only dims of the output, when exactly two operands
+        remain (a bias added to a matrix product: ``addmm``, ``linear`` with a bias). They act on the
+        contraction's result (the product kernel's epilogue), so the product is of the other two; the
+        gradient of one is the output's gradient reduced over the dims it does not index (a bias's: the sum
+        over the rows), a memory-bound pass, not a product (docs/cost-model.md, "Compute"). None for an
+        operator with a fused backward (:attr:`backward_flops`: FlashAttention's queries index no summed dim
+        and are an operand of both its products)."""
+        operands = self.inputs + self.weights
+        summed = set(self.reduction_dims)
+        if len(operands) < 3 or not summed or self.backward_flops is not None:
+            return ()
+        out = self.output.dims
+        epi = tuple(t for t in operands if not (t.dims & summed) and t.dims <= out)
+        return epi if len(operands) - len(epi) == 2 else ()
+
+    @property
     def passes(self) -> float:
         """The work of a training step of the operator in units of its forward's: ``1 + G`` for G tensors
-        whose gradient is produced (one pass of the forward's work each), ``1 + backward_flops /
-        flops_per_point`` for a fused backward (:attr:`backward_flops`; 1 when no gradient is produced). The
-        cost model's forward share of an operator's compute is ``1 / passes``."""
+        whose gradient is produced (one pass of the forward's work each; an :attr:`epilogue_tensors` gradient,
+        a reduction of the output's gradient, counts none), ``1 + backward_flops / flops_per_point`` for a
+        fused backward (:attr:`backward_flops`; 1 when no gradient is produced). The cost model's forward
+        share of an operator's compute is about ``1 / passes``."""
         if self.backward_flops is None:
-            return 1.0 + len(self.grad_tensors)
+            return 1.0 + len(self.grad_tensors) - sum(1 for t in self.epilogue_tensors if t.needs_grad)
         return 1.0 + (self.backward_flops / self.flops_per_point if self.grad_tensors else 0.0)
 
     @property

@@ -98,6 +98,11 @@ class Machine:
             class; set together with ``gemm_align``.
         attention_efficiency: fraction of ``peak_flops`` a fused attention kernel (FlashAttention, forward and
             backward) reaches on its FLOPs (:mod:`shardplan.cost.fused`); None: ``flops_efficiency``.
+        convert_bandwidth: bytes/s of HBM a memory-bound kernel streams that converts between element sizes
+            (loads 16-bit values and computes or stores them in fp32, or back): an operator whose tensors have
+            different element sizes (a cast, :attr:`~shardplan.ir.Tensor.elem_factor`), and the fused optimizer
+            step on elements narrower than 4 bytes (it updates in fp32); None: ``hbm_bandwidth``
+            (:attr:`convert_rate`).
     """
 
     num_devices: int
@@ -128,6 +133,7 @@ class Machine:
     gemm_align: int | None = None
     gemm_unaligned_efficiency: float | None = None
     attention_efficiency: float | None = None
+    convert_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -204,6 +210,13 @@ class Machine:
         if self.attention_efficiency is not None:
             put("attention_efficiency", real("machine: attention_efficiency", self.attention_efficiency,
                                              positive=True, maximum=1.0))
+        if self.convert_bandwidth is not None:
+            put("convert_bandwidth", real("machine: convert_bandwidth", self.convert_bandwidth, positive=True,
+                                          unit="B/s"))
+            if self.hbm_bandwidth is not None and self.convert_bandwidth > self.hbm_bandwidth:
+                raise ShardplanError(f"machine: convert_bandwidth ({self.convert_bandwidth:.4g} B/s) exceeds "
+                                     f"hbm_bandwidth ({self.hbm_bandwidth:.4g} B/s): a converting kernel streams "
+                                     "through the same memory")
 
     @property
     def p(self) -> int:
@@ -270,6 +283,14 @@ class Machine:
         :attr:`flops_efficiency`)."""
         eff = self.flops_efficiency if self.attention_efficiency is None else self.attention_efficiency
         return self.peak_flops * eff
+
+    @property
+    def convert_rate(self) -> float | None:
+        """Bytes/s of a memory-bound kernel that converts between element sizes: ``convert_bandwidth``, else
+        ``hbm_bandwidth``; None without an HBM bandwidth (the paper's model charges no memory-bound work)."""
+        if self.hbm_bandwidth is None or self.convert_bandwidth is None:
+            return self.hbm_bandwidth
+        return self.convert_bandwidth
 
     def link(self, inter: bool) -> tuple[float, float]:
         """(bandwidth, latency) of the level: inside a node or across nodes."""

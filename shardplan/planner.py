@@ -253,12 +253,16 @@ def _wants_stages(stages: Any, graph: Graph, build: Any, machine: Machine,
 
 def micro_batch_counts(given: Sequence[int] | None, batch: int | None) -> tuple[int, ...]:
     """The micro-batch counts searched: each given one a positive integer dividing ``batch`` (a count that does
-    not, or one above the batch, makes no micro-batch of whole samples); none given, those of 1, 2, 4, 8 that
-    divide it."""
+    not, or one above the batch, makes no micro-batch of whole samples); none given, every count that divides
+    it (micro-batches of one sample and up, in increasing order: the whole space, docs/pipeline.md *At
+    scale*), or 1, 2, 4, 8 when the batch is not known."""
     from shardplan.checks import integer
 
     if given is None:
-        return tuple(m for m in (1, 2, 4, 8) if batch is None or batch % m == 0)
+        if batch is None:
+            return (1, 2, 4, 8)
+        low = [m for m in range(1, math.isqrt(batch) + 1) if batch % m == 0]
+        return tuple(sorted(set(low) | {batch // m for m in low}))
     if isinstance(given, (str, bytes)) or not isinstance(given, Sequence) or not given:
         raise ShardplanError(f"plan: micro_batches must be a non-empty sequence of integers, got {given!r}")
     ms = tuple(integer("plan: micro-batch count", m, 1) for m in given)
@@ -286,7 +290,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         budget: bytes per device (default: the machine's memory; with neither, memory is not constrained).
         fit: search the memory choices under the budget (default); False: layouts only, memory reported.
         stages: ``"auto"`` (pipelines when the model has repeated blocks on more than one node), True, False.
-        micro_batches: counts searched (default 1, 2, 4, 8, those dividing the batch).
+        micro_batches: counts searched (default every count that divides the batch: :func:`micro_batch_counts`).
         schedules, interleave, max_stages: the pipeline space (:func:`shardplan.pipeline.api.pipeline_solve`).
         fit_options: :class:`shardplan.fit.FitOptions` (its micro-batch counts default to ``micro_batches``).
         log: called with one line as each search starts and ends (the command line writes them to stderr).

@@ -105,7 +105,7 @@ from shardplan.machine import Machine
 
 __all__ = ["PARTS", "OpCost", "operator_cost", "recurrence_cost", "tile_volume", "distinct_splits", "gemm_utilisation",
            "gemm_passes", "pass_utilisation", "optimizer_elements", "optimizer_step_seconds",
-           "optimizer_step_bytes"]
+           "optimizer_step_bytes", "optimizer_step_rate", "converts"]
 
 
 PARTS: dict[str, str] = {
@@ -275,7 +275,8 @@ def gemm_passes(op: Operator) -> list[tuple[list[int], list[int], list[int]] | N
     over, no windowed or strided access (convolutions keep the plain roofline) and no recurrence, and
     both the rows and the columns are non-empty (a matrix-vector product is bound by memory).
     """
-    operands = op.inputs + op.weights
+    epilogue = {t.name for t in op.epilogue_tensors}
+    operands = tuple(t for t in op.inputs + op.weights if t.name not in epilogue)
     plain = all(a.window is None and a.stride == 1 for t in op.tensors for a in t.axes)
     passes = 1 + len(op.grad_tensors)
     if len(operands) != 2 or not op.reduction_dims or not plain or op.recurrence is not None:
@@ -284,6 +285,9 @@ def gemm_passes(op: Operator) -> list[tuple[list[int], list[int], list[int]] | N
     out: list[tuple[list[int], list[int], list[int]] | None] = []
     for y, a, b in [(op.output, *operands)] + [(t, op.output, next(o for o in operands if o is not t))
                                                  for t in op.grad_tensors]:
+        if y.name in epilogue and y is not op.output:  # a bias's gradient: a reduction, no product
+            out.append(None)
+            continue
         batch = [i for i, d in enumerate(names) if d in y.dims and (d in a.dims) == (d in b.dims)]
         rows = [i for i, d in enumerate(names) if d in y.dims and d in a.dims and d not in b.dims]
         cols = [i for i, d in enumerate(names) if d in y.dims and d in b.dims and d not in a.dims]
@@ -377,17 +381,35 @@ def optimizer_elements(op: Operator, configs, p: int, orders: np.ndarray | None 
     return out
 
 
+def optimizer_step_rate(machine: Machine) -> float | None:
+    """Bytes/s the fused optimizer update streams: on elements narrower than 4 bytes it loads them, updates in
+    fp32 and stores them narrow again (PyTorch's fused Adam computes in the parameter's "opmath" type, fp32;
+    apex's and Megatron-LM's keep fp32 master weights beside a 16-bit copy), a converting kernel:
+    :attr:`~shardplan.machine.Machine.convert_rate`; on 4-byte elements ``hbm_bandwidth``."""
+    return machine.convert_rate if machine.dtype_bytes < 4 else machine.hbm_bandwidth
+
+
 def optimizer_step_seconds(elements: np.ndarray, machine: Machine, step_bytes: float) -> np.ndarray:
     """Seconds of the optimizer step of ``elements`` parameter elements on one device: an elementwise update
     that reads and writes ``step_bytes`` HBM bytes per element (:func:`optimizer_step_bytes`)
     and does a few FLOPs per byte, so bound by memory bandwidth (first principles; Adam's ~10 FLOP per element
     against 28 bytes is far below an A100's or H100's ridge of ~150 FLOP/byte):
-    ``elements * step_bytes / machine.hbm_bandwidth``. Zero without an HBM bandwidth (the paper's model,
-    which charges no memory-bound work)."""
+    ``elements * step_bytes / rate``, the rate of :func:`optimizer_step_rate`. Zero without an HBM bandwidth
+    (the paper's model, which charges no memory-bound work)."""
     elements = np.asarray(elements, dtype=np.float64)
-    if machine.hbm_bandwidth is None:
+    rate = optimizer_step_rate(machine)
+    if rate is None:
         return np.zeros(elements.shape)
-    return elements * float(step_bytes) / float(machine.hbm_bandwidth)
+    return elements * float(step_bytes) / float(rate)
+
+
+def converts(op: Operator) -> bool:
+    """Whether ``op`` writes its output in another element size than every input it reads
+    (:attr:`~shardplan.ir.Tensor.elem_factor`): a kernel that converts between precisions (a cast), charged at
+    the machine's :attr:`~shardplan.machine.Machine.convert_rate`. An operator with one input of the output's
+    size (a float32 loss beside its integer labels) does not convert; weights are left out (their factor also
+    counts elements stored per point: an LSTM's four gates and two matrices, :func:`shardplan.ops.lstm`)."""
+    return bool(op.inputs) and all(t.elem_factor != op.output.elem_factor for t in op.inputs)
 
 
 def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | None = None,
@@ -421,12 +443,24 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
         t_passes = flops[None, :] / (machine.achievable_flops * pass_utilisation(op, configs, machine))
     if machine.hbm_bandwidth is not None:
         moved = out_vol + sum(max_tile(t, core=False) for t in op.inputs + op.weights)
-        t_pass = np.maximum(t_pass, moved * nbytes / machine.hbm_bandwidth)
+        rate = float(machine.convert_rate if converts(op) else machine.hbm_bandwidth)  # type: ignore[arg-type]
+        t_pass = np.maximum(t_pass, moved * nbytes / rate)
         if machine.shaped_gemms:
-            t_passes = np.maximum(t_passes, moved[None, :] * nbytes / machine.hbm_bandwidth)
+            t_passes = np.maximum(t_passes, moved[None, :] * nbytes / rate)
+    epilogue = [i for i, t in enumerate(op.grad_tensors) if any(t is e for e in op.epilogue_tensors)]
     if op.backward_flops is not None:  # forward and backward each one fused kernel (cost/fused.py)
         t_pass, compute = fused_compute(op, configs, machine, max_tile)
-    elif machine.shaped_gemms:
+    elif machine.shaped_gemms or epilogue:
+        if not machine.shaped_gemms:
+            t_passes = np.broadcast_to(t_pass, (passes, k)).copy()
+        kept = np.asarray([d not in op.reduction_dims for d in op.dim_names])
+        out_points = np.prod(ext[None, kept] / configs[:, kept], axis=1)
+        for i in epilogue:  # the output's gradient reduced to a bias's: one add per output point, read dY write dB
+            t = op.grad_tensors[i]
+            t_red = out_points / machine.achievable_flops
+            if machine.hbm_bandwidth is not None:
+                t_red = np.maximum(t_red, (out_vol + max_tile(t, core=False)) * nbytes / machine.hbm_bandwidth)
+            t_passes[1 + i] = t_red
         t_pass, compute = t_passes[0], t_passes.sum(axis=0)
     else:
         compute = passes * t_pass

@@ -136,8 +136,10 @@ def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devic
     program; for a pipeline, the staged step (``reduction``: the loss is a "mean" or a "sum" over the batch).
 
     The program is traced again here and the plan's choices are checked against it: a plan made for
-    another program, batch or machine size is refused. A pipeline whose stages shard state, recompute, run
-    FP8 products or offload is refused: the stage runner holds each stage's layouts only.
+    another program, batch or machine size is refused. A pipeline's stages run their layouts,
+    recomputation, FP8 products and activation offload (:mod:`shardplan.jax.staged`); one whose stages shard
+    state or keep optimizer state or parameters in host memory is refused: the staged step returns
+    gradients and holds no optimizer state.
     """
     import jax
 
@@ -149,18 +151,41 @@ def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devic
         raise ShardplanError(f"the plan is for {plan.machine.num_devices} devices, {len(devs)} were given")
     if plan.pipelined:
         tracer = Tracer(loss_fn, params, batch)
-        own = tracer(plan.batch // plan.micro_batches).recomputed if plan.batch else frozenset()
-        if any(c.state_stage or (c.recompute and n not in own) or c.fp8 or c.offload
-               for s in plan.stages for n, c in s.operators.items()):
-            raise ShardplanError("the plan's pipeline stages shard state, recompute, run FP8 products or offload, "
-                                 "which the JAX stage runner does not hold (it runs each stage's layouts and the "
-                                 "program's own checkpoints); plan with stages=False or fit=False")
+        bad = [(n, c) for s in plan.stages for n, c in s.operators.items()
+               if c.state_stage or set(c.offload) - {"activations"}]
+        if bad:
+            n, c = bad[0]
+            what = f"has ZeRO stage {c.state_stage}" if c.state_stage else f"offloads its {', '.join(c.offload)}"
+            raise ShardplanError(f"pipeline stage operator {n!r} {what}: the JAX stage runner holds no optimizer "
+                                 "state (it returns each stage's gradients); it runs layouts, recomputation, FP8 "
+                                 "products and activation offload")
         step = build_staged(pipeline_of(plan, tracer), tracer, devs, reduction=reduction)
+        _check_stage_choices(plan, step)
         return Planned(plan, step.info, tuple(devs), None, None, None, step, None, step)
     graph, info = trace(loss_fn, params, batch, params_argnums=(0,))
     if set(plan.operators) != {op.name for op in graph.operators}:  # planned by plan(): the scoped names
         graph, info = scoped_trace(loss_fn, params, batch)
     return _runnable(spmd_of(plan, graph), loss_fn, params, batch, info, devs, has_aux)
+
+
+def _check_stage_choices(plan: Any, step: Any) -> None:
+    """Every stage of ``step`` runs the recomputation, FP8 products and activation offload ``plan`` gives its
+    operators (a stage rebuilt without its memory choices would run without them: refused)."""
+    from shardplan.jax.staged import stage_choices
+
+    for j, (s, st) in enumerate(zip(plan.stages, step.stages)):
+        own = st.plan.graph.recomputed
+        want = ({n for n, c in s.operators.items() if c.recompute} - own,
+                {n for n, c in s.operators.items() if c.fp8},
+                {n for n, c in s.operators.items() if "activations" in c.offload and not c.recompute})
+        recs, offl = stage_choices(st.plan)
+        mc = st.plan.memory_choices
+        fp8 = set() if mc is None else {op.name for i, op in enumerate(st.plan.graph.operators) if mc.fp8(i)}
+        if (set(recs), fp8, set(offl)) != want:
+            raise ShardplanError(f"stage {j}'s plan does not carry the recomputation, FP8 products or offload its "
+                                 "operators are given (a plan edited after the search still holds the search's "
+                                 "answer: drop its detail; a loaded one lists the stage in "
+                                 "stats['memory_choice_stages'])")
 
 
 def _runnable(sp: SpmdPlan, loss_fn: Callable[..., Any], params: Any, batch: Any, info: TraceInfo,

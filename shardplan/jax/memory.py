@@ -65,12 +65,13 @@ import numpy as np
 
 from shardplan.errors import ShardplanError
 from shardplan.jax.flatten import TOP
-from shardplan.jax.fp8 import fp8_equations
+from shardplan.jax.fp8 import (AMAX_HISTORY, Fp8TrainState, fp8_equations, fp8_operators, init_history, roll_history,
+                               with_history)
 from shardplan.jax.lower import TraceInfo, trace
 from shardplan.jax.run import constrain_both_ways, constrain_forward, evaluate
 from shardplan.jax.shardings import plan_shardings, replicated
 
-__all__ = ["SAVED", "OFFLOADED", "LeafState", "shard_over_replicas", "leaf_states", "equation_owners", "checkpointed_fn",
+__all__ = ["SAVED", "OFFLOADED", "LeafState", "Fp8TrainState", "shard_over_replicas", "leaf_states", "equation_owners", "checkpointed_fn",
            "fit_step", "FitStep", "states_summary"]
 
 SAVED = "shardplan_saved"
@@ -207,7 +208,7 @@ def param_views(info: TraceInfo, params_only: bool = True) -> dict[int, int]:
 
 
 def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: Sequence[int] | None = None,
-                    shards: Sequence[Any] | None = None) -> tuple[Callable[..., Any], bool]:
+                    shards: Sequence[Any] | None = None, delayed: bool = False) -> tuple[Callable[..., Any], bool]:
     """The traced function with the plan's constraints, recomputation and stage-3 gathers (see the module).
 
     ``stages``: per argument leaf its ZeRO stage (default all 0); ``shards``:
@@ -219,7 +220,8 @@ def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: 
     ``jax.checkpoint`` saving only what the operators that do not recompute
     produce: a stage-3 weight's gather is then not saved but done again
     before the backward pass. Returns ``(fn, remat)``: ``remat`` is True when
-    ``fn`` runs under ``jax.checkpoint``.
+    ``fn`` runs under ``jax.checkpoint``. ``delayed``: ``fn(*args, history)``, the FP8 products scaled from
+    the amax histories (:mod:`shardplan.jax.fp8`, delayed scaling; current scaling otherwise).
     """
     import jax
 
@@ -254,12 +256,15 @@ def checkpointed_fn(plan: Any, info: TraceInfo, devices: Sequence[Any], stages: 
                     if var not in views:  # a view of an argument is redone from the argument, never saved
                         produce[var] = _compose(produce.get(var), down if owner in offl else name)
     replace = fp8_equations(plan, info)
+    names = fp8_operators(plan, info)
 
     def fn(*args: Any) -> Any:
+        args, history = (args[:-1], args[-1]) if delayed else (args, None)
         leaves, tree = jax.tree_util.tree_flatten(args)
         if tree != info.in_tree:
             raise ShardplanError(f"arguments have structure {tree}, the traced function had {info.in_tree}")
-        return jax.tree_util.tree_unflatten(info.out_tree, evaluate(info, leaves, produce, consume, replace))
+        out = evaluate(info, leaves, produce, consume, with_history(replace, names, history))
+        return jax.tree_util.tree_unflatten(info.out_tree, out)
 
     if not remat:
         return fn, False
@@ -287,8 +292,12 @@ class FitStep:
             parameters between steps, the gradients the step returns, the optimizer state per parameter.
         batch_shardings: pytree matching the batch.
         step: jitted ``step(params, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``;
-            with k > 1 the aux values are stacked over the micro-batches).
+            with k > 1 the aux values are stacked over the micro-batches); FP8 products with current scaling.
         loss_fn: the constrained (and checkpointed) loss of one micro-batch.
+        fp8_names: the operators run in FP8, in graph order (empty: none).
+        fp8_step: for a plan with FP8 products, jitted ``fp8_step(params, batch, history) -> (loss, grads,
+            history)``: delayed scaling (:mod:`shardplan.jax.fp8`), the histories of :meth:`init_history` in, the
+            next step's out (None without FP8 products); ``fp8_value_and_grad`` the same, not jitted.
     """
 
     plan: Any
@@ -305,6 +314,16 @@ class FitStep:
     step: Callable[..., Any]
     loss_fn: Callable[..., Any]
     value_and_grad: Callable[..., Any]
+    fp8_names: tuple[str, ...] = ()
+    fp8_step: Callable[..., Any] | None = None
+    fp8_value_and_grad: Callable[..., Any] | None = None
+
+    def init_history(self, length: int = AMAX_HISTORY) -> dict[str, Any]:
+        """The FP8 amax histories before the first step (:func:`shardplan.jax.fp8.init_history`), replicated over
+        the devices."""
+        import jax
+
+        return jax.device_put(init_history(self.fp8_names, length), replicated(list(self.devices)))
 
     def opt_state_shardings(self, optimizer: Any, params: Any) -> Any:
         """Shardings of ``optimizer.init(params)``: per-parameter state as :attr:`state_shardings`, the rest
@@ -325,16 +344,19 @@ class FitStep:
 
     def init(self, optimizer: Any, params: Any) -> tuple[Any, Any]:
         """``(params, opt_state)`` placed as the plan holds them between steps (offloaded state and parameters
-        in host memory)."""
+        in host memory); for a plan with FP8 products the state is an :class:`Fp8TrainState`, the optimizer's
+        and the empty amax histories (delayed scaling)."""
         import jax
 
         if self.offloads:
             from shardplan.jax.offload import offload_step
 
-            return offload_step(self, optimizer, params).init(params)
-        params = jax.device_put(params, self.param_shardings)
-        sh = self.opt_state_shardings(optimizer, params)
-        return params, jax.jit(optimizer.init, out_shardings=sh)(params)
+            params, state = offload_step(self, optimizer, params).init(params)
+        else:
+            params = jax.device_put(params, self.param_shardings)
+            sh = self.opt_state_shardings(optimizer, params)
+            state = jax.jit(optimizer.init, out_shardings=sh)(params)
+        return (params, Fp8TrainState(state, self.init_history())) if self.fp8_names else (params, state)
 
     def train_step(self, optimizer: Any, params: Any, donate: bool = True) -> Callable[..., Any]:
         """Jitted ``train_step(params, opt_state, batch) -> (params, opt_state, loss)`` with an optax optimizer.
@@ -345,6 +367,9 @@ class FitStep:
         (stages 1, 2) by their output sharding. ``params`` gives the shapes.
         A plan that offloads runs as :class:`~shardplan.jax.offload.OffloadStep` (the same signature; the
         state's copies between host and device memory are made between its programs, ``donate`` unused).
+        A plan with FP8 products runs them with delayed scaling (Transformer Engine's default recipe, what the
+        cost model charges): its ``opt_state`` is an :class:`Fp8TrainState` carrying the amax histories
+        (:meth:`init` makes it).
         """
         import jax
         import optax
@@ -356,16 +381,22 @@ class FitStep:
 
         opt_sh = self.opt_state_shardings(optimizer, params)
         state_sh, param_sh, rep = self.state_shardings, self.param_shardings, replicated(list(self.devices))
-        vg = self.value_and_grad
+        vg, vgd = self.value_and_grad, self.fp8_value_and_grad
 
         def train(p: Any, opt_state: Any, batch: Any) -> Any:
-            loss, grads = vg(p, batch)
+            if vgd is not None:
+                loss, grads, history = vgd(p, batch, opt_state.history)
+                opt_state = opt_state.opt_state
+            else:
+                loss, grads = vg(p, batch)
             grads = jax.lax.with_sharding_constraint(grads, state_sh)
             p_sh = jax.lax.with_sharding_constraint(p, state_sh)
             updates, opt_state = optimizer.update(grads, opt_state, p_sh)
             new = optax.apply_updates(p_sh, updates)
-            return new, opt_state, loss
+            return new, Fp8TrainState(opt_state, history) if vgd is not None else opt_state, loss
 
+        if vgd is not None:
+            opt_sh = Fp8TrainState(opt_sh, rep)
         batch_sh = self.batch_shardings
         return jax.jit(train, in_shardings=(param_sh, opt_sh, batch_sh), out_shardings=(param_sh, opt_sh, rep),
                        donate_argnums=(0, 1) if donate else ())
@@ -477,8 +508,47 @@ def fit_step(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, de
     offloads = mc is not None and any("activations" in mc.offload(i) for i in range(len(mc.choices)))
     jitted = jax.jit(step, in_shardings=(param_sh, batch_sh),
                      out_shardings=None if offloads else ((rep, None) if has_aux else rep, grad_sh))
+    names = tuple(fp8_operators(plan, micro_info))
+    fp8 = None
+    if names:
+        fn_d, _ = checkpointed_fn(plan, micro_info, devices, [s.stage for s in states], [s.sharded for s in states],
+                                  delayed=True)
+        vgd = jax.value_and_grad(fn_d, argnums=(0, 2), has_aux=has_aux)
+
+        def delayed_step(p: Any, b: Any, h: Any) -> Any:
+            """Loss, gradients and the next histories: the amaxes of every micro-batch's casts, their max."""
+            if k == 1:
+                val, (grads, amax) = vgd(p, b, h)
+            else:
+                leaves, btree = jax.tree_util.tree_flatten(b)
+                split = [_split(x, k, s) if is_b else x for x, s, is_b in zip(leaves, micro_leaves, batch_flags)]
+
+                def body(acc: Any, xs: Any) -> Any:
+                    it = iter(xs)
+                    mb = jax.tree_util.tree_unflatten(btree, [next(it) if is_b else x
+                                                              for x, is_b in zip(split, batch_flags)])
+                    val, (g, a) = vgd(p, mb, h)
+                    g = jax.lax.with_sharding_constraint(g, grad_sh)
+                    return (jax.tree_util.tree_map(jax.numpy.add, acc[0], g),
+                            jax.tree_util.tree_map(jax.numpy.maximum, acc[1], a)), val
+
+                zeros = jax.tree_util.tree_map(lambda x: jax.numpy.zeros(x.shape, jax.numpy.result_type(x)), p)
+                zh = jax.tree_util.tree_map(jax.numpy.zeros_like, h)
+                (acc, amax), vals = jax.lax.scan(body, (jax.lax.with_sharding_constraint(zeros, grad_sh), zh),
+                                                 [x for x, is_b in zip(split, batch_flags) if is_b])
+                grads = jax.tree_util.tree_map(lambda x: x * (1.0 / k if reduce == "mean" else 1.0), acc)
+                loss = vals[0] if has_aux else vals
+                loss = loss.mean() if reduce == "mean" else loss.sum()
+                val = (loss, vals[1]) if has_aux else loss
+            grads = jax.lax.with_sharding_constraint(grads, grad_sh)
+            head = (jax.lax.with_sharding_constraint(val[0], rep), val[1]) if has_aux else \
+                jax.lax.with_sharding_constraint(val, rep)
+            return head, grads, roll_history(h, amax)
+
+        fp8 = jax.jit(delayed_step, in_shardings=(param_sh, batch_sh, rep),
+                      out_shardings=None if offloads else ((rep, None) if has_aux else rep, grad_sh, rep))
     return FitStep(plan, info, micro_info, tuple(devices), states, k, remat, param_sh, grad_sh, state_sh, batch_sh,
-                   jitted, fn, value_and_grad)
+                   jitted, fn, value_and_grad, names, fp8, delayed_step if names else None)
 
 
 def _split(x: Any, k: int, micro: Any) -> Any:

@@ -111,7 +111,8 @@ class OffloadStep:
     update: Callable[..., Any]
 
     def init(self, params: Any) -> tuple[Any, Any]:
-        """``(params, opt_state)`` placed where they live between steps."""
+        """``(params, opt_state)`` placed where they live between steps (the optimizer's state alone: a plan with
+        FP8 products adds its amax histories, :meth:`shardplan.jax.memory.FitStep.init`)."""
         import jax
 
         params = jax.device_put(params, self.fit.param_shardings)
@@ -122,11 +123,20 @@ class OffloadStep:
         import jax
 
         p = jax.device_put(params, self.fit.param_shardings)  # offloaded parameter shards fetched
-        loss, grads = self.fit.step(p, batch)
+        if self.fit.fp8_names:  # FP8 products: delayed scaling, the amax histories carried beside the state
+            from shardplan.jax.fp8 import Fp8TrainState
+
+            loss, grads, history = self.fit.fp8_step(p, batch, opt_state.history)
+            opt_state = opt_state.opt_state
+        else:
+            loss, grads = self.fit.step(p, batch)
         grads = jax.device_put(grads, self.fit.grad_shardings)  # (the step's jit may leave their placement free)
         state = jax.device_put(opt_state, self.state_device)  # offloaded optimizer state fetched
         p, state = self.update(p, state, grads)
-        return jax.device_put(p, self.param_homes), jax.device_put(state, self.state_homes), loss
+        state = jax.device_put(state, self.state_homes)
+        if self.fit.fp8_names:
+            state = Fp8TrainState(state, history)
+        return jax.device_put(p, self.param_homes), state, loss
 
 
 def offload_step(fit: Any, optimizer: Any, params: Any) -> OffloadStep:

@@ -281,6 +281,7 @@ class _Stage:
         import jax
         import jax.numpy as jnp
 
+        from shardplan.jax.fp8 import fp8_equations, fp8_operators, with_history
         from shardplan.jax.run import constrain_both_ways, evaluate_eqns
         from shardplan.jax.shardings import _axis_dims, layout_sharding, replicated
 
@@ -298,9 +299,14 @@ class _Stage:
                   for n in names if n in info.op_vars}
         read_sh = {(k, s): layout_sharding(lays[n], dims, self.devices)
                    for n in names for k, s, dims in info.reads.get(n, ())}
-        produce = {v: constrain_both_ways(s) for v, s in out_sh.items()}
-        consume = {key: constrain_both_ways(s) for key, s in read_sh.items()}
-        self.rep = replicated(self.devices)
+        # constrained on prime-factor meshes: JAX names the shardings XLA chose for the jits' results (the vjp's
+        # residuals) on the mesh of the constraint the value's type carries, and refuses a tiling that mesh
+        # cannot express (IndivisibleError: a 2 x 2 tiling on a 1-D mesh of 4), which prime-factor axes can
+        produce = {v: constrain_both_ways(_factored(s)) for v, s in out_sh.items()}
+        consume = {key: constrain_both_ways(_factored(s)) for key, s in read_sh.items()}
+        self.replace = fp8_equations(plan, info)
+        policy = _name_saved(plan, info, eqns, produce)
+        self.rep = _factored(replicated(self.devices))
         own = {v for k in eqns for v in prog.eqns[k].outvars}
         leaves: list[int] = []
         ins: list[int] = []
@@ -314,12 +320,13 @@ class _Stage:
                         leaves.append(leaf_of[a])
                 elif a not in in_sh:
                     ins.append(a)
-                    in_sh[a] = read_sh.get((k, slot), self.rep)
+                    in_sh[a] = _factored(read_sh[(k, slot)]) if (k, slot) in read_sh else self.rep
         self.in_sh = in_sh
         self.leaf_sh = {}
         for i in leaves:
             uses = [(n, d) for n, d in info.leaf_uses.get(i, ()) if n in names]
             self.leaf_sh[i] = layout_sharding(lays[uses[0][0]], uses[0][1], self.devices) if uses else self.rep
+        self.leaf_put = {i: _factored(sh) for i, sh in self.leaf_sh.items()}  # the same, as the jits take them
         inexact = lambda dt: jnp.issubdtype(dt, jnp.inexact)  # noqa: E731
         self.params = [i for i in leaves if i in info.param_leaves and inexact(leaf_dtypes[i])]
         self.data = [i for i in leaves if i not in self.params]
@@ -330,11 +337,14 @@ class _Stage:
             outs = [loss_var]
         self.fout = [v for v in outs if inexact(dtype_of[v])]
         self.oout = [v for v in outs if v not in self.fout]
-        self.out_sh = {v: out_sh.get(v, self.rep) for v in outs}
+        self.out_sh = {v: _factored(out_sh[v]) if v in out_sh else self.rep for v in outs}
         self.loss_dtype = dtype_of[loss_var] if loss_var is not None else None
         fin, oin, data, params, fout, oout = self.fin, self.oin, self.data, self.params, self.fout, self.oout
+        replace = self.replace
 
-        def run(p: tuple, fi: tuple, oi: tuple, d: tuple) -> tuple[tuple, tuple]:
+        names = self.fp8_names = fp8_operators(plan, info)
+
+        def run(p: tuple, fi: tuple, oi: tuple, d: tuple, h: dict) -> tuple[tuple, tuple]:
             env: dict[int, Any] = {}
             for i, x in zip(params, p):
                 env[prog.invars[i]] = x
@@ -342,11 +352,101 @@ class _Stage:
                 env[prog.invars[i]] = x
             env.update(zip(fin, fi))
             env.update(zip(oin, oi))
-            evaluate_eqns(info, eqns, env, produce, consume)
+            evaluate_eqns(info, eqns, env, produce, consume, replace=with_history(replace, names, h or None))
             return tuple(env[v] for v in fout), tuple(env[v] for v in oout)
 
-        self.forward = jax.jit(lambda p, fi, oi, d: jax.vjp(lambda p_, fi_: run(p_, fi_, oi, d), p, fi, has_aux=True))
+        body = run if policy is None else jax.checkpoint(run, policy=policy)
+        self.remat = policy is not None
+        # (params, float inputs, other inputs, data, histories) -> (float outputs, other outputs); histories: the
+        # amax histories of the stage's FP8 operators (delayed scaling), or {} (current scaling)
+        self.body = body
+        self.forward = jax.jit(lambda p, fi, oi, d, h: jax.vjp(lambda p_, fi_, h_: body(p_, fi_, oi, d, h_), p, fi, h,
+                                                               has_aux=True))
         self.backward = jax.jit(lambda vjp, g: vjp(g))
+
+
+def _factored(sharding: Any) -> Any:
+    """The same sharding (same devices, same tiles) on a mesh whose every axis is cut into its prime factors
+    (axis ``a`` of size 12: ``a`` of 2, ``a~1`` of 2, ``a~2`` of 3, row-major, so the devices keep their order), the
+    partition spec naming the factors of each axis it named."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    names: list[str] = []
+    sizes: list[int] = []
+    parts: dict[str, tuple[str, ...]] = {}
+    for a, n in sharding.mesh.shape.items():
+        fs, f, k = [], 2, int(n)
+        while f * f <= k:
+            while k % f == 0:
+                fs.append(f)
+                k //= f
+            f += 1
+        fs += [k] if k > 1 else []
+        fs = fs or [1]
+        parts[a] = tuple(a if i == 0 else f"{a}~{i}" for i in range(len(fs)))
+        names += parts[a]
+        sizes += fs
+    mesh = Mesh(sharding.mesh.devices.reshape(sizes), tuple(names))
+    spec = []
+    for e in sharding.spec:
+        if e is None:
+            spec.append(None)
+        else:
+            spec.append(tuple(x for a in ((e,) if isinstance(e, str) else e) for x in parts[a]))
+    return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+
+
+def stage_choices(plan: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """Of a stage's intra-stage plan: the operators it recomputes and those whose activations live in host memory
+    (none recomputing: a recomputed operator keeps nothing); both empty for a plan without memory choices.
+
+    Raises:
+        ShardplanError: some operator shards its state (a ZeRO stage) or keeps its optimizer state or
+            parameters in host memory: the staged step returns gradients, it holds no optimizer state.
+    """
+    mc = getattr(plan, "memory_choices", None)
+    if mc is None:
+        return frozenset(), frozenset()
+    names = [op.name for op in plan.graph.operators]
+    for i, n in enumerate(names):
+        parts = [p for p in mc.offload(i) if p != "activations"]
+        if mc.stage(i) or parts:
+            what = f"ZeRO stage {mc.stage(i)}" if mc.stage(i) else f"its {' and '.join(parts)} offloaded"
+            raise ShardplanError(f"stage operator {n!r} has {what}: the JAX stage runner holds no optimizer state "
+                                 "(it returns each stage's gradients); it runs layouts, recomputation, FP8 "
+                                 "products and activation offload")
+    recs = frozenset(n for i, n in enumerate(names) if mc.recompute(i)) - plan.graph.recomputed
+    offl = frozenset(n for i, n in enumerate(names) if "activations" in mc.offload(i)) - recs
+    return recs, offl
+
+
+def _name_saved(plan: Any, info: Any, eqns: Sequence[int], produce: dict[int, Any]) -> Any:
+    """The checkpoint policy of a stage whose plan recomputes or offloads (None: neither), after naming, in
+    ``produce``, what each of the stage's equations ``eqns`` produces: ``shardplan_saved`` for an operator that
+    neither recomputes nor offloads, ``shardplan_offloaded`` for one that offloads, nothing for one that
+    recomputes (:func:`shardplan.jax.memory.checkpointed_fn`, applied to one stage: the stage's inputs are the
+    checkpoint's arguments, always kept)."""
+    import jax
+
+    from shardplan.jax.memory import OFFLOADED, SAVED, _compose, _saved_name, equation_owners, param_views
+
+    recs, offl = stage_choices(plan)
+    if not recs and not offl:
+        return None
+    name, down = _saved_name(SAVED), _saved_name(OFFLOADED)
+    views = param_views(info, params_only=False)
+    owners = equation_owners(info)
+    for k in eqns:
+        if owners[k] in recs:
+            continue
+        for var in info.program.eqns[k].outvars:
+            if var not in views:  # a view of an argument is redone from the argument, never saved
+                produce[var] = _compose(produce.get(var), down if owners[k] in offl else name)
+    if offl:
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[SAVED], names_which_can_be_offloaded=[OFFLOADED],
+            offload_src="device", offload_dst="pinned_host")
+    return jax.checkpoint_policies.save_only_these_names(SAVED)
 
 
 @dataclass(eq=False)
@@ -380,10 +480,60 @@ class StagedStep:
 
         return issue_order(self.plan, self.schedule)
 
-    def __call__(self, params: Any, batch: Any) -> tuple[Any, Any]:
+    def reference(self, micro: int | None = None) -> Callable[..., Any]:
+        """``loss(params, batch, history=None)``: the unsharded program with the stages' FP8 products, run on each
+        of the m micro-batches (consecutive slices of the batch's leading axis, as the step takes them) and
+        averaged (summed for ``reduction="sum"``): what the staged step must equal, loss and gradients. With
+        current scaling each product scales by its own micro-batch's amax, so this is not the FP8 program of the
+        whole batch; with ``history``, delayed scaling from it (its gradient: the amaxes). ``micro``: micro-batch
+        ``micro``'s term alone (its loss / m for a mean), whose history gradient is that micro-batch's amaxes as
+        the step's backward sees them."""
+        import jax
+
+        from shardplan.jax.fp8 import with_history
+        from shardplan.jax.run import evaluate
+
+        info, m = self.info, self.plan.micro_batches
+        replace = {k: f for st in self.stages for k, f in st.replace.items()}
+        names = {n: k for st in self.stages for n, k in st.fp8_names.items()}
+        rows = info.leaf_shapes[min(info.batch_leaves)][0] if info.batch_leaves else 0
+
+        def loss(params: Any, batch: Any, history: Any = None) -> Any:
+            leaves, tree = jax.tree_util.tree_flatten((params, batch))
+            if tree != info.in_tree:
+                raise ShardplanError(f"arguments have structure {tree}, the traced loss had {info.in_tree}")
+            total = 0.0
+            for j in range(m) if micro is None else (micro,):
+                part = [x[j * rows:(j + 1) * rows] if i in info.batch_leaves else x for i, x in enumerate(leaves)]
+                total = total + evaluate(info, part, replace=with_history(replace, names, history))[0]
+            return total / m if self.reduction == "mean" else total
+
+        return loss
+
+    @property
+    def fp8_names(self) -> tuple[str, ...]:
+        """The operators the stages run in FP8, stage by stage."""
+        return tuple(n for st in self.stages for n in st.fp8_names)
+
+    def init_history(self, length: int | None = None) -> dict[str, Any]:
+        """The FP8 amax histories before the first step (:func:`shardplan.jax.fp8.init_history`), each on its
+        stage's devices, replicated there."""
+        import jax
+
+        from shardplan.jax.fp8 import AMAX_HISTORY, init_history
+
+        return {n: jax.device_put(h, st.rep) for st in self.stages
+                for n, h in init_history(st.fp8_names, length or AMAX_HISTORY).items()}
+
+    def __call__(self, params: Any, batch: Any, history: Any = None) -> Any:
+        """``loss, grads``; with ``history`` (the FP8 amax histories, :meth:`init_history`): delayed scaling,
+        ``loss, grads, history`` with the next step's histories (every micro-batch scaled from ``history``, the
+        largest amax of the step's micro-batches shifted in: :mod:`shardplan.jax.fp8`)."""
         import jax
         import jax.numpy as jnp
         import numpy as np
+
+        from shardplan.jax.fp8 import roll_history
 
         leaves, tree = jax.tree_util.tree_flatten((params, batch))
         if tree != self.info.in_tree:
@@ -400,12 +550,18 @@ class StagedStep:
             return x[j * rows:(j + 1) * rows] if i in self.info.batch_leaves else x
 
         scale = 1.0 / m if self.reduction == "mean" else 1.0
-        placed = [tuple(jax.device_put(leaves[i], st.leaf_sh[i]) for i in st.params) for st in self.stages]
+        placed = [tuple(jax.device_put(leaves[i], st.leaf_put[i]) for i in st.params) for st in self.stages]
         producer = {v: st.index for st in self.stages for v in st.out_sh}
         values: dict[tuple[int, int], Any] = {}
         cot: dict[tuple[int, int], Any] = {}
         vjps: dict[tuple[int, int], Any] = {}
         grads: list[Any] = [None] * len(self.stages)
+        amax: list[Any] = [None] * len(self.stages)
+        if history is not None and set(history) != set(self.fp8_names):
+            raise ShardplanError(f"the histories are for operators {sorted(history)}; the stages run "
+                                 f"{sorted(self.fp8_names)} in FP8")
+        hist = [{} if history is None else {n: jax.device_put(history[n], st.rep) for n in st.fp8_names}
+                for st in self.stages]
         losses = []
         last = len(self.stages) - 1
         for kind, s, j in self.order():
@@ -413,8 +569,8 @@ class StagedStep:
             if kind == "F":
                 fi = tuple(jax.device_put(values[(v, j)], st.in_sh[v]) for v in st.fin)
                 oi = tuple(jax.device_put(values[(v, j)], st.in_sh[v]) for v in st.oin)
-                d = tuple(jax.device_put(micro(i, j), st.leaf_sh[i]) for i in st.data)
-                fo, vjp, oo = st.forward(placed[s], fi, oi, d)
+                d = tuple(jax.device_put(micro(i, j), st.leaf_put[i]) for i in st.data)
+                fo, vjp, oo = st.forward(placed[s], fi, oi, d, hist[s])
                 vjps[(s, j)] = vjp
                 for v, x in zip(st.fout + st.oout, fo + oo):
                     values[(v, j)] = x
@@ -425,8 +581,9 @@ class StagedStep:
                 g = (jax.device_put(np.asarray(scale, dtype=st.loss_dtype), st.rep),)
             else:
                 g = tuple(cot.pop((v, j)) for v in st.fout)
-            gp, gfi = st.backward(vjps.pop((s, j)), g)
+            gp, gfi, gh = st.backward(vjps.pop((s, j)), g)
             grads[s] = gp if grads[s] is None else jax.tree_util.tree_map(jnp.add, grads[s], gp)
+            amax[s] = gh if amax[s] is None else jax.tree_util.tree_map(jnp.maximum, amax[s], gh)
             for v, gv in zip(st.fin, gfi):
                 p = self.stages[producer[v]]
                 gv = jax.device_put(gv, p.out_sh[v])
@@ -438,7 +595,11 @@ class StagedStep:
                 out[i] = x if out[i] is None else out[i] + jax.device_put(x, out[i].sharding)
         n_params = len(jax.tree_util.tree_leaves(params))
         full = [out[i] if out[i] is not None else jnp.zeros_like(leaves[i]) for i in range(n_params)]
-        return loss, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), full)
+        grad_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), full)
+        if history is None:
+            return loss, grad_tree
+        return loss, grad_tree, {n: h for st, h, a in zip(self.stages, hist, amax) for n, h in
+                                 roll_history(h, a).items()}
 
 
 def build_staged(result: Any, tracer: Tracer, devices: Sequence[Any], schedule: str | None = None,

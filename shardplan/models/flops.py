@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from fractions import Fraction
 from typing import Any, Iterable
 
@@ -171,13 +172,18 @@ def model_flops(model: str | GPTConfig | LlamaConfig | MoEConfig, batch: int, se
 
 def operator_flops(op: Operator, forwards: int = 1) -> Fraction:
     """A training step's FLOPs of ``op`` as the cost model counts them, exactly: ``flops_per_point`` x points
-    x (``forwards`` + tensors with gradients); ``forwards`` = 2 for a recomputed operator. A fused backward
+    x (``forwards`` + tensors with gradients); ``forwards`` = 2 for a recomputed operator. The gradient of an
+    operand outside the contraction (:attr:`~shardplan.ir.Operator.epilogue_tensors`, a bias) is one add per
+    output point, not a product. A fused backward
     (:attr:`~shardplan.ir.Operator.backward_flops`, FlashAttention's) counts ``backward_flops`` x points in
     place of the gradients' passes. A causal mask is not subtracted (the whole domain, as the formulas)."""
     if op.backward_flops is not None:
         back = Fraction(op.backward_flops) * op.points if op.grad_tensors else Fraction(0)
         return Fraction(op.flops_per_point) * op.points * forwards + back
-    return Fraction(op.flops_per_point) * op.points * (forwards + len(op.grad_tensors))
+    epilogue = [t for t in op.epilogue_tensors if t.needs_grad]  # a bias's gradient: one add per output point
+    out_points = math.prod(op.output.shape)
+    return (Fraction(op.flops_per_point) * op.points * (forwards + len(op.grad_tensors) - len(epilogue))
+            + out_points * len(epilogue))
 
 
 def is_matmul(op: Operator) -> bool:

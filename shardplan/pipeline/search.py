@@ -832,7 +832,10 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
 
     ``reachable(a, o)``: False only when no pipeline of allowed stages covers units [a, U) on devices [o, p) (its
     states are worth infinity whatever their stages left and first size): such a state is answered at once and
-    not kept in the memo (same values and choices; fewer states held). Not with ``classes``."""
+    not kept in the memo (same values and choices; fewer states held). Not with ``classes``.
+
+    ``stats["dp_memo_entries_max"]``: the most states a memo held when a DP returned (the memo goes with its last
+    holder: docs/pipeline.md, *The memo's memory*)."""
     if classes is not None:
         return _class_dp(space, classes, qs, stage, between, stats, counter, memo, tick, floor)
     U, p = space.num_units, space.num_devices
@@ -840,6 +843,12 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
     if memo is None:
         memo = {}
     q_min = min(qs)
+
+    def opens(o: int, q: int, r: int) -> bool:
+        """Whether a first stage of q devices at o can start r stages: it is placed there, the last one ends at
+        p, and the r - 1 stages after it find at least (r - 1) q_min devices. A state that fails is worth
+        infinity, asks for no stage and is not kept in the memo (docs/pipeline.md, *The memo's memory*)."""
+        return _placeable(o, q, p, ns) and (r > 1 or o + q == p) and o + q + (r - 1) * q_min <= p
 
     def best_from(a: int, o: int, r: int, q: int) -> tuple[float, tuple | None]:
         key = (a, o, r, q)
@@ -853,8 +862,7 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
         if tick is not None and not count & 0x3FFF:
             tick()
         best_v, best_arg = math.inf, None
-        # the r - 1 stages after this one need at least (r - 1) q_min devices: no stage is asked for otherwise
-        if _placeable(o, q, p, ns) and (r > 1 or o + q == p) and o + q + (r - 1) * q_min <= p:
+        if opens(o, q, r):
             for b in ([U] if r == 1 else range(a + 1, U - r + 2)):
                 if floor is not None:
                     lo = floor(a, b, q)
@@ -878,6 +886,8 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
                         best_v, best_arg = here + rest, (b, q2)  # type: ignore[operator]
                     continue
                 for q2 in qs:
+                    if not opens(o + q, q2, r - 1):
+                        continue
                     lk = between(b, o, q, q2)
                     if lk is None:
                         continue
@@ -897,27 +907,37 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
             best_v, best_q = math.inf, None
             if o + r * q_min <= p:  # r stages need at least r q_min more devices
                 for q2 in qs:
+                    if not opens(o, q2, r):
+                        continue
                     v = best_from(a, o, r, q2)[0]
                     if v < best_v:
                         best_v, best_q = v, q2
             memo[key] = hit = (best_v, best_q)
         return hit
 
-    best_v, start = math.inf, None
-    for q in qs:
-        v, _ = best_from(0, 0, n, q)
-        if v < best_v:
-            best_v, start = v, q
-    if start is None:
-        return None
-    out = []
-    a, o, r, q = 0, 0, n, start
-    while True:
-        b, q2 = memo[(a, o, r, q)][1]  # type: ignore[misc]
-        out.append((a, b, o, q))
-        if q2 is None:
-            return best_v, out
-        a, o, r, q = b, o + q, r - 1, q2
+    try:
+        best_v, start = math.inf, None
+        for q in qs:
+            if not opens(0, q, n):
+                continue
+            v, _ = best_from(0, 0, n, q)
+            if v < best_v:
+                best_v, start = v, q
+        if start is None:
+            return None
+        out = []
+        a, o, r, q = 0, 0, n, start
+        while True:
+            b, q2 = memo[(a, o, r, q)][1]  # type: ignore[misc]
+            out.append((a, b, o, q))
+            if q2 is None:
+                return best_v, out
+            a, o, r, q = b, o + q, r - 1, q2
+    finally:
+        # best_from and best_any hold each other in their closure cells: a cycle that would keep the memo alive
+        # after the call until a full cyclic collection (docs/pipeline.md, *The memo's memory*)
+        best_from = best_any = None  # type: ignore[assignment]
+        stats["dp_memo_entries_max"] = max(stats.get("dp_memo_entries_max", 0), len(memo))
 
 
 def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
@@ -942,6 +962,12 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
             return (c - 1,)
         return (m, m - 1) if m >= 2 else (1,)
 
+    def opens(o: int, q: int, c: int) -> bool:
+        """Whether a first stage of q devices at o can start class c: it is placed there, the c - 1 or more
+        stages after it find (c - 1) q_min devices, and a class-1 stage at m > 1 (the last) ends at p. A state
+        that fails is worth infinity, asks for no stage and is not kept in the memo."""
+        return _placeable(o, q, p, ns) and o + q + (c - 1) * q_min <= p and (c != 1 or m == 1 or o + q == p)
+
     def best_from(a: int, o: int, c: int, q: int) -> tuple[float, tuple | None]:
         key = (a, o, c, q)
         hit = memo.get(key)
@@ -954,8 +980,7 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
         # c < m: exactly c stages from here (c = 1: this is the last); c = m: at least m
         must_end = c == 1 and m > 1
         may_end = c == 1 and o + q == p
-        # the c - 1 or more stages after this one need (c - 1) q_min devices and c - 1 units at least
-        if _placeable(o, q, p, ns) and o + q + (c - 1) * q_min <= p and (may_end or not must_end):
+        if opens(o, q, c):
             r_on = c if c < m else max(m, 2)
             for b in ([U] if must_end else range(a + 1, U - c + 2)):
                 last = b == U
@@ -984,6 +1009,8 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
                             best_v, best_arg = here + rest, (b, q2, c2)  # type: ignore[operator]
                         continue
                     for q2 in qs:
+                        if not opens(o + q, q2, c2):
+                            continue
                         lk = between(b, o, q, q2)
                         if lk is None:
                             continue
@@ -1001,28 +1028,36 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
             best_v, best_q = math.inf, None
             if o + c * q_min <= p:
                 for q2 in qs:
+                    if not opens(o, q2, c):
+                        continue
                     v = best_from(a, o, c, q2)[0]
                     if v < best_v:
                         best_v, best_q = v, q2
             memo[key] = hit = (best_v, best_q)
         return hit
 
-    best_v, start = math.inf, None
-    for c in range(1, m + 1):
-        for q in qs:
-            v, _ = best_from(0, 0, c, q)
-            if v < best_v:
-                best_v, start = v, (c, q)
-    if start is None:
-        return None
-    out = []
-    a, o, (c, q) = 0, 0, start
-    while True:
-        b, q2, c2 = memo[(a, o, c, q)][1]  # type: ignore[misc]
-        out.append((a, b, o, q))
-        if q2 is None:
-            return best_v, out
-        a, o, c, q = b, o + q, c2, q2
+    try:
+        best_v, start = math.inf, None
+        for c in range(1, m + 1):
+            for q in qs:
+                if not opens(0, q, c):
+                    continue
+                v, _ = best_from(0, 0, c, q)
+                if v < best_v:
+                    best_v, start = v, (c, q)
+        if start is None:
+            return None
+        out = []
+        a, o, (c, q) = 0, 0, start
+        while True:
+            b, q2, c2 = memo[(a, o, c, q)][1]  # type: ignore[misc]
+            out.append((a, b, o, q))
+            if q2 is None:
+                return best_v, out
+            a, o, c, q = b, o + q, c2, q2
+    finally:
+        best_from = best_any = None  # type: ignore[assignment]  # the closures' cycle, as in _stage_dp
+        stats["dp_memo_entries_max"] = max(stats.get("dp_memo_entries_max", 0), len(memo))
 
 
 ORDER_RTOL = 0.01  # step floors of micro-batch counts within 1 % of the least are equal for the parts' order

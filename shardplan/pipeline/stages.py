@@ -381,7 +381,7 @@ class ModelStages:
                 else:  # a fused kernel (cost/fused.py): forward inputs + saved, backward at least inputs + dO
                     seconds = max(seconds, (ins + op.saved * out) * nbytes / bw)
                     back = max(back, (ins + out) * nbytes / bw) if op.grad_tensors else 0.0
-            total += (1 + len(op.grad_tensors)) * seconds if back is None else seconds + back
+            total += op.passes * seconds if back is None else seconds + back  # a bias's gradient pass: >= 0
         return total
 
     def step_floor(self, m: int) -> float:

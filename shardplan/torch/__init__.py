@@ -108,8 +108,10 @@ def apply(plan: Any, module: Any, example_inputs: Sequence[Any], mesh: Any = Non
     ``schedule``: e.g. "gpipe" for a 1F1B plan; ``reduction``: the loss is a "mean" or a "sum").
 
     The module is traced again here and the plan's choices are checked against it: a plan made for
-    another program, batch or device count is refused. A pipeline whose stages shard state, recompute, run
-    FP8 products or offload is refused: the stage runner holds each stage's layouts only.
+    another program, batch or device count is refused. A pipeline's stages run their layouts, FP8 products,
+    activation offload, the ring and (stages of two processes) recomputation (:mod:`shardplan.torch.staged`);
+    one whose stages shard state or keep optimizer state or parameters in host memory is refused before
+    anything is traced: the stage runner holds no optimizer state.
     """
     import dataclasses
 
@@ -117,14 +119,10 @@ def apply(plan: Any, module: Any, example_inputs: Sequence[Any], mesh: Any = Non
     from shardplan.torch.run import parallel_module
 
     if plan.pipelined:
-        from shardplan.torch.staged import Tracer, build_pipeline, plan_layout
+        from shardplan.torch.staged import Tracer, build_pipeline, check_stage_choices, plan_layout
 
-        if any(c.state_stage or c.recompute or c.fp8 or c.offload for s in plan.stages for c in s.operators.values()):
-            raise ShardplanError("the plan's pipeline stages shard state, recompute, run FP8 products or offload, "
-                                 "which the PyTorch stage "
-                                 "runner does not hold (it runs each stage's layouts); plan with stages=False or "
-                                 "fit=False")
         layout, stage_layouts = plan_layout(plan)
+        check_stage_choices(layout["choices"], max(s.devices for s in plan.stages))
         several = max(s.devices for s in plan.stages) > 1
         return build_pipeline(None, layout, stage_layouts if several else None, Tracer(module, example_inputs),
                               module, schedule, reduction)

@@ -17,7 +17,17 @@ operands are all constants (buffers, ``arange``, HF's causal-mask and
 rotary-embedding computations, anything that depends on no parameter and no
 user input) is a constant: free and replicated, it is not a tensor of any
 operator. Identity-like nodes (``alias``, ``contiguous``, ``clone``,
-``to.dtype``, ``detach``, eval-mode dropout) create no operator.
+``to.dtype`` to the same element size, ``detach``, eval-mode dropout) create no operator.
+
+Precision. A tensor of a wider floating dtype than the model's precision (the dtype of most of its
+floating parameters: :func:`shardplan.torch.saved.reference_bytes`) holds ``itemsize / reference`` elements of
+the model's precision per point (:attr:`~shardplan.ir.Tensor.elem_factor`): a float32 value in a bfloat16
+model (Hugging Face's RMSNorm and loss upcast) is charged 4 bytes wherever the cost model counts its bytes
+(the HBM roofline of every operator that reads or writes it, the collectives that move it). A cast between
+floating dtypes of different sizes (``.float()``, ``.to(dtype)``) is an elementwise operator (kind ``cast``):
+eager PyTorch runs it as a kernel that reads the source and writes the copy, and its backward casts the
+gradient back. A narrower tensor (a bfloat16 value in a float32 model) is charged at the model's element
+size (an upper bound: the factor is a whole number).
 
 Operators. Every other node is one operator, built by the handler registered
 for its ATen target (:data:`HANDLERS`, see :func:`register`) from the
@@ -206,6 +216,59 @@ def _is_float(node: Any) -> bool:
     return v is not None and hasattr(v, "dtype") and (v.dtype.is_floating_point or v.dtype.is_complex)
 
 
+def _factor(node: Any, ref_bytes: int, default: int = 1) -> int:
+    """Elements of ``ref_bytes`` bytes per element of ``node``'s floating tensor value (at least 1); ``default``
+    where ``node`` is not an FX node with one tensor value (a tuple's part, a list, a scalar)."""
+    v = node.meta.get("val") if hasattr(node, "meta") else None
+    if v is None or not hasattr(v, "dtype") or not hasattr(v, "element_size"):
+        return default
+    if not (v.dtype.is_floating_point or v.dtype.is_complex):
+        return 1
+    return max(1, int(v.element_size()) // max(1, int(ref_bytes)))
+
+
+def _widened(t: Tensor, factor: int) -> Tensor:
+    return t if factor == 1 else dataclasses.replace(t, elem_factor=t.elem_factor * factor)
+
+
+def _arg_at(node: Any, path: ArgPath) -> Any:
+    """The argument of ``node`` at ``path`` ((i,), (i, j) or ("kw", name)); None where there is none."""
+    try:
+        if not path:
+            return None
+        if path[0] == "kw":
+            return node.kwargs[path[1]]
+        a = node.args[path[0]]
+        return a[path[1]] if len(path) > 1 else a
+    except (IndexError, KeyError, TypeError):
+        return None
+
+
+def _casts(node: Any, vals: list) -> bool:
+    """Whether ``node`` (an identity-like ATen op) copies a live floating tensor into a floating dtype of another
+    element size: a kernel in eager PyTorch, not a view."""
+    src = node.args[0] if node.args else None
+    if not (_live(vals[0] if vals else None) and hasattr(src, "meta")):
+        return False
+    a, b = src.meta.get("val"), node.meta.get("val")
+    if not all(hasattr(x, "dtype") and hasattr(x, "element_size") for x in (a, b)):
+        return False
+    return a.dtype.is_floating_point and b.dtype.is_floating_point and a.element_size() != b.element_size()
+
+
+CASTS = frozenset({"aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default", "aten.type_as.default",
+                   "aten.to.other", "aten.float.default"})
+
+
+def _cast(ctx: _Ctx, node: Any, vals: list) -> None:
+    """``y = x.to(dtype)`` between floating dtypes of different sizes: an elementwise copy (reads x, writes y;
+    its backward casts the gradient back), each tensor at its own element size."""
+    x = vals[0]
+    out = _shape(node) or x.shape
+    op = ops.elementwise(ctx.name_for(node), ctx.ref(x), kind="cast", letters=_letters(len(out)))
+    ctx.emit(node, op, [((0,), x, "x0")])
+
+
 def module_path(node: Any) -> str:
     """The module path an FX node came from (``layers.0.attn``), or ``<top>``."""
     stack = node.meta.get("nn_module_stack") or {}
@@ -233,6 +296,7 @@ class _Ctx:
         self.reasons: dict[str, str] = {}
         self.paths: dict[str, str] = {}
         self.inputs: dict[str, tuple[int, ...]] = {}
+        self.ref_bytes = 0  # bytes per element of the model's precision (0: every tensor one element per point)
 
     # -- references -------------------------------------------------------
     def ref(self, v: Val, shape: Sequence[int] | None = None) -> TensorRef:
@@ -279,6 +343,14 @@ class _Ctx:
         kept = {t.name for t in inputs} | {w.name for w in weights}
         by_name = {k: pv for k, pv in by_name.items() if k in kept}
         dims = op.dims or (("u", 1),)
+        if self.ref_bytes:
+            out_f = _factor(node, self.ref_bytes)
+
+            def widen(t: Tensor) -> Tensor:  # an operand's factor from its FX node, else the output's
+                path = by_name[t.name][0] if t.name in by_name else None
+                return _widened(t, out_f if path is None else _factor(_arg_at(node, path), self.ref_bytes, out_f))
+            inputs, weights = [widen(t) for t in inputs], [widen(t) for t in weights]
+            op = dataclasses.replace(op, output=_widened(op.output, out_f))
         op = dataclasses.replace(op, kind=kind or op.kind, inputs=tuple(inputs), weights=tuple(weights), dims=dims)
         self.ops[op.name] = op
         self.node_op[node.name] = op.name
@@ -427,7 +499,8 @@ def _operand_einsum(ctx: _Ctx, node: Any, name: str, eq: str, vals: Sequence[Val
 
 @register("aten.linear.default")
 def _linear(ctx: _Ctx, node: Any, vals: list) -> None:
-    """``y[..., n] = sum_c x[..., c] W[n, c]`` (+ bias, left out of the description as in ops.dense)."""
+    """``y[..., n] = sum_c x[..., c] W[n, c]`` (+ a bias over ``n``: a weight outside the contraction,
+    :attr:`~shardplan.ir.Operator.epilogue_tensors`)."""
     x, w = vals[0], vals[1]
     lead = _letters(len(x.shape) - 1, "nc")
     _operand_einsum(ctx, node, ctx.name_for(node), f"{lead}c,nc->{lead}n", [x, w], [(0,), (1,)], "linear",
@@ -1385,8 +1458,11 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
     except Exception as e:  # torch.export's own errors are long; keep the first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ShardplanError(f"torch frontend: torch.export could not capture the module: {first}") from e
+    from shardplan.torch.saved import reference_bytes
+
     env: dict[str, Val] = {}
     ctx = _Ctx(env)
+    ctx.ref_bytes = reference_bytes(module)
     params = dict(module.named_parameters(remove_duplicate=False))
     canonical: dict[int, str] = {}
     for spec in ep.graph_signature.input_specs:
@@ -1432,6 +1508,13 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
                 _getitem(ctx, node, vals)
             except ShardplanError as e:
                 ctx.conservative_op(node, vals, str(e))
+            continue
+        if target in CASTS and _casts(node, vals):
+            try:
+                _cast(ctx, node, vals)
+            except (ShardplanError, IndexError, KeyError, TypeError, ValueError) as e:
+                ctx.undo(node)
+                ctx.conservative_op(node, vals, f"{type(e).__name__}: {e}")
             continue
         if target in IDENTITY or (target.startswith("aten.dropout") and not _dropout_active(node)):
             v = vals[0]

@@ -10,9 +10,13 @@ gradients). A cast of ``x`` with the format's largest value ``M`` (448 for E4M3,
 
 the amax taken over the **whole** tensor: a DTensor's ``amax`` reduces over its shards (an all-reduce of
 the maximum), so every rank scales by the scale the unsharded program uses and each element is rounded
-exactly as there. The scale is the current one (this step's amax), not Transformer Engine's delayed
-scaling (the amax history of earlier steps), which needs state across steps and gives the same products
-once the history has settled. CPUs have no FP8 product: the run quantises and dequantises each operand
+exactly as there. That is *current* scaling (this cast's own amax; TE's ``Float8CurrentScaling``), the
+default. *Delayed* scaling (TE's ``DelayedScaling``, its default recipe and what the cost model charges) is
+:class:`DelayedScaling`, state the module holds across steps: ``s = M / max(h)`` from the tensor's amax
+history ``h`` of earlier steps (1 while it is empty, TE's initial scale), the cast saturating at ``M``, and
+each cast's amax recorded; at the start of the next step (:meth:`DelayedScaling.commit`) every history
+takes one entry, the largest amax its tensor's casts saw in the step (over its micro-batches), the oldest
+dropped (as :mod:`shardplan.jax.fp8`). CPUs have no FP8 product: the run quantises and dequantises each operand
 (:func:`fp8_cast`: the values an FP8 product reads) and multiplies in the working precision, FP32 in the
 tests, which is what an FP8 tensor core computes with its FP32 accumulator up to the order of the sums.
 The gradient through a cast is the identity (straight-through), as with a real FP8 product, whose
@@ -36,12 +40,53 @@ from typing import Any, Iterable
 
 from shardplan.ir import Operator
 
-__all__ = ["fp8_operands", "fp8_cast", "fp8_grad", "HostOffload", "HostOptimizer", "E4M3_MAX", "E5M2_MAX"]
+__all__ = ["fp8_operands", "fp8_cast", "fp8_grad", "DelayedScaling", "HostOffload", "HostOptimizer", "E4M3_MAX",
+           "E5M2_MAX", "AMAX_HISTORY"]
 
 E4M3_MAX = 448.0
 """The largest finite ``float8_e4m3fn`` (OCP 8-bit floating point specification, 2023: S.1111.110 = 1.75 x 2^8)."""
 E5M2_MAX = 57344.0
 """The largest finite ``float8_e5m2`` (same specification: S.11110.11 = 1.75 x 2^15)."""
+AMAX_HISTORY = 1024
+"""Amax history length of delayed scaling: Transformer Engine's default ``amax_history_len``
+(``transformer_engine.common.recipe.DelayedScaling``), the scale from the history's max (``amax_compute_algo="max"``,
+margin 0)."""
+
+
+class DelayedScaling:
+    """Delayed scaling's state (module docstring): per tensor key an amax history, newest first, and the amaxes
+    recorded since the last :meth:`commit`.
+
+    ``scale(key, M)``: ``M / max(history)`` (1 for a key with no history yet or an all-zero one);
+    ``record(key, amax)``: this step's amax of a cast; ``commit()``: every recorded key's history shifted by
+    one with the largest amax recorded for it as the newest entry (called by the runner when a step starts)."""
+
+    def __init__(self, length: int = AMAX_HISTORY) -> None:
+        if int(length) < 1:
+            from shardplan.errors import ShardplanError
+
+            raise ShardplanError(f"an amax history holds at least one step, got length {length}")
+        self.length = int(length)
+        self.history: dict[str, Any] = {}
+        self.pending: dict[str, float] = {}
+
+    def scale(self, key: str, largest: float) -> float:
+        h = self.history.get(key)
+        amax = float(h.max()) if h is not None else 0.0
+        return largest / amax if amax > 0.0 else 1.0
+
+    def record(self, key: str, amax: float) -> None:
+        self.pending[key] = max(self.pending.get(key, 0.0), float(amax))
+
+    def commit(self) -> None:
+        import torch
+
+        for key, amax in self.pending.items():
+            h = self.history.get(key)
+            h = torch.zeros(self.length, dtype=torch.float64) if h is None else torch.roll(h, 1)
+            h[0] = amax
+            self.history[key] = h
+        self.pending = {}
 
 
 def fp8_operands(op: Operator) -> frozenset[str]:
@@ -60,25 +105,31 @@ def _amax(x: Any) -> float:
     return float(m.full_tensor() if isinstance(m, DTensor) else m)
 
 
-def _quantise(x: Any, fmt: Any, largest: float) -> Any:
-    """``x`` rounded to ``fmt`` with the per-tensor scale ``largest / amax(|x|)`` and scaled back (no gradient)."""
+def _quantise(x: Any, fmt: Any, largest: float, scaling: DelayedScaling | None = None, key: str = "") -> Any:
+    """``x`` rounded to ``fmt`` and scaled back (no gradient): with the per-tensor scale ``largest / amax(|x|)``
+    (current scaling), or with ``scaling``'s delayed scale of ``key`` (saturating; the amax recorded)."""
     amax = _amax(x)
+    if scaling is not None:
+        scaling.record(key, amax)
+        s = scaling.scale(key, largest)
+        return ((x.detach() * s).clamp(-largest, largest).to(fmt).to(x.dtype)) / s
     if amax == 0.0:
         return x.detach()
     s = largest / amax
     return ((x.detach() * s).to(fmt).to(x.dtype)) / s
 
 
-def fp8_cast(x: Any) -> Any:
-    """``x`` as an FP8 product reads it: E4M3 with the per-tensor scale (module docstring); the gradient passes
-    through unchanged. A DTensor stays a DTensor with the same placements."""
+def fp8_cast(x: Any, scaling: DelayedScaling | None = None, key: str = "") -> Any:
+    """``x`` as an FP8 product reads it: E4M3 with the per-tensor scale (current, or ``scaling``'s for ``key``:
+    module docstring); the gradient passes through unchanged. A DTensor stays a DTensor with the same
+    placements."""
     import torch
 
-    q = _quantise(x, torch.float8_e4m3fn, E4M3_MAX)
+    q = _quantise(x, torch.float8_e4m3fn, E4M3_MAX, scaling, key)
     return x + (q - x).detach() if x.requires_grad else q
 
 
-def _grad_function() -> Any:
+def _grad_function(scaling: DelayedScaling | None, key: str) -> Any:
     import torch
 
     class _Fp8Grad(torch.autograd.Function):
@@ -88,17 +139,18 @@ def _grad_function() -> Any:
 
         @staticmethod
         def backward(ctx: Any, g: Any) -> Any:
-            return _quantise(g, torch.float8_e5m2, E5M2_MAX)
+            return _quantise(g, torch.float8_e5m2, E5M2_MAX, scaling, key)
 
     return _Fp8Grad
 
 
-def fp8_grad(y: Any) -> Any:
+def fp8_grad(y: Any, scaling: DelayedScaling | None = None, key: str = "") -> Any:
     """``y`` unchanged; in the backward pass its gradient is cast to E5M2 with the per-tensor scale of the whole
-    gradient (module docstring), as an FP8 product's backward products read it."""
+    gradient (current, or ``scaling``'s for ``key``: module docstring), as an FP8 product's backward products
+    read it."""
     if not getattr(y, "requires_grad", False):
         return y
-    return _grad_function().apply(y)
+    return _grad_function(scaling, key).apply(y)
 
 
 def _to(t: Any, device: Any) -> Any:
@@ -157,13 +209,19 @@ class HostOptimizer:
     and copies the new values back into the device parameters; :meth:`zero_grad` clears the device gradients.
     On a CPU the host copies are separate tensors, so the device parameters change only through the copy back.
     ``device_params``: parameters whose state stays on the device, stepped there by the same optimizer class
-    (``device``; None when there are none).
+    (``device``; None when there are none). ``homes``: ``id(parameter) -> host tensor`` for parameters that live
+    in host memory themselves (ZeRO-Infinity's ``offload_param``): the host tensor is their host copy, and the
+    step leaves their device memory alone (the run brings them in when it uses them).
     """
 
     def __init__(self, params: Iterable[Any], optimizer: Any, host: str = "cpu", device_params: Iterable[Any] = (),
-                 **options: Any) -> None:
+                 homes: Any = None, **options: Any) -> None:
+        import torch
+
+        self.homes = dict(homes or {})
         self.params = [p for p in params if p.requires_grad]
-        self.host_params = [self._host(p, host) for p in self.params]
+        self.host_params = [torch.nn.Parameter(self.homes[id(p)]) if id(p) in self.homes else self._host(p, host)
+                            for p in self.params]
         self.inner = optimizer(self.host_params, **options)
         kept = [p for p in device_params if p.requires_grad]
         self.device = optimizer(kept, **options) if kept else None
@@ -187,6 +245,8 @@ class HostOptimizer:
                 h.grad = _to(g, h.device)
             self.inner.step()
             for p, h in zip(self.params, self.host_params):
+                if id(p) in self.homes:  # lives in host memory: the step updated it there
+                    continue
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.copy_(h, non_blocking=True)
         if self.device is not None:

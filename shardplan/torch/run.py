@@ -88,7 +88,8 @@ from shardplan.ir import Graph, Operator, Tensor
 from shardplan.torch.frontend import _SKIP as _CHECKS
 from shardplan.torch.frontend import TorchTrace
 from shardplan.torch.layout import mesh_dims, mesh_factors, plan_mesh_shape, tensor_placements
-from shardplan.torch.precision import HostOffload, HostOptimizer, fp8_cast, fp8_grad, fp8_operands
+from shardplan.torch.precision import (AMAX_HISTORY, DelayedScaling, HostOffload, HostOptimizer, _to, fp8_cast,
+                                      fp8_grad, fp8_operands)
 from shardplan.torch.ring import SDPA, ring_applies, ring_kv_placements, ring_sdpa
 
 __all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts", "RunChoices", "run_choices",
@@ -649,6 +650,9 @@ class RunChoices:
             :class:`~shardplan.torch.precision.HostOptimizer`).
         ring: attention whose queries are split runs the ring (:func:`shardplan.torch.ring.ring_sdpa`): the plan's
             tables were built with ``context="ring"``.
+        offload_params: operators whose ZeRO-3 weights live in host memory (ZeRO-Infinity's ``offload_param``):
+            brought to the device for the forward pass and for each regather of the backward pass
+            (:meth:`ParallelModule.offloaded_parameters`).
     """
 
     micro_batches: int = 1
@@ -658,6 +662,7 @@ class RunChoices:
     offload: frozenset[str] = frozenset()
     ring: bool = False
     offload_optimizer: frozenset[str] = frozenset()
+    offload_params: frozenset[str] = frozenset()
 
 
 def run_choices(plan: Any) -> RunChoices:
@@ -680,7 +685,8 @@ def run_choices(plan: Any) -> RunChoices:
                       frozenset(n for i, n in enumerate(names) if mc.stage(i) == 3),
                       frozenset(n for i, n in enumerate(names) if mc.fp8(i)),
                       frozenset(n for i, n in enumerate(names) if "activations" in mc.offload(i)), ring,
-                      frozenset(n for i, n in enumerate(names) if "optimizer" in mc.offload(i)))
+                      frozenset(n for i, n in enumerate(names) if "optimizer" in mc.offload(i)),
+                      frozenset(n for i, n in enumerate(names) if "parameters" in mc.offload(i)))
 
 
 def zero3_placements(placements: Sequence[Any], shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[Any, ...]:
@@ -932,7 +938,12 @@ def _make_class() -> Any:
                 factors, choices.recompute)
             self._zero3 = {t for op in choices.zero3 for t, uses in info.param_uses.items() if uses[0][0] == op}
             self._sharded: set[int] = set()  # ids of the ZeRO-3 parameters
+            self._homes: dict[int, tuple[Any, Any]] = {}  # id -> (parameter, its shard's home in host memory)
             self.host = HostOffload()  # the offloaded activations' hooks and their byte count
+            # FP8 delayed scaling's state (Transformer Engine's default recipe, what the cost model charges); None:
+            # current scaling (:meth:`current_scaling`)
+            self.scaling: DelayedScaling | None = DelayedScaling() if choices.fp8 else None
+            self._stepping = False
             self.param_placements: dict[str, tuple[Any, ...]] = {}
             self._mirror(module)
 
@@ -990,6 +1001,7 @@ def _make_class() -> Any:
             else:
                 pl = tuple(Replicate() for _ in range(self.mesh.ndim))
             zero3 = any(n in self._zero3 for n in names)
+            tile = pl
             if zero3:
                 pl = zero3_placements(pl, tuple(src.shape), tuple(self.mesh.mesh.shape))
             dt = distribute_tensor(src.detach().clone(), self.mesh, list(pl), src_data_rank=None)
@@ -999,7 +1011,49 @@ def _make_class() -> Any:
                 par.register_hook(self._grad_hook(pl))
             if zero3:
                 self._sharded.add(id(par))
+                if uses and uses[0][0] in self.choices.offload_params and self._offloadable(names, tile, pl):
+                    self._homes[id(par)] = (par, _to(par._local_tensor.detach(), "cpu"))
+                    self._release(par)
             return par
+
+        def _offloadable(self, names: Sequence[str], tile: Sequence[Any], shard: Sequence[Any]) -> bool:
+            """Whether a ZeRO-3 parameter's shard can live in host memory between its uses: it is cut further than
+            its tile (every reader gathers it, and autograd keeps the regathered reference, never the shard),
+            and every node that reads it is an operator that does not recompute (a view of it, or a
+            checkpointed segment, would keep or read the shard itself)."""
+            if tuple(tile) == tuple(shard):
+                return False
+            ep = self.info.program
+            phs = {s.arg.name for s in ep.graph_signature.input_specs
+                   if s.kind == InputKind.PARAMETER and s.target in set(names)}
+            for node in ep.graph.nodes:
+                if node.op == "placeholder" and node.name in phs:
+                    for user in node.users:
+                        op = self.info.node_op.get(user.name)
+                        if op is None or op in self.choices.recompute or user.name in self.info.const_nodes:
+                            return False
+            return True
+
+        def _release(self, par: Any) -> None:
+            """Free the device memory of an offloaded parameter's shard (its values stay in its home)."""
+            par._local_tensor.untyped_storage().resize_(0)
+
+        def _fetch(self, par: Any) -> None:
+            """Bring an offloaded parameter's shard back from its home (a copy into fresh device memory)."""
+            local, home = par._local_tensor, self._homes[id(par)][1]
+            storage = local.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(home.numel() * home.element_size())
+            with torch.no_grad():
+                local.copy_(home, non_blocking=True)
+
+        def offloaded_parameters(self) -> dict[str, Any]:
+            """Parameter name -> the host tensor holding its shard between uses, for the parameters the plan
+            keeps in host memory (:attr:`RunChoices.offload_params`; a parameter read through a view, one
+            whose readers recompute, or one not cut further than its tile stays on the device). Between steps
+            their device shards hold no memory: read their values here; :meth:`optimizer` steps them here."""
+            ids = {id(p): n for n, p in self.named_parameters()}
+            return {ids[k]: home for k, (_, home) in self._homes.items() if k in ids}
 
         def _grad_hook(self, placements: tuple[Any, ...]) -> Any:
             def hook(g: Any) -> Any:
@@ -1016,10 +1070,12 @@ def _make_class() -> Any:
             owners = self.choices.offload_optimizer
             host = {t for t, uses in self.info.param_uses.items() if uses and uses[0][0] in owners}
             named = list(self.named_parameters())
+            homes = {k: home for k, (_, home) in self._homes.items()}
+            host |= {n for n, p in named if id(p) in homes}  # a parameter in host memory is stepped there
             if not any(n in host for n, _ in named):
                 return cls([p for _, p in named], **options)
             return HostOptimizer([p for n, p in named if n in host], cls,
-                                 device_params=[p for n, p in named if n not in host], **options)
+                                 device_params=[p for n, p in named if n not in host], homes=homes, **options)
 
         def dparameter(self, target: str) -> Any:
             """The DTensor parameter for ``target`` (the original module's parameter name)."""
@@ -1069,7 +1125,22 @@ def _make_class() -> Any:
                 raise ShardplanError(f"this plan accumulates gradients over {self.micro_batches} micro-batches: "
                                      "call step(*inputs) for a forward and backward pass (or the module under "
                                      "torch.no_grad() for the outputs alone)")
+            if not self._stepping and self.scaling is not None:  # a call is a step: the last one's amaxes go in
+                self.scaling.commit()
             return self._run(self._full, args, kwargs)
+
+        def delayed_scaling(self, length: int = AMAX_HISTORY) -> Any:
+            """Run the FP8 products with delayed scaling (the default) from now on, with fresh amax histories of
+            ``length`` steps (:class:`~shardplan.torch.precision.DelayedScaling`; each call of the module or of
+            :meth:`step` is a step); returns the module."""
+            self.scaling = DelayedScaling(length)
+            return self
+
+        def current_scaling(self) -> Any:
+            """Run the FP8 products with current scaling from now on (each cast scaled by its own tensor's amax, no
+            state); returns the module."""
+            self.scaling = None
+            return self
 
         def step(self, *args: Any, **kwargs: Any) -> Any:
             """One forward and backward pass of the batch as planned; the loss, detached.
@@ -1084,6 +1155,8 @@ def _make_class() -> Any:
             """
             k = self.micro_batches
             total = None
+            if self.scaling is not None:
+                self.scaling.commit()
             for i in range(k):
                 a, kw = micro_batch(args, kwargs, i, k) if k > 1 else (list(args), dict(kwargs))
                 loss = self._run(self._micro, a, kw)
@@ -1129,6 +1202,8 @@ def _make_class() -> Any:
                         env[name] = None
             result = None
             gm = ep.graph_module
+            for par, _ in self._homes.values():  # offloaded shards: on the device for the forward pass
+                self._fetch(par)
             for item in prog.items:
                 if isinstance(item, Segment):
                     outs = checkpoint(self._segment_fn(prog, item), *[env[n] for n in item.inputs],
@@ -1148,6 +1223,8 @@ def _make_class() -> Any:
                     result = _tree_map(lambda a: env[a.name] if isinstance(a, torch.fx.Node) else a, node.args[0])
                     break
                 env[node.name] = self._run_node(prog, node, env, regather=True)
+            for par, _ in self._homes.values():  # ... and back in host memory until the backward regathers them
+                self._release(par)
             outs = _tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, list(result))
             return pytree.tree_unflatten(outs, ep.call_spec.out_spec)
 
@@ -1201,7 +1278,8 @@ def _make_class() -> Any:
                         if id(x) in self._sharded and y is not x:
                             gathered.append((x, y))
                     if tname in fp8 and isinstance(x, torch.Tensor) and x.is_floating_point():
-                        _set(args, kwargs, path, fp8_cast(_get(args, kwargs, path)))
+                        _set(args, kwargs, path, fp8_cast(_get(args, kwargs, path), self.scaling,
+                                                          f"{op_name}:{tname}"))
             fn = _REWRITES.get(str(fn), fn)
             if ring:
                 fn = functools.partial(ring_sdpa, fallback=fn)
@@ -1234,7 +1312,7 @@ def _make_class() -> Any:
                     out = (self._replicated_call(fn, args, kwargs) if local is None else
                            self._local_call(fn, args, kwargs, *local))
             if fp8:
-                out = fp8_grad(out)
+                out = fp8_grad(out, self.scaling, f"{op_name}:dY")
             if op_name is not None and isinstance(out, DTensor):
                 out = _redistribute(out, self.mesh, lay.output(op_name, out.dim()))
             if str(node.target) in _FUNCTIONAL and isinstance(node.args[0], torch.fx.Node):
@@ -1261,13 +1339,18 @@ def _make_class() -> Any:
             def unpack(t: Any) -> Any:
                 if not isinstance(t, _Regather):
                     return t
+                home = id(t.param) in self._homes
+                if home:
+                    self._fetch(t.param)
                 with torch.no_grad():
                     full = t.param.detach().redistribute(self.mesh, list(t.placements)).to_local()
-                    local = full.as_strided(t.size, t.stride, t.offset)
-                    if t.spec is None:
-                        return local
-                    pl, shape, stride = t.spec
-                    return DTensor.from_local(local, self.mesh, list(pl), run_check=False, shape=shape, stride=stride)
+                if home:  # the gathered copy is new memory: the shard goes back to the host
+                    self._release(t.param)
+                local = full.as_strided(t.size, t.stride, t.offset)
+                if t.spec is None:
+                    return local
+                pl, shape, stride = t.spec
+                return DTensor.from_local(local, self.mesh, list(pl), run_check=False, shape=shape, stride=stride)
             return pack, unpack
 
         def _batch_local_call(self, fn: Any, args: list, kwargs: dict) -> Any:

@@ -235,14 +235,36 @@ def partition(ep: Any, node_op: Mapping[str, str], rename: Mapping[str, str], gr
     return parts
 
 
-def _stage_module(part: StagePartition, ep: Any, module: Any) -> Any:
-    """An ``nn.Module`` running ``part``'s nodes on copies of the parameters it reads."""
+def _stage_module(part: StagePartition, ep: Any, module: Any,
+                  node_choices: Mapping[str, tuple[str, tuple, bool]] | None = None,
+                  recompute: tuple[Mapping[str, str], frozenset[str]] | None = None) -> Any:
+    """An ``nn.Module`` running ``part``'s nodes on copies of the parameters it reads.
+
+    ``node_choices``: FX node name -> (its operator, its FP8 operands as (argument path, tensor name), whether
+    its saved tensors live in host memory), for the nodes of operators with such choices (:func:`node_choices`):
+    the operands are cast (:func:`shardplan.torch.precision.fp8_cast`, current scaling, or delayed from
+    ``Stage.scaling`` when set) and the output's gradient cast in the backward pass
+    (:func:`~shardplan.torch.precision.fp8_grad`); the node runs under the stage's
+    :class:`~shardplan.torch.precision.HostOffload` hooks (``Stage.host`` counts what went to the host).
+    ``recompute``: (FX node -> operator, the operators that recompute): consecutive nodes of those operators
+    (with the views that follow them) run as one ``torch.utils.checkpoint`` segment
+    (:func:`shardplan.torch.run.recompute_segments`), their forward run again in the backward pass."""
+    import contextlib
+
     import torch
     from torch import nn
+
+    from torch.utils.checkpoint import checkpoint
+
+    from shardplan.torch.precision import HostOffload, fp8_cast, fp8_grad
+    from shardplan.torch.run import Segment, _get, _set, recompute_segments
+
+    chosen = dict(node_choices or {})
 
     named = dict(module.named_parameters(remove_duplicate=False))
     by_name = {n.name: n for n in ep.graph.nodes}
     nodes = [by_name[n] for n in part.nodes]
+    items = recompute_segments(nodes, *recompute) if recompute and recompute[1] else nodes
 
     class Stage(nn.Module):
         def __init__(self) -> None:
@@ -259,21 +281,50 @@ def _stage_module(part: StagePartition, ep: Any, module: Any) -> Any:
             self.consts: dict[str, Any] = {}
             for ph, (k, target) in part.consts.items():
                 self.consts[ph] = ep.constants[target] if k == "CONSTANT_TENSOR" else ep.state_dict[target]
+            self.host = HostOffload()
+            self.segments = [i for i in items if isinstance(i, Segment)]  # the recomputed runs of nodes
+            self.scaling: Any = None  # FP8 delayed scaling's state (None: current scaling)
 
         def forward(self, *args: Any) -> Any:
             env: dict[str, Any] = dict(zip(part.inputs, args))
             for ph, key in self.keys.items():
                 env[ph] = self.weights[key]
             env.update(self.consts)
-            for node in nodes:
-                a = torch.fx.node.map_arg(node.args, lambda x: env[x.name])
-                kw = torch.fx.node.map_arg(node.kwargs, lambda x: env[x.name])
-                if node.op == "get_attr":  # a sub-graph of a higher-order op (e.g. a vmapped mask)
-                    env[node.name] = operator.attrgetter(node.target)(ep.graph_module)
+            for item in items:
+                if isinstance(item, Segment):
+                    outs = checkpoint(self._segment(item), *[env[n] for n in item.inputs], use_reentrant=False)
+                    env.update(zip(item.outputs, outs))
                 else:
-                    env[node.name] = node.target(*a, **kw)
+                    env[item.name] = self._node(item, env)
             outs = tuple(env[o] for o in part.outputs)
             return outs[0] if len(outs) == 1 else outs
+
+        def _segment(self, seg: Any) -> Any:
+            """``seg`` as a function of its inputs' values to its outputs' (what ``checkpoint`` runs twice)."""
+            def run(*values: Any) -> tuple[Any, ...]:
+                env = dict(zip(seg.inputs, values))
+                for node in seg.nodes:
+                    env[node.name] = self._node(node, env)
+                return tuple(env[n] for n in seg.outputs)
+            return run
+
+        def _node(self, node: Any, env: dict[str, Any]) -> Any:
+            a = torch.fx.node.map_arg(node.args, lambda x: env[x.name])
+            kw = torch.fx.node.map_arg(node.kwargs, lambda x: env[x.name])
+            if node.op == "get_attr":  # a sub-graph of a higher-order op (e.g. a vmapped mask)
+                return operator.attrgetter(node.target)(ep.graph_module)
+            if node.name not in chosen:
+                return node.target(*a, **kw)
+            op, operands, offload = chosen[node.name]
+            a, kw = list(a), dict(kw)
+            for path, tname in operands:
+                x = _get(a, kw, path)
+                if isinstance(x, torch.Tensor) and x.is_floating_point():
+                    _set(a, kw, path, fp8_cast(x, self.scaling, f"{op}:{tname}"))
+            with self.host.hooks() if offload else contextlib.nullcontext():
+                out = node.target(*a, **kw)
+            fp8 = operands and isinstance(out, torch.Tensor)
+            return fp8_grad(out, self.scaling, f"{op}:dY") if fp8 else out
 
         def named_targets(self) -> dict[str, Any]:
             """Parameter target in the original module -> this stage's copy."""
@@ -324,6 +375,11 @@ class _Held:
         params = dict(self.module.named_parameters(remove_duplicate=False))
         return {t: params["weights." + k] for k, t in self.targets.items()}
 
+    def delayed_scaling(self, length: int | None) -> None:
+        from shardplan.torch.precision import DelayedScaling
+
+        self.module.scaling = None if length is None else DelayedScaling(length)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
 
@@ -342,12 +398,14 @@ def _broadcast_stage_layouts(result: Any, rank: int) -> list[list[tuple[Any, Any
     return box[0]  # type: ignore[return-value]
 
 
-def _dtensor_stage(mod: Any, examples: Sequence[Any], layouts: Sequence[tuple[Any, Any]], mesh: Any) -> Any:
+def _dtensor_stage(mod: Any, examples: Sequence[Any], layouts: Sequence[tuple[Any, Any]], mesh: Any,
+                   choices: Sequence[StageChoice] = (), ring: bool = False) -> Any:
     """The stage module run on DTensors over ``mesh`` with the searched intra-stage layouts.
 
     The stage module is traced again (:func:`shardplan.torch.trace`); its operators are the stage's
     operators in the same order (the same FX nodes), each taking the layout the intra-stage plan gave
-    its counterpart; a mismatch raises.
+    its counterpart, and its run choices (``choices``, in the same order: FP8 products, activation offload,
+    recomputation; ``ring``: attention whose queries are split runs the ring); a mismatch raises.
     """
     from shardplan.torch.frontend import trace
     from shardplan.torch.layout import plan_mesh_shape
@@ -362,7 +420,8 @@ def _dtensor_stage(mod: Any, examples: Sequence[Any], layouts: Sequence[tuple[An
     if tuple(shape) != tuple(mesh.mesh.shape):
         raise ShardplanError(f"stage layouts need a mesh of shape {shape}; stages of {mesh.mesh.numel()} processes "
                              "run on a one-axis mesh")
-    return ParallelModule.create(mod, info, graph, lays, mesh)
+    names = [op.name for op in graph.operators]
+    return ParallelModule.create(mod, info, graph, lays, mesh, _run_choices(choices, names, ring))
 
 
 @dataclass(eq=False)
@@ -405,6 +464,10 @@ class TorchPipeline:
 
         for mod in self.modules:
             mod.zero_grad(set_to_none=True)
+            if getattr(mod.module, "scaling", None) is not None:  # a step starts: the last one's amaxes go in
+                mod.module.scaling.commit()
+            if hasattr(mod.module, "_stepping"):  # a ParallelModule: its forwards are this step's micro-batches
+                mod.module._stepping = True
         m = self.micro_batches
         first = any(p.index == 0 for p in self._mine())
         last = any(p.index == len(self.parts) - 1 for p in self._mine())
@@ -412,7 +475,12 @@ class TorchPipeline:
         kw: dict[str, Any] = {"return_outputs": False}
         if last:
             kw.update(target=torch.zeros(m), losses=losses)
-        self.schedule.step(*(inputs if first else ()), **kw)
+        try:
+            self.schedule.step(*(inputs if first else ()), **kw)
+        finally:
+            for mod in self.modules:
+                if hasattr(mod.module, "_stepping"):
+                    mod.module._stepping = False
         if last:
             total = torch.stack([x.detach().reshape(()) for x in losses]).sum()
             loss = total / m if self.reduction == "mean" else total
@@ -421,6 +489,22 @@ class TorchPipeline:
         dist.broadcast(loss, src=self.last_rank)
         self._sum_shared()
         return loss
+
+    def delayed_scaling(self, length: int | None = None) -> "TorchPipeline":
+        """Run this rank's FP8 products with delayed scaling (the default) from now on, with fresh amax histories
+        of ``length`` steps (:data:`~shardplan.torch.precision.AMAX_HISTORY` by default; each :meth:`step` is a
+        step); returns the pipeline."""
+        from shardplan.torch.precision import AMAX_HISTORY
+
+        for mod in self.modules:
+            mod.delayed_scaling(length or AMAX_HISTORY)
+        return self
+
+    def current_scaling(self) -> "TorchPipeline":
+        """Run this rank's FP8 products with current scaling from now on (no state); returns the pipeline."""
+        for mod in self.modules:
+            mod.delayed_scaling(None)
+        return self
 
     def _mine(self) -> list[StagePartition]:
         return [self.parts[j] for j in self._indices()]
@@ -463,9 +547,72 @@ def _broadcast_layout(result: Any, rank: int) -> dict:
         plan = result.plan
         box = [{"stages": [(s.first, s.end, s.offset, s.devices) for s in plan.stages],
                 "micro_batches": plan.micro_batches, "schedule": plan.schedule, "chunks": plan.chunks,
-                "units": result.unit_names(), "step_time": plan.step_time}]
+                "units": result.unit_names(), "step_time": plan.step_time, "choices": _result_choices(result),
+                "ring": result.stages.solve_options.get("context") == "ring"}]
     dist.broadcast_object_list(box, src=0)
     return box[0]  # type: ignore[return-value]
+
+
+StageChoice = tuple  # (operator name, fp8, offload parts, recompute, ZeRO stage): one operator's run choices
+
+
+def _result_choices(result: Any) -> list[list[StageChoice]]:
+    """Per stage of a pipeline search's answer, its operators' run choices in order (every operator plain for a
+    search without memory choices)."""
+    from shardplan.pipeline.execute import stage_plan
+
+    out = []
+    for j, st in enumerate(result.plan.stages):
+        sp = stage_plan(result, j) if result.stages.memory_choices else None
+        mc = getattr(sp, "memory_choices", None)
+        out.append([] if mc is None else
+                   [(op.name, bool(mc.fp8(i)), tuple(mc.offload(i)), bool(mc.recompute(i)), int(mc.stage(i)))
+                    for i, op in enumerate(sp.graph.operators)])
+    return out
+
+
+def check_stage_choices(choices: Sequence[Sequence[StageChoice]], q: int) -> None:
+    """Refuse what the stage runner cannot hold (stages of ``q`` processes): a ZeRO stage, or optimizer state or
+    parameters in host memory (the pipeline holds no optimizer: it leaves each stage's gradients in its
+    parameters)."""
+    for ops in choices:
+        for name, _fp8, offload, _recompute, stage in ops:
+            parts = [p for p in offload if p != "activations"]
+            why = f"has ZeRO stage {stage}" if stage else f"offloads its {', '.join(parts)}" if parts else None
+            if why:
+                raise ShardplanError(f"pipeline stage operator {name!r} {why}: the PyTorch stage runner runs "
+                                     "layouts, recomputation, FP8 products, activation offload and the ring; it "
+                                     "holds no optimizer state")
+
+
+def node_choices(ops: Sequence[StageChoice], info: Any, graph: Any, old: Mapping[str, str]) -> dict[str, tuple]:
+    """FX node name -> (operator, its FP8 operands as (argument path, tensor name), activations offloaded) for
+    the nodes of the operators of ``ops`` (new names; ``old``: new -> traced name) with FP8 or activation offload
+    (:func:`_stage_module`)."""
+    from shardplan.torch.precision import fp8_operands
+
+    want = {old.get(name, name): (name, fp8, "activations" in offload and not rec) for name, fp8, offload, rec, _s
+            in ops if fp8 or ("activations" in offload and not rec)}
+    out = {}
+    for node, op in info.node_op.items():
+        if op not in want:
+            continue
+        new, fp8, offload = want[op]
+        tensors = fp8_operands(graph[new]) if fp8 else frozenset()
+        out[node] = (new, tuple((path, t) for path, t in info.operands.get(op, ()) if t in tensors), offload)
+    return out
+
+
+def _run_choices(ops: Sequence[StageChoice], names: Sequence[str], ring: bool) -> Any:
+    """The :class:`~shardplan.torch.run.RunChoices` of a stage's operators ``ops`` (in order; empty: none) for the
+    stage module traced again, whose operators are ``names`` in the same order."""
+    from shardplan.torch.run import RunChoices
+
+    if ops and len(ops) != len(names):
+        raise ShardplanError("the stage module's operators differ from the stage the plan was made for")
+    pick = lambda k: frozenset(n for n, c in zip(names, ops) if k(c))  # noqa: E731
+    return RunChoices(recompute=pick(lambda c: c[3]), fp8=pick(lambda c: c[1]),
+                      offload=pick(lambda c: "activations" in c[2] and not c[3]), ring=ring)
 
 
 def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None = None, *,
@@ -528,7 +675,10 @@ def plan_layout(plan: Any) -> tuple[dict, list[list[tuple[Any, Any]]]]:
     operators' ``(dimension names, Layout)`` in order (the form :func:`pipeline` broadcasts)."""
     layout = {"stages": [(s.first, s.end, s.offset, s.devices) for s in plan.stages],
               "micro_batches": plan.micro_batches, "schedule": plan.schedule, "chunks": plan.chunks,
-              "units": None, "step_time": plan.step_time}
+              "units": None, "step_time": plan.step_time,
+              "choices": [[(n, c.fp8, tuple(c.offload), c.recompute, c.state_stage) for n, c in s.operators.items()]
+                          for s in plan.stages],
+              "ring": (plan.stats.get("table_options") or {}).get("context") == "ring"}
     return layout, [[(c.layout.dims, c.layout) for c in s.operators.values()] for s in plan.stages]
 
 
@@ -563,6 +713,8 @@ def build_pipeline(result: Any, layout: dict, stage_layouts: Sequence[Sequence[t
                              f"m={m} for {len(layout['stages'])} stages: offer larger micro_batches or run "
                              "schedule='gpipe'")
     graph, info, rename = tracer.traced(tracer.batch // m)
+    choices = layout.get("choices") or [[] for _ in layout["stages"]]
+    check_stage_choices(choices, q)
     n = len(layout["stages"])
     specs = [StageSpec(j, a, b, o, q, j % (n // v), j // (n // v)) for j, (a, b, o, q) in enumerate(layout["stages"])]
     first_name: dict[int, str] = {}
@@ -579,12 +731,20 @@ def build_pipeline(result: Any, layout: dict, stage_layouts: Sequence[Sequence[t
         group, sub = mesh["pp"].get_group(), mesh["m0"]
     modules, stages = [], []
     for j in mine:
-        mod = _stage_module(parts[j], ep, module)
+        mod = _stage_module(parts[j], ep, module,
+                            node_choices(choices[j], info, graph, rename) if q == 1 else None,
+                            (info.node_op, frozenset(rename.get(c[0], c[0]) for c in choices[j] if c[3]))
+                            if q == 1 else None)
         ins = _examples(ep, module, parts[j].inputs)
         outs = _examples(ep, module, parts[j].outputs)
         if sub is not None and stage_layouts is None:
             raise ShardplanError("stages of several processes need their layouts")
-        run_mod = mod if sub is None else _dtensor_stage(mod, ins, stage_layouts[j], sub)  # type: ignore[index]
+        run_mod = mod if sub is None else _dtensor_stage(mod, ins, stage_layouts[j], sub,  # type: ignore[index]
+                                                         choices[j], bool(layout.get("ring")))
+        if sub is None and any(c[1] for c in choices[j]):  # FP8 products: delayed scaling, as a ParallelModule
+            from shardplan.torch.precision import DelayedScaling
+
+            mod.scaling = DelayedScaling()
         stages.append(pp.PipelineStage(run_mod, j, n, torch.device("cpu"), input_args=ins,
                                        output_args=outs[0] if len(outs) == 1 else outs, group=group))
         modules.append(_Held(run_mod, mod.targets))

@@ -139,3 +139,55 @@ def test_machines_without_tiles_keep_the_roofline_exactly():
     add = ops.elementwise("add", x, x)
     tiled = operator_cost(add, np.array([[1, 1]]), Machine(1, **TILED)).compute[0]
     assert tiled == operator_cost(add, np.array([[1, 1]]), Machine(1, **base)).compute[0]
+
+
+def _biased(needs_grad: bool = True):
+    """y[b,n] = x[b,c] W[c,n] + bias[n] (b = 2048, c = n = 2304): ``addmm`` / ``linear`` with a bias."""
+    from shardplan.ir import Tensor
+
+    op = ops.dense("fc", TensorRef("x", (2048, 2304), needs_grad=True), 2304)
+    n = op.output.axes[-1].dim
+    bias = Tensor("bias", (2304,), (n,), "weight", needs_grad=needs_grad)
+    return dataclasses.replace(op, weights=op.weights + (bias,))
+
+
+def test_a_bias_is_outside_the_product_and_its_gradient_is_a_reduction():
+    """The bias indexes no summed dim: the product is x by W (quantised as without the bias), and the bias's
+    gradient pass is dY summed over the rows: max(2048 * 2304 adds / R, (|dY| + |dB|) * 2 B / HBM)."""
+    op, plain = _biased(), ops.dense("fc", TensorRef("x", (2048, 2304), needs_grad=True), 2304)
+    assert [t.name for t in op.epilogue_tensors] == ["bias"] and op.passes == 3.0
+    assert gemm_passes(op) == gemm_passes(plain) + [None]
+    m = Machine(1, **ONE_TILE)
+    one = np.array([[1, 1, 1]])
+    assert pass_utilisation(op, one, m)[:3, 0] == pytest.approx(pass_utilisation(plain, one, m)[:, 0])
+    reduction = max(2048 * 2304 / 50e12, (2048 * 2304 + 2304) * 2 / 1e12)
+    assert operator_cost(op, one, m).compute[0] == pytest.approx(operator_cost(plain, one, m).compute[0] + reduction)
+    # the rows split 2 ways: each device reduces its half of dY into a whole bias gradient
+    two = np.array([[2, 1, 1]])
+    m2 = Machine(2, **ONE_TILE)
+    half = max(1024 * 2304 / 50e12, (1024 * 2304 + 2304) * 2 / 1e12)
+    assert operator_cost(op, two, m2).compute[0] == pytest.approx(operator_cost(plain, two, m2).compute[0] + half)
+    # without tiles too (the roofline of three passes and the reduction)
+    flat = Machine(1, **dict(TILED, sm_count=None, gemm_tiles=None))
+    assert operator_cost(op, one, flat).compute[0] == pytest.approx(operator_cost(plain, one, flat).compute[0]
+                                                                     + reduction)
+    # a frozen bias: no pass for it; the product is still of x and W
+    frozen = _biased(needs_grad=False)
+    assert operator_cost(frozen, one, m).compute[0] == pytest.approx(operator_cost(plain, one, m).compute[0])
+
+
+def test_the_model_flops_count_a_bias_gradient_as_one_add_per_output_point():
+    from shardplan.models.flops import operator_flops
+
+    op = _biased()
+    assert operator_flops(op) == 2 * 2048 * 2304 * 2304 * 3 + 2048 * 2304
+
+
+def test_no_epilogue_without_a_sum_with_two_operands_or_with_a_fused_backward():
+    x = TensorRef("x", (8, 64, 32), needs_grad=True)
+    assert ops.layer_norm("ln", x).epilogue_tensors == ()  # normalised dims are kept: nothing summed
+    q = TensorRef("q", (2, 64, 4, 16), needs_grad=True)
+    k = TensorRef("k", (2, 64, 4, 16), needs_grad=True)
+    att = ops.flash_attention("att", q, k, k, "bshk", "bthk")
+    assert att.epilogue_tensors == ()  # the queries index no summed dim but enter both products
+    assert att.passes == 1 + att.backward_flops / att.flops_per_point

@@ -150,3 +150,54 @@ def test_a_pipeline_stage_splits_every_part_and_amortises_the_step_with_the_sync
         assert weight_sync(op, arr, None, m) == pytest.approx(sync + cost.optimizer, rel=1e-12, abs=0)
         stepped += int(cost.optimizer.any())
     assert stepped > 0
+
+
+@pytest.mark.parametrize("dtype_bytes, rate", [(2, 0.5 * H), (4, H)])
+def test_the_step_on_16_bit_elements_streams_at_the_converting_rate(dtype_bytes, rate):
+    """On elements narrower than 4 bytes the fused update converts to fp32 and back: ``convert_bandwidth``; on
+    fp32 elements nothing converts: ``hbm_bandwidth``; without ``convert_bandwidth`` every step at the HBM rate."""
+    op = dense_op()
+    cfg = np.array([[4, 1, 1], [1, 4, 1]])
+    step = optimizer_step_bytes(2, dtype_bytes)
+    c = operator_cost(op, cfg, machine(dtype_bytes, convert_bandwidth=0.5 * H))
+    assert c.optimizer == pytest.approx(np.array([W, W / 4]) * step / rate, rel=1e-12)
+    plain = operator_cost(op, cfg, machine(dtype_bytes))
+    assert plain.optimizer == pytest.approx(np.array([W, W / 4]) * step / H, rel=1e-12)
+    rules = ChoiceRules(master_weights=True)
+    t = choice_table(op, np.array([[4, 1, 1]]), np.array([[0, 1, 2]]), machine(dtype_bytes, convert_bandwidth=0.5 * H),
+                     prune=False, rules=rules)
+    per_elem = optimizer_step_bytes(2, dtype_bytes, master_weights=True)
+    assert t.parts["optimizer"][one(t, 0)] == pytest.approx(W * per_elem / rate, rel=1e-12)
+
+
+def test_a_cast_is_charged_at_the_converting_rate_and_an_lstm_is_not_a_cast():
+    """An operator whose input and output differ in element size (``elem_factor``) converts: its HBM bytes at
+    ``convert_bandwidth``; a weight's factor (an LSTM's gates) does not make an operator a cast."""
+    from shardplan.cost.operator import converts
+
+    x = TensorRef("x", (64, 32), needs_grad=True)
+    cast = ops.elementwise("cast", x, kind="cast")
+    wide = replace(cast, output=replace(cast.output, elem_factor=2))
+    m = machine(2, convert_bandwidth=0.5 * H)
+    cfg = np.array([[1, 1], [4, 1]])
+    assert not converts(cast) and converts(wide)
+    n = np.array([64 * 32, 64 * 32 / 4])
+    assert operator_cost(cast, cfg, m).compute == pytest.approx(2 * n * (1 + 1) * 2 / H, rel=1e-12)
+    assert operator_cost(wide, cfg, m).compute == pytest.approx(2 * n * (1 + 2) * 2 / (0.5 * H), rel=1e-12)
+    lstm = ops.lstm("lstm", TensorRef("x", (4, 8, 16), needs_grad=True), 16, 2)
+    assert not converts(lstm)
+    # a float32 product of a float32 value and a 16-bit one reads one input in its own size: no conversion kernel
+    mixed = ops.elementwise("mul", x, TensorRef("y", (64, 32), needs_grad=True))
+    mixed = replace(mixed, inputs=(replace(mixed.inputs[0], elem_factor=2), mixed.inputs[1]),
+                    output=replace(mixed.output, elem_factor=2))
+    assert not converts(mixed)
+
+
+def test_a_converting_rate_above_the_hbm_rate_is_refused():
+    from shardplan.errors import ShardplanError
+
+    with pytest.raises(ShardplanError, match="convert_bandwidth"):
+        machine(2, convert_bandwidth=2 * H)
+    assert machine(2, convert_bandwidth=0.5 * H).convert_rate == 0.5 * H
+    assert machine(2).convert_rate == H
+    assert Machine(1, convert_bandwidth=1e9).convert_rate is None  # no HBM bandwidth: no memory-bound work

@@ -227,3 +227,90 @@ def test_a_loaded_plan_runs_its_fp8_products_and_offload():
         {n: c.offload for n, c in p.operators.items() if c.offload}
     assert run.fit is not None and run.fit.offloads
     assert_equal(run.step(params, batch), jax.jit(jax.value_and_grad(reference_fn(run.plan, run.info)))(params, batch))
+
+
+def test_delayed_scaling_over_three_steps_equals_the_unsharded_program(mlp):
+    """Delayed scaling (the cost model's recipe): ``fs.fp8_step`` scales each tensor from its amax history and
+    returns the next history; three SGD steps on the sharded plan equal the unsharded FP8 program run with the same
+    rule, loss, gradients and histories. The first step has an all-zero history (scale 1, Transformer Engine's
+    initial scale), so it differs from current scaling; each history's newest entry is the tensor's amax."""
+    from shardplan.jax.fp8 import init_history, roll_history
+
+    params, batch, graph, info, tp, fp, fs = mlp
+    assert fs.fp8_names == ("dot_general", "dot_general_2") and fs.fp8_step is not None
+    h, h0 = fs.init_history(4), init_history(fs.fp8_names, 4)
+    ref = jax.jit(jax.value_and_grad(reference_fn(fp, info, delayed=True), argnums=(0, 2)))
+    p, p0 = params, params
+    for t in range(3):
+        loss, grads, h = fs.fp8_step(p, batch, h)
+        loss0, (grads0, amax) = ref(p0, batch, h0)
+        if t == 0:
+            assert abs(float(loss0) - float(fs.step(params, batch)[0])) > 1e-4 * abs(float(loss0))
+            assert float(amax["dot_general"][0, 0]) == float(jnp.abs(batch[0]).max())  # the input's amax
+            assert float(amax["dot_general"][1, 0]) == float(jnp.abs(params["w1"]).max())  # the weight's
+        h0 = roll_history(h0, amax)
+        assert_equal((loss, grads), (loss0, grads0))
+        for n in fs.fp8_names:
+            np.testing.assert_allclose(np.asarray(h[n]), np.asarray(h0[n]), rtol=1e-6)
+            assert np.count_nonzero(np.asarray(h[n])[:, t + 1:]) == 0  # one entry per step, newest first
+        p = jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
+        p0 = jax.tree.map(lambda a, g: a - 0.1 * g, p0, grads0)
+
+
+def test_delayed_scaling_takes_one_history_entry_per_step_over_micro_batches(mlp):
+    """Two micro-batches: both scale from the same history, and the step records the larger of their amaxes."""
+    from shardplan.jax.fp8 import init_history, roll_history
+
+    machine = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy-fp8-host", fp8_flops=64e9, hbm_bandwidth=1e11,
+                      host_bandwidth=4e9, host_memory_bytes=1e10, cpu_adam_rate=1e9)
+    params, batch, graph, info = mlp[:4]
+    dp = baseline_plan("data_parallel", build_tables(graph, machine, cutoff=1))
+    fp = plan_with_choices(dp, 2, ["add"], 2, fp8=True, offload=("activations",))
+    fs = fit_step(fp, loss_fn, params, batch, DEVICES, info=info)
+    h = init_history(fs.fp8_names, 4)
+    h = {n: x.at[:, 1].set(jnp.array([4.0, 2.0, 1e-2])) for n, x in h.items()}  # an earlier step's amaxes
+    ref = jax.value_and_grad(reference_fn(fp, fs.micro_info, delayed=True), argnums=(0, 2))
+    parts = [ref(params, tuple(x[j::2] for x in batch), h) for j in (0, 1)]
+    loss0 = (parts[0][0] + parts[1][0]) / 2
+    grads0 = jax.tree.map(lambda a, b: (a + b) / 2, parts[0][1][0], parts[1][1][0])
+    amax = jax.tree.map(jnp.maximum, parts[0][1][1], parts[1][1][1])
+    loss, grads, h1 = fs.fp8_step(params, batch, h)
+    assert_equal((loss, grads), (loss0, grads0))
+    want = roll_history(h, amax)
+    for n in fs.fp8_names:
+        np.testing.assert_allclose(np.asarray(h1[n]), np.asarray(want[n]), rtol=1e-6)
+    assert float(h1["dot_general"][0, 0]) == float(jnp.abs(batch[0]).max())  # the larger micro-batch amax
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_train_step_carries_the_amax_histories(mlp, offload):
+    """A plan with FP8 products trains with delayed scaling: ``init`` gives the optimizer's state and the empty
+    histories (an ``Fp8TrainState``), and two steps of ``train_step`` (the offloading one too) equal two of
+    ``fp8_step`` followed by the optimizer's update."""
+    import optax
+
+    from shardplan.jax.fp8 import Fp8TrainState
+
+    params, batch, graph, info, tp, fp, fs = mlp
+    if offload:
+        machine = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy-fp8-host", fp8_flops=64e9,
+                          hbm_bandwidth=1e11, host_bandwidth=4e9, host_memory_bytes=1e10, cpu_adam_rate=1e9)
+        dp = baseline_plan("data_parallel", build_tables(graph, machine, cutoff=1))
+        fs = fit_step(plan_with_choices(dp, fp8=True, offload=("activations",)), loss_fn, params, batch, DEVICES,
+                      info=info)
+        assert fs.offloads
+    opt = optax.sgd(0.1)
+    p, state = fs.init(opt, params)
+    assert isinstance(state, Fp8TrainState) and set(state.history) == set(fs.fp8_names)
+    train = fs.train_step(opt, params)
+    q, h = params, fs.init_history()
+    for _ in range(2):
+        p, state, loss = train(p, state, batch)
+        loss0, grads, h = fs.fp8_step(q, batch, h)
+        q = jax.tree.map(lambda a, g: a - 0.1 * g, q, grads)
+        assert abs(float(loss) - float(loss0)) <= 1e-6 * abs(float(loss0))
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    for n in fs.fp8_names:
+        np.testing.assert_array_equal(np.asarray(state.history[n]), np.asarray(h[n]))
+        assert float(state.history[n][0, 1]) > 0  # two steps recorded

@@ -109,6 +109,9 @@ def test_unit_floors_bound_every_stage_on_a_real_model():
                     if c is None:
                         continue
                     lb = floors.segment(a, b, q, m)
+                    pre = floors._prefix(q, m)
+                    assert type(lb) is float and lb == float(pre[b] - pre[a])  # the prefix sums' difference
+                    assert lb == pytest.approx(sum(floors.unit(q, m)[a:b]), rel=1e-12, abs=1e-15)
                     assert 0.0 <= lb <= c.time * (1 + 1e-9)
                     assert st.device_seconds(m, a, b) / q <= lb * (1 + 1e-9)
                     above += lb > st.device_seconds(m, a, b) / q * (1 + 1e-6)

@@ -238,3 +238,18 @@ def test_terminal_writer():
     write("b")
     end()
     assert tty.getvalue() == "\r\x1b[Ka\r\x1b[Kb\r\x1b[K"
+
+
+def test_default_micro_batch_counts_are_every_divisor_of_the_batch():
+    """Not given, the micro-batch counts searched are every count that divides the batch, in increasing order
+    (brute force over 1..batch), and 1, 2, 4, 8 when the batch is not known; given, they narrow it."""
+    from shardplan.errors import ShardplanError
+    from shardplan.planner import micro_batch_counts
+
+    for batch in [1, 2, 7, 12, 64, 97, 360, 1536, 2048] + random.Random(0).sample(range(1, 5000), 20):
+        assert micro_batch_counts(None, batch) == tuple(m for m in range(1, batch + 1) if batch % m == 0)
+    assert len(micro_batch_counts(None, 1536)) == 20
+    assert micro_batch_counts(None, None) == (1, 2, 4, 8)
+    assert micro_batch_counts([96, 192], 1536) == (96, 192)
+    with pytest.raises(ShardplanError, match="do not split"):
+        micro_batch_counts([5], 1536)

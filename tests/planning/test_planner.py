@@ -28,7 +28,7 @@ def gpt(b: int):
 def test_one_program_equals_the_searches_it_runs():
     m = preset("h100", 16)
     p = plan("gpt", m, sizes={"layers": 4}, batch=32, stages=False)
-    ref = solve_fit(gpt(32), m, options=FitOptions(micro_batches=(1, 2, 4, 8)), cutoff=1)
+    ref = solve_fit(gpt(32), m, options=FitOptions(micro_batches=(1, 2, 4, 8, 16, 32)), cutoff=1)  # every divisor
     assert p.step_time == pytest.approx(ref.cost, rel=1e-12)
     assert p.num_stages == 1 and p.schedule == "none" and p.optimal
     assert p.memory["peak_bytes"] <= m.memory_bytes

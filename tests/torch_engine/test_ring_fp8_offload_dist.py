@@ -365,7 +365,7 @@ def _mlp_run(world: int, fp8: bool, offload: bool, zero3: bool = False) -> dict[
                          zero3=frozenset(n for n in names if "linear" in n) if zero3 else frozenset())
     mesh = init_device_mesh("cpu", (world,))
     lays = _layouts(graph, world, hidden=not zero3)  # ZeRO-3: the sequence split, the weights sharded over it
-    pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, mesh, choices)
+    pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, mesh, choices).current_scaling()
     loss = pm(*batch)
     loss.backward()
     out: dict[str, Any] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "offloaded_bytes": pm.host.saved_bytes,
@@ -416,10 +416,12 @@ def _loaded_plan(world: int) -> dict[str, Any]:
     loaded = Plan.from_json(from_spmd(fit).to_json())
     mesh = init_device_mesh("cpu", (world,))
     pm = st.apply(loaded, torch_cases._clone(model), batch, mesh)
-    loss = pm(*batch)
+    delayed = pm.scaling is not None  # the default; the reference casts with current scaling
+    loss = pm.current_scaling()(*batch)
     loss.backward()
     return {**_compare(loss.detach(), loss0.detach(), pm, ref), "offloaded_bytes": pm.host.saved_bytes,
-            "fp8": sorted(pm.choices.fp8), "planned_fp8": sorted(n for n, c in loaded.operators.items() if c.fp8)}
+            "fp8": sorted(pm.choices.fp8), "planned_fp8": sorted(n for n, c in loaded.operators.items() if c.fp8),
+            "delayed_by_default": delayed}
 
 
 def run_all(name: str, world: int) -> dict[str, Any]:
@@ -524,5 +526,6 @@ def test_a_plan_loaded_from_json_runs_its_fp8_products_and_offload(results):
     r = results["loaded_plan"]
     _ok(r)
     assert r["fp8"] == r["planned_fp8"] and len(r["fp8"]) == 2, r  # both linears
+    assert r["delayed_by_default"]
     assert r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4, r
     assert r["offloaded_bytes"] > 0, r

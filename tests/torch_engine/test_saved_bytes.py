@@ -160,7 +160,7 @@ def test_a_float32_value_in_a_bfloat16_model_counts_two_tiles():
     module = _Upcast().to(torch.bfloat16)
     x = torch.randn(8, 16, dtype=torch.bfloat16)
     g, info = trace(module, (x,))
-    assert {op.name: op.saved for op in g} == {"fc/linear": 1.0, "exp": 2.0, "sum_1": 0.0}
+    assert {op.name: op.saved for op in g} == {"fc/linear": 1.0, "to": 0.0, "exp": 2.0, "sum_1": 0.0}
     m = _measured(module, (x,), g, info)
     assert m.by_operator == {n: b for n, b in _bytes(g, 2).items() if b}
 

@@ -46,6 +46,8 @@ def test_linear_is_the_einsum_description_with_weight_and_bias():
     assert info.param_uses == {"fc.weight": (("fc/linear", "w1"),), "fc.bias": (("fc/linear", "bias"),)}
     assert info.operands["fc/linear"] == (((0,), "x0"), ((1,), "w1"), ((2,), "bias"))
     assert [o.kind for o in g.operators] == ["linear", "sum"]
+    # the bias is added to the product's result: outside the contraction, its gradient a reduction of dY
+    assert [t.name for t in op.epilogue_tensors] == ["bias"] and op.passes == 2.0  # forward + dW (x: no grad)
 
 
 def test_grouped_convolution_splits_only_the_batch():

@@ -166,26 +166,53 @@ def test_dealing_contiguous_halves_gives_the_balanced_positions(g):
     assert np.array_equal(got, balanced_positions(g * n, g))
 
 
-def test_a_pipelined_plan_with_fp8_or_offload_is_refused():
-    """The PyTorch stage runner holds each stage's layouts only: a pipelined plan whose stages run FP8 products
-    (a recipe's pipeline may) or offload is refused before anything is traced, not run without them."""
+def test_a_pipelined_plan_with_fp8_or_offload_passes_the_stage_runners_check():
+    """A recipe's pipeline with FP8 products (and one operator offloading its activations) is one the PyTorch stage
+    runner holds: its run choices reach every stage (run on gloo: tests/torch_engine/test_torch_staged_choices.py)."""
     import dataclasses
 
-    import shardplan.torch as st
-    from shardplan.errors import ShardplanError
     from shardplan.machine import preset
     from shardplan.recipe import cost_recipe
+    from shardplan.torch.staged import check_stage_choices, plan_layout
 
     fp8 = cost_recipe("gpt", preset("h100", 8), "pp=2,tp=2,dp=2,mbs=2,fp8=true", batch=8)
     assert fp8.pipelined and all(any(c.fp8 for c in s.operators.values()) for s in fp8.stages)
-    plain = dataclasses.replace(fp8, stages=tuple(
-        dataclasses.replace(s, operators={n: dataclasses.replace(c, fp8=False) for n, c in s.operators.items()})
-        for s in fp8.stages))
-    stage = plain.stages[0]
+    stage = fp8.stages[0]
     name, choice = next(iter(stage.operators.items()))
-    offload = dataclasses.replace(plain, stages=(dataclasses.replace(
+    offload = dataclasses.replace(fp8, stages=(dataclasses.replace(
         stage, operators={**stage.operators, name: dataclasses.replace(choice, offload=("activations",))}),)
-        + plain.stages[1:])
-    for bad in (fp8, offload):
-        with pytest.raises(ShardplanError, match="FP8 products or offload"):
-            st.apply(bad, nn.Linear(2, 2), (torch.zeros(1, 2),))
+        + fp8.stages[1:])
+    layout, _ = plan_layout(offload)
+    check_stage_choices(layout["choices"], 2)
+    assert [[c[1] for c in ops] for ops in layout["choices"]] == [[c.fp8 for c in s.operators.values()]
+                                                                  for s in fp8.stages]
+    assert layout["choices"][0][0] == (name, choice.fp8, ("activations",), choice.recompute, 0)
+
+
+def test_delayed_scaling_scales_from_the_history_of_earlier_steps():
+    """Scale 1 before any history (Transformer Engine's initial scale), then ``M / max(history)``; a step's casts
+    of one tensor leave one entry, their largest amax, newest first, the oldest dropped past the length; a cast
+    beyond the delayed scale's range saturates at the format's largest value instead of overflowing."""
+    from shardplan.errors import ShardplanError
+    from shardplan.torch.precision import E4M3_MAX, DelayedScaling
+
+    d = DelayedScaling(2)
+    assert d.scale("a", E4M3_MAX) == 1.0
+    x = torch.tensor([0.5, -3.0, 1000.0])
+    q = fp8_cast(x, d, "a")  # scale 1: 1000 saturates to 448, -3 and 0.5 are on the E4M3 grid
+    assert q.tolist() == [0.5, -3.0, E4M3_MAX]
+    fp8_cast(torch.tensor([2.0]), d, "a")
+    assert d.scale("a", E4M3_MAX) == 1.0 and d.pending == {"a": 1000.0}  # nothing committed yet
+    d.commit()
+    assert d.history["a"].tolist() == [1000.0, 0.0] and d.scale("a", E4M3_MAX) == E4M3_MAX / 1000.0
+    for amax in (10.0, 20.0):
+        fp8_cast(torch.tensor([amax]), d, "a")
+        d.commit()
+    assert d.history["a"].tolist() == [20.0, 10.0]  # 1000 dropped: a history of 2 steps
+    d.commit()  # a step with no cast of "a" leaves its history alone
+    assert d.history["a"].tolist() == [20.0, 10.0]
+    g = torch.ones(3, requires_grad=True)
+    fp8_grad(g * 2.0, d, "g").sum().backward()
+    assert d.pending == {"g": 1.0} and g.grad.tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(ShardplanError, match="at least one step"):
+        DelayedScaling(0)
