@@ -493,6 +493,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     lams: list[float] = []  # the multipliers the roots ended at, latest first (for the solve-free bounds)
     closed: dict[int, float] = {}  # count -> its solve-free bound, for the counts it closed
     root_seconds = np.inf  # the quickest root so far, CPU s: a quarter of it may go to a count's solve-free bound
+    pass_seconds = 0.0  # the most CPU s a forest pass of the solve-free bounds has taken
     interrupted = False
     counts = sorted({int(x) for x in options.micro_batches})
     current = counts[0]
@@ -527,7 +528,11 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                             "least_host_bytes": float(sum(t.host_bytes.min() for t in cts))})
                 continue
             # a bound without a solve first: a count whose bound reaches the best plan is closed (it cannot beat it)
-            cheap = _count_bound(mp, best[0].cost, lams, 0.25 * root_seconds) if best is not None else -np.inf
+            # (not tried once a forest pass has cost more than that share: such roots are cheap, just solve them)
+            cheap = -np.inf
+            if best is not None and pass_seconds <= 0.25 * root_seconds:
+                cheap, spent = _count_bound(mp, best[0].cost, lams, 0.25 * root_seconds)
+                pass_seconds = max(pass_seconds, spent)
             if best is not None and cheap >= best[0].cost:
                 problems.append((cheap, np.inf, m, mp, cts, None))
                 closed[m] = cheap
@@ -645,7 +650,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
 
 
 def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds: float = np.inf,
-                 evaluations: int = 12, least: int = 2) -> float:
+                 evaluations: int = 12, least: int = 1) -> tuple[float, float]:
     """A lower bound of a micro-batch count's optimum without a DP solve, sought until it reaches ``best``.
 
     The forest bound of the count's Lagrangian problem (:func:`~shardplan.search.constrained.relaxed_bound`),
@@ -655,15 +660,17 @@ def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds:
     best point's neighbours; at most ``evaluations`` forest passes, and past the first ``least`` only while
     the search has spent less than ``seconds`` of CPU (the caller gives a share of a root's: a count the
     bound cannot close still needs its root). Any multiplier gives a valid bound, so how it is sought decides the
-    work, never the answer (docs/memory.md, "The one program at scale"). -inf when no multiplier is known.
+    work, never the answer (docs/memory.md, "The one program at scale"). Returns the bound (-inf when no
+    multiplier is known) and the CPU seconds of its costliest pass (with the lattice budget, once per count).
     """
     from shardplan.search.constrained import _lattice_budget, relaxed_bound
 
     if not lams:
-        return -np.inf
+        return -np.inf, 0.0
     seen: dict[float, float] = {}
     t0 = time.process_time()  # CPU seconds: the machine may be shared
     lattice = _lattice_budget(mp, [np.ones(k, dtype=bool) for k in mp.num_choices])
+    costliest = [0.0]
 
     def spent() -> bool:
         return len(seen) >= evaluations or (len(seen) >= least and time.process_time() - t0 > seconds)
@@ -671,23 +678,28 @@ def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds:
     def at(lam: float) -> float:
         lam = lams[0] if np.isclose(lam, lams[0], rtol=1e-12, atol=0.0) else lam  # exp(log(x)) need not be x
         if lam not in seen:
+            c0 = time.process_time()
             seen[lam] = -np.inf if spent() else relaxed_bound(mp, lam, lattice=lattice)
+            costliest[0] = max(costliest[0], time.process_time() - (t0 if len(seen) == 1 else c0))
         return seen[lam]
+
+    def done() -> tuple[float, float]:
+        return max(seen.values()), costliest[0]
 
     for lam in lams:
         if at(lam) >= best:
-            return seen[lam]
+            return done()
     # along log(lam) from the latest multiplier: the direction that rises, while it rises
     x0 = float(np.log(lams[0]))
     up, down = at(float(np.exp(x0 + np.log(2)))), at(float(np.exp(x0 - np.log(2))))
     if max(up, down) >= best:
-        return max(up, down)
+        return done()
     step = np.log(2) if up >= down else -np.log(2)
     xs = [x0 - step, x0, x0 + step]
     while max(seen.values()) < best and not spent() and at(float(np.exp(xs[-1]))) > at(float(np.exp(xs[-2]))):
         xs.append(xs[-1] + step)
     if max(seen.values()) >= best:
-        return max(seen.values())
+        return done()
     lo, hi = sorted((xs[-3], xs[-1]))
     ratio = (np.sqrt(5) - 1) / 2
     a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
@@ -701,7 +713,7 @@ def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds:
             lo, a, fa = a, b, fb
             b = lo + ratio * (hi - lo)
             fb = at(float(np.exp(b)))
-    return max(seen.values())
+    return done()
 
 
 def _host_of(cts: Sequence[ChoiceTable], assignment: Sequence[int]) -> float:

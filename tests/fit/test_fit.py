@@ -300,7 +300,7 @@ def test_root_duals_cut_at_the_best_plan_change_nothing(frac, monkeypatch):
     import shardplan.fit as fit
 
     # the roots themselves (the solve-free count bounds would close the counts before their roots)
-    monkeypatch.setattr(fit, "_count_bound", lambda *a, **k: -np.inf)
+    monkeypatch.setattr(fit, "_count_bound", lambda *a, **k: (-np.inf, 0.0))
     g = _tiny_gpt()
     # a fast network: one micro-batch is the best count and the others' duals are cut (fewer solves, asserted)
     m = Machine(4, peak_flops=F, bandwidth=100 * B, latency=1e-6, memory_bytes=1e12)
@@ -345,13 +345,14 @@ def test_solve_free_count_bounds_change_nothing(frac, monkeypatch):
     opts = FitOptions(micro_batches=(1, 2, 4, 8))
     real = fit._count_bound
     with monkeypatch.context() as mpatch:  # every forest pass it may make, whatever the machine's speed
-        mpatch.setattr(fit, "_count_bound", lambda mp, best, lams, seconds=np.inf: real(mp, best, lams, np.inf))
+        # (no time share, and a pass reported free, so every count is tried)
+        mpatch.setattr(fit, "_count_bound", lambda mp, best, lams, seconds=np.inf: (real(mp, best, lams)[0], 0.0))
         fast = solve_fit(g, m, budget=budget, tables=tables, options=opts)
     closed = {d["micro_batches"]: d["lower_bound"] for d in fast.solution.stats["per_micro_batches"]
               if d["status"] == "pruned: its solve-free bound reaches the best plan"}
     assert closed  # the case exercises the bound
     with monkeypatch.context() as mpatch:
-        mpatch.setattr(fit, "_count_bound", lambda *a, **k: -np.inf)
+        mpatch.setattr(fit, "_count_bound", lambda *a, **k: (-np.inf, 0.0))
         slow = solve_fit(g, m, budget=budget, tables=tables, options=opts)
     assert fast.cost == slow.cost and fast.assignment == slow.assignment
     assert fast.memory_choices.choices == slow.memory_choices.choices
