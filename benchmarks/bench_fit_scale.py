@@ -1,6 +1,7 @@
-"""The one-program memory-constrained search at scale: GPT-3 175B (batch 1536) on h100, as the planner calls it.
+"""The one-program memory-constrained search at scale: a zoo model on h100, as the planner calls it.
 
-Usage: python benchmarks/bench_fit_scale.py [--label NAME] [--time-limit S] [devices ...]   (default 64 1024)
+Usage: python benchmarks/bench_fit_scale.py [--label NAME] [--model NAME] [--time-limit S] [devices ...]
+(default model gpt3-175b, at its zoo batch (1536), devices 64 1024; e.g. ``--model llama3-405b 16384``)
 
 Each device count runs in a fresh process (so its peak RSS is its own) and calls
 :func:`shardplan.fit.solve_fit` exactly as :func:`shardplan.planner.plan` does for
@@ -11,8 +12,8 @@ is noisy), peak RSS, the step time, the proven bound and the status. ``--label``
 names the code measured (e.g. ``before``/``after``; run with ``PYTHONPATH`` at the
 tree to measure, as an absolute path; without it the installed ``shardplan``); the commit
 of the imported ``shardplan`` is recorded beside it.
-Writes benchmarks/results/fit_scale.json (entries keyed by label and device count,
-merged with what is there).
+Writes benchmarks/results/fit_scale.json (entries keyed by label and device count, and the model
+when it is not GPT-3 175B, merged with what is there).
 """
 
 from __future__ import annotations
@@ -27,30 +28,35 @@ from pathlib import Path
 OUT = Path(__file__).parent / "results" / "fit_scale.json"
 
 CHILD = r"""
-import json, resource, sys, time
+import hashlib, json, resource, sys, time
 from shardplan.fit import FitOptions, solve_fit
 from shardplan.machine import preset
 from shardplan.models import get_model, model_spec
 from shardplan.planner import micro_batch_counts
-p, limit = int(sys.argv[1]), float(sys.argv[2])
-g = get_model("gpt3-175b", 1536)
+p, limit, name = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+batch = model_spec(name).batch
+g = get_model(name, batch)
 m = preset("h100", p)
-ms = micro_batch_counts(None, 1536)
+ms = micro_batch_counts(None, batch)
 t0, c0 = time.perf_counter(), time.process_time()
 one = solve_fit(g, m, budget=m.memory_bytes, options=FitOptions(micro_batches=ms, time_limit=limit),
-                cutoff=model_spec("gpt3-175b").cutoff)
+                cutoff=model_spec(name).cutoff)
 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
 st = one.solution.stats
-print(json.dumps({"devices": p, "micro_batch_counts": list(ms), "time_limit_seconds": limit,
+print(json.dumps({"model": name, "batch": batch, "devices": p, "micro_batch_counts": list(ms), "time_limit_seconds": limit,
                   "wall_seconds": wall, "cpu_seconds": cpu,
                   "build_seconds": one.build_seconds, "solve_seconds": one.solve_seconds,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "step_seconds": one.cost, "lower_bound_seconds": one.solution.bound,
                   "optimal": bool(one.solution.optimal), "micro_batches": one.memory_choices.micro_batches,
+                  # layouts and memory choices of the plan, to tell equal plans apart from equal step times
+                  "plan_digest": hashlib.sha256(repr((tuple(int(x) for x in one.assignment),
+                                                      tuple(int(x) for x in one.memory_choices.choices))).encode()
+                                                ).hexdigest()[:16],
                   "status": st.get("status"), "gap": st.get("gap"), "nodes": st.get("nodes"),
                   "dp_solves": st.get("dp_solves"),
-                  "per_micro_batches": [{k: d.get(k) for k in ("micro_batches", "status", "cost", "bound", "nodes",
-                                                               "dp_solves", "seconds")}
+                  "per_micro_batches": [{k: d.get(k) for k in ("micro_batches", "status", "cost", "bound",
+                                                               "lower_bound", "nodes", "dp_solves", "seconds")}
                                         for d in st.get("per_micro_batches", [])],
                   "load_average": list(__import__("os").getloadavg())}))
 """
@@ -68,11 +74,13 @@ def commit_of_import() -> str:
 
 
 def main(argv: list[str]) -> None:
-    label, limit, devices = "current", 900.0, []
+    label, limit, devices, model = "current", 900.0, [], "gpt3-175b"
     it = iter(argv)
     for a in it:
         if a == "--label":
             label = next(it)
+        elif a == "--model":
+            model = next(it)
         elif a == "--time-limit":
             limit = float(next(it))
         else:
@@ -82,13 +90,13 @@ def main(argv: list[str]) -> None:
     commit = commit_of_import()
     for p in devices:
         # run outside any tree: ``-c`` puts the working directory first on the path, before PYTHONPATH
-        out = subprocess.run([sys.executable, "-c", CHILD, str(p), str(limit)], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", CHILD, str(p), str(limit), model], capture_output=True, text=True,
                              env=os.environ.copy(), cwd=tempfile.gettempdir())
         if out.returncode != 0:
             raise SystemExit(out.stderr)
         row = {"label": label, "commit": commit, **json.loads(out.stdout.strip().splitlines()[-1])}
-        results[f"{label}/p{p}"] = row
-        print(f"{label} p={p}: {row['wall_seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, "
+        results[f"{label}/p{p}" if model == "gpt3-175b" else f"{label}/{model}/p{p}"] = row
+        print(f"{label} {model} p={p}: {row['wall_seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, "
               f"{row['peak_rss_bytes'] / 2**30:.2f} GiB, step {row['step_seconds']:.6g} s "
               f"({row['status']}, m={row['micro_batches']})", flush=True)
         OUT.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")

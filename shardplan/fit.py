@@ -490,6 +490,10 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     host_budget = options.host_budget(machine)
     host_least = np.inf  # the least host memory, when only the host budget ruled a count out
     solved_by_m: dict[int, dict] = {}  # per count, the Lagrangian points its root solve found
+    lams: list[float] = []  # the multipliers the roots ended at, latest first (for the solve-free bounds)
+    closed: dict[int, float] = {}  # count -> its solve-free bound, for the counts it closed
+    root_seconds = np.inf  # the quickest root so far, CPU s: a quarter of it may go to a count's solve-free bound
+    pass_seconds = 0.0  # the most CPU s a forest pass of the solve-free bounds has taken
     interrupted = False
     counts = sorted({int(x) for x in options.micro_batches})
     current = counts[0]
@@ -523,16 +527,30 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                 per.append({"micro_batches": m, "status": "infeasible in host memory",
                             "least_host_bytes": float(sum(t.host_bytes.min() for t in cts))})
                 continue
+            # a bound without a solve first: a count whose bound reaches the best plan is closed (it cannot beat it)
+            # (not tried once a forest pass has cost more than that share: such roots are cheap, just solve them)
+            cheap = -np.inf
+            if best is not None and pass_seconds <= 0.25 * root_seconds:
+                cheap, spent = _count_bound(mp, best[0].cost, lams, 0.25 * root_seconds)
+                pass_seconds = max(pass_seconds, spent)
+            if best is not None and cheap >= best[0].cost:
+                problems.append((cheap, np.inf, m, mp, cts, None))
+                closed[m] = cheap
+                continue
             # the root alone: a feasible plan and the dual bound, to order the counts and share the incumbent
             solved: dict = {}  # the root's Lagrangian points, for the full search of this count (exact reuse)
             # with the best plan so far as ``upper``, a count's dual stops as soon as its bound reaches it: the
             # count is then pruned below without the dual's remaining solves (docs/memory.md, "Work not repeated")
+            c0 = time.process_time()
             root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved,
                                 upper=best[0].cost if best is not None else np.inf, **dp_options)
             totals["nodes"] += root.stats["nodes"]
             totals["dp_solves"] += root.stats["dp_solves"]
             problems.append((max(root.bound, root.stats.get("root_bound", -np.inf)), root.cost, m, mp, cts, root))
             solved_by_m[m] = solved
+            if root.stats.get("lambda", 0.0) > 0:
+                lams.insert(0, float(root.stats["lambda"]))
+            root_seconds = min(root_seconds, time.process_time() - c0)
             if best is None or root.cost < best[0].cost:
                 best = (root, m, cts)
             if root.stats.get("interrupted"):  # Ctrl-C inside the root, after it had a plan (kept above)
@@ -551,6 +569,11 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
         raise ShardplanError(_infeasible(least_all, budget, peak_least))
     for root_bound, root_cost, m, mp, cts, _root in sorted(problems, key=lambda x: (x[0], x[1])):
         upper = best[0].cost if best is not None else np.inf
+        if m in closed:
+            lower.append(root_bound)
+            per.append({"micro_batches": m, "status": "pruned: its solve-free bound reaches the best plan",
+                        "lower_bound": root_bound, "cost": None})
+            continue
         if interrupted:  # Ctrl-C: what each count's root proved stands as its bound
             lower.append(root_bound)
             per.append({"micro_batches": m, "status": "not searched: interrupted", "lower_bound": root_bound})
@@ -560,7 +583,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             # cost: the best plan the root saw (None when its dual reached the best plan before seeing one)
             seen = _root is None or _root.stats.get("found", True)
             per.append({"micro_batches": m, "status": "pruned: its dual bound reaches the best plan",
-                        "lower_bound": root_bound, "cost": root_cost if seen else None})
+                        "lower_bound": root_bound, "cost": root_cost if seen else None,
+                        **({"model": "backward peak"} if isinstance(mp, PeakProblem) else {})})
             continue
         try:
             if isinstance(mp, PeakProblem):
@@ -623,6 +647,73 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                              "memory-ilp" if sol.solver == "memory-ilp" else "memory-bb"),
                      optimal=optimal, bound=sol.cost if optimal else bound, stats=stats)
     return SpmdPlan(tables, base, final, "fit", build_seconds, memory_choices=choices)
+
+
+def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds: float = np.inf,
+                 evaluations: int = 12, least: int = 1) -> tuple[float, float]:
+    """A lower bound of a micro-batch count's optimum without a DP solve, sought until it reaches ``best``.
+
+    The forest bound of the count's Lagrangian problem (:func:`~shardplan.search.constrained.relaxed_bound`),
+    maximised over the multiplier: first the multipliers the earlier counts' roots ended at (latest first:
+    the counts share the graph and layouts, so their best multipliers are near), then, from the latest,
+    doubling or halving while the bound rises, then a golden-section search on log(multiplier) between the
+    best point's neighbours; at most ``evaluations`` forest passes, and past the first ``least`` only while
+    the search has spent less than ``seconds`` of CPU (the caller gives a share of a root's: a count the
+    bound cannot close still needs its root). Any multiplier gives a valid bound, so how it is sought decides the
+    work, never the answer (docs/memory.md, "The one program at scale"). Returns the bound (-inf when no
+    multiplier is known) and the CPU seconds of its costliest pass (with the lattice budget, once per count).
+    """
+    from shardplan.search.constrained import _lattice_budget, relaxed_bound
+
+    if not lams:
+        return -np.inf, 0.0
+    seen: dict[float, float] = {}
+    t0 = time.process_time()  # CPU seconds: the machine may be shared
+    lattice = _lattice_budget(mp, [np.ones(k, dtype=bool) for k in mp.num_choices])
+    costliest = [0.0]
+
+    def spent() -> bool:
+        return len(seen) >= evaluations or (len(seen) >= least and time.process_time() - t0 > seconds)
+
+    def at(lam: float) -> float:
+        lam = lams[0] if np.isclose(lam, lams[0], rtol=1e-12, atol=0.0) else lam  # exp(log(x)) need not be x
+        if lam not in seen:
+            c0 = time.process_time()
+            seen[lam] = -np.inf if spent() else relaxed_bound(mp, lam, lattice=lattice)
+            costliest[0] = max(costliest[0], time.process_time() - (t0 if len(seen) == 1 else c0))
+        return seen[lam]
+
+    def done() -> tuple[float, float]:
+        return max(seen.values()), costliest[0]
+
+    for lam in lams:
+        if at(lam) >= best:
+            return done()
+    # along log(lam) from the latest multiplier: the direction that rises, while it rises
+    x0 = float(np.log(lams[0]))
+    up, down = at(float(np.exp(x0 + np.log(2)))), at(float(np.exp(x0 - np.log(2))))
+    if max(up, down) >= best:
+        return done()
+    step = np.log(2) if up >= down else -np.log(2)
+    xs = [x0 - step, x0, x0 + step]
+    while max(seen.values()) < best and not spent() and at(float(np.exp(xs[-1]))) > at(float(np.exp(xs[-2]))):
+        xs.append(xs[-1] + step)
+    if max(seen.values()) >= best:
+        return done()
+    lo, hi = sorted((xs[-3], xs[-1]))
+    ratio = (np.sqrt(5) - 1) / 2
+    a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    fa, fb = at(float(np.exp(a))), at(float(np.exp(b)))
+    while max(seen.values()) < best and not spent():
+        if fa >= fb:  # the peak is left of b
+            hi, b, fb = b, a, fa
+            a = hi - ratio * (hi - lo)
+            fa = at(float(np.exp(a)))
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + ratio * (hi - lo)
+            fb = at(float(np.exp(b)))
+    return done()
 
 
 def _host_of(cts: Sequence[ChoiceTable], assignment: Sequence[int]) -> float:

@@ -299,6 +299,8 @@ def test_root_duals_cut_at_the_best_plan_change_nothing(frac, monkeypatch):
     equal those of running every root dual to the end; only Lagrangian solves are saved."""
     import shardplan.fit as fit
 
+    # the roots themselves (the solve-free count bounds would close the counts before their roots)
+    monkeypatch.setattr(fit, "_count_bound", lambda *a, **k: (-np.inf, 0.0))
     g = _tiny_gpt()
     # a fast network: one micro-batch is the best count and the others' duals are cut (fewer solves, asserted)
     m = Machine(4, peak_flops=F, bandwidth=100 * B, latency=1e-6, memory_bytes=1e12)
@@ -326,3 +328,56 @@ def test_root_duals_cut_at_the_best_plan_change_nothing(frac, monkeypatch):
                       if d["status"].startswith("pruned"))
 
     assert pruned(cut) == pruned(full)
+
+
+@pytest.mark.parametrize("frac", [0.5, 0.7, 0.9])
+def test_solve_free_count_bounds_change_nothing(frac, monkeypatch):
+    """A micro-batch count whose forest bound (at multipliers near the earlier roots') reaches the best plan
+    is closed without its root. Plan, choices, cost, bound and proof equal those of solving every root, and
+    each closed count's bound is at most that count's own optimum (solved alone)."""
+    from shardplan import fit
+
+    g = _tiny_gpt()
+    m = Machine(4, peak_flops=F, bandwidth=100 * B, latency=1e-6, memory_bytes=1e12)
+    tables = build_tables(g, m, orders="row-major")
+    free = solve_fit(g, m, tables=tables, options=FitOptions(micro_batches=(1,)))
+    budget = frac * free.memory["peak_bytes"]
+    opts = FitOptions(micro_batches=(1, 2, 4, 8))
+    real = fit._count_bound
+    with monkeypatch.context() as mpatch:  # every forest pass it may make, whatever the machine's speed
+        # (no time share, and a pass reported free, so every count is tried)
+        mpatch.setattr(fit, "_count_bound", lambda mp, best, lams, seconds=np.inf: (real(mp, best, lams)[0], 0.0))
+        fast = solve_fit(g, m, budget=budget, tables=tables, options=opts)
+    closed = {d["micro_batches"]: d["lower_bound"] for d in fast.solution.stats["per_micro_batches"]
+              if d["status"] == "pruned: its solve-free bound reaches the best plan"}
+    assert closed  # the case exercises the bound
+    with monkeypatch.context() as mpatch:
+        mpatch.setattr(fit, "_count_bound", lambda *a, **k: (-np.inf, 0.0))
+        slow = solve_fit(g, m, budget=budget, tables=tables, options=opts)
+    assert fast.cost == slow.cost and fast.assignment == slow.assignment
+    assert fast.memory_choices.choices == slow.memory_choices.choices
+    assert fast.memory_choices.micro_batches == slow.memory_choices.micro_batches
+    assert fast.solution.optimal and slow.solution.optimal and fast.solution.bound == slow.solution.bound
+    assert fast.solution.stats["dp_solves"] < slow.solution.stats["dp_solves"]
+    for count, bound in closed.items():
+        alone = solve_fit(g, m, budget=budget, tables=tables, options=FitOptions(micro_batches=(count,)))
+        assert alone.solution.optimal and bound <= alone.cost
+        assert bound >= fast.cost
+
+
+def test_relaxed_bound_is_below_the_optimum_at_every_multiplier():
+    """The forest bound of the Lagrangian problem, at any multiplier, bounds the constrained optimum."""
+    from shardplan.search.constrained import relaxed_bound
+
+    g = _tiny_gpt()
+    m = Machine(4, peak_flops=F, bandwidth=100 * B, latency=1e-6, memory_bytes=1e12)
+    tables = build_tables(g, m, orders="row-major")
+    free = solve_fit(g, m, tables=tables, options=FitOptions(micro_batches=(1,)))
+    for frac in (0.4, 0.6, 0.9):
+        mp, _ = fit_problem(tables, frac * free.memory["peak_bytes"], 2)
+        opt = solve_memory(mp).cost
+        lam0 = opt / mp.budget
+        bounds = [relaxed_bound(mp, lam0 * x) for x in (0.0, 0.1, 0.5, 1.0, 2.0, 10.0, 100.0)]
+        assert all(b <= opt for b in bounds) and max(bounds) > bounds[0]
+    with pytest.raises(ShardplanError, match="multiplier"):
+        relaxed_bound(mp, -1.0)

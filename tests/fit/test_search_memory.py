@@ -434,3 +434,99 @@ def test_screened_fixing_keeps_every_choice_of_a_plan_below_the_cutoff():
                 lbs0, _, _ = _forest_pass(BoundState.from_problem(sub))
                 screened += sum(int((x - lam * mp.budget >= cutoff).sum()) for x in lbs0)
     assert screened > 0
+
+
+def _frontier_reference(mp: MemoryProblem, allowed, cutoff: float, lam: float):
+    """The front program as first written: every (point, choice) candidate formed with its frontier columns,
+    all sorted by (state, memory, cost), then the Pareto scan, the band and the completion test. Returns
+    (value, choices) of the best plan within the budget, (inf, None) when none is below the cutoff."""
+    from shardplan.search.constrained import _completion_bounds, _frontier_classes, _frontier_plan
+
+    p = mp.problem
+    n = p.num_vertices
+    idx = [np.flatnonzero(ok) for ok in allowed]
+    cfgs = [np.unique(mp.base[v][i]) for v, i in enumerate(idx)]
+    plan = _frontier_plan(p)
+    classes = _frontier_classes(p, cfgs, plan)
+    nbr: dict = {}
+    for e, (s, d) in enumerate(p.edges):
+        nbr.setdefault(max(s, d), []).append((min(s, d), e, s < d))
+    start, rest = _completion_bounds(mp, idx, cfgs, plan, classes, nbr, lam)
+    lmin = start + lam * mp.fixed
+    reach = cutoff + lam * mp.budget
+    reach += 1e-9 * max(abs(reach), abs(lmin), 1e-300)
+    least_m = np.array([float(mp.memory[v][i].min()) for v, i in enumerate(idx)])
+    least_c = np.array([float(mp.cost[v][i].min()) for v, i in enumerate(idx)])
+    rest_m = np.concatenate([np.cumsum(least_m[::-1])[::-1], [0.0]])
+    rest_c = np.concatenate([np.cumsum(least_c[::-1])[::-1], [0.0]])
+    band = cutoff + lam * mp.budget - lmin + 1e-9 * max(abs(cutoff), abs(lmin), 1e-300)
+    cols, F, M = np.zeros((1, 0), dtype=np.int64), np.array([0.0]), np.array([mp.fixed])
+    back = []
+    for v in range(n):
+        front, after = plan[v]
+        pos = {u: k for k, u in enumerate(front)}
+        j = idx[v]
+        jc = np.searchsorted(cfgs[v], mp.base[v][j])
+        P, J = len(F), len(j)
+        add = np.broadcast_to(mp.cost[v][j], (P, J)).copy()
+        for u, e, v_is_dst in nbr.get(v, ()):
+            cu = cfgs[u][cols[:, pos[u]]]
+            mat = p.edge_cost[e]
+            add += mat[np.ix_(cu, mp.base[v][j])] if v_is_dst else mat[np.ix_(mp.base[v][j], cu)].T
+        nf, nm = (F[:, None] + add).ravel(), (M[:, None] + mp.memory[v][j][None, :]).ravel()
+        parent, choice = np.repeat(np.arange(P), J), np.tile(np.arange(J), P)
+        newcols = cols[parent][:, [pos[u] for u in after if u != v]]
+        if v in after:
+            newcols = np.concatenate([newcols, jc[choice][:, None]], axis=1)
+        sel = np.flatnonzero((nm + rest_m[v + 1] <= mp.budget) & (nf + rest_c[v + 1] < cutoff))
+        if not len(sel):
+            return np.inf, None
+        nf, nm, parent, choice, newcols = nf[sel], nm[sel], parent[sel], choice[sel], newcols[sel]
+        key = np.zeros(len(nf), dtype=np.int64)
+        for k, (of, count) in enumerate(classes[v]):
+            key = key * count + of[newcols[:, k]]
+        lag = nf + lam * nm
+        order = np.lexsort((nf, nm, key))
+        keep = []
+        best_f: dict = {}
+        best_lag = {int(s): float(lag[key == s].min()) for s in np.unique(key)}
+        for i in order:
+            s = int(key[i])
+            pareto = s not in best_f or nf[i] < best_f[s]
+            best_f[s] = min(best_f.get(s, np.inf), nf[i])
+            if pareto and lag[i] - best_lag[s] < band and lag[i] + rest[v][s] < reach:
+                keep.append(i)
+        order = np.array(keep, dtype=np.int64)
+        cols, F, M = newcols[order], nf[order], nm[order]
+        back.append((parent[order], choice[order]))
+    ok = np.flatnonzero(M <= mp.budget)
+    if not len(ok):
+        return np.inf, None
+    at = int(ok[np.argmin(F[ok])])
+    chosen = np.zeros(n, dtype=np.int64)
+    for v in range(n - 1, -1, -1):
+        parent, choice = back[v]
+        chosen[v] = idx[v][choice[at]]
+        at = int(parent[at])
+    return mp.evaluate(chosen)[0], tuple(int(x) for x in chosen)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_frontier_program_keeps_what_the_sort_of_every_candidate_keeps(seed):
+    # the point tests run before the sort (constrained._frontier_dp): the plan, its cost and its choices (the
+    # tie-break included) equal those of the straightforward program that sorts every candidate first
+    from shardplan.search.constrained import _Ctx, _frontier_dp
+
+    mp = linked_memory_problem(seed, n=9, layouts=(0, 2, 3)[seed % 3])
+    ref = solve_memory_bruteforce(mp)
+    rng = np.random.default_rng(500 + seed)
+    allowed = [rng.random(len(b)) < 0.85 for b in mp.base]
+    for ok in allowed:
+        ok[rng.integers(0, len(ok))] = True
+    for lam in (0.0, float(rng.uniform(0.0, 2.0))):
+        for cutoff in (np.inf, ref.cost + 0.5, ref.cost + 3.0):
+            want = _frontier_reference(mp, allowed, cutoff, lam)
+            ctx = _Ctx(mp, lambda q: solve_dp(q), 1e-9)
+            done, value = _frontier_dp(ctx, allowed, cutoff, lam, 10**6)
+            assert done and value == want[0]
+            assert (ctx.best.choices if ctx.best is not None else None) == want[1]
