@@ -11,7 +11,10 @@ compares with it; the recipe's ``gbs`` is the batch when ``--batch`` is not give
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from shardplan.cli.options import (add_machine, add_model, int_list, int_option, machine_of, parse_sizes,
@@ -74,19 +77,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ShardplanError(f"--offload takes a comma-separated list of {', '.join(OFFLOADS)}, got {bad[0]!r}")
         ms = micro_batch_counts(micro_batches, batch if batch is not None else model_spec(args.model).batch)
         fit_options = FitOptions(micro_batches=ms, fp8=args.fp8, offload=offload, master_weights=args.master_weights)
+    stopped: list[bool] = []  # set when the time limit, not Ctrl-C, stopped the search
     try:
-        result = plan(args.model, machine, batch=batch, sizes=parse_sizes(args.set), budget=budget, fit=args.fit,
+        with _time_limit(args.time_limit, stopped):
+            result = plan(args.model, machine, batch=batch, sizes=parse_sizes(args.set), budget=budget, fit=args.fit,
                       stages=STAGE_CHOICES[args.stages],
                       micro_batches=micro_batches, schedules=schedules, interleave=interleave,
-                      max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto",
-                      fit_options=fit_options, partial_sums=args.partial_sums, log=log, progress=write,
-                      overlap_tp=args.overlap_tp, context=args.context)
+                          max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto",
+                          fit_options=fit_options, partial_sums=args.partial_sums, log=log, progress=write,
+                          overlap_tp=args.overlap_tp, context=args.context)
     except KeyboardInterrupt:
         end()
-        _log("interrupted before any plan was found")
+        _log(("time limit reached" if stopped else "interrupted") + " before any plan was found")
         return 130
     end()
     if result.stats.get("interrupted"):
+        if stopped:
+            _log(f"time limit of {args.time_limit:g} s reached: the search stopped as on Ctrl-C")
         if any("interrupted in the one program" in r for r in result.stats.get("refused", ())):
             _log("interrupted in the one program's memory search: its best plan so far, with the bound it proved; "
                  "the pipelines were not searched")
@@ -100,6 +107,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_text(args.json, result.to_json() + "\n")
         print(f"json: {args.json}")
     return 0
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None, stopped: list[bool]) -> Iterator[None]:
+    """Stop the search after ``seconds`` of wall time exactly as Ctrl-C does: a timer (``SIGALRM``) raises
+    :class:`KeyboardInterrupt` in the search, which returns the best plan found so far with the bound it proved
+    (:func:`shardplan.planner.plan`). Appends True to ``stopped`` when it fires; the previous handler and timer
+    are restored on exit. None: no limit."""
+    if seconds is None:
+        yield
+        return
+
+    def fire(signum: int, frame: Any) -> None:
+        stopped.append(True)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _log(line: str) -> None:
@@ -122,7 +152,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--stages", choices=tuple(STAGE_CHOICES), default="auto",
                    help="pipeline stages: auto (default: when the model has repeated blocks on more than one "
                         "node), on, off")
-    p.add_argument("--micro-batches", help="micro-batch counts searched (default 1,2,4,8, those dividing the batch)")
+    p.add_argument("--micro-batches", help="micro-batch counts searched (default: every count that divides the batch)")
+    p.add_argument("--time-limit", type=real_option(positive=True, maximum=1e7, unit="s"), metavar="SECONDS",
+                   help="stop the search after this many seconds as Ctrl-C does: the best plan found so far, "
+                        "with its proven lower bound and gap (default: none, search to the proven optimum)")
     p.add_argument("--schedules", default="1f1b,zb-h1", help="pipeline schedules (default 1f1b,zb-h1)")
     p.add_argument("--interleave", help="chunk counts v >= 2 for interleaved 1F1B, e.g. 2,4")
     p.add_argument("--max-stages", type=int_option(1), help="largest number of stages (default: one per block)")
