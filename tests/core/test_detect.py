@@ -31,7 +31,7 @@ GiB = 1024**3
 def _old_presets(p: int) -> dict[str, Machine]:
     """The presets exactly as shardplan/machine.py built them in code before the profile files, plus the tile and
     wave constants added to the GPU profiles since (multiprocessors, output tile), and the H100's constants
-    measured on an H100 since (efficiency, HBM and host rates, the unaligned-product rule)."""
+    measured on an H100 since (efficiency, HBM, converting and host rates, the unaligned-product rule)."""
     bucket = 25 * 2**20
     tiles = dict(gemm_tiles=((256, 128), (128, 256), (128, 128)))
     return {
@@ -48,7 +48,7 @@ def _old_presets(p: int) -> dict[str, Machine]:
                         flops_efficiency=0.69, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
                         host_bandwidth=54.7e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=1.0e10,
                         sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2, attention_efficiency=0.40,
-                        **tiles),
+                        convert_bandwidth=1.91e12, **tiles),
     }
 
 
