@@ -341,14 +341,16 @@ def steps_section(smoke: bool, dt: torch.dtype, dev: torch.device, reps: int,
             torch.cuda.empty_cache()
         rows.append(row)
         print(f"step {name}: {row.get('forward_backward_s')} s fwd+bwd, {row.get('optimizer_s')} s opt", flush=True)
+        print("row " + json.dumps(row), flush=True)
     return rows
 
 
-def jax_steps_section(smoke: bool, reps: int) -> list[dict[str, Any]]:
+def jax_steps_section(smoke: bool, reps: int, out: Path | None = None) -> list[dict[str, Any]]:
     """The flax models of ``gpu_jax_models.py``: ``jax.jit(jax.value_and_grad(loss))`` (forward + backward, no
-    optimizer) on JAX's first device, median seconds of ``reps`` after 3 warm-up steps, and XLA's memory analysis
-    of the compiled step. Run it in its own process (``--sections jax_steps``): JAX and PyTorch each hold GPU
-    memory."""
+    optimizer) on JAX's first device, median seconds of ``reps`` after 3 warm-up steps, XLA's memory analysis
+    and cost analysis (its FLOPs and "bytes accessed" of the optimised program) of the compiled step, and, given
+    ``out``, the optimised HLO text in ``out/hlo_<model>.txt`` (the fusions XLA chose for this device). Run it in
+    its own process (``--sections jax_steps``): JAX and PyTorch each hold GPU memory."""
     import jax
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -367,6 +369,9 @@ def jax_steps_section(smoke: bool, reps: int) -> list[dict[str, Any]]:
                 row["xla_memory"] = {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
                                                                        "temp_size_in_bytes", "alias_size_in_bytes")
                                      if hasattr(mem, k)}
+            row["xla_cost"] = xla_cost(compiled)
+            if out is not None:
+                (out / f"hlo_{name}.txt").write_text(compiled.as_text())
             for _ in range(3):
                 jax.block_until_ready(compiled(params, batch))
             times = []
@@ -380,7 +385,22 @@ def jax_steps_section(smoke: bool, reps: int) -> list[dict[str, Any]]:
             row["error"] = repr(exc)[:500]
         rows.append(row)
         print(f"jax step {name}: {row.get('forward_backward_s')} s", flush=True)
+        print("row " + json.dumps(row), flush=True)  # kept in the log should a later model exceed a time limit
     return rows
+
+
+def xla_cost(compiled: Any) -> dict[str, float]:
+    """The totals of XLA's cost analysis of a compiled program ("flops", "transcendentals", "bytes accessed" and
+    its per-operand split): one dict, or the first of the list older JAX versions return; {} when the backend
+    gives none."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # some backends raise instead of returning None
+        return {}
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return {str(k): float(v) for k, v in (cost or {}).items()
+            if isinstance(v, (int, float)) and not str(k).startswith("utilization")}
 
 
 def describe(dev: torch.device) -> dict[str, Any]:
@@ -437,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             elif section == "compiled_steps":
                 result[section] = steps_section(args.smoke, dt, dev, 3 if args.smoke else 10, compiled=True)
             elif section == "jax_steps":
-                result[section] = jax_steps_section(args.smoke, 3 if args.smoke else 10)
+                result[section] = jax_steps_section(args.smoke, 3 if args.smoke else 10, out)
             elif section == "steps":
                 result[section] = steps_section(args.smoke, dt, dev, 3 if args.smoke else 10)
             else:

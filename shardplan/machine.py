@@ -335,6 +335,7 @@ PRESETS = {
     "2080ti": "2080ti.json",
     "a100": "a100-sxm-80gb.json",
     "h100": "h100-sxm.json",
+    "h200": "h200-sxm.json",
 }
 
 # Words a device kind may or may not carry: "NVIDIA GeForce GTX 1080 Ti" is "GTX 1080 Ti".

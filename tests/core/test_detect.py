@@ -31,7 +31,8 @@ GiB = 1024**3
 def _old_presets(p: int) -> dict[str, Machine]:
     """The presets exactly as shardplan/machine.py built them in code before the profile files, plus the tile and
     wave constants added to the GPU profiles since (multiprocessors, output tile), and the H100's constants
-    measured on an H100 since (efficiency, HBM, converting and host rates, the unaligned-product rule)."""
+    measured on an H100 since (efficiency, HBM, converting and host rates, the unaligned-product rule), and the
+    H200 profile, measured on an H200."""
     bucket = 25 * 2**20
     tiles = dict(gemm_tiles=((256, 128), (128, 256), (128, 128)))
     return {
@@ -49,6 +50,12 @@ def _old_presets(p: int) -> dict[str, Machine]:
                         host_bandwidth=54.7e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=1.0e10,
                         sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2, attention_efficiency=0.40,
                         convert_bandwidth=1.91e12, **tiles),
+        "h200": Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=150109880320, node_size=8,
+                        inter_bandwidth=50e9, inter_latency=8e-6, name="h200", hbm_bandwidth=3.88e12,
+                        flops_efficiency=0.69, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
+                        host_bandwidth=55.2e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=1.0e10,
+                        sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2, attention_efficiency=0.405,
+                        convert_bandwidth=2.05e12, **tiles),
     }
 
 
@@ -111,6 +118,13 @@ def test_h100_kinds_detect_the_h100_profile(kind):
     assert m == Machine(**{**_old_presets(16)["h100"].__dict__, "name": m.name})
 
 
+@pytest.mark.parametrize("kind", ["NVIDIA H200", "H200", "nvidia h200"])
+def test_h200_kinds_detect_the_h200_profile(kind):
+    m = detect_machine(kind, 16)
+    assert m.name == f"h200 (detected: {kind})"
+    assert m == Machine(**{**_old_presets(16)["h200"].__dict__, "name": m.name})
+
+
 @pytest.mark.parametrize("kind, name, memory", [("NVIDIA A100-SXM4-80GB", "a100", 80 * GiB),
                                                ("A100 SXM4 80GB", "a100", 80 * GiB),
                                                ("NVIDIA A100-SXM4-40GB", "a100-40gb", 40 * GiB),
@@ -128,7 +142,7 @@ def test_gtx_kinds_with_and_without_vendor_words():
     assert detect_machine("NVIDIA GeForce RTX 2080 Ti", 8).peak_flops == 13.4e12
 
 
-@pytest.mark.parametrize("kind", ["NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H100", "H100", "NVIDIA H200",
+@pytest.mark.parametrize("kind", ["NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H100", "H100", "NVIDIA H200 NVL",
                                   "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe", "A100", "TPU v4", "paper",
                                   "NVIDIA A100-SXM4-80GB MIG 3g.40gb"])
 def test_device_without_a_profile_is_one_line_naming_what_to_pass(kind):
@@ -293,10 +307,10 @@ def test_unreadable_files_refused_in_one_line(tmp_path, text, message):
 
 
 def test_unknown_preset_and_profile_names():
-    with pytest.raises(ShardplanError, match="unknown machine preset 'h200'"):
-        preset("h200", 8)
-    with pytest.raises(ShardplanError, match="no shipped machine profile 'h200.json'"):
-        load_profile("h200.json")
+    with pytest.raises(ShardplanError, match="unknown machine preset 'b200'"):
+        preset("b200", 8)
+    with pytest.raises(ShardplanError, match="no shipped machine profile 'b200.json'"):
+        load_profile("b200.json")
 
 
 # -- PyTorch meshes -------------------------------------------------------------------------------
