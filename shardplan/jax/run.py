@@ -168,8 +168,9 @@ def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Calla
                ) -> tuple[dict[tuple[int, int], Hook], dict[int, Callable[[list[Any]], list[Any]]]]:
     """The ``consume`` and ``replace`` hooks that run a plan's ring: every ``jax.nn.dot_product_attention``
     (:mod:`shardplan.jax.attention`) whose keys and values the plan's cost tables pass around the ring
-    (:func:`ring_charged`) and whose layout splits the query sequence over one mesh axis reads its keys and
-    values split along the sequence on that axis too, as the queries (the all-gather of the planned read is
+    (:func:`ring_charged`) and whose layout splits the query sequence reads its keys and values split along
+    the sequence on the same mesh axes, as the queries (over several levels, e.g. nodes and the devices of a
+    node, the ring runs over all of them in row-major order, outer level major) (the all-gather of the planned read is
     what the ring replaces), and runs :func:`shardplan.jax.ring.ring_apply` over it; any other attention runs
     as planned (keys and values gathered, ``jax.nn.dot_product_attention`` on each device's tile). ``recast``: applied to the queries' and
     the keys' NamedShardings before use (the stage runner's prime-factor meshes; the ring then runs over the
@@ -197,8 +198,8 @@ def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Calla
             continue
         lay = lays[op.name]
         q_spec = lay.partition_spec(dims[0])
-        axis = q_spec[1]
-        if not isinstance(axis, str):  # the queries not split, or split over several mesh axes
+        axis = q_spec[1]  # one mesh axis, or several (the levels that split the sequence, outer first)
+        if axis is None:  # the queries' sequence not split: nothing to pass around
             continue
         kv = list(lay.partition_spec(dims[1]))
         kv[1] = axis

@@ -44,6 +44,36 @@ def test_the_planned_ring_runs_equal_to_the_unsharded_program_and_gathers_nothin
     assert abs(float(plain(params, batch)[0]) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
 
 
+def test_a_ring_over_two_levels_runs_over_both_mesh_axes():
+    """On a two-level machine (2 nodes of 4) the attention's sequence is split over both levels (mesh axes
+    ``s_node`` and ``s_device``); the ring the tables charge runs over the 8 devices of the two axes, row-major,
+    rather than falling back to the all-gather: loss and gradients equal to the unsharded program, no
+    all-gather in the compiled step."""
+    from dataclasses import replace
+
+    import shardplan.jax as sj
+    from shardplan.jax.run import ring_charged, ring_hooks
+
+    params, batch = inputs()
+    plan = sj.plan(attention_loss, params, batch, DEVICES, replace(TOY, node_size=4, inter_bandwidth=8e9),
+                   context="ring")
+    run = sj.apply(plan, attention_loss, params, batch, DEVICES)
+    (attn,) = [op for op in run.plan.graph.operators if op.kind == "attn_flash"]
+    lay = run.plan.layouts[attn.name]
+    assert lay.levels == (4, 2) and lay.dim_axes("s") == ("s_node", "s_device") and ring_charged(run.plan, attn.name)
+    consume, replace_ = ring_hooks(run.plan, run.info, DEVICES)
+    assert len(replace_) == 1 and len(consume) == 2
+    step = run.step.lower(params, batch).compile()
+    loss, grads = step(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(attention_loss)(params, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for name, r in ref_grads.items():
+        assert float(jnp.max(jnp.abs(grads[name] - r))) <= 1e-4 * float(jnp.max(jnp.abs(r))), name
+    hlo = step.as_text()
+    assert "all-gather" not in hlo
+    assert hlo.count("collective-permute-start") + hlo.count("collective-permute(") >= 2 * 7
+
+
 def test_the_ring_runs_in_the_memory_choices_step_too():
     """Under a budget the plan carries memory choices (sharded state) and runs by :mod:`shardplan.jax.memory`'s
     step, which runs the ring as well: loss and gradients equal to the unsharded program."""
