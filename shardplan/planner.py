@@ -381,11 +381,12 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             say(f"  uniform pipelines: {seed.step_time:.6g} s per step ({seed.plan.num_stages} stages, "
                 f"m={seed.plan.micro_batches}, {seed.plan.schedule}; {time.perf_counter() - t0:.1f} s)"
                 + (", interrupted" if seed_stopped else ""))
-    say(f"planning {name} on {machine.num_devices} devices: one program"
-        + (" with memory choices" if constrained else "")
-        + (f", to beat {seed.step_time:.6g} s" if seed is not None else ""))
+    if not seed_stopped:  # (interrupted already: the seed found so far is the answer, nothing proven)
+        say(f"planning {name} on {machine.num_devices} devices: one program"
+            + (" with memory choices" if constrained else "")
+            + (f", to beat {seed.step_time:.6g} s" if seed is not None else ""))
     if seed_stopped:
-        pass  # interrupted already: the seed found so far is the answer, nothing proven
+        pass
     elif constrained:
         from shardplan.fit import FitOptions, solve_fit
 
@@ -460,7 +461,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         try:
             res = pipeline_solve(build, batch, machine, micro_batches=ms, interleave=tuple(interleave),
                                  progress=tracker, one_program_lower=one_lower, refused=heard,
-                                 model=seed.stages if seed is not None else None, **pipe_options)
+                                 model=seed.stages if seed is not None else None,
+                                 floors=seed.floors if seed is not None else None, **pipe_options)
             if res is None:
                 # no pipeline beats the one program (the search's incumbent from the start): what its parts proved
                 lost_pipeline = (None, tracker.bound)

@@ -27,6 +27,7 @@ class PipelineResult:
     stages: ModelStages
     machine: Machine
     seconds: float
+    floors: UnitFloors | None = None  # the solve-free stage bounds the search used (a seeds' answer hands them on)
 
     @property
     def step_time(self) -> float:
@@ -134,9 +135,10 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
     tracker.part("uniform pipelines, before the one program")
     stats: dict[str, Any] = {}
     seen: list[PipelinePlan] = []  # each plan better than the ones before (the last is the best)
+    floors = UnitFloors(stages)
     try:
         got = _uniform_seeds(space, stages.stage_cost, stages.link_time, stages.exchange_time,
-                             stages.fit_cost if memory_choices else None, UnitFloors(stages).segment, tuple(schedules),
+                             stages.fit_cost if memory_choices else None, floors.segment, tuple(schedules),
                              ms, seeds, stats, tracker.tick, seen.append)
     except KeyboardInterrupt:
         if not seen:
@@ -147,7 +149,7 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
     best = min(got.values(), key=lambda t: (t.step_time, -t.micro_batches))
     plan = replace(best, stats={**best.stats, **stats, "seed_steps": {str(m): t.step_time for m, t in got.items()}},
                    lower_bound=None)
-    return PipelineResult(plan, stages, machine, time.perf_counter() - t0)
+    return PipelineResult(plan, stages, machine, time.perf_counter() - t0, floors)
 
 
 def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, *,
@@ -157,7 +159,7 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                    memory_choices: bool = False, fallback: Callable[[Any], Any] | None = None,
                    fit_rtol: float = 1e-9, fit_time_limit: float = 60.0, progress: Progress | None = None,
                    one_program_lower: float | None = None, refused: Callable[[str], None] | None = None,
-                   seeds: int = SEED_EVALUATIONS, model: ModelStages | None = None,
+                   seeds: int = SEED_EVALUATIONS, model: ModelStages | None = None, floors: UnitFloors | None = None,
                    **solve_options: Any) -> PipelineResult | None:
     """The optimal pipeline (stages, sub-meshes, m, schedule) of the model ``build(batch)`` on ``machine``.
 
@@ -181,7 +183,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     one-program search's proven bound at one micro-batch (:func:`search_pipeline`). ``seeds``: how many uniform
     pipelines are costed before the search as its first incumbents (0: none; :func:`search_pipeline`). ``model``:
     the stage costs of a :func:`pipeline_seeds` answer on the same arguments (``stages``), whose cached stages the
-    search takes instead of costing them again.
+    search takes instead of costing them again, and ``floors`` its solve-free stage bounds (``floors``, on the same
+    ``model``), which it takes instead of computing them again.
 
     A stage whose cost tables the cost model refuses on its sub-mesh (per-device tiles past its cap,
     :class:`~shardplan.errors.PerDeviceLimitError`; the ``max_devices`` option lowers the cap) is left out of
@@ -196,6 +199,10 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     stages, space, ms = _model_and_space(build, batch, machine, micro_batches, max_stages, uniform, interleave,
                                          budget, periodic, sizes, memory_choices, fit_rtol, fit_time_limit,
                                          solve_options, model)
+    if floors is None:
+        floors = UnitFloors(stages)
+    elif floors.stages is not stages:
+        raise ShardplanError("pipeline_solve: the floors= given were computed on another model=")
     if progress is not None:
         # before anything is solved, the step's compute over every device bounds every part (an interrupt from
         # here on states it)
@@ -224,7 +231,7 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                                fit_fn=fit_fn, group_fit_fn=group_fit_fn, progress=progress,
                                one_program_lower=one_program_lower if memory_choices else None,
                                release=stages.release, step_floor=stages.step_floor,
-                               stage_lower=UnitFloors(stages).segment, seeds=seeds)
+                               stage_lower=floors.segment, seeds=seeds)
     except KeyboardInterrupt:
         if progress is not None:
             progress.space_bound = _with_refused(progress.space_bound, stages)
@@ -253,4 +260,4 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
         plan.stats["fit_unproven"] = stages.fit_unproven
         plan.stats["fit_reused"] = stages.fit_reused
         plan.stats["fit_rtol"] = fit_rtol
-    return PipelineResult(plan, stages, machine, time.perf_counter() - t0)
+    return PipelineResult(plan, stages, machine, time.perf_counter() - t0, floors)

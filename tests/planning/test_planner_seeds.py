@@ -1,0 +1,67 @@
+"""The planner costs the uniform pipelines (the pipeline search's seeds) first and prunes the one program's memory
+search with their step: the answer is the better of the two exact searches, as when each runs alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from shardplan.errors import ShardplanError
+from shardplan.fit import FitOptions, solve_fit
+from shardplan.machine import preset
+from shardplan.models import get_model
+from shardplan.pipeline.api import pipeline_seeds, pipeline_solve
+from shardplan.planner import plan
+
+pytestmark = pytest.mark.slow  # two pipeline searches on 16 devices (see pyproject.toml)
+
+MS = (4, 8)
+KW = dict(micro_batches=MS, memory_choices=True, cutoff=1, schedules=("1f1b", "zb-h1"))
+
+
+def gpt(b: int):
+    return get_model("gpt", b, layers=4)
+
+
+@pytest.fixture(scope="module")
+def slow_links():
+    # links across nodes slow enough that a pipeline beats one program (tests/planning/test_planner.py)
+    return replace(preset("a100", 16), inter_bandwidth=1e9, sm_count=None, gemm_tiles=None)
+
+
+def test_seeds_then_the_search_on_their_stages_equal_the_search_alone(slow_links):
+    """The seeds' best is a real pipeline no faster than the optimum; the search given their stage costs answers
+    what it answers alone (step and proven bound), costing no stage the seeds costed again."""
+    m = slow_links
+    seed = pipeline_seeds(gpt, 16, m, **KW)
+    alone = pipeline_solve(gpt, 16, m, **KW)
+    solves = seed.stages.solves
+    again = pipeline_solve(gpt, 16, m, model=seed.stages, floors=seed.floors, **KW)
+    assert seed.plan.lower_bound is None and seed.step_time >= alone.plan.step_time * (1 - 1e-12)
+    assert again.plan.step_time == alone.plan.step_time and again.plan.lower_bound == alone.plan.lower_bound
+    # the seeds' stages are solved once: the search on them adds what the search alone adds after its seeds
+    assert solves > 0 and again.stages.solves == alone.stages.solves and again.floors is seed.floors
+    with pytest.raises(ShardplanError, match="model="):
+        pipeline_solve(gpt, 32, m, model=seed.stages, **KW)
+
+
+def test_the_plan_is_the_better_of_both_searches_and_its_bound_covers_both(slow_links):
+    """plan() with the seeds first: the step is the least of the one program's optimum (solved without an
+    incumbent) and the pipeline search's; where the one program proved none of its plans beats the seed, that
+    bound lies between the seed's step and the one program's optimum; the plan's bound is at most the answer."""
+    m = slow_links
+    got = plan("gpt", m, sizes={"layers": 4}, batch=16, micro_batches=MS)
+    one = solve_fit(gpt(16), m, budget=m.memory_bytes, options=FitOptions(micro_batches=MS), cutoff=1)
+    pipe = pipeline_solve(gpt, 16, m, **KW)
+    assert got.step_time == pytest.approx(min(one.cost, pipe.plan.step_time), rel=1e-12)
+    assert got.pipelined == (pipe.plan.step_time < one.cost)
+    assert got.lower_bound <= got.step_time * (1 + 1e-12)
+    seed = got.stats["seed_step"]
+    assert seed >= pipe.plan.step_time * (1 - 1e-12)
+    if "one_program_none_better" in got.stats:
+        bound = got.stats["one_program_none_better"]
+        assert seed * (1 - 1e-9) <= bound <= one.cost * (1 + 1e-12)
+        assert "one program" not in got.stats["compared"]
+    else:
+        assert got.stats["compared"]["one program"] == pytest.approx(one.cost, rel=1e-12)
