@@ -483,8 +483,9 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 raise
             refusals.append(f"pipelines: {e}")
             say(f"  pipelines: not searched: {e}")
-            if seed is not None and not any(p.solver == "pipeline" for p in candidates):
-                candidates.append(seed_plan(None))  # a real pipeline, but nothing proven of the pipeline space
+            if seed is not None and not candidates:
+                # the one program proved none of its plans beats the seed: the seed, nothing proven of the pipelines
+                candidates.append(seed_plan(None))
         except KeyboardInterrupt:
             if seed is not None and not candidates:
                 # before the search had found the seed again: the seed, and the bound the search stated

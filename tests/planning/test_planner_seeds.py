@@ -65,3 +65,27 @@ def test_the_plan_is_the_better_of_both_searches_and_its_bound_covers_both(slow_
         assert "one program" not in got.stats["compared"]
     else:
         assert got.stats["compared"]["one program"] == pytest.approx(one.cost, rel=1e-12)
+
+
+def test_ctrl_c_while_the_seeds_are_costed_returns_the_best_seed(monkeypatch):
+    """Ctrl-C while the uniform pipelines are costed (the exact solver raises KeyboardInterrupt at its k-th call,
+    the first k that leaves a plan): the best of them so far is the answer, marked interrupted, nothing else
+    searched, so the bound is 0 (never above the uninterrupted answer); before any, the interrupt propagates."""
+    from tests.planning.test_planner import _first_interrupt_with_a_plan
+
+    m = preset("a100", 16)
+    full = plan("gpt", m, sizes={"layers": 4}, batch=32)
+    first = []
+
+    def run():
+        try:
+            return plan("gpt", m, sizes={"layers": 4}, batch=32)
+        except KeyboardInterrupt:
+            first.append(True)
+            return None
+
+    got = _first_interrupt_with_a_plan(monkeypatch, run)
+    assert first  # the earliest interrupts came before any plan: they propagate
+    assert got.stats["interrupted"] and got.pipelined and list(got.stats["compared"]) == ["pipeline"]
+    assert any("the best uniform pipeline kept" in r for r in got.stats["refused"])
+    assert got.step_time >= full.step_time * (1 - 1e-9) and got.lower_bound == 0.0
