@@ -200,7 +200,8 @@ def main() -> None:
     ap.add_argument("--tree", default=str(ROOT), help="the checkout whose code --time-limit runs (default this one)")
     ap.add_argument("--label", default="this", help="the name of the --time-limit row's code (e.g. main, branch)")
     args = ap.parse_args()
-    rows = json.loads(OUT.read_text())["cases"] if OUT.exists() else {}
+    whole = json.loads(OUT.read_text()) if OUT.exists() else {}  # other top-level entries are kept as they are
+    rows = whole.get("cases", {})
     for name in args.cases.split(","):
         spec = CASES[name]
         t0 = time.perf_counter()
@@ -210,9 +211,9 @@ def main() -> None:
             if spec["recipe"]:
                 # the published configuration with full recomputation (what fits in 80 GiB under this model),
                 # costed now by the code measured
-                row["published_recompute_full"] = recipe_case(spec["model"], spec["p"], spec["recipe"]
+                got["published_recompute_full"] = recipe_case(spec["model"], spec["p"], spec["recipe"]
                                                               + ",recompute=full", Path(args.tree).resolve())
-                published = row["published_recompute_full"].get("step_time_s")
+                published = got["published_recompute_full"].get("step_time_s")
                 if published and got.get("step_time_s"):
                     got["over_published_recompute_full"] = round(got["step_time_s"] / published, 4)
             row[f"time_limit_{args.time_limit:g}/{args.label}"] = got
@@ -238,8 +239,8 @@ def main() -> None:
         rows[name] = row
         print(json.dumps(row, indent=1), flush=True)
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps({"host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                               "cases": rows}, indent=1) + "\n")
+    OUT.write_text(json.dumps({**whole, "host": platform.node(), "python": platform.python_version(),
+                               "cpus": os.cpu_count(), "cases": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
