@@ -487,20 +487,20 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 # the one program proved none of its plans beats the seed: the seed, nothing proven of the pipelines
                 candidates.append(seed_plan(None))
         except KeyboardInterrupt:
+            interrupted = True
             if seed is not None and not candidates:
                 # before the search had found the seed again: the seed, and the bound the search stated
                 candidates.append(seed_plan(tracker.space_bound if tracker.space_bound is not None else 0.0))
-                interrupted = True
                 refusals.append("pipelines: interrupted before the search had a plan, the best uniform pipeline kept")
                 say(f"  pipelines: interrupted ({time.perf_counter() - t1:.1f} s), the best uniform pipeline kept")
             elif not candidates:
                 raise
-            # no pipeline found before the interrupt: the one program, and what the search proved of the
-            # pipelines (its finished parts' bounds and the unfinished parts' family bounds; 0 before it started)
-            interrupted = True
-            unproven.append(tracker.space_bound if tracker.space_bound is not None else 0.0)
-            refusals.append("pipelines: interrupted before a pipeline was found")
-            say(f"  pipelines: interrupted before a pipeline was found ({time.perf_counter() - t1:.1f} s)")
+            else:
+                # no pipeline found before the interrupt: the one program, and what the search proved of the
+                # pipelines (its finished parts' bounds and the unfinished parts' family bounds; 0 before it started)
+                unproven.append(tracker.space_bound if tracker.space_bound is not None else 0.0)
+                refusals.append("pipelines: interrupted before a pipeline was found")
+                say(f"  pipelines: interrupted before a pipeline was found ({time.perf_counter() - t1:.1f} s)")
     if not candidates:
         raise ShardplanError("no plan fits: " + "; ".join(refusals))
     least = min(p.step_time for p in candidates)

@@ -24,6 +24,11 @@ def gpt(b: int):
     return get_model("gpt", b, layers=4)
 
 
+def gpt6(b: int):
+    # six blocks: on the slow links below the best uniform pipeline already beats every one-program plan
+    return get_model("gpt", b, layers=6)
+
+
 @pytest.fixture(scope="module")
 def slow_links():
     # links across nodes slow enough that a pipeline beats one program (tests/planning/test_planner.py)
@@ -51,20 +56,19 @@ def test_the_plan_is_the_better_of_both_searches_and_its_bound_covers_both(slow_
     incumbent) and the pipeline search's; where the one program proved none of its plans beats the seed, that
     bound lies between the seed's step and the one program's optimum; the plan's bound is at most the answer."""
     m = slow_links
-    got = plan("gpt", m, sizes={"layers": 4}, batch=16, micro_batches=MS)
-    one = solve_fit(gpt(16), m, budget=m.memory_bytes, options=FitOptions(micro_batches=MS), cutoff=1)
-    pipe = pipeline_solve(gpt, 16, m, **KW)
+    got = plan("gpt", m, sizes={"layers": 6}, batch=16, micro_batches=MS)
+    one = solve_fit(gpt6(16), m, budget=m.memory_bytes, options=FitOptions(micro_batches=MS), cutoff=1)
+    pipe = pipeline_solve(gpt6, 16, m, **KW)
     assert got.step_time == pytest.approx(min(one.cost, pipe.plan.step_time), rel=1e-12)
     assert got.pipelined == (pipe.plan.step_time < one.cost)
     assert got.lower_bound <= got.step_time * (1 + 1e-12)
     seed = got.stats["seed_step"]
     assert seed >= pipe.plan.step_time * (1 - 1e-12)
-    if "one_program_none_better" in got.stats:
-        bound = got.stats["one_program_none_better"]
-        assert seed * (1 - 1e-9) <= bound <= one.cost * (1 + 1e-12)
-        assert "one program" not in got.stats["compared"]
-    else:
-        assert got.stats["compared"]["one program"] == pytest.approx(one.cost, rel=1e-12)
+    # here the seed beats the one program's optimum: its search stops at "none better" (the other case, the one
+    # program winning, is tests/planning/test_planner.py's)
+    bound = got.stats["one_program_none_better"]
+    assert seed * (1 - 1e-9) <= bound <= one.cost * (1 + 1e-12)
+    assert "one program" not in got.stats["compared"]
 
 
 def test_ctrl_c_while_the_seeds_are_costed_returns_the_best_seed(monkeypatch):
@@ -87,5 +91,27 @@ def test_ctrl_c_while_the_seeds_are_costed_returns_the_best_seed(monkeypatch):
     got = _first_interrupt_with_a_plan(monkeypatch, run)
     assert first  # the earliest interrupts came before any plan: they propagate
     assert got.stats["interrupted"] and got.pipelined and list(got.stats["compared"]) == ["pipeline"]
-    assert any("the best uniform pipeline kept" in r for r in got.stats["refused"])
+    assert "pipelines: interrupted before the pipeline search, the best uniform pipeline kept" in got.stats["refused"]
     assert got.step_time >= full.step_time * (1 - 1e-9) and got.lower_bound == 0.0
+
+
+def test_ctrl_c_in_the_search_before_it_finds_the_seed_again_returns_the_seed(slow_links):
+    """Ctrl-C in the pipeline search's first tick (its own seeds, before it has a plan), where the one program
+    proved none of its plans beats the seed: the seed is the answer, marked interrupted, and its bound, the
+    least of the one program's and the one the search stated of its space, is at most the optimum."""
+    from shardplan.pipeline.progress import Progress
+
+    m = slow_links
+    full = plan("gpt", m, sizes={"layers": 6}, batch=16, micro_batches=MS)
+    assert full.pipelined and "one_program_none_better" in full.stats and full.solver == "pipeline"
+    tracker = Progress()
+
+    def tick(n: int) -> None:
+        if tracker.phase == "pipelines: uniform seeds":
+            raise KeyboardInterrupt
+
+    tracker.on_tick = tick
+    got = plan("gpt", m, sizes={"layers": 6}, batch=16, micro_batches=MS, progress=tracker)
+    assert got.stats["interrupted"] and got.pipelined and got.step_time == got.stats["seed_step"]
+    assert got.stats["refused"] == ["pipelines: interrupted before the search had a plan, the best uniform pipeline kept"]
+    assert got.step_time >= full.step_time * (1 - 1e-12) and got.lower_bound <= full.step_time * (1 + 1e-12)
