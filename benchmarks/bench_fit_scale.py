@@ -1,6 +1,6 @@
 """The one-program memory-constrained search at scale: a zoo model on h100, as the planner calls it.
 
-Usage: python benchmarks/bench_fit_scale.py [--label NAME] [--model NAME] [--time-limit S] [devices ...]
+Usage: python benchmarks/bench_fit_scale.py [--label NAME] [--model NAME] [--time-limit S] [--incumbent S] [devices ...]
 (default model gpt3-175b, at its zoo batch (1536), devices 64 1024; e.g. ``--model llama3-405b 16384``)
 
 Each device count runs in a fresh process (so its peak RSS is its own) and calls
@@ -12,7 +12,9 @@ is noisy), peak RSS, the step time, the proven bound and the status. ``--label``
 names the code measured (e.g. ``before``/``after``; run with ``PYTHONPATH`` at the
 tree to measure, as an absolute path; without it the installed ``shardplan``); the commit
 of the imported ``shardplan`` is recorded beside it.
-Writes benchmarks/results/fit_scale.json (entries keyed by label and device count, and the model
+``--incumbent S``: the step of a plan known outside the one program (the planner gives the best uniform
+pipeline's, costed first), passed as ``solve_fit(incumbent=S)``; the row records it and whether the one program
+beat it. Writes benchmarks/results/fit_scale.json (entries keyed by label and device count, and the model
 when it is not GPT-3 175B, merged with what is there).
 """
 
@@ -34,13 +36,14 @@ from shardplan.machine import preset
 from shardplan.models import get_model, model_spec
 from shardplan.planner import micro_batch_counts
 p, limit, name = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+incumbent = None if sys.argv[4] == "none" else float(sys.argv[4])
 batch = model_spec(name).batch
 g = get_model(name, batch)
 m = preset("h100", p)
 ms = micro_batch_counts(None, batch)
 t0, c0 = time.perf_counter(), time.process_time()
 one = solve_fit(g, m, budget=m.memory_bytes, options=FitOptions(micro_batches=ms, time_limit=limit),
-                cutoff=model_spec(name).cutoff)
+                cutoff=model_spec(name).cutoff, incumbent=incumbent)
 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
 st = one.solution.stats
 print(json.dumps({"model": name, "batch": batch, "devices": p, "micro_batch_counts": list(ms), "time_limit_seconds": limit,
@@ -54,7 +57,7 @@ print(json.dumps({"model": name, "batch": batch, "devices": p, "micro_batch_coun
                                                       tuple(int(x) for x in one.memory_choices.choices))).encode()
                                                 ).hexdigest()[:16],
                   "status": st.get("status"), "gap": st.get("gap"), "nodes": st.get("nodes"),
-                  "dp_solves": st.get("dp_solves"),
+                  "dp_solves": st.get("dp_solves"), "incumbent": incumbent, "beats_incumbent": st.get("beats_incumbent"),
                   "per_micro_batches": [{k: d.get(k) for k in ("micro_batches", "status", "cost", "bound",
                                                                "lower_bound", "nodes", "dp_solves", "seconds")}
                                         for d in st.get("per_micro_batches", [])],
@@ -74,7 +77,7 @@ def commit_of_import() -> str:
 
 
 def main(argv: list[str]) -> None:
-    label, limit, devices, model = "current", 900.0, [], "gpt3-175b"
+    label, limit, devices, model, incumbent = "current", 900.0, [], "gpt3-175b", "none"
     it = iter(argv)
     for a in it:
         if a == "--label":
@@ -83,6 +86,8 @@ def main(argv: list[str]) -> None:
             model = next(it)
         elif a == "--time-limit":
             limit = float(next(it))
+        elif a == "--incumbent":
+            incumbent = str(float(next(it)))
         else:
             devices.append(int(a))
     devices = devices or [64, 1024]
@@ -90,7 +95,7 @@ def main(argv: list[str]) -> None:
     commit = commit_of_import()
     for p in devices:
         # run outside any tree: ``-c`` puts the working directory first on the path, before PYTHONPATH
-        out = subprocess.run([sys.executable, "-c", CHILD, str(p), str(limit), model], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", CHILD, str(p), str(limit), model, incumbent], capture_output=True, text=True,
                              env=os.environ.copy(), cwd=tempfile.gettempdir())
         if out.returncode != 0:
             raise SystemExit(out.stderr)

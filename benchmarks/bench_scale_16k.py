@@ -22,7 +22,14 @@ sub-meshes, micro-batch counts and schedules), sent SIGINT at ``--timeout`` wall
 its best plan so far and its proven gap; recorded as the case's ``pipelines`` row (its last progress lines in
 ``log``), the other rows kept.
 
+``--time-limit S``: instead, the command's default with ``--time-limit S`` (the whole planner, the search stopped
+as by Ctrl-C after S wall seconds), under ``/usr/bin/time -v`` (wall, user + system CPU, peak RSS), with the
+code of ``--tree`` (default this checkout; e.g. another worktree, to measure main beside a branch), recorded as
+the case's ``time_limit_S/LABEL`` row: the plan, step and memory lines, the bound and gap, the planner's log
+(progress lines dropped), the load average before and after.
+
 Run:  PYTHONPATH=. python benchmarks/bench_scale_16k.py [--cases llama3-405b-16384,...] [--pipelines --timeout S]
+      [--time-limit S [--tree PATH] [--label NAME]]
 Writes benchmarks/results/scale_16k.json.
 """
 
@@ -46,6 +53,7 @@ CASES = {
     "llama3-405b-16384": {"model": "llama3-405b", "p": 16384, "recipe": PUBLISHED + ",dp=128"},
     "llama3-405b-8192": {"model": "llama3-405b", "p": 8192, "recipe": PUBLISHED + ",dp=64"},
     "llama3-8b-1024": {"model": "llama3-8b", "p": 1024, "recipe": None},
+    "gpt3-175b-1024": {"model": "gpt3-175b", "p": 1024, "recipe": None},
 }
 
 _PROBE = """
@@ -123,14 +131,57 @@ def _plan_numbers(plan: dict) -> dict:
     return out
 
 
-def recipe_case(model: str, p: int, recipe: str) -> dict:
+def timed_case(spec: dict, limit: float, tree: Path, timeout: float) -> dict:
+    """``shardplan plan --model M -p P --machine h100 --time-limit S`` with the code of ``tree``, under
+    ``/usr/bin/time -v``: its resources, report lines and plan numbers (:func:`_plan_numbers`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        args = ["plan", "--model", spec["model"], "-p", str(spec["p"]), "--machine", "h100", "--time-limit", f"{limit:g}"]
+        commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        load = os.getloadavg()
+        out = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "shardplan.cli", *args, "--json", str(path)],
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)},
+                             cwd=tmp, timeout=timeout)
+        err = out.stderr.replace("\r", "\n").splitlines()
+
+        def field(name: str) -> str:
+            return next(ln.split(": ", 1)[1] for ln in err if ln.strip().startswith(name))
+
+        wall = field("Elapsed (wall clock) time").split(":")
+        row = {"cli": "shardplan " + " ".join(args), "tree": str(tree), "commit": commit + ("+dirty" if dirty else ""),
+               "rc": out.returncode,
+               "wall_s": round(sum(float(x) * 60 ** i for i, x in enumerate(reversed(wall))), 2),
+               "cpu_s": round(float(field("User time")) + float(field("System time")), 2),
+               "peak_rss_mb": round(int(field("Maximum resident set size")) / 1024, 1),
+               "load_average_before": [round(x, 2) for x in load],
+               "load_average_after": [round(x, 2) for x in os.getloadavg()],
+               "log": [ln for ln in err if ln.strip() and " | " not in ln and not ln.startswith("\t")
+                       and "Command being timed" not in ln]}
+        if out.returncode != 0:
+            return row
+        lines = out.stdout.splitlines()
+        row["plan"] = next((ln[len("Plan: "):] for ln in lines if ln.startswith("Plan: ")), None)
+        row["step_line"] = next((ln for ln in lines if ln.startswith("Step time: ")), None)
+        row["memory_line"] = next((ln for ln in lines if ln.startswith("Memory per device: ")), None)
+        plan = json.loads(path.read_text())
+        row.update(_plan_numbers(plan))
+        stats = plan.get("stats", {})
+        row.update(seed_step_s=stats.get("seed_step"), one_program_none_better_s=stats.get("one_program_none_better"),
+                   compared=stats.get("compared"), interrupted=stats.get("interrupted"))
+    return row
+
+
+def recipe_case(model: str, p: int, recipe: str, tree: Path = ROOT) -> dict:
     """The recipe costed in a fresh interpreter (as ``shardplan recipe`` does), its step time and memory."""
     code = ("import json, sys, resource, time; from shardplan.machine import preset; "
             "from shardplan.recipe import cost_recipe; c = time.process_time(); "
             "r = cost_recipe(sys.argv[1], preset('h100', int(sys.argv[2])), sys.argv[3]); "
             "print(json.dumps({'step_time_s': r.step_time, 'peak_bytes': r.memory['peak_bytes'], "
             "'cpu_s': time.process_time() - c}))")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, "-c", code, model, str(p), recipe], capture_output=True, text=True, env=env,
                          check=False)
     if out.returncode != 0:
@@ -145,11 +196,30 @@ def main() -> None:
     ap.add_argument("--no-fit-only", action="store_true", help="only the layouts-only plans (no memory search)")
     ap.add_argument("--pipelines", action="store_true",
                     help="only the command's default plan (one program, then the pipeline search), SIGINT at --timeout")
+    ap.add_argument("--time-limit", type=float, help="only the command with --time-limit S, under /usr/bin/time -v")
+    ap.add_argument("--tree", default=str(ROOT), help="the checkout whose code --time-limit runs (default this one)")
+    ap.add_argument("--label", default="this", help="the name of the --time-limit row's code (e.g. main, branch)")
     args = ap.parse_args()
-    rows = json.loads(OUT.read_text())["cases"] if OUT.exists() else {}
+    whole = json.loads(OUT.read_text()) if OUT.exists() else {}  # other top-level entries are kept as they are
+    rows = whole.get("cases", {})
     for name in args.cases.split(","):
         spec = CASES[name]
         t0 = time.perf_counter()
+        if args.time_limit is not None:
+            row = {**rows.get(name, {"case": name, "model": spec["model"], "p": spec["p"], "machine": "h100"})}
+            got = timed_case(spec, args.time_limit, Path(args.tree).resolve(), args.timeout)
+            if spec["recipe"]:
+                # the published configuration with full recomputation (what fits in 80 GiB under this model),
+                # costed now by the code measured
+                got["published_recompute_full"] = recipe_case(spec["model"], spec["p"], spec["recipe"]
+                                                              + ",recompute=full", Path(args.tree).resolve())
+                published = got["published_recompute_full"].get("step_time_s")
+                if published and got.get("step_time_s"):
+                    got["over_published_recompute_full"] = round(got["step_time_s"] / published, 4)
+            row[f"time_limit_{args.time_limit:g}/{args.label}"] = got
+            rows[name] = row
+            print(json.dumps(got, indent=1), flush=True)
+            continue
         if args.pipelines:  # the earlier rows of the case are kept
             row = {**rows.get(name, {"case": name, "model": spec["model"], "p": spec["p"], "machine": "h100"}),
                    "pipelines": plan_case(spec, True, args.timeout, stages=True)}
@@ -169,8 +239,8 @@ def main() -> None:
         rows[name] = row
         print(json.dumps(row, indent=1), flush=True)
     OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps({"host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                               "cases": rows}, indent=1) + "\n")
+    OUT.write_text(json.dumps({**whole, "host": platform.node(), "python": platform.python_version(),
+                               "cpus": os.cpu_count(), "cases": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -436,7 +436,7 @@ def _scaled(op: Operator, lay: Any, tables: CostTables, m: int) -> Any:
 def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, options: FitOptions = FitOptions(),
               tables: CostTables | None = None, cutoff: int = 4, powers_of_two: bool = False,
               divides_p: bool = True, orders: str = "auto", partial_sums: bool = False, overlap_tp: bool = False,
-              context: str = "allgather", **dp_options: Any):
+              context: str = "allgather", incumbent: float | None = None, **dp_options: Any):
     """The plan of least step time whose peak memory per device is within ``budget`` (default the machine's).
 
     ``cutoff`` (default 4, :func:`~shardplan.cost.build_tables`' own) is the
@@ -454,6 +454,15 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     solution whose ``optimal``/``bound``/``stats["gap"]`` state what was
     proven; ``stats["per_micro_batches"]`` has each count's outcome.
 
+    ``incumbent``: the step time of a plan known outside this space (e.g. a pipeline's). Every count's search
+    is pruned against it as against a plan of its own: a count whose bound (solve-free, root or node) reaches
+    it is closed. The answer is unchanged when the optimum is below it by more than 1e-9 relative
+    (``stats["beats_incumbent"]`` True);
+    otherwise the plan returned is the best one seen, which may be far from the optimum, its ``bound`` a
+    proven lower bound of the optimum (at least the incumbent, within 1e-9, once every count is closed:
+    ``stats["status"]`` "no plan below the incumbent"), and the caller keeps the incumbent's plan
+    (docs/memory.md, *An incumbent from outside*).
+
     Ctrl-C (a :class:`KeyboardInterrupt`) once some count has a plan returns the best plan so far with
     ``stats["interrupted"]`` True and a bound that stays proven: each count's search stops as at its time
     limit, a count not searched further keeps its root bound, and one not rooted yet counts 0.
@@ -464,6 +473,9 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     """
     from shardplan.spmd import SpmdPlan
 
+    if incumbent is not None:
+        incumbent = real("solve_fit: incumbent", incumbent, positive=True, unit="s")
+    outside = np.inf if incumbent is None else float(incumbent)
     if budget is None:
         budget = machine.memory_bytes
     if budget is None:
@@ -497,6 +509,14 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     interrupted = False
     counts = sorted({int(x) for x in options.micro_batches})
     current = counts[0]
+
+    def target() -> float:
+        """The step every count must beat: the best plan's so far, or the incumbent from outside if lower."""
+        return min(outside, best[0].cost if best is not None else np.inf)
+
+    def beaten() -> str:
+        """What a closed count's bound reached, for its status line."""
+        return "the incumbent" if best is None or outside <= best[0].cost else "the best plan"
     try:
         for m in counts:
             current = m
@@ -530,10 +550,10 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             # a bound without a solve first: a count whose bound reaches the best plan is closed (it cannot beat it)
             # (not tried once a forest pass has cost more than that share: such roots are cheap, just solve them)
             cheap = -np.inf
-            if best is not None and pass_seconds <= 0.25 * root_seconds:
-                cheap, spent = _count_bound(mp, best[0].cost, lams, 0.25 * root_seconds)
+            if np.isfinite(target()) and pass_seconds <= 0.25 * root_seconds:
+                cheap, spent = _count_bound(mp, target(), lams, 0.25 * root_seconds)
                 pass_seconds = max(pass_seconds, spent)
-            if best is not None and cheap >= best[0].cost:
+            if cheap >= target():
                 problems.append((cheap, np.inf, m, mp, cts, None))
                 closed[m] = cheap
                 continue
@@ -542,8 +562,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             # with the best plan so far as ``upper``, a count's dual stops as soon as its bound reaches it: the
             # count is then pruned below without the dual's remaining solves (docs/memory.md, "Work not repeated")
             c0 = time.process_time()
-            root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved,
-                                upper=best[0].cost if best is not None else np.inf, **dp_options)
+            root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved, upper=target(), **dp_options)
             totals["nodes"] += root.stats["nodes"]
             totals["dp_solves"] += root.stats["dp_solves"]
             problems.append((max(root.bound, root.stats.get("root_bound", -np.inf)), root.cost, m, mp, cts, root))
@@ -568,10 +587,12 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             raise ShardplanError(_host_infeasible(host_least, host_budget))
         raise ShardplanError(_infeasible(least_all, budget, peak_least))
     for root_bound, root_cost, m, mp, cts, _root in sorted(problems, key=lambda x: (x[0], x[1])):
-        upper = best[0].cost if best is not None else np.inf
+        # (the backward-peak search, which has no plan of its own without a solve, is not cut by the incumbent
+        # before a plan is known)
+        upper = np.inf if best is None and isinstance(mp, PeakProblem) else target()
         if m in closed:
             lower.append(root_bound)
-            per.append({"micro_batches": m, "status": "pruned: its solve-free bound reaches the best plan",
+            per.append({"micro_batches": m, "status": f"pruned: its solve-free bound reaches {beaten()}",
                         "lower_bound": root_bound, "cost": None})
             continue
         if interrupted:  # Ctrl-C: what each count's root proved stands as its bound
@@ -582,7 +603,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             lower.append(root_bound)
             # cost: the best plan the root saw (None when its dual reached the best plan before seeing one)
             seen = _root is None or _root.stats.get("found", True)
-            per.append({"micro_batches": m, "status": "pruned: its dual bound reaches the best plan",
+            per.append({"micro_batches": m, "status": f"pruned: its dual bound reaches {beaten()}",
                         "lower_bound": root_bound, "cost": root_cost if seen else None,
                         **({"model": "backward peak"} if isinstance(mp, PeakProblem) else {})})
             continue
@@ -628,6 +649,10 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
         if interrupted:  # the host-exact search would run on: no plan within both budgets is known yet
             raise KeyboardInterrupt
         best, lower = _host_exact(problems, host_budget, options.time_limit, per)
+    if best is None and np.isfinite(outside):
+        # every count was closed against the incumbent before any plan was seen: a real plan to return (each
+        # operator's least-memory choice, which fits), the least costly of the counts'; its bound stays proven
+        best = _least_memory_plan([(m, mp, cts) for _, _, m, mp, cts, _ in problems if not isinstance(mp, PeakProblem)])
     if best is None:
         raise ShardplanError(_infeasible(least_all, budget, peak_least) if np.isfinite(least_all) else
                              "no plan fits: the backward-peak search found none (see per micro-batch count) "
@@ -636,9 +661,12 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     bound = min([sol.cost] + lower)
     optimal = bound >= sol.cost * (1 - 1e-9)
     gap = 0.0 if optimal else (sol.cost - bound) / sol.cost if sol.cost else 0.0
+    beats = bool(sol.cost < outside * (1 - 1e-9))  # within 1e-9 (rounding) a tie, and a tie does not beat it
+    status = ("optimal" if optimal else "no plan below the incumbent" if not beats and bound >= outside * (1 - 1e-9)
+              else "stopped: see per_micro_batches")
     stats = {**sol.stats, **totals, "gap": gap, "micro_batches": m, "per_micro_batches": per,
-             "grad_buffers": options.grad_buffers, "interrupted": interrupted,
-             "status": "optimal" if optimal else "stopped: see per_micro_batches"}
+             "grad_buffers": options.grad_buffers, "interrupted": interrupted, "status": status,
+             **({"incumbent": outside, "beats_incumbent": beats} if incumbent is not None else {})}
     choices = MemoryChoices(m, float(budget), options.reserve_bytes, cts, sol.assignment,
                             backward=options.backward_peak(m), host_budget_bytes=host_budget, rules=options.rules)
     base = tuple(int(t.base[j]) for t, j in zip(cts, sol.assignment))
@@ -647,6 +675,20 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                              "memory-ilp" if sol.solver == "memory-ilp" else "memory-bb"),
                      optimal=optimal, bound=sol.cost if optimal else bound, stats=stats)
     return SpmdPlan(tables, base, final, "fit", build_seconds, memory_choices=choices)
+
+
+def _least_memory_plan(counts: Sequence[tuple[int, MemoryProblem, Any]]) -> tuple[Solution, int, Any] | None:
+    """Of the given (count, problem, choice tables), the plan of least step time among each count's
+    least-memory assignment (every vertex's least-memory choice: within the budget whenever any plan is), as the
+    search's (solution, count, tables); None when none is given."""
+    best = None
+    for m, mp, cts in counts:
+        choices = tuple(int(np.argmin(x)) for x in mp.memory)
+        cost, mem = mp.evaluate(choices)
+        if best is None or cost < best[0].cost:
+            best = (Solution(cost=cost, assignment=choices, solve_seconds=0.0, solver="memory-bb", optimal=False,
+                             bound=None, stats={"memory_bytes": mem, "found": False}), m, cts)
+    return best
 
 
 def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds: float = np.inf,
@@ -659,14 +701,18 @@ def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds:
     doubling or halving while the bound rises, then a golden-section search on log(multiplier) between the
     best point's neighbours; at most ``evaluations`` forest passes, and past the first ``least`` only while
     the search has spent less than ``seconds`` of CPU (the caller gives a share of a root's: a count the
-    bound cannot close still needs its root). Any multiplier gives a valid bound, so how it is sought decides the
-    work, never the answer (docs/memory.md, "The one program at scale"). Returns the bound (-inf when no
-    multiplier is known) and the CPU seconds of its costliest pass (with the lattice budget, once per count).
+    bound cannot close still needs its root); with no multiplier known (no root yet, under an incumbent from
+    outside), the one pass at 0. Any multiplier gives a valid bound, so how it is sought decides the
+    work, never the answer (docs/memory.md, "The one program at scale"). Returns the bound and the CPU seconds
+    of its costliest pass (with the lattice budget, once per count).
     """
     from shardplan.search.constrained import _lattice_budget, relaxed_bound
 
     if not lams:
-        return -np.inf, 0.0
+        # no multiplier known (no root yet, under an incumbent from outside; or roots whose unconstrained plan
+        # fitted): the one pass at 0, the forest bound of the count's problem without the budget
+        c0 = time.process_time()
+        return relaxed_bound(mp, 0.0), time.process_time() - c0
     seen: dict[float, float] = {}
     t0 = time.process_time()  # CPU seconds: the machine may be shared
     lattice = _lattice_budget(mp, [np.ones(k, dtype=bool) for k in mp.num_choices])

@@ -355,18 +355,58 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     candidates: list[Plan] = []
     refusals: list[str] = []
     one_lower: float | None = None  # the one program's proven bound with one micro-batch, for the pipeline search
-    say(f"planning {name} on {machine.num_devices} devices: one program"
-        + (" with memory choices" if constrained else ""))
-    if constrained:
+    # the pipeline search's options (its stage costs, solved once: the seeds' are kept for the search)
+    pipe_options: dict[str, Any] = dict(max_stages=max_stages, schedules=tuple(schedules),
+                                        budget=limit if constrained else float("inf"), memory_choices=constrained,
+                                        cutoff=cutoff, orders=orders,
+                                        **({"partial_sums": True} if partial_sums else {}), **tables_extra)
+    seed = None  # the best uniform pipeline, costed before the one program: its step prunes the one program
+    seed_stopped = False  # Ctrl-C while the seeds were costed (the best so far is kept; nothing else is searched)
+    one_none_better: float | None = None  # the one program proved no plan of its own beats the seed: its bound
+    if searched and constrained:
+        from shardplan.pipeline.api import pipeline_seeds
+        from shardplan.pipeline.progress import Progress
+
+        progress = progress if isinstance(progress, Progress) else Progress(progress)
+        say(f"planning {name} on {machine.num_devices} devices: uniform pipelines first ({why})")
+        try:
+            seed = pipeline_seeds(build, batch, machine, micro_batches=ms, progress=progress,  # type: ignore[arg-type]
+                                  **pipe_options)
+        except ShardplanError as e:
+            if type(e) not in (ShardplanError, PerDeviceLimitError):
+                raise
+            say(f"  uniform pipelines: none costed: {e}")
+        if seed is not None:
+            seed_stopped = bool(seed.plan.stats.get("interrupted"))
+            say(f"  uniform pipelines: {seed.step_time:.6g} s per step ({seed.plan.num_stages} stages, "
+                f"m={seed.plan.micro_batches}, {seed.plan.schedule}; {time.perf_counter() - t0:.1f} s)"
+                + (", interrupted" if seed_stopped else ""))
+    if not seed_stopped:  # (interrupted already: the seed found so far is the answer, nothing proven)
+        say(f"planning {name} on {machine.num_devices} devices: one program"
+            + (" with memory choices" if constrained else "")
+            + (f", to beat {seed.step_time:.6g} s" if seed is not None else ""))
+    if seed_stopped:
+        pass
+    elif constrained:
         from shardplan.fit import FitOptions, solve_fit
 
         opts = fit_options if fit_options is not None else FitOptions(micro_batches=ms)
         try:
             one = solve_fit(graph, machine, budget=limit, options=opts, cutoff=cutoff, orders=orders,
-                            partial_sums=partial_sums, **tables_extra)
-            candidates.append(from_spmd(one, model=name, batch=batch))
+                            partial_sums=partial_sums, incumbent=seed.step_time if seed is not None else None,
+                            **tables_extra)
+            if one.solution.stats.get("beats_incumbent", True):
+                candidates.append(from_spmd(one, model=name, batch=batch))
+            else:
+                # every plan of the one program is at least its bound, itself at least (about) the seed's step:
+                # the pipelines answer; the bound stays in the plan's (docs/memory.md, *An incumbent from outside*)
+                one_none_better = float(one.solution.bound)
+                say(f"  one program: no plan below {seed.step_time:.6g} s (bound {one_none_better:.6g} s; "  # type: ignore[union-attr]
+                    f"{time.perf_counter() - t0:.1f} s)" + (", interrupted" if one.solution.stats.get("interrupted")
+                                                             else ""))
             if fit_options is None:
                 one_lower = _one_micro_batch_bound(one)
+            seed_stopped = bool(one.solution.stats.get("interrupted")) and one_none_better is not None
         except ShardplanError as e:
             if type(e) not in (ShardplanError, PerDeviceLimitError):
                 raise
@@ -376,12 +416,25 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
 
         candidates.append(from_spmd(solve(graph, machine, cutoff=cutoff, orders=orders, solver=solver,
                                           partial_sums=partial_sums, **tables_extra), model=name, batch=batch))
-    interrupted = bool(candidates and candidates[0].stats.get("interrupted"))
+    interrupted = seed_stopped or bool(candidates and candidates[0].stats.get("interrupted"))
     if candidates:
         say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s)"
             + (", interrupted" if interrupted else ""))
     unproven: list[float] = []  # an interrupted pipeline search with no plan: the bound it stated of its space
-    if interrupted and searched:
+
+    def seed_plan(lower: float | None) -> Plan:
+        """The seed as the pipeline candidate, with the bound stated of the pipeline space (None: unknown)."""
+        assert seed is not None
+        return from_pipeline(replace(seed, plan=replace(seed.plan, lower_bound=lower)), model=name)
+
+    if interrupted and searched and seed is not None:
+        # Ctrl-C in the seeds, or in a one-program search that had not beaten the seed: the seed is the answer,
+        # and nothing is proven of the pipelines
+        searched = False
+        unproven.append(0.0)
+        candidates.append(seed_plan(0.0))
+        refusals.append("pipelines: interrupted before the pipeline search, the best uniform pipeline kept")
+    elif interrupted and searched:
         # Ctrl-C inside the one program's memory search: the pipelines are not searched, so nothing is proven of them
         searched = False
         unproven.append(0.0)
@@ -406,12 +459,10 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         say(f"pipelines ({why}): micro-batch counts {', '.join(map(str, ms))}, schedules {', '.join(schedules)}")
         assert build is not None and batch is not None
         try:
-            res = pipeline_solve(build, batch, machine, micro_batches=ms, max_stages=max_stages,
-                                 interleave=tuple(interleave), schedules=tuple(schedules),
-                                 budget=limit if constrained else float("inf"), memory_choices=constrained, cutoff=cutoff,
-                                 orders=orders, progress=tracker, one_program_lower=one_lower,
-                                 refused=heard,
-                                 **({"partial_sums": True} if partial_sums else {}), **tables_extra)
+            res = pipeline_solve(build, batch, machine, micro_batches=ms, interleave=tuple(interleave),
+                                 progress=tracker, one_program_lower=one_lower, refused=heard,
+                                 model=seed.stages if seed is not None else None,
+                                 floors=seed.floors if seed is not None else None, **pipe_options)
             if res is None:
                 # no pipeline beats the one program (the search's incumbent from the start): what its parts proved
                 lost_pipeline = (None, tracker.bound)
@@ -432,15 +483,24 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 raise
             refusals.append(f"pipelines: {e}")
             say(f"  pipelines: not searched: {e}")
+            if seed is not None and not candidates:
+                # the one program proved none of its plans beats the seed: the seed, nothing proven of the pipelines
+                candidates.append(seed_plan(None))
         except KeyboardInterrupt:
-            if not candidates:
-                raise
-            # no pipeline found before the interrupt: the one program, and what the search proved of the
-            # pipelines (its finished parts' bounds and the unfinished parts' family bounds; 0 before it started)
             interrupted = True
-            unproven.append(tracker.space_bound if tracker.space_bound is not None else 0.0)
-            refusals.append("pipelines: interrupted before a pipeline was found")
-            say(f"  pipelines: interrupted before a pipeline was found ({time.perf_counter() - t1:.1f} s)")
+            if seed is not None and not candidates:
+                # before the search had found the seed again: the seed, and the bound the search stated
+                candidates.append(seed_plan(tracker.space_bound if tracker.space_bound is not None else 0.0))
+                refusals.append("pipelines: interrupted before the search had a plan, the best uniform pipeline kept")
+                say(f"  pipelines: interrupted ({time.perf_counter() - t1:.1f} s), the best uniform pipeline kept")
+            elif not candidates:
+                raise
+            else:
+                # no pipeline found before the interrupt: the one program, and what the search proved of the
+                # pipelines (its finished parts' bounds and the unfinished parts' family bounds; 0 before it started)
+                unproven.append(tracker.space_bound if tracker.space_bound is not None else 0.0)
+                refusals.append("pipelines: interrupted before a pipeline was found")
+                say(f"  pipelines: interrupted before a pipeline was found ({time.perf_counter() - t1:.1f} s)")
     if not candidates:
         raise ShardplanError("no plan fits: " + "; ".join(refusals))
     least = min(p.step_time for p in candidates)
@@ -450,6 +510,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     bounds = [p.lower_bound for p in candidates] + unproven
     if lost_pipeline is not None:
         bounds.append(lost_pipeline[1])
+    if one_none_better is not None:
+        bounds.append(one_none_better)
     lower = None if any(b is None for b in bounds) else min(bounds)  # type: ignore[type-var]
     stats = dict(best.stats)
     stats.update(plan_seconds=time.perf_counter() - t0, stages_searched=searched, stages_reason=why,
@@ -459,6 +521,9 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                            **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None
                               and lost_pipeline[0] is not None else {})},
                  refused=refusals,
+                 **({"seed_step": seed.step_time} if seed is not None else {}),
+                 # the one program proved none of its plans beats the seed: its proven bound
+                 **({"one_program_none_better": one_none_better} if one_none_better is not None else {}),
                  **({"pipeline_sizes_not_searched": not_searched[0]} if not_searched else {}),
                  # no pipeline beat the one program: the pipeline space's proven bound (the search had no step)
                  **({"pipeline_lower_bound": lost_pipeline[1]} if lost_pipeline is not None

@@ -12,10 +12,11 @@ from shardplan.machine import Machine
 from shardplan.pipeline.floors import UnitFloors
 from shardplan.pipeline.progress import Progress
 from shardplan.pipeline.schedule import simulate, step_time
-from shardplan.pipeline.search import SEED_EVALUATIONS, PipelinePlan, PipelineSpace, search_pipeline
+from shardplan.pipeline.search import (SEED_EVALUATIONS, PipelinePlan, PipelineSpace, _uniform_seeds,
+                                       search_pipeline)
 from shardplan.pipeline.stages import ModelStages
 
-__all__ = ["PipelineResult", "pipeline_solve"]
+__all__ = ["PipelineResult", "pipeline_solve", "pipeline_seeds"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,6 +27,7 @@ class PipelineResult:
     stages: ModelStages
     machine: Machine
     seconds: float
+    floors: UnitFloors | None = None  # the solve-free stage bounds the search used (a seeds' answer hands them on)
 
     @property
     def step_time(self) -> float:
@@ -85,6 +87,71 @@ def _with_refused(bound: float | None, stages: ModelStages) -> float | None:
     return min(bound, floor)
 
 
+def _model_and_space(build: Callable[[int], Graph], batch: int, machine: Machine, micro_batches: Sequence[int],
+                     max_stages: int | None, uniform: bool, interleave: Sequence[int], budget: float | None,
+                     periodic: bool, sizes: Sequence[int] | None, memory_choices: bool, fit_rtol: float,
+                     fit_time_limit: float, solve_options: dict[str, Any], model: ModelStages | None
+                     ) -> tuple[ModelStages, PipelineSpace, list[int]]:
+    """The checked arguments' stage costs (``model`` when given: a :func:`pipeline_seeds` answer's, its caches
+    kept) and space, and the micro-batch counts that divide the batch."""
+    batch, micro_batches, max_stages, budget, sizes = _checked(batch, micro_batches, max_stages, budget, sizes,
+                                                               interleave, fit_rtol, fit_time_limit)
+    ms = [m for m in micro_batches if batch % m == 0]
+    if not ms:
+        raise ShardplanError(f"no micro-batch count in {list(micro_batches)} divides the batch of {batch}")
+    if model is None:
+        model = ModelStages(build, batch, machine, dict(solve_options), periodic=periodic, fit_rtol=fit_rtol,
+                            fit_time_limit=fit_time_limit, memory_choices=memory_choices)
+    elif (model.batch, model.machine, model.memory_choices, model.solve_options, model.periodic, model.fit_rtol,
+          model.fit_time_limit) != (batch, machine, memory_choices, dict(solve_options), periodic, fit_rtol,
+                                    fit_time_limit):
+        raise ShardplanError("pipeline_solve: the model= given was built for another batch, machine or options")
+    space = PipelineSpace(model.num_units, machine.num_devices, machine.node_size, tuple(ms),
+                          machine.memory_bytes if budget is None else budget, max_stages, uniform, tuple(interleave),
+                          sizes)
+    return model, space, ms
+
+
+def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, *,
+                   micro_batches: Sequence[int] = (1, 2, 4, 8), max_stages: int | None = None,
+                   schedules: Sequence[str] = ("1f1b", "interleaved"), budget: float | None = None,
+                   periodic: bool = True, sizes: Sequence[int] | None = None, memory_choices: bool = False,
+                   fit_rtol: float = 1e-9, fit_time_limit: float = 60.0, seeds: int = SEED_EVALUATIONS,
+                   progress: Progress | None = None, **solve_options: Any) -> PipelineResult | None:
+    """The best of the uniform pipelines :func:`pipeline_solve`'s search costs first (its seeds: up to ``seeds`` of
+    them, equal sub-meshes with the units dealt evenly, 1F1B or ZB-H1, :func:`~shardplan.pipeline.search.search_pipeline`),
+    alone: a real plan of the pipeline space, found without a search, or None when none fits. Its step is an upper
+    bound of the pipeline optimum (its ``lower_bound`` is None: nothing is proven). The answer's ``stages`` keep
+    every stage they costed: given to :func:`pipeline_solve` as ``model=``, its search costs the same seeds again
+    from that cache. The planner calls this before the one-program search, to prune it with the step found
+    (:func:`shardplan.fit.solve_fit`'s ``incumbent``). Arguments as :func:`pipeline_solve`'s; ``progress`` hears
+    each seed (a tick; not the plans: the search finds them again). Ctrl-C (a :class:`KeyboardInterrupt`) returns
+    the best seed so far (``plan.stats["interrupted"]`` True), or propagates before any."""
+    t0 = time.perf_counter()
+    stages, space, ms = _model_and_space(build, batch, machine, micro_batches, max_stages, False, (), budget,
+                                         periodic, sizes, memory_choices, fit_rtol, fit_time_limit,
+                                         solve_options, None)
+    tracker = progress if progress is not None else Progress()
+    tracker.part("uniform pipelines, before the one program")
+    stats: dict[str, Any] = {}
+    seen: list[PipelinePlan] = []  # each plan better than the ones before (the last is the best)
+    floors = UnitFloors(stages)
+    try:
+        got = _uniform_seeds(space, stages.stage_cost, stages.link_time, stages.exchange_time,
+                             stages.fit_cost if memory_choices else None, floors.segment, tuple(schedules),
+                             ms, seeds, stats, tracker.tick, seen.append)
+    except KeyboardInterrupt:
+        if not seen:
+            raise
+        got, stats["interrupted"] = {seen[-1].micro_batches: seen[-1]}, True
+    if not got:
+        return None
+    best = min(got.values(), key=lambda t: (t.step_time, -t.micro_batches))
+    plan = replace(best, stats={**best.stats, **stats, "seed_steps": {str(m): t.step_time for m, t in got.items()}},
+                   lower_bound=None)
+    return PipelineResult(plan, stages, machine, time.perf_counter() - t0, floors)
+
+
 def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, *,
                    micro_batches: Sequence[int] = (1, 2, 4, 8), max_stages: int | None = None, uniform: bool = False,
                    interleave: Sequence[int] = (), schedules: Sequence[str] = ("1f1b", "interleaved"),
@@ -92,7 +159,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                    memory_choices: bool = False, fallback: Callable[[Any], Any] | None = None,
                    fit_rtol: float = 1e-9, fit_time_limit: float = 60.0, progress: Progress | None = None,
                    one_program_lower: float | None = None, refused: Callable[[str], None] | None = None,
-                   seeds: int = SEED_EVALUATIONS, **solve_options: Any) -> PipelineResult | None:
+                   seeds: int = SEED_EVALUATIONS, model: ModelStages | None = None, floors: UnitFloors | None = None,
+                   **solve_options: Any) -> PipelineResult | None:
     """The optimal pipeline (stages, sub-meshes, m, schedule) of the model ``build(batch)`` on ``machine``.
 
     ``budget`` defaults to the machine's memory per device; micro-batch counts that do not divide
@@ -113,7 +181,10 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     :meth:`Progress.improved`) prunes the search with it; None is returned when no pipeline beats it, and
     ``progress.bound`` is then the proven lower bound of the pipeline space. ``one_program_lower``: the
     one-program search's proven bound at one micro-batch (:func:`search_pipeline`). ``seeds``: how many uniform
-    pipelines are costed before the search as its first incumbents (0: none; :func:`search_pipeline`).
+    pipelines are costed before the search as its first incumbents (0: none; :func:`search_pipeline`). ``model``:
+    the stage costs of a :func:`pipeline_seeds` answer on the same arguments (``stages``), whose cached stages the
+    search takes instead of costing them again, and ``floors`` its solve-free stage bounds (``floors``, on the same
+    ``model``), which it takes instead of computing them again.
 
     A stage whose cost tables the cost model refuses on its sub-mesh (per-device tiles past its cap,
     :class:`~shardplan.errors.PerDeviceLimitError`; the ``max_devices`` option lowers the cap) is left out of
@@ -125,16 +196,13 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     Other keyword arguments go to each intra-stage :func:`shardplan.solve`.
     """
     t0 = time.perf_counter()
-    batch, micro_batches, max_stages, budget, sizes = _checked(batch, micro_batches, max_stages, budget, sizes,
-                                                               interleave, fit_rtol, fit_time_limit)
-    ms = [m for m in micro_batches if batch % m == 0]
-    if not ms:
-        raise ShardplanError(f"no micro-batch count in {list(micro_batches)} divides the batch of {batch}")
-    stages = ModelStages(build, batch, machine, dict(solve_options), periodic=periodic, fit_rtol=fit_rtol,
-                         fit_time_limit=fit_time_limit, memory_choices=memory_choices)
-    space = PipelineSpace(stages.num_units, machine.num_devices, machine.node_size, tuple(ms),
-                          machine.memory_bytes if budget is None else budget, max_stages, uniform, tuple(interleave),
-                          sizes)
+    stages, space, ms = _model_and_space(build, batch, machine, micro_batches, max_stages, uniform, interleave,
+                                         budget, periodic, sizes, memory_choices, fit_rtol, fit_time_limit,
+                                         solve_options, model)
+    if floors is None:
+        floors = UnitFloors(stages)
+    elif floors.stages is not stages:
+        raise ShardplanError("pipeline_solve: the floors= given were computed on another model=")
     if progress is not None:
         # before anything is solved, the step's compute over every device bounds every part (an interrupt from
         # here on states it)
@@ -163,7 +231,7 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                                fit_fn=fit_fn, group_fit_fn=group_fit_fn, progress=progress,
                                one_program_lower=one_program_lower if memory_choices else None,
                                release=stages.release, step_floor=stages.step_floor,
-                               stage_lower=UnitFloors(stages).segment, seeds=seeds)
+                               stage_lower=floors.segment, seeds=seeds)
     except KeyboardInterrupt:
         if progress is not None:
             progress.space_bound = _with_refused(progress.space_bound, stages)
@@ -192,4 +260,4 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
         plan.stats["fit_unproven"] = stages.fit_unproven
         plan.stats["fit_reused"] = stages.fit_reused
         plan.stats["fit_rtol"] = fit_rtol
-    return PipelineResult(plan, stages, machine, time.perf_counter() - t0)
+    return PipelineResult(plan, stages, machine, time.perf_counter() - t0, floors)

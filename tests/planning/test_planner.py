@@ -229,8 +229,12 @@ def test_ctrl_c_in_the_one_program_search_returns_its_best_plan(monkeypatch):
     """Ctrl-C while the one program's memory search runs (the exact solver raises KeyboardInterrupt at its k-th
     call): the first k that lands after a plan is known returns it, marked interrupted, with the pipelines not
     searched, so the bound the plan states of the whole space is 0 and never above the uninterrupted answer."""
+    import shardplan.pipeline.api as api
+
     m = preset("a100", 16)
     full = plan("gpt", m, sizes={"layers": 4}, batch=32)
+    # no uniform pipeline costed first (the planner's first step), so the interrupt lands in the one program
+    monkeypatch.setattr(api, "pipeline_seeds", lambda *a, **k: None)
 
     def run():
         try:
@@ -264,7 +268,10 @@ def test_cli_plan_interrupted_in_the_one_program_says_so(monkeypatch, capsys):
     """Ctrl-C inside the one program's memory search, after it had a plan: the command prints that plan and
     says the pipelines were not searched (the interrupt lands at the exact solver's k-th call, the first k
     that leaves a plan)."""
+    import shardplan.pipeline.api as api
+
     argv = ["plan", "--model", "gpt", "--set", "layers=4", "--batch", "32", "-p", "16", "--machine", "a100"]
+    monkeypatch.setattr(api, "pipeline_seeds", lambda *a, **k: None)  # the interrupt lands in the one program
 
     def run():
         if main(argv) == 0:
