@@ -14,7 +14,8 @@ them: the machine is a profile file as given (``--machine h100`` by default, or 
   (forward + backward and the fused AdamW step; each part's ratio too, the step's also against its profiled
   kernels alone), split by kind of work: the model's
   seconds of matrix-product operators, attention and everything else beside the profiled CUDA kernels of
-  each kind; the predicted peak memory beside the measured peak allocated;
+  each kind; the predicted peak memory (state + saved activations + the largest transient of a backward
+  step, :func:`shardplan.cost.memory.transient_bytes`) beside the measured peak allocated;
 * ``jax_rows``: the flax language models of ``gpu_jax_models.py`` as XLA compiled and ran them (forward +
   backward) against :func:`shardplan.jax.plan` of the same loss on one device less its optimizer step, and XLA's memory analysis
   (arguments + temporaries) against the predicted peak.
@@ -117,7 +118,8 @@ def predict_step(row: dict[str, Any], machine: Any) -> dict[str, Any]:
     return {"predicted_s": p.step_time, "predicted_optimizer_s": float(p.breakdown.get("optimizer", 0.0)),
             "predicted_by_kind_s": by_kind, "predicted_peak_bytes": p.memory["peak_bytes"],
             "predicted_weights_bytes": p.memory["weights_bytes"],
-            "predicted_activations_bytes": p.memory["activations_bytes"], "operators": len(sp.tables.graph.operators),
+            "predicted_activations_bytes": p.memory["activations_bytes"],
+            "predicted_transient_bytes": p.memory.get("transient_bytes", 0.0), "operators": len(sp.tables.graph.operators),
             "plan_cpu_seconds": seconds}
 
 
