@@ -259,7 +259,8 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
         big = gl * reps
         rows.append((vol, gl, big, 0.0 if t.owner is not None and machine.sum_shared_grads else 1.0))
         group = np.maximum(group, big.prod(axis=0))  # weights of one operator share their data-parallel group
-    act = tile_volume(op, op.output, lay, p) * nbytes * op.saved
+    # ``saved`` counts output tiles in the machine's element size (as :func:`operator_memory`): not ``elem_factor``
+    act = tile_volume(op, op.output, lay, p) / float(op.output.elem_factor) * nbytes * op.saved
     return WeightGroups(state, act, group, tuple(rows))
 
 
@@ -293,7 +294,7 @@ def recompute_keep_bytes(op: Operator, configs, machine: Machine, shares: Sequen
     nbytes = float(machine.dtype_bytes)
     for t, share in zip(op.inputs, shares):
         if share > 0.0:
-            out += tile_volume(op, t, lay, p) * t.elem_factor * nbytes * share
+            out += tile_volume(op, t, lay, p) * nbytes * share  # the tile's elements include elem_factor
     return out
 
 
