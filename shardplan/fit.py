@@ -601,10 +601,10 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             continue
         if root_bound >= upper * (1 - 1e-9):
             lower.append(root_bound)
-            # cost: the best plan the root saw (None when its dual reached the best plan before seeing one)
+            # cost: the best plan the root saw (None when its dual reached the best plan before seeing one, or it saw none)
             seen = _root is None or _root.stats.get("found", True)
             per.append({"micro_batches": m, "status": "pruned: its dual bound reaches the best plan",
-                        "lower_bound": root_bound, "cost": root_cost if seen else None,
+                        "lower_bound": root_bound, "cost": root_cost if seen and np.isfinite(root_cost) else None,
                         **({"model": _model_name(options, m)} if isinstance(mp, PeakProblem) else {})})
             continue
         try:
