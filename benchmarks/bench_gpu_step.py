@@ -14,10 +14,14 @@ them: the machine is a profile file as given (``--machine h100`` by default, or 
   (forward + backward and the fused AdamW step; each part's ratio too, the step's also against its profiled
   kernels alone), split by kind of work: the model's
   seconds of matrix-product operators, attention and everything else beside the profiled CUDA kernels of
-  each kind; the predicted peak memory beside the measured peak allocated;
+  each kind; the predicted peak memory (state + saved activations + the largest transient of a backward
+  step, :func:`shardplan.cost.memory.transient_bytes`) beside the measured peak allocated;
 * ``jax_rows``: the flax language models of ``gpu_jax_models.py`` as XLA compiled and ran them (forward +
   backward) against :func:`shardplan.jax.plan` of the same loss on one device less its optimizer step, and XLA's memory analysis
-  (arguments + temporaries) against the predicted peak.
+  (arguments + temporaries) against the predicted peak (``memory_ratio``), and like for like against it less the
+  optimizer state the measured program does not hold (``value_and_grad`` only: parameters in, gradients out),
+  under the additive and the backward-peak model (``memory_ratio_without_optimizer_state``,
+  ``backward_peak_ratio_without_optimizer_state``).
 
 Run: ``PYTHONPATH=. python benchmarks/bench_gpu_step.py [--measured FILE] [--machine h100 | --machine-file F]
 [--out benchmarks/results/gpu_step.json]``
@@ -117,7 +121,8 @@ def predict_step(row: dict[str, Any], machine: Any) -> dict[str, Any]:
     return {"predicted_s": p.step_time, "predicted_optimizer_s": float(p.breakdown.get("optimizer", 0.0)),
             "predicted_by_kind_s": by_kind, "predicted_peak_bytes": p.memory["peak_bytes"],
             "predicted_weights_bytes": p.memory["weights_bytes"],
-            "predicted_activations_bytes": p.memory["activations_bytes"], "operators": len(sp.tables.graph.operators),
+            "predicted_activations_bytes": p.memory["activations_bytes"],
+            "predicted_transient_bytes": p.memory.get("transient_bytes", 0.0), "operators": len(sp.tables.graph.operators),
             "plan_cpu_seconds": seconds}
 
 
@@ -159,13 +164,21 @@ def predict_jax_step(name: str, machine: Any) -> dict[str, Any]:
     from benchmarks.gpu_jax_models import build
     from shardplan.jax import plan
 
+    from shardplan.fit import FitOptions
+
     loss_fn, params, batch = build(name, abstract=True)
     t0 = time.process_time()
     p = plan(loss_fn, params, batch, devices=jax.devices()[:1], machine=machine, stages=False, micro_batches=(1,))
+    seconds = time.process_time() - t0
+    back = plan(loss_fn, params, batch, devices=jax.devices()[:1], machine=machine, stages=False, micro_batches=(1,),
+                fit_options=FitOptions(micro_batches=(1,), grad_buffers="backward")).memory
+    # the optimizer's words: the state (value, gradient, o words per element at stage 0) less value and gradient
+    opt_state = p.memory["weights_bytes"] - 2.0 * p.memory["gradients_bytes"]
     return {"predicted_s": p.step_time, "predicted_optimizer_s": float(p.breakdown.get("optimizer", 0.0)),
             "predicted_peak_bytes": p.memory["peak_bytes"],
-            "predicted_activations_bytes": p.memory["activations_bytes"], "recomputed": len(p.recomputed),
-            "plan_cpu_seconds": time.process_time() - t0}
+            "predicted_activations_bytes": p.memory["activations_bytes"], "predicted_optimizer_state_bytes": opt_state,
+            "predicted_backward_peak_bytes": back["peak_bytes"], "recomputed": len(p.recomputed),
+            "plan_cpu_seconds": seconds}
 
 
 def jax_step_rows(measured: dict[str, Any], machine: Any) -> list[dict[str, Any]]:
@@ -183,6 +196,12 @@ def jax_step_rows(measured: dict[str, Any], machine: Any) -> list[dict[str, Any]
         if mem:
             row["xla_bytes"] = mem.get("argument_size_in_bytes", 0) + mem.get("temp_size_in_bytes", 0)
             row["memory_ratio"] = pred["predicted_peak_bytes"] / row["xla_bytes"]
+            # like for like: the measured program is value_and_grad alone, so it holds no optimizer state
+            row["memory_ratio_without_optimizer_state"] = ((pred["predicted_peak_bytes"]
+                                                            - pred["predicted_optimizer_state_bytes"]) / row["xla_bytes"])
+            row["backward_peak_ratio_without_optimizer_state"] = ((pred["predicted_backward_peak_bytes"]
+                                                                   - pred["predicted_optimizer_state_bytes"])
+                                                                  / row["xla_bytes"])
         rows.append(row)
         print(f"{r['model']:20s} measured {r['forward_backward_s'] * 1e3:7.1f} ms  predicted "
               f"{(pred['predicted_s'] - pred['predicted_optimizer_s']) * 1e3:7.1f} ms (no optimizer step) "

@@ -8,12 +8,17 @@ The models are ``benchmarks/gpu_measure.py``'s ``STEP_MODELS`` (Hugging Face GPT
   (``torch.autograd.graph.saved_tensors_hooks``, parameters left out), of the model run eagerly and of its
   exported program run node by node (:func:`shardplan.torch.saved.measure`, which also charges them to
   operators); predicted: ``sum(op.saved * |output| * element bytes)`` of the traced graph, and what the model
-  charged before operators described what autograd keeps (one output per operator).
+  charged before operators described what autograd keeps (one output per operator). And the step's peak on
+  the CPU: the most bytes the allocator held at once during forward + backward (the profiler's allocation
+  events; parameters, their zeroed gradients and the inputs allocated before it) against the saved bytes plus
+  the largest transient of a backward step (:func:`shardplan.cost.memory.transient_bytes`: the tensors'
+  :attr:`~shardplan.ir.Operator.transient` tiles).
 * ``full`` (CPU, no GPU needed): each model at its measured size, built on the meta device and moved with
   ``to_empty`` (the tied head tied again), planned with ``shardplan.torch.plan(..., machine=preset("h100", 1),
   fit=False, stages=False)``; beside it, from a measurement JSON (``--measured``, ``gpu_measure.py``'s
   output, section ``steps``), the peak memory the H100 allocated in the step, and, from a device run of this
-  script (``--device-measured``), the bytes held at the start of the backward pass.
+  script (``--device-measured``), the bytes held at the start of the backward pass, and so the transient the
+  step's peak adds to it (peak - state - kept) against the predicted transient.
 * ``--device-run PATH`` (on a GPU): per model, the memory allocated after one warm step (weights, gradients,
   AdamW state), the bytes the forward pass adds and keeps until the backward pass, the saved-tensor bytes
   counted by the hooks, and the peaks of the forward pass and of the whole step.
@@ -87,6 +92,32 @@ def eager_saved_bytes(module: Any, args: tuple) -> float:
     return measured(module, args)
 
 
+def graph_transient_bytes(graph: Any, nbytes: float) -> float:
+    """The largest transient of a backward step of ``graph`` on one device (:attr:`Operator.transient` tiles, each in
+    its tensor's element size: ``elem_factor`` elements of ``nbytes``)."""
+    return max((sum(n * math.prod(t.shape) * t.elem_factor * nbytes
+                    for n, t in zip(op.transient, (op.output, *op.inputs, *op.weights))) for op in graph), default=0.0)
+
+
+def cpu_step_peak_bytes(module: Any, args: tuple) -> int:
+    """The most bytes the CPU allocator holds at once during ``module(*args).backward()`` beyond what it held
+    before (one warm step first; gradients zeroed in place, ``set_to_none=False``, as the GPU steps run)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)
+    module(*args).backward()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        module(*args).backward()
+    live = peak = 0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 def small_rows() -> list[dict[str, Any]]:
     import torch
 
@@ -114,17 +145,24 @@ def small_rows() -> list[dict[str, Any]]:
                 row["operators"] += 1
                 row["predicted_minus_measured_bytes"] += d
         predicted = sum(pred.values())
+        eager = eager_saved_bytes(module, (ids,))
+        transient = graph_transient_bytes(graph, ref)
+        cpu_peak = cpu_step_peak_bytes(module, (ids,))
         rows.append({
             "model": name, "size": "small", "config": _small_config(family, cfg), "batch": SMALL["batch"],
             "seq": SMALL["seq"], "dtype": "bfloat16", "operators": len(graph.operators),
-            "eager_saved_bytes": eager_saved_bytes(module, (ids,)),
+            "eager_saved_bytes": eager,
+            "cpu_step_peak_bytes": cpu_peak, "predicted_transient_bytes": transient,
+            "predicted_step_peak_bytes": predicted + transient, "step_peak_ratio": (predicted + transient) / cpu_peak,
+            "eager_saved_plus_transient_over_cpu_peak": (eager + transient) / cpu_peak,
             "program_saved_bytes": m.total_bytes, "predicted_bytes": predicted,
             "predicted_one_output_per_operator_bytes": sum(elems.values()) * ref,
             "ratio": predicted / m.total_bytes, "differences_by_kind": diffs,
             "by_kind": by_kind(graph, ref, dict(m.by_operator)), "trace_cpu_s": trace_cpu})
         print(f"small {name}: measured {m.total_bytes:.0f} B, predicted {predicted:.0f} B "
-              f"({predicted / m.total_bytes:.3f}), one output per operator {sum(elems.values()) * ref:.0f} B",
-              flush=True)
+              f"({predicted / m.total_bytes:.3f}), one output per operator {sum(elems.values()) * ref:.0f} B; "
+              f"CPU step peak {cpu_peak} B, saved + transient predicted {predicted + transient:.0f} B "
+              f"({(predicted + transient) / cpu_peak:.3f})", flush=True)
     return rows
 
 
@@ -153,6 +191,7 @@ def full_rows(measured: dict[str, Any], device: dict[str, Any]) -> list[dict[str
                                "params": sum(p.numel() for p in model.parameters()),
                                "predicted_peak_bytes": mem["peak_bytes"], "predicted_weights_bytes": mem["weights_bytes"],
                                "predicted_activations_bytes": mem["activations_bytes"],
+                               "predicted_transient_bytes": mem.get("transient_bytes", 0.0),
                                "plan_cpu_s": time.process_time() - t0}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -168,6 +207,10 @@ def full_rows(measured: dict[str, Any], device: dict[str, Any]) -> list[dict[str
             row["predicted_activations_over_kept"] = mem["activations_bytes"] / d["kept_after_forward_bytes"]
             row["predicted_weights_over_state"] = mem["weights_bytes"] / d["state_bytes"]
             row["step_peak_minus_predicted_peak_bytes"] = d["step_peak_bytes"] - mem["peak_bytes"]
+            # what the step's peak holds beyond the state and what the forward pass kept: the backward's transient
+            row["measured_transient_bytes"] = d["step_peak_bytes"] - d["state_bytes"] - d["kept_after_forward_bytes"]
+            row["predicted_transient_over_measured"] = (mem.get("transient_bytes", 0.0)
+                                                        / row["measured_transient_bytes"])
         rows.append(row)
         print(f"full {name}: predicted peak {mem['peak_bytes'] / 1e9:.2f} GB (weights {mem['weights_bytes'] / 1e9:.2f},"
               f" activations {mem['activations_bytes'] / 1e9:.2f}); GPU peak "

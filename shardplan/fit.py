@@ -174,13 +174,17 @@ class MemoryChoices:
     def backward_profile(self) -> np.ndarray:
         """Bytes per device at each operator's backward step (the backward-peak model, module docstring):
         reserve + rest + saved of the operators up to it + gradients of those from it on."""
-        pick = [(t.rest_bytes[j], t.activation_bytes[j], t.grad_bytes[j]) for t, j in zip(self.choice_tables, self.choices)]
-        rest, saved, grad = (np.array(x, dtype=np.float64) for x in zip(*pick))
-        return backward_profile(rest, saved, grad, self.reserve_bytes)
+        pick = [(t.rest_bytes[j], t.activation_bytes[j], t.grad_bytes[j], t.transient_bytes[j])
+                for t, j in zip(self.choice_tables, self.choices)]
+        rest, saved, grad, tr = (np.array(x, dtype=np.float64) for x in zip(*pick))
+        return backward_profile(rest, saved, grad, self.reserve_bytes, tr)
 
     def memory(self) -> dict[str, float]:
         """Peak bytes per device and its parts; with the backward-peak model also the step of the peak
-        (``peak_step``, an operator index) and the additive sum (``additive_peak_bytes``)."""
+        (``peak_step``, an operator index) and the additive sum (``additive_peak_bytes``). Where an
+        operator's backward step holds a transient (:func:`~shardplan.cost.memory.transient_bytes`), the
+        additive peak adds the largest (``transient_bytes``, at operator ``transient_step``) and the
+        backward-peak model each at its own step."""
         state = float(sum(t.state_bytes[j] for t, j in zip(self.choice_tables, self.choices)))
         act = float(sum(t.activation_bytes[j] for t, j in zip(self.choice_tables, self.choices)))
         grad = float(sum(t.grad_bytes[j] for t, j in zip(self.choice_tables, self.choices)))
@@ -190,6 +194,10 @@ class MemoryChoices:
                "micro_batches": self.micro_batches}
         if host or any(t.offload.any() for t in self.choice_tables):
             out.update(host_bytes=host, host_budget_bytes=self.host_budget_bytes)
+        tr = np.array([float(t.transient_bytes[j]) for t, j in zip(self.choice_tables, self.choices)])
+        if len(tr) and tr.max() > 0:
+            k = int(np.argmax(tr))
+            out.update(peak_bytes=out["peak_bytes"] + float(tr[k]), transient_bytes=float(tr[k]), transient_step=k)
         if self.backward and self.choices:
             prof = self.backward_profile()
             k = int(np.argmax(prof))
@@ -284,34 +292,46 @@ def _shared_rows(cts: Sequence[ChoiceTable]) -> tuple[tuple[np.ndarray, ...], ..
 
 
 def peak_problem(tables: CostTables, budget: float, options: FitOptions = FitOptions(),
-                 cache: dict | None = None) -> tuple[PeakProblem, tuple[ChoiceTable, ...]]:
+                 cache: dict | None = None, micro_batches: int = 1,
+                 backward: bool = True) -> tuple[PeakProblem, tuple[ChoiceTable, ...]]:
     """The backward-peak problem of ``tables`` with one micro-batch (module docstring), for
-    :func:`~shardplan.search.peak.solve_peak`.
+    :func:`~shardplan.search.peak.solve_peak`; with ``backward`` False the additive model with the
+    operators' transients (:func:`~shardplan.cost.memory.transient_bytes`) as one (every saved value and
+    gradient live throughout: ``rest`` their sum, the largest transient on top; ``micro_batches`` any).
 
-    Choices are pruned by time and the three memories a backward step can
+    Choices are pruned by time and the memories a backward step can
     charge them (:func:`~shardplan.cost.memory.choice_table` with ``peak``),
     and a choice is dropped when even at its own backward step, with every
     other operator at its least memory there, it exceeds the budget (exact).
     """
     cache = {} if cache is None else cache
-    cts = _choice_tables(tables, 1, options, cache, peak=True)
-    low_saved = np.array([float((t.rest_bytes + t.activation_bytes).min()) for t in cts])  # before the step
-    low_grad = np.array([float((t.rest_bytes + t.grad_bytes).min()) for t in cts])  # after it
+    m = int(micro_batches) if not backward else 1
+    cts = _choice_tables(tables, m, options, cache, peak=backward)
+    if backward:
+        low_saved = np.array([float((t.rest_bytes + t.activation_bytes).min()) for t in cts])  # before the step
+        low_grad = np.array([float((t.rest_bytes + t.grad_bytes).min()) for t in cts])  # after it
+    else:
+        low_saved = low_grad = np.array([float(t.bytes.min()) for t in cts])
     others = (np.concatenate([[0.0], np.cumsum(low_saved)[:-1]])
               + np.concatenate([np.flip(np.cumsum(np.flip(low_grad)))[1:], [0.0]])) + options.reserve_bytes
-    if all(float(t.bytes.min()) + o <= budget for t, o in zip(cts, others)):
+    if all(float((t.bytes + t.transient_bytes).min()) + o <= budget for t, o in zip(cts, others)):
         cut: dict[tuple, ChoiceTable] = {}  # identical operators keep sharing one table where they keep the same
         out = []
         for t, o in zip(cts, others):
-            keep = np.flatnonzero(t.bytes + o <= budget)
+            keep = np.flatnonzero(t.bytes + t.transient_bytes + o <= budget)
             out.append(_shared(cut, (id(t), keep.tobytes()), lambda: t.take(keep)))
         cts = out
     parts: dict[int, tuple] = {}
     for t in cts:
         if id(t) not in parts:
-            parts[id(t)] = (t.base, t.seconds, t.rest_bytes, t.activation_bytes, t.grad_bytes)
+            if backward:
+                parts[id(t)] = (t.base, t.seconds, t.rest_bytes, t.activation_bytes, t.grad_bytes, t.transient_bytes)
+            else:
+                zero = np.zeros(len(t.base))
+                parts[id(t)] = (t.base, t.seconds, t.bytes, zero, zero, t.transient_bytes)
     cols = list(zip(*(parts[id(t)] for t in cts)))
-    pp = PeakProblem(cache_problem(tables, cache), *(tuple(c) for c in cols), budget, options.reserve_bytes)
+    pp = PeakProblem(cache_problem(tables, cache), *(tuple(c) for c in cols[:5]), budget, options.reserve_bytes,
+                     tuple(cols[5]))
     return pp, tuple(cts)
 
 
@@ -517,17 +537,19 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     def beaten() -> str:
         """What a closed count's bound reached, for its status line."""
         return "the incumbent" if best is None or outside <= best[0].cost else "the best plan"
+
+    transients = any(op.transient for op in tables.graph.operators)  # a transient makes the peak a max
     try:
         for m in counts:
             current = m
-            if options.backward_peak(m):
-                pp, cts = peak_problem(tables, budget, options, cache)
+            if options.backward_peak(m) or transients:  # each M_k a constraint (search.peak)
+                pp, cts = peak_problem(tables, budget, options, cache, m, options.backward_peak(m))
                 root_pk = _peak_root(pp, totals, dp_options)
                 if root_pk is None:
                     least = pp.least_peak()
                     if least < least_all:
                         least_all, peak_least = least, True
-                    per.append({"micro_batches": m, "model": "backward peak", "status": "infeasible",
+                    per.append({"micro_batches": m, "model": _model_name(options, m), "status": "infeasible",
                                 "least_memory_lower_bound_bytes": least})
                     continue
                 root_bound, inc = root_pk
@@ -601,11 +623,11 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             continue
         if root_bound >= upper * (1 - 1e-9):
             lower.append(root_bound)
-            # cost: the best plan the root saw (None when its dual reached the best plan before seeing one)
+            # cost: the best plan the root saw (None when its dual reached the best plan before seeing one, or it saw none)
             seen = _root is None or _root.stats.get("found", True)
             per.append({"micro_batches": m, "status": f"pruned: its dual bound reaches {beaten()}",
-                        "lower_bound": root_bound, "cost": root_cost if seen else None,
-                        **({"model": "backward peak"} if isinstance(mp, PeakProblem) else {})})
+                        "lower_bound": root_bound, "cost": root_cost if seen and np.isfinite(root_cost) else None,
+                        **({"model": _model_name(options, m)} if isinstance(mp, PeakProblem) else {})})
             continue
         try:
             if isinstance(mp, PeakProblem):
@@ -613,13 +635,13 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                     sol = solve_peak(mp, time_limit=options.time_limit, upper=upper,
                                      incumbent=None if _root is None else _root.assignment, **dp_options)
                 except ShardplanError as e:  # proven infeasible, or nothing found within the limits
-                    per.append({"micro_batches": m, "model": "backward peak", "status": f"no plan: {e}"})
+                    per.append({"micro_batches": m, "model": _model_name(options, m), "status": f"no plan: {e}"})
                     if "proven" not in str(e):
                         lower.append(root_bound)
                     continue
                 totals["nodes"] += sol.stats["nodes"]
                 totals["dp_solves"] += sol.stats["dp_solves"]
-                per.append({"micro_batches": m, "model": "backward peak", "status": sol.stats["status"],
+                per.append({"micro_batches": m, "model": _model_name(options, m), "status": sol.stats["status"],
                             "cost": sol.cost, "bound": sol.bound, "memory_bytes": sol.stats["memory_bytes"],
                             "peak_step": sol.stats["peak_step"],
                             "additive_memory_bytes": sol.stats["additive_memory_bytes"], "root_bound": root_bound,
@@ -671,7 +693,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                             backward=options.backward_peak(m), host_budget_bytes=host_budget, rules=options.rules)
     base = tuple(int(t.base[j]) for t, j in zip(cts, sol.assignment))
     final = Solution(cost=sol.cost, assignment=base, solve_seconds=time.perf_counter() - t1,
-                     solver=("peak-bb" if options.backward_peak(m) else
+                     solver=("peak-bb" if options.backward_peak(m) or transients else
                              "memory-ilp" if sol.solver == "memory-ilp" else "memory-bb"),
                      optimal=optimal, bound=sol.cost if optimal else bound, stats=stats)
     return SpmdPlan(tables, base, final, "fit", build_seconds, memory_choices=choices)
@@ -802,6 +824,12 @@ def _infeasible(least: float, budget: float, bound_only: bool) -> str:
         return infeasible_message(least, budget)
     return (f"no plan fits in {fmt_bytes(budget)} per device: under the backward-peak model every plan needs at "
             f"least {fmt_bytes(least)} ({least:.0f} bytes) at some backward step")
+
+
+def _model_name(options: FitOptions, m: int) -> str:
+    """The memory model a count's :class:`PeakProblem` states (the backward peak, or the additive sum with
+    the operators' transients)."""
+    return "backward peak" if options.backward_peak(m) else "additive + transient"
 
 
 def _peak_root(pp: PeakProblem, totals: dict, dp_options: dict) -> tuple[float, Solution | None] | None:

@@ -271,6 +271,15 @@ class Operator:
             the backward rules read sets it: 0 when no backward rule reads the
             output (an addition feeding a reshape), 2 when a fused elementwise
             tail keeps one more value of the output's size (a relu's input).
+        transient: what the operator's backward step holds at once besides the saved values and the
+            weights' persistent gradient buffers, and frees when it ends: per tensor of the operator
+            (output, then inputs, then weights, in order) the number of its tiles, in that tensor's
+            element size. A frontend that knows its runtime sets it: PyTorch's eager autograd holds the
+            output's incoming gradient (1) while it writes a fresh gradient of every input and weight
+            that needs one (1 each; a weight's is then added into its ``.grad``), and a composite's own
+            intermediate gradients (a cross-entropy's gradient of its log-probabilities: one more tile
+            of its logits). Empty (the default): nothing stated (a compiled program whose buffers the
+            compiler assigns by liveness), charged nothing. :func:`shardplan.cost.memory.transient_bytes`.
     """
 
     name: str
@@ -288,6 +297,7 @@ class Operator:
     saved: float = 1.0
     causal: Causal | None = None
     backward_flops: float | None = None
+    transient: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         labels = self.dim_labels.items() if isinstance(self.dim_labels, Mapping) else self.dim_labels
@@ -298,6 +308,7 @@ class Operator:
         object.__setattr__(self, "weights", tuple(self.weights))
         object.__setattr__(self, "norm_dims", tuple(self.norm_dims))
         object.__setattr__(self, "fixed", frozenset(self.fixed))
+        object.__setattr__(self, "transient", tuple(float(x) for x in self.transient))
         self._validate()
 
     # -- validation -----------------------------------------------------
@@ -307,6 +318,10 @@ class Operator:
     def _validate(self) -> None:
         if not (self.saved >= 0 and math.isfinite(self.saved)):
             self._fail(f"saved must be a finite number of output tiles >= 0, got {self.saved!r}")
+        if self.transient and (len(self.transient) != 1 + len(self.inputs) + len(self.weights)
+                               or not all(x >= 0 and math.isfinite(x) for x in self.transient)):
+            self._fail(f"transient needs one finite number of tiles >= 0 per tensor (output, inputs, weights: "
+                       f"{1 + len(self.inputs) + len(self.weights)}), got {self.transient!r}")
         if not self.name:
             raise ShardplanError("an operator needs a non-empty name")
         if self.backward_flops is not None and not (self.backward_flops >= 0 and math.isfinite(self.backward_flops)

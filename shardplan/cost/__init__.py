@@ -165,10 +165,15 @@ class CostTables:
         return out
 
     def memory_of(self, assignment: Sequence[int]) -> dict[str, float]:
-        """:func:`strategy_memory`; an operator the program recomputes (``Graph.recomputed``) saves nothing."""
+        """:func:`strategy_memory`; an operator the program recomputes (``Graph.recomputed``) saves nothing; the
+        largest transient of an operator's backward step (:func:`~shardplan.cost.memory.transient_bytes`) is added."""
+        from shardplan.cost.memory import transient_bytes
+
         rec = self.graph.recomputed
         per_op = [(w, act * 0.0) if op.name in rec else (w, act) for op, (w, act) in zip(self.graph.operators, self.memory)]
-        return strategy_memory(per_op, assignment)
+        tr = [float(sum(transient_bytes(op, lay.take(np.array([int(k)])), self.machine))[0]) if op.transient else 0.0
+              for op, lay, k in zip(self.graph.operators, self.arrays, assignment)]
+        return strategy_memory(per_op, assignment, tr if any(tr) else None)
 
 
 ORDERS: tuple[str, ...] = ("auto", *ORDER_MODES)
@@ -215,7 +220,7 @@ def operator_key(op) -> tuple:
     """What an operator's costs depend on: its description without its name or its producers' names."""
     return (op.kind, op.dims, tuple(_tensor_key(t) for t in op.inputs), _tensor_key(op.output),
             tuple(_tensor_key(t) for t in op.weights), op.flops_per_point, op.norm_dims, op.norm_stats,
-            op.recurrence, tuple(sorted(op.fixed)), op.saved, op.causal, op.backward_flops)
+            op.recurrence, tuple(sorted(op.fixed)), op.saved, op.causal, op.backward_flops, op.transient)
 
 
 def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two: bool = False,

@@ -9,10 +9,13 @@ For each operator and configuration, per device q (bytes):
                                                      output tiles: 1 unless the frontend knows better)
     recomputing: sum_i share_i * |input_i tile(q)|   (instead of the activations: the inputs it recomputes
                                                      from that no producer keeps, :func:`recompute_keep_bytes`)
+    transient:   sum_t n_t * |t tile(q)|             (held only during the operator's own backward step:
+                                                     ``Operator.transient``, :func:`transient_bytes`)
 
 (m = 2 for Adam, 0 for plain SGD.) A strategy's memory on device q is the
-sum over operators of their chosen configuration's row, and the strategy
-needs the maximum over devices. This ranks nothing; it is a constraint.
+sum over operators of their chosen configuration's row plus the largest
+transient of the operators (the step at which it is held adds it to what is
+live), and the strategy needs the maximum over devices. This ranks nothing; it is a constraint.
 
 The memory-saving choices of the fit search (:func:`choice_table`) add ZeRO
 state sharding, recomputation, FP8 matrix products and host offload
@@ -30,7 +33,7 @@ from shardplan.cost.tiles import as_layouts, tile_volumes, uniform_tiles
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
-__all__ = ["operator_memory", "strategy_memory", "ChoiceTable", "choice_table", "WeightGroups", "weight_groups", "latency_scaled", "STAGES",
+__all__ = ["operator_memory", "strategy_memory", "transient_bytes", "ChoiceTable", "choice_table", "WeightGroups", "weight_groups", "latency_scaled", "STAGES",
            "recompute_keep_bytes", "unsaved_inputs", "ChoiceRules", "OFFLOADS", "OFFLOAD_BITS", "fp8_product",
            "fp8_scaling_seconds", "offload_names"]
 
@@ -65,14 +68,57 @@ def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: f
     return w, act
 
 
-def strategy_memory(per_op: list[tuple[np.ndarray, np.ndarray]], assignment) -> dict[str, float]:
-    """Peak bytes over devices of a strategy, and its weight / activation parts on that device."""
+def transient_bytes(op: Operator, configs, machine: Machine, micro_batches: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(activation part, weight part) of the bytes ``op``'s backward step holds at once besides what is
+    saved and the persistent gradient buffers, per layout (largest device): (K,) arrays.
+
+        activation part = (n_out |output tile| + sum_i n_i |input_i tile|) * s / m
+        weight part     = sum_W n_W |W tile| * s
+
+    with n the tile counts of :attr:`~shardplan.ir.Operator.transient` (zeros when it is empty), tiles in
+    elements of each tensor's own size (``elem_factor``), ``s`` the machine's element size, and ``m``
+    micro-batches (an activation tile is the micro-batch's; a weight's fresh gradient is the whole tile,
+    gathered at ZeRO stage 3 before its reduce-scatter).
+    """
+    from shardplan.cost.operator import tile_volume
+
+    p = machine.num_devices
+    lay = as_layouts(configs, p, None, machine.levels)
+    k = len(lay)
+    act, wt = np.zeros(k), np.zeros(k)
+    if not op.transient:
+        return act, wt
+    nbytes = float(machine.dtype_bytes)
+    n_act = 1 + len(op.inputs)  # the output and the inputs come first
+    for i, (n, t) in enumerate(zip(op.transient, (op.output, *op.inputs, *op.weights))):
+        if n > 0.0:
+            vol = tile_volume(op, t, lay, p).astype(np.float64) * nbytes * n
+            if i < n_act:
+                act += vol / float(micro_batches)
+            else:
+                wt += vol
+    return act, wt
+
+
+def strategy_memory(per_op: list[tuple[np.ndarray, np.ndarray]], assignment,
+                    transients: Sequence[float] | None = None) -> dict[str, float]:
+    """Peak bytes over devices of a strategy, and its weight / activation parts on that device.
+
+    ``transients``: per operator, the bytes its backward step holds at once at the chosen layout
+    (:func:`transient_bytes`, largest device); the peak adds the largest (``transient_bytes`` and
+    ``transient_operator``, its index, in the answer; every saved activation is counted live, so this
+    bounds every step of the backward pass)."""
     w = sum(m[0][a] for m, a in zip(per_op, assignment))
     act = sum(m[1][a] for m, a in zip(per_op, assignment))
     tot = w + act
     q = int(np.argmax(tot))
-    return {"peak_bytes": float(tot[q]), "weights_bytes": float(w[q]), "activations_bytes": float(act[q]),
-            "device": q}
+    out = {"peak_bytes": float(tot[q]), "weights_bytes": float(w[q]), "activations_bytes": float(act[q]),
+           "device": q}
+    if transients is not None and len(transients):
+        v = int(np.argmax(transients))
+        out.update(peak_bytes=out["peak_bytes"] + float(transients[v]), transient_bytes=float(transients[v]),
+                   transient_operator=v)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,6 +148,8 @@ class ChoiceTable:
         fp8: whether the operator's products run in FP8 (False when not given).
         offload: what the choice keeps in host memory, a bit mask of :data:`OFFLOAD_BITS` (0 when not given).
         host_bytes: host memory per device the choice holds (zero when not given).
+        transient_bytes: bytes held only during the operator's own backward step, on top of what is
+            live there (:func:`transient_bytes`, both parts; zero when not given).
     """
 
     base: np.ndarray
@@ -114,11 +162,12 @@ class ChoiceTable:
     fp8: np.ndarray | None = None
     offload: np.ndarray | None = None
     host_bytes: np.ndarray | None = None
+    transient_bytes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(np.asarray(self.state_bytes))
         for name, dtype in (("grad_bytes", np.float64), ("fp8", bool), ("offload", np.int64),
-                            ("host_bytes", np.float64)):
+                            ("host_bytes", np.float64), ("transient_bytes", np.float64)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(n, dtype=dtype))
 
@@ -148,7 +197,7 @@ class ChoiceTable:
         return ChoiceTable(self.base[keep], self.stage[keep], self.recompute[keep],
                            {k: v[keep] for k, v in self.parts.items()}, self.state_bytes[keep],
                            self.activation_bytes[keep], self.grad_bytes[keep], self.fp8[keep], self.offload[keep],
-                           self.host_bytes[keep])
+                           self.host_bytes[keep], self.transient_bytes[keep])
 
 
 def latency_scaled(machine: Machine, factor: float) -> Machine:
@@ -210,7 +259,8 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
         big = gl * reps
         rows.append((vol, gl, big, 0.0 if t.owner is not None and machine.sum_shared_grads else 1.0))
         group = np.maximum(group, big.prod(axis=0))  # weights of one operator share their data-parallel group
-    act = tile_volume(op, op.output, lay, p) * nbytes * op.saved
+    # ``saved`` counts output tiles in the machine's element size (as :func:`operator_memory`): not ``elem_factor``
+    act = tile_volume(op, op.output, lay, p) / float(op.output.elem_factor) * nbytes * op.saved
     return WeightGroups(state, act, group, tuple(rows))
 
 
@@ -244,7 +294,7 @@ def recompute_keep_bytes(op: Operator, configs, machine: Machine, shares: Sequen
     nbytes = float(machine.dtype_bytes)
     for t, share in zip(op.inputs, shares):
         if share > 0.0:
-            out += tile_volume(op, t, lay, p) * t.elem_factor * nbytes * share
+            out += tile_volume(op, t, lay, p) * nbytes * share  # the tile's elements include elem_factor
     return out
 
 
@@ -454,7 +504,10 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     uses no more in each of the three (:func:`_undominated_peak`).
     ``rules``: the precision rules and the FP8 / host-offload choices offered
     (:class:`ChoiceRules`; their costs in ``docs/memory.md``). With any offload
-    offered a choice is dropped only when another is also no worse in host memory.
+    offered a choice is dropped only when another is also no worse in host memory. The transient of
+    the operator's backward step (:func:`transient_bytes`; the same for every choice of a layout) is in
+    ``transient_bytes``; where any is held, a choice is dropped only when another is also no worse with
+    it added (:func:`_undominated_peak`).
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time
     from shardplan.cost.operator import operator_cost, optimizer_elements, optimizer_step_seconds
@@ -475,6 +528,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         ag += part * _bucketed(vol, machine, lambda n: allgather_time(n, big, machine))
     overlap = bool(getattr(machine, "overlap_grad", False))
     keep = np.zeros(k) if recompute_keep is None else np.asarray(recompute_keep, dtype=np.float64) / m * float(in_flight)
+    transient = sum(transient_bytes(op, lay, machine, m))
     has_grad = bool(op.grad_tensors)
     o = rules.optimizer_words(optimizer_factor, machine.dtype_bytes)
     # the optimizer step of the whole tile (stage 0); a ZeRO stage updates its 1/group shard
@@ -593,10 +647,11 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         fp8=np.repeat([r[7] for r in rows], k).astype(bool),
         offload=np.repeat([r[9] for r in rows], k).astype(np.int64),
         host_bytes=np.concatenate([r[11] for r in rows]),
+        transient_bytes=np.tile(transient, j),
     )
     if not prune:
         return table
-    if peak or use_host:
+    if peak or use_host or np.any(transient > 0):
         return table.take(_undominated_peak(table, j, k, host=use_host, peak=peak))
     return table.take(_undominated(table.base, table.seconds, table.bytes))
 
@@ -606,16 +661,19 @@ def _undominated_peak(table: ChoiceTable, rows: int, k: int, host: bool = False,
     choice of the same layout dominates.
 
     For the backward-peak model (``peak``) choice b dominates a when b's seconds, rest + saved,
-    rest + gradient and rest + saved + gradient are each <= a's (ties: the earlier row wins): every
-    per-step constraint of :mod:`shardplan.fit`'s backward model charges an operator one of those
-    three memories, so a plan using a can use b instead and be no slower and fit wherever it fit.
-    For the additive model the memories are the one sum. With ``host`` the host bytes must be <= too
-    (the host budget is a second constraint).
+    rest + gradient and rest + saved + gradient + transient are each <= a's (ties: the earlier row
+    wins): every per-step constraint of :mod:`shardplan.fit`'s backward model charges an operator one
+    of those three memories, so a plan using a can use b instead and be no slower and fit wherever it
+    fit. For the additive model the memories are the one sum, and that sum + transient at the
+    operator's own step. With ``host`` the host bytes must be <= too (the host budget is a second
+    constraint).
     """
     rest, act, grad = table.rest_bytes, table.activation_bytes, table.grad_bytes
-    crit = [table.seconds, rest + act + grad]
+    crit = [table.seconds, rest + act + grad + table.transient_bytes]
     if peak:
         crit += [rest + act, rest + grad]
+    elif np.any(table.transient_bytes > 0):
+        crit.append(rest + act + grad)
     if host:
         crit.append(table.host_bytes)
     crit = np.stack(crit).reshape(len(crit), rows, k)

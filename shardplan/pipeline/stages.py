@@ -175,7 +175,8 @@ def _op_signature(op: Operator, where: dict[str, tuple[int, int]], unit: int) ->
         return (t.name, t.shape, t.axes, t.role, t.needs_grad, t.elem_factor, t.owner, src)
 
     return (op.kind, op.dims, op.flops_per_point, op.norm_dims, op.norm_stats, op.recurrence, op.fixed, op.saved,
-            op.causal, op.backward_flops, tuple(tensor(t, True) for t in op.inputs), tuple(tensor(t, False) for t in op.weights),
+            op.causal, op.backward_flops, op.transient, tuple(tensor(t, True) for t in op.inputs),
+            tuple(tensor(t, False) for t in op.weights),
             tensor(op.output, False))
 
 

@@ -3,21 +3,26 @@
 The problem
 -----------
 A :class:`PeakProblem` is a :class:`~shardplan.search.constrained.MemoryProblem`
-whose per-choice memory is split in three: ``rest`` (held throughout: weights,
+whose per-choice memory is split in four: ``rest`` (held throughout: weights,
 optimizer state), ``saved`` (held from the forward pass until the vertex's
-backward step consumes it) and ``grad`` (produced at the vertex's backward
-step and held from then on). The backward pass visits the vertices in reverse
-index order, so at the backward step of vertex k (positions 0..n-1)::
+backward step consumes it), ``grad`` (produced at the vertex's backward
+step and held from then on) and ``transient`` (held during the vertex's own
+backward step only: the gradients it receives and writes). The backward pass
+visits the vertices in reverse index order, so at the backward step of vertex
+k (positions 0..n-1)::
 
-    M_k(a) = fixed + sum_v rest_v(a_v) + sum_{v <= k} saved_v(a_v) + sum_{v >= k} grad_v(a_v)
+    M_k(a) = fixed + sum_v rest_v(a_v) + sum_{v <= k} saved_v(a_v) + sum_{v >= k} grad_v(a_v) + transient_k(a_k)
 
 and the plan must satisfy every one of these n constraints::
 
     minimise F(a)  subject to  M_k(a) <= B  for k = 0..n-1,
 
 i.e. ``peak(a) = max_k M_k(a) <= B``. Each M_k is at most the additive
-``fixed + sum_v (rest + saved + grad)``, so the additive problem's optimum is
-feasible here (an incumbent) and its value an upper bound.
+``fixed + sum_v (rest + saved + grad + transient)``, so the additive problem's
+optimum is feasible here (an incumbent) and its value an upper bound. The
+additive model with transients (every saved value and gradient live
+throughout, ``saved = grad = 0`` and ``rest`` their sum) is the same problem:
+``fixed + sum_v rest_v + max_k transient_k <= B`` is these n constraints.
 
 The algorithm
 -------------
@@ -26,7 +31,7 @@ constraint ``sum_k w_k M_k(a) <= B`` is implied by the n constraints (a convex
 combination of numbers <= B is <= B), so ``v(w)``, the optimum under it alone, is a
 lower bound of the true optimum. It is additive over vertices::
 
-    sum_k w_k M_k(a) = fixed + sum_v [rest_v + S_v saved_v + P_v grad_v](a_v),
+    sum_k w_k M_k(a) = fixed + sum_v [rest_v + S_v saved_v + P_v grad_v + w_v transient_v](a_v),
     S_v = sum_{k >= v} w_k,   P_v = sum_{k <= v} w_k,
 
 an ordinary :class:`MemoryProblem`, solved exactly by
@@ -52,7 +57,7 @@ proven (its exact optimum), when even the least memory of every vertex
 violates some M_k (:meth:`PeakProblem.least_peak`), or when its bound reaches the
 incumbent. Otherwise, with a the node's last surrogate plan and k* the
 position of its peak, it branches on the vertex whose memory at k*
-(``rest + [v <= k*] saved + [v >= k*] grad``) can drop the most: one child
+(``rest + [v <= k*] saved + [v >= k*] grad + [v = k*] transient``) can drop the most: one child
 keeps the choices using less there than a does, the other the rest (when a
 fits, from a stopped solve, and no vertex can drop: a's choice of some vertex
 against the others). Both are non-empty and smaller, so the search is finite.
@@ -81,15 +86,17 @@ SURROGATE_SLACK = 1e-9  # relative: the surrogate budget's allowance for roundin
 __all__ = ["PeakProblem", "backward_profile", "solve_peak", "solve_peak_bruteforce", "surrogate_weights"]
 
 
-def backward_profile(rest: np.ndarray, saved: np.ndarray, grad: np.ndarray, fixed: float = 0.0) -> np.ndarray:
+def backward_profile(rest: np.ndarray, saved: np.ndarray, grad: np.ndarray, fixed: float = 0.0,
+                     transient: np.ndarray | None = None) -> np.ndarray:
     """Memory at each backward step k (vertices in forward order 0..n-1, backward in reverse):
 
-    ``fixed + sum_v rest_v + sum_{v <= k} saved_v + sum_{v >= k} grad_v``;
-    arrays of shape (n,) or (..., n) (a batch of plans on the last axis).
+    ``fixed + sum_v rest_v + sum_{v <= k} saved_v + sum_{v >= k} grad_v + transient_k``;
+    arrays of shape (n,) or (..., n) (a batch of plans on the last axis); no ``transient``: zeros.
     """
     rest, saved, grad = (np.asarray(x, dtype=np.float64) for x in (rest, saved, grad))
     suffix = np.flip(np.cumsum(np.flip(grad, -1), -1), -1)
-    return fixed + rest.sum(-1, keepdims=True) + np.cumsum(saved, -1) + suffix
+    out = fixed + rest.sum(-1, keepdims=True) + np.cumsum(saved, -1) + suffix
+    return out if transient is None else out + np.asarray(transient, dtype=np.float64)
 
 
 def surrogate_weights(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,6 +116,8 @@ class PeakProblem:
             from its backward step on; finite, >= 0.
         budget: B, bytes per device.
         fixed: bytes per device every plan needs besides the per-vertex terms.
+        transient: per vertex, each choice's bytes held during its own backward step only; finite,
+            >= 0 (empty, the default: zeros).
     """
 
     problem: Problem
@@ -119,13 +128,19 @@ class PeakProblem:
     grad: tuple[np.ndarray, ...]
     budget: float
     fixed: float = 0.0
+    transient: tuple[np.ndarray, ...] = ()
 
     def __post_init__(self) -> None:
         n = self.problem.num_vertices
-        if not (len(self.rest) == len(self.saved) == len(self.grad) == n):
-            raise ShardplanError("peak problem: rest, saved and grad need one entry per vertex")
+        if not len(self.transient):
+            zeros: dict[int, np.ndarray] = {}  # one array per distinct base (identical layers keep sharing)
+            object.__setattr__(self, "transient", tuple(zeros.setdefault(id(b), np.zeros(np.shape(b)))
+                                                        for b in self.base))
+        if not (len(self.rest) == len(self.saved) == len(self.grad) == len(self.transient) == n):
+            raise ShardplanError("peak problem: rest, saved, grad and transient need one entry per vertex")
         parts = []
-        for name, arrs in (("rest", self.rest), ("saved", self.saved), ("grad", self.grad)):
+        for name, arrs in (("rest", self.rest), ("saved", self.saved), ("grad", self.grad),
+                           ("transient", self.transient)):
             out = []
             for v, a in enumerate(arrs):
                 a = np.asarray(a, dtype=np.float64)
@@ -138,6 +153,7 @@ class PeakProblem:
         object.__setattr__(self, "rest", parts[0])
         object.__setattr__(self, "saved", parts[1])
         object.__setattr__(self, "grad", parts[2])
+        object.__setattr__(self, "transient", parts[3])
         add = self.additive()  # validates base, cost and the budget
         object.__setattr__(self, "base", add.base)
         object.__setattr__(self, "cost", add.cost)
@@ -149,8 +165,10 @@ class PeakProblem:
         return tuple(len(b) for b in self.base)
 
     def additive(self) -> MemoryProblem:
-        """The additive model (every M_k bounded by rest + saved + grad summed): its plans all fit here."""
-        mem = _shared_sums(self.rest, self.saved, self.grad, np.ones(len(self.rest)), np.ones(len(self.rest)))
+        """The additive model (every M_k bounded by rest + saved + grad + transient summed): its plans all fit
+        here."""
+        one = np.ones(len(self.rest))
+        mem = _shared_sums(self.rest, self.saved, self.grad, self.transient, one, one, one)
         return MemoryProblem(self.problem, self.base, self.cost, mem, self.budget, self.fixed)
 
     def surrogate(self, w: np.ndarray) -> MemoryProblem:
@@ -160,14 +178,18 @@ class PeakProblem:
         weighted may sum to B plus an ulp), and a looser budget keeps it a relaxation.
         """
         s, p = surrogate_weights(w)
-        return MemoryProblem(self.problem, self.base, self.cost, _shared_sums(self.rest, self.saved, self.grad, s, p),
+        return MemoryProblem(self.problem, self.base, self.cost,
+                             _shared_sums(self.rest, self.saved, self.grad, self.transient, s, p, np.asarray(w, dtype=np.float64)),
                              self.budget * (1 + SURROGATE_SLACK), self.fixed)
 
     def profile(self, choices: Sequence[int]) -> np.ndarray:
         """M_k of a choice assignment for every backward step k: shape (n,)."""
         a = [int(j) for j in choices]
-        pick = [(r[j], s[j], g[j]) for r, s, g, j in zip(self.rest, self.saved, self.grad, a)]
-        return backward_profile(*(np.array(x) for x in zip(*pick)), fixed=self.fixed) if pick else np.zeros(0)
+        pick = [(r[j], s[j], g[j], t[j]) for r, s, g, t, j in zip(self.rest, self.saved, self.grad, self.transient, a)]
+        if not pick:
+            return np.zeros(0)
+        rest, saved, grad, tr = (np.array(x) for x in zip(*pick))
+        return backward_profile(rest, saved, grad, fixed=self.fixed, transient=tr)
 
     def evaluate(self, choices: Sequence[int]) -> tuple[float, float]:
         """(F, peak) of a choice assignment."""
@@ -176,9 +198,9 @@ class PeakProblem:
         return f, float(prof.max()) if len(prof) else self.fixed
 
     def contribution(self, k: int) -> list[np.ndarray]:
-        """Per vertex, each choice's bytes in M_k: rest + [v <= k] saved + [v >= k] grad."""
-        return [r + (s if v <= k else 0.0) + (g if v >= k else 0.0)
-                for v, (r, s, g) in enumerate(zip(self.rest, self.saved, self.grad))]
+        """Per vertex, each choice's bytes in M_k: rest + [v <= k] saved + [v >= k] grad + [v = k] transient."""
+        return [r + (s if v <= k else 0.0) + (g if v >= k else 0.0) + (t if v == k else 0.0)
+                for v, (r, s, g, t) in enumerate(zip(self.rest, self.saved, self.grad, self.transient))]
 
     def least_peak(self, allowed: Sequence[np.ndarray] | None = None) -> float:
         """max_k of the least M_k over the allowed choices (a lower bound of every allowed plan's peak)."""
@@ -187,7 +209,8 @@ class PeakProblem:
         ok = allowed if allowed is not None else [np.ones(len(b), dtype=bool) for b in self.base]
         a = np.array([float((r + s)[m].min()) for r, s, m in zip(self.rest, self.saved, ok)])
         b = np.array([float((r + g)[m].min()) for r, g, m in zip(self.rest, self.grad, ok)])
-        c = np.array([float((r + s + g)[m].min()) for r, s, g, m in zip(self.rest, self.saved, self.grad, ok)])
+        c = np.array([float((r + s + g + t)[m].min())
+                      for r, s, g, t, m in zip(self.rest, self.saved, self.grad, self.transient, ok)])
         before = np.concatenate([[0.0], np.cumsum(a)[:-1]])
         after = np.concatenate([np.flip(np.cumsum(np.flip(b)))[1:], [0.0]])
         return float(self.fixed + (before + c + after).max())
@@ -197,22 +220,23 @@ class PeakProblem:
         idx = [np.flatnonzero(m) for m in allowed]
         cut = lambda arrs: tuple(x[i] for x, i in zip(arrs, idx))  # noqa: E731
         return PeakProblem(self.problem, cut(self.base), cut(self.cost), cut(self.rest), cut(self.saved),
-                           cut(self.grad), self.budget, self.fixed), idx
+                           cut(self.grad), self.budget, self.fixed, cut(self.transient)), idx
 
 
 def _shared_sums(rest: Sequence[np.ndarray], saved: Sequence[np.ndarray], grad: Sequence[np.ndarray],
-                 s: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, ...]:
-    """rest_v + s_v saved_v + p_v grad_v per vertex, one array object per distinct (arrays, s_v, p_v).
+                 transient: Sequence[np.ndarray], s: np.ndarray, p: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, ...]:
+    """rest_v + s_v saved_v + p_v grad_v + w_v transient_v per vertex, one array object per distinct
+    (arrays, s_v, p_v, w_v).
 
     Identical layers keep one shared memory array where their weights agree, as the
     additive problem has them (the search's lattice and the DP's reuse of a layer key on that).
     """
     memo: dict[tuple, np.ndarray] = {}
     out = []
-    for r, sv, g, a, b in zip(rest, saved, grad, s, p):
-        key = (id(r), id(sv), id(g), float(a), float(b))
+    for r, sv, g, t, a, b, c in zip(rest, saved, grad, transient, s, p, w):
+        key = (id(r), id(sv), id(g), id(t), float(a), float(b), float(c))
         if key not in memo:
-            memo[key] = r + float(a) * sv + float(b) * g
+            memo[key] = r + float(a) * sv + float(b) * g + float(c) * t
         out.append(memo[key])
     return tuple(out)
 
@@ -459,8 +483,9 @@ def solve_peak_bruteforce(pp: PeakProblem, max_combinations: int = 10**6) -> Sol
     t0 = time.perf_counter()
     digits, f = enumerate_choices(pp.problem, pp.base, pp.cost, max_combinations)
     if digits:
-        parts = [np.stack([x[v][dv] for v, dv in enumerate(digits)], axis=-1) for x in (pp.rest, pp.saved, pp.grad)]
-        peak = backward_profile(*parts, fixed=pp.fixed).max(axis=-1)
+        parts = [np.stack([x[v][dv] for v, dv in enumerate(digits)], axis=-1)
+                 for x in (pp.rest, pp.saved, pp.grad, pp.transient)]
+        peak = backward_profile(*parts[:3], fixed=pp.fixed, transient=parts[3]).max(axis=-1)
     else:
         peak = np.full(len(f), pp.fixed)
     choices = cheapest_within(digits, f, peak, pp.budget)

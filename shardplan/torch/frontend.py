@@ -730,8 +730,12 @@ def _cross_entropy(ctx: _Ctx, node: Any, vals: list) -> None:
     yt = Tensor("labels", labels.shape, lab_axes, "input", needs_grad=False, src=ctx.ref(labels).name)
     out = _shape(node) or ()
     oa = lab_axes if red == 0 else tuple(AxisMap(None) for _ in out)
+    # the backward step holds the loss's gradient, and of the logits' size and dtype: nll_loss's gradient of the
+    # log-probabilities and log_softmax's of the logits (aten's cross_entropy_loss is the two; nll_loss alone: one)
+    composite = "cross_entropy_loss" in str(node.target)
     op = Operator(ctx.name_for(node), "cross_entropy", tuple(zip(letters, logits.shape)), (lt, yt),
-                  Tensor("loss", out, oa, "output"), flops_per_point=5.0, norm_dims=(cls,), norm_stats=2)
+                  Tensor("loss", out, oa, "output"), flops_per_point=5.0, norm_dims=(cls,), norm_stats=2,
+                  transient=(1.0, 2.0 if composite else 1.0, 0.0) if logits.needs_grad else ())
     ctx.emit(node, op, [((0,), logits, "logits"), ((1,), labels, "labels")])
 
 
@@ -1543,6 +1547,7 @@ def trace(module: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None = N
         raise ShardplanError("torch frontend: the module does no work on its inputs and parameters (no operators)")
     ctx.share_weights()
     _describe_saved(ctx, ep, module)
+    ctx.ops = {n: _with_transient(op) for n, op in ctx.ops.items()}
     used = {t.src for op in ctx.ops.values() for t in op.inputs}
     int_inputs = {n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name in ctx.inputs and not _is_float(n)}
     labelled = label_graph(list(ctx.ops.values()), {k: input_axis_labels(v, True, k in int_inputs)
@@ -1573,6 +1578,16 @@ def _describe_saved(ctx: _Ctx, ep: Any, module: Any) -> None:
     params = frozenset(k for k, v in ctx.env.items() if isinstance(v, Val) and v.kind == "param")
     tiles = sv.saved_tiles(ep.graph, keeps, _value_ops(ctx).get, params, elems, ref)
     ctx.ops = {n: dataclasses.replace(op, saved=tiles[n]) for n, op in ctx.ops.items()}
+
+
+def _with_transient(op: Operator) -> Operator:
+    """``op`` with :attr:`~shardplan.ir.Operator.transient` as eager autograd holds it at its backward step,
+    where its handler stated none: the incoming gradient of its output, and a fresh gradient of every input
+    and weight that needs one (a weight's then added into its ``.grad``); nothing without a backward."""
+    if op.transient or not op.grad_tensors:
+        return op
+    counts = (1.0, *(1.0 if t.needs_grad else 0.0 for t in op.inputs), *(1.0 if t.needs_grad else 0.0 for t in op.weights))
+    return dataclasses.replace(op, transient=counts)
 
 
 def _dropout_active(node: Any) -> bool:
