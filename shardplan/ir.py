@@ -49,6 +49,7 @@ __all__ = [
     "Tensor",
     "Recurrence",
     "Causal",
+    "KernelIO",
     "Operator",
     "TensorRef",
     "EdgeRef",
@@ -231,6 +232,28 @@ class Causal:
     balanced: bool = True
 
 
+@dataclass(frozen=True)
+class KernelIO:
+    """How an operator inside a compiler-fused kernel touches HBM (:attr:`Operator.kernel_io`; a frontend that
+    traced a compiled program sets it: the JAX frontend, after XLA's fusion rules, :mod:`shardplan.jax.fusion`).
+
+    ``reads``: per operand (the inputs, then the weights, in order), how many times the operator's kernels load
+    it from HBM: 0 when it never leaves the chip (produced by an operator of the same kernel, or loaded by
+    another operator of it), 2 when the operator is duplicated into two kernels that each read it.
+    ``write``: whether its output is written to HBM (False: every consumer is in its kernel).
+    The charging rule is :mod:`shardplan.cost.chain`'s (docs/cost-model.md, "Fused memory-bound chains").
+    """
+
+    reads: tuple[float, ...]
+    write: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reads", tuple(float(r) for r in self.reads))
+        object.__setattr__(self, "write", bool(self.write))
+        if any(not (r >= 0 and math.isfinite(r)) for r in self.reads):
+            raise ShardplanError(f"kernel reads {self.reads} must be finite counts >= 0")
+
+
 @dataclass(frozen=True, eq=False)
 class Operator:
     """One vertex of the graph: an iteration domain with its tensor accesses.
@@ -271,6 +294,9 @@ class Operator:
             the backward rules read sets it: 0 when no backward rule reads the
             output (an addition feeding a reshape), 2 when a fused elementwise
             tail keeps one more value of the output's size (a relu's input).
+        kernel_io: None (the default) when the operator runs as a kernel of its own, as eager PyTorch runs
+            it; a :class:`KernelIO` when a compiler fuses it with its neighbours (a memory-bound operator of
+            an XLA program): which operands it loads from HBM and whether it writes its output there.
     """
 
     name: str
@@ -288,6 +314,7 @@ class Operator:
     saved: float = 1.0
     causal: Causal | None = None
     backward_flops: float | None = None
+    kernel_io: KernelIO | None = None
 
     def __post_init__(self) -> None:
         labels = self.dim_labels.items() if isinstance(self.dim_labels, Mapping) else self.dim_labels
@@ -313,6 +340,9 @@ class Operator:
                                                     and self.flops_per_point > 0):
             self._fail(f"backward_flops must be a finite number >= 0 beside a positive flops_per_point, got "
                        f"{self.backward_flops!r} (forward {self.flops_per_point!r})")
+        if self.kernel_io is not None and len(self.kernel_io.reads) != len(self.inputs) + len(self.weights):
+            self._fail(f"kernel_io has {len(self.kernel_io.reads)} read counts for "
+                       f"{len(self.inputs) + len(self.weights)} operands")
         names = [d for d, _ in self.dims]
         if len(set(names)) != len(names):
             self._fail(f"duplicate dimension names in {names}")

@@ -24,6 +24,11 @@ that operator: its work per point grows by ``f · |out| / |domain|``
 (f = FLOPs per output element); the operator's output variable moves to
 the elementwise result.
 
+XLA's kernels. The program runs compiled by XLA, which fuses chains of memory-bound operators
+(elementwise, reductions, copies) into kernels that keep the values passed inside on chip: every such
+operator gets the :class:`~shardplan.ir.KernelIO` of :func:`shardplan.jax.fusion.xla_kernels`, and the cost
+model charges it only the HBM traffic of its kernel (:mod:`shardplan.cost.chain`).
+
 Parameters. The pytree leaves of the arguments in ``params_argnums`` are
 parameters: an operator that reads one gets it as a *weight*. A parameter
 read by several operators (tied weights) is a weight of each; its first
@@ -84,6 +89,7 @@ from shardplan.errors import ShardplanError
 from shardplan.ir import AxisMap, Graph, Operator, Tensor, TensorRef, unique_name
 from shardplan.jax.attention import ATTENTION
 from shardplan.jax.flatten import TOP, Atom, Const, FlatEqn, Program, flatten, join_scope
+from shardplan.jax.fusion import xla_kernels
 from shardplan.labels import input_axis_labels, label_dims, output_axis_labels
 
 __all__ = ["trace", "TraceInfo", "handles", "supported_primitives", "ELEMENTWISE_FLOPS", "ConservativeWarning"]
@@ -1259,6 +1265,9 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
     recomputed = user_recomputed(program, gp.op_eqn, gp.ops, gp.identity_vars)
     saved = backward_saved(program, gp.ops, gp.op_eqn, gp.tails, recomputed)
     gp.ops = {n: dataclasses.replace(op, saved=saved[n]) for n, op in gp.ops.items()}
+    kernels = xla_kernels(gp.ops, [n for n, op in gp.ops.items() if n not in gp.conservative and (
+        op.kind in ELEMENTWISE_FLOPS or op.kind in _REDUCE or op.kind == "copy")])
+    gp.ops = {n: dataclasses.replace(op, kernel_io=kernels[n]) if n in kernels else op for n, op in gp.ops.items()}
     graph = Graph(name or getattr(fn, "__name__", "jax"), tuple(gp.ops.values()), graph_inputs,
                   ties=scan_ties(program, gp.ops, gp.op_eqn), recomputed=recomputed)
     op_vars = _op_run_vars(gp.identity_vars, gp.alias, _run_vars(program))
