@@ -237,21 +237,33 @@ class KernelIO:
     """How an operator inside a compiler-fused kernel touches HBM (:attr:`Operator.kernel_io`; a frontend that
     traced a compiled program sets it: the JAX frontend, after XLA's fusion rules, :mod:`shardplan.jax.fusion`).
 
-    ``reads``: per operand (the inputs, then the weights, in order), how many times the operator's kernels load
-    it from HBM: 0 when it never leaves the chip (produced by an operator of the same kernel, or loaded by
-    another operator of it), 2 when the operator is duplicated into two kernels that each read it.
-    ``write``: whether its output is written to HBM (False: every consumer is in its kernel).
-    The charging rule is :mod:`shardplan.cost.chain`'s (docs/cost-model.md, "Fused memory-bound chains").
+    Per operand (the inputs, then the weights, in order):
+
+    * ``reads``: how many times the operator's forward kernels load it from HBM: 0 when it never leaves the
+      chip there (produced by an operator of the same kernel, or loaded by another operator of it), 2 when
+      the operator is duplicated into two kernels that each load it;
+    * ``back``: how many tiles of it the backward kernels move on this operator's account: its gradient
+      written (1, once per tensor however many fused operators read it: the partial gradients are summed
+      on chip), plus its value re-read where the backward needs forward values (1); 0 where another
+      operator carries it.
+
+    ``write``: whether the output is written to HBM (False: every consumer is in its kernel); its gradient is
+    then read back by the backward kernels. The charging rule is :mod:`shardplan.cost.chain`'s
+    (docs/cost-model.md, "Fused memory-bound chains").
     """
 
     reads: tuple[float, ...]
+    back: tuple[float, ...]
     write: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reads", tuple(float(r) for r in self.reads))
+        object.__setattr__(self, "back", tuple(float(r) for r in self.back))
         object.__setattr__(self, "write", bool(self.write))
-        if any(not (r >= 0 and math.isfinite(r)) for r in self.reads):
-            raise ShardplanError(f"kernel reads {self.reads} must be finite counts >= 0")
+        if len(self.back) != len(self.reads):
+            raise ShardplanError(f"kernel reads {self.reads} and back {self.back} differ in length")
+        if any(not (r >= 0 and math.isfinite(r)) for r in self.reads + self.back):
+            raise ShardplanError(f"kernel reads {self.reads} and back {self.back} must be finite counts >= 0")
 
 
 @dataclass(frozen=True, eq=False)

@@ -8,13 +8,10 @@ in the same kernel) and whether its output is written (``write``); summed over a
 kernel's traffic. Per device, for a configuration with largest tiles ``|T|``:
 
 * forward bytes: ``s (sum_i reads_i |T_i| + write |O|)``;
-* backward bytes (the chain's backward is fused the same way: it reads the gradient of every external
-  output and the external inputs as residuals, and writes the gradient of every external input once):
-  ``s (write |O|  +  sum_{i needs grad} [reads_i > 0] |T_i|  +  [saved > 0] sum_i [reads_i > 0] |T_i|)``,
-  the output's gradient read where the output left the chip (else it is produced and consumed inside the
-  backward kernel), each external operand's gradient written, and the external operands re-read where the
-  operator's backward rule reads a forward value (``saved``; a value computed inside the kernel is recomputed
-  from them there);
+* backward bytes (the chain's backward is fused the same way: it reads the gradient of every output that
+  left the chip and the external inputs it needs as residuals, and writes the gradient of every external
+  input once): ``s (write |O| + sum_i back_i |T_i|)``, ``back_i`` the tiles of operand ``i`` the frontend
+  charges to this operator (its gradient written, its value re-read; :class:`~shardplan.ir.KernelIO`);
 * FLOPs as :func:`shardplan.cost.operator.operator_cost` counts them (``f prod_d E_d / c_d`` forward, once
   more per gradient produced backward);
 * each direction a roofline ``max(FLOPs / achievable rate, bytes / HBM bandwidth)``.
@@ -40,22 +37,16 @@ def chain_bytes(op: Operator, max_tile: Callable[..., np.ndarray]) -> tuple[np.n
     (module docstring); ``max_tile(tensor, core=...)``: the largest tile of a tensor per configuration."""
     io = op.kernel_io
     assert io is not None
-    operands = op.inputs + op.weights
     out = max_tile(op.output) * float(io.write)
     forward = out.copy()
-    external = np.zeros_like(forward)
-    grads = np.zeros_like(forward)
-    for t, r in zip(operands, io.reads):
-        if r <= 0:
-            continue
-        tile = max_tile(t, core=False)
-        forward = forward + r * tile
-        external = external + tile
-        if t.needs_grad:
-            grads = grads + tile
+    backward = out.copy()
+    for t, r, k in zip(op.inputs + op.weights, io.reads, io.back):
+        if r > 0 or k > 0:
+            tile = max_tile(t, core=False)
+            forward = forward + r * tile
+            backward = backward + k * tile
     if not op.grad_tensors:
         return forward, np.zeros_like(forward)
-    backward = out + grads + (external if op.saved > 0 else 0.0)
     return forward, backward
 
 

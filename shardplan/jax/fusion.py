@@ -20,9 +20,16 @@ its documented ones):
   collectives, control flow and anything the frontend described conservatively: their operands and results
   are in HBM.
 
+The backward pass is compiled by the same rules: the gradient of a value computed on chip stays on chip, the
+partial gradients of a tensor that several fused operators read are summed in the kernel that writes its
+gradient, and a kernel whose operators are nonlinear (their backward rules read forward values: a product of
+two values, an exponential, a layer norm's scaling) re-reads its external inputs and recomputes the rest.
+
 The result, per fusible operator, is a :class:`~shardplan.ir.KernelIO`: how many times each of its operands is
-loaded (once per kernel containing it that loads that operand first; 0 when the value comes from inside the
-kernel or another operator of the kernel loaded it) and whether its output is written (the kernel's root).
+loaded forward (once per kernel containing it that loads that operand first; 0 when the value comes from
+inside the kernel or another operator of the kernel loaded it), whether its output is written (the kernel's
+root), and, per operand, the tiles the backward moves on its account (on the first fused reader of a tensor:
+its gradient written if it needs one, its value re-read if a kernel loading it is nonlinear).
 The decisions depend on the graph's shapes only, not on a layout: a layout that splits a fused chain
 differently on its two sides puts a collective between them, which XLA does not fuse across, and which this
 model then under-counts by the materialised value (docs/cost-model.md, "Fused memory-bound chains").
@@ -37,10 +44,12 @@ from shardplan.ir import KernelIO, Operator
 __all__ = ["xla_kernels"]
 
 
-def xla_kernels(operators: Mapping[str, Operator], fusible: Iterable[str]) -> dict[str, KernelIO]:
+def xla_kernels(operators: Mapping[str, Operator], fusible: Iterable[str],
+                nonlinear: Iterable[str]) -> dict[str, KernelIO]:
     """The :class:`~shardplan.ir.KernelIO` of every operator of ``fusible`` (names of ``operators``, which are
-    in a topological order), after the module docstring's rules."""
-    fusible = set(fusible)
+    in a topological order), after the module docstring's rules; ``nonlinear``: the operators whose backward
+    reads forward values."""
+    fusible, nonlinear = set(fusible), set(nonlinear)
     consumers: dict[str, list[str]] = {n: [] for n in operators}
     for name, op in operators.items():
         for t in op.inputs:
@@ -75,14 +84,9 @@ def xla_kernels(operators: Mapping[str, Operator], fusible: Iterable[str]) -> di
                                     for n in fusible}
     roots = [n for n in operators if n in fusible and n not in fused]
     loads: dict[str, dict[object, tuple[str, int]]] = {}  # root -> source -> (operator, slot) that loads it
+    cones = {root: _cone(operators, root, fused) for root in roots}
     for root in roots:
-        cone, stack = set(), [root]
-        while stack:
-            v = stack.pop()
-            if v in cone:
-                continue
-            cone.add(v)
-            stack.extend(t.src for t in operators[v].inputs if t.src in fused)
+        cone = cones[root]
         first: dict[object, tuple[str, int]] = {}
         for v in operators:  # graph order: the first reader in the kernel loads a source
             if v not in cone:
@@ -98,7 +102,36 @@ def xla_kernels(operators: Mapping[str, Operator], fusible: Iterable[str]) -> di
         loads[root] = first
 
     _siblings(operators, roots, loads, reads, reduction)
-    return {n: KernelIO(tuple(reads[n]), n not in fused) for n in operators if n in fusible}
+
+    residual: dict[object, bool] = {}  # source -> a kernel that loads it is nonlinear
+    for root, first in loads.items():
+        cone_nonlinear = any(v in nonlinear for v in cones[root])
+        for src in first:
+            residual[src] = residual.get(src, False) or cone_nonlinear
+    back: dict[str, list[float]] = {n: [0.0] * len(reads[n]) for n in reads}
+    charged: set[object] = set()
+    for name, op in operators.items():  # the first fused reader of a tensor carries its backward traffic
+        if name not in fusible:
+            continue
+        for slot, t in enumerate(op.inputs):
+            if t.src in fused or t.src in charged:
+                continue
+            charged.add(t.src)
+            back[name][slot] = float(t.needs_grad) + float(residual.get(t.src, False))
+        for i, w in enumerate(op.weights):
+            back[name][len(op.inputs) + i] = float(w.needs_grad) + float(residual.get((name, i), False))
+    return {n: KernelIO(tuple(reads[n]), tuple(back[n]), n not in fused) for n in operators if n in fusible}
+
+
+def _cone(operators: Mapping[str, Operator], root: str, fused: set[str]) -> set[str]:
+    """The operators of the kernel rooted at ``root``: it and, transitively, the fused producers it reads."""
+    cone, stack = set(), [root]
+    while stack:
+        v = stack.pop()
+        if v not in cone:
+            cone.add(v)
+            stack.extend(t.src for t in operators[v].inputs if t.src in fused)
+    return cone
 
 
 def _siblings(operators: Mapping[str, Operator], roots: list[str], loads: Mapping[str, Mapping[object, tuple]],

@@ -601,6 +601,16 @@ _BILINEAR = frozenset({"dot_general", "conv_general_dilated", "mul"})
 _TAIL_LINEAR = frozenset({"mul", "div"})  # by a constant: linear in the live operand (div: when it is the numerator)
 
 
+def _nonlinear(program: Program, op: Operator, eqn: int | None, tails: Sequence[tuple[str, int]]) -> bool:
+    """Whether ``op``'s backward reads forward values: its main primitive or a fused elementwise one is
+    nonlinear (a product of two values, an exponential, a quotient by a value), as :func:`backward_saved`
+    classifies them; a copy is linear."""
+    main = "copy" if op.kind == "copy" or eqn is None or not 0 <= eqn < len(program.eqns) else program.eqns[eqn].name
+    if main not in _READS_NOTHING:
+        return True
+    return any(not (t in _READS_NOTHING or (t in _TAIL_LINEAR and (t == "mul" or slot == 0))) for t, slot in tails)
+
+
 def backward_saved(program: Program, operators: Mapping[str, Operator], op_eqn: Mapping[str, int],
                    tails: Mapping[str, Sequence[tuple[str, int]]],
                    recomputed: frozenset[str] = frozenset()) -> dict[str, float]:
@@ -1266,7 +1276,8 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
     saved = backward_saved(program, gp.ops, gp.op_eqn, gp.tails, recomputed)
     gp.ops = {n: dataclasses.replace(op, saved=saved[n]) for n, op in gp.ops.items()}
     kernels = xla_kernels(gp.ops, [n for n, op in gp.ops.items() if n not in gp.conservative and (
-        op.kind in ELEMENTWISE_FLOPS or op.kind in _REDUCE or op.kind == "copy")])
+        op.kind in ELEMENTWISE_FLOPS or op.kind in _REDUCE or op.kind == "copy")],
+        [n for n in gp.ops if _nonlinear(program, gp.ops[n], gp.op_eqn.get(n), gp.tails.get(n, ()))])
     gp.ops = {n: dataclasses.replace(op, kernel_io=kernels[n]) if n in kernels else op for n, op in gp.ops.items()}
     graph = Graph(name or getattr(fn, "__name__", "jax"), tuple(gp.ops.values()), graph_inputs,
                   ties=scan_ties(program, gp.ops, gp.op_eqn), recomputed=recomputed)
