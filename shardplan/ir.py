@@ -247,23 +247,28 @@ class KernelIO:
       on chip), plus its value re-read where the backward needs forward values (1); 0 where another
       operator carries it.
 
-    ``write``: whether the output is written to HBM (False: every consumer is in its kernel); its gradient is
-    then read back by the backward kernels. The charging rule is :mod:`shardplan.cost.chain`'s
-    (docs/cost-model.md, "Fused memory-bound chains").
+    ``write``: the output tiles written to HBM (0: every consumer is in its kernel; 1: the root of a kernel);
+    the backward kernels read its gradient back as many.
+
+    Counts are in tiles of the model's element size (:attr:`~shardplan.ir.Tensor.elem_factor`): a frontend
+    that knows a value is wider in the kernel's memory (a float32 loss over bfloat16 logits) multiplies its
+    counts (2). The charging rule is :mod:`shardplan.cost.chain`'s (docs/cost-model.md, "Fused memory-bound
+    chains").
     """
 
     reads: tuple[float, ...]
     back: tuple[float, ...]
-    write: bool = True
+    write: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reads", tuple(float(r) for r in self.reads))
         object.__setattr__(self, "back", tuple(float(r) for r in self.back))
-        object.__setattr__(self, "write", bool(self.write))
+        object.__setattr__(self, "write", float(self.write))
         if len(self.back) != len(self.reads):
             raise ShardplanError(f"kernel reads {self.reads} and back {self.back} differ in length")
-        if any(not (r >= 0 and math.isfinite(r)) for r in self.reads + self.back):
-            raise ShardplanError(f"kernel reads {self.reads} and back {self.back} must be finite counts >= 0")
+        if any(not (r >= 0 and math.isfinite(r)) for r in self.reads + self.back + (self.write,)):
+            raise ShardplanError(f"kernel reads {self.reads}, back {self.back} and write {self.write} must be "
+                                 "finite counts >= 0")
 
 
 @dataclass(frozen=True, eq=False)

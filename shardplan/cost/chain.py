@@ -37,7 +37,7 @@ def chain_bytes(op: Operator, max_tile: Callable[..., np.ndarray]) -> tuple[np.n
     (module docstring); ``max_tile(tensor, core=...)``: the largest tile of a tensor per configuration."""
     io = op.kernel_io
     assert io is not None
-    out = max_tile(op.output) * float(io.write)
+    out = max_tile(op.output) * io.write
     forward = out.copy()
     backward = out.copy()
     for t, r, k in zip(op.inputs + op.weights, io.reads, io.back):

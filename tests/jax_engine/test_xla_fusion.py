@@ -75,12 +75,38 @@ def test_chain_seconds_are_its_bytes_over_the_bandwidth():
     assert operator_cost(op, split, m).compute[0] == pytest.approx((2 * 32 + 2 * 16 + 2 * 32 + 2 * 16) * 4 / 1e9)
 
 
+def test_widths_in_a_bfloat16_program():
+    """A bfloat16 model whose loss is float32: ``sum(exp(float32(x @ w) - float32(b)))``. The conversions are
+    views that XLA fuses into the kernel on their narrow side, so the chain loads the product's output and b in
+    bfloat16 (width 1: 64 + 16 elements, re-read and their gradients written in bfloat16 backward) and writes
+    the float32 total as 2 elements of the model's size; the tensors themselves keep ``elem_factor`` 1."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardplan.jax import trace
+
+    def f(p, x):
+        h = (x @ p["w"]).astype(jnp.float32)
+        return jnp.sum(jnp.exp(h - p["b"].astype(jnp.float32)))
+
+    params = {"w": jax.ShapeDtypeStruct((K, N), jnp.bfloat16), "b": jax.ShapeDtypeStruct((N,), jnp.bfloat16)}
+    graph, _ = trace(f, params, jax.ShapeDtypeStruct((B, K), jnp.bfloat16))
+    ops = {op.kind: op for op in graph.operators}
+    assert ops["sub"].kernel_io == KernelIO(reads=(1, 1), back=(2, 2), write=0)
+    assert ops["reduce_sum"].kernel_io == KernelIO(reads=(0,), back=(0,), write=2)
+    assert {k: hbm_elements(op) for k, op in ops.items()} == {"einsum": (224.0, 224.0), "sub": (80.0, 160.0),
+                                                             "reduce_sum": (2.0, 2.0)}
+    assert all(t.elem_factor == 1 for op in graph.operators for t in op.tensors)
+
+
 def test_kernel_io_must_match_the_operands():
     op = _softmax_sum()["sub"]
     with pytest.raises(ShardplanError, match="read counts"):
         dataclasses.replace(op, kernel_io=KernelIO(reads=(1,), back=(1,)))
     with pytest.raises(ShardplanError, match="differ in length"):
         KernelIO(reads=(1, 1), back=(1,))
+    with pytest.raises(ShardplanError, match="finite counts"):
+        KernelIO(reads=(1,), back=(1,), write=-1)
 
 
 def test_forward_bytes_beside_xla_cpu():
