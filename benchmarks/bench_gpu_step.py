@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.jax_only:
         jax_steps = jax_step_rows(measured, machine, args.hlo_dir)
         previous = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
         previous.update({"jax_rows": jax_steps, "jax_rows_commit": commit, "jax_measured_file": args.measured})
         Path(args.out).write_text(json.dumps(previous, indent=1) + "\n")
         return 0

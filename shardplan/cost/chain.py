@@ -22,7 +22,7 @@ and the output written on every pass (docs/cost-model.md, "Compute").
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
