@@ -50,6 +50,7 @@ def xla_kernels(operators: Mapping[str, Operator], fusible: Iterable[str],
     in a topological order), after the module docstring's rules; ``nonlinear``: the operators whose backward
     reads forward values."""
     fusible, nonlinear = set(fusible), set(nonlinear)
+    order = {n: i for i, n in enumerate(operators)}
     consumers: dict[str, list[str]] = {n: [] for n in operators}
     for name, op in operators.items():
         for t in op.inputs:
@@ -88,9 +89,7 @@ def xla_kernels(operators: Mapping[str, Operator], fusible: Iterable[str],
     for root in roots:
         cone = cones[root]
         first: dict[object, tuple[str, int]] = {}
-        for v in operators:  # graph order: the first reader in the kernel loads a source
-            if v not in cone:
-                continue
+        for v in sorted(cone, key=order.__getitem__):  # graph order: the first reader in the kernel loads a source
             op = operators[v]
             for slot, t in enumerate(op.inputs):
                 if t.src not in fused:
