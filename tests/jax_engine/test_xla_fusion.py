@@ -75,6 +75,33 @@ def test_chain_seconds_are_its_bytes_over_the_bandwidth():
     assert operator_cost(op, split, m).compute[0] == pytest.approx((2 * 32 + 2 * 16 + 2 * 32 + 2 * 16) * 4 / 1e9)
 
 
+def test_a_shared_value_is_written_and_sibling_reductions_load_it_once():
+    """r = x @ w + y has five consumers: duplicating it would load 2 x 64 elements five times, against writing
+    it (64) and loading it five times, so (k - 1) I = 512 > (k + 1) P = 384 and it is written. The row sums of
+    r and of r * r are independent reductions to one shape: one multi-output kernel loads r once (the second's
+    cone loads nothing); so do the three full sums of exp(r), tanh(r) and |r|. Forward: r's kernel 64 + 64 +
+    64, the row sums 64 + 4 + 4, their product loaded 4 + 4, the full sums 64 + 3, the product's total written
+    1, the four scalars loaded by the additions' kernel 4, the loss written 1: 345 elements."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardplan.jax import trace
+
+    def f(p, x, y):
+        r = x @ p["w"] + y
+        return (jnp.sum(jnp.sum(r, axis=-1) * jnp.sum(r * r, axis=-1)) + jnp.sum(jnp.exp(r)) + jnp.sum(jnp.tanh(r))
+                + jnp.sum(jnp.abs(r)))
+
+    graph, _ = trace(f, {"w": jax.ShapeDtypeStruct((K, N), jnp.float32)}, jax.ShapeDtypeStruct((B, K), jnp.float32),
+                     jax.ShapeDtypeStruct((B, N), jnp.float32))
+    ops = {op.name: op for op in graph.operators}
+    assert ops["add"].kernel_io == KernelIO(reads=(1, 1), back=(1, 0), write=1)  # linear: no value re-read
+    assert [ops[n].kernel_io.reads for n in ("reduce_sum", "mul", "exp", "tanh", "abs")] == \
+        [(1.0,), (0.0, 0.0), (1.0,), (0.0,), (0.0,)]
+    assert ops["reduce_sum"].kernel_io.back == (2.0,)  # r's gradient, and r re-read (exp's kernel is nonlinear)
+    assert sum(hbm_elements(op)[0] for op in graph.operators if op.kernel_io is not None) == 345.0
+
+
 def test_widths_in_a_bfloat16_program():
     """A bfloat16 model whose loss is float32: ``sum(exp(float32(x @ w) - float32(b)))``. The conversions are
     views that XLA fuses into the kernel on their narrow side, so the chain loads the product's output and b in
