@@ -21,10 +21,13 @@ them: the machine is a profile file as given (``--machine h100`` by default, or 
   (arguments + temporaries) against the predicted peak (``memory_ratio``), and like for like against it less the
   optimizer state the measured program does not hold (``value_and_grad`` only: parameters in, gradients out),
   under the additive and the backward-peak model (``memory_ratio_without_optimizer_state``,
-  ``backward_peak_ratio_without_optimizer_state``).
+  ``backward_peak_ratio_without_optimizer_state``); the HBM bytes the model charges the step (matrix products,
+  fused memory-bound chains) against XLA's own, counted from the GPU's optimised HLO text where ``--hlo-dir`` has it
+  (:func:`hlo_hbm_bytes`; ``benchmarks/results/xla_h200/``: the three steps compiled by jax 0.11.2 for an H200,
+  the same Hopper architecture and XLA as the H100 run).
 
 Run: ``PYTHONPATH=. python benchmarks/bench_gpu_step.py [--measured FILE] [--machine h100 | --machine-file F]
-[--out benchmarks/results/gpu_step.json]``
+[--hlo-dir benchmarks/results/xla_h200] [--jax-only] [--out benchmarks/results/gpu_step.json]``
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -174,14 +178,121 @@ def predict_jax_step(name: str, machine: Any) -> dict[str, Any]:
                 fit_options=FitOptions(micro_batches=(1,), grad_buffers="backward")).memory
     # the optimizer's words: the state (value, gradient, o words per element at stage 0) less value and gradient
     opt_state = p.memory["weights_bytes"] - 2.0 * p.memory["gradients_bytes"]
+    sp = p.spmd
+    by_kind = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for op, cost, k in zip(sp.tables.graph.operators, sp.tables.op_costs, sp.assignment):
+        by_kind[kind_of(op)] += float(cost.compute[k])
     return {"predicted_s": p.step_time, "predicted_optimizer_s": float(p.breakdown.get("optimizer", 0.0)),
+            "predicted_by_kind_s": by_kind, **step_hbm_bytes(sp.tables.graph, machine.dtype_bytes),
             "predicted_peak_bytes": p.memory["peak_bytes"],
             "predicted_activations_bytes": p.memory["activations_bytes"], "predicted_optimizer_state_bytes": opt_state,
             "predicted_backward_peak_bytes": back["peak_bytes"], "recomputed": len(p.recomputed),
             "plan_cpu_seconds": seconds}
 
 
-def jax_step_rows(measured: dict[str, Any], machine: Any) -> list[dict[str, Any]]:
+def step_hbm_bytes(graph: Any, dtype_bytes: int) -> dict[str, Any]:
+    """The HBM bytes of a one-device step (forward + backward, no optimizer) as the cost model charges them
+    (:func:`shardplan.cost.chain.hbm_elements` of every operator), split into matrix products, the fused
+    chains (operators with a :class:`~shardplan.ir.KernelIO`) and the rest; and the same step charged one
+    kernel per operator (what the model charged before it knew XLA's fusion)."""
+    import dataclasses
+
+    from shardplan.cost.chain import hbm_elements
+
+    parts = {"gemm": 0.0, "fused_chains": 0.0, "other": 0.0}
+    eager = 0.0
+    for op in graph.operators:
+        f, b = hbm_elements(op)
+        key = "fused_chains" if op.kernel_io is not None else "gemm" if kind_of(op) == "gemm" else "other"
+        parts[key] += (f + b) * dtype_bytes
+        eager += sum(hbm_elements(dataclasses.replace(op, kernel_io=None))) * dtype_bytes
+    return {"predicted_hbm_bytes": sum(parts.values()), "predicted_hbm_bytes_by_kind": parts,
+            "predicted_hbm_bytes_one_kernel_per_operator": eager}
+
+
+def hlo_hbm_bytes(hlo_text: str) -> dict[str, float]:
+    """HBM bytes of an optimised XLA program by kind of kernel of its entry computation: each instruction's
+    operands and results (parameters, constants, bitcasts, tuples and their elements move nothing; a cuBLAS
+    call's ``s8`` workspace is left out), what XLA's cost analysis calls "bytes accessed" (its own count
+    leaves the custom calls out; over fusions the two agree to 1e-5 on the CPU programs of
+    tests/jax_engine/test_xla_fusion.py's model and exactly on the GPU's). Keys: the matrix products
+    (``cublas``: cuBLAS custom calls, or plain dot and convolution instructions; ``triton_gemm``: Triton
+    GEMM fusions), the memory-bound kernels (``loop``,
+    ``input`` (reductions), ``triton``: Triton normalisation fusions, on the CPU its library's reductions),
+    ``other`` opcodes, the sums ``products``,
+    ``memory_bound`` and ``total``. A fusion reading part of an operand (a slice of a concatenated projection)
+    is counted with the whole operand, as XLA counts it."""
+    import math
+    import re
+
+    sizes = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+             "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+    shape = re.compile(r"\b(" + "|".join(sizes) + r")\[([0-9,]*)\]")
+
+    def nbytes(text: str, workspace: bool = True) -> float:
+        return float(sum(sizes[t] * math.prod(int(x) for x in dims.split(",") if x)
+                         for t, dims in shape.findall(text) if workspace or t != "s8"))
+
+    entry = hlo_text[hlo_text.index("\nENTRY"):].split("\n")[1:]
+    known: dict[str, float] = {}
+    out = {"cublas": 0.0, "triton_gemm": 0.0, "loop": 0.0, "input": 0.0, "triton": 0.0, "other": 0.0}
+    for line in entry:
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$", line)
+        if not m:
+            continue
+        name, typ, opcode, rest = m.groups()
+        known[name] = nbytes(typ, workspace=opcode != "custom-call")
+        if opcode in ("parameter", "constant", "bitcast", "tuple", "get-tuple-element"):
+            continue
+        moved = known[name] + sum(known.get(a, 0.0) for a in dict.fromkeys(re.findall(r"%([\w.\-]+)",
+                                                                                      rest.split("), ")[0])))
+        if opcode == "custom-call":
+            key = "cublas" if "cublas" in rest else "other"
+        elif opcode in ("dot", "convolution"):  # a product left to the backend's library (the CPU's)
+            key = "cublas"
+        elif opcode == "fusion":
+            kind = re.search(r'"kind":"([^"]*)"', rest)
+            key = ("triton_gemm" if "gemm" in kind.group(1) else "triton") if kind else \
+                "input" if "kind=kInput" in rest else "loop"
+        else:
+            key = "other"
+        out[key] += moved
+    out["products"] = out["cublas"] + out["triton_gemm"]
+    out["memory_bound"] = out["loop"] + out["input"] + out["triton"]
+    out["total"] = out["products"] + out["memory_bound"] + out["other"]
+    return out
+
+
+def hlo_text(folder: str, model: str) -> str | None:
+    """The optimised HLO text of ``model``'s step in ``folder`` (``hlo_<model>.txt``, or gzipped ``.txt.gz``)."""
+    import gzip
+
+    path = Path(folder) / f"hlo_{model}.txt"
+    if path.exists():
+        return path.read_text()
+    if path.with_suffix(".txt.gz").exists():
+        return gzip.decompress(path.with_suffix(".txt.gz").read_bytes()).decode()
+    return None
+
+
+def hlo_measured(folder: str, model: str) -> dict[str, Any] | None:
+    """The device, step seconds and XLA cost analysis of ``model`` in the measurement that wrote the HLO
+    (``gpu_measure*.json`` in ``folder``, section ``jax_steps``)."""
+    for path in sorted(Path(folder).glob("gpu_measure*.json")):
+        data = json.loads(path.read_text())
+        for r in data.get("jax_steps", []):
+            if r.get("model") == model and "forward_backward_s" in r:
+                return {"file": str(path), "device": r.get("device"), "jax": r.get("jax"),
+                        "forward_backward_s": r["forward_backward_s"], "xla_cost": r.get("xla_cost", {}),
+                        "xla_memory": r.get("xla_memory")}
+    return None
+
+
+def jax_step_rows(measured: dict[str, Any], machine: Any, hlo_dir: str | None = None) -> list[dict[str, Any]]:
+    """One row per flax step measured: predicted against measured seconds, and the model's HBM bytes against
+    XLA's (``bytes accessed`` of the GPU's cost analysis where the measurement recorded it; the optimised HLO
+    text ``hlo_<model>.txt[.gz]`` in ``hlo_dir``, where given, counted by :func:`hlo_hbm_bytes`, with the
+    measurement of the run that compiled it, :func:`hlo_measured`)."""
     rows = []
     for r in measured.get("jax_steps", []):
         if "forward_backward_s" not in r:
@@ -192,6 +303,24 @@ def jax_step_rows(measured: dict[str, Any], machine: Any) -> list[dict[str, Any]
                "measured_forward_backward_s": r["forward_backward_s"], **pred,
                "ratio": (pred["predicted_s"] - pred["predicted_optimizer_s"]) / r["forward_backward_s"],
                "xla_memory": r.get("xla_memory")}
+        accessed = (r.get("xla_cost") or {}).get("bytes accessed")
+        if accessed:  # XLA's own count: its fusions (Triton GEMMs included), not the cuBLAS calls
+            row["xla_bytes_accessed"] = accessed
+        text = hlo_text(hlo_dir, r["model"]) if hlo_dir else None
+        if text is not None:
+            row["xla_hbm_bytes_by_kind"] = hlo_hbm_bytes(text)
+            other = hlo_measured(hlo_dir, r["model"])  # the run that compiled it (another GPU, maybe)
+            if other:
+                row["hlo_measured"] = other
+                row.setdefault("xla_bytes_accessed", other.get("xla_cost", {}).get("bytes accessed"))
+            xla = row["xla_hbm_bytes_by_kind"]
+            kinds = pred["predicted_hbm_bytes_by_kind"]
+            row["hbm_bytes_ratios_hlo"] = {
+                "total": pred["predicted_hbm_bytes"] / xla["total"],
+                "products": kinds["gemm"] / xla["products"],
+                "memory_bound": (kinds["fused_chains"] + kinds["other"]) / xla["memory_bound"],
+                "memory_bound_one_kernel_per_operator": (pred["predicted_hbm_bytes_one_kernel_per_operator"]
+                                                         - kinds["gemm"]) / xla["memory_bound"]}
         mem = r.get("xla_memory") or {}
         if mem:
             row["xla_bytes"] = mem.get("argument_size_in_bytes", 0) + mem.get("temp_size_in_bytes", 0)
@@ -206,6 +335,12 @@ def jax_step_rows(measured: dict[str, Any], machine: Any) -> list[dict[str, Any]
         print(f"{r['model']:20s} measured {r['forward_backward_s'] * 1e3:7.1f} ms  predicted "
               f"{(pred['predicted_s'] - pred['predicted_optimizer_s']) * 1e3:7.1f} ms (no optimizer step) "
               f"ratio {row['ratio']:.2f}", flush=True)
+        if "xla_hbm_bytes_by_kind" in row:
+            xla, kinds = row["xla_hbm_bytes_by_kind"], pred["predicted_hbm_bytes_by_kind"]
+            print(f"{'':20s} HBM GB model / XLA: products {kinds['gemm'] / 1e9:.1f} / {xla['products'] / 1e9:.1f}, "
+                  f"memory-bound {(kinds['fused_chains'] + kinds['other']) / 1e9:.1f} / {xla['memory_bound'] / 1e9:.1f}"
+                  f" (one kernel per operator: "
+                  f"{(pred['predicted_hbm_bytes_one_kernel_per_operator'] - kinds['gemm']) / 1e9:.1f})", flush=True)
     return rows
 
 
@@ -218,15 +353,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--machine", default="h100", help="machine preset (default h100)")
     ap.add_argument("--machine-file", help="a machine file instead of the preset")
     ap.add_argument("--out", default="benchmarks/results/gpu_step.json")
+    ap.add_argument("--hlo-dir", help="a folder with the GPU's optimised HLO text of the flax steps (hlo_<model>.txt)")
+    ap.add_argument("--jax-only", action="store_true", help="only the flax steps (the gemm and torch rows not re-run)")
     args = ap.parse_args(argv)
     measured = json.loads(Path(args.measured).read_text())
     machine = load_machine_file(args.machine_file, 1) if args.machine_file else preset(args.machine, 1)
+    if args.jax_only:
+        jax_steps = jax_step_rows(measured, machine, args.hlo_dir)
+        previous = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
+        previous.update({"jax_rows": jax_steps, "jax_rows_commit": commit, "jax_measured_file": args.measured})
+        Path(args.out).write_text(json.dumps(previous, indent=1) + "\n")
+        return 0
     gemm = gemm_rows(measured, machine)
     ratios = [g["ratio"] for g in gemm]
     print(f"gemm passes: {len(gemm)}, predicted / measured median {statistics.median(ratios):.2f}, "
           f"range {min(ratios):.2f}-{max(ratios):.2f}, within 10 %: {sum(abs(x - 1) <= 0.1 for x in ratios)}")
     steps = step_rows(measured, machine)
-    jax_steps = jax_step_rows(measured, machine)
+    jax_steps = jax_step_rows(measured, machine, args.hlo_dir)
     write_result("gpu_step", args.out, steps, machine=machine.name, measured_file=args.measured, jax_rows=jax_steps,
                  measured_on=measured["machine"], gemm=gemm,
                  gemm_summary={"passes": len(gemm), "median_ratio": statistics.median(ratios),

@@ -49,6 +49,7 @@ __all__ = [
     "Tensor",
     "Recurrence",
     "Causal",
+    "KernelIO",
     "Operator",
     "TensorRef",
     "EdgeRef",
@@ -231,6 +232,45 @@ class Causal:
     balanced: bool = True
 
 
+@dataclass(frozen=True)
+class KernelIO:
+    """How an operator inside a compiler-fused kernel touches HBM (:attr:`Operator.kernel_io`; a frontend that
+    traced a compiled program sets it: the JAX frontend, after XLA's fusion rules, :mod:`shardplan.jax.fusion`).
+
+    Per operand (the inputs, then the weights, in order):
+
+    * ``reads``: how many times the operator's forward kernels load it from HBM: 0 when it never leaves the
+      chip there (produced by an operator of the same kernel, or loaded by another operator of it), 2 when
+      the operator is duplicated into two kernels that each load it;
+    * ``back``: how many tiles of it the backward kernels move on this operator's account: its gradient
+      written (1, once per tensor however many fused operators read it: the partial gradients are summed
+      on chip), plus its value re-read where the backward needs forward values (1); 0 where another
+      operator carries it.
+
+    ``write``: the output tiles written to HBM (0: every consumer is in its kernel; 1: the root of a kernel);
+    the backward kernels read its gradient back as many.
+
+    Counts are in tiles of the model's element size (:attr:`~shardplan.ir.Tensor.elem_factor`): a frontend
+    that knows a value is wider in the kernel's memory (a float32 loss over bfloat16 logits) multiplies its
+    counts (2). The charging rule is :mod:`shardplan.cost.chain`'s (docs/cost-model.md, "Fused memory-bound
+    chains").
+    """
+
+    reads: tuple[float, ...]
+    back: tuple[float, ...]
+    write: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reads", tuple(float(r) for r in self.reads))
+        object.__setattr__(self, "back", tuple(float(r) for r in self.back))
+        object.__setattr__(self, "write", float(self.write))
+        if len(self.back) != len(self.reads):
+            raise ShardplanError(f"kernel reads {self.reads} and back {self.back} differ in length")
+        if any(not (r >= 0 and math.isfinite(r)) for r in self.reads + self.back + (self.write,)):
+            raise ShardplanError(f"kernel reads {self.reads}, back {self.back} and write {self.write} must be "
+                                 "finite counts >= 0")
+
+
 @dataclass(frozen=True, eq=False)
 class Operator:
     """One vertex of the graph: an iteration domain with its tensor accesses.
@@ -280,6 +320,9 @@ class Operator:
             intermediate gradients (a cross-entropy's gradient of its log-probabilities: one more tile
             of its logits). Empty (the default): nothing stated (a compiled program whose buffers the
             compiler assigns by liveness), charged nothing. :func:`shardplan.cost.memory.transient_bytes`.
+        kernel_io: None (the default) when the operator runs as a kernel of its own, as eager PyTorch runs
+            it; a :class:`KernelIO` when a compiler fuses it with its neighbours (a memory-bound operator of
+            an XLA program): which operands it loads from HBM and whether it writes its output there.
     """
 
     name: str
@@ -298,6 +341,7 @@ class Operator:
     causal: Causal | None = None
     backward_flops: float | None = None
     transient: tuple[float, ...] = ()
+    kernel_io: KernelIO | None = None
 
     def __post_init__(self) -> None:
         labels = self.dim_labels.items() if isinstance(self.dim_labels, Mapping) else self.dim_labels
@@ -328,6 +372,9 @@ class Operator:
                                                     and self.flops_per_point > 0):
             self._fail(f"backward_flops must be a finite number >= 0 beside a positive flops_per_point, got "
                        f"{self.backward_flops!r} (forward {self.flops_per_point!r})")
+        if self.kernel_io is not None and len(self.kernel_io.reads) != len(self.inputs) + len(self.weights):
+            self._fail(f"kernel_io has {len(self.kernel_io.reads)} read counts for "
+                       f"{len(self.inputs) + len(self.weights)} operands")
         names = [d for d, _ in self.dims]
         if len(set(names)) != len(names):
             self._fail(f"duplicate dimension names in {names}")

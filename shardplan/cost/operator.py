@@ -22,7 +22,9 @@ configuration c (arrays over the K configurations):
   ``machine.gemm_unaligned_efficiency`` where a dimension of the product is
   not a multiple of ``machine.gemm_align`` (:func:`pass_utilisation`). An operator with a fused backward
   (:attr:`~shardplan.ir.Operator.backward_flops`: FlashAttention) is one kernel each way instead,
-  :func:`shardplan.cost.fused.fused_compute`;
+  :func:`shardplan.cost.fused.fused_compute`; a memory-bound operator a compiler fused with its neighbours
+  (:attr:`~shardplan.ir.Operator.kernel_io`) moves only what its kernel loads and stores,
+  :func:`shardplan.cost.chain.chain_compute`;
 * forward partial sums: with G = reduction dims (index no output axis) and
   g = prod_{d in G} c_d > 1, the output tile is all-reduced among g devices;
 * backward: the gradient of a tensor X sums over the dims that do not index
@@ -97,6 +99,7 @@ import numpy as np
 from shardplan.configs import forward_deferrable
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
 from shardplan.cost.causal import causal_fractions
+from shardplan.cost.chain import chain_compute
 from shardplan.cost.fused import fused_compute
 from shardplan.cost.tiles import as_layouts, box_volumes, lazy_grid, regular_tile_lengths, tensor_boxes
 from shardplan.layout import LayoutArrays, flat_layout_arrays, unique_rows
@@ -450,6 +453,9 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     epilogue = [i for i, t in enumerate(op.grad_tensors) if any(t is e for e in op.epilogue_tensors)]
     if op.backward_flops is not None:  # forward and backward each one fused kernel (cost/fused.py)
         t_pass, compute = fused_compute(op, configs, machine, max_tile)
+    elif op.kernel_io is not None:  # a memory-bound operator inside a compiler-fused kernel (cost/chain.py)
+        rate = None if machine.hbm_bandwidth is None else machine.convert_rate if converts(op) else machine.hbm_bandwidth
+        t_pass, compute = chain_compute(op, flops, machine, rate, max_tile)
     elif machine.shaped_gemms or epilogue:
         if not machine.shaped_gemms:
             t_passes = np.broadcast_to(t_pass, (passes, k)).copy()

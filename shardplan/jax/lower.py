@@ -24,6 +24,11 @@ that operator: its work per point grows by ``f · |out| / |domain|``
 (f = FLOPs per output element); the operator's output variable moves to
 the elementwise result.
 
+XLA's kernels. The program runs compiled by XLA, which fuses chains of memory-bound operators
+(elementwise, reductions, copies) into kernels that keep the values passed inside on chip: every such
+operator gets the :class:`~shardplan.ir.KernelIO` of :func:`shardplan.jax.fusion.xla_kernels`, and the cost
+model charges it only the HBM traffic of its kernel (:mod:`shardplan.cost.chain`).
+
 Parameters. The pytree leaves of the arguments in ``params_argnums`` are
 parameters: an operator that reads one gets it as a *weight*. A parameter
 read by several operators (tied weights) is a weight of each; its first
@@ -81,9 +86,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 from shardplan import ops
 from shardplan.errors import ShardplanError
-from shardplan.ir import AxisMap, Graph, Operator, Tensor, TensorRef, unique_name
+from shardplan.ir import AxisMap, Graph, KernelIO, Operator, Tensor, TensorRef, unique_name
 from shardplan.jax.attention import ATTENTION
 from shardplan.jax.flatten import TOP, Atom, Const, FlatEqn, Program, flatten, join_scope
+from shardplan.jax.fusion import xla_kernels
 from shardplan.labels import input_axis_labels, label_dims, output_axis_labels
 
 __all__ = ["trace", "TraceInfo", "handles", "supported_primitives", "ELEMENTWISE_FLOPS", "ConservativeWarning"]
@@ -290,6 +296,9 @@ class _GraphPass:
         self.inputs: dict[str, tuple[int, ...]] = {}
         self.input_leaf = dict(input_leaf)
         self.conservative: dict[str, tuple[str, str, str]] = {}  # operator -> (primitive, name stack, reason)
+        self.out_dtype: dict[str, Any] = {}  # operator -> the dtype of its output
+        self.operand_dtypes: dict[str, tuple[list[Any], list[Any]]] = {}  # operator -> its inputs', weights' dtypes
+        self.var_dtype: dict[int, Any] = {o: d for e in program.eqns for o, d in zip(e.outvars, e.out_dtypes)}
         self.alias, self.uses = _count_uses(program)
         self.eqn_index = -1
         for var, val in leaf_vals.items():
@@ -369,6 +378,8 @@ class _GraphPass:
         reads: list[tuple[int, int, tuple[str | None, ...]]] = []
         wkeys: list[tuple[Any, Any]] = []
         tlabels: dict[str, tuple[str | None, ...]] = {}
+        in_dtypes: list[Any] = []
+        w_dtypes: list[Any] = []
         batch_dim = None
         for slot, (v, t) in enumerate(zip(vals, op.inputs)):
             if v.kind == "const":
@@ -381,15 +392,20 @@ class _GraphPass:
             if inserted_axis is not None:
                 del read[inserted_axis]
             reads.append((self.eqn_index, slot if slots is None else int(slots[slot]), tuple(read)))
+            operand = eqn.invars[slot if slots is None else int(slots[slot])]
+            dtype = self.var_dtype.get(self.resolve(operand)) if isinstance(operand, int) else None
             if v.kind == "param":
                 ws.append(self.tensor(v, f"w{len(ws)}", t.axes))
                 wkeys.append((v.key, v.part))
+                w_dtypes.append(dtype)
             else:
                 ins.append(self.tensor(v, f"x{len(ins)}", t.axes))
+                in_dtypes.append(dtype)
                 if v.key in self.axis_labels:
                     tlabels[ins[-1].name] = self.axis_labels[v.key]
         name = self.unique(join_scope(eqn.scope, eqn.name))
         self.weight_keys[name] = wkeys
+        self.operand_dtypes[name] = (in_dtypes, w_dtypes)
         op = dataclasses.replace(op, name=name, inputs=tuple(ins), weights=tuple(ws),
                                  fixed=op.fixed | frozenset(fixed))
         mapping: dict[str, str] = {}
@@ -442,6 +458,7 @@ class _GraphPass:
     def register(self, op: Operator, var: int, dtype: Any, vals: Sequence[_Val] = (),
                  out_batch: int | None = None) -> _Val:
         self.ops[op.name] = op
+        self.out_dtype[op.name] = dtype
         self.axis_labels[op.name] = output_axis_labels(op)
         self.op_eqn[op.name] = self.eqn_index
         self.op_var[op.name] = var
@@ -593,6 +610,16 @@ _READS_RESULT = frozenset({"exp", "exp2"})
 _READS_INPUT = frozenset({"log", "log1p"})
 _BILINEAR = frozenset({"dot_general", "conv_general_dilated", "mul"})
 _TAIL_LINEAR = frozenset({"mul", "div"})  # by a constant: linear in the live operand (div: when it is the numerator)
+
+
+def _nonlinear(program: Program, op: Operator, eqn: int | None, tails: Sequence[tuple[str, int]]) -> bool:
+    """Whether ``op``'s backward reads forward values: its main primitive or a fused elementwise one is
+    nonlinear (a product of two values, an exponential, a quotient by a value), as :func:`backward_saved`
+    classifies them; a copy is linear."""
+    main = "copy" if op.kind == "copy" or eqn is None or not 0 <= eqn < len(program.eqns) else program.eqns[eqn].name
+    if main not in _READS_NOTHING:
+        return True
+    return any(not (t in _READS_NOTHING or (t in _TAIL_LINEAR and (t == "mul" or slot == 0))) for t, slot in tails)
 
 
 def backward_saved(program: Program, operators: Mapping[str, Operator], op_eqn: Mapping[str, int],
@@ -1259,6 +1286,14 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
     recomputed = user_recomputed(program, gp.op_eqn, gp.ops, gp.identity_vars)
     saved = backward_saved(program, gp.ops, gp.op_eqn, gp.tails, recomputed)
     gp.ops = {n: dataclasses.replace(op, saved=saved[n]) for n, op in gp.ops.items()}
+    kernels = xla_kernels(gp.ops, [n for n, op in gp.ops.items() if n not in gp.conservative and (
+        op.kind in ELEMENTWISE_FLOPS or op.kind in _REDUCE or op.kind == "copy")],
+        [n for n in gp.ops if _nonlinear(program, gp.ops[n], gp.op_eqn.get(n), gp.tails.get(n, ()))])
+    widths = _widths(gp.ops, gp.out_dtype, {nm: _dtype(leaves_with_path[i][1]) for nm, i in input_leaf.items()},
+                     {n: [_dtype(leaves_with_path[leaf][1]) for leaf, _ in keys] for n, keys in gp.weight_keys.items()},
+                     gp.operand_dtypes, [leaves_with_path[i][1] for i in sorted(param_leaves)])
+    gp.ops = {n: dataclasses.replace(op, kernel_io=_widen(kernels[n], *widths[n])) if n in kernels else op
+              for n, op in gp.ops.items()}
     graph = Graph(name or getattr(fn, "__name__", "jax"), tuple(gp.ops.values()), graph_inputs,
                   ties=scan_ties(program, gp.ops, gp.op_eqn), recomputed=recomputed)
     op_vars = _op_run_vars(gp.identity_vars, gp.alias, _run_vars(program))
@@ -1266,6 +1301,62 @@ def trace(fn: Callable[..., Any], *example_args: Any, params_argnums: Sequence[i
                      {k: tuple(v) for k, v in gp.leaf_uses.items()},
                      {k: tuple(v) for k, v in gp.reads.items()}, frozenset(batch_leaves), gp.conservative_ops())
     return graph, info
+
+
+def _widths(operators: Mapping[str, Operator], out_dtype: Mapping[str, Any], input_dtype: Mapping[str, Any],
+            weight_dtype: Mapping[str, Sequence[Any]], operand_dtypes: Mapping[str, tuple[Sequence[Any], Sequence[Any]]],
+            params: Sequence[Any],
+            ) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Per operator, the width of each operand (inputs, then weights) and of its output in HBM, in elements of
+    the model's size, the rule the PyTorch frontend applies to :attr:`~shardplan.ir.Tensor.elem_factor`: a
+    floating value of itemsize ``i`` in a model whose precision (the itemsize ``r`` of most of its floating
+    parameters' elements) is narrower is ``max(1, i // r)`` wide (a float32 loss over bfloat16 logits: 2); a
+    narrower or integer value, 1. A conversion is a view here; XLA fuses it into the kernel on its narrow side
+    (a narrowing one into the producer, a widening one into the consumer), so a value between two kernels is
+    stored in the narrower of its producer's and its consumer's dtypes (a parameter: of its leaf's and its
+    reader's). ``weight_dtype``: per operator, its weights' leaves' dtypes; ``operand_dtypes``: the dtypes its
+    equation sees its inputs and weights in. Only the fused kernels' traffic reads these widths
+    (:func:`_widen`): the tensors keep ``elem_factor`` 1, so memory and collectives count as before."""
+    import numpy as np
+
+    sizes: dict[int, int] = {}
+    for leaf in params:
+        dt = _dtype(leaf)
+        if _is_float(dt):
+            sizes[np.dtype(dt).itemsize] = sizes.get(np.dtype(dt).itemsize, 0) + int(np.prod(np.shape(leaf)))
+    if not sizes:
+        return {n: ((1,) * (len(op.inputs) + len(op.weights)), 1) for n, op in operators.items()}
+    ref = max(sizes, key=lambda k: (sizes[k], -k))
+
+    def factor(dt: Any) -> int:
+        return max(1, np.dtype(dt).itemsize // ref) if dt is not None and _is_float(dt) else 1
+
+    wide = 2 ** 30
+    seen: dict[str, list[int]] = {}  # operator -> the factor each consumer sees it in
+    for name, op in operators.items():
+        in_dt = list(operand_dtypes.get(name, ((), ()))[0]) + [None] * len(op.inputs)
+        for t, d in zip(op.inputs, in_dt):
+            seen.setdefault(t.src, []).append(factor(d) if d is not None else wide)
+    made: dict[str, int] = {}  # operator -> the factor its output is stored in
+    out: dict[str, tuple[tuple[int, ...], int]] = {}
+    for name, op in operators.items():
+        in_dt, w_dt = operand_dtypes.get(name, ((), ()))
+        in_dt = list(in_dt) + [None] * (len(op.inputs) - len(in_dt))
+        w_dt = list(w_dt) + [None] * (len(op.weights) - len(w_dt))
+        ins = [min(made.get(t.src, factor(input_dtype.get(t.src))), factor(d) if d is not None else wide)
+               for t, d in zip(op.inputs, in_dt)]
+        leaf = list(weight_dtype.get(name, ())) + [None] * len(op.weights)
+        ws = [min([factor(x) for x in (a, d) if x is not None] or [1]) for a, d in zip(leaf, w_dt)]
+        f = factor(out_dtype[name]) if name in out_dtype else max(ins + ws, default=1)
+        made[name] = min(f, max(seen.get(name, [f])))
+        out[name] = (tuple(ins + ws), made[name])
+    return out
+
+
+def _widen(io: KernelIO, operands: Sequence[int], output: int) -> KernelIO:
+    """``io`` with each count in elements of the model's size: times the operand's or the output's width."""
+    return KernelIO(tuple(r * w for r, w in zip(io.reads, operands)), tuple(b * w for b, w in zip(io.back, operands)),
+                    io.write * output)
 
 
 def scan_ties(program: Program, operators: Mapping[str, Operator], op_eqn: Mapping[str, int],
