@@ -241,7 +241,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     release: Callable[[], None] | None = None,
                     step_floor: Callable[[int], float] | None = None,
                     stage_lower: StageLowerFn | None = None,
-                    seeds: int = SEED_EVALUATIONS) -> PipelinePlan | None:
+                    seeds: int = SEED_EVALUATIONS,
+                    forward_floor: Callable[[int], float] | None = None) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -288,7 +289,11 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     ``seeds``: with ``stage_lower``, before any part, up to that many uniform pipelines (equal sub-meshes, the units
     dealt evenly) are costed in increasing order of a solve-free estimate (:func:`_uniform_seeds`); the best that
     beats the best step known is the first incumbent, and the micro-batch counts whose seeds are best go first
-    (docs/pipeline.md, *Seeds*). They are real plans of the space: the optimum and its bound do not change."""
+    (docs/pipeline.md, *Seeds*). They are real plans of the space: the optimum and its bound do not change.
+
+    ``forward_floor(m)``: a lower bound of the largest forward seconds among the stages of every pipeline at m
+    (:meth:`~shardplan.pipeline.stages.ModelStages.forward_floor`); ZB-H1's boxes use it to bound its saving
+    W + Y (docs/pipeline.md, *ZB-H1's boxes*)."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
@@ -390,7 +395,9 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                                               first_stages=2 if "1f1b" in schedules else 1, progress=progress,
                                               hint=hint, stage_lower=stage_lower,
                                               prefer=seeded[m].num_stages if m in seeded
-                                              and seeded[m].step_time < outside else None)
+                                              and seeded[m].step_time < outside else None,
+                                              phi=max(0.0, float(forward_floor(m))) if forward_floor is not None
+                                              else 0.0)
                 elif fam == "1f1b":
                     found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
                                              exchange, fit_fn, progress=progress,
@@ -1367,7 +1374,7 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                   first_stages: int = 1, progress: Progress | None = None,
                   hint: Callable[[float], None] | None = None,
                   stage_lower: StageLowerFn | None = None,
-                  prefer: int | None = None) -> tuple[PipelinePlan | None, float]:
+                  prefer: int | None = None, phi: float = 0.0) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count ``first_stages`` <= S <= m
     (module docstring,
     *ZB-H1*) if below ``incumbent``, and a proven lower bound of it: each stage count whose family bound
@@ -1376,7 +1383,8 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
     solved lazily. ``hint(bound)`` hears the family's bound once the stage counts' bounds are known (min over
     the counts of m B_0; 0 when the stand-ins are found void): what the part has proven if it is interrupted.
     ``prefer``: a stage count searched first (the best seed's), the others in increasing order; each count's
-    search is exact given the best plan so far, so the order changes only how much is solved."""
+    search is exact given the best plan so far, so the order changes only how much is solved. ``phi``: a lower
+    bound of the largest forward seconds among the stages of every pipeline at m (0: none known)."""
     U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
     budget = math.inf if space.budget is None else space.budget
@@ -1421,7 +1429,7 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                     lower = min(lower, m * floors[n])
                     continue
                 found, lb = _zb_branch_and_bound(pool, space, n, p // n if space.uniform else None, m, link_fn,
-                                                 exchange, floors[n], best_t(), stats, progress)
+                                                 exchange, floors[n], best_t(), stats, progress, phi)
                 lower = min(lower, lb)
                 if found is not None and found.step_time < best_t():
                     best = found
@@ -1626,23 +1634,37 @@ def _relaxed_max(pool: _StagePool, segs: Sequence[tuple[int, int, int, int]], n:
     return out
 
 
+def _zb_box_bound(d: float, b_lo: float, w_hi: float, y_hi: float, m: int, n: int, phi: float = 0.0) -> float:
+    """A lower bound of the ZB-H1 step ``sum_i (t_i + c_i + c'_i) + (m - 1) M - (n - 1)(W + Y)`` of every
+    pipeline of n <= m stages whose sum is at least ``d``, largest stage or transfer time M at least ``b_lo``,
+    W at most ``w_hi`` and Y at most ``y_hi``, one of whose stages has forward seconds at least ``phi``.
+
+    For every stage j, W + Y <= w_j + min(w_j, f_j, b_j) <= t_j - f_j <= M - f_j (b_j the input gradient), so
+    W + Y <= M - phi; and Y <= min(W, M / 3) (min(w, f, b) <= t / 3). With cap(M) = min(w_hi + min(y_hi, w_hi,
+    M / 3), M - phi) the step is at least d + (m - 1) M - (n - 1) cap(M), nondecreasing in M (its slope is at
+    least m - n >= 0), so at least its value at M = b_lo; and it is at least m M >= m b_lo (docs/pipeline.md,
+    *ZB-H1's boxes*)."""
+    cap = min(w_hi + min(y_hi, w_hi, b_lo / 3), b_lo - phi)
+    return max(m * b_lo, d + (m - 1) * b_lo - (n - 1) * cap)
+
+
 ZB_TOL = 1e-12  # a box whose lower bound is within this relative distance of the best plan holds nothing better
 
 
 def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, m: int,
                          link_fn: LinkFn, exchange: ExchangeFn | None, floor: float, incumbent: float,
-                         stats: dict, progress: Progress | None = None) -> tuple[PipelinePlan | None, float]:
+                         stats: dict, progress: Progress | None = None,
+                         phi: float = 0.0) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum over every cut and sub-mesh sequence of n stages at m >= n, if below ``incumbent``
     (module docstring, *ZB-H1*): branch and bound over boxes of (M, W, Y) = (the largest stage or transfer time,
     the least W, the least Y). Returns the best plan found (None: none below ``incumbent``) and the least value
-    the search proved for the family: min(incumbent, best) (1 - ZB_TOL)."""
+    the search proved for the family: min(incumbent, best) (1 - ZB_TOL). ``phi``: a lower bound of the largest
+    forward seconds among the stages of every pipeline (docs/pipeline.md, *ZB-H1's boxes*)."""
     best: PipelinePlan | None = None
     inc = incumbent
 
-    def bound(d: float, b_lo: float, b_hi: float, w_hi: float, y_hi: float) -> float:
-        # W + Y <= w_j + y_j <= t_j <= M <= b_hi for every stage j, Y <= min(W, b_hi / 3)
-        cap = min(w_hi + min(y_hi, w_hi, b_hi / 3), b_hi)
-        return max(m * b_lo, d + (m - 1) * b_lo - (n - 1) * cap)
+    def bound(d: float, b_lo: float, w_hi: float, y_hi: float) -> float:
+        return _zb_box_bound(d, b_lo, w_hi, y_hi, m, n, phi)
 
     tick = 0
     heap: list[tuple[float, int, tuple[float, float, float, float, float, float]]] = [
@@ -1661,7 +1683,7 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
         if got is None:
             continue
         d, segs = got
-        lb = max(lb, bound(d, b_lo, b_hi, w_hi, y_hi))
+        lb = max(lb, bound(d, b_lo, w_hi, y_hi))
         if lb >= inc * (1 - ZB_TOL):
             continue
         pending = [(a, b, q, float(n)) for a, b, _, q in segs if pool.get(a, b, q, float(n)).detail is _PENDING]
@@ -1671,7 +1693,7 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
             # a larger B_lo; the part below it is a new box (as 1F1B's search takes bounds best-first)
             for child in ((b_lo, math.nextafter(relaxed_max, -math.inf), w_lo, w_hi, y_lo, y_hi),
                           (relaxed_max, b_hi, w_lo, w_hi, y_lo, y_hi)):
-                c_lb = max(lb, bound(d, child[0], child[1], child[3], child[5]))
+                c_lb = max(lb, bound(d, child[0], child[3], child[5]))
                 if c_lb < inc * (1 - ZB_TOL):
                     tick += 1
                     heapq.heappush(heap, (c_lb, tick, child))
@@ -1705,7 +1727,7 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
         if y_p < y_hi:
             children.append((b_mid, b_hi, w_lo, min(w_hi, w_p), math.nextafter(y_p, math.inf), y_hi))
         for child in children:
-            c_lb = max(lb, bound(d, child[0], child[1], child[3], child[5]))
+            c_lb = max(lb, bound(d, child[0], child[3], child[5]))
             if c_lb < inc * (1 - ZB_TOL):
                 tick += 1
                 heapq.heappush(heap, (c_lb, tick, child))
