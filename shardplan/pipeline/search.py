@@ -1557,7 +1557,8 @@ def _zb_terms(c: StageCost) -> tuple[float, float]:
 
 def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, link_fn: LinkFn,
            exchange: ExchangeFn | None, hi: float, w_lo: float, y_lo: float, stats: dict, cap: float = math.inf,
-           prune_states: bool = True) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+           prune_states: bool = True, only: Sequence[tuple[int, int, int, int]] | None = None
+           ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least ``sum_i t_i + transfers`` over pipelines of n stages (n in flight on each) whose every stage and
     transfer time is at most ``hi`` and every stage's W at least ``w_lo`` and Y at least ``y_lo`` (stand-ins pass
     the floors): :func:`_stage_dp` as 1F1B's. Stage times grow with the extent, so the scan stops at the first
@@ -1566,7 +1567,10 @@ def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, 
     m: the ZB-H1 step is at least m t_max) is in no pipeline that could beat it: left out, and one whose
     solve-free bound (:meth:`_StagePool.lower`) exceeds ``hi`` or ``cap`` is not solved. ``prune_states``: a
     state (first unit a, first device o) is unreachable when the units from a need more device-seconds than the
-    devices from o give under that limit (docs/pipeline.md, *Device-seconds left*)."""
+    devices from o give under that limit (docs/pipeline.md, *Device-seconds left*).
+
+    ``only``: no DP; the value of these placed stages (an earlier answer) as the DP would sum it, or None if one
+    of them is not allowed now (docs/pipeline.md, *ZB-H1's boxes*: an answer kept)."""
     p = space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     k = float(n)
@@ -1609,6 +1613,25 @@ def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, 
     def between(b: int, o: int, q: int, q2: int) -> float | None:
         lk = link_fn(b, q, q2, pool.m, (o + q) % ns == 0)
         return lk if lk <= hi else None
+
+    if only is not None:
+        # the DP's own sum, from the last stage back (best_from adds a stage to the best of the rest after it)
+        total = 0.0
+        for i in range(len(only) - 1, -1, -1):
+            a, b, o, q = only[i]
+            here = stage(a, b, o, q, len(only) - i)
+            if here is None or here is _BREAK:
+                return None
+            if i == len(only) - 1:
+                total = here  # type: ignore[assignment]
+            elif exchange is None:
+                lk = between(b, o, q, only[i + 1][3])
+                if lk is None:
+                    return None
+                total = here + 2 * lk + total  # type: ignore[operator]
+            else:
+                total = here + total  # type: ignore[operator]
+        return total, list(only)
 
     return _stage_dp(space, n, qs, stage, between if exchange is None else None, stats, "zb_dp_states",
                      tick=pool.tick, floor=floor if pool.stage_lower is not None else None, reachable=reachable)
@@ -1669,6 +1692,8 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
     tick = 0
     heap: list[tuple[float, int, tuple[float, float, float, float, float, float]]] = [
         (m * floor, tick, (floor, math.inf, 0.0, math.inf, 0.0, math.inf))]
+    # each DP's answer by (its bound on M, its floors on W and Y), with the cap it ran under
+    answers: dict[tuple[float, float, float], tuple[float, tuple[float, list] | None]] = {}
     while heap:
         lb, _, box = heapq.heappop(heap)
         if lb >= inc * (1 - ZB_TOL):
@@ -1678,8 +1703,23 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
         if progress is not None:
             progress.tick(f"{n} stages: box {stats['zb_boxes']}, its bound {lb:.4g} s")
         # the ZB-H1 step is at least m t_max (docs/pipeline.md, *Family bounds*): no stage slower than inc / m
-        got = _zb_dp(pool, space, n, q_fixed, link_fn, exchange, b_hi, w_lo, y_lo, stats,
-                     cap=inc / m * (1 + 1e-12))
+        cap = inc / m * (1 + 1e-12)
+        key = (b_hi, w_lo, y_lo)
+        kept = answers.get(key)
+        got = None
+        if kept is not None and kept[0] >= cap:
+            # the same DP asked before, at a cap no smaller: since then costs only rose or went (stand-ins solved,
+            # the cap lowered), so its answer is still optimal if it is still allowed at the same value
+            again = None if kept[1] is None else _zb_dp(pool, space, n, q_fixed, link_fn, exchange, b_hi, w_lo,
+                                                         y_lo, stats, cap=cap, only=kept[1][1])
+            if kept[1] is None or (again is not None and again[0] == kept[1][0]):
+                got = kept[1]
+                stats["zb_dp_reused"] = stats.get("zb_dp_reused", 0) + 1
+                if got is None:
+                    continue
+        if got is None:
+            got = _zb_dp(pool, space, n, q_fixed, link_fn, exchange, b_hi, w_lo, y_lo, stats, cap=cap)
+            answers[key] = (cap, got)
         if got is None:
             continue
         d, segs = got

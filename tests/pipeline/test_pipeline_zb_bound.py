@@ -144,3 +144,41 @@ def test_forward_floor_below_every_stage_forward_on_a_real_model():
                     if b - a <= 2 and q == 4:
                         fit = st.fit_cost(a, b, q, m, 2, c.memory(2) * 0.8)
                         assert fit is None or fit.forward >= floor * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dp_answer_revalued_exactly(seed):
+    """``_zb_dp(..., only=segs)`` gives a DP answer's own value bit for bit (with exact transfers and with links),
+    and None once one of its stages is not allowed (a bound below its slowest stage)."""
+    from shardplan.pipeline.search import _StagePool, _zb_dp
+
+    U, p = 6, 8
+    stage_fn, fit_fn, link_fn, lower = _instance(seed, U, p, eff_low=0.3, with_lower=True)
+    space = PipelineSpace(U, p, 4, micro_batches=(4,), budget=[None, 4.0][seed % 2])
+    for exchange in (None, lambda nbytes, inter: 0.01 + (nbytes or 0.0) * (2.0 if inter else 1.0)):
+        for n in (2, 3, 4):
+            pool = _StagePool(stage_fn, fit_fn, 4, space.budget or math.inf, {}, stage_lower=lower)
+            got = _zb_dp(pool, space, n, None, link_fn, exchange, math.inf, 0.0, 0.0, {})
+            assert got is not None
+            again = _zb_dp(pool, space, n, None, link_fn, exchange, math.inf, 0.0, 0.0, {}, only=got[1])
+            assert again == got
+            slowest = max(pool.get(a, b, q, float(n)).time for a, b, _, q in got[1])
+            assert _zb_dp(pool, space, n, None, link_fn, exchange, slowest * 0.999, 0.0, 0.0, {},
+                          only=got[1]) is None
+
+
+def test_kept_dp_answers_are_reused_and_the_optimum_is_brute_forces():
+    """With memory-constrained stages solved lazily, a box whose DP was asked before (the part above a relaxed
+    optimum's max, a box back after its stand-ins were solved) takes the kept answer when it is still allowed at
+    the same value; the optimum stays brute force's."""
+    reused = 0
+    for seed in (2, 5, 7, 8):
+        U, p = 6, 8
+        stage_fn, fit_fn, link_fn, lower = _instance(seed, U, p, eff_low=0.3, with_lower=True)
+        space = PipelineSpace(U, p, 4, micro_batches=(2, 4, 8), budget=[None, 4.0, 2.5][seed % 3])
+        want = min(_brute_zb(space, stage_fn, link_fn, fit_fn).values())
+        got = search_pipeline(space, stage_fn, link_fn, schedules=("zb-h1",), fit_fn=fit_fn, stage_lower=lower,
+                              seeds=0)
+        assert got.step_time == pytest.approx(want, rel=1e-12) and got.lower_bound <= want * (1 + 1e-12)
+        reused += got.stats.get("zb_dp_reused", 0)
+    assert reused > 0
