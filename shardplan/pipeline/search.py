@@ -1465,6 +1465,23 @@ class _StagePool:
         self.version = 0  # counts the solves that changed a cost (a DP's memo is valid for one version)
         self._unit_lower: dict[int, list[float]] = {}
         self._work: dict[tuple[int, ...], list[float]] = {}
+        # the memory-constrained solves of each stage (a, b, q) by in-flight count, and the lower bound each
+        # stand-in took from them (docs/pipeline.md, *Stand-ins from fewer in flight*)
+        self._fits: dict[tuple[int, int, int], dict[float, StageCost | None]] = {}
+        self._inherited: dict[tuple[int, int, int, float], float] = {}
+        self._none_from_fewer: set[tuple[int, int, int, float]] = set()
+
+    def _from_fewer(self, a: int, b: int, q: int, k: float) -> float | None:
+        """A proven lower bound of the stage's memory-constrained optimum with k in flight from its solves with
+        fewer (the optimum is nondecreasing in k: a plan that fits k fits fewer), or None when nothing fit
+        fewer, so nothing fits k."""
+        low = 0.0
+        for k1, c in self._fits.get((a, b, q), {}).items():
+            if k1 < k:
+                if c is None:
+                    return None
+                low = max(low, c.proven)
+        return low
 
     def bounded(self) -> bool:
         """Whether the time-optimal seconds bound every stage's (False once a memory-constrained solve came out
@@ -1518,7 +1535,16 @@ class _StagePool:
         key = (a, b, q, k)
         if key not in self.fitted:
             if self.lazy:
-                self.fitted[key] = _stand_in(c, self.known_lower.get(key, 0.0))
+                fewer = self._from_fewer(a, b, q, k)
+                if fewer is None:
+                    self.fitted[key] = None  # nothing fit fewer in flight
+                    self._none_from_fewer.add(key)
+                    self.stats["fits_from_fewer"] = self.stats.get("fits_from_fewer", 0) + 1
+                else:
+                    if fewer > c.time:
+                        self._inherited[key] = fewer
+                        self.stats["stand_ins_from_fewer"] = self.stats.get("stand_ins_from_fewer", 0) + 1
+                    self.fitted[key] = _stand_in(c, max(self.known_lower.get(key, 0.0), fewer))
             else:
                 self.resolve(key)
         return self.fitted[key]
@@ -1531,16 +1557,19 @@ class _StagePool:
         self.stats["fit_evaluations"] = self.stats.get("fit_evaluations", 0) + 1
         self.tick()
         self.fitted[key] = got
+        self._fits.setdefault((a, b, q), {})[k] = got
         if got is not None and self.on_new is not None:
             self.on_new(got, True)
         plain = self.plain(a, b, q)
-        floor = max(plain.time if plain is not None else 0.0, self.known_lower.get(key, 0.0))
+        floor = max(plain.time if plain is not None else 0.0, self.known_lower.get(key, 0.0),
+                    self._inherited.get(key, 0.0))
         if got is not None and plain is not None and got.time < floor * (1 - 1e-9) and self.lazy:
             # the stand-in (the time-optimal stage, or a bound from outside) is not a lower bound of this fit_fn:
             # stand-ins are void, solve eagerly
             self.lazy = False
             self.stats["lazy_abandoned"] = True
-            for other in [x for x, c in self.fitted.items() if c is not None and c.detail is _PENDING]:
+            for other in [x for x, c in self.fitted.items() if c is not None and c.detail is _PENDING
+                          or c is None and x in self._none_from_fewer]:
                 del self.fitted[other]
 
     def rho(self) -> float:

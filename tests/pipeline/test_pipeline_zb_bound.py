@@ -182,3 +182,38 @@ def test_kept_dp_answers_are_reused_and_the_optimum_is_brute_forces():
         assert got.step_time == pytest.approx(want, rel=1e-12) and got.lower_bound <= want * (1 + 1e-12)
         reused += got.stats.get("zb_dp_reused", 0)
     assert reused > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stand_ins_from_fewer_in_flight(seed):
+    """A stand-in of a stage with k in flight takes the largest proven seconds of its solves with fewer (at most
+    its own optimum: that is nondecreasing in k), and no stand-in where nothing fit fewer (nothing fits k); the
+    ZB-H1 search with them (stage counts share one pool at m) is still brute force's."""
+    from shardplan.pipeline.search import _PENDING, _StagePool
+
+    U, p = 6, 8
+    stage_fn, fit_fn, link_fn, lower = _instance(seed, U, p, eff_low=0.3, with_lower=True)
+    budget = 2.5
+    pool = _StagePool(stage_fn, fit_fn, 8, budget, {}, stage_lower=lower)
+    raised = nones = 0
+    for a, b in itertools.combinations(range(U + 1), 2):
+        for q in (1, 2, 4):
+            if pool.get(a, b, q, 2.0) is None or pool.plain(a, b, q).memory(2.0) <= budget:
+                continue
+            pool.resolve((a, b, q, 2.0))
+            low = pool.get(a, b, q, 2.0)
+            for k in (3.0, 5.0):
+                c = pool.get(a, b, q, k)
+                truth = fit_fn(a, b, q, 8, int(k), budget)
+                if low is None:
+                    assert c is None and truth is None
+                    nones += 1
+                    continue
+                assert c.detail is _PENDING and low.proven * (1 - 1e-12) <= c.time
+                assert truth is None or c.time <= truth.time * (1 + 1e-12)  # None: a relaxation, still below
+                raised += c.time > pool.plain(a, b, q).time * (1 + 1e-9)
+    assert raised > 0 or nones > 0
+    space = PipelineSpace(U, p, 4, micro_batches=(4, 8), budget=budget)
+    want = min(_brute_zb(space, stage_fn, link_fn, fit_fn).values())
+    got = search_pipeline(space, stage_fn, link_fn, schedules=("zb-h1",), fit_fn=fit_fn, stage_lower=lower, seeds=0)
+    assert got.step_time == pytest.approx(want, rel=1e-12) and got.lower_bound <= want * (1 + 1e-12)
