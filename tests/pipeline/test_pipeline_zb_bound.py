@@ -217,3 +217,48 @@ def test_stand_ins_from_fewer_in_flight(seed):
     want = min(_brute_zb(space, stage_fn, link_fn, fit_fn).values())
     got = search_pipeline(space, stage_fn, link_fn, schedules=("zb-h1",), fit_fn=fit_fn, stage_lower=lower, seeds=0)
     assert got.step_time == pytest.approx(want, rel=1e-12) and got.lower_bound <= want * (1 + 1e-12)
+
+
+_POOLS: dict = {}
+
+
+def _solved_pieces(seeds):
+    """(seed, a, q) of the one-unit stages [a, a + 1) solved memory-constrained with 2 in flight, per seed's pool."""
+    from shardplan.pipeline.search import _StagePool
+
+    U, p, budget = 7, 8, 2.5
+    for seed in seeds:
+        stage_fn, fit_fn, link_fn, lower = _instance(seed, U, p, eff_low=0.3, with_lower=True)
+        pool = _StagePool(stage_fn, fit_fn, 8, budget, {}, stage_lower=lower)
+        _POOLS[seed] = (stage_fn, fit_fn, link_fn, lower, pool, budget)
+        for a in range(2, U - 1):
+            for q in (1, 2, 4):
+                if pool.get(a, a + 1, q, 2.0) is not None and pool.plain(a, a + 1, q).memory(2.0) > budget:
+                    pool.resolve((a, a + 1, q, 2.0))
+                    yield seed, a, q
+
+
+def test_stand_ins_from_solved_pieces():
+    """A stand-in of [a, b) on q takes lower(a, a1) + F(a1, b1) + lower(b1, b) for every solved piece [a1, b1)
+    inside it with at most as many in flight (superadditive and nondecreasing in k), at most its own optimum;
+    no stand-in where a piece found nothing that fits."""
+    from shardplan.pipeline.search import _PENDING
+
+    checked = 0
+    for seed, a, q in _solved_pieces(range(4)):
+        stage_fn, fit_fn, link_fn, lower, pool, budget = _POOLS[seed]
+        piece = pool.get(a, a + 1, q, 2.0)
+        for lo, hi in ((a - 1, a + 1), (a, a + 2), (a - 2, a + 2)):
+            for k in (2.0, 3.0):
+                c = pool.get(lo, hi, q, k)
+                truth = fit_fn(lo, hi, q, 8, int(k), budget)
+                if piece is None:
+                    assert c is None and truth is None
+                    checked += 1
+                    continue
+                if c is None or c.detail is not _PENDING:
+                    continue
+                assert c.time >= (lower(lo, a, q, 8) + piece.proven + lower(a + 1, hi, q, 8)) * (1 - 1e-12)
+                assert truth is None or c.time <= truth.time * (1 + 1e-12)
+                checked += 1
+    assert checked > 0
