@@ -1470,26 +1470,17 @@ class _StagePool:
         self._fits: dict[tuple[int, int, int], dict[float, StageCost | None]] = {}
         self._inherited: dict[tuple[int, int, int, float], float] = {}
         self._none_from_fewer: set[tuple[int, int, int, float]] = set()
-        self._fits_on: dict[int, list[tuple[int, int, float, float | None]]] = {}  # by q: (a, b, k, proven)
 
     def _from_fewer(self, a: int, b: int, q: int, k: float) -> float | None:
-        """A proven lower bound of the stage's memory-constrained optimum with k in flight from the solves of the
-        stages [a1, b1) inside it on the same q with at most k in flight (k1 < k for itself), or None when one of
-        them found nothing that fits, so nothing fits [a, b) with k. The optimum is nondecreasing in k (a plan
-        that fits k fits fewer) and superadditive in the extent (a plan of [a, b) that fits, restricted to a
-        piece, is a plan of the piece that fits, and the edges dropped cost >= 0), so it is at least
-        lower(a, a1) + F(a1, b1) + lower(b1, b) (docs/pipeline.md, *Stand-ins from fewer in flight*)."""
+        """A proven lower bound of the stage's memory-constrained optimum with k in flight from its solves with
+        fewer (the optimum is nondecreasing in k: a plan that fits k fits fewer), or None when nothing fit
+        fewer, so nothing fits k."""
         low = 0.0
         for k1, c in self._fits.get((a, b, q), {}).items():
             if k1 < k:
                 if c is None:
                     return None
                 low = max(low, c.proven)
-        for a1, b1, k1, proven in self._fits_on.get(q, ()):
-            if k1 <= k and a <= a1 and b1 <= b and (a1, b1) != (a, b):
-                if proven is None:
-                    return None
-                low = max(low, self.lower(a, a1, q) + proven + self.lower(b1, b, q))
         return low
 
     def bounded(self) -> bool:
@@ -1567,7 +1558,6 @@ class _StagePool:
         self.tick()
         self.fitted[key] = got
         self._fits.setdefault((a, b, q), {})[k] = got
-        self._fits_on.setdefault(q, []).append((a, b, k, None if got is None else got.proven))
         if got is not None and self.on_new is not None:
             self.on_new(got, True)
         plain = self.plain(a, b, q)
