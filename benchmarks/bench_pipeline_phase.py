@@ -164,7 +164,8 @@ def run_row(name: str, spec: dict[str, Any], cache: Path, limit: float, micro_ba
                stats={k: st.get(k) for k in ("intra_stage_solves", "fit_evaluations", "stages_skipped_by_floor",
                                              "zb_boxes", "zb_dp_states", "dp_memo_entries_max", "candidates",
                                              "parts_closed_by_floor", "parts_done", "parts_total",
-                                             "family_lower_bounds")})
+                                             "family_lower_bounds", "zb_dp_reused", "stand_ins_from_fewer",
+                                             "fits_from_fewer")})
     return row
 
 

@@ -241,7 +241,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     release: Callable[[], None] | None = None,
                     step_floor: Callable[[int], float] | None = None,
                     stage_lower: StageLowerFn | None = None,
-                    seeds: int = SEED_EVALUATIONS) -> PipelinePlan | None:
+                    seeds: int = SEED_EVALUATIONS,
+                    forward_floor: Callable[[int], float] | None = None) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -288,7 +289,11 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     ``seeds``: with ``stage_lower``, before any part, up to that many uniform pipelines (equal sub-meshes, the units
     dealt evenly) are costed in increasing order of a solve-free estimate (:func:`_uniform_seeds`); the best that
     beats the best step known is the first incumbent, and the micro-batch counts whose seeds are best go first
-    (docs/pipeline.md, *Seeds*). They are real plans of the space: the optimum and its bound do not change."""
+    (docs/pipeline.md, *Seeds*). They are real plans of the space: the optimum and its bound do not change.
+
+    ``forward_floor(m)``: a lower bound of the largest forward seconds among the stages of every pipeline at m
+    (:meth:`~shardplan.pipeline.stages.ModelStages.forward_floor`); ZB-H1's boxes use it to bound its saving
+    W + Y (docs/pipeline.md, *ZB-H1's boxes*)."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
@@ -390,7 +395,9 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                                               first_stages=2 if "1f1b" in schedules else 1, progress=progress,
                                               hint=hint, stage_lower=stage_lower,
                                               prefer=seeded[m].num_stages if m in seeded
-                                              and seeded[m].step_time < outside else None)
+                                              and seeded[m].step_time < outside else None,
+                                              phi=max(0.0, float(forward_floor(m))) if forward_floor is not None
+                                              else 0.0)
                 elif fam == "1f1b":
                     found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
                                              exchange, fit_fn, progress=progress,
@@ -1367,7 +1374,7 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                   first_stages: int = 1, progress: Progress | None = None,
                   hint: Callable[[float], None] | None = None,
                   stage_lower: StageLowerFn | None = None,
-                  prefer: int | None = None) -> tuple[PipelinePlan | None, float]:
+                  prefer: int | None = None, phi: float = 0.0) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count ``first_stages`` <= S <= m
     (module docstring,
     *ZB-H1*) if below ``incumbent``, and a proven lower bound of it: each stage count whose family bound
@@ -1376,7 +1383,8 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
     solved lazily. ``hint(bound)`` hears the family's bound once the stage counts' bounds are known (min over
     the counts of m B_0; 0 when the stand-ins are found void): what the part has proven if it is interrupted.
     ``prefer``: a stage count searched first (the best seed's), the others in increasing order; each count's
-    search is exact given the best plan so far, so the order changes only how much is solved."""
+    search is exact given the best plan so far, so the order changes only how much is solved. ``phi``: a lower
+    bound of the largest forward seconds among the stages of every pipeline at m (0: none known)."""
     U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
     budget = math.inf if space.budget is None else space.budget
@@ -1421,7 +1429,7 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                     lower = min(lower, m * floors[n])
                     continue
                 found, lb = _zb_branch_and_bound(pool, space, n, p // n if space.uniform else None, m, link_fn,
-                                                 exchange, floors[n], best_t(), stats, progress)
+                                                 exchange, floors[n], best_t(), stats, progress, phi)
                 lower = min(lower, lb)
                 if found is not None and found.step_time < best_t():
                     best = found
@@ -1457,6 +1465,23 @@ class _StagePool:
         self.version = 0  # counts the solves that changed a cost (a DP's memo is valid for one version)
         self._unit_lower: dict[int, list[float]] = {}
         self._work: dict[tuple[int, ...], list[float]] = {}
+        # the memory-constrained solves of each stage (a, b, q) by in-flight count, and the lower bound each
+        # stand-in took from them (docs/pipeline.md, *Stand-ins from fewer in flight*)
+        self._fits: dict[tuple[int, int, int], dict[float, StageCost | None]] = {}
+        self._inherited: dict[tuple[int, int, int, float], float] = {}
+        self._none_from_fewer: set[tuple[int, int, int, float]] = set()
+
+    def _from_fewer(self, a: int, b: int, q: int, k: float) -> float | None:
+        """A proven lower bound of the stage's memory-constrained optimum with k in flight from its solves with
+        fewer (the optimum is nondecreasing in k: a plan that fits k fits fewer), or None when nothing fit
+        fewer, so nothing fits k."""
+        low = 0.0
+        for k1, c in self._fits.get((a, b, q), {}).items():
+            if k1 < k:
+                if c is None:
+                    return None
+                low = max(low, c.proven)
+        return low
 
     def bounded(self) -> bool:
         """Whether the time-optimal seconds bound every stage's (False once a memory-constrained solve came out
@@ -1510,7 +1535,16 @@ class _StagePool:
         key = (a, b, q, k)
         if key not in self.fitted:
             if self.lazy:
-                self.fitted[key] = _stand_in(c, self.known_lower.get(key, 0.0))
+                fewer = self._from_fewer(a, b, q, k)
+                if fewer is None:
+                    self.fitted[key] = None  # nothing fit fewer in flight
+                    self._none_from_fewer.add(key)
+                    self.stats["fits_from_fewer"] = self.stats.get("fits_from_fewer", 0) + 1
+                else:
+                    if fewer > c.time:
+                        self._inherited[key] = fewer
+                        self.stats["stand_ins_from_fewer"] = self.stats.get("stand_ins_from_fewer", 0) + 1
+                    self.fitted[key] = _stand_in(c, max(self.known_lower.get(key, 0.0), fewer))
             else:
                 self.resolve(key)
         return self.fitted[key]
@@ -1523,16 +1557,19 @@ class _StagePool:
         self.stats["fit_evaluations"] = self.stats.get("fit_evaluations", 0) + 1
         self.tick()
         self.fitted[key] = got
+        self._fits.setdefault((a, b, q), {})[k] = got
         if got is not None and self.on_new is not None:
             self.on_new(got, True)
         plain = self.plain(a, b, q)
-        floor = max(plain.time if plain is not None else 0.0, self.known_lower.get(key, 0.0))
+        floor = max(plain.time if plain is not None else 0.0, self.known_lower.get(key, 0.0),
+                    self._inherited.get(key, 0.0))
         if got is not None and plain is not None and got.time < floor * (1 - 1e-9) and self.lazy:
             # the stand-in (the time-optimal stage, or a bound from outside) is not a lower bound of this fit_fn:
             # stand-ins are void, solve eagerly
             self.lazy = False
             self.stats["lazy_abandoned"] = True
-            for other in [x for x, c in self.fitted.items() if c is not None and c.detail is _PENDING]:
+            for other in [x for x, c in self.fitted.items() if c is not None and c.detail is _PENDING
+                          or c is None and x in self._none_from_fewer]:
                 del self.fitted[other]
 
     def rho(self) -> float:
@@ -1549,7 +1586,8 @@ def _zb_terms(c: StageCost) -> tuple[float, float]:
 
 def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, link_fn: LinkFn,
            exchange: ExchangeFn | None, hi: float, w_lo: float, y_lo: float, stats: dict, cap: float = math.inf,
-           prune_states: bool = True) -> tuple[float, list[tuple[int, int, int, int]]] | None:
+           prune_states: bool = True, only: Sequence[tuple[int, int, int, int]] | None = None
+           ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """The least ``sum_i t_i + transfers`` over pipelines of n stages (n in flight on each) whose every stage and
     transfer time is at most ``hi`` and every stage's W at least ``w_lo`` and Y at least ``y_lo`` (stand-ins pass
     the floors): :func:`_stage_dp` as 1F1B's. Stage times grow with the extent, so the scan stops at the first
@@ -1558,7 +1596,10 @@ def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, 
     m: the ZB-H1 step is at least m t_max) is in no pipeline that could beat it: left out, and one whose
     solve-free bound (:meth:`_StagePool.lower`) exceeds ``hi`` or ``cap`` is not solved. ``prune_states``: a
     state (first unit a, first device o) is unreachable when the units from a need more device-seconds than the
-    devices from o give under that limit (docs/pipeline.md, *Device-seconds left*)."""
+    devices from o give under that limit (docs/pipeline.md, *Device-seconds left*).
+
+    ``only``: no DP; the value of these placed stages (an earlier answer) as the DP would sum it, or None if one
+    of them is not allowed now (docs/pipeline.md, *ZB-H1's boxes*: an answer kept)."""
     p = space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     k = float(n)
@@ -1602,6 +1643,25 @@ def _zb_dp(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, 
         lk = link_fn(b, q, q2, pool.m, (o + q) % ns == 0)
         return lk if lk <= hi else None
 
+    if only is not None:
+        # the DP's own sum, from the last stage back (best_from adds a stage to the best of the rest after it)
+        total = 0.0
+        for i in range(len(only) - 1, -1, -1):
+            a, b, o, q = only[i]
+            here = stage(a, b, o, q, len(only) - i)
+            if here is None or here is _BREAK:
+                return None
+            if i == len(only) - 1:
+                total = here  # type: ignore[assignment]
+            elif exchange is None:
+                lk = between(b, o, q, only[i + 1][3])
+                if lk is None:
+                    return None
+                total = here + 2 * lk + total  # type: ignore[operator]
+            else:
+                total = here + total  # type: ignore[operator]
+        return total, list(only)
+
     return _stage_dp(space, n, qs, stage, between if exchange is None else None, stats, "zb_dp_states",
                      tick=pool.tick, floor=floor if pool.stage_lower is not None else None, reachable=reachable)
 
@@ -1626,27 +1686,43 @@ def _relaxed_max(pool: _StagePool, segs: Sequence[tuple[int, int, int, int]], n:
     return out
 
 
+def _zb_box_bound(d: float, b_lo: float, w_hi: float, y_hi: float, m: int, n: int, phi: float = 0.0) -> float:
+    """A lower bound of the ZB-H1 step ``sum_i (t_i + c_i + c'_i) + (m - 1) M - (n - 1)(W + Y)`` of every
+    pipeline of n <= m stages whose sum is at least ``d``, largest stage or transfer time M at least ``b_lo``,
+    W at most ``w_hi`` and Y at most ``y_hi``, one of whose stages has forward seconds at least ``phi``.
+
+    For every stage j, W + Y <= w_j + min(w_j, f_j, b_j) <= t_j - f_j <= M - f_j (b_j the input gradient), so
+    W + Y <= M - phi; and Y <= min(W, M / 3) (min(w, f, b) <= t / 3). With cap(M) = min(w_hi + min(y_hi, w_hi,
+    M / 3), M - phi) the step is at least d + (m - 1) M - (n - 1) cap(M), nondecreasing in M (its slope is at
+    least m - n >= 0), so at least its value at M = b_lo; and it is at least m M >= m b_lo (docs/pipeline.md,
+    *ZB-H1's boxes*)."""
+    cap = min(w_hi + min(y_hi, w_hi, b_lo / 3), b_lo - phi)
+    return max(m * b_lo, d + (m - 1) * b_lo - (n - 1) * cap)
+
+
 ZB_TOL = 1e-12  # a box whose lower bound is within this relative distance of the best plan holds nothing better
 
 
 def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, m: int,
                          link_fn: LinkFn, exchange: ExchangeFn | None, floor: float, incumbent: float,
-                         stats: dict, progress: Progress | None = None) -> tuple[PipelinePlan | None, float]:
+                         stats: dict, progress: Progress | None = None,
+                         phi: float = 0.0) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum over every cut and sub-mesh sequence of n stages at m >= n, if below ``incumbent``
     (module docstring, *ZB-H1*): branch and bound over boxes of (M, W, Y) = (the largest stage or transfer time,
     the least W, the least Y). Returns the best plan found (None: none below ``incumbent``) and the least value
-    the search proved for the family: min(incumbent, best) (1 - ZB_TOL)."""
+    the search proved for the family: min(incumbent, best) (1 - ZB_TOL). ``phi``: a lower bound of the largest
+    forward seconds among the stages of every pipeline (docs/pipeline.md, *ZB-H1's boxes*)."""
     best: PipelinePlan | None = None
     inc = incumbent
 
-    def bound(d: float, b_lo: float, b_hi: float, w_hi: float, y_hi: float) -> float:
-        # W + Y <= w_j + y_j <= t_j <= M <= b_hi for every stage j, Y <= min(W, b_hi / 3)
-        cap = min(w_hi + min(y_hi, w_hi, b_hi / 3), b_hi)
-        return max(m * b_lo, d + (m - 1) * b_lo - (n - 1) * cap)
+    def bound(d: float, b_lo: float, w_hi: float, y_hi: float) -> float:
+        return _zb_box_bound(d, b_lo, w_hi, y_hi, m, n, phi)
 
     tick = 0
     heap: list[tuple[float, int, tuple[float, float, float, float, float, float]]] = [
         (m * floor, tick, (floor, math.inf, 0.0, math.inf, 0.0, math.inf))]
+    # each DP's answer by (its bound on M, its floors on W and Y), with the cap it ran under
+    answers: dict[tuple[float, float, float], tuple[float, tuple[float, list] | None]] = {}
     while heap:
         lb, _, box = heapq.heappop(heap)
         if lb >= inc * (1 - ZB_TOL):
@@ -1656,12 +1732,27 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
         if progress is not None:
             progress.tick(f"{n} stages: box {stats['zb_boxes']}, its bound {lb:.4g} s")
         # the ZB-H1 step is at least m t_max (docs/pipeline.md, *Family bounds*): no stage slower than inc / m
-        got = _zb_dp(pool, space, n, q_fixed, link_fn, exchange, b_hi, w_lo, y_lo, stats,
-                     cap=inc / m * (1 + 1e-12))
+        cap = inc / m * (1 + 1e-12)
+        key = (b_hi, w_lo, y_lo)
+        kept = answers.get(key)
+        got = None
+        if kept is not None and kept[0] >= cap:
+            # the same DP asked before, at a cap no smaller: since then costs only rose or went (stand-ins solved,
+            # the cap lowered), so its answer is still optimal if it is still allowed at the same value
+            again = None if kept[1] is None else _zb_dp(pool, space, n, q_fixed, link_fn, exchange, b_hi, w_lo,
+                                                         y_lo, stats, cap=cap, only=kept[1][1])
+            if kept[1] is None or (again is not None and again[0] == kept[1][0]):
+                got = kept[1]
+                stats["zb_dp_reused"] = stats.get("zb_dp_reused", 0) + 1
+                if got is None:
+                    continue
+        if got is None:
+            got = _zb_dp(pool, space, n, q_fixed, link_fn, exchange, b_hi, w_lo, y_lo, stats, cap=cap)
+            answers[key] = (cap, got)
         if got is None:
             continue
         d, segs = got
-        lb = max(lb, bound(d, b_lo, b_hi, w_hi, y_hi))
+        lb = max(lb, bound(d, b_lo, w_hi, y_hi))
         if lb >= inc * (1 - ZB_TOL):
             continue
         pending = [(a, b, q, float(n)) for a, b, _, q in segs if pool.get(a, b, q, float(n)).detail is _PENDING]
@@ -1671,7 +1762,7 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
             # a larger B_lo; the part below it is a new box (as 1F1B's search takes bounds best-first)
             for child in ((b_lo, math.nextafter(relaxed_max, -math.inf), w_lo, w_hi, y_lo, y_hi),
                           (relaxed_max, b_hi, w_lo, w_hi, y_lo, y_hi)):
-                c_lb = max(lb, bound(d, child[0], child[1], child[3], child[5]))
+                c_lb = max(lb, bound(d, child[0], child[3], child[5]))
                 if c_lb < inc * (1 - ZB_TOL):
                     tick += 1
                     heapq.heappush(heap, (c_lb, tick, child))
@@ -1705,7 +1796,7 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
         if y_p < y_hi:
             children.append((b_mid, b_hi, w_lo, min(w_hi, w_p), math.nextafter(y_p, math.inf), y_hi))
         for child in children:
-            c_lb = max(lb, bound(d, child[0], child[1], child[3], child[5]))
+            c_lb = max(lb, bound(d, child[0], child[3], child[5]))
             if c_lb < inc * (1 - ZB_TOL):
                 tick += 1
                 heapq.heappush(heap, (c_lb, tick, child))

@@ -347,7 +347,7 @@ class ModelStages:
         self._cuts.clear()
         self._tables.clear()
 
-    def device_seconds(self, m: int, a: int = 0, b: int | None = None) -> float:
+    def device_seconds(self, m: int, a: int = 0, b: int | None = None, forward: bool = False) -> float:
         """A lower bound of q times the seconds of units [a, b) (default: the whole model) at micro-batch batch/m
         on any q devices under any plan: per operator, (1 + tensors with gradients) passes, each at least
         max(FLOPs / R, bytes / HBM bandwidth) over q, R the machine's achievable FLOP/s (a fused backward,
@@ -358,7 +358,11 @@ class ModelStages:
         each pass ``f prod_d E_d / c_d`` FLOPs per device with ``prod_d c_d <= q``, at R times a utilisation
         <= 1, under a roofline over the tiles the pass moves (:mod:`shardplan.cost.operator`); a tensor whose
         axes are all plain (no window, no stride) is read whole, so some device's tile of it holds at least
-        1/q of its elements: only such tensors are counted in the bytes (the output always is)."""
+        1/q of its elements: only such tensors are counted in the bytes (the output always is).
+
+        ``forward``: each operator's bound divided by its ``passes`` instead, a lower bound of q times the
+        stage's *forward* seconds: the cost model's forward of an operator is ``1 / passes`` of its compute plus
+        nonnegative terms (:func:`_split_parts`), and its compute is at least the operator's bound over q."""
         g, units, _ = self.graph(m)
         rate, bw, nbytes = self.machine.achievable_flops, self.machine.hbm_bandwidth, float(self.machine.dtype_bytes)
         total = 0.0
@@ -382,7 +386,8 @@ class ModelStages:
                 else:  # a fused kernel (cost/fused.py): forward inputs + saved, backward at least inputs + dO
                     seconds = max(seconds, (ins + op.saved * out) * nbytes / bw)
                     back = max(back, (ins + out) * nbytes / bw) if op.grad_tensors else 0.0
-            total += op.passes * seconds if back is None else seconds + back  # a bias's gradient pass: >= 0
+            here = op.passes * seconds if back is None else seconds + back  # a bias's gradient pass: >= 0
+            total += here / op.passes if forward else here
         return total
 
     def step_floor(self, m: int) -> float:
@@ -392,6 +397,12 @@ class ModelStages:
         devices takes t_i >= D_i / q_i; each schedule's step is at least m t_max >= m sum_i q_i t_i / p >=
         m sum_i D_i / p (docs/pipeline.md, *Best-first parts*)."""
         return m * self.device_seconds(m) / self.machine.num_devices
+
+    def forward_floor(self, m: int) -> float:
+        """A lower bound of the largest forward seconds over the stages of every pipeline at m: the stages' sizes
+        sum to p and stage i's forward takes f_i >= F_i / q_i (:meth:`device_seconds` with ``forward``), so
+        max_i f_i >= sum_i q_i f_i / p >= F / p (docs/pipeline.md, *ZB-H1's boxes*)."""
+        return self.device_seconds(m, forward=True) / self.machine.num_devices
 
     @property
     def num_units(self) -> int:
