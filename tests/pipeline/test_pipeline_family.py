@@ -64,10 +64,9 @@ def _tilings(space: PipelineSpace, n: int):
             yield qs
 
 
-def _brute_zb(space, stage_fn, link_fn, fit_fn, exchange=None):
-    """Per (m, S), S <= m (ZB-H1's space): the least ZB-H1 step over every cut and every tiling."""
+def _zb_pipelines(space, stage_fn, link_fn, fit_fn, exchange=None):
+    """Every ZB-H1 pipeline of the space (S <= m, every cut and tiling) that fits, as (m, S, plan)."""
     U = space.num_units
-    out = {}
     for m in space.micro_batches:
         for n in range(1, min(U, space.num_devices, m) + 1):
             for cuts in itertools.combinations(range(1, U), n - 1):
@@ -76,8 +75,15 @@ def _brute_zb(space, stage_fn, link_fn, fit_fn, exchange=None):
                     segs = [(b[i], b[i + 1], qs[i]) for i in range(n)]
                     plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn, exchange, schedule="zb-h1",
                                              fit_fn=fit_fn)
-                    if plan is not None and plan.step_time < out.get((m, n), float("inf")):
-                        out[(m, n)] = plan.step_time
+                    if plan is not None:
+                        yield m, n, plan
+
+
+def _brute_zb(space, stage_fn, link_fn, fit_fn, exchange=None):
+    """Per (m, S), S <= m (ZB-H1's space): the least ZB-H1 step over every cut and every tiling."""
+    out: dict = {}
+    for m, n, plan in _zb_pipelines(space, stage_fn, link_fn, fit_fn, exchange):
+        out[(m, n)] = min(out.get((m, n), float("inf")), plan.step_time)
     return out
 
 

@@ -16,21 +16,7 @@ from shardplan.models import get_model
 from shardplan.pipeline import ModelStages, PipelineSpace
 from shardplan.pipeline.search import (StageCost, _zb_box_bound, _zb_terms, brute_force_pipeline, evaluate_pipeline,
                                        search_pipeline)
-from tests.pipeline.test_pipeline_family import _brute_zb, _instance, _tilings
-
-
-def _zb_pipelines(space, stage_fn, link_fn, fit_fn):
-    """Every ZB-H1 pipeline of the space (S <= m, every cut and tiling) with its plan, by m."""
-    U = space.num_units
-    for m in space.micro_batches:
-        for n in range(1, min(U, space.num_devices, m) + 1):
-            for cuts in itertools.combinations(range(1, U), n - 1):
-                b = (0, *cuts, U)
-                for qs in _tilings(space, n):
-                    segs = [(b[i], b[i + 1], qs[i]) for i in range(n)]
-                    plan = evaluate_pipeline(segs, m, space, stage_fn, link_fn, schedule="zb-h1", fit_fn=fit_fn)
-                    if plan is not None:
-                        yield m, n, plan
+from tests.pipeline.test_pipeline_family import _brute_zb, _instance, _zb_pipelines
 
 
 def _phi_star(space, stage_fn, link_fn, fit_fn) -> dict[int, float]:
