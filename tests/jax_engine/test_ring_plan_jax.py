@@ -61,7 +61,7 @@ def test_a_ring_over_two_levels_runs_over_both_mesh_axes():
     from shardplan.jax.run import ring_charged, ring_hooks
 
     params, batch = inputs()
-    plan = sj.plan(attention_loss, params, batch, DEVICES, replace(TOY, node_size=4, inter_bandwidth=8e9),
+    plan = sj.plan(attention_loss, params, batch, DEVICES, replace(TOY, node_size=4, inter_bandwidth=16e9),
                    context="ring")
     run = sj.apply(plan, attention_loss, params, batch, DEVICES)
     (attn,) = [op for op in run.plan.graph.operators if op.kind == "attn_flash"]
