@@ -225,11 +225,17 @@ class Causal:
     and ``2c - 1 - i`` (the load balancing of Megatron-LM's and Llama 3's context parallelism), so every block
     does the same work; False: contiguous blocks, the last one doing the most. The cost model charges the
     busiest device's share (:func:`shardplan.cost.causal.causal_fractions`; docs/cost-model.md, "Ring context
-    parallelism")."""
+    parallelism").
+
+    ``dealt``: the blocks arrive contiguous and the runner deals them into the balanced order at the attention
+    itself (shardplan's JAX and PyTorch runners, which cannot reorder the user's data loader), so the ring also
+    pays the deal's point-to-point transfers (:func:`shardplan.cost.ring.deal_time`); False: the loader
+    delivers the balanced order (Megatron-LM's), nothing to charge."""
 
     query: str
     key: str
     balanced: bool = True
+    dealt: bool = False
 
 
 @dataclass(frozen=True)

@@ -686,7 +686,7 @@ dS = P * (dP - D) (subtract, multiply); D = rowsum(dO * O) is per row, not per s
 
 def flash_attention(name: str, q: TensorRef, k: TensorRef, v: TensorRef, query: str, key: str,
                     seq: str = "s", key_seq: str = "t", feature: str = "k", causal: bool = False,
-                    balanced: bool = True) -> Operator:
+                    balanced: bool = True, dealt: bool = False) -> Operator:
     """``o = softmax(q k^T) v`` as one fused kernel (FlashAttention; Dao et al. 2022, Dao 2023): the (s, t)
     scores and probabilities stay in on-chip memory and never reach HBM, forward or backward.
 
@@ -707,8 +707,8 @@ def flash_attention(name: str, q: TensorRef, k: TensorRef, v: TensorRef, query: 
     a device computes whole rows of the softmax, so its layouts split the batch, the heads and the query
     sequence; keys and values split along the sequence by their producers reach it by the edge (all-gather,
     or the ring: :mod:`shardplan.cost.ring`). ``causal``: the mask ``key_seq <= seq``
-    (:class:`~shardplan.ir.Causal`, ``balanced`` as there): the kernel skips the masked blocks, so the work
-    charged is the busiest device's share of the unmasked points.
+    (:class:`~shardplan.ir.Causal`, ``balanced`` and ``dealt`` as there): the kernel skips the masked blocks, so
+    the work charged is the busiest device's share of the unmasked points.
     """
     for ref, what in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(ref, TensorRef):
@@ -732,7 +732,7 @@ def flash_attention(name: str, q: TensorRef, k: TensorRef, v: TensorRef, query: 
     kd = ext[feature]
     dims = tuple((c, ext[c]) for c in query) + ((key_seq, ext[key_seq]),)
     inputs = (_in(q, "q", tuple(query)), _in(k, "k", tuple(key)), _in(v, "v", tuple(key)))
-    mask = Causal(seq, key_seq, balanced) if causal else None
+    mask = Causal(seq, key_seq, balanced, dealt) if causal else None
     return Operator(name, "attn_flash", dims, inputs, _out(q.shape, tuple(query)),
                     flops_per_point=4.0 + FLASH_SOFTMAX_FLOPS / kd, norm_dims=(key_seq,), norm_stats=2,
                     fixed=frozenset({key_seq, feature}), saved=1.0 + 2.0 / kd, causal=mask,

@@ -37,8 +37,8 @@ from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays
 from shardplan.machine import Machine
 
-__all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_mask", "ring_exposed", "moved_reduction",
-           "context_edge", "ring_choices", "ring_operator_cost"]
+__all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_mask", "ring_exposed", "deal_time", "moved_reduction",
+           "gathered_imbalance", "context_edge", "ring_choices", "ring_operator_cost"]
 
 CONTEXT_ALGORITHMS = ("allgather", "ring", "auto")
 """``build_tables(context=...)``: every ring input gathered (the default, today's model), passed around the
@@ -99,6 +99,15 @@ def ring_exposed(block_bytes: np.ndarray, g: np.ndarray, level: np.ndarray, fwd_
     fwd = np.where(g > 1, (g - 1) * np.maximum(c - fwd_step, 0.0), 0.0)
     bwd = np.where(g > 1, (g - 1) * np.maximum(2.0 * c - bwd_step, 0.0) + c, 0.0) if grad else np.zeros_like(fwd)
     return fwd, bwd
+
+
+def deal_time(block_bytes: np.ndarray, level: np.ndarray, machine: Machine) -> np.ndarray:
+    """Seconds to deal one tensor's contiguous sequence blocks into the balanced order, or back
+    (:attr:`~shardplan.ir.Causal.dealt`): a device holding chunks ``2i, 2i + 1`` of ``2g`` sends each to its
+    balanced owner (chunk ``j`` to ``j`` or ``2g - 1 - j``), one ``ppermute`` of half its block per chunk
+    parity, over the links of ``level``: ``2 p2p(block / 2)`` (the half that stays on device 0 is not
+    discounted: every other device sends both)."""
+    return 2.0 * p2p_time(np.asarray(block_bytes, dtype=np.float64) / 2.0, machine, level)
 
 
 def moved_reduction(op: Operator, lay: LayoutArrays, machine: Machine,
@@ -176,20 +185,66 @@ def ring_choices(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
         out_f.append(f)
         out_b.append(b)
     ring = np.asarray(out_f) + np.asarray(out_b)  # (K_u, K_v')
+    ring = ring + _deal_charge(v, slot, sub, mask[cols], gs, nbytes / gs, level, machine)[None, :]
     out[:, cols] = np.where(ok.T, ring, np.inf)
     return out
+
+
+def _deal_charge(v: Operator, slot: int, sub: LayoutArrays, mask: np.ndarray, gs: np.ndarray,
+                 block: np.ndarray, level: np.ndarray, machine: Machine) -> np.ndarray:
+    """(K_v',) seconds of the runner's deal (:attr:`~shardplan.ir.Causal.dealt`) charged to the edge of ring
+    input ``slot``: its own block dealt in (forward) and its gradient back (backward); the edge of the first
+    ring input also carries the queries in and the output back (forward), the output's gradient in and the
+    queries' back (backward). 0 unless the mask is dealt and balanced and ``2g`` divides the sequence (the
+    runners deal only then, as :func:`~shardplan.cost.causal.causal_fractions` balances only then)."""
+    mask_c = v.causal
+    out = np.zeros(len(sub))
+    if mask_c is None or not (mask_c.dealt and mask_c.balanced):
+        return out
+    rows = (v.extents[mask_c.query] % (2 * gs) == 0) & (gs > 1)
+    if not rows.any():
+        return out
+    t, q = v.inputs[slot], v.inputs[0]
+    own = deal_time(block, level, machine) * (1.0 + float(t.needs_grad))
+    qbytes = box_volumes(tensor_boxes(v, q, sub, machine.num_devices, core=True)).max(axis=1) \
+        * q.elem_factor * float(machine.dtype_bytes)
+    backward = any(x.needs_grad for x in v.inputs)
+    first = mask.argmax(axis=1) == slot
+    extra = deal_time(qbytes, level, machine) * (2.0 + float(backward) + float(q.needs_grad))
+    return np.where(rows, own + np.where(first, extra, 0.0), 0.0)
+
+
+def gathered_imbalance(v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
+                       compute: np.ndarray) -> np.ndarray:
+    """(K_v,) seconds the all-gather costs a dealt causal attention (:attr:`~shardplan.ir.Causal.dealt`) beyond
+    the balanced work its operator is charged: the runner deals only for the ring, so with the keys gathered
+    the queries stay in contiguous blocks and the busiest device does the last block's share
+    (:func:`~shardplan.cost.causal.causal_fractions` with ``balanced=False``). Charged on the edge of the first
+    ring input (``slot``), the operator's compute at contiguous blocks less ``compute``; 0 elsewhere."""
+    from dataclasses import replace
+
+    from shardplan.cost.operator import operator_cost
+
+    mask, _ = ring_mask(v, lv)
+    rows = mask.any(axis=1) & (mask.argmax(axis=1) == slot)
+    c = v.causal
+    if c is None or not (c.dealt and c.balanced) or not rows.any():
+        return np.zeros(len(lv))
+    contiguous = operator_cost(replace(v, causal=replace(c, balanced=False)), lv, machine).compute
+    return np.where(rows, np.maximum(contiguous - np.asarray(compute, dtype=np.float64), 0.0), 0.0)
 
 
 def context_edge(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
                  gathered: np.ndarray, moved: np.ndarray, compute: np.ndarray, algorithm: str) -> np.ndarray:
     """The edge u -> v's seconds (K_u, K_v) under ``algorithm`` (:data:`CONTEXT_ALGORITHMS`): ``gathered`` is
     :func:`~shardplan.cost.edge.edge_cost` (the all-gather), ``moved`` (K_v,) v's input-gradient all-reduce
-    moved here (:func:`moved_reduction`, 0 for other slots), ``compute`` v's compute (K_v,). ``ring``: the
+    moved here (:func:`moved_reduction`, 0 for other slots), ``compute`` v's compute (K_v,); the all-gather also
+    pays :func:`gathered_imbalance`. ``ring``: the
     ring wherever it applies, all-gather elsewhere; ``auto``: the cheaper of the two."""
     mask, _ = ring_mask(v, lv)
     if (mask.sum(axis=1) > 1).any():  # several ring inputs: this one's reduction only
         moved = moved_reduction(v, lv, machine, (slot,))
-    moved = np.where(mask[:, slot], moved, 0.0)
+    moved = np.where(mask[:, slot], moved, 0.0) + gathered_imbalance(v, slot, lv, machine, compute)
     plain = np.asarray(gathered, dtype=np.float64) + moved[None, :]
     if algorithm == "allgather" or not mask[:, slot].any():
         return plain

@@ -1178,7 +1178,7 @@ def _attention(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     qref = g.ref(q, 0)
     fake = TensorRef(qref.name, (b, t, kv, r, hd) if r > 1 else tuple(q.shape), needs_grad=qref.needs_grad)
     op = ops.flash_attention("_", fake, g.ref(k, 1), g.ref(v, 2), "bshrk" if r > 1 else "bshk", "bthk",
-                             causal=bool(eqn.params["is_causal"]))
+                             causal=bool(eqn.params["is_causal"]), dealt=True)
     heads = AxisMap("h", inner=("r",)) if r > 1 else AxisMap("h")
     four = (AxisMap("b"), AxisMap("s"), heads, AxisMap("k"))
     ins = (dataclasses.replace(op.inputs[0], shape=tuple(q.shape), axes=four), *op.inputs[1:])

@@ -4,9 +4,10 @@ The sequence is split ``c`` ways over one mesh axis. Each device keeps its queri
 keys and values; at each of ``c`` steps it multiplies its queries with the block it holds, folds the result
 into a running (max, sum, output) triple (the online softmax of Milakov and Gimelshein 2018, as
 FlashAttention uses it), and passes the block to the next device of the ring (``ppermute``), so that after
-``c`` steps every device has seen every block once. The backward pass is JAX's transpose of the same
-program: the blocks travel the other way with their gradients (``ppermute``'s transpose is the reverse
-permutation), which is the ring's backward of docs/cost-model.md, "Ring context parallelism".
+``c`` steps every device has seen every block once. The backward pass (a ``jax.custom_vjp``) keeps only
+FlashAttention's residuals (the blocks, the output, the log-sum-exp) and runs the ring again, each block
+travelling with its gradient accumulators, which make one last hop home: the ring's backward of
+docs/cost-model.md, "Ring context parallelism".
 
 Causal load balancing (``balanced``): the sequence is dealt out in ``2c`` chunks, device i holding chunks i
 and 2c - 1 - i (:func:`balanced_positions`), so every device does the same share of the masked work
@@ -70,17 +71,50 @@ def _ring_local(ql: Any, kl: Any, vl: Any, axis: Any, ways: int, positions: np.n
     """One device's ring (inside ``shard_map``): its queries ``ql`` against every block of keys and values,
     the blocks passed on by ``ppermute`` over ``axis`` (module docstring). Fewer K/V heads than query heads
     (grouped-query attention): each K/V head serves ``N / K`` consecutive query heads (JAX's grouping), repeated
-    on the device at each step, so the ring passes the blocks unrepeated."""
+    on the device at each step, so the ring passes the blocks unrepeated.
+
+    A ``jax.custom_vjp``: the forward keeps what FlashAttention keeps (the device's q, k, v blocks, the output
+    and the per-row log-sum-exp), not every step's blocks and probabilities as autodiff of the loop would; the
+    backward runs the ring again, each key/value block travelling with its gradient accumulators, which make
+    one last hop home (:func:`_ring_backward`)."""
+    import jax
+
+    @jax.custom_vjp
+    def ring(q: Any, k: Any, v: Any) -> Any:
+        return _ring_forward(q, k, v, axis, ways, positions)[0]
+
+    def fwd(q: Any, k: Any, v: Any) -> tuple[Any, tuple[Any, ...]]:
+        out, lse = _ring_forward(q, k, v, axis, ways, positions)
+        return out, (q, k, v, out, lse)
+
+    def bwd(res: tuple[Any, ...], dout: Any) -> tuple[Any, Any, Any]:
+        return _ring_backward(*res, dout, axis, ways, positions)
+
+    ring.defvjp(fwd, bwd)
+    return ring(ql, kl, vl)
+
+
+def _ring_steps(axis: Any, ways: int, positions: np.ndarray | None) -> tuple[Any, Any, list[tuple[int, int]]]:
+    """(the position table, this device's index, the ring's permutation i -> i + 1)."""
+    import jax
+    import jax.numpy as jnp
+
+    table = jnp.asarray(positions if positions is not None else np.zeros((ways, 1), dtype=np.int64))
+    return table, jax.lax.axis_index(axis), [(i, (i + 1) % ways) for i in range(ways)]
+
+
+def _ring_forward(ql: Any, kl: Any, vl: Any, axis: Any, ways: int, positions: np.ndarray | None
+                  ) -> tuple[Any, Any]:
+    """The ring's forward: the output (batch, seq, heads, dim) and the log-sum-exp of each query row's scores
+    (batch, heads, seq), by the online softmax over the ``ways`` blocks."""
     import jax
     import jax.numpy as jnp
 
     causal = positions is not None
-    table = jnp.asarray(positions if causal else np.zeros((ways, 1), dtype=np.int64))
+    table, me, ring = _ring_steps(axis, ways, positions)
+    mine = table[me]
     scale = 1.0 / np.sqrt(ql.shape[-1])
     group = ql.shape[2] // kl.shape[2]
-    ring = [(i, (i + 1) % ways) for i in range(ways)]
-    me = jax.lax.axis_index(axis)
-    mine = table[me]
     b, n, h, d = ql.shape
     m = jnp.full((b, h, n), NEG, ql.dtype)
     den = jnp.zeros((b, h, n), ql.dtype)
@@ -102,7 +136,48 @@ def _ring_local(ql: Any, kl: Any, vl: Any, axis: Any, ways: int, positions: np.n
         m = new
         if step + 1 < ways:
             kl, vl = jax.lax.ppermute((kl, vl), axis, ring)
-    return jnp.transpose(acc / den[..., None], (0, 2, 1, 3))
+    return jnp.transpose(acc / den[..., None], (0, 2, 1, 3)), m + jnp.log(den)
+
+
+def _ring_backward(ql: Any, kl: Any, vl: Any, out: Any, lse: Any, dout: Any, axis: Any, ways: int,
+                   positions: np.ndarray | None) -> tuple[Any, Any, Any]:
+    """The ring's backward (FlashAttention's, block by block): with ``P = exp(S - lse)`` recomputed per block,
+    ``dV += P^T dO``, ``dS = P (dO V^T - rowsum(dO * O))``, ``dQ += dS K``, ``dK += dS^T Q`` (the scale on
+    both); each key/value block travels on with its ``dK``, ``dV`` accumulators, and after the last step the
+    accumulators make one more hop, to the device that owns the block."""
+    import jax
+    import jax.numpy as jnp
+
+    causal = positions is not None
+    table, me, ring = _ring_steps(axis, ways, positions)
+    mine = table[me]
+    scale = 1.0 / np.sqrt(ql.shape[-1])
+    b, n, h, d = ql.shape
+    kh = kl.shape[2]
+    group = h // kh
+    delta = jnp.sum(dout * out, axis=-1).transpose(0, 2, 1)  # (b, h, n)
+    dq = jnp.zeros_like(ql)
+    dk, dv = jnp.zeros_like(kl), jnp.zeros_like(vl)
+    for step in range(ways):
+        src = (me - step) % ways
+        kk, vv = (jnp.repeat(x, group, axis=2) if group > 1 else x for x in (kl, vl))
+        s = jnp.einsum("bshd,bthd->bhst", ql, kk) * scale
+        p = jnp.exp(s - lse[..., None])
+        if causal:
+            p = jnp.where(mine[:, None] >= table[src][None, :], p, 0.0)
+        dvv = jnp.einsum("bhst,bshd->bthd", p, dout)
+        dp = jnp.einsum("bshd,bthd->bhst", dout, vv)
+        ds = p * (dp - delta[..., None]) * scale
+        dq = dq + jnp.einsum("bhst,bthd->bshd", ds, kk)
+        dkk = jnp.einsum("bhst,bshd->bthd", ds, ql)
+        if group > 1:  # the repeated heads' gradients summed into their K/V head
+            dkk = dkk.reshape(b, -1, kh, group, d).sum(axis=3)
+            dvv = dvv.reshape(b, -1, kh, group, d).sum(axis=3)
+        dk, dv = dk + dkk, dv + dvv
+        if step + 1 < ways:  # one exchange of the block and its accumulators (a stack: no merging with the forward's)
+            kl, vl, dk, dv = jax.lax.ppermute(jnp.stack((kl, vl, dk, dv)), axis, ring)
+    dk, dv = jax.lax.ppermute((dk, dv), axis, ring)  # the block of device me + 1: home
+    return dq, dk, dv
 
 
 def _deal(x: Any, axis: Any, ways: int, inverse: bool) -> Any:

@@ -837,7 +837,8 @@ def _sdpa(ctx: _Ctx, node: Any, vals: list) -> None:
     qref = ctx.ref(q)
     query = "bhrsk" if r > 1 else "bhsk"
     fake = TensorRef(qref.name, (b, kv, r, lq, e) if r > 1 else (b, h, lq, e), qref.is_input, qref.needs_grad)
-    op = ops.flash_attention(ctx.name_for(node), fake, ctx.ref(k), ctx.ref(v), query, "bhtk", causal=causal)
+    op = ops.flash_attention(ctx.name_for(node), fake, ctx.ref(k), ctx.ref(v), query, "bhtk", causal=causal,
+                             dealt=True)
     heads = AxisMap("h", inner=("r",)) if r > 1 else AxisMap("h")
     four = (AxisMap("b"), heads, AxisMap("s"), AxisMap("k"))
     ts = [dataclasses.replace(op.inputs[0], shape=(b, h, lq, e), axes=four), *op.inputs[1:]]

@@ -271,3 +271,71 @@ def test_some_random_instances_take_the_ring_at_their_optimum():
         assert auto <= plain * (1 + 1e-12)
         lower += int(auto < plain * (1 - 1e-9))
     assert 1 <= lower < 6
+
+
+def _dealt_graph(S: int, dealt: bool):
+    b = GraphBuilder("dealt")
+    x = b.input("x", (1, S, 2, 16), needs_grad=True)
+    q = b.add(ops.elementwise("q", x, letters="bshk"))
+    k = b.add(ops.elementwise("k", x, letters="bthk"))
+    v = b.add(ops.elementwise("v", x, letters="bthk"))
+    b.add(ops.flash_attention("attn", q, k, v, "bshk", "bthk", causal=True, dealt=dealt))
+    return b.build()
+
+
+@pytest.mark.parametrize("S, dealt_charged", [(256, True), (260, False)])
+def test_the_runners_deal_is_charged_to_the_ring_edges(S, dealt_charged):
+    """A causal attention whose runner deals the contiguous blocks into the balanced order (``dealt``): the edge
+    of the keys pays q, k and the output dealt (forward) and their gradients (backward), the edge of the values
+    v and its gradient; each deal is two half-block point-to-points. Not where 2g does not divide the sequence
+    (the runner does not deal there), and never for a loader-balanced mask."""
+    m = machine(bandwidth=1e8, latency=1e-6)
+    diffs = {}
+    for dealt in (False, True):
+        g = _dealt_graph(S, dealt)
+        op = g["attn"]
+        assert op.causal == Causal("s", "t", True, dealt)
+        lv = LayoutArrays.stack([flat(op, s=4)])
+        comp = operator_cost(op, lv, m).compute
+        for name, slot in (("k", 1), ("v", 2)):
+            lu = LayoutArrays.stack([flat(g[name], t=4)])
+            diffs.setdefault(name, []).append(ring_choices(g[name], lu, op, slot, lv, m, comp)[0, 0])
+    block = S * 2 * 16 * DT / 4  # q's, k's, v's and the output's block on each of the 4 devices
+    deal = 2 * (block / 2 / 1e8 + 1e-6)
+    k_extra, v_extra = (6 * deal, 2 * deal) if dealt_charged else (0.0, 0.0)
+    assert diffs["k"][1] - diffs["k"][0] == pytest.approx(k_extra, rel=1e-12, abs=1e-15)
+    assert diffs["v"][1] - diffs["v"][0] == pytest.approx(v_extra, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("context", ["allgather", "auto"])
+def test_a_dealt_attention_pays_contiguous_work_when_its_keys_are_gathered(context):
+    """The runner deals only for the ring: with the keys gathered the queries stay in contiguous blocks, and the
+    edge of the keys pays the busiest device's extra work (the core costed with ``balanced=False`` less the
+    balanced core), in tables built with either context; the values' edge and a loader-balanced mask pay none."""
+    from dataclasses import replace as dc_replace
+
+    from shardplan.cost.ring import gathered_imbalance
+
+    m = machine(bandwidth=1e8, latency=1e-6)
+    g = _dealt_graph(256, True)
+    op = g["attn"]
+    lv = LayoutArrays.stack([flat(op, s=4), flat(op, b=1), flat(op, h=2)])
+    bal = operator_cost(op, lv, m).compute
+    contiguous = operator_cost(dc_replace(op, causal=dc_replace(op.causal, balanced=False)), lv, m).compute
+    extra = gathered_imbalance(op, 1, lv, m, bal)
+    assert extra[0] == pytest.approx(contiguous[0] - bal[0]) and extra[0] > 0.3 * bal[0]
+    assert extra[1:].tolist() == [0.0, 0.0]  # the sequence not split: nothing to balance
+    assert not gathered_imbalance(op, 2, lv, m, bal).any()
+    plain = _dealt_graph(256, False)
+    assert not gathered_imbalance(plain["attn"], 1, lv, m, bal).any()
+    t_dealt = build_tables(g, m, context=context)
+    t_plain = build_tables(plain, m, context=context)
+    names = [o.name for o in g.operators]
+    e = next(i for i, x in enumerate(g.edges) if names[x.src] == "k")
+    ks = [lay for lay in t_dealt.layouts[names.index("attn")]]
+    row = next(i for i, lay in enumerate(ks) if lay.splits == flat(op, s=4).splits)
+    diff = t_dealt.edge_costs[e][:, row] - t_plain.edge_costs[e][:, row]
+    if context == "allgather":
+        assert diff == pytest.approx(np.full_like(diff, contiguous[0] - bal[0]))
+    else:  # the cheaper of the all-gather with the extra work and the ring with the deal, per producer layout
+        assert (diff >= -1e-15).all() and (diff <= contiguous[0] - bal[0] + 1e-15).all()

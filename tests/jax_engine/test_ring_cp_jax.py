@@ -74,3 +74,38 @@ def test_balanced_chunks_give_every_device_the_same_causal_work_as_the_model_cha
     skew = device_work(S, 8, False)
     assert skew.max() / tile == pytest.approx(block_work(S, 8, 1, False).max(), rel=1e-12)
     assert skew.max() > 1.8 * even[0]  # the last contiguous block does almost twice the balanced share
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_the_ring_sends_what_the_model_charges_and_keeps_no_block(kv_heads):
+    """The compiled step's exchanges are the model's ring (docs/cost-model.md, "Ring context parallelism"):
+    forward g - 1 steps of the key and value blocks, backward g - 1 steps of the blocks with their two
+    accumulators and one last hop of the accumulators home, in block units 2(g - 1) + 4(g - 1) + 2. Nothing of
+    the forward's exchanges is reused by the backward, so no other device's block is kept: the compiled
+    program's temporaries stay below one device's share of the gathered keys and values per saved step."""
+    from jax.sharding import Mesh
+
+    from shardplan.jax.hlo import parse_collectives
+
+    g = 8
+    mesh = Mesh(np.asarray(DEVICES), ("s",))
+    q = jnp.ones((1, 128, 2, 8))
+    kv = jnp.ones((1, 128, kv_heads, 8))
+    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ring_attention_sharded(q, k, v, mesh, "s", balanced_positions(
+        128, g)) ** 2), argnums=(0, 1, 2)))
+    c = f.lower(q, kv, kv).compile()
+    sent = sum(x.sent for x in parse_collectives(c.as_text(), g) if x.kind == "collective-permute")
+    block = 128 // g * kv_heads * 8 * 4  # one device's block of keys, fp32
+    assert sent == (2 * (g - 1) + 4 * (g - 1) + 2) * block
+    # autodiff of the forward loop itself (what the runner did before its custom backward) keeps every step's
+    # blocks and probabilities: at least twice the temporaries
+    from shardplan.jax.ring import _ring_forward
+
+    def autodiff(q, k, v):
+        spec = jax.sharding.PartitionSpec(None, "s", None, None)
+        return jax.shard_map(lambda a, b, c: _ring_forward(a, b, c, "s", g, balanced_positions(128, g))[0],
+                             mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+
+    old = jax.jit(jax.grad(lambda q, k, v: jnp.sum(autodiff(q, k, v) ** 2), argnums=(0, 1, 2)))
+    kept = old.lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+    assert 2 * c.memory_analysis().temp_size_in_bytes < kept

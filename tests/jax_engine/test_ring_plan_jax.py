@@ -42,6 +42,13 @@ def test_the_planned_ring_runs_equal_to_the_unsharded_program_and_gathers_nothin
     hlo = step.as_text()
     assert "all-gather" not in hlo
     assert hlo.count("collective-permute-start") + hlo.count("collective-permute(") >= 2 * 7  # forward, backward
+    # the deal (cost-model.md, "Dealt at the attention"): k, v in and dk, dv back, two half blocks each (the
+    # ring passes whole blocks); the model charges 2 p2p(block / 2) per tensor
+    from shardplan.jax.hlo import parse_collectives
+
+    block = 1 * 128 * 2 * 8 * 4 // 8  # a device's block of keys: batch x sequence / 8 x 2 heads x 8 features, fp32
+    halves = [c for c in parse_collectives(hlo, 8) if c.kind == "collective-permute" and c.nbytes == block // 2]
+    assert len(halves) == 8 and sum(c.sent for c in halves) == 8 * block // 2
 
     sh = plan_shardings(run.plan, run.info, DEVICES)  # the same layouts, the keys and values gathered
     plain = jax.jit(jax.value_and_grad(constrained_fn(run.info, sh))).lower(params, batch).compile()
@@ -61,7 +68,7 @@ def test_a_ring_over_two_levels_runs_over_both_mesh_axes():
     from shardplan.jax.run import ring_charged, ring_hooks
 
     params, batch = inputs()
-    plan = sj.plan(attention_loss, params, batch, DEVICES, replace(TOY, node_size=4, inter_bandwidth=8e9),
+    plan = sj.plan(attention_loss, params, batch, DEVICES, replace(TOY, node_size=4, inter_bandwidth=16e9),
                    context="ring")
     run = sj.apply(plan, attention_loss, params, batch, DEVICES)
     (attn,) = [op for op in run.plan.graph.operators if op.kind == "attn_flash"]

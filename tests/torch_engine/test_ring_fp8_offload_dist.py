@@ -292,8 +292,8 @@ def _hf_ring(world: int) -> dict[str, Any]:
 
     seq = 64
     cfg = LlamaConfig(vocab_size=torch_cases.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, use_cache=False,
-                      attn_implementation="sdpa")
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=seq, use_cache=False,
+                      attn_implementation="sdpa")  # 2 heads: 4 ranks must split the sequence, not the heads
     torch.manual_seed(0)
     model = torch_cases.HFLoss(LlamaForCausalLM(cfg))
     g = torch.Generator().manual_seed(5)

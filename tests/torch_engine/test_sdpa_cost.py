@@ -69,9 +69,10 @@ def zoo_core(causal: bool, B: int = 2, H: int = 4, G: int = 4, S: int = 16, K: i
     the merged (h, r), so ``r`` is fixed there: DTensor splits an axis in contiguous blocks only)."""
     k, v = TensorRef("k", (B, G, S, K)), TensorRef("v", (B, G, S, K))
     if G == H:
-        return ops.flash_attention("attn", TensorRef("q", (B, H, S, K)), k, v, "bhsk", "bhtk", causal=causal)
+        return ops.flash_attention("attn", TensorRef("q", (B, H, S, K)), k, v, "bhsk", "bhtk", causal=causal,
+                                   dealt=causal)
     q = TensorRef("q", (B, G, H // G, S, K))
-    op = ops.flash_attention("attn", q, k, v, "bhrsk", "bhtk", causal=causal)
+    op = ops.flash_attention("attn", q, k, v, "bhrsk", "bhtk", causal=causal, dealt=causal)
     return replace(op, fixed=op.fixed | {"r"})
 
 
