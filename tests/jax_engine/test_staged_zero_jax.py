@@ -1,0 +1,118 @@
+"""A pipeline plan whose stages shard optimizer state (ZeRO 1/2/3) or keep it in host memory trains on JAX (8
+simulated devices, :class:`shardplan.jax.staged.StagedTrain`): one and two Adam steps equal optax's on the
+unsharded program, with the state, gradients and parameters held in shards as each operator's stage says."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from conftest import require_8_devices
+from staged_cases import B, D, model, scoped, searched_plan, with_choices
+
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
+DEVICES = require_8_devices()
+OFFERED = ("activations", "optimizer", "parameters")
+# leaf k is read by layer k; L1 to L3 replicate their weight's tile over a sub-mesh axis of 2 (L0's tile is on all 4)
+ZERO = {"L1/dot_general": {"state_stage": 1}, "L2/dot_general": {"state_stage": 2},
+        "L3/dot_general": {"state_stage": 3}}
+OFFLOAD = {"L0/dot_general": {"state_stage": 1, "offload": ("optimizer",)}, "L2/dot_general": {"state_stage": 1},
+           "L3/dot_general": {"state_stage": 3, "offload": ("optimizer", "parameters")}}
+
+
+@pytest.fixture(scope="module")
+def searched():
+    params, batch = model()
+    return params, batch, searched_plan(params, batch)
+
+
+def pieces(x):
+    return math.prod(x.shape) // math.prod(x.sharding.shard_shape(x.shape))
+
+
+def reference_steps(opt, params, batch, n):
+    """``n`` optax steps on the unsharded program (the full batch's mean: the mean of the 2 micro-batches')."""
+    state = opt.init(params)
+    out = []
+    for _ in range(n):
+        loss, grads = jax.value_and_grad(scoped)(params, batch)
+        updates, state = opt.update(grads, state, params)
+        params = jax.tree.map(lambda p, u: p + u, params, updates)
+        out.append((float(loss), params))
+    return out
+
+
+def assert_close(params, want):
+    top = max(float(np.abs(np.asarray(w)).max()) for w in jax.tree.leaves(want))
+    err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+              for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)))
+    assert err <= 1e-5 * top
+
+
+def test_zero_stages_train_like_the_unsharded_step(searched):
+    """Stage 0 runs L0 (ZeRO 0) and L1 (ZeRO 1), stage 1 L2 (ZeRO 2) and L3 (ZeRO 3). The gradient step equals
+    jax.value_and_grad with the ZeRO 2/3 gradients in shards; one and two Adam steps equal optax's unsharded ones;
+    between steps Adam's state of L1-L3 and L3's parameter are held in 2 shards of their tile (4 pieces of the
+    weight), the others in their tile; the compiled forward of stage 1 takes L3's weight in shards (it gathers it
+    itself) and its stage runs under jax.checkpoint (the gather done again for the backward), stage 0's does not."""
+    import optax
+
+    import shardplan.jax as sj
+
+    params, batch, plan = searched
+    step = sj.apply(with_choices(plan, ZERO), scoped, params, batch, DEVICES).step
+    assert [st.zero for st in step.stages] == [{0: 0, 1: 1}, {2: 2, 3: 3}]
+    assert [st.remat for st in step.stages] == [False, True]
+    loss, grads = step(params, batch)
+    loss0, grads0 = jax.value_and_grad(scoped)(params, batch)
+    assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
+    assert_close(grads, grads0)
+    assert [pieces(g) for g in grads["w"]] == [4, 2, 4, 4]
+    opt = optax.adam(1e-2)
+    train = step.train_step(opt, params)
+    p, state = train.init(params)
+    for (loss0, want), t in zip(reference_steps(opt, params, batch, 2), range(2)):
+        p, state, loss = train(p, state, batch)
+        assert abs(float(loss) - loss0) <= 1e-5 * abs(loss0)
+        assert_close(p, want)
+    assert [pieces(w) for w in p["w"]] == [4, 2, 2, 4]
+    assert [pieces(mu) for s in state for mu in s[0].mu] == [4, 4, 4, 4]
+    assert [pieces(nu) for s in state for nu in s[0].nu] == [4, 4, 4, 4]
+    assert [set(mu.sharding.device_set) for s in state for mu in s[0].mu] == [set(DEVICES[:4])] * 2 + \
+        [set(DEVICES[4:])] * 2
+    st = step.stages[1]
+    rows = B // 2
+    placed = tuple(jax.device_put(x, st.param_put[i]) for i, x in zip(st.params, p["w"][2:]))
+    fi = tuple(jax.device_put(jnp.zeros((rows, D)), st.in_sh[v]) for v in st.fin)
+    d = tuple(jax.device_put(batch[1][:rows], st.leaf_put[i]) for i in st.data)
+    shardings = st.forward.lower(placed, fi, (), d, {}).compile().input_shardings[0][0]
+    assert [math.prod(s.shard_shape((D, D))) for s in shardings] == [D * D // 2, D * D // 4]
+
+
+def test_offloaded_state_and_parameters_live_in_host_memory(searched):
+    """L0 (ZeRO 1) keeps Adam's state in host memory, L2 (ZeRO 1) on device, L3 (ZeRO 3) its state and its
+    parameter shards in host memory: two Adam steps equal optax's unsharded ones, and between steps each lives in
+    the memory its choice says (XLA's CPU backend copies between memory kinds outside a compiled program)."""
+    import optax
+
+    import shardplan.jax as sj
+
+    params, batch, plan = searched
+    step = sj.apply(with_choices(plan, OFFLOAD, offload=OFFERED), scoped, params, batch, DEVICES).step
+    opt = optax.adam(1e-2)
+    train = step.train_step(opt, params)
+    p, state = train.init(params)
+    for (loss0, want), t in zip(reference_steps(opt, params, batch, 2), range(2)):
+        p, state, loss = train(p, state, batch)
+        assert abs(float(loss) - loss0) <= 1e-5 * abs(loss0)
+        assert_close(p, want)
+        assert [w.sharding.memory_kind for w in p["w"]] == ["device"] * 3 + ["pinned_host"]
+        assert [mu.sharding.memory_kind for s in state for mu in s[0].mu] == \
+            ["pinned_host", "device", "device", "pinned_host"]
+        assert [pieces(mu) for s in state for mu in s[0].mu] == [4, 2, 4, 4]
