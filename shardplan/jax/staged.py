@@ -37,6 +37,14 @@ Execution, for each stage (each chunk of an interleaved plan):
   per stage; JAX's asynchronous dispatch lets stages on disjoint devices
   overlap, each device running its passes in the order issued.
 
+``step.train_step(optimizer, params)`` (:class:`StagedTrain`) adds an optax
+update per stage on that stage's devices, each parameter leaf held as its
+stage's ZeRO stage and offload say (optimizer state in shards, gradients
+reduce-scattered, stage-3 parameters in shards gathered in the stage's
+programs; optimizer state or parameters in ``pinned_host`` between steps):
+the one-program :mod:`shardplan.jax.memory` and :mod:`shardplan.jax.offload`
+applied to each stage's sub-mesh.
+
 Non-uniform stages (different blocks, different sub-mesh sizes) are fine.
 Limits: the loss must be the *mean* over the batch's leading axis (the step
 returns the mean of the m micro-batch losses and the gradient of that mean;
