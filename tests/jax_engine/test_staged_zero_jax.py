@@ -116,3 +116,50 @@ def test_offloaded_state_and_parameters_live_in_host_memory(searched):
         assert [mu.sharding.memory_kind for s in state for mu in s[0].mu] == \
             ["pinned_host", "device", "device", "pinned_host"]
         assert [pieces(mu) for s in state for mu in s[0].mu] == [4, 2, 4, 4]
+
+
+def tied(p, batch):
+    """A weight ``e`` read by the first layer and, transposed, by the last: a parameter of both stages."""
+    x, y = batch
+    for i, w in enumerate([p["e"], *p["w"], None]):
+        with jax.named_scope(f"L{i}"):
+            x = jnp.tanh(x @ (p["e"].T if w is None else w))
+    return jnp.mean((x - y) ** 2)
+
+
+def test_a_leaf_read_by_two_stages_is_updated_at_its_home(searched):
+    """``e`` is read by L0 (stage 0, ZeRO 1) and L3 (stage 1, ZeRO 2): stage 0 is its home, holding its Adam state
+    in shards; stage 1 gets a copy before the passes and its gradient (reduced into stage 1's shards) is summed
+    into the home's. Two Adam steps equal optax's on the unsharded program."""
+    import optax
+
+    import shardplan.jax as sj
+    from shardplan.jax.staged import Tracer, batch_size
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.planner import from_pipeline
+    from staged_cases import MACHINE
+
+    params0, batch, _ = searched
+    params = {"e": params0["w"][0], "w": params0["w"][1:3]}
+    tracer = Tracer(tied, params, batch)
+    plan = from_pipeline(pipeline_solve(tracer, batch_size(tracer.full_info), MACHINE, micro_batches=(2,),
+                                        sizes=(4,), cutoff=1))
+    assert [sorted(s.operators)[:2] for s in plan.stages] == [["L0/dot_general", "L1/dot_general"],
+                                                              ["L2/dot_general", "L3/dot_general"]]
+    edits = {"L0/dot_general": {"state_stage": 1}, "L3/dot_general": {"state_stage": 2}}
+    step = sj.apply(with_choices(plan, edits), tied, params, batch, DEVICES).step
+    opt = optax.adam(1e-2)
+    train = step.train_step(opt, params)
+    assert train.homes == ((0, 1), (2,)) and 0 in step.stages[1].params
+    assert (step.stages[0].zero[0], step.stages[1].zero[0]) == (1, 2)
+    p, state = train.init(params)
+    ref = opt.init(params)
+    want = params
+    for t in range(2):
+        p, state, loss = train(p, state, batch)
+        loss0, grads = jax.value_and_grad(tied)(want, batch)
+        updates, ref = opt.update(grads, ref, want)
+        want = jax.tree.map(lambda a, u: a + u, want, updates)
+        assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
+        assert_close(p, want)
+    assert set(p["e"].sharding.device_set) == set(DEVICES[:4])
