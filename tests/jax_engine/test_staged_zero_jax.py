@@ -163,3 +163,34 @@ def test_a_leaf_read_by_two_stages_is_updated_at_its_home(searched):
         assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
         assert_close(p, want)
     assert set(p["e"].sharding.device_set) == set(DEVICES[:4])
+
+
+def test_fp8_delayed_scaling_trains_with_sharded_state(searched):
+    """L1's product in FP8 (delayed scaling) beside L1 at ZeRO 3 and L2 at ZeRO 2: ``train(params, opt_state, batch,
+    history)`` returns the next histories; two Adam steps equal optax's on the unsharded program with the same FP8
+    product, every micro-batch scaled from the step's histories, the largest amax shifted in."""
+    import optax
+
+    import shardplan.jax as sj
+    from shardplan.jax.fp8 import init_history, roll_history
+
+    params, batch, plan = searched
+    edits = {"L1/dot_general": {"fp8": True, "state_stage": 3}, "L2/dot_general": {"state_stage": 2}}
+    step = sj.apply(with_choices(plan, edits), scoped, params, batch, DEVICES).step
+    assert step.fp8_names == ("L1/dot_general",)
+    opt = optax.adam(1e-2)
+    train = step.train_step(opt, params)
+    p, state = train.init(params)
+    h = step.init_history(8)
+    want, ref, h0 = params, opt.init(params), init_history(step.fp8_names, 8)
+    parts = [jax.jit(jax.value_and_grad(step.reference(micro=j), argnums=(0, 2))) for j in range(2)]
+    for _ in range(2):
+        p, state, loss, h = train(p, state, batch, h)
+        (l0, (g0, a0)), (l1, (g1, a1)) = (f(want, batch, h0) for f in parts)
+        updates, ref = opt.update(jax.tree.map(jnp.add, g0, g1), ref, want)
+        want = jax.tree.map(lambda a, u: a + u, want, updates)
+        h0 = roll_history(h0, jax.tree.map(jnp.maximum, a0, a1))
+        assert abs(float(loss) - float(l0 + l1)) <= 1e-5 * abs(float(l0 + l1))
+        assert_close(p, want)
+        np.testing.assert_allclose(np.asarray(h["L1/dot_general"]), np.asarray(h0["L1/dot_general"]), rtol=1e-6)
+    assert [pieces(w) for w in p["w"]] == [4, 4, 2, 2]
