@@ -532,8 +532,9 @@ class TorchPipeline:
     def optimizer(self, cls: Any, **options: Any) -> Any:
         """``cls`` (a ``torch.optim`` class) over this rank's stage parameters, holding the state as the plan's ZeRO
         stages say: a parameter whose first reader in its stage has ZeRO-1, in a stage of several processes whose
-        tile of it has replicas, gets its state in shards (:class:`ShardedStateOptimizer`); the others (and
-        every parameter of a stage of one process, where the tile is whole on its one process) a plain optimizer.
+        tile of it has replicas, gets its state in shards (:class:`ShardedStateOptimizer`); the others (a ZeRO-3
+        parameter, already held in shards by its stage's ParallelModule, and every parameter of a stage of one
+        process, where the tile is whole on its one process) are stepped as they are.
         Step it after :meth:`step`: ``loss = pipe.step(*batch); opt.step(); opt.zero_grad()``."""
         from torch.distributed.tensor import DTensor
 
@@ -595,18 +596,20 @@ def _result_choices(result: Any) -> list[list[StageChoice]]:
 
 def check_stage_choices(choices: Sequence[Sequence[StageChoice]], q: int) -> None:
     """Refuse what the stage runner cannot hold (stages of ``q`` processes): optimizer state or parameters in
-    host memory, and in stages of several processes ZeRO stages 2 and 3. ZeRO-1 is held by
-    :meth:`TorchPipeline.optimizer` (the state in shards over each tile's replicas); in a stage of one process
-    every ZeRO stage holds what stage 0 holds (the tile has no replicas to shard over)."""
+    host memory, and in stages of several processes ZeRO stage 2 (the one-program run holds 0 and 3 only). ZeRO-1
+    is held by :meth:`TorchPipeline.optimizer` (the state in shards over each tile's replicas), ZeRO-3 by the
+    stage's :class:`~shardplan.torch.run.ParallelModule` (parameters in shards, gathered at each use and again
+    for the backward; an optimizer over them holds their state in shards too); in a stage of one process every
+    ZeRO stage holds what stage 0 holds (the tile has no replicas to shard over)."""
     for ops in choices:
         for name, _fp8, offload, _recompute, stage in ops:
             parts = [p for p in offload if p != "activations"]
             why = (f"offloads its {', '.join(parts)}" if parts else
-                   f"has ZeRO stage {stage} in a stage of {q} processes" if stage >= 2 and q > 1 else None)
+                   f"has ZeRO stage {stage} in a stage of {q} processes" if stage == 2 and q > 1 else None)
             if why:
                 raise ShardplanError(f"pipeline stage operator {name!r} {why}: the PyTorch stage runner holds "
-                                     "ZeRO-1 state (TorchPipeline.optimizer), not offloaded state or stage 2/3 "
-                                     "shards over several processes")
+                                     "ZeRO-1 state (TorchPipeline.optimizer) and ZeRO-3 parameters, not offloaded "
+                                     "state or ZeRO-2 gradient shards over several processes")
 
 
 class ShardedStateOptimizer:
@@ -692,7 +695,8 @@ def _run_choices(ops: Sequence[StageChoice], names: Sequence[str], ring: bool) -
         raise ShardplanError("the stage module's operators differ from the stage the plan was made for")
     pick = lambda k: frozenset(n for n, c in zip(names, ops) if k(c))  # noqa: E731
     return RunChoices(recompute=pick(lambda c: c[3]), fp8=pick(lambda c: c[1]),
-                      offload=pick(lambda c: "activations" in c[2] and not c[3]), ring=ring)
+                      offload=pick(lambda c: "activations" in c[2] and not c[3]), ring=ring,
+                      zero3=pick(lambda c: c[4] == 3))
 
 
 def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None = None, *,

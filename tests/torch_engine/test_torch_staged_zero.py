@@ -1,9 +1,9 @@
-"""A pipeline plan whose stages hold ZeRO-1 optimizer state trains on PyTorch (4 gloo processes,
+"""A pipeline plan whose stages shard state (ZeRO-1, ZeRO-3) trains on PyTorch (4 gloo processes,
 :meth:`shardplan.torch.staged.TorchPipeline.optimizer`): 2 stages of 2 processes, every block linear data parallel
-(its weight replicated on the stage's 2 processes) at ZeRO-1; two Adam steps equal one process's, with Adam's state
-of every linear in shards (half of it on each process of its stage). In this process: what the stage runner refuses
-(offloaded state; ZeRO 2 and 3 over stages of several processes) and accepts (any ZeRO stage in stages of one
-process, where the tile has no replicas)."""
+(its weight replicated on the stage's 2 processes) at ZeRO-1, then at ZeRO-3; two Adam steps equal one process's,
+with Adam's state of every linear in shards (half of it on each process of its stage), and at ZeRO-3 the
+parameters too. In this process: what the stage runner refuses (offloaded state; ZeRO 2 over stages of several
+processes) and accepts (ZeRO 1 and 3; any ZeRO stage in stages of one process, where the tile has no replicas)."""
 
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ class Mlp(nn.Module):
         return ((x - y) ** 2).mean()
 
 
-def data_parallel_zero1(world: int) -> Any:
+def data_parallel(world: int, stage: int) -> Any:
     """The pipeline search's plan of :class:`Mlp` (2 stages of 2 processes, m = 2), every operator laid out data
-    parallel (its first dimension of the micro-batch's rows split 2 ways) and every linear at ZeRO-1, as loaded from
-    JSON."""
+    parallel (its first dimension of the micro-batch's rows split 2 ways) and every linear at ZeRO ``stage``, as
+    loaded from JSON."""
     import dataclasses
 
     from shardplan.layout import Layout
@@ -64,20 +64,20 @@ def data_parallel_zero1(world: int) -> Any:
 
     def choice(name: str, c: Any) -> Any:
         lay = Layout.flat(c.layout.dims, tuple(2 if d == rows[name] else 1 for d in c.layout.dims), 2)
-        return dataclasses.replace(c, layout=lay, state_stage=1 if "linear" in name else 0)
+        return dataclasses.replace(c, layout=lay, state_stage=stage if "linear" in name else 0)
 
     stages = tuple(dataclasses.replace(s, operators={n: choice(n, c) for n, c in s.operators.items()})
                    for s in plan.stages)
     return dataclasses.replace(plan, stages=stages, detail=None), model, batch
 
 
-def _zero1(world: int) -> dict[str, Any]:
+def _train(world: int, stage: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import shardplan.torch as st
     from shardplan.torch.staged import ShardedStateOptimizer
 
-    plan, model, batch = data_parallel_zero1(world)
+    plan, model, batch = data_parallel(world, stage)
     ref = torch_cases._clone(model)
     pipe = st.apply(plan, model, batch)
     opt = pipe.optimizer(torch.optim.Adam, lr=1e-2)
@@ -103,14 +103,19 @@ def _zero1(world: int) -> dict[str, Any]:
     masters = opt.masters() if sharded else []
     # per parameter with sharded state: the elements of Adam's first moment this process holds, and the parameter's
     halves = [(opt.state[m]["exp_avg"].to_local().numel(), p.numel()) for p, m in masters]
-    return {"rel_loss": rel_loss, "param_err": float(err), "scale": max(float(p.abs().max()) for p in ref.parameters()),
+    held = [p for h in pipe.modules for p in h.module.parameters()]
+    moments = [(opt.state[p]["exp_avg"].to_local().numel(), p.numel()) for p in held if p in opt.state]
+    return {"sharded_params": torch_pipeline_cases._total(sum(2 * p.to_local().numel() == p.numel() for p in held)),
+            "sharded_moments": torch_pipeline_cases._total(sum(2 * a == n for a, n in moments)),
+            "rel_loss": rel_loss, "param_err": float(err),
+            "scale": max(float(p.detach().abs().max()) for p in ref.parameters()),
             "sharded": torch_pipeline_cases._total(int(sharded)),
             "masters": torch_pipeline_cases._total(len(masters)),
             "halves": torch_pipeline_cases._total(sum(2 * a == n for a, n in halves)),
             "params_held": torch_pipeline_cases._total(len(pipe.named_parameters()))}
 
 
-CASES = {"zero1": _zero1}
+CASES = {"zero1": lambda world: _train(world, 1), "zero3": lambda world: _train(world, 3)}
 
 
 def run_case(name: str, world: int) -> dict[str, Any]:
@@ -131,11 +136,23 @@ def test_zero1_stages_train_like_one_process_with_the_state_in_shards(results):
     assert r["rel_loss"] <= 1e-5 and r["param_err"] <= 1e-5 * r["scale"], r
     assert r["sharded"] == WORLD and r["params_held"] == 2 * 8  # each stage's 4 parameters on each of its 2
     assert r["masters"] == WORLD * 4 and r["halves"] == WORLD * 4, r
+    assert r["sharded_params"] == 0, r
+
+
+def test_zero3_stages_train_like_one_process_with_parameters_in_shards(results):
+    """The same plan at ZeRO-3: the stage's ParallelModule holds each linear parameter in shards (half on each
+    process), gathered at each use; a plain Adam over them (no master shards) holds half of each moment; two
+    Adam steps equal one process's."""
+    r = results["zero3"]
+    assert "error" not in r, r.get("error")
+    assert r["rel_loss"] <= 1e-5 and r["param_err"] <= 1e-5 * r["scale"], r
+    assert r["sharded"] == 0 and r["params_held"] == 2 * 8
+    assert r["sharded_params"] == WORLD * 4 and r["sharded_moments"] == WORLD * 4, r
 
 
 def test_what_the_stage_runner_holds_and_refuses():
-    """Refused: optimizer state or parameters in host memory, ZeRO 2 and 3 over stages of several processes;
-    accepted: ZeRO-1 in any stage, any ZeRO stage in a stage of one process."""
+    """Refused: optimizer state or parameters in host memory, ZeRO 2 over stages of several processes; accepted:
+    ZeRO 1 and 3 in any stage, any ZeRO stage in a stage of one process."""
     from shardplan.errors import ShardplanError
     from shardplan.torch.staged import check_stage_choices
 
@@ -144,10 +161,11 @@ def test_what_the_stage_runner_holds_and_refuses():
 
     for q in (1, 2):
         check_stage_choices(op(1), q)
-    for stage in (2, 3):
-        check_stage_choices(op(stage), 1)
-        with pytest.raises(ShardplanError, match=f"has ZeRO stage {stage} in a stage of 2 processes"):
-            check_stage_choices(op(stage), 2)
+    for q in (1, 2):
+        check_stage_choices(op(3), q)
+    check_stage_choices(op(2), 1)
+    with pytest.raises(ShardplanError, match="has ZeRO stage 2 in a stage of 2 processes"):
+        check_stage_choices(op(2), 2)
     for parts in (("optimizer",), ("parameters",)):
         with pytest.raises(ShardplanError, match=f"offloads its {parts[0]}"):
             check_stage_choices(op(3, parts), 1)
