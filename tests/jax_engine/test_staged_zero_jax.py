@@ -194,3 +194,37 @@ def test_fp8_delayed_scaling_trains_with_sharded_state(searched):
         assert_close(p, want)
         np.testing.assert_allclose(np.asarray(h["L1/dot_general"]), np.asarray(h0["L1/dot_general"]), rtol=1e-6)
     assert [pieces(w) for w in p["w"]] == [4, 4, 2, 2]
+
+
+def test_interleaved_chunks_train_with_their_own_state(searched):
+    """Interleaved 1F1B over 2 groups of 4 devices, 2 chunks each (4 stages): L0 (ZeRO 3) in chunk 0, L1 (ZeRO 1)
+    in chunk 1, L2 (ZeRO 2) and L3 (ZeRO 3) in chunk 2, the loss alone in chunk 3 (no leaves: no state). Two Adam
+    steps equal optax's unsharded ones, each leaf kept on its chunk's device group."""
+    import optax
+
+    import shardplan.jax as sj
+    from shardplan.jax.staged import Tracer, batch_size
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.planner import from_pipeline
+    from staged_cases import MACHINE
+
+    params, batch, _ = searched
+    tracer = Tracer(scoped, params, batch)
+    plan = from_pipeline(pipeline_solve(tracer, batch_size(tracer.full_info), MACHINE, micro_batches=(2,),
+                                        sizes=(4,), interleave=(2,), schedules=("interleaved",), cutoff=1))
+    assert (plan.num_stages, plan.chunks, [s.offset for s in plan.stages]) == (4, 2, [0, 4, 0, 4])
+    edits = {"L0/dot_general": {"state_stage": 3}, "L1/dot_general": {"state_stage": 1},
+             "L2/dot_general": {"state_stage": 2}, "L3/dot_general": {"state_stage": 3}}
+    step = sj.apply(with_choices(plan, edits), scoped, params, batch, DEVICES).step
+    assert [st.zero for st in step.stages] == [{0: 3}, {1: 1}, {2: 2, 3: 3}, {}]
+    opt = optax.adam(1e-2)
+    train = step.train_step(opt, params)
+    p, state = train.init(params)
+    assert state[3] is None
+    for (loss0, want), _ in zip(reference_steps(opt, params, batch, 2), range(2)):
+        p, state, loss = train(p, state, batch)
+        assert abs(float(loss) - loss0) <= 1e-5 * abs(loss0)
+        assert_close(p, want)
+    assert [set(w.sharding.device_set) for w in p["w"]] == [set(DEVICES[:4]), set(DEVICES[4:])] + \
+        [set(DEVICES[:4])] * 2
+    assert [pieces(w) for w in p["w"]] == [4, 2, 2, 4]
