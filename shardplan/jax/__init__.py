@@ -137,9 +137,9 @@ def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devic
 
     The program is traced again here and the plan's choices are checked against it: a plan made for
     another program, batch or machine size is refused. A pipeline's stages run their layouts,
-    recomputation, FP8 products and activation offload (:mod:`shardplan.jax.staged`); one whose stages shard
-    state or keep optimizer state or parameters in host memory is refused: the staged step returns
-    gradients and holds no optimizer state.
+    recomputation, FP8 products and activation offload (:mod:`shardplan.jax.staged`); their ZeRO stages and
+    offloaded optimizer state or parameters are held by the staged training step
+    (``Planned.step.train_step(optimizer, params)``, :class:`~shardplan.jax.staged.StagedTrain`).
     """
     import jax
 
@@ -151,14 +151,6 @@ def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devic
         raise ShardplanError(f"the plan is for {plan.machine.num_devices} devices, {len(devs)} were given")
     if plan.pipelined:
         tracer = Tracer(loss_fn, params, batch)
-        bad = [(n, c) for s in plan.stages for n, c in s.operators.items()
-               if c.state_stage or set(c.offload) - {"activations"}]
-        if bad:
-            n, c = bad[0]
-            what = f"has ZeRO stage {c.state_stage}" if c.state_stage else f"offloads its {', '.join(c.offload)}"
-            raise ShardplanError(f"pipeline stage operator {n!r} {what}: the JAX stage runner holds no optimizer "
-                                 "state (it returns each stage's gradients); it runs layouts, recomputation, FP8 "
-                                 "products and activation offload")
         step = build_staged(pipeline_of(plan, tracer), tracer, devs, reduction=reduction)
         _check_stage_choices(plan, step)
         return Planned(plan, step.info, tuple(devs), None, None, None, step, None, step)
@@ -169,20 +161,28 @@ def apply(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devic
 
 
 def _check_stage_choices(plan: Any, step: Any) -> None:
-    """Every stage of ``step`` runs the recomputation, FP8 products and activation offload ``plan`` gives its
+    """Every stage of ``step`` runs the recomputation, FP8 products, offload and ZeRO stages ``plan`` gives its
     operators (a stage rebuilt without its memory choices would run without them: refused)."""
     from shardplan.jax.staged import stage_choices
+
+    def held(name: str, stage: int, parts: Any) -> tuple | None:
+        kept = tuple(sorted(set(parts) - {"activations"}))
+        return (name, int(stage), kept) if stage or kept else None
 
     for j, (s, st) in enumerate(zip(plan.stages, step.stages)):
         own = st.plan.graph.recomputed
         want = ({n for n, c in s.operators.items() if c.recompute} - own,
                 {n for n, c in s.operators.items() if c.fp8},
-                {n for n, c in s.operators.items() if "activations" in c.offload and not c.recompute})
+                {n for n, c in s.operators.items() if "activations" in c.offload and not c.recompute},
+                {held(n, c.state_stage, c.offload) for n, c in s.operators.items()} - {None})
         recs, offl = stage_choices(st.plan)
         mc = st.plan.memory_choices
-        fp8 = set() if mc is None else {op.name for i, op in enumerate(st.plan.graph.operators) if mc.fp8(i)}
-        if (set(recs), fp8, set(offl)) != want:
-            raise ShardplanError(f"stage {j}'s plan does not carry the recomputation, FP8 products or offload its "
+        ops = list(enumerate(st.plan.graph.operators))
+        fp8 = set() if mc is None else {op.name for i, op in ops if mc.fp8(i)}
+        state = set() if mc is None else {held(op.name, mc.stage(i), mc.offload(i)) for i, op in ops} - {None}
+        if (set(recs), fp8, set(offl), state) != want:
+            raise ShardplanError(f"stage {j}'s plan does not carry the recomputation, FP8 products, offload or ZeRO "
+                                 "stages its "
                                  "operators are given (a plan edited after the search still holds the search's "
                                  "answer: drop its detail; a loaded one lists the stage in "
                                  "stats['memory_choice_stages'])")

@@ -37,6 +37,14 @@ Execution, for each stage (each chunk of an interleaved plan):
   per stage; JAX's asynchronous dispatch lets stages on disjoint devices
   overlap, each device running its passes in the order issued.
 
+``step.train_step(optimizer, params)`` (:class:`StagedTrain`) adds an optax
+update per stage on that stage's devices, each parameter leaf held as its
+stage's ZeRO stage and offload say (optimizer state in shards, gradients
+reduce-scattered, stage-3 parameters in shards gathered in the stage's
+programs; optimizer state or parameters in ``pinned_host`` between steps):
+the one-program :mod:`shardplan.jax.memory` and :mod:`shardplan.jax.offload`
+applied to each stage's sub-mesh.
+
 Non-uniform stages (different blocks, different sub-mesh sizes) are fine.
 Limits: the loss must be the *mean* over the batch's leading axis (the step
 returns the mean of the m micro-batch losses and the gradient of that mean;
@@ -80,8 +88,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from shardplan.errors import ShardplanError
 
-__all__ = ["stack_stages", "pipeline_forward", "pipeline", "StagedStep", "scoped_trace", "Tracer", "batch_size",
-           "build_staged"]
+__all__ = ["stack_stages", "pipeline_forward", "pipeline", "StagedStep", "StagedTrain", "staged_train", "scoped_trace",
+           "Tracer", "batch_size", "build_staged"]
 
 
 def stack_stages(layer_params: list[Any], num_stages: int) -> Any:
@@ -282,7 +290,8 @@ class _Stage:
         import jax.numpy as jnp
 
         from shardplan.jax.fp8 import fp8_equations, fp8_operators, with_history
-        from shardplan.jax.run import constrain_both_ways, evaluate_eqns, ring_hooks
+        from shardplan.jax.memory import param_views
+        from shardplan.jax.run import constrain_both_ways, constrain_forward, evaluate_eqns, ring_hooks
         from shardplan.jax.shardings import _axis_dims, layout_sharding, replicated
 
         self.index, self.spec, self.plan, self.eqns = index, spec, plan, eqns
@@ -305,9 +314,7 @@ class _Stage:
         produce = {v: constrain_both_ways(_factored(s)) for v, s in out_sh.items()}
         consume = {key: constrain_both_ways(_factored(s)) for key, s in read_sh.items()}
         ring_consume, ring_replace = ring_hooks(plan, info, self.devices, _factored)  # a ring plan's attentions
-        consume.update(ring_consume)
         self.replace = {**fp8_equations(plan, info), **ring_replace}
-        policy = _name_saved(plan, info, eqns, produce)
         self.rep = _factored(replicated(self.devices))
         own = {v for k in eqns for v in prog.eqns[k].outvars}
         leaves: list[int] = []
@@ -332,6 +339,16 @@ class _Stage:
         inexact = lambda dt: jnp.issubdtype(dt, jnp.inexact)  # noqa: E731
         self.params = [i for i in leaves if i in info.param_leaves and inexact(leaf_dtypes[i])]
         self.data = [i for i in leaves if i not in self.params]
+        self._hold_state(plan, info, names)
+        views = param_views(info)
+        for (k, slot), sh in read_sh.items():  # a read of a stage >= 2 leaf: its gradient straight into the shards
+            a = prog.eqns[k].invars[slot]
+            i = views.get(a) if isinstance(a, int) else None
+            if i is not None and self.zero.get(i, 0) >= 2:
+                whole = a == prog.invars[i]
+                consume[(k, slot)] = constrain_forward(_factored(sh), self.grad_put[i] if whole else None)
+        consume.update(ring_consume)
+        policy = _name_saved(plan, info, eqns, produce, gather=3 in self.zero.values())
         self.fin = [v for v in ins if inexact(dtype_of[v])]
         self.oin = [v for v in ins if v not in self.fin]
         outs = sorted(v for v in own if readers.get(v, set()) - {index})
@@ -364,7 +381,44 @@ class _Stage:
         self.body = body
         self.forward = jax.jit(lambda p, fi, oi, d, h: jax.vjp(lambda p_, fi_, h_: body(p_, fi_, oi, d, h_), p, fi, h,
                                                                has_aux=True))
-        self.backward = jax.jit(lambda vjp, g: vjp(g))
+        gput = [self.grad_put[i] if self.zero[i] >= 2 else None for i in params]
+
+        def backward(vjp: Any, g: tuple) -> tuple:
+            gp, gfi, gh = vjp(g)
+            gp = tuple(x if sh is None else jax.lax.with_sharding_constraint(x, sh) for x, sh in zip(gp, gput))
+            return gp, gfi, gh
+
+        self.backward = jax.jit(backward)
+
+    def _hold_state(self, plan: Any, info: Any, names: set[str]) -> None:
+        """Per parameter leaf of the stage, from its first reader in the stage (as
+        :func:`shardplan.jax.memory.leaf_states` and :func:`shardplan.jax.offload.leaf_offloads` take it from its
+        first reader): ``zero`` its ZeRO stage, ``host`` the parts kept in host memory (``optimizer``,
+        ``parameters``), and the shardings (on prime-factor meshes) of the parameter between steps
+        (``param_put``: the shards for stage 3), of its gradient (``grad_put``: the shards for stages 2, 3) and of
+        its optimizer state (``state_put``: the shards for stages 1 to 3); the shards divide the tile over the
+        sub-mesh axes the tile does not use (:func:`shardplan.jax.memory.shard_over_replicas`)."""
+        from shardplan.jax.memory import shard_over_replicas
+
+        mc = getattr(plan, "memory_choices", None)
+        index = plan.graph.index
+        self.zero: dict[int, int] = {}
+        self.host: dict[int, tuple[str, ...]] = {}
+        self.param_put: dict[int, Any] = {}
+        self.grad_put: dict[int, Any] = {}
+        self.state_put: dict[int, Any] = {}
+        for i in self.params:
+            uses = [n for n, _ in info.leaf_uses.get(i, ()) if n in names]
+            z, parts = 0, ()
+            if mc is not None and uses:
+                z = int(mc.stage(index[uses[0]]))
+                parts = tuple(p for p in mc.offload(index[uses[0]]) if p != "activations")
+            tile = self.leaf_sh[i]
+            shards = shard_over_replicas(tile, info.leaf_shapes[i])[0] if z else tile
+            self.zero[i], self.host[i] = z, parts
+            self.param_put[i] = _factored(shards if z == 3 else tile)
+            self.grad_put[i] = _factored(shards if z >= 2 else tile)
+            self.state_put[i] = _factored(shards if z >= 1 else tile)
 
 
 def _factored(sharding: Any) -> Any:
@@ -400,40 +454,32 @@ def _factored(sharding: Any) -> Any:
 
 def stage_choices(plan: Any) -> tuple[frozenset[str], frozenset[str]]:
     """Of a stage's intra-stage plan: the operators it recomputes and those whose activations live in host memory
-    (none recomputing: a recomputed operator keeps nothing); both empty for a plan without memory choices.
-
-    Raises:
-        ShardplanError: some operator shards its state (a ZeRO stage) or keeps its optimizer state or
-            parameters in host memory: the staged step returns gradients, it holds no optimizer state.
+    (none recomputing: a recomputed operator keeps nothing); both empty for a plan without memory choices. (Its
+    ZeRO stages and offloaded optimizer state or parameters are the stage's leaves', :meth:`_Stage._hold_state`.)
     """
     mc = getattr(plan, "memory_choices", None)
     if mc is None:
         return frozenset(), frozenset()
     names = [op.name for op in plan.graph.operators]
-    for i, n in enumerate(names):
-        parts = [p for p in mc.offload(i) if p != "activations"]
-        if mc.stage(i) or parts:
-            what = f"ZeRO stage {mc.stage(i)}" if mc.stage(i) else f"its {' and '.join(parts)} offloaded"
-            raise ShardplanError(f"stage operator {n!r} has {what}: the JAX stage runner holds no optimizer state "
-                                 "(it returns each stage's gradients); it runs layouts, recomputation, FP8 "
-                                 "products and activation offload")
     recs = frozenset(n for i, n in enumerate(names) if mc.recompute(i)) - plan.graph.recomputed
     offl = frozenset(n for i, n in enumerate(names) if "activations" in mc.offload(i)) - recs
     return recs, offl
 
 
-def _name_saved(plan: Any, info: Any, eqns: Sequence[int], produce: dict[int, Any]) -> Any:
-    """The checkpoint policy of a stage whose plan recomputes or offloads (None: neither), after naming, in
-    ``produce``, what each of the stage's equations ``eqns`` produces: ``shardplan_saved`` for an operator that
-    neither recomputes nor offloads, ``shardplan_offloaded`` for one that offloads, nothing for one that
-    recomputes (:func:`shardplan.jax.memory.checkpointed_fn`, applied to one stage: the stage's inputs are the
-    checkpoint's arguments, always kept)."""
+def _name_saved(plan: Any, info: Any, eqns: Sequence[int], produce: dict[int, Any], gather: bool = False) -> Any:
+    """The checkpoint policy of a stage whose plan recomputes or offloads or that holds stage-3 parameters
+    (``gather``; None: none of these), after naming, in ``produce``, what each of the stage's equations ``eqns``
+    produces: ``shardplan_saved`` for an operator that neither recomputes nor offloads, ``shardplan_offloaded``
+    for one that offloads, nothing for one that recomputes (:func:`shardplan.jax.memory.checkpointed_fn`,
+    applied to one stage: the stage's inputs are the checkpoint's arguments, always kept; a stage-3
+    parameter's gathered copy is no equation's output, so it is not saved and is gathered again for the
+    backward pass)."""
     import jax
 
     from shardplan.jax.memory import OFFLOADED, SAVED, _compose, _saved_name, equation_owners, param_views
 
     recs, offl = stage_choices(plan)
-    if not recs and not offl:
+    if not recs and not offl and not gather:
         return None
     name, down = _saved_name(SAVED), _saved_name(OFFLOADED)
     views = param_views(info, params_only=False)
@@ -530,12 +576,26 @@ class StagedStep:
     def __call__(self, params: Any, batch: Any, history: Any = None) -> Any:
         """``loss, grads``; with ``history`` (the FP8 amax histories, :meth:`init_history`): delayed scaling,
         ``loss, grads, history`` with the next step's histories (every micro-batch scaled from ``history``, the
-        largest amax of the step's micro-batches shifted in: :mod:`shardplan.jax.fp8`)."""
+        largest amax of the step's micro-batches shifted in: :mod:`shardplan.jax.fp8`). A stage-3 parameter is
+        sent to its stage in shards, and a stage 2 or 3 gradient comes back in shards."""
         import jax
         import jax.numpy as jnp
-        import numpy as np
 
-        from shardplan.jax.fp8 import roll_history
+        leaves = self._leaves(params, batch)
+        placed = [tuple(jax.device_put(leaves[i], st.param_put[i]) for i in st.params) for st in self.stages]
+        loss, grads, hist = self._passes(placed, leaves, history)
+        out: list[Any] = [None] * len(leaves)
+        for st, g in zip(self.stages, grads):
+            for i, x in zip(st.params, g):
+                out[i] = x if out[i] is None else out[i] + jax.device_put(x, out[i].sharding)
+        n_params = len(jax.tree_util.tree_leaves(params))
+        full = [out[i] if out[i] is not None else jnp.zeros_like(leaves[i]) for i in range(n_params)]
+        grad_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), full)
+        return (loss, grad_tree) if history is None else (loss, grad_tree, hist)
+
+    def _leaves(self, params: Any, batch: Any) -> list[Any]:
+        """The argument leaves, checked against the traced structure and the plan's m micro-batches."""
+        import jax
 
         leaves, tree = jax.tree_util.tree_flatten((params, batch))
         if tree != self.info.in_tree:
@@ -546,13 +606,27 @@ class StagedStep:
             if tuple(leaves[i].shape) != (rows * m,) + tuple(self.info.leaf_shapes[i][1:]):
                 raise ShardplanError(f"batch leaf {self.info.leaf_names[i]} has shape {tuple(leaves[i].shape)}; the "
                                      f"plan is for {m} micro-batches of {self.info.leaf_shapes[i]}")
+        return leaves
+
+    def _passes(self, placed: list[tuple], leaves: list[Any], history: Any) -> tuple[Any, list[Any], Any]:
+        """The m forward and backward passes of every stage in the schedule's order: ``(loss, grads, history)``,
+        ``grads[s]`` stage s's gradients (summed over the micro-batches, in its ``grad_put`` shardings, one per
+        leaf of ``st.params``), ``history`` the next amax histories (None without ``history``). ``placed[s]``:
+        stage s's parameters on its devices."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from shardplan.jax.fp8 import roll_history
+
+        m = self.plan.micro_batches
+        rows = self.info.leaf_shapes[min(self.info.batch_leaves)][0] if self.info.batch_leaves else 0
 
         def micro(i: int, j: int) -> Any:
             x = leaves[i]
             return x[j * rows:(j + 1) * rows] if i in self.info.batch_leaves else x
 
         scale = 1.0 / m if self.reduction == "mean" else 1.0
-        placed = [tuple(jax.device_put(leaves[i], st.leaf_put[i]) for i in st.params) for st in self.stages]
         producer = {v: st.index for st in self.stages for v in st.out_sh}
         values: dict[tuple[int, int], Any] = {}
         cot: dict[tuple[int, int], Any] = {}
@@ -591,17 +665,147 @@ class StagedStep:
                 gv = jax.device_put(gv, p.out_sh[v])
                 cot[(v, j)] = gv if (v, j) not in cot else cot[(v, j)] + gv
         loss = sum(losses[1:], losses[0]) * (1.0 / m if self.reduction == "mean" else 1.0)
-        out: list[Any] = [None] * len(leaves)
-        for st, g in zip(self.stages, grads):
-            for i, x in zip(st.params, g):
-                out[i] = x if out[i] is None else out[i] + jax.device_put(x, out[i].sharding)
-        n_params = len(jax.tree_util.tree_leaves(params))
-        full = [out[i] if out[i] is not None else jnp.zeros_like(leaves[i]) for i in range(n_params)]
-        grad_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), full)
         if history is None:
-            return loss, grad_tree
-        return loss, grad_tree, {n: h for st, h, a in zip(self.stages, hist, amax) for n, h in
-                                 roll_history(h, a).items()}
+            return loss, grads, None
+        return loss, grads, {n: h for h, a in zip(hist, amax) for n, h in roll_history(h, a).items()}
+
+    def train_step(self, optimizer: Any, params: Any) -> "StagedTrain":
+        """``train(params, opt_state, batch) -> (params, opt_state, loss)`` with an optax ``optimizer``
+        (:class:`StagedTrain`; ``params`` gives the shapes); :meth:`init` makes the first ``opt_state``."""
+        return staged_train(self, optimizer, params)
+
+    def init(self, optimizer: Any, params: Any) -> tuple[Any, Any]:
+        """``(params, opt_state)`` placed as the stages hold them between steps (:meth:`StagedTrain.init`)."""
+        return staged_train(self, optimizer, params).init(params)
+
+
+@dataclass(frozen=True, eq=False)
+class StagedTrain:
+    """A training step of a :class:`StagedStep` with an optax optimizer:
+    ``params, opt_state, loss = train(params, opt_state, batch)`` (``train(params, opt_state, batch, history)``
+    with FP8 delayed scaling returns the next histories fourth).
+
+    Every parameter leaf has one *home*: the first stage (chunk) that reads it; a leaf read by several stages (a
+    tied embedding) is sent from its home to the others before the passes, their gradients are sent back and
+    summed, and it is updated at home. Each stage holds the optimizer state of its own leaves,
+    ``optimizer.init`` of the tuple of them (``opt_state[s]``, None for a stage without leaves), on its devices:
+    an optimizer whose update couples all the parameters (a global-norm clip) sees one stage's at a time. Per
+    leaf, as its ZeRO stage z says (:mod:`shardplan.jax.memory`): the state in shards for z >= 1, the gradient
+    reduced into the shards for z >= 2 (the stage's backward), the parameter held in shards for z = 3 (gathered
+    by each read in the stage's forward, and again before its backward); the update is computed on the shards
+    and, for z = 1, 2, gathered back to the tile by the update's output sharding. A leaf whose home stage offloads
+    its ``optimizer`` state or ``parameters`` keeps them in ``pinned_host`` between steps, fetched before the
+    passes / the update and put back after (:mod:`shardplan.jax.offload`: copies between programs).
+
+    Attributes:
+        step: the :class:`StagedStep`.
+        optimizer: the optax optimizer.
+        homes: per stage, the leaves it updates (a subset of its ``params``).
+        param_homes, state_homes: per stage, the shardings of its leaves and of its optimizer state between steps.
+        state_device: per stage, its optimizer state's shardings in device memory.
+        updates: per stage, jitted ``update(params, opt_state, grads) -> (params, opt_state)`` (None: no leaves).
+    """
+
+    step: StagedStep
+    optimizer: Any
+    homes: tuple
+    param_homes: tuple
+    state_homes: tuple
+    state_device: tuple
+    updates: tuple
+
+    def init(self, params: Any) -> tuple[Any, Any]:
+        """``(params, opt_state)``: every parameter leaf at its home, the optimizer state of each stage."""
+        import jax
+
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        states = []
+        for st, own, ph, dev, home in zip(self.step.stages, self.homes, self.param_homes, self.state_device,
+                                          self.state_homes):
+            if not own:
+                states.append(None)
+                continue
+            p = tuple(jax.device_put(leaves[i], st.param_put[i]) for i in own)
+            states.append(jax.device_put(jax.jit(self.optimizer.init, out_shardings=dev)(p), home))
+            for i, x, sh in zip(own, p, ph):
+                leaves[i] = jax.device_put(x, sh)
+        return jax.tree_util.tree_unflatten(tree, leaves), tuple(states)
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any, history: Any = None) -> tuple:
+        import jax
+
+        leaves = self.step._leaves(params, batch)
+        stages = self.step.stages
+        placed = [tuple(jax.device_put(leaves[i], st.param_put[i]) for i in st.params) for st in stages]
+        loss, grads, hist = self.step._passes(placed, leaves, history)
+        at = {(s, i): k for s, st in enumerate(stages) for k, i in enumerate(st.params)}
+        home = {i: s for s, own in enumerate(self.homes) for i in own}
+        total = {i: grads[s][at[(s, i)]] for i, s in home.items()}
+        for s, st in enumerate(stages):
+            for k, i in enumerate(st.params):
+                if home[i] != s:  # a copy's gradient, summed into the home's
+                    total[i] = total[i] + jax.device_put(grads[s][k], stages[home[i]].grad_put[i])
+        new = list(leaves[:len(jax.tree_util.tree_leaves(params))])
+        states = list(opt_state)
+        for s, (st, own) in enumerate(zip(stages, self.homes)):
+            if not own:
+                continue
+            p = tuple(placed[s][at[(s, i)]] for i in own)
+            state = jax.device_put(opt_state[s], self.state_device[s])  # offloaded state fetched
+            p, state = self.updates[s](p, state, tuple(total[i] for i in own))
+            states[s] = jax.device_put(state, self.state_homes[s])
+            for i, x, sh in zip(own, p, self.param_homes[s]):
+                new[i] = jax.device_put(x, sh)
+        out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), new)
+        return (out, tuple(states), loss) if history is None else (out, tuple(states), loss, hist)
+
+
+def staged_train(step: StagedStep, optimizer: Any, params: Any) -> StagedTrain:
+    """The :class:`StagedTrain` of ``step`` with an optax ``optimizer`` (``params`` gives the shapes)."""
+    import jax
+    import optax
+
+    from shardplan.jax.offload import HOST, host_memory_kind
+
+    leaves = jax.tree_util.tree_leaves(params)
+    seen: set[int] = set()
+    homes, param_homes, state_homes, state_device, updates = [], [], [], [], []
+    for st in step.stages:
+        own = tuple(i for i in st.params if i not in seen)
+        seen.update(own)
+        homes.append(own)
+        if not own:
+            param_homes.append(())
+            state_homes.append(None)
+            state_device.append(None)
+            updates.append(None)
+            continue
+        if any(st.host[i] for i in own):
+            host_memory_kind(st.devices)
+        on_host = lambda sh, yes: sh.with_memory_kind(HOST) if yes else sh  # noqa: E731
+        p_sh = tuple(st.param_put[i] for i in own)
+        g_sh = tuple(st.grad_put[i] for i in own)
+        s_sh = tuple(st.state_put[i] for i in own)
+        shapes = jax.eval_shape(optimizer.init, tuple(jax.ShapeDtypeStruct(jax.numpy.shape(leaves[i]),
+                                                                           jax.numpy.result_type(leaves[i]))
+                                                      for i in own))
+        dev = optax.tree_map_params(optimizer, lambda _, sh: sh, shapes, s_sh, transform_non_params=lambda _: st.rep)
+        home = optax.tree_map_params(optimizer, lambda _, sh, yes: on_host(sh, yes), shapes, s_sh,
+                                     tuple("optimizer" in st.host[i] for i in own),
+                                     transform_non_params=lambda _: st.rep)
+        param_homes.append(tuple(on_host(st.param_put[i], "parameters" in st.host[i]) for i in own))
+        state_homes.append(home)
+        state_device.append(dev)
+
+        def update(p: Any, state: Any, g: Any, s_sh: tuple = s_sh) -> tuple[Any, Any]:
+            g = jax.lax.with_sharding_constraint(g, s_sh)
+            p_sh = jax.lax.with_sharding_constraint(p, s_sh)
+            upd, state = optimizer.update(g, state, p_sh)
+            return optax.apply_updates(p_sh, upd), state
+
+        updates.append(jax.jit(update, in_shardings=(p_sh, dev, g_sh), out_shardings=(p_sh, dev)))
+    return StagedTrain(step, optimizer, tuple(homes), tuple(param_homes), tuple(state_homes), tuple(state_device),
+                       tuple(updates))
 
 
 def build_staged(result: Any, tracer: Tracer, devices: Sequence[Any], schedule: str | None = None,

@@ -80,7 +80,7 @@ from shardplan.errors import ShardplanError
 from shardplan.machine import Machine
 
 __all__ = ["unit_key", "unit_names", "scoped_trace", "StagePartition", "partition", "TorchPipeline", "pipeline",
-           "build_pipeline", "plan_layout", "Tracer", "SCHEDULE_CLASSES"]
+           "build_pipeline", "plan_layout", "Tracer", "SCHEDULE_CLASSES", "ShardedStateOptimizer"]
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
                     "zb-h1": "ScheduleInterleavedZeroBubble"}
@@ -370,6 +370,7 @@ class _Held:
 
     module: Any
     targets: Mapping[str, str]  # key in the stage module -> parameter target in the original module
+    zero1: frozenset[str] = frozenset()  # the running module's parameters whose optimizer state is sharded
 
     def named_targets(self) -> dict[str, Any]:
         params = dict(self.module.named_parameters(remove_duplicate=False))
@@ -528,6 +529,28 @@ class TorchPipeline:
                 if q is not None:
                     q.grad = buf.clone()
 
+    def optimizer(self, cls: Any, **options: Any) -> Any:
+        """``cls`` (a ``torch.optim`` class) over this rank's stage parameters, holding the state as the plan's ZeRO
+        stages say: a parameter whose first reader in its stage has ZeRO-1, in a stage of several processes whose
+        tile of it has replicas, gets its state in shards (:class:`ShardedStateOptimizer`); the others (a ZeRO-3
+        parameter, already held in shards by its stage's ParallelModule, and every parameter of a stage of one
+        process, where the tile is whole on its one process) are stepped as they are.
+        Step it after :meth:`step`: ``loss = pipe.step(*batch); opt.step(); opt.zero_grad()``."""
+        from torch.distributed.tensor import DTensor
+
+        from shardplan.torch.run import zero3_placements
+
+        pairs, others = [], []
+        for held in self.modules:
+            for name, p in held.module.named_parameters():
+                if name in held.zero1 and isinstance(p, DTensor):
+                    shard = zero3_placements(p.placements, p.shape, p.device_mesh.mesh.shape)
+                    if tuple(shard) != tuple(p.placements):
+                        pairs.append((p, shard))
+                        continue
+                others.append(p)
+        return ShardedStateOptimizer(pairs, others, cls, **options) if pairs else cls(others, **options)
+
     def named_parameters(self) -> dict[str, Any]:
         """Parameter target (name in the original module) -> this rank's copy."""
         out: dict[str, Any] = {}
@@ -572,17 +595,77 @@ def _result_choices(result: Any) -> list[list[StageChoice]]:
 
 
 def check_stage_choices(choices: Sequence[Sequence[StageChoice]], q: int) -> None:
-    """Refuse what the stage runner cannot hold (stages of ``q`` processes): a ZeRO stage, or optimizer state or
-    parameters in host memory (the pipeline holds no optimizer: it leaves each stage's gradients in its
-    parameters)."""
+    """Refuse what the stage runner cannot hold (stages of ``q`` processes): optimizer state or parameters in
+    host memory, and in stages of several processes ZeRO stage 2 (the one-program run holds 0 and 3 only). ZeRO-1
+    is held by :meth:`TorchPipeline.optimizer` (the state in shards over each tile's replicas), ZeRO-3 by the
+    stage's :class:`~shardplan.torch.run.ParallelModule` (parameters in shards, gathered at each use and again
+    for the backward; an optimizer over them holds their state in shards too); in a stage of one process every
+    ZeRO stage holds what stage 0 holds (the tile has no replicas to shard over)."""
     for ops in choices:
         for name, _fp8, offload, _recompute, stage in ops:
             parts = [p for p in offload if p != "activations"]
-            why = f"has ZeRO stage {stage}" if stage else f"offloads its {', '.join(parts)}" if parts else None
+            why = (f"offloads its {', '.join(parts)}" if parts else
+                   f"has ZeRO stage {stage} in a stage of {q} processes" if stage == 2 and q > 1 else None)
             if why:
-                raise ShardplanError(f"pipeline stage operator {name!r} {why}: the PyTorch stage runner runs "
-                                     "layouts, recomputation, FP8 products, activation offload and the ring; it "
-                                     "holds no optimizer state")
+                raise ShardplanError(f"pipeline stage operator {name!r} {why}: the PyTorch stage runner holds "
+                                     "ZeRO-1 state (TorchPipeline.optimizer) and ZeRO-3 parameters, not offloaded "
+                                     "state or ZeRO-2 gradient shards over several processes")
+
+
+class ShardedStateOptimizer:
+    """A ``torch.optim`` optimizer whose state for some DTensor parameters lives in shards (ZeRO-1).
+
+    Each such parameter ``p`` (placements ``tile``) has a master shard ``s``: ``p`` redistributed to ``shard``
+    (:func:`shardplan.torch.run.zero3_placements`: the tile further split over the mesh axes that replicate it), a
+    leaf the inner optimizer steps, so its state (Adam's moments) is allocated on the shard. :meth:`step` cuts
+    ``p``'s gradient to the shard (a local slice of the replicated gradient: no communication), steps the inner
+    optimizer, and gathers the new shard back into ``p``'s tile (an all-gather over the replicas). Other
+    parameters are stepped as they are. The masters are taken from the parameters when this optimizer is made:
+    load new values into the module before making it.
+    """
+
+    def __init__(self, pairs: Sequence[tuple[Any, Any]], others: Sequence[Any], cls: Any, **options: Any) -> None:
+        import torch
+
+        self.pairs = []
+        for p, shard in pairs:
+            master = torch.nn.Parameter(p.detach().redistribute(p.device_mesh, shard).clone())
+            self.pairs.append((p, master))
+        self.inner = cls([m for _, m in self.pairs] + list(others), **options)
+
+    @property
+    def param_groups(self) -> Any:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    def masters(self) -> list[tuple[Any, Any]]:
+        """(parameter, its master shard) for every parameter with sharded state."""
+        return list(self.pairs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, _ in self.pairs:
+            p.grad = None if set_to_none or p.grad is None else p.grad.zero_()
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for p, master in self.pairs:
+                master.grad = None if p.grad is None else p.grad.redistribute(p.device_mesh, master.placements)
+        self.inner.step()
+        with torch.no_grad():
+            for p, master in self.pairs:
+                p.copy_(master.redistribute(p.device_mesh, p.placements))
+
+    def state_dict(self) -> Any:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.inner.load_state_dict(state)
 
 
 def node_choices(ops: Sequence[StageChoice], info: Any, graph: Any, old: Mapping[str, str]) -> dict[str, tuple]:
@@ -612,7 +695,8 @@ def _run_choices(ops: Sequence[StageChoice], names: Sequence[str], ring: bool) -
         raise ShardplanError("the stage module's operators differ from the stage the plan was made for")
     pick = lambda k: frozenset(n for n, c in zip(names, ops) if k(c))  # noqa: E731
     return RunChoices(recompute=pick(lambda c: c[3]), fp8=pick(lambda c: c[1]),
-                      offload=pick(lambda c: "activations" in c[2] and not c[3]), ring=ring)
+                      offload=pick(lambda c: "activations" in c[2] and not c[3]), ring=ring,
+                      zero3=pick(lambda c: c[4] == 3))
 
 
 def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None = None, *,
@@ -747,7 +831,11 @@ def build_pipeline(result: Any, layout: dict, stage_layouts: Sequence[Sequence[t
             mod.scaling = DelayedScaling()
         stages.append(pp.PipelineStage(run_mod, j, n, torch.device("cpu"), input_args=ins,
                                        output_args=outs[0] if len(outs) == 1 else outs, group=group))
-        modules.append(_Held(run_mod, mod.targets))
+        zero1: frozenset[str] = frozenset()
+        if sub is not None:  # the stage traced again: its operators are the plan's, in order
+            ones = {op.name for op, c in zip(run_mod.graph.operators, choices[j]) if c[4] == 1}
+            zero1 = frozenset(t for t, uses in run_mod.info.param_uses.items() if uses and uses[0][0] in ones)
+        modules.append(_Held(run_mod, mod.targets, zero1))
     cls = getattr(pp, SCHEDULE_CLASSES[run_schedule])
     kw = dict(n_microbatches=m, loss_fn=lambda out, _target: out, scale_grads=reduction == "mean")
     sched = cls(stages, **kw) if run_schedule in ("interleaved", "zb-h1") else cls(stages[0], **kw)

@@ -1,10 +1,8 @@
 """A pipeline plan whose stages carry FP8 products, recomputation and activation offload runs them on JAX (8 simulated
 devices, :mod:`shardplan.jax.staged`): loss and gradients equal the unsharded program with the same FP8 products,
-each micro-batch scaled by its own amax; what the stage runner holds no state for is refused."""
+each micro-batch scaled by its own amax."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 
@@ -12,54 +10,20 @@ import jax
 import jax.numpy as jnp
 
 from conftest import require_8_devices
-from shardplan.errors import ShardplanError
-from shardplan.machine import Machine
+from staged_cases import B, D, model, scoped, searched_plan, with_choices
 
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 
 DEVICES = require_8_devices()
-MACHINE = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy-fp8-host", fp8_flops=64e9, hbm_bandwidth=1e11,
-                  host_bandwidth=4e9, host_memory_bytes=1e10, cpu_adam_rate=1e9)
-B, D = 32, 16
 EDITS = {"L0/dot_general": {"fp8": True, "offload": ("activations",)}, "L1/dot_general": {"fp8": True},
          "L2/dot_general": {"recompute": True}, "L3/dot_general": {"fp8": True, "offload": ("activations",)}}
-
-
-def scoped(p, batch):
-    x, y = batch
-    for i, w in enumerate(p["w"]):
-        with jax.named_scope(f"L{i}"):
-            x = jnp.tanh(x @ w)
-    return jnp.mean((x - y) ** 2)
 
 
 @pytest.fixture(scope="module")
 def searched():
     """Four scoped layers, the pipeline search's plan on sub-meshes of 4: two stages of two layers, m = 2."""
-    from shardplan.jax.staged import Tracer, batch_size
-    from shardplan.pipeline.api import pipeline_solve
-    from shardplan.planner import from_pipeline
-
-    ks = jax.random.split(jax.random.PRNGKey(2), 6)
-    params = {"w": [jax.random.normal(k, (D, D)) / D**0.5 for k in ks[:4]]}
-    batch = (jax.random.normal(ks[4], (B, D)), jax.random.normal(ks[5], (B, D)))
-    tracer = Tracer(scoped, params, batch)
-    plan = from_pipeline(pipeline_solve(tracer, batch_size(tracer.full_info), MACHINE, micro_batches=(2,),
-                                        sizes=(4,), cutoff=1))
-    assert plan.num_stages == 2 and plan.micro_batches == 2
-    assert [sorted(s.operators)[:2] for s in plan.stages] == [["L0/dot_general", "L1/dot_general"],
-                                                              ["L2/dot_general", "L3/dot_general"]]
-    return params, batch, plan
-
-
-def with_choices(plan, edits, listed=True):
-    """``plan`` with the per-operator choices ``edits`` (operator -> fields of its OperatorChoice), as a plan
-    loaded from JSON: no search answer attached, every stage rebuilt with its memory choices (``listed``)."""
-    stages = tuple(dataclasses.replace(s, operators={n: dataclasses.replace(c, **edits.get(n, {}))
-                                                     for n, c in s.operators.items()}) for s in plan.stages)
-    stats = {**plan.stats, "memory_choice_stages": list(range(len(stages))) if listed else [],
-             "memory_rules": {"fp8_offered": True, "offload_offered": ["activations"]}}
-    return dataclasses.replace(plan, stages=stages, stats=stats, detail=None)
+    params, batch = model()
+    return params, batch, searched_plan(params, batch)
 
 
 def assert_equal(got, want):
@@ -113,20 +77,6 @@ def test_stages_run_fp8_recomputation_and_activation_offload(searched):
         kept.append(sum(1 for _, why in res if not why.startswith("from the argument")))
     assert plain.stages[1].remat is False and kept[0] < kept[1]
     assert_equal(plain(params, batch), jax.jit(jax.value_and_grad(plain.reference()))(params, batch))
-
-
-def test_state_the_stage_runner_does_not_hold_is_refused(searched):
-    """The staged step returns gradients and holds no optimizer state: a stage operator with a ZeRO stage or its
-    optimizer state offloaded is refused; so is a stage whose memory choices would be dropped (a plan whose stats do
-    not list it among the stages rebuilt with them)."""
-    import shardplan.jax as sj
-
-    params, batch, plan = searched
-    for edit, match in (({"state_stage": 1}, "ZeRO stage 1"), ({"offload": ("optimizer",)}, "offloads its optimizer")):
-        with pytest.raises(ShardplanError, match=match):
-            sj.apply(with_choices(plan, {"L1/dot_general": edit}), scoped, params, batch, DEVICES)
-    with pytest.raises(ShardplanError, match="does not carry"):
-        sj.apply(with_choices(plan, EDITS, listed=False), scoped, params, batch, DEVICES)
 
 
 def test_stages_run_delayed_scaling_over_two_steps(searched):
