@@ -149,7 +149,10 @@ def timed_case(spec: dict, limit: float | None, tree: Path, timeout: float, inte
         load = os.getloadavg()
         child = subprocess.Popen(["/usr/bin/time", "-v", sys.executable, "-m", "shardplan.cli", *args, "--json",
                                   str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tmp, start_new_session=True)
+                                 env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tmp, start_new_session=True,
+                                 # a background job inherits SIGINT ignored, which Python then keeps: restore it so
+                                 # that the interrupt reaches the planner as a KeyboardInterrupt
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         sent = False
         try:
             stdout, stderr = child.communicate(timeout=interrupt if interrupt is not None else timeout)
@@ -176,7 +179,9 @@ def timed_case(spec: dict, limit: float | None, tree: Path, timeout: float, inte
                "load_average_before": [round(x, 2) for x in load],
                "load_average_after": [round(x, 2) for x in os.getloadavg()],
                "log": [ln for ln in err if ln.strip() and " | " not in ln and not ln.startswith("\t")
-                       and "Command being timed" not in ln]}
+                       and "Command being timed" not in ln],
+               # where the search was when it stopped (the last progress line)
+               "last_progress": next((ln.strip() for ln in reversed(err) if " | " in ln), None)}
         if out.returncode != 0:
             return row
         lines = out.stdout.splitlines()
