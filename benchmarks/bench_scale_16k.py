@@ -26,10 +26,11 @@ its best plan so far and its proven gap; recorded as the case's ``pipelines`` ro
 as by Ctrl-C after S wall seconds), under ``/usr/bin/time -v`` (wall, user + system CPU, peak RSS), with the
 code of ``--tree`` (default this checkout; e.g. another worktree, to measure main beside a branch), recorded as
 the case's ``time_limit_S/LABEL`` row: the plan, step and memory lines, the bound and gap, the planner's log
-(progress lines dropped), the load average before and after.
+(progress lines dropped), the load average before and after. ``--interrupt S``: the same without ``--time-limit``,
+sent SIGINT after S wall seconds unless it has finished (row ``no_limit_sigint_S/LABEL``: ``sigint_sent`` says which).
 
 Run:  PYTHONPATH=. python benchmarks/bench_scale_16k.py [--cases llama3-405b-16384,...] [--pipelines --timeout S]
-      [--time-limit S [--tree PATH] [--label NAME]]
+      [--time-limit S | --interrupt S] [--tree PATH] [--label NAME]
 Writes benchmarks/results/scale_16k.json.
 """
 
@@ -39,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -131,20 +133,38 @@ def _plan_numbers(plan: dict) -> dict:
     return out
 
 
-def timed_case(spec: dict, limit: float, tree: Path, timeout: float) -> dict:
+def timed_case(spec: dict, limit: float | None, tree: Path, timeout: float, interrupt: float | None = None) -> dict:
     """``shardplan plan --model M -p P --machine h100 --time-limit S`` with the code of ``tree``, under
-    ``/usr/bin/time -v``: its resources, report lines and plan numbers (:func:`_plan_numbers`)."""
+    ``/usr/bin/time -v``: its resources, report lines and plan numbers (:func:`_plan_numbers`). ``limit`` None:
+    without ``--time-limit``, sent SIGINT after ``interrupt`` wall seconds unless it has finished (the search's
+    Ctrl-C path: the best plan so far and its proven bound)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
-        args = ["plan", "--model", spec["model"], "-p", str(spec["p"]), "--machine", "h100", "--time-limit", f"{limit:g}"]
+        args = ["plan", "--model", spec["model"], "-p", str(spec["p"]), "--machine", "h100",
+                *(["--time-limit", f"{limit:g}"] if limit is not None else [])]
         commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True).stdout.strip()
         load = os.getloadavg()
-        out = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "shardplan.cli", *args, "--json", str(path)],
-                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)},
-                             cwd=tmp, timeout=timeout)
+        child = subprocess.Popen(["/usr/bin/time", "-v", sys.executable, "-m", "shardplan.cli", *args, "--json",
+                                  str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tmp, start_new_session=True,
+                                 # a background job inherits SIGINT ignored, which Python then keeps: restore it so
+                                 # that the interrupt reaches the planner as a KeyboardInterrupt
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        sent = False
+        try:
+            stdout, stderr = child.communicate(timeout=interrupt if interrupt is not None else timeout)
+        except subprocess.TimeoutExpired:
+            if interrupt is None:
+                child.kill()
+                raise
+            # GNU time ignores SIGINT while it waits: the signal reaches the planner, which answers as on Ctrl-C
+            os.killpg(child.pid, signal.SIGINT)
+            sent = True
+            stdout, stderr = child.communicate(timeout=timeout)
+        out = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
         err = out.stderr.replace("\r", "\n").splitlines()
 
         def field(name: str) -> str:
@@ -152,14 +172,16 @@ def timed_case(spec: dict, limit: float, tree: Path, timeout: float) -> dict:
 
         wall = field("Elapsed (wall clock) time").split(":")
         row = {"cli": "shardplan " + " ".join(args), "tree": str(tree), "commit": commit + ("+dirty" if dirty else ""),
-               "rc": out.returncode,
+               "rc": out.returncode, **({"sigint_after_s": interrupt, "sigint_sent": sent} if limit is None else {}),
                "wall_s": round(sum(float(x) * 60 ** i for i, x in enumerate(reversed(wall))), 2),
                "cpu_s": round(float(field("User time")) + float(field("System time")), 2),
                "peak_rss_mb": round(int(field("Maximum resident set size")) / 1024, 1),
                "load_average_before": [round(x, 2) for x in load],
                "load_average_after": [round(x, 2) for x in os.getloadavg()],
                "log": [ln for ln in err if ln.strip() and " | " not in ln and not ln.startswith("\t")
-                       and "Command being timed" not in ln]}
+                       and "Command being timed" not in ln],
+               # where the search was when it stopped (the last progress line)
+               "last_progress": next((ln.strip() for ln in reversed(err) if " | " in ln), None)}
         if out.returncode != 0:
             return row
         lines = out.stdout.splitlines()
@@ -197,6 +219,9 @@ def main() -> None:
     ap.add_argument("--pipelines", action="store_true",
                     help="only the command's default plan (one program, then the pipeline search), SIGINT at --timeout")
     ap.add_argument("--time-limit", type=float, help="only the command with --time-limit S, under /usr/bin/time -v")
+    ap.add_argument("--interrupt", type=float,
+                    help="only the command without a limit, under /usr/bin/time -v, SIGINT after S wall seconds "
+                         "unless it has finished (row no_limit_sigint_S/LABEL)")
     ap.add_argument("--tree", default=str(ROOT), help="the checkout whose code --time-limit runs (default this one)")
     ap.add_argument("--label", default="this", help="the name of the --time-limit row's code (e.g. main, branch)")
     args = ap.parse_args()
@@ -205,9 +230,9 @@ def main() -> None:
     for name in args.cases.split(","):
         spec = CASES[name]
         t0 = time.perf_counter()
-        if args.time_limit is not None:
+        if args.time_limit is not None or args.interrupt is not None:
             row = {**rows.get(name, {"case": name, "model": spec["model"], "p": spec["p"], "machine": "h100"})}
-            got = timed_case(spec, args.time_limit, Path(args.tree).resolve(), args.timeout)
+            got = timed_case(spec, args.time_limit, Path(args.tree).resolve(), args.timeout, args.interrupt)
             if spec["recipe"]:
                 # the published configuration with full recomputation (what fits in 80 GiB under this model),
                 # costed now by the code measured
@@ -216,7 +241,9 @@ def main() -> None:
                 published = got["published_recompute_full"].get("step_time_s")
                 if published and got.get("step_time_s"):
                     got["over_published_recompute_full"] = round(got["step_time_s"] / published, 4)
-            row[f"time_limit_{args.time_limit:g}/{args.label}"] = got
+            key = (f"time_limit_{args.time_limit:g}" if args.time_limit is not None
+                   else f"no_limit_sigint_{args.interrupt:g}")
+            row[f"{key}/{args.label}"] = got
             rows[name] = row
             print(json.dumps(got, indent=1), flush=True)
             continue

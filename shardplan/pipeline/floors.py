@@ -38,6 +38,9 @@ class UnitFloors:
         self._pre: dict[tuple[int, int], np.ndarray] = {}
         self._pre_list: dict[tuple[int, int], list[float]] = {}  # the same prefix sums as Python floats
         self._ops: dict[tuple, float] = {}
+        # the layouts of an operator by what they depend on (its dim names and configurations, the sub-mesh's
+        # levels, the options): operators of different micro-batch sizes often share them (_arrays_of)
+        self._arrays: dict[tuple, Any] = {}
 
     def _vertex_ok(self, q: int) -> bool:
         opts = self.stages.solve_options
@@ -65,15 +68,18 @@ class UnitFloors:
             machine = replace(self.stages.machine, num_devices=q, memory_bytes=None)
             orders = opts.get("orders", "auto")
             orders = "row-major" if orders == "auto" else orders
-            lays = layouts(op, machine.levels, opts.get("cutoff", 4), opts.get("powers_of_two", False),
-                           opts.get("divides_p", True), orders, node_replicas=opts.get("node_replicas", False))
             if opts.get("partial_sums"):
-                lays = with_partial(op, lays)
-            arr = LayoutArrays.stack(lays)
+                lays = with_partial(op, layouts(op, machine.levels, opts.get("cutoff", 4),
+                                                opts.get("powers_of_two", False), opts.get("divides_p", True), orders,
+                                                node_replicas=opts.get("node_replicas", False)))
+                arr = LayoutArrays.stack(lays)
+            else:
+                arr = self._arrays_of(op, machine.levels, opts.get("cutoff", 4), opts.get("powers_of_two", False),
+                                      opts.get("divides_p", True), orders, opts.get("node_replicas", False))
             total = operator_cost(op, arr, machine).total
             sync = weight_sync(op, arr, None, machine)
-            got = float(np.min(total - (1.0 - 1.0 / m) * sync)) if len(lays) else 0.0
-            if len(lays) and self.stages.memory_choices:
+            got = float(np.min(total - (1.0 - 1.0 / m) * sync))  # (never empty: the stack refuses no layouts)
+            if self.stages.memory_choices:
                 # a stage with memory choices may take any row of the operator's choice table (ZeRO's sharded step
                 # and its reduce-scatter can beat stage 0 at the same layout): the least row over every layout
                 from shardplan.cost.memory import STAGES, choice_table
@@ -81,6 +87,31 @@ class UnitFloors:
                 rows = choice_table(op, arr, None, machine, 1, STAGES, True, prune=False, accumulate=m)
                 got = min(got, float(rows.seconds.min()))
             self._ops[key] = got
+        return got
+
+    def _arrays_of(self, op: Any, levels: tuple[int, ...], cutoff: int, powers_of_two: bool, divides_p: bool,
+                   orders: str, node_replicas: bool) -> Any:
+        """The :class:`~shardplan.layout.LayoutArrays` of :func:`shardplan.configs.layouts` of ``op`` on ``levels``
+        with these options, from a memo.
+
+        On more than one level the layouts depend on the operator only through its dim names and its
+        :func:`~shardplan.configs.configurations` (the split factors that divide the devices): the memo's key holds
+        both, so an operator of another micro-batch size whose batch dim admits the same splits takes the same
+        layouts without enumerating them again (the enumeration is most of a unit bound's cost). Only the arrays
+        are kept (the bound needs no layout object)."""
+        from shardplan.configs import configurations, layouts
+        from shardplan.layout import LayoutArrays
+
+        levels = tuple(int(s) for s in levels)
+        if len(levels) < 2:
+            return LayoutArrays.stack(layouts(op, levels, cutoff, powers_of_two, divides_p, orders,
+                                              node_replicas=node_replicas))
+        cfg = configurations(op, int(np.prod(levels)), cutoff, powers_of_two, divides_p=True)
+        key = (op.dim_names, cfg.shape, cfg.tobytes(), levels, cutoff, powers_of_two, orders, node_replicas)
+        got = self._arrays.get(key)
+        if got is None:
+            got = self._arrays[key] = LayoutArrays.stack(layouts(op, levels, cutoff, powers_of_two, divides_p, orders,
+                                                                 node_replicas=node_replicas))
         return got
 
     def _prefix(self, q: int, m: int) -> np.ndarray:

@@ -670,9 +670,21 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
             lk = link(b, o, q, q2)
             return lk if _links_ok(lk, bound) else None
 
-        return _stage_dp(space, n_stages, [q_fixed] if q_fixed is not None else list(sizes), stage,
-                         between if exchange is None else None, stats, "dp_states", memo, pool.tick,
-                         classes=m if merged else None, floor=floor if pool.stage_lower is not None else None)
+        qs = [q_fixed] if q_fixed is not None else list(sizes)
+        # every stage the DP takes has its solve-free bound within min(bound, cap) (``floor`` ends the extent scan
+        # past it): a state whose units left need more device-seconds than its devices left give under that limit
+        # has no completion (docs/pipeline.md, *Device-seconds left*, as ZB-H1's DP)
+        limit = min(bound * (1 + 1e-12), cap)
+        reachable = None
+        if pool.stage_lower is not None and pool.bounded() and math.isfinite(limit):
+            left, room = pool.work_left(tuple(qs), U), limit * (1 + 1e-9)
+
+            def reachable(a: int, o: int) -> bool:
+                return left[a] <= (p - o) * room
+
+        return _stage_dp(space, n_stages, qs, stage, between if exchange is None else None, stats, "dp_states",
+                         memo, pool.tick, classes=m if merged else None,
+                         floor=floor if pool.stage_lower is not None else None, reachable=reachable)
 
     def optimum(start: float) -> PipelinePlan | None:
         """Best-first over (stage count, bound) by lower bound (module docstring: the max term, lazy stages):
@@ -838,13 +850,13 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
     choice is taken only when strictly better).
 
     ``reachable(a, o)``: False only when no pipeline of allowed stages covers units [a, U) on devices [o, p) (its
-    states are worth infinity whatever their stages left and first size): such a state is answered at once and
-    not kept in the memo (same values and choices; fewer states held). Not with ``classes``.
+    states are worth infinity whatever their stages left or class and first size): such a state is answered at
+    once and not kept in the memo (same values and choices; fewer states held).
 
     ``stats["dp_memo_entries_max"]``: the most states a memo held when a DP returned (the memo goes with its last
     holder: docs/pipeline.md, *The memo's memory*)."""
     if classes is not None:
-        return _class_dp(space, classes, qs, stage, between, stats, counter, memo, tick, floor)
+        return _class_dp(space, classes, qs, stage, between, stats, counter, memo, tick, floor, reachable)
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     if memo is None:
@@ -956,7 +968,9 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
               reachable: Callable[[int, int], bool] | None = None
               ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
     """:func:`_stage_dp` with ``classes=m``: the least sum of stage values over pipelines of any stage count,
-    a DP over (first unit, first device, class c = min(stages left, m), first stage's size)."""
+    a DP over (first unit, first device, class c = min(stages left, m), first stage's size). A state whose class
+    asks for more stages than units are left (c > U - a: class c has at least c stages, each of one unit or
+    more), or that ``reachable`` rules out, is worth infinity: answered at once and not kept in the memo."""
     U, p = space.num_units, space.num_devices
     ns = p if space.node_size is None or space.node_size >= p else space.node_size
     if memo is None:
@@ -980,6 +994,11 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
         hit = memo.get(key)
         if hit is not None:
             return hit
+        if a + c > U:
+            return _NOWHERE  # c stages or more need c units or more
+        if reachable is not None and not reachable(a, o):
+            stats["dp_states_unreachable"] = stats.get("dp_states_unreachable", 0) + 1
+            return _NOWHERE
         stats[counter] = count = stats.get(counter, 0) + 1
         if tick is not None and not count & 0x3FFF:
             tick()
@@ -1031,6 +1050,8 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
         """min over the first stage's size q of best_from(a, o, c, q), and the first q attaining it."""
         key = (a, o, c)
         hit = memo.get(key)
+        if hit is None and (a + c > U or reachable is not None and not reachable(a, o)):
+            return _NOWHERE
         if hit is None:
             best_v, best_q = math.inf, None
             if o + c * q_min <= p:

@@ -186,3 +186,35 @@ def test_zb_dp_unreachable_states_same_answer():
                     left_out += stats.get("dp_states_unreachable", 0)
             assert got[True] == got[False]
     assert left_out > 0
+
+
+def test_layout_memo_gives_the_enumerated_layouts():
+    """The unit bounds' layouts memo (keyed by dim names and configurations) returns, for every operator of a small
+    GPT at several micro-batch sizes and sub-mesh sizes, the arrays of the layouts enumerated directly, and is hit
+    across micro-batch sizes (operators whose batch dim admits the same splits); the bounds equal those computed
+    with the memo emptied before every operator."""
+    import numpy as np
+
+    from shardplan.configs import layouts
+    from shardplan.layout import LayoutArrays
+
+    def build(b):
+        return get_model("gpt", b, layers=2, d_model=64, heads=4, seq=16, vocab=256)
+
+    st = ModelStages(build, 32, MACHINE, {"cutoff": 1}, periodic=True, memory_choices=True)
+    floors, fresh = UnitFloors(st), UnitFloors(st)
+    calls = 0
+    for m in (1, 2, 4, 8):
+        g, _, _ = st.graph(m)
+        for q in (8, 12, 16):
+            levels = dataclasses.replace(MACHINE, num_devices=q).levels
+            for op in g.operators:
+                got = floors._arrays_of(op, levels, 1, False, True, "row-major", False)
+                calls += 1
+                want = LayoutArrays.stack(layouts(op, levels, 1, False, True, "row-major"))
+                assert np.array_equal(got.level_splits, want.level_splits)
+                assert np.array_equal(got.level_strides, want.level_strides)
+            for u in range(st.num_units):
+                fresh._arrays.clear()
+                assert floors.segment(u, u + 1, q, m) == fresh.segment(u, u + 1, q, m)
+    assert len(floors._arrays) < calls / 2

@@ -130,6 +130,51 @@ def test_memo_keeps_only_states_that_can_start(seed):
             assert any(len(key) == 4 for key in memo)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_class_dp_leaves_out_states_without_completion(seed):
+    """The class DP with the device-seconds test (``reachable``: the units left need more device-seconds than the
+    devices left give under a limit that every stage taken respects) answers the same value and stages as without
+    it, keeps no state it rules out and no state whose class asks for more stages than units are left, and holds
+    fewer states than without the test (the 1F1B floor at m = 96 on GPT-3 175B on 1,024 h100 held 3.8 GB
+    without it: docs/pipeline.md, *The memo's memory*)."""
+    from shardplan.pipeline.search import _BREAK
+
+    U, p, ns, m = 8, 16, 4, [2, 3, 5][seed % 3]
+    space = PipelineSpace(U, p, ns)
+    sizes = list(space.allowed_sizes())
+    stage, between = _values(seed, U, p, m)
+    rng = random.Random(seed)
+    unit = [rng.uniform(0.5, 2.0) for _ in range(U)]
+    lower = {q: [x / q for x in unit] for q in sizes}  # a bound per unit and size: device-seconds over q
+    limit = sum(unit) / p * rng.uniform(1.2, 2.5)
+    work = [min(q * lower[q][u] for q in sizes) for u in range(U)]
+    left = [sum(work[a:]) for a in range(U + 1)]
+
+    def floor(a, b, q):
+        lo = sum(lower[q][a:b])
+        return _BREAK if lo > limit else lo
+
+    def capped(a, b, o, q, r):
+        v = stage(a, b, o, q, r)
+        return v if v is None or sum(lower[q][a:b]) <= limit else _BREAK
+
+    def reachable(a, o):
+        return left[a] <= (p - o) * limit * (1 + 1e-9)
+
+    for link in (None, between):
+        got = {}
+        memos = {}
+        for test in (None, reachable):
+            memos[test] = memo = {}
+            stats: dict = {}
+            got[test] = _stage_dp(space, 0, sizes, capped, link, stats, "s", memo, classes=m, floor=floor,
+                                  reachable=test)
+        assert got[reachable] == got[None]
+        assert len(memos[reachable]) < len(memos[None])
+        for key in memos[reachable]:
+            assert key[0] + key[2] <= U and reachable(key[0], key[1])
+
+
 class _Memo(dict):
     """A memo that a weak reference can watch."""
 
