@@ -14,7 +14,9 @@ is), the values computed in between read by nothing else. The references (:func:
 * ``jax.nn.dot_product_attention(q, k, v, mask=m)`` on 4-D operands (``nnx.MultiHeadAttention`` with a
   mask);
 * flax's ``flax.linen.dot_product_attention(q, k, v)`` and ``(q, k, v, mask=m)`` (``nn.SelfAttention``,
-  ``nn.MultiHeadDotProductAttention``) on 4-D or 3-D operands, float32 only.
+  ``nn.MultiHeadDotProductAttention``) on 4-D or 3-D operands, float32 only; nnx's own weights path (a dropout
+  rate or ``module`` given) has the same equations without a mask (with one it first converts the mask to
+  the compute dtype, which no reference does).
 
 A call with a mask is recognised only where the mask is causal: its value is computed from constants alone
 (a constant of the jaxpr, or iota and shape arithmetic such as ``nn.make_causal_mask``; ``constant``, the

@@ -124,3 +124,21 @@ def test_the_lower_triangle_test():
     two = np.stack([tri, tri])
     two[1, 3, 0] = 0
     assert not _is_lower_triangle(two, 4, 4)  # every slice, not only the first
+
+
+def test_nnx_weights_path_is_matched_without_a_mask_only():
+    """``nnx.dot_product_attention`` with a dropout rate (not running: ``deterministic=True``) takes nnx's own
+    weights path: without a mask its equations are linen's (fused), with the causal mask it converts the mask
+    to float first, which no reference does (products and softmax, not conservative)."""
+    params, batch = three_d_inputs(S)
+
+    def loss(p, b, mask):
+        x = jnp.stack([b[0], b[1]])  # (2, S, D)
+        q, k, v = ((x @ p[n]).reshape(2, S, NH, D // NH) for n in "qkv")
+        m = jnp.asarray(np.tril(np.ones((S, S), bool)))[None, None] if mask else None
+        return jnp.sum(nnx.dot_product_attention(q, k, v, mask=m, dropout_rate=0.1, deterministic=True))
+
+    graph, _ = trace(lambda p, b: loss(p, b, False), params, batch)
+    assert [op.causal for op in _attention(graph)] == [None]
+    graph, info = trace(lambda p, b: loss(p, b, True), params, batch)
+    assert not _attention(graph) and _count(graph, "einsum") == 5 and not info.conservative
