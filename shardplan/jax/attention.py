@@ -103,16 +103,19 @@ def _reference(source: str, avals: tuple[Aval, ...], causal: bool) -> Any:
     import jax
 
     args = [jax.ShapeDtypeStruct(s, d) for s, d in avals]
-    if source == "jax":
-        fn: Callable[..., Any] = lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal)  # noqa: E731
-    elif source == "jax_mask":
-        fn = lambda a, b, c, m: jax.nn.dot_product_attention(a, b, c, mask=m)  # noqa: E731
-    else:
+    if source.startswith("flax"):
         try:
-            import flax.linen as nn
+            from flax.linen import dot_product_attention as flax_attention
         except ImportError:  # flax absent: no program calls it
             return None
-        fn = lambda a, b, c, *m: nn.dot_product_attention(a, b, c, mask=m[0] if m else None)  # noqa: E731
+
+    def fn(a: Any, b: Any, c: Any, *m: Any) -> Any:
+        if source == "jax":
+            return jax.nn.dot_product_attention(a, b, c, is_causal=causal)
+        if source == "jax_mask":
+            return jax.nn.dot_product_attention(a, b, c, mask=m[0])
+        return flax_attention(a, b, c, mask=m[0] if m else None)
+
     try:
         return jax.make_jaxpr(fn)(*args).jaxpr
     except Exception:  # noqa: BLE001  (shapes the reference refuses: no attention)

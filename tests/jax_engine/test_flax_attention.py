@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from flax_attention_cases import NH, D, S, linen_lm, nnx_lm
 
-from flax_attention_cases import D, NH, S, linen_lm, nnx_lm
 from shardplan import ops
 from shardplan.ir import TensorRef
 from shardplan.jax.attention import _is_lower_triangle

@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-
 from conftest import require_8_devices
 from flax_attention_cases import linen_lm, nnx_lm
 from jax_attention_cases import TOY
