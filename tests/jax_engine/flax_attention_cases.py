@@ -26,9 +26,10 @@ def tokens(batch: int = 2, seq: int = S) -> tuple[Any, Any]:
     return ids, jnp.roll(ids, -1, axis=1)
 
 
-def linen_lm(mask: Callable[[Any], Any] | None = None, **attention: Any) -> tuple[Callable[..., Any], Any, Any]:
-    """The linen LM: ``(loss_fn, params, batch)``; ``attention``: more arguments of ``nn.SelfAttention``
-    (``mask=None``: ``nn.make_causal_mask``)."""
+def linen_lm(mask: Callable[[Any], Any] | None = None, batch: tuple[int, int] = (2, S),
+             **attention: Any) -> tuple[Callable[..., Any], Any, Any]:
+    """The linen LM: ``(loss_fn, params, batch)`` on ``batch`` (sequences, length) of tokens; ``attention``:
+    more arguments of ``nn.SelfAttention`` (``mask=None``: ``nn.make_causal_mask``)."""
     import flax.linen as nn
 
     make = mask or nn.make_causal_mask
@@ -49,15 +50,17 @@ def linen_lm(mask: Callable[[Any], Any] | None = None, **attention: Any) -> tupl
                 x = nn.remat(Block)()(x, m)
             return emb.attend(nn.LayerNorm()(x))
 
-    batch = tokens()
+    ids = tokens(*batch)
     model = LM()
-    params = model.init(jax.random.PRNGKey(0), batch[0])["params"]
+    params = model.init(jax.random.PRNGKey(0), ids[0])["params"]
     rngs = {"dropout": jax.random.PRNGKey(2)} if not kw["deterministic"] else None
-    return (lambda p, b: _xent(model.apply({"params": p}, b[0], rngs=rngs), b[1])), params, batch
+    return (lambda p, b: _xent(model.apply({"params": p}, b[0], rngs=rngs), b[1])), params, ids
 
 
-def nnx_lm(mask: Callable[[Any], Any] | None = None) -> tuple[Callable[..., Any], Any, Any]:
-    """The nnx LM: ``(loss_fn, params, batch)`` (``mask=None``: ``nnx.make_causal_mask``)."""
+def nnx_lm(mask: Callable[[Any], Any] | None = None, batch: tuple[int, int] = (2, S)
+           ) -> tuple[Callable[..., Any], Any, Any]:
+    """The nnx LM: ``(loss_fn, params, batch)`` on ``batch`` (sequences, length) of tokens (``mask=None``:
+    ``nnx.make_causal_mask``)."""
     from flax import nnx
 
     make = mask or nnx.make_causal_mask
@@ -84,4 +87,4 @@ def nnx_lm(mask: Callable[[Any], Any] | None = None) -> tuple[Callable[..., Any]
             return self.emb.attend(x)
 
     graphdef, state, rest = nnx.split(LM(nnx.Rngs(0)), nnx.Param, ...)
-    return (lambda p, b: _xent(nnx.merge(graphdef, p, rest)(b[0]), b[1])), nnx.to_pure_dict(state), tokens()
+    return (lambda p, b: _xent(nnx.merge(graphdef, p, rest)(b[0]), b[1])), nnx.to_pure_dict(state), tokens(*batch)

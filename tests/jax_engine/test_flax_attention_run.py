@@ -1,6 +1,6 @@
 """Flax's attention planned and run with the ring on 8 simulated devices: the linen (``nn.SelfAttention``,
 ``nn.make_causal_mask``) and nnx (``nnx.MultiHeadAttention``, ``nnx.make_causal_mask``) language models of
-flax_attention_cases and the 3-D ``jax.nn.dot_product_attention`` of test_flax_attention, planned with
+flax_attention_cases (one sequence of 64 tokens) and the 3-D ``jax.nn.dot_product_attention`` of test_flax_attention, planned with
 ``context="ring"`` on the toy machine: every attention's query sequence is split and runs the ring
 (collective-permutes in the compiled step), loss and gradients equal to the unsharded program (loss 1e-5
 relative, every gradient entry 1e-4 of the largest gradient entry, as the corpus: the keys' bias has
@@ -19,7 +19,10 @@ from test_flax_attention import three_d_inputs, three_d_loss
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 
 DEVICES = require_8_devices()
-CASES = {"linen": linen_lm, "nnx": nnx_lm, "3-D": lambda: (three_d_loss, *three_d_inputs())}
+# one sequence of 64 tokens: on the toy machine the plan splits it 4 ways (and the heads 2), which pays
+# for the ring and its deal; at 2 x 32 it splits the batch instead
+CASES = {"linen": lambda: linen_lm(batch=(1, 64)), "nnx": lambda: nnx_lm(batch=(1, 64)),
+         "3-D": lambda: (three_d_loss, *three_d_inputs())}
 
 
 @pytest.mark.parametrize("case", list(CASES))
