@@ -24,8 +24,12 @@
   unrolled program, so every iteration's constraints hold. The cost is a
   longer compilation for long scans.
 
-A call of ``jax.nn.dot_product_attention`` (inlined by JAX into a dozen primitives) becomes one equation
-of :data:`shardplan.jax.attention.ATTENTION` (:func:`shardplan.jax.attention.match`), bound as that function.
+A call of ``jax.nn.dot_product_attention`` or of flax's ``dot_product_attention`` (inlined into a dozen
+primitives) becomes one equation of :data:`shardplan.jax.attention.ATTENTION`
+(:func:`shardplan.jax.attention.match`), bound as ``jax.nn.dot_product_attention``; 3-D operands
+``(T, N, H)`` are given a batch axis of 1 before it and lose it after. A call's mask is recognised as causal
+only from its value, which :meth:`_Flattener.constant` computes where no argument of the program reaches
+it (the mask's equations stay in the program, read by nothing).
 
 Everything else (``cond``, ``while``, the primitives) stays one equation.
 """
@@ -45,6 +49,15 @@ _REMAT = frozenset({"remat2", "remat", "checkpoint"})
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 TOP = -1  # parent of the equations evaluated at the top level
+
+# a mask is evaluated (to see whether it is causal) only up to this many elements per value and this many
+# equations: 2**26 booleans is a 8192 x 8192 mask, 64 MiB (first principles: one byte a boolean)
+MASK_ELEMENTS = 2 ** 26
+MASK_EQUATIONS = 256
+
+
+class _NotConstant(Exception):
+    """Raised inside :meth:`_Flattener.constant` where a value is not computed from constants alone."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +156,58 @@ class _Flattener:
         self.next_id = 0
         self.next_call = 0
         self.next_scan = 0
+        self.made: dict[int, tuple[int, int]] = {}  # variable id -> (index of its equation, result position)
+        self.alias: dict[int, Atom] = {}  # a kept remat call's body input -> the call's operand
+
+    def constant(self, atom: Atom) -> Any:
+        """The value of ``atom`` if the equations so far compute it from constants alone (no argument of the
+        program reaches it; kept calls read through to their bodies), else None; None too past
+        :data:`MASK_ELEMENTS` elements or :data:`MASK_EQUATIONS` equations."""
+        import math
+
+        import jax
+        import numpy as np
+
+        memo: dict[int, Any] = {}
+        budget = [MASK_EQUATIONS]
+
+        def value(a: Atom) -> Any:
+            if isinstance(a, Const):
+                return a.value
+            if a in memo:
+                return memo[a]
+            if a in self.alias:
+                r = value(self.alias[a])
+            elif a not in self.made:  # an argument of the program
+                raise _NotConstant
+            else:
+                k, pos = self.made[a]
+                e = self.eqns[k]
+                if not e.graph:
+                    if pos >= len(e.passthrough):
+                        raise _NotConstant
+                    r = value(e.passthrough[pos])
+                else:
+                    budget[0] -= 1
+                    if budget[0] < 0 or any(math.prod(s) > MASK_ELEMENTS for s in e.out_shapes):
+                        raise _NotConstant
+                    args = [value(x) for x in e.invars]
+                    params = e.primitive.get_bind_params(e.params)
+                    if isinstance(params, tuple):  # (subfuns, params)
+                        ans = e.primitive.bind(*params[0], *args, **params[1])
+                    else:
+                        ans = e.primitive.bind(*args, **params)
+                    r = (ans if e.primitive.multiple_results else [ans])[pos]
+            memo[a] = r
+            return r
+
+        try:
+            with jax.ensure_compile_time_eval():
+                return np.asarray(value(atom))
+        except _NotConstant:
+            return None
+        except Exception:  # noqa: BLE001  (a primitive that does not evaluate outside a trace: not a constant)
+            return None
 
     def fresh(self) -> int:
         self.next_id += 1
@@ -171,16 +236,11 @@ class _Flattener:
             ins = tuple(read(v) for v in eqn.invars)
             sc = join_scope(scope, _scope(eqn))
             loc = _where(eqn).strip() or where
-            m = attention.match(eqns, i - 1, jaxpr.outvars) if name == "reshape" else None
-            if m is not None:  # jax.nn.dot_product_attention: one equation (shardplan.jax.attention)
+            m = attention.match(eqns, i - 1, jaxpr.outvars, lambda v: self.constant(read(v))) \
+                if name in attention.STARTS else None
+            if m is not None:  # an attention call: one equation (shardplan.jax.attention)
                 i += m.length - 1
-                last = eqns[i - 1].outvars[0]
-                out = self.fresh()
-                self.eqns.append(FlatEqn(attention.ATTENTION, {"is_causal": m.is_causal},
-                                         tuple(read(v) for v in (m.q, m.k, m.v)), (out,),
-                                         (tuple(int(x) for x in last.aval.shape),), (last.aval.dtype,), loc, sc,
-                                         parent=parent))
-                env[m.out] = out
+                env[m.out] = self.attention(m, [read(v) for v in (m.q, m.k, m.v)], sc, parent, loc)
                 continue
             if name in _INLINE:
                 inner, cs = _closed(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")))
@@ -195,11 +255,33 @@ class _Flattener:
                 env[v] = a
         return [read(v) for v in jaxpr.outvars]
 
+    def attention(self, m: attention.Match, ins: list[Atom], scope: str, parent: int | None, where: str) -> Atom:
+        """Append the :data:`~shardplan.jax.attention.ATTENTION` equation of match ``m`` on operands ``ins``;
+        3-D operands get a leading batch axis of 1 (``lax.expand_dims``) and the result loses it
+        (``lax.squeeze``). Returns the result."""
+        import jax
+
+        def sub(fn: Any, a: Atom, shape: tuple[int, ...], dtype: Any) -> Atom:
+            return self._sub(fn, [a], [jax.ShapeDtypeStruct(shape, dtype)], scope, parent, where)[0]
+
+        shape = tuple(int(x) for x in m.out.aval.shape)
+        if not m.batched:
+            ins = [sub(lambda a: jax.lax.expand_dims(a, (0,)), a, tuple(int(x) for x in v.aval.shape), v.aval.dtype)
+                   for a, v in zip(ins, (m.q, m.k, m.v))]
+        out = self.fresh()
+        self.made[out] = (len(self.eqns), 0)
+        self.eqns.append(FlatEqn(attention.ATTENTION, {"is_causal": m.is_causal}, tuple(ins), (out,),
+                                 (shape if m.batched else (1, *shape),), (m.out.aval.dtype,), where, scope,
+                                 parent=parent))
+        return out if m.batched else sub(lambda a: jax.lax.squeeze(a, (0,)), out, (1, *shape), m.out.aval.dtype)
+
     def _append(self, eqn: Any, ins: tuple[Atom, ...], scope: str, parent: int | None, where: str,
                 **extra: Any) -> tuple[int, ...]:
         outs = tuple(self.fresh() for _ in eqn.outvars)
         shapes = tuple(tuple(int(s) for s in v.aval.shape) for v in eqn.outvars)
         dtypes = tuple(v.aval.dtype for v in eqn.outvars)
+        for pos, o in enumerate(outs):
+            self.made[o] = (len(self.eqns), pos)
         self.eqns.append(FlatEqn(eqn.primitive, dict(eqn.params), ins, outs, shapes, dtypes, where, scope,
                                  parent=parent, **extra))
         return outs
@@ -217,6 +299,7 @@ class _Flattener:
         call_id = self.next_call
         self.next_call += 1
         body_in = tuple(self.fresh() for _ in ins)
+        self.alias.update(zip(body_in, ins))
         k = len(self.eqns)
         outs = self._append(eqn, ins, scope, parent, where, graph=False, call_id=call_id, body_in=body_in)
         body = self.run(inner, cs, body_in, scope, call_id if parent is not None else None, where)

@@ -271,7 +271,9 @@ def _rename(op: Operator, mapping: Mapping[str, str]) -> Operator:
     return dataclasses.replace(
         op, dims=tuple((r(d), e) for d, e in op.dims), inputs=tuple(tensor(t) for t in op.inputs),
         weights=tuple(tensor(t) for t in op.weights), output=tensor(op.output),
-        norm_dims=tuple(r(d) for d in op.norm_dims), fixed=frozenset(r(d) for d in op.fixed))
+        norm_dims=tuple(r(d) for d in op.norm_dims), fixed=frozenset(r(d) for d in op.fixed),
+        causal=None if op.causal is None else dataclasses.replace(op.causal, query=r(op.causal.query),
+                                                                  key=r(op.causal.key)))
 
 
 # ---------------------------------------------------------------------------
