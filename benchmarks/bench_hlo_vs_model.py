@@ -8,7 +8,9 @@ on 8 simulated CPU devices; the collectives of the compiled HLO give the
 bytes each device really sends (:func:`shardplan.jax.hlo.hlo_bytes_per_device`),
 the cost model gives its prediction (:func:`shardplan.jax.hlo.predicted_bytes`).
 
-    PYTHONPATH=. python benchmarks/bench_hlo_vs_model.py
+    PYTHONPATH=. python benchmarks/bench_hlo_vs_model.py [--only NAME ...]
+
+(``--only``: those models alone, printed, no JSON written.)
 
 writes ``benchmarks/results/hlo_vs_model.json``: every ratio, the collectives
 by kind, and for a ratio outside ±10 % every collective with its bytes and
@@ -138,7 +140,14 @@ def measure(plan: Any, info: Any, params: Any, batch: Any) -> dict[str, Any]:
 
 
 def main() -> None:
+    import argparse
+
     import jax
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*", default=None, help="model names (examples or corpus); nothing written")
+    args = ap.parse_args()
+    only = set(args.only) if args.only else None
 
     from shardplan.baselines import baseline_plan
     from shardplan.cost import build_tables
@@ -149,6 +158,8 @@ def main() -> None:
     machine = Machine(**TOY)
     out: dict[str, Any] = {"machine": TOY, "devices": 8, "results": []}
     for name in ("jax_mlp", "jax_transformer", "jax_cnn"):
+        if only is not None and name not in only:
+            continue
         mod = load_example(name)
         params, batch = mod.init_params(jax.random.PRNGKey(0)), mod.make_batch(jax.random.PRNGKey(1))
         graph, info = trace(mod.loss_fn, params, batch)
@@ -169,6 +180,8 @@ def main() -> None:
     from jax_corpus import CORPUS
 
     for entry in CORPUS:
+        if only is not None and entry.name not in only:
+            continue
         try:
             loss_fn, params, batch = entry.build()
             graph, info = trace(loss_fn, params, batch)
@@ -188,6 +201,8 @@ def main() -> None:
             print(f"{entry.name:<32} {row['strategy']:<14} hlo {row['hlo_bytes']['total']:>12.0f} B  "
                   f"model {row['model_bytes']['total']:>12.0f} B  ratio {row['ratio_hlo_over_model']:.3f}  "
                   f"{row['collectives']}", flush=True)
+    if only is not None:
+        return
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "hlo_vs_model.json"), "w") as f:
         json.dump(out, f, indent=1, default=float)
