@@ -8,7 +8,9 @@ on 8 simulated CPU devices; the collectives of the compiled HLO give the
 bytes each device really sends (:func:`shardplan.jax.hlo.hlo_bytes_per_device`),
 the cost model gives its prediction (:func:`shardplan.jax.hlo.predicted_bytes`).
 
-    PYTHONPATH=. python benchmarks/bench_hlo_vs_model.py
+    PYTHONPATH=. python benchmarks/bench_hlo_vs_model.py [--only NAME ...]
+
+(``--only``: those models alone, printed, no JSON written.)
 
 writes ``benchmarks/results/hlo_vs_model.json``: every ratio, the collectives
 by kind, and for a ratio outside ±10 % every collective with its bytes and
@@ -43,35 +45,6 @@ def load_example(name: str) -> Any:
 
 # Why the compiled bytes differ from the prediction by more than 10 % (model -> cause), from reading the HLO.
 CAUSES = {
-    "mnist_cnn": "one edge, into the flatten after the second avg pool: the pool's output (8x4x4x64) is split over "
-                 "the batch 4 ways and the channels 2 ways, the reshape reads it split over the image rows 4 ways (2 "
-                 "replicas). The reshape itself moves nothing (its rows split is the leading part of the flattened "
-                 "axis, as the Dense after it reads it); the edge into it is an ordinary change of split axes. The "
-                 "model charges what each device lacks (7168 B forward, 3072 B backward); XLA reshards in steps: an "
-                 "all-gather over the channels (4096 B), an all-to-all from batch to rows (6144 B) and a "
-                 "collective-permute into the reshape's device order (8192 B) forward, two all-to-alls and a permute "
-                 "(9216 B) backward, 17408 B more than the model. Every other collective equals the model's figure. "
-                 "The model's 7168 B is not reachable with XLA's collectives under the model's device numbering "
-                 "(replicas most significant): after an all-to-all inside a channel group the rows sit on devices "
-                 "q//2, the reshape has them on q%4, so a permute is needed whatever the order of the steps. Not "
-                 "reshape-specific: XLA's resharder equals the edge volume on 83 of 200 random layout pairs of one "
-                 "tensor, never sends less, median 1.5x, up to 8x (benchmarks/results/reshard_xla.json); and its "
-                 "steps depend on the program around the edge (this pair compiled alone: 13312 B forward, in the "
-                 "CNN 18432 B), so an edge cost charging 'what XLA does' cannot be exact per edge.",
-    "FlaxT5ForConditionalGeneration": (
-        "re-measured on JAX 0.9.2 after the weight edges: 1.78 -> 1.521 on the solved plan, 1.132 -> "
-        "1.000 with data parallel (the shared embedding, read by the encoder lookup, the decoder lookup "
-        "and the LM head, has its gradient all-reduced once per reader, which the model now charges). "
-        "What remains on the solved plan (96547 B over the model) is the position bias (relative bias + "
-        "mask, 8x4x16x16) of each self-attention (encoder, decoder): it is produced split over the heads "
-        "and the keys and read by the scores + bias split over the batch. The model charges what each "
-        "device lacks; XLA finds no collective for that change of split axes and replicates the whole "
-        "tensor ('Involuntary full rematerialization'): all-gathers of 2 x 4096 + 2 x 24576 B forward and"
-        " 2 x 28672 B backward of the bias in the HLO (the same layout pair alone: "
-        "benchmarks/results/reshard_xla.json); plus 96 B of int32 relative-position gathers (a constant, "
-        "not charged). The byte-by-byte attribution against the model's edge figures was done on the "
-        "earlier plan (100352 B on the two bias edges), not redone for this one."
-    ),
     "FlaxBloomForCausalLM": (
         "151046 B charged, 173638 B compiled (+22592 B). (a) +16384 B: the MLP weight gradients (dense_h_to_4h and "
         "dense_4h_to_h of both layers, each 8192 B per device) are partial sums over 4 devices (batch 2 x sequence "
@@ -91,6 +64,14 @@ CAUSES = {
 
 # Known gaps inside +-10 % (model -> cause), from reading the HLO.
 NOTES = {
+    "mnist_cnn": "the edge into the flatten after the second avg pool (batch 4 x channels 2 -> rows 4) was 1.16: "
+                 "the model charged what each device lacks (7168 B forward), XLA's resharder sent 18432 B. The "
+                 "export now redistributes in the steps the model charges (shardplan.cost.reshard: two "
+                 "all-to-alls of 2 and an all-gather, 8192 B forward), compiled to exactly those bytes "
+                 "(benchmarks/results/reshard_xla.json, the pair alone): 1.159 -> 1.056. The rest not re-read.",
+    "FlaxT5ForConditionalGeneration": "the position bias (heads 4 x keys 2 -> batch 8) was replicated whole by "
+                 "XLA ('involuntary full rematerialization'): 1.52. In the export's steps (an all-to-all of 4 and "
+                 "one of 2, the bytes the model now charges) it is 0.979.",
     "lm_remat": "the tied embedding (nn.Embed used as lookup and as attend): one table, its leaf in the lookup's "
                 "layout; the optimal plan lays it out differently for attend, and the weight edge between the two "
                 "readers charges the move (cost/edge.py weight_edge_cost). What remains was not re-examined in "
@@ -138,7 +119,14 @@ def measure(plan: Any, info: Any, params: Any, batch: Any) -> dict[str, Any]:
 
 
 def main() -> None:
+    import argparse
+
     import jax
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*", default=None, help="model names (examples or corpus); nothing written")
+    args = ap.parse_args()
+    only = set(args.only) if args.only else None
 
     from shardplan.baselines import baseline_plan
     from shardplan.cost import build_tables
@@ -149,6 +137,8 @@ def main() -> None:
     machine = Machine(**TOY)
     out: dict[str, Any] = {"machine": TOY, "devices": 8, "results": []}
     for name in ("jax_mlp", "jax_transformer", "jax_cnn"):
+        if only is not None and name not in only:
+            continue
         mod = load_example(name)
         params, batch = mod.init_params(jax.random.PRNGKey(0)), mod.make_batch(jax.random.PRNGKey(1))
         graph, info = trace(mod.loss_fn, params, batch)
@@ -169,6 +159,8 @@ def main() -> None:
     from jax_corpus import CORPUS
 
     for entry in CORPUS:
+        if only is not None and entry.name not in only:
+            continue
         try:
             loss_fn, params, batch = entry.build()
             graph, info = trace(loss_fn, params, batch)
@@ -188,6 +180,8 @@ def main() -> None:
             print(f"{entry.name:<32} {row['strategy']:<14} hlo {row['hlo_bytes']['total']:>12.0f} B  "
                   f"model {row['model_bytes']['total']:>12.0f} B  ratio {row['ratio_hlo_over_model']:.3f}  "
                   f"{row['collectives']}", flush=True)
+    if only is not None:
+        return
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "hlo_vs_model.json"), "w") as f:
         json.dump(out, f, indent=1, default=float)

@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardplan.configs import deferred_inputs, forward_deferrable
+from shardplan.cost.reshard import MAX_BITS, pattern_bits, reshard_steps, steps_volume
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time, reduce_scatter_time
 from shardplan.cost.tiles import MAX_DEVICES, all_active, as_layouts, box_volumes, check_per_device, tensor_boxes
 from shardplan.errors import ShardplanError
@@ -85,7 +86,7 @@ from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
 __all__ = ["edge_volumes", "edge_cost", "overlap_budgets", "exposed", "NO_CLAIM", "deferred_reductions", "scatters",
-           "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES",
+           "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES", "step_volumes",
            "weight_edge_cost", "weight_sync", "weight_views"]
 
 _CHUNK_ELEMS = 1 << 22
@@ -309,6 +310,7 @@ class EdgeMemo:
     dims: dict = field(default_factory=dict)  # (id(layouts), dim) -> (layouts, _dim_patterns(...))
     unions: dict = field(default_factory=dict)  # (id(layouts), level) -> (layouts, group_union(...)): small
     masks: dict = field(default_factory=dict)  # (block keys of both sides, words) -> _pattern_masks(...)
+    steps: dict = field(default_factory=dict)  # states of the step search (:mod:`shardplan.cost.reshard`): small
 
     def union(self, lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray]:
         """:func:`group_union` of ``lay``, computed once per build (so its sides are memoised too)."""
@@ -611,11 +613,81 @@ def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p:
     return fwd, bwd, exact
 
 
+def _bit_labelings(op: Operator, tensor, lay: LayoutArrays) -> tuple[list, np.ndarray, np.ndarray]:
+    """The tensor's bit labeling (:mod:`shardplan.cost.reshard`) under each layout of ``lay`` (one level, p a
+    power of two): (distinct labelings, each layout's (K,), which layouts have one (K,) bool).
+
+    A layout has one when every device holds a tile (:func:`~shardplan.cost.tiles.all_active`) and every
+    axis of the tensor is unsplit, or plain (or merged with its inner dims unsplit) and cut by a power of
+    two that divides its extent: the tensor axes a JAX sharding splits (:mod:`shardplan.jax.shardings`).
+    """
+    k = len(lay)
+    ok = all_active(lay).copy()
+    names = op.dim_names
+    cols = []
+    for am, size in zip(tensor.axes, tensor.shape):
+        if am.dim is None:
+            cols.append(np.zeros((k, 2), dtype=np.int64))
+            continue
+        j = names.index(am.dim)
+        pat = lay.patterns(j)  # (K, 2): split, stride
+        c = pat[:, 0]
+        split = c > 1
+        plain = am.is_plain or (bool(am.inner) and am.window is None)
+        if am.inner:
+            for d in am.inner:
+                plain = plain & (lay.splits[:, names.index(d)] == 1)
+        ok &= ~split | (plain & _is_power_of_two(c) & (size % np.maximum(c, 1) == 0))
+        cols.append(np.where(split[:, None], pat, 0))
+    key = np.concatenate(cols, axis=1) if cols else np.zeros((k, 0), dtype=np.int64)
+    rows, _, inv = unique_rows(key)
+    labels = [tuple(pattern_bits(r[2 * a], r[2 * a + 1]) if r[2 * a] > 1 else () for a in range(len(cols)))
+              for r in rows]
+    return labels, inv, ok
+
+
+def step_volumes(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, p: int,
+                 memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Elements each device sends when the redistribution runs as the steps of
+    :func:`shardplan.cost.reshard.reshard_steps` (forward: u's labeling to v's; backward: v's to u's), and
+    where that applies: (fwd, bwd, ok), each (K_u, K_v); None where it applies nowhere.
+
+    It applies on one level of p = 2^n devices, n <= :data:`~shardplan.cost.reshard.MAX_BITS`, to the pairs of
+    layouts that both give the tensor a bit labeling (:func:`_bit_labelings`). Volumes before the tensor's
+    ``elem_factor`` and ``needs_grad`` (as :func:`edge_volumes` returns them after).
+    """
+    n = p.bit_length() - 1
+    if len(lu.levels) != 1 or p != 1 << n or n > MAX_BITS or n == 0:
+        return None
+    t_in = v.inputs[slot]
+    if tuple(u.output.shape) != tuple(t_in.shape):
+        return None
+    lab_u, inv_u, ok_u = _bit_labelings(u, u.output, lu)
+    lab_v, inv_v, ok_v = _bit_labelings(v, t_in, lv)
+    if not ok_u.any() or not ok_v.any():
+        return None
+    caps = tuple(min((int(x) & -int(x)).bit_length() - 1, n) for x in t_in.shape)
+    total = int(np.prod(np.asarray(t_in.shape, dtype=np.int64)))
+    cache = memo.steps if memo is not None else {}
+    need_u = np.unique(inv_u[ok_u])
+    need_v = np.unique(inv_v[ok_v])
+    fwd_d = np.zeros((len(lab_u), len(lab_v)), dtype=np.int64)
+    bwd_d = np.zeros((len(lab_u), len(lab_v)), dtype=np.int64)
+    for i in need_u.tolist():
+        for j in need_v.tolist():
+            f = steps_volume(reshard_steps(lab_u[i], lab_v[j], caps, n, cache))
+            b = steps_volume(reshard_steps(lab_v[j], lab_u[i], caps, n, cache))
+            fwd_d[i, j] = round(f * total)
+            bwd_d[i, j] = round(b * total)
+    ok = ok_u[:, None] & ok_v[None, :]
+    return fwd_d.take(inv_u, axis=0).take(inv_v, axis=1), bwd_d.take(inv_u, axis=0).take(inv_v, axis=1), ok
+
+
 def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
                  ou: np.ndarray | None = None, ov: np.ndarray | None = None,
                  fast: bool = True, levels: tuple[int, ...] | None = None,
                  memo: EdgeMemo | None = None, analytic: bool = True,
-                 max_devices: int = MAX_DEVICES) -> tuple[np.ndarray, np.ndarray]:
+                 max_devices: int = MAX_DEVICES, steps: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Elements moved per device (max over devices): forward and backward, each (K_u, K_v).
 
     ``cu``/``cv``: :class:`~shardplan.layout.LayoutArrays` of the two
@@ -627,6 +699,8 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
     decide the fast path's test from the layouts' block patterns alone, with no per-device array
     (:func:`_pattern_fast`); False: the per-device masks everywhere (for testing; the same numbers).
     ``max_devices``: the per-device path is refused past this many devices (:func:`check_per_device`).
+    ``steps``: where :func:`step_volumes` applies, the bytes of the steps the JAX export performs instead of
+    what each device lacks (what :func:`edge_cost` charges); default the lack, the definition above.
     """
     t_in = v.inputs[slot]
     lu = as_layouts(cu, p, ou, levels)
@@ -662,6 +736,11 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
             iu, iv = np.nonzero(~exact)
             if len(iu):
                 fwd[iu, iv], bwd[iu, iv] = _general_pairs(bu, bv, iu, iv)
+    if steps:
+        st = step_volumes(u, lu, v, slot, lv, p, memo)
+        if st is not None:
+            fwd = np.where(st[2], st[0], fwd)
+            bwd = np.where(st[2], st[1], bwd)
     f = fwd * t_in.elem_factor
     b = bwd * t_in.elem_factor if t_in.needs_grad else np.zeros_like(bwd)
     return f, b
@@ -729,7 +808,7 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     lu = as_layouts(cu, p, ou, machine.levels)
     lv = as_layouts(cv, p, ov, machine.levels)
     f, b = edge_volumes(u, lu, v, slot, lv, p, memo=memo, analytic=analytic,
-                          max_devices=max_devices) if volumes is None else volumes
+                        max_devices=max_devices, steps=True) if volumes is None else volumes
     nbytes = float(machine.dtype_bytes)
     memo = EdgeMemo() if memo is None else memo
     fwd_t = p2p_time(f * nbytes, machine, 0)
@@ -1028,7 +1107,7 @@ def weight_edge_cost(u: Operator, wu: int, cu, v: Operator, wv: int, cv, machine
     lu = as_layouts(cu, p, None, machine.levels).without_partial()  # a parameter is never a partial sum
     lv = as_layouts(cv, p, None, machine.levels).without_partial()
     src, dst = weight_views(u, wu, v, wv)
-    f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo, analytic=analytic, max_devices=max_devices)
+    f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo, analytic=analytic, max_devices=max_devices, steps=True)
     moved = edge_cost(src, lu, dst, 0, lv, machine, volumes=(f, b), memo=memo, analytic=analytic,
                       max_devices=max_devices)
     agree = (f == 0) & (b == 0)

@@ -34,8 +34,8 @@ from shardplan.jax.flatten import TOP, Atom, Const
 from shardplan.jax.lower import TraceInfo
 from shardplan.jax.shardings import PlanShardings, plan_shardings, replicated
 
-__all__ = ["evaluate", "evaluate_eqns", "constrain_forward", "constrain_both_ways", "constrained_fn", "make_step",
-           "ring_charged", "ring_hooks"]
+__all__ = ["evaluate", "evaluate_eqns", "constrain_forward", "constrain_both_ways", "constrain_read", "constrained_fn",
+           "make_step", "ring_charged", "ring_hooks"]
 
 Hook = Callable[[Any], Any]
 
@@ -164,6 +164,56 @@ def constrain_both_ways(sharding: Any, cotangent: bool = True) -> Hook:
     return apply
 
 
+def constrain_read(source: Any, target: Any, devices: Sequence[Any], cotangent: bool = True,
+                   memo: dict | None = None) -> Hook:
+    """:func:`constrain_both_ways` to ``target`` for a value that arrives in ``source``, redistributed in the
+    steps the cost model charges (:func:`shardplan.jax.shardings.reshard_chain`: one sharding constraint per
+    step, each one collective); the cotangent goes back from ``target`` to ``source`` in the steps of the
+    reverse redistribution (``cotangent=False``: left free after the target, as :func:`constrain_both_ways`).
+    Where no chain applies, :func:`constrain_both_ways` itself."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardplan.jax.shardings import reshard_chain
+
+    plain = constrain_both_ways(target, cotangent)
+
+    def apply(x: Any) -> Any:
+        dtype = jnp.result_type(x)
+        fwd_chain = reshard_chain(source, target, x.shape, devices, memo)
+        if fwd_chain is None:
+            return plain(x)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            if not (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_):
+                return x  # PRNG keys and other extended dtypes are left alone
+            for s in fwd_chain:
+                x = jax.lax.with_sharding_constraint(x, s)
+            return jax.lax.with_sharding_constraint(x, target)
+        bwd_chain = (reshard_chain(target, source, x.shape, devices, memo) or []) if cotangent else None
+
+        @jax.custom_vjp
+        def ident(y: Any) -> Any:
+            for s in fwd_chain:
+                y = jax.lax.with_sharding_constraint(y, s)
+            return jax.lax.with_sharding_constraint(y, target)
+
+        def fwd(y: Any) -> tuple[Any, None]:
+            return ident(y), None
+
+        def bwd(_: None, g: Any) -> tuple[Any]:
+            if bwd_chain is None:
+                return (g,)
+            g = jax.lax.with_sharding_constraint(g, target)
+            for s in bwd_chain:
+                g = jax.lax.with_sharding_constraint(g, s)
+            return (jax.lax.with_sharding_constraint(g, source),)
+
+        ident.defvjp(fwd, bwd)
+        return ident(x)
+
+    return apply
+
+
 def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Callable[[Any], Any] | None = None,
                ) -> tuple[dict[tuple[int, int], Hook], dict[int, Callable[[list[Any]], list[Any]]]]:
     """The ``consume`` and ``replace`` hooks that run a plan's ring: every ``jax.nn.dot_product_attention``
@@ -255,7 +305,11 @@ def constrained_fn(info: TraceInfo, shardings: PlanShardings,
     import jax
 
     produce = {var: constrain_both_ways(s) for var, s in shardings.values.items()}
-    consume = {key: constrain_both_ways(s, key not in shardings.free_cotangents) for key, s in shardings.reads.items()}
+    sources = shardings.sources or {}
+    memo: dict = {}
+    consume = {key: (constrain_read(sources[key], s, list(s.mesh.devices.flat), key not in shardings.free_cotangents, memo)
+                     if shardings.steps and key in sources else constrain_both_ways(s, key not in shardings.free_cotangents))
+               for key, s in shardings.reads.items()}
     consume.update(ring[0] if ring else {})
     replace = dict(ring[1]) if ring else {}
 

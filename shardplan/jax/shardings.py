@@ -47,7 +47,7 @@ from shardplan.jax.lower import TraceInfo
 from shardplan.ir import Operator, Tensor
 
 __all__ = ["REPLICA_AXIS", "config_mesh", "tensor_spec", "operator_sharding", "layout_mesh", "layout_sharding",
-           "PlanShardings", "plan_shardings", "check_expressible", "replicated"]
+           "PlanShardings", "plan_shardings", "check_expressible", "replicated", "sharding_bits", "reshard_chain"]
 
 REPLICA_AXIS = "_rep"
 
@@ -142,6 +142,64 @@ def replicated(devices: Sequence[Any]) -> Any:
     return NamedSharding(Mesh(arr, (REPLICA_AXIS,)), PartitionSpec())
 
 
+def sharding_bits(sharding: Any, ndim: int, devices: Sequence[Any]) -> tuple[tuple[int, ...], ...] | None:
+    """The bit labeling (:mod:`shardplan.cost.reshard`) of a NamedSharding over ``devices`` in order: per
+    array axis, the device-index bits of its block index, major first; None unless the mesh lists exactly
+    ``devices`` in order and every mesh axis has a power-of-two size. A mesh is row-major over the devices,
+    so its last axis holds the lowest bits."""
+    mesh = sharding.mesh
+    if list(mesh.devices.flat) != list(devices):
+        return None
+    bits: dict[str, tuple[int, ...]] = {}
+    pos = 0
+    for name in reversed(mesh.axis_names):
+        size = int(mesh.shape[name])
+        k = size.bit_length() - 1
+        if size != 1 << k:
+            return None
+        bits[name] = tuple(range(pos + k - 1, pos - 1, -1))
+        pos += k
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    out = []
+    for entry in spec[:ndim]:
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(tuple(b for nm in names for b in bits[nm]))
+    return tuple(out)
+
+
+def reshard_chain(source: Any, target: Any, shape: Sequence[int], devices: Sequence[Any],
+                  memo: dict | None = None) -> list[Any] | None:
+    """The intermediate shardings of the redistribution from ``source`` to ``target`` of an array of
+    ``shape`` as the steps of :func:`shardplan.cost.reshard.reshard_steps` (each lowered by XLA to one
+    collective, the bytes :func:`shardplan.cost.edge.step_volumes` charges), the target excluded; None where
+    it does not apply (devices not 2^n with 1 <= n <= MAX_BITS, a labeling not of bits, a split that does not
+    divide its axis) or where the change is a single step (the target constraint alone does it)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from shardplan.cost.reshard import MAX_BITS, reshard_steps
+
+    p = len(devices)
+    n = p.bit_length() - 1
+    if p != 1 << n or not 1 <= n <= MAX_BITS:
+        return None
+    src = sharding_bits(source, len(shape), devices)
+    dst = sharding_bits(target, len(shape), devices)
+    if src is None or dst is None or src == dst:
+        return None
+    caps = tuple(min((int(x) & -int(x)).bit_length() - 1 if x else 0, n) for x in shape)
+    if any(len(a) > c or len(b) > c for a, b, c in zip(src, dst, caps)):
+        return None
+    steps = reshard_steps(src, dst, caps, n, memo)
+    if len(steps) <= 1:
+        return None
+    arr = np.empty(p, dtype=object)
+    arr[:] = list(devices)
+    names = tuple(f"_bit{b}" for b in range(n - 1, -1, -1))
+    mesh = Mesh(arr.reshape((2,) * n), names)
+    return [NamedSharding(mesh, PartitionSpec(*[tuple(f"_bit{b}" for b in seq) if seq else None for seq in st.after]))
+            for st in steps[:-1]]
+
+
 @dataclass(frozen=True)
 class PlanShardings:
     """Shardings of a plan for one traced function.
@@ -152,6 +210,10 @@ class PlanShardings:
         leaves: one NamedSharding per argument leaf (first consumer's layout, or replicated).
         reads: (equation index, operand slot) -> NamedSharding its operator reads that operand in.
         free_cotangents: the reads of operators with a partial layout: constrained forward only.
+        sources: (equation index, operand slot) -> the sharding the operand has before the read (its producer's
+            output sharding, or its argument leaf's), where known: the start of the read's redistribution.
+        steps: whether reads redistribute in the steps the cost model charges (:func:`reshard_chain`; the
+            plan's machine has one level, as :func:`shardplan.cost.edge.step_volumes` requires).
     """
 
     values: Mapping[int, Any]
@@ -159,6 +221,8 @@ class PlanShardings:
     leaves: tuple[Any, ...]
     reads: Mapping[tuple[int, int], Any]
     free_cotangents: frozenset[tuple[int, int]] = frozenset()
+    sources: Mapping[tuple[int, int], Any] | None = None
+    steps: bool = False
 
 
 def devices_and_machine(devices: Sequence[Any] | None, machine: Any) -> tuple[list[Any], Any]:
@@ -217,4 +281,13 @@ def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanSh
             continue
         name, dims = uses[0]
         leaves.append(layout_sharding(lays[name], dims, devices))
-    return PlanShardings(values, by_op, tuple(leaves), reads, free)
+    prog = info.program
+    arg = {var: i for i, var in enumerate(prog.invars)}
+    sources = {}
+    for k, slot in reads:
+        var = prog.eqns[k].invars[slot]
+        if isinstance(var, int) and var in values:
+            sources[(k, slot)] = values[var]
+        elif isinstance(var, int) and var in arg:
+            sources[(k, slot)] = leaves[arg[var]]
+    return PlanShardings(values, by_op, tuple(leaves), reads, free, sources, len(plan.machine.levels) == 1)

@@ -23,9 +23,8 @@ TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
 
 # HLO bytes / predicted bytes beyond +-10 %, as measured (benchmarks/results/hlo_vs_model.json); the
 # bound guards against regressions, the cause is in the README ("JAX corpus") and the JSON.
-OUTSIDE_10_PERCENT = {"mnist_cnn": 1.2,
-                      "FlaxT5ForConditionalGeneration": 1.6,  # 1.521: XLA's full rematerialization of the position bias
-                      "FlaxBloomForCausalLM": 1.2}  # 1.150: two-step all-reduces of the MLP weight gradients, the table
+# (the MNIST CNN, 1.16, and T5, 1.52, are inside since the export redistributes in the steps the model charges)
+OUTSIDE_10_PERCENT = {"FlaxBloomForCausalLM": 1.2}  # 1.150: two-step all-reduces of the MLP weight gradients, the table
 
 
 @pytest.fixture(scope="module", params=CORPUS + (GRIFFIN,), ids=lambda e: f"{e.library}:{e.name}")
