@@ -873,6 +873,8 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
         src["overlap_grad"] = f"{said}: not measured: gradient synchronisation added to the step, not overlapped"
     src["sum_shared_grads"] = (f"{said}: not measured: shardplan's default, each reader's gradient synchronised in "
                                f"its own layout (see Machine's docstring)")
+    src["stepwise_redistribution"] = (f"{said}: not measured: shardplan's default, a change of layout charged as "
+                                      "the one-collective steps XLA lowers it to (see Machine's docstring)")
     fp8 = max((r.rate for r in cal.fp8.rows), default=None)
     if cal.fp8.rows:
         top8 = max(cal.fp8.rows, key=lambda r: r.rate)

@@ -103,6 +103,11 @@ class Machine:
             different element sizes (a cast, :attr:`~shardplan.ir.Tensor.elem_factor`), and the fused optimizer
             step on elements narrower than 4 bytes (it updates in fp32); None: ``hbm_bandwidth``
             (:attr:`convert_rate`).
+        stepwise_redistribution: a change of layout between two operators is charged as the steps XLA's
+            SPMD partitioner lowers to one collective each (slice, all-to-all, all-gather,
+            collective-permute: :mod:`shardplan.cost.reshard`), the steps the JAX export then performs, where
+            they apply (one level, at most 64 devices); False: what each device lacks, the PaSE paper's
+            model.
     """
 
     num_devices: int
@@ -134,6 +139,7 @@ class Machine:
     gemm_unaligned_efficiency: float | None = None
     attention_efficiency: float | None = None
     convert_bandwidth: float | None = None
+    stepwise_redistribution: bool = True
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -185,6 +191,9 @@ class Machine:
             raise ShardplanError(f"machine: overlap_grad must be True or False, got {self.overlap_grad!r}")
         if not isinstance(self.sum_shared_grads, bool):
             raise ShardplanError(f"machine: sum_shared_grads must be True or False, got {self.sum_shared_grads!r}")
+        if not isinstance(self.stepwise_redistribution, bool):
+            raise ShardplanError("machine: stepwise_redistribution must be True or False, got "
+                                 f"{self.stepwise_redistribution!r}")
         for name, unit in (("fp8_flops", "FLOP/s"), ("host_bandwidth", "B/s"), ("host_memory_bytes", "B"),
                            ("cpu_adam_rate", "parameters/s")):
             if getattr(self, name) is not None:

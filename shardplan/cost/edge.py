@@ -808,7 +808,7 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     lu = as_layouts(cu, p, ou, machine.levels)
     lv = as_layouts(cv, p, ov, machine.levels)
     f, b = edge_volumes(u, lu, v, slot, lv, p, memo=memo, analytic=analytic,
-                        max_devices=max_devices, steps=True) if volumes is None else volumes
+                        max_devices=max_devices, steps=machine.stepwise_redistribution) if volumes is None else volumes
     nbytes = float(machine.dtype_bytes)
     memo = EdgeMemo() if memo is None else memo
     fwd_t = p2p_time(f * nbytes, machine, 0)
@@ -1107,7 +1107,8 @@ def weight_edge_cost(u: Operator, wu: int, cu, v: Operator, wv: int, cv, machine
     lu = as_layouts(cu, p, None, machine.levels).without_partial()  # a parameter is never a partial sum
     lv = as_layouts(cv, p, None, machine.levels).without_partial()
     src, dst = weight_views(u, wu, v, wv)
-    f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo, analytic=analytic, max_devices=max_devices, steps=True)
+    f, b = edge_volumes(src, lu, dst, 0, lv, p, memo=memo, analytic=analytic, max_devices=max_devices,
+                        steps=machine.stepwise_redistribution)
     moved = edge_cost(src, lu, dst, 0, lv, machine, volumes=(f, b), memo=memo, analytic=analytic,
                       max_devices=max_devices)
     agree = (f == 0) & (b == 0)

@@ -158,7 +158,7 @@ def predicted_bytes(plan: Any) -> dict[str, float]:
         u, v = g.operators[e.src], g.operators[e.dst]
         lu = t.arrays[e.src].take(np.asarray([a[e.src]]))  # the chosen layouts, nesting and levels included
         lv = t.arrays[e.dst].take(np.asarray([a[e.dst]]))
-        f, b = edge_volumes(u, lu, v, e.slot, lv, p, steps=True)
+        f, b = edge_volumes(u, lu, v, e.slot, lv, p, steps=plan.machine.stepwise_redistribution)
         edge_bytes += float(f[0, 0] + b[0, 0]) * plan.machine.dtype_bytes
     for e in g.weight_edges:  # a shared parameter moved between its owner's layout and a reader's
         lu = t.arrays[e.src].take(np.asarray([a[e.src]]))

@@ -213,7 +213,8 @@ class PlanShardings:
         sources: (equation index, operand slot) -> the sharding the operand has before the read (its producer's
             output sharding, or its argument leaf's), where known: the start of the read's redistribution.
         steps: whether reads redistribute in the steps the cost model charges (:func:`reshard_chain`; the
-            plan's machine has one level, as :func:`shardplan.cost.edge.step_volumes` requires).
+            plan's machine has one level, as :func:`shardplan.cost.edge.step_volumes` requires, and charges
+            them: ``Machine.stepwise_redistribution``).
     """
 
     values: Mapping[int, Any]
@@ -290,4 +291,5 @@ def plan_shardings(plan: Any, info: TraceInfo, devices: Sequence[Any]) -> PlanSh
             sources[(k, slot)] = values[var]
         elif isinstance(var, int) and var in arg:
             sources[(k, slot)] = leaves[arg[var]]
-    return PlanShardings(values, by_op, tuple(leaves), reads, free, sources, len(plan.machine.levels) == 1)
+    return PlanShardings(values, by_op, tuple(leaves), reads, free, sources,
+                         len(plan.machine.levels) == 1 and plan.machine.stepwise_redistribution)
