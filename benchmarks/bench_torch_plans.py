@@ -14,6 +14,7 @@ writes ``benchmarks/results/torch_plans.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -57,7 +58,8 @@ def main() -> None:
         return model, (ids, ids.clone())
 
     cases["llama_block_4096"] = big_block
-    machines = {"toy": tc.toy_machine(8), "h100": preset("h100", 8)}
+    machines = {name: dataclasses.replace(m, stepwise_redistribution=False)  # as shardplan.torch plans: DTensor's
+                for name, m in (("toy", tc.toy_machine(8)), ("h100", preset("h100", 8)))}  # steps, not XLA's
     for name, make in cases.items():
         torch.manual_seed(0)
         try:

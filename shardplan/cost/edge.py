@@ -311,6 +311,7 @@ class EdgeMemo:
     unions: dict = field(default_factory=dict)  # (id(layouts), level) -> (layouts, group_union(...)): small
     masks: dict = field(default_factory=dict)  # (block keys of both sides, words) -> _pattern_masks(...)
     steps: dict = field(default_factory=dict)  # states of the step search (:mod:`shardplan.cost.reshard`): small
+    step_volumes: dict = field(default_factory=dict)  # (labelings, caps, n) -> steps_volume of their steps: small
 
     def union(self, lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray]:
         """:func:`group_union` of ``lay``, computed once per build (so its sides are memoised too)."""
@@ -669,16 +670,22 @@ def step_volumes(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     caps = tuple(min((int(x) & -int(x)).bit_length() - 1, n) for x in t_in.shape)
     total = int(np.prod(np.asarray(t_in.shape, dtype=np.int64)))
     cache = memo.steps if memo is not None else {}
+    volumes = memo.step_volumes if memo is not None else {}
+
+    def volume(a: tuple, b: tuple) -> float:  # the steps' volume from labeling a to b, kept across edges
+        key = (a, b, caps, n)
+        if key not in volumes:
+            volumes[key] = steps_volume(reshard_steps(a, b, caps, n, cache))
+        return volumes[key]
+
     need_u = np.unique(inv_u[ok_u])
     need_v = np.unique(inv_v[ok_v])
     fwd_d = np.zeros((len(lab_u), len(lab_v)), dtype=np.int64)
     bwd_d = np.zeros((len(lab_u), len(lab_v)), dtype=np.int64)
     for i in need_u.tolist():
         for j in need_v.tolist():
-            f = steps_volume(reshard_steps(lab_u[i], lab_v[j], caps, n, cache))
-            b = steps_volume(reshard_steps(lab_v[j], lab_u[i], caps, n, cache))
-            fwd_d[i, j] = round(f * total)
-            bwd_d[i, j] = round(b * total)
+            fwd_d[i, j] = round(volume(lab_u[i], lab_v[j]) * total)
+            bwd_d[i, j] = round(volume(lab_v[j], lab_u[i]) * total)
     ok = ok_u[:, None] & ok_v[None, :]
     return fwd_d.take(inv_u, axis=0).take(inv_v, axis=1), bwd_d.take(inv_u, axis=0).take(inv_v, axis=1), ok
 

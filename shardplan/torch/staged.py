@@ -736,6 +736,9 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
                                  processes=world)
     elif machine.num_devices != world:
         raise ShardplanError(f"machine has {machine.num_devices} devices but the process group has {world}")
+    import dataclasses
+
+    machine = dataclasses.replace(machine, stepwise_redistribution=False)  # DTensor's steps are not XLA's
     tracer = Tracer(module, example_inputs)
     result = None
     error: list[Any] = [None]
