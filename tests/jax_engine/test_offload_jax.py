@@ -141,17 +141,12 @@ def test_a_pipeline_plan_edited_after_the_search_is_refused():
     with their choices: tests/jax_engine/test_staged_choices_jax.py)."""
     import dataclasses
 
+    from staged_cases import scoped
+
     import shardplan.jax as sj
     from shardplan.jax.staged import Tracer, batch_size
     from shardplan.pipeline.api import pipeline_solve
     from shardplan.planner import from_pipeline
-
-    def scoped(p, batch):
-        x, y = batch
-        for i, w in enumerate(p["w"]):
-            with jax.named_scope(f"L{i}"):
-                x = jnp.tanh(x @ w)
-        return jnp.mean((x - y) ** 2)
 
     ks = jax.random.split(jax.random.PRNGKey(2), 4)
     params = {"w": [jax.random.normal(k, (D, D)) / D**0.5 for k in ks[:2]]}

@@ -48,6 +48,21 @@ def reference_steps(opt, params, batch, n):
     return out
 
 
+def trained_like_optax(step, params, batch, n: int = 2):
+    """``n`` Adam steps of the staged training step, each checked against optax's on the unsharded program (loss
+    within 1e-5 relative, parameters by :func:`assert_close`); yields the parameters and state after each."""
+    import optax
+
+    opt = optax.adam(1e-2)
+    train = step.train_step(opt, params)
+    p, state = train.init(params)
+    for loss0, want in reference_steps(opt, params, batch, n):
+        p, state, loss = train(p, state, batch)
+        assert abs(float(loss) - loss0) <= 1e-5 * abs(loss0)
+        assert_close(p, want)
+        yield p, state
+
+
 def assert_close(params, want):
     top = max(float(np.abs(np.asarray(w)).max()) for w in jax.tree.leaves(want))
     err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
@@ -61,7 +76,6 @@ def test_zero_stages_train_like_the_unsharded_step(searched):
     between steps Adam's state of L1-L3 and L3's parameter are held in 2 shards of their tile (4 pieces of the
     weight), the others in their tile; the compiled forward of stage 1 takes L3's weight in shards (it gathers it
     itself) and its stage runs under jax.checkpoint (the gather done again for the backward), stage 0's does not."""
-    import optax
 
     import shardplan.jax as sj
 
@@ -74,13 +88,8 @@ def test_zero_stages_train_like_the_unsharded_step(searched):
     assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
     assert_close(grads, grads0)
     assert [pieces(g) for g in grads["w"]] == [4, 2, 4, 4]
-    opt = optax.adam(1e-2)
-    train = step.train_step(opt, params)
-    p, state = train.init(params)
-    for (loss0, want), t in zip(reference_steps(opt, params, batch, 2), range(2)):
-        p, state, loss = train(p, state, batch)
-        assert abs(float(loss) - loss0) <= 1e-5 * abs(loss0)
-        assert_close(p, want)
+    for p, state in trained_like_optax(step, params, batch):
+        pass
     assert [pieces(w) for w in p["w"]] == [4, 2, 2, 4]
     assert [pieces(mu) for s in state for mu in s[0].mu] == [4, 4, 4, 4]
     assert [pieces(nu) for s in state for nu in s[0].nu] == [4, 4, 4, 4]
@@ -99,19 +108,12 @@ def test_offloaded_state_and_parameters_live_in_host_memory(searched):
     """L0 (ZeRO 1) keeps Adam's state in host memory, L2 (ZeRO 1) on device, L3 (ZeRO 3) its state and its
     parameter shards in host memory: two Adam steps equal optax's unsharded ones, and between steps each lives in
     the memory its choice says (XLA's CPU backend copies between memory kinds outside a compiled program)."""
-    import optax
 
     import shardplan.jax as sj
 
     params, batch, plan = searched
     step = sj.apply(with_choices(plan, OFFLOAD, offload=OFFERED), scoped, params, batch, DEVICES).step
-    opt = optax.adam(1e-2)
-    train = step.train_step(opt, params)
-    p, state = train.init(params)
-    for (loss0, want), t in zip(reference_steps(opt, params, batch, 2), range(2)):
-        p, state, loss = train(p, state, batch)
-        assert abs(float(loss) - loss0) <= 1e-5 * abs(loss0)
-        assert_close(p, want)
+    for p, state in trained_like_optax(step, params, batch):
         assert [w.sharding.memory_kind for w in p["w"]] == ["device"] * 3 + ["pinned_host"]
         assert [mu.sharding.memory_kind for s in state for mu in s[0].mu] == \
             ["pinned_host", "device", "device", "pinned_host"]
@@ -132,12 +134,12 @@ def test_a_leaf_read_by_two_stages_is_updated_at_its_home(searched):
     in shards; stage 1 gets a copy before the passes and its gradient (reduced into stage 1's shards) is summed
     into the home's. Two Adam steps equal optax's on the unsharded program."""
     import optax
+    from staged_cases import MACHINE
 
     import shardplan.jax as sj
     from shardplan.jax.staged import Tracer, batch_size
     from shardplan.pipeline.api import pipeline_solve
     from shardplan.planner import from_pipeline
-    from staged_cases import MACHINE
 
     params0, batch, _ = searched
     params = {"e": params0["w"][0], "w": params0["w"][1:3]}
@@ -201,12 +203,12 @@ def test_interleaved_chunks_train_with_their_own_state(searched):
     in chunk 1, L2 (ZeRO 2) and L3 (ZeRO 3) in chunk 2, the loss alone in chunk 3 (no leaves: no state). Two Adam
     steps equal optax's unsharded ones, each leaf kept on its chunk's device group."""
     import optax
+    from staged_cases import MACHINE
 
     import shardplan.jax as sj
     from shardplan.jax.staged import Tracer, batch_size
     from shardplan.pipeline.api import pipeline_solve
     from shardplan.planner import from_pipeline
-    from staged_cases import MACHINE
 
     params, batch, _ = searched
     tracer = Tracer(scoped, params, batch)
