@@ -256,7 +256,7 @@ def gather_apply(q: Any, k: Any, v: Any, mesh: Any, q_spec: Any, kv_spec: Any, a
 
     ways = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
     seq = q.shape[1]
-    if seq % (2 * ways) or kv_spec[1] is not None:
+    if seq % (2 * ways) or (len(kv_spec) > 1 and kv_spec[1] is not None):
         raise ShardplanError(f"a sequence of {seq} in blocks of odd length over {ways} devices, or keys not gathered")
     table = jnp.asarray(balanced_positions(seq, ways, True))
 

@@ -55,3 +55,85 @@ def test_the_balanced_gather_equals_the_unsharded_loss_and_gradients(shape, q_sp
     assert abs(float(l1) - float(l0)) <= 1e-5 * abs(float(l0))
     for a, b in zip(g1, g0):
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * float(jnp.max(jnp.abs(b)))
+
+
+def test_the_compiled_balanced_gather_sends_the_gathered_steps_collectives_and_the_charged_deal():
+    """Forward and backward, on inputs split along the sequence as their producers leave them: the keys' and
+    values' all-gathers and their gradients' all-reduce are those of the contiguous gathered step
+    (``jax.nn.dot_product_attention`` under the same layouts); beyond them, eight collective-permutes of half a
+    query block (q in, o out, dO in, dQ out, two halves each), the bytes
+    :func:`shardplan.cost.ring.gathered_deal` charges (at 1 B/s and no latency, seconds are bytes)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from shardplan import ops
+    from shardplan.cost.ring import gathered_deal
+    from shardplan.ir import GraphBuilder
+    from shardplan.jax.hlo import parse_collectives
+    from shardplan.layout import Layout, LayoutArrays
+    from shardplan.machine import Machine
+
+    g, shape = 8, (2, 64, 2, 8)
+    mesh = Mesh(np.asarray(DEVICES), ("s",))
+    split, whole = NamedSharding(mesh, P(None, "s", None, None)), NamedSharding(mesh, P())
+    args = [jax.device_put(jnp.ones(shape), split) for _ in range(4)]
+
+    def gathered(attend):
+        def loss(q, k, v, w):
+            k, v = (jax.lax.with_sharding_constraint(x, whole) for x in (k, v))
+            return jnp.sum(jnp.tanh(attend(jax.lax.with_sharding_constraint(q, split), k, v)) * w)
+        hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+        return sorted((c.kind, c.nbytes, c.sent) for c in parse_collectives(hlo, g))
+
+    dealt = gathered(lambda q, k, v: gather_apply(q, k, v, mesh, P(None, "s", None, None), P(), "s"))
+    plain = gathered(lambda q, k, v: jax.lax.with_sharding_constraint(
+        jax.nn.dot_product_attention(q, k, v, is_causal=True), split))
+    permutes = [c for c in dealt if c[0] == "collective-permute"]
+    assert [c for c in dealt if c[0] != "collective-permute"] == plain
+    assert {c[0] for c in plain} == {"all-gather", "all-reduce"}
+    block = shape[0] * shape[1] // g * shape[2] * shape[3] * 4  # a device's query block, fp32
+    assert len(permutes) == 8 and all(c[1] == block // 2 for c in permutes)
+
+    b = GraphBuilder("core")
+    x = b.input("x", shape, needs_grad=True)
+    q, k, v = (b.add(ops.elementwise(n, x, letters=a)) for n, a in (("q", "bshk"), ("k", "bthk"), ("v", "bthk")))
+    b.add(ops.flash_attention("attn", q, k, v, "bshk", "bthk", causal=True, dealt=True))
+    op = b.build()["attn"]
+    lay = LayoutArrays.stack([Layout.flat(op.dim_names, tuple(g if d == "s" else 1 for d in op.dim_names), g)])
+    unit = Machine(g, peak_flops=1e12, bandwidth=1.0, latency=0.0, dtype_bytes=4)
+    assert gathered_deal(op, 1, lay, unit)[0] == sum(c[2] for c in permutes) == 4 * block
+
+
+def test_the_planned_all_gather_deals_its_queries_and_runs_equal_to_the_unsharded_program():
+    """The one-layer attention of jax_attention_cases planned with the all-gather (the default) on the toy
+    machine: its queries' sequence split, the tables charge the deal (cheaper than the contiguous blocks' extra
+    work), and ``sj.apply``'s step runs :func:`gather_apply` there: loss and gradients equal to the unsharded
+    program; the compiled step gathers the keys and values and moves the queries' halves point to point."""
+    import shardplan.jax as sj
+    from jax_attention_cases import TOY, attention_loss, inputs
+    from shardplan.cost.ring import deals_gathered
+    from shardplan.jax.hlo import parse_collectives
+    from shardplan.jax.run import ring_charged, ring_hooks
+
+    params, batch = inputs()
+    plan = sj.plan(attention_loss, params, batch, DEVICES, TOY)
+    run = sj.apply(plan, attention_loss, params, batch, DEVICES)
+    (attn,) = [op for op in run.plan.graph.operators if op.kind == "attn_flash"]
+    lay = run.plan.layouts[attn.name]
+    cs = lay.splits[0][attn.dim_names.index("s")]
+    assert cs > 1 and deals_gathered(run.plan.tables, run.plan.assignment, attn.name)
+    assert not ring_charged(run.plan, attn.name)
+    consume, replace = ring_hooks(run.plan, run.info, DEVICES)
+    assert (len(consume), len(replace)) == (0, 1)
+    step = run.step.lower(params, batch).compile()
+    loss, grads = step(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(attention_loss)(params, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for name, r in ref_grads.items():
+        assert float(jnp.max(jnp.abs(grads[name] - r))) <= 1e-4 * float(jnp.max(jnp.abs(r))), name
+    hlo = step.as_text()
+    assert "all-gather" in hlo
+    q = batch[0].shape[0] * batch[0].shape[1] * attn.extents["h"] * attn.extents["r"] * attn.extents["k"] * 4
+    ways = int(np.prod([n for d, n in zip(attn.dim_names, lay.splits[0]) if d != "t"]))
+    half = q // ways // 2  # half of a device's query tile, fp32
+    halves = [c for c in parse_collectives(hlo, 8) if c.kind == "collective-permute" and c.nbytes == half]
+    assert len(halves) == 8
