@@ -34,7 +34,7 @@ from shardplan.cost.causal import causal_fractions
 from shardplan.cost.collectives import allreduce_time, outer_level, p2p_time
 from shardplan.cost.tiles import box_volumes, tensor_boxes
 from shardplan.ir import Operator
-from shardplan.layout import LayoutArrays
+from shardplan.layout import Layout, LayoutArrays
 from shardplan.machine import Machine
 
 __all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_mask", "ring_exposed", "deal_time", "moved_reduction",
@@ -281,22 +281,22 @@ def gathered_charge(v: Operator, slot: int, lv: LayoutArrays, machine: Machine, 
     return np.where(deal > 0, np.minimum(deal, extra), extra)
 
 
-def deals_gathered(tables: object, assignment: object, name: str) -> bool:
-    """Whether the runners deal operator ``name`` of a plan (``tables``: its
-    :class:`~shardplan.cost.CostTables`, ``assignment``: its layout per operator) with its keys gathered:
-    :func:`gather_deals` at the chosen layout, against the compute the tables charge there, so that the run
-    is what the tables charge (the caller runs the ring instead where the tables charge the ring)."""
-    g = tables.graph  # type: ignore[attr-defined]
-    i = g.index[name]
-    op, row = g.operators[i], int(assignment[i])  # type: ignore[index]
+def deals_gathered(op: Operator, layout: Layout, machine: Machine) -> bool:
+    """Whether the runners deal the causal attention ``op`` under ``layout`` with its keys gathered:
+    :func:`gather_deals` against the compute its cost tables charge it there
+    (:func:`~shardplan.cost.operator.operator_cost`), so that the run is what the tables charge (the caller
+    runs the ring instead where the tables charge the ring). A function of the operator, its layout and the
+    machine alone, so that a plan read back from JSON, or a pipeline stage's, is run as it was costed."""
+    from shardplan.cost.operator import operator_cost
+
     if op.causal is None or not op.causal.dealt:
         return False
-    lv = LayoutArrays.stack([tables.layouts[i][row]])  # type: ignore[attr-defined]
+    lv = LayoutArrays.stack([layout])
     mask, _ = ring_mask(op, lv)
     if not mask[0].any():
         return False
-    compute = np.asarray(tables.op_costs[i].compute, dtype=np.float64)[[row]]  # type: ignore[attr-defined]
-    return bool(gather_deals(op, int(mask[0].argmax()), lv, tables.machine, compute)[0])  # type: ignore[attr-defined]
+    compute = operator_cost(op, lv, machine).compute
+    return bool(gather_deals(op, int(mask[0].argmax()), lv, machine, compute)[0])
 
 
 def context_edge(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,

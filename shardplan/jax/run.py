@@ -255,7 +255,7 @@ def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Calla
         if axis is None:  # the queries' sequence not split: nothing to pass around
             continue
         if not ring_charged(plan, op.name):
-            if info.program.eqns[k].params["is_causal"] and deals_gathered(tables, plan.assignment, op.name):
+            if info.program.eqns[k].params["is_causal"] and deals_gathered(op, lay, plan.machine):
                 kv_spec = lay.partition_spec(dims[1])
                 mesh = layout_mesh(lay, devices)
                 qsh, ksh = NamedSharding(mesh, PartitionSpec(*q_spec)), NamedSharding(mesh, PartitionSpec(*kv_spec))

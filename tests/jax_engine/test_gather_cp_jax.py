@@ -120,7 +120,7 @@ def test_the_planned_all_gather_deals_its_queries_and_runs_equal_to_the_unsharde
     (attn,) = [op for op in run.plan.graph.operators if op.kind == "attn_flash"]
     lay = run.plan.layouts[attn.name]
     cs = lay.splits[0][attn.dim_names.index("s")]
-    assert cs > 1 and deals_gathered(run.plan.tables, run.plan.assignment, attn.name)
+    assert cs > 1 and deals_gathered(attn, lay, run.plan.machine)
     assert not ring_charged(run.plan, attn.name)
     consume, replace = ring_hooks(run.plan, run.info, DEVICES)
     assert (len(consume), len(replace)) == (0, 1)

@@ -88,4 +88,4 @@ def test_the_ring_is_chosen_where_it_pays_and_run_where_the_tables_charge_it():
         consume, replace = ring_hooks(sp, info, devices)
         assert (len(consume), len(replace)) == ((0, 1) if context == "allgather" else (2, 1)), context
         assert ring_charged(sp, name) == (context != "allgather"), context
-        assert deals_gathered(sp.tables, sp.assignment, name), context
+        assert deals_gathered(sp.graph[name], sp.layouts[name], sp.machine), context
