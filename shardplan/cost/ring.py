@@ -24,6 +24,11 @@ The math is in docs/cost-model.md, "Ring context parallelism"; in short:
   so that the two algorithms are compared on the same terms.
 * **Causal work** (:mod:`shardplan.cost.causal`): under a causal mask one ring step's block is half of a
   full block on every device when the sequence is balanced, a full block on the busiest device when not.
+* **Dealt at the attention** (:attr:`~shardplan.ir.Causal.dealt`): the runners receive contiguous blocks and
+  deal them into the balanced order, the ring its q, k, v and output (:func:`deal_time` on its edges), the
+  all-gather its queries and output only (:func:`gathered_deal`), where that costs less than the contiguous
+  blocks' extra work (:func:`gathered_imbalance`); the all-gather's edge pays the cheaper
+  (:func:`gathered_charge`), which the runners ask for at the chosen layout (:func:`deals_gathered`).
 """
 
 from __future__ import annotations
