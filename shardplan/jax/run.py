@@ -225,9 +225,9 @@ def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Calla
     as planned (keys and values gathered, ``jax.nn.dot_product_attention`` on each device's tile), except a causal
     one whose queries the tables charge dealt with the keys gathered (:func:`shardplan.cost.ring.deals_gathered`:
     the deal cheaper than the contiguous blocks' extra work), which runs :func:`shardplan.jax.ring.gather_apply`
-    on the planned layouts (the queries dealt into the balanced order and the output back). ``recast``: applied to the queries' and
-    the keys' NamedShardings before use (the stage runner's prime-factor meshes; the ring then runs over the
-    factors of the sequence's mesh axis, a tuple of axis names)."""
+    on the planned layouts (the queries dealt into the balanced order and the output back). ``recast``:
+    applied to the queries' and the keys' NamedShardings before use (the stage runner's prime-factor meshes;
+    the ring then runs over the factors of the sequence's mesh axis, a tuple of axis names)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from shardplan.jax.attention import ATTENTION
