@@ -16,7 +16,7 @@ from shardplan.configs import ORDER_MODES, configurations, dimension_orders, fla
 from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budgets, weight_edge_cost
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost, optimizer_step_bytes
-from shardplan.cost.ring import CONTEXT_ALGORITHMS, context_edge, gathered_imbalance, moved_reduction
+from shardplan.cost.ring import CONTEXT_ALGORITHMS, context_edge, gathered_charge, moved_reduction
 from shardplan.cost.tiles import MAX_DEVICES  # per-device tiles: at most this many devices (the default max_devices)
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
 from shardplan.ir import Graph, Operator
@@ -397,8 +397,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine, memo=memo, hide=hide,
                                          max_devices=max_devices)
             if context == "allgather" and ops[e.dst].causal is not None and ops[e.dst].causal.dealt:
-                edge_cache[ekey] = edge_cache[ekey] + gathered_imbalance(ops[e.dst], e.slot, kv[1], machine,
-                                                                         kv[2].compute)[None, :]
+                edge_cache[ekey] = edge_cache[ekey] + gathered_charge(ops[e.dst], e.slot, kv[1], machine,
+                                                                      kv[2].compute)[None, :]
             if context != "allgather":
                 edge_cache[ekey] = context_edge(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine,
                                                 edge_cache[ekey], store["ring_moved"][keys[e.dst]], kv[2].compute,

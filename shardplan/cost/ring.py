@@ -24,6 +24,11 @@ The math is in docs/cost-model.md, "Ring context parallelism"; in short:
   so that the two algorithms are compared on the same terms.
 * **Causal work** (:mod:`shardplan.cost.causal`): under a causal mask one ring step's block is half of a
   full block on every device when the sequence is balanced, a full block on the busiest device when not.
+* **Dealt at the attention** (:attr:`~shardplan.ir.Causal.dealt`): the runners receive contiguous blocks and
+  deal them into the balanced order, the ring its q, k, v and output (:func:`deal_time` on its edges), the
+  all-gather its queries and output only (:func:`gathered_deal`), where that costs less than the contiguous
+  blocks' extra work (:func:`gathered_imbalance`); the all-gather's edge pays the cheaper
+  (:func:`gathered_charge`), which the runners ask for at the chosen layout (:func:`deals_gathered`).
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ from shardplan.cost.causal import causal_fractions
 from shardplan.cost.collectives import allreduce_time, outer_level, p2p_time
 from shardplan.cost.tiles import box_volumes, tensor_boxes
 from shardplan.ir import Operator
-from shardplan.layout import LayoutArrays
+from shardplan.layout import Layout, LayoutArrays
 from shardplan.machine import Machine
 
 __all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_mask", "ring_exposed", "deal_time", "moved_reduction",
-           "gathered_imbalance", "context_edge", "ring_choices", "ring_operator_cost"]
+           "gathered_imbalance", "gathered_deal", "gather_deals", "gathered_charge", "deals_gathered", "context_edge",
+           "ring_choices", "ring_operator_cost"]
 
 CONTEXT_ALGORITHMS = ("allgather", "ring", "auto")
 """``build_tables(context=...)``: every ring input gathered (the default, today's model), passed around the
@@ -216,11 +222,11 @@ def _deal_charge(v: Operator, slot: int, sub: LayoutArrays, mask: np.ndarray, gs
 
 def gathered_imbalance(v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
                        compute: np.ndarray) -> np.ndarray:
-    """(K_v,) seconds the all-gather costs a dealt causal attention (:attr:`~shardplan.ir.Causal.dealt`) beyond
-    the balanced work its operator is charged: the runner deals only for the ring, so with the keys gathered
-    the queries stay in contiguous blocks and the busiest device does the last block's share
-    (:func:`~shardplan.cost.causal.causal_fractions` with ``balanced=False``). Charged on the edge of the first
-    ring input (``slot``), the operator's compute at contiguous blocks less ``compute``; 0 elsewhere."""
+    """(K_v,) seconds a dealt causal attention (:attr:`~shardplan.ir.Causal.dealt`) costs beyond the balanced
+    work its operator is charged when its keys are gathered and its queries stay in contiguous blocks: the
+    busiest device does the last block's share (:func:`~shardplan.cost.causal.causal_fractions` with
+    ``balanced=False``). On the rows where ``slot`` is the first ring input, the operator's compute at
+    contiguous blocks less ``compute``; 0 elsewhere (:func:`gathered_charge` weighs it against the deal)."""
     from dataclasses import replace
 
     from shardplan.cost.operator import operator_cost
@@ -234,17 +240,81 @@ def gathered_imbalance(v: Operator, slot: int, lv: LayoutArrays, machine: Machin
     return np.where(rows, np.maximum(contiguous - np.asarray(compute, dtype=np.float64), 0.0), 0.0)
 
 
+def gathered_deal(v: Operator, slot: int, lv: LayoutArrays, machine: Machine) -> np.ndarray:
+    """(K_v,) seconds of the balanced all-gather's deal (docs/cost-model.md, "Dealt at the attention"): the
+    queries' contiguous blocks dealt into the balanced order and the output dealt back (forward), the output's
+    gradient dealt in and the queries' gradient back (backward, where the core has one; the queries' only
+    where they need it), each :func:`deal_time` of the busiest device's query block over the links of the
+    outermost level the query sequence's group spans: ``deal_time(q) (2 + [backward] + [q needs grad])``. The
+    keys and values stay as the all-gather moves them (gathered, their gradients reduced as before). On the
+    rows where ``slot`` is the first ring input, the mask is dealt and balanced, the sequence split ``g > 1``
+    ways and ``2g`` divides it (where :func:`~shardplan.cost.causal.causal_fractions` balances); 0
+    elsewhere."""
+    mask, g = ring_mask(v, lv)
+    c = v.causal
+    out = np.zeros(len(lv))
+    if c is None or not (c.dealt and c.balanced):
+        return out
+    rows = mask.any(axis=1) & (mask.argmax(axis=1) == slot) & (g > 1) & (v.extents[c.query] % (2 * g) == 0)
+    if not rows.any():
+        return out
+    sub = lv.take(np.nonzero(rows)[0])
+    q = v.inputs[0]
+    qbytes = box_volumes(tensor_boxes(v, q, sub, machine.num_devices, core=True)).max(axis=1) \
+        * q.elem_factor * float(machine.dtype_bytes)
+    level = outer_level(sub.group_sizes(_group_dims(v, slot)))
+    backward = any(x.needs_grad for x in v.inputs)
+    out[rows] = deal_time(qbytes, level, machine) * (2.0 + float(backward) + float(q.needs_grad))
+    return out
+
+
+def gather_deals(v: Operator, slot: int, lv: LayoutArrays, machine: Machine, compute: np.ndarray) -> np.ndarray:
+    """(K_v,) bool: where the runners deal a causal attention whose keys are gathered: the deal
+    (:func:`gathered_deal`) is charged and costs less than the contiguous blocks' extra work
+    (:func:`gathered_imbalance`). ``slot``: the first ring input's (the keys')."""
+    deal = gathered_deal(v, slot, lv, machine)
+    return (deal > 0) & (deal < gathered_imbalance(v, slot, lv, machine, compute))
+
+
+def gathered_charge(v: Operator, slot: int, lv: LayoutArrays, machine: Machine, compute: np.ndarray) -> np.ndarray:
+    """(K_v,) seconds the all-gather's edge of ring input ``slot`` pays beyond its gather for a dealt causal
+    attention: what the runner does, the deal where :func:`gather_deals` (the cheaper), else the contiguous
+    blocks' extra work: ``min(gathered_deal, gathered_imbalance)`` where the deal applies, the imbalance
+    elsewhere (0 where neither: a mask not dealt, the sequence not split)."""
+    deal = gathered_deal(v, slot, lv, machine)
+    extra = gathered_imbalance(v, slot, lv, machine, compute)
+    return np.where(deal > 0, np.minimum(deal, extra), extra)
+
+
+def deals_gathered(op: Operator, layout: Layout, machine: Machine) -> bool:
+    """Whether the runners deal the causal attention ``op`` under ``layout`` with its keys gathered:
+    :func:`gather_deals` against the compute its cost tables charge it there
+    (:func:`~shardplan.cost.operator.operator_cost`), so that the run is what the tables charge (the caller
+    runs the ring instead where the tables charge the ring). A function of the operator, its layout and the
+    machine alone, so that a plan read back from JSON, or a pipeline stage's, is run as it was costed."""
+    from shardplan.cost.operator import operator_cost
+
+    if op.causal is None or not op.causal.dealt:
+        return False
+    lv = LayoutArrays.stack([layout])
+    mask, _ = ring_mask(op, lv)
+    if not mask[0].any():
+        return False
+    compute = operator_cost(op, lv, machine).compute
+    return bool(gather_deals(op, int(mask[0].argmax()), lv, machine, compute)[0])
+
+
 def context_edge(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
                  gathered: np.ndarray, moved: np.ndarray, compute: np.ndarray, algorithm: str) -> np.ndarray:
     """The edge u -> v's seconds (K_u, K_v) under ``algorithm`` (:data:`CONTEXT_ALGORITHMS`): ``gathered`` is
     :func:`~shardplan.cost.edge.edge_cost` (the all-gather), ``moved`` (K_v,) v's input-gradient all-reduce
     moved here (:func:`moved_reduction`, 0 for other slots), ``compute`` v's compute (K_v,); the all-gather also
-    pays :func:`gathered_imbalance`. ``ring``: the
+    pays :func:`gathered_charge` (its deal, or the contiguous blocks' extra work). ``ring``: the
     ring wherever it applies, all-gather elsewhere; ``auto``: the cheaper of the two."""
     mask, _ = ring_mask(v, lv)
     if (mask.sum(axis=1) > 1).any():  # several ring inputs: this one's reduction only
         moved = moved_reduction(v, lv, machine, (slot,))
-    moved = np.where(mask[:, slot], moved, 0.0) + gathered_imbalance(v, slot, lv, machine, compute)
+    moved = np.where(mask[:, slot], moved, 0.0) + gathered_charge(v, slot, lv, machine, compute)
     plain = np.asarray(gathered, dtype=np.float64) + moved[None, :]
     if algorithm == "allgather" or not mask[:, slot].any():
         return plain

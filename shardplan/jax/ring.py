@@ -13,6 +13,11 @@ Causal load balancing (``balanced``): the sequence is dealt out in ``2c`` chunks
 and 2c - 1 - i (:func:`balanced_positions`), so every device does the same share of the masked work
 (:func:`shardplan.cost.causal.block_work` counts it; :func:`device_work` counts what this runner computes).
 Without it, device i holds the i-th contiguous block and the last device does almost twice the average.
+
+The all-gather's balance (:func:`gather_apply`, Llama 3's all-gather with the queries dealt): the keys and
+values gathered as planned, the queries dealt into the balanced order by the same two half-block
+``ppermute`` as the ring's deal, the output dealt back; its backward is autodiff's (the transposes: the
+output's gradient dealt in, the queries' dealt back).
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from shardplan.cost.causal import balanced_positions, device_work
+from shardplan.errors import ShardplanError
 
-__all__ = ["attention_reference", "balanced_positions", "device_work", "ring_apply", "ring_attention",
-           "ring_attention_sharded"]
+__all__ = ["attention_reference", "balanced_positions", "device_work", "gather_apply", "ring_apply",
+           "ring_attention", "ring_attention_sharded"]
 
 NEG = -1e30  # a score no softmax weight survives (finite, so that max and exp stay free of NaN)
 
@@ -230,5 +236,34 @@ def ring_apply(q: Any, k: Any, v: Any, mesh: Any, q_spec: Any, kv_spec: Any, axi
             ql, kl, vl = (_deal(x, axis, ways, False) for x in (ql, kl, vl))
         out = _ring_local(ql, kl, vl, axis, ways, pos)
         return _deal(out, axis, ways, True) if deal else out
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)(q, k, v)
+
+
+def gather_apply(q: Any, k: Any, v: Any, mesh: Any, q_spec: Any, kv_spec: Any, axis: str | tuple[str, ...]) -> Any:
+    """Causal ``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` of (batch, seq, heads, dim) arrays laid
+    out as a plan runs them with the keys gathered: queries by ``q_spec``, the sequence split in contiguous
+    blocks over mesh axis ``axis`` (or a tuple of axes, major first), keys and values by ``kv_spec``, whose
+    sequence is whole; the output laid out as the queries. Inside ``shard_map`` each device's query block
+    (of even length) is dealt into the balanced order (:func:`_deal`: chunks i and 2g - 1 - i of 2g), its
+    rows attend to every key under the mask of their positions (:func:`balanced_positions`), and the output
+    is dealt back: every device does the same masked work (the balanced core the cost model charges, plus
+    :func:`shardplan.cost.ring.gathered_deal`'s exchanges). Backward by autodiff: the deal's transposes move
+    the output's gradient in and the queries' back, and the keys' and values' gradients, partial sums over
+    the device's queries, are summed over ``axis`` by ``shard_map``'s transpose, as in the gathered run."""
+    import jax
+    import jax.numpy as jnp
+
+    ways = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+    seq = q.shape[1]
+    if seq % (2 * ways) or (len(kv_spec) > 1 and kv_spec[1] is not None):
+        raise ShardplanError(f"a sequence of {seq} in blocks of odd length over {ways} devices, or keys not gathered")
+    table = jnp.asarray(balanced_positions(seq, ways, True))
+
+    def local(ql: Any, kl: Any, vl: Any) -> Any:
+        rows = table[jax.lax.axis_index(axis)]
+        keep = rows[:, None] >= jnp.arange(kl.shape[1])[None, :]
+        out = jax.nn.dot_product_attention(_deal(ql, axis, ways, False), kl, vl, mask=keep[None, None])
+        return _deal(out, axis, ways, True)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)(q, k, v)

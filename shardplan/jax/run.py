@@ -222,25 +222,28 @@ def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Calla
     the sequence on the same mesh axes, as the queries (over several levels, e.g. nodes and the devices of a
     node, the ring runs over all of them in row-major order, outer level major) (the all-gather of the planned read is
     what the ring replaces), and runs :func:`shardplan.jax.ring.ring_apply` over it; any other attention runs
-    as planned (keys and values gathered, ``jax.nn.dot_product_attention`` on each device's tile). ``recast``: applied to the queries' and
-    the keys' NamedShardings before use (the stage runner's prime-factor meshes; the ring then runs over the
-    factors of the sequence's mesh axis, a tuple of axis names)."""
+    as planned (keys and values gathered, ``jax.nn.dot_product_attention`` on each device's tile), except a causal
+    one whose queries the tables charge dealt with the keys gathered (:func:`shardplan.cost.ring.deals_gathered`:
+    the deal cheaper than the contiguous blocks' extra work), which runs :func:`shardplan.jax.ring.gather_apply`
+    on the planned layouts (the queries dealt into the balanced order and the output back). ``recast``:
+    applied to the queries' and the keys' NamedShardings before use (the stage runner's prime-factor meshes;
+    the ring then runs over the factors of the sequence's mesh axis, a tuple of axis names)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from shardplan.jax.attention import ATTENTION
-    from shardplan.jax.ring import ring_apply
+    from shardplan.cost.ring import deals_gathered
+    from shardplan.jax.ring import gather_apply, ring_apply
     from shardplan.jax.shardings import layout_mesh
 
     consume: dict[tuple[int, int], Hook] = {}
     replace: dict[int, Callable[[list[Any]], list[Any]]] = {}
     tables = getattr(plan, "tables", None)
-    if tables is None or tables.options.get("context", "allgather") == "allgather":
+    if tables is None:
         return consume, replace
     lays = plan.layouts
     for op in plan.graph.operators:
         reads = info.reads.get(op.name, ())
-        if op.kind != "attn_flash" or not reads or info.program.eqns[reads[0][0]].name != ATTENTION.name \
-                or not ring_charged(plan, op.name):
+        if op.kind != "attn_flash" or not reads or info.program.eqns[reads[0][0]].name != ATTENTION.name:
             continue
         k = reads[0][0]
         dims = {slot: d for _, slot, d in reads}
@@ -250,6 +253,16 @@ def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Calla
         q_spec = lay.partition_spec(dims[0])
         axis = q_spec[1]  # one mesh axis, or several (the levels that split the sequence, outer first)
         if axis is None:  # the queries' sequence not split: nothing to pass around
+            continue
+        if not ring_charged(plan, op.name):
+            if info.program.eqns[k].params["is_causal"] and deals_gathered(op, lay, plan.machine):
+                kv_spec = lay.partition_spec(dims[1])
+                mesh = layout_mesh(lay, devices)
+                qsh, ksh = NamedSharding(mesh, PartitionSpec(*q_spec)), NamedSharding(mesh, PartitionSpec(*kv_spec))
+                if recast is not None:
+                    qsh, ksh = recast(qsh), recast(ksh)
+                replace[k] = lambda a, m=qsh.mesh, qs=qsh.spec, ks=ksh.spec: [
+                    gather_apply(a[0], a[1], a[2], m, qs, ks, qs[1])]
             continue
         kv = list(lay.partition_spec(dims[1]))
         kv[1] = axis

@@ -45,6 +45,7 @@ __all__ = [
     "deal",
     "deal_routes",
     "device_work",
+    "gather_sdpa",
     "is_causal_mask",
     "ring_applies",
     "ring_attention_sharded",
@@ -315,7 +316,7 @@ def _exchange(x: Any, sends: list[tuple[int, int]], recvs: list[tuple[int, int]]
                                   tag=slot))
     for slot, (src, _) in enumerate(recvs):
         if src != me:
-            out[slot] = torch.empty_like(halves[0])
+            out[slot] = torch.empty_like(halves[0], memory_format=torch.contiguous_format)
             ops.append(dist.P2POp(dist.irecv, out[slot], dist.get_global_rank(group, src), group, tag=slot))
     if ops:
         _wait(dist.batch_isend_irecv(ops))
@@ -398,13 +399,8 @@ def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     import torch.distributed as dist
 
-    ring = mesh if len(axes) == 1 else mesh[tuple(mesh.mesh_dim_names[i] for i in axes)]._flatten()
-    group = ring.get_group(axes[0] if len(axes) == 1 else 0)
-    coord = mesh.get_coordinate()
-    index = 0
-    for i in axes:  # this rank's block: DTensor's row-major order over the axes
-        index = index * mesh.size(i) + coord[i]
-    if dist.get_rank(group) != index:  # the group's ranks are not in the blocks' order
+    group = _sequence_group(mesh, axes)
+    if group is None:  # the group's ranks are not in the blocks' order
         return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     pl = tuple(q.placements)
     k, v = (t if tuple(t.placements) == pl else t.redistribute(mesh, pl) for t in (k, v))
@@ -431,3 +427,52 @@ def ring_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 
         positions = np.arange(g * n).reshape(g, n) if is_causal else None
         out = ring_attention_sharded(ql, kl, vl, group, positions, scale)
     return DTensor.from_local(out, mesh, pl, run_check=False)
+
+
+def _sequence_group(mesh: Any, axes: list[int]) -> Any:
+    """The process group of the mesh axes ``axes`` (one axis, or several of a mesh with named axes, flattened),
+    or None where its ranks are not in the order of this rank's block (DTensor's row-major order over the
+    axes)."""
+    import torch.distributed as dist
+
+    ring = mesh if len(axes) == 1 else mesh[tuple(mesh.mesh_dim_names[i] for i in axes)]._flatten()
+    group = ring.get_group(axes[0] if len(axes) == 1 else 0)
+    coord = mesh.get_coordinate()
+    index = 0
+    for i in axes:
+        index = index * mesh.size(i) + coord[i]
+    return group if dist.get_rank(group) == index else None
+
+
+def gather_sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+                scale: float | None = None, enable_gqa: bool = False, *, fallback: Any) -> Any:
+    """Causal ``scaled_dot_product_attention`` on DTensors with the keys gathered and the queries balanced
+    (the all-gather's deal, docs/cost-model.md, "Dealt at the attention"), else ``fallback`` (the same
+    arguments; :func:`shardplan.torch.run._sdpa`, which also runs the balanced attention).
+
+    It applies to a causal attention without mask or dropout whose queries some mesh axes split along the
+    sequence (``Shard(2)``; several, of a mesh with named axes, as one group in DTensor's row-major order),
+    blocks of even length: each rank's query block is dealt into the balanced order (:func:`deal`: chunks
+    i and 2g - 1 - i of 2g), ``fallback`` runs the attention of the two chunks on the keys and values as
+    planned (gathered along the sequence), each chunk against the keys up to its last row (``chunks``),
+    and the output is dealt back; the gradients retrace the deals (the output's gradient in, the queries'
+    back), the keys' and values' are the partial sums of the gathered run."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not (isinstance(q, DTensor) and is_causal and attn_mask is None and not dropout_p
+            and k.shape[2] == q.shape[2]):
+        return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    mesh = q.device_mesh
+    axes = [i for i, pl in enumerate(q.placements) if pl == Shard(2) and mesh.size(i) > 1]
+    local = q.to_local().shape[2] if axes else 0
+    group = _sequence_group(mesh, axes) if axes and (len(axes) == 1 or mesh.mesh_dim_names is not None) else None
+    if group is None or local % 2 or any(isinstance(pl, Shard) and pl.dim == 3 for pl in q.placements):
+        return fallback(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    import torch.distributed as dist
+
+    pl = tuple(q.placements)
+    g, me, h = dist.get_world_size(group), dist.get_rank(group), local // 2
+    dealt = DTensor.from_local(deal(q.to_local(grad_placements=pl), group), mesh, pl, run_check=False)
+    out = fallback(dealt, k, v, None, 0.0, True, scale, enable_gqa, chunks=(me * h, (2 * g - 1 - me) * h))
+    back = deal(out.to_local(grad_placements=tuple(out.placements)), group, inverse=True)
+    return DTensor.from_local(back, mesh, tuple(out.placements), run_check=False)

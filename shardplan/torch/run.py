@@ -27,7 +27,10 @@ made for):
   PyTorch's own kernel; with a plan made with ``context="ring"``, the
   queries split on one mesh axis and the keys and values arriving split
   along the sequence on it (:func:`shardplan.torch.ring.ring_applies`), by
-  the ring over that axis instead (:func:`shardplan.torch.ring.ring_sdpa`).
+  the ring over that axis instead (:func:`shardplan.torch.ring.ring_sdpa`);
+  a causal one whose tables charge the all-gather's deal
+  (:attr:`RunChoices.dealt`) with its queries dealt into the balanced order
+  (:func:`shardplan.torch.ring.gather_sdpa`).
 
 A fit plan's FP8 products and host offload run as :mod:`shardplan.torch.precision`
 says (:class:`RunChoices`): the operands of an FP8 product cast with whole-tensor
@@ -90,7 +93,7 @@ from shardplan.torch.frontend import TorchTrace
 from shardplan.torch.layout import mesh_dims, mesh_factors, plan_mesh_shape, tensor_placements
 from shardplan.torch.precision import (AMAX_HISTORY, DelayedScaling, HostOffload, HostOptimizer, _to, fp8_cast,
                                       fp8_grad, fp8_operands)
-from shardplan.torch.ring import SDPA, ring_applies, ring_kv_placements, ring_sdpa
+from shardplan.torch.ring import SDPA, gather_sdpa, ring_applies, ring_kv_placements, ring_sdpa
 
 __all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts", "RunChoices", "run_choices",
            "zero3_placements", "recompute_segments", "micro_batch", "check_same_program", "Segment", "Program",
@@ -251,7 +254,7 @@ def _redistribute(x: Any, mesh: Any, placements: Sequence[Any]) -> Any:
 
 
 def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
-          scale: float | None = None, enable_gqa: bool = False) -> Any:
+          scale: float | None = None, enable_gqa: bool = False, *, chunks: Sequence[int] | None = None) -> Any:
     """Attention on each device's tiles, as the frontend describes it: each mesh axis splits the batch, the
     heads or the queries of ``q`` (or nothing); ``k``, ``v`` are split alike on batch and heads and whole
     along the keys.
@@ -268,6 +271,10 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
     the whole; the fused kernels take it without a mask tensor and skip the
     masked blocks); beside an explicit mask (or where the bias cannot be made:
     :func:`_lower_right`), an explicit mask of the rows.
+    ``chunks``: a causal attention whose queries' local rows are not the
+    contiguous block at their offset but equal chunks starting at these
+    sequence positions (the balanced order: :func:`shardplan.torch.ring.gather_sdpa`);
+    each chunk reads the keys up to its last row, under the lower-right bias.
     Gradients: ``k`` and ``v`` are partial sums over the axes that split the
     queries (and the heads, where they were repeated).
     Operands laid out otherwise are first laid out so; under the plan nothing
@@ -313,6 +320,18 @@ def _sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
         else:
             mask = attn_mask[tuple(slice(start[d], start[d] + size[d]) if cuts[d] else slice(None)
                                    for d in range(lead, 3))]
+    gqa = enable_gqa and kl.shape[1] != ql.shape[1]
+    if chunks is not None and is_causal and 2 in split and mask is None:  # the queries in chunks of their own
+        n = size[2] // len(chunks)
+        parts = []
+        for j, c in enumerate(chunks):
+            last = c + n
+            bias = _lower_right(n, last)
+            if bias is None:
+                bias = torch.arange(last, device=ql.device) <= torch.arange(c, last, device=ql.device).unsqueeze(-1)
+            parts.append(F.scaled_dot_product_attention(ql[:, :, j * n:(j + 1) * n], kl[:, :, :last], vl[:, :, :last],
+                                                        bias, dropout_p, False, scale=scale, enable_gqa=gqa))
+        return DTensor.from_local(_dense(torch.cat(parts, dim=2)), mesh, q_pl, run_check=False)
     last = start[2] + size[2]  # the keys after this device's last query are masked from all its rows
     bias = _lower_right(size[2], last) if is_causal and 2 in split and mask is None and last <= k.shape[2] else None
     if bias is not None:
@@ -650,6 +669,9 @@ class RunChoices:
             :class:`~shardplan.torch.precision.HostOptimizer`).
         ring: attention whose queries are split runs the ring (:func:`shardplan.torch.ring.ring_sdpa`): the plan's
             tables were built with ``context="ring"``.
+        dealt: causal attentions (by name) that, run with their keys gathered, first deal their queries into
+            the balanced order (:func:`shardplan.torch.ring.gather_sdpa`): where the plan's tables charge the
+            deal (:func:`shardplan.cost.ring.deals_gathered`).
         offload_params: operators whose ZeRO-3 weights live in host memory (ZeRO-Infinity's ``offload_param``):
             brought to the device for the forward pass and for each regather of the backward pass
             (:meth:`ParallelModule.offloaded_parameters`).
@@ -663,6 +685,7 @@ class RunChoices:
     ring: bool = False
     offload_optimizer: frozenset[str] = frozenset()
     offload_params: frozenset[str] = frozenset()
+    dealt: frozenset[str] = frozenset()
 
 
 def run_choices(plan: Any) -> RunChoices:
@@ -671,12 +694,16 @@ def run_choices(plan: Any) -> RunChoices:
     Raises:
         ShardplanError: the plan shards some operator's state at ZeRO stage 1 or 2 (see :data:`TORCH_STAGES`).
     """
+    from shardplan.cost.ring import deals_gathered
+
     tables = getattr(plan, "tables", None)
     ring = tables is not None and tables.options.get("context") == "ring"
+    names = [op.name for op in plan.graph.operators]
+    dealt = frozenset(op.name for op in plan.graph.operators
+                      if op.kind == "attn_flash" and deals_gathered(op, plan.layouts[op.name], plan.machine))
     mc = plan.memory_choices
     if mc is None:
-        return RunChoices(ring=ring)
-    names = [op.name for op in plan.graph.operators]
+        return RunChoices(ring=ring, dealt=dealt)
     bad = [n for i, n in enumerate(names) if mc.stage(i) not in TORCH_STAGES]
     if bad:
         raise ShardplanError(f"operator {bad[0]!r} shards its state at ZeRO stage {mc.stage(names.index(bad[0]))}; "
@@ -686,7 +713,7 @@ def run_choices(plan: Any) -> RunChoices:
                       frozenset(n for i, n in enumerate(names) if mc.fp8(i)),
                       frozenset(n for i, n in enumerate(names) if "activations" in mc.offload(i)), ring,
                       frozenset(n for i, n in enumerate(names) if "optimizer" in mc.offload(i)),
-                      frozenset(n for i, n in enumerate(names) if "parameters" in mc.offload(i)))
+                      frozenset(n for i, n in enumerate(names) if "parameters" in mc.offload(i)), dealt)
 
 
 def zero3_placements(placements: Sequence[Any], shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[Any, ...]:
@@ -1283,6 +1310,8 @@ def _make_class() -> Any:
             fn = _REWRITES.get(str(fn), fn)
             if ring:
                 fn = functools.partial(ring_sdpa, fallback=fn)
+            elif str(node.target) == SDPA and op_name in self.choices.dealt:
+                fn = functools.partial(gather_sdpa, fallback=fn)
             if str(node.target) == SDPA and op_name is not None and prog.graph[op_name].causal is not None:
                 fn = _as_causal(fn)
             if _has_dtensor(args) or _has_dtensor(kwargs):

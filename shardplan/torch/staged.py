@@ -386,14 +386,18 @@ class _Held:
 
 
 def _broadcast_stage_layouts(result: Any, rank: int) -> list[list[tuple[Any, Any]]]:
-    """Per stage, its intra-stage plan's ``(operator dims, Layout)`` in operator order (rank 0 -> all)."""
+    """Per stage, its intra-stage plan's ``(operator dims, Layout, dealt)`` in operator order (rank 0 -> all);
+    ``dealt``: the causal attention's queries dealt with its keys gathered (:func:`shardplan.cost.ring.deals_gathered`
+    on the stage's machine, as its tables charge)."""
     import torch.distributed as dist
 
+    from shardplan.cost.ring import deals_gathered
     from shardplan.pipeline.execute import stage_plan
 
     box: list[Any] = [None]
     if rank == 0:
-        box = [[[(op.dims, lay) for op, lay in zip(pl.graph.operators, (pl.layouts[o.name] for o in pl.graph.operators))]
+        box = [[[(op.dims, pl.layouts[op.name], op.kind == "attn_flash" and deals_gathered(
+            op, pl.layouts[op.name], pl.machine)) for op in pl.graph.operators]
                 for pl in (stage_plan(result, j) for j in range(result.plan.num_stages))]]
     dist.broadcast_object_list(box, src=0)
     return box[0]  # type: ignore[return-value]
@@ -413,16 +417,17 @@ def _dtensor_stage(mod: Any, examples: Sequence[Any], layouts: Sequence[tuple[An
     from shardplan.torch.run import ParallelModule
 
     graph, info = trace(mod, tuple(x.detach() for x in examples))
-    if len(graph.operators) != len(layouts) or any(tuple(d for d, _ in op.dims) != tuple(d if isinstance(d, str) else d[0] for d in dims)
-                                                   for op, (dims, _) in zip(graph.operators, layouts)):
+    if len(graph.operators) != len(layouts) or any(tuple(d for d, _ in op.dims) != tuple(d if isinstance(d, str) else d[0] for d in entry[0])
+                                                   for op, entry in zip(graph.operators, layouts)):
         raise ShardplanError("the stage module's operators differ from the stage the plan was made for")
-    lays = {op.name: lay for op, (_, lay) in zip(graph.operators, layouts)}
+    lays = {op.name: entry[1] for op, entry in zip(graph.operators, layouts)}
+    dealt = frozenset(op.name for op, entry in zip(graph.operators, layouts) if len(entry) > 2 and entry[2])
     shape = plan_mesh_shape(list(lays.values()), int(mesh.mesh.numel()))
     if tuple(shape) != tuple(mesh.mesh.shape):
         raise ShardplanError(f"stage layouts need a mesh of shape {shape}; stages of {mesh.mesh.numel()} processes "
                              "run on a one-axis mesh")
     names = [op.name for op in graph.operators]
-    return ParallelModule.create(mod, info, graph, lays, mesh, _run_choices(choices, names, ring))
+    return ParallelModule.create(mod, info, graph, lays, mesh, _run_choices(choices, names, ring, dealt))
 
 
 @dataclass(eq=False)
@@ -686,9 +691,11 @@ def node_choices(ops: Sequence[StageChoice], info: Any, graph: Any, old: Mapping
     return out
 
 
-def _run_choices(ops: Sequence[StageChoice], names: Sequence[str], ring: bool) -> Any:
+def _run_choices(ops: Sequence[StageChoice], names: Sequence[str], ring: bool,
+                 dealt: frozenset[str] = frozenset()) -> Any:
     """The :class:`~shardplan.torch.run.RunChoices` of a stage's operators ``ops`` (in order; empty: none) for the
-    stage module traced again, whose operators are ``names`` in the same order."""
+    stage module traced again, whose operators are ``names`` in the same order; ``dealt``: its causal
+    attentions that deal their queries with the keys gathered."""
     from shardplan.torch.run import RunChoices
 
     if ops and len(ops) != len(names):
@@ -696,7 +703,7 @@ def _run_choices(ops: Sequence[StageChoice], names: Sequence[str], ring: bool) -
     pick = lambda k: frozenset(n for n, c in zip(names, ops) if k(c))  # noqa: E731
     return RunChoices(recompute=pick(lambda c: c[3]), fp8=pick(lambda c: c[1]),
                       offload=pick(lambda c: "activations" in c[2] and not c[3]), ring=ring,
-                      zero3=pick(lambda c: c[4] == 3))
+                      zero3=pick(lambda c: c[4] == 3), dealt=dealt)
 
 
 def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None = None, *,

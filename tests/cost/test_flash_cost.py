@@ -308,13 +308,14 @@ def test_the_runners_deal_is_charged_to_the_ring_edges(S, dealt_charged):
 
 
 @pytest.mark.parametrize("context", ["allgather", "auto"])
-def test_a_dealt_attention_pays_contiguous_work_when_its_keys_are_gathered(context):
-    """The runner deals only for the ring: with the keys gathered the queries stay in contiguous blocks, and the
-    edge of the keys pays the busiest device's extra work (the core costed with ``balanced=False`` less the
-    balanced core), in tables built with either context; the values' edge and a loader-balanced mask pay none."""
+def test_a_dealt_attention_pays_contiguous_work_when_its_keys_are_gathered_and_the_deal_costs_more(context):
+    """With the keys gathered the runners deal the queries only where the deal costs less than the contiguous
+    blocks' extra work; on slow links it costs more, the queries stay in contiguous blocks, and the edge of the
+    keys pays the busiest device's extra work (the core costed with ``balanced=False`` less the balanced core),
+    in tables built with either context; the values' edge and a loader-balanced mask pay none."""
     from dataclasses import replace as dc_replace
 
-    from shardplan.cost.ring import gathered_imbalance
+    from shardplan.cost.ring import deals_gathered, gather_deals, gathered_deal, gathered_imbalance
 
     m = machine(bandwidth=1e8, latency=1e-6)
     g = _dealt_graph(256, True)
@@ -326,6 +327,8 @@ def test_a_dealt_attention_pays_contiguous_work_when_its_keys_are_gathered(conte
     assert extra[0] == pytest.approx(contiguous[0] - bal[0]) and extra[0] > 0.3 * bal[0]
     assert extra[1:].tolist() == [0.0, 0.0]  # the sequence not split: nothing to balance
     assert not gathered_imbalance(op, 2, lv, m, bal).any()
+    assert gathered_deal(op, 1, lv, m)[0] > extra[0] and not gather_deals(op, 1, lv, m, bal).any()
+    assert not deals_gathered(op, flat(op, s=4), m)
     plain = _dealt_graph(256, False)
     assert not gathered_imbalance(plain["attn"], 1, lv, m, bal).any()
     t_dealt = build_tables(g, m, context=context)
@@ -339,3 +342,79 @@ def test_a_dealt_attention_pays_contiguous_work_when_its_keys_are_gathered(conte
         assert diff == pytest.approx(np.full_like(diff, contiguous[0] - bal[0]))
     else:  # the cheaper of the all-gather with the extra work and the ring with the deal, per producer layout
         assert (diff >= -1e-15).all() and (diff <= contiguous[0] - bal[0] + 1e-15).all()
+
+
+@pytest.mark.parametrize("S, dealt", [(256, True), (260, False)])
+def test_a_dealt_attention_with_its_keys_gathered_pays_the_deal_and_no_imbalance_where_the_deal_is_cheaper(S, dealt):
+    """On fast links the balanced all-gather pays: the edge of the keys is charged the queries dealt in and the
+    output back (forward), the output's gradient in and the queries' gradient back (backward), each two
+    half-block point-to-points, 4 deal_time(q block), and none of the contiguous blocks' extra work; the
+    values' edge nothing beyond its gather. Where 2g does not divide the sequence nothing is dealt (and the
+    core is charged contiguous already)."""
+    from shardplan.cost.ring import deals_gathered, gathered_charge, gathered_deal, gathered_imbalance
+
+    m = machine(bandwidth=1e12, latency=1e-7, peak=1e10)
+    g, plain = _dealt_graph(S, True), _dealt_graph(S, False)
+    op = g["attn"]
+    lv = LayoutArrays.stack([flat(op, s=4), flat(op, h=2)])
+    bal = operator_cost(op, lv, m).compute
+    block = S * 2 * 16 * DT / 4  # a device's query (and output) block
+    deal = 4 * 2 * (block / 2 / 1e12 + 1e-7)
+    charged = gathered_charge(op, 1, lv, m, bal)
+    if dealt:
+        assert gathered_deal(op, 1, lv, m)[0] == pytest.approx(deal, rel=1e-12)
+        assert 0 < deal < gathered_imbalance(op, 1, lv, m, bal)[0]
+        assert charged.tolist() == pytest.approx([deal, 0.0], rel=1e-12)
+    else:
+        assert not gathered_deal(op, 1, lv, m).any() and not charged.any()
+    assert deals_gathered(op, flat(op, s=4), m) == dealt and not deals_gathered(op, flat(op, h=2), m)
+    assert not gathered_charge(op, 2, lv, m, bal).any()
+    t_dealt, t_plain = build_tables(g, m), build_tables(plain, m)
+    names = [o.name for o in g.operators]
+    row = next(i for i, lay in enumerate(t_dealt.layouts[names.index("attn")]) if lay.splits == flat(op, s=4).splits)
+    for src, extra in (("k", charged[0]), ("v", 0.0)):
+        e = next(i for i, x in enumerate(g.edges) if names[x.src] == src)
+        diff = t_dealt.edge_costs[e][:, row] - t_plain.edge_costs[e][:, row]
+        assert diff == pytest.approx(np.full_like(diff, extra), rel=1e-12, abs=1e-18), src
+
+
+def test_the_search_takes_the_balanced_all_gather_over_the_ring_where_the_deal_makes_it_cheaper():
+    """``context="auto"`` on one attention (sequence 1,024, one head, 4 devices, 10 GB/s links of 1 us): the
+    optimum splits the queries 4 ways and gathers the keys, the deal charged in place of the contiguous
+    blocks' extra work; charged that extra work instead (as before the all-gather dealt), the same tables'
+    optimum passes the keys round the ring, at a higher step time."""
+    from dataclasses import replace as dc_replace
+
+    from shardplan.cost.ring import deals_gathered, gathered_charge, gathered_deal, gathered_imbalance
+
+    m = Machine(4, peak_flops=1e12, bandwidth=1e10, latency=1e-6, dtype_bytes=DT, hbm_bandwidth=HBM)
+    b = GraphBuilder("dealt")
+    x = b.input("x", (1, 1024, 1, 16), needs_grad=True)
+    q, k, v = (b.add(ops.elementwise(n, x, letters=a)) for n, a in (("q", "bshk"), ("k", "bthk"), ("v", "bthk")))
+    b.add(ops.flash_attention("attn", q, k, v, "bshk", "bthk", causal=True, dealt=True))
+    g = b.build()
+    t = build_tables(g, m, cutoff=1, context="auto")
+    names = [o.name for o in g.operators]
+    ia, ik = names.index("attn"), names.index("k")
+    e = next(i for i, x in enumerate(g.edges) if names[x.src] == "k")
+    lv = LayoutArrays.stack(list(t.layouts[ia]))
+    lk = LayoutArrays.stack(list(t.layouts[ik]))
+    comp = t.op_costs[ia].compute
+    ring = ring_choices(g["k"], lk, g["attn"], 1, lv, m, comp)
+    sol = solve_dp(t.to_problem())
+    kk, ka = sol.assignment[ik], sol.assignment[ia]
+    lay = t.layouts[ia][ka]
+    assert lay.splits[0][g["attn"].dim_names.index("s")] == 4 and deals_gathered(g["attn"], lay, m)
+    held = t.edge_costs[e][kk, ka]
+    deal = gathered_deal(g["attn"], 1, lv, m)[ka]
+    extra = gathered_imbalance(g["attn"], 1, lv, m, comp)[ka]
+    assert gathered_charge(g["attn"], 1, lv, m, comp)[ka] == deal < extra
+    assert held < ring[kk, ka]  # the all-gather (with the deal), not the ring
+    old = t.edge_costs[e] + (gathered_imbalance(g["attn"], 1, lv, m, comp)
+                             - gathered_charge(g["attn"], 1, lv, m, comp))[None, :]
+    old = np.where(t.edge_costs[e] < ring, np.minimum(old, ring), t.edge_costs[e])
+    before = solve_dp(dc_replace(t, edge_costs=tuple(old if i == e else c for i, c in enumerate(t.edge_costs)))
+                      .to_problem())
+    kb, ab = before.assignment[ik], before.assignment[ia]
+    assert np.isfinite(ring[kb, ab]) and old[kb, ab] == ring[kb, ab]  # the ring
+    assert sol.cost < before.cost

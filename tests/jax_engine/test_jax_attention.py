@@ -68,8 +68,11 @@ def test_the_ring_is_chosen_where_it_pays_and_run_where_the_tables_charge_it():
     """On the toy machine the ring plan splits the attention's queries 8 ways, below the gather plan's step time;
     the step runs the ring (one replaced equation, keys and values read split) for tables built with
     ``context="ring"`` or ``"auto"``, where the chosen layouts' edges hold the ring's seconds, and not for the
-    all-gather's."""
+    all-gather's, whose step runs the balanced all-gather instead (one replaced equation, keys and values read
+    gathered as planned: :func:`shardplan.jax.ring.gather_apply`), the deal charged below the contiguous
+    blocks' extra work (:func:`shardplan.cost.ring.deals_gathered`)."""
     import shardplan.jax as sj
+    from shardplan.cost.ring import deals_gathered
     from shardplan.jax.run import ring_charged, ring_hooks
     from shardplan.planner import spmd_of
 
@@ -83,5 +86,6 @@ def test_the_ring_is_chosen_where_it_pays_and_run_where_the_tables_charge_it():
     for context, plan in plans.items():
         sp = spmd_of(plan, graph)
         consume, replace = ring_hooks(sp, info, devices)
-        assert (len(consume), len(replace)) == ((0, 0) if context == "allgather" else (2, 1)), context
+        assert (len(consume), len(replace)) == ((0, 1) if context == "allgather" else (2, 1)), context
         assert ring_charged(sp, name) == (context != "allgather"), context
+        assert deals_gathered(sp.graph[name], sp.layouts[name], sp.machine), context

@@ -315,9 +315,9 @@ def _hf_ring(world: int) -> dict[str, Any]:
     seen: list[list[bool]] = []  # per attention without the ring: (no mask, the causal flag) as the kernel gets them
     plain = run._REWRITES[SDPA]
 
-    def watched(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        seen.append([attn_mask is None, bool(is_causal)])
-        return plain(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    def watched(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **kw):
+        seen.append([attn_mask is None, bool(is_causal)])  # kw: the balanced all-gather's chunks
+        return plain(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kw)
 
     ring_module.ring_attention_sharded = counted  # this worker process only
     run._REWRITES[SDPA] = watched

@@ -1,0 +1,177 @@
+"""The all-gather's context parallelism balanced on 8 simulated devices (:func:`shardplan.jax.ring.gather_apply`):
+the queries dealt into the balanced order, the keys and values gathered, the output dealt back; loss and
+gradients equal to the unsharded causal attention, and the compiled step's exchanges are the gathered step's
+plus the deal the cost model charges (:func:`shardplan.cost.ring.gathered_deal`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import require_8_devices
+from shardplan.jax.ring import attention_reference, gather_apply
+
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
+DEVICES = require_8_devices()
+B, S, H, D = 2, 64, 4, 8
+
+
+def _inputs(kv_heads: int):
+    ks = jax.random.split(jax.random.PRNGKey(1), 4)
+    q = jax.random.normal(ks[0], (B, S, H, D))
+    k, v = (jax.random.normal(x, (B, S, kv_heads, D)) for x in ks[1:3])
+    return q, k, v, jax.random.normal(ks[3], (B, S, H, D))
+
+
+def _reference(q, k, v):
+    group = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+    return attention_reference(q, k, v, True)
+
+
+@pytest.mark.parametrize("shape, q_spec, kv_spec, axis, kv_heads", [
+    ((8,), (None, "s", None, None), (None, None, None, None), "s", 4),
+    ((8,), (None, "s", None, None), (None, None, None, None), "s", 1),
+    ((2, 4), ("d", "s", None, None), ("d", None, None, None), "s", 2),   # batch and sequence split
+    ((2, 4), (None, ("d", "s"), None, None), (None, None, None, None), ("d", "s"), 2),  # the sequence over both
+    ((2, 4), (None, "s", "d", None), (None, None, "d", None), "s", 2),   # heads and sequence split
+])
+def test_the_balanced_gather_equals_the_unsharded_loss_and_gradients(shape, q_spec, kv_spec, axis, kv_heads):
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.asarray(DEVICES).reshape(shape), ("s",) if len(shape) == 1 else ("d", "s"))
+    q, k, v, w = _inputs(kv_heads)
+
+    def loss(fn, q, k, v):
+        return jnp.sum(jnp.tanh(fn(q, k, v)) * w)
+
+    run = jax.jit(jax.value_and_grad(lambda *a: loss(
+        lambda q, k, v: gather_apply(q, k, v, mesh, P(*q_spec), P(*kv_spec), axis), *a), argnums=(0, 1, 2)))
+    ref = jax.jit(jax.value_and_grad(lambda *a: loss(_reference, *a), argnums=(0, 1, 2)))
+    (l1, g1), (l0, g0) = run(q, k, v), ref(q, k, v)
+    assert abs(float(l1) - float(l0)) <= 1e-5 * abs(float(l0))
+    for a, b in zip(g1, g0):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * float(jnp.max(jnp.abs(b)))
+
+
+def test_the_compiled_balanced_gather_sends_the_gathered_steps_collectives_and_the_charged_deal():
+    """Forward and backward, on inputs split along the sequence as their producers leave them: the keys' and
+    values' all-gathers and their gradients' all-reduce are those of the contiguous gathered step
+    (``jax.nn.dot_product_attention`` under the same layouts); beyond them, eight collective-permutes of half a
+    query block (q in, o out, dO in, dQ out, two halves each), the bytes
+    :func:`shardplan.cost.ring.gathered_deal` charges (at 1 B/s and no latency, seconds are bytes)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from shardplan import ops
+    from shardplan.cost.ring import gathered_deal
+    from shardplan.ir import GraphBuilder
+    from shardplan.jax.hlo import parse_collectives
+    from shardplan.layout import Layout, LayoutArrays
+    from shardplan.machine import Machine
+
+    g, shape = 8, (2, 64, 2, 8)
+    mesh = Mesh(np.asarray(DEVICES), ("s",))
+    split, whole = NamedSharding(mesh, P(None, "s", None, None)), NamedSharding(mesh, P())
+    args = [jax.device_put(jnp.ones(shape), split) for _ in range(4)]
+
+    def gathered(attend):
+        def loss(q, k, v, w):
+            k, v = (jax.lax.with_sharding_constraint(x, whole) for x in (k, v))
+            return jnp.sum(jnp.tanh(attend(jax.lax.with_sharding_constraint(q, split), k, v)) * w)
+        hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+        return sorted((c.kind, c.nbytes, c.sent) for c in parse_collectives(hlo, g))
+
+    dealt = gathered(lambda q, k, v: gather_apply(q, k, v, mesh, P(None, "s", None, None), P(), "s"))
+    plain = gathered(lambda q, k, v: jax.lax.with_sharding_constraint(
+        jax.nn.dot_product_attention(q, k, v, is_causal=True), split))
+    permutes = [c for c in dealt if c[0] == "collective-permute"]
+    assert [c for c in dealt if c[0] != "collective-permute"] == plain
+    assert {c[0] for c in plain} == {"all-gather", "all-reduce"}
+    block = shape[0] * shape[1] // g * shape[2] * shape[3] * 4  # a device's query block, fp32
+    assert len(permutes) == 8 and all(c[1] == block // 2 for c in permutes)
+
+    b = GraphBuilder("core")
+    x = b.input("x", shape, needs_grad=True)
+    q, k, v = (b.add(ops.elementwise(n, x, letters=a)) for n, a in (("q", "bshk"), ("k", "bthk"), ("v", "bthk")))
+    b.add(ops.flash_attention("attn", q, k, v, "bshk", "bthk", causal=True, dealt=True))
+    op = b.build()["attn"]
+    lay = LayoutArrays.stack([Layout.flat(op.dim_names, tuple(g if d == "s" else 1 for d in op.dim_names), g)])
+    unit = Machine(g, peak_flops=1e12, bandwidth=1.0, latency=0.0, dtype_bytes=4)
+    assert gathered_deal(op, 1, lay, unit)[0] == sum(c[2] for c in permutes) == 4 * block
+
+
+def test_the_planned_all_gather_deals_its_queries_and_runs_equal_to_the_unsharded_program():
+    """The one-layer attention of jax_attention_cases planned with the all-gather (the default) on the toy
+    machine: its queries' sequence split, the tables charge the deal (cheaper than the contiguous blocks' extra
+    work), and ``sj.apply``'s step runs :func:`gather_apply` there: loss and gradients equal to the unsharded
+    program; the compiled step gathers the keys and values and moves the queries' halves point to point."""
+    import shardplan.jax as sj
+    from jax_attention_cases import TOY, attention_loss, inputs
+    from shardplan.cost.ring import deals_gathered
+    from shardplan.jax.hlo import parse_collectives
+    from shardplan.jax.run import ring_charged, ring_hooks
+
+    params, batch = inputs()
+    plan = sj.plan(attention_loss, params, batch, DEVICES, TOY)
+    run = sj.apply(plan, attention_loss, params, batch, DEVICES)
+    (attn,) = [op for op in run.plan.graph.operators if op.kind == "attn_flash"]
+    lay = run.plan.layouts[attn.name]
+    cs = lay.splits[0][attn.dim_names.index("s")]
+    assert cs > 1 and deals_gathered(attn, lay, run.plan.machine)
+    assert not ring_charged(run.plan, attn.name)
+    consume, replace = ring_hooks(run.plan, run.info, DEVICES)
+    assert (len(consume), len(replace)) == (0, 1)
+    step = run.step.lower(params, batch).compile()
+    loss, grads = step(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(attention_loss)(params, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for name, r in ref_grads.items():
+        assert float(jnp.max(jnp.abs(grads[name] - r))) <= 1e-4 * float(jnp.max(jnp.abs(r))), name
+    hlo = step.as_text()
+    assert "all-gather" in hlo
+    q = batch[0].shape[0] * batch[0].shape[1] * attn.extents["h"] * attn.extents["r"] * attn.extents["k"] * 4
+    ways = int(np.prod([n for d, n in zip(attn.dim_names, lay.splits[0]) if d != "t"]))
+    half = q // ways // 2  # half of a device's query tile, fp32
+    halves = [c for c in parse_collectives(hlo, 8) if c.kind == "collective-permute" and c.nbytes == half]
+    assert len(halves) == 8
+
+
+def test_pipeline_stages_run_their_balanced_all_gather():
+    """Two attention layers, the pipeline search with the all-gather on sub-meshes of 4 (two stages, two
+    micro-batches of one sequence of 128): each stage splits its attention's queries and heads 2 ways each, and
+    its step runs the balanced all-gather (on the stage's prime-factor mesh); loss and gradients equal to the
+    unsharded program."""
+    import shardplan.jax as sj
+    from jax_attention_cases import TOY, attention_loss, inputs
+    from shardplan.jax.staged import Tracer, batch_size
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.planner import from_pipeline
+
+    ks = jax.random.split(jax.random.PRNGKey(1), 2)
+    params = {"layers": [inputs()[0], jax.tree.map(lambda w: w[::-1], inputs()[0])]}
+    batch = (jax.random.normal(ks[0], (2, 128, 32)), jax.random.normal(ks[1], (2, 128, 32)))
+
+    def two_layers(p, b):
+        x, w = b
+        for i, layer in enumerate(p["layers"]):
+            with jax.named_scope(f"L{i}"):
+                x = x + attention_loss(layer, (x, None), reduce=False)
+        return jnp.mean(x * w)
+
+    tracer = Tracer(two_layers, params, batch)
+    plan = from_pipeline(pipeline_solve(tracer, batch_size(tracer.full_info), TOY, micro_batches=(2,), sizes=(4,),
+                                        cutoff=1))
+    assert plan.num_stages == 2
+    assert [[c.layout.split[1] for c in s.operators.values() if c.kind == "attn_flash"] for s in plan.stages] \
+        == [[2], [2]]
+    step = sj.apply(plan, two_layers, params, batch, DEVICES).step
+    assert [len(st.replace) for st in step.stages] == [1, 1]
+    loss, grads = step(params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(two_layers)(params, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    top = max(float(jnp.abs(r).max()) for r in jax.tree.leaves(ref_grads))
+    assert max(float(jnp.abs(a - r).max()) for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))) \
+        <= 1e-4 * top
