@@ -370,7 +370,8 @@ class _Held:
 
     module: Any
     targets: Mapping[str, str]  # key in the stage module -> parameter target in the original module
-    zero1: frozenset[str] = frozenset()  # the running module's parameters whose optimizer state is sharded
+    zero1: frozenset[str] = frozenset()  # the running module's parameters with state in shards (ZeRO-1, 2)
+    host: frozenset[str] = frozenset()  # the running module's parameters whose optimizer state is in host memory
 
     def named_targets(self) -> dict[str, Any]:
         params = dict(self.module.named_parameters(remove_duplicate=False))
@@ -383,6 +384,21 @@ class _Held:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
+
+
+def _host_state(ops: Sequence[StageChoice], info: Any, rename: Mapping[str, str], keys: Mapping[str, str],
+                params: Mapping[str, str]) -> frozenset[str]:
+    """The parameters of a stage of one process (``weights.<key>``; ``keys``: placeholder -> key, ``params``:
+    placeholder -> target) whose optimizer state lives in host memory: those whose first reader in the stage
+    (``ops``, new names; ``rename``: new -> traced name) offloads it."""
+    ours = {rename.get(c[0], c[0]) for c in ops}
+    owners = {rename.get(c[0], c[0]) for c in ops if "optimizer" in c[2]}
+    out = set()
+    for ph, target in params.items():
+        uses = [u for u in info.param_uses.get(target, ()) if u[0] in ours]
+        if uses and uses[0][0] in owners:
+            out.add("weights." + keys[ph])
+    return frozenset(out)
 
 
 def _broadcast_stage_layouts(result: Any, rank: int) -> list[list[tuple[Any, Any]]]:
@@ -531,25 +547,38 @@ class TorchPipeline:
 
     def optimizer(self, cls: Any, **options: Any) -> Any:
         """``cls`` (a ``torch.optim`` class) over this rank's stage parameters, holding the state as the plan's ZeRO
-        stages say: a parameter whose first reader in its stage has ZeRO-1, in a stage of several processes whose
-        tile of it has replicas, gets its state in shards (:class:`ShardedStateOptimizer`); the others (a ZeRO-3
+        stages say: a parameter whose first reader in its stage has ZeRO-1 or ZeRO-2, in a stage of several
+        processes whose tile of it has replicas, gets its state in shards (:class:`ShardedStateOptimizer`; at ZeRO-2
+        its gradient already arrives there, reduce-scattered by the stage's ParallelModule); the others (a ZeRO-3
         parameter, already held in shards by its stage's ParallelModule, and every parameter of a stage of one
-        process, where the tile is whole on its one process) are stepped as they are.
-        Step it after :meth:`step`: ``loss = pipe.step(*batch); opt.step(); opt.zero_grad()``."""
+        process, where the tile is whole on its one process) are stepped as they are. The state of a parameter
+        whose first reader offloads it, and of an offloaded ZeRO-3 shard, lives in host memory: those (or their
+        master shards) are stepped by a :class:`~shardplan.torch.precision.HostOptimizer`, an offloaded shard in
+        its home, as :meth:`shardplan.torch.run.ParallelModule.optimizer` does for one program. Returns a
+        :class:`ShardedStateOptimizer` where any state is sharded, else a ``HostOptimizer`` where any lives in host
+        memory, else ``cls`` itself. Step it after :meth:`step`: ``loss = pipe.step(*batch); opt.step();
+        opt.zero_grad()``."""
         from torch.distributed.tensor import DTensor
 
         from shardplan.torch.run import zero3_placements
 
-        pairs, others = [], []
+        pairs, others, host, homes = [], [], [], {}
         for held in self.modules:
-            for name, p in held.module.named_parameters():
+            params = dict(held.module.named_parameters())
+            if hasattr(held.module, "offloaded_parameters"):  # a ParallelModule: ZeRO-3 shards living in host memory
+                homes.update({id(params[n]): h for n, h in held.module.offloaded_parameters().items()})
+            for name, p in params.items():
+                if name in held.host:
+                    host.append(p)
                 if name in held.zero1 and isinstance(p, DTensor):
                     shard = zero3_placements(p.placements, p.shape, p.device_mesh.mesh.shape)
                     if tuple(shard) != tuple(p.placements):
                         pairs.append((p, shard))
                         continue
                 others.append(p)
-        return ShardedStateOptimizer(pairs, others, cls, **options) if pairs else cls(others, **options)
+        if pairs:
+            return ShardedStateOptimizer(pairs, others, cls, host=host, homes=homes, **options)
+        return _inner_optimizer(others, host, homes, cls, options)
 
     def named_parameters(self) -> dict[str, Any]:
         """Parameter target (name in the original module) -> this rank's copy."""
@@ -595,21 +624,24 @@ def _result_choices(result: Any) -> list[list[StageChoice]]:
 
 
 def check_stage_choices(choices: Sequence[Sequence[StageChoice]], q: int) -> None:
-    """Refuse what the stage runner cannot hold (stages of ``q`` processes): optimizer state or parameters in
-    host memory, and in stages of several processes ZeRO stage 2 (the one-program run holds 0 and 3 only). ZeRO-1
-    is held by :meth:`TorchPipeline.optimizer` (the state in shards over each tile's replicas), ZeRO-3 by the
-    stage's :class:`~shardplan.torch.run.ParallelModule` (parameters in shards, gathered at each use and again
-    for the backward; an optimizer over them holds their state in shards too); in a stage of one process every
-    ZeRO stage holds what stage 0 holds (the tile has no replicas to shard over)."""
+    """Refuse what the stage runner cannot hold (stages of ``q`` processes): parameters in host memory anywhere
+    but as the ZeRO-3 shards of a stage of several processes (a stage of one process holds its parameters whole,
+    and autograd keeps them for the backward pass, so there is no shard to bring in and free).
+
+    Held: ZeRO-1 and ZeRO-2 by :meth:`TorchPipeline.optimizer` (the state in master shards over each tile's
+    replicas; at ZeRO-2 the stage's :class:`~shardplan.torch.run.ParallelModule` reduce-scatters the gradient
+    into the shard), ZeRO-3 by the ParallelModule (parameters in shards, gathered at each use and again for the
+    backward); optimizer state in host memory by a :class:`~shardplan.torch.precision.HostOptimizer` inside
+    :meth:`TorchPipeline.optimizer`, and offloaded ZeRO-3 shards by the ParallelModule's homes
+    (:meth:`~shardplan.torch.run.ParallelModule.offloaded_parameters`), as in one program. In a stage of one
+    process every ZeRO stage holds what stage 0 holds (the tile has no replicas to shard over)."""
     for ops in choices:
         for name, _fp8, offload, _recompute, stage in ops:
-            parts = [p for p in offload if p != "activations"]
-            why = (f"offloads its {', '.join(parts)}" if parts else
-                   f"has ZeRO stage {stage} in a stage of {q} processes" if stage == 2 and q > 1 else None)
-            if why:
-                raise ShardplanError(f"pipeline stage operator {name!r} {why}: the PyTorch stage runner holds "
-                                     "ZeRO-1 state (TorchPipeline.optimizer) and ZeRO-3 parameters, not offloaded "
-                                     "state or ZeRO-2 gradient shards over several processes")
+            if "parameters" in offload and (q == 1 or stage != 3):
+                where = "in a stage of one process" if q == 1 else f"at ZeRO stage {stage}"
+                raise ShardplanError(f"pipeline stage operator {name!r} offloads its parameters {where}: the "
+                                     "PyTorch stage runner keeps parameters in host memory only as ZeRO-3 shards of "
+                                     "stages of several processes")
 
 
 class ShardedStateOptimizer:
@@ -624,14 +656,17 @@ class ShardedStateOptimizer:
     load new values into the module before making it.
     """
 
-    def __init__(self, pairs: Sequence[tuple[Any, Any]], others: Sequence[Any], cls: Any, **options: Any) -> None:
+    def __init__(self, pairs: Sequence[tuple[Any, Any]], others: Sequence[Any], cls: Any, *, host: Sequence[Any] = (),
+                 homes: Mapping[int, Any] | None = None, **options: Any) -> None:
         import torch
 
         self.pairs = []
         for p, shard in pairs:
             master = torch.nn.Parameter(p.detach().redistribute(p.device_mesh, shard).clone())
             self.pairs.append((p, master))
-        self.inner = cls([m for _, m in self.pairs] + list(others), **options)
+        hosted = {id(x) for x in host}
+        on_host = [m for p, m in self.pairs if id(p) in hosted] + [x for x in others if id(x) in hosted]
+        self.inner = _inner_optimizer([m for _, m in self.pairs] + list(others), on_host, homes or {}, cls, options)
 
     @property
     def param_groups(self) -> Any:
@@ -639,6 +674,8 @@ class ShardedStateOptimizer:
 
     @property
     def state(self) -> Any:
+        """The inner optimizer's state (keyed by master shard or parameter); a
+        :class:`~shardplan.torch.precision.HostOptimizer`'s is ``inner.inner.state``, keyed by the host copies."""
         return self.inner.state
 
     def masters(self) -> list[tuple[Any, Any]]:
@@ -666,6 +703,20 @@ class ShardedStateOptimizer:
 
     def load_state_dict(self, state: Any) -> None:
         self.inner.load_state_dict(state)
+
+
+def _inner_optimizer(params: Sequence[Any], host: Sequence[Any], homes: Mapping[int, Any], cls: Any,
+                     options: Mapping[str, Any]) -> Any:
+    """``cls`` over ``params``, those of ``host`` (by identity) stepped in host memory by a
+    :class:`~shardplan.torch.precision.HostOptimizer` (``homes``: id -> host tensor of a parameter that lives
+    there, stepped in place) beside the others, as :meth:`shardplan.torch.run.ParallelModule.optimizer` does."""
+    from shardplan.torch.precision import HostOptimizer
+
+    hosted = {id(x) for x in host}
+    if not hosted:
+        return cls(list(params), **options)
+    return HostOptimizer([x for x in params if id(x) in hosted], cls,
+                         device_params=[x for x in params if id(x) not in hosted], homes=dict(homes), **options)
 
 
 def node_choices(ops: Sequence[StageChoice], info: Any, graph: Any, old: Mapping[str, str]) -> dict[str, tuple]:
@@ -696,7 +747,9 @@ def _run_choices(ops: Sequence[StageChoice], names: Sequence[str], ring: bool) -
     pick = lambda k: frozenset(n for n, c in zip(names, ops) if k(c))  # noqa: E731
     return RunChoices(recompute=pick(lambda c: c[3]), fp8=pick(lambda c: c[1]),
                       offload=pick(lambda c: "activations" in c[2] and not c[3]), ring=ring,
-                      zero3=pick(lambda c: c[4] == 3))
+                      zero3=pick(lambda c: c[4] == 3), zero2=pick(lambda c: c[4] == 2),
+                      offload_optimizer=pick(lambda c: "optimizer" in c[2]),
+                      offload_params=pick(lambda c: "parameters" in c[2]))
 
 
 def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None = None, *,
@@ -836,9 +889,12 @@ def build_pipeline(result: Any, layout: dict, stage_layouts: Sequence[Sequence[t
                                        output_args=outs[0] if len(outs) == 1 else outs, group=group))
         zero1: frozenset[str] = frozenset()
         if sub is not None:  # the stage traced again: its operators are the plan's, in order
-            ones = {op.name for op, c in zip(run_mod.graph.operators, choices[j]) if c[4] == 1}
+            ones = {op.name for op, c in zip(run_mod.graph.operators, choices[j]) if c[4] in (1, 2)}
             zero1 = frozenset(t for t, uses in run_mod.info.param_uses.items() if uses and uses[0][0] in ones)
-        modules.append(_Held(run_mod, mod.targets, zero1))
+            host = run_mod.host_state()
+        else:
+            host = _host_state(choices[j], info, rename, mod.keys, parts[j].params)
+        modules.append(_Held(run_mod, mod.targets, zero1, host))
     cls = getattr(pp, SCHEDULE_CLASSES[run_schedule])
     kw = dict(n_microbatches=m, loss_fn=lambda out, _target: out, scale_grads=reduction == "mean")
     sched = cls(stages, **kw) if run_schedule in ("interleaved", "zb-h1") else cls(stages[0], **kw)
