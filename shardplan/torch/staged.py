@@ -645,15 +645,19 @@ def check_stage_choices(choices: Sequence[Sequence[StageChoice]], q: int) -> Non
 
 
 class ShardedStateOptimizer:
-    """A ``torch.optim`` optimizer whose state for some DTensor parameters lives in shards (ZeRO-1).
+    """A ``torch.optim`` optimizer whose state for some DTensor parameters lives in shards (ZeRO-1 and 2).
 
     Each such parameter ``p`` (placements ``tile``) has a master shard ``s``: ``p`` redistributed to ``shard``
     (:func:`shardplan.torch.run.zero3_placements`: the tile further split over the mesh axes that replicate it), a
-    leaf the inner optimizer steps, so its state (Adam's moments) is allocated on the shard. :meth:`step` cuts
-    ``p``'s gradient to the shard (a local slice of the replicated gradient: no communication), steps the inner
-    optimizer, and gathers the new shard back into ``p``'s tile (an all-gather over the replicas). Other
-    parameters are stepped as they are. The masters are taken from the parameters when this optimizer is made:
-    load new values into the module before making it.
+    leaf the inner optimizer steps, so its state (Adam's moments) is allocated on the shard. :meth:`step` hands
+    ``p``'s gradient to the shard (ZeRO-1: a local slice of the replicated gradient, no communication; ZeRO-2:
+    the gradient already laid out as the shard, reduce-scattered in the backward pass by the stage's
+    :class:`~shardplan.torch.run.ParallelModule`), steps the inner optimizer, and gathers the new shard back into
+    ``p``'s tile (an all-gather over the replicas). Other parameters are stepped as they are. ``host``: parameters
+    (of the pairs or ``others``) whose state lives in host memory: they (a pair's master shard) are stepped by a
+    :class:`~shardplan.torch.precision.HostOptimizer` inner optimizer (``homes``: its host-resident parameters).
+    The masters are taken from the parameters when this optimizer is made: load new values into the module
+    before making it.
     """
 
     def __init__(self, pairs: Sequence[tuple[Any, Any]], others: Sequence[Any], cls: Any, *, host: Sequence[Any] = (),
