@@ -94,7 +94,7 @@ from shardplan.torch.ring import SDPA, ring_applies, ring_kv_placements, ring_sd
 
 __all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts", "RunChoices", "run_choices",
            "zero3_placements", "recompute_segments", "micro_batch", "check_same_program", "Segment", "Program",
-           "TORCH_STAGES", "parallel_module"]
+           "TORCH_STAGES", "parallel_module", "release_storage", "fetch_home"]
 
 
 def factored_mesh(mesh: Any, shape: Sequence[int] | None = None) -> Any:
@@ -914,6 +914,24 @@ def _offloaded(pack: Any, unpack: Any, host: HostOffload) -> tuple[Any, Any]:
     return pack2, unpack2
 
 
+def release_storage(t: Any) -> None:
+    """Free the device memory of ``t``, a tensor living in host memory between its uses (its values stay in its
+    home; the tensor keeps its shape, with no storage bytes, as FSDP frees its flat parameters)."""
+    t.untyped_storage().resize_(0)
+
+
+def fetch_home(t: Any, home: Any) -> None:
+    """Bring ``t``'s values back from its ``home`` in host memory: a copy into fresh device memory (non-blocking
+    from pinned memory)."""
+    import torch
+
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        storage.resize_(home.numel() * home.element_size())
+    with torch.no_grad():
+        t.copy_(home, non_blocking=True)
+
+
 def _make_class() -> Any:
     import functools
 
@@ -1045,16 +1063,11 @@ def _make_class() -> Any:
 
         def _release(self, par: Any) -> None:
             """Free the device memory of an offloaded parameter's shard (its values stay in its home)."""
-            par._local_tensor.untyped_storage().resize_(0)
+            release_storage(par._local_tensor)
 
         def _fetch(self, par: Any) -> None:
             """Bring an offloaded parameter's shard back from its home (a copy into fresh device memory)."""
-            local, home = par._local_tensor, self._homes[id(par)][1]
-            storage = local.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(home.numel() * home.element_size())
-            with torch.no_grad():
-                local.copy_(home, non_blocking=True)
+            fetch_home(par._local_tensor, self._homes[id(par)][1])
 
         def offloaded_parameters(self) -> dict[str, Any]:
             """Parameter name -> the host tensor holding its shard between uses, for the parameters the plan

@@ -237,8 +237,16 @@ def partition(ep: Any, node_op: Mapping[str, str], rename: Mapping[str, str], gr
 
 def _stage_module(part: StagePartition, ep: Any, module: Any,
                   node_choices: Mapping[str, tuple[str, tuple, bool]] | None = None,
-                  recompute: tuple[Mapping[str, str], frozenset[str]] | None = None) -> Any:
+                  recompute: tuple[Mapping[str, str], frozenset[str]] | None = None,
+                  offload_params: frozenset[str] = frozenset()) -> Any:
     """An ``nn.Module`` running ``part``'s nodes on copies of the parameters it reads.
+
+    ``offload_params``: placeholders of parameters that live in host memory between their uses (ZeRO-Infinity's
+    ``offload_param`` in a stage of one process, :func:`_offloaded_placeholders`): each has a home (a host copy,
+    ``Stage.offloaded_parameters()``) and its device storage is freed; a forward pass brings them all in when it
+    starts and frees them when it ends, and what autograd saves of them (the parameter or a view of it) is kept
+    as a reference and copied in again from the home when the backward pass reads it (fresh memory, freed with
+    the saved tensor), as :class:`~shardplan.torch.run.ParallelModule` regathers its ZeRO-3 shards.
 
     ``node_choices``: FX node name -> (its operator, its FP8 operands as (argument path, tensor name), whether
     its saved tensors live in host memory), for the nodes of operators with such choices (:func:`node_choices`):
@@ -256,8 +264,8 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
 
     from torch.utils.checkpoint import checkpoint
 
-    from shardplan.torch.precision import HostOffload, fp8_cast, fp8_grad
-    from shardplan.torch.run import Segment, _get, _set, recompute_segments
+    from shardplan.torch.precision import HostOffload, _to, fp8_cast, fp8_grad
+    from shardplan.torch.run import Segment, _get, _offloaded, _set, fetch_home, recompute_segments, release_storage
 
     chosen = dict(node_choices or {})
 
@@ -284,20 +292,65 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
             self.host = HostOffload()
             self.segments = [i for i in items if isinstance(i, Segment)]  # the recomputed runs of nodes
             self.scaling: Any = None  # FP8 delayed scaling's state (None: current scaling)
+            self.homes: dict[str, Any] = {}  # key -> host tensor of a parameter living in host memory between uses
+            for ph in sorted(offload_params):
+                key = self.keys[ph]
+                if key not in self.homes:
+                    self.homes[key] = _to(self.weights[key].detach(), "cpu")
+                    release_storage(self.weights[key])
+            self._saving: Any = None  # during a forward pass with homes: the hooks that save their references
 
         def forward(self, *args: Any) -> Any:
             env: dict[str, Any] = dict(zip(part.inputs, args))
             for ph, key in self.keys.items():
                 env[ph] = self.weights[key]
             env.update(self.consts)
-            for item in items:
-                if isinstance(item, Segment):
-                    outs = checkpoint(self._segment(item), *[env[n] for n in item.inputs], use_reentrant=False)
-                    env.update(zip(item.outputs, outs))
-                else:
-                    env[item.name] = self._node(item, env)
+            for key, home in self.homes.items():  # on the device for the forward pass
+                fetch_home(self.weights[key], home)
+            self._saving = self._home_hooks() if self.homes else None
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(*self._saving) if self._saving \
+                        else contextlib.nullcontext():
+                    for item in items:
+                        if isinstance(item, Segment):
+                            outs = checkpoint(self._segment(item), *[env[n] for n in item.inputs],
+                                              use_reentrant=False)
+                            env.update(zip(item.outputs, outs))
+                        else:
+                            env[item.name] = self._node(item, env)
+            finally:
+                self._saving = None
+                for key in self.homes:  # ... and back in host memory until the backward pass reads them
+                    release_storage(self.weights[key])
             outs = tuple(env[o] for o in part.outputs)
             return outs[0] if len(outs) == 1 else outs
+
+        def _home_hooks(self) -> tuple[Any, Any]:
+            """Saved-tensor hooks that keep, instead of an offloaded parameter (or a view of it), a reference to
+            its home and the view, and copy it in from the home when the backward pass reads it."""
+            by_ptr = {self.weights[key].untyped_storage().data_ptr(): key for key in self.homes
+                      if self.weights[key].numel()}
+
+            def pack(t: Any) -> Any:
+                if not isinstance(t, torch.Tensor) or not t.numel():
+                    return t
+                key = by_ptr.get(t.untyped_storage().data_ptr())
+                if key is None:
+                    return t
+                return _HomeView(key, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+            def unpack(t: Any) -> Any:
+                if not isinstance(t, _HomeView):
+                    return t
+                full = _to(self.homes[t.key], self.weights[t.key].device)
+                return full.as_strided(t.size, t.stride, t.offset)
+            return pack, unpack
+
+        def offloaded_parameters(self) -> dict[str, Any]:
+            """Parameter name (``weights.<key>``) -> the host tensor holding it between uses; the device
+            parameter holds no memory then: read its values here (:meth:`TorchPipeline.optimizer` steps it
+            here)."""
+            return {"weights." + key: home for key, home in self.homes.items()}
 
         def _segment(self, seg: Any) -> Any:
             """``seg`` as a function of its inputs' values to its outputs' (what ``checkpoint`` runs twice)."""
@@ -321,7 +374,11 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
                 x = _get(a, kw, path)
                 if isinstance(x, torch.Tensor) and x.is_floating_point():
                     _set(a, kw, path, fp8_cast(x, self.scaling, f"{op}:{tname}"))
-            with self.host.hooks() if offload else contextlib.nullcontext():
+            if offload and self._saving:  # the offloaded parameters' references stay, the rest goes to the host
+                hooks: Any = torch.autograd.graph.saved_tensors_hooks(*_offloaded(*self._saving, self.host))
+            else:
+                hooks = self.host.hooks() if offload else contextlib.nullcontext()
+            with hooks:
                 out = node.target(*a, **kw)
             fp8 = operands and isinstance(out, torch.Tensor)
             return fp8_grad(out, self.scaling, f"{op}:dY") if fp8 else out
@@ -331,6 +388,40 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
             return {t: self.weights[k] for k, t in self.targets.items()}
 
     return Stage()
+
+
+@dataclass(frozen=True)
+class _HomeView:
+    """A saved view of a parameter living in host memory, by reference: its key and the view's size, stride and
+    storage offset (:func:`_stage_module`)."""
+
+    key: str
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _offloaded_placeholders(part: StagePartition, ep: Any, ops: Sequence[StageChoice], info: Any,
+                            rename: Mapping[str, str]) -> frozenset[str]:
+    """The parameter placeholders of a stage of one process (``part``) that live in host memory: those whose first
+    reader in the stage (``ops``, new names; ``rename``: new -> traced name) offloads its parameters, and whose
+    every reader is an operator's node that does not recompute (the rule of
+    :meth:`shardplan.torch.run.ParallelModule` for its ZeRO-3 shards: a view node, or a checkpointed segment,
+    would read the parameter itself after the forward pass freed it)."""
+    ours = {rename.get(c[0], c[0]) for c in ops}
+    owners = {rename.get(c[0], c[0]) for c in ops if "parameters" in c[2]}
+    recomputed = {rename.get(c[0], c[0]) for c in ops if c[3]}
+    by_name = {n.name: n for n in ep.graph.nodes}
+    out = set()
+    for ph, target in part.params.items():
+        uses = [u for u in info.param_uses.get(target, ()) if u[0] in ours]
+        if not uses or uses[0][0] not in owners:
+            continue
+        readers = [info.node_op.get(u.name) for u in by_name[ph].users]
+        if all(r is not None and r not in recomputed for r in readers) and not any(
+                u.name in info.const_nodes for u in by_name[ph].users):
+            out.add(ph)
+    return frozenset(out)
 
 
 def _examples(ep: Any, module: Any, names: Sequence[str]) -> tuple[Any, ...]:
@@ -565,10 +656,10 @@ class TorchPipeline:
         pairs, others, host, homes = [], [], [], {}
         for held in self.modules:
             params = dict(held.module.named_parameters())
-            if hasattr(held.module, "offloaded_parameters"):  # a ParallelModule: ZeRO-3 shards living in host memory
+            if hasattr(held.module, "offloaded_parameters"):  # parameters (ZeRO-3 shards) living in host memory
                 homes.update({id(params[n]): h for n, h in held.module.offloaded_parameters().items()})
             for name, p in params.items():
-                if name in held.host:
+                if name in held.host or id(p) in homes:  # a parameter living in host memory is stepped there
                     host.append(p)
                 if name in held.zero1 and isinstance(p, DTensor):
                     shard = zero3_placements(p.placements, p.shape, p.device_mesh.mesh.shape)
@@ -624,24 +715,22 @@ def _result_choices(result: Any) -> list[list[StageChoice]]:
 
 
 def check_stage_choices(choices: Sequence[Sequence[StageChoice]], q: int) -> None:
-    """Refuse what the stage runner cannot hold (stages of ``q`` processes): parameters in host memory anywhere
-    but as the ZeRO-3 shards of a stage of several processes (a stage of one process holds its parameters whole,
-    and autograd keeps them for the backward pass, so there is no shard to bring in and free).
+    """Refuse what the stage runner cannot hold (stages of ``q`` processes): parameters in host memory beside a ZeRO
+    stage other than 3 (ZeRO-Infinity's ``offload_param`` moves the ZeRO-3 partition; the plan never offers it).
 
     Held: ZeRO-1 and ZeRO-2 by :meth:`TorchPipeline.optimizer` (the state in master shards over each tile's
     replicas; at ZeRO-2 the stage's :class:`~shardplan.torch.run.ParallelModule` reduce-scatters the gradient
     into the shard), ZeRO-3 by the ParallelModule (parameters in shards, gathered at each use and again for the
     backward); optimizer state in host memory by a :class:`~shardplan.torch.precision.HostOptimizer` inside
-    :meth:`TorchPipeline.optimizer`, and offloaded ZeRO-3 shards by the ParallelModule's homes
-    (:meth:`~shardplan.torch.run.ParallelModule.offloaded_parameters`), as in one program. In a stage of one
-    process every ZeRO stage holds what stage 0 holds (the tile has no replicas to shard over)."""
-    for ops in choices:
+    :meth:`TorchPipeline.optimizer`, and offloaded parameters in their homes (the ParallelModule's ZeRO-3 shards,
+    :meth:`~shardplan.torch.run.ParallelModule.offloaded_parameters`; a stage of one process's whole parameters,
+    :func:`_stage_module`), as in one program. In a stage of one process every ZeRO stage holds what stage 0
+    holds (the tile has no replicas to shard over)."""
+    for ops in choices:  # stages of any size q hold the same choices
         for name, _fp8, offload, _recompute, stage in ops:
-            if "parameters" in offload and (q == 1 or stage != 3):
-                where = "in a stage of one process" if q == 1 else f"at ZeRO stage {stage}"
-                raise ShardplanError(f"pipeline stage operator {name!r} offloads its parameters {where}: the "
-                                     "PyTorch stage runner keeps parameters in host memory only as ZeRO-3 shards of "
-                                     "stages of several processes")
+            if "parameters" in offload and stage != 3:
+                raise ShardplanError(f"pipeline stage operator {name!r} offloads its parameters at ZeRO stage {stage}: "
+                                     "the PyTorch stage runner keeps parameters in host memory at ZeRO stage 3 only")
 
 
 class ShardedStateOptimizer:
@@ -878,7 +967,8 @@ def build_pipeline(result: Any, layout: dict, stage_layouts: Sequence[Sequence[t
         mod = _stage_module(parts[j], ep, module,
                             node_choices(choices[j], info, graph, rename) if q == 1 else None,
                             (info.node_op, frozenset(rename.get(c[0], c[0]) for c in choices[j] if c[3]))
-                            if q == 1 else None)
+                            if q == 1 else None,
+                            _offloaded_placeholders(parts[j], ep, choices[j], info, rename) if q == 1 else frozenset())
         ins = _examples(ep, module, parts[j].inputs)
         outs = _examples(ep, module, parts[j].outputs)
         if sub is not None and stage_layouts is None:

@@ -8,9 +8,9 @@ FP8 products (cast by this file's own code) on the same micro-batches.
   operator splitting the sequence 2 ways, planned with ``context="ring"``: the attention runs the ring, the MLP
   linears FP8, one projection offloads its activations and one recomputes.
 
-Refusals (parameters in host memory in a stage of one process, or beside a ZeRO stage other than 3) run in this
-process: they are checked before anything is traced (ZeRO-1, 2, 3 and offloaded optimizer state and ZeRO-3
-parameters in stages: tests/torch_engine/test_torch_staged_zero.py).
+Refusals (parameters in host memory beside a ZeRO stage other than 3) run in this process: they are checked before
+anything is traced (ZeRO-1, 2, 3, offloaded optimizer state and parameters in stages:
+tests/torch_engine/test_torch_staged_zero.py).
 """
 
 from __future__ import annotations
@@ -451,7 +451,6 @@ def test_state_the_stage_runner_does_not_hold_is_refused():
     one = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, devices=1) for s in plan.stages))  # any q
     both = ("optimizer", "parameters")
     for bad, match in ((edited(plan, {name: {"state_stage": 2, "offload": both}}), "parameters at ZeRO stage 2: "),
-                       (edited(one, {name: {"state_stage": 3, "offload": both}}),
-                        "parameters in a stage of one process: ")):
+                       (edited(one, {name: {"state_stage": 1, "offload": both}}), "parameters at ZeRO stage 1: ")):
         with pytest.raises(ShardplanError, match=match):
             st.apply(bad, nn.Linear(2, 2), (torch.zeros(1, 2),))

@@ -2,11 +2,11 @@
 processes, :meth:`shardplan.torch.staged.TorchPipeline.optimizer`): 2 stages of 2 processes, every block linear data
 parallel (its weight replicated on the stage's 2 processes) at ZeRO-1, ZeRO-2, ZeRO-2 with its optimizer state in
 host memory (ZeRO-Offload) and ZeRO-3 with its shards and their state in host memory (ZeRO-Infinity's
-``offload_param``); and 4 stages of one process with every linear's optimizer state in host memory. Two Adam steps
-equal one process's (loss and parameters to 1e-6, relative), with Adam's state of every linear in shards (half of
-it on each process of its stage), at ZeRO-2 the gradients too, at ZeRO-3 the parameters too, and offloaded state
-in the host copies. In this process: what the stage runner refuses (parameters in host memory other than ZeRO-3
-shards of stages of several processes) and accepts."""
+``offload_param``); and 4 stages of one process with every linear's optimizer state in host memory, then its
+parameters too. Two Adam steps equal one process's (loss and parameters to 1e-6, relative), with Adam's state of
+every linear in shards (half of it on each process of its stage), at ZeRO-2 the gradients too, at ZeRO-3 the
+parameters too, and offloaded state and parameters in their host copies. In this process: what the stage runner
+refuses (parameters in host memory beside a ZeRO stage other than 3) and accepts."""
 
 from __future__ import annotations
 
@@ -76,14 +76,15 @@ def data_parallel(world: int, stage: int, offload: tuple[str, ...] = ()) -> Any:
     return dataclasses.replace(plan, stages=stages, detail=None), model, batch
 
 
-def one_process_stages(offload: tuple[str, ...]) -> Any:
+def one_process_stages(stage: int, offload: tuple[str, ...]) -> Any:
     """:func:`torch_pipeline_cases.make_case`'s language model on 4 stages of one process (m = 4), every linear
-    at ZeRO-1 offloading ``offload``."""
+    at ZeRO ``stage`` offloading ``offload``."""
     import test_torch_staged_choices as sc  # noqa: E402  (tests/torch_engine is on sys.path)
 
     model, batch = torch_pipeline_cases.make_case()
     plan, _ = sc.searched(model, batch, (1,), 4)
-    edits = {n: {"offload": offload, "state_stage": 1} for s in plan.stages for n in s.operators if "linear" in n}
+    edits = {n: {"offload": offload, "state_stage": stage} for s in plan.stages for n in s.operators
+             if "linear" in n}
     return sc.edited(plan, edits), model, batch
 
 
@@ -130,7 +131,7 @@ def _train(world: int, plan_case: tuple) -> dict[str, Any]:
             params = dict(h.module.named_parameters())
             homes.update({h.targets[n.removeprefix("weights.")]: (params[n], home)
                           for n, home in h.module.offloaded_parameters().items()})
-    freed = lambda: all(p._local_tensor.untyped_storage().nbytes() == 0 for p, _ in homes.values())  # noqa: E731
+    freed = lambda: all(_local(p).untyped_storage().nbytes() == 0 for p, _ in homes.values())  # noqa: E731
     rel_loss, param_err, freed_between = 0.0, 0.0, freed()
     for _ in range(2):
         loss = pipe.step(*batch)
@@ -146,9 +147,11 @@ def _train(world: int, plan_case: tuple) -> dict[str, Any]:
         rel_loss = max(rel_loss, abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)))
         named = dict(ref.named_parameters())
         for target, p in pipe.named_parameters().items():
-            if target in homes:  # its values live in the home (the device shard holds no memory)
+            if target in homes and isinstance(p, DTensor):  # its values live in the home (the device holds none)
                 full = DTensor.from_local(homes[target][1], p.device_mesh, list(p.placements), shape=p.shape,
                                           stride=p.stride()).full_tensor()
+            elif target in homes:
+                full = homes[target][1]
             else:
                 full = p.full_tensor() if hasattr(p, "full_tensor") else p
             param_err = max(param_err, float((full.detach() - named[target].detach()).abs().max()))
@@ -196,7 +199,8 @@ CASES = {"zero1": lambda world: _train(world, data_parallel(world, 1)),
          "zero2_offload": lambda world: _train(world, data_parallel(world, 2, ("optimizer",))),
          "zero3": lambda world: _train(world, data_parallel(world, 3)),
          "zero3_offload": lambda world: _train(world, data_parallel(world, 3, ("optimizer", "parameters"))),
-         "one_process_offload": lambda world: _train(world, one_process_stages(("optimizer",)))}
+         "one_process_offload": lambda world: _train(world, one_process_stages(1, ("optimizer",))),
+         "one_process_offload_params": lambda world: _train(world, one_process_stages(3, ("optimizer", "parameters")))}
 
 
 def run_case(name: str, world: int) -> dict[str, Any]:
@@ -279,8 +283,8 @@ def test_stages_of_one_process_keep_the_offloaded_state_in_host_memory(results):
 
 def test_what_the_stage_runner_holds_and_refuses():
     """Accepted: ZeRO 1, 2 and 3 in any stage, optimizer state in host memory at any ZeRO stage, parameters in host
-    memory as the ZeRO-3 shards of a stage of several processes. Refused: parameters in host memory in a stage of
-    one process (no shard to bring in and free), or beside a ZeRO stage other than 3 (no shard at all)."""
+    memory at ZeRO-3 (shards of a stage of several processes, whole parameters of a stage of one). Refused:
+    parameters in host memory beside a ZeRO stage other than 3 (no ZeRO-3 partition to move)."""
     from shardplan.errors import ShardplanError
     from shardplan.torch.staged import check_stage_choices
 
@@ -292,9 +296,20 @@ def test_what_the_stage_runner_holds_and_refuses():
             check_stage_choices(op(stage), q)
             check_stage_choices(op(stage, ("optimizer",)), q)
             check_stage_choices(op(stage, ("optimizer", "activations")), q)
-    check_stage_choices(op(3, ("optimizer", "parameters")), 2)
-    with pytest.raises(ShardplanError, match="'layers.0/up/linear' offloads its parameters in a stage of one process"):
-        check_stage_choices(op(3, ("optimizer", "parameters")), 1)
-    for stage in (0, 1, 2):
-        with pytest.raises(ShardplanError, match=f"offloads its parameters at ZeRO stage {stage}: "):
-            check_stage_choices(op(stage, ("optimizer", "parameters")), 2)
+        check_stage_choices(op(3, ("optimizer", "parameters")), q)
+        for stage in (0, 1, 2):
+            with pytest.raises(ShardplanError, match=f"'layers.0/up/linear' offloads its parameters at ZeRO stage "
+                                                     f"{stage}: "):
+                check_stage_choices(op(stage, ("optimizer", "parameters")), q)
+
+
+def test_stages_of_one_process_keep_offloaded_parameters_in_host_memory(results):
+    """4 stages of one process, every linear at ZeRO-3 with its parameters and optimizer state in host memory: each
+    process keeps its linears' weights and biases whole in their homes (the device parameters holding no memory
+    before, between and after the steps; the backward pass copies in what it reads), the HostOptimizer steps them
+    there."""
+    r = results["one_process_offload_params"]
+    _like_one_process(r)
+    assert r["homes"] == 2 * 13 and r["freed_between"] == WORLD, r
+    assert r["host_optimizer"] == WORLD and r["host_params"] == 2 * 13 and r["stepped_in_home"] == 2 * 13, r
+    assert r["host_moments"] == 2 * 13 and r["device_moments"] == r["moments"] - 2 * 13 > 0, r
