@@ -116,7 +116,7 @@ def apply(plan: Any, module: Any, example_inputs: Sequence[Any], mesh: Any = Non
     activation offload, the ring and (stages of two processes) recomputation (:mod:`shardplan.torch.staged`),
     ZeRO-3 parameters (in host memory where offloaded), and ZeRO-1/2 optimizer state and gradient shards and
     offloaded optimizer state through ``pipe.optimizer(cls, **options)``; one whose stages keep parameters in host
-    memory in a stage of one process is refused before anything is traced.
+    memory off ZeRO stage 3 is refused before anything is traced.
     """
     import dataclasses
 

@@ -1103,8 +1103,7 @@ def _make_class() -> Any:
             (:meth:`offloaded_parameters`: stepped where they live)."""
             owners = self.choices.offload_optimizer
             host = {t for t, uses in self.info.param_uses.items() if uses and uses[0][0] in owners}
-            homes = {k for k in self._homes}
-            return frozenset(host | {n for n, p in self.named_parameters() if id(p) in homes})
+            return frozenset(host | {n for n, p in self.named_parameters() if id(p) in self._homes})
 
         def dparameter(self, target: str) -> Any:
             """The DTensor parameter for ``target`` (the original module's parameter name)."""

@@ -401,25 +401,39 @@ class _HomeView:
     offset: int
 
 
+def _first_readers(ops: Sequence[StageChoice], info: Any, rename: Mapping[str, str],
+                   params: Mapping[str, str]) -> dict[str, str]:
+    """Parameter placeholder of a stage of one process (``params``: placeholder -> target) -> its first reader
+    among the stage's operators (``ops``, new names; ``rename``: new -> traced name), by traced name."""
+    ours = {rename.get(c[0], c[0]) for c in ops}
+    out = {}
+    for ph, target in params.items():
+        uses = [u for u in info.param_uses.get(target, ()) if u[0] in ours]
+        if uses:
+            out[ph] = uses[0][0]
+    return out
+
+
+def _owners(ops: Sequence[StageChoice], rename: Mapping[str, str], part: str) -> set[str]:
+    """The traced names of the operators of ``ops`` that offload ``part`` ("optimizer", "parameters")."""
+    return {rename.get(c[0], c[0]) for c in ops if part in c[2]}
+
+
 def _offloaded_placeholders(part: StagePartition, ep: Any, ops: Sequence[StageChoice], info: Any,
                             rename: Mapping[str, str]) -> frozenset[str]:
     """The parameter placeholders of a stage of one process (``part``) that live in host memory: those whose first
-    reader in the stage (``ops``, new names; ``rename``: new -> traced name) offloads its parameters, and whose
-    every reader is an operator's node that does not recompute (the rule of
-    :meth:`shardplan.torch.run.ParallelModule` for its ZeRO-3 shards: a view node, or a checkpointed segment,
-    would read the parameter itself after the forward pass freed it)."""
-    ours = {rename.get(c[0], c[0]) for c in ops}
-    owners = {rename.get(c[0], c[0]) for c in ops if "parameters" in c[2]}
+    reader in the stage (:func:`_first_readers`) offloads its parameters, and whose every reader is an operator's
+    node that does not recompute (the rule of :meth:`shardplan.torch.run.ParallelModule` for its ZeRO-3 shards:
+    a view node, or a checkpointed segment, would read the parameter itself after the forward pass freed it)."""
+    owners = _owners(ops, rename, "parameters")
     recomputed = {rename.get(c[0], c[0]) for c in ops if c[3]}
     by_name = {n.name: n for n in ep.graph.nodes}
     out = set()
-    for ph, target in part.params.items():
-        uses = [u for u in info.param_uses.get(target, ()) if u[0] in ours]
-        if not uses or uses[0][0] not in owners:
-            continue
-        readers = [info.node_op.get(u.name) for u in by_name[ph].users]
-        if all(r is not None and r not in recomputed for r in readers) and not any(
-                u.name in info.const_nodes for u in by_name[ph].users):
+    for ph, first in _first_readers(ops, info, rename, part.params).items():
+        users = list(by_name[ph].users)
+        readers = [info.node_op.get(u.name) for u in users]
+        if first in owners and all(r is not None and r not in recomputed for r in readers) and not any(
+                u.name in info.const_nodes for u in users):
             out.add(ph)
     return frozenset(out)
 
@@ -481,15 +495,10 @@ def _host_state(ops: Sequence[StageChoice], info: Any, rename: Mapping[str, str]
                 params: Mapping[str, str]) -> frozenset[str]:
     """The parameters of a stage of one process (``weights.<key>``; ``keys``: placeholder -> key, ``params``:
     placeholder -> target) whose optimizer state lives in host memory: those whose first reader in the stage
-    (``ops``, new names; ``rename``: new -> traced name) offloads it."""
-    ours = {rename.get(c[0], c[0]) for c in ops}
-    owners = {rename.get(c[0], c[0]) for c in ops if "optimizer" in c[2]}
-    out = set()
-    for ph, target in params.items():
-        uses = [u for u in info.param_uses.get(target, ()) if u[0] in ours]
-        if uses and uses[0][0] in owners:
-            out.add("weights." + keys[ph])
-    return frozenset(out)
+    (:func:`_first_readers`) offloads it."""
+    owners = _owners(ops, rename, "optimizer")
+    return frozenset("weights." + keys[ph] for ph, first in _first_readers(ops, info, rename, params).items()
+                     if first in owners)
 
 
 def _broadcast_stage_layouts(result: Any, rank: int) -> list[list[tuple[Any, Any]]]:
