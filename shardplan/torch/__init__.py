@@ -114,9 +114,9 @@ def apply(plan: Any, module: Any, example_inputs: Sequence[Any], mesh: Any = Non
     The module is traced again here and the plan's choices are checked against it: a plan made for
     another program, batch or device count is refused. A pipeline's stages run their layouts, FP8 products,
     activation offload, the ring and (stages of two processes) recomputation (:mod:`shardplan.torch.staged`),
-    ZeRO-3 parameters, and ZeRO-1 optimizer state through ``pipe.optimizer(cls, **options)``; one whose stages
-    keep optimizer state or parameters in host memory, or shard gradients at ZeRO stage 2 over stages of several
-    processes, is refused before anything is traced.
+    ZeRO-3 parameters (in host memory where offloaded), and ZeRO-1/2 optimizer state and gradient shards and
+    offloaded optimizer state through ``pipe.optimizer(cls, **options)``; one whose stages keep parameters in host
+    memory off ZeRO stage 3 is refused before anything is traced.
     """
     import dataclasses
 

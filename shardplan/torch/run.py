@@ -97,7 +97,7 @@ from shardplan.torch.ring import SDPA, gather_sdpa, ring_applies, ring_kv_placem
 
 __all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts", "RunChoices", "run_choices",
            "zero3_placements", "recompute_segments", "micro_batch", "check_same_program", "Segment", "Program",
-           "TORCH_STAGES", "parallel_module"]
+           "TORCH_STAGES", "parallel_module", "release_storage", "fetch_home"]
 
 
 def factored_mesh(mesh: Any, shape: Sequence[int] | None = None) -> Any:
@@ -675,6 +675,11 @@ class RunChoices:
         offload_params: operators whose ZeRO-3 weights live in host memory (ZeRO-Infinity's ``offload_param``):
             brought to the device for the forward pass and for each regather of the backward pass
             (:meth:`ParallelModule.offloaded_parameters`).
+        zero2: operators whose parameters keep their whole tile but receive their gradient in shards: the
+            gradient is reduce-scattered to the tile cut further over its replicas (:func:`zero3_placements`)
+            instead of all-reduced, and accumulates there. Only a pipeline stage sets it
+            (:class:`shardplan.torch.staged.ShardedStateOptimizer` steps such parameters through their master
+            shards); :func:`run_choices` refuses ZeRO stage 2 for one program.
     """
 
     micro_batches: int = 1
@@ -686,6 +691,7 @@ class RunChoices:
     offload_optimizer: frozenset[str] = frozenset()
     offload_params: frozenset[str] = frozenset()
     dealt: frozenset[str] = frozenset()
+    zero2: frozenset[str] = frozenset()
 
 
 def run_choices(plan: Any) -> RunChoices:
@@ -935,6 +941,24 @@ def _offloaded(pack: Any, unpack: Any, host: HostOffload) -> tuple[Any, Any]:
     return pack2, unpack2
 
 
+def release_storage(t: Any) -> None:
+    """Free the device memory of ``t``, a tensor living in host memory between its uses (its values stay in its
+    home; the tensor keeps its shape, with no storage bytes, as FSDP frees its flat parameters)."""
+    t.untyped_storage().resize_(0)
+
+
+def fetch_home(t: Any, home: Any) -> None:
+    """Bring ``t``'s values back from its ``home`` in host memory: a copy into fresh device memory (non-blocking
+    from pinned memory)."""
+    import torch
+
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        storage.resize_(home.numel() * home.element_size())
+    with torch.no_grad():
+        t.copy_(home, non_blocking=True)
+
+
 def _make_class() -> Any:
     import functools
 
@@ -964,6 +988,7 @@ def _make_class() -> Any:
                 micro[0], micro[1], {m.name: layouts[o.name] for o, m in zip(graph.operators, micro[1].operators)},
                 factors, choices.recompute)
             self._zero3 = {t for op in choices.zero3 for t, uses in info.param_uses.items() if uses[0][0] == op}
+            self._zero2 = {t for op in choices.zero2 for t, uses in info.param_uses.items() if uses[0][0] == op}
             self._sharded: set[int] = set()  # ids of the ZeRO-3 parameters
             self._homes: dict[int, tuple[Any, Any]] = {}  # id -> (parameter, its shard's home in host memory)
             self.host = HostOffload()  # the offloaded activations' hooks and their byte count
@@ -1034,8 +1059,10 @@ def _make_class() -> Any:
             dt = distribute_tensor(src.detach().clone(), self.mesh, list(pl), src_data_rank=None)
             par = nn.Parameter(dt, requires_grad=src.requires_grad)
             self.param_placements[names[0]] = pl
-            if src.requires_grad:
-                par.register_hook(self._grad_hook(pl))
+            if src.requires_grad:  # a ZeRO-2 parameter's gradient is reduce-scattered to its shard
+                zero2 = any(n in self._zero2 for n in names)
+                grad_pl = zero3_placements(pl, tuple(src.shape), tuple(self.mesh.mesh.shape)) if zero2 else pl
+                par.register_hook(self._grad_hook(tuple(grad_pl)))
             if zero3:
                 self._sharded.add(id(par))
                 if uses and uses[0][0] in self.choices.offload_params and self._offloadable(names, tile, pl):
@@ -1063,16 +1090,11 @@ def _make_class() -> Any:
 
         def _release(self, par: Any) -> None:
             """Free the device memory of an offloaded parameter's shard (its values stay in its home)."""
-            par._local_tensor.untyped_storage().resize_(0)
+            release_storage(par._local_tensor)
 
         def _fetch(self, par: Any) -> None:
             """Bring an offloaded parameter's shard back from its home (a copy into fresh device memory)."""
-            local, home = par._local_tensor, self._homes[id(par)][1]
-            storage = local.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(home.numel() * home.element_size())
-            with torch.no_grad():
-                local.copy_(home, non_blocking=True)
+            fetch_home(par._local_tensor, self._homes[id(par)][1])
 
         def offloaded_parameters(self) -> dict[str, Any]:
             """Parameter name -> the host tensor holding its shard between uses, for the parameters the plan
@@ -1094,15 +1116,21 @@ def _make_class() -> Any:
             operators whose optimizer state the plan keeps in host memory
             (:attr:`RunChoices.offload_optimizer`, by their first reader) stepped there: a
             :class:`~shardplan.torch.precision.HostOptimizer` when there are any."""
-            owners = self.choices.offload_optimizer
-            host = {t for t, uses in self.info.param_uses.items() if uses and uses[0][0] in owners}
             named = list(self.named_parameters())
+            host = self.host_state()
             homes = {k: home for k, (_, home) in self._homes.items()}
-            host |= {n for n, p in named if id(p) in homes}  # a parameter in host memory is stepped there
             if not any(n in host for n, _ in named):
                 return cls([p for _, p in named], **options)
             return HostOptimizer([p for n, p in named if n in host], cls,
                                  device_params=[p for n, p in named if n not in host], homes=homes, **options)
+
+        def host_state(self) -> frozenset[str]:
+            """The parameters (by name) whose optimizer state lives in host memory: those whose first reader
+            offloads it (:attr:`RunChoices.offload_optimizer`), and those that live there themselves
+            (:meth:`offloaded_parameters`: stepped where they live)."""
+            owners = self.choices.offload_optimizer
+            host = {t for t, uses in self.info.param_uses.items() if uses and uses[0][0] in owners}
+            return frozenset(host | {n for n, p in self.named_parameters() if id(p) in self._homes})
 
         def dparameter(self, target: str) -> Any:
             """The DTensor parameter for ``target`` (the original module's parameter name)."""

@@ -237,8 +237,16 @@ def partition(ep: Any, node_op: Mapping[str, str], rename: Mapping[str, str], gr
 
 def _stage_module(part: StagePartition, ep: Any, module: Any,
                   node_choices: Mapping[str, tuple[str, tuple, bool]] | None = None,
-                  recompute: tuple[Mapping[str, str], frozenset[str]] | None = None) -> Any:
+                  recompute: tuple[Mapping[str, str], frozenset[str]] | None = None,
+                  offload_params: frozenset[str] = frozenset()) -> Any:
     """An ``nn.Module`` running ``part``'s nodes on copies of the parameters it reads.
+
+    ``offload_params``: placeholders of parameters that live in host memory between their uses (ZeRO-Infinity's
+    ``offload_param`` in a stage of one process, :func:`_offloaded_placeholders`): each has a home (a host copy,
+    ``Stage.offloaded_parameters()``) and its device storage is freed; a forward pass brings them all in when it
+    starts and frees them when it ends, and what autograd saves of them (the parameter or a view of it) is kept
+    as a reference and copied in again from the home when the backward pass reads it (fresh memory, freed with
+    the saved tensor), as :class:`~shardplan.torch.run.ParallelModule` regathers its ZeRO-3 shards.
 
     ``node_choices``: FX node name -> (its operator, its FP8 operands as (argument path, tensor name), whether
     its saved tensors live in host memory), for the nodes of operators with such choices (:func:`node_choices`):
@@ -256,8 +264,8 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
 
     from torch.utils.checkpoint import checkpoint
 
-    from shardplan.torch.precision import HostOffload, fp8_cast, fp8_grad
-    from shardplan.torch.run import Segment, _get, _set, recompute_segments
+    from shardplan.torch.precision import HostOffload, _to, fp8_cast, fp8_grad
+    from shardplan.torch.run import Segment, _get, _offloaded, _set, fetch_home, recompute_segments, release_storage
 
     chosen = dict(node_choices or {})
 
@@ -284,20 +292,65 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
             self.host = HostOffload()
             self.segments = [i for i in items if isinstance(i, Segment)]  # the recomputed runs of nodes
             self.scaling: Any = None  # FP8 delayed scaling's state (None: current scaling)
+            self.homes: dict[str, Any] = {}  # key -> host tensor of a parameter living in host memory between uses
+            for ph in sorted(offload_params):
+                key = self.keys[ph]
+                if key not in self.homes:
+                    self.homes[key] = _to(self.weights[key].detach(), "cpu")
+                    release_storage(self.weights[key])
+            self._saving: Any = None  # during a forward pass with homes: the hooks that save their references
 
         def forward(self, *args: Any) -> Any:
             env: dict[str, Any] = dict(zip(part.inputs, args))
             for ph, key in self.keys.items():
                 env[ph] = self.weights[key]
             env.update(self.consts)
-            for item in items:
-                if isinstance(item, Segment):
-                    outs = checkpoint(self._segment(item), *[env[n] for n in item.inputs], use_reentrant=False)
-                    env.update(zip(item.outputs, outs))
-                else:
-                    env[item.name] = self._node(item, env)
+            for key, home in self.homes.items():  # on the device for the forward pass
+                fetch_home(self.weights[key], home)
+            self._saving = self._home_hooks() if self.homes else None
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(*self._saving) if self._saving \
+                        else contextlib.nullcontext():
+                    for item in items:
+                        if isinstance(item, Segment):
+                            outs = checkpoint(self._segment(item), *[env[n] for n in item.inputs],
+                                              use_reentrant=False)
+                            env.update(zip(item.outputs, outs))
+                        else:
+                            env[item.name] = self._node(item, env)
+            finally:
+                self._saving = None
+                for key in self.homes:  # ... and back in host memory until the backward pass reads them
+                    release_storage(self.weights[key])
             outs = tuple(env[o] for o in part.outputs)
             return outs[0] if len(outs) == 1 else outs
+
+        def _home_hooks(self) -> tuple[Any, Any]:
+            """Saved-tensor hooks that keep, instead of an offloaded parameter (or a view of it), a reference to
+            its home and the view, and copy it in from the home when the backward pass reads it."""
+            by_ptr = {self.weights[key].untyped_storage().data_ptr(): key for key in self.homes
+                      if self.weights[key].numel()}
+
+            def pack(t: Any) -> Any:
+                if not isinstance(t, torch.Tensor) or not t.numel():
+                    return t
+                key = by_ptr.get(t.untyped_storage().data_ptr())
+                if key is None:
+                    return t
+                return _HomeView(key, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+            def unpack(t: Any) -> Any:
+                if not isinstance(t, _HomeView):
+                    return t
+                full = _to(self.homes[t.key], self.weights[t.key].device)
+                return full.as_strided(t.size, t.stride, t.offset)
+            return pack, unpack
+
+        def offloaded_parameters(self) -> dict[str, Any]:
+            """Parameter name (``weights.<key>``) -> the host tensor holding it between uses; the device
+            parameter holds no memory then: read its values here (:meth:`TorchPipeline.optimizer` steps it
+            here)."""
+            return {"weights." + key: home for key, home in self.homes.items()}
 
         def _segment(self, seg: Any) -> Any:
             """``seg`` as a function of its inputs' values to its outputs' (what ``checkpoint`` runs twice)."""
@@ -321,7 +374,11 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
                 x = _get(a, kw, path)
                 if isinstance(x, torch.Tensor) and x.is_floating_point():
                     _set(a, kw, path, fp8_cast(x, self.scaling, f"{op}:{tname}"))
-            with self.host.hooks() if offload else contextlib.nullcontext():
+            if offload and self._saving:  # the offloaded parameters' references stay, the rest goes to the host
+                hooks: Any = torch.autograd.graph.saved_tensors_hooks(*_offloaded(*self._saving, self.host))
+            else:
+                hooks = self.host.hooks() if offload else contextlib.nullcontext()
+            with hooks:
                 out = node.target(*a, **kw)
             fp8 = operands and isinstance(out, torch.Tensor)
             return fp8_grad(out, self.scaling, f"{op}:dY") if fp8 else out
@@ -331,6 +388,54 @@ def _stage_module(part: StagePartition, ep: Any, module: Any,
             return {t: self.weights[k] for k, t in self.targets.items()}
 
     return Stage()
+
+
+@dataclass(frozen=True)
+class _HomeView:
+    """A saved view of a parameter living in host memory, by reference: its key and the view's size, stride and
+    storage offset (:func:`_stage_module`)."""
+
+    key: str
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _first_readers(ops: Sequence[StageChoice], info: Any, rename: Mapping[str, str],
+                   params: Mapping[str, str]) -> dict[str, str]:
+    """Parameter placeholder of a stage of one process (``params``: placeholder -> target) -> its first reader
+    among the stage's operators (``ops``, new names; ``rename``: new -> traced name), by traced name."""
+    ours = {rename.get(c[0], c[0]) for c in ops}
+    out = {}
+    for ph, target in params.items():
+        uses = [u for u in info.param_uses.get(target, ()) if u[0] in ours]
+        if uses:
+            out[ph] = uses[0][0]
+    return out
+
+
+def _owners(ops: Sequence[StageChoice], rename: Mapping[str, str], part: str) -> set[str]:
+    """The traced names of the operators of ``ops`` that offload ``part`` ("optimizer", "parameters")."""
+    return {rename.get(c[0], c[0]) for c in ops if part in c[2]}
+
+
+def _offloaded_placeholders(part: StagePartition, ep: Any, ops: Sequence[StageChoice], info: Any,
+                            rename: Mapping[str, str]) -> frozenset[str]:
+    """The parameter placeholders of a stage of one process (``part``) that live in host memory: those whose first
+    reader in the stage (:func:`_first_readers`) offloads its parameters, and whose every reader is an operator's
+    node that does not recompute (the rule of :meth:`shardplan.torch.run.ParallelModule` for its ZeRO-3 shards:
+    a view node, or a checkpointed segment, would read the parameter itself after the forward pass freed it)."""
+    owners = _owners(ops, rename, "parameters")
+    recomputed = {rename.get(c[0], c[0]) for c in ops if c[3]}
+    by_name = {n.name: n for n in ep.graph.nodes}
+    out = set()
+    for ph, first in _first_readers(ops, info, rename, part.params).items():
+        users = list(by_name[ph].users)
+        readers = [info.node_op.get(u.name) for u in users]
+        if first in owners and all(r is not None and r not in recomputed for r in readers) and not any(
+                u.name in info.const_nodes for u in users):
+            out.add(ph)
+    return frozenset(out)
 
 
 def _examples(ep: Any, module: Any, names: Sequence[str]) -> tuple[Any, ...]:
@@ -370,7 +475,8 @@ class _Held:
 
     module: Any
     targets: Mapping[str, str]  # key in the stage module -> parameter target in the original module
-    zero1: frozenset[str] = frozenset()  # the running module's parameters whose optimizer state is sharded
+    zero1: frozenset[str] = frozenset()  # the running module's parameters with state in shards (ZeRO-1, 2)
+    host: frozenset[str] = frozenset()  # the running module's parameters whose optimizer state is in host memory
 
     def named_targets(self) -> dict[str, Any]:
         params = dict(self.module.named_parameters(remove_duplicate=False))
@@ -383,6 +489,16 @@ class _Held:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
+
+
+def _host_state(ops: Sequence[StageChoice], info: Any, rename: Mapping[str, str], keys: Mapping[str, str],
+                params: Mapping[str, str]) -> frozenset[str]:
+    """The parameters of a stage of one process (``weights.<key>``; ``keys``: placeholder -> key, ``params``:
+    placeholder -> target) whose optimizer state lives in host memory: those whose first reader in the stage
+    (:func:`_first_readers`) offloads it."""
+    owners = _owners(ops, rename, "optimizer")
+    return frozenset("weights." + keys[ph] for ph, first in _first_readers(ops, info, rename, params).items()
+                     if first in owners)
 
 
 def _broadcast_stage_layouts(result: Any, rank: int) -> list[list[tuple[Any, Any]]]:
@@ -536,25 +652,38 @@ class TorchPipeline:
 
     def optimizer(self, cls: Any, **options: Any) -> Any:
         """``cls`` (a ``torch.optim`` class) over this rank's stage parameters, holding the state as the plan's ZeRO
-        stages say: a parameter whose first reader in its stage has ZeRO-1, in a stage of several processes whose
-        tile of it has replicas, gets its state in shards (:class:`ShardedStateOptimizer`); the others (a ZeRO-3
+        stages say: a parameter whose first reader in its stage has ZeRO-1 or ZeRO-2, in a stage of several
+        processes whose tile of it has replicas, gets its state in shards (:class:`ShardedStateOptimizer`; at ZeRO-2
+        its gradient already arrives there, reduce-scattered by the stage's ParallelModule); the others (a ZeRO-3
         parameter, already held in shards by its stage's ParallelModule, and every parameter of a stage of one
-        process, where the tile is whole on its one process) are stepped as they are.
-        Step it after :meth:`step`: ``loss = pipe.step(*batch); opt.step(); opt.zero_grad()``."""
+        process, where the tile is whole on its one process) are stepped as they are. The state of a parameter
+        whose first reader offloads it, and of an offloaded ZeRO-3 shard, lives in host memory: those (or their
+        master shards) are stepped by a :class:`~shardplan.torch.precision.HostOptimizer`, an offloaded shard in
+        its home, as :meth:`shardplan.torch.run.ParallelModule.optimizer` does for one program. Returns a
+        :class:`ShardedStateOptimizer` where any state is sharded, else a ``HostOptimizer`` where any lives in host
+        memory, else ``cls`` itself. Step it after :meth:`step`: ``loss = pipe.step(*batch); opt.step();
+        opt.zero_grad()``."""
         from torch.distributed.tensor import DTensor
 
         from shardplan.torch.run import zero3_placements
 
-        pairs, others = [], []
+        pairs, others, host, homes = [], [], [], {}
         for held in self.modules:
-            for name, p in held.module.named_parameters():
+            params = dict(held.module.named_parameters())
+            if hasattr(held.module, "offloaded_parameters"):  # parameters (ZeRO-3 shards) living in host memory
+                homes.update({id(params[n]): h for n, h in held.module.offloaded_parameters().items()})
+            for name, p in params.items():
+                if name in held.host or id(p) in homes:  # a parameter living in host memory is stepped there
+                    host.append(p)
                 if name in held.zero1 and isinstance(p, DTensor):
                     shard = zero3_placements(p.placements, p.shape, p.device_mesh.mesh.shape)
                     if tuple(shard) != tuple(p.placements):
                         pairs.append((p, shard))
                         continue
                 others.append(p)
-        return ShardedStateOptimizer(pairs, others, cls, **options) if pairs else cls(others, **options)
+        if pairs:
+            return ShardedStateOptimizer(pairs, others, cls, host=host, homes=homes, **options)
+        return _inner_optimizer(others, host, homes, cls, options)
 
     def named_parameters(self) -> dict[str, Any]:
         """Parameter target (name in the original module) -> this rank's copy."""
@@ -600,43 +729,51 @@ def _result_choices(result: Any) -> list[list[StageChoice]]:
 
 
 def check_stage_choices(choices: Sequence[Sequence[StageChoice]], q: int) -> None:
-    """Refuse what the stage runner cannot hold (stages of ``q`` processes): optimizer state or parameters in
-    host memory, and in stages of several processes ZeRO stage 2 (the one-program run holds 0 and 3 only). ZeRO-1
-    is held by :meth:`TorchPipeline.optimizer` (the state in shards over each tile's replicas), ZeRO-3 by the
-    stage's :class:`~shardplan.torch.run.ParallelModule` (parameters in shards, gathered at each use and again
-    for the backward; an optimizer over them holds their state in shards too); in a stage of one process every
-    ZeRO stage holds what stage 0 holds (the tile has no replicas to shard over)."""
-    for ops in choices:
+    """Refuse what the stage runner cannot hold (stages of ``q`` processes): parameters in host memory beside a ZeRO
+    stage other than 3 (ZeRO-Infinity's ``offload_param`` moves the ZeRO-3 partition; the plan never offers it).
+
+    Held: ZeRO-1 and ZeRO-2 by :meth:`TorchPipeline.optimizer` (the state in master shards over each tile's
+    replicas; at ZeRO-2 the stage's :class:`~shardplan.torch.run.ParallelModule` reduce-scatters the gradient
+    into the shard), ZeRO-3 by the ParallelModule (parameters in shards, gathered at each use and again for the
+    backward); optimizer state in host memory by a :class:`~shardplan.torch.precision.HostOptimizer` inside
+    :meth:`TorchPipeline.optimizer`, and offloaded parameters in their homes (the ParallelModule's ZeRO-3 shards,
+    :meth:`~shardplan.torch.run.ParallelModule.offloaded_parameters`; a stage of one process's whole parameters,
+    :func:`_stage_module`), as in one program. In a stage of one process every ZeRO stage holds what stage 0
+    holds (the tile has no replicas to shard over)."""
+    for ops in choices:  # stages of any size q hold the same choices
         for name, _fp8, offload, _recompute, stage in ops:
-            parts = [p for p in offload if p != "activations"]
-            why = (f"offloads its {', '.join(parts)}" if parts else
-                   f"has ZeRO stage {stage} in a stage of {q} processes" if stage == 2 and q > 1 else None)
-            if why:
-                raise ShardplanError(f"pipeline stage operator {name!r} {why}: the PyTorch stage runner holds "
-                                     "ZeRO-1 state (TorchPipeline.optimizer) and ZeRO-3 parameters, not offloaded "
-                                     "state or ZeRO-2 gradient shards over several processes")
+            if "parameters" in offload and stage != 3:
+                raise ShardplanError(f"pipeline stage operator {name!r} offloads its parameters at ZeRO stage {stage}: "
+                                     "the PyTorch stage runner keeps parameters in host memory at ZeRO stage 3 only")
 
 
 class ShardedStateOptimizer:
-    """A ``torch.optim`` optimizer whose state for some DTensor parameters lives in shards (ZeRO-1).
+    """A ``torch.optim`` optimizer whose state for some DTensor parameters lives in shards (ZeRO-1 and 2).
 
     Each such parameter ``p`` (placements ``tile``) has a master shard ``s``: ``p`` redistributed to ``shard``
     (:func:`shardplan.torch.run.zero3_placements`: the tile further split over the mesh axes that replicate it), a
-    leaf the inner optimizer steps, so its state (Adam's moments) is allocated on the shard. :meth:`step` cuts
-    ``p``'s gradient to the shard (a local slice of the replicated gradient: no communication), steps the inner
-    optimizer, and gathers the new shard back into ``p``'s tile (an all-gather over the replicas). Other
-    parameters are stepped as they are. The masters are taken from the parameters when this optimizer is made:
-    load new values into the module before making it.
+    leaf the inner optimizer steps, so its state (Adam's moments) is allocated on the shard. :meth:`step` hands
+    ``p``'s gradient to the shard (ZeRO-1: a local slice of the replicated gradient, no communication; ZeRO-2:
+    the gradient already laid out as the shard, reduce-scattered in the backward pass by the stage's
+    :class:`~shardplan.torch.run.ParallelModule`), steps the inner optimizer, and gathers the new shard back into
+    ``p``'s tile (an all-gather over the replicas). Other parameters are stepped as they are. ``host``: parameters
+    (of the pairs or ``others``) whose state lives in host memory: they (a pair's master shard) are stepped by a
+    :class:`~shardplan.torch.precision.HostOptimizer` inner optimizer (``homes``: its host-resident parameters).
+    The masters are taken from the parameters when this optimizer is made: load new values into the module
+    before making it.
     """
 
-    def __init__(self, pairs: Sequence[tuple[Any, Any]], others: Sequence[Any], cls: Any, **options: Any) -> None:
+    def __init__(self, pairs: Sequence[tuple[Any, Any]], others: Sequence[Any], cls: Any, *, host: Sequence[Any] = (),
+                 homes: Mapping[int, Any] | None = None, **options: Any) -> None:
         import torch
 
         self.pairs = []
         for p, shard in pairs:
             master = torch.nn.Parameter(p.detach().redistribute(p.device_mesh, shard).clone())
             self.pairs.append((p, master))
-        self.inner = cls([m for _, m in self.pairs] + list(others), **options)
+        hosted = {id(x) for x in host}
+        on_host = [m for p, m in self.pairs if id(p) in hosted] + [x for x in others if id(x) in hosted]
+        self.inner = _inner_optimizer([m for _, m in self.pairs] + list(others), on_host, homes or {}, cls, options)
 
     @property
     def param_groups(self) -> Any:
@@ -644,6 +781,8 @@ class ShardedStateOptimizer:
 
     @property
     def state(self) -> Any:
+        """The inner optimizer's state (keyed by master shard or parameter); a
+        :class:`~shardplan.torch.precision.HostOptimizer`'s is ``inner.inner.state``, keyed by the host copies."""
         return self.inner.state
 
     def masters(self) -> list[tuple[Any, Any]]:
@@ -671,6 +810,20 @@ class ShardedStateOptimizer:
 
     def load_state_dict(self, state: Any) -> None:
         self.inner.load_state_dict(state)
+
+
+def _inner_optimizer(params: Sequence[Any], host: Sequence[Any], homes: Mapping[int, Any], cls: Any,
+                     options: Mapping[str, Any]) -> Any:
+    """``cls`` over ``params``, those of ``host`` (by identity) stepped in host memory by a
+    :class:`~shardplan.torch.precision.HostOptimizer` (``homes``: id -> host tensor of a parameter that lives
+    there, stepped in place) beside the others, as :meth:`shardplan.torch.run.ParallelModule.optimizer` does."""
+    from shardplan.torch.precision import HostOptimizer
+
+    hosted = {id(x) for x in host}
+    if not hosted:
+        return cls(list(params), **options)
+    return HostOptimizer([x for x in params if id(x) in hosted], cls,
+                         device_params=[x for x in params if id(x) not in hosted], homes=dict(homes), **options)
 
 
 def node_choices(ops: Sequence[StageChoice], info: Any, graph: Any, old: Mapping[str, str]) -> dict[str, tuple]:
@@ -703,7 +856,9 @@ def _run_choices(ops: Sequence[StageChoice], names: Sequence[str], ring: bool,
     pick = lambda k: frozenset(n for n, c in zip(names, ops) if k(c))  # noqa: E731
     return RunChoices(recompute=pick(lambda c: c[3]), fp8=pick(lambda c: c[1]),
                       offload=pick(lambda c: "activations" in c[2] and not c[3]), ring=ring,
-                      zero3=pick(lambda c: c[4] == 3), dealt=dealt)
+                      zero3=pick(lambda c: c[4] == 3), zero2=pick(lambda c: c[4] == 2),
+                      offload_optimizer=pick(lambda c: "optimizer" in c[2]),
+                      offload_params=pick(lambda c: "parameters" in c[2]), dealt=dealt)
 
 
 def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None = None, *,
@@ -828,7 +983,8 @@ def build_pipeline(result: Any, layout: dict, stage_layouts: Sequence[Sequence[t
         mod = _stage_module(parts[j], ep, module,
                             node_choices(choices[j], info, graph, rename) if q == 1 else None,
                             (info.node_op, frozenset(rename.get(c[0], c[0]) for c in choices[j] if c[3]))
-                            if q == 1 else None)
+                            if q == 1 else None,
+                            _offloaded_placeholders(parts[j], ep, choices[j], info, rename) if q == 1 else frozenset())
         ins = _examples(ep, module, parts[j].inputs)
         outs = _examples(ep, module, parts[j].outputs)
         if sub is not None and stage_layouts is None:
@@ -843,9 +999,12 @@ def build_pipeline(result: Any, layout: dict, stage_layouts: Sequence[Sequence[t
                                        output_args=outs[0] if len(outs) == 1 else outs, group=group))
         zero1: frozenset[str] = frozenset()
         if sub is not None:  # the stage traced again: its operators are the plan's, in order
-            ones = {op.name for op, c in zip(run_mod.graph.operators, choices[j]) if c[4] == 1}
+            ones = {op.name for op, c in zip(run_mod.graph.operators, choices[j]) if c[4] in (1, 2)}
             zero1 = frozenset(t for t, uses in run_mod.info.param_uses.items() if uses and uses[0][0] in ones)
-        modules.append(_Held(run_mod, mod.targets, zero1))
+            host = run_mod.host_state()
+        else:
+            host = _host_state(choices[j], info, rename, mod.keys, parts[j].params)
+        modules.append(_Held(run_mod, mod.targets, zero1, host))
     cls = getattr(pp, SCHEDULE_CLASSES[run_schedule])
     kw = dict(n_microbatches=m, loss_fn=lambda out, _target: out, scale_grads=reduction == "mean")
     sched = cls(stages, **kw) if run_schedule in ("interleaved", "zb-h1") else cls(stages[0], **kw)

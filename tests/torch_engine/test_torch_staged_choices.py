@@ -8,8 +8,9 @@ FP8 products (cast by this file's own code) on the same micro-batches.
   operator splitting the sequence 2 ways, planned with ``context="ring"``: the attention runs the ring, the MLP
   linears FP8, one projection offloads its activations and one recomputes.
 
-Refusals (ZeRO stage 2 over stages of several processes, optimizer state in host memory) run in this process: they
-are checked before anything is traced (ZeRO-1 in stages: tests/torch_engine/test_torch_staged_zero.py).
+Refusals (parameters in host memory beside a ZeRO stage other than 3) run in this process: they are checked before
+anything is traced (ZeRO-1, 2, 3, offloaded optimizer state and parameters in stages:
+tests/torch_engine/test_torch_staged_zero.py).
 """
 
 from __future__ import annotations
@@ -448,7 +449,8 @@ def test_state_the_stage_runner_does_not_hold_is_refused():
     plan = cost_recipe("gpt", preset("h100", 8), "pp=2,tp=2,dp=2,mbs=2", batch=8)
     name = next(iter(plan.stages[0].operators))
     one = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, devices=1) for s in plan.stages))  # any q
-    for bad, match in ((edited(plan, {name: {"state_stage": 2}}), "ZeRO stage 2 in a stage of 4 processes"),
-                       (edited(one, {name: {"offload": ("optimizer",)}}), "offloads its optimizer")):
+    both = ("optimizer", "parameters")
+    for bad, match in ((edited(plan, {name: {"state_stage": 2, "offload": both}}), "parameters at ZeRO stage 2: "),
+                       (edited(one, {name: {"state_stage": 1, "offload": both}}), "parameters at ZeRO stage 1: ")):
         with pytest.raises(ShardplanError, match=match):
             st.apply(bad, nn.Linear(2, 2), (torch.zeros(1, 2),))
