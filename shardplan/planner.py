@@ -460,14 +460,14 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
 
     if interrupted and searched and seed is not None:
         # Ctrl-C in the seeds, or in a one-program search that had not beaten the seed: the seed is the answer,
-        # and nothing is proven of the pipelines
+        # and the pipelines are bounded by their step floor alone
         searched = False
         if one_none_better is None and not any(p.solver != "pipeline" for p in candidates):
             unproven.append(one_floor)  # the one program not searched (Ctrl-C in the seeds): its work floor
         candidates.append(seed_plan(pipe_floor()))
         refusals.append("pipelines: interrupted before the pipeline search, the best uniform pipeline kept")
     elif interrupted and searched:
-        # Ctrl-C inside the one program's memory search: the pipelines are not searched, so nothing is proven of them
+        # Ctrl-C inside the one program's memory search: the pipelines are not searched, bounded by their step floor
         searched = False
         unproven.append(pipe_floor())  # the pipelines not searched: their step floor
         refusals.append("pipelines: interrupted in the one program's memory search, not searched")
