@@ -15,6 +15,11 @@ on 16,384 h100 (batch 2,048 sequences of 8,192 tokens) under 120 s and 4 GB, and
 published configuration (Dubey et al. 2024, Table 4: tensor 8, pipeline 16, data 128, micro-batch size 1; the
 first and last stage one block fewer, §3.3.2) costed by the same model (``shardplan recipe``).
 
+Growth: over the rows, the exponent b of ``y ~ a p^b`` fitted by least squares on log-log (wall seconds, CPU
+seconds and peak resident memory against the device count p) is printed and stored (``growth``), and a plot of
+the three against p is written next to the JSON (same name, ``.png``; matplotlib's Agg backend). Rows stopped at
+their limit measure the limit, not the search: the fit says so (``rows_at_limit``).
+
 Run: ``PYTHONPATH=. python benchmarks/bench_scale_pipeline.py [--rows gpt3-p64,...] [--out
 benchmarks/results/scale_pipeline.json]``.
 """
@@ -147,6 +152,67 @@ def run_row(name: str, spec: dict[str, Any], grace: float, cpu_limit: float | No
     return row
 
 
+def growth_exponent(xs: list[float], ys: list[float | None]) -> float | None:
+    """b of ``y ~ a x^b`` by least squares on (log x, log y); None with fewer than two distinct positive points."""
+    import math
+
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y is not None and y > 0]
+    if len({x for x, _ in pts}) < 2:
+        return None
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx
+
+
+def growth(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fitted exponents of wall seconds, CPU seconds and peak memory against the device count, over the rows
+    that ran (each row one model; GPT-3 and Llama 3 mixed, so a summary, not a law)."""
+    ran = [r for r in rows if r.get("seconds") is not None]
+    p = [float(r["devices"]) for r in ran]
+    return {"devices": [int(x) for x in p],
+            "seconds_exponent": growth_exponent(p, [float(r["seconds"]) for r in ran]),
+            "cpu_seconds_exponent": growth_exponent(p, [r.get("cpu_seconds") for r in ran]),
+            "peak_rss_exponent": growth_exponent(p, [float(r["peak_rss_bytes"]) for r in ran]),
+            "rows_at_limit": [r["row"] for r in ran if r.get("status") != "ok"]}
+
+
+def plot(rows: list[dict[str, Any]], fit: dict[str, Any], path: str) -> None:
+    """Wall and CPU seconds (left axis) and peak resident memory (right axis) against the device count, log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in rows if r.get("seconds") is not None]
+    p = [r["devices"] for r in ran]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.loglog(p, [r["seconds"] for r in ran], "o-", label=f"wall s (b={_fmt(fit['seconds_exponent'])})")
+    ax.loglog(p, [r.get("cpu_seconds") or float("nan") for r in ran], "s-", label=f"CPU s (b={_fmt(fit['cpu_seconds_exponent'])})")
+    for r in ran:
+        if r.get("status") != "ok":
+            ax.annotate("stopped", (r["devices"], r["seconds"]), textcoords="offset points", xytext=(4, 6),
+                        fontsize=7)
+    ax.set_xlabel("devices (h100)")
+    ax.set_ylabel("seconds")
+    ax2 = ax.twinx()
+    ax2.set_yscale("log")
+    ax2.plot(p, [r["peak_rss_bytes"] / 2**30 for r in ran], "^--", color="tab:green",
+             label=f"peak RSS GiB (b={_fmt(fit['peak_rss_exponent'])})")
+    ax2.set_ylabel("peak resident memory (GiB)")
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    labels = ax.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
+    ax.legend(lines, labels, fontsize=8, loc="upper left")
+    ax.set_title("shardplan plan, default search: " + ", ".join(f"{r['model']} p={r['devices']}" for r in ran),
+                 fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
@@ -169,8 +235,16 @@ def main(argv: list[str] | None = None) -> int:
             row["label"] = args.label
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "log"}), flush=True)
+    fit = growth(rows)
+    print("growth exponents (y ~ p^b): wall {}, CPU {}, peak RSS {}{}".format(
+        _fmt(fit["seconds_exponent"]), _fmt(fit["cpu_seconds_exponent"]), _fmt(fit["peak_rss_exponent"]),
+        f" (rows stopped at their limit: {', '.join(fit['rows_at_limit'])})" if fit["rows_at_limit"] else ""))
     write_result("bench_scale_pipeline", args.out, rows, load_average_at_start=load_at_start,
-                 load_average_at_end=os.getloadavg())
+                 load_average_at_end=os.getloadavg(), growth=fit)
+    if len(rows) > 1:
+        png = str(Path(args.out).with_suffix(".png"))
+        plot(rows, fit, png)
+        print(f"wrote {png}")
     return 0
 
 

@@ -381,6 +381,22 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             say(f"  uniform pipelines: {seed.step_time:.6g} s per step ({seed.plan.num_stages} stages, "
                 f"m={seed.plan.micro_batches}, {seed.plan.schedule}; {time.perf_counter() - t0:.1f} s)"
                 + (", interrupted" if seed_stopped else ""))
+    # solve-free bounds of both spaces, for whatever part of the search an interrupt leaves unfinished (the one
+    # program's over all its micro-batch counts; the pipelines', computed on the seeds' stages when there are
+    # seeds, whose graphs the pipeline search then reuses, else only when an interrupt needs it)
+    one_floor = _one_program_floor(graph, machine, fit_options) if constrained else 0.0
+    pipe_floors: list[float] = []
+
+    def pipe_floor() -> float:
+        """The step floor of every pipeline at every micro-batch count searched (docs/pipeline.md, *A bound
+        whenever the search stops*)."""
+        if not pipe_floors:
+            assert build is not None and batch is not None
+            pipe_floors.append(_pipeline_floor(seed.stages if seed is not None else None, build, batch, machine, ms))
+        return pipe_floors[0]
+
+    if searched and constrained and seed is not None and not seed_stopped:
+        pipe_floor()
     if not seed_stopped:  # (interrupted already: the seed found so far is the answer, nothing proven)
         say(f"planning {name} on {machine.num_devices} devices: one program"
             + (" with memory choices" if constrained else "")
@@ -396,11 +412,18 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                             partial_sums=partial_sums, incumbent=seed.step_time if seed is not None else None,
                             **tables_extra)
             if one.solution.stats.get("beats_incumbent", True):
-                candidates.append(from_spmd(one, model=name, batch=batch))
+                got = from_spmd(one, model=name, batch=batch)
+                if got.lower_bound is not None and got.lower_bound < one_floor:
+                    # an interrupted memory search states 0 for the counts it had not rooted: every one-program plan
+                    # is at least the work floor too, so the larger of the two is proven (docs/pipeline.md)
+                    gap = (got.step_time - one_floor) / got.step_time if got.step_time > 0 else 0.0
+                    got = replace(got, lower_bound=one_floor,
+                                  stats={**got.stats, "gap": max(gap, 0.0), "work_floor": one_floor})
+                candidates.append(got)
             else:
                 # every plan of the one program is at least its bound, itself at least (about) the seed's step:
                 # the pipelines answer; the bound stays in the plan's (docs/memory.md, *An incumbent from outside*)
-                one_none_better = float(one.solution.bound)
+                one_none_better = max(float(one.solution.bound), one_floor)
                 say(f"  one program: no plan below {seed.step_time:.6g} s (bound {one_none_better:.6g} s; "  # type: ignore[union-attr]
                     f"{time.perf_counter() - t0:.1f} s)" + (", interrupted" if one.solution.stats.get("interrupted")
                                                              else ""))
@@ -411,6 +434,14 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             if type(e) not in (ShardplanError, PerDeviceLimitError):
                 raise
             refusals.append(f"one program: {e}")
+        except KeyboardInterrupt:
+            if seed is None:
+                raise
+            # Ctrl-C in the one program's memory search before it had a plan: the seed is the answer, the one
+            # program bounded by its work floor (the pipelines' floor is the seed's bound below)
+            seed_stopped = True
+            one_none_better = one_floor
+            refusals.append("one program: interrupted before its memory search had a plan")
     else:
         from shardplan.spmd import solve
 
@@ -429,15 +460,16 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
 
     if interrupted and searched and seed is not None:
         # Ctrl-C in the seeds, or in a one-program search that had not beaten the seed: the seed is the answer,
-        # and nothing is proven of the pipelines
+        # and the pipelines are bounded by their step floor alone
         searched = False
-        unproven.append(0.0)
-        candidates.append(seed_plan(0.0))
+        if one_none_better is None and not any(p.solver != "pipeline" for p in candidates):
+            unproven.append(one_floor)  # the one program not searched (Ctrl-C in the seeds): its work floor
+        candidates.append(seed_plan(pipe_floor()))
         refusals.append("pipelines: interrupted before the pipeline search, the best uniform pipeline kept")
     elif interrupted and searched:
-        # Ctrl-C inside the one program's memory search: the pipelines are not searched, so nothing is proven of them
+        # Ctrl-C inside the one program's memory search: the pipelines are not searched, bounded by their step floor
         searched = False
-        unproven.append(0.0)
+        unproven.append(pipe_floor())  # the pipelines not searched: their step floor
         refusals.append("pipelines: interrupted in the one program's memory search, not searched")
     # (step, lower bound) of a pipeline slower than one program; step None: none beat it (search pruned by it)
     lost_pipeline: tuple[float | None, float | None] | None = None
@@ -490,15 +522,16 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             interrupted = True
             if seed is not None and not candidates:
                 # before the search had found the seed again: the seed, and the bound the search stated
-                candidates.append(seed_plan(tracker.space_bound if tracker.space_bound is not None else 0.0))
+                candidates.append(seed_plan(tracker.space_bound if tracker.space_bound is not None else pipe_floor()))
                 refusals.append("pipelines: interrupted before the search had a plan, the best uniform pipeline kept")
                 say(f"  pipelines: interrupted ({time.perf_counter() - t1:.1f} s), the best uniform pipeline kept")
             elif not candidates:
                 raise
             else:
                 # no pipeline found before the interrupt: the one program, and what the search proved of the
-                # pipelines (its finished parts' bounds and the unfinished parts' family bounds; 0 before it started)
-                unproven.append(tracker.space_bound if tracker.space_bound is not None else 0.0)
+                # pipelines (its finished parts' bounds and the unfinished parts' family bounds; the step floor
+                # before it started)
+                unproven.append(tracker.space_bound if tracker.space_bound is not None else pipe_floor())
                 refusals.append("pipelines: interrupted before a pipeline was found")
                 say(f"  pipelines: interrupted before a pipeline was found ({time.perf_counter() - t1:.1f} s)")
     if not candidates:
@@ -530,6 +563,36 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                     and lost_pipeline[0] is None else {}))
     return replace(best, lower_bound=lower, stats=stats)
 
+
+
+def _one_program_floor(graph: Graph, machine: Machine, fit_options: Any = None) -> float:
+    """A proven lower bound of every one-program plan of ``graph`` on ``machine`` the memory search can cost, at
+    every micro-batch count and memory choice: the step's work over every device,
+    :func:`~shardplan.pipeline.stages.graph_device_seconds` / p (with FP8 offered, at the faster of the FP8 and
+    the plain rate). Each choice of an operator costs its whole-batch compute (micro-batches scale only the
+    latencies) plus nonnegative terms (collectives, recomputation, ZeRO's gathers, the optimizer step, offload),
+    and that compute is at least the operator's device-seconds over p (docs/pipeline.md, *A bound whenever the
+    search stops*)."""
+    from dataclasses import replace
+
+    from shardplan.pipeline.stages import graph_device_seconds
+
+    fast = machine
+    if getattr(fit_options, "fp8", False) and machine.fp8_flops is not None:
+        fast = replace(machine, peak_flops=max(machine.peak_flops, machine.fp8_flops))
+    return graph_device_seconds(graph, fast) / machine.num_devices
+
+
+def _pipeline_floor(stages: Any, build: Callable[[int], Graph], batch: int, machine: Machine,
+                    ms: Sequence[int]) -> float:
+    """The least step floor over the micro-batch counts ``ms`` dividing ``batch``
+    (:meth:`~shardplan.pipeline.stages.ModelStages.step_floor`: every pipeline at m takes at least
+    m D(batch/m) / p), on ``stages`` (a :class:`~shardplan.pipeline.stages.ModelStages` whose graphs are then
+    cached for the search) or, None, on the graphs built here."""
+    from shardplan.pipeline.stages import ModelStages
+
+    model = stages if stages is not None else ModelStages(build, batch, machine)
+    return min(model.step_floor(m) for m in ms if batch % m == 0)
 
 
 def _one_micro_batch_bound(sp: Any) -> float | None:

@@ -131,14 +131,14 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from shardplan.errors import OperatorMemoryError, PerDeviceLimitError, ShardplanError
 from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
 from shardplan.pipeline.search import StageCost
 
-__all__ = ["unit_prefix", "units_of", "ModelStages"]
+__all__ = ["unit_prefix", "units_of", "ModelStages", "graph_device_seconds"]
 
 
 def unit_prefix(name: str) -> str | None:
@@ -266,6 +266,49 @@ def _proven_ratio(plan, rtol: float) -> float:
     return max(0.0, min(1.0, low / sol.cost))
 
 
+def graph_device_seconds(g: Graph, machine: Machine, ops: Iterable[int] | None = None,
+                         forward: bool = False) -> float:
+    """A lower bound of q times the seconds of the operators ``ops`` of ``g`` (default: every one) on any q
+    devices of ``machine`` under any plan: per operator, (1 + tensors with gradients) passes, each at least
+    max(FLOPs / R, bytes / HBM bandwidth) over q, R the machine's achievable FLOP/s (a fused backward,
+    :mod:`shardplan.cost.fused`: its own FLOPs at the fused-attention rate, and at least the inputs' and the
+    output gradient's bytes; under a causal mask the FLOPs of the unmasked points only, which every split's
+    busiest device carries at least 1/q of). The cost model charges each pass ``f prod_d E_d / c_d`` FLOPs per
+    device with ``prod_d c_d <= q``, at R times a utilisation <= 1, under a roofline over the tiles the pass
+    moves (:mod:`shardplan.cost.operator`); a tensor whose axes are all plain (no window, no stride) is read
+    whole, so some device's tile of it holds at least 1/q of its elements: only such tensors are counted in the
+    bytes (the output always is).
+
+    ``forward``: each operator's bound divided by its ``passes`` instead, a lower bound of q times the
+    *forward* seconds: the cost model's forward of an operator is ``1 / passes`` of its compute plus
+    nonnegative terms (:func:`_split_parts`), and its compute is at least the operator's bound over q."""
+    rate, bw, nbytes = machine.achievable_flops, machine.hbm_bandwidth, float(machine.dtype_bytes)
+    total = 0.0
+    for i in (range(len(g.operators)) if ops is None else ops):
+        op = g.operators[i]
+        points = op.points
+        if op.causal is not None:  # the unmasked points: S (S + 1) / 2 of S^2, whatever the split
+            s_ext = op.extents[op.causal.query]
+            points = points * (s_ext + 1) / (2 * s_ext)
+        r = rate if op.backward_flops is None else machine.attention_flops  # a fused kernel's own rate
+        seconds = op.flops_per_point * points / r
+        back = (op.backward_flops * points / r if op.grad_tensors else 0.0) \
+            if op.backward_flops is not None else None
+        if bw is not None:
+            plain = [t for t in op.inputs + op.weights
+                     if all(x.window is None and x.stride == 1 for x in t.axes)]
+            ins = sum(math.prod(t.shape) * t.elem_factor for t in plain)
+            out = math.prod(op.output.shape) * op.output.elem_factor
+            if back is None:
+                seconds = max(seconds, (ins + out) * nbytes / bw)
+            else:  # a fused kernel (cost/fused.py): forward inputs + saved, backward at least inputs + dO
+                seconds = max(seconds, (ins + op.saved * out) * nbytes / bw)
+                back = max(back, (ins + out) * nbytes / bw) if op.grad_tensors else 0.0
+        here = op.passes * seconds if back is None else seconds + back  # a bias's gradient pass: >= 0
+        total += here / op.passes if forward else here
+    return total
+
+
 @dataclass
 class ModelStages:
     """Stage and link costs of a model built at any micro-batch size, for :func:`search_pipeline`.
@@ -349,46 +392,10 @@ class ModelStages:
 
     def device_seconds(self, m: int, a: int = 0, b: int | None = None, forward: bool = False) -> float:
         """A lower bound of q times the seconds of units [a, b) (default: the whole model) at micro-batch batch/m
-        on any q devices under any plan: per operator, (1 + tensors with gradients) passes, each at least
-        max(FLOPs / R, bytes / HBM bandwidth) over q, R the machine's achievable FLOP/s (a fused backward,
-        :mod:`shardplan.cost.fused`: its own FLOPs at the fused-attention rate, and at least the inputs' and the
-        output gradient's bytes;
-        under a causal mask the FLOPs of the unmasked points only, which every split's busiest device
-        carries at least 1/q of). The cost model charges
-        each pass ``f prod_d E_d / c_d`` FLOPs per device with ``prod_d c_d <= q``, at R times a utilisation
-        <= 1, under a roofline over the tiles the pass moves (:mod:`shardplan.cost.operator`); a tensor whose
-        axes are all plain (no window, no stride) is read whole, so some device's tile of it holds at least
-        1/q of its elements: only such tensors are counted in the bytes (the output always is).
-
-        ``forward``: each operator's bound divided by its ``passes`` instead, a lower bound of q times the
-        stage's *forward* seconds: the cost model's forward of an operator is ``1 / passes`` of its compute plus
-        nonnegative terms (:func:`_split_parts`), and its compute is at least the operator's bound over q."""
+        on any q devices under any plan (:func:`graph_device_seconds` over those units' operators)."""
         g, units, _ = self.graph(m)
-        rate, bw, nbytes = self.machine.achievable_flops, self.machine.hbm_bandwidth, float(self.machine.dtype_bytes)
-        total = 0.0
-        for i in (i for u in range(a, len(units) if b is None else b) for i in units[u]):
-            op = g.operators[i]
-            points = op.points
-            if op.causal is not None:  # the unmasked points: S (S + 1) / 2 of S^2, whatever the split
-                s_ext = op.extents[op.causal.query]
-                points = points * (s_ext + 1) / (2 * s_ext)
-            r = rate if op.backward_flops is None else self.machine.attention_flops  # a fused kernel's own rate
-            seconds = op.flops_per_point * points / r
-            back = (op.backward_flops * points / r if op.grad_tensors else 0.0) \
-                if op.backward_flops is not None else None
-            if bw is not None:
-                plain = [t for t in op.inputs + op.weights
-                         if all(x.window is None and x.stride == 1 for x in t.axes)]
-                ins = sum(math.prod(t.shape) * t.elem_factor for t in plain)
-                out = math.prod(op.output.shape) * op.output.elem_factor
-                if back is None:
-                    seconds = max(seconds, (ins + out) * nbytes / bw)
-                else:  # a fused kernel (cost/fused.py): forward inputs + saved, backward at least inputs + dO
-                    seconds = max(seconds, (ins + op.saved * out) * nbytes / bw)
-                    back = max(back, (ins + out) * nbytes / bw) if op.grad_tensors else 0.0
-            here = op.passes * seconds if back is None else seconds + back  # a bias's gradient pass: >= 0
-            total += here / op.passes if forward else here
-        return total
+        ops = (i for u in range(a, len(units) if b is None else b) for i in units[u])
+        return graph_device_seconds(g, self.machine, ops, forward)
 
     def step_floor(self, m: int) -> float:
         """A proven lower bound of the step of every pipeline of the model at m micro-batches (any stages,

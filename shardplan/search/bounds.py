@@ -557,7 +557,7 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
                 incumbent: np.ndarray | None = None, rtol: float = RTOL,
                 restricted_max: int = 8, restricted_entries: float = 2e7,
                 min_drop: float = 0.2, exact_weights: bool = False,
-                symmetric: bool = False, orbit_ids: list[int] | None = None
+                symmetric: bool = False, orbit_ids: list[int] | None = None, cutoff: float = np.inf
                 ) -> tuple[Reduction, dict]:
     """Drop every configuration whose lower bound exceeds the incumbent (exact; see module doc).
 
@@ -578,6 +578,10 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
     layers) keep the union of their survivors, so the restricted problem
     keeps equal parts equal and shares their matrices (exact: only more is kept);
     ``orbit_ids``, when given, is ``orbits(problem)`` already computed.
+    ``cutoff``: stop as soon as a round's lower bound, less ``rtol`` of itself against the forest pass's
+    rounding, reaches it (``stats["cut_off"]`` True, ``stats["lower_bound"]`` that bound): no assignment
+    costs less than the cutoff, which is all a caller that gives one needs (docs/search.md, *An incumbent
+    from outside*).
 
     Returns the reduction (merged edges, surviving configurations, ``keep``
     maps to ``problem``'s indices) and stats: configs before/after, rounds,
@@ -599,6 +603,7 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
     history = []
     order = list(range(st.n))
     rounds = 0
+    cut = False
     while rounds < max_rounds:
         tr = time.perf_counter()
         if rounds > 0 and trws_iters > 0:
@@ -606,6 +611,15 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
         lbs, a, val = _forest_pass(st, exact_weights or st.msg is not None)
         lb = max(lb, val)
         cands = [icm(st, a)]
+        if lb - rtol * abs(lb) >= cutoff:  # every assignment costs at least the cutoff: nothing else to prove
+            ub = st.evaluate(cands[0])
+            if ub < best_ub:
+                best_ub, best_a = ub, np.array([k[x] for k, x in zip(keep, cands[0])], dtype=np.int64)
+            rounds += 1
+            history.append({"upper_bound": float(best_ub), "lower_bound": float(lb), "dropped": 0,
+                            "seconds": time.perf_counter() - tr})
+            cut = True
+            break
         if rounds > 0 and not best_ub <= lb + rtol * abs(lb):  # else the incumbent is proven optimal
             r = _restricted_incumbent(st, lbs, best_ub, restricted_max, restricted_entries, exact_solver)
             if r is not None:
@@ -647,6 +661,7 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
         "lower_bound": float(lb),
         "seconds": time.perf_counter() - t0,
         "history": history,
+        "cut_off": cut,
     }
     red = make_reduction(problem, keep, st.unary, st.pairs, stats)
     stats["incumbent"] = None if best_a is None else tuple(int(x) for x in best_a)

@@ -238,6 +238,10 @@ class _Ctx:
     # deterministic, so a stored point is the one the solve would give
     solved: dict = field(default_factory=dict)
     reused: int = 0
+    # the exact solver with a cutoff (solve_dp's ``cutoff``): it may answer a proven bound at least the cutoff
+    # instead of the optimum; None: every solve is exact (a solver given by the caller)
+    cut_dp: Callable[[Problem, float], Solution] | None = None
+    cut_solves: int = 0  # Lagrangian solves answered by their bound alone
 
     def offer(self, pt: _Point) -> None:
         if pt.m <= self.mp.budget and (self.best is None or pt.f < self.best.f):
@@ -312,6 +316,16 @@ def _derived(p: Problem, configs: tuple, vertex_cost: tuple[np.ndarray, ...], ed
 
 def _lagrangian(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray]) -> _Point:
     """Exact argmin over the allowed choices of F + lam * M (ties: least memory)."""
+    got = _lagrangian_or_bound(ctx, lam, allowed, np.inf)
+    assert isinstance(got, _Point)
+    return got
+
+
+def _lagrangian_or_bound(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray], cutoff: float) -> _Point | float:
+    """:func:`_lagrangian`, or, when its problem's optimum (F + lam (M - fixed) over the allowed choices) is proven
+    at least ``cutoff`` by the exact solver's own bound before it solves (``ctx.cut_dp``), that proven bound (a
+    float): the caller needs the point only below the cutoff. A point solved before is taken as it is; a bound is
+    not stored (a later call with another cutoff may need the point)."""
     mp = ctx.mp
     key = (float(lam), np.packbits(np.concatenate(allowed)).tobytes())  # lengths are fixed by mp
     pt = ctx.solved.get(key)
@@ -320,9 +334,12 @@ def _lagrangian(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray]) -> _Point:
     else:
         sub, keeps, picks = _lagrangian_problem(mp, lam, allowed)
         t0 = time.perf_counter()
-        sol = ctx.dp(sub)
+        sol = ctx.cut_dp(sub, cutoff) if ctx.cut_dp is not None and np.isfinite(cutoff) else ctx.dp(sub)
         ctx.dp_seconds += time.perf_counter() - t0
         ctx.solves += 1
+        if sol.stats.get("cut_off"):
+            ctx.cut_solves += 1
+            return float(sol.bound)  # type: ignore[arg-type]
         choices = tuple(int(pk[a]) for pk, a in zip(picks, sol.assignment))
         f, m = mp.evaluate(choices)
         pt = ctx.solved[key] = _Point(f, m, choices)
@@ -406,7 +423,12 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
         return _Eval(np.inf, True)
     tight = _lattice_budget(mp, allowed)  # bounds use it: every allowed M <= B is <= tight
     ctx.trail = []
-    plus = _lagrangian(ctx, 0.0, allowed)
+    # the unconstrained optimum's own problem is F: a bound of it at least the cutoff closes the node (every
+    # allowed assignment, feasible or not, costs that much), without the rest of its solve
+    got = _lagrangian_or_bound(ctx, 0.0, allowed, cutoff)
+    if not isinstance(got, _Point):
+        return _Eval(got, True)
+    plus = got
     if plus.m <= B:
         return _Eval(plus.f, True, None, plus)
     bound = plus.f
@@ -419,7 +441,11 @@ def _dual(ctx: _Ctx, allowed: Sequence[np.ndarray], cutoff: float, max_iters: in
     minus = None
     lam = plus.f / plus.m / 16 if plus.f > 0 else 1.0 / plus.m
     for _ in range(probes):
-        pt = _lagrangian(ctx, lam, allowed)
+        # a probe's value bounds the node by value + lam (fixed - tight): one at least the cutoff closes it
+        got = _lagrangian_or_bound(ctx, lam, allowed, cutoff - lam * (mp.fixed - tight))
+        if not isinstance(got, _Point):
+            return _Eval(max(bound, got + lam * (mp.fixed - tight)), True)
+        pt = got
         bound = max(bound, pt.f + lam * (pt.m - tight))
         if pt.m <= B:
             minus = pt
@@ -1117,10 +1143,15 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
 
         def dp(p: Problem) -> Solution:
             return solve_dp(p, **dp_options)
+
+        def cut_dp(p: Problem, cutoff: float) -> Solution:
+            return solve_dp(p, cutoff=cutoff, **dp_options)
+    else:
+        cut_dp = None  # type: ignore[assignment]
     least = mp.least_memory()
     if least > mp.budget:
         raise ShardplanError(infeasible_message(least, mp.budget))
-    ctx = _Ctx(mp, dp, rtol, mix=mix, deadline=t0 + time_limit)
+    ctx = _Ctx(mp, dp, rtol, mix=mix, deadline=t0 + time_limit, cut_dp=cut_dp)
     if solved is not None:
         ctx.solved = solved
     root = _Node([np.ones(k, dtype=bool) for k in mp.num_choices], -np.inf)
@@ -1197,7 +1228,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
         lower = best.f
     gap = 0.0 if optimal else ((best.f - lower) / abs(best.f) if best.f else float(lower < best.f))
     stats = {"memory_bytes": best.m, "budget_bytes": mp.budget, "least_memory_bytes": least,
-             **root_stats, "gap": gap, "nodes": nodes, "open_nodes": len(heap), "dp_solves": ctx.solves,
+             **root_stats, "gap": gap, "nodes": nodes, "open_nodes": len(heap), "dp_solves": ctx.solves, "dp_cut_off": ctx.cut_solves,
              "dp_reused": ctx.reused, "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "separable_nodes": closed_separable, "frontier_nodes": closed_frontier, "beats_upper": best.f < upper, "found": found, "interrupted": interrupted, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
                         else "proven: nothing below upper")}
     return Solution(cost=best.f, assignment=best.choices, solve_seconds=time.perf_counter() - t0,

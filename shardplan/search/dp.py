@@ -58,7 +58,7 @@ from typing import Callable
 import numpy as np
 
 from shardplan.errors import ShardplanError, TableMemoryError
-from shardplan.search.bounds import bound_prune
+from shardplan.search.bounds import RTOL, bound_prune
 from shardplan.search.memo import ArrayLedger, DigestCache, EliminationMemo, MemoEntry, digest
 from shardplan.search.ordering import ORDERINGS, Ordering
 from shardplan.search.pairs import identical_rows, merge_pairs, view_key
@@ -390,6 +390,7 @@ def solve_dp(
     *,
     bounds: bool = True,
     memo: bool = True,
+    cutoff: float | None = None,
 ) -> Solution:
     """Exact minimum of F by recurrence (4) (variable elimination).
 
@@ -408,6 +409,13 @@ def solve_dp(
             exact: a stored result is reused only when its inputs are equal
             element by element). Only vertices whose cost vector occurs more
             than once (identical operators) are memoised.
+        cutoff: a value the caller needs the optimum only when it is below (an incumbent from outside). With
+            ``bounds``, the bound pruning stops at the first round whose proven lower bound reaches it, and
+            the answer is that bound, not the optimum: ``optimal`` False, ``bound`` the lower bound (at least
+            the cutoff), ``stats["cut_off"]`` True, ``cost`` and ``assignment`` the pruning's best assignment
+            (a real one, no better than the bound). When the optimum is below the cutoff no round's bound
+            reaches it, so the answer is the one without a cutoff, bit for bit (docs/search.md, *An incumbent
+            from outside*).
 
     Returns:
         A :class:`Solution` with ``optimal=True``, the assignment in original
@@ -429,7 +437,17 @@ def solve_dp(
 
     if bounds and problem.num_vertices > 0:
         base, bstats = bound_prune(problem, exact_solver=solve_small, symmetric=symmetric,
-                                   orbit_ids=orb if symmetric else None)
+                                   orbit_ids=orb if symmetric else None,
+                                   cutoff=np.inf if cutoff is None else float(cutoff))
+        if bstats["cut_off"]:
+            # no assignment is below the cutoff: the proven bound is the answer (the pruning's incumbent with it)
+            got = tuple(int(x) for x in bstats["incumbent"])
+            low = float(bstats["lower_bound"])
+            stats = {"cut_off": True, "cutoff": float(cutoff),  # type: ignore[arg-type]
+                     "bounds": {**{k: v for k, v in bstats.items() if k != "incumbent"}, "enabled": True},
+                     "reduce_seconds": time.perf_counter() - t0}
+            return Solution(cost=problem.evaluate(got), assignment=got, solve_seconds=time.perf_counter() - t0,
+                            solver="dp", optimal=False, bound=low - RTOL * abs(low), stats=stats)
         bstats = {**{k: v for k, v in bstats.items() if k != "incumbent"}, "enabled": True}
         base = sym(base)
         if symmetric:
