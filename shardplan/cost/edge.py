@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardplan.configs import deferred_inputs, forward_deferrable
-from shardplan.cost.reshard import MAX_BITS, canonical_pairs, decode_canonical, pattern_bits, reshard_volume
+from shardplan.cost.reshard import MAX_BITS, canonical_pairs, canonical_volume, pattern_bits
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time, reduce_scatter_time
 from shardplan.cost.tiles import MAX_DEVICES, all_active, as_layouts, box_volumes, check_per_device, tensor_boxes
 from shardplan.errors import ShardplanError
@@ -311,7 +311,7 @@ class EdgeMemo:
     unions: dict = field(default_factory=dict)  # (id(layouts), level) -> (layouts, group_union(...)): small
     masks: dict = field(default_factory=dict)  # (block keys of both sides, words) -> _pattern_masks(...)
     steps: dict = field(default_factory=dict)  # canonical pairs of the step search (:mod:`shardplan.cost.reshard`): small
-    step_volumes: dict = field(default_factory=dict)  # (canonical_pairs row, n) -> reshard_volume of it: small
+    step_volumes: dict = field(default_factory=dict)  # (canonical_pairs row, n) -> canonical_volume: small
     step_edges: dict = field(default_factory=dict)  # (both sides' labelings, caps, n) -> step_volumes' tables: small
 
     def union(self, lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray]:
@@ -658,7 +658,7 @@ def step_volumes(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     layouts that both give the tensor a bit labeling (:func:`_bit_labelings`). Volumes before the tensor's
     ``elem_factor`` and ``needs_grad`` (as :func:`edge_volumes` returns them after). Every pair of distinct
     labelings is reduced to its canonical form at once (:func:`~shardplan.cost.reshard.canonical_pairs`), and
-    :func:`~shardplan.cost.reshard.reshard_volume` runs once per canonical form per ``memo``; an edge whose
+    :func:`~shardplan.cost.reshard.canonical_volume` runs once per canonical form per ``memo``; an edge whose
     labelings, caps and size an earlier edge had reuses its tables.
     """
     n = p.bit_length() - 1
@@ -684,12 +684,11 @@ def step_volumes(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
         rows, inv = np.unique(code.reshape(-1, len(caps)), axis=0, return_inverse=True)
         vol = np.zeros(len(rows))
         for g, row in enumerate(rows.tolist()):
-            if row and row[0] >= 0:
-                key = (tuple(row), n)
-                got = volumes.get(key)
-                if got is None:
-                    got = volumes[key] = reshard_volume(*decode_canonical(row), n, cache)
-                vol[g] = got
+            key = (tuple(row), n)
+            got = volumes.get(key)
+            if got is None:
+                got = volumes[key] = canonical_volume(row, n, cache)
+            vol[g] = got
         return np.rint(vol[inv.reshape(-1)].reshape(dropped.shape) * np.ldexp(1.0, -dropped) * total).astype(np.int64)
 
     need_u = np.unique(inv_u[ok_u])

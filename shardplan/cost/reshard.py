@@ -48,7 +48,7 @@ import numpy as np
 from shardplan.errors import ShardplanError
 
 __all__ = ["Labeling", "Step", "pattern_bits", "reshard_steps", "reshard_volume", "steps_volume", "canonical_pairs",
-           "decode_canonical", "MAX_BITS"]
+           "canonical_volume", "decode_canonical", "MAX_BITS"]
 
 Labeling = tuple[tuple[int, ...], ...]
 
@@ -349,6 +349,18 @@ def reshard_volume(src: Labeling, dst: Labeling, caps: Sequence[int], n: int, me
     return _volume(src, dst, caps, int(n), {} if memo is None else memo)
 
 
+def canonical_volume(row: Sequence[int], n: int, memo: dict) -> float:
+    """:func:`reshard_volume` of the pairs whose canonical form is ``row`` (a row of :func:`canonical_pairs`), before
+    the factor 2^-dropped; 0 for a row with no axis kept. ``memo`` as :func:`reshard_volume`'s."""
+    key = decode_canonical(row)
+    if not key[0]:
+        return 0.0
+    v = memo.get(key + (n,))
+    if v is None:
+        v = memo[key + (n,)] = _canonical_volume(key[0], key[1], key[2], n, memo)
+    return v
+
+
 _DIGIT = 3  # bits per renamed device bit in a packed axis (names 0..5 stored plus one, MAX_BITS <= 7)
 _SEQ = _DIGIT * MAX_BITS  # bits of one packed sequence
 _RANK = np.array([[bin(m & ((1 << x) - 1)).count("1") for x in range(MAX_BITS)] for m in range(1 << MAX_BITS)],
@@ -410,9 +422,10 @@ def canonical_pairs(src: Sequence[Labeling], dst: Sequence[Labeling], caps: Sequ
 
     code = (packed(s_seq, in_s) | (packed(np.broadcast_to(B, s_seq.shape), np.broadcast_to(in_b, s_seq.shape)) << _SEQ)
             | (cap << (2 * _SEQ)))
-    order = np.argsort(~keep, axis=-1, kind="stable")
-    code = np.take_along_axis(np.where(keep, code, -1), order, axis=-1)
-    return code, dropped
+    out = np.full(code.shape, -1, dtype=np.int64)
+    i, j, a = np.nonzero(keep)
+    out[i, j, (np.cumsum(keep, axis=-1) - 1)[i, j, a]] = code[i, j, a]  # the kept axes first, in order
+    return out, dropped
 
 
 def decode_canonical(row: Sequence[int]) -> tuple[Labeling, Labeling, tuple[int, ...]]:
