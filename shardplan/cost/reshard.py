@@ -28,14 +28,18 @@ memoised on the state). Every intermediate tile is at most the larger of the two
 shrink it, all-to-alls and permutes keep it, and all-gathers only drop bits the target replicates (but for
 a last resort where no step above applies: the last bit of an axis that is not a prefix of its target,
 gathered; not met on the benchmark's pairs).
-The volume alone (:func:`reshard_volume`, what the cost tables charge) is the same search on a canonical form
-of the pair: the slices applied, the axes that then equal their target dropped (the volume scales by
-2^-(their bits)), the remaining bits renamed 0, 1, ... in their order and the caps clamped to their count;
-pairs that differ only there share one entry (docs/cost-model.md, "Redistribution in XLA's steps", proves
-the form exact). ``steps_volume(reshard_steps(...)) == reshard_volume(...)`` bit for bit: every volume is a
-sum of dyadic fractions 2^-j, j <= 2n, exact in a float.
 The volume (:func:`steps_volume`) is never below the cost model's "what each device lacks": each step
 sends at least what it makes a device lack, and the lacks add up.
+
+The volume alone (:func:`reshard_volume`; :func:`canonical_pairs` and :func:`canonical_volume` for whole
+tables, what the cost tables charge) is the same search on a canonical form of the pair: the slices
+applied, the axes that then equal their target dropped (the volume scales by 2^-(their bits)), the remaining
+bits renamed 0, 1, ... in increasing order, each cap clamped to the target's length plus the axis's bits the
+target puts elsewhere; pairs that differ only there share one entry. Its options are tried in the order of
+their step plus what their result lacks, a lower bound, and skipped once that reaches the best found (branch
+and bound). docs/cost-model.md ("The volume without the steps") proves each reduction exact;
+``steps_volume(reshard_steps(...)) == reshard_volume(...)`` bit for bit: every volume is a sum of dyadic
+fractions 2^-j, j <= 2n, exact in a float.
 """
 
 from __future__ import annotations
