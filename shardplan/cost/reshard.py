@@ -396,39 +396,50 @@ def canonical_pairs(src: Sequence[Labeling], dst: Sequence[Labeling], caps: Sequ
         raise ShardplanError(f"reshard: {n} device bits, more than {MAX_BITS}")
     sa, la = _as_arrays(src, r, n)
     sb, lb = _as_arrays(dst, r, n)
-    pos = np.arange(sa.shape[-1])
+    width = sa.shape[-1]
+    pos = np.arange(width)
     one = np.int64(1)
-    used_a = np.where(sa >= 0, one << np.maximum(sa, 0), 0).sum(axis=(1, 2))  # (Gs,) bits src uses
-    A, B = sa[:, None], sb[None, :]  # (Gs, 1, r, n), (1, Gd, r, n)
-    LA, LB = la[:, None, :, None], lb[None, :, :, None]
-    prefix = (la[:, None] <= lb[None, :]) & ((A == B) | (pos >= LA)).all(axis=-1)  # (Gs, Gd, r)
-    free = ((used_a[:, None, None, None] >> np.maximum(B, 0)) & 1) == 0
-    blocked = (pos >= LA) & (pos < LB) & ~free
-    ls = np.where(prefix, np.minimum(np.where(blocked, pos, sa.shape[-1]).min(axis=-1), lb[None, :]),
-                  la[:, None])  # the slices: each prefix axis extended by the target's next unused bits
-    s_seq = np.where(prefix[..., None], B, A)
-    keep = ~(prefix & (ls == lb[None, :]))
-    dropped = np.where(keep, 0, lb[None, :]).sum(axis=-1)
-    in_s = pos < ls[..., None]
-    in_b = pos < LB
-    bits = (np.where(in_s, one << np.maximum(s_seq, 0), 0) | np.where(in_b, one << np.maximum(B, 0), 0))
-    mask = np.bitwise_or.reduce(np.where(keep[..., None], bits, 0), axis=(-2, -1))  # (Gs, Gd) kept bits
-    rank = _RANK
-    mk = mask[..., None, None]
-    s_axis = np.bitwise_or.reduce(np.where(in_s, one << np.maximum(s_seq, 0), 0), axis=-1)  # (Gs, Gd, r)
-    b_axis = np.bitwise_or.reduce(np.where(in_b, one << np.maximum(B, 0), 0), axis=-1)
-    foreign = s_axis & ~b_axis  # bits of the axis the target puts elsewhere or nowhere
-    cap = np.minimum(np.asarray(caps, dtype=np.int64), lb[None, :] + _POP[foreign])
+    masks = np.arange(1 << n, dtype=np.int64)  # every set of device bits
+    # per labeling and axis: its sequence packed major first (for the prefix test), its bits, by prefix length
+    raw_a = np.where(sa >= 0, (sa + 1) << (_DIGIT * np.maximum(la[..., None] - 1 - pos, 0)), 0).sum(axis=-1)
+    raw_b = np.where(sb >= 0, (sb + 1) << (_DIGIT * np.maximum(lb[..., None] - 1 - pos, 0)), 0).sum(axis=-1)
+    bit_a = np.where(sa >= 0, one << np.maximum(sa, 0), 0)
+    bit_b = np.where(sb >= 0, one << np.maximum(sb, 0), 0)
+    axis_a = bit_a.sum(axis=-1)  # (Gs, r)
+    cum_b = np.concatenate([np.zeros(lb.shape + (1,), dtype=np.int64), np.cumsum(bit_b, axis=-1)], axis=-1)
+    used_a = axis_a.sum(axis=-1)  # (Gs,) the bits src uses
+    # the slices from a prefix of length L with the bits U in use: the first target position >= L whose bit is
+    # in use, else the target's length; (Gd, r, 2^n, width + 1)
+    blocked = (((masks[None, None, :, None] >> np.maximum(sb, 0)[:, :, None, :]) & 1) == 1) & (sb >= 0)[:, :, None, :]
+    first = np.where(blocked, pos, lb[:, :, None, None])
+    first = np.minimum.accumulate(first[..., ::-1], axis=-1)[..., ::-1]
+    slice_to = np.concatenate([first, np.broadcast_to(lb[:, :, None, None], first.shape[:-1] + (1,))], axis=-1)
+    # each sequence's renamed bits packed (position 0 in the low digit) under every set of kept bits
+    names_b = np.where((sb >= 0)[:, :, None, :], _RANK[masks[None, None, :, None], np.maximum(sb, 0)[:, :, None, :]] + 1,
+                       0) << (_DIGIT * pos)
+    packed_b = np.concatenate([np.zeros(names_b.shape[:-1] + (1,), dtype=np.int64), np.cumsum(names_b, axis=-1)],
+                              axis=-1)  # (Gd, r, 2^n, width + 1): the first L bits
+    packed_a = (np.where((sa >= 0)[:, :, None, :], _RANK[masks[None, None, :, None], np.maximum(sa, 0)[:, :, None, :]]
+                         + 1, 0) << (_DIGIT * pos)).sum(axis=-1)  # (Gs, r, 2^n)
 
-    def packed(seq: np.ndarray, inside: np.ndarray) -> np.ndarray:
-        names = rank[mk, np.maximum(seq, 0)] + 1
-        return np.where(inside, names << (_DIGIT * pos), 0).sum(axis=-1)
-
-    code = (packed(s_seq, in_s) | (packed(np.broadcast_to(B, s_seq.shape), np.broadcast_to(in_b, s_seq.shape)) << _SEQ)
-            | (cap << (2 * _SEQ)))
+    i = np.arange(len(src))[:, None, None]
+    j = np.arange(len(dst))[None, :, None]
+    ax = np.arange(r)[None, None, :]
+    la3, lb3 = la[:, None, :], lb[None, :, :]
+    prefix = (la3 <= lb3) & ((raw_b[None, :, :] >> (_DIGIT * np.maximum(lb3 - la3, 0))) == raw_a[:, None, :])
+    ls = np.where(prefix, slice_to[j, ax, used_a[:, None, None], la3], la3)  # (Gs, Gd, r) after the slices
+    keep = ~(prefix & (ls == lb3))
+    dropped = np.where(keep, 0, lb3).sum(axis=-1)
+    s_axis = np.where(prefix, cum_b[j, ax, ls], axis_a[:, None, :])
+    b_axis = cum_b[j, ax, lb3]
+    mask = np.bitwise_or.reduce(np.where(keep, s_axis | b_axis, 0), axis=-1)  # (Gs, Gd) the kept bits
+    cap = np.minimum(np.asarray(caps, dtype=np.int64), lb3 + _POP[s_axis & ~b_axis])
+    m3 = mask[..., None]
+    code_s = np.where(prefix, packed_b[j, ax, m3, ls], packed_a[i, ax, m3])
+    code = code_s | (packed_b[j, ax, m3, lb3] << _SEQ) | (cap << (2 * _SEQ))
     out = np.full(code.shape, -1, dtype=np.int64)
-    i, j, a = np.nonzero(keep)
-    out[i, j, (np.cumsum(keep, axis=-1) - 1)[i, j, a]] = code[i, j, a]  # the kept axes first, in order
+    ii, jj, aa = np.nonzero(keep)
+    out[ii, jj, (np.cumsum(keep, axis=-1) - 1)[ii, jj, aa]] = code[ii, jj, aa]  # the kept axes first, in order
     return out, dropped
 
 
