@@ -172,3 +172,12 @@ def test_volume_on_larger_machines_and_ranks():
     assert big[0, 0].tolist() == small[0, 0].tolist() + [-1] and (int(d_big[0, 0]), int(d_small[0, 0])) == (2, 0)
     with pytest.raises(ShardplanError):
         reshard_volume(((0,),), ((0,), ()), (1, 1), 1)
+
+
+def test_rows_grouped_as_numpy_groups_them():
+    from shardplan.cost.edge import _unique_rows_hashed
+
+    x = np.random.default_rng(2).integers(-1, 3, size=(5000, 4)) << 37
+    rows, inv = _unique_rows_hashed(x)
+    want, _ = np.unique(x, axis=0, return_inverse=True)
+    assert (rows[inv] == x).all() and len(rows) == len(want)
