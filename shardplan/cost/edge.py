@@ -310,7 +310,7 @@ class EdgeMemo:
     dims: dict = field(default_factory=dict)  # (id(layouts), dim) -> (layouts, _dim_patterns(...))
     unions: dict = field(default_factory=dict)  # (id(layouts), level) -> (layouts, group_union(...)): small
     masks: dict = field(default_factory=dict)  # (block keys of both sides, words) -> _pattern_masks(...)
-    steps: dict = field(default_factory=dict)  # canonical pairs of the step search (:mod:`shardplan.cost.reshard`): small
+    steps: dict = field(default_factory=dict)  # canonical pairs' volumes (:mod:`shardplan.cost.reshard`): small
     step_volumes: dict = field(default_factory=dict)  # (canonical_pairs row, n) -> canonical_volume: small
     step_edges: dict = field(default_factory=dict)  # (both sides' labelings, caps, n) -> step_volumes' tables: small
 

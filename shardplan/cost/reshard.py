@@ -415,8 +415,8 @@ def canonical_pairs(src: Sequence[Labeling], dst: Sequence[Labeling], caps: Sequ
     first = np.minimum.accumulate(first[..., ::-1], axis=-1)[..., ::-1]
     slice_to = np.concatenate([first, np.broadcast_to(lb[:, :, None, None], first.shape[:-1] + (1,))], axis=-1)
     # each sequence's renamed bits packed (position 0 in the low digit) under every set of kept bits
-    names_b = np.where((sb >= 0)[:, :, None, :], _RANK[masks[None, None, :, None], np.maximum(sb, 0)[:, :, None, :]] + 1,
-                       0) << (_DIGIT * pos)
+    renamed_b = _RANK[masks[None, None, :, None], np.maximum(sb, 0)[:, :, None, :]] + 1
+    names_b = np.where((sb >= 0)[:, :, None, :], renamed_b, 0) << (_DIGIT * pos)
     packed_b = np.concatenate([np.zeros(names_b.shape[:-1] + (1,), dtype=np.int64), np.cumsum(names_b, axis=-1)],
                               axis=-1)  # (Gd, r, 2^n, width + 1): the first L bits
     packed_a = (np.where((sa >= 0)[:, :, None, :], _RANK[masks[None, None, :, None], np.maximum(sa, 0)[:, :, None, :]]
