@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardplan.configs import deferred_inputs, forward_deferrable
-from shardplan.cost.reshard import MAX_BITS, pattern_bits, reshard_steps, steps_volume
+from shardplan.cost.reshard import MAX_BITS, canonical_pairs, canonical_volume, pattern_bits
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time, reduce_scatter_time
 from shardplan.cost.tiles import MAX_DEVICES, all_active, as_layouts, box_volumes, check_per_device, tensor_boxes
 from shardplan.errors import ShardplanError
@@ -310,8 +310,9 @@ class EdgeMemo:
     dims: dict = field(default_factory=dict)  # (id(layouts), dim) -> (layouts, _dim_patterns(...))
     unions: dict = field(default_factory=dict)  # (id(layouts), level) -> (layouts, group_union(...)): small
     masks: dict = field(default_factory=dict)  # (block keys of both sides, words) -> _pattern_masks(...)
-    steps: dict = field(default_factory=dict)  # states of the step search (:mod:`shardplan.cost.reshard`): small
-    step_volumes: dict = field(default_factory=dict)  # (labelings, caps, n) -> steps_volume of their steps: small
+    steps: dict = field(default_factory=dict)  # canonical pairs' volumes (:mod:`shardplan.cost.reshard`): small
+    step_volumes: dict = field(default_factory=dict)  # (canonical_pairs row, n) -> canonical_volume: small
+    step_edges: dict = field(default_factory=dict)  # (both sides' labelings, caps, n) -> step_volumes' tables: small
 
     def union(self, lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray]:
         """:func:`group_union` of ``lay``, computed once per build (so its sides are memoised too)."""
@@ -647,6 +648,23 @@ def _bit_labelings(op: Operator, tensor, lay: LayoutArrays) -> tuple[list, np.nd
     return labels, inv, ok
 
 
+def _unique_rows_hashed(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(x, axis=0, return_inverse=True)`` for an (N, r) int64 array, exactly, faster: the rows grouped
+    by one 64-bit mix of their entries (wrapping arithmetic), every row then compared with its group's first;
+    on a collision (rows that differ, one mix) the sort of whole rows."""
+    mix = np.zeros(len(x), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for c in x.T.astype(np.uint64):
+            mix = (mix ^ c) * np.uint64(0x100000001B3) + np.uint64(0x9E3779B97F4A7C15)
+    _, first, inv = np.unique(mix, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    rows = x[first]
+    if not (rows[inv] == x).all():
+        rows, inv = np.unique(x, axis=0, return_inverse=True)
+        inv = inv.reshape(-1)
+    return rows, inv
+
+
 def step_volumes(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, p: int,
                  memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Elements each device sends when the redistribution runs as the steps of
@@ -655,7 +673,10 @@ def step_volumes(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
 
     It applies on one level of p = 2^n devices, n <= :data:`~shardplan.cost.reshard.MAX_BITS`, to the pairs of
     layouts that both give the tensor a bit labeling (:func:`_bit_labelings`). Volumes before the tensor's
-    ``elem_factor`` and ``needs_grad`` (as :func:`edge_volumes` returns them after).
+    ``elem_factor`` and ``needs_grad`` (as :func:`edge_volumes` returns them after). Every pair of distinct
+    labelings is reduced to its canonical form at once (:func:`~shardplan.cost.reshard.canonical_pairs`), and
+    :func:`~shardplan.cost.reshard.canonical_volume` runs once per canonical form per ``memo``; an edge whose
+    labelings, caps and size an earlier edge had reuses its tables.
     """
     n = p.bit_length() - 1
     if len(lu.levels) != 1 or p != 1 << n or n > MAX_BITS or n == 0:
@@ -671,21 +692,34 @@ def step_volumes(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     total = int(np.prod(np.asarray(t_in.shape, dtype=np.int64)))
     cache = memo.steps if memo is not None else {}
     volumes = memo.step_volumes if memo is not None else {}
+    edges = memo.step_edges if memo is not None else {}
 
-    def volume(a: tuple, b: tuple) -> float:  # the steps' volume from labeling a to b, kept across edges
-        key = (a, b, caps, n)
-        if key not in volumes:
-            volumes[key] = steps_volume(reshard_steps(a, b, caps, n, cache))
-        return volumes[key]
+    def table(src: list, dst: list) -> np.ndarray:  # (len(src), len(dst)) elements sent from src[i] to dst[j]
+        code, dropped = canonical_pairs(src, dst, caps, n)
+        if not caps:  # a scalar: one labeling, nothing to send
+            return np.zeros(dropped.shape, dtype=np.int64)
+        rows, inv = _unique_rows_hashed(code.reshape(-1, len(caps)))
+        vol = np.zeros(len(rows))
+        for g, row in enumerate(rows.tolist()):
+            key = (tuple(row), n)
+            got = volumes.get(key)
+            if got is None:
+                got = volumes[key] = canonical_volume(row, n, cache)
+            vol[g] = got
+        return np.rint(vol[inv].reshape(dropped.shape) * np.ldexp(1.0, -dropped) * total).astype(np.int64)
 
     need_u = np.unique(inv_u[ok_u])
     need_v = np.unique(inv_v[ok_v])
+    su = [lab_u[i] for i in need_u.tolist()]
+    sv = [lab_v[j] for j in need_v.tolist()]
+    ekey = (tuple(su), tuple(sv), caps, n, total)
+    hit = edges.get(ekey)
+    if hit is None:
+        hit = edges[ekey] = (table(su, sv), table(sv, su).T)
     fwd_d = np.zeros((len(lab_u), len(lab_v)), dtype=np.int64)
     bwd_d = np.zeros((len(lab_u), len(lab_v)), dtype=np.int64)
-    for i in need_u.tolist():
-        for j in need_v.tolist():
-            fwd_d[i, j] = round(volume(lab_u[i], lab_v[j]) * total)
-            bwd_d[i, j] = round(volume(lab_v[j], lab_u[i]) * total)
+    fwd_d[np.ix_(need_u, need_v)] = hit[0]
+    bwd_d[np.ix_(need_u, need_v)] = hit[1]
     ok = ok_u[:, None] & ok_v[None, :]
     return fwd_d.take(inv_u, axis=0).take(inv_v, axis=1), bwd_d.take(inv_u, axis=0).take(inv_v, axis=1), ok
 

@@ -30,6 +30,16 @@ a last resort where no step above applies: the last bit of an axis that is not a
 gathered; not met on the benchmark's pairs).
 The volume (:func:`steps_volume`) is never below the cost model's "what each device lacks": each step
 sends at least what it makes a device lack, and the lacks add up.
+
+The volume alone (:func:`reshard_volume`; :func:`canonical_pairs` and :func:`canonical_volume` for whole
+tables, what the cost tables charge) is the same search on a canonical form of the pair: the slices
+applied, the axes that then equal their target dropped (the volume scales by 2^-(their bits)), the remaining
+bits renamed 0, 1, ... in increasing order, each cap clamped to the target's length plus the axis's bits the
+target puts elsewhere; pairs that differ only there share one entry. Its options are tried in the order of
+their step plus what their result lacks, a lower bound, and skipped once that reaches the best found (branch
+and bound). docs/cost-model.md ("The volume without the steps") proves each reduction exact;
+``steps_volume(reshard_steps(...)) == reshard_volume(...)`` bit for bit: every volume is a sum of dyadic
+fractions 2^-j, j <= 2n, exact in a float.
 """
 
 from __future__ import annotations
@@ -37,7 +47,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Labeling", "Step", "pattern_bits", "reshard_steps", "steps_volume", "MAX_BITS"]
+import numpy as np
+
+from shardplan.errors import ShardplanError
+
+__all__ = ["Labeling", "Step", "pattern_bits", "reshard_steps", "reshard_volume", "steps_volume", "canonical_pairs",
+           "canonical_volume", "decode_canonical", "MAX_BITS"]
 
 Labeling = tuple[tuple[int, ...], ...]
 
@@ -235,11 +250,213 @@ def reshard_steps(src: Labeling, dst: Labeling, caps: Sequence[int], n: int,
     dst = tuple(tuple(int(x) for x in s) for s in dst)
     caps = tuple(int(c) for c in caps)
     if len(src) != len(dst) or len(caps) != len(src):
-        raise ValueError("labelings of different ranks")
+        raise ShardplanError("reshard: labelings of different ranks")
     if src == dst:
         return ()
     _, steps = _search(src, dst, caps, int(n), {} if memo is None else memo)
     return steps
+
+
+def _canonical(cur: Labeling, dst: Labeling, caps: tuple[int, ...]) -> tuple[tuple | None, int]:
+    """(the canonical form of the pair, the bits dropped): ``cur`` after its slices, the axes then equal to their
+    target dropped (``None`` when every axis is), the remaining bits renamed 0, 1, ... in increasing order, each
+    cap clamped to the target's length plus the bits of the axis the target does not put there (more never
+    binds: docs/cost-model.md)."""
+    s = _slices(cur, dst)
+    keep = [a for a in range(len(s)) if s[a] != dst[a]]
+    dropped = sum(len(s[a]) for a in range(len(s)) if s[a] == dst[a])
+    if not keep:
+        return None, dropped
+    bits = sorted({x for a in keep for x in s[a] + dst[a]})
+    name = {x: i for i, x in enumerate(bits)}
+    return (tuple(tuple(name[x] for x in s[a]) for a in keep), tuple(tuple(name[x] for x in dst[a]) for a in keep),
+            tuple(min(caps[a], len(dst[a]) + len(set(s[a]) - set(dst[a]))) for a in keep)), dropped
+
+
+def _volume(cur: Labeling, dst: Labeling, caps: tuple[int, ...], n: int, memo: dict) -> float:
+    """The volume of :func:`_search` from ``cur`` to ``dst``, through the canonical form (memoised on it)."""
+    key, dropped = _canonical(cur, dst, caps)
+    if key is None:
+        return 0.0
+    v = memo.get(key + (n,))
+    if v is None:
+        v = _canonical_volume(key[0], key[1], key[2], n, memo)
+        memo[key + (n,)] = v
+    return v * 2.0 ** -dropped
+
+
+def _lack(cur: Labeling, dst: Labeling) -> float:
+    """What the device that lacks most lacks of its ``dst`` tile under ``cur``, as a fraction of the tensor: the
+    whole tile where an axis diverges (neither sequence a prefix of the other), else the tile less the
+    intersection (docs/cost-model.md): a lower bound of every path's volume."""
+    inter = 0
+    for c, d in zip(cur, dst):
+        if c[:len(d)] != d and d[:len(c)] != c:
+            return 2.0 ** -_nbits(dst)
+        inter += max(len(c), len(d))
+    return 2.0 ** -_nbits(dst) - 2.0 ** -inter
+
+
+def _canonical_volume(s: Labeling, dst: Labeling, caps: tuple[int, ...], n: int, memo: dict) -> float:
+    """:func:`_search`'s options from ``s`` (after its slices, not ``dst``), their volumes alone: the minimum.
+
+    Branch and bound: an option costs its step plus at least what its result lacks (:func:`_lack`), so the
+    options are tried in the order of that bound and the rest skipped once it reaches the best found (the
+    minimum is unchanged: a skipped option cannot be below it)."""
+    u = _nbits(s)
+    t = 2.0 ** -u
+    opts: list[tuple[float, Labeling]] = []
+    for combo in _combos(_single_moves(s, dst)):
+        if not _one_all_to_all(s, dst, combo, n):
+            continue
+        nxt = list(s)
+        for a, b, k in combo:
+            nxt[a] = s[a][:len(s[a]) - k]
+            nxt[b] = s[b] + dst[b][len(s[b]):len(s[b]) + k]
+        kt = sum(k for _, _, k in combo)
+        opts.append((t * (1 - 2.0 ** -kt), tuple(nxt)))
+    want = _used(dst)
+    for a in range(len(s)):
+        extra = len(s[a]) - _lcp(s[a], dst[a])
+        k = 0
+        while k < extra and s[a][len(s[a]) - 1 - k] not in want:
+            k += 1
+        if k:
+            nxt = list(s)
+            nxt[a] = s[a][:len(s[a]) - k]
+            opts.append((t * (2 ** k - 1), tuple(nxt)))
+    grown, m = _permute_target(s, dst, caps)
+    if m != grown:
+        opts.append((2.0 ** -_nbits(grown), m))
+    if not opts:
+        a = next(i for i in range(len(s)) if not _ready(s, dst, i))
+        nxt = list(s)
+        nxt[a] = s[a][:-1]
+        opts.append((t, tuple(nxt)))
+    bounded = sorted(((c + _lack(x, dst), c, x) for c, x in opts), key=lambda o: o[0])
+    best = float("inf")
+    for bound, c, x in bounded:
+        if bound >= best:
+            break
+        best = min(best, c + _volume(x, dst, caps, n, memo))
+    return best
+
+
+def reshard_volume(src: Labeling, dst: Labeling, caps: Sequence[int], n: int, memo: dict | None = None) -> float:
+    """``steps_volume(reshard_steps(src, dst, caps, n))``, exactly, without the steps: the search's volumes on the
+    pair's canonical form (module docstring). ``memo``: a dict kept across calls (canonical pairs' volumes)."""
+    src = tuple(tuple(int(x) for x in s) for s in src)
+    dst = tuple(tuple(int(x) for x in s) for s in dst)
+    caps = tuple(int(c) for c in caps)
+    if len(src) != len(dst) or len(caps) != len(src):
+        raise ShardplanError("reshard: labelings of different ranks")
+    return _volume(src, dst, caps, int(n), {} if memo is None else memo)
+
+
+def canonical_volume(row: Sequence[int], n: int, memo: dict) -> float:
+    """:func:`reshard_volume` of the pairs whose canonical form is ``row`` (a row of :func:`canonical_pairs`), before
+    the factor 2^-dropped; 0 for a row with no axis kept. ``memo`` as :func:`reshard_volume`'s."""
+    key = decode_canonical(row)
+    if not key[0]:
+        return 0.0
+    v = memo.get(key + (n,))
+    if v is None:
+        v = memo[key + (n,)] = _canonical_volume(key[0], key[1], key[2], n, memo)
+    return v
+
+
+_DIGIT = 3  # bits per renamed device bit in a packed axis (names 0..5 stored plus one, MAX_BITS <= 7)
+_SEQ = _DIGIT * MAX_BITS  # bits of one packed sequence
+_RANK = np.array([[bin(m & ((1 << x) - 1)).count("1") for x in range(MAX_BITS)] for m in range(1 << MAX_BITS)],
+                 dtype=np.int64)
+"""``_RANK[m, x]``: the new name of device bit x among the bits of mask m (how many of them are below x)."""
+_POP = np.array([bin(m).count("1") for m in range(1 << MAX_BITS)], dtype=np.int64)
+
+
+def _as_arrays(labs: Sequence[Labeling], r: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(G, r, n) the bits of each axis, major first, -1 past its end; (G, r) the lengths."""
+    seq = np.full((len(labs), r, max(n, 1)), -1, dtype=np.int64)
+    ln = np.zeros((len(labs), r), dtype=np.int64)
+    for g, lab in enumerate(labs):
+        for a, x in enumerate(lab):
+            seq[g, a, :len(x)] = x
+            ln[g, a] = len(x)
+    return seq, ln
+
+
+def canonical_pairs(src: Sequence[Labeling], dst: Sequence[Labeling], caps: Sequence[int],
+                    n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The canonical form (:func:`_canonical`) of every pair ``(src[i], dst[j])`` of labelings of one rank on 2^n
+    devices, with numpy: ((len(src), len(dst), r) int64, each kept axis packed as its renamed sequence after the
+    slices, its renamed target (:data:`_DIGIT` bits a name plus one, major first in the low digits) and its clamped
+    cap, kept axes first in order and -1 after; (len(src), len(dst)) the bits dropped). Two pairs have the same
+    row exactly when their canonical forms are equal (:func:`decode_canonical` inverts a row)."""
+    r = len(caps)
+    if n > MAX_BITS:
+        raise ShardplanError(f"reshard: {n} device bits, more than {MAX_BITS}")
+    sa, la = _as_arrays(src, r, n)
+    sb, lb = _as_arrays(dst, r, n)
+    width = sa.shape[-1]
+    pos = np.arange(width)
+    one = np.int64(1)
+    masks = np.arange(1 << n, dtype=np.int64)  # every set of device bits
+    # per labeling and axis: its sequence packed major first (for the prefix test), its bits, by prefix length
+    raw_a = np.where(sa >= 0, (sa + 1) << (_DIGIT * np.maximum(la[..., None] - 1 - pos, 0)), 0).sum(axis=-1)
+    raw_b = np.where(sb >= 0, (sb + 1) << (_DIGIT * np.maximum(lb[..., None] - 1 - pos, 0)), 0).sum(axis=-1)
+    bit_a = np.where(sa >= 0, one << np.maximum(sa, 0), 0)
+    bit_b = np.where(sb >= 0, one << np.maximum(sb, 0), 0)
+    axis_a = bit_a.sum(axis=-1)  # (Gs, r)
+    cum_b = np.concatenate([np.zeros(lb.shape + (1,), dtype=np.int64), np.cumsum(bit_b, axis=-1)], axis=-1)
+    used_a = axis_a.sum(axis=-1)  # (Gs,) the bits src uses
+    # the slices from a prefix of length L with the bits U in use: the first target position >= L whose bit is
+    # in use, else the target's length; (Gd, r, 2^n, width + 1)
+    blocked = (((masks[None, None, :, None] >> np.maximum(sb, 0)[:, :, None, :]) & 1) == 1) & (sb >= 0)[:, :, None, :]
+    first = np.where(blocked, pos, lb[:, :, None, None])
+    first = np.minimum.accumulate(first[..., ::-1], axis=-1)[..., ::-1]
+    slice_to = np.concatenate([first, np.broadcast_to(lb[:, :, None, None], first.shape[:-1] + (1,))], axis=-1)
+    # each sequence's renamed bits packed (position 0 in the low digit) under every set of kept bits
+    renamed_b = _RANK[masks[None, None, :, None], np.maximum(sb, 0)[:, :, None, :]] + 1
+    names_b = np.where((sb >= 0)[:, :, None, :], renamed_b, 0) << (_DIGIT * pos)
+    packed_b = np.concatenate([np.zeros(names_b.shape[:-1] + (1,), dtype=np.int64), np.cumsum(names_b, axis=-1)],
+                              axis=-1)  # (Gd, r, 2^n, width + 1): the first L bits
+    packed_a = (np.where((sa >= 0)[:, :, None, :], _RANK[masks[None, None, :, None], np.maximum(sa, 0)[:, :, None, :]]
+                         + 1, 0) << (_DIGIT * pos)).sum(axis=-1)  # (Gs, r, 2^n)
+
+    i = np.arange(len(src))[:, None, None]
+    j = np.arange(len(dst))[None, :, None]
+    ax = np.arange(r)[None, None, :]
+    la3, lb3 = la[:, None, :], lb[None, :, :]
+    prefix = (la3 <= lb3) & ((raw_b[None, :, :] >> (_DIGIT * np.maximum(lb3 - la3, 0))) == raw_a[:, None, :])
+    ls = np.where(prefix, slice_to[j, ax, used_a[:, None, None], la3], la3)  # (Gs, Gd, r) after the slices
+    keep = ~(prefix & (ls == lb3))
+    dropped = np.where(keep, 0, lb3).sum(axis=-1)
+    s_axis = np.where(prefix, cum_b[j, ax, ls], axis_a[:, None, :])
+    b_axis = cum_b[j, ax, lb3]
+    mask = np.bitwise_or.reduce(np.where(keep, s_axis | b_axis, 0), axis=-1)  # (Gs, Gd) the kept bits
+    cap = np.minimum(np.asarray(caps, dtype=np.int64), lb3 + _POP[s_axis & ~b_axis])
+    m3 = mask[..., None]
+    code_s = np.where(prefix, packed_b[j, ax, m3, ls], packed_a[i, ax, m3])
+    code = code_s | (packed_b[j, ax, m3, lb3] << _SEQ) | (cap << (2 * _SEQ))
+    out = np.full(code.shape, -1, dtype=np.int64)
+    ii, jj, aa = np.nonzero(keep)
+    out[ii, jj, (np.cumsum(keep, axis=-1) - 1)[ii, jj, aa]] = code[ii, jj, aa]  # the kept axes first, in order
+    return out, dropped
+
+
+def decode_canonical(row: Sequence[int]) -> tuple[Labeling, Labeling, tuple[int, ...]]:
+    """(labeling after the slices, target, caps) of one row of :func:`canonical_pairs` (its kept axes)."""
+    mask = (1 << _SEQ) - 1
+
+    def seq(c: int) -> tuple[int, ...]:
+        out = []
+        while c:
+            out.append((c & ((1 << _DIGIT) - 1)) - 1)
+            c >>= _DIGIT
+        return tuple(out)
+
+    kept = [int(c) for c in row if c >= 0]
+    return (tuple(seq(c & mask) for c in kept), tuple(seq((c >> _SEQ) & mask) for c in kept),
+            tuple(c >> (2 * _SEQ) for c in kept))
 
 
 def steps_volume(steps: Sequence[Step]) -> float:

@@ -9,7 +9,9 @@ import pytest
 
 from shardplan import ops
 from shardplan.cost.edge import edge_cost, edge_volumes, step_volumes
-from shardplan.cost.reshard import pattern_bits, reshard_steps, steps_volume
+from shardplan.cost.reshard import (canonical_pairs, canonical_volume, pattern_bits, reshard_steps, reshard_volume,
+                                    steps_volume)
+from shardplan.errors import ShardplanError
 from shardplan.ir import GraphBuilder
 from shardplan.layout import Layout, LayoutArrays
 from shardplan.machine import Machine
@@ -112,3 +114,70 @@ def test_edge_cost_charges_the_steps_on_one_level_only():
     # two levels: the steps do not apply (the lack is charged)
     assert step_volumes(u, LayoutArrays.stack([Layout.from_flat(u.dim_names, (4, 1, 1, 2), (4, 2), (0, 3))]), v, 0,
                         LayoutArrays.stack([Layout.from_flat(u.dim_names, (1, 4, 1, 1), (4, 2), (1,))]), 8) is None
+
+
+def _labelings(n, caps):
+    """Every bit labeling on 2^n devices of a tensor whose axis a may carry ``caps[a]`` bits."""
+    r = len(caps)
+    out = []
+    for where in itertools.product(range(r + 1), repeat=n):  # device bit -> axis (r: none, replicated)
+        axes = [[x for x in range(n) if where[x] == a] for a in range(r)]
+        if any(len(ax) > c for ax, c in zip(axes, caps)):
+            continue
+        out.extend(itertools.product(*[list(itertools.permutations(ax)) for ax in axes]))
+    return out
+
+
+EXHAUSTIVE = [(n, caps) for n in (1, 2, 3) for r in (1, 2, 3)
+              for caps in {(n,) * r, (1,) + (n,) * (r - 1), (n,) * (r - 1) + (min(2, n),), (0,) + (n,) * (r - 1)}]
+
+
+@pytest.mark.parametrize("n,caps", EXHAUSTIVE)
+def test_volume_equals_the_searched_steps_on_every_pair(n, caps):
+    """2, 4 and 8 devices, tensors of rank 1-3 (some axes capped): for every ordered pair of labelings, the
+    canonical volume (one pair at a time, and a whole table at once as the edge costs take it) is exactly the
+    volume of the steps the search returns."""
+    labs = _labelings(n, caps)
+    ref, fast, rows = {}, {}, {}
+    code, dropped = canonical_pairs(labs, labs, caps, n)
+    for i, a in enumerate(labs):
+        for j, b in enumerate(labs):
+            want = steps_volume(reshard_steps(a, b, caps, n, ref))
+            assert reshard_volume(a, b, caps, n, fast) == want, (a, b)
+            got = canonical_volume(code[i, j].tolist(), n, rows) * 2.0 ** -int(dropped[i, j])
+            assert got == want, (a, b)
+            assert (want == 0) == all(y[:len(x)] == x for x, y in zip(a, b))  # nothing sent: every axis a prefix
+
+
+def test_volume_on_larger_machines_and_ranks():
+    """16 to 64 devices, rank 4 and 5, random pairs: the same equality (and the canonical form shared by pairs
+    that differ only in bits and axes both sides agree on)."""
+    rng = np.random.default_rng(1)
+    for n, caps in [(4, (4, 2, 1, 4)), (5, (3, 5, 2, 1, 5)), (6, (6, 3, 6, 2))]:
+        labs = _labelings(n, caps)
+        pick = [labs[i] for i in rng.choice(len(labs), size=40, replace=False)]
+        ref, fast = {}, {}
+        code, dropped = canonical_pairs(pick, pick, caps, n)
+        rows = {}
+        for i, a in enumerate(pick):
+            for j, b in enumerate(pick):
+                want = steps_volume(reshard_steps(a, b, caps, n, ref))
+                assert reshard_volume(a, b, caps, n, fast) == want, (a, b)
+                assert canonical_volume(code[i, j].tolist(), n, rows) * 2.0 ** -int(dropped[i, j]) == want
+    # a settled axis (equal on both sides) leaves the other axes' steps as they were, at half the tile
+    a, b = ((2,), (), (1, 0)), ((), (2,), (1, 0))
+    assert reshard_volume(a, b, (3, 3, 3), 3) == reshard_volume(((2,), ()), ((), (2,)), (3, 3), 3) * 0.25
+    big, d_big = canonical_pairs([a], [b], (3, 3, 3), 3)
+    small, d_small = canonical_pairs([((2,), ())], [((), (2,))], (3, 3), 3)
+    assert big[0, 0].tolist() == small[0, 0].tolist() + [-1] and (int(d_big[0, 0]), int(d_small[0, 0])) == (2, 0)
+    with pytest.raises(ShardplanError):
+        reshard_volume(((0,),), ((0,), ()), (1, 1), 1)
+
+
+def test_rows_grouped_as_numpy_groups_them():
+    from shardplan.cost.edge import _unique_rows_hashed
+
+    x = np.random.default_rng(2).integers(-1, 3, size=(5000, 4)) << 37
+    rows, inv = _unique_rows_hashed(x)
+    want, _ = np.unique(x, axis=0, return_inverse=True)
+    assert (rows[inv] == x).all() and len(rows) == len(want)
