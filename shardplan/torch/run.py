@@ -64,7 +64,10 @@ A fit plan's memory choices (:func:`shardplan.fit.solve_fit`;
   micro-batches (rows i, i + k, ... of every tensor argument) one after the
   other, each forward followed by the backward of ``loss_i / k``, so
   ``param.grad`` accumulates the mean's gradient and one micro-batch's
-  activations are live at a time;
+  activations are live at a time; a gradient summed over the tile's replicas
+  stays partial over the k micro-batches and is all-reduced once after them
+  (:meth:`ParallelModule.reduce_grads`: the one all-reduce a step the cost
+  tables charge ZeRO-0);
 * *ZeRO stage 3*: a parameter whose first reader is at stage 3 is held with
   its tile cut further over the mesh axes that replicate it
   (:func:`zero3_placements`), so its gradient (reduce-scattered by the
