@@ -64,7 +64,10 @@ A fit plan's memory choices (:func:`shardplan.fit.solve_fit`;
   micro-batches (rows i, i + k, ... of every tensor argument) one after the
   other, each forward followed by the backward of ``loss_i / k``, so
   ``param.grad`` accumulates the mean's gradient and one micro-batch's
-  activations are live at a time;
+  activations are live at a time; a gradient summed over the tile's replicas
+  stays partial over the k micro-batches and is all-reduced once after them
+  (:meth:`ParallelModule.reduce_grads`: the one all-reduce a step the cost
+  tables charge ZeRO-0);
 * *ZeRO stage 3*: a parameter whose first reader is at stage 3 is held with
   its tile cut further over the mesh axes that replicate it
   (:func:`zero3_placements`), so its gradient (reduce-scattered by the
@@ -996,6 +999,7 @@ def _make_class() -> Any:
             # current scaling (:meth:`current_scaling`)
             self.scaling: DelayedScaling | None = DelayedScaling() if choices.fp8 else None
             self._stepping = False
+            self._accumulating = False  # a step's micro-batches run: ZeRO-0 and 1 gradients stay partial
             self.param_placements: dict[str, tuple[Any, ...]] = {}
             self._mirror(module)
 
@@ -1062,7 +1066,7 @@ def _make_class() -> Any:
             if src.requires_grad:  # a ZeRO-2 parameter's gradient is reduce-scattered to its shard
                 zero2 = any(n in self._zero2 for n in names)
                 grad_pl = zero3_placements(pl, tuple(src.shape), tuple(self.mesh.mesh.shape)) if zero2 else pl
-                par.register_hook(self._grad_hook(tuple(grad_pl)))
+                par.register_hook(self._grad_hook(tuple(grad_pl), defer=not zero2 and not zero3))
             if zero3:
                 self._sharded.add(id(par))
                 if uses and uses[0][0] in self.choices.offload_params and self._offloadable(names, tile, pl):
@@ -1104,12 +1108,37 @@ def _make_class() -> Any:
             ids = {id(p): n for n, p in self.named_parameters()}
             return {ids[k]: home for k, (_, home) in self._homes.items() if k in ids}
 
-        def _grad_hook(self, placements: tuple[Any, ...]) -> Any:
+        def _grad_hook(self, placements: tuple[Any, ...], defer: bool = False) -> Any:
+            """A parameter's gradient hook: each backward pass's gradient redistributed to ``placements`` (the
+            tile's; a ZeRO-2 or 3 parameter's shard: a reduce-scatter per micro-batch). With ``defer`` (a ZeRO-0
+            or 1 parameter), while a step accumulates micro-batches (``_accumulating``), the partial sums over the
+            axes that replicate the tile stay partial (no communication): :meth:`reduce_grads` reduces their
+            sum once, after the step's last micro-batch."""
             def hook(g: Any) -> Any:
-                if isinstance(g, DTensor) and tuple(g.placements) != tuple(placements):
-                    return g.redistribute(self.mesh, placements)
-                return g
+                if not isinstance(g, DTensor):
+                    return g
+                target = tuple(placements)
+                if defer and self._accumulating:
+                    target = tuple(q if q.is_partial() and pl.is_replicate() else pl
+                                   for q, pl in zip(g.placements, placements))
+                return g.redistribute(self.mesh, target) if tuple(g.placements) != target else g
             return hook
+
+        def reduce_grads(self, shards: Any = frozenset()) -> None:
+            """Reduce the gradients a step left partial (:meth:`_grad_hook`: a ZeRO-0 or 1 parameter's, summed
+            locally over the micro-batches): into the parameter's tile, an all-reduce over its replicas, or, for
+            the parameters named in ``shards`` (a pipeline stage's ZeRO-1 parameters), into the tile cut
+            further over its replicas (:func:`zero3_placements`, the master shard's placements), a
+            reduce-scatter. One collective per parameter and step, what the cost tables charge ZeRO-0 and 1."""
+            shape = tuple(self.mesh.mesh.shape)
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    g = p.grad
+                    if not isinstance(g, DTensor) or not any(q.is_partial() for q in g.placements):
+                        continue
+                    tile = tuple(p.placements)
+                    target = zero3_placements(tile, tuple(p.shape), shape) if name in shards else tile
+                    p.grad = g.redistribute(self.mesh, target)
 
         def optimizer(self, cls: Any, **options: Any) -> Any:
             """``cls(self.parameters(), **options)`` (a ``torch.optim`` class), with the parameters of the
@@ -1206,19 +1235,27 @@ def _make_class() -> Any:
             training BatchNorm's): the step's loss is (1/k) sum_i loss_i and each
             micro-batch adds the gradient of loss_i / k to ``param.grad``, so the
             gradients are those of the whole batch's mean. With one
-            micro-batch it is ``loss = module(*args); loss.backward()``.
+            micro-batch it is ``loss = module(*args); loss.backward()``. A
+            parameter's gradient that is a sum over its replicas (ZeRO-0) is
+            summed locally over the micro-batches and all-reduced once, after the
+            last (:meth:`reduce_grads`), as the cost tables charge it.
             """
             k = self.micro_batches
             total = None
             if self.scaling is not None:
                 self.scaling.commit()
-            for i in range(k):
-                a, kw = micro_batch(args, kwargs, i, k) if k > 1 else (list(args), dict(kwargs))
-                loss = self._run(self._micro, a, kw)
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise ShardplanError("step needs a module that returns a scalar loss")
-                (loss / k if k > 1 else loss).backward()
-                total = loss.detach() if total is None else total + loss.detach()
+            self._accumulating = True
+            try:
+                for i in range(k):
+                    a, kw = micro_batch(args, kwargs, i, k) if k > 1 else (list(args), dict(kwargs))
+                    loss = self._run(self._micro, a, kw)
+                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                        raise ShardplanError("step needs a module that returns a scalar loss")
+                    (loss / k if k > 1 else loss).backward()
+                    total = loss.detach() if total is None else total + loss.detach()
+            finally:
+                self._accumulating = False
+            self.reduce_grads()
             return total / k
 
         def _run(self, prog: Program, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:

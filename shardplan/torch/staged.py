@@ -580,7 +580,14 @@ class TorchPipeline:
 
     def step(self, *inputs: Any) -> Any:
         """One forward and backward pass over the batch: the loss on every rank; gradients in the stage
-        modules' parameters (:meth:`named_grads`). Rank 0 passes the inputs, the others may pass them too."""
+        modules' parameters (:meth:`named_grads`). Rank 0 passes the inputs, the others may pass them too.
+
+        In a stage of several processes a ZeRO-0 or ZeRO-1 parameter's gradient stays partial over the tile's
+        replicas through the m micro-batches (summed locally) and is reduced once after them
+        (:meth:`~shardplan.torch.run.ParallelModule.reduce_grads`): at ZeRO-0 all-reduced into the tile, at ZeRO-1
+        reduce-scattered into its master shard's placements (which :meth:`optimizer`'s step then finds in place);
+        ZeRO-2 and 3 gradients are reduce-scattered per micro-batch. What the cost tables charge
+        (``cost.memory.choice_table``)."""
         import torch
         import torch.distributed as dist
 
@@ -590,6 +597,7 @@ class TorchPipeline:
                 mod.module.scaling.commit()
             if hasattr(mod.module, "_stepping"):  # a ParallelModule: its forwards are this step's micro-batches
                 mod.module._stepping = True
+                mod.module._accumulating = True  # ZeRO-0 and 1 gradients summed locally until reduce_grads
         m = self.micro_batches
         first = any(p.index == 0 for p in self._mine())
         last = any(p.index == len(self.parts) - 1 for p in self._mine())
@@ -602,7 +610,10 @@ class TorchPipeline:
         finally:
             for mod in self.modules:
                 if hasattr(mod.module, "_stepping"):
-                    mod.module._stepping = False
+                    mod.module._stepping = mod.module._accumulating = False
+        for mod in self.modules:  # once a step: ZeRO-0 all-reduced into the tile, ZeRO-1 reduce-scattered
+            if hasattr(mod.module, "reduce_grads"):
+                mod.module.reduce_grads(mod.zero1)
         if last:
             total = torch.stack([x.detach().reshape(()) for x in losses]).sum()
             loss = total / m if self.reduction == "mean" else total
@@ -753,9 +764,10 @@ class ShardedStateOptimizer:
     Each such parameter ``p`` (placements ``tile``) has a master shard ``s``: ``p`` redistributed to ``shard``
     (:func:`shardplan.torch.run.zero3_placements`: the tile further split over the mesh axes that replicate it), a
     leaf the inner optimizer steps, so its state (Adam's moments) is allocated on the shard. :meth:`step` hands
-    ``p``'s gradient to the shard (ZeRO-1: a local slice of the replicated gradient, no communication; ZeRO-2:
-    the gradient already laid out as the shard, reduce-scattered in the backward pass by the stage's
-    :class:`~shardplan.torch.run.ParallelModule`), steps the inner optimizer, and gathers the new shard back into
+    ``p``'s gradient to the shard (already laid out as the shard: ZeRO-1's reduce-scattered once after the step's
+    micro-batches by :meth:`TorchPipeline.step`, ZeRO-2's in each backward pass by the stage's
+    :class:`~shardplan.torch.run.ParallelModule`; a gradient in other placements is redistributed to the
+    shard's), steps the inner optimizer, and gathers the new shard back into
     ``p``'s tile (an all-gather over the replicas). Other parameters are stepped as they are. ``host``: parameters
     (of the pairs or ``others``) whose state lives in host memory: they (a pair's master shard) are stepped by a
     :class:`~shardplan.torch.precision.HostOptimizer` inner optimizer (``homes``: its host-resident parameters).

@@ -230,3 +230,44 @@ def test_interleaved_chunks_train_with_their_own_state(searched):
     assert [set(w.sharding.device_set) for w in p["w"]] == [set(DEVICES[:4]), set(DEVICES[4:])] + \
         [set(DEVICES[:4])] * 2
     assert [pieces(w) for w in p["w"]] == [4, 2, 2, 4]
+
+
+def _collectives(text: str) -> dict[str, list[str]]:
+    """The all-reduces, reduce-scatters and all-gathers of a compiled program's HLO text (each instruction's result
+    shape, e.g. ``f32[16,8]``; a combined all-reduce's tuple shape)."""
+    import re
+
+    out: dict[str, list[str]] = {}
+    for kind in ("all-reduce", "reduce-scatter", "all-gather"):
+        out[kind] = re.findall(rf"= (\S+) {kind}(?:-start)?\(", text)
+    return out
+
+
+def test_what_the_stage_programs_send_for_zero_0_and_1_weights(searched):
+    """Stage 0 holds L0 at ZeRO 0 (its tile on all 4 devices: nothing to reduce) and L1 at ZeRO 1 (its tile
+    ``P('x', None)`` replicated over an axis of 2). Each micro-batch's backward program all-reduces L1's gradient
+    (``f32[16,8]``, the local tile) and nothing else; the update program all-gathers L1's updated shard
+    (``f32[8,16]``) and nothing else: with m = 2, two all-reduces and one all-gather a step, where the cost
+    tables charge ZeRO-1 one reduce-scatter and one all-gather a step (docs/jax.md, "What the stage programs
+    send": not fixed, unlike the PyTorch stage runner)."""
+    import optax
+
+    import shardplan.jax as sj
+
+    params, batch, plan = searched
+    step = sj.apply(with_choices(plan, ZERO), scoped, params, batch, DEVICES).step
+    st = step.stages[0]
+    assert st.zero == {0: 0, 1: 1} and step.plan.micro_batches == 2
+    assert [tuple(st.grad_put[i].spec) for i in st.params] == [(None, ("s", "s~1")), ("x", None)]
+    rows = B // 2
+    placed = tuple(jax.device_put(params["w"][i], st.param_put[i]) for i in st.params)
+    d = tuple(jax.device_put(batch[0][:rows], st.leaf_put[i]) for i in st.data)
+    fo, vjp, _ = st.forward(placed, (), (), d, {})
+    backward = _collectives(st.backward.lower(vjp, tuple(jnp.ones_like(x) for x in fo)).compile().as_text())
+    assert backward == {"all-reduce": ["f32[16,8]{1,0}"], "reduce-scatter": [], "all-gather": []}, backward
+    opt = optax.adam(1e-2)
+    train = step.train_step(opt, params)
+    state = jax.device_put(opt.init(placed), train.state_device[0])
+    grads = tuple(jax.device_put(jnp.zeros_like(params["w"][i]), st.grad_put[i]) for i in st.params)
+    update = _collectives(train.updates[0].lower(placed, state, grads).compile().as_text())
+    assert update == {"all-reduce": [], "reduce-scatter": [], "all-gather": ["f32[8,16]{1,0}"]}, update

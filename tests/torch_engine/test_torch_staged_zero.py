@@ -1,6 +1,7 @@
 """A pipeline plan whose stages shard state (ZeRO-1, 2, 3) or keep it in host memory trains on PyTorch (4 gloo
 processes, :meth:`shardplan.torch.staged.TorchPipeline.optimizer`): 2 stages of 2 processes, every block linear data
-parallel (its weight replicated on the stage's 2 processes) at ZeRO-1, ZeRO-2, ZeRO-2 with its optimizer state in
+parallel (its weight replicated on the stage's 2 processes) at ZeRO-1, ZeRO-2 (and at ZeRO-0, 1, 2 over 4
+micro-batches, counting the collectives each step sends), ZeRO-2 with its optimizer state in
 host memory (ZeRO-Offload) and ZeRO-3 with its shards and their state in host memory (ZeRO-Infinity's
 ``offload_param``); and 4 stages of one process with every linear's optimizer state in host memory, then its
 parameters too. Two Adam steps equal one process's (loss and parameters to 1e-6, relative), with Adam's state of
@@ -46,9 +47,9 @@ class Mlp(nn.Module):
         return ((x - y) ** 2).mean()
 
 
-def data_parallel(world: int, stage: int, offload: tuple[str, ...] = ()) -> Any:
-    """The pipeline search's plan of :class:`Mlp` (2 stages of 2 processes, m = 2), every operator laid out data
-    parallel (its first dimension of the micro-batch's rows split 2 ways) and every linear at ZeRO ``stage``
+def data_parallel(world: int, stage: int, offload: tuple[str, ...] = (), m: int = 2) -> Any:
+    """The pipeline search's plan of :class:`Mlp` (2 stages of 2 processes, ``m`` micro-batches), every operator laid
+    out data parallel (its first dimension of the micro-batch's rows split 2 ways) and every linear at ZeRO ``stage``
     offloading ``offload``, as loaded from JSON."""
     import dataclasses
 
@@ -61,9 +62,9 @@ def data_parallel(world: int, stage: int, offload: tuple[str, ...] = ()) -> Any:
     model, batch = Mlp(), (torch.randn(B, D), torch.randn(B, D))
     tracer = Tracer(model, batch)
     plan = from_pipeline(pipeline_solve(tracer, tracer.batch, torch_pipeline_cases.toy_machine(world),
-                                        micro_batches=(2,), sizes=(2,), uniform=True, schedules=("1f1b",), cutoff=1))
-    graph = tracer(B // 2)
-    rows = {op.name: next(d for d in op.dim_names if op.extents[d] == B // 2) for op in graph.operators}
+                                        micro_batches=(m,), sizes=(2,), uniform=True, schedules=("1f1b",), cutoff=1))
+    graph = tracer(B // m)
+    rows = {op.name: next(d for d in op.dim_names if op.extents[d] == B // m) for op in graph.operators}
 
     def choice(name: str, c: Any) -> Any:
         lay = Layout.flat(c.layout.dims, tuple(2 if d == rows[name] else 1 for d in c.layout.dims), 2)
@@ -107,6 +108,59 @@ def _moments(opt: Any) -> list[tuple[Any, Any, Any]]:
     return out
 
 
+_KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "allreduce_": "all_reduce",
+          "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+          "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+          "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+          "_allgather_base_": "all_gather", "allgather_": "all_gather"}
+
+
+def _collectives() -> Any:
+    """A dispatch mode recording ``(kind, local input shape)`` of every all-reduce, reduce-scatter and all-gather
+    issued under it (DTensor's redistributions desugar into them on local tensors: the mode lets DTensor run first,
+    as torch's ``CommDebugMode`` does)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Collectives(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, tuple[int, ...]]] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            schema = getattr(func, "_schema", None)
+            ns, _, name = (schema.name if schema is not None else "").partition("::")
+            if "c10d" in ns and name in _KINDS:
+                first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+                self.seen.append((_KINDS[name], tuple(first.shape)))
+            return func(*args, **(kwargs or {}))
+
+    return Collectives()
+
+
+def _sync_counts(pipe: Any, seen: list[tuple[str, tuple[int, ...]]]) -> dict[str, int]:
+    """The collectives of ``seen`` on this process's stage parameters' local tiles or master-shard slices, by
+    kind (the gradient synchronisation and the gather of updated shards; the stage's activations have other
+    shapes)."""
+    from torch.distributed.tensor import DTensor
+
+    from shardplan.torch.run import zero3_placements
+
+    shapes = set()
+    for p in pipe.named_parameters().values():
+        if isinstance(p, DTensor):
+            shapes.add(tuple(p.to_local().shape))
+            shard = zero3_placements(p.placements, p.shape, p.device_mesh.mesh.shape)
+            shapes.add(tuple(p.detach().redistribute(p.device_mesh, shard).to_local().shape))
+    out: dict[str, int] = {}
+    for kind, shape in seen:
+        if shape in shapes:
+            out[kind] = out.get(kind, 0) + 1
+    return out
+
+
 def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -133,9 +187,16 @@ def _train(world: int, plan_case: tuple) -> dict[str, Any]:
                           for n, home in h.module.offloaded_parameters().items()})
     freed = lambda: all(_local(p).untyped_storage().nbytes() == 0 for p, _ in homes.values())  # noqa: E731
     rel_loss, param_err, freed_between = 0.0, 0.0, freed()
+    backward_seen, step_seen, other_seen = [], [], []  # per Adam step: the collectives of pipe.step and opt.step
     for _ in range(2):
-        loss = pipe.step(*batch)
-        opt.step()
+        with _collectives() as mode:
+            loss = pipe.step(*batch)
+        with _collectives() as opt_mode:
+            opt.step()
+        backward_seen.append(_sync_counts(pipe, mode.seen))
+        step_seen.append(_sync_counts(pipe, opt_mode.seen))
+        other_seen.append(len(mode.seen) + len(opt_mode.seen) - sum(backward_seen[-1].values())
+                          - sum(step_seen[-1].values()))
         grads = [(p, p.grad) for h in pipe.modules for p in h.module.parameters() if p.grad is not None]
         opt.zero_grad()
         freed_between = freed_between and freed()
@@ -193,13 +254,26 @@ def _train(world: int, plan_case: tuple) -> dict[str, Any]:
             "freed_between": total(int(freed_between)),
             # bytes the operators offloading their activations sent to the host over the two steps
             "host_bytes": total(sum(h.module.host.saved_bytes for h in pipe.modules)),
-            "params_held": total(len(pipe.named_parameters()))}
+            "params_held": total(len(pipe.named_parameters())),
+            # per Adam step, this process's collectives on its stage parameters (kind -> count) in the passes and in
+            # the optimizer's step, and how many others (the activations' and the loss's)
+            "backward_collectives": [_totals(d) for d in backward_seen],
+            "step_collectives": [_totals(d) for d in step_seen], "other_collectives": other_seen}
+
+
+def _totals(counts: dict[str, int]) -> dict[str, int]:
+    """Collective counts by kind, summed over the ranks."""
+    total = torch_pipeline_cases._total
+    return {k: total(counts.get(k, 0)) for k in ("all_reduce", "reduce_scatter", "all_gather")}
 
 
 CASES = {"zero1": lambda world: _train(world, data_parallel(world, 1)),
          "zero2": lambda world: _train(world, data_parallel(world, 2)),
          "zero2_offload": lambda world: _train(world, data_parallel(world, 2, ("optimizer",))),
          "zero3": lambda world: _train(world, data_parallel(world, 3)),
+         "zero0_m4": lambda world: _train(world, data_parallel(world, 0, m=4)),
+         "zero1_m4": lambda world: _train(world, data_parallel(world, 1, m=4)),
+         "zero2_m4": lambda world: _train(world, data_parallel(world, 2, m=4)),
          "zero3_offload": lambda world: _train(world, data_parallel(world, 3, ("optimizer", "parameters"))),
          "one_process_offload": lambda world: _train(world, one_process_stages(1, ("optimizer",))),
          "one_process_offload_params": lambda world: _train(world, one_process_stages(3, ("optimizer", "parameters"))),
@@ -225,14 +299,38 @@ def _like_one_process(r: dict[str, Any]) -> None:
 
 def test_zero1_stages_train_like_one_process_with_the_state_in_shards(results):
     """Two Adam steps equal one process's; every process holds its stage's 4 linear parameters (2 weights, 2
-    biases) whole, with their Adam state in master shards, half of each moment; the gradients whole (all-reduced)."""
+    biases) whole, with their Adam state in master shards, half of each moment; after the step half of each
+    gradient (summed locally over the micro-batches, then reduce-scattered into the master shard)."""
     r = results["zero1"]
     _like_one_process(r)
     assert r["sharded"] == WORLD and r["params_held"] == 2 * 8  # each stage's 4 parameters on each of its 2
     assert r["masters"] == WORLD * 4 and r["master_steps"] == WORLD * 4 and r["moments"] == WORLD * 4, r
     assert r["half_moments"] == WORLD * 4, r
-    assert r["sharded_params"] == 0 and r["grads"] == WORLD * 4 and r["half_grads"] == 0, r
+    assert r["sharded_params"] == 0 and r["grads"] == WORLD * 4 and r["half_grads"] == WORLD * 4, r
     assert r["host_optimizer"] == 0 and r["homes"] == 0
+
+
+def test_stage_gradients_are_sent_as_the_cost_tables_charge(results):
+    """m = 4 micro-batches, per Adam step, summed over the 4 processes (each stage's 2 processes hold its 4 linear
+    parameters, 16 parameter tiles in all): ZeRO-0 all-reduces each gradient once (16), after the micro-batches,
+    not once per micro-batch (64); ZeRO-1 reduce-scatters each once into its master shard (16) and the step
+    all-gathers each updated shard (16); ZeRO-2 reduce-scatters each micro-batch's (64) and gathers once (16):
+    ``cost.memory.choice_table``'s stage 0 all-reduce and stage 1 reduce-scatter and gather once a step, stage 2's
+    reduce-scatter per micro-batch. The activations' collectives are the same for the three; the loss and the
+    parameters after two Adam steps equal one process's."""
+    none = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+    want = {"zero0_m4": ({**none, "all_reduce": 16}, none),
+            "zero1_m4": ({**none, "reduce_scatter": 16}, {**none, "all_gather": 16}),
+            "zero2_m4": ({**none, "reduce_scatter": 64}, {**none, "all_gather": 16})}
+    for name, (passes, step) in want.items():
+        r = results[name]
+        _like_one_process(r)
+        assert r["backward_collectives"] == [passes, passes], (name, r["backward_collectives"])
+        assert r["step_collectives"] == [step, step], (name, r["step_collectives"])
+    others = {tuple(results[name]["other_collectives"]) for name in want}
+    assert len(others) == 1, others
+    assert results["zero1_m4"]["half_grads"] == results["zero2_m4"]["half_grads"] == WORLD * 4
+    assert results["zero0_m4"]["half_grads"] == 0 and results["zero0_m4"]["sharded"] == 0
 
 
 def test_zero2_stages_reduce_scatter_the_gradients_into_shards(results):
