@@ -59,9 +59,9 @@ class OperatorChoice:
             plan's operators the two sum to the step time.
         fp8: its matrix products run in FP8 (Transformer Engine's delayed scaling).
         offload: what it keeps in host memory (``optimizer``, ``parameters``, ``activations``).
-        dealt: a causal attention run with its keys gathered and its queries dealt into the balanced order,
-            as its stage's tables charged it (:func:`shardplan.cost.ring.deals_gathered`): a plan read back
-            from JSON runs it so without its stage's tables.
+        dealt: a causal attention that, run with its keys gathered (not the ring), deals its queries into the
+            balanced order, as its stage's tables charged it (:func:`shardplan.cost.ring.deals_gathered`): a plan
+            read back from JSON runs it so without its stage's tables.
     """
 
     kind: str

@@ -28,7 +28,10 @@ The math is in docs/cost-model.md, "Ring context parallelism"; in short:
   deal them into the balanced order, the ring its q, k, v and output (:func:`deal_time` on its edges), the
   all-gather its queries and output only (:func:`gathered_deal`), where that costs less than the contiguous
   blocks' extra work (:func:`gathered_imbalance`); the all-gather's edge pays the cheaper
-  (:func:`gathered_charge`), which the runners ask for at the chosen layout (:func:`deals_gathered`).
+  (:func:`gathered_charge`), which the runners ask for at the chosen layout (:func:`deals_gathered`). There
+  the keys' and values' gradients go home by a reduce-scatter where the producer scatters them over the query
+  sequence's group (:func:`gathered_scatters`), else by the all-reduce: charged per producer layout on the edges
+  (:func:`gathered_reduction`), the all-reduce taken off the operator (:func:`gathered_moved`).
 """
 
 from __future__ import annotations
