@@ -438,3 +438,28 @@ def test_the_search_takes_the_balanced_all_gather_over_the_ring_where_the_deal_m
     kb, ab = before.assignment[ik], before.assignment[ia]
     assert np.isfinite(ring[kb, ab]) and old[kb, ab] == ring[kb, ab]  # the ring
     assert sol.cost < before.cost
+
+
+def test_the_operator_cost_of_a_dealt_attention_leaves_its_keys_gradient_to_the_edges_alike_everywhere():
+    """What the tables charge a dealt attention under the all-gather (the keys' and values' gradient all-reduce
+    taken off on the dealt rows: :func:`gathered_moved`) is what :func:`ring_operator_cost` gives the fit's
+    micro-batch costs, row by row; an attention not dealt keeps its all-reduce."""
+    from shardplan.cost.ring import gathered_dealt, gathered_moved, ring_operator_cost
+
+    m = machine(bandwidth=1e12, latency=1e-7, peak=1e10)
+    g = _dealt_graph(256, True)
+    t = build_tables(g, m)
+    names = [o.name for o in g.operators]
+    ia = names.index("attn")
+    lv = LayoutArrays.stack(list(t.layouts[ia]))
+    full = operator_cost(g["attn"], lv, m)
+    dealt = gathered_dealt(g["attn"], lv, m, full.compute)
+    assert dealt.any() and not dealt.all()
+    moved = gathered_moved(g["attn"], lv, m, full.compute)
+    assert ((moved > 0) == (dealt & (full.grad_allreduce > 0))).all()
+    assert t.op_costs[ia].grad_allreduce == pytest.approx(full.grad_allreduce - moved, rel=1e-12, abs=1e-18)
+    assert ring_operator_cost(g["attn"], lv, m, "allgather").grad_allreduce == pytest.approx(
+        t.op_costs[ia].grad_allreduce, rel=1e-12, abs=1e-18)
+    plain = _dealt_graph(256, False)["attn"]
+    assert ring_operator_cost(plain, lv, m, "allgather").grad_allreduce.tolist() == \
+        operator_cost(plain, lv, m).grad_allreduce.tolist()
