@@ -442,15 +442,15 @@ def _choice_tables(tables: CostTables, micro_batches: int, options: FitOptions, 
 
 def _scaled(op: Operator, lay: Any, tables: CostTables, m: int) -> Any:
     """The operator's cost with every collective paying m latencies (None: :func:`choice_table` computes it);
-    tables built with a ring ``context`` charge the ring input's gradient reduction on its edge
-    (:func:`shardplan.cost.ring.ring_operator_cost`)."""
+    tables built with a ring ``context``, or a dealt attention's under the all-gather, charge the ring input's
+    gradient reduction on its edge (:func:`shardplan.cost.ring.ring_operator_cost`)."""
     context = tables.options.get("context", "allgather")
-    if context == "allgather":
+    if context == "allgather" and (op.causal is None or not op.causal.dealt):
         return None
     from shardplan.cost.memory import latency_scaled
     from shardplan.cost.ring import ring_operator_cost
 
-    return ring_operator_cost(op, lay, latency_scaled(tables.machine, m), context)
+    return ring_operator_cost(op, lay, latency_scaled(tables.machine, m), context, decide=tables.machine)
 
 
 def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, options: FitOptions = FitOptions(),

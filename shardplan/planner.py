@@ -49,7 +49,10 @@ def table_options(tables: Any) -> dict[str, Any]:
 def choices_of(sp: Any) -> dict[str, OperatorChoice]:
     """Per operator of a tables-backed plan its :class:`OperatorChoice`: layout, memory choices (the program's
     own recomputation where the plan has none), the dimensions of the weights it owns (a reader of another
-    operator's parameter holds no state of it), labels and extents, its own seconds and its redistribution's."""
+    operator's parameter holds no state of it), labels and extents, its own seconds and its redistribution's,
+    and whether a causal attention is run dealt with its keys gathered (:func:`shardplan.cost.ring.deals_gathered`)."""
+    from shardplan.cost.ring import deals_gathered
+
     g = sp.graph
     mc = sp.memory_choices
     rows = sp.operators()
@@ -64,7 +67,8 @@ def choices_of(sp: Any) -> dict[str, OperatorChoice]:
             tuple(d for d, _ in op.dims if any(d in w.dims for w in own)), int(sum(w.size for w in own)),
             tuple(op.dim_label(d) for d in lay.dims), tuple(int(ext[d]) for d in lay.dims),
             float(row["cost_seconds"]), float(row["redistribution_in_seconds"]),
-            mc.fp8(i) if mc is not None else False, mc.offload(i) if mc is not None else ())
+            mc.fp8(i) if mc is not None else False, mc.offload(i) if mc is not None else (),
+            op.kind == "attn_flash" and deals_gathered(op, lay, sp.machine))
     return out
 
 

@@ -59,6 +59,9 @@ class OperatorChoice:
             plan's operators the two sum to the step time.
         fp8: its matrix products run in FP8 (Transformer Engine's delayed scaling).
         offload: what it keeps in host memory (``optimizer``, ``parameters``, ``activations``).
+        dealt: a causal attention that, run with its keys gathered (not the ring), deals its queries into the
+            balanced order, as its stage's tables charged it (:func:`shardplan.cost.ring.deals_gathered`): a plan
+            read back from JSON runs it so without its stage's tables.
     """
 
     kind: str
@@ -73,6 +76,7 @@ class OperatorChoice:
     redistribution_seconds: float = 0.0
     fp8: bool = False
     offload: tuple[str, ...] = ()
+    dealt: bool = False
 
     @property
     def tensor_degree(self) -> int:
@@ -105,7 +109,8 @@ class OperatorChoice:
                 "weight_dims": list(self.weight_dims), "weight_elems": self.weight_elems,
                 "labels": list(self.labels), "extents": list(self.extents), "seconds": self.seconds,
                 "redistribution_seconds": self.redistribution_seconds, "fp8": self.fp8,
-                "offload": list(self.offload), **({"partial": True} if lay.partial else {})}
+                "offload": list(self.offload), **({"partial": True} if lay.partial else {}),
+                **({"dealt": True} if self.dealt else {})}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "OperatorChoice":
@@ -115,7 +120,8 @@ class OperatorChoice:
                               tuple(d.get("weight_dims", ())), int(d.get("weight_elems", 0)),
                               tuple(str(x) for x in d.get("labels", ())), tuple(int(x) for x in d.get("extents", ())),
                               float(d.get("seconds", 0.0)), float(d.get("redistribution_seconds", 0.0)),
-                              bool(d.get("fp8", False)), tuple(str(x) for x in d.get("offload", ())))
+                              bool(d.get("fp8", False)), tuple(str(x) for x in d.get("offload", ())),
+                              bool(d.get("dealt", False)))
 
 
 @dataclass(frozen=True)

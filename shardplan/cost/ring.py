@@ -28,7 +28,10 @@ The math is in docs/cost-model.md, "Ring context parallelism"; in short:
   deal them into the balanced order, the ring its q, k, v and output (:func:`deal_time` on its edges), the
   all-gather its queries and output only (:func:`gathered_deal`), where that costs less than the contiguous
   blocks' extra work (:func:`gathered_imbalance`); the all-gather's edge pays the cheaper
-  (:func:`gathered_charge`), which the runners ask for at the chosen layout (:func:`deals_gathered`).
+  (:func:`gathered_charge`), which the runners ask for at the chosen layout (:func:`deals_gathered`). There
+  the keys' and values' gradients go home by a reduce-scatter where the producer scatters them over the query
+  sequence's group (:func:`gathered_scatters`), else by the all-reduce: charged per producer layout on the edges
+  (:func:`gathered_reduction`), the all-reduce taken off the operator (:func:`gathered_moved`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from shardplan.layout import Layout, LayoutArrays
 from shardplan.machine import Machine
 
 __all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_mask", "ring_exposed", "deal_time", "moved_reduction",
-           "gathered_imbalance", "gathered_deal", "gather_deals", "gathered_charge", "deals_gathered", "context_edge",
+           "gathered_imbalance", "gathered_deal", "gather_deals", "gathered_charge", "deals_gathered", "gathered_dealt",
+           "gathered_moved", "gathered_scatters", "gathered_reduction", "context_edge",
            "ring_choices", "ring_operator_cost"]
 
 CONTEXT_ALGORITHMS = ("allgather", "ring", "auto")
@@ -125,17 +129,35 @@ def moved_reduction(op: Operator, lay: LayoutArrays, machine: Machine,
     those inputs' (default: every ring input's)."""
     mask, _ = ring_mask(op, lay)
     out = np.zeros(len(lay))
-    p = machine.num_devices
     for j in range(len(op.inputs)) if slots is None else slots:
         rows = np.nonzero(mask[:, j] & ~lay.deferred)[0]
         t = op.inputs[j] if j < len(op.inputs) else None
         if not len(rows) or t is None or not t.needs_grad:
             continue
-        sub = lay.take(rows)
-        vol = box_volumes(tensor_boxes(op, t, sub, p, core=False)).max(axis=1) * t.elem_factor
-        gl = sub.group_sizes([op.dim_names.index(d) for d in op.grad_reduction_dims(t)])
-        out[rows] += allreduce_time(vol * float(machine.dtype_bytes), gl, machine)
+        nbytes, gl = _grad_bytes(op, j, lay.take(rows), machine)
+        out[rows] += allreduce_time(nbytes, gl, machine)
     return out
+
+
+def _grad_bytes(op: Operator, slot: int, sub: LayoutArrays, machine: Machine) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes of the busiest device's gradient tile of input ``slot``, (L, K) sizes of the group that sums it)."""
+    t = op.inputs[slot]
+    vol = box_volumes(tensor_boxes(op, t, sub, machine.num_devices, core=False)).max(axis=1) * t.elem_factor
+    gl = sub.group_sizes([op.dim_names.index(d) for d in op.grad_reduction_dims(t)])
+    return vol * float(machine.dtype_bytes), gl
+
+
+def _scatter_fit(u: Operator, lu: LayoutArrays, v: Operator, slot: int, sub: LayoutArrays, gs: np.ndarray,
+                 machine: Machine) -> np.ndarray:
+    """(K_v', K_u) bool: u's output tiles scatter v's input tile ``slot`` over the ring group of ``gs`` devices,
+    a distinct ``1/g`` block on each (:func:`shardplan.cost.edge.scatters` with ``h = g``)."""
+    from shardplan.cost.edge import scatters
+
+    p = machine.num_devices
+    bv = tensor_boxes(v, v.inputs[slot], sub, p, core=True)
+    bu = tensor_boxes(u, u.output, lu, p, core=True)
+    fit = scatters(bv, bu, gs, machine.levels)  # (K_v', K_u, L): all 1 where each device holds a distinct 1/g
+    return (fit[..., 0] > 0) & (fit.prod(axis=2) == 1)
 
 
 def ring_choices(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
@@ -146,8 +168,6 @@ def ring_choices(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     per device (:func:`shardplan.cost.edge.scatters` with ``h = g``). Where v has several ring inputs (fused
     attention's keys and values) each edge's transfer overlaps its share of v's compute in proportion to its
     input's bytes, so that the edges together are charged the exposed time of the blocks moving together."""
-    from shardplan.cost.edge import scatters
-
     p = machine.num_devices
     out = np.full((len(lu), len(lv)), np.inf)
     mask, g = ring_mask(v, lv)
@@ -159,8 +179,7 @@ def ring_choices(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     bv = tensor_boxes(v, t, sub, p, core=True)
     bu = tensor_boxes(u, u.output, lu, p, core=True)
     gs = g[cols]
-    fit = scatters(bv, bu, gs, machine.levels)  # (K_v', K_u, L): all 1 where each device holds a distinct 1/g
-    ok = (fit[..., 0] > 0) & (fit.prod(axis=2) == 1)
+    ok = _scatter_fit(u, lu, v, slot, sub, gs, machine)
     nbytes = box_volumes(bv).max(axis=1) * t.elem_factor * float(machine.dtype_bytes)
     level = outer_level(sub.group_sizes(_group_dims(v, slot)))
     total, step = causal_fractions(v, sub.splits)
@@ -304,6 +323,72 @@ def deals_gathered(op: Operator, layout: Layout, machine: Machine) -> bool:
     return bool(gather_deals(op, int(mask[0].argmax()), lv, machine, compute)[0])
 
 
+def gathered_dealt(v: Operator, lv: LayoutArrays, machine: Machine, compute: np.ndarray) -> np.ndarray:
+    """(K_v,) bool: the layouts at which the runners deal the causal attention ``v`` with its keys gathered
+    (:func:`gather_deals` of the first ring input of each row)."""
+    mask, _ = ring_mask(v, lv)
+    out = np.zeros(len(lv), dtype=bool)
+    if v.causal is None or not v.causal.dealt:
+        return out
+    for j in range(len(v.inputs)):
+        if mask[:, j].any():
+            out |= gather_deals(v, j, lv, machine, compute)
+    return out
+
+
+def gathered_moved(v: Operator, lv: LayoutArrays, machine: Machine, compute: np.ndarray) -> np.ndarray:
+    """(K_v,) seconds of the ring inputs' gradient all-reduce that tables built with the all-gather move from a
+    dealt attention (:func:`gathered_dealt`) to the edges of those inputs, which charge what the runner does
+    instead (:func:`gathered_reduction`): :func:`moved_reduction` on the dealt rows, 0 elsewhere."""
+    dealt = gathered_dealt(v, lv, machine, compute)
+    if not dealt.any():
+        return np.zeros(len(lv))
+    return np.where(dealt, moved_reduction(v, lv, machine), 0.0)
+
+
+def gathered_scatters(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays,
+                      machine: Machine) -> np.ndarray:
+    """(K_u, K_v) bool: where the gradient of v's ring input ``slot`` (the keys, or the values) comes back to
+    its producer ``u`` by one reduce-scatter over the query sequence's group: ``slot`` is a ring input of a
+    causal ``v``, the group that sums its gradient splits the query sequence alone, and u's tiles scatter v's
+    tile of it over that group, a distinct ``1/g`` block on each device (:func:`_scatter_fit`, the ring's
+    condition). The all-gather of the forward is then the transpose of that reduce-scatter."""
+    out = np.zeros((len(lu), len(lv)), dtype=bool)
+    mask, g = ring_mask(v, lv)
+    c = v.causal
+    if c is None or slot >= len(v.inputs):
+        return out
+    others = [v.dim_names.index(d) for d in v.grad_reduction_dims(v.inputs[slot]) if d != c.query]
+    alone = lv.group_sizes(others).prod(axis=0) == 1 if others else np.ones(len(lv), dtype=bool)
+    cols = np.nonzero(mask[:, slot] & alone & (g > 1))[0]
+    if not len(cols):
+        return out
+    out[:, cols] = _scatter_fit(u, lu, v, slot, lv.take(cols), g[cols], machine).T
+    return out
+
+
+def gathered_reduction(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
+                       compute: np.ndarray) -> np.ndarray:
+    """(K_u, K_v) seconds of the gradient of ring input ``slot`` of a dealt attention (:func:`gathered_dealt`)
+    on its way back to its producer ``u`` (the all-reduce :func:`gathered_moved` took off the operator): a
+    reduce-scatter of the device's gradient tile over the query sequence's group where
+    :func:`gathered_scatters` (each device keeps its own block's sum: Llama 3's all-gather; half the bytes of
+    the all-reduce), else the all-reduce; 0 on the rows not dealt."""
+    from shardplan.cost.collectives import reduce_scatter_time
+
+    dealt = gathered_dealt(v, lv, machine, compute)
+    out = np.zeros((len(lu), len(lv)))
+    if not dealt.any():
+        return out
+    ar = np.where(dealt, moved_reduction(v, lv, machine, (slot,)), 0.0)
+    rs = np.zeros(len(lv))
+    rows = np.nonzero(ar > 0)[0]
+    if len(rows):
+        nbytes, gl = _grad_bytes(v, slot, lv.take(rows), machine)
+        rs[rows] = reduce_scatter_time(nbytes, gl, machine)
+    return np.where(gathered_scatters(u, lu, v, slot, lv, machine) & (ar > 0)[None, :], rs[None, :], ar[None, :])
+
+
 def context_edge(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
                  gathered: np.ndarray, moved: np.ndarray, compute: np.ndarray, algorithm: str) -> np.ndarray:
     """The edge u -> v's seconds (K_u, K_v) under ``algorithm`` (:data:`CONTEXT_ALGORITHMS`): ``gathered`` is
@@ -314,8 +399,11 @@ def context_edge(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     mask, _ = ring_mask(v, lv)
     if (mask.sum(axis=1) > 1).any():  # several ring inputs: this one's reduction only
         moved = moved_reduction(v, lv, machine, (slot,))
-    moved = np.where(mask[:, slot], moved, 0.0) + gathered_charge(v, slot, lv, machine, compute)
+    dealt = gathered_dealt(v, lv, machine, compute)  # there the runner's reduction (:func:`gathered_reduction`)
+    moved = np.where(mask[:, slot] & ~dealt, moved, 0.0) + gathered_charge(v, slot, lv, machine, compute)
     plain = np.asarray(gathered, dtype=np.float64) + moved[None, :]
+    if dealt.any():
+        plain = plain + gathered_reduction(u, lu, v, slot, lv, machine, compute)
     if algorithm == "allgather" or not mask[:, slot].any():
         return plain
     ring = ring_choices(u, lu, v, slot, lv, machine, compute)
@@ -324,15 +412,22 @@ def context_edge(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     return np.minimum(plain, ring)
 
 
-def ring_operator_cost(op: Operator, lay: LayoutArrays, machine: Machine, context: str = "allgather"):
+def ring_operator_cost(op: Operator, lay: LayoutArrays, machine: Machine, context: str = "allgather",
+                       decide: Machine | None = None):
     """:func:`~shardplan.cost.operator.operator_cost` of ``op`` as tables built with ``context`` charge it:
     with ``ring`` or ``auto``, less the all-reduce of the ring input's gradient (:func:`moved_reduction`),
-    which the edge of that input charges instead."""
+    which the edge of that input charges instead; with ``allgather``, less it where the attention is dealt
+    (:func:`gathered_moved`; ``decide``: the machine the tables decided the deal on, default ``machine``)."""
     from dataclasses import replace
 
     from shardplan.cost.operator import operator_cost
 
     cost = operator_cost(op, lay, machine)
     if context == "allgather":
-        return cost
+        if op.causal is None or not op.causal.dealt:
+            return cost
+        dealt = gathered_dealt(op, lay, decide or machine, operator_cost(op, lay, decide).compute
+                               if decide is not None else cost.compute)
+        return replace(cost, grad_allreduce=cost.grad_allreduce - np.where(dealt, moved_reduction(op, lay, machine),
+                                                                           0.0))
     return replace(cost, grad_allreduce=cost.grad_allreduce - moved_reduction(op, lay, machine))

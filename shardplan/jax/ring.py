@@ -17,7 +17,8 @@ Without it, device i holds the i-th contiguous block and the last device does al
 The all-gather's balance (:func:`gather_apply`, Llama 3's all-gather with the queries dealt): the keys and
 values gathered as planned, the queries dealt into the balanced order by the same two half-block
 ``ppermute`` as the ring's deal, the output dealt back; its backward is autodiff's (the transposes: the
-output's gradient dealt in, the queries' dealt back).
+output's gradient dealt in, the queries' dealt back; keys and values that arrive split along the sequence
+are gathered inside, and their gradients reduce-scattered home by the all-gather's transpose).
 """
 
 from __future__ import annotations
@@ -240,7 +241,8 @@ def ring_apply(q: Any, k: Any, v: Any, mesh: Any, q_spec: Any, kv_spec: Any, axi
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)(q, k, v)
 
 
-def gather_apply(q: Any, k: Any, v: Any, mesh: Any, q_spec: Any, kv_spec: Any, axis: str | tuple[str, ...]) -> Any:
+def gather_apply(q: Any, k: Any, v: Any, mesh: Any, q_spec: Any, kv_spec: Any, axis: str | tuple[str, ...],
+                 scatter: tuple[bool, bool] = (False, False)) -> Any:
     """Causal ``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` of (batch, seq, heads, dim) arrays laid
     out as a plan runs them with the keys gathered: queries by ``q_spec``, the sequence split in contiguous
     blocks over mesh axis ``axis`` (or a tuple of axes, major first), keys and values by ``kv_spec``, whose
@@ -249,21 +251,30 @@ def gather_apply(q: Any, k: Any, v: Any, mesh: Any, q_spec: Any, kv_spec: Any, a
     rows attend to every key under the mask of their positions (:func:`balanced_positions`), and the output
     is dealt back: every device does the same masked work (the balanced core the cost model charges, plus
     :func:`shardplan.cost.ring.gathered_deal`'s exchanges). Backward by autodiff: the deal's transposes move
-    the output's gradient in and the queries' back, and the keys' and values' gradients, partial sums over
-    the device's queries, are summed over ``axis`` by ``shard_map``'s transpose, as in the gathered run."""
+    the output's gradient in and the queries' back. ``scatter``: per key and value, whether it arrives split
+    along the sequence over ``axis`` like the queries (as its producer leaves it,
+    :func:`shardplan.cost.ring.gathered_scatters`) and is gathered inside by ``jax.lax.all_gather``, whose
+    transpose reduce-scatters its gradient (each device keeps its own block's sum:
+    :func:`shardplan.cost.ring.gathered_reduction`); otherwise it arrives whole (gathered by the plan's
+    layouts) and its gradient, a partial sum over the device's queries, is all-reduced over ``axis`` by
+    ``shard_map``'s transpose."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
 
     ways = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
     seq = q.shape[1]
     if seq % (2 * ways) or (len(kv_spec) > 1 and kv_spec[1] is not None):
         raise ShardplanError(f"a sequence of {seq} in blocks of odd length over {ways} devices, or keys not gathered")
     table = jnp.asarray(balanced_positions(seq, ways, True))
+    split = PartitionSpec(*[axis if d == 1 else kv_spec[d] if d < len(kv_spec) else None for d in range(4)])
+    specs = tuple(split if s else kv_spec for s in scatter)
 
     def local(ql: Any, kl: Any, vl: Any) -> Any:
+        kl, vl = (jax.lax.all_gather(x, axis, axis=1, tiled=True) if s else x for x, s in zip((kl, vl), scatter))
         rows = table[jax.lax.axis_index(axis)]
         keep = rows[:, None] >= jnp.arange(kl.shape[1])[None, :]
         out = jax.nn.dot_product_attention(_deal(ql, axis, ways, False), kl, vl, mask=keep[None, None])
         return _deal(out, axis, ways, True)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)(q, k, v)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, *specs), out_specs=q_spec)(q, k, v)

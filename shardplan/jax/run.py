@@ -35,7 +35,7 @@ from shardplan.jax.lower import TraceInfo
 from shardplan.jax.shardings import PlanShardings, plan_shardings, replicated
 
 __all__ = ["evaluate", "evaluate_eqns", "constrain_forward", "constrain_both_ways", "constrain_read", "constrained_fn",
-           "make_step", "ring_charged", "ring_hooks"]
+           "gather_scatters", "make_step", "ring_charged", "ring_hooks"]
 
 Hook = Callable[[Any], Any]
 
@@ -261,8 +261,17 @@ def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Calla
                 qsh, ksh = NamedSharding(mesh, PartitionSpec(*q_spec)), NamedSharding(mesh, PartitionSpec(*kv_spec))
                 if recast is not None:
                     qsh, ksh = recast(qsh), recast(ksh)
-                replace[k] = lambda a, m=qsh.mesh, qs=qsh.spec, ks=ksh.spec: [
-                    gather_apply(a[0], a[1], a[2], m, qs, ks, qs[1])]
+                scatter = gather_scatters(plan, op.name)
+                if any(scatter):  # those inputs arrive split like the queries (their producers'), gathered inside
+                    split = list(kv_spec)
+                    split[1] = axis
+                    ssh = NamedSharding(mesh, PartitionSpec(*split))
+                    ssh = recast(ssh) if recast is not None else ssh
+                    for slot, s in zip((1, 2), scatter):
+                        if s:
+                            consume[(k, slot)] = constrain_both_ways(ssh)
+                replace[k] = lambda a, m=qsh.mesh, qs=qsh.spec, ks=ksh.spec, sc=scatter: [
+                    gather_apply(a[0], a[1], a[2], m, qs, ks, qs[1], sc)]
             continue
         kv = list(lay.partition_spec(dims[1]))
         kv[1] = axis
@@ -275,6 +284,27 @@ def ring_hooks(plan: Any, info: TraceInfo, devices: Sequence[Any], recast: Calla
         replace[k] = lambda a, m=qsh.mesh, qs=qsh.spec, ks=ksh.spec, c=causal: [
             ring_apply(a[0], a[1], a[2], m, qs, ks, qs[1], c)]
     return consume, replace
+
+
+def gather_scatters(plan: Any, name: str) -> tuple[bool, bool]:
+    """Per key and value of the dealt attention ``name`` (run by :func:`shardplan.jax.ring.gather_apply`),
+    whether its gradient goes home by a reduce-scatter: its producer's chosen layout scatters it over the query
+    sequence's group (:func:`shardplan.cost.ring.gathered_scatters` at the two chosen layouts, where the cost
+    tables charge :func:`shardplan.cost.ring.gathered_reduction` the reduce-scatter). An input read straight
+    from the program's arguments has no edge: all-reduced."""
+    from shardplan.cost.ring import gathered_scatters
+    from shardplan.layout import LayoutArrays
+
+    tables, g = plan.tables, plan.graph
+    i = g.index[name]
+    op, kv = g.operators[i], plan.assignment[i]
+    lv = LayoutArrays.stack([tables.layouts[i][kv]])
+    out = {1: False, 2: False}
+    for e in g.edges:
+        if e.dst == i and e.slot in out:
+            lu = LayoutArrays.stack([tables.layouts[e.src][plan.assignment[e.src]]])
+            out[e.slot] = bool(gathered_scatters(g.operators[e.src], lu, op, e.slot, lv, plan.machine)[0, 0])
+    return out[1], out[2]
 
 
 def ring_charged(plan: Any, name: str) -> bool:

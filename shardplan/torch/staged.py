@@ -933,14 +933,15 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
 
 def plan_layout(plan: Any) -> tuple[dict, list[list[tuple[Any, Any]]]]:
     """What every rank needs of a :class:`shardplan.Plan` of stages: the stage map and, per stage, its
-    operators' ``(dimension names, Layout)`` in order (the form :func:`pipeline` broadcasts)."""
+    operators' ``(dimension names, Layout, dealt)`` in order (the form :func:`pipeline` broadcasts; ``dealt``:
+    :attr:`shardplan.result.OperatorChoice.dealt`, as the stage's tables charged it)."""
     layout = {"stages": [(s.first, s.end, s.offset, s.devices) for s in plan.stages],
               "micro_batches": plan.micro_batches, "schedule": plan.schedule, "chunks": plan.chunks,
               "units": None, "step_time": plan.step_time,
               "choices": [[(n, c.fp8, tuple(c.offload), c.recompute, c.state_stage) for n, c in s.operators.items()]
                           for s in plan.stages],
               "ring": (plan.stats.get("table_options") or {}).get("context") == "ring"}
-    return layout, [[(c.layout.dims, c.layout) for c in s.operators.values()] for s in plan.stages]
+    return layout, [[(c.layout.dims, c.layout, c.dealt) for c in s.operators.values()] for s in plan.stages]
 
 
 def build_pipeline(result: Any, layout: dict, stage_layouts: Sequence[Sequence[tuple[Any, Any]]] | None,

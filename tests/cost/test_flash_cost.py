@@ -349,9 +349,11 @@ def test_a_dealt_attention_with_its_keys_gathered_pays_the_deal_and_no_imbalance
     """On fast links the balanced all-gather pays: the edge of the keys is charged the queries dealt in and the
     output back (forward), the output's gradient in and the queries' gradient back (backward), each two
     half-block point-to-points, 4 deal_time(q block), and none of the contiguous blocks' extra work; the
-    values' edge nothing beyond its gather. Where 2g does not divide the sequence nothing is dealt (and the
-    core is charged contiguous already)."""
-    from shardplan.cost.ring import deals_gathered, gathered_charge, gathered_deal, gathered_imbalance
+    values' edge nothing beyond its gather. Both edges also carry their input's gradient reduction, which the
+    operator no longer charges (:func:`gathered_reduction`, the reduce-scatter where the producer scatters).
+    Where 2g does not divide the sequence nothing is dealt (and the core is charged contiguous already)."""
+    from shardplan.cost.ring import (deals_gathered, gathered_charge, gathered_deal, gathered_imbalance,
+                                     gathered_moved, gathered_reduction)
 
     m = machine(bandwidth=1e12, latency=1e-7, peak=1e10)
     g, plain = _dealt_graph(S, True), _dealt_graph(S, False)
@@ -372,10 +374,18 @@ def test_a_dealt_attention_with_its_keys_gathered_pays_the_deal_and_no_imbalance
     t_dealt, t_plain = build_tables(g, m), build_tables(plain, m)
     names = [o.name for o in g.operators]
     row = next(i for i, lay in enumerate(t_dealt.layouts[names.index("attn")]) if lay.splits == flat(op, s=4).splits)
-    for src, extra in (("k", charged[0]), ("v", 0.0)):
+    ia = names.index("attn")
+    moved = gathered_moved(op, lv, m, bal)
+    assert (moved[0] > 0) == dealt and moved[1] == 0.0
+    assert t_dealt.op_costs[ia].grad_allreduce[row] == pytest.approx(
+        t_plain.op_costs[ia].grad_allreduce[row] - moved[0], rel=1e-12, abs=1e-18)
+    for src, slot, extra in (("k", 1, charged[0]), ("v", 2, 0.0)):
         e = next(i for i, x in enumerate(g.edges) if names[x.src] == src)
         diff = t_dealt.edge_costs[e][:, row] - t_plain.edge_costs[e][:, row]
-        assert diff == pytest.approx(np.full_like(diff, extra), rel=1e-12, abs=1e-18), src
+        red = gathered_reduction(g[src], LayoutArrays.stack(list(t_dealt.layouts[names.index(src)])), op, slot,
+                                 LayoutArrays.stack([flat(op, s=4)]), m, bal[:1])[:, 0]
+        assert (red > 0).all() == dealt and (red == 0).all() != dealt
+        assert diff == pytest.approx(extra + red, rel=1e-12, abs=1e-18), src
 
 
 def test_the_search_takes_the_balanced_all_gather_over_the_ring_where_the_deal_makes_it_cheaper():
@@ -385,7 +395,8 @@ def test_the_search_takes_the_balanced_all_gather_over_the_ring_where_the_deal_m
     optimum passes the keys round the ring, at a higher step time."""
     from dataclasses import replace as dc_replace
 
-    from shardplan.cost.ring import deals_gathered, gathered_charge, gathered_deal, gathered_imbalance
+    from shardplan.cost.ring import (deals_gathered, gathered_charge, gathered_deal, gathered_dealt,
+                                     gathered_imbalance, gathered_reduction, moved_reduction)
 
     m = Machine(4, peak_flops=1e12, bandwidth=1e10, latency=1e-6, dtype_bytes=DT, hbm_bandwidth=HBM)
     b = GraphBuilder("dealt")
@@ -410,11 +421,45 @@ def test_the_search_takes_the_balanced_all_gather_over_the_ring_where_the_deal_m
     extra = gathered_imbalance(g["attn"], 1, lv, m, comp)[ka]
     assert gathered_charge(g["attn"], 1, lv, m, comp)[ka] == deal < extra
     assert held < ring[kk, ka]  # the all-gather (with the deal), not the ring
-    old = t.edge_costs[e] + (gathered_imbalance(g["attn"], 1, lv, m, comp)
-                             - gathered_charge(g["attn"], 1, lv, m, comp))[None, :]
-    old = np.where(t.edge_costs[e] < ring, np.minimum(old, ring), t.edge_costs[e])
-    before = solve_dp(dc_replace(t, edge_costs=tuple(old if i == e else c for i, c in enumerate(t.edge_costs)))
-                      .to_problem())
+    # before: the extra work in place of the deal, and each input's gradient all-reduced (not reduce-scattered)
+    dealt = gathered_dealt(g["attn"], lv, m, comp)
+    edges = list(t.edge_costs)
+    for src, slot in (("k", 1), ("v", 2)):
+        j = next(i for i, x in enumerate(g.edges) if names[x.src] == src)
+        ls = LayoutArrays.stack(list(t.layouts[names.index(src)]))
+        back = np.where(dealt, moved_reduction(g["attn"], lv, m, (slot,)), 0.0)[None, :] \
+            - gathered_reduction(g[src], ls, g["attn"], slot, lv, m, comp)
+        if slot == 1:
+            back = back + (gathered_imbalance(g["attn"], 1, lv, m, comp) - gathered_charge(g["attn"], 1, lv, m, comp))
+        r = ring_choices(g[src], ls, g["attn"], slot, lv, m, comp)
+        edges[j] = np.where(t.edge_costs[j] < r, np.minimum(t.edge_costs[j] + back, r), t.edge_costs[j])
+    old = edges[e]
+    before = solve_dp(dc_replace(t, edge_costs=tuple(edges)).to_problem())
     kb, ab = before.assignment[ik], before.assignment[ia]
     assert np.isfinite(ring[kb, ab]) and old[kb, ab] == ring[kb, ab]  # the ring
     assert sol.cost < before.cost
+
+
+def test_the_operator_cost_of_a_dealt_attention_leaves_its_keys_gradient_to_the_edges_alike_everywhere():
+    """What the tables charge a dealt attention under the all-gather (the keys' and values' gradient all-reduce
+    taken off on the dealt rows: :func:`gathered_moved`) is what :func:`ring_operator_cost` gives the fit's
+    micro-batch costs, row by row; an attention not dealt keeps its all-reduce."""
+    from shardplan.cost.ring import gathered_dealt, gathered_moved, ring_operator_cost
+
+    m = machine(bandwidth=1e12, latency=1e-7, peak=1e10)
+    g = _dealt_graph(256, True)
+    t = build_tables(g, m)
+    names = [o.name for o in g.operators]
+    ia = names.index("attn")
+    lv = LayoutArrays.stack(list(t.layouts[ia]))
+    full = operator_cost(g["attn"], lv, m)
+    dealt = gathered_dealt(g["attn"], lv, m, full.compute)
+    assert dealt.any() and not dealt.all()
+    moved = gathered_moved(g["attn"], lv, m, full.compute)
+    assert ((moved > 0) == (dealt & (full.grad_allreduce > 0))).all()
+    assert t.op_costs[ia].grad_allreduce == pytest.approx(full.grad_allreduce - moved, rel=1e-12, abs=1e-18)
+    assert ring_operator_cost(g["attn"], lv, m, "allgather").grad_allreduce == pytest.approx(
+        t.op_costs[ia].grad_allreduce, rel=1e-12, abs=1e-18)
+    plain = _dealt_graph(256, False)["attn"]
+    assert ring_operator_cost(plain, lv, m, "allgather").grad_allreduce.tolist() == \
+        operator_cost(plain, lv, m).grad_allreduce.tolist()

@@ -32,14 +32,19 @@ def _reference(q, k, v):
     return attention_reference(q, k, v, True)
 
 
-@pytest.mark.parametrize("shape, q_spec, kv_spec, axis, kv_heads", [
-    ((8,), (None, "s", None, None), (None, None, None, None), "s", 4),
-    ((8,), (None, "s", None, None), (None, None, None, None), "s", 1),
-    ((2, 4), ("d", "s", None, None), ("d", None, None, None), "s", 2),   # batch and sequence split
-    ((2, 4), (None, ("d", "s"), None, None), (None, None, None, None), ("d", "s"), 2),  # the sequence over both
-    ((2, 4), (None, "s", "d", None), (None, None, "d", None), "s", 2),   # heads and sequence split
+@pytest.mark.parametrize("shape, q_spec, kv_spec, axis, kv_heads, scatter", [
+    ((8,), (None, "s", None, None), (None, None, None, None), "s", 4, (False, False)),
+    ((8,), (None, "s", None, None), (None, None, None, None), "s", 4, (True, True)),
+    ((8,), (None, "s", None, None), (None, None, None, None), "s", 1, (True, False)),
+    ((2, 4), ("d", "s", None, None), ("d", None, None, None), "s", 2, (False, False)),   # batch and sequence split
+    ((2, 4), (None, ("d", "s"), None, None), (None, None, None, None), ("d", "s"), 2, (False, False)),  # both axes
+    ((2, 4), (None, ("d", "s"), None, None), (None, None, None, None), ("d", "s"), 2, (True, True)),
+    ((2, 4), (None, "s", "d", None), (None, None, "d", None), "s", 2, (True, True)),   # heads and sequence split
 ])
-def test_the_balanced_gather_equals_the_unsharded_loss_and_gradients(shape, q_spec, kv_spec, axis, kv_heads):
+def test_the_balanced_gather_equals_the_unsharded_loss_and_gradients(shape, q_spec, kv_spec, axis, kv_heads,
+                                                                      scatter):
+    """``scatter``: keys (and values) read split along the sequence like the queries, gathered inside, their
+    gradients reduce-scattered."""
     from jax.sharding import Mesh, PartitionSpec as P
 
     mesh = Mesh(np.asarray(DEVICES).reshape(shape), ("s",) if len(shape) == 1 else ("d", "s"))
@@ -49,7 +54,8 @@ def test_the_balanced_gather_equals_the_unsharded_loss_and_gradients(shape, q_sp
         return jnp.sum(jnp.tanh(fn(q, k, v)) * w)
 
     run = jax.jit(jax.value_and_grad(lambda *a: loss(
-        lambda q, k, v: gather_apply(q, k, v, mesh, P(*q_spec), P(*kv_spec), axis), *a), argnums=(0, 1, 2)))
+        lambda q, k, v: gather_apply(q, k, v, mesh, P(*q_spec), P(*kv_spec), axis, scatter), *a),
+        argnums=(0, 1, 2)))
     ref = jax.jit(jax.value_and_grad(lambda *a: loss(_reference, *a), argnums=(0, 1, 2)))
     (l1, g1), (l0, g0) = run(q, k, v), ref(q, k, v)
     assert abs(float(l1) - float(l0)) <= 1e-5 * abs(float(l0))
@@ -103,6 +109,60 @@ def test_the_compiled_balanced_gather_sends_the_gathered_steps_collectives_and_t
     assert gathered_deal(op, 1, lay, unit)[0] == sum(c[2] for c in permutes) == 4 * block
 
 
+def test_the_compiled_balanced_gather_reduce_scatters_the_gradients_of_keys_its_producers_split():
+    """Keys and values that arrive split along the sequence like the queries (``scatter``) are gathered inside
+    the ``shard_map`` and their gradients come home by the all-gather's transpose: two all-gathers and two
+    reduce-scatters of the whole key tile, no all-reduce but the loss's scalar; beside them the deal's eight half-block permutes. The
+    reduce-scatters send what :func:`shardplan.cost.ring.gathered_reduction` charges the producer's edges (at
+    1 B/s and no latency), half the bytes of the all-reduce :func:`shardplan.cost.ring.moved_reduction`
+    charges where the producer does not split them (the all-reduce of the test above)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from shardplan import ops
+    from shardplan.cost.operator import operator_cost
+    from shardplan.cost.ring import gathered_reduction, gathered_scatters, moved_reduction
+    from shardplan.ir import GraphBuilder
+    from shardplan.jax.hlo import parse_collectives
+    from shardplan.layout import Layout, LayoutArrays
+    from shardplan.machine import Machine
+
+    g, shape = 8, (2, 64, 2, 8)
+    mesh = Mesh(np.asarray(DEVICES), ("s",))
+    split = NamedSharding(mesh, P(None, "s", None, None))
+    args = [jax.device_put(jnp.ones(shape), split) for _ in range(4)]
+
+    def loss(q, k, v, w):
+        out = gather_apply(q, k, v, mesh, P(None, "s", None, None), P(), "s", (True, True))
+        return jnp.sum(jnp.tanh(out) * w)
+
+    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    cs = parse_collectives(hlo, g)
+    tile = int(np.prod(shape)) * 4  # the whole keys, fp32
+    block = tile // g
+    assert sorted((c.kind, c.nbytes) for c in cs if c.kind != "collective-permute") == \
+        [("all-gather", tile)] * 2 + [("all-reduce", 4)] + [("reduce-scatter", tile)] * 2  # and the loss's sum
+    assert sorted(c.nbytes for c in cs if c.kind == "collective-permute") == [block // 2] * 8
+    sent = [c.sent for c in cs if c.kind == "reduce-scatter"]
+    assert sent == [tile * (g - 1) // g] * 2
+
+    b = GraphBuilder("core")
+    x = b.input("x", shape, needs_grad=True)
+    q, k, v = (b.add(ops.elementwise(n, x, letters=a)) for n, a in (("q", "bshk"), ("k", "bthk"), ("v", "bthk")))
+    b.add(ops.flash_attention("attn", q, k, v, "bshk", "bthk", causal=True, dealt=True))
+    gr = b.build()
+    op = gr["attn"]
+    lay = LayoutArrays.stack([Layout.flat(op.dim_names, tuple(g if d == "s" else 1 for d in op.dim_names), g)])
+    lk = LayoutArrays.stack([Layout.flat(gr["k"].dim_names, tuple(g if d == "t" else 1 for d in gr["k"].dim_names),
+                                         g), Layout.flat(gr["k"].dim_names, (1,) * len(gr["k"].dim_names), g)])
+    unit = Machine(g, peak_flops=1.0, bandwidth=1.0, latency=0.0, dtype_bytes=4)  # slow compute: the deal pays
+    compute = operator_cost(op, lay, unit).compute
+    assert gathered_scatters(gr["k"], lk, op, 1, lay, unit)[:, 0].tolist() == [True, False]
+    for slot in (1, 2):
+        charged = gathered_reduction(gr["k"], lk, op, slot, lay, unit, compute)[:, 0]
+        assert charged.tolist() == [sent[0], moved_reduction(op, lay, unit, (slot,))[0]]
+        assert 2 * charged[0] == charged[1] == 2 * tile * (g - 1) / g
+
+
 def test_the_planned_all_gather_deals_its_queries_and_runs_equal_to_the_unsharded_program():
     """The one-layer attention of jax_attention_cases planned with the all-gather (the default) on the toy
     machine: its queries' sequence split, the tables charge the deal (cheaper than the contiguous blocks' extra
@@ -112,7 +172,7 @@ def test_the_planned_all_gather_deals_its_queries_and_runs_equal_to_the_unsharde
     from jax_attention_cases import TOY, attention_loss, inputs
     from shardplan.cost.ring import deals_gathered
     from shardplan.jax.hlo import parse_collectives
-    from shardplan.jax.run import ring_charged, ring_hooks
+    from shardplan.jax.run import gather_scatters, ring_charged, ring_hooks
 
     params, batch = inputs()
     plan = sj.plan(attention_loss, params, batch, DEVICES, TOY)
@@ -122,8 +182,9 @@ def test_the_planned_all_gather_deals_its_queries_and_runs_equal_to_the_unsharde
     cs = lay.splits[0][attn.dim_names.index("s")]
     assert cs > 1 and deals_gathered(attn, lay, run.plan.machine)
     assert not ring_charged(run.plan, attn.name)
+    assert gather_scatters(run.plan, attn.name) == (True, True)  # the projections leave keys and values split
     consume, replace = ring_hooks(run.plan, run.info, DEVICES)
-    assert (len(consume), len(replace)) == (0, 1)
+    assert (len(consume), len(replace)) == (2, 1)
     step = run.step.lower(params, batch).compile()
     loss, grads = step(params, batch)
     ref_loss, ref_grads = jax.value_and_grad(attention_loss)(params, batch)
@@ -137,6 +198,12 @@ def test_the_planned_all_gather_deals_its_queries_and_runs_equal_to_the_unsharde
     half = q // ways // 2  # half of a device's query tile, fp32
     halves = [c for c in parse_collectives(hlo, 8) if c.kind == "collective-permute" and c.nbytes == half]
     assert len(halves) == 8
+    # the keys' and values' gradients reduce-scattered over the query sequence's group, not all-reduced
+    kv = batch[0].shape[0] * batch[0].shape[1] * attn.extents["h"] * attn.extents["k"] * 4 \
+        // int(np.prod([n for d, n in zip(attn.dim_names, lay.splits[0]) if d not in ("s", "t", "r")]))
+    kinds = [(c.kind, c.nbytes, c.sent) for c in parse_collectives(hlo, 8)]
+    assert kinds.count(("reduce-scatter", kv, kv * (cs - 1) / cs)) == 2, (kv, kinds)
+    assert ("all-reduce", kv, 2 * kv * (cs - 1) / cs) not in kinds, (kv, kinds)  # over the sequence's group
 
 
 def test_pipeline_stages_run_their_balanced_all_gather():

@@ -69,11 +69,12 @@ def test_the_ring_is_chosen_where_it_pays_and_run_where_the_tables_charge_it():
     the step runs the ring (one replaced equation, keys and values read split) for tables built with
     ``context="ring"`` or ``"auto"``, where the chosen layouts' edges hold the ring's seconds, and not for the
     all-gather's, whose step runs the balanced all-gather instead (one replaced equation, keys and values read
-    gathered as planned: :func:`shardplan.jax.ring.gather_apply`), the deal charged below the contiguous
-    blocks' extra work (:func:`shardplan.cost.ring.deals_gathered`)."""
+    split as their producers leave them and gathered inside, their gradients reduce-scattered:
+    :func:`shardplan.jax.ring.gather_apply`), the deal charged below the contiguous blocks' extra work
+    (:func:`shardplan.cost.ring.deals_gathered`)."""
     import shardplan.jax as sj
     from shardplan.cost.ring import deals_gathered
-    from shardplan.jax.run import ring_charged, ring_hooks
+    from shardplan.jax.run import gather_scatters, ring_charged, ring_hooks
     from shardplan.planner import spmd_of
 
     params, batch = inputs()
@@ -86,6 +87,8 @@ def test_the_ring_is_chosen_where_it_pays_and_run_where_the_tables_charge_it():
     for context, plan in plans.items():
         sp = spmd_of(plan, graph)
         consume, replace = ring_hooks(sp, info, devices)
-        assert (len(consume), len(replace)) == ((0, 1) if context == "allgather" else (2, 1)), context
+        assert (len(consume), len(replace)) == (2, 1), context  # keys and values read split either way
         assert ring_charged(sp, name) == (context != "allgather"), context
+        if context == "allgather":  # gathered inside the step, their gradients reduce-scattered as charged
+            assert gather_scatters(sp, name) == (True, True)
         assert deals_gathered(sp.graph[name], sp.layouts[name], sp.machine), context

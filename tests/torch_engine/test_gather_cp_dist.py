@@ -7,7 +7,7 @@ chunks attending to the keys up to its last row, the output dealt back. One laun
   tensors: loss and every input's gradient, and that the queries and the output were dealt;
 * ``gather_run``: a causal attention layer whose every operator splits the sequence 4 ways, run by
   :class:`~shardplan.torch.run.ParallelModule` with the deal (``RunChoices.dealt``) and without: both equal
-  to one process;
+  to one process, the keys' and values' gradients reduce-scattered to their producers;
 * ``gather_plan``: ``st.plan`` (the all-gather, the default) of one long sequence on the toy machine splits the
   attention's queries and charges the deal; ``st.apply`` runs it dealt, equal to one process.
 """
@@ -70,6 +70,21 @@ class _Deals:
         ring_module.deal = self.inner
 
 
+class _Comms:
+    """The collectives of this process while active, by name (``torch.distributed.tensor.debug.CommDebugMode``)."""
+
+    def __enter__(self) -> dict[str, int]:
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        self.mode, self.counts = CommDebugMode(), {}
+        self.mode.__enter__()
+        return self.counts
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+        self.counts.update({str(k).split(".")[-1]: int(v) for k, v in self.mode.get_comm_counts().items()})
+
+
 def _direct(mesh_shape: tuple[int, ...], placements: tuple[str, ...], kv_heads: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -126,8 +141,10 @@ def _gather_run(world: int) -> dict[str, Any]:
         pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, mesh, RunChoices(dealt=dealt))
         with _Deals() as calls:
             loss = pm(*batch)
-            loss.backward()
-        out[f"dealt={bool(dealt)}"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "deals": list(calls)}
+            with _Comms() as comms:
+                loss.backward()
+        out[f"dealt={bool(dealt)}"] = {**_compare(loss.detach(), loss0.detach(), pm, ref), "deals": list(calls),
+                                       "backward_comms": comms}
     return out
 
 
@@ -135,6 +152,8 @@ def _gather_plan(world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardplan.torch as st
+    from shardplan.cost.ring import gathered_scatters
+    from shardplan.layout import LayoutArrays
 
     torch.manual_seed(0)
     model, batch = Attn(), (torch.randn(1, 4 * S, D), torch.randn(1, 4 * S, D))
@@ -146,9 +165,18 @@ def _gather_plan(world: int) -> dict[str, Any]:
     pm = st.apply(plan, torch_cases._clone(model), batch, mesh)
     with _Deals() as calls:
         loss = pm(*batch)
-        loss.backward()
-    return {**_compare(loss.detach(), loss0.detach(), pm, ref), "deals": list(calls),
-            "dealt": sorted(pm.choices.dealt),
+        with _Comms() as comms:
+            loss.backward()
+    sp, graph = plan.spmd, plan.spmd.graph
+    (i,) = [j for j, op in enumerate(graph.operators) if op.kind == "attn_flash"]
+    scattered = []
+    for e in graph.edges:
+        if e.dst == i and e.slot in (1, 2):
+            lu, lv = (LayoutArrays.stack([sp.tables.layouts[j][sp.assignment[j]]]) for j in (e.src, i))
+            scattered.append(bool(gathered_scatters(graph.operators[e.src], lu, graph.operators[i], e.slot, lv,
+                                                    sp.machine)[0, 0]))
+    return {**_compare(loss.detach(), loss0.detach(), pm, ref), "deals": list(calls), "backward_comms": comms,
+            "scattered": scattered, "dealt": sorted(pm.choices.dealt),
             "attention_splits": [dict(zip(c.layout.dims, c.layout.split)) for c in plan.operators.values()
                                  if c.kind == "attn_flash"]}
 
@@ -184,6 +212,9 @@ def test_the_runner_deals_where_its_choices_say_and_equals_one_process(results):
     for x in r.values():
         assert x["rel_loss"] <= 1e-5 and x["rel_grad"] <= 1e-4, r
     assert r["dealt=True"]["deals"] == [False, True] and r["dealt=False"]["deals"] == [], r
+    # the keys' and values' gradients leave as partial sums and reach their producers' sequence blocks by a
+    # reduce-scatter each (DTensor's Partial -> Shard(2)); the four all-reduces are the projections' weights
+    assert r["dealt=True"]["backward_comms"] == {"reduce_scatter_tensor": 2, "all_reduce": 4}, r
 
 
 def test_a_plan_with_the_all_gather_deals_its_queries_as_charged(results):
@@ -192,4 +223,7 @@ def test_a_plan_with_the_all_gather_deals_its_queries_as_charged(results):
     (split,) = r["attention_splits"]
     assert split["s"] > 1 and split["t"] == 1, split
     assert len(r["dealt"]) == 1 and r["deals"] == [False, True], r
+    # the tables charge the keys' and values' gradients a reduce-scatter (their producers split the sequence
+    # like the queries: :func:`shardplan.cost.ring.gathered_reduction`), which the run does
+    assert r["scattered"] == [True, True] and r["backward_comms"].get("reduce_scatter_tensor") == 2, r
     assert r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4, r
