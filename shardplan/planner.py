@@ -363,15 +363,36 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     seed = None  # the best uniform pipeline, costed before the one program: its step prunes the one program
     seed_stopped = False  # Ctrl-C while the seeds were costed (the best so far is kept; nothing else is searched)
     one_none_better: float | None = None  # the one program proved no plan of its own beats the seed: its bound
+    # solve-free bounds of both spaces, for whatever part of the search an interrupt leaves unfinished (the one
+    # program's over all its micro-batch counts; the pipelines' step floor on the stage model the seeds and the
+    # pipeline search then share), computed before anything is searched: an interrupt (Ctrl-C, a time limit)
+    # then needs no graph built and nothing solved for its bound (docs/pipeline.md, *A bound whenever the
+    # search stops*)
+    one_floor = _one_program_floor(graph, machine, fit_options) if constrained else 0.0
+    pipe_floors: list[float] = []
+    stage_model = None  # the seeds' and the pipeline search's stage costs, built before the seeds
+
+    def pipe_floor() -> float:
+        """The step floor of every pipeline at every micro-batch count searched (docs/pipeline.md, *A bound
+        whenever the search stops*)."""
+        if not pipe_floors:
+            assert build is not None and batch is not None
+            pipe_floors.append(_pipeline_floor(stage_model, build, batch, machine, ms))
+        return pipe_floors[0]
+
     if searched and constrained:
-        from shardplan.pipeline.api import pipeline_seeds
+        from shardplan.pipeline.api import pipeline_seeds, seed_model
         from shardplan.pipeline.progress import Progress
 
+        assert build is not None and batch is not None
+        stage_model = seed_model(build, batch, machine, memory_choices=True, cutoff=cutoff, orders=orders,
+                                 **({"partial_sums": True} if partial_sums else {}), **tables_extra)
         progress = progress if isinstance(progress, Progress) else Progress(progress)
         say(f"planning {name} on {machine.num_devices} devices: uniform pipelines first ({why})")
         try:
+            pipe_floor()
             seed = pipeline_seeds(build, batch, machine, micro_batches=ms, progress=progress,  # type: ignore[arg-type]
-                                  **pipe_options)
+                                  model=stage_model, **pipe_options)
         except ShardplanError as e:
             if type(e) not in (ShardplanError, PerDeviceLimitError):
                 raise
@@ -381,22 +402,6 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             say(f"  uniform pipelines: {seed.step_time:.6g} s per step ({seed.plan.num_stages} stages, "
                 f"m={seed.plan.micro_batches}, {seed.plan.schedule}; {time.perf_counter() - t0:.1f} s)"
                 + (", interrupted" if seed_stopped else ""))
-    # solve-free bounds of both spaces, for whatever part of the search an interrupt leaves unfinished (the one
-    # program's over all its micro-batch counts; the pipelines', computed on the seeds' stages when there are
-    # seeds, whose graphs the pipeline search then reuses, else only when an interrupt needs it)
-    one_floor = _one_program_floor(graph, machine, fit_options) if constrained else 0.0
-    pipe_floors: list[float] = []
-
-    def pipe_floor() -> float:
-        """The step floor of every pipeline at every micro-batch count searched (docs/pipeline.md, *A bound
-        whenever the search stops*)."""
-        if not pipe_floors:
-            assert build is not None and batch is not None
-            pipe_floors.append(_pipeline_floor(seed.stages if seed is not None else None, build, batch, machine, ms))
-        return pipe_floors[0]
-
-    if searched and constrained and seed is not None and not seed_stopped:
-        pipe_floor()
     if not seed_stopped:  # (interrupted already: the seed found so far is the answer, nothing proven)
         say(f"planning {name} on {machine.num_devices} devices: one program"
             + (" with memory choices" if constrained else "")
@@ -493,7 +498,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         try:
             res = pipeline_solve(build, batch, machine, micro_batches=ms, interleave=tuple(interleave),
                                  progress=tracker, one_program_lower=one_lower, refused=heard,
-                                 model=seed.stages if seed is not None else None,
+                                 model=seed.stages if seed is not None else stage_model,
                                  floors=seed.floors if seed is not None else None, **pipe_options)
             if res is None:
                 # no pipeline beats the one program (the search's incumbent from the start): what its parts proved
