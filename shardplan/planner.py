@@ -137,8 +137,13 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
     groups = pp.num_stages // pp.chunks
     stages, plans = [], []
     for j, s in enumerate(pp.stages):
-        plans.append(stage_plan(result, j))
-        ops = choices_of(plans[-1])
+        shared = _shared_stage_choices(result, j)
+        if shared is None:
+            plans.append(stage_plan(result, j))
+            ops = choices_of(plans[-1])
+        else:
+            plans.append(shared[0])
+            ops = shared[1]
         mem = {"peak_bytes": s.memory, "weights_bytes": s.cost.weight_bytes,
                "activations_bytes": s.in_flight * s.cost.activation_bytes}
         stages.append(StagePlan(j, s.first, s.end, s.offset, s.devices, ops, s.cost.forward, s.cost.backward,
@@ -160,6 +165,34 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
     return Plan(model or result.stages.graph(1)[0].name, result.machine, tuple(stages), pp.micro_batches,
                 pp.schedule, pp.step_time, breakdown, memory, pp.lower_bound, "pipeline", st, pp.chunks,
                 result.stages.batch, detail=result)
+
+
+def _shared_stage_choices(result: Any, index: int) -> tuple[Any, dict[str, OperatorChoice]] | None:
+    """Stage ``index``'s per-operator choices from the plan its cost carries when that plan is a shared solve of an
+    identical segment elsewhere (the same units' signatures and neighbours, sub-mesh size and m:
+    :meth:`~shardplan.pipeline.stages.ModelStages.stage_cost` shares one solve among them), renamed by position:
+    (that plan, the choices), with no solve. None when the plan covers other operators (a cut of a run costed by
+    extension) or another sub-mesh size: :func:`~shardplan.pipeline.execute.stage_plan` solves the stage then.
+    Identical descriptions position by position (:func:`~shardplan.cost.operator_key`) are the same problem,
+    which the deterministic solver answers with the same plan, so the choices are those a solve of this stage
+    would give."""
+    from shardplan.cost import operator_key
+
+    st = result.plan.stages[index]
+    detail = st.cost.detail
+    if detail is None or getattr(detail, "graph", None) is None or detail.machine.num_devices != st.devices:
+        return None
+    mine = result.stages.subgraph(st.first, st.end, result.plan.micro_batches).operators
+    theirs = detail.graph.operators
+    def same(a: Any, b: Any) -> bool:
+        return (operator_key(a) == operator_key(b) and a.name not in detail.graph.recomputed
+                and b.name not in detail.graph.recomputed
+                and [w.owner is None for w in a.weights] == [w.owner is None for w in b.weights])
+
+    if len(mine) != len(theirs) or not all(same(a, b) for a, b in zip(mine, theirs)):
+        return None
+    got = choices_of(detail)
+    return detail, {a.name: got[b.name] for a, b in zip(mine, theirs)}
 
 
 def _stage_rules(plans: Sequence[Any]) -> dict[str, Any]:
@@ -597,7 +630,7 @@ def _pipeline_floor(stages: Any, build: Callable[[int], Graph], batch: int, mach
     from shardplan.pipeline.stages import ModelStages
 
     model = stages if stages is not None else ModelStages(build, batch, machine)
-    return min(model.step_floor(m) for m in ms if batch % m == 0)
+    return min((model.step_floor(m) for m in ms if batch % m == 0), default=0.0)  # (none divides: nothing searched)
 
 
 def _one_micro_batch_bound(sp: Any) -> float | None:
