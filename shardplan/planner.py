@@ -141,8 +141,13 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
     groups = pp.num_stages // pp.chunks
     stages, plans = [], []
     for j, s in enumerate(pp.stages):
-        plans.append(stage_plan(result, j))
-        ops = choices_of(plans[-1])
+        shared = _shared_stage_choices(result, j)
+        if shared is None:
+            plans.append(stage_plan(result, j))
+            ops = choices_of(plans[-1])
+        else:
+            plans.append(shared[0])
+            ops = shared[1]
         mem = {"peak_bytes": s.memory, "weights_bytes": s.cost.weight_bytes,
                "activations_bytes": s.in_flight * s.cost.activation_bytes}
         stages.append(StagePlan(j, s.first, s.end, s.offset, s.devices, ops, s.cost.forward, s.cost.backward,
@@ -164,6 +169,34 @@ def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any
     return Plan(model or result.stages.graph(1)[0].name, result.machine, tuple(stages), pp.micro_batches,
                 pp.schedule, pp.step_time, breakdown, memory, pp.lower_bound, "pipeline", st, pp.chunks,
                 result.stages.batch, detail=result)
+
+
+def _shared_stage_choices(result: Any, index: int) -> tuple[Any, dict[str, OperatorChoice]] | None:
+    """Stage ``index``'s per-operator choices from the plan its cost carries when that plan is a shared solve of an
+    identical segment elsewhere (the same units' signatures and neighbours, sub-mesh size and m:
+    :meth:`~shardplan.pipeline.stages.ModelStages.stage_cost` shares one solve among them), renamed by position:
+    (that plan, the choices), with no solve. None when the plan covers other operators (a cut of a run costed by
+    extension) or another sub-mesh size: :func:`~shardplan.pipeline.execute.stage_plan` solves the stage then.
+    Identical descriptions position by position (:func:`~shardplan.cost.operator_key`) are the same problem,
+    which the deterministic solver answers with the same plan, so the choices are those a solve of this stage
+    would give."""
+    from shardplan.cost import operator_key
+
+    st = result.plan.stages[index]
+    detail = st.cost.detail
+    if detail is None or getattr(detail, "graph", None) is None or detail.machine.num_devices != st.devices:
+        return None
+    mine = result.stages.subgraph(st.first, st.end, result.plan.micro_batches).operators
+    theirs = detail.graph.operators
+    def same(a: Any, b: Any) -> bool:
+        return (operator_key(a) == operator_key(b) and a.name not in detail.graph.recomputed
+                and b.name not in detail.graph.recomputed
+                and [w.owner is None for w in a.weights] == [w.owner is None for w in b.weights])
+
+    if len(mine) != len(theirs) or not all(same(a, b) for a, b in zip(mine, theirs)):
+        return None
+    got = choices_of(detail)
+    return detail, {a.name: got[b.name] for a, b in zip(mine, theirs)}
 
 
 def _stage_rules(plans: Sequence[Any]) -> dict[str, Any]:
@@ -367,15 +400,36 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     seed = None  # the best uniform pipeline, costed before the one program: its step prunes the one program
     seed_stopped = False  # Ctrl-C while the seeds were costed (the best so far is kept; nothing else is searched)
     one_none_better: float | None = None  # the one program proved no plan of its own beats the seed: its bound
+    # solve-free bounds of both spaces, for whatever part of the search an interrupt leaves unfinished (the one
+    # program's over all its micro-batch counts; the pipelines' step floor on the stage model the seeds and the
+    # pipeline search then share), computed before anything is searched: an interrupt (Ctrl-C, a time limit)
+    # then needs no graph built and nothing solved for its bound (docs/pipeline.md, *A bound whenever the
+    # search stops*)
+    one_floor = _one_program_floor(graph, machine, fit_options) if constrained else 0.0
+    pipe_floors: list[float] = []
+    stage_model = None  # the seeds' and the pipeline search's stage costs, built before the seeds
+
+    def pipe_floor() -> float:
+        """The step floor of every pipeline at every micro-batch count searched (docs/pipeline.md, *A bound
+        whenever the search stops*)."""
+        if not pipe_floors:
+            assert build is not None and batch is not None
+            pipe_floors.append(_pipeline_floor(stage_model, build, batch, machine, ms))
+        return pipe_floors[0]
+
     if searched and constrained:
-        from shardplan.pipeline.api import pipeline_seeds
+        from shardplan.pipeline.api import pipeline_seeds, seed_model
         from shardplan.pipeline.progress import Progress
 
+        assert build is not None and batch is not None
+        stage_model = seed_model(build, batch, machine, memory_choices=True, cutoff=cutoff, orders=orders,
+                                 **({"partial_sums": True} if partial_sums else {}), **tables_extra)
         progress = progress if isinstance(progress, Progress) else Progress(progress)
         say(f"planning {name} on {machine.num_devices} devices: uniform pipelines first ({why})")
         try:
+            pipe_floor()
             seed = pipeline_seeds(build, batch, machine, micro_batches=ms, progress=progress,  # type: ignore[arg-type]
-                                  **pipe_options)
+                                  model=stage_model, **pipe_options)
         except ShardplanError as e:
             if type(e) not in (ShardplanError, PerDeviceLimitError):
                 raise
@@ -385,22 +439,6 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             say(f"  uniform pipelines: {seed.step_time:.6g} s per step ({seed.plan.num_stages} stages, "
                 f"m={seed.plan.micro_batches}, {seed.plan.schedule}; {time.perf_counter() - t0:.1f} s)"
                 + (", interrupted" if seed_stopped else ""))
-    # solve-free bounds of both spaces, for whatever part of the search an interrupt leaves unfinished (the one
-    # program's over all its micro-batch counts; the pipelines', computed on the seeds' stages when there are
-    # seeds, whose graphs the pipeline search then reuses, else only when an interrupt needs it)
-    one_floor = _one_program_floor(graph, machine, fit_options) if constrained else 0.0
-    pipe_floors: list[float] = []
-
-    def pipe_floor() -> float:
-        """The step floor of every pipeline at every micro-batch count searched (docs/pipeline.md, *A bound
-        whenever the search stops*)."""
-        if not pipe_floors:
-            assert build is not None and batch is not None
-            pipe_floors.append(_pipeline_floor(seed.stages if seed is not None else None, build, batch, machine, ms))
-        return pipe_floors[0]
-
-    if searched and constrained and seed is not None and not seed_stopped:
-        pipe_floor()
     if not seed_stopped:  # (interrupted already: the seed found so far is the answer, nothing proven)
         say(f"planning {name} on {machine.num_devices} devices: one program"
             + (" with memory choices" if constrained else "")
@@ -497,7 +535,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         try:
             res = pipeline_solve(build, batch, machine, micro_batches=ms, interleave=tuple(interleave),
                                  progress=tracker, one_program_lower=one_lower, refused=heard,
-                                 model=seed.stages if seed is not None else None,
+                                 model=seed.stages if seed is not None else stage_model,
                                  floors=seed.floors if seed is not None else None, **pipe_options)
             if res is None:
                 # no pipeline beats the one program (the search's incumbent from the start): what its parts proved
@@ -596,7 +634,7 @@ def _pipeline_floor(stages: Any, build: Callable[[int], Graph], batch: int, mach
     from shardplan.pipeline.stages import ModelStages
 
     model = stages if stages is not None else ModelStages(build, batch, machine)
-    return min(model.step_floor(m) for m in ms if batch % m == 0)
+    return min((model.step_floor(m) for m in ms if batch % m == 0), default=0.0)  # (none divides: nothing searched)
 
 
 def _one_micro_batch_bound(sp: Any) -> float | None:

@@ -378,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
+        args.from_process_start = argv is None  # the command line itself: its clock started with the process
         if not getattr(args, "func", None):
             parser.print_help()
             return 0

@@ -16,7 +16,7 @@ from shardplan.pipeline.search import (SEED_EVALUATIONS, PipelinePlan, PipelineS
                                        search_pipeline)
 from shardplan.pipeline.stages import ModelStages
 
-__all__ = ["PipelineResult", "pipeline_solve", "pipeline_seeds"]
+__all__ = ["PipelineResult", "pipeline_solve", "pipeline_seeds", "seed_model"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,7 +117,8 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
                    schedules: Sequence[str] = ("1f1b", "interleaved"), budget: float | None = None,
                    periodic: bool = True, sizes: Sequence[int] | None = None, memory_choices: bool = False,
                    fit_rtol: float = 1e-9, fit_time_limit: float = 60.0, seeds: int = SEED_EVALUATIONS,
-                   progress: Progress | None = None, **solve_options: Any) -> PipelineResult | None:
+                   progress: Progress | None = None, model: ModelStages | None = None,
+                   **solve_options: Any) -> PipelineResult | None:
     """The best of the uniform pipelines :func:`pipeline_solve`'s search costs first (its seeds: up to ``seeds`` of
     them, equal sub-meshes with the units dealt evenly, 1F1B or ZB-H1, :func:`~shardplan.pipeline.search.search_pipeline`),
     alone: a real plan of the pipeline space, found without a search, or None when none fits. Its step is an upper
@@ -126,11 +127,14 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
     from that cache. The planner calls this before the one-program search, to prune it with the step found
     (:func:`shardplan.fit.solve_fit`'s ``incumbent``). Arguments as :func:`pipeline_solve`'s; ``progress`` hears
     each seed (a tick; not the plans: the search finds them again). Ctrl-C (a :class:`KeyboardInterrupt`) returns
-    the best seed so far (``plan.stats["interrupted"]`` True), or propagates before any."""
+    the best seed so far (``plan.stats["interrupted"]`` True), or propagates before any. ``model``: a
+    :class:`~shardplan.pipeline.stages.ModelStages` built on the same arguments (:func:`seed_model`), whose
+    graphs and caches the seeds take (the planner computes the step floors on it before the seeds, so that an
+    interrupt in the seeds needs no graph built after it)."""
     t0 = time.perf_counter()
     stages, space, ms = _model_and_space(build, batch, machine, micro_batches, max_stages, False, (), budget,
                                          periodic, sizes, memory_choices, fit_rtol, fit_time_limit,
-                                         solve_options, None)
+                                         solve_options, model)
     tracker = progress if progress is not None else Progress()
     tracker.part("uniform pipelines, before the one program")
     stats: dict[str, Any] = {}
@@ -150,6 +154,16 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
     plan = replace(best, stats={**best.stats, **stats, "seed_steps": {str(m): t.step_time for m, t in got.items()}},
                    lower_bound=None)
     return PipelineResult(plan, stages, machine, time.perf_counter() - t0, floors)
+
+
+def seed_model(build: Callable[[int], Graph], batch: int, machine: Machine, *, memory_choices: bool = False,
+               periodic: bool = True, fit_rtol: float = 1e-9, fit_time_limit: float = 60.0,
+               **solve_options: Any) -> ModelStages:
+    """The stage costs :func:`pipeline_seeds` and :func:`pipeline_solve` would build on these arguments (their
+    ``model=``), built here so that a caller can compute solve-free bounds on its graphs first (nothing is
+    solved). Keyword arguments other than these, as :func:`pipeline_solve`'s, are the intra-stage options."""
+    return ModelStages(build, batch, machine, dict(solve_options), periodic=periodic, fit_rtol=fit_rtol,
+                       fit_time_limit=fit_time_limit, memory_choices=memory_choices)
 
 
 def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, *,

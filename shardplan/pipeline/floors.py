@@ -56,26 +56,13 @@ class UnitFloors:
         and optimizer step amortised over m (vertex cost less (1 - 1/m) of them, as the intra-stage search charges
         them); with memory choices, also over every choice of each layout (the least row of its choice table, once-
         per-step parts amortised alike), of which the stage's plan takes one per operator."""
-        from shardplan.configs import layouts, with_partial
         from shardplan.cost import operator_cost, operator_key
-        from shardplan.layout import LayoutArrays
         from shardplan.pipeline.stages import weight_sync
 
         key = (operator_key(op), q, m)
         got = self._ops.get(key)
         if got is None:
-            opts = {k: v for k, v in self.stages.solve_options.items() if k in _PLAIN_KEYS}
-            machine = replace(self.stages.machine, num_devices=q, memory_bytes=None)
-            orders = opts.get("orders", "auto")
-            orders = "row-major" if orders == "auto" else orders
-            if opts.get("partial_sums"):
-                lays = with_partial(op, layouts(op, machine.levels, opts.get("cutoff", 4),
-                                                opts.get("powers_of_two", False), opts.get("divides_p", True), orders,
-                                                node_replicas=opts.get("node_replicas", False)))
-                arr = LayoutArrays.stack(lays)
-            else:
-                arr = self._arrays_of(op, machine.levels, opts.get("cutoff", 4), opts.get("powers_of_two", False),
-                                      opts.get("divides_p", True), orders, opts.get("node_replicas", False))
+            arr, machine = self._layouts(op, q)
             total = operator_cost(op, arr, machine).total
             sync = weight_sync(op, arr, None, machine)
             got = float(np.min(total - (1.0 - 1.0 / m) * sync))  # (never empty: the stack refuses no layouts)
@@ -88,6 +75,77 @@ class UnitFloors:
                 got = min(got, float(rows.seconds.min()))
             self._ops[key] = got
         return got
+
+    def _layouts(self, op: Any, q: int) -> tuple[Any, Any]:
+        """The layouts the intra-stage tables offer ``op`` on q devices (as :class:`~shardplan.layout.LayoutArrays`)
+        and the sub-mesh's machine (no memory limit)."""
+        from shardplan.configs import layouts, with_partial
+        from shardplan.layout import LayoutArrays
+
+        opts = {k: v for k, v in self.stages.solve_options.items() if k in _PLAIN_KEYS}
+        machine = replace(self.stages.machine, num_devices=q, memory_bytes=None)
+        orders = opts.get("orders", "auto")
+        orders = "row-major" if orders == "auto" else orders
+        if opts.get("partial_sums"):
+            lays = with_partial(op, layouts(op, machine.levels, opts.get("cutoff", 4), opts.get("powers_of_two", False),
+                                            opts.get("divides_p", True), orders,
+                                            node_replicas=opts.get("node_replicas", False)))
+            return LayoutArrays.stack(lays), machine
+        return self._arrays_of(op, machine.levels, opts.get("cutoff", 4), opts.get("powers_of_two", False),
+                               opts.get("divides_p", True), orders, opts.get("node_replicas", False)), machine
+
+    def _op_rows(self, op: Any, forced: bool, q: int, m: int, k: float) -> tuple[np.ndarray, np.ndarray]:
+        """Every choice of ``op`` on q devices as the memory-constrained stage solve offers it (every layout, ZeRO
+        stage and recomputation, unpruned; ``k`` micro-batches' activations in flight, once-per-step parts
+        charged 1/m): its seconds and its bytes per device, the latter without the inputs a recomputing choice
+        keeps (fewer bytes: the bound below only gets weaker)."""
+        from shardplan.cost import operator_key
+        from shardplan.cost.memory import STAGES, choice_table, weight_groups
+
+        key = ("rows", operator_key(op), forced, q, m, k)
+        got = self._ops.get(key)
+        if got is None:
+            arr, machine = self._layouts(op, q)
+            rows = choice_table(op, arr, None, machine, 1, STAGES, True, prune=False,
+                                groups=weight_groups(op, arr, None, machine), in_flight=k, accumulate=m,
+                                forced_recompute=forced)
+            got = self._ops[key] = (np.asarray(rows.seconds, dtype=float), np.asarray(rows.bytes, dtype=float))
+        return got
+
+    def memory_segment(self, a: int, b: int, q: int, m: int, k: float, budget: float) -> float:
+        """A lower bound of the seconds of units [a, b) as one stage on q devices at m with ``k`` micro-batches in
+        flight under ``budget`` bytes per device (:meth:`~shardplan.pipeline.stages.ModelStages.fit_cost`): the
+        larger of :meth:`segment` and the Lagrangian bound of the memory-constrained solve without its edges,
+        max over lambda >= 0 of sum_o min_r (seconds_o(r) + lambda bytes_o(r)) - lambda budget (weak duality:
+        the solve's memory is the sum of its choices' bytes, its time the sum of its choices' seconds plus
+        edges that cost >= 0; docs/pipeline.md, *A memory-aware stage bound*). Where the vertex bound is not
+        replayed (see :meth:`segment`), :meth:`segment` alone. Not used by the search (measured, the same
+        document)."""
+        plain = self.segment(a, b, q, m)
+        if not (self.stages.memory_choices and self._vertex_ok(q)) or not budget < float("inf"):
+            return plain
+        g, units, _ = self.stages.graph(m)
+        try:
+            rows = [self._op_rows(g.operators[i], g.operators[i].name in g.recomputed, q, m, k)
+                    for u in range(a, b) for i in units[u]]
+        except PerDeviceLimitError:
+            return plain
+
+        def dual(lam: float) -> float:
+            return sum(float(np.min(sec + lam * nbytes)) for sec, nbytes in rows) - lam * budget
+
+        # concave in lambda, so unimodal in log lambda: a ternary search; every lambda tried is a valid bound
+        lo, hi = -20.0, -6.0
+        best = dual(0.0)
+        for _ in range(60):
+            x1, x2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+            v1, v2 = dual(10.0 ** x1), dual(10.0 ** x2)
+            best = max(best, v1, v2)
+            if v1 < v2:
+                lo = x1
+            else:
+                hi = x2
+        return max(plain, best)
 
     def _arrays_of(self, op: Any, levels: tuple[int, ...], cutoff: int, powers_of_two: bool, divides_p: bool,
                    orders: str, node_replicas: bool) -> Any:

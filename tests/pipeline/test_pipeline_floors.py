@@ -218,3 +218,36 @@ def test_layout_memo_gives_the_enumerated_layouts():
                 fresh._arrays.clear()
                 assert floors.segment(u, u + 1, q, m) == fresh.segment(u, u + 1, q, m)
     assert len(floors._arrays) < calls / 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_memory_aware_bound_below_the_memory_constrained_optimum(seed):
+    """The Lagrangian stage bound (UnitFloors.memory_segment) on random segments, sizes, m, in-flight counts and
+    budgets of a small GPT on nodes of 4: at least the plain bound, at most the exact memory-constrained optimum
+    (fit_cost, proven to 1e-9) wherever something fits, and above the plain bound on some of them (where the
+    time-optimal stage does not fit)."""
+    def build(b):
+        return get_model("gpt", b, layers=3, d_model=64, heads=4, seq=16, vocab=256)
+
+    st = ModelStages(build, 16, MACHINE, {"cutoff": 1}, periodic=True, memory_choices=True)
+    floors = UnitFloors(st)
+    U = st.num_units
+    rng = random.Random(seed)
+    checked = lifted = 0
+    for _ in range(12):
+        a = rng.randrange(U)
+        b = rng.randrange(a + 1, U + 1)
+        q, m, k = rng.choice((4, 8, 12)), rng.choice((1, 2, 4)), rng.choice((1, 2, 4, 8))
+        free = st.stage_cost(a, b, q, m)
+        if free is None:
+            continue
+        budget = free.memory(k) * rng.uniform(0.3, 1.1)
+        plain = floors.segment(a, b, q, m)
+        got = floors.memory_segment(a, b, q, m, k, budget)
+        assert got >= plain
+        fit = st.fit_cost(a, b, q, m, k, budget)
+        if fit is not None:
+            checked += 1
+            assert got <= fit.time * (1 + 1e-9)
+            lifted += got > plain * (1 + 1e-6)
+    assert checked >= 6 and lifted > 0
