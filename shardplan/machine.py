@@ -108,6 +108,11 @@ class Machine:
             collective-permute: :mod:`shardplan.cost.reshard`), the steps the JAX export then performs, where
             they apply (one level, at most 64 devices); False: what each device lacks, the PaSE paper's
             model.
+        reduce_per_dim: partial sums over several split dims (an operator's reduction dims forward, the dims a
+            gradient sums over backward, the normalised dims' statistics) are reduced as one all-reduce of the
+            whole tile per split dim, each among that dim's group, as XLA's SPMD partitioner lowers them
+            (measured on compiled HLO, docs/jax.md, "Partial sums over several split dims"); False: one
+            all-reduce among the product of the groups, the PaSE paper's model.
     """
 
     num_devices: int
@@ -140,6 +145,7 @@ class Machine:
     attention_efficiency: float | None = None
     convert_bandwidth: float | None = None
     stepwise_redistribution: bool = True
+    reduce_per_dim: bool = True
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -194,6 +200,8 @@ class Machine:
         if not isinstance(self.stepwise_redistribution, bool):
             raise ShardplanError("machine: stepwise_redistribution must be True or False, got "
                                  f"{self.stepwise_redistribution!r}")
+        if not isinstance(self.reduce_per_dim, bool):
+            raise ShardplanError(f"machine: reduce_per_dim must be True or False, got {self.reduce_per_dim!r}")
         for name, unit in (("fp8_flops", "FLOP/s"), ("host_bandwidth", "B/s"), ("host_memory_bytes", "B"),
                            ("cpu_adam_rate", "parameters/s")):
             if getattr(self, name) is not None:

@@ -27,6 +27,11 @@ configuration c (arrays over the K configurations):
   :func:`shardplan.cost.chain.chain_compute`;
 * forward partial sums: with G = reduction dims (index no output axis) and
   g = prod_{d in G} c_d > 1, the output tile is all-reduced among g devices;
+  with ``machine.reduce_per_dim`` (XLA's lowering, measured: docs/jax.md,
+  "Partial sums over several split dims") as one all-reduce of the whole tile
+  per split d in G, among c_d devices: ``Σ_{d in G} 2 (c_d - 1)/c_d · n`` bytes
+  instead of ``2 (g - 1)/g · n``. The same holds for every sum below (gradients,
+  statistics);
 * backward: the gradient of a tensor X sums over the dims that do not index
   X; if they are split (g_X > 1), X's gradient tile is all-reduced among g_X
   devices (data-parallel weight synchronisation is the case X = weight,
@@ -338,6 +343,19 @@ def _group(op: Operator, lay: LayoutArrays, dims) -> tuple[np.ndarray, np.ndarra
     return per_level.prod(axis=0), per_level, idx
 
 
+def _reduce_groups(op: Operator, lay: LayoutArrays, dims, per_dim: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The all-reduces that reduce partial sums over ``dims``: (total size (K,), size per level (L, K)) each.
+
+    ``per_dim`` (``Machine.reduce_per_dim``): one per dim of ``dims``, among that dim's group, each of the
+    whole tile (XLA's lowering: docs/jax.md, "Partial sums over several split dims"); a dim left unsplit
+    gives a group of 1, which sends nothing. Else one among the product of the groups (the PaSE model).
+    """
+    if not per_dim or len(dims) < 2:
+        g, gl, _ = _group(op, lay, dims)
+        return [(g, gl)]
+    return [(g, gl) for g, gl, _ in (_group(op, lay, [d]) for d in dims)]
+
+
 def _ar_sent(nbytes: np.ndarray, g: np.ndarray) -> np.ndarray:
     """Bytes one device sends in a ring all-reduce: 2 (g-1)/g n."""
     return np.where(g > 1, 2.0 * (g - 1) / g * nbytes, 0.0)
@@ -473,10 +491,12 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
 
     # forward partial sums (a partial layout leaves them to its edges)
     deferred = lay.deferred
-    g, gl, _ = _group(op, lay, op.reduction_dims)
+    per_dim = machine.reduce_per_dim
     keep = ~deferred if forward_deferrable(op) else np.ones(k, dtype=bool)
-    fwd_ar = np.where(keep, allreduce_time(out_vol * nbytes, gl, machine), 0.0)
-    sent = np.where(keep, _ar_sent(out_vol * nbytes, g), 0.0)
+    fwd_ar, sent = zeros.copy(), zeros.copy()
+    for g, gl in _reduce_groups(op, lay, op.reduction_dims, per_dim):
+        fwd_ar = fwd_ar + np.where(keep, allreduce_time(out_vol * nbytes, gl, machine), 0.0)
+        sent = sent + np.where(keep, _ar_sent(out_vol * nbytes, g), 0.0)
 
     # backward gradient all-reduces: activations' on the critical path, weights' as the framework syncs them
     grad_ar = zeros.copy()
@@ -485,19 +505,19 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     for t in op.grad_tensors:
         if t.owner is not None and machine.sum_shared_grads:  # summed into the owner's gradient first
             continue
-        g, gl, _ = _group(op, lay, op.grad_reduction_dims(t))
         vol = max_tile(t, core=False)
-        if t.role == "weight" and bucket is not None:
-            # the tensor's share of a full bucket's all-reduce; a tensor larger than a bucket is its own
-            share = np.minimum(vol * nbytes / bucket, 1.0)
-            n_sync = np.maximum(vol * nbytes, bucket)
-            weight_sync = weight_sync + share * allreduce_time(n_sync, gl, machine)
-        elif t.role == "weight":
-            weight_sync = weight_sync + allreduce_time(vol * nbytes, gl, machine)
-        else:  # an activation's gradient: a partial layout leaves it to the edge from its producer
-            grad_ar = grad_ar + np.where(deferred, 0.0, allreduce_time(vol * nbytes, gl, machine))
-            g = np.where(deferred, 1, g)
-        sent = sent + _ar_sent(vol * nbytes, g)
+        for g, gl in _reduce_groups(op, lay, op.grad_reduction_dims(t), per_dim):
+            if t.role == "weight" and bucket is not None:
+                # the tensor's share of a full bucket's all-reduce; a tensor larger than a bucket is its own
+                share = np.minimum(vol * nbytes / bucket, 1.0)
+                n_sync = np.maximum(vol * nbytes, bucket)
+                weight_sync = weight_sync + share * allreduce_time(n_sync, gl, machine)
+            elif t.role == "weight":
+                weight_sync = weight_sync + allreduce_time(vol * nbytes, gl, machine)
+            else:  # an activation's gradient: a partial layout leaves it to the edge from its producer
+                grad_ar = grad_ar + np.where(deferred, 0.0, allreduce_time(vol * nbytes, gl, machine))
+                g = np.where(deferred, 1, g)
+            sent = sent + _ar_sent(vol * nbytes, g)
     if machine.overlap_grad:
         backward = compute - t_pass
         grad_ar = grad_ar + np.maximum(weight_sync - backward, 0.0)
@@ -528,12 +548,13 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     # statistics of normalised dims
     stats = zeros.copy()
     if op.norm_dims:
-        g, gl, idx = _group(op, lay, op.norm_dims)
+        idx = [op.dim_names.index(d) for d in op.norm_dims]
         norm_ext = np.prod(ext[idx][None, :] / configs[:, idx], axis=1)
         vol = out_vol / norm_ext * op.norm_stats * nbytes
         passes = 2 if op.grad_tensors else 1
-        stats = passes * allreduce_time(vol, gl, machine)
-        sent = sent + passes * _ar_sent(vol, g)
+        for g, gl in _reduce_groups(op, lay, op.norm_dims, per_dim):
+            stats = stats + passes * allreduce_time(vol, gl, machine)
+            sent = sent + passes * _ar_sent(vol, g)
 
     rec = zeros.copy()
     if op.recurrence is not None:
