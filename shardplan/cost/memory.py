@@ -226,13 +226,17 @@ class WeightGroups:
     devices holding the same tile, and 1, or 0 for a parameter another
     operator owns whose gradient is summed into the owner's,
     ``machine.sum_shared_grads``). ``state`` counts a parameter only on its owner.
-    ``act`` is ``Operator.saved`` output tiles.
+    ``act`` is ``Operator.saved`` output tiles. ``sync_groups``, per entry of ``weights``: the groups per level
+    (L, K) its gradient's all-reduce runs among, as :func:`shardplan.cost.operator.operator_cost` charges it:
+    its reduction group alone, or with ``machine.reduce_per_dim`` one group per split reduction dim (XLA's
+    lowering), so that the weight syncs charged here are the ones the operator's cost holds.
     """
 
     state: np.ndarray
     act: np.ndarray
     group: np.ndarray
     weights: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, float], ...]
+    sync_groups: tuple[tuple[np.ndarray, ...], ...] = ()
 
 
 def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Machine) -> WeightGroups:
@@ -251,17 +255,21 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
             state += tile_volume(op, t, lay, p) * nbytes
     group = np.ones(k)
     rows = []
+    syncs = []
     for t in op.weights:
         if not t.needs_grad:
             continue
-        gl = lay.group_sizes([op.dim_names.index(d) for d in op.grad_reduction_dims(t)])
+        dims = [op.dim_names.index(d) for d in op.grad_reduction_dims(t)]
+        gl = lay.group_sizes(dims)
         vol = tile_volume(op, t, lay, p, core=False) * nbytes
         big = gl * reps
         rows.append((vol, gl, big, 0.0 if t.owner is not None and machine.sum_shared_grads else 1.0))
+        syncs.append(tuple(lay.group_sizes([d]) for d in dims) if machine.reduce_per_dim and len(dims) > 1
+                     else (gl,))
         group = np.maximum(group, big.prod(axis=0))  # weights of one operator share their data-parallel group
     # ``saved`` counts output tiles in the machine's element size (as :func:`operator_memory`): not ``elem_factor``
     act = tile_volume(op, op.output, lay, p) / float(op.output.elem_factor) * nbytes * op.saved
-    return WeightGroups(state, act, group, tuple(rows))
+    return WeightGroups(state, act, group, tuple(rows), tuple(syncs))
 
 
 def unsaved_inputs(op: Operator, producers_saved: Sequence[float]) -> tuple[float, ...]:
@@ -521,9 +529,11 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     state, group = wg.state, wg.group
     sync0, rs, ag, wgrad_m = np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
     weights = wg.weights
-    for vol, gl, big, part in weights:  # part: 0 for a gradient summed into its owner's
-        sync0 += part * _bucketed(vol, machine, lambda n: allreduce_time(n, gl, machine))
-        wgrad_m += part * _bucketed(vol, mm, lambda n: allreduce_time(n, gl, mm))
+    syncs = wg.sync_groups or tuple((gl,) for _vol, gl, _big, _part in weights)
+    for (vol, gl, big, part), sync_groups in zip(weights, syncs):  # part: 0 for a gradient summed into its owner's
+        for sg in sync_groups:  # the all-reduce(s) operator_cost charges the weight's gradient
+            sync0 += part * _bucketed(vol, machine, lambda n: allreduce_time(n, sg, machine))
+            wgrad_m += part * _bucketed(vol, mm, lambda n: allreduce_time(n, sg, mm))
         rs += part * _bucketed(vol, machine, lambda n: allgather_time(n, gl, machine))
         ag += part * _bucketed(vol, machine, lambda n: allgather_time(n, big, machine))
     overlap = bool(getattr(machine, "overlap_grad", False))

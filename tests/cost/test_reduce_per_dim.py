@@ -93,3 +93,23 @@ def test_field_must_be_bool():
     with pytest.raises(ShardplanError, match="reduce_per_dim"):
         Machine(8, reduce_per_dim=1)
     assert preset("paper", 8).reduce_per_dim is False and preset("h100", 8).reduce_per_dim is True
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_memory_choices_charge_the_weight_sync_once_a_step(overlap):
+    """The fit's choice rows take the weight's all-reduce(s) out of the operator's gradient all-reduce and
+    charge them once a step: with the sync per split dim, nothing of it may stay in the per-micro-batch
+    activation-gradient term (the input's gradient reduces over n, unsplit here, so that term is 0), and the
+    ZeRO-0 row's weight sync is the per-dim syncs' sum over the micro-batches."""
+    from shardplan.cost.memory import choice_table
+
+    op = _mlp()
+    row = _row(op, b=2, s=2)
+    m = dataclasses.replace(TOY, grad_bucket_bytes=None, overlap_grad=overlap)
+    table = choice_table(op, row, None, m, micro_batches=8, accumulate=8, stages=(0,), recompute=False,
+                         prune=False)
+    zero0 = table.stage == 0
+    assert np.all(table.parts["grad_allreduce"][zero0] == 0.0)
+    if not overlap:
+        sync = 2 * allreduce_time(W, np.asarray([[2]]), m)[0]
+        assert table.parts["weight_sync"][zero0] == pytest.approx(sync / 8, rel=1e-12)
