@@ -184,6 +184,46 @@ def _permute_target(cur: Labeling, dst: Labeling, caps: Sequence[int]) -> tuple[
     return tuple(grown), tuple(m)
 
 
+def _options(s: Labeling, dst: Labeling, caps: tuple[int, ...],
+             n: int) -> list[tuple[float, Labeling, tuple[Step, ...]]]:
+    """The single steps the search may take from ``s`` (its slices taken, not ``dst``): (volume in tensors, the
+    labeling reached, the steps), one all-to-all per legal combination of single moves, one all-gather per axis of
+    the tail bits no axis of ``dst`` uses, the permute to :func:`_permute_target` (after its slice); where none
+    applies, an all-gather of the last bit of the first axis not ready."""
+    u = _nbits(s)
+    t = 2.0 ** -u
+    opts: list[tuple[float, Labeling, tuple[Step, ...]]] = []
+    for combo in _combos(_single_moves(s, dst)):
+        if not _one_all_to_all(s, dst, combo, n):
+            continue
+        nxt = list(s)
+        for a, b, k in combo:
+            nxt[a] = s[a][:len(s[a]) - k]
+            nxt[b] = s[b] + dst[b][len(s[b]):len(s[b]) + k]
+        kt = sum(k for _, _, k in combo)
+        opts.append((t * (1 - 2.0 ** -kt), tuple(nxt), (Step("all-to-all", kt, u, tuple(nxt)),)))
+    want = _used(dst)
+    for a in range(len(s)):
+        extra = len(s[a]) - _lcp(s[a], dst[a])
+        k = 0
+        while k < extra and s[a][len(s[a]) - 1 - k] not in want:
+            k += 1
+        if k:
+            nxt = list(s)
+            nxt[a] = s[a][:len(s[a]) - k]
+            opts.append((t * (2 ** k - 1), tuple(nxt), (Step("all-gather", k, u, tuple(nxt)),)))
+    grown, m = _permute_target(s, dst, caps)
+    if m != grown:
+        st = ((Step("slice", 0, u, grown),) if grown != s else ()) + (Step("collective-permute", 0, _nbits(grown), m),)
+        opts.append((2.0 ** -_nbits(grown), m, st))
+    if not opts:
+        a = next(i for i in range(len(s)) if not _ready(s, dst, i))
+        nxt = list(s)
+        nxt[a] = s[a][:-1]
+        opts.append((t, tuple(nxt), (Step("all-gather", 1, u, tuple(nxt)),)))
+    return opts
+
+
 def _search(cur: Labeling, dst: Labeling, caps: tuple[int, ...], n: int, memo: dict) -> tuple[float, tuple[Step, ...]]:
     """(volume in tensors, steps) of the cheapest sequence from ``cur`` to ``dst`` (ties: fewer steps).
 
@@ -199,42 +239,10 @@ def _search(cur: Labeling, dst: Labeling, caps: tuple[int, ...], n: int, memo: d
     if s == dst:
         memo[key] = (0.0, pre)
         return memo[key]
-    u = _nbits(s)
-    t = 2.0 ** -u
     opts: list[tuple[float, tuple[Step, ...]]] = []
-    moves = _single_moves(s, dst)
-    for combo in _combos(moves):
-        if not _one_all_to_all(s, dst, combo, n):
-            continue
-        nxt = list(s)
-        for a, b, k in combo:
-            nxt[a] = s[a][:len(s[a]) - k]
-            nxt[b] = s[b] + dst[b][len(s[b]):len(s[b]) + k]
-        kt = sum(k for _, _, k in combo)
-        rv, rs = _search(tuple(nxt), dst, caps, n, memo)
-        opts.append((t * (1 - 2.0 ** -kt) + rv, (Step("all-to-all", kt, u, tuple(nxt)),) + rs))
-    want = _used(dst)
-    for a in range(len(s)):
-        extra = len(s[a]) - _lcp(s[a], dst[a])
-        k = 0
-        while k < extra and s[a][len(s[a]) - 1 - k] not in want:
-            k += 1
-        if k:
-            nxt = list(s)
-            nxt[a] = s[a][:len(s[a]) - k]
-            rv, rs = _search(tuple(nxt), dst, caps, n, memo)
-            opts.append((t * (2 ** k - 1) + rv, (Step("all-gather", k, u, tuple(nxt)),) + rs))
-    grown, m = _permute_target(s, dst, caps)
-    if m != grown:
-        rv, rs = _search(m, dst, caps, n, memo)
-        st = ((Step("slice", 0, u, grown),) if grown != s else ()) + (Step("collective-permute", 0, _nbits(grown), m),)
-        opts.append((2.0 ** -_nbits(grown) + rv, st + rs))
-    if not opts:  # none of the above applies: all-gather the last bit of the first axis not a prefix of its target
-        a = next(i for i in range(len(s)) if not _ready(s, dst, i))
-        nxt = list(s)
-        nxt[a] = s[a][:-1]
-        rv, rs = _search(tuple(nxt), dst, caps, n, memo)
-        opts.append((t + rv, (Step("all-gather", 1, u, tuple(nxt)),) + rs))
+    for c, nxt, steps in _options(s, dst, caps, n):
+        rv, rs = _search(nxt, dst, caps, n, memo)
+        opts.append((c + rv, steps + rs))
     best = min(opts, key=lambda o: (o[0], len(o[1])))
     out = (best[0], pre + best[1])
     memo[key] = out
@@ -303,36 +311,7 @@ def _canonical_volume(s: Labeling, dst: Labeling, caps: tuple[int, ...], n: int,
     Branch and bound: an option costs its step plus at least what its result lacks (:func:`_lack`), so the
     options are tried in the order of that bound and the rest skipped once it reaches the best found (the
     minimum is unchanged: a skipped option cannot be below it)."""
-    u = _nbits(s)
-    t = 2.0 ** -u
-    opts: list[tuple[float, Labeling]] = []
-    for combo in _combos(_single_moves(s, dst)):
-        if not _one_all_to_all(s, dst, combo, n):
-            continue
-        nxt = list(s)
-        for a, b, k in combo:
-            nxt[a] = s[a][:len(s[a]) - k]
-            nxt[b] = s[b] + dst[b][len(s[b]):len(s[b]) + k]
-        kt = sum(k for _, _, k in combo)
-        opts.append((t * (1 - 2.0 ** -kt), tuple(nxt)))
-    want = _used(dst)
-    for a in range(len(s)):
-        extra = len(s[a]) - _lcp(s[a], dst[a])
-        k = 0
-        while k < extra and s[a][len(s[a]) - 1 - k] not in want:
-            k += 1
-        if k:
-            nxt = list(s)
-            nxt[a] = s[a][:len(s[a]) - k]
-            opts.append((t * (2 ** k - 1), tuple(nxt)))
-    grown, m = _permute_target(s, dst, caps)
-    if m != grown:
-        opts.append((2.0 ** -_nbits(grown), m))
-    if not opts:
-        a = next(i for i in range(len(s)) if not _ready(s, dst, i))
-        nxt = list(s)
-        nxt[a] = s[a][:-1]
-        opts.append((t, tuple(nxt)))
+    opts = [(c, x) for c, x, _steps in _options(s, dst, caps, n)]
     bounded = sorted(((c + _lack(x, dst), c, x) for c, x in opts), key=lambda o: o[0])
     best = float("inf")
     for bound, c, x in bounded:
