@@ -33,11 +33,12 @@ def _old_presets(p: int) -> dict[str, Machine]:
     wave constants added to the GPU profiles since (multiprocessors, output tile), and the H100's constants
     measured on an H100 since (efficiency, HBM, converting and host rates, the unaligned-product rule), and the
     H200 profile, measured on an H200; the paper's machine keeps its own redistribution rule (what each device
-    lacks) where every other profile charges XLA's steps."""
+    lacks) and its reductions (one all-reduce among the product of the groups) where every other profile charges
+    XLA's steps and its one all-reduce per split dim."""
     bucket = 25 * 2**20
     tiles = dict(gemm_tiles=((256, 128), (128, 256), (128, 128)))
     return {
-        "paper": Machine(p, 10e12, 16e9, name="paper", stepwise_redistribution=False),
+        "paper": Machine(p, 10e12, 16e9, name="paper", stepwise_redistribution=False, reduce_per_dim=False),
         "1080ti": Machine(p, 11.3e12, 10e9, node_size=8, inter_bandwidth=7e9, memory_bytes=11 * GiB, name="1080ti"),
         "2080ti": Machine(p, 13.4e12, 6e9, node_size=8, inter_bandwidth=2.5e9, memory_bytes=11 * GiB, name="2080ti"),
         "a100": Machine(p, 312e12, 300e9, latency=5e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,

@@ -21,10 +21,9 @@ pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it ou
 DEVICES = require_8_devices()
 TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
 
-# HLO bytes / predicted bytes beyond +-10 %, as measured (benchmarks/results/hlo_vs_model.json); the
-# bound guards against regressions, the cause is in the README ("JAX corpus") and the JSON.
-# (the MNIST CNN, 1.16, and T5, 1.52, are inside since the export redistributes in the steps the model charges)
-OUTSIDE_10_PERCENT = {"FlaxBloomForCausalLM": 1.2}  # 1.150: two-step all-reduces of the MLP weight gradients, the table
+# HLO bytes / predicted bytes, as measured in benchmarks/results/hlo_vs_model.json: all within +-10 % (the MNIST
+# CNN, 1.16, and T5, 1.52, came inside when the export redistributed in the steps the model charges; BLOOM, 1.15,
+# when partial sums over several split dims were charged one all-reduce per dim, as XLA compiles them)
 
 
 @pytest.fixture(scope="module", params=CORPUS + (GRIFFIN,), ids=lambda e: f"{e.library}:{e.name}")
@@ -45,8 +44,6 @@ def test_loss_and_gradients_equal_unsharded(result):
 
 
 def test_compiled_bytes_against_the_model(result):
-    bound = OUTSIDE_10_PERCENT.get(result["model"])
-    if bound is None:
-        assert 0.9 <= result["ratio"] <= 1.1
-    else:
-        assert 1.1 < result["ratio"] <= bound
+    """Every corpus model's compiled collectives within 10 % of the bytes the model charges (BLOOM, the last
+    one outside, came in when partial sums over several split dims were charged as XLA reduces them)."""
+    assert 0.9 <= result["ratio"] <= 1.1

@@ -3,6 +3,8 @@ search's space, costed by the same model, and named in the plan's words."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -15,8 +17,8 @@ from shardplan.report.summary import recipe_words
 SIZES = {"layers": 2, "seq": 4096}
 
 
-def _cost(text: str, p: int = 32, seq: int | None = None):
-    return cost_recipe("llama3-8b", preset("h100", p), text, batch=8,
+def _cost(text: str, p: int = 32, seq: int | None = None, **machine):
+    return cost_recipe("llama3-8b", dataclasses.replace(preset("h100", p), **machine), text, batch=8,
                        sizes=SIZES if seq is None else {**SIZES, "seq": seq})
 
 
@@ -37,9 +39,17 @@ def test_every_operator_splits_its_sequence_and_attention_gathers_the_keys():
 
 
 def test_context_parallelism_trades_activation_memory_for_collectives():
-    base, cp2, cp4 = _cost("tp=8"), _cost("tp=8,cp=2"), _cost("tp=8,cp=4")
+    """With one all-reduce among the data x context group (Megatron's data-parallel group with context), more
+    context parallelism is the same compute and more communication. Reduced as XLA compiles it (one
+    all-reduce of the whole gradient per split dim), data 2 x context 2 synchronises the weights twice where
+    data 4 and context 4 do it once each: its weight sync is the dearest of the three."""
+    one = {"reduce_per_dim": False}
+    base, cp2, cp4 = _cost("tp=8", **one), _cost("tp=8,cp=2", **one), _cost("tp=8,cp=4", **one)
     assert base.memory["peak_bytes"] > cp2.memory["peak_bytes"] > cp4.memory["peak_bytes"]
     assert base.step_time < cp2.step_time < cp4.step_time  # same compute, more communication
+    xla = [_cost(t).breakdown["weight_sync"] for t in ("tp=8", "tp=8,cp=2", "tp=8,cp=4")]
+    assert xla[0] == base.breakdown["weight_sync"] and xla[2] == cp4.breakdown["weight_sync"]
+    assert xla[1] > max(xla[0], xla[2], cp2.breakdown["weight_sync"])
 
 
 def test_with_pipeline_stages_and_interleaving():
