@@ -103,33 +103,6 @@ def test_pipeline_stages_run_their_ring():
     """Two attention layers, the pipeline search with ``context="ring"`` on sub-meshes of 4 (two stages, two
     micro-batches of one sequence): each stage splits its attention's queries 4 ways and its step runs the ring
     (on the stage's prime-factor mesh); loss and gradients equal to the unsharded program."""
-    import shardplan.jax as sj
-    from shardplan.jax.staged import Tracer, batch_size
-    from shardplan.pipeline.api import pipeline_solve
-    from shardplan.planner import from_pipeline
+    from jax_attention_cases import check_two_layer_pipeline
 
-    ks = jax.random.split(jax.random.PRNGKey(1), 2)
-    params = {"layers": [inputs()[0], jax.tree.map(lambda w: w[::-1], inputs()[0])]}
-    batch = (jax.random.normal(ks[0], (2, 128, 32)), jax.random.normal(ks[1], (2, 128, 32)))
-
-    def two_layers(p, b):
-        x, w = b
-        for i, layer in enumerate(p["layers"]):
-            with jax.named_scope(f"L{i}"):
-                x = x + attention_loss(layer, (x, None), reduce=False)
-        return jnp.mean(x * w)
-
-    tracer = Tracer(two_layers, params, batch)
-    plan = from_pipeline(pipeline_solve(tracer, batch_size(tracer.full_info), TOY, micro_batches=(2,), sizes=(4,),
-                                        cutoff=1, context="ring"))
-    assert plan.num_stages == 2
-    assert [[c.layout.split[1] for c in s.operators.values() if c.kind == "attn_flash"] for s in plan.stages] \
-        == [[4], [4]]
-    step = sj.apply(plan, two_layers, params, batch, DEVICES).step
-    assert [len(st.replace) for st in step.stages] == [1, 1]
-    loss, grads = step(params, batch)
-    ref_loss, ref_grads = jax.value_and_grad(two_layers)(params, batch)
-    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
-    top = max(float(jnp.abs(r).max()) for r in jax.tree.leaves(ref_grads))
-    assert max(float(jnp.abs(a - r).max()) for a, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))) \
-        <= 1e-4 * top
+    check_two_layer_pipeline(DEVICES, 4, context="ring")
