@@ -249,7 +249,7 @@ def test_what_the_stage_programs_send_for_zero_0_and_1_weights(searched):
     (``f32[16,8]``, the local tile) and nothing else; the update program all-gathers L1's updated shard
     (``f32[8,16]``) and nothing else: with m = 2, two all-reduces and one all-gather a step, where the cost
     tables charge ZeRO-1 one reduce-scatter and one all-gather a step (docs/jax.md, "What the stage programs
-    send": not fixed, unlike the PyTorch stage runner)."""
+    send": not fixed, unlike the PyTorch stage runner; why: the next test)."""
     import optax
 
     import shardplan.jax as sj
@@ -271,3 +271,46 @@ def test_what_the_stage_programs_send_for_zero_0_and_1_weights(searched):
     grads = tuple(jax.device_put(jnp.zeros_like(params["w"][i]), st.grad_put[i]) for i in st.params)
     update = _collectives(train.updates[0].lower(placed, state, grads).compile().as_text())
     assert update == {"all-reduce": [], "reduce-scatter": [], "all-gather": ["f32[8,16]{1,0}"]}, update
+
+
+@pytest.mark.parametrize("read, split, factor, all_reduces", [("dot", True, 1, 0), ("dot", False, 2, 0),
+                                                              ("twice", True, 2, 0), ("scale", True, 2, 1)])
+def test_an_unreduced_cotangent_is_whatever_the_partitioner_left_on_each_device(read, split, factor, all_reduces):
+    """Why the stage runner still all-reduces ZeRO 0/1 gradients every micro-batch (docs/jax.md, "What the stage
+    programs send"): the gradient of a weight replicated over an axis of 2, taken as JAX 0.9.2 offers to defer its
+    reduction (the weight an Explicit-axes value ``reduced`` over the axis, read through an Auto copy, so its
+    cotangent is ``unreduced``: per device a term of the sum), on a stage body of Auto axes. The sum of the two
+    devices' terms is the gradient only where the partitioner leaves a partial sum at that point: a matmul with
+    the batch split (``factor`` 1, nothing sent). With the batch replicated each device already holds the whole
+    gradient, and for a per-feature scale the partitioner all-reduces first: each device's term is the whole
+    gradient, the sum twice it. The runner cannot tell which the partitioner chose, so it does not defer."""
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, reshard, use_abstract_mesh
+
+    devices = np.array(DEVICES[:2])
+    auto, explicit = Mesh(devices, ("s",)), Mesh(devices, ("s",), axis_types=(AxisType.Explicit,))
+    shape = (D,) if read == "scale" else (D, D)
+    kw, kx = jax.random.split(jax.random.PRNGKey(0))
+    w = jax.device_put(jax.random.normal(kw, shape) / D**0.5, NamedSharding(auto, P()))
+    x = jax.device_put(jax.random.normal(kx, (8, D)), NamedSharding(auto, P("s" if split else None)))
+
+    def loss(w, x):
+        h = x * w if read == "scale" else x @ w
+        return jnp.sum(jnp.tanh(jnp.tanh(h) @ w if read == "twice" else h))
+
+    def to_auto(v):
+        with use_abstract_mesh(auto.abstract_mesh):
+            return reshard(v, P())
+
+    def terms(w, x):  # each device's term of the deferred gradient, side by side: (2, *shape), nothing sent
+        with use_abstract_mesh(explicit.abstract_mesh):
+            we = reshard(w, P(reduced={"s"}))
+        g = jax.grad(lambda v: loss(to_auto(v), x))(we)
+        stacked = jax.shard_map(lambda t: t[None], mesh=explicit, in_specs=P(unreduced={"s"}), out_specs=P("s"),
+                                check_vma=False)(g)
+        return jax.lax.with_sharding_constraint(to_auto(stacked), NamedSharding(auto, P("s")))
+
+    program = jax.jit(terms)
+    assert len(_collectives(program.lower(w, x).compile().as_text())["all-reduce"]) == all_reduces
+    want = jax.grad(loss)(w, x)
+    got = program(w, x).sum(axis=0)
+    np.testing.assert_allclose(np.asarray(got), factor * np.asarray(want), rtol=1e-5, atol=1e-6)
