@@ -34,7 +34,10 @@ Execution, for each stage (each chunk of an interleaved plan):
   its input and weight gradients together, so the W passes are not issued
   apart), the micro-batches being
   consecutive slices of the batch's leading axis; gradients are accumulated
-  per stage; JAX's asynchronous dispatch lets stages on disjoint devices
+  per stage (a ZeRO 0/1 weight replicated over some of the stage's mesh axes
+  and read only by matmuls that sum over those axes: as each device's partial
+  sums, added locally and reduced once a step, :func:`_deferrable`); JAX's
+  asynchronous dispatch lets stages on disjoint devices
   overlap, each device running its passes in the order issued.
 
 ``step.train_step(optimizer, params)`` (:class:`StagedTrain`) adds an optax
@@ -340,6 +343,19 @@ class _Stage:
         self.params = [i for i in leaves if i in info.param_leaves and inexact(leaf_dtypes[i])]
         self.data = [i for i in leaves if i not in self.params]
         self._hold_state(plan, info, names)
+        # a ZeRO 0/1 leaf whose tile has replicas and whose every read is a matmul that sums over them
+        # (:func:`_deferrable`) enters as an Explicit-axes value marked reduced over them, each read run on Explicit
+        # axes, so its gradient comes back unreduced (each device's partial sum): summed locally over the
+        # micro-batches, reduced once a step (:meth:`reduce_grads`)
+        # (not in a stage that offloads activations: XLA refuses the host-offload annotation, a side-effecting
+        # custom call, on a value of the Explicit reads, "Side-effect ops cannot be replicated")
+        self.defer, islands = {}, {}
+        if not stage_choices(plan)[1]:
+            self.defer, islands = _deferrable(prog, set(eqns), self.params,
+                                              {i: len(info.leaf_shapes[i]) for i in self.params}, self.zero,
+                                              self.param_put, self.replace,
+                                              {key: _factored(sh) for key, sh in read_sh.items()},
+                                              {v: _factored(sh) for v, sh in out_sh.items()})
         views = param_views(info)
         for (k, slot), sh in read_sh.items():  # a read of a stage >= 2 leaf: its gradient straight into the shards
             a = prog.eqns[k].invars[slot]
@@ -347,6 +363,8 @@ class _Stage:
             if i is not None and self.zero.get(i, 0) >= 2:
                 whole = a == prog.invars[i]
                 consume[(k, slot)] = constrain_forward(_factored(sh), self.grad_put[i] if whole else None)
+            elif i in self.defer:  # a deferred leaf arrives Explicit-typed, as its read asks (_deferrable)
+                consume.pop((k, slot), None)
         consume.update(ring_consume)
         policy = _name_saved(plan, info, eqns, produce, gather=3 in self.zero.values())
         self.fin = [v for v in ins if inexact(dtype_of[v])]
@@ -359,7 +377,7 @@ class _Stage:
         self.out_sh = {v: _factored(out_sh[v]) if v in out_sh else self.rep for v in outs}
         self.loss_dtype = dtype_of[loss_var] if loss_var is not None else None
         fin, oin, data, params, fout, oout = self.fin, self.oin, self.data, self.params, self.fout, self.oout
-        replace = self.replace
+        replace = {**self.replace, **islands}
 
         names = self.fp8_names = fp8_operators(plan, info)
 
@@ -376,19 +394,37 @@ class _Stage:
 
         body = run if policy is None else jax.checkpoint(run, policy=policy)
         self.remat = policy is not None
+        deferred = [self.defer.get(i) for i in params]
+        explicit = lambda p: tuple(x if sh is None else _to_explicit(x, sh) for x, sh in zip(p, deferred))  # noqa: E731
         # (params, float inputs, other inputs, data, histories) -> (float outputs, other outputs); histories: the
-        # amax histories of the stage's FP8 operators (delayed scaling), or {} (current scaling)
-        self.body = body
-        self.forward = jax.jit(lambda p, fi, oi, d, h: jax.vjp(lambda p_, fi_, h_: body(p_, fi_, oi, d, h_), p, fi, h,
-                                                               has_aux=True))
+        # amax histories of the stage's FP8 operators (delayed scaling), or {} (current scaling); the params as
+        # placed (Auto axes), the deferred ones made Explicit first
+        self.body = lambda p, fi, oi, d, h: body(explicit(p), fi, oi, d, h)
+
+        def forward(p: tuple, fi: tuple, oi: tuple, d: tuple, h: dict) -> tuple:
+            # the vjp is taken at the Explicit leaves, so their cotangents stay unreduced
+            return jax.vjp(lambda p_, fi_, h_: body(p_, fi_, oi, d, h_), explicit(p), fi, h, has_aux=True)
+
+        self.forward = jax.jit(forward)
+        self.update_put = {i: self.state_put[i] if self.zero[i] == 1 else self.grad_put[i] for i in params}
+        self.reducers = {into: _reducer([self.defer.get(i) for i in params], [put[i] for i in params])
+                         for into, put in (("gradient", self.grad_put), ("update", self.update_put))}
         gput = [self.grad_put[i] if self.zero[i] >= 2 else None for i in params]
 
         def backward(vjp: Any, g: tuple) -> tuple:
             gp, gfi, gh = vjp(g)
             gp = tuple(x if sh is None else jax.lax.with_sharding_constraint(x, sh) for x, sh in zip(gp, gput))
+            gp = tuple(x if sh is None else _stack_partial_sums(x, sh) for x, sh in zip(gp, deferred))
             return gp, gfi, gh
 
         self.backward = jax.jit(backward)
+
+    def reduce_grads(self, grads: tuple, into: str = "gradient") -> tuple:
+        """The stage's gradients (one per leaf of ``params``) with each deferred leaf's partial sums reduced: into
+        its ``grad_put`` sharding (``into="gradient"``: an all-reduce over the tile's replicas) or its
+        ``update_put`` sharding (``into="update"``: the shards of a ZeRO-1 leaf, a reduce-scatter; on XLA:CPU an
+        all-reduce and a ``dynamic-slice``); the other leaves as they are."""
+        return grads if not self.defer else self.reducers[into](grads)
 
     def _hold_state(self, plan: Any, info: Any, names: set[str]) -> None:
         """Per parameter leaf of the stage, from its first reader in the stage (as
@@ -419,6 +455,192 @@ class _Stage:
             self.param_put[i] = _factored(shards if z == 3 else tile)
             self.grad_put[i] = _factored(shards if z >= 2 else tile)
             self.state_put[i] = _factored(shards if z >= 1 else tile)
+
+
+def _explicit_reduced(sharding: Any) -> Any:
+    """``sharding`` on its mesh with every axis ``Explicit``, marked ``reduced`` over the axes of size > 1 its spec
+    does not name (the tile's replicas); None when there are none. A value of this type has as cotangent the same
+    sharding ``unreduced`` over those axes: each device holds its own partial sum, no collective."""
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+    mesh = sharding.mesh
+    used = {a for e in sharding.spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    free = frozenset(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+    if not free:
+        return None
+    explicit = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * len(mesh.axis_names))
+    return NamedSharding(explicit, PartitionSpec(*sharding.spec, reduced=free))
+
+
+def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], ranks: Mapping[int, int], zero: Mapping[int, int],
+                tiles: Mapping[int, Any], taken: Mapping[int, Any], reads: Mapping[tuple[int, int], Any],
+                outs: Mapping[int, Any]) -> tuple[dict[int, Any], dict[int, Callable[[list[Any]], list[Any]]]]:
+    """The stage's leaves whose gradient reduction waits for the step's end, and what runs their reads.
+
+    A ZeRO 0/1 leaf ``i`` (``params``, of rank ``ranks[i]``, ``zero``) whose tile (``tiles[i]``) is replicated
+    over some mesh axes R is deferred when every equation of the stage (``eqns``, their remat bodies included)
+    that reads it is a ``dot_general`` (not one ``taken`` by an FP8 or ring hook) reading it in its tile, whose
+    other operand and output (``reads``, ``outs``: the plan's shardings, on prime-factor meshes) are on the
+    tile's mesh, and whose other operand's free axes (those the weight gradient sums over) are split over
+    exactly R, in the operand and in the output (:func:`_island`). Then each read's weight gradient is a sum of
+    per-device terms over R, which JAX's sharding-in-types rules type ``unreduced`` over R on Explicit axes.
+    Returns ``({leaf: its Explicit sharding reduced over R}, {equation: the read run on Explicit axes})``.
+    """
+    top = _top_ancestor(prog)
+    readers: dict[int, list[tuple[int, int]]] = {}
+    for k, e in enumerate(prog.eqns):
+        if e.parent is None or top(k) not in eqns:
+            continue
+        for slot, v in enumerate(e.invars):
+            if isinstance(v, int):
+                readers.setdefault(v, []).append((k, slot))
+    hidden = {v for e in prog.eqns if e.parent is None for v in e.invars if isinstance(v, int)}
+    defer: dict[int, Any] = {}
+    islands: dict[int, Callable[[list[Any]], list[Any]]] = {}
+    for i in params:
+        sh = _explicit_reduced(tiles[i]) if zero[i] <= 1 else None
+        uses = readers.get(prog.invars[i], [])
+        if sh is None or not uses or prog.invars[i] in hidden:
+            continue
+        runs = [None if k in taken else _island(prog.eqns[k], slot, ranks[i], tiles[i], sh,
+                                                reads.get((k, slot)), reads.get((k, 1 - slot)),
+                                                outs.get(prog.eqns[k].outvars[0]))
+                for k, slot in uses]
+        if all(r is not None for r in runs):
+            defer[i] = sh
+            islands.update({k: r for (k, _), r in zip(uses, runs)})
+    return defer, islands
+
+
+def _spec_axes(spec: Any, dims: Sequence[int]) -> frozenset[str]:
+    """The mesh axes a partition spec splits the tensor axes ``dims`` over."""
+    entries = list(spec)
+    out: set[str] = set()
+    for d in dims:
+        e = entries[d] if d < len(entries) else None
+        out.update(() if e is None else (e,) if isinstance(e, str) else e)
+    return frozenset(out)
+
+
+def _island(e: Any, slot: int, rank: int, tile: Any, sharding: Any, read: Any, other: Any,
+            out: Any) -> Callable[[list[Any]], list[Any]] | None:
+    """The ``dot_general`` equation ``e`` that reads a deferred leaf (rank ``rank``, tile ``tile``, Explicit
+    ``sharding`` reduced over R) as operand ``slot`` (read in ``read``), run on Explicit axes: the other operand
+    (read in ``other``) resharded into that type, the product made in the output sharding ``out``, and returned
+    on Auto axes. None unless ``e`` is such a read, all three shardings are on the tile's mesh, the leaf is
+    read in its tile, and the other operand's free axes are split over exactly R in ``other`` and ``out``."""
+    import jax
+    from jax.sharding import PartitionSpec, use_abstract_mesh
+
+    if e.name != "dot_general" or None in (read, other, out) or len(e.outvars) != 1:
+        return None
+    if not (read.mesh == other.mesh == out.mesh == tile.mesh) or not read.is_equivalent_to(tile, rank):
+        return None
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    contract, batch = (lc, lb) if slot == 0 else (rc, rb)
+    w_free = rank - len(contract) - len(batch)
+    out_rank = len(e.out_shapes[0])
+    o_free = out_rank - len(batch) - w_free
+    o_rank = o_free + len(contract) + len(batch)
+    o_contract, o_batch = (rc, rb) if slot == 0 else (lc, lb)
+    free = [d for d in range(o_rank) if d not in o_contract and d not in o_batch]
+    at = range(len(batch), len(batch) + o_free) if slot == 1 else range(out_rank - o_free, out_rank)
+    replicas = sharding.spec.reduced
+    if _spec_axes(other.spec, free) != replicas or _spec_axes(out.spec, at) != replicas:
+        return None
+    mesh = sharding.mesh.abstract_mesh
+    dn, precision = e.params["dimension_numbers"], e.params.get("precision")
+    preferred = e.params.get("preferred_element_type")
+
+    def run(args: list[Any]) -> list[Any]:
+        args = list(args)
+        with use_abstract_mesh(mesh):
+            args[1 - slot] = jax.sharding.reshard(args[1 - slot], PartitionSpec(*other.spec))
+            y = jax.lax.dot_general(args[0], args[1], dn, precision=precision, preferred_element_type=preferred,
+                                    out_sharding=PartitionSpec(*out.spec))
+        return [_to_auto(y, sharding)]
+
+    return run
+
+
+def _to_explicit(x: Any, sharding: Any) -> Any:
+    """``x`` (a value on the Auto axes of ``sharding``'s devices, replicated over its replicas) as a value of
+    ``sharding``'s Explicit type (:func:`_explicit_reduced`); no data moves."""
+    from jax.sharding import reshard, use_abstract_mesh
+
+    with use_abstract_mesh(sharding.mesh.abstract_mesh):
+        return reshard(x, sharding.spec)
+
+
+def _auto_mesh(sharding: Any) -> Any:
+    from jax.sharding import AxisType
+
+    mesh = sharding.mesh.abstract_mesh
+    return mesh.update_axis_types({a: AxisType.Auto for a in mesh.axis_names})
+
+
+def _to_auto(x: Any, sharding: Any) -> Any:
+    """An Explicit-typed ``x`` as a value on the same devices' Auto axes (what the stage's sharding constraints
+    use); its transpose hands the cotangent back as ``x``'s cotangent type (unreduced for a reduced ``x``)."""
+    from jax.sharding import PartitionSpec, reshard, use_abstract_mesh
+
+    with use_abstract_mesh(_auto_mesh(sharding)):
+        return reshard(x, PartitionSpec())
+
+
+def _replicas(sharding: Any) -> tuple[str, ...]:
+    """The mesh axes of ``sharding`` (an :func:`_explicit_reduced` one) its tile is replicated over, in mesh order."""
+    return tuple(a for a in sharding.mesh.axis_names if a in sharding.spec.reduced)
+
+
+def _stacked_sharding(sharding: Any) -> Any:
+    """Where a deferred leaf's partial sums live between programs: an array ``(R, *shape)`` (R the number of
+    replicas), on the Auto axes of ``sharding``'s devices, row r of it on the devices of replica r, each row
+    tiled as the leaf (:func:`_stack_partial_sums`)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = sharding.mesh
+    return NamedSharding(Mesh(mesh.devices, mesh.axis_names), PartitionSpec(_replicas(sharding), *sharding.spec))
+
+
+def _stack_partial_sums(g: Any, sharding: Any) -> Any:
+    """A gradient ``g`` unreduced over the replicas of ``sharding`` (each device's partial sum) as the array
+    ``(R, *shape)`` of :func:`_stacked_sharding`: every device's partial sum in its own row, nothing sent (a
+    ``shard_map`` over the Explicit mesh that only adds the axis)."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    spec = sharding.spec
+    stacked = jax.shard_map(lambda x: x[None], mesh=sharding.mesh,
+                            in_specs=PartitionSpec(*spec, unreduced=spec.reduced),
+                            out_specs=PartitionSpec(_replicas(sharding), *spec), check_vma=False)(g)
+    return jax.lax.with_sharding_constraint(_to_auto(stacked, sharding), _stacked_sharding(sharding))
+
+
+@dataclass(frozen=True, eq=False)
+class _Reducer:
+    """``grads -> grads`` of one stage: the stacked partial sums at ``keys`` (:func:`_stack_partial_sums`)
+    summed by the jitted ``program``, the others passed through untouched (outside the program)."""
+
+    keys: tuple[int, ...]
+    program: Any
+
+    def __call__(self, grads: tuple) -> tuple:
+        done = dict(zip(self.keys, self.program(tuple(grads[k] for k in self.keys))))
+        return tuple(done.get(k, g) for k, g in enumerate(grads))
+
+
+def _reducer(deferred: Sequence[Any], targets: Sequence[Any]) -> _Reducer:
+    """The :class:`_Reducer` that sums over the leading (replica) axis each gradient whose ``deferred`` entry is a
+    sharding (the gradient arrives stacked, :func:`_stack_partial_sums`) into its ``targets`` sharding: the tile
+    (an all-reduce over the replicas) or the shards of the tile (a reduce-scatter)."""
+    import jax
+
+    keys = tuple(k for k, sh in enumerate(deferred) if sh is not None)
+    program = jax.jit(lambda gs: tuple(g.sum(axis=0) for g in gs),
+                      in_shardings=(tuple(_stacked_sharding(deferred[k]) for k in keys),),
+                      out_shardings=tuple(targets[k] for k in keys))
+    return _Reducer(keys, program)
 
 
 def _factored(sharding: Any) -> Any:
@@ -608,11 +830,14 @@ class StagedStep:
                                      f"plan is for {m} micro-batches of {self.info.leaf_shapes[i]}")
         return leaves
 
-    def _passes(self, placed: list[tuple], leaves: list[Any], history: Any) -> tuple[Any, list[Any], Any]:
+    def _passes(self, placed: list[tuple], leaves: list[Any], history: Any,
+                into: str = "gradient") -> tuple[Any, list[Any], Any]:
         """The m forward and backward passes of every stage in the schedule's order: ``(loss, grads, history)``,
-        ``grads[s]`` stage s's gradients (summed over the micro-batches, in its ``grad_put`` shardings, one per
-        leaf of ``st.params``), ``history`` the next amax histories (None without ``history``). ``placed[s]``:
-        stage s's parameters on its devices."""
+        ``grads[s]`` stage s's gradients (summed over the micro-batches, one per leaf of ``st.params``, in its
+        ``grad_put`` shardings, or ``update_put`` for ``into="update"``), ``history`` the next amax histories
+        (None without ``history``). ``placed[s]``: stage s's parameters on its devices. A deferred leaf's
+        (:attr:`_Stage.defer`) micro-batch gradients are partial sums per device, added locally, and reduced
+        once after the passes (:meth:`_Stage.reduce_grads`)."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -664,6 +889,7 @@ class StagedStep:
                 p = self.stages[producer[v]]
                 gv = jax.device_put(gv, p.out_sh[v])
                 cot[(v, j)] = gv if (v, j) not in cot else cot[(v, j)] + gv
+        grads = [g if g is None else st.reduce_grads(g, into) for st, g in zip(self.stages, grads)]
         loss = sum(losses[1:], losses[0]) * (1.0 / m if self.reduction == "mean" else 1.0)
         if history is None:
             return loss, grads, None
@@ -691,7 +917,8 @@ class StagedTrain:
     ``optimizer.init`` of the tuple of them (``opt_state[s]``, None for a stage without leaves), on its devices:
     an optimizer whose update couples all the parameters (a global-norm clip) sees one stage's at a time. Per
     leaf, as its ZeRO stage z says (:mod:`shardplan.jax.memory`): the state in shards for z >= 1, the gradient
-    reduced into the shards for z >= 2 (the stage's backward), the parameter held in shards for z = 3 (gathered
+    reduced into the shards for z >= 2 (the stage's backward; for a deferred z = 1 leaf, once a step after the
+    passes, :meth:`_Stage.reduce_grads`), the parameter held in shards for z = 3 (gathered
     by each read in the stage's forward, and again before its backward); the update is computed on the shards
     and, for z = 1, 2, gathered back to the tile by the update's output sharding. A leaf whose home stage offloads
     its ``optimizer`` state or ``parameters`` keeps them in ``pinned_host`` between steps, fetched before the
@@ -737,14 +964,14 @@ class StagedTrain:
         leaves = self.step._leaves(params, batch)
         stages = self.step.stages
         placed = [tuple(jax.device_put(leaves[i], st.param_put[i]) for i in st.params) for st in stages]
-        loss, grads, hist = self.step._passes(placed, leaves, history)
+        loss, grads, hist = self.step._passes(placed, leaves, history, into="update")
         at = {(s, i): k for s, st in enumerate(stages) for k, i in enumerate(st.params)}
         home = {i: s for s, own in enumerate(self.homes) for i in own}
         total = {i: grads[s][at[(s, i)]] for i, s in home.items()}
         for s, st in enumerate(stages):
             for k, i in enumerate(st.params):
                 if home[i] != s:  # a copy's gradient, summed into the home's
-                    total[i] = total[i] + jax.device_put(grads[s][k], stages[home[i]].grad_put[i])
+                    total[i] = total[i] + jax.device_put(grads[s][k], stages[home[i]].update_put[i])
         new = list(leaves[:len(jax.tree_util.tree_leaves(params))])
         states = list(opt_state)
         for s, (st, own) in enumerate(zip(stages, self.homes)):
@@ -784,7 +1011,7 @@ def staged_train(step: StagedStep, optimizer: Any, params: Any) -> StagedTrain:
             host_memory_kind(st.devices)
         on_host = lambda sh, yes: sh.with_memory_kind(HOST) if yes else sh  # noqa: E731
         p_sh = tuple(st.param_put[i] for i in own)
-        g_sh = tuple(st.grad_put[i] for i in own)
+        g_sh = tuple(st.update_put[i] for i in own)
         s_sh = tuple(st.state_put[i] for i in own)
         shapes = jax.eval_shape(optimizer.init, tuple(jax.ShapeDtypeStruct(jax.numpy.shape(leaves[i]),
                                                                            jax.numpy.result_type(leaves[i]))

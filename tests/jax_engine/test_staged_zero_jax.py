@@ -243,31 +243,100 @@ def _collectives(text: str) -> dict[str, list[str]]:
     return out
 
 
-def test_what_the_stage_programs_send_for_zero_0_and_1_weights(searched):
-    """Stage 0 holds L0 at ZeRO 0 (its tile on all 4 devices: nothing to reduce) and L1 at ZeRO 1 (its tile
-    ``P('x', None)`` replicated over an axis of 2). Each micro-batch's backward program all-reduces L1's gradient
-    (``f32[16,8]``, the local tile) and nothing else; the update program all-gathers L1's updated shard
-    (``f32[8,16]``) and nothing else: with m = 2, two all-reduces and one all-gather a step, where the cost
-    tables charge ZeRO-1 one reduce-scatter and one all-gather a step (docs/jax.md, "What the stage programs
-    send": not fixed, unlike the PyTorch stage runner)."""
+@pytest.mark.parametrize("zero", [0, 1])
+def test_zero_0_and_1_gradients_are_reduced_once_a_step(searched, zero):
+    """Stage 0 holds L0 (its tile on all 4 devices: nothing to reduce) and L1 at ZeRO ``zero`` (its tile
+    ``P('x', None)`` replicated over the axis ``b`` of 2; its one read a matmul whose rows are split over ``b``, so
+    the runner defers it and runs that matmul on Explicit axes). Each micro-batch's backward program sends
+    nothing: L1's gradient comes back as its two devices' terms, one row each of an array (2, 16, 16) split over
+    ``b``, the m = 2 micro-batches' are added locally, and the step's one reduction program all-reduces L1's local
+    tile (``f32[8,16]``) once: into the tile for the gradient step (and for ZeRO 0's update), into the shards for
+    ZeRO 1's update (on XLA:CPU the all-reduce and a ``dynamic-slice`` of the shard, ``f32[4,16]``: no
+    ``reduce-scatter`` instruction is formed), whose update program then all-gathers the updated shard
+    (``f32[8,16]``) and sends nothing else. The forward program's one all-reduce (``f32[8,16]``) is L1's
+    product's, its tile contracting over ``x``, as before."""
+    import re
+
     import optax
 
     import shardplan.jax as sj
 
     params, batch, plan = searched
-    step = sj.apply(with_choices(plan, ZERO), scoped, params, batch, DEVICES).step
+    step = sj.apply(with_choices(plan, ZERO if zero else {}), scoped, params, batch, DEVICES).step
     st = step.stages[0]
-    assert st.zero == {0: 0, 1: 1} and step.plan.micro_batches == 2
+    assert st.zero == {0: 0, 1: zero} and step.plan.micro_batches == 2 and list(st.defer) == [1]
     assert [tuple(st.grad_put[i].spec) for i in st.params] == [(None, ("s", "s~1")), ("x", None)]
     rows = B // 2
     placed = tuple(jax.device_put(params["w"][i], st.param_put[i]) for i in st.params)
     d = tuple(jax.device_put(batch[0][:rows], st.leaf_put[i]) for i in st.data)
+    forward = _collectives(st.forward.lower(placed, (), (), d, {}).compile().as_text())
+    assert forward == {"all-reduce": ["f32[8,16]{1,0}"], "reduce-scatter": [], "all-gather": []}, forward
     fo, vjp, _ = st.forward(placed, (), (), d, {})
-    backward = _collectives(st.backward.lower(vjp, tuple(jnp.ones_like(x) for x in fo)).compile().as_text())
-    assert backward == {"all-reduce": ["f32[16,8]{1,0}"], "reduce-scatter": [], "all-gather": []}, backward
+    ones = tuple(jnp.ones_like(x) for x in fo)
+    backward = _collectives(st.backward.lower(vjp, ones).compile().as_text())
+    assert backward == {"all-reduce": [], "reduce-scatter": [], "all-gather": []}, backward
+    gp = st.backward(vjp, ones)[0]
+    assert gp[1].shape == (2, D, D) and tuple(gp[1].sharding.spec) == ("b", "x") and gp[0].shape == (D, D)
+    d1 = tuple(jax.device_put(batch[0][rows:], st.leaf_put[i]) for i in st.data)
+    gp = jax.tree.map(jnp.add, gp, st.backward(st.forward(placed, (), (), d1, {})[1], ones)[0])  # local sums
+    assert gp[1].sharding == st.backward(vjp, ones)[0][1].sharding
+    slices = {}
+    for into in ("gradient", "update"):
+        text = st.reducers[into].program.lower((gp[1],)).compile().as_text()
+        assert _collectives(text) == {"all-reduce": ["f32[8,16]{1,0}"], "reduce-scatter": [], "all-gather": []}
+        slices[into] = re.findall(r"= (f32\S+) dynamic-slice\(", text)
+    assert slices == {"gradient": [], "update": ["f32[4,16]{1,0}"] if zero else []}, slices
+    reduced = st.reduce_grads(gp, "update")
+    assert [g.sharding for g in reduced] == [st.update_put[i] for i in st.params]
+    assert pieces(reduced[1]) == (4 if zero else 2)
     opt = optax.adam(1e-2)
     train = step.train_step(opt, params)
     state = jax.device_put(opt.init(placed), train.state_device[0])
-    grads = tuple(jax.device_put(jnp.zeros_like(params["w"][i]), st.grad_put[i]) for i in st.params)
-    update = _collectives(train.updates[0].lower(placed, state, grads).compile().as_text())
-    assert update == {"all-reduce": [], "reduce-scatter": [], "all-gather": ["f32[8,16]{1,0}"]}, update
+    update = _collectives(train.updates[0].lower(placed, state, reduced).compile().as_text())
+    gathers = ["f32[8,16]{1,0}"] if zero else []
+    assert update == {"all-reduce": [], "reduce-scatter": [], "all-gather": gathers}, update
+
+
+@pytest.mark.parametrize("read, split, factor, all_reduces", [("dot", True, 1, 0), ("dot", False, 2, 0),
+                                                              ("twice", True, 2, 0), ("scale", True, 2, 1)])
+def test_an_unreduced_cotangent_is_whatever_the_partitioner_left_on_each_device(read, split, factor, all_reduces):
+    """Why the stage runner still all-reduces ZeRO 0/1 gradients every micro-batch (docs/jax.md, "What the stage
+    programs send"): the gradient of a weight replicated over an axis of 2, taken as JAX 0.9.2 offers to defer its
+    reduction (the weight an Explicit-axes value ``reduced`` over the axis, read through an Auto copy, so its
+    cotangent is ``unreduced``: per device a term of the sum), on a stage body of Auto axes. The sum of the two
+    devices' terms is the gradient only where the partitioner leaves a partial sum at that point: a matmul with
+    the batch split (``factor`` 1, nothing sent). With the batch replicated each device already holds the whole
+    gradient, and for a per-feature scale the partitioner all-reduces first: each device's term is the whole
+    gradient, the sum twice it. So the runner does not convert an Auto cotangent: it defers only a leaf whose every
+    read is a matmul summing over the replicas, run on Explicit axes (``staged._deferrable``), where JAX's type
+    rules, not the partitioner, make the terms (the previous test)."""
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, reshard, use_abstract_mesh
+
+    devices = np.array(DEVICES[:2])
+    auto, explicit = Mesh(devices, ("s",)), Mesh(devices, ("s",), axis_types=(AxisType.Explicit,))
+    shape = (D,) if read == "scale" else (D, D)
+    kw, kx = jax.random.split(jax.random.PRNGKey(0))
+    w = jax.device_put(jax.random.normal(kw, shape) / D**0.5, NamedSharding(auto, P()))
+    x = jax.device_put(jax.random.normal(kx, (8, D)), NamedSharding(auto, P("s" if split else None)))
+
+    def loss(w, x):
+        h = x * w if read == "scale" else x @ w
+        return jnp.sum(jnp.tanh(jnp.tanh(h) @ w if read == "twice" else h))
+
+    def to_auto(v):
+        with use_abstract_mesh(auto.abstract_mesh):
+            return reshard(v, P())
+
+    def terms(w, x):  # each device's term of the deferred gradient, side by side: (2, *shape), nothing sent
+        with use_abstract_mesh(explicit.abstract_mesh):
+            we = reshard(w, P(reduced={"s"}))
+        g = jax.grad(lambda v: loss(to_auto(v), x))(we)
+        stacked = jax.shard_map(lambda t: t[None], mesh=explicit, in_specs=P(unreduced={"s"}), out_specs=P("s"),
+                                check_vma=False)(g)
+        return jax.lax.with_sharding_constraint(to_auto(stacked), NamedSharding(auto, P("s")))
+
+    program = jax.jit(terms)
+    assert len(_collectives(program.lower(w, x).compile().as_text())["all-reduce"]) == all_reduces
+    want = jax.grad(loss)(w, x)
+    got = program(w, x).sum(axis=0)
+    np.testing.assert_allclose(np.asarray(got), factor * np.asarray(want), rtol=1e-5, atol=1e-6)
