@@ -45,12 +45,18 @@ def test_a_budget_too_small_for_one_program_is_refused_with_the_least_memory():
         plan("gpt", preset("h100", 8), sizes={"layers": 4}, batch=32, budget=1e6, stages=False)
 
 
-def test_stages_are_searched_only_where_they_can_pay():
+@pytest.fixture(scope="module")
+def a100_16():
+    """plan() of GPT (4 blocks, batch 32) on 16 A100s (two nodes), uninterrupted: read by two tests (one search)."""
+    return plan("gpt", preset("a100", 16), sizes={"layers": 4}, batch=32)
+
+
+def test_stages_are_searched_only_where_they_can_pay(a100_16):
     one_node = plan("gpt", preset("h100", 8), sizes={"layers": 4}, batch=32)
     assert not one_node.stats["stages_searched"] and one_node.stats["stages_reason"] == "one node"
     cnn = plan("alexnet", preset("a100", 16))
     assert cnn.stats["stages_reason"] == "the model has no repeated blocks"
-    two = plan("gpt", preset("a100", 16), sizes={"layers": 4}, batch=32)
+    two = a100_16
     assert two.stats["stages_searched"] and "one program" in two.stats["compared"]
     # the pipeline search starts from the one program's step: a pipeline that beats it is compared, else the
     # search proved a bound of the pipeline space, no lower than the plan's own
@@ -225,15 +231,14 @@ def test_cli_partial_sums_flag(capsys):
     assert "deferred reductions (sequence parallel) on " in capsys.readouterr().out
 
 
-def test_ctrl_c_in_the_one_program_search_returns_its_best_plan(monkeypatch):
+def test_ctrl_c_in_the_one_program_search_returns_its_best_plan(monkeypatch, a100_16):
     """Ctrl-C while the one program's memory search runs (the exact solver raises KeyboardInterrupt at its k-th
     call): the first k that lands after a plan is known returns it, marked interrupted, with the pipelines not
     searched: the bound the plan states of the whole space is their step floor and the one program's work floor
     (docs/pipeline.md, *A bound whenever the search stops*), above 0 and never above the uninterrupted answer."""
     import shardplan.pipeline.api as api
 
-    m = preset("a100", 16)
-    full = plan("gpt", m, sizes={"layers": 4}, batch=32)
+    m, full = preset("a100", 16), a100_16
     # no uniform pipeline costed first (the planner's first step), so the interrupt lands in the one program
     monkeypatch.setattr(api, "pipeline_seeds", lambda *a, **k: None)
 

@@ -35,6 +35,12 @@ def slow_links():
     return replace(preset("a100", 16), inter_bandwidth=1e9, sm_count=None, gemm_tiles=None)
 
 
+@pytest.fixture(scope="module")
+def six_blocks(slow_links):
+    """plan() of six blocks on the slow links, uninterrupted: read by two tests (one search, not two)."""
+    return plan("gpt", slow_links, sizes={"layers": 6}, batch=16, micro_batches=MS)
+
+
 def test_seeds_then_the_search_on_their_stages_equal_the_search_alone(slow_links):
     """The seeds' best is a real pipeline no faster than the optimum; the search given their stage costs answers
     what it answers alone (step and proven bound), costing no stage the seeds costed again."""
@@ -51,12 +57,11 @@ def test_seeds_then_the_search_on_their_stages_equal_the_search_alone(slow_links
         pipeline_solve(gpt, 32, m, model=seed.stages, **KW)
 
 
-def test_the_plan_is_the_better_of_both_searches_and_its_bound_covers_both(slow_links):
+def test_the_plan_is_the_better_of_both_searches_and_its_bound_covers_both(slow_links, six_blocks):
     """plan() with the seeds first: the step is the least of the one program's optimum (solved without an
     incumbent) and the pipeline search's; where the one program proved none of its plans beats the seed, that
     bound lies between the seed's step and the one program's optimum; the plan's bound is at most the answer."""
-    m = slow_links
-    got = plan("gpt", m, sizes={"layers": 6}, batch=16, micro_batches=MS)
+    m, got = slow_links, six_blocks
     one = solve_fit(gpt6(16), m, budget=m.memory_bytes, options=FitOptions(micro_batches=MS), cutoff=1)
     pipe = pipeline_solve(gpt6, 16, m, **KW)
     assert got.step_time == pytest.approx(min(one.cost, pipe.plan.step_time), rel=1e-12)
@@ -96,14 +101,13 @@ def test_ctrl_c_while_the_seeds_are_costed_returns_the_best_seed(monkeypatch):
     assert got.step_time >= full.step_time * (1 - 1e-9) and 0.0 < got.lower_bound <= full.step_time * (1 + 1e-12)
 
 
-def test_ctrl_c_in_the_search_before_it_finds_the_seed_again_returns_the_seed(slow_links):
+def test_ctrl_c_in_the_search_before_it_finds_the_seed_again_returns_the_seed(slow_links, six_blocks):
     """Ctrl-C in the pipeline search's first tick (its own seeds, before it has a plan), where the one program
     proved none of its plans beats the seed: the seed is the answer, marked interrupted, and its bound, the
     least of the one program's and the one the search stated of its space, is at most the optimum."""
     from shardplan.pipeline.progress import Progress
 
-    m = slow_links
-    full = plan("gpt", m, sizes={"layers": 6}, batch=16, micro_batches=MS)
+    m, full = slow_links, six_blocks
     assert full.pipelined and "one_program_none_better" in full.stats and full.solver == "pipeline"
     tracker = Progress()
 

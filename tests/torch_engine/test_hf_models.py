@@ -1,5 +1,5 @@
 """A Hugging Face model on the transformers release of this environment, called as documented, every operator
-described: plan on 8 gloo processes, run, compare with one process; and the operators today's models added.
+described: plan on 4 gloo processes, run, compare with one process; and the operators today's models added.
 
 GPT-2 is built by ``transformers`` from a tiny config (no weights) and called as
 ``model(input_ids=ids, labels=labels).loss`` with the library's defaults, the KV cache included (its
@@ -28,7 +28,10 @@ from shardplan.torch import ShardplanWarning, trace
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 
 MODELS = ["hf_gpt2_cache", "moe", "hardswish", "mobilenetv3_block", "zero_extent"]
-WORLD = 8
+# 4 processes, as the other launches of this folder: the checks (every operator described, loss and gradients
+# equal one process's, the planned tiles held, some operator split: 79 of GPT-2's 84) hold on 4 as on 8, and the
+# 8-process launch is tests/torch_hf5's. Measured launch: 8 processes 133.2 CPU s, 4 processes 47.4 CPU s.
+WORLD = 4
 
 
 @pytest.fixture(scope="module")
