@@ -242,7 +242,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     step_floor: Callable[[int], float] | None = None,
                     stage_lower: StageLowerFn | None = None,
                     seeds: int = SEED_EVALUATIONS,
-                    forward_floor: Callable[[int], float] | None = None) -> PipelinePlan | None:
+                    forward_floor: Callable[[int], float] | None = None,
+                    unit_forward: Callable[[int], Sequence[float]] | None = None) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -293,7 +294,11 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 
     ``forward_floor(m)``: a lower bound of the largest forward seconds among the stages of every pipeline at m
     (:meth:`~shardplan.pipeline.stages.ModelStages.forward_floor`); ZB-H1's boxes use it to bound its saving
-    W + Y (docs/pipeline.md, *ZB-H1's boxes*)."""
+    W + Y (docs/pipeline.md, *ZB-H1's boxes*).
+
+    ``unit_forward(m)``: per unit, its forward device-seconds at m
+    (:meth:`~shardplan.pipeline.floors.UnitFloors.forward_units`); with it ZB-H1's part bound counts the fill and
+    drain (:func:`_bubble_bound`; 1F1B's needs only the unit seconds)."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
@@ -397,7 +402,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                                               prefer=seeded[m].num_stages if m in seeded
                                               and seeded[m].step_time < outside else None,
                                               phi=max(0.0, float(forward_floor(m))) if forward_floor is not None
-                                              else 0.0)
+                                              else 0.0,
+                                              forward=unit_forward(m) if unit_forward is not None else None)
                 elif fam == "1f1b":
                     found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
                                              exchange, fit_fn, progress=progress,
@@ -553,10 +559,13 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     elif m > 1 and units is not None and units_known is not None and all(units_known(q) for q in sizes if q <= p):
         ns = p if space.node_size is None or space.node_size >= p else space.node_size
         fam = _one_f_one_b_family_bound({q: units(q) for q in sizes if q <= p}, p, m, ns)
+        # the fill and drain counted, over the pipelines whose stages are all within incumbent / m
+        fam = max(min(fam, incumbent), _bubble_bound({q: units(q) for q in sizes if q <= p}, None, p, m, incumbent,
+                                                     "1f1b", ns))
         stats.setdefault("one_f_one_b_family_bounds", {})[str(m)] = fam  # a JSON key: the plan round-trips
         if hint is not None:
             hint(fam)
-        if fam >= incumbent:
+        if fam >= incumbent * (1 - ZB_TOL):  # (the bounds carry FAMILY_SAFETY: within it, nothing better)
             stats["one_f_one_b_closed_by_units"] = stats.get("one_f_one_b_closed_by_units", 0) + 1
             return None, min(incumbent, fam)
     cost, fitted = pool.plain, pool.fitted
@@ -1373,6 +1382,69 @@ def _one_f_one_b_family_bound(units: dict[int, Sequence[float]], p: int, m: int,
     return min(one, max(more + (m - 1) * t_lo, m * t_lo)) * FAMILY_SAFETY
 
 
+def _capped_sum_cut(weights: dict[int, np.ndarray], limits: dict[int, np.ndarray], cap: float, p: int,
+                    granule: int = 1) -> float:
+    """The least, over cuts of the units into contiguous runs (one or more), run i on q_i devices (q_i a key of
+    ``weights``, sum q_i = p), of sum_i sum_{u in run i} weights[q_i][u], over the cuts whose every run has
+    sum_{u in run} limits[q_i][u] <= cap (within 1e-9 relative: a run is left out only when above it); inf if
+    none. ``granule`` g > 1 (dividing p): devices counted in whole granules as in :func:`_min_sum_cut` (a
+    relaxation: a lower bound of the g = 1 value). A DP over (units covered, granules used), one matrix operation
+    per (first unit, size)."""
+    U = len(next(iter(weights.values())))
+    g = granule if granule > 1 and p % granule == 0 else 1
+    top = p // g
+    wpre = {q: np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float)))) for q, w in weights.items()}
+    lpre = {q: np.concatenate(([0.0], np.cumsum(np.asarray(x, dtype=float)))) for q, x in limits.items()}
+    over = cap * (1 + 1e-9)
+    f = np.full((U + 1, top + 1), np.inf)  # f[u, d]: least sum over cuts of units [0, u) using d granules
+    f[0, 0] = 0.0
+    for u in range(U):
+        row = f[u]
+        if not np.isfinite(row).any():
+            continue
+        for q, pre in wpre.items():
+            t = q // g
+            if t > top:
+                continue
+            ok = (lpre[q][u + 1:] - lpre[q][u]) <= over  # runs [u, b) for b = u + 1 .. U within the cap
+            if not ok.any():
+                continue
+            last = int(np.flatnonzero(ok)[-1]) + 1
+            run = np.where(ok[:last], pre[u + 1:u + 1 + last] - pre[u], np.inf)
+            vals = row[None, : top + 1 - t] + run[:, None]
+            np.minimum(f[u + 1:u + 1 + last, t:], vals, out=f[u + 1:u + 1 + last, t:])
+    return float(f[U, top] if g == 1 else f[U].min())
+
+
+def _bubble_bound(units: dict[int, Sequence[float]], forward: Sequence[float] | None, p: int, m: int,
+                  incumbent: float, schedule: str, granule: int = 1) -> float:
+    """A lower bound of min(incumbent, the family's optimum at m) over every pipeline whose stages are runs of the
+    units on sizes from ``units`` summing to p, counting the fill and drain (docs/pipeline.md, *Bubble bounds*).
+
+    ``units[q][u]``: a lower bound of unit u's share of any stage's seconds on q (a stage takes t_i >= the sum
+    over its units, l_i); ``forward[u]``: unit u's forward device-seconds (a stage's forward f_i >= their sum over
+    q_i). With t_max >= sum_i q_i t_i / p (the sizes sum to p):
+
+    - 1F1B: T >= sum_i t_i + (m - 1) t_max >= sum_i l_i (1 + (m - 1) q_i / p);
+    - ZB-H1 (S <= m): W + Y <= t_j - f_j for every stage j, so sum_i t_i - (S - 1)(W + Y) >= t_j + sum_{i != j}
+      f_i and T >= (m - 1) t_max + sum_i f_i >= sum_i ((m - 1) q_i l_i / p + F_i / q_i).
+
+    Both are sums over units: the least over cuts whose every stage has l_i <= incumbent / m
+    (:func:`_capped_sum_cut`); a pipeline with a larger stage takes T >= m t_max > incumbent."""
+    if not math.isfinite(incumbent) or not units:
+        return incumbent
+    cap = incumbent / m
+    lim = {q: np.asarray(w, dtype=float) for q, w in units.items()}
+    if schedule == "zb-h1":
+        if forward is None:
+            return 0.0
+        fw = np.asarray(forward, dtype=float)
+        weights = {q: (m - 1) * q * w / p + fw / q for q, w in lim.items()}
+    else:
+        weights = {q: w * (1 + (m - 1) * q / p) for q, w in lim.items()}
+    return min(incumbent, _capped_sum_cut(weights, lim, cap, p, granule) * FAMILY_SAFETY)
+
+
 def _zb_family_bound(units: dict[int, Sequence[float]], p: int, stages: int, m: int) -> float:
     """A lower bound of ZB-H1's step over every cut of the units into ``stages`` stages on sub-meshes from
     ``units``' sizes: ``m`` times the least bottleneck :func:`_minmax_cut` (module docstring, *Family bounds*)."""
@@ -1395,7 +1467,8 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                   first_stages: int = 1, progress: Progress | None = None,
                   hint: Callable[[float], None] | None = None,
                   stage_lower: StageLowerFn | None = None,
-                  prefer: int | None = None, phi: float = 0.0) -> tuple[PipelinePlan | None, float]:
+                  prefer: int | None = None, phi: float = 0.0,
+                  forward: Sequence[float] | None = None) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count ``first_stages`` <= S <= m
     (module docstring,
     *ZB-H1*) if below ``incumbent``, and a proven lower bound of it: each stage count whose family bound
@@ -1405,7 +1478,9 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
     the counts of m B_0; 0 when the stand-ins are found void): what the part has proven if it is interrupted.
     ``prefer``: a stage count searched first (the best seed's), the others in increasing order; each count's
     search is exact given the best plan so far, so the order changes only how much is solved. ``phi``: a lower
-    bound of the largest forward seconds among the stages of every pipeline at m (0: none known)."""
+    bound of the largest forward seconds among the stages of every pipeline at m (0: none known). ``forward``:
+    per unit, its forward device-seconds at m: the part is then first bounded with its fill and drain
+    (:func:`_bubble_bound`) and closed when that reaches ``incumbent``."""
     U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
     budget = math.inf if space.budget is None else space.budget
@@ -1429,8 +1504,19 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
         ns = p if space.node_size is None or space.node_size >= p else space.node_size
         cut = _minmax_cuts({q: units(q) for q in family_sizes(0)}, p, counts, granule=ns) if counts else {}
         floors = {n: cut[n] * FAMILY_SAFETY for n in counts}
+    part_floor = min((m * f for f in floors.values()), default=math.inf)
+    if forward is not None and math.isfinite(incumbent) and first_stages <= s_max:
+        ns = p if space.node_size is None or space.node_size >= p else space.node_size
+        bubble = _bubble_bound({q: units(q) for q in sizes if q <= p}, forward, p, m, incumbent, "zb-h1", ns)
+        stats.setdefault("zb_bubble_bounds", {})[str(m)] = bubble  # a JSON key: the plan round-trips
+        part_floor = max(min(part_floor, incumbent), bubble)
+        if bubble >= incumbent * (1 - ZB_TOL):
+            if hint is not None:
+                hint(part_floor)
+            stats["zb_closed_by_bubble"] = stats.get("zb_closed_by_bubble", 0) + 1
+            return None, min(incumbent, part_floor)
     if hint is not None:
-        hint(min((m * f for f in floors.values()), default=math.inf))
+        hint(part_floor)
     best: PipelinePlan | None = None
 
     def best_t() -> float:
