@@ -1416,6 +1416,79 @@ def _capped_sum_cut(weights: dict[int, np.ndarray], limits: dict[int, np.ndarray
     return float(f[U, top] if g == 1 else f[U].min())
 
 
+def _capped_sum_cuts(weights: dict[int, np.ndarray], limits: dict[int, np.ndarray], cap: float, p: int,
+                     counts: Sequence[int], granule: int = 1) -> dict[int, float]:
+    """:func:`_capped_sum_cut` for cuts into exactly n runs, for every n in ``counts`` (inf where none): the same
+    DP with a layer per run placed."""
+    out = {n: math.inf for n in counts}
+    if not counts:
+        return out
+    U = len(next(iter(weights.values())))
+    g = granule if granule > 1 and p % granule == 0 else 1
+    top = p // g
+    wpre = {q: np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float)))) for q, w in weights.items()}
+    lpre = {q: np.concatenate(([0.0], np.cumsum(np.asarray(x, dtype=float)))) for q, x in limits.items()}
+    over = cap * (1 + 1e-9)
+    runs: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # (first unit, size) -> (its runs, their weights)
+    for q, pre in wpre.items():
+        for u in range(U):
+            ok = (lpre[q][u + 1:] - lpre[q][u]) <= over
+            if ok.any():
+                last = int(np.flatnonzero(ok)[-1]) + 1
+                runs[(u, q)] = (last, np.where(ok[:last], pre[u + 1:u + 1 + last] - pre[u], np.inf))
+    f = np.full((U + 1, top + 1), np.inf)
+    f[0, 0] = 0.0
+    for n in range(1, min(max(counts), U) + 1):
+        nxt = np.full((U + 1, top + 1), np.inf)
+        for u in np.flatnonzero(np.isfinite(f).any(axis=1)):
+            if u >= U:
+                continue
+            row = f[u]
+            for q in wpre:
+                t = q // g
+                got = runs.get((int(u), q))
+                if got is None or t > top:
+                    continue
+                last, run = got
+                vals = row[None, : top + 1 - t] + run[:, None]
+                np.minimum(nxt[u + 1:u + 1 + last, t:], vals, out=nxt[u + 1:u + 1 + last, t:])
+        f = nxt
+        if n in out:
+            out[n] = float(f[U, top] if g == 1 else f[U].min())
+        if not np.isfinite(f).any():
+            break
+    return out
+
+
+def _zb_bubble_weights(units: dict[int, Sequence[float]], forward: Sequence[float], p: int,
+                       m: int) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """ZB-H1's per-unit weights (m - 1) q l_q(u) / p + F_u / q and limits l_q(u) (:func:`_bubble_bound`)."""
+    lim = {q: np.asarray(w, dtype=float) for q, w in units.items()}
+    fw = np.asarray(forward, dtype=float)
+    return {q: (m - 1) * q * w / p + fw / q for q, w in lim.items()}, lim
+
+
+def _zb_bubble_counts(units: dict[int, Sequence[float]], forward: Sequence[float], p: int, m: int,
+                      incumbent: float, counts: Sequence[int], granule: int = 1,
+                      bottleneck: dict[int, float] | None = None) -> dict[int, float]:
+    """Per stage count n: a lower bound of min(incumbent, the n-stage ZB-H1 optimum at m) that counts the fill
+    and drain (docs/pipeline.md, *Bubble bounds*): every n-stage pipeline within the cap (every l_i <= incumbent
+    / m) has T >= (m - 1) t_max + sum_i F_i / q_i with t_max at least both the device-weighted mean of the l_i
+    and ``bottleneck[n]`` (the least largest l_i over n-stage cuts, :func:`_minmax_cuts`), so T is at least the
+    least sum_i ((m - 1) q_i l_i / p + F_i / q_i) and at least (m - 1) bottleneck[n] + the least sum_i F_i / q_i,
+    each over the n-stage cuts within the cap (:func:`_capped_sum_cuts`)."""
+    if not math.isfinite(incumbent) or not units:
+        return {n: incumbent for n in counts}
+    weights, lim = _zb_bubble_weights(units, forward, p, m)
+    cap = incumbent / m
+    got = _capped_sum_cuts(weights, lim, cap, p, counts, granule)
+    if bottleneck:
+        fw = np.asarray(forward, dtype=float)
+        fill = _capped_sum_cuts({q: fw / q for q in lim}, lim, cap, p, counts, granule)
+        got = {n: max(v, (m - 1) * bottleneck.get(n, 0.0) + fill[n]) for n, v in got.items()}
+    return {n: min(incumbent, v * FAMILY_SAFETY) for n, v in got.items()}
+
+
 def _bubble_bound(units: dict[int, Sequence[float]], forward: Sequence[float] | None, p: int, m: int,
                   incumbent: float, schedule: str, granule: int = 1) -> float:
     """A lower bound of min(incumbent, the family's optimum at m) over every pipeline whose stages are runs of the
@@ -1438,8 +1511,7 @@ def _bubble_bound(units: dict[int, Sequence[float]], forward: Sequence[float] | 
     if schedule == "zb-h1":
         if forward is None:
             return 0.0
-        fw = np.asarray(forward, dtype=float)
-        weights = {q: (m - 1) * q * w / p + fw / q for q, w in lim.items()}
+        weights, lim = _zb_bubble_weights(units, forward, p, m)
     else:
         weights = {q: w * (1 + (m - 1) * q / p) for q, w in lim.items()}
     return min(incumbent, _capped_sum_cut(weights, lim, cap, p, granule) * FAMILY_SAFETY)
@@ -1504,19 +1576,18 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
         ns = p if space.node_size is None or space.node_size >= p else space.node_size
         cut = _minmax_cuts({q: units(q) for q in family_sizes(0)}, p, counts, granule=ns) if counts else {}
         floors = {n: cut[n] * FAMILY_SAFETY for n in counts}
-    part_floor = min((m * f for f in floors.values()), default=math.inf)
-    if forward is not None and math.isfinite(incumbent) and first_stages <= s_max:
+    # per count, a lower bound of min(incumbent, its optimum): m B_0, raised by the fill and drain
+    count_lb = {n: m * f for n, f in floors.items()}
+    if forward is not None and math.isfinite(incumbent) and floors:
         ns = p if space.node_size is None or space.node_size >= p else space.node_size
-        bubble = _bubble_bound({q: units(q) for q in sizes if q <= p}, forward, p, m, incumbent, "zb-h1", ns)
-        stats.setdefault("zb_bubble_bounds", {})[str(m)] = bubble  # a JSON key: the plan round-trips
-        part_floor = max(min(part_floor, incumbent), bubble)
-        if bubble >= incumbent * (1 - ZB_TOL):
-            if hint is not None:
-                hint(part_floor)
-            stats["zb_closed_by_bubble"] = stats.get("zb_closed_by_bubble", 0) + 1
-            return None, min(incumbent, part_floor)
+        bubble = _zb_bubble_counts({q: units(q) for q in sizes if q <= p}, forward, p, m, incumbent, list(floors),
+                                   ns, {n: f / FAMILY_SAFETY for n, f in floors.items() if math.isfinite(f)})
+        count_lb = {n: max(min(v, incumbent), bubble[n]) for n, v in count_lb.items()}
+        stats.setdefault("zb_bubble_bounds", {})[str(m)] = min(count_lb.values())  # a JSON key: the plan round-trips
+        stats["zb_closed_by_bubble"] = stats.get("zb_closed_by_bubble", 0) + sum(
+            m * floors[n] < incumbent * (1 - ZB_TOL) <= bubble[n] for n in floors)
     if hint is not None:
-        hint(part_floor)
+        hint(min(count_lb.values(), default=math.inf))
     best: PipelinePlan | None = None
 
     def best_t() -> float:
@@ -1531,12 +1602,13 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
             if prefer in floors:
                 counts = [prefer] + [n for n in counts if n != prefer]
             for n in counts:
-                if m * floors[n] >= best_t():
+                if count_lb[n] >= best_t() * (1 - ZB_TOL):
                     stats["zb_pruned"] = stats.get("zb_pruned", 0) + 1
-                    lower = min(lower, m * floors[n])
+                    lower = min(lower, count_lb[n])
                     continue
                 found, lb = _zb_branch_and_bound(pool, space, n, p // n if space.uniform else None, m, link_fn,
-                                                 exchange, floors[n], best_t(), stats, progress, phi)
+                                                 exchange, floors[n], best_t(), stats, progress, phi,
+                                                 start=count_lb[n])
                 lower = min(lower, lb)
                 if found is not None and found.step_time < best_t():
                     best = found
@@ -1545,6 +1617,7 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
             # a memory-constrained solve came out below its time-optimal stage: the stand-ins and the family
             # bounds (which rest on the same order) are void; every stage count again, eagerly, without them
             floors = {n: 0.0 if math.isfinite(v) else v for n, v in floors.items()}
+            count_lb = {n: m * f for n, f in floors.items()}
             if hint is not None:
                 hint(0.0)
     return best, pool.rho() * lower
@@ -1813,12 +1886,14 @@ ZB_TOL = 1e-12  # a box whose lower bound is within this relative distance of th
 def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, m: int,
                          link_fn: LinkFn, exchange: ExchangeFn | None, floor: float, incumbent: float,
                          stats: dict, progress: Progress | None = None,
-                         phi: float = 0.0) -> tuple[PipelinePlan | None, float]:
+                         phi: float = 0.0, start: float = 0.0) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum over every cut and sub-mesh sequence of n stages at m >= n, if below ``incumbent``
     (module docstring, *ZB-H1*): branch and bound over boxes of (M, W, Y) = (the largest stage or transfer time,
     the least W, the least Y). Returns the best plan found (None: none below ``incumbent``) and the least value
     the search proved for the family: min(incumbent, best) (1 - ZB_TOL). ``phi``: a lower bound of the largest
-    forward seconds among the stages of every pipeline (docs/pipeline.md, *ZB-H1's boxes*)."""
+    forward seconds among the stages of every pipeline (docs/pipeline.md, *ZB-H1's boxes*). ``start``: a lower
+    bound of min(incumbent, every n-stage pipeline's step), the first box's (the fill and drain counted:
+    :func:`_zb_bubble_counts`); every box inherits its parent's bound."""
     best: PipelinePlan | None = None
     inc = incumbent
 
@@ -1827,7 +1902,7 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
 
     tick = 0
     heap: list[tuple[float, int, tuple[float, float, float, float, float, float]]] = [
-        (m * floor, tick, (floor, math.inf, 0.0, math.inf, 0.0, math.inf))]
+        (max(m * floor, start), tick, (floor, math.inf, 0.0, math.inf, 0.0, math.inf))]
     # each DP's answer by (its bound on M, its floors on W and Y), with the cap it ran under
     answers: dict[tuple[float, float, float], tuple[float, tuple[float, list] | None]] = {}
     while heap:
