@@ -13,18 +13,20 @@ import numpy as np
 import pytest
 
 from shardplan.pipeline import PipelineSpace
-from shardplan.pipeline.search import (_bubble_bound, _capped_sum_cut, _minmax_cuts, _one_f_one_b_family_bound,
-                                       brute_force_pipeline, evaluate_pipeline, search_pipeline)
+from shardplan.pipeline.search import (_bubble_bound, _capped_sum_cut, _capped_sum_cuts, _minmax_cuts,
+                                       _one_f_one_b_family_bound, _zb_bubble_counts, brute_force_pipeline,
+                                       evaluate_pipeline, search_pipeline)
 from tests.pipeline.test_pipeline_family import _brute_zb, _instance, _tilings
 
 SIZES = (1, 2, 4, 8)
 
 
-def _enumerate_capped(weights, limits, cap, p):
-    """The least sum of run weights over every cut into runs on sizes summing to p whose every run is within cap."""
+def _enumerate_capped(weights, limits, cap, p, counts=None):
+    """The least sum of run weights over every cut into runs (``counts``: only into that many) on sizes summing
+    to p whose every run is within cap."""
     U = len(next(iter(weights.values())))
     best = math.inf
-    for n in range(1, U + 1):
+    for n in range(1, U + 1) if counts is None else counts:
         for cuts in itertools.combinations(range(1, U), n - 1):
             b = (0, *cuts, U)
             for qs in itertools.product(list(weights), repeat=n):
@@ -49,6 +51,13 @@ def test_capped_sum_cut_equals_enumeration(seed):
         got = _capped_sum_cut(weights, limits, cap, p)
         assert got == pytest.approx(want, rel=1e-12) if math.isfinite(want) else got == math.inf
         assert _capped_sum_cut(weights, limits, cap, p, granule=4) <= got * (1 + 1e-12)
+        per = _capped_sum_cuts(weights, limits, cap, p, range(1, U + 1))
+        node = _capped_sum_cuts(weights, limits, cap, p, range(1, U + 1), granule=4)
+        for n in range(1, U + 1):
+            want_n = _enumerate_capped(weights, limits, cap, p, (n,))
+            assert per[n] == pytest.approx(want_n, rel=1e-12) if math.isfinite(want_n) else per[n] == math.inf
+            assert node[n] <= per[n] * (1 + 1e-12)
+        assert min(per.values()) == got
 
 
 def _pipelines(space, stage_fn, link_fn, fit_fn, schedule):
@@ -75,10 +84,11 @@ def _forward_units(seed: int, U: int):
 
 
 def _check_bubble_bounds(seed: int) -> int:
-    """At every m and every stage count S, the 1F1B and ZB-H1 bubble bounds, for incumbents below, at and above
-    the optimum, are at most min(incumbent, the family's exact optimum at (S, m)); what the search states with
-    them (the larger of them and the old family bound, each against the incumbent) is at least the old bound.
-    Returns in how many (family, m, incumbent) the bubble bound is strictly above the old one."""
+    """At every m and every stage count S, the 1F1B and ZB-H1 bubble bounds (the part's, and ZB-H1's per count),
+    for incumbents below, at and above the optimum, are at most min(incumbent, the family's exact optimum at
+    (S, m)); what the search states with them (the larger of them and the old family bound, each against the
+    incumbent) is at least the old bound. Returns in how many cases a bubble bound is strictly above the old
+    one."""
     U, p = 5, 8
     stage_fn, fit_fn, link_fn, lower = _instance(seed, U, p, eff_low=0.3, with_lower=True)
     space = PipelineSpace(U, p, 4, micro_batches=(2, 4, 8), budget=[None, 4.0][seed % 2])
@@ -101,6 +111,15 @@ def _check_bubble_bounds(seed: int) -> int:
                 old = min(m * v for v in cuts.values())
             else:
                 old = _one_f_one_b_family_bound(units, p, m, ns)
+            if schedule == "zb-h1":
+                counts = range(1, min(U, m) + 1)
+                b0 = _minmax_cuts(units, p, counts, granule=ns)
+                for inc in (0.8 * opt, opt, 1.3 * opt, 3 * opt):
+                    per = _zb_bubble_counts(units, forward(m), p, m, inc, counts, ns, b0)
+                    for n in counts:
+                        stated = max(min(m * b0[n], inc), per[n])  # what the search takes for count n
+                        assert stated <= min(inc, exact.get((m, n), math.inf)) * (1 + 1e-12), (m, n, inc)
+                        raised += per[n] > min(m * b0[n], inc) * (1 + 1e-9)
             for inc in (0.8 * opt, opt, 1.3 * opt, 3 * opt):
                 new = _bubble_bound(units, forward(m) if schedule == "zb-h1" else None, p, m, inc, schedule, ns)
                 for (mm, n), v in exact.items():
