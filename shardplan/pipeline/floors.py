@@ -196,7 +196,7 @@ class UnitFloors:
     def forward_units(self, m: int) -> list[float]:
         """Per unit u: its operators' forward device-seconds at m (:meth:`~shardplan.pipeline.stages.ModelStages.
         device_seconds` with ``forward``), so that any stage on q devices holding u spends at least this over q of
-        its forward seconds on u (docs/pipeline.md, *ZB-H1's boxes*; the bubble bounds, *Family bounds*)."""
+        its forward seconds on u (docs/pipeline.md, *ZB-H1's boxes*, *Bubble bounds*)."""
         got = self._fwd.get(m)
         if got is None:
             _, units, sigs = self.stages.graph(m)

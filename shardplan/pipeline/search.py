@@ -297,8 +297,9 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     W + Y (docs/pipeline.md, *ZB-H1's boxes*).
 
     ``unit_forward(m)``: per unit, its forward device-seconds at m
-    (:meth:`~shardplan.pipeline.floors.UnitFloors.forward_units`); with it ZB-H1's part bound counts the fill and
-    drain (:func:`_bubble_bound`; 1F1B's needs only the unit seconds)."""
+    (:meth:`~shardplan.pipeline.floors.UnitFloors.forward_units`); with it ZB-H1's stage counts are bounded with
+    their fill and drain (:func:`_zb_bubble_counts`; 1F1B's bound, :func:`_bubble_bound`, needs only the unit
+    seconds; docs/pipeline.md, *Bubble bounds*)."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
