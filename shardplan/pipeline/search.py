@@ -1383,82 +1383,94 @@ def _one_f_one_b_family_bound(units: dict[int, Sequence[float]], p: int, m: int,
     return min(one, max(more + (m - 1) * t_lo, m * t_lo)) * FAMILY_SAFETY
 
 
-def _capped_sum_cut(weights: dict[int, np.ndarray], limits: dict[int, np.ndarray], cap: float, p: int,
-                    granule: int = 1) -> float:
-    """The least, over cuts of the units into contiguous runs (one or more), run i on q_i devices (q_i a key of
-    ``weights``, sum q_i = p), of sum_i sum_{u in run i} weights[q_i][u], over the cuts whose every run has
-    sum_{u in run} limits[q_i][u] <= cap (within 1e-9 relative: a run is left out only when above it); inf if
-    none. ``granule`` g > 1 (dividing p): devices counted in whole granules as in :func:`_min_sum_cut` (a
-    relaxation: a lower bound of the g = 1 value). A DP over (units covered, granules used), one matrix operation
-    per (first unit, size)."""
+CUT_GRANULES = 128  # the capped cut DPs count devices in at most this many granules (coarser: a relaxation)
+
+
+def _run_tables(weights: dict[int, np.ndarray], limits: dict[int, np.ndarray], cap: float, p: int,
+                granule: int) -> tuple[int, dict[int, list[tuple[int, np.ndarray]]]]:
+    """The runs of the capped cut DPs, by granules taken: (granules in all, {t: per first unit u, (how many runs
+    start there, their least weight over the sizes q with floor(q / g) = t whose run is within the cap)}).
+
+    g is ``granule`` (1: devices counted one by one), made coarser (a multiple of it) until p / g is at most
+    :data:`CUT_GRANULES`. Every cut whose sizes sum to p has sum_i floor(q_i / g) <= floor(p / g), so the runs may
+    take at most that many granules in all, and fewer: a relaxation of the cuts (exact for g = 1, where they must
+    take p)."""
     U = len(next(iter(weights.values())))
-    g = granule if granule > 1 and p % granule == 0 else 1
+    g = max(1, granule)
+    while p // g > CUT_GRANULES:
+        g *= 2
     top = p // g
-    wpre = {q: np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float)))) for q, w in weights.items()}
-    lpre = {q: np.concatenate(([0.0], np.cumsum(np.asarray(x, dtype=float)))) for q, x in limits.items()}
     over = cap * (1 + 1e-9)
-    f = np.full((U + 1, top + 1), np.inf)  # f[u, d]: least sum over cuts of units [0, u) using d granules
-    f[0, 0] = 0.0
-    for u in range(U):
-        row = f[u]
-        if not np.isfinite(row).any():
+    groups: dict[int, np.ndarray] = {}
+    for q, w in weights.items():
+        t = q // g
+        if t > top:
             continue
-        for q, pre in wpre.items():
-            t = q // g
-            if t > top:
-                continue
-            ok = (lpre[q][u + 1:] - lpre[q][u]) <= over  # runs [u, b) for b = u + 1 .. U within the cap
-            if not ok.any():
-                continue
-            last = int(np.flatnonzero(ok)[-1]) + 1
-            run = np.where(ok[:last], pre[u + 1:u + 1 + last] - pre[u], np.inf)
-            vals = row[None, : top + 1 - t] + run[:, None]
-            np.minimum(f[u + 1:u + 1 + last, t:], vals, out=f[u + 1:u + 1 + last, t:])
-    return float(f[U, top] if g == 1 else f[U].min())
+        wpre = np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float))))
+        lpre = np.concatenate(([0.0], np.cumsum(np.asarray(limits[q], dtype=float))))
+        mat = np.where(lpre[None, :] - lpre[:, None] <= over, wpre[None, :] - wpre[:, None], np.inf)
+        mat[np.tril_indices(U + 1)] = np.inf  # [u, b): b > u only
+        got = groups.get(t)
+        groups[t] = mat if got is None else np.minimum(got, mat)
+    tables: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for t, mat in groups.items():
+        rows = []
+        for u in range(U):
+            fin = np.flatnonzero(np.isfinite(mat[u, u + 1:]))
+            last = int(fin[-1]) + 1 if fin.size else 0
+            rows.append((last, mat[u, u + 1:u + 1 + last]))
+        tables[t] = rows
+    return top, tables
 
 
 def _capped_sum_cuts(weights: dict[int, np.ndarray], limits: dict[int, np.ndarray], cap: float, p: int,
-                     counts: Sequence[int], granule: int = 1) -> dict[int, float]:
-    """:func:`_capped_sum_cut` for cuts into exactly n runs, for every n in ``counts`` (inf where none): the same
-    DP with a layer per run placed."""
-    out = {n: math.inf for n in counts}
-    if not counts:
-        return out
+                     counts: Sequence[int] | None = None, granule: int = 1) -> dict[int, float]:
+    """The least, over cuts of the units into contiguous runs, run i on q_i devices (q_i a key of ``weights``, sum
+    q_i = p), of sum_i sum_{u in run i} weights[q_i][u], over the cuts whose every run has sum_{u in run}
+    limits[q_i][u] <= cap (within 1e-9 relative: a run is left out only when above it); per run count n in
+    ``counts`` (inf where none), or with ``counts`` None over every count (key 0). ``granule`` g > 1: devices
+    counted in whole granules as in :func:`_min_sum_cut`, coarser past :data:`CUT_GRANULES` (:func:`_run_tables`:
+    a relaxation, a lower bound of the g = 1 value). A DP over (units covered, granules used), a layer per run
+    placed when counting, one vector operation per (first unit, granules taken)."""
     U = len(next(iter(weights.values())))
-    g = granule if granule > 1 and p % granule == 0 else 1
-    top = p // g
-    wpre = {q: np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float)))) for q, w in weights.items()}
-    lpre = {q: np.concatenate(([0.0], np.cumsum(np.asarray(x, dtype=float)))) for q, x in limits.items()}
-    over = cap * (1 + 1e-9)
-    runs: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # (first unit, size) -> (its runs, their weights)
-    for q, pre in wpre.items():
-        for u in range(U):
-            ok = (lpre[q][u + 1:] - lpre[q][u]) <= over
-            if ok.any():
-                last = int(np.flatnonzero(ok)[-1]) + 1
-                runs[(u, q)] = (last, np.where(ok[:last], pre[u + 1:u + 1 + last] - pre[u], np.inf))
-    f = np.full((U + 1, top + 1), np.inf)
-    f[0, 0] = 0.0
-    for n in range(1, min(max(counts), U) + 1):
-        nxt = np.full((U + 1, top + 1), np.inf)
-        for u in np.flatnonzero(np.isfinite(f).any(axis=1)):
-            if u >= U:
-                continue
+    top, tables = _run_tables(weights, limits, cap, p, granule)
+    exact = top == p  # devices one by one: the sizes must sum to p
+
+    def step(f: np.ndarray, into: np.ndarray) -> None:
+        for u in range(U):  # (in place, f is into: row u is final when it is read, runs only move forward)
             row = f[u]
-            for q in wpre:
-                t = q // g
-                got = runs.get((int(u), q))
-                if got is None or t > top:
-                    continue
-                last, run = got
-                vals = row[None, : top + 1 - t] + run[:, None]
-                np.minimum(nxt[u + 1:u + 1 + last, t:], vals, out=nxt[u + 1:u + 1 + last, t:])
+            if not np.isfinite(row).any():
+                continue
+            for t, rows in tables.items():
+                last, run = rows[u]
+                if last:
+                    vals = row[None, : top + 1 - t] + run[:, None]
+                    np.minimum(into[u + 1:u + 1 + last, t:], vals, out=into[u + 1:u + 1 + last, t:])
+
+    def value(f: np.ndarray) -> float:
+        return float(f[U, top] if exact else f[U].min())
+
+    f = np.full((U + 1, top + 1), np.inf)  # f[u, d]: least sum over cuts of units [0, u) using d granules
+    f[0, 0] = 0.0
+    if counts is None:
+        step(f, f)
+        return {0: value(f)}
+    out = {n: math.inf for n in counts}
+    for n in range(1, min(max(counts, default=0), U) + 1):
+        nxt = np.full((U + 1, top + 1), np.inf)
+        step(f, nxt)
         f = nxt
         if n in out:
-            out[n] = float(f[U, top] if g == 1 else f[U].min())
+            out[n] = value(f)
         if not np.isfinite(f).any():
             break
     return out
+
+
+def _capped_sum_cut(weights: dict[int, np.ndarray], limits: dict[int, np.ndarray], cap: float, p: int,
+                    granule: int = 1) -> float:
+    """:func:`_capped_sum_cuts` over every run count (one or more)."""
+    return _capped_sum_cuts(weights, limits, cap, p, None, granule)[0]
 
 
 def _zb_bubble_weights(units: dict[int, Sequence[float]], forward: Sequence[float], p: int,
@@ -1477,9 +1489,9 @@ def _zb_bubble_counts(units: dict[int, Sequence[float]], forward: Sequence[float
     / m) has T >= (m - 1) t_max + sum_i F_i / q_i with t_max at least both the device-weighted mean of the l_i
     and ``bottleneck[n]`` (the least largest l_i over n-stage cuts, :func:`_minmax_cuts`), so T is at least the
     least sum_i ((m - 1) q_i l_i / p + F_i / q_i) and at least (m - 1) bottleneck[n] + the least sum_i F_i / q_i,
-    each over the n-stage cuts within the cap (:func:`_capped_sum_cuts`)."""
-    if not math.isfinite(incumbent) or not units:
-        return {n: incumbent for n in counts}
+    each over the n-stage cuts within the cap (:func:`_capped_sum_cuts`; no incumbent: every cut)."""
+    if not units:
+        return {n: 0.0 for n in counts}
     weights, lim = _zb_bubble_weights(units, forward, p, m)
     cap = incumbent / m
     got = _capped_sum_cuts(weights, lim, cap, p, counts, granule)
@@ -1504,9 +1516,10 @@ def _bubble_bound(units: dict[int, Sequence[float]], forward: Sequence[float] | 
       f_i and T >= (m - 1) t_max + sum_i f_i >= sum_i ((m - 1) q_i l_i / p + F_i / q_i).
 
     Both are sums over units: the least over cuts whose every stage has l_i <= incumbent / m
-    (:func:`_capped_sum_cut`); a pipeline with a larger stage takes T >= m t_max > incumbent."""
-    if not math.isfinite(incumbent) or not units:
-        return incumbent
+    (:func:`_capped_sum_cut`); a pipeline with a larger stage takes T >= m t_max > incumbent. With no incumbent
+    (inf) the least is over every cut: a lower bound of the optimum itself."""
+    if not units:
+        return 0.0
     cap = incumbent / m
     lim = {q: np.asarray(w, dtype=float) for q, w in units.items()}
     if schedule == "zb-h1":

@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from shardplan.pipeline import PipelineSpace
+from shardplan.pipeline import PipelineSpace, search
 from shardplan.pipeline.search import (_bubble_bound, _capped_sum_cut, _capped_sum_cuts, _minmax_cuts,
                                        _one_f_one_b_family_bound, _zb_bubble_counts, brute_force_pipeline,
                                        evaluate_pipeline, search_pipeline)
@@ -40,7 +40,7 @@ def _enumerate_capped(weights, limits, cap, p, counts=None):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_capped_sum_cut_equals_enumeration(seed):
+def test_capped_sum_cut_equals_enumeration(seed, monkeypatch):
     """g = 1: the DP's value is the enumerated least sum within the cap; g = 4 (whole nodes): at most it."""
     rng = np.random.default_rng(seed)
     U, p = 5, 8
@@ -58,6 +58,14 @@ def test_capped_sum_cut_equals_enumeration(seed):
             assert per[n] == pytest.approx(want_n, rel=1e-12) if math.isfinite(want_n) else per[n] == math.inf
             assert node[n] <= per[n] * (1 + 1e-12)
         assert min(per.values()) == got
+    # fewer granules than p / g (the DP's cap on its width): coarser, a relaxation, never above the exact value
+    monkeypatch.setattr(search, "CUT_GRANULES", 2)
+    for cap in (0.8, 1.5, math.inf):
+        exact = _enumerate_capped(weights, limits, cap, p)
+        assert _capped_sum_cut(weights, limits, cap, p) <= exact * (1 + 1e-12)
+        coarse = _capped_sum_cuts(weights, limits, cap, p, range(1, U + 1))
+        for n in range(1, U + 1):
+            assert coarse[n] <= _enumerate_capped(weights, limits, cap, p, (n,)) * (1 + 1e-12)
 
 
 def _pipelines(space, stage_fn, link_fn, fit_fn, schedule):
@@ -114,13 +122,13 @@ def _check_bubble_bounds(seed: int) -> int:
             if schedule == "zb-h1":
                 counts = range(1, min(U, m) + 1)
                 b0 = _minmax_cuts(units, p, counts, granule=ns)
-                for inc in (0.8 * opt, opt, 1.3 * opt, 3 * opt):
+                for inc in (0.8 * opt, opt, 1.3 * opt, 3 * opt, math.inf):
                     per = _zb_bubble_counts(units, forward(m), p, m, inc, counts, ns, b0)
                     for n in counts:
                         stated = max(min(m * b0[n], inc), per[n])  # what the search takes for count n
                         assert stated <= min(inc, exact.get((m, n), math.inf)) * (1 + 1e-12), (m, n, inc)
                         raised += per[n] > min(m * b0[n], inc) * (1 + 1e-9)
-            for inc in (0.8 * opt, opt, 1.3 * opt, 3 * opt):
+            for inc in (0.8 * opt, opt, 1.3 * opt, 3 * opt, math.inf):
                 new = _bubble_bound(units, forward(m) if schedule == "zb-h1" else None, p, m, inc, schedule, ns)
                 for (mm, n), v in exact.items():
                     if mm == m:
@@ -145,7 +153,7 @@ def test_bubble_bounds_strictly_tighter_somewhere():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_search_with_bubble_bounds_equals_brute_force(seed):
-    """1F1B with ZB-H1 and ZB-H1 alone with the bubble bounds (``unit_forward``): brute force's optimum, a stated
+    """1F1B alone (no incumbent: the bound over every cut), with ZB-H1, and ZB-H1 alone with the bubble bounds (``unit_forward``): brute force's optimum, a stated
     bound at most it; with the optimum as the incumbent from outside, no plan and a bound within 1e-9 of it."""
     from shardplan.pipeline.progress import Progress
 
@@ -155,8 +163,9 @@ def test_search_with_bubble_bounds_equals_brute_force(seed):
                           uniform=seed % 4 == 3)
     zb = _brute_zb(space, stage_fn, link_fn, fit_fn)
     one = brute_force_pipeline(space, stage_fn, link_fn, fit_fn=fit_fn).step_time
-    for schedules in (("zb-h1",), ("1f1b", "zb-h1")):
-        want = min(v for (m, n), v in zb.items() if n > 1 or schedules == ("zb-h1",))
+    for schedules in (("zb-h1",), ("1f1b",), ("1f1b", "zb-h1")):
+        want = min(v for (m, n), v in zb.items() if n > 1 or schedules == ("zb-h1",)) if "zb-h1" in schedules \
+            else math.inf
         if "1f1b" in schedules:
             want = min(want, one)
         kw = dict(schedules=schedules, fit_fn=fit_fn, stage_lower=lower, seeds=0, unit_forward=_forward_units(seed, U))
