@@ -153,8 +153,9 @@ def test_bubble_bounds_strictly_tighter_somewhere():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_search_with_bubble_bounds_equals_brute_force(seed):
-    """1F1B alone (no incumbent: the bound over every cut), with ZB-H1, and ZB-H1 alone with the bubble bounds (``unit_forward``): brute force's optimum, a stated
-    bound at most it; with the optimum as the incumbent from outside, no plan and a bound within 1e-9 of it."""
+    """1F1B alone (no incumbent: the bound over every cut), with ZB-H1, and ZB-H1 alone with the bubble bounds
+    (``unit_forward``): brute force's optimum, a stated bound at most it; with the optimum as the incumbent from
+    outside, no plan and a bound within 1e-9 of it."""
     from shardplan.pipeline.progress import Progress
 
     U, p = 6, 8
