@@ -37,6 +37,7 @@ class UnitFloors:
         self.stages = stages
         self._pre: dict[tuple[int, int], np.ndarray] = {}
         self._pre_list: dict[tuple[int, int], list[float]] = {}  # the same prefix sums as Python floats
+        self._fwd: dict[int, list[float]] = {}
         self._ops: dict[tuple, float] = {}
         # the layouts of an operator by what they depend on (its dim names and configurations, the sub-mesh's
         # levels, the options): operators of different micro-batch sizes often share them (_arrays_of)
@@ -191,6 +192,22 @@ class UnitFloors:
                 vals.append(kinds[sigs[u]])
             pre = self._pre[key] = np.concatenate(([0.0], np.cumsum(vals)))
         return pre
+
+    def forward_units(self, m: int) -> list[float]:
+        """Per unit u: its operators' forward device-seconds at m (:meth:`~shardplan.pipeline.stages.ModelStages.
+        device_seconds` with ``forward``), so that any stage on q devices holding u spends at least this over q of
+        its forward seconds on u (docs/pipeline.md, *ZB-H1's boxes*, *Bubble bounds*)."""
+        got = self._fwd.get(m)
+        if got is None:
+            _, units, sigs = self.stages.graph(m)
+            kinds: dict[int, float] = {}
+            got = []
+            for u in range(len(units)):
+                if sigs[u] not in kinds:
+                    kinds[sigs[u]] = self.stages.device_seconds(m, u, u + 1, forward=True)
+                got.append(kinds[sigs[u]])
+            self._fwd[m] = got
+        return got
 
     def unit(self, q: int, m: int) -> list[float]:
         """Per unit u: a lower bound of the seconds of any stage on q devices at m that holds only u."""

@@ -242,7 +242,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     step_floor: Callable[[int], float] | None = None,
                     stage_lower: StageLowerFn | None = None,
                     seeds: int = SEED_EVALUATIONS,
-                    forward_floor: Callable[[int], float] | None = None) -> PipelinePlan | None:
+                    forward_floor: Callable[[int], float] | None = None,
+                    unit_forward: Callable[[int], Sequence[float]] | None = None) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -293,7 +294,12 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
 
     ``forward_floor(m)``: a lower bound of the largest forward seconds among the stages of every pipeline at m
     (:meth:`~shardplan.pipeline.stages.ModelStages.forward_floor`); ZB-H1's boxes use it to bound its saving
-    W + Y (docs/pipeline.md, *ZB-H1's boxes*)."""
+    W + Y (docs/pipeline.md, *ZB-H1's boxes*).
+
+    ``unit_forward(m)``: per unit, its forward device-seconds at m
+    (:meth:`~shardplan.pipeline.floors.UnitFloors.forward_units`); with it ZB-H1's stage counts are bounded with
+    their fill and drain (:func:`_zb_bubble_counts`; 1F1B's bound, :func:`_bubble_bound`, needs only the unit
+    seconds; docs/pipeline.md, *Bubble bounds*)."""
     t0 = time.perf_counter()
     progress = progress if progress is not None else Progress()
     best: PipelinePlan | None = None
@@ -397,7 +403,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                                               prefer=seeded[m].num_stages if m in seeded
                                               and seeded[m].step_time < outside else None,
                                               phi=max(0.0, float(forward_floor(m))) if forward_floor is not None
-                                              else 0.0)
+                                              else 0.0,
+                                              forward=unit_forward(m) if unit_forward is not None else None)
                 elif fam == "1f1b":
                     found, lb = _search_1f1b(space, stage_fn, link_fn, m, stats, known(),
                                              exchange, fit_fn, progress=progress,
@@ -553,10 +560,13 @@ def _search_1f1b(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: in
     elif m > 1 and units is not None and units_known is not None and all(units_known(q) for q in sizes if q <= p):
         ns = p if space.node_size is None or space.node_size >= p else space.node_size
         fam = _one_f_one_b_family_bound({q: units(q) for q in sizes if q <= p}, p, m, ns)
+        # the fill and drain counted, over the pipelines whose stages are all within incumbent / m
+        fam = max(min(fam, incumbent), _bubble_bound({q: units(q) for q in sizes if q <= p}, None, p, m, incumbent,
+                                                     "1f1b", ns))
         stats.setdefault("one_f_one_b_family_bounds", {})[str(m)] = fam  # a JSON key: the plan round-trips
         if hint is not None:
             hint(fam)
-        if fam >= incumbent:
+        if fam >= incumbent * (1 - ZB_TOL):  # (the bounds carry FAMILY_SAFETY: within it, nothing better)
             stats["one_f_one_b_closed_by_units"] = stats.get("one_f_one_b_closed_by_units", 0) + 1
             return None, min(incumbent, fam)
     cost, fitted = pool.plain, pool.fitted
@@ -1373,6 +1383,154 @@ def _one_f_one_b_family_bound(units: dict[int, Sequence[float]], p: int, m: int,
     return min(one, max(more + (m - 1) * t_lo, m * t_lo)) * FAMILY_SAFETY
 
 
+CUT_GRANULES = 128  # the capped cut DPs count devices in at most this many granules (coarser: a relaxation)
+
+
+def _run_tables(weights: dict[int, np.ndarray], limits: dict[int, np.ndarray], cap: float, p: int,
+                granule: int) -> tuple[int, dict[int, list[tuple[int, np.ndarray]]]]:
+    """The runs of the capped cut DPs, by granules taken: (granules in all, {t: per first unit u, (how many runs
+    start there, their least weight over the sizes q with floor(q / g) = t whose run is within the cap)}).
+
+    g is ``granule`` (1: devices counted one by one), made coarser (a multiple of it) until p / g is at most
+    :data:`CUT_GRANULES`. Every cut whose sizes sum to p has sum_i floor(q_i / g) <= floor(p / g), so the runs may
+    take at most that many granules in all, and fewer: a relaxation of the cuts (exact for g = 1, where they must
+    take p)."""
+    U = len(next(iter(weights.values())))
+    g = max(1, granule)
+    while p // g > CUT_GRANULES:
+        g *= 2
+    top = p // g
+    over = cap * (1 + 1e-9)
+    groups: dict[int, np.ndarray] = {}
+    for q, w in weights.items():
+        t = q // g
+        if t > top:
+            continue
+        wpre = np.concatenate(([0.0], np.cumsum(np.asarray(w, dtype=float))))
+        lpre = np.concatenate(([0.0], np.cumsum(np.asarray(limits[q], dtype=float))))
+        mat = np.where(lpre[None, :] - lpre[:, None] <= over, wpre[None, :] - wpre[:, None], np.inf)
+        mat[np.tril_indices(U + 1)] = np.inf  # [u, b): b > u only
+        got = groups.get(t)
+        groups[t] = mat if got is None else np.minimum(got, mat)
+    tables: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for t, mat in groups.items():
+        rows = []
+        for u in range(U):
+            fin = np.flatnonzero(np.isfinite(mat[u, u + 1:]))
+            last = int(fin[-1]) + 1 if fin.size else 0
+            rows.append((last, mat[u, u + 1:u + 1 + last]))
+        tables[t] = rows
+    return top, tables
+
+
+def _capped_sum_cuts(weights: dict[int, np.ndarray], limits: dict[int, np.ndarray], cap: float, p: int,
+                     counts: Sequence[int] | None = None, granule: int = 1) -> dict[int, float]:
+    """The least, over cuts of the units into contiguous runs, run i on q_i devices (q_i a key of ``weights``, sum
+    q_i = p), of sum_i sum_{u in run i} weights[q_i][u], over the cuts whose every run has sum_{u in run}
+    limits[q_i][u] <= cap (within 1e-9 relative: a run is left out only when above it); per run count n in
+    ``counts`` (inf where none), or with ``counts`` None over every count (key 0). ``granule`` g > 1: devices
+    counted in whole granules as in :func:`_min_sum_cut`, coarser past :data:`CUT_GRANULES` (:func:`_run_tables`:
+    a relaxation, a lower bound of the g = 1 value). A DP over (units covered, granules used), a layer per run
+    placed when counting, one vector operation per (first unit, granules taken)."""
+    U = len(next(iter(weights.values())))
+    top, tables = _run_tables(weights, limits, cap, p, granule)
+    exact = top == p  # devices one by one: the sizes must sum to p
+
+    def step(f: np.ndarray, into: np.ndarray) -> None:
+        for u in range(U):  # (in place, f is into: row u is final when it is read, runs only move forward)
+            row = f[u]
+            if not np.isfinite(row).any():
+                continue
+            for t, rows in tables.items():
+                last, run = rows[u]
+                if last:
+                    vals = row[None, : top + 1 - t] + run[:, None]
+                    np.minimum(into[u + 1:u + 1 + last, t:], vals, out=into[u + 1:u + 1 + last, t:])
+
+    def value(f: np.ndarray) -> float:
+        return float(f[U, top] if exact else f[U].min())
+
+    f = np.full((U + 1, top + 1), np.inf)  # f[u, d]: least sum over cuts of units [0, u) using d granules
+    f[0, 0] = 0.0
+    if counts is None:
+        step(f, f)
+        return {0: value(f)}
+    out = {n: math.inf for n in counts}
+    for n in range(1, min(max(counts, default=0), U) + 1):
+        nxt = np.full((U + 1, top + 1), np.inf)
+        step(f, nxt)
+        f = nxt
+        if n in out:
+            out[n] = value(f)
+        if not np.isfinite(f).any():
+            break
+    return out
+
+
+def _capped_sum_cut(weights: dict[int, np.ndarray], limits: dict[int, np.ndarray], cap: float, p: int,
+                    granule: int = 1) -> float:
+    """:func:`_capped_sum_cuts` over every run count (one or more)."""
+    return _capped_sum_cuts(weights, limits, cap, p, None, granule)[0]
+
+
+def _zb_bubble_weights(units: dict[int, Sequence[float]], forward: Sequence[float], p: int,
+                       m: int) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """ZB-H1's per-unit weights (m - 1) q l_q(u) / p + F_u / q and limits l_q(u) (:func:`_bubble_bound`)."""
+    lim = {q: np.asarray(w, dtype=float) for q, w in units.items()}
+    fw = np.asarray(forward, dtype=float)
+    return {q: (m - 1) * q * w / p + fw / q for q, w in lim.items()}, lim
+
+
+def _zb_bubble_counts(units: dict[int, Sequence[float]], forward: Sequence[float], p: int, m: int,
+                      incumbent: float, counts: Sequence[int], granule: int = 1,
+                      bottleneck: dict[int, float] | None = None) -> dict[int, float]:
+    """Per stage count n: a lower bound of min(incumbent, the n-stage ZB-H1 optimum at m) that counts the fill
+    and drain (docs/pipeline.md, *Bubble bounds*): every n-stage pipeline within the cap (every l_i <= incumbent
+    / m) has T >= (m - 1) t_max + sum_i F_i / q_i with t_max at least both the device-weighted mean of the l_i
+    and ``bottleneck[n]`` (the least largest l_i over n-stage cuts, :func:`_minmax_cuts`), so T is at least the
+    least sum_i ((m - 1) q_i l_i / p + F_i / q_i) and at least (m - 1) bottleneck[n] + the least sum_i F_i / q_i,
+    each over the n-stage cuts within the cap (:func:`_capped_sum_cuts`; no incumbent: every cut)."""
+    if not units:
+        return {n: 0.0 for n in counts}
+    weights, lim = _zb_bubble_weights(units, forward, p, m)
+    cap = incumbent / m
+    got = _capped_sum_cuts(weights, lim, cap, p, counts, granule)
+    if bottleneck:
+        fw = np.asarray(forward, dtype=float)
+        fill = _capped_sum_cuts({q: fw / q for q in lim}, lim, cap, p, counts, granule)
+        got = {n: max(v, (m - 1) * bottleneck.get(n, 0.0) + fill[n]) for n, v in got.items()}
+    return {n: min(incumbent, v * FAMILY_SAFETY) for n, v in got.items()}
+
+
+def _bubble_bound(units: dict[int, Sequence[float]], forward: Sequence[float] | None, p: int, m: int,
+                  incumbent: float, schedule: str, granule: int = 1) -> float:
+    """A lower bound of min(incumbent, the family's optimum at m) over every pipeline whose stages are runs of the
+    units on sizes from ``units`` summing to p, counting the fill and drain (docs/pipeline.md, *Bubble bounds*).
+
+    ``units[q][u]``: a lower bound of unit u's share of any stage's seconds on q (a stage takes t_i >= the sum
+    over its units, l_i); ``forward[u]``: unit u's forward device-seconds (a stage's forward f_i >= their sum over
+    q_i). With t_max >= sum_i q_i t_i / p (the sizes sum to p):
+
+    - 1F1B: T >= sum_i t_i + (m - 1) t_max >= sum_i l_i (1 + (m - 1) q_i / p);
+    - ZB-H1 (S <= m): W + Y <= t_j - f_j for every stage j, so sum_i t_i - (S - 1)(W + Y) >= t_j + sum_{i != j}
+      f_i and T >= (m - 1) t_max + sum_i f_i >= sum_i ((m - 1) q_i l_i / p + F_i / q_i).
+
+    Both are sums over units: the least over cuts whose every stage has l_i <= incumbent / m
+    (:func:`_capped_sum_cut`); a pipeline with a larger stage takes T >= m t_max > incumbent. With no incumbent
+    (inf) the least is over every cut: a lower bound of the optimum itself."""
+    if not units:
+        return 0.0
+    cap = incumbent / m
+    lim = {q: np.asarray(w, dtype=float) for q, w in units.items()}
+    if schedule == "zb-h1":
+        if forward is None:
+            return 0.0
+        weights, lim = _zb_bubble_weights(units, forward, p, m)
+    else:
+        weights = {q: w * (1 + (m - 1) * q / p) for q, w in lim.items()}
+    return min(incumbent, _capped_sum_cut(weights, lim, cap, p, granule) * FAMILY_SAFETY)
+
+
 def _zb_family_bound(units: dict[int, Sequence[float]], p: int, stages: int, m: int) -> float:
     """A lower bound of ZB-H1's step over every cut of the units into ``stages`` stages on sub-meshes from
     ``units``' sizes: ``m`` times the least bottleneck :func:`_minmax_cut` (module docstring, *Family bounds*)."""
@@ -1395,7 +1553,8 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
                   first_stages: int = 1, progress: Progress | None = None,
                   hint: Callable[[float], None] | None = None,
                   stage_lower: StageLowerFn | None = None,
-                  prefer: int | None = None, phi: float = 0.0) -> tuple[PipelinePlan | None, float]:
+                  prefer: int | None = None, phi: float = 0.0,
+                  forward: Sequence[float] | None = None) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum at m over every cut and sub-mesh sequence of every stage count ``first_stages`` <= S <= m
     (module docstring,
     *ZB-H1*) if below ``incumbent``, and a proven lower bound of it: each stage count whose family bound
@@ -1405,7 +1564,9 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
     the counts of m B_0; 0 when the stand-ins are found void): what the part has proven if it is interrupted.
     ``prefer``: a stage count searched first (the best seed's), the others in increasing order; each count's
     search is exact given the best plan so far, so the order changes only how much is solved. ``phi``: a lower
-    bound of the largest forward seconds among the stages of every pipeline at m (0: none known)."""
+    bound of the largest forward seconds among the stages of every pipeline at m (0: none known). ``forward``:
+    per unit, its forward device-seconds at m: the part is then first bounded with its fill and drain
+    (:func:`_bubble_bound`) and closed when that reaches ``incumbent``."""
     U, p = space.num_units, space.num_devices
     sizes = space.allowed_sizes()
     budget = math.inf if space.budget is None else space.budget
@@ -1429,8 +1590,18 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
         ns = p if space.node_size is None or space.node_size >= p else space.node_size
         cut = _minmax_cuts({q: units(q) for q in family_sizes(0)}, p, counts, granule=ns) if counts else {}
         floors = {n: cut[n] * FAMILY_SAFETY for n in counts}
+    # per count, a lower bound of min(incumbent, its optimum): m B_0, raised by the fill and drain
+    count_lb = {n: m * f for n, f in floors.items()}
+    if forward is not None and math.isfinite(incumbent) and floors:
+        ns = p if space.node_size is None or space.node_size >= p else space.node_size
+        bubble = _zb_bubble_counts({q: units(q) for q in sizes if q <= p}, forward, p, m, incumbent, list(floors),
+                                   ns, {n: f / FAMILY_SAFETY for n, f in floors.items() if math.isfinite(f)})
+        count_lb = {n: max(min(v, incumbent), bubble[n]) for n, v in count_lb.items()}
+        stats.setdefault("zb_bubble_bounds", {})[str(m)] = min(count_lb.values())  # a JSON key: the plan round-trips
+        stats["zb_closed_by_bubble"] = stats.get("zb_closed_by_bubble", 0) + sum(
+            m * floors[n] < incumbent * (1 - ZB_TOL) <= bubble[n] for n in floors)
     if hint is not None:
-        hint(min((m * f for f in floors.values()), default=math.inf))
+        hint(min(count_lb.values(), default=math.inf))
     best: PipelinePlan | None = None
 
     def best_t() -> float:
@@ -1445,12 +1616,13 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
             if prefer in floors:
                 counts = [prefer] + [n for n in counts if n != prefer]
             for n in counts:
-                if m * floors[n] >= best_t():
+                if count_lb[n] >= best_t() * (1 - ZB_TOL):
                     stats["zb_pruned"] = stats.get("zb_pruned", 0) + 1
-                    lower = min(lower, m * floors[n])
+                    lower = min(lower, count_lb[n])
                     continue
                 found, lb = _zb_branch_and_bound(pool, space, n, p // n if space.uniform else None, m, link_fn,
-                                                 exchange, floors[n], best_t(), stats, progress, phi)
+                                                 exchange, floors[n], best_t(), stats, progress, phi,
+                                                 start=count_lb[n])
                 lower = min(lower, lb)
                 if found is not None and found.step_time < best_t():
                     best = found
@@ -1459,6 +1631,7 @@ def _search_zb_h1(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, m: i
             # a memory-constrained solve came out below its time-optimal stage: the stand-ins and the family
             # bounds (which rest on the same order) are void; every stage count again, eagerly, without them
             floors = {n: 0.0 if math.isfinite(v) else v for n, v in floors.items()}
+            count_lb = {n: m * f for n, f in floors.items()}
             if hint is not None:
                 hint(0.0)
     return best, pool.rho() * lower
@@ -1727,12 +1900,14 @@ ZB_TOL = 1e-12  # a box whose lower bound is within this relative distance of th
 def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed: int | None, m: int,
                          link_fn: LinkFn, exchange: ExchangeFn | None, floor: float, incumbent: float,
                          stats: dict, progress: Progress | None = None,
-                         phi: float = 0.0) -> tuple[PipelinePlan | None, float]:
+                         phi: float = 0.0, start: float = 0.0) -> tuple[PipelinePlan | None, float]:
     """The ZB-H1 optimum over every cut and sub-mesh sequence of n stages at m >= n, if below ``incumbent``
     (module docstring, *ZB-H1*): branch and bound over boxes of (M, W, Y) = (the largest stage or transfer time,
     the least W, the least Y). Returns the best plan found (None: none below ``incumbent``) and the least value
     the search proved for the family: min(incumbent, best) (1 - ZB_TOL). ``phi``: a lower bound of the largest
-    forward seconds among the stages of every pipeline (docs/pipeline.md, *ZB-H1's boxes*)."""
+    forward seconds among the stages of every pipeline (docs/pipeline.md, *ZB-H1's boxes*). ``start``: a lower
+    bound of min(incumbent, every n-stage pipeline's step), the first box's (the fill and drain counted:
+    :func:`_zb_bubble_counts`); every box inherits its parent's bound."""
     best: PipelinePlan | None = None
     inc = incumbent
 
@@ -1741,7 +1916,7 @@ def _zb_branch_and_bound(pool: _StagePool, space: PipelineSpace, n: int, q_fixed
 
     tick = 0
     heap: list[tuple[float, int, tuple[float, float, float, float, float, float]]] = [
-        (m * floor, tick, (floor, math.inf, 0.0, math.inf, 0.0, math.inf))]
+        (max(m * floor, start), tick, (floor, math.inf, 0.0, math.inf, 0.0, math.inf))]
     # each DP's answer by (its bound on M, its floors on W and Y), with the cap it ran under
     answers: dict[tuple[float, float, float], tuple[float, tuple[float, list] | None]] = {}
     while heap:
