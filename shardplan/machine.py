@@ -111,7 +111,8 @@ class Machine:
         reduce_per_dim: partial sums over several split dims (an operator's reduction dims forward, the dims a
             gradient sums over backward, the normalised dims' statistics) are reduced as one all-reduce of the
             whole tile per split dim, each among that dim's group, as XLA's SPMD partitioner lowers them
-            (measured on compiled HLO, docs/jax.md, "Partial sums over several split dims"); False: one
+            (measured on compiled HLO, docs/jax.md, "Partial sums over several split dims") and as the
+            PyTorch run reduces them (one dim at a time, measured: docs/torch.md); False: one
             all-reduce among the product of the groups, the PaSE paper's model.
         scatter_gathered_grads: the keys' and values' gradients of a causal attention whose keys are
             all-gathered (context parallelism) go home by a reduce-scatter to a producer that scatters them
