@@ -98,9 +98,9 @@ from shardplan.torch.precision import (AMAX_HISTORY, DelayedScaling, HostOffload
                                       fp8_grad, fp8_operands)
 from shardplan.torch.ring import SDPA, gather_sdpa, ring_applies, ring_kv_placements, ring_sdpa
 
-__all__ = ["ParallelModule", "factored_mesh", "reduce_steps", "flat_groups", "plan_placements", "Layouts", "RunChoices", "run_choices",
-           "zero3_placements", "recompute_segments", "micro_batch", "check_same_program", "Segment", "Program",
-           "TORCH_STAGES", "parallel_module", "release_storage", "fetch_home"]
+__all__ = ["ParallelModule", "factored_mesh", "reduce_steps", "flat_groups", "plan_placements", "Layouts",
+           "RunChoices", "run_choices", "zero3_placements", "recompute_segments", "micro_batch", "check_same_program",
+           "Segment", "Program", "TORCH_STAGES", "parallel_module", "release_storage", "fetch_home"]
 
 
 def factored_mesh(mesh: Any, shape: Sequence[int] | None = None) -> Any:

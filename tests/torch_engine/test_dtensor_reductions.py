@@ -218,8 +218,8 @@ def _run_contiguous(world: int) -> dict[str, Any]:
                 for n, p_ in ref.named_parameters())
     kv_tile = AB * AH * AS * (AD // AH)  # a device's gathered keys (or values): every position of its heads
     rs = float(reduce_scatter_time(kv_tile * 4.0, np.array([[world]]), machine)[0])  # one among all, float32
-    return {"reduce_scatter_seconds": rs, "edges": {str(k): x for k, x in edges.items()}, "backward": sorted(rec.seen), "kv_tile": kv_tile,
-            "mesh": list(pm.mesh.mesh.shape), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
+    return {"reduce_scatter_seconds": rs, "edges": {str(k): x for k, x in edges.items()},
+            "backward": sorted(rec.seen), "kv_tile": kv_tile, "mesh": list(pm.mesh.mesh.shape), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
             "rel_grad": worst}
 
 
