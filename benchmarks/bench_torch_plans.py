@@ -14,7 +14,6 @@ writes ``benchmarks/results/torch_plans.json``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -47,6 +46,7 @@ def main() -> None:
     from shardplan.spmd import solve
     from shardplan.errors import ShardplanError
     from shardplan.torch import ShardplanWarning, report, trace
+    from shardplan.torch.device import dtensor_machine
 
     results: dict[str, Any] = {}
     cases = dict(tc.CASES)
@@ -58,8 +58,8 @@ def main() -> None:
         return model, (ids, ids.clone())
 
     cases["llama_block_4096"] = big_block
-    machines = {name: dataclasses.replace(m, stepwise_redistribution=False)  # as shardplan.torch plans: DTensor's
-                for name, m in (("toy", tc.toy_machine(8)), ("h100", preset("h100", 8)))}  # steps, not XLA's
+    machines = {name: dtensor_machine(m)  # as shardplan.torch plans: the collectives DTensor sends, not XLA's
+                for name, m in (("toy", tc.toy_machine(8)), ("h100", preset("h100", 8)))}
     for name, make in cases.items():
         torch.manual_seed(0)
         try:

@@ -876,8 +876,10 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
     src["stepwise_redistribution"] = (f"{said}: not measured: shardplan's default, a change of layout charged as "
                                       "the one-collective steps XLA lowers it to (see Machine's docstring)")
     src["reduce_per_dim"] = (f"{said}: not measured: shardplan's default, a partial sum over several split dims "
-                             "charged as one all-reduce per dim, as XLA lowers it (DTensor: one per mesh dim; "
-                             "see Machine's docstring)")
+                             "charged as one all-reduce per dim, as XLA lowers it and the PyTorch run reduces it "
+                             "(see Machine's docstring)")
+    src["scatter_gathered_grads"] = (f"{said}: not measured: shardplan's default, off (XLA's GSPMD); shardplan.torch "
+                                     "sets it for DTensor (see Machine's docstring)")
     fp8 = max((r.rate for r in cal.fp8.rows), default=None)
     if cal.fp8.rows:
         top8 = max(cal.fp8.rows, key=lambda r: r.rate)

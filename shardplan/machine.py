@@ -111,8 +111,14 @@ class Machine:
         reduce_per_dim: partial sums over several split dims (an operator's reduction dims forward, the dims a
             gradient sums over backward, the normalised dims' statistics) are reduced as one all-reduce of the
             whole tile per split dim, each among that dim's group, as XLA's SPMD partitioner lowers them
-            (measured on compiled HLO, docs/jax.md, "Partial sums over several split dims"); False: one
+            (measured on compiled HLO, docs/jax.md, "Partial sums over several split dims") and as the
+            PyTorch run reduces them (one dim at a time, measured: docs/torch.md); False: one
             all-reduce among the product of the groups, the PaSE paper's model.
+        scatter_gathered_grads: the keys' and values' gradients of a causal attention whose keys are
+            all-gathered (context parallelism) go home by a reduce-scatter to a producer that scatters them
+            over the query sequence's group, whether or not the runner deals the queries (DTensor's
+            ``Partial -> Shard`` redistribution, measured: docs/torch.md); False: only where dealt, the
+            contiguous attention's all-reduced (XLA's GSPMD, :mod:`shardplan.cost.ring`).
     """
 
     num_devices: int
@@ -146,6 +152,7 @@ class Machine:
     convert_bandwidth: float | None = None
     stepwise_redistribution: bool = True
     reduce_per_dim: bool = True
+    scatter_gathered_grads: bool = False
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -202,6 +209,9 @@ class Machine:
                                  f"{self.stepwise_redistribution!r}")
         if not isinstance(self.reduce_per_dim, bool):
             raise ShardplanError(f"machine: reduce_per_dim must be True or False, got {self.reduce_per_dim!r}")
+        if not isinstance(self.scatter_gathered_grads, bool):
+            raise ShardplanError(f"machine: scatter_gathered_grads must be True or False, got "
+                                 f"{self.scatter_gathered_grads!r}")
         for name, unit in (("fp8_flops", "FLOP/s"), ("host_bandwidth", "B/s"), ("host_memory_bytes", "B"),
                            ("cpu_adam_rate", "parameters/s")):
             if getattr(self, name) is not None:

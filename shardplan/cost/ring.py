@@ -31,7 +31,9 @@ The math is in docs/cost-model.md, "Ring context parallelism"; in short:
   (:func:`gathered_charge`), which the runners ask for at the chosen layout (:func:`deals_gathered`). There
   the keys' and values' gradients go home by a reduce-scatter where the producer scatters them over the query
   sequence's group (:func:`gathered_scatters`), else by the all-reduce: charged per producer layout on the edges
-  (:func:`gathered_reduction`), the all-reduce taken off the operator (:func:`gathered_moved`).
+  (:func:`gathered_reduction`), the all-reduce taken off the operator (:func:`gathered_moved`). With
+  ``Machine.scatter_gathered_grads`` (DTensor) the same holds for the contiguous (undealt) attention
+  (:func:`gathered_home`): its redistribution reduce-scatters them too.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from shardplan.machine import Machine
 
 __all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_mask", "ring_exposed", "deal_time", "moved_reduction",
            "gathered_imbalance", "gathered_deal", "gather_deals", "gathered_charge", "deals_gathered", "gathered_dealt",
-           "gathered_moved", "gathered_scatters", "gathered_reduction", "context_edge",
+           "gathered_home", "gathered_moved", "gathered_scatters", "gathered_reduction", "context_edge",
            "ring_choices", "ring_operator_cost"]
 
 CONTEXT_ALGORITHMS = ("allgather", "ring", "auto")
@@ -336,11 +338,24 @@ def gathered_dealt(v: Operator, lv: LayoutArrays, machine: Machine, compute: np.
     return out
 
 
+def gathered_home(v: Operator, lv: LayoutArrays, machine: Machine, compute: np.ndarray) -> np.ndarray:
+    """(K_v,) bool: the layouts at which the gradients of the all-gathered ring inputs of the causal attention
+    ``v`` are charged on their edges (:func:`gathered_reduction`, a reduce-scatter to a producer that scatters
+    them): where the runner deals it (:func:`gathered_dealt`), and with ``machine.scatter_gathered_grads``
+    (DTensor: its ``Partial -> Shard`` redistribution reduce-scatters them, dealt or not) wherever it has a
+    ring input."""
+    dealt = gathered_dealt(v, lv, machine, compute)
+    if not machine.scatter_gathered_grads or v.causal is None or not v.causal.dealt:
+        return dealt
+    mask, _ = ring_mask(v, lv)
+    return dealt | mask.any(axis=1)
+
+
 def gathered_moved(v: Operator, lv: LayoutArrays, machine: Machine, compute: np.ndarray) -> np.ndarray:
     """(K_v,) seconds of the ring inputs' gradient all-reduce that tables built with the all-gather move from a
-    dealt attention (:func:`gathered_dealt`) to the edges of those inputs, which charge what the runner does
-    instead (:func:`gathered_reduction`): :func:`moved_reduction` on the dealt rows, 0 elsewhere."""
-    dealt = gathered_dealt(v, lv, machine, compute)
+    dealt attention (:func:`gathered_home`) to the edges of those inputs, which charge what the runner does
+    instead (:func:`gathered_reduction`): :func:`moved_reduction` on those rows, 0 elsewhere."""
+    dealt = gathered_home(v, lv, machine, compute)
     if not dealt.any():
         return np.zeros(len(lv))
     return np.where(dealt, moved_reduction(v, lv, machine), 0.0)
@@ -373,10 +388,10 @@ def gathered_reduction(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv
     on its way back to its producer ``u`` (the all-reduce :func:`gathered_moved` took off the operator): a
     reduce-scatter of the device's gradient tile over the query sequence's group where
     :func:`gathered_scatters` (each device keeps its own block's sum: Llama 3's all-gather; half the bytes of
-    the all-reduce), else the all-reduce; 0 on the rows not dealt."""
+    the all-reduce), else the all-reduce; 0 on the rows not charged here (:func:`gathered_home`)."""
     from shardplan.cost.collectives import reduce_scatter_time
 
-    dealt = gathered_dealt(v, lv, machine, compute)
+    dealt = gathered_home(v, lv, machine, compute)
     out = np.zeros((len(lu), len(lv)))
     if not dealt.any():
         return out
@@ -399,7 +414,7 @@ def context_edge(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     mask, _ = ring_mask(v, lv)
     if (mask.sum(axis=1) > 1).any():  # several ring inputs: this one's reduction only
         moved = moved_reduction(v, lv, machine, (slot,))
-    dealt = gathered_dealt(v, lv, machine, compute)  # there the runner's reduction (:func:`gathered_reduction`)
+    dealt = gathered_home(v, lv, machine, compute)  # there the runner's reduction (:func:`gathered_reduction`)
     moved = np.where(mask[:, slot] & ~dealt, moved, 0.0) + gathered_charge(v, slot, lv, machine, compute)
     plain = np.asarray(gathered, dtype=np.float64) + moved[None, :]
     if dealt.any():
@@ -426,8 +441,8 @@ def ring_operator_cost(op: Operator, lay: LayoutArrays, machine: Machine, contex
     if context == "allgather":
         if op.causal is None or not op.causal.dealt:
             return cost
-        dealt = gathered_dealt(op, lay, decide or machine, operator_cost(op, lay, decide).compute
-                               if decide is not None else cost.compute)
+        dealt = gathered_home(op, lay, decide or machine, operator_cost(op, lay, decide).compute
+                              if decide is not None else cost.compute)
         return replace(cost, grad_allreduce=cost.grad_allreduce - np.where(dealt, moved_reduction(op, lay, machine),
                                                                            0.0))
     return replace(cost, grad_allreduce=cost.grad_allreduce - moved_reduction(op, lay, machine))

@@ -47,14 +47,15 @@ def _world(mesh: Any) -> int:
 
 def _machine(mesh: Any, machine: Machine | None) -> Machine:
     """``machine``, checked against the mesh's size, or the mesh's own (:func:`shardplan.torch.device.mesh_machine`),
-    with ``stepwise_redistribution`` off: DTensor redistributes in its own steps, not the ones XLA's partitioner
-    lowers to (which the JAX export performs), so a change of layout is charged what each device lacks."""
-    import dataclasses
+    charging the collectives the DTensor run sends (:func:`shardplan.torch.device.dtensor_machine`): a change of
+    layout what each device lacks (not XLA's steps), a partial sum one all-reduce per split dim, an all-gathered
+    attention's key/value gradients reduce-scattered home."""
+    from shardplan.torch.device import dtensor_machine
 
     if mesh is None:
         if machine is None:
             raise ShardplanError("give the DeviceMesh the plan runs on (or machine=, e.g. preset('h100', 64))")
-        return dataclasses.replace(machine, stepwise_redistribution=False)
+        return dtensor_machine(machine)
     p = _world(mesh)
     if machine is None:
         from shardplan.torch.device import mesh_machine
@@ -62,7 +63,7 @@ def _machine(mesh: Any, machine: Machine | None) -> Machine:
         machine = mesh_machine(mesh)
     if machine.num_devices != p:
         raise ShardplanError(f"machine has {machine.num_devices} devices but the mesh has {p}")
-    return dataclasses.replace(machine, stepwise_redistribution=False)
+    return dtensor_machine(machine)
 
 
 def plan(module: Any, example_inputs: Sequence[Any], mesh: Any = None, *, kwargs: Mapping[str, Any] | None = None,

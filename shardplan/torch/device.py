@@ -24,7 +24,25 @@ from shardplan.checks import integer
 from shardplan.errors import ShardplanError
 from shardplan.machine import Machine, detect_machine
 
-__all__ = ["mesh_machine", "mesh_device_kind", "local_world_size"]
+__all__ = ["mesh_machine", "mesh_device_kind", "local_world_size", "dtensor_machine"]
+
+
+def dtensor_machine(machine: Machine) -> Machine:
+    """``machine`` charging the collectives the DTensor run sends (:mod:`shardplan.torch.run`):
+
+    * ``stepwise_redistribution`` off: DTensor's ``redistribute`` goes its own way, not in the one-collective
+      steps XLA's partitioner lowers to, so a change of layout is charged what each device lacks;
+    * ``reduce_per_dim`` on: a partial sum over several split dims is one all-reduce per dim among that dim's
+      devices, a dim split over several mesh axes one all-reduce among all of them (the run reduces a
+      ``Partial`` one dim at a time, over each dim's flattened mesh axes: :func:`shardplan.torch.run.reduce_steps`,
+      :func:`shardplan.torch.run.flat_groups`);
+    * ``scatter_gathered_grads`` on: the keys' and values' gradients of an all-gathered causal attention go home
+      by DTensor's ``Partial -> Shard`` reduce-scatter where their producer scatters them, dealt or not.
+
+    Measured on 4 gloo processes (every collective recorded): docs/torch.md, "What DTensor sends for partial
+    sums" (``tests/torch_engine/test_dtensor_reductions.py``).
+    """
+    return replace(machine, stepwise_redistribution=False, reduce_per_dim=True, scatter_gathered_grads=True)
 
 
 def local_world_size(environ: Mapping[str, str]) -> int | None:

@@ -98,9 +98,9 @@ from shardplan.torch.precision import (AMAX_HISTORY, DelayedScaling, HostOffload
                                       fp8_grad, fp8_operands)
 from shardplan.torch.ring import SDPA, gather_sdpa, ring_applies, ring_kv_placements, ring_sdpa
 
-__all__ = ["ParallelModule", "factored_mesh", "plan_placements", "Layouts", "RunChoices", "run_choices",
-           "zero3_placements", "recompute_segments", "micro_batch", "check_same_program", "Segment", "Program",
-           "TORCH_STAGES", "parallel_module", "release_storage", "fetch_home"]
+__all__ = ["ParallelModule", "factored_mesh", "reduce_steps", "flat_groups", "plan_placements", "Layouts",
+           "RunChoices", "run_choices", "zero3_placements", "recompute_segments", "micro_batch", "check_same_program",
+           "Segment", "Program", "TORCH_STAGES", "parallel_module", "release_storage", "fetch_home"]
 
 
 def factored_mesh(mesh: Any, shape: Sequence[int] | None = None) -> Any:
@@ -244,6 +244,57 @@ def _tree_map(fn: Any, x: Any) -> Any:
     if isinstance(x, dict):
         return {k: _tree_map(fn, v) for k, v in x.items()}
     return fn(x)
+
+
+def reduce_steps(src: Sequence[Any], dst: Sequence[Any], axes_dims: Sequence[str | None]) -> list[tuple[Any, ...]]:
+    """The placements a redistribution from ``src`` to ``dst`` passes through so that its partial sums are
+    reduced one dimension at a time: per dimension (mesh axes ``axes_dims``, in mesh order) whose axes are
+    ``Partial`` in ``src`` and not in ``dst``, the placements with those axes made ``dst``'s, then ``dst``
+    itself. One dimension (or none) to reduce: ``[dst]``.
+
+    DTensor reduces a ``Partial`` once per mesh axis, or once over several axes when they are consecutive in
+    its transform list and a flattened mesh of exactly those axes exists (:func:`flat_groups`); one
+    redistribution per dimension keeps a reduction over several dims (a weight's gradient over batch and
+    sequence) from merging into one all-reduce among all their devices: one all-reduce per split dim, what
+    the tables charge (``Machine.reduce_per_dim``).
+    """
+    src, dst = tuple(src), tuple(dst)
+    dims = [d for i, d in enumerate(axes_dims) if src[i].is_partial() and not dst[i].is_partial()]
+    order = list(dict.fromkeys(dims))
+    if len(order) < 2:
+        return [dst]
+    out, cur = [], list(src)
+    for d in order[:-1]:
+        for i, a in enumerate(axes_dims):
+            if a == d:
+                cur[i] = dst[i]
+        out.append(tuple(cur))
+    return out + [dst]
+
+
+def flat_groups(axes: Sequence[Sequence[str | None]]) -> list[tuple[int, ...]]:
+    """The mesh axes of every dimension that some layout splits over several axes (``axes``: per operator,
+    the dimension each mesh axis splits), once each, in first-seen order: the groups the run flattens so
+    that DTensor reduces (and gathers) such a dimension in one collective among all its devices."""
+    out: list[tuple[int, ...]] = []
+    for row in axes:
+        for d in dict.fromkeys(a for a in row if a is not None):
+            group = tuple(i for i, a in enumerate(row) if a == d)
+            if len(group) > 1 and group not in out:
+                out.append(group)
+    return out
+
+
+def _reduce_redistribute(x: Any, mesh: Any, placements: Sequence[Any], axes_dims: Sequence[str | None]) -> Any:
+    """:func:`_redistribute` reducing partial sums one dimension at a time (:func:`reduce_steps`)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(x, DTensor) or tuple(x.placements) == tuple(placements):
+        return x
+    for step in reduce_steps(x.placements, placements, axes_dims):
+        if tuple(x.placements) != step:
+            x = x.redistribute(mesh, step)
+    return x
 
 
 def _redistribute(x: Any, mesh: Any, placements: Sequence[Any]) -> Any:
@@ -982,6 +1033,7 @@ def _make_class() -> Any:
             shape = plan_mesh_shape([layouts[o.name] for o in graph.operators], p)
             self.mesh = factored_mesh(mesh, shape)
             factors = tuple(self.mesh.mesh.shape)
+            self._flatten_groups(graph, layouts, factors)
             self.choices = choices
             self._full = program(info, graph, layouts, factors, choices.recompute)
             self.layouts = self._full.layouts
@@ -1001,6 +1053,7 @@ def _make_class() -> Any:
             self._stepping = False
             self._accumulating = False  # a step's micro-batches run: ZeRO-0 and 1 gradients stay partial
             self.param_placements: dict[str, tuple[Any, ...]] = {}
+            self._grad_axes: dict[str, Sequence[str | None]] = {}  # name -> its first reader's mesh axes' dims
             self._mirror(module)
 
         @property
@@ -1066,7 +1119,9 @@ def _make_class() -> Any:
             if src.requires_grad:  # a ZeRO-2 parameter's gradient is reduce-scattered to its shard
                 zero2 = any(n in self._zero2 for n in names)
                 grad_pl = zero3_placements(pl, tuple(src.shape), tuple(self.mesh.mesh.shape)) if zero2 else pl
-                par.register_hook(self._grad_hook(tuple(grad_pl), defer=not zero2 and not zero3))
+                axes = self.layouts.axes[uses[0][0]] if uses else (None,) * self.mesh.ndim
+                self._grad_axes[names[0]] = axes
+                par.register_hook(self._grad_hook(tuple(grad_pl), defer=not zero2 and not zero3, axes=axes))
             if zero3:
                 self._sharded.add(id(par))
                 if uses and uses[0][0] in self.choices.offload_params and self._offloadable(names, tile, pl):
@@ -1108,7 +1163,17 @@ def _make_class() -> Any:
             ids = {id(p): n for n, p in self.named_parameters()}
             return {ids[k]: home for k, (_, home) in self._homes.items() if k in ids}
 
-        def _grad_hook(self, placements: tuple[Any, ...], defer: bool = False) -> Any:
+        def _flatten_groups(self, graph: Graph, layouts: Mapping[str, Any], factors: Sequence[int]) -> None:
+            """Flatten the mesh axes of every dimension a layout splits over several axes (:func:`flat_groups`),
+            so that DTensor reduces, scatters and gathers it in one collective among all its devices, as the
+            tables charge. Every rank flattens the same groups in the same order (each makes process groups)."""
+            names = self.mesh.mesh_dim_names
+            rows = [mesh_dims(layouts[o.name], factors, o.name) for o in graph.operators]
+            for group in flat_groups(rows):
+                self.mesh[tuple(names[i] for i in group)]._flatten()
+
+        def _grad_hook(self, placements: tuple[Any, ...], defer: bool = False,
+                       axes: Sequence[str | None] = ()) -> Any:
             """A parameter's gradient hook: each backward pass's gradient redistributed to ``placements`` (the
             tile's; a ZeRO-2 or 3 parameter's shard: a reduce-scatter per micro-batch). With ``defer`` (a ZeRO-0
             or 1 parameter), while a step accumulates micro-batches (``_accumulating``), the partial sums over the
@@ -1121,7 +1186,7 @@ def _make_class() -> Any:
                 if defer and self._accumulating:
                     target = tuple(q if q.is_partial() and pl.is_replicate() else pl
                                    for q, pl in zip(g.placements, placements))
-                return g.redistribute(self.mesh, target) if tuple(g.placements) != target else g
+                return _reduce_redistribute(g, self.mesh, target, axes or (None,) * len(target))
             return hook
 
         def reduce_grads(self, shards: Any = frozenset()) -> None:
@@ -1138,7 +1203,8 @@ def _make_class() -> Any:
                         continue
                     tile = tuple(p.placements)
                     target = zero3_placements(tile, tuple(p.shape), shape) if name in shards else tile
-                    p.grad = g.redistribute(self.mesh, target)
+                    p.grad = _reduce_redistribute(g, self.mesh, target,
+                                                  self._grad_axes.get(name, (None,) * len(target)))
 
         def optimizer(self, cls: Any, **options: Any) -> Any:
             """``cls(self.parameters(), **options)`` (a ``torch.optim`` class), with the parameters of the
@@ -1408,7 +1474,7 @@ def _make_class() -> Any:
             if fp8:
                 out = fp8_grad(out, self.scaling, f"{op_name}:dY")
             if op_name is not None and isinstance(out, DTensor):
-                out = _redistribute(out, self.mesh, lay.output(op_name, out.dim()))
+                out = _reduce_redistribute(out, self.mesh, lay.output(op_name, out.dim()), lay.axes[op_name])
             if str(node.target) in _FUNCTIONAL and isinstance(node.args[0], torch.fx.Node):
                 env[node.args[0].name] = out  # the in-place op's destination now holds its result
             return out

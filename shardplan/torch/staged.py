@@ -910,9 +910,9 @@ def pipeline(module: Any, example_inputs: Sequence[Any], machine: Machine | None
                                  processes=world)
     elif machine.num_devices != world:
         raise ShardplanError(f"machine has {machine.num_devices} devices but the process group has {world}")
-    import dataclasses
+    from shardplan.torch.device import dtensor_machine
 
-    machine = dataclasses.replace(machine, stepwise_redistribution=False)  # DTensor's steps are not XLA's
+    machine = dtensor_machine(machine)  # the collectives DTensor sends, not XLA's
     tracer = Tracer(module, example_inputs)
     result = None
     error: list[Any] = [None]

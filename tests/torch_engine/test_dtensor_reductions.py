@@ -1,0 +1,300 @@
+"""What DTensor sends for partial sums, against what the PyTorch path's tables charge: 4 gloo processes.
+
+``shardplan.torch`` plans on :func:`shardplan.torch.device.dtensor_machine`: a partial sum over several split
+dims is one all-reduce per dim among that dim's devices (``Machine.reduce_per_dim``), the all-gathered
+attention's key/value gradients a reduce-scatter home (``Machine.scatter_gathered_grads``). The run sends that:
+it flattens the mesh axes of every dim a layout splits over several axes (:func:`shardplan.torch.run.flat_groups`:
+DTensor then reduces over them in one collective) and reduces a partial sum one dim at a time
+(:func:`shardplan.torch.run.reduce_steps`). Each case runs one forward and backward pass of hand-laid layouts
+under a dispatch mode recording every collective on the local tensors (kind, group size, elements):
+
+* ``k4``: a linear whose contraction is split 4 ways over both axes of a 2 x 2 mesh (the next operator
+  splits the batch 2 ways): its output's partial sums, one all-reduce among 4 (DTensor's default, one per
+  mesh axis, would be two of 2: 4/3 of the bytes);
+* ``b4``: the linear data parallel 4 ways on the same mesh: its weight's gradient, one all-reduce among 4;
+* ``b2s2``: batch and sequence split 2 ways each: the weight's gradient sums over both, one all-reduce of 2
+  per dim (not the PaSE model's one among 4);
+* ``mixed``: as ``b2s2`` beside an operator splitting the features 4 ways over both axes (so their flattened
+  group exists): still one all-reduce per dim, not merged into one among 4;
+* ``contiguous``: a causal attention whose every operator splits the sequence 4 ways, run without the deal:
+  the keys' and values' gradients go home by one reduce-scatter each, what the tables charge
+  (:func:`shardplan.cost.ring.gathered_reduction`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import pytest
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
+
+pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
+
+WORLD = 4
+B, S, K, N = 8, 4, 16, 12  # batch, sequence, features in, features out
+AB, AS, AD, AH = 2, 16, 8, 2  # the attention layer: batch, sequence, width, heads
+
+_KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "allreduce_": "all_reduce",
+          "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+          "reduce_scatter_": "reduce_scatter", "all_gather_into_tensor": "all_gather",
+          "_allgather_base_": "all_gather", "allgather_": "all_gather", "all_to_all_single": "all_to_all"}
+
+
+class Lin(nn.Module):
+    """One linear over (batch, sequence, features); the loss a weighted sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(K, N, bias=False)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) * w).sum()
+
+
+class Attn(nn.Module):
+    """q, k, v projections, causal SDPA, an output projection; the loss a weighted sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(AD, AD, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, AH, AD // AH).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return (torch.tanh(self.o(y.transpose(1, 2).reshape(b, s, AD))) * w).sum()
+
+
+def _recorder() -> Any:
+    """A dispatch mode recording ``(kind, group size, elements)`` of every collective on local tensors issued
+    under it (DTensor's redistributions desugar into them: the mode lets DTensor run first)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, int, int]] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            schema = getattr(func, "_schema", None)
+            ns, _, name = (schema.name if schema is not None else "").partition("::")
+            if "c10d" in ns and name in _KINDS:
+                first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+                group = [a for a in list(args) + list((kwargs or {}).values())
+                         if isinstance(a, (str, dist.ProcessGroup))][-1]  # the group's name comes last
+                size = (_resolve_process_group(group) if isinstance(group, str) else group).size()
+                self.seen.append((_KINDS[name], int(size), int(first.numel())))
+            return func(*args, **(kwargs or {}))
+
+    return Record()
+
+
+def _layouts(graph: Any, wants: dict[str, dict[int, int]], p: int) -> dict[str, Any]:
+    """Each operator splits its dims of the extents in ``wants[kind]`` (extent -> ways; the test's extents
+    differ; ``wants[""]`` for the kinds not named), in its own dims' order."""
+    from shardplan.layout import Layout
+
+    out = {}
+    for op in graph.operators:
+        want = wants.get(op.kind, wants[""])
+        out[op.name] = Layout.flat(op.dim_names, tuple(want.get(op.extents[d], 1) if d not in op.fixed else 1
+                                                       for d in op.dim_names), p)
+    return out
+
+
+def _charged(graph: Any, layouts: dict[str, Any], machine: Any) -> float:
+    """Bytes one device sends inside the operators at ``layouts`` (the cost model's ``comm_bytes``)."""
+    from shardplan.cost.operator import operator_cost
+    from shardplan.layout import LayoutArrays
+
+    return float(sum(operator_cost(op, LayoutArrays.stack([layouts[op.name]]), machine).comm_bytes[0]
+                     for op in graph.operators))
+
+
+def _sent(seen: list[tuple[str, int, int]]) -> float:
+    """Bytes one device sends in the recorded all-reduces (float32): ``2 (g - 1) / g`` of the buffer each."""
+    return float(sum(2.0 * (g - 1) / g * n * 4 for kind, g, n in seen if kind == "all_reduce"))
+
+
+def _run_linear(case: str, world: int) -> dict[str, Any]:
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor._redistribute import disable_redistribute_transform_optimization
+
+    from shardplan.torch.device import dtensor_machine
+    from shardplan.torch.frontend import trace
+    from shardplan.torch import run as run_module
+    from shardplan.torch.run import ParallelModule
+
+    torch.manual_seed(0)
+    model, batch = Lin(), (torch.randn(B, S, K), torch.randn(B, S, N))
+    ref = torch_cases._clone(model)
+    loss0 = ref(*batch)
+    loss0.backward()
+    graph, info = trace(torch_cases._clone(model), batch)
+    kinds = {op.kind for op in graph.operators}
+    linear = next(k for k in kinds if "linear" in k or "matmul" in k or "gemm" in k)
+    wants = {"k4": {linear: {K: 4}, "": {B: 2}}, "b4": {linear: {B: 4}, "": {B: 2}},
+             "b2s2": {"": {B: 2, S: 2}},
+             "mixed": {linear: {B: 2, S: 2}, "": {N: 4}, "sum": {B: 2, S: 2}}}[case]
+    lays = _layouts(graph, wants, world)
+    mesh = init_device_mesh("cpu", (world,))
+    toy = torch_cases.toy_machine(world)
+    out: dict[str, Any] = {"charged": _charged(graph, lays, dtensor_machine(toy)),
+                           "charged_pase": _charged(graph, lays, dataclasses.replace(toy, reduce_per_dim=False)),
+                           "kinds": sorted(kinds)}
+    for merge, steps in ((True, True), (False, True), (True, False)):
+        pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, mesh)
+        one = (lambda src, dst, axes: [tuple(dst)]) if not steps else run_module.reduce_steps
+        with mock.patch.object(run_module, "reduce_steps", one), \
+                disable_redistribute_transform_optimization(not merge), _recorder() as rec:
+            loss = pm(*batch)
+            loss.backward()
+        grad = pm.named_dparameters()["fc.weight"].grad.full_tensor()
+        out["run" if merge and steps else "unmerged" if steps else "one_step"] = {
+            "mesh": list(pm.mesh.mesh.shape), "seen": sorted(s for s in rec.seen if s[0] == "all_reduce"),
+            "sent": _sent(rec.seen), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
+            "rel_grad": float((grad - ref.fc.weight.grad).abs().max() / ref.fc.weight.grad.abs().max())}
+    return out
+
+
+def _run_contiguous(world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardplan.cost.ring import gathered_dealt, gathered_home, gathered_reduction, gathered_scatters
+    from shardplan.machine import Machine
+    from shardplan.cost.operator import operator_cost
+    from shardplan.layout import Layout, LayoutArrays
+    from shardplan.torch.device import dtensor_machine
+    from shardplan.torch.frontend import trace
+    from shardplan.cost.collectives import reduce_scatter_time
+    from shardplan.torch.run import ParallelModule
+
+    torch.manual_seed(0)
+    model, batch = Attn(), (torch.randn(AB, AS, AD), torch.randn(AB, AS, AD))
+    ref = torch_cases._clone(model)
+    loss0 = ref(*batch)
+    loss0.backward()
+    graph, info = trace(torch_cases._clone(model), batch)
+    lays = {op.name: Layout.flat(op.dim_names, tuple(world if op.extents[d] == AS and d not in op.fixed else 1
+                                                     for d in op.dim_names), world) for op in graph.operators}
+    # fast devices: the contiguous blocks' extra causal work costs less than dealing them, so no runner deals
+    fast = Machine(world, peak_flops=32e12, bandwidth=16e9, name="fast")
+    machine, toy = dtensor_machine(fast), fast
+    (i,) = [j for j, op in enumerate(graph.operators) if op.kind == "attn_flash"]
+    v = graph.operators[i]
+    lv = LayoutArrays.stack([lays[v.name]])
+    edges = {}
+    for e in graph.edges:
+        if e.dst == i and e.slot in (1, 2):
+            u = graph.operators[e.src]
+            lu = LayoutArrays.stack([lays[u.name]])
+            edges[e.slot] = {m: {"home": bool(gathered_home(v, lv, mc, operator_cost(v, lv, mc).compute)[0]),
+                                 "dealt": bool(gathered_dealt(v, lv, mc, operator_cost(v, lv, mc).compute)[0]),
+                                 "scatters": bool(gathered_scatters(u, lu, v, e.slot, lv, mc)[0, 0]),
+                                 "seconds": float(gathered_reduction(u, lu, v, e.slot, lv, mc,
+                                                                     operator_cost(v, lv, mc).compute)[0, 0])}
+                             for m, mc in (("torch", machine), ("xla", toy))}
+    mesh = init_device_mesh("cpu", (world,))
+    pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, mesh)
+    loss = pm(*batch)
+    with _recorder() as rec:
+        loss.backward()
+    named = pm.named_dparameters()
+    worst = max(float((named[n].grad.full_tensor() - p_.grad).abs().max() / p_.grad.abs().max())
+                for n, p_ in ref.named_parameters())
+    kv_tile = AB * AH * AS * (AD // AH)  # a device's gathered keys (or values): every position of its heads
+    rs = float(reduce_scatter_time(kv_tile * 4.0, np.array([[world]]), machine)[0])  # one among all, float32
+    return {"reduce_scatter_seconds": rs, "edges": {str(k): x for k, x in edges.items()},
+            "backward": sorted(rec.seen), "kv_tile": kv_tile, "mesh": list(pm.mesh.mesh.shape), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
+            "rel_grad": worst}
+
+
+def run_all(name: str, world: int) -> dict[str, Any]:
+    return _run_contiguous(world) if name == "contiguous" else _run_linear(name, world)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch_dtensor_reductions") / "results.json"
+    return torch_cases.run_distributed(["k4", "b4", "b2s2", "mixed", "contiguous"], WORLD, str(out),
+                                       run_one=run_all)
+
+
+def _ok(r: dict[str, Any]) -> None:
+    assert "error" not in r, r.get("error")
+
+
+TILE = {"k4": B * S * N, "b4": N * K, "b2s2": N * K, "mixed": N * K}
+
+
+@pytest.mark.parametrize("case", ["k4", "b4", "b2s2", "mixed"])
+def test_the_run_sends_the_all_reduces_the_tables_charge(results, case):
+    r = results[case]
+    _ok(r)
+    run = r["run"]
+    assert run["mesh"] == [2, 2] and run["rel_loss"] <= 1e-5 and run["rel_grad"] <= 1e-5, run
+    assert run["sent"] == pytest.approx(r["charged"], rel=1e-12), r  # bytes one device sends in all-reduces
+    tile = TILE[case]
+    if case == "k4":  # the output's partial sums over the contraction, among all 4; the loss's over the batch
+        want = [("all_reduce", 4, tile), ("all_reduce", 2, 1)]
+    elif case == "b4":  # the weight's gradient over the batch, among all 4; the loss's over the batch
+        want = [("all_reduce", 4, tile), ("all_reduce", 2, 1)]
+    else:  # the weight's gradient and the loss over batch and sequence: one all-reduce of 2 per dim
+        want = [("all_reduce", 2, tile)] * 2 + [("all_reduce", 2, 1)] * 2
+    assert [tuple(x) for x in run["seen"]] == sorted(want), run
+
+
+@pytest.mark.parametrize("case", ["k4", "b4"])
+def test_one_all_reduce_per_mesh_axis_would_send_more_than_charged(results, case):
+    r = results[case]
+    _ok(r)
+    # DTensor without the flattened group: two all-reduces of 2 of the tile (2 * 2 * 1/2) for one of 4 (2 * 3/4)
+    un = r["unmerged"]
+    assert ("all_reduce", 2, TILE[case]) in [tuple(x) for x in un["seen"]], un
+    assert un["sent"] > r["charged"], r
+
+
+def test_two_split_dims_are_one_reduction_each_not_one_among_their_product(results):
+    for case in ("b2s2", "mixed"):
+        r = results[case]
+        _ok(r)
+        assert r["charged_pase"] < r["charged"], r  # the PaSE model's one all-reduce of 4 is not what is sent
+
+
+def test_reducing_dim_by_dim_keeps_two_dims_from_merging_into_one_all_reduce(results):
+    r = results["mixed"]
+    _ok(r)
+    # one redistribution for both dims: DTensor merges them over the flattened group the features' split made
+    one = r["one_step"]
+    # (the weight's gradient always; the loss's scalar as DTensor's transform list falls)
+    assert ("all_reduce", 4, N * K) in [tuple(x) for x in one["seen"]], one
+    assert one["sent"] < r["charged"], r
+
+
+def test_the_contiguous_all_gathers_key_gradients_are_reduce_scattered_as_charged(results):
+    r = results["contiguous"]
+    _ok(r)
+    assert r["mesh"] == [4] and r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4, r
+    for slot, x in r["edges"].items():
+        assert not x["torch"]["dealt"] and not x["xla"]["dealt"], (slot, x)  # contiguous, as the run is
+        assert x["torch"]["home"] and x["torch"]["scatters"], (slot, x)
+        assert x["torch"]["seconds"] == pytest.approx(r["reduce_scatter_seconds"], rel=1e-12), (slot, x)
+        assert not x["xla"]["home"] and x["xla"]["seconds"] == 0, (slot, x)  # XLA: the operator's all-reduce
+    n = r["kv_tile"]
+    scatters = [tuple(s) for s in r["backward"] if s[0] == "reduce_scatter"]
+    assert scatters == [("reduce_scatter", 4, n)] * 2, r  # keys and values: one reduce-scatter each, among 4
+    assert not [s for s in r["backward"] if s[0] == "all_reduce" and s[2] == n], r  # no all-reduce of them
