@@ -8,6 +8,7 @@ through :func:`shardplan.torch.parallelize`, and reports the differences.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import traceback
@@ -532,11 +533,13 @@ def run_case(name: str, mesh: Any, p: int) -> dict[str, Any]:
         worst = max(worst, float((g - g0).abs().max()))
         scale = max(scale, float(g0.abs().max()))
     split_ops = sum(1 for c in plan.configs.values() if max(c) > 1)
+    widest = max(math.prod(c) for c in plan.configs.values())
     tiles_ok = _tiles_match(plan, pm, model)
     return {
         "loss": float(loss), "loss0": float(loss0), "rel_loss": rel_loss, "grad_err": worst, "grad_scale": scale,
         "rel_grad": worst / max(scale, 1e-30), "missing": missing, "grad_layouts_ok": bool(layouts_ok), "tiles_ok": tiles_ok,
-        "operators": len(plan.graph), "split_ops": split_ops, "solve_seconds": plan.solve_seconds,
+        "operators": len(plan.graph), "split_ops": split_ops, "world": p, "widest": widest,
+        "solve_seconds": plan.solve_seconds,
         "build_seconds": plan.build_seconds, "setup_seconds": setup, "step_seconds": step, "cost": plan.cost,
         "warnings": [str(w.message) for w in caught if issubclass(w.category, st.ShardplanWarning)],
         "report": st.report(plan, pm.info),
