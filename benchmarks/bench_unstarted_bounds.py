@@ -10,7 +10,8 @@ and two hypotheses a cheaper bound would rest on, checked on the computed bounds
 
 - *work grows with m*: m l^m_q(u) >= m0 l^m0_q(u) for m0 | m (a floor at the larger micro-batch scaled down);
   ``scaling_min_ratio`` is the least m l^m / (m0 l^m0) over every size and unit (below 1: it fails), and the
-  bubble bounds at m computed from the scaled bounds of the smallest count are given as what it would buy;
+  bubble bounds at m computed from the scaled bounds of the smallest count are given as what it would buy, and
+  ``scaled_every_count`` gives them (with the work bound m sum_i q_i l_i / p) at every count of the planner;
 - *work grows with the size*: q l_q(u) >= q' l_q'(u) for q' | q, both whole nodes; ``size_min_ratio`` the least
   such ratio.
 
@@ -100,8 +101,32 @@ def main() -> None:
         seen[m] = units
         rows.append(row)
         print(row, flush=True)
+    # every count of the planner, from the first count's bounds scaled (the hypothesis above; not a proof): the
+    # 1F1B bubble bound, ZB-H1's over every cut at once (one DP, no per-count layer) and the work bound
+    # m sum_i q_i l_i / p (every schedule's step is at least m t_max), each the least over the capped cuts
+    from shardplan.planner import micro_batch_counts
+    from shardplan.pipeline.search import FAMILY_SAFETY, _capped_sum_cut, _zb_bubble_weights
+
+    m0 = args.m[0]
+    scaled = []
+    for m in micro_batch_counts(None, spec.batch):
+        if m % m0:
+            continue
+        t0 = time.process_time()
+        units = {q: seen[m0][q] * m0 / m for q in sizes}
+        fwd = floors.forward_units(m)
+        one = _bubble_bound(units, None, p, m, inc, "1f1b", ns)
+        zb = float("nan")
+        if m >= 2:
+            w, lim = _zb_bubble_weights(units, fwd, p, m)
+            zb = min(inc, _capped_sum_cut(w, lim, inc / m, p, ns) * FAMILY_SAFETY)
+        work = min(inc, _capped_sum_cut({q: m * q * u / p for q, u in units.items()}, units, inc / m, p, ns)
+                   * FAMILY_SAFETY)
+        scaled.append({"micro_batches": m, "from": m0, "step_floor": model.step_floor(m), "one_f_one_b": one,
+                       "zb_every_cut": zb, "work": work, "cpu_seconds": time.process_time() - t0})
+        print(scaled[-1], flush=True)
     write_result("bench_unstarted_bounds", args.out, rows, load_average_at_start=load0,
-                 load_average_at_end=os.getloadavg())
+                 load_average_at_end=os.getloadavg(), scaled_every_count=scaled)
 
 
 if __name__ == "__main__":
