@@ -600,6 +600,46 @@ def _tiles_match(plan: Any, pm: Any, model: nn.Module) -> bool:
     return bool(flag.item())
 
 
+# the c10d operators DTensor's redistributions and the runners' own collectives desugar into, by kind
+COLLECTIVE_KINDS = {
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "allreduce_": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "all_to_all_single": "all_to_all"}
+
+
+def collective_recorder() -> Any:
+    """A dispatch mode recording ``(kind, group size, local input shape)`` of every collective of
+    :data:`COLLECTIVE_KINDS` issued under it on local tensors (DTensor's redistributions desugar into them: the
+    mode lets DTensor run first, as torch's ``CommDebugMode`` does). The group is the operator's last
+    process-group (or group-name) argument."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, int, tuple[int, ...]]] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            schema = getattr(func, "_schema", None)
+            ns, _, name = (schema.name if schema is not None else "").partition("::")
+            if "c10d" in ns and name in COLLECTIVE_KINDS:
+                first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+                group = [a for a in list(args) + list((kwargs or {}).values())
+                         if isinstance(a, (str, dist.ProcessGroup))][-1]
+                size = (_resolve_process_group(group) if isinstance(group, str) else group).size()
+                self.seen.append((COLLECTIVE_KINDS[name], int(size), tuple(first.shape)))
+            return func(*args, **(kwargs or {}))
+
+    return Record()
+
+
 def _clone(model: nn.Module) -> nn.Module:
     import copy
 

@@ -23,6 +23,7 @@ under a dispatch mode recording every collective on the local tensors (kind, gro
 
 from __future__ import annotations
 
+import math
 from typing import Any
 from unittest import mock
 
@@ -40,12 +41,6 @@ pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it ou
 WORLD = 4
 B, S, K, N = 8, 4, 16, 12  # batch, sequence, features in, features out
 AB, AS, AD, AH = 2, 16, 8, 2  # the attention layer: batch, sequence, width, heads
-
-_KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "allreduce_": "all_reduce",
-          "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-          "reduce_scatter_": "reduce_scatter", "all_gather_into_tensor": "all_gather",
-          "_allgather_base_": "all_gather", "allgather_": "all_gather", "all_to_all_single": "all_to_all"}
-
 
 class Lin(nn.Module):
     """One linear over (batch, sequence, features); the loss a weighted sum."""
@@ -72,33 +67,9 @@ class Attn(nn.Module):
         return (torch.tanh(self.o(y.transpose(1, 2).reshape(b, s, AD))) * w).sum()
 
 
-def _recorder() -> Any:
-    """A dispatch mode recording ``(kind, group size, elements)`` of every collective on local tensors issued
-    under it (DTensor's redistributions desugar into them: the mode lets DTensor run first)."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: list[tuple[str, int, int]] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if any(issubclass(t, DTensor) for t in types):
-                return NotImplemented
-            schema = getattr(func, "_schema", None)
-            ns, _, name = (schema.name if schema is not None else "").partition("::")
-            if "c10d" in ns and name in _KINDS:
-                first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-                group = [a for a in list(args) + list((kwargs or {}).values())
-                         if isinstance(a, (str, dist.ProcessGroup))][-1]  # the group's name comes last
-                size = (_resolve_process_group(group) if isinstance(group, str) else group).size()
-                self.seen.append((_KINDS[name], int(size), int(first.numel())))
-            return func(*args, **(kwargs or {}))
-
-    return Record()
+def _counted(seen: list[tuple[str, int, tuple[int, ...]]]) -> list[tuple[str, int, int]]:
+    """``(kind, group size, elements)`` of each collective :func:`torch_cases.collective_recorder` saw."""
+    return [(kind, g, math.prod(shape)) for kind, g, shape in seen]
 
 
 def _layouts(graph: Any, wants: dict[str, dict[int, int]], p: int) -> dict[str, Any]:
@@ -160,13 +131,13 @@ def _run_linear(case: str, world: int) -> dict[str, Any]:
         pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, mesh)
         one = (lambda src, dst, axes: [tuple(dst)]) if not steps else run_module.reduce_steps
         with mock.patch.object(run_module, "reduce_steps", one), \
-                disable_redistribute_transform_optimization(not merge), _recorder() as rec:
+                disable_redistribute_transform_optimization(not merge), torch_cases.collective_recorder() as rec:
             loss = pm(*batch)
             loss.backward()
         grad = pm.named_dparameters()["fc.weight"].grad.full_tensor()
         out["run" if merge and steps else "unmerged" if steps else "one_step"] = {
-            "mesh": list(pm.mesh.mesh.shape), "seen": sorted(s for s in rec.seen if s[0] == "all_reduce"),
-            "sent": _sent(rec.seen), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
+            "mesh": list(pm.mesh.mesh.shape), "seen": sorted(s for s in _counted(rec.seen) if s[0] == "all_reduce"),
+            "sent": _sent(_counted(rec.seen)), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
             "rel_grad": float((grad - ref.fc.weight.grad).abs().max() / ref.fc.weight.grad.abs().max())}
     return out
 
@@ -211,7 +182,7 @@ def _run_contiguous(world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
     pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, mesh)
     loss = pm(*batch)
-    with _recorder() as rec:
+    with torch_cases.collective_recorder() as rec:
         loss.backward()
     named = pm.named_dparameters()
     worst = max(float((named[n].grad.full_tensor() - p_.grad).abs().max() / p_.grad.abs().max())
@@ -219,7 +190,7 @@ def _run_contiguous(world: int) -> dict[str, Any]:
     kv_tile = AB * AH * AS * (AD // AH)  # a device's gathered keys (or values): every position of its heads
     rs = float(reduce_scatter_time(kv_tile * 4.0, np.array([[world]]), machine)[0])  # one among all, float32
     return {"reduce_scatter_seconds": rs, "edges": {str(k): x for k, x in edges.items()},
-            "backward": sorted(rec.seen), "kv_tile": kv_tile, "mesh": list(pm.mesh.mesh.shape), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
+            "backward": sorted(_counted(rec.seen)), "kv_tile": kv_tile, "mesh": list(pm.mesh.mesh.shape), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
             "rel_grad": worst}
 
 

@@ -108,38 +108,6 @@ def _moments(opt: Any) -> list[tuple[Any, Any, Any]]:
     return out
 
 
-_KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "allreduce_": "all_reduce",
-          "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-          "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-          "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-          "_allgather_base_": "all_gather", "allgather_": "all_gather"}
-
-
-def _collectives() -> Any:
-    """A dispatch mode recording ``(kind, local input shape)`` of every all-reduce, reduce-scatter and all-gather
-    issued under it (DTensor's redistributions desugar into them on local tensors: the mode lets DTensor run first,
-    as torch's ``CommDebugMode`` does)."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Collectives(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: list[tuple[str, tuple[int, ...]]] = []
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if any(issubclass(t, DTensor) for t in types):
-                return NotImplemented
-            schema = getattr(func, "_schema", None)
-            ns, _, name = (schema.name if schema is not None else "").partition("::")
-            if "c10d" in ns and name in _KINDS:
-                first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-                self.seen.append((_KINDS[name], tuple(first.shape)))
-            return func(*args, **(kwargs or {}))
-
-    return Collectives()
-
-
 def _sync_counts(pipe: Any, seen: list[tuple[str, tuple[int, ...]]]) -> dict[str, int]:
     """The collectives of ``seen`` on this process's stage parameters' local tiles or master-shard slices, by
     kind (the gradient synchronisation and the gather of updated shards; the stage's activations have other
@@ -189,12 +157,12 @@ def _train(world: int, plan_case: tuple) -> dict[str, Any]:
     rel_loss, param_err, freed_between = 0.0, 0.0, freed()
     backward_seen, step_seen, other_seen = [], [], []  # per Adam step: the collectives of pipe.step and opt.step
     for _ in range(2):
-        with _collectives() as mode:
+        with torch_cases.collective_recorder() as mode:
             loss = pipe.step(*batch)
-        with _collectives() as opt_mode:
+        with torch_cases.collective_recorder() as opt_mode:
             opt.step()
-        backward_seen.append(_sync_counts(pipe, mode.seen))
-        step_seen.append(_sync_counts(pipe, opt_mode.seen))
+        backward_seen.append(_sync_counts(pipe, [(k, sh) for k, _, sh in mode.seen]))
+        step_seen.append(_sync_counts(pipe, [(k, sh) for k, _, sh in opt_mode.seen]))
         other_seen.append(len(mode.seen) + len(opt_mode.seen) - sum(backward_seen[-1].values())
                           - sum(step_seen[-1].values()))
         grads = [(p, p.grad) for h in pipe.modules for p in h.module.parameters() if p.grad is not None]
