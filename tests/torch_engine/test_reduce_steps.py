@@ -9,14 +9,12 @@ import dataclasses
 
 import pytest
 
-pytest.importorskip("torch")
+from torch.distributed.tensor import Partial, Replicate, Shard
 
-from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: E402
-
-from shardplan.errors import ShardplanError  # noqa: E402
-from shardplan.machine import Machine, preset  # noqa: E402
-from shardplan.torch.device import dtensor_machine  # noqa: E402
-from shardplan.torch.run import flat_groups, reduce_steps  # noqa: E402
+from shardplan.errors import ShardplanError
+from shardplan.machine import Machine, preset
+from shardplan.torch.device import dtensor_machine
+from shardplan.torch.run import flat_groups, reduce_steps
 
 P, R = Partial(), Replicate()
 
