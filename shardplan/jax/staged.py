@@ -91,6 +91,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from shardplan.errors import ShardplanError
 
+Island = Callable[[list[Any]], list[Any]]
+
 __all__ = ["stack_stages", "pipeline_forward", "pipeline", "StagedStep", "StagedTrain", "staged_train", "scoped_trace",
            "Tracer", "batch_size", "build_staged"]
 
@@ -351,11 +353,15 @@ class _Stage:
         # custom call, on a value of the Explicit reads, "Side-effect ops cannot be replicated")
         self.defer, islands = {}, {}
         if not stage_choices(plan)[1]:
-            self.defer, islands = _deferrable(prog, set(eqns), self.params,
-                                              {i: len(info.leaf_shapes[i]) for i in self.params}, self.zero,
-                                              self.param_put, self.replace,
-                                              {key: _factored(sh) for key, sh in read_sh.items()},
-                                              {v: _factored(sh) for v, sh in out_sh.items()})
+            shapes = {v: tuple(sh) for e in prog.eqns for v, sh in zip(e.outvars, e.out_shapes)}
+            shapes.update({prog.invars[i]: tuple(info.leaf_shapes[i]) for i in self.params})
+            exported = frozenset(v for v in own if readers.get(v, set()) - {index})
+            self.defer, islands = _deferrable(prog, set(eqns), self.params, shapes, self.zero, self.param_put,
+                                              self.replace, {key: _factored(sh) for key, sh in read_sh.items()},
+                                              {v: _factored(sh) for v, sh in out_sh.items()}, exported)
+        for k, run_k in islands.items():  # a deferred leaf's broadcast hands on the Explicit leaf: no constraint
+            if run_k is _pass_through:
+                produce.pop(prog.eqns[k].outvars[0], None)
         views = param_views(info)
         for (k, slot), sh in read_sh.items():  # a read of a stage >= 2 leaf: its gradient straight into the shards
             a = prog.eqns[k].invars[slot]
@@ -472,20 +478,32 @@ def _explicit_reduced(sharding: Any) -> Any:
     return NamedSharding(explicit, PartitionSpec(*sharding.spec, reduced=free))
 
 
-def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], ranks: Mapping[int, int], zero: Mapping[int, int],
-                tiles: Mapping[int, Any], taken: Mapping[int, Any], reads: Mapping[tuple[int, int], Any],
-                outs: Mapping[int, Any]) -> tuple[dict[int, Any], dict[int, Callable[[list[Any]], list[Any]]]]:
+def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mapping[int, tuple[int, ...]],
+                zero: Mapping[int, int], tiles: Mapping[int, Any], taken: Mapping[int, Any],
+                reads: Mapping[tuple[int, int], Any], outs: Mapping[int, Any],
+                exported: frozenset[int] = frozenset()) -> tuple[dict[int, Any], dict[int, Island]]:
     """The stage's leaves whose gradient reduction waits for the step's end, and what runs their reads.
 
-    A ZeRO 0/1 leaf ``i`` (``params``, of rank ``ranks[i]``, ``zero``) whose tile (``tiles[i]``) is replicated
+    A ZeRO 0/1 leaf ``i`` (``params``, of shape ``shapes[i]``, ``zero``) whose tile (``tiles[i]``) is replicated
     over some mesh axes R is deferred when every equation of the stage (``eqns``, their remat bodies included)
-    that reads it is a ``dot_general`` (not one ``taken`` by an FP8 or ring hook) reading it in its tile, whose
-    other operand and output (``reads``, ``outs``: the plan's shardings, on prime-factor meshes) are on the
-    tile's mesh, and whose other operand's free axes (those the weight gradient sums over) are split over
-    exactly R, in the operand and in the output (:func:`_island`). Then each read's weight gradient is a sum of
-    per-device terms over R, which JAX's sharding-in-types rules type ``unreduced`` over R on Explicit axes.
-    Returns ``({leaf: its Explicit sharding reduced over R}, {equation: the read run on Explicit axes})``.
+    that reads it, none ``taken`` by an FP8 or ring hook, is one of (the other operands' and outputs' shardings:
+    ``reads``, ``outs``, the plan's, on prime-factor meshes, all on the tile's mesh; the leaf read in its tile):
+
+    * a ``dot_general`` whose other operand's free axes (those the weight gradient sums over) are split over
+      exactly R, in the operand and in the output (:func:`_island`: run on Explicit axes, JAX's sharding-in-types
+      rules type the weight gradient ``unreduced`` over R);
+    * a ``gather`` of the leaf (an embedding) by indices whose batch dimensions are split over exactly R
+      (:func:`shardplan.jax.local_reads.gather_island`);
+    * a ``broadcast_in_dim`` of the leaf read only by ``mul`` equations whose other operand has the broadcast
+      (size-1) dimensions split over exactly R (a norm's scale, :func:`shardplan.jax.local_reads.scale_island`;
+      the broadcast's result not sent to another stage, ``exported``).
+
+    The last two run per device in a ``shard_map`` that JAX's varying-axes typing makes hand back each device's
+    term, ``unreduced`` over R. In each case the terms sum to the gradient (docs/jax.md, "What the stage programs
+    send for a weight"). Returns ``({leaf: its Explicit sharding reduced over R}, {equation: what runs it})``.
     """
+    from shardplan.jax.local_reads import gather_island, scale_island
+
     top = _top_ancestor(prog)
     readers: dict[int, list[tuple[int, int]]] = {}
     for k, e in enumerate(prog.eqns):
@@ -496,20 +514,51 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], ranks: Mapping
                 readers.setdefault(v, []).append((k, slot))
     hidden = {v for e in prog.eqns if e.parent is None for v in e.invars if isinstance(v, int)}
     defer: dict[int, Any] = {}
-    islands: dict[int, Callable[[list[Any]], list[Any]]] = {}
+    islands: dict[int, Island] = {}
     for i in params:
         sh = _explicit_reduced(tiles[i]) if zero[i] <= 1 else None
         uses = readers.get(prog.invars[i], [])
         if sh is None or not uses or prog.invars[i] in hidden:
             continue
-        runs = [None if k in taken else _island(prog.eqns[k], slot, ranks[i], tiles[i], sh,
-                                                reads.get((k, slot)), reads.get((k, 1 - slot)),
-                                                outs.get(prog.eqns[k].outvars[0]))
-                for k, slot in uses]
-        if all(r is not None for r in runs):
+        rank, runs = len(shapes[prog.invars[i]]), {}
+        for k, slot in uses:
+            e = prog.eqns[k]
+            if k in taken:
+                break
+            if e.name == "dot_general":
+                runs[k] = _island(e, slot, rank, tiles[i], sh, reads.get((k, slot)), reads.get((k, 1 - slot)),
+                                  outs.get(e.outvars[0]))
+            elif e.name == "gather" and slot == 0:
+                runs[k] = gather_island(e, shapes[prog.invars[i]], tiles[i], sh, reads.get((k, 0)),
+                                        reads.get((k, 1)), outs.get(e.outvars[0]))
+            elif e.name == "broadcast_in_dim" and len(e.outvars) == 1:
+                v = e.outvars[0]
+                scaled = readers.get(v, [])
+                if not scaled or v in hidden or v in exported or any(k2 in taken for k2, _ in scaled):
+                    break
+                runs[k] = _pass_through
+                for k2, s2 in scaled:
+                    e2 = prog.eqns[k2]
+                    other = e2.invars[1 - s2] if len(e2.invars) == 2 else None
+                    runs[k2] = None if not isinstance(other, int) else scale_island(
+                        e2, s2, e, shapes[other], rank, tiles[i], sh, reads.get((k2, 1 - s2)),
+                        outs.get(e2.outvars[0]))
+                    if runs[k2] is None:
+                        break
+            else:
+                break
+            if runs[k] is None or None in runs.values():
+                break
+        else:
             defer[i] = sh
-            islands.update({k: r for (k, _), r in zip(uses, runs)})
+            islands.update(runs)
     return defer, islands
+
+
+def _pass_through(args: list[Any]) -> list[Any]:
+    """What a deferred leaf's broadcast runs: nothing, handing the Explicit leaf on to its ``mul`` readers, which
+    broadcast it per device (:func:`shardplan.jax.local_reads.scale_island`)."""
+    return [args[0]]
 
 
 def _spec_axes(spec: Any, dims: Sequence[int]) -> frozenset[str]:
