@@ -359,7 +359,7 @@ class _Stage:
             self.defer, islands = _deferrable(prog, set(eqns), self.params, shapes, self.zero, self.param_put,
                                               self.replace, {key: _factored(sh) for key, sh in read_sh.items()},
                                               {v: _factored(sh) for v, sh in out_sh.items()}, exported)
-        for k, run_k in islands.items():  # a deferred leaf's broadcast hands on the Explicit leaf: no constraint
+        for k, run_k in islands.items():  # a deferred leaf's broadcast or transpose passes the Explicit leaf on
             if run_k is _pass_through:
                 produce.pop(prog.eqns[k].outvars[0], None)
         views = param_views(info)
@@ -494,6 +494,8 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
       rules type the weight gradient ``unreduced`` over R);
     * a ``gather`` of the leaf (an embedding) by indices whose batch dimensions are split over exactly R
       (:func:`shardplan.jax.local_reads.gather_island`);
+    * a ``transpose`` of the leaf (a tied embedding read as the head) read only by such ``dot_general``
+      equations (:func:`_transposed_island`; the transpose's result not sent to another stage, ``exported``);
     * a ``broadcast_in_dim`` of the leaf read only by ``mul`` equations whose other operand has the broadcast
       (size-1) dimensions split over exactly R (a norm's scale, :func:`shardplan.jax.local_reads.scale_island`;
       the broadcast's result not sent to another stage, ``exported``).
@@ -531,6 +533,18 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
             elif e.name == "gather" and slot == 0:
                 runs[k] = gather_island(e, shapes[prog.invars[i]], tiles[i], sh, reads.get((k, 0)),
                                         reads.get((k, 1)), outs.get(e.outvars[0]))
+            elif e.name == "transpose" and len(e.outvars) == 1:  # a view (a tied embedding's transpose)
+                v = e.outvars[0]
+                multiplied = readers.get(v, [])
+                if not multiplied or v in hidden or v in exported or any(k2 in taken for k2, _ in multiplied):
+                    break
+                runs[k] = _pass_through
+                for k2, s2 in multiplied:
+                    runs[k2] = _transposed_island(prog.eqns[k2], s2, tuple(e.params["permutation"]), tiles[i],
+                                                  reads.get((k2, s2)), reads.get((k2, 1 - s2)),
+                                                  outs.get(prog.eqns[k2].outvars[0]))
+                    if runs[k2] is None:
+                        break
             elif e.name == "broadcast_in_dim" and len(e.outvars) == 1:
                 v = e.outvars[0]
                 scaled = readers.get(v, [])
@@ -555,9 +569,37 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
     return defer, islands
 
 
+def _transposed_island(e: Any, slot: int, perm: tuple[int, ...], tile: Any, read: Any, other: Any,
+                       out: Any) -> Island | None:
+    """The ``dot_general`` equation ``e`` reading, as operand ``slot``, the transpose (``perm``) of a deferred leaf
+    (tile ``tile``; the transpose equation passes the Explicit leaf through): the leaf transposed on Explicit axes
+    (still reduced over R: a transpose moves no data between devices) and read as :func:`_island` reads a leaf,
+    with the transposed tile. None unless that read is deferrable."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec, use_abstract_mesh
+
+    if e.name != "dot_general":
+        return None
+    entries = list(tile.spec) + [None] * (len(perm) - len(tile.spec))
+    flipped = NamedSharding(tile.mesh, PartitionSpec(*(entries[d] for d in perm)))
+    sharding = _explicit_reduced(flipped)
+    product = None if sharding is None else _island(e, slot, len(perm), flipped, sharding, read, other, out)
+    if product is None:
+        return None
+
+    def run(args: list[Any]) -> list[Any]:
+        args = list(args)
+        with use_abstract_mesh(sharding.mesh.abstract_mesh):
+            args[slot] = jax.lax.transpose(args[slot], perm)
+        return product(args)
+
+    return run
+
+
 def _pass_through(args: list[Any]) -> list[Any]:
-    """What a deferred leaf's broadcast runs: nothing, handing the Explicit leaf on to its ``mul`` readers, which
-    broadcast it per device (:func:`shardplan.jax.local_reads.scale_island`)."""
+    """What a deferred leaf's broadcast or transpose runs: nothing, handing the Explicit leaf on to its readers,
+    which broadcast it per device (:func:`shardplan.jax.local_reads.scale_island`) or transpose it on Explicit
+    axes (:func:`_transposed_island`)."""
     return [args[0]]
 
 
