@@ -64,13 +64,16 @@ def _local_island(sharding: Any, slot: int, specs: Sequence[Any], out_spec: Any,
 
     mesh = sharding.mesh
     in_specs = tuple(sharding.spec if k == slot else s for k, s in enumerate(specs))
-    replicas = tuple(a for a in mesh.axis_names if a in sharding.spec.reduced)
+    named = {a for s in in_specs for e in s for a in _entry_axes(e)} | set(sharding.spec.reduced)
+    axes = tuple(a for a in mesh.axis_names if a in named)
 
     def body(*xs: Any) -> Any:
-        # the leaf's block made varying over R, as the other operand is: the cast whose transpose hands back
-        # each device's term, unreduced (a primitive bound directly gets no implicit cast)
-        xs = list(xs)
-        xs[slot] = jax.lax.pcast(xs[slot], replicas, to="varying")
+        # every block made varying over the axes any of them varies over (a primitive bound directly gets no
+        # implicit cast): the leaf's cast over R is the one whose transpose hands back each device's term,
+        # unreduced; the others' casts (an index replicated over the leaf's tile axes) transpose to nothing sent
+        # for an integer operand, to a sum over the axis for a float one
+        xs = [x if not (more := tuple(a for a in axes if a not in jax.typeof(x).vma)) else
+              jax.lax.pcast(x, more, to="varying") for x in xs]
         return local(xs)
 
     def run(args: list[Any]) -> list[Any]:

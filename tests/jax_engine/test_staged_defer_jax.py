@@ -122,3 +122,162 @@ def test_a_tied_embeddings_transposed_read_is_deferred():
     sent, reduced, others = _sent(step, params, batch)
     assert (sent, reduced, others) == ([0] * 4, [1552, 1040, 1040, 1552], [[]] * 4)
     _assert_equal_to_unsharded(step, params, batch)
+
+
+def _equations():
+    """The gather, the scale's broadcast and its multiply of a traced embedding-and-norm (ids (4, 4), a table
+    (32, 16), a scale (16,)), as the stage runner sees them."""
+    from shardplan.jax.lower import trace
+
+    def loss(p, ids):
+        return jnp.sum(p["e"][ids] * p["g"])
+
+    params = {"e": jnp.zeros((32, 16)), "g": jnp.zeros((16,))}
+    _, info = trace(loss, params, jnp.zeros((4, 4), jnp.int32))
+    eqns = info.program.eqns
+    gather = next(e for e in eqns if e.name == "gather")
+    view = next(e for e in eqns if e.name == "broadcast_in_dim" and e.out_shapes[0] == (1, 1, 16))
+    mul = next(e for e in eqns if e.name == "mul" and view.outvars[0] in e.invars)
+    return gather, view, mul
+
+
+def _mesh(shape):
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(DEVICES[:math.prod(shape)]).reshape(shape), ("s", "t")[:len(shape)])
+
+
+def _summed_terms(island, sharding, leaf, others, slot):
+    """The island's gradient at ``leaf`` (of ``sum(sin(read))``): each device's term, stacked, then summed."""
+    import shardplan.jax.staged as staged
+
+    def terms(w, *xs):
+        def loss(we):
+            args = list(xs)
+            args.insert(slot, we)
+            return jnp.sum(jnp.sin(island(args)[0]))
+
+        return staged._stack_partial_sums(jax.grad(loss)(staged._to_explicit(w, sharding)), sharding)
+
+    program = jax.jit(terms)
+    text = program.lower(leaf, *others).compile().as_text()
+    assert not any(re.search(rf" {k}(?:-start)?\(", text) for k in COLLECTIVES), "a term was sent"
+    return program(leaf, *others).sum(axis=0)
+
+
+@pytest.mark.parametrize("mesh, tile, indices, out, ok", [
+    ((2,), (None, None), (None, "s", None), (None, "s", None), True),
+    ((2, 2), (None, "t"), ("s", None, None), ("s", None, "t"), True),  # the table's features split: local slices
+    ((2,), (None, None), (None, None, None), (None, None, None), False),  # every row on both replicas
+    ((2,), (None, None), (None, "s", None), (None, None, None), False),  # the output not split as the rows
+    ((2, 2), ("t", None), ("s", None, None), ("s", None, None), False),  # the indexed (vocabulary) axis split
+])
+def test_an_embedding_gather_is_deferred_where_its_rows_split_over_the_replicas(mesh, tile, indices, out, ok):
+    """``gather_island`` takes a gather of a table replicated over R (the axes its tile leaves free) when the
+    indices' rows are split over exactly R, the table's indexed axis whole and the output split as the rows and
+    the table: then the terms its backward leaves on the devices (nothing sent) sum to the unsharded gather's
+    gradient. Otherwise it refuses, and the leaf's gradient is all-reduced by every micro-batch's backward."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import shardplan.jax.staged as staged
+    from shardplan.jax.local_reads import gather_island
+
+    gather, _, _ = _equations()
+    mesh = _mesh(mesh)
+    tile = NamedSharding(mesh, P(*tile))
+    sharding = staged._explicit_reduced(tile)
+    island = gather_island(gather, (32, 16), tile, sharding, tile, NamedSharding(mesh, P(*indices)),
+                          NamedSharding(mesh, P(*out)))
+    assert (island is not None) == ok
+    if not ok:
+        return
+    table = jax.random.normal(jax.random.key(0), (32, 16))
+    idx = jax.random.randint(jax.random.key(1), (4, 4, 1), 0, 32)
+    got = _summed_terms(island, sharding, jax.device_put(table, tile),
+                        [jax.device_put(idx, NamedSharding(mesh, P(*indices)))], 0)
+    want = jax.grad(lambda t: jnp.sum(jnp.sin(gather.primitive.bind(t, idx, **gather.params))))(table)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh, tile, x, ok", [
+    ((2,), (None,), (None, "s", None), True),
+    ((2, 2), ("t",), ("s", None, "t"), True),  # the features split as the scale's tile
+    ((2,), (None,), (None, None, "s"), False),  # the features split over the replicas
+    ((2,), (None,), (None, None, None), False),  # the rows on both replicas
+])
+def test_a_norm_scale_is_deferred_where_its_rows_split_over_the_replicas(mesh, tile, x, ok):
+    """``scale_island`` takes ``x * broadcast(g)`` when the broadcast (size-1) axes of ``g`` are split over
+    exactly R in ``x`` and the output, the others as ``g``'s tile: the terms sum to the unsharded gradient, nothing
+    sent. Otherwise it refuses."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import shardplan.jax.staged as staged
+    from shardplan.jax.local_reads import scale_island
+
+    _, view, mul = _equations()
+    mesh = _mesh(mesh)
+    tile = NamedSharding(mesh, P(*tile))
+    sharding = staged._explicit_reduced(tile)
+    slot = mul.invars.index(view.outvars[0])
+    xs = NamedSharding(mesh, P(*x))
+    island = scale_island(mul, slot, view, (4, 4, 16), 1, tile, sharding, xs, xs)
+    assert (island is not None) == ok
+    if not ok:
+        return
+    g = 1 + 0.1 * jax.random.normal(jax.random.key(0), (16,))
+    h = jax.random.normal(jax.random.key(1), (4, 4, 16))
+    got = _summed_terms(island, sharding, jax.device_put(g, tile), [jax.device_put(h, xs)], slot)
+    want = jax.grad(lambda g: jnp.sum(jnp.sin(h * g)))(g)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("read", ["take", "index", "scale"])
+@pytest.mark.parametrize("check_vma, factor, all_reduces", [(True, 1, 0), (False, 2, 1)])
+def test_a_per_device_reads_terms_are_the_gradient_only_with_check_vma(read, check_vma, factor, all_reduces):
+    """Why the per-device reads run in a ``shard_map`` with ``check_vma=True`` (JAX 0.9.2): the weight enters
+    ``reduced`` over the axis of 2 its tile leaves free, the other operand's rows split over it. With the
+    varying-axes check, the cast that meets the weight with the rows (inserted by ``jnp``, explicit in
+    ``shardplan.jax.local_reads``) transposes into each device's own term, ``unreduced``: their sum is the
+    gradient and nothing is sent. Without it, the transpose all-reduces the terms and still types the result
+    ``unreduced``: the sum of the devices' copies is twice the gradient. (Outside a ``shard_map`` JAX 0.9.2 types
+    neither read: a gather of a reduced table asks for ``.at[...].get(out_sharding=)``, which runs it on Auto
+    axes, and the multiply is refused, "Inputs cannot be sharded on the same axes that another input is reduced
+    on".)"""
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, reshard, use_abstract_mesh
+
+    devices = np.array(DEVICES[:2])
+    auto, explicit = Mesh(devices, ("s",)), Mesh(devices, ("s",), axis_types=(AxisType.Explicit,))
+    k0, k1 = jax.random.split(jax.random.key(3))
+    if read == "scale":
+        w, x = 1 + 0.1 * jax.random.normal(k0, (16,)), jax.random.normal(k1, (4, 4, 16))
+        local = lambda w, x: x * w  # noqa: E731
+    else:
+        w, x = jax.random.normal(k0, (32, 16)), jax.random.randint(k1, (4, 4), 0, 32)
+        local = (lambda w, i: jnp.take(w, i, axis=0)) if read == "take" else (lambda w, i: w[i])  # noqa: E731
+    w = jax.device_put(w, NamedSharding(auto, P()))
+    x = jax.device_put(x, NamedSharding(auto, P("s")))
+
+    def to_auto(v):
+        with use_abstract_mesh(auto.abstract_mesh):
+            return reshard(v, P())
+
+    def terms(w, x):
+        with use_abstract_mesh(explicit.abstract_mesh):
+            we, xe = reshard(w, P(reduced={"s"})), reshard(x, P("s"))
+
+        def loss(we):
+            y = jax.shard_map(local, mesh=explicit, in_specs=(P(reduced={"s"}), P("s")), out_specs=P("s"),
+                              check_vma=check_vma)(we, xe)
+            return jnp.sum(jnp.sin(to_auto(y)))
+
+        g = jax.grad(loss)(we)
+        stacked = jax.shard_map(lambda t: t[None], mesh=explicit, in_specs=P(unreduced={"s"}), out_specs=P("s"),
+                                check_vma=False)(g)
+        return jax.lax.with_sharding_constraint(to_auto(stacked), NamedSharding(auto, P("s")))
+
+    program = jax.jit(terms)
+    text = program.lower(w, x).compile().as_text()
+    assert len(re.findall(r" all-reduce(?:-start)?\(", text)) == all_reduces
+    want = jax.grad(lambda w: jnp.sum(jnp.sin(local(w, x))))(w)
+    np.testing.assert_allclose(np.asarray(program(w, x).sum(axis=0)), factor * np.asarray(want), rtol=1e-6,
+                               atol=1e-6)
