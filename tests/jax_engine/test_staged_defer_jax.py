@@ -281,3 +281,39 @@ def test_a_per_device_reads_terms_are_the_gradient_only_with_check_vma(read, che
     want = jax.grad(lambda w: jnp.sum(jnp.sin(local(w, x))))(w)
     np.testing.assert_allclose(np.asarray(program(w, x).sum(axis=0)), factor * np.asarray(want), rtol=1e-6,
                                atol=1e-6)
+
+
+def test_zero_1_embedding_and_scales_train_like_optax():
+    """The embedding (its gather) and two RMS-norm scales at ZeRO 1 (Adam's state in 2 shards of the tile): they are
+    deferred, their terms reduced once a step into the shards, and two Adam steps equal optax's on the unsharded
+    program."""
+    import optax
+    from staged_cases import with_choices
+    from test_staged_zero_jax import assert_close
+
+    import shardplan.jax as sj
+    from shardplan.jax.staged import Tracer, batch_size
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.planner import from_pipeline
+
+    params, batch = _gpt_params(), _tokens()
+    tracer = Tracer(_gpt_loss, params, batch)
+    plan = from_pipeline(pipeline_solve(tracer, batch_size(tracer.full_info), _toy(), micro_batches=(M,), sizes=(2,),
+                                        cutoff=1))
+    edits = {n: {"state_stage": 1} for n in ("embed/gather", "L0/mul", "L3/mul")}
+    step = sj.apply(with_choices(plan, edits), _gpt_loss, params, batch, DEVICES).step
+    names = step.info.leaf_names
+    ones = {i for st in step.stages for i, z in st.zero.items() if z == 1}
+    assert sorted(names[i] for i in ones) == ["arg0['blocks'][0]['g']", "arg0['blocks'][3]['g']", "arg0['embed']"]
+    assert all(i in st.defer for st in step.stages for i in st.params)
+    opt = optax.adam(1e-2)
+    train = step.train_step(opt, params)
+    p, state = train.init(params)
+    want, ref = params, opt.init(params)
+    for _ in range(2):
+        p, state, loss = train(p, state, batch)
+        loss0, grads = jax.value_and_grad(_gpt_loss)(want, batch)
+        updates, ref = opt.update(grads, ref, want)
+        want = jax.tree.map(lambda a, u: a + u, want, updates)
+        assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
+        assert_close(p, want)
