@@ -70,8 +70,7 @@ def _local_island(sharding: Any, slot: int, specs: Sequence[Any], out_spec: Any,
     def body(*xs: Any) -> Any:
         # every block made varying over the axes any of them varies over (a primitive bound directly gets no
         # implicit cast): the leaf's cast over R is the one whose transpose hands back each device's term,
-        # unreduced; the others' casts (an index replicated over the leaf's tile axes) transpose to nothing sent
-        # for an integer operand, to a sum over the axis for a float one
+        # unreduced; another cast is an index's (replicated over the table's tile axes), which has no cotangent
         xs = [x if not (more := tuple(a for a in axes if a not in jax.typeof(x).vma)) else
               jax.lax.pcast(x, more, to="varying") for x in xs]
         return local(xs)
@@ -132,11 +131,10 @@ def gather_island(e: Any, shape: tuple[int, ...], tile: Any, sharding: Any, read
 def scale_island(e: Any, slot: int, view: Any, other_shape: tuple[int, ...], rank: int, tile: Any, sharding: Any,
                  other: Any, out: Any) -> Island | None:
     """The ``mul`` equation ``e`` reading, as operand ``slot``, the ``broadcast_in_dim`` equation ``view`` of a
-    deferred leaf (rank ``rank``, tile ``tile``, Explicit ``sharding`` reduced over R; ``other_shape``: the shape of
-    the other operand), run per device with the
+    deferred leaf (rank ``rank``, tile ``tile``, Explicit ``sharding`` reduced over R), run per device with the
     broadcast done on the local block (module docstring); its argument ``slot`` is then the leaf itself (the view
-    equation passes it through). ``other``, ``out``: the plan's shardings of the other operand and the output.
-    None unless they meet the conditions there."""
+    equation passes it through). ``other_shape``, ``other``, ``out``: the other operand's shape and the plan's
+    shardings of it and of the output. None unless they meet the conditions there."""
     if e.name != "mul" or view.name != "broadcast_in_dim" or len(e.invars) != 2 or None in (other, out):
         return None
     if e.invars[0] == e.invars[1] or not (other.mesh == out.mesh == tile.mesh):

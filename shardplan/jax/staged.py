@@ -35,8 +35,9 @@ Execution, for each stage (each chunk of an interleaved plan):
   apart), the micro-batches being
   consecutive slices of the batch's leading axis; gradients are accumulated
   per stage (a ZeRO 0/1 weight replicated over some of the stage's mesh axes
-  and read only by matmuls that sum over those axes: as each device's partial
-  sums, added locally and reduced once a step, :func:`_deferrable`); JAX's
+  and read only by matmuls, gathers or scales that sum over those axes: as
+  each device's partial sums, added locally and reduced once a step,
+  :func:`_deferrable`); JAX's
   asynchronous dispatch lets stages on disjoint devices
   overlap, each device running its passes in the order issued.
 
@@ -345,10 +346,10 @@ class _Stage:
         self.params = [i for i in leaves if i in info.param_leaves and inexact(leaf_dtypes[i])]
         self.data = [i for i in leaves if i not in self.params]
         self._hold_state(plan, info, names)
-        # a ZeRO 0/1 leaf whose tile has replicas and whose every read is a matmul that sums over them
-        # (:func:`_deferrable`) enters as an Explicit-axes value marked reduced over them, each read run on Explicit
-        # axes, so its gradient comes back unreduced (each device's partial sum): summed locally over the
-        # micro-batches, reduced once a step (:meth:`reduce_grads`)
+        # a ZeRO 0/1 leaf whose tile has replicas and whose every read sums over them (a matmul, a gather, a scale:
+        # :func:`_deferrable`) enters as an Explicit-axes value marked reduced over them, each read run on Explicit
+        # axes or per device, so its gradient comes back unreduced (each device's partial sum): summed locally over
+        # the micro-batches, reduced once a step (:meth:`reduce_grads`)
         # (not in a stage that offloads activations: XLA refuses the host-offload annotation, a side-effecting
         # custom call, on a value of the Explicit reads, "Side-effect ops cannot be replicated")
         self.defer, islands = {}, {}

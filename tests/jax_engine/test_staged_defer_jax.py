@@ -283,25 +283,31 @@ def test_a_per_device_reads_terms_are_the_gradient_only_with_check_vma(read, che
                                atol=1e-6)
 
 
-def test_zero_1_embedding_and_scales_train_like_optax():
-    """The embedding (its gather) and two RMS-norm scales at ZeRO 1 (Adam's state in 2 shards of the tile): they are
-    deferred, their terms reduced once a step into the shards, and two Adam steps equal optax's on the unsharded
-    program."""
-    import optax
+def _gpt_with_choices(edits, params, batch):
+    """The tiny GPT's staged step (4 stages of 2 devices, m = 4) with the per-operator choices ``edits``."""
     from staged_cases import with_choices
-    from test_staged_zero_jax import assert_close
 
     import shardplan.jax as sj
     from shardplan.jax.staged import Tracer, batch_size
     from shardplan.pipeline.api import pipeline_solve
     from shardplan.planner import from_pipeline
 
-    params, batch = _gpt_params(), _tokens()
     tracer = Tracer(_gpt_loss, params, batch)
     plan = from_pipeline(pipeline_solve(tracer, batch_size(tracer.full_info), _toy(), micro_batches=(M,), sizes=(2,),
                                         cutoff=1))
-    edits = {n: {"state_stage": 1} for n in ("embed/gather", "L0/mul", "L3/mul")}
-    step = sj.apply(with_choices(plan, edits), _gpt_loss, params, batch, DEVICES).step
+    assert [(s.offset, s.devices) for s in plan.stages] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    return sj.apply(with_choices(plan, edits), _gpt_loss, params, batch, DEVICES).step
+
+
+def test_zero_1_embedding_and_scales_train_like_optax():
+    """The embedding (its gather) and two RMS-norm scales at ZeRO 1 (Adam's state in 2 shards of the tile): they are
+    deferred, their terms reduced once a step into the shards, and two Adam steps equal optax's on the unsharded
+    program."""
+    import optax
+    from test_staged_zero_jax import assert_close
+
+    params, batch = _gpt_params(), _tokens()
+    step = _gpt_with_choices({n: {"state_stage": 1} for n in ("embed/gather", "L0/mul", "L3/mul")}, params, batch)
     names = step.info.leaf_names
     ones = {i for st in step.stages for i, z in st.zero.items() if z == 1}
     assert sorted(names[i] for i in ones) == ["arg0['blocks'][0]['g']", "arg0['blocks'][3]['g']", "arg0['embed']"]
@@ -317,3 +323,18 @@ def test_zero_1_embedding_and_scales_train_like_optax():
         want = jax.tree.map(lambda a, u: a + u, want, updates)
         assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
         assert_close(p, want)
+
+
+def test_recomputed_reads_stay_deferred():
+    """Stages 0 and 3 recompute the embedding's gather, L0's scale and product and L3's scale (their bodies run under
+    ``jax.checkpoint``, the per-device reads inside it), stage 1 holds L1's scale at ZeRO 3 (not deferred: its
+    gradient goes into its shards each micro-batch). The other 13 leaves are deferred, the recomputing stages'
+    backward programs send nothing, and the gradients equal the unsharded program's."""
+    params, batch = _gpt_params(), _tokens()
+    edits = {n: {"recompute": True} for n in ("embed/gather", "L0/mul", "L0/mul_2", "L3/mul")}
+    step = _gpt_with_choices({**edits, "L1/mul": {"state_stage": 3}}, params, batch)
+    assert [st.remat for st in step.stages] == [True, True, False, True]
+    assert [len(st.defer) for st in step.stages] == [4, 2, 3, 4]
+    sent, reduced, others = _sent(step, params, batch)
+    assert (sent[0], sent[2], sent[3]) == (0, 0, 0) and (reduced[0], reduced[3]) == (1552, 1552), (sent, reduced)
+    _assert_equal_to_unsharded(step, params, batch)
