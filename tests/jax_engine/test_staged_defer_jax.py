@@ -21,6 +21,7 @@ from test_pipeline_jax import _gpt_loss, _gpt_params, _tokens, _toy
 DEVICES = require_8_devices()
 M, ROWS = 4, 4  # micro-batches, rows of each (the batch of 16)
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
+# the tests that build the tiny GPT's pipeline take 5-10 CPU s each; all but the main count are marked slow
 
 
 def _gpt_step(tied: bool = False):
@@ -81,10 +82,10 @@ def _assert_equal_to_unsharded(step, params, batch):
 
 @pytest.mark.parametrize("reads, deferred, backward, once", [
     # nothing deferred: every leaf all-reduced by each micro-batch's backward, 4 x 5184 = 20736 floats a step
-    ("none", [0, 0, 0, 0], [1552, 1040, 1040, 1552], [0, 0, 0, 0]),
+    pytest.param("none", [0, 0, 0, 0], [1552, 1040, 1040, 1552], [0, 0, 0, 0], marks=pytest.mark.slow),
     # the matmuls only (the runner before): the embedding (512) and the 4 scales (16 each) per micro-batch,
     # 4 x 576 + 4608 = 6912 floats a step
-    ("matmuls", [2, 2, 2, 3], [528, 16, 16, 16], [1024, 1024, 1024, 1536]),
+    pytest.param("matmuls", [2, 2, 2, 3], [528, 16, 16, 16], [1024, 1024, 1024, 1536], marks=pytest.mark.slow),
     # every read: nothing per micro-batch, 5184 floats once a step
     ("all", [4, 3, 3, 4], [0, 0, 0, 0], [1552, 1040, 1040, 1552]),
 ])
@@ -110,6 +111,7 @@ def test_the_tiny_gpt_sends_each_gradient_once_a_step(monkeypatch, reads, deferr
     _assert_equal_to_unsharded(step, params, batch)
 
 
+@pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 def test_a_tied_embeddings_transposed_read_is_deferred():
     """The head tied to the embedding: the last stage reads its copy of the embedding through a transpose (a
     view) into the head's matmul. The transpose passes the Explicit leaf on and the matmul transposes it on
@@ -299,6 +301,7 @@ def _gpt_with_choices(edits, params, batch):
     return sj.apply(with_choices(plan, edits), _gpt_loss, params, batch, DEVICES).step
 
 
+@pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 def test_zero_1_embedding_and_scales_train_like_optax():
     """The embedding (its gather) and two RMS-norm scales at ZeRO 1 (Adam's state in 2 shards of the tile): they are
     deferred, their terms reduced once a step into the shards, and two Adam steps equal optax's on the unsharded
@@ -325,6 +328,7 @@ def test_zero_1_embedding_and_scales_train_like_optax():
         assert_close(p, want)
 
 
+@pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 def test_recomputed_reads_stay_deferred():
     """Stages 0 and 3 recompute the embedding's gather, L0's scale and product and L3's scale (their bodies run under
     ``jax.checkpoint``, the per-device reads inside it), stage 1 holds L1's scale at ZeRO 3 (not deferred: its
@@ -338,3 +342,63 @@ def test_recomputed_reads_stay_deferred():
     sent, reduced, others = _sent(step, params, batch)
     assert (sent[0], sent[2], sent[3]) == (0, 0, 0) and (reduced[0], reduced[3]) == (1552, 1552), (sent, reduced)
     _assert_equal_to_unsharded(step, params, batch)
+
+
+def test_on_explicit_axes_jax_types_a_batched_product_but_not_a_scale_or_a_gather():
+    """JAX 0.9.2 on Explicit axes, a weight ``reduced`` over an axis of 2 and the rows split over it: the scale
+    ``x * g`` is refused ("cannot be sharded on the same axes that another input is reduced on") and so is the
+    gather ``e[ids]`` (it asks for ``.at[...].get(out_sharding=)``, which runs on Auto axes); the same scale as a
+    ``dot_general`` with the feature axis a batch dimension and nothing contracted (one product per element, as
+    the multiply) is typed, its weight gradient ``unreduced``: the devices' terms, nothing sent, sum to the
+    gradient. (The runner runs scales per device instead, with the gather's code: docs/jax.md.)"""
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, reshard, use_abstract_mesh
+
+    devices = np.array(DEVICES[:2])
+    auto, explicit = Mesh(devices, ("s",)), Mesh(devices, ("s",), axis_types=(AxisType.Explicit,))
+    k0, k1 = jax.random.split(jax.random.key(4))
+    g = jax.device_put(1 + 0.1 * jax.random.normal(k0, (16,)), NamedSharding(auto, P()))
+    x = jax.device_put(jax.random.normal(k1, (4, 4, 16)), NamedSharding(auto, P("s")))
+    table = jax.device_put(jnp.zeros((32, 16)), NamedSharding(auto, P()))
+    ids = jax.device_put(jnp.zeros((4, 4), jnp.int32), NamedSharding(auto, P("s")))
+
+    def explicit_types(*pairs):
+        with use_abstract_mesh(explicit.abstract_mesh):
+            return [reshard(v, spec) for v, spec in pairs]
+
+    def to_auto(v):
+        with use_abstract_mesh(auto.abstract_mesh):
+            return reshard(v, P())
+
+    def scale(g, x):
+        ge, xe = explicit_types((g, P(reduced={"s"})), (x, P("s")))
+        with use_abstract_mesh(explicit.abstract_mesh):
+            return xe * ge
+
+    def gather(t, i):
+        te, ie = explicit_types((t, P(reduced={"s"})), (i, P("s")))
+        with use_abstract_mesh(explicit.abstract_mesh):
+            return te[ie]
+
+    with pytest.raises(Exception, match="cannot be sharded on the same axes that another input is reduced on"):
+        jax.jit(scale).lower(g, x)
+    with pytest.raises(Exception, match=r"\.at\[\.\.\.\]\.get\(out_sharding=\)"):
+        jax.jit(gather).lower(table, ids)
+
+    def terms(g, x):
+        ge, xe = explicit_types((g, P(reduced={"s"})), (x, P("s")))
+
+        def loss(ge):
+            with use_abstract_mesh(explicit.abstract_mesh):
+                y = jax.lax.dot_general(xe, ge, (((), ()), ((2,), (0,))), out_sharding=P(None, "s", None))
+            return jnp.sum(jnp.sin(to_auto(y)))
+
+        grad = jax.grad(loss)(ge)
+        assert jax.typeof(grad).sharding.spec.unreduced == {"s"}
+        stacked = jax.shard_map(lambda t: t[None], mesh=explicit, in_specs=P(unreduced={"s"}), out_specs=P("s"),
+                                check_vma=False)(grad)
+        return jax.lax.with_sharding_constraint(to_auto(stacked), NamedSharding(auto, P("s")))
+
+    program = jax.jit(terms)
+    assert not re.search(r" all-reduce(?:-start)?\(", program.lower(g, x).compile().as_text())
+    want = jax.grad(lambda g: jnp.sum(jnp.sin(x * g)))(g)
+    np.testing.assert_allclose(np.asarray(program(g, x).sum(axis=0)), np.asarray(want), rtol=1e-6, atol=1e-6)
