@@ -502,8 +502,9 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
       the broadcast's result not sent to another stage, ``exported``).
 
     The gather and the scale run per device in a ``shard_map`` that JAX's varying-axes typing makes hand back
-    each device's term, ``unreduced`` over R. In each case the terms sum to the gradient (docs/jax.md, "What the stage programs
-    send for a weight"). Returns ``({leaf: its Explicit sharding reduced over R}, {equation: what runs it})``.
+    each device's term, ``unreduced`` over R. In each case the terms sum to the gradient (docs/jax.md, "What the
+    stage programs send for a weight"). Returns ``({leaf: its Explicit sharding reduced over R}, {equation: what
+    runs it})``.
     """
     from shardplan.jax.local_reads import gather_island, scale_island
 
