@@ -21,6 +21,9 @@ element (a gather copies, a scale multiplies once); only the sum's association d
   weight's size-1 dimensions are those the gradient sums over, split over exactly R in ``x`` and the output; on the
   other dimensions ``x``, the output and the broadcast weight are split alike. Locally the broadcast to the local
   block and the same multiply; its transpose multiplies and sums the local rows.
+
+Either may read the weight through casts (``convert_element_type``: a weight kept in float32 and read in
+bfloat16), applied to the local block first.
 """
 
 from __future__ import annotations
@@ -88,10 +91,11 @@ def _local_island(sharding: Any, slot: int, specs: Sequence[Any], out_spec: Any,
 
 
 def gather_island(e: Any, shape: tuple[int, ...], tile: Any, sharding: Any, read: Any, indices: Any,
-                  out: Any) -> Island | None:
+                  out: Any, casts: Sequence[Any] = ()) -> Island | None:
     """The ``gather`` equation ``e`` reading a deferred table (shape ``shape``, tile ``tile``, Explicit
-    ``sharding`` reduced over R; read in ``read``) as its operand, run per device (module docstring); None unless
-    the shardings (the plan's, on prime-factor meshes) meet the conditions there."""
+    ``sharding`` reduced over R; read in ``read``, through the ``convert_element_type`` equations ``casts``) as
+    its operand, run per device (module docstring); None unless the shardings (the plan's, on prime-factor meshes)
+    meet the conditions there."""
     if e.name != "gather" or len(e.invars) != 2 or None in (read, indices, out) or len(e.outvars) != 1:
         return None
     rank = len(shape)
@@ -123,17 +127,20 @@ def gather_island(e: Any, shape: tuple[int, ...], tile: Any, sharding: Any, read
     primitive = e.primitive
 
     def local(xs: list[Any]) -> Any:
-        return primitive.bind(xs[0], xs[1], **params)
+        from shardplan.jax.staged import apply_views
+
+        return primitive.bind(apply_views(xs[0], casts), xs[1], **params)
 
     return _local_island(sharding, 0, (None, _spec(ix)), _spec(o), local)
 
 
 def scale_island(e: Any, slot: int, view: Any, other_shape: tuple[int, ...], rank: int, tile: Any, sharding: Any,
-                 other: Any, out: Any) -> Island | None:
+                 other: Any, out: Any, casts: Sequence[Any] = ()) -> Island | None:
     """The ``mul`` equation ``e`` reading, as operand ``slot``, the ``broadcast_in_dim`` equation ``view`` of a
     deferred leaf (rank ``rank``, tile ``tile``, Explicit ``sharding`` reduced over R), run per device with the
     broadcast done on the local block (module docstring); its argument ``slot`` is then the leaf itself (the view
-    equation passes it through). ``other_shape``, ``other``, ``out``: the other operand's shape and the plan's
+    equation passes it through; ``casts``: the ``convert_element_type`` equations between the leaf and the
+    broadcast, applied first). ``other_shape``, ``other``, ``out``: the other operand's shape and the plan's
     shardings of it and of the output. None unless they meet the conditions there."""
     if e.name != "mul" or view.name != "broadcast_in_dim" or len(e.invars) != 2 or None in (other, out):
         return None
@@ -162,8 +169,10 @@ def scale_island(e: Any, slot: int, view: Any, other_shape: tuple[int, ...], ran
     vprim, prim, params = view.primitive, e.primitive, e.params
 
     def local(xs: list[Any]) -> Any:
+        from shardplan.jax.staged import apply_views
+
         xs = list(xs)
-        xs[slot] = vprim.bind(xs[slot], **vparams)
+        xs[slot] = vprim.bind(apply_views(xs[slot], casts), **vparams)
         return prim.bind(*xs, **params)
 
     return _local_island(sharding, slot, tuple(_spec(x) if k != slot else None for k in range(2)), _spec(x), local)

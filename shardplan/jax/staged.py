@@ -479,6 +479,10 @@ def _explicit_reduced(sharding: Any) -> Any:
     return NamedSharding(explicit, PartitionSpec(*sharding.spec, reduced=free))
 
 
+# views a deferred leaf may be read through: each passes the Explicit leaf on, its reader applies it
+_VIEW_READS = frozenset({"transpose", "convert_element_type"})
+
+
 def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mapping[int, tuple[int, ...]],
                 zero: Mapping[int, int], tiles: Mapping[int, Any], taken: Mapping[int, Any],
                 reads: Mapping[tuple[int, int], Any], outs: Mapping[int, Any],
@@ -495,19 +499,17 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
       rules type the weight gradient ``unreduced`` over R);
     * a ``gather`` of the leaf (an embedding) by indices whose batch dimensions are split over exactly R
       (:func:`shardplan.jax.local_reads.gather_island`);
-    * a ``transpose`` of the leaf (a tied embedding read as the head) read only by such ``dot_general``
-      equations (:func:`_transposed_island`; the transpose's result not sent to another stage, ``exported``);
     * a ``broadcast_in_dim`` of the leaf read only by ``mul`` equations whose other operand has the broadcast
-      (size-1) dimensions split over exactly R (a norm's scale, :func:`shardplan.jax.local_reads.scale_island`;
-      the broadcast's result not sent to another stage, ``exported``).
+      (size-1) dimensions split over exactly R (a norm's scale, :func:`shardplan.jax.local_reads.scale_island`);
+    * a view (``transpose``: a tied embedding read as the head; ``convert_element_type``: a weight read in a
+      lower precision) whose every read is one of these, the gather and the scale reading casts only: the view
+      passes the Explicit leaf on and its readers apply it (:func:`_viewed_island`).
 
-    The gather and the scale run per device in a ``shard_map`` that JAX's varying-axes typing makes hand back
-    each device's term, ``unreduced`` over R. In each case the terms sum to the gradient (docs/jax.md, "What the
-    stage programs send for a weight"). Returns ``({leaf: its Explicit sharding reduced over R}, {equation: what
-    runs it})``.
+    A view's or broadcast's result must not be sent to another stage (``exported``). The gather and the scale run
+    per device in a ``shard_map`` that JAX's varying-axes typing makes hand back each device's term,
+    ``unreduced`` over R. In each case the terms sum to the gradient (docs/jax.md, "What the stage programs send
+    for a weight"). Returns ``({leaf: its Explicit sharding reduced over R}, {equation: what runs it})``.
     """
-    from shardplan.jax.local_reads import gather_island, scale_island
-
     top = _top_ancestor(prog)
     readers: dict[int, list[tuple[int, int]]] = {}
     for k, e in enumerate(prog.eqns):
@@ -516,92 +518,129 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
         for slot, v in enumerate(e.invars):
             if isinstance(v, int):
                 readers.setdefault(v, []).append((k, slot))
-    hidden = {v for e in prog.eqns if e.parent is None for v in e.invars if isinstance(v, int)}
+    hidden = frozenset(v for e in prog.eqns if e.parent is None for v in e.invars if isinstance(v, int))
     defer: dict[int, Any] = {}
     islands: dict[int, Island] = {}
     for i in params:
         sh = _explicit_reduced(tiles[i]) if zero[i] <= 1 else None
-        uses = readers.get(prog.invars[i], [])
-        if sh is None or not uses or prog.invars[i] in hidden:
+        if sh is None:
             continue
-        rank, runs = len(shapes[prog.invars[i]]), {}
-        for k, slot in uses:
-            e = prog.eqns[k]
-            if k in taken:
-                break
-            if e.name == "dot_general":
-                runs[k] = _island(e, slot, rank, tiles[i], sh, reads.get((k, slot)), reads.get((k, 1 - slot)),
-                                  outs.get(e.outvars[0]))
-            elif e.name == "gather" and slot == 0:
-                runs[k] = gather_island(e, shapes[prog.invars[i]], tiles[i], sh, reads.get((k, 0)),
-                                        reads.get((k, 1)), outs.get(e.outvars[0]))
-            elif e.name == "transpose" and len(e.outvars) == 1:  # a view (a tied embedding's transpose)
-                v = e.outvars[0]
-                multiplied = readers.get(v, [])
-                if not multiplied or v in hidden or v in exported or any(k2 in taken for k2, _ in multiplied):
-                    break
-                runs[k] = _pass_through
-                for k2, s2 in multiplied:
-                    runs[k2] = _transposed_island(prog.eqns[k2], s2, tuple(e.params["permutation"]), tiles[i],
-                                                  reads.get((k2, s2)), reads.get((k2, 1 - s2)),
-                                                  outs.get(prog.eqns[k2].outvars[0]))
-                    if runs[k2] is None:
-                        break
-            elif e.name == "broadcast_in_dim" and len(e.outvars) == 1:
-                v = e.outvars[0]
-                scaled = readers.get(v, [])
-                if not scaled or v in hidden or v in exported or any(k2 in taken for k2, _ in scaled):
-                    break
-                runs[k] = _pass_through
-                for k2, s2 in scaled:
-                    e2 = prog.eqns[k2]
-                    other = e2.invars[1 - s2] if len(e2.invars) == 2 else None
-                    runs[k2] = None if not isinstance(other, int) else scale_island(
-                        e2, s2, e, shapes[other], rank, tiles[i], sh, reads.get((k2, 1 - s2)),
-                        outs.get(e2.outvars[0]))
-                    if runs[k2] is None:
-                        break
-            else:
-                break
-            if runs[k] is None or None in runs.values():
-                break
-        else:
+        leaf = _Leaf(tuple(shapes[prog.invars[i]]), tiles[i], sh)
+        runs = _read_islands(prog, prog.invars[i], (), leaf, _Context(readers, hidden, exported, taken, shapes,
+                                                                      reads, outs))
+        if runs is not None:
             defer[i] = sh
             islands.update(runs)
     return defer, islands
 
 
-def _transposed_island(e: Any, slot: int, perm: tuple[int, ...], tile: Any, read: Any, other: Any,
-                       out: Any) -> Island | None:
-    """The ``dot_general`` equation ``e`` reading, as operand ``slot``, the transpose (``perm``) of a deferred leaf
-    (tile ``tile``; the transpose equation passes the Explicit leaf through): the leaf transposed on Explicit axes
-    (still reduced over R: a transpose moves no data between devices) and read as :func:`_island` reads a leaf,
-    with the transposed tile. None unless that read is deferrable."""
-    import jax
+@dataclass(frozen=True)
+class _Leaf:
+    """A deferred leaf as its reads see it: its shape, its tile and its Explicit sharding reduced over R."""
+
+    shape: tuple[int, ...]
+    tile: Any
+    sharding: Any
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What :func:`_read_islands` looks up (:func:`_deferrable`'s arguments): the stage's readers of each variable
+    (equation, operand slot), the variables custom-derivative bodies read, those sent to other stages, the
+    equations FP8 or ring hooks replace, every variable's shape, the plan's read and output shardings."""
+
+    readers: Mapping[int, list[tuple[int, int]]]
+    hidden: frozenset[int]
+    exported: frozenset[int]
+    taken: Mapping[int, Any]
+    shapes: Mapping[int, tuple[int, ...]]
+    reads: Mapping[tuple[int, int], Any]
+    outs: Mapping[int, Any]
+
+
+def _read_islands(prog: Any, v: int, chain: tuple[Any, ...], leaf: _Leaf, cx: _Context) -> dict[int, Island] | None:
+    """What runs each read of ``v``, the leaf seen through the view equations ``chain`` (:func:`_deferrable`'s
+    cases); None when some read is none of them."""
+    from shardplan.jax.local_reads import gather_island, scale_island
+
+    uses = cx.readers.get(v, [])
+    if not uses or v in cx.hidden or v in cx.exported or any(k in cx.taken for k, _ in uses):
+        return None
+    casts = all(c.name == "convert_element_type" for c in chain)
+    runs: dict[int, Island] = {}
+    for k, slot in uses:
+        e = prog.eqns[k]
+        out = cx.outs.get(e.outvars[0]) if len(e.outvars) == 1 else None
+        run: Island | None = None
+        if e.name in _VIEW_READS and len(e.outvars) == 1:
+            more = _read_islands(prog, e.outvars[0], chain + (e,), leaf, cx)
+            if more is not None:
+                runs.update(more)
+                run = _pass_through
+        elif e.name == "dot_general":
+            run = _viewed_island(e, slot, chain, leaf, cx.reads.get((k, slot)), cx.reads.get((k, 1 - slot)), out)
+        elif e.name == "gather" and slot == 0 and casts:
+            run = gather_island(e, leaf.shape, leaf.tile, leaf.sharding, cx.reads.get((k, 0)), cx.reads.get((k, 1)),
+                                out, chain)
+        elif e.name == "broadcast_in_dim" and casts and len(e.outvars) == 1:
+            scaled = cx.readers.get(e.outvars[0], [])
+            ok = bool(scaled) and e.outvars[0] not in cx.hidden and e.outvars[0] not in cx.exported
+            for k2, s2 in scaled if ok else ():
+                e2 = prog.eqns[k2]
+                other = e2.invars[1 - s2] if len(e2.invars) == 2 else None
+                scale = None if k2 in cx.taken or not isinstance(other, int) else scale_island(
+                    e2, s2, e, cx.shapes[other], len(leaf.shape), leaf.tile, leaf.sharding, cx.reads.get((k2, 1 - s2)),
+                    cx.outs.get(e2.outvars[0]), chain)
+                if scale is None:
+                    return None
+                runs[k2] = scale
+            run = _pass_through if ok else None
+        if run is None:
+            return None
+        runs[k] = run
+    return runs
+
+
+def _viewed_island(e: Any, slot: int, chain: tuple[Any, ...], leaf: _Leaf, read: Any, other: Any,
+                   out: Any) -> Island | None:
+    """The ``dot_general`` equation ``e`` reading, as operand ``slot``, a deferred leaf seen through the views
+    ``chain`` (transposes and casts, each passing the Explicit leaf on): the views applied on Explicit axes (the
+    value still reduced over R: they move nothing between devices) and the result read as :func:`_island` reads a
+    leaf, with the tile transposed as the views transpose it. None unless that read is deferrable."""
     from jax.sharding import NamedSharding, PartitionSpec, use_abstract_mesh
 
-    if e.name != "dot_general":
-        return None
-    entries = list(tile.spec) + [None] * (len(perm) - len(tile.spec))
-    flipped = NamedSharding(tile.mesh, PartitionSpec(*(entries[d] for d in perm)))
-    sharding = _explicit_reduced(flipped)
-    product = None if sharding is None else _island(e, slot, len(perm), flipped, sharding, read, other, out)
-    if product is None:
-        return None
+    tile = leaf.tile
+    rank = len(leaf.shape)
+    for c in chain:
+        if c.name == "transpose":
+            entries = list(tile.spec) + [None] * (rank - len(tile.spec))
+            tile = NamedSharding(tile.mesh, PartitionSpec(*(entries[d] for d in c.params["permutation"])))
+    sharding = _explicit_reduced(tile)
+    product = None if sharding is None else _island(e, slot, rank, tile, sharding, read, other, out)
+    if product is None or not chain:
+        return product
 
     def run(args: list[Any]) -> list[Any]:
         args = list(args)
         with use_abstract_mesh(sharding.mesh.abstract_mesh):
-            args[slot] = jax.lax.transpose(args[slot], perm)
+            args[slot] = apply_views(args[slot], chain)
         return product(args)
 
     return run
 
 
+def apply_views(x: Any, chain: Sequence[Any]) -> Any:
+    """``x`` through the view equations ``chain`` (each a one-operand primitive), in order."""
+    for c in chain:
+        params = c.primitive.get_bind_params(c.params)
+        x = c.primitive.bind(x, **(params[1] if isinstance(params, tuple) else params))
+    return x
+
+
 def _pass_through(args: list[Any]) -> list[Any]:
-    """What a deferred leaf's broadcast or transpose runs: nothing, handing the Explicit leaf on to its readers,
-    which broadcast it per device (:func:`shardplan.jax.local_reads.scale_island`) or transpose it on Explicit
-    axes (:func:`_transposed_island`)."""
+    """What a deferred leaf's view or broadcast runs: nothing, handing the Explicit leaf on to its readers, which
+    apply the view on Explicit axes (:func:`_viewed_island`) or per device, with the broadcast
+    (:mod:`shardplan.jax.local_reads`)."""
     return [args[0]]
 
 
