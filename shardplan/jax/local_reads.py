@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
-Island = Callable[[list[Any]], list[Any]]
+Island = Callable[[list[Any]], list[Any]]  # what runs an equation instead of its primitive: operands -> results
 
 
 def _entry_axes(entry: Any) -> tuple[str, ...]:

@@ -91,8 +91,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from shardplan.errors import ShardplanError
-
-Island = Callable[[list[Any]], list[Any]]
+from shardplan.jax.local_reads import Island
 
 __all__ = ["stack_stages", "pipeline_forward", "pipeline", "StagedStep", "StagedTrain", "staged_train", "scoped_trace",
            "Tracer", "batch_size", "build_staged"]

@@ -1,8 +1,10 @@
 """The JAX stage runner reduces a ZeRO 0/1 weight's gradient once a step for every read the tiny GPT makes of its
 weights (docs/jax.md, "What the stage programs send for a weight"): the blocks' matmuls and the head as before,
-now also the embedding's gather, the RMS norms' scales and the tied embedding's transposed read. On 4 stages of 2
-devices, m = 4, the gradients equal the unsharded program's; counted in the compiled HLO, no micro-batch's backward
-program sends anything and each stage's one reduction program a step all-reduces its leaves' local tiles."""
+now also the embedding's gather, the RMS norms' scales, the tied embedding's transposed read and weights read through
+a cast to bfloat16. On 4 stages of 2 devices, m = 4, the gradients equal the unsharded program's; counted in the
+compiled HLO, no micro-batch's backward program sends anything and each stage's one reduction program a step
+all-reduces its leaves' local tiles. Also: each per-device read's conditions and terms on meshes of 2 and 2 x 2, and
+what JAX 0.9.2 types and refuses."""
 
 from __future__ import annotations
 
