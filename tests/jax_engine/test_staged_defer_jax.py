@@ -45,9 +45,10 @@ def _all_reduced_floats(text: str) -> int:
     return total
 
 
-def _sent(step, params, batch):
+def _sent(step, params, batch, forward=None):
     """Per stage, the f32 elements all-reduced by one micro-batch's backward program and by the step's reduction
-    program (0 where the stage defers nothing), and the other collectives of the backward programs."""
+    program (0 where the stage defers nothing), and the other collectives of the backward programs; ``forward``,
+    a list, gets the f32 elements the forward programs all-reduce."""
     leaves = step._leaves(params, batch)
     values: dict[int, jax.Array] = {}
     backward, once, others = [], [], []
@@ -57,6 +58,8 @@ def _sent(step, params, batch):
         oi = tuple(jax.device_put(values[v], st.in_sh[v]) for v in st.oin)
         d = tuple(jax.device_put(leaves[i][:ROWS] if i in step.info.batch_leaves else leaves[i], st.leaf_put[i])
                   for i in st.data)
+        if forward is not None:
+            forward.append(_all_reduced_floats(st.forward.lower(p, fi, oi, d, {}).compile().as_text()))
         fo, vjp, oo = st.forward(p, fi, oi, d, {})
         values.update(zip(st.fout + st.oout, fo + oo))
         ones = tuple(jnp.ones_like(x) for x in fo)
@@ -94,8 +97,8 @@ def _assert_equal_to_unsharded(step, params, batch):
 def test_the_tiny_gpt_sends_each_gradient_once_a_step(monkeypatch, reads, deferred, backward, once):
     """The tiny GPT (embedding, 4 blocks of RMS norm and MLP, head) on 4 stages of 2 data-parallel devices, m = 4:
     with the runner's per-device reads (the embedding's gather, the norms' scales) all 14 leaves are deferred, no
-    backward program sends anything (no collective at all), and the step's reduction programs all-reduce 5184
-    floats, each leaf once; with those reads refused (as before) 9 of 14 are deferred and 6912 floats are sent a
+    backward program sends anything (no collective at all), the forward programs send what they sent before (the
+    last stage's loss mean, 1 float), and the step's reduction programs all-reduce 5184 floats, each leaf once; with those reads refused (as before) 9 of 14 are deferred and 6912 floats are sent a
     step, with none deferred 20736. The gradients equal the unsharded program's in every case."""
     import shardplan.jax.local_reads as local_reads
     import shardplan.jax.staged as staged
@@ -107,8 +110,10 @@ def test_the_tiny_gpt_sends_each_gradient_once_a_step(monkeypatch, reads, deferr
         monkeypatch.setattr(staged, "_explicit_reduced", lambda sharding: None)
     step, params, batch = _gpt_step()
     assert [len(st.defer) for st in step.stages] == deferred and sum(len(st.params) for st in step.stages) == 14
-    sent, reduced, others = _sent(step, params, batch)
+    forward: list[int] = []
+    sent, reduced, others = _sent(step, params, batch, forward)
     assert (sent, reduced, others) == (backward, once, [[]] * 4), (sent, reduced, others)
+    assert forward == [0, 0, 0, 1]  # the forward programs send the same in every case: the loss's mean, last
     assert M * sum(sent) + sum(reduced) == {"none": 20736, "matmuls": 6912, "all": 5184}[reads]
     _assert_equal_to_unsharded(step, params, batch)
 
