@@ -17,7 +17,8 @@ element (a gather copies, a scale multiplies once); only the sum's association d
   index vector whole; the output split as the indices on its batch dimensions and as the table on its offset
   dimensions. Locally the same gather with the slice sizes of the local table block; its transpose is a local
   scatter-add into a zero block of the table: the device's partial sum.
-* :func:`scale_island`: ``mul(x, broadcast_in_dim(w))`` (an RMS or layer norm's scale ``h * g``): the broadcast
+* :func:`scale_island`: ``mul(x, broadcast_in_dim(w))`` (an RMS or layer norm's scale ``h * g``; likewise ``add``,
+  ``sub``, ``div``: a bias ``h + b``, any elementwise operation is local): the broadcast
   weight's size-1 dimensions are those the gradient sums over, split over exactly R in ``x`` and the output; on the
   other dimensions ``x``, the output and the broadcast weight are split alike. Locally the broadcast to the local
   block and the same multiply; its transpose multiplies and sums the local rows.
@@ -32,6 +33,8 @@ import math
 from typing import Any, Callable, Sequence
 
 Island = Callable[[list[Any]], list[Any]]  # what runs an equation instead of its primitive: operands -> results
+# the elementwise operations a broadcast weight may enter per device (each output element reads one of each operand)
+ELEMENTWISE = frozenset({"mul", "add", "sub", "div"})
 
 
 def _entry_axes(entry: Any) -> tuple[str, ...]:
@@ -136,13 +139,14 @@ def gather_island(e: Any, shape: tuple[int, ...], tile: Any, sharding: Any, read
 
 def scale_island(e: Any, slot: int, view: Any, other_shape: tuple[int, ...], rank: int, tile: Any, sharding: Any,
                  other: Any, out: Any, casts: Sequence[Any] = ()) -> Island | None:
-    """The ``mul`` equation ``e`` reading, as operand ``slot``, the ``broadcast_in_dim`` equation ``view`` of a
-    deferred leaf (rank ``rank``, tile ``tile``, Explicit ``sharding`` reduced over R), run per device with the
-    broadcast done on the local block (module docstring); its argument ``slot`` is then the leaf itself (the view
+    """The ``mul`` (or other :data:`ELEMENTWISE`) equation ``e`` reading, as operand ``slot``, the
+    ``broadcast_in_dim`` equation ``view`` of a deferred leaf (rank ``rank``, tile ``tile``, Explicit ``sharding``
+    reduced over R), run per device with the broadcast done on the local block (module docstring); its argument
+    ``slot`` is then the leaf itself (the view
     equation passes it through; ``casts``: the ``convert_element_type`` equations between the leaf and the
     broadcast, applied first). ``other_shape``, ``other``, ``out``: the other operand's shape and the plan's
     shardings of it and of the output. None unless they meet the conditions there."""
-    if e.name != "mul" or view.name != "broadcast_in_dim" or len(e.invars) != 2 or None in (other, out):
+    if e.name not in ELEMENTWISE or view.name != "broadcast_in_dim" or len(e.invars) != 2 or None in (other, out):
         return None
     if e.invars[0] == e.invars[1] or not (other.mesh == out.mesh == tile.mesh):
         return None

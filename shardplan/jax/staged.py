@@ -498,8 +498,9 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
       rules type the weight gradient ``unreduced`` over R);
     * a ``gather`` of the leaf (an embedding) by indices whose batch dimensions are split over exactly R
       (:func:`shardplan.jax.local_reads.gather_island`);
-    * a ``broadcast_in_dim`` of the leaf read only by ``mul`` equations whose other operand has the broadcast
-      (size-1) dimensions split over exactly R (a norm's scale, :func:`shardplan.jax.local_reads.scale_island`);
+    * a ``broadcast_in_dim`` of the leaf read only by ``mul`` (``add``, ``sub``, ``div``) equations whose other
+      operand has the broadcast (size-1) dimensions split over exactly R (a norm's scale, a bias:
+      :func:`shardplan.jax.local_reads.scale_island`);
     * a view (``transpose``: a tied embedding read as the head; ``convert_element_type``: a weight read in a
       lower precision) whose every read is one of these, the gather and the scale reading casts only: the view
       passes the Explicit leaf on and its readers apply it (:func:`_viewed_island`).

@@ -240,6 +240,38 @@ def test_a_norm_scale_is_deferred_where_its_rows_split_over_the_replicas(mesh, t
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
 
 
+ELEMENTWISE = {"add": lambda x, b: x + b, "sub": lambda x, b: b - x, "div": lambda x, b: x / b}
+
+
+@pytest.mark.parametrize("op", sorted(ELEMENTWISE))
+def test_a_bias_and_other_elementwise_reads_are_deferred(op):
+    """A broadcast weight added (a bias), subtracted from (the broadcast as the first operand) or dividing: the
+    same per-device read as a scale (any elementwise operation is local), the terms summing to the unsharded
+    gradient with nothing sent."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import shardplan.jax.staged as staged
+    from shardplan.jax.local_reads import scale_island
+    from shardplan.jax.lower import trace
+
+    f = ELEMENTWISE[op]
+    _, info = trace(lambda p, x: jnp.sum(f(x, p["b"])), {"b": jnp.ones((16,))}, jnp.ones((4, 4, 16)))
+    view = next(e for e in info.program.eqns if e.name == "broadcast_in_dim" and e.out_shapes[0] == (1, 1, 16))
+    e = next(e for e in info.program.eqns if view.outvars[0] in e.invars)
+    assert e.name == op
+    mesh = _mesh((2,))
+    tile = NamedSharding(mesh, P(None))
+    sharding = staged._explicit_reduced(tile)
+    slot = e.invars.index(view.outvars[0])
+    xs = NamedSharding(mesh, P(None, "s", None))
+    island = scale_island(e, slot, view, (4, 4, 16), 1, tile, sharding, xs, xs)
+    b = 1 + 0.1 * jax.random.normal(jax.random.key(0), (16,))
+    h = jax.random.normal(jax.random.key(1), (4, 4, 16))
+    got = _summed_terms(island, sharding, jax.device_put(b, tile), [jax.device_put(h, xs)], slot)
+    want = jax.grad(lambda b: jnp.sum(jnp.sin(f(h, b))))(b)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("read", ["take", "index", "scale"])
 @pytest.mark.parametrize("check_vma, factor, all_reduces", [(True, 1, 0), (False, 2, 1)])
 def test_a_per_device_reads_terms_are_the_gradient_only_with_check_vma(read, check_vma, factor, all_reduces):
