@@ -35,8 +35,9 @@ Execution, for each stage (each chunk of an interleaved plan):
   apart), the micro-batches being
   consecutive slices of the batch's leading axis; gradients are accumulated
   per stage (a ZeRO 0/1 weight replicated over some of the stage's mesh axes
-  and read only by matmuls that sum over those axes: as each device's partial
-  sums, added locally and reduced once a step, :func:`_deferrable`); JAX's
+  and read only by matmuls, gathers or scales that sum over those axes: as
+  each device's partial sums, added locally and reduced once a step,
+  :func:`_deferrable`); JAX's
   asynchronous dispatch lets stages on disjoint devices
   overlap, each device running its passes in the order issued.
 
@@ -90,6 +91,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from shardplan.errors import ShardplanError
+from shardplan.jax.local_reads import Island
 
 __all__ = ["stack_stages", "pipeline_forward", "pipeline", "StagedStep", "StagedTrain", "staged_train", "scoped_trace",
            "Tracer", "batch_size", "build_staged"]
@@ -343,19 +345,23 @@ class _Stage:
         self.params = [i for i in leaves if i in info.param_leaves and inexact(leaf_dtypes[i])]
         self.data = [i for i in leaves if i not in self.params]
         self._hold_state(plan, info, names)
-        # a ZeRO 0/1 leaf whose tile has replicas and whose every read is a matmul that sums over them
-        # (:func:`_deferrable`) enters as an Explicit-axes value marked reduced over them, each read run on Explicit
-        # axes, so its gradient comes back unreduced (each device's partial sum): summed locally over the
-        # micro-batches, reduced once a step (:meth:`reduce_grads`)
+        # a ZeRO 0/1 leaf whose tile has replicas and whose every read sums over them (a matmul, a gather, a scale:
+        # :func:`_deferrable`) enters as an Explicit-axes value marked reduced over them, each read run on Explicit
+        # axes or per device, so its gradient comes back unreduced (each device's partial sum): summed locally over
+        # the micro-batches, reduced once a step (:meth:`reduce_grads`)
         # (not in a stage that offloads activations: XLA refuses the host-offload annotation, a side-effecting
         # custom call, on a value of the Explicit reads, "Side-effect ops cannot be replicated")
         self.defer, islands = {}, {}
         if not stage_choices(plan)[1]:
-            self.defer, islands = _deferrable(prog, set(eqns), self.params,
-                                              {i: len(info.leaf_shapes[i]) for i in self.params}, self.zero,
-                                              self.param_put, self.replace,
-                                              {key: _factored(sh) for key, sh in read_sh.items()},
-                                              {v: _factored(sh) for v, sh in out_sh.items()})
+            shapes = {v: tuple(sh) for e in prog.eqns for v, sh in zip(e.outvars, e.out_shapes)}
+            shapes.update({prog.invars[i]: tuple(info.leaf_shapes[i]) for i in self.params})
+            exported = frozenset(v for v in own if readers.get(v, set()) - {index})
+            self.defer, islands = _deferrable(prog, set(eqns), self.params, shapes, self.zero, self.param_put,
+                                              self.replace, {key: _factored(sh) for key, sh in read_sh.items()},
+                                              {v: _factored(sh) for v, sh in out_sh.items()}, exported)
+        for k, run_k in islands.items():  # a deferred leaf's broadcast or transpose passes the Explicit leaf on
+            if run_k is _pass_through:
+                produce.pop(prog.eqns[k].outvars[0], None)
         views = param_views(info)
         for (k, slot), sh in read_sh.items():  # a read of a stage >= 2 leaf: its gradient straight into the shards
             a = prog.eqns[k].invars[slot]
@@ -472,19 +478,37 @@ def _explicit_reduced(sharding: Any) -> Any:
     return NamedSharding(explicit, PartitionSpec(*sharding.spec, reduced=free))
 
 
-def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], ranks: Mapping[int, int], zero: Mapping[int, int],
-                tiles: Mapping[int, Any], taken: Mapping[int, Any], reads: Mapping[tuple[int, int], Any],
-                outs: Mapping[int, Any]) -> tuple[dict[int, Any], dict[int, Callable[[list[Any]], list[Any]]]]:
+# views a deferred leaf may be read through: each passes the Explicit leaf on, its reader applies it
+_VIEW_READS = frozenset({"transpose", "convert_element_type"})
+
+
+def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mapping[int, tuple[int, ...]],
+                zero: Mapping[int, int], tiles: Mapping[int, Any], taken: Mapping[int, Any],
+                reads: Mapping[tuple[int, int], Any], outs: Mapping[int, Any],
+                exported: frozenset[int] = frozenset()) -> tuple[dict[int, Any], dict[int, Island]]:
     """The stage's leaves whose gradient reduction waits for the step's end, and what runs their reads.
 
-    A ZeRO 0/1 leaf ``i`` (``params``, of rank ``ranks[i]``, ``zero``) whose tile (``tiles[i]``) is replicated
+    A ZeRO 0/1 leaf ``i`` (``params``, of shape ``shapes[i]``, ``zero``) whose tile (``tiles[i]``) is replicated
     over some mesh axes R is deferred when every equation of the stage (``eqns``, their remat bodies included)
-    that reads it is a ``dot_general`` (not one ``taken`` by an FP8 or ring hook) reading it in its tile, whose
-    other operand and output (``reads``, ``outs``: the plan's shardings, on prime-factor meshes) are on the
-    tile's mesh, and whose other operand's free axes (those the weight gradient sums over) are split over
-    exactly R, in the operand and in the output (:func:`_island`). Then each read's weight gradient is a sum of
-    per-device terms over R, which JAX's sharding-in-types rules type ``unreduced`` over R on Explicit axes.
-    Returns ``({leaf: its Explicit sharding reduced over R}, {equation: the read run on Explicit axes})``.
+    that reads it, none ``taken`` by an FP8 or ring hook, is one of (the other operands' and outputs' shardings:
+    ``reads``, ``outs``, the plan's, on prime-factor meshes, all on the tile's mesh; the leaf read in its tile):
+
+    * a ``dot_general`` whose other operand's free axes (those the weight gradient sums over) are split over
+      exactly R, in the operand and in the output (:func:`_island`: run on Explicit axes, JAX's sharding-in-types
+      rules type the weight gradient ``unreduced`` over R);
+    * a ``gather`` of the leaf (an embedding) by indices whose batch dimensions are split over exactly R
+      (:func:`shardplan.jax.local_reads.gather_island`);
+    * a ``broadcast_in_dim`` of the leaf read only by ``mul`` (``add``, ``sub``, ``div``) equations whose other
+      operand has the broadcast (size-1) dimensions split over exactly R (a norm's scale, a bias:
+      :func:`shardplan.jax.local_reads.scale_island`);
+    * a view (``transpose``: a tied embedding read as the head; ``convert_element_type``: a weight read in a
+      lower precision) whose every read is one of these, the gather and the scale reading casts only: the view
+      passes the Explicit leaf on and its readers apply it (:func:`_viewed_island`).
+
+    A view's or broadcast's result must not be sent to another stage (``exported``). The gather and the scale run
+    per device in a ``shard_map`` that JAX's varying-axes typing makes hand back each device's term,
+    ``unreduced`` over R. In each case the terms sum to the gradient (docs/jax.md, "What the stage programs send
+    for a weight"). Returns ``({leaf: its Explicit sharding reduced over R}, {equation: what runs it})``.
     """
     top = _top_ancestor(prog)
     readers: dict[int, list[tuple[int, int]]] = {}
@@ -494,22 +518,130 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], ranks: Mapping
         for slot, v in enumerate(e.invars):
             if isinstance(v, int):
                 readers.setdefault(v, []).append((k, slot))
-    hidden = {v for e in prog.eqns if e.parent is None for v in e.invars if isinstance(v, int)}
+    hidden = frozenset(v for e in prog.eqns if e.parent is None for v in e.invars if isinstance(v, int))
     defer: dict[int, Any] = {}
-    islands: dict[int, Callable[[list[Any]], list[Any]]] = {}
+    islands: dict[int, Island] = {}
     for i in params:
         sh = _explicit_reduced(tiles[i]) if zero[i] <= 1 else None
-        uses = readers.get(prog.invars[i], [])
-        if sh is None or not uses or prog.invars[i] in hidden:
+        if sh is None:
             continue
-        runs = [None if k in taken else _island(prog.eqns[k], slot, ranks[i], tiles[i], sh,
-                                                reads.get((k, slot)), reads.get((k, 1 - slot)),
-                                                outs.get(prog.eqns[k].outvars[0]))
-                for k, slot in uses]
-        if all(r is not None for r in runs):
+        leaf = _Leaf(tuple(shapes[prog.invars[i]]), tiles[i], sh)
+        runs = _read_islands(prog, prog.invars[i], (), leaf, _Context(readers, hidden, exported, taken, shapes,
+                                                                      reads, outs))
+        if runs is not None:
             defer[i] = sh
-            islands.update({k: r for (k, _), r in zip(uses, runs)})
+            islands.update(runs)
     return defer, islands
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """A deferred leaf as its reads see it: its shape, its tile and its Explicit sharding reduced over R."""
+
+    shape: tuple[int, ...]
+    tile: Any
+    sharding: Any
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What :func:`_read_islands` looks up (:func:`_deferrable`'s arguments): the stage's readers of each variable
+    (equation, operand slot), the variables custom-derivative bodies read, those sent to other stages, the
+    equations FP8 or ring hooks replace, every variable's shape, the plan's read and output shardings."""
+
+    readers: Mapping[int, list[tuple[int, int]]]
+    hidden: frozenset[int]
+    exported: frozenset[int]
+    taken: Mapping[int, Any]
+    shapes: Mapping[int, tuple[int, ...]]
+    reads: Mapping[tuple[int, int], Any]
+    outs: Mapping[int, Any]
+
+
+def _read_islands(prog: Any, v: int, chain: tuple[Any, ...], leaf: _Leaf, cx: _Context) -> dict[int, Island] | None:
+    """What runs each read of ``v``, the leaf seen through the view equations ``chain`` (:func:`_deferrable`'s
+    cases); None when some read is none of them."""
+    from shardplan.jax.local_reads import gather_island, scale_island
+
+    uses = cx.readers.get(v, [])
+    if not uses or v in cx.hidden or v in cx.exported or any(k in cx.taken for k, _ in uses):
+        return None
+    casts = all(c.name == "convert_element_type" for c in chain)
+    runs: dict[int, Island] = {}
+    for k, slot in uses:
+        e = prog.eqns[k]
+        out = cx.outs.get(e.outvars[0]) if len(e.outvars) == 1 else None
+        run: Island | None = None
+        if e.name in _VIEW_READS and len(e.outvars) == 1:
+            more = _read_islands(prog, e.outvars[0], chain + (e,), leaf, cx)
+            if more is not None:
+                runs.update(more)
+                run = _pass_through
+        elif e.name == "dot_general":
+            run = _viewed_island(e, slot, chain, leaf, cx.reads.get((k, slot)), cx.reads.get((k, 1 - slot)), out)
+        elif e.name == "gather" and slot == 0 and casts:
+            run = gather_island(e, leaf.shape, leaf.tile, leaf.sharding, cx.reads.get((k, 0)), cx.reads.get((k, 1)),
+                                out, chain)
+        elif e.name == "broadcast_in_dim" and casts and len(e.outvars) == 1:
+            scaled = cx.readers.get(e.outvars[0], [])
+            ok = bool(scaled) and e.outvars[0] not in cx.hidden and e.outvars[0] not in cx.exported
+            for k2, s2 in scaled if ok else ():
+                e2 = prog.eqns[k2]
+                other = e2.invars[1 - s2] if len(e2.invars) == 2 else None
+                scale = None if k2 in cx.taken or not isinstance(other, int) else scale_island(
+                    e2, s2, e, cx.shapes[other], len(leaf.shape), leaf.tile, leaf.sharding, cx.reads.get((k2, 1 - s2)),
+                    cx.outs.get(e2.outvars[0]), chain)
+                if scale is None:
+                    return None
+                runs[k2] = scale
+            run = _pass_through if ok else None
+        if run is None:
+            return None
+        runs[k] = run
+    return runs
+
+
+def _viewed_island(e: Any, slot: int, chain: tuple[Any, ...], leaf: _Leaf, read: Any, other: Any,
+                   out: Any) -> Island | None:
+    """The ``dot_general`` equation ``e`` reading, as operand ``slot``, a deferred leaf seen through the views
+    ``chain`` (transposes and casts, each passing the Explicit leaf on): the views applied on Explicit axes (the
+    value still reduced over R: they move nothing between devices) and the result read as :func:`_island` reads a
+    leaf, with the tile transposed as the views transpose it. None unless that read is deferrable."""
+    from jax.sharding import NamedSharding, PartitionSpec, use_abstract_mesh
+
+    tile = leaf.tile
+    rank = len(leaf.shape)
+    for c in chain:
+        if c.name == "transpose":
+            entries = list(tile.spec) + [None] * (rank - len(tile.spec))
+            tile = NamedSharding(tile.mesh, PartitionSpec(*(entries[d] for d in c.params["permutation"])))
+    sharding = _explicit_reduced(tile)
+    product = None if sharding is None else _island(e, slot, rank, tile, sharding, read, other, out)
+    if product is None or not chain:
+        return product
+
+    def run(args: list[Any]) -> list[Any]:
+        args = list(args)
+        with use_abstract_mesh(sharding.mesh.abstract_mesh):
+            args[slot] = apply_views(args[slot], chain)
+        return product(args)
+
+    return run
+
+
+def apply_views(x: Any, chain: Sequence[Any]) -> Any:
+    """``x`` through the view equations ``chain`` (each a one-operand primitive), in order."""
+    for c in chain:
+        params = c.primitive.get_bind_params(c.params)
+        x = c.primitive.bind(x, **(params[1] if isinstance(params, tuple) else params))
+    return x
+
+
+def _pass_through(args: list[Any]) -> list[Any]:
+    """What a deferred leaf's view or broadcast runs: nothing, handing the Explicit leaf on to its readers, which
+    apply the view on Explicit axes (:func:`_viewed_island`) or per device, with the broadcast
+    (:mod:`shardplan.jax.local_reads`)."""
+    return [args[0]]
 
 
 def _spec_axes(spec: Any, dims: Sequence[int]) -> frozenset[str]:

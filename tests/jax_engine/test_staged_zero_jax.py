@@ -300,16 +300,17 @@ def test_zero_0_and_1_gradients_are_reduced_once_a_step(searched, zero):
 @pytest.mark.parametrize("read, split, factor, all_reduces", [("dot", True, 1, 0), ("dot", False, 2, 0),
                                                               ("twice", True, 2, 0), ("scale", True, 2, 1)])
 def test_an_unreduced_cotangent_is_whatever_the_partitioner_left_on_each_device(read, split, factor, all_reduces):
-    """Why the stage runner still all-reduces ZeRO 0/1 gradients every micro-batch (docs/jax.md, "What the stage
-    programs send"): the gradient of a weight replicated over an axis of 2, taken as JAX 0.9.2 offers to defer its
+    """Why the stage runner defers a ZeRO 0/1 gradient only through reads it types itself (docs/jax.md, "What the
+    stage programs send"): the gradient of a weight replicated over an axis of 2, taken as JAX 0.9.2 offers to defer its
     reduction (the weight an Explicit-axes value ``reduced`` over the axis, read through an Auto copy, so its
     cotangent is ``unreduced``: per device a term of the sum), on a stage body of Auto axes. The sum of the two
     devices' terms is the gradient only where the partitioner leaves a partial sum at that point: a matmul with
     the batch split (``factor`` 1, nothing sent). With the batch replicated each device already holds the whole
     gradient, and for a per-feature scale the partitioner all-reduces first: each device's term is the whole
     gradient, the sum twice it. So the runner does not convert an Auto cotangent: it defers only a leaf whose every
-    read is a matmul summing over the replicas, run on Explicit axes (``staged._deferrable``), where JAX's type
-    rules, not the partitioner, make the terms (the previous test)."""
+    read is a matmul summing over the replicas run on Explicit axes (the previous test), or a gather or scale run
+    per device in a ``check_vma`` shard_map (``shardplan.jax.local_reads``, tests/jax_engine/test_staged_defer_jax.py),
+    where JAX's type rules, not the partitioner, make the terms (``staged._deferrable``)."""
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, reshard, use_abstract_mesh
 
     devices = np.array(DEVICES[:2])
