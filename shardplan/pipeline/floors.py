@@ -13,7 +13,7 @@ spends most of its time on (docs/pipeline.md, *Solve-free stage bounds*).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -237,6 +237,26 @@ class UnitFloors:
                 got.append(kinds[sigs[u]])
             self._dev[m] = got
         return got
+
+    def chunking_lower(self, chunks: Sequence[tuple[int, int]], q: int, m: int) -> float:
+        """A lower bound, as floats, of max over the ``chunks`` [a, b) of :meth:`segment` (a, b, q, m), from the
+        device-seconds alone (:meth:`device_units`, no layout costed): each unit's bound in :meth:`segment` is
+        the larger of its device-seconds over q and its vertex bound, so a chunk's sum of the former is at most
+        its sum of the latter; the factor 1 - 8 (U + 2)^2 2^-53 covers the rounding of both sums (the prefix
+        sums' difference included) when the chunks cover the U units, as a uniform pipeline's do
+        (docs/pipeline.md, *Seeds*). Where (q, m)'s prefix sums are already known, the exact maximum."""
+        dev = self.device_units(m)
+        covers = bool(chunks) and chunks[0][0] == 0 and chunks[-1][1] == len(dev) \
+            and all(x[1] == y[0] for x, y in zip(chunks, chunks[1:]))
+        if (q, m) in self._pre or not covers:  # (not covering: the factor's argument does not hold)
+            return max(self.segment(a, b, q, m) for a, b in chunks)
+        most = 0.0
+        for a, b in chunks:
+            s = 0.0
+            for u in range(a, b):
+                s += dev[u] / q
+            most = max(most, s)
+        return most * (1.0 - 8.0 * (len(dev) + 2) ** 2 * 2.0 ** -53)
 
     def forward_units(self, m: int) -> list[float]:
         """Per unit u: its operators' forward device-seconds at m (:meth:`~shardplan.pipeline.stages.ModelStages.
