@@ -30,6 +30,7 @@ from shardplan.ir import Operator
 from shardplan.layout import Layout, LayoutArrays, flat_layout_arrays, unique_rows
 
 __all__ = ["split_choices", "configurations", "dimension_orders", "ORDER_MODES", "layouts", "flat_layouts",
+           "configuration_layouts",
            "forward_deferrable", "deferred_inputs", "with_partial"]
 
 
@@ -234,31 +235,46 @@ def layouts(op: Operator, levels: Sequence[int], cutoff: int = 4, powers_of_two:
     levels = tuple(int(s) for s in levels)
     p = math.prod(levels)
     names = op.dim_names
-    n = len(names)
     if len(levels) == 1:
         return flat_layouts(op, p, cutoff, powers_of_two, divides_p, orders, max_permuted)[0]
-    own = list(range(n))
+    out: list[Layout] = []
+    for c in configurations(op, p, cutoff, powers_of_two, divides_p=True).tolist():
+        out.extend(configuration_layouts(names, levels, tuple(c), orders, max_permuted, max_split_dims,
+                                         max_level_dims, partial_replicas, node_replicas))
+    return tuple(out)
+
+
+def configuration_layouts(names: tuple[str, ...], levels: tuple[int, ...], c: tuple[int, ...],
+                          orders: str = "row-major", max_permuted: int = 3, max_split_dims: int | None = 3,
+                          max_level_dims: int | None = 2, partial_replicas: bool = False,
+                          node_replicas: bool = False) -> tuple[Layout, ...]:
+    """The layouts :func:`layouts` offers on several ``levels`` for the one total split ``c`` (a configuration
+    of an operator with dims ``names``), in its order: :func:`layouts` is their concatenation over the
+    operator's configurations. They depend on the operator only through ``names`` and ``c`` (every layout's
+    per-dim product over the levels is ``c``, so two configurations never share a layout)."""
+    levels = tuple(int(s) for s in levels)
+    p = math.prod(levels)
+    own = list(range(len(names)))
     out: list[Layout] = []
     seen: set[Layout] = set()
-    for c in configurations(op, p, cutoff, powers_of_two, divides_p=True).tolist():
-        tiles = math.prod(c)
-        if max_split_dims is not None and sum(x > 1 for x in c) > max_split_dims:
-            continue
-        fills = []
-        if partial_replicas or not levels[0] < tiles < p:
-            prods = level_products(tiles, levels)
-            if prods is not None:
-                fills.append(prods)
-        outer = p // levels[0]
-        if node_replicas and tiles % outer == 0 and tiles // outer < levels[0] and levels[0] % (tiles // outer) == 0:
-            fills.append((tiles // outer,) + levels[1:])
-        for rows in (r for prods in fills for r in _factorisations(tuple(c), prods, max_level_dims)):
-            per_level = [_level_orders(r, own, orders, max_permuted) for r in rows]
-            for combo in product(*per_level):
-                lay = Layout._unchecked(names, levels, rows, combo)
-                if lay not in seen:
-                    seen.add(lay)
-                    out.append(lay)
+    tiles = math.prod(c)
+    if max_split_dims is not None and sum(x > 1 for x in c) > max_split_dims:
+        return ()
+    fills = []
+    if partial_replicas or not levels[0] < tiles < p:
+        prods = level_products(tiles, levels)
+        if prods is not None:
+            fills.append(prods)
+    outer = p // levels[0]
+    if node_replicas and tiles % outer == 0 and tiles // outer < levels[0] and levels[0] % (tiles // outer) == 0:
+        fills.append((tiles // outer,) + levels[1:])
+    for rows in (r for prods in fills for r in _factorisations(tuple(c), prods, max_level_dims)):
+        per_level = [_level_orders(r, own, orders, max_permuted) for r in rows]
+        for combo in product(*per_level):
+            lay = Layout._unchecked(names, levels, rows, combo)
+            if lay not in seen:
+                seen.add(lay)
+                out.append(lay)
     return tuple(out)
 
 

@@ -143,7 +143,7 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
     try:
         got = _uniform_seeds(space, stages.stage_cost, stages.link_time, stages.exchange_time,
                              stages.fit_cost if memory_choices else None, floors.segment, tuple(schedules),
-                             ms, seeds, stats, tracker.tick, seen.append)
+                             ms, seeds, stats, tracker.tick, seen.append, chunking_lower=floors.chunking_lower)
     except KeyboardInterrupt:
         if not seen:
             raise

@@ -13,7 +13,7 @@ spends most of its time on (docs/pipeline.md, *Solve-free stage bounds*).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -38,10 +38,12 @@ class UnitFloors:
         self._pre: dict[tuple[int, int], np.ndarray] = {}
         self._pre_list: dict[tuple[int, int], list[float]] = {}  # the same prefix sums as Python floats
         self._fwd: dict[int, list[float]] = {}
+        self._dev: dict[int, list[float]] = {}  # device_units
         self._ops: dict[tuple, float] = {}
         # the layouts of an operator by what they depend on (its dim names and configurations, the sub-mesh's
         # levels, the options): operators of different micro-batch sizes often share them (_arrays_of)
         self._arrays: dict[tuple, Any] = {}
+        self._blocks: dict[tuple, Any] = {}  # the arrays of one configuration's layouts (_block)
 
     def _vertex_ok(self, q: int) -> bool:
         opts = self.stages.solve_options
@@ -64,15 +66,16 @@ class UnitFloors:
         got = self._ops.get(key)
         if got is None:
             arr, machine = self._layouts(op, q)
-            total = operator_cost(op, arr, machine).total
-            sync = weight_sync(op, arr, None, machine)
-            got = float(np.min(total - (1.0 - 1.0 / m) * sync))  # (never empty: the stack refuses no layouts)
+            cost = operator_cost(op, arr, machine)  # (the one costing the three below share)
+            sync = weight_sync(op, arr, None, machine, full=cost)
+            got = float(np.min(cost.total - (1.0 - 1.0 / m) * sync))  # (never empty: the stack refuses no layouts)
             if self.stages.memory_choices:
                 # a stage with memory choices may take any row of the operator's choice table (ZeRO's sharded step
                 # and its reduce-scatter can beat stage 0 at the same layout): the least row over every layout
+                # (one micro-batch per table: the table's own operator costing is this one)
                 from shardplan.cost.memory import STAGES, choice_table
 
-                rows = choice_table(op, arr, None, machine, 1, STAGES, True, prune=False, accumulate=m)
+                rows = choice_table(op, arr, None, machine, 1, STAGES, True, prune=False, accumulate=m, op_cost=cost)
                 got = min(got, float(rows.seconds.min()))
             self._ops[key] = got
         return got
@@ -169,9 +172,35 @@ class UnitFloors:
         key = (op.dim_names, cfg.shape, cfg.tobytes(), levels, cutoff, powers_of_two, orders, node_replicas)
         got = self._arrays.get(key)
         if got is None:
-            got = self._arrays[key] = LayoutArrays.stack(layouts(op, levels, cutoff, powers_of_two, divides_p, orders,
-                                                                 node_replicas=node_replicas))
+            memo, names, blocks = self._blocks, op.dim_names, []
+            for c in cfg.tolist():
+                c = tuple(c)
+                b = memo[(levels, c, orders, node_replicas)] if (levels, c, orders, node_replicas) in memo \
+                    else self._block(names, levels, c, orders, node_replicas)
+                if b is not None:
+                    blocks.append(b)
+            if not blocks:  # (never: the all-ones configuration has a layout) the stack's own error
+                return LayoutArrays.stack(())
+            got = self._arrays[key] = LayoutArrays(levels, np.concatenate([b.level_splits for b in blocks], axis=1),
+                                                   np.concatenate([b.level_strides for b in blocks], axis=1))
         return got
+
+    def _block(self, names: tuple[str, ...], levels: tuple[int, ...], c: tuple[int, ...], orders: str,
+               node_replicas: bool) -> Any:
+        """The arrays of :func:`shardplan.configs.configuration_layouts` of the one total split ``c`` (None: no
+        layout), memoised: :func:`shardplan.configs.layouts` is their concatenation over the operator's
+        configurations, in order, so the stacked blocks are its arrays row for row. The arrays (splits and
+        row-major strides per level) do not depend on the dim names, only on their number (``len(c)``): the
+        memo's key leaves them out, so operators of other kinds, sizes and micro-batch sizes share the blocks of
+        the configurations they have in common, which is where it saves the enumeration."""
+        from shardplan.configs import configuration_layouts
+        from shardplan.layout import LayoutArrays
+
+        key = (levels, c, orders, node_replicas)
+        if key not in self._blocks:
+            lays = configuration_layouts(names, levels, c, orders, node_replicas=node_replicas)
+            self._blocks[key] = LayoutArrays.stack(lays) if lays else None
+        return self._blocks[key]
 
     def _prefix(self, q: int, m: int) -> np.ndarray:
         key = (q, m)
@@ -179,11 +208,12 @@ class UnitFloors:
         if pre is None:
             g, units, sigs = self.stages.graph(m)
             vertex = self._vertex_ok(q)
+            dev = self.device_units(m)
             vals = []
             kinds: dict[int, float] = {}  # units of one signature have the same operators: one bound per kind
             for u, idx in enumerate(units):
                 if sigs[u] not in kinds:
-                    d = self.stages.device_seconds(m, u, u + 1) / q
+                    d = dev[u] / q
                     try:
                         v = sum(self._op_floor(g.operators[i], q, m) for i in idx) if vertex else 0.0
                     except PerDeviceLimitError:
@@ -192,6 +222,41 @@ class UnitFloors:
                 vals.append(kinds[sigs[u]])
             pre = self._pre[key] = np.concatenate(([0.0], np.cumsum(vals)))
         return pre
+
+    def device_units(self, m: int) -> list[float]:
+        """Per unit u: its device-seconds at m (:meth:`~shardplan.pipeline.stages.ModelStages.device_seconds` of
+        [u, u + 1)), from a memo (one computation per unit kind and m, whatever q)."""
+        got = self._dev.get(m)
+        if got is None:
+            _, units, sigs = self.stages.graph(m)
+            kinds: dict[int, float] = {}
+            got = []
+            for u in range(len(units)):
+                if sigs[u] not in kinds:
+                    kinds[sigs[u]] = self.stages.device_seconds(m, u, u + 1)
+                got.append(kinds[sigs[u]])
+            self._dev[m] = got
+        return got
+
+    def chunking_lower(self, chunks: Sequence[tuple[int, int]], q: int, m: int) -> float:
+        """A lower bound, as floats, of max over the ``chunks`` [a, b) of :meth:`segment` (a, b, q, m), from the
+        device-seconds alone (:meth:`device_units`, no layout costed): each unit's bound in :meth:`segment` is
+        the larger of its device-seconds over q and its vertex bound, so a chunk's sum of the former is at most
+        its sum of the latter; the factor 1 - 8 (U + 2)^2 2^-53 covers the rounding of both sums (the prefix
+        sums' difference included) when the chunks cover the U units, as a uniform pipeline's do
+        (docs/pipeline.md, *Seeds*). Where (q, m)'s prefix sums are already known, the exact maximum."""
+        dev = self.device_units(m)
+        covers = bool(chunks) and chunks[0][0] == 0 and chunks[-1][1] == len(dev) \
+            and all(x[1] == y[0] for x, y in zip(chunks, chunks[1:]))
+        if (q, m) in self._pre or not covers:  # (not covering: the factor's argument does not hold)
+            return max(self.segment(a, b, q, m) for a, b in chunks)
+        most = 0.0
+        for a, b in chunks:
+            s = 0.0
+            for u in range(a, b):
+                s += dev[u] / q
+            most = max(most, s)
+        return most * (1.0 - 8.0 * (len(dev) + 2) ** 2 * 2.0 ** -53)
 
     def forward_units(self, m: int) -> list[float]:
         """Per unit u: its operators' forward device-seconds at m (:meth:`~shardplan.pipeline.stages.ModelStages.

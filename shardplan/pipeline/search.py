@@ -83,6 +83,7 @@ class StageCost:
 
 StageFn = Callable[[int, int, int, int], "StageCost | None"]
 StageLowerFn = Callable[[int, int, int, int], float]
+ChunkingLowerFn = Callable[[Sequence[tuple[int, int]], int, int], float]
 FitFn = Callable[[int, int, int, int, int, float], "StageCost | None"]
 GroupFitFn = Callable[[tuple[tuple[int, int], ...], int, int, float, float], "tuple[StageCost, ...] | None"]
 LinkFn = Callable[[int, int, int, int, bool], float]
@@ -444,7 +445,8 @@ def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exc
                    fit_fn: FitFn | None, stage_lower: StageLowerFn, schedules: Sequence[str], ms: Sequence[int],
                    limit: int, stats: dict, tick: Callable[..., None],
                    found_plan: Callable[[PipelinePlan], None] | None = None,
-                   fit_stages: int = SEED_FIT_STAGES) -> dict[int, PipelinePlan]:
+                   fit_stages: int = SEED_FIT_STAGES,
+                   chunking_lower: ChunkingLowerFn | None = None) -> dict[int, PipelinePlan]:
     """Real plans to start the search from, per micro-batch count: the best uniform pipeline costed there.
 
     Candidates: every m, every stage count S >= 2 with p/S an allowed sub-mesh size (S <= max_stages, S <= U),
@@ -457,11 +459,20 @@ def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exc
     memory-constrained optimum (``fit_fn``) only in a candidate of at least ``fit_stages`` stages (a
     memory-constrained solve of a large stage can cost as much as the one program), else the candidate is
     dropped. ``found_plan`` hears each plan better than the ones before. A heuristic choice of real plans: what
-    it finds only lowers the incumbent."""
+    it finds only lowers the incumbent.
+
+    ``chunking_lower(chunking, q, m)``: a proven lower bound, as floats, of the largest ``stage_lower`` of the
+    chunking's stages, cheaper than it (:meth:`~shardplan.pipeline.floors.UnitFloors.chunking_lower`). With it
+    the candidates wait in a heap under that bound's keys and a candidate's ``stage_lower`` is computed only when
+    its bound reaches the top (a candidate whose bound already reaches the best costed is dropped unseen): the
+    candidates are costed in the same order, the same ones, with the same plans (docs/pipeline.md, *Seeds*)."""
     U, p = space.num_units, space.num_devices
     sizes = set(space.allowed_sizes())
     s_max = min(space.max_stages or U, U, p)
-    cands = []
+    # (key, exact, the estimate's factor, schedule): key = (estimate, m t, -m, S, chunking), unique per candidate,
+    # with t the largest stage_lower (exact) or chunking_lower's bound of it (not exact; every part of the key is
+    # then <= the exact key's, so the exact key is >= it in the tuple order: docs/pipeline.md, *Seeds*)
+    heap: list[tuple[tuple, bool, float, str]] = []
     for m in ms:
         for n in range(2, s_max + 1):
             if p % n or p // n not in sizes:
@@ -470,18 +481,24 @@ def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exc
             if not zb and "1f1b" not in schedules:
                 continue
             q = p // n
+            factor = m + (n - 1) * (2 / 3 if zb else 1.0)
             for chunking in interleaved_chunkings(U, n):
-                t = max(stage_lower(a, b, q, m) for a, b in chunking)
-                cands.append(((m + (n - 1) * (2 / 3 if zb else 1.0)) * t, m * t, m, n, chunking,
-                              "zb-h1" if zb else "1f1b"))
-    cands.sort(key=lambda c: (c[0], c[1], -c[2], c[3], c[4]))
+                exact = chunking_lower is None
+                t = max(stage_lower(a, b, q, m) for a, b in chunking) if exact else chunking_lower(chunking, q, m)
+                heap.append(((factor * t, m * t, -m, n, chunking), exact, factor, "zb-h1" if zb else "1f1b"))
+    heapq.heapify(heap)
     found: dict[int, PipelinePlan] = {}
     best = math.inf
     costed = 0
-    for _, lb, m, n, chunking, schedule in cands:
-        if costed >= limit:
-            break
-        if lb >= best:
+    while heap and costed < limit:
+        key, exact, factor, schedule = heapq.heappop(heap)
+        _, lb, m, n, chunking = key
+        m = -m
+        if lb >= best:  # (a bound's m t below the exact one's: the exact one reaches the best as well)
+            continue
+        if not exact:  # every key left is >= this bound: the exact key goes back among them
+            t = max(stage_lower(a, b, p // n, m) for a, b in chunking)
+            heapq.heappush(heap, ((factor * t, m * t, -m, n, chunking), True, factor, schedule))
             continue
         costed += 1
         tick(f"seed {costed}/{limit}: {n} stages, m={m}")

@@ -180,12 +180,13 @@ def _op_signature(op: Operator, where: dict[str, tuple[int, int]], unit: int) ->
             tensor(op.output, False))
 
 
-def weight_sync(op: Operator, configs, orders, machine: Machine):
+def weight_sync(op: Operator, configs, orders, machine: Machine, full: Any = None):
     """Seconds of the all-reduce of ``op``'s weight gradients and of its optimizer step per configuration: (K,),
     what runs once per step (charged 1/m per micro-batch).
 
     The operator costed with and without gradients for its weights: the difference of the backward
-    all-reduce time is the weights' part (the cost model's own formula, not a copy of it).
+    all-reduce time is the weights' part (the cost model's own formula, not a copy of it). ``full``:
+    ``operator_cost(op, configs, machine, orders)`` when the caller has it (not computed again).
     """
     import numpy as np
 
@@ -194,7 +195,7 @@ def weight_sync(op: Operator, configs, orders, machine: Machine):
     if not any(w.needs_grad for w in op.weights):
         return np.zeros(len(configs))
     frozen = replace(op, weights=tuple(replace(w, needs_grad=False) for w in op.weights))
-    full = operator_cost(op, configs, machine, orders)
+    full = operator_cost(op, configs, machine, orders) if full is None else full
     without = operator_cost(frozen, configs, machine, orders).grad_allreduce
     return np.maximum(full.grad_allreduce - without, 0.0) + full.optimizer
 
