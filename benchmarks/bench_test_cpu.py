@@ -21,6 +21,7 @@ import ctypes
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -59,7 +60,7 @@ def main() -> None:
     for f in args.files:
         load = os.getloadavg()[0]
         row = {"label": args.label, "file": f, "load": round(load, 1),
-               **cpu_seconds([sys.executable, "-m", "pytest", f, *args.pytest_args.split()])}
+               **cpu_seconds([sys.executable, "-m", "pytest", f, *shlex.split(args.pytest_args)])}
         output = row.pop("output")
         if args.log:
             with open(args.log, "a") as fh:
