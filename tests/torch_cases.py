@@ -667,7 +667,8 @@ def _run_on_mesh(name: str, world: int) -> dict:
 def worker(rank: int, world: int, port: int, names: list[str], out_path: str,
            run_one: Callable[[str, int], dict] = _run_on_mesh) -> None:
     """Entry point of one spawned gloo process: ``run_one(name, world)`` for every case (an exception
-    becomes that case's ``error``); rank 0 writes the results as JSON."""
+    becomes that case's ``error``); rank 0 writes the results as JSON, and with ``SHARDPLAN_CASE_CPU_LOG`` set
+    appends each case's CPU seconds to that file (docs/testing.md)."""
     import logging
 
     import torch.distributed as dist
