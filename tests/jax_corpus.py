@@ -366,17 +366,17 @@ def run_entry(entry: Entry, machine: Any, devices: Any) -> dict[str, Any]:
     conservatively, :attr:`shardplan.jax.TraceInfo.conservative`).
     """
     import jax
-    import jax.numpy as jnp
 
     import shardplan.jax as sj
+    from jax_compare import max_abs, max_abs_diff
     from shardplan.jax.hlo import hlo_bytes_per_device, predicted_bytes
 
     loss_fn, params, batch = entry.build()
     pl = sj.planned(loss_fn, params, batch, devices=devices, machine=machine)
     loss, grads = pl.step(params, batch)
     loss0, grads0 = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
-    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads0))
-    grad_err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)))
+    scale = max(max_abs(g) for g in jax.tree.leaves(grads0))
+    grad_err = max(max_abs_diff(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)))
     as_planned = all(g.sharding.is_equivalent_to(s, g.ndim)
                      for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(pl.param_shardings)))
     hlo = pl.step.lower(params, batch).compile().as_text()

@@ -518,6 +518,17 @@ def run_case(name: str, mesh: Any, p: int) -> dict[str, Any]:
     loss = pm(*batch)
     loss.backward()
     step = time.perf_counter() - t0
+    return {**compare_with_unsharded(plan, pm, model, loss, loss0, grads0, caught, p),
+            "setup_seconds": setup, "step_seconds": step}
+
+
+def compare_with_unsharded(plan: Any, pm: Any, model: nn.Module, loss: torch.Tensor, loss0: torch.Tensor,
+                           grads0: dict[str, torch.Tensor], caught: list, p: int) -> dict[str, Any]:
+    """What :func:`assert_runs_as_unsharded` and :func:`assert_nothing_conservative` read, after one forward
+    and backward pass of the sharded module ``pm`` (loss ``loss``) and of the unsharded copy of ``model``
+    (loss ``loss0``, gradients ``grads0``); ``caught``: the warnings recorded while planning."""
+    import shardplan.torch as st
+
     named = pm.named_dparameters()
     loss, loss0 = loss.detach(), loss0.detach()
     rel_loss = abs(float(loss) - float(loss0)) / max(abs(float(loss0)), 1e-30)
@@ -540,7 +551,7 @@ def run_case(name: str, mesh: Any, p: int) -> dict[str, Any]:
         "rel_grad": worst / max(scale, 1e-30), "missing": missing, "grad_layouts_ok": bool(layouts_ok), "tiles_ok": tiles_ok,
         "operators": len(plan.graph), "split_ops": split_ops, "world": p, "widest": widest,
         "solve_seconds": plan.solve_seconds,
-        "build_seconds": plan.build_seconds, "setup_seconds": setup, "step_seconds": step, "cost": plan.cost,
+        "build_seconds": plan.build_seconds, "cost": plan.cost,
         "warnings": [str(w.message) for w in caught if issubclass(w.category, st.ShardplanWarning)],
         "report": st.report(plan, pm.info),
         "conservative": [c.to_dict() for c in pm.info.conservative_ops()],
@@ -656,7 +667,8 @@ def _run_on_mesh(name: str, world: int) -> dict:
 def worker(rank: int, world: int, port: int, names: list[str], out_path: str,
            run_one: Callable[[str, int], dict] = _run_on_mesh) -> None:
     """Entry point of one spawned gloo process: ``run_one(name, world)`` for every case (an exception
-    becomes that case's ``error``); rank 0 writes the results as JSON."""
+    becomes that case's ``error``); rank 0 writes the results as JSON, and with ``SHARDPLAN_CASE_CPU_LOG`` set
+    appends each case's CPU seconds to that file (docs/testing.md)."""
     import logging
 
     import torch.distributed as dist
@@ -669,10 +681,14 @@ def worker(rank: int, world: int, port: int, names: list[str], out_path: str,
     results: dict[str, Any] = {}
     try:
         for name in names:
+            cpu = time.process_time()
             try:
                 results[name] = run_one(name, world)
             except Exception:
                 results[name] = {"error": traceback.format_exc()}
+            if rank == 0 and os.environ.get("SHARDPLAN_CASE_CPU_LOG"):  # where a launch's CPU seconds go
+                with open(os.environ["SHARDPLAN_CASE_CPU_LOG"], "a") as f:
+                    f.write(f"{name}\t{time.process_time() - cpu:.1f}\n")
     finally:
         if rank == 0:
             with open(out_path, "w") as f:

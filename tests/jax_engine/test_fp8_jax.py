@@ -19,6 +19,7 @@ from shardplan.jax.lower import trace
 from shardplan.jax.memory import fit_step
 from shardplan.machine import Machine
 from shardplan.spmd import plan_from_configs
+from jax_compare import max_abs, max_abs_diff  # noqa: E402
 
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 
@@ -64,8 +65,8 @@ def mlp():
 def assert_equal(got, want):
     (loss, grads), (loss0, grads0) = got, want
     assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
-    top = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads0))
-    err = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)))
+    top = max(max_abs(g) for g in jax.tree.leaves(grads0))
+    err = max(max_abs_diff(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)))
     assert err <= 1e-4 * top
 
 
@@ -98,7 +99,7 @@ def test_fp8_product_gradients_are_its_transposes():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
     for a, b in zip(vjp(jnp.asarray(g)), vjp0(jnp.asarray(g))):
         assert a.shape == b.shape
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6 * max_abs(b))
     bf = jnp.bfloat16  # the result in the product's dtype, each gradient in its operand's
     yb, vjpb = jax.vjp(_fp8_dot(dn, bf, bf, jnp.float32), jnp.asarray(x, bf), jnp.asarray(w))
     assert yb.dtype == bf and [d.dtype for d in vjpb(jnp.asarray(g, bf))] == [bf, jnp.float32]

@@ -7,11 +7,11 @@ layouts run without the ring all-gather them."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 from conftest import require_8_devices
 from jax_attention_cases import TOY, attention_loss, inputs
+from jax_compare import max_abs, max_abs_diff  # noqa: E402
 
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 
@@ -23,7 +23,7 @@ def assert_equal_to_unsharded(loss, grads, params, batch):
     ref_loss, ref_grads = jax.value_and_grad(attention_loss)(params, batch)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for name, r in ref_grads.items():
-        assert float(jnp.max(jnp.abs(grads[name] - r))) <= 1e-4 * float(jnp.max(jnp.abs(r))), name
+        assert max_abs_diff(grads[name], r) <= 1e-4 * max_abs(r), name
 
 
 def test_the_planned_ring_runs_equal_to_the_unsharded_program_and_gathers_nothing():

@@ -10,6 +10,7 @@ import jax
 from conftest import require_8_devices  # noqa: E402
 from shardplan.errors import ShardplanError  # noqa: E402
 from shardplan.jax.staged import pipeline_forward, stack_stages  # noqa: E402
+from jax_compare import max_abs, max_abs_diff  # noqa: E402
 
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 
@@ -123,8 +124,8 @@ def _assert_equal_to_unsharded(step, loss_fn, params, batch):
     assert abs(float(loss) - float(ref_l)) <= 1e-5 * abs(float(ref_l))
     got, want = jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_g)
     assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(ref_g)
-    scale = max(float(jnp.abs(w).max()) for w in want)
-    assert max(float(jnp.abs(g - w).max()) for g, w in zip(got, want)) <= 1e-4 * scale
+    scale = max(max_abs(w) for w in want)
+    assert max(max_abs_diff(g, w) for g, w in zip(got, want)) <= 1e-4 * scale
 
 
 def _assert_stage_layouts(step):

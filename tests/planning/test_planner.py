@@ -25,9 +25,18 @@ def gpt(b: int):
     return get_model("gpt", b, layers=4)
 
 
-def test_one_program_equals_the_searches_it_runs():
+@pytest.fixture(scope="module")
+def h100_16():
+    """plan() of GPT (4 blocks, batch 32) on 16 H100s as one program, with memory choices ("fit") and without
+    ("plain"): read by two tests (one search each)."""
     m = preset("h100", 16)
-    p = plan("gpt", m, sizes={"layers": 4}, batch=32, stages=False)
+    return {"fit": plan("gpt", m, sizes={"layers": 4}, batch=32, stages=False),
+            "plain": plan("gpt", m, sizes={"layers": 4}, batch=32, stages=False, fit=False)}
+
+
+def test_one_program_equals_the_searches_it_runs(h100_16):
+    m = preset("h100", 16)
+    p = h100_16["fit"]
     ref = solve_fit(gpt(32), m, options=FitOptions(micro_batches=(1, 2, 4, 8, 16, 32)), cutoff=1)  # every divisor
     assert p.step_time == pytest.approx(ref.cost, rel=1e-12)
     assert p.num_stages == 1 and p.schedule == "none" and p.optimal
@@ -35,7 +44,7 @@ def test_one_program_equals_the_searches_it_runs():
     assert p.stats["stages_reason"] == "stages=False"
     own = sum(c.seconds + c.redistribution_seconds for c in p.operators.values())
     assert own == pytest.approx(p.step_time, rel=1e-9)  # every second of the step is some operator's
-    plain = plan("gpt", m, sizes={"layers": 4}, batch=32, stages=False, fit=False)
+    plain = h100_16["plain"]
     assert plain.step_time == pytest.approx(solve(gpt(32), m, cutoff=1).cost, rel=1e-12)
     assert not plain.stats["memory_choices"] and plain.memory["budget_bytes"] == m.memory_bytes
 
@@ -81,10 +90,8 @@ def test_the_pipeline_wins_where_links_across_nodes_are_slow():
     assert "pipeline" in recipe_words(p)
 
 
-def test_plan_round_trips_through_json_and_rebuilds_on_the_program():
-    m = preset("h100", 16)
-    for kw in ({}, {"fit": False}):
-        p = plan("gpt", m, sizes={"layers": 4}, batch=32, stages=False, **kw)
+def test_plan_round_trips_through_json_and_rebuilds_on_the_program(h100_16):
+    for p in (h100_16["fit"], h100_16["plain"]):
         text = p.to_json()
         q = Plan.from_json(text)
         assert q == p and q.detail is None and q.to_json() == text
@@ -98,7 +105,7 @@ def test_plan_round_trips_through_json_and_rebuilds_on_the_program():
         spmd_of(q, get_model("gpt", 16, layers=4))
 
 
-def test_a_pipeline_plan_round_trips_and_rebuilds_its_stages():
+def test_a_pipeline_plan_round_trips_and_rebuilds_its_stages(h100_16):
     m = preset("a100", 16)
     p = from_pipeline(pipeline_solve(gpt, 32, m, micro_batches=(4,), sizes=(8,), memory_choices=True, cutoff=1))
     assert p.num_stages == 2 and [s.devices for s in p.stages] == [8, 8]
@@ -110,8 +117,8 @@ def test_a_pipeline_plan_round_trips_and_rebuilds_its_stages():
         [(s.first, s.end, s.offset, s.devices) for s in p.stages]
     for s, rs in zip(p.stages, r.plan.stages):
         assert rs.cost.detail.layouts == dict(s.layouts)
-    with pytest.raises(ShardplanError, match="one program"):
-        pipeline_of(plan("gpt", m, sizes={"layers": 4}, batch=32, stages=False), gpt)
+    with pytest.raises(ShardplanError, match="one program"):  # any plan of one program
+        pipeline_of(h100_16["plain"], gpt)
 
 
 def test_from_json_refuses_what_is_not_a_plan():

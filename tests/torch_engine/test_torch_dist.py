@@ -16,7 +16,9 @@ import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 
 WORLD = 4
-MODELS = ["mlp", "llama_block", "cnn", "hf_gpt2", "hf_llama", "unsupported", "ops_zoo"]
+# Hugging Face GPT-2 and Llama: the same checks on the same plans in tests/torch_engine/test_torch_names.py
+# (test_sharded_loss_and_grads_equal_single_process), whose launch plans them once for both files
+MODELS = ["mlp", "llama_block", "cnn", "unsupported", "ops_zoo"]
 
 
 @pytest.fixture(scope="module")

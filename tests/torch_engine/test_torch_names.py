@@ -10,6 +10,8 @@ choices (recomputation, micro-batches, ZeRO-3) with the unsharded model's loss a
 
 from __future__ import annotations
 
+import traceback
+import warnings
 from typing import Any
 
 import pytest
@@ -26,6 +28,8 @@ pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it ou
 WORLD = 4
 NAME_CASES = ["hf_gpt2", "hf_llama", "tiny_lm"]
 FIT_CASES = ["fit_gpt2", "fit_llama_block", "fit_options", "forced_gpt2"]
+# the fit cases of one model, run after one trace and one plan without a budget (run_fits)
+FIT_GROUPS = {"fit_gpt2": ("fit_gpt2", "forced_gpt2"), "fit_llama_block": ("fit_llama_block", "fit_options")}
 LR, DECAY = 1e-2, 0.1
 EPS = 1e-4  # AdamW's first step moves by about LR * g / (|g| + eps): an eps far above the gradients' float
 # error keeps near-zero gradients from amplifying it (by LR / eps) in the comparison
@@ -91,13 +95,17 @@ def run_names(name: str, world: int) -> dict[str, Any]:
 
     import shardplan.torch as st
 
+    from shardplan.torch.run import parallel_module
+
     torch.manual_seed(0)
     model, batch = MAKERS[name]()
     model.train()
     mesh = init_device_mesh("cpu", (world,))
     machine = torch_cases.toy_machine(world)
     ref = torch_cases._clone(model)
-    _, pm = st.parallelize(torch_cases._clone(model), batch, mesh, machine=machine)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan, pm = st.parallelize(torch_cases._clone(model), batch, mesh, machine=machine)
     out: dict[str, Any] = {
         "names": [n for n, _ in pm.named_parameters()], "names0": [n for n, _ in model.named_parameters()],
         "buffers": [n for n, _ in pm.named_buffers()], "buffers0": [n for n, _ in model.named_buffers()],
@@ -108,6 +116,7 @@ def run_names(name: str, world: int) -> dict[str, Any]:
     # one training step on each: forward, backward, clip to norm 1, AdamW with two groups
     loss0 = ref(*batch)
     loss0.backward()
+    unclipped0 = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
     norm0 = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
     grads0 = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
     before = {n: p.detach().clone() for n, p in ref.named_parameters()}
@@ -115,6 +124,8 @@ def run_names(name: str, world: int) -> dict[str, Any]:
     opt0.step()
     loss = pm(*batch)
     loss.backward()
+    # the checks of tests/torch_engine/test_torch_dist.py on this same plan and pass, before clipping
+    out["unsharded"] = torch_cases.compare_with_unsharded(plan, pm, model, loss, loss0, unclipped0, caught, world)
     norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
     opt = adamw(list(pm.named_parameters()))
     opt.step()
@@ -127,10 +138,11 @@ def run_names(name: str, world: int) -> dict[str, Any]:
     out["param_err"], out["param_scale"] = _worst(after, want)
     out["update"] = max(float((want[n] - before[n]).abs().max()) for n in want)  # how far the step moved
     out["state_sharded"] = all(tuple(s["exp_avg"].placements) == tuple(p.placements) for p, s in opt.state.items())
-    # a fresh module (other initial values) loaded with the model's state dict: full tensors, then DTensors
+    # a fresh module (other initial values) under the same plan, loaded with the model's state dict: full tensors,
+    # then DTensors
     torch.manual_seed(1)
     other, _ = MAKERS[name]()
-    _, pm2 = st.parallelize(other, batch, mesh, machine=machine)
+    pm2 = parallel_module(other, batch, None, pm.info, plan, mesh)
     with torch.no_grad():
         out["loss_fresh"] = float(pm2(*batch))
         pm2.load_state_dict(model.state_dict())
@@ -155,24 +167,41 @@ FIT_MODELS = {"fit_gpt2": torch_cases.make_hf_gpt2, "fit_llama_block": torch_cas
               "fit_options": torch_cases.make_llama_block, "forced_gpt2": torch_cases.make_hf_gpt2}
 
 
-def run_fit(name: str, world: int) -> dict[str, Any]:
-    """A plan under a memory budget (``fit_*``: 45% of the plain plan's memory; ``fit_options``: the same
-    with ZeRO stages 1 to 3 and 3 or 2 micro-batches asked for; ``forced_*``: ZeRO-3 everywhere, every
-    other operator recomputed, 2 micro-batches, by hand), run with ``pm.step``."""
+def run_fits(lead: str, world: int) -> dict[str, Any]:
+    """:func:`run_fit` of every case of ``FIT_GROUPS[lead]`` (one model): the model traced and planned without
+    a budget once for them all (what each case would compute again), by case name."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardplan.torch as st
-    from shardplan.fit import FitOptions, plan_with_choices
     from shardplan.spmd import solve
-    from shardplan.torch.run import parallel_module
 
     torch.manual_seed(0)
-    model, _ = FIT_MODELS[name]()
+    model, _ = FIT_MODELS[lead]()
     batch = _tokens(11, 4 * BATCH)
     mesh = init_device_mesh("cpu", (world,))
     machine = torch_cases.toy_machine(world)
     graph, info = st.trace(torch_cases._clone(model), batch)
     plain = solve(graph, machine, cutoff=1, divides_p=True)
+    out: dict[str, Any] = {}
+    for name in FIT_GROUPS[lead]:
+        try:
+            out[name] = run_fit(name, batch, mesh, machine, graph, info, plain)
+        except Exception:  # noqa: BLE001  (one case's error is that case's, as torch_cases.worker records it)
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def run_fit(name: str, batch: tuple, mesh: Any, machine: Any, graph: Any, info: Any, plain: Any) -> dict[str, Any]:
+    """A plan under a memory budget (``fit_*``: 45% of the plain plan's memory; ``fit_options``: the same
+    with ZeRO stages 1 to 3 and 3 or 2 micro-batches asked for; ``forced_*``: ZeRO-3 everywhere, every
+    other operator recomputed, 2 micro-batches, by hand), run with ``pm.step``. ``graph``, ``info``: the
+    model traced on ``batch``; ``plain``: its plan without a budget on ``machine``."""
+    import shardplan.torch as st
+    from shardplan.fit import FitOptions, plan_with_choices
+    from shardplan.torch.run import parallel_module
+
+    torch.manual_seed(0)
+    model, _ = FIT_MODELS[name]()
     names = [op.name for op in graph.operators]
     if name.startswith("forced"):
         plan = plan_with_choices(plain, stage=3, recompute=names[1::2], micro_batches=2)
@@ -236,13 +265,17 @@ def saved_bytes(pm: Any, batch: tuple) -> int:
 
 
 def run_one(name: str, world: int) -> dict[str, Any]:
-    return run_fit(name, world) if name in FIT_CASES else run_names(name, world)
+    return run_fits(name, world) if name in FIT_GROUPS else run_names(name, world)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_names") / "results.json"
-    return torch_cases.run_distributed(NAME_CASES + FIT_CASES, WORLD, str(out), run_one=run_one)
+    got = torch_cases.run_distributed(NAME_CASES + list(FIT_GROUPS), WORLD, str(out), run_one=run_one)
+    for lead, members in FIT_GROUPS.items():  # a group's error is each of its cases'
+        group = got.pop(lead)
+        got.update({m: group if "error" in group else group[m] for m in members})
+    return got
 
 
 def _ok(results: dict, name: str) -> dict:
@@ -259,6 +292,16 @@ def test_parameters_buffers_and_state_dict_carry_the_models_names(results, name)
     assert r["keys"] == r["keys0"]
     assert r["all_dtensor"]
     assert r["split"] > 0, "the toy machine makes splitting pay: some parameter must be sharded"
+
+
+@pytest.mark.parametrize("name", NAME_CASES)
+def test_sharded_loss_and_grads_equal_single_process(results, name):
+    """tests/torch_engine/test_torch_dist.py's checks on the Hugging Face models (planned here once for both
+    files): loss and gradients equal one process's, the cost model's tiles held on every rank, gradients laid
+    out like them, nothing described conservatively."""
+    r = _ok(results, name)["unsharded"]
+    torch_cases.assert_runs_as_unsharded(r)
+    assert r["warnings"] == [], r["warnings"]
 
 
 def test_tied_and_shared_parameters_appear_as_in_the_model(results):
