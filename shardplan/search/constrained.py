@@ -508,7 +508,7 @@ def relaxed_bound(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndarray] |
         return float("inf")
     tight = mp.budget if lam == 0 else _lattice_budget(mp, allowed) if lattice is None else min(lattice, mp.budget)
     sub, _, _ = _lagrangian_problem(mp, lam, allowed)
-    _, _, low = _forest_pass(BoundState.from_problem(sub))
+    low = _forest_pass(BoundState.from_problem(sub), value_only=True)  # the relaxed minimum alone
     value = float(low) + lam * (mp.fixed - tight)
     return value - 1e-9 * abs(value)
 
