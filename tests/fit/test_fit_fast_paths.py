@@ -2,7 +2,8 @@
 
 Each shortcut skips work whose result is known (a value met before, an idempotent step); the previous path
 is kept here as the reference (``_lattice_budget_plain``: the per-vertex loop of before) or put back by
-monkeypatching (``fit._per_table`` as a plain comprehension)."""
+monkeypatching (``fit._per_table`` as a plain comprehension, ``bounds.forest_value`` as the two-pass
+pass's value)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from shardplan import fit
 from shardplan.cost import build_tables
 from shardplan.fit import FitOptions, fit_problem, solve_fit
 from shardplan.machine import Machine
-from shardplan.search import constrained
+from shardplan.search import bounds, constrained
 from shardplan.search.constrained import MemoryProblem, _lattice_budget
 from shardplan.search.problem import Problem
 
@@ -112,7 +113,7 @@ def _cases():
 def test_the_one_program_gives_the_plan_of_the_previous_code_path(case, monkeypatch):
     """Several small models, meshes and budgets: the plan (layouts and memory choices), step time, bound and
     proof equal those of the previous code path (every table's values computed per operator, the lattice
-    budget by the per-vertex loop)."""
+    budget by the per-vertex loop, the count bounds' forest value from the two-pass forest bounds)."""
     g, p, counts = list(_cases())[case]
     m = Machine(p, peak_flops=F, bandwidth=100 * B, latency=1e-6, memory_bytes=1e12)
     tables = build_tables(g, m, orders="row-major")
@@ -126,12 +127,14 @@ def test_the_one_program_gives_the_plan_of_the_previous_code_path(case, monkeypa
             with monkeypatch.context() as mpatch:
                 mpatch.setattr(fit, "_per_table", lambda cts, f: [f(t) for t in cts])
                 mpatch.setattr(constrained, "_lattice_budget", _lattice_budget_plain)
+                mpatch.setattr(bounds, "forest_value", lambda h, res, forest: bounds.forest_bounds(h, res, forest)[2])
                 with pytest.raises(type(e), match="no plan"):
                     solve_fit(g, m, budget=budget, tables=tables, options=opts)
             continue
         with monkeypatch.context() as mpatch:
             mpatch.setattr(fit, "_per_table", lambda cts, f: [f(t) for t in cts])
             mpatch.setattr(constrained, "_lattice_budget", _lattice_budget_plain)
+            mpatch.setattr(bounds, "forest_value", lambda h, res, forest: bounds.forest_bounds(h, res, forest)[2])
             slow = solve_fit(g, m, budget=budget, tables=tables, options=opts)
         _same_plan(fast, slow)
 
