@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -258,14 +258,22 @@ def fit_problem(tables: CostTables, budget: float, micro_batches: int = 1, optio
     """
     cache = {} if cache is None else cache
     cts = _choice_tables(tables, micro_batches, options, cache, peak=False)
-    least = options.reserve_bytes + float(sum(t.bytes.min() for t in cts))
+    low = _per_table(cts, lambda t: t.bytes.min())  # identical operators share a table: one reduction each
+    least = options.reserve_bytes + float(sum(low))
     if least <= budget:
-        cts = _taken(cts, [np.flatnonzero(t.bytes + (least - t.bytes.min()) <= budget) for t in cts])
+        cts = _taken(cts, _per_table(cts, lambda t: np.flatnonzero(t.bytes + (least - t.bytes.min()) <= budget)))
     cts = _host_pruned(cts, options.host_budget(tables.machine))
     problem = cache_problem(tables, cache)
     base, seconds, mem = _shared_rows(cts)
     mp = MemoryProblem(problem, base, seconds, mem, budget, options.reserve_bytes)
     return mp, tuple(cts)
+
+
+def _per_table(cts: Sequence[ChoiceTable], f: Callable[[ChoiceTable], Any]) -> list[Any]:
+    """``[f(t) for t in cts]``, computed once per table object (a pure ``f``: tables shared by identical
+    operators give the same value; ``cts`` holds the tables, so their ids stay their own)."""
+    done: dict[int, Any] = {}
+    return [done[id(t)] if id(t) in done else done.setdefault(id(t), f(t)) for t in cts]
 
 
 def _shared_rows(cts: Sequence[ChoiceTable]) -> tuple[tuple[np.ndarray, ...], ...]:
@@ -341,12 +349,12 @@ def _host_pruned(cts: Sequence[ChoiceTable], host_budget: float) -> list[ChoiceT
     cts = list(cts)
     if not np.isfinite(host_budget) or not cts:
         return cts
-    least = float(sum(t.host_bytes.min() for t in cts))
+    least = float(sum(_per_table(cts, lambda t: t.host_bytes.min())))
     if least > host_budget:
         return cts
-    return _taken(cts, [np.arange(len(t.base)) if float(t.host_bytes.max()) + least - float(t.host_bytes.min())
-                        <= host_budget else np.flatnonzero(t.host_bytes + (least - t.host_bytes.min()) <= host_budget)
-                        for t in cts])
+    return _taken(cts, _per_table(cts, lambda t: np.arange(len(t.base)) if float(t.host_bytes.max()) + least
+                                  - float(t.host_bytes.min()) <= host_budget
+                                  else np.flatnonzero(t.host_bytes + (least - t.host_bytes.min()) <= host_budget)))
 
 
 def _taken(cts: Sequence[ChoiceTable], keeps: Sequence[np.ndarray]) -> list[ChoiceTable]:
@@ -429,15 +437,19 @@ def _choice_tables(tables: CostTables, micro_batches: int, options: FitOptions, 
         cache["keep"] = [(s, _shared(shared, ("k", _key(op), id(lay), s),
                                      lambda: recompute_keep_bytes(op, lay, tables.machine, s)) if any(s) else None)
                          for op, lay, s in zip(g.operators, tables.arrays, sh)]
+    if "keys" not in cache:  # per operator, what identifies its table beside the count (the same for every count)
+        cache["keys"] = [(_key(op), id(lay), op.name in forced, sk[0])
+                         for op, lay, sk in zip(g.operators, tables.arrays, cache["keep"])]
     rules = options.rules
-    return [_shared(shared, ("c", micro_batches, peak, rules, _key(op), id(lay), op.name in forced, sk[0]),
+    return [_shared(shared, ("c", micro_batches, peak, rules, *key),
                     lambda: choice_table(op, lay, None, tables.machine, micro_batches, options.stages,
                                          options.recompute, opt, groups=wg,
                                          op_cost=oc if micro_batches == 1 else _scaled(op, lay, tables, micro_batches),
                                          in_flight=options.in_flight, accumulate=options.accumulate,
                                          forced_recompute=op.name in forced, recompute_keep=sk[1], peak=peak,
                                          rules=rules))
-            for op, lay, wg, oc, sk in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs, cache["keep"])]
+            for op, lay, wg, oc, sk, key in zip(g.operators, tables.arrays, cache["groups"], tables.op_costs,
+                                                cache["keep"], cache["keys"])]
 
 
 def _scaled(op: Operator, lay: Any, tables: CostTables, m: int) -> Any:
@@ -564,10 +576,11 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                     least_all, peak_least = least, False
                 per.append({"micro_batches": m, "status": "infeasible", "least_memory_bytes": least})
                 continue
-            if float(sum(t.host_bytes.min() for t in cts)) > host_budget:
-                host_least = min(host_least, float(sum(t.host_bytes.min() for t in cts)))
+            least_host = float(sum(_per_table(cts, lambda t: t.host_bytes.min())))
+            if least_host > host_budget:
+                host_least = min(host_least, least_host)
                 per.append({"micro_batches": m, "status": "infeasible in host memory",
-                            "least_host_bytes": float(sum(t.host_bytes.min() for t in cts))})
+                            "least_host_bytes": least_host})
                 continue
             # a bound without a solve first: a count whose bound reaches the best plan is closed (it cannot beat it)
             # (not tried once a forest pass has cost more than that share: such roots are cheap, just solve them)

@@ -333,14 +333,16 @@ def split_max(mat: np.ndarray, col: np.ndarray | None = None, row: np.ndarray | 
     return r, lo, float((hi - lo).max())
 
 
-def _forest_pass(st: BoundState, exact_weights: bool = False) -> tuple[list[np.ndarray], np.ndarray, float]:
+def _forest_pass(st: BoundState, exact_weights: bool = False, value_only: bool = False
+                 ) -> tuple[list[np.ndarray], np.ndarray, float] | float:
     """The forest bound of ``st`` (reparametrised by its messages, if any).
 
     Every edge E (after the messages) is split as r[a] + c[b] + R[a, b]; a
     maximum spanning forest keeps its edges whole, every other edge keeps
     r + c and drops R >= 0. The forest is chosen by max R (``exact_weights``)
     or by the cheaper max E - min E. Returns the forest min-marginals (lower
-    bounds LB(v, k)), the forest optimum and the relaxed minimum.
+    bounds LB(v, k)), the forest optimum and the relaxed minimum; with ``value_only``, the relaxed minimum
+    alone (a float, bit for bit the same).
 
     Without messages an edge's split and its weight max E - min E depend on its
     matrix only, so edges that share one matrix (the same operator pair in
@@ -387,6 +389,8 @@ def _forest_pass(st: BoundState, exact_weights: bool = False) -> tuple[list[np.n
         if msg is not None:
             h[u] += msg[(w, u)]
             h[w] += msg[(u, w)]
+    if value_only:  # the relaxed minimum alone (:func:`forest_value`: the same float)
+        return forest_value(h, st.pairs, forest)
     return forest_bounds(h, st.pairs, forest)
 
 
@@ -411,32 +415,13 @@ def _forest(n: int, weights: dict[tuple[int, int], float]) -> list[tuple[int, in
     return out
 
 
-def forest_bounds(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
-                  forest: list[tuple[int, int]]) -> tuple[list[np.ndarray], np.ndarray, float]:
-    """Min-marginals of sum_v h_v + sum_(e in forest) res_e, and the forest optimum.
-
-    Returns ``(mm, assign, value)``: ``mm[v][k]`` is the minimum of the
-    relaxed objective over assignments with v = k (exact, by two-pass
-    min-sum message passing), ``assign`` one minimising assignment and
-    ``value`` the relaxed minimum (a lower bound of OPT).
-    """
-    n = len(h)
+def _forest_tree(n: int, forest: list[tuple[int, int]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """The forest rooted at each component's least vertex: ``(parent, order, children)``, ``order`` a
+    depth-first preorder (a vertex before its children), ``parent`` -1 at the roots."""
     nbr: list[list[int]] = [[] for _ in range(n)]
     for u, w in forest:
         nbr[u].append(w)
         nbr[w].append(u)
-
-    transposed: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # one view object per matrix (memo keys by id)
-
-    def flip(m: np.ndarray) -> np.ndarray:
-        got = transposed.get(id(m))
-        if got is None or got[0] is not m:
-            got = transposed[id(m)] = (m, m.T)
-        return got[1]
-
-    def mat(c: int, p: int) -> np.ndarray:  # residual oriented [config of c, config of p]
-        return res[(c, p)] if c < p else flip(res[(p, c)])
-
     parent = [-1] * n
     order: list[int] = []
     seen = [False] * n
@@ -457,28 +442,92 @@ def forest_bounds(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
     for v in order:
         if parent[v] >= 0:
             children[parent[v]].append(v)
-    mp = _MinPlusMemo()  # identical layers repeat messages (equal inputs: the same floats)
-    up = [x.copy() for x in h]  # h_v + messages from v's children
-    msg_up: dict[int, np.ndarray] = {}  # message child -> parent, over the parent's configs
+    return parent, order, children
+
+
+def _oriented(res: dict[tuple[int, int], np.ndarray]) -> Callable[[int, int], np.ndarray]:
+    """``mat(c, p)``: the residual of edge {c, p} oriented [config of c, config of p], one transposed view
+    object per matrix (the min-plus memo keys by id)."""
+    transposed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def flip(m: np.ndarray) -> np.ndarray:
+        got = transposed.get(id(m))
+        if got is None or got[0] is not m:
+            got = transposed[id(m)] = (m, m.T)
+        return got[1]
+
+    def mat(c: int, p: int) -> np.ndarray:
+        return res[(c, p)] if c < p else flip(res[(p, c)])
+
+    return mat
+
+
+def _upward(h: list[np.ndarray], mat: Callable[[int, int], np.ndarray], parent: list[int], order: list[int],
+            mp: "_MinPlusMemo") -> tuple[list[np.ndarray], dict[int, np.ndarray]]:
+    """The leaves-to-roots pass: ``up[v]`` = h_v + the messages of v's children (added in reverse preorder),
+    and each child's message to its parent, over the parent's configurations."""
+    up = [x.copy() for x in h]
+    msg_up: dict[int, np.ndarray] = {}
     for v in reversed(order):
         p = parent[v]
         if p >= 0:
             m = mp(up[v], mat(v, p))
             msg_up[v] = m
             up[p] += m
+    return up, msg_up
+
+
+def _root_marginals(h: list[np.ndarray], msg_up: dict[int, np.ndarray], v: int,
+                    kids: list[int], down: np.ndarray | None = None) -> list[np.ndarray]:
+    """prefix[i] = (h_v + down) + the messages of v's children before i, in ``kids`` order; prefix[-1] is
+    v's min-marginal (each sum rounded in this order)."""
+    base = h[v] + down if down is not None else h[v]
+    prefix = [base]
+    for c in kids:
+        prefix.append(prefix[-1] + msg_up[c])
+    return prefix
+
+
+def forest_value(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
+                 forest: list[tuple[int, int]]) -> float:
+    """The relaxed minimum of :func:`forest_bounds` alone, the same float, from its upward pass only.
+
+    A component's minimum is its root's min-marginal, which the downward pass does not touch: the root's
+    prefix sums use the upward messages only. The messages, the roots' sums and the total are formed by the
+    same operations in the same order as there, so the value is equal bit for bit (tested), at about half
+    the min-plus products.
+    """
+    n = len(h)
+    parent, order, children = _forest_tree(n, forest)
+    _, msg_up = _upward(h, _oriented(res), parent, order, _MinPlusMemo())
+    comp_min = {v: float(_root_marginals(h, msg_up, v, children[v])[-1].min()) for v in range(n) if parent[v] < 0}
+    return sum(comp_min.values())
+
+
+def forest_bounds(h: list[np.ndarray], res: dict[tuple[int, int], np.ndarray],
+                  forest: list[tuple[int, int]]) -> tuple[list[np.ndarray], np.ndarray, float]:
+    """Min-marginals of sum_v h_v + sum_(e in forest) res_e, and the forest optimum.
+
+    Returns ``(mm, assign, value)``: ``mm[v][k]`` is the minimum of the
+    relaxed objective over assignments with v = k (exact, by two-pass
+    min-sum message passing), ``assign`` one minimising assignment and
+    ``value`` the relaxed minimum (a lower bound of OPT).
+    """
+    n = len(h)
+    parent, order, children = _forest_tree(n, forest)
+    mat = _oriented(res)  # residual oriented [config of c, config of p]
+    mp = _MinPlusMemo()  # identical layers repeat messages (equal inputs: the same floats)
+    up, msg_up = _upward(h, mat, parent, order, mp)  # h_v + messages from v's children; child -> parent
     down: list[np.ndarray | None] = [None] * n  # message parent -> v, over v's configs
     mm: list[np.ndarray] = [np.empty(0)] * n
     for v in order:
         # excluded sums are recomputed (not up[v] - msg), so no cancellation error enters
-        base = h[v] + down[v] if down[v] is not None else h[v]
         kids = children[v]
         # prefix[i]: base + the messages of the children before i; suffix[i]: those from i on (linear in the
         # degree, a star of many leaves included)
-        prefix = [base]
-        for c in kids:
-            prefix.append(prefix[-1] + msg_up[c])
+        prefix = _root_marginals(h, msg_up, v, kids, down[v])
         mm[v] = prefix[-1]
-        suffix = np.zeros_like(base)
+        suffix = np.zeros_like(prefix[0])
         for i in range(len(kids) - 1, -1, -1):
             c = kids[i]
             down[c] = mp(prefix[i] + suffix, mat(v, c))

@@ -385,16 +385,18 @@ def _lattice_budget(mp: MemoryProblem, allowed: Sequence[np.ndarray]) -> float:
     budget = mp.budget
     least = Fraction(mp.fixed)
     num, den = 0, 1  # q = num / den
-    seen: dict[tuple[int, bytes], tuple[Fraction, list[Fraction]]] = {}
+    # a vertex whose (row, allowed choices) was met before adds its least value again but no new step: the
+    # gcd already divides its differences (gcd is idempotent), and q, so the femto test, is unchanged
+    seen: dict[tuple[int, bytes], list] = {}  # key -> [least value, times met]
     for m, ok in zip(mp.memory, allowed):
         key = (id(m), np.packbits(ok).tobytes())
-        if key not in seen:
-            vals = np.unique(m[ok])
-            lo = Fraction(float(vals[0]))
-            seen[key] = (lo, [Fraction(float(x)) - lo for x in vals[1:]])
-        lo, diffs = seen[key]
-        least += lo
-        for d in diffs:
+        if key in seen:
+            seen[key][1] += 1
+            continue
+        vals = np.unique(m[ok])
+        lo = Fraction(float(vals[0]))
+        seen[key] = [lo, 1]
+        for d in (Fraction(float(x)) - lo for x in vals[1:]):
             # gcd(num/den, a/b) = gcd(num b, a den) / (den b)
             a, b = d.numerator, d.denominator
             num, den = gcd(num * b, a * den), den * b
@@ -402,6 +404,7 @@ def _lattice_budget(mp: MemoryProblem, allowed: Sequence[np.ndarray]) -> float:
             num, den = num // g, den // g
         if num and Fraction(num, den) < Fraction(budget) / 10**15:  # steps below a femto-budget: no gain
             return budget
+    least += sum((lo * times for lo, times in seen.values()), Fraction(0))  # exact: the order does not matter
     if num == 0:
         return budget
     q = Fraction(num, den)
@@ -505,7 +508,7 @@ def relaxed_bound(mp: MemoryProblem, lam: float, allowed: Sequence[np.ndarray] |
         return float("inf")
     tight = mp.budget if lam == 0 else _lattice_budget(mp, allowed) if lattice is None else min(lattice, mp.budget)
     sub, _, _ = _lagrangian_problem(mp, lam, allowed)
-    _, _, low = _forest_pass(BoundState.from_problem(sub))
+    low = _forest_pass(BoundState.from_problem(sub), value_only=True)  # the relaxed minimum alone
     value = float(low) + lam * (mp.fixed - tight)
     return value - 1e-9 * abs(value)
 
