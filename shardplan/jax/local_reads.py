@@ -37,6 +37,31 @@ Island = Callable[[list[Any]], list[Any]]  # what runs an equation instead of it
 ELEMENTWISE = frozenset({"mul", "add", "sub", "div"})
 
 
+def apply_views(x: Any, chain: Sequence[Any]) -> Any:
+    """``x`` through the view equations ``chain`` (each a one-operand primitive), in order."""
+    for c in chain:
+        params = c.primitive.get_bind_params(c.params)
+        x = c.primitive.bind(x, **(params[1] if isinstance(params, tuple) else params))
+    return x
+
+
+def auto_mesh(sharding: Any) -> Any:
+    """The abstract mesh of ``sharding``'s devices with every axis Auto."""
+    from jax.sharding import AxisType
+
+    mesh = sharding.mesh.abstract_mesh
+    return mesh.update_axis_types({a: AxisType.Auto for a in mesh.axis_names})
+
+
+def to_auto(x: Any, sharding: Any) -> Any:
+    """An Explicit-typed ``x`` as a value on the same devices' Auto axes (what the stage's sharding constraints
+    use); its transpose hands the cotangent back as ``x``'s cotangent type (unreduced for a reduced ``x``)."""
+    from jax.sharding import PartitionSpec, reshard, use_abstract_mesh
+
+    with use_abstract_mesh(auto_mesh(sharding)):
+        return reshard(x, PartitionSpec())
+
+
 def _entry_axes(entry: Any) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -66,8 +91,6 @@ def _local_island(sharding: Any, slot: int, specs: Sequence[Any], out_spec: Any,
     import jax
     from jax.sharding import reshard, use_abstract_mesh
 
-    from shardplan.jax.staged import _to_auto
-
     mesh = sharding.mesh
     in_specs = tuple(sharding.spec if k == slot else s for k, s in enumerate(specs))
     named = {a for s in in_specs for e in s for a in _entry_axes(e)} | set(sharding.spec.reduced)
@@ -88,7 +111,7 @@ def _local_island(sharding: Any, slot: int, specs: Sequence[Any], out_spec: Any,
                 if k != slot:
                     args[k] = reshard(args[k], s)
         y = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=True)(*args)
-        return [_to_auto(y, sharding)]
+        return [to_auto(y, sharding)]
 
     return run
 
@@ -130,7 +153,6 @@ def gather_island(e: Any, shape: tuple[int, ...], tile: Any, sharding: Any, read
     primitive = e.primitive
 
     def local(xs: list[Any]) -> Any:
-        from shardplan.jax.staged import apply_views
 
         return primitive.bind(apply_views(xs[0], casts), xs[1], **params)
 
@@ -173,7 +195,6 @@ def scale_island(e: Any, slot: int, view: Any, other_shape: tuple[int, ...], ran
     vprim, prim, params = view.primitive, e.primitive, e.params
 
     def local(xs: list[Any]) -> Any:
-        from shardplan.jax.staged import apply_views
 
         xs = list(xs)
         xs[slot] = vprim.bind(apply_views(xs[slot], casts), **vparams)

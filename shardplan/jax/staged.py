@@ -91,7 +91,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from shardplan.errors import ShardplanError
-from shardplan.jax.local_reads import Island
+from shardplan.jax.local_reads import Island, apply_views, to_auto
 
 __all__ = ["stack_stages", "pipeline_forward", "pipeline", "StagedStep", "StagedTrain", "staged_train", "scoped_trace",
            "Tracer", "batch_size", "build_staged"]
@@ -629,12 +629,6 @@ def _viewed_island(e: Any, slot: int, chain: tuple[Any, ...], leaf: _Leaf, read:
     return run
 
 
-def apply_views(x: Any, chain: Sequence[Any]) -> Any:
-    """``x`` through the view equations ``chain`` (each a one-operand primitive), in order."""
-    for c in chain:
-        params = c.primitive.get_bind_params(c.params)
-        x = c.primitive.bind(x, **(params[1] if isinstance(params, tuple) else params))
-    return x
 
 
 def _pass_through(args: list[Any]) -> list[Any]:
@@ -690,7 +684,7 @@ def _island(e: Any, slot: int, rank: int, tile: Any, sharding: Any, read: Any, o
             args[1 - slot] = jax.sharding.reshard(args[1 - slot], PartitionSpec(*other.spec))
             y = jax.lax.dot_general(args[0], args[1], dn, precision=precision, preferred_element_type=preferred,
                                     out_sharding=PartitionSpec(*out.spec))
-        return [_to_auto(y, sharding)]
+        return [to_auto(y, sharding)]
 
     return run
 
@@ -704,20 +698,8 @@ def _to_explicit(x: Any, sharding: Any) -> Any:
         return reshard(x, sharding.spec)
 
 
-def _auto_mesh(sharding: Any) -> Any:
-    from jax.sharding import AxisType
-
-    mesh = sharding.mesh.abstract_mesh
-    return mesh.update_axis_types({a: AxisType.Auto for a in mesh.axis_names})
 
 
-def _to_auto(x: Any, sharding: Any) -> Any:
-    """An Explicit-typed ``x`` as a value on the same devices' Auto axes (what the stage's sharding constraints
-    use); its transpose hands the cotangent back as ``x``'s cotangent type (unreduced for a reduced ``x``)."""
-    from jax.sharding import PartitionSpec, reshard, use_abstract_mesh
-
-    with use_abstract_mesh(_auto_mesh(sharding)):
-        return reshard(x, PartitionSpec())
 
 
 def _replicas(sharding: Any) -> tuple[str, ...]:
@@ -746,7 +728,7 @@ def _stack_partial_sums(g: Any, sharding: Any) -> Any:
     stacked = jax.shard_map(lambda x: x[None], mesh=sharding.mesh,
                             in_specs=PartitionSpec(*spec, unreduced=spec.reduced),
                             out_specs=PartitionSpec(_replicas(sharding), *spec), check_vma=False)(g)
-    return jax.lax.with_sharding_constraint(_to_auto(stacked, sharding), _stacked_sharding(sharding))
+    return jax.lax.with_sharding_constraint(to_auto(stacked, sharding), _stacked_sharding(sharding))
 
 
 @dataclass(frozen=True, eq=False)
