@@ -90,6 +90,7 @@ def test_search_with_lazy_seeds_same_as_eager_on_random_instances(seed):
             assert lazy.stats.get(k) == eager.stats.get(k), k
 
 
+@pytest.mark.slow
 def test_pipeline_solve_lazy_seeds_on_a_real_model():
     """A 4-layer GPT on 32 H100 with memory choices: pipeline_solve (which now gives the search the floors'
     chunking_lower) finds the plan and bound of the eager seed order, with the same seeds, and computes no more
