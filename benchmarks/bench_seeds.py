@@ -10,6 +10,9 @@ give the main checkout's path too to measure the code before a change with the s
   seeds did before their lazy order; and a digest of every floor (the same digest: the same floats).
 - ``seeds``: the planner's seed phase (its ``pipeline_seeds`` call, run to its end without a time limit, the
   command stopped there): CPU and wall seconds, seeds costed, the best seed, the (size, count) floors computed.
+- ``step_floor``: the planner's step floor before the seeds (``_pipeline_floor`` on a fresh stage model: a graph
+  per micro-batch count and the whole model's device-seconds at each): CPU seconds of the graphs, of the floors on
+  them, and the floor itself (the same float: the same floor).
 - ``command``: ``shardplan plan --model M -p P --machine h100 --time-limit T``: its CPU seconds (user + system),
   wall seconds, the wall second of its first seed and the last seed it reached (from its progress lines on
   stderr), and its step and bound lines.
@@ -17,7 +20,8 @@ give the main checkout's path too to measure the code before a change with the s
 The load average is recorded at the start and the end of each row (the machine is shared; wall seconds, and so
 how far a time-limited command gets, depend on it; CPU seconds much less). Run: ``PYTHONPATH=. python
 benchmarks/bench_seeds.py [--tree /work/main .] [--commands gpt3-175b:1024:60 llama3-405b:16384:120]
-[--floors gpt3-175b:1024] [--seeds gpt3-175b:1024 llama3-405b:16384] [--out benchmarks/results/seeds.json]``.
+[--floors gpt3-175b:1024] [--seeds gpt3-175b:1024 llama3-405b:16384] [--step-floor gpt3-175b:1024]
+[--out benchmarks/results/seeds.json] [--keep]`` (``--keep``: the rows already in ``--out`` stay, these are added).
 """
 
 from __future__ import annotations
@@ -94,6 +98,38 @@ except Done:
 """
 
 
+# the planner's step floor: its graphs (one per micro-batch count), then m D(batch/m) / p at each
+_STEP_FLOOR = """
+import json, sys, time
+import shardplan
+from shardplan.machine import preset
+from shardplan.models import model_spec
+from shardplan.pipeline.stages import ModelStages
+from shardplan.planner import micro_batch_counts
+spec = model_spec(sys.argv[1])
+machine = preset("h100", int(sys.argv[2]))
+ms = micro_batch_counts(None, spec.batch)
+model = ModelStages(spec.build, spec.batch, machine)
+t0 = time.process_time()
+for m in ms:
+    model.graph(m)
+t1 = time.process_time()
+floor = min(model.step_floor(m) for m in ms)
+forward = [model.forward_floor(m) for m in ms]
+t2 = time.process_time()
+print(json.dumps({"graphs_cpu_seconds": t1 - t0, "floors_cpu_seconds": t2 - t1, "micro_batch_counts": len(ms),
+                  "step_floor": floor, "forward_floors_sum": sum(forward), "source": shardplan.__file__}))
+"""
+
+
+def step_floor_row(tree: str, name: str, p: int) -> dict:
+    load0 = os.getloadavg()
+    out = subprocess.run([sys.executable, "-c", _STEP_FLOOR, name, str(p)], env=_env(tree), cwd=tree,
+                         capture_output=True, text=True, check=True).stdout
+    return {"kind": "step_floor", "tree": tree, "model": name, "devices": p, **json.loads(out.splitlines()[-1]),
+            "load_average_at_start": load0, "load_average_at_end": os.getloadavg()}
+
+
 def seeds_row(tree: str, name: str, p: int) -> dict:
     load0 = os.getloadavg()
     out = subprocess.run([sys.executable, "-c", _SEEDS, name, str(p)], env=_env(tree), cwd=tree,
@@ -145,13 +181,25 @@ def main() -> None:
                     help="model:devices, the planner's seed phase run to its end")
     ap.add_argument("--commands", nargs="*", default=["gpt3-175b:1024:60", "llama3-405b:16384:120"],
                     help="model:devices:time-limit")
+    ap.add_argument("--step-floor", nargs="*", default=["gpt3-175b:1024", "llama3-405b:16384"],
+                    help="model:devices, the planner's step floor before the seeds")
     ap.add_argument("--out", default="benchmarks/results/seeds.json")
+    ap.add_argument("--keep", action="store_true", help="keep the rows already in --out (and its trees)")
     args = ap.parse_args()
-    rows = []
+    rows: list[dict] = []
+    trees = list(args.tree)
+    if args.keep and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        rows = list(old["rows"])
+        trees = [*old.get("trees", []), *(t for t in trees if t not in old.get("trees", []))]
     for tree in args.tree:
         for spec in args.floors:
             name, p = spec.split(":")
             rows.append(floors_row(tree, name, int(p)))
+            print(rows[-1], flush=True)
+        for spec in args.step_floor:
+            name, p = spec.split(":")
+            rows.append(step_floor_row(tree, name, int(p)))
             print(rows[-1], flush=True)
         for spec in args.seeds:
             name, p = spec.split(":")
@@ -161,7 +209,7 @@ def main() -> None:
             name, p, limit = spec.split(":")
             rows.append(command_row(tree, name, int(p), int(limit)))
             print(rows[-1], flush=True)
-    write_result("bench_seeds", args.out, rows, trees=args.tree,
+    write_result("bench_seeds", args.out, rows, trees=trees,
                  digest_note="floors rows: sha256 of every unit floor's float64 bytes, (m, q) in order")
 
 

@@ -246,7 +246,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                                one_program_lower=one_program_lower if memory_choices else None,
                                release=stages.release, step_floor=stages.step_floor,
                                stage_lower=floors.segment, seeds=seeds,
-                               forward_floor=stages.forward_floor, unit_forward=floors.forward_units)
+                               forward_floor=stages.forward_floor, unit_forward=floors.forward_units,
+                               chunking_lower=floors.chunking_lower)
     except KeyboardInterrupt:
         if progress is not None:
             progress.space_bound = _with_refused(progress.space_bound, stages)

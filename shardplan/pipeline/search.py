@@ -244,7 +244,8 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     stage_lower: StageLowerFn | None = None,
                     seeds: int = SEED_EVALUATIONS,
                     forward_floor: Callable[[int], float] | None = None,
-                    unit_forward: Callable[[int], Sequence[float]] | None = None) -> PipelinePlan | None:
+                    unit_forward: Callable[[int], Sequence[float]] | None = None,
+                    chunking_lower: ChunkingLowerFn | None = None) -> PipelinePlan | None:
     """The optimum of the module docstring's model over ``space`` (1F1B: a DP over every cut; ZB-H1: branch
     and bound over every cut; interleaved: its chunkings).
 
@@ -292,6 +293,9 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
     dealt evenly) are costed in increasing order of a solve-free estimate (:func:`_uniform_seeds`); the best that
     beats the best step known is the first incumbent, and the micro-batch counts whose seeds are best go first
     (docs/pipeline.md, *Seeds*). They are real plans of the space: the optimum and its bound do not change.
+    ``chunking_lower(chunking, q, m)``: a cheap proven bound of the largest ``stage_lower`` of a seed candidate's
+    stages (:meth:`~shardplan.pipeline.floors.UnitFloors.chunking_lower`): the seeds' lazy order, which costs the
+    same candidates in the same order with fewer ``stage_lower`` pairs computed (:func:`_uniform_seeds`).
 
     ``forward_floor(m)``: a lower bound of the largest forward seconds among the stages of every pipeline at m
     (:meth:`~shardplan.pipeline.stages.ModelStages.forward_floor`); ZB-H1's boxes use it to bound its saving
@@ -363,7 +367,7 @@ def search_pipeline(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn,
                     progress.improved(plan.step_time, plan)  # an interrupt from here on returns it
 
             seeded = _uniform_seeds(space, stage_fn, link_fn, exchange, fit_fn, stage_lower, schedules, ms, seeds,
-                                    stats, tick, seeded_plan)
+                                    stats, tick, seeded_plan, chunking_lower=chunking_lower)
             if release is not None:
                 release()  # the seeds' stages at every count: the parts ask again for the few they need
             if seeded:

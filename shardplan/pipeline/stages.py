@@ -283,9 +283,17 @@ def graph_device_seconds(g: Graph, machine: Machine, ops: Iterable[int] | None =
     ``forward``: each operator's bound divided by its ``passes`` instead, a lower bound of q times the
     *forward* seconds: the cost model's forward of an operator is ``1 / passes`` of its compute plus
     nonnegative terms (:func:`_split_parts`), and its compute is at least the operator's bound over q."""
+    return _sum_terms(_op_terms(g, machine, range(len(g.operators)) if ops is None else ops, forward))
+
+
+def _op_terms(g: Graph, machine: Machine, ops: Iterable[int], forward: bool) -> list[float]:
+    """Per operator of ``ops`` (in order), its term of :func:`graph_device_seconds`. A term reads only the
+    operator's dims, FLOPs, causal mask, fused backward, saved count and its tensors' shapes, axes, gradients and
+    element factors: never a name, so operators equal in those fields (as in units of one signature,
+    :func:`_op_signature`) have equal terms."""
     rate, bw, nbytes = machine.achievable_flops, machine.hbm_bandwidth, float(machine.dtype_bytes)
-    total = 0.0
-    for i in (range(len(g.operators)) if ops is None else ops):
+    terms = []
+    for i in ops:
         op = g.operators[i]
         points = op.points
         if op.causal is not None:  # the unmasked points: S (S + 1) / 2 of S^2, whatever the split
@@ -306,7 +314,15 @@ def graph_device_seconds(g: Graph, machine: Machine, ops: Iterable[int] | None =
                 seconds = max(seconds, (ins + op.saved * out) * nbytes / bw)
                 back = max(back, (ins + out) * nbytes / bw) if op.grad_tensors else 0.0
         here = op.passes * seconds if back is None else seconds + back  # a bias's gradient pass: >= 0
-        total += here / op.passes if forward else here
+        terms.append(here / op.passes if forward else here)
+    return terms
+
+
+def _sum_terms(terms: Iterable[float]) -> float:
+    """The terms added one by one from 0.0, left to right (the float sum :func:`graph_device_seconds` states)."""
+    total = 0.0
+    for x in terms:
+        total += x
     return total
 
 
@@ -393,10 +409,15 @@ class ModelStages:
 
     def device_seconds(self, m: int, a: int = 0, b: int | None = None, forward: bool = False) -> float:
         """A lower bound of q times the seconds of units [a, b) (default: the whole model) at micro-batch batch/m
-        on any q devices under any plan (:func:`graph_device_seconds` over those units' operators)."""
-        g, units, _ = self.graph(m)
-        ops = (i for u in range(a, len(units) if b is None else b) for i in units[u])
-        return graph_device_seconds(g, self.machine, ops, forward)
+        on any q devices under any plan (:func:`graph_device_seconds` over those units' operators). Each
+        operator's term is computed once per unit signature (equal signatures, equal terms: :func:`_op_terms`) and
+        the terms are added in the same order as that function adds them, so the float is the same."""
+        g, units, sigs = self.graph(m)
+        terms = self._graphs.setdefault(("terms", forward), {})
+        for u in range(a, len(units) if b is None else b):
+            if sigs[u] not in terms:
+                terms[sigs[u]] = _op_terms(g, self.machine, units[u], forward)
+        return _sum_terms(x for u in range(a, len(units) if b is None else b) for x in terms[sigs[u]])
 
     def step_floor(self, m: int) -> float:
         """A proven lower bound of the step of every pipeline of the model at m micro-batches (any stages,
