@@ -226,17 +226,7 @@ class UnitFloors:
     def device_units(self, m: int) -> list[float]:
         """Per unit u: its device-seconds at m (:meth:`~shardplan.pipeline.stages.ModelStages.device_seconds` of
         [u, u + 1)), from a memo (one computation per unit kind and m, whatever q)."""
-        got = self._dev.get(m)
-        if got is None:
-            _, units, sigs = self.stages.graph(m)
-            kinds: dict[int, float] = {}
-            got = []
-            for u in range(len(units)):
-                if sigs[u] not in kinds:
-                    kinds[sigs[u]] = self.stages.device_seconds(m, u, u + 1)
-                got.append(kinds[sigs[u]])
-            self._dev[m] = got
-        return got
+        return self._per_kind(self._dev, m, False)
 
     def chunking_lower(self, chunks: Sequence[tuple[int, int]], q: int, m: int) -> float:
         """A lower bound, as floats, of max over the ``chunks`` [a, b) of :meth:`segment` (a, b, q, m), from the
@@ -262,16 +252,21 @@ class UnitFloors:
         """Per unit u: its operators' forward device-seconds at m (:meth:`~shardplan.pipeline.stages.ModelStages.
         device_seconds` with ``forward``), so that any stage on q devices holding u spends at least this over q of
         its forward seconds on u (docs/pipeline.md, *ZB-H1's boxes*, *Bubble bounds*)."""
-        got = self._fwd.get(m)
+        return self._per_kind(self._fwd, m, True)
+
+    def _per_kind(self, memo: dict[int, list[float]], m: int, forward: bool) -> list[float]:
+        """Per unit u: ``device_seconds(m, u, u + 1, forward=forward)``, computed once per unit kind, kept in
+        ``memo`` by m."""
+        got = memo.get(m)
         if got is None:
             _, units, sigs = self.stages.graph(m)
             kinds: dict[int, float] = {}
             got = []
             for u in range(len(units)):
                 if sigs[u] not in kinds:
-                    kinds[sigs[u]] = self.stages.device_seconds(m, u, u + 1, forward=True)
+                    kinds[sigs[u]] = self.stages.device_seconds(m, u, u + 1, forward=forward)
                 got.append(kinds[sigs[u]])
-            self._fwd[m] = got
+            memo[m] = got
         return got
 
     def unit(self, q: int, m: int) -> list[float]:
