@@ -39,7 +39,7 @@ seconds, kept: the one unbudgeted search over mixed sizes)."""
     assert again.step_time == ilp.step_time
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
 def test_ilp_equals_brute_force(seed):
     """The MILP itself against every cut and tiling (ZB-H1, S <= m)."""
     U, p = 6, 8
