@@ -122,20 +122,21 @@ print(json.dumps({"graphs_cpu_seconds": t1 - t0, "floors_cpu_seconds": t2 - t1, 
 """
 
 
-def step_floor_row(tree: str, name: str, p: int) -> dict:
+def _script_row(kind: str, script: str, tree: str, name: str, p: int) -> dict:
+    """One row of ``kind``: ``script`` run on ``tree``'s shardplan in a fresh interpreter (its last line, JSON)."""
     load0 = os.getloadavg()
-    out = subprocess.run([sys.executable, "-c", _STEP_FLOOR, name, str(p)], env=_env(tree), cwd=tree,
+    out = subprocess.run([sys.executable, "-c", script, name, str(p)], env=_env(tree), cwd=tree,
                          capture_output=True, text=True, check=True).stdout
-    return {"kind": "step_floor", "tree": tree, "model": name, "devices": p, **json.loads(out.splitlines()[-1]),
+    return {"kind": kind, "tree": tree, "model": name, "devices": p, **json.loads(out.splitlines()[-1]),
             "load_average_at_start": load0, "load_average_at_end": os.getloadavg()}
+
+
+def step_floor_row(tree: str, name: str, p: int) -> dict:
+    return _script_row("step_floor", _STEP_FLOOR, tree, name, p)
 
 
 def seeds_row(tree: str, name: str, p: int) -> dict:
-    load0 = os.getloadavg()
-    out = subprocess.run([sys.executable, "-c", _SEEDS, name, str(p)], env=_env(tree), cwd=tree,
-                         capture_output=True, text=True, check=True).stdout
-    return {"kind": "seeds", "tree": tree, "model": name, "devices": p, **json.loads(out.splitlines()[-1]),
-            "load_average_at_start": load0, "load_average_at_end": os.getloadavg()}
+    return _script_row("seeds", _SEEDS, tree, name, p)
 
 
 def _child_cpu() -> float:
