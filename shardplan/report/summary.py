@@ -74,6 +74,24 @@ def _weighted_mode(pairs: Sequence[tuple[Any, float]]) -> tuple[Any, float]:
     return best, (tot[best] / whole if whole > 0 else 1.0)
 
 
+def _degree_parts(pairs: Sequence[tuple[int, Any]]) -> tuple[list[str], float]:
+    """``["data D", ("context C",) "tensor T", ("expert E")]`` over (stage devices, operator choice) pairs,
+    and the share of the weights the data × context × tensor mode covers.
+
+    Each term is the mode over operators weighted by their weights' elements; experts are left out of the
+    dense mode (their own degree is the mode over the expert operators).
+    """
+    dense = [(d, c) for d, c in pairs if c.expert_degree == 1] or list(pairs)
+    (data, context, tensor), share = _weighted_mode(
+        [((d // (c.tensor_degree * c.context_degree), c.context_degree, c.tensor_degree), max(c.weight_elems, 1))
+         for d, c in dense])
+    parts = [f"data {data}"] + ([f"context {context}"] if context > 1 else []) + [f"tensor {tensor}"]
+    experts = [(c.expert_degree, max(c.weight_elems, 1)) for _, c in pairs if c.expert_degree > 1]
+    if experts:
+        parts.append(f"expert {_weighted_mode(experts)[0]}")
+    return parts, share
+
+
 def recipe_words(plan: Plan) -> str:
     """The plan as practitioners write a configuration.
 
@@ -87,14 +105,7 @@ def recipe_words(plan: Plan) -> str:
     """
     ops = [(s, c) for s in plan.stages for c in s.operators.values()]
     weighted = [(s, c) for s, c in ops if c.weight_elems > 0] or ops
-    dense = [(s, c) for s, c in weighted if c.expert_degree == 1] or weighted
-    (data, context, tensor), share = _weighted_mode(
-        [((s.devices // (c.tensor_degree * c.context_degree), c.context_degree, c.tensor_degree),
-          max(c.weight_elems, 1)) for s, c in dense])
-    parts = [f"data {data}"] + ([f"context {context}"] if context > 1 else []) + [f"tensor {tensor}"]
-    experts = [(c.expert_degree, max(c.weight_elems, 1)) for _, c in weighted if c.expert_degree > 1]
-    if experts:
-        parts.append(f"expert {_weighted_mode(experts)[0]}")
+    parts, share = _degree_parts([(s.devices, c) for s, c in weighted])
     groups = plan.num_stages // plan.chunks
     if plan.num_stages > 1:
         parts.append(f"pipeline {groups}" + (f" × {plan.chunks} chunks" if plan.chunks > 1 else "")
@@ -318,11 +329,9 @@ def memory_lines(plan: Plan) -> list[str]:
 
 
 def recipe_words_stage(stage: StagePlan) -> str:
-    """A stage's data × tensor degrees (mode over operators weighted by weight elements)."""
+    """A stage's data × context × tensor (× expert) degrees, as :func:`recipe_words` counts them for the plan."""
     ops = [c for c in stage.operators.values() if c.weight_elems > 0] or list(stage.operators.values())
-    (data, tensor), _ = _weighted_mode([((stage.devices // c.tensor_degree, c.tensor_degree), max(c.weight_elems, 1))
-                                        for c in ops])
-    return f"data {data} × tensor {tensor}"
+    return " × ".join(_degree_parts([(stage.devices, c) for c in ops])[0])
 
 
 def render_report(plan: Any, baselines: Mapping[str, Any] | None = None) -> str:

@@ -12,7 +12,7 @@ from shardplan.errors import ShardplanError
 from shardplan.machine import preset
 from shardplan.recipe import cost_recipe, sequence_dim
 from shardplan.models import get_model
-from shardplan.report.summary import recipe_words
+from shardplan.report.summary import recipe_words, recipe_words_stage
 
 SIZES = {"layers": 2, "seq": 4096}
 
@@ -55,6 +55,8 @@ def test_context_parallelism_trades_activation_memory_for_collectives():
 def test_with_pipeline_stages_and_interleaving():
     plan = _cost("tp=8,cp=2,pp=2")
     assert recipe_words(plan).startswith("data 1 × context 2 × tensor 8 × pipeline 2 (1f1b)")
+    # each stage's column of the report names the same degrees as the plan's line
+    assert [recipe_words_stage(s) for s in plan.stages] == ["data 1 × context 2 × tensor 8"] * 2
 
 
 def test_sequence_dim():
