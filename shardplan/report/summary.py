@@ -191,14 +191,16 @@ def module_rows(stage: StagePlan) -> list[tuple[str, str, str]]:
 
 
 def device_picture(plan: Plan, width: int = 64) -> str:
-    """One line per device group: its stages' units over a bar of its share of the devices."""
+    """One line per stage: a bar over the columns of its devices (device d at column ⌊width·d/p⌋, every
+    stage at least one column), then its devices and units."""
     p = plan.machine.num_devices
     lines = []
     for s in plan.stages:
-        n = max(1, round(width * s.devices / p))
+        start = min(width - 1, width * s.offset // p)
+        end = max(start + 1, -(-width * (s.offset + s.devices) // p))
         label = f"stage {s.index}: devices {s.offset}..{s.offset + s.devices - 1}"
         units = f"blocks {s.first}..{s.end - 1}" if s.end > s.first else "all"
-        lines.append(f"  {'#' * n:<{width}}  {label}, {units}")
+        lines.append(f"  {' ' * start + '#' * (end - start):<{width}}  {label}, {units}")
     return "\n".join(lines)
 
 

@@ -154,3 +154,16 @@ def test_memory_search_line_states_its_own_proof_not_the_plans():
     cut = replace(p, lower_bound=0.0)
     text = render_plan(cut)
     assert "Memory search: proven optimal under the budget" in text and "gap 100%" in text
+
+
+def test_device_picture_places_each_stage_over_its_own_devices():
+    """A staircase: stage i's bar covers the columns of devices offset .. offset + devices - 1."""
+    from shardplan.recipe import cost_recipe
+    from shardplan.report.summary import device_picture
+    plan = cost_recipe("gpt3-125m", preset("h100", 32), "tp=4,pp=4,mbs=1,gbs=8", sizes={"layers": 4})
+    lines = device_picture(plan, width=32).splitlines()
+    assert len(lines) == 4
+    for i, line in enumerate(lines):
+        bar = line[2:34]
+        assert bar == " " * (8 * i) + "#" * 8 + " " * (24 - 8 * i), line
+        assert line[34:].strip().startswith(f"stage {i}: devices {8 * i}..{8 * i + 7}")
