@@ -312,10 +312,13 @@ def _grad_by_dim(y: Any, mesh: Any, home: Sequence[Any], axes_dims: Sequence[str
     The consumer's gradient of an activation is a partial sum over the split dims that do not index it;
     DTensor's backward of the operand's redistribution (or of the producer's operator) reduces it in one
     redistribution, which merges several dims into one all-reduce among all their devices wherever a
-    flattened group of their axes exists (:func:`flat_groups`). A hook on an alias of ``y`` runs the steps of
-    every dim but the last; the last is DTensor's (a reduce-scatter where ``home`` is a shard): one
-    collective per split dim among that dim's devices, what the tables charge (``Machine.reduce_per_dim``).
-    The caller adds it only where the gradient sums over two split dims or more (:func:`summed_dims`)."""
+    flattened group of their axes exists (:func:`flat_groups`). A hook on an alias of ``y`` takes the gradient
+    home itself, one step per dim (each dim's axes into ``home``'s placements there: an all-reduce, or a
+    reduce-scatter where ``home`` is a shard; a partial ``home`` axis stays partial, as DTensor keeps it), on
+    the module's mesh, whose flattened groups DTensor then finds; DTensor's own backward has nothing left to
+    do. One collective per split dim among that dim's devices, what the tables charge
+    (``Machine.reduce_per_dim``). The caller adds it only where the gradient sums over two split dims or more
+    (:func:`summed_dims`)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(y, DTensor) or not y.requires_grad:
@@ -325,7 +328,7 @@ def _grad_by_dim(y: Any, mesh: Any, home: Sequence[Any], axes_dims: Sequence[str
         if not isinstance(g, DTensor):
             return g
         dst = tuple(Replicate() if h.is_partial() and not q.is_partial() else h for q, h in zip(g.placements, home))
-        for step in reduce_steps(g.placements, dst, axes_dims)[:-1]:
+        for step in reduce_steps(g.placements, dst, axes_dims):
             g = g.redistribute(mesh, step)
         return g
 
