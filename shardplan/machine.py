@@ -118,7 +118,7 @@ class Machine:
             all-gathered (context parallelism) go home by a reduce-scatter to a producer that scatters them
             over the query sequence's group, whether or not the runner deals the queries (DTensor's
             ``Partial -> Shard`` redistribution, measured: docs/torch.md), and those of a fused attention
-            without a mask (an encoder's) over every device that sums them; False: only where dealt, the
+            that is not causal (an encoder's) over every device that sums them; False: only where dealt, the
             contiguous and the unmasked attention's all-reduced (XLA's GSPMD, :mod:`shardplan.cost.ring`).
     """
 

@@ -33,8 +33,8 @@ The math is in docs/cost-model.md, "Ring context parallelism"; in short:
   sequence's group (:func:`gathered_scatters`), else by the all-reduce: charged per producer layout on the edges
   (:func:`gathered_reduction`), the all-reduce taken off the operator (:func:`gathered_moved`). With
   ``Machine.scatter_gathered_grads`` (DTensor) the same holds for the contiguous (undealt) attention and for
-  a fused attention without a mask (:func:`scatters_undealt`, :func:`gathered_home`): its redistribution
-  reduce-scatters them too.
+  a fused attention that is not causal (:func:`scatters_undealt`, :func:`gathered_home`): its
+  redistribution reduce-scatters them too.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from shardplan.machine import Machine
 
 __all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_mask", "ring_exposed", "deal_time", "moved_reduction",
            "gathered_imbalance", "gathered_deal", "gather_deals", "gathered_charge", "deals_gathered", "gathered_dealt",
-           "gathered_home", "gathered_moved", "scatters_undealt", "gathered_applies", "gathered_scatters", "gathered_reduction", "context_edge",
-           "ring_choices", "ring_operator_cost"]
+           "gathered_home", "gathered_moved", "scatters_undealt", "gathered_applies", "gathered_scatters",
+           "gathered_reduction", "context_edge", "ring_choices", "ring_operator_cost"]
 
 CONTEXT_ALGORITHMS = ("allgather", "ring", "auto")
 """``build_tables(context=...)``: every ring input gathered (the default, today's model), passed around the
@@ -343,8 +343,8 @@ def scatters_undealt(v: Operator, machine: Machine) -> bool:
     """Whether the gradients of ``v``'s all-gathered ring inputs go home by the reduce-scatter wherever ``v``
     has a ring input, dealt or not: with ``machine.scatter_gathered_grads`` (DTensor's ``Partial -> Shard``
     redistribution of the gathered keys' gradients), for a causal attention whose runners deal it
-    (:attr:`~shardplan.ir.Causal.dealt`) and for a fused attention without a mask (an encoder's: its runner
-    gathers the keys and values the same way, :func:`shardplan.ops.flash_attention`)."""
+    (:attr:`~shardplan.ir.Causal.dealt`) and for a fused attention that is not causal (an encoder's, a padding
+    mask or none: its runner gathers the keys and values the same way, :func:`shardplan.ops.flash_attention`)."""
     if not machine.scatter_gathered_grads:
         return False
     return v.causal.dealt if v.causal is not None else v.kind == "attn_flash"
@@ -387,7 +387,7 @@ def gathered_scatters(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv:
     causal ``v``, the group that sums its gradient splits the query sequence alone, and u's tiles scatter v's
     tile of it over that group, a distinct ``1/g`` block on each device (:func:`_scatter_fit`, the ring's
     condition). The all-gather of the forward is then the transpose of that reduce-scatter. A fused attention
-    without a mask names no query sequence: where :func:`scatters_undealt` (DTensor, which reduce-scatters
+    that is not causal names no query sequence: where :func:`scatters_undealt` (DTensor, which reduce-scatters
     over every mesh axis the producer scatters), the group is every device that sums the gradient."""
     out = np.zeros((len(lu), len(lv)), dtype=bool)
     mask, g = ring_mask(v, lv)

@@ -98,9 +98,9 @@ from shardplan.torch.precision import (AMAX_HISTORY, DelayedScaling, HostOffload
                                       fp8_grad, fp8_operands)
 from shardplan.torch.ring import SDPA, gather_sdpa, ring_applies, ring_kv_placements, ring_sdpa
 
-__all__ = ["ParallelModule", "factored_mesh", "reduce_steps", "flat_groups", "summed_dims", "plan_placements", "Layouts",
-           "RunChoices", "run_choices", "zero3_placements", "recompute_segments", "micro_batch", "check_same_program",
-           "Segment", "Program", "TORCH_STAGES", "parallel_module", "release_storage", "fetch_home"]
+__all__ = ["ParallelModule", "factored_mesh", "reduce_steps", "flat_groups", "summed_dims", "plan_placements",
+           "Layouts", "RunChoices", "run_choices", "zero3_placements", "recompute_segments", "micro_batch",
+           "check_same_program", "Segment", "Program", "TORCH_STAGES", "parallel_module", "release_storage", "fetch_home"]
 
 
 def factored_mesh(mesh: Any, shape: Sequence[int] | None = None) -> Any:
@@ -328,7 +328,10 @@ def _grad_by_dim(y: Any, mesh: Any, home: Sequence[Any], axes_dims: Sequence[str
         if not isinstance(g, DTensor):
             return g
         dst = tuple(Replicate() if h.is_partial() and not q.is_partial() else h for q, h in zip(g.placements, home))
-        for step in reduce_steps(g.placements, dst, axes_dims):
+        steps = reduce_steps(g.placements, dst, axes_dims)
+        if len(steps) < 2:  # one dim (or none) to reduce: DTensor's one redistribution, as without the hook
+            return g
+        for step in steps:
             g = g.redistribute(mesh, step)
         return g
 
