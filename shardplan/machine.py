@@ -117,8 +117,9 @@ class Machine:
         scatter_gathered_grads: the keys' and values' gradients of a causal attention whose keys are
             all-gathered (context parallelism) go home by a reduce-scatter to a producer that scatters them
             over the query sequence's group, whether or not the runner deals the queries (DTensor's
-            ``Partial -> Shard`` redistribution, measured: docs/torch.md); False: only where dealt, the
-            contiguous attention's all-reduced (XLA's GSPMD, :mod:`shardplan.cost.ring`).
+            ``Partial -> Shard`` redistribution, measured: docs/torch.md), and those of a fused attention
+            that is not causal (an encoder's) over every device that sums them; False: only where dealt, the
+            contiguous and the unmasked attention's all-reduced (XLA's GSPMD, :mod:`shardplan.cost.ring`).
     """
 
     num_devices: int

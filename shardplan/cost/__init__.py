@@ -16,8 +16,8 @@ from shardplan.configs import ORDER_MODES, configurations, dimension_orders, fla
 from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budgets, weight_edge_cost
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost, optimizer_step_bytes
-from shardplan.cost.ring import (CONTEXT_ALGORITHMS, context_edge, gathered_charge, gathered_moved, gathered_reduction,
-                                 moved_reduction)
+from shardplan.cost.ring import (CONTEXT_ALGORITHMS, context_edge, gathered_applies, gathered_charge, gathered_moved,
+                                 gathered_reduction, moved_reduction)
 from shardplan.cost.tiles import MAX_DEVICES  # per-device tiles: at most this many devices (the default max_devices)
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
 from shardplan.ir import Graph, Operator
@@ -370,7 +370,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             moved = moved_reduction(op, arr, machine)
             store.setdefault("ring_moved", {})[key] = moved
             cost = replace(cost, grad_allreduce=cost.grad_allreduce - moved)
-        elif op.causal is not None and op.causal.dealt:  # a dealt attention's, on its edges (the reduce-scatter)
+        elif gathered_applies(op, machine):  # the gathered keys' gradients, on their edges (the reduce-scatter)
             moved = gathered_moved(op, arr, machine, cost.compute)
             cost = replace(cost, grad_allreduce=cost.grad_allreduce - moved)
         per_key[key] = (lays, arr, cost, (w, act))
@@ -400,7 +400,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             hide = None if shape is None else (budget(e.src)[0], budget(e.dst)[1])
             edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine, memo=memo, hide=hide,
                                          max_devices=max_devices)
-            if context == "allgather" and ops[e.dst].causal is not None and ops[e.dst].causal.dealt:
+            if context == "allgather" and gathered_applies(ops[e.dst], machine):
                 edge_cache[ekey] = edge_cache[ekey] + gathered_charge(ops[e.dst], e.slot, kv[1], machine,
                                                                       kv[2].compute)[None, :] \
                     + gathered_reduction(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine, kv[2].compute)

@@ -32,8 +32,9 @@ The math is in docs/cost-model.md, "Ring context parallelism"; in short:
   the keys' and values' gradients go home by a reduce-scatter where the producer scatters them over the query
   sequence's group (:func:`gathered_scatters`), else by the all-reduce: charged per producer layout on the edges
   (:func:`gathered_reduction`), the all-reduce taken off the operator (:func:`gathered_moved`). With
-  ``Machine.scatter_gathered_grads`` (DTensor) the same holds for the contiguous (undealt) attention
-  (:func:`gathered_home`): its redistribution reduce-scatters them too.
+  ``Machine.scatter_gathered_grads`` (DTensor) the same holds for the contiguous (undealt) attention and for
+  a fused attention that is not causal (:func:`scatters_undealt`, :func:`gathered_home`): its
+  redistribution reduce-scatters them too.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ from shardplan.machine import Machine
 
 __all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_mask", "ring_exposed", "deal_time", "moved_reduction",
            "gathered_imbalance", "gathered_deal", "gather_deals", "gathered_charge", "deals_gathered", "gathered_dealt",
-           "gathered_home", "gathered_moved", "gathered_scatters", "gathered_reduction", "context_edge",
-           "ring_choices", "ring_operator_cost"]
+           "gathered_home", "gathered_moved", "scatters_undealt", "gathered_applies", "gathered_scatters",
+           "gathered_reduction", "context_edge", "ring_choices", "ring_operator_cost"]
 
 CONTEXT_ALGORITHMS = ("allgather", "ring", "auto")
 """``build_tables(context=...)``: every ring input gathered (the default, today's model), passed around the
@@ -338,14 +339,32 @@ def gathered_dealt(v: Operator, lv: LayoutArrays, machine: Machine, compute: np.
     return out
 
 
+def scatters_undealt(v: Operator, machine: Machine) -> bool:
+    """Whether the gradients of ``v``'s all-gathered ring inputs go home by the reduce-scatter wherever ``v``
+    has a ring input, dealt or not: with ``machine.scatter_gathered_grads`` (DTensor's ``Partial -> Shard``
+    redistribution of the gathered keys' gradients), for a causal attention whose runners deal it
+    (:attr:`~shardplan.ir.Causal.dealt`) and for a fused attention that is not causal (an encoder's, a padding
+    mask or none: its runner gathers the keys and values the same way, :func:`shardplan.ops.flash_attention`)."""
+    if not machine.scatter_gathered_grads:
+        return False
+    return v.causal.dealt if v.causal is not None else v.kind == "attn_flash"
+
+
+def gathered_applies(v: Operator, machine: Machine) -> bool:
+    """Whether tables built with the all-gather charge ``v``'s ring inputs' gradients on their edges at some
+    layouts (:func:`gathered_home`): ``v`` is a causal attention its runners may deal, or
+    :func:`scatters_undealt`."""
+    return (v.causal is not None and v.causal.dealt) or scatters_undealt(v, machine)
+
+
 def gathered_home(v: Operator, lv: LayoutArrays, machine: Machine, compute: np.ndarray) -> np.ndarray:
-    """(K_v,) bool: the layouts at which the gradients of the all-gathered ring inputs of the causal attention
-    ``v`` are charged on their edges (:func:`gathered_reduction`, a reduce-scatter to a producer that scatters
-    them): where the runner deals it (:func:`gathered_dealt`), and with ``machine.scatter_gathered_grads``
-    (DTensor: its ``Partial -> Shard`` redistribution reduce-scatters them, dealt or not) wherever it has a
-    ring input."""
+    """(K_v,) bool: the layouts at which the gradients of the all-gathered ring inputs of the attention ``v``
+    are charged on their edges (:func:`gathered_reduction`, a reduce-scatter to a producer that scatters
+    them): where the runner deals a causal one (:func:`gathered_dealt`), and where :func:`scatters_undealt`
+    (DTensor: its ``Partial -> Shard`` redistribution reduce-scatters them, dealt or not, causal or not)
+    wherever it has a ring input."""
     dealt = gathered_dealt(v, lv, machine, compute)
-    if not machine.scatter_gathered_grads or v.causal is None or not v.causal.dealt:
+    if not scatters_undealt(v, machine):
         return dealt
     mask, _ = ring_mask(v, lv)
     return dealt | mask.any(axis=1)
@@ -367,13 +386,16 @@ def gathered_scatters(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv:
     its producer ``u`` by one reduce-scatter over the query sequence's group: ``slot`` is a ring input of a
     causal ``v``, the group that sums its gradient splits the query sequence alone, and u's tiles scatter v's
     tile of it over that group, a distinct ``1/g`` block on each device (:func:`_scatter_fit`, the ring's
-    condition). The all-gather of the forward is then the transpose of that reduce-scatter."""
+    condition). The all-gather of the forward is then the transpose of that reduce-scatter. A fused attention
+    that is not causal names no query sequence: where :func:`scatters_undealt` (DTensor, which reduce-scatters
+    over every mesh axis the producer scatters), the group is every device that sums the gradient."""
     out = np.zeros((len(lu), len(lv)), dtype=bool)
     mask, g = ring_mask(v, lv)
     c = v.causal
-    if c is None or slot >= len(v.inputs):
+    if (c is None and not scatters_undealt(v, machine)) or slot >= len(v.inputs):
         return out
-    others = [v.dim_names.index(d) for d in v.grad_reduction_dims(v.inputs[slot]) if d != c.query]
+    others = [] if c is None else [v.dim_names.index(d) for d in v.grad_reduction_dims(v.inputs[slot])
+                                   if d != c.query]
     alone = lv.group_sizes(others).prod(axis=0) == 1 if others else np.ones(len(lv), dtype=bool)
     cols = np.nonzero(mask[:, slot] & alone & (g > 1))[0]
     if not len(cols):
@@ -439,7 +461,7 @@ def ring_operator_cost(op: Operator, lay: LayoutArrays, machine: Machine, contex
 
     cost = operator_cost(op, lay, machine)
     if context == "allgather":
-        if op.causal is None or not op.causal.dealt:
+        if not gathered_applies(op, decide or machine):
             return cost
         dealt = gathered_home(op, lay, decide or machine, operator_cost(op, lay, decide).compute
                               if decide is not None else cost.compute)

@@ -36,8 +36,12 @@ def dtensor_machine(machine: Machine) -> Machine:
       devices, a dim split over several mesh axes one all-reduce among all of them (the run reduces a
       ``Partial`` one dim at a time, over each dim's flattened mesh axes: :func:`shardplan.torch.run.reduce_steps`,
       :func:`shardplan.torch.run.flat_groups`);
-    * ``scatter_gathered_grads`` on: the keys' and values' gradients of an all-gathered causal attention go home
-      by DTensor's ``Partial -> Shard`` reduce-scatter where their producer scatters them, dealt or not.
+    * ``scatter_gathered_grads`` on: the keys' and values' gradients of an all-gathered attention go home by
+      DTensor's ``Partial -> Shard`` reduce-scatter where their producer scatters them: causal, dealt or not,
+      and not causal (an encoder's).
+
+    An activation's gradient summed over several split dims is reduced one dim at a time too (the run's hook
+    before DTensor's redistribution: :func:`shardplan.torch.run.summed_dims`).
 
     Measured on 4 gloo processes (every collective recorded): docs/torch.md, "What DTensor sends for partial
     sums" (``tests/torch_engine/test_dtensor_reductions.py``).

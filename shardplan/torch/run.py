@@ -98,9 +98,9 @@ from shardplan.torch.precision import (AMAX_HISTORY, DelayedScaling, HostOffload
                                       fp8_grad, fp8_operands)
 from shardplan.torch.ring import SDPA, gather_sdpa, ring_applies, ring_kv_placements, ring_sdpa
 
-__all__ = ["ParallelModule", "factored_mesh", "reduce_steps", "flat_groups", "plan_placements", "Layouts",
-           "RunChoices", "run_choices", "zero3_placements", "recompute_segments", "micro_batch", "check_same_program",
-           "Segment", "Program", "TORCH_STAGES", "parallel_module", "release_storage", "fetch_home"]
+__all__ = ["ParallelModule", "factored_mesh", "reduce_steps", "flat_groups", "summed_dims", "plan_placements",
+           "Layouts", "RunChoices", "run_choices", "zero3_placements", "recompute_segments", "micro_batch",
+           "check_same_program", "Segment", "Program", "TORCH_STAGES", "parallel_module", "release_storage", "fetch_home"]
 
 
 def factored_mesh(mesh: Any, shape: Sequence[int] | None = None) -> Any:
@@ -295,6 +295,49 @@ def _reduce_redistribute(x: Any, mesh: Any, placements: Sequence[Any], axes_dims
         if tuple(x.placements) != step:
             x = x.redistribute(mesh, step)
     return x
+
+
+def summed_dims(t: Tensor, axes_dims: Sequence[str | None]) -> tuple[str, ...]:
+    """The split dimensions an operator's gradient of its operand ``t`` is a partial sum over: those its mesh
+    axes split (``axes_dims``) that ``t`` does not read, in mesh order (the operand's
+    :meth:`~shardplan.ir.Operator.grad_reduction_dims` that the layout splits)."""
+    read = {d for a in t.axes for d in a.dims}
+    return tuple(dict.fromkeys(d for d in axes_dims if d is not None and d not in read))
+
+
+def _grad_by_dim(y: Any, mesh: Any, home: Sequence[Any], axes_dims: Sequence[str | None]) -> Any:
+    """``y`` (an operand as its consumer reads it, ``home`` the placements its producer left it in) with its
+    gradient reduced one dimension at a time (:func:`reduce_steps`) before DTensor takes it home.
+
+    The consumer's gradient of an activation is a partial sum over the split dims that do not index it;
+    DTensor's backward of the operand's redistribution (or of the producer's operator) reduces it in one
+    redistribution, which merges several dims into one all-reduce among all their devices wherever a
+    flattened group of their axes exists (:func:`flat_groups`). A hook on an alias of ``y`` takes the gradient
+    home itself, one step per dim (each dim's axes into ``home``'s placements there: an all-reduce, or a
+    reduce-scatter where ``home`` is a shard; a partial ``home`` axis stays partial, as DTensor keeps it), on
+    the module's mesh, whose flattened groups DTensor then finds; DTensor's own backward has nothing left to
+    do. One collective per split dim among that dim's devices, what the tables charge
+    (``Machine.reduce_per_dim``). The caller adds it only where the gradient sums over two split dims or more
+    (:func:`summed_dims`)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(y, DTensor) or not y.requires_grad:
+        return y
+
+    def hook(g: Any) -> Any:
+        if not isinstance(g, DTensor):
+            return g
+        dst = tuple(Replicate() if h.is_partial() and not q.is_partial() else h for q, h in zip(g.placements, home))
+        steps = reduce_steps(g.placements, dst, axes_dims)
+        if len(steps) < 2:  # one dim (or none) to reduce: DTensor's one redistribution, as without the hook
+            return g
+        for step in steps:
+            g = g.redistribute(mesh, step)
+        return g
+
+    z = y.view_as(y)
+    z.register_hook(hook)
+    return z
 
 
 def _redistribute(x: Any, mesh: Any, placements: Sequence[Any]) -> Any:
@@ -1425,6 +1468,7 @@ def _make_class() -> Any:
                                                   if t in ("k", "v")]))
             fp8 = fp8_operands(prog.graph[op_name]) if op_name in self.choices.fp8 else frozenset()
             if op_name is not None:
+                inputs = {t.name for t in prog.graph[op_name].inputs}  # activations: their gradients, dim by dim
                 for path, tname in info.operands.get(op_name, ()):
                     x = _get(args, kwargs, path)
                     if isinstance(x, DTensor):
@@ -1432,6 +1476,9 @@ def _make_class() -> Any:
                         if ring and tname in ("k", "v"):
                             want = ring_kv_placements(lay.placements(op_name, "q", 4), want)
                         y = _redistribute(x, self.mesh, want)
+                        t = lay.tensor(op_name, tname)
+                        if tname in inputs and len(summed_dims(t, lay.axes[op_name])) > 1:
+                            y = _grad_by_dim(y, self.mesh, x.placements, lay.axes[op_name])
                         _set(args, kwargs, path, y)
                         if id(x) in self._sharded and y is not x:
                             gathered.append((x, y))

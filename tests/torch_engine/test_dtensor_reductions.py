@@ -18,7 +18,17 @@ under a dispatch mode recording every collective on the local tensors (kind, gro
   group exists): still one all-reduce per dim, not merged into one among 4;
 * ``contiguous``: a causal attention whose every operator splits the sequence 4 ways, run without the deal:
   the keys' and values' gradients go home by one reduce-scatter each, what the tables charge
-  (:func:`shardplan.cost.ring.gathered_reduction`).
+  (:func:`shardplan.cost.ring.gathered_reduction`);
+* ``encoder``: the same layer without the mask (an encoder's attention): the same reduce-scatters, charged so
+  on the torch path (:func:`shardplan.cost.ring.scatters_undealt`), XLA's all-reduce on the JAX path;
+* ``act2``: an activation (``tanh`` of a parameter, replicated) multiplied into a batch split 2 ways and a
+  sequence split 2 ways, beside operators splitting the features 4 ways (their flattened group exists): its
+  gradient, one all-reduce among 2 per dim (:func:`shardplan.torch.run.summed_dims`: the run reduces it dim by
+  dim before DTensor's redistribution), where DTensor alone merges them into one among 4;
+* ``act4``: a linear splitting its features out 4 ways after a replicated activation: one all-reduce among 4 of
+  its input's gradient (the flattened group), where one per mesh axis would be two of 2;
+* ``act2s``: as ``act2`` with the activation split 4 ways along the features out: its gradient goes home by
+  reduce-scatters, below the two all-reduces the tables charge (a gap the tables keep: an upper bound).
 """
 
 from __future__ import annotations
@@ -54,17 +64,42 @@ class Lin(nn.Module):
 
 
 class Attn(nn.Module):
-    """q, k, v projections, causal SDPA, an output projection; the loss a weighted sum."""
+    """q, k, v projections, SDPA (causal unless ``causal=False``: an encoder's), an output projection; the loss
+    a weighted sum."""
 
-    def __init__(self) -> None:
+    def __init__(self, causal: bool = True) -> None:
         super().__init__()
+        self.causal = causal
         self.q, self.k, self.v, self.o = (nn.Linear(AD, AD, bias=False) for _ in range(4))
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (f(x).view(b, s, AH, AD // AH).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return (torch.tanh(self.o(y.transpose(1, 2).reshape(b, s, AD))) * w).sum()
+
+
+class Act(nn.Module):
+    """An activation ``h = tanh(p)`` of shape (features in, features out) multiplied into the batch: its gradient
+    sums over batch and sequence; the loss a weighted sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(K, N) / 4)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return ((x @ torch.tanh(self.p)) * w).sum()
+
+
+class Two(nn.Module):
+    """Two linears with a tanh between; the loss a weighted sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(K, K, bias=False), nn.Linear(K, N, bias=False)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (self.fc2(torch.tanh(self.fc1(x))) * w).sum()
 
 
 def _counted(seen: list[tuple[str, int, tuple[int, ...]]]) -> list[tuple[str, int, int]]:
@@ -194,15 +229,155 @@ def _run_contiguous(world: int) -> dict[str, Any]:
             "rel_grad": worst}
 
 
+def _sent_all(seen: list[tuple[str, int, int]]) -> dict[str, float]:
+    """Bytes one device sends, float32, by kind: an all-reduce ``2 (g - 1) / g`` of its buffer, a reduce-scatter
+    ``(g - 1) / g`` of its input, an all-gather ``g - 1`` times its block, an all-to-all ``(g - 1) / g`` of its
+    buffer."""
+    share = {"all_reduce": lambda g: 2.0 * (g - 1) / g, "reduce_scatter": lambda g: (g - 1) / g,
+             "all_gather": lambda g: float(g - 1), "all_to_all": lambda g: (g - 1) / g}
+    out = {k: 0.0 for k in share}
+    for kind, g, n in seen:
+        out[kind] += share[kind](g) * n * 4
+    return out
+
+
+def _edge_bytes(graph: Any, layouts: dict[str, Any], machine: Any) -> float:
+    """Bytes one device sends on the edges at ``layouts``: what each device lacks, forward and backward
+    (:func:`shardplan.cost.edge.edge_volumes`, as ``hlo.predicted_bytes`` counts them)."""
+    from shardplan.cost.edge import edge_volumes
+    from shardplan.layout import LayoutArrays
+
+    total = 0.0
+    for e in graph.edges:
+        u, v = graph.operators[e.src], graph.operators[e.dst]
+        f, b = edge_volumes(u, LayoutArrays.stack([layouts[u.name]]), v, e.slot, LayoutArrays.stack([layouts[v.name]]),
+                            machine.num_devices, steps=machine.stepwise_redistribution)
+        total += float(f[0, 0] + b[0, 0]) * machine.dtype_bytes
+    return total
+
+
+def _run_activation(case: str, world: int) -> dict[str, Any]:
+    """``act2``: :class:`Act`'s product splits batch and sequence 2 ways each, the loss's operators the
+    features out 4 ways (their flattened group exists): the activation's gradient, two all-reduces among 2;
+    ``act4``: :class:`Two`'s second linear splits its features out 4 ways, the loss's operators the batch 2 ways:
+    the first tanh's gradient, one all-reduce among 4. Each run with the run's per-dim steps, without them
+    (``one_step``: DTensor's one redistribution) and without DTensor's merging (``unmerged``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor._redistribute import disable_redistribute_transform_optimization
+
+    from shardplan.layout import Layout
+    from shardplan.torch import run as run_module
+    from shardplan.torch.device import dtensor_machine
+    from shardplan.torch.frontend import trace
+    from shardplan.torch.run import ParallelModule
+
+    torch.manual_seed(0)
+    model, batch = (Two() if case == "act4" else Act()), (torch.randn(B, S, K), torch.randn(B, S, N))
+    ref = torch_cases._clone(model)
+    loss0 = ref(*batch)
+    loss0.backward()
+    graph, info = trace(torch_cases._clone(model), batch)
+    wants = {"act2": {"matmul": {B: 2, S: 2}, "tanh": {}, "": {N: 4}},
+             "act2s": {"tanh": {N: 4}, "": {B: 2, S: 2}},
+             "act4": {"linear": {}, "tanh": {}, "": {B: 2}}}[case]
+    lays = _layouts(graph, wants, world)
+    if case == "act4":  # the second linear alone splits its features out (the first's extents are K, K)
+        (second,) = [op for op in graph.operators if op.kind == "linear" and N in op.extents.values()]
+        lays[second.name] = Layout.flat(second.dim_names, tuple(4 if second.extents[d] == N else 1
+                                                                for d in second.dim_names), world)
+    machine = dtensor_machine(torch_cases.toy_machine(world))
+    out: dict[str, Any] = {"charged": _charged(graph, lays, machine), "edges": _edge_bytes(graph, lays, machine),
+                           "kinds": sorted({op.kind for op in graph.operators})}
+    for name, merge, steps in (("run", True, True), ("one_step", True, False), ("unmerged", False, True)):
+        pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, init_device_mesh("cpu", (world,)))
+        by_dim = run_module._grad_by_dim if steps else (lambda y, *rest: y)
+        with mock.patch.object(run_module, "_grad_by_dim", by_dim), \
+                disable_redistribute_transform_optimization(not merge), torch_cases.collective_recorder() as rec:
+            loss = pm(*batch)
+            loss.backward()
+        named = pm.named_dparameters()
+        worst = max(float((named[n].grad.full_tensor() - p_.grad).abs().max() / p_.grad.abs().max())
+                    for n, p_ in ref.named_parameters())
+        seen = _counted(rec.seen)
+        out[name] = {"mesh": list(pm.mesh.mesh.shape), "seen": sorted(seen), "sent": _sent(seen),
+                     "sent_all": _sent_all(seen), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
+                     "rel_grad": worst}
+    return out
+
+
+def _run_encoder(world: int) -> dict[str, Any]:
+    """A non-causal attention layer (an encoder's) whose every operator splits the sequence 4 ways: the keys'
+    and values' gradients go home by one reduce-scatter each; what the tables charge for them, in bytes (a
+    machine without latency: seconds times bandwidth), on the torch path and on XLA's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardplan.cost.operator import operator_cost
+    from shardplan.cost.ring import gathered_home, gathered_reduction, gathered_scatters, moved_reduction
+    from shardplan.layout import Layout, LayoutArrays
+    from shardplan.machine import Machine
+    from shardplan.torch.device import dtensor_machine
+    from shardplan.torch.frontend import trace
+    from shardplan.torch.run import ParallelModule
+
+    torch.manual_seed(0)
+    model, batch = Attn(causal=False), (torch.randn(AB, AS, AD), torch.randn(AB, AS, AD))
+    ref = torch_cases._clone(model)
+    loss0 = ref(*batch)
+    loss0.backward()
+    graph, info = trace(torch_cases._clone(model), batch)
+    lays = {op.name: Layout.flat(op.dim_names, tuple(world if op.extents[d] == AS and d not in op.fixed else 1
+                                                     for d in op.dim_names), world) for op in graph.operators}
+    bw = 16e9
+    xla = Machine(world, peak_flops=32e12, bandwidth=bw, latency=0.0, name="fast")
+    (i,) = [j for j, op in enumerate(graph.operators) if op.kind == "attn_flash"]
+    v = graph.operators[i]
+    lv = LayoutArrays.stack([lays[v.name]])
+    charged: dict[str, Any] = {}
+    for m, mc in (("torch", dtensor_machine(xla)), ("xla", xla)):
+        compute = operator_cost(v, lv, mc).compute
+        home = bool(gathered_home(v, lv, mc, compute)[0])
+        row = {"causal": v.causal is not None, "home": home, "edges": {}}
+        for e in graph.edges:
+            if e.dst == i and e.slot in (1, 2):
+                u = graph.operators[e.src]
+                lu = LayoutArrays.stack([lays[u.name]])
+                op_part = 0.0 if home else float(moved_reduction(v, lv, mc, (e.slot,))[0])
+                row["edges"][str(e.slot)] = {
+                    "scatters": bool(gathered_scatters(u, lu, v, e.slot, lv, mc)[0, 0]),
+                    "edge_bytes": float(gathered_reduction(u, lu, v, e.slot, lv, mc, compute)[0, 0]) * bw,
+                    "operator_bytes": op_part * bw}
+        charged[m] = row
+    pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, init_device_mesh("cpu", (world,)))
+    loss = pm(*batch)
+    with torch_cases.collective_recorder() as rec:
+        loss.backward()
+    named = pm.named_dparameters()
+    worst = max(float((named[n].grad.full_tensor() - p_.grad).abs().max() / p_.grad.abs().max())
+                for n, p_ in ref.named_parameters())
+    kv_tile = AB * AH * AS * (AD // AH)
+    return {"charged": charged, "backward": sorted(_counted(rec.seen)), "kv_tile": kv_tile,
+            "mesh": list(pm.mesh.mesh.shape), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
+            "rel_grad": worst}
+
+
 def run_all(name: str, world: int) -> dict[str, Any]:
-    return _run_contiguous(world) if name == "contiguous" else _run_linear(name, world)
+    if name == "contiguous":
+        return _run_contiguous(world)
+    if name == "encoder":
+        return _run_encoder(world)
+    if name in ("act2", "act2s", "act4"):
+        return _run_activation(name, world)
+    return _run_linear(name, world)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_dtensor_reductions") / "results.json"
-    return torch_cases.run_distributed(["k4", "b4", "b2s2", "mixed", "contiguous"], WORLD, str(out),
-                                       run_one=run_all)
+    # act2 before b2s2: after b2s2, act2's gradients reach DTensor's redistribution on b2s2's mesh object (an
+    # equal 2 x 2 mesh, never flattened, held by DTensor's caches), whose root has no flattened group: its
+    # one-step run then sends two all-reduces of 2 (measured), not the merged one among 4 this case shows
+    return torch_cases.run_distributed(["k4", "b4", "act2", "act2s", "act4", "b2s2", "mixed", "contiguous", "encoder"],
+                                       WORLD, str(out), run_one=run_all)
 
 
 def _ok(r: dict[str, Any]) -> None:
@@ -269,3 +444,68 @@ def test_the_contiguous_all_gathers_key_gradients_are_reduce_scattered_as_charge
     scatters = [tuple(s) for s in r["backward"] if s[0] == "reduce_scatter"]
     assert scatters == [("reduce_scatter", 4, n)] * 2, r  # keys and values: one reduce-scatter each, among 4
     assert not [s for s in r["backward"] if s[0] == "all_reduce" and s[2] == n], r  # no all-reduce of them
+
+
+def _close(run: dict[str, Any]) -> None:
+    assert run["mesh"] == [2, 2] and run["rel_loss"] <= 1e-5 and run["rel_grad"] <= 1e-5, run
+
+
+def test_an_activation_gradient_over_two_split_dims_is_one_all_reduce_per_dim(results):
+    r = results["act2"]
+    _ok(r)
+    run, one = r["run"], r["one_step"]
+    _close(run)
+    _close(one)
+    tile = K * N  # the activation tanh(p), replicated: its gradient sums over batch and sequence
+    ars = [tuple(x) for x in run["seen"] if x[0] == "all_reduce"]
+    assert ars == sorted([("all_reduce", 2, tile)] * 2 + [("all_reduce", 4, 1)]), run  # the loss's over the features
+    assert run["sent"] == pytest.approx(r["charged"], rel=1e-12), r
+    # DTensor's one redistribution merges the two dims over the features' flattened group: the PaSE charge
+    assert ("all_reduce", 4, tile) in [tuple(x) for x in one["seen"]] and one["sent"] < r["charged"], r
+
+
+def test_an_activation_gradient_over_one_dim_split_4_ways_is_one_all_reduce_among_4(results):
+    r = results["act4"]
+    _ok(r)
+    run, un = r["run"], r["unmerged"]
+    _close(run)
+    tile = B * S * K  # the tanh's output, replicated; the second linear splits its features out over both axes
+    ars = [tuple(x) for x in run["seen"] if x[0] == "all_reduce"]
+    assert ars == sorted([("all_reduce", 4, tile), ("all_reduce", 2, 1)]), run
+    assert run["sent"] == pytest.approx(r["charged"], rel=1e-12), r
+    assert r["one_step"]["sent"] == run["sent"], r  # one dim: nothing for the steps to do
+    # without the flattened group's merge, one all-reduce per mesh axis: 4/3 of the bytes
+    assert [tuple(x) for x in un["seen"]].count(("all_reduce", 2, tile)) == 2 and un["sent"] > r["charged"], r
+
+
+def test_an_activation_gradient_into_a_scattering_producer_is_reduce_scattered_below_the_charge(results):
+    r = results["act2s"]
+    _ok(r)
+    run, one = r["run"], r["one_step"]
+    _close(run)
+    tile = K * N  # tanh(p) split 4 ways along the features out, gathered for the product
+    rs = [tuple(x) for x in run["seen"] if x[0] == "reduce_scatter"]
+    assert rs == [("reduce_scatter", 2, tile // 2), ("reduce_scatter", 2, tile)], run  # dim by dim into its shards
+    assert [tuple(x) for x in one["seen"] if x[0] == "reduce_scatter"] == [("reduce_scatter", 4, tile)], one
+    assert not [x for x in run["seen"] if x[0] == "all_reduce" and x[2] == tile], run
+    sent = run["sent_all"]["reduce_scatter"]
+    assert sent == one["sent_all"]["reduce_scatter"] == pytest.approx(0.75 * tile * 4, rel=1e-12), r
+    # the tables charge the product two all-reduces of the tile (one per dim) and the edge nothing back
+    assert r["charged"] == pytest.approx(2 * tile * 4 + run["sent"], rel=1e-12) and sent < r["charged"], r
+
+
+def test_an_encoders_key_and_value_gradients_are_reduce_scattered_as_charged(results):
+    r = results["encoder"]
+    _ok(r)
+    assert r["mesh"] == [4] and r["rel_loss"] <= 1e-5 and r["rel_grad"] <= 1e-4, r
+    n = r["kv_tile"]
+    scatters = [tuple(s) for s in r["backward"] if s[0] == "reduce_scatter"]
+    assert scatters == [("reduce_scatter", 4, n)] * 2, r  # keys and values: one reduce-scatter each, among 4
+    assert not [s for s in r["backward"] if s[0] == "all_reduce" and s[2] == n], r
+    torch_, xla = r["charged"]["torch"], r["charged"]["xla"]
+    assert not torch_["causal"] and torch_["home"] and not xla["home"], r
+    for slot in ("1", "2"):
+        t, x = torch_["edges"][slot], xla["edges"][slot]
+        assert t["scatters"] and t["operator_bytes"] == 0, r
+        assert t["edge_bytes"] == pytest.approx(0.75 * n * 4, rel=1e-12), r  # the bytes one reduce-scatter sends
+        assert x["edge_bytes"] == 0 and x["operator_bytes"] == pytest.approx(1.5 * n * 4, rel=1e-12), r  # XLA's
