@@ -359,9 +359,12 @@ class _Stage:
             self.defer, islands = _deferrable(prog, set(eqns), self.params, shapes, self.zero, self.param_put,
                                               self.replace, {key: _factored(sh) for key, sh in read_sh.items()},
                                               {v: _factored(sh) for v, sh in out_sh.items()}, exported)
-        for k, run_k in islands.items():  # a deferred leaf's broadcast or transpose passes the Explicit leaf on
-            if run_k is _pass_through:
-                produce.pop(prog.eqns[k].outvars[0], None)
+        passed = set()  # a deferred leaf's views and broadcasts pass the Explicit leaf on: no constraint on them
+        for k, run_k in islands.items():
+            if isinstance(run_k, _PassThrough):
+                passed.update(prog.eqns[k].outvars)
+                for v in prog.eqns[k].outvars:
+                    produce.pop(v, None)
         views = param_views(info)
         for (k, slot), sh in read_sh.items():  # a read of a stage >= 2 leaf: its gradient straight into the shards
             a = prog.eqns[k].invars[slot]
@@ -369,7 +372,7 @@ class _Stage:
             if i is not None and self.zero.get(i, 0) >= 2:
                 whole = a == prog.invars[i]
                 consume[(k, slot)] = constrain_forward(_factored(sh), self.grad_put[i] if whole else None)
-            elif i in self.defer:  # a deferred leaf arrives Explicit-typed, as its read asks (_deferrable)
+            elif i in self.defer or a in passed:  # a deferred leaf arrives Explicit-typed (_deferrable)
                 consume.pop((k, slot), None)
         consume.update(ring_consume)
         policy = _name_saved(plan, info, eqns, produce, gather=3 in self.zero.values())
@@ -478,8 +481,10 @@ def _explicit_reduced(sharding: Any) -> Any:
     return NamedSharding(explicit, PartitionSpec(*sharding.spec, reduced=free))
 
 
-# views a deferred leaf may be read through: each passes the Explicit leaf on, its reader applies it
+# views a deferred leaf may be read through: each passes the Explicit leaf on, its reader applies it, on Explicit
+# axes before a matmul (these two, which JAX 0.9.2 types on a reduced value) or per device (any, local_reads)
 _VIEW_READS = frozenset({"transpose", "convert_element_type"})
+_LOCAL_VIEWS = frozenset({"reshape", "squeeze", "slice"})  # and dynamic_slice, split: :func:`_views`
 
 
 def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mapping[int, tuple[int, ...]],
@@ -559,46 +564,83 @@ class _Context:
 
 
 def _read_islands(prog: Any, v: int, chain: tuple[Any, ...], leaf: _Leaf, cx: _Context) -> dict[int, Island] | None:
-    """What runs each read of ``v``, the leaf seen through the view equations ``chain`` (:func:`_deferrable`'s
-    cases); None when some read is none of them."""
-    from shardplan.jax.local_reads import gather_island, scale_island
+    """What runs each read of ``v``, the leaf seen through the views ``chain``
+    (:class:`shardplan.jax.local_reads.View`, :func:`_deferrable`'s cases); None when some read is none of them."""
+    from shardplan.jax.local_reads import gather_island, local_views, product_island, scale_island
 
     uses = cx.readers.get(v, [])
     if not uses or v in cx.hidden or v in cx.exported or any(k in cx.taken for k, _ in uses):
         return None
-    casts = all(c.name == "convert_element_type" for c in chain)
+    local = local_views(chain, leaf.shape, leaf.tile)  # (shape, tile, views of the blocks) of the viewed leaf
     runs: dict[int, Island] = {}
     for k, slot in uses:
         e = prog.eqns[k]
         out = cx.outs.get(e.outvars[0]) if len(e.outvars) == 1 else None
         run: Island | None = None
-        if e.name in _VIEW_READS and len(e.outvars) == 1:
-            more = _read_islands(prog, e.outvars[0], chain + (e,), leaf, cx)
-            if more is not None:
+        views = _views(e, slot, cx.shapes.get(v))
+        if views is not None:
+            for var, view in views:
+                more = _read_islands(prog, var, chain + (view,), leaf, cx)
+                if more is None:
+                    return None
                 runs.update(more)
-                run = _pass_through
-        elif e.name == "dot_general":
+            run = _PassThrough(len(views))
+        elif e.name == "dot_general" and all(c.name in _VIEW_READS for c in chain):
             run = _viewed_island(e, slot, chain, leaf, cx.reads.get((k, slot)), cx.reads.get((k, 1 - slot)), out)
-        elif e.name == "gather" and slot == 0 and casts:
-            run = gather_island(e, leaf.shape, leaf.tile, leaf.sharding, cx.reads.get((k, 0)), cx.reads.get((k, 1)),
-                                out, chain)
-        elif e.name == "broadcast_in_dim" and casts and len(e.outvars) == 1:
+        elif e.name == "dot_general" and local is not None:
+            run = product_island(e, slot, *local[:2], leaf.sharding, cx.reads.get((k, slot)),
+                                 cx.reads.get((k, 1 - slot)), out, local[2])
+        elif e.name == "gather" and slot == 0 and local is not None:
+            run = gather_island(e, *local[:2], leaf.sharding, cx.reads.get((k, 0)), cx.reads.get((k, 1)), out,
+                                local[2])
+        elif e.name == "broadcast_in_dim" and local is not None and len(e.outvars) == 1:
             scaled = cx.readers.get(e.outvars[0], [])
             ok = bool(scaled) and e.outvars[0] not in cx.hidden and e.outvars[0] not in cx.exported
             for k2, s2 in scaled if ok else ():
                 e2 = prog.eqns[k2]
                 other = e2.invars[1 - s2] if len(e2.invars) == 2 else None
                 scale = None if k2 in cx.taken or not isinstance(other, int) else scale_island(
-                    e2, s2, e, cx.shapes[other], len(leaf.shape), leaf.tile, leaf.sharding, cx.reads.get((k2, 1 - s2)),
-                    cx.outs.get(e2.outvars[0]), chain)
+                    e2, s2, e, cx.shapes[other], len(local[0]), local[1], leaf.sharding, cx.reads.get((k2, 1 - s2)),
+                    cx.outs.get(e2.outvars[0]), local[2])
                 if scale is None:
                     return None
                 runs[k2] = scale
-            run = _pass_through if ok else None
+            run = _PassThrough(1) if ok else None
         if run is None:
             return None
         runs[k] = run
     return runs
+
+
+def _views(e: Any, slot: int, shape: tuple[int, ...] | None) -> list[tuple[int, Any]] | None:
+    """For an equation ``e`` reading a deferred leaf (or a view of it, of shape ``shape``) as operand ``slot``:
+    its results, each with the view of the operand it is (:class:`shardplan.jax.local_reads.View`), when ``e`` is
+    a view (a transpose, a cast, a reshape, a squeeze, a slice, a ``dynamic_slice`` at constant starts -- clamped
+    into the operand as XLA clamps them -- or a ``split``: a slice per result); None otherwise."""
+    from shardplan.jax.flatten import Const
+    from shardplan.jax.local_reads import slice_view, view_of
+
+    if slot != 0 or not e.outvars:
+        return None
+    if e.name in _VIEW_READS | _LOCAL_VIEWS and len(e.invars) == 1 and len(e.outvars) == 1:
+        return [(e.outvars[0], view_of(e))]
+    if shape is None:
+        return None
+    if e.name == "dynamic_slice" and len(e.outvars) == 1 and all(isinstance(a, Const) for a in e.invars[1:]):
+        sizes = tuple(e.params["slice_sizes"])
+        lo = [min(max(int(a.value), 0), n - z) for a, n, z in zip(e.invars[1:], shape, sizes)]
+        return [(e.outvars[0], slice_view(lo, [a + z for a, z in zip(lo, sizes)]))]
+    if e.name == "split" and len(e.invars) == 1:
+        axis, out = int(e.params["axis"]), []
+        start = 0
+        for var, n in zip(e.outvars, e.params["sizes"]):
+            lo = [0] * len(shape)
+            hi = list(shape)
+            lo[axis], hi[axis] = start, start + int(n)
+            out.append((var, slice_view(lo, hi)))
+            start += int(n)
+        return out
+    return None
 
 
 def _viewed_island(e: Any, slot: int, chain: tuple[Any, ...], leaf: _Leaf, read: Any, other: Any,
@@ -631,11 +673,16 @@ def _viewed_island(e: Any, slot: int, chain: tuple[Any, ...], leaf: _Leaf, read:
 
 
 
-def _pass_through(args: list[Any]) -> list[Any]:
-    """What a deferred leaf's view or broadcast runs: nothing, handing the Explicit leaf on to its readers, which
-    apply the view on Explicit axes (:func:`_viewed_island`) or per device, with the broadcast
-    (:mod:`shardplan.jax.local_reads`)."""
-    return [args[0]]
+@dataclass(frozen=True)
+class _PassThrough:
+    """What a deferred leaf's view or broadcast runs: nothing, handing the Explicit leaf on to its readers (as each
+    of its ``results``), which apply the view on Explicit axes (:func:`_viewed_island`) or per device, with the
+    broadcast (:mod:`shardplan.jax.local_reads`)."""
+
+    results: int
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        return [args[0]] * self.results
 
 
 def _spec_axes(spec: Any, dims: Sequence[int]) -> frozenset[str]:
