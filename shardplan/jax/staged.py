@@ -293,6 +293,7 @@ class _Stage:
                  leaf_dtypes: Sequence[Any], readers: Mapping[int, set[int]], loss_var: int | None) -> None:
         import jax
         import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
 
         from shardplan.jax.fp8 import fp8_equations, fp8_operators, with_history
         from shardplan.jax.memory import param_views
@@ -337,9 +338,19 @@ class _Stage:
                     in_sh[a] = _factored(read_sh[(k, slot)]) if (k, slot) in read_sh else self.rep
         self.in_sh = in_sh
         self.leaf_sh = {}
+        views = param_views(info)
+        # a leaf no operator reads itself (read only through views an operator's access cannot express: a weight
+        # reshaped to merge axes) stays replicated, on the mesh of the first read of a view of it: the mesh its
+        # reads' layouts use, so that its reads can be deferred (_deferrable)
+        viewed: dict[int, Any] = {}
+        for (k, slot), sh in sorted(read_sh.items(), key=lambda kv: kv[0]):
+            a = prog.eqns[k].invars[slot]
+            if isinstance(a, int) and views.get(a) is not None and a != prog.invars[views[a]]:
+                viewed.setdefault(views[a], NamedSharding(sh.mesh, PartitionSpec()))
         for i in leaves:
             uses = [(n, d) for n, d in info.leaf_uses.get(i, ()) if n in names]
-            self.leaf_sh[i] = layout_sharding(lays[uses[0][0]], uses[0][1], self.devices) if uses else self.rep
+            self.leaf_sh[i] = (layout_sharding(lays[uses[0][0]], uses[0][1], self.devices) if uses else
+                               viewed.get(i, self.rep))
         self.leaf_put = {i: _factored(sh) for i, sh in self.leaf_sh.items()}  # the same, as the jits take them
         inexact = lambda dt: jnp.issubdtype(dt, jnp.inexact)  # noqa: E731
         self.params = [i for i in leaves if i in info.param_leaves and inexact(leaf_dtypes[i])]
@@ -365,7 +376,6 @@ class _Stage:
                 passed.update(prog.eqns[k].outvars)
                 for v in prog.eqns[k].outvars:
                     produce.pop(v, None)
-        views = param_views(info)
         for (k, slot), sh in read_sh.items():  # a read of a stage >= 2 leaf: its gradient straight into the shards
             a = prog.eqns[k].invars[slot]
             i = views.get(a) if isinstance(a, int) else None
