@@ -359,8 +359,9 @@ def scale_island(e: Any, slot: int, view: Any, other_shape: tuple[int, ...], ran
     ``broadcast_in_dim`` equation ``view`` of a deferred leaf (seen through the local ``views`` of its blocks,
     :func:`local_views`: rank ``rank``, tile ``tile``; the leaf's Explicit ``sharding`` reduced over R), run per
     device with the broadcast done on the local block (module docstring); its argument ``slot`` is then the leaf
-    itself (the view equations pass it through, ``views`` applied first). ``other_shape``, ``other``, ``out``: the other operand's shape and the plan's
-    shardings of it and of the output. None unless they meet the conditions there."""
+    itself (the view equations pass it through, ``views`` applied first). ``other_shape``, ``other``, ``out``: the
+    other operand's shape and the plan's shardings of it and of the output. None unless they meet the conditions
+    there."""
     if e.name not in ELEMENTWISE or view.name != "broadcast_in_dim" or len(e.invars) != 2 or None in (other, out):
         return None
     if e.invars[0] == e.invars[1] or not (other.mesh == out.mesh == tile.mesh):

@@ -511,19 +511,23 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
     * a ``dot_general`` whose other operand's free axes (those the weight gradient sums over) are split over
       exactly R, in the operand and in the output (:func:`_island`: run on Explicit axes, JAX's sharding-in-types
       rules type the weight gradient ``unreduced`` over R);
-    * a ``gather`` of the leaf (an embedding) by indices whose batch dimensions are split over exactly R
-      (:func:`shardplan.jax.local_reads.gather_island`);
+    * a ``gather`` of the leaf (an embedding, a vocabulary-parallel one too) by indices whose batch dimensions are
+      split over exactly R (:func:`shardplan.jax.local_reads.gather_island`);
     * a ``broadcast_in_dim`` of the leaf read only by ``mul`` (``add``, ``sub``, ``div``) equations whose other
       operand has the broadcast (size-1) dimensions split over exactly R (a norm's scale, a bias:
       :func:`shardplan.jax.local_reads.scale_island`);
     * a view (``transpose``: a tied embedding read as the head; ``convert_element_type``: a weight read in a
-      lower precision) whose every read is one of these, the gather and the scale reading casts only: the view
-      passes the Explicit leaf on and its readers apply it (:func:`_viewed_island`).
+      lower precision) whose every read is one of these: the view passes the Explicit leaf on and its readers
+      apply it (:func:`_viewed_island`);
+    * a view that moves data within the leaf (``reshape``, ``slice``, ``squeeze``, a constant ``dynamic_slice``,
+      ``split``: :func:`_views`), local (:func:`shardplan.jax.local_reads.local_view`), whose every read is one of
+      these: the readers apply the views per device, a matmul too
+      (:func:`shardplan.jax.local_reads.product_island`).
 
-    A view's or broadcast's result must not be sent to another stage (``exported``). The gather and the scale run
-    per device in a ``shard_map`` that JAX's varying-axes typing makes hand back each device's term,
-    ``unreduced`` over R. In each case the terms sum to the gradient (docs/jax.md, "What the stage programs send
-    for a weight"). Returns ``({leaf: its Explicit sharding reduced over R}, {equation: what runs it})``.
+    A view's or broadcast's result must not be sent to another stage (``exported``). The per-device reads run in a
+    ``shard_map`` that JAX's varying-axes typing makes hand back each device's term, ``unreduced`` over R. In each
+    case the terms sum to the gradient (docs/jax.md, "What the stage programs send for a weight"). Returns
+    ``({leaf: its Explicit sharding reduced over R}, {equation: what runs it})``.
     """
     top = _top_ancestor(prog)
     readers: dict[int, list[tuple[int, int]]] = {}
