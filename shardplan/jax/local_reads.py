@@ -18,10 +18,12 @@ element (a gather copies, a scale multiplies once); only the sum's association d
   dimensions. Locally the same gather with the slice sizes of the local table block; its transpose is a local
   scatter-add into a zero block of the table: the device's partial sum.
 * :func:`scale_island`: ``mul(x, broadcast_in_dim(w))`` (an RMS or layer norm's scale ``h * g``; likewise ``add``,
-  ``sub``, ``div``: a bias ``h + b``, any elementwise operation is local): the broadcast
-  weight's size-1 dimensions are those the gradient sums over, split over exactly R in ``x`` and the output; on the
-  other dimensions ``x``, the output and the broadcast weight are split alike. Locally the broadcast to the local
-  block and the same multiply; its transpose multiplies and sums the local rows.
+  ``sub``, ``div``: a bias ``h + b``, any elementwise operation is local), or the operation on a view of ``w`` with
+  unit axes that it broadcasts itself (flax's ``y + jnp.reshape(b, (1, 1, -1))``): the broadcast weight's size-1
+  dimensions are those the gradient sums over, split over exactly R in the output; on the other dimensions the
+  output and the broadcast weight are split alike, and ``x`` is split as the output but on its own unit axes (a
+  layer norm's ``rsqrt(var) * scale``, ``(b, t, 1)`` by ``(1, 1, d)``). Locally the broadcast to the local block
+  and the same multiply; its transpose multiplies and sums the local rows.
 
 * :func:`product_island`: a ``dot_general`` reading the weight through views that move data within the weight
   (``reshape``, ``slice``, a ``split`` or constant-start ``dynamic_slice`` taken as slices, ``squeeze``; a fused
@@ -354,44 +356,52 @@ def product_island(e: Any, slot: int, shape: tuple[int, ...], tile: Any, shardin
 
 
 def scale_island(e: Any, slot: int, view: Any, other_shape: tuple[int, ...], rank: int, tile: Any, sharding: Any,
-                 other: Any, out: Any, views: Sequence[Any] = ()) -> Island | None:
+                 other: Any, out: Any, views: Sequence[Any] = (), viewed: tuple[int, ...] = ()) -> Island | None:
     """The ``mul`` (or other :data:`ELEMENTWISE`) equation ``e`` reading, as operand ``slot``, the
     ``broadcast_in_dim`` equation ``view`` of a deferred leaf (seen through the local ``views`` of its blocks,
     :func:`local_views`: rank ``rank``, tile ``tile``; the leaf's Explicit ``sharding`` reduced over R), run per
     device with the broadcast done on the local block (module docstring); its argument ``slot`` is then the leaf
-    itself (the view equations pass it through, ``views`` applied first). ``other_shape``, ``other``, ``out``: the
-    other operand's shape and the plan's shardings of it and of the output. None unless they meet the conditions
-    there."""
-    if e.name not in ELEMENTWISE or view.name != "broadcast_in_dim" or len(e.invars) != 2 or None in (other, out):
+    itself (the view equations pass it through, ``views`` applied first). ``view`` None: ``e`` reads the viewed
+    leaf itself, of shape ``viewed`` and of the output's rank, its unit axes broadcast by the operation (flax's
+    ``y + jnp.reshape(bias, (1, 1, -1))``). ``other_shape``, ``other``, ``out``: the other operand's shape and the
+    plan's shardings of it and of the output. None unless they meet the conditions there."""
+    if e.name not in ELEMENTWISE or len(e.invars) != 2 or None in (other, out):
+        return None
+    if (view is None) != (len(viewed) > 0) or (view is not None and view.name != "broadcast_in_dim"):
         return None
     if e.invars[0] == e.invars[1] or not (other.mesh == out.mesh == tile.mesh):
         return None
     shape = tuple(e.out_shapes[0])
-    vshape = tuple(view.params["shape"])
-    dims = tuple(view.params["broadcast_dimensions"])
-    if len(vshape) != len(shape) or tuple(other_shape) != shape:
+    vshape = tuple(view.params["shape"]) if view is not None else tuple(viewed)
+    dims = tuple(view.params["broadcast_dimensions"]) if view is not None else tuple(range(len(viewed)))
+    if len(vshape) != len(shape) or len(other_shape) != len(shape):
+        return None
+    if any(n not in (1, shape[d]) for d, n in enumerate(other_shape)):
         return None
     t = _entries(tile.spec, rank)
     x = _entries(other.spec, len(shape))
-    if _entries(out.spec, len(shape)) != x:
-        return None
+    o = _entries(out.spec, len(shape))
+    if any(x[d] != o[d] for d in range(len(shape)) if other_shape[d] == shape[d]):
+        return None  # the other operand split as the output, but on its unit axes (an RMS norm's (b, t, 1) factor)
     v = [()] * len(shape)
     for j, d in enumerate(dims):
         v[d] = t[j]
     summed = [d for d in range(len(shape)) if vshape[d] == 1 and shape[d] > 1]
-    if any(x[d] != v[d] for d in range(len(shape)) if d not in summed):
+    if any(o[d] != v[d] for d in range(len(shape)) if d not in summed):
         return None
-    if any(v[d] for d in summed) or frozenset(a for d in summed for a in x[d]) != sharding.spec.reduced:
+    if any(v[d] for d in summed) or frozenset(a for d in summed for a in o[d]) != sharding.spec.reduced:
         return None
     mesh = sharding.mesh
     local_shape = tuple(s // _ways(mesh, v[d]) for d, s in enumerate(vshape))
-    vparams = dict(view.params, shape=local_shape)
-    vprim, prim, params = view.primitive, e.primitive, e.params
+    broadcast = None if view is None else (view.primitive, dict(view.params, shape=local_shape))
+    prim, params = e.primitive, e.params
 
     def local(xs: list[Any]) -> Any:
 
         xs = list(xs)
-        xs[slot] = vprim.bind(apply_views(xs[slot], views), **vparams)
+        xs[slot] = apply_views(xs[slot], views)
+        if broadcast is not None:
+            xs[slot] = broadcast[0].bind(xs[slot], **broadcast[1])
         return prim.bind(*xs, **params)
 
-    return _local_island(sharding, slot, tuple(_spec(x) if k != slot else None for k in range(2)), _spec(x), local)
+    return _local_island(sharding, slot, tuple(_spec(x) if k != slot else None for k in range(2)), _spec(o), local)

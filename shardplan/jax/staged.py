@@ -580,7 +580,7 @@ class _Context:
 def _read_islands(prog: Any, v: int, chain: tuple[Any, ...], leaf: _Leaf, cx: _Context) -> dict[int, Island] | None:
     """What runs each read of ``v``, the leaf seen through the views ``chain``
     (:class:`shardplan.jax.local_reads.View`, :func:`_deferrable`'s cases); None when some read is none of them."""
-    from shardplan.jax.local_reads import gather_island, local_views, product_island, scale_island
+    from shardplan.jax.local_reads import ELEMENTWISE, gather_island, local_views, product_island, scale_island
 
     uses = cx.readers.get(v, [])
     if not uses or v in cx.hidden or v in cx.exported or any(k in cx.taken for k, _ in uses):
@@ -607,6 +607,11 @@ def _read_islands(prog: Any, v: int, chain: tuple[Any, ...], leaf: _Leaf, cx: _C
         elif e.name == "gather" and slot == 0 and local is not None:
             run = gather_island(e, *local[:2], leaf.sharding, cx.reads.get((k, 0)), cx.reads.get((k, 1)), out,
                                 local[2])
+        elif e.name in ELEMENTWISE and local is not None and len(e.invars) == 2:
+            other = e.invars[1 - slot]  # the (viewed) leaf with unit axes, broadcast by the operation itself
+            run = None if not isinstance(other, int) else scale_island(
+                e, slot, None, cx.shapes[other], len(local[0]), local[1], leaf.sharding, cx.reads.get((k, 1 - slot)),
+                out, local[2], viewed=local[0])
         elif e.name == "broadcast_in_dim" and local is not None and len(e.outvars) == 1:
             scaled = cx.readers.get(e.outvars[0], [])
             ok = bool(scaled) and e.outvars[0] not in cx.hidden and e.outvars[0] not in cx.exported
