@@ -236,3 +236,84 @@ def test_a_product_through_views_is_deferred_where_its_rows_split_over_the_repli
                         slot, forward=forward)
     want = jax.grad(lambda w: jnp.sum(jnp.sin(h @ view_fn(w))))(w)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("op, x_shape, x, out, ok", [
+    # flax's layer norm: rsqrt(var + eps), (4, 4, 1), times scale.reshape(1, 1, 16); both operands broadcast
+    ("mul", (4, 4, 1), (None, "s", None), (None, "s", None), True),
+    ("add", (4, 4, 16), ("s", None, None), ("s", None, None), True),  # flax's Dense: y + bias.reshape(1, 1, 16)
+    ("mul", (4, 4, 1), (None, None, None), (None, "s", None), False),  # the factor not split as the output
+    ("mul", (4, 4, 1), (None, None, None), (None, None, None), False),  # every row on both replicas
+    ("add", (4, 4, 16), ("s", None, None), (None, "s", None), False),  # the output not split as x
+])
+def test_an_elementwise_read_of_a_reshaped_weight_is_deferred(op, x_shape, x, out, ok):
+    """``scale_island`` with no broadcast equation: the operation itself broadcasts the weight's view with unit
+    axes (flax reshapes a bias or a norm's scale to ``(1, 1, d)`` and adds or multiplies), the other operand
+    perhaps broadcast too. Deferred when the output's rows (the weight's unit axes) split over exactly R and the
+    other operand is split as the output on its own full axes: the terms sum to the unsharded gradient, nothing
+    sent. Otherwise refused."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import shardplan.jax.staged as staged
+    from shardplan.jax.local_reads import local_views, scale_island, view_of
+    from shardplan.jax.lower import trace
+
+    f = {"mul": lambda a, b: a * b, "add": lambda a, b: a + b}[op]
+    _, info = trace(lambda p, h: jnp.sum(f(h, p["w"].reshape(1, 1, 16))), {"w": jnp.ones((16,))},
+                    jnp.ones(x_shape))
+    eqns = info.program.eqns
+    view = next(e for e in eqns if e.name == "reshape")
+    e = next(e for e in eqns if view.outvars[0] in e.invars)
+    assert e.name == op and e.out_shapes[0] == (4, 4, 16)
+    mesh = _mesh((2,))
+    tile = NamedSharding(mesh, P(None))
+    sharding = staged._explicit_reduced(tile)
+    vshape, vtile, views = local_views([view_of(view)], (16,), tile)
+    slot = e.invars.index(view.outvars[0])
+    xs = NamedSharding(mesh, P(*x))
+    island = scale_island(e, slot, None, x_shape, 3, vtile, sharding, xs, NamedSharding(mesh, P(*out)), views,
+                          viewed=vshape)
+    assert (island is not None) == ok
+    if not ok:
+        return
+    w = 1 + 0.1 * jax.random.normal(jax.random.key(0), (16,))
+    h = jax.random.normal(jax.random.key(1), x_shape)
+    got = _summed_terms(island, sharding, jax.device_put(w, tile), [jax.device_put(h, xs)], slot)
+    want = jax.grad(lambda w: jnp.sum(jnp.sin(f(h, w.reshape(1, 1, 16)))))(w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow  # a corpus model: flax and transformers (the test extra), about 25 CPU s
+@pytest.mark.parametrize("views, deferred, backward, once", [
+    (False, 17, 832, 27200),  # the runner before: the 10 layer norms' scales and biases per micro-batch
+    (True, 27, 512, 27520),  # all but the position embedding (its ids are not split over the batch)
+])
+def test_hf_flax_gpt2_reduces_its_layer_norms_once_a_step(monkeypatch, views, deferred, backward, once):
+    """Hugging Face's FlaxGPT2LMHeadModel (tests/jax_corpus.py) through the stage runner (4 stages of 2
+    devices, m = 4: the model, one name scope, on stage 0): flax reads each layer norm's scale and bias through a
+    reshape to ``(1, 1, d)`` that the multiply or add broadcasts. Read per device, they are deferred: 27 of 28
+    leaves, 29568 floats all-reduced a step instead of 30528; the gradients equal the unsharded program's."""
+    import jax_corpus
+    import test_staged_defer_jax
+
+    import shardplan.jax.local_reads as local_reads
+    from shardplan.jax.staged import pipeline
+
+    if not views:
+        real = local_reads.scale_island
+        monkeypatch.setattr(local_reads, "scale_island",
+                            lambda *a, **k: None if k.get("viewed") else real(*a, **k))
+    monkeypatch.setattr(test_staged_defer_jax, "ROWS", jax_corpus.BATCH // M)
+    entry = next(e for e in jax_corpus.CORPUS if e.name == "FlaxGPT2LMHeadModel")
+    loss_fn, params, batch = entry.build()
+    step = pipeline(loss_fn, params, batch, machine=_toy(), sizes=(2,), micro_batches=(M,))
+    assert [len(st.defer) for st in step.stages] == [deferred, 0, 0, 0]
+    assert [len(st.params) for st in step.stages] == [28, 0, 0, 0]
+    sent, reduced, others = _sent(step, params, batch)
+    assert (sent, reduced, others) == ([backward, 0, 0, 0], [once, 0, 0, 0], [[]] * 4), (sent, reduced)
+    loss, grads = step(params, batch)
+    ref_l, ref_g = jax.value_and_grad(loss_fn)(params, batch)
+    assert abs(float(loss) - float(ref_l)) <= 1e-6 * abs(float(ref_l))
+    scale = max(float(jnp.abs(w).max()) for w in jax.tree.leaves(ref_g))
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_g)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * scale)
