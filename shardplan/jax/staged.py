@@ -476,19 +476,41 @@ class _Stage:
             self.state_put[i] = _factored(shards if z >= 1 else tile)
 
 
-def _explicit_reduced(sharding: Any) -> Any:
-    """``sharding`` on its mesh with every axis ``Explicit``, marked ``reduced`` over the axes of size > 1 its spec
-    does not name (the tile's replicas); None when there are none. A value of this type has as cotangent the same
-    sharding ``unreduced`` over those axes: each device holds its own partial sum, no collective."""
+def _explicit_reduced(sharding: Any, over: frozenset[str] | None = None) -> Any:
+    """``sharding`` on its mesh with every axis ``Explicit``, marked ``reduced`` over ``over`` (default: the axes of
+    size > 1 its spec does not name, the tile's replicas); None when there are none. A value of this type has as
+    cotangent the same sharding ``unreduced`` over those axes: each device holds its own partial sum, no
+    collective."""
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
     mesh = sharding.mesh
-    used = {a for e in sharding.spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
-    free = frozenset(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+    free = _free_axes(sharding) if over is None else frozenset(over)
     if not free:
         return None
     explicit = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * len(mesh.axis_names))
     return NamedSharding(explicit, PartitionSpec(*sharding.spec, reduced=free))
+
+
+def _free_axes(sharding: Any) -> frozenset[str]:
+    """The mesh axes of size > 1 that ``sharding``'s spec does not name: the tile's replicas."""
+    mesh = sharding.mesh
+    used = {a for e in sharding.spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    return frozenset(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+
+
+def _replica_choices(sharding: Any) -> list[Any]:
+    """The Explicit types a leaf tiled ``sharding`` may enter a stage as (:func:`_explicit_reduced`): reduced over
+    all its replicas R first, then over each smaller nonempty subset of them (largest first, in mesh order). A
+    read whose rows split over only some replica axes S leaves the others replicated: each device's term is then
+    summed over S alone, the copies over R - S equal (docs/jax.md)."""
+    from itertools import combinations
+
+    full = _explicit_reduced(sharding)
+    if full is None:
+        return []
+    axes = [a for a in sharding.mesh.axis_names if a in full.spec.reduced]
+    subsets = [frozenset(c) for n in range(len(axes) - 1, 0, -1) for c in combinations(axes, n)]
+    return [full] + [_explicit_reduced(sharding, c) for c in subsets]
 
 
 # views a deferred leaf may be read through: each passes the Explicit leaf on, its reader applies it, on Explicit
@@ -540,16 +562,14 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
     hidden = frozenset(v for e in prog.eqns if e.parent is None for v in e.invars if isinstance(v, int))
     defer: dict[int, Any] = {}
     islands: dict[int, Island] = {}
+    cx = _Context(readers, hidden, exported, taken, shapes, reads, outs)
     for i in params:
-        sh = _explicit_reduced(tiles[i]) if zero[i] <= 1 else None
-        if sh is None:
-            continue
-        leaf = _Leaf(tuple(shapes[prog.invars[i]]), tiles[i], sh)
-        runs = _read_islands(prog, prog.invars[i], (), leaf, _Context(readers, hidden, exported, taken, shapes,
-                                                                      reads, outs))
-        if runs is not None:
-            defer[i] = sh
-            islands.update(runs)
+        for sh in _replica_choices(tiles[i]) if zero[i] <= 1 else ():
+            runs = _read_islands(prog, prog.invars[i], (), _Leaf(tuple(shapes[prog.invars[i]]), tiles[i], sh), cx)
+            if runs is not None:
+                defer[i] = sh
+                islands.update(runs)
+                break
     return defer, islands
 
 
@@ -676,8 +696,8 @@ def _viewed_island(e: Any, slot: int, chain: tuple[Any, ...], leaf: _Leaf, read:
         if c.name == "transpose":
             entries = list(tile.spec) + [None] * (rank - len(tile.spec))
             tile = NamedSharding(tile.mesh, PartitionSpec(*(entries[d] for d in c.params["permutation"])))
-    sharding = _explicit_reduced(tile)
-    product = None if sharding is None else _island(e, slot, rank, tile, sharding, read, other, out)
+    sharding = _explicit_reduced(tile, leaf.sharding.spec.reduced)
+    product = _island(e, slot, rank, tile, sharding, read, other, out)
     if product is None or not chain:
         return product
 
@@ -739,6 +759,9 @@ def _island(e: Any, slot: int, rank: int, tile: Any, sharding: Any, read: Any, o
     at = range(len(batch), len(batch) + o_free) if slot == 1 else range(out_rank - o_free, out_rank)
     replicas = sharding.spec.reduced
     if _spec_axes(other.spec, free) != replicas or _spec_axes(out.spec, at) != replicas:
+        return None
+    named = replicas | _spec_axes(tile.spec, range(rank))  # no axis the leaf is replicated over but not reduced
+    if not (_spec_axes(other.spec, range(o_rank)) | _spec_axes(out.spec, range(out_rank))) <= named:
         return None
     mesh = sharding.mesh.abstract_mesh
     dn, precision = e.params["dimension_numbers"], e.params.get("precision")

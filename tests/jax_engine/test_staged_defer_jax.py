@@ -107,7 +107,7 @@ def test_the_tiny_gpt_sends_each_gradient_once_a_step(monkeypatch, reads, deferr
         monkeypatch.setattr(local_reads, "gather_island", lambda *a, **k: None)
         monkeypatch.setattr(local_reads, "scale_island", lambda *a, **k: None)
     if reads == "none":
-        monkeypatch.setattr(staged, "_explicit_reduced", lambda sharding: None)
+        monkeypatch.setattr(staged, "_explicit_reduced", lambda sharding, over=None: None)
     step, params, batch = _gpt_step()
     assert [len(st.defer) for st in step.stages] == deferred and sum(len(st.params) for st in step.stages) == 14
     forward: list[int] = []

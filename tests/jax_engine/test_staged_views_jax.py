@@ -317,3 +317,68 @@ def test_hf_flax_gpt2_reduces_its_layer_norms_once_a_step(monkeypatch, views, de
     scale = max(float(jnp.abs(w).max()) for w in jax.tree.leaves(ref_g))
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_g)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * scale)
+
+
+def test_a_leaf_reduced_over_some_of_its_replica_axes():
+    """The types a leaf may enter a stage as: reduced over all the axes its tile leaves free, then over each smaller
+    nonempty subset (largest first). On a 2 x 2 x 2 mesh a replicated leaf has 7; one split over ``t`` has 3."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import shardplan.jax.staged as staged
+
+    mesh = _mesh((2, 2, 2))
+    got = [sorted(sh.spec.reduced) for sh in staged._replica_choices(NamedSharding(mesh, P(None, None)))]
+    assert got == [["s", "t", "u"], ["s", "t"], ["s", "u"], ["t", "u"], ["s"], ["t"], ["u"]]
+    got = [sorted(sh.spec.reduced) for sh in staged._replica_choices(NamedSharding(mesh, P("t", None)))]
+    assert got == [["s", "u"], ["s"], ["u"]]
+    assert staged._replica_choices(NamedSharding(_mesh((2,)), P("s"))) == []
+
+
+@pytest.mark.parametrize("read", ["matmul", "slice", "scale"])
+@pytest.mark.parametrize("x, ok", [
+    (("s", None, None), True),  # the rows split over s only: t replicates the read
+    (("s", None, "t"), False),  # the contraction split over t, which the weight is replicated over
+])
+def test_rows_split_over_some_replica_axes_reduce_over_those(read, x, ok):
+    """A leaf replicated over s and t read by rows split over s only (data parallel over s, the read replicated
+    over t: a norm's scale or a matmul beside tensor-parallel layers): entered reduced over s alone, each device's
+    term (nothing sent) summed over s is the gradient, the copies over t equal. Refused when the read's operand is
+    split over an axis the weight is replicated over but not reduced over (its contraction over t)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import shardplan.jax.staged as staged
+    from shardplan.jax.local_reads import local_views, product_island, scale_island, view_of
+
+    mesh = _mesh((2, 2))
+    if read == "scale":
+        from shardplan.jax.lower import trace
+
+        _, info = trace(lambda p, h: jnp.sum(h * p["w"].reshape(1, 1, 16)), {"w": jnp.ones((16,))},
+                        jnp.ones((4, 4, 16)))
+        view = next(e for e in info.program.eqns if e.name == "reshape")
+        dot = next(e for e in info.program.eqns if view.outvars[0] in e.invars)
+        slot, chain, w_shape, view_fn = dot.invars.index(view.outvars[0]), [view_of(view)], (16,), (
+            lambda w: w.reshape(1, 1, 16))
+        f = lambda h, w: h * w  # noqa: E731
+    else:
+        view_fn, w_shape = (lambda w: w, (16, 16)) if read == "matmul" else SLICE
+        dot, slot, chain = _product(view_fn, w_shape)
+        f = lambda h, w: h @ w  # noqa: E731
+    tile = NamedSharding(mesh, P(*(None,) * len(w_shape)))
+    sharding = staged._explicit_reduced(tile, frozenset({"s"}))
+    xs = NamedSharding(mesh, P(*x))
+    out = NamedSharding(mesh, P("s", None, None))
+    if read == "matmul":
+        island = staged._island(dot, slot, 2, tile, sharding, tile, xs, out)
+    else:
+        vshape, vtile, views = local_views(chain, w_shape, tile)
+        island = (product_island(dot, slot, vshape, vtile, sharding, vtile, xs, out, views) if read == "slice" else
+                  scale_island(dot, slot, None, (4, 4, 16), 3, vtile, sharding, xs, out, views, viewed=vshape))
+    assert (island is not None) == ok
+    if not ok:
+        return
+    w = 1 + 0.1 * jax.random.normal(jax.random.key(0), w_shape)
+    h = jax.random.normal(jax.random.key(1), (4, 4, 16))
+    got = _summed_terms(island, sharding, jax.device_put(w, tile), [jax.device_put(h, xs)], slot)
+    want = jax.grad(lambda w: jnp.sum(jnp.sin(f(h, view_fn(w)))))(w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
