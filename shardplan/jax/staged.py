@@ -546,6 +546,8 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
       these: the readers apply the views per device, a matmul too
       (:func:`shardplan.jax.local_reads.product_island`).
 
+    R is the tile's replica axes or, failing that, the largest subset of them (:func:`_replica_choices`) for which
+    every read meets these conditions: the reads then name no other replica axis, which replicates them.
     A view's or broadcast's result must not be sent to another stage (``exported``). The per-device reads run in a
     ``shard_map`` that JAX's varying-axes typing makes hand back each device's term, ``unreduced`` over R. In each
     case the terms sum to the gradient (docs/jax.md, "What the stage programs send for a weight"). Returns
