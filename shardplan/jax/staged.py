@@ -35,9 +35,9 @@ Execution, for each stage (each chunk of an interleaved plan):
   apart), the micro-batches being
   consecutive slices of the batch's leading axis; gradients are accumulated
   per stage (a ZeRO 0/1 weight replicated over some of the stage's mesh axes
-  and read only by matmuls, gathers or scales that sum over those axes: as
-  each device's partial sums, added locally and reduced once a step,
-  :func:`_deferrable`); JAX's
+  and read only by matmuls, gathers or scales that sum over those axes, of the
+  weight or of views of it: as each device's partial sums, added locally and
+  reduced once a step, :func:`_deferrable`); JAX's
   asynchronous dispatch lets stages on disjoint devices
   overlap, each device running its passes in the order issued.
 
@@ -617,7 +617,7 @@ def _read_islands(prog: Any, v: int, chain: tuple[Any, ...], leaf: _Leaf, cx: _C
         if views is not None:
             for var, view in views:
                 more = _read_islands(prog, var, chain + (view,), leaf, cx)
-                if more is None:
+                if more is None or more.keys() & runs.keys():  # an equation reading two views of the leaf
                     return None
                 runs.update(more)
             run = _PassThrough(len(views))
@@ -643,11 +643,11 @@ def _read_islands(prog: Any, v: int, chain: tuple[Any, ...], leaf: _Leaf, cx: _C
                 scale = None if k2 in cx.taken or not isinstance(other, int) else scale_island(
                     e2, s2, e, cx.shapes[other], len(local[0]), local[1], leaf.sharding, cx.reads.get((k2, 1 - s2)),
                     cx.outs.get(e2.outvars[0]), local[2])
-                if scale is None:
+                if scale is None or k2 in runs:
                     return None
                 runs[k2] = scale
             run = _PassThrough(1) if ok else None
-        if run is None:
+        if run is None or k in runs:  # none, or an equation reading the leaf (or its views) twice
             return None
         runs[k] = run
     return runs
