@@ -18,23 +18,145 @@ element (a gather copies, a scale multiplies once); only the sum's association d
   dimensions. Locally the same gather with the slice sizes of the local table block; its transpose is a local
   scatter-add into a zero block of the table: the device's partial sum.
 * :func:`scale_island`: ``mul(x, broadcast_in_dim(w))`` (an RMS or layer norm's scale ``h * g``; likewise ``add``,
-  ``sub``, ``div``: a bias ``h + b``, any elementwise operation is local): the broadcast
-  weight's size-1 dimensions are those the gradient sums over, split over exactly R in ``x`` and the output; on the
-  other dimensions ``x``, the output and the broadcast weight are split alike. Locally the broadcast to the local
-  block and the same multiply; its transpose multiplies and sums the local rows.
+  ``sub``, ``div``: a bias ``h + b``, any elementwise operation is local), or the operation on a view of ``w`` with
+  unit axes that it broadcasts itself (flax's ``y + jnp.reshape(b, (1, 1, -1))``): the broadcast weight's size-1
+  dimensions are those the gradient sums over, split over exactly R in the output; on the other dimensions the
+  output and the broadcast weight are split alike, and ``x`` is split as the output but on its own unit axes (a
+  layer norm's ``rsqrt(var) * scale``, ``(b, t, 1)`` by ``(1, 1, d)``). Locally the broadcast to the local block
+  and the same multiply; its transpose multiplies and sums the local rows.
 
-Either may read the weight through casts (``convert_element_type``: a weight kept in float32 and read in
-bfloat16), applied to the local block first.
+* :func:`product_island`: a ``dot_general`` reading the weight through views that move data within the weight
+  (``reshape``, ``slice``, a ``split`` or constant-start ``dynamic_slice`` taken as slices, ``squeeze``; a fused
+  QKV weight sliced into q, k, v, a weight reshaped to heads), which JAX 0.9.2 does not type on a ``reduced``
+  value: the views and the product on the device's blocks, ``psum`` over the axes the contraction is split over.
+  The other operand's free dimensions (those the weight gradient sums over) split over exactly R, its contracted
+  and batch dimensions as the viewed weight's, the output as the product of the blocks.
+
+Each may read the weight through views (:func:`local_views`), applied to the local block first: casts
+(``convert_element_type``: a weight kept in float32 and read in bfloat16), transposes, and the views above, each
+*local*: the viewed tile is a tiling (each device's block of the view is the view of its block), with the rules of
+:func:`local_view` (docs/jax.md, "What the stage programs send for a weight").
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 Island = Callable[[list[Any]], list[Any]]  # what runs an equation instead of its primitive: operands -> results
 # the elementwise operations a broadcast weight may enter per device (each output element reads one of each operand)
 ELEMENTWISE = frozenset({"mul", "add", "sub", "div"})
+
+
+@dataclass(frozen=True)
+class View:
+    """One view a deferred weight is read through (a one-operand primitive and its parameters), on the program's
+    whole weight or on a device's block of it (:func:`local_view`)."""
+
+    name: str
+    primitive: Any
+    params: Mapping[str, Any]
+
+
+def view_of(e: Any) -> View:
+    """The view equation ``e`` of the program as a :class:`View`."""
+    return View(e.name, e.primitive, dict(e.params))
+
+
+def slice_view(starts: Sequence[int], limits: Sequence[int]) -> View:
+    """The unit-stride ``slice`` ``[starts, limits)`` (what a ``split`` output or a constant ``dynamic_slice`` is)."""
+    import jax
+
+    return View("slice", jax.lax.slice_p, {"start_indices": tuple(int(a) for a in starts),
+                                            "limit_indices": tuple(int(b) for b in limits), "strides": None})
+
+
+def local_view(c: View, shape: tuple[int, ...], tile: Sequence[tuple[str, ...]],
+               mesh: Any) -> tuple[tuple[int, ...], list[tuple[str, ...]], View] | None:
+    """The view ``c`` of a value of shape ``shape`` tiled ``tile`` (per axis, the mesh axes it is split over) as a
+    view of each device's block: ``(view's shape, view's tiling, the view of the block)``, or None when the
+    view's blocks are not the views of the blocks. A cast moves nothing; a transpose permutes the tiling; a
+    ``squeeze`` drops unit (never split) axes; a ``slice`` takes every split axis whole; a ``reshape`` (no
+    ``dimensions``) splits and merges groups of axes with equal products, each group split at most on its
+    leading (major) input axis, which then splits the group's leading output axis the same ways (it must divide
+    it): contiguous chunks of the group's row-major range, the same on both sides."""
+    t = [tuple(x) for x in tile]
+    if c.name == "convert_element_type":
+        return shape, t, c
+    if c.name == "transpose":
+        perm = tuple(c.params["permutation"])
+        return tuple(shape[d] for d in perm), [t[d] for d in perm], c
+    if c.name == "squeeze":
+        gone = {d % len(shape) for d in c.params["dimensions"]}
+        keep = [d for d in range(len(shape)) if d not in gone]
+        return tuple(shape[d] for d in keep), [t[d] for d in keep], c
+    if c.name == "slice":
+        lo, hi = tuple(c.params["start_indices"]), tuple(c.params["limit_indices"])
+        strides = c.params.get("strides") or (1,) * len(shape)
+        if any(t[d] and (lo[d], hi[d], strides[d]) != (0, shape[d], 1) for d in range(len(shape))):
+            return None
+        out = tuple(-(-(hi[d] - lo[d]) // strides[d]) for d in range(len(shape)))
+        block = tuple(shape[d] // _ways(mesh, t[d]) if t[d] else hi[d] for d in range(len(shape)))
+        return out, t, View("slice", c.primitive, dict(c.params, limit_indices=block))
+    if c.name == "reshape" and c.params.get("dimensions") is None:
+        new = tuple(int(n) for n in c.params["new_sizes"])
+        out_t = _reshaped_tiling(shape, t, new, mesh)
+        if out_t is None:
+            return None
+        local = tuple(n // _ways(mesh, out_t[d]) for d, n in enumerate(new))
+        return new, out_t, View("reshape", c.primitive, dict(c.params, new_sizes=local, sharding=None))
+    return None
+
+
+def _reshaped_tiling(shape: tuple[int, ...], t: Sequence[tuple[str, ...]], new: tuple[int, ...],
+                     mesh: Any) -> list[tuple[str, ...]] | None:
+    """The tiling of ``reshape(x, new)`` for ``x`` of ``shape`` tiled ``t`` when it is local (:func:`local_view`)."""
+    out: list[tuple[str, ...]] = [()] * len(new)
+    i = j = 0
+    while i < len(shape) or j < len(new):
+        if i < len(shape) and shape[i] == 1:
+            i += 1
+            continue
+        if j < len(new) and new[j] == 1:
+            j += 1
+            continue
+        if i == len(shape) or j == len(new):
+            return None
+        gi, gj, a, b = [i], [j], shape[i], new[j]
+        while a != b:
+            if a < b:
+                i += 1
+                gi.append(i)
+                a *= shape[i]
+            else:
+                j += 1
+                gj.append(j)
+                b *= new[j]
+        i, j = i + 1, j + 1
+        if any(t[d] for d in gi[1:]) or (t[gi[0]] and new[gj[0]] % _ways(mesh, t[gi[0]])):
+            return None
+        out[gj[0]] = t[gi[0]]
+    return out
+
+
+def local_views(chain: Sequence[View], shape: tuple[int, ...],
+                tile: Any) -> tuple[tuple[int, ...], Any, tuple[View, ...]] | None:
+    """:func:`local_view` along ``chain`` from a value of ``shape`` in the ``NamedSharding`` ``tile``: the viewed
+    shape, the viewed tile (a ``NamedSharding`` on ``tile``'s mesh) and the views of the blocks; None when a view
+    of the chain is not local."""
+    from jax.sharding import NamedSharding
+
+    mesh = tile.mesh
+    t = _entries(tile.spec, len(shape))
+    out: list[View] = []
+    for c in chain:
+        step = local_view(c, shape, t, mesh)
+        if step is None:
+            return None
+        shape, t, v = step
+        out.append(v)
+    return shape, NamedSharding(mesh, _spec(t)), tuple(out)
 
 
 def apply_views(x: Any, chain: Sequence[Any]) -> Any:
@@ -117,11 +239,21 @@ def _local_island(sharding: Any, slot: int, specs: Sequence[Any], out_spec: Any,
 
 
 def gather_island(e: Any, shape: tuple[int, ...], tile: Any, sharding: Any, read: Any, indices: Any,
-                  out: Any, casts: Sequence[Any] = ()) -> Island | None:
-    """The ``gather`` equation ``e`` reading a deferred table (shape ``shape``, tile ``tile``, Explicit
-    ``sharding`` reduced over R; read in ``read``, through the ``convert_element_type`` equations ``casts``) as
-    its operand, run per device (module docstring); None unless the shardings (the plan's, on prime-factor meshes)
-    meet the conditions there."""
+                  out: Any, views: Sequence[Any] = ()) -> Island | None:
+    """The ``gather`` equation ``e`` reading a deferred table (seen through the local ``views`` of its blocks,
+    :func:`local_views`: shape ``shape``, tile ``tile``; the leaf's Explicit ``sharding`` reduced over R; read in
+    ``read``) as its operand, run per device (module docstring); None unless the shardings (the plan's, on
+    prime-factor meshes) meet the conditions there.
+
+    A table split over mesh axes V on its indexed (vocabulary) axis (Megatron's vocabulary-parallel embedding)
+    is read when the gather takes whole rows of that one axis (``x[ids]``, ``jnp.take``: one indexed axis,
+    collapsed, slices of 1 along it, ``clip`` or ``promise_in_bounds`` mode, whose index is clamped into the
+    table): each device gathers the ids in its range of rows, ``[k n, (k + 1) n)`` for its block k of n rows
+    along V, from its block, zeroes the rest, and the outputs are summed over V (``psum``); each output row is
+    then one device's copy, exactly the unsharded row. The sum's transpose copies the cotangent to the V
+    devices (nothing sent), and each scatters its in-range rows into its block."""
+    from jax.lax import GatherScatterMode
+
     if e.name != "gather" or len(e.invars) != 2 or None in (read, indices, out) or len(e.outvars) != 1:
         return None
     rank = len(shape)
@@ -136,7 +268,11 @@ def gather_island(e: Any, shape: tuple[int, ...], tile: Any, sharding: Any, read
     ix = _entries(indices.spec, idx_rank)
     o = _entries(out.spec, out_rank)
     sizes = tuple(e.params["slice_sizes"])
-    if any(t[d] for d in dn.start_index_map) or ix[-1]:
+    vocab = tuple(dn.start_index_map)[0] if len(dn.start_index_map) == 1 else None
+    split = [d for d in dn.start_index_map if t[d]]
+    if ix[-1] or (split and (split != [vocab] or vocab not in dn.collapsed_slice_dims or sizes[vocab] != 1
+                             or e.params["mode"] not in (GatherScatterMode.CLIP,
+                                                         GatherScatterMode.PROMISE_IN_BOUNDS))):
         return None
     kept = [d for d in range(rank) if d not in dn.collapsed_slice_dims]
     batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
@@ -145,59 +281,127 @@ def gather_island(e: Any, shape: tuple[int, ...], tile: Any, sharding: Any, read
     replicas = sharding.spec.reduced
     if frozenset(a for axes in ix[:-1] for a in axes) != replicas:
         return None
-    if any(t[d] and sizes[d] != shape[d] for d in range(rank)):
+    if any(t[d] and d not in split and sizes[d] != shape[d] for d in range(rank)):
         return None  # a split dimension must be sliced whole, so the local slice is the local block
     mesh = sharding.mesh
-    local_sizes = tuple(s // _ways(mesh, t[d]) for d, s in enumerate(sizes))
+    local_sizes = tuple(s // _ways(mesh, t[d]) if d not in split else s for d, s in enumerate(sizes))
     params = dict(e.params, slice_sizes=local_sizes)
     primitive = e.primitive
+    rows = shape[vocab] // _ways(mesh, t[vocab]) if split else 0
+    axes_v = t[vocab] if split else ()
 
     def local(xs: list[Any]) -> Any:
+        import jax
+        import jax.numpy as jnp
 
-        return primitive.bind(apply_views(xs[0], casts), xs[1], **params)
+        table = apply_views(xs[0], views)
+        if not split:
+            return primitive.bind(table, xs[1], **params)
+        ids = jnp.clip(xs[1], 0, shape[vocab] - 1) - jax.lax.axis_index(axes_v) * rows
+        inside = (ids >= 0) & (ids < rows)
+        y = primitive.bind(table, jnp.where(inside, ids, 0), **params)
+        mask = jax.lax.broadcast_in_dim(inside[..., 0], y.shape, tuple(batch_out))
+        return jax.lax.psum(jnp.where(mask, y, jnp.zeros((), y.dtype)), axes_v)
 
     return _local_island(sharding, 0, (None, _spec(ix)), _spec(o), local)
 
 
+def product_island(e: Any, slot: int, shape: tuple[int, ...], tile: Any, sharding: Any, read: Any, other: Any,
+                   out: Any, views: Sequence[Any] = ()) -> Island | None:
+    """The ``dot_general`` equation ``e`` reading, as operand ``slot``, a deferred leaf seen through the local
+    ``views`` of its blocks (:func:`local_views`: shape ``shape``, tile ``tile``; the leaf's Explicit
+    ``sharding`` reduced over R; read in ``read``), run per device (module docstring): the views on the leaf's
+    block, the product of the blocks, summed over the mesh axes C the contraction is split over. ``other``,
+    ``out``: the plan's shardings of the other operand and of the output; None unless the other operand's
+    contracted and batch dimensions are split as the viewed leaf's, its free dimensions over exactly R, and the
+    output as the blocks' product (batch, then the first operand's free, then the second's)."""
+    if e.name != "dot_general" or None in (read, other, out) or len(e.outvars) != 1 or len(e.invars) != 2:
+        return None
+    rank = len(shape)
+    if not (read.mesh == other.mesh == out.mesh == tile.mesh) or not read.is_equivalent_to(tile, rank):
+        return None
+    (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+    wc, wb, oc, ob = (lc, lb, rc, rb) if slot == 0 else (rc, rb, lc, lb)
+    out_rank = len(e.out_shapes[0])
+    w_free = [d for d in range(rank) if d not in wc and d not in wb]
+    o_rank = out_rank - len(w_free) + len(oc)
+    o_free = [d for d in range(o_rank) if d not in oc and d not in ob]
+    v = _entries(tile.spec, rank)
+    x = _entries(other.spec, o_rank)
+    if any(x[a] != v[b] for a, b in zip(oc, wc)) or any(x[a] != v[b] for a, b in zip(ob, wb)):
+        return None
+    if frozenset(a for d in o_free for a in x[d]) != sharding.spec.reduced:
+        return None
+    frees = ([v[d] for d in w_free], [x[d] for d in o_free])
+    want = [v[d] for d in wb] + frees[slot] + frees[1 - slot]
+    if _entries(out.spec, out_rank) != want:
+        return None
+    mesh = sharding.mesh
+    contracted = tuple(a for a in mesh.axis_names if any(a in v[d] for d in wc))
+    params = dict(e.params)
+    if "out_sharding" in params:
+        params["out_sharding"] = None
+    primitive = e.primitive
+
+    def local(xs: list[Any]) -> Any:
+        import jax
+
+        xs = list(xs)
+        xs[slot] = apply_views(xs[slot], views)
+        y = primitive.bind(xs[0], xs[1], **params)
+        return jax.lax.psum(y, contracted) if contracted else y
+
+    return _local_island(sharding, slot, tuple(_spec(x) if k != slot else None for k in range(2)), _spec(want),
+                         local)
+
+
 def scale_island(e: Any, slot: int, view: Any, other_shape: tuple[int, ...], rank: int, tile: Any, sharding: Any,
-                 other: Any, out: Any, casts: Sequence[Any] = ()) -> Island | None:
+                 other: Any, out: Any, views: Sequence[Any] = (), viewed: tuple[int, ...] = ()) -> Island | None:
     """The ``mul`` (or other :data:`ELEMENTWISE`) equation ``e`` reading, as operand ``slot``, the
-    ``broadcast_in_dim`` equation ``view`` of a deferred leaf (rank ``rank``, tile ``tile``, Explicit ``sharding``
-    reduced over R), run per device with the broadcast done on the local block (module docstring); its argument
-    ``slot`` is then the leaf itself (the view
-    equation passes it through; ``casts``: the ``convert_element_type`` equations between the leaf and the
-    broadcast, applied first). ``other_shape``, ``other``, ``out``: the other operand's shape and the plan's
-    shardings of it and of the output. None unless they meet the conditions there."""
-    if e.name not in ELEMENTWISE or view.name != "broadcast_in_dim" or len(e.invars) != 2 or None in (other, out):
+    ``broadcast_in_dim`` equation ``view`` of a deferred leaf (seen through the local ``views`` of its blocks,
+    :func:`local_views`: rank ``rank``, tile ``tile``; the leaf's Explicit ``sharding`` reduced over R), run per
+    device with the broadcast done on the local block (module docstring); its argument ``slot`` is then the leaf
+    itself (the view equations pass it through, ``views`` applied first). ``view`` None: ``e`` reads the viewed
+    leaf itself, of shape ``viewed`` and of the output's rank, its unit axes broadcast by the operation (flax's
+    ``y + jnp.reshape(bias, (1, 1, -1))``). ``other_shape``, ``other``, ``out``: the other operand's shape and the
+    plan's shardings of it and of the output. None unless they meet the conditions there."""
+    if e.name not in ELEMENTWISE or len(e.invars) != 2 or None in (other, out):
+        return None
+    if (view is None) != (len(viewed) > 0) or (view is not None and view.name != "broadcast_in_dim"):
         return None
     if e.invars[0] == e.invars[1] or not (other.mesh == out.mesh == tile.mesh):
         return None
     shape = tuple(e.out_shapes[0])
-    vshape = tuple(view.params["shape"])
-    dims = tuple(view.params["broadcast_dimensions"])
-    if len(vshape) != len(shape) or tuple(other_shape) != shape:
+    vshape = tuple(view.params["shape"]) if view is not None else tuple(viewed)
+    dims = tuple(view.params["broadcast_dimensions"]) if view is not None else tuple(range(len(viewed)))
+    if len(vshape) != len(shape) or len(other_shape) != len(shape):
+        return None
+    if any(n not in (1, shape[d]) for d, n in enumerate(other_shape)):
         return None
     t = _entries(tile.spec, rank)
     x = _entries(other.spec, len(shape))
-    if _entries(out.spec, len(shape)) != x:
-        return None
+    o = _entries(out.spec, len(shape))
+    if any(x[d] != o[d] for d in range(len(shape)) if other_shape[d] == shape[d]):
+        return None  # the other operand split as the output, but on its unit axes (an RMS norm's (b, t, 1) factor)
     v = [()] * len(shape)
     for j, d in enumerate(dims):
         v[d] = t[j]
     summed = [d for d in range(len(shape)) if vshape[d] == 1 and shape[d] > 1]
-    if any(x[d] != v[d] for d in range(len(shape)) if d not in summed):
+    if any(o[d] != v[d] for d in range(len(shape)) if d not in summed):
         return None
-    if any(v[d] for d in summed) or frozenset(a for d in summed for a in x[d]) != sharding.spec.reduced:
+    if any(v[d] for d in summed) or frozenset(a for d in summed for a in o[d]) != sharding.spec.reduced:
         return None
     mesh = sharding.mesh
     local_shape = tuple(s // _ways(mesh, v[d]) for d, s in enumerate(vshape))
-    vparams = dict(view.params, shape=local_shape)
-    vprim, prim, params = view.primitive, e.primitive, e.params
+    broadcast = None if view is None else (view.primitive, dict(view.params, shape=local_shape))
+    prim, params = e.primitive, e.params
 
     def local(xs: list[Any]) -> Any:
 
         xs = list(xs)
-        xs[slot] = vprim.bind(apply_views(xs[slot], casts), **vparams)
+        xs[slot] = apply_views(xs[slot], views)
+        if broadcast is not None:
+            xs[slot] = broadcast[0].bind(xs[slot], **broadcast[1])
         return prim.bind(*xs, **params)
 
-    return _local_island(sharding, slot, tuple(_spec(x) if k != slot else None for k in range(2)), _spec(x), local)
+    return _local_island(sharding, slot, tuple(_spec(x) if k != slot else None for k in range(2)), _spec(o), local)

@@ -35,9 +35,9 @@ Execution, for each stage (each chunk of an interleaved plan):
   apart), the micro-batches being
   consecutive slices of the batch's leading axis; gradients are accumulated
   per stage (a ZeRO 0/1 weight replicated over some of the stage's mesh axes
-  and read only by matmuls, gathers or scales that sum over those axes: as
-  each device's partial sums, added locally and reduced once a step,
-  :func:`_deferrable`); JAX's
+  and read only by matmuls, gathers or scales that sum over those axes, of the
+  weight or of views of it: as each device's partial sums, added locally and
+  reduced once a step, :func:`_deferrable`); JAX's
   asynchronous dispatch lets stages on disjoint devices
   overlap, each device running its passes in the order issued.
 
@@ -293,6 +293,7 @@ class _Stage:
                  leaf_dtypes: Sequence[Any], readers: Mapping[int, set[int]], loss_var: int | None) -> None:
         import jax
         import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
 
         from shardplan.jax.fp8 import fp8_equations, fp8_operators, with_history
         from shardplan.jax.memory import param_views
@@ -337,9 +338,19 @@ class _Stage:
                     in_sh[a] = _factored(read_sh[(k, slot)]) if (k, slot) in read_sh else self.rep
         self.in_sh = in_sh
         self.leaf_sh = {}
+        views = param_views(info)
+        # a leaf no operator reads itself (read only through views an operator's access cannot express: a weight
+        # reshaped to merge axes) stays replicated, on the mesh of the first read of a view of it: the mesh its
+        # reads' layouts use, so that its reads can be deferred (_deferrable)
+        viewed: dict[int, Any] = {}
+        for (k, slot), sh in sorted(read_sh.items(), key=lambda kv: kv[0]):
+            a = prog.eqns[k].invars[slot]
+            if isinstance(a, int) and views.get(a) is not None and a != prog.invars[views[a]]:
+                viewed.setdefault(views[a], NamedSharding(sh.mesh, PartitionSpec()))
         for i in leaves:
             uses = [(n, d) for n, d in info.leaf_uses.get(i, ()) if n in names]
-            self.leaf_sh[i] = layout_sharding(lays[uses[0][0]], uses[0][1], self.devices) if uses else self.rep
+            self.leaf_sh[i] = (layout_sharding(lays[uses[0][0]], uses[0][1], self.devices) if uses else
+                               viewed.get(i, self.rep))
         self.leaf_put = {i: _factored(sh) for i, sh in self.leaf_sh.items()}  # the same, as the jits take them
         inexact = lambda dt: jnp.issubdtype(dt, jnp.inexact)  # noqa: E731
         self.params = [i for i in leaves if i in info.param_leaves and inexact(leaf_dtypes[i])]
@@ -359,17 +370,19 @@ class _Stage:
             self.defer, islands = _deferrable(prog, set(eqns), self.params, shapes, self.zero, self.param_put,
                                               self.replace, {key: _factored(sh) for key, sh in read_sh.items()},
                                               {v: _factored(sh) for v, sh in out_sh.items()}, exported)
-        for k, run_k in islands.items():  # a deferred leaf's broadcast or transpose passes the Explicit leaf on
-            if run_k is _pass_through:
-                produce.pop(prog.eqns[k].outvars[0], None)
-        views = param_views(info)
+        passed = set()  # a deferred leaf's views and broadcasts pass the Explicit leaf on: no constraint on them
+        for k, run_k in islands.items():
+            if isinstance(run_k, _PassThrough):
+                passed.update(prog.eqns[k].outvars)
+                for v in prog.eqns[k].outvars:
+                    produce.pop(v, None)
         for (k, slot), sh in read_sh.items():  # a read of a stage >= 2 leaf: its gradient straight into the shards
             a = prog.eqns[k].invars[slot]
             i = views.get(a) if isinstance(a, int) else None
             if i is not None and self.zero.get(i, 0) >= 2:
                 whole = a == prog.invars[i]
                 consume[(k, slot)] = constrain_forward(_factored(sh), self.grad_put[i] if whole else None)
-            elif i in self.defer:  # a deferred leaf arrives Explicit-typed, as its read asks (_deferrable)
+            elif i in self.defer or a in passed:  # a deferred leaf arrives Explicit-typed (_deferrable)
                 consume.pop((k, slot), None)
         consume.update(ring_consume)
         policy = _name_saved(plan, info, eqns, produce, gather=3 in self.zero.values())
@@ -463,23 +476,47 @@ class _Stage:
             self.state_put[i] = _factored(shards if z >= 1 else tile)
 
 
-def _explicit_reduced(sharding: Any) -> Any:
-    """``sharding`` on its mesh with every axis ``Explicit``, marked ``reduced`` over the axes of size > 1 its spec
-    does not name (the tile's replicas); None when there are none. A value of this type has as cotangent the same
-    sharding ``unreduced`` over those axes: each device holds its own partial sum, no collective."""
+def _explicit_reduced(sharding: Any, over: frozenset[str] | None = None) -> Any:
+    """``sharding`` on its mesh with every axis ``Explicit``, marked ``reduced`` over ``over`` (default: the axes of
+    size > 1 its spec does not name, the tile's replicas); None when there are none. A value of this type has as
+    cotangent the same sharding ``unreduced`` over those axes: each device holds its own partial sum, no
+    collective."""
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
     mesh = sharding.mesh
-    used = {a for e in sharding.spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
-    free = frozenset(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+    free = _free_axes(sharding) if over is None else frozenset(over)
     if not free:
         return None
     explicit = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * len(mesh.axis_names))
     return NamedSharding(explicit, PartitionSpec(*sharding.spec, reduced=free))
 
 
-# views a deferred leaf may be read through: each passes the Explicit leaf on, its reader applies it
+def _free_axes(sharding: Any) -> frozenset[str]:
+    """The mesh axes of size > 1 that ``sharding``'s spec does not name: the tile's replicas."""
+    mesh = sharding.mesh
+    used = {a for e in sharding.spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    return frozenset(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+
+
+def _replica_choices(sharding: Any) -> list[Any]:
+    """The Explicit types a leaf tiled ``sharding`` may enter a stage as (:func:`_explicit_reduced`): reduced over
+    all its replicas R first, then over each smaller nonempty subset of them (largest first, in mesh order). A
+    read whose rows split over only some replica axes S leaves the others replicated: each device's term is then
+    summed over S alone, the copies over R - S equal (docs/jax.md)."""
+    from itertools import combinations
+
+    full = _explicit_reduced(sharding)
+    if full is None:
+        return []
+    axes = [a for a in sharding.mesh.axis_names if a in full.spec.reduced]
+    subsets = [frozenset(c) for n in range(len(axes) - 1, 0, -1) for c in combinations(axes, n)]
+    return [full] + [_explicit_reduced(sharding, c) for c in subsets]
+
+
+# views a deferred leaf may be read through: each passes the Explicit leaf on, its reader applies it, on Explicit
+# axes before a matmul (these two, which JAX 0.9.2 types on a reduced value) or per device (any, local_reads)
 _VIEW_READS = frozenset({"transpose", "convert_element_type"})
+_LOCAL_VIEWS = frozenset({"reshape", "squeeze", "slice"})  # and dynamic_slice, split: :func:`_views`
 
 
 def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mapping[int, tuple[int, ...]],
@@ -496,19 +533,25 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
     * a ``dot_general`` whose other operand's free axes (those the weight gradient sums over) are split over
       exactly R, in the operand and in the output (:func:`_island`: run on Explicit axes, JAX's sharding-in-types
       rules type the weight gradient ``unreduced`` over R);
-    * a ``gather`` of the leaf (an embedding) by indices whose batch dimensions are split over exactly R
-      (:func:`shardplan.jax.local_reads.gather_island`);
+    * a ``gather`` of the leaf (an embedding, a vocabulary-parallel one too) by indices whose batch dimensions are
+      split over exactly R (:func:`shardplan.jax.local_reads.gather_island`);
     * a ``broadcast_in_dim`` of the leaf read only by ``mul`` (``add``, ``sub``, ``div``) equations whose other
       operand has the broadcast (size-1) dimensions split over exactly R (a norm's scale, a bias:
       :func:`shardplan.jax.local_reads.scale_island`);
     * a view (``transpose``: a tied embedding read as the head; ``convert_element_type``: a weight read in a
-      lower precision) whose every read is one of these, the gather and the scale reading casts only: the view
-      passes the Explicit leaf on and its readers apply it (:func:`_viewed_island`).
+      lower precision) whose every read is one of these: the view passes the Explicit leaf on and its readers
+      apply it (:func:`_viewed_island`);
+    * a view that moves data within the leaf (``reshape``, ``slice``, ``squeeze``, a constant ``dynamic_slice``,
+      ``split``: :func:`_views`), local (:func:`shardplan.jax.local_reads.local_view`), whose every read is one of
+      these: the readers apply the views per device, a matmul too
+      (:func:`shardplan.jax.local_reads.product_island`).
 
-    A view's or broadcast's result must not be sent to another stage (``exported``). The gather and the scale run
-    per device in a ``shard_map`` that JAX's varying-axes typing makes hand back each device's term,
-    ``unreduced`` over R. In each case the terms sum to the gradient (docs/jax.md, "What the stage programs send
-    for a weight"). Returns ``({leaf: its Explicit sharding reduced over R}, {equation: what runs it})``.
+    R is the tile's replica axes or, failing that, the largest subset of them (:func:`_replica_choices`) for which
+    every read meets these conditions: the reads then name no other replica axis, which replicates them.
+    A view's or broadcast's result must not be sent to another stage (``exported``). The per-device reads run in a
+    ``shard_map`` that JAX's varying-axes typing makes hand back each device's term, ``unreduced`` over R. In each
+    case the terms sum to the gradient (docs/jax.md, "What the stage programs send for a weight"). Returns
+    ``({leaf: its Explicit sharding reduced over R}, {equation: what runs it})``.
     """
     top = _top_ancestor(prog)
     readers: dict[int, list[tuple[int, int]]] = {}
@@ -521,16 +564,14 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
     hidden = frozenset(v for e in prog.eqns if e.parent is None for v in e.invars if isinstance(v, int))
     defer: dict[int, Any] = {}
     islands: dict[int, Island] = {}
+    cx = _Context(readers, hidden, exported, taken, shapes, reads, outs)
     for i in params:
-        sh = _explicit_reduced(tiles[i]) if zero[i] <= 1 else None
-        if sh is None:
-            continue
-        leaf = _Leaf(tuple(shapes[prog.invars[i]]), tiles[i], sh)
-        runs = _read_islands(prog, prog.invars[i], (), leaf, _Context(readers, hidden, exported, taken, shapes,
-                                                                      reads, outs))
-        if runs is not None:
-            defer[i] = sh
-            islands.update(runs)
+        for sh in _replica_choices(tiles[i]) if zero[i] <= 1 else ():
+            runs = _read_islands(prog, prog.invars[i], (), _Leaf(tuple(shapes[prog.invars[i]]), tiles[i], sh), cx)
+            if runs is not None:
+                defer[i] = sh
+                islands.update(runs)
+                break
     return defer, islands
 
 
@@ -559,46 +600,88 @@ class _Context:
 
 
 def _read_islands(prog: Any, v: int, chain: tuple[Any, ...], leaf: _Leaf, cx: _Context) -> dict[int, Island] | None:
-    """What runs each read of ``v``, the leaf seen through the view equations ``chain`` (:func:`_deferrable`'s
-    cases); None when some read is none of them."""
-    from shardplan.jax.local_reads import gather_island, scale_island
+    """What runs each read of ``v``, the leaf seen through the views ``chain``
+    (:class:`shardplan.jax.local_reads.View`, :func:`_deferrable`'s cases); None when some read is none of them."""
+    from shardplan.jax.local_reads import ELEMENTWISE, gather_island, local_views, product_island, scale_island
 
     uses = cx.readers.get(v, [])
     if not uses or v in cx.hidden or v in cx.exported or any(k in cx.taken for k, _ in uses):
         return None
-    casts = all(c.name == "convert_element_type" for c in chain)
+    local = local_views(chain, leaf.shape, leaf.tile)  # (shape, tile, views of the blocks) of the viewed leaf
     runs: dict[int, Island] = {}
     for k, slot in uses:
         e = prog.eqns[k]
         out = cx.outs.get(e.outvars[0]) if len(e.outvars) == 1 else None
         run: Island | None = None
-        if e.name in _VIEW_READS and len(e.outvars) == 1:
-            more = _read_islands(prog, e.outvars[0], chain + (e,), leaf, cx)
-            if more is not None:
+        views = _views(e, slot, cx.shapes.get(v))
+        if views is not None:
+            for var, view in views:
+                more = _read_islands(prog, var, chain + (view,), leaf, cx)
+                if more is None or more.keys() & runs.keys():  # an equation reading two views of the leaf
+                    return None
                 runs.update(more)
-                run = _pass_through
-        elif e.name == "dot_general":
+            run = _PassThrough(len(views))
+        elif e.name == "dot_general" and all(c.name in _VIEW_READS for c in chain):
             run = _viewed_island(e, slot, chain, leaf, cx.reads.get((k, slot)), cx.reads.get((k, 1 - slot)), out)
-        elif e.name == "gather" and slot == 0 and casts:
-            run = gather_island(e, leaf.shape, leaf.tile, leaf.sharding, cx.reads.get((k, 0)), cx.reads.get((k, 1)),
-                                out, chain)
-        elif e.name == "broadcast_in_dim" and casts and len(e.outvars) == 1:
+        elif e.name == "dot_general" and local is not None:
+            run = product_island(e, slot, *local[:2], leaf.sharding, cx.reads.get((k, slot)),
+                                 cx.reads.get((k, 1 - slot)), out, local[2])
+        elif e.name == "gather" and slot == 0 and local is not None:
+            run = gather_island(e, *local[:2], leaf.sharding, cx.reads.get((k, 0)), cx.reads.get((k, 1)), out,
+                                local[2])
+        elif e.name in ELEMENTWISE and local is not None and len(e.invars) == 2:
+            other = e.invars[1 - slot]  # the (viewed) leaf with unit axes, broadcast by the operation itself
+            run = None if not isinstance(other, int) else scale_island(
+                e, slot, None, cx.shapes[other], len(local[0]), local[1], leaf.sharding, cx.reads.get((k, 1 - slot)),
+                out, local[2], viewed=local[0])
+        elif e.name == "broadcast_in_dim" and local is not None and len(e.outvars) == 1:
             scaled = cx.readers.get(e.outvars[0], [])
             ok = bool(scaled) and e.outvars[0] not in cx.hidden and e.outvars[0] not in cx.exported
             for k2, s2 in scaled if ok else ():
                 e2 = prog.eqns[k2]
                 other = e2.invars[1 - s2] if len(e2.invars) == 2 else None
                 scale = None if k2 in cx.taken or not isinstance(other, int) else scale_island(
-                    e2, s2, e, cx.shapes[other], len(leaf.shape), leaf.tile, leaf.sharding, cx.reads.get((k2, 1 - s2)),
-                    cx.outs.get(e2.outvars[0]), chain)
-                if scale is None:
+                    e2, s2, e, cx.shapes[other], len(local[0]), local[1], leaf.sharding, cx.reads.get((k2, 1 - s2)),
+                    cx.outs.get(e2.outvars[0]), local[2])
+                if scale is None or k2 in runs:
                     return None
                 runs[k2] = scale
-            run = _pass_through if ok else None
-        if run is None:
+            run = _PassThrough(1) if ok else None
+        if run is None or k in runs:  # none, or an equation reading the leaf (or its views) twice
             return None
         runs[k] = run
     return runs
+
+
+def _views(e: Any, slot: int, shape: tuple[int, ...] | None) -> list[tuple[int, Any]] | None:
+    """For an equation ``e`` reading a deferred leaf (or a view of it, of shape ``shape``) as operand ``slot``:
+    its results, each with the view of the operand it is (:class:`shardplan.jax.local_reads.View`), when ``e`` is
+    a view (a transpose, a cast, a reshape, a squeeze, a slice, a ``dynamic_slice`` at constant starts -- clamped
+    into the operand as XLA clamps them -- or a ``split``: a slice per result); None otherwise."""
+    from shardplan.jax.flatten import Const
+    from shardplan.jax.local_reads import slice_view, view_of
+
+    if slot != 0 or not e.outvars:
+        return None
+    if e.name in _VIEW_READS | _LOCAL_VIEWS and len(e.invars) == 1 and len(e.outvars) == 1:
+        return [(e.outvars[0], view_of(e))]
+    if shape is None:
+        return None
+    if e.name == "dynamic_slice" and len(e.outvars) == 1 and all(isinstance(a, Const) for a in e.invars[1:]):
+        sizes = tuple(e.params["slice_sizes"])
+        lo = [min(max(int(a.value), 0), n - z) for a, n, z in zip(e.invars[1:], shape, sizes)]
+        return [(e.outvars[0], slice_view(lo, [a + z for a, z in zip(lo, sizes)]))]
+    if e.name == "split" and len(e.invars) == 1:
+        axis, out = int(e.params["axis"]), []
+        start = 0
+        for var, n in zip(e.outvars, e.params["sizes"]):
+            lo = [0] * len(shape)
+            hi = list(shape)
+            lo[axis], hi[axis] = start, start + int(n)
+            out.append((var, slice_view(lo, hi)))
+            start += int(n)
+        return out
+    return None
 
 
 def _viewed_island(e: Any, slot: int, chain: tuple[Any, ...], leaf: _Leaf, read: Any, other: Any,
@@ -615,8 +698,8 @@ def _viewed_island(e: Any, slot: int, chain: tuple[Any, ...], leaf: _Leaf, read:
         if c.name == "transpose":
             entries = list(tile.spec) + [None] * (rank - len(tile.spec))
             tile = NamedSharding(tile.mesh, PartitionSpec(*(entries[d] for d in c.params["permutation"])))
-    sharding = _explicit_reduced(tile)
-    product = None if sharding is None else _island(e, slot, rank, tile, sharding, read, other, out)
+    sharding = _explicit_reduced(tile, leaf.sharding.spec.reduced)
+    product = _island(e, slot, rank, tile, sharding, read, other, out)
     if product is None or not chain:
         return product
 
@@ -631,11 +714,16 @@ def _viewed_island(e: Any, slot: int, chain: tuple[Any, ...], leaf: _Leaf, read:
 
 
 
-def _pass_through(args: list[Any]) -> list[Any]:
-    """What a deferred leaf's view or broadcast runs: nothing, handing the Explicit leaf on to its readers, which
-    apply the view on Explicit axes (:func:`_viewed_island`) or per device, with the broadcast
-    (:mod:`shardplan.jax.local_reads`)."""
-    return [args[0]]
+@dataclass(frozen=True)
+class _PassThrough:
+    """What a deferred leaf's view or broadcast runs: nothing, handing the Explicit leaf on to its readers (as each
+    of its ``results``), which apply the view on Explicit axes (:func:`_viewed_island`) or per device, with the
+    broadcast (:mod:`shardplan.jax.local_reads`)."""
+
+    results: int
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        return [args[0]] * self.results
 
 
 def _spec_axes(spec: Any, dims: Sequence[int]) -> frozenset[str]:
@@ -673,6 +761,9 @@ def _island(e: Any, slot: int, rank: int, tile: Any, sharding: Any, read: Any, o
     at = range(len(batch), len(batch) + o_free) if slot == 1 else range(out_rank - o_free, out_rank)
     replicas = sharding.spec.reduced
     if _spec_axes(other.spec, free) != replicas or _spec_axes(out.spec, at) != replicas:
+        return None
+    named = replicas | _spec_axes(tile.spec, range(rank))  # no axis the leaf is replicated over but not reduced
+    if not (_spec_axes(other.spec, range(o_rank)) | _spec_axes(out.spec, range(out_rank))) <= named:
         return None
     mesh = sharding.mesh.abstract_mesh
     dn, precision = e.params["dimension_numbers"], e.params.get("precision")

@@ -107,7 +107,7 @@ def test_the_tiny_gpt_sends_each_gradient_once_a_step(monkeypatch, reads, deferr
         monkeypatch.setattr(local_reads, "gather_island", lambda *a, **k: None)
         monkeypatch.setattr(local_reads, "scale_island", lambda *a, **k: None)
     if reads == "none":
-        monkeypatch.setattr(staged, "_explicit_reduced", lambda sharding: None)
+        monkeypatch.setattr(staged, "_explicit_reduced", lambda sharding, over=None: None)
     step, params, batch = _gpt_step()
     assert [len(st.defer) for st in step.stages] == deferred and sum(len(st.params) for st in step.stages) == 14
     forward: list[int] = []
@@ -153,11 +153,13 @@ def _equations():
 def _mesh(shape):
     from jax.sharding import Mesh
 
-    return Mesh(np.array(DEVICES[:math.prod(shape)]).reshape(shape), ("s", "t")[:len(shape)])
+    return Mesh(np.array(DEVICES[:math.prod(shape)]).reshape(shape), ("s", "t", "u")[:len(shape)])
 
 
-def _summed_terms(island, sharding, leaf, others, slot):
-    """The island's gradient at ``leaf`` (of ``sum(sin(read))``): each device's term, stacked, then summed."""
+def _summed_terms(island, sharding, leaf, others, slot, forward=0):
+    """The island's gradient at ``leaf`` (of ``sum(sin(read))``): each device's term, stacked, then summed. The
+    program sends no collective but, where ``forward`` (f32 elements) is not 0, the forward's one all-reduce of
+    that size (a vocabulary-parallel gather's sum of the partial outputs)."""
     import shardplan.jax.staged as staged
 
     def terms(w, *xs):
@@ -170,7 +172,9 @@ def _summed_terms(island, sharding, leaf, others, slot):
 
     program = jax.jit(terms)
     text = program.lower(leaf, *others).compile().as_text()
-    assert not any(re.search(rf" {k}(?:-start)?\(", text) for k in COLLECTIVES), "a term was sent"
+    assert not any(re.search(rf" {k}(?:-start)?\(", text) for k in COLLECTIVES[1:]), "a term was sent"
+    assert _all_reduced_floats(text) == forward and len(re.findall(r" all-reduce(?:-start)?\(", text)) == (
+        forward > 0), text
     return program(leaf, *others).sum(axis=0)
 
 
@@ -179,7 +183,10 @@ def _summed_terms(island, sharding, leaf, others, slot):
     ((2, 2), (None, "t"), ("s", None, None), ("s", None, "t"), True),  # the table's features split: local slices
     ((2,), (None, None), (None, None, None), (None, None, None), False),  # every row on both replicas
     ((2,), (None, None), (None, "s", None), (None, None, None), False),  # the output not split as the rows
-    ((2, 2), ("t", None), ("s", None, None), ("s", None, None), False),  # the indexed (vocabulary) axis split
+    # the indexed (vocabulary) axis split: each device gathers its rows' range, the outputs summed over t
+    ((2, 2), ("t", None), ("s", None, None), ("s", None, None), True),
+    ((2, 2, 2), (("t", "u"), None), ("s", None, None), ("s", None, None), True),  # over two axes (4 ranges)
+    ((2, 2), ("t", None), ("s", "t", None), ("s", "t", None), False),  # the ids split over the vocabulary's axis
 ])
 def test_an_embedding_gather_is_deferred_where_its_rows_split_over_the_replicas(mesh, tile, indices, out, ok):
     """``gather_island`` takes a gather of a table replicated over R (the axes its tile leaves free) when the
@@ -202,8 +209,9 @@ def test_an_embedding_gather_is_deferred_where_its_rows_split_over_the_replicas(
         return
     table = jax.random.normal(jax.random.key(0), (32, 16))
     idx = jax.random.randint(jax.random.key(1), (4, 4, 1), 0, 32)
+    vocab = tile.spec[0] is not None  # the forward sums the partial outputs: one all-reduce of the local block
     got = _summed_terms(island, sharding, jax.device_put(table, tile),
-                        [jax.device_put(idx, NamedSharding(mesh, P(*indices)))], 0)
+                        [jax.device_put(idx, NamedSharding(mesh, P(*indices)))], 0, forward=128 if vocab else 0)
     want = jax.grad(lambda t: jnp.sum(jnp.sin(gather.primitive.bind(t, idx, **gather.params))))(table)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
 
