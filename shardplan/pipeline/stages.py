@@ -258,7 +258,7 @@ def _fit_parts(plan, ops: "set[int] | None", m: int, k: float, first: int, last:
 def _proven_ratio(plan, rtol: float) -> float:
     """Proven lower bound / cost of a memory-constrained solve: its branch-and-bound prunes a node whose bound
     is within ``rtol`` of the incumbent (which only falls), so the optimum is at least cost (1 - rtol), and at
-    least the solve's own bound when it stopped (time or node limit)."""
+    least the solve's own bound when it stopped (work, node or time limit)."""
     sol = plan.solution
     if not sol.cost > 0:
         return 1.0

@@ -46,9 +46,10 @@ vertex where ``a+`` and ``a-`` differ most in memory, with ``m* = memory of
 a+ there``: one child keeps the choices using less than ``m*``, the other the
 rest. Both are non-empty and smaller, so the search is finite; nodes are
 taken best bound first. The global lower bound is the least bound of the open
-nodes (the incumbent when none is left): when the search stops at its time
-or node limit, the answer carries that bound and the gap; with no open node
-it is the proven optimum.
+nodes (the incumbent when none is left): when the search stops at its work
+or node limit (counted, so at the same place on any machine; a wall-clock
+limit only when the caller asks for one), the answer carries that bound and
+the gap; with no open node it is the proven optimum.
 
 *Incumbents by mixing.* When a node's dual ends with an infeasible ``a+``
 and a feasible ``a-`` (both Lagrangian optima at the final λ), the best
@@ -261,9 +262,9 @@ class _Ctx:
     mix_points: int = 1_000_000
     # the frontier program gives up past these (done False: an incumbent not offered or a node branched instead,
     # never a wrong answer): the search's work budget (``work`` past ``work_limit``, in work units:
-    # :data:`DP_WORK`, :data:`FRONTIER_WORK` and the like), a wall-clock deadline only when the caller set a time limit, and
-    # its back-pointers' bytes (16 per point kept per vertex: on 2,020 vertices at up to mix_points each they
-    # would reach 32 GB)
+    # :data:`DP_WORK`, :data:`FRONTIER_WORK` and the like), a wall-clock deadline only when the caller set a
+    # time limit, and its back-pointers' bytes (16 per point kept per vertex: on 2,020 vertices at up to
+    # mix_points each they would reach 32 GB)
     work_limit: float = float("inf")
     deadline: float = float("inf")
     frontier_bytes: int = 1 << 29

@@ -64,7 +64,7 @@ against the others). Both are non-empty and smaller, so the search is finite.
 A child inherits the parent's surrogate plans that it still allows as cuts;
 when they leave no weights, its dual cannot rise above the parent's bound and
 it is branched at once on the last of them; nodes are taken best bound
-first, and when it stops at its time or node limit the least open bound is the
+first, and when it stops at its work or node limit (or a time limit asked for) the least open bound is the
 proven lower bound (the answer carries it and the gap).
 """
 
