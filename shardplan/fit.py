@@ -700,8 +700,9 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     if best is not None and _host_of(best[2], best[0].assignment) > host_budget:
         if interrupted:  # the host-exact search would run on: no plan within both budgets is known yet
             raise KeyboardInterrupt
-        best, lower = _host_exact(problems, host_budget, np.inf if options.time_limit is None else options.time_limit,
-                                  per)
+        # HiGHS without a time limit unless one was asked for (it is deterministic then)
+        seconds = np.inf if options.time_limit is None else options.time_limit
+        best, lower = _host_exact(problems, host_budget, seconds, per)
     if best is None and np.isfinite(outside):
         # every count was closed against the incumbent before any plan was seen: a real plan to return (each
         # operator's least-memory choice, which fits), the least costly of the counts'; its bound stays proven
@@ -755,8 +756,8 @@ def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], work: fl
     best point's neighbours; at most ``evaluations`` forest passes, and past the first ``least`` only while
     the passes made have been charged less than ``work`` (the caller gives a share of a root's work: a count
     the bound cannot close still needs its root). Each pass is charged the same,
-    :func:`~shardplan.search.constrained.forest_work` of the count's problem, so how many are made is a function of the input alone, never of the
-    machine's speed or load. With no multiplier known (no root yet, under an incumbent from outside), the one
+    :func:`~shardplan.search.constrained.forest_work` of the count's problem, so how many are made is a
+    function of the input alone, never of the machine's speed or load. With no multiplier known (no root yet, under an incumbent from outside), the one
     pass at 0. Any multiplier gives a valid bound, so how it is sought decides the work, never the plan
     (docs/memory.md, "The one program at scale"). Returns the bound and the work one pass is charged.
     """

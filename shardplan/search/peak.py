@@ -64,8 +64,9 @@ against the others). Both are non-empty and smaller, so the search is finite.
 A child inherits the parent's surrogate plans that it still allows as cuts;
 when they leave no weights, its dual cannot rise above the parent's bound and
 it is branched at once on the last of them; nodes are taken best bound
-first, and when it stops at its work or node limit (or a time limit asked for) the least open bound is the
-proven lower bound (the answer carries it and the gap).
+first, and when it stops at its work or node limit (or a wall-clock limit the
+caller asked for) the least open bound is the proven lower bound (the answer
+carries it and the gap).
 """
 
 from __future__ import annotations
@@ -303,7 +304,7 @@ class _NodeResult:
 
 
 def _surrogate_dual(pp: PeakProblem, allowed: list[np.ndarray], w0: np.ndarray, best: list[_Best | None],
-                    upper: float, budget: "_Budget", max_cuts: int, rtol: float, memory_options: dict,
+                    upper: float, budget: _Budget, max_cuts: int, rtol: float, memory_options: dict,
                     inherited: Sequence[tuple[tuple[int, ...], np.ndarray]] = ()) -> _NodeResult:
     """The node's surrogate dual by cutting planes; offers every feasible plan found to ``best[0]``.
 
