@@ -247,6 +247,10 @@ class _Point:
     f: float
     m: float
     choices: tuple[int, ...]
+    # the work units the Lagrangian solve that gave it was charged (0 for a point not from such a solve): a point
+    # taken from the store is charged again, so the budget counts the search's solves, stored or not, and stops
+    # it where the search without the store stops
+    work: float = field(default=0.0, compare=False)
 
 
 @dataclass
@@ -369,9 +373,11 @@ def _lagrangian_or_bound(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray], c
     pt = ctx.solved.get(key)
     if pt is not None:
         ctx.reused += 1
+        ctx.work += pt.work
     else:
         sub, keeps, picks = _lagrangian_problem(mp, lam, allowed)
-        ctx.work += solve_work(sub)
+        charge = solve_work(sub)
+        ctx.work += charge
         t0 = time.perf_counter()
         sol = ctx.cut_dp(sub, cutoff) if ctx.cut_dp is not None and np.isfinite(cutoff) else ctx.dp(sub)
         ctx.dp_seconds += time.perf_counter() - t0
@@ -381,7 +387,7 @@ def _lagrangian_or_bound(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray], c
             return float(sol.bound)  # type: ignore[arg-type]
         choices = tuple(int(pk[a]) for pk, a in zip(picks, sol.assignment))
         f, m = mp.evaluate(choices)
-        pt = ctx.solved[key] = _Point(f, m, choices)
+        pt = ctx.solved[key] = _Point(f, m, choices, charge)
     ctx.offer(pt)
     ctx.trail.append(pt)
     return pt
