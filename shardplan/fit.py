@@ -54,9 +54,10 @@ class FitOptions:
         stages: ZeRO stages offered to operators with weights (0 is always offered).
         recompute: offer activation recomputation.
         micro_batches: micro-batch counts searched.
-        work_limit: work units per micro-batch count for the exact search (its root, its branch-and-bound,
-            the frontier programs within; :data:`~shardplan.search.constrained.WORK_LIMIT`, the default, is
-            about what a 60 s wall-clock limit did on an idle machine). Work is counted, not timed, so the
+        work_limit: work units per search of a micro-batch count (the root-only search that orders the
+            counts, and the full search, each; the frontier programs within included;
+            :data:`~shardplan.search.constrained.WORK_LIMIT`, the default, is about what a 60 s wall-clock
+            limit did on an idle machine). Work is counted, not timed, so the
             same input gives the same plan, step and bound on any machine at any load; a search it stops
             returns its best plan with the proven bound and gap.
         time_limit: None (default): no wall clock. Seconds per micro-batch count, when asked for: each
