@@ -35,7 +35,8 @@ from shardplan.checks import real
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
-from shardplan.search.constrained import MemoryProblem, infeasible_message, solve_memory
+from shardplan.search.constrained import (WORK_LIMIT, MemoryProblem, forest_work, infeasible_message,
+                                          solve_memory)
 from shardplan.search.peak import PeakProblem, backward_profile, solve_peak
 from shardplan.search.problem import Solution
 
@@ -53,7 +54,15 @@ class FitOptions:
         stages: ZeRO stages offered to operators with weights (0 is always offered).
         recompute: offer activation recomputation.
         micro_batches: micro-batch counts searched.
-        time_limit: seconds per micro-batch count for the branch-and-bound.
+        work_limit: work units per search of a micro-batch count (the root-only search that orders the
+            counts, and the full search, each; the frontier programs within included;
+            :data:`~shardplan.search.constrained.WORK_LIMIT`, the default, is about what a 60 s wall-clock
+            limit did on an idle machine). Work is counted, not timed, so the
+            same input gives the same plan, step and bound on any machine at any load; a search it stops
+            returns its best plan with the proven bound and gap.
+        time_limit: None (default): no wall clock. Seconds per micro-batch count, when asked for: each
+            count's search also stops at that deadline, which makes the answer depend on the machine's
+            speed and load.
         reserve_bytes: memory per device kept free (see the module docstring).
         in_flight: micro-batches whose saved activations are live at the peak
             (1 for one SPMD program; a pipeline stage i of S under 1F1B holds
@@ -83,7 +92,8 @@ class FitOptions:
     stages: tuple[int, ...] = STAGES
     recompute: bool = True
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
-    time_limit: float = 60.0
+    work_limit: float = WORK_LIMIT
+    time_limit: float | None = None
     reserve_bytes: float = 0.0
     in_flight: float = 1
     accumulate: int = 1
@@ -125,7 +135,9 @@ class FitOptions:
         if int(self.accumulate) < 1:
             raise ShardplanError(f"accumulate must be a positive number of micro-batches, got {self.accumulate!r}")
         real("FitOptions: reserve_bytes", self.reserve_bytes, minimum=0.0, unit="B")
-        real("FitOptions: time_limit", self.time_limit, positive=True, unit="s")
+        real("FitOptions: work_limit", self.work_limit, minimum=0.0)
+        if self.time_limit is not None:
+            real("FitOptions: time_limit", self.time_limit, positive=True, unit="s")
         object.__setattr__(self, "offload", self.rules.offload)  # validated, in OFFLOADS order
         if self.host_budget_bytes is not None:
             real("FitOptions: host_budget_bytes", self.host_budget_bytes, minimum=0.0, unit="B")
@@ -528,7 +540,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     lower: list[float] = []  # a lower bound of each micro-batch count's optimum
     least_all = np.inf
     problems = []
-    totals = {"nodes": 0, "dp_solves": 0}
+    totals = {"nodes": 0, "dp_solves": 0, "work": 0.0}
     cache: dict = {}
     peak_least = False  # whether least_all is the backward-peak model's lower bound (not an exact least)
     host_budget = options.host_budget(machine)
@@ -536,8 +548,10 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     solved_by_m: dict[int, dict] = {}  # per count, the Lagrangian points its root solve found
     lams: list[float] = []  # the multipliers the roots ended at, latest first (for the solve-free bounds)
     closed: dict[int, float] = {}  # count -> its solve-free bound, for the counts it closed
-    root_seconds = np.inf  # the quickest root so far, CPU s: a quarter of it may go to a count's solve-free bound
-    pass_seconds = 0.0  # the most CPU s a forest pass of the solve-free bounds has taken
+    root_work = np.inf  # the least work of a root so far: a quarter of it may go to a count's solve-free bound
+    pass_work = 0.0  # the most work a forest pass of the solve-free bounds has been charged
+    # every stop inside the search counts work (deterministic); a wall clock only when the caller asked for one
+    limits = {"work_limit": options.work_limit, "time_limit": options.time_limit}
     interrupted = False
     counts = sorted({int(x) for x in options.micro_batches})
     current = counts[0]
@@ -556,7 +570,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             current = m
             if options.backward_peak(m) or transients:  # each M_k a constraint (search.peak)
                 pp, cts = peak_problem(tables, budget, options, cache, m, options.backward_peak(m))
-                root_pk = _peak_root(pp, totals, dp_options)
+                root_pk = _peak_root(pp, totals, {**limits, **dp_options})
                 if root_pk is None:
                     least = pp.least_peak()
                     if least < least_all:
@@ -585,9 +599,9 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             # a bound without a solve first: a count whose bound reaches the best plan is closed (it cannot beat it)
             # (not tried once a forest pass has cost more than that share: such roots are cheap, just solve them)
             cheap = -np.inf
-            if np.isfinite(target()) and pass_seconds <= 0.25 * root_seconds:
-                cheap, spent = _count_bound(mp, target(), lams, 0.25 * root_seconds)
-                pass_seconds = max(pass_seconds, spent)
+            if np.isfinite(target()) and pass_work <= 0.25 * root_work:
+                cheap, spent = _count_bound(mp, target(), lams, 0.25 * root_work)
+                pass_work = max(pass_work, spent)
             if cheap >= target():
                 problems.append((cheap, np.inf, m, mp, cts, None))
                 closed[m] = cheap
@@ -596,15 +610,16 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             solved: dict = {}  # the root's Lagrangian points, for the full search of this count (exact reuse)
             # with the best plan so far as ``upper``, a count's dual stops as soon as its bound reaches it: the
             # count is then pruned below without the dual's remaining solves (docs/memory.md, "Work not repeated")
-            c0 = time.process_time()
-            root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved, upper=target(), **dp_options)
+            root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved, upper=target(), **limits,
+                                **dp_options)
             totals["nodes"] += root.stats["nodes"]
             totals["dp_solves"] += root.stats["dp_solves"]
+            totals["work"] += float(root.stats.get("work", 0.0))
             problems.append((max(root.bound, root.stats.get("root_bound", -np.inf)), root.cost, m, mp, cts, root))
             solved_by_m[m] = solved
             if root.stats.get("lambda", 0.0) > 0:
                 lams.insert(0, float(root.stats["lambda"]))
-            root_seconds = min(root_seconds, time.process_time() - c0)
+            root_work = min(root_work, float(root.stats["work"]))
             if best is None or root.cost < best[0].cost:
                 best = (root, m, cts)
             if root.stats.get("interrupted"):  # Ctrl-C inside the root, after it had a plan (kept above)
@@ -645,7 +660,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
         try:
             if isinstance(mp, PeakProblem):
                 try:
-                    sol = solve_peak(mp, time_limit=options.time_limit, upper=upper,
+                    sol = solve_peak(mp, **limits, upper=upper,
                                      incumbent=None if _root is None else _root.assignment, **dp_options)
                 except ShardplanError as e:  # proven infeasible, or nothing found within the limits
                     per.append({"micro_batches": m, "model": _model_name(options, m), "status": f"no plan: {e}"})
@@ -654,21 +669,24 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                     continue
                 totals["nodes"] += sol.stats["nodes"]
                 totals["dp_solves"] += sol.stats["dp_solves"]
+                totals["work"] += float(sol.stats.get("work", 0.0))
                 per.append({"micro_batches": m, "model": _model_name(options, m), "status": sol.stats["status"],
                             "cost": sol.cost, "bound": sol.bound, "memory_bytes": sol.stats["memory_bytes"],
                             "peak_step": sol.stats["peak_step"],
                             "additive_memory_bytes": sol.stats["additive_memory_bytes"], "root_bound": root_bound,
                             "nodes": sol.stats["nodes"], "surrogate_solves": sol.stats["surrogate_solves"],
-                            "cuts": sol.stats["cuts"], "dp_solves": sol.stats["dp_solves"], "seconds": sol.solve_seconds})
+                            "cuts": sol.stats["cuts"], "dp_solves": sol.stats["dp_solves"], "work": sol.stats["work"],
+                            "seconds": sol.solve_seconds})
             else:
-                sol = solve_memory(mp, time_limit=options.time_limit, upper=upper, solved=solved_by_m.get(m),
+                sol = solve_memory(mp, **limits, upper=upper, solved=solved_by_m.get(m),
                                    **dp_options)
                 totals["nodes"] += sol.stats["nodes"]
                 totals["dp_solves"] += sol.stats["dp_solves"]
+                totals["work"] += float(sol.stats.get("work", 0.0))
                 per.append({"micro_batches": m, "status": sol.stats["status"], "cost": sol.cost, "bound": sol.bound,
                             "memory_bytes": sol.stats["memory_bytes"], "nodes": sol.stats["nodes"],
                             "dp_solves": sol.stats["dp_solves"], "fixed_choices": sol.stats["fixed_choices"],
-                            "seconds": sol.solve_seconds})
+                            "work": sol.stats["work"], "seconds": sol.solve_seconds})
         except KeyboardInterrupt:  # before this count's search saw a plan (it returns its own otherwise)
             if best is None:
                 raise
@@ -683,7 +701,9 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     if best is not None and _host_of(best[2], best[0].assignment) > host_budget:
         if interrupted:  # the host-exact search would run on: no plan within both budgets is known yet
             raise KeyboardInterrupt
-        best, lower = _host_exact(problems, host_budget, options.time_limit, per)
+        # HiGHS without a time limit unless one was asked for (it is deterministic then)
+        seconds = np.inf if options.time_limit is None else options.time_limit
+        best, lower = _host_exact(problems, host_budget, seconds, per)
     if best is None and np.isfinite(outside):
         # every count was closed against the incumbent before any plan was seen: a real plan to return (each
         # operator's least-memory choice, which fits), the least costly of the counts'; its bound stays proven
@@ -726,7 +746,7 @@ def _least_memory_plan(counts: Sequence[tuple[int, MemoryProblem, Any]]) -> tupl
     return best
 
 
-def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds: float = np.inf,
+def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], work: float = np.inf,
                  evaluations: int = 12, least: int = 1) -> tuple[float, float]:
     """A lower bound of a micro-batch count's optimum without a DP solve, sought until it reaches ``best``.
 
@@ -735,37 +755,34 @@ def _count_bound(mp: MemoryProblem, best: float, lams: Sequence[float], seconds:
     the counts share the graph and layouts, so their best multipliers are near), then, from the latest,
     doubling or halving while the bound rises, then a golden-section search on log(multiplier) between the
     best point's neighbours; at most ``evaluations`` forest passes, and past the first ``least`` only while
-    the search has spent less than ``seconds`` of CPU (the caller gives a share of a root's: a count the
-    bound cannot close still needs its root); with no multiplier known (no root yet, under an incumbent from
-    outside), the one pass at 0. Any multiplier gives a valid bound, so how it is sought decides the
-    work, never the answer (docs/memory.md, "The one program at scale"). Returns the bound and the CPU seconds
-    of its costliest pass (with the lattice budget, once per count).
+    the passes made have been charged less than ``work`` (the caller gives a share of a root's work: a count
+    the bound cannot close still needs its root). Each pass is charged the same,
+    :func:`~shardplan.search.constrained.forest_work` of the count's problem, so how many are made is a
+    function of the input alone, never of the machine's speed or load. With no multiplier known (no root yet, under an incumbent from outside), the one
+    pass at 0. Any multiplier gives a valid bound, so how it is sought decides the work, never the plan
+    (docs/memory.md, "The one program at scale"). Returns the bound and the work one pass is charged.
     """
     from shardplan.search.constrained import _lattice_budget, relaxed_bound
 
+    per_pass = forest_work(mp.problem)
     if not lams:
         # no multiplier known (no root yet, under an incumbent from outside; or roots whose unconstrained plan
         # fitted): the one pass at 0, the forest bound of the count's problem without the budget
-        c0 = time.process_time()
-        return relaxed_bound(mp, 0.0), time.process_time() - c0
+        return relaxed_bound(mp, 0.0), per_pass
     seen: dict[float, float] = {}
-    t0 = time.process_time()  # CPU seconds: the machine may be shared
     lattice = _lattice_budget(mp, [np.ones(k, dtype=bool) for k in mp.num_choices])
-    costliest = [0.0]
 
     def spent() -> bool:
-        return len(seen) >= evaluations or (len(seen) >= least and time.process_time() - t0 > seconds)
+        return len(seen) >= evaluations or (len(seen) >= least and len(seen) * per_pass > work)
 
     def at(lam: float) -> float:
         lam = lams[0] if np.isclose(lam, lams[0], rtol=1e-12, atol=0.0) else lam  # exp(log(x)) need not be x
         if lam not in seen:
-            c0 = time.process_time()
             seen[lam] = -np.inf if spent() else relaxed_bound(mp, lam, lattice=lattice)
-            costliest[0] = max(costliest[0], time.process_time() - (t0 if len(seen) == 1 else c0))
         return seen[lam]
 
     def done() -> tuple[float, float]:
-        return max(seen.values()), costliest[0]
+        return max(seen.values()), per_pass
 
     for lam in lams:
         if at(lam) >= best:
@@ -862,6 +879,7 @@ def _peak_root(pp: PeakProblem, totals: dict, dp_options: dict) -> tuple[float, 
         root = solve_memory(add, max_nodes=1, fix_iters=-1, **dp_options)
         totals["nodes"] += root.stats["nodes"]
         totals["dp_solves"] += root.stats["dp_solves"]
+        totals["work"] += float(root.stats.get("work", 0.0))
         f, peak = pp.evaluate(root.assignment)
         prof = pp.profile(root.assignment)
         inc = Solution(cost=f, assignment=root.assignment, solve_seconds=root.solve_seconds, solver="memory-bb",
@@ -876,6 +894,7 @@ def _peak_root(pp: PeakProblem, totals: dict, dp_options: dict) -> tuple[float, 
     sroot = solve_memory(sur, max_nodes=1, fix_iters=-1, **dp_options)
     totals["nodes"] += sroot.stats["nodes"]
     totals["dp_solves"] += sroot.stats["dp_solves"]
+    totals["work"] += float(sroot.stats.get("work", 0.0))
     f, peak = pp.evaluate(sroot.assignment)
     if peak <= pp.budget and (inc is None or f < inc.cost):
         prof = pp.profile(sroot.assignment)

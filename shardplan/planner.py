@@ -397,6 +397,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                                         budget=limit if constrained else float("inf"), memory_choices=constrained,
                                         cutoff=cutoff, orders=orders,
                                         **({"partial_sums": True} if partial_sums else {}), **tables_extra)
+    if fit_options is not None:  # the stage solves search under the same limits as the one program
+        pipe_options.update(fit_work_limit=fit_options.work_limit, fit_time_limit=fit_options.time_limit)
     seed = None  # the best uniform pipeline, costed before the one program: its step prunes the one program
     seed_stopped = False  # Ctrl-C while the seeds were costed (the best so far is kept; nothing else is searched)
     one_none_better: float | None = None  # the one program proved no plan of its own beats the seed: its bound

@@ -40,7 +40,7 @@ MODEL_OPTIONS = {
 
 # Options of `solve` that only the memory search (--memory/--fit) reads.
 FIT_OPTIONS = {"zero": "--zero", "micro_batches": "--micro-batches", "reserve": "--reserve",
-               "grad_buffers": "--grad-buffers", "no_recompute": "--no-recompute"}
+               "grad_buffers": "--grad-buffers", "no_recompute": "--no-recompute", "work_limit": "--work-limit"}
 
 
 def _check_applicable(args: argparse.Namespace) -> None:
@@ -60,7 +60,7 @@ def _check_applicable(args: argparse.Namespace) -> None:
         if key == "table_memory" and args.model is not None:
             continue
         if key == "time_limit" and args.model is not None and (args.fit or args.memory is not None):
-            continue  # the fit search's branch-and-bound limit (per micro-batch count)
+            continue  # the fit search's wall-clock limit (per micro-batch count), when asked for
         if getattr(args, key) is not None and args.solver not in solvers:
             also = "; or to the fit search, with --fit/--memory" if key == "time_limit" else ""
             raise ShardplanError(f"{flag} does not apply to --solver {args.solver} (only to {', '.join(solvers)}{also})")
@@ -162,7 +162,8 @@ def _fit_options(args: argparse.Namespace, batch: int):
     zero = "0,1,2,3" if args.zero is None else args.zero
     return FitOptions(stages=int_list(zero, "--zero", 0) or (0,), recompute=not args.no_recompute,
                       micro_batches=micro_batch_counts(args.micro_batches, batch),
-                      time_limit=60.0 if args.time_limit is None else args.time_limit,
+                      time_limit=args.time_limit,
+                      **({} if args.work_limit is None else {"work_limit": args.work_limit}),
                       reserve_bytes=(args.reserve or 0.0) * 2**30, grad_buffers=args.grad_buffers or "persistent")
 
 
@@ -299,9 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory limit in bytes for building the cost tables and for the DP, BFS-DP and ILP "
                         "(default 1/4 of the available memory)")
     p.add_argument("--time-limit", type=real_option(positive=True, maximum=1e7, unit="s"),
-                   help="ILP time limit, seconds (default 60); with --fit/--memory, the fit search's "
-                        "branch-and-bound limit per micro-batch count (default 60): stopped early, the plan "
-                        "comes with its proven bound and gap")
+                   help="ILP time limit, seconds (default 60); with --fit/--memory, a wall-clock limit per "
+                        "micro-batch count of the fit search (default: none; with it the answer depends on the "
+                        "machine's speed and load): stopped early, the plan comes with its proven bound and gap")
+    p.add_argument("--work-limit", type=real_option(0.0, 1e18),
+                   help="with --fit/--memory: work units per micro-batch count of the fit search (default 6e7, "
+                        "about a minute of one idle core; counted, not timed, so the answer is the same on any "
+                        "machine and load): stopped early, the plan comes with its proven bound and gap")
     p.add_argument("--seed", type=int_option(0, 2**63 - 1), help="MCMC seed (default 0)")
     p.add_argument("--no-baselines", action="store_true", default=None, help="skip the baseline comparison")
     p.add_argument("--json", help="write the plan as JSON here")

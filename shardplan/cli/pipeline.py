@@ -38,7 +38,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
                             sizes=int_list(args.sizes, "--sizes") or None,
                             schedules=("1f1b", "interleaved") + (("zb-h1",) if args.zero_bubble else ()),
                             memory_choices=args.memory_choices, fit_rtol=args.fit_rtol,
-                            fit_time_limit=args.fit_time_limit, progress=Progress(write), **opts)
+                            fit_time_limit=args.fit_time_limit, fit_work_limit=args.fit_work_limit,
+                            progress=Progress(write), **opts)
     end()
     if result.plan.stats.get("interrupted"):
         print("interrupted: the best plan found so far, with the bound the search proved (finished parts, and the "
@@ -55,6 +56,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     """Register the ``pipeline`` subcommand on the CLI's subparsers."""
+    from shardplan.search.constrained import WORK_LIMIT
+
     p = sub.add_parser("pipeline", help="search pipeline stages x sub-meshes x micro-batches x schedule")
     add_model(p)
     p.add_argument("-p", "--procs", type=int_option(1), required=True, help="number of devices")
@@ -73,9 +76,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--fit-rtol", type=real_option(0.0, 1.0), default=1e-9,
                    help="relative tolerance of each memory-constrained stage solve (default 1e-9: exact; the plan's "
                         "lower bound and gap say what was proven)")
-    p.add_argument("--fit-time-limit", type=real_option(positive=True, maximum=1e7, unit="s"), default=60.0,
-                   help="seconds per memory-constrained stage solve (default 60; a stopped solve is counted and "
-                        "widens the gap)")
+    p.add_argument("--fit-work-limit", type=real_option(0.0, 1e18), default=WORK_LIMIT,
+                   help=f"work units per memory-constrained stage solve (default {WORK_LIMIT:g}, about a minute "
+                        "of one idle core; counted, not timed, so the answer is the same on any machine and load; "
+                        "a stopped solve is counted and widens the gap)")
+    p.add_argument("--fit-time-limit", type=real_option(positive=True, maximum=1e7, unit="s"), default=None,
+                   help="also stop each memory-constrained stage solve after this many seconds of wall time "
+                        "(default: none; with it the answer depends on the machine's speed and load)")
     p.add_argument("--sizes", help="sub-mesh sizes allowed (default: powers of two in a node, whole nodes)")
     p.add_argument("--memory", type=real_option(positive=True, maximum=2.0**40, unit="GiB"), metavar="GiB",
                    help="memory budget per device, GiB (default: the machine's)")

@@ -191,7 +191,8 @@ def add_parser(sub: Any) -> None:
                    help="end the command within this many seconds of wall time from its start: the search stops "
                         "early enough (a tenth of the limit, at most 10 s, is kept to build the answer) as "
                         "Ctrl-C does, with the best plan found so far, its proven lower bound and gap (default: "
-                        "none, search to the proven optimum)")
+                        "none: the search runs to its work budgets, and its answer is the same on any machine; "
+                        "with a limit, where it stops depends on the machine's speed and load)")
     p.add_argument("--schedules", default="1f1b,zb-h1", help="pipeline schedules (default 1f1b,zb-h1)")
     p.add_argument("--interleave", help="chunk counts v >= 2 for interleaved 1F1B, e.g. 2,4")
     p.add_argument("--max-stages", type=int_option(1), help="largest number of stages (default: one per block)")

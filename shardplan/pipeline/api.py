@@ -15,6 +15,7 @@ from shardplan.pipeline.schedule import simulate, step_time
 from shardplan.pipeline.search import (SEED_EVALUATIONS, PipelinePlan, PipelineSpace, _uniform_seeds,
                                        search_pipeline)
 from shardplan.pipeline.stages import ModelStages
+from shardplan.search.constrained import WORK_LIMIT
 
 __all__ = ["PipelineResult", "pipeline_solve", "pipeline_seeds", "seed_model"]
 
@@ -55,7 +56,8 @@ class PipelineResult:
 
 
 def _checked(batch: Any, micro_batches: Any, max_stages: Any, budget: Any, sizes: Any, interleave: Any,
-             fit_rtol: Any, fit_time_limit: Any) -> tuple[int, tuple[int, ...], int | None, float | None, Any]:
+             fit_rtol: Any, fit_time_limit: Any, fit_work_limit: Any
+             ) -> tuple[int, tuple[int, ...], int | None, float | None, Any]:
     """The arguments of :func:`pipeline_solve` that are numbers, checked (one-line :class:`ShardplanError`)."""
     from shardplan.checks import MAX_EXTENT, integer, real
 
@@ -74,7 +76,9 @@ def _checked(batch: Any, micro_batches: Any, max_stages: Any, budget: Any, sizes
     real("pipeline_solve: fit_rtol", fit_rtol, 0.0, 1.0)
     if not fit_rtol < 1.0:
         raise ShardplanError(f"pipeline_solve: fit_rtol must be in [0, 1), got {fit_rtol!r}")
-    real("pipeline_solve: fit_time_limit", fit_time_limit, positive=True, unit="s")
+    if fit_time_limit is not None:
+        real("pipeline_solve: fit_time_limit", fit_time_limit, positive=True, unit="s")
+    real("pipeline_solve: fit_work_limit", fit_work_limit, minimum=0.0)
     return batch, ms, max_stages, budget, sizes
 
 
@@ -90,21 +94,24 @@ def _with_refused(bound: float | None, stages: ModelStages) -> float | None:
 def _model_and_space(build: Callable[[int], Graph], batch: int, machine: Machine, micro_batches: Sequence[int],
                      max_stages: int | None, uniform: bool, interleave: Sequence[int], budget: float | None,
                      periodic: bool, sizes: Sequence[int] | None, memory_choices: bool, fit_rtol: float,
-                     fit_time_limit: float, solve_options: dict[str, Any], model: ModelStages | None
+                     fit_time_limit: float | None, fit_work_limit: float, solve_options: dict[str, Any],
+                     model: ModelStages | None
                      ) -> tuple[ModelStages, PipelineSpace, list[int]]:
     """The checked arguments' stage costs (``model`` when given: a :func:`pipeline_seeds` answer's, its caches
     kept) and space, and the micro-batch counts that divide the batch."""
     batch, micro_batches, max_stages, budget, sizes = _checked(batch, micro_batches, max_stages, budget, sizes,
-                                                               interleave, fit_rtol, fit_time_limit)
+                                                               interleave, fit_rtol, fit_time_limit,
+                                                               fit_work_limit)
     ms = [m for m in micro_batches if batch % m == 0]
     if not ms:
         raise ShardplanError(f"no micro-batch count in {list(micro_batches)} divides the batch of {batch}")
     if model is None:
         model = ModelStages(build, batch, machine, dict(solve_options), periodic=periodic, fit_rtol=fit_rtol,
-                            fit_time_limit=fit_time_limit, memory_choices=memory_choices)
+                            fit_time_limit=fit_time_limit, fit_work_limit=fit_work_limit,
+                            memory_choices=memory_choices)
     elif (model.batch, model.machine, model.memory_choices, model.solve_options, model.periodic, model.fit_rtol,
-          model.fit_time_limit) != (batch, machine, memory_choices, dict(solve_options), periodic, fit_rtol,
-                                    fit_time_limit):
+          model.fit_time_limit, model.fit_work_limit) != (batch, machine, memory_choices, dict(solve_options),
+                                                          periodic, fit_rtol, fit_time_limit, fit_work_limit):
         raise ShardplanError("pipeline_solve: the model= given was built for another batch, machine or options")
     space = PipelineSpace(model.num_units, machine.num_devices, machine.node_size, tuple(ms),
                           machine.memory_bytes if budget is None else budget, max_stages, uniform, tuple(interleave),
@@ -116,7 +123,8 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
                    micro_batches: Sequence[int] = (1, 2, 4, 8), max_stages: int | None = None,
                    schedules: Sequence[str] = ("1f1b", "interleaved"), budget: float | None = None,
                    periodic: bool = True, sizes: Sequence[int] | None = None, memory_choices: bool = False,
-                   fit_rtol: float = 1e-9, fit_time_limit: float = 60.0, seeds: int = SEED_EVALUATIONS,
+                   fit_rtol: float = 1e-9, fit_time_limit: float | None = None, fit_work_limit: float = WORK_LIMIT,
+                   seeds: int = SEED_EVALUATIONS,
                    progress: Progress | None = None, model: ModelStages | None = None,
                    **solve_options: Any) -> PipelineResult | None:
     """The best of the uniform pipelines :func:`pipeline_solve`'s search costs first (its seeds: up to ``seeds`` of
@@ -133,7 +141,7 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
     interrupt in the seeds needs no graph built after it)."""
     t0 = time.perf_counter()
     stages, space, ms = _model_and_space(build, batch, machine, micro_batches, max_stages, False, (), budget,
-                                         periodic, sizes, memory_choices, fit_rtol, fit_time_limit,
+                                         periodic, sizes, memory_choices, fit_rtol, fit_time_limit, fit_work_limit,
                                          solve_options, model)
     tracker = progress if progress is not None else Progress()
     tracker.part("uniform pipelines, before the one program")
@@ -157,13 +165,15 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
 
 
 def seed_model(build: Callable[[int], Graph], batch: int, machine: Machine, *, memory_choices: bool = False,
-               periodic: bool = True, fit_rtol: float = 1e-9, fit_time_limit: float = 60.0,
+               periodic: bool = True, fit_rtol: float = 1e-9, fit_time_limit: float | None = None,
+               fit_work_limit: float = WORK_LIMIT,
                **solve_options: Any) -> ModelStages:
     """The stage costs :func:`pipeline_seeds` and :func:`pipeline_solve` would build on these arguments (their
     ``model=``), built here so that a caller can compute solve-free bounds on its graphs first (nothing is
     solved). Keyword arguments other than these, as :func:`pipeline_solve`'s, are the intra-stage options."""
     return ModelStages(build, batch, machine, dict(solve_options), periodic=periodic, fit_rtol=fit_rtol,
-                       fit_time_limit=fit_time_limit, memory_choices=memory_choices)
+                       fit_time_limit=fit_time_limit, fit_work_limit=fit_work_limit,
+                       memory_choices=memory_choices)
 
 
 def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, *,
@@ -171,7 +181,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
                    interleave: Sequence[int] = (), schedules: Sequence[str] = ("1f1b", "interleaved"),
                    budget: float | None = None, periodic: bool = True, sizes: Sequence[int] | None = None,
                    memory_choices: bool = False, fallback: Callable[[Any], Any] | None = None,
-                   fit_rtol: float = 1e-9, fit_time_limit: float = 60.0, progress: Progress | None = None,
+                   fit_rtol: float = 1e-9, fit_time_limit: float | None = None, fit_work_limit: float = WORK_LIMIT,
+                   progress: Progress | None = None,
                    one_program_lower: float | None = None, refused: Callable[[str], None] | None = None,
                    seeds: int = SEED_EVALUATIONS, model: ModelStages | None = None, floors: UnitFloors | None = None,
                    **solve_options: Any) -> PipelineResult | None:
@@ -182,7 +193,9 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     in-flight micro-batches may shard state (ZeRO/FSDP) and recompute (:meth:`ModelStages.fit_cost`), solved
     only for the stages the search's relaxation needs (:mod:`shardplan.pipeline.search`); each such solve is
     proven to a relative ``fit_rtol`` (1e-9: exact; a larger one makes the plan within that factor of the
-    optimum) unless ``fit_time_limit`` seconds stop it (``plan.stats["fit_unproven"]`` counts those); the
+    optimum) unless its work budget ``fit_work_limit`` (:attr:`shardplan.fit.FitOptions.work_limit`: counted, so
+    the same on any machine) or, when given, ``fit_time_limit`` seconds stop it (``plan.stats["fit_unproven"]``
+    counts those); the
     plan's ``lower_bound`` and ``gap`` state what the solves proved for the whole pipeline. Interleaved device
     groups and ZB-H1 stages take the same choices (:meth:`ModelStages.group_fit_cost`, :meth:`ModelStages.fit_cost`).
     ``fallback``: instead, such a stage takes the fixed rule ``fallback(tables) -> configs`` (e.g. Megatron's
@@ -211,7 +224,7 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     """
     t0 = time.perf_counter()
     stages, space, ms = _model_and_space(build, batch, machine, micro_batches, max_stages, uniform, interleave,
-                                         budget, periodic, sizes, memory_choices, fit_rtol, fit_time_limit,
+                                         budget, periodic, sizes, memory_choices, fit_rtol, fit_time_limit, fit_work_limit,
                                          solve_options, model)
     if floors is None:
         floors = UnitFloors(stages)

@@ -137,6 +137,7 @@ from shardplan.errors import OperatorMemoryError, PerDeviceLimitError, Shardplan
 from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
 from shardplan.pipeline.search import StageCost
+from shardplan.search.constrained import WORK_LIMIT
 
 __all__ = ["unit_prefix", "units_of", "ModelStages", "graph_device_seconds"]
 
@@ -257,7 +258,7 @@ def _fit_parts(plan, ops: "set[int] | None", m: int, k: float, first: int, last:
 def _proven_ratio(plan, rtol: float) -> float:
     """Proven lower bound / cost of a memory-constrained solve: its branch-and-bound prunes a node whose bound
     is within ``rtol`` of the incumbent (which only falls), so the optimum is at least cost (1 - rtol), and at
-    least the solve's own bound when it stopped (time or node limit)."""
+    least the solve's own bound when it stopped (work, node or time limit)."""
     sol = plan.solution
     if not sol.cost > 0:
         return 1.0
@@ -349,8 +350,10 @@ class ModelStages:
             least over the layouts and the choices (the fit without a budget, on the fit's tables, which keep
             every layout), a lower bound of every memory-constrained optimum of the stage (what the search's lazy
             resolution needs); the periodic extension then repeats a unit's layouts and choices.
-        fit_rtol, fit_time_limit: the fit's relative tolerance and its time limit per stage.
-        fit_unproven: fit solves stopped by the time limit before their proof.
+        fit_rtol, fit_work_limit, fit_time_limit: the fit's relative tolerance, its work budget per stage solve
+            (:attr:`shardplan.fit.FitOptions.work_limit`: counted, so the same on any machine) and its wall-clock
+            limit per stage solve (None, the default: none; seconds only when asked for).
+        fit_unproven: fit solves stopped by the work or time limit before their proof.
         fit_reused: fit answers taken from the same segment's solve at another in-flight count (:meth:`fit_cost`).
         refused: the sub-mesh sizes on which some stage could not be costed because its tables would need
             per-device tiles past the cost model's cap (:class:`~shardplan.errors.PerDeviceLimitError`; the
@@ -367,7 +370,8 @@ class ModelStages:
     strategy: Callable[[Any], Any] | None = None
     choices: Callable[[Any, int], Any] | None = None
     solves: int = 0
-    fit_time_limit: float = 60.0
+    fit_time_limit: float | None = None
+    fit_work_limit: float = WORK_LIMIT
     fit_rtol: float = 1e-9
     memory_choices: bool = False
     periodic_certified: int = 0
@@ -817,7 +821,8 @@ class ModelStages:
         try:
             plan = solve_fit(graph, machine, budget=budget, tables=tables,
                              options=FitOptions(micro_batches=(1,), in_flight=k, accumulate=m,
-                                                time_limit=self.fit_time_limit), rtol=self.fit_rtol)
+                                                work_limit=self.fit_work_limit, time_limit=self.fit_time_limit),
+                             rtol=self.fit_rtol)
         except PerDeviceLimitError:
             raise  # not "nothing fits": the caller records the refusal
         except ShardplanError:
@@ -838,7 +843,7 @@ class ModelStages:
         step (ZeRO-0's all-reduce, ZeRO-1's reduce-scatter and gather, ZeRO-2's gather) charged 1/m per
         micro-batch as :meth:`stage_cost` charges the weight-gradient all-reduce (``FitOptions.accumulate``),
         and :meth:`stage_cost` is the same search without a budget, so the time-optimal stage is a lower
-        bound of this one (what the pipeline search's lazy resolution relies on, and checks). A fit solve stopped by ``fit_time_limit`` before its proof is
+        bound of this one (what the pipeline search's lazy resolution relies on, and checks). A fit solve stopped by its work or time limit before its proof is
         counted in ``fit_unproven``. ``lower`` is the solve's proven lower bound (cost (1 - fit_rtol), or its
         bound when stopped early). ZB-H1's W pass of such a stage is its weight-gradient GEMMs' compute
         (:func:`_fit_parts`)."""

@@ -46,9 +46,10 @@ vertex where ``a+`` and ``a-`` differ most in memory, with ``m* = memory of
 a+ there``: one child keeps the choices using less than ``m*``, the other the
 rest. Both are non-empty and smaller, so the search is finite; nodes are
 taken best bound first. The global lower bound is the least bound of the open
-nodes (the incumbent when none is left): when the search stops at its time
-or node limit, the answer carries that bound and the gap; with no open node
-it is the proven optimum.
+nodes (the incumbent when none is left): when the search stops at its work
+or node limit (counted, so at the same place on any machine; a wall-clock
+limit only when the caller asks for one), the answer carries that bound and
+the gap; with no open node it is the proven optimum.
 
 *Incumbents by mixing.* When a node's dual ends with an infeasible ``a+``
 and a feasible ``a-`` (both Lagrangian optima at the final λ), the best
@@ -108,7 +109,39 @@ from shardplan.search.bounds import uf_find
 from shardplan.search.problem import Problem, Solution
 
 __all__ = ["MemoryProblem", "solve_memory", "solve_memory_bruteforce", "infeasible_message", "enumerate_choices",
-           "cheapest_within", "relaxed_bound"]
+           "cheapest_within", "relaxed_bound", "problem_entries", "solve_work", "forest_work", "WORK_LIMIT"]
+
+# The search's work, counted instead of timed, so that where a budget stops it (and so the plan, step and bound
+# it returns) is the same on an idle and a busy machine. A work unit is about a microsecond of one core of the
+# 2-core development machine: each weight is CPU microseconds per item, fitted there to whole fit searches
+# (GPT-3 175B on 64 and on 1,024 h100, every divisor as micro-batch count) and to random problems of 5-135
+# vertices; docs/memory.md, "Work, not seconds", has the measurements. A Lagrangian solve is charged per
+# entry of its problem's edge matrices (and configurations) and per vertex (the DP's per-vertex Python work,
+# which dominates small problems), a frontier program per vertex of the problem and per (point, choice)
+# candidate its steps form, a forest pass of the solve-free bounds per entry and per vertex.
+DP_WORK = 3.3e-3  # per edge-matrix entry (and configuration) of a Lagrangian problem, per exact solve
+DP_VERTEX_WORK = 200.0  # per vertex, per exact solve
+FRONTIER_WORK = 0.1  # per (point, choice) candidate of a frontier program step
+FRONTIER_VERTEX_WORK = 100.0  # per vertex of the problem, per frontier program (its plan, classes and steps)
+FOREST_WORK = 2e-5  # per edge-matrix entry (and configuration) of a plain forest pass (relaxed_bound)
+FOREST_VERTEX_WORK = 60.0  # per vertex, per forest pass
+WORK_LIMIT = 60e6  # the default budget per micro-batch count: about what the former 60 s limit did when idle
+
+
+def problem_entries(p: Problem) -> int:
+    """The entries of ``p``'s edge matrices plus its configurations: the size a DP solve or forest pass
+    sweeps, the measure (with its vertices) its work is charged by (deterministic)."""
+    return int(sum(m.size for m in p.edge_cost) + sum(len(c) for c in p.configs))
+
+
+def solve_work(p: Problem) -> float:
+    """The work units one exact (Lagrangian) solve of ``p`` is charged."""
+    return DP_WORK * problem_entries(p) + DP_VERTEX_WORK * p.num_vertices
+
+
+def forest_work(p: Problem) -> float:
+    """The work units one forest pass of ``p`` (:func:`relaxed_bound`) is charged."""
+    return FOREST_WORK * problem_entries(p) + FOREST_VERTEX_WORK * p.num_vertices
 
 
 @dataclass(frozen=True, eq=False)
@@ -214,6 +247,10 @@ class _Point:
     f: float
     m: float
     choices: tuple[int, ...]
+    # the work units the Lagrangian solve that gave it was charged (0 for a point not from such a solve): a point
+    # taken from the store is charged again, so the budget counts the search's solves, stored or not, and stops
+    # it where the search without the store stops
+    work: float = field(default=0.0, compare=False)
 
 
 @dataclass
@@ -228,10 +265,15 @@ class _Ctx:
     mix_states: int = 20_000  # the front program's limits when mixing (see _mix); 0: knapsack of groups only
     mix_points: int = 1_000_000
     # the frontier program gives up past these (done False: an incumbent not offered or a node branched instead,
-    # never a wrong answer): the branch-and-bound's deadline, and its back-pointers' bytes (16 per point kept
-    # per vertex: on 2,020 vertices at up to mix_points each they would reach 32 GB)
+    # never a wrong answer): the search's work budget (``work`` past ``work_limit``, in work units:
+    # :data:`DP_WORK`, :data:`FRONTIER_WORK` and the like), a wall-clock deadline only when the caller set a
+    # time limit, and its back-pointers' bytes (16 per point kept per vertex: on 2,020 vertices at up to
+    # mix_points each they would reach 32 GB)
+    work_limit: float = float("inf")
     deadline: float = float("inf")
     frontier_bytes: int = 1 << 29
+    work: float = 0.0  # work units spent: Lagrangian solves and frontier candidates (deterministic)
+    frontier_candidates: int = 0
     trail: list = field(default_factory=list)  # the points of the current node's dual
     # (lam, allowed choices packed as bits) -> the point its Lagrangian solve gave (solve_memory's ``solved``:
     # the full search of a micro-batch count repeats the dual of its root-only search); the DP is
@@ -331,8 +373,11 @@ def _lagrangian_or_bound(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray], c
     pt = ctx.solved.get(key)
     if pt is not None:
         ctx.reused += 1
+        ctx.work += pt.work
     else:
         sub, keeps, picks = _lagrangian_problem(mp, lam, allowed)
+        charge = solve_work(sub)
+        ctx.work += charge
         t0 = time.perf_counter()
         sol = ctx.cut_dp(sub, cutoff) if ctx.cut_dp is not None and np.isfinite(cutoff) else ctx.dp(sub)
         ctx.dp_seconds += time.perf_counter() - t0
@@ -342,7 +387,7 @@ def _lagrangian_or_bound(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray], c
             return float(sol.bound)  # type: ignore[arg-type]
         choices = tuple(int(pk[a]) for pk, a in zip(picks, sol.assignment))
         f, m = mp.evaluate(choices)
-        pt = ctx.solved[key] = _Point(f, m, choices)
+        pt = ctx.solved[key] = _Point(f, m, choices, charge)
     ctx.offer(pt)
     ctx.trail.append(pt)
     return pt
@@ -947,14 +992,17 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
     ``F + lam M >= cutoff + lam B`` and cannot be both within the budget and
     below the cutoff. Gives up (done False) when a frontier has more than
     ``max_states`` configuration combinations or the points (or four times as
-    many candidates in one step) exceed ``max_points``, its back-pointers ``ctx.frontier_bytes`` or the
-    search passes ``ctx.deadline``; states are counted in classes.
+    many candidates in one step) exceed ``max_points``, its back-pointers ``ctx.frontier_bytes``, or the
+    search's work passes ``ctx.work_limit`` (each step charges its candidates, :data:`FRONTIER_WORK` each:
+    deterministic, so where it gives up is the same on any machine) or a wall-clock ``ctx.deadline`` the
+    caller asked for; states are counted in classes.
     """
     mp = ctx.mp
     p = mp.problem
     n = p.num_vertices
     if not all(ok.any() for ok in allowed):
         return True, np.inf
+    ctx.work += FRONTIER_VERTEX_WORK * n
     idx = [np.flatnonzero(ok) for ok in allowed]
     cfgs = [np.unique(mp.base[v][i]) for v, i in enumerate(idx)]
     plan = _frontier_plan(p)
@@ -999,6 +1047,8 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
         P, J = len(F), len(j)
         if P * J > 4 * max_points:
             return False, np.nan
+        ctx.work += FRONTIER_WORK * (P * J)
+        ctx.frontier_candidates += P * J
         add = np.broadcast_to(mp.cost[v][j], (P, J)).copy()
         for u, e, v_is_dst in nbr.get(v, ()):
             cu = cfgs[u][cols[:, pos[u]]]
@@ -1052,7 +1102,7 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
         cols, F, M = newcols, nf[order], nm[order]
         back.append((parent[order], choice[order]))
         held += back[-1][0].nbytes + back[-1][1].nbytes
-        if held > ctx.frontier_bytes or time.perf_counter() > ctx.deadline:
+        if held > ctx.frontier_bytes or ctx.work > ctx.work_limit or time.perf_counter() > ctx.deadline:
             return False, np.nan
     ok = np.flatnonzero(M <= mp.budget)
     if not len(ok):
@@ -1088,7 +1138,8 @@ def _branch(mp: MemoryProblem, node: _Node, ev: _Eval) -> list[_Node]:
     return out
 
 
-def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int = 100_000, rtol: float = 1e-9,
+def solve_memory(mp: MemoryProblem, *, work_limit: float = WORK_LIMIT, time_limit: float | None = None,
+                 max_nodes: int = 100_000, rtol: float = 1e-9,
                  max_dual_iters: int = 60, upper: float = np.inf, fix_iters: int = 5,
                  separable: int = 4096, frontier: int = 100_000, mix: bool = True, dp: Callable[[Problem], Solution] | None = None,
                  solved: dict | None = None, **dp_options: Any) -> Solution:
@@ -1096,7 +1147,14 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
 
     Parameters:
         mp: the problem.
-        time_limit: seconds after which the branch-and-bound stops (the answer then carries its gap).
+        work_limit: work units (:data:`WORK_LIMIT`; each Lagrangian solve charged :func:`solve_work`, each
+            frontier program per vertex and candidate, :data:`FRONTIER_WORK`) after which the branch-and-bound stops, checked between
+            nodes (the first node always runs), and the frontier program gives up (the answer then carries
+            its bound and gap). Work is counted, not timed: the same call stops at the same place on any
+            machine and load, so it returns the same plan and bound.
+        time_limit: None (default): no wall clock. Seconds, when the caller asks for one: the search also
+            stops at that wall-clock deadline, like the work limit; where it stops then depends on the
+            machine's speed and load.
         max_nodes: branch-and-bound nodes after which it stops.
         rtol: relative tolerance for ties (a node is pruned when its bound is
             within ``rtol`` of the incumbent).
@@ -1131,7 +1189,7 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
         before a feasible point was seen: the answer is then the least-memory plan), ``status``,
         ``interrupted``.
 
-    A :class:`KeyboardInterrupt` (Ctrl-C) stops the search like its time limit once a feasible plan is
+    A :class:`KeyboardInterrupt` (Ctrl-C) stops the search like its work limit once a feasible plan is
     known: the node being worked on goes back to the open list with its bound, so the answer's ``bound``
     (the least open bound) stays proven and ``stats["interrupted"]`` is True; before any feasible plan it
     propagates.
@@ -1140,6 +1198,11 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
         ShardplanError: when no assignment fits: the message names the least
             memory any assignment needs.
     """
+    from shardplan.checks import real
+
+    work_limit = real("solve_memory: work_limit", work_limit, minimum=0.0)
+    if time_limit is not None:
+        time_limit = real("solve_memory: time_limit", time_limit, positive=True, unit="s")
     t0 = time.perf_counter()
     if dp is None:
         from shardplan.search.dp import solve_dp
@@ -1154,7 +1217,8 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     least = mp.least_memory()
     if least > mp.budget:
         raise ShardplanError(infeasible_message(least, mp.budget))
-    ctx = _Ctx(mp, dp, rtol, mix=mix, deadline=t0 + time_limit, cut_dp=cut_dp)
+    ctx = _Ctx(mp, dp, rtol, mix=mix, work_limit=work_limit,
+               deadline=np.inf if time_limit is None else t0 + time_limit, cut_dp=cut_dp)
     if solved is not None:
         ctx.solved = solved
     root = _Node([np.ones(k, dtype=bool) for k in mp.num_choices], -np.inf)
@@ -1176,7 +1240,10 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
         if nodes >= max_nodes:
             stopped = f"node limit {max_nodes}"
             break
-        if nodes and time.perf_counter() - t0 > time_limit:
+        if nodes and ctx.work >= work_limit:
+            stopped = f"work limit {work_limit:g}"
+            break
+        if nodes and time.perf_counter() > ctx.deadline:
             stopped = f"time limit {time_limit:g} s"
             break
         heapq.heappop(heap)
@@ -1232,7 +1299,8 @@ def solve_memory(mp: MemoryProblem, *, time_limit: float = 60.0, max_nodes: int 
     gap = 0.0 if optimal else ((best.f - lower) / abs(best.f) if best.f else float(lower < best.f))
     stats = {"memory_bytes": best.m, "budget_bytes": mp.budget, "least_memory_bytes": least,
              **root_stats, "gap": gap, "nodes": nodes, "open_nodes": len(heap), "dp_solves": ctx.solves, "dp_cut_off": ctx.cut_solves,
-             "dp_reused": ctx.reused, "dp_seconds": ctx.dp_seconds, "fixed_choices": fixed, "separable_nodes": closed_separable, "frontier_nodes": closed_frontier, "beats_upper": best.f < upper, "found": found, "interrupted": interrupted, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
+             "dp_reused": ctx.reused, "dp_seconds": ctx.dp_seconds, "work": ctx.work,
+             "frontier_candidates": ctx.frontier_candidates, "fixed_choices": fixed, "separable_nodes": closed_separable, "frontier_nodes": closed_frontier, "beats_upper": best.f < upper, "found": found, "interrupted": interrupted, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
                         else "proven: nothing below upper")}
     return Solution(cost=best.f, assignment=best.choices, solve_seconds=time.perf_counter() - t0,
                     solver="memory-bb", optimal=optimal, bound=float(lower), stats=stats)

@@ -64,8 +64,9 @@ against the others). Both are non-empty and smaller, so the search is finite.
 A child inherits the parent's surrogate plans that it still allows as cuts;
 when they leave no weights, its dual cannot rise above the parent's bound and
 it is branched at once on the last of them; nodes are taken best bound
-first, and when it stops at its time or node limit the least open bound is the
-proven lower bound (the answer carries it and the gap).
+first, and when it stops at its work or node limit (or a wall-clock limit the
+caller asked for) the least open bound is the proven lower bound (the answer
+carries it and the gap).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from shardplan.errors import ShardplanError
-from shardplan.search.constrained import MemoryProblem, solve_memory
+from shardplan.search.constrained import WORK_LIMIT, MemoryProblem, solve_memory
 from shardplan.search.problem import Problem, Solution
 
 SURROGATE_SLACK = 1e-9  # relative: the surrogate budget's allowance for rounding (PeakProblem.surrogate)
@@ -271,6 +272,26 @@ class _Best:
 
 
 @dataclass
+class _Budget:
+    """The search's work budget (units of :data:`~shardplan.search.constrained.WORK_LIMIT`), what its
+    surrogate solves used so far, and a wall-clock deadline (infinite unless the caller set a time limit)."""
+
+    limit: float
+    deadline: float
+    used: float = 0.0
+
+    def left(self) -> float:
+        return max(self.limit - self.used, 0.0)
+
+    def seconds_left(self) -> float | None:
+        """For a surrogate solve: None without a deadline, else the seconds to it (at least a microsecond)."""
+        return None if not np.isfinite(self.deadline) else max(self.deadline - time.perf_counter(), 1e-6)
+
+    def spent(self) -> bool:
+        return self.used >= self.limit or time.perf_counter() > self.deadline
+
+
+@dataclass
 class _NodeResult:
     bound: float
     closed: bool
@@ -283,7 +304,7 @@ class _NodeResult:
 
 
 def _surrogate_dual(pp: PeakProblem, allowed: list[np.ndarray], w0: np.ndarray, best: list[_Best | None],
-                    upper: float, deadline: float, max_cuts: int, rtol: float, memory_options: dict,
+                    upper: float, budget: _Budget, max_cuts: int, rtol: float, memory_options: dict,
                     inherited: Sequence[tuple[tuple[int, ...], np.ndarray]] = ()) -> _NodeResult:
     """The node's surrogate dual by cutting planes; offers every feasible plan found to ``best[0]``.
 
@@ -313,8 +334,9 @@ def _surrogate_dual(pp: PeakProblem, allowed: list[np.ndarray], w0: np.ndarray, 
         mp = sub.surrogate(w)
         if mp.least_memory() > mp.budget:  # nothing in the node satisfies even the surrogate constraint
             return _NodeResult(np.inf, True, w, None, res.surrogate_solves, res.dp_solves, len(cuts))
-        sol = solve_memory(mp, time_limit=max(deadline - time.perf_counter(), 0.0),
+        sol = solve_memory(mp, work_limit=budget.left(), time_limit=budget.seconds_left(),
                            upper=min(best[0].f if best[0] is not None else np.inf, upper), **memory_options)
+        budget.used += float(sol.stats.get("work", 0.0))
         res.surrogate_solves += 1
         res.dp_solves += int(sol.stats.get("dp_solves", 0))
         bound = max(bound, float(sol.bound if sol.bound is not None else -np.inf))
@@ -328,7 +350,7 @@ def _surrogate_dual(pp: PeakProblem, allowed: list[np.ndarray], w0: np.ndarray, 
                 return _NodeResult(max(bound, sol.cost), True, w, None, res.surrogate_solves, res.dp_solves, len(cuts))
         res.last = choices
         res.plans.append((choices, (prof - pp.budget) / pp.budget))
-        if bound >= cutoff() or time.perf_counter() > deadline:
+        if bound >= cutoff() or budget.spent():
             break
         cuts.append(res.plans[-1][1])
         w_next, eps = _next_weights(cuts)
@@ -362,14 +384,20 @@ def _branch(pp: PeakProblem, allowed: list[np.ndarray], plan: tuple[int, ...]) -
     return out
 
 
-def solve_peak(pp: PeakProblem, *, time_limit: float = 60.0, max_nodes: int = 10_000, rtol: float = 1e-9,
+def solve_peak(pp: PeakProblem, *, work_limit: float = WORK_LIMIT, time_limit: float | None = None,
+               max_nodes: int = 10_000, rtol: float = 1e-9,
                upper: float = np.inf, incumbent: Sequence[int] | None = None, max_cuts: int = 30,
                **memory_options: Any) -> Solution:
     """Minimum F subject to every backward step's memory M_k <= budget (module docstring), exact unless stopped.
 
     Parameters:
         pp: the problem.
-        time_limit: seconds after which the search stops (the answer then carries its bound and gap).
+        work_limit: work units (:data:`~shardplan.search.constrained.WORK_LIMIT`) after which the search
+            stops, checked between nodes and between surrogate solves, each of which gets what is left (the
+            answer then carries its bound and gap): counted, not timed, so the answer is the same on any
+            machine and load.
+        time_limit: None (default): no wall clock; seconds, when the caller asks for one (a stop that then
+            depends on the machine's speed and load).
         max_nodes: branch-and-bound nodes after which it stops.
         rtol: relative tolerance for ties.
         upper: a cost known to be reachable otherwise: nodes that cannot go below it are pruned, so the
@@ -393,8 +421,13 @@ def solve_peak(pp: PeakProblem, *, time_limit: float = 60.0, max_nodes: int = 10
 
     if int(max_cuts) < 1:
         raise ShardplanError(f"max_cuts must be a positive number of surrogate solves per node, got {max_cuts!r}")
+    from shardplan.checks import real
+
+    work_limit = real("solve_peak: work_limit", work_limit, minimum=0.0)
+    if time_limit is not None:
+        time_limit = real("solve_peak: time_limit", time_limit, positive=True, unit="s")
     t0 = time.perf_counter()
-    deadline = t0 + time_limit
+    budget = _Budget(work_limit, np.inf if time_limit is None else t0 + time_limit)
     n = pp.problem.num_vertices
     least = pp.least_peak()
     if least > pp.budget:
@@ -408,7 +441,8 @@ def solve_peak(pp: PeakProblem, *, time_limit: float = 60.0, max_nodes: int = 10
     else:
         add = pp.additive()
         if add.least_memory() <= add.budget:
-            root = solve_memory(add, max_nodes=1, fix_iters=-1, **memory_options)
+            root = solve_memory(add, max_nodes=1, fix_iters=-1, work_limit=work_limit, time_limit=time_limit,
+                                **memory_options)
             best[0] = _Best(root.cost, tuple(root.assignment), pp.evaluate(root.assignment)[1])
     w0 = np.zeros(n)
     if n:
@@ -432,12 +466,15 @@ def solve_peak(pp: PeakProblem, *, time_limit: float = 60.0, max_nodes: int = 10
         if nodes >= max_nodes:
             stopped = f"node limit {max_nodes}"
             break
-        if nodes and time.perf_counter() > deadline:
+        if nodes and budget.used >= work_limit:
+            stopped = f"work limit {work_limit:g}"
+            break
+        if nodes and time.perf_counter() > budget.deadline:
             stopped = f"time limit {time_limit:g} s"
             break
         heapq.heappop(heap)
         nodes += 1
-        r = _surrogate_dual(pp, allowed, w, best, upper, deadline, max_cuts, rtol, memory_options, plans)
+        r = _surrogate_dual(pp, allowed, w, best, upper, budget, max_cuts, rtol, memory_options, plans)
         solves += r.surrogate_solves
         dp_solves += r.dp_solves
         cuts += r.cuts
@@ -469,6 +506,7 @@ def solve_peak(pp: PeakProblem, *, time_limit: float = 60.0, max_nodes: int = 10
              "additive_memory_bytes": pp.additive().evaluate(top.choices)[1], "budget_bytes": pp.budget,
              "least_peak_bytes": least, "root_bound": root_bound, "gap": gap, "nodes": nodes,
              "open_nodes": len(heap), "surrogate_solves": solves, "cuts": cuts, "dp_solves": dp_solves,
+             "work": budget.used,
              "beats_upper": top.f < upper,
              "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
                         else "proven: nothing below upper")}

@@ -110,6 +110,8 @@ BAD_ARGS = [
      r"--time-limit does not apply to --solver dp \(only to ilp; or to the fit search, with --fit/--memory\)"),
     ("solve --model alexnet -p 4 --fit --time-limit=-3", r"argument --time-limit: must be positive"),
     ("solve --model alexnet -p 4 --memory 16 --time-limit nan", r"argument --time-limit: must be a finite number"),
+    ("solve --model alexnet -p 4 --fit --work-limit=-1", r"argument --work-limit: must be at least 0"),
+    ("solve --model alexnet -p 4 --work-limit 5", r"--work-limit does not apply without --memory GiB or --fit"),
     ("solve --model alexnet --problem {P} -p 4", r"exactly one of --model NAME or --problem FILE"),
     ("bench --models , --procs 4", r"--models expects a comma-separated list of model names, got ','"),
     ("bench --models alexnet --procs 4 --no-bfs --bfs-memory 1e9", r"--bfs-memory does not apply with --no-bfs"),

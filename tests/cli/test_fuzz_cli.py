@@ -206,7 +206,7 @@ COMMANDS: dict[str, tuple[list[str], list[str]]] = {
     "ops": (["ops", *TINY_RNN, "-p", "2"], ["-p", *MODEL]),
     "solve": (["solve", *TINY_RNN, "-p", "2", "--no-baselines"],
               ["-p", *MODEL, "--solver", "--memory", "--fit!", "--zero", "--micro-batches", "--reserve",
-               "--grad-buffers", "--no-recompute!", "--time-limit", "--table-memory", "--ordering", "--seed",
+               "--grad-buffers", "--no-recompute!", "--time-limit", "--work-limit", "--table-memory", "--ordering", "--seed",
                "--progress"]),
     "export-problem": (["export-problem", *TINY_RNN, "-p", "2"], ["-p", *MODEL, "--table-memory", "--progress"]),
     "bench": (["bench", "--models", "rnnlm", "--procs", "2", "--no-bfs"],
@@ -221,7 +221,7 @@ COMMANDS: dict[str, tuple[list[str], list[str]]] = {
                ["-p", "--batch", "--set", "--recipe", "--operators!", *MACHINE]),
     "pipeline": (["pipeline", *TINY_GPT, "-p", "2"],
                  ["-p", *MODEL, "--micro-batches", "--max-stages", "--uniform!", "--interleave", "--zero-bubble!",
-                  "--no-memory-choices!", "--fit-rtol", "--fit-time-limit", "--sizes", "--memory"]),
+                  "--no-memory-choices!", "--fit-rtol", "--fit-time-limit", "--fit-work-limit", "--sizes", "--memory"]),
 }
 CHOICES = {"--machine": ["paper", "h100", "cpu", "dgx", ""], "--dtype": ["fp32", "bf16", "fp7"],
            "--orders": ["auto", "row-major", "all", "none"], "--solver": ["dp", "bfs-dp", "ilp", "bruteforce",

@@ -205,7 +205,7 @@ def test_cli_pipeline_memory_choices_by_default(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag, value", [("--fit-rtol", "1.5"), ("--fit-rtol", "-1"), ("--fit-rtol", "x"),
-                                         ("--fit-time-limit", "0")])
+                                         ("--fit-time-limit", "0"), ("--fit-work-limit", "-1")])
 def test_cli_pipeline_fit_flags_bad_input(capsys, flag, value):
     assert main(["pipeline", "--model", "gpt", "--batch", "4", *TINY, "-p", "2", flag, value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
