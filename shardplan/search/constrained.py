@@ -289,8 +289,9 @@ class _Ctx:
     deadline: float = float("inf")
     frontier_bytes: int = 1 << 29
     work: float = 0.0  # work units spent: Lagrangian solves, fixings and frontier candidates (deterministic)
-    # the same, per kind: "dp" (Lagrangian solves, stored ones included), "fix", "frontier"
-    parts: dict = field(default_factory=lambda: {"dp": 0.0, "fix": 0.0, "frontier": 0.0})
+    # the same, per kind: "dp" (Lagrangian solves), "dp_stored" (points taken from the store, charged what their
+    # solve was), "fix", "frontier"
+    parts: dict = field(default_factory=lambda: {"dp": 0.0, "dp_stored": 0.0, "fix": 0.0, "frontier": 0.0})
     frontier_candidates: int = 0
     trail: list = field(default_factory=list)  # the points of the current node's dual
     # (lam, allowed choices packed as bits) -> the point its Lagrangian solve gave (solve_memory's ``solved``:
@@ -395,7 +396,7 @@ def _lagrangian_or_bound(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray], c
     pt = ctx.solved.get(key)
     if pt is not None:
         ctx.reused += 1
-        ctx.charge("dp", pt.work)
+        ctx.charge("dp_stored", pt.work)
     else:
         sub, keeps, picks = _lagrangian_problem(mp, lam, allowed)
         t0 = time.perf_counter()
