@@ -1215,7 +1215,8 @@ def solve_memory(mp: MemoryProblem, *, work_limit: float = WORK_LIMIT, time_limi
         ``unconstrained_memory_bytes``, ``gap`` (relative), ``nodes``, ``dp_solves``, ``lambda``
         (the root's multiplier, seconds per byte), ``found`` (False when ``upper`` closed every node
         before a feasible point was seen: the answer is then the least-memory plan), ``status``,
-        ``interrupted``.
+        ``interrupted``, ``work`` (the work units charged) and ``work_parts`` (the same by kind: ``dp``,
+        ``dp_stored``, ``fix``, ``frontier``).
 
     A :class:`KeyboardInterrupt` (Ctrl-C) stops the search like its work limit once a feasible plan is
     known: the node being worked on goes back to the open list with its bound, so the answer's ``bound``
