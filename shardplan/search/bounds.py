@@ -207,6 +207,12 @@ class BoundState:
             self.msg = {(s, t): x[keep[t]] for (s, t), x in self.msg.items()}
 
 
+def state_entries(st: BoundState) -> int:
+    """The entries of ``st``'s matrices (one per adjacent pair, shared ones counted per pair) plus its
+    configurations: what a TRW-S sweep or a forest pass with messages loops over (a size, deterministic)."""
+    return int(sum(m.size for m in st.pairs.values()) + sum(len(c) for c in st.unary))
+
+
 def trws(st: BoundState, order: list[int], iters: int) -> None:
     """``iters`` sweeps of sequential tree-reweighted min-sum messages (TRW-S, Kolmogorov 2006).
 
@@ -653,10 +659,22 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
     order = list(range(st.n))
     rounds = 0
     cut = False
+    # the sizes its loops ran over (the fit search charges its work by them): TRW-S sweeps (entries and
+    # vertices times sweeps), forest passes with messages and plain ones (entries and vertices per pass)
+    sizes = dict.fromkeys(("swept_entries", "swept_vertices", "passed_entries", "passed_vertices",
+                           "plain_entries", "plain_vertices"), 0)
     while rounds < max_rounds:
         tr = time.perf_counter()
         if rounds > 0 and trws_iters > 0:
             trws(st, order, trws_iters)
+            sizes["swept_entries"] += trws_iters * state_entries(st)
+            sizes["swept_vertices"] += trws_iters * st.n
+        if exact_weights or st.msg is not None:
+            sizes["passed_entries"] += state_entries(st)
+            sizes["passed_vertices"] += st.n
+        else:
+            sizes["plain_entries"] += state_entries(st)
+            sizes["plain_vertices"] += st.n
         lbs, a, val = _forest_pass(st, exact_weights or st.msg is not None)
         lb = max(lb, val)
         cands = [icm(st, a)]
@@ -711,6 +729,7 @@ def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int 
         "seconds": time.perf_counter() - t0,
         "history": history,
         "cut_off": cut,
+        "sizes": sizes,
     }
     red = make_reduction(problem, keep, st.unary, st.pairs, stats)
     stats["incumbent"] = None if best_a is None else tuple(int(x) for x in best_a)

@@ -109,18 +109,25 @@ from shardplan.search.bounds import uf_find
 from shardplan.search.problem import Problem, Solution
 
 __all__ = ["MemoryProblem", "solve_memory", "solve_memory_bruteforce", "infeasible_message", "enumerate_choices",
-           "cheapest_within", "relaxed_bound", "problem_entries", "solve_work", "forest_work", "WORK_LIMIT"]
+           "cheapest_within", "relaxed_bound", "problem_entries", "solve_work", "pruning_work", "forest_work", "WORK_LIMIT"]
 
 # The search's work, counted instead of timed, so that where a budget stops it (and so the plan, step and bound
 # it returns) is the same on an idle and a busy machine. A work unit is about a microsecond of one core of the
 # 2-core development machine: each weight is CPU microseconds per item, fitted there to whole fit searches
-# (GPT-3 175B on 64 and on 1,024 h100, every divisor as micro-batch count) and to random problems of 5-135
-# vertices; docs/memory.md, "Work, not seconds", has the measurements. A Lagrangian solve is charged per
-# entry of its problem's edge matrices (and configurations) and per vertex (the DP's per-vertex Python work,
-# which dominates small problems), a frontier program per vertex of the problem and per (point, choice)
-# candidate its steps form, a forest pass of the solve-free bounds per entry and per vertex.
-DP_WORK = 3.3e-3  # per edge-matrix entry (and configuration) of a Lagrangian problem, per exact solve
-DP_VERTEX_WORK = 200.0  # per vertex, per exact solve
+# (GPT-3 175B on 64 and on 1,024 h100, Llama 3 405B on 16,384) and to random problems of 5-135 vertices;
+# docs/memory.md, "Work, not seconds", has the measurements. Every charge is a weight times a size its loops
+# run over, which the input fixes: a Lagrangian (DP) solve per entry of its problem's edge matrices (and
+# configurations) and per vertex (the elimination and the rest), plus what its bound pruning swept and passed
+# (the sizes it reports: TRW-S sweeps per entry and vertex, forest passes with messages per entry and vertex,
+# plain ones as a forest pass); a reduced-cost fixing likewise (its screening pass, sweeps and final pass); a
+# frontier program per vertex and per (point, choice) candidate its steps form; a plain forest pass of the
+# solve-free bounds per entry and per vertex.
+DP_WORK = 1.5e-3  # per edge-matrix entry (and configuration) of a Lagrangian problem, per exact solve
+DP_VERTEX_WORK = 50.0  # per vertex, per exact solve
+SWEEP_WORK = 3.5e-3  # per entry of a state's matrices (and configurations), per TRW-S sweep
+SWEEP_VERTEX_WORK = 4.0  # per vertex, per TRW-S sweep
+PASS_WORK = 3e-3  # per entry of a state's matrices (and configurations), per forest pass with messages
+PASS_VERTEX_WORK = 40.0  # per vertex, per forest pass with messages
 FRONTIER_WORK = 0.1  # per (point, choice) candidate of a frontier program step
 FRONTIER_VERTEX_WORK = 100.0  # per vertex of the problem, per frontier program (its plan, classes and steps)
 FOREST_WORK = 2e-5  # per edge-matrix entry (and configuration) of a plain forest pass (relaxed_bound)
@@ -135,8 +142,17 @@ def problem_entries(p: Problem) -> int:
 
 
 def solve_work(p: Problem) -> float:
-    """The work units one exact (Lagrangian) solve of ``p`` is charged."""
+    """The work units one exact (Lagrangian) solve of ``p`` is charged before its bound pruning (whose sizes
+    the solve reports: :func:`pruning_work`)."""
     return DP_WORK * problem_entries(p) + DP_VERTEX_WORK * p.num_vertices
+
+
+def pruning_work(sizes: dict) -> float:
+    """The work units of what a bound pruning (or a fixing) swept and passed: ``sizes`` as
+    :func:`~shardplan.search.bounds.bound_prune` reports them (``stats["sizes"]``); 0 for none."""
+    return (SWEEP_WORK * sizes.get("swept_entries", 0) + SWEEP_VERTEX_WORK * sizes.get("swept_vertices", 0)
+            + PASS_WORK * sizes.get("passed_entries", 0) + PASS_VERTEX_WORK * sizes.get("passed_vertices", 0)
+            + FOREST_WORK * sizes.get("plain_entries", 0) + FOREST_VERTEX_WORK * sizes.get("plain_vertices", 0))
 
 
 def forest_work(p: Problem) -> float:
@@ -272,7 +288,10 @@ class _Ctx:
     work_limit: float = float("inf")
     deadline: float = float("inf")
     frontier_bytes: int = 1 << 29
-    work: float = 0.0  # work units spent: Lagrangian solves and frontier candidates (deterministic)
+    work: float = 0.0  # work units spent: Lagrangian solves, fixings and frontier candidates (deterministic)
+    # the same, per kind: "dp" (Lagrangian solves), "dp_stored" (points taken from the store, charged what their
+    # solve was), "fix", "frontier"
+    parts: dict = field(default_factory=lambda: {"dp": 0.0, "dp_stored": 0.0, "fix": 0.0, "frontier": 0.0})
     frontier_candidates: int = 0
     trail: list = field(default_factory=list)  # the points of the current node's dual
     # (lam, allowed choices packed as bits) -> the point its Lagrangian solve gave (solve_memory's ``solved``:
@@ -284,6 +303,10 @@ class _Ctx:
     # instead of the optimum; None: every solve is exact (a solver given by the caller)
     cut_dp: Callable[[Problem, float], Solution] | None = None
     cut_solves: int = 0  # Lagrangian solves answered by their bound alone
+
+    def charge(self, kind: str, units: float) -> None:
+        self.work += units
+        self.parts[kind] += units
 
     def offer(self, pt: _Point) -> None:
         if pt.m <= self.mp.budget and (self.best is None or pt.f < self.best.f):
@@ -373,14 +396,15 @@ def _lagrangian_or_bound(ctx: _Ctx, lam: float, allowed: Sequence[np.ndarray], c
     pt = ctx.solved.get(key)
     if pt is not None:
         ctx.reused += 1
-        ctx.work += pt.work
+        ctx.charge("dp_stored", pt.work)
     else:
         sub, keeps, picks = _lagrangian_problem(mp, lam, allowed)
-        charge = solve_work(sub)
-        ctx.work += charge
         t0 = time.perf_counter()
         sol = ctx.cut_dp(sub, cutoff) if ctx.cut_dp is not None and np.isfinite(cutoff) else ctx.dp(sub)
         ctx.dp_seconds += time.perf_counter() - t0
+        # what the solve's bound pruning swept is a size of its (deterministic) run, charged with the solve's own
+        charge = solve_work(sub) + pruning_work((sol.stats.get("bounds") or {}).get("sizes", {}))
+        ctx.charge("dp", charge)
         ctx.solves += 1
         if sol.stats.get("cut_off"):
             ctx.cut_solves += 1
@@ -582,7 +606,7 @@ def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, it
     configurations, so each drop stays exact; the sweeps cost the square of the
     configurations left per edge instead of all of them.
     """
-    from shardplan.search.bounds import BoundState, _forest_pass, trws
+    from shardplan.search.bounds import BoundState, _forest_pass, state_entries, trws
     from shardplan.search.reduce import orbits, sorted_union
 
     mp = ctx.mp
@@ -592,6 +616,7 @@ def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, it
     st = BoundState.from_problem(sub)
     kept = [np.arange(len(k)) for k in keeps]  # positions of sub's configurations left in st
     if screen and iters and st.pairs and cutoff < np.inf:  # (a cutoff of inf or nan drops nothing)
+        ctx.charge("fix", pruning_work({"plain_entries": state_entries(st), "plain_vertices": st.n}))
         lbs0, _, _ = _forest_pass(st)
         pos = [np.flatnonzero(x - lam * budget < cutoff) for x in lbs0]
         if any(len(x) == 0 for x in pos):  # a vertex with nothing below the cutoff: the node has no such plan
@@ -604,7 +629,10 @@ def _fix(ctx: _Ctx, allowed: Sequence[np.ndarray], lam: float, cutoff: float, it
         if sum(len(x) for x in pos) < sum(len(x) for x in kept):
             st.restrict(pos, orb)
             kept = pos
-    if iters and st.pairs:
+    swept = iters if st.pairs else 0
+    ctx.charge("fix", pruning_work({"swept_entries": swept * state_entries(st), "swept_vertices": swept * st.n,
+                                    "passed_entries": state_entries(st), "passed_vertices": st.n}))
+    if swept:
         trws(st, list(range(st.n)), iters)
     lbs, _, _ = _forest_pass(st, True)
     out = []
@@ -1002,7 +1030,7 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
     n = p.num_vertices
     if not all(ok.any() for ok in allowed):
         return True, np.inf
-    ctx.work += FRONTIER_VERTEX_WORK * n
+    ctx.charge("frontier", FRONTIER_VERTEX_WORK * n)
     idx = [np.flatnonzero(ok) for ok in allowed]
     cfgs = [np.unique(mp.base[v][i]) for v, i in enumerate(idx)]
     plan = _frontier_plan(p)
@@ -1047,7 +1075,7 @@ def _frontier_dp(ctx: "_Ctx", allowed: Sequence[np.ndarray], cutoff: float, lam:
         P, J = len(F), len(j)
         if P * J > 4 * max_points:
             return False, np.nan
-        ctx.work += FRONTIER_WORK * (P * J)
+        ctx.charge("frontier", FRONTIER_WORK * (P * J))
         ctx.frontier_candidates += P * J
         add = np.broadcast_to(mp.cost[v][j], (P, J)).copy()
         for u, e, v_is_dst in nbr.get(v, ()):
@@ -1187,7 +1215,8 @@ def solve_memory(mp: MemoryProblem, *, work_limit: float = WORK_LIMIT, time_limi
         ``unconstrained_memory_bytes``, ``gap`` (relative), ``nodes``, ``dp_solves``, ``lambda``
         (the root's multiplier, seconds per byte), ``found`` (False when ``upper`` closed every node
         before a feasible point was seen: the answer is then the least-memory plan), ``status``,
-        ``interrupted``.
+        ``interrupted``, ``work`` (the work units charged) and ``work_parts`` (the same by kind: ``dp``,
+        ``dp_stored``, ``fix``, ``frontier``).
 
     A :class:`KeyboardInterrupt` (Ctrl-C) stops the search like its work limit once a feasible plan is
     known: the node being worked on goes back to the open list with its bound, so the answer's ``bound``
@@ -1300,6 +1329,7 @@ def solve_memory(mp: MemoryProblem, *, work_limit: float = WORK_LIMIT, time_limi
     stats = {"memory_bytes": best.m, "budget_bytes": mp.budget, "least_memory_bytes": least,
              **root_stats, "gap": gap, "nodes": nodes, "open_nodes": len(heap), "dp_solves": ctx.solves, "dp_cut_off": ctx.cut_solves,
              "dp_reused": ctx.reused, "dp_seconds": ctx.dp_seconds, "work": ctx.work,
+             "work_parts": dict(ctx.parts),
              "frontier_candidates": ctx.frontier_candidates, "fixed_choices": fixed, "separable_nodes": closed_separable, "frontier_nodes": closed_frontier, "beats_upper": best.f < upper, "found": found, "interrupted": interrupted, "status": ("optimal" if optimal else f"stopped at the {stopped}" if stopped
                         else "proven: nothing below upper")}
     return Solution(cost=best.f, assignment=best.choices, solve_seconds=time.perf_counter() - t0,

@@ -169,6 +169,25 @@ def test_a_small_work_budget_stops_with_a_sound_bound_the_same_twice():
     assert stopped >= 2
 
 
+def test_work_is_the_sum_of_its_parts_and_fixing_is_charged():
+    """Every charge goes to one kind: the Lagrangian solves (their bound pruning's sweeps and passes included),
+    the points taken from the store, the reduced-cost fixing and the frontier programs; fixing is charged
+    when it runs and not otherwise, and a search repeated with the first one's stored points charges them as
+    stored, exactly what their solves were."""
+    for mp in _branched(3):
+        sol = solve_memory(mp, **PLAIN)
+        parts = sol.stats["work_parts"]
+        assert sum(parts.values()) == pytest.approx(sol.stats["work"], rel=1e-12)
+        assert parts["fix"] > 0 and parts["dp"] > 0 and parts["dp_stored"] == 0 and parts["frontier"] == 0
+        assert solve_memory(mp, fix_iters=-1, **PLAIN).stats["work_parts"]["fix"] == 0
+        store: dict = {}
+        root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=store, **PLAIN)
+        again = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=store, **PLAIN)
+        assert again.stats["dp_solves"] == 0
+        assert again.stats["work_parts"]["dp_stored"] == root.stats["work_parts"]["dp"] > 0
+        assert again.stats["work"] == root.stats["work"]
+
+
 def test_the_frontier_program_gives_up_at_the_work_budget():
     """The root's front program (the node closure) needs more work than one solve: within that budget it gives
     up (the node is branched, nothing proven from it), with a large one it closes the node."""
