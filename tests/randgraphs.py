@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardplan.search.constrained import solve_memory
+from shardplan.search.peak import PeakProblem
 from shardplan.search.problem import Problem
 
 SHAPES = ("path", "tree", "skipdag", "diamond", "complete", "disconnected")
@@ -121,3 +123,25 @@ def exact_solvers_agree(problem: Problem):
     ilp = solve_ilp(problem, time_limit=60)
     assert ilp.optimal and ilp.cost == pytest.approx(dp.cost, rel=1e-6)
     return dp
+
+
+def peak_problem(seed: int, tight: float) -> PeakProblem:
+    """A random problem with 1-3 choices per configuration, integer rest / saved / grad bytes, and a budget
+    ``tight`` of the way from a lower bound of the least peak to the unconstrained optimum's peak."""
+    p = random_problem(seed, n_max=7, k_max=4)
+    rng = np.random.default_rng(2000 + seed)
+    base, cost, rest, saved, grad = [], [], [], [], []
+    for v, k in enumerate(p.sizes):
+        reps = rng.integers(1, 4, size=k)
+        b = np.repeat(np.arange(k), reps)
+        base.append(b)
+        c = p.vertex_cost[v][b] + np.where(np.arange(len(b)) % 2 == 1, rng.integers(0, 3, len(b)), 0)
+        cost.append(c.astype(float))
+        rest.append(rng.integers(0, 4, size=len(b)).astype(float))
+        saved.append(rng.integers(0, 10, size=len(b)).astype(float))
+        grad.append(rng.integers(0, 10, size=len(b)).astype(float))
+    loose = PeakProblem(p, tuple(base), tuple(cost), tuple(rest), tuple(saved), tuple(grad), budget=1e9, fixed=3.0)
+    top = loose.evaluate(solve_memory(loose.additive()).assignment)[1]
+    least = loose.least_peak()
+    budget = float(np.floor(least + tight * (top - least)))
+    return PeakProblem(p, tuple(base), tuple(cost), tuple(rest), tuple(saved), tuple(grad), budget=budget, fixed=3.0)

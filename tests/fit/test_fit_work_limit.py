@@ -14,14 +14,14 @@ import time
 import numpy as np
 import pytest
 
-from randgraphs import random_problem
+from randgraphs import peak_problem, random_problem
 from shardplan.cost import build_tables
 from shardplan.errors import ShardplanError
 from shardplan.fit import FitOptions, solve_fit
 from shardplan.machine import Machine
 from shardplan.search.constrained import (WORK_LIMIT, MemoryProblem, solve_memory, solve_memory_bruteforce,
                                           solve_work)
-from shardplan.search.peak import PeakProblem, solve_peak, solve_peak_bruteforce
+from shardplan.search.peak import solve_peak, solve_peak_bruteforce
 
 F, B = 1e12, 1e10
 CLOCKS = ("perf_counter", "monotonic", "process_time", "time")
@@ -211,29 +211,10 @@ def test_solve_fit_with_a_small_work_budget_is_sound_and_repeatable():
     assert first.memory["peak_bytes"] <= budget
 
 
-def _peak_problem(seed: int, tight: float) -> PeakProblem:
-    p = random_problem(seed, n_max=7, k_max=4)
-    rng = np.random.default_rng(2000 + seed)
-    base, cost, rest, saved, grad = [], [], [], [], []
-    for v, k in enumerate(p.sizes):
-        b = np.repeat(np.arange(k), rng.integers(1, 4, size=k))
-        base.append(b)
-        cost.append((p.vertex_cost[v][b] + np.where(np.arange(len(b)) % 2 == 1, rng.integers(0, 3, len(b)), 0))
-                    .astype(float))
-        rest.append(rng.integers(0, 4, size=len(b)).astype(float))
-        saved.append(rng.integers(0, 10, size=len(b)).astype(float))
-        grad.append(rng.integers(0, 10, size=len(b)).astype(float))
-    loose = PeakProblem(p, tuple(base), tuple(cost), tuple(rest), tuple(saved), tuple(grad), budget=1e9, fixed=3.0)
-    top = loose.evaluate(solve_memory(loose.additive()).assignment)[1]
-    least = loose.least_peak()
-    return PeakProblem(p, tuple(base), tuple(cost), tuple(rest), tuple(saved), tuple(grad),
-                       budget=float(np.floor(least + tight * (top - least))), fixed=3.0)
-
-
 def test_solve_peak_work_budget_and_fast_clock(monkeypatch):
     checked = stopped = 0
     for seed in range(40):
-        pp = _peak_problem(seed, 0.5)
+        pp = peak_problem(seed, 0.5)
         if pp.additive().least_memory() > pp.budget:
             continue  # no incumbent without a search: a stopped search may have no plan
         try:
@@ -293,7 +274,7 @@ def test_limits_are_checked():
     with pytest.raises(ShardplanError, match="time_limit must be positive"):
         solve_memory(mp, time_limit=-1.0)
     with pytest.raises(ShardplanError, match="work_limit must be at least 0"):
-        solve_peak(_peak_problem(3, 0.5), work_limit=-1)
+        solve_peak(peak_problem(3, 0.5), work_limit=-1)
     from shardplan.pipeline.api import pipeline_solve
 
     with pytest.raises(ShardplanError, match="fit_work_limit must be at least 0"):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from conftest import require_8_devices
 from test_pipeline_jax import D, L, _tokens, _toy
+import test_staged_defer_jax
 from test_staged_defer_jax import M, _mesh, _sent, _summed_terms
 
 DEVICES = require_8_devices()
@@ -64,12 +65,7 @@ def _qkv_loss(p, batch):
 
 
 def _assert_equal_to_unsharded(step, params, batch):
-    loss, grads = step(params, batch)
-    ref_l, ref_g = jax.value_and_grad(_qkv_loss)(params, batch)
-    assert abs(float(loss) - float(ref_l)) <= 1e-6 * abs(float(ref_l))
-    assert jax.tree.structure(grads) == jax.tree.structure(ref_g)
-    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_g)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * float(jnp.abs(w).max()))
+    test_staged_defer_jax._assert_equal_to_unsharded(step, params, batch, _qkv_loss)
 
 
 @pytest.mark.parametrize("views, deferred, backward, once", [
@@ -296,7 +292,6 @@ def test_hf_flax_gpt2_reduces_its_layer_norms_once_a_step(monkeypatch, views, de
     reshape to ``(1, 1, d)`` that the multiply or add broadcasts. Read per device, they are deferred: 27 of 28
     leaves, 29568 floats all-reduced a step instead of 30528; the gradients equal the unsharded program's."""
     import jax_corpus
-    import test_staged_defer_jax
 
     import shardplan.jax.local_reads as local_reads
     from shardplan.jax.staged import pipeline
