@@ -177,26 +177,35 @@ def _run_linear(case: str, world: int) -> dict[str, Any]:
     return out
 
 
-def _run_contiguous(world: int) -> dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from shardplan.cost.ring import gathered_dealt, gathered_home, gathered_reduction, gathered_scatters
-    from shardplan.machine import Machine
-    from shardplan.cost.operator import operator_cost
-    from shardplan.layout import Layout, LayoutArrays
-    from shardplan.torch.device import dtensor_machine
+def _sequence_split_attention(world: int, causal: bool) -> tuple:
+    """The attention layer (causal or an encoder's), its batch, a one-process reference with its loss and
+    gradients, its traced graph and info, and layouts splitting every operator's sequence ``world`` ways."""
+    from shardplan.layout import Layout
     from shardplan.torch.frontend import trace
-    from shardplan.cost.collectives import reduce_scatter_time
-    from shardplan.torch.run import ParallelModule
 
     torch.manual_seed(0)
-    model, batch = Attn(), (torch.randn(AB, AS, AD), torch.randn(AB, AS, AD))
+    model, batch = Attn(causal=causal), (torch.randn(AB, AS, AD), torch.randn(AB, AS, AD))
     ref = torch_cases._clone(model)
     loss0 = ref(*batch)
     loss0.backward()
     graph, info = trace(torch_cases._clone(model), batch)
     lays = {op.name: Layout.flat(op.dim_names, tuple(world if op.extents[d] == AS and d not in op.fixed else 1
                                                      for d in op.dim_names), world) for op in graph.operators}
+    return model, batch, ref, loss0, graph, info, lays
+
+
+def _run_contiguous(world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardplan.cost.ring import gathered_dealt, gathered_home, gathered_reduction, gathered_scatters
+    from shardplan.machine import Machine
+    from shardplan.cost.operator import operator_cost
+    from shardplan.layout import LayoutArrays
+    from shardplan.torch.device import dtensor_machine
+    from shardplan.cost.collectives import reduce_scatter_time
+    from shardplan.torch.run import ParallelModule
+
+    model, batch, ref, loss0, graph, info, lays = _sequence_split_attention(world, causal=True)
     # fast devices: the contiguous blocks' extra causal work costs less than dealing them, so no runner deals
     fast = Machine(world, peak_flops=32e12, bandwidth=16e9, name="fast")
     machine, toy = dtensor_machine(fast), fast
@@ -313,20 +322,12 @@ def _run_encoder(world: int) -> dict[str, Any]:
 
     from shardplan.cost.operator import operator_cost
     from shardplan.cost.ring import gathered_home, gathered_reduction, gathered_scatters, moved_reduction
-    from shardplan.layout import Layout, LayoutArrays
+    from shardplan.layout import LayoutArrays
     from shardplan.machine import Machine
     from shardplan.torch.device import dtensor_machine
-    from shardplan.torch.frontend import trace
     from shardplan.torch.run import ParallelModule
 
-    torch.manual_seed(0)
-    model, batch = Attn(causal=False), (torch.randn(AB, AS, AD), torch.randn(AB, AS, AD))
-    ref = torch_cases._clone(model)
-    loss0 = ref(*batch)
-    loss0.backward()
-    graph, info = trace(torch_cases._clone(model), batch)
-    lays = {op.name: Layout.flat(op.dim_names, tuple(world if op.extents[d] == AS and d not in op.fixed else 1
-                                                     for d in op.dim_names), world) for op in graph.operators}
+    model, batch, ref, loss0, graph, info, lays = _sequence_split_attention(world, causal=False)
     bw = 16e9
     xla = Machine(world, peak_flops=32e12, bandwidth=bw, latency=0.0, name="fast")
     (i,) = [j for j, op in enumerate(graph.operators) if op.kind == "attn_flash"]
