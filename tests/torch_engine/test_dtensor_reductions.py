@@ -177,6 +177,18 @@ def _run_linear(case: str, world: int) -> dict[str, Any]:
     return out
 
 
+def _step_recorded(pm: Any, batch: tuple, ref: Any) -> tuple[Any, Any, float]:
+    """One forward of ``pm``, its backward under a collective recorder, and the worst relative difference of
+    a parameter's gradient from the one-process reference ``ref``'s: (loss, recorder, worst)."""
+    loss = pm(*batch)
+    with torch_cases.collective_recorder() as rec:
+        loss.backward()
+    named = pm.named_dparameters()
+    worst = max(float((named[n].grad.full_tensor() - p_.grad).abs().max() / p_.grad.abs().max())
+                for n, p_ in ref.named_parameters())
+    return loss, rec, worst
+
+
 def _sequence_split_attention(world: int, causal: bool) -> tuple:
     """The attention layer (causal or an encoder's), its batch, a one-process reference with its loss and
     gradients, its traced graph and info, and layouts splitting every operator's sequence ``world`` ways."""
@@ -225,12 +237,7 @@ def _run_contiguous(world: int) -> dict[str, Any]:
                              for m, mc in (("torch", machine), ("xla", toy))}
     mesh = init_device_mesh("cpu", (world,))
     pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, mesh)
-    loss = pm(*batch)
-    with torch_cases.collective_recorder() as rec:
-        loss.backward()
-    named = pm.named_dparameters()
-    worst = max(float((named[n].grad.full_tensor() - p_.grad).abs().max() / p_.grad.abs().max())
-                for n, p_ in ref.named_parameters())
+    loss, rec, worst = _step_recorded(pm, batch, ref)
     kv_tile = AB * AH * AS * (AD // AH)  # a device's gathered keys (or values): every position of its heads
     rs = float(reduce_scatter_time(kv_tile * 4.0, np.array([[world]]), machine)[0])  # one among all, float32
     return {"reduce_scatter_seconds": rs, "edges": {str(k): x for k, x in edges.items()},
@@ -349,12 +356,7 @@ def _run_encoder(world: int) -> dict[str, Any]:
                     "operator_bytes": op_part * bw}
         charged[m] = row
     pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, init_device_mesh("cpu", (world,)))
-    loss = pm(*batch)
-    with torch_cases.collective_recorder() as rec:
-        loss.backward()
-    named = pm.named_dparameters()
-    worst = max(float((named[n].grad.full_tensor() - p_.grad).abs().max() / p_.grad.abs().max())
-                for n, p_ in ref.named_parameters())
+    loss, rec, worst = _step_recorded(pm, batch, ref)
     kv_tile = AB * AH * AS * (AD // AH)
     return {"charged": charged, "backward": sorted(_counted(rec.seen)), "kv_tile": kv_tile,
             "mesh": list(pm.mesh.mesh.shape), "rel_loss": abs(float(loss) - float(loss0)) / abs(float(loss0)),
