@@ -27,7 +27,8 @@ element (a gather copies, a scale multiplies once); only the sum's association d
 
 * :func:`product_island`: a ``dot_general`` reading the weight through views that move data within the weight
   (``reshape``, ``slice``, a ``split`` or constant-start ``dynamic_slice`` taken as slices, ``squeeze``; a fused
-  QKV weight sliced into q, k, v, a weight reshaped to heads), which JAX 0.9.2 does not type on a ``reduced``
+  QKV weight sliced into q, k, v, a weight reshaped to heads; a ``dynamic_slice`` at traced starts, its starts
+  carried, :class:`Carried`), which JAX 0.9.2 does not type on a ``reduced``
   value: the views and the product on the device's blocks, ``psum`` over the axes the contraction is split over.
   The other operand's free dimensions (those the weight gradient sums over) split over exactly R, its contracted
   and batch dimensions as the viewed weight's, the output as the product of the blocks.
