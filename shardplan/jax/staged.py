@@ -543,7 +543,8 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
       lower precision) whose every read is one of these: the view passes the Explicit leaf on and its readers
       apply it (:func:`_viewed_island`);
     * a view that moves data within the leaf (``reshape``, ``slice``, ``squeeze``, a ``dynamic_slice`` at constant
-      or traced starts, ``split``: :func:`_views`), local (:func:`shardplan.jax.local_reads.local_view`), whose every read is one of
+      or traced starts, ``split``: :func:`_views`), local (:func:`shardplan.jax.local_reads.local_view`), whose
+      every read is one of
       these: the readers apply the views per device, a matmul too
       (:func:`shardplan.jax.local_reads.product_island`).
 

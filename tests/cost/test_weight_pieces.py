@@ -19,16 +19,17 @@ SHAPE = (8, 24)  # a fused (D, 3 D) weight, D = 8
 
 
 def _piece(name: str, start: int, size: int, owner: tuple[str, str] | None = None) -> Operator:
-    """A slice operator reading columns ``[start, start + size)`` of the fused weight (what ``jnp.split`` traces to)."""
+    """A slice operator reading columns ``[start, start + size)`` of the fused weight (``jnp.split`` traces to it)."""
     w = Tensor("w0", SHAPE, (AxisMap("x"), AxisMap("s", offset=start, partial=True)), "weight", owner=owner)
-    return Operator(name, "slice", (("x", SHAPE[0]), ("s", size)), (), Tensor("y", (SHAPE[0], size), ("x", "s"), "output"),
-                    (w,))
+    y = Tensor("y", (SHAPE[0], size), ("x", "s"), "output")
+    return Operator(name, "slice", (("x", SHAPE[0]), ("s", size)), (), y, (w,))
 
 
 def _whole(name: str, owner: tuple[str, str] | None = None) -> Operator:
     """An operator reading the whole weight plainly (the embedding's gather of a tied table)."""
     w = Tensor("w0", SHAPE, ("r", "c"), "weight", owner=owner)
-    return Operator(name, "copy", (("r", SHAPE[0]), ("c", SHAPE[1])), (), Tensor("y", SHAPE, ("r", "c"), "output"), (w,))
+    y = Tensor("y", SHAPE, ("r", "c"), "output")
+    return Operator(name, "copy", (("r", SHAPE[0]), ("c", SHAPE[1])), (), y, (w,))
 
 
 def _blocks(config: tuple[int, ...], extents: tuple[int, ...], q: int) -> list[range]:

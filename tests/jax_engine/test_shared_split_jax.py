@@ -87,7 +87,8 @@ def test_the_pieces_are_weight_edges_and_the_plan_runs():
 
 # the plans compared: the solved one (every weight edge free), the fused weight's owner replicated with one reader's
 # rows split in two, and with both readers' rows split in two
-CASES = {"solved": {}, "one reader": {"q": (1, 1), "k": (2, 1), "v": (1, 1)}, "two readers": {"q": (1, 1), "k": (2, 1), "v": (2, 1)}}
+CASES = {"solved": {}, "one reader": {"q": (1, 1), "k": (2, 1), "v": (1, 1)},
+         "two readers": {"q": (1, 1), "k": (2, 1), "v": (2, 1)}}
 
 
 @pytest.mark.parametrize("case, edge_bytes, lo, hi", [
