@@ -1082,22 +1082,36 @@ def weight_views(u: Operator, wu: int, v: Operator, wv: int) -> tuple[Operator, 
     """The parameter of a weight edge as an ordinary edge: ``u`` writing it, ``v`` reading it (input 0).
 
     Both keep their iteration domains, so a layout places the parameter's tiles exactly as the reader's
-    weight access places them.
+    weight access places them. The parameter is held whole along every axis the owner reads through an
+    offset, a window, a stride or a piece (a slice, a split's piece: :func:`_stored_axis`), as the run
+    stores it; the reader keeps its access, so an offset axis reads exactly the block it slices, and the
+    edge moves that block forward and its gradient back (:func:`_clip_to_read`; docs/cost-model.md,
+    "Shared parameters").
     """
     from shardplan.ir import Tensor
 
     tu, tv = u.weights[wu], v.weights[wv]
-    for op, t in ((u, tu), (v, tv)):
-        if any(a.window is not None or a.stride != 1 or a.offset != 0 for a in t.axes):
-            raise ShardplanError(f"operator {op.name!r}: shared weight {t.name!r} is read through a window, "
-                                 "stride or offset; a weight edge needs plain or merged axes")
+    if tu.shape != tv.shape:
+        raise ShardplanError(f"operator {v.name!r}: shared weight {tv.name!r} of shape {tv.shape} read as "
+                             f"{u.name!r}'s {tu.name!r} of shape {tu.shape}")
+    src_axes = tuple(_stored_axis(a) for a in tu.axes)
     src = Operator(u.name, "parameter", u.dims, inputs=(),
-                   output=Tensor("w", tu.shape, tu.axes, "output", elem_factor=tu.elem_factor))
+                   output=Tensor("w", tu.shape, src_axes, "output", elem_factor=tu.elem_factor))
     dst = Operator(v.name, "parameter", v.dims,
                    inputs=(Tensor("w", tv.shape, tv.axes, "input", needs_grad=tv.needs_grad, src=u.name,
                                   elem_factor=tv.elem_factor),),
                    output=Tensor("y", (1,), (None,), "output"))
     return src, dst
+
+
+def _stored_axis(a):
+    """How the owner's layout stores a parameter axis it reads as ``a``: as read where the axis is plain or
+    merged (or not indexed); whole (``AxisMap(None)``) where it reads it through an offset, a window, a stride
+    or a piece, since a layout then places no block of the whole axis (the run keeps the parameter replicated
+    along it: its leaf sharding names the dims of plain axes only)."""
+    from shardplan.ir import AxisMap
+
+    return a if a.dim is None or a.is_plain or a.inner else AxisMap(None)
 
 
 def weight_sync(op: Operator, w: int, configs, machine: Machine) -> tuple[np.ndarray, np.ndarray]:

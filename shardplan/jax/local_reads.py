@@ -27,7 +27,8 @@ element (a gather copies, a scale multiplies once); only the sum's association d
 
 * :func:`product_island`: a ``dot_general`` reading the weight through views that move data within the weight
   (``reshape``, ``slice``, a ``split`` or constant-start ``dynamic_slice`` taken as slices, ``squeeze``; a fused
-  QKV weight sliced into q, k, v, a weight reshaped to heads), which JAX 0.9.2 does not type on a ``reduced``
+  QKV weight sliced into q, k, v, a weight reshaped to heads; a ``dynamic_slice`` at traced starts, its starts
+  carried, :class:`Carried`), which JAX 0.9.2 does not type on a ``reduced``
   value: the views and the product on the device's blocks, ``psum`` over the axes the contraction is split over.
   The other operand's free dimensions (those the weight gradient sums over) split over exactly R, its contracted
   and batch dimensions as the viewed weight's, the output as the product of the blocks.
@@ -51,17 +52,34 @@ ELEMENTWISE = frozenset({"mul", "add", "sub", "div"})
 
 @dataclass(frozen=True)
 class View:
-    """One view a deferred weight is read through (a one-operand primitive and its parameters), on the program's
-    whole weight or on a device's block of it (:func:`local_view`)."""
+    """One view a deferred weight is read through (a primitive and its parameters), on the program's whole weight
+    or on a device's block of it (:func:`local_view`). ``operands``: the run-time operands it takes after the
+    weight (a ``dynamic_slice``'s traced starts, :class:`Carried`), 0 for a one-operand view."""
 
     name: str
     primitive: Any
     params: Mapping[str, Any]
+    operands: int = 0
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A deferred leaf on its way to its per-device readers through views with run-time operands: the leaf's
+    value and those operands' values, in the order of the views (what a traced ``dynamic_slice`` of the leaf
+    hands on instead of slicing: its readers slice each device's block, :func:`apply_views`)."""
+
+    value: Any
+    operands: tuple[Any, ...] = ()
+
+    def then(self, more: Sequence[Any]) -> "Carried":
+        """The same leaf carried through one more view taking the run-time operands ``more``."""
+        return Carried(self.value, self.operands + tuple(more))
 
 
 def view_of(e: Any) -> View:
-    """The view equation ``e`` of the program as a :class:`View`."""
-    return View(e.name, e.primitive, dict(e.params))
+    """The view equation ``e`` of the program as a :class:`View` (a ``dynamic_slice`` with its starts as run-time
+    operands)."""
+    return View(e.name, e.primitive, dict(e.params), len(e.invars) - 1)
 
 
 def slice_view(starts: Sequence[int], limits: Sequence[int]) -> View:
@@ -77,7 +95,9 @@ def local_view(c: View, shape: tuple[int, ...], tile: Sequence[tuple[str, ...]],
     """The view ``c`` of a value of shape ``shape`` tiled ``tile`` (per axis, the mesh axes it is split over) as a
     view of each device's block: ``(view's shape, view's tiling, the view of the block)``, or None when the
     view's blocks are not the views of the blocks. A cast moves nothing; a transpose permutes the tiling; a
-    ``squeeze`` drops unit (never split) axes; a ``slice`` takes every split axis whole; a ``reshape`` (no
+    ``squeeze`` drops unit (never split) axes; a ``slice`` takes every split axis whole, and so does a
+    ``dynamic_slice`` at run-time starts (XLA clamps a start into ``[0, n - size]``, so an axis taken whole starts
+    at 0 whatever the start, globally and on each block, and only unsplit axes are cut); a ``reshape`` (no
     ``dimensions``) splits and merges groups of axes with equal products, each group split at most on its
     leading (major) input axis, which then splits the group's leading output axis the same ways (it must divide
     it): contiguous chunks of the group's row-major range, the same on both sides."""
@@ -99,6 +119,12 @@ def local_view(c: View, shape: tuple[int, ...], tile: Sequence[tuple[str, ...]],
         out = tuple(-(-(hi[d] - lo[d]) // strides[d]) for d in range(len(shape)))
         block = tuple(shape[d] // _ways(mesh, t[d]) if t[d] else hi[d] for d in range(len(shape)))
         return out, t, View("slice", c.primitive, dict(c.params, limit_indices=block))
+    if c.name == "dynamic_slice":
+        sizes = tuple(int(z) for z in c.params["slice_sizes"])
+        if any(t[d] and sizes[d] != shape[d] for d in range(len(shape))):
+            return None
+        block = tuple(shape[d] // _ways(mesh, t[d]) if t[d] else sizes[d] for d in range(len(shape)))
+        return sizes, t, View("dynamic_slice", c.primitive, dict(c.params, slice_sizes=block), c.operands)
     if c.name == "reshape" and c.params.get("dimensions") is None:
         new = tuple(int(n) for n in c.params["new_sizes"])
         out_t = _reshaped_tiling(shape, t, new, mesh)
@@ -159,11 +185,17 @@ def local_views(chain: Sequence[View], shape: tuple[int, ...],
     return shape, NamedSharding(mesh, _spec(t)), tuple(out)
 
 
-def apply_views(x: Any, chain: Sequence[Any]) -> Any:
-    """``x`` through the view equations ``chain`` (each a one-operand primitive), in order."""
+def apply_views(x: Any, chain: Sequence[Any], operands: Sequence[Any] = ()) -> Any:
+    """``x`` through the view equations ``chain``, in order; a view taking run-time operands
+    (:attr:`View.operands`) takes the next ones of ``operands``."""
+    rest = list(operands)
     for c in chain:
         params = c.primitive.get_bind_params(c.params)
-        x = c.primitive.bind(x, **(params[1] if isinstance(params, tuple) else params))
+        n = getattr(c, "operands", 0)
+        more, rest = rest[:n], rest[n:]
+        x = c.primitive.bind(x, *more, **(params[1] if isinstance(params, tuple) else params))
+    if rest:
+        raise AssertionError(f"views {[c.name for c in chain]}: {len(rest)} run-time operands left over")
     return x
 
 
@@ -206,33 +238,45 @@ def _spec(entries: Sequence[tuple[str, ...]], reduced: frozenset[str] = frozense
 
 
 def _local_island(sharding: Any, slot: int, specs: Sequence[Any], out_spec: Any,
-                  local: Callable[[list[Any]], Any]) -> Island:
-    """Run ``local`` (the read on the device's blocks) in a ``shard_map`` over the Explicit mesh of ``sharding``
-    (the deferred leaf's type, at argument ``slot``), the other arguments resharded from their Auto read
-    layouts into ``specs``, the output in ``out_spec``, handed back on Auto axes."""
+                  local: Callable[[list[Any], list[Any]], Any]) -> Island:
+    """Run ``local(blocks, operands)`` (the read on the device's blocks, the run-time operands of the leaf's
+    views) in a ``shard_map`` over the Explicit mesh of ``sharding`` (the deferred leaf's type, at argument
+    ``slot``, :class:`Carried` there when its views take run-time operands, which enter replicated), the other
+    arguments resharded from their Auto read layouts into ``specs``, the output in ``out_spec``, handed back on
+    Auto axes."""
     import jax
-    from jax.sharding import reshard, use_abstract_mesh
+    from jax.sharding import PartitionSpec, reshard, use_abstract_mesh
 
     mesh = sharding.mesh
     in_specs = tuple(sharding.spec if k == slot else s for k, s in enumerate(specs))
     named = {a for s in in_specs for e in s for a in _entry_axes(e)} | set(sharding.spec.reduced)
     axes = tuple(a for a in mesh.axis_names if a in named)
 
-    def body(*xs: Any) -> Any:
+    def body(*xs: Any, operands: list[Any]) -> Any:
         # every block made varying over the axes any of them varies over (a primitive bound directly gets no
         # implicit cast): the leaf's cast over R is the one whose transpose hands back each device's term,
         # unreduced; another cast is an index's (replicated over the table's tile axes), which has no cotangent
-        xs = [x if not (more := tuple(a for a in axes if a not in jax.typeof(x).vma)) else
-              jax.lax.pcast(x, more, to="varying") for x in xs]
-        return local(xs)
+        xs, operands = ([x if not (more := tuple(a for a in axes if a not in jax.typeof(x).vma)) else
+                         jax.lax.pcast(x, more, to="varying") for x in group] for group in (xs, operands))
+        return local(xs, operands)
 
     def run(args: list[Any]) -> list[Any]:
         args = list(args)
+        extra: list[Any] = []
+        if isinstance(args[slot], Carried):
+            args[slot], extra = args[slot].value, list(args[slot].operands)
+        n = len(args)
         with use_abstract_mesh(mesh.abstract_mesh):
             for k, s in enumerate(in_specs):
                 if k != slot:
                     args[k] = reshard(args[k], s)
-        y = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=True)(*args)
+            extra = [reshard(x, PartitionSpec()) for x in extra]
+
+        def split(*xs: Any) -> Any:
+            return body(*xs[:n], operands=list(xs[n:]))
+
+        specs = in_specs + (PartitionSpec(),) * len(extra)
+        y = jax.shard_map(split, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=True)(*args, *extra)
         return [to_auto(y, sharding)]
 
     return run
@@ -290,11 +334,11 @@ def gather_island(e: Any, shape: tuple[int, ...], tile: Any, sharding: Any, read
     rows = shape[vocab] // _ways(mesh, t[vocab]) if split else 0
     axes_v = t[vocab] if split else ()
 
-    def local(xs: list[Any]) -> Any:
+    def local(xs: list[Any], operands: list[Any]) -> Any:
         import jax
         import jax.numpy as jnp
 
-        table = apply_views(xs[0], views)
+        table = apply_views(xs[0], views, operands)
         if not split:
             return primitive.bind(table, xs[1], **params)
         ids = jnp.clip(xs[1], 0, shape[vocab] - 1) - jax.lax.axis_index(axes_v) * rows
@@ -343,11 +387,11 @@ def product_island(e: Any, slot: int, shape: tuple[int, ...], tile: Any, shardin
         params["out_sharding"] = None
     primitive = e.primitive
 
-    def local(xs: list[Any]) -> Any:
+    def local(xs: list[Any], operands: list[Any]) -> Any:
         import jax
 
         xs = list(xs)
-        xs[slot] = apply_views(xs[slot], views)
+        xs[slot] = apply_views(xs[slot], views, operands)
         y = primitive.bind(xs[0], xs[1], **params)
         return jax.lax.psum(y, contracted) if contracted else y
 
@@ -396,10 +440,10 @@ def scale_island(e: Any, slot: int, view: Any, other_shape: tuple[int, ...], ran
     broadcast = None if view is None else (view.primitive, dict(view.params, shape=local_shape))
     prim, params = e.primitive, e.params
 
-    def local(xs: list[Any]) -> Any:
+    def local(xs: list[Any], operands: list[Any]) -> Any:
 
         xs = list(xs)
-        xs[slot] = apply_views(xs[slot], views)
+        xs[slot] = apply_views(xs[slot], views, operands)
         if broadcast is not None:
             xs[slot] = broadcast[0].bind(xs[slot], **broadcast[1])
         return prim.bind(*xs, **params)

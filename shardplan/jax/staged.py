@@ -372,7 +372,7 @@ class _Stage:
                                               {v: _factored(sh) for v, sh in out_sh.items()}, exported)
         passed = set()  # a deferred leaf's views and broadcasts pass the Explicit leaf on: no constraint on them
         for k, run_k in islands.items():
-            if isinstance(run_k, _PassThrough):
+            if isinstance(run_k, (_PassThrough, _Carry)):
                 passed.update(prog.eqns[k].outvars)
                 for v in prog.eqns[k].outvars:
                     produce.pop(v, None)
@@ -517,6 +517,7 @@ def _replica_choices(sharding: Any) -> list[Any]:
 # axes before a matmul (these two, which JAX 0.9.2 types on a reduced value) or per device (any, local_reads)
 _VIEW_READS = frozenset({"transpose", "convert_element_type"})
 _LOCAL_VIEWS = frozenset({"reshape", "squeeze", "slice"})  # and dynamic_slice, split: :func:`_views`
+_RUNTIME_VIEWS = frozenset({"dynamic_slice"})  # views whose other operands are values: :class:`_Carry`
 
 
 def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mapping[int, tuple[int, ...]],
@@ -541,8 +542,9 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
     * a view (``transpose``: a tied embedding read as the head; ``convert_element_type``: a weight read in a
       lower precision) whose every read is one of these: the view passes the Explicit leaf on and its readers
       apply it (:func:`_viewed_island`);
-    * a view that moves data within the leaf (``reshape``, ``slice``, ``squeeze``, a constant ``dynamic_slice``,
-      ``split``: :func:`_views`), local (:func:`shardplan.jax.local_reads.local_view`), whose every read is one of
+    * a view that moves data within the leaf (``reshape``, ``slice``, ``squeeze``, a ``dynamic_slice`` at constant
+      or traced starts, ``split``: :func:`_views`), local (:func:`shardplan.jax.local_reads.local_view`), whose
+      every read is one of
       these: the readers apply the views per device, a matmul too
       (:func:`shardplan.jax.local_reads.product_island`).
 
@@ -565,14 +567,35 @@ def _deferrable(prog: Any, eqns: set[int], params: Sequence[int], shapes: Mappin
     defer: dict[int, Any] = {}
     islands: dict[int, Island] = {}
     cx = _Context(readers, hidden, exported, taken, shapes, reads, outs)
+    meshes = list({id(sh.mesh): sh.mesh for sh in reads.values() if sh is not None}.values())
     for i in params:
-        for sh in _replica_choices(tiles[i]) if zero[i] <= 1 else ():
-            runs = _read_islands(prog, prog.invars[i], (), _Leaf(tuple(shapes[prog.invars[i]]), tiles[i], sh), cx)
-            if runs is not None:
-                defer[i] = sh
-                islands.update(runs)
+        for tile in _tile_meshes(tiles[i], meshes) if zero[i] <= 1 else ():
+            for sh in _replica_choices(tile):
+                runs = _read_islands(prog, prog.invars[i], (), _Leaf(tuple(shapes[prog.invars[i]]), tile, sh), cx)
+                if runs is not None:
+                    defer[i] = sh
+                    islands.update(runs)
+                    break
+            if i in defer:
                 break
     return defer, islands
+
+
+def _tile_meshes(tile: Any, meshes: Sequence[Any]) -> list[Any]:
+    """The tile ``tile`` of a leaf, then, where it is replicated (its spec names no axis), the same replicated
+    tile on each other mesh of ``meshes`` over the same devices in the same order: a leaf whose first reader runs
+    replicated (a ``dynamic_slice`` at traced starts owns a stacked weight) is then read per device on the mesh
+    of the products that read its views, with its replicas the axes they split their rows over."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    out = [tile]
+    if any(e is not None for e in tile.spec):
+        return out
+    devices = list(tile.mesh.devices.flat)
+    for m in meshes:
+        if m != tile.mesh and list(m.devices.flat) == devices:
+            out.append(NamedSharding(m, PartitionSpec()))
+    return out
 
 
 @dataclass(frozen=True)
@@ -620,7 +643,7 @@ def _read_islands(prog: Any, v: int, chain: tuple[Any, ...], leaf: _Leaf, cx: _C
                 if more is None or more.keys() & runs.keys():  # an equation reading two views of the leaf
                     return None
                 runs.update(more)
-            run = _PassThrough(len(views))
+            run = _Carry() if any(view.operands for _, view in views) else _PassThrough(len(views))
         elif e.name == "dot_general" and all(c.name in _VIEW_READS for c in chain):
             run = _viewed_island(e, slot, chain, leaf, cx.reads.get((k, slot)), cx.reads.get((k, 1 - slot)), out)
         elif e.name == "dot_general" and local is not None:
@@ -657,7 +680,8 @@ def _views(e: Any, slot: int, shape: tuple[int, ...] | None) -> list[tuple[int, 
     """For an equation ``e`` reading a deferred leaf (or a view of it, of shape ``shape``) as operand ``slot``:
     its results, each with the view of the operand it is (:class:`shardplan.jax.local_reads.View`), when ``e`` is
     a view (a transpose, a cast, a reshape, a squeeze, a slice, a ``dynamic_slice`` at constant starts -- clamped
-    into the operand as XLA clamps them -- or a ``split``: a slice per result); None otherwise."""
+    into the operand as XLA clamps them -- or at traced ones, its starts then run-time operands of the view
+    (:class:`_Carry`), or a ``split``: a slice per result); None otherwise."""
     from shardplan.jax.flatten import Const
     from shardplan.jax.local_reads import slice_view, view_of
 
@@ -671,6 +695,8 @@ def _views(e: Any, slot: int, shape: tuple[int, ...] | None) -> list[tuple[int, 
         sizes = tuple(e.params["slice_sizes"])
         lo = [min(max(int(a.value), 0), n - z) for a, n, z in zip(e.invars[1:], shape, sizes)]
         return [(e.outvars[0], slice_view(lo, [a + z for a, z in zip(lo, sizes)]))]
+    if e.name in _RUNTIME_VIEWS and len(e.outvars) == 1 and len(e.invars) == len(shape) + 1:
+        return [(e.outvars[0], view_of(e))]
     if e.name == "split" and len(e.invars) == 1:
         axis, out = int(e.params["axis"]), []
         start = 0
@@ -724,6 +750,19 @@ class _PassThrough:
 
     def __call__(self, args: list[Any]) -> list[Any]:
         return [args[0]] * self.results
+
+
+@dataclass(frozen=True)
+class _Carry:
+    """What a deferred leaf's view with run-time operands (a ``dynamic_slice`` at traced starts) runs: nothing but
+    handing the leaf on with those operands' values (:class:`shardplan.jax.local_reads.Carried`), which its
+    per-device readers apply to each device's block (:func:`shardplan.jax.local_reads.apply_views`)."""
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        from shardplan.jax.local_reads import Carried
+
+        leaf = args[0] if isinstance(args[0], Carried) else Carried(args[0])
+        return [leaf.then(args[1:])]
 
 
 def _spec_axes(spec: Any, dims: Sequence[int]) -> frozenset[str]:
