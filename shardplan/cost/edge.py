@@ -79,7 +79,8 @@ import numpy as np
 from shardplan.configs import deferred_inputs, forward_deferrable
 from shardplan.cost.reshard import MAX_BITS, canonical_pairs, canonical_volume, pattern_bits
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time, reduce_scatter_time
-from shardplan.cost.tiles import MAX_DEVICES, all_active, as_layouts, box_volumes, check_per_device, tensor_boxes
+from shardplan.cost.tiles import (MAX_DEVICES, all_active, as_layouts, box_volumes, check_per_device, stored_weight,
+                                  tensor_boxes)
 from shardplan.errors import ShardplanError
 from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
@@ -1083,7 +1084,7 @@ def weight_views(u: Operator, wu: int, v: Operator, wv: int) -> tuple[Operator, 
 
     Both keep their iteration domains, so a layout places the parameter's tiles exactly as the reader's
     weight access places them. The parameter is held whole along every axis the owner reads through an
-    offset, a window, a stride or a piece (a slice, a split's piece: :func:`_stored_axis`), as the run
+    offset, a window, a stride or a piece (a slice, a split's piece: :func:`~shardplan.cost.tiles.stored_axis`), as the run
     stores it; the reader keeps its access, so an offset axis reads exactly the block it slices, and the
     edge moves that block forward and its gradient back (:func:`_clip_to_read`; docs/cost-model.md,
     "Shared parameters").
@@ -1094,7 +1095,7 @@ def weight_views(u: Operator, wu: int, v: Operator, wv: int) -> tuple[Operator, 
     if tu.shape != tv.shape:
         raise ShardplanError(f"operator {v.name!r}: shared weight {tv.name!r} of shape {tv.shape} read as "
                              f"{u.name!r}'s {tu.name!r} of shape {tu.shape}")
-    src_axes = tuple(_stored_axis(a) for a in tu.axes)
+    src_axes = stored_weight(tu).axes
     src = Operator(u.name, "parameter", u.dims, inputs=(),
                    output=Tensor("w", tu.shape, src_axes, "output", elem_factor=tu.elem_factor))
     dst = Operator(v.name, "parameter", v.dims,
@@ -1102,16 +1103,6 @@ def weight_views(u: Operator, wu: int, v: Operator, wv: int) -> tuple[Operator, 
                                   elem_factor=tv.elem_factor),),
                    output=Tensor("y", (1,), (None,), "output"))
     return src, dst
-
-
-def _stored_axis(a):
-    """How the owner's layout stores a parameter axis it reads as ``a``: as read where the axis is plain or
-    merged (or not indexed); whole (``AxisMap(None)``) where it reads it through an offset, a window, a stride
-    or a piece, since a layout then places no block of the whole axis (the run keeps the parameter replicated
-    along it: its leaf sharding names the dims of plain axes only)."""
-    from shardplan.ir import AxisMap
-
-    return a if a.dim is None or a.is_plain or a.inner else AxisMap(None)
 
 
 def weight_sync(op: Operator, w: int, configs, machine: Machine) -> tuple[np.ndarray, np.ndarray]:

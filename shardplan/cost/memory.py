@@ -2,7 +2,8 @@
 
 For each operator and configuration, per device q (bytes):
 
-    weights:     sum_W |W tile(q)| * (1 + 1 + m)    (value, gradient, m words of optimizer state)
+    weights:     sum_W |W tile(q)| * (1 + 1 + m)    (value, gradient, m words of optimizer state;
+                                                     W whole along an axis its owner reads through a piece)
                  (a parameter read by several operators is charged once, to
                  its owner, in the owner's layout: ``Tensor.owner``)
     activations: saved * |output tile(q)|           (kept for the backward pass; ``Operator.saved``
@@ -29,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from shardplan.cost.tiles import as_layouts, tile_volumes, uniform_tiles
+from shardplan.cost.tiles import as_layouts, stored_weight, tile_volumes, uniform_tiles
 from shardplan.ir import Operator
 from shardplan.machine import Machine
 
@@ -51,19 +52,18 @@ def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: f
     nbytes = machine.dtype_bytes
     lay = as_layouts(configs, p, orders, machine.levels)
     k = len(lay)
+    stored = [stored_weight(t) for t in op.weights if t.owner is None]  # owned weights as their devices hold them
     if not per_device:
-        vols = [uniform_tiles(op, t, lay) for t in (*op.weights, op.output)]
+        vols = [uniform_tiles(op, t, lay) for t in (*stored, op.output)]
         if all(v is not None for v in vols):
             w = np.zeros((k, 1))
-            for t, vol in zip(op.weights, vols):
-                if t.owner is None:
-                    w += (vol * t.elem_factor * nbytes * (2.0 + optimizer_factor))[:, None]
+            for t, vol in zip(stored, vols):
+                w += (vol * t.elem_factor * nbytes * (2.0 + optimizer_factor))[:, None]
             act = (vols[-1].astype(np.float64) * nbytes * op.saved)[:, None]
             return w, act
     w = np.zeros((k, p))
-    for t in op.weights:
-        if t.owner is None:
-            w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
+    for t in stored:
+        w += tile_volumes(op, t, lay) * t.elem_factor * nbytes * (2.0 + optimizer_factor)
     act = tile_volumes(op, op.output, lay).astype(np.float64) * nbytes * op.saved
     return w, act
 
@@ -251,8 +251,8 @@ def weight_groups(op: Operator, configs, orders: np.ndarray | None, machine: Mac
     reps = np.asarray(lay.levels, dtype=np.int64)[:, None] // lay.level_splits.prod(axis=2)
     state = np.zeros(k)
     for t in op.weights:  # a parameter read by several operators: its state and sync on its owner only
-        if t.owner is None:
-            state += tile_volume(op, t, lay, p) * nbytes
+        if t.owner is None:  # held whole along any axis its owner reads through a piece (stored_weight)
+            state += tile_volume(op, stored_weight(t), lay, p) * nbytes
     group = np.ones(k)
     rows = []
     syncs = []

@@ -215,6 +215,25 @@ def tensor_boxes(op: Operator, tensor: Tensor, configs, p: int, core: bool = Tru
     return out
 
 
+def stored_axis(a):
+    """How the layout of the operator owning a parameter stores an axis it reads as ``a``: as read where the
+    axis is plain or merged (or not indexed); whole (``AxisMap(None)``) where it reads it through an offset, a
+    window, a stride or a piece, since a layout then places no block of the whole axis (the run keeps the
+    parameter replicated along it: its leaf sharding names the dims of plain axes only)."""
+    from shardplan.ir import AxisMap
+
+    return a if a.dim is None or a.is_plain or a.inner else AxisMap(None)
+
+
+def stored_weight(tensor: Tensor) -> Tensor:
+    """``tensor`` (a weight its operator owns) as the owner's devices store it: every axis by
+    :func:`stored_axis` (the same tensor where every axis is plain, merged or whole)."""
+    from dataclasses import replace
+
+    axes = tuple(stored_axis(a) for a in tensor.axes)
+    return tensor if axes == tuple(tensor.axes) else replace(tensor, axes=axes)
+
+
 def regular_tile_lengths(op: Operator, tensor: Tensor, splits: np.ndarray) -> np.ndarray | None:
     """Per layout, the tile length of every axis when every device's tile is the same size: (K, n_axes).
 

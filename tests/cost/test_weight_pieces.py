@@ -104,3 +104,26 @@ def test_readers_of_another_shape_are_refused():
                  (Tensor("w0", (8, 16), ("r", "c"), "weight", owner=("q", "w0")),))
     with pytest.raises(ShardplanError, match="shape"):
         weight_views(u, 0, v, 0)
+
+
+def test_the_owner_of_a_piece_stores_the_whole_parameter_along_the_piece_axis():
+    """The memory of a weight owned through a piece is the parameter whole along the piece's axis and blocked along
+    its plain axes, as the run holds it (value, gradient and optimizer state), on every device and in both paths of
+    :func:`operator_memory` (per layout and per device), and in :func:`weight_groups`'s state."""
+    from shardplan.cost.memory import operator_memory, weight_groups
+    from shardplan.machine import Machine
+
+    machine = Machine(P)
+    owner = _piece("q", 0, 8)
+    configs = np.asarray(CONFIGS)
+    rows = SHAPE[0] // configs[:, 0]  # the plain axis blocked over x, the piece's axis whole
+    want = rows * SHAPE[1] * machine.dtype_bytes
+    for per_device in (False, True):
+        w, _ = operator_memory(owner, configs, machine, optimizer_factor=2.0, per_device=per_device)
+        assert np.array_equal(w.max(axis=1), want * 4.0)
+        assert np.array_equal(w.min(axis=1), want * 4.0)
+    assert np.array_equal(weight_groups(owner, configs, None, machine).state, want)
+    # a reader through a piece holds no state of the parameter; an unowned copy of it, read plainly, the same bytes
+    assert not operator_memory(_piece("k", 8, 8, ("q", "w0")), configs, machine)[0].any()
+    assert np.array_equal(operator_memory(_whole("e"), np.asarray([(c[0], 1) for c in CONFIGS]), machine)[0][:, 0],
+                          want * 4.0)
