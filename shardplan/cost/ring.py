@@ -34,7 +34,8 @@ The math is in docs/cost-model.md, "Ring context parallelism"; in short:
   (:func:`gathered_reduction`), the all-reduce taken off the operator (:func:`gathered_moved`). With
   ``Machine.scatter_gathered_grads`` (DTensor) the same holds for the contiguous (undealt) attention and for
   a fused attention that is not causal (:func:`scatters_undealt`, :func:`gathered_home`): its
-  redistribution reduce-scatters them too.
+  redistribution reduce-scatters them too. Every other activation's gradient on that machine:
+  :mod:`shardplan.cost.grad_home`, which leaves the pairs charged here alone (:func:`ring_charged`).
 """
 
 from __future__ import annotations
