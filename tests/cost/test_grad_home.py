@@ -139,3 +139,40 @@ def test_the_exact_solvers_agree_with_the_rule_and_take_the_reduce_scatter_where
     lv = tables.arrays[1].take([dp.assignment[1]])
     if home_pairs(fc, lv, TORCH)[0, 0]:  # where the search splits the features out, the producer scatters
         assert home_scatters(act, lu, fc, 0, lv, TORCH)[0, 0]
+
+
+def test_the_fit_searchs_micro_batch_costs_leave_the_moved_all_reduce_to_the_edge():
+    from shardplan.cost.memory import latency_scaled
+    from shardplan.fit import _scaled
+
+    graph = _graph()
+    tables = _tables(graph, TORCH)
+    _, fc = graph.operators
+    got = _scaled(fc, tables.arrays[1], tables, 4)
+    plain = operator_cost(fc, tables.arrays[1], latency_scaled(TORCH, 4))
+    assert got is not None and plain.grad_allreduce[1] > 0
+    assert got.grad_allreduce[1] == pytest.approx(0.0, abs=1e-15)  # on the edge, as the tables charge it
+    assert got.grad_allreduce[[0, 2]].tolist() == plain.grad_allreduce[[0, 2]].tolist()
+    assert _scaled(fc, tables.arrays[1], _tables(graph, XLA), 4) is None  # XLA's machine: as before
+
+
+def test_the_attentions_gathered_keys_stay_with_the_ring_rule():
+    from shardplan.cost.ring import gathered_home, ring_charged, ring_mask
+
+    g = GraphBuilder("attn")
+    x = g.input("x", (2, 16, 2, 8))
+    q, k, v = (g.add(ops.elementwise(n, x, kind="tanh")) for n in ("q", "k", "v"))
+    g.add(ops.flash_attention("attn", q, k, v, "bshk", "bthk"))
+    graph = g.build()
+    att = graph.operators[-1]
+    lay = LayoutArrays.stack([_flat(att, tuple(4 if d == "s" else 1 for d in att.dim_names))])
+    compute = operator_cost(att, lay, TORCH).compute
+    mask, _ = ring_mask(att, lay)
+    assert mask[0].tolist() == [False, True, True] and gathered_home(att, lay, TORCH, compute)[0]
+    handled = ring_charged(att, lay, TORCH, "allgather", compute)
+    assert handled[0].tolist() == [False, True, True]
+    # the keys and values: the ring's rule (cost.ring.gathered_reduction); the queries' gradient sums over no
+    # split dim (the key sequence is whole): nothing for this rule either
+    assert not home_pairs(att, lay, TORCH, handled=handled).any()
+    assert home_pairs(att, lay, TORCH)[0].tolist() == [False, True, True]  # what it would take without the ring's
+    assert ring_charged(att, lay, TORCH, "ring", compute)[0].tolist() == [False, True, True]
