@@ -517,8 +517,9 @@ def _rms_norm(x: Any, normalized_shape: Sequence[int], weight: Any = None, eps: 
     adds ``eps`` in place to the mean of squares, which DTensor refuses on the partial sum a split normalised
     dim leaves; here out of place, the mean as ``sum / count`` (:func:`_mean`; DTensor reduces the partial sum
     before the ``+ eps``: the statistics' all-reduce the tables charge). As the composite computes it: in
-    float32 for a 16-bit input (its "opmath" type), ``x · rsqrt(mean(x²) + eps)`` cast back, then times the
-    weight; ``eps`` None: the input type's machine epsilon. Otherwise PyTorch's own ``rms_norm``."""
+    float32 for a 16-bit input (its "opmath" type), ``x · rsqrt(mean(x²) + eps) · weight`` cast back once;
+    ``eps`` None: that type's machine epsilon (bit-equal to PyTorch 2.13's on CPU, bfloat16 included).
+    Otherwise PyTorch's own ``rms_norm``."""
     import torch
     from torch.distributed.tensor import DTensor, Shard
 
@@ -527,9 +528,9 @@ def _rms_norm(x: Any, normalized_shape: Sequence[int], weight: Any = None, eps: 
                                              for pl in x.placements):
         return torch.ops.aten.rms_norm.default(x, normalized_shape, weight, eps)
     up = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    e = torch.finfo(x.dtype).eps if eps is None else eps
-    y = (up * torch.rsqrt(_mean(up * up, list(range(first, x.dim())), keepdim=True) + e)).to(x.dtype)
-    return y * weight if weight is not None else y
+    e = torch.finfo(up.dtype).eps if eps is None else eps
+    y = up * torch.rsqrt(_mean(up * up, list(range(first, x.dim())), keepdim=True) + e)
+    return (y * weight.to(up.dtype) if weight is not None else y).to(x.dtype)
 
 
 def _xent_terms(fn: Any, x: Any, target: Any, weight: Any, reduction: int, ignore_index: int, *rest: Any) -> Any:
