@@ -480,9 +480,14 @@ def ring_operator_cost(op: Operator, lay: LayoutArrays, machine: Machine, contex
 
     cost = operator_cost(op, lay, machine)
     rules = decide or machine
-    compute = operator_cost(op, lay, decide).compute if decide is not None else cost.compute
+    gathered = context == "allgather" and gathered_applies(op, rules)
+    if not gathered and context == "allgather" and not rules.scatter_gathered_grads:
+        return cost
+    compute = cost.compute
+    if decide is not None and (gathered or rules.scatter_gathered_grads):  # the deal as the tables decided it
+        compute = operator_cost(op, lay, decide).compute
     if context == "allgather":
-        if gathered_applies(op, rules):
+        if gathered:
             dealt = gathered_home(op, lay, rules, compute)
             cost = replace(cost, grad_allreduce=cost.grad_allreduce - np.where(dealt, moved_reduction(op, lay, machine),
                                                                                0.0))
