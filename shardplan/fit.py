@@ -467,14 +467,22 @@ def _choice_tables(tables: CostTables, micro_batches: int, options: FitOptions, 
 def _scaled(op: Operator, lay: Any, tables: CostTables, m: int) -> Any:
     """The operator's cost with every collective paying m latencies (None: :func:`choice_table` computes it);
     tables built with a ring ``context``, or a dealt attention's under the all-gather, charge the ring input's
-    gradient reduction on its edge (:func:`shardplan.cost.ring.ring_operator_cost`)."""
+    gradient reduction on its edge (:func:`shardplan.cost.ring.ring_operator_cost`), and so do tables on
+    DTensor's machine its activations' gradients (``Machine.scatter_gathered_grads``,
+    :mod:`shardplan.cost.grad_home`)."""
+    from shardplan.cost.ring import gathered_applies
+
     context = tables.options.get("context", "allgather")
-    if context == "allgather" and (op.causal is None or not op.causal.dealt):
+    home = tables.machine.scatter_gathered_grads
+    if context == "allgather" and not gathered_applies(op, tables.machine) and not home:
         return None
+    from shardplan.cost.grad_home import unfed_slots
     from shardplan.cost.memory import latency_scaled
     from shardplan.cost.ring import ring_operator_cost
 
-    return ring_operator_cost(op, lay, latency_scaled(tables.machine, m), context, decide=tables.machine)
+    unfed = unfed_slots(tables.graph)[tables.graph.index[op.name]] if home else frozenset()
+    return ring_operator_cost(op, lay, latency_scaled(tables.machine, m), context, decide=tables.machine,
+                              unfed=unfed)
 
 
 def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, options: FitOptions = FitOptions(),

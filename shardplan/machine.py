@@ -118,8 +118,11 @@ class Machine:
             all-gathered (context parallelism) go home by a reduce-scatter to a producer that scatters them
             over the query sequence's group, whether or not the runner deals the queries (DTensor's
             ``Partial -> Shard`` redistribution, measured: docs/torch.md), and those of a fused attention
-            that is not causal (an encoder's) over every device that sums them; False: only where dealt, the
-            contiguous and the unmasked attention's all-reduced (XLA's GSPMD, :mod:`shardplan.cost.ring`).
+            that is not causal (an encoder's) over every device that sums them; and so does any other
+            activation's gradient summed over split dims, into a producer whose tiles scatter the consumer's
+            tile over the summing devices (the same redistribution, measured: :mod:`shardplan.cost.grad_home`);
+            False: only where dealt, the contiguous and the unmasked attention's all-reduced, and every other
+            activation's gradient all-reduced at its consumer (XLA's GSPMD, :mod:`shardplan.cost.ring`).
     """
 
     num_devices: int

@@ -16,8 +16,9 @@ from shardplan.configs import ORDER_MODES, configurations, dimension_orders, fla
 from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budgets, weight_edge_cost
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost, optimizer_step_bytes
+from shardplan.cost.grad_home import home_moved, home_pairs, home_reduction, unfed_slots
 from shardplan.cost.ring import (CONTEXT_ALGORITHMS, context_edge, gathered_applies, gathered_charge, gathered_moved,
-                                 gathered_reduction, moved_reduction)
+                                 gathered_reduction, moved_reduction, ring_charged)
 from shardplan.cost.tiles import MAX_DEVICES  # per-device tiles: at most this many devices (the default max_devices)
 from shardplan.errors import OperatorMemoryError, ShardplanError, TableMemoryError
 from shardplan.ir import Graph, Operator
@@ -298,8 +299,13 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     levels = machine.levels
     ops = graph.operators
     # identical operators share one small integer key (hashing the full descriptions once)
+    # with DTensor's reduce-scatter home (cost/grad_home.py) an operator's charge also depends on which of its
+    # inputs an edge feeds (a pipeline stage's first operators read earlier stages' tensors as graph inputs)
+    home = machine.scatter_gathered_grads
+    unfed = unfed_slots(graph) if home else [frozenset()] * len(ops)
+    okeys = [(operator_key(op), unfed[i]) if home else operator_key(op) for i, op in enumerate(ops)]
     ids: dict[tuple, int] = {}
-    keys = [ids.setdefault(operator_key(op), len(ids)) for op in ops]
+    keys = [ids.setdefault(k, len(ids)) for k in okeys]
     first: dict[int, int] = {}
     count: dict[int, int] = {}
     for i, key in enumerate(keys):
@@ -314,7 +320,7 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         # keys shared with earlier builds: the operator descriptions (and the resolved orders) decide them
         store = cache.setdefault(("orders", orders), {})
         gids = store.setdefault("ids", {})
-        remap = {key: gids.setdefault(operator_key(ops[i]), len(gids)) for key, i in first.items()}
+        remap = {key: gids.setdefault(okeys[i], len(gids)) for key, i in first.items()}
         keys = [remap[k] for k in keys]
         first = {remap[k]: i for k, i in first.items()}
         count = {remap[k]: c for k, c in count.items()}
@@ -373,6 +379,10 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         elif gathered_applies(op, machine):  # the gathered keys' gradients, on their edges (the reduce-scatter)
             moved = gathered_moved(op, arr, machine, cost.compute)
             cost = replace(cost, grad_allreduce=cost.grad_allreduce - moved)
+        if home:  # activation gradients home by reduce-scatter where the producer scatters them, on their edges
+            pairs = home_pairs(op, arr, machine, unfed[i], ring_charged(op, arr, machine, context, cost.compute))
+            store.setdefault("home", {})[key] = pairs
+            cost = replace(cost, grad_allreduce=cost.grad_allreduce - home_moved(op, arr, machine, pairs))
         per_key[key] = (lays, arr, cost, (w, act))
         if progress is not None:
             progress(n_done + 1, steps)
@@ -408,6 +418,9 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
                 edge_cache[ekey] = context_edge(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine,
                                                 edge_cache[ekey], store["ring_moved"][keys[e.dst]], kv[2].compute,
                                                 context)
+            if home:
+                edge_cache[ekey] = edge_cache[ekey] + home_reduction(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1],
+                                                                     machine, store["home"][keys[e.dst]])
         edge_costs.append(edge_cache[ekey])
         if progress is not None:
             progress(len(first) + n_done + 1, steps)

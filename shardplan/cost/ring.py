@@ -34,7 +34,8 @@ The math is in docs/cost-model.md, "Ring context parallelism"; in short:
   (:func:`gathered_reduction`), the all-reduce taken off the operator (:func:`gathered_moved`). With
   ``Machine.scatter_gathered_grads`` (DTensor) the same holds for the contiguous (undealt) attention and for
   a fused attention that is not causal (:func:`scatters_undealt`, :func:`gathered_home`): its
-  redistribution reduce-scatters them too.
+  redistribution reduce-scatters them too. Every other activation's gradient on that machine:
+  :mod:`shardplan.cost.grad_home`, which leaves the pairs charged here alone (:func:`ring_charged`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from shardplan.machine import Machine
 __all__ = ["CONTEXT_ALGORITHMS", "ring_inputs", "ring_mask", "ring_exposed", "deal_time", "moved_reduction",
            "gathered_imbalance", "gathered_deal", "gather_deals", "gathered_charge", "deals_gathered", "gathered_dealt",
            "gathered_home", "gathered_moved", "scatters_undealt", "gathered_applies", "gathered_scatters",
-           "gathered_reduction", "context_edge", "ring_choices", "ring_operator_cost"]
+           "gathered_reduction", "ring_charged", "context_edge", "ring_choices", "ring_operator_cost"]
 
 CONTEXT_ALGORITHMS = ("allgather", "ring", "auto")
 """``build_tables(context=...)``: every ring input gathered (the default, today's model), passed around the
@@ -426,6 +427,20 @@ def gathered_reduction(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv
     return np.where(gathered_scatters(u, lu, v, slot, lv, machine) & (ar > 0)[None, :], rs[None, :], ar[None, :])
 
 
+def ring_charged(v: Operator, lv: LayoutArrays, machine: Machine, context: str, compute: np.ndarray) -> np.ndarray:
+    """(K, inputs) bool: the (layout, input) pairs whose gradient reduction tables built with ``context`` charge
+    on the input's edge here: every ring input with the ring or ``auto`` (:func:`moved_reduction`), the ring
+    inputs at :func:`gathered_home`'s layouts with the all-gather where :func:`gathered_applies`
+    (``compute``: v's compute, as :func:`gathered_home` takes it). The general rule for the rest
+    (:func:`shardplan.cost.grad_home.home_pairs`) leaves them alone."""
+    mask, _ = ring_mask(v, lv)
+    if context != "allgather":
+        return mask
+    if not gathered_applies(v, machine):
+        return np.zeros_like(mask)
+    return mask & gathered_home(v, lv, machine, compute)[:, None]
+
+
 def context_edge(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
                  gathered: np.ndarray, moved: np.ndarray, compute: np.ndarray, algorithm: str) -> np.ndarray:
     """The edge u -> v's seconds (K_u, K_v) under ``algorithm`` (:data:`CONTEXT_ALGORITHMS`): ``gathered`` is
@@ -450,21 +465,35 @@ def context_edge(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
 
 
 def ring_operator_cost(op: Operator, lay: LayoutArrays, machine: Machine, context: str = "allgather",
-                       decide: Machine | None = None):
+                       decide: Machine | None = None, unfed: frozenset[int] = frozenset()):
     """:func:`~shardplan.cost.operator.operator_cost` of ``op`` as tables built with ``context`` charge it:
     with ``ring`` or ``auto``, less the all-reduce of the ring input's gradient (:func:`moved_reduction`),
     which the edge of that input charges instead; with ``allgather``, less it where the attention is dealt
-    (:func:`gathered_moved`; ``decide``: the machine the tables decided the deal on, default ``machine``)."""
+    (:func:`gathered_moved`; ``decide``: the machine the tables decided the deal on, default ``machine``).
+    With ``scatter_gathered_grads`` also less the activation-gradient all-reduces the tables charge on the
+    inputs' edges (:func:`shardplan.cost.grad_home.home_moved`; ``unfed``: the input slots no edge feeds,
+    :func:`shardplan.cost.grad_home.unfed_slots`)."""
     from dataclasses import replace
 
+    from shardplan.cost.grad_home import home_moved, home_pairs
     from shardplan.cost.operator import operator_cost
 
     cost = operator_cost(op, lay, machine)
+    rules = decide or machine
+    gathered = context == "allgather" and gathered_applies(op, rules)
+    if not gathered and context == "allgather" and not rules.scatter_gathered_grads:
+        return cost
+    compute = cost.compute
+    if decide is not None and (gathered or rules.scatter_gathered_grads):  # the deal as the tables decided it
+        compute = operator_cost(op, lay, decide).compute
     if context == "allgather":
-        if not gathered_applies(op, decide or machine):
-            return cost
-        dealt = gathered_home(op, lay, decide or machine, operator_cost(op, lay, decide).compute
-                              if decide is not None else cost.compute)
-        return replace(cost, grad_allreduce=cost.grad_allreduce - np.where(dealt, moved_reduction(op, lay, machine),
-                                                                           0.0))
-    return replace(cost, grad_allreduce=cost.grad_allreduce - moved_reduction(op, lay, machine))
+        if gathered:
+            dealt = gathered_home(op, lay, rules, compute)
+            cost = replace(cost, grad_allreduce=cost.grad_allreduce - np.where(dealt, moved_reduction(op, lay, machine),
+                                                                               0.0))
+    else:
+        cost = replace(cost, grad_allreduce=cost.grad_allreduce - moved_reduction(op, lay, machine))
+    if not rules.scatter_gathered_grads:
+        return cost
+    pairs = home_pairs(op, lay, rules, unfed, ring_charged(op, lay, rules, context, compute))
+    return replace(cost, grad_allreduce=cost.grad_allreduce - home_moved(op, lay, machine, pairs))

@@ -38,7 +38,8 @@ def dtensor_machine(machine: Machine) -> Machine:
       :func:`shardplan.torch.run.flat_groups`);
     * ``scatter_gathered_grads`` on: the keys' and values' gradients of an all-gathered attention go home by
       DTensor's ``Partial -> Shard`` reduce-scatter where their producer scatters them: causal, dealt or not,
-      and not causal (an encoder's).
+      and not causal (an encoder's); and so does every other activation's gradient summed over split dims
+      whose producer scatters the consumer's tile over the summing devices (:mod:`shardplan.cost.grad_home`).
 
     An activation's gradient summed over several split dims is reduced one dim at a time too (the run's hook
     before DTensor's redistribution: :func:`shardplan.torch.run.summed_dims`).

@@ -512,6 +512,27 @@ def _mean(x: Any, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> 
     return s / count
 
 
+def _rms_norm(x: Any, normalized_shape: Sequence[int], weight: Any = None, eps: float | None = None) -> Any:
+    """``rms_norm`` where a mesh axis splits (or leaves partial) a normalised dim of ``x``: PyTorch's composite
+    adds ``eps`` in place to the mean of squares, which DTensor refuses on the partial sum a split normalised
+    dim leaves; here out of place, the mean as ``sum / count`` (:func:`_mean`; DTensor reduces the partial sum
+    before the ``+ eps``: the statistics' all-reduce the tables charge). As the composite computes it: in
+    float32 for a 16-bit input (its "opmath" type), ``x · rsqrt(mean(x²) + eps) · weight`` cast back once;
+    ``eps`` None: that type's machine epsilon (bit-equal to PyTorch 2.13's on CPU, bfloat16 included).
+    Otherwise PyTorch's own ``rms_norm``."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    first = x.dim() - len(normalized_shape)
+    if not isinstance(x, DTensor) or not any(pl.is_partial() or isinstance(pl, Shard) and pl.dim >= first
+                                             for pl in x.placements):
+        return torch.ops.aten.rms_norm.default(x, normalized_shape, weight, eps)
+    up = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    e = torch.finfo(up.dtype).eps if eps is None else eps
+    y = up * torch.rsqrt(_mean(up * up, list(range(first, x.dim())), keepdim=True) + e)
+    return (y * weight.to(up.dtype) if weight is not None else y).to(x.dtype)
+
+
 def _xent_terms(fn: Any, x: Any, target: Any, weight: Any, reduction: int, ignore_index: int, *rest: Any) -> Any:
     """Mean cross-entropy / NLL as ``sum of per-example losses / count of non-ignored targets``.
 
@@ -721,6 +742,7 @@ _REWRITES = {
     "aten.scaled_dot_product_attention.default": _sdpa,
     "aten.mean.dim": _mean,
     "aten.mean.default": lambda x, dtype=None: _mean(x, None, False, dtype),
+    "aten.rms_norm.default": _rms_norm,
     "aten.cross_entropy_loss.default": _cross_entropy,
     "aten.nll_loss.default": _nll,
     "aten.nll_loss_nd.default": _nll,

@@ -28,7 +28,9 @@ under a dispatch mode recording every collective on the local tensors (kind, gro
 * ``act4``: a linear splitting its features out 4 ways after a replicated activation: one all-reduce among 4 of
   its input's gradient (the flattened group), where one per mesh axis would be two of 2;
 * ``act2s``: as ``act2`` with the activation split 4 ways along the features out: its gradient goes home by
-  reduce-scatters, below the two all-reduces the tables charge (a gap the tables keep: an upper bound).
+  two reduce-scatters among 2 (one per dim, into the producer's blocks), what the tables charge on DTensor's
+  machine (:mod:`shardplan.cost.grad_home`: the product's all-reduces moved to the edge, which charges the
+  reduce-scatter where the producer scatters the tile over the summing devices).
 """
 
 from __future__ import annotations
@@ -127,6 +129,24 @@ def _charged(graph: Any, layouts: dict[str, Any], machine: Any) -> float:
 
     return float(sum(operator_cost(op, LayoutArrays.stack([layouts[op.name]]), machine).comm_bytes[0]
                      for op in graph.operators))
+
+
+def _charged_home(graph: Any, layouts: dict[str, Any], machine: Any) -> float:
+    """Bytes one device sends in the operators' collectives and in the activation gradients' reductions the
+    tables charge on the edges on DTensor's machine (:mod:`shardplan.cost.grad_home`): the operators' less
+    what moved to the edges, plus the edges' (seconds times bandwidth: ``machine`` has no latency)."""
+    from shardplan.cost.grad_home import home_moved, home_pairs, home_reduction, unfed_slots
+    from shardplan.layout import LayoutArrays
+
+    assert machine.latency == 0 and len(machine.levels) == 1
+    arr = {op.name: LayoutArrays.stack([layouts[op.name]]) for op in graph.operators}
+    unfed = unfed_slots(graph)
+    pairs = [home_pairs(op, arr[op.name], machine, unfed[i]) for i, op in enumerate(graph.operators)]
+    moved = sum(float(home_moved(op, arr[op.name], machine, pairs[i])[0]) for i, op in enumerate(graph.operators))
+    edges = sum(float(home_reduction(graph.operators[e.src], arr[graph.operators[e.src].name], graph.operators[e.dst],
+                                     e.slot, arr[graph.operators[e.dst].name], machine, pairs[e.dst])[0, 0])
+                for e in graph.edges)
+    return _charged(graph, layouts, machine) + (edges - moved) * machine.bandwidth
 
 
 def _sent(seen: list[tuple[str, int, int]]) -> float:
@@ -302,8 +322,8 @@ def _run_activation(case: str, world: int) -> dict[str, Any]:
         lays[second.name] = Layout.flat(second.dim_names, tuple(4 if second.extents[d] == N else 1
                                                                 for d in second.dim_names), world)
     machine = dtensor_machine(torch_cases.toy_machine(world))
-    out: dict[str, Any] = {"charged": _charged(graph, lays, machine), "edges": _edge_bytes(graph, lays, machine),
-                           "kinds": sorted({op.kind for op in graph.operators})}
+    out: dict[str, Any] = {"charged": _charged_home(graph, lays, machine), "charged_ops": _charged(graph, lays, machine),
+                           "edges": _edge_bytes(graph, lays, machine), "kinds": sorted({op.kind for op in graph.operators})}
     for name, merge, steps in (("run", True, True), ("one_step", True, False), ("unmerged", False, True)):
         pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, init_device_mesh("cpu", (world,)))
         by_dim = run_module._grad_by_dim if steps else (lambda y, *rest: y)
@@ -463,6 +483,8 @@ def test_an_activation_gradient_over_two_split_dims_is_one_all_reduce_per_dim(re
     ars = [tuple(x) for x in run["seen"] if x[0] == "all_reduce"]
     assert ars == sorted([("all_reduce", 2, tile)] * 2 + [("all_reduce", 4, 1)]), run  # the loss's over the features
     assert run["sent"] == pytest.approx(r["charged"], rel=1e-12), r
+    # a replicated producer: the all-reduces, moved to the edge on DTensor's machine, the same bytes
+    assert r["charged"] == pytest.approx(r["charged_ops"], rel=1e-12) and r["charged"] == 1542, r
     # DTensor's one redistribution merges the two dims over the features' flattened group: the PaSE charge
     assert ("all_reduce", 4, tile) in [tuple(x) for x in one["seen"]] and one["sent"] < r["charged"], r
 
@@ -476,12 +498,13 @@ def test_an_activation_gradient_over_one_dim_split_4_ways_is_one_all_reduce_amon
     ars = [tuple(x) for x in run["seen"] if x[0] == "all_reduce"]
     assert ars == sorted([("all_reduce", 4, tile), ("all_reduce", 2, 1)]), run
     assert run["sent"] == pytest.approx(r["charged"], rel=1e-12), r
+    assert r["charged"] == pytest.approx(r["charged_ops"], rel=1e-12) and r["charged"] == 3076, r  # replicated producer
     assert r["one_step"]["sent"] == run["sent"], r  # one dim: nothing for the steps to do
     # without the flattened group's merge, one all-reduce per mesh axis: 4/3 of the bytes
     assert [tuple(x) for x in un["seen"]].count(("all_reduce", 2, tile)) == 2 and un["sent"] > r["charged"], r
 
 
-def test_an_activation_gradient_into_a_scattering_producer_is_reduce_scattered_below_the_charge(results):
+def test_an_activation_gradient_into_a_scattering_producer_is_reduce_scattered_as_charged(results):
     r = results["act2s"]
     _ok(r)
     run, one = r["run"], r["one_step"]
@@ -493,8 +516,10 @@ def test_an_activation_gradient_into_a_scattering_producer_is_reduce_scattered_b
     assert not [x for x in run["seen"] if x[0] == "all_reduce" and x[2] == tile], run
     sent = run["sent_all"]["reduce_scatter"]
     assert sent == one["sent_all"]["reduce_scatter"] == pytest.approx(0.75 * tile * 4, rel=1e-12), r
-    # the tables charge the product two all-reduces of the tile (one per dim) and the edge nothing back
-    assert r["charged"] == pytest.approx(2 * tile * 4 + run["sent"], rel=1e-12) and sent < r["charged"], r
+    # the product's two all-reduces of the tile (one per dim) come off the operator; the edge from the
+    # scattering producer charges the two reduce-scatters the run sends; the loss's all-reduces stay
+    assert r["charged_ops"] == pytest.approx(2 * tile * 4 + run["sent"], rel=1e-12), r
+    assert r["charged"] == pytest.approx(sent + run["sent"], rel=1e-12), r  # 576 B + the loss's 8 B
 
 
 def test_an_encoders_key_and_value_gradients_are_reduce_scattered_as_charged(results):
