@@ -51,6 +51,10 @@ class UnitFloors:
             return False
         if self.stages.strategy is not None:
             return False  # a recipe's stage is not an optimum over the layouts, but it is still at least this
+        if self.stages.machine.scatter_gathered_grads:
+            # the tables move an activation gradient's all-reduce from its consumer to the input's edge, where a
+            # reduce-scatter may replace it (cost/grad_home.py): the operator alone costs more than its share
+            return False
         m = replace(self.stages.machine, num_devices=q)
         return m.hierarchical  # one level: the tables choose their orders from the whole graph; not replayed here
 

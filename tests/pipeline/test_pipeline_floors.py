@@ -251,3 +251,23 @@ def test_memory_aware_bound_below_the_memory_constrained_optimum(seed):
             assert got <= fit.time * (1 + 1e-9)
             lifted += got > plain * (1 + 1e-6)
     assert checked >= 6 and lifted > 0
+
+
+def test_unit_floors_bound_every_stage_where_gradients_go_home_by_reduce_scatter():
+    """On DTensor's machine (``scatter_gathered_grads``) the tables move an activation gradient's all-reduce from its
+    consumer to the input's edge, where a reduce-scatter may replace it: the bounds then stay at most every stage's
+    time-optimal seconds (an operator costed alone would charge the all-reduce its edge no longer sends)."""
+    def build(b):
+        return get_model("gpt", b, layers=2, d_model=64, heads=4, seq=16, vocab=256)
+
+    machine = dataclasses.replace(MACHINE, scatter_gathered_grads=True)
+    st = ModelStages(build, 16, machine, {"cutoff": 1}, periodic=True, memory_choices=True)
+    floors = UnitFloors(st)
+    U = st.num_units
+    for m in (1, 4):
+        for q in (8, 12):
+            for a in range(U):
+                for b in range(a + 1, U + 1):
+                    c = st.stage_cost(a, b, q, m)
+                    if c is not None:
+                        assert floors.segment(a, b, q, m) <= c.time * (1 + 1e-9)
