@@ -1079,6 +1079,17 @@ def _reduce_scatter_gather(n: np.ndarray, gl: np.ndarray, sub: np.ndarray, machi
     return np.where(ok, rs[:, None] + ag, np.inf)
 
 
+def scatter_fit(u: Operator, lu: LayoutArrays, v: Operator, slot: int, sub: LayoutArrays, gs: np.ndarray,
+                machine: Machine) -> np.ndarray:
+    """(K_v', K_u) bool: u's output tiles scatter v's input tile ``slot`` over the ring group of ``gs`` devices,
+    a distinct ``1/g`` block on each (:func:`scatters` with ``h = g``)."""
+    p = machine.num_devices
+    bv = tensor_boxes(v, v.inputs[slot], sub, p, core=True)
+    bu = tensor_boxes(u, u.output, lu, p, core=True)
+    fit = scatters(bv, bu, gs, machine.levels)  # (K_v', K_u, L): all 1 where each device holds a distinct 1/g
+    return (fit[..., 0] > 0) & (fit.prod(axis=2) == 1)
+
+
 def weight_views(u: Operator, wu: int, v: Operator, wv: int) -> tuple[Operator, Operator]:
     """The parameter of a weight edge as an ordinary edge: ``u`` writing it, ``v`` reading it (input 0).
 

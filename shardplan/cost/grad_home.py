@@ -110,9 +110,9 @@ def home_scatters(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Lay
                   machine: Machine) -> np.ndarray:
     """(K_u, K_v) bool: where u's output tiles scatter v's tile of input ``slot`` over the group that sums its
     gradient, a distinct ``1/g`` block on each of its ``g > 1`` devices (:func:`shardplan.cost.edge.scatters`
-    with ``h = g``, as the ring's :func:`~shardplan.cost.ring._scatter_fit`): the reduce-scatter then leaves
+    with ``h = g``, as the ring's :func:`~shardplan.cost.edge.scatter_fit`): the reduce-scatter then leaves
     every device its block of u's tile and nothing more moves backward."""
-    from shardplan.cost.ring import _scatter_fit
+    from shardplan.cost.edge import scatter_fit
 
     out = np.zeros((len(lu), len(lv)), dtype=bool)
     dims = v.grad_reduction_dims(v.inputs[slot])
@@ -121,7 +121,7 @@ def home_scatters(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Lay
     g = lv.group_sizes([v.dim_names.index(d) for d in dims]).prod(axis=0)
     cols = np.nonzero(g > 1)[0]
     if len(cols):
-        out[:, cols] = _scatter_fit(u, lu, v, slot, lv.take(cols), g[cols], machine).T
+        out[:, cols] = scatter_fit(u, lu, v, slot, lv.take(cols), g[cols], machine).T
     return out
 
 

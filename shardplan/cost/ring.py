@@ -44,6 +44,7 @@ import numpy as np
 
 from shardplan.cost.causal import causal_fractions
 from shardplan.cost.collectives import allreduce_time, outer_level, p2p_time
+from shardplan.cost.edge import scatter_fit
 from shardplan.cost.tiles import box_volumes, tensor_boxes
 from shardplan.ir import Operator
 from shardplan.layout import Layout, LayoutArrays
@@ -151,19 +152,6 @@ def _grad_bytes(op: Operator, slot: int, sub: LayoutArrays, machine: Machine) ->
     return vol * float(machine.dtype_bytes), gl
 
 
-def _scatter_fit(u: Operator, lu: LayoutArrays, v: Operator, slot: int, sub: LayoutArrays, gs: np.ndarray,
-                 machine: Machine) -> np.ndarray:
-    """(K_v', K_u) bool: u's output tiles scatter v's input tile ``slot`` over the ring group of ``gs`` devices,
-    a distinct ``1/g`` block on each (:func:`shardplan.cost.edge.scatters` with ``h = g``)."""
-    from shardplan.cost.edge import scatters
-
-    p = machine.num_devices
-    bv = tensor_boxes(v, v.inputs[slot], sub, p, core=True)
-    bu = tensor_boxes(u, u.output, lu, p, core=True)
-    fit = scatters(bv, bu, gs, machine.levels)  # (K_v', K_u, L): all 1 where each device holds a distinct 1/g
-    return (fit[..., 0] > 0) & (fit.prod(axis=2) == 1)
-
-
 def ring_choices(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
                  compute: np.ndarray) -> np.ndarray:
     """(K_u, K_v) seconds of the ring on the edge u -> v (input ``slot``), forward + backward beyond v's
@@ -183,7 +171,7 @@ def ring_choices(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     bv = tensor_boxes(v, t, sub, p, core=True)
     bu = tensor_boxes(u, u.output, lu, p, core=True)
     gs = g[cols]
-    ok = _scatter_fit(u, lu, v, slot, sub, gs, machine)
+    ok = scatter_fit(u, lu, v, slot, sub, gs, machine)
     nbytes = box_volumes(bv).max(axis=1) * t.elem_factor * float(machine.dtype_bytes)
     level = outer_level(sub.group_sizes(_group_dims(v, slot)))
     total, step = causal_fractions(v, sub.splits)
@@ -386,8 +374,8 @@ def gathered_scatters(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv:
     """(K_u, K_v) bool: where the gradient of v's ring input ``slot`` (the keys, or the values) comes back to
     its producer ``u`` by one reduce-scatter over the query sequence's group: ``slot`` is a ring input of a
     causal ``v``, the group that sums its gradient splits the query sequence alone, and u's tiles scatter v's
-    tile of it over that group, a distinct ``1/g`` block on each device (:func:`_scatter_fit`, the ring's
-    condition). The all-gather of the forward is then the transpose of that reduce-scatter. A fused attention
+    tile of it over that group, a distinct ``1/g`` block on each device
+    (:func:`~shardplan.cost.edge.scatter_fit`, the ring's condition). The all-gather of the forward is then the transpose of that reduce-scatter. A fused attention
     that is not causal names no query sequence: where :func:`scatters_undealt` (DTensor, which reduce-scatters
     over every mesh axis the producer scatters), the group is every device that sums the gradient."""
     out = np.zeros((len(lu), len(lv)), dtype=bool)
@@ -401,7 +389,7 @@ def gathered_scatters(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv:
     cols = np.nonzero(mask[:, slot] & alone & (g > 1))[0]
     if not len(cols):
         return out
-    out[:, cols] = _scatter_fit(u, lu, v, slot, lv.take(cols), g[cols], machine).T
+    out[:, cols] = scatter_fit(u, lu, v, slot, lv.take(cols), g[cols], machine).T
     return out
 
 
