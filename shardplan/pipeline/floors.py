@@ -221,6 +221,12 @@ class UnitFloors:
                     kinds[sigs[u]] = max(d, v)
                 vals.append(kinds[sigs[u]])
             pre = self._pre[key] = np.concatenate(([0.0], np.cumsum(vals)))
+            budget = getattr(self.stages, "work_budget", None)
+            if budget is not None:  # the planning call's work: one operator floor per operator of each kind
+                from shardplan.pipeline.progress import FLOOR_OP_WORK, FLOOR_UNIT_WORK
+
+                ops = sum(len(units[next(u for u in range(len(units)) if sigs[u] == k)]) for k in kinds)
+                budget.charge(FLOOR_OP_WORK * ops * vertex + FLOOR_UNIT_WORK * len(units), "floors")
         return pre
 
     def device_units(self, m: int) -> list[float]:
