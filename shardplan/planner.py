@@ -390,6 +390,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     if work_limit is not None:
         work_limit = real("plan: work_limit", work_limit, minimum=0.0)
     work = WorkBudget(work_limit)
+    work_phases: dict[str, float] = {}  # the work units charged when each phase ended (seeds, one program)
     graph, build, batch, default_cutoff, name = _resolve(model, batch, sizes)
     cutoff = default_cutoff if cutoff is None else integer("plan: cutoff", cutoff, 1, MAX_EXTENT)
     if budget is not None:
@@ -469,8 +470,9 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         if seed is not None:
             seed_stopped = bool(seed.plan.stats.get("interrupted"))
             say(f"  uniform pipelines: {seed.step_time:.6g} s per step ({seed.plan.num_stages} stages, "
-                f"m={seed.plan.micro_batches}, {seed.plan.schedule}; {time.perf_counter() - t0:.1f} s)"
-                + (f", {stop_word()}" if seed_stopped else ""))
+                f"m={seed.plan.micro_batches}, {seed.plan.schedule}; {time.perf_counter() - t0:.1f} s, "
+                f"{work.used:.3g} work units)" + (f", {stop_word()}" if seed_stopped else ""))
+        work_phases["seeds"] = work.used
     if not seed_stopped:  # (interrupted already: the seed found so far is the answer, nothing proven)
         say(f"planning {name} on {machine.num_devices} devices: one program"
             + (" with memory choices" if constrained else "")
@@ -499,7 +501,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 # the pipelines answer; the bound stays in the plan's (docs/memory.md, *An incumbent from outside*)
                 one_none_better = max(float(one.solution.bound), one_floor)
                 say(f"  one program: no plan below {seed.step_time:.6g} s (bound {one_none_better:.6g} s; "  # type: ignore[union-attr]
-                    f"{time.perf_counter() - t0:.1f} s)" + (f", {stop_word()}" if one.solution.stats.get("interrupted")
+                    f"{time.perf_counter() - t0:.1f} s, {work.used:.3g} work units)" + (f", {stop_word()}" if one.solution.stats.get("interrupted")
                                                              else ""))
             if fit_options is None:
                 one_lower = _one_micro_batch_bound(one)
@@ -523,8 +525,9 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                                           partial_sums=partial_sums, **tables_extra), model=name, batch=batch))
     interrupted = seed_stopped or bool(candidates and candidates[0].stats.get("interrupted"))
     if candidates:
-        say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s)"
-            + (f", {stop_word()}" if interrupted else ""))
+        say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s, "
+            f"{work.used:.3g} work units)" + (f", {stop_word()}" if interrupted else ""))
+    work_phases["one_program"] = work.used
     if interrupted or not searched:
         work.close()  # nothing is searched from here: building the answer is charged, never stopped
     unproven: list[float] = []  # an interrupted pipeline search with no plan: the bound it stated of its space
@@ -627,7 +630,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     lower = None if any(b is None for b in bounds) else min(bounds)  # type: ignore[type-var]
     stats = dict(best.stats)
     stats.update(plan_seconds=time.perf_counter() - t0, stages_searched=searched, stages_reason=why,
-                 interrupted=interrupted, **work.summary(),
+                 interrupted=interrupted, **work.summary(), work_phases=work_phases,
                  compared={**{("pipeline" if p.solver == "pipeline" else "one program"): p.step_time
                               for p in candidates},
                            **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None
