@@ -35,6 +35,7 @@ from shardplan.checks import real
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
+from shardplan.pipeline.progress import choice_work, table_work
 from shardplan.search.constrained import (WORK_LIMIT, MemoryProblem, forest_work, infeasible_message,
                                           solve_memory)
 from shardplan.search.peak import PeakProblem, backward_profile, solve_peak
@@ -533,8 +534,6 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     if not budget > 0:
         raise ShardplanError(f"memory budget must be positive, got {budget!r}")
     t0 = time.perf_counter()
-    from shardplan.pipeline.progress import table_work
-
     if tables is None:
         # The per-configuration memory filter of build_tables assumes unsharded state: the fit search prunes itself.
         tables = build_tables(graph, replace(machine, memory_bytes=None), cutoff=cutoff, powers_of_two=powers_of_two,
@@ -561,8 +560,6 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     root_work = np.inf  # the least work of a root so far: a quarter of it may go to a count's solve-free bound
     pass_work = 0.0  # the most work a forest pass of the solve-free bounds has been charged
     # every stop inside the search counts work (deterministic); a wall clock only when the caller asked for one
-    from shardplan.pipeline.progress import choice_work
-
     fixed = {"work_limit": options.work_limit, "time_limit": options.time_limit}
     interrupted = False
     charged = [0.0]  # the searches' work charged to ``work_budget`` so far

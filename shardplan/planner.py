@@ -473,6 +473,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 f"m={seed.plan.micro_batches}, {seed.plan.schedule}; {time.perf_counter() - t0:.1f} s, "
                 f"{work.used:.3g} work units)" + (f", {stop_word()}" if seed_stopped else ""))
         work_phases["seeds"] = work.used
+    one_skipped = seed_stopped
     if not seed_stopped:  # (interrupted already: the seed found so far is the answer, nothing proven)
         say(f"planning {name} on {machine.num_devices} devices: one program"
             + (" with memory choices" if constrained else "")
@@ -500,9 +501,10 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 # every plan of the one program is at least its bound, itself at least (about) the seed's step:
                 # the pipelines answer; the bound stays in the plan's (docs/memory.md, *An incumbent from outside*)
                 one_none_better = max(float(one.solution.bound), one_floor)
+                stopped = one.solution.stats.get("interrupted")
                 say(f"  one program: no plan below {seed.step_time:.6g} s (bound {one_none_better:.6g} s; "  # type: ignore[union-attr]
-                    f"{time.perf_counter() - t0:.1f} s, {work.used:.3g} work units)" + (f", {stop_word()}" if one.solution.stats.get("interrupted")
-                                                             else ""))
+                    f"{time.perf_counter() - t0:.1f} s, {work.used:.3g} work units)"
+                    + (f", {stop_word()}" if stopped else ""))
             if fit_options is None:
                 one_lower = _one_micro_batch_bound(one)
             seed_stopped = bool(one.solution.stats.get("interrupted")) and one_none_better is not None
@@ -527,7 +529,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     if candidates:
         say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s, "
             f"{work.used:.3g} work units)" + (f", {stop_word()}" if interrupted else ""))
-    work_phases["one_program"] = work.used
+    if not one_skipped:
+        work_phases["one_program"] = work.used
     if interrupted or not searched:
         work.close()  # nothing is searched from here: building the answer is charged, never stopped
     unproven: list[float] = []  # an interrupted pipeline search with no plan: the bound it stated of its space

@@ -46,7 +46,7 @@ CHOICE_ROW_WORK = 2.3  # per row of such a table (layout x ZeRO stage x recomput
 GRAPH_OP_WORK = 95.0  # per operator of a graph built at a micro-batch size (the IR's validation included)
 FLOOR_OP_WORK = 2000.0  # per operator floor of a (sub-mesh size, count) pair's unit bounds (layouts costed)
 FLOOR_UNIT_WORK = 5.0  # per unit of such a pair (its device-seconds bound and prefix sum)
-STATE_WORK = 4.0  # per state of a pipeline DP (charged every 2^14 states, where the DP ticks)
+STATE_WORK = 16.0  # per state of a pipeline DP, with the search's own work around its DPs (charged every 2^14 states)
 
 
 def table_work(tables: Any, seen: set[int] | None = None) -> float:
