@@ -192,12 +192,17 @@ class Progress:
 
     def line(self) -> str:
         """The progress line: phase, parts done, incumbent, bound over the finished parts, the proven bound of the
-        whole space where the search states one, seconds so far."""
+        whole space where the search states one, the work units charged (and the limit) where a budget counts
+        them, seconds so far."""
         what = f"{self.phase} {self.detail}".strip()
         bound = format_seconds(self.bound) if self.done else "-"
         space = "" if self.space_bound is None else f" | proven bound {format_seconds(self.space_bound)}"
+        work = ""
+        if self.budget is not None:
+            limit = "" if math.isinf(self.budget.limit) else f" of {self.budget.limit:.3g}"
+            work = f" | work {self.budget.used:.3g}{limit}"
         return (f"  {what} | {self.done}/{self.total} parts done | best {format_seconds(self.incumbent)} | "
-                f"bound of finished parts {bound}{space} | {self.clock() - self.started:.0f} s")
+                f"bound of finished parts {bound}{space}{work} | {self.clock() - self.started:.0f} s")
 
 
 def terminal_writer(stream: TextIO | None = None) -> tuple[Callable[[str], None], Callable[[], None]]:

@@ -71,6 +71,14 @@ def test_the_budget_raises_once_and_never_once_closed():
     assert not c.stopped
     for none in (None, 0, 0.0):
         assert WorkBudget(none).limit == float("inf")
+    # a tick charges its work, and the progress line shows the units and the limit
+    from shardplan.pipeline.progress import Progress
+
+    tracker = Progress(budget=WorkBudget(100.0))
+    tracker.tick(work=40.0)
+    assert tracker.budget.parts == {"pipeline_dp": 40.0} and "| work 40 of 100 |" in tracker.line()
+    with pytest.raises(WorkLimitReached):
+        tracker.tick(work=60.0)
 
 
 @pytest.mark.parametrize("share", [0.3, 0.6])
