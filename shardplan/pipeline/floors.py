@@ -211,8 +211,10 @@ class UnitFloors:
             dev = self.device_units(m)
             vals = []
             kinds: dict[int, float] = {}  # units of one signature have the same operators: one bound per kind
+            fresh = 0  # operator floors computed (one per operator of each kind), for the planning call's work
             for u, idx in enumerate(units):
                 if sigs[u] not in kinds:
+                    fresh += len(idx)
                     d = dev[u] / q
                     try:
                         v = sum(self._op_floor(g.operators[i], q, m) for i in idx) if vertex else 0.0
@@ -225,8 +227,7 @@ class UnitFloors:
             if budget is not None:  # the planning call's work: one operator floor per operator of each kind
                 from shardplan.pipeline.progress import FLOOR_OP_WORK, FLOOR_UNIT_WORK
 
-                ops = sum(len(units[next(u for u in range(len(units)) if sigs[u] == k)]) for k in kinds)
-                budget.charge(FLOOR_OP_WORK * ops * vertex + FLOOR_UNIT_WORK * len(units), "floors")
+                budget.charge(FLOOR_OP_WORK * fresh * vertex + FLOOR_UNIT_WORK * len(units), "floors")
         return pre
 
     def device_units(self, m: int) -> list[float]:
