@@ -49,12 +49,12 @@ FLOOR_UNIT_WORK = 5.0  # per unit of such a pair (its device-seconds bound and p
 STATE_WORK = 16.0  # per state of a pipeline DP, with the search's own work around its DPs (charged every 2^14 states)
 
 
-def table_work(tables: Any, seen: set[int] | None = None) -> float:
+def table_work(tables: Any, seen: dict[int, Any] | None = None) -> float:
     """The work units charged for building ``tables`` (a :class:`~shardplan.cost.CostTables`): per operator and
     edge, and per distinct operator (identical operators share their layout arrays) and its layouts, those
-    whose arrays are not in ``seen`` (the arrays of earlier builds on the same cost-table cache, which the
-    cache keeps alive; updated here), or all of them with no ``seen``."""
-    seen = set() if seen is None else seen
+    whose arrays are not in ``seen`` (the arrays of earlier builds on the same cost-table cache by identity,
+    held there so that no identity is reused; updated here), or all of them with no ``seen``."""
+    seen = {} if seen is None else seen
     fresh = {id(a): a for a in tables.arrays if id(a) not in seen}
     seen.update(fresh)
     return (TABLE_OP_WORK * len(fresh) + TABLE_LAYOUT_WORK * sum(len(a) for a in fresh.values())

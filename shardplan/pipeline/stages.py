@@ -575,7 +575,7 @@ class ModelStages:
         solver = opts.pop("solver", "dp")
         cache = self._table_cache(q)
         tables = build_tables(graph, machine, cache=cache, **table_opts)
-        self._charge(table_work(tables, self._tables.setdefault(("charged", q), set())), "tables")
+        self._charge(table_work(tables, self._tables.setdefault(("charged", q), {})), "tables")
         sync = self._weight_syncs(tables, q)
         if self.strategy is None:
             # weight gradients are accumulated over the m micro-batches and synchronised once per step:
@@ -831,7 +831,7 @@ class ModelStages:
         cache = self._tables.setdefault((q, "fit"), {})
         tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
                          machine=machine)
-        self._charge(table_work(tables, self._tables.setdefault(("charged", q, "fit"), set())), "tables")
+        self._charge(table_work(tables, self._tables.setdefault(("charged", q, "fit"), {})), "tables")
         self.solves += 1
         try:
             plan = solve_fit(graph, machine, budget=budget, tables=tables,
