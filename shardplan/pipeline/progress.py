@@ -30,7 +30,7 @@ INTERVAL = 2.0
 """Seconds between two progress lines by default (the first comes one interval after the start)."""
 
 
-PLAN_WORK_LIMIT = 3.5e7
+PLAN_WORK_LIMIT = 3.0e7
 """The default work budget of one :func:`shardplan.plan` call, in work units (about a CPU microsecond each on the
 reference 2-core machine: docs/pipeline.md, *A work budget for the whole call*, states the calibration)."""
 
