@@ -20,13 +20,21 @@ seconds and peak resident memory against the device count p) is printed and stor
 the three against p is written next to the JSON (same name, ``.png``; matplotlib's Agg backend). Rows stopped at
 their limit measure the limit, not the search: the fit says so (``rows_at_limit``).
 
+The command's default stop is its work budget (``--work-limit``, counted from the problem's sizes:
+docs/pipeline.md, *A work budget for the whole call*), so a row's plan, step and bound do not depend on the
+load; each row records the units charged (``work_used``), the limit, whether it stopped there
+(``stopped_at_work_limit``) and a digest of its per-operator choices (``plan_digest``). ``--busy`` runs a busy loop
+(``python -c "while 1: pass"``) beside each row's command for its whole run (the row records ``busy``), to show
+the same answer under load; ``--append`` keeps the rows already in ``--out`` and adds these after them.
+
 Run: ``PYTHONPATH=. python benchmarks/bench_scale_pipeline.py [--rows gpt3-p64,...] [--out
-benchmarks/results/scale_pipeline.json]``.
+benchmarks/results/scale_pipeline.json] [--busy] [--append] [--label TEXT]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -42,9 +50,9 @@ from benchmarks.record import write_result
 ROWS: dict[str, dict[str, Any]] = {
     "gpt3-p64": {"model": "gpt3-175b", "p": 64, "limit": 150.0},
     "gpt3-p256": {"model": "gpt3-175b", "p": 256, "limit": 150.0},
-    "gpt3-p1024": {"model": "gpt3-175b", "p": 1024, "limit": 120.0, "target_seconds": 60.0,
+    "gpt3-p1024": {"model": "gpt3-175b", "p": 1024, "limit": 400.0, "target_seconds": 60.0,
                    "target_bytes": 4e9},
-    "llama3-405b-p16384": {"model": "llama3-405b", "p": 16384, "limit": 180.0, "target_seconds": 120.0,
+    "llama3-405b-p16384": {"model": "llama3-405b", "p": 16384, "limit": 600.0, "target_seconds": 120.0,
                            "target_bytes": 4e9,
                            # Dubey et al. 2024, Table 4 (16,384 GPUs: TP 8, CP 1, PP 16, DP 128, 16M tokens per
                            # batch) and §3.3.2 (one block fewer on the first and the last stage: 126 = 7 + 14 x 8 + 7)
@@ -141,6 +149,11 @@ def run_row(name: str, spec: dict[str, Any], grace: float, cpu_limit: float | No
             "gap": (None if plan["lower_bound_seconds"] is None else
                     max(0.0, 1 - plan["lower_bound_seconds"] / plan["step_time_seconds"])),
             "interrupted": bool((plan.get("stats") or {}).get("interrupted")),
+            "work_limit": (plan.get("stats") or {}).get("work_limit"),
+            "work_used": (plan.get("stats") or {}).get("work_used"),
+            "work_phases": (plan.get("stats") or {}).get("work_phases"),
+            "stopped_at_work_limit": bool((plan.get("stats") or {}).get("stopped_at_work_limit")),
+            "plan_digest": plan_digest(plan),
         })
     if "recipe" in spec:
         rec = _run([*exe, "recipe", "--model", spec["model"], "-p", str(spec["p"]), "--machine", "h100",
@@ -150,6 +163,14 @@ def run_row(name: str, spec: dict[str, Any], grace: float, cpu_limit: float | No
                          "seconds": round(rec["seconds"], 2), "step_time_line": step,
                          "error": rec["stderr"].strip().splitlines()[-1] if rec["returncode"] else None}
     return row
+
+
+def plan_digest(plan: dict[str, Any]) -> str:
+    """16 hex digits of the plan's stages, micro-batches, schedule and every operator's choices (its JSON's
+    ``stages``, sorted): equal digests, the same plan."""
+    what = json.dumps([plan["stages"], plan["micro_batches"], plan["schedule"], plan.get("chunks", 1)],
+                      sort_keys=True)
+    return hashlib.sha256(what.encode()).hexdigest()[:16]
 
 
 def growth_exponent(xs: list[float], ys: list[float | None]) -> float | None:
@@ -222,15 +243,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="SIGINT each row once it has used this many CPU seconds (instead of its wall limit)")
     ap.add_argument("--extra", default="", help="more options for every row's command, e.g. '--micro-batches 1,2,3'")
     ap.add_argument("--label", default=None, help="a note kept in each row (e.g. which tree the command ran)")
+    ap.add_argument("--busy", action="store_true",
+                    help="run a busy loop (python -c 'while 1: pass') beside each row's command")
+    ap.add_argument("--append", action="store_true", help="keep the rows already in --out and add these after them")
     args = ap.parse_args(argv)
+    kept = []
+    if args.append and Path(args.out).exists():
+        kept = json.loads(Path(args.out).read_text()).get("rows", [])
     load_at_start = os.getloadavg()  # the machine is shared: timings depend on the load
     rows = []
     for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
         if name not in ROWS:
             raise SystemExit(f"unknown row {name!r}; rows: {', '.join(ROWS)}")
         load = os.getloadavg()
-        row = run_row(name, ROWS[name], args.grace, args.cpu_limit, tuple(args.extra.split()))
+        loop = subprocess.Popen([sys.executable, "-c", "while 1: pass"]) if args.busy else None
+        try:
+            row = run_row(name, ROWS[name], args.grace, args.cpu_limit, tuple(args.extra.split()))
+        finally:
+            if loop is not None:
+                loop.kill()
+                loop.wait()
         row["load_average_before"], row["load_average_after"] = load, os.getloadavg()
+        row["busy"] = args.busy
         if args.label:
             row["label"] = args.label
         rows.append(row)
@@ -239,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     print("growth exponents (y ~ p^b): wall {}, CPU {}, peak RSS {}{}".format(
         _fmt(fit["seconds_exponent"]), _fmt(fit["cpu_seconds_exponent"]), _fmt(fit["peak_rss_exponent"]),
         f" (rows stopped at their limit: {', '.join(fit['rows_at_limit'])})" if fit["rows_at_limit"] else ""))
-    write_result("bench_scale_pipeline", args.out, rows, load_average_at_start=load_at_start,
+    write_result("bench_scale_pipeline", args.out, kept + rows, load_average_at_start=load_at_start,
                  load_average_at_end=os.getloadavg(), growth=fit)
     if len(rows) > 1:
         png = str(Path(args.out).with_suffix(".png"))

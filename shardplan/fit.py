@@ -35,6 +35,7 @@ from shardplan.checks import real
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
+from shardplan.pipeline.progress import choice_work, table_work
 from shardplan.search.constrained import (WORK_LIMIT, MemoryProblem, forest_work, infeasible_message,
                                           solve_memory)
 from shardplan.search.peak import PeakProblem, backward_profile, solve_peak
@@ -488,7 +489,8 @@ def _scaled(op: Operator, lay: Any, tables: CostTables, m: int) -> Any:
 def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, options: FitOptions = FitOptions(),
               tables: CostTables | None = None, cutoff: int = 4, powers_of_two: bool = False,
               divides_p: bool = True, orders: str = "auto", partial_sums: bool = False, overlap_tp: bool = False,
-              context: str = "allgather", incumbent: float | None = None, **dp_options: Any):
+              context: str = "allgather", incumbent: float | None = None, work_budget: Any = None,
+              **dp_options: Any):
     """The plan of least step time whose peak memory per device is within ``budget`` (default the machine's).
 
     ``cutoff`` (default 4, :func:`~shardplan.cost.build_tables`' own) is the
@@ -519,6 +521,11 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     ``stats["interrupted"]`` True and a bound that stays proven: each count's search stops as at its time
     limit, a count not searched further keeps its root bound, and one not rooted yet counts 0.
 
+    ``work_budget``: a planning call's :class:`~shardplan.pipeline.progress.WorkBudget`. Each search gets the
+    least of ``options.work_limit`` and the units the budget has left, and is charged its work when it returns
+    (the solve-free count bounds one forest pass each, the choice tables per row); once the budget is spent the
+    charge raises :class:`~shardplan.pipeline.progress.WorkLimitReached`, which stops the search as Ctrl-C does.
+
     Raises:
         ShardplanError: no budget known, or no plan fits (naming the least memory any plan needs).
         KeyboardInterrupt: Ctrl-C before any plan was found.
@@ -541,6 +548,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                               divides_p=divides_p, orders=orders, partial_sums=partial_sums, overlap_tp=overlap_tp,
                               context=context)
         tables = replace(tables, machine=machine)
+        if work_budget is not None:
+            work_budget.charge(table_work(tables), "tables")
     build_seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
     best: tuple[Solution, int, tuple[ChoiceTable, ...]] | None = None
@@ -559,8 +568,24 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     root_work = np.inf  # the least work of a root so far: a quarter of it may go to a count's solve-free bound
     pass_work = 0.0  # the most work a forest pass of the solve-free bounds has been charged
     # every stop inside the search counts work (deterministic); a wall clock only when the caller asked for one
-    limits = {"work_limit": options.work_limit, "time_limit": options.time_limit}
+    fixed = {"work_limit": options.work_limit, "time_limit": options.time_limit}
     interrupted = False
+    charged = [0.0]  # the searches' work charged to ``work_budget`` so far
+
+    def lim() -> dict[str, Any]:
+        """The next search's limits: its own, the work no more than the planning call has left."""
+        if work_budget is None:
+            return fixed
+        return {**fixed, "work_limit": min(options.work_limit, work_budget.left())}
+
+    def settle(extra: float = 0.0, kind: str = "fit") -> None:
+        """Charge ``work_budget`` the searches' work since the last charge, and ``extra`` units of ``kind``."""
+        if work_budget is None:
+            return
+        done, charged[0] = totals["work"] - charged[0], totals["work"]
+        work_budget.charge(done, "fit")
+        if extra:
+            work_budget.charge(extra, kind)
     counts = sorted({int(x) for x in options.micro_batches})
     current = counts[0]
 
@@ -578,7 +603,8 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             current = m
             if options.backward_peak(m) or transients:  # each M_k a constraint (search.peak)
                 pp, cts = peak_problem(tables, budget, options, cache, m, options.backward_peak(m))
-                root_pk = _peak_root(pp, totals, {**limits, **dp_options})
+                root_pk = _peak_root(pp, totals, {**lim(), **dp_options})
+                settle(choice_work(cts), "choice_tables")
                 if root_pk is None:
                     least = pp.least_peak()
                     if least < least_all:
@@ -592,6 +618,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                     best = (inc, m, cts)
                 continue
             mp, cts = fit_problem(tables, budget, m, options, cache)
+            settle(choice_work(cts), "choice_tables")
             least = mp.least_memory()
             if least > budget:
                 if least < least_all:
@@ -610,6 +637,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             if np.isfinite(target()) and pass_work <= 0.25 * root_work:
                 cheap, spent = _count_bound(mp, target(), lams, 0.25 * root_work)
                 pass_work = max(pass_work, spent)
+                settle(spent, "count_bounds")  # (one pass: at least what the passes made cost)
             if cheap >= target():
                 problems.append((cheap, np.inf, m, mp, cts, None))
                 closed[m] = cheap
@@ -618,7 +646,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
             solved: dict = {}  # the root's Lagrangian points, for the full search of this count (exact reuse)
             # with the best plan so far as ``upper``, a count's dual stops as soon as its bound reaches it: the
             # count is then pruned below without the dual's remaining solves (docs/memory.md, "Work not repeated")
-            root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved, upper=target(), **limits,
+            root = solve_memory(mp, max_nodes=1, fix_iters=-1, solved=solved, upper=target(), **lim(),
                                 **dp_options)
             totals["nodes"] += root.stats["nodes"]
             totals["dp_solves"] += root.stats["dp_solves"]
@@ -632,6 +660,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                 best = (root, m, cts)
             if root.stats.get("interrupted"):  # Ctrl-C inside the root, after it had a plan (kept above)
                 raise KeyboardInterrupt
+            settle()  # (the work budget spent: the interrupt's path, the root kept above)
     except KeyboardInterrupt:
         if best is None:
             raise
@@ -668,7 +697,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
         try:
             if isinstance(mp, PeakProblem):
                 try:
-                    sol = solve_peak(mp, **limits, upper=upper,
+                    sol = solve_peak(mp, **lim(), upper=upper,
                                      incumbent=None if _root is None else _root.assignment, **dp_options)
                 except ShardplanError as e:  # proven infeasible, or nothing found within the limits
                     per.append({"micro_batches": m, "model": _model_name(options, m), "status": f"no plan: {e}"})
@@ -686,7 +715,7 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
                             "cuts": sol.stats["cuts"], "dp_solves": sol.stats["dp_solves"], "work": sol.stats["work"],
                             "seconds": sol.solve_seconds})
             else:
-                sol = solve_memory(mp, **limits, upper=upper, solved=solved_by_m.get(m),
+                sol = solve_memory(mp, **lim(), upper=upper, solved=solved_by_m.get(m),
                                    **dp_options)
                 totals["nodes"] += sol.stats["nodes"]
                 totals["dp_solves"] += sol.stats["dp_solves"]
@@ -706,6 +735,10 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
         lower.append(sol.bound if sol.bound is not None else 0.0)
         if best is None or sol.cost < best[0].cost:
             best = (sol, m, cts)
+        try:
+            settle()
+        except KeyboardInterrupt:  # the work budget spent: this count's answer stands, no count is searched further
+            interrupted = True
     if best is not None and _host_of(best[2], best[0].assignment) > host_budget:
         if interrupted:  # the host-exact search would run on: no plan within both budgets is known yet
             raise KeyboardInterrupt

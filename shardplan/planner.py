@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 from shardplan.errors import PerDeviceLimitError, ShardplanError
 from shardplan.ir import Graph
 from shardplan.machine import Machine
+from shardplan.pipeline.progress import PLAN_WORK_LIMIT, WorkBudget, WorkLimitReached
 from shardplan.result import NO_PIPELINE, OperatorChoice, Plan, StagePlan
 
 __all__ = ["plan", "micro_batch_counts", "from_spmd", "from_pipeline", "spmd_of", "pipeline_of", "group_memory"]
@@ -316,7 +317,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
          schedules: Sequence[str] = ("1f1b", "zb-h1"), interleave: Sequence[int] = (),
          max_stages: int | None = None, fit_options: Any = None, cutoff: int | None = None, orders: str = "auto",
          solver: str = "dp", partial_sums: bool = False, log: Callable[[str], None] | None = None,
-         progress: Any = None, overlap_tp: bool = False, context: str = "allgather") -> Plan:
+         progress: Any = None, overlap_tp: bool = False, context: str = "allgather",
+         work_limit: float | None = PLAN_WORK_LIMIT) -> Plan:
     """The fastest plan of ``model`` on ``machine`` that fits in each device's memory.
 
     Args:
@@ -346,9 +348,18 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             ``partial_sums`` (:func:`shardplan.cost.build_tables`).
         context: how attention's products receive the keys and values their layouts share: ``allgather`` (the
             default), ``ring`` or ``auto`` (the cheaper per edge: :mod:`shardplan.cost.ring`), in every search.
+        work_limit: the work budget of the whole call in work units
+            (:data:`~shardplan.pipeline.progress.PLAN_WORK_LIMIT` by default, about a CPU microsecond each on the
+            reference machine; None or 0: none, the search runs to its end). Work is counted from sizes the input
+            fixes (the searches' solves, the pipeline DPs' states, graphs, tables, floors), never read from a
+            clock, so where it stops the search, and the plan, step and bound returned, are the same on any
+            machine at any load. Spent, the search stops as on Ctrl-C: the best plan so far, its proven bound
+            and gap, ``stats["stopped_at_work_limit"]`` True (docs/pipeline.md, *A work budget for the whole
+            call*).
 
     Raises:
-        ShardplanError: bad input, or no plan in the space fits (the message names the least memory needed).
+        ShardplanError: bad input, no plan in the space fits (the message names the least memory needed), or
+            the work budget was spent before any plan was found.
     """
     from dataclasses import replace
 
@@ -376,6 +387,10 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         tables_extra["context"] = context
     if batch is not None:
         batch = integer("plan: batch", batch, 1, MAX_EXTENT)
+    if work_limit is not None:
+        work_limit = real("plan: work_limit", work_limit, minimum=0.0)
+    work = WorkBudget(work_limit)
+    work_phases: dict[str, float] = {}  # the work units charged when each phase ended (seeds, one program)
     graph, build, batch, default_cutoff, name = _resolve(model, batch, sizes)
     cutoff = default_cutoff if cutoff is None else integer("plan: cutoff", cutoff, 1, MAX_EXTENT)
     if budget is not None:
@@ -389,6 +404,18 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
 
     t0 = time.perf_counter()
     say = log if log is not None else (lambda line: None)
+
+    def stop_word() -> str:
+        """How the search was stopped, for the log lines."""
+        return "stopped at the work limit" if work.stopped else "interrupted"
+
+    def spent(e: BaseException) -> ShardplanError | None:
+        """The error that a work budget spent before any plan was known becomes (None: a Ctrl-C)."""
+        if not isinstance(e, WorkLimitReached):
+            return None
+        return ShardplanError(f"plan: the work limit of {work.limit:.3g} units was spent before any plan was "
+                              "found; give a larger work_limit (--work-limit), or None for no limit")
+
     candidates: list[Plan] = []
     refusals: list[str] = []
     one_lower: float | None = None  # the one program's proven bound with one micro-batch, for the pipeline search
@@ -426,7 +453,9 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         assert build is not None and batch is not None
         stage_model = seed_model(build, batch, machine, memory_choices=True, cutoff=cutoff, orders=orders,
                                  **({"partial_sums": True} if partial_sums else {}), **tables_extra)
+        stage_model.work_budget = work
         progress = progress if isinstance(progress, Progress) else Progress(progress)
+        progress.budget = work
         say(f"planning {name} on {machine.num_devices} devices: uniform pipelines first ({why})")
         try:
             pipe_floor()
@@ -436,11 +465,15 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             if type(e) not in (ShardplanError, PerDeviceLimitError):
                 raise
             say(f"  uniform pipelines: none costed: {e}")
+        except WorkLimitReached as e:
+            raise spent(e) from None  # (before any seed: no plan)
         if seed is not None:
             seed_stopped = bool(seed.plan.stats.get("interrupted"))
             say(f"  uniform pipelines: {seed.step_time:.6g} s per step ({seed.plan.num_stages} stages, "
-                f"m={seed.plan.micro_batches}, {seed.plan.schedule}; {time.perf_counter() - t0:.1f} s)"
-                + (", interrupted" if seed_stopped else ""))
+                f"m={seed.plan.micro_batches}, {seed.plan.schedule}; {time.perf_counter() - t0:.1f} s, "
+                f"{work.used:.3g} work units)" + (f", {stop_word()}" if seed_stopped else ""))
+        work_phases["seeds"] = work.used
+    one_skipped = seed_stopped
     if not seed_stopped:  # (interrupted already: the seed found so far is the answer, nothing proven)
         say(f"planning {name} on {machine.num_devices} devices: one program"
             + (" with memory choices" if constrained else "")
@@ -454,7 +487,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         try:
             one = solve_fit(graph, machine, budget=limit, options=opts, cutoff=cutoff, orders=orders,
                             partial_sums=partial_sums, incumbent=seed.step_time if seed is not None else None,
-                            **tables_extra)
+                            work_budget=work, **tables_extra)
             if one.solution.stats.get("beats_incumbent", True):
                 got = from_spmd(one, model=name, batch=batch)
                 if got.lower_bound is not None and got.lower_bound < one_floor:
@@ -468,9 +501,10 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 # every plan of the one program is at least its bound, itself at least (about) the seed's step:
                 # the pipelines answer; the bound stays in the plan's (docs/memory.md, *An incumbent from outside*)
                 one_none_better = max(float(one.solution.bound), one_floor)
+                stopped = one.solution.stats.get("interrupted")
                 say(f"  one program: no plan below {seed.step_time:.6g} s (bound {one_none_better:.6g} s; "  # type: ignore[union-attr]
-                    f"{time.perf_counter() - t0:.1f} s)" + (", interrupted" if one.solution.stats.get("interrupted")
-                                                             else ""))
+                    f"{time.perf_counter() - t0:.1f} s, {work.used:.3g} work units)"
+                    + (f", {stop_word()}" if stopped else ""))
             if fit_options is None:
                 one_lower = _one_micro_batch_bound(one)
             seed_stopped = bool(one.solution.stats.get("interrupted")) and one_none_better is not None
@@ -478,9 +512,9 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             if type(e) not in (ShardplanError, PerDeviceLimitError):
                 raise
             refusals.append(f"one program: {e}")
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             if seed is None:
-                raise
+                raise spent(e) or e
             # Ctrl-C in the one program's memory search before it had a plan: the seed is the answer, the one
             # program bounded by its work floor (the pipelines' floor is the seed's bound below)
             seed_stopped = True
@@ -493,8 +527,12 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                                           partial_sums=partial_sums, **tables_extra), model=name, batch=batch))
     interrupted = seed_stopped or bool(candidates and candidates[0].stats.get("interrupted"))
     if candidates:
-        say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s)"
-            + (", interrupted" if interrupted else ""))
+        say(f"  one program: {candidates[0].step_time:.6g} s per step ({time.perf_counter() - t0:.1f} s, "
+            f"{work.used:.3g} work units)" + (f", {stop_word()}" if interrupted else ""))
+    if not one_skipped:
+        work_phases["one_program"] = work.used
+    if interrupted or not searched:
+        work.close()  # nothing is searched from here: building the answer is charged, never stopped
     unproven: list[float] = []  # an interrupted pipeline search with no plan: the bound it stated of its space
 
     def seed_plan(lower: float | None) -> Plan:
@@ -523,6 +561,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         from shardplan.pipeline.progress import Progress
 
         tracker = progress if isinstance(progress, Progress) else Progress(progress)
+        tracker.budget = work
         tracker.space_bound = None
         if candidates:
             tracker.improved(candidates[0].step_time)
@@ -539,6 +578,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                                  progress=tracker, one_program_lower=one_lower, refused=heard,
                                  model=seed.stages if seed is not None else stage_model,
                                  floors=seed.floors if seed is not None else None, **pipe_options)
+            work.close()  # the search is over: the answer's stage plans are charged, never stopped
             if res is None:
                 # no pipeline beats the one program (the search's incumbent from the start): what its parts proved
                 lost_pipeline = (None, tracker.bound)
@@ -553,7 +593,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             if res is not None:
                 interrupted = bool(res.plan.stats.get("interrupted"))
                 say(f"  pipelines: {res.plan.step_time:.6g} s per step ({time.perf_counter() - t1:.1f} s)"
-                    + (", interrupted" if interrupted else ""))
+                    + (f", {stop_word()}" if interrupted else ""))
         except ShardplanError as e:
             if type(e) not in (ShardplanError, PerDeviceLimitError):
                 raise
@@ -562,22 +602,23 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             if seed is not None and not candidates:
                 # the one program proved none of its plans beats the seed: the seed, nothing proven of the pipelines
                 candidates.append(seed_plan(None))
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            work.close()
             interrupted = True
             if seed is not None and not candidates:
                 # before the search had found the seed again: the seed, and the bound the search stated
                 candidates.append(seed_plan(tracker.space_bound if tracker.space_bound is not None else pipe_floor()))
                 refusals.append("pipelines: interrupted before the search had a plan, the best uniform pipeline kept")
-                say(f"  pipelines: interrupted ({time.perf_counter() - t1:.1f} s), the best uniform pipeline kept")
+                say(f"  pipelines: {stop_word()} ({time.perf_counter() - t1:.1f} s), the best uniform pipeline kept")
             elif not candidates:
-                raise
+                raise spent(e) or e
             else:
                 # no pipeline found before the interrupt: the one program, and what the search proved of the
                 # pipelines (its finished parts' bounds and the unfinished parts' family bounds; the step floor
                 # before it started)
                 unproven.append(tracker.space_bound if tracker.space_bound is not None else pipe_floor())
                 refusals.append("pipelines: interrupted before a pipeline was found")
-                say(f"  pipelines: interrupted before a pipeline was found ({time.perf_counter() - t1:.1f} s)")
+                say(f"  pipelines: {stop_word()} before a pipeline was found ({time.perf_counter() - t1:.1f} s)")
     if not candidates:
         raise ShardplanError("no plan fits: " + "; ".join(refusals))
     least = min(p.step_time for p in candidates)
@@ -592,7 +633,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     lower = None if any(b is None for b in bounds) else min(bounds)  # type: ignore[type-var]
     stats = dict(best.stats)
     stats.update(plan_seconds=time.perf_counter() - t0, stages_searched=searched, stages_reason=why,
-                 interrupted=interrupted,
+                 interrupted=interrupted, **work.summary(), work_phases=work_phases,
                  compared={**{("pipeline" if p.solver == "pipeline" else "one program"): p.step_time
                               for p in candidates},
                            **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None

@@ -23,6 +23,7 @@ from shardplan.cli.options import (add_machine, add_model, int_list, int_option,
                                    real_option, write_text)
 from shardplan.cli.recipe import add_recipe_option, recipe_of
 from shardplan.errors import ShardplanError
+from shardplan.pipeline.progress import PLAN_WORK_LIMIT
 
 __all__ = ["add_parser", "cmd_plan"]
 
@@ -90,20 +91,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       micro_batches=micro_batches, schedules=schedules, interleave=interleave,
                           max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto",
                           fit_options=fit_options, partial_sums=args.partial_sums, log=log, progress=write,
-                          overlap_tp=args.overlap_tp, context=args.context)
+                          overlap_tp=args.overlap_tp, context=args.context, work_limit=args.work_limit)
     except KeyboardInterrupt:
         end()
         _log(("time limit reached" if stopped else "interrupted") + " before any plan was found")
         return 130
     end()
     if result.stats.get("interrupted"):
-        if stopped:
+        if result.stats.get("stopped_at_work_limit"):
+            _log(f"work limit of {args.work_limit:.3g} units reached: the search stopped as on Ctrl-C, at the same "
+                 "point on any machine and load (--work-limit none: no limit)")
+        elif stopped:
             _log(f"time limit of {args.time_limit:g} s reached: the search stopped as on Ctrl-C")
+        how = "stopped at the work limit" if result.stats.get("stopped_at_work_limit") else "interrupted"
         if any("interrupted in the one program" in r for r in result.stats.get("refused", ())):
-            _log("interrupted in the one program's memory search: its best plan so far, with the bound it proved; "
+            _log(f"{how} in the one program's memory search: its best plan so far, with the bound it proved; "
                  "the pipelines were not searched")
         else:
-            _log("interrupted: the best plan found so far, with the bound the search proved (finished parts, and the "
+            _log(f"{how}: the best plan found so far, with the bound the search proved (finished parts, and the "
                  "unfinished parts' floors)")
     print(render_plan(result, operators=args.operators, compare=against))
     if against is not None:
@@ -119,6 +124,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # and its cap in seconds. Measured: GPT-3 175B on 64 h100, 3.8 CPU s for the 5 stage plans of the seed answer.
 TIME_LIMIT_RESERVE = 0.1
 TIME_LIMIT_RESERVE_CAP = 10.0
+
+
+def work_limit_option(text: str) -> float | None:
+    """argparse type of ``--work-limit``: ``none`` (no limit: None), else a finite number of work units >= 0 (0: no
+    limit either, as :func:`shardplan.plan` takes it)."""
+    if text.strip().lower() == "none":
+        return None
+    return real_option(0.0, 1e18, unit="")(text)
 
 
 def search_deadline(seconds: float, elapsed: float) -> float:
@@ -191,8 +204,15 @@ def add_parser(sub: Any) -> None:
                    help="end the command within this many seconds of wall time from its start: the search stops "
                         "early enough (a tenth of the limit, at most 10 s, is kept to build the answer) as "
                         "Ctrl-C does, with the best plan found so far, its proven lower bound and gap (default: "
-                        "none: the search runs to its work budgets, and its answer is the same on any machine; "
-                        "with a limit, where it stops depends on the machine's speed and load)")
+                        "none: the search runs to its work budget, --work-limit, and its answer is the same on any "
+                        "machine; with a time limit, where it stops depends on the machine's speed and load)")
+    p.add_argument("--work-limit", type=work_limit_option, default=PLAN_WORK_LIMIT, metavar="UNITS",
+                   help=f"the work budget of the whole search, in work units counted from the problem's sizes "
+                        f"(about a CPU microsecond each on the reference machine; default {PLAN_WORK_LIMIT:.3g}): "
+                        "spent, the search stops as Ctrl-C does, with the best plan so far and its proven bound "
+                        "and gap, at the same point on any machine and load; 'none' or 0: no limit (the search "
+                        "runs to its end, which can take hours at thousands of devices). With --time-limit, "
+                        "whichever comes first")
     p.add_argument("--schedules", default="1f1b,zb-h1", help="pipeline schedules (default 1f1b,zb-h1)")
     p.add_argument("--interleave", help="chunk counts v >= 2 for interleaved 1F1B, e.g. 2,4")
     p.add_argument("--max-stages", type=int_option(1), help="largest number of stages (default: one per block)")

@@ -144,6 +144,8 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
                                          periodic, sizes, memory_choices, fit_rtol, fit_time_limit, fit_work_limit,
                                          solve_options, model)
     tracker = progress if progress is not None else Progress()
+    if stages.work_budget is None:
+        stages.work_budget = tracker.budget  # (the planning call's work budget, if any, charged by the stages)
     tracker.part("uniform pipelines, before the one program")
     stats: dict[str, Any] = {}
     seen: list[PipelinePlan] = []  # each plan better than the ones before (the last is the best)
@@ -226,6 +228,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
     stages, space, ms = _model_and_space(build, batch, machine, micro_batches, max_stages, uniform, interleave,
                                          budget, periodic, sizes, memory_choices, fit_rtol, fit_time_limit, fit_work_limit,
                                          solve_options, model)
+    if progress is not None and stages.work_budget is None:
+        stages.work_budget = progress.budget  # (the planning call's work budget, if any, charged by the stages)
     if floors is None:
         floors = UnitFloors(stages)
     elif floors.stages is not stages:

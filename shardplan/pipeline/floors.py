@@ -215,8 +215,10 @@ class UnitFloors:
             dev = self.device_units(m)
             vals = []
             kinds: dict[int, float] = {}  # units of one signature have the same operators: one bound per kind
+            fresh = 0  # operator floors computed (one per operator of each kind), for the planning call's work
             for u, idx in enumerate(units):
                 if sigs[u] not in kinds:
+                    fresh += len(idx)
                     d = dev[u] / q
                     try:
                         v = sum(self._op_floor(g.operators[i], q, m) for i in idx) if vertex else 0.0
@@ -225,6 +227,11 @@ class UnitFloors:
                     kinds[sigs[u]] = max(d, v)
                 vals.append(kinds[sigs[u]])
             pre = self._pre[key] = np.concatenate(([0.0], np.cumsum(vals)))
+            budget = getattr(self.stages, "work_budget", None)
+            if budget is not None:  # the planning call's work: one operator floor per operator of each kind
+                from shardplan.pipeline.progress import FLOOR_OP_WORK, FLOOR_UNIT_WORK
+
+                budget.charge(FLOOR_OP_WORK * fresh * vertex + FLOOR_UNIT_WORK * len(units), "floors")
         return pre
 
     def device_units(self, m: int) -> list[float]:

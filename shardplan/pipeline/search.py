@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from shardplan.errors import ShardplanError
-from shardplan.pipeline.progress import Progress
+from shardplan.pipeline.progress import STATE_WORK, Progress
 from shardplan.pipeline.schedule import StageTimes, in_flight, step_time
 
 __all__ = ["StageCost", "PipelineSpace", "Stage", "PipelinePlan", "submesh_sizes", "search_pipeline",
@@ -854,7 +854,7 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
               stage: Callable[[int, int, int, int, int], "float | None | object"],
               between: Callable[[int, int, int, int], float | None] | None, stats: dict,
               counter: str, memo: dict | None = None,
-              tick: Callable[[], None] | None = None,
+              tick: Callable[..., None] | None = None,
               classes: int | None = None,
               floor: Callable[[int, int, int], "float | object"] | None = None,
               reachable: Callable[[int, int], bool] | None = None
@@ -910,7 +910,7 @@ def _stage_dp(space: PipelineSpace, n: int, qs: Sequence[int],
             return _NOWHERE
         stats[counter] = count = stats.get(counter, 0) + 1
         if tick is not None and not count & 0x3FFF:
-            tick()
+            tick(work=STATE_WORK * 0x4000)
         best_v, best_arg = math.inf, None
         if opens(o, q, r):
             for b in ([U] if r == 1 else range(a + 1, U - r + 2)):
@@ -994,7 +994,7 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
               stage: Callable[[int, int, int, int, int], "float | None | object"],
               between: Callable[[int, int, int, int], float | None] | None, stats: dict,
               counter: str, memo: dict | None = None,
-              tick: Callable[[], None] | None = None,
+              tick: Callable[..., None] | None = None,
               floor: Callable[[int, int, int], "float | object"] | None = None,
               reachable: Callable[[int, int], bool] | None = None
               ) -> tuple[float, list[tuple[int, int, int, int]]] | None:
@@ -1032,7 +1032,7 @@ def _class_dp(space: PipelineSpace, m: int, qs: Sequence[int],
             return _NOWHERE
         stats[counter] = count = stats.get(counter, 0) + 1
         if tick is not None and not count & 0x3FFF:
-            tick()
+            tick(work=STATE_WORK * 0x4000)
         best_v, best_arg = math.inf, None
         # c < m: exactly c stages from here (c = 1: this is the last); c = m: at least m
         must_end = c == 1 and m > 1
@@ -1671,7 +1671,7 @@ class _StagePool:
         self.stage_fn, self.fit_fn, self.m, self.budget, self.stats = stage_fn, fit_fn, m, budget, stats
         self.stage_lower = stage_lower
         self.on_new = on_new
-        self.tick: Callable[..., None] = tick if tick is not None else (lambda *_: None)
+        self.tick: Callable[..., None] = tick if tick is not None else (lambda *_, **__: None)
         self.plain_costs: dict[tuple[int, int, int], StageCost | None] = {}
         self.fitted: dict[tuple[int, int, int, float], StageCost | None] = {}
         self.lazy = fit_fn is not None

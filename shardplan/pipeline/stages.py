@@ -137,7 +137,8 @@ from shardplan.errors import OperatorMemoryError, PerDeviceLimitError, Shardplan
 from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
 from shardplan.pipeline.search import StageCost
-from shardplan.search.constrained import WORK_LIMIT
+from shardplan.pipeline.progress import GRAPH_OP_WORK, table_work
+from shardplan.search.constrained import WORK_LIMIT, solve_work
 
 __all__ = ["unit_prefix", "units_of", "ModelStages", "graph_device_seconds"]
 
@@ -354,6 +355,10 @@ class ModelStages:
             (:attr:`shardplan.fit.FitOptions.work_limit`: counted, so the same on any machine) and its wall-clock
             limit per stage solve (None, the default: none; seconds only when asked for).
         fit_unproven: fit solves stopped by the work or time limit before their proof.
+        work_budget: a planning call's :class:`~shardplan.pipeline.progress.WorkBudget` (None: none), charged
+            for each graph built, each stage's tables and each stage solve (a fit solve gets at most what it has
+            left); once spent, the charge raises :class:`~shardplan.pipeline.progress.WorkLimitReached`, the
+            interrupt's path.
         fit_reused: fit answers taken from the same segment's solve at another in-flight count (:meth:`fit_cost`).
         refused: the sub-mesh sizes on which some stage could not be costed because its tables would need
             per-device tiles past the cost model's cap (:class:`~shardplan.errors.PerDeviceLimitError`; the
@@ -379,6 +384,7 @@ class ModelStages:
     fit_unproven: int = 0
     fit_reused: int = 0
     refused: dict = field(default_factory=dict)
+    work_budget: Any = field(default=None, repr=False, compare=False)
     _graphs: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
     _lower: dict = field(default_factory=dict, repr=False)
@@ -399,7 +405,13 @@ class ModelStages:
                                                   g.operators[i].name in g.recomputed) for i in idx), len(intern))
                          for u, idx in enumerate(units))
             self._graphs[m] = (g, units, sigs)
+            self._charge(GRAPH_OP_WORK * len(g.operators), "graphs")
         return self._graphs[m]
+
+    def _charge(self, units: float, kind: str) -> None:
+        """Charge the planning call's work budget, if any (raises once it is spent: the interrupt's path)."""
+        if self.work_budget is not None:
+            self.work_budget.charge(units, kind)
 
     def release(self) -> None:
         """Drop every cached stage cost, fit solve, cut and cost table (not the graphs): a search that is done with
@@ -563,6 +575,7 @@ class ModelStages:
         solver = opts.pop("solver", "dp")
         cache = self._table_cache(q)
         tables = build_tables(graph, machine, cache=cache, **table_opts)
+        self._charge(table_work(tables, self._tables.setdefault(("charged", q), {})), "tables")
         sync = self._weight_syncs(tables, q)
         if self.strategy is None:
             # weight gradients are accumulated over the m micro-batches and synchronised once per step:
@@ -570,6 +583,7 @@ class ModelStages:
             problem = tables.to_problem()
             adjusted = tuple(np.maximum(vc - (1.0 - 1.0 / m) * w, 0.0) for vc, w in zip(problem.vertex_cost, sync))
             sol = SOLVERS[solver](replace(problem, vertex_cost=adjusted), **opts)
+            self._charge(solve_work(problem), "stage_solves")
             plan = SpmdPlan(tables, tuple(int(x) for x in sol.assignment), sol, solver)
         else:
             plan = plan_from_configs(tables, self.strategy(tables), name="recipe")
@@ -817,12 +831,13 @@ class ModelStages:
         cache = self._tables.setdefault((q, "fit"), {})
         tables = replace(build_tables(graph, replace(machine, memory_bytes=None), cache=cache, **table_opts),
                          machine=machine)
+        self._charge(table_work(tables, self._tables.setdefault(("charged", q, "fit"), {})), "tables")
         self.solves += 1
         try:
             plan = solve_fit(graph, machine, budget=budget, tables=tables,
                              options=FitOptions(micro_batches=(1,), in_flight=k, accumulate=m,
                                                 work_limit=self.fit_work_limit, time_limit=self.fit_time_limit),
-                             rtol=self.fit_rtol)
+                             rtol=self.fit_rtol, work_budget=self.work_budget)
         except PerDeviceLimitError:
             raise  # not "nothing fits": the caller records the refusal
         except ShardplanError:
