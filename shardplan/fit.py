@@ -35,7 +35,7 @@ from shardplan.checks import real
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
-from shardplan.pipeline.progress import choice_work, table_work
+from shardplan.search.work import choice_work, table_work
 from shardplan.search.constrained import (WORK_LIMIT, MemoryProblem, forest_work, infeasible_message,
                                           solve_memory)
 from shardplan.search.peak import PeakProblem, backward_profile, solve_peak
@@ -521,10 +521,10 @@ def solve_fit(graph: Graph, machine: Machine, *, budget: float | None = None, op
     ``stats["interrupted"]`` True and a bound that stays proven: each count's search stops as at its time
     limit, a count not searched further keeps its root bound, and one not rooted yet counts 0.
 
-    ``work_budget``: a planning call's :class:`~shardplan.pipeline.progress.WorkBudget`. Each search gets the
+    ``work_budget``: a planning call's :class:`~shardplan.search.work.WorkBudget`. Each search gets the
     least of ``options.work_limit`` and the units the budget has left, and is charged its work when it returns
     (the solve-free count bounds one forest pass each, the choice tables per row); once the budget is spent the
-    charge raises :class:`~shardplan.pipeline.progress.WorkLimitReached`, which stops the search as Ctrl-C does.
+    charge raises :class:`~shardplan.search.work.WorkLimitReached`, which stops the search as Ctrl-C does.
 
     Raises:
         ShardplanError: no budget known, or no plan fits (naming the least memory any plan needs).
