@@ -322,6 +322,15 @@ class _GraphPass:
             a = self.resolve(self.view_src.get(a, -1))
         return False
 
+    def read_elsewhere(self, a: Atom) -> bool:
+        """True when ``a``, or a variable it is a view of, has another consumer than the one reading ``a``."""
+        a = self.resolve(a)
+        while isinstance(a, int):
+            if self.uses.get(a, 0) > 1:
+                return True
+            a = self.resolve(self.view_src[a]) if a in self.view_src else None
+        return False
+
     def set_view(self, eqn: FlatEqn, v: _Val) -> None:
         self.env[eqn.outvars[0]] = v
         self.view_src[eqn.outvars[0]] = self.resolve(eqn.invars[0])
@@ -1049,11 +1058,16 @@ def _slice_op(eqn: FlatEqn, v: _Val, starts: Sequence[int], strides: Sequence[in
 
 @handles("slice")
 def _slice(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
-    """A static slice; of a parameter, a weight of the slice's shape (one layer of a stacked parameter)."""
+    """A static slice. Of a parameter read by nothing else, or of a stacked parameter by an unrolled ``scan``
+    (one layer per iteration, the iterations tied to one layout), a weight of the slice's shape; of a parameter
+    read elsewhere too (``embed[:V2]`` of a table also read whole, a fused weight read as ``w[:, :d]``,
+    ``w[:, d:]``), a slice operator reading the whole parameter through an offset, as a ``split`` piece is: one
+    weight, owned by its first reader and linked to the others (:meth:`_GraphPass.share_weights`)."""
     p, v = eqn.params, vals[0]
     out = eqn.out_shapes[0]
     strides = p.get("strides") or (1,) * len(out)
-    if v.kind == "param" and v.is_identity and v.leaf_axes is not None:
+    if v.kind == "param" and v.is_identity and v.leaf_axes is not None and \
+            (eqn.ties or not g.read_elsewhere(eqn.invars[0])):
         keep = tuple(la if out[i] == v.shape[i] else None for i, la in enumerate(v.leaf_axes))
         part = (v.part, tuple(p["start_indices"]), tuple(out), tuple(strides))
         g.env[eqn.outvars[0]] = dataclasses.replace(_base("param", v.key, out, v.needs_grad, leaf_axes=keep),
