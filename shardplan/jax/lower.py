@@ -200,6 +200,8 @@ class _Val:
     axis); ``leaf_axes`` None: the base is not an axis-wise part of the leaf.
     ``batch``: the base axis that carries the batch, if any.
     ``part`` (params): which static slice of the leaf the base is (None: the whole leaf).
+    ``window`` (params): per base axis, ``(start, stride)`` where the view reads only
+    ``base[start + stride * i]`` (a slice of the leaf, the leaf its base); None: the view reads what its shape says.
     """
 
     kind: str
@@ -211,6 +213,7 @@ class _Val:
     leaf_axes: tuple[int | None, ...] | None = None
     batch: int | None = None
     part: Any = None
+    window: tuple[tuple[int, int], ...] | None = None
 
     @property
     def is_identity(self) -> bool:
@@ -355,9 +358,13 @@ class _GraphPass:
         axes: list[AxisMap] = []
         for i, t in enumerate(v.to_view):
             a = view_axes[t] if t is not None else None
-            if t is None or v.base_shape[i] != v.shape[t]:
-                a = None
-            axes.append(a if isinstance(a, AxisMap) else AxisMap(a))
+            a = a if isinstance(a, AxisMap) else AxisMap(a)
+            if t is not None and v.base_shape[i] != v.shape[t]:
+                start, stride = v.window[i] if v.window is not None else (0, 0)
+                a = AxisMap(a.dim, stride=stride, offset=start, partial=True) if stride and a.is_plain else AxisMap(None)
+            elif t is None:
+                a = AxisMap(None)
+            axes.append(a)
         if v.kind == "param":
             return Tensor(name, v.base_shape, tuple(axes), "weight", needs_grad=v.needs_grad)
         return Tensor(name, v.base_shape, tuple(axes), "input", needs_grad=v.needs_grad, src=v.key)
@@ -1058,9 +1065,10 @@ def _slice_op(eqn: FlatEqn, v: _Val, starts: Sequence[int], strides: Sequence[in
 
 @handles("slice")
 def _slice(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
-    """A static slice. Of a parameter read by nothing else, or of a stacked parameter by an unrolled ``scan``
-    (one layer per iteration, the iterations tied to one layout), a weight of the slice's shape; of a parameter
-    read elsewhere too (``embed[:V2]`` of a table also read whole, a fused weight read as ``w[:, :d]``,
+    """A static slice. Of a stacked parameter by an unrolled ``scan`` (one layer per iteration, the iterations
+    tied to one layout), a weight of the slice's shape; of a parameter read by nothing else, a view whose readers
+    read the leaf through the slice's offsets and strides (the run holds the leaf, so its owner stores it whole
+    along the cut axes); of a parameter read elsewhere too (``embed[:V2]`` of a table also read whole, a fused weight read as ``w[:, :d]``,
     ``w[:, d:]``), a slice operator reading the whole parameter through an offset, as a ``split`` piece is: one
     weight, owned by its first reader and linked to the others (:meth:`_GraphPass.share_weights`)."""
     p, v = eqn.params, vals[0]
@@ -1068,10 +1076,14 @@ def _slice(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     strides = p.get("strides") or (1,) * len(out)
     if v.kind == "param" and v.is_identity and v.leaf_axes is not None and \
             (eqn.ties or not g.read_elsewhere(eqn.invars[0])):
-        keep = tuple(la if out[i] == v.shape[i] else None for i, la in enumerate(v.leaf_axes))
         part = (v.part, tuple(p["start_indices"]), tuple(out), tuple(strides))
-        g.env[eqn.outvars[0]] = dataclasses.replace(_base("param", v.key, out, v.needs_grad, leaf_axes=keep),
-                                                    part=part)
+        if eqn.ties:
+            keep = tuple(la if out[i] == v.shape[i] else None for i, la in enumerate(v.leaf_axes))
+            g.env[eqn.outvars[0]] = dataclasses.replace(_base("param", v.key, out, v.needs_grad, leaf_axes=keep),
+                                                        part=part)
+        else:  # its reader reads the leaf through the slice's window: the owner stores the leaf whole along it
+            window = tuple((int(s), int(d)) for s, d in zip(p["start_indices"], strides))
+            g.env[eqn.outvars[0]] = dataclasses.replace(v.retarget(out, lambda a: a), part=part, window=window)
         return
     g.adopt(eqn, _slice_op(eqn, v, p["start_indices"], strides, out), vals[:1])
 

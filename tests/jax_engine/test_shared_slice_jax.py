@@ -30,8 +30,8 @@ B, T, D, V, V2 = 16, 8, 64, 96, 64  # V2 real tokens of a table padded to V rows
 
 
 def loss_fn(p, batch):
-    """One attention block with q, k, v the thirds of one fused weight (static slices), an MLP reading the first
-    half of its weight (its only reader), and a head tied to the embedding table's first V2 rows (a static slice
+    """One attention block with q, k, v the thirds of one fused weight (static slices), an MLP whose first weight
+    is read through ``w1[:, :D]`` only (its other half padding), and a head tied to the embedding table's first V2 rows (a static slice
     of the table the lookup reads whole); cross-entropy."""
     ids, y = batch
     table = p["embed"][:V2]
@@ -72,8 +72,8 @@ def _shared(g):
 
 def test_the_slices_are_weight_edges_and_the_plan_runs():
     """The graph links the fused weight's q slice to the k and v slices and the head's slice of the table to the
-    embedding's gather, reads every shared parameter whole (one weight each, its memory counted once), keeps
-    ``w1[:, :D]`` (its leaf's only reader) a weight of the slice's shape; ``shardplan.jax.plan`` plans it
+    embedding's gather, reads every shared parameter whole (one weight each, its memory counted once);
+    ``w1[:, :D]``'s reader, its leaf's only one, reads the leaf through the slice's offset; ``shardplan.jax.plan`` plans it
     and the planned step equals the unsharded program."""
     import shardplan.jax as sj
 
@@ -85,7 +85,7 @@ def test_the_slices_are_weight_edges_and_the_plan_runs():
                      for rs in shared.values() for n in rs)
     assert offsets == [(0, 0), (0, 64), (0, 128)]  # k, v at columns D, 2D; the gather reads the table whole
     owned = sorted(w.shape for op in g.operators for w in op.weights if w.owner is None)
-    assert owned == [(D, D), (D, 3 * D), (V, D)]  # one weight per leaf; w1's half as read
+    assert owned == [(D, 2 * D), (D, 3 * D), (V, D)]  # one weight per leaf
     plan = sj.plan(loss_fn, params, batch, devices=DEVICES, machine=TOY)
     run = sj.apply(plan, loss_fn, params, batch, devices=DEVICES)
     loss, grads = run.step(params, batch)
@@ -131,3 +131,20 @@ def test_compiled_bytes_against_the_model(case, edge_bytes, shared):
     got = hlo_bytes_per_device(step.lower(params, batch).compile().as_text())["total"]
     want = predicted_bytes(plan)["total"] - shared
     assert 0.999 <= got / want <= 1.0
+
+
+def test_a_parameter_read_only_through_a_slice_is_stored_whole():
+    """``w1[:, :D]``, its leaf's only reader: the product reads the (64, 128) leaf through columns 0..63 (its
+    ``out`` dim splits that block as it would the slice) and the memory model stores what the run holds, the whole
+    leaf along the sliced axis: with ``out`` split 2 and ``in`` 4, each device's value is 16 x 128 floats, not
+    16 x 32 (:func:`shardplan.cost.tiles.stored_weight`)."""
+    from shardplan.cost.memory import operator_memory
+
+    params, batch = _inputs()
+    g, info = trace(loss_fn, params, batch)
+    (op,) = [op for op in g.operators if any(w.shape == (D, 2 * D) for w in op.weights)]
+    (w,) = op.weights
+    assert w.owner is None and w.axes[1].offset == 0 and w.axes[1].partial and w.axes[0].is_plain
+    layout = np.asarray([tuple({w.axes[0].dim: 4, w.axes[1].dim: 2}.get(d, 1) for d in op.dim_names)])
+    weight_bytes, _ = operator_memory(op, layout, TOY, optimizer_factor=0.0)
+    assert float(weight_bytes.max()) == 16 * 128 * TOY.dtype_bytes * 2  # value and gradient
