@@ -36,9 +36,10 @@ consumer owns it (its leaf's layout is the one that consumer asks for) and
 every other reader names the owner (:attr:`~shardplan.ir.Tensor.owner`), so
 the cost model charges one copy of its state, and a weight edge between
 owner and reader moves the parameter when their layouts differ
-(:func:`shardplan.cost.edge.weight_edge_cost`). A static slice of a parameter (one layer of a stacked parameter, as an
-unrolled ``scan`` reads it) is a weight of the slice's shape whose axes map
-to the leaf's. A parameter reshaped so that axes merge or split is a
+(:func:`shardplan.cost.edge.weight_edge_cost`). A static slice of a parameter is one layer's weight when an
+unrolled ``scan`` cuts it (its axes map to the leaf's), the leaf read through the slice's window when nothing else
+reads the leaf, and else a slice operator reading the whole leaf through an offset, linked to its owner as a
+``split`` piece is (docs/jax.md, "Slices of a parameter"). A parameter reshaped so that axes merge or split is a
 weight of the new shape and its leaf is left replicated.
 
 Constants (literals, ``iota``, anything computed from no argument, and
@@ -361,7 +362,8 @@ class _GraphPass:
             a = a if isinstance(a, AxisMap) else AxisMap(a)
             if t is not None and v.base_shape[i] != v.shape[t]:
                 start, stride = v.window[i] if v.window is not None else (0, 0)
-                a = AxisMap(a.dim, stride=stride, offset=start, partial=True) if stride and a.is_plain else AxisMap(None)
+                plain = stride and a.is_plain
+                a = AxisMap(a.dim, stride=stride, offset=start, partial=True) if plain else AxisMap(None)
             elif t is None:
                 a = AxisMap(None)
             axes.append(a)
@@ -1068,9 +1070,10 @@ def _slice(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     """A static slice. Of a stacked parameter by an unrolled ``scan`` (one layer per iteration, the iterations
     tied to one layout), a weight of the slice's shape; of a parameter read by nothing else, a view whose readers
     read the leaf through the slice's offsets and strides (the run holds the leaf, so its owner stores it whole
-    along the cut axes); of a parameter read elsewhere too (``embed[:V2]`` of a table also read whole, a fused weight read as ``w[:, :d]``,
-    ``w[:, d:]``), a slice operator reading the whole parameter through an offset, as a ``split`` piece is: one
-    weight, owned by its first reader and linked to the others (:meth:`_GraphPass.share_weights`)."""
+    along the cut axes); of a parameter read elsewhere too (``embed[:V2]`` of a table also read whole, a fused
+    weight read as ``w[:, :d]``, ``w[:, d:]``), a slice operator reading the whole parameter through an offset, as
+    a ``split`` piece is: one weight, owned by its first reader and linked to the others
+    (:meth:`_GraphPass.share_weights`)."""
     p, v = eqn.params, vals[0]
     out = eqn.out_shapes[0]
     strides = p.get("strides") or (1,) * len(out)
