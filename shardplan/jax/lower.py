@@ -306,6 +306,7 @@ class _GraphPass:
         self.operand_dtypes: dict[str, tuple[list[Any], list[Any]]] = {}  # operator -> its inputs', weights' dtypes
         self.var_dtype: dict[int, Any] = {o: d for e in program.eqns for o, d in zip(e.outvars, e.out_dtypes)}
         self.alias, self.uses = _count_uses(program)
+        self.layer_slices = _layer_slices(program)
         self.eqn_index = -1
         for var, val in leaf_vals.items():
             self.env[var] = val
@@ -787,6 +788,18 @@ def _count_uses(program: Program) -> tuple[dict[int, int], dict[int, int]]:
     return alias, uses
 
 
+def _layer_slices(program: Program) -> frozenset[tuple[int, int]]:
+    """The tie keys of an unrolled ``scan``'s per-iteration slices of a scanned operand: static slices that the
+    iterations tie (one position in every iteration) and that cut each iteration at another start (a slice of a
+    loop-invariant operand cuts every iteration at the same one)."""
+    starts: dict[tuple[int, int], set[tuple[int, ...]]] = {}
+    for e in program.eqns:
+        if e.name == "slice":
+            for t in e.ties:
+                starts.setdefault(t, set()).add(tuple(e.params["start_indices"]))
+    return frozenset(t for t, s in starts.items() if len(s) > 1)
+
+
 # ---------------------------------------------------------------------------
 # handlers: one per primitive family
 # ---------------------------------------------------------------------------
@@ -1068,7 +1081,7 @@ def _slice_op(eqn: FlatEqn, v: _Val, starts: Sequence[int], strides: Sequence[in
 @handles("slice")
 def _slice(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     """A static slice. Of a stacked parameter by an unrolled ``scan`` (one layer per iteration, the iterations
-    tied to one layout), a weight of the slice's shape; of a parameter read by nothing else, a view whose readers
+    tied to one layout: :func:`_layer_slices`), a weight of the slice's shape; of a parameter read by nothing else, a view whose readers
     read the leaf through the slice's offsets and strides (the run holds the leaf, so its owner stores it whole
     along the cut axes); of a parameter read elsewhere too (``embed[:V2]`` of a table also read whole, a fused
     weight read as ``w[:, :d]``, ``w[:, d:]``), a slice operator reading the whole parameter through an offset, as
@@ -1077,10 +1090,11 @@ def _slice(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
     p, v = eqn.params, vals[0]
     out = eqn.out_shapes[0]
     strides = p.get("strides") or (1,) * len(out)
+    layer = any(t in g.layer_slices for t in eqn.ties)
     if v.kind == "param" and v.is_identity and v.leaf_axes is not None and \
-            (eqn.ties or not g.read_elsewhere(eqn.invars[0])):
+            (layer or not g.read_elsewhere(eqn.invars[0])):
         part = (v.part, tuple(p["start_indices"]), tuple(out), tuple(strides))
-        if eqn.ties:
+        if layer:
             keep = tuple(la if out[i] == v.shape[i] else None for i, la in enumerate(v.leaf_axes))
             g.env[eqn.outvars[0]] = dataclasses.replace(_base("param", v.key, out, v.needs_grad, leaf_axes=keep),
                                                         part=part)

@@ -149,3 +149,39 @@ def test_a_parameter_read_only_through_a_slice_is_stored_whole():
     layout = np.asarray([tuple({w.axes[0].dim: 4, w.axes[1].dim: 2}.get(d, 1) for d in op.dim_names)])
     weight_bytes, _ = operator_memory(op, layout, TOY, optimizer_factor=0.0)
     assert float(weight_bytes.max()) == 16 * 128 * TOY.dtype_bytes * 2  # value and gradient
+
+
+def _scanned_loss(p, x):
+    """A ``scan`` over a stacked weight whose body reads a loop-invariant fused weight through two slices."""
+    def body(h, wl):
+        w = p["wqk"]
+        return jnp.tanh((h @ w[:, :D // 4]) * (h @ w[:, D // 4:])) @ wl, None
+
+    h, _ = jax.lax.scan(body, x, p["stack"])
+    return jnp.sum(h ** 2)
+
+
+def test_slices_in_a_scan():
+    """In an unrolled ``scan``, each iteration's slice of the stacked weight stays that layer's weight (the
+    iterations cut it at different starts), while the body's slices of the loop-invariant fused weight are one
+    weight, owned by the first iteration's first slice; the plan runs equal to the unsharded program."""
+    import shardplan.jax as sj
+
+    r = np.random.default_rng(1)
+    d = D // 4
+    params = {"wqk": jnp.asarray(r.normal(size=(d, 2 * d)) / 4, jnp.float32),
+              "stack": jnp.asarray(r.normal(size=(3, d, d)) / 4, jnp.float32)}
+    x = jnp.asarray(r.normal(size=(B, d)), jnp.float32)
+    g, _ = trace(_scanned_loss, params, x)
+    owned = sorted((op.name, w.shape) for op in g.operators for w in op.weights if w.owner is None)
+    assert owned == [("scan0/dot_general_3", (1, d, d)), ("scan0/slice", (d, 2 * d)),
+                     ("scan1/dot_general_3", (1, d, d)), ("scan2/dot_general_3", (1, d, d))]
+    assert sorted(_shared(g).items()) == [("scan0/slice", ["scan0/slice_2", "scan1/slice", "scan1/slice_2",
+                                                           "scan2/slice", "scan2/slice_2"])]
+    plan = sj.plan(_scanned_loss, params, x, devices=DEVICES, machine=TOY)
+    loss, grads = sj.apply(plan, _scanned_loss, params, x, devices=DEVICES).step(params, x)
+    ref_l, ref_g = jax.value_and_grad(_scanned_loss)(params, x)
+    assert abs(float(loss) - float(ref_l)) <= 1e-6 * abs(float(ref_l))
+    for k in ref_g:
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_g[k]), rtol=0,
+                                   atol=2e-6 * float(jnp.abs(ref_g[k]).max()))
