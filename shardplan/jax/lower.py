@@ -36,9 +36,10 @@ consumer owns it (its leaf's layout is the one that consumer asks for) and
 every other reader names the owner (:attr:`~shardplan.ir.Tensor.owner`), so
 the cost model charges one copy of its state, and a weight edge between
 owner and reader moves the parameter when their layouts differ
-(:func:`shardplan.cost.edge.weight_edge_cost`). A static slice of a parameter (one layer of a stacked parameter, as an
-unrolled ``scan`` reads it) is a weight of the slice's shape whose axes map
-to the leaf's. A parameter reshaped so that axes merge or split is a
+(:func:`shardplan.cost.edge.weight_edge_cost`). A static slice of a parameter is one layer's weight when an
+unrolled ``scan`` cuts it (its axes map to the leaf's), the leaf read through the slice's window when nothing else
+reads the leaf, and else a slice operator reading the whole leaf through an offset, linked to its owner as a
+``split`` piece is (docs/jax.md, "Slices of a parameter"). A parameter reshaped so that axes merge or split is a
 weight of the new shape and its leaf is left replicated.
 
 Constants (literals, ``iota``, anything computed from no argument, and
@@ -200,6 +201,8 @@ class _Val:
     axis); ``leaf_axes`` None: the base is not an axis-wise part of the leaf.
     ``batch``: the base axis that carries the batch, if any.
     ``part`` (params): which static slice of the leaf the base is (None: the whole leaf).
+    ``window`` (params): per base axis, ``(start, stride)`` where the view reads only
+    ``base[start + stride * i]`` (a slice of the leaf, the leaf its base); None: the view reads what its shape says.
     """
 
     kind: str
@@ -211,6 +214,7 @@ class _Val:
     leaf_axes: tuple[int | None, ...] | None = None
     batch: int | None = None
     part: Any = None
+    window: tuple[tuple[int, int], ...] | None = None
 
     @property
     def is_identity(self) -> bool:
@@ -302,6 +306,7 @@ class _GraphPass:
         self.operand_dtypes: dict[str, tuple[list[Any], list[Any]]] = {}  # operator -> its inputs', weights' dtypes
         self.var_dtype: dict[int, Any] = {o: d for e in program.eqns for o, d in zip(e.outvars, e.out_dtypes)}
         self.alias, self.uses = _count_uses(program)
+        self.layer_slices = _layer_slices(program)
         self.eqn_index = -1
         for var, val in leaf_vals.items():
             self.env[var] = val
@@ -320,6 +325,15 @@ class _GraphPass:
             if a == target:
                 return True
             a = self.resolve(self.view_src.get(a, -1))
+        return False
+
+    def read_elsewhere(self, a: Atom) -> bool:
+        """True when ``a``, or a variable it is a view of, has another consumer than the one reading ``a``."""
+        a = self.resolve(a)
+        while isinstance(a, int):
+            if self.uses.get(a, 0) > 1:
+                return True
+            a = self.resolve(self.view_src[a]) if a in self.view_src else None
         return False
 
     def set_view(self, eqn: FlatEqn, v: _Val) -> None:
@@ -346,9 +360,14 @@ class _GraphPass:
         axes: list[AxisMap] = []
         for i, t in enumerate(v.to_view):
             a = view_axes[t] if t is not None else None
-            if t is None or v.base_shape[i] != v.shape[t]:
-                a = None
-            axes.append(a if isinstance(a, AxisMap) else AxisMap(a))
+            a = a if isinstance(a, AxisMap) else AxisMap(a)
+            if t is not None and v.base_shape[i] != v.shape[t]:
+                start, stride = v.window[i] if v.window is not None else (0, 0)
+                plain = stride and a.is_plain
+                a = AxisMap(a.dim, stride=stride, offset=start, partial=True) if plain else AxisMap(None)
+            elif t is None:
+                a = AxisMap(None)
+            axes.append(a)
         if v.kind == "param":
             return Tensor(name, v.base_shape, tuple(axes), "weight", needs_grad=v.needs_grad)
         return Tensor(name, v.base_shape, tuple(axes), "input", needs_grad=v.needs_grad, src=v.key)
@@ -769,6 +788,18 @@ def _count_uses(program: Program) -> tuple[dict[int, int], dict[int, int]]:
     return alias, uses
 
 
+def _layer_slices(program: Program) -> frozenset[tuple[int, int]]:
+    """The tie keys of an unrolled ``scan``'s per-iteration slices of a scanned operand: static slices that the
+    iterations tie (one position in every iteration) and that cut each iteration at another start (a slice of a
+    loop-invariant operand cuts every iteration at the same one)."""
+    starts: dict[tuple[int, int], set[tuple[int, ...]]] = {}
+    for e in program.eqns:
+        if e.name == "slice":
+            for t in e.ties:
+                starts.setdefault(t, set()).add(tuple(e.params["start_indices"]))
+    return frozenset(t for t, s in starts.items() if len(s) > 1)
+
+
 # ---------------------------------------------------------------------------
 # handlers: one per primitive family
 # ---------------------------------------------------------------------------
@@ -1049,15 +1080,27 @@ def _slice_op(eqn: FlatEqn, v: _Val, starts: Sequence[int], strides: Sequence[in
 
 @handles("slice")
 def _slice(g: _GraphPass, eqn: FlatEqn, vals: list[_Val]) -> None:
-    """A static slice; of a parameter, a weight of the slice's shape (one layer of a stacked parameter)."""
+    """A static slice. Of a stacked parameter by an unrolled ``scan`` (one layer per iteration, the iterations
+    tied to one layout: :func:`_layer_slices`), a weight of the slice's shape; of a parameter read by nothing else, a view whose readers
+    read the leaf through the slice's offsets and strides (the run holds the leaf, so its owner stores it whole
+    along the cut axes); of a parameter read elsewhere too (``embed[:V2]`` of a table also read whole, a fused
+    weight read as ``w[:, :d]``, ``w[:, d:]``), a slice operator reading the whole parameter through an offset, as
+    a ``split`` piece is: one weight, owned by its first reader and linked to the others
+    (:meth:`_GraphPass.share_weights`)."""
     p, v = eqn.params, vals[0]
     out = eqn.out_shapes[0]
     strides = p.get("strides") or (1,) * len(out)
-    if v.kind == "param" and v.is_identity and v.leaf_axes is not None:
-        keep = tuple(la if out[i] == v.shape[i] else None for i, la in enumerate(v.leaf_axes))
+    layer = any(t in g.layer_slices for t in eqn.ties)
+    if v.kind == "param" and v.is_identity and v.leaf_axes is not None and \
+            (layer or not g.read_elsewhere(eqn.invars[0])):
         part = (v.part, tuple(p["start_indices"]), tuple(out), tuple(strides))
-        g.env[eqn.outvars[0]] = dataclasses.replace(_base("param", v.key, out, v.needs_grad, leaf_axes=keep),
-                                                    part=part)
+        if layer:
+            keep = tuple(la if out[i] == v.shape[i] else None for i, la in enumerate(v.leaf_axes))
+            g.env[eqn.outvars[0]] = dataclasses.replace(_base("param", v.key, out, v.needs_grad, leaf_axes=keep),
+                                                        part=part)
+        else:  # its reader reads the leaf through the slice's window: the owner stores the leaf whole along it
+            window = tuple((int(s), int(d)) for s, d in zip(p["start_indices"], strides))
+            g.env[eqn.outvars[0]] = dataclasses.replace(v.retarget(out, lambda a: a), part=part, window=window)
         return
     g.adopt(eqn, _slice_op(eqn, v, p["start_indices"], strides, out), vals[:1])
 

@@ -114,7 +114,7 @@ def test_zero_1_viewed_weights_train_like_optax():
     tracer = Tracer(_qkv_loss, params, batch)
     plan = from_pipeline(pipeline_solve(tracer, batch_size(tracer.full_info), _toy(), micro_batches=(M,), sizes=(2,),
                                         cutoff=1))
-    edits = {n: {"state_stage": 1} for n in ("L0/dot_general", "L3/dot_general_5")}
+    edits = {n: {"state_stage": 1} for n in ("L0/slice", "L3/slice_3")}  # the owners: the q and gate slices
     step = sj.apply(with_choices(plan, edits), _qkv_loss, params, batch, DEVICES).step
     names = step.info.leaf_names
     ones = {i for st in step.stages for i, z in st.zero.items() if z == 1}
