@@ -16,19 +16,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from conftest import require_8_devices  # noqa: E402
-from shardplan.cost import build_tables  # noqa: E402
-from shardplan.cost.edge import weight_edge_cost  # noqa: E402
 from shardplan.jax import trace  # noqa: E402
-from shardplan.jax.hlo import hlo_bytes_per_device, predicted_bytes  # noqa: E402
-from shardplan.jax.run import make_step  # noqa: E402
-from shardplan.machine import Machine  # noqa: E402
-from shardplan.spmd import plan_from_configs, solve_tables  # noqa: E402
-
-DEVICES = require_8_devices()
-TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
-B, T, D, V, V2 = 16, 8, 64, 96, 64  # V2 real tokens of a table padded to V rows
-
+from tests.jax_engine.test_shared_split_jax import (B, CASES, DEVICES, TOY, D, T, V, V2,  # noqa: E402
+                                                    _assert_equal_to_unsharded, _shared, compiled_against_model)
 
 def loss_fn(p, batch):
     """One attention block with q, k, v the thirds of one fused weight (static slices), an MLP whose first weight
@@ -55,22 +45,6 @@ def _inputs():
     return params, batch
 
 
-def _assert_equal_to_unsharded(loss, grads, params, batch):
-    ref_l, ref_g = jax.value_and_grad(loss_fn)(params, batch)
-    assert abs(float(loss) - float(ref_l)) <= 1e-6 * abs(float(ref_l))
-    for k in ref_g:
-        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_g[k]), rtol=0,
-                                   atol=2e-6 * float(jnp.abs(ref_g[k]).max()))
-
-
-def _shared(g):
-    """Owner -> readers of each shared leaf, by operator name (weight edges)."""
-    out: dict[str, list[str]] = {}
-    for e in g.weight_edges:
-        out.setdefault(g.operators[e.src].name, []).append(g.operators[e.dst].name)
-    return out
-
-
 def test_the_slices_are_weight_edges_and_the_plan_runs():
     """The graph links the fused weight's q slice to the k and v slices and the head's slice of the table to the
     embedding's gather, reads every shared parameter whole (one weight each, its memory counted once);
@@ -90,15 +64,10 @@ def test_the_slices_are_weight_edges_and_the_plan_runs():
     plan = sj.plan(loss_fn, params, batch, devices=DEVICES, machine=TOY)
     run = sj.apply(plan, loss_fn, params, batch, devices=DEVICES)
     loss, grads = run.step(params, batch)
-    _assert_equal_to_unsharded(loss, grads, params, batch)
+    _assert_equal_to_unsharded(loss, grads, params, batch, loss_fn)
 
 
-# the plans compared: the solved one (every weight edge free), the fused weight's owner replicated with one reader's
-# rows split in two, and with both readers' rows split in two (the same plans as the jnp.split test's)
-CASES = {"solved": {}, "one reader": {"q": (1, 1), "k": (2, 1), "v": (1, 1)},
-         "two readers": {"q": (1, 1), "k": (2, 1), "v": (2, 1)}}
-
-
+# the plans compared: the same as the jnp.split test's (CASES)
 @pytest.mark.parametrize("case, edge_bytes, shared", [
     ("solved", [0, 0, 0], 0),
     # k's gradient of the whole (64, 192) parameter, rows split in two, gathered to the replicated owner: the
@@ -111,27 +80,12 @@ CASES = {"solved": {}, "one reader": {"q": (1, 1), "k": (2, 1), "v": (1, 1)},
 def test_compiled_bytes_against_the_model(case, edge_bytes, shared):
     """The weight edges' charges, the step against the unsharded program, and the compiled program's collective
     bytes within 0.1 % of the model's (less, in the two-reader plan, the one gather XLA shares)."""
-    params, batch = _inputs()
-    g, info = trace(loss_fn, params, batch)
-    tables = build_tables(g, TOY, cutoff=1, divides_p=True)
-    configs = dict(solve_tables(tables).configs)
-    _, (w_owner, w_readers) = sorted(_shared(g).items(), key=lambda kv: len(kv[1]))
-    names = {"q": w_owner, "k": w_readers[0], "v": w_readers[1]}
-    configs.update({names[k]: c for k, c in CASES[case].items()})
-    plan = plan_from_configs(tables, configs, case)
-    sent = []
-    for e in g.weight_edges:
-        lu = tables.arrays[e.src].take(np.asarray([plan.assignment[e.src]]))
-        lv = tables.arrays[e.dst].take(np.asarray([plan.assignment[e.dst]]))
-        sent.append(float(weight_edge_cost(g.operators[e.src], e.src_weight, lu, g.operators[e.dst], e.dst_weight,
-                                           lv, TOY)[1][0, 0]))
+    def fused(shared):  # the fused weight's owner and readers: the shared leaf read twice
+        return sorted(shared.items(), key=lambda kv: len(kv[1]))[1]
+
+    sent, got, want = compiled_against_model(loss_fn, *_inputs(), fused, CASES[case], case)
     assert sent == edge_bytes
-    step = make_step(plan, info)
-    loss, grads = step(params, batch)
-    _assert_equal_to_unsharded(loss, grads, params, batch)
-    got = hlo_bytes_per_device(step.lower(params, batch).compile().as_text())["total"]
-    want = predicted_bytes(plan)["total"] - shared
-    assert 0.999 <= got / want <= 1.0
+    assert 0.999 <= got / (want - shared) <= 1.0
 
 
 def test_a_parameter_read_only_through_a_slice_is_stored_whole():
@@ -180,8 +134,4 @@ def test_slices_in_a_scan():
                                                            "scan2/slice", "scan2/slice_2"])]
     plan = sj.plan(_scanned_loss, params, x, devices=DEVICES, machine=TOY)
     loss, grads = sj.apply(plan, _scanned_loss, params, x, devices=DEVICES).step(params, x)
-    ref_l, ref_g = jax.value_and_grad(_scanned_loss)(params, x)
-    assert abs(float(loss) - float(ref_l)) <= 1e-6 * abs(float(ref_l))
-    for k in ref_g:
-        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_g[k]), rtol=0,
-                                   atol=2e-6 * float(jnp.abs(ref_g[k]).max()))
+    _assert_equal_to_unsharded(loss, grads, params, x, _scanned_loss)

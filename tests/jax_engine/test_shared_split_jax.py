@@ -50,8 +50,8 @@ def _inputs():
     return params, batch
 
 
-def _assert_equal_to_unsharded(loss, grads, params, batch):
-    ref_l, ref_g = jax.value_and_grad(loss_fn)(params, batch)
+def _assert_equal_to_unsharded(loss, grads, params, batch, fn=loss_fn):
+    ref_l, ref_g = jax.value_and_grad(fn)(params, batch)
     assert abs(float(loss) - float(ref_l)) <= 1e-6 * abs(float(ref_l))
     for k in ref_g:
         np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(ref_g[k]), rtol=0,
@@ -101,24 +101,34 @@ CASES = {"solved": {}, "one reader": {"q": (1, 1), "k": (2, 1), "v": (1, 1)},
     ("two readers", [0, 0, 24576, 24576], 0.91, 0.92),
 ])
 def test_compiled_bytes_against_the_model(case, edge_bytes, lo, hi):
-    params, batch = _inputs()
-    g, info = trace(loss_fn, params, batch)
+    def fused(shared):  # the fused weight's owner and readers: the second of the two shared leaves by owner name
+        return sorted(shared.items(), key=lambda kv: kv[0])[1]
+
+    sent, got, want = compiled_against_model(loss_fn, *_inputs(), fused, CASES[case], case)
+    assert sent == edge_bytes
+    assert lo <= got / want <= hi
+
+
+def compiled_against_model(fn, params, batch, fused, configs_of, name):
+    """The solved plan of ``fn`` with the fused weight's owner and readers (``fused(shared)``: (owner, readers))
+    given the configurations ``configs_of`` ({"q", "k", "v"} to configuration): each weight edge's bytes as the
+    model charges them, the step checked against the unsharded program, and (compiled bytes, predicted bytes) per
+    device."""
+    g, info = trace(fn, params, batch)
     tables = build_tables(g, TOY, cutoff=1, divides_p=True)
     configs = dict(solve_tables(tables).configs)
-    (emb_owner, emb_readers), (w_owner, w_readers) = sorted(_shared(g).items(), key=lambda kv: kv[0])
+    w_owner, w_readers = fused(_shared(g))
     names = {"q": w_owner, "k": w_readers[0], "v": w_readers[1]}
-    configs.update({names[k]: c for k, c in CASES[case].items()})
-    plan = plan_from_configs(tables, configs, case)
+    configs.update({names[k]: c for k, c in configs_of.items()})
+    plan = plan_from_configs(tables, configs, name)
     sent = []
     for e in g.weight_edges:
         lu = tables.arrays[e.src].take(np.asarray([plan.assignment[e.src]]))
         lv = tables.arrays[e.dst].take(np.asarray([plan.assignment[e.dst]]))
         sent.append(float(weight_edge_cost(g.operators[e.src], e.src_weight, lu, g.operators[e.dst], e.dst_weight,
                                            lv, TOY)[1][0, 0]))
-    assert sent == edge_bytes
     step = make_step(plan, info)
     loss, grads = step(params, batch)
-    _assert_equal_to_unsharded(loss, grads, params, batch)
+    _assert_equal_to_unsharded(loss, grads, params, batch, fn)
     got = hlo_bytes_per_device(step.lower(params, batch).compile().as_text())["total"]
-    want = predicted_bytes(plan)["total"]
-    assert lo <= got / want <= hi
+    return sent, got, predicted_bytes(plan)["total"]

@@ -9,8 +9,6 @@ error (one line and exit 2 on the command line).
 
 from __future__ import annotations
 
-import itertools
-import time
 from dataclasses import replace
 
 import pytest
@@ -20,24 +18,11 @@ from shardplan.errors import ShardplanError
 from shardplan.machine import preset
 from shardplan.pipeline.progress import PLAN_WORK_LIMIT, WorkBudget, WorkLimitReached
 from shardplan.planner import plan
+from tests.fit.test_fit_work_limit import _patch_clocks  # every clock of ``time`` made fast
 
-CLOCKS = ("perf_counter", "monotonic", "process_time", "time")
 # a GPT of two blocks on four a100 with slow links across nodes: seeds, one program and pipeline parts all run
 MACHINE = replace(preset("a100", 4), inter_bandwidth=1e9)
 SMALL = dict(sizes={"layers": 2}, batch=8, micro_batches=(1, 2), stages=True)
-
-
-def _patch_clocks(monkeypatch, how: str) -> None:
-    """Every clock of ``time`` made fast: ``"100x"`` 100 times the real one, ``"jump"`` 1,000 s more at each
-    reading (as tests/fit/test_fit_work_limit.py)."""
-    for name in CLOCKS:
-        real = getattr(time, name)
-        if how == "100x":
-            start = real()
-            monkeypatch.setattr(time, name, lambda real=real, start=start: start + 100.0 * (real() - start))
-        else:
-            ticks = itertools.count()
-            monkeypatch.setattr(time, name, lambda real=real, ticks=ticks: real() + 1000.0 * next(ticks))
 
 
 def _answer(p) -> tuple:
