@@ -744,22 +744,23 @@ def _cut_axes(v: Operator, slot: int) -> tuple[int, ...]:
 
 
 def _through_operand(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, p: int,
-                     cut: tuple[int, ...], fwd: np.ndarray, bwd: np.ndarray, memo: EdgeMemo | None,
-                     steps: bool) -> tuple[np.ndarray, np.ndarray]:
+                     cut: tuple[int, ...], fwd: np.ndarray, bwd: np.ndarray,
+                     memo: EdgeMemo | None) -> tuple[np.ndarray, np.ndarray]:
     """The volumes of an edge into a static slice of an activation as the JAX export moves it, in two hops:
     (K_u, K_v) each, before ``elem_factor`` and ``needs_grad``.
 
     The export reads the slice's operand T (extent E on a cut axis) split as the slice's result is: v's
     split c of the cut dim (extent n) blocks T's whole axis, device block x holding ``[x E/c, (x+1) E/c)``
-    (:func:`shardplan.jax.lower._window_dim`). Forward, T moves from u's layout to that one (hop 1: the lack
-    of the whole operand, or with ``steps`` the redistribution steps between the two bit labelings), then
+    (:func:`shardplan.jax.lower._window_dim`). Forward, T moves from u's layout to that one (hop 1: the
+    redistribution steps between the two bit labelings, or the lack of the whole operand where they do not apply), then
     each device takes its window block ``[offset + x n/c, offset + (x+1) n/c)`` from the operand blocks (hop 2,
     XLA's halo exchange: what it lacks of its window block). Backward, the window's gradient is padded into
     the operand blocks (hop 2 reversed) and the whole operand's gradient, zeros outside the window included,
     goes back to u's layout (hop 1 reversed, not cut to the window). Where u's layout holds T as the read does
     (the same split of the cut axis), hop 1 is free and hop 2 is the lack of :func:`edge_volumes` itself.
     Applies where every cut dim's split divides both n and E (the blocks a JAX sharding gives); the other
-    layouts of v keep ``fwd``, ``bwd`` (docs/cost-model.md, "Slices of an activation")."""
+    layouts of v keep ``fwd``, ``bwd``. Used where the edge charges the export's steps (``steps``); the lack
+    stays the PaSE definition (docs/cost-model.md, "Slices of an activation")."""
     from shardplan.ir import AxisMap, Tensor
 
     t_in = v.inputs[slot]
@@ -779,13 +780,12 @@ def _through_operand(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: 
         return fwd, bwd
     bu = tensor_boxes(u, u.output, lu, p, core=True)
     f1, b1 = _general(bu, bop)  # hop 1, the whole operand both ways
-    if steps:
-        t_op = Tensor(t_in.name, t_in.shape, tuple(AxisMap(am.dim) if a in cut else am
-                                                    for a, am in enumerate(t_in.axes)), "input")
-        st = _tensor_steps(u, lu, v, t_op, lv, p, memo)
-        if st is not None:
-            f1 = np.where(st[2], st[0], f1)
-            b1 = np.where(st[2], st[1], b1)
+    t_op = Tensor(t_in.name, t_in.shape, tuple(AxisMap(am.dim) if a in cut else am
+                                                for a, am in enumerate(t_in.axes)), "input")
+    st = _tensor_steps(u, lu, v, t_op, lv, p, memo)
+    if st is not None:
+        f1 = np.where(st[2], st[0], f1)
+        b1 = np.where(st[2], st[1], b1)
     idx = np.arange(len(lv))
     f2, b2 = _general_pairs(_clip_to_read(bop, bv), bv, idx, idx)  # hop 2, in v's layout alone
     return (np.where(ok[None, :], f1 + f2[None, :], fwd),
@@ -850,9 +850,9 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
         if st is not None:
             fwd = np.where(st[2], st[0], fwd)
             bwd = np.where(st[2], st[1], bwd)
-    cut = _cut_axes(v, slot)
+    cut = _cut_axes(v, slot) if steps else ()
     if cut:
-        fwd, bwd = _through_operand(u, lu, v, slot, lv, p, cut, fwd, bwd, memo, steps)
+        fwd, bwd = _through_operand(u, lu, v, slot, lv, p, cut, fwd, bwd, memo)
     f = fwd * t_in.elem_factor
     b = bwd * t_in.elem_factor if t_in.needs_grad else np.zeros_like(bwd)
     return f, b

@@ -104,7 +104,9 @@ def test_the_edge_into_a_slice_charges_the_operand_then_the_halo():
     lack: the second window block, columns 16..31, is on the first device (16 x 128 elements each way). From
     columns split 8 to the slice's rows 4 x columns 2: the operand's whole 128 x 64 redistribution in steps
     (an all-to-all of 4, 768 elements, then a permute of a 32 x 32 tile, 1024) and then the same 512-element
-    halo; the lack alone would be 512 forward."""
+    halo; the lack, which the steps-free definition keeps, is 512 forward."""
     assert _slice_edge(0, D // 2, (1, 2, 1), (1, 2), steps=True) == (16 * 128, 16 * 128)
     assert _slice_edge(0, D // 2, (1, 2, 1), (1, 2), steps=False) == (16 * 128, 16 * 128)
     assert _slice_edge(0, D // 2, (1, 8, 1), (4, 2), steps=True) == (768 + 1024 + 512, 768 + 1024 + 512)
+    # the lack (the PaSE definition, steps=False) is kept: the window block a device misses
+    assert _slice_edge(0, D // 2, (1, 8, 1), (4, 2), steps=False)[0] == 512
