@@ -4,7 +4,9 @@ axis blocked over its whole extent by the slice's dim) and XLA takes each device
 (a halo exchange); the edge into the slice charges those two hops (:func:`shardplan.cost.edge._through_operand`;
 docs/cost-model.md, "Slices of an activation"). On 8 simulated devices and the toy machine the compiled program's
 collective bytes equal the model's charge for the solved plan and for layouts that split the sliced axis alike,
-differently, the other axis, or nothing; the loss and the gradients are the unsharded program's."""
+differently, the other axis, or nothing, and are within 7 % of it where the window blocks are smaller than the
+operand blocks and lie on other devices (rows 8 ways into columns 8 ways); the loss and the gradients are the
+unsharded program's."""
 
 from __future__ import annotations
 
