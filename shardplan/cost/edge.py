@@ -679,10 +679,16 @@ def step_volumes(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     :func:`~shardplan.cost.reshard.canonical_volume` runs once per canonical form per ``memo``; an edge whose
     labelings, caps and size an earlier edge had reuses its tables.
     """
+    return _tensor_steps(u, lu, v, v.inputs[slot], lv, p, memo)
+
+
+def _tensor_steps(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int,
+                  memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`step_volumes` of u's output into ``t_in``, a tensor of ``v``'s dims read as v's layouts lay it
+    out (one of v's inputs, or the operand of a slice as the export reads it: :func:`_through_operand`)."""
     n = p.bit_length() - 1
     if len(lu.levels) != 1 or p != 1 << n or n > MAX_BITS or n == 0:
         return None
-    t_in = v.inputs[slot]
     if tuple(u.output.shape) != tuple(t_in.shape):
         return None
     lab_u, inv_u, ok_u = _bit_labelings(u, u.output, lu)
@@ -723,6 +729,67 @@ def step_volumes(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layo
     bwd_d[np.ix_(need_u, need_v)] = hit[1]
     ok = ok_u[:, None] & ok_v[None, :]
     return fwd_d.take(inv_u, axis=0).take(inv_v, axis=1), bwd_d.take(inv_u, axis=0).take(inv_v, axis=1), ok
+
+
+def _cut_axes(v: Operator, slot: int) -> tuple[int, ...]:
+    """The axes of the activation input ``slot`` that ``v``, a static slice, cuts (a stride-1 offset axis read
+    in part); () for every other operator and input."""
+    if v.kind != "slice":
+        return ()
+    t = v.inputs[slot]
+    ext = v.extents
+    return tuple(a for a, (am, size) in enumerate(zip(t.axes, t.shape))
+                 if am.dim is not None and am.partial and am.stride == 1 and am.window is None and not am.inner
+                 and ext[am.dim] != size)
+
+
+def _through_operand(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, p: int,
+                     cut: tuple[int, ...], fwd: np.ndarray, bwd: np.ndarray,
+                     memo: EdgeMemo | None) -> tuple[np.ndarray, np.ndarray]:
+    """The volumes of an edge into a static slice of an activation as the JAX export moves it, in two hops:
+    (K_u, K_v) each, before ``elem_factor`` and ``needs_grad``.
+
+    The export reads the slice's operand T (extent E on a cut axis) split as the slice's result is: v's
+    split c of the cut dim (extent n) blocks T's whole axis, device block x holding ``[x E/c, (x+1) E/c)``
+    (:func:`shardplan.jax.lower._window_dim`). Forward, T moves from u's layout to that one (hop 1: the
+    redistribution steps between the two bit labelings, or the lack of the whole operand where they do not apply), then
+    each device takes its window block ``[offset + x n/c, offset + (x+1) n/c)`` from the operand blocks (hop 2,
+    XLA's halo exchange: what it lacks of its window block). Backward, the window's gradient is padded into
+    the operand blocks (hop 2 reversed) and the whole operand's gradient, zeros outside the window included,
+    goes back to u's layout (hop 1 reversed, not cut to the window). Where u's layout holds T as the read does
+    (the same split of the cut axis), hop 1 is free and hop 2 is the lack of :func:`edge_volumes` itself.
+    Applies where every cut dim's split divides both n and E (the blocks a JAX sharding gives); the other
+    layouts of v keep ``fwd``, ``bwd``. Used where the edge charges the export's steps (``steps``); the lack
+    stays the PaSE definition (docs/cost-model.md, "Slices of an activation")."""
+    from shardplan.ir import AxisMap, Tensor
+
+    t_in = v.inputs[slot]
+    ext = v.extents
+    bv = tensor_boxes(v, t_in, lv, p, core=True)
+    live = (bv[..., 1] > bv[..., 0]).all(axis=-1)  # (K_v, p): idle devices hold empty boxes
+    bop = bv.copy()
+    ok = np.ones(len(lv), dtype=bool)
+    names = v.dim_names
+    for a in cut:
+        am, size, n = t_in.axes[a], int(t_in.shape[a]), int(ext[t_in.axes[a].dim])
+        c = lv.splits[:, names.index(am.dim)]
+        ok &= (size % c == 0) & (n % c == 0)
+        for i in (0, 1):
+            bop[..., a, i] = np.where(live, (bv[..., a, i] - am.offset) * size // n, 0)
+    if not ok.any():
+        return fwd, bwd
+    bu = tensor_boxes(u, u.output, lu, p, core=True)
+    f1, b1 = _general(bu, bop)  # hop 1, the whole operand both ways
+    t_op = Tensor(t_in.name, t_in.shape, tuple(AxisMap(am.dim) if a in cut else am
+                                                for a, am in enumerate(t_in.axes)), "input")
+    st = _tensor_steps(u, lu, v, t_op, lv, p, memo)
+    if st is not None:
+        f1 = np.where(st[2], st[0], f1)
+        b1 = np.where(st[2], st[1], b1)
+    idx = np.arange(len(lv))
+    f2, b2 = _general_pairs(_clip_to_read(bop, bv), bv, idx, idx)  # hop 2, in v's layout alone
+    return (np.where(ok[None, :], f1 + f2[None, :], fwd),
+            np.where(ok[None, :], b1 + b2[None, :], bwd))
 
 
 def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
@@ -783,6 +850,9 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
         if st is not None:
             fwd = np.where(st[2], st[0], fwd)
             bwd = np.where(st[2], st[1], bwd)
+    cut = _cut_axes(v, slot) if steps else ()
+    if cut:
+        fwd, bwd = _through_operand(u, lu, v, slot, lv, p, cut, fwd, bwd, memo)
     f = fwd * t_in.elem_factor
     b = bwd * t_in.elem_factor if t_in.needs_grad else np.zeros_like(bwd)
     return f, b

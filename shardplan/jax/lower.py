@@ -260,6 +260,16 @@ def _blocking_dim(a: AxisMap) -> str | None:
     return a.dim if a.dim is not None and (a.is_plain or a.inner) else None
 
 
+def _window_dim(a: AxisMap) -> str | None:
+    """The dimension that blocks an axis of an activation a static slice reads: as :func:`_blocking_dim`, and a
+    cut axis (``index = start + i``, stride 1) by the slice's own dim, so that the operand is read split as the
+    slice's result is (blocks of its whole extent over the same mesh axis) and XLA moves the window's halo, not
+    the whole axis (docs/jax.md, "Slices of an activation")."""
+    if a.dim is not None and a.partial and a.stride == 1 and a.window is None:
+        return a.dim
+    return _blocking_dim(a)
+
+
 def _rename(op: Operator, mapping: Mapping[str, str]) -> Operator:
     """``op`` with its dimensions renamed (every access map, normalised and fixed dims follow)."""
     if not mapping:
@@ -409,7 +419,8 @@ class _GraphPass:
             vb = v.view_batch
             if batch_dim is None and vb is not None and same_rank and t.axes[vb].is_plain:
                 batch_dim = t.axes[vb].dim
-            read = [_blocking_dim(a) for a in t.axes] if same_rank else [None] * len(v.shape)
+            block = _window_dim if op.kind == "slice" and v.kind != "param" else _blocking_dim
+            read = [block(a) for a in t.axes] if same_rank else [None] * len(v.shape)
             if inserted_axis is not None:
                 del read[inserted_axis]
             reads.append((self.eqn_index, slot if slots is None else int(slots[slot]), tuple(read)))
