@@ -864,7 +864,7 @@ def _residuals(vjp: Any) -> Any:
     custom call, which the SPMD partitioner refuses on a value replicated over some devices ("Side-effect ops
     cannot be replicated"): Auto-typed results carry none."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     from shardplan.jax.local_reads import auto_mesh
 
@@ -872,7 +872,7 @@ def _residuals(vjp: Any) -> Any:
     typed, out = [], []
     for x in leaves:
         sh = getattr(getattr(x, "aval", None), "sharding", None)
-        if not isinstance(sh, NamedSharding) or sh.mesh.empty or sh.mesh._are_all_axes_auto_or_manual:
+        if not isinstance(sh, NamedSharding) or AxisType.Explicit not in tuple(sh.mesh.axis_types):
             typed.append(None)
             out.append(x)
             continue

@@ -2,9 +2,9 @@
 a stage that does not (docs/jax.md, "What the stage programs send for a weight"). The stage's forward program
 returns its ``jax.vjp`` residuals; with host-memory values in the program JAX marks every result typed on a mesh with
 an Explicit axis with XLA's side-effecting ``annotate_device_placement``, which the SPMD partitioner refuses on a
-deferred leaf (replicated over its replicas). Those residuals now leave the program on Auto axes
+deferred leaf (replicated over its replicas). Those residuals leave the program on Auto axes
 (``staged._residuals``). Counted in the compiled HLO (f32 elements all-reduced); loss and gradients equal the
-unsharded program's; the offloaded values are the same with and without deferral."""
+unsharded program's; the forward programs put as many results in host memory with deferral as without."""
 
 from __future__ import annotations
 
@@ -56,11 +56,10 @@ def _host_results(step, params, batch, rows):
 def test_two_stages_offloading_activations_reduce_weights_once_a_step(monkeypatch, deferral, deferred, backward,
                                                                       once):
     """The four tanh layers of ``staged_cases`` on 2 stages of 4 devices, m = 2, every matmul offloading its
-    activations: both stages run under ``jax.checkpoint`` with 2 and 3 of their forward programs' results in host memory, with
-    and without deferral; with
-    deferral the leaves whose tile has replicas (one in stage 0, two in stage 1) are reduced once a step and the
-    backward programs send what the same plan without offload sends; the loss and gradients equal the unsharded
-    program's."""
+    activations: both stages run under ``jax.checkpoint`` with 2 and 3 of their forward programs' results in host
+    memory, with and without deferral; with deferral the leaves whose tile has replicas (one in stage 0, two in
+    stage 1) are reduced once a step and the backward programs send what the same plan without offload sends; the
+    loss and gradients equal the unsharded program's."""
     import shardplan.jax as sj
     import shardplan.jax.staged as staged
     from staged_cases import B, model, scoped, searched_plan, with_choices

@@ -45,10 +45,12 @@ def _all_reduced_floats(text: str) -> int:
     return total
 
 
-def _sent(step, params, batch, forward=None, rows=ROWS):
+def _sent(step, params, batch, forward=None, rows=None):
     """Per stage, the f32 elements all-reduced by one micro-batch's backward program (micro-batches of ``rows``
-    rows) and by the step's reduction program (0 where the stage defers nothing), and the other collectives of the
-    backward programs; ``forward``, a list, gets the f32 elements the forward programs all-reduce."""
+    rows; None: this module's ``ROWS`` when called) and by the step's reduction program (0 where the stage defers
+    nothing), and the other collectives of the backward programs; ``forward``, a list, gets the f32 elements the
+    forward programs all-reduce."""
+    rows = ROWS if rows is None else rows
     leaves = step._leaves(params, batch)
     values: dict[int, jax.Array] = {}
     backward, once, others = [], [], []
