@@ -359,17 +359,14 @@ class _Stage:
         # a ZeRO 0/1 leaf whose tile has replicas and whose every read sums over them (a matmul, a gather, a scale:
         # :func:`_deferrable`) enters as an Explicit-axes value marked reduced over them, each read run on Explicit
         # axes or per device, so its gradient comes back unreduced (each device's partial sum): summed locally over
-        # the micro-batches, reduced once a step (:meth:`reduce_grads`)
-        # (not in a stage that offloads activations: XLA refuses the host-offload annotation, a side-effecting
-        # custom call, on a value of the Explicit reads, "Side-effect ops cannot be replicated")
-        self.defer, islands = {}, {}
-        if not stage_choices(plan)[1]:
-            shapes = {v: tuple(sh) for e in prog.eqns for v, sh in zip(e.outvars, e.out_shapes)}
-            shapes.update({prog.invars[i]: tuple(info.leaf_shapes[i]) for i in self.params})
-            exported = frozenset(v for v in own if readers.get(v, set()) - {index})
-            self.defer, islands = _deferrable(prog, set(eqns), self.params, shapes, self.zero, self.param_put,
-                                              self.replace, {key: _factored(sh) for key, sh in read_sh.items()},
-                                              {v: _factored(sh) for v, sh in out_sh.items()}, exported)
+        # the micro-batches, reduced once a step (:meth:`reduce_grads`); in a stage that offloads activations too
+        # (the forward program's Explicit-typed residuals leave it on Auto axes: :func:`_residuals`)
+        shapes = {v: tuple(sh) for e in prog.eqns for v, sh in zip(e.outvars, e.out_shapes)}
+        shapes.update({prog.invars[i]: tuple(info.leaf_shapes[i]) for i in self.params})
+        exported = frozenset(v for v in own if readers.get(v, set()) - {index})
+        self.defer, islands = _deferrable(prog, set(eqns), self.params, shapes, self.zero, self.param_put,
+                                          self.replace, {key: _factored(sh) for key, sh in read_sh.items()},
+                                          {v: _factored(sh) for v, sh in out_sh.items()}, exported)
         passed = set()  # a deferred leaf's views and broadcasts pass the Explicit leaf on: no constraint on them
         for k, run_k in islands.items():
             if isinstance(run_k, (_PassThrough, _Carry)):
@@ -421,8 +418,10 @@ class _Stage:
         self.body = lambda p, fi, oi, d, h: body(explicit(p), fi, oi, d, h)
 
         def forward(p: tuple, fi: tuple, oi: tuple, d: tuple, h: dict) -> tuple:
-            # the vjp is taken at the Explicit leaves, so their cotangents stay unreduced
-            return jax.vjp(lambda p_, fi_, h_: body(p_, fi_, oi, d, h_), explicit(p), fi, h, has_aux=True)
+            # the vjp is taken at the Explicit leaves, so their cotangents stay unreduced; its Explicit-typed
+            # residuals leave the program on Auto axes (_Residuals)
+            out, vjp, aux = jax.vjp(lambda p_, fi_, h_: body(p_, fi_, oi, d, h_), explicit(p), fi, h, has_aux=True)
+            return out, _residuals(vjp), aux
 
         self.forward = jax.jit(forward)
         self.update_put = {i: self.state_put[i] if self.zero[i] == 1 else self.grad_put[i] for i in params}
@@ -431,7 +430,7 @@ class _Stage:
         gput = [self.grad_put[i] if self.zero[i] >= 2 else None for i in params]
 
         def backward(vjp: Any, g: tuple) -> tuple:
-            gp, gfi, gh = vjp(g)
+            gp, gfi, gh = vjp()(g)
             gp = tuple(x if sh is None else jax.lax.with_sharding_constraint(x, sh) for x, sh in zip(gp, gput))
             gp = tuple(x if sh is None else _stack_partial_sums(x, sh) for x, sh in zip(gp, deferred))
             return gp, gfi, gh
@@ -830,6 +829,56 @@ def _to_explicit(x: Any, sharding: Any) -> Any:
 
 
 
+
+
+@dataclass(frozen=True)
+class _Residuals:
+    """Rebuilds a stage's ``jax.vjp`` closure from its residuals (``tree``), each ``typed`` one (its Explicit
+    sharding; None: left as it was) handed back to that type: ``Partial(_Residuals(...), *leaves)()`` is the
+    closure (:func:`_residuals`)."""
+
+    tree: Any
+    typed: tuple[Any, ...]
+
+    def __call__(self, *leaves: Any) -> Any:
+        import jax
+
+        return jax.tree.unflatten(self.tree, [x if t is None else _retyped(x, t) for x, t in zip(leaves, self.typed)])
+
+
+def _retyped(x: Any, sharding: Any) -> Any:
+    """``x`` resharded to ``sharding`` (a type on an abstract mesh: Explicit axes, or Auto axes and the spec
+    ``P()``, which leaves the tiling to the partitioner); for a value already tiled so, no data moves."""
+    from jax.sharding import reshard, use_abstract_mesh
+
+    with use_abstract_mesh(sharding.mesh):
+        return reshard(x, sharding.spec)
+
+
+def _residuals(vjp: Any) -> Any:
+    """A ``jax.vjp`` closure as a ``Partial`` whose leaves have no Explicit-typed value: each residual typed on a
+    mesh with an Explicit axis (a deferred leaf ``reduced`` over its replicas, a read's operand) goes out on the
+    same devices' Auto axes with the same tiling, and :class:`_Residuals` types it back in the backward program.
+    A result whose type carries a concrete sharding gets a memory kind; in a program with host-memory results (a
+    stage offloading activations) JAX then marks it with XLA's ``annotate_device_placement``, a side-effecting
+    custom call, which the SPMD partitioner refuses on a value replicated over some devices ("Side-effect ops
+    cannot be replicated"): Auto-typed results carry none."""
+    import jax
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from shardplan.jax.local_reads import auto_mesh
+
+    leaves, tree = jax.tree.flatten(vjp)
+    typed, out = [], []
+    for x in leaves:
+        sh = getattr(getattr(x, "aval", None), "sharding", None)
+        if not isinstance(sh, NamedSharding) or AxisType.Explicit not in tuple(sh.mesh.axis_types):
+            typed.append(None)
+            out.append(x)
+            continue
+        typed.append(sh)
+        out.append(_retyped(x, NamedSharding(auto_mesh(sh), PartitionSpec())))  # unconstrained: the same tiles
+    return jax.tree_util.Partial(_Residuals(tree, tuple(typed)), *out)
 
 
 def _replicas(sharding: Any) -> tuple[str, ...]:

@@ -45,10 +45,12 @@ def _all_reduced_floats(text: str) -> int:
     return total
 
 
-def _sent(step, params, batch, forward=None):
-    """Per stage, the f32 elements all-reduced by one micro-batch's backward program and by the step's reduction
-    program (0 where the stage defers nothing), and the other collectives of the backward programs; ``forward``,
-    a list, gets the f32 elements the forward programs all-reduce."""
+def _sent(step, params, batch, forward=None, rows=None):
+    """Per stage, the f32 elements all-reduced by one micro-batch's backward program (micro-batches of ``rows``
+    rows; None: this module's ``ROWS`` when called) and by the step's reduction program (0 where the stage defers
+    nothing), and the other collectives of the backward programs; ``forward``, a list, gets the f32 elements the
+    forward programs all-reduce."""
+    rows = ROWS if rows is None else rows
     leaves = step._leaves(params, batch)
     values: dict[int, jax.Array] = {}
     backward, once, others = [], [], []
@@ -56,7 +58,7 @@ def _sent(step, params, batch, forward=None):
         p = tuple(jax.device_put(leaves[i], st.param_put[i]) for i in st.params)
         fi = tuple(jax.device_put(values[v], st.in_sh[v]) for v in st.fin)
         oi = tuple(jax.device_put(values[v], st.in_sh[v]) for v in st.oin)
-        d = tuple(jax.device_put(leaves[i][:ROWS] if i in step.info.batch_leaves else leaves[i], st.leaf_put[i])
+        d = tuple(jax.device_put(leaves[i][:rows] if i in step.info.batch_leaves else leaves[i], st.leaf_put[i])
                   for i in st.data)
         if forward is not None:
             forward.append(_all_reduced_floats(st.forward.lower(p, fi, oi, d, {}).compile().as_text()))
