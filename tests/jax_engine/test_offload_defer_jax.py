@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from conftest import require_8_devices
 from shardplan.machine import Machine
 from test_pipeline_jax import _gpt_loss, _gpt_params, _tokens
-from test_staged_defer_jax import M, _all_reduced_floats, _assert_equal_to_unsharded, _sent
+from test_staged_defer_jax import M, _all_reduced_floats, _assert_equal_to_unsharded, _sent, stage_walk
 
 DEVICES = require_8_devices()
 # the pipeline tests' toy machine with a host link and host memory, so that activation offload is offered
@@ -30,20 +30,9 @@ OFFLOAD = {"offload": ("activations",)}
 
 def _host_results(step, params, batch, rows):
     """Per stage, the results of its forward program (lowered, micro-batch 0) placed in ``pinned_host``."""
-    leaves = step._leaves(params, batch)
-    values: dict[int, jax.Array] = {}
-    out = []
-    for st in step.stages:
-        p = tuple(jax.device_put(leaves[i], st.param_put[i]) for i in st.params)
-        fi = tuple(jax.device_put(values[v], st.in_sh[v]) for v in st.fin)
-        oi = tuple(jax.device_put(values[v], st.in_sh[v]) for v in st.oin)
-        d = tuple(jax.device_put(leaves[i][:rows] if i in step.info.batch_leaves else leaves[i], st.leaf_put[i])
-                  for i in st.data)
-        text = st.forward.lower(p, fi, oi, d, {}).as_text()
-        out.append(len(re.findall(r'jax\.result_info = "[^"]*", mhlo\.memory_kind = "pinned_host"', text)))
-        fo, _, oo = st.forward(p, fi, oi, d, {})
-        values.update(zip(st.fout + st.oout, fo + oo))
-    return out
+    return [len(re.findall(r'jax\.result_info = "[^"]*", mhlo\.memory_kind = "pinned_host"',
+                           st.forward.lower(*args).as_text()))
+            for st, args, _ in stage_walk(step, params, batch, rows)]
 
 
 @pytest.mark.parametrize("deferral, deferred, backward, once", [

@@ -45,25 +45,32 @@ def _all_reduced_floats(text: str) -> int:
     return total
 
 
-def _sent(step, params, batch, forward=None, rows=None):
-    """Per stage, the f32 elements all-reduced by one micro-batch's backward program (micro-batches of ``rows``
-    rows; None: this module's ``ROWS`` when called) and by the step's reduction program (0 where the stage defers
-    nothing), and the other collectives of the backward programs; ``forward``, a list, gets the f32 elements the
-    forward programs all-reduce."""
-    rows = ROWS if rows is None else rows
+def stage_walk(step, params, batch, rows):
+    """Each stage of ``step`` in order with its forward program's arguments (micro-batch 0, of ``rows`` rows) and
+    what the forward returned (outputs, vjp, other outputs), each stage's outputs feeding the stages after it."""
     leaves = step._leaves(params, batch)
     values: dict[int, jax.Array] = {}
-    backward, once, others = [], [], []
     for st in step.stages:
         p = tuple(jax.device_put(leaves[i], st.param_put[i]) for i in st.params)
         fi = tuple(jax.device_put(values[v], st.in_sh[v]) for v in st.fin)
         oi = tuple(jax.device_put(values[v], st.in_sh[v]) for v in st.oin)
         d = tuple(jax.device_put(leaves[i][:rows] if i in step.info.batch_leaves else leaves[i], st.leaf_put[i])
                   for i in st.data)
-        if forward is not None:
-            forward.append(_all_reduced_floats(st.forward.lower(p, fi, oi, d, {}).compile().as_text()))
-        fo, vjp, oo = st.forward(p, fi, oi, d, {})
+        args = (p, fi, oi, d, {})
+        fo, vjp, oo = st.forward(*args)
         values.update(zip(st.fout + st.oout, fo + oo))
+        yield st, args, (fo, vjp, oo)
+
+
+def _sent(step, params, batch, forward=None, rows=None):
+    """Per stage, the f32 elements all-reduced by one micro-batch's backward program (micro-batches of ``rows``
+    rows; None: this module's ``ROWS`` when called) and by the step's reduction program (0 where the stage defers
+    nothing), and the other collectives of the backward programs; ``forward``, a list, gets the f32 elements the
+    forward programs all-reduce."""
+    backward, once, others = [], [], []
+    for st, args, (fo, vjp, _) in stage_walk(step, params, batch, ROWS if rows is None else rows):
+        if forward is not None:
+            forward.append(_all_reduced_floats(st.forward.lower(*args).compile().as_text()))
         ones = tuple(jnp.ones_like(x) for x in fo)
         text = st.backward.lower(vjp, ones).compile().as_text()
         backward.append(_all_reduced_floats(text))
