@@ -18,8 +18,8 @@ def mesh():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
+    # no test initialises a process group in the pytest process (the gloo launches run in their own processes)
+    assert not dist.is_initialized(), "a process group is already initialised in this process"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
