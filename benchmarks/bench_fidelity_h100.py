@@ -349,7 +349,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         lo = min(min(r["measured_seconds"], r["predicted_seconds"]) for r in done) / 1.5
         hi = max(max(r["measured_seconds"], r["predicted_seconds"]) for r in done) * 1.5
         ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="predicted = measured")
-        ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="0.9", label="±10 %")
+        ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="0.9", label="±10 %", zorder=0)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("measured step time (s)")
