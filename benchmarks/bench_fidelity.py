@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.fidelity_common import compare_ranks
 from benchmarks.limits import call_limited
 
 SOURCE = "/work/shared/data/published-a100.md"
@@ -245,15 +246,6 @@ def run_row(row: Row, limit: float) -> dict[str, Any]:
     return got
 
 
-def _ranks(values: list[float]) -> list[int]:
-    """Rank of each value, 1 = highest."""
-    order = sorted(range(len(values)), key=lambda i: -values[i])
-    out = [0] * len(values)
-    for r, i in enumerate(order, 1):
-        out[i] = r
-    return out
-
-
 def rank_orders(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Per experiment (Table 2, Figure 13, full vs selective): measured and predicted rank by TFLOP/s per GPU,
     Kendall's tau between them, and whether the orders agree; an experiment with a row not costed says so."""
@@ -266,21 +258,7 @@ def rank_orders(results: list[dict[str, Any]]) -> dict[str, Any]:
     for name, rs in groups.items():
         if len(rs) < 2:
             continue
-        missing = [r["row"] for r in rs if r.get("status") != "costed"]
-        if missing:
-            out[name] = {"rows": [r["row"] for r in rs], "compared": False,
-                         "reason": "not costed: " + "; ".join(f"{r['row']} ({r.get('status')})" for r in rs
-                                                              if r.get("status") != "costed")}
-            continue
-        meas = [r["measured_tflops_per_gpu"] for r in rs]
-        pred = [r["predicted_tflops_per_gpu"] for r in rs]
-        mr, pr = _ranks(meas), _ranks(pred)
-        n = len(rs)
-        pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
-        conc = sum(1 for i, j in pairs if (meas[i] - meas[j]) * (pred[i] - pred[j]) > 0)
-        disc = sum(1 for i, j in pairs if (meas[i] - meas[j]) * (pred[i] - pred[j]) < 0)
-        out[name] = {"rows": [r["row"] for r in rs], "measured_rank": mr, "predicted_rank": pr,
-                     "same_order": mr == pr, "kendall_tau": (conc - disc) / len(pairs), "compared": True}
+        out[name] = compare_ranks(rs)
     return out
 
 

@@ -1,0 +1,92 @@
+"""The H100 fidelity table (benchmarks/bench_fidelity_h100.py): every row's recipe is one the grammar reads and
+that fits its GPU count, the measured steps follow from the published numbers, and rows cost through
+``cost_recipe`` as the benchmark records them."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from benchmarks.bench_fidelity_h100 import attention_flops, cost_row, measured, rank_orders, rows
+from benchmarks.fidelity_common import compare_ranks, kendall_tau, ranks
+from shardplan.models.flops import model_flops
+from shardplan.recipe import Recipe
+
+ROWS = {r.name: r for r in rows()}
+
+
+def test_rows_are_unique_and_every_recipe_parses_and_fits_its_gpus():
+    assert len(ROWS) == len(rows()) == 14
+    for r in ROWS.values():
+        for text in (r.recipe, *r.variants, *((r.published_recipe,) if r.published_recipe else ())):
+            rec = Recipe.parse(text)
+            assert rec.gbs == r.gbs, r.name
+            mp = rec.tp * rec.cp * rec.pp
+            assert r.gpus % mp == 0, r.name
+            dp = r.gpus // mp
+            assert r.gbs % (dp * rec.mbs) == 0, r.name  # whole micro-batches per step
+        assert r.source and r.assumptions, r.name
+        assert r.precision == ("bf16" if r.experiment == "llama3-table4" else "fp8")
+        assert ("precision=fp8" in r.recipe) == (r.precision == "fp8")
+
+
+def test_measured_step_is_global_tokens_over_published_throughput():
+    r = ROWS["nemo2407-llama3-70b-64"]  # 128 sequences of 8,192 tokens, 1,533 tokens/s/GPU on 64 GPUs
+    m = measured(r)
+    assert m["measured_seconds"] == 128 * 8192 / (1533 * 64)
+    assert m["publisher_flops_per_step"] == 738e12 * 64 * m["measured_seconds"]
+    # NeMo 24.07's model FLOPs are the zoo's (whole s x s scores): the published TFLOP/s agree to 0.1 %
+    for name in ("nemo2407-gpt3-175b-128", "nemo2407-llama2-7b-8", "nemo2407-llama3-8b-8", "nemo2407-llama3-70b-64"):
+        assert abs(measured(ROWS[name])["publisher_over_zoo_flops"] - 1) < 1e-3, name
+
+
+def test_megatron_bridge_counts_causal_attention_at_half():
+    """Megatron-Bridge 25.11's model TFLOP/s for Llama 3 8B are the zoo's FLOPs less half the attention scores'
+    and values' products (to 0.1 %): the FLOP definition changed between the NVIDIA releases."""
+    r = ROWS["mb2511-llama3-8b-8"]
+    zoo = model_flops("llama3-8b", 128)
+    half = 1 - Fraction(attention_flops("llama3-8b", 128, {}), 2 * zoo)
+    assert abs(measured(r)["publisher_over_zoo_flops"] / float(half) - 1) < 1e-3
+
+
+def test_llama3_rows_take_the_step_from_model_flops():
+    r = ROWS["l3-405b-8192"]  # Table 4: 8,192 GPUs at 430 TFLOP/s, 2,048 sequences of 8,192 tokens
+    m = measured(r)
+    assert m["measured_seconds"] == model_flops("llama3-405b", 2048) / (8192 * 430e12)
+    causal = model_flops("llama3-405b", 2048) - attention_flops("llama3-405b", 2048, {}) // 2
+    assert m["measured_seconds_causal_flops"] == causal / (8192 * 430e12)
+    cp16 = measured(ROWS["l3-405b-16384-cp16"])  # 128 sequences of 131,072 tokens
+    assert cp16["zoo_flops_per_step"] == model_flops("llama3-405b", 128, seq=131072)
+
+
+def test_one_row_costs_as_recorded():
+    out = cost_row(ROWS["nemo2407-llama2-70b-64"])
+    assert out["status"] == "costed" and out["schedule"] == "interleaved" and out["chunks"] == 20
+    assert out["ratio"] == out["predicted_seconds"] / out["measured_seconds"]
+    assert out["predicted_tflops_per_gpu"] == pytest.approx(759 * out["measured_seconds"] / out["predicted_seconds"])
+    assert out["micro_batches"] == 32  # 128 sequences over data-parallel 4, one per micro-batch
+
+
+def test_refused_published_recipe_is_recorded_with_its_refusal():
+    out = cost_row(ROWS["mb2511-llama31-405b-1024"])
+    assert "vp=8" in out["published_recipe"] and "do not split evenly" in out["refusal"]
+    assert out["status"] == "costed" and "vp=" not in out["recipe"]
+
+
+def test_rank_helpers():
+    assert ranks([1.0, 3.0, 2.0]) == [3, 1, 2]
+    assert kendall_tau([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == 1.0
+    assert kendall_tau([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == -1.0
+    a = {"row": "a", "status": "costed", "m": 2.0, "p": 1.0}
+    b = {"row": "b", "status": "costed", "m": 1.0, "p": 2.0}
+    got = compare_ranks([a, b], "m", "p")
+    assert got["measured_rank"] == [1, 2] and got["predicted_rank"] == [2, 1] and got["kendall_tau"] == -1.0
+    assert compare_ranks([a, {"row": "c", "status": "refused"}])["compared"] is False
+
+
+def test_rank_orders_need_every_row_of_an_experiment():
+    done = [{"row": n, "status": "costed", "measured_zoo_tflops_per_gpu": t, "predicted_zoo_tflops_per_gpu": t}
+            for n, t in (("nemo2407-gpt3-175b-128", 1.0), ("nemo2407-gpt3-175b-512", 2.0))]
+    got = rank_orders(done)
+    assert list(got) == ["nemo-24.07 gpt3-175b: 128 vs 512 GPUs"] and got[list(got)[0]]["same_order"]
