@@ -16,7 +16,7 @@ from shardplan.configs import ORDER_MODES, configurations, dimension_orders, fla
 from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budgets, weight_edge_cost
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost, optimizer_step_bytes
-from shardplan.cost.grad_home import home_moved, home_pairs, home_reduction, unfed_slots
+from shardplan.cost.grad_home import home_moved, home_moved_bytes, home_pairs, home_reduction, unfed_slots
 from shardplan.cost.ring import (CONTEXT_ALGORITHMS, context_edge, gathered_applies, gathered_charge, gathered_moved,
                                  gathered_reduction, moved_reduction, ring_charged)
 from shardplan.cost.tiles import MAX_DEVICES  # per-device tiles: at most this many devices (the default max_devices)
@@ -382,7 +382,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         if home:  # activation gradients home by reduce-scatter where the producer scatters them, on their edges
             pairs = home_pairs(op, arr, machine, unfed[i], ring_charged(op, arr, machine, context, cost.compute))
             store.setdefault("home", {})[key] = pairs
-            cost = replace(cost, grad_allreduce=cost.grad_allreduce - home_moved(op, arr, machine, pairs))
+            cost = replace(cost, grad_allreduce=cost.grad_allreduce - home_moved(op, arr, machine, pairs),
+                           comm_bytes=cost.comm_bytes - home_moved_bytes(op, arr, machine, pairs))
         per_key[key] = (lays, arr, cost, (w, act))
         if progress is not None:
             progress(n_done + 1, steps)
