@@ -27,8 +27,9 @@ what the steps leave: :func:`home_steps`), each step is DTensor's ``Partial -> S
 on that dim's axes: a reduce-scatter over the dims where it splits, an all-reduce over the others, each of what
 the steps before left (:func:`step_charges`). Which inputs it leaves to the ring machinery, and where:
 :func:`home_pairs`. The bytes follow the seconds: :func:`home_moved_bytes` comes off the operator's
-``comm_bytes`` with its seconds, and :func:`home_bytes` is what the edge sends. The math and the measurements
-are in docs/cost-model.md, "Activation gradients home by reduce-scatter".
+``comm_bytes`` with its seconds, and :func:`home_bytes` is what the edge sends (at a plan's layouts:
+:func:`shardplan.cost.plan_home_bytes`). The math and the measurements are in docs/cost-model.md, "Activation
+gradients home by reduce-scatter".
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from shardplan.layout import LayoutArrays
 from shardplan.machine import Machine
 
 __all__ = ["unfed_slots", "home_pairs", "home_moved", "home_moved_bytes", "home_scatters", "home_steps",
-           "scatter_steps", "step_charges", "home_reduction", "home_bytes", "plan_home_bytes"]
+           "scatter_steps", "step_charges", "home_reduction", "home_bytes"]
 
 
 def unfed_slots(graph: Graph) -> list[frozenset[int]]:
@@ -299,25 +300,3 @@ def home_bytes(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layout
                pairs: np.ndarray) -> np.ndarray:
     """(K_u, K_v) bytes one device sends in what :func:`home_reduction` times (the same cases)."""
     return _home_charges(u, lu, v, slot, lv, machine, pairs)[1]
-
-
-def plan_home_bytes(tables, assignment: Sequence[int]) -> float:
-    """Bytes one device sends on the edges of ``tables`` (a :class:`~shardplan.cost.CostTables`) at
-    ``assignment`` for the activation gradients :func:`home_reduction` charges there (0 unless
-    ``machine.scatter_gathered_grads``): what a per-edge byte count adds to the redistribution volumes."""
-    from shardplan.cost.operator import operator_cost
-    from shardplan.cost.ring import ring_charged
-
-    machine, graph = tables.machine, tables.graph
-    if not machine.scatter_gathered_grads:
-        return 0.0
-    unfed = unfed_slots(graph)
-    rows = [tables.arrays[i].take(np.asarray([int(a)])) for i, a in enumerate(assignment)]
-    context = tables.options.get("context", "allgather")
-    total = 0.0
-    for e in graph.edges:
-        v = graph.operators[e.dst]
-        handled = ring_charged(v, rows[e.dst], machine, context, operator_cost(v, rows[e.dst], machine).compute)
-        pairs = home_pairs(v, rows[e.dst], machine, unfed[e.dst], handled)
-        total += float(home_bytes(graph.operators[e.src], rows[e.src], v, e.slot, rows[e.dst], machine, pairs)[0, 0])
-    return total

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from shardplan.cost import plan_home_bytes
 from shardplan.cost.edge import edge_volumes, weight_edge_cost
-from shardplan.cost.grad_home import plan_home_bytes
 
 __all__ = ["Collective", "parse_collectives", "hlo_bytes_per_device", "predicted_bytes", "DTYPE_BYTES_HLO"]
 
@@ -149,7 +149,7 @@ def predicted_bytes(plan: Any) -> dict[str, float]:
     (and over weight edges, what :func:`~shardplan.cost.edge.weight_edge_cost` sends),
     each configuration's device grid as the plan's layout lays it out (nesting and machine levels), and
     the activation gradients the tables charge on the edges with ``Machine.scatter_gathered_grads``
-    (:func:`~shardplan.cost.grad_home.plan_home_bytes`; taken off the operators' ``comm_bytes`` there).
+    (:func:`~shardplan.cost.plan_home_bytes`; taken off the operators' ``comm_bytes`` there).
     """
     t = plan.tables
     g = plan.graph

@@ -278,7 +278,7 @@ def _product_tables(machine):
 
 
 def test_the_operators_bytes_follow_its_seconds_to_the_edge():
-    from shardplan.cost.grad_home import plan_home_bytes
+    from shardplan.cost import plan_home_bytes
 
     graph, on = _product_tables(TORCH_STEPS)
     _, off = _product_tables(replace(TORCH_STEPS, scatter_gathered_grads=False))

@@ -38,7 +38,7 @@ under a dispatch mode recording every collective on the local tensors (kind, gro
 
 Where the tables charge an activation's gradient on its edge, the bytes go with the seconds: the operator's
 ``comm_bytes`` lose the moved all-reduces and the edge reports what it sends
-(:func:`shardplan.cost.grad_home.plan_home_bytes`), read here from tables built on the hand-laid layouts.
+(:func:`shardplan.cost.plan_home_bytes`), read here from tables built on the hand-laid layouts.
 """
 
 from __future__ import annotations
@@ -144,9 +144,9 @@ def _charged_home(graph: Any, layouts: dict[str, Any], machine: Any) -> dict[str
     tables charge on the edges on DTensor's machine (:mod:`shardplan.cost.grad_home`), two ways: ``seconds``,
     the operators' less what moved to the edges plus the edges' seconds, times the bandwidth (``machine`` has no
     latency); ``tables``, the bytes the tables report on these layouts (the operators' ``comm_bytes`` plus
-    :func:`~shardplan.cost.grad_home.plan_home_bytes`)."""
-    from shardplan.cost import build_tables
-    from shardplan.cost.grad_home import home_moved, home_pairs, home_reduction, plan_home_bytes, unfed_slots
+    :func:`~shardplan.cost.plan_home_bytes`)."""
+    from shardplan.cost import build_tables, plan_home_bytes
+    from shardplan.cost.grad_home import home_moved, home_pairs, home_reduction, unfed_slots
     from shardplan.layout import LayoutArrays
 
     assert machine.latency == 0 and len(machine.levels) == 1
