@@ -177,6 +177,20 @@ def scatter_steps(v: Operator, slot: int, sub: LayoutArrays, nbytes: np.ndarray,
     return out
 
 
+def _group_keys(lay: LayoutArrays, idx: Sequence[int]) -> np.ndarray:
+    """(D, K, p): per dim ``idx[i]`` and layout, every device's group of that dim, named by the device with the
+    dim's coordinate 0 (its number less the dim's part of it: ``Σ_l base_l · coord_l · stride_l``)."""
+    pos = lay.level_positions()  # (L, p)
+    base = np.cumprod((1,) + tuple(lay.levels[:-1])).astype(np.int64)  # (L,)
+    q = np.arange(lay.p, dtype=np.int64)
+    out = np.empty((len(idx), len(lay), lay.p), dtype=np.int64)
+    for i, j in enumerate(idx):
+        split, stride = lay.level_splits[:, :, j], lay.level_strides[:, :, j]  # (L, K)
+        coord = (pos[:, None, :] // stride[:, :, None]) % split[:, :, None]  # (L, K, p)
+        out[i] = q[None, :] - (base[:, None, None] * coord * stride[:, :, None]).sum(axis=0)
+    return out
+
+
 def home_steps(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays,
                machine: Machine) -> np.ndarray:
     """(K_u, K_v) int: per pair of layouts, the bits ``Σ 2^i`` of the dims ``i`` of v's
@@ -203,12 +217,18 @@ def home_steps(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layout
     ok_u = lu.active().all(axis=1) & (vol_u == vol_u[:, :1]).all(axis=1) & (vol_u[:, 0] > 0)
     ok_v = lv.active().all(axis=1) & (vol_v == vol_v[:, :1]).all(axis=1) & (vol_v[:, 0] > 0)
     fu, iu = _dedupe(bu.reshape(len(lu), -1))
-    code_u = np.stack([np.unique(bu[a].reshape(p, -1), axis=0, return_inverse=True)[1].reshape(-1) for a in fu])
-    coords, _ = lv.grid()  # (K_v, p, n)
-    pos = lv.level_positions()  # (L, p)
-    rep = (pos[:, None, :] // lv.level_splits.prod(axis=2)[:, :, None]).transpose(1, 2, 0)  # (K_v, p, L)
-    fv, iv = _dedupe(np.concatenate([bv.reshape(len(lv), -1), coords.reshape(len(lv), -1), rep.reshape(len(lv), -1)],
-                                    axis=1))  # layouts alike in v's tiles and device grid: once
+    # a box of a regular split is named by its corner; ranked over all of u's distinct rows (< U p)
+    radix = np.maximum(bu[fu, ..., 1].max(axis=(0, 1)), 1) + 1  # (A,)
+    if float(np.prod(radix.astype(np.float64))) < 2.0 ** 62:
+        corner = bu[fu, :, :, 0] @ np.concatenate([np.cumprod(radix[::-1])[::-1][1:], [1]]).astype(np.int64)
+    else:  # too wide for one int64 code: each row's boxes ranked on their own
+        corner = np.stack([np.unique(bu[a].reshape(p, -1), axis=0, return_inverse=True)[1].reshape(-1) + a * p
+                           for a in fu])
+    code_u = np.unique(corner, return_inverse=True)[1].reshape(len(fu), p)
+    span = int(code_u.max()) + 1
+    keys = _group_keys(lv, idx)  # (D, K_v, p)
+    fv, iv = _dedupe(np.concatenate([bv.reshape(len(lv), -1), keys.transpose(1, 0, 2).reshape(len(lv), -1)], axis=1))
+    gs = lv.level_splits[:, :, idx].prod(axis=0)  # (K_v, D)
     for b_i, b in enumerate(fv):
         if not ok_v[b]:
             continue
@@ -216,16 +236,13 @@ def home_steps(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layout
         bits = np.zeros(len(fu), dtype=np.int64)
         good = inside & ok_u[fu]
         ratio = np.ones(len(fu), dtype=np.int64)
-        for i, j in enumerate(idx):
-            others = np.concatenate([np.delete(coords[b], j, axis=1), rep[b]], axis=1)  # (p, n - 1 + L)
-            key = np.unique(others, axis=0, return_inverse=True)[1].reshape(-1)
-            n_key = int(key.max()) + 1
-            g = p // n_key
+        for i in range(len(idx)):
+            g = int(gs[b, i])
             if g == 1:
                 continue
-            pairs = _distinct(key[None, :] * p + code_u)  # (U_u,): distinct (group, u tile) pairs
+            pairs = _distinct(keys[i, b][None, :] * span + code_u)  # (U_u,): distinct (group, u tile) pairs
             vary = pairs == p
-            good &= vary | (pairs == n_key)
+            good &= vary | (pairs == p // g)
             bits |= np.where(vary, 1 << i, 0)
             ratio *= np.where(vary, g, 1)
         good &= vol_u[fu, 0] * ratio == vol_v[b, 0]
@@ -275,12 +292,17 @@ def _home_charges(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Lay
     fit = home_scatters(u, lu, v, slot, sub, machine)
     s = np.where(fit, rs[None, :], ar[None, :])
     b = np.where(fit, rs_sent[None, :], ar_sent[None, :])
-    if machine.reduce_per_dim:  # the run's steps, one split dim each: the producer splitting along some only
-        steps = np.where(fit, -1, home_steps(u, lu, v, slot, sub, machine))
+    # the run's steps, one split dim each, where the producer splits along some only; with one split dim and no
+    # replicas of v that is the reduce-scatter :func:`home_scatters` found (or the all-reduce), so not looked for
+    idx = [v.dim_names.index(d) for d in v.grad_reduction_dims(v.inputs[slot])]
+    look = ((sub.splits[:, idx] > 1).sum(axis=1) > 1) | (sub.splits.prod(axis=1) < machine.num_devices)
+    look = np.nonzero(look & ~fit.all(axis=0))[0] if machine.reduce_per_dim else np.zeros(0, dtype=np.int64)
+    if len(look):
+        steps = np.where(fit[:, look], -1, home_steps(u, lu, v, slot, sub.take(look), machine))
         for bits in np.unique(steps[steps > 0]):
             st, sb = step_charges(v, slot, sub, nbytes, np.full(len(sub), bits), machine)
-            s = np.where(steps == bits, st[None, :], s)
-            b = np.where(steps == bits, sb[None, :], b)
+            s[:, look] = np.where(steps == bits, st[look][None, :], s[:, look])
+            b[:, look] = np.where(steps == bits, sb[look][None, :], b[:, look])
     secs[:, cols], sent[:, cols] = s, b
     return secs, sent
 
