@@ -197,8 +197,8 @@ def home_steps(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: Layout
     :meth:`~shardplan.ir.Operator.grad_reduction_dims` (of input ``slot``) along whose group u's tiles split
     v's tile, where that says how the gradient goes home; -1 where it does not.
 
-    With ``D_i`` the devices that share device q's coordinates in every dim of v but dim ``i`` (and its
-    replica: dim ``i``'s group, ``g_i`` devices), a pair qualifies when every device is active under both,
+    Dim ``i``'s group of a device: the ``g_i`` devices that share its coordinates in every other dim of v and
+    its replica (:func:`_group_keys`). A pair qualifies when every device is active under both,
     u's tile lies inside v's on every device, and along every dim's group u's tiles are either all the same
     (bit 0: DTensor's ``Replicate`` on those mesh axes) or all different (bit 1: ``Shard``), with
     ``|v's tile| = |u's tile| · Π_{bit i} g_i`` (what the steps leave is u's tile: nothing moves after them).
