@@ -16,7 +16,7 @@ from shardplan.configs import ORDER_MODES, configurations, dimension_orders, fla
 from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budgets, weight_edge_cost
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost, optimizer_step_bytes
-from shardplan.cost.grad_home import home_moved, home_pairs, home_reduction, unfed_slots
+from shardplan.cost.grad_home import home_bytes, home_moved, home_moved_bytes, home_pairs, home_reduction, unfed_slots
 from shardplan.cost.ring import (CONTEXT_ALGORITHMS, context_edge, gathered_applies, gathered_charge, gathered_moved,
                                  gathered_reduction, moved_reduction, ring_charged)
 from shardplan.cost.tiles import MAX_DEVICES  # per-device tiles: at most this many devices (the default max_devices)
@@ -27,7 +27,7 @@ from shardplan.machine import Machine
 from shardplan.search.problem import Problem
 
 __all__ = ["CostTables", "build_tables", "operator_cost", "edge_cost", "edge_volumes", "OpCost", "PARTS",
-           "BREAKDOWN", "ORDERS", "operator_key", "overlap_hidden"]
+           "BREAKDOWN", "ORDERS", "operator_key", "overlap_hidden", "plan_home_bytes"]
 
 BREAKDOWN: dict[str, str] = {**PARTS, "redistribution": "redistribution between operators (shared weights included)"}
 """The parts of a strategy's step time (:meth:`CostTables.breakdown`): each operator part, then redistribution."""
@@ -382,7 +382,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         if home:  # activation gradients home by reduce-scatter where the producer scatters them, on their edges
             pairs = home_pairs(op, arr, machine, unfed[i], ring_charged(op, arr, machine, context, cost.compute))
             store.setdefault("home", {})[key] = pairs
-            cost = replace(cost, grad_allreduce=cost.grad_allreduce - home_moved(op, arr, machine, pairs))
+            cost = replace(cost, grad_allreduce=cost.grad_allreduce - home_moved(op, arr, machine, pairs),
+                           comm_bytes=cost.comm_bytes - home_moved_bytes(op, arr, machine, pairs))
         per_key[key] = (lays, arr, cost, (w, act))
         if progress is not None:
             progress(n_done + 1, steps)
@@ -445,6 +446,26 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     return CostTables(graph, machine, tuple(per_key[k][0] for k in keys), tuple(per_key[k][2] for k in keys),
                       tuple(edge_costs), tuple(per_key[k][3] for k in keys), opts,
                       tuple(per_key[k][1] for k in keys), tuple(weight_costs))
+
+
+def plan_home_bytes(tables: CostTables, assignment: Sequence[int]) -> float:
+    """Bytes one device sends on the edges of ``tables`` at ``assignment`` for the activation gradients
+    :func:`~shardplan.cost.grad_home.home_reduction` charges there (0 unless ``machine.scatter_gathered_grads``;
+    :func:`~shardplan.cost.grad_home.home_bytes` at the chosen layouts): what a per-edge byte count adds to the
+    redistribution volumes, the all-reduces the operators' ``comm_bytes`` no longer count."""
+    machine, graph = tables.machine, tables.graph
+    if not machine.scatter_gathered_grads:
+        return 0.0
+    unfed = unfed_slots(graph)
+    rows = [tables.arrays[i].take(np.asarray([int(a)])) for i, a in enumerate(assignment)]
+    context = tables.options.get("context", "allgather")
+    total = 0.0
+    for e in graph.edges:
+        v = graph.operators[e.dst]
+        handled = ring_charged(v, rows[e.dst], machine, context, operator_cost(v, rows[e.dst], machine).compute)
+        pairs = home_pairs(v, rows[e.dst], machine, unfed[e.dst], handled)
+        total += float(home_bytes(graph.operators[e.src], rows[e.src], v, e.slot, rows[e.dst], machine, pairs)[0, 0])
+    return total
 
 
 def overlap_hidden(tables: CostTables, assignment: Sequence[int]) -> dict[str, float]:

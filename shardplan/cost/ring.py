@@ -463,7 +463,7 @@ def ring_operator_cost(op: Operator, lay: LayoutArrays, machine: Machine, contex
     :func:`shardplan.cost.grad_home.unfed_slots`)."""
     from dataclasses import replace
 
-    from shardplan.cost.grad_home import home_moved, home_pairs
+    from shardplan.cost.grad_home import home_moved, home_moved_bytes, home_pairs
     from shardplan.cost.operator import operator_cost
 
     cost = operator_cost(op, lay, machine)
@@ -484,4 +484,5 @@ def ring_operator_cost(op: Operator, lay: LayoutArrays, machine: Machine, contex
     if not rules.scatter_gathered_grads:
         return cost
     pairs = home_pairs(op, lay, rules, unfed, ring_charged(op, lay, rules, context, compute))
-    return replace(cost, grad_allreduce=cost.grad_allreduce - home_moved(op, lay, machine, pairs))
+    return replace(cost, grad_allreduce=cost.grad_allreduce - home_moved(op, lay, machine, pairs),
+                   comm_bytes=cost.comm_bytes - home_moved_bytes(op, lay, machine, pairs))

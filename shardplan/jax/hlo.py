@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from shardplan.cost import plan_home_bytes
 from shardplan.cost.edge import edge_volumes, weight_edge_cost
 
 __all__ = ["Collective", "parse_collectives", "hlo_bytes_per_device", "predicted_bytes", "DTYPE_BYTES_HLO"]
@@ -146,7 +147,9 @@ def predicted_bytes(plan: Any) -> dict[str, float]:
     ``operators``: Σ_v comm_bytes at v's configuration; ``edges``: Σ over
     edges of (forward + backward) redistribution elements × dtype bytes
     (and over weight edges, what :func:`~shardplan.cost.edge.weight_edge_cost` sends),
-    each configuration's device grid as the plan's layout lays it out (nesting and machine levels).
+    each configuration's device grid as the plan's layout lays it out (nesting and machine levels), and
+    the activation gradients the tables charge on the edges with ``Machine.scatter_gathered_grads``
+    (:func:`~shardplan.cost.plan_home_bytes`; taken off the operators' ``comm_bytes`` there).
     """
     t = plan.tables
     g = plan.graph
@@ -165,4 +168,6 @@ def predicted_bytes(plan: Any) -> dict[str, float]:
         lv = t.arrays[e.dst].take(np.asarray([a[e.dst]]))
         edge_bytes += float(weight_edge_cost(g.operators[e.src], e.src_weight, lu, g.operators[e.dst],
                                              e.dst_weight, lv, plan.machine)[1][0, 0])
+    # activation gradients the tables charge on their edges (DTensor's machine only; 0 on XLA's)
+    edge_bytes += plan_home_bytes(t, a)
     return {"operators": ops_bytes, "edges": edge_bytes, "total": ops_bytes + edge_bytes}

@@ -17,7 +17,8 @@ import pytest
 from shardplan import ops
 from shardplan.cost import build_tables
 from shardplan.cost.collectives import allreduce_time, reduce_scatter_time
-from shardplan.cost.grad_home import home_pairs, home_reduction, home_scatters, scatter_steps, unfed_slots
+from shardplan.cost.grad_home import (home_bytes, home_pairs, home_reduction, home_scatters, home_steps, scatter_steps,
+                                      step_charges, unfed_slots)
 from shardplan.cost.operator import operator_cost
 from shardplan.cost.ring import ring_operator_cost
 from shardplan.ir import GraphBuilder
@@ -28,6 +29,7 @@ from randgraphs import exact_solvers_agree
 
 XLA = Machine(4, peak_flops=1e12, bandwidth=1e9, latency=1e-6, dtype_bytes=4, name="toy")
 TORCH = replace(XLA, scatter_gathered_grads=True)
+TORCH_STEPS = replace(TORCH, reduce_per_dim=True)  # as shardplan.torch.device.dtensor_machine sets it
 B, C, N = 64, 32, 16
 
 
@@ -176,3 +178,134 @@ def test_the_attentions_gathered_keys_stay_with_the_ring_rule():
     assert not home_pairs(att, lay, TORCH, handled=handled).any()
     assert home_pairs(att, lay, TORCH)[0].tolist() == [False, True, True]  # what it would take without the ring's
     assert ring_charged(att, lay, TORCH, "ring", compute)[0].tolist() == [False, True, True]
+
+
+def _product_graph():
+    """p (C, N) -> tanh (dims b s: C, N) -> einsum asc,cn->asn (dims a s n c): the product's gradient of the
+    tanh's output sums over a and s (its grad_reduction_dims, in that order: bit 0 a, bit 1 s)."""
+    g = GraphBuilder("partial")
+    p = g.input("p", (C, N), needs_grad=False)
+    h = g.add(ops.elementwise("act", p, kind="tanh"))
+    x = g.input("x", (8, 4, C))
+    g.add(ops.einsum("mm", "asc,cn->asn", x, h))
+    return g.build()
+
+
+def _act_flat(act, c_rows, n_cols):
+    return Layout.flat(act.dim_names, (c_rows, n_cols), 4)
+
+
+def test_a_producer_splitting_along_one_summed_dims_group_only_gets_the_runs_steps():
+    graph = _product_graph()
+    act, mm = graph.operators
+    assert mm.grad_reduction_dims(mm.inputs[1]) == ("a", "s")
+    # a 2 ways (devices q // 2), s 2 ways (q % 2); the tanh split 2 ways after its replicas (q % 2): its tile
+    # is the same along a's group and different along s's
+    lv = LayoutArrays.stack([_flat(mm, tuple(2 if d in "as" else 1 for d in mm.dim_names))])
+    lu = LayoutArrays.stack([_act_flat(act, 1, 1), _act_flat(act, 1, 2), _act_flat(act, 2, 1), _act_flat(act, 1, 4),
+                             _act_flat(act, 2, 2)])
+    assert home_steps(act, lu, mm, 1, lv, TORCH_STEPS)[:, 0].tolist() == [0, 2, 2, 3, 3]
+    assert home_scatters(act, lu, mm, 1, lv, TORCH_STEPS)[:, 0].tolist() == [False, False, False, True, True]
+    pairs = home_pairs(mm, lv, TORCH_STEPS)
+    n = C * N * 4.0
+    got = home_reduction(act, lu, mm, 1, lv, TORCH_STEPS, pairs)[:, 0]
+    ar = 2 * float(allreduce_time(n, [[2]], TORCH_STEPS)[0])  # one per summed dim, the whole tile each
+    # the run's order (a, the outer mesh axis, first): an all-reduce among a's 2 of the whole tile (the tanh is
+    # replicated there), then a reduce-scatter among s's 2 of it into the tanh's halves
+    mixed = float(allreduce_time(n, [[2]], TORCH_STEPS)[0] + reduce_scatter_time(n, [[2]], TORCH_STEPS)[0])
+    rs = float(reduce_scatter_time(n, [[2]], TORCH_STEPS)[0] + reduce_scatter_time(n / 2, [[2]], TORCH_STEPS)[0])
+    assert got == pytest.approx([ar, mixed, mixed, rs, rs], rel=1e-12)
+    assert ar > mixed > rs
+    # bytes: 2 (g-1)/g n per all-reduce, (g-1)/g n per reduce-scatter
+    assert home_bytes(act, lu, mm, 1, lv, TORCH_STEPS, pairs)[:, 0].tolist() == [2 * n, 1.5 * n, 1.5 * n, 0.75 * n,
+                                                                                 0.75 * n]
+
+
+def test_a_producer_split_along_the_outer_summed_dim_is_reduce_scattered_first():
+    m = Machine(4, peak_flops=1e12, bandwidth=4e9, latency=1e-6, node_size=2, inter_bandwidth=1e9,
+                inter_latency=5e-6, dtype_bytes=4, scatter_gathered_grads=True, reduce_per_dim=True)
+    graph = _product_graph()
+    act, mm = graph.operators
+    dims = mm.dim_names
+    inner = tuple(2 if d == "s" else 1 for d in dims)  # s inside the node
+    outer = tuple(2 if d == "a" else 1 for d in dims)  # a over the nodes
+    lv = LayoutArrays.stack([Layout(dims, (2, 2), (inner, outer), ((dims.index("s"),), (dims.index("a"),)))])
+    # the tanh split 2 ways along its second dim (N) over the nodes, replicated inside them; and inside them,
+    # replicated over the nodes
+    over = Layout(act.dim_names, (2, 2), ((1, 1), (1, 2)), ((), (1,)))
+    inside = Layout(act.dim_names, (2, 2), ((1, 2), (1, 1)), ((1,), ()))
+    lu = LayoutArrays.stack([over, inside])
+    assert home_steps(act, lu, mm, 1, lv, m)[:, 0].tolist() == [1, 2]
+    pairs = home_pairs(mm, lv, m)
+    got = home_reduction(act, lu, mm, 1, lv, m, pairs)[:, 0]
+    n = C * N * 4.0
+    nodes, node = [[1], [2]], [[2], [1]]
+    # over the nodes: reduce-scatter among the nodes first (a is the outer mesh axis), then the all-reduce of
+    # the half inside the node; inside: the all-reduce of the whole tile over the nodes, then the reduce-scatter
+    first = float(reduce_scatter_time(n, nodes, m)[0] + allreduce_time(n / 2, node, m)[0])
+    second = float(allreduce_time(n, nodes, m)[0] + reduce_scatter_time(n, node, m)[0])
+    assert got.tolist() == pytest.approx([first, second], rel=1e-12)
+    assert home_bytes(act, lu, mm, 1, lv, m, pairs)[:, 0].tolist() == [n, 1.5 * n]
+    secs, sent = step_charges(mm, 1, lv, np.asarray([n]), np.asarray([1]), m)
+    assert (float(secs[0]), float(sent[0])) == (pytest.approx(first, rel=1e-12), n)
+
+
+def test_a_producer_split_any_other_way_keeps_the_all_reduce():
+    graph = _product_graph()
+    act, mm = graph.operators
+    lv = LayoutArrays.stack([_flat(mm, tuple(4 if d == "a" else 1 for d in mm.dim_names))])
+    # a 4 ways: the tanh split 2 ways is the same on pairs of a's devices and different between pairs
+    lu = LayoutArrays.stack([_act_flat(act, 1, 2), _act_flat(act, 1, 4), _act_flat(act, 1, 1)])
+    assert home_steps(act, lu, mm, 1, lv, TORCH_STEPS)[:, 0].tolist() == [-1, 1, 0]
+    pairs = home_pairs(mm, lv, TORCH_STEPS)
+    n = C * N * 4.0
+    ar = float(allreduce_time(n, [[4]], TORCH_STEPS)[0])
+    assert home_reduction(act, lu, mm, 1, lv, TORCH_STEPS, pairs)[[0, 2], 0].tolist() == [ar, ar]  # upper bound
+    assert home_bytes(act, lu, mm, 1, lv, TORCH_STEPS, pairs)[:, 0].tolist() == [1.5 * n, 0.75 * n, 1.5 * n]
+
+
+def _product_tables(machine):
+    graph = _product_graph()
+    act, mm = graph.operators
+    cands = {"act": [_act_flat(act, 1, 1), _act_flat(act, 1, 2), _act_flat(act, 2, 1), _act_flat(act, 1, 4),
+                     _act_flat(act, 2, 2), _act_flat(act, 4, 1)],
+             "mm": [_flat(mm, tuple(2 if d in "as" else 1 for d in mm.dim_names)),
+                    _flat(mm, tuple(4 if d == "a" else 1 for d in mm.dim_names)),
+                    _flat(mm, tuple(2 if d in "an" else 1 for d in mm.dim_names)),
+                    _flat(mm, tuple(4 if d == "n" else 1 for d in mm.dim_names)),
+                    _flat(mm, (1, 1, 1, 1))]}
+    return graph, build_tables(graph, machine, candidates=lambda op: cands[op.name])
+
+
+def test_the_operators_bytes_follow_its_seconds_to_the_edge():
+    from shardplan.cost import plan_home_bytes
+
+    graph, on = _product_tables(TORCH_STEPS)
+    _, off = _product_tables(replace(TORCH_STEPS, scatter_gathered_grads=False))
+    act, mm = graph.operators
+    n = C * N * 4.0
+    # the product at (a 2, s 2), (a 4), (a 2, n 2): the tanh's gradient's all-reduces (2 n bytes, 1.5 n, and
+    # n / 2 of its half tile) off the operator; nothing where it sums over no split dim
+    assert (off.op_costs[1].comm_bytes - on.op_costs[1].comm_bytes).tolist() == [2 * n, 1.5 * n, 0.5 * n, 0.0, 0.0]
+    assert on.op_costs[0].comm_bytes.tolist() == off.op_costs[0].comm_bytes.tolist()
+    for a in range(len(on.arrays[0])):
+        for b in range(len(on.arrays[1])):
+            lu, lv = on.arrays[0].take([a]), on.arrays[1].take([b])
+            pairs = home_pairs(mm, lv, TORCH_STEPS)
+            edge = float(home_bytes(act, lu, mm, 1, lv, TORCH_STEPS, pairs)[0, 0])
+            assert plan_home_bytes(on, [a, b]) == edge and plan_home_bytes(off, [a, b]) == 0.0
+            moved = float(off.op_costs[1].comm_bytes[b] - on.op_costs[1].comm_bytes[b])
+            if not home_steps(act, lu, mm, 1, lv, TORCH_STEPS)[0, 0] > 0:  # nothing split along the summed dims
+                assert edge == moved, (a, b)  # the same all-reduces, reported where they are timed
+            else:
+                assert edge < moved, (a, b)
+
+
+def test_the_exact_solvers_agree_with_the_partial_scatters():
+    for machine in (TORCH_STEPS, replace(TORCH_STEPS, latency=1e-5)):
+        graph, tables = _product_tables(machine)
+        exact_solvers_agree(tables.to_problem())
+        act, mm = graph.operators
+        lu, lv = tables.arrays[0], tables.arrays[1]
+        steps = home_steps(act, lu, mm, 1, lv, machine)
+        assert ((steps > 0) & ~home_scatters(act, lu, mm, 1, lv, machine)).any()  # partial scatters are offered

@@ -30,7 +30,15 @@ under a dispatch mode recording every collective on the local tensors (kind, gro
 * ``act2s``: as ``act2`` with the activation split 4 ways along the features out: its gradient goes home by
   two reduce-scatters among 2 (one per dim, into the producer's blocks), what the tables charge on DTensor's
   machine (:mod:`shardplan.cost.grad_home`: the product's all-reduces moved to the edge, which charges the
-  reduce-scatter where the producer scatters the tile over the summing devices).
+  reduce-scatter where the producer scatters the tile over the summing devices);
+* ``act2h``: as ``act2`` with the activation split 2 ways along the features out on the sequence's mesh axis
+  and replicated on the batch's: its gradient goes home by an all-reduce among the batch's 2 devices, then a
+  reduce-scatter among the sequence's 2 into its halves (the run's steps, in mesh order), what the tables charge
+  (:func:`shardplan.cost.grad_home.home_steps`), where they charged both all-reduces before.
+
+Where the tables charge an activation's gradient on its edge, the bytes go with the seconds: the operator's
+``comm_bytes`` lose the moved all-reduces and the edge reports what it sends
+(:func:`shardplan.cost.plan_home_bytes`), read here from tables built on the hand-laid layouts.
 """
 
 from __future__ import annotations
@@ -131,10 +139,13 @@ def _charged(graph: Any, layouts: dict[str, Any], machine: Any) -> float:
                      for op in graph.operators))
 
 
-def _charged_home(graph: Any, layouts: dict[str, Any], machine: Any) -> float:
+def _charged_home(graph: Any, layouts: dict[str, Any], machine: Any) -> dict[str, float]:
     """Bytes one device sends in the operators' collectives and in the activation gradients' reductions the
-    tables charge on the edges on DTensor's machine (:mod:`shardplan.cost.grad_home`): the operators' less
-    what moved to the edges, plus the edges' (seconds times bandwidth: ``machine`` has no latency)."""
+    tables charge on the edges on DTensor's machine (:mod:`shardplan.cost.grad_home`), two ways: ``seconds``,
+    the operators' less what moved to the edges plus the edges' seconds, times the bandwidth (``machine`` has no
+    latency); ``tables``, the bytes the tables report on these layouts (the operators' ``comm_bytes`` plus
+    :func:`~shardplan.cost.plan_home_bytes`)."""
+    from shardplan.cost import build_tables, plan_home_bytes
     from shardplan.cost.grad_home import home_moved, home_pairs, home_reduction, unfed_slots
     from shardplan.layout import LayoutArrays
 
@@ -146,7 +157,9 @@ def _charged_home(graph: Any, layouts: dict[str, Any], machine: Any) -> float:
     edges = sum(float(home_reduction(graph.operators[e.src], arr[graph.operators[e.src].name], graph.operators[e.dst],
                                      e.slot, arr[graph.operators[e.dst].name], machine, pairs[e.dst])[0, 0])
                 for e in graph.edges)
-    return _charged(graph, layouts, machine) + (edges - moved) * machine.bandwidth
+    tables = build_tables(graph, machine, candidates=lambda op: [layouts[op.name]])
+    reported = sum(float(c.comm_bytes[0]) for c in tables.op_costs) + plan_home_bytes(tables, [0] * len(graph))
+    return {"seconds": _charged(graph, layouts, machine) + (edges - moved) * machine.bandwidth, "tables": reported}
 
 
 def _sent(seen: list[tuple[str, int, int]]) -> float:
@@ -315,6 +328,7 @@ def _run_activation(case: str, world: int) -> dict[str, Any]:
     graph, info = trace(torch_cases._clone(model), batch)
     wants = {"act2": {"matmul": {B: 2, S: 2}, "tanh": {}, "": {N: 4}},
              "act2s": {"tanh": {N: 4}, "": {B: 2, S: 2}},
+             "act2h": {"tanh": {N: 2}, "": {B: 2, S: 2}},
              "act4": {"linear": {}, "tanh": {}, "": {B: 2}}}[case]
     lays = _layouts(graph, wants, world)
     if case == "act4":  # the second linear alone splits its features out (the first's extents are K, K)
@@ -322,7 +336,9 @@ def _run_activation(case: str, world: int) -> dict[str, Any]:
         lays[second.name] = Layout.flat(second.dim_names, tuple(4 if second.extents[d] == N else 1
                                                                 for d in second.dim_names), world)
     machine = dtensor_machine(torch_cases.toy_machine(world))
-    out: dict[str, Any] = {"charged": _charged_home(graph, lays, machine), "charged_ops": _charged(graph, lays, machine),
+    home = _charged_home(graph, lays, machine)
+    out: dict[str, Any] = {"charged": home["seconds"], "reported": home["tables"],
+                           "charged_ops": _charged(graph, lays, machine),
                            "edges": _edge_bytes(graph, lays, machine), "kinds": sorted({op.kind for op in graph.operators})}
     for name, merge, steps in (("run", True, True), ("one_step", True, False), ("unmerged", False, True)):
         pm = ParallelModule.create(torch_cases._clone(model), info, graph, lays, init_device_mesh("cpu", (world,)))
@@ -388,7 +404,7 @@ def run_all(name: str, world: int) -> dict[str, Any]:
         return _run_contiguous(world)
     if name == "encoder":
         return _run_encoder(world)
-    if name in ("act2", "act2s", "act4"):
+    if name in ("act2", "act2s", "act2h", "act4"):
         return _run_activation(name, world)
     return _run_linear(name, world)
 
@@ -399,8 +415,8 @@ def results(tmp_path_factory):
     # act2 before b2s2: after b2s2, act2's gradients reach DTensor's redistribution on b2s2's mesh object (an
     # equal 2 x 2 mesh, never flattened, held by DTensor's caches), whose root has no flattened group: its
     # one-step run then sends two all-reduces of 2 (measured), not the merged one among 4 this case shows
-    return torch_cases.run_distributed(["k4", "b4", "act2", "act2s", "act4", "b2s2", "mixed", "contiguous", "encoder"],
-                                       WORLD, str(out), run_one=run_all)
+    return torch_cases.run_distributed(["k4", "b4", "act2", "act2s", "act2h", "act4", "b2s2", "mixed", "contiguous",
+                                        "encoder"], WORLD, str(out), run_one=run_all)
 
 
 def _ok(r: dict[str, Any]) -> None:
@@ -485,6 +501,7 @@ def test_an_activation_gradient_over_two_split_dims_is_one_all_reduce_per_dim(re
     assert run["sent"] == pytest.approx(r["charged"], rel=1e-12), r
     # a replicated producer: the all-reduces, moved to the edge on DTensor's machine, the same bytes
     assert r["charged"] == pytest.approx(r["charged_ops"], rel=1e-12) and r["charged"] == 1542, r
+    assert r["reported"] == pytest.approx(r["charged"], rel=1e-12), r  # the tables' bytes: the same all-reduces
     # DTensor's one redistribution merges the two dims over the features' flattened group: the PaSE charge
     assert ("all_reduce", 4, tile) in [tuple(x) for x in one["seen"]] and one["sent"] < r["charged"], r
 
@@ -499,6 +516,7 @@ def test_an_activation_gradient_over_one_dim_split_4_ways_is_one_all_reduce_amon
     assert ars == sorted([("all_reduce", 4, tile), ("all_reduce", 2, 1)]), run
     assert run["sent"] == pytest.approx(r["charged"], rel=1e-12), r
     assert r["charged"] == pytest.approx(r["charged_ops"], rel=1e-12) and r["charged"] == 3076, r  # replicated producer
+    assert r["reported"] == pytest.approx(r["charged"], rel=1e-12), r
     assert r["one_step"]["sent"] == run["sent"], r  # one dim: nothing for the steps to do
     # without the flattened group's merge, one all-reduce per mesh axis: 4/3 of the bytes
     assert [tuple(x) for x in un["seen"]].count(("all_reduce", 2, tile)) == 2 and un["sent"] > r["charged"], r
@@ -520,6 +538,24 @@ def test_an_activation_gradient_into_a_scattering_producer_is_reduce_scattered_a
     # scattering producer charges the two reduce-scatters the run sends; the loss's all-reduces stay
     assert r["charged_ops"] == pytest.approx(2 * tile * 4 + run["sent"], rel=1e-12), r
     assert r["charged"] == pytest.approx(sent + run["sent"], rel=1e-12), r  # 576 B + the loss's 8 B
+    assert r["reported"] == 584 and r["charged"] == pytest.approx(584, rel=1e-12), r  # the bytes where the time is
+
+
+def test_an_activation_gradient_into_a_producer_split_along_one_summed_dim_gets_the_runs_steps(results):
+    r = results["act2h"]
+    _ok(r)
+    run, one = r["run"], r["one_step"]
+    _close(run)
+    _close(one)
+    tile = K * N  # tanh(p) split 2 ways along the features out on the sequence's mesh axis, replicated on the batch's
+    home = [tuple(x) for x in run["seen"] if x[2] == tile or (x[0] == "reduce_scatter" and x[2] == tile // 2)]
+    # the batch's axis first (mesh order): the all-reduce of the whole tile, then the reduce-scatter into halves
+    assert sorted(home) == [("all_reduce", 2, tile), ("reduce_scatter", 2, tile)], run
+    assert one["seen"] == run["seen"], r  # DTensor's one redistribution sends the same
+    sent = run["sent_all"]["reduce_scatter"] + run["sent"]  # 384 B + 768 B + the loss's 8 B
+    assert r["reported"] == sent == 1160 and r["charged"] == pytest.approx(sent, rel=1e-12), r
+    # the product's two all-reduces of the tile came off the operator (as charged before: 1,544 B)
+    assert r["charged_ops"] == pytest.approx(2 * tile * 4 + 8, rel=1e-12), r
 
 
 def test_an_encoders_key_and_value_gradients_are_reduce_scattered_as_charged(results):
