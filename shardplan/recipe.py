@@ -27,7 +27,8 @@ model). The map, on ``p`` devices with ``dp = p / (tp · cp · pp)``:
   sequence-split norms; the column-parallel ones leave their inputs'
   gradients as partial sums, reduce-scattered backward; the all-gathers are
   the redistributions from the sequence-split layouts into the
-  column-parallel ones (:mod:`shardplan.cost.edge`);
+  column-parallel ones (:mod:`shardplan.cost.edge`); with context parallelism the norms' ``s`` is split over
+  the tensor group inside the context group (:func:`_nesting`), so these collectives stay in the tensor group;
 * **experts** (``ep``, Megatron-LM's expert parallelism; Lepikhin et al. 2021, GShard): the
   experts' batched products (:data:`~shardplan.models.moe.EXPERT_KINDS`) split their expert
   dimension ``e`` ``ep`` ways inside the data-parallel group (the ``ep`` consecutive data ranks,
@@ -57,12 +58,16 @@ model). The map, on ``p`` devices with ``dp = p / (tp · cp · pp)``:
   once-per-step collectives charged 1/m (:class:`~shardplan.pipeline.stages.ModelStages`
   with ``strategy`` and ``choices``);
 * **pipeline** ``pp`` stages of ``tp · dp`` consecutive devices, the blocks
-  split evenly (``first_stage_layers`` / ``last_stage_layers`` move the
-  remainder), the embedding with the first stage and the head with the
-  last, under 1F1B, or interleaved 1F1B with ``vp`` chunks per device group
+  split as Megatron-Core splits them (:func:`chunk_sizes`: ``first_stage_layers`` /
+  ``last_stage_layers`` on the end ranks, spread over their ``vp`` chunks;
+  ``embedding_as_layer`` / ``loss_as_layer`` count the embedding / the head
+  with the loss as a layer, else they ride with the first / last chunk),
+  under 1F1B, or interleaved 1F1B with ``vp`` chunks per device group
   (chunk j on group j mod pp), costed by
   :func:`shardplan.pipeline.search.evaluate_pipeline` with exact
-  stage-to-stage transfers, as the search costs its candidates.
+  stage-to-stage transfers, as the search costs its candidates; an
+  interleaved pipeline whose chunks are unequal takes the event simulation
+  over each chunk's seconds as its step (:func:`unequal_chunks_simulated`).
 
 What has no exact counterpart in the space is refused with a one-line
 :class:`~shardplan.errors.ShardplanError` naming the part, never
@@ -100,8 +105,8 @@ from shardplan.layout import Layout
 from shardplan.machine import Machine
 from shardplan.models.moe import EXPERT_KINDS
 
-__all__ = ["Recipe", "cost_recipe", "causal_attention", "megatron_layouts", "expert_dim", "has_experts", "chunk_sizes",
-           "recompute_names", "RECOMPUTE", "OVERLAPS", "ATTENTION_CORE", "CP_ALGORITHMS", "ZERO_GRAD_REDUCES"]
+__all__ = ["Recipe", "cost_recipe", "causal_attention", "megatron_layouts", "expert_dim", "has_experts",
+           "chunk_sizes", "recompute_names", "RECOMPUTE", "OVERLAPS", "ATTENTION_CORE", "CP_ALGORITHMS", "ZERO_GRAD_REDUCES"]
 
 RECOMPUTE = ("none", "selective", "full")
 """The named recomputation policies (an integer N: the first N blocks of each stage)."""
@@ -154,7 +159,8 @@ class Recipe:
             ``--decoder-last-pipeline-num-layers``; default: an even split). embedding_as_layer,
             loss_as_layer: the embedding / the head with the loss counts as one layer in the split
             (Megatron-Core's ``account_for_embedding_in_pipeline_split`` /
-            ``account_for_loss_in_pipeline_split``; :func:`chunk_sizes`). dp: data-parallel degree (default: devices / (tp · cp · pp)).
+            ``account_for_loss_in_pipeline_split``; :func:`chunk_sizes`). dp: data-parallel degree (default:
+            devices / (tp · cp · pp)).
         zero: ZeRO stage 0-3 of every weight's state (3: FSDP). hsdp: hybrid-sharding group size.
         ep: expert-parallel degree. mbs: micro-batch size (sequences per data-parallel replica and micro-batch).
         gbs: global batch (default: the model's). recompute: ``none``, ``selective``, ``full`` or N blocks.

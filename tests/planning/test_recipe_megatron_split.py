@@ -118,7 +118,8 @@ def _recipe_tables(tp: int, cp: int, machine=None):
     machine = preset("h100", 32) if machine is None else machine  # nodes of 8, 4 nodes
     g = model_spec("llama3-8b").build(8, **SMALL)
     dc = machine.num_devices // tp
-    tab = build_tables(g, dataclasses.replace(machine, memory_bytes=None), **table_options(machine, tp, dc, True, 1, cp))
+    opts = table_options(machine, tp, dc, True, 1, cp)
+    tab = build_tables(g, dataclasses.replace(machine, memory_bytes=None), **opts)
     return g, tab, megatron_layouts(tab, dc, tp, True, 1, cp)
 
 
@@ -174,3 +175,39 @@ def test_key_value_gather_crosses_the_context_group():
     m = preset("h100", 32)
     want = 2 * (2 * 1_048_576 / m.inter_bandwidth + m.inter_latency)
     assert _edge(g, tab, "L1/rope_k", "L1/attention") == pytest.approx(want, rel=1e-12)
+
+
+def test_exact_solvers_agree_on_a_space_holding_the_sequence_and_context_split():
+    """4 nodes of 2: tp=2 fills the node, cp=2 and dp=2 across nodes. Each operator's candidates are Megatron's
+    layouts of four recipes (sp with cp, cp alone, sp alone, data parallel); every one lies in the enumerated
+    space (row-major, node replicas, with the partial copies), and the DP, the ILP and the breadth-first reference
+    find the same optimum, no dearer than the sp + cp recipe's plan."""
+    from shardplan.configs import layouts, with_partial
+    from shardplan.machine import Machine
+    from shardplan.recipe import megatron_layout
+    from shardplan.search import solve_dp, solve_ilp
+    from shardplan.search.reference import solve_bfs_dp
+
+    m = Machine(8, 1e12, 1e11, latency=1e-6, node_size=2, inter_bandwidth=1e10, inter_latency=1e-5)
+    g = model_spec("llama3-8b").build(8, layers=1, d_model=32, heads=2, kv_heads=2, d_ff=64, vocab=64, seq=8)
+    variants = ((4, 2, True, 2), (4, 2, False, 2), (4, 2, True, 1), (8, 1, False, 1))  # (dp · cp, tp, sp, cp)
+
+    def candidates(op):
+        out: list = []
+        for dc, tp, sp, cp in variants:
+            lay = megatron_layout(op, m.levels, dc, tp, sp, 1, cp)
+            if lay not in out:
+                out.append(lay)
+        return tuple(out)
+
+    for op in g.operators:
+        space = with_partial(op, layouts(op, m.levels, 1, orders="row-major", node_replicas=True))
+        assert set(candidates(op)) <= set(space), op.name
+    tables = build_tables(g, m, cutoff=1, node_replicas=True, candidates=candidates)
+    problem = tables.to_problem()
+    recipe = tuple(tables.layouts[i].index(megatron_layout(op, m.levels, 4, 2, True, 1, 2))
+                   for i, op in enumerate(g.operators))
+    ref = solve_bfs_dp(problem).cost
+    assert solve_dp(problem).cost == pytest.approx(ref, rel=1e-12)
+    assert solve_ilp(problem).cost == pytest.approx(ref, rel=1e-9)
+    assert ref <= problem.evaluate(recipe)
