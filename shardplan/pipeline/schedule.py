@@ -262,8 +262,8 @@ def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, sched
     occupies its link in its direction (one transfer at a time per direction), not the stage; the final
     gradient synchronisation runs after a stage's last backward. ``back``: the gradients' link seconds
     (default ``links``). ``chunk_times`` (interleaved only): the S v chunks' own seconds in model order
-    (chunk c of stage s is entry c S + s; the stages' forward and backward must be their chunks' sums), for
-    chunks of unequal length; by default each chunk takes 1/v of its stage's time."""
+    (chunk c of stage s is entry c S + s; the stages then give only their ``sync``), for chunks of unequal
+    length; by default each chunk takes 1/v of its stage's time."""
     _check(stages, links, m, schedule, v, back)
     back = links if back is None else back
     n = len(stages)
