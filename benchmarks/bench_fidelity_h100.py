@@ -157,22 +157,22 @@ def rows() -> list[Row]:
                        tok, tfl, (), notes))
     for name, src, gbs, tok, tfl in (("mb2511-llama31-405b-1024", MB_2511, 512, 292, 737),
                                      ("mb2602-llama31-405b-1024", MB_2602, 1536, 311, 784)):
-        published, notes = _nv(f"tp=8,cp=2,pp=8,vp=8,mbs=1,gbs={gbs}", 8)
-        rec = (f"tp=8,cp=2,pp=8,mbs=1,gbs={gbs},first_stage_layers=15,last_stage_layers=15,zero=1,"
-               "overlap=grad_reduce,precision=fp8")
+        rec, notes = _nv(f"tp=8,cp=2,pp=8,vp=8,embedding_as_layer=true,loss_as_layer=true,mbs=1,gbs={gbs}", 8)
+        nearest = (f"tp=8,cp=2,pp=8,mbs=1,gbs={gbs},first_stage_layers=15,last_stage_layers=15,zero=1,"
+                   "overlap=grad_reduce,precision=fp8")
         out.append(Row(name, "megatron-bridge", f"{src}, LLAMA3.1_405B, 1024 GPUs", "llama3-405b", 1024, rec, gbs,
                        8192, tok, tfl, (),
-                       ("published TP 8 × CP 2 × PP 8 × VP 8 (with sequence parallelism and TP overlap) is refused: "
-                        "126 blocks do not split into 64 chunks (Megatron-Bridge counts the embedding and the loss as "
-                        "a layer each, 128 / 64 = 2 per chunk with one block on the first and the last chunk; vp > 1 "
-                        "with uneven ends is not in the grammar), and sequence parallelism with the tensor group "
-                        "filling the node and context parallelism across nodes splits the norms' sequence over two "
-                        "machine levels, a layout outside the space ('L1/ln1' refused). Costed in the nearest exact "
-                        "form: no interleaving, 15 + 6 × 16 + 15 blocks (two blocks short at the ends, at stage "
-                        "level; 1F1B's fill (p − 1) stage slots instead of interleaving's (p − 1)/v), no sequence "
-                        "parallelism (norms replicated over the tensor group, all-reduces in place of the "
-                        "reduce-scatter / all-gather pairs) and so no TP overlap (overlap=tp_comm needs sp)",)
-                       + notes[:-3] + notes[-2:], published_recipe=published))
+                       ("TP 8 × CP 2 × PP 8 × VP 8 as published, with Megatron-Bridge's 405B pipeline split "
+                        "(account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split: "
+                        "embedding_as_layer=true, loss_as_layer=true): 126 blocks + embedding + loss = 128 layers, "
+                        "64 chunks of 2, the first chunk the embedding and block 1, the last block 126 and the "
+                        "head with the loss; the chunks are unequal, so the interleaved step is the event "
+                        "simulation over each chunk's own seconds (the closed form is recorded beside it). The "
+                        "norms' sequence is split 8 ways over the tensor group inside the node and 2 ways over "
+                        "the context group across nodes (sequence parallelism with context parallelism); the "
+                        "nearest form costed before this was expressible (no interleaving, 15 + 6 × 16 + 15 "
+                        "blocks, no sequence parallelism, no TP overlap) is the variant",)
+                       + notes, variants=(nearest,)))
     # Llama 3, Table 4: BF16, 16M tokens per step
     meta = ("BF16 (Table 4's MFU is BF16) with fp32 master weights and Adam state: precision=mixed",
             "FSDP as the paper describes it (§3.3.2): optimizer states and gradients sharded over the data-parallel "

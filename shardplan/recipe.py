@@ -27,7 +27,8 @@ model). The map, on ``p`` devices with ``dp = p / (tp · cp · pp)``:
   sequence-split norms; the column-parallel ones leave their inputs'
   gradients as partial sums, reduce-scattered backward; the all-gathers are
   the redistributions from the sequence-split layouts into the
-  column-parallel ones (:mod:`shardplan.cost.edge`);
+  column-parallel ones (:mod:`shardplan.cost.edge`); with context parallelism the norms' ``s`` is split over
+  the tensor group inside the context group (:func:`_nesting`), so these collectives stay in the tensor group;
 * **experts** (``ep``, Megatron-LM's expert parallelism; Lepikhin et al. 2021, GShard): the
   experts' batched products (:data:`~shardplan.models.moe.EXPERT_KINDS`) split their expert
   dimension ``e`` ``ep`` ways inside the data-parallel group (the ``ep`` consecutive data ranks,
@@ -57,12 +58,16 @@ model). The map, on ``p`` devices with ``dp = p / (tp · cp · pp)``:
   once-per-step collectives charged 1/m (:class:`~shardplan.pipeline.stages.ModelStages`
   with ``strategy`` and ``choices``);
 * **pipeline** ``pp`` stages of ``tp · dp`` consecutive devices, the blocks
-  split evenly (``first_stage_layers`` / ``last_stage_layers`` move the
-  remainder), the embedding with the first stage and the head with the
-  last, under 1F1B, or interleaved 1F1B with ``vp`` chunks per device group
+  split as Megatron-Core splits them (:func:`chunk_sizes`: ``first_stage_layers`` /
+  ``last_stage_layers`` on the end ranks, spread over their ``vp`` chunks;
+  ``embedding_as_layer`` / ``loss_as_layer`` count the embedding / the head
+  with the loss as a layer, else they ride with the first / last chunk),
+  under 1F1B, or interleaved 1F1B with ``vp`` chunks per device group
   (chunk j on group j mod pp), costed by
   :func:`shardplan.pipeline.search.evaluate_pipeline` with exact
-  stage-to-stage transfers, as the search costs its candidates.
+  stage-to-stage transfers, as the search costs its candidates; an
+  interleaved pipeline whose chunks are unequal takes the event simulation
+  over each chunk's seconds as its step (:func:`unequal_chunks_simulated`).
 
 What has no exact counterpart in the space is refused with a one-line
 :class:`~shardplan.errors.ShardplanError` naming the part, never
@@ -101,7 +106,7 @@ from shardplan.machine import Machine
 from shardplan.models.moe import EXPERT_KINDS
 
 __all__ = ["Recipe", "cost_recipe", "causal_attention", "megatron_layouts", "expert_dim", "has_experts",
-           "recompute_names", "RECOMPUTE", "OVERLAPS", "ATTENTION_CORE", "CP_ALGORITHMS", "ZERO_GRAD_REDUCES"]
+           "chunk_sizes", "recompute_names", "RECOMPUTE", "OVERLAPS", "ATTENTION_CORE", "CP_ALGORITHMS", "ZERO_GRAD_REDUCES"]
 
 RECOMPUTE = ("none", "selective", "full")
 """The named recomputation policies (an integer N: the first N blocks of each stage)."""
@@ -119,7 +124,8 @@ DTYPES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
 
 _INT_FIELDS = ("tp", "cp", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp", "ep",
                "mbs", "gbs")
-_ORDER = ("tp", "sp", "cp", "cp_algo", "pp", "vp", "first_stage_layers", "last_stage_layers", "dp", "zero", "hsdp",
+_ORDER = ("tp", "sp", "cp", "cp_algo", "pp", "vp", "first_stage_layers", "last_stage_layers", "embedding_as_layer",
+          "loss_as_layer", "dp", "zero", "hsdp",
           "ep", "mbs", "gbs", "recompute", "dtype", "precision", "offload", "overlap", "zero_regather",
           "zero_grad_reduce")
 
@@ -148,8 +154,13 @@ class Recipe:
         cp: context-parallel degree. cp_algo: how attention receives the keys and values of the context
             group, ``allgather`` (Llama 3's, the default) or ``ring`` (:mod:`shardplan.cost.ring`).
             pp: pipeline stages. vp: model chunks per pipeline stage (interleaved
-            1F1B when > 1). first_stage_layers, last_stage_layers: blocks on the first / last stage
-            (default: an even split). dp: data-parallel degree (default: devices / (tp · cp · pp)).
+            1F1B when > 1). first_stage_layers, last_stage_layers: blocks on the first / last stage, with
+            ``vp`` > 1 spread evenly over its chunks (Megatron-LM's ``--decoder-first-pipeline-num-layers`` /
+            ``--decoder-last-pipeline-num-layers``; default: an even split). embedding_as_layer,
+            loss_as_layer: the embedding / the head with the loss counts as one layer in the split
+            (Megatron-Core's ``account_for_embedding_in_pipeline_split`` /
+            ``account_for_loss_in_pipeline_split``; :func:`chunk_sizes`). dp: data-parallel degree (default:
+            devices / (tp · cp · pp)).
         zero: ZeRO stage 0-3 of every weight's state (3: FSDP). hsdp: hybrid-sharding group size.
         ep: expert-parallel degree. mbs: micro-batch size (sequences per data-parallel replica and micro-batch).
         gbs: global batch (default: the model's). recompute: ``none``, ``selective``, ``full`` or N blocks.
@@ -172,6 +183,8 @@ class Recipe:
     vp: int = 1
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    embedding_as_layer: bool = False
+    loss_as_layer: bool = False
     dp: int | None = None
     zero: int = 0
     hsdp: int | None = None
@@ -196,8 +209,9 @@ class Recipe:
                 raise ShardplanError(f"recipe: {name} must be an integer >= {low}, got {v!r}")
         if self.zero > 3:
             raise ShardplanError(f"recipe: zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero}")
-        if not isinstance(self.sp, bool):
-            raise ShardplanError(f"recipe: sp must be true or false, got {self.sp!r}")
+        for name in ("sp", "embedding_as_layer", "loss_as_layer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ShardplanError(f"recipe: {name} must be true or false, got {getattr(self, name)!r}")
         if self.cp_algo not in CP_ALGORITHMS:
             raise ShardplanError(f"recipe: cp_algo must be one of {', '.join(CP_ALGORITHMS)}, got {self.cp_algo!r}")
         if not isinstance(self.zero_regather, bool):
@@ -342,7 +356,7 @@ def _value(key: str, value: Any, fsdp: bool) -> Any:
     if fsdp:
         flag = _bool(key, value)
         return 3 if flag else 0
-    if key in ("sp", "zero_regather"):
+    if key in ("sp", "zero_regather", "embedding_as_layer", "loss_as_layer"):
         return _bool(key, value)
     if key == "zero_grad_reduce":
         return str(value).strip().lower().replace("-", "_")
@@ -414,10 +428,13 @@ def refusal(recipe: Recipe, machine: Machine) -> str | None:
                 f"with that dtype instead)")
     if recipe.vp > 1 and recipe.pp < 2:
         return "vp > 1 (interleaving) needs pp >= 2"
-    if recipe.vp > 1 and (recipe.first_stage_layers is not None or recipe.last_stage_layers is not None):
-        return "uneven first/last stages with interleaving (vp > 1): Megatron-LM's chunk split is not defined here"
-    if recipe.pp < 2 and (recipe.first_stage_layers is not None or recipe.last_stage_layers is not None):
-        return "first_stage_layers / last_stage_layers need pp >= 2"
+    uneven = recipe.first_stage_layers is not None or recipe.last_stage_layers is not None
+    as_layer = recipe.embedding_as_layer or recipe.loss_as_layer
+    if recipe.pp < 2 and (uneven or as_layer):
+        return "first_stage_layers / last_stage_layers / embedding_as_layer / loss_as_layer need pp >= 2"
+    if uneven and as_layer:
+        return ("first_stage_layers / last_stage_layers with embedding_as_layer / loss_as_layer: Megatron-Core "
+                "refuses uneven end stages together with the embedding or loss counted as a layer")
     if recipe.zero != 3 and (recipe.zero_regather or recipe.zero_grad_reduce != "reduce_scatter"):
         return ("zero_regather / zero_grad_reduce describe a ZeRO-3 runtime's gathers and gradient reduction; "
                 "they need zero=3")
@@ -551,7 +568,7 @@ def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int, sp:
             rows[lvl][names.index(cd)] *= cps[lvl]
         if ed is not None:
             rows[lvl][names.index(ed)] *= eps[lvl]
-        orders.append(tuple(names.index(d) for d in dict.fromkeys((md, bd, cd, ed))
+        orders.append(tuple(names.index(d) for d in dict.fromkeys(_nesting(md, bd, cd, ed, tps[lvl], cps[lvl], sp))
                             if d is not None and rows[lvl][names.index(d)] > 1))
     for j, (d, extent) in enumerate(op.dims):
         ways = math.prod(r[j] for r in rows)
@@ -560,6 +577,21 @@ def megatron_layout(op: Operator, levels: tuple[int, ...], dp: int, tp: int, sp:
                                  f"(dp={dp}, tp={tp}, ep={ep}, cp={cp})")
     lay = Layout(names, levels, tuple(tuple(r) for r in rows), tuple(orders))
     return with_partial(op, [lay])[-1] if sp else lay
+
+
+def _nesting(md: str | None, bd: str | None, cd: str | None, ed: str | None, tp_l: int, cp_l: int,
+             sp: bool) -> tuple[str | None, ...]:
+    """The dims of :func:`megatron_layout` on one level, most significant first: the model dim (where the tensor
+    group splits this level), the batch, the sequence (context), the experts. With ``sp`` a sequence-split norm's
+    ``s`` is the model dim and the context dim at once: it sits where the tensor group is on a level the tensor
+    group splits, else in the context group's place (after the batch, as every other operator's ``s``), so that
+    its tiles are the tensor-parallel operators' tiles cut over the tensor group only. On a level that both the
+    tensor and the context group split, the context part of ``s`` nests outside the tensor part (a norm's
+    sequence chunk is context rank · tp + tensor rank, Megatron-LM's order), so there every operator puts its
+    sequence dim first."""
+    if sp and tp_l > 1 and cp_l > 1:
+        return (cd, md, bd, ed)
+    return (md if tp_l > 1 else None, bd, cd, ed)
 
 
 def _inner_ways(dps: tuple[int, ...], ways: int, key: str) -> tuple[int, ...]:
@@ -682,35 +714,65 @@ def _batch_of(recipe: Recipe, batch: int | None, default: int | None, graph: Gra
     return int(default)
 
 
-def _stage_bounds(recipe: Recipe, units: int) -> list[int]:
-    """Unit boundaries of the pp · vp stages or chunks (module docstring): units 0 and U - 1 are the embedding
-    and the head, the U - 2 blocks between split as Megatron-LM splits them."""
-    layers = units - 2
-    n = recipe.pp * recipe.vp
-    first, last = recipe.first_stage_layers, recipe.last_stage_layers
-    if first is None and last is None:
-        if layers % n:
-            raise ShardplanError(f"recipe: {layers} blocks do not split evenly into pp={recipe.pp} × vp={recipe.vp} "
-                                 f"(give first_stage_layers / last_stage_layers)")
-        sizes = [layers // n] * n
-    else:
-        inner = n - (first is not None) - (last is not None)
-        rest = layers - (first or 0) - (last or 0)
-        if rest < 0 or (inner == 0 and rest) or (inner and rest % inner):
-            raise ShardplanError(f"recipe: {layers} blocks do not split into first {first}, last {last} and "
-                                 f"{inner} even stages between")
-        even = rest // inner if inner else 0
-        sizes = [even] * n
+def chunk_sizes(blocks: int, pp: int, vp: int = 1, first: int | None = None, last: int | None = None,
+                embedding_as_layer: bool = False, loss_as_layer: bool = False) -> tuple[int, ...]:
+    """Layers of each of the pp · vp chunks in model order (chunk j on pipeline rank j mod pp), as Megatron-Core
+    splits ``blocks`` transformer layers (``get_num_layers_to_build`` and ``get_transformer_layer_offset`` of
+    megatron/core/transformer/transformer_block.py and transformer_layer.py).
+
+    The embedding (``embedding_as_layer``) and the head with the loss (``loss_as_layer``) count as one layer
+    each: the split is of ``n = blocks + [embedding] + [loss]`` layers, the first chunk's first layer being the
+    embedding and the last chunk's last the loss. Without ``first`` / ``last``, each rank takes n / pp and each
+    chunk n / (pp vp) (both must divide). With ``first`` (``last``), pipeline rank 0 (pp - 1) takes that many
+    blocks, the other ranks the rest evenly, and each rank's count splits evenly over its vp chunks (Megatron-Core
+    gives the uneven count to *every* virtual stage of the first / last rank); Megatron-Core refuses them
+    together with a layer-counted embedding or loss. Raises :class:`ShardplanError` where Megatron-Core asserts.
+    """
+    uneven = first is not None or last is not None
+    if uneven and (embedding_as_layer or loss_as_layer):
+        raise ShardplanError("recipe: first_stage_layers / last_stage_layers cannot be combined with "
+                             "embedding_as_layer / loss_as_layer (Megatron-Core refuses both together)")
+    if uneven:
+        left = pp - (first is not None) - (last is not None)
+        rest = blocks - (first or 0) - (last or 0)
+        if rest < 0 or (left == 0 and rest) or (left and rest % left):
+            raise ShardplanError(f"recipe: {blocks} blocks do not split into first {first}, last {last} and "
+                                 f"{left} even stages between")
+        per_rank = [rest // left if left else 0] * pp
         if first is not None:
-            sizes[0] = first
+            per_rank[0] = first
         if last is not None:
-            sizes[-1] = last
-    bounds = [0]
-    for s in sizes:
-        bounds.append(bounds[-1] + s)
-    bounds = [0] + [1 + b for b in bounds[1:-1]] + [units]
+            per_rank[-1] = last
+    else:
+        n = blocks + embedding_as_layer + loss_as_layer
+        if n % pp:
+            counted = " (counting " + " and ".join(w for w, f in (("the embedding", embedding_as_layer),
+                                                                 ("the loss", loss_as_layer)) if f) + ")"
+            raise ShardplanError(f"recipe: {n} layers{counted if n != blocks else ''} do not split evenly into "
+                                 f"pp={pp} (give first_stage_layers / last_stage_layers, or embedding_as_layer / "
+                                 f"loss_as_layer)")
+        per_rank = [n // pp] * pp
+    bad = [r for r in per_rank if r % vp]
+    if bad:
+        raise ShardplanError(f"recipe: a pipeline rank's {bad[0]} layers do not split evenly into vp={vp} chunks "
+                             f"(ranks hold {per_rank})")
+    return tuple(per_rank[j % pp] // vp for j in range(pp * vp))
+
+
+def _stage_bounds(recipe: Recipe, units: int) -> list[int]:
+    """Unit boundaries of the pp · vp stages or chunks (:func:`chunk_sizes`): units 0 and U - 1 are the embedding
+    and the head; a layer-counted one is the first / last layer of the split, otherwise it rides with the first
+    / last chunk."""
+    emb, loss = recipe.embedding_as_layer, recipe.loss_as_layer
+    sizes = chunk_sizes(units - 2, recipe.pp, recipe.vp, recipe.first_stage_layers, recipe.last_stage_layers,
+                        emb, loss)
+    off = 0 if emb else 1  # unit of split position x: x + off
+    cum = [0]
+    for sz in sizes:
+        cum.append(cum[-1] + sz)
+    bounds = [0] + [c + off for c in cum[1:-1]] + [units]
     if any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise ShardplanError(f"recipe: a pipeline stage would hold no block (stage sizes {sizes})")
+        raise ShardplanError(f"recipe: a pipeline stage or chunk would hold nothing (layers per chunk {sizes})")
     return bounds
 
 
@@ -831,6 +893,26 @@ def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m
     return from_spmd(replace(sp, build_seconds=time.perf_counter() - t0), model=name, batch=gbs)
 
 
+def unequal_chunks_simulated(plan: Any) -> Any:
+    """An interleaved :class:`~shardplan.pipeline.search.PipelinePlan` whose device groups' chunks are not all of
+    one length (forward or backward seconds), with its step the event simulation's over each chunk's own seconds
+    (:func:`shardplan.pipeline.schedule.simulate` with ``chunk_times``) instead of the closed form, which takes
+    every chunk as 1/v of its group (exact only for equal chunks: docs/pipeline.md, "Unequal chunks"); the
+    closed form is kept in ``stats["closed_form_step"]``. Any other plan is returned as it is."""
+    from shardplan.pipeline.schedule import StageTimes, makespan, simulate
+
+    if plan.chunks < 2:
+        return plan
+    n = plan.num_stages // plan.chunks
+    chunks = [StageTimes(s.cost.forward, s.cost.backward) for s in plan.stages]
+    if all(chunks[j] == chunks[j % n] for j in range(len(chunks))):
+        return plan
+    step = makespan(simulate(plan.stage_times(), plan.group_links(), plan.micro_batches, "interleaved", plan.chunks,
+                             back=plan.group_links(back=True), chunk_times=chunks))
+    return replace(plan, step_time=step, stats={**plan.stats, "closed_form_step": plan.step_time,
+                                                "step_from": "event simulation, unequal chunks"})
+
+
 def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Recipe, dp: int, m: int, name: str,
                    gbs: int) -> Any:
     """pp stages (× vp chunks) of Megatron's layouts and the recipe's memory choices, evaluated as the search
@@ -866,5 +948,6 @@ def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Reci
                            schedule=schedule, chunks=recipe.vp)
     if pp is None:
         raise ShardplanError(f"recipe {recipe}: a stage cannot be costed on {q} devices")
+    pp = unequal_chunks_simulated(pp)
     result = PipelineResult(pp, stages, machine, time.perf_counter() - t0)
     return from_pipeline(result, model=name)  # an interleaved plan's memory is its device groups' (group_memory)

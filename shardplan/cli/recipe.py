@@ -14,8 +14,8 @@ from shardplan.cli.options import add_machine, int_option, machine_of, parse_siz
 __all__ = ["add_parser", "cmd_recipe", "add_recipe_option", "recipe_of"]
 
 RECIPE_HELP = ("a configuration as practitioners write it, e.g. 'tp=8,pp=2,mbs=4,recompute=full' (keys tp, sp, cp, "
-               "pp, vp, first_stage_layers, last_stage_layers, dp, zero/fsdp, hsdp, ep, mbs, gbs, recompute, dtype, "
-               "overlap), or a JSON / key = value file holding one")
+               "pp, vp, first_stage_layers, last_stage_layers, embedding_as_layer, loss_as_layer, dp, zero/fsdp, "
+               "hsdp, ep, mbs, gbs, recompute, dtype, overlap), or a JSON / key = value file holding one")
 
 
 def add_recipe_option(p: argparse.ArgumentParser, required: bool) -> None:

@@ -11,7 +11,7 @@ from shardplan.ir import Graph
 from shardplan.machine import Machine
 from shardplan.pipeline.floors import UnitFloors
 from shardplan.pipeline.progress import Progress
-from shardplan.pipeline.schedule import simulate, step_time
+from shardplan.pipeline.schedule import StageTimes, simulate, step_time
 from shardplan.pipeline.search import (SEED_EVALUATIONS, PipelinePlan, PipelineSpace, _uniform_seeds,
                                        search_pipeline)
 from shardplan.pipeline.stages import ModelStages
@@ -38,9 +38,13 @@ class PipelineResult:
         return self.stages.unit_names()
 
     def simulated_step_time(self) -> float:
-        """Length of the event-level schedule (equals :attr:`step_time` for uniform stages)."""
+        """Length of the event-level schedule (equals :attr:`step_time` for uniform stages), each interleaved
+        chunk running its own seconds."""
+        chunks = None
+        if self.plan.chunks > 1:
+            chunks = [StageTimes(s.cost.forward, s.cost.backward) for s in self.plan.stages]
         ev = simulate(self.plan.stage_times(), self.plan.group_links(), self.plan.micro_batches, self.plan.schedule,
-                      self.plan.chunks, back=self.plan.group_links(back=True))
+                      self.plan.chunks, back=self.plan.group_links(back=True), chunk_times=chunks)
         return max(e.end for e in ev)
 
     def gpipe_step_time(self) -> float | None:

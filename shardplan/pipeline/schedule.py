@@ -52,7 +52,11 @@ to (S - 1)/(v m) of the ideal, at v times the stage-to-stage traffic; with
 (uniform: ``(m + (S - 1)/v) t``, the paper's bubble; v = 1 is 1F1B; ``c_i`` is
 the slowest of the v transfers between groups i and i+1, and the transfer
 from the last group back to the first, between chunks, is not charged). Megatron
-requires m to be a multiple of S. Device group d holds, at its peak, the
+requires m to be a multiple of S. The form takes every chunk as 1/v of its group's time; it is exact for
+equal chunks on equal groups, not for chunks of unequal length (an embedding or a head riding with the
+first or last chunk, uneven end stages): there :func:`simulate` with ``chunk_times`` (each chunk's own
+seconds) gives the schedule's length, which is how a recipe with unequal chunks is costed
+(docs/pipeline.md, "Unequal chunks"). Device group d holds, at its peak, the
 warm-up chunk micro-batches of Megatron-LM's interleaved schedule,
 ``2 (S - d - 1) + (v - 1) S + 1`` chunks (capped at ``m v``), each 1/v of
 the group's per-micro-batch activations.
@@ -249,19 +253,25 @@ def _order(s: int, num_stages: int, m: int, schedule: str, v: int) -> list[tuple
 
 
 def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, schedule: str = "1f1b",
-             v: int = 1, back: Sequence[float] | None = None) -> list[Event]:
+             v: int = 1, back: Sequence[float] | None = None,
+             chunk_times: Sequence[StageTimes] | None = None) -> list[Event]:
     """Event-level timeline of the schedule: each stage runs its operations in the schedule's order,
     each as soon as its input has arrived (forward from the previous chunk, backward from the next).
 
     Interleaved needs m to be a multiple of S (as in Megatron-LM). A transfer takes ``links[i]`` and
     occupies its link in its direction (one transfer at a time per direction), not the stage; the final
     gradient synchronisation runs after a stage's last backward. ``back``: the gradients' link seconds
-    (default ``links``)."""
+    (default ``links``). ``chunk_times`` (interleaved only): the S v chunks' own seconds in model order
+    (chunk c of stage s is entry c S + s; the stages then give only their ``sync``), for chunks of unequal
+    length; by default each chunk takes 1/v of its stage's time."""
     _check(stages, links, m, schedule, v, back)
     back = links if back is None else back
     n = len(stages)
     if schedule == "interleaved" and m % n:
         raise ShardplanError(f"the interleaved schedule needs micro-batches ({m}) to be a multiple of stages ({n})")
+    if chunk_times is not None and (schedule != "interleaved" or len(chunk_times) != n * v):
+        raise ShardplanError(f"chunk_times: {len(chunk_times)} chunks given; they apply to the interleaved "
+                             f"schedule with S v = {n * v} chunks")
     chunks = v if schedule == "interleaved" else 1
     split = schedule == "zb-h1"
     if split and any(not 0.0 <= st.weight_grad <= st.backward for st in stages):
@@ -304,7 +314,9 @@ def simulate(stages: Sequence[StageTimes], links: Sequence[float], m: int, sched
                 r = ready(s, kind, j, c)
                 if r is None:
                     break
-                if kind == "F":
+                if chunk_times is not None:
+                    dur = chunk_times[c * n + s].forward if kind == "F" else chunk_times[c * n + s].backward
+                elif kind == "F":
                     dur = stages[s].forward / chunks
                 elif kind == "W":
                     dur = stages[s].weight_grad

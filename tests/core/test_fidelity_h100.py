@@ -68,10 +68,15 @@ def test_one_row_costs_as_recorded():
     assert out["micro_batches"] == 32  # 128 sequences over data-parallel 4, one per micro-batch
 
 
-def test_refused_published_recipe_is_recorded_with_its_refusal():
+def test_llama31_405b_costs_as_published_with_the_nearest_form_beside_it():
+    """Megatron-Bridge's 405B run as it ran (interleaved with the embedding and the loss counted as layers,
+    sequence parallelism with context parallelism), the former nearest form as its variant."""
     out = cost_row(ROWS["mb2511-llama31-405b-1024"])
-    assert "vp=8" in out["published_recipe"] and "do not split evenly" in out["refusal"]
-    assert out["status"] == "costed" and "vp=" not in out["recipe"]
+    assert "published_recipe" not in out and out["status"] == "costed"
+    assert out["schedule"] == "interleaved" and out["chunks"] == 8 and out["micro_batches"] == 64
+    assert "embedding_as_layer=true" in out["recipe"] and "sp=true" in out["recipe"]
+    (nearest, v), = out["variants"].items()
+    assert "vp=" not in nearest and v["predicted_seconds"] > out["predicted_seconds"]
 
 
 def test_rank_helpers():
