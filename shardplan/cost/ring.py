@@ -129,9 +129,12 @@ def moved_reduction(op: Operator, lay: LayoutArrays, machine: Machine,
                     slots: tuple[int, ...] | None = None) -> np.ndarray:
     """(K,) seconds: the all-reduce of the ring input's gradient that :func:`shardplan.cost.operator.operator_cost`
     charges the operator, which ``build_tables(context != "allgather")`` moves to the edge of that input (the
-    ring replaces it; all-gather pays it there): 0 where the layout has no ring input, the input needs no
+    ring replaces it; all-gather pays it there), summed as the operator sums it (one all-reduce per split dim
+    with ``machine.reduce_per_dim``, :func:`shardplan.cost.operator._reduce_groups`): 0 where the layout has no ring input, the input needs no
     gradient, or the layout defers the reduction (:attr:`~shardplan.layout.Layout.partial`). ``slots``: only
     those inputs' (default: every ring input's)."""
+    from shardplan.cost.operator import _reduce_groups
+
     mask, _ = ring_mask(op, lay)
     out = np.zeros(len(lay))
     for j in range(len(op.inputs)) if slots is None else slots:
@@ -139,8 +142,10 @@ def moved_reduction(op: Operator, lay: LayoutArrays, machine: Machine,
         t = op.inputs[j] if j < len(op.inputs) else None
         if not len(rows) or t is None or not t.needs_grad:
             continue
-        nbytes, gl = _grad_bytes(op, j, lay.take(rows), machine)
-        out[rows] += allreduce_time(nbytes, gl, machine)
+        sub = lay.take(rows)
+        nbytes, _ = _grad_bytes(op, j, sub, machine)
+        for _, gl in _reduce_groups(op, sub, op.grad_reduction_dims(t), machine.reduce_per_dim):
+            out[rows] += allreduce_time(nbytes, gl, machine)
     return out
 
 

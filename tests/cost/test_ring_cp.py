@@ -267,3 +267,24 @@ def test_plan_and_the_command_line_offer_the_ring():
     with pytest.raises(ShardplanError, match="context must be one of") as e:
         plan("llama3-8b", m, batch=1, sizes=sizes, fit=False, stages=False, context="p2p")
     assert "\n" not in str(e.value)
+
+
+def test_the_moved_reduction_is_the_one_the_operator_charged_per_split_dim():
+    """Grouped-query scores (the keys lack the query group dim r): the keys' gradient sums over r and s. Split
+    over both, the operator charges one all-reduce per split dim (``reduce_per_dim``); the ring moves exactly
+    that off the operator, not one all-reduce over the product of the groups."""
+    b = GraphBuilder("gqa")
+    q = b.add(ops.elementwise("q", b.input("xq", (1, 2, 2, 64, 16), needs_grad=True), letters="bgrsk"))
+    k = b.add(ops.elementwise("k", b.input("xk", (1, 2, 64, 16), needs_grad=True), letters="bgtk"))
+    b.add(ops.einsum("scores", "bgrsk,bgtk->bgrst", q, k))
+    sc = b.build()["scores"]
+    lays = LayoutArrays.stack([flat(sc, s=4), flat(sc, s=2, r=2)])
+    assert ring_inputs(sc, lays)[0].tolist() == [1, 1]
+    m = machine()
+    n = 2 * 64 * 16 * 4  # the keys' gradient tile: g, t, k whole, 4 bytes
+    by_hand = [allreduce_time(n, np.array([[4]]), m)[0],
+               allreduce_time(n, np.array([[2]]), m)[0] + allreduce_time(n, np.array([[2]]), m)[0]]
+    moved = moved_reduction(sc, lays, m)
+    np.testing.assert_allclose(moved, by_hand, rtol=1e-12)
+    np.testing.assert_allclose(moved, operator_cost(sc, lays, m).grad_allreduce, rtol=1e-12)
+    assert moved[1] != allreduce_time(n, np.array([[4]]), m)[0]  # not one all-reduce among the 4
