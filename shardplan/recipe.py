@@ -849,9 +849,9 @@ def fp8_names(graph: Graph) -> frozenset[str]:
 
 def runtime_graph(graph: Graph, recipe: Recipe, element_bytes: int) -> Graph:
     """``graph`` with the ``saved`` of ``recipe.runtime`` (``megatron_te``: :func:`shardplan.cost.memory.te_saved`
-    with the recipe's FP8 products and, unchanged, the operators that may recompute: every block operator for
-    ``recompute=full`` or N (with N the blocks that recompute depend on the stage: all are left as given, the
-    graph's upper bound), the attention core for ``selective``); ``graph`` itself for ``shardplan``."""
+    with the recipe's FP8 products and, unchanged, the operators that recompute: every block operator for
+    ``recompute=full``, the attention core for ``selective``, for N the first N blocks of the one program or of
+    each pipeline stage or chunk, :func:`recomputed_blocks`); ``graph`` itself for ``shardplan``."""
     from shardplan.cost.memory import te_saved
     from shardplan.pipeline.stages import unit_prefix
 
@@ -862,13 +862,34 @@ def runtime_graph(graph: Graph, recipe: Recipe, element_bytes: int) -> Graph:
         keep = frozenset(recompute_names(graph, rec))
     elif rec == "none":
         keep = frozenset()
-    else:
+    elif rec == "full":
         keep = frozenset(op.name for op in graph.operators if unit_prefix(op.name) is not None)
+    else:
+        chosen = recomputed_blocks(graph, recipe)
+        keep = frozenset(op.name for op in graph.operators if unit_prefix(op.name) in chosen)
     fp8 = fp8_names(graph) if recipe.precision == "fp8" else frozenset()
     try:
         return te_saved(graph, fp8, keep, element_bytes)
     except ShardplanError as e:
         raise ShardplanError(f"recipe {recipe}: not expressible: {e}") from None
+
+
+def recomputed_blocks(graph: Graph, recipe: Recipe) -> frozenset[str]:
+    """The blocks (name prefixes) that ``recompute=N`` recomputes: the first N of the graph (one program), or
+    the first N of each of the pp · vp stages or chunks (:func:`_stage_bounds`: unit 0 the embedding, the last
+    the head), as :func:`recompute_names` picks them on each stage's graph."""
+    from shardplan.pipeline.stages import unit_prefix
+
+    n = int(recipe.recompute)
+    blocks = list(dict.fromkeys(u for u in (unit_prefix(op.name) for op in graph.operators) if u is not None))
+    if recipe.pp == 1:
+        return frozenset(blocks[:n])
+    bounds = _stage_bounds(recipe, len(blocks) + 2)
+    out: set[str] = set()
+    for a, b in zip(bounds, bounds[1:]):
+        inside = [blocks[u - 1] for u in range(max(a, 1), min(b, len(blocks) + 1))]
+        out.update(inside[:n])
+    return frozenset(out)
 
 
 def _runtime_builder(build: Callable[[int], Graph], recipe: Recipe, element_bytes: int) -> Callable[[int], Graph]:

@@ -102,3 +102,16 @@ def test_recipe_text():
     assert r.runtime == "megatron_te" and str(r) == "tp=2,runtime=megatron_te"
     with pytest.raises(ShardplanError, match="runtime"):
         Recipe.parse("tp=2,runtime=deepspeed")
+
+
+def test_recompute_n_keeps_only_the_recomputed_blocks():
+    from shardplan.recipe import recomputed_blocks, runtime_graph
+
+    g = get_model("llama3-8b", 2, layers=4, d_model=H, heads=HEADS, kv_heads=KV, d_ff=F, vocab=V, seq=S)
+    assert recomputed_blocks(g, Recipe.parse("recompute=1")) == {"L1"}
+    assert recomputed_blocks(g, Recipe.parse("pp=2,recompute=1")) == {"L1", "L3"}  # the first block of each stage
+    assert recomputed_blocks(g, Recipe.parse("pp=2,vp=2,recompute=1")) == {"L1", "L2", "L3", "L4"}
+    r = runtime_graph(g, Recipe.parse("pp=2,recompute=1,precision=fp8,runtime=megatron_te"), 2)
+    saved = {op.name: op.saved for op in r.operators}
+    assert saved["L1/out"] == saved["L3/out"] == 1.0 and saved["L1/ln1"] == 1.0  # recomputing: as given
+    assert saved["L2/out"] == saved["L4/out"] == 0.0 and saved["L2/ln1"] == 0.5
