@@ -68,6 +68,10 @@ NV_COMMON = (
     "Transformer Engine layers with its fused attention (flash), causal mask (causal_attention, balanced over "
     "the context group as Megatron-LM's load-balanced CP splits the sequence in 2·cp chunks)",
     "no activation recomputation unless the row says so (recipes' recompute_granularity None)",
+    "runtime=megatron_te: the saved activations Megatron-Core with Transformer Engine keeps (TE linears keep the "
+    "FP8 copy of their input's local shard, once per fused linear; nothing keeps the row-parallel outputs or the "
+    "pre-RoPE q / k) and FP8 only in the blocks (the output layer is Megatron-Core's ColumnParallelLinear): "
+    "docs/memory.md, \"Published H100 recipes' memory\"",
 )
 SP_NOTE = ("tensor parallelism > 1: sequence_parallel=True and TP communication overlap (tp_comm_overlap with "
            "userbuffers, bulk and pipelined overlaps of the all-gathers / reduce-scatters) as in NeMo's and "
@@ -114,7 +118,7 @@ def _nv(recipe: str, tp: int) -> tuple[str, tuple[str, ...]]:
     tp_keys = ",sp=true" if tp > 1 else ""
     overlap = "grad_reduce+tp_comm" if tp > 1 else "grad_reduce"
     notes = NV_COMMON + ((SP_NOTE,) if tp > 1 else ()) + (FP8_NOTE, CAUSAL_FLOPS)
-    return f"{recipe}{tp_keys},zero=1,overlap={overlap},precision=fp8", notes
+    return f"{recipe}{tp_keys},zero=1,overlap={overlap},precision=fp8,runtime=megatron_te", notes
 
 
 def rows() -> list[Row]:
@@ -159,7 +163,7 @@ def rows() -> list[Row]:
                                      ("mb2602-llama31-405b-1024", MB_2602, 1536, 311, 784)):
         rec, notes = _nv(f"tp=8,cp=2,pp=8,vp=8,embedding_as_layer=true,loss_as_layer=true,mbs=1,gbs={gbs}", 8)
         nearest = (f"tp=8,cp=2,pp=8,mbs=1,gbs={gbs},first_stage_layers=15,last_stage_layers=15,zero=1,"
-                   "overlap=grad_reduce,precision=fp8")
+                   "overlap=grad_reduce,precision=fp8,runtime=megatron_te")
         out.append(Row(name, "megatron-bridge", f"{src}, LLAMA3.1_405B, 1024 GPUs", "llama3-405b", 1024, rec, gbs,
                        8192, tok, tfl, (),
                        ("TP 8 × CP 2 × PP 8 × VP 8 as published, with Megatron-Bridge's 405B pipeline split "

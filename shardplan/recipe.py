@@ -105,8 +105,9 @@ from shardplan.layout import Layout
 from shardplan.machine import Machine
 from shardplan.models.moe import EXPERT_KINDS
 
-__all__ = ["Recipe", "cost_recipe", "causal_attention", "megatron_layouts", "expert_dim", "has_experts",
-           "chunk_sizes", "recompute_names", "RECOMPUTE", "OVERLAPS", "ATTENTION_CORE", "CP_ALGORITHMS", "ZERO_GRAD_REDUCES"]
+__all__ = ["Recipe", "cost_recipe", "causal_attention", "runtime_graph", "fp8_names", "RUNTIMES", "megatron_layouts",
+           "expert_dim", "has_experts", "chunk_sizes", "recompute_names", "RECOMPUTE", "OVERLAPS", "ATTENTION_CORE",
+           "CP_ALGORITHMS", "ZERO_GRAD_REDUCES"]
 
 RECOMPUTE = ("none", "selective", "full")
 """The named recomputation policies (an integer N: the first N blocks of each stage)."""
@@ -127,7 +128,7 @@ _INT_FIELDS = ("tp", "cp", "pp", "vp", "first_stage_layers", "last_stage_layers"
 _ORDER = ("tp", "sp", "cp", "cp_algo", "pp", "vp", "first_stage_layers", "last_stage_layers", "embedding_as_layer",
           "loss_as_layer", "dp", "zero", "hsdp",
           "ep", "mbs", "gbs", "recompute", "dtype", "precision", "offload", "overlap", "zero_regather",
-          "zero_grad_reduce")
+          "zero_grad_reduce", "runtime")
 
 CP_ALGORITHMS = ("allgather", "ring")
 """Context parallelism's algorithms (``cp_algo``): ``build_tables(context=...)`` of :mod:`shardplan.cost.ring`."""
@@ -136,6 +137,13 @@ ZERO_GRAD_REDUCES = ("reduce_scatter", "allreduce")
 """How a ZeRO-3 runtime synchronises each micro-batch's weight gradients (``zero_grad_reduce``): a
 reduce-scatter into the shards (FSDP; DeepSpeed with ``reduce_scatter: true``), or an all-reduce of the whole
 gradient of which each device keeps its shard (DeepSpeed v0.3's default, ``reduce_scatter: false``)."""
+
+RUNTIMES = ("shardplan", "megatron_te")
+"""Whose saved activations and FP8 scope a recipe's memory counts (``runtime``): shardplan's own runtimes (the
+graph's ``saved``, every matrix product FP8 under ``precision=fp8``, each FP8 product keeping its own input's
+FP8 copy) or Megatron-Core with Transformer Engine layers (:func:`shardplan.cost.memory.te_saved`: what its
+autograd functions keep; FP8 only in the transformer blocks' products, the output layer a Megatron-Core
+``ColumnParallelLinear`` in the machine's precision). docs/memory.md, "Published H100 recipes' memory"."""
 
 PRECISIONS = ("mixed", "fp8")
 """Precision rules of a recipe beyond the machine's element size (module docstring)."""
@@ -173,6 +181,8 @@ class Recipe:
             forward (DeepSpeed's ZeRO-3: its pre-forward hook fetches on every forward call; default False:
             one gather shared by the recomputed forward and the backward, as an FSDP unit around the
             checkpointed block). zero_grad_reduce: at ``zero=3``, :data:`ZERO_GRAD_REDUCES`.
+        runtime: :data:`RUNTIMES`, whose saved activations and FP8 scope the memory counts (default
+            ``shardplan``).
     """
 
     tp: int = 1
@@ -198,6 +208,7 @@ class Recipe:
     overlap: tuple[str, ...] | None = None
     zero_regather: bool = False
     zero_grad_reduce: str = "reduce_scatter"
+    runtime: str = "shardplan"
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -219,6 +230,8 @@ class Recipe:
         if self.zero_grad_reduce not in ZERO_GRAD_REDUCES:
             raise ShardplanError(f"recipe: zero_grad_reduce must be one of {', '.join(ZERO_GRAD_REDUCES)}, "
                                  f"got {self.zero_grad_reduce!r}")
+        if self.runtime not in RUNTIMES:
+            raise ShardplanError(f"recipe: runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         rec = self.recompute
         if isinstance(rec, bool) or not (rec in RECOMPUTE or (isinstance(rec, int) and rec >= 1)):
             raise ShardplanError(f"recipe: recompute must be none, selective, full or a number of blocks >= 1, "
@@ -358,7 +371,7 @@ def _value(key: str, value: Any, fsdp: bool) -> Any:
         return 3 if flag else 0
     if key in ("sp", "zero_regather", "embedding_as_layer", "loss_as_layer"):
         return _bool(key, value)
-    if key == "zero_grad_reduce":
+    if key in ("zero_grad_reduce", "runtime"):
         return str(value).strip().lower().replace("-", "_")
     if key in ("overlap", "offload"):
         if isinstance(value, (list, tuple)):
@@ -831,6 +844,9 @@ def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int |
         machine = replace(machine, overlap_grad="grad_reduce" in recipe.overlap)
     t0 = time.perf_counter()
     build, graph, default, name = _resolve(model, batch, sizes)
+    if recipe.runtime == "megatron_te":
+        graph = None if graph is None else runtime_graph(graph, recipe, machine.dtype_bytes)
+        build = None if build is None else _runtime_builder(build, recipe, machine.dtype_bytes)
     gbs = _batch_of(recipe, batch, default, graph)
     p = machine.num_devices
     mp = recipe.tp * recipe.cp * recipe.pp
@@ -866,12 +882,86 @@ def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int |
     return replace(out, solver="recipe", lower_bound=None, stats=stats, memory=memory, batch=gbs)
 
 
-def precision_choices(recipe: Recipe) -> dict[str, Any]:
+def precision_choices(recipe: Recipe, graph: Graph | None = None) -> dict[str, Any]:
     """The keywords of :func:`shardplan.fit.plan_with_choices` for the recipe's precision, offload and ZeRO-3
-    runtime (``zero_regather``, ``zero_grad_reduce``)."""
-    return {"fp8": recipe.precision == "fp8", "offload": recipe.offload,
+    runtime (``zero_regather``, ``zero_grad_reduce``); with ``runtime=megatron_te`` the FP8 products of
+    ``graph``'s blocks (:func:`fp8_names`) and the producers' FP8 copies (``fp8_saved_inputs=False``)."""
+    from shardplan.cost.memory import ChoiceRules
+
+    fp8: bool | list[str] = recipe.precision == "fp8"
+    out: dict[str, Any] = {}
+    if recipe.runtime == "megatron_te":
+        if graph is None:
+            raise ShardplanError("precision_choices: runtime=megatron_te needs the graph (its FP8 products)")
+        fp8 = sorted(fp8_names(graph)) if fp8 else False
+        out["offer"] = ChoiceRules(fp8_saved_inputs=False)
+    return {"fp8": fp8, "offload": recipe.offload,
             "master_weights": recipe.precision is not None, "zero3_regather": recipe.zero_regather,
-            "zero3_grad_allreduce": recipe.zero_grad_reduce == "allreduce"}
+            "zero3_grad_allreduce": recipe.zero_grad_reduce == "allreduce", **out}
+
+
+def fp8_names(graph: Graph) -> frozenset[str]:
+    """The matrix products Megatron-Core runs in FP8 under Transformer Engine (``runtime=megatron_te``): those of
+    the repeated blocks (its ``TransformerLayer``'s TE linear layers). The embedding is a gather and the output
+    layer a Megatron-Core ``ColumnParallelLinear`` (not a TE module): both stay in the machine's precision."""
+    from shardplan.cost.memory import fp8_product
+    from shardplan.pipeline.stages import unit_prefix
+
+    return frozenset(op.name for op in graph.operators if unit_prefix(op.name) is not None and fp8_product(op))
+
+
+def runtime_graph(graph: Graph, recipe: Recipe, element_bytes: int) -> Graph:
+    """``graph`` with the ``saved`` of ``recipe.runtime`` (``megatron_te``: :func:`shardplan.cost.memory.te_saved`
+    with the recipe's FP8 products and, unchanged, the operators that recompute: every block operator for
+    ``recompute=full``, the attention core for ``selective``, for N the first N blocks of the one program or of
+    each pipeline stage or chunk, :func:`recomputed_blocks`); ``graph`` itself for ``shardplan``."""
+    from shardplan.cost.memory import te_saved
+    from shardplan.pipeline.stages import unit_prefix
+
+    if recipe.runtime != "megatron_te":
+        return graph
+    rec = recipe.recompute
+    if rec == "selective":
+        keep = frozenset(recompute_names(graph, rec))
+    elif rec == "none":
+        keep = frozenset()
+    elif rec == "full":
+        keep = frozenset(op.name for op in graph.operators if unit_prefix(op.name) is not None)
+    else:
+        chosen = recomputed_blocks(graph, recipe)
+        keep = frozenset(op.name for op in graph.operators if unit_prefix(op.name) in chosen)
+    fp8 = fp8_names(graph) if recipe.precision == "fp8" else frozenset()
+    try:
+        return te_saved(graph, fp8, keep, element_bytes)
+    except ShardplanError as e:
+        raise ShardplanError(f"recipe {recipe}: not expressible: {e}") from None
+
+
+def recomputed_blocks(graph: Graph, recipe: Recipe) -> frozenset[str]:
+    """The blocks (name prefixes) that ``recompute=N`` recomputes: the first N of the graph (one program), or
+    the first N of each of the pp · vp stages or chunks (:func:`_stage_bounds`: unit 0 the embedding, the last
+    the head), as :func:`recompute_names` picks them on each stage's graph."""
+    from shardplan.pipeline.stages import unit_prefix
+
+    n = int(recipe.recompute)
+    blocks = list(dict.fromkeys(u for u in (unit_prefix(op.name) for op in graph.operators) if u is not None))
+    if recipe.pp == 1:
+        return frozenset(blocks[:n])
+    bounds = _stage_bounds(recipe, len(blocks) + 2)
+    out: set[str] = set()
+    for a, b in zip(bounds, bounds[1:]):
+        inside = [blocks[u - 1] for u in range(max(a, 1), min(b, len(blocks) + 1))]
+        out.update(inside[:n])
+    return frozenset(out)
+
+
+def _runtime_builder(build: Callable[[int], Graph], recipe: Recipe, element_bytes: int) -> Callable[[int], Graph]:
+    """``build`` whose graphs carry :func:`runtime_graph`'s ``saved``."""
+
+    def built(batch: int) -> Graph:
+        return runtime_graph(build(batch), recipe, element_bytes)
+
+    return built
 
 
 def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m: int, name: str, gbs: int) -> Any:
@@ -889,7 +979,7 @@ def _cost_one_program(graph: Graph, machine: Machine, recipe: Recipe, dp: int, m
     base = plan_from_configs(tables, megatron_layouts(tables, dc, recipe.tp, recipe.sp, recipe.ep, recipe.cp),
                              name="megatron")
     sp = plan_with_choices(base, stage=recipe.zero, recompute=recs, micro_batches=m, name="recipe",
-                           **precision_choices(recipe))
+                           **precision_choices(recipe, graph))
     return from_spmd(replace(sp, build_seconds=time.perf_counter() - t0), model=name, batch=gbs)
 
 
@@ -929,7 +1019,7 @@ def _cost_pipeline(build: Callable[[int], Graph], machine: Machine, recipe: Reci
 
     def choices(plan: Any, mb: int) -> Any:
         return plan_with_choices(plan, stage=zero, recompute=recompute_names(plan.graph, rec), micro_batches=1,
-                                 accumulate=mb, name="recipe", **precision_choices(recipe))
+                                 accumulate=mb, name="recipe", **precision_choices(recipe, plan.graph))
 
     stages = ModelStages(build, gbs, replace(machine, memory_bytes=None),
                          table_options(machine, tp, dc, sp, ep, cp, overlaps_tp(recipe), recipe.cp_algo),

@@ -36,7 +36,7 @@ from shardplan.machine import Machine
 
 __all__ = ["operator_memory", "strategy_memory", "transient_bytes", "ChoiceTable", "choice_table", "WeightGroups", "weight_groups", "latency_scaled", "STAGES",
            "recompute_keep_bytes", "unsaved_inputs", "ChoiceRules", "OFFLOADS", "OFFLOAD_BITS", "fp8_product",
-           "fp8_scaling_seconds", "offload_names"]
+           "fp8_scaling_seconds", "offload_names", "te_saved", "NO_READ_KINDS", "OUTPUT_FREE_KINDS"]
 
 
 def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: float = 2.0,
@@ -356,6 +356,12 @@ class ChoiceRules:
             stage-0 gradient's all-reduce (the cheaper of NCCL's ring and tree: twice a reduce-scatter's ring
             bytes); overlapped with the backward exactly when the reduce-scatter would be.
             Memory as the reduce-scatter's (the full gradient of a bucket exists transiently in both).
+        fp8_saved_inputs: an FP8 product keeps the FP8 copy of each of its input tiles itself (True: one
+            copy per product at the product's input tile, shardplan's JAX runtime, whose FP8 product's custom
+            VJP keeps its quantised operands: :mod:`shardplan.jax.fp8`). False: the producers' ``saved``
+            already counts the copy (a graph rewritten by :func:`te_saved`: Transformer Engine keeps one FP8
+            copy per input tensor, at the producer's tile); a product then adds only the copies of graph
+            inputs.
     """
 
     fp8: bool = False
@@ -363,11 +369,12 @@ class ChoiceRules:
     master_weights: bool = False
     zero3_regather: bool = False
     zero3_grad_allreduce: bool = False
+    fp8_saved_inputs: bool = True
 
     def __post_init__(self) -> None:
         from shardplan.errors import ShardplanError
 
-        for name in ("fp8", "master_weights", "zero3_regather", "zero3_grad_allreduce"):
+        for name in ("fp8", "master_weights", "zero3_regather", "zero3_grad_allreduce", "fp8_saved_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise ShardplanError(f"{name} must be True or False, got {getattr(self, name)!r}")
         parts = tuple(self.offload)
@@ -405,6 +412,73 @@ def fp8_product(op: Operator) -> bool:
     return any(w.needs_grad and red & w.dims & inputs for w in op.weights)
 
 
+NO_READ_KINDS = frozenset({"add", "rope"})
+"""Operator kinds whose backward reads none of their inputs: a sum (the gradient passes through) and the rotary
+embedding (a fixed rotation of its input: its backward rotates the gradient back)."""
+
+OUTPUT_FREE_KINDS = frozenset({"add", "rope", "rms_norm", "layer_norm", "embedding", "ffn"})
+"""Kinds of operators that are not matrix products whose own backward does not read their output: the two of
+:data:`NO_READ_KINDS`, the norms (they read their input and its statistics), the embedding (it reads the
+token ids) and the feed-forward elementwise operators (SwiGLU, GELU: they read their inputs). A matrix product
+(:func:`fp8_product`) is judged by its readers instead (:func:`te_saved`)."""
+
+
+def te_saved(graph, fp8: frozenset[str] = frozenset(), keep: frozenset[str] = frozenset(),
+             element_bytes: int = 2):
+    """``graph`` with each operator's ``saved`` set to what Megatron-Core with Transformer Engine layers keeps
+    of its output for the backward pass (docs/memory.md, "Published H100 recipes' memory").
+
+    ``fp8``: the names of the products that run in FP8 (Transformer Engine's layers keep the FP8 copy of their
+    input instead of the input); ``keep``: operators whose ``saved`` stays as given (those that recompute,
+    whose consumers' kept inputs it decides). With R the consumers that read the output in their backward
+    (kind not in :data:`NO_READ_KINDS`, or recomputing) and F those of R in ``fp8``, an operator keeps, in
+    tiles of its output at ``element_bytes`` bytes per element:
+
+        saved' = max(saved - 1, 0)                         (statistics and masks kept beside the output)
+                 + 1   if it is a matrix product and R is not empty (a fused epilogue, GPT's bias-GELU, reads
+                            its pre-activation), or its kind is not in OUTPUT_FREE_KINDS (its own backward
+                            may read its output: FlashAttention's reads it), or R - F is not empty
+                 + 1 / element_bytes   if F is not empty   (one FP8 copy of the tile, TE's saved input)
+
+    An operator without consumers (the loss) and one in ``keep`` are unchanged. Use with
+    ``ChoiceRules(fp8_saved_inputs=False)``: the FP8 products then count no copy of their own.
+
+    Raises:
+        ShardplanError: an FP8 product in ``fp8`` that does not recompute reads an operator in ``keep``
+            that does (its FP8 copy would be counted nowhere).
+    """
+    from shardplan.errors import ShardplanError
+    from shardplan.ir import Graph
+
+    consumers: dict[str, list] = {op.name: [] for op in graph.operators}
+    for op in graph.operators:
+        for t in op.inputs:
+            if t.src in consumers:
+                consumers[t.src].append(op)
+    recomputed = set(keep) | set(graph.recomputed)
+    copy = 1.0 / float(element_bytes)
+
+    def new(op: Operator) -> Operator:
+        users = consumers[op.name]
+        readers = [c for c in users if c.name in recomputed or c.kind not in NO_READ_KINDS]
+        fp8_readers = [c for c in readers if c.name in fp8 and c.name not in recomputed]
+        if op.name in recomputed:
+            if fp8_readers:
+                raise ShardplanError(f"te_saved: FP8 product {fp8_readers[0].name!r} keeps its input's FP8 copy, "
+                                     f"but its producer {op.name!r} recomputes (its copy would be counted nowhere)")
+            return op
+        if not users:
+            return op
+        product = fp8_product(op)
+        bf16 = ((product and bool(readers)) or (not product and op.kind not in OUTPUT_FREE_KINDS)
+                or len(readers) > len(fp8_readers))
+        saved = max(float(op.saved) - 1.0, 0.0) + (1.0 if bf16 else 0.0) + (copy if fp8_readers else 0.0)
+        return op if saved == op.saved else replace(op, saved=saved)
+
+    return Graph(graph.name, tuple(new(op) for op in graph.operators), graph.graph_inputs, graph.ties,
+                 graph.recomputed)
+
+
 def fp8_scaling_seconds(op: Operator, lay, machine: Machine, weight_casts: float = 1.0) -> np.ndarray:
     """Seconds per layout of the FP8 casts of one step of ``op`` (delayed scaling).
 
@@ -436,7 +510,7 @@ def fp8_scaling_seconds(op: Operator, lay, machine: Machine, weight_casts: float
     return (float(machine.dtype_bytes) + 2.0) * elems / float(machine.hbm_bandwidth)
 
 
-def fp8_extra_bytes(op: Operator, lay, machine: Machine) -> tuple[np.ndarray, np.ndarray]:
+def fp8_extra_bytes(op: Operator, lay, machine: Machine, saved_inputs: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(weight cache, saved input) bytes per layout an FP8 ``op`` holds beyond its BF16 self.
 
     Weight cache: the FP8 copy of every weight tile and its transpose, one byte each per element,
@@ -444,7 +518,8 @@ def fp8_extra_bytes(op: Operator, lay, machine: Machine) -> tuple[np.ndarray, np
     Saved input: TE's linear layers keep the FP8 (transposed) copy of their input for the weight
     gradient, one byte per element of every input tile (a step's worth, as ``saved``). The producer's
     own output stays counted where it is (its own backward or another consumer may read it): an upper
-    bound.
+    bound. With ``saved_inputs`` False (:attr:`ChoiceRules.fp8_saved_inputs`) only the inputs no
+    operator produces (graph inputs) are counted here: the producers' ``saved`` holds the others' copies.
     """
     from shardplan.cost.operator import tile_volume
 
@@ -452,7 +527,8 @@ def fp8_extra_bytes(op: Operator, lay, machine: Machine) -> tuple[np.ndarray, np
     lay = as_layouts(lay, p, None, machine.levels)
     k = len(lay)
     cache = 2.0 * sum((tile_volume(op, w, lay, p) for w in op.weights if w.owner is None), np.zeros(k))
-    saved = sum((tile_volume(op, t, lay, p) for t in op.inputs), np.zeros(k)) if any(
+    mine = op.inputs if saved_inputs else tuple(t for t in op.inputs if t.src is None)
+    saved = sum((tile_volume(op, t, lay, p) for t in mine), np.zeros(k)) if any(
         w.needs_grad for w in op.weights) else np.zeros(k)
     return cache, saved
 
@@ -552,7 +628,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     precisions: list[tuple[bool, object, np.ndarray, np.ndarray, np.ndarray]] = [
         (False, oc, np.zeros(k), np.zeros(k), np.zeros(k))]
     if rules.fp8 and machine.fp8_flops is not None and fp8_product(op):
-        cache, saved_in = fp8_extra_bytes(op, lay, machine)
+        cache, saved_in = fp8_extra_bytes(op, lay, machine, rules.fp8_saved_inputs)
         precisions.append((True, operator_cost(op, lay, replace(mm, peak_flops=machine.fp8_flops)),
                            fp8_scaling_seconds(op, lay, machine), cache, saved_in))
     use_host = any(_offload_masks(rules, machine, s, bool(weights), True) != [0] for s in stage_list)
