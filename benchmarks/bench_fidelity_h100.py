@@ -77,9 +77,10 @@ SP_NOTE = ("tensor parallelism > 1: sequence_parallel=True and TP communication 
            "userbuffers, bulk and pipelined overlaps of the all-gathers / reduce-scatters) as in NeMo's and "
            "Megatron-Bridge's recipes: sp=true, overlap=tp_comm")
 FP8_NOTE = ("precision=fp8: Transformer Engine runs every linear layer's three products in FP8 (E4M3 forward, E5M2 "
-            "gradients); the model charges them at fp8_flops (1,979 TFLOP/s) × the profile's flops_efficiency "
-            "(0.69, measured on bf16 products; the calibration measured FP8 products at 1.29 PFLOP/s best, 0.65 of "
-            "1,979) and the casts and transposes of delayed scaling; not charged: current scaling's (FP8-CS) "
+            "gradients); the model charges them at fp8_flops (1,979 TFLOP/s) × the profile's fp8_efficiency "
+            "(0.65, the median of torch._scaled_mm over 4 shapes measured on the same H100, after the tile and wave "
+            "utilisation; the bf16 products' flops_efficiency is 0.69) and the casts and transposes of delayed "
+            "scaling; not charged: current scaling's (FP8-CS) "
             "extra amax pass over each input before its cast, TE's fused cast-transpose doing both in one pass, "
             "the FP8 weight gather (collectives stay bf16); attention stays bf16 in both (TE's FP8 dot-product "
             "attention off by default)")

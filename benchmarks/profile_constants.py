@@ -18,7 +18,10 @@ prints one line per constant, with the statistic it is (what the profile files' 
   over the time and the peak: median and quartiles;
 * ``host_bandwidth``: pinned copies of the largest size, the mean of both directions; ``host_latency``: what a
   64 KiB and a 1 MiB copy take beyond their bytes at that rate;
-* ``fp8``: the rate of ``torch._scaled_mm`` over the shapes (best and median).
+* ``fp8_flops``: the rate of ``torch._scaled_mm`` over the shapes of the ``fp8`` section (best and median);
+  ``fp8_efficiency``: per shape, ``2 m n k / (fp8 seconds * fp8_flops * u)`` with ``u`` the product's tile and wave
+  utilisation under the profile, as ``flops_efficiency``: median and quartiles (and the bf16 product of the same
+  shapes the same way against ``peak_flops``, to compare).
 """
 
 from __future__ import annotations
@@ -56,6 +59,25 @@ def gemm_efficiencies(measured: dict[str, Any], machine: Any) -> list[float]:
     return out
 
 
+def fp8_efficiencies(measured: dict[str, Any], machine: Any) -> tuple[list[float], list[float]]:
+    """Per shape of the ``fp8`` section: (``2 m n k / (fp8 seconds * fp8_flops * u)``, the bf16 product's
+    ``2 m n k / (bf16 seconds * peak_flops * u)``), ``u`` the forward product's tile and wave utilisation."""
+    import numpy as np
+
+    from shardplan import ops
+    from shardplan.cost.operator import pass_utilisation
+    from shardplan.ir import TensorRef
+
+    fp8, bf16 = [], []
+    for r in measured["fp8"]:
+        op = ops.dense("fc", TensorRef("x", (r["m"], r["k"]), needs_grad=True), r["n"])
+        u = float(pass_utilisation(op, np.ones((1, len(op.dims)), dtype=np.int64), machine)[0, 0])
+        flops = 2.0 * r["m"] * r["n"] * r["k"]
+        fp8.append(flops / (r["fp8_s"] * machine.fp8_flops * u))
+        bf16.append(flops / (r["bf16_s"] * machine.peak_flops * u))
+    return fp8, bf16
+
+
 def attention_efficiencies(measured: dict[str, Any], peak: float) -> list[float]:
     """The fused kernel's model FLOPs forward + backward over time and peak, per measured shape."""
     out = []
@@ -76,6 +98,7 @@ def constants(measured: dict[str, Any], machine: Any) -> dict[str, Any]:
     bw = (big["host_to_device_bytes_per_second"] + big["device_to_host_bytes_per_second"]) / 2
     beyond = {r["bytes"]: r["host_to_device_s"] - r["bytes"] / bw for r in host if r["bytes"] <= 1 << 20}
     fp8 = [r["fp8_tflops"] * 1e12 for r in measured["fp8"] if r.get("fp8_tflops")]
+    eff8, eff16 = fp8_efficiencies(measured, machine) if fp8 else ([], [])
     return {
         "device": measured["machine"].get("device"), "date": measured["machine"].get("date"),
         "flops_efficiency": {"quartiles": quartiles(eff), "passes": len(eff)},
@@ -85,6 +108,8 @@ def constants(measured: dict[str, Any], machine: Any) -> dict[str, Any]:
         "attention_efficiency": {"quartiles": quartiles(att), "shapes": len(att), "min": min(att), "max": max(att)},
         "host_bandwidth": bw, "host_latency_beyond_bytes": beyond,
         "fp8_flops": {"best": max(fp8), "median": statistics.median(fp8)} if fp8 else None,
+        "fp8_efficiency": {"quartiles": quartiles(eff8), "shapes": len(eff8), "min": min(eff8), "max": max(eff8),
+                           "bf16_same_shapes": quartiles(eff16)} if fp8 else None,
         "memory_bytes": measured["machine"].get("memory_bytes"),
         "sm_count": measured["machine"].get("sm_count"),
     }

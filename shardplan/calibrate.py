@@ -31,7 +31,9 @@ chose, so that all make the same calls.
   with ``gemm_tiles`` (which the machine needs beside it) from NVIDIA's documentation, not measured;
 * ``hbm_bandwidth`` = 2 b / t of the elementwise ``x * 2`` on b bytes per device (b read, b written);
 * ``fp8_flops`` (PyTorch, CUDA, compute capability 8.9 or later): the best rate 2 M N K / t of
-  ``torch._scaled_mm`` on E4M3 operands (per-tensor scales, bf16 output) over :attr:`Sizes.fp8_shapes`;
+  ``torch._scaled_mm`` on E4M3 operands (per-tensor scales, bf16 output, the operands cast before the timed
+  calls) over :attr:`Sizes.fp8_shapes`; ``fp8_efficiency`` = the median over those products of
+  rate / (u * fp8_flops), u as for ``flops_efficiency`` (:func:`fp8_efficiency`). Capped at 1;
 * ``host_bandwidth`` and ``host_latency`` (PyTorch, CUDA): ``copy_(non_blocking=True)`` between pinned
   host memory and the device over :attr:`Sizes.host_bytes`; per direction B = b_large / t_large and
   alpha = max(0, t_small - b_small / B); ``host_bandwidth`` = the slower direction's B,
@@ -74,8 +76,8 @@ from shardplan.errors import ShardplanError
 
 __all__ = ["DTYPES", "ENGINES", "FULL", "GEMM_TILES", "HOST", "QUICK", "AttentionPoint", "Calibration",
            "CollectivePoint", "Fp8Point", "HostPoint", "MatmulPoint", "Section", "Sizes", "Timing",
-           "amortised_seconds", "calibrate", "calls_for", "cpu_model", "layer_shapes", "measure_jax",
-           "measure_torch", "to_profile", "wall_loop"]
+           "amortised_seconds", "calibrate", "calls_for", "cpu_model", "fp8_efficiency", "layer_shapes",
+           "measure_jax", "measure_torch", "to_profile", "wall_loop"]
 
 ENGINES = ("jax", "torch")
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -762,7 +764,7 @@ def calibrate(engine: str, devices: int | None = None, quick: bool = False, dtyp
 
 
 # ----------------------------------------------------------------------------------------------- the profile
-def utilisation(points: tuple[MatmulPoint, ...], sm_count: int | None) -> tuple[float, ...]:
+def utilisation(points: tuple[MatmulPoint, ...] | tuple[Fp8Point, ...], sm_count: int | None) -> tuple[float, ...]:
     """The cost model's tile and wave utilisation u of every product (1 without ``sm_count``)."""
     if sm_count is None:
         return tuple(1.0 for _ in points)
@@ -779,6 +781,17 @@ def efficiency(cal: Calibration) -> tuple[float, tuple[MatmulPoint, ...]]:
     layers = tuple(pt for pt in cal.matmuls if pt.layer) or cal.matmuls
     u = utilisation(layers, cal.sm_count)
     return min(1.0, statistics.median(pt.rate / (ui * best) for pt, ui in zip(layers, u))), layers
+
+
+def fp8_efficiency(cal: Calibration) -> float | None:
+    """``fp8_efficiency``: the median over the FP8 products of rate / (u * best FP8 rate), u each product's tile
+    and wave utilisation (:func:`utilisation`), capped at 1; None when no FP8 product was timed."""
+    rows = cal.fp8.rows
+    if not rows:
+        return None
+    best = max(r.rate for r in rows)
+    u = utilisation(rows, cal.sm_count)
+    return min(1.0, statistics.median(r.rate / (ui * best) for r, ui in zip(rows, u)))
 
 
 def latency_of(cal: Calibration, bandwidth: float) -> float:
@@ -887,8 +900,16 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
                             f"{len(cal.fp8.rows)} products on random data, {timed}: {top8.m}x{top8.k} @ "
                             f"{top8.k}x{top8.n}, 2*M*N*K / t = {_g(fp8)} FLOP/s (a measured peak like peak_flops; "
                             f"the table is under 'measurements')")
+        fp8_eff = fp8_efficiency(cal)
+        per_u8 = (f"rate / (u * fp8_flops), u the cost model's tile and wave utilisation of each product at the "
+                  f"measured sm_count {cal.sm_count} and gemm_tiles" if cal.sm_count else "rate / fp8_flops")
+        src["fp8_efficiency"] = (f"{by}: the median over the {len(cal.fp8.rows)} torch._scaled_mm products of "
+                                 f"{per_u8}: {_g(fp8_eff or 0.0)} (capped at 1; the operands were cast before the "
+                                 f"timed calls: the FP8 casts are charged apart, at hbm_bandwidth)")
     else:
+        fp8_eff = None
         src["fp8_flops"] = f"{said}: not measured ({cal.fp8.why_not}): no FP8 products offered (edit the file to add)"
+        src["fp8_efficiency"] = f"{said}: not measured ({cal.fp8.why_not}): no FP8 products"
     host_bw: float | None = None
     host_alpha = 0.0
     if cal.host_copies.rows:
@@ -940,7 +961,8 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
     machine = Machine(1, peak_flops=best.rate, bandwidth=bandwidth, latency=latency, dtype_bytes=DTYPES[cal.dtype],
                       memory_bytes=cal.memory_bytes, name=label, hbm_bandwidth=hbm, flops_efficiency=eff,
                       grad_bucket_bytes=bucket, overlap_grad=overlap, sum_shared_grads=shared, fp8_flops=fp8,
-                      host_bandwidth=host_bw, host_latency=host_alpha, host_memory_bytes=host_memory,
+                      fp8_efficiency=fp8_eff, host_bandwidth=host_bw, host_latency=host_alpha,
+                      host_memory_bytes=host_memory,
                       sm_count=cal.sm_count or None, gemm_tiles=GEMM_TILES if cal.sm_count else None,
                       attention_efficiency=attention_eff)
     host = ", ".join(f"{k} {v}" for k, v in cal.host)

@@ -18,7 +18,9 @@ device; copy one to describe another machine): every field of
 ``device_kinds`` the device reports (``jax.Device.device_kind``,
 ``torch.cuda.get_device_name()``), and optionally ``measurements`` (any JSON
 object: the raw tables a calibration measured, ``shardplan calibrate``;
-carried, never read as constants). The presets are read from these files;
+carried, never read as constants). A field added since files were first
+written (:data:`OPTIONAL_FIELDS`: ``fp8_efficiency``) may be absent from an
+older file: it reads as None. The presets are read from these files;
 :func:`detect_machine` picks the profile whose device kinds hold the one
 reported.
 """
@@ -29,7 +31,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -74,8 +76,11 @@ class Machine:
             accumulating ``.grad`` before DDP's all-reduce). False (default): every reader's gradient
             is synchronised in its own layout and the results added, as XLA's SPMD partitioner compiles
             it (one all-reduce per reader in the HLO, even when the readers agree on the layout).
-        fp8_flops: dense FP8 tensor-core FLOP/s of one device (reached at the same ``flops_efficiency``);
+        fp8_flops: dense FP8 tensor-core FLOP/s of one device (reached at ``fp8_efficiency``);
             None: the device has no FP8 matrix products (the fit search offers none).
+        fp8_efficiency: fraction of ``fp8_flops`` a full-wave FP8 matrix product reaches, under the same tile,
+            wave and alignment utilisation as a 16-bit one (:meth:`fp8_machine`); None: ``flops_efficiency``,
+            the 16-bit products' fraction. Set only with ``fp8_flops``.
         host_bandwidth: bytes/s one device moves to or from host memory, per direction (the achievable
             rate of its PCIe or C2C link); None: no host offload is offered.
         host_latency: seconds per host transfer (one copy call).
@@ -144,6 +149,7 @@ class Machine:
     overlap_grad: bool = False
     sum_shared_grads: bool = False
     fp8_flops: float | None = None
+    fp8_efficiency: float | None = None
     host_bandwidth: float | None = None
     host_latency: float = 0.0
     host_memory_bytes: float | None = None
@@ -221,6 +227,10 @@ class Machine:
             if getattr(self, name) is not None:
                 put(name, real(f"machine: {name}", getattr(self, name), positive=True, unit=unit))
         put("host_latency", real("machine: host_latency", self.host_latency, minimum=0.0, unit="s"))
+        if self.fp8_efficiency is not None:
+            if self.fp8_flops is None:
+                raise ShardplanError("machine: fp8_efficiency needs fp8_flops (the FP8 peak it is a fraction of)")
+            put("fp8_efficiency", real("machine: fp8_efficiency", self.fp8_efficiency, positive=True, maximum=1.0))
         if (self.sm_count is None) != (self.gemm_tiles is None):
             raise ShardplanError("machine: sm_count and gemm_tiles are given together (or neither)")
         if self.sm_count is not None:
@@ -309,6 +319,24 @@ class Machine:
         return self.peak_flops * self.flops_efficiency
 
     @property
+    def fp8_achievable_flops(self) -> float | None:
+        """FLOP/s a full-wave FP8 matrix product reaches: ``fp8_flops`` times ``fp8_efficiency`` (else
+        :attr:`flops_efficiency`); None without FP8 products."""
+        return None if self.fp8_flops is None else self.fp8_machine().achievable_flops
+
+    def fp8_machine(self) -> Machine:
+        """The machine an FP8 matrix product is costed on: ``peak_flops`` = ``fp8_flops`` and
+        ``flops_efficiency`` = ``fp8_efficiency`` (else the 16-bit ``flops_efficiency``), every other constant
+        (links, HBM, tiles, alignment) this machine's. A product's time t = FLOPs / (fp8_flops * efficiency * u),
+        u its tile, wave and alignment utilisation (:func:`shardplan.cost.operator.pass_utilisation`). Only FP8
+        products are costed on it (:func:`shardplan.cost.memory.fp8_product`); their casts are charged apart
+        (:func:`shardplan.cost.memory.fp8_scaling_seconds`)."""
+        if self.fp8_flops is None:
+            raise ShardplanError(f"machine {self.name!r} has no FP8 matrix products (no fp8_flops)")
+        eff = self.flops_efficiency if self.fp8_efficiency is None else self.fp8_efficiency
+        return replace(self, peak_flops=self.fp8_flops, flops_efficiency=eff)
+
+    @property
     def attention_flops(self) -> float:
         """FLOP/s a fused attention kernel reaches: peak times ``attention_efficiency`` (else
         :attr:`flops_efficiency`)."""
@@ -357,6 +385,10 @@ class Machine:
 # The fields a profile file states (every Machine field but the device count and the label).
 PROFILE_FIELDS = tuple(f.name for f in fields(Machine) if f.name not in ("num_devices", "name"))
 _TOP_KEYS = ("name", "description", "device_kinds", "measurements")
+# Fields added after profile files were first written: a file without one reads it as None with this source.
+OPTIONAL_FIELDS = MappingProxyType({
+    "fp8_efficiency": "absent from the file (written before the field existed): FP8 products at flops_efficiency",
+})
 UNRECORDED = "not recorded: written from a Machine value by shardplan.machine.machine_to_file"
 
 # preset name -> its profile file in shardplan/machines
@@ -436,8 +468,9 @@ def parse_profile(text: str, where: str = "machine profile") -> Profile:
     """The profile in ``text`` (a profile file's contents); ``where`` starts every error message.
 
     Refused in one line: text that is not JSON, a key twice, an unknown top-level key or field, a
-    missing field, an entry that is not ``{"value": ..., "source": "..."}``, an empty source, and
-    values :class:`Machine` refuses (a string where a number belongs, a negative bandwidth, ...).
+    missing field (but one of :data:`OPTIONAL_FIELDS`, read as None), an entry that is not
+    ``{"value": ..., "source": "..."}``, an empty source, and values :class:`Machine` refuses (a string
+    where a number belongs, a negative bandwidth, ...).
     """
     try:
         doc = json.loads(text, object_pairs_hook=_no_duplicates)
@@ -463,6 +496,9 @@ def parse_profile(text: str, where: str = "machine profile") -> Profile:
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for k in PROFILE_FIELDS:
+        if k not in doc and k in OPTIONAL_FIELDS:
+            values[k], sources[k] = None, OPTIONAL_FIELDS[k]
+            continue
         if k not in doc:
             raise ShardplanError(f"{where}: missing field {k!r} (every field needs "
                                  f'{{"value": ..., "source": "..."}}; the value may be null where Machine allows None)')

@@ -654,18 +654,37 @@ def _one_program_floor(graph: Graph, machine: Machine, fit_options: Any = None) 
     """A proven lower bound of every one-program plan of ``graph`` on ``machine`` the memory search can cost, at
     every micro-batch count and memory choice: the step's work over every device,
     :func:`~shardplan.pipeline.stages.graph_device_seconds` / p (with FP8 offered, at the faster of the FP8 and
-    the plain rate). Each choice of an operator costs its whole-batch compute (micro-batches scale only the
-    latencies) plus nonnegative terms (collectives, recomputation, ZeRO's gathers, the optimizer step, offload),
+    the plain achievable rate, ``fp8_flops * fp8_efficiency`` and ``peak_flops * flops_efficiency``:
+    :func:`_faster_of_fp8`). Each choice of an operator costs its whole-batch compute (micro-batches scale only
+    the latencies) plus nonnegative terms (collectives, recomputation, ZeRO's gathers, the optimizer step, offload),
     and that compute is at least the operator's device-seconds over p (docs/pipeline.md, *A bound whenever the
     search stops*)."""
-    from dataclasses import replace
-
     from shardplan.pipeline.stages import graph_device_seconds
 
     fast = machine
     if getattr(fit_options, "fp8", False) and machine.fp8_flops is not None:
-        fast = replace(machine, peak_flops=max(machine.peak_flops, machine.fp8_flops))
+        fast = _faster_of_fp8(machine)
     return graph_device_seconds(graph, fast) / machine.num_devices
+
+
+def _faster_of_fp8(machine: Machine) -> Machine:
+    """``machine`` with a peak and an achievable rate each at least its own and its FP8 products'
+    (:meth:`~shardplan.machine.Machine.fp8_machine`): the FP8 machine itself, or ``machine``, when one is at least
+    as fast in both; else the larger peak P and efficiency R / P, R the larger achievable rate, raised to the
+    next float until P times it rounds to at least R."""
+    from dataclasses import replace
+
+    fp8 = machine.fp8_machine()
+    if fp8.peak_flops >= machine.peak_flops and fp8.achievable_flops >= machine.achievable_flops:
+        return fp8
+    if machine.achievable_flops >= fp8.achievable_flops and machine.peak_flops >= fp8.peak_flops:
+        return machine
+    top = max(machine.peak_flops, fp8.peak_flops)
+    rate = max(machine.achievable_flops, fp8.achievable_flops)
+    eff = min(1.0, rate / top)
+    while top * eff < rate:  # at most a few steps (top * 1.0 = top >= rate ends it)
+        eff = math.nextafter(eff, math.inf)
+    return replace(machine, peak_flops=top, flops_efficiency=eff)
 
 
 def _pipeline_floor(stages: Any, build: Callable[[int], Graph], batch: int, machine: Machine,

@@ -47,7 +47,8 @@ def summary(cal: Any, machine: Any) -> list[str]:
     else:
         lines.append(f"  host copies: not measured ({cal.host_copies.why_not})")
     if machine.fp8_flops is not None:
-        lines.append(f"  fp8 (torch._scaled_mm E4M3): {fmt_rate(machine.fp8_flops, 'FLOP/s')}")
+        eff = "" if machine.fp8_efficiency is None else f", {machine.fp8_efficiency:.0%} achievable (fp8_efficiency)"
+        lines.append(f"  fp8 (torch._scaled_mm E4M3): {fmt_rate(machine.fp8_flops, 'FLOP/s')}{eff}")
     else:
         lines.append(f"  fp8: not measured ({cal.fp8.why_not})")
     return lines

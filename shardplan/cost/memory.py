@@ -629,7 +629,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         (False, oc, np.zeros(k), np.zeros(k), np.zeros(k))]
     if rules.fp8 and machine.fp8_flops is not None and fp8_product(op):
         cache, saved_in = fp8_extra_bytes(op, lay, machine, rules.fp8_saved_inputs)
-        precisions.append((True, operator_cost(op, lay, replace(mm, peak_flops=machine.fp8_flops)),
+        precisions.append((True, operator_cost(op, lay, mm.fp8_machine()),
                            fp8_scaling_seconds(op, lay, machine), cache, saved_in))
     use_host = any(_offload_masks(rules, machine, s, bool(weights), True) != [0] for s in stage_list)
     bw = float(machine.host_bandwidth) if use_host else 1.0

@@ -31,10 +31,10 @@ GiB = 1024**3
 def _old_presets(p: int) -> dict[str, Machine]:
     """The presets exactly as shardplan/machine.py built them in code before the profile files, plus the tile and
     wave constants added to the GPU profiles since (multiprocessors, output tile), and the H100's constants
-    measured on an H100 since (efficiency, HBM, converting and host rates, the unaligned-product rule), and the
-    H200 profile, measured on an H200; the paper's machine keeps its own redistribution rule (what each device
-    lacks) and its reductions (one all-reduce among the product of the groups) where every other profile charges
-    XLA's steps and its one all-reduce per split dim."""
+    measured on an H100 since (efficiency, HBM, converting and host rates, the unaligned-product rule, the FP8
+    products' efficiency), and the H200 profile, measured on an H200; the paper's machine keeps its own
+    redistribution rule (what each device lacks) and its reductions (one all-reduce among the product of the
+    groups) where every other profile charges XLA's steps and its one all-reduce per split dim."""
     bucket = 25 * 2**20
     tiles = dict(gemm_tiles=((256, 128), (128, 256), (128, 128)))
     return {
@@ -49,15 +49,15 @@ def _old_presets(p: int) -> dict[str, Machine]:
         "h100": Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
                         inter_bandwidth=50e9, inter_latency=8e-6, name="h100", hbm_bandwidth=2.83e12,
                         flops_efficiency=0.69, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
-                        host_bandwidth=54.7e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=1.0e10,
-                        sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2, attention_efficiency=0.40,
-                        convert_bandwidth=1.91e12, **tiles),
+                        fp8_efficiency=0.65, host_bandwidth=54.7e9, host_latency=10e-6, host_memory_bytes=2e12,
+                        cpu_adam_rate=1.0e10, sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2,
+                        attention_efficiency=0.40, convert_bandwidth=1.91e12, **tiles),
         "h200": Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=150109880320, node_size=8,
                         inter_bandwidth=50e9, inter_latency=8e-6, name="h200", hbm_bandwidth=3.88e12,
                         flops_efficiency=0.69, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
-                        host_bandwidth=55.2e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=1.0e10,
-                        sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2, attention_efficiency=0.405,
-                        convert_bandwidth=2.05e12, **tiles),
+                        fp8_efficiency=0.68, host_bandwidth=55.2e9, host_latency=10e-6, host_memory_bytes=2e12,
+                        cpu_adam_rate=1.0e10, sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2,
+                        attention_efficiency=0.405, convert_bandwidth=2.05e12, **tiles),
     }
 
 

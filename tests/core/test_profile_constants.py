@@ -26,6 +26,8 @@ def test_efficiencies_are_the_medians_measured(measured, machine):
     assert round(d["flops_efficiency"]["quartiles"][1], 2) == m.flops_efficiency
     assert abs(d["attention_efficiency"]["quartiles"][1] - m.attention_efficiency) <= 0.005
     assert d["sm_count"] == m.sm_count
+    assert round(d["fp8_efficiency"]["quartiles"][1], 2) == m.fp8_efficiency  # 4 shapes only
+    assert d["fp8_efficiency"]["shapes"] == 4
 
 
 def test_h200_rates_are_its_measurement():
