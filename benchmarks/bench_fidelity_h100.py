@@ -186,9 +186,11 @@ def rows() -> list[Row]:
             "all-gather is then the ZeRO step's weight gather",
             "micro-batch size not stated: 1 sequence (mbs=1); batch size per DP replica (Table 4: 32 at 8,192 GPUs, "
             "16 at 16,384) = micro-batches per step",
-            "the paper's interleaved schedule with tunable N is not costed: vp > 1 with uneven end stages is outside "
-            "the grammar, so 1F1B without interleaving with the first and last stage one block short "
-            "(first_stage_layers=7, last_stage_layers=7: 7 + 14 × 8 + 7 = 126), as the paper states",
+            "the paper's interleaved schedule with tunable N: its chunk count v is not stated, so the row is 1F1B "
+            "without interleaving with the first and last stage one block short (first_stage_layers=7, "
+            "last_stage_layers=7: 7 + 14 × 8 + 7 = 126), as the paper states; variants: the same short end stages as "
+            "Megatron-Core's split with the embedding and the loss counted as a layer each, interleaved at v = 4 and "
+            "8, with and without sequence parallelism",
             "activation recomputation not stated: none (the paper's memory-balancing is the short end stages); "
             "variant with full recomputation beside it",
             "TP without sequence parallelism stated (Table 4 names TP only); no TP communication overlap stated",
@@ -203,8 +205,18 @@ def rows() -> list[Row]:
                f"last_stage_layers=7,zero=2,overlap=grad_reduce,precision=mixed")
         out.append(Row(name, "llama3-table4", f"{LLAMA3_PAPER}, {gpus} GPUs, TP 8 CP {cp} PP 16", "llama3-405b", gpus,
                        rec, gbs, seq, None, tfl, (("seq", seq),) if seq != 8192 else (), meta,
-                       variants=(rec + ",recompute=full",), precision="bf16"))
+                       variants=(rec + ",recompute=full",) + _table4_interleaved(cp, gbs), precision="bf16"))
     return out
+
+
+def _table4_interleaved(cp: int, gbs: int) -> tuple[str, ...]:
+    """Readings of Llama 3's interleaved schedule the paper leaves open (variants, not ranked): its "one
+    Transformer layer fewer on the first and the last stage" is Megatron-Core's split with the embedding and the
+    loss counted as a layer each (126 + 2 = 128 layers, 8 per stage: embedding_as_layer, loss_as_layer), at
+    v = 4 and 8 chunks per stage (v not stated), with and without sequence parallelism (not stated)."""
+    base = "tp=8{sp}" + (f",cp={cp}" if cp > 1 else "") + ",pp=16,vp={vp},embedding_as_layer=true,loss_as_layer=true"
+    tail = f",mbs=1,gbs={gbs},zero=2,overlap=grad_reduce,precision=mixed"
+    return tuple(base.format(sp=sp, vp=vp) + tail for vp in (4, 8) for sp in ("", ",sp=true"))
 
 
 def _builder(model: str, sizes: dict[str, Any]) -> Any:
