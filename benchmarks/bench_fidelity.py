@@ -28,14 +28,13 @@ benchmarks/results/fidelity.json] [--plot benchmarks/results/fidelity.png]``
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks import fidelity_common
 from benchmarks.fidelity_common import compare_ranks
 from benchmarks.limits import call_limited
 
@@ -264,79 +263,19 @@ def rank_orders(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     """Predicted vs measured step time, log-log, one marker per experiment, y = x dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 5.6))
-    marks = {"table1": "o", "table2": "s", "figure13": "^", "korthikanti": "D"}
-    labels = {"table1": "SC'21 Table 1", "table2": "SC'21 Table 2", "figure13": "SC'21 Figure 13",
-              "korthikanti": "Korthikanti et al. (full recompute)"}
-    done = [r for r in results if r.get("status") == "costed"]
-    for exp, mk in marks.items():
-        rs = [r for r in done if r["experiment"] == exp]
-        if rs:
-            ax.scatter([r["measured_seconds"] for r in rs], [r["predicted_seconds"] for r in rs], marker=mk,
-                       label=labels[exp])
-            for r in rs:
-                ax.annotate(r["row"], (r["measured_seconds"], r["predicted_seconds"]), fontsize=6,
-                            xytext=(3, 3), textcoords="offset points")
-    if done:
-        lo = min(min(r["measured_seconds"], r["predicted_seconds"]) for r in done) / 1.5
-        hi = max(max(r["measured_seconds"], r["predicted_seconds"]) for r in done) * 1.5
-        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="predicted = measured")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured step time (s)")
-    ax.set_ylabel("predicted step time (s), shardplan a100 preset")
-    ax.set_title("Published A100 runs costed as published (cost_recipe)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    marks = {"table1": ("o", "SC'21 Table 1"), "table2": ("s", "SC'21 Table 2"), "figure13": ("^", "SC'21 Figure 13"),
+             "korthikanti": ("D", "Korthikanti et al. (full recompute)")}
+    fidelity_common.plot(results, path, marks, "predicted step time (s), shardplan a100 preset",
+                         "Published A100 runs costed as published (cost_recipe)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", help="comma-separated row names or experiments (table1, table2, figure13, "
-                                   "korthikanti); default: all")
-    ap.add_argument("--row-limit", type=float, default=180.0, help="seconds per row before it is skipped")
-    ap.add_argument("--out", default="benchmarks/results/fidelity.json")
-    ap.add_argument("--plot", default="benchmarks/results/fidelity.png")
-    ap.add_argument("--list", action="store_true", help="list the rows and exit")
-    args = ap.parse_args(argv)
-    every = rows()
-    if args.list:
-        for r in every:
-            print(f"{r.name:24s} {r.gpus:5d} GPUs  {r.recipe}")
-        return 0
-    chosen = every
-    if args.rows:
-        want = {w.strip() for w in args.rows.split(",") if w.strip()}
-        unknown = want - {r.name for r in every} - {r.experiment for r in every}
-        if unknown:
-            print(f"unknown rows {sorted(unknown)}; --list shows them", file=sys.stderr)
-            return 2
-        chosen = [r for r in every if r.name in want or r.experiment in want]
-    out = Path(args.out)
-    old = {r["row"]: r for r in json.loads(out.read_text())["rows"]} if out.exists() else {}
-    for row in chosen:
-        res = run_row(row, args.row_limit)
-        old[row.name] = res
-        ratio = f"ratio {res['ratio']:.3f}" if "ratio" in res else res.get("reason", "")
-        print(f"{row.name}: {res['status']} {ratio} ({res.get('seconds', 0.0):.1f} s)", flush=True)
-        results = [old[r.name] for r in every if r.name in old]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
-            "source": SOURCE, "machine": "shardplan.machine.preset('a100', GPUs), unmodified",
-            "note": "seconds measured on a shared 2-core machine; measured step time of SC'21 rows = paper's F / "
-                    "(GPUs × TFLOP/s per GPU)",
-            "rows": results, "rank_orders": rank_orders(results)}, indent=1) + "\n")
-    results = [old[r.name] for r in every if r.name in old]
-    plot(results, Path(args.plot))
-    return 0
+    header = {"source": SOURCE, "machine": "shardplan.machine.preset('a100', GPUs), unmodified",
+              "note": "seconds measured on a shared 2-core machine; measured step time of SC'21 rows = paper's F / "
+                      "(GPUs × TFLOP/s per GPU)"}
+    return fidelity_common.run_main(argv, __doc__, rows(), run_row, header, rank_orders, plot,
+                                    "benchmarks/results/fidelity.json", "benchmarks/results/fidelity.png",
+                                    "table1, table2, figure13, korthikanti", name_width=24)
 
 
 if __name__ == "__main__":
