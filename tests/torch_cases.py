@@ -651,6 +651,27 @@ def collective_recorder() -> Any:
     return Record()
 
 
+def planned_on_rank_0(make: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """A plan made once and shipped: ``make()`` (a :class:`shardplan.Plan` and anything else) runs on rank 0 of
+    the default process group, and every rank gets that plan back from its JSON (``Plan.from_json``), as a
+    job's processes load a plan made before the job; rank 0's other result, None elsewhere.
+
+    Planning is deterministic: the other ranks would find the same plan at the same cost (on 2 CPU cores, 3 of
+    4 processes' planning time saved). Every rank planning for itself is what ``st.parallelize`` does in
+    the tests that call it (tests/torch_engine/test_torch_names.py, test_torch_dist.py, test_hf_models.py)."""
+    import torch.distributed as dist
+
+    from shardplan import Plan
+
+    box: list[Any] = [None]
+    extra = None
+    if dist.get_rank() == 0:
+        plan, extra = make()
+        box[0] = plan.to_json()
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_json(box[0]), extra
+
+
 def _clone(model: nn.Module) -> nn.Module:
     import copy
 

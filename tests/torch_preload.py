@@ -51,6 +51,14 @@ import torch_cases
 # the cases enter it (torch_cases.enter_torchvision)
 if torch_cases.enter_torchvision():
     torch_cases.timm_module()
+    # that environment's launch (tests/torch_hf5) builds every model of torch_cases.HF_CASES: their modules once here
+    import transformers
+
+    for _model in ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                   "Gemma2ForCausalLM", "PhiForCausalLM", "OPTForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM",
+                   "BloomForCausalLM", "T5ForConditionalGeneration", "RobertaForMaskedLM", "MixtralForCausalLM",
+                   "Qwen2MoeForCausalLM"):
+        getattr(transformers, _model)  # the lazy module imports the model's modeling file
 import transformers.modeling_utils  # noqa: F401, E402
 import transformers.models.gpt2.modeling_gpt2  # noqa: F401, E402
 import transformers.models.llama.modeling_llama  # noqa: F401, E402

@@ -37,25 +37,10 @@ def _grads_close(got: dict[str, Any], ref: torch.nn.Module) -> float:
     return worst
 
 
-def _from_rank_0(make: Any) -> tuple[Any, str]:
-    """``make()`` (a Plan and anything else) on rank 0, and that plan's JSON on every rank (rank 0's other
-    result, None elsewhere)."""
-    import torch.distributed as dist
-
-    box: list[Any] = [None]
-    extra = None
-    if dist.get_rank() == 0:
-        plan, extra = make()
-        box[0] = plan.to_json()
-    dist.broadcast_object_list(box, src=0)
-    return extra, box[0]
-
-
 def run_one_program(world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardplan.torch as st
-    from shardplan import Plan
 
     torch.manual_seed(0)
     model, batch = torch_cases.make_hf_gpt2()
@@ -68,8 +53,7 @@ def run_one_program(world: int) -> dict[str, Any]:
         p = st.plan(torch_cases._clone(model), batch, mesh, machine=machine, budget=budget, stages=False)
         return p, (p, budget)
 
-    made, text = _from_rank_0(make)
-    q = Plan.from_json(text)
+    q, made = torch_cases.planned_on_rank_0(make)
     pm = st.apply(q, torch_cases._clone(model), batch, mesh)
     ref = torch_cases._clone(model)
     loss0 = ref(*batch)
@@ -90,7 +74,6 @@ def run_one_program(world: int) -> dict[str, Any]:
 
 def run_pipeline(world: int) -> dict[str, Any]:
     import shardplan.torch as st
-    from shardplan import Plan
     from shardplan.pipeline.api import pipeline_solve
     from shardplan.planner import from_pipeline
     from shardplan.torch.staged import Tracer
@@ -106,7 +89,7 @@ def run_pipeline(world: int) -> dict[str, Any]:
                                 cutoff=1, divides_p=True)
         return from_pipeline(result), None
 
-    q = Plan.from_json(_from_rank_0(make)[1])
+    q, _ = torch_cases.planned_on_rank_0(make)
     pipe = st.apply(q, torch_cases._clone(model), batch)
     ref = torch_cases._clone(model)
     loss0 = ref(*batch)
