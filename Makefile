@@ -33,7 +33,7 @@ demo: $(STAMP)
 ## Then the Hugging Face models on transformers 5 in the second environment (tests/torch_hf5).
 JOBS ?= 2
 test: $(STAMP) $(STAMP5)
-	$(PY) -m pytest -n $(JOBS) --dist loadfile --durations=25
+	$(PY) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=25
 	$(PY5) -m pytest tests/torch_hf5
 
 ## The transformers 5 tests alone (the second environment).

@@ -55,3 +55,23 @@ def require_8_devices():
         )
     return devices[:8]
 
+
+
+def _marked_slow_as_a_whole(item) -> bool:
+    """Whether ``item``'s module marks all its tests slow (``pytestmark = pytest.mark.slow``: its process groups or
+    compiled third-party models make it one of the suite's long files)."""
+    marks = getattr(getattr(item, "module", None), "pytestmark", [])
+    return any(m.name == "slow" for m in (marks if isinstance(marks, list) else [marks]))
+
+
+def pytest_collection_modifyitems(items):
+    """The files marked slow as a whole first, then the other files with a test marked slow, then the rest; each
+    file's tests in their order (a stable sort).
+
+    `make test` hands whole files to its two workers (``--dist loadfile --no-loadscope-reorder``) in this order,
+    the next file to the first worker with two tests or fewer left. Long files first and the many short ones
+    after them leave the workers' last files short, so that neither waits long for the other at the end
+    (longest-first list scheduling); xdist's own order, most tests first, put the long files of few tests (the
+    gloo launches, 20 to 90 seconds each) last."""
+    with_slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: 0 if _marked_slow_as_a_whole(item) else 1 if item.path in with_slow else 2)

@@ -651,6 +651,27 @@ def collective_recorder() -> Any:
     return Record()
 
 
+def planned_on_rank_0(make: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """A plan made once and shipped: ``make()`` (a :class:`shardplan.Plan` and anything else) runs on rank 0 of
+    the default process group, and every rank gets that plan back from its JSON (``Plan.from_json``), as a
+    job's processes load a plan made before the job; rank 0's other result, None elsewhere.
+
+    Planning is deterministic: the other ranks would find the same plan at the same cost (on 2 CPU cores, 3 of
+    4 processes' planning time saved). Every rank planning for itself is what ``st.parallelize`` does in
+    the tests that call it (tests/torch_engine/test_torch_names.py, test_torch_dist.py, test_hf_models.py)."""
+    import torch.distributed as dist
+
+    from shardplan import Plan
+
+    box: list[Any] = [None]
+    extra = None
+    if dist.get_rank() == 0:
+        plan, extra = make()
+        box[0] = plan.to_json()
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_json(box[0]), extra
+
+
 def _clone(model: nn.Module) -> nn.Module:
     import copy
 
@@ -670,9 +691,13 @@ def worker(rank: int, world: int, port: int, names: list[str], out_path: str,
     becomes that case's ``error``); rank 0 writes the results as JSON, and with ``SHARDPLAN_CASE_CPU_LOG`` set
     appends each case's CPU seconds to that file (docs/testing.md)."""
     import logging
+    import sys
 
     import torch.distributed as dist
 
+    if "torch_preload" not in sys.modules:  # a fork of the fork server (start_fork_server) that preloaded nothing
+        raise RuntimeError("the fork server did not import tests/torch_preload.py (an ImportError in it, or tests/ "
+                           "not on its path): every gloo process would import torch and transformers again")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -704,6 +729,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def start_fork_server() -> None:
+    """Start this process's multiprocessing fork server (once; later calls find it running) with
+    ``tests/torch_preload.py`` imported in it.
+
+    The fork server is a fresh interpreter (``python -c``) that imports the preload modules by name and drops
+    those that raise ImportError without a word; Python 3.11 hands it the parent's ``sys.path`` but does not
+    apply it, so ``torch_preload`` (in tests/, on pytest's ``sys.path`` only) was not found and every gloo
+    process imported torch, shardplan and transformers itself (measured: 27 of rank 0's 45 profiled seconds on
+    the GPT-2 case of ``test_torch_names.py``). Its environment is this process's: tests/ is put on its
+    ``PYTHONPATH`` while it starts, then this process's variable is restored."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    multiprocessing.set_forkserver_preload(["torch_preload"])
+    before = os.environ.get("PYTHONPATH")
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, before] if before else [here])
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def run_distributed(names: list[str], world: int, out_path: str,
                     run_one: Callable[[str, int], dict] = _run_on_mesh) -> dict[str, Any]:
     """Start ``world`` gloo processes running ``run_one`` on every name (a module-level function, so
@@ -712,11 +763,9 @@ def run_distributed(names: list[str], world: int, out_path: str,
     The processes are forked from a fork server (one per pytest process, kept between launches) that has
     imported torch, shardplan and transformers once (``tests/torch_preload.py``), not started as fresh
     interpreters that each import them again."""
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(["torch_preload"])
+    start_fork_server()
     mp.start_processes(worker, args=(world, free_port(), names, out_path, run_one), nprocs=world, join=True,
                        start_method="forkserver")
     with open(out_path) as f:

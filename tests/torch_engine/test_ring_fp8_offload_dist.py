@@ -277,7 +277,8 @@ def _ring_plan(world: int) -> dict[str, Any]:
 def _hf_ring(world: int) -> dict[str, Any]:
     """A one-layer Hugging Face Llama (grouped-query attention, the K/V heads expanded before the call; its
     causal mask built by the library under ``torch.export``), one sequence of 64 tokens,
-    ``st.plan(..., context="ring")`` on the toy machine, run by ``st.apply``; against one process, and the
+    ``st.plan(..., context="ring")`` on the toy machine (on rank 0, loaded from its JSON on every rank:
+    ``torch_cases.planned_on_rank_0``), run by ``st.apply``; against one process, and the
     same plan run with its keys and values gathered instead (the ring's choice turned off). ``ring_calls``:
     how many attentions ran by the ring, and with a causal mask (the library's mask recognised)."""
     import dataclasses
@@ -302,7 +303,9 @@ def _hf_ring(world: int) -> dict[str, Any]:
     loss0 = ref(*batch)
     loss0.backward()
     mesh = init_device_mesh("cpu", (world,))
-    plan = st.plan(torch_cases._clone(model), batch, mesh, machine=torch_cases.toy_machine(world), context="ring")
+    plan, _ = torch_cases.planned_on_rank_0(lambda: (st.plan(torch_cases._clone(model), batch, mesh,
+                                                             machine=torch_cases.toy_machine(world), context="ring"),
+                                                     None))
     attn = [c for c in plan.operators.values() if c.kind == "attn_flash"]
     out: dict[str, Any] = {"attention_splits": [dict(zip(c.layout.dims, c.layout.split)) for c in attn]}
     calls: list[bool] = []

@@ -1,10 +1,15 @@
 """PyTorch through the one planning call: ``st.plan`` -> ``Plan.to_json`` -> ``Plan.from_json`` -> ``st.apply``.
 
-4 gloo processes (CPU). Each rank plans Hugging Face GPT-2 as its authors wrote it with a memory budget,
-writes the plan as JSON, loads it back and runs it: the sharded module has the model's own parameter
-names, AdamW with two groups by name steps on it, and loss and gradients equal the unsharded model's. A
-pipeline plan loaded from JSON runs on ``torch.distributed.pipelining`` with the unsharded loss and
-gradients. With no machine given, the plan names the machine detected from the mesh.
+4 gloo processes (CPU). Rank 0 plans Hugging Face GPT-2 as its authors wrote it with a memory budget and
+writes the plan as JSON; every rank loads that JSON and runs it: the sharded module has the model's own
+parameter names, AdamW with two groups by name steps on it, and loss and gradients equal the unsharded
+model's. A pipeline plan, searched on rank 0 and loaded from its JSON on every rank, runs on
+``torch.distributed.pipelining`` with the unsharded loss and gradients. With no machine given, the plan
+names the machine detected from the mesh.
+
+A plan is made once and shipped as JSON, as a user plans once for a job: the checks read rank 0's plan and
+every rank's run. Every rank planning for itself (the library's contract that all find the same plan) is
+what ``st.parallelize`` does in the other gloo files (tests/torch_engine/test_torch_names.py and others).
 """
 
 from __future__ import annotations
@@ -36,16 +41,19 @@ def run_one_program(world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardplan.torch as st
-    from shardplan import Plan
 
     torch.manual_seed(0)
     model, batch = torch_cases.make_hf_gpt2()
     mesh = init_device_mesh("cpu", (world,))
     machine = torch_cases.toy_machine(world)
-    free = st.plan(torch_cases._clone(model), batch, mesh, machine=machine, fit=False)
-    budget = 0.6 * free.memory["peak_bytes"]
-    p = st.plan(torch_cases._clone(model), batch, mesh, machine=machine, budget=budget, stages=False)
-    q = Plan.from_json(p.to_json())
+
+    def make() -> tuple[Any, Any]:
+        free = st.plan(torch_cases._clone(model), batch, mesh, machine=machine, fit=False)
+        budget = 0.6 * free.memory["peak_bytes"]
+        p = st.plan(torch_cases._clone(model), batch, mesh, machine=machine, budget=budget, stages=False)
+        return p, (p, budget)
+
+    q, made = torch_cases.planned_on_rank_0(make)
     pm = st.apply(q, torch_cases._clone(model), batch, mesh)
     ref = torch_cases._clone(model)
     loss0 = ref(*batch)
@@ -57,7 +65,8 @@ def run_one_program(world: int) -> dict[str, Any]:
     groups = [{"params": [t for n, t in named if not n.endswith("bias")], "weight_decay": 0.1},
               {"params": [t for n, t in named if n.endswith("bias")], "weight_decay": 0.0}]
     torch.optim.AdamW(groups, lr=1e-3).step()
-    return {"fits": p.memory["peak_bytes"] <= budget, "same": q == p, "names": [n for n, _ in named],
+    p, budget = made if made is not None else (None, None)  # rank 0's plan (the results read are rank 0's)
+    return {"fits": p is not None and p.memory["peak_bytes"] <= budget, "same": q == p, "names": [n for n, _ in named],
             "names0": [n for n, _ in model.named_parameters()], "rel_loss": abs(float(loss) - float(loss0)) /
             abs(float(loss0)), "rel_grad": _grads_close({n: t.grad for n, t in named}, ref),
             "choices": bool(q.state_sharding or q.recomputed or q.micro_batches > 1)}
@@ -65,7 +74,6 @@ def run_one_program(world: int) -> dict[str, Any]:
 
 def run_pipeline(world: int) -> dict[str, Any]:
     import shardplan.torch as st
-    from shardplan import Plan
     from shardplan.pipeline.api import pipeline_solve
     from shardplan.planner import from_pipeline
     from shardplan.torch.staged import Tracer
@@ -74,10 +82,14 @@ def run_pipeline(world: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model, batch = make_hf_gpt2()
-    tracer = Tracer(torch_cases._clone(model), batch)
-    result = pipeline_solve(tracer, tracer.batch, torch_cases.toy_machine(world), micro_batches=(4,), sizes=(1,),
-                            cutoff=1, divides_p=True)
-    q = Plan.from_json(from_pipeline(result).to_json())
+
+    def make() -> tuple[Any, None]:
+        tracer = Tracer(torch_cases._clone(model), batch)
+        result = pipeline_solve(tracer, tracer.batch, torch_cases.toy_machine(world), micro_batches=(4,), sizes=(1,),
+                                cutoff=1, divides_p=True)
+        return from_pipeline(result), None
+
+    q, _ = torch_cases.planned_on_rank_0(make)
     pipe = st.apply(q, torch_cases._clone(model), batch)
     ref = torch_cases._clone(model)
     loss0 = ref(*batch)

@@ -16,6 +16,7 @@ tests/torch_engine/test_torch_staged_zero.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -123,15 +124,35 @@ def edited(plan: Any, edits: dict[str, dict[str, Any]], layouts: dict[str, Any] 
     return dataclasses.replace(plan, stages=stages, stats=stats, detail=None)
 
 
-def searched(model: nn.Module, batch: tuple, sizes: tuple[int, ...], m: int) -> Any:
+def attn_case() -> tuple[nn.Module, tuple]:
+    """:class:`AttnModel` and its batch, from seed 0."""
+    torch.manual_seed(0)
+    return AttnModel(), (torch.randn(B, S, D), torch.randn(B, S, D))
+
+
+SEARCHED_MODELS = {"case": torch_pipeline_cases.make_case, "attn": attn_case}
+
+
+@functools.cache
+def searched(kind: str, sizes: tuple[int, ...], m: int) -> tuple[Any, Any]:
+    """The pipeline search's plan (1F1B, uniform stages of ``sizes`` processes, ``m`` micro-batches) of the model
+    ``SEARCHED_MODELS[kind]`` on the toy machine, and that model's graph at one micro-batch.
+
+    Made once per process: the search is deterministic and a plan is frozen, so the cases that edit and run it
+    (each on its own fresh model of that kind) share one search instead of repeating it. The model is built
+    under ``torch.random.fork_rng``: whether the search was made here or before leaves the caller's random
+    state alone."""
     from shardplan.pipeline.api import pipeline_solve
     from shardplan.planner import from_pipeline
     from shardplan.torch.staged import Tracer
 
+    with torch.random.fork_rng():
+        model, batch = SEARCHED_MODELS[kind]()
     tracer = Tracer(model, batch)
-    return from_pipeline(pipeline_solve(tracer, tracer.batch, torch_pipeline_cases.toy_machine(WORLD),
+    plan = from_pipeline(pipeline_solve(tracer, tracer.batch, torch_pipeline_cases.toy_machine(WORLD),
                                         micro_batches=(m,), sizes=sizes, uniform=True, schedules=("1f1b",),
-                                        cutoff=1)), tracer
+                                        cutoff=1))
+    return plan, tracer(len(batch[0]) // m)
 
 
 class AttnBlock(nn.Module):
@@ -180,7 +201,7 @@ def _one_process_stages(world: int) -> dict[str, Any]:
     import shardplan.torch as st
 
     model, batch = torch_pipeline_cases.make_case()
-    plan, _ = searched(model, batch, (1,), 4)
+    plan, _ = searched("case", (1,), 4)
     ops = [n for s in plan.stages for n in s.operators]
     fp8 = [n for n in ops if PRODUCT.match(n)]
     offload = ["layers.1/up/linear_2", "layers.2/gelu_2", "layers.4/down/linear_9"]
@@ -207,10 +228,8 @@ def _two_process_stages(world: int) -> dict[str, Any]:
 
     import shardplan.torch as st
 
-    torch.manual_seed(0)
-    model, batch = AttnModel(), (torch.randn(B, S, D), torch.randn(B, S, D))
-    plan, tracer = searched(model, batch, (2,), 2)
-    graph = tracer(B // 2)
+    model, batch = attn_case()
+    plan, graph = searched("attn", (2,), 2)
     layouts = {}
     for op in graph.operators:  # every operator splits its sequence (the first unfixed dimension of extent S)
         seq = next((d for d in op.dim_names if op.extents[d] == S and d not in op.fixed), None)
@@ -289,12 +308,11 @@ def _delayed_scaling(world: int) -> dict[str, Any]:
     for kind in ("one", "two"):
         if kind == "one":
             model, batch = torch_pipeline_cases.make_case()
-            plan, _ = searched(model, batch, (1,), 4)
+            plan, _ = searched("case", (1,), 4)
             names, m = [f"layers.{i}.{w}" for i in range(6) for w in ("up", "down")], 4
         else:
-            torch.manual_seed(0)
-            model, batch = AttnModel(), (torch.randn(B, S, D), torch.randn(B, S, D))
-            plan, _ = searched(model, batch, (2,), 2)
+            model, batch = attn_case()
+            plan, _ = searched("attn", (2,), 2)
             names, m = [f"layers.{i}.{w}" for i in range(2) for w in ("up", "down")], 2
         fp8 = {n: {"fp8": True} for s_ in plan.stages for n in s_.operators if PRODUCT.match(n)}
         pipe = st.apply(edited(plan, fp8), model, batch)

@@ -11,6 +11,7 @@ refuses (parameters in host memory beside a ZeRO stage other than 3) and accepts
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -47,6 +48,25 @@ class Mlp(nn.Module):
         return ((x - y) ** 2).mean()
 
 
+@functools.cache
+def searched_mlp(world: int, m: int) -> tuple[Any, Any]:
+    """The pipeline search's plan of :class:`Mlp` (2 stages of 2 processes, ``m`` micro-batches) and its graph at one
+    micro-batch: made once per process and shared by the cases of one ``m`` (the search is deterministic and a
+    plan is frozen; each case edits its own copy and trains its own fresh model). The model is built under
+    ``torch.random.fork_rng``, leaving the caller's random state alone."""
+    from shardplan.pipeline.api import pipeline_solve
+    from shardplan.planner import from_pipeline
+    from shardplan.torch.staged import Tracer
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model, batch = Mlp(), (torch.randn(B, D), torch.randn(B, D))
+    tracer = Tracer(model, batch)
+    plan = from_pipeline(pipeline_solve(tracer, tracer.batch, torch_pipeline_cases.toy_machine(world),
+                                        micro_batches=(m,), sizes=(2,), uniform=True, schedules=("1f1b",), cutoff=1))
+    return plan, tracer(B // m)
+
+
 def data_parallel(world: int, stage: int, offload: tuple[str, ...] = (), m: int = 2) -> Any:
     """The pipeline search's plan of :class:`Mlp` (2 stages of 2 processes, ``m`` micro-batches), every operator laid
     out data parallel (its first dimension of the micro-batch's rows split 2 ways) and every linear at ZeRO ``stage``
@@ -54,16 +74,10 @@ def data_parallel(world: int, stage: int, offload: tuple[str, ...] = (), m: int 
     import dataclasses
 
     from shardplan.layout import Layout
-    from shardplan.pipeline.api import pipeline_solve
-    from shardplan.planner import from_pipeline
-    from shardplan.torch.staged import Tracer
 
     torch.manual_seed(0)
     model, batch = Mlp(), (torch.randn(B, D), torch.randn(B, D))
-    tracer = Tracer(model, batch)
-    plan = from_pipeline(pipeline_solve(tracer, tracer.batch, torch_pipeline_cases.toy_machine(world),
-                                        micro_batches=(m,), sizes=(2,), uniform=True, schedules=("1f1b",), cutoff=1))
-    graph = tracer(B // m)
+    plan, graph = searched_mlp(world, m)
     rows = {op.name: next(d for d in op.dim_names if op.extents[d] == B // m) for op in graph.operators}
 
     def choice(name: str, c: Any) -> Any:
@@ -83,7 +97,7 @@ def one_process_stages(stage: int, offload: tuple[str, ...]) -> Any:
     import test_torch_staged_choices as sc  # noqa: E402  (tests/torch_engine is on sys.path)
 
     model, batch = torch_pipeline_cases.make_case()
-    plan, _ = sc.searched(model, batch, (1,), 4)
+    plan, _ = sc.searched("case", (1,), 4)
     edits = {n: {"offload": offload, "state_stage": stage} for s in plan.stages for n in s.operators
              if "linear" in n}
     return sc.edited(plan, edits), model, batch
