@@ -437,6 +437,9 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         pipe_options.update(fit_work_limit=fit_options.work_limit, fit_time_limit=fit_options.time_limit)
     seed = None  # the best uniform pipeline, costed before the one program: its step prunes the one program
     seed_stopped = False  # Ctrl-C while the seeds were costed (the best so far is kept; nothing else is searched)
+    # what an interrupted part with no plan stated of its space (the pipeline search's bound; with a recipe and a
+    # budget spent in the seeds, the one program's work floor)
+    unproven: list[float] = []
     one_none_better: float | None = None  # the one program proved no plan of its own beats the seed: its bound
     # solve-free bounds of both spaces, for whatever part of the search an interrupt leaves unfinished (the one
     # program's over all its micro-batch counts; the pipelines' step floor on the stage model the seeds and the
@@ -475,7 +478,11 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 raise
             say(f"  uniform pipelines: none costed: {e}")
         except WorkLimitReached as e:
-            raise spent(e) from None  # (before any seed: no plan)
+            if against is None:
+                raise spent(e) from None  # (before any seed: no plan)
+            # the recipe is the answer: the one program not searched (its work floor), the pipelines below
+            seed_stopped = True
+            unproven.append(one_floor)
         if seed is not None:
             seed_stopped = bool(seed.plan.stats.get("interrupted"))
             say(f"  uniform pipelines: {seed.step_time:.6g} s per step ({seed.plan.num_stages} stages, "
@@ -543,7 +550,6 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         work_phases["one_program"] = work.used
     if interrupted or not searched:
         work.close()  # nothing is searched from here: building the answer is charged, never stopped
-    unproven: list[float] = []  # an interrupted pipeline search with no plan: the bound it stated of its space
 
     def seed_plan(lower: float | None) -> Plan:
         """The seed as the pipeline candidate, with the bound stated of the pipeline space (None: unknown)."""

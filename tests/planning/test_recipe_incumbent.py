@@ -50,3 +50,21 @@ def test_a_recipe_that_does_not_fit_is_no_incumbent_and_a_plan_for_another_batch
     assert got.solver == "fit" and got.memory["peak_bytes"] <= budget
     with pytest.raises(ShardplanError, match="batch of 8, not 16"):
         plan(MODEL, machine, batch=16, recipe=rec)
+
+
+def test_a_budget_spent_in_the_uniform_pipelines_answers_the_recipe_with_both_floors():
+    from shardplan.models import model_spec
+    from shardplan.planner import _pipeline_floor, micro_batch_counts
+
+    machine = preset("h100", 16)  # two nodes: the uniform pipelines are costed first
+    with pytest.raises(ShardplanError, match="spent before any plan"):
+        plan(MODEL, machine, work_limit=1e4)
+    rec = cost_recipe(MODEL, machine, "tp=2")
+    got = plan(MODEL, machine, work_limit=1e4, recipe=rec)
+    assert got.solver == "recipe" and got.step_time == rec.step_time and got.stats["recipe_answered"] is True
+    assert got.stats["stopped_at_work_limit"] is True and got.stats["stages_searched"] is False
+    build = model_spec(MODEL).build
+    floors = (_one_program_floor(get_model(MODEL, 8), machine),
+              _pipeline_floor(None, build, 8, machine, micro_batch_counts(None, 8)))
+    assert got.lower_bound == pytest.approx(min(*floors, rec.step_time), rel=1e-12)
+    assert got.lower_bound < rec.step_time
