@@ -654,8 +654,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     stats = dict(best.stats)
     stats.update(plan_seconds=time.perf_counter() - t0, stages_searched=searched, stages_reason=why,
                  interrupted=interrupted, **work.summary(), work_phases=work_phases,
-                 compared={**{("pipeline" if p.solver == "pipeline" else "one program"): p.step_time
-                              for p in candidates},
+                 compared={**{("recipe" if p is against else "pipeline" if p.solver == "pipeline"
+                               else "one program"): p.step_time for p in candidates},
                            **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None
                               and lost_pipeline[0] is not None else {})},
                  refused=refusals,

@@ -38,6 +38,7 @@ def test_a_finished_search_answers_its_own_plan_when_faster_than_the_recipe():
     assert got.solver == plain.solver == "fit" and got.step_time == plain.step_time
     assert got.lower_bound == pytest.approx(plain.lower_bound, rel=1e-12)
     assert got.stats["recipe_answered"] is False and got.stats["recipe_step"] == rec.step_time
+    assert got.stats["compared"] == {"one program": plain.step_time, "recipe": rec.step_time}
 
 
 def test_a_recipe_that_does_not_fit_is_no_incumbent_and_a_plan_for_another_batch_is_refused():
