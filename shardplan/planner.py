@@ -318,7 +318,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
          max_stages: int | None = None, fit_options: Any = None, cutoff: int | None = None, orders: str = "auto",
          solver: str = "dp", partial_sums: bool = False, log: Callable[[str], None] | None = None,
          progress: Any = None, overlap_tp: bool = False, context: str = "allgather",
-         work_limit: float | None = PLAN_WORK_LIMIT) -> Plan:
+         work_limit: float | None = PLAN_WORK_LIMIT, recipe: Plan | None = None) -> Plan:
     """The fastest plan of ``model`` on ``machine`` that fits in each device's memory.
 
     Args:
@@ -356,6 +356,13 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
             machine at any load. Spent, the search stops as on Ctrl-C: the best plan so far, its proven bound
             and gap, ``stats["stopped_at_work_limit"]`` True (docs/pipeline.md, *A work budget for the whole
             call*).
+        recipe: a configuration the answer must not be worse than: the plan :func:`shardplan.recipe.cost_recipe`
+            made of it on this model, batch and machine. Costed by the same model, it is the search's first
+            incumbent when it fits the budget:
+            both searches need only beat its step, and the answer is the best of the searched plans and the
+            recipe's (the searched plan on a tie), so its step is at most the recipe's. The lower bound is the
+            least of the searches' bounds and the recipe's step (a bound of the spaces searched and the recipe
+            together, which need not be in them: docs/recipes.md, *The recipe as the search's incumbent*).
 
     Raises:
         ShardplanError: bad input, no plan in the space fits (the message names the least memory needed), or
@@ -400,6 +407,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     ms = micro_batch_counts(micro_batches, batch)
     limit = budget if budget is not None else machine.memory_bytes
     constrained = fit and limit is not None
+    against, against_why = _recipe_incumbent(recipe, machine, batch, limit if constrained else None)
+    outside = against.step_time if against is not None else None  # the recipe's step: the first incumbent
     searched, why = _wants_stages(stages, graph, build, machine, fit_options if constrained else None)
 
     t0 = time.perf_counter()
@@ -428,6 +437,9 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         pipe_options.update(fit_work_limit=fit_options.work_limit, fit_time_limit=fit_options.time_limit)
     seed = None  # the best uniform pipeline, costed before the one program: its step prunes the one program
     seed_stopped = False  # Ctrl-C while the seeds were costed (the best so far is kept; nothing else is searched)
+    # what an interrupted part with no plan stated of its space (the pipeline search's bound; with a recipe and a
+    # budget spent in the seeds, the one program's work floor)
+    unproven: list[float] = []
     one_none_better: float | None = None  # the one program proved no plan of its own beats the seed: its bound
     # solve-free bounds of both spaces, for whatever part of the search an interrupt leaves unfinished (the one
     # program's over all its micro-batch counts; the pipelines' step floor on the stage model the seeds and the
@@ -466,7 +478,11 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 raise
             say(f"  uniform pipelines: none costed: {e}")
         except WorkLimitReached as e:
-            raise spent(e) from None  # (before any seed: no plan)
+            if against is None:
+                raise spent(e) from None  # (before any seed: no plan)
+            # the recipe is the answer: the one program not searched (its work floor), the pipelines below
+            seed_stopped = True
+            unproven.append(one_floor)
         if seed is not None:
             seed_stopped = bool(seed.plan.stats.get("interrupted"))
             say(f"  uniform pipelines: {seed.step_time:.6g} s per step ({seed.plan.num_stages} stages, "
@@ -485,9 +501,10 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
 
         opts = fit_options if fit_options is not None else FitOptions(micro_batches=ms)
         try:
+            beat = min((x for x in (seed.step_time if seed is not None else None, outside) if x is not None),
+                       default=None)
             one = solve_fit(graph, machine, budget=limit, options=opts, cutoff=cutoff, orders=orders,
-                            partial_sums=partial_sums, incumbent=seed.step_time if seed is not None else None,
-                            work_budget=work, **tables_extra)
+                            partial_sums=partial_sums, incumbent=beat, work_budget=work, **tables_extra)
             if one.solution.stats.get("beats_incumbent", True):
                 got = from_spmd(one, model=name, batch=batch)
                 if got.lower_bound is not None and got.lower_bound < one_floor:
@@ -502,7 +519,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 # the pipelines answer; the bound stays in the plan's (docs/memory.md, *An incumbent from outside*)
                 one_none_better = max(float(one.solution.bound), one_floor)
                 stopped = one.solution.stats.get("interrupted")
-                say(f"  one program: no plan below {seed.step_time:.6g} s (bound {one_none_better:.6g} s; "  # type: ignore[union-attr]
+                say(f"  one program: no plan below {beat:.6g} s (bound {one_none_better:.6g} s; "
                     f"{time.perf_counter() - t0:.1f} s, {work.used:.3g} work units)"
                     + (f", {stop_word()}" if stopped else ""))
             if fit_options is None:
@@ -513,7 +530,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 raise
             refusals.append(f"one program: {e}")
         except KeyboardInterrupt as e:
-            if seed is None:
+            if seed is None and against is None:
                 raise spent(e) or e
             # Ctrl-C in the one program's memory search before it had a plan: the seed is the answer, the one
             # program bounded by its work floor (the pipelines' floor is the seed's bound below)
@@ -533,7 +550,6 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         work_phases["one_program"] = work.used
     if interrupted or not searched:
         work.close()  # nothing is searched from here: building the answer is charged, never stopped
-    unproven: list[float] = []  # an interrupted pipeline search with no plan: the bound it stated of its space
 
     def seed_plan(lower: float | None) -> Plan:
         """The seed as the pipeline candidate, with the bound stated of the pipeline space (None: unknown)."""
@@ -563,8 +579,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         tracker = progress if isinstance(progress, Progress) else Progress(progress)
         tracker.budget = work
         tracker.space_bound = None
-        if candidates:
-            tracker.improved(candidates[0].step_time)
+        if candidates or outside is not None:
+            tracker.improved(min([p.step_time for p in candidates] + ([outside] if outside is not None else [])))
 
         def heard(line: str) -> None:
             not_searched.append(line)
@@ -610,7 +626,7 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 candidates.append(seed_plan(tracker.space_bound if tracker.space_bound is not None else pipe_floor()))
                 refusals.append("pipelines: interrupted before the search had a plan, the best uniform pipeline kept")
                 say(f"  pipelines: {stop_word()} ({time.perf_counter() - t1:.1f} s), the best uniform pipeline kept")
-            elif not candidates:
+            elif not candidates and against is None:
                 raise spent(e) or e
             else:
                 # no pipeline found before the interrupt: the one program, and what the search proved of the
@@ -619,13 +635,17 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                 unproven.append(tracker.space_bound if tracker.space_bound is not None else pipe_floor())
                 refusals.append("pipelines: interrupted before a pipeline was found")
                 say(f"  pipelines: {stop_word()} before a pipeline was found ({time.perf_counter() - t1:.1f} s)")
+    if against is not None:
+        # last, so that a searched plan wins a tie; its step bounds the recipe's own part of the answer's space
+        candidates.append(against)
+        unproven.append(against.step_time)
     if not candidates:
         raise ShardplanError("no plan fits: " + "; ".join(refusals))
     least = min(p.step_time for p in candidates)
     # on a tie (relative 1e-9: rounding) the one program wins, the simpler plan to run
     best = next(p for p in candidates if p.step_time <= least * (1 + 1e-9))
     # an interrupted search that returned a plan states its space's bound in that plan's lower bound
-    bounds = [p.lower_bound for p in candidates] + unproven
+    bounds = [p.lower_bound for p in candidates if p is not against] + unproven
     if lost_pipeline is not None:
         bounds.append(lost_pipeline[1])
     if one_none_better is not None:
@@ -634,12 +654,14 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
     stats = dict(best.stats)
     stats.update(plan_seconds=time.perf_counter() - t0, stages_searched=searched, stages_reason=why,
                  interrupted=interrupted, **work.summary(), work_phases=work_phases,
-                 compared={**{("pipeline" if p.solver == "pipeline" else "one program"): p.step_time
-                              for p in candidates},
+                 compared={**{("recipe" if p is against else "pipeline" if p.solver == "pipeline"
+                               else "one program"): p.step_time for p in candidates},
                            **({"pipeline": lost_pipeline[0]} if lost_pipeline is not None
                               and lost_pipeline[0] is not None else {})},
                  refused=refusals,
                  **({"seed_step": seed.step_time} if seed is not None else {}),
+                 **({"recipe_step": outside, "recipe_answered": best is against} if against is not None else {}),
+                 **({"recipe_not_incumbent": against_why} if against_why is not None else {}),
                  # the one program proved none of its plans beats the seed: its proven bound
                  **({"one_program_none_better": one_none_better} if one_none_better is not None else {}),
                  **({"pipeline_sizes_not_searched": not_searched[0]} if not_searched else {}),
@@ -648,6 +670,27 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
                     and lost_pipeline[0] is None else {}))
     return replace(best, lower_bound=lower, stats=stats)
 
+
+
+def _recipe_incumbent(recipe: Plan | None, machine: Machine, batch: int | None,
+                      limit: float | None) -> tuple[Plan | None, str | None]:
+    """``recipe`` (a plan :func:`shardplan.recipe.cost_recipe` made) as the search's incumbent, and None; or None
+    and why it is not one: it does not fit ``limit`` (a plan of no memory-constrained space), or it was costed on
+    a machine other than ``machine`` (its ``overlap`` key, or a plan made for another machine: not the same
+    model). (None, None) when no recipe is given."""
+    if recipe is None:
+        return None, None
+    if not isinstance(recipe, Plan):
+        raise ShardplanError(f"plan: recipe must be the Plan shardplan.recipe.cost_recipe made of it, got "
+                             f"{type(recipe).__name__}")
+    if batch is not None and recipe.batch is not None and recipe.batch != batch:
+        raise ShardplanError(f"plan: the recipe's plan is for a batch of {recipe.batch}, not {batch}")
+    if recipe.machine != machine:
+        return None, "the recipe is costed on another machine setting (its overlap key), not the search's"
+    if limit is not None and float(recipe.memory["peak_bytes"]) > limit:
+        return None, (f"the recipe needs {recipe.memory['peak_bytes'] / 2**30:.3g} GiB per device, over the budget "
+                      f"of {limit / 2**30:.3g} GiB")
+    return recipe, None
 
 
 def _one_program_floor(graph: Graph, machine: Machine, fit_options: Any = None) -> float:
