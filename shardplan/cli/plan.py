@@ -4,8 +4,10 @@ It calls :func:`shardplan.planner.plan` with the options below (progress every 2
 in place on a terminal; Ctrl-C during the pipeline search prints the best plan so far) and prints the one report
 (:func:`shardplan.report.summary.render_plan`); ``--json`` writes the plan that ``Plan.from_json`` loads.
 ``--recipe`` costs a configuration written as practitioners write it (:func:`shardplan.recipe.cost_recipe`,
-before the search, so a recipe that is not expressible fails at once) and the report states how the plan
-compares with it; the recipe's ``gbs`` is the batch when ``--batch`` is not given.
+before the search, so a recipe that is not expressible fails at once), hands it to the search as its first
+incumbent (``plan(recipe=)``: the answer is never worse than it, and is the recipe itself when the search finds
+nothing better within its budget) and the report states how the plan compares with it; the recipe's ``gbs`` is
+the batch when ``--batch`` is not given.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       micro_batches=micro_batches, schedules=schedules, interleave=interleave,
                           max_stages=args.max_stages, cutoff=args.cutoff, orders=args.orders or "auto",
                           fit_options=fit_options, partial_sums=args.partial_sums, log=log, progress=write,
-                          overlap_tp=args.overlap_tp, context=args.context, work_limit=args.work_limit)
+                          overlap_tp=args.overlap_tp, context=args.context, work_limit=args.work_limit,
+                          recipe=against)
     except KeyboardInterrupt:
         end()
         _log(("time limit reached" if stopped else "interrupted") + " before any plan was found")

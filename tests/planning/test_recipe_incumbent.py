@@ -69,3 +69,16 @@ def test_a_budget_spent_in_the_uniform_pipelines_answers_the_recipe_with_both_fl
               _pipeline_floor(None, build, 8, machine, micro_batch_counts(None, 8)))
     assert got.lower_bound == pytest.approx(min(*floors, rec.step_time), rel=1e-12)
     assert got.lower_bound < rec.step_time
+
+
+def test_the_command_hands_its_recipe_to_the_search(capsys):
+    """``shardplan plan --recipe``: a budget spent before any plan answers the recipe (exit 0), as the API does,
+    where the same command without ``--recipe`` is the one-line error."""
+    from shardplan.cli import main
+
+    base = ["plan", "--model", MODEL, "-p", "8", "--machine", "h100", "--work-limit", "1e5"]
+    assert main(base) == 2
+    capsys.readouterr()
+    assert main([*base, "--recipe", "zero=3"]) == 0
+    out = capsys.readouterr().out
+    assert "Recipe compared: zero=3" in out
