@@ -137,7 +137,7 @@ from shardplan.errors import OperatorMemoryError, PerDeviceLimitError, Shardplan
 from shardplan.ir import Graph, Operator
 from shardplan.machine import Machine
 from shardplan.pipeline.search import StageCost
-from shardplan.pipeline.progress import GRAPH_OP_WORK, table_work
+from shardplan.pipeline.progress import GRAPH_OP_WORK, WorkLimitReached, table_work
 from shardplan.search.constrained import WORK_LIMIT, solve_work
 
 __all__ = ["unit_prefix", "units_of", "ModelStages", "graph_device_seconds"]
@@ -844,8 +844,9 @@ class ModelStages:
             return None
         if plan.solution.stats.get("interrupted"):
             # Ctrl-C landed in this stage's search, which kept its best plan; the user stopped the whole search,
-            # so the interrupt goes on to the pipeline search (its best plan and proven bound), not this stage's
-            raise KeyboardInterrupt
+            # so the interrupt goes on to the pipeline search (its best plan and proven bound), not this stage's;
+            # when the call's work budget stopped it, as that (the planner tells a spent budget from a Ctrl-C)
+            raise WorkLimitReached if self.work_budget is not None and self.work_budget.stopped else KeyboardInterrupt
         if not plan.solution.optimal:
             self.fit_unproven += 1
         return plan

@@ -163,3 +163,11 @@ def test_the_command_passes_its_work_limit_and_says_where_it_stopped(monkeypatch
     assert seen == [PLAN_WORK_LIMIT, None, 5e6]
     assert "work limit of 5e+06 units reached: the search stopped as on Ctrl-C" in err
     assert "stopped at the work limit: the best plan found so far" in err and "Step time:" in out
+
+
+def test_a_budget_spent_inside_a_stage_solve_of_the_uniform_pipelines_is_the_budget_error():
+    """The budget runs out inside a stage's memory search of the uniform pipelines (two nodes of h100, no plan
+    yet): the stage hands the spent budget on as such, so the call ends in the one-line budget error, not in a
+    bare interrupt as if the user had pressed Ctrl-C."""
+    with pytest.raises(ShardplanError, match="spent before any plan was found"):
+        plan("llama3-tiny", preset("h100", 16), batch=16, work_limit=3e5)
