@@ -42,7 +42,7 @@ test-hf5: $(STAMP5)
 
 ## Everyday work: everything but the tests marked slow (process groups, compiled third-party models).
 test-fast: $(STAMP)
-	$(PY) -m pytest -n $(JOBS) --dist loadfile -m "not slow"
+	$(PY) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
 ## Run the benchmarks (writes JSON under benchmarks/results/).
 bench: $(STAMP)
