@@ -125,7 +125,7 @@ def edited(plan: Any, edits: dict[str, dict[str, Any]], layouts: dict[str, Any] 
 
 
 def attn_case() -> tuple[nn.Module, tuple]:
-    """:class:`AttnModel` and its batch, from seed 0."""
+    """:class:`AttnModel` and its batch, drawn after `torch.manual_seed(0)` (the same values in every process)."""
     torch.manual_seed(0)
     return AttnModel(), (torch.randn(B, S, D), torch.randn(B, S, D))
 
