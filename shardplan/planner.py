@@ -568,7 +568,8 @@ def plan(model: Any, machine: Machine | None = None, *, batch: int | None = None
         # Ctrl-C inside the one program's memory search: the pipelines are not searched, bounded by their step floor
         searched = False
         unproven.append(pipe_floor())  # the pipelines not searched: their step floor
-        refusals.append("pipelines: interrupted in the one program's memory search, not searched")
+        refusals.append("pipelines: interrupted in the uniform pipelines before any plan, not searched" if one_skipped
+                        else "pipelines: interrupted in the one program's memory search, not searched")
     # (step, lower bound) of a pipeline slower than one program; step None: none beat it (search pruned by it)
     lost_pipeline: tuple[float | None, float | None] | None = None
     not_searched: list[str] = []  # the sub-mesh sizes the pipeline search left out, and why (one line)

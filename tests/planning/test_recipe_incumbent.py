@@ -64,6 +64,7 @@ def test_a_budget_spent_in_the_uniform_pipelines_answers_the_recipe_with_both_fl
     got = plan(MODEL, machine, work_limit=1e4, recipe=rec)
     assert got.solver == "recipe" and got.step_time == rec.step_time and got.stats["recipe_answered"] is True
     assert got.stats["stopped_at_work_limit"] is True and got.stats["stages_searched"] is False
+    assert "pipelines: interrupted in the uniform pipelines before any plan, not searched" in got.stats["refused"]
     build = model_spec(MODEL).build
     floors = (_one_program_floor(get_model(MODEL, 8), machine),
               _pipeline_floor(None, build, 8, machine, micro_batch_counts(None, 8)))
