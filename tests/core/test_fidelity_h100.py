@@ -140,3 +140,21 @@ def test_step_terms_add_up_to_the_step_and_name_each_kind():
             "cross_entropy", "optimizer", "weight_sync"} <= set(got)
     assert "other_elementwise" not in got and "compute" not in got
     assert got["gemm_fp8"] > got["attention"] > got["gemm_bf16"] > got["cross_entropy"]
+
+
+def test_llama3_8b_rows_of_two_releases_share_every_per_token_term():
+    """The basis of docs/fidelity.md's finding on NeMo 24.07's Llama 3 8B: 24.07 (CP 2, 32 micro-batches of 4,096
+    tokens per GPU) and 25.11 (CP 1, 16 of 8,192, 5 blocks recomputed) are charged the same products, attention,
+    casts and memory-bound operators per step; they differ by 25.11's recomputation and 24.07's ring."""
+    from benchmarks.bench_fidelity_h100 import _builder
+    from shardplan.machine import preset
+    from shardplan.recipe import cost_recipe
+
+    got = {name: step_terms(cost_recipe(_builder("llama3-8b", {}), preset("h100", 8), ROWS[name].recipe).detail)
+           for name in ("nemo2407-llama3-8b-8", "mb2511-llama3-8b-8")}
+    old, new = got["nemo2407-llama3-8b-8"], got["mb2511-llama3-8b-8"]
+    for key in ("gemm_fp8", "gemm_bf16", "attention", "fp8_casts", "swiglu_gelu", "residual_adds", "norms", "rotary",
+                "cross_entropy", "optimizer"):
+        assert old[key] == pytest.approx(new[key], rel=1e-6), key
+    assert "recompute" in new and "recompute" not in old
+    assert old["redistribution"] > 0 and new.get("redistribution", 0.0) == 0.0
