@@ -27,7 +27,9 @@ the grammar refuses is recorded with its refusal (``published_recipe``, ``refusa
 form only when the difference is stated. Rank orders within each experiment (one model at two GPU counts or two
 batches; three configurations of Llama 3 70B on 64 GPUs) are compared with the published order by TFLOP/s per GPU
 (:mod:`benchmarks.fidelity_common`). A row still running after ``--row-limit`` seconds (default 180) is recorded as
-skipped. docs/fidelity.md ("H100: published runs") states, per row, what the model does not explain.
+skipped. Every NVIDIA row records its step by term (``terms``: :func:`step_terms` of the recipe, or of its layouts as one
+program on a stage's GPUs when it is a pipeline), so the terms' shares compare between hidden sizes.
+docs/fidelity.md ("H100: published runs") states, per row, what the model does not explain.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_fidelity_h100.py [--rows l3-405b-8192,nemo2407] [--out
 benchmarks/results/fidelity_h100.json] [--plot benchmarks/results/fidelity_h100.png]``
@@ -35,6 +37,7 @@ benchmarks/results/fidelity_h100.json] [--plot benchmarks/results/fidelity_h100.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -83,9 +86,27 @@ FP8_NOTE = ("precision=fp8: Transformer Engine runs every linear layer's three p
             "extra amax pass over each input before its cast, TE's fused cast-transpose doing both in one pass, "
             "the FP8 weight gather (collectives stay bf16); attention stays bf16 in both (TE's FP8 dot-product "
             "attention off by default)")
+CP_NOTE = ("context parallelism: Megatron-Core's p2p ring (cp_algo=ring). NeMo of the 24.07 container pins "
+           "Megatron-LM 338af51 (2024-07-23, before core_v0.8.0; NVIDIA/NeMo Dockerfile.ci at r2.0.0rc1), whose "
+           "TEDotProductAttention hands Transformer Engine only cp_group, cp_global_ranks and cp_stream, i.e. TE's "
+           "ring attention (megatron/core/transformer/custom_layers/transformer_engine.py); cp_comm_type (p2p, "
+           "all_gather, a2a) first appears in core_v0.10.0 with p2p the default, and neither Megatron-Bridge's Llama "
+           "recipes nor its performance scripts set it (v0.2.0)")
 CAUSAL_FLOPS = ("model TFLOP/s: NVIDIA's published value is kept as the publisher's FLOPs (published TFLOP/s × GPUs "
                 "× measured step); its ratio to the zoo's formula (whole s × s scores, no recomputation) is "
                 "recorded (publisher_over_zoo_flops)")
+
+
+MB2511_8B_SOURCE = (
+    "the 25.11 container's recipe, read from Megatron-Bridge v0.2.0 (tag commit 7af9601c9da7, 2025-11-26), "
+    "scripts/performance/configs/llama3/workload_base_configs.py: LLAMA3_8B_H100_FP8_CS_BASE_CONFIG = TP 1, PP 1, "
+    "context_parallel_size=1, recompute_num_layers=5 (helpers.set_recompute_overrides: recompute_granularity full, "
+    "recompute_method block: recompute=5), no use_megatron_fsdp, so the recipe's distributed optimizer with "
+    "overlap_grad_reduce and overlap_param_gather (src/megatron/bridge/recipes/llama/llama3.py: zero=1, "
+    "overlap=grad_reduce); set on the r0.2.0 branch by 8aed9a229 (2025-11-21), which replaced use_megatron_fsdp=True. "
+    "The performance table (first published 97ad8cc6f, 2025-12-04) gives FSDP = 1 (edited to 8 by cfeddcd94, "
+    "2026-03-21) and GA 16: the variants are that reading (zero=3 with its gathers overlapped) without and with the "
+    "5 recomputed blocks")
 
 
 @dataclass(frozen=True)
@@ -114,10 +135,14 @@ LLAMA2_70B = (("vocab", 32000), ("seq", 4096))  # 80 layers, 8192, 64 heads, 8 K
 
 
 def _nv(recipe: str, tp: int) -> tuple[str, tuple[str, ...]]:
-    """An NVIDIA recipe with the common keys (ZeRO-1, overlapped gradient reduction, FP8) and its notes."""
+    """An NVIDIA recipe with the common keys (ZeRO-1, overlapped gradient reduction, FP8) and its notes; a context
+    group (``cp=N``) runs Megatron-Core's p2p ring (``cp_algo=ring``, :data:`CP_NOTE`)."""
     tp_keys = ",sp=true" if tp > 1 else ""
     overlap = "grad_reduce+tp_comm" if tp > 1 else "grad_reduce"
-    notes = NV_COMMON + ((SP_NOTE,) if tp > 1 else ()) + (FP8_NOTE, CAUSAL_FLOPS)
+    ring = re.search(r"(^|,)cp=\d+", recipe) is not None
+    if ring:
+        recipe = re.sub(r"((?:^|,)cp=\d+)", r"\1,cp_algo=ring", recipe, count=1)
+    notes = NV_COMMON + ((SP_NOTE,) if tp > 1 else ()) + ((CP_NOTE,) if ring else ()) + (FP8_NOTE, CAUSAL_FLOPS)
     return f"{recipe}{tp_keys},zero=1,overlap={overlap},precision=fp8,runtime=megatron_te", notes
 
 
@@ -146,14 +171,12 @@ def rows() -> list[Row]:
         out.append(Row(name, "nemo-24.07", f"{NEMO_2407}, row {name.split('-', 1)[1]}", model, gpus, rec, gbs, seq,
                        tok, tfl, sizes, notes + extra))
     # Megatron-Bridge 25.11 and 26.02, DGX-H100, FP8
-    rec, notes = _nv("tp=1,zero=3,mbs=1,gbs=128", 1)
-    rec = rec.replace(",zero=1", "").replace("overlap=grad_reduce", "overlap=grad_reduce+param_gather")
+    rec, notes = _nv("tp=1,mbs=1,gbs=128,recompute=5", 1)
+    fsdp, _ = _nv("tp=1,zero=3,mbs=1,gbs=128", 1)
+    fsdp = fsdp.replace(",zero=1", "").replace("overlap=grad_reduce", "overlap=grad_reduce+param_gather")
     out.append(Row("mb2511-llama3-8b-8", "megatron-bridge", f"{MB_2511}, LLAMA3_8B, 8 GPUs", "llama3-8b", 8, rec, 128,
                    8192, 14451, 744, (),
-                   ("FSDP 8 (Megatron FSDP over all 8 GPUs, GA 16): zero=3 with its gathers and reduce-scatters "
-                    "overlapped (overlap=grad_reduce+param_gather), in place of the distributed optimizer",)
-                   + notes[1:],
-                   variants=(rec + ",recompute=5",)))
+                   (MB2511_8B_SOURCE,) + notes, variants=(fsdp, fsdp + ",recompute=5")))
     for name, src, gbs, tok, tfl in (("mb2511-llama3-70b-64", MB_2511, 128, 1602, 719),
                                      ("mb2602-llama3-70b-64", MB_2602, 256, 1621, 728)):
         rec, notes = _nv(f"tp=4,pp=8,vp=5,mbs=1,gbs={gbs}", 4)
@@ -162,7 +185,7 @@ def rows() -> list[Row]:
     for name, src, gbs, tok, tfl in (("mb2511-llama31-405b-1024", MB_2511, 512, 292, 737),
                                      ("mb2602-llama31-405b-1024", MB_2602, 1536, 311, 784)):
         rec, notes = _nv(f"tp=8,cp=2,pp=8,vp=8,embedding_as_layer=true,loss_as_layer=true,mbs=1,gbs={gbs}", 8)
-        nearest = (f"tp=8,cp=2,pp=8,mbs=1,gbs={gbs},first_stage_layers=15,last_stage_layers=15,zero=1,"
+        nearest = (f"tp=8,cp=2,cp_algo=ring,pp=8,mbs=1,gbs={gbs},first_stage_layers=15,last_stage_layers=15,zero=1,"
                    "overlap=grad_reduce,precision=fp8,runtime=megatron_te")
         out.append(Row(name, "megatron-bridge", f"{src}, LLAMA3.1_405B, 1024 GPUs", "llama3-405b", 1024, rec, gbs,
                        8192, tok, tfl, (),
@@ -257,6 +280,66 @@ def measured(row: Row) -> dict[str, Any]:
             "measured_tflops_per_gpu": row.tflops_per_gpu, "measured_zoo_tflops_per_gpu": row.tflops_per_gpu}
 
 
+ELEMENTWISE_TERMS = {"rms_norm": "norms", "layer_norm": "norms", "rope": "rotary", "ffn": "swiglu_gelu",
+                     "add": "residual_adds", "softmax_xent": "cross_entropy", "embedding": "embedding"}
+"""The memory-bound operators' terms by kind (compute of an operator that is not a matrix product)."""
+PART_TERMS = {"fp8_scaling": "fp8_casts", "grad_allreduce": "grad_reduce", "forward_allreduce": "tp_collectives"}
+"""The other parts of an operator's seconds (:data:`shardplan.cost.BREAKDOWN`) under the term they are reported as;
+a part not named keeps its name (``optimizer``, ``weight_sync``, ``recompute``, ...)."""
+
+
+def step_terms(plan: Any) -> dict[str, float]:
+    """Seconds of one SPMD program's step (a :class:`~shardplan.spmd.SpmdPlan` with memory choices) by term:
+    its products' compute in FP8 (``gemm_fp8``) and in the machine's precision (``gemm_bf16``: the output layer),
+    the fused attention core (``attention``), the memory-bound operators by kind (:data:`ELEMENTWISE_TERMS`; any
+    other kind ``other_elementwise``), each other part of the operators' seconds (:data:`PART_TERMS`: FP8 casts,
+    the gradient all-reduces of a split sequence or batch, tensor-parallel collectives, the optimizer step, the
+    weights' synchronisation) and the edges' ``redistribution``. The terms add up to the plan's step time."""
+    from shardplan.cost.memory import fp8_product
+
+    mc, tables = plan.memory_choices, plan.tables
+    out: dict[str, float] = {}
+    for i, op in enumerate(plan.graph.operators):
+        for part, val in mc.parts(i).items():
+            if part != "compute":
+                key = PART_TERMS.get(part, part)
+            elif fp8_product(op):
+                key = "gemm_fp8" if mc.fp8(i) else "gemm_bf16"
+            elif op.kind.startswith("attn"):
+                key = "attention"
+            else:
+                key = ELEMENTWISE_TERMS.get(op.kind, "other_elementwise")
+            out[key] = out.get(key, 0.0) + float(val)
+    out["redistribution"] = float(sum(m[plan.assignment[s], plan.assignment[d]] for s, d, m in tables.all_edges()))
+    return {k: v for k, v in out.items() if v}
+
+
+PIPELINE_KEYS = re.compile(r"(?:^|,)(?:pp|vp|first_stage_layers|last_stage_layers|embedding_as_layer|loss_as_layer)=[^,]*")
+
+
+def one_program(recipe: str) -> tuple[str, int]:
+    """``recipe`` without its pipeline (the keys of :data:`PIPELINE_KEYS` removed) and its pp: the same layouts,
+    micro-batches and memory choices as one program of every layer on a stage's devices (GPUs / pp)."""
+    from shardplan.recipe import Recipe
+
+    return PIPELINE_KEYS.sub("", recipe).lstrip(","), Recipe.parse(recipe).pp
+
+
+def terms(row: Row) -> dict[str, Any]:
+    """The step of ``row``'s recipe by term (:func:`step_terms`): the recipe itself when it is one program, else
+    :func:`one_program` on GPUs / pp (every block at a stage's layouts: the terms' shares of a stage's work, the
+    pipeline's fill and its unequal ends left out). ``share``: each term over their sum."""
+    from shardplan.machine import preset
+    from shardplan.recipe import cost_recipe
+
+    text, pp = one_program(row.recipe)
+    plan = cost_recipe(_builder(row.model, dict(row.sizes)), preset("h100", row.gpus // pp), text)
+    sec = step_terms(plan.detail)
+    total = sum(sec.values())
+    return {"program": text, "gpus": row.gpus // pp, "seconds": sec, "total": total,
+            "share": {k: v / total for k, v in sec.items()}}
+
+
 def cost_row(row: Row) -> dict[str, Any]:
     """The row costed through :func:`cost_recipe` (or its refusal), with the wall and CPU seconds it took."""
     from shardplan.errors import ShardplanError
@@ -296,6 +379,8 @@ def cost_row(row: Row) -> dict[str, Any]:
                          "fits": float(v.memory["peak_bytes"]) <= float(v.memory["budget_bytes"])}
     if variants:
         out["variants"] = variants
+    if row.experiment != "llama3-table4":
+        out["terms"] = terms(row)
     out.update(status="costed", predicted_seconds=pred, ratio=pred / m["measured_seconds"],
                predicted_tflops_per_gpu=flops / pred / row.gpus / 1e12,
                predicted_zoo_tflops_per_gpu=m["zoo_flops_per_step"] / pred / row.gpus / 1e12,
@@ -323,7 +408,8 @@ EXPERIMENTS = {  # name: the rows ranked together (one model, one publisher)
     "nemo-24.07 gpt3-175b: 128 vs 512 GPUs": ("nemo2407-gpt3-175b-128", "nemo2407-gpt3-175b-512"),
     "llama3-70b on 64 H100, FP8: 24.07 (TP4 PP4 CP2 VP5), 25.11 (TP4 PP8 VP5, GBS 128), 26.02 (GBS 256)": (
         "nemo2407-llama3-70b-64", "mb2511-llama3-70b-64", "mb2602-llama3-70b-64"),
-    "llama3-8b on 8 H100, FP8: 24.07 (CP 2) vs 25.11 (FSDP 8)": ("nemo2407-llama3-8b-8", "mb2511-llama3-8b-8"),
+    "llama3-8b on 8 H100, FP8: 24.07 (CP 2) vs 25.11 (CP 1, 5 blocks recomputed)": ("nemo2407-llama3-8b-8",
+                                                                                   "mb2511-llama3-8b-8"),
     "llama3.1-405b on 1,024 H100: GBS 512 (25.11) vs 1536 (26.02)": ("mb2511-llama31-405b-1024",
                                                                      "mb2602-llama31-405b-1024"),
     "llama3 Table 4: 8,192 GPUs, 16,384 GPUs, 16,384 GPUs at 128K (CP 16)": ("l3-405b-8192", "l3-405b-16384",

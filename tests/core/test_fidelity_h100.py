@@ -8,7 +8,8 @@ from fractions import Fraction
 
 import pytest
 
-from benchmarks.bench_fidelity_h100 import attention_flops, cost_row, measured, rank_orders, rows
+from benchmarks.bench_fidelity_h100 import (attention_flops, cost_row, measured, one_program, rank_orders, rows,
+                                            step_terms)
 from benchmarks.fidelity_common import compare_ranks, kendall_tau, ranks
 from shardplan.models.flops import model_flops
 from shardplan.recipe import Recipe
@@ -95,3 +96,65 @@ def test_rank_orders_need_every_row_of_an_experiment():
             for n, t in (("nemo2407-gpt3-175b-128", 1.0), ("nemo2407-gpt3-175b-512", 2.0))]
     got = rank_orders(done)
     assert list(got) == ["nemo-24.07 gpt3-175b: 128 vs 512 GPUs"] and got[list(got)[0]]["same_order"]
+
+
+def test_nvidia_context_groups_run_megatron_cores_ring():
+    """Every NVIDIA row with a context group runs the p2p ring (Megatron-Core 0.8 of NeMo 24.07 had no other;
+    cp_comm_type's default since 0.10 is p2p), the Llama 3 paper's all-gather stays all-gather."""
+    for r in ROWS.values():
+        for text in (r.recipe, *r.variants):
+            rec = Recipe.parse(text)
+            if rec.cp > 1:
+                assert rec.cp_algo == ("allgather" if r.experiment == "llama3-table4" else "ring"), (r.name, text)
+
+
+def test_megatron_bridge_25_11_llama3_8b_reads_its_release_source():
+    """The 25.11 Llama 3 8B row is Megatron-Bridge v0.2.0's H100 FP8-CS recipe (CP 1, 5 blocks recomputed, the
+    distributed optimizer); the published table's FSDP reading is kept as variants, without and with recompute."""
+    r = ROWS["mb2511-llama3-8b-8"]
+    rec = Recipe.parse(r.recipe)
+    assert (rec.tp, rec.cp, rec.pp, rec.zero, rec.recompute) == (1, 1, 1, 1, 5)
+    assert [Recipe.parse(v).zero for v in r.variants] == [3, 3]
+    assert [Recipe.parse(v).recompute for v in r.variants] == ["none", 5]
+
+
+def test_one_program_drops_the_pipeline_only():
+    text, pp = one_program(ROWS["mb2511-llama31-405b-1024"].recipe)
+    assert pp == 8 and text == ("tp=8,cp=2,cp_algo=ring,mbs=1,gbs=512,sp=true,zero=1,overlap=grad_reduce+tp_comm,"
+                                "precision=fp8,runtime=megatron_te")
+    assert one_program(ROWS["nemo2407-llama2-7b-8"].recipe) == (ROWS["nemo2407-llama2-7b-8"].recipe, 1)
+
+
+def test_step_terms_add_up_to_the_step_and_name_each_kind():
+    """One program's terms (FP8 and bf16 products, attention, each memory-bound kind, casts, collectives,
+    optimizer) add up to its predicted step; Llama 3 8B's products are FP8 but its output layer's (bf16)."""
+    from benchmarks.bench_fidelity_h100 import _builder
+    from shardplan.machine import preset
+    from shardplan.recipe import cost_recipe
+
+    r = ROWS["nemo2407-llama3-8b-8"]
+    plan = cost_recipe(_builder(r.model, {}), preset("h100", 8), r.recipe)
+    got = step_terms(plan.detail)
+    assert sum(got.values()) == pytest.approx(plan.step_time, rel=1e-12)
+    assert {"gemm_fp8", "gemm_bf16", "attention", "fp8_casts", "norms", "rotary", "swiglu_gelu", "residual_adds",
+            "cross_entropy", "optimizer", "weight_sync"} <= set(got)
+    assert "other_elementwise" not in got and "compute" not in got
+    assert got["gemm_fp8"] > got["attention"] > got["gemm_bf16"] > got["cross_entropy"]
+
+
+def test_llama3_8b_rows_of_two_releases_share_every_per_token_term():
+    """The basis of docs/fidelity.md's finding on NeMo 24.07's Llama 3 8B: 24.07 (CP 2, 32 micro-batches of 4,096
+    tokens per GPU) and 25.11 (CP 1, 16 of 8,192, 5 blocks recomputed) are charged the same products, attention,
+    casts and memory-bound operators per step; they differ by 25.11's recomputation and 24.07's ring."""
+    from benchmarks.bench_fidelity_h100 import _builder
+    from shardplan.machine import preset
+    from shardplan.recipe import cost_recipe
+
+    got = {name: step_terms(cost_recipe(_builder("llama3-8b", {}), preset("h100", 8), ROWS[name].recipe).detail)
+           for name in ("nemo2407-llama3-8b-8", "mb2511-llama3-8b-8")}
+    old, new = got["nemo2407-llama3-8b-8"], got["mb2511-llama3-8b-8"]
+    for key in ("gemm_fp8", "gemm_bf16", "attention", "fp8_casts", "swiglu_gelu", "residual_adds", "norms", "rotary",
+                "cross_entropy", "optimizer"):
+        assert old[key] == pytest.approx(new[key], rel=1e-6), key
+    assert "recompute" in new and "recompute" not in old
+    assert old["redistribution"] > 0 and new.get("redistribution", 0.0) == 0.0
