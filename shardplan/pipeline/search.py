@@ -462,7 +462,10 @@ def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exc
     whose bound reaches the best costed; a stage that does not fit its in-flight micro-batches takes its
     memory-constrained optimum (``fit_fn``) only in a candidate of at least ``fit_stages`` stages (a
     memory-constrained solve of a large stage can cost as much as the one program), else the candidate is
-    dropped. ``found_plan`` hears each plan better than the ones before. A heuristic choice of real plans: what
+    dropped. When a candidate of fewer than ``fit_stages`` stages is dropped and no seed is known yet, the next one
+    costed, out of turn and beyond ``limit``, is the best of those with the most stages (at least ``fit_stages``:
+    the smallest memory-constrained solves), once (``stats["seed_out_of_turn"]``: docs/pipeline.md, *A first seed
+    that fits*). ``found_plan`` hears each plan better than the ones before. A heuristic choice of real plans: what
     it finds only lowers the incumbent.
 
     ``chunking_lower(chunking, q, m)``: a proven lower bound, as floats, of the largest ``stage_lower`` of the
@@ -538,9 +541,9 @@ def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exc
         tick(f"seed {costed}/{limit}: {n} stages, m={m}")
         plan = cost(m, n, chunking, schedule)
         if plan is None and not found and not done and n < fit_stages and deepest:
-            # the first candidate costed was dropped for memory (it takes no memory-constrained stage) and no seed
-            # is known: the next one costed, out of turn and beyond the limit, is the best of those with the most
-            # stages, which take memory-constrained stages (docs/pipeline.md, *A first seed that fits*)
+            # dropped (it takes no memory-constrained stage, and one of its stages does not fit time-optimally) with
+            # no seed known: the next one costed, out of turn and beyond the limit, is the best of those with the
+            # most stages, which take memory-constrained stages (docs/pipeline.md, *A first seed that fits*)
             pool = [e for e in heap if e[0][3] == deepest]
             heapq.heapify(pool)
             got = least_exact(pool)
