@@ -21,7 +21,8 @@ machine this runs on has 2 cores shared with other jobs: CPU seconds are the ste
 recorded before and after. The search's answer does not depend on the load (its budget counts work, not time).
 
 Run:  PYTHONPATH=. python benchmarks/bench_published_configs.py [--cases NAME,...] [--jobs N] [--limit S]
-Writes benchmarks/results/published_configs.json.
+Writes benchmarks/results/published_configs.json: the cases run replace their rows there, the others are kept,
+and the run (cases, commit, load, wall) is added to its ``runs``.
 """
 
 from __future__ import annotations
@@ -211,6 +212,39 @@ def _line(r: dict[str, Any]) -> str:
             f"{r['peak_rss_bytes'] / gib:.1f} GiB")
 
 
+def _commit() -> str | None:
+    """The short commit of the tree the bench runs on (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _merged(out: Path, rows: list[dict[str, Any]], run: dict[str, Any]) -> dict[str, Any]:
+    """The results file with ``rows`` written over the rows of the same cases (the others kept, in the order of
+    :data:`CASES`) and ``run`` (which cases, commit, load, wall) added to its runs; a new file when there is none
+    or it holds no runs."""
+    old: dict[str, Any] = {}
+    if out.exists():
+        old = json.loads(out.read_text())
+    if "runs" not in old:
+        old = {}
+    by_name = {r["name"]: r for r in old.get("cases", [])}
+    by_name.update({r["name"]: r for r in rows})
+    cases = [by_name[c.name] for c in CASES if c.name in by_name]
+    return {"benchmark": "published_configs", "machine_preset": "h100", "cpu_count": os.cpu_count(),
+            "platform": platform.platform(), "python": platform.python_version(),
+            # plan(recipe=)'s answer against the recipe it was given, in every case
+            "search_with_recipe_never_worse": all(r["status"] == "ok" and "error" not in r["plan_with_recipe"]
+                                                  and r["plan_with_recipe"]["plan_over_recipe"] <= 1 + 1e-9
+                                                  for r in cases),
+            "runs": [*old.get("runs", []), run], **({"note": old["note"]} if "note" in old else {}),
+            "cases": cases}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", help="comma-separated case names (default: all)")
@@ -230,15 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = list(pool.map(lambda c: row(c, args.limit), cases))
     for r in rows:
         print(_line(r), flush=True)
-    doc = {"benchmark": "published_configs", "machine_preset": "h100", "cpu_count": os.cpu_count(),
-           "platform": platform.platform(), "python": platform.python_version(), "jobs": args.jobs,
+    run = {"cases": [r["name"] for r in rows], "commit": _commit(), "jobs": args.jobs,
            "load_average_before": load0, "load_average_after": os.getloadavg(),
-           "wall_seconds": time.perf_counter() - t0,
-           # plan(recipe=)'s answer against the recipe it was given, in every case
-           "search_with_recipe_never_worse": all(r["status"] == "ok" and "error" not in r["plan_with_recipe"]
-                                                 and r["plan_with_recipe"]["plan_over_recipe"] <= 1 + 1e-9
-                                                 for r in rows),
-           "cases": rows}
+           "wall_seconds": time.perf_counter() - t0}
+    doc = _merged(Path(args.out), rows, run)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -462,7 +462,10 @@ def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exc
     whose bound reaches the best costed; a stage that does not fit its in-flight micro-batches takes its
     memory-constrained optimum (``fit_fn``) only in a candidate of at least ``fit_stages`` stages (a
     memory-constrained solve of a large stage can cost as much as the one program), else the candidate is
-    dropped. ``found_plan`` hears each plan better than the ones before. A heuristic choice of real plans: what
+    dropped. When a candidate of fewer than ``fit_stages`` stages is dropped and no seed is known yet, the next one
+    costed, out of turn and beyond ``limit``, is the best of those with the most stages (at least ``fit_stages``:
+    the smallest memory-constrained solves), once (``stats["seed_out_of_turn"]``: docs/pipeline.md, *A first seed
+    that fits*). ``found_plan`` hears each plan better than the ones before. A heuristic choice of real plans: what
     it finds only lowers the incumbent.
 
     ``chunking_lower(chunking, q, m)``: a proven lower bound, as floats, of the largest ``stage_lower`` of the
@@ -494,10 +497,40 @@ def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exc
     found: dict[int, PipelinePlan] = {}
     best = math.inf
     costed = 0
+    # the most stages a candidate has that takes memory-constrained stages (its stages are the smallest: the
+    # cheapest memory-constrained solves); 0: none does
+    deepest = max((e[0][3] for e in heap if e[0][3] >= fit_stages), default=0) if fit_fn is not None else 0
+    done: set[tuple[int, int, tuple]] = set()  # the fallback seed, costed out of turn: (m, S, chunking)
+
+    def least_exact(pool: list) -> tuple | None:
+        """The least entry of the heap ``pool`` under its exact key, popped (entries under a bound made exact on the
+        way, as in the loop below); None when ``pool`` is empty."""
+        while pool:
+            key, exact, factor, schedule = heapq.heappop(pool)
+            if exact:
+                return key, schedule
+            _, _, neg_m, n, chunking = key
+            t = max(stage_lower(a, b, p // n, -neg_m) for a, b in chunking)
+            heapq.heappush(pool, ((factor * t, -neg_m * t, neg_m, n, chunking), True, factor, schedule))
+        return None
+
+    def cost(m: int, n: int, chunking: tuple, schedule: str) -> PipelinePlan | None:
+        nonlocal best
+        plan = evaluate_pipeline([(a, b, p // n) for a, b in chunking], m, space, stage_fn, link_fn, exchange,
+                                 schedule, fit_fn=fit_fn if n >= fit_stages else None)
+        if plan is not None and (m not in found or plan.step_time < found[m].step_time):
+            found[m] = plan
+            if plan.step_time < best and found_plan is not None:
+                found_plan(plan)
+            best = min(best, plan.step_time)
+        return plan
+
     while heap and costed < limit:
         key, exact, factor, schedule = heapq.heappop(heap)
         _, lb, m, n, chunking = key
         m = -m
+        if (m, n, chunking) in done:
+            continue
         if lb >= best:  # (a bound's m t below the exact one's: the exact one reaches the best as well)
             continue
         if not exact:  # every key left is >= this bound: the exact key goes back among them
@@ -506,13 +539,21 @@ def _uniform_seeds(space: PipelineSpace, stage_fn: StageFn, link_fn: LinkFn, exc
             continue
         costed += 1
         tick(f"seed {costed}/{limit}: {n} stages, m={m}")
-        plan = evaluate_pipeline([(a, b, p // n) for a, b in chunking], m, space, stage_fn, link_fn, exchange,
-                                 schedule, fit_fn=fit_fn if n >= fit_stages else None)
-        if plan is not None and (m not in found or plan.step_time < found[m].step_time):
-            found[m] = plan
-            if plan.step_time < best and found_plan is not None:
-                found_plan(plan)
-            best = min(best, plan.step_time)
+        plan = cost(m, n, chunking, schedule)
+        if plan is None and not found and not done and n < fit_stages and deepest:
+            # dropped (it takes no memory-constrained stage, and one of its stages does not fit time-optimally) with
+            # no seed known: the next one costed, out of turn and beyond the limit, is the best of those with the
+            # most stages, which take memory-constrained stages (docs/pipeline.md, *A first seed that fits*)
+            pool = [e for e in heap if e[0][3] == deepest]
+            heapq.heapify(pool)
+            got = least_exact(pool)
+            if got is not None:
+                (_, _, neg_m, fn, fchunking), fschedule = got
+                done.add((-neg_m, fn, fchunking))
+                tick(f"seed out of turn: {fn} stages, m={-neg_m}")
+                fplan = cost(-neg_m, fn, fchunking, fschedule)
+                stats["seed_out_of_turn"] = {"stages": fn, "micro_batches": -neg_m,
+                                             "step": None if fplan is None else fplan.step_time}
     stats["seeds_costed"] = costed
     return found
 
