@@ -684,7 +684,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     if rules.fp8 and machine.fp8_flops is not None and fp8_product(op):
         cache, saved_in = fp8_extra_bytes(op, lay, machine, rules.fp8_saved_inputs)
         precisions.append((True, operator_cost(op, lay, mm.fp8_machine()),
-                           fp8_scaling_seconds(op, lay, machine, current=rules.fp8_scaling == "current",
+                           fp8_scaling_seconds(op, lay, machine, once, current=rules.fp8_scaling == "current",
                                                fp8_params=rules.fp8_params), cache, saved_in))
     # FP8 parameters (an FP8 choice under fp8_params): the weights' value is the FP8 data the cache holds, so the
     # s-byte value goes (a ZeRO-3 shard is kept in one byte), the gathers move one byte per element and the
