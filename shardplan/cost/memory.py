@@ -372,7 +372,7 @@ class ChoiceRules:
             Megatron-Core's ``--fp8-param-gather``): no copy in the machine's element size beside the FP8
             data and its transpose (:func:`fp8_extra_bytes`' cache), the ZeRO gathers of the weights move
             one byte per element, and the optimizer step writes the FP8 copy (docs/memory.md, "FP8
-            parameters").
+            parameters and current scaling").
         fp8_scaling: :data:`FP8_SCALINGS`: ``delayed`` (each tensor's scale from the amax history of earlier
             steps) or ``current`` (per-tensor current scaling, TE's ``Float8CurrentScaling``: each tensor's
             amax read in a pass of its own before its cast; :func:`fp8_scaling_seconds`).
