@@ -81,11 +81,23 @@ SP_NOTE = ("tensor parallelism > 1: sequence_parallel=True and TP communication 
 FP8_NOTE = ("precision=fp8: Transformer Engine runs every linear layer's three products in FP8 (E4M3 forward, E5M2 "
             "gradients); the model charges them at fp8_flops (1,979 TFLOP/s) × the profile's fp8_efficiency "
             "(0.65, the median of torch._scaled_mm over 4 shapes measured on the same H100, after the tile and wave "
-            "utilisation; the bf16 products' flops_efficiency is 0.69) and the casts and transposes of delayed "
-            "scaling; not charged: current scaling's (FP8-CS) "
-            "extra amax pass over each input before its cast, TE's fused cast-transpose doing both in one pass, "
-            "the FP8 weight gather (collectives stay bf16); attention stays bf16 in both (TE's FP8 dot-product "
-            "attention off by default)")
+            "utilisation; the bf16 products' flops_efficiency is 0.69) and the casts and transposes of the row's "
+            "scaling (fp8_scaling: delayed, or current with its amax pass over each operand before the cast); "
+            "attention stays bf16 in both (TE's FP8 dot-product attention off by default)")
+FP8_DELAYED_NOTE = ("NeMo 24.07's FP8 recipe: delayed scaling (fp8_hybrid, fp8_amax_history_len 1024, "
+                    "fp8_amax_compute_algo max) and no FP8 parameters (no fp8_params key in the launcher's model "
+                    "configuration or its H100 FP8 example scripts): fp8_scaling=delayed, weights in bf16 beside TE's "
+                    "FP8 cache. NeMo-Framework-Launcher tag 24.07 (8325688d8345), launcher_scripts/conf/training/"
+                    "{llama/*.yaml, gpt3/175b.yaml}, examples/training/{llama,gpt}/h100/*_fp8*.sh")
+FP8_CS_NOTE = ("Megatron-Bridge's FP8 recipe on H100 (fp8_cs, the only FP8 workload configuration for H100 in "
+               "v0.2.0 (25.11, tag commit 7af9601c9da7) and v0.3.0 (26.02, 21b02e0cfb2f)): "
+               "scripts/performance/utils/helpers.py (v0.3.0: utils/precision.py) get_precision_config('fp8_cs') = "
+               "src/megatron/bridge/training/mixed_precision.py bf16_with_fp8_current_scaling_mixed() (fp8 hybrid, "
+               "fp8_recipe tensorwise, fp8_param_gather True) with first_last_layers_bf16 False: "
+               "fp8_scaling=current (each operand's amax read before its cast), fp8_params=true (the blocks' "
+               "linear weights stored in FP8 with their transpose, no bf16 copy; the distributed optimizer's "
+               "gather of the updated weights in FP8; the fp32 master shard cast to FP8 in the optimizer step)")
+MB_FP8_KEYS = ",fp8_params=true,fp8_scaling=current"
 CP_NOTE = ("context parallelism: Megatron-Core's p2p ring (cp_algo=ring). NeMo of the 24.07 container pins "
            "Megatron-LM 338af51 (2024-07-23, before core_v0.8.0; NVIDIA/NeMo Dockerfile.ci at r2.0.0rc1), whose "
            "TEDotProductAttention hands Transformer Engine only cp_group, cp_global_ranks and cp_stream, i.e. TE's "
@@ -134,16 +146,20 @@ LLAMA2_7B = (("kv_heads", 32), ("d_ff", 11008), ("vocab", 32000), ("seq", 4096))
 LLAMA2_70B = (("vocab", 32000), ("seq", 4096))  # 80 layers, 8192, 64 heads, 8 KV heads, 28,672: llama3-70b's sizes
 
 
-def _nv(recipe: str, tp: int) -> tuple[str, tuple[str, ...]]:
+def _nv(recipe: str, tp: int, fp8_cs: bool = False) -> tuple[str, tuple[str, ...]]:
     """An NVIDIA recipe with the common keys (ZeRO-1, overlapped gradient reduction, FP8) and its notes; a context
-    group (``cp=N``) runs Megatron-Core's p2p ring (``cp_algo=ring``, :data:`CP_NOTE`)."""
+    group (``cp=N``) runs Megatron-Core's p2p ring (``cp_algo=ring``, :data:`CP_NOTE`). ``fp8_cs``: Megatron-Bridge's
+    FP8 recipe (current scaling, FP8 parameters: :data:`MB_FP8_KEYS`, :data:`FP8_CS_NOTE`), else NeMo 24.07's
+    (delayed scaling, bf16 parameters: :data:`FP8_DELAYED_NOTE`)."""
     tp_keys = ",sp=true" if tp > 1 else ""
     overlap = "grad_reduce+tp_comm" if tp > 1 else "grad_reduce"
     ring = re.search(r"(^|,)cp=\d+", recipe) is not None
     if ring:
         recipe = re.sub(r"((?:^|,)cp=\d+)", r"\1,cp_algo=ring", recipe, count=1)
-    notes = NV_COMMON + ((SP_NOTE,) if tp > 1 else ()) + ((CP_NOTE,) if ring else ()) + (FP8_NOTE, CAUSAL_FLOPS)
-    return f"{recipe}{tp_keys},zero=1,overlap={overlap},precision=fp8,runtime=megatron_te", notes
+    fp8 = (FP8_NOTE, FP8_CS_NOTE if fp8_cs else FP8_DELAYED_NOTE)
+    notes = NV_COMMON + ((SP_NOTE,) if tp > 1 else ()) + ((CP_NOTE,) if ring else ()) + fp8 + (CAUSAL_FLOPS,)
+    keys = MB_FP8_KEYS if fp8_cs else ""
+    return f"{recipe}{tp_keys},zero=1,overlap={overlap},precision=fp8{keys},runtime=megatron_te", notes
 
 
 def rows() -> list[Row]:
@@ -171,22 +187,23 @@ def rows() -> list[Row]:
         out.append(Row(name, "nemo-24.07", f"{NEMO_2407}, row {name.split('-', 1)[1]}", model, gpus, rec, gbs, seq,
                        tok, tfl, sizes, notes + extra))
     # Megatron-Bridge 25.11 and 26.02, DGX-H100, FP8
-    rec, notes = _nv("tp=1,mbs=1,gbs=128,recompute=5", 1)
-    fsdp, _ = _nv("tp=1,zero=3,mbs=1,gbs=128", 1)
+    rec, notes = _nv("tp=1,mbs=1,gbs=128,recompute=5", 1, fp8_cs=True)
+    fsdp, _ = _nv("tp=1,zero=3,mbs=1,gbs=128", 1, fp8_cs=True)
     fsdp = fsdp.replace(",zero=1", "").replace("overlap=grad_reduce", "overlap=grad_reduce+param_gather")
     out.append(Row("mb2511-llama3-8b-8", "megatron-bridge", f"{MB_2511}, LLAMA3_8B, 8 GPUs", "llama3-8b", 8, rec, 128,
                    8192, 14451, 744, (),
                    (MB2511_8B_SOURCE,) + notes, variants=(fsdp, fsdp + ",recompute=5")))
     for name, src, gbs, tok, tfl in (("mb2511-llama3-70b-64", MB_2511, 128, 1602, 719),
                                      ("mb2602-llama3-70b-64", MB_2602, 256, 1621, 728)):
-        rec, notes = _nv(f"tp=4,pp=8,vp=5,mbs=1,gbs={gbs}", 4)
+        rec, notes = _nv(f"tp=4,pp=8,vp=5,mbs=1,gbs={gbs}", 4, fp8_cs=True)
         out.append(Row(name, "megatron-bridge", f"{src}, LLAMA3_70B, 64 GPUs", "llama3-70b", 64, rec, gbs, 8192,
                        tok, tfl, (), notes))
     for name, src, gbs, tok, tfl in (("mb2511-llama31-405b-1024", MB_2511, 512, 292, 737),
                                      ("mb2602-llama31-405b-1024", MB_2602, 1536, 311, 784)):
-        rec, notes = _nv(f"tp=8,cp=2,pp=8,vp=8,embedding_as_layer=true,loss_as_layer=true,mbs=1,gbs={gbs}", 8)
+        rec, notes = _nv(f"tp=8,cp=2,pp=8,vp=8,embedding_as_layer=true,loss_as_layer=true,mbs=1,gbs={gbs}", 8,
+                         fp8_cs=True)
         nearest = (f"tp=8,cp=2,cp_algo=ring,pp=8,mbs=1,gbs={gbs},first_stage_layers=15,last_stage_layers=15,zero=1,"
-                   "overlap=grad_reduce,precision=fp8,runtime=megatron_te")
+                   f"overlap=grad_reduce,precision=fp8{MB_FP8_KEYS},runtime=megatron_te")
         out.append(Row(name, "megatron-bridge", f"{src}, LLAMA3.1_405B, 1024 GPUs", "llama3-405b", 1024, rec, gbs,
                        8192, tok, tfl, (),
                        ("TP 8 × CP 2 × PP 8 × VP 8 as published, with Megatron-Bridge's 405B pipeline split "

@@ -974,7 +974,8 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     ZeRO-3 runtime gathers and reduces (the rules of the same names, e.g. DeepSpeed v0.3's).
     ``reserve_bytes``, ``host_budget_bytes``: as :class:`FitOptions`. ``offer``: FP8 and offload parts the
     choice tables offer beyond those taken (a search's own, so the plan's breakdown and memory list the same
-    parts, zero where not taken); it changes no choice. Its ``fp8_saved_inputs`` is the tables' rule.
+    parts, zero where not taken); it changes no choice. Its ``fp8_saved_inputs``, ``fp8_params`` and
+    ``fp8_scaling`` are the tables' rules.
 
     Raises:
         ShardplanError: an unknown stage or operator name, a bad micro-batch count, or an offload by operator
@@ -996,7 +997,8 @@ def plan_with_choices(plan, stage: int | dict[str, int] = 0, recompute: bool | S
     want_off = sum(OFFLOAD_BITS[x] for x in ChoiceRules(offload=tuple(offload)).offload)
     offer = ChoiceRules() if offer is None else offer
     rules = ChoiceRules(bool(fp8_names) or offer.fp8, tuple(offload) + offer.offload, bool(master_weights),
-                        bool(zero3_regather), bool(zero3_grad_allreduce), offer.fp8_saved_inputs)
+                        bool(zero3_regather), bool(zero3_grad_allreduce), offer.fp8_saved_inputs, offer.fp8_params,
+                        offer.fp8_scaling)
     unknown = sorted((set(stages) | recs | fp8_names | set(exact or ())) - set(names))
     recs |= g.recomputed
     if unknown:

@@ -45,7 +45,9 @@ model). The map, on ``p`` devices with ``dp = p / (tp · cp · pp)``:
   both by :func:`shardplan.fit.plan_with_choices`;
 * **precision** ``precision=mixed`` (fp32 master weights and optimizer state beside the machine's
   element size: :class:`~shardplan.cost.memory.ChoiceRules`) or ``precision=fp8`` (``fp8=true``: that,
-  and every matrix product in FP8 with Transformer Engine's delayed scaling), and **host offload**
+  and every matrix product in FP8 with Transformer Engine's delayed scaling, or its per-tensor current
+  scaling with ``fp8_scaling=current``; ``fp8_params=true``: the FP8 products' weights stored in FP8 only,
+  gathered in FP8), and **host offload**
   ``offload=optimizer+parameters+activations`` (any of them: ZeRO-Offload's optimizer step on the CPU,
   ZeRO-Infinity's parameters at ``zero=3``, activations saved to host), both by
   :func:`shardplan.fit.plan_with_choices`;
@@ -127,7 +129,8 @@ _INT_FIELDS = ("tp", "cp", "pp", "vp", "first_stage_layers", "last_stage_layers"
                "mbs", "gbs")
 _ORDER = ("tp", "sp", "cp", "cp_algo", "pp", "vp", "first_stage_layers", "last_stage_layers", "embedding_as_layer",
           "loss_as_layer", "dp", "zero", "hsdp",
-          "ep", "mbs", "gbs", "recompute", "dtype", "precision", "offload", "overlap", "zero_regather",
+          "ep", "mbs", "gbs", "recompute", "dtype", "precision", "fp8_params", "fp8_scaling", "offload", "overlap",
+          "zero_regather",
           "zero_grad_reduce", "runtime")
 
 CP_ALGORITHMS = ("allgather", "ring")
@@ -149,7 +152,8 @@ PRECISIONS = ("mixed", "fp8")
 """Precision rules of a recipe beyond the machine's element size (module docstring)."""
 _ALIASES = {"fsdp": "zero", "micro_batch_size": "mbs", "global_batch_size": "gbs", "tensor_parallel": "tp",
             "pipeline_parallel": "pp", "data_parallel": "dp", "sequence_parallel": "sp", "context_parallel": "cp",
-            "expert_parallel": "ep", "virtual_stages": "vp", "context_algorithm": "cp_algo"}
+            "expert_parallel": "ep", "virtual_stages": "vp", "context_algorithm": "cp_algo",
+            "fp8_param_gather": "fp8_params", "fp8_param": "fp8_params", "fp8_recipe": "fp8_scaling"}
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
@@ -174,7 +178,11 @@ class Recipe:
         gbs: global batch (default: the model's). recompute: ``none``, ``selective``, ``full`` or N blocks.
         dtype: ``fp16``, ``bf16``, ``fp32`` or ``fp8`` (default: the machine's). precision: None (the
             machine's element size for everything), ``mixed`` (fp32 master weights and optimizer state) or
-            ``fp8`` (mixed, with FP8 matrix products). offload: what lives in host memory (a subset of
+            ``fp8`` (mixed, with FP8 matrix products). fp8_params: with ``precision=fp8``, the FP8 products'
+            weights stored in FP8 only (Megatron-Core's ``--fp8-param-gather``, TE's ``fp8_model_init``:
+            :attr:`~shardplan.cost.memory.ChoiceRules.fp8_params`). fp8_scaling: with ``precision=fp8``,
+            ``delayed`` (default) or ``current`` (per-tensor current scaling, Megatron-Core's
+            ``fp8_recipe=tensorwise``; ``tensorwise`` is read as ``current``). offload: what lives in host memory (a subset of
             ``optimizer``, ``parameters``, ``activations``). overlap: the communications
             overlapped with compute (a subset of :data:`OVERLAPS`; None: the machine's own setting).
         zero_regather: at ``zero=3`` a recomputing operator gathers its weights again for the recomputed
@@ -204,6 +212,8 @@ class Recipe:
     recompute: str | int = "none"
     dtype: str | None = None
     precision: str | None = None
+    fp8_params: bool = False
+    fp8_scaling: str = "delayed"
     offload: tuple[str, ...] = ()
     overlap: tuple[str, ...] | None = None
     zero_regather: bool = False
@@ -220,7 +230,7 @@ class Recipe:
                 raise ShardplanError(f"recipe: {name} must be an integer >= {low}, got {v!r}")
         if self.zero > 3:
             raise ShardplanError(f"recipe: zero must be a ZeRO stage 0, 1, 2 or 3, got {self.zero}")
-        for name in ("sp", "embedding_as_layer", "loss_as_layer"):
+        for name in ("sp", "embedding_as_layer", "loss_as_layer", "fp8_params"):
             if not isinstance(getattr(self, name), bool):
                 raise ShardplanError(f"recipe: {name} must be true or false, got {getattr(self, name)!r}")
         if self.cp_algo not in CP_ALGORITHMS:
@@ -230,6 +240,11 @@ class Recipe:
         if self.zero_grad_reduce not in ZERO_GRAD_REDUCES:
             raise ShardplanError(f"recipe: zero_grad_reduce must be one of {', '.join(ZERO_GRAD_REDUCES)}, "
                                  f"got {self.zero_grad_reduce!r}")
+        from shardplan.cost.memory import FP8_SCALINGS
+
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise ShardplanError(f"recipe: fp8_scaling must be one of {', '.join(FP8_SCALINGS)}, "
+                                 f"got {self.fp8_scaling!r}")
         if self.runtime not in RUNTIMES:
             raise ShardplanError(f"recipe: runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         rec = self.recompute
@@ -369,8 +384,11 @@ def _value(key: str, value: Any, fsdp: bool) -> Any:
     if fsdp:
         flag = _bool(key, value)
         return 3 if flag else 0
-    if key in ("sp", "zero_regather", "embedding_as_layer", "loss_as_layer"):
+    if key in ("sp", "zero_regather", "embedding_as_layer", "loss_as_layer", "fp8_params"):
         return _bool(key, value)
+    if key == "fp8_scaling":  # Megatron-Core's fp8_recipe names current scaling "tensorwise"
+        text = str(value).strip().lower()
+        return "current" if text == "tensorwise" else text
     if key in ("zero_grad_reduce", "runtime"):
         return str(value).strip().lower().replace("-", "_")
     if key in ("overlap", "offload"):
@@ -426,6 +444,10 @@ def refusal(recipe: Recipe, machine: Machine) -> str | None:
     if recipe.dtype == "fp8":
         return ("dtype fp8: every tensor in one byte is not a training recipe; FP8 matrix products with "
                 "mixed-precision state are precision=fp8 (fp8=true)")
+    if recipe.precision != "fp8" and (recipe.fp8_params or recipe.fp8_scaling != "delayed"):
+        return "fp8_params / fp8_scaling describe FP8 products' weights and casts: they need precision=fp8"
+    if recipe.fp8_params and recipe.offload:
+        return "fp8_params with offload: the FP8 weights' copies to and from the host are not modelled"
     if recipe.precision == "fp8" and machine.fp8_flops is None:
         return f"precision fp8: the machine {machine.name!r} has no FP8 matrix products (no fp8_flops)"
     if recipe.offload and (machine.host_bandwidth is None or machine.host_memory_bytes is None):
@@ -885,16 +907,20 @@ def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int |
 def precision_choices(recipe: Recipe, graph: Graph | None = None) -> dict[str, Any]:
     """The keywords of :func:`shardplan.fit.plan_with_choices` for the recipe's precision, offload and ZeRO-3
     runtime (``zero_regather``, ``zero_grad_reduce``); with ``runtime=megatron_te`` the FP8 products of
-    ``graph``'s blocks (:func:`fp8_names`) and the producers' FP8 copies (``fp8_saved_inputs=False``)."""
+    ``graph``'s blocks (:func:`fp8_names`) and the producers' FP8 copies (``fp8_saved_inputs=False``); the FP8
+    weights' storage and scaling (``fp8_params``, ``fp8_scaling``) as the tables' rules (``offer``)."""
     from shardplan.cost.memory import ChoiceRules
 
     fp8: bool | list[str] = recipe.precision == "fp8"
+    te = recipe.runtime == "megatron_te"
     out: dict[str, Any] = {}
-    if recipe.runtime == "megatron_te":
+    if te:
         if graph is None:
             raise ShardplanError("precision_choices: runtime=megatron_te needs the graph (its FP8 products)")
         fp8 = sorted(fp8_names(graph)) if fp8 else False
-        out["offer"] = ChoiceRules(fp8_saved_inputs=False)
+    if te or recipe.fp8_params or recipe.fp8_scaling != "delayed":
+        out["offer"] = ChoiceRules(fp8_saved_inputs=not te, fp8_params=recipe.fp8_params,
+                                   fp8_scaling=recipe.fp8_scaling)
     return {"fp8": fp8, "offload": recipe.offload,
             "master_weights": recipe.precision is not None, "zero3_regather": recipe.zero_regather,
             "zero3_grad_allreduce": recipe.zero_grad_reduce == "allreduce", **out}

@@ -36,7 +36,8 @@ from shardplan.machine import Machine
 
 __all__ = ["operator_memory", "strategy_memory", "transient_bytes", "ChoiceTable", "choice_table", "WeightGroups", "weight_groups", "latency_scaled", "STAGES",
            "recompute_keep_bytes", "unsaved_inputs", "ChoiceRules", "OFFLOADS", "OFFLOAD_BITS", "fp8_product",
-           "fp8_scaling_seconds", "offload_names", "te_saved", "NO_READ_KINDS", "OUTPUT_FREE_KINDS"]
+           "fp8_scaling_seconds", "offload_names", "te_saved", "NO_READ_KINDS", "OUTPUT_FREE_KINDS", "FP8_SCALINGS",
+           "fp8_extra_bytes"]
 
 
 def operator_memory(op: Operator, configs, machine: Machine, optimizer_factor: float = 2.0,
@@ -321,6 +322,11 @@ OFFLOADS = ("optimizer", "parameters", "activations")
 OFFLOAD_BITS = {"optimizer": 1, "parameters": 2, "activations": 4}
 """Bit of each part of :data:`OFFLOADS` in :attr:`ChoiceTable.offload`."""
 
+FP8_SCALINGS = ("delayed", "current")
+"""How an FP8 cast finds its scale (:attr:`ChoiceRules.fp8_scaling`): from the amax history of earlier steps
+(Transformer Engine's ``DelayedScaling``) or from the tensor's own amax, read before the cast (per-tensor current
+scaling, TE's ``Float8CurrentScaling``, Megatron-Core's ``fp8_recipe=tensorwise``)."""
+
 
 def offload_names(mask: int) -> tuple[str, ...]:
     """The parts of :data:`OFFLOADS` set in ``mask``."""
@@ -362,6 +368,14 @@ class ChoiceRules:
             already counts the copy (a graph rewritten by :func:`te_saved`: Transformer Engine keeps one FP8
             copy per input tensor, at the producer's tile); a product then adds only the copies of graph
             inputs.
+        fp8_params: an FP8 product's weights are stored in FP8 only (Transformer Engine's ``fp8_model_init``,
+            Megatron-Core's ``--fp8-param-gather``): no copy in the machine's element size beside the FP8
+            data and its transpose (:func:`fp8_extra_bytes`' cache), the ZeRO gathers of the weights move
+            one byte per element, and the optimizer step writes the FP8 copy (docs/memory.md, "FP8
+            parameters and current scaling").
+        fp8_scaling: :data:`FP8_SCALINGS`: ``delayed`` (each tensor's scale from the amax history of earlier
+            steps) or ``current`` (per-tensor current scaling, TE's ``Float8CurrentScaling``: each tensor's
+            amax read in a pass of its own before its cast; :func:`fp8_scaling_seconds`).
     """
 
     fp8: bool = False
@@ -370,13 +384,21 @@ class ChoiceRules:
     zero3_regather: bool = False
     zero3_grad_allreduce: bool = False
     fp8_saved_inputs: bool = True
+    fp8_params: bool = False
+    fp8_scaling: str = "delayed"
 
     def __post_init__(self) -> None:
         from shardplan.errors import ShardplanError
 
-        for name in ("fp8", "master_weights", "zero3_regather", "zero3_grad_allreduce", "fp8_saved_inputs"):
+        for name in ("fp8", "master_weights", "zero3_regather", "zero3_grad_allreduce", "fp8_saved_inputs",
+                     "fp8_params"):
             if not isinstance(getattr(self, name), bool):
                 raise ShardplanError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise ShardplanError(f"fp8_scaling must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}")
+        if self.fp8_params and self.offload:
+            raise ShardplanError("fp8_params with host offload: the offloaded FP8 weights and their copies are not "
+                                 "modelled")
         parts = tuple(self.offload)
         bad = [x for x in parts if x not in OFFLOADS]
         if bad:
@@ -396,6 +418,22 @@ class ChoiceRules:
         from shardplan.cost.operator import optimizer_step_bytes
 
         return optimizer_step_bytes(optimizer_factor, dtype_bytes, self.master_weights)
+
+    def fp8_param_step_bytes(self, optimizer_factor: float, dtype_bytes: int) -> float:
+        """HBM bytes per parameter element of the optimizer step of an FP8 product's weights under
+        ``fp8_params``: :meth:`optimizer_step_bytes` with the copy the next step computes with written in one
+        byte instead of ``s`` (the master shard cast to FP8: Megatron-Core's ``quantize_param_shard``), plus,
+        under ``current`` scaling, a read of the fp32 master shard for its amax (4 bytes; the amax is then
+        all-reduced over the data-parallel group, a scalar per tensor, not charged):
+
+            step_bytes - s + 1 + 4 [current]
+
+        Without ``fp8_params``: :meth:`optimizer_step_bytes` (the weight's amax is taken where it is cast, in
+        :func:`fp8_scaling_seconds`)."""
+        base = self.optimizer_step_bytes(optimizer_factor, dtype_bytes)
+        if not self.fp8_params:
+            return base
+        return base - float(dtype_bytes) + 1.0 + (4.0 if self.fp8_scaling == "current" else 0.0)
 
 
 def fp8_product(op: Operator) -> bool:
@@ -479,22 +517,32 @@ def te_saved(graph, fp8: frozenset[str] = frozenset(), keep: frozenset[str] = fr
                  graph.recomputed)
 
 
-def fp8_scaling_seconds(op: Operator, lay, machine: Machine, weight_casts: float = 1.0) -> np.ndarray:
-    """Seconds per layout of the FP8 casts of one step of ``op`` (delayed scaling).
+def fp8_scaling_seconds(op: Operator, lay, machine: Machine, weight_casts: float = 1.0, current: bool = False,
+                        fp8_params: bool = False) -> np.ndarray:
+    """Seconds per layout of the FP8 casts of one step of ``op``.
 
     Transformer Engine's delayed scaling takes each tensor's scale from the amax history of earlier
     steps, so quantising is one pass over the tensor (the amax of this cast is recorded in the same
     pass), and on Hopper, whose FP8 products take only the "TN" layout, the cast writes the FP8 copy and
     its transpose (TE's fused cast-transpose). Each operand tile of the products (every input, every
     weight, and the output gradient when the backward runs) is therefore read once in the machine's
-    element size ``s`` and written twice in one byte:
+    element size ``s`` and written twice in one byte. Current (per-tensor) scaling (``current``: TE's
+    ``Float8CurrentScaling``) needs the tensor's own amax before the cast can scale it: one more read of the
+    tensor in ``s`` bytes (a memory-bound pass; the amax reduction itself, a scalar per tensor, is not
+    charged). Per element of an operand:
 
-        seconds = (s + 2) * (sum_i |X_i| + weight_casts * sum_W |W| + [backward] |dY|) / HBM bandwidth
+        c = s + 2 + s [current]
+        seconds = (c (sum_i |X_i| + [backward] |dY|) + w sum_W |W|) / HBM bandwidth
 
-    with the activations' tiles over the whole step (every micro-batch) and the weights cast
-    ``weight_casts`` times (1: cached in FP8 for the step's micro-batches, TE's ``is_first_microbatch``).
-    The scale update itself (an amax-history reduction per tensor) is a few scalars: not charged.
-    Without an HBM bandwidth (the paper's model) the casts cost nothing.
+    with the activations' tiles over the whole step (every micro-batch), and for the weights w =
+    ``weight_casts`` c (cast ``weight_casts`` times a step; 1: cached in FP8 for the step's micro-batches,
+    TE's ``is_first_microbatch``) or, with ``fp8_params`` (the weights stored in FP8 only:
+    :attr:`ChoiceRules.fp8_params`), w = 2 ``weight_casts``: no cast, the FP8 data read and its transpose
+    written once per gather (TE's ``post_all_gather_processing`` creates it where the GEMM takes only TN;
+    the weight's amax is read from the master shard in the optimizer step,
+    :meth:`ChoiceRules.fp8_param_step_bytes`). The scale update of delayed scaling (an amax-history reduction
+    per tensor) is a few scalars: not charged. Without an HBM bandwidth (the paper's model) the casts cost
+    nothing.
     """
     from shardplan.cost.operator import tile_volume
 
@@ -502,12 +550,14 @@ def fp8_scaling_seconds(op: Operator, lay, machine: Machine, weight_casts: float
     lay = as_layouts(lay, p, None, machine.levels)
     if machine.hbm_bandwidth is None:
         return np.zeros(len(lay))
-    elems = sum((tile_volume(op, t, lay, p, core=False) for t in op.inputs), np.zeros(len(lay)))
-    elems = elems + float(weight_casts) * sum((tile_volume(op, w, lay, p, core=False) for w in op.weights),
-                                              np.zeros(len(lay)))
+    s = float(machine.dtype_bytes)
+    per = s + 2.0 + (s if current else 0.0)
+    acts = sum((tile_volume(op, t, lay, p, core=False) for t in op.inputs), np.zeros(len(lay)))
     if op.grad_tensors:
-        elems = elems + tile_volume(op, op.output, lay, p)
-    return (float(machine.dtype_bytes) + 2.0) * elems / float(machine.hbm_bandwidth)
+        acts = acts + tile_volume(op, op.output, lay, p)
+    weights = sum((tile_volume(op, w, lay, p, core=False) for w in op.weights), np.zeros(len(lay)))
+    w = float(weight_casts) * (2.0 if fp8_params else per)
+    return (per * acts + w * weights) / float(machine.hbm_bandwidth)
 
 
 def fp8_extra_bytes(op: Operator, lay, machine: Machine, saved_inputs: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -604,6 +654,8 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     wg = weight_groups(op, lay, None, machine) if groups is None else groups
     state, group = wg.state, wg.group
     sync0, rs, ag, wgrad_m = np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
+    ag8 = np.zeros(k)  # the weights' gathers in FP8 (ChoiceRules.fp8_params): one byte per element on the wire
+    nbytes = float(machine.dtype_bytes)
     weights = wg.weights
     syncs = wg.sync_groups or tuple((gl,) for _vol, gl, _big, _part in weights)
     for (vol, gl, big, part), sync_groups in zip(weights, syncs):  # part: 0 for a gradient summed into its owner's
@@ -612,6 +664,8 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
             wgrad_m += part * _bucketed(vol, mm, lambda n: allreduce_time(n, sg, mm))
         rs += part * _bucketed(vol, machine, lambda n: allgather_time(n, gl, machine))
         ag += part * _bucketed(vol, machine, lambda n: allgather_time(n, big, machine))
+        if rules.fp8_params:  # a bucket of the same elements, each one byte (Megatron-Core's uint8 param buffer)
+            ag8 += part * _bucketed(vol, machine, lambda n: allgather_time(n / nbytes, big, machine))
     overlap = bool(getattr(machine, "overlap_grad", False))
     keep = np.zeros(k) if recompute_keep is None else np.asarray(recompute_keep, dtype=np.float64) / m * float(in_flight)
     transient = sum(transient_bytes(op, lay, machine, m))
@@ -630,7 +684,14 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     if rules.fp8 and machine.fp8_flops is not None and fp8_product(op):
         cache, saved_in = fp8_extra_bytes(op, lay, machine, rules.fp8_saved_inputs)
         precisions.append((True, operator_cost(op, lay, mm.fp8_machine()),
-                           fp8_scaling_seconds(op, lay, machine), cache, saved_in))
+                           fp8_scaling_seconds(op, lay, machine, once, current=rules.fp8_scaling == "current",
+                                               fp8_params=rules.fp8_params), cache, saved_in))
+    # FP8 parameters (an FP8 choice under fp8_params): the weights' value is the FP8 data the cache holds, so the
+    # s-byte value goes (a ZeRO-3 shard is kept in one byte), the gathers move one byte per element and the
+    # optimizer step writes the FP8 copy (ChoiceRules.fp8_param_step_bytes)
+    step8 = (optimizer_step_seconds(optimizer_elements(op, lay, machine.num_devices), machine,
+                                    rules.fp8_param_step_bytes(optimizer_factor, machine.dtype_bytes))
+             if rules.fp8_params else step)
     use_host = any(_offload_masks(rules, machine, s, bool(weights), True) != [0] for s in stage_list)
     bw = float(machine.host_bandwidth) if use_host else 1.0
     lat = float(machine.host_latency)
@@ -648,6 +709,8 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
                   if overlap and np.any(wgrad_m > 0) else None)
     rows = []
     for fp8, ocp, scale, cache, saved_in in precisions:
+        params8 = fp8 and rules.fp8_params
+        gather = ag8 if params8 else ag  # the ZeRO gathers of the weights
         backward = ocp.compute * (passes - 1) / passes  # what the weight-gradient syncs overlap
         forward = ocp.compute / passes
 
@@ -672,18 +735,20 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
                 sync = (own if own is not None and m == 1 else charged(sync0)) * once
                 mem, grad = state * (2 + o), state
             elif s == 1:
-                sync, mem, grad = (charged(rs) + ag) * once, state * (2 + o / group), state
+                sync, mem, grad = (charged(rs) + gather) * once, state * (2 + o / group), state
             elif s == 2:
-                sync, mem, grad = charged(m * rs) + ag * once, state * (1 + (1 + o) / group), state / group
+                sync, mem, grad = charged(m * rs) + gather * once, state * (1 + (1 + o) / group), state / group
             else:  # gathers prefetched during the operator's own forward / backward when overlapping
-                fwd_gather = np.maximum(m * ag - forward, 0.0) if overlap else m * ag
+                fwd_gather = np.maximum(m * gather - forward, 0.0) if overlap else m * gather
                 red = sync0 if rules.zero3_grad_allreduce else rs  # the gradient's collective per micro-batch
-                sync, mem, grad = charged(m * (red + ag)) + fwd_gather, state * (2 + o) / group, state / group
+                sync, mem, grad = charged(m * (red + gather)) + fwd_gather, state * (2 + o) / group, state / group
             # the recomputed forward's own gather (ChoiceRules.zero3_regather), as exposed as the forward's
             regather = fwd_gather if s == 3 and rules.zero3_regather else np.zeros(k)
             mem = mem + cache
+            if params8:  # the s-byte value: none beside the cache's FP8 data; at stage 3 its shard in one byte
+                mem = mem - (state / group * (1.0 - 1.0 / nbytes) if s == 3 else state)
             shard = state / group if s else state  # the weight bytes this device updates
-            opt_step = (step / group if s else step) * once  # once per step, on the device's shard
+            opt_step = ((step8 if params8 else step) / (group if s else 1.0)) * once  # once a step, the shard
             for mask in _offload_masks(rules, machine, s, bool(weights), bool(np.any(step_saved > 0))):
                 dev, host = mem, np.zeros(k)
                 fetch = np.zeros(k)  # parameter bytes fetched before each pass (parameters offloaded)

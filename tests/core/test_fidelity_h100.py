@@ -118,10 +118,20 @@ def test_megatron_bridge_25_11_llama3_8b_reads_its_release_source():
     assert [Recipe.parse(v).recompute for v in r.variants] == ["none", 5]
 
 
+def test_nvidia_fp8_recipes_as_their_sources_set_them():
+    """NeMo 24.07 ran delayed scaling with bf16 weights (launcher 24.07); Megatron-Bridge 25.11 / 26.02's H100 FP8
+    configuration is fp8_cs: current (tensorwise) scaling with fp8_param_gather, variants included."""
+    for r in ROWS.values():
+        for text in (r.recipe, *r.variants):
+            rec = Recipe.parse(text)
+            mb = r.experiment == "megatron-bridge"
+            assert (rec.fp8_params, rec.fp8_scaling) == ((True, "current") if mb else (False, "delayed")), (r.name, text)
+
+
 def test_one_program_drops_the_pipeline_only():
     text, pp = one_program(ROWS["mb2511-llama31-405b-1024"].recipe)
     assert pp == 8 and text == ("tp=8,cp=2,cp_algo=ring,mbs=1,gbs=512,sp=true,zero=1,overlap=grad_reduce+tp_comm,"
-                                "precision=fp8,runtime=megatron_te")
+                                "precision=fp8,fp8_params=true,fp8_scaling=current,runtime=megatron_te")
     assert one_program(ROWS["nemo2407-llama2-7b-8"].recipe) == (ROWS["nemo2407-llama2-7b-8"].recipe, 1)
 
 
@@ -144,17 +154,24 @@ def test_step_terms_add_up_to_the_step_and_name_each_kind():
 
 def test_llama3_8b_rows_of_two_releases_share_every_per_token_term():
     """The basis of docs/fidelity.md's finding on NeMo 24.07's Llama 3 8B: 24.07 (CP 2, 32 micro-batches of 4,096
-    tokens per GPU) and 25.11 (CP 1, 16 of 8,192, 5 blocks recomputed) are charged the same products, attention,
-    casts and memory-bound operators per step; they differ by 25.11's recomputation and 24.07's ring."""
+    tokens per GPU) and 25.11 (CP 1, 16 of 8,192, 5 blocks recomputed) are charged the same products, attention
+    and memory-bound operators per step; they differ by 25.11's recomputation, 24.07's ring and their FP8 recipes:
+    delayed casts cost 4 bytes per element of every operand (A activation elements, W = 6.98e9 FP8 weights), 25.11's
+    current scaling with FP8 parameters 6 per activation element and 2 per weight (its transpose), so
+    25.11's casts = 1.5 · 24.07's - 4 W / HBM. 25.11's row fits its 80 GB with the weights in FP8 only."""
     from benchmarks.bench_fidelity_h100 import _builder
     from shardplan.machine import preset
     from shardplan.recipe import cost_recipe
 
-    got = {name: step_terms(cost_recipe(_builder("llama3-8b", {}), preset("h100", 8), ROWS[name].recipe).detail)
-           for name in ("nemo2407-llama3-8b-8", "mb2511-llama3-8b-8")}
-    old, new = got["nemo2407-llama3-8b-8"], got["mb2511-llama3-8b-8"]
-    for key in ("gemm_fp8", "gemm_bf16", "attention", "fp8_casts", "swiglu_gelu", "residual_adds", "norms", "rotary",
-                "cross_entropy", "optimizer"):
+    plans = {name: cost_recipe(_builder("llama3-8b", {}), preset("h100", 8), ROWS[name].recipe)
+             for name in ("nemo2407-llama3-8b-8", "mb2511-llama3-8b-8")}
+    old, new = (step_terms(plans[n].detail) for n in ("nemo2407-llama3-8b-8", "mb2511-llama3-8b-8"))
+    for key in ("gemm_fp8", "gemm_bf16", "attention", "swiglu_gelu", "residual_adds", "norms", "rotary",
+                "cross_entropy"):
         assert old[key] == pytest.approx(new[key], rel=1e-6), key
+    fp8_weights = 32 * 4096 * (2 * 4096 + 2 * 1024 + 3 * 14336)  # q, out; k, v; gate, up, down: per block
+    hbm = preset("h100", 8).hbm_bandwidth
+    assert new["fp8_casts"] == pytest.approx(1.5 * old["fp8_casts"] - 4 * fp8_weights / hbm, rel=1e-9)
     assert "recompute" in new and "recompute" not in old
     assert old["redistribution"] > 0 and new.get("redistribution", 0.0) == 0.0
+    assert plans["mb2511-llama3-8b-8"].memory["peak_bytes"] < 80e9
