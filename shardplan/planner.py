@@ -117,14 +117,16 @@ def memory_rules(mc: Any) -> dict[str, Any]:
     """What, beside each operator's choices, a plan's memory choices (:class:`shardplan.fit.MemoryChoices`) were
     costed with, so :func:`spmd_of` rebuilds the same step time and memory: the precision rules, the
     backward-peak model, the reserved bytes, the host budget per device (None: none, as JSON writes infinity),
-    and the FP8 and offload parts offered (the breakdown and memory list them, zero where no operator took
-    them)."""
+    the FP8 and offload parts offered (the breakdown and memory list them, zero where no operator took
+    them), and the FP8 rules of the runtime (which inputs an FP8 product saves, weights stored in FP8, the
+    scaling)."""
     r = mc.rules
     return {"master_weights": r.master_weights, "zero3_regather": r.zero3_regather,
             "zero3_grad_allreduce": r.zero3_grad_allreduce, "backward_peak": bool(mc.backward),
             "reserve_bytes": float(mc.reserve_bytes),
             "host_budget_bytes": float(mc.host_budget_bytes) if math.isfinite(mc.host_budget_bytes) else None,
-            "fp8_offered": r.fp8, "offload_offered": list(r.offload)}
+            "fp8_offered": r.fp8, "offload_offered": list(r.offload), "fp8_saved_inputs": r.fp8_saved_inputs,
+            "fp8_params": r.fp8_params, "fp8_scaling": r.fp8_scaling}
 
 
 def from_pipeline(result: Any, *, model: str | None = None, stats: dict[str, Any] | None = None) -> Plan:
@@ -783,7 +785,10 @@ def _rebuild(graph: Graph, machine: Machine, choices: dict[str, OperatorChoice],
 
         r = dict(rules or {})
         host = r.get("host_budget_bytes")
-        offer = ChoiceRules(bool(r.get("fp8_offered", False)), tuple(r.get("offload_offered") or ()))
+        offer = ChoiceRules(bool(r.get("fp8_offered", False)), tuple(r.get("offload_offered") or ()),
+                            fp8_saved_inputs=bool(r.get("fp8_saved_inputs", True)),
+                            fp8_params=bool(r.get("fp8_params", False)),
+                            fp8_scaling=str(r.get("fp8_scaling", "delayed")))
         sp = plan_with_choices(sp, stage={n: choices[n].state_stage for n in names},
                                recompute=[n for n in names if choices[n].recompute], micro_batches=micro_batches,
                                budget=budget, name=name, fp8=[n for n in names if choices[n].fp8],

@@ -106,6 +106,18 @@ def test_a_recipe_with_fp8_master_weights_and_offload_rebuilds_exactly():
     assert assert_rebuilt(p) is None
 
 
+def test_a_recipe_with_fp8_parameters_and_current_scaling_rebuilds_exactly():
+    """Weights stored in FP8 and current scaling's amax pass are the tables' rules: recorded with the plan, so
+    the loaded plan costs the same (not the defaults' bytes and seconds)."""
+    p = cost_recipe("gpt", preset("h100", 8), "tp=2,dp=4,zero=1,precision=fp8,fp8_params=true,"
+                    "fp8_scaling=current", sizes={"layers": 1}, batch=8)
+    rules = p.stats["memory_rules"]
+    assert rules["fp8_params"] and rules["fp8_scaling"] == "current" and rules["fp8_saved_inputs"]
+    assert assert_rebuilt(p) is None
+    plain = cost_recipe("gpt", preset("h100", 8), "tp=2,dp=4,zero=1,precision=fp8", sizes={"layers": 1}, batch=8)
+    assert plain.step_time != p.step_time and plain.memory["peak_bytes"] != p.memory["peak_bytes"]
+
+
 def test_an_offload_an_operator_cannot_make_is_one_error():
     m = preset("h100", 8)
     tables = replace(build_tables(gpt(), replace(m, memory_bytes=None), cutoff=1), machine=m)
