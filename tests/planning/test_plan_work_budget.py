@@ -9,6 +9,7 @@ error (one line and exit 2 on the command line).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -66,13 +67,19 @@ def test_the_budget_raises_once_and_never_once_closed():
         tracker.tick(work=60.0)
 
 
+@functools.cache
+def _budgeted(limit: float):
+    """``plan("gpt", MACHINE, work_limit=limit, **SMALL)`` with the real clocks, run once per limit."""
+    return plan("gpt", MACHINE, work_limit=limit, **SMALL)
+
+
 @pytest.mark.parametrize("share", [0.3, 0.6])
 @pytest.mark.parametrize("how", ["100x", "jump"])
 def test_the_same_answer_under_any_clock(monkeypatch, full, share, how):
     """A budget that stops the search part-way: the same plan, step, bound and units with every clock fast or
     jumping as with the real one (nothing in the search reads a clock to decide anything)."""
     limit = share * full.stats["work_used"]
-    real = plan("gpt", MACHINE, work_limit=limit, **SMALL)
+    real = _budgeted(limit)  # with the real clocks, once per limit (both clocks compare with it)
     assert real.stats["stopped_at_work_limit"] and real.stats["interrupted"]
     _patch_clocks(monkeypatch, how)
     assert _answer(plan("gpt", MACHINE, work_limit=limit, **SMALL)) == _answer(real)

@@ -18,6 +18,8 @@ from shardplan.planner import from_pipeline, pipeline_of, plan, spmd_of
 from shardplan.report.summary import recipe_words, render_plan
 from shardplan.result import Plan
 
+from planning_solves import MICRO_BATCHES, gpt4_pipeline_on_slow_links, gpt4_plan_on_a100_16, slow_links
+
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 
 
@@ -56,8 +58,9 @@ def test_a_budget_too_small_for_one_program_is_refused_with_the_least_memory():
 
 @pytest.fixture(scope="module")
 def a100_16():
-    """plan() of GPT (4 blocks, batch 32) on 16 A100s (two nodes), uninterrupted: read by two tests (one search)."""
-    return plan("gpt", preset("a100", 16), sizes={"layers": 4}, batch=32)
+    """plan() of GPT (4 blocks, batch 32) on 16 A100s (two nodes), uninterrupted: read by two tests here and by
+    tests/planning/test_planner_seeds.py (one search, planning_solves.py)."""
+    return gpt4_plan_on_a100_16()
 
 
 def test_stages_are_searched_only_where_they_can_pay(a100_16):
@@ -80,10 +83,10 @@ def test_stages_are_searched_only_where_they_can_pay(a100_16):
 def test_the_pipeline_wins_where_links_across_nodes_are_slow():
     # without tile quantisation: with it, the pipeline's micro-batches of one or two sequences per device fill
     # the multiprocessors' waves worse than one program on one node does, and at this size the pipeline loses
-    m = replace(preset("a100", 16), inter_bandwidth=1e9, sm_count=None, gemm_tiles=None)
-    p = plan("gpt", m, sizes={"layers": 4}, batch=16, micro_batches=(4, 8))
-    ref = pipeline_solve(gpt, 16, m, micro_batches=(4, 8), memory_choices=True, cutoff=1,
-                         schedules=("1f1b", "zb-h1"))
+    # (planning_solves.slow_links); the reference search is tests/planning/test_planner_seeds.py's too
+    m = slow_links()
+    p = plan("gpt", m, sizes={"layers": 4}, batch=16, micro_batches=MICRO_BATCHES)
+    ref = gpt4_pipeline_on_slow_links()  # the pipeline search alone, memory choices, 1F1B and ZB-H1
     assert p.pipelined and p.step_time == pytest.approx(ref.plan.step_time, rel=1e-12)
     assert p.step_time < p.stats["compared"]["one program"]
     assert sum(s.devices for s in p.stages) // p.chunks == 16

@@ -3,8 +3,6 @@ search with their step: the answer is the better of the two exact searches, as w
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from shardplan.errors import ShardplanError
@@ -14,10 +12,13 @@ from shardplan.models import get_model
 from shardplan.pipeline.api import pipeline_seeds, pipeline_solve
 from shardplan.planner import plan
 
+import planning_solves as solves
+from planning_solves import gpt4_pipeline_on_slow_links, gpt4_plan_on_a100_16
+
 pytestmark = pytest.mark.slow  # two pipeline searches on 16 devices (see pyproject.toml)
 
-MS = (4, 8)
-KW = dict(micro_batches=MS, memory_choices=True, cutoff=1, schedules=("1f1b", "zb-h1"))
+MS = solves.MICRO_BATCHES
+KW = solves.PIPELINE_KW
 
 
 def gpt(b: int):
@@ -32,7 +33,7 @@ def gpt6(b: int):
 @pytest.fixture(scope="module")
 def slow_links():
     # links across nodes slow enough that a pipeline beats one program (tests/planning/test_planner.py)
-    return replace(preset("a100", 16), inter_bandwidth=1e9, sm_count=None, gemm_tiles=None)
+    return solves.slow_links()
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_seeds_then_the_search_on_their_stages_equal_the_search_alone(slow_links
     what it answers alone (step and proven bound), costing no stage the seeds costed again."""
     m = slow_links
     seed = pipeline_seeds(gpt, 16, m, **KW)
-    alone = pipeline_solve(gpt, 16, m, **KW)
+    alone = gpt4_pipeline_on_slow_links()  # pipeline_solve(gpt, 16, m, **KW), shared with test_planner.py
     solves = seed.stages.solves
     again = pipeline_solve(gpt, 16, m, model=seed.stages, floors=seed.floors, **KW)
     assert seed.plan.lower_bound is None and seed.step_time >= alone.plan.step_time * (1 - 1e-12)
@@ -84,7 +85,7 @@ def test_ctrl_c_while_the_seeds_are_costed_returns_the_best_seed(monkeypatch):
     from tests.planning.test_planner import _first_interrupt_with_a_plan
 
     m = preset("a100", 16)
-    full = plan("gpt", m, sizes={"layers": 4}, batch=32)
+    full = gpt4_plan_on_a100_16()  # plan("gpt", m, sizes={"layers": 4}, batch=32), shared with test_planner.py
     first = []
 
     def run():
