@@ -27,8 +27,17 @@ load; each row records the units charged (``work_used``), the limit, whether it 
 (``python -c "while 1: pass"``) beside each row's command for its whole run (the row records ``busy``), to show
 the same answer under load; ``--append`` keeps the rows already in ``--out`` and adds these after them.
 
+``--sweep`` runs the default command along three axes instead (GPT-3 175B's shape, batch 1,536): the device count
+(64 to 16,384), the layer count (24 to 192 on 1,024 devices) and the width (``d_model`` 4,096 to 16,384 with
+``d_model / 128`` heads and ``4 d_model`` feed-forward, on 1,024 devices); per axis the growth exponents of CPU
+seconds, peak memory and work units, and a plot of the three panels with each row's gap
+(``scale_pipeline_sweep.json`` / ``.png``). The default budget bounds every row's work, so along an axis where
+the rows stop at the budget the CPU exponent measures the budget, not the search: the rows say which stopped
+(``stopped_at_work_limit``) and what bound and gap they proved.
+
 Run: ``PYTHONPATH=. python benchmarks/bench_scale_pipeline.py [--rows gpt3-p64,...] [--out
-benchmarks/results/scale_pipeline.json] [--busy] [--append] [--label TEXT]``.
+benchmarks/results/scale_pipeline.json] [--busy] [--append] [--label TEXT]``, or ``... --sweep [--axes
+devices,layers,width] [--out benchmarks/results/scale_pipeline_sweep.json]``.
 """
 
 from __future__ import annotations
@@ -58,6 +67,99 @@ ROWS: dict[str, dict[str, Any]] = {
                            # batch) and §3.3.2 (one block fewer on the first and the last stage: 126 = 7 + 14 x 8 + 7)
                            "recipe": "tp=8,pp=16,mbs=1,gbs=2048,first_stage_layers=7,last_stage_layers=7"},
 }
+
+
+SWEEP_BASE = {"model": "gpt3-175b", "p": 1024, "limit": 900.0}
+SWEEP: dict[str, tuple[str, list[int]]] = {
+    "devices": ("devices", [64, 256, 1024, 4096, 16384]),
+    "layers": ("layers", [24, 48, 96, 192]),
+    "width": ("d_model", [4096, 8192, 12288, 16384]),
+}
+
+
+def sweep_rows(axes: list[str]) -> list[tuple[str, str, int, dict[str, Any], tuple[str, ...]]]:
+    """(row name, axis, x, spec, extra options) of each sweep row; GPT-3 175B's own shape on 1,024 devices is one
+    point of every axis and is run once (named ``base``)."""
+    out = []
+    for axis in axes:
+        _, xs = SWEEP[axis]
+        for x in xs:
+            spec, extra = dict(SWEEP_BASE), ()
+            if axis == "devices":
+                spec["p"] = x
+            elif axis == "layers":
+                extra = ("--set", f"layers={x}")
+            else:
+                extra = ("--set", f"d_model={x}", "--set", f"heads={x // 128}", "--set", f"d_ff={4 * x}")
+            base = spec["p"] == 1024 and (axis == "devices" or x == {"layers": 96, "width": 12288}[axis])
+            out.append(("base" if base else f"{axis}-{x}", axis, x, spec, () if base else extra))
+    return out
+
+
+def run_sweep(axes: list[str], grace: float, out: str) -> int:
+    """Run :func:`sweep_rows` (each distinct row once), fit each axis, write the JSON and the plot."""
+    load_at_start = os.getloadavg()
+    done: dict[str, dict[str, Any]] = {}
+    rows = []
+    for name, axis, x, spec, extra in sweep_rows(axes):
+        if name not in done:
+            load = os.getloadavg()
+            row = run_row(name, spec, grace, None, extra)
+            row["load_average_before"], row["load_average_after"] = load, os.getloadavg()
+            done[name] = row
+            print(json.dumps({k: v for k, v in row.items() if k not in ("log", "work_phases")}), flush=True)
+        rows.append({**done[name], "axis": axis, "x": x})
+    fits = {}
+    for axis in axes:
+        pts = [r for r in rows if r["axis"] == axis and r.get("status") == "ok"]
+        xs = [float(r["x"]) for r in pts]
+        fits[axis] = {"x": SWEEP[axis][0], "values": [r["x"] for r in pts],
+                      "cpu_seconds_exponent": growth_exponent(xs, [r.get("cpu_seconds") for r in pts]),
+                      "peak_rss_exponent": growth_exponent(xs, [float(r["peak_rss_bytes"]) for r in pts]),
+                      "work_used_exponent": growth_exponent(xs, [r.get("work_used") for r in pts]),
+                      "rows_at_work_limit": [r["x"] for r in pts if r.get("stopped_at_work_limit")]}
+        f = fits[axis]
+        print(f"{axis}: CPU ~ x^{_fmt(f['cpu_seconds_exponent'])}, peak RSS ~ x^{_fmt(f['peak_rss_exponent'])}, "
+              f"work ~ x^{_fmt(f['work_used_exponent'])}; stopped at the work limit at {f['rows_at_work_limit']}")
+    write_result("bench_scale_pipeline --sweep", out, rows, load_average_at_start=load_at_start,
+                 load_average_at_end=os.getloadavg(), growth=fits)
+    png = str(Path(out).with_suffix(".png"))
+    plot_sweep(rows, fits, png)
+    print(f"wrote {png}")
+    return 0
+
+
+def plot_sweep(rows: list[dict[str, Any]], fits: dict[str, Any], path: str) -> None:
+    """One column per axis: CPU seconds and peak RSS (log-log) above, the proven gap below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    fig, axs = plt.subplots(2, len(fits), figsize=(4.2 * len(fits), 5.6), squeeze=False, sharex="col",
+                            gridspec_kw={"height_ratios": [2, 1]})
+    for col, (axis, f) in enumerate(fits.items()):
+        pts = [r for r in rows if r["axis"] == axis and r.get("status") == "ok"]
+        xs = [r["x"] for r in pts]
+        top, low = axs[0][col], axs[1][col]
+        top.loglog(xs, [r["cpu_seconds"] for r in pts], "s-", label=f"CPU s (b={_fmt(f['cpu_seconds_exponent'])})")
+        top.loglog(xs, [r["peak_rss_bytes"] / 2**20 for r in pts], "^--",
+                   label=f"peak RSS MiB (b={_fmt(f['peak_rss_exponent'])})")
+        top.legend(fontsize=7, loc="center left")
+        low.semilogx(xs, [100 * (r.get("gap") or 0.0) for r in pts], "o-", color="tab:red")
+        low.set_ylabel("proven gap (%)")
+        low.set_ylim(bottom=0)
+        low.set_xlabel(f["x"] + (" (h100)" if axis == "devices" else ", 1,024 h100"))
+        low.xaxis.set_major_formatter(ScalarFormatter())
+        low.xaxis.set_minor_formatter(NullFormatter())
+        low.set_xticks(xs)
+        low.tick_params(axis="x", labelsize=7)
+    fig.suptitle("shardplan plan, default search (work budget 3e7; every row stopped at it), GPT-3 175B's shape",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -246,7 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--busy", action="store_true",
                     help="run a busy loop (python -c 'while 1: pass') beside each row's command")
     ap.add_argument("--append", action="store_true", help="keep the rows already in --out and add these after them")
+    ap.add_argument("--sweep", action="store_true", help="the device / layer / width sweep instead of --rows")
+    ap.add_argument("--axes", default=",".join(SWEEP), help=f"with --sweep: comma-separated, of {', '.join(SWEEP)}")
     args = ap.parse_args(argv)
+    if args.sweep:
+        out = args.out if args.out != "benchmarks/results/scale_pipeline.json" else \
+            "benchmarks/results/scale_pipeline_sweep.json"
+        return run_sweep([a.strip() for a in args.axes.split(",") if a.strip()], args.grace, out)
     kept = []
     if args.append and Path(args.out).exists():
         kept = json.loads(Path(args.out).read_text()).get("rows", [])
