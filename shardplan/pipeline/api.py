@@ -138,7 +138,8 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
     every stage they costed: given to :func:`pipeline_solve` as ``model=``, its search costs the same seeds again
     from that cache. The planner calls this before the one-program search, to prune it with the step found
     (:func:`shardplan.fit.solve_fit`'s ``incumbent``). Arguments as :func:`pipeline_solve`'s; ``progress`` hears
-    each seed (a tick; not the plans: the search finds them again). Ctrl-C (a :class:`KeyboardInterrupt`) returns
+    each seed (a tick) and each better seed's step (shown as the line's best, :meth:`Progress.hear`; not the plans,
+    which the search finds again). Ctrl-C (a :class:`KeyboardInterrupt`) returns
     the best seed so far (``plan.stats["interrupted"]`` True), or propagates before any. ``model``: a
     :class:`~shardplan.pipeline.stages.ModelStages` built on the same arguments (:func:`seed_model`), whose
     graphs and caches the seeds take (the planner computes the step floors on it before the seeds, so that an
@@ -154,10 +155,15 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
     stats: dict[str, Any] = {}
     seen: list[PipelinePlan] = []  # each plan better than the ones before (the last is the best)
     floors = UnitFloors(stages)
+
+    def heard(plan: PipelinePlan) -> None:
+        seen.append(plan)
+        tracker.hear(plan.step_time)  # shown on the progress line; the search later finds it again
+
     try:
         got = _uniform_seeds(space, stages.stage_cost, stages.link_time, stages.exchange_time,
                              stages.fit_cost if memory_choices else None, floors.segment, tuple(schedules),
-                             ms, seeds, stats, tracker.tick, seen.append, chunking_lower=floors.chunking_lower)
+                             ms, seeds, stats, tracker.tick, heard, chunking_lower=floors.chunking_lower)
     except KeyboardInterrupt:
         if not seen:
             raise

@@ -50,6 +50,9 @@ class Progress:
         phase: what is being searched now (e.g. ``"zb-h1 m=8"``).
         done, total: parts of the search finished, of how many.
         incumbent, plan: the best plan's step so far (inf: none yet) and the plan.
+        heard: the best step of plans found by a phase whose plans this search does not prune with (the uniform
+            pipelines costed before the one program, which the planner returns if nothing beats them): shown as
+            the line's "best" where it is below the incumbent, never used to prune (inf: none).
         bound: the least proven lower bound over the finished parts (inf: none finished).
         space_bound: the proven lower bound of the whole space as the search states it (the finished parts' bounds
             and each unfinished part's step floor or family bound), kept current while it runs and final when it
@@ -68,6 +71,7 @@ class Progress:
         self.done, self.total = 0, 0
         self.incumbent = math.inf
         self.plan: Any = None
+        self.heard = math.inf
         self.bound = math.inf
         self.space_bound: float | None = None
         self.ticks = 0
@@ -90,6 +94,11 @@ class Progress:
         (``self.plan``) so that an interrupted search can return it."""
         if step < self.incumbent:
             self.incumbent, self.plan = step, plan
+
+    def hear(self, step: float) -> None:
+        """A plan of ``step`` seconds found outside the incumbent (:attr:`heard`): the line shows it, nothing
+        prunes with it."""
+        self.heard = min(self.heard, step)
 
     def tick(self, detail: str | None = None, work: float = 0.0, kind: str = "pipeline_dp") -> None:
         """One step of an inner loop: charges ``work`` units of ``kind`` to the budget (which raises
@@ -119,7 +128,8 @@ class Progress:
         if self.budget is not None:
             limit = "" if math.isinf(self.budget.limit) else f" of {self.budget.limit:.3g}"
             work = f" | work {self.budget.used:.3g}{limit}"
-        return (f"  {what} | {self.done}/{self.total} parts done | best {format_seconds(self.incumbent)} | "
+        best = min(self.incumbent, self.heard)
+        return (f"  {what} | {self.done}/{self.total} parts done | best {format_seconds(best)} | "
                 f"bound of finished parts {bound}{space}{work} | {self.clock() - self.started:.0f} s")
 
 

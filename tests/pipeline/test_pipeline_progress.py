@@ -65,6 +65,18 @@ def test_progress_waits_for_its_interval():
     assert len(lines) == 2 and "1/3 parts done" in lines[1] and "bound of finished parts 4 s" in lines[1]
 
 
+def test_a_heard_step_is_shown_not_pruned_with():
+    progress = Progress()
+    progress.hear(7.0)
+    progress.hear(9.0)  # a worse one changes nothing
+    assert progress.heard == 7.0 and progress.incumbent == math.inf and progress.plan is None
+    assert "best 7 s" in progress.line()
+    progress.improved(8.0, "plan")
+    assert "best 7 s" in progress.line()  # the least of both is shown
+    progress.improved(6.0, "better")
+    assert "best 6 s" in progress.line() and progress.incumbent == 6.0
+
+
 def _floor_of(seed: int, U: int, p: int):
     """The random instance's step floor: a stage's seconds are w / (q eff) / m + 0.01 (b - a) >= w / (q m) (eff <= 1,
     tests.pipeline.test_pipeline._random_instance), so every schedule's step, at least m t_max >= m sum_i q_i t_i / p,

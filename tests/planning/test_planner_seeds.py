@@ -3,6 +3,8 @@ search with their step: the answer is the better of the two exact searches, as w
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from shardplan.errors import ShardplanError
@@ -10,6 +12,7 @@ from shardplan.fit import FitOptions, solve_fit
 from shardplan.machine import preset
 from shardplan.models import get_model
 from shardplan.pipeline.api import pipeline_seeds, pipeline_solve
+from shardplan.pipeline.progress import Progress
 from shardplan.planner import plan
 
 import planning_solves as solves
@@ -46,7 +49,11 @@ def test_seeds_then_the_search_on_their_stages_equal_the_search_alone(slow_links
     """The seeds' best is a real pipeline no faster than the optimum; the search given their stage costs answers
     what it answers alone (step and proven bound), costing no stage the seeds costed again."""
     m = slow_links
-    seed = pipeline_seeds(gpt, 16, m, **KW)
+    tracker = Progress()
+    seed = pipeline_seeds(gpt, 16, m, progress=tracker, **KW)
+    # the progress line shows the seeds' best as it goes; nothing is pruned with it (the incumbent stays unset)
+    assert tracker.heard == seed.step_time and tracker.incumbent == math.inf
+    assert f"best {seed.step_time:.4g} s" in tracker.line()
     alone = gpt4_pipeline_on_slow_links()  # pipeline_solve(gpt, 16, m, **KW), shared with test_planner.py
     solves = seed.stages.solves
     again = pipeline_solve(gpt, 16, m, model=seed.stages, floors=seed.floors, **KW)
