@@ -26,7 +26,8 @@ DEVICES = require_8_devices()
 TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
 B, D, H, C = 32, 16, 64, 8
 BF16 = jnp.bfloat16
-# bfloat16's machine epsilon (8 significand bits): a rounding moves a value by at most U/2 of its magnitude
+# bfloat16's unit roundoff (8 significand bits, 7 stored): a rounding moves a value by at most U of its magnitude,
+# and two values of one binade are a multiple of 2 U of its top apart
 U = 2.0**-8
 
 
@@ -70,12 +71,11 @@ def setup():
 
 
 def assert_close_to_reference(got, want):
-    """Loss and gradients equal within bfloat16 rounding, 4 U of the loss and of the largest gradient. Both
-    programs round every bfloat16 result once; the sharded one rounds in four more places on the longest path
-    (each device's partial sum of the second product's 4-way split contraction and their sum in the forward pass,
-    the partial gradient of each weight before its reduce-scatter over the batch halves and the sum), each by at
-    most U/2 of a value no larger than the largest gradient, and the forward pass's differences reach the
-    backward once more: 4 U. Measured: 0.41 U (gradients) and 9e-4 U (loss)."""
+    """Loss and gradients equal within bfloat16 rounding: 4 U of the loss and of the largest gradient, two
+    bfloat16 spacings at its magnitude. The two programs round the same exact values in different orders: the
+    sharded one also rounds each device's partial sum of the second product's 4-way split contraction and each
+    weight's partial gradient over the batch halves before summing them over the devices, so a result lands at
+    most a spacing or two from the unsharded one's. Measured: 0.41 U (gradients) and 9e-4 U (loss)."""
     (loss, grads), (loss0, grads0) = got, want
     assert abs(float(loss) - float(loss0)) <= 4 * U * abs(float(loss0))
     top = max(max_abs(g) for g in jax.tree.leaves(grads0))
