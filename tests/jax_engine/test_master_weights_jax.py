@@ -115,6 +115,13 @@ def test_sharded_master_step_equals_the_unsharded_program_with_the_rule(setup):
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
     want = jax.jit(reference)(params32, batch)
     assert_close_to_reference((loss, grads), want)
+    # the program on the copy is the bfloat16 program: the same plan run without the rule on the bfloat16
+    # parameters gives the same loss and the same gradients, bit for bit, before widening
+    loss16, grads16 = fit_step(fp, loss_fn, params, batch, DEVICES, info=info, master_weights=False).step(params, batch)
+    assert float(loss16) == float(loss)
+    for g, g16 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads16)):
+        assert g16.dtype == BF16
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(g16).astype(np.float32))
     # stage 3: the float32 gradients come back in the weights' shards (8 pieces of every weight)
     for k in ("w1", "w2"):
         assert math.prod(grads[k].sharding.shard_shape(grads[k].shape)) == math.prod(params[k].shape) // 8
@@ -187,3 +194,39 @@ def test_planned_with_the_rule_and_a_loaded_plan_follow_it():
     loss, grads = run.step(master_copy(params), batch)
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
     assert_close_to_reference((loss, grads), jax.jit(reference)(master_copy(params), batch))
+
+
+def test_fp8_and_optimizer_offload_run_on_the_compute_copy(setup):
+    """FP8 products (delayed scaling) and the optimizer state in host memory under the rule: ``fp8_step`` on the
+    masters equals the same plan without the rule on the bfloat16 parameters, bit for bit (histories too), and
+    the offloading train step keeps float32 parameters on the device and float32 Adam moments in host memory."""
+    import optax
+
+    from shardplan.jax.offload import HOST
+
+    params32, params, batch, info, _ = setup
+    machine = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy-fp8-host", fp8_flops=64e9, hbm_bandwidth=1e11,
+                      host_bandwidth=4e9, host_memory_bytes=1e10, cpu_adam_rate=1e9)
+    layouts = {"dot_general": (2, 4, 1), "add": (2, 4), "dot_general_2": (2, 1, 4), "sub": (2, 1),
+               "reduce_sum": (2, 1)}
+    tp = plan_from_configs(build_tables(trace(loss_fn, params, batch)[0], machine, cutoff=1), layouts)
+    fp = plan_with_choices(tp, 1, fp8=True, offload=("optimizer",), master_weights=True)
+    fs = fit_step(fp, loss_fn, params, batch, DEVICES, info=info)
+    plain = fit_step(fp, loss_fn, params, batch, DEVICES, info=info, master_weights=False)
+    assert fs.master_weights and fs.fp8_names and fs.offloads
+    h = fs.init_history()
+    loss, grads, h1 = fs.fp8_step(params32, batch, h)
+    loss16, grads16, h16 = plain.fp8_step(params, batch, h)
+    assert float(loss) == float(loss16)
+    for g, g16 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads16)):
+        assert g.dtype == jnp.float32 and g16.dtype == BF16
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(g16).astype(np.float32))
+    for a, b in zip(jax.tree.leaves(h1), jax.tree.leaves(h16)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    opt = optax.adam(1e-2)
+    p0, s0 = fs.init(opt, params)
+    new, state, _ = fs.train_step(opt, params)(p0, s0, batch)
+    for k in params:
+        assert new[k].dtype == jnp.float32 and new[k].sharding.memory_kind != HOST
+        mu = state.opt_state[0].mu[k]
+        assert mu.dtype == jnp.float32 and mu.sharding.memory_kind == HOST

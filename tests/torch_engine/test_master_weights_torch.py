@@ -7,7 +7,8 @@ same rule (the masters cast to bfloat16, differentiated w.r.t. the masters).
   reduced), the plan written to JSON and loaded, run by ``st.apply``; then one Adam step;
 * ``zero3``: the sequence split 4 ways, every weight at ZeRO-3 (gathered for use, its gradient reduce-scattered);
 * ``micro``: the sequence split, 2 micro-batches (each gradient summed locally, reduced once after the step);
-* ``without``: the ``tp_loaded`` plan made without the rule: parameters, gradients and Adam's state in bfloat16.
+* ``without``: the ``tp_loaded`` plan made without the rule: parameters, gradients and Adam's state in bfloat16,
+  the loss and the gradients those of ``tp_loaded`` exactly.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def _run(name: str, world: int) -> dict[str, Any]:
         "grad_dtypes": sorted({str(p.grad.dtype) for p in named.values()}),
         "as_planned": all(isinstance(p, DTensor) and tuple(p.placements) == tuple(pm.param_placements[n])
                           for n, p in pm.named_parameters()),
-        "sharded": sorted(n for n, p in pm.named_parameters() if any(q.is_shard() for q in p.placements))}
+        "sharded": sorted(n for n, p in pm.named_parameters() if any(q.is_shard() for q in p.placements)),
+        "loss": float(loss), "grads": {n: p.grad.full_tensor().float().tolist() for n, p in named.items()}}
     if name in ("tp_loaded", "without"):
         opt = pm.optimizer(torch.optim.Adam, lr=1e-2)
         # copies (a replicated DTensor's full_tensor is its local tensor, which the step updates in place)
@@ -184,3 +186,8 @@ def test_without_the_rule_parameters_gradients_and_state_stay_bfloat16(results):
     assert r["param_dtypes"] == ["torch.bfloat16"] and r["grad_dtypes"] == ["torch.bfloat16"], r
     assert r["state_dtypes"] == ["torch.bfloat16"] and r["as_planned"], r
     assert r["off_bf16_grid"] == 0.0, r
+    # the run with the rule reads the same bfloat16 values and reduces in bfloat16: the same loss and gradients,
+    # bit for bit, widened
+    m = results["tp_loaded"]
+    _ok(m)
+    assert m["loss"] == r["loss"] and m["grads"] == r["grads"]
