@@ -47,6 +47,12 @@ layout, a ZeRO stage, a recomputation flag, and one micro-batch count k.
   and the gradient their mean) or a sum (``reduce="sum"``).
 * **FP8 products.** The product equation of each operator the plan runs in
   FP8 is bound as an FP8 product (:mod:`shardplan.jax.fp8`).
+* **Master weights.** Under the precision rule ``master_weights`` (the
+  plan's, or ``fit_step(master_weights=True)``) the parameters the step keeps,
+  and so the optimizer state, are float32, sharded as the stage says; each
+  step casts them to the dtypes the program was traced in and runs the
+  program on that copy (:func:`~shardplan.jax.run.compute_cast`): the
+  gradients come back float32, w.r.t. the master weights.
 * **Host offload.** The values kept by an operator that offloads its
   activations are named ``shardplan_offloaded`` (not ``shardplan_saved``) and
   the checkpoint policy sends them to host memory; optimizer state and
@@ -68,7 +74,8 @@ from shardplan.jax.flatten import TOP
 from shardplan.jax.fp8 import (AMAX_HISTORY, Fp8TrainState, fp8_equations, fp8_operators, init_history, roll_history,
                                with_history)
 from shardplan.jax.lower import TraceInfo, trace
-from shardplan.jax.run import constrain_both_ways, constrain_forward, evaluate, ring_hooks
+from shardplan.jax.run import (compute_cast, constrain_both_ways, constrain_forward, evaluate, master_copy,
+                               plan_master_weights, ring_hooks)
 from shardplan.jax.shardings import plan_shardings, replicated
 
 __all__ = ["SAVED", "OFFLOADED", "LeafState", "Fp8TrainState", "shard_over_replicas", "leaf_states", "equation_owners", "checkpointed_fn",
@@ -300,6 +307,8 @@ class FitStep:
         fp8_step: for a plan with FP8 products, jitted ``fp8_step(params, batch, history) -> (loss, grads,
             history)``: delayed scaling (:mod:`shardplan.jax.fp8`), the histories of :meth:`init_history` in, the
             next step's out (None without FP8 products); ``fp8_value_and_grad`` the same, not jitted.
+        master_weights: the parameters are held in float32 and cast to the program's dtypes inside the step
+            (:func:`fit_step`); :meth:`init` makes the float32 copy.
     """
 
     plan: Any
@@ -319,6 +328,7 @@ class FitStep:
     fp8_names: tuple[str, ...] = ()
     fp8_step: Callable[..., Any] | None = None
     fp8_value_and_grad: Callable[..., Any] | None = None
+    master_weights: bool = False
 
     def init_history(self, length: int = AMAX_HISTORY) -> dict[str, Any]:
         """The FP8 amax histories before the first step (:func:`shardplan.jax.fp8.init_history`), replicated over
@@ -347,9 +357,12 @@ class FitStep:
     def init(self, optimizer: Any, params: Any) -> tuple[Any, Any]:
         """``(params, opt_state)`` placed as the plan holds them between steps (offloaded state and parameters
         in host memory); for a plan with FP8 products the state is an :class:`Fp8TrainState`, the optimizer's
-        and the empty amax histories (delayed scaling)."""
+        and the empty amax histories (delayed scaling). With :attr:`master_weights` the parameters placed are
+        their float32 copy (:func:`~shardplan.jax.run.master_copy`), and the optimizer state follows them."""
         import jax
 
+        if self.master_weights:
+            params = master_copy(params)
         if self.offloads:
             from shardplan.jax.offload import offload_step
 
@@ -439,11 +452,14 @@ def _check_same_program(plan: Any, graph: Any, k: int) -> None:
 
 
 def fit_step(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, devices: Sequence[Any] | None = None,
-             has_aux: bool = False, reduce: str = "mean", info: TraceInfo | None = None) -> FitStep:
+             has_aux: bool = False, reduce: str = "mean", info: TraceInfo | None = None,
+             master_weights: bool | None = None) -> FitStep:
     """The :class:`FitStep` of ``plan`` for ``loss_fn(params, batch)`` (see the module).
 
     ``info``: the trace of ``loss_fn`` at the full batch that ``plan`` was made
-    from (traced again when not given).
+    from (traced again when not given). ``master_weights``: hold the parameters in float32 and run the
+    program on a copy cast to the dtypes of ``params`` (the traced ones) inside the step; None: the plan's
+    precision rule (:func:`~shardplan.jax.run.plan_master_weights`).
     """
     import jax
 
@@ -462,6 +478,10 @@ def fit_step(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, de
         g, micro_info = trace(loss_fn, params, _micro_structs(batch, info, n_params, k), params_argnums=(0,))
         _check_same_program(plan, g, k)
     fn, remat = checkpointed_fn(plan, micro_info, devices, [s.stage for s in states], [s.sharded for s in states])
+    master = plan_master_weights(plan) if master_weights is None else bool(master_weights)
+    dtypes = jax.tree_util.tree_map(jax.numpy.result_type, params)
+    if master:
+        fn = compute_cast(fn, dtypes)
     tree = info.in_tree
 
     def pick(attr: str) -> Any:
@@ -515,6 +535,8 @@ def fit_step(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, de
     if names:
         fn_d, _ = checkpointed_fn(plan, micro_info, devices, [s.stage for s in states], [s.sharded for s in states],
                                   delayed=True)
+        if master:
+            fn_d = compute_cast(fn_d, dtypes)
         vgd = jax.value_and_grad(fn_d, argnums=(0, 2), has_aux=has_aux)
 
         def delayed_step(p: Any, b: Any, h: Any) -> Any:
@@ -550,7 +572,7 @@ def fit_step(plan: Any, loss_fn: Callable[..., Any], params: Any, batch: Any, de
         fp8 = jax.jit(delayed_step, in_shardings=(param_sh, batch_sh, rep),
                       out_shardings=None if offloads else ((rep, None) if has_aux else rep, grad_sh, rep))
     return FitStep(plan, info, micro_info, tuple(devices), states, k, remat, param_sh, grad_sh, state_sh, batch_sh,
-                   jitted, fn, value_and_grad, names, fp8, delayed_step if names else None)
+                   jitted, fn, value_and_grad, names, fp8, delayed_step if names else None, master)
 
 
 def _split(x: Any, k: int, micro: Any) -> Any:

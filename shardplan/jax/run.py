@@ -35,7 +35,8 @@ from shardplan.jax.lower import TraceInfo
 from shardplan.jax.shardings import PlanShardings, plan_shardings, replicated
 
 __all__ = ["evaluate", "evaluate_eqns", "constrain_forward", "constrain_both_ways", "constrain_read", "constrained_fn",
-           "gather_scatters", "make_step", "ring_charged", "ring_hooks"]
+           "gather_scatters", "make_step", "ring_charged", "ring_hooks", "master_copy", "compute_cast",
+           "plan_master_weights"]
 
 Hook = Callable[[Any], Any]
 
@@ -119,6 +120,54 @@ def _remat(e: Any, args: list[Any], env: dict[int, Any], put: Callable[[int, Any
 
     kw = {k: e.params[k] for k in ("prevent_cse", "policy") if k in e.params}
     return list(jax.checkpoint(body, **kw)(*args))
+
+
+def master_copy(params: Any) -> Any:
+    """The fp32 master copy of ``params``: every floating leaf narrower than 4 bytes (bfloat16, float16, the
+    float8 formats) widened to float32, the others as they are. Exact: every such value is a float32 value."""
+    import jax
+    import jax.numpy as jnp
+
+    def widen(x: Any) -> Any:
+        dtype = jnp.result_type(x)
+        if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+            return jnp.asarray(x, jnp.float32)
+        return x
+
+    return jax.tree_util.tree_map(widen, params)
+
+
+def compute_cast(fn: Callable[..., Any], dtypes: Any, argnum: int = 0) -> Callable[..., Any]:
+    """``fn`` with argument ``argnum`` (a pytree of master weights) cast leaf by leaf to ``dtypes`` (the same
+    pytree of the dtypes the program was traced in) before it runs: mixed precision with master weights.
+
+    With ``c`` the rounding of a float32 weight ``w`` to its compute dtype,
+    the step differentiates ``L(c(w))``; ``convert_element_type``'s transpose
+    is a cast back, so ``dL/dw`` is the program's gradient at ``c(w)``, in
+    the compute dtype, widened exactly to float32. The cast is elementwise:
+    the copy keeps the master's sharding, and whatever the program then does
+    with the weight (a ZeRO-3 gather, a product's reduce-scatter of the
+    gradient) moves the compute dtype's bytes, as the cost model charges."""
+    import jax
+    import jax.numpy as jnp
+
+    def cast(x: Any, dtype: Any) -> Any:
+        return x if jnp.result_type(x) == dtype else jax.lax.convert_element_type(x, dtype)
+
+    def run(*args: Any) -> Any:
+        args = list(args)
+        args[argnum] = jax.tree_util.tree_map(cast, args[argnum], dtypes)
+        return fn(*args)
+
+    return run
+
+
+def plan_master_weights(plan: Any) -> bool:
+    """The plan's precision rule: True where its memory choices were costed with fp32 master weights
+    (:class:`shardplan.cost.memory.ChoiceRules` ``master_weights``; a loaded plan's ``stats["memory_rules"]``,
+    which :func:`shardplan.planner.spmd_of` turns back into the rule)."""
+    mc = getattr(plan, "memory_choices", None)
+    return bool(mc is not None and mc.rules.master_weights)
 
 
 def constrain_forward(sharding: Any, cotangent: Any = None) -> Callable[[Any], Any]:

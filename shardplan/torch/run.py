@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import math
 import operator as _pyop
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -338,6 +339,16 @@ def _grad_by_dim(y: Any, mesh: Any, home: Sequence[Any], axes_dims: Sequence[str
     z = y.view_as(y)
     z.register_hook(hook)
     return z
+
+
+def _reduce_in(g: Any, mesh: Any, placements: Sequence[Any], axes_dims: Sequence[str | None], dtype: Any) -> Any:
+    """:func:`_reduce_redistribute` of a master weight's float32 gradient ``g`` in the compute ``dtype`` (None: in
+    its own): cast down, reduced, widened back. A gradient the cast's backward widened from ``dtype`` holds
+    ``dtype`` values, so the cast down is exact and the reduction is the 16-bit program's, moving its bytes;
+    a sum over micro-batches (:meth:`ParallelModule.reduce_grads`) is rounded to ``dtype`` once, before it."""
+    if dtype is None or g.dtype == dtype:
+        return _reduce_redistribute(g, mesh, placements, axes_dims)
+    return _reduce_redistribute(g.to(dtype), mesh, placements, axes_dims).to(g.dtype)
 
 
 def _redistribute(x: Any, mesh: Any, placements: Sequence[Any]) -> Any:
@@ -799,6 +810,10 @@ class RunChoices:
             instead of all-reduced, and accumulates there. Only a pipeline stage sets it
             (:class:`shardplan.torch.staged.ShardedStateOptimizer` steps such parameters through their master
             shards); :func:`run_choices` refuses ZeRO stage 2 for one program.
+        master_weights: mixed precision with float32 master weights (the plan's precision rule
+            :class:`shardplan.cost.memory.ChoiceRules` ``master_weights``): every 16-bit floating parameter is held
+            (and stepped by the optimizer) in float32, and each pass reads its copy cast to the module's own
+            dtype (:meth:`ParallelModule.compute_copy`); gradients are reduced in that dtype and kept in float32.
     """
 
     micro_batches: int = 1
@@ -811,6 +826,7 @@ class RunChoices:
     offload_params: frozenset[str] = frozenset()
     dealt: frozenset[str] = frozenset()
     zero2: frozenset[str] = frozenset()
+    master_weights: bool = False
 
 
 def run_choices(plan: Any) -> RunChoices:
@@ -838,7 +854,8 @@ def run_choices(plan: Any) -> RunChoices:
                       frozenset(n for i, n in enumerate(names) if mc.fp8(i)),
                       frozenset(n for i, n in enumerate(names) if "activations" in mc.offload(i)), ring,
                       frozenset(n for i, n in enumerate(names) if "optimizer" in mc.offload(i)),
-                      frozenset(n for i, n in enumerate(names) if "parameters" in mc.offload(i)), dealt)
+                      frozenset(n for i, n in enumerate(names) if "parameters" in mc.offload(i)), dealt,
+                      master_weights=bool(mc.rules.master_weights))
 
 
 def zero3_placements(placements: Sequence[Any], shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[Any, ...]:
@@ -1110,6 +1127,10 @@ def _make_class() -> Any:
             self._zero3 = {t for op in choices.zero3 for t, uses in info.param_uses.items() if uses[0][0] == op}
             self._zero2 = {t for op in choices.zero2 for t, uses in info.param_uses.items() if uses[0][0] == op}
             self._sharded: set[int] = set()  # ids of the ZeRO-3 parameters
+            # master weights: id(parameter) -> the dtype the module computes in; the live compute copies of the
+            # ZeRO-3 parameters (gathered and regathered as the parameters are), by id
+            self._compute: dict[int, Any] = {}
+            self._sharded_copies: Any = weakref.WeakValueDictionary()
             self._homes: dict[int, tuple[Any, Any]] = {}  # id -> (parameter, its shard's home in host memory)
             self.host = HostOffload()  # the offloaded activations' hooks and their byte count
             # FP8 delayed scaling's state (Transformer Engine's default recipe, what the cost model charges); None:
@@ -1178,15 +1199,22 @@ def _make_class() -> Any:
             tile = pl
             if zero3:
                 pl = zero3_placements(pl, tuple(src.shape), tuple(self.mesh.mesh.shape))
-            dt = distribute_tensor(src.detach().clone(), self.mesh, list(pl), src_data_rank=None)
+            value = src.detach().clone()
+            master = (self.choices.master_weights and value.is_floating_point() and value.element_size() < 4)
+            if master:  # the float32 master copy (exact: every 16-bit float is a float32)
+                value = value.float()
+            dt = distribute_tensor(value, self.mesh, list(pl), src_data_rank=None)
             par = nn.Parameter(dt, requires_grad=src.requires_grad)
+            if master:
+                self._compute[id(par)] = src.dtype
             self.param_placements[names[0]] = pl
             if src.requires_grad:  # a ZeRO-2 parameter's gradient is reduce-scattered to its shard
                 zero2 = any(n in self._zero2 for n in names)
                 grad_pl = zero3_placements(pl, tuple(src.shape), tuple(self.mesh.mesh.shape)) if zero2 else pl
                 axes = self.layouts.axes[uses[0][0]] if uses else (None,) * self.mesh.ndim
                 self._grad_axes[names[0]] = axes
-                par.register_hook(self._grad_hook(tuple(grad_pl), defer=not zero2 and not zero3, axes=axes))
+                par.register_hook(self._grad_hook(tuple(grad_pl), defer=not zero2 and not zero3, axes=axes,
+                                                  dtype=src.dtype if master else None))
             if zero3:
                 self._sharded.add(id(par))
                 if uses and uses[0][0] in self.choices.offload_params and self._offloadable(names, tile, pl):
@@ -1238,12 +1266,13 @@ def _make_class() -> Any:
                 self.mesh[tuple(names[i] for i in group)]._flatten()
 
         def _grad_hook(self, placements: tuple[Any, ...], defer: bool = False,
-                       axes: Sequence[str | None] = ()) -> Any:
+                       axes: Sequence[str | None] = (), dtype: Any = None) -> Any:
             """A parameter's gradient hook: each backward pass's gradient redistributed to ``placements`` (the
             tile's; a ZeRO-2 or 3 parameter's shard: a reduce-scatter per micro-batch). With ``defer`` (a ZeRO-0
             or 1 parameter), while a step accumulates micro-batches (``_accumulating``), the partial sums over the
             axes that replicate the tile stay partial (no communication): :meth:`reduce_grads` reduces their
-            sum once, after the step's last micro-batch."""
+            sum once, after the step's last micro-batch. ``dtype``: a master weight's compute dtype, the one its
+            gradient is reduced in (:func:`_reduce_in`)."""
             def hook(g: Any) -> Any:
                 if not isinstance(g, DTensor):
                     return g
@@ -1251,8 +1280,21 @@ def _make_class() -> Any:
                 if defer and self._accumulating:
                     target = tuple(q if q.is_partial() and pl.is_replicate() else pl
                                    for q, pl in zip(g.placements, placements))
-                return _reduce_redistribute(g, self.mesh, target, axes or (None,) * len(target))
+                return _reduce_in(g, self.mesh, target, axes or (None,) * len(target), dtype)
             return hook
+
+        def compute_copy(self, par: Any) -> Any:
+            """``par`` as the module's program reads it: under master weights (:attr:`RunChoices.master_weights`)
+            its copy cast to the module's own dtype, whose backward (a cast back) brings the gradient to the
+            float32 master; ``par`` itself otherwise. The cast is elementwise: the copy keeps ``par``'s
+            placements, so a ZeRO-3 parameter's gathers move the compute dtype's bytes."""
+            dtype = self._compute.get(id(par))
+            if dtype is None:
+                return par
+            copy = par.to(dtype)
+            if id(par) in self._sharded:
+                self._sharded_copies[id(copy)] = copy
+            return copy
 
         def reduce_grads(self, shards: Any = frozenset()) -> None:
             """Reduce the gradients a step left partial (:meth:`_grad_hook`: a ZeRO-0 or 1 parameter's, summed
@@ -1268,8 +1310,8 @@ def _make_class() -> Any:
                         continue
                     tile = tuple(p.placements)
                     target = zero3_placements(tile, tuple(p.shape), shape) if name in shards else tile
-                    p.grad = _reduce_redistribute(g, self.mesh, target,
-                                                  self._grad_axes.get(name, (None,) * len(target)))
+                    p.grad = _reduce_in(g, self.mesh, target, self._grad_axes.get(name, (None,) * len(target)),
+                                        self._compute.get(id(p)))
 
         def optimizer(self, cls: Any, **options: Any) -> Any:
             """``cls(self.parameters(), **options)`` (a ``torch.optim`` class), with the parameters of the
@@ -1401,10 +1443,12 @@ def _make_class() -> Any:
             env: dict[str, Any] = {}
             user = iter(flat)
             buffers = dict(self.named_buffers(remove_duplicate=False))
+            for par, _ in self._homes.values():  # offloaded shards: on the device for the forward pass
+                self._fetch(par)
             for s in ep.graph_signature.input_specs:
                 name = s.arg.name if hasattr(s.arg, "name") else None
                 if s.kind == InputKind.PARAMETER:
-                    env[name] = self.dparameter(s.target)
+                    env[name] = self.compute_copy(self.dparameter(s.target))
                 elif s.kind == InputKind.BUFFER:
                     env[name] = buffers[s.target] if s.target in buffers else ep.state_dict[s.target]
                 elif s.kind == InputKind.CONSTANT_TENSOR:
@@ -1425,8 +1469,6 @@ def _make_class() -> Any:
                         env[name] = None
             result = None
             gm = ep.graph_module
-            for par, _ in self._homes.values():  # offloaded shards: on the device for the forward pass
-                self._fetch(par)
             for item in prog.items:
                 if isinstance(item, Segment):
                     outs = checkpoint(self._segment_fn(prog, item), *[env[n] for n in item.inputs],
@@ -1502,7 +1544,7 @@ def _make_class() -> Any:
                         if tname in inputs and len(summed_dims(t, lay.axes[op_name])) > 1:
                             y = _grad_by_dim(y, self.mesh, x.placements, lay.axes[op_name])
                         _set(args, kwargs, path, y)
-                        if id(x) in self._sharded and y is not x:
+                        if (id(x) in self._sharded or id(x) in self._sharded_copies) and y is not x:
                             gathered.append((x, y))
                     if tname in fp8 and isinstance(x, torch.Tensor) and x.is_floating_point():
                         _set(args, kwargs, path, fp8_cast(_get(args, kwargs, path), self.scaling,
