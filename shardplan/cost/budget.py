@@ -84,11 +84,11 @@ def uniform_operator(op: Operator, lay) -> bool:
 def pattern_edge(u: Operator, lu, v: Operator, slot: int, lv) -> bool:
     """Whether the edge u -> v (input ``slot``) is decided from block patterns, with no per-device array
     (:func:`~shardplan.cost.edge._pattern_side` applies to both ends)."""
-    from shardplan.cost.edge import _pattern_side
+    from shardplan.cost.edge import pattern_applies
 
     if lu.partial is not None or lv.partial is not None:  # deferred reductions are costed on per-device boxes
         return False
-    return _pattern_side(u, u.output, lu) is not None and _pattern_side(v, v.inputs[slot], lv) is not None
+    return pattern_applies(u, u.output, lu) and pattern_applies(v, v.inputs[slot], lv)
 
 
 def pattern_edge_bytes(ku: int, kv: int, n_axes: int, n_levels: int) -> int:
