@@ -607,22 +607,64 @@ def _pattern_match_memo(pu: np.ndarray, pv: np.ndarray, n_lv: int, memo: EdgeMem
     return hit
 
 
-def _pattern_fast(su: _PatternSide, sv: _PatternSide, n_lv: int,
-                  memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Moved volumes (K_u, K_v), forward and backward, of two :class:`_PatternSide` ends: the block-mask test of
-    :func:`_fast` with every device active on both sides, where each axis's test "every device's blocks
-    nest" is :func:`_pattern_match` on the two patterns (no device enumerated; ``memo`` keeps each pair of
-    pattern tables' match across the edges of a build)."""
+def _pattern_ok(su: _PatternSide, sv: _PatternSide, n_lv: int, memo: EdgeMemo | None = None) -> np.ndarray:
+    """(G_u, G_v) bool per pair of groups: whether every device's block nests on every axis
+    (:func:`_pattern_match` per axis; ``memo`` keeps each pair of pattern tables' match across a build)."""
     ok = np.ones((len(su.groups), len(sv.groups)), dtype=bool)
     for a in range(len(su.pats)):
         match = _pattern_match_memo(su.pats[a], sv.pats[a], n_lv, memo)  # (Pu, Pv)
         ok &= match.take(su.groups[:, a], axis=0).take(sv.groups[:, a], axis=1)
-    ok = ok.take(su.inv, axis=0).take(sv.inv, axis=1)
+    return ok
+
+
+def _expand(x: np.ndarray, iu: np.ndarray, iv: np.ndarray) -> np.ndarray:
+    """``x[iu][:, iv]``: a matrix over distinct rows of two sides to every pair of layouts."""
+    return x.take(iu, axis=0).take(iv, axis=1)
+
+
+def _pattern_fast(su: _PatternSide, sv: _PatternSide, n_lv: int,
+                  memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Moved volumes (K_u, K_v), forward and backward, of two :class:`_PatternSide` ends: the block-mask test of
+    :func:`_fast` with every device active on both sides, where each axis's test "every device's blocks
+    nest" is :func:`_pattern_match` on the two patterns (no device enumerated; :func:`_pattern_ok`)."""
+    ok = _expand(_pattern_ok(su, sv, n_lv, memo), su.inv, sv.inv)
     ov_small = np.minimum(su.lengths[:, None, :], sv.lengths[None, :, :]).prod(axis=-1)
-    overlap = ov_small.take(su.len_inv, axis=0).take(sv.len_inv, axis=1)
+    overlap = _expand(ov_small, su.len_inv, sv.len_inv)
     fwd = np.where(ok, sv.vol[None, :] - overlap, sv.vol[None, :])
     bwd = np.where(ok, su.vol[:, None] - overlap, su.vol[:, None])
     return fwd, bwd
+
+
+def _pattern_seconds(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
+                     memo: EdgeMemo | None) -> np.ndarray | None:
+    """:func:`edge_cost` (K_u, K_v) on one level, without the steps, where block patterns decide the edge
+    (:func:`_pattern_side` of both ends), the same floats; None where that path does not apply.
+
+    A pair's volumes are ``vol_v - overlap`` and ``vol_u - overlap`` where its blocks nest
+    (:func:`_pattern_ok`), else ``vol_v`` and ``vol_u`` (:func:`_pattern_fast`), and the volumes and
+    overlap depend on the two ends' block lengths alone. So both candidate costs
+    ``T(f) + T(b)`` (``T`` the point-to-point time, the sum rounded as :func:`edge_cost` rounds it) are
+    computed once per pair of distinct block lengths, and each pair of layouts takes one of the two.
+    """
+    su = _pattern_side(u, u.output, lu, memo)
+    sv = _pattern_side(v, v.inputs[slot], lv, memo) if su is not None else None
+    if su is None or sv is None:
+        return None
+    t_in = v.inputs[slot]
+    nb = float(machine.dtype_bytes)
+    vol_u = su.lengths.prod(axis=1)  # per distinct length row: the same integers as su.vol
+    vol_v = sv.lengths.prod(axis=1)
+    ov = np.minimum(su.lengths[:, None, :], sv.lengths[None, :, :]).prod(axis=-1)  # (Lu, Lv)
+
+    def seconds(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:  # edge_volumes' scaling, then edge_cost's
+        f = fwd * t_in.elem_factor
+        b = bwd * t_in.elem_factor if t_in.needs_grad else np.zeros_like(bwd)
+        return p2p_time(f * nb, machine, 0) + p2p_time(b * nb, machine, 0)
+
+    nested = seconds(vol_v[None, :] - ov, vol_u[:, None] - ov)
+    apart = seconds(np.broadcast_to(vol_v[None, :], ov.shape), np.broadcast_to(vol_u[:, None], ov.shape))
+    ok = _expand(_pattern_ok(su, sv, len(lu.levels), memo), su.inv, sv.inv)
+    return np.where(ok, _expand(nested, su.len_inv, sv.len_inv), _expand(apart, su.len_inv, sv.len_inv))
 
 
 def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int,
@@ -984,6 +1026,11 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     p = machine.num_devices
     lu = as_layouts(cu, p, ou, machine.levels)
     lv = as_layouts(cv, p, ov, machine.levels)
+    if volumes is None and hide is None and analytic and len(machine.levels) == 1 \
+            and not machine.stepwise_redistribution and lu.partial is None and lv.partial is None:
+        got = _pattern_seconds(u, lu, v, slot, lv, machine, memo)
+        if got is not None:
+            return got
     f, b = edge_volumes(u, lu, v, slot, lv, p, memo=memo, analytic=analytic,
                         max_devices=max_devices, steps=machine.stepwise_redistribution) if volumes is None else volumes
     nbytes = float(machine.dtype_bytes)
