@@ -281,6 +281,23 @@ def _eliminate(v: int, factors: list[_Factor], unary: np.ndarray, limit: int, na
     return new, step
 
 
+def _eliminate_alone(v: int, unary: np.ndarray, limit: int, name: str, stats: dict, rng: np.random.Generator,
+                     kept: int = 0) -> tuple[_Factor, _Step]:
+    """:func:`_eliminate` of a vertex no factor touches: its cheapest configuration, the first of equal ones
+    (what the general step's stable sort and its one-class minimum give), as the same factor, step and stats
+    without its class machinery."""
+    need = kept + step_bytes(1, 1)
+    if need > limit or not np.isfinite(unary).all():  # the refusal (or a non-finite cost): the general step
+        return _eliminate(v, [], unary, limit, name, stats, rng, kept=kept)
+    k = int(np.argmin(unary))
+    stats["memory_estimate_bytes"] = max(stats.get("memory_estimate_bytes", 0), need)
+    stats["total_table_entries"] += 1.0
+    stats["largest_table"] = max(stats["largest_table"], 1.0)
+    stats["max_dependent_set"] = max(stats["max_dependent_set"], 0)
+    arg = np.array(k).astype(np.min_scalar_type(max(len(unary) - 1, 0)))
+    return _Factor((), (), np.array(unary[k], dtype=np.float64)), _Step(v, (), (), arg)
+
+
 def _repeated_unaries(p: Problem, dcache: DigestCache) -> list[bool]:
     """Per vertex: does another vertex have an equal cost vector (a candidate for a repeated elimination)?"""
     keys = [dcache(c) for c in p.vertex_cost]
@@ -482,8 +499,11 @@ def solve_dp(
     repeated = _repeated_unaries(p, dcache) if memo is not None else [False] * n
     for i, v in enumerate(order):
         factors = [live[j] for j in sorted(touching[v])]
-        new, step = _eliminate_memo(v, factors, p.vertex_cost[v], limit, p.names[v], stats, rng, held,
-                                    memo if repeated[v] else None, dcache)
+        if not factors and not (memo is not None and repeated[v]):
+            new, step = _eliminate_alone(v, p.vertex_cost[v], limit, p.names[v], stats, rng, kept=held.total)
+        else:
+            new, step = _eliminate_memo(v, factors, p.vertex_cost[v], limit, p.names[v], stats, rng, held,
+                                        memo if repeated[v] else None, dcache)
         for f in factors:
             held.remove(f.arrays())
         for j in sorted(touching[v]):
