@@ -560,9 +560,10 @@ def icm(st: BoundState, a: np.ndarray, max_sweeps: int = 50) -> np.ndarray:
     """Iterated conditional modes: move each vertex to its best configuration given its neighbours."""
     a = a.copy()
     inc = incident_pairs(st.n, st.pairs)
+    movable = [v for v in range(st.n) if len(st.unary[v]) > 1]  # one configuration: it never moves
     for _ in range(max_sweeps):
         changed = False
-        for v in range(st.n):
+        for v in movable:
             cost = st.unary[v].copy()
             for key in inc[v]:
                 m = st.pairs[key]
