@@ -613,7 +613,14 @@ def _pattern_ok(su: _PatternSide, sv: _PatternSide, n_lv: int, memo: EdgeMemo | 
     ok = np.ones((len(su.groups), len(sv.groups)), dtype=bool)
     for a in range(len(su.pats)):
         match = _pattern_match_memo(su.pats[a], sv.pats[a], n_lv, memo)  # (Pu, Pv)
-        ok &= match.take(su.groups[:, a], axis=0).take(sv.groups[:, a], axis=1)
+        if match.all():  # this axis nests under every pair of patterns (an unsplit axis on both sides, say)
+            continue
+        if match.shape[0] == 1:  # one pattern on u's side: a row for every u group
+            ok &= match[0].take(sv.groups[:, a])[None, :]
+        elif match.shape[1] == 1:
+            ok &= match[:, 0].take(su.groups[:, a])[:, None]
+        else:
+            ok &= match.take(su.groups[:, a], axis=0).take(sv.groups[:, a], axis=1)
     return ok
 
 
@@ -642,9 +649,10 @@ def _pattern_seconds(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: 
 
     A pair's volumes are ``vol_v - overlap`` and ``vol_u - overlap`` where its blocks nest
     (:func:`_pattern_ok`), else ``vol_v`` and ``vol_u`` (:func:`_pattern_fast`), and the volumes and
-    overlap depend on the two ends' block lengths alone. So both candidate costs
-    ``T(f) + T(b)`` (``T`` the point-to-point time, the sum rounded as :func:`edge_cost` rounds it) are
-    computed once per pair of distinct block lengths, and each pair of layouts takes one of the two.
+    overlap depend on the two ends' block lengths alone. So the nested cost ``T(f) + T(b)`` (``T`` the
+    point-to-point time, the sum rounded as :func:`edge_cost` rounds it) is computed once per pair of
+    distinct block lengths, the apart one as the sum of a vector over v's lengths and one over u's, and
+    each pair of layouts takes one of the two.
     """
     su = _pattern_side(u, u.output, lu, memo)
     sv = _pattern_side(v, v.inputs[slot], lv, memo) if su is not None else None
@@ -661,10 +669,18 @@ def _pattern_seconds(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: 
         b = bwd * t_in.elem_factor if t_in.needs_grad else np.zeros_like(bwd)
         return p2p_time(f * nb, machine, 0) + p2p_time(b * nb, machine, 0)
 
-    nested = seconds(vol_v[None, :] - ov, vol_u[:, None] - ov)
-    apart = seconds(np.broadcast_to(vol_v[None, :], ov.shape), np.broadcast_to(vol_u[:, None], ov.shape))
-    ok = _expand(_pattern_ok(su, sv, len(lu.levels), memo), su.inv, sv.inv)
-    return np.where(ok, _expand(nested, su.len_inv, sv.len_inv), _expand(apart, su.len_inv, sv.len_inv))
+    ok_g = _pattern_ok(su, sv, len(lu.levels), memo)
+    nested = _expand(seconds(vol_v[None, :] - ov, vol_u[:, None] - ov), su.len_inv, sv.len_inv)
+    if ok_g.all():
+        return nested
+    # apart: T(f) depends on v's lengths alone and T(b) on u's, so each entry is the sum of two vectors'
+    # entries (the same two floats, added in the same order as ``seconds`` adds them)
+    t_f = p2p_time((vol_v * t_in.elem_factor) * nb, machine, 0).take(sv.len_inv)
+    back = vol_u * t_in.elem_factor if t_in.needs_grad else np.zeros_like(vol_u)
+    t_b = p2p_time(back * nb, machine, 0).take(su.len_inv)
+    out = np.add(t_f[None, :], t_b[:, None])
+    np.copyto(out, nested, where=_expand(ok_g, su.inv, sv.inv))
+    return out
 
 
 def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int,
