@@ -5,7 +5,8 @@ Where an operator's tiles are regular and every device works
 array: its costs are vectors over the K layouts, its memory tables one
 column (16 K bytes), and an edge between two such ends
 (:func:`~shardplan.cost.edge._pattern_side`) is decided from block patterns,
-about 28 int64-sized (K_u, K_v) arrays at its worst point. Otherwise the build
+about 28 int64-sized (K_u, K_v) arrays at its worst point, beside the pattern
+summaries the edges share (at most ``EDGE_MEMO_BYTES``, as on the per-device path). Otherwise the build
 works on per-device arrays: for an operator with K configurations
 on p devices, the device grid is a (K, p, n_dims) int64 array and every tile
 a (K, p, n_axes, 2) int64 array; for an edge, the fast path tests device bit-masks
@@ -203,7 +204,8 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
         ku, kv = ks[ku_key], ks[kv_key]
         if pattern_edge(u, arrays[ku_key], v, e.slot, arrays[kv_key], sides):
             n_lv = len(arrays[ku_key].levels)
-            need = kept + pattern_edge_bytes(ku, kv, len(v.inputs[e.slot].axes), n_lv)
+            # + the pattern summaries the edges share (edge.EdgeMemo, at most EDGE_MEMO_BYTES)
+            need = kept + EDGE_MEMO_BYTES + pattern_edge_bytes(ku, kv, len(v.inputs[e.slot].axes), n_lv)
             best = max(best, (need, f"edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
             kept += 8 * ku * kv
             continue
@@ -225,7 +227,7 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
         ku, kv = ks[keys[w.src]], ks[keys[w.dst]]
         lu, lv = arrays[keys[w.src]].without_partial(), arrays[keys[w.dst]].without_partial()
         if pattern_edge(u, lu, v, 0, lv):
-            need = kept + pattern_edge_bytes(ku, kv, len(v.inputs[0].axes), len(lu.levels))
+            need = kept + EDGE_MEMO_BYTES + pattern_edge_bytes(ku, kv, len(v.inputs[0].axes), len(lu.levels))
         else:
             check_per_device(p, f"the tiles of the shared weight {u.name!r} -> {v.name!r}", max_devices)
             need = kept + EDGE_MEMO_BYTES + edge_phase_bytes(u, ku, v, kv, p)
