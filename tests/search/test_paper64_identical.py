@@ -3,8 +3,9 @@
 The edge matrices of the build (block-pattern sides and matches shared across edges, the one-level cost
 taken per pair of distinct block lengths) are compared bit for bit with each edge costed alone from its
 volumes, the computation before those shortcuts; the search's answer (assignment, cost, the bound
-pruning's incumbent and bound) is pinned to the values computed on commit d5ea085, before them; and the
-DP's cheap step for a vertex no factor touches is compared with the general step on every search.
+pruning's survivors, rounds and bounds) is pinned to the values computed on commit d5ea085, before the
+search's shortcuts (the restricted incumbent solved over its vertices with a choice among others); and
+the DP's cheap step for a vertex no factor touches is compared with the general step on every search.
 """
 
 from __future__ import annotations
