@@ -107,6 +107,8 @@ def min_plus(vec: np.ndarray, mat: np.ndarray) -> np.ndarray:
         return (vec[:, None] + mat).min(axis=0)
     if kb == 1:  # one column: one reduction of the same sums
         return np.array([np.min(vec + mat[:, 0])])
+    if ka * kb <= _CHUNK:  # fits one block: the one-shot form itself (each block below would be all of it)
+        return (vec[:, None] + mat).min(axis=0)
     if mat.T.flags.c_contiguous and not mat.flags.c_contiguous:  # a transposed view: walk its rows
         mt = mat.T
         out = np.empty(kb)
