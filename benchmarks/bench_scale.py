@@ -284,6 +284,7 @@ def main() -> None:
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--no-before", action="store_true", help="skip counting the unpruned spaces")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--cli-repeats", type=int, default=3, help="fresh runs of the command per case (least kept)")
     ap.add_argument("--sweep", action="store_true", help="the scaling sweep (scale_sweep.json and .png)")
     ap.add_argument("--axes", default="devices,layers,width", help="sweep axes to run")
     ap.add_argument("--point", help=argparse.SUPPRESS)
@@ -322,7 +323,7 @@ def main() -> None:
                 row["subprocess_wall_s"] = round(time.perf_counter() - w0, 3)
                 row["load_avg_1m"] = load
                 if table[name].get("cli"):
-                    row.update(cli_run(table[name]))
+                    row.update(cli_run(table[name], args.cli_repeats))
         except subprocess.TimeoutExpired:
             row = {"case": name, "error": f"timeout {args.timeout} s"}
         rows[name] = row
