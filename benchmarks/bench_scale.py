@@ -13,7 +13,7 @@ the search sees, and those left after the search's bound pruning), summed
 over the distinct operators and as the largest; seconds to build the
 tables, to lower them and to search; process CPU seconds; wall seconds of
 the subprocess including imports; peak RSS; the predicted step time. For
-the paper models also the command itself, ``shardplan solve --model M -p 64``
+the paper models also the command itself, ``shardplan plan --model M -p 64 --stages off --no-fit``
 (baselines and report included), in fresh interpreters: its least CPU and
 wall seconds over three runs, next to the CPU seconds of starting Python and
 importing numpy alone.
@@ -23,7 +23,9 @@ vary with the load; CPU seconds (user + system of the subprocess) are the
 steadier figure.
 
 Run:  PYTHONPATH=. python benchmarks/bench_scale.py [--cases gpt3-1024,llama3-8b-64] [--no-before]
-Writes benchmarks/results/scale.json (merging with cases already there).
+Writes benchmarks/results/scale.json (merging with cases already there: ``--cases`` replaces only those rows;
+``--cases paper64`` names the paper's five models at 64 devices). Each row records the 1-minute load
+average as its case started (``load_avg_1m``).
 
 How the per-operator search grows (``--sweep``): Llama-3-8B (the zoo's ``llama3-8b``) on h100
 clusters, one axis varied at a time from the 1,024-device, 32-layer, d_model-4,096 point: device count
@@ -55,6 +57,7 @@ SWEEP_PNG = Path(__file__).parent / "results" / "scale_sweep.png"
 ROOT = Path(__file__).resolve().parent.parent
 
 GPT3 = {"layers": 96, "d_model": 12288, "heads": 96, "seq": 2048, "vocab": 50304}
+PAPER_MODELS = ("alexnet", "inception_v3", "rnnlm", "transformer", "resnet101")
 LLAMA3_8B = {"layers": 32, "d_model": 4096, "heads": 32, "seq": 8192, "vocab": 128256, "d_ff": 14336}
 
 
@@ -64,7 +67,7 @@ def cases() -> dict[str, dict]:
         out[f"gpt3-{p}"] = {"model": "gpt", "sizes": GPT3, "machine": "h100", "p": p}
     out["llama3-8b-64"] = {"model": "gpt", "sizes": LLAMA3_8B, "machine": "h100", "p": 64, "name": "llama3-8b-like"}
     out["gpt1.3b-64"] = {"model": "gpt", "sizes": {}, "machine": "h100", "p": 64}
-    for m in ("alexnet", "inception_v3", "rnnlm", "transformer", "resnet101"):
+    for m in PAPER_MODELS:
         out[f"{m}-64"] = {"model": m, "sizes": {}, "machine": "paper", "p": 64, "cli": True}
     out["llama3-8b-1024"] = {"model": "llama3-8b", "sizes": {}, "machine": "h100", "p": 1024, "cli": True}
     return out
@@ -281,6 +284,7 @@ def main() -> None:
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--no-before", action="store_true", help="skip counting the unpruned spaces")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--cli-repeats", type=int, default=3, help="fresh runs of the command per case (least kept)")
     ap.add_argument("--sweep", action="store_true", help="the scaling sweep (scale_sweep.json and .png)")
     ap.add_argument("--axes", default="devices,layers,width", help="sweep axes to run")
     ap.add_argument("--point", help=argparse.SUPPRESS)
@@ -299,6 +303,8 @@ def main() -> None:
         plot_sweep(data, SWEEP_PNG)
         return
     table = cases()
+    if args.cases == "paper64":
+        args.cases = ",".join(f"{m}-64" for m in PAPER_MODELS)
     if args.case:
         print(json.dumps(run_case(args.case, table[args.case], not args.no_before)))
         return
@@ -306,6 +312,7 @@ def main() -> None:
     rows = {r["case"]: r for r in old.get("cases", [])}
     for name in args.cases.split(","):
         cmd = [sys.executable, __file__, "--case", name] + (["--no-before"] if args.no_before else [])
+        load = round(__import__("os").getloadavg()[0], 2)  # the 1-minute load average as the case starts
         w0 = time.perf_counter()
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -314,8 +321,9 @@ def main() -> None:
             else:
                 row = json.loads(r.stdout.strip().splitlines()[-1])
                 row["subprocess_wall_s"] = round(time.perf_counter() - w0, 3)
+                row["load_avg_1m"] = load
                 if table[name].get("cli"):
-                    row.update(cli_run(table[name]))
+                    row.update(cli_run(table[name], args.cli_repeats))
         except subprocess.TimeoutExpired:
             row = {"case": name, "error": f"timeout {args.timeout} s"}
         rows[name] = row

@@ -438,8 +438,13 @@ class LayoutArrays:
 
     @property
     def splits(self) -> np.ndarray:
-        """Total split per dim: (K, n)."""
-        return self.level_splits.prod(axis=0)
+        """Total split per dim: (K, n), read-only (computed once per object: the arrays are its value)."""
+        got = self.__dict__.get("_total_splits")
+        if got is None:
+            got = self.level_splits.prod(axis=0)
+            got.flags.writeable = False
+            self.__dict__["_total_splits"] = got
+        return got
 
     @property
     def deferred(self) -> np.ndarray:

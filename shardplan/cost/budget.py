@@ -5,7 +5,8 @@ Where an operator's tiles are regular and every device works
 array: its costs are vectors over the K layouts, its memory tables one
 column (16 K bytes), and an edge between two such ends
 (:func:`~shardplan.cost.edge._pattern_side`) is decided from block patterns,
-about 28 int64-sized (K_u, K_v) arrays at its worst point. Otherwise the build
+about 28 int64-sized (K_u, K_v) arrays at its worst point, beside the pattern
+summaries the edges share (at most ``EDGE_MEMO_BYTES``, as on the per-device path). Otherwise the build
 works on per-device arrays: for an operator with K configurations
 on p devices, the device grid is a (K, p, n_dims) int64 array and every tile
 a (K, p, n_axes, 2) int64 array; for an edge, the fast path tests device bit-masks
@@ -81,14 +82,24 @@ def uniform_operator(op: Operator, lay) -> bool:
     return all(regular_tile_lengths(op, t, lay.splits) is not None for t in op.tensors)
 
 
-def pattern_edge(u: Operator, lu, v: Operator, slot: int, lv) -> bool:
+def pattern_edge(u: Operator, lu, v: Operator, slot: int, lv, sides: dict | None = None) -> bool:
     """Whether the edge u -> v (input ``slot``) is decided from block patterns, with no per-device array
-    (:func:`~shardplan.cost.edge._pattern_side` applies to both ends)."""
-    from shardplan.cost.edge import _pattern_side
+    (:func:`~shardplan.cost.edge._pattern_side` applies to both ends). ``sides``: a dict the caller keeps
+    while it holds ``lu`` and ``lv``, in which each end's answer is kept (edges share their ends)."""
+    from shardplan.cost.edge import pattern_applies
 
     if lu.partial is not None or lv.partial is not None:  # deferred reductions are costed on per-device boxes
         return False
-    return _pattern_side(u, u.output, lu) is not None and _pattern_side(v, v.inputs[slot], lv) is not None
+
+    def applies(op: Operator, t, lay) -> bool:
+        if sides is None:
+            return pattern_applies(op, t, lay)
+        key = (id(lay), op.dims, t.shape, t.axes)
+        if key not in sides:
+            sides[key] = pattern_applies(op, t, lay)
+        return sides[key]
+
+    return applies(u, u.output, lu) and applies(v, v.inputs[slot], lv)
 
 
 def pattern_edge_bytes(ku: int, kv: int, n_axes: int, n_levels: int) -> int:
@@ -182,6 +193,7 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
         best = max(best, (need, f"costs of {op.name}", op.name, str(ks[key])))
         kept += 16 * ks[key] * per + 8 * len(PARTS_BOUND) * ks[key]
     out_patterns: dict[Hashable, int] = {}
+    sides: dict[tuple, bool] = {}  # pattern_edge's answer per end (``arrays`` holds every layouts object)
     seen: set[tuple] = set()
     for e in graph.edges:
         ku_key, kv_key = keys[e.src], keys[e.dst]
@@ -190,9 +202,10 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
         seen.add((ku_key, kv_key, e.slot))
         u, v = ops[e.src], ops[e.dst]
         ku, kv = ks[ku_key], ks[kv_key]
-        if pattern_edge(u, arrays[ku_key], v, e.slot, arrays[kv_key]):
+        if pattern_edge(u, arrays[ku_key], v, e.slot, arrays[kv_key], sides):
             n_lv = len(arrays[ku_key].levels)
-            need = kept + pattern_edge_bytes(ku, kv, len(v.inputs[e.slot].axes), n_lv)
+            # + the pattern summaries the edges share (edge.EdgeMemo, at most EDGE_MEMO_BYTES)
+            need = kept + EDGE_MEMO_BYTES + pattern_edge_bytes(ku, kv, len(v.inputs[e.slot].axes), n_lv)
             best = max(best, (need, f"edge {u.name} -> {v.name}", v.name, f"{ku} x {kv}"))
             kept += 8 * ku * kv
             continue
@@ -214,7 +227,7 @@ def estimate_build(graph: Graph, keys: Sequence[Hashable], arrays: Mapping[Hasha
         ku, kv = ks[keys[w.src]], ks[keys[w.dst]]
         lu, lv = arrays[keys[w.src]].without_partial(), arrays[keys[w.dst]].without_partial()
         if pattern_edge(u, lu, v, 0, lv):
-            need = kept + pattern_edge_bytes(ku, kv, len(v.inputs[0].axes), len(lu.levels))
+            need = kept + EDGE_MEMO_BYTES + pattern_edge_bytes(ku, kv, len(v.inputs[0].axes), len(lu.levels))
         else:
             check_per_device(p, f"the tiles of the shared weight {u.name!r} -> {v.name!r}", max_devices)
             need = kept + EDGE_MEMO_BYTES + edge_phase_bytes(u, ku, v, kv, p)

@@ -88,7 +88,7 @@ from shardplan.machine import Machine
 
 __all__ = ["edge_volumes", "edge_cost", "overlap_budgets", "exposed", "NO_CLAIM", "deferred_reductions", "scatters",
            "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES", "step_volumes",
-           "weight_edge_cost", "weight_sync", "weight_views"]
+           "weight_edge_cost", "weight_sync", "weight_views", "pattern_applies"]
 
 _CHUNK_ELEMS = 1 << 22
 EDGE_MEMO_BYTES = 16 << 20  # fast-path summaries kept across the edges of one build (at most)
@@ -314,6 +314,9 @@ class EdgeMemo:
     steps: dict = field(default_factory=dict)  # canonical pairs' volumes (:mod:`shardplan.cost.reshard`): small
     step_volumes: dict = field(default_factory=dict)  # (canonical_pairs row, n) -> canonical_volume: small
     step_edges: dict = field(default_factory=dict)  # (both sides' labelings, caps, n) -> step_volumes' tables: small
+    pattern_sides: dict = field(default_factory=dict)  # as ``entries``, for :func:`_pattern_side` (None kept too)
+    pattern_dims: dict = field(default_factory=dict)  # (id(layouts), dim) -> (layouts, (rows, inv)): one dim's patterns
+    pattern_matches: dict = field(default_factory=dict)  # both pattern tables' bytes -> _pattern_match(...)
 
     def union(self, lay: LayoutArrays, level: int) -> tuple[LayoutArrays, np.ndarray]:
         """:func:`group_union` of ``lay``, computed once per build (so its sides are memoised too)."""
@@ -472,22 +475,68 @@ def _is_power_of_two(x: np.ndarray) -> np.ndarray:
     return (x > 0) & (x & (x - 1) == 0)
 
 
-def _pattern_side(op: Operator, tensor, lay: LayoutArrays) -> _PatternSide | None:
-    """The :class:`_PatternSide` of ``tensor`` under ``lay``, or None where the block-pattern test does not
-    apply: some tile irregular or a concatenation piece (:func:`_axis_blocks`), some device idle
-    (:func:`~shardplan.cost.tiles.all_active`), or a per-level split of a blocking dim that is not a power
-    of two (then a coarse block need not be a digit of the levels: :func:`_coarse_keys`)."""
+def _pattern_blocked(op: Operator, tensor, lay: LayoutArrays) -> tuple[np.ndarray, list[int]] | None:
+    """The block lengths (A, K) and blocking dims (A,) of ``tensor`` under ``lay`` (:func:`_axis_blocks`) where
+    the block-pattern test applies (:func:`_pattern_side`), else None."""
     _, _, lengths, regular, blocked_by, pieces = _axis_blocks(op, tensor, lay, patterns=False)
     if not regular.all() or any(x is not None for x in pieces) or not all_active(lay).all():
         return None
+    for j in blocked_by:
+        if j >= 0 and not _is_power_of_two(lay.level_splits[:, :, j]).all():
+            return None
+    return lengths, blocked_by
+
+
+def pattern_applies(op: Operator, tensor, lay: LayoutArrays) -> bool:
+    """Whether :func:`_pattern_side` of ``tensor`` under ``lay`` is not None, without building it."""
+    return _pattern_blocked(op, tensor, lay) is not None
+
+
+def _pattern_dim(lay: LayoutArrays, j: int, memo: EdgeMemo | None) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct (split, pattern) rows of dim j (P, 1 + 2L) and each layout's row (K,); from ``memo`` when there
+    (every tensor the dim blocks has them)."""
+    if memo is not None:
+        hit = memo.pattern_dims.get((id(lay), j))
+        if hit is not None and hit[0] is lay:
+            return hit[1]
+    rows, _, inv = unique_rows(np.concatenate([lay.splits[:, j][:, None], lay.patterns(j)], axis=1))
+    if memo is not None and memo.room(rows.nbytes + inv.nbytes):
+        memo.pattern_dims[(id(lay), j)] = (lay, (rows, inv))
+    return rows, inv
+
+
+def _pattern_side(op: Operator, tensor, lay: LayoutArrays, memo: EdgeMemo | None = None) -> _PatternSide | None:
+    """The :class:`_PatternSide` of ``tensor`` under ``lay``, or None where the block-pattern test does not
+    apply: some tile irregular or a concatenation piece (:func:`_axis_blocks`), some device idle
+    (:func:`~shardplan.cost.tiles.all_active`), or a per-level split of a blocking dim that is not a power
+    of two (then a coarse block need not be a digit of the levels: :func:`_coarse_keys`). ``memo``: kept
+    across the edges of a build, as :func:`_side` (the same key: layouts, the operator's dims, the tensor's
+    shape and access maps)."""
+    key = (id(lay), op.dims, tensor.shape, tensor.axes)
+    if memo is not None:
+        hit = memo.pattern_sides.get(key)
+        if hit is not None and hit[0] is lay:
+            return hit[1]
+    out = _build_pattern_side(op, tensor, lay, memo)
+    if memo is not None:
+        size = 0 if out is None else sum(x.nbytes for x in (*out.pinv, out.groups, out.inv, out.lengths,
+                                                             out.len_inv, out.vol))
+        if memo.room(size):
+            memo.pattern_sides[key] = (lay, out)
+    return out
+
+
+def _build_pattern_side(op: Operator, tensor, lay: LayoutArrays, memo: EdgeMemo | None) -> _PatternSide | None:
+    """:func:`_pattern_side`, computed (the dims' pattern rows from ``memo`` when there)."""
+    blocked = _pattern_blocked(op, tensor, lay)
+    if blocked is None:
+        return None
+    lengths, blocked_by = blocked
     n_ax, k = len(tensor.axes), len(lay)
     rows_all, invs = [], []
     for a in range(n_ax):
         if blocked_by[a] >= 0:
-            j = blocked_by[a]
-            if not _is_power_of_two(lay.level_splits[:, :, j]).all():
-                return None
-            rows, _, inv = unique_rows(np.concatenate([lay.splits[:, j][:, None], lay.patterns(j)], axis=1))
+            rows, inv = _pattern_dim(lay, blocked_by[a], memo)
         else:
             rows = np.ones((1, 1 + 2 * len(lay.levels)), dtype=np.int64)
             inv = np.zeros(k, dtype=np.int64)
@@ -544,20 +593,94 @@ def _pattern_match(pu: np.ndarray, pv: np.ndarray, n_lv: int) -> np.ndarray:
     return out
 
 
-def _pattern_fast(su: _PatternSide, sv: _PatternSide, n_lv: int) -> tuple[np.ndarray, np.ndarray]:
-    """Moved volumes (K_u, K_v), forward and backward, of two :class:`_PatternSide` ends: the block-mask test of
-    :func:`_fast` with every device active on both sides, where each axis's test "every device's blocks
-    nest" is :func:`_pattern_match` on the two patterns (no device enumerated)."""
+def _pattern_match_memo(pu: np.ndarray, pv: np.ndarray, n_lv: int, memo: EdgeMemo | None) -> np.ndarray:
+    """:func:`_pattern_match`, from ``memo`` when the same two pattern tables met before (the same dims'
+    patterns recur on many edges)."""
+    if memo is None:
+        return _pattern_match(pu, pv, n_lv)
+    key = (pu.shape, pu.tobytes(), pv.shape, pv.tobytes(), n_lv)
+    hit = memo.pattern_matches.get(key)
+    if hit is None:
+        hit = _pattern_match(pu, pv, n_lv)
+        if memo.room(hit.nbytes + pu.nbytes + pv.nbytes):
+            memo.pattern_matches[key] = hit
+    return hit
+
+
+def _pattern_ok(su: _PatternSide, sv: _PatternSide, n_lv: int, memo: EdgeMemo | None = None) -> np.ndarray:
+    """(G_u, G_v) bool per pair of groups: whether every device's block nests on every axis
+    (:func:`_pattern_match` per axis; ``memo`` keeps each pair of pattern tables' match across a build)."""
     ok = np.ones((len(su.groups), len(sv.groups)), dtype=bool)
     for a in range(len(su.pats)):
-        match = _pattern_match(su.pats[a], sv.pats[a], n_lv)  # (Pu, Pv)
-        ok &= match.take(su.groups[:, a], axis=0).take(sv.groups[:, a], axis=1)
-    ok = ok.take(su.inv, axis=0).take(sv.inv, axis=1)
+        match = _pattern_match_memo(su.pats[a], sv.pats[a], n_lv, memo)  # (Pu, Pv)
+        if match.all():  # this axis nests under every pair of patterns (an unsplit axis on both sides, say)
+            continue
+        if match.shape[0] == 1:  # one pattern on u's side: a row for every u group
+            ok &= match[0].take(sv.groups[:, a])[None, :]
+        elif match.shape[1] == 1:
+            ok &= match[:, 0].take(su.groups[:, a])[:, None]
+        else:
+            ok &= match.take(su.groups[:, a], axis=0).take(sv.groups[:, a], axis=1)
+    return ok
+
+
+def _expand(x: np.ndarray, iu: np.ndarray, iv: np.ndarray) -> np.ndarray:
+    """``x[iu][:, iv]``: a matrix over distinct rows of two sides to every pair of layouts."""
+    return x.take(iu, axis=0).take(iv, axis=1)
+
+
+def _pattern_fast(su: _PatternSide, sv: _PatternSide, n_lv: int,
+                  memo: EdgeMemo | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Moved volumes (K_u, K_v), forward and backward, of two :class:`_PatternSide` ends: the block-mask test of
+    :func:`_fast` with every device active on both sides, where each axis's test "every device's blocks
+    nest" is :func:`_pattern_match` on the two patterns (no device enumerated; :func:`_pattern_ok`)."""
+    ok = _expand(_pattern_ok(su, sv, n_lv, memo), su.inv, sv.inv)
     ov_small = np.minimum(su.lengths[:, None, :], sv.lengths[None, :, :]).prod(axis=-1)
-    overlap = ov_small.take(su.len_inv, axis=0).take(sv.len_inv, axis=1)
+    overlap = _expand(ov_small, su.len_inv, sv.len_inv)
     fwd = np.where(ok, sv.vol[None, :] - overlap, sv.vol[None, :])
     bwd = np.where(ok, su.vol[:, None] - overlap, su.vol[:, None])
     return fwd, bwd
+
+
+def _pattern_seconds(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,
+                     memo: EdgeMemo | None) -> np.ndarray | None:
+    """:func:`edge_cost` (K_u, K_v) on one level, without the steps, where block patterns decide the edge
+    (:func:`_pattern_side` of both ends), the same floats; None where that path does not apply.
+
+    A pair's volumes are ``vol_v - overlap`` and ``vol_u - overlap`` where its blocks nest
+    (:func:`_pattern_ok`), else ``vol_v`` and ``vol_u`` (:func:`_pattern_fast`), and the volumes and
+    overlap depend on the two ends' block lengths alone. So the nested cost ``T(f) + T(b)`` (``T`` the
+    point-to-point time, the sum rounded as :func:`edge_cost` rounds it) is computed once per pair of
+    distinct block lengths, the apart one as the sum of a vector over v's lengths and one over u's, and
+    each pair of layouts takes one of the two.
+    """
+    su = _pattern_side(u, u.output, lu, memo)
+    sv = _pattern_side(v, v.inputs[slot], lv, memo) if su is not None else None
+    if su is None or sv is None:
+        return None
+    t_in = v.inputs[slot]
+    nb = float(machine.dtype_bytes)
+    vol_u = su.lengths.prod(axis=1)  # per distinct length row: the same integers as su.vol
+    vol_v = sv.lengths.prod(axis=1)
+    ov = np.minimum(su.lengths[:, None, :], sv.lengths[None, :, :]).prod(axis=-1)  # (Lu, Lv)
+
+    def seconds(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:  # edge_volumes' scaling, then edge_cost's
+        f = fwd * t_in.elem_factor
+        b = bwd * t_in.elem_factor if t_in.needs_grad else np.zeros_like(bwd)
+        return p2p_time(f * nb, machine, 0) + p2p_time(b * nb, machine, 0)
+
+    ok_g = _pattern_ok(su, sv, len(lu.levels), memo)
+    nested = _expand(seconds(vol_v[None, :] - ov, vol_u[:, None] - ov), su.len_inv, sv.len_inv)
+    if ok_g.all():
+        return nested
+    # apart: T(f) depends on v's lengths alone and T(b) on u's, so each entry is the sum of two vectors'
+    # entries (the same two floats, added in the same order as ``seconds`` adds them)
+    t_f = p2p_time((vol_v * t_in.elem_factor) * nb, machine, 0).take(sv.len_inv)
+    back = vol_u * t_in.elem_factor if t_in.needs_grad else np.zeros_like(vol_u)
+    t_b = p2p_time(back * nb, machine, 0).take(su.len_inv)
+    out = np.add(t_f[None, :], t_b[:, None])
+    np.copyto(out, nested, where=_expand(ok_g, su.inv, sv.inv))
+    return out
 
 
 def _fast(u: Operator, lu: LayoutArrays, v: Operator, t_in, lv: LayoutArrays, p: int,
@@ -819,9 +942,9 @@ def edge_volumes(u: Operator, cu, v: Operator, slot: int, cv, p: int,
                              f"{lu.levels} and {lv.levels}")
     sides = None
     if fast and analytic:
-        sides = (_pattern_side(u, u.output, lu), _pattern_side(v, t_in, lv))
+        sides = (_pattern_side(u, u.output, lu, memo), _pattern_side(v, t_in, lv, memo))
     if sides is not None and sides[0] is not None and sides[1] is not None:
-        fwd, bwd = _pattern_fast(sides[0], sides[1], len(lu.levels))
+        fwd, bwd = _pattern_fast(sides[0], sides[1], len(lu.levels), memo)
         exact = np.ones((len(lu), len(lv)), dtype=bool)
     elif fast:
         check_per_device(p, f"the tiles of the edge {u.name!r} -> {v.name!r} (uneven blocks, pieces, idle devices "
@@ -919,6 +1042,11 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     p = machine.num_devices
     lu = as_layouts(cu, p, ou, machine.levels)
     lv = as_layouts(cv, p, ov, machine.levels)
+    if volumes is None and hide is None and analytic and len(machine.levels) == 1 \
+            and not machine.stepwise_redistribution and lu.partial is None and lv.partial is None:
+        got = _pattern_seconds(u, lu, v, slot, lv, machine, memo)
+        if got is not None:
+            return got
     f, b = edge_volumes(u, lu, v, slot, lv, p, memo=memo, analytic=analytic,
                         max_devices=max_devices, steps=machine.stepwise_redistribution) if volumes is None else volumes
     nbytes = float(machine.dtype_bytes)

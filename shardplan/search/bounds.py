@@ -107,6 +107,8 @@ def min_plus(vec: np.ndarray, mat: np.ndarray) -> np.ndarray:
         return (vec[:, None] + mat).min(axis=0)
     if kb == 1:  # one column: one reduction of the same sums
         return np.array([np.min(vec + mat[:, 0])])
+    if ka * kb <= _CHUNK:  # fits one block: the one-shot form itself (each block below would be all of it)
+        return (vec[:, None] + mat).min(axis=0)
     if mat.T.flags.c_contiguous and not mat.flags.c_contiguous:  # a transposed view: walk its rows
         mt = mat.T
         out = np.empty(kb)
@@ -560,9 +562,10 @@ def icm(st: BoundState, a: np.ndarray, max_sweeps: int = 50) -> np.ndarray:
     """Iterated conditional modes: move each vertex to its best configuration given its neighbours."""
     a = a.copy()
     inc = incident_pairs(st.n, st.pairs)
+    movable = [v for v in range(st.n) if len(st.unary[v]) > 1]  # one configuration: it never moves
     for _ in range(max_sweeps):
         changed = False
-        for v in range(st.n):
+        for v in movable:
             cost = st.unary[v].copy()
             for key in inc[v]:
                 m = st.pairs[key]
@@ -595,17 +598,31 @@ def _restricted_incumbent(st: BoundState, lbs: list[np.ndarray], ub: float, max_
         pos.append(np.sort(ok))
     if all(len(k) == 1 for k in pos):  # one candidate each: the only assignment is the optimum
         return np.array([int(k[0]) for k in pos], dtype=np.int64)
-    sub = BoundState(st.n, [c[k] for c, k in zip(st.unary, pos)],
-                     {(u, w): _take2(m, pos[u], pos[w]) for (u, w), m in st.pairs.items()})
-    keys = sorted(sub.pairs)
-    p = Problem.derived(names=tuple(str(v) for v in range(st.n)),
-                        configs=tuple(tuple((j,) for j in range(len(k))) for k in pos),
-                        vertex_cost=tuple(sub.unary), edges=tuple(keys), edge_cost=tuple(sub.pairs[k] for k in keys))
+    # a vertex with one candidate is fixed: its edges fold into the other ends' costs (exact), and the
+    # exact solver sees only the vertices with a choice
+    free = [v for v in range(st.n) if len(pos[v]) > 1]
+    at = {v: i for i, v in enumerate(free)}
+    unary = [st.unary[v][pos[v]] for v in free]
+    pairs: dict[tuple[int, int], np.ndarray] = {}
+    for (u, w), m in st.pairs.items():
+        if u in at and w in at:
+            pairs[(at[u], at[w])] = _take2(m, pos[u], pos[w])
+        elif u in at:
+            unary[at[u]] = unary[at[u]] + m[pos[u], int(pos[w][0])]
+        elif w in at:
+            unary[at[w]] = unary[at[w]] + m[int(pos[u][0]), pos[w]]
+    keys = sorted(pairs)
+    p = Problem.derived(names=tuple(str(v) for v in free),
+                        configs=tuple(tuple((j,) for j in range(len(pos[v]))) for v in free),
+                        vertex_cost=tuple(unary), edges=tuple(keys), edge_cost=tuple(pairs[k] for k in keys))
     try:
         assignment = exact_solver(p, int(max_entries) * 8)
     except TableMemoryError:  # too large: no incumbent from here
         return None
-    return np.array([k[a] for k, a in zip(pos, assignment)], dtype=np.int64)
+    out = np.array([int(k[0]) for k in pos], dtype=np.int64)
+    for v, a in zip(free, assignment):
+        out[v] = int(pos[v][a])
+    return out
 
 
 def bound_prune(problem: Problem, *, exact_solver: ExactSolver, trws_iters: int = 3, max_rounds: int = 8,

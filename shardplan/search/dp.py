@@ -281,6 +281,23 @@ def _eliminate(v: int, factors: list[_Factor], unary: np.ndarray, limit: int, na
     return new, step
 
 
+def _eliminate_alone(v: int, factors: list[_Factor], unary: np.ndarray, limit: int, name: str, stats: dict,
+                     rng: np.random.Generator, kept: int = 0) -> tuple[_Factor, _Step]:
+    """:func:`_eliminate` of a vertex no factor touches (``factors`` empty): its cheapest configuration, the
+    first of equal ones (what the general step's stable sort and its one-class minimum give), as the same
+    factor, step and stats without its class machinery."""
+    need = kept + step_bytes(1, 1)
+    if factors or need > limit or not np.isfinite(unary).all():  # the refusal, a non-finite cost: the general step
+        return _eliminate(v, factors, unary, limit, name, stats, rng, kept=kept)
+    k = int(np.argmin(unary))
+    stats["memory_estimate_bytes"] = max(stats.get("memory_estimate_bytes", 0), need)
+    stats["total_table_entries"] += 1.0
+    stats["largest_table"] = max(stats["largest_table"], 1.0)
+    stats["max_dependent_set"] = max(stats["max_dependent_set"], 0)
+    arg = np.array(k).astype(np.min_scalar_type(max(len(unary) - 1, 0)))
+    return _Factor((), (), np.array(unary[k], dtype=np.float64)), _Step(v, (), (), arg)
+
+
 def _repeated_unaries(p: Problem, dcache: DigestCache) -> list[bool]:
     """Per vertex: does another vertex have an equal cost vector (a candidate for a repeated elimination)?"""
     keys = [dcache(c) for c in p.vertex_cost]
@@ -300,8 +317,9 @@ def _eliminate_memo(v: int, factors: list[_Factor], unary: np.ndarray, limit: in
     the step does not fit the limit with what the memo holds, the memo is
     emptied and the step tried again: the memo never causes a refusal.
     """
+    eliminate = _eliminate if factors else _eliminate_alone  # nothing to combine: the same results, cheaper
     if memo is None:
-        return _eliminate(v, factors, unary, limit, name, stats, rng, kept=held.total)
+        return eliminate(v, factors, unary, limit, name, stats, rng, kept=held.total)
     dep = tuple(sorted({w for f in factors for w in f.scope} - {v}))
     pos = {w: i for i, w in enumerate(dep + (v,))}
     sigs = [(tuple(pos[w] for w in f.scope),) + f.signature() for f in factors]
@@ -314,12 +332,12 @@ def _eliminate_memo(v: int, factors: list[_Factor], unary: np.ndarray, limit: in
         return (_Factor(dep, hit.table_maps, hit.table, sig=hit.sig),
                 _Step(v, dep, hit.step_maps, hit.arg))
     try:
-        new, step = _eliminate(v, factors, unary, limit, name, stats, rng, kept=held.total)
+        new, step = eliminate(v, factors, unary, limit, name, stats, rng, kept=held.total)
     except TableMemoryError:
         if held.total == 0 or not len(memo):
             raise
         memo.clear()
-        new, step = _eliminate(v, factors, unary, limit, name, stats, rng, kept=held.total)
+        new, step = eliminate(v, factors, unary, limit, name, stats, rng, kept=held.total)
     memo.put(key, MemoEntry(inputs=inputs, table=new.table, table_maps=new.maps, step_maps=step.maps,
                             arg=step.arg, sig=new.signature()))
     return new, step
