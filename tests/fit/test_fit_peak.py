@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -79,14 +81,28 @@ def gpt_tables():
     return g, m, tables, free.memory["peak_bytes"]
 
 
+@pytest.fixture(scope="module")
+def backward_fit(gpt_tables):
+    """The tiny GPT's fit search under the backward-peak model (one micro-batch, the default work budget, no wall
+    clock) at ``frac`` of its peak without a budget, searched once per share: two tests read the plan at 0.5."""
+    g, m, tables, top = gpt_tables
+
+    @functools.cache
+    def fit(frac: float):
+        return solve_fit(g, m, budget=frac * top, tables=tables,
+                         options=FitOptions(micro_batches=(1,), grad_buffers="backward"))
+
+    return fit
+
+
 @pytest.mark.parametrize("frac", [0.7, 0.5, 0.25])
-def test_backward_fit_agrees_with_peak_ilp_and_beats_additive(gpt_tables, frac):
+def test_backward_fit_agrees_with_peak_ilp_and_beats_additive(gpt_tables, backward_fit, frac):
     from shardplan.search.memory_ilp import solve_peak_ilp
 
     g, m, tables, top = gpt_tables
     budget = frac * top
     opts = FitOptions(micro_batches=(1,), grad_buffers="backward")  # the default work budget, no wall clock
-    plan = solve_fit(g, m, budget=budget, tables=tables, options=opts)
+    plan = backward_fit(frac)
     add = solve_fit(g, m, budget=budget, tables=tables, options=FitOptions(micro_batches=(1,)))
     assert plan.solution.optimal and plan.memory["peak_bytes"] <= budget
     # the plan's peak is its profile's maximum and is what the additive sum would exceed
@@ -126,7 +142,7 @@ def test_cli_grad_buffers_backward(capsys):
     assert code == 0 and "backward-peak model" in out and "the peak is at the backward step of" in out
 
 
-def test_peak_pruning_loses_no_optimum(gpt_tables):
+def test_peak_pruning_loses_no_optimum(gpt_tables, backward_fit):
     """The peak-valid pruning and filter of peak_problem against the ILP over every unpruned choice."""
     from shardplan.cost.memory import recompute_keep_bytes, unsaved_inputs
     from shardplan.fit import producers_saved
@@ -148,7 +164,7 @@ def test_peak_pruning_loses_no_optimum(gpt_tables):
                            tuple(t.rest_bytes for t in full), tuple(t.activation_bytes for t in full),
                            tuple(t.grad_bytes for t in full), budget, 0.0)
     ref = solve_peak_ilp(unpruned, time_limit=120)
-    plan = solve_fit(g, m, budget=budget, tables=tables, options=opts)
+    plan = backward_fit(0.5)  # at budget with opts: the plan test_backward_fit_..._additive[0.5] reads
     assert ref.optimal and plan.cost == pytest.approx(ref.cost, rel=1e-7)
 
 

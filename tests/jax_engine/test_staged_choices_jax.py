@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from conftest import require_8_devices
+from jax_compare import max_abs, max_abs_diff
 from staged_cases import B, D, model, scoped, searched_plan, with_choices
 
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
@@ -29,8 +30,8 @@ def searched():
 def assert_equal(got, want):
     (loss, grads), (loss0, grads0) = got, want
     assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
-    top = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads0))
-    err = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)))
+    top = max(max_abs(g) for g in jax.tree.leaves(grads0))
+    err = max(max_abs_diff(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)))
     assert err <= 1e-4 * top
 
 

@@ -56,18 +56,26 @@ def test_cutoff_without_bounds_is_ignored():
     assert a.cost == b.cost and a.assignment == b.assignment and b.optimal
 
 
+@pytest.fixture(scope="module")
+def gpt_fit():
+    """GPT (2 layers) on 8 H100 under a budget that needs ZeRO or recomputation at some micro-batch counts, and the
+    memory search's answer there without an incumbent: one search for every ratio below (it was made once per
+    ratio, the same call each time; nothing in it depends on the graph object's history)."""
+    m = preset("h100", 8)
+    g = get_model("gpt", 16, layers=2, d_model=256)
+    opts = FitOptions(micro_batches=(1, 2, 4, 8))
+    budget = 0.06 * 2**30  # ZeRO or recomputation needed at some counts
+    return g, m, opts, budget, solve_fit(g, m, budget=budget, options=opts, cutoff=1)
+
+
 @pytest.mark.parametrize("ratio", [1.5, 1.001, 0.999, 0.97])
-def test_memory_search_with_the_cutoff_same_plan_and_bound(ratio):
+def test_memory_search_with_the_cutoff_same_plan_and_bound(gpt_fit, ratio):
     """solve_fit with an incumbent from outside, its Lagrangian solves cut off (the default) and not (an exact solver
     given, which the cutoff never reaches): where the optimum beats the incumbent the same plan, cost and bound;
     where it does not, both prove it (status and a bound at least the incumbent within 1e-9)."""
     import shardplan.search.dp as dp
 
-    m = preset("h100", 8)
-    g = get_model("gpt", 16, layers=2, d_model=256)
-    opts = FitOptions(micro_batches=(1, 2, 4, 8))
-    budget = 0.06 * 2**30  # ZeRO or recomputation needed at some counts
-    opt = solve_fit(g, m, budget=budget, options=opts, cutoff=1)
+    g, m, opts, budget, opt = gpt_fit
     inc = opt.cost * ratio
     seen = []
     real = dp.solve_dp
