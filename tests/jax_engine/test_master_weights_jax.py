@@ -21,6 +21,7 @@ from shardplan.jax.run import compute_cast, master_copy, plan_master_weights
 from shardplan.machine import Machine
 from shardplan.spmd import plan_from_configs
 from jax_compare import max_abs, max_abs_diff  # noqa: E402
+from test_jax_memory import model  # noqa: E402  (the same MLP and batch)
 
 DEVICES = require_8_devices()
 TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
@@ -38,14 +39,6 @@ def loss_fn(params, batch):
     h = jnp.tanh(x @ params["w1"] + params["b1"])
     out = h @ params["w2"]
     return jnp.mean((out - y).astype(jnp.float32) ** 2)
-
-
-def model():
-    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
-    params = {"w1": jax.random.normal(k1, (D, H)) / D**0.5, "b1": jnp.zeros(H) + 0.1,
-              "w2": jax.random.normal(k2, (H, C)) / H**0.5}
-    batch = (jax.random.normal(k3, (B, D)), jax.random.normal(k4, (B, C)))
-    return params, batch
 
 
 def reference(params32, batch):

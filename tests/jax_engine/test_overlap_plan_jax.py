@@ -13,33 +13,15 @@ picks computes the same step.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 from conftest import require_8_devices
 from jax_compare import max_abs, max_abs_diff  # noqa: E402
-from shardplan.machine import Machine
+from test_partial_jax import B, D, S, TOY, init, loss_fn  # noqa: E402  (the same residual MLP)
 
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 
 DEVICES = require_8_devices()
-TOY = Machine(8, peak_flops=32e9, bandwidth=16e9, name="toy")
-B, S, D, F = 4, 32, 64, 256
-
-
-def init(key):
-    k1, k2, k3, k4 = jax.random.split(key, 4)
-    return {"w1": jax.random.normal(k1, (D, F)) * D**-0.5, "w2": jax.random.normal(k2, (F, D)) * F**-0.5,
-            "w3": jax.random.normal(k3, (D, F)) * D**-0.5, "w4": jax.random.normal(k4, (F, D)) * F**-0.5}
-
-
-def loss_fn(p, batch):
-    x, y = batch
-    h = x
-    for a, b in (("w1", "w2"), ("w3", "w4")):
-        h = h + jnp.tanh(h @ p[a]) @ p[b]
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
-    return jnp.mean((h - y) ** 2)
 
 
 def test_the_plan_searched_with_overlap_is_sequence_parallel_and_runs_as_unsharded():
