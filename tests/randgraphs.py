@@ -145,3 +145,31 @@ def peak_problem(seed: int, tight: float) -> PeakProblem:
     least = loose.least_peak()
     budget = float(np.floor(least + tight * (top - least)))
     return PeakProblem(p, tuple(base), tuple(cost), tuple(rest), tuple(saved), tuple(grad), budget=budget, fixed=3.0)
+
+
+def random_attention_graph(seed: int, core, bandwidths=(1e7, 1e8), prefix: str = "f"):
+    """(graph, machine): q, k and v each from an elementwise operator or a product with a weight, the fused
+    attention core with the keyword arguments ``core(rng)`` draws, sometimes an output projection; a random
+    4-device machine (link bandwidth one of ``bandwidths``) with or without HBM."""
+    from shardplan import ops
+    from shardplan.ir import GraphBuilder
+    from shardplan.machine import Machine
+
+    rng = np.random.default_rng(seed)
+    S, H, K = 16, 2, 4
+    b = GraphBuilder(f"{prefix}{seed}")
+    x = b.input("x", (1, S, H, K), needs_grad=True)
+
+    def proj(name, letters):
+        if rng.random() < 0.5:
+            return b.add(ops.einsum(name, f"{letters[:3]}c,ck->{letters}", x, ops.Param((K, K))))
+        return b.add(ops.elementwise(name, x, letters=letters))
+
+    q, k, v = proj("q", "bshk"), proj("k", "bthk"), proj("v", "bthk")
+    a = b.add(ops.flash_attention("attn", q, k, v, "bshk", "bthk", **core(rng)))
+    if rng.random() < 0.5:
+        b.add(ops.einsum("out", "bshk,hkd->bsd", a, ops.Param((H, K, 4))))
+    m = Machine(4, peak_flops=float(rng.choice([1e7, 1e8, 1e9])), bandwidth=float(rng.choice(list(bandwidths))),
+                latency=float(rng.choice([0.0, 1e-6, 1e-5])), dtype_bytes=4,
+                hbm_bandwidth=[None, 1e9][int(rng.integers(0, 2))])
+    return b.build(), m

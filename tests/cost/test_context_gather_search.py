@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from randgraphs import exact_solvers_agree
+from randgraphs import exact_solvers_agree, random_attention_graph
 from shardplan import ops
 from shardplan.cost import build_tables
 from shardplan.cost.ring import deals_gathered, gathered_deal, gathered_imbalance
@@ -106,25 +106,9 @@ def test_the_search_deals_causal_queries_only_where_the_deal_is_cheaper_than_the
 
 def _random_dealt(seed: int) -> tuple[Graph, Machine]:
     """A causal core whose runners deal (sequence 16: 2g divides it on 2 and 4 devices) over projections or
-    elementwise operators, sometimes an output projection; a random 4-device machine."""
-    rng = np.random.default_rng(seed)
-    S, H, K = 16, 2, 4
-    b = GraphBuilder(f"d{seed}")
-    x = b.input("x", (1, S, H, K), needs_grad=True)
-
-    def proj(name, letters):
-        if rng.random() < 0.5:
-            return b.add(ops.einsum(name, f"{letters[:3]}c,ck->{letters}", x, ops.Param((K, K))))
-        return b.add(ops.elementwise(name, x, letters=letters))
-
-    q, k, v = proj("q", "bshk"), proj("k", "bthk"), proj("v", "bthk")
-    a = b.add(ops.flash_attention("attn", q, k, v, "bshk", "bthk", causal=True, dealt=True))
-    if rng.random() < 0.5:
-        b.add(ops.einsum("out", "bshk,hkd->bsd", a, ops.Param((H, K, 4))))
-    m = Machine(4, peak_flops=float(rng.choice([1e7, 1e8, 1e9])), bandwidth=float(rng.choice([1e7, 1e8, 1e9])),
-                latency=float(rng.choice([0.0, 1e-6, 1e-5])), dtype_bytes=4,
-                hbm_bandwidth=[None, 1e9][int(rng.integers(0, 2))])
-    return b.build(), m
+    elementwise operators, sometimes an output projection; a random 4-device machine
+    (:func:`randgraphs.random_attention_graph`)."""
+    return random_attention_graph(seed, lambda rng: {"causal": True, "dealt": True}, (1e7, 1e8, 1e9), "d")
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from randgraphs import exact_solvers_agree
+from randgraphs import exact_solvers_agree, random_attention_graph
 
 from shardplan import ops
 from shardplan.configs import layouts
@@ -229,27 +229,9 @@ def test_the_search_takes_the_ring_only_where_it_pays(S, bandwidth, latency, pay
 
 # -- exactness -------------------------------------------------------------------------------------------------------
 def _random_flash(seed: int):
-    """q, k and v each from an elementwise operator or a product with a weight, the fused core (masked or not,
-    balanced or not), sometimes an output projection; a random 4-device machine with or without HBM."""
-    rng = np.random.default_rng(seed)
-    S, H, K = 16, 2, 4
-    b = GraphBuilder(f"f{seed}")
-    x = b.input("x", (1, S, H, K), needs_grad=True)
-
-    def proj(name, letters):
-        if rng.random() < 0.5:
-            return b.add(ops.einsum(name, f"{letters[:3]}c,ck->{letters}", x, ops.Param((K, K))))
-        return b.add(ops.elementwise(name, x, letters=letters))
-
-    q, k, v = proj("q", "bshk"), proj("k", "bthk"), proj("v", "bthk")
-    a = b.add(ops.flash_attention("attn", q, k, v, "bshk", "bthk", causal=bool(rng.random() < 0.5),
-                                  balanced=bool(rng.random() < 0.5)))
-    if rng.random() < 0.5:
-        b.add(ops.einsum("out", "bshk,hkd->bsd", a, ops.Param((H, K, 4))))
-    m = Machine(4, peak_flops=float(rng.choice([1e7, 1e8, 1e9])), bandwidth=float(rng.choice([1e7, 1e8])),
-                latency=float(rng.choice([0.0, 1e-6, 1e-5])), dtype_bytes=4,
-                hbm_bandwidth=[None, 1e9][int(rng.integers(0, 2))])
-    return b.build(), m
+    """The fused core masked or not, balanced or not (:func:`randgraphs.random_attention_graph`)."""
+    return random_attention_graph(seed, lambda rng: {"causal": bool(rng.random() < 0.5),
+                                                     "balanced": bool(rng.random() < 0.5)})
 
 
 @pytest.mark.parametrize("seed", range(6))
