@@ -84,16 +84,30 @@ def _gbs(recipe: str) -> int:
 
 
 MEGATRON_KERNELS = ("kernels=megatron: each layer's kernels as Megatron-LM ran them in 2021-22 (megatron/model/"
-                    "transformer.py, ParallelAttention and ParallelMLP before FlashAttention): the attention core as "
+                    "transformer.py, ParallelAttention and ParallelMLP before FlashAttention): one fused "
+                    "query-key-value product (query_key_value, one input gradient to reduce), the attention core as "
                     "baddbmm, fused scale-mask-softmax, dropout and bmm, each reading and writing the b·a·s² "
                     "tensor; bias-GELU and bias-dropout-add as kernels of their own (shardplan.models.gpt)")
+
+ASYNC_DGRAD = ("overlap=dgrad: Megatron-LM of 2022 (the sequence-parallel code, merged April 2022, commit cfd2e21607; "
+               "megatron/mpu/layers.py, LinearWithGradAccumulationAndAsyncCommunication) all-reduces a column-parallel "
+               "linear's input gradient asynchronously beside its weight-gradient product "
+               "(--async-tensor-model-parallel-allreduce, on unless --no-async-tensor-model-parallel-allreduce), and "
+               "with --sequence-parallel reduce-scatters it beside that product; the SC'21 code (6985e58) had "
+               "neither (the flag came in September 2021, opt-in, 16c90445e7). Data parallelism is 1: nothing else "
+               "overlaps")
 
 VOCAB_NOTE = ("vocabulary as run: GPT-2's 50,257 tokens padded by Megatron-LM to a multiple of 128 × TP "
               "(megatron_vocab); the measured step keeps the paper's F with 51,200")
 
-LOCAL_DDP = ("overlap=none: Megatron-LM's DDP of the SC'21 commit (--DDP-impl local, the scripts' setting) "
-             "all-reduces the gradient buffer after the whole forward-backward (megatron/training.py, train_step: "
-             "allreduce_gradients() after forward_backward_func), never overlapped with the backward")
+LOCAL_DDP = ("overlap=none: Megatron-LM's DDP of the SC'21 commit (--DDP-impl local, the scripts' setting from "
+             "39.1B on: examples/sc21/run_table_1.sh at 6985e58) all-reduces the gradient buffer after the whole "
+             "forward-backward (megatron/training.py, train_step: allreduce_gradients() after "
+             "forward_backward_func), never overlapped with the backward")
+
+TORCH_DDP = ("overlap=grad_reduce: PyTorch's DistributedDataParallel (--DDP-impl torch, the script's setting for 1.7B, "
+             "3.6B, 7.5B and 18.4B: examples/sc21/run_table_1.sh at 6985e58, DDP=torch), which all-reduces 25 MiB "
+             "buckets of gradients during the backward (the a100 profile's grad_bucket_bytes)")
 
 MIXED = ",precision=mixed"
 MIXED_NOTE = ("precision=mixed: fp16 with fp32 master weights and Adam state (published-a100.md: 'fp16', "
@@ -120,10 +134,12 @@ def rows() -> list[Row]:
     out: list[Row] = []
     for size, heads, hidden, layers, tp, pp, gpus, gbs, mbs, per_vs, tflops in T1_ROWS:
         vp = layers // pp // per_vs if per_vs else 1
+        torch_ddp = pp == 1  # run_table_1.sh: DDP=torch for the four rows without a pipeline, local for the rest
         rec = (f"tp={tp},pp={pp}" + (f",vp={vp}" if vp > 1 else "") + f",mbs={mbs},gbs={gbs},recompute=full"
-               + ",overlap=none")
+               + (",overlap=grad_reduce" if torch_ddp else ",overlap=none"))
         out.append(Row(f"t1-{size}", "table1", f"{T1}, {size}", layers, hidden, heads, gpus, rec, None, tflops,
-                       (MEGATRON_KERNELS, VOCAB_NOTE, LOCAL_DDP), kernels="megatron", vocab=megatron_vocab(tp)))
+                       (MEGATRON_KERNELS, VOCAB_NOTE, TORCH_DDP if torch_ddp else LOCAL_DDP), kernels="megatron",
+                       vocab=megatron_vocab(tp)))
     t2 = "SC'21 Table 2 (GPT-3 175B, global batch 1536)"
     zero_note = ("recompute=full: not stated for Table 2 in the transcription; assumed as in Table 1",)
     ds_notes = (
@@ -178,10 +194,13 @@ def rows() -> list[Row]:
         base = f"tp={tp},pp={pp},mbs={mbs},gbs={gbs}"
         note = (("schedule: 1F1B without interleaving (not stated in the transcription)",) if pp > 1 else ()) + (
             MEGATRON_KERNELS,)
+        note += (ASYNC_DGRAD,)
         out.append(Row(f"k-{size}-full", "korthikanti", f"{k}, {size}, full recomputation", layers, hidden, heads,
-                       gpus, base + ",recompute=full", full, None, note, kernels="megatron", vocab=megatron_vocab(tp)))
+                       gpus, base + ",recompute=full,overlap=dgrad", full, None, note, kernels="megatron",
+                       vocab=megatron_vocab(tp)))
         out.append(Row(f"k-{size}-sp-selective", "korthikanti", f"{k}, {size}, SP + selective recomputation", layers,
-                       hidden, heads, gpus, f"tp={tp},sp=true,pp={pp},mbs={mbs},gbs={gbs},recompute=selective",
+                       hidden, heads, gpus,
+                       f"tp={tp},sp=true,pp={pp},mbs={mbs},gbs={gbs},recompute=selective,overlap=dgrad",
                        sel, None, note, kernels="megatron", vocab=megatron_vocab(tp)))
     return [replace(r, recipe=r.recipe + MIXED, variants=tuple(v + MIXED for v in r.variants),
                     assumptions=r.assumptions + (MIXED_NOTE,)) for r in out]

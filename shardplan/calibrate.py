@@ -893,6 +893,8 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
                              "(see Machine's docstring)")
     src["scatter_gathered_grads"] = (f"{said}: not measured: shardplan's default, off (XLA's GSPMD); shardplan.torch "
                                      "sets it for DTensor (see Machine's docstring)")
+    src["overlap_dgrad"] = (f"{said}: not measured: shardplan's default, off (an input-gradient collective charged "
+                            "in full); a recipe's overlap=dgrad sets it (see Machine's docstring)")
     fp8 = max((r.rate for r in cal.fp8.rows), default=None)
     if cal.fp8.rows:
         top8 = max(cal.fp8.rows, key=lambda r: r.rate)

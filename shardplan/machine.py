@@ -19,8 +19,8 @@ device; copy one to describe another machine): every field of
 ``torch.cuda.get_device_name()``), and optionally ``measurements`` (any JSON
 object: the raw tables a calibration measured, ``shardplan calibrate``;
 carried, never read as constants). A field added since files were first
-written (:data:`OPTIONAL_FIELDS`: ``fp8_efficiency``) may be absent from an
-older file: it reads as None. The presets are read from these files;
+written (:data:`OPTIONAL_FIELDS`: ``fp8_efficiency``, ``overlap_dgrad``) may be absent from an
+older file: it reads as None (``overlap_dgrad``: False). The presets are read from these files;
 :func:`detect_machine` picks the profile whose device kinds hold the one
 reported.
 """
@@ -128,6 +128,13 @@ class Machine:
             tile over the summing devices (the same redistribution, measured: :mod:`shardplan.cost.grad_home`);
             False: only where dealt, the contiguous and the unmasked attention's all-reduced, and every other
             activation's gradient all-reduced at its consumer (XLA's GSPMD, :mod:`shardplan.cost.ring`).
+        overlap_dgrad: the collective that reduces the gradient of a product's input (a column-parallel
+            linear's all-reduce, or its reduce-scatter under sequence parallelism) runs beside the product's
+            own weight-gradient pass, started once the input gradient is computed (Megatron-LM's asynchronous
+            tensor-parallel all-reduce, on by default from 2022, and its sequence-parallel backward;
+            Transformer Engine's linear layers): exposed ``max(C - t_wgrad, 0)``
+            (:func:`shardplan.cost.operator.operator_cost`, :func:`shardplan.cost.edge.overlap_budgets`).
+            False (default): charged in full.
     """
 
     num_devices: int
@@ -163,6 +170,7 @@ class Machine:
     stepwise_redistribution: bool = True
     reduce_per_dim: bool = True
     scatter_gathered_grads: bool = False
+    overlap_dgrad: bool = False
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -222,6 +230,11 @@ class Machine:
         if not isinstance(self.scatter_gathered_grads, bool):
             raise ShardplanError(f"machine: scatter_gathered_grads must be True or False, got "
                                  f"{self.scatter_gathered_grads!r}")
+        if not isinstance(self.overlap_dgrad, bool):
+            raise ShardplanError(f"machine: overlap_dgrad must be True or False, got {self.overlap_dgrad!r}")
+        if self.overlap_dgrad and self.scatter_gathered_grads:
+            raise ShardplanError("machine: overlap_dgrad with scatter_gathered_grads is not costed (DTensor's "
+                                 "reduce-scatter home of an activation gradient is not overlapped)")
         for name, unit in (("fp8_flops", "FLOP/s"), ("host_bandwidth", "B/s"), ("host_memory_bytes", "B"),
                            ("cpu_adam_rate", "parameters/s")):
             if getattr(self, name) is not None:
@@ -388,7 +401,11 @@ _TOP_KEYS = ("name", "description", "device_kinds", "measurements")
 # Fields added after profile files were first written: a file without one reads it as None with this source.
 OPTIONAL_FIELDS = MappingProxyType({
     "fp8_efficiency": "absent from the file (written before the field existed): FP8 products at flops_efficiency",
+    "overlap_dgrad": "absent from the file (written before the field existed): input-gradient collectives not "
+                     "overlapped",
 })
+# The value an absent optional field reads as (None where not listed).
+OPTIONAL_VALUES = MappingProxyType({"overlap_dgrad": False})
 UNRECORDED = "not recorded: written from a Machine value by shardplan.machine.machine_to_file"
 
 # preset name -> its profile file in shardplan/machines
@@ -468,7 +485,7 @@ def parse_profile(text: str, where: str = "machine profile") -> Profile:
     """The profile in ``text`` (a profile file's contents); ``where`` starts every error message.
 
     Refused in one line: text that is not JSON, a key twice, an unknown top-level key or field, a
-    missing field (but one of :data:`OPTIONAL_FIELDS`, read as None), an entry that is not
+    missing field (but one of :data:`OPTIONAL_FIELDS`, read as None or its :data:`OPTIONAL_VALUES` entry), an entry that is not
     ``{"value": ..., "source": "..."}``, an empty source, and values :class:`Machine` refuses (a string
     where a number belongs, a negative bandwidth, ...).
     """
@@ -497,7 +514,7 @@ def parse_profile(text: str, where: str = "machine profile") -> Profile:
     sources: dict[str, str] = {}
     for k in PROFILE_FIELDS:
         if k not in doc and k in OPTIONAL_FIELDS:
-            values[k], sources[k] = None, OPTIONAL_FIELDS[k]
+            values[k], sources[k] = OPTIONAL_VALUES.get(k), OPTIONAL_FIELDS[k]
             continue
         if k not in doc:
             raise ShardplanError(f"{where}: missing field {k!r} (every field needs "

@@ -114,9 +114,11 @@ __all__ = ["Recipe", "cost_recipe", "causal_attention", "runtime_graph", "fp8_na
 RECOMPUTE = ("none", "selective", "full")
 """The named recomputation policies (an integer N: the first N blocks of each stage)."""
 
-OVERLAPS = ("grad_reduce", "param_gather", "tp_comm")
+OVERLAPS = ("grad_reduce", "param_gather", "tp_comm", "dgrad")
 """Communications a run may overlap with compute (Megatron-LM's ``--overlap-grad-reduce``,
-``--overlap-param-gather``, ``--tp-comm-overlap``)."""
+``--overlap-param-gather``, ``--tp-comm-overlap``; ``dgrad``: the reduction of a column-parallel linear's
+input gradient beside its weight-gradient product, Megatron-LM's asynchronous tensor-parallel all-reduce,
+on by default from 2022, and Transformer Engine's linear layers: :attr:`~shardplan.machine.Machine.overlap_dgrad`)."""
 
 ATTENTION_CORE = ("attn_scores", "attn_context", "attn_flash")
 """Operator kinds of the attention core: QK^T with its softmax, and the product with V (selective
@@ -863,7 +865,8 @@ def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int |
     if why is not None:
         raise ShardplanError(f"recipe {recipe}: not expressible: {why}")
     if recipe.overlap is not None:
-        machine = replace(machine, overlap_grad="grad_reduce" in recipe.overlap)
+        machine = replace(machine, overlap_grad="grad_reduce" in recipe.overlap,
+                          overlap_dgrad="dgrad" in recipe.overlap)
     t0 = time.perf_counter()
     build, graph, default, name = _resolve(model, batch, sizes)
     if recipe.runtime == "megatron_te":

@@ -391,7 +391,9 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     edge_costs = []
     edge_cache: dict[tuple, np.ndarray] = store.setdefault("edges", {})
     memo = EdgeMemo()  # fast-path summaries shared by the edges of this build
-    shape = _lending_shape(graph) if overlap_tp else None
+    # which edge each operator lends its compute to: overlap_tp's chunks, or the input-gradient reductions
+    # beside the weight-gradient pass of Machine.overlap_dgrad where partial layouts leave them to the edges
+    shape = _lending_shape(graph) if overlap_tp or machine.overlap_dgrad else None
     budgets: dict[tuple, tuple[np.ndarray, np.ndarray]] = store.setdefault("overlap_budgets", {})
 
     def budget(i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -399,7 +401,8 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         bkey = (keys[i], shape[0][i], shape[1][i])
         if bkey not in budgets:
             row = per_key[keys[i]]
-            budgets[bkey] = overlap_budgets(ops[i], row[1], row[2].compute, machine, shape[0][i], shape[1][i])
+            budgets[bkey] = overlap_budgets(ops[i], row[1], row[2].compute, machine, shape[0][i], shape[1][i],
+                                            chunked=overlap_tp)
         return budgets[bkey]
 
     for n_done, e in enumerate(graph.edges):

@@ -1090,7 +1090,8 @@ def exposed(fwd_t: np.ndarray, bwd_t: np.ndarray, hu: np.ndarray, hv: np.ndarray
 
 
 def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machine: Machine,
-                    single_consumer: bool, input_slot: int | None) -> tuple[np.ndarray, np.ndarray]:
+                    single_consumer: bool, input_slot: int | None,
+                    chunked: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """What each layout of ``op`` lends to an overlapped collective: ``(as producer (2, K), as consumer (2, K))``,
     seconds per direction (rows: forward, backward), :data:`NO_CLAIM` where it lends nothing on that side.
 
@@ -1109,8 +1110,15 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
 
     A pass of G seconds hides ``G (g - 1) / g`` of a collective (the first chunk of the GEMM, or the last one,
     has nothing to overlap: docs/cost-model.md). Forward G is the forward pass; backward G the backward
-    passes less what the weight-gradient synchronisation already overlaps (``machine.overlap_grad``), so no
-    second claim is made on the same seconds.
+    passes less what the weight-gradient synchronisation already overlaps (``machine.overlap_grad``) and what
+    the operator's own input-gradient all-reduce already hides (``machine.overlap_dgrad``), so no second claim
+    is made on the same seconds.
+
+    ``chunked=False`` (tables without ``overlap_tp``, on a machine with ``overlap_dgrad``): nothing is cut
+    into chunks; a product lends only its weight-gradient pass W, backward, to its one input edge where g > 1
+    devices share the input tile: the reduction (all-reduce, or reduce-scatter under sequence parallelism) of
+    the input's gradient runs beside it, as Megatron-LM's column-parallel linear runs it, and the edge is
+    charged ``max(C - W, 0)``. W is taken as the compute's share of the weights' passes (equal passes).
     """
     from dataclasses import replace
 
@@ -1124,10 +1132,21 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
     passes = op.passes
     fwd = np.asarray(compute, dtype=np.float64) / passes
     bwd = np.asarray(compute, dtype=np.float64) - fwd
-    if machine.overlap_grad and passes > 1:  # the weight syncs' overlap: min(sync, backward) already taken
-        plain = operator_cost(op, lay, replace(machine, overlap_grad=False))
+    if (machine.overlap_grad or machine.overlap_dgrad) and passes > 1:  # backward seconds already hiding
+        plain = operator_cost(op, lay, replace(machine, overlap_grad=False, overlap_dgrad=False))
         mine = operator_cost(op, lay, machine)
         bwd = np.maximum(bwd - (plain.grad_allreduce - mine.grad_allreduce), 0.0)
+    if not chunked:
+        cons = none.copy()
+        n_w = sum(1 for t in op.grad_tensors if t.role == "weight")
+        if not machine.overlap_dgrad or input_slot is None or not n_w:
+            return none, cons
+        read = {a.dim for a in op.inputs[input_slot].axes if a.dim is not None}
+        shared = [j for j, d in enumerate(names) if d not in read]
+        g_in = lay.group_sizes(shared).prod(axis=0) if shared else np.ones(k, dtype=np.int64)
+        wgrad = np.minimum(np.asarray(compute, dtype=np.float64) * n_w / passes, bwd)
+        cons[1] = np.where(g_in > 1, wgrad, NO_CLAIM)
+        return none, cons
     g_out = lay.group_sizes([names.index(d) for d in op.reduction_dims]).prod(axis=0)
     produces = np.zeros(k, dtype=bool)
     if single_consumer and lay.partial is not None and forward_deferrable(op):

@@ -57,7 +57,12 @@ configuration c (arrays over the K configurations):
   overlaps its own operator's backward compute (in a real step it overlaps
   the backward of the operators before it, which this per-operator max
   neither credits nor checks). Activation gradients are on the critical
-  path and are never overlapped;
+  path and are not overlapped, except with ``overlap_dgrad`` (Megatron-LM's
+  asynchronous tensor-parallel all-reduce): an input's gradient all-reduce
+  of C seconds runs beside the operator's weight-gradient pass of W seconds
+  and is charged ``max(C - W, 0)``; the weight synchronisation then
+  overlaps only the ``backward - min(C, W)`` seconds left
+  (:func:`input_gradient_hidden`);
 * shared parameters: a parameter read by several operators (a tied
   embedding and LM head) has one copy and one state, in the layout of the
   reader that owns it. As XLA compiles it, every reader's gradient is
@@ -469,6 +474,7 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
         if machine.shaped_gemms:
             t_passes = np.maximum(t_passes, moved[None, :] * nbytes / rate)
     epilogue = [i for i, t in enumerate(op.grad_tensors) if any(t is e for e in op.epilogue_tensors)]
+    pass_times = None  # (passes, K) seconds of each pass where the passes are costed one by one
     if op.backward_flops is not None:  # forward and backward each one fused kernel (cost/fused.py)
         t_pass, compute = fused_compute(op, configs, machine, max_tile)
     elif op.kernel_io is not None:  # a memory-bound operator inside a compiler-fused kernel (cost/chain.py)
@@ -485,9 +491,10 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
             if machine.hbm_bandwidth is not None:
                 t_red = np.maximum(t_red, (out_vol + max_tile(t, core=False)) * nbytes / machine.hbm_bandwidth)
             t_passes[1 + i] = t_red
-        t_pass, compute = t_passes[0], t_passes.sum(axis=0)
+        t_pass, compute, pass_times = t_passes[0], t_passes.sum(axis=0), t_passes
     else:
         compute = passes * t_pass
+        pass_times = np.broadcast_to(t_pass, (passes, k))
 
     # forward partial sums (a partial layout leaves them to its edges)
     deferred = lay.deferred
@@ -518,8 +525,11 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
                 grad_ar = grad_ar + np.where(deferred, 0.0, allreduce_time(vol * nbytes, gl, machine))
                 g = np.where(deferred, 1, g)
             sent = sent + _ar_sent(vol * nbytes, g)
+    # the input's gradient reduced beside the weight-gradient pass (Machine.overlap_dgrad): max(C - t_wgrad, 0)
+    hidden = input_gradient_hidden(op, grad_ar, pass_times, machine)
+    grad_ar = grad_ar - hidden
     if machine.overlap_grad:
-        backward = compute - t_pass
+        backward = compute - t_pass - hidden
         grad_ar = grad_ar + np.maximum(weight_sync - backward, 0.0)
     else:
         grad_ar = grad_ar + weight_sync
@@ -566,6 +576,28 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     opt = optimizer_step_seconds(optimizer_elements(op, lay, p), machine, step_bytes)
 
     return OpCost(compute, fwd_ar, grad_ar, halo, stats, rec, opt, sent)
+
+
+def wgrad_seconds(op: Operator, pass_times: np.ndarray) -> np.ndarray:
+    """Seconds (K,) of the passes that compute ``op``'s weight gradients (rows ``1 + i`` of ``pass_times`` for
+    every gradient ``i`` of a weight)."""
+    rows = [1 + i for i, t in enumerate(op.grad_tensors) if t.role == "weight"]
+    return pass_times[rows].sum(axis=0) if rows else np.zeros(pass_times.shape[1])
+
+
+def input_gradient_hidden(op: Operator, act_ar: np.ndarray, pass_times: np.ndarray | None,
+                          machine: Machine) -> np.ndarray:
+    """Seconds (K,) of the activation-gradient all-reduce ``act_ar`` that run beside ``op``'s weight-gradient
+    pass (:attr:`~shardplan.machine.Machine.overlap_dgrad`): ``min(act_ar, t_wgrad)``.
+
+    Megatron-LM's column-parallel linear computes the input's gradient first, starts its all-reduce and
+    computes the weight's gradient meanwhile (``LinearWithGradAccumulationAndAsyncCommunication``); the step
+    waits for the later of the two, so the all-reduce costs ``max(C - t_wgrad, 0)`` beyond the passes. Zero
+    without the flag, for an operator without a weight gradient, and where the passes are not costed one by
+    one (a fused or compiler-chained kernel)."""
+    if not machine.overlap_dgrad or pass_times is None:
+        return np.zeros_like(act_ar)
+    return np.minimum(act_ar, wgrad_seconds(op, pass_times))
 
 
 def recurrence_cost(op: Operator, lay: LayoutArrays, machine: Machine) -> tuple[np.ndarray, np.ndarray]:

@@ -96,6 +96,8 @@ def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, hea
     kd = d // heads
     p = f"{prefix}/{tag}"
     w = (d, heads, kd)
+    if core == "megatron" and x is memory:
+        return _megatron_attention(b, p, x, heads)
     q = b.add(ops.einsum(f"{p}q", "bsd,dhk->bshk", x, ops.Param(w), kind="attn_proj"))
     k = b.add(ops.einsum(f"{p}k", "btd,dhk->bthk", memory, ops.Param(w), kind="attn_proj"))
     v = b.add(ops.einsum(f"{p}v", "btd,dhk->bthk", memory, ops.Param(w), kind="attn_proj"))
@@ -112,6 +114,36 @@ def attention(b: GraphBuilder, prefix: str, x: TensorRef, memory: TensorRef, hea
         scores = dataclasses.replace(scores, norm_dims=("t",), norm_stats=2, flops_per_point=2.0 + 5.0 / kd)
         s = b.add(scores)
     ctx = b.add(ops.einsum(f"{p}context", "bhst,bthk->bshk", s, v, kind="attn_context"))
+    return b.add(ops.einsum(f"{p}out", "bshk,hkd->bsd", ctx, ops.Param((heads, kd, d)), kind="attn_out"))
+
+
+def _megatron_attention(b: GraphBuilder, p: str, x: TensorRef, heads: int) -> TensorRef:
+    """Self-attention as Megatron-LM's ``ParallelAttention`` (2021-22) runs it: one fused query-key-value
+    product ``{p}qkv`` (its ``query_key_value`` column-parallel linear, weight (d, 3, h, k)), the four kernels
+    of the core (:func:`attention`) and the output projection.
+
+    Megatron-LM cuts the product's output into q, k and v by views (``split_tensor_along_last_dim``); here the
+    scores read q and k, the context v, straight from it: index ``c + 0``, ``c + 1`` and ``c + 2`` of its (3)
+    axis, ``c`` a dimension of extent 1. One product, so the gradient of its input is one tensor, reduced
+    once over the tensor-parallel group (three separate products each reduce their own), and its output is
+    kept once for the backward (3 s b h / t elements per layer, what the three products kept)."""
+    d = x.shape[-1]
+    kd = d // heads
+    qkv = b.add(ops.einsum(f"{p}qkv", "bsd,dchk->bschk", x, ops.Param((d, 3, heads, kd)), kind="attn_proj"))
+
+    def reads(op: Operator, index: dict[int, int]) -> Operator:  # input slot -> the index of the (3) axis it reads
+        ins = list(op.inputs)
+        for slot, at in index.items():
+            t = ins[slot]
+            ins[slot] = dataclasses.replace(t, axes=tuple(dataclasses.replace(a, offset=at, partial=True)
+                                                         if a.dim == "c" else a for a in t.axes))
+        return dataclasses.replace(op, inputs=tuple(ins), dims=tuple((n, 1 if n == "c" else e) for n, e in op.dims))
+
+    s = b.add(reads(ops.einsum(f"{p}scores", "bschk,btchk->bhst", qkv, qkv, kind="attn_scores"), {0: 0, 1: 1}))
+    s = b.add(dataclasses.replace(ops.softmax(f"{p}softmax", s, letters="bhst"), kind="attn_scores"))
+    s = b.add(dataclasses.replace(ops.elementwise(f"{p}dropout", s, kind="attn_scores", letters="bhst"),
+                                  saved=1.5))
+    ctx = b.add(reads(ops.einsum(f"{p}context", "bhst,btchk->bshk", s, qkv, kind="attn_context"), {1: 2}))
     return b.add(ops.einsum(f"{p}out", "bshk,hkd->bsd", ctx, ops.Param((heads, kd, d)), kind="attn_out"))
 
 

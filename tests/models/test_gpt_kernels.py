@@ -16,7 +16,7 @@ from shardplan.recipe import model_dim, recompute_names
 
 SIZES = dict(batch=2, layers=2, d_model=256, heads=4, seq=128, vocab=1024)
 LAYER_FUSED = ["ln1", "q", "k", "v", "scores", "context", "out", "add1", "ln2", "ffn1", "ffn2", "add2"]
-LAYER_MEGATRON = ["ln1", "q", "k", "v", "scores", "softmax", "dropout", "context", "out", "add1", "ln2", "ffn1",
+LAYER_MEGATRON = ["ln1", "qkv", "scores", "softmax", "dropout", "context", "out", "add1", "ln2", "ffn1",
                   "gelu", "ffn2", "add2"]
 
 
@@ -39,7 +39,7 @@ def test_megatron_layer_has_one_vertex_per_kernel():
     g = gpt(**SIZES, kernels="megatron")
     ops = {op.name.split("/")[1]: op for op in layer(g)}
     assert list(ops) == LAYER_MEGATRON
-    assert len(g) == len(gpt(**SIZES)) + 3 * SIZES["layers"]
+    assert len(g) == len(gpt(**SIZES)) + SIZES["layers"]  # + softmax, dropout, gelu; q, k, v one product
     # the scores product is a plain product (the softmax is its own kernel)
     assert ops["scores"].flops_per_point == 2.0 and ops["scores"].norm_dims == () and ops["scores"].saved == 1.0
     assert ops["softmax"].norm_dims == ("t",) and ops["softmax"].dim_names == ("b", "h", "s", "t")
@@ -111,3 +111,44 @@ def test_kernels_reach_the_registry_and_the_config():
         gpt(**SIZES, kernels="flash")
     with pytest.raises(ShardplanError, match="kernels"):
         GPTConfig(2, 256, 4, 128, 1024, kernels="flash")
+
+
+def test_megatron_query_key_value_is_one_product_read_three_ways():
+    # Megatron-LM's query_key_value: one column-parallel linear; the scores read q (index 0) and k (index 1) of its
+    # (3) axis, the context v (index 2), each through a dimension c of extent 1
+    g = gpt(**SIZES, kernels="megatron")
+    ops = {op.name.split("/")[1]: op for op in layer(g)}
+    qkv = ops["qkv"]
+    d, h = SIZES["d_model"], SIZES["heads"]
+    assert qkv.weights[0].shape == (d, 3, h, d // h) and qkv.extents["c"] == 3
+    reads = [(t.src, next(a.offset for a in t.axes if a.dim == "c"))
+             for n in ("scores", "context") for t in ops[n].inputs if t.src == qkv.name]
+    assert reads == [(qkv.name, 0), (qkv.name, 1), (qkv.name, 2)]
+    assert ops["scores"].extents["c"] == ops["context"].extents["c"] == 1
+    fused = {op.name.split("/")[1]: op for op in layer(gpt(**SIZES))}
+
+    def work(op):
+        return op.flops_per_point * float(np.prod(list(op.extents.values())))
+
+    b, s = SIZES["batch"], SIZES["seq"]
+    assert work(ops["scores"]) == 2.0 * b * h * s * s * (d // h)  # q.k^T, the softmax a kernel of its own
+    assert work(ops["context"]) == work(fused["context"])
+    assert work(qkv) == sum(work(fused[n]) for n in "qkv")
+
+
+def test_fused_query_key_value_reduces_its_input_gradient_once():
+    # under tensor parallelism (heads split 4 ways) the separate products each all-reduce the gradient of the
+    # norm's output; the fused one once, for the same work
+    from shardplan.cost import operator_cost
+
+    m = preset("a100", 4)
+    split = {"h": 4}
+    fused = {op.name.split("/")[1]: op for op in layer(gpt(**SIZES))}
+    meg = {op.name.split("/")[1]: op for op in layer(gpt(**SIZES, kernels="megatron"))}
+
+    def row(op):
+        return np.array([[split.get(n, 1) for n in op.dim_names]], dtype=np.int64)
+
+    three = sum(operator_cost(fused[n], row(fused[n]), m).grad_allreduce[0] for n in "qkv")
+    one = operator_cost(meg["qkv"], row(meg["qkv"]), m).grad_allreduce[0]
+    assert one > 0 and three == pytest.approx(3 * one)
