@@ -257,7 +257,8 @@ def test_a_tensor_parallel_recipe_saves_exactly_the_hidden_input_gradient_second
 def test_a_sequence_parallel_recipe_hides_the_reduce_scatters_on_the_edges():
     """tp=4, sp=true: the column-parallel products are partial, their input gradients reduce-scattered on the
     edges from the sequence-split norms; with overlap=dgrad each such edge's backward is charged
-    max(C - W, 0), W the product's compute times its weight gradients / passes (equal passes): the redistribution falls by their sum."""
+    max(C - W, 0), W the product's compute times its weight gradients / passes (equal passes): the
+    redistribution falls by their sum."""
     g, m, none, dgrad = _recipe_pair(sp=True)
     assert dgrad.step_time < none.step_time
     assert none.breakdown["grad_allreduce"] == dgrad.breakdown["grad_allreduce"]
