@@ -1116,9 +1116,11 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
 
     ``chunked=False`` (tables without ``overlap_tp``, on a machine with ``overlap_dgrad``): nothing is cut
     into chunks; a product lends only its weight-gradient pass W, backward, to its one input edge where g > 1
-    devices share the input tile: the reduction (all-reduce, or reduce-scatter under sequence parallelism) of
-    the input's gradient runs beside it, as Megatron-LM's column-parallel linear runs it, and the edge is
-    charged ``max(C - W, 0)``. W is taken as the compute's share of the weights' passes (equal passes).
+    devices share the input tile and the layout is partial (it leaves the input gradient's sum to the edge;
+    otherwise the operator reduces it itself, beside the same W, :func:`~shardplan.cost.operator.operator_cost`):
+    the reduction (all-reduce, or reduce-scatter under sequence parallelism) of the input's gradient runs beside
+    it, as Megatron-LM's column-parallel linear runs it, and the edge is charged ``max(C - W, 0)``. W is taken as
+    the compute's share of the weights' passes (equal passes).
     """
     from dataclasses import replace
 
@@ -1145,7 +1147,9 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
         shared = [j for j, d in enumerate(names) if d not in read]
         g_in = lay.group_sizes(shared).prod(axis=0) if shared else np.ones(k, dtype=np.int64)
         wgrad = np.minimum(np.asarray(compute, dtype=np.float64) * n_w / passes, bwd)
-        cons[1] = np.where(g_in > 1, wgrad, NO_CLAIM)
+        # only a partial layout leaves the reduction to the edge; otherwise the operator's own all-reduce has
+        # already taken min(C, W) of the same pass (operator_cost), which must not be lent a second time
+        cons[1] = np.where((g_in > 1) & lay.deferred, wgrad, NO_CLAIM)
         return none, cons
     g_out = lay.group_sizes([names.index(d) for d in op.reduction_dims]).prod(axis=0)
     produces = np.zeros(k, dtype=bool)
