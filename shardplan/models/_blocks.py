@@ -14,9 +14,40 @@ from typing import Sequence
 
 from shardplan import ops
 from shardplan.errors import ShardplanError
-from shardplan.ir import GraphBuilder, Operator, TensorRef
+from shardplan.ir import GraphBuilder, KernelIO, Operator, TensorRef
 
-__all__ = ["conv_bn", "attention", "check_stack", "rms_norm", "ATTENTION_CORES", "ATTENTIONS", "check_attention"]
+__all__ = ["conv_bn", "attention", "check_stack", "rms_norm", "ATTENTION_CORES", "ATTENTIONS", "check_attention",
+           "MEGATRON_IO"]
+
+MEGATRON_IO = {
+    # HBM traffic of Megatron-LM's memory-bound kernels of 2021-22, per pass, in tiles of the operand (2-byte
+    # elements; KernelIO: forward = sum_i reads_i |T_i| + write |O|, backward = write |O| + sum_i back_i |T_i|).
+    # Read off the kernels (megatron/model/*.py, megatron/fused_kernels, megatron/mpu/cross_entropy.py at the
+    # SC'21 commit 6985e58); docs/cost-model.md, "Megatron-LM's memory-bound kernels".
+    # scaled_upper_triang_masked_softmax: x read, y written; backward dy and y read, dx written (in place)
+    "softmax": KernelIO(reads=(1.0,), back=(2.0,), write=1.0),
+    # torch.nn.Dropout on the probabilities: x read, y and the 1-byte mask written; backward dy and mask read,
+    # dx written
+    "dropout": KernelIO(reads=(1.0,), back=(1.0,), write=1.5),
+    # bias_gelu (jit): the product's output (and the bias) read, y written; bias_gelu_back: dy and the input
+    # read, dx written, then read again for the bias's gradient (its sum over tokens)
+    "gelu": KernelIO(reads=(1.0,), back=(3.0,), write=1.0),
+    # bias_dropout_add_fused_train: the branch (and its bias) and the residual read, y and the mask written;
+    # backward dy and the mask read, the branch's gradient written and read again for its bias's sum; the
+    # residual's gradient is dy itself, added to the other gradient of the residual stream where it forks:
+    # both read, the sum written (3 tiles, on the residual operand)
+    "bias_dropout_add": KernelIO(reads=(1.0, 1.0), back=(3.0, 2.0), write=1.5),
+    # fused layer norm (apex's kernels, megatron/fused_kernels): x, gamma, beta read, y written; backward: the
+    # input-gradient kernel and the partial gamma/beta kernel each read dy and x (dy twice, x twice), dx written
+    "layer_norm": KernelIO(reads=(1.0, 1.0, 1.0), back=(4.0, 1.0, 1.0), write=1.0),
+    # vocab_parallel_cross_entropy(output.float()): the fp16 logits cast to fp32 (read 1, write 2 tiles), max
+    # (2), subtract in place (4), exp in place (4), sum (2), divide in place (4): 19 tiles; the int64 labels
+    # read once (4); the per-token loss written. Backward: the saved softmax scaled in place (4), the fp32
+    # gradient cast back to fp16 (read 2, write 1): 7 tiles
+    "cross_entropy": KernelIO(reads=(19.0, 4.0), back=(7.0, 0.0), write=1.0),
+}
+"""How Megatron-LM's memory-bound kernels (``kernels="megatron"``) move data through HBM, per operator kind:
+:class:`~shardplan.ir.KernelIO` counts read off the kernels (comments above)."""
 
 ATTENTION_CORES = ("fused", "megatron", "flash")
 """How :func:`attention` writes its core (softmax(q k^T) v): ``fused``, the softmax inside the scores
@@ -140,9 +171,10 @@ def _megatron_attention(b: GraphBuilder, p: str, x: TensorRef, heads: int) -> Te
         return dataclasses.replace(op, inputs=tuple(ins), dims=tuple((n, 1 if n == "c" else e) for n, e in op.dims))
 
     s = b.add(reads(ops.einsum(f"{p}scores", "bschk,btchk->bhst", qkv, qkv, kind="attn_scores"), {0: 0, 1: 1}))
-    s = b.add(dataclasses.replace(ops.softmax(f"{p}softmax", s, letters="bhst"), kind="attn_scores"))
+    s = b.add(dataclasses.replace(ops.softmax(f"{p}softmax", s, letters="bhst"), kind="attn_scores",
+                                  kernel_io=MEGATRON_IO["softmax"]))
     s = b.add(dataclasses.replace(ops.elementwise(f"{p}dropout", s, kind="attn_scores", letters="bhst"),
-                                  saved=1.5))
+                                  saved=1.5, kernel_io=MEGATRON_IO["dropout"]))
     ctx = b.add(reads(ops.einsum(f"{p}context", "bhst,btchk->bshk", s, qkv, kind="attn_context"), {1: 2}))
     return b.add(ops.einsum(f"{p}out", "bshk,hkd->bsd", ctx, ops.Param((heads, kd, d)), kind="attn_out"))
 

@@ -5,13 +5,16 @@ out, add1, ln2, ffn1 (GELU fused), ffn2, add2: 12 vertices.
 
 ``kernels="megatron"`` builds the layer as Megatron-LM ran it in 2021-22
 (its ``ParallelTransformerLayer``, the runs of SC'21 and Korthikanti et al.),
-one vertex per kernel that moves a tensor through memory: the attention core
+one vertex per kernel that moves a tensor through memory: one query-key-value
+product ``qkv`` (its ``query_key_value`` linear), the attention core
 as four kernels (scores, softmax, dropout, context; see
 :func:`shardplan.models._blocks.attention`), ``gelu`` after ffn1 (Megatron's
 fused bias-GELU, a kernel of its own reading and writing the (b, s, 4h)
 tensor; kind ``ffn`` so tensor parallelism splits it as ffn1), and add1/add2
-as the fused bias-dropout-add (the same tiles an add reads and writes, plus
-the 1-byte dropout mask it keeps: ``saved`` 1.5). 15 vertices per layer. Around them:
+as the fused bias-dropout-add (keeping the 1-byte dropout mask beside its
+output: ``saved`` 1.5). 13 vertices per layer. Each memory-bound kernel (and the
+fp32 cross-entropy) moves what its source moves (:data:`~shardplan.models._blocks.MEGATRON_IO`;
+docs/cost-model.md, "Megatron-LM's memory-bound kernels"). Around them:
 ``embed`` (dims ``bsdv``), ``ln_f``, the vocabulary projection ``fc``
 (``bsvd``; weight tying with the embedding is not modelled: the two are
 separate tensors) and ``softmax`` (cross-entropy). Learned position
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 from shardplan import ops
 from shardplan.errors import ShardplanError
 from shardplan.ir import Graph, GraphBuilder, TensorRef
+from shardplan.models._blocks import MEGATRON_IO
 from shardplan.models._blocks import attention as attention_block
 from shardplan.models._blocks import check_attention, check_stack, decoder_start
 from shardplan.models.transformer import ffn
@@ -180,7 +184,8 @@ def _megatron_mlp(b: GraphBuilder, prefix: str, x: TensorRef, d_ff: int) -> Tens
     approximation), ffn2."""
     d = x.shape[-1]
     h = b.add(ops.einsum(f"{prefix}/ffn1", "bsd,de->bse", x, ops.Param((d, d_ff)), kind="ffn"))
-    h = b.add(ops.elementwise(f"{prefix}/gelu", h, flops_per_point=8.0, kind="ffn", letters="bse"))
+    h = b.add(dataclasses.replace(ops.elementwise(f"{prefix}/gelu", h, flops_per_point=8.0, kind="ffn", letters="bse"),
+                                  kernel_io=MEGATRON_IO["gelu"]))
     return b.add(ops.einsum(f"{prefix}/ffn2", "bse,ed->bsd", h, ops.Param((d_ff, d)), kind="ffn"))
 
 
@@ -198,16 +203,22 @@ def gpt(batch: int = 64, layers: int = 24, d_model: int = 2048, heads: int = 16,
     d_ff = 4 * d_model if d_ff is None else d_ff
     meg = kernels == "megatron"
     saved = 1.5 if meg else 1.0  # the bias-dropout-add's mask beside its output
+
+    def io(op, kernel: str):  # Megatron-LM's kernels move what MEGATRON_IO says; the fused model's, one pass each
+        return dataclasses.replace(op, kernel_io=MEGATRON_IO[kernel]) if meg else op
+
     b, labels, x = decoder_start(name, batch, seq, vocab, d_model)
     for i in range(1, layers + 1):
         p = f"L{i}"
-        h = b.add(ops.layer_norm(f"{p}/ln1", x))
+        h = b.add(io(ops.layer_norm(f"{p}/ln1", x), "layer_norm"))
         a = attention_block(b, p, h, h, heads, core="flash" if attention == "flash" else kernels)
-        x = b.add(dataclasses.replace(ops.elementwise(f"{p}/add1", x, a, kind="add", letters="bsd"), saved=saved))
-        h = b.add(ops.layer_norm(f"{p}/ln2", x))
+        x = b.add(io(dataclasses.replace(ops.elementwise(f"{p}/add1", x, a, kind="add", letters="bsd"), saved=saved),
+                     "bias_dropout_add"))
+        h = b.add(io(ops.layer_norm(f"{p}/ln2", x), "layer_norm"))
         m = _megatron_mlp(b, p, h, d_ff) if meg else ffn(b, p, h, d_ff)
-        x = b.add(dataclasses.replace(ops.elementwise(f"{p}/add2", x, m, kind="add", letters="bsd"), saved=saved))
-    x = b.add(ops.layer_norm("ln_f", x))
+        x = b.add(io(dataclasses.replace(ops.elementwise(f"{p}/add2", x, m, kind="add", letters="bsd"), saved=saved),
+                     "bias_dropout_add"))
+    x = b.add(io(ops.layer_norm("ln_f", x), "layer_norm"))
     h = b.add(ops.dense("fc", x, vocab, letters="bsvd"))
-    b.add(ops.softmax_cross_entropy("softmax", h, labels, letters="bsv"))
+    b.add(io(ops.softmax_cross_entropy("softmax", h, labels, letters="bsv"), "cross_entropy"))
     return b.build()

@@ -89,16 +89,46 @@ def test_tensor_parallelism_splits_the_new_kernels_as_megatron_does():
 
 
 def test_softmax_and_dropout_are_memory_bound_on_a100():
-    # one layer, batch 2, 4 heads, 128 x 128 scores: 131,072 scores of 2 bytes; the softmax reads and writes
-    # them once a pass (forward, the input's gradient): 2 * (2 * 131,072 * 2 B) / 2.039e12 B/s
+    # one layer, batch 2, 4 heads, 128 x 128 scores: 131,072 scores of 2 bytes. The softmax reads x and writes y
+    # forward (2 tiles), reads dy and y and writes dx backward (3); the dropout writes its 1-byte mask besides
+    # (2.5 tiles forward), reads dy and the mask and writes dx backward (2.5)
     g = gpt(**SIZES, kernels="megatron")
     ops = {op.name.split("/")[1]: op for op in layer(g)}
     m = preset("a100", 1)
     n = 2 * 4 * 128 * 128
     one = np.ones((1, 4), dtype=np.int64)
-    expect = 2 * (2 * n * 2) / 2.039e12
-    assert operator_cost(ops["softmax"], one, m).compute[0] == pytest.approx(expect)
-    assert operator_cost(ops["dropout"], one, m).compute[0] == pytest.approx(expect)
+    tile = n * 2 / 2.039e12
+    assert operator_cost(ops["softmax"], one, m).compute[0] == pytest.approx((2 + 3) * tile)
+    assert operator_cost(ops["dropout"], one, m).compute[0] == pytest.approx((2.5 + 2.5) * tile)
+
+
+def test_the_other_megatron_kernels_move_what_their_sources_do():
+    # in tiles of the (b, s, d) or (b, s, 4d) tensor, forward + backward (shardplan.models._blocks.MEGATRON_IO):
+    # bias-GELU 2 + 4 (dy and x read, dx written and read again for the bias's sum), bias-dropout-add 3.5 + 6.5
+    # (branch and residual read, y and mask written; dy and mask read, the branch's gradient written and read
+    # again, the residual stream's two gradients summed where it forks), layer norm 2 + 5 (apex's two backward
+    # kernels each read dy and x), the weights' tiles aside; the fp32 cross-entropy 19 + 7 tiles of the logits
+    g = gpt(**SIZES, kernels="megatron")
+    ops = {op.name.split("/")[1]: op for op in layer(g)}
+    ops["loss"] = g["softmax"]
+    m = preset("a100", 1)
+    b, s, d, v = SIZES["batch"], SIZES["seq"], SIZES["d_model"], SIZES["vocab"]
+    rate = 2.039e12
+
+    def seconds(name):
+        op = ops[name]
+        return operator_cost(op, np.ones((1, len(op.dims)), dtype=np.int64), m).compute[0]
+
+    t = b * s * d * 2 / rate
+    assert seconds("gelu") == pytest.approx((2 + 4) * 4 * t)
+    assert seconds("add1") == pytest.approx((3.5 + 6.5) * t)
+    weights = 2 * d * 2 / rate  # gamma and beta, read forward, their gradients written backward
+    assert seconds("ln1") == pytest.approx((2 + 5) * t + 2 * weights)
+    logits = b * s * v * 2 / rate
+    labels = b * s * 2 / rate  # the per-token loss written, the int64 labels read (4 two-byte units) forward
+    assert seconds("loss") == pytest.approx(19 * logits + 4 * labels + labels + labels + 7 * logits)
+    fused = {op.name: op for op in gpt(**SIZES).operators}  # the default model keeps one pass per tensor
+    assert all(op.kernel_io is None for op in fused.values())
 
 
 def test_kernels_reach_the_registry_and_the_config():
