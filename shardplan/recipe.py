@@ -945,9 +945,9 @@ def runtime_graph(graph: Graph, recipe: Recipe, element_bytes: int) -> Graph:
     ``recompute=full``, the attention core for ``selective``, for N the first N blocks of the one program or of
     each pipeline stage or chunk, :func:`recomputed_blocks`), its grouped-query attentions' q, k and v products
     fused into Megatron-Core's one ``linear_qkv`` (:func:`fused_gqa_qkv`) where the recipe has no context group
-    (``cp=1``: with one, the all-gather or ring of the keys and values would be charged on a sliced read of the
-    fused output, which the cost model does not charge as the separate tensor's; docs/fidelity.md, "Megatron-Core's
-    fused linear_qkv"); ``graph`` itself for ``shardplan``."""
+    (``cp=1``: with one, the values' edge across the context group is a sliced read of the fused output, which
+    the edge model charges above the all-gather or ring of the values' own tensor; docs/fidelity.md,
+    "Megatron-Core's fused linear_qkv"); ``graph`` itself for ``shardplan``."""
     from shardplan.cost.memory import te_saved
     from shardplan.pipeline.stages import unit_prefix
 
@@ -968,7 +968,7 @@ def runtime_graph(graph: Graph, recipe: Recipe, element_bytes: int) -> Graph:
         saved = te_saved(graph, fp8, keep, element_bytes)
     except ShardplanError as e:
         raise ShardplanError(f"recipe {recipe}: not expressible: {e}") from None
-    if recipe.cp > 1:  # a context group's edges and ring charge a sliced read unlike its own tensor: not fused
+    if recipe.cp > 1:  # the values' edge over the context group would be a sliced read: charged above their own
         return saved
     try:
         return fused_gqa_qkv(saved)
@@ -987,7 +987,8 @@ def fused_gqa_qkv(graph: Graph) -> Graph:
     splits the groups as it split the three products). ``rope_q`` reads c as its query heads r at offset 0,
     ``rope_k`` and the attention's values read it at offsets r and r + 1 through a dimension ``c`` of extent 1
     (sliced reads, ``AxisMap(partial=True)``, as :func:`shardplan.models._blocks.attention`'s fused Megatron-LM
-    product is read). FLOPs and parameters are the three products' (2 B s d g (r + 2) K, d g (r + 2) K); the
+    product is read); ``rope_k``'s output keeps that (1) axis, so the attention reads its keys and its values
+    through the same dimensions (one group of ring inputs under context parallelism, :mod:`shardplan.cost.ring`). FLOPs and parameters are the three products' (2 B s d g (r + 2) K, d g (r + 2) K); the
     input is read, cast to FP8 and its gradient reduced once instead of three times. ``saved`` (in tiles of
     the output) is the three products' kept elements over the fused output's, ``(r s_q + s_k + s_v) / (r + 2)``,
     so what the step keeps is unchanged (all three split as the product is). A graph without this pattern is
@@ -1028,12 +1029,21 @@ def fused_gqa_qkv(graph: Graph) -> Graph:
             return replace(op, inputs=tuple(ins), dims=dims)
 
         rq_axes = rq.inputs[0].axes
+        rope_k = read(rk, 0, "c", r)  # its output keeps the (1) axis, so keys and values read the same dims
+        ko = rope_k.output
+        rope_k = replace(rope_k, output=replace(ko, shape=ko.shape[:3] + (1,) + ko.shape[3:],
+                                                axes=ko.axes[:3] + (AxisMap("c"),) + ko.axes[3:]))
+        core = read(att, 2, "c", r + 1)
+        k_in = core.inputs[1]
+        core = replace(core, inputs=(core.inputs[0], replace(k_in, shape=rope_k.output.shape,
+                                                             axes=k_in.axes[:3] + (AxisMap("c"),) + k_in.axes[3:]),
+                                     core.inputs[2]))
         fused[q.name] = qkv
         fused[rq.name] = replace(rq, inputs=(replace(
             rq.inputs[0], shape=out, src=qkv.name,
             axes=rq_axes[:3] + (replace(rq_axes[3], partial=True),) + rq_axes[4:]),))
-        fused[rk.name] = read(rk, 0, "c", r)
-        fused[att.name] = read(att, 2, "c", r + 1)
+        fused[rk.name] = rope_k
+        fused[att.name] = core
         drop.update((k.name, v.name))
     if not fused:
         return graph

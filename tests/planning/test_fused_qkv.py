@@ -41,6 +41,8 @@ def test_one_product_with_the_three_products_flops_and_parameters():
                (ops["L1/attention"].inputs[2].axes[3].dim, ops["L1/attention"].inputs[2].axes[3].offset)]
     assert offsets == [("r", 0), ("c", R), ("c", R + 1)]  # queries, then the key, then the value of each group
     assert all(ops["L1/attention"].inputs[i].src == s for i, s in enumerate(("L1/rope_q", "L1/rope_k", "L1/qkv")))
+    assert ops["L1/rope_k"].output.shape == (2, 128, G, 1, KD)  # keys and values read through the same dims
+    assert [a.dim for a in ops["L1/attention"].inputs[1].axes] == [a.dim for a in ops["L1/attention"].inputs[2].axes]
 
 
 def test_a_graph_without_grouped_query_attention_is_returned_as_it_is():
