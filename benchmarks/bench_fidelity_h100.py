@@ -75,7 +75,10 @@ NV_COMMON = (
     "runtime=megatron_te: the saved activations Megatron-Core with Transformer Engine keeps (TE linears keep the "
     "FP8 copy of their input's local shard, once per fused linear; nothing keeps the row-parallel outputs or the "
     "pre-RoPE q / k) and FP8 only in the blocks (the output layer is Megatron-Core's ColumnParallelLinear): "
-    "docs/memory.md, \"Published H100 recipes' memory\"",
+    "docs/memory.md, \"Published H100 recipes' memory\"; without a context group the attention's q, k and v are "
+    "Megatron-Core's one linear_qkv (megatron/core/transformer/attention.py at 338af51: [sq, b, ng, (np/ng + 2) hn]; "
+    "shardplan.recipe.fused_gqa_qkv), with one the zoo's three products (docs/fidelity.md, \"Megatron-Core's fused "
+    "linear_qkv\")",
 )
 SP_NOTE = ("tensor parallelism > 1: sequence_parallel=True and TP communication overlap (tp_comm_overlap with "
            "userbuffers, bulk and pipelined overlaps of the all-gathers / reduce-scatters) as in NeMo's and "
