@@ -27,8 +27,10 @@ the grammar refuses is recorded with its refusal (``published_recipe``, ``refusa
 form only when the difference is stated. Rank orders within each experiment (one model at two GPU counts or two
 batches; three configurations of Llama 3 70B on 64 GPUs) are compared with the published order by TFLOP/s per GPU
 (:mod:`benchmarks.fidelity_common`). A row still running after ``--row-limit`` seconds (default 180) is recorded as
-skipped. Every NVIDIA row records its step by term (``terms``: :func:`step_terms` of the recipe, or of its layouts as one
-program on a stage's GPUs when it is a pipeline), so the terms' shares compare between hidden sizes.
+skipped. Every row records its step by term (``terms``: :func:`step_terms` of the recipe, or of its layouts as one
+program on a stage's GPUs when it is a pipeline), so the terms' shares compare between hidden sizes; a Llama row with
+tensor parallelism also the seconds its separate k / v and up products spend on their input's collectives
+(``terms["sibling_collectives"]``: what one fused linear_qkv / linear_fc1 would not repeat).
 docs/fidelity.md ("H100: published runs") states, per row, what the model does not explain.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_fidelity_h100.py [--rows l3-405b-8192,nemo2407] [--out
@@ -73,7 +75,10 @@ NV_COMMON = (
     "runtime=megatron_te: the saved activations Megatron-Core with Transformer Engine keeps (TE linears keep the "
     "FP8 copy of their input's local shard, once per fused linear; nothing keeps the row-parallel outputs or the "
     "pre-RoPE q / k) and FP8 only in the blocks (the output layer is Megatron-Core's ColumnParallelLinear): "
-    "docs/memory.md, \"Published H100 recipes' memory\"",
+    "docs/memory.md, \"Published H100 recipes' memory\"; without a context group the attention's q, k and v are "
+    "Megatron-Core's one linear_qkv (megatron/core/transformer/attention.py at 338af51: [sq, b, ng, (np/ng + 2) hn]; "
+    "shardplan.recipe.fused_gqa_qkv), with one the zoo's three products (docs/fidelity.md, \"Megatron-Core's fused "
+    "linear_qkv\")",
 )
 SP_NOTE = ("tensor parallelism > 1: sequence_parallel=True and TP communication overlap (tp_comm_overlap with "
            "userbuffers, bulk and pipelined overlaps of the all-gathers / reduce-scatters) as in NeMo's and "
@@ -98,6 +103,18 @@ FP8_CS_NOTE = ("Megatron-Bridge's FP8 recipe on H100 (fp8_cs, the only FP8 workl
                "linear weights stored in FP8 with their transpose, no bf16 copy; the distributed optimizer's "
                "gather of the updated weights in FP8; the fp32 master shard cast to FP8 in the optimizer step)")
 MB_FP8_KEYS = ",fp8_params=true,fp8_scaling=current"
+TE_DGRAD_NOTE = (
+    "Transformer Engine's column-parallel linears (Linear and LayerNormLinear, parallel_mode 'column': "
+    "Megatron-Core's linear_qkv and linear_fc1) start the reduction of their input gradient asynchronously "
+    "(allreduce, or reduce_scatter_along_first_dim under sequence parallelism, async_op=True) right after the "
+    "dgrad GEMM, compute the wgrad GEMM meanwhile and wait at the end of backward: "
+    "transformer_engine/pytorch/module/{linear,layernorm_linear}.py _Linear.backward / _LayerNormLinear.backward "
+    "in TE 7d576ed (1.8.0.dev, NeMo 24.07), release_v2.9 (Megatron-Bridge v0.2.0, 25.11) and 5671fd3 "
+    "(Megatron-Bridge v0.3.0, 26.02); with userbuffers (tp_comm_overlap) the reduce-scatter runs in the "
+    "userbuffers' bulk or pipelined overlap instead. Without overlap=tp_comm: overlap=...+dgrad "
+    "(Machine.overlap_dgrad, the collective charged max(C - W, 0) beside the weight-gradient pass W); with "
+    "overlap=tp_comm the recipes keep theirs (adding dgrad there changes no row's step: "
+    "docs/fidelity.md, \"Transformer Engine's input-gradient overlap\")")
 CP_NOTE = ("context parallelism: Megatron-Core's p2p ring (cp_algo=ring). NeMo of the 24.07 container pins "
            "Megatron-LM 338af51 (2024-07-23, before core_v0.8.0; NVIDIA/NeMo Dockerfile.ci at r2.0.0rc1), whose "
            "TEDotProductAttention hands Transformer Engine only cp_group, cp_global_ranks and cp_stream, i.e. TE's "
@@ -157,7 +174,7 @@ def _nv(recipe: str, tp: int, fp8_cs: bool = False) -> tuple[str, tuple[str, ...
     if ring:
         recipe = re.sub(r"((?:^|,)cp=\d+)", r"\1,cp_algo=ring", recipe, count=1)
     fp8 = (FP8_NOTE, FP8_CS_NOTE if fp8_cs else FP8_DELAYED_NOTE)
-    notes = NV_COMMON + ((SP_NOTE,) if tp > 1 else ()) + ((CP_NOTE,) if ring else ()) + fp8 + (CAUSAL_FLOPS,)
+    notes = NV_COMMON + ((SP_NOTE, TE_DGRAD_NOTE) if tp > 1 else ()) + ((CP_NOTE,) if ring else ()) + fp8 + (CAUSAL_FLOPS,)
     keys = MB_FP8_KEYS if fp8_cs else ""
     return f"{recipe}{tp_keys},zero=1,overlap={overlap},precision=fp8{keys},runtime=megatron_te", notes
 
@@ -203,7 +220,7 @@ def rows() -> list[Row]:
         rec, notes = _nv(f"tp=8,cp=2,pp=8,vp=8,embedding_as_layer=true,loss_as_layer=true,mbs=1,gbs={gbs}", 8,
                          fp8_cs=True)
         nearest = (f"tp=8,cp=2,cp_algo=ring,pp=8,mbs=1,gbs={gbs},first_stage_layers=15,last_stage_layers=15,zero=1,"
-                   f"overlap=grad_reduce,precision=fp8{MB_FP8_KEYS},runtime=megatron_te")
+                   f"overlap=grad_reduce+dgrad,precision=fp8{MB_FP8_KEYS},runtime=megatron_te")
         out.append(Row(name, "megatron-bridge", f"{src}, LLAMA3.1_405B, 1024 GPUs", "llama3-405b", 1024, rec, gbs,
                        8192, tok, tfl, (),
                        ("TP 8 × CP 2 × PP 8 × VP 8 as published, with Megatron-Bridge's 405B pipeline split "
@@ -215,7 +232,9 @@ def rows() -> list[Row]:
                         "norms' sequence is split 8 ways over the tensor group inside the node and 2 ways over "
                         "the context group across nodes (sequence parallelism with context parallelism); the "
                         "nearest form costed before this was expressible (no interleaving, 15 + 6 × 16 + 15 "
-                        "blocks, no sequence parallelism, no TP overlap) is the variant",)
+                        "blocks, no sequence parallelism, no TP overlap) is the variant, its input-gradient "
+                        "all-reduces beside the weight-gradient passes as Transformer Engine runs them without "
+                        "userbuffers (overlap=grad_reduce+dgrad)",)
                        + notes, variants=(nearest,)))
     # Llama 3, Table 4: BF16, 16M tokens per step
     meta = ("BF16 (Table 4's MFU is BF16) with fp32 master weights and Adam state: precision=mixed",
@@ -233,6 +252,9 @@ def rows() -> list[Row]:
             "activation recomputation not stated: none (the paper's memory-balancing is the short end stages); "
             "variant with full recomputation beside it",
             "TP without sequence parallelism stated (Table 4 names TP only); no TP communication overlap stated",
+            "the tensor-parallel implementation is not named (the paper names no Megatron-LM or Transformer "
+            "Engine): each input gradient's all-reduce charged in full; variant: beside the weight-gradient pass "
+            "as Megatron-LM (2022) and Transformer Engine run it (overlap=grad_reduce+dgrad, TE_DGRAD_NOTE)",
             "all-gather context parallelism (cp_algo=allgather, §3.3.2), causal attention load-balanced over 2·cp "
             "chunks (causal_attention)",
             "measured step = model FLOPs (zoo formula, no recomputation, whole s × s scores) / (GPUs × TFLOP/s); the "
@@ -244,7 +266,8 @@ def rows() -> list[Row]:
                f"last_stage_layers=7,zero=2,overlap=grad_reduce,precision=mixed")
         out.append(Row(name, "llama3-table4", f"{LLAMA3_PAPER}, {gpus} GPUs, TP 8 CP {cp} PP 16", "llama3-405b", gpus,
                        rec, gbs, seq, None, tfl, (("seq", seq),) if seq != 8192 else (), meta,
-                       variants=(rec + ",recompute=full",) + _table4_interleaved(cp, gbs), precision="bf16"))
+                       variants=(rec + ",recompute=full", rec.replace("overlap=grad_reduce", "overlap=grad_reduce+dgrad"))
+                       + _table4_interleaved(cp, gbs), precision="bf16"))
     return out
 
 
@@ -331,6 +354,39 @@ def step_terms(plan: Any) -> dict[str, float]:
     return {k: v for k, v in out.items() if v}
 
 
+SIBLING_PRODUCTS = {"k": "q", "v": "q", "up": "gate"}
+"""The zoo Llama's products that read the same input as another product of their block (name: that product's
+name): Megatron-Core with Transformer Engine runs each group as one fused linear (``linear_qkv``, ``linear_fc1``)."""
+
+
+def sibling_collectives(plan: Any) -> dict[str, float]:
+    """Seconds of one SPMD program's step spent on the input side of the zoo Llama's products listed in
+    :data:`SIBLING_PRODUCTS` (k and v beside q, up beside gate): the redistribution on the edges into them (the
+    all-gather forward and the reduce-scatter backward of sequence parallelism) and their operators' own
+    forward and input-gradient all-reduces (tensor parallelism without sequence parallelism). A fused linear
+    reduces its input's gradient once where the separate products reduce it once each, so these seconds are
+    what the separate products charge beyond one fused linear of equal compute when that linear hides no more
+    of its one collective than q (gate) hides of its own: ``{"k_v": ..., "up": ...}``."""
+    g, t, mc = plan.graph, plan.tables, plan.memory_choices
+    out = {"k_v": 0.0, "up": 0.0}
+
+    def group(i: int) -> str | None:
+        op = g.operators[i]
+        leaf = op.name.rsplit("/", 1)[-1]
+        if leaf not in SIBLING_PRODUCTS or op.kind not in ("attn_proj", "ffn"):
+            return None
+        return "up" if leaf == "up" else "k_v"
+
+    for s, d, m in t.all_edges():
+        if group(d) is not None:
+            out[group(d)] += float(m[plan.assignment[s], plan.assignment[d]])
+    for i in range(len(g.operators)):
+        if group(i) is not None:
+            p = mc.parts(i)
+            out[group(i)] += float(p.get("grad_allreduce", 0.0)) + float(p.get("forward_allreduce", 0.0))
+    return out
+
+
 PIPELINE_KEYS = re.compile(r"(?:^|,)(?:pp|vp|first_stage_layers|last_stage_layers|embedding_as_layer|loss_as_layer)=[^,]*")
 
 
@@ -345,16 +401,21 @@ def one_program(recipe: str) -> tuple[str, int]:
 def terms(row: Row) -> dict[str, Any]:
     """The step of ``row``'s recipe by term (:func:`step_terms`): the recipe itself when it is one program, else
     :func:`one_program` on GPUs / pp (every block at a stage's layouts: the terms' shares of a stage's work, the
-    pipeline's fill and its unequal ends left out). ``share``: each term over their sum."""
+    pipeline's fill and its unequal ends left out). ``share``: each term over their sum. A Llama row with
+    tensor parallelism records :func:`sibling_collectives` too (``sibling_collectives``: seconds and share)."""
     from shardplan.machine import preset
-    from shardplan.recipe import cost_recipe
+    from shardplan.recipe import Recipe, cost_recipe
 
     text, pp = one_program(row.recipe)
     plan = cost_recipe(_builder(row.model, dict(row.sizes)), preset("h100", row.gpus // pp), text)
     sec = step_terms(plan.detail)
     total = sum(sec.values())
-    return {"program": text, "gpus": row.gpus // pp, "seconds": sec, "total": total,
-            "share": {k: v / total for k, v in sec.items()}}
+    out = {"program": text, "gpus": row.gpus // pp, "seconds": sec, "total": total,
+           "share": {k: v / total for k, v in sec.items()}}
+    if Recipe.parse(text).tp > 1 and row.model.startswith("llama"):
+        sib = sibling_collectives(plan.detail)
+        out["sibling_collectives"] = {"seconds": sib, "share": {k: v / total for k, v in sib.items()}}
+    return out
 
 
 def cost_row(row: Row) -> dict[str, Any]:
@@ -396,8 +457,7 @@ def cost_row(row: Row) -> dict[str, Any]:
                          "fits": float(v.memory["peak_bytes"]) <= float(v.memory["budget_bytes"])}
     if variants:
         out["variants"] = variants
-    if row.experiment != "llama3-table4":
-        out["terms"] = terms(row)
+    out["terms"] = terms(row)
     out.update(status="costed", predicted_seconds=pred, ratio=pred / m["measured_seconds"],
                predicted_tflops_per_gpu=flops / pred / row.gpus / 1e12,
                predicted_zoo_tflops_per_gpu=m["zoo_flops_per_step"] / pred / row.gpus / 1e12,

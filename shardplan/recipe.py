@@ -943,7 +943,11 @@ def runtime_graph(graph: Graph, recipe: Recipe, element_bytes: int) -> Graph:
     """``graph`` with the ``saved`` of ``recipe.runtime`` (``megatron_te``: :func:`shardplan.cost.memory.te_saved`
     with the recipe's FP8 products and, unchanged, the operators that recompute: every block operator for
     ``recompute=full``, the attention core for ``selective``, for N the first N blocks of the one program or of
-    each pipeline stage or chunk, :func:`recomputed_blocks`); ``graph`` itself for ``shardplan``."""
+    each pipeline stage or chunk, :func:`recomputed_blocks`), its grouped-query attentions' q, k and v products
+    fused into Megatron-Core's one ``linear_qkv`` (:func:`fused_gqa_qkv`) where the recipe has no context group
+    (``cp=1``: with one, the values' edge across the context group is a sliced read of the fused output, which
+    the edge model charges above the all-gather or ring of the values' own tensor; docs/fidelity.md,
+    "Megatron-Core's fused linear_qkv"); ``graph`` itself for ``shardplan``."""
     from shardplan.cost.memory import te_saved
     from shardplan.pipeline.stages import unit_prefix
 
@@ -961,9 +965,91 @@ def runtime_graph(graph: Graph, recipe: Recipe, element_bytes: int) -> Graph:
         keep = frozenset(op.name for op in graph.operators if unit_prefix(op.name) in chosen)
     fp8 = fp8_names(graph) if recipe.precision == "fp8" else frozenset()
     try:
-        return te_saved(graph, fp8, keep, element_bytes)
+        saved = te_saved(graph, fp8, keep, element_bytes)
     except ShardplanError as e:
         raise ShardplanError(f"recipe {recipe}: not expressible: {e}") from None
+    if recipe.cp > 1:  # the values' edge over the context group would be a sliced read: charged above their own
+        return saved
+    try:
+        return fused_gqa_qkv(saved)
+    except ShardplanError as e:
+        raise ShardplanError(f"recipe {recipe}: not expressible: {e}") from None
+
+
+def fused_gqa_qkv(graph: Graph) -> Graph:
+    """``graph`` with each grouped-query attention of the zoo's Llama (:func:`shardplan.models.llama.gqa_attention`
+    with FlashAttention: ``{p}q``, ``{p}k``, ``{p}v`` reading one input, then ``{p}rope_q``, ``{p}rope_k`` and
+    ``{p}attention``) computing its queries, keys and values in one product ``{p}qkv``, as Megatron-Core runs
+    them under Transformer Engine (one ``linear_qkv``, a ``LayerNormLinear``); every other operator unchanged.
+
+    The product is ``bsd,dhck->bshck`` with weight (d, g, r + 2, K): per key/value group h its r query heads,
+    then its key, then its value along c (Megatron-Core's [ng, (np/ng + 2) hn] output, so tensor parallelism
+    splits the groups as it split the three products). ``rope_q`` reads c as its query heads r at offset 0,
+    ``rope_k`` and the attention's values read it at offsets r and r + 1 through a dimension ``c`` of extent 1
+    (sliced reads, ``AxisMap(partial=True)``, as :func:`shardplan.models._blocks.attention`'s fused Megatron-LM
+    product is read); ``rope_k``'s output keeps that (1) axis, so the attention reads its keys and its values
+    through the same dimensions (one group of ring inputs under context parallelism, :mod:`shardplan.cost.ring`). FLOPs and parameters are the three products' (2 B s d g (r + 2) K, d g (r + 2) K); the
+    input is read, cast to FP8 and its gradient reduced once instead of three times. ``saved`` (in tiles of
+    the output) is the three products' kept elements over the fused output's, ``(r s_q + s_k + s_v) / (r + 2)``,
+    so what the step keeps is unchanged (all three split as the product is). A graph without this pattern is
+    returned as it is.
+    """
+    from shardplan import ops
+    from shardplan.ir import AxisMap, TensorRef
+
+    by_name = {op.name: op for op in graph.operators}
+    fused: dict[str, Operator] = {}  # operator name -> its replacement
+    drop: set[str] = set()
+    for att in graph.operators:
+        if att.kind != "attn_flash" or not att.name.endswith("/attention"):
+            continue
+        p = att.name[: -len("attention")]
+        q, k, v = (by_name.get(f"{p}{n}") for n in ("q", "k", "v"))
+        rq, rk = by_name.get(f"{p}rope_q"), by_name.get(f"{p}rope_k")
+        if None in (q, k, v, rq, rk) or len({t.src for o in (q, k, v) for t in o.inputs}) != 1 \
+                or rq.inputs[0].src != q.name or rk.inputs[0].src != k.name or att.inputs[2].src != v.name \
+                or len(q.weights[0].shape) != 4:
+            continue
+        if len({n in graph.recomputed for n in (q.name, k.name, v.name)}) != 1:
+            raise ShardplanError(f"operator {q.name!r}: the query, key and value products of {p!r} must all "
+                                 "recompute or none (one fused product)")
+        d, g, r, kd = q.weights[0].shape
+        x = q.inputs[0]
+        qkv = ops.einsum(f"{p}qkv", "bsd,dhck->bshck", TensorRef(x.src, x.shape, needs_grad=x.needs_grad),
+                         ops.Param((d, g, r + 2, kd)), kind="attn_proj")
+        qkv = replace(qkv, saved=(r * float(q.saved) + float(k.saved) + float(v.saved)) / (r + 2))
+        out = qkv.output.shape
+
+        def read(op: Operator, slot: int, dim: str, offset: int) -> Operator:
+            t = op.inputs[slot]
+            axes = t.axes[:3] + (AxisMap(dim, offset=offset, partial=True),) + t.axes[3:]
+            ins = list(op.inputs)
+            ins[slot] = replace(t, shape=out, axes=axes, src=qkv.name)
+            dims = op.dims if dim in op.dim_names else op.dims + ((dim, 1),)
+            return replace(op, inputs=tuple(ins), dims=dims)
+
+        rq_axes = rq.inputs[0].axes
+        rope_k = read(rk, 0, "c", r)  # its output keeps the (1) axis, so keys and values read the same dims
+        ko = rope_k.output
+        rope_k = replace(rope_k, output=replace(ko, shape=ko.shape[:3] + (1,) + ko.shape[3:],
+                                                axes=ko.axes[:3] + (AxisMap("c"),) + ko.axes[3:]))
+        core = read(att, 2, "c", r + 1)
+        k_in = core.inputs[1]
+        core = replace(core, inputs=(core.inputs[0], replace(k_in, shape=rope_k.output.shape,
+                                                             axes=k_in.axes[:3] + (AxisMap("c"),) + k_in.axes[3:]),
+                                     core.inputs[2]))
+        fused[q.name] = qkv
+        fused[rq.name] = replace(rq, inputs=(replace(
+            rq.inputs[0], shape=out, src=qkv.name,
+            axes=rq_axes[:3] + (replace(rq_axes[3], partial=True),) + rq_axes[4:]),))
+        fused[rk.name] = rope_k
+        fused[att.name] = core
+        drop.update((k.name, v.name))
+    if not fused:
+        return graph
+    recomputed = frozenset(fused[n].name if n in fused else n for n in graph.recomputed if n not in drop)
+    return Graph(graph.name, tuple(fused.get(op.name, op) for op in graph.operators if op.name not in drop),
+                 graph.graph_inputs, graph.ties, recomputed)
 
 
 def recomputed_blocks(graph: Graph, recipe: Recipe) -> frozenset[str]:

@@ -9,7 +9,7 @@ from shardplan.cost.memory import te_saved
 from shardplan.errors import ShardplanError
 from shardplan.machine import preset
 from shardplan.models import get_model
-from shardplan.recipe import Recipe, cost_recipe, fp8_names
+from shardplan.recipe import Recipe, cost_recipe, fp8_names, fused_gqa_qkv
 
 B, S, H, HEADS, KV, F, V = 1, 32, 64, 4, 2, 128, 256  # per micro-batch: one sequence
 HD = H // HEADS
@@ -60,8 +60,9 @@ def test_exact_bytes_tp2_sp_fp8():
     a = _acts("tp=2,sp=true,mbs=1,gbs=2,zero=1,precision=fp8,runtime=megatron_te")
     hand = {
         "L1/ln1": B * S // t * H * s1,  # TE keeps the FP8 copy of its local sequence shard (re-gathered backward)
-        "L1/q": 0, "L1/k": 0, "L1/out": 0, "L1/down": 0,  # nothing reads them backward; no FP8 copy of their own
-        "L1/v": B * S * KV // t * HD * s2, "L1/rope_q": B * S * HEADS // t * HD * s2,
+        "L1/out": 0, "L1/down": 0,  # nothing reads them backward; no FP8 copy of their own
+        "L1/qkv": B * S * KV // t * HD * s2,  # Megatron-Core's fused linear_qkv: only its v part is read backward
+        "L1/rope_q": B * S * HEADS // t * HD * s2,
         "L1/rope_k": B * S * KV // t * HD * s2,
         "L1/attention": B * S * HEADS // t * HD * s2 + B * S * HEADS // t * 4 + B * S * HEADS // t * HD * s1,
         "L1/add1": B * S // t * H * s2, "L1/ln2": B * S // t * H * s1,
@@ -77,7 +78,7 @@ def test_output_layer_stays_bf16():
     plan = cost_recipe(_llama, preset("h100", 2), "tp=2,sp=true,mbs=1,gbs=2,zero=1,precision=fp8,runtime=megatron_te")
     mc, ops = plan.detail.memory_choices, plan.detail.tables.graph.operators
     fp8 = {op.name for i, op in enumerate(ops) if mc.fp8(i)}
-    assert fp8 == fp8_names(_llama(2))
+    assert fp8 == fp8_names(fused_gqa_qkv(_llama(2)))  # the block products, q, k and v as one linear_qkv
     fc = next(i for i, op in enumerate(ops) if op.name == "fc")
     w = V * H // 2  # the head's tile: vocabulary split over the tensor group
     assert float(mc.choice_tables[fc].state_bytes[mc.choices[fc]]) == w * (2 + 2 + 12)  # no FP8 weight cache (zero-1 over dp=1)
