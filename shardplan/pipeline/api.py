@@ -123,6 +123,19 @@ def _model_and_space(build: Callable[[int], Graph], batch: int, machine: Machine
     return model, space, ms
 
 
+def schedules_for(machine: Machine, schedules: Sequence[str]) -> tuple[str, ...]:
+    """The schedules of ``schedules`` the cost model can cost on ``machine``: without ZB-H1 where the machine
+    hides each product's input-gradient collective behind its weight-gradient pass
+    (:attr:`~shardplan.machine.Machine.overlap_dgrad`): ZB-H1 runs that pass later, so the stage tables' backward
+    would be optimistic by up to that collective per product and micro-batch (docs/cost-model.md, "Input
+    gradients beside the weight gradient"). Refuses a list left empty."""
+    kept = tuple(s for s in schedules if not (machine.overlap_dgrad and s == "zb-h1"))
+    if not kept:
+        raise ShardplanError("pipeline: zb-h1 defers the weight-gradient pass, which overlap_dgrad hides the input "
+                             "gradient's collective behind; give another schedule or a machine without overlap_dgrad")
+    return kept
+
+
 def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, *,
                    micro_batches: Sequence[int] = (1, 2, 4, 8), max_stages: int | None = None,
                    schedules: Sequence[str] = ("1f1b", "interleaved"), budget: float | None = None,
@@ -162,7 +175,8 @@ def pipeline_seeds(build: Callable[[int], Graph], batch: int, machine: Machine, 
 
     try:
         got = _uniform_seeds(space, stages.stage_cost, stages.link_time, stages.exchange_time,
-                             stages.fit_cost if memory_choices else None, floors.segment, tuple(schedules),
+                             stages.fit_cost if memory_choices else None, floors.segment,
+                             schedules_for(machine, schedules),
                              ms, seeds, stats, tracker.tick, heard, chunking_lower=floors.chunking_lower)
     except KeyboardInterrupt:
         if not seen:
@@ -268,7 +282,8 @@ def pipeline_solve(build: Callable[[int], Graph], batch: int, machine: Machine, 
             return tuple(cs) if fits else None
 
     try:
-        plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules, exchange=stages.exchange_time,
+        plan = search_pipeline(space, stages.stage_cost, stages.link_time, schedules_for(machine, schedules),
+                               exchange=stages.exchange_time,
                                fit_fn=fit_fn, group_fit_fn=group_fit_fn, progress=progress,
                                one_program_lower=one_program_lower if memory_choices else None,
                                release=stages.release, step_floor=stages.step_floor,
