@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch_cases  # noqa: E402  (tests/ is on sys.path, see conftest.py)
 
-from test_partial_torch import SPNet, B, S, D  # noqa: E402  (tests/torch_engine is on sys.path under pytest)
+from test_partial_torch import sp_reference  # noqa: E402  (tests/torch_engine is on sys.path under pytest)
 
 pytestmark = pytest.mark.slow  # see pyproject.toml: make test-fast leaves it out
 
@@ -33,12 +33,7 @@ def run_overlap(name: str, world: int) -> dict[str, Any]:
     import shardplan.torch as st
     from shardplan.machine import Machine
 
-    torch.manual_seed(0)
-    model = SPNet()
-    batch = (torch.randn(B, S, D), torch.randn(B, S, D))
-    ref = torch_cases._clone(model)
-    loss0 = ref(*batch)
-    loss0.backward()
+    model, batch, ref, loss0 = sp_reference()
     mesh = init_device_mesh("cpu", (world,))
     machine = Machine(world, peak_flops=1e8, bandwidth=1e8, name="slow")
     out: dict[str, Any] = {}

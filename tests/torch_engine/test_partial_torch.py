@@ -58,6 +58,17 @@ def sp_layouts(graph: Any, p: int) -> dict[str, Any]:
     return out
 
 
+def sp_reference() -> tuple[SPNet, tuple[Any, Any], SPNet, Any]:
+    """The seeded model, its batch, and the unsharded copy after one forward and backward (with its loss)."""
+    torch.manual_seed(0)
+    model = SPNet()
+    batch = (torch.randn(B, S, D), torch.randn(B, S, D))
+    ref = torch_cases._clone(model)
+    loss0 = ref(*batch)
+    loss0.backward()
+    return model, batch, ref, loss0
+
+
 def run_sp(name: str, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
@@ -65,12 +76,7 @@ def run_sp(name: str, world: int) -> dict[str, Any]:
     from shardplan.torch.frontend import trace
     from shardplan.torch.run import ParallelModule
 
-    torch.manual_seed(0)
-    model = SPNet()
-    batch = (torch.randn(B, S, D), torch.randn(B, S, D))
-    ref = torch_cases._clone(model)
-    loss0 = ref(*batch)
-    loss0.backward()
+    model, batch, ref, loss0 = sp_reference()
     graph, info = trace(torch_cases._clone(model), batch)
     layouts = sp_layouts(graph, world)
     mesh = init_device_mesh("cpu", (world,))
