@@ -109,6 +109,20 @@ TORCH_DDP = ("overlap=grad_reduce: PyTorch's DistributedDataParallel (--DDP-impl
              "3.6B, 7.5B and 18.4B: examples/sc21/run_table_1.sh at 6985e58, DDP=torch), which all-reduces 25 MiB "
              "buckets of gradients during the backward (the a100 profile's grad_bucket_bytes)")
 
+AUTOGRAD_ACCUM = ("grad_accum=autograd: the SC'21 code (6985e58) keeps each weight's fp16 gradient in .grad (local DDP "
+                  "without --use-contiguous-buffers-in-ddp, the scripts' setting; or PyTorch DDP under no_sync, "
+                  "megatron/schedules.py) and zeroes it with set_to_none (megatron/optimizer/optimizer.py), so "
+                  "autograd's AccumulateGrad adds every micro-batch's gradient after the first in place: 6 bytes "
+                  "per parameter and micro-batch (Machine.grad_accum_bytes); the fused accumulation into the "
+                  "weight-gradient product came in February 2022, with fp32 gradient accumulation only")
+
+FUSED_ACCUM = ("grad_accum (not given, the profile's 0): the 2022 code (cfd2e21607) fuses the fp32 gradient "
+               "accumulation into the weight-gradient product (--gradient-accumulation-fusion, default on, kept only "
+               "with --accumulate-allreduce-grads-in-fp32, which bf16 sets); the transcription does not give the "
+               "precision: bf16 assumed (MT-NLG's 530B trained in bf16); an fp16 run without fp32 accumulation adds "
+               "its fp16 main_grad buffer's 6 bytes per parameter and micro-batch (about 5 % at one 2,048-token "
+               "sequence per micro-batch)")
+
 MIXED = ",precision=mixed"
 MIXED_NOTE = ("precision=mixed: fp16 with fp32 master weights and Adam state (published-a100.md: 'fp16', "
               "'mixed-precision Adam'; Megatron-LM's --fp16, DeepSpeed's fp16 ZeRO): 16 bytes of state per parameter "
@@ -136,9 +150,10 @@ def rows() -> list[Row]:
         vp = layers // pp // per_vs if per_vs else 1
         torch_ddp = pp == 1  # run_table_1.sh: DDP=torch for the four rows without a pipeline, local for the rest
         rec = (f"tp={tp},pp={pp}" + (f",vp={vp}" if vp > 1 else "") + f",mbs={mbs},gbs={gbs},recompute=full"
-               + (",overlap=grad_reduce" if torch_ddp else ",overlap=none"))
+               + (",overlap=grad_reduce" if torch_ddp else ",overlap=none") + ",grad_accum=autograd")
         out.append(Row(f"t1-{size}", "table1", f"{T1}, {size}", layers, hidden, heads, gpus, rec, None, tflops,
-                       (MEGATRON_KERNELS, VOCAB_NOTE, TORCH_DDP if torch_ddp else LOCAL_DDP), kernels="megatron",
+                       (MEGATRON_KERNELS, VOCAB_NOTE, TORCH_DDP if torch_ddp else LOCAL_DDP, AUTOGRAD_ACCUM),
+                       kernels="megatron",
                        vocab=megatron_vocab(tp)))
     t2 = "SC'21 Table 2 (GPT-3 175B, global batch 1536)"
     zero_note = ("recompute=full: not stated for Table 2 in the transcription; assumed as in Table 1",)
@@ -171,19 +186,19 @@ def rows() -> list[Row]:
                        vocab=megatron_vocab(1)))
     for gpus, tflops in ((384, 153), (768, 149), (1536, 141)):
         out.append(Row(f"t2-ptd-{gpus}", "table2", f"{t2}, TP 8 × PP 12, {gpus} GPUs", 96, 12288, 96, gpus,
-                       "tp=8,pp=12,mbs=1,gbs=1536,recompute=full,overlap=none", None, tflops,
+                       "tp=8,pp=12,mbs=1,gbs=1536,recompute=full,overlap=none,grad_accum=autograd", None, tflops,
                        zero_note + ("TP 8 × PP 12 inferred by the transcription (model-parallel size 96)",
                                     "schedule: 1F1B without interleaving (not stated)", MEGATRON_KERNELS,
-                                    VOCAB_NOTE, LOCAL_DDP),
+                                    VOCAB_NOTE, LOCAL_DDP, AUTOGRAD_ACCUM),
                        kernels="megatron", vocab=megatron_vocab(8)))
     f13 = "SC'21 Figure 13 (162.2B, 64 GPUs, read off the plot, ±5 %)"
     for pp, tflops in ((2, 75), (4, 125), (8, 165), (16, 145), (32, 100)):
         out.append(Row(f"f13-pp{pp}", "figure13", f"{f13}, PP {pp} / TP {64 // pp}", 32, 20480, 128, 64,
-                       f"tp={64 // pp},pp={pp},mbs=1,gbs=128,recompute=full", None, tflops,
+                       f"tp={64 // pp},pp={pp},mbs=1,gbs=128,recompute=full,grad_accum=autograd", None, tflops,
                        ("Megatron-LM examples/academic_paper_scripts/sc21/run_figure_13.sh: MBS 1, global batch 32 "
                         "or 128 (the transcription's 128 costed), --activations-checkpoint-method uniform (full "
                         "recomputation), DDP local, 8 nodes; 1F1B without interleaving (no virtual stages given)",
-                        "sequence 2048 (CONFIG.sh)", MEGATRON_KERNELS, VOCAB_NOTE), kernels="megatron",
+                        "sequence 2048 (CONFIG.sh)", MEGATRON_KERNELS, VOCAB_NOTE, AUTOGRAD_ACCUM), kernels="megatron",
                        vocab=megatron_vocab(64 // pp)))
     k = "Korthikanti et al. 2022"
     for size, heads, hidden, layers, tp, pp, gpus, gbs, mbs, full, sel in (
@@ -194,7 +209,7 @@ def rows() -> list[Row]:
         base = f"tp={tp},pp={pp},mbs={mbs},gbs={gbs}"
         note = (("schedule: 1F1B without interleaving (not stated in the transcription)",) if pp > 1 else ()) + (
             MEGATRON_KERNELS,)
-        note += (ASYNC_DGRAD,)
+        note += (ASYNC_DGRAD, FUSED_ACCUM)
         out.append(Row(f"k-{size}-full", "korthikanti", f"{k}, {size}, full recomputation", layers, hidden, heads,
                        gpus, base + ",recompute=full,overlap=dgrad", full, None, note, kernels="megatron",
                        vocab=megatron_vocab(tp)))

@@ -895,6 +895,9 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
                                      "sets it for DTensor (see Machine's docstring)")
     src["overlap_dgrad"] = (f"{said}: not measured: shardplan's default, off (an input-gradient collective charged "
                             "in full); a recipe's overlap=dgrad sets it (see Machine's docstring)")
+    src["grad_accum_bytes"] = (f"{said}: not measured: shardplan's default, 0 (weight gradients accumulated inside "
+                               "their products); a recipe's grad_accum=autograd sets 3 x dtype_bytes (see Machine's "
+                               "docstring)")
     fp8 = max((r.rate for r in cal.fp8.rows), default=None)
     if cal.fp8.rows:
         top8 = max(cal.fp8.rows, key=lambda r: r.rate)

@@ -19,8 +19,8 @@ device; copy one to describe another machine): every field of
 ``torch.cuda.get_device_name()``), and optionally ``measurements`` (any JSON
 object: the raw tables a calibration measured, ``shardplan calibrate``;
 carried, never read as constants). A field added since files were first
-written (:data:`OPTIONAL_FIELDS`: ``fp8_efficiency``, ``overlap_dgrad``) may be absent from an
-older file: it reads as None (``overlap_dgrad``: False). The presets are read from these files;
+written (:data:`OPTIONAL_FIELDS`: ``fp8_efficiency``, ``overlap_dgrad``, ``grad_accum_bytes``) may be absent
+from an older file: it reads as None (``overlap_dgrad``: False, ``grad_accum_bytes``: 0). The presets are read from these files;
 :func:`detect_machine` picks the profile whose device kinds hold the one
 reported.
 """
@@ -135,6 +135,14 @@ class Machine:
             Transformer Engine's linear layers): exposed ``max(C - t_wgrad, 0)``
             (:func:`shardplan.cost.operator.operator_cost`, :func:`shardplan.cost.edge.overlap_budgets`).
             False (default): charged in full.
+        grad_accum_bytes: HBM bytes per weight-gradient element that adding one more micro-batch's weight
+            gradient into the step's gradient moves outside the weight-gradient product, charged for every
+            micro-batch of a step but the first at ``hbm_bandwidth``
+            (:func:`shardplan.cost.operator.grad_accumulation_seconds`). 0 (default): the product accumulates
+            into its output (Megatron-LM's gradient-accumulation fusion, Transformer Engine's linear layers).
+            PyTorch autograd's in-place ``.grad += g`` (the first micro-batch's gradient is taken, not added):
+            two reads and one write of ``dtype_bytes`` elements, ``3 * dtype_bytes`` (a recipe's
+            ``grad_accum=autograd``).
     """
 
     num_devices: int
@@ -171,6 +179,7 @@ class Machine:
     reduce_per_dim: bool = True
     scatter_gathered_grads: bool = False
     overlap_dgrad: bool = False
+    grad_accum_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -235,6 +244,7 @@ class Machine:
         if self.overlap_dgrad and self.scatter_gathered_grads:
             raise ShardplanError("machine: overlap_dgrad with scatter_gathered_grads is not costed (DTensor's "
                                  "reduce-scatter home of an activation gradient is not overlapped)")
+        put("grad_accum_bytes", real("machine: grad_accum_bytes", self.grad_accum_bytes, minimum=0.0, unit="B"))
         for name, unit in (("fp8_flops", "FLOP/s"), ("host_bandwidth", "B/s"), ("host_memory_bytes", "B"),
                            ("cpu_adam_rate", "parameters/s")):
             if getattr(self, name) is not None:
@@ -403,9 +413,11 @@ OPTIONAL_FIELDS = MappingProxyType({
     "fp8_efficiency": "absent from the file (written before the field existed): FP8 products at flops_efficiency",
     "overlap_dgrad": "absent from the file (written before the field existed): input-gradient collectives not "
                      "overlapped",
+    "grad_accum_bytes": "absent from the file (written before the field existed): weight gradients accumulated "
+                        "inside their products (nothing charged)",
 })
 # The value an absent optional field reads as (None where not listed).
-OPTIONAL_VALUES = MappingProxyType({"overlap_dgrad": False})
+OPTIONAL_VALUES = MappingProxyType({"overlap_dgrad": False, "grad_accum_bytes": 0.0})
 UNRECORDED = "not recorded: written from a Machine value by shardplan.machine.machine_to_file"
 
 # preset name -> its profile file in shardplan/machines

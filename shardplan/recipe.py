@@ -55,7 +55,8 @@ model). The map, on ``p`` devices with ``dp = p / (tp · cp · pp)``:
   forward gathers the weights again, and whether each micro-batch's gradient is reduce-scattered or
   all-reduced (DeepSpeed v0.3's ZeRO-3 with its default configuration: both; docs/recipes.md);
 * **micro-batches** ``m = gbs / (dp · mbs)``: one program accumulates
-  gradients over m (``plan_with_choices(micro_batches=m)``); a pipeline
+  gradients over m (``plan_with_choices(micro_batches=m)``; ``grad_accum=autograd`` charges the
+  accumulation's own pass, :data:`GRAD_ACCUMS`); a pipeline
   costs each stage per micro-batch of ``dp · mbs`` sequences with the
   once-per-step collectives charged 1/m (:class:`~shardplan.pipeline.stages.ModelStages`
   with ``strategy`` and ``choices``);
@@ -109,7 +110,7 @@ from shardplan.models.moe import EXPERT_KINDS
 
 __all__ = ["Recipe", "cost_recipe", "causal_attention", "runtime_graph", "fp8_names", "RUNTIMES", "megatron_layouts",
            "expert_dim", "has_experts", "chunk_sizes", "recompute_names", "RECOMPUTE", "OVERLAPS", "ATTENTION_CORE",
-           "CP_ALGORITHMS", "ZERO_GRAD_REDUCES"]
+           "CP_ALGORITHMS", "ZERO_GRAD_REDUCES", "GRAD_ACCUMS", "recipe_machine"]
 
 RECOMPUTE = ("none", "selective", "full")
 """The named recomputation policies (an integer N: the first N blocks of each stage)."""
@@ -133,7 +134,7 @@ _ORDER = ("tp", "sp", "cp", "cp_algo", "pp", "vp", "first_stage_layers", "last_s
           "loss_as_layer", "dp", "zero", "hsdp",
           "ep", "mbs", "gbs", "recompute", "dtype", "precision", "fp8_params", "fp8_scaling", "offload", "overlap",
           "zero_regather",
-          "zero_grad_reduce", "runtime")
+          "zero_grad_reduce", "grad_accum", "runtime")
 
 CP_ALGORITHMS = ("allgather", "ring")
 """Context parallelism's algorithms (``cp_algo``): ``build_tables(context=...)`` of :mod:`shardplan.cost.ring`."""
@@ -142,6 +143,14 @@ ZERO_GRAD_REDUCES = ("reduce_scatter", "allreduce")
 """How a ZeRO-3 runtime synchronises each micro-batch's weight gradients (``zero_grad_reduce``): a
 reduce-scatter into the shards (FSDP; DeepSpeed with ``reduce_scatter: true``), or an all-reduce of the whole
 gradient of which each device keeps its shard (DeepSpeed v0.3's default, ``reduce_scatter: false``)."""
+
+GRAD_ACCUMS = ("fused", "autograd")
+"""How a run adds the micro-batches' weight gradients into the step's (``grad_accum``): inside the
+weight-gradient products (``fused``: Megatron-LM's ``--gradient-accumulation-fusion``, its default from 2022 with
+fp32 gradient accumulation, and Transformer Engine's linear layers; nothing charged) or by PyTorch autograd's
+in-place ``.grad += g`` from the second micro-batch on (``autograd``: 3 × dtype bytes per weight-gradient
+element and micro-batch at the HBM bandwidth; Megatron-LM's SC'21 code, 6985e58, which kept no contiguous
+gradient buffer; plain PyTorch, DDP under ``no_sync``): :attr:`~shardplan.machine.Machine.grad_accum_bytes`."""
 
 RUNTIMES = ("shardplan", "megatron_te")
 """Whose saved activations and FP8 scope a recipe's memory counts (``runtime``): shardplan's own runtimes (the
@@ -191,6 +200,8 @@ class Recipe:
             forward (DeepSpeed's ZeRO-3: its pre-forward hook fetches on every forward call; default False:
             one gather shared by the recomputed forward and the backward, as an FSDP unit around the
             checkpointed block). zero_grad_reduce: at ``zero=3``, :data:`ZERO_GRAD_REDUCES`.
+        grad_accum: :data:`GRAD_ACCUMS`, how the micro-batches' weight gradients are added up (None: the
+            machine's own setting, :attr:`~shardplan.machine.Machine.grad_accum_bytes`).
         runtime: :data:`RUNTIMES`, whose saved activations and FP8 scope the memory counts (default
             ``shardplan``).
     """
@@ -220,6 +231,7 @@ class Recipe:
     overlap: tuple[str, ...] | None = None
     zero_regather: bool = False
     zero_grad_reduce: str = "reduce_scatter"
+    grad_accum: str | None = None
     runtime: str = "shardplan"
 
     def __post_init__(self) -> None:
@@ -247,6 +259,9 @@ class Recipe:
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ShardplanError(f"recipe: fp8_scaling must be one of {', '.join(FP8_SCALINGS)}, "
                                  f"got {self.fp8_scaling!r}")
+        if self.grad_accum is not None and self.grad_accum not in GRAD_ACCUMS:
+            raise ShardplanError(f"recipe: grad_accum must be one of {', '.join(GRAD_ACCUMS)} (or none), "
+                                 f"got {self.grad_accum!r}")
         if self.runtime not in RUNTIMES:
             raise ShardplanError(f"recipe: runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}")
         rec = self.recompute
@@ -407,7 +422,7 @@ def _value(key: str, value: Any, fsdp: bool) -> Any:
         return text
     if key in ("dtype", "cp_algo"):
         return str(value).strip().lower().replace("-", "")
-    if key == "precision":
+    if key in ("precision", "grad_accum"):
         text = str(value).strip().lower()
         return None if text in ("none", "") else text
     if isinstance(value, int) and not isinstance(value, bool):
@@ -864,9 +879,7 @@ def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int |
     why = refusal(recipe, machine)
     if why is not None:
         raise ShardplanError(f"recipe {recipe}: not expressible: {why}")
-    if recipe.overlap is not None:
-        machine = replace(machine, overlap_grad="grad_reduce" in recipe.overlap,
-                          overlap_dgrad="dgrad" in recipe.overlap)
+    machine = recipe_machine(recipe, machine)
     t0 = time.perf_counter()
     build, graph, default, name = _resolve(model, batch, sizes)
     if recipe.runtime == "megatron_te":
@@ -905,6 +918,20 @@ def cost_recipe(model: Any, machine: Machine, recipe: Recipe | str, batch: int |
     budget = machine.memory_bytes
     memory = {**dict(out.memory), "budget_bytes": float(budget) if budget else float("inf")}
     return replace(out, solver="recipe", lower_bound=None, stats=stats, memory=memory, batch=gbs)
+
+
+def recipe_machine(recipe: Recipe, machine: Machine) -> Machine:
+    """``machine`` with the runtime behaviour the recipe states: its overlaps
+    (:attr:`~shardplan.machine.Machine.overlap_grad`, :attr:`~shardplan.machine.Machine.overlap_dgrad`) and its
+    gradient accumulation (:attr:`~shardplan.machine.Machine.grad_accum_bytes`: 0 for ``fused``, two reads and
+    one write of an element, ``3 × dtype_bytes``, for ``autograd``); what it leaves unsaid, the machine's."""
+    if recipe.overlap is not None:
+        machine = replace(machine, overlap_grad="grad_reduce" in recipe.overlap,
+                          overlap_dgrad="dgrad" in recipe.overlap)
+    if recipe.grad_accum is not None:
+        machine = replace(machine, grad_accum_bytes=3.0 * machine.dtype_bytes if recipe.grad_accum == "autograd"
+                          else 0.0)
+    return machine
 
 
 def precision_choices(recipe: Recipe, graph: Graph | None = None) -> dict[str, Any]:

@@ -644,7 +644,8 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     it added (:func:`_undominated_peak`).
     """
     from shardplan.cost.collectives import allgather_time, allreduce_time
-    from shardplan.cost.operator import operator_cost, optimizer_elements, optimizer_step_seconds
+    from shardplan.cost.operator import (grad_accumulation_seconds, operator_cost, optimizer_elements,
+                                         optimizer_step_seconds)
 
     lay = as_layouts(configs, machine.num_devices, orders, machine.levels)
     k = len(lay)
@@ -679,6 +680,11 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         stage_list = [0] + stage_list
     passes = op.passes  # the forward's share of the compute is 1 / passes
     once = 1.0 / int(accumulate)  # share of a once-per-step collective charged to one micro-batch
+    # the weight gradients added up over the step's m * accumulate micro-batches outside their products, every
+    # micro-batch but the first (Machine.grad_accum_bytes), this table's share; a ZeRO-2/3 device adds its shard
+    accum = (grad_accumulation_seconds(optimizer_elements(op, lay, machine.num_devices), machine)
+             * (m * int(accumulate) - 1) * once)
+    charge_accum = bool(np.any(accum > 0))
     precisions: list[tuple[bool, object, np.ndarray, np.ndarray, np.ndarray]] = [
         (False, oc, np.zeros(k), np.zeros(k), np.zeros(k))]
     if rules.fp8 and machine.fp8_flops is not None and fp8_product(op):
@@ -774,10 +780,13 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
                     if r and mask & 4:
                         continue
                     # the optimizer state on the host: the CPU's step (in ``after``) replaces the device's
+                    extra = {"optimizer": np.zeros(k) if mask & 1 else opt_step}
+                    if charge_accum:  # with the optimizer on the host the gradient is summed there
+                        extra["grad_accum"] = np.zeros(k) if mask & 1 else accum / (group if s >= 2 else 1.0)
                     rows.append((s, r, sync + regather if r else sync, dev,
                                  keep if r else (np.zeros(k) if mask & 4 else act),
                                  fwd if r else np.zeros(k), grad, fp8, scale, mask, t_off, host,
-                                 {**fixed, "optimizer": np.zeros(k) if mask & 1 else opt_step}))
+                                 {**fixed, **extra}))
     j = len(rows)
     base = np.tile(np.arange(k), j)
     parts = {name: np.concatenate([r[12][name] for r in rows]) for name in rows[0][12]}

@@ -118,7 +118,7 @@ from shardplan.machine import Machine
 
 __all__ = ["PARTS", "OpCost", "operator_cost", "recurrence_cost", "tile_volume", "distinct_splits", "gemm_utilisation",
            "gemm_passes", "pass_utilisation", "optimizer_elements", "optimizer_step_seconds",
-           "optimizer_step_bytes", "optimizer_step_rate", "converts"]
+           "optimizer_step_bytes", "optimizer_step_rate", "grad_accumulation_seconds", "converts"]
 
 
 PARTS: dict[str, str] = {
@@ -427,6 +427,19 @@ def optimizer_step_seconds(elements: np.ndarray, machine: Machine, step_bytes: f
     if rate is None:
         return np.zeros(elements.shape)
     return elements * float(step_bytes) / float(rate)
+
+
+def grad_accumulation_seconds(elements: np.ndarray, machine: Machine) -> np.ndarray:
+    """Seconds of adding one micro-batch's weight gradient of ``elements`` elements into the step's gradient
+    on one device, outside the weight-gradient product: ``elements * grad_accum_bytes / hbm_bandwidth``
+    (:attr:`~shardplan.machine.Machine.grad_accum_bytes`; an elementwise pass, memory-bound by first
+    principles). A step of M micro-batches runs it M - 1 times (the first micro-batch's gradient is taken as it
+    is); zero where the product accumulates into its output (``grad_accum_bytes`` 0) or without an HBM
+    bandwidth."""
+    elements = np.asarray(elements, dtype=np.float64)
+    if not machine.grad_accum_bytes or machine.hbm_bandwidth is None:
+        return np.zeros(elements.shape)
+    return elements * float(machine.grad_accum_bytes) / float(machine.hbm_bandwidth)
 
 
 def converts(op: Operator) -> bool:

@@ -183,8 +183,11 @@ def _op_signature(op: Operator, where: dict[str, tuple[int, int]], unit: int) ->
 
 
 def weight_sync(op: Operator, configs, orders, machine: Machine, full: Any = None):
-    """Seconds of the all-reduce of ``op``'s weight gradients and of its optimizer step per configuration: (K,),
-    what runs once per step (charged 1/m per micro-batch).
+    """Per configuration (K,), what a step of m micro-batches charges ``(1 - 1/m) w`` less than m times one
+    micro-batch's operator cost: ``w`` = the all-reduce of ``op``'s weight gradients and its optimizer step,
+    which run once per step (charged 1/m per micro-batch), less the accumulation of one micro-batch's weight
+    gradients (:func:`~shardplan.cost.operator.grad_accumulation_seconds`), which runs for m - 1 of them and is
+    not in the operator's cost (charged (1 - 1/m) per micro-batch). Negative where the accumulation outweighs.
 
     The operator costed with and without gradients for its weights: the difference of the backward
     all-reduce time is the weights' part (the cost model's own formula, not a copy of it). ``full``:
@@ -193,18 +196,20 @@ def weight_sync(op: Operator, configs, orders, machine: Machine, full: Any = Non
     import numpy as np
 
     from shardplan.cost import operator_cost
+    from shardplan.cost.operator import grad_accumulation_seconds, optimizer_elements
 
     if not any(w.needs_grad for w in op.weights):
         return np.zeros(len(configs))
     frozen = replace(op, weights=tuple(replace(w, needs_grad=False) for w in op.weights))
     full = operator_cost(op, configs, machine, orders) if full is None else full
+    accum = grad_accumulation_seconds(optimizer_elements(op, configs, machine.num_devices, orders), machine)
     if machine.overlap_dgrad:  # the input gradient's all-reduce hidden beside the weights' pass is not theirs
         plain = replace(machine, overlap_dgrad=False)
         with_w = operator_cost(op, configs, plain, orders).grad_allreduce
         without = operator_cost(frozen, configs, plain, orders).grad_allreduce
-        return np.maximum(with_w - without, 0.0) + full.optimizer
+        return np.maximum(with_w - without, 0.0) + full.optimizer - accum
     without = operator_cost(frozen, configs, machine, orders).grad_allreduce
-    return np.maximum(full.grad_allreduce - without, 0.0) + full.optimizer
+    return np.maximum(full.grad_allreduce - without, 0.0) + full.optimizer - accum
 
 
 def _split_parts(op: Operator, parts: dict[str, float]) -> tuple[float, float, float]:

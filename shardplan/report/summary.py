@@ -25,7 +25,8 @@ from shardplan.units import fmt_bytes, fmt_seconds
 __all__ = ["render_report", "dims_text", "recipe_words", "module_rows", "render_plan", "split_text", "device_picture", "memory_lines", "as_plan"]
 
 BREAKDOWN_LABELS = {**BREAKDOWN, "weight_sync": "weight-gradient sync (incl. ZeRO gathers)",
-                    "recompute": "recomputed forward", "stage_work": "stages' work (m x slowest stage)",
+                    "recompute": "recomputed forward", "grad_accum": "weight gradients added over micro-batches",
+                    "stage_work": "stages' work (m x slowest stage)",
                     "pipeline_fill": "pipeline fill, drain and transfers"}
 """Words for the breakdown's keys (:data:`shardplan.cost.BREAKDOWN`, the memory choices' and a pipeline's)."""
 
