@@ -42,7 +42,7 @@ def _old_presets(p: int) -> dict[str, Machine]:
         "1080ti": Machine(p, 11.3e12, 10e9, node_size=8, inter_bandwidth=7e9, memory_bytes=11 * GiB, name="1080ti"),
         "2080ti": Machine(p, 13.4e12, 6e9, node_size=8, inter_bandwidth=2.5e9, memory_bytes=11 * GiB, name="2080ti"),
         "a100": Machine(p, 312e12, 300e9, latency=5e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
-                        inter_bandwidth=25e9, inter_latency=10e-6, name="a100", hbm_bandwidth=2.039e12,
+                        inter_bandwidth=25e9, inter_latency=10e-6, name="a100", hbm_bandwidth=1.80e12,
                         flops_efficiency=0.7, grad_bucket_bytes=bucket, overlap_grad=True,
                         host_bandwidth=25.6e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=6.8e9,
                         sm_count=108, **tiles),
@@ -135,7 +135,7 @@ def test_a100_variants(kind, name, memory):
     m = detect_machine(kind, 8)
     assert m.name == f"{name} (detected: {kind})"
     assert m.memory_bytes == memory and m.peak_flops == 312e12
-    assert m.hbm_bandwidth == (2.039e12 if memory == 80 * GiB else 1.555e12)
+    assert m.hbm_bandwidth == (1.80e12 if memory == 80 * GiB else 1.37e12)
 
 
 def test_gtx_kinds_with_and_without_vendor_words():

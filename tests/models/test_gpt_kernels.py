@@ -97,7 +97,7 @@ def test_softmax_and_dropout_are_memory_bound_on_a100():
     m = preset("a100", 1)
     n = 2 * 4 * 128 * 128
     one = np.ones((1, 4), dtype=np.int64)
-    tile = n * 2 / 2.039e12
+    tile = n * 2 / m.hbm_bandwidth
     assert operator_cost(ops["softmax"], one, m).compute[0] == pytest.approx((2 + 3) * tile)
     assert operator_cost(ops["dropout"], one, m).compute[0] == pytest.approx((2.5 + 2.5) * tile)
 
@@ -113,7 +113,7 @@ def test_the_other_megatron_kernels_move_what_their_sources_do():
     ops["loss"] = g["softmax"]
     m = preset("a100", 1)
     b, s, d, v = SIZES["batch"], SIZES["seq"], SIZES["d_model"], SIZES["vocab"]
-    rate = 2.039e12
+    rate = m.hbm_bandwidth
 
     def seconds(name):
         op = ops[name]

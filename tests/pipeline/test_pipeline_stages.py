@@ -89,12 +89,15 @@ def test_extension_that_a_progression_check_accepts_is_not_optimal_and_falls_bac
     """The whole 16-layer GPT on 2 devices at m = 1: its cut to 2, 3, 4 blocks costs in arithmetic progression
     (the earlier check accepted it), but the cut keeps the embedding's layout while the whole model's optimum
     switches its 16 blocks to a layout cheaper per block: the extension is 0.7 % too dear. The certificate
-    cannot meet it, and the segment is solved directly."""
-    st = ModelStages(_gpt(16), 4, MACHINE, {"cutoff": 1}, periodic=True)
+    cannot meet it, and the segment is solved directly. (A case found on the a100 profile's datasheet HBM
+    bandwidth, 2.039 TB/s, kept here: at the profile's 1.80 TB/s the whole model keeps one layout and the
+    extension is exact.)"""
+    machine = dataclasses.replace(MACHINE, hbm_bandwidth=2.039e12)
+    st = ModelStages(_gpt(16), 4, machine, {"cutoff": 1}, periodic=True)
     c2, c3, c4 = (st.stage_cost_of_run(0, 18, 2, 17, keep, 2, 1).time for keep in (2, 3, 4))
     assert c4 - c3 == pytest.approx(c3 - c2, rel=1e-9)
     extended = c3 + (15 - 3) * (c4 - c3)
-    want = ModelStages(_gpt(16), 4, MACHINE, {"cutoff": 1}).stage_cost(0, 18, 2, 1)
+    want = ModelStages(_gpt(16), 4, machine, {"cutoff": 1}).stage_cost(0, 18, 2, 1)
     assert extended > want.time * (1 + 1e-3)
     got = st.stage_cost(0, 18, 2, 1)
     for f in FIELDS:

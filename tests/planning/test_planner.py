@@ -73,7 +73,7 @@ def test_stages_are_searched_only_where_they_can_pay(a100_16):
     # the pipeline search starts from the one program's step: a pipeline that beats it is compared, else the
     # search proved a bound of the pipeline space, no lower than the plan's own
     assert "pipeline" in two.stats["compared"] or two.stats["pipeline_lower_bound"] >= two.lower_bound
-    assert two.step_time == min(two.stats["compared"].values())
+    assert two.step_time == pytest.approx(min(two.stats["compared"].values()), rel=1e-9)  # a tie: one program
     # the answer's bound covers both spaces: at most either candidate's time
     assert two.lower_bound <= min(two.stats["compared"].values()) + 1e-15
     with pytest.raises(ShardplanError, match="builder"):
@@ -88,7 +88,9 @@ def test_the_pipeline_wins_where_links_across_nodes_are_slow():
     p = plan("gpt", m, sizes={"layers": 4}, batch=16, micro_batches=MICRO_BATCHES)
     ref = gpt4_pipeline_on_slow_links()  # the pipeline search alone, memory choices, 1F1B and ZB-H1
     assert p.pipelined and p.step_time == pytest.approx(ref.plan.step_time, rel=1e-12)
-    assert p.step_time < p.stats["compared"]["one program"]
+    # the one program's best: its plan, or the bound that proved none of its plans beats the first seed
+    one = p.stats["compared"].get("one program", p.stats.get("one_program_none_better"))
+    assert one is not None and p.step_time < one
     assert sum(s.devices for s in p.stages) // p.chunks == 16
     assert "pipeline" in recipe_words(p)
 
