@@ -679,8 +679,8 @@ def _recipe_incumbent(recipe: Plan | None, machine: Machine, batch: int | None,
                       limit: float | None) -> tuple[Plan | None, str | None]:
     """``recipe`` (a plan :func:`shardplan.recipe.cost_recipe` made) as the search's incumbent, and None; or None
     and why it is not one: it does not fit ``limit`` (a plan of no memory-constrained space), or it was costed on
-    a machine other than ``machine`` (its ``overlap`` key, or a plan made for another machine: not the same
-    model). (None, None) when no recipe is given."""
+    a machine other than ``machine`` (its ``overlap`` or ``grad_accum`` key, or a plan made for another machine:
+    not the same model). (None, None) when no recipe is given."""
     if recipe is None:
         return None, None
     if not isinstance(recipe, Plan):
@@ -689,7 +689,7 @@ def _recipe_incumbent(recipe: Plan | None, machine: Machine, batch: int | None,
     if batch is not None and recipe.batch is not None and recipe.batch != batch:
         raise ShardplanError(f"plan: the recipe's plan is for a batch of {recipe.batch}, not {batch}")
     if recipe.machine != machine:
-        return None, "the recipe is costed on another machine setting (its overlap key), not the search's"
+        return None, "the recipe is costed on another machine setting (its overlap or grad_accum key), not the search's"
     if limit is not None and float(recipe.memory["peak_bytes"]) > limit:
         return None, (f"the recipe needs {recipe.memory['peak_bytes'] / 2**30:.3g} GiB per device, over the budget "
                       f"of {limit / 2**30:.3g} GiB")
