@@ -604,8 +604,9 @@ class ModelStages:
         bwd -= (1.0 - 1.0 / m) * step_sync
         mem = plan.memory
         recv, grad = self.boundary_bytes(plan, m, first, last)
-        # ZB-H1's W pass: the weight-gradient GEMMs and their (amortised) reduction
-        w_pass = min(bwd, wgrad + step_sync / m)
+        # ZB-H1's W pass: the weight-gradient GEMMs and their (amortised) reduction; the sync nets out one
+        # micro-batch's gradient accumulation (weight_sync), which may leave less than the GEMMs: never below 0
+        w_pass = min(bwd, max(wgrad + step_sync / m, 0.0))
         return StageCost(fwd, bwd, mem["weights_bytes"], mem["activations_bytes"], plan, recv, grad, w_pass)
 
     def _refuse(self, q: int, m: int, error: PerDeviceLimitError) -> None:
@@ -1150,7 +1151,7 @@ def _stage_of(terms: _Terms, m: int, plan, recv: float | None, grad: float | Non
     weights = np.broadcast_to(np.atleast_1d(terms.weights), total.shape)
     activations = np.broadcast_to(np.atleast_1d(terms.activations), total.shape)
     return StageCost(terms.forward, bwd, float(weights[dev]), float(activations[dev]), plan, recv, grad,
-                     min(bwd, terms.weight_grad + terms.sync / m))
+                     min(bwd, max(terms.weight_grad + terms.sync / m, 0.0)))
 
 
 def _proven_lower(cost: StageCost | None) -> float | None:

@@ -121,10 +121,12 @@ def test_weight_sync_nets_the_accumulation_out_of_the_once_per_step_work():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 @pytest.mark.parametrize("memory_choices", [False, True])
-def test_the_stage_search_equals_the_milp_with_the_accumulation(memory_choices):
+def test_the_stage_search_equals_the_milp_with_the_accumulation(memory_choices, schedule):
     """A 4-block GPT whose stages pay autograd's accumulation: the lazy pipeline search equals the MILP over every
-    cut and sub-mesh (every stage costed eagerly), with and without the memory choices."""
+    cut and sub-mesh (every stage costed eagerly), with and without the memory choices, under 1F1B and ZB-H1
+    (whose W pass, the products less 1/m of an accumulation, stays within [0, B])."""
     from shardplan.pipeline import ModelStages, PipelineSpace
     from shardplan.pipeline.ilp import solve_pipeline_ilp
     from shardplan.pipeline.search import search_pipeline
@@ -135,11 +137,33 @@ def test_the_stage_search_equals_the_milp_with_the_accumulation(memory_choices):
     st = ModelStages(build, 8, machine, {"cutoff": 1}, memory_choices=memory_choices)
     _, units, _ = st.graph(2)
     space = PipelineSpace(len(units), 4, 2, (2, 4), None, sizes=(1, 2, 4), uniform=False)
-    ilp = solve_pipeline_ilp(space, st.stage_cost, st.exchange_time, "1f1b",
+    ilp = solve_pipeline_ilp(space, st.stage_cost, st.exchange_time, schedule,
                              fit_fn=st.fit_cost if memory_choices else None)
-    got = search_pipeline(space, st.stage_cost, st.link_time, ("1f1b",), exchange=st.exchange_time,
+    got = search_pipeline(space, st.stage_cost, st.link_time, (schedule,), exchange=st.exchange_time,
                           fit_fn=st.fit_cost if memory_choices else None)
     assert ilp.proven and got.step_time == pytest.approx(ilp.step_time, rel=1e-9)
+    for s in got.stages:
+        assert 0.0 <= s.cost.weight_grad <= s.cost.backward
     fused = ModelStages(build, 8, dataclasses.replace(machine, grad_accum_bytes=0.0), {"cutoff": 1},
                         memory_choices=memory_choices)
     assert st.stage_cost(0, len(units), 4, 4).backward > fused.stage_cost(0, len(units), 4, 4).backward
+
+
+def test_zb_h1s_w_pass_never_goes_below_zero():
+    """An accumulation far dearer than the weight-gradient products (a hundred times autograd's bytes): the W pass,
+    the products plus the amortised sync less 1/m of an accumulation, would come out negative; it is held at 0."""
+    from shardplan.pipeline import ModelStages
+
+    machine = dataclasses.replace(preset("a100", 4), sm_count=None, gemm_tiles=None, grad_accum_bytes=600.0)
+    build = lambda b: get_model("gpt", b, layers=2, d_model=64, heads=2, seq=16, vocab=256)  # noqa: E731
+    st = ModelStages(build, 8, machine, {"cutoff": 1})
+    _, units, _ = st.graph(4)
+    cost = st.stage_cost(0, len(units), 4, 4)
+    plan = cost.detail
+    from shardplan.pipeline.stages import _forward_backward, weight_sync
+
+    sync = sum(float(weight_sync(op, lay, None, dataclasses.replace(machine, num_devices=4))[k])
+               for op, lay, k in zip(plan.tables.graph.operators, plan.tables.arrays, plan.assignment))
+    products = _forward_backward(plan)[2]
+    assert products + sync / 4 < 0  # the unclamped W pass
+    assert cost.weight_grad == 0.0 < cost.backward
