@@ -313,10 +313,13 @@ class Recipe:
 
     @staticmethod
     def from_mapping(values: Mapping[str, Any]) -> "Recipe":
-        """A recipe from a mapping of keys (names of the fields or their aliases) to values (text or JSON)."""
+        """A recipe from a mapping of keys (names of the fields or their aliases) to values (text or JSON); a
+        value None means not given (the field's default), so :meth:`to_dict`'s output reads back."""
         known = {f.name for f in fields(Recipe)}
         out: dict[str, Any] = {}
         for raw, value in values.items():
+            if value is None:
+                continue
             key = _ALIASES.get(str(raw).lower().replace("-", "_"), str(raw).lower().replace("-", "_"))
             if key == "fp8":  # fp8=true is precision=fp8
                 key, value = "precision", ("fp8" if _bool("fp8", value) else "none")
