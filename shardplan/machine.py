@@ -20,7 +20,8 @@ device; copy one to describe another machine): every field of
 object: the raw tables a calibration measured, ``shardplan calibrate``;
 carried, never read as constants). A field added since files were first
 written (:data:`OPTIONAL_FIELDS`: ``fp8_efficiency``, ``overlap_dgrad``, ``grad_accum_bytes``) may be absent
-from an older file: it reads as None (``overlap_dgrad``: False, ``grad_accum_bytes``: 0). The presets are read from these files;
+from an older file: it reads as None (``overlap_dgrad``: False, ``grad_accum_bytes``: 0). The presets are read
+from these files;
 :func:`detect_machine` picks the profile whose device kinds hold the one
 reported.
 """

@@ -673,8 +673,8 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     has_grad = bool(op.grad_tensors)
     o = rules.optimizer_words(optimizer_factor, machine.dtype_bytes)
     # the optimizer step of the whole tile (stage 0); a ZeRO stage updates its 1/group shard
-    step = optimizer_step_seconds(optimizer_elements(op, lay, machine.num_devices), machine,
-                                  rules.optimizer_step_bytes(optimizer_factor, machine.dtype_bytes))
+    owned = optimizer_elements(op, lay, machine.num_devices)  # the trainable elements of the tile, per layout
+    step = optimizer_step_seconds(owned, machine, rules.optimizer_step_bytes(optimizer_factor, machine.dtype_bytes))
     stage_list = [s for s in stages if s in STAGES] if weights else [0]
     if 0 not in stage_list:
         stage_list = [0] + stage_list
@@ -682,8 +682,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     once = 1.0 / int(accumulate)  # share of a once-per-step collective charged to one micro-batch
     # the weight gradients added up over the step's m * accumulate micro-batches outside their products, every
     # micro-batch but the first (Machine.grad_accum_bytes), this table's share; a ZeRO-2/3 device adds its shard
-    accum = (grad_accumulation_seconds(optimizer_elements(op, lay, machine.num_devices), machine)
-             * (m * int(accumulate) - 1) * once)
+    accum = grad_accumulation_seconds(owned, machine) * (m * int(accumulate) - 1) * once
     charge_accum = bool(np.any(accum > 0))
     precisions: list[tuple[bool, object, np.ndarray, np.ndarray, np.ndarray]] = [
         (False, oc, np.zeros(k), np.zeros(k), np.zeros(k))]
@@ -695,8 +694,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     # FP8 parameters (an FP8 choice under fp8_params): the weights' value is the FP8 data the cache holds, so the
     # s-byte value goes (a ZeRO-3 shard is kept in one byte), the gathers move one byte per element and the
     # optimizer step writes the FP8 copy (ChoiceRules.fp8_param_step_bytes)
-    step8 = (optimizer_step_seconds(optimizer_elements(op, lay, machine.num_devices), machine,
-                                    rules.fp8_param_step_bytes(optimizer_factor, machine.dtype_bytes))
+    step8 = (optimizer_step_seconds(owned, machine, rules.fp8_param_step_bytes(optimizer_factor, machine.dtype_bytes))
              if rules.fp8_params else step)
     use_host = any(_offload_masks(rules, machine, s, bool(weights), True) != [0] for s in stage_list)
     bw = float(machine.host_bandwidth) if use_host else 1.0
