@@ -53,6 +53,17 @@ def test_a_recipe_that_does_not_fit_is_no_incumbent_and_a_plan_for_another_batch
         plan(MODEL, machine, batch=16, recipe=rec)
 
 
+def test_a_recipe_on_another_runtime_is_no_incumbent():
+    """A recipe whose ``grad_accum`` (or ``overlap``) key costs it on another machine setting is not the same model as
+    the search's: it is left out, and the answer is the search's own."""
+    machine = preset("h100", 8)
+    rec = cost_recipe(MODEL, machine, "zero=3,mbs=1,grad_accum=autograd")
+    assert rec.machine.grad_accum_bytes == 6.0 != machine.grad_accum_bytes
+    got = plan(MODEL, machine, work_limit=None, recipe=rec)
+    assert "recipe_step" not in got.stats and "grad_accum" in got.stats["recipe_not_incumbent"]
+    assert got.solver == "fit"
+
+
 def test_a_budget_spent_in_the_uniform_pipelines_answers_the_recipe_with_both_floors():
     from shardplan.models import model_spec
     from shardplan.planner import _pipeline_floor, micro_batch_counts
