@@ -898,6 +898,9 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
     src["grad_accum_bytes"] = (f"{said}: not measured: shardplan's default, 0 (weight gradients accumulated inside "
                                "their products); a recipe's grad_accum=autograd sets 3 x dtype_bytes (see Machine's "
                                "docstring)")
+    src["comm_contention"] = (f"{said}: not measured: shardplan's default, 0 (an overlapped collective costs the "
+                              "product beside it nothing); NCCL's channels / SMs where known (see the a100 and h100 "
+                              "profiles and docs/cost-model.md, 'Contention')")
     fp8 = max((r.rate for r in cal.fp8.rows), default=None)
     if cal.fp8.rows:
         top8 = max(cal.fp8.rows, key=lambda r: r.rate)

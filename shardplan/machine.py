@@ -19,8 +19,9 @@ device; copy one to describe another machine): every field of
 ``torch.cuda.get_device_name()``), and optionally ``measurements`` (any JSON
 object: the raw tables a calibration measured, ``shardplan calibrate``;
 carried, never read as constants). A field added since files were first
-written (:data:`OPTIONAL_FIELDS`: ``fp8_efficiency``, ``overlap_dgrad``, ``grad_accum_bytes``) may be absent
-from an older file: it reads as None (``overlap_dgrad``: False, ``grad_accum_bytes``: 0). The presets are read
+written (:data:`OPTIONAL_FIELDS`: ``fp8_efficiency``, ``overlap_dgrad``, ``grad_accum_bytes``,
+``comm_contention``) may be absent from an older file: it reads as None (``overlap_dgrad``: False,
+``grad_accum_bytes`` and ``comm_contention``: 0). The presets are read
 from these files;
 :func:`detect_machine` picks the profile whose device kinds hold the one
 reported.
@@ -144,6 +145,12 @@ class Machine:
             PyTorch autograd's in-place ``.grad += g`` (the first micro-batch's gradient is taken, not added):
             two reads and one write of ``dtype_bytes`` elements, ``3 * dtype_bytes`` (a recipe's
             ``grad_accum=autograd``).
+        comm_contention: the fraction φ of a device's compute that a running collective takes from a product
+            it overlaps (NCCL runs a collective as one thread block per channel, each holding a streaming
+            multiprocessor for the collective's whole duration: channels / SMs). A collective of C seconds
+            beside a product of W seconds adds ``max(C - W, φ C)`` to the product's W rather than
+            ``max(C - W, 0)`` (:func:`shardplan.cost.contention.exposed_beside`; docs/cost-model.md,
+            "Contention"). 0 (default): an overlapped collective costs the product nothing.
     """
 
     num_devices: int
@@ -181,6 +188,7 @@ class Machine:
     scatter_gathered_grads: bool = False
     overlap_dgrad: bool = False
     grad_accum_bytes: float = 0.0
+    comm_contention: float = 0.0
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -246,6 +254,10 @@ class Machine:
             raise ShardplanError("machine: overlap_dgrad with scatter_gathered_grads is not costed (DTensor's "
                                  "reduce-scatter home of an activation gradient is not overlapped)")
         put("grad_accum_bytes", real("machine: grad_accum_bytes", self.grad_accum_bytes, minimum=0.0, unit="B"))
+        put("comm_contention", real("machine: comm_contention", self.comm_contention, minimum=0.0))
+        if self.comm_contention >= 1.0:
+            raise ShardplanError(f"machine: comm_contention must be below 1 (a fraction of the device's compute), "
+                                 f"got {self.comm_contention!r}")
         for name, unit in (("fp8_flops", "FLOP/s"), ("host_bandwidth", "B/s"), ("host_memory_bytes", "B"),
                            ("cpu_adam_rate", "parameters/s")):
             if getattr(self, name) is not None:
@@ -416,9 +428,11 @@ OPTIONAL_FIELDS = MappingProxyType({
                      "overlapped",
     "grad_accum_bytes": "absent from the file (written before the field existed): weight gradients accumulated "
                         "inside their products (nothing charged)",
+    "comm_contention": "absent from the file (written before the field existed): an overlapped collective costs "
+                       "the product beside it nothing",
 })
 # The value an absent optional field reads as (None where not listed).
-OPTIONAL_VALUES = MappingProxyType({"overlap_dgrad": False, "grad_accum_bytes": 0.0})
+OPTIONAL_VALUES = MappingProxyType({"overlap_dgrad": False, "grad_accum_bytes": 0.0, "comm_contention": 0.0})
 UNRECORDED = "not recorded: written from a Machine value by shardplan.machine.machine_to_file"
 
 # preset name -> its profile file in shardplan/machines

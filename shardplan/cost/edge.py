@@ -79,6 +79,7 @@ import numpy as np
 from shardplan.configs import deferred_inputs, forward_deferrable
 from shardplan.cost.reshard import MAX_BITS, canonical_pairs, canonical_volume, pattern_bits
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time, reduce_scatter_time
+from shardplan.cost.contention import exposed_beside
 from shardplan.cost.tiles import (MAX_DEVICES, all_active, as_layouts, box_volumes, check_per_device, stored_weight,
                                   tensor_boxes)
 from shardplan.errors import ShardplanError
@@ -1068,7 +1069,7 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     if lu.partial is not None or lv.partial is not None:
         fwd_t, bwd_t = deferred_reductions(u, lu, v, slot, lv, machine, fwd_t, bwd_t)
     if hide is not None:
-        return exposed(fwd_t, bwd_t, hide[0], hide[1])
+        return exposed(fwd_t, bwd_t, hide[0], hide[1], machine.comm_contention)
     return fwd_t + bwd_t
 
 
@@ -1076,16 +1077,18 @@ NO_CLAIM = -1.0
 """A budget entry of :func:`overlap_budgets` where the operator lends its compute to no edge on that side."""
 
 
-def exposed(fwd_t: np.ndarray, bwd_t: np.ndarray, hu: np.ndarray, hv: np.ndarray) -> np.ndarray:
+def exposed(fwd_t: np.ndarray, bwd_t: np.ndarray, hu: np.ndarray, hv: np.ndarray,
+            share: float = 0.0) -> np.ndarray:
     """Seconds (K_u, K_v) of an edge whose collectives run beside a GEMM: forward and backward each exposed
-    ``max(C - H, 0)``, with H the larger of the producer's budget ``hu`` (2, K_u) and the consumer's ``hv``
+    ``max(C - H, φ C)`` (φ = ``share``, the collective's share of the device while it runs:
+    :mod:`shardplan.cost.contention`; ``max(C, φ C) = C`` where nothing is lent), with H the larger of the producer's budget ``hu`` (2, K_u) and the consumer's ``hv``
     (2, K_v) for that direction (rows: forward, backward; :data:`NO_CLAIM` where a side does not lend its GEMM
     to this edge, counted as 0). One GEMM hides a direction's collective, never the two ends' together: each
     budget is lent to exactly one edge (:func:`overlap_budgets`), so no compute is counted twice."""
     out = np.zeros(np.broadcast_shapes(np.shape(fwd_t), np.shape(bwd_t)), dtype=np.float64)
     for row, t in enumerate((fwd_t, bwd_t)):
         h = np.maximum(np.maximum(hu[row][:, None], hv[row][None, :]), 0.0)
-        out += np.maximum(np.asarray(t, dtype=np.float64) - h, 0.0)
+        out += exposed_beside(t, h, share)
     return out
 
 
@@ -1112,7 +1115,8 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
     has nothing to overlap: docs/cost-model.md). Forward G is the forward pass; backward G the backward
     passes less what the weight-gradient synchronisation already overlaps (``machine.overlap_grad``) and what
     the operator's own input-gradient all-reduce already hides (``machine.overlap_dgrad``), so no second claim
-    is made on the same seconds.
+    is made on the same seconds; those are taken without contention (the seconds the collectives run beside
+    the passes, :mod:`shardplan.cost.contention`), so contention never lends an edge more.
 
     ``chunked=False`` (tables without ``overlap_tp``, on a machine with ``overlap_dgrad``): nothing is cut
     into chunks; a product lends only its weight-gradient pass W, backward, to its one input edge where g > 1
@@ -1136,7 +1140,9 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
     bwd = np.asarray(compute, dtype=np.float64) - fwd
     if (machine.overlap_grad or machine.overlap_dgrad) and passes > 1:  # backward seconds already hiding
         plain = operator_cost(op, lay, replace(machine, overlap_grad=False, overlap_dgrad=False))
-        mine = operator_cost(op, lay, machine)
+        # the seconds of the backward those collectives occupy: their overlapped length, which contention does not
+        # shorten (it slows the product beside them instead), so taken without it
+        mine = operator_cost(op, lay, replace(machine, comm_contention=0.0))
         bwd = np.maximum(bwd - (plain.grad_allreduce - mine.grad_allreduce), 0.0)
     if not chunked:
         cons = none.copy()

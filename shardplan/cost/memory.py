@@ -30,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
+from shardplan.cost.contention import exposed_beside
 from shardplan.cost.tiles import as_layouts, stored_weight, tile_volumes, uniform_tiles
 from shardplan.ir import Operator
 from shardplan.machine import Machine
@@ -700,6 +701,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     bw = float(machine.host_bandwidth) if use_host else 1.0
     lat = float(machine.host_latency)
     share = float(machine.node_devices)  # devices sharing a node's CPUs and host memory
+    contention = float(getattr(machine, "comm_contention", 0.0))  # a collective's share of the device beside a product
 
     def xfer(nbytes: np.ndarray, count) -> np.ndarray:
         """Seconds of ``count`` host copies moving ``nbytes`` in all (none when nothing moves)."""
@@ -719,7 +721,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
         forward = ocp.compute / passes
 
         def charged(sync: np.ndarray) -> np.ndarray:
-            return np.maximum(sync - backward, 0.0) if overlap else sync
+            return exposed_beside(sync, backward, contention) if overlap else sync
 
         if plain_grad is None:
             act_grad = np.maximum(ocp.grad_allreduce - charged(wgrad_m), 0.0)
@@ -743,7 +745,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
             elif s == 2:
                 sync, mem, grad = charged(m * rs) + gather * once, state * (1 + (1 + o) / group), state / group
             else:  # gathers prefetched during the operator's own forward / backward when overlapping
-                fwd_gather = np.maximum(m * gather - forward, 0.0) if overlap else m * gather
+                fwd_gather = exposed_beside(m * gather, forward, contention) if overlap else m * gather
                 red = sync0 if rules.zero3_grad_allreduce else rs  # the gradient's collective per micro-batch
                 sync, mem, grad = charged(m * (red + gather)) + fwd_gather, state * (2 + o) / group, state / group
             # the recomputed forward's own gather (ChoiceRules.zero3_regather), as exposed as the forward's

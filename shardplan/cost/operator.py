@@ -110,6 +110,7 @@ from shardplan.configs import forward_deferrable
 from shardplan.cost.collectives import allgather_time, allreduce_time, outer_level, p2p_time
 from shardplan.cost.causal import causal_fractions
 from shardplan.cost.chain import chain_compute
+from shardplan.cost.contention import exposed_beside, hidden_beside
 from shardplan.cost.fused import fused_compute
 from shardplan.cost.tiles import as_layouts, box_volumes, lazy_grid, regular_tile_lengths, tensor_boxes
 from shardplan.layout import LayoutArrays, flat_layout_arrays, unique_rows
@@ -543,7 +544,7 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
     grad_ar = grad_ar - hidden
     if machine.overlap_grad:
         backward = compute - t_pass - hidden
-        grad_ar = grad_ar + np.maximum(weight_sync - backward, 0.0)
+        grad_ar = grad_ar + exposed_beside(weight_sync, backward, machine.comm_contention)
     else:
         grad_ar = grad_ar + weight_sync
 
@@ -601,16 +602,18 @@ def wgrad_seconds(op: Operator, pass_times: np.ndarray) -> np.ndarray:
 def input_gradient_hidden(op: Operator, act_ar: np.ndarray, pass_times: np.ndarray | None,
                           machine: Machine) -> np.ndarray:
     """Seconds (K,) of the activation-gradient all-reduce ``act_ar`` that run beside ``op``'s weight-gradient
-    pass (:attr:`~shardplan.machine.Machine.overlap_dgrad`): ``min(act_ar, t_wgrad)``.
+    pass (:attr:`~shardplan.machine.Machine.overlap_dgrad`): ``min(t_wgrad, (1 - φ) act_ar)``, φ the
+    collective's share of the device (:attr:`~shardplan.machine.Machine.comm_contention`,
+    :mod:`shardplan.cost.contention`).
 
     Megatron-LM's column-parallel linear computes the input's gradient first, starts its all-reduce and
     computes the weight's gradient meanwhile (``LinearWithGradAccumulationAndAsyncCommunication``); the step
-    waits for the later of the two, so the all-reduce costs ``max(C - t_wgrad, 0)`` beyond the passes. Zero
+    waits for the later of the two, so the all-reduce costs ``max(C - t_wgrad, φ C)`` beyond the passes. Zero
     without the flag, for an operator without a weight gradient, and where the passes are not costed one by
     one (a fused or compiler-chained kernel)."""
     if not machine.overlap_dgrad or pass_times is None:
         return np.zeros_like(act_ar)
-    return np.minimum(act_ar, wgrad_seconds(op, pass_times))
+    return hidden_beside(act_ar, wgrad_seconds(op, pass_times), machine.comm_contention)
 
 
 def recurrence_cost(op: Operator, lay: LayoutArrays, machine: Machine) -> tuple[np.ndarray, np.ndarray]:

@@ -44,6 +44,7 @@ import numpy as np
 
 from shardplan.cost.causal import causal_fractions
 from shardplan.cost.collectives import allreduce_time, outer_level, p2p_time
+from shardplan.cost.contention import exposed_beside
 from shardplan.cost.edge import scatter_fit
 from shardplan.cost.tiles import box_volumes, tensor_boxes
 from shardplan.ir import Operator
@@ -105,14 +106,16 @@ def _group_dims(op: Operator, slot: int) -> list[int]:
 def ring_exposed(block_bytes: np.ndarray, g: np.ndarray, level: np.ndarray, fwd_step: np.ndarray,
                  bwd_step: np.ndarray, machine: Machine, grad: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Seconds the ring adds to its product's compute, forward and backward (module docstring):
-    ``(g - 1) max(c - m, 0)`` and ``(g - 1) max(2c - m_b, 0) + c``, with ``c`` one block's point-to-point
+    ``(g - 1) max(c - m, φ c)`` and ``(g - 1) max(2c - m_b, 2 φ c) + c`` (φ: the transfers' share of the
+    device, :mod:`shardplan.cost.contention`), with ``c`` one block's point-to-point
     over the links of ``level`` (the outermost level the group spans) and ``m``, ``m_b`` the busiest
     device's forward and backward seconds on one block (``fwd_step``, ``bwd_step``); 0 where ``g = 1``;
     backward 0 when the input needs no gradient (``grad=False``)."""
     g = np.asarray(g, dtype=np.float64)
     c = p2p_time(block_bytes, machine, level)
-    fwd = np.where(g > 1, (g - 1) * np.maximum(c - fwd_step, 0.0), 0.0)
-    bwd = np.where(g > 1, (g - 1) * np.maximum(2.0 * c - bwd_step, 0.0) + c, 0.0) if grad else np.zeros_like(fwd)
+    phi = float(machine.comm_contention)  # the transfers' share of the device beside the block's product
+    fwd = np.where(g > 1, (g - 1) * exposed_beside(c, fwd_step, phi), 0.0)
+    bwd = np.where(g > 1, (g - 1) * exposed_beside(2.0 * c, bwd_step, phi) + c, 0.0) if grad else np.zeros_like(fwd)
     return fwd, bwd
 
 

@@ -32,7 +32,8 @@ def _old_presets(p: int) -> dict[str, Machine]:
     """The presets exactly as shardplan/machine.py built them in code before the profile files, plus the tile and
     wave constants added to the GPU profiles since (multiprocessors, output tile), and the H100's constants
     measured on an H100 since (efficiency, HBM, converting and host rates, the unaligned-product rule, the FP8
-    products' efficiency), and the H200 profile, measured on an H200; the paper's machine keeps its own
+    products' efficiency), the share of a device an NCCL collective holds beside a product (channels / SMs), and
+    the H200 profile, measured on an H200; the paper's machine keeps its own
     redistribution rule (what each device lacks) and its reductions (one all-reduce among the product of the
     groups) where every other profile charges XLA's steps and its one all-reduce per split dim."""
     bucket = 25 * 2**20
@@ -45,19 +46,19 @@ def _old_presets(p: int) -> dict[str, Machine]:
                         inter_bandwidth=25e9, inter_latency=10e-6, name="a100", hbm_bandwidth=1.80e12,
                         flops_efficiency=0.7, grad_bucket_bytes=bucket, overlap_grad=True,
                         host_bandwidth=25.6e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=6.8e9,
-                        sm_count=108, **tiles),
+                        sm_count=108, comm_contention=0.222, **tiles),
         "h100": Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
                         inter_bandwidth=50e9, inter_latency=8e-6, name="h100", hbm_bandwidth=2.83e12,
                         flops_efficiency=0.69, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
                         fp8_efficiency=0.65, host_bandwidth=54.7e9, host_latency=10e-6, host_memory_bytes=2e12,
                         cpu_adam_rate=1.0e10, sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2,
-                        attention_efficiency=0.40, convert_bandwidth=1.91e12, **tiles),
+                        attention_efficiency=0.40, convert_bandwidth=1.91e12, comm_contention=0.242, **tiles),
         "h200": Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=150109880320, node_size=8,
                         inter_bandwidth=50e9, inter_latency=8e-6, name="h200", hbm_bandwidth=3.88e12,
                         flops_efficiency=0.69, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
                         fp8_efficiency=0.68, host_bandwidth=55.2e9, host_latency=10e-6, host_memory_bytes=2e12,
                         cpu_adam_rate=1.0e10, sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2,
-                        attention_efficiency=0.405, convert_bandwidth=2.05e12, **tiles),
+                        attention_efficiency=0.405, convert_bandwidth=2.05e12, comm_contention=0.242, **tiles),
     }
 
 

@@ -109,7 +109,7 @@ def test_an_interrupt_anywhere_states_a_positive_bound_below_the_optimum(monkeyp
     # same calls as plan("gpt", machine, **kw) without the counter; not run a second time)
     full = got[-1]
     assert full is not None and not full.stats["interrupted"]
-    assert full.gap is not None and full.gap <= 1e-9
+    assert full.gap is not None and full.gap <= 1e-9 * (1 + 1e-6)  # the search's tolerance, up to rounding
     assert got[0] is None  # at once: no plan yet
     plans = [p for p in got if p is not None]
     assert len(plans) >= 2
