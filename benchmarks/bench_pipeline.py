@@ -7,6 +7,7 @@ small case (GPT 1.3B on 64 a100) that finishes quickly. For each row:
 * **measured**: the published step time, ``F / (GPUs × TFLOP/s per GPU)`` with the paper's F (recomputation
   included, :func:`shardplan.models.flops.megatron_flops`);
 * **recipe predicted**: the recipe as it ran (tp, pp, vp, mbs, gbs, ``recompute=full``; the SC'21 rows'
+  ``overlap=none``, Megatron-LM's local DDP reducing the gradients after the pipeline's flush, and
   ``grad_accum=autograd``, the fp16 gradients their code added micro-batch by micro-batch) costed through
   :func:`shardplan.recipe.cost_recipe`, and predicted / measured;
 * **plan predicted**: the search's optimum under the constraints the recipe ran with: the recipe's runtime
@@ -81,11 +82,11 @@ CASES = {
     "small": Case("a100", 64, 64, 24, 2048, 16, "tp=8,pp=2,mbs=1,gbs=64", (1, 2, 4, 8), (8, 16, 32), None,
                   "no published run: a small case that finishes quickly (the recipe is assumed: Megatron's "
                   "layouts, micro-batches of 1 sequence, no recomputation)"),
-    "megatron-39b": Case("a100", 512, 1536, 48, 8192, 64, "tp=8,pp=2,mbs=4,gbs=1536,recompute=full,grad_accum=autograd", (2, 4),
+    "megatron-39b": Case("a100", 512, 1536, 48, 8192, 64, "tp=8,pp=2,mbs=4,gbs=1536,recompute=full,overlap=none,grad_accum=autograd", (2, 4),
                          (12, 48), 138.0, f"{T1}, 39.1B row"),
-    "megatron-76b": Case("a100", 1024, 1792, 60, 10240, 80, "tp=8,pp=4,vp=3,mbs=2,gbs=1792,recompute=full,grad_accum=autograd",
+    "megatron-76b": Case("a100", 1024, 1792, 60, 10240, 80, "tp=8,pp=4,vp=3,mbs=2,gbs=1792,recompute=full,overlap=none,grad_accum=autograd",
                          (4, 8), (28, 56, 112), 140.0, f"{T1}, 76.1B row (5 layers per virtual stage: vp = 60/4/5)"),
-    "megatron-146b": Case("a100", 1536, 2304, 80, 12288, 96, "tp=8,pp=8,vp=2,mbs=2,gbs=2304,recompute=full,grad_accum=autograd",
+    "megatron-146b": Case("a100", 1536, 2304, 80, 12288, 96, "tp=8,pp=8,vp=2,mbs=2,gbs=2304,recompute=full,overlap=none,grad_accum=autograd",
                           (8, 16, 32), (48, 96, 192), 148.0,
                           f"{T1}, 145.6B row (5 layers per virtual stage: vp = 80/8/5)"),
     "gpt3-175b-h100": Case("h100", 1024, 1536, 96, 12288, 96, "tp=8,pp=16,mbs=1,gbs=1536,recompute=full",

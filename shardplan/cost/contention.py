@@ -2,12 +2,12 @@
 
 NCCL runs a collective as one CUDA thread block (CTA) per channel for the collective's whole duration (its
 communicator options ``minCTAs`` / ``maxCTAs`` bound the CTAs it uses; its user guide's "Zero-CTA Optimization"
-exists to take collectives off the SMs). The model
-takes each block to hold one streaming multiprocessor that a product beside it cannot use (a large GEMM's
-thread blocks fill an SM's registers and shared memory, so the two do not share one): a product that overlaps a
-collective runs on ``1 - φ`` of the device's compute while the collective runs, φ = channels / SMs
-(:attr:`~shardplan.machine.Machine.comm_contention`). Memory-bandwidth contention (the collective's own HBM
-traffic) and copy-engine transfers (host offload, which take no SM) are not modelled.
+exists to take collectives off the SMs). The model takes each block to hold one streaming multiprocessor that a
+product beside it cannot use (a large GEMM's thread blocks fill an SM's registers and shared memory, so the two
+do not share one): a product that overlaps a collective runs on ``1 - φ`` of the device's compute while the
+collective runs, φ = channels / SMs (:attr:`~shardplan.machine.Machine.comm_contention`). Memory-bandwidth
+contention (the collective's own HBM traffic) and copy-engine transfers (host offload, which take no SM) are not
+modelled.
 
 With the product W seconds at full speed and the collective C seconds, both started together, let
 W' = W / (1 - φ), the product slowed for its whole length. If C >= W' the collective outlasts the slowed

@@ -1081,10 +1081,11 @@ def exposed(fwd_t: np.ndarray, bwd_t: np.ndarray, hu: np.ndarray, hv: np.ndarray
             share: float = 0.0) -> np.ndarray:
     """Seconds (K_u, K_v) of an edge whose collectives run beside a GEMM: forward and backward each exposed
     ``max(C - H, φ C)`` (φ = ``share``, the collective's share of the device while it runs:
-    :mod:`shardplan.cost.contention`; ``max(C, φ C) = C`` where nothing is lent), with H the larger of the producer's budget ``hu`` (2, K_u) and the consumer's ``hv``
-    (2, K_v) for that direction (rows: forward, backward; :data:`NO_CLAIM` where a side does not lend its GEMM
-    to this edge, counted as 0). One GEMM hides a direction's collective, never the two ends' together: each
-    budget is lent to exactly one edge (:func:`overlap_budgets`), so no compute is counted twice."""
+    :mod:`shardplan.cost.contention`; ``max(C, φ C) = C`` where nothing is lent), with H the larger of the
+    producer's budget ``hu`` (2, K_u) and the consumer's ``hv`` (2, K_v) for that direction (rows: forward,
+    backward; :data:`NO_CLAIM` where a side does not lend its GEMM to this edge, counted as 0). One GEMM hides a
+    direction's collective, never the two ends' together: each budget is lent to exactly one edge
+    (:func:`overlap_budgets`), so no compute is counted twice."""
     out = np.zeros(np.broadcast_shapes(np.shape(fwd_t), np.shape(bwd_t)), dtype=np.float64)
     for row, t in enumerate((fwd_t, bwd_t)):
         h = np.maximum(np.maximum(hu[row][:, None], hv[row][None, :]), 0.0)

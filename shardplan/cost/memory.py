@@ -701,7 +701,7 @@ def choice_table(op: Operator, configs, orders: np.ndarray | None, machine: Mach
     bw = float(machine.host_bandwidth) if use_host else 1.0
     lat = float(machine.host_latency)
     share = float(machine.node_devices)  # devices sharing a node's CPUs and host memory
-    contention = float(getattr(machine, "comm_contention", 0.0))  # a collective's share of the device beside a product
+    contention = float(getattr(machine, "comm_contention", 0.0))  # a collective's share of the device (φ)
 
     def xfer(nbytes: np.ndarray, count) -> np.ndarray:
         """Seconds of ``count`` host copies moving ``nbytes`` in all (none when nothing moves)."""
