@@ -173,3 +173,27 @@ def random_attention_graph(seed: int, core, bandwidths=(1e7, 1e8), prefix: str =
                 latency=float(rng.choice([0.0, 1e-6, 1e-5])), dtype_bytes=4,
                 hbm_bandwidth=[None, 1e9][int(rng.integers(0, 2))])
     return b.build(), m
+
+
+def random_product_graph(seed: int):
+    """A small random graph of products (some outputs read twice), additions and norms over x[8, 8], ending in a
+    product (the overlapped-collective tests: tests/cost/test_overlap_tp.py, test_contention.py)."""
+    from shardplan import ops
+    from shardplan.ir import GraphBuilder
+
+    rng = np.random.default_rng(seed)
+    b = GraphBuilder(f"g{seed}")
+    vals = [b.input("x", (8, 8), needs_grad=True)]
+    vals.append(b.add(ops.dense("fc", vals[0], 8)))
+    for i in range(int(rng.integers(1, 4))):
+        kind = int(rng.integers(0, 4))
+        a = vals[int(rng.integers(1, len(vals)))]
+        if kind in (0, 3):
+            vals.append(b.add(ops.dense(f"fc{i}", a, 8)))
+        elif kind == 1:
+            c = vals[int(rng.integers(0, len(vals)))]
+            vals.append(b.add(ops.elementwise(f"add{i}", a, c, kind="add")))
+        else:
+            vals.append(b.add(ops.layer_norm(f"ln{i}", a)))
+    b.add(ops.dense("out", vals[-1], 8))  # at least one product reads an edge
+    return b.build()

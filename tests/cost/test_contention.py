@@ -19,7 +19,7 @@ from shardplan.layout import Layout, LayoutArrays
 from shardplan.machine import Machine, load_machine_file, preset
 from shardplan.search import solve_dp
 
-from randgraphs import exact_solvers_agree
+from randgraphs import exact_solvers_agree, random_product_graph
 
 
 def _simulated_pair(w: float, c: float, phi: float, steps: int = 200_000) -> float:
@@ -123,22 +123,6 @@ def test_the_input_gradient_beside_the_weight_pass_hides_min_of_w_and_the_rest()
         assert float(got.grad_allreduce[0]) == pytest.approx(plain - min(w, (1 - phi) * plain), rel=1e-12)
 
 
-def _random_graph(seed: int):
-    rng = np.random.default_rng(seed)
-    b = GraphBuilder(f"g{seed}")
-    vals = [b.input("x", (8, 8), needs_grad=True)]
-    vals.append(b.add(ops.dense("fc", vals[0], 8)))
-    for i in range(int(rng.integers(1, 4))):
-        kind = int(rng.integers(0, 3))
-        a = vals[int(rng.integers(1, len(vals)))]
-        if kind in (0, 2):
-            vals.append(b.add(ops.dense(f"fc{i}", a, 8)))
-        else:
-            vals.append(b.add(ops.layer_norm(f"ln{i}", a)))
-    b.add(ops.dense("out", vals[-1], 8))
-    return b.build()
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_dp_bruteforce_and_ilp_agree_under_contention(seed):
     """With every overlap on (chunked tensor-parallel edges, weight syncs, input gradients) and φ > 0 the costs are
@@ -146,7 +130,7 @@ def test_dp_bruteforce_and_ilp_agree_under_contention(seed):
     (the backward a weight's synchronisation occupies is its overlapped length, which contention does not shorten,
     so the edges are lent no more)."""
     rng = np.random.default_rng(seed)
-    g = _random_graph(seed)
+    g = random_product_graph(seed)
     base = Machine(4, peak_flops=float(rng.choice([1e6, 1e7, 1e8])), bandwidth=1e8,
                    latency=float(rng.choice([0.0, 1e-6])), dtype_bytes=4, overlap_grad=True, overlap_dgrad=True)
     free = build_tables(g, base, cutoff=2, orders="row-major", overlap_tp=True)

@@ -25,7 +25,7 @@ from shardplan.models import get_model
 from shardplan.recipe import megatron_layout
 from shardplan.search import solve_dp, solve_ilp
 
-from randgraphs import exact_solvers_agree
+from randgraphs import exact_solvers_agree, random_product_graph
 
 PEAK = 1e9  # FLOP/s: slow enough that a product's pass and its collective are of the same order
 
@@ -256,31 +256,10 @@ def test_the_search_takes_the_overlap_where_it_pays_and_the_dp_matches_the_ilp()
 
 
 # -- exactness: brute force and the ILP agree with the DP ------------------------------------------------------------
-def _random_graph(seed: int):
-    """A small random graph of products (some outputs read twice), additions and norms over x[8, 8], ending in a
-    product."""
-    rng = np.random.default_rng(seed)
-    b = GraphBuilder(f"g{seed}")
-    vals = [b.input("x", (8, 8), needs_grad=True)]
-    vals.append(b.add(ops.dense("fc", vals[0], 8)))
-    for i in range(int(rng.integers(1, 4))):
-        kind = int(rng.integers(0, 4))
-        a = vals[int(rng.integers(1, len(vals)))]
-        if kind in (0, 3):
-            vals.append(b.add(ops.dense(f"fc{i}", a, 8)))
-        elif kind == 1:
-            c = vals[int(rng.integers(0, len(vals)))]
-            vals.append(b.add(ops.elementwise(f"add{i}", a, c, kind="add")))
-        else:
-            vals.append(b.add(ops.layer_norm(f"ln{i}", a)))
-    b.add(ops.dense("out", vals[-1], 8))  # at least one product reads an edge
-    return b.build()
-
-
 @pytest.mark.parametrize("seed", range(8))
 def test_dp_bruteforce_and_ilp_agree_with_overlapped_edges(seed):
     rng = np.random.default_rng(seed)
-    g = _random_graph(seed)
+    g = random_product_graph(seed)
     m = Machine(4, peak_flops=float(rng.choice([1e6, 1e7, 1e8])), bandwidth=1e8,
                 latency=float(rng.choice([0.0, 1e-6, 1e-4])), dtype_bytes=4)
     plain = build_tables(g, m, cutoff=2, orders="row-major", partial_sums=True)
