@@ -134,7 +134,7 @@ class Machine:
             linear's all-reduce, or its reduce-scatter under sequence parallelism) runs beside the product's
             own weight-gradient pass, started once the input gradient is computed (Megatron-LM's asynchronous
             tensor-parallel all-reduce, on by default from 2022, and its sequence-parallel backward;
-            Transformer Engine's linear layers): exposed ``max(C - t_wgrad, 0)``
+            Transformer Engine's linear layers): exposed ``max(C - t_wgrad, φ C)`` (``comm_contention``)
             (:func:`shardplan.cost.operator.operator_cost`, :func:`shardplan.cost.edge.overlap_budgets`).
             False (default): charged in full.
         grad_accum_bytes: HBM bytes per weight-gradient element that adding one more micro-batch's weight

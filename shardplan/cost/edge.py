@@ -1124,7 +1124,7 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
     devices share the input tile and the layout is partial (it leaves the input gradient's sum to the edge;
     otherwise the operator reduces it itself, beside the same W, :func:`~shardplan.cost.operator.operator_cost`):
     the reduction (all-reduce, or reduce-scatter under sequence parallelism) of the input's gradient runs beside
-    it, as Megatron-LM's column-parallel linear runs it, and the edge is charged ``max(C - W, 0)``. W is taken as
+    it, as Megatron-LM's column-parallel linear runs it, and the edge is charged ``max(C - W, φ C)``. W is taken as
     the compute's share of the weights' passes (equal passes).
     """
     from dataclasses import replace

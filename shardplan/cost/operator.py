@@ -60,8 +60,8 @@ configuration c (arrays over the K configurations):
   path and are not overlapped, except with ``overlap_dgrad`` (Megatron-LM's
   asynchronous tensor-parallel all-reduce): an input's gradient all-reduce
   of C seconds runs beside the operator's weight-gradient pass of W seconds
-  and is charged ``max(C - W, 0)``; the weight synchronisation then
-  overlaps only the ``backward - min(C, W)`` seconds left
+  and is charged ``max(C - W, φ C)`` (φ: ``machine.comm_contention``, :mod:`shardplan.cost.contention`);
+  the weight synchronisation then overlaps only the backward seconds left
   (:func:`input_gradient_hidden`);
 * shared parameters: a parameter read by several operators (a tied
   embedding and LM head) has one copy and one state, in the layout of the
@@ -539,7 +539,7 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
                 grad_ar = grad_ar + np.where(deferred, 0.0, allreduce_time(vol * nbytes, gl, machine))
                 g = np.where(deferred, 1, g)
             sent = sent + _ar_sent(vol * nbytes, g)
-    # the input's gradient reduced beside the weight-gradient pass (Machine.overlap_dgrad): max(C - t_wgrad, 0)
+    # the input's gradient reduced beside the weight-gradient pass (Machine.overlap_dgrad): max(C - t_wgrad, φ C)
     hidden = input_gradient_hidden(op, grad_ar, pass_times, machine)
     grad_ar = grad_ar - hidden
     if machine.overlap_grad:
