@@ -177,7 +177,7 @@ def random_attention_graph(seed: int, core, bandwidths=(1e7, 1e8), prefix: str =
 
 def random_product_graph(seed: int):
     """A small random graph of products (some outputs read twice), additions and norms over x[8, 8], ending in a
-    product (the overlapped-collective tests: tests/cost/test_overlap_tp.py, test_contention.py)."""
+    product (the overlapped-collective tests: tests/cost/test_overlap_tp.py, test_overlap_dgrad.py, test_contention.py)."""
     from shardplan import ops
     from shardplan.ir import GraphBuilder
 

@@ -29,8 +29,7 @@ from shardplan.machine import OPTIONAL_FIELDS, Machine, parse_profile, preset
 from shardplan.pipeline.stages import weight_sync
 from shardplan.search import solve_dp
 
-from randgraphs import exact_solvers_agree
-from test_overlap_tp import _random_graph
+from randgraphs import exact_solvers_agree, random_product_graph
 
 B, S, D, E = 2, 16, 32, 64  # x[b, s, d] @ W[d, e]: dims b, s, e, d
 
@@ -176,7 +175,7 @@ def test_a_product_that_reduces_its_input_gradient_itself_lends_nothing_to_its_e
 @pytest.mark.parametrize("seed", range(6))
 def test_dp_bruteforce_and_ilp_agree_with_the_flag_and_it_never_raises_the_optimum(seed):
     rng = np.random.default_rng(100 + seed)
-    g = _random_graph(seed)
+    g = random_product_graph(seed)
     m = Machine(4, peak_flops=float(rng.choice([1e6, 1e7, 1e8])), bandwidth=1e8,
                 latency=float(rng.choice([0.0, 1e-6, 1e-4])), dtype_bytes=4, overlap_grad=bool(seed % 2))
     plain = build_tables(g, m, cutoff=2, orders="row-major", partial_sums=True)
@@ -194,7 +193,7 @@ def test_no_weight_pass_hides_more_than_itself(seed):
     """Soundness on every layout pair of every edge of a random graph: what the flag takes off a product and off
     its input edge together is at most the product's weight-gradient pass (compute / 3, equal passes); an edge
     into an operator without a weight is unchanged."""
-    g = _random_graph(seed)
+    g = random_product_graph(seed)
     m = Machine(4, peak_flops=1e8, bandwidth=1e8, latency=1e-6, dtype_bytes=4)
     plain = build_tables(g, m, cutoff=2, orders="row-major", partial_sums=True)
     t = build_tables(g, replace(m, overlap_dgrad=True), cutoff=2, orders="row-major", partial_sums=True)
