@@ -263,6 +263,27 @@ class Section(Generic[T]):
 
 
 @dataclass(frozen=True)
+class Contention:
+    """One product timed alone and beside back-to-back all-reduces (:func:`_torch_contention`): seconds per
+    product, the product's shape, and whether the all-reduces outlasted the products beside them (else the
+    slowdown is a lower bound)."""
+
+    m: int
+    n: int
+    k: int
+    alone_seconds: float
+    beside_seconds: float
+    collective_bytes: int
+    outlasted: bool
+
+    @property
+    def share(self) -> float:
+        """φ = 1 - alone / beside (docs/cost-model.md, "Contention": a product beside a collective runs at
+        1 - φ of its rate), clipped to [0, 0.95]."""
+        return min(max(1.0 - self.alone_seconds / self.beside_seconds, 0.0), 0.95)
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Everything one run measured, and where: the input of :func:`to_profile`."""
 
@@ -287,6 +308,7 @@ class Calibration:
     host_copies: Section[HostPoint] = Section(skipped="not timed")
     fp8: Section[Fp8Point] = Section(skipped="not timed")
     host_memory_bytes: float | None = None
+    contention: Contention | None = None
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -693,14 +715,71 @@ def _torch_rank(rank: int, world: int, port: int, sizes: Sizes, dtype: str, out:
             t = amortised_seconds(lambda v=v: dist.all_reduce(v), loop, sizes.repeats, sizes.min_loop_seconds,
                                   sizes.max_calls, agree)
             got.append((b, t.seconds))
+        contention = _torch_contention(device, dt, sizes, got[-1], agree)
         if rank == 0:
-            out.put((backend, got))
+            out.put((backend, got, contention))
     finally:
         dist.destroy_process_group()
 
 
-def _torch_collectives(world: int, sizes: Sizes, dtype: str) -> tuple[str, tuple[CollectivePoint, ...]]:
-    """``world`` processes (spawned) in one gloo / NCCL group timing all-reduce; the times of rank 0."""
+def _torch_contention(device: Any, dt: Any, sizes: Sizes, largest: tuple[int, float],
+                       agree: Callable[[int], int]) -> Contention:
+    """The share of the device a running all-reduce takes from a product beside it, on every rank of the group.
+
+    The largest product of ``sizes`` is timed alone (a loop of about ``min_loop_seconds``), then the same loop
+    while back-to-back asynchronous all-reduces of the largest size (``largest``: its bytes and seconds) run on
+    the collective's own stream or thread, as many as cover twice the loop's time alone (all ranks issue the
+    maximum); a loop that ends after its all-reduces is not counted and the next one issues twice as many (at
+    most ``2 * repeats`` loops). Each time is the median of ``repeats`` loops, seconds per product;
+    ``outlasted`` says whether the median is over loops that ran beside the all-reduces throughout (else over
+    the others: a lower bound on the slowdown)."""
+    import torch
+    import torch.distributed as dist
+
+    m, n, k = max(sizes.matmul_shapes, key=lambda s: s[0] * s[1] * s[2])
+    a = torch.randn(m, k, dtype=dt, device=device)
+    b = torch.randn(k, n, dtype=dt, device=device)
+
+    def products(calls: int) -> float:
+        """Seconds per product of ``calls`` back-to-back products (the products' stream only)."""
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return (time.perf_counter() - t0) / calls
+
+    products(1)
+    first = products(1)
+    calls = calls_for(first, 1, sizes.min_loop_seconds, sizes.max_calls)
+    alone = statistics.median(products(calls) for _ in range(sizes.repeats))
+    nbytes, each = largest
+    v = torch.zeros(max(1, nbytes // a.element_size()), dtype=dt, device=device)
+    cap = 10_000
+    count = agree(min(max(1, math.ceil(2.0 * alone * calls / max(each, 1e-9))), cap))
+    beside, covered = [], []
+    for _ in range(2 * sizes.repeats):  # loops the all-reduces did not outlast are retried with twice as many
+        dist.barrier()
+        handles = [dist.all_reduce(v, async_op=True) for _ in range(count)]
+        seconds = products(calls)
+        still_running = not all(h.is_completed() for h in handles)
+        for h in handles:
+            h.wait()
+        _torch_sync(device)
+        (covered if still_running else beside).append(seconds)
+        if not still_running:
+            count = min(2 * count, cap)
+        count = agree(count)  # every rank issues as many all-reduces as the one that needs most
+        if agree(int(len(covered) < sizes.repeats)) == 0:  # the ranks stop together, once each has its loops
+            break
+    outlasted = bool(covered)
+    return Contention(m, n, k, alone, statistics.median(covered or beside), nbytes, outlasted)
+
+
+def _torch_collectives(world: int, sizes: Sizes, dtype: str) -> tuple[str, tuple[CollectivePoint, ...],
+                                                                      Contention]:
+    """``world`` processes (spawned) in one gloo / NCCL group timing all-reduce and its contention with a
+    product (:func:`_torch_contention`); the times of rank 0."""
     import multiprocessing as mp
     import queue
 
@@ -711,7 +790,7 @@ def _torch_collectives(world: int, sizes: Sizes, dtype: str) -> tuple[str, tuple
     for proc in procs:
         proc.start()
     try:
-        backend, got = out.get(timeout=600)
+        backend, got, contention = out.get(timeout=600)
     except queue.Empty:  # a rank failed; its error is on stderr
         raise ShardplanError(f"calibrate: the {world} torch.distributed processes did not report all-reduce times "
                              f"(see their errors above)") from None
@@ -720,7 +799,7 @@ def _torch_collectives(world: int, sizes: Sizes, dtype: str) -> tuple[str, tuple
             proc.join(60)
             if proc.is_alive():
                 proc.terminate()
-    return backend, tuple(CollectivePoint(b, t, world) for b, t in got)
+    return backend, tuple(CollectivePoint(b, t, world) for b, t in got), contention
 
 
 def measure_torch(devices: int = 1, sizes: Sizes | None = None, dtype: str = "fp32") -> Calibration:
@@ -737,8 +816,9 @@ def measure_torch(devices: int = 1, sizes: Sizes | None = None, dtype: str = "fp
     memory = float(torch.cuda.get_device_properties(device).total_memory) if cuda else None
     sm = int(torch.cuda.get_device_properties(device).multi_processor_count) if cuda else None
     backend, collectives, note = "", (), "one process, no process group: no collective to time"
+    contention = None
     if devices > 1:
-        backend, collectives = _torch_collectives(devices, sizes, dtype)
+        backend, collectives, contention = _torch_collectives(devices, sizes, dtype)
         note = ""
     return Calibration("torch", devices, kind, dtype, _now(),
                        _host({"torch": torch.__version__, "device": str(device),
@@ -749,7 +829,7 @@ def measure_torch(devices: int = 1, sizes: Sizes | None = None, dtype: str = "fp
                        sm_source=(f"torch.cuda.get_device_properties({device.index}).multi_processor_count of {kind}"
                                   if cuda else "no CUDA device: CPU only"),
                        attention=got.attention, host_copies=got.host_copies, fp8=got.fp8,
-                       host_memory_bytes=_host_memory() if got.host_copies.rows else None)
+                       host_memory_bytes=_host_memory() if got.host_copies.rows else None, contention=contention)
 
 
 def calibrate(engine: str, devices: int | None = None, quick: bool = False, dtype: str = "fp32") -> Calibration:
@@ -898,9 +978,23 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
     src["grad_accum_bytes"] = (f"{said}: not measured: shardplan's default, 0 (weight gradients accumulated inside "
                                "their products); a recipe's grad_accum=autograd sets 3 x dtype_bytes (see Machine's "
                                "docstring)")
-    src["comm_contention"] = (f"{said}: not measured: shardplan's default, 0 (an overlapped collective costs the "
-                              "product beside it nothing); NCCL's channels / SMs where known (see the a100 and h100 "
-                              "profiles and docs/cost-model.md, 'Contention')")
+    contention = 0.0
+    if cal.contention is not None:
+        c = cal.contention
+        contention = round(c.share, 3)
+        short = "" if c.outlasted else " (the all-reduces never outlasted a loop: a lower bound)"
+        src["comm_contention"] = (
+            f"{by}: a {c.m}x{c.k} @ {c.k}x{c.n} product {_g(c.alone_seconds)} s alone and {_g(c.beside_seconds)} s "
+            f"beside back-to-back all-reduces of {fmt_bytes(c.collective_bytes)} ({cal.collective_library}), "
+            f"median of loops, all {p} devices at once: 1 - alone / beside = "
+            f"{_g(1.0 - c.alone_seconds / c.beside_seconds)}{short}, clipped to [0, 0.95] (docs/cost-model.md, "
+            f"'Contention')")
+    else:
+        why = "one device: no collective beside a product" if p == 1 else f"not timed through {cal.engine}"
+        src["comm_contention"] = (f"{said}: not measured ({why}): "
+                                  "shardplan's default, 0 (an overlapped collective costs the product beside it "
+                                  "nothing); NCCL's channels / SMs where known (the a100 and h100 profiles, "
+                                  "docs/cost-model.md, 'Contention')")
     fp8 = max((r.rate for r in cal.fp8.rows), default=None)
     if cal.fp8.rows:
         top8 = max(cal.fp8.rows, key=lambda r: r.rate)
@@ -972,7 +1066,7 @@ def to_profile(cal: Calibration, name: str | None = None) -> Any:
                       fp8_efficiency=fp8_eff, host_bandwidth=host_bw, host_latency=host_alpha,
                       host_memory_bytes=host_memory,
                       sm_count=cal.sm_count or None, gemm_tiles=GEMM_TILES if cal.sm_count else None,
-                      attention_efficiency=attention_eff)
+                      attention_efficiency=attention_eff, comm_contention=contention)
     host = ", ".join(f"{k} {v}" for k, v in cal.host)
     description = (f"Measured by shardplan calibrate --engine {cal.engine} on {cal.date}: {p} x {cal.device_kind} "
                    f"({cal.dtype}); host: {host}. Rates are per device with {together}; every time is {timed}. "
@@ -1009,6 +1103,13 @@ def measurements(cal: Calibration) -> dict[str, Any]:
                        "dispatch_seconds": cal.dispatch_seconds,
                        "sizes": [{"bytes_per_device": c.bytes, "seconds": c.seconds,
                                   "bus_bytes_per_second": c.bus_bandwidth} for c in cal.collectives]},
+        "contention": ({"m": cal.contention.m, "n": cal.contention.n, "k": cal.contention.k,
+                        "product_seconds_alone": cal.contention.alone_seconds,
+                        "product_seconds_beside_all_reduce": cal.contention.beside_seconds,
+                        "all_reduce_bytes": cal.contention.collective_bytes,
+                        "all_reduces_outlasted_the_products": cal.contention.outlasted,
+                        "share": cal.contention.share}
+                       if cal.contention is not None else {"skipped": "no collective beside a product was timed"}),
         "attention": _section(
             cal.attention,
             [{"batch": r.batch, "heads": r.heads, "seq": r.seq, "head_dim": r.head_dim, "causal": True,

@@ -359,6 +359,20 @@ def test_calibrate_torch_two_gloo_processes(tmp_path):
     assert len(meas["all_reduce"]["sizes"]) == len(QUICK.collective_bytes)
     m = load_machine_file(out, 2)
     assert 1e5 < m.bandwidth < 1e13 and 0 <= m.latency < 0.1
+    # a product alone and beside back-to-back all-reduces: the share the collective takes, measured
+    c = meas["contention"]
+    assert c["product_seconds_alone"] > 0 and c["product_seconds_beside_all_reduce"] > 0
+    assert c["all_reduce_bytes"] == max(QUICK.collective_bytes)
+    assert 0.0 <= m.comm_contention <= 0.95 and m.comm_contention == round(c["share"], 3)
+    assert "1 - alone / beside" in read_profile(out).sources["comm_contention"]
+
+
+def test_contention_share_is_one_minus_alone_over_beside_clipped():
+    from shardplan.calibrate import Contention
+
+    assert Contention(8, 8, 8, 1.0, 1.25, 1024, True).share == pytest.approx(0.2)
+    assert Contention(8, 8, 8, 1.0, 0.9, 1024, True).share == 0.0  # faster beside: noise, no contention
+    assert Contention(8, 8, 8, 1.0, 100.0, 1024, False).share == 0.95  # capped below 1 (Machine refuses 1)
 
 
 def test_bad_input_is_one_line_exit_2(capsys):
