@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from shardplan.configs import ORDER_MODES, configurations, dimension_orders, flat_layouts, layouts, with_partial
-from shardplan.cost.edge import EdgeMemo, edge_cost, edge_volumes, overlap_budgets, weight_edge_cost
+from shardplan.cost.edge import EdgeMemo, chunk_extras, edge_cost, edge_volumes, overlap_budgets, weight_edge_cost
 from shardplan.cost.memory import operator_memory, strategy_memory
 from shardplan.cost.operator import PARTS, OpCost, operator_cost, optimizer_step_bytes
 from shardplan.cost.grad_home import home_bytes, home_moved, home_moved_bytes, home_pairs, home_reduction, unfed_slots
@@ -394,15 +394,19 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
     # which edge each operator lends its compute to: overlap_tp's chunks, or the input-gradient reductions
     # beside the weight-gradient pass of Machine.overlap_dgrad where partial layouts leave them to the edges
     shape = _lending_shape(graph) if overlap_tp or machine.overlap_dgrad else None
-    budgets: dict[tuple, tuple[np.ndarray, np.ndarray]] = store.setdefault("overlap_budgets", {})
+    budgets: dict[tuple, tuple[np.ndarray, ...]] = store.setdefault("overlap_budgets", {})
 
-    def budget(i: int) -> tuple[np.ndarray, np.ndarray]:
+    def budget(i: int) -> tuple[np.ndarray, ...]:
+        """(producer's budget, consumer's budget, producer's chunk cost, consumer's chunk cost) of operator i."""
         assert shape is not None
         bkey = (keys[i], shape[0][i], shape[1][i])
         if bkey not in budgets:
             row = per_key[keys[i]]
-            budgets[bkey] = overlap_budgets(ops[i], row[1], row[2].compute, machine, shape[0][i], shape[1][i],
-                                            chunked=overlap_tp)
+            lent = overlap_budgets(ops[i], row[1], row[2].compute, machine, shape[0][i], shape[1][i],
+                                   chunked=overlap_tp)
+            cost = chunk_extras(ops[i], row[1], machine, shape[0][i], shape[1][i]) if overlap_tp else \
+                (np.zeros_like(lent[0]), np.zeros_like(lent[1]))
+            budgets[bkey] = (*lent, *cost)
         return budgets[bkey]
 
     for n_done, e in enumerate(graph.edges):
@@ -411,9 +415,11 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
             ekey += (shape[0][e.src], shape[1][e.dst])
         if ekey not in edge_cache:
             ku, kv = per_key[keys[e.src]], per_key[keys[e.dst]]
-            hide = None if shape is None else (budget(e.src)[0], budget(e.dst)[1])
+            hide = extra = None
+            if shape is not None:
+                hide, extra = (budget(e.src)[0], budget(e.dst)[1]), (budget(e.src)[2], budget(e.dst)[3])
             edge_cache[ekey] = edge_cost(ops[e.src], ku[1], ops[e.dst], e.slot, kv[1], machine, memo=memo, hide=hide,
-                                         max_devices=max_devices)
+                                         max_devices=max_devices, extra=extra)
             if context == "allgather" and gathered_applies(ops[e.dst], machine):
                 edge_cache[ekey] = edge_cache[ekey] + gathered_charge(ops[e.dst], e.slot, kv[1], machine,
                                                                       kv[2].compute)[None, :] \

@@ -87,8 +87,8 @@ from shardplan.ir import Operator
 from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
-__all__ = ["edge_volumes", "edge_cost", "overlap_budgets", "exposed", "NO_CLAIM", "deferred_reductions", "scatters",
-           "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES", "step_volumes",
+__all__ = ["edge_volumes", "edge_cost", "overlap_budgets", "chunk_extras", "chunk_dims", "exposed", "NO_CLAIM",
+           "deferred_reductions", "scatters", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES", "step_volumes",
            "weight_edge_cost", "weight_sync", "weight_views", "pattern_applies"]
 
 _CHUNK_ELEMS = 1 << 22
@@ -1019,7 +1019,8 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
               ou: np.ndarray | None = None, ov: np.ndarray | None = None,
               volumes: tuple[np.ndarray, np.ndarray] | None = None, memo: EdgeMemo | None = None,
               hide: tuple[np.ndarray, np.ndarray] | None = None, analytic: bool = True,
-              max_devices: int = MAX_DEVICES) -> np.ndarray:
+              max_devices: int = MAX_DEVICES,
+              extra: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Seconds to redistribute the tensor of edge u -> v (input ``slot``), forward + backward: (K_u, K_v).
 
     Volumes are exact per device (:func:`edge_volumes`): the forward tensor
@@ -1038,7 +1039,9 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     (``V_0 = 0``) is thereby charged at the node's links, whatever the
     sender's layout spans; one that must cross nodes pays the inter-node
     link for the part that crosses. On one level this is ``V / B + α``. ``max_devices``: as
-    :func:`edge_volumes`'.
+    :func:`edge_volumes`'. ``hide``: the two ends' lent budgets (:func:`overlap_budgets`) and ``extra`` what
+    chunking costs each end (:func:`chunk_extras`), both (producer's (2, K_u), consumer's (2, K_v)): the edge is
+    then charged what :func:`exposed` leaves of its collectives.
     """
     p = machine.num_devices
     lu = as_layouts(cu, p, ou, machine.levels)
@@ -1069,7 +1072,8 @@ def edge_cost(u: Operator, cu, v: Operator, slot: int, cv, machine: Machine,
     if lu.partial is not None or lv.partial is not None:
         fwd_t, bwd_t = deferred_reductions(u, lu, v, slot, lv, machine, fwd_t, bwd_t)
     if hide is not None:
-        return exposed(fwd_t, bwd_t, hide[0], hide[1], machine.comm_contention)
+        eu, ev = (None, None) if extra is None else extra
+        return exposed(fwd_t, bwd_t, hide[0], hide[1], machine.comm_contention, eu, ev)
     return fwd_t + bwd_t
 
 
@@ -1078,18 +1082,28 @@ NO_CLAIM = -1.0
 
 
 def exposed(fwd_t: np.ndarray, bwd_t: np.ndarray, hu: np.ndarray, hv: np.ndarray,
-            share: float = 0.0) -> np.ndarray:
-    """Seconds (K_u, K_v) of an edge whose collectives run beside a GEMM: forward and backward each exposed
-    ``max(C - H, φ C)`` (φ = ``share``, the collective's share of the device while it runs:
-    :mod:`shardplan.cost.contention`; ``max(C, φ C) = C`` where nothing is lent), with H the larger of the
-    producer's budget ``hu`` (2, K_u) and the consumer's ``hv`` (2, K_v) for that direction (rows: forward,
-    backward; :data:`NO_CLAIM` where a side does not lend its GEMM to this edge, counted as 0). One GEMM hides a
-    direction's collective, never the two ends' together: each budget is lent to exactly one edge
-    (:func:`overlap_budgets`), so no compute is counted twice."""
+            share: float = 0.0, eu: np.ndarray | None = None, ev: np.ndarray | None = None) -> np.ndarray:
+    """Seconds (K_u, K_v) of an edge whose collectives run beside a GEMM, per direction (rows: forward,
+    backward) the least of
+
+        C                              (nothing cut into chunks)
+        max(C - H_s, φ C) + E_s        (the collective beside side s's chunked GEMM)
+
+    over the sides s that lend to this edge: H_s the producer's budget ``hu`` (2, K_u) or the consumer's ``hv``
+    (2, K_v) (:data:`NO_CLAIM` where a side lends nothing here), E_s what the chunks cost that GEMM, ``eu`` /
+    ``ev`` (same shapes, 0 if not given: :func:`chunk_extras`), φ = ``share`` (the collective's share of the
+    device while it runs: :mod:`shardplan.cost.contention`). With E = 0 this is ``max(C - H, φ C)`` with H the
+    larger budget. One GEMM hides a direction's collective, never the two ends' together: each budget is lent
+    to exactly one edge (:func:`overlap_budgets`), so no compute is counted twice; and a runtime chunks a product
+    only where that pays (the least above)."""
     out = np.zeros(np.broadcast_shapes(np.shape(fwd_t), np.shape(bwd_t)), dtype=np.float64)
     for row, t in enumerate((fwd_t, bwd_t)):
-        h = np.maximum(np.maximum(hu[row][:, None], hv[row][None, :]), 0.0)
-        out += exposed_beside(t, h, share)
+        best = np.broadcast_to(np.asarray(t, dtype=np.float64), out.shape)
+        for h, e in ((hu[row][:, None], None if eu is None else eu[row][:, None]),
+                     (hv[row][None, :], None if ev is None else ev[row][None, :])):
+            cand = exposed_beside(t, np.maximum(h, 0.0), share) + (0.0 if e is None else e)
+            best = np.minimum(best, np.where(h >= 0.0, cand, np.inf))
+        out += best
     return out
 
 
@@ -1124,8 +1138,10 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
     devices share the input tile and the layout is partial (it leaves the input gradient's sum to the edge;
     otherwise the operator reduces it itself, beside the same W, :func:`~shardplan.cost.operator.operator_cost`):
     the reduction (all-reduce, or reduce-scatter under sequence parallelism) of the input's gradient runs beside
-    it, as Megatron-LM's column-parallel linear runs it, and the edge is charged ``max(C - W, φ C)``. W is taken as
-    the compute's share of the weights' passes (equal passes).
+    it, as Megatron-LM's column-parallel linear runs it, and the edge is charged ``max(C - W, φ C)``.
+
+    Each pass is taken as its share of ``compute``: as :func:`~shardplan.cost.operator.operator_cost` costs the
+    passes one by one (each product at its own tile and wave utilisation), else equal passes.
     """
     from dataclasses import replace
 
@@ -1137,8 +1153,18 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
         return none, none.copy()
     names = op.dim_names
     passes = op.passes
-    fwd = np.asarray(compute, dtype=np.float64) / passes
-    bwd = np.asarray(compute, dtype=np.float64) - fwd
+    compute = np.asarray(compute, dtype=np.float64)
+    n_w = sum(1 for t in op.grad_tensors if t.role == "weight")
+    each = operator_cost(op, lay, machine).pass_seconds
+    fwd_share, w_share = np.full(k, 1.0 / passes), np.full(k, n_w / passes)
+    if each is not None:
+        total = each.sum(axis=0)
+        w_rows = [1 + i for i, t in enumerate(op.grad_tensors) if t.role == "weight"]
+        ok = total > 0
+        fwd_share = np.where(ok, each[0] / np.where(ok, total, 1.0), fwd_share)
+        w_share = np.where(ok, each[w_rows].sum(axis=0) / np.where(ok, total, 1.0), w_share)
+    fwd = compute * fwd_share
+    bwd = compute - fwd
     if (machine.overlap_grad or machine.overlap_dgrad) and passes > 1:  # backward seconds already hiding
         plain = operator_cost(op, lay, replace(machine, overlap_grad=False, overlap_dgrad=False))
         # the seconds of the backward those collectives occupy: their overlapped length, which contention does not
@@ -1147,30 +1173,80 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
         bwd = np.maximum(bwd - (plain.grad_allreduce - mine.grad_allreduce), 0.0)
     if not chunked:
         cons = none.copy()
-        n_w = sum(1 for t in op.grad_tensors if t.role == "weight")
         if not machine.overlap_dgrad or input_slot is None or not n_w:
             return none, cons
         read = {a.dim for a in op.inputs[input_slot].axes if a.dim is not None}
         shared = [j for j, d in enumerate(names) if d not in read]
         g_in = lay.group_sizes(shared).prod(axis=0) if shared else np.ones(k, dtype=np.int64)
-        wgrad = np.minimum(np.asarray(compute, dtype=np.float64) * n_w / passes, bwd)
+        wgrad = np.minimum(compute * w_share, bwd)
         # only a partial layout leaves the reduction to the edge; otherwise the operator's own all-reduce has
         # already taken min(C, W) of the same pass (operator_cost), which must not be lent a second time
         cons[1] = np.where((g_in > 1) & lay.deferred, wgrad, NO_CLAIM)
         return none, cons
+    (produces, g_out), (takes, g_in) = _lends(op, lay, single_consumer, input_slot)
+    ep, ec = chunk_extras(op, lay, machine, single_consumer, input_slot)
+    prod = np.where(produces[None, :], np.stack([fwd + ep[0], bwd + ep[1]]) * ((g_out - 1) / g_out)[None, :],
+                    NO_CLAIM)
+    cons = np.where(takes[None, :], np.stack([fwd + ec[0], bwd + ec[1]]) * ((g_in - 1) / g_in)[None, :], NO_CLAIM)
+    return prod, cons
+
+
+def _lends(op: Operator, lay: LayoutArrays, single_consumer: bool,
+           input_slot: int | None) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Which layouts of the contraction ``op`` lend their passes to an overlapped collective, and over how many
+    chunks: ``((produces, g_out), (takes, g_in))``, (K,) each: to the consumer edge (the reduction of its
+    partial sums over g_out) or to the input edge (the gather of its input tile among g_in devices); never
+    both (:func:`overlap_budgets`)."""
+    names = op.dim_names
+    k = len(lay.splits)
     g_out = lay.group_sizes([names.index(d) for d in op.reduction_dims]).prod(axis=0)
     produces = np.zeros(k, dtype=bool)
     if single_consumer and lay.partial is not None and forward_deferrable(op):
         produces = lay.partial & (g_out > 1)
-    prod = np.where(produces[None, :], np.stack([fwd * (g_out - 1) / g_out, bwd * (g_out - 1) / g_out]), NO_CLAIM)
-    cons = none.copy()
+    g_in = np.ones(k, dtype=np.int64)
     if input_slot is not None:
         read = {a.dim for a in op.inputs[input_slot].axes if a.dim is not None}
         shared = [j for j, d in enumerate(names) if d not in read]
-        g_in = lay.group_sizes(shared).prod(axis=0) if shared else np.ones(k, dtype=np.int64)
-        takes = ~produces & (g_in > 1)
-        cons = np.where(takes[None, :], np.stack([fwd * (g_in - 1) / g_in, bwd * (g_in - 1) / g_in]), NO_CLAIM)
-    return prod, cons
+        if shared:
+            g_in = lay.group_sizes(shared).prod(axis=0)
+    takes = ~produces & (g_in > 1)
+    return (produces, g_out), (takes, g_in)
+
+
+def chunk_dims(op: Operator, slot: int | None) -> list[int]:
+    """The dims (indices into ``op.dims``) along which an overlapped collective cuts the product ``op``: those
+    its output shares with the activation operand (input ``slot``; the first input for the reduction of its
+    output) and with no other operand: a linear layer's tokens, the rows of its forward and input-gradient
+    products and the sum of its weight-gradient product."""
+    if not op.inputs:
+        return []
+    epilogue = {t.name for t in op.epilogue_tensors}
+    a = op.inputs[0 if slot is None else slot]
+    others = [t for t in op.inputs + op.weights if t is not a and t.name not in epilogue]
+    return [i for i, d in enumerate(op.dim_names)
+            if d in op.output.dims and d in a.dims and not any(d in t.dims for t in others)]
+
+
+def chunk_extras(op: Operator, lay: LayoutArrays, machine: Machine, single_consumer: bool,
+                 input_slot: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """What cutting a lending product into chunks costs it: ``(as producer (2, K), as consumer (2, K))`` seconds
+    (rows: forward, backward passes), 0 where the layout does not lend on that side (:func:`overlap_budgets`).
+
+    The g chunks are g calls, each quantised into tiles and waves on its own
+    (:func:`shardplan.cost.operator.chunk_seconds`, along :func:`chunk_dims`); the weight-gradient product
+    sums over the cut and is one call. :func:`exposed` charges it to the edge that takes the budget, and only
+    where chunking pays."""
+    from shardplan.cost.operator import chunk_seconds
+
+    k = len(lay.splits)
+    out = []
+    for (lends, g), slot in zip(_lends(op, lay, single_consumer, input_slot), (None, input_slot)):
+        extra = np.zeros((2, k))
+        if op.reduction_dims and machine.shaped_gemms and lends.any():
+            d = chunk_seconds(op, lay.splits, machine, chunk_dims(op, slot), g)
+            extra = np.where(lends[None, :], np.stack([d[0], d[1:].sum(axis=0)]), 0.0)
+        out.append(extra)
+    return out[0], out[1]
 
 
 def deferred_reductions(u: Operator, lu: LayoutArrays, v: Operator, slot: int, lv: LayoutArrays, machine: Machine,

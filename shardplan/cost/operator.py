@@ -101,6 +101,7 @@ every neighbour is inside the node.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -118,7 +119,7 @@ from shardplan.ir import Operator
 from shardplan.machine import Machine
 
 __all__ = ["PARTS", "OpCost", "operator_cost", "recurrence_cost", "tile_volume", "distinct_splits", "gemm_utilisation",
-           "gemm_passes", "pass_utilisation", "optimizer_elements", "optimizer_step_seconds",
+           "gemm_passes", "pass_utilisation", "chunk_seconds", "optimizer_elements", "optimizer_step_seconds",
            "optimizer_step_bytes", "optimizer_step_rate", "grad_accumulation_seconds", "converts"]
 
 
@@ -150,6 +151,7 @@ class OpCost:
     recurrence: np.ndarray
     optimizer: np.ndarray
     comm_bytes: np.ndarray  # bytes each device sends inside the operator (fwd + bwd), for checking
+    pass_seconds: np.ndarray | None = None  # (passes, K): each pass's compute where costed pass by pass, else None
 
     @cached_property
     def communication(self) -> np.ndarray:
@@ -309,10 +311,16 @@ def gemm_passes(op: Operator) -> list[tuple[list[int], list[int], list[int]] | N
     return out
 
 
-def pass_utilisation(op: Operator, configs: np.ndarray, machine: Machine) -> np.ndarray:
+def pass_utilisation(op: Operator, configs: np.ndarray, machine: Machine,
+                     chunk: tuple[Sequence[int], np.ndarray] | None = None) -> np.ndarray:
     """u of every pass of ``op`` under every configuration: (passes, K), 1 where a pass is no matrix product
     (:func:`gemm_passes`) or the machine has neither multiprocessors nor an alignment rule. A device's product
     has the extents of its tile, ``ceil(E_d / c_d)`` per dim (:func:`gemm_utilisation`).
+
+    ``chunk = (dims, g)``: the product cut into ``g`` (K,) calls along ``dims`` (indices into ``op.dims``), as an
+    overlapped collective cuts it (:func:`shardplan.cost.edge.chunk_seconds`): in each pass the group of
+    ``(batch, rows, cols)`` holding those dims has ``ceil(extent / g)`` instead; a pass that sums over them (the
+    weight gradient of a product chunked along its tokens) is one call, unchanged.
 
     On a machine with ``gemm_align`` = a, a pass whose rows, columns or contraction (each the product of its
     dims' local extents) is not a multiple of a runs at ``gemm_unaligned_efficiency`` of its rate: u is
@@ -331,6 +339,11 @@ def pass_utilisation(op: Operator, configs: np.ndarray, machine: Machine) -> np.
         if spec is None:
             continue
         batch, rows, cols = (local[:, idx].prod(axis=1) for idx in spec)
+        if chunk is not None:
+            cut = next((j for j, idx in enumerate((spec[1], spec[2], spec[0])) if set(chunk[0]) & set(idx)), None)
+            if cut is not None:
+                g = np.asarray(chunk[1], dtype=np.int64)
+                rows, cols, batch = [-(-x // g) if j == cut else x for j, x in enumerate((rows, cols, batch))]
         if machine.tiled:
             out[i] = gemm_utilisation(batch, rows, cols, machine)
         if aligned:
@@ -340,6 +353,32 @@ def pass_utilisation(op: Operator, configs: np.ndarray, machine: Machine) -> np.
             off = (rows % a != 0) | (cols % a != 0) | (contraction % a != 0)
             out[i] = np.where(off, out[i] * float(machine.gemm_unaligned_efficiency), out[i])  # type: ignore[arg-type]
     return out
+
+
+def chunk_seconds(op: Operator, configs: np.ndarray, machine: Machine, dims: Sequence[int],
+                  g: np.ndarray) -> np.ndarray:
+    """Seconds (passes, K) each pass of ``op`` takes more when cut into ``g`` (K,) calls along ``dims``
+    (:func:`pass_utilisation`'s ``chunk``): with f the pass's FLOPs on a device and R the achievable rate,
+
+        extra = f / (R u_chunk) - f / (R u)          (at least 0)
+
+    u and u_chunk the tile and wave utilisation of the whole product and of one chunk (each chunk is its own
+    call with its own waves). 0 on a machine whose products' rate does not depend on their shape, for a pass
+    that is no matrix product, and for one that sums over ``dims`` (one call). The products are taken as bound
+    by compute (their memory traffic does not change with the cut). Floored at 0: the tile model can find a
+    chunk's shape quantised better than the whole's, and a runtime would then run the whole at the chunk's
+    tile (its g calls are never faster than the product they split)."""
+    configs = np.asarray(configs, dtype=np.int64)
+    passes = 1 + len(op.grad_tensors)
+    if not machine.shaped_gemms or not len(dims):
+        return np.zeros((passes, len(configs)))
+    ext = np.asarray([e for _, e in op.dims], dtype=np.float64)
+    flops = op.flops_per_point * np.prod(ext[None, :] / configs, axis=1)
+    if op.causal is not None:
+        flops = flops * causal_fractions(op, configs)[0]
+    u = pass_utilisation(op, configs, machine)
+    uc = pass_utilisation(op, configs, machine, chunk=(dims, g))
+    return np.maximum(flops[None, :] / machine.achievable_flops * (1.0 / uc - 1.0 / u), 0.0)
 
 
 def _group(op: Operator, lay: LayoutArrays, dims) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -589,7 +628,7 @@ def operator_cost(op: Operator, configs, machine: Machine, orders: np.ndarray | 
         step_bytes = optimizer_step_bytes(2.0, machine.dtype_bytes)
     opt = optimizer_step_seconds(optimizer_elements(op, lay, p), machine, step_bytes)
 
-    return OpCost(compute, fwd_ar, grad_ar, halo, stats, rec, opt, sent)
+    return OpCost(compute, fwd_ar, grad_ar, halo, stats, rec, opt, sent, pass_times)
 
 
 def wgrad_seconds(op: Operator, pass_times: np.ndarray) -> np.ndarray:

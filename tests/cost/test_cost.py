@@ -416,7 +416,7 @@ def test_one_list_of_breakdown_parts():
 
     from shardplan.cost import BREAKDOWN, PARTS, OpCost
 
-    assert {f.name for f in fields(OpCost)} == {*PARTS, "comm_bytes"}
+    assert {f.name for f in fields(OpCost)} == {*PARTS, "comm_bytes", "pass_seconds"}
     c = cost_of(CONV, (1, 1, 4, 1, 1, 1, 1), machine(4))
     assert list(c.parts(0)) == list(PARTS)
     assert sum(c.parts(0).values()) == pytest.approx(c.total[0])

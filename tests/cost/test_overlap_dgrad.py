@@ -256,8 +256,8 @@ def test_a_tensor_parallel_recipe_saves_exactly_the_hidden_input_gradient_second
 def test_a_sequence_parallel_recipe_hides_the_reduce_scatters_on_the_edges():
     """tp=4, sp=true: the column-parallel products are partial, their input gradients reduce-scattered on the
     edges from the sequence-split norms; with overlap=dgrad each such edge's backward is charged
-    max(C - W, 0), W the product's compute times its weight gradients / passes (equal passes): the
-    redistribution falls by their sum."""
+    max(C - W, 0), W the product's weight-gradient pass (its compute less that of the same product with frozen
+    weights): the redistribution falls by their sum."""
     g, m, none, dgrad = _recipe_pair(sp=True)
     assert dgrad.step_time < none.step_time
     assert none.breakdown["grad_allreduce"] == dgrad.breakdown["grad_allreduce"]
@@ -277,8 +277,8 @@ def test_a_sequence_parallel_recipe_hides_the_reduce_scatters_on_the_edges():
         full = edge_cost(u, lu, v, e.slot, lv, mm)[0, 0]
         no_bwd = edge_cost(u, lu, v, e.slot, lv, mm,
                            hide=(np.full((2, 1), NO_CLAIM), np.array([[NO_CLAIM], [np.inf]])))[0, 0]
-        n_w = sum(1 for t in v.grad_tensors if t.role == "weight")
-        W = tables.op_costs[e.dst].compute[a[e.dst]] * n_w / v.passes
+        frozen = replace(v, weights=tuple(replace(w, needs_grad=False) for w in v.weights))
+        W = operator_cost(v, lv, m).compute[0] - operator_cost(frozen, lv, m).compute[0]  # the weight-gradient pass
         hidden += min(full - no_bwd, W)
         lenders += 1
     assert lenders >= 2 * SIZES["layers"]  # qkv and ffn1 of every layer

@@ -205,8 +205,9 @@ def _tp_sp_tables(graph, m, tp, overlap):
 def test_overlapped_sequence_parallelism_hides_each_gather_and_reduce_scatter_behind_its_product():
     """Every sequence-parallel edge that meets a product on one side: its forward and backward collectives are
     exposed max(C - G 7/8, φ C) with G that product's pass and φ the a100 profile's contention; the embedding
-    (read by two operators) lends nothing."""
-    m = preset("a100", 8)
+    (read by two operators) lends nothing. On the plain roofline (no tiles: chunking costs the products nothing;
+    what it costs is tested below)."""
+    m = replace(preset("a100", 8), sm_count=None, gemm_tiles=None)
     g = get_model("gpt", 4, **BIG)
     plain = _tp_sp_tables(g, m, 8, False)
     ov = _tp_sp_tables(g, m, 8, True)
@@ -240,8 +241,11 @@ def test_overlapped_sequence_parallelism_hides_each_gather_and_reduce_scatter_be
     assert p1.evaluate(sp) < p0.evaluate(sp)
 
 
-def test_the_search_takes_the_overlap_where_it_pays_and_the_dp_matches_the_ilp():
-    m = preset("a100", 8)
+@pytest.mark.parametrize("tiled", [False, True])
+def test_the_search_takes_the_overlap_where_it_pays_and_the_dp_matches_the_ilp(tiled):
+    """On the plain roofline the overlap pays; with the a100's tiles and waves the chunks of these small products
+    (d_model 1024 over 8 devices: 128 columns each) cost more than they hide, and the search does not take it."""
+    m = preset("a100", 8) if tiled else replace(preset("a100", 8), sm_count=None, gemm_tiles=None)
     g = get_model("gpt", 4, **{**BIG, "layers": 1})
     costs = {}
     for ov in (False, True):
@@ -252,7 +256,10 @@ def test_the_search_takes_the_overlap_where_it_pays_and_the_dp_matches_the_ilp()
         if ov:
             ilp = solve_ilp(problem, time_limit=120)
             assert ilp.optimal and ilp.cost == pytest.approx(sol.cost, rel=1e-6)
-    assert costs[True] < costs[False]
+    if tiled:
+        assert costs[True] == costs[False]
+    else:
+        assert costs[True] < costs[False]
 
 
 # -- exactness: brute force and the ILP agree with the DP ------------------------------------------------------------
@@ -268,6 +275,67 @@ def test_dp_bruteforce_and_ilp_agree_with_overlapped_edges(seed):
     problem = t.to_problem()
     dp = exact_solvers_agree(problem)
     assert dp.cost <= solve_dp(plain.to_problem()).cost * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dp_bruteforce_and_ilp_agree_with_chunks_quantised_into_waves(seed):
+    """The chunks' own tiles and waves (a machine of 2 multiprocessors and 2 x 2 tiles, so the 8 x 8 products'
+    chunks quantise differently from the whole): every edge still a function of its two layouts, never above
+    the plain one, and DP = brute force = ILP."""
+    rng = np.random.default_rng(100 + seed)
+    g = random_product_graph(seed)
+    m = Machine(4, peak_flops=float(rng.choice([1e6, 1e7, 1e8])), bandwidth=1e8,
+                latency=float(rng.choice([0.0, 1e-6])), dtype_bytes=4, sm_count=2, gemm_tiles=((2, 2),))
+    plain = build_tables(g, m, cutoff=2, orders="row-major", partial_sums=True)
+    t = build_tables(g, m, cutoff=2, orders="row-major", overlap_tp=True)
+    assert all((b <= a * (1 + 1e-12)).all() for a, b in zip(plain.edge_costs, t.edge_costs))
+    dp = exact_solvers_agree(t.to_problem())
+    assert dp.cost <= solve_dp(plain.to_problem()).cost * (1 + 1e-12)
+
+
+def test_chunked_products_pay_their_own_tiles_and_waves():
+    """A column-parallel product over 4 devices, cut into 4 chunks along its 512 rows (tokens), on 4
+    multiprocessors with 128 x 128 tiles. By hand, per device (x[512, 64] times W[64, 1024 / 4]):
+
+    * forward y[512, 256]: whole 4 x 2 = 8 tiles, 2 full waves, u = 1; a chunk y[128, 256]: 2 tiles in one wave
+      of 4 slots, u = 1/2: the pass takes f/R more (f = 2 * 512 * 64 * 256 FLOPs, R the achievable rate);
+    * input gradient dx[512, 64] (sums over the 256 columns): whole 4 tiles of 128 x 128 holding 128 x 64 each,
+      one wave, u = 1/2; a chunk 1 tile, u = 1/8: 6 f/R more;
+    * weight gradient dW[64, 256] sums over the rows: one call, nothing more.
+
+    The budget the product lends is (pass + chunks' cost) * 3/4; the edge takes the cheaper of the collective
+    whole and beside the chunks."""
+    from shardplan.cost.edge import chunk_dims, chunk_extras
+
+    m = Machine(4, peak_flops=1e9, bandwidth=1e9, dtype_bytes=4, sm_count=4, gemm_tiles=((128, 128),))
+    b = GraphBuilder("col")
+    x = b.input("x", (512, 64), needs_grad=True)
+    b.add(ops.dense("fc", x, 1024))  # y[b, n] = sum_c x[b, c] W[c, n]
+    fc = b.build().operators[0]
+    lay = LayoutArrays.stack([flat(fc, (1, 4, 1), 4)])
+    assert [fc.dim_names[i] for i in chunk_dims(fc, 0)] == ["b"]
+    f = 2 * 512 * 64 * 256 / m.achievable_flops
+    prod, cons = chunk_extras(fc, lay, m, single_consumer=False, input_slot=0)
+    assert prod.tolist() == [[0.0], [0.0]]
+    assert cons[:, 0] == pytest.approx([f, 6 * f], rel=1e-12)
+    oc = operator_cost(fc, lay, m)
+    _, hv = overlap_budgets(fc, lay, oc.compute, m, single_consumer=False, input_slot=0)
+    fwd = f / 1.0  # u = 1
+    # input gradient at u = 1/2; weight gradient dW[64, 256]: 1 x 2 tiles in one wave of 4, u = 1/4
+    bwd = f / 0.5 + f / 0.25
+    assert oc.compute[0] == pytest.approx(fwd + bwd, rel=1e-12)
+    assert hv[:, 0] == pytest.approx([(fwd + f) * 3 / 4, (bwd + 6 * f) * 3 / 4], rel=1e-12)
+    # the edge: a gather of C seconds beside the chunks, or whole
+    no = np.full((2, 1), NO_CLAIM)
+    for c in (0.1 * f, 10 * f):
+        got = exposed(np.array([[c]]), np.array([[c]]), no, hv, 0.0, np.zeros((2, 1)), cons)
+        want = min(c, max(c - hv[0, 0], 0.0) + f) + min(c, max(c - hv[1, 0], 0.0) + 6 * f)
+        assert got[0, 0] == pytest.approx(want, rel=1e-12)
+    assert exposed(np.array([[0.1 * f]]), np.array([[0.1 * f]]), no, hv, 0.0, np.zeros((2, 1)), cons)[0, 0] \
+        == pytest.approx(0.2 * f)  # a small collective: chunking would cost more than it hides
+    # a machine without multiprocessors: chunks cost nothing
+    flat_m = replace(m, sm_count=None, gemm_tiles=None)
+    assert np.array_equal(chunk_extras(fc, lay, flat_m, False, 0)[1], np.zeros((2, 1)))
 
 
 def test_overlap_tp_must_be_a_bool():
