@@ -7,7 +7,8 @@ in place on a terminal; Ctrl-C during the pipeline search prints the best plan s
 before the search, so a recipe that is not expressible fails at once), hands it to the search as its first
 incumbent (``plan(recipe=)``: the answer is never worse than it, and is the recipe itself when the search finds
 nothing better within its budget) and the report states how the plan compares with it; the recipe's ``gbs`` is
-the batch when ``--batch`` is not given.
+the batch when ``--batch`` is not given. The search then runs on the recipe's runtime (its ``overlap`` and
+``grad_accum`` keys, :func:`shardplan.recipe.recipe_machine`), so the plan and the recipe are costed alike.
 """
 
 from __future__ import annotations
@@ -58,12 +59,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
                              "they do not apply with --no-fit")
     batch, against = args.batch, None
     if args.recipe is not None:
-        from shardplan.recipe import cost_recipe
+        from shardplan.recipe import cost_recipe, recipe_machine
 
         recipe = recipe_of(args.recipe)
         batch = batch if batch is not None else recipe.gbs
         against = cost_recipe(args.model, machine, recipe, batch=batch, sizes=parse_sizes(args.set) or None)
         batch = against.batch
+        if recipe_machine(recipe, machine) != machine:  # like for like: the search runs on the recipe's runtime
+            machine = recipe_machine(recipe, machine)
+            _log(f"searching on the recipe's runtime: overlap_grad={machine.overlap_grad}, "
+                 f"overlap_dgrad={machine.overlap_dgrad}, grad_accum_bytes={machine.grad_accum_bytes:g}")
     from shardplan.pipeline.progress import terminal_writer
 
     write, end = terminal_writer()

@@ -94,3 +94,16 @@ def test_the_command_hands_its_recipe_to_the_search(capsys):
     assert main([*base, "--recipe", "zero=3"]) == 0
     out = capsys.readouterr().out
     assert "Recipe compared: zero=3" in out
+
+
+def test_the_command_searches_on_the_recipes_runtime(capsys):
+    """``shardplan plan --recipe`` with a runtime key (``grad_accum=autograd``): the API leaves such a recipe out
+    (above); the command searches on the recipe's runtime instead, so the recipe is the incumbent and a budget spent
+    before any plan answers it (exit 0)."""
+    from shardplan.cli import main
+
+    base = ["plan", "--model", MODEL, "-p", "8", "--machine", "h100", "--work-limit", "1e5"]
+    assert main([*base, "--recipe", "zero=3,mbs=1,grad_accum=autograd"]) == 0
+    out = capsys.readouterr()
+    assert "searching on the recipe's runtime" in out.err and "grad_accum_bytes=6" in out.err
+    assert "Recipe compared: zero=3" in out.out
