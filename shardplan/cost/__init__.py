@@ -402,10 +402,11 @@ def build_tables(graph: Graph, machine: Machine, cutoff: int = 4, powers_of_two:
         bkey = (keys[i], shape[0][i], shape[1][i])
         if bkey not in budgets:
             row = per_key[keys[i]]
-            lent = overlap_budgets(ops[i], row[1], row[2].compute, machine, shape[0][i], shape[1][i],
-                                   chunked=overlap_tp)
+            k = len(row[1].splits)
             cost = chunk_extras(ops[i], row[1], machine, shape[0][i], shape[1][i]) if overlap_tp else \
-                (np.zeros_like(lent[0]), np.zeros_like(lent[1]))
+                (np.zeros((2, k)), np.zeros((2, k)))
+            lent = overlap_budgets(ops[i], row[1], row[2].compute, machine, shape[0][i], shape[1][i],
+                                   chunked=overlap_tp, extras=cost)
             budgets[bkey] = (*lent, *cost)
         return budgets[bkey]
 

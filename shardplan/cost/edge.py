@@ -1109,7 +1109,8 @@ def exposed(fwd_t: np.ndarray, bwd_t: np.ndarray, hu: np.ndarray, hv: np.ndarray
 
 def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machine: Machine,
                     single_consumer: bool, input_slot: int | None,
-                    chunked: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                    chunked: bool = True,
+                    extras: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """What each layout of ``op`` lends to an overlapped collective: ``(as producer (2, K), as consumer (2, K))``,
     seconds per direction (rows: forward, backward), :data:`NO_CLAIM` where it lends nothing on that side.
 
@@ -1141,7 +1142,8 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
     it, as Megatron-LM's column-parallel linear runs it, and the edge is charged ``max(C - W, φ C)``.
 
     Each pass is taken as its share of ``compute``: as :func:`~shardplan.cost.operator.operator_cost` costs the
-    passes one by one (each product at its own tile and wave utilisation), else equal passes.
+    passes one by one (each product at its own tile and wave utilisation), else equal passes. ``extras``: what the
+    chunks cost (:func:`chunk_extras`, computed when not given).
     """
     from dataclasses import replace
 
@@ -1155,7 +1157,11 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
     passes = op.passes
     compute = np.asarray(compute, dtype=np.float64)
     n_w = sum(1 for t in op.grad_tensors if t.role == "weight")
-    each = operator_cost(op, lay, machine).pass_seconds
+    if not chunked and (not machine.overlap_dgrad or input_slot is None or not n_w):
+        return none, none.copy()
+    # the passes' seconds do not depend on contention; the synchronisation's overlapped length below is taken without
+    mine = operator_cost(op, lay, replace(machine, comm_contention=0.0))
+    each = mine.pass_seconds
     fwd_share, w_share = np.full(k, 1.0 / passes), np.full(k, n_w / passes)
     if each is not None:
         total = each.sum(axis=0)
@@ -1168,13 +1174,10 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
     if (machine.overlap_grad or machine.overlap_dgrad) and passes > 1:  # backward seconds already hiding
         plain = operator_cost(op, lay, replace(machine, overlap_grad=False, overlap_dgrad=False))
         # the seconds of the backward those collectives occupy: their overlapped length, which contention does not
-        # shorten (it slows the product beside them instead), so taken without it
-        mine = operator_cost(op, lay, replace(machine, comm_contention=0.0))
+        # shorten (it slows the product beside them instead), so taken without it (``mine``)
         bwd = np.maximum(bwd - (plain.grad_allreduce - mine.grad_allreduce), 0.0)
     if not chunked:
         cons = none.copy()
-        if not machine.overlap_dgrad or input_slot is None or not n_w:
-            return none, cons
         read = {a.dim for a in op.inputs[input_slot].axes if a.dim is not None}
         shared = [j for j, d in enumerate(names) if d not in read]
         g_in = lay.group_sizes(shared).prod(axis=0) if shared else np.ones(k, dtype=np.int64)
@@ -1184,7 +1187,7 @@ def overlap_budgets(op: Operator, lay: LayoutArrays, compute: np.ndarray, machin
         cons[1] = np.where((g_in > 1) & lay.deferred, wgrad, NO_CLAIM)
         return none, cons
     (produces, g_out), (takes, g_in) = _lends(op, lay, single_consumer, input_slot)
-    ep, ec = chunk_extras(op, lay, machine, single_consumer, input_slot)
+    ep, ec = chunk_extras(op, lay, machine, single_consumer, input_slot) if extras is None else extras
     prod = np.where(produces[None, :], np.stack([fwd + ep[0], bwd + ep[1]]) * ((g_out - 1) / g_out)[None, :],
                     NO_CLAIM)
     cons = np.where(takes[None, :], np.stack([fwd + ec[0], bwd + ec[1]]) * ((g_in - 1) / g_in)[None, :], NO_CLAIM)
