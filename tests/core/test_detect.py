@@ -42,19 +42,19 @@ def _old_presets(p: int) -> dict[str, Machine]:
         "paper": Machine(p, 10e12, 16e9, name="paper", stepwise_redistribution=False, reduce_per_dim=False),
         "1080ti": Machine(p, 11.3e12, 10e9, node_size=8, inter_bandwidth=7e9, memory_bytes=11 * GiB, name="1080ti"),
         "2080ti": Machine(p, 13.4e12, 6e9, node_size=8, inter_bandwidth=2.5e9, memory_bytes=11 * GiB, name="2080ti"),
-        "a100": Machine(p, 312e12, 300e9, latency=5e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
-                        inter_bandwidth=25e9, inter_latency=10e-6, name="a100", hbm_bandwidth=1.80e12,
+        "a100": Machine(p, 312e12, 232.5e9, latency=5e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
+                        inter_bandwidth=24e9, inter_latency=10e-6, name="a100", hbm_bandwidth=1.80e12,
                         flops_efficiency=0.7, grad_bucket_bytes=bucket, overlap_grad=True,
                         host_bandwidth=25.6e9, host_latency=10e-6, host_memory_bytes=2e12, cpu_adam_rate=6.8e9,
                         sm_count=108, comm_contention=0.222, **tiles),
-        "h100": Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
-                        inter_bandwidth=50e9, inter_latency=8e-6, name="h100", hbm_bandwidth=2.83e12,
+        "h100": Machine(p, 989e12, 370e9, latency=3e-6, dtype_bytes=2, memory_bytes=80 * GiB, node_size=8,
+                        inter_bandwidth=47e9, inter_latency=8e-6, name="h100", hbm_bandwidth=2.83e12,
                         flops_efficiency=0.69, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
                         fp8_efficiency=0.65, host_bandwidth=54.7e9, host_latency=10e-6, host_memory_bytes=2e12,
                         cpu_adam_rate=1.0e10, sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2,
                         attention_efficiency=0.40, convert_bandwidth=1.91e12, comm_contention=0.242, **tiles),
-        "h200": Machine(p, 989e12, 450e9, latency=3e-6, dtype_bytes=2, memory_bytes=150109880320, node_size=8,
-                        inter_bandwidth=50e9, inter_latency=8e-6, name="h200", hbm_bandwidth=3.88e12,
+        "h200": Machine(p, 989e12, 370e9, latency=3e-6, dtype_bytes=2, memory_bytes=150109880320, node_size=8,
+                        inter_bandwidth=47e9, inter_latency=8e-6, name="h200", hbm_bandwidth=3.88e12,
                         flops_efficiency=0.69, grad_bucket_bytes=bucket, overlap_grad=True, fp8_flops=1979e12,
                         fp8_efficiency=0.68, host_bandwidth=55.2e9, host_latency=10e-6, host_memory_bytes=2e12,
                         cpu_adam_rate=1.0e10, sm_count=132, gemm_align=8, gemm_unaligned_efficiency=0.2,
@@ -175,7 +175,7 @@ def test_empty_device_kind_refused(bad):
 def test_nodes_inferred_from_processes(p, processes, node_size, levels):
     m = detect_machine("NVIDIA H100 80GB HBM3", p, processes=processes, node_size=node_size)
     assert m.levels == levels
-    assert m.inter_bandwidth == 50e9
+    assert m.inter_bandwidth == 47e9
 
 
 def test_nodes_that_do_not_fit_are_refused_naming_node_size():

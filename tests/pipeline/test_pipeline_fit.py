@@ -23,7 +23,8 @@ TINY = ["--set", "layers=2", "--set", "d_model=64", "--set", "heads=2", "--set",
 # without tile quantisation: the budgets below are set for the tiny GPT on the roofline; with it, products this
 # small fill a few multiprocessors of one wave, and recomputing them costs more than the tests' choices assume
 MACHINE = dataclasses.replace(preset("a100", 4), node_size=2, inter_bandwidth=1e9, sm_count=None, gemm_tiles=None,
-                              comm_contention=0.0)  # the scenarios below were found without contention
+                              comm_contention=0.0, bandwidth=300e9)
+# the scenarios below were found without contention and with NVLink at its 300 GB/s line rate
 M = 2  # micro-batches
 
 

@@ -90,9 +90,9 @@ def test_extension_that_a_progression_check_accepts_is_not_optimal_and_falls_bac
     (the earlier check accepted it), but the cut keeps the embedding's layout while the whole model's optimum
     switches its 16 blocks to a layout cheaper per block: the extension is 0.7 % too dear. The certificate
     cannot meet it, and the segment is solved directly. (A case found on the a100 profile's datasheet HBM
-    bandwidth, 2.039 TB/s, kept here: at the profile's 1.80 TB/s the whole model keeps one layout and the
-    extension is exact.)"""
-    machine = dataclasses.replace(MACHINE, hbm_bandwidth=2.039e12)
+    bandwidth, 2.039 TB/s, and NVLink's 300 GB/s line rate, kept here: at the profile's 1.80 TB/s, or at its
+    NCCL bus bandwidth of 232.5 GB/s, the whole model keeps one layout and the extension is exact.)"""
+    machine = dataclasses.replace(MACHINE, hbm_bandwidth=2.039e12, bandwidth=300e9)
     st = ModelStages(_gpt(16), 4, machine, {"cutoff": 1}, periodic=True)
     c2, c3, c4 = (st.stage_cost_of_run(0, 18, 2, 17, keep, 2, 1).time for keep in (2, 3, 4))
     assert c4 - c3 == pytest.approx(c3 - c2, rel=1e-9)
