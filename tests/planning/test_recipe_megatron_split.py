@@ -170,7 +170,7 @@ def test_norm_to_column_parallel_edge_gathers_over_the_tensor_group_only(tp):
 def test_key_value_gather_crosses_the_context_group():
     """Attention keeps the key sequence whole: each device fetches the other context rank's half of its keys
     (b / 2 × t / 2 × one head × 128 = 1,048,576 values, 2 bytes each) over the network, and the gradient goes
-    back the same way: 2 (2,097,152 B / 50 GB/s + 8 µs)."""
+    back the same way: 2 (2,097,152 B / B_1 + 8 µs), B_1 the profile's inter_bandwidth."""
     g, tab, _ = _recipe_tables(8, 2)
     m = preset("h100", 32)
     want = 2 * (2 * 1_048_576 / m.inter_bandwidth + m.inter_latency)
