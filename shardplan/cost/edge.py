@@ -88,8 +88,8 @@ from shardplan.layout import LayoutArrays, pattern_blocks, unique_rows
 from shardplan.machine import Machine
 
 __all__ = ["edge_volumes", "edge_cost", "overlap_budgets", "chunk_extras", "chunk_dims", "exposed", "NO_CLAIM",
-           "deferred_reductions", "scatters", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES", "step_volumes",
-           "weight_edge_cost", "weight_sync", "weight_views", "pattern_applies"]
+           "deferred_reductions", "scatters", "sender_level", "group_union", "EdgeMemo", "EDGE_MEMO_BYTES",
+           "step_volumes", "weight_edge_cost", "weight_sync", "weight_views", "pattern_applies"]
 
 _CHUNK_ELEMS = 1 << 22
 EDGE_MEMO_BYTES = 16 << 20  # fast-path summaries kept across the edges of one build (at most)
